@@ -1,0 +1,201 @@
+//! Reverse-mode autograd. Each op output keeps a `Node`: its inputs and a closure mapping the
+//! output gradient to input gradients. `backward` walks the graph in reverse creation order
+//! (Kahn's algorithm over consumer counts), so a leaf is reached exactly when its gradient is
+//! final; its hooks fire then, once per pass, while the rest of backward continues.
+use crate::{Result, Tensor};
+use std::cell::Cell;
+use std::collections::{BinaryHeap, HashMap};
+use std::sync::Arc;
+
+pub type BackwardFn = Box<dyn Fn(&Tensor) -> Result<Vec<Option<Tensor>>> + Send + Sync>;
+pub type Hook = Arc<dyn Fn(&Tensor) + Send + Sync>;
+
+pub struct Node {
+    pub name: &'static str,
+    pub inputs: Vec<Tensor>,
+    pub backward: BackwardFn,
+}
+
+thread_local! {
+    static GRAD_ENABLED: Cell<bool> = const { Cell::new(true) };
+}
+
+pub fn is_grad_enabled() -> bool {
+    GRAD_ENABLED.with(|g| g.get())
+}
+
+/// Disables graph recording on this thread until the guard drops (inference, optimizer steps).
+pub struct GradGuard(bool);
+impl Drop for GradGuard {
+    fn drop(&mut self) {
+        GRAD_ENABLED.with(|g| g.set(self.0));
+    }
+}
+pub fn no_grad() -> GradGuard {
+    set_grad_enabled(false)
+}
+pub fn set_grad_enabled(on: bool) -> GradGuard {
+    GradGuard(GRAD_ENABLED.with(|g| g.replace(on)))
+}
+
+impl Tensor {
+    /// Wraps an op result: records `backward` when grads are on and an input needs them.
+    pub(crate) fn record(out: Tensor, name: &'static str, inputs: &[&Tensor], backward: BackwardFn) -> Tensor {
+        if !is_grad_enabled() || !inputs.iter().any(|t| t.requires_grad()) {
+            return out;
+        }
+        let node = Arc::new(Node { name, inputs: inputs.iter().map(|t| (*t).clone()).collect(), backward });
+        out.view(out.0.layout.clone(), Some(node))
+    }
+}
+
+/// Core traversal: seeds `root` with `seed` and calls `on_leaf(leaf, grad)` exactly once per
+/// leaf that requires grad, at the moment its gradient is complete.
+pub(crate) fn traverse(root: &Tensor, seed: Tensor, on_leaf: &mut dyn FnMut(&Tensor, Tensor) -> Result<()>) -> Result<()> {
+    let _g = no_grad();
+    // Consumer counts of every tensor reachable from root that requires grad.
+    let mut deps: HashMap<usize, usize> = HashMap::new();
+    let mut by_id: HashMap<usize, Tensor> = HashMap::new();
+    let mut stack = vec![root.clone()];
+    by_id.insert(root.id(), root.clone());
+    while let Some(t) = stack.pop() {
+        if let Some(node) = &t.0.grad_fn {
+            for i in node.inputs.iter().filter(|i| i.requires_grad()) {
+                *deps.entry(i.id()).or_insert(0) += 1;
+                if by_id.insert(i.id(), i.clone()).is_none() {
+                    stack.push(i.clone());
+                }
+            }
+        }
+    }
+    let mut grads: HashMap<usize, Tensor> = HashMap::from([(root.id(), seed)]);
+    let mut ready = BinaryHeap::from([root.id()]);
+    while let Some(id) = ready.pop() {
+        let t = by_id.remove(&id).expect("ready tensor is in the graph");
+        let Some(g) = grads.remove(&id) else { continue };
+        let Some(node) = &t.0.grad_fn else {
+            on_leaf(&t, g)?;
+            continue;
+        };
+        let gins = (node.backward)(&g).map_err(|e| crate::Error::new(format!("{} backward", node.name), e.to_string()))?;
+        drop(g);
+        for (inp, gi) in node.inputs.iter().zip(gins) {
+            if !inp.requires_grad() {
+                continue;
+            }
+            if let Some(gi) = gi {
+                if gi.shape() != inp.shape() {
+                    crate::bail!(format!("{} backward", node.name), "gradient shape {:?} for input {:?}", gi.shape(), inp.shape());
+                }
+                let acc = match grads.remove(&inp.id()) {
+                    Some(prev) => prev.add(&gi)?,
+                    None => gi,
+                };
+                grads.insert(inp.id(), acc);
+            }
+            let d = deps.get_mut(&inp.id()).expect("counted input");
+            *d -= 1;
+            if *d == 0 {
+                ready.push(inp.id());
+            }
+        }
+    }
+    Ok(())
+}
+
+/// Backpropagates from a one-element `root` (seed 1), accumulating into leaf `.grad()`s.
+pub fn backward(root: &Tensor) -> Result<()> {
+    if root.numel() != 1 {
+        crate::bail!("backward", "root must have one element, it has shape {:?}; use backward_with", root.shape());
+    }
+    let seed = Tensor::ones(root.shape().clone(), root.dtype(), root.device())?;
+    backward_with(root, seed)
+}
+
+pub fn backward_with(root: &Tensor, seed: Tensor) -> Result<()> {
+    if !root.requires_grad() {
+        crate::bail!("backward", "tensor does not require grad (no parameter reaches it, or it was made under no_grad)");
+    }
+    traverse(root, seed, &mut |leaf, g| {
+        let total = match leaf.grad() {
+            Some(prev) => prev.add(&g)?,
+            None => g,
+        };
+        leaf.set_grad(Some(total.clone()));
+        let hooks = leaf.0.hooks.lock().unwrap_or_else(|e| e.into_inner()).clone();
+        for h in hooks {
+            h(&total);
+        }
+        Ok(())
+    })
+}
+
+/// Activation checkpointing: runs `f(inputs)` keeping none of its intermediate activations;
+/// backward runs `f` again and backpropagates through the recomputed segment. Parameters that
+/// `f` uses (found by tracing one recorded forward) get their gradients like in a plain run.
+/// `f` must be deterministic; it gives bitwise the same gradients as running it directly.
+pub fn checkpoint<F>(inputs: &[Tensor], f: F) -> Result<Tensor>
+where
+    F: Fn(&[Tensor]) -> Result<Tensor> + Send + Sync + 'static,
+{
+    if !is_grad_enabled() {
+        return f(inputs);
+    }
+    let fresh = |xs: &[Tensor]| -> Result<Vec<Tensor>> {
+        xs.iter()
+            .map(|x| {
+                let d = x.detach();
+                if x.requires_grad() {
+                    d.set_requires_grad(true)?;
+                }
+                Ok(d)
+            })
+            .collect()
+    };
+    // Trace once to learn which outside leaves (parameters) the segment reads; the graph and
+    // its activations are dropped as soon as the output is detached.
+    let xs = fresh(inputs)?;
+    let y = f(&xs)?;
+    if !y.requires_grad() {
+        return Ok(y);
+    }
+    let local: Vec<usize> = xs.iter().map(|x| x.id()).collect();
+    let mut params: Vec<Tensor> = Vec::new();
+    {
+        let mut seen = std::collections::HashSet::new();
+        let mut stack = vec![y.clone()];
+        while let Some(t) = stack.pop() {
+            if !seen.insert(t.id()) {
+                continue;
+            }
+            match &t.0.grad_fn {
+                Some(n) => stack.extend(n.inputs.iter().filter(|i| i.requires_grad()).cloned()),
+                None if !local.contains(&t.id()) => params.push(t.clone()),
+                None => {}
+            }
+        }
+    }
+    params.sort_by_key(|p| p.id());
+    let out = y.detach();
+    drop((y, xs));
+    let n_in = inputs.len();
+    let all: Vec<Tensor> = inputs.iter().cloned().chain(params.iter().cloned()).collect();
+    let saved_inputs = inputs.to_vec();
+    let saved_params = params.clone();
+    let backward: BackwardFn = Box::new(move |g| {
+        let _on = set_grad_enabled(true);
+        let xs = fresh(&saved_inputs)?;
+        let y = f(&xs)?;
+        let mut got: HashMap<usize, Tensor> = HashMap::new();
+        traverse(&y, g.clone(), &mut |leaf, gl| {
+            got.insert(leaf.id(), gl);
+            Ok(())
+        })?;
+        let mut res: Vec<Option<Tensor>> = xs.iter().map(|x| got.remove(&x.id())).collect();
+        res.extend(saved_params.iter().map(|p| got.remove(&p.id())));
+        Ok(res)
+    });
+    debug_assert_eq!(all.len(), n_in + params.len());
+    let refs: Vec<&Tensor> = all.iter().collect();
+    Ok(Tensor::record(out, "checkpoint", &refs, backward))
+}

@@ -1,0 +1,163 @@
+//! Generic strided CPU kernels: element-wise, reductions, GEMM, concatenation.
+use crate::backend::{BinaryOp, ReduceOp, UnaryOp};
+use crate::Layout;
+use num_traits::Float;
+use rayon::prelude::*;
+
+/// Below this many elements the work is done on the calling thread.
+const PAR_MIN: usize = 1 << 15;
+
+fn map_view<T: Float + Send + Sync>(x: &[T], l: &Layout, f: impl Fn(T) -> T + Sync) -> Vec<T> {
+    if l.is_contiguous() {
+        let s = &x[l.offset..l.offset + l.numel()];
+        if s.len() >= PAR_MIN {
+            s.par_iter().map(|&v| f(v)).collect()
+        } else {
+            s.iter().map(|&v| f(v)).collect()
+        }
+    } else {
+        l.indices().map(|i| f(x[i])).collect()
+    }
+}
+
+pub fn unary<T: Float + Send + Sync>(op: UnaryOp, x: &[T], l: &Layout) -> Vec<T> {
+    let c = |v: f64| T::from(v).unwrap();
+    match op {
+        UnaryOp::Neg => map_view(x, l, |v| -v),
+        UnaryOp::Exp => map_view(x, l, |v| v.exp()),
+        UnaryOp::Log => map_view(x, l, |v| v.ln()),
+        UnaryOp::Sqrt => map_view(x, l, |v| v.sqrt()),
+        UnaryOp::Rsqrt => map_view(x, l, |v| v.sqrt().recip()),
+        UnaryOp::Recip => map_view(x, l, |v| v.recip()),
+        UnaryOp::Sqr => map_view(x, l, |v| v * v),
+        UnaryOp::Silu => map_view(x, l, |v| v / (T::one() + (-v).exp())),
+        UnaryOp::SiluGrad => map_view(x, l, |v| {
+            let s = T::one() / (T::one() + (-v).exp());
+            s * (T::one() + v * (T::one() - s))
+        }),
+        UnaryOp::Powf(p) => {
+            let p = c(p);
+            map_view(x, l, move |v| v.powf(p))
+        }
+        UnaryOp::Affine { mul, add } => {
+            let (m, a) = (c(mul), c(add));
+            map_view(x, l, move |v| v * m + a)
+        }
+    }
+}
+
+fn apply<T: Float>(op: BinaryOp, a: T, b: T) -> T {
+    match op {
+        BinaryOp::Add => a + b,
+        BinaryOp::Sub => a - b,
+        BinaryOp::Mul => a * b,
+        BinaryOp::Div => a / b,
+        BinaryOp::Eq => {
+            if a == b {
+                T::one()
+            } else {
+                T::zero()
+            }
+        }
+    }
+}
+
+pub fn binary<T: Float + Send + Sync>(op: BinaryOp, a: &[T], la: &Layout, b: &[T], lb: &Layout) -> Vec<T> {
+    let n = la.numel();
+    if la.is_contiguous() && lb.is_contiguous() {
+        let (a, b) = (&a[la.offset..la.offset + n], &b[lb.offset..lb.offset + n]);
+        if n >= PAR_MIN {
+            return a.par_iter().zip(b.par_iter()).map(|(&x, &y)| apply(op, x, y)).collect();
+        }
+        return a.iter().zip(b).map(|(&x, &y)| apply(op, x, y)).collect();
+    }
+    // Common broadcast case: rows of a contiguous `a` against a vector/row of `b` (and vice versa)
+    // go through the generic strided walk; it is correct for every layout.
+    la.indices().zip(lb.indices()).map(|(i, j)| apply(op, a[i], b[j])).collect()
+}
+
+pub fn reduce<T: Float + Send + Sync>(op: ReduceOp, x: &[T], l: &Layout, dims: &[usize]) -> Vec<T> {
+    let rank = l.shape.rank();
+    let (mut keep_d, mut keep_s, mut red_d, mut red_s) = (vec![], vec![], vec![], vec![]);
+    for i in 0..rank {
+        if dims.contains(&i) {
+            red_d.push(l.shape.0[i]);
+            red_s.push(l.strides[i]);
+        } else {
+            keep_d.push(l.shape.0[i]);
+            keep_s.push(l.strides[i]);
+        }
+    }
+    let outer = Layout { shape: keep_d.into(), strides: keep_s, offset: l.offset };
+    let inner: Vec<usize> = Layout { shape: red_d.into(), strides: red_s, offset: 0 }.indices().collect();
+    let init = match op {
+        ReduceOp::Sum => T::zero(),
+        ReduceOp::Max => T::neg_infinity(),
+    };
+    let f = |base: usize| -> T {
+        match op {
+            ReduceOp::Sum => inner.iter().fold(init, |acc, &i| acc + x[base + i]),
+            ReduceOp::Max => inner.iter().fold(init, |acc, &i| acc.max(x[base + i])),
+        }
+    };
+    let bases: Vec<usize> = outer.indices().collect();
+    if bases.len() * inner.len() >= PAR_MIN && bases.len() > 1 {
+        bases.par_iter().map(|&b| f(b)).collect()
+    } else {
+        bases.iter().map(|&b| f(b)).collect()
+    }
+}
+
+/// Storage offsets of every matrix in the batch dims of a (..., r, c) view.
+fn batch_offsets(l: &Layout) -> Vec<usize> {
+    let r = l.shape.rank();
+    Layout { shape: l.shape.0[..r - 2].to_vec().into(), strides: l.strides[..r - 2].to_vec(), offset: l.offset }
+        .indices()
+        .collect()
+}
+
+macro_rules! matmul_impl {
+    ($name:ident, $t:ty, $gemm:path) => {
+        /// a: (..., m, k), b: (..., k, n) with equal batch dims; any strides (transposes are free).
+        pub fn $name(a: &[$t], la: &Layout, b: &[$t], lb: &Layout) -> Vec<$t> {
+            let r = la.shape.rank();
+            let (m, k, n) = (la.shape.0[r - 2], la.shape.0[r - 1], lb.shape.0[r - 1]);
+            let (oa, ob) = (batch_offsets(la), batch_offsets(lb));
+            let mut out = vec![0.0 as $t; oa.len() * m * n];
+            let (rsa, csa) = (la.strides[r - 2] as isize, la.strides[r - 1] as isize);
+            let (rsb, csb) = (lb.strides[r - 2] as isize, lb.strides[r - 1] as isize);
+            if m == 0 || n == 0 {
+                return out;
+            }
+            for (bi, (&pa, &pb)) in oa.iter().zip(&ob).enumerate() {
+                let c = &mut out[bi * m * n..(bi + 1) * m * n];
+                if k == 0 {
+                    continue;
+                }
+                // SAFETY: every index the GEMM touches, offset + i*rs + j*cs for i < rows and
+                // j < cols, lies inside the storage because the layouts were validated as views
+                // of it; `c` is an exclusive (m, n) row-major slice.
+                unsafe {
+                    $gemm(m, k, n, 1.0, a.as_ptr().add(pa), rsa, csa, b.as_ptr().add(pb), rsb, csb, 0.0,
+                        c.as_mut_ptr(), n as isize, 1);
+                }
+            }
+            out
+        }
+    };
+}
+matmul_impl!(matmul_f32, f32, matrixmultiply::sgemm);
+matmul_impl!(matmul_f64, f64, matrixmultiply::dgemm);
+
+/// Concatenates contiguous parts of the given shapes along `dim`.
+pub fn cat<T: Copy>(parts: &[&[T]], shapes: &[&[usize]], dim: usize) -> Vec<T> {
+    let outer: usize = shapes[0][..dim].iter().product();
+    let inner: Vec<usize> = shapes.iter().map(|s| s[dim..].iter().product()).collect();
+    let mut out = Vec::with_capacity(inner.iter().sum::<usize>() * outer);
+    for o in 0..outer {
+        for (p, &w) in parts.iter().zip(&inner) {
+            out.extend_from_slice(&p[o * w..(o + 1) * w]);
+        }
+    }
+    out
+}

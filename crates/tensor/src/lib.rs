@@ -1,0 +1,24 @@
+//! ferrolm-tensor: tensors (strided views over shared storage), reverse-mode autograd with
+//! per-parameter gradient hooks and activation checkpointing, and the CPU reference backend.
+//! Device backends plug in through [`backend::Backend`].
+pub mod autograd;
+pub mod backend;
+mod cpu;
+mod dtype;
+mod error;
+mod fused;
+mod ops;
+mod rng;
+mod shape;
+mod storage;
+mod tensor;
+mod views;
+
+pub use autograd::{checkpoint, is_grad_enabled, no_grad, set_grad_enabled};
+pub use dtype::{DType, Device};
+pub use error::{Error, Result};
+pub use rng::Rng;
+pub use shape::{Layout, Shape};
+pub use storage::{live_bytes, peak_bytes, reset_peak_bytes, CpuStorage, DeviceStorage, Storage};
+pub use tensor::{Element, Tensor};
+pub use half::bf16;

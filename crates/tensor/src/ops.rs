@@ -1,0 +1,280 @@
+//! Differentiable math ops. Each checks its inputs (naming the op in any error), runs the
+//! backend, and records its derivative rule, written in terms of other ops.
+use crate::backend::{BinaryOp, ReduceOp, UnaryOp};
+use crate::{bail, DType, Device, Layout, Result, Shape, Storage, Tensor};
+
+pub(crate) fn same_device(op: &str, ts: &[&Tensor]) -> Result<()> {
+    let d = ts[0].device();
+    if let Some(t) = ts.iter().find(|t| t.device() != d) {
+        bail!(op, "tensors on different devices: {} and {} (move them with to_device first)", d, t.device());
+    }
+    Ok(())
+}
+
+pub(crate) fn same_float(op: &str, ts: &[&Tensor]) -> Result<()> {
+    same_device(op, ts)?;
+    let dt = ts[0].dtype();
+    if !dt.is_float() {
+        bail!(op, "expects float tensors, got {dt}");
+    }
+    if let Some(t) = ts.iter().find(|t| t.dtype() != dt) {
+        bail!(op, "dtype mismatch: {} and {} (cast with to_dtype first)", dt, t.dtype());
+    }
+    Ok(())
+}
+
+fn new(st: Storage, shape: Shape) -> Tensor {
+    Tensor::from_storage(st, Layout::contiguous(shape), None)
+}
+
+impl Tensor {
+    // ---- element-wise ------------------------------------------------------------------------
+
+    fn unary(&self, op: UnaryOp, name: &'static str) -> Result<Tensor> {
+        same_float(name, &[self])?;
+        let b = self.backend(name)?;
+        let st = self.with_storage(|x| b.unary(op, x))?;
+        Ok(new(st, self.shape().clone()))
+    }
+
+    pub fn neg(&self) -> Result<Tensor> {
+        let out = self.unary(UnaryOp::Neg, "neg")?;
+        Ok(Tensor::record(out, "neg", &[self], Box::new(|g| Ok(vec![Some(g.neg()?)]))))
+    }
+    pub fn exp(&self) -> Result<Tensor> {
+        let out = self.unary(UnaryOp::Exp, "exp")?;
+        let y = out.clone();
+        Ok(Tensor::record(out, "exp", &[self], Box::new(move |g| Ok(vec![Some(g.mul(&y)?)]))))
+    }
+    pub fn log(&self) -> Result<Tensor> {
+        let out = self.unary(UnaryOp::Log, "log")?;
+        let x = self.clone();
+        Ok(Tensor::record(out, "log", &[self], Box::new(move |g| Ok(vec![Some(g.div(&x)?)]))))
+    }
+    pub fn sqrt(&self) -> Result<Tensor> {
+        let out = self.unary(UnaryOp::Sqrt, "sqrt")?;
+        let y = out.clone();
+        Ok(Tensor::record(out, "sqrt", &[self], Box::new(move |g| Ok(vec![Some(g.div(&y)?.mul_scalar(0.5)?)]))))
+    }
+    pub fn rsqrt(&self) -> Result<Tensor> {
+        let out = self.unary(UnaryOp::Rsqrt, "rsqrt")?;
+        let x = self.clone();
+        // d x^-1/2 = -1/2 x^-3/2
+        Ok(Tensor::record(out, "rsqrt", &[self], Box::new(move |g| Ok(vec![Some(g.mul(&x.powf(-1.5)?)?.mul_scalar(-0.5)?)]))))
+    }
+    pub fn recip(&self) -> Result<Tensor> {
+        let out = self.unary(UnaryOp::Recip, "recip")?;
+        let y = out.clone();
+        Ok(Tensor::record(out, "recip", &[self], Box::new(move |g| Ok(vec![Some(g.mul(&y.sqr()?)?.neg()?)]))))
+    }
+    pub fn sqr(&self) -> Result<Tensor> {
+        let out = self.unary(UnaryOp::Sqr, "sqr")?;
+        let x = self.clone();
+        Ok(Tensor::record(out, "sqr", &[self], Box::new(move |g| Ok(vec![Some(g.mul(&x)?.mul_scalar(2.0)?)]))))
+    }
+    pub fn powf(&self, p: f64) -> Result<Tensor> {
+        let out = self.unary(UnaryOp::Powf(p), "powf")?;
+        let x = self.clone();
+        Ok(Tensor::record(out, "powf", &[self], Box::new(move |g| Ok(vec![Some(g.mul(&x.powf(p - 1.0)?)?.mul_scalar(p)?)]))))
+    }
+    pub fn silu(&self) -> Result<Tensor> {
+        let out = self.unary(UnaryOp::Silu, "silu")?;
+        let x = self.clone();
+        Ok(Tensor::record(out, "silu", &[self], Box::new(move |g| Ok(vec![Some(g.mul(&x.unary(UnaryOp::SiluGrad, "silu")?)?)]))))
+    }
+    /// x * mul + add
+    pub fn affine(&self, mul: f64, add: f64) -> Result<Tensor> {
+        let out = self.unary(UnaryOp::Affine { mul, add }, "affine")?;
+        Ok(Tensor::record(out, "affine", &[self], Box::new(move |g| Ok(vec![Some(g.mul_scalar(mul)?)]))))
+    }
+    pub fn mul_scalar(&self, s: f64) -> Result<Tensor> {
+        self.affine(s, 0.0)
+    }
+    pub fn add_scalar(&self, s: f64) -> Result<Tensor> {
+        self.affine(1.0, s)
+    }
+
+    fn binary(&self, rhs: &Tensor, op: BinaryOp, name: &'static str) -> Result<(Tensor, Shape)> {
+        same_float(name, &[self, rhs])?;
+        let shape = Shape::broadcast(name, self.shape(), rhs.shape())?;
+        let la = self.layout().broadcast_to(name, &shape)?;
+        let lb = rhs.layout().broadcast_to(name, &shape)?;
+        let b = self.backend(name)?;
+        let st = {
+            let (ga, gb) = (self.0.storage.read(), rhs.0.storage.read());
+            b.binary(op, (&ga, &la), (&gb, &lb))?
+        };
+        Ok((new(st, shape.clone()), shape))
+    }
+
+    pub fn add(&self, rhs: &Tensor) -> Result<Tensor> {
+        let (out, _) = self.binary(rhs, BinaryOp::Add, "add")?;
+        let (sa, sb) = (self.shape().clone(), rhs.shape().clone());
+        Ok(Tensor::record(out, "add", &[self, rhs], Box::new(move |g| Ok(vec![Some(g.sum_to(&sa)?), Some(g.sum_to(&sb)?)]))))
+    }
+    pub fn sub(&self, rhs: &Tensor) -> Result<Tensor> {
+        let (out, _) = self.binary(rhs, BinaryOp::Sub, "sub")?;
+        let (sa, sb) = (self.shape().clone(), rhs.shape().clone());
+        Ok(Tensor::record(out, "sub", &[self, rhs], Box::new(move |g| Ok(vec![Some(g.sum_to(&sa)?), Some(g.neg()?.sum_to(&sb)?)]))))
+    }
+    pub fn mul(&self, rhs: &Tensor) -> Result<Tensor> {
+        let (out, _) = self.binary(rhs, BinaryOp::Mul, "mul")?;
+        let (a, b) = (self.clone(), rhs.clone());
+        Ok(Tensor::record(out, "mul", &[self, rhs], Box::new(move |g| {
+            let ga = if a.requires_grad() { Some(g.mul(&b)?.sum_to(a.shape())?) } else { None };
+            let gb = if b.requires_grad() { Some(g.mul(&a)?.sum_to(b.shape())?) } else { None };
+            Ok(vec![ga, gb])
+        })))
+    }
+    pub fn div(&self, rhs: &Tensor) -> Result<Tensor> {
+        let (out, _) = self.binary(rhs, BinaryOp::Div, "div")?;
+        let (a, b) = (self.clone(), rhs.clone());
+        Ok(Tensor::record(out, "div", &[self, rhs], Box::new(move |g| {
+            let ga = if a.requires_grad() { Some(g.div(&b)?.sum_to(a.shape())?) } else { None };
+            // d(a/b)/db = -a / b^2
+            let gb = if b.requires_grad() { Some(g.mul(&a)?.div(&b.sqr()?)?.neg()?.sum_to(b.shape())?) } else { None };
+            Ok(vec![ga, gb])
+        })))
+    }
+    /// 1.0 where equal, else 0.0 (no gradient).
+    pub fn eq_mask(&self, rhs: &Tensor) -> Result<Tensor> {
+        Ok(self.binary(rhs, BinaryOp::Eq, "eq")?.0)
+    }
+
+    // ---- reductions --------------------------------------------------------------------------
+
+    fn check_dims(&self, op: &str, dims: &[usize]) -> Result<()> {
+        if let Some(d) = dims.iter().find(|&&d| d >= self.rank()) {
+            bail!(op, "dim {d} out of range for shape {:?}", self.shape());
+        }
+        Ok(())
+    }
+    fn reduce(&self, op: ReduceOp, dims: &[usize], name: &'static str) -> Result<Tensor> {
+        same_float(name, &[self])?;
+        self.check_dims(name, dims)?;
+        let b = self.backend(name)?;
+        let st = self.with_storage(|x| b.reduce(op, x, dims))?;
+        let shape: Vec<usize> = self.dims().iter().enumerate().map(|(i, &d)| if dims.contains(&i) { 1 } else { d }).collect();
+        Ok(new(st, shape.into()))
+    }
+    fn drop_dims(&self, dims: &[usize], keepdim: bool) -> Result<Tensor> {
+        if keepdim {
+            return Ok(self.clone());
+        }
+        let s: Vec<usize> = self.dims().iter().enumerate().filter(|(i, _)| !dims.contains(i)).map(|(_, &d)| d).collect();
+        self.reshape(s)
+    }
+
+    pub fn sum_keepdim(&self, dims: &[usize]) -> Result<Tensor> {
+        let out = self.reduce(ReduceOp::Sum, dims, "sum")?;
+        let shape = self.shape().clone();
+        Ok(Tensor::record(out, "sum", &[self], Box::new(move |g| Ok(vec![Some(g.broadcast_as(shape.clone())?.contiguous()?)]))))
+    }
+    pub fn sum(&self, dims: &[usize], keepdim: bool) -> Result<Tensor> {
+        self.sum_keepdim(dims)?.drop_dims(dims, keepdim)
+    }
+    pub fn mean(&self, dims: &[usize], keepdim: bool) -> Result<Tensor> {
+        self.check_dims("mean", dims)?;
+        let n: usize = dims.iter().map(|&d| self.dims()[d]).product();
+        self.sum(dims, keepdim)?.mul_scalar(1.0 / n.max(1) as f64)
+    }
+    /// Max over `dims`; the gradient is split evenly between tied maxima.
+    pub fn max(&self, dims: &[usize], keepdim: bool) -> Result<Tensor> {
+        let out = self.reduce(ReduceOp::Max, dims, "max")?;
+        let (x, m) = (self.clone(), out.clone());
+        let dv = dims.to_vec();
+        let out = Tensor::record(out, "max", &[self], Box::new(move |g| {
+            let mask = x.eq_mask(&m.broadcast_as(x.shape().clone())?)?;
+            let count = mask.sum_keepdim(&dv)?;
+            Ok(vec![Some(mask.mul(&g.div(&count)?)?)])
+        }));
+        out.drop_dims(dims, keepdim)
+    }
+    pub fn sum_all(&self) -> Result<Tensor> {
+        let dims: Vec<usize> = (0..self.rank()).collect();
+        self.sum(&dims, false)
+    }
+    pub fn mean_all(&self) -> Result<Tensor> {
+        let dims: Vec<usize> = (0..self.rank()).collect();
+        self.mean(&dims, false)
+    }
+
+    // ---- matmul ------------------------------------------------------------------------------
+
+    /// (..., m, k) @ (..., k, n) with broadcast batch dims; a 1-D rhs or lhs is not promoted.
+    pub fn matmul(&self, rhs: &Tensor) -> Result<Tensor> {
+        same_float("matmul", &[self, rhs])?;
+        let (ra, rb) = (self.rank(), rhs.rank());
+        if ra < 2 || rb < 2 {
+            bail!("matmul", "operands need at least 2 dims, got {:?} and {:?}", self.shape(), rhs.shape());
+        }
+        let (m, k) = (self.dims()[ra - 2], self.dims()[ra - 1]);
+        let (k2, n) = (rhs.dims()[rb - 2], rhs.dims()[rb - 1]);
+        if k != k2 {
+            bail!("matmul", "inner dims differ: lhs {:?} rhs {:?}", self.shape(), rhs.shape());
+        }
+        let batch = Shape::broadcast("matmul", &Shape(self.dims()[..ra - 2].to_vec()), &Shape(rhs.dims()[..rb - 2].to_vec()))?;
+        let mut sa = batch.0.clone();
+        sa.extend([m, k]);
+        let mut sb = batch.0.clone();
+        sb.extend([k, n]);
+        let la = self.layout().broadcast_to("matmul", &sa.into())?;
+        let lb = rhs.layout().broadcast_to("matmul", &sb.into())?;
+        let b = self.backend("matmul")?;
+        let st = {
+            let (ga, gb) = (self.0.storage.read(), rhs.0.storage.read());
+            b.matmul((&ga, &la), (&gb, &lb))?
+        };
+        let mut so = batch.0;
+        so.extend([m, n]);
+        let out = new(st, so.into());
+        let (a, bt) = (self.clone(), rhs.clone());
+        Ok(Tensor::record(out, "matmul", &[self, rhs], Box::new(move |g| {
+            let ga = if a.requires_grad() { Some(g.matmul(&bt.t()?)?.sum_to(a.shape())?) } else { None };
+            let gb = if bt.requires_grad() { Some(a.t()?.matmul(g)?.sum_to(bt.shape())?) } else { None };
+            Ok(vec![ga, gb])
+        })))
+    }
+
+    // ---- softmax, casts, devices -------------------------------------------------------------
+
+    pub fn softmax_last(&self) -> Result<Tensor> {
+        same_float("softmax", &[self])?;
+        let x = self.contiguous()?;
+        let b = self.backend("softmax")?;
+        let out = new(x.with_storage(|s| b.softmax_last(s))?, self.shape().clone());
+        let y = out.clone();
+        Ok(Tensor::record(out, "softmax", &[self], Box::new(move |g| {
+            let g = g.contiguous()?;
+            let b = y.backend("softmax")?;
+            let st = { let (gy, gg) = (y.0.storage.read(), g.0.storage.read()); b.softmax_last_backward((&gy, y.layout()), (&gg, g.layout()))? };
+            Ok(vec![Some(new(st, y.shape().clone()))])
+        })))
+    }
+
+    /// Converts the elements; the gradient is cast back to the input's dtype.
+    pub fn to_dtype(&self, dtype: DType) -> Result<Tensor> {
+        if dtype == self.dtype() {
+            return Ok(self.clone());
+        }
+        let b = self.backend("to_dtype")?;
+        let out = new(self.with_storage(|x| b.cast(x, dtype))?, self.shape().clone());
+        if !dtype.is_float() {
+            return Ok(out);
+        }
+        let from = self.dtype();
+        Ok(Tensor::record(out, "to_dtype", &[self], Box::new(move |g| Ok(vec![Some(g.to_dtype(from)?)]))))
+    }
+
+    /// Copies to another device (explicitly; ops never move data on their own).
+    pub fn to_device(&self, device: Device) -> Result<Tensor> {
+        if device == self.device() {
+            return Ok(self.clone());
+        }
+        let host = self.to_cpu_storage()?;
+        let st = crate::backend::get("to_device", device)?.from_cpu(&host)?;
+        let out = new(st, self.shape().clone());
+        let from = self.device();
+        Ok(Tensor::record(out, "to_device", &[self], Box::new(move |g| Ok(vec![Some(g.to_device(from)?)]))))
+    }
+}

@@ -1,0 +1,285 @@
+//! `Tensor`: a strided view of shared storage, plus the autograd links of the op that made it.
+use crate::autograd::{self, Hook, Node};
+use crate::backend::{self, Backend, Sl};
+use crate::storage::StorageCell;
+use crate::{bail, CpuStorage, DType, Device, Error, Layout, Result, Shape, Storage};
+use half::bf16;
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex};
+
+static NEXT_ID: AtomicUsize = AtomicUsize::new(1);
+
+pub struct TensorInner {
+    pub(crate) id: usize,
+    pub(crate) storage: Arc<StorageCell>,
+    pub(crate) layout: Layout,
+    pub(crate) dtype: DType,
+    pub(crate) device: Device,
+    /// Leaf flag: this tensor wants a `.grad()` (parameters). Op outputs use `grad_fn` instead.
+    pub(crate) leaf_requires_grad: AtomicBool,
+    pub(crate) grad_fn: Option<Arc<Node>>,
+    pub(crate) grad: Mutex<Option<Tensor>>,
+    pub(crate) hooks: Mutex<Vec<Hook>>,
+}
+
+/// A cheap handle (an `Arc`): clones share storage, layout and gradient.
+#[derive(Clone)]
+pub struct Tensor(pub(crate) Arc<TensorInner>);
+
+impl std::fmt::Debug for Tensor {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "Tensor({:?}, {}, {})", self.shape(), self.dtype(), self.device())
+    }
+}
+
+/// Rust element types that map to a `DType`.
+pub trait Element: Copy + Send + Sync + 'static {
+    const DTYPE: DType;
+    fn into_storage(v: Vec<Self>) -> CpuStorage;
+    fn from_storage(s: CpuStorage) -> Option<Vec<Self>>;
+}
+macro_rules! element {
+    ($t:ty, $d:ident) => {
+        impl Element for $t {
+            const DTYPE: DType = DType::$d;
+            fn into_storage(v: Vec<Self>) -> CpuStorage {
+                CpuStorage::$d(v)
+            }
+            fn from_storage(s: CpuStorage) -> Option<Vec<Self>> {
+                match s {
+                    CpuStorage::$d(v) => Some(v),
+                    _ => None,
+                }
+            }
+        }
+    };
+}
+element!(f32, F32);
+element!(f64, F64);
+element!(bf16, BF16);
+element!(i32, I32);
+
+impl Tensor {
+    // ---- construction ----------------------------------------------------------------------
+
+    pub(crate) fn from_storage(storage: Storage, layout: Layout, node: Option<Arc<Node>>) -> Tensor {
+        let (dtype, device) = (storage.dtype(), storage.device());
+        Tensor(Arc::new(TensorInner {
+            id: NEXT_ID.fetch_add(1, Ordering::Relaxed),
+            storage: Arc::new(StorageCell::new(storage)),
+            layout,
+            dtype,
+            device,
+            leaf_requires_grad: AtomicBool::new(false),
+            grad_fn: node,
+            grad: Mutex::new(None),
+            hooks: Mutex::new(Vec::new()),
+        }))
+    }
+
+    /// A new view of this tensor's storage (no copy), recorded as an op when grads flow.
+    pub(crate) fn view(&self, layout: Layout, node: Option<Arc<Node>>) -> Tensor {
+        Tensor(Arc::new(TensorInner {
+            id: NEXT_ID.fetch_add(1, Ordering::Relaxed),
+            storage: self.0.storage.clone(),
+            layout,
+            dtype: self.0.dtype,
+            device: self.0.device,
+            leaf_requires_grad: AtomicBool::new(false),
+            grad_fn: node,
+            grad: Mutex::new(None),
+            hooks: Mutex::new(Vec::new()),
+        }))
+    }
+
+    pub fn from_vec<T: Element>(data: Vec<T>, shape: impl Into<Shape>, device: Device) -> Result<Tensor> {
+        let shape = shape.into();
+        if data.len() != shape.numel() {
+            bail!("from_vec", "{} elements do not fill shape {:?} ({} elements)", data.len(), shape, shape.numel());
+        }
+        Self::from_cpu_storage(T::into_storage(data), shape, device)
+    }
+
+    pub fn from_cpu_storage(s: CpuStorage, shape: Shape, device: Device) -> Result<Tensor> {
+        if s.len() != shape.numel() {
+            bail!("from_cpu_storage", "{} elements do not fill shape {:?}", s.len(), shape);
+        }
+        let st = backend::get("from_vec", device)?.from_cpu(&s)?;
+        Ok(Tensor::from_storage(st, Layout::contiguous(shape), None))
+    }
+
+    pub fn full(shape: impl Into<Shape>, v: f64, dtype: DType, device: Device) -> Result<Tensor> {
+        let shape = shape.into();
+        let st = backend::get("full", device)?.full(shape.numel(), dtype, v)?;
+        Ok(Tensor::from_storage(st, Layout::contiguous(shape), None))
+    }
+    pub fn zeros(shape: impl Into<Shape>, dtype: DType, device: Device) -> Result<Tensor> {
+        Self::full(shape, 0.0, dtype, device)
+    }
+    pub fn ones(shape: impl Into<Shape>, dtype: DType, device: Device) -> Result<Tensor> {
+        Self::full(shape, 1.0, dtype, device)
+    }
+    pub fn zeros_like(&self) -> Result<Tensor> {
+        Self::zeros(self.shape().clone(), self.dtype(), self.device())
+    }
+    pub fn scalar(v: f64, dtype: DType, device: Device) -> Result<Tensor> {
+        Self::full((), v, dtype, device)
+    }
+    /// Normal(0, std) samples from `rng`, drawn in f64 and rounded to `dtype`.
+    pub fn randn(shape: impl Into<Shape>, std: f64, dtype: DType, device: Device, rng: &mut crate::Rng) -> Result<Tensor> {
+        let shape = shape.into();
+        let v: Vec<f64> = (0..shape.numel()).map(|_| rng.normal() * std).collect();
+        Tensor::from_vec(v, shape, Device::Cpu)?.to_dtype(dtype)?.to_device(device)
+    }
+    /// Uniform samples in [lo, hi).
+    pub fn rand_uniform(shape: impl Into<Shape>, lo: f64, hi: f64, dtype: DType, device: Device, rng: &mut crate::Rng) -> Result<Tensor> {
+        let shape = shape.into();
+        let v: Vec<f64> = (0..shape.numel()).map(|_| lo + (hi - lo) * rng.uniform()).collect();
+        Tensor::from_vec(v, shape, Device::Cpu)?.to_dtype(dtype)?.to_device(device)
+    }
+
+    // ---- accessors -------------------------------------------------------------------------
+
+    pub fn id(&self) -> usize {
+        self.0.id
+    }
+    pub fn shape(&self) -> &Shape {
+        &self.0.layout.shape
+    }
+    pub fn dims(&self) -> &[usize] {
+        self.0.layout.dims()
+    }
+    pub fn dim(&self, d: usize) -> usize {
+        self.dims()[d]
+    }
+    pub fn rank(&self) -> usize {
+        self.shape().rank()
+    }
+    pub fn numel(&self) -> usize {
+        self.0.layout.numel()
+    }
+    pub fn dtype(&self) -> DType {
+        self.0.dtype
+    }
+    pub fn device(&self) -> Device {
+        self.0.device
+    }
+    pub fn layout(&self) -> &Layout {
+        &self.0.layout
+    }
+    pub fn is_contiguous(&self) -> bool {
+        self.0.layout.is_contiguous()
+    }
+    /// True when both tensors view the same storage.
+    pub fn shares_storage(&self, other: &Tensor) -> bool {
+        Arc::ptr_eq(&self.0.storage, &other.0.storage)
+    }
+    pub fn storage_bytes(&self) -> usize {
+        self.0.storage.read().len() * self.dtype().size_in_bytes()
+    }
+    pub(crate) fn backend(&self, op: &str) -> Result<Arc<dyn Backend>> {
+        backend::get(op, self.device())
+    }
+    /// Runs `f` with this tensor's storage and layout (read lock held).
+    pub fn with_storage<R>(&self, f: impl FnOnce(Sl) -> R) -> R {
+        let g = self.0.storage.read();
+        f((&g, &self.0.layout))
+    }
+
+    // ---- autograd surface ------------------------------------------------------------------
+
+    pub fn requires_grad(&self) -> bool {
+        self.0.grad_fn.is_some() || self.0.leaf_requires_grad.load(Ordering::Relaxed)
+    }
+    pub fn is_leaf(&self) -> bool {
+        self.0.grad_fn.is_none()
+    }
+    /// Marks a leaf as a variable whose gradient `backward` accumulates.
+    pub fn set_requires_grad(&self, on: bool) -> Result<&Tensor> {
+        if !self.is_leaf() {
+            bail!("set_requires_grad", "only leaf tensors can change requires_grad; detach() first");
+        }
+        if on && !self.dtype().is_float() {
+            bail!("set_requires_grad", "only float tensors can require grad, this one is {}", self.dtype());
+        }
+        self.0.leaf_requires_grad.store(on, Ordering::Relaxed);
+        Ok(self)
+    }
+    /// The accumulated gradient of a leaf, if any backward reached it.
+    pub fn grad(&self) -> Option<Tensor> {
+        self.0.grad.lock().unwrap_or_else(|e| e.into_inner()).clone()
+    }
+    pub fn set_grad(&self, g: Option<Tensor>) {
+        *self.0.grad.lock().unwrap_or_else(|e| e.into_inner()) = g;
+    }
+    pub fn zero_grad(&self) {
+        self.set_grad(None);
+    }
+    /// Same storage, no history: a leaf that does not require grad.
+    pub fn detach(&self) -> Tensor {
+        self.view(self.0.layout.clone(), None)
+    }
+    /// Calls `f(grad)` once per backward pass, as soon as this leaf's gradient is final
+    /// (after accumulation). Collectives and host copies launch from here while backward goes on.
+    pub fn register_hook(&self, f: impl Fn(&Tensor) + Send + Sync + 'static) {
+        self.0.hooks.lock().unwrap_or_else(|e| e.into_inner()).push(Arc::new(f));
+    }
+    pub fn backward(&self) -> Result<()> {
+        autograd::backward(self)
+    }
+
+    // ---- host transfer ---------------------------------------------------------------------
+
+    /// Contiguous host copy of the elements, as the tensor's own dtype.
+    pub fn to_cpu_storage(&self) -> Result<CpuStorage> {
+        let b = self.backend("to_cpu")?;
+        self.with_storage(|x| b.to_cpu(x))
+    }
+    pub fn to_vec<T: Element>(&self) -> Result<Vec<T>> {
+        if T::DTYPE != self.dtype() {
+            bail!("to_vec", "tensor is {}, asked for {}", self.dtype(), T::DTYPE);
+        }
+        T::from_storage(self.to_cpu_storage()?).ok_or_else(|| Error::new("to_vec", "dtype mismatch"))
+    }
+    pub fn to_vec_f32(&self) -> Result<Vec<f32>> {
+        self.to_dtype_nograd(DType::F32)?.to_vec()
+    }
+    pub fn to_vec_f64(&self) -> Result<Vec<f64>> {
+        self.to_dtype_nograd(DType::F64)?.to_vec()
+    }
+    /// The single value of a one-element tensor.
+    pub fn item(&self) -> Result<f64> {
+        if self.numel() != 1 {
+            bail!("item", "tensor of shape {:?} has {} elements, not 1", self.shape(), self.numel());
+        }
+        Ok(self.to_vec_f64()?[0])
+    }
+    fn to_dtype_nograd(&self, dtype: DType) -> Result<Tensor> {
+        let _g = autograd::no_grad();
+        self.to_dtype(dtype)
+    }
+
+    /// In place (no autograd): copies `src` (same shape; dtype converted, device must match).
+    pub fn assign(&self, src: &Tensor) -> Result<()> {
+        if src.shape() != self.shape() {
+            bail!("assign", "shape mismatch: destination {:?} source {:?}", self.shape(), src.shape());
+        }
+        if src.device() != self.device() {
+            bail!("assign", "device mismatch: destination {} source {}", self.device(), src.device());
+        }
+        let src = if src.dtype() != self.dtype() {
+            let _g = autograd::no_grad();
+            src.to_dtype(self.dtype())?
+        } else {
+            src.clone()
+        };
+        let b = self.backend("assign")?;
+        if Arc::ptr_eq(&src.0.storage, &self.0.storage) {
+            let copy = src.with_storage(|x| b.copy_strided(x))?;
+            let l = Layout::contiguous(src.shape().clone());
+            return b.assign(&mut self.0.storage.write(), &self.0.layout, (&copy, &l));
+        }
+        let sg = src.0.storage.read();
+        b.assign(&mut self.0.storage.write(), &self.0.layout, (&sg, &src.0.layout))
+    }
+}
