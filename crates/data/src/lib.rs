@@ -1,0 +1,21 @@
+//! ferrolm-data: everything between text files and `(B, T)` token batches.
+//!
+//! - [`Tokenizer`]: any Hugging Face `tokenizer.json` (byte-level BPE trainer included);
+//! - [`shard`]: memory-mapped binary token shards (`FRLMTOK` header + u16/u32 ids);
+//! - [`prepare_text_dir`]: `.txt` files -> train/val shards;
+//! - [`DataLoader`]: seeded, resumable shuffled batches, and [`eval_batches`].
+//!
+//! The crate deals in plain `Vec<u32>` / `Vec<i32>` and does not depend on the
+//! tensor crate, so it builds and tests on its own.
+
+pub mod error;
+pub mod loader;
+pub mod prepare;
+pub mod shard;
+pub mod tokenizer;
+
+pub use error::{Error, Result};
+pub use loader::{eval_batches, Batch, DataLoader, EvalBatches, LoaderState};
+pub use prepare::{list_shards, prepare_text_dir, text_files, PrepareSummary};
+pub use shard::{Shard, ShardWriter, TokenDtype};
+pub use tokenizer::{train_byte_level_bpe, Tokenizer, BOS_TOKEN, EOS_TOKEN};
