@@ -72,14 +72,22 @@ pub(crate) fn traverse(root: &Tensor, seed: Tensor, on_leaf: &mut dyn FnMut(&Ten
     let mut ready = BinaryHeap::from([root.id()]);
     while let Some(id) = ready.pop() {
         let t = by_id.remove(&id).expect("ready tensor is in the graph");
-        let Some(g) = grads.remove(&id) else { continue };
+        let g = grads.remove(&id);
         let Some(node) = &t.0.grad_fn else {
-            on_leaf(&t, g)?;
+            if let Some(g) = g {
+                on_leaf(&t, g)?;
+            }
             continue;
         };
-        let gins = (node.backward)(&g).map_err(|e| crate::Error::new(format!("{} backward", node.name), e.to_string()))?;
-        drop(g);
-        for (inp, gi) in node.inputs.iter().zip(gins) {
+        // A node that received no gradient still releases its inputs (their other consumers
+        // may have sent them one); it just contributes nothing.
+        let gins = match g {
+            Some(g) => (node.backward)(&g).map_err(|e| crate::Error::new(format!("{} backward", node.name), e.to_string()))?,
+            None => Vec::new(),
+        };
+        let mut gins = gins.into_iter();
+        for inp in node.inputs.iter() {
+            let gi = gins.next().flatten();
             if !inp.requires_grad() {
                 continue;
             }
@@ -96,7 +104,17 @@ pub(crate) fn traverse(root: &Tensor, seed: Tensor, on_leaf: &mut dyn FnMut(&Ten
             let d = deps.get_mut(&inp.id()).expect("counted input");
             *d -= 1;
             if *d == 0 {
-                ready.push(inp.id());
+                if inp.is_leaf() {
+                    // A leaf's gradient is final now: deliver it (and fire its hooks) at once
+                    // instead of after every op with a larger id, so hooks run in backward order
+                    // while the rest of backward goes on.
+                    by_id.remove(&inp.id());
+                    if let Some(gl) = grads.remove(&inp.id()) {
+                        on_leaf(inp, gl)?;
+                    }
+                } else {
+                    ready.push(inp.id());
+                }
             }
         }
     }

@@ -147,6 +147,9 @@ impl Tensor {
         if let Some(d) = dims.iter().find(|&&d| d >= self.rank()) {
             bail!(op, "dim {d} out of range for shape {:?}", self.shape());
         }
+        if let Some((i, d)) = dims.iter().enumerate().find(|(i, d)| dims[..*i].contains(d)) {
+            bail!(op, "dim {d} is repeated in {dims:?} (position {i})");
+        }
         Ok(())
     }
     fn reduce(&self, op: ReduceOp, dims: &[usize], name: &'static str) -> Result<Tensor> {

@@ -65,8 +65,8 @@ impl Tensor {
     }
 
     pub fn narrow(&self, dim: usize, start: usize, len: usize) -> Result<Tensor> {
-        if dim >= self.rank() || start + len > self.dims()[dim] {
-            bail!("narrow", "range {start}..{} of dim {dim} is outside shape {:?}", start + len, self.shape());
+        if dim >= self.rank() || start.checked_add(len).map_or(true, |e| e > self.dims()[dim]) {
+            bail!("narrow", "range {start}..+{len} of dim {dim} is outside shape {:?}", self.shape());
         }
         let mut l = self.layout().clone();
         l.offset += start * l.strides[dim];

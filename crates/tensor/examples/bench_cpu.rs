@@ -1,0 +1,163 @@
+//! CPU engine benchmark: f32 GEMM through `Tensor::matmul` next to `matrixmultiply::sgemm`
+//! called directly on the same shapes and strides, and forward+backward of a 2-layer
+//! Llama-style block stack built from tensor ops.
+//!
+//!     cargo run --release -p ferrolm-tensor --example bench_cpu
+use ferrolm_tensor::{no_grad, DType, Device, Rng, Tensor};
+use std::time::Instant;
+
+/// Median seconds of `f` over at least `min_reps` runs and ~`budget` seconds (after a warm-up).
+fn median_secs(min_reps: usize, budget: f64, mut f: impl FnMut()) -> f64 {
+    f();
+    let mut ts = Vec::new();
+    let start = Instant::now();
+    while ts.len() < min_reps || (start.elapsed().as_secs_f64() < budget && ts.len() < 200) {
+        let t = Instant::now();
+        f();
+        ts.push(t.elapsed().as_secs_f64());
+    }
+    ts.sort_by(|a, b| a.partial_cmp(b).unwrap());
+    ts[ts.len() / 2]
+}
+
+/// (m, k, n, lhs transposed): C (m, n) = A (m, k) @ B (k, n); with `ta` A is stored (k, m).
+fn gemm_row(m: usize, k: usize, n: usize, ta: bool, rng: &mut Rng) -> (f64, f64) {
+    let a_shape = if ta { [k, m] } else { [m, k] };
+    let a = Tensor::randn(a_shape, 1.0, DType::F32, Device::Cpu, rng).unwrap();
+    let b = Tensor::randn([k, n], 1.0, DType::F32, Device::Cpu, rng).unwrap();
+    let flops = 2.0 * (m * k * n) as f64;
+    let _g = no_grad();
+    let engine = median_secs(5, 0.6, || {
+        let a = if ta { a.t().unwrap() } else { a.clone() };
+        std::hint::black_box(a.matmul(&b).unwrap());
+    });
+    let (av, bv) = (a.to_vec::<f32>().unwrap(), b.to_vec::<f32>().unwrap());
+    let mut c = vec![0f32; m * n];
+    let (rsa, csa) = if ta { (1, m as isize) } else { (k as isize, 1) };
+    let direct = median_secs(5, 0.6, || unsafe {
+        matrixmultiply::sgemm(m, k, n, 1.0, av.as_ptr(), rsa, csa, bv.as_ptr(), n as isize, 1, 0.0, c.as_mut_ptr(), n as isize, 1);
+        std::hint::black_box(&c);
+    });
+    (flops / engine / 1e9, flops / direct / 1e9)
+}
+
+struct Layer {
+    n1: Tensor,
+    wq: Tensor,
+    wk: Tensor,
+    wv: Tensor,
+    wo: Tensor,
+    n2: Tensor,
+    w1: Tensor,
+    w3: Tensor,
+    w2: Tensor,
+}
+
+const B: usize = 4;
+const T: usize = 128;
+const DM: usize = 256;
+const HQ: usize = 4;
+const HKV: usize = 2;
+const HD: usize = DM / HQ;
+const FF: usize = 688;
+
+fn layer(rng: &mut Rng) -> Layer {
+    let w = |o: usize, i: usize, rng: &mut Rng| {
+        let t = Tensor::randn([o, i], 1.0 / (i as f64).sqrt(), DType::F32, Device::Cpu, rng).unwrap();
+        t.set_requires_grad(true).unwrap();
+        t
+    };
+    let n = || {
+        let t = Tensor::ones([DM], DType::F32, Device::Cpu).unwrap();
+        t.set_requires_grad(true).unwrap();
+        t
+    };
+    Layer {
+        n1: n(),
+        wq: w(HQ * HD, DM, rng),
+        wk: w(HKV * HD, DM, rng),
+        wv: w(HKV * HD, DM, rng),
+        wo: w(DM, HQ * HD, rng),
+        n2: n(),
+        w1: w(FF, DM, rng),
+        w3: w(FF, DM, rng),
+        w2: w(DM, FF, rng),
+    }
+}
+
+fn block(x: &Tensor, l: &Layer, cos: &Tensor, sin: &Tensor) -> Tensor {
+    let h = x.rms_norm(&l.n1, 1e-5).unwrap(); // (B, T, DM)
+    let heads = |w: &Tensor, n: usize| h.matmul(&w.t().unwrap()).unwrap().reshape([B, T, n, HD]).unwrap().permute(&[0, 2, 1, 3]).unwrap();
+    let q = heads(&l.wq, HQ).rope(cos, sin).unwrap(); // (B, HQ, T, HD)
+    let k = heads(&l.wk, HKV).rope(cos, sin).unwrap(); // (B, HKV, T, HD)
+    let v = heads(&l.wv, HKV);
+    let a = Tensor::causal_attention(&q, &k, &v, 1.0 / (HD as f64).sqrt()).unwrap();
+    let a = a.permute(&[0, 2, 1, 3]).unwrap().reshape([B, T, DM]).unwrap();
+    let x = x.add(&a.matmul(&l.wo.t().unwrap()).unwrap()).unwrap();
+    let h = x.rms_norm(&l.n2, 1e-5).unwrap();
+    let m = Tensor::swiglu(&h.matmul(&l.w1.t().unwrap()).unwrap(), &h.matmul(&l.w3.t().unwrap()).unwrap()).unwrap();
+    x.add(&m.matmul(&l.w2.t().unwrap()).unwrap()).unwrap()
+}
+
+fn rope_tables(t: usize, d: usize, theta: f64) -> (Tensor, Tensor) {
+    let (mut c, mut s) = (vec![0f32; t * d], vec![0f32; t * d]);
+    for p in 0..t {
+        for j in 0..d {
+            let a = p as f64 * theta.powf(-2.0 * (j % (d / 2)) as f64 / d as f64);
+            c[p * d + j] = a.cos() as f32;
+            s[p * d + j] = a.sin() as f32;
+        }
+    }
+    (Tensor::from_vec(c, [t, d], Device::Cpu).unwrap(), Tensor::from_vec(s, [t, d], Device::Cpu).unwrap())
+}
+
+fn main() {
+    let threads = std::thread::available_parallelism().map(|n| n.get()).unwrap_or(1);
+    println!("ferrolm-tensor CPU bench ({threads} hardware threads, MATMUL_NUM_THREADS={:?})\n", std::env::var("MATMUL_NUM_THREADS").ok());
+    let rng = &mut Rng::new(0);
+    println!("| GEMM (m x k x n) | Tensor::matmul GFLOP/s | matrixmultiply::sgemm GFLOP/s | ratio |");
+    println!("|---|---:|---:|---:|");
+    let shapes: &[(usize, usize, usize, bool, &str)] = &[
+        (64, 64, 64, false, ""),
+        (128, 128, 128, false, ""),
+        (256, 256, 256, false, ""),
+        (512, 512, 512, false, ""),
+        (1024, 1024, 1024, false, ""),
+        (4096, 256, 1024, false, " (x @ W_up)"),
+        (4096, 1024, 256, false, " (h @ W_down)"),
+        (4096, 256, 256, false, " (x @ W_q)"),
+        (256, 4096, 1024, true, " (x^T @ dY, weight grad)"),
+    ];
+    for &(m, k, n, ta, note) in shapes {
+        let (e, d) = gemm_row(m, k, n, ta, rng);
+        println!("| {m} x {k} x {n}{note} | {e:.1} | {d:.1} | {:.2} |", e / d);
+    }
+
+    // 2-layer block stack, forward + backward.
+    let layers: Vec<Layer> = (0..2).map(|_| layer(rng)).collect();
+    let (cos, sin) = rope_tables(T, HD, 10000.0);
+    let x = Tensor::randn([B, T, DM], 1.0, DType::F32, Device::Cpu, rng).unwrap();
+    let fwd = || {
+        let mut h = x.clone();
+        for l in &layers {
+            h = block(&h, l, &cos, &sin);
+        }
+        h.sqr().unwrap().mean_all().unwrap()
+    };
+    let t_fwd = median_secs(3, 2.0, || {
+        let _g = no_grad();
+        std::hint::black_box(fwd());
+    });
+    let t_fb = median_secs(3, 4.0, || {
+        fwd().backward().unwrap();
+    });
+    // matmul FLOPs per layer forward: q,o (DM x DM), k,v (DM x HKV*HD), MLP 3 x (DM x FF), attention (causal half).
+    let n = (B * T) as f64;
+    let per_layer = 2.0 * n * (2.0 * (DM * DM) as f64 + 2.0 * (DM * HKV * HD) as f64 + 3.0 * (DM * FF) as f64)
+        + 2.0 * 2.0 * (B * HQ * T * T * HD) as f64 / 2.0;
+    let flops = 2.0 * per_layer;
+    println!("\n| 2-layer block stack (B={B}, T={T}, d={DM}, heads {HQ}/{HKV} kv, ff {FF}, f32) | ms | GFLOP/s (matmul+attention FLOPs) |");
+    println!("|---|---:|---:|");
+    println!("| forward (no_grad) | {:.1} | {:.1} |", t_fwd * 1e3, flops / t_fwd / 1e9);
+    println!("| forward + backward | {:.1} | {:.1} |", t_fb * 1e3, 3.0 * flops / t_fb / 1e9);
+}

@@ -1,0 +1,137 @@
+//! Bad user input returns `Err` naming the op ("op: message" in Display), never a panic.
+mod common;
+use common::*;
+use ferrolm_tensor::{DType, Device, Result, Rng, Tensor};
+
+/// Asserts `r` is an error whose Display starts with "`op`:" and contains `needle`.
+#[track_caller]
+fn expect_err<T: std::fmt::Debug>(r: Result<T>, op: &str, needle: &str) {
+    let e = r.expect_err(&format!("expected an error from {op}"));
+    let s = e.to_string();
+    assert!(s.starts_with(&format!("{op}: ")), "error {s:?} does not name op {op:?}");
+    assert_eq!(e.op, op);
+    assert!(s.contains(needle), "error {s:?} does not mention {needle:?}");
+}
+
+fn f32s(shape: &[usize]) -> Tensor {
+    Tensor::zeros(shape.to_vec(), DType::F32, CPU).unwrap()
+}
+
+#[test]
+fn shape_errors() {
+    expect_err(f32s(&[2, 3]).matmul(&f32s(&[4, 2])), "matmul", "inner dims");
+    expect_err(f32s(&[3]).matmul(&f32s(&[3, 2])), "matmul", "at least 2 dims");
+    expect_err(f32s(&[2, 2, 3]).matmul(&f32s(&[3, 3, 2])), "matmul", "broadcast");
+    expect_err(f32s(&[2, 3]).add(&f32s(&[4])), "add", "broadcast");
+    expect_err(f32s(&[2, 3]).mul(&f32s(&[3, 2])), "mul", "broadcast");
+    expect_err(f32s(&[2, 3]).reshape([5]), "reshape", "6 elements");
+    expect_err(f32s(&[2, 3]).narrow(1, 2, 2), "narrow", "outside");
+    expect_err(f32s(&[2, 3]).narrow(2, 0, 1), "narrow", "outside");
+    expect_err(f32s(&[2, 3]).narrow(0, 1, usize::MAX), "narrow", "outside");
+    expect_err(f32s(&[2, 3]).permute(&[0, 0]), "permute", "not a permutation");
+    expect_err(f32s(&[2, 3]).permute(&[0, 1, 2]), "permute", "not a permutation");
+    expect_err(f32s(&[2, 3]).permute(&[2, 0]), "permute", "not a permutation");
+    expect_err(f32s(&[2, 3]).transpose(0, 2), "transpose", "out of range");
+    expect_err(f32s(&[3]).t(), "t", "at least 2 dims");
+    expect_err(Tensor::cat(&[f32s(&[2, 3]), f32s(&[3, 3])], 1), "cat", "differ outside dim 1");
+    expect_err(Tensor::cat(&[f32s(&[2, 3]), f32s(&[2, 3, 1])], 0), "cat", "invalid");
+    expect_err(Tensor::cat(&[f32s(&[2, 3])], 2), "cat", "invalid");
+    expect_err(Tensor::cat(&[], 0), "cat", "at least one");
+    expect_err(Tensor::stack(&[f32s(&[2]), f32s(&[3])], 0), "cat", "differ");
+    expect_err(f32s(&[2, 3]).split(&[1, 1], 1), "split", "do not add up");
+    expect_err(f32s(&[2, 3]).chunk(2, 1), "chunk", "equal chunks");
+    expect_err(f32s(&[2, 3]).chunk(0, 1), "chunk", "equal chunks");
+    expect_err(f32s(&[2, 3]).squeeze(0), "squeeze", "not of size 1");
+    expect_err(f32s(&[2, 3]).unsqueeze(3), "unsqueeze", "out of range");
+    expect_err(f32s(&[2, 3]).flatten(1, 2), "flatten", "bad dims");
+    expect_err(f32s(&[2, 3]).broadcast_as([3, 3]), "broadcast_as", "cannot broadcast");
+    expect_err(f32s(&[2, 3]).broadcast_as([3]), "broadcast_as", "cannot broadcast");
+    expect_err(f32s(&[2, 3]).sum(&[2], false), "sum", "out of range");
+    expect_err(f32s(&[2, 3]).mean(&[5], true), "mean", "out of range");
+    expect_err(f32s(&[2, 3]).max(&[2], true), "max", "out of range");
+    expect_err(Tensor::from_vec(vec![1.0f32; 5], [2, 3], CPU), "from_vec", "do not fill");
+    expect_err(f32s(&[2, 3]).item(), "item", "not 1");
+    expect_err(f32s(&[2, 3]).assign(&f32s(&[3, 2])), "assign", "shape mismatch");
+}
+
+#[test]
+fn fused_op_errors() {
+    let g = &mut Rng::new(1);
+    let x = randn_dt(&[2, 4], DType::F32, g);
+    expect_err(x.rms_norm(&f32s(&[3]), 1e-5), "rms_norm", "does not match");
+    expect_err(x.rms_norm(&f32s(&[4, 1]), 1e-5), "rms_norm", "does not match");
+    // attention: heads not divisible, mismatched k/v, wrong rank
+    let q = f32s(&[1, 3, 5, 4]);
+    let kv = f32s(&[1, 2, 5, 4]);
+    expect_err(Tensor::causal_attention(&q, &kv, &kv, 0.5), "attention", "multiple of kv heads");
+    expect_err(Tensor::causal_attention(&f32s(&[1, 4, 5, 4]), &kv, &f32s(&[1, 2, 5, 6]), 0.5), "attention", "incompatible");
+    expect_err(Tensor::causal_attention(&f32s(&[1, 4, 5, 4]), &f32s(&[1, 2, 6, 4]), &f32s(&[1, 2, 6, 4]), 0.5), "attention", "incompatible");
+    expect_err(Tensor::causal_attention(&f32s(&[4, 5, 4]), &kv, &kv, 0.5), "attention", "(batch, heads, seq, head_dim)");
+    expect_err(Tensor::causal_attention(&f32s(&[1, 4, 5, 4]), &f32s(&[1, 0, 5, 4]), &f32s(&[1, 0, 5, 4]), 0.5), "attention", "multiple");
+    // cross-entropy: target out of range, negative non-ignore target, wrong dtype, wrong shape
+    let logits = randn_dt(&[3, 5], DType::F32, g);
+    expect_err(Tensor::cross_entropy(&logits, &ids(&[0, 5, 1], &[3]), -100), "cross_entropy", "out of range");
+    expect_err(Tensor::cross_entropy(&logits, &ids(&[0, -1, 1], &[3]), -100), "cross_entropy", "out of range");
+    expect_err(Tensor::cross_entropy(&logits, &f32s(&[3]), -100), "cross_entropy", "i32");
+    expect_err(Tensor::cross_entropy(&logits, &ids(&[0, 1], &[2]), -100), "cross_entropy", "shape");
+    expect_err(Tensor::cross_entropy(&f32s(&[3, 5, 1]), &ids(&[0, 1, 2], &[3]), -100), "cross_entropy", "matrix");
+    expect_err(Tensor::cross_entropy(&ids(&[0, 1, 2], &[1, 3]), &ids(&[0], &[1]), -100), "cross_entropy", "float");
+    // embedding: id out of range, float ids, 1-D weight
+    let w = f32s(&[4, 3]);
+    expect_err(Tensor::embedding(&ids(&[0, 4], &[2]), &w), "embedding", "out of range");
+    expect_err(Tensor::embedding(&ids(&[-1], &[1]), &w), "embedding", "out of range");
+    expect_err(Tensor::embedding(&f32s(&[2]), &w), "embedding", "i32");
+    expect_err(Tensor::embedding(&ids(&[0], &[1]), &f32s(&[4])), "embedding", "matrix");
+    // rope: odd head dim, wrong table shape, wrong rank
+    let (c, s) = rope_cos_sin(5, 4, 10000.0, DType::F32);
+    expect_err(f32s(&[1, 2, 5, 3]).rope(&c, &s), "rope", "even head_dim");
+    expect_err(f32s(&[1, 2, 6, 4]).rope(&c, &s), "rope", "cos/sin");
+    expect_err(f32s(&[2, 5, 4]).rope(&c, &s), "rope", "(batch, heads, seq, head_dim)");
+    expect_err(Tensor::swiglu(&f32s(&[2, 3]), &f32s(&[3, 2])), "swiglu", "differ in shape");
+}
+
+#[test]
+fn dtype_errors() {
+    let (a, b) = (f32s(&[2]), Tensor::zeros([2], DType::F64, CPU).unwrap());
+    expect_err(a.add(&b), "add", "dtype mismatch");
+    expect_err(f32s(&[2, 2]).matmul(&Tensor::zeros([2, 2], DType::F64, CPU).unwrap()), "matmul", "dtype mismatch");
+    let i = ids(&[1, 2], &[2]);
+    expect_err(i.exp(), "exp", "float");
+    expect_err(i.add(&a), "add", "float");
+    expect_err(a.add(&i), "add", "dtype mismatch");
+    expect_err(i.sum(&[0], false), "sum", "float");
+    expect_err(i.softmax_last(), "softmax", "float");
+    expect_err(ids(&[1, 2, 3, 4], &[2, 2]).matmul(&ids(&[1, 2, 3, 4], &[2, 2])), "matmul", "float");
+    expect_err(i.set_requires_grad(true).map(|_| ()), "set_requires_grad", "float");
+    expect_err(a.to_vec::<f64>(), "to_vec", "f32");
+    expect_err(Tensor::swiglu(&a, &b), "swiglu", "dtype mismatch");
+    let x = f32s(&[1, 2, 3, 4]);
+    expect_err(Tensor::causal_attention(&x, &x, &x.to_dtype(DType::BF16).unwrap(), 1.0), "attention", "dtype mismatch");
+    expect_err(x.rms_norm(&Tensor::ones([4], DType::F64, CPU).unwrap(), 1e-5), "rms_norm", "dtype mismatch");
+    expect_err(Tensor::cat(&[a.clone(), b.clone()], 0), "cat", "mixed dtypes");
+    // casts to and from i32 are allowed and exact for small integers
+    let back = a.add_scalar(3.0).unwrap().to_dtype(DType::I32).unwrap();
+    assert_eq!(back.to_vec::<i32>().unwrap(), vec![3, 3]);
+    assert_eq!(i.to_dtype(DType::F32).unwrap().to_vec::<f32>().unwrap(), vec![1.0, 2.0]);
+}
+
+#[test]
+fn device_errors() {
+    let cuda = Device::Cuda(0);
+    expect_err(Tensor::from_vec(vec![1.0f32; 4], [2, 2], cuda), "from_vec", "no backend registered for cuda:0");
+    expect_err(Tensor::zeros([2, 2], DType::F32, cuda), "full", "no backend registered for cuda:0");
+    expect_err(Tensor::randn([2], 1.0, DType::F32, cuda, &mut Rng::new(0)), "to_device", "no backend registered");
+    expect_err(f32s(&[2]).to_device(cuda), "to_device", "no backend registered for cuda:0");
+    expect_err("tpu".parse::<Device>(), "device", "unknown device");
+    assert_eq!("cuda:3".parse::<Device>().unwrap(), Device::Cuda(3));
+}
+
+#[test]
+fn autograd_errors() {
+    let x = f32s(&[2, 2]);
+    expect_err(x.sum_all().unwrap().backward(), "backward", "does not require grad");
+    let p = param(&f32s(&[2, 2]));
+    expect_err(p.mul_scalar(2.0).unwrap().backward(), "backward", "one element");
+    let y = p.exp().unwrap();
+    expect_err(y.set_requires_grad(true).map(|_| ()), "set_requires_grad", "leaf");
+}
