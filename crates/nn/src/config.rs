@@ -1,0 +1,438 @@
+//! `LlamaConfig`: the Hugging Face `config.json` of a Llama model, read strictly. Every field
+//! that changes the maths is either understood or rejected (a checkpoint must never load into
+//! a model that silently computes something else); keys that do not (dtype, use_cache,
+//! transformers_version, ...) are ignored. Both rope spellings are accepted: the
+//! `rope_parameters` dict transformers 5 writes, and the 4.x `rope_theta` + `rope_scaling`.
+use ferrolm_tensor::{Error, Result};
+use serde_json::{json, Map, Value};
+use std::path::Path;
+
+/// How rotary frequencies are derived from `rope_theta`.
+#[derive(Clone, Debug, PartialEq)]
+pub enum RopeScaling {
+    /// inv_freq[i] = 1 / theta^(2i / head_dim)
+    Default,
+    /// Llama 3.x: long wavelengths divided by `factor`, a smooth ramp between the two cut-offs.
+    Llama3 { factor: f64, low_freq_factor: f64, high_freq_factor: f64, original_max_position_embeddings: usize },
+}
+
+#[derive(Clone, Debug, PartialEq)]
+pub struct LlamaConfig {
+    pub vocab_size: usize,
+    pub hidden_size: usize,
+    pub intermediate_size: usize,
+    pub num_hidden_layers: usize,
+    pub num_attention_heads: usize,
+    pub num_key_value_heads: usize,
+    pub head_dim: usize,
+    pub rms_norm_eps: f64,
+    pub rope_theta: f64,
+    pub rope_scaling: RopeScaling,
+    pub max_position_embeddings: usize,
+    pub tie_word_embeddings: bool,
+    pub bos_token_id: Option<u32>,
+    /// Empty when the config has `null`; several ids for chat models (`[128001, 128008, ...]`).
+    pub eos_token_id: Vec<u32>,
+    /// Std of the normal init (`initializer_range`, 0.02 by default).
+    pub initializer_range: f64,
+}
+
+fn err(source: &str, field: &str, msg: impl std::fmt::Display) -> Error {
+    Error::new("LlamaConfig", format!("{source}: field `{field}`: {msg}"))
+}
+
+/// Typed access to the JSON object, with errors that name the file and the field.
+struct Fields<'a> {
+    obj: &'a Map<String, Value>,
+    src: &'a str,
+}
+
+impl Fields<'_> {
+    /// The value, treating an explicit `null` as absent.
+    fn get(&self, k: &str) -> Option<&Value> {
+        self.obj.get(k).filter(|v| !v.is_null())
+    }
+    fn usize_opt(&self, k: &str) -> Result<Option<usize>> {
+        match self.get(k) {
+            None => Ok(None),
+            Some(v) => v.as_u64().map(|n| Some(n as usize)).ok_or_else(|| err(self.src, k, format!("expected a non-negative integer, got {v}"))),
+        }
+    }
+    fn usize_req(&self, k: &str) -> Result<usize> {
+        self.usize_opt(k)?.ok_or_else(|| err(self.src, k, "missing (required)"))
+    }
+    fn f64_opt(&self, k: &str) -> Result<Option<f64>> {
+        match self.get(k) {
+            None => Ok(None),
+            Some(v) => v.as_f64().map(Some).ok_or_else(|| err(self.src, k, format!("expected a number, got {v}"))),
+        }
+    }
+    fn bool_opt(&self, k: &str) -> Result<Option<bool>> {
+        match self.get(k) {
+            None => Ok(None),
+            Some(v) => v.as_bool().map(Some).ok_or_else(|| err(self.src, k, format!("expected true/false, got {v}"))),
+        }
+    }
+    fn str_opt(&self, k: &str) -> Result<Option<&str>> {
+        match self.get(k) {
+            None => Ok(None),
+            Some(v) => v.as_str().map(Some).ok_or_else(|| err(self.src, k, format!("expected a string, got {v}"))),
+        }
+    }
+    fn token_ids(&self, k: &str) -> Result<Vec<u32>> {
+        let bad = |v: &Value| err(self.src, k, format!("expected a token id, a list of ids or null, got {v}"));
+        let one = |v: &Value| v.as_u64().filter(|&n| n <= u32::MAX as u64).map(|n| n as u32).ok_or_else(|| bad(v));
+        match self.get(k) {
+            None => Ok(vec![]),
+            Some(Value::Array(a)) => a.iter().map(one).collect(),
+            Some(v) => Ok(vec![one(v)?]),
+        }
+    }
+}
+
+/// Parses a rope dict (`rope_parameters`, or 4.x `rope_scaling`); `theta` comes from the dict
+/// when it has one (`rope_parameters`), else from the caller (top-level `rope_theta`).
+fn parse_rope(dict: &Map<String, Value>, src: &str, field: &str, theta: Option<f64>) -> Result<(f64, RopeScaling)> {
+    let f = Fields { obj: dict, src };
+    let fname = |k: &str| format!("{field}.{k}");
+    let num = |k: &str| -> Result<Option<f64>> { f.f64_opt(k).map_err(|_| err(src, &fname(k), "expected a number")) };
+    let theta = match num("rope_theta")? {
+        Some(t) => t,
+        None => theta.unwrap_or(10000.0),
+    };
+    if !positive(theta) {
+        return Err(err(src, &fname("rope_theta"), format!("must be positive, got {theta}")));
+    }
+    // Very old files spell the key `type`.
+    let kind = match f.get("rope_type").or_else(|| f.get("type")) {
+        None => "default",
+        Some(v) => v.as_str().ok_or_else(|| err(src, &fname("rope_type"), format!("expected a string, got {v}")))?,
+    };
+    match kind {
+        "default" => {
+            if let Some(pf) = num("partial_rotary_factor")? {
+                if pf != 1.0 {
+                    return Err(err(src, &fname("partial_rotary_factor"), format!("{pf} is not supported (only 1.0)")));
+                }
+            }
+            Ok((theta, RopeScaling::Default))
+        }
+        "llama3" => {
+            let need = |k: &str| -> Result<f64> { num(k)?.ok_or_else(|| err(src, &fname(k), "missing (required for rope_type llama3)")) };
+            let factor = need("factor")?;
+            let low = need("low_freq_factor")?;
+            let high = need("high_freq_factor")?;
+            let orig = f
+                .usize_opt("original_max_position_embeddings")
+                .map_err(|_| err(src, &fname("original_max_position_embeddings"), "expected a positive integer"))?
+                .ok_or_else(|| err(src, &fname("original_max_position_embeddings"), "missing (required for rope_type llama3)"))?;
+            if !positive(factor) || !positive(low) || high <= low || orig == 0 {
+                return Err(err(src, field, format!("invalid llama3 scaling: factor {factor}, low_freq_factor {low}, high_freq_factor {high} (must exceed low), original_max_position_embeddings {orig}")));
+            }
+            Ok((theta, RopeScaling::Llama3 { factor, low_freq_factor: low, high_freq_factor: high, original_max_position_embeddings: orig }))
+        }
+        other => Err(err(src, &fname("rope_type"), format!("rope type {other:?} is not supported (supported: default, llama3)"))),
+    }
+}
+
+impl LlamaConfig {
+    /// Reads a Hugging Face `config.json`.
+    pub fn from_file(path: impl AsRef<Path>) -> Result<Self> {
+        let path = path.as_ref();
+        let text = std::fs::read_to_string(path).map_err(|e| Error::new("LlamaConfig", format!("cannot read {}: {e}", path.display())))?;
+        Self::parse(&text, &path.display().to_string())
+    }
+
+    pub fn from_json_str(text: &str) -> Result<Self> {
+        Self::parse(text, "<config json>")
+    }
+
+    fn parse(text: &str, src: &str) -> Result<Self> {
+        let v: Value = serde_json::from_str(text).map_err(|e| Error::new("LlamaConfig", format!("{src}: invalid JSON: {e}")))?;
+        let Value::Object(obj) = &v else {
+            return Err(Error::new("LlamaConfig", format!("{src}: expected a JSON object")));
+        };
+        let f = Fields { obj, src };
+
+        // Fields that would change the maths: accept only what this implementation computes.
+        if let Some(mt) = f.str_opt("model_type")? {
+            if mt != "llama" {
+                return Err(err(src, "model_type", format!("{mt:?} is not supported (only \"llama\")")));
+            }
+        }
+        for k in ["hidden_act", "hidden_activation"] {
+            if let Some(act) = f.str_opt(k)? {
+                if act != "silu" {
+                    return Err(err(src, k, format!("activation {act:?} is not supported (only \"silu\")")));
+                }
+            }
+        }
+        for k in ["attention_bias", "mlp_bias"] {
+            if f.bool_opt(k)? == Some(true) {
+                return Err(err(src, k, "biases are not supported (must be false)"));
+            }
+        }
+        if let Some(tp) = f.usize_opt("pretraining_tp")? {
+            if tp > 1 {
+                return Err(err(src, "pretraining_tp", format!("{tp} is not supported (only 1)")));
+            }
+        }
+        if let Some(p) = f.f64_opt("attention_dropout")? {
+            if p != 0.0 {
+                return Err(err(src, "attention_dropout", format!("{p} is not supported (only 0.0)")));
+            }
+        }
+
+        let hidden_size = f.usize_req("hidden_size")?;
+        let num_attention_heads = f.usize_req("num_attention_heads")?;
+        let head_dim = match f.usize_opt("head_dim")? {
+            Some(d) => d,
+            None => {
+                if num_attention_heads == 0 || hidden_size % num_attention_heads != 0 {
+                    return Err(err(src, "head_dim", format!("missing, and hidden_size {hidden_size} is not divisible by num_attention_heads {num_attention_heads}")));
+                }
+                hidden_size / num_attention_heads
+            }
+        };
+
+        let (rope_theta, rope_scaling) = match f.get("rope_parameters") {
+            Some(Value::Object(d)) => parse_rope(d, src, "rope_parameters", f.f64_opt("rope_theta")?)?,
+            Some(other) => return Err(err(src, "rope_parameters", format!("expected an object, got {other}"))),
+            None => {
+                let theta = f.f64_opt("rope_theta")?;
+                match f.get("rope_scaling") {
+                    Some(Value::Object(d)) => parse_rope(d, src, "rope_scaling", theta)?,
+                    Some(other) => return Err(err(src, "rope_scaling", format!("expected an object or null, got {other}"))),
+                    None => parse_rope(&Map::new(), src, "rope_theta", theta)?,
+                }
+            }
+        };
+
+        let bos = f.token_ids("bos_token_id")?;
+        if bos.len() > 1 {
+            return Err(err(src, "bos_token_id", "expected a single id"));
+        }
+        let cfg = LlamaConfig {
+            vocab_size: f.usize_req("vocab_size")?,
+            hidden_size,
+            intermediate_size: f.usize_req("intermediate_size")?,
+            num_hidden_layers: f.usize_req("num_hidden_layers")?,
+            num_attention_heads,
+            num_key_value_heads: f.usize_opt("num_key_value_heads")?.unwrap_or(num_attention_heads),
+            head_dim,
+            rms_norm_eps: f.f64_opt("rms_norm_eps")?.unwrap_or(1e-6),
+            rope_theta,
+            rope_scaling,
+            max_position_embeddings: f.usize_opt("max_position_embeddings")?.unwrap_or(2048),
+            tie_word_embeddings: f.bool_opt("tie_word_embeddings")?.unwrap_or(false),
+            bos_token_id: bos.first().copied(),
+            eos_token_id: f.token_ids("eos_token_id")?,
+            initializer_range: f.f64_opt("initializer_range")?.unwrap_or(0.02),
+        };
+        cfg.validate_in(src)?;
+        Ok(cfg)
+    }
+
+    /// Checks sizes and divisibility; errors name the offending field.
+    pub fn validate(&self) -> Result<()> {
+        self.validate_in("LlamaConfig")
+    }
+
+    fn validate_in(&self, src: &str) -> Result<()> {
+        for (k, v) in [
+            ("vocab_size", self.vocab_size),
+            ("hidden_size", self.hidden_size),
+            ("intermediate_size", self.intermediate_size),
+            ("num_hidden_layers", self.num_hidden_layers),
+            ("num_attention_heads", self.num_attention_heads),
+            ("num_key_value_heads", self.num_key_value_heads),
+            ("head_dim", self.head_dim),
+            ("max_position_embeddings", self.max_position_embeddings),
+        ] {
+            if v == 0 {
+                return Err(err(src, k, "must be positive"));
+            }
+        }
+        if self.num_attention_heads % self.num_key_value_heads != 0 {
+            return Err(err(src, "num_key_value_heads", format!("num_attention_heads {} is not a multiple of num_key_value_heads {}", self.num_attention_heads, self.num_key_value_heads)));
+        }
+        if self.head_dim % 2 != 0 {
+            return Err(err(src, "head_dim", format!("{} must be even for rotary embeddings", self.head_dim)));
+        }
+        for (k, v) in [("rms_norm_eps", self.rms_norm_eps), ("rope_theta", self.rope_theta)] {
+            if !positive(v) {
+                return Err(err(src, k, format!("must be positive, got {v}")));
+            }
+        }
+        if let RopeScaling::Llama3 { factor, low_freq_factor: lo, high_freq_factor: hi, original_max_position_embeddings: old } = self.rope_scaling {
+            if !positive(factor) || !positive(lo) || hi <= lo || old == 0 {
+                return Err(err(src, "rope_scaling", format!("invalid llama3 scaling: factor {factor}, low_freq_factor {lo}, high_freq_factor {hi}, original_max_position_embeddings {old}")));
+            }
+        }
+        if !(self.initializer_range.is_finite() && self.initializer_range >= 0.0) {
+            return Err(err(src, "initializer_range", format!("must be >= 0, got {}", self.initializer_range)));
+        }
+        if vocab_exceeds_ids(self.vocab_size) {
+            return Err(err(src, "vocab_size", format!("{} does not fit i32 token ids", self.vocab_size)));
+        }
+        Ok(())
+    }
+
+    /// The `config.json` text transformers' `LlamaForCausalLM` loads (5.x `rope_parameters`;
+    /// 4.x reads the same file through the top-level `rope_theta` / `rope_scaling` we add).
+    /// `dtype` is the stored weight type ("float32", "bfloat16").
+    pub fn to_json_value(&self, dtype: &str) -> Value {
+        let mut rope = Map::new();
+        let mut scaling = Value::Null;
+        if let RopeScaling::Llama3 { factor, low_freq_factor, high_freq_factor, original_max_position_embeddings } = &self.rope_scaling {
+            let d = json!({
+                "factor": factor,
+                "high_freq_factor": high_freq_factor,
+                "low_freq_factor": low_freq_factor,
+                "original_max_position_embeddings": original_max_position_embeddings,
+                "rope_type": "llama3",
+            });
+            rope = d.as_object().cloned().unwrap_or_default();
+            scaling = d;
+        }
+        rope.insert("rope_theta".into(), json!(self.rope_theta));
+        rope.entry("rope_type").or_insert(json!("default"));
+        let ids = |v: &[u32]| match v {
+            [] => Value::Null,
+            [one] => json!(one),
+            many => json!(many),
+        };
+        json!({
+            "architectures": ["LlamaForCausalLM"],
+            "attention_bias": false,
+            "attention_dropout": 0.0,
+            "bos_token_id": self.bos_token_id,
+            "dtype": dtype,
+            "eos_token_id": ids(&self.eos_token_id),
+            "head_dim": self.head_dim,
+            "hidden_act": "silu",
+            "hidden_size": self.hidden_size,
+            "initializer_range": self.initializer_range,
+            "intermediate_size": self.intermediate_size,
+            "max_position_embeddings": self.max_position_embeddings,
+            "mlp_bias": false,
+            "model_type": "llama",
+            "num_attention_heads": self.num_attention_heads,
+            "num_hidden_layers": self.num_hidden_layers,
+            "num_key_value_heads": self.num_key_value_heads,
+            "pretraining_tp": 1,
+            "rms_norm_eps": self.rms_norm_eps,
+            "rope_parameters": Value::Object(rope),
+            "rope_scaling": scaling,
+            "rope_theta": self.rope_theta,
+            "tie_word_embeddings": self.tie_word_embeddings,
+            "torch_dtype": dtype,
+            "use_cache": true,
+            "vocab_size": self.vocab_size,
+        })
+    }
+
+    /// Pretty JSON for `config.json` with f32 weights.
+    pub fn to_json_string(&self) -> String {
+        self.to_json_string_dtype("float32")
+    }
+
+    pub fn to_json_string_dtype(&self, dtype: &str) -> String {
+        serde_json::to_string_pretty(&self.to_json_value(dtype)).expect("a JSON value serialises") + "\n"
+    }
+
+    /// Small ready-made shapes for experiments: see [`LlamaConfig::preset_names`].
+    pub fn preset(name: &str) -> Result<Self> {
+        let base = LlamaConfig {
+            vocab_size: 4096,
+            hidden_size: 128,
+            intermediate_size: 384,
+            num_hidden_layers: 4,
+            num_attention_heads: 4,
+            num_key_value_heads: 2,
+            head_dim: 32,
+            rms_norm_eps: 1e-5,
+            rope_theta: 10000.0,
+            rope_scaling: RopeScaling::Default,
+            max_position_embeddings: 256,
+            tie_word_embeddings: true,
+            bos_token_id: None,
+            eos_token_id: vec![],
+            initializer_range: 0.02,
+        };
+        let cfg = match name {
+            // A few minutes of pretraining on a 2-core CPU (~0.5M non-embedding parameters).
+            "tiny" => base,
+            // ~25M non-embedding parameters: a single GPU, or a long CPU run.
+            "small" => LlamaConfig {
+                vocab_size: 32000,
+                hidden_size: 512,
+                intermediate_size: 1408,
+                num_hidden_layers: 8,
+                num_attention_heads: 8,
+                num_key_value_heads: 4,
+                head_dim: 64,
+                max_position_embeddings: 1024,
+                ..base
+            },
+            _ => {
+                return Err(Error::new("LlamaConfig", format!("unknown preset {name:?} (known: {})", Self::preset_names().join(", "))));
+            }
+        };
+        cfg.validate()?;
+        Ok(cfg)
+    }
+
+    pub fn preset_names() -> &'static [&'static str] {
+        &["tiny", "small"]
+    }
+
+    /// The same config with another vocabulary size (e.g. the tokenizer's).
+    pub fn with_vocab_size(mut self, vocab_size: usize) -> Self {
+        self.vocab_size = vocab_size;
+        self
+    }
+
+    /// Number of query heads sharing one key/value head.
+    pub fn gqa_group(&self) -> usize {
+        self.num_attention_heads / self.num_key_value_heads
+    }
+}
+
+/// Finite and > 0 (false for NaN).
+fn positive(x: f64) -> bool {
+    x.is_finite() && x > 0.0
+}
+
+fn vocab_exceeds_ids(v: usize) -> bool {
+    v > i32::MAX as usize
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn presets_validate_and_round_trip() {
+        for name in LlamaConfig::preset_names() {
+            let c = LlamaConfig::preset(name).unwrap();
+            assert_eq!(LlamaConfig::from_json_str(&c.to_json_string()).unwrap(), c);
+        }
+        assert!(LlamaConfig::preset("huge").is_err());
+    }
+
+    #[test]
+    fn eos_forms() {
+        let base = r#"{"vocab_size":8,"hidden_size":8,"intermediate_size":8,"num_hidden_layers":1,"num_attention_heads":2"#;
+        let c = LlamaConfig::from_json_str(&format!("{base},\"eos_token_id\":[3,4]}}")).unwrap();
+        assert_eq!(c.eos_token_id, vec![3, 4]);
+        assert_eq!(c.head_dim, 4);
+        assert_eq!(c.num_key_value_heads, 2);
+        let c = LlamaConfig::from_json_str(&format!("{base},\"eos_token_id\":null}}")).unwrap();
+        assert!(c.eos_token_id.is_empty());
+        let c = LlamaConfig::from_json_str(&format!("{base},\"eos_token_id\":7}}")).unwrap();
+        assert_eq!(c.eos_token_id, vec![7]);
+        let e = LlamaConfig::from_json_str(&format!("{base},\"eos_token_id\":\"x\"}}")).unwrap_err();
+        assert!(e.to_string().contains("eos_token_id"), "{e}");
+    }
+}

@@ -1,0 +1,128 @@
+//! Autoregressive generation: a per-layer key/value cache and temperature + top-p (nucleus)
+//! sampling. Temperature 0 is greedy decoding.
+use crate::llama::Llama;
+use ferrolm_tensor::{no_grad, Device, Error, Result, Rng, Tensor};
+
+/// Keys and values of the tokens seen so far, per layer: (B, KV, S, D) each.
+#[derive(Default)]
+pub struct KvCache {
+    layers: Vec<Option<(Tensor, Tensor)>>,
+    len: usize,
+    batch: usize,
+}
+
+impl KvCache {
+    pub fn new() -> Self {
+        Self::default()
+    }
+    /// Number of positions already cached.
+    pub fn len(&self) -> usize {
+        self.len
+    }
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+    pub fn clear(&mut self) {
+        *self = Self::default();
+    }
+    pub(crate) fn prepare(&mut self, n_layers: usize, batch: usize) -> Result<()> {
+        if self.len == 0 {
+            self.layers = vec![None; n_layers];
+            self.batch = batch;
+        } else if self.layers.len() != n_layers || self.batch != batch {
+            return Err(Error::new("KvCache", format!("cache holds {} layers x batch {}, model call has {n_layers} layers x batch {batch}; clear() it first", self.layers.len(), self.batch)));
+        }
+        Ok(())
+    }
+    pub(crate) fn layers_mut(&mut self) -> impl Iterator<Item = &mut Option<(Tensor, Tensor)>> {
+        self.layers.iter_mut()
+    }
+    pub(crate) fn advance(&mut self, t: usize) {
+        self.len += t;
+    }
+}
+
+/// Picks a token from one row of logits: greedy at temperature 0, else softmax(logits / T)
+/// restricted to the smallest set of tokens whose probability reaches `top_p`.
+pub fn sample(logits: &[f32], temperature: f64, top_p: f64, rng: &mut Rng) -> u32 {
+    let argmax = || logits.iter().enumerate().fold((0, f32::NEG_INFINITY), |m, (i, &x)| if x > m.1 { (i, x) } else { m }).0 as u32;
+    if temperature <= 0.0 {
+        return argmax();
+    }
+    let max = logits.iter().copied().fold(f32::NEG_INFINITY, f32::max) as f64;
+    let mut probs: Vec<(u32, f64)> = logits.iter().enumerate().map(|(i, &x)| (i as u32, ((x as f64 - max) / temperature).exp())).collect();
+    let total: f64 = probs.iter().map(|p| p.1).sum();
+    if !(total > 0.0 && total.is_finite()) {
+        return argmax();
+    }
+    probs.sort_by(|a, b| b.1.total_cmp(&a.1).then(a.0.cmp(&b.0)));
+    let (mut keep, mut acc) = (0, 0.0);
+    for p in &probs {
+        keep += 1;
+        acc += p.1 / total;
+        if acc >= top_p {
+            break;
+        }
+    }
+    let kept = &probs[..keep];
+    let mass: f64 = kept.iter().map(|p| p.1).sum();
+    let mut r = rng.uniform() * mass;
+    for p in kept {
+        r -= p.1;
+        if r < 0.0 {
+            return p.0;
+        }
+    }
+    kept[keep - 1].0
+}
+
+/// Generates up to `max_new_tokens` tokens after `prompt_ids` and returns them (without the
+/// prompt); stops after an `eos_token_id` of the config, or at max_position_embeddings.
+pub fn generate(model: &Llama, prompt_ids: &[u32], max_new_tokens: usize, temperature: f64, top_p: f64, rng: &mut Rng) -> Result<Vec<u32>> {
+    let _g = no_grad();
+    if prompt_ids.is_empty() {
+        return Err(Error::new("generate", "the prompt needs at least one token"));
+    }
+    let cfg = model.config();
+    let room = cfg.max_position_embeddings.saturating_sub(prompt_ids.len());
+    let ids_tensor = |ids: &[u32]| -> Result<Tensor> {
+        let v: Vec<i32> = ids.iter().map(|&i| i32::try_from(i).map_err(|_| Error::new("generate", format!("token id {i} too large")))).collect::<Result<_>>()?;
+        Tensor::from_vec(v, vec![1, ids.len()], Device::Cpu)?.to_device(model.device())
+    };
+    let mut cache = KvCache::new();
+    let mut out = Vec::new();
+    let mut next_input = prompt_ids.to_vec();
+    while out.len() < max_new_tokens.min(room + 1) {
+        let logits = model.forward_with_cache(&ids_tensor(&next_input)?, &mut cache)?; // (1, t, V)
+        let t = logits.dim(1);
+        let last = logits.narrow(1, t - 1, 1)?.to_vec_f32()?; // (V)
+        let tok = sample(&last, temperature, top_p, rng);
+        out.push(tok);
+        if cfg.eos_token_id.contains(&tok) || cache.len() >= cfg.max_position_embeddings {
+            break;
+        }
+        next_input = vec![tok];
+    }
+    Ok(out)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn sampling() {
+        let mut rng = Rng::new(0);
+        let logits = [0.0, 3.0, 1.0, -2.0];
+        assert_eq!(sample(&logits, 0.0, 1.0, &mut rng), 1);
+        // A tiny nucleus keeps only the most likely token.
+        for _ in 0..20 {
+            assert_eq!(sample(&logits, 1.0, 0.01, &mut rng), 1);
+        }
+        let mut seen = [0; 4];
+        for _ in 0..2000 {
+            seen[sample(&logits, 1.0, 1.0, &mut rng) as usize] += 1;
+        }
+        assert!(seen.iter().all(|&c| c > 0), "{seen:?}");
+    }
+}
