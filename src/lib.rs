@@ -1,7 +1,66 @@
 //! ferrolm: a native LLM training framework in Rust.
 //!
-//! This facade re-exports the workspace crates so examples and users depend on one package.
+//! This facade re-exports the workspace crates and holds what needs all of them: the
+//! training loop (`train`) and run-time plotting (`plot`).
+pub mod cli;
+pub mod plot;
+pub mod train;
+
 pub use ferrolm_data as data;
 pub use ferrolm_nn as nn;
+pub use ferrolm_nn::Llama;
 pub use ferrolm_tensor as tensor;
 pub use ferrolm_tensor::{DType, Device, Error, Result, Shape, Tensor};
+
+/// Error type of the examples and the training loop: any error with a readable message.
+pub type AnyResult<T> = std::result::Result<T, Box<dyn std::error::Error + Send + Sync>>;
+
+/// The kernels built from `kernels/` by `build.rs`: an nvcc fatbin when nvcc was found at
+/// build time, else the sources for NVRTC.
+pub mod kernels_image {
+    include!(concat!(env!("OUT_DIR"), "/kernels_image.rs"));
+}
+
+/// Creates the CUDA backend for GPU `i` and registers it, once per process and device.
+pub fn init_cuda(i: usize) -> Result<()> {
+    use std::sync::Mutex;
+    static READY: Mutex<Vec<usize>> = Mutex::new(Vec::new());
+    let mut ready = READY.lock().unwrap_or_else(|e| e.into_inner());
+    if ready.contains(&i) {
+        return Ok(());
+    }
+    let n = ferrolm_cuda::device_count();
+    if i >= n {
+        return Err(Error::new("device", format!("cuda:{i} is not available: {n} CUDA device(s) visible (is the NVIDIA driver installed?)")));
+    }
+    let img = ferrolm_cuda::KernelImage::from_build(kernels_image::FATBIN, kernels_image::SOURCES);
+    tensor::backend::register(ferrolm_cuda::CudaBackend::new(i, img)?);
+    ready.push(i);
+    Ok(())
+}
+
+/// The device named by a `--device` flag (`cpu`, `cuda`, `cuda:N`), or with none the best one
+/// present: CUDA when a GPU is visible and its backend starts, else the CPU.
+pub fn pick_device(flag: Option<&str>) -> Result<Device> {
+    match flag {
+        None | Some("auto") => {
+            if ferrolm_cuda::device_count() == 0 {
+                return Ok(Device::Cpu);
+            }
+            match init_cuda(0) {
+                Ok(()) => Ok(Device::Cuda(0)),
+                Err(e) => {
+                    eprintln!("warning: a GPU is visible but the CUDA backend did not start ({e}); using the CPU");
+                    Ok(Device::Cpu)
+                }
+            }
+        }
+        Some(s) => {
+            let d: Device = s.parse()?;
+            if let Device::Cuda(i) = d {
+                init_cuda(i)?;
+            }
+            Ok(d)
+        }
+    }
+}

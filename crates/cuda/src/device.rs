@@ -1,0 +1,210 @@
+//! The per-device state: context, streams, events, pool, kernel module and cuBLASLt handle.
+use crate::gemm::Gemm;
+use crate::pool::{DevBuf, Pool};
+use crate::storage::CudaStorage;
+use crate::{err, KernelImage};
+use cudarc::driver::{result, sys, CudaContext, CudaFunction, CudaModule};
+use ferrolm_tensor::{bail, DType, Error, Result, Storage};
+use std::collections::HashMap;
+use std::ffi::c_void;
+use std::sync::{Arc, Mutex};
+
+pub use cudarc::driver::{CudaEvent, CudaStream};
+
+pub struct CudaBackend {
+    pub(crate) ordinal: usize,
+    pub(crate) ctx: Arc<CudaContext>,
+    /// Every op of the `Backend` trait is enqueued here.
+    pub(crate) stream: Arc<CudaStream>,
+    pub(crate) pool: Arc<Pool>,
+    module: Arc<CudaModule>,
+    funcs: Mutex<HashMap<&'static str, CudaFunction>>,
+    pub(crate) gemm: Mutex<Gemm>,
+    /// FERROLM_CUDA_POISON=1: every new buffer is filled with NaN bits (0xFF..) so a kernel
+    /// that leaves an output element unwritten fails the tests.
+    poison: bool,
+}
+
+impl std::fmt::Debug for CudaBackend {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "CudaBackend(cuda:{})", self.ordinal)
+    }
+}
+
+/// Kernel parameters, kept alive (and aligned) until the launch call returns.
+#[derive(Default)]
+pub(crate) struct Args {
+    store: Vec<Box<dyn std::any::Any>>,
+    ptrs: Vec<*mut c_void>,
+}
+impl Args {
+    pub fn new() -> Self {
+        Args::default()
+    }
+    pub fn push<T: Copy + 'static>(mut self, v: T) -> Self {
+        let b = Box::new(v);
+        self.ptrs.push(&*b as *const T as *mut c_void);
+        self.store.push(b);
+        self
+    }
+}
+
+impl CudaBackend {
+    /// Opens device `ordinal`, creates its compute stream and loads the kernels.
+    pub fn new(ordinal: usize, image: KernelImage) -> Result<Arc<CudaBackend>> {
+        if !crate::is_available() {
+            bail!("cuda", "no CUDA device available (libcuda missing, no driver, or no GPU)");
+        }
+        let n = crate::device_count();
+        if ordinal >= n {
+            bail!("cuda", "device cuda:{ordinal} does not exist ({n} device(s) visible)");
+        }
+        let ctx = CudaContext::new(ordinal).map_err(err("cuda"))?;
+        // Buffers from the pool are raw pointers ordered by our own stream discipline.
+        unsafe { ctx.disable_event_tracking() };
+        let stream = ctx.new_stream().map_err(err("cuda"))?;
+        let module = load_module(&ctx, image)?;
+        let pool = Pool::new(ctx.clone());
+        let gemm = Gemm::new(&ctx, &pool, &stream)?;
+        Ok(Arc::new(CudaBackend { ordinal, ctx, stream, pool, module, funcs: Mutex::new(HashMap::new()), gemm: Mutex::new(gemm), poison: std::env::var("FERROLM_CUDA_POISON").is_ok_and(|v| v == "1") }))
+    }
+
+    pub fn ordinal(&self) -> usize {
+        self.ordinal
+    }
+    pub fn context(&self) -> &Arc<CudaContext> {
+        &self.ctx
+    }
+    pub fn compute_stream(&self) -> &Arc<CudaStream> {
+        &self.stream
+    }
+    /// A new stream (communication, host<->device copies); order it with events.
+    pub fn new_stream(&self) -> Result<Arc<CudaStream>> {
+        self.ctx.new_stream().map_err(err("new_stream"))
+    }
+    /// Records an event on `stream` (for `wait` on another stream or timing).
+    pub fn record_event(&self, stream: &CudaStream) -> Result<CudaEvent> {
+        let ev = self.ctx.new_event(None).map_err(err("record_event"))?;
+        ev.record(stream).map_err(err("record_event"))?;
+        Ok(ev)
+    }
+    pub fn synchronize(&self) -> Result<()> {
+        self.stream.synchronize().map_err(err("synchronize"))
+    }
+    /// (bytes in live device buffers, peak since `reset_peak_memory`, bytes cached by the pool)
+    pub fn memory_stats(&self) -> (usize, usize, usize) {
+        self.pool.stats()
+    }
+    pub fn reset_peak_memory(&self) {
+        self.pool.reset_peak()
+    }
+    /// Returns cached free blocks to the driver (synchronises the compute stream).
+    pub fn empty_cache(&self) -> Result<()> {
+        self.synchronize()?;
+        self.pool.trim();
+        Ok(())
+    }
+
+    pub(crate) fn bind(&self) -> Result<()> {
+        self.ctx.bind_to_thread().map_err(err("cuda"))
+    }
+    pub(crate) fn raw_alloc(&self, bytes: usize) -> Result<DevBuf> {
+        self.pool.alloc(bytes.max(1))
+    }
+    /// Uninitialised storage of `n` elements.
+    pub(crate) fn alloc(&self, n: usize, dtype: DType) -> Result<CudaStorage> {
+        if dtype == DType::F64 {
+            bail!("cuda", "f64 tensors are not supported on CUDA (use f32 or bf16)");
+        }
+        let buf = self.raw_alloc(n * dtype.size_in_bytes())?;
+        if self.poison && n > 0 {
+            self.bind()?;
+            unsafe { result::memset_d8_async(buf.ptr, 0xFF, n * dtype.size_in_bytes(), self.stream.cu_stream()) }.map_err(err("poison"))?;
+        }
+        Ok(CudaStorage { buf, dtype, len: n, ordinal: self.ordinal })
+    }
+    pub(crate) fn wrap(&self, s: CudaStorage) -> Storage {
+        Storage::Device(Box::new(s))
+    }
+
+    fn func(&self, name: &'static str) -> Result<CudaFunction> {
+        let mut f = self.funcs.lock().unwrap_or_else(|e| e.into_inner());
+        if let Some(x) = f.get(name) {
+            return Ok(x.clone());
+        }
+        let x = self.module.load_function(name).map_err(|e| Error::new(name, format!("kernel not found in the image: {e:?}")))?;
+        f.insert(name, x.clone());
+        Ok(x)
+    }
+
+    /// Enqueues kernel `name` on the compute stream.
+    pub(crate) fn launch(&self, name: &'static str, grid: (u32, u32, u32), block: u32, smem: u32, mut args: Args) -> Result<()> {
+        if grid.0 == 0 || grid.1 == 0 || grid.2 == 0 {
+            return Ok(());
+        }
+        self.bind()?;
+        let f = self.func(name)?;
+        if smem > 48 * 1024 {
+            f.set_attribute(sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, smem as i32)
+                .map_err(|e| Error::new(name, format!("cannot enable {smem} bytes of shared memory: {e:?}")))?;
+        }
+        // SAFETY: the argument list matches the kernel's signature (checked by the GPU tests),
+        // every pointer refers to live pool memory ordered on this stream.
+        unsafe { result::launch_kernel(f.cu_function(), grid, (block, 1, 1), smem, self.stream.cu_stream(), &mut args.ptrs) }
+            .map_err(|e| Error::new(name, format!("launch failed: {e:?}")))
+    }
+
+    /// Host -> device copy of a slice into new storage.
+    pub(crate) fn upload<T: Copy>(&self, v: &[T], dtype: DType) -> Result<CudaStorage> {
+        let s = self.alloc(v.len(), dtype)?;
+        if !v.is_empty() {
+            self.bind()?;
+            // SAFETY: s has room for v; pageable source is staged before the call returns.
+            unsafe { result::memcpy_htod_async(s.buf.ptr, v, self.stream.cu_stream()) }.map_err(err("upload"))?;
+        }
+        Ok(s)
+    }
+    /// Device -> host copy of `n` elements at `ptr` (synchronises the compute stream).
+    pub(crate) fn download<T: Copy + Default>(&self, ptr: u64, n: usize) -> Result<Vec<T>> {
+        let mut v = vec![T::default(); n];
+        if n > 0 {
+            self.bind()?;
+            unsafe { result::memcpy_dtoh_async(&mut v, ptr, self.stream.cu_stream()) }.map_err(err("download"))?;
+            self.synchronize()?;
+        }
+        Ok(v)
+    }
+    /// Zero-fills `bytes` at `ptr` on the compute stream.
+    pub(crate) fn memset0(&self, ptr: u64, bytes: usize) -> Result<()> {
+        self.bind()?;
+        unsafe { result::memset_d8_async(ptr, 0, bytes, self.stream.cu_stream()) }.map_err(err("memset"))
+    }
+}
+
+fn load_module(ctx: &Arc<CudaContext>, image: KernelImage) -> Result<Arc<CudaModule>> {
+    use cudarc::nvrtc::{compile_ptx_with_opts, CompileOptions, Ptx};
+    let ptx = match image {
+        KernelImage::Fatbin(b) => Ptx::from_binary(b.to_vec()),
+        KernelImage::Sources(srcs) => {
+            // One translation unit: common.cuh first, then every .cu without its #include lines.
+            let mut all = String::new();
+            for (name, text) in srcs.iter().filter(|(n, _)| n.ends_with(".cuh")) {
+                all.push_str(&format!("// ---- {name}\n{text}\n"));
+            }
+            for (name, text) in srcs.iter().filter(|(n, _)| n.ends_with(".cu")) {
+                all.push_str(&format!("// ---- {name}\n"));
+                for line in text.lines() {
+                    if !line.trim_start().starts_with("#include \"") && !line.trim_start().starts_with("#pragma once") {
+                        all.push_str(line);
+                        all.push('\n');
+                    }
+                }
+            }
+            let (maj, min) = ctx.compute_capability().map_err(err("nvrtc"))?;
+            let arch: &'static str = Box::leak(format!("compute_{maj}{min}").into_boxed_str());
+            let opts = CompileOptions { arch: Some(arch), options: vec!["-std=c++17".into()], ..Default::default() };
+            compile_ptx_with_opts(all, opts).map_err(|e| Error::new("nvrtc", format!("compiling kernels/ failed: {e}")))?
+        }
+    };
+    ctx.load_module(ptx).map_err(|e| Error::new("cuda", format!("loading the kernel image failed (wrong GPU architecture?): {e:?}")))
+}

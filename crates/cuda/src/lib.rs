@@ -1,0 +1,68 @@
+//! ferrolm-cuda: the CUDA backend. A `CudaBackend` owns one device's context, a compute stream
+//! (plus extra streams and events for copies and communication), a stream-ordered memory pool,
+//! a cuBLASLt handle and the module built from `kernels/` (the fatbin that the root `build.rs`
+//! embeds, or the kernel sources compiled by NVRTC at first use). It implements
+//! `ferrolm_tensor::backend::Backend` and is made visible to tensors with `register`.
+//!
+//! Everything is loaded dynamically (cudarc `dynamic-loading`): this crate builds, and its tests
+//! pass, on a machine with no CUDA at all; nothing is dlopened until a backend is created.
+//!
+//! NCCL ships as `libnccl.so.2`, a name cudarc does not try (it looks for `libnccl.so`). Until
+//! the distributed layer gets its own loader, a user must provide `libnccl.so` on
+//! `LD_LIBRARY_PATH` (a symlink to `libnccl.so.2` is enough); `.gpu/run` does exactly that.
+mod backend;
+mod device;
+mod gemm;
+mod launch;
+mod pool;
+mod storage;
+
+pub use device::{CudaBackend, CudaEvent, CudaStream};
+pub use launch::{AdamWParams, AdamWTensor};
+pub use storage::CudaStorage;
+
+use ferrolm_tensor::Error;
+
+/// The compiled kernels handed over by the facade crate (from `OUT_DIR/kernels_image.rs`).
+#[derive(Clone, Copy, Debug)]
+pub enum KernelImage {
+    /// A fatbin from nvcc (sm_80, sm_90 SASS + compute_90 PTX by default).
+    Fatbin(&'static [u8]),
+    /// `(file name, text)` of every kernels/*.cu and *.cuh: compiled by NVRTC at first use.
+    Sources(&'static [(&'static str, &'static str)]),
+}
+
+impl KernelImage {
+    /// The fatbin when there is one, else the sources.
+    pub fn from_build(fatbin: Option<&'static [u8]>, sources: &'static [(&'static str, &'static str)]) -> Self {
+        match fatbin {
+            Some(f) => KernelImage::Fatbin(f),
+            None => KernelImage::Sources(sources),
+        }
+    }
+}
+
+/// True when libcuda can be loaded and reports at least one device. Never panics (cudarc's
+/// loader panics when the library is missing; that is caught here).
+pub fn is_available() -> bool {
+    device_count() > 0
+}
+
+/// Number of CUDA devices (0 when the driver library is missing or fails to initialise).
+pub fn device_count() -> usize {
+    let r = std::panic::catch_unwind(|| {
+        // SAFETY: only probes whether the shared library can be opened.
+        if !unsafe { cudarc::driver::sys::is_culib_present() } {
+            return 0;
+        }
+        if cudarc::driver::result::init().is_err() {
+            return 0;
+        }
+        cudarc::driver::result::device::get_count().map(|n| n.max(0) as usize).unwrap_or(0)
+    });
+    r.unwrap_or(0)
+}
+
+pub(crate) fn err<E: std::fmt::Debug>(op: &'static str) -> impl Fn(E) -> Error {
+    move |e| Error::new(op, format!("CUDA error: {e:?}"))
+}

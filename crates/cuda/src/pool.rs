@@ -1,0 +1,130 @@
+//! Stream-ordered pooled device memory. Every buffer is used on the compute stream, so a freed
+//! block goes straight back to a size-class free list and the next allocation on that stream may
+//! reuse it: stream order guarantees the old kernels ran first. Steady-state training does no
+//! cuMemAlloc at all. Work on another stream that touches a buffer must be ordered with events
+//! (record on that stream, wait on the compute stream) before the buffer is dropped.
+use crate::err;
+use cudarc::driver::{result, sys, CudaContext};
+use ferrolm_tensor::Result;
+use std::collections::HashMap;
+use std::sync::{Arc, Mutex};
+
+/// Size classes: 4 steps per power of two above 512 bytes (at most 25% waste).
+fn size_class(bytes: usize) -> usize {
+    let b = bytes.max(512);
+    let p = usize::BITS - 1 - b.leading_zeros(); // floor(log2 b)
+    let step = (1usize << p) / 4;
+    b.div_ceil(step) * step
+}
+
+#[derive(Default)]
+struct Lists {
+    free: HashMap<usize, Vec<sys::CUdeviceptr>>,
+    current: usize,
+    peak: usize,
+    cached: usize,
+}
+
+pub struct Pool {
+    ctx: Arc<CudaContext>,
+    lists: Mutex<Lists>,
+}
+
+pub struct DevBuf {
+    pub ptr: sys::CUdeviceptr,
+    pub class: usize,
+    pool: Arc<Pool>,
+}
+
+impl Drop for DevBuf {
+    fn drop(&mut self) {
+        self.pool.release(self.ptr, self.class);
+    }
+}
+impl std::fmt::Debug for DevBuf {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "DevBuf({:#x}, {} bytes)", self.ptr, self.class)
+    }
+}
+
+impl Pool {
+    pub fn new(ctx: Arc<CudaContext>) -> Arc<Self> {
+        Arc::new(Pool { ctx, lists: Mutex::new(Lists::default()) })
+    }
+    pub fn alloc(self: &Arc<Self>, bytes: usize) -> Result<DevBuf> {
+        let class = size_class(bytes);
+        {
+            let mut l = self.lists.lock().unwrap_or_else(|e| e.into_inner());
+            if let Some(ptr) = l.free.get_mut(&class).and_then(|v| v.pop()) {
+                l.cached -= class;
+                l.current += class;
+                l.peak = l.peak.max(l.current);
+                return Ok(DevBuf { ptr, class, pool: self.clone() });
+            }
+        }
+        self.ctx.bind_to_thread().map_err(err("alloc"))?;
+        // SAFETY: plain device allocation; the memory is uninitialised until a kernel writes it.
+        let ptr = match unsafe { result::malloc_sync(class) } {
+            Ok(p) => p,
+            Err(_) => {
+                // Out of memory: give the cached blocks back to the driver and retry once.
+                self.ctx.synchronize().map_err(err("alloc"))?;
+                self.trim();
+                unsafe { result::malloc_sync(class) }.map_err(|e| {
+                    ferrolm_tensor::Error::new("alloc", format!("out of device memory allocating {bytes} bytes: {e:?}"))
+                })?
+            }
+        };
+        let mut l = self.lists.lock().unwrap_or_else(|e| e.into_inner());
+        l.current += class;
+        l.peak = l.peak.max(l.current);
+        Ok(DevBuf { ptr, class, pool: self.clone() })
+    }
+    fn release(&self, ptr: sys::CUdeviceptr, class: usize) {
+        let mut l = self.lists.lock().unwrap_or_else(|e| e.into_inner());
+        l.current -= class;
+        l.cached += class;
+        l.free.entry(class).or_default().push(ptr);
+    }
+    /// Frees every cached (unused) block. The caller must have synchronised the streams.
+    pub fn trim(&self) {
+        let mut l = self.lists.lock().unwrap_or_else(|e| e.into_inner());
+        let _ = self.ctx.bind_to_thread();
+        for (_, v) in l.free.drain() {
+            for p in v {
+                // SAFETY: p came from malloc_sync and no live DevBuf refers to it.
+                let _ = unsafe { result::free_sync(p) };
+            }
+        }
+        l.cached = 0;
+    }
+    /// (bytes in live buffers, peak of that, bytes cached in free lists)
+    pub fn stats(&self) -> (usize, usize, usize) {
+        let l = self.lists.lock().unwrap_or_else(|e| e.into_inner());
+        (l.current, l.peak, l.cached)
+    }
+    pub fn reset_peak(&self) {
+        let mut l = self.lists.lock().unwrap_or_else(|e| e.into_inner());
+        l.peak = l.current;
+    }
+}
+
+impl Drop for Pool {
+    fn drop(&mut self) {
+        let _ = self.ctx.synchronize();
+        self.trim();
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::size_class;
+    #[test]
+    fn size_classes_cover_the_request_with_bounded_waste() {
+        for b in [0usize, 1, 511, 512, 513, 1000, 4096, 5000, 1 << 20, (1 << 20) + 1, 123_456_789] {
+            let c = size_class(b);
+            assert!(c >= b && c >= 512);
+            assert!(b < 512 || c as f64 <= b as f64 * 1.25 + 1.0, "{b} -> {c}");
+        }
+    }
+}

@@ -1,0 +1,84 @@
+// common.cuh — shared device helpers for every ferrolm kernel: bf16 <-> f32 conversion (all
+// arithmetic is done in fp32 and rounded once on store), the strided-layout descriptor that
+// lets element-wise kernels read broadcast / permuted views without a copy, and deterministic
+// warp / block reductions (fixed shuffle trees, so the same input always gives the same bits).
+// It is included by every kernels/*.cu; build.rs compiles them as one translation unit (nvcc)
+// or concatenates them for NVRTC, so everything here is `static` / `inline` and nothing here
+// may include a host standard-library header (NVRTC has none).
+#pragma once
+#include <cuda_bf16.h>
+
+typedef __nv_bfloat16 bf16;
+typedef long long i64;
+
+#define FERRO_MAX_RANK 6
+
+// ---- conversions -----------------------------------------------------------------------------
+static __device__ __forceinline__ float to_f(float x) { return x; }
+static __device__ __forceinline__ float to_f(bf16 x) { return __bfloat162float(x); }
+static __device__ __forceinline__ float to_f(int x) { return (float)x; }
+template <typename T> static __device__ __forceinline__ T from_f(float x);
+template <> __device__ __forceinline__ float from_f<float>(float x) { return x; }
+template <> __device__ __forceinline__ bf16 from_f<bf16>(float x) { return __float2bfloat16_rn(x); }
+template <> __device__ __forceinline__ int from_f<int>(float x) { return (int)x; }  // truncation, as Rust `as i32`
+
+// Two floats -> one 32-bit register of two bf16 (lo at the lower address), for mma fragments.
+static __device__ __forceinline__ unsigned pack_bf16(float lo, float hi) {
+    __nv_bfloat162 v = __floats2bfloat162_rn(lo, hi);
+    return *reinterpret_cast<unsigned*>(&v);
+}
+
+// ---- strided layouts -------------------------------------------------------------------------
+// Element `idx` (row-major over `shape`) of a view lives at `offset + sum(idx[i] * stride[i])`.
+// Passed by value as a kernel parameter; the Rust side mirrors it with #[repr(C)].
+struct Strided {
+    i64 shape[FERRO_MAX_RANK];
+    i64 stride[FERRO_MAX_RANK];
+    i64 offset;
+    int rank;
+    int contiguous;  // 1: element i is at offset + i
+};
+
+static __device__ __forceinline__ i64 strided_index(const Strided& l, i64 i) {
+    if (l.contiguous) return l.offset + i;
+    i64 off = l.offset;
+    for (int d = l.rank - 1; d >= 0; --d) {
+        i64 s = l.shape[d];
+        off += (i % s) * l.stride[d];
+        i /= s;
+    }
+    return off;
+}
+
+// Grid-stride loop over n elements.
+#define FOR_EACH(i, n) for (i64 i = (i64)blockIdx.x * blockDim.x + threadIdx.x; i < (n); i += (i64)gridDim.x * blockDim.x)
+
+// ---- reductions (deterministic: fixed trees) --------------------------------------------------
+static __device__ __forceinline__ float warp_sum(float v) {
+    for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+    return v;
+}
+static __device__ __forceinline__ float warp_max(float v) {
+    for (int o = 16; o > 0; o >>= 1) v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, o));
+    return v;
+}
+// Block-wide reductions; every thread gets the result. blockDim.x must be a multiple of 32
+// (<= 1024). `scratch` is 32 floats of shared memory; safe to call repeatedly.
+static __device__ __forceinline__ float block_sum(float v, float* scratch) {
+    int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nw = blockDim.x >> 5;
+    v = warp_sum(v);
+    __syncthreads();
+    if (lane == 0) scratch[warp] = v;
+    __syncthreads();
+    v = lane < nw ? scratch[lane] : 0.0f;
+    return warp_sum(v);
+}
+static __device__ __forceinline__ float block_max(float v, float* scratch) {
+    int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nw = blockDim.x >> 5;
+    v = warp_max(v);
+    __syncthreads();
+    if (lane == 0) scratch[warp] = v;
+    __syncthreads();
+    v = lane < nw ? scratch[lane] : -INFINITY;
+    return warp_max(v);
+}

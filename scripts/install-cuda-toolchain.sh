@@ -1,0 +1,38 @@
+#!/usr/bin/env bash
+# Installs the pinned PyPI CUDA 13.0 compiler toolchain (nvcc, ptxas, cicc/nvvm, headers) into
+# the git-ignored `.cuda/` virtual environment at the project root. No GPU or driver is needed:
+# build.rs finds nvcc there and compiles kernels/*.cu into the embedded fatbin.
+#
+# Every part is pinned: an unpinned nvidia-nvvm pulls a newer release whose PTX the 13.0 ptxas
+# rejects ("Unsupported .version 9.5"). Idempotent: does nothing when nvcc is already there.
+set -euo pipefail
+
+ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+VENV="$ROOT/.cuda"
+PY="${PYTHON:-python3}"
+
+find_nvcc() {
+    local n
+    for n in "$VENV"/lib/python3.*/site-packages/nvidia/cu13/bin/nvcc; do
+        [ -x "$n" ] && { echo "$n"; return 0; }
+    done
+    return 1
+}
+
+if NVCC="$(find_nvcc)" && "$NVCC" --version >/dev/null 2>&1; then
+    echo "CUDA toolchain already installed."
+else
+    [ -x "$VENV/bin/pip" ] || "$PY" -m venv "$VENV"
+    "$VENV/bin/pip" install --disable-pip-version-check --quiet \
+        nvidia-cuda-nvcc==13.0.88 \
+        nvidia-cuda-crt==13.0.88 \
+        nvidia-cuda-runtime==13.0.96 \
+        nvidia-cuda-cccl==13.0.85 \
+        nvidia-nvvm==13.0.88
+    NVCC="$(find_nvcc)" || { echo "error: nvcc not found under $VENV after install" >&2; exit 1; }
+fi
+
+"$NVCC" --version | tail -n 2
+echo "nvcc:    $NVCC"
+echo "include: $(cd "$(dirname "$NVCC")/../include" && pwd)"
+echo "build.rs finds it automatically; or export NVCC=$NVCC"
