@@ -7,6 +7,7 @@
 use ferrolm::cli::Flags;
 use ferrolm::data::Tokenizer;
 use ferrolm::{AnyResult, DType, Device, Llama, Tensor};
+use std::io::IsTerminal;
 use std::path::Path;
 
 const USAGE: &str = "usage: eval --model DIR --text FILE --seq-len T [--device cpu|cuda[:N]] [--batch-size B]";
@@ -45,6 +46,7 @@ fn run() -> AnyResult<()> {
     }
     let _g = ferrolm::tensor::no_grad();
     let (mut sum, mut n) = (0.0f64, 0usize);
+    let tty = std::io::stderr().is_terminal();
     for start in (0..windows).step_by(bs) {
         let b = bs.min(windows - start);
         let (mut x, mut y) = (Vec::with_capacity(b * t), Vec::with_capacity(b * t));
@@ -57,9 +59,13 @@ fn run() -> AnyResult<()> {
         let yt = Tensor::from_vec(y, [b, t], device)?;
         sum += model.loss(&xt, &yt)?.item()? * (b * t) as f64;
         n += b * t;
-        eprint!("\r{n} / {} predictions", windows * t);
+        if tty {
+            eprint!("\r{n} / {} predictions", windows * t);
+        }
     }
-    eprintln!();
+    if tty {
+        eprintln!();
+    }
     let loss = sum / n as f64;
     println!("loss {loss:.6} ppl {:.4} tokens {n}", loss.exp());
     Ok(())

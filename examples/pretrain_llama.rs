@@ -73,6 +73,19 @@ fn bundled(rel: &str) -> PathBuf {
     cands.iter().flatten().find(|p| p.exists()).cloned().unwrap_or_else(|| PathBuf::from(rel))
 }
 
+/// Cache folder for tokenized text: named after the data and keyed by the files' names, sizes
+/// and modification times and the tokenizer, so edited data or another tokenizer re-tokenizes.
+fn cache_name(data: &Path, tokenizer: &Path) -> AnyResult<String> {
+    use std::hash::{Hash, Hasher};
+    let mut h = std::collections::hash_map::DefaultHasher::new();
+    for f in ferrolm::data::text_files(data)?.iter().chain([&tokenizer.to_path_buf()]) {
+        let m = std::fs::metadata(f).map_err(|e| format!("{}: {e}", f.display()))?;
+        (f.file_name(), m.len(), m.modified().ok()).hash(&mut h);
+    }
+    let stem = data.file_stem().map(|s| s.to_string_lossy().into_owned()).unwrap_or_else(|| "data".into());
+    Ok(format!("{stem}-{:016x}", h.finish()))
+}
+
 fn main() {
     if let Err(e) = run() {
         eprintln!("error: {e}");
@@ -93,8 +106,7 @@ fn run() -> AnyResult<()> {
     let shard_dir = if PrepareSummary::load(&data).ok().flatten().is_some() {
         data.clone()
     } else {
-        let stem = data.file_name().map(|s| s.to_string_lossy().into_owned()).unwrap_or_else(|| "data".into());
-        let dir = PathBuf::from("runs/cache").join(format!("{stem}-v{}", tokenizer.vocab_size()));
+        let dir = PathBuf::from("runs/cache").join(cache_name(&data, &tok_path)?);
         if PrepareSummary::load(&dir)?.is_none() {
             println!("tokenizing {} with {} ...", data.display(), tok_path.display());
             let s = prepare_text_dir(&data, &tokenizer, &dir, 0.05, 1 << 24)?;

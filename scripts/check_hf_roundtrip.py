@@ -102,7 +102,7 @@ def main() -> int:
         if not tok_path.is_file():
             fail(f"--text needs {tok_path} (or pass --ids)")
         from tokenizers import Tokenizer
-        rows = [Tokenizer.from_file(str(tok_path)).encode(args.text.read_text()).ids]
+        rows = [Tokenizer.from_file(str(tok_path)).encode(args.text.read_text(), add_special_tokens=False).ids]
     else:
         path = args.ids_file or (d / "roundtrip_ids.json")
         if not path.is_file():

@@ -163,13 +163,19 @@ impl Trainer {
             let tok_s = (self.tokens_seen - tokens0) as f64 / elapsed.max(1e-9);
             let eta = elapsed / done as f64 * (self.opts.steps - self.step) as f64;
             self.history.push((self.step as f64, loss));
+            let peak_mib = ferrolm_tensor::peak_bytes() as f64 / (1 << 20) as f64;
+            let mfu = self.mfu(tok_s);
             writeln!(log, "{}", serde_json::json!({"step": self.step, "loss": loss, "lr": lr, "grad_norm": norm,
-                "tokens_per_s": step_tokens / dt.max(1e-9), "elapsed_s": elapsed}))?;
+                "tokens_per_s": step_tokens / dt.max(1e-9), "elapsed_s": elapsed, "peak_tensor_mib": peak_mib, "mfu": mfu}))?;
             if self.step % self.opts.log_every.max(1) == 0 || self.step == self.opts.steps || self.step == start_step + 1 {
                 if tty {
                     eprint!("\r\x1b[2K");
                 }
-                println!("step {:>5}/{} | loss {loss:.4} | lr {lr:.2e} | grad norm {norm:.3} | {tok_s:.0} tok/s | ETA {}",
+                let dev = match mfu {
+                    Some(m) => format!(" | MFU {:.1}% | peak mem {peak_mib:.0} MiB", m * 100.0),
+                    None => String::new(),
+                };
+                println!("step {:>5}/{} | loss {loss:.4} | lr {lr:.2e} | grad norm {norm:.3} | {tok_s:.0} tok/s{dev} | ETA {}",
                     self.step, self.opts.steps, fmt_secs(eta));
             } else if tty {
                 let frac = self.step as f64 / self.opts.steps as f64;
@@ -197,6 +203,19 @@ impl Trainer {
         }
         self.plot()?;
         Ok(())
+    }
+
+    /// Model FLOPs utilisation on CUDA: (6 N + 12 L T d_attn) FLOPs per token (PaLM's count)
+    /// over the bf16 dense peak, `FERROLM_PEAK_TFLOPS` or 989 (H100/H200 SXM). None on CPU.
+    fn mfu(&self, tokens_per_s: f64) -> Option<f64> {
+        if self.model.device() == Device::Cpu {
+            return None;
+        }
+        let c = self.model.config();
+        let attn = 12.0 * (c.num_hidden_layers * self.opts.seq_len * c.num_attention_heads * c.head_dim) as f64;
+        let per_token = 6.0 * self.model.num_params() as f64 + attn;
+        let peak = std::env::var("FERROLM_PEAK_TFLOPS").ok().and_then(|v| v.parse::<f64>().ok()).unwrap_or(989.0) * 1e12;
+        Some(per_token * tokens_per_s / peak)
     }
 
     fn plot(&self) -> AnyResult<()> {

@@ -11,6 +11,9 @@ use std::sync::{Arc, Mutex};
 
 pub use cudarc::driver::{CudaEvent, CudaStream};
 
+/// Every backend created in this process (weak), for `CudaBackend::latest`.
+static INSTANCES: Mutex<Vec<std::sync::Weak<CudaBackend>>> = Mutex::new(Vec::new());
+
 pub struct CudaBackend {
     pub(crate) ordinal: usize,
     pub(crate) ctx: Arc<CudaContext>,
@@ -66,7 +69,29 @@ impl CudaBackend {
         let module = load_module(&ctx, image)?;
         let pool = Pool::new(ctx.clone());
         let gemm = Gemm::new(&ctx, &pool, &stream)?;
-        Ok(Arc::new(CudaBackend { ordinal, ctx, stream, pool, module, funcs: Mutex::new(HashMap::new()), gemm: Mutex::new(gemm), poison: std::env::var("FERROLM_CUDA_POISON").is_ok_and(|v| v == "1") }))
+        let b = Arc::new(CudaBackend { ordinal, ctx, stream, pool, module, funcs: Mutex::new(HashMap::new()), gemm: Mutex::new(gemm), poison: std::env::var("FERROLM_CUDA_POISON").is_ok_and(|v| v == "1") });
+        INSTANCES.lock().unwrap_or_else(|e| e.into_inner()).push(Arc::downgrade(&b));
+        Ok(b)
+    }
+
+    /// The most recently created backend for device `ordinal` that is still alive (e.g. the one
+    /// `ferrolm::init_cuda` registered), for callers that need its streams, timing or memory
+    /// statistics but did not create it.
+    pub fn latest(ordinal: usize) -> Option<Arc<CudaBackend>> {
+        let mut v = INSTANCES.lock().unwrap_or_else(|e| e.into_inner());
+        v.retain(|w| w.strong_count() > 0);
+        v.iter().rev().filter_map(|w| w.upgrade()).find(|b| b.ordinal == ordinal)
+    }
+    /// The device's name as the driver reports it (e.g. "NVIDIA H100 80GB HBM3").
+    pub fn device_name(&self) -> String {
+        self.ctx.name().unwrap_or_else(|e| format!("cuda:{} ({e:?})", self.ordinal))
+    }
+    /// Records a timing-enabled event on the compute stream; `start.elapsed_ms(&end)` gives the
+    /// GPU time between two of them (it waits for `end`).
+    pub fn timing_event(&self) -> Result<CudaEvent> {
+        let ev = self.ctx.new_event(Some(sys::CUevent_flags::CU_EVENT_DEFAULT)).map_err(err("timing_event"))?;
+        ev.record(&self.stream).map_err(err("timing_event"))?;
+        Ok(ev)
     }
 
     pub fn ordinal(&self) -> usize {
@@ -94,6 +119,11 @@ impl CudaBackend {
     /// (bytes in live device buffers, peak since `reset_peak_memory`, bytes cached by the pool)
     pub fn memory_stats(&self) -> (usize, usize, usize) {
         self.pool.stats()
+    }
+    /// Number of driver allocations (cuMemAlloc) the pool has made so far: constant across
+    /// steady-state training steps.
+    pub fn device_allocations(&self) -> usize {
+        self.pool.mallocs()
     }
     pub fn reset_peak_memory(&self) {
         self.pool.reset_peak()

@@ -152,10 +152,22 @@ impl CudaBackend {
         map
     }
 
-    /// Fused AdamW over many tensors in one launch. `grad_scale` (device f32 scalar, e.g. the
-    /// clip factor from `grad_norm`) multiplies every gradient; no host synchronisation.
+    /// Fused AdamW over many tensors in one launch. `grad_scale` (device f32 scalar: element 0
+    /// of the storage) multiplies every gradient; no host synchronisation. For the clip factor
+    /// from `grad_norm` (element 1 of its output) use `adamw_multi_scaled(.., Some((&norm, 1)))`.
     pub fn adamw_multi(&self, tensors: &[AdamWTensor], p: AdamWParams, grad_scale: Option<&CudaStorage>) -> Result<()> {
+        self.adamw_multi_scaled(tensors, p, grad_scale.map(|g| (g, 0)))
+    }
+
+    /// `adamw_multi` with the gradient scale read from element `i` of an f32 device storage,
+    /// e.g. `Some((&grad_norm_out, 1))` applies the clip factor without a host round trip.
+    pub fn adamw_multi_scaled(&self, tensors: &[AdamWTensor], p: AdamWParams, grad_scale: Option<(&CudaStorage, usize)>) -> Result<()> {
         let op = "adamw";
+        if let Some((g, i)) = grad_scale {
+            if g.dtype != DType::F32 || i >= g.len {
+                bail!(op, "grad_scale must be an f32 storage with an element {i} (got {} of {} elements)", g.dtype, g.len);
+            }
+        }
         let mut table = Vec::with_capacity(tensors.len());
         for t in tensors {
             let n = t.master.len;
@@ -186,7 +198,7 @@ impl CudaBackend {
         let bc1 = 1.0 - (p.beta1 as f64).powi(p.step as i32);
         let bc2 = 1.0 - (p.beta2 as f64).powi(p.step as i32);
         let args = Args::new().push(dt.buf.ptr).push(dm.buf.ptr).push(p.lr).push(p.beta1).push(p.beta2).push(p.eps)
-            .push((1.0 / bc1) as f32).push((1.0 / bc2) as f32).push(grad_scale.map_or(0u64, |g| g.buf.ptr));
+            .push((1.0 / bc1) as f32).push((1.0 / bc2) as f32).push(grad_scale.map_or(0u64, |(g, i)| g.ptr_at(i)));
         self.launch("adamw_multi", (map.len() as u32, 1, 1), 256, 0, args)
         // dt, dm return to the pool here; stream order keeps them valid for the launch.
     }

@@ -23,6 +23,8 @@ struct Lists {
     current: usize,
     peak: usize,
     cached: usize,
+    /// cuMemAlloc calls so far (successful ones).
+    mallocs: usize,
 }
 
 pub struct Pool {
@@ -78,6 +80,7 @@ impl Pool {
         let mut l = self.lists.lock().unwrap_or_else(|e| e.into_inner());
         l.current += class;
         l.peak = l.peak.max(l.current);
+        l.mallocs += 1;
         Ok(DevBuf { ptr, class, pool: self.clone() })
     }
     fn release(&self, ptr: sys::CUdeviceptr, class: usize) {
@@ -102,6 +105,10 @@ impl Pool {
     pub fn stats(&self) -> (usize, usize, usize) {
         let l = self.lists.lock().unwrap_or_else(|e| e.into_inner());
         (l.current, l.peak, l.cached)
+    }
+    /// Number of driver allocations (cuMemAlloc) made so far.
+    pub fn mallocs(&self) -> usize {
+        self.lists.lock().unwrap_or_else(|e| e.into_inner()).mallocs
     }
     pub fn reset_peak(&self) {
         let mut l = self.lists.lock().unwrap_or_else(|e| e.into_inner());

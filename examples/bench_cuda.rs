@@ -1,0 +1,371 @@
+//! CUDA kernel benchmark: every kernel's median GPU time against its floor.
+//!
+//! Floors are measured first on the same device: the engine's device-to-device copy bandwidth
+//! (bytes moved / bandwidth) and the cuBLASLt bf16 GEMM peak at 8192^3 (FLOPs / peak). Each row
+//! is the median of >= 10 timed repetitions (CUDA events on the compute stream) after warm-up,
+//! on fresh random inputs (never zeros). Kernels are called through the `Backend` trait directly
+//! (no autograd bookkeeping), so the time is the kernels' plus the engine's launch overhead.
+//!
+//! Output: a markdown table on stdout; with `$OUT` set also `$OUT/bench_cuda.md` and
+//! `$OUT/bench_cuda.json` (`attention_fwd_bwd_ms: {key: ms}`, joined by
+//! `scripts/bench_attention_torch.py --ours $OUT/bench_cuda.json`).
+//!
+//!   cargo run --release --example bench_cuda [-- --reps 20 --quick]
+//!   on a GPU host: .gpu/run bin/bench_cuda
+//!
+//! With no CUDA device it prints "skipped: no CUDA device" and exits 0 (1 with
+//! FERROLM_REQUIRE_GPU=1).
+use ferrolm::tensor::backend::{AttnDims, Backend, BinaryOp, ReduceOp, Sl, UnaryOp};
+use ferrolm::tensor::{bf16, CpuStorage, DType, Layout, Shape, Storage};
+use ferrolm::AnyResult;
+use ferrolm_cuda::CudaBackend;
+use std::fmt::Write as _;
+use std::sync::Arc;
+
+/// A device buffer with its (contiguous) layout.
+struct Buf {
+    s: Storage,
+    l: Layout,
+}
+impl Buf {
+    fn sl(&self) -> Sl<'_> {
+        (&self.s, &self.l)
+    }
+}
+
+/// Fast host generator (SplitMix64) for large random inputs.
+struct Gen(u64);
+impl Gen {
+    fn next(&mut self) -> u64 {
+        self.0 = self.0.wrapping_add(0x9E37_79B9_7F4A_7C15);
+        let mut z = self.0;
+        z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+        z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+        z ^ (z >> 31)
+    }
+    /// Approximately N(0, std^2): sum of four uniforms (16-bit each) from one draw.
+    fn normal(&mut self, std: f32) -> f32 {
+        let r = self.next();
+        let s: f32 = (0..4).map(|i| ((r >> (16 * i)) & 0xFFFF) as f32 / 65536.0).sum();
+        (s - 2.0) * 1.732_050_8 * std
+    }
+}
+
+struct Bench {
+    be: Arc<CudaBackend>,
+    gen: Gen,
+    reps: usize,
+}
+
+fn layout(shape: &[usize]) -> Layout {
+    Layout::contiguous(Shape(shape.to_vec()))
+}
+
+impl Bench {
+    fn randn(&mut self, shape: &[usize], dt: DType, std: f32) -> AnyResult<Buf> {
+        let n: usize = shape.iter().product();
+        let cpu = match dt {
+            DType::BF16 => CpuStorage::BF16((0..n).map(|_| bf16::from_f32(self.gen.normal(std))).collect()),
+            DType::F32 => CpuStorage::F32((0..n).map(|_| self.gen.normal(std)).collect()),
+            d => return Err(format!("randn: {d} not supported").into()),
+        };
+        Ok(Buf { s: self.be.from_cpu(&cpu)?, l: layout(shape) })
+    }
+    fn ids(&mut self, n: usize, below: usize) -> AnyResult<Buf> {
+        let v: Vec<i32> = (0..n).map(|_| (self.gen.next() % below as u64) as i32).collect();
+        Ok(Buf { s: self.be.from_cpu(&CpuStorage::I32(v))?, l: layout(&[n]) })
+    }
+    fn scalar_f32(&mut self, v: f32) -> AnyResult<Buf> {
+        Ok(Buf { s: self.be.from_cpu(&CpuStorage::F32(vec![v]))?, l: layout(&[]) })
+    }
+
+    /// Median GPU milliseconds of one call of `f`: 3 warm-up calls, then `reps` timed
+    /// repetitions, each of `inner` back-to-back calls between two events (inner chosen so a
+    /// repetition lasts about 1 ms, which hides event resolution for the small kernels).
+    fn time(&self, mut f: impl FnMut() -> AnyResult<()>) -> AnyResult<f64> {
+        let be = &self.be;
+        for _ in 0..3 {
+            f()?;
+        }
+        be.synchronize()?;
+        let ev = |e: ferrolm_cuda::CudaEvent, g: ferrolm_cuda::CudaEvent| -> AnyResult<f64> {
+            Ok(e.elapsed_ms(&g).map_err(|x| format!("event timing failed: {x:?}"))? as f64)
+        };
+        let a = be.timing_event()?;
+        f()?;
+        let b = be.timing_event()?;
+        let one = ev(a, b)?;
+        let inner = ((1.0 / one.max(1e-4)).ceil() as usize).clamp(1, 100);
+        let mut v = Vec::with_capacity(self.reps);
+        for _ in 0..self.reps {
+            let a = be.timing_event()?;
+            for _ in 0..inner {
+                f()?;
+            }
+            let b = be.timing_event()?;
+            v.push(ev(a, b)? / inner as f64);
+        }
+        v.sort_by(|x, y| x.partial_cmp(y).unwrap());
+        Ok(v[v.len() / 2])
+    }
+}
+
+/// One table row: floor from bytes (over the copy bandwidth) or FLOPs (over the GEMM peak).
+struct Row {
+    name: String,
+    shape: String,
+    ms: f64,
+    bytes: f64,
+    flops: f64,
+    floor_ms: f64,
+}
+
+fn civil_date() -> String {
+    let secs = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map(|d| d.as_secs()).unwrap_or(0) as i64;
+    // Howard Hinnant's days_from_civil inverse.
+    let z = secs.div_euclid(86_400) + 719_468;
+    let era = z.div_euclid(146_097);
+    let doe = z - era * 146_097;
+    let yoe = (doe - doe / 1460 + doe / 36_524 - doe / 146_096) / 365;
+    let doy = doe - (365 * yoe + yoe / 4 - yoe / 100);
+    let mp = (5 * doy + 2) / 153;
+    let d = doy - (153 * mp + 2) / 5 + 1;
+    let m = if mp < 10 { mp + 3 } else { mp - 9 };
+    let y = yoe + era * 400 + (m <= 2) as i64;
+    format!("{y:04}-{m:02}-{d:02}")
+}
+
+fn attn_key(b: usize, hq: usize, hkv: usize, t: usize, d: usize) -> String {
+    format!("b{b}_hq{hq}_hkv{hkv}_t{t}_d{d}")
+}
+
+fn main() -> AnyResult<()> {
+    let args: Vec<String> = std::env::args().collect();
+    let quick = args.iter().any(|a| a == "--quick");
+    let reps = args.iter().position(|a| a == "--reps").and_then(|i| args.get(i + 1)).and_then(|s| s.parse().ok()).unwrap_or(20usize).max(10);
+
+    if ferrolm_cuda::device_count() == 0 {
+        println!("skipped: no CUDA device");
+        if std::env::var("FERROLM_REQUIRE_GPU").is_ok_and(|v| v == "1") {
+            eprintln!("FERROLM_REQUIRE_GPU=1 but no CUDA device is available");
+            std::process::exit(1);
+        }
+        return Ok(());
+    }
+    ferrolm::init_cuda(0)?;
+    let be = CudaBackend::latest(0).ok_or("init_cuda(0) succeeded but no live CUDA backend was found")?;
+    let device = be.device_name();
+    let date = civil_date();
+    println!("# ferrolm CUDA kernel benchmark\n\ndevice: {device}  \ndate: {date}  \nreps: {reps} (median), kernels image: {}\n",
+        if ferrolm::kernels_image::FATBIN.is_some() { "nvcc fatbin" } else { "NVRTC sources" });
+    let mut bn = Bench { be: be.clone(), gen: Gen(0x5EED_F00D), reps };
+    let bf = DType::BF16;
+
+    // ---- floors ---------------------------------------------------------------------------
+    let copy_n: usize = if quick { 64 << 20 } else { 512 << 20 }; // bf16 elements (1 GiB full)
+    let src = bn.randn(&[copy_n], bf, 1.0)?;
+    let copy_ms = bn.time(|| {
+        be.copy_strided(src.sl())?;
+        Ok(())
+    })?;
+    let copy_bytes = 2.0 * copy_n as f64 * 2.0;
+    let bw = copy_bytes / (copy_ms * 1e-3); // bytes/s
+    drop(src);
+    let g = if quick { 4096 } else { 8192 };
+    let (ga, gb) = (bn.randn(&[g, g], bf, 1.0)?, bn.randn(&[g, g], bf, 1.0)?);
+    let gemm_ms = bn.time(|| {
+        be.matmul(ga.sl(), gb.sl())?;
+        Ok(())
+    })?;
+    let gemm_flops = 2.0 * (g as f64).powi(3);
+    let peak = gemm_flops / (gemm_ms * 1e-3); // FLOP/s
+    drop((ga, gb));
+    be.empty_cache()?;
+    let mut md = String::new();
+    writeln!(md, "# ferrolm CUDA kernel benchmark\n\ndevice: {device}  \ndate: {date}  \nreps: {reps} (median of CUDA-event timings after warm-up)\n")?;
+    writeln!(md, "## Floors\n\n| floor | shape | ms | rate |\n|---|---|---:|---:|")?;
+    writeln!(md, "| device copy (engine copy_strided, contiguous bf16) | {copy_n} elems | {copy_ms:.3} | {:.0} GB/s |", bw / 1e9)?;
+    writeln!(md, "| cuBLASLt bf16 GEMM | {g}x{g}x{g} | {gemm_ms:.3} | {:.1} TFLOP/s |", peak / 1e12)?;
+    print!("{}", md.split_once("## Floors").map(|x| format!("## Floors{}", x.1)).unwrap_or_default());
+    use std::io::Write as _;
+    std::io::stdout().flush().ok();
+
+    let mut rows: Vec<Row> = Vec::new();
+    let push = |rows: &mut Vec<Row>, name: &str, shape: String, ms: f64, bytes: f64, flops: f64| {
+        let floor_ms = if flops > 0.0 { flops / peak * 1e3 } else { bytes / bw * 1e3 };
+        println!("{name:<34} {shape:<28} {ms:>9.4} ms  floor {floor_ms:>9.4} ms  ratio {:.2}", floor_ms / ms);
+        rows.push(Row { name: name.into(), shape, ms, bytes, flops, floor_ms });
+    };
+
+    // ---- memory-bound kernels -------------------------------------------------------------
+    let (r, c) = if quick { (4096, 4096) } else { (8192, 8192) };
+    let n = r * c;
+    {
+        let (a, b) = (bn.randn(&[r, c], bf, 1.0)?, bn.randn(&[r, c], bf, 1.0)?);
+        let ms = bn.time(|| { be.binary(BinaryOp::Add, a.sl(), b.sl())?; Ok(()) })?;
+        push(&mut rows, "add (bf16)", format!("({r}, {c})"), ms, 3.0 * n as f64 * 2.0, 0.0);
+        let ms = bn.time(|| { be.unary(UnaryOp::Silu, a.sl())?; Ok(()) })?;
+        push(&mut rows, "silu (bf16)", format!("({r}, {c})"), ms, 2.0 * n as f64 * 2.0, 0.0);
+        let ms = bn.time(|| { be.reduce(ReduceOp::Sum, a.sl(), &[1])?; Ok(()) })?;
+        push(&mut rows, "sum over last dim (bf16)", format!("({r}, {c})"), ms, (n + r) as f64 * 2.0, 0.0);
+        let ms = bn.time(|| { be.reduce(ReduceOp::Sum, a.sl(), &[0])?; Ok(()) })?;
+        push(&mut rows, "sum over first dim (bf16)", format!("({r}, {c})"), ms, (n + c) as f64 * 2.0, 0.0);
+        let tl = transpose_layout(&a.l);
+        let ms = bn.time(|| { be.copy_strided((&a.s, &tl))?; Ok(()) })?;
+        push(&mut rows, "transpose copy (bf16)", format!("({c}, {r})^T"), ms, 2.0 * n as f64 * 2.0, 0.0);
+        let ms = bn.time(|| { be.softmax_last(a.sl())?; Ok(()) })?;
+        push(&mut rows, "softmax fwd (bf16)", format!("({r}, {c})"), ms, 2.0 * n as f64 * 2.0, 0.0);
+        let y = Buf { s: be.softmax_last(a.sl())?, l: a.l.clone() };
+        let ms = bn.time(|| { be.softmax_last_backward(y.sl(), b.sl())?; Ok(()) })?;
+        push(&mut rows, "softmax bwd (bf16)", format!("({r}, {c})"), ms, 3.0 * n as f64 * 2.0, 0.0);
+    }
+    be.empty_cache()?;
+    {
+        let (rn, d) = if quick { (4096, 4096) } else { (16384, 4096) };
+        let x = bn.randn(&[rn, d], bf, 1.0)?;
+        let w = bn.randn(&[d], bf, 1.0)?;
+        let dy = bn.randn(&[rn, d], bf, 1.0)?;
+        let ms = bn.time(|| { be.rmsnorm(x.sl(), w.sl(), 1e-5)?; Ok(()) })?;
+        let nn = (rn * d) as f64;
+        push(&mut rows, "rmsnorm fwd (bf16)", format!("({rn}, {d})"), ms, 2.0 * nn * 2.0 + rn as f64 * 4.0, 0.0);
+        let (_y, inv) = be.rmsnorm(x.sl(), w.sl(), 1e-5)?;
+        let inv = Buf { s: inv, l: layout(&[rn]) };
+        let ms = bn.time(|| { be.rmsnorm_backward(dy.sl(), x.sl(), w.sl(), inv.sl())?; Ok(()) })?;
+        push(&mut rows, "rmsnorm bwd (bf16)", format!("({rn}, {d})"), ms, 3.0 * nn * 2.0 + rn as f64 * 4.0, 0.0);
+    }
+    be.empty_cache()?;
+    {
+        let (b, h, t, d) = if quick { (2, 16, 2048, 128) } else { (4, 32, 4096, 128) };
+        let x = bn.randn(&[b, h, t, d], bf, 1.0)?;
+        let cos = bn.randn(&[t, d], bf, 0.7)?;
+        let sin = bn.randn(&[t, d], bf, 0.7)?;
+        let nn = (b * h * t * d) as f64;
+        let ms = bn.time(|| { be.rope(x.sl(), cos.sl(), sin.sl(), false)?; Ok(()) })?;
+        push(&mut rows, "rope fwd (bf16)", format!("({b}, {h}, {t}, {d})"), ms, 2.0 * nn * 2.0 + 2.0 * (t * d) as f64 * 2.0, 0.0);
+        let ms = bn.time(|| { be.rope(x.sl(), cos.sl(), sin.sl(), true)?; Ok(()) })?;
+        push(&mut rows, "rope bwd (bf16)", format!("({b}, {h}, {t}, {d})"), ms, 2.0 * nn * 2.0 + 2.0 * (t * d) as f64 * 2.0, 0.0);
+    }
+    be.empty_cache()?;
+    {
+        let (rn, f) = if quick { (2048, 11008) } else { (8192, 11008) };
+        let gt = bn.randn(&[rn, f], bf, 1.0)?;
+        let up = bn.randn(&[rn, f], bf, 1.0)?;
+        let dy = bn.randn(&[rn, f], bf, 1.0)?;
+        let nn = (rn * f) as f64;
+        let ms = bn.time(|| { be.swiglu(gt.sl(), up.sl())?; Ok(()) })?;
+        push(&mut rows, "swiglu fwd (bf16)", format!("({rn}, {f})"), ms, 3.0 * nn * 2.0, 0.0);
+        let ms = bn.time(|| { be.swiglu_backward(dy.sl(), gt.sl(), up.sl())?; Ok(()) })?;
+        push(&mut rows, "swiglu bwd (bf16)", format!("({rn}, {f})"), ms, 5.0 * nn * 2.0, 0.0);
+    }
+    be.empty_cache()?;
+    {
+        let (rn, v) = if quick { (2048, 32000) } else { (8192, 32000) };
+        let x = bn.randn(&[rn, v], bf, 2.0)?;
+        let t = bn.ids(rn, v)?;
+        let scale = bn.scalar_f32(1.0 / rn as f32)?;
+        let nn = (rn * v) as f64;
+        let ms = bn.time(|| { be.cross_entropy(x.sl(), t.sl(), -100)?; Ok(()) })?;
+        push(&mut rows, "cross-entropy fwd (bf16)", format!("({rn}, {v})"), ms, nn * 2.0, 0.0);
+        let (_, lse, _) = be.cross_entropy(x.sl(), t.sl(), -100)?;
+        let lse = Buf { s: lse, l: layout(&[rn]) };
+        let ms_b = bn.time(|| { be.cross_entropy_backward(x.sl(), t.sl(), lse.sl(), -100, scale.sl())?; Ok(()) })?;
+        push(&mut rows, "cross-entropy bwd (bf16)", format!("({rn}, {v})"), ms_b, 2.0 * nn * 2.0, 0.0);
+        let ms = bn.time(|| {
+            be.cross_entropy(x.sl(), t.sl(), -100)?;
+            be.cross_entropy_backward(x.sl(), t.sl(), lse.sl(), -100, scale.sl())?;
+            Ok(())
+        })?;
+        push(&mut rows, "cross-entropy fwd+bwd (bf16)", format!("({rn}, {v})"), ms, 2.0 * nn * 2.0, 0.0);
+        let ms = bn.time(|| { be.cross_entropy_fused(&x.s, &x.l, &t.s, -100, 1.0)?; Ok(()) })?;
+        push(&mut rows, "cross-entropy fused fwd+bwd (bf16)", format!("({rn}, {v})"), ms, 2.0 * nn * 2.0, 0.0);
+    }
+    be.empty_cache()?;
+    {
+        let (vocab, d, nt) = if quick { (32000, 2048, 4096) } else { (32000, 4096, 16384) };
+        let w = bn.randn(&[vocab, d], bf, 1.0)?;
+        let ids = bn.ids(nt, vocab)?;
+        let dy = bn.randn(&[nt, d], bf, 1.0)?;
+        let ms = bn.time(|| { be.embedding(w.sl(), ids.sl())?; Ok(()) })?;
+        push(&mut rows, "embedding fwd (bf16)", format!("V{vocab} d{d} n{nt}"), ms, 2.0 * (nt * d) as f64 * 2.0 + nt as f64 * 4.0, 0.0);
+        let ms = bn.time(|| { be.embedding_backward(dy.sl(), ids.sl(), vocab)?; Ok(()) })?;
+        push(&mut rows, "embedding bwd (bf16)", format!("V{vocab} d{d} n{nt}"), ms, (nt * d) as f64 * 2.0 + (vocab * d) as f64 * 2.0 + nt as f64 * 4.0, 0.0);
+    }
+    be.empty_cache()?;
+
+    // ---- attention ------------------------------------------------------------------------
+    let mut shapes = vec![(4, 16, 16, 1024, 128), (4, 16, 16, 2048, 128), (4, 16, 16, 4096, 128), (8, 32, 32, 2048, 64), (4, 32, 8, 2048, 128), (8, 32, 8, 2048, 64)];
+    if quick {
+        shapes.truncate(2);
+    }
+    let mut attn_json = Vec::new();
+    let mut attn_md = String::from("| key | fwd ms | bwd ms | fwd+bwd ms | fwd+bwd TFLOP/s | floor ms | floor/time |\n|---|---:|---:|---:|---:|---:|---:|\n");
+    for (b, hq, hkv, t, d) in shapes {
+        let dims = AttnDims { b, hq, hkv, t, d };
+        let q = bn.randn(&[b, hq, t, d], bf, 1.0)?;
+        let k = bn.randn(&[b, hkv, t, d], bf, 1.0)?;
+        let v = bn.randn(&[b, hkv, t, d], bf, 1.0)?;
+        let dout = bn.randn(&[b, hq, t, d], bf, 1.0)?;
+        let scale = 1.0 / (d as f64).sqrt();
+        let (o, lse) = be.attention(q.sl(), k.sl(), v.sl(), dims, scale)?;
+        let (o, lse) = (Buf { s: o, l: layout(&[b, hq, t, d]) }, Buf { s: lse, l: layout(&[b, hq, t]) });
+        let fwd = bn.time(|| { be.attention(q.sl(), k.sl(), v.sl(), dims, scale)?; Ok(()) })?;
+        let bwd = bn.time(|| { be.attention_backward(dout.sl(), q.sl(), k.sl(), v.sl(), o.sl(), lse.sl(), dims, scale)?; Ok(()) })?;
+        let both = bn.time(|| {
+            let (o2, l2) = be.attention(q.sl(), k.sl(), v.sl(), dims, scale)?;
+            be.attention_backward(dout.sl(), q.sl(), k.sl(), v.sl(), (&o2, &o.l), (&l2, &lse.l), dims, scale)?;
+            Ok(())
+        })?;
+        // Causal: fwd 2·B·H·T²·D (half of 4·B·H·T²·D), bwd 2.5x the forward.
+        let f_fwd = 2.0 * (b * hq) as f64 * (t as f64).powi(2) * d as f64;
+        let f_all = 3.5 * f_fwd;
+        let key = attn_key(b, hq, hkv, t, d);
+        push(&mut rows, "attention fwd (bf16, causal)", key.clone(), fwd, 0.0, f_fwd);
+        push(&mut rows, "attention bwd (bf16, causal)", key.clone(), bwd, 0.0, 2.5 * f_fwd);
+        push(&mut rows, "attention fwd+bwd (bf16, causal)", key.clone(), both, 0.0, f_all);
+        let floor = f_all / peak * 1e3;
+        writeln!(attn_md, "| {key} | {fwd:.3} | {bwd:.3} | {both:.3} | {:.1} | {floor:.3} | {:.2} |", f_all / (both * 1e-3) / 1e12, floor / both)?;
+        attn_json.push((key, fwd, bwd, both));
+        drop((q, k, v, dout, o, lse));
+        be.empty_cache()?;
+    }
+
+    // ---- report ---------------------------------------------------------------------------
+    writeln!(md, "\n## Kernels\n\nfloor = bytes / copy bandwidth for memory-bound kernels, FLOPs / GEMM peak for attention; ratio = floor / time (1.0 = at the floor).\n")?;
+    writeln!(md, "| kernel | shape | median ms | GB or GFLOP | floor ms | floor/time |\n|---|---|---:|---:|---:|---:|")?;
+    for r in &rows {
+        let amount = if r.flops > 0.0 { format!("{:.1} GFLOP", r.flops / 1e9) } else { format!("{:.3} GB", r.bytes / 1e9) };
+        writeln!(md, "| {} | {} | {:.4} | {} | {:.4} | {:.2} |", r.name, r.shape, r.ms, amount, r.floor_ms, r.floor_ms / r.ms)?;
+    }
+    writeln!(md, "\n## Attention fwd+bwd (join with scripts/bench_attention_torch.py)\n\n{attn_md}")?;
+    println!("\n{md}");
+
+    let mut js = String::from("{\n");
+    let q = |s: &str| serde_json::to_string(s).unwrap();
+    writeln!(js, "  \"device\": {},\n  \"date\": {},\n  \"reps\": {reps},", q(&device), q(&date))?;
+    writeln!(js, "  \"copy_gbps\": {:.3},\n  \"gemm_bf16_tflops\": {:.3},", bw / 1e9, peak / 1e12)?;
+    let obj = |f: &dyn Fn(&(String, f64, f64, f64)) -> f64| {
+        attn_json.iter().map(|x| format!("    {}: {:.6}", q(&x.0), f(x))).collect::<Vec<_>>().join(",\n")
+    };
+    writeln!(js, "  \"attention_fwd_ms\": {{\n{}\n  }},", obj(&|x| x.1))?;
+    writeln!(js, "  \"attention_bwd_ms\": {{\n{}\n  }},", obj(&|x| x.2))?;
+    writeln!(js, "  \"attention_fwd_bwd_ms\": {{\n{}\n  }},", obj(&|x| x.3))?;
+    let kr: Vec<String> = rows.iter().map(|r| format!("    {{\"kernel\": {}, \"shape\": {}, \"ms\": {:.6}, \"floor_ms\": {:.6}}}", q(&r.name), q(&r.shape), r.ms, r.floor_ms)).collect();
+    writeln!(js, "  \"kernels\": [\n{}\n  ]\n}}", kr.join(",\n"))?;
+    if let Ok(out) = std::env::var("OUT") {
+        std::fs::create_dir_all(&out)?;
+        std::fs::write(format!("{out}/bench_cuda.md"), &md)?;
+        std::fs::write(format!("{out}/bench_cuda.json"), &js)?;
+        println!("wrote {out}/bench_cuda.md and {out}/bench_cuda.json");
+    }
+    let (cur, pk, cached) = be.memory_stats();
+    println!("pool: {:.2} GiB live, {:.2} GiB peak, {:.2} GiB cached, {} device allocations", cur as f64 / (1u64 << 30) as f64, pk as f64 / (1u64 << 30) as f64, cached as f64 / (1u64 << 30) as f64, be.device_allocations());
+    Ok(())
+}
+
+/// The layout of the transpose of a contiguous 2-D layout (a strided view, not a copy).
+fn transpose_layout(l: &Layout) -> Layout {
+    let d = l.dims().to_vec();
+    let mut t = Layout::contiguous(Shape(vec![d[1], d[0]]));
+    t.strides = vec![1, d[1]];
+    t
+}
