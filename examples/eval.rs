@@ -34,11 +34,12 @@ fn run() -> AnyResult<()> {
     let ids = tokenizer.encode(&text, false)?;
     let dtype = if device == Device::Cpu { DType::F32 } else { DType::BF16 };
     let model = Llama::from_pretrained(dir, dtype, device)?;
+    if tokenizer.vocab_size() > model.config().vocab_size {
+        return Err(format!("{}: the tokenizer has {} tokens but the model's vocab_size is {}",
+            dir.join("tokenizer.json").display(), tokenizer.vocab_size(), model.config().vocab_size).into());
+    }
     if t > model.config().max_position_embeddings {
         return Err(format!("--seq-len {t} exceeds the model's max_position_embeddings {}", model.config().max_position_embeddings).into());
-    }
-    if let Some(&bad) = ids.iter().find(|&&i| i as usize >= model.config().vocab_size) {
-        return Err(format!("{}: token id {bad} exceeds the model's vocab_size {}", dir.join("tokenizer.json").display(), model.config().vocab_size).into());
     }
     let windows = if ids.len() > t { (ids.len() - 1) / t } else { 0 };
     if windows == 0 {

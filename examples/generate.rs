@@ -32,6 +32,10 @@ fn run() -> AnyResult<()> {
     let tokenizer = Tokenizer::from_file(dir.join("tokenizer.json"))?;
     let dtype = if device == Device::Cpu { DType::F32 } else { DType::BF16 };
     let model = Llama::from_pretrained(dir, dtype, device)?;
+    if tokenizer.vocab_size() > model.config().vocab_size {
+        return Err(format!("{}: the tokenizer has {} tokens but the model's vocab_size is {}",
+            dir.join("tokenizer.json").display(), tokenizer.vocab_size(), model.config().vocab_size).into());
+    }
     let ids = tokenizer.encode(prompt, false)?;
     if ids.is_empty() {
         return Err("--prompt encodes to no tokens".into());

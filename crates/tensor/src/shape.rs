@@ -100,7 +100,12 @@ impl Layout {
     }
     /// Storage index of every element, in row-major order of the view.
     pub fn indices(&self) -> StridedIter {
-        StridedIter::new(self)
+        StridedIter::new(self, 0, self.numel())
+    }
+    /// Storage indices of elements `start .. start + len` (row-major order of the view), so
+    /// disjoint ranges can be walked on different threads.
+    pub fn indices_range(&self, start: usize, len: usize) -> StridedIter {
+        StridedIter::new(self, start, len.min(self.numel().saturating_sub(start)))
     }
     /// Layout broadcast to `target` (which must be a valid broadcast of this shape).
     pub fn broadcast_to(&self, op: &str, target: &Shape) -> Result<Layout> {
@@ -135,8 +140,19 @@ pub struct StridedIter {
 }
 
 impl StridedIter {
-    fn new(l: &Layout) -> Self {
-        StridedIter { dims: l.shape.0.clone(), strides: l.strides.clone(), idx: vec![0; l.shape.rank()], pos: l.offset, left: l.numel() }
+    fn new(l: &Layout, start: usize, len: usize) -> Self {
+        let dims = l.shape.0.clone();
+        let mut idx = vec![0; dims.len()];
+        let (mut rest, mut pos) = (start, l.offset);
+        for i in (0..dims.len()).rev() {
+            if dims[i] == 0 {
+                break;
+            }
+            idx[i] = rest % dims[i];
+            rest /= dims[i];
+            pos += idx[i] * l.strides[i];
+        }
+        StridedIter { dims, strides: l.strides.clone(), idx, pos, left: len }
     }
 }
 
@@ -159,5 +175,30 @@ impl Iterator for StridedIter {
             self.idx[i] = 0;
         }
         Some(cur)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Any range of a strided walk equals the same slice of the full walk.
+    #[test]
+    fn indices_range_matches_full_walk() {
+        let base = Layout::contiguous(Shape(vec![3, 1, 4, 5]));
+        let views = [
+            base.clone(),
+            Layout { shape: Shape(vec![5, 4, 3]), strides: vec![1, 5, 20], offset: 2 },
+            base.broadcast_to("t", &Shape(vec![2, 3, 7, 4, 5])).unwrap(),
+        ];
+        for l in &views {
+            let full: Vec<usize> = l.indices().collect();
+            for start in [0, 1, 7, full.len() / 2, full.len() - 1, full.len()] {
+                for len in [0, 1, 9, 1000] {
+                    let part: Vec<usize> = l.indices_range(start, len).collect();
+                    assert_eq!(part, full[start..(start + len).min(full.len())], "start {start} len {len} of {l:?}");
+                }
+            }
+        }
     }
 }

@@ -6,6 +6,8 @@ use rayon::prelude::*;
 
 /// Below this many elements the work is done on the calling thread.
 const PAR_MIN: usize = 1 << 15;
+/// Elements per parallel task on strided walks.
+const CHUNK: usize = 1 << 13;
 
 fn map_view<T: Float + Send + Sync>(x: &[T], l: &Layout, f: impl Fn(T) -> T + Sync) -> Vec<T> {
     if l.is_contiguous() {
@@ -15,6 +17,15 @@ fn map_view<T: Float + Send + Sync>(x: &[T], l: &Layout, f: impl Fn(T) -> T + Sy
         } else {
             s.iter().map(|&v| f(v)).collect()
         }
+    } else if l.numel() >= PAR_MIN {
+        let mut out = vec![T::zero(); l.numel()];
+        out.par_chunks_mut(CHUNK).enumerate().for_each(|(c, o)| {
+            let idx = l.indices_range(c * CHUNK, o.len());
+            for (y, i) in o.iter_mut().zip(idx) {
+                *y = f(x[i]);
+            }
+        });
+        out
     } else {
         l.indices().map(|i| f(x[i])).collect()
     }
@@ -71,9 +82,18 @@ pub fn binary<T: Float + Send + Sync>(op: BinaryOp, a: &[T], la: &Layout, b: &[T
         }
         return a.iter().zip(b).map(|(&x, &y)| apply(op, x, y)).collect();
     }
-    // Common broadcast case: rows of a contiguous `a` against a vector/row of `b` (and vice versa)
-    // go through the generic strided walk; it is correct for every layout.
-    la.indices().zip(lb.indices()).map(|(i, j)| apply(op, a[i], b[j])).collect()
+    // Broadcast or strided operands: walk both views; large outputs in parallel chunks.
+    if n < PAR_MIN {
+        return la.indices().zip(lb.indices()).map(|(i, j)| apply(op, a[i], b[j])).collect();
+    }
+    let mut out = vec![T::zero(); n];
+    out.par_chunks_mut(CHUNK).enumerate().for_each(|(c, o)| {
+        let (ia, ib) = (la.indices_range(c * CHUNK, o.len()), lb.indices_range(c * CHUNK, o.len()));
+        for ((x, i), j) in o.iter_mut().zip(ia).zip(ib) {
+            *x = apply(op, a[i], b[j]);
+        }
+    });
+    out
 }
 
 pub fn reduce<T: Float + Send + Sync>(op: ReduceOp, x: &[T], l: &Layout, dims: &[usize]) -> Vec<T> {

@@ -115,9 +115,22 @@ fn stat_dtype(dt: DType) -> DType {
     if dt == DType::F64 { DType::F64 } else { DType::F32 }
 }
 
-fn gather<T: Copy>(v: &[T], l: &Layout) -> Vec<T> {
+fn gather<T: Copy + Send + Sync>(v: &[T], l: &Layout) -> Vec<T> {
+    const PAR_MIN: usize = 1 << 15;
+    const CHUNK: usize = 1 << 13;
+    let n = l.numel();
     if l.is_contiguous() {
-        v[l.offset..l.offset + l.numel()].to_vec()
+        v[l.offset..l.offset + n].to_vec()
+    } else if n >= PAR_MIN {
+        use rayon::prelude::*;
+        let mut out = vec![v[l.offset]; n];
+        out.par_chunks_mut(CHUNK).enumerate().for_each(|(c, o)| {
+            let idx = l.indices_range(c * CHUNK, o.len());
+            for (y, i) in o.iter_mut().zip(idx) {
+                *y = v[i];
+            }
+        });
+        out
     } else {
         l.indices().map(|i| v[i]).collect()
     }
