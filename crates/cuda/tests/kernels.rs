@@ -6,51 +6,10 @@
 //! With no CUDA device the tests print "skipped: no CUDA device" and pass, unless
 //! FERROLM_REQUIRE_GPU=1, where they fail.
 use ferrolm_cuda::{CudaBackend, KernelImage};
-use ferrolm_tensor::{backend, DType, Device, Rng, Tensor};
-use std::sync::OnceLock;
+use ferrolm_tensor::{DType, Device, Rng, Tensor};
 
-const SOURCES: &[(&str, &str)] = &[
-    ("common.cuh", include_str!("../../../kernels/common.cuh")),
-    ("attention.cu", include_str!("../../../kernels/attention.cu")),
-    ("cross_entropy.cu", include_str!("../../../kernels/cross_entropy.cu")),
-    ("elementwise.cu", include_str!("../../../kernels/elementwise.cu")),
-    ("embedding.cu", include_str!("../../../kernels/embedding.cu")),
-    ("optim.cu", include_str!("../../../kernels/optim.cu")),
-    ("reduce.cu", include_str!("../../../kernels/reduce.cu")),
-    ("rmsnorm.cu", include_str!("../../../kernels/rmsnorm.cu")),
-    ("rope.cu", include_str!("../../../kernels/rope.cu")),
-    ("softmax.cu", include_str!("../../../kernels/softmax.cu")),
-    ("swiglu.cu", include_str!("../../../kernels/swiglu.cu")),
-];
-
-const GPU: Device = Device::Cuda(0);
-
-/// Registers the backend once; None (test passes) when there is no GPU and none is required.
-fn gpu() -> Option<()> {
-    static INIT: OnceLock<bool> = OnceLock::new();
-    let ok = *INIT.get_or_init(|| {
-        if !ferrolm_cuda::is_available() {
-            return false;
-        }
-        std::env::set_var("FERROLM_CUDA_POISON", "1");
-        // FERROLM_KERNELS_FATBIN=path tests a built fatbin instead of the NVRTC path.
-        let image = match std::env::var("FERROLM_KERNELS_FATBIN") {
-            Ok(p) => KernelImage::Fatbin(Box::leak(std::fs::read(p).expect("read fatbin").into_boxed_slice())),
-            Err(_) => KernelImage::Sources(SOURCES),
-        };
-        let b = CudaBackend::new(0, image).expect("CUDA backend");
-        backend::register(b);
-        true
-    });
-    if ok {
-        return Some(());
-    }
-    if std::env::var("FERROLM_REQUIRE_GPU").is_ok_and(|v| v == "1") {
-        panic!("FERROLM_REQUIRE_GPU=1 but no CUDA device is available");
-    }
-    println!("skipped: no CUDA device");
-    None
-}
+mod common;
+use common::{gpu, GPU, SOURCES};
 
 fn rng(seed: u64) -> Rng {
     Rng::new(seed)
@@ -80,7 +39,7 @@ fn to_gpu(t: &Tensor) -> Tensor {
 
 #[test]
 fn elementwise_and_broadcast() {
-    let Some(()) = gpu() else { return };
+    let Some(_) = gpu() else { return };
     let mut r = rng(1);
     for dt in [DType::F32, DType::BF16] {
         for shape in [vec![7usize], vec![3, 5, 33], vec![2, 1, 4, 129]] {
@@ -124,7 +83,7 @@ impl AbsLike for Tensor {
 
 #[test]
 fn matmul_shapes() {
-    let Some(()) = gpu() else { return };
+    let Some(_) = gpu() else { return };
     let mut r = rng(2);
     for dt in [DType::F32, DType::BF16] {
         for (b, m, k, n) in [(1, 1, 1, 1), (1, 17, 33, 9), (3, 64, 128, 96), (2, 5, 7, 3)] {
@@ -165,7 +124,7 @@ fn fwd_bwd(name: &str, dt: DType, inputs: &[Tensor], loose: bool, f: impl Fn(&[T
 
 #[test]
 fn fused_norm_rope_swiglu_softmax() {
-    let Some(()) = gpu() else { return };
+    let Some(_) = gpu() else { return };
     let mut r = rng(3);
     for dt in [DType::F32, DType::BF16] {
         for (n, d) in [(1, 8), (37, 96), (130, 1000)] {
@@ -187,7 +146,7 @@ fn fused_norm_rope_swiglu_softmax() {
 
 #[test]
 fn embedding_fwd_bwd_deterministic() {
-    let Some(()) = gpu() else { return };
+    let Some(_) = gpu() else { return };
     let mut r = rng(4);
     for dt in [DType::F32, DType::BF16] {
         for (vocab, d, n) in [(5, 3, 7), (300, 65, 1500), (1000, 128, 64)] {
@@ -201,7 +160,7 @@ fn embedding_fwd_bwd_deterministic() {
 
 #[test]
 fn cross_entropy_with_ignore() {
-    let Some(()) = gpu() else { return };
+    let Some(_) = gpu() else { return };
     let mut r = rng(5);
     for dt in [DType::F32, DType::BF16] {
         for (n, v) in [(1, 2), (9, 1001), (64, 32000)] {
@@ -215,7 +174,7 @@ fn cross_entropy_with_ignore() {
 
 #[test]
 fn flash_attention_fwd_bwd_gqa() {
-    let Some(()) = gpu() else { return };
+    let Some(_) = gpu() else { return };
     let mut r = rng(6);
     // (dtype, b, hq, hkv, t, d): bf16 d64/d128 take the tensor-core path, the rest SIMT.
     let cases = [
