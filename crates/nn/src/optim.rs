@@ -136,13 +136,21 @@ impl AdamW {
 /// is exceeded (`max_norm <= 0` disables clipping). Returns the norm before clipping.
 pub fn clip_grad_norm(params: &[(String, Tensor)], max_norm: f64) -> Result<f64> {
     let _g = no_grad();
-    let mut sq = 0.0;
+    // Summed on the device, read back once: one host sync per step, not one per parameter.
+    let mut sq: Option<Tensor> = None;
     for (_, p) in params {
         if let Some(g) = p.grad() {
-            sq += g.to_dtype(DType::F32)?.sqr()?.sum_all()?.item()?;
+            let s = g.to_dtype(DType::F32)?.sqr()?.sum_all()?;
+            sq = Some(match sq {
+                Some(acc) => acc.add(&s)?,
+                None => s,
+            });
         }
     }
-    let norm = sq.sqrt();
+    let norm = match sq {
+        Some(t) => t.item()?.sqrt(),
+        None => 0.0,
+    };
     if max_norm > 0.0 && norm > max_norm {
         let s = max_norm / (norm + 1e-6);
         for (_, p) in params {
