@@ -21,10 +21,14 @@
 // B (16x8, k x n): b0 (k 2tq..+1, n g), b1 (k 2tq+8..+9, n g). C (16x8): c0,c1 (g, 2tq..+1),
 // c2,c3 (g+8, 2tq..+1).
 static __device__ __forceinline__ void mma_bf16(float* c, const unsigned* a, const unsigned* b) {
+#ifdef FERRO_EMU
+    ferro_emu::mma_m16n8k16_bf16(c, a, b);
+#else
     asm volatile(
         "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};\n"
         : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
         : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
+#endif
 }
 static __device__ __forceinline__ unsigned ld_pair(const bf16* p) { return *reinterpret_cast<const unsigned*>(p); }
 static __device__ __forceinline__ unsigned pack2(bf16 lo, bf16 hi) {
@@ -85,7 +89,7 @@ static __device__ __forceinline__ float quad_sum(float v) {
 template <int D>
 static __device__ void flash_fwd_impl(const bf16* q, const bf16* k, const bf16* v, bf16* o, float* lse, int hq, int hkv, int t, float scale) {
     constexpr int BR = 64, BC = 64, ST = D + 8;
-    extern __shared__ __align__(16) unsigned char smem[];
+    DYNAMIC_SMEM(smem);
     bf16* sK = reinterpret_cast<bf16*>(smem);  // (BC, ST)
     bf16* sV = sK + BC * ST;                   // (BC, ST)
     int b = blockIdx.z, h = blockIdx.y, hk = h / (hq / hkv);
@@ -196,7 +200,7 @@ template <int D>
 static __device__ void flash_bwd_dkdv_impl(const bf16* q, const bf16* k, const bf16* v, const bf16* dout, const float* lse,
                                            const float* dvec, bf16* dk, bf16* dv, int hq, int hkv, int t, float scale) {
     constexpr int BC = 64, BR = 32, ST = D + 8;
-    extern __shared__ __align__(16) unsigned char smem[];
+    DYNAMIC_SMEM(smem);
     bf16* sK = reinterpret_cast<bf16*>(smem);  // (BC, ST)
     bf16* sV = sK + BC * ST;                   // (BC, ST)
     bf16* sQ = sV + BC * ST;                   // (BR, ST)
@@ -299,7 +303,7 @@ template <int D>
 static __device__ void flash_bwd_dq_impl(const bf16* q, const bf16* k, const bf16* v, const bf16* dout, const float* lse,
                                          const float* dvec, bf16* dq, int hq, int hkv, int t, float scale) {
     constexpr int BR = 64, BC = 32, ST = D + 8;
-    extern __shared__ __align__(16) unsigned char smem[];
+    DYNAMIC_SMEM(smem);
     bf16* sK = reinterpret_cast<bf16*>(smem);  // (BC, ST)
     bf16* sV = sK + BC * ST;                   // (BC, ST)
     int b = blockIdx.z, h = blockIdx.y, hk = h / (hq / hkv);

@@ -6,7 +6,11 @@
 // or concatenates them for NVRTC, so everything here is `static` / `inline` and nothing here
 // may include a host standard-library header (NVRTC has none).
 #pragma once
+#ifdef FERRO_EMU
+#include "ferro_emu.h"  // CPU emulation for tests without a GPU (crates/cuda/emu)
+#else
 #include <cuda_bf16.h>
+#endif
 
 typedef __nv_bfloat16 bf16;
 typedef long long i64;
@@ -49,6 +53,13 @@ static __device__ __forceinline__ i64 strided_index(const Strided& l, i64 i) {
     }
     return off;
 }
+
+// The block's dynamic shared memory (size set at launch), as `unsigned char* name`.
+#ifdef FERRO_EMU
+#define DYNAMIC_SMEM(name) unsigned char* name = ferro_emu::dynamic_smem()
+#else
+#define DYNAMIC_SMEM(name) extern __shared__ __align__(16) unsigned char name[]
+#endif
 
 // Grid-stride loop over n elements.
 #define FOR_EACH(i, n) for (i64 i = (i64)blockIdx.x * blockDim.x + threadIdx.x; i < (n); i += (i64)gridDim.x * blockDim.x)

@@ -145,7 +145,7 @@ impl Backend for CudaBackend {
     fn full(&self, n: usize, dtype: DType, v: f64) -> Result<Storage> {
         let out = self.alloc(n, dtype)?;
         match dtype {
-            DType::BF16 => self.launch("fill_b16", grid1(n, B), B, 0, Args::new().push(out.buf.ptr).push(n as i64).push(bf16::from_f64(v).to_bits()))?,
+            DType::BF16 => self.launch("fill_b16", grid1(n, B), B, 0, Args::new().push(out.buf.ptr).push(n as i64).push(ferrolm_tensor::bf16_from_f64(v).to_bits()))?,
             DType::F32 => self.launch("fill_b32", grid1(n, B), B, 0, Args::new().push(out.buf.ptr).push(n as i64).push((v as f32).to_bits()))?,
             DType::I32 => self.launch("fill_b32", grid1(n, B), B, 0, Args::new().push(out.buf.ptr).push(n as i64).push((v as i32) as u32))?,
             DType::F64 => unreachable!("alloc rejects f64"),
@@ -247,8 +247,7 @@ impl Backend for CudaBackend {
                 Operand { ptr: tb.buf.ptr, trans: false, ld: n as i64, batch_stride: (k * n) as i64 }
             }
         };
-        self.bind()?;
-        self.gemm.lock().unwrap_or_else(|e| e.into_inner()).matmul(&self.stream, sa.dtype, oa, ob, m, n, k, batch, out.buf.ptr)?;
+        self.gemm(sa.dtype, oa, ob, m, n, k, batch, out.buf.ptr)?;
         Ok(self.wrap(out))
     }
     fn cat(&self, parts: &[Sl], dim: usize) -> Result<Storage> {

@@ -1,6 +1,6 @@
 //! The per-device state: context, streams, events, pool, kernel module and cuBLASLt handle.
-use crate::gemm::Gemm;
-use crate::pool::{DevBuf, Pool};
+use crate::gemm::{Gemm, LtCall, Operand};
+use crate::pool::{DevBuf, Mem, Pool};
 use crate::storage::CudaStorage;
 use crate::{err, KernelImage};
 use cudarc::driver::{result, sys, CudaContext, CudaFunction, CudaModule};
@@ -16,21 +16,35 @@ static INSTANCES: Mutex<Vec<std::sync::Weak<CudaBackend>>> = Mutex::new(Vec::new
 
 pub struct CudaBackend {
     pub(crate) ordinal: usize,
-    pub(crate) ctx: Arc<CudaContext>,
-    /// Every op of the `Backend` trait is enqueued here.
-    pub(crate) stream: Arc<CudaStream>,
+    pub(crate) exec: Exec,
     pub(crate) pool: Arc<Pool>,
-    module: Arc<CudaModule>,
-    funcs: Mutex<HashMap<&'static str, CudaFunction>>,
-    pub(crate) gemm: Mutex<Gemm>,
     /// FERROLM_CUDA_POISON=1: every new buffer is filled with NaN bits (0xFF..) so a kernel
     /// that leaves an output element unwritten fails the tests.
     poison: bool,
 }
 
+/// What runs the kernels: a real device, or the CPU emulator (crates/cuda/emu), which runs the
+/// same kernels/*.cu compiled as C++ over host memory, synchronously, for tests without a GPU.
+pub(crate) enum Exec {
+    Gpu(Gpu),
+    Emu,
+}
+
+pub(crate) struct Gpu {
+    pub(crate) ctx: Arc<CudaContext>,
+    /// Every op of the `Backend` trait is enqueued here.
+    pub(crate) stream: Arc<CudaStream>,
+    module: Arc<CudaModule>,
+    funcs: Mutex<HashMap<&'static str, CudaFunction>>,
+    pub(crate) gemm: Mutex<Gemm>,
+}
+
 impl std::fmt::Debug for CudaBackend {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        write!(f, "CudaBackend(cuda:{})", self.ordinal)
+        match self.exec {
+            Exec::Gpu(_) => write!(f, "CudaBackend(cuda:{})", self.ordinal),
+            Exec::Emu => write!(f, "CudaBackend(cuda:{}, emulated on the CPU)", self.ordinal),
+        }
     }
 }
 
@@ -67,11 +81,40 @@ impl CudaBackend {
         unsafe { ctx.disable_event_tracking() };
         let stream = ctx.new_stream().map_err(err("cuda"))?;
         let module = load_module(&ctx, image)?;
-        let pool = Pool::new(ctx.clone());
+        let pool = Pool::new(Mem::Gpu(ctx.clone()));
         let gemm = Gemm::new(&ctx, &pool, &stream)?;
-        let b = Arc::new(CudaBackend { ordinal, ctx, stream, pool, module, funcs: Mutex::new(HashMap::new()), gemm: Mutex::new(gemm), poison: std::env::var("FERROLM_CUDA_POISON").is_ok_and(|v| v == "1") });
+        let gpu = Gpu { ctx, stream, module, funcs: Mutex::new(HashMap::new()), gemm: Mutex::new(gemm) };
+        Ok(Self::finish(ordinal, Exec::Gpu(gpu), pool))
+    }
+
+    /// A backend that presents itself as `cuda:ordinal` but runs every kernel of kernels/ on the
+    /// CPU through the emulator (crates/cuda/emu) and GEMMs through a reference implementation
+    /// of cuBLASLt's semantics. Synchronous and slow (each CUDA thread is a fiber): it exists to
+    /// check the backend's launch logic and the kernels' indexing, synchronisation and mma
+    /// fragment layouts where there is no GPU. Streams and events are not available on it.
+    pub fn emulated(ordinal: usize) -> Result<Arc<CudaBackend>> {
+        if !crate::emu::AVAILABLE {
+            bail!("cuda", "the CUDA emulator was not built (no C++ compiler at build time, or FERROLM_NO_EMU=1)");
+        }
+        Ok(Self::finish(ordinal, Exec::Emu, Pool::new(Mem::Host)))
+    }
+
+    fn finish(ordinal: usize, exec: Exec, pool: Arc<Pool>) -> Arc<CudaBackend> {
+        let poison = std::env::var("FERROLM_CUDA_POISON").is_ok_and(|v| v == "1");
+        let b = Arc::new(CudaBackend { ordinal, exec, pool, poison });
         INSTANCES.lock().unwrap_or_else(|e| e.into_inner()).push(Arc::downgrade(&b));
-        Ok(b)
+        b
+    }
+
+    /// True for a backend made by `emulated`.
+    pub fn is_emulated(&self) -> bool {
+        matches!(self.exec, Exec::Emu)
+    }
+    pub(crate) fn gpu(&self, op: &'static str) -> Result<&Gpu> {
+        match &self.exec {
+            Exec::Gpu(g) => Ok(g),
+            Exec::Emu => bail!(op, "not available on the emulated CUDA device (no streams or events there)"),
+        }
     }
 
     /// The most recently created backend for device `ordinal` that is still alive (e.g. the one
@@ -84,37 +127,44 @@ impl CudaBackend {
     }
     /// The device's name as the driver reports it (e.g. "NVIDIA H100 80GB HBM3").
     pub fn device_name(&self) -> String {
-        self.ctx.name().unwrap_or_else(|e| format!("cuda:{} ({e:?})", self.ordinal))
+        match &self.exec {
+            Exec::Gpu(g) => g.ctx.name().unwrap_or_else(|e| format!("cuda:{} ({e:?})", self.ordinal)),
+            Exec::Emu => "CUDA emulator (CPU)".into(),
+        }
     }
     /// Records a timing-enabled event on the compute stream; `start.elapsed_ms(&end)` gives the
     /// GPU time between two of them (it waits for `end`).
     pub fn timing_event(&self) -> Result<CudaEvent> {
-        let ev = self.ctx.new_event(Some(sys::CUevent_flags::CU_EVENT_DEFAULT)).map_err(err("timing_event"))?;
-        ev.record(&self.stream).map_err(err("timing_event"))?;
+        let g = self.gpu("timing_event")?;
+        let ev = g.ctx.new_event(Some(sys::CUevent_flags::CU_EVENT_DEFAULT)).map_err(err("timing_event"))?;
+        ev.record(&g.stream).map_err(err("timing_event"))?;
         Ok(ev)
     }
 
     pub fn ordinal(&self) -> usize {
         self.ordinal
     }
-    pub fn context(&self) -> &Arc<CudaContext> {
-        &self.ctx
+    pub fn context(&self) -> Result<&Arc<CudaContext>> {
+        Ok(&self.gpu("context")?.ctx)
     }
-    pub fn compute_stream(&self) -> &Arc<CudaStream> {
-        &self.stream
+    pub fn compute_stream(&self) -> Result<&Arc<CudaStream>> {
+        Ok(&self.gpu("compute_stream")?.stream)
     }
     /// A new stream (communication, host<->device copies); order it with events.
     pub fn new_stream(&self) -> Result<Arc<CudaStream>> {
-        self.ctx.new_stream().map_err(err("new_stream"))
+        self.gpu("new_stream")?.ctx.new_stream().map_err(err("new_stream"))
     }
     /// Records an event on `stream` (for `wait` on another stream or timing).
     pub fn record_event(&self, stream: &CudaStream) -> Result<CudaEvent> {
-        let ev = self.ctx.new_event(None).map_err(err("record_event"))?;
+        let ev = self.gpu("record_event")?.ctx.new_event(None).map_err(err("record_event"))?;
         ev.record(stream).map_err(err("record_event"))?;
         Ok(ev)
     }
     pub fn synchronize(&self) -> Result<()> {
-        self.stream.synchronize().map_err(err("synchronize"))
+        match &self.exec {
+            Exec::Gpu(g) => g.stream.synchronize().map_err(err("synchronize")),
+            Exec::Emu => Ok(()),
+        }
     }
     /// (bytes in live device buffers, peak since `reset_peak_memory`, bytes cached by the pool)
     pub fn memory_stats(&self) -> (usize, usize, usize) {
@@ -136,7 +186,10 @@ impl CudaBackend {
     }
 
     pub(crate) fn bind(&self) -> Result<()> {
-        self.ctx.bind_to_thread().map_err(err("cuda"))
+        match &self.exec {
+            Exec::Gpu(g) => g.ctx.bind_to_thread().map_err(err("cuda")),
+            Exec::Emu => Ok(()),
+        }
     }
     pub(crate) fn raw_alloc(&self, bytes: usize) -> Result<DevBuf> {
         self.pool.alloc(bytes.max(1))
@@ -148,8 +201,7 @@ impl CudaBackend {
         }
         let buf = self.raw_alloc(n * dtype.size_in_bytes())?;
         if self.poison && n > 0 {
-            self.bind()?;
-            unsafe { result::memset_d8_async(buf.ptr, 0xFF, n * dtype.size_in_bytes(), self.stream.cu_stream()) }.map_err(err("poison"))?;
+            self.memset(buf.ptr, 0xFF, n * dtype.size_in_bytes())?;
         }
         Ok(CudaStorage { buf, dtype, len: n, ordinal: self.ordinal })
     }
@@ -157,6 +209,97 @@ impl CudaBackend {
         Storage::Device(Box::new(s))
     }
 
+    /// Enqueues kernel `name` on the compute stream (runs it to completion on the emulator).
+    pub(crate) fn launch(&self, name: &'static str, grid: (u32, u32, u32), block: u32, smem: u32, mut args: Args) -> Result<()> {
+        if grid.0 == 0 || grid.1 == 0 || grid.2 == 0 {
+            return Ok(());
+        }
+        let g = match &self.exec {
+            Exec::Gpu(g) => g,
+            Exec::Emu => return crate::emu::launch(name, grid, block, smem, &mut args.ptrs),
+        };
+        self.bind()?;
+        let f = g.func(name)?;
+        if smem > 48 * 1024 {
+            f.set_attribute(sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, smem as i32)
+                .map_err(|e| Error::new(name, format!("cannot enable {smem} bytes of shared memory: {e:?}")))?;
+        }
+        // SAFETY: the argument list matches the kernel's signature (checked by the GPU tests),
+        // every pointer refers to live pool memory ordered on this stream.
+        unsafe { result::launch_kernel(f.cu_function(), grid, (block, 1, 1), smem, g.stream.cu_stream(), &mut args.ptrs) }
+            .map_err(|e| Error::new(name, format!("launch failed: {e:?}")))
+    }
+
+    /// out (batch, m, n) contiguous = a · b through cuBLASLt (or its reference on the emulator).
+    #[allow(clippy::too_many_arguments)]
+    pub(crate) fn gemm(&self, dtype: DType, a: Operand, b: Operand, m: usize, n: usize, k: usize, batch: usize, out: u64) -> Result<()> {
+        let call = LtCall::plan(dtype, a, b, m, n, k, batch, out)?;
+        match &self.exec {
+            Exec::Gpu(g) => {
+                self.bind()?;
+                g.gemm.lock().unwrap_or_else(|e| e.into_inner()).run(&g.stream, &call)
+            }
+            Exec::Emu => crate::emu::lt_matmul(&call),
+        }
+    }
+
+    /// Host -> device copy of a slice into new storage.
+    pub(crate) fn upload<T: Copy>(&self, v: &[T], dtype: DType) -> Result<CudaStorage> {
+        let s = self.alloc(v.len(), dtype)?;
+        if v.is_empty() {
+            return Ok(s);
+        }
+        match &self.exec {
+            Exec::Gpu(g) => {
+                self.bind()?;
+                // SAFETY: s has room for v; pageable source is staged before the call returns.
+                unsafe { result::memcpy_htod_async(s.buf.ptr, v, g.stream.cu_stream()) }.map_err(err("upload"))?;
+            }
+            // SAFETY: emulated device pointers are host addresses; s has room for v.
+            Exec::Emu => unsafe { std::ptr::copy_nonoverlapping(v.as_ptr() as *const u8, s.buf.ptr as *mut u8, std::mem::size_of_val(v)) },
+        }
+        Ok(s)
+    }
+    /// Device -> host copy of `n` elements at `ptr` (synchronises the compute stream).
+    pub(crate) fn download<T: Copy + Default>(&self, ptr: u64, n: usize) -> Result<Vec<T>> {
+        let mut v = vec![T::default(); n];
+        if n == 0 {
+            return Ok(v);
+        }
+        match &self.exec {
+            Exec::Gpu(g) => {
+                self.bind()?;
+                unsafe { result::memcpy_dtoh_async(&mut v, ptr, g.stream.cu_stream()) }.map_err(err("download"))?;
+                self.synchronize()?;
+            }
+            // SAFETY: emulated device pointers are host addresses of live pool buffers.
+            Exec::Emu => unsafe { std::ptr::copy_nonoverlapping(ptr as *const T, v.as_mut_ptr(), n) },
+        }
+        Ok(v)
+    }
+    /// Zero-fills `bytes` at `ptr` on the compute stream.
+    pub(crate) fn memset0(&self, ptr: u64, bytes: usize) -> Result<()> {
+        self.memset(ptr, 0, bytes)
+    }
+    fn memset(&self, ptr: u64, byte: u8, bytes: usize) -> Result<()> {
+        if bytes == 0 {
+            return Ok(());
+        }
+        match &self.exec {
+            Exec::Gpu(g) => {
+                self.bind()?;
+                unsafe { result::memset_d8_async(ptr, byte, bytes, g.stream.cu_stream()) }.map_err(err("memset"))
+            }
+            Exec::Emu => {
+                // SAFETY: emulated device pointers are host addresses of live pool buffers.
+                unsafe { std::ptr::write_bytes(ptr as *mut u8, byte, bytes) };
+                Ok(())
+            }
+        }
+    }
+}
+
+impl Gpu {
     fn func(&self, name: &'static str) -> Result<CudaFunction> {
         let mut f = self.funcs.lock().unwrap_or_else(|e| e.into_inner());
         if let Some(x) = f.get(name) {
@@ -165,49 +308,6 @@ impl CudaBackend {
         let x = self.module.load_function(name).map_err(|e| Error::new(name, format!("kernel not found in the image: {e:?}")))?;
         f.insert(name, x.clone());
         Ok(x)
-    }
-
-    /// Enqueues kernel `name` on the compute stream.
-    pub(crate) fn launch(&self, name: &'static str, grid: (u32, u32, u32), block: u32, smem: u32, mut args: Args) -> Result<()> {
-        if grid.0 == 0 || grid.1 == 0 || grid.2 == 0 {
-            return Ok(());
-        }
-        self.bind()?;
-        let f = self.func(name)?;
-        if smem > 48 * 1024 {
-            f.set_attribute(sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, smem as i32)
-                .map_err(|e| Error::new(name, format!("cannot enable {smem} bytes of shared memory: {e:?}")))?;
-        }
-        // SAFETY: the argument list matches the kernel's signature (checked by the GPU tests),
-        // every pointer refers to live pool memory ordered on this stream.
-        unsafe { result::launch_kernel(f.cu_function(), grid, (block, 1, 1), smem, self.stream.cu_stream(), &mut args.ptrs) }
-            .map_err(|e| Error::new(name, format!("launch failed: {e:?}")))
-    }
-
-    /// Host -> device copy of a slice into new storage.
-    pub(crate) fn upload<T: Copy>(&self, v: &[T], dtype: DType) -> Result<CudaStorage> {
-        let s = self.alloc(v.len(), dtype)?;
-        if !v.is_empty() {
-            self.bind()?;
-            // SAFETY: s has room for v; pageable source is staged before the call returns.
-            unsafe { result::memcpy_htod_async(s.buf.ptr, v, self.stream.cu_stream()) }.map_err(err("upload"))?;
-        }
-        Ok(s)
-    }
-    /// Device -> host copy of `n` elements at `ptr` (synchronises the compute stream).
-    pub(crate) fn download<T: Copy + Default>(&self, ptr: u64, n: usize) -> Result<Vec<T>> {
-        let mut v = vec![T::default(); n];
-        if n > 0 {
-            self.bind()?;
-            unsafe { result::memcpy_dtoh_async(&mut v, ptr, self.stream.cu_stream()) }.map_err(err("download"))?;
-            self.synchronize()?;
-        }
-        Ok(v)
-    }
-    /// Zero-fills `bytes` at `ptr` on the compute stream.
-    pub(crate) fn memset0(&self, ptr: u64, bytes: usize) -> Result<()> {
-        self.bind()?;
-        unsafe { result::memset_d8_async(ptr, 0, bytes, self.stream.cu_stream()) }.map_err(err("memset"))
     }
 }
 

@@ -39,6 +39,57 @@ struct Key {
     sb: i64,
 }
 
+/// One column-major matrix as cuBLASLt sees it: `rows x cols`, leading dimension `ld`, the next
+/// batch entry `stride` elements further.
+#[derive(Clone, Copy, Debug)]
+pub struct LtMatrix {
+    pub ptr: u64,
+    pub rows: usize,
+    pub cols: usize,
+    pub ld: i64,
+    pub stride: i64,
+}
+
+/// A cuBLASLt call D = op(A) · op(B) (alpha 1, beta 0), everything column-major; built by `plan`
+/// and executed by `Gemm::run` on a GPU or by `emu::lt_matmul` on the emulator.
+#[derive(Clone, Copy, Debug)]
+pub struct LtCall {
+    pub bf16: bool,
+    pub ta: bool,
+    pub tb: bool,
+    pub k: usize,
+    pub batch: usize,
+    pub a: LtMatrix,
+    pub b: LtMatrix,
+    pub d: LtMatrix,
+}
+
+impl LtCall {
+    /// Row-major out (batch, m, n) contiguous = a (batch, m, k) · b (batch, k, n).
+    #[allow(clippy::too_many_arguments)]
+    pub fn plan(dtype: DType, a: Operand, b: Operand, m: usize, n: usize, k: usize, batch: usize, out: u64) -> Result<LtCall> {
+        let bf16 = match dtype {
+            DType::BF16 => true,
+            DType::F32 => false,
+            d => return Err(Error::new("matmul", format!("{d} GEMM is not supported on CUDA"))),
+        };
+        let (ta, tb) = (b.trans, a.trans); // cuBLASLt's A is our b, its B is our a
+        // Lt A = B^T (n, k); Lt B = A^T (k, m); D = C^T (n, m).
+        let (ar, ac) = if ta { (k, n) } else { (n, k) };
+        let (br, bc) = if tb { (m, k) } else { (k, m) };
+        Ok(LtCall {
+            bf16,
+            ta,
+            tb,
+            k,
+            batch,
+            a: LtMatrix { ptr: b.ptr, rows: ar, cols: ac, ld: b.ld, stride: b.batch_stride },
+            b: LtMatrix { ptr: a.ptr, rows: br, cols: bc, ld: a.ld, stride: a.batch_stride },
+            d: LtMatrix { ptr: out, rows: n, cols: m, ld: n as i64, stride: (m * n) as i64 },
+        })
+    }
+}
+
 pub struct Gemm {
     handle: sys::cublasLtHandle_t,
     workspace: DevBuf,
@@ -96,33 +147,23 @@ impl Gemm {
         Ok(Gemm { handle, workspace, algos: HashMap::new() })
     }
 
-    /// out (batch, m, n) contiguous = a (batch, m, k) · b (batch, k, n).
-    #[allow(clippy::too_many_arguments)]
-    pub fn matmul(&mut self, stream: &CudaStream, dtype: DType, a: Operand, b: Operand, m: usize, n: usize, k: usize, batch: usize, out: u64) -> Result<()> {
-        let bf16 = match dtype {
-            DType::BF16 => true,
-            DType::F32 => false,
-            d => return Err(Error::new("matmul", format!("{d} GEMM is not supported on CUDA"))),
-        };
-        let dt = if bf16 { sys::cudaDataType::CUDA_R_16BF } else { sys::cudaDataType::CUDA_R_32F };
+    /// Runs a planned call on `stream`.
+    pub fn run(&mut self, stream: &CudaStream, c: &LtCall) -> Result<()> {
+        let dt = if c.bf16 { sys::cudaDataType::CUDA_R_16BF } else { sys::cudaDataType::CUDA_R_32F };
         let op = lt::create_matmul_desc(sys::cublasComputeType_t::CUBLAS_COMPUTE_32F, sys::cudaDataType::CUDA_R_32F).map_err(err("matmul"))?;
         let mut d = Descs { op, layouts: [std::ptr::null_mut(); 3] };
-        let (ta, tb) = (b.trans, a.trans); // cuBLASLt's A is our b, its B is our a
         let opn = |t: bool| if t { cudarc::cublas::sys::cublasOperation_t::CUBLAS_OP_T } else { cudarc::cublas::sys::cublasOperation_t::CUBLAS_OP_N };
         unsafe {
-            let (oa, ob) = (opn(ta), opn(tb));
+            let (oa, ob) = (opn(c.ta), opn(c.tb));
             lt::set_matmul_desc_attribute(op, sys::cublasLtMatmulDescAttributes_t::CUBLASLT_MATMUL_DESC_TRANSA,
                 &oa as *const _ as *const c_void, std::mem::size_of_val(&oa)).map_err(err("matmul"))?;
             lt::set_matmul_desc_attribute(op, sys::cublasLtMatmulDescAttributes_t::CUBLASLT_MATMUL_DESC_TRANSB,
                 &ob as *const _ as *const c_void, std::mem::size_of_val(&ob)).map_err(err("matmul"))?;
         }
-        // Lt A = B^T (n, k); Lt B = A^T (k, m); D = C^T (n, m).
-        let (ar, ac) = if ta { (k, n) } else { (n, k) };
-        let (br, bc) = if tb { (m, k) } else { (k, m) };
-        d.layouts[0] = layout(dt, ar, ac, b.ld, batch, b.batch_stride)?;
-        d.layouts[1] = layout(dt, br, bc, a.ld, batch, a.batch_stride)?;
-        d.layouts[2] = layout(dt, n, m, n as i64, batch, (m * n) as i64)?;
-        let key = Key { bf16, ta, tb, m, n, k, lda: b.ld, ldb: a.ld, batch, sa: b.batch_stride, sb: a.batch_stride };
+        for (i, x) in [&c.a, &c.b, &c.d].into_iter().enumerate() {
+            d.layouts[i] = layout(dt, x.rows, x.cols, x.ld, c.batch, x.stride)?;
+        }
+        let key = Key { bf16: c.bf16, ta: c.ta, tb: c.tb, m: c.d.rows, n: c.d.cols, k: c.k, lda: c.a.ld, ldb: c.b.ld, batch: c.batch, sa: c.a.stride, sb: c.b.stride };
         let algo = match self.algos.get(&key) {
             Some(a) => *a,
             None => {
@@ -133,7 +174,7 @@ impl Gemm {
                         &ws as *const u64 as *const c_void, 8);
                     let h = r.and_then(|_| lt::get_matmul_algo_heuristic(self.handle, op, d.layouts[0], d.layouts[1], d.layouts[2], d.layouts[2], pref));
                     let _ = lt::destroy_matmul_pref(pref);
-                    h.map_err(|e| Error::new("matmul", format!("no cuBLASLt algorithm for ({m}x{k})·({k}x{n}) x{batch} {dtype}: {e:?}")))?
+                    h.map_err(|e| Error::new("matmul", format!("no cuBLASLt algorithm for {c:?}: {e:?}")))?
                 };
                 self.algos.insert(key, h.algo);
                 h.algo
@@ -142,8 +183,8 @@ impl Gemm {
         let (alpha, beta) = (1.0f32, 0.0f32);
         unsafe {
             lt::matmul(self.handle, op, &alpha as *const f32 as *const c_void, &beta as *const f32 as *const c_void,
-                b.ptr as *const c_void, d.layouts[0], a.ptr as *const c_void, d.layouts[1],
-                out as *const c_void, d.layouts[2], out as *mut c_void, d.layouts[2],
+                c.a.ptr as *const c_void, d.layouts[0], c.b.ptr as *const c_void, d.layouts[1],
+                c.d.ptr as *const c_void, d.layouts[2], c.d.ptr as *mut c_void, d.layouts[2],
                 &algo, self.workspace.ptr as *mut c_void, WORKSPACE, stream.cu_stream() as sys::cudaStream_t)
         }
         .map_err(|e| Error::new("matmul", format!("cuBLASLt matmul failed: {e:?}")))

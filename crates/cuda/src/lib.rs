@@ -12,6 +12,7 @@
 //! `LD_LIBRARY_PATH` (a symlink to `libnccl.so.2` is enough); `.gpu/run` does exactly that.
 mod backend;
 mod device;
+mod emu;
 mod gemm;
 mod launch;
 mod pool;

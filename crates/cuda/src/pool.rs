@@ -3,6 +3,8 @@
 //! reuse it: stream order guarantees the old kernels ran first. Steady-state training does no
 //! cuMemAlloc at all. Work on another stream that touches a buffer must be ordered with events
 //! (record on that stream, wait on the compute stream) before the buffer is dropped.
+//! On the emulated device the blocks are host allocations (256-byte aligned) and the same
+//! bookkeeping applies, so pool statistics are tested without a GPU too.
 use crate::err;
 use cudarc::driver::{result, sys, CudaContext};
 use ferrolm_tensor::Result;
@@ -27,8 +29,54 @@ struct Lists {
     mallocs: usize,
 }
 
+/// Where the blocks come from.
+pub enum Mem {
+    Gpu(Arc<CudaContext>),
+    /// Host memory standing in for device memory (the emulator).
+    Host,
+}
+
+const HOST_ALIGN: usize = 256;
+
+impl Mem {
+    fn malloc(&self, bytes: usize) -> std::result::Result<sys::CUdeviceptr, String> {
+        match self {
+            Mem::Gpu(ctx) => {
+                ctx.bind_to_thread().map_err(|e| format!("{e:?}"))?;
+                // SAFETY: plain device allocation; the memory is uninitialised until a kernel writes it.
+                unsafe { result::malloc_sync(bytes) }.map_err(|e| format!("{e:?}"))
+            }
+            Mem::Host => {
+                let l = std::alloc::Layout::from_size_align(bytes, HOST_ALIGN).map_err(|e| e.to_string())?;
+                // SAFETY: non-zero size (size classes are >= 512 bytes).
+                let p = unsafe { std::alloc::alloc(l) };
+                if p.is_null() {
+                    return Err("host allocation failed".into());
+                }
+                Ok(p as sys::CUdeviceptr)
+            }
+        }
+    }
+    fn free(&self, ptr: sys::CUdeviceptr, bytes: usize) {
+        match self {
+            // SAFETY: ptr came from malloc_sync and no live DevBuf refers to it.
+            Mem::Gpu(_) => {
+                let _ = unsafe { result::free_sync(ptr) };
+            }
+            // SAFETY: allocated above with this size and alignment.
+            Mem::Host => unsafe { std::alloc::dealloc(ptr as *mut u8, std::alloc::Layout::from_size_align_unchecked(bytes, HOST_ALIGN)) },
+        }
+    }
+    fn synchronize(&self) -> Result<()> {
+        match self {
+            Mem::Gpu(ctx) => ctx.synchronize().map_err(err("alloc")),
+            Mem::Host => Ok(()),
+        }
+    }
+}
+
 pub struct Pool {
-    ctx: Arc<CudaContext>,
+    mem: Mem,
     lists: Mutex<Lists>,
 }
 
@@ -50,8 +98,8 @@ impl std::fmt::Debug for DevBuf {
 }
 
 impl Pool {
-    pub fn new(ctx: Arc<CudaContext>) -> Arc<Self> {
-        Arc::new(Pool { ctx, lists: Mutex::new(Lists::default()) })
+    pub fn new(mem: Mem) -> Arc<Self> {
+        Arc::new(Pool { mem, lists: Mutex::new(Lists::default()) })
     }
     pub fn alloc(self: &Arc<Self>, bytes: usize) -> Result<DevBuf> {
         let class = size_class(bytes);
@@ -64,16 +112,14 @@ impl Pool {
                 return Ok(DevBuf { ptr, class, pool: self.clone() });
             }
         }
-        self.ctx.bind_to_thread().map_err(err("alloc"))?;
-        // SAFETY: plain device allocation; the memory is uninitialised until a kernel writes it.
-        let ptr = match unsafe { result::malloc_sync(class) } {
+        let ptr = match self.mem.malloc(class) {
             Ok(p) => p,
             Err(_) => {
                 // Out of memory: give the cached blocks back to the driver and retry once.
-                self.ctx.synchronize().map_err(err("alloc"))?;
+                self.mem.synchronize()?;
                 self.trim();
-                unsafe { result::malloc_sync(class) }.map_err(|e| {
-                    ferrolm_tensor::Error::new("alloc", format!("out of device memory allocating {bytes} bytes: {e:?}"))
+                self.mem.malloc(class).map_err(|e| {
+                    ferrolm_tensor::Error::new("alloc", format!("out of device memory allocating {bytes} bytes: {e}"))
                 })?
             }
         };
@@ -92,11 +138,12 @@ impl Pool {
     /// Frees every cached (unused) block. The caller must have synchronised the streams.
     pub fn trim(&self) {
         let mut l = self.lists.lock().unwrap_or_else(|e| e.into_inner());
-        let _ = self.ctx.bind_to_thread();
-        for (_, v) in l.free.drain() {
+        if let Mem::Gpu(ctx) = &self.mem {
+            let _ = ctx.bind_to_thread();
+        }
+        for (class, v) in l.free.drain() {
             for p in v {
-                // SAFETY: p came from malloc_sync and no live DevBuf refers to it.
-                let _ = unsafe { result::free_sync(p) };
+                self.mem.free(p, class);
             }
         }
         l.cached = 0;
@@ -118,7 +165,7 @@ impl Pool {
 
 impl Drop for Pool {
     fn drop(&mut self) {
-        let _ = self.ctx.synchronize();
+        let _ = self.mem.synchronize();
         self.trim();
     }
 }

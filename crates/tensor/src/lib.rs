@@ -15,7 +15,7 @@ mod tensor;
 mod views;
 
 pub use autograd::{checkpoint, is_grad_enabled, no_grad, set_grad_enabled};
-pub use dtype::{DType, Device};
+pub use dtype::{bf16_from_f64, DType, Device};
 pub use error::{Error, Result};
 pub use rng::Rng;
 pub use shape::{Layout, Shape};

@@ -45,7 +45,7 @@ impl CpuStorage {
     pub fn full(n: usize, dtype: DType, v: f64) -> Self {
         match dtype {
             DType::F32 => CpuStorage::F32(vec![v as f32; n]),
-            DType::BF16 => CpuStorage::BF16(vec![bf16::from_f64(v); n]),
+            DType::BF16 => CpuStorage::BF16(vec![crate::bf16_from_f64(v); n]),
             DType::F64 => CpuStorage::F64(vec![v; n]),
             DType::I32 => CpuStorage::I32(vec![v as i32; n]),
         }

@@ -241,11 +241,24 @@ impl Tensor {
         }
         T::from_storage(self.to_cpu_storage()?).ok_or_else(|| Error::new("to_vec", "dtype mismatch"))
     }
+    /// The elements in row-major order as f32, on the host (converted after the copy, so it
+    /// works on every device, including CUDA, which has no f64).
     pub fn to_vec_f32(&self) -> Result<Vec<f32>> {
-        self.to_dtype_nograd(DType::F32)?.to_vec()
+        Ok(match self.to_cpu_storage()? {
+            CpuStorage::F32(v) => v,
+            CpuStorage::BF16(v) => v.into_iter().map(f32::from).collect(),
+            CpuStorage::F64(v) => v.into_iter().map(|x| x as f32).collect(),
+            CpuStorage::I32(v) => v.into_iter().map(|x| x as f32).collect(),
+        })
     }
+    /// The elements in row-major order as f64, on the host (see `to_vec_f32`).
     pub fn to_vec_f64(&self) -> Result<Vec<f64>> {
-        self.to_dtype_nograd(DType::F64)?.to_vec()
+        Ok(match self.to_cpu_storage()? {
+            CpuStorage::F64(v) => v,
+            CpuStorage::F32(v) => v.into_iter().map(f64::from).collect(),
+            CpuStorage::BF16(v) => v.into_iter().map(f64::from).collect(),
+            CpuStorage::I32(v) => v.into_iter().map(f64::from).collect(),
+        })
     }
     /// The single value of a one-element tensor.
     pub fn item(&self) -> Result<f64> {
@@ -253,10 +266,6 @@ impl Tensor {
             bail!("item", "tensor of shape {:?} has {} elements, not 1", self.shape(), self.numel());
         }
         Ok(self.to_vec_f64()?[0])
-    }
-    fn to_dtype_nograd(&self, dtype: DType) -> Result<Tensor> {
-        let _g = autograd::no_grad();
-        self.to_dtype(dtype)
     }
 
     /// In place (no autograd): copies `src` (same shape; dtype converted, device must match).

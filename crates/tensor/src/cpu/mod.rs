@@ -162,7 +162,7 @@ impl Backend for CpuBackend {
         let f = |v: Vec<f64>| -> CpuStorage {
             match dtype {
                 DType::F32 => CpuStorage::F32(v.iter().map(|&x| x as f32).collect()),
-                DType::BF16 => CpuStorage::BF16(v.iter().map(|&x| bf16::from_f64(x)).collect()),
+                DType::BF16 => CpuStorage::BF16(v.iter().map(|&x| crate::bf16_from_f64(x)).collect()),
                 DType::F64 => CpuStorage::F64(v),
                 DType::I32 => CpuStorage::I32(v.iter().map(|&x| x as i32).collect()),
             }

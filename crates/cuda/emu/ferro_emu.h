@@ -1,0 +1,105 @@
+// ferro_emu.h — lets the unmodified kernels/*.cu compile as ordinary C++ and run on the CPU, so
+// the whole CUDA backend (launch configurations, argument packing, indexing, masking, shared
+// memory staging, warp shuffles, mma.sync fragment layouts, barriers) is exercised by tests on a
+// machine with no GPU. It is a checker, not a fast path: every CUDA thread is a fiber, a block's
+// fibers run on one OS thread, and the scheduler switches fibers only at __syncthreads and warp
+// collectives, where it also detects what real hardware would hang on or leave undefined
+// (divergent barriers, lanes of one warp in different collectives, mma with exited lanes).
+//
+// Included by kernels/common.cuh instead of <cuda_bf16.h> when FERRO_EMU is defined; the runtime
+// (fibers, scheduler, the collectives) is runtime.cpp. Only what kernels/ uses is provided: a
+// kernel that needs another intrinsic fails to compile here, which is the signal to add it.
+#pragma once
+#include <math.h>
+#include <stdint.h>
+#include <string.h>
+
+// ---- qualifiers ----------------------------------------------------------------------------------
+#ifdef FERRO_EMU_SCAN
+#define __global__ FERRO_KERNEL_MARK  // build.rs finds the kernel names after preprocessing
+#else
+#define __global__
+#endif
+#define __device__
+#define __host__
+#define __forceinline__ inline
+#define __launch_bounds__(...)
+#define __align__(n) alignas(n)
+#define __restrict__ __restrict
+// One copy per OS thread: the fibers of a block share it; blocks run one after another per thread.
+#define __shared__ static thread_local
+
+struct ferro_dim3 {
+    unsigned x, y, z;
+};
+
+namespace ferro_emu {
+extern thread_local const ferro_dim3* t_thread_idx;
+extern thread_local ferro_dim3 t_block_idx, t_block_dim, t_grid_dim;
+void sync_block();
+// Full-warp exchange of 32-bit words: lane L deposits `n` words and gets back the table of every
+// lane's deposit (row = lane, `kStride` words a row; rows of exited lanes read as all-ones bits).
+constexpr int kStride = 10;
+enum Kind { K_SHFL = 1, K_MMA = 2 };
+const unsigned* warp_exchange(const unsigned* mine, int n, Kind kind, unsigned mask);
+unsigned lane_id();
+unsigned char* dynamic_smem();
+void mma_m16n8k16_bf16(float* c, const unsigned* a, const unsigned* b);
+}  // namespace ferro_emu
+
+#define threadIdx (*ferro_emu::t_thread_idx)
+#define blockIdx (ferro_emu::t_block_idx)
+#define blockDim (ferro_emu::t_block_dim)
+#define gridDim (ferro_emu::t_grid_dim)
+#define __syncthreads() ferro_emu::sync_block()
+
+template <typename T>
+static inline T ferro_shfl_xor(unsigned mask, T v, int lanemask) {
+    static_assert(sizeof(T) == 4, "32-bit shuffles only");
+    unsigned w;
+    memcpy(&w, &v, 4);
+    const unsigned* all = ferro_emu::warp_exchange(&w, 1, ferro_emu::K_SHFL, mask);
+    unsigned r = all[((ferro_emu::lane_id() ^ (unsigned)lanemask) & 31u) * ferro_emu::kStride];
+    T out;
+    memcpy(&out, &r, 4);
+    return out;
+}
+#define __shfl_xor_sync(mask, v, lanemask) ferro_shfl_xor((mask), (v), (lanemask))
+
+template <typename T>
+static inline T min(T a, T b) { return b < a ? b : a; }
+template <typename T>
+static inline T max(T a, T b) { return a < b ? b : a; }
+
+// ---- bf16 (round to nearest even, as __float2bfloat16_rn) ---------------------------------------
+struct __nv_bfloat16 {
+    unsigned short __x;
+};
+struct __nv_bfloat162 {
+    __nv_bfloat16 x, y;
+};
+static inline float __bfloat162float(__nv_bfloat16 h) {
+    unsigned u = (unsigned)h.__x << 16;
+    float f;
+    memcpy(&f, &u, 4);
+    return f;
+}
+static inline __nv_bfloat16 __float2bfloat16_rn(float f) {
+    unsigned u;
+    memcpy(&u, &f, 4);
+    __nv_bfloat16 h;
+    if ((u & 0x7fffffffu) > 0x7f800000u) {
+        h.__x = 0x7fff;  // canonical NaN
+    } else {
+        u += 0x7fffu + ((u >> 16) & 1u);
+        h.__x = (unsigned short)(u >> 16);
+    }
+    return h;
+}
+static inline __nv_bfloat162 __floats2bfloat162_rn(float lo, float hi) {
+    __nv_bfloat162 v;
+    v.x = __float2bfloat16_rn(lo);
+    v.y = __float2bfloat16_rn(hi);
+    return v;
+}
+static inline unsigned short __bfloat16_as_ushort(__nv_bfloat16 h) { return h.__x; }

@@ -1,0 +1,137 @@
+//! The Rust side of the CUDA emulator (the C++ side is crates/cuda/emu): kernel lookup and launch
+//! through the table that build.rs generates, and a reference implementation of the cuBLASLt
+//! call that `gemm.rs` plans, with cuBLASLt's column-major semantics and its validity checks, so
+//! the layout arithmetic of every GEMM is tested without a GPU. Device pointers on the emulated
+//! device are host addresses (see `pool::Mem::Host`).
+use crate::gemm::{LtCall, LtMatrix};
+use ferrolm_tensor::{bail, bf16, Error, Result};
+use std::ffi::c_void;
+
+/// Whether build.rs compiled the emulator into this binary.
+pub const AVAILABLE: bool = cfg!(ferro_emu);
+
+#[cfg(ferro_emu)]
+mod ffi {
+    use std::ffi::{c_char, c_int, c_void};
+    #[repr(C)]
+    pub struct Kernel {
+        pub name: *const c_char,
+        pub run: unsafe extern "C" fn(*mut *mut c_void),
+    }
+    extern "C" {
+        pub static ferro_emu_kernels: [Kernel; 0];
+        pub static ferro_emu_kernel_count: c_int;
+        pub fn ferro_emu_run(entry: unsafe extern "C" fn(*mut *mut c_void), gx: u32, gy: u32, gz: u32, block: u32, smem: u32,
+            args: *mut *mut c_void, err: *mut c_char, errlen: usize) -> c_int;
+    }
+}
+
+#[cfg(ferro_emu)]
+type Entry = unsafe extern "C" fn(*mut *mut c_void);
+
+#[cfg(ferro_emu)]
+fn find(name: &str) -> Option<Entry> {
+    use std::collections::HashMap;
+    use std::sync::OnceLock;
+    static TABLE: OnceLock<HashMap<String, usize>> = OnceLock::new();
+    let t = TABLE.get_or_init(|| {
+        // SAFETY: build.rs emits `ferro_emu_kernel_count` entries with NUL-terminated names.
+        unsafe {
+            let n = ffi::ferro_emu_kernel_count as usize;
+            let base = ffi::ferro_emu_kernels.as_ptr();
+            (0..n).map(|i| (std::ffi::CStr::from_ptr((*base.add(i)).name).to_string_lossy().into_owned(), i)).collect()
+        }
+    });
+    // SAFETY: the index is within the table.
+    t.get(name).map(|&i| unsafe { (*ffi::ferro_emu_kernels.as_ptr().add(i)).run })
+}
+
+/// Runs kernel `name` over the grid to completion on the calling thread.
+#[cfg(ferro_emu)]
+pub(crate) fn launch(name: &'static str, grid: (u32, u32, u32), block: u32, smem: u32, args: &mut [*mut c_void]) -> Result<()> {
+    let Some(entry) = find(name) else { bail!(name, "kernel not found in the image (emulator)") };
+    let mut err = vec![0u8; 1024];
+    // SAFETY: args points at one value per kernel parameter, of the parameter's type (the same
+    // contract as cuLaunchKernel); device pointers in them are live host allocations.
+    let rc = unsafe { ffi::ferro_emu_run(entry, grid.0, grid.1, grid.2, block, smem, args.as_mut_ptr(), err.as_mut_ptr() as *mut _, err.len()) };
+    if rc != 0 {
+        let msg = String::from_utf8_lossy(&err[..err.iter().position(|&c| c == 0).unwrap_or(err.len())]).into_owned();
+        let what = if rc == 2 { "invalid launch configuration" } else { "kernel failed" };
+        return Err(Error::new(name, format!("{what} (emulator, grid {grid:?}, block {block}, {smem} B shared): {msg}")));
+    }
+    Ok(())
+}
+#[cfg(not(ferro_emu))]
+pub(crate) fn launch(name: &'static str, _: (u32, u32, u32), _: u32, _: u32, _: &mut [*mut c_void]) -> Result<()> {
+    bail!(name, "the CUDA emulator was not built")
+}
+
+/// cuBLASLt's checks for one matrix: positive sizes, ld >= rows (column-major), and that the
+/// batch stride keeps entries inside what the caller passed (a zero stride broadcasts).
+fn check(name: &str, m: &LtMatrix, batch: usize) -> Result<()> {
+    if m.rows == 0 || m.cols == 0 {
+        bail!("matmul", "cuBLASLt: matrix {name} is {}x{}", m.rows, m.cols);
+    }
+    if m.ld < m.rows as i64 {
+        bail!("matmul", "cuBLASLt would reject matrix {name}: leading dimension {} < rows {}", m.ld, m.rows);
+    }
+    if batch > 1 && m.stride < 0 {
+        bail!("matmul", "cuBLASLt: matrix {name} has a negative batch stride {}", m.stride);
+    }
+    Ok(())
+}
+
+/// D = op(A) · op(B) with cuBLASLt's semantics: column-major operands, op = transpose when the
+/// flag is set, fp32 accumulation, result rounded once to the output type.
+pub(crate) fn lt_matmul(c: &LtCall) -> Result<()> {
+    check("A", &c.a, c.batch)?;
+    check("B", &c.b, c.batch)?;
+    check("D", &c.d, c.batch)?;
+    let (m, n, k) = (c.d.rows, c.d.cols, c.k);
+    let (a_m, a_k) = if c.ta { (c.a.cols, c.a.rows) } else { (c.a.rows, c.a.cols) };
+    let (b_k, b_n) = if c.tb { (c.b.cols, c.b.rows) } else { (c.b.rows, c.b.cols) };
+    if a_m != m || b_n != n || a_k != k || b_k != k {
+        bail!("matmul", "cuBLASLt would reject the shapes: op(A) {a_m}x{a_k}, op(B) {b_k}x{b_n}, D {m}x{n}");
+    }
+    // Element (i, j) of a column-major matrix, or of its transpose.
+    let at = |x: &LtMatrix, t: bool, i: usize, j: usize, base: i64| -> i64 {
+        let (r, col) = if t { (j, i) } else { (i, j) };
+        base + r as i64 + col as i64 * x.ld
+    };
+    let mut acc = vec![0f32; m * n];
+    for bi in 0..c.batch {
+        let (ba, bb, bd) = (bi as i64 * c.a.stride, bi as i64 * c.b.stride, bi as i64 * c.d.stride);
+        acc.iter_mut().for_each(|x| *x = 0.0);
+        // SAFETY: emulated device pointers are host addresses; the planner sized every operand
+        // for these indices (a wrong plan reads out of its buffer, which the tests would show as
+        // wrong values or a crash, the same as on a GPU).
+        unsafe {
+            let load = |x: &LtMatrix, off: i64| -> f32 {
+                if c.bf16 {
+                    f32::from(*(x.ptr as *const bf16).offset(off as isize))
+                } else {
+                    *(x.ptr as *const f32).offset(off as isize)
+                }
+            };
+            for j in 0..n {
+                for p in 0..k {
+                    let bv = load(&c.b, at(&c.b, c.tb, p, j, bb));
+                    for i in 0..m {
+                        acc[i + j * m] += load(&c.a, at(&c.a, c.ta, i, p, ba)) * bv;
+                    }
+                }
+            }
+            for j in 0..n {
+                for i in 0..m {
+                    let off = (bd + i as i64 + j as i64 * c.d.ld) as isize;
+                    if c.bf16 {
+                        *(c.d.ptr as *mut bf16).offset(off) = bf16::from_f32(acc[i + j * m]);
+                    } else {
+                        *(c.d.ptr as *mut f32).offset(off) = acc[i + j * m];
+                    }
+                }
+            }
+        }
+    }
+    Ok(())
+}
