@@ -22,11 +22,21 @@ pub mod kernels_image {
 }
 
 /// Creates the CUDA backend for GPU `i` and registers it, once per process and device.
+///
+/// With `FERROLM_CUDA_EMULATOR=1`, `cuda:i` is instead the CPU emulator of the CUDA backend
+/// (`ferrolm_cuda::CudaBackend::emulated`): the same launchers and kernels/*.cu, run on the CPU.
+/// It is slow and meant for checking the CUDA code path on a machine without a GPU.
 pub fn init_cuda(i: usize) -> Result<()> {
     use std::sync::Mutex;
     static READY: Mutex<Vec<usize>> = Mutex::new(Vec::new());
     let mut ready = READY.lock().unwrap_or_else(|e| e.into_inner());
     if ready.contains(&i) {
+        return Ok(());
+    }
+    if std::env::var("FERROLM_CUDA_EMULATOR").is_ok_and(|v| v == "1") {
+        eprintln!("note: FERROLM_CUDA_EMULATOR=1: cuda:{i} is the CPU emulator of the CUDA backend (slow; for checking, not for training)");
+        tensor::backend::register(ferrolm_cuda::CudaBackend::emulated(i)?);
+        ready.push(i);
         return Ok(());
     }
     let n = ferrolm_cuda::device_count();

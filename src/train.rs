@@ -206,10 +206,12 @@ impl Trainer {
     }
 
     /// Model FLOPs utilisation on CUDA: (6 N + 12 L T d_attn) FLOPs per token (PaLM's count)
-    /// over the bf16 dense peak, `FERROLM_PEAK_TFLOPS` or 989 (H100/H200 SXM). None on CPU.
+    /// over the bf16 dense peak, `FERROLM_PEAK_TFLOPS` or 989 (H100/H200 SXM). None on CPU and
+    /// on the emulated CUDA device.
     fn mfu(&self, tokens_per_s: f64) -> Option<f64> {
-        if self.model.device() == Device::Cpu {
-            return None;
+        let Device::Cuda(i) = self.model.device() else { return None };
+        if ferrolm_cuda::CudaBackend::latest(i).is_none_or(|b| b.is_emulated()) {
+            return None; // the CPU emulator: a GPU utilisation figure would be meaningless
         }
         let c = self.model.config();
         let attn = 12.0 * (c.num_hidden_layers * self.opts.seq_len * c.num_attention_heads * c.head_dim) as f64;

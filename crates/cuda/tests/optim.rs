@@ -7,7 +7,7 @@
 //! FERROLM_REQUIRE_GPU=1, where they fail.
 use ferrolm_cuda::{AdamWParams, AdamWTensor, CudaBackend, CudaStorage, KernelImage};
 use ferrolm_tensor::backend::{AttnDims, Backend};
-use ferrolm_tensor::{bf16, CpuStorage, DType, Device, Layout, Rng, Shape, Storage, Tensor};
+use ferrolm_tensor::{CpuStorage, DType, Device, Layout, Rng, Shape, Storage, Tensor};
 
 
 mod common;

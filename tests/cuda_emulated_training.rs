@@ -1,0 +1,105 @@
+//! The training loop on the CUDA backend, checked where no GPU exists: `cuda:0` is the CPU
+//! emulator of the CUDA backend (FERROLM_CUDA_EMULATOR=1: the real launchers and kernels/*.cu,
+//! run on the CPU). A few optimizer steps there must repeat the CPU run's losses: f32 to 1e-4
+//! relative (summation orders differ), bf16 to 3e-2 (the GPU rounds intermediates to bf16, e.g.
+//! P in flash attention). The bf16 model has head dim 64, so the tensor-core attention kernels
+//! run inside real training. Checkpoints written from the device must load back on the CPU.
+use ferrolm::data::{list_shards, prepare_text_dir, Tokenizer};
+use ferrolm::nn::LlamaConfig;
+use ferrolm::train::{TrainOptions, Trainer};
+use ferrolm::{DType, Device, Llama};
+use ferrolm_tensor::Rng;
+use std::path::{Path, PathBuf};
+
+fn root() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).to_path_buf()
+}
+
+fn opts(steps: usize) -> TrainOptions {
+    TrainOptions {
+        steps,
+        batch_size: 2,
+        seq_len: 32,
+        grad_accum: 2,
+        lr: 3e-3,
+        min_lr: 3e-4,
+        warmup_steps: 1,
+        weight_decay: 0.1,
+        grad_clip: 1.0,
+        eval_every: steps,
+        eval_batches: 2,
+        save_every: 0,
+        log_every: 100,
+        seed: 7,
+    }
+}
+
+fn model(vocab: usize, hidden: usize, heads: usize, kv: usize, dtype: DType, device: Device) -> Llama {
+    let cfg = LlamaConfig::from_json_str(&format!(
+        r#"{{"model_type":"llama","vocab_size":{vocab},"hidden_size":{hidden},"intermediate_size":{},"num_hidden_layers":2,
+            "num_attention_heads":{heads},"num_key_value_heads":{kv},"max_position_embeddings":64,"tie_word_embeddings":true}}"#,
+        2 * hidden
+    ))
+    .unwrap();
+    Llama::new(cfg, dtype, device, &mut Rng::new(1)).unwrap()
+}
+
+fn run(tmp: &Path, name: &str, m: Llama, steps: usize) -> (Vec<f64>, Vec<f64>, Trainer) {
+    let train = list_shards(tmp.join("shards"), "train").unwrap();
+    let val = list_shards(tmp.join("shards"), "val").unwrap();
+    let mut t = Trainer::new(m, &train, &val, opts(steps), &tmp.join(name)).unwrap();
+    t.run().unwrap();
+    let losses = t.history.iter().map(|h| h.1).collect();
+    let val = t.val_history.iter().map(|h| h.1).collect();
+    (losses, val, t)
+}
+
+fn close(what: &str, cpu: &[f64], gpu: &[f64], rtol: f64) {
+    assert_eq!(cpu.len(), gpu.len(), "{what}: lengths");
+    for (a, b) in cpu.iter().zip(gpu) {
+        assert!(b.is_finite() && (a - b).abs() <= rtol * a.abs(), "{what}: cpu {cpu:?} vs emulated cuda {gpu:?}");
+    }
+}
+
+#[test]
+fn training_on_the_emulated_cuda_backend_matches_the_cpu() {
+    if ferrolm_cuda::device_count() > 0 {
+        println!("skipped: a real GPU is present (crates/cuda/tests and bench_cuda cover it)");
+        return;
+    }
+    std::env::set_var("FERROLM_CUDA_EMULATOR", "1");
+    if let Err(e) = ferrolm::init_cuda(0) {
+        if std::env::var("FERROLM_REQUIRE_EMU").is_ok_and(|v| v == "1") {
+            panic!("FERROLM_REQUIRE_EMU=1 but the emulator is unavailable: {e}");
+        }
+        println!("skipped: {e}");
+        return;
+    }
+    let gpu = Device::Cuda(0);
+    let tmp = std::env::temp_dir().join(format!("ferrolm-emu-train-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&tmp);
+    let tok = Tokenizer::from_file(root().join("data/tokenizer.json")).unwrap();
+    prepare_text_dir(root().join("data/corpus/sonnets.txt"), &tok, tmp.join("shards"), 0.1, 1 << 20).unwrap();
+    let v = tok.vocab_size();
+
+    // f32, GQA 4:2, head dim 8 (SIMT attention)
+    let (cl, cv, _) = run(&tmp, "cpu32", model(v, 32, 4, 2, DType::F32, Device::Cpu), 3);
+    let (gl, gv, t) = run(&tmp, "gpu32", model(v, 32, 4, 2, DType::F32, gpu), 3);
+    close("f32 train loss", &cl, &gl, 1e-4);
+    close("f32 val loss", &cv, &gv, 1e-4);
+    assert!(gl.last() < gl.first(), "loss did not fall on emulated CUDA: {gl:?}");
+    // the checkpoint written from the device loads on the CPU and gives the same loss
+    let ck = t.save_checkpoint().unwrap();
+    let back = Llama::from_pretrained(&ck, DType::F32, Device::Cpu).unwrap();
+    let ids = ferrolm::Tensor::from_vec((0..32).map(|i| (i * 37 % v) as i32).collect::<Vec<_>>(), vec![1, 32], Device::Cpu).unwrap();
+    let tg = ferrolm::Tensor::from_vec((0..32).map(|i| (i * 53 % v) as i32).collect::<Vec<_>>(), vec![1, 32], Device::Cpu).unwrap();
+    let on_cpu = back.loss(&ids, &tg).unwrap().item().unwrap();
+    let on_gpu = t.model.loss(&ids.to_device(gpu).unwrap(), &tg.to_device(gpu).unwrap()).unwrap().item().unwrap();
+    assert!((on_cpu - on_gpu).abs() <= 1e-4 * on_cpu.abs(), "checkpoint loss on CPU {on_cpu} vs on device {on_gpu}");
+
+    // bf16, GQA 2:1, head dim 64: flash attention forward/backward on the tensor-core path
+    let (cl, _, _) = run(&tmp, "cpu16", model(v, 128, 2, 1, DType::BF16, Device::Cpu), 2);
+    let (gl, _, _) = run(&tmp, "gpu16", model(v, 128, 2, 1, DType::BF16, gpu), 2);
+    close("bf16 train loss", &cl, &gl, 3e-2);
+    let _ = std::fs::remove_dir_all(&tmp);
+}
