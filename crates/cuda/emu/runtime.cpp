@@ -74,6 +74,9 @@ thread_local unsigned char* t_smem;
 thread_local unsigned t_smem_bytes;
 thread_local void (*t_entry)(void**);
 thread_local void** t_args;
+// 0: threads of a block are visited 0, 1, ..., n-1 at every scheduling round; 1: n-1, ..., 0.
+// A kernel without data races gives the same bits under both; tests compare the two.
+thread_local int t_reverse;
 pthread_key_t g_key;
 pthread_once_t g_once = PTHREAD_ONCE_INIT;
 
@@ -261,8 +264,8 @@ bool run_block(Block* b, int nthreads, char* err, size_t errlen) {
     if (t_smem_bytes) memset(t_smem, 0xff, t_smem_bytes);  // shared memory starts as NaN bits
     while (b->alive > 0 && !b->failed) {
         bool ran = false;
-        for (int i = 0; i < nthreads && !b->failed; ++i) {
-            Fiber* f = &b->fibers[i];
+        for (int j = 0; j < nthreads && !b->failed; ++j) {
+            Fiber* f = &b->fibers[t_reverse ? nthreads - 1 - j : j];
             if (f->state == DONE || f->state == FAILED) continue;
             if (f->state == WAIT_BLOCK && b->gen == f->wait_gen) continue;
             if (f->state == WAIT_WARP && b->warps[f->warp].gen == f->wait_gen) continue;
@@ -379,6 +382,9 @@ void mma_m16n8k16_bf16(float* c, const unsigned* a, const unsigned* b) {
 using namespace ferro_emu;
 
 // ---- host API (called from Rust) ---------------------------------------------------------------
+// Scheduling order for launches from the calling thread (see t_reverse).
+extern "C" void ferro_emu_set_reverse(int on) { t_reverse = on; }
+
 // Runs kernel `entry` (a thunk that unpacks the driver-style argument array) over the grid.
 // Returns 0, or 2 for a bad launch configuration, 3 for an execution error; err gets the reason.
 extern "C" int ferro_emu_run(void (*entry)(void**), unsigned gx, unsigned gy, unsigned gz, unsigned block,

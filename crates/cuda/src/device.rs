@@ -106,6 +106,16 @@ impl CudaBackend {
         b
     }
 
+    /// On the emulated device: run the blocks of later launches from this thread with their
+    /// threads scheduled in reverse order (`true`) or in order. Comparing the two exposes data
+    /// races (a missing `__syncthreads`, a lane reading another's shared memory too early). No
+    /// effect on a GPU.
+    pub fn emulator_reverse_schedule(&self, on: bool) {
+        if self.is_emulated() {
+            crate::emu::set_reverse_schedule(on);
+        }
+    }
+
     /// True for a backend made by `emulated`.
     pub fn is_emulated(&self) -> bool {
         matches!(self.exec, Exec::Emu)

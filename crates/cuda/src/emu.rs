@@ -23,6 +23,7 @@ mod ffi {
         pub static ferro_emu_kernel_count: c_int;
         pub fn ferro_emu_run(entry: unsafe extern "C" fn(*mut *mut c_void), gx: u32, gy: u32, gz: u32, block: u32, smem: u32,
             args: *mut *mut c_void, err: *mut c_char, errlen: usize) -> c_int;
+        pub fn ferro_emu_set_reverse(on: c_int);
     }
 }
 
@@ -64,6 +65,18 @@ pub(crate) fn launch(name: &'static str, grid: (u32, u32, u32), block: u32, smem
 #[cfg(not(ferro_emu))]
 pub(crate) fn launch(name: &'static str, _: (u32, u32, u32), _: u32, _: u32, _: &mut [*mut c_void]) -> Result<()> {
     bail!(name, "the CUDA emulator was not built")
+}
+
+/// Launches from the calling thread visit a block's threads in reverse order at every scheduling
+/// round (`true`) or in order. A race-free kernel gives the same bits either way.
+pub(crate) fn set_reverse_schedule(on: bool) {
+    // SAFETY: sets a thread-local flag in the runtime.
+    #[cfg(ferro_emu)]
+    unsafe {
+        ffi::ferro_emu_set_reverse(on as _)
+    };
+    #[cfg(not(ferro_emu))]
+    let _ = on;
 }
 
 /// cuBLASLt's checks for one matrix: positive sizes, ld >= rows (column-major), and that the

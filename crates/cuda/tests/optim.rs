@@ -1,6 +1,8 @@
 //! The launchers that have no `Backend` method (fused AdamW, global grad norm, fused
 //! cross-entropy) against host references, bitwise run-to-run determinism of the backward
-//! kernels that reduce (attention, embedding), and the memory pool's steady state.
+//! kernels that reduce (attention, embedding), and the memory pool's steady state. On the CPU
+//! emulator the second run of each determinism check schedules every block's threads in reverse
+//! order, so a data race (which makes the result depend on thread order) fails it too.
 //! New device buffers are poisoned with NaN (FERROLM_CUDA_POISON=1) and outputs the test
 //! allocates itself start as NaN, so an unwritten element fails.
 //! With no CUDA device the tests print "skipped: no CUDA device" and pass, unless
@@ -220,7 +222,9 @@ fn grad_norm_matches_host_f64_and_is_deterministic() {
         let refs: Vec<&CudaStorage> = dev.iter().map(cs).collect();
         let norm = host.iter().map(|x| x * x).sum::<f64>().sqrt();
         let a = Storage::Device(Box::new(be.grad_norm(&refs, 1.0).unwrap()));
+        be.emulator_reverse_schedule(true); // on the emulator the second run also checks for races
         let b = Storage::Device(Box::new(be.grad_norm(&refs, 1.0).unwrap()));
+        be.emulator_reverse_schedule(false);
         let av = down(&be, &a);
         close(&format!("grad_norm {sizes:?}"), &av[..1], &[norm], 1e-6, 1e-5);
         close(&format!("clip {sizes:?}"), &av[1..], &[(1.0 / (norm + 1e-6)).min(1.0)], 1e-7, 1e-5);
@@ -299,7 +303,10 @@ fn attention_backward_is_bitwise_deterministic() {
             let (dq, dk, dv) = be.attention_backward((&dout, &lq), (&q, &lq), (&k, &lkv), (&v, &lkv), (&o, &lq), (&lse, &llse), dims, scale).unwrap();
             [o, lse, dq, dk, dv].iter().map(|s| bits(&be, s)).collect::<Vec<_>>()
         };
-        let (a, c) = (run(), run());
+        let a = run();
+        be.emulator_reverse_schedule(true); // on the emulator the second run also checks for races
+        let c = run();
+        be.emulator_reverse_schedule(false);
         for (i, what) in ["out", "lse", "dq", "dk", "dv"].iter().enumerate() {
             let bad = a[i].iter().zip(&c[i]).filter(|(x, y)| x != y).count();
             assert_eq!(bad, 0, "attention {dt} b{b} hq{hq} hkv{hkv} t{t} d{d}: {what} differs between runs in {bad} elements");
@@ -323,7 +330,9 @@ fn embedding_backward_is_bitwise_deterministic() {
             let dy = dev_rand(&be, n * d, dt, &mut r);
             let (ly, li) = (Layout::contiguous(Shape(vec![n, d])), flat(n));
             let a = bits(&be, &be.embedding_backward((&dy, &ly), (&ids, &li), vocab).unwrap());
+            be.emulator_reverse_schedule(true); // on the emulator the second run also checks for races
             let b = bits(&be, &be.embedding_backward((&dy, &ly), (&ids, &li), vocab).unwrap());
+            be.emulator_reverse_schedule(false);
             let bad = a.iter().zip(&b).filter(|(x, y)| x != y).count();
             assert_eq!(bad, 0, "embedding backward {dt} V{vocab} d{d} n{n}: {bad} elements differ between runs");
         }
