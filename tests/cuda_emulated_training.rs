@@ -103,3 +103,56 @@ fn training_on_the_emulated_cuda_backend_matches_the_cpu() {
     close("bf16 train loss", &cl, &gl, 3e-2);
     let _ = std::fs::remove_dir_all(&tmp);
 }
+
+/// nn::AdamW on the emulated CUDA device (fused multi-tensor kernel, fused grad norm) against the
+/// op-based update on the CPU: f32 and bf16 parameters (fp32 master), decayed and not.
+#[test]
+fn fused_adamw_and_grad_norm_match_the_op_based_cpu_update() {
+    use ferrolm::nn::optim::{clip_grad_norm, AdamW, AdamWConfig};
+    use ferrolm::Tensor;
+    if ferrolm_cuda::device_count() > 0 {
+        println!("skipped: a real GPU is present (crates/cuda/tests cover it)");
+        return;
+    }
+    std::env::set_var("FERROLM_CUDA_EMULATOR", "1");
+    if let Err(e) = ferrolm::init_cuda(0) {
+        assert!(!std::env::var("FERROLM_REQUIRE_EMU").is_ok_and(|v| v == "1"), "emulator unavailable: {e}");
+        println!("skipped: {e}");
+        return;
+    }
+    let gpu = Device::Cuda(0);
+    for dt in [DType::F32, DType::BF16] {
+        let mut r = Rng::new(3);
+        let shapes: [(&str, Vec<usize>); 3] = [("layers.0.w", vec![67, 129]), ("norm.weight", vec![129]), ("embed_tokens.weight", vec![5000, 3])];
+        let init: Vec<Tensor> = shapes.iter().map(|(_, s)| Tensor::randn(s.clone(), 0.5, dt, Device::Cpu, &mut r).unwrap()).collect();
+        let mk = |dev: Device| -> Vec<(String, Tensor)> {
+            shapes.iter().zip(&init).map(|((n, _), t)| {
+                let p = t.to_device(dev).unwrap().detach();
+                p.set_requires_grad(true).unwrap();
+                (n.to_string(), p)
+            }).collect()
+        };
+        let (pc, pg) = (mk(Device::Cpu), mk(gpu));
+        let cfg = AdamWConfig::default();
+        let (mut oc, mut og) = (AdamW::new(&pc, cfg.clone()).unwrap(), AdamW::new(&pg, cfg).unwrap());
+        for step in 0..3 {
+            let grads: Vec<Tensor> = shapes.iter().map(|(_, s)| Tensor::randn(s.clone(), 1.0, dt, Device::Cpu, &mut r).unwrap()).collect();
+            for ((_, c), ((_, g), x)) in pc.iter().zip(pg.iter().zip(&grads)) {
+                c.set_grad(Some(x.clone()));
+                g.set_grad(Some(x.to_device(gpu).unwrap()));
+            }
+            let (nc, ng) = (clip_grad_norm(&pc, 1.0).unwrap(), clip_grad_norm(&pg, 1.0).unwrap());
+            assert!((nc - ng).abs() <= 1e-5 * nc, "{dt} step {step}: grad norm cpu {nc} vs device {ng}");
+            oc.step(1e-2).unwrap();
+            og.step(1e-2).unwrap();
+            assert!(og.last_step_fused && !oc.last_step_fused, "{dt}: the device step must run the fused kernel, the CPU the ops");
+        }
+        let tol = if dt == DType::BF16 { 1e-2 } else { 1e-5 };
+        for ((n, a), (_, b)) in oc.state_tensors().iter().zip(og.state_tensors().iter()).chain(pc.iter().zip(pg.iter())) {
+            let (x, y) = (a.to_vec_f64().unwrap(), b.to_vec_f64().unwrap());
+            for (i, (u, w)) in x.iter().zip(&y).enumerate() {
+                assert!(w.is_finite() && (u - w).abs() <= tol * (1e-3 + u.abs()), "{dt} {n}[{i}]: cpu {u} vs device {w}");
+            }
+        }
+    }
+}

@@ -5,7 +5,8 @@ use crate::device::{Args, CudaBackend};
 use crate::gemm::Operand;
 use crate::launch::{grid1, kname, rows_grid, sfx, Strided};
 use crate::storage::{cuda, CudaStorage};
-use ferrolm_tensor::backend::{AttnDims, Backend, BinaryOp, ReduceOp, Sl, UnaryOp};
+use crate::launch::{AdamWParams, AdamWTensor};
+use ferrolm_tensor::backend::{AdamWHyper, AdamWSlot, AttnDims, Backend, BinaryOp, ReduceOp, Sl, UnaryOp};
 use ferrolm_tensor::{bail, bf16, CpuStorage, DType, Device, Layout, Result, Shape, Storage};
 
 const B: u32 = 256;
@@ -477,6 +478,45 @@ impl Backend for CudaBackend {
         self.launch(kname("ce_bwd", sfx(op, s.dtype)?), rows_grid(n), B, 0,
             Args::new().push(s.ptr_at(logits.1.offset)).push(t.buf.ptr).push(pl).push(ps).push(out.buf.ptr).push(n as i64).push(v as i64).push(ignore_index))?;
         Ok(self.wrap(out))
+    }
+    fn adamw_step(&self, slots: &[AdamWSlot], h: AdamWHyper) -> Result<bool> {
+        let op = "adamw_step";
+        // The launcher addresses whole buffers: every view must start at 0 and cover its storage.
+        fn whole<'a>(op: &str, x: Sl<'a>) -> Result<Option<&'a CudaStorage>> {
+            let c = cuda(op, x.0)?;
+            Ok((x.1.is_contiguous() && x.1.offset == 0 && c.len == x.1.numel()).then_some(c))
+        }
+        let whole = |x| whole(op, x);
+        let mut ts = Vec::with_capacity(slots.len());
+        for s in slots {
+            let (Some(p), Some(g), Some(m), Some(v)) = (whole(s.param)?, whole(s.grad)?, whole(s.m)?, whole(s.v)?) else { return Ok(false) };
+            let (master, param_bf16) = match s.master {
+                Some(ms) => match whole(ms)? {
+                    Some(ms) if p.dtype == DType::BF16 => (ms, Some(p)),
+                    _ => return Ok(false),
+                },
+                None if p.dtype == DType::F32 => (p, None),
+                None => return Ok(false),
+            };
+            ts.push(AdamWTensor { master, grad: g, m, v, param_bf16, weight_decay: s.weight_decay as f32 });
+        }
+        let step = u32::try_from(h.step).map_err(|_| ferrolm_tensor::Error::new(op, "step count overflows u32"))?;
+        let p = AdamWParams { lr: h.lr as f32, beta1: h.beta1 as f32, beta2: h.beta2 as f32, eps: h.eps as f32, step };
+        self.adamw_multi(&ts, p, None)?;
+        Ok(true)
+    }
+    fn global_norm(&self, xs: &[Sl]) -> Result<Option<f64>> {
+        let mut gs = Vec::with_capacity(xs.len());
+        for x in xs {
+            let c = cuda("global_norm", x.0)?;
+            if !(x.1.is_contiguous() && x.1.offset == 0 && c.len == x.1.numel()) {
+                return Ok(None);
+            }
+            gs.push(c);
+        }
+        let out = self.grad_norm(&gs, 0.0)?;
+        let v: Vec<f32> = self.download(out.buf.ptr, 1)?;
+        Ok(Some(v[0] as f64))
     }
 }
 

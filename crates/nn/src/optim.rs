@@ -1,7 +1,10 @@
 //! AdamW with decoupled weight decay, fp32 master weights for low-precision parameters, and
 //! global-norm gradient clipping. The update is written with engine ops, so it runs on any
-//! backend; its state is a list of named tensors for checkpoints.
-use ferrolm_tensor::{bail, no_grad, DType, Result, Tensor};
+//! backend; a backend with fused kernels (CUDA: one multi-tensor AdamW launch, one two-stage
+//! norm reduction) runs those instead, with the same state. The state is a list of named
+//! tensors for checkpoints.
+use ferrolm_tensor::backend::AdamWHyper;
+use ferrolm_tensor::{bail, fused_adamw_step, fused_global_norm, no_grad, AdamWTensors, DType, Device, Result, Tensor};
 
 #[derive(Clone, Debug, PartialEq)]
 pub struct AdamWConfig {
@@ -37,6 +40,8 @@ pub struct AdamW {
     slots: Vec<Slot>,
     /// Optimizer steps taken (bias correction uses it).
     pub step: u64,
+    /// Whether the last `step` ran the backend's fused kernel (false: the op-based update).
+    pub last_step_fused: bool,
 }
 
 impl AdamW {
@@ -62,7 +67,7 @@ impl AdamW {
                 decay: decay(name, p),
             });
         }
-        Ok(AdamW { cfg, slots, step: 0 })
+        Ok(AdamW { cfg, slots, step: 0, last_step_fused: false })
     }
 
     /// One update with learning rate `lr` from the parameters' accumulated `.grad()`s.
@@ -71,6 +76,19 @@ impl AdamW {
         let _g = no_grad();
         self.step += 1;
         let c = &self.cfg;
+        if self.slots.first().is_some_and(|s| s.param.device() != Device::Cpu) {
+            let grads: Vec<Option<Tensor>> = self.slots.iter().map(|s| s.param.grad()).collect();
+            let ts: Vec<AdamWTensors> = self.slots.iter().zip(&grads).filter_map(|(s, g)| {
+                let wd = if s.decay { c.weight_decay } else { 0.0 };
+                g.as_ref().map(|g| AdamWTensors { param: &s.param, grad: g, master: s.master.as_ref(), m: &s.m, v: &s.v, weight_decay: wd })
+            }).collect();
+            let h = AdamWHyper { lr, beta1: c.beta1, beta2: c.beta2, eps: c.eps, step: self.step };
+            if fused_adamw_step(&ts, h)? {
+                self.last_step_fused = true;
+                return Ok(());
+            }
+        }
+        self.last_step_fused = false;
         let bc1 = 1.0 - c.beta1.powi(self.step as i32);
         let bc2 = 1.0 - c.beta2.powi(self.step as i32);
         for s in &mut self.slots {
@@ -136,20 +154,24 @@ impl AdamW {
 /// is exceeded (`max_norm <= 0` disables clipping). Returns the norm before clipping.
 pub fn clip_grad_norm(params: &[(String, Tensor)], max_norm: f64) -> Result<f64> {
     let _g = no_grad();
-    // Summed on the device, read back once: one host sync per step, not one per parameter.
-    let mut sq: Option<Tensor> = None;
-    for (_, p) in params {
-        if let Some(g) = p.grad() {
-            let s = g.to_dtype(DType::F32)?.sqr()?.sum_all()?;
-            sq = Some(match sq {
-                Some(acc) => acc.add(&s)?,
-                None => s,
-            });
+    let grads: Vec<Tensor> = params.iter().filter_map(|(_, p)| p.grad()).collect();
+    let norm = match fused_global_norm(&grads.iter().collect::<Vec<_>>())? {
+        Some(n) => n,
+        None => {
+            // Summed on the device, read back once: one host sync per step, not one per parameter.
+            let mut sq: Option<Tensor> = None;
+            for g in &grads {
+                let s = g.to_dtype(DType::F32)?.sqr()?.sum_all()?;
+                sq = Some(match sq {
+                    Some(acc) => acc.add(&s)?,
+                    None => s,
+                });
+            }
+            match sq {
+                Some(t) => t.item()?.sqrt(),
+                None => 0.0,
+            }
         }
-    }
-    let norm = match sq {
-        Some(t) => t.item()?.sqrt(),
-        None => 0.0,
     };
     if max_norm > 0.0 && norm > max_norm {
         let s = max_norm / (norm + 1e-6);

@@ -51,6 +51,27 @@ pub struct AttnDims {
 
 pub type Sl<'a> = (&'a Storage, &'a Layout);
 
+/// One parameter of a fused AdamW step. Every view is dense (contiguous, offset 0, owning
+/// exactly its elements) and of one length; `master` is the fp32 copy of a bf16 `param`.
+pub struct AdamWSlot<'a> {
+    pub param: Sl<'a>,
+    pub grad: Sl<'a>,
+    pub master: Option<Sl<'a>>,
+    pub m: Sl<'a>,
+    pub v: Sl<'a>,
+    pub weight_decay: f64,
+}
+
+/// AdamW hyper-parameters of one step (`step` is 1-based, for bias correction).
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct AdamWHyper {
+    pub lr: f64,
+    pub beta1: f64,
+    pub beta2: f64,
+    pub eps: f64,
+    pub step: u64,
+}
+
 pub trait Backend: Send + Sync {
     fn device(&self) -> Device;
     fn from_cpu(&self, s: &CpuStorage) -> Result<Storage>;
@@ -95,6 +116,20 @@ pub trait Backend: Send + Sync {
     fn cross_entropy(&self, logits: Sl, targets: Sl, ignore_index: i32) -> Result<(Storage, Storage, usize)>;
     /// dlogits = (softmax - onehot) * scale for counted rows, 0 for ignored ones.
     fn cross_entropy_backward(&self, logits: Sl, targets: Sl, lse: Sl, ignore_index: i32, scale: Sl) -> Result<Storage>;
+
+    /// Optional fused optimizer kernels. `Ok(false)` / `Ok(None)`: the backend has none and
+    /// the caller runs the op-based version (the CPU backend's answer).
+    ///
+    /// One AdamW update of every slot in place (m, v, master or param, and the bf16 param from
+    /// the updated master). The caller holds the storages' read guards: a device backend
+    /// writes through device pointers, ordered on its stream like every other op.
+    fn adamw_step(&self, _slots: &[AdamWSlot], _h: AdamWHyper) -> Result<bool> {
+        Ok(false)
+    }
+    /// sqrt(sum of squares) over every element of `xs` (dense views), read back to the host.
+    fn global_norm(&self, _xs: &[Sl]) -> Result<Option<f64>> {
+        Ok(None)
+    }
 }
 
 static BACKENDS: RwLock<Vec<Arc<dyn Backend>>> = RwLock::new(Vec::new());

@@ -1,0 +1,89 @@
+//! Entry points for the optional fused optimizer kernels of a backend (`Backend::adamw_step`,
+//! `Backend::global_norm`): they take the storages of many tensors at once, so the read guards
+//! are taken here, once per distinct storage (two views of one storage would otherwise lock it
+//! twice on one thread).
+use crate::backend::{self, AdamWHyper, AdamWSlot, Sl};
+use crate::storage::StorageCell;
+use crate::{bail, Device, Result, Storage, Tensor};
+use std::sync::{Arc, RwLockReadGuard};
+
+/// One parameter's tensors for `fused_adamw_step` (see `backend::AdamWSlot`).
+pub struct AdamWTensors<'a> {
+    pub param: &'a Tensor,
+    pub grad: &'a Tensor,
+    pub master: Option<&'a Tensor>,
+    pub m: &'a Tensor,
+    pub v: &'a Tensor,
+    pub weight_decay: f64,
+}
+
+fn dense(t: &Tensor) -> bool {
+    let l = t.layout();
+    l.is_contiguous() && l.offset == 0 && t.0.storage.read().len() == t.numel()
+}
+
+/// Read guards over the storages of `ts`, one per distinct storage; `f` gets their views in
+/// the order of `ts`.
+fn with_views<R>(ts: &[&Tensor], f: impl FnOnce(&[Sl]) -> R) -> R {
+    let mut cells: Vec<Arc<StorageCell>> = Vec::new();
+    let idx: Vec<usize> = ts
+        .iter()
+        .map(|t| {
+            let c = t.0.storage.clone();
+            match cells.iter().position(|x| Arc::ptr_eq(x, &c)) {
+                Some(i) => i,
+                None => {
+                    cells.push(c);
+                    cells.len() - 1
+                }
+            }
+        })
+        .collect();
+    let guards: Vec<RwLockReadGuard<'_, Storage>> = cells.iter().map(|c| c.read()).collect();
+    let views: Vec<Sl> = ts.iter().zip(&idx).map(|(t, &i)| (&*guards[i], t.layout())).collect();
+    f(&views)
+}
+
+fn one_device(op: &str, ts: &[&Tensor]) -> Result<Device> {
+    let d = ts.first().map_or(Device::Cpu, |t| t.device());
+    if let Some(t) = ts.iter().find(|t| t.device() != d) {
+        bail!(op, "tensors on {d} and {}", t.device());
+    }
+    Ok(d)
+}
+
+/// Runs the backend's fused AdamW over `slots` if it has one and every tensor is dense;
+/// `Ok(false)` means nothing was changed and the caller must run the op-based update.
+pub fn fused_adamw_step(slots: &[AdamWTensors], h: AdamWHyper) -> Result<bool> {
+    let mut all: Vec<&Tensor> = Vec::with_capacity(slots.len() * 5);
+    for s in slots {
+        all.extend([s.param, s.grad, s.m, s.v]);
+        all.extend(s.master);
+    }
+    let device = one_device("fused_adamw_step", &all)?;
+    if all.is_empty() || device == Device::Cpu || !all.iter().all(|t| dense(t)) {
+        return Ok(false);
+    }
+    let b = backend::get("fused_adamw_step", device)?;
+    with_views(&all, |v| {
+        let mut at = 0;
+        let mut out = Vec::with_capacity(slots.len());
+        for s in slots {
+            let master = s.master.map(|_| v[at + 4]);
+            out.push(AdamWSlot { param: v[at], grad: v[at + 1], m: v[at + 2], v: v[at + 3], master, weight_decay: s.weight_decay });
+            at += 4 + s.master.is_some() as usize;
+        }
+        b.adamw_step(&out, h)
+    })
+}
+
+/// sqrt(sum of squares) over every element of `xs` by the backend's fused kernel, if it has
+/// one and every tensor is dense; `Ok(None)` otherwise.
+pub fn fused_global_norm(xs: &[&Tensor]) -> Result<Option<f64>> {
+    let device = one_device("fused_global_norm", xs)?;
+    if xs.is_empty() || device == Device::Cpu || !xs.iter().all(|t| dense(t)) {
+        return Ok(None);
+    }
+    let b = backend::get("fused_global_norm", device)?;
+    with_views(xs, |v| b.global_norm(v))
+}
