@@ -2,8 +2,8 @@
 //! FERROLM_KERNELS_FATBIN), and `gpu()`, which registers the backend once: the real device when
 //! there is one, else the CPU emulator (crates/cuda/emu: the same kernels/*.cu compiled as C++,
 //! with fibers for CUDA threads), announced with "no CUDA device: running on the CUDA emulator".
-//! FERROLM_REQUIRE_GPU=1 demands a real GPU (panics without one); with neither a GPU nor an
-//! emulator the tests print "skipped: no CUDA device" and pass.
+//! FERROLM_REQUIRE_GPU=1 demands a real GPU (panics without one); FERROLM_REQUIRE_EMU=1 (CI)
+//! demands a GPU or the emulator; with neither the tests print "skipped: no CUDA device".
 #![allow(dead_code)]
 use ferrolm_cuda::{CudaBackend, KernelImage};
 use ferrolm_tensor::{backend, Device};
@@ -80,6 +80,9 @@ fn backend_once() -> Option<Arc<CudaBackend>> {
     }
     if std::env::var("FERROLM_REQUIRE_GPU").is_ok_and(|v| v == "1") {
         panic!("FERROLM_REQUIRE_GPU=1 but no CUDA device is available");
+    }
+    if std::env::var("FERROLM_REQUIRE_EMU").is_ok_and(|v| v == "1") {
+        panic!("FERROLM_REQUIRE_EMU=1 but there is neither a CUDA device nor the CUDA emulator (no C++ compiler at build time?)");
     }
     println!("skipped: no CUDA device");
     None
