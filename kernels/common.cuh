@@ -6,10 +6,18 @@
 // or concatenates them for NVRTC, so everything here is `static` / `inline` and nothing here
 // may include a host standard-library header (NVRTC has none).
 #pragma once
-#ifdef FERRO_EMU
+#if defined(FERRO_EMU)
 #include "ferro_emu.h"  // CPU emulation for tests without a GPU (crates/cuda/emu)
+#endif
+// NVRTC has no <cuda_bf16.h> without the toolkit's include directory; nor has the emulator.
+// (Included once, outside the branches: the NVRTC loader inlines local includes textually.)
+#if defined(FERRO_EMU) || defined(FERRO_NVRTC)
+#include "bf16.cuh"
 #else
 #include <cuda_bf16.h>
+#endif
+#ifndef INFINITY
+#define INFINITY __int_as_float(0x7f800000)  // NVRTC: no <math.h>
 #endif
 
 typedef __nv_bfloat16 bf16;

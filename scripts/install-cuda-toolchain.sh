@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
-# Installs the pinned PyPI CUDA 13.0 compiler toolchain (nvcc, ptxas, cicc/nvvm, headers) into
-# the git-ignored `.cuda/` virtual environment at the project root. No GPU or driver is needed:
-# build.rs finds nvcc there and compiles kernels/*.cu into the embedded fatbin.
+# Installs the pinned PyPI CUDA 13.0 compiler toolchain (nvcc, ptxas, cicc/nvvm, headers, and
+# NVRTC) into the git-ignored `.cuda/` virtual environment at the project root. No GPU or driver
+# is needed: build.rs finds nvcc there and compiles kernels/*.cu into the embedded fatbin, and
+# the NVRTC test (crates/cuda/tests/nvrtc.rs) compiles the embedded sources the way a GPU host
+# without nvcc does, with `LD_LIBRARY_PATH` set to the folder this script prints.
 #
 # Every part is pinned: an unpinned nvidia-nvvm pulls a newer release whose PTX the 13.0 ptxas
 # rejects ("Unsupported .version 9.5"). Idempotent: does nothing when nvcc is already there.
@@ -19,7 +21,11 @@ find_nvcc() {
     return 1
 }
 
-if NVCC="$(find_nvcc)" && "$NVCC" --version >/dev/null 2>&1; then
+have_nvrtc() {
+    ls "$VENV"/lib/python3.*/site-packages/nvidia/cu13/lib/libnvrtc.so.13 >/dev/null 2>&1
+}
+
+if NVCC="$(find_nvcc)" && "$NVCC" --version >/dev/null 2>&1 && have_nvrtc; then
     echo "CUDA toolchain already installed."
 else
     [ -x "$VENV/bin/pip" ] || "$PY" -m venv "$VENV"
@@ -28,11 +34,13 @@ else
         nvidia-cuda-crt==13.0.88 \
         nvidia-cuda-runtime==13.0.96 \
         nvidia-cuda-cccl==13.0.85 \
-        nvidia-nvvm==13.0.88
+        nvidia-nvvm==13.0.88 \
+        nvidia-cuda-nvrtc==13.0.88
     NVCC="$(find_nvcc)" || { echo "error: nvcc not found under $VENV after install" >&2; exit 1; }
 fi
 
 "$NVCC" --version | tail -n 2
 echo "nvcc:    $NVCC"
 echo "include: $(cd "$(dirname "$NVCC")/../include" && pwd)"
+echo "nvrtc:   $(cd "$(dirname "$NVCC")/../lib" && pwd)"
 echo "build.rs finds it automatically; or export NVCC=$NVCC"

@@ -70,36 +70,3 @@ template <typename T>
 static inline T min(T a, T b) { return b < a ? b : a; }
 template <typename T>
 static inline T max(T a, T b) { return a < b ? b : a; }
-
-// ---- bf16 (round to nearest even, as __float2bfloat16_rn) ---------------------------------------
-struct __nv_bfloat16 {
-    unsigned short __x;
-};
-struct __nv_bfloat162 {
-    __nv_bfloat16 x, y;
-};
-static inline float __bfloat162float(__nv_bfloat16 h) {
-    unsigned u = (unsigned)h.__x << 16;
-    float f;
-    memcpy(&f, &u, 4);
-    return f;
-}
-static inline __nv_bfloat16 __float2bfloat16_rn(float f) {
-    unsigned u;
-    memcpy(&u, &f, 4);
-    __nv_bfloat16 h;
-    if ((u & 0x7fffffffu) > 0x7f800000u) {
-        h.__x = 0x7fff;  // canonical NaN
-    } else {
-        u += 0x7fffu + ((u >> 16) & 1u);
-        h.__x = (unsigned short)(u >> 16);
-    }
-    return h;
-}
-static inline __nv_bfloat162 __floats2bfloat162_rn(float lo, float hi) {
-    __nv_bfloat162 v;
-    v.x = __float2bfloat16_rn(lo);
-    v.y = __float2bfloat16_rn(hi);
-    return v;
-}
-static inline unsigned short __bfloat16_as_ushort(__nv_bfloat16 h) { return h.__x; }

@@ -322,29 +322,58 @@ impl Gpu {
 }
 
 fn load_module(ctx: &Arc<CudaContext>, image: KernelImage) -> Result<Arc<CudaModule>> {
-    use cudarc::nvrtc::{compile_ptx_with_opts, CompileOptions, Ptx};
     let ptx = match image {
-        KernelImage::Fatbin(b) => Ptx::from_binary(b.to_vec()),
+        KernelImage::Fatbin(b) => cudarc::nvrtc::Ptx::from_binary(b.to_vec()),
         KernelImage::Sources(srcs) => {
-            // One translation unit: common.cuh first, then every .cu without its #include lines.
-            let mut all = String::new();
-            for (name, text) in srcs.iter().filter(|(n, _)| n.ends_with(".cuh")) {
-                all.push_str(&format!("// ---- {name}\n{text}\n"));
-            }
-            for (name, text) in srcs.iter().filter(|(n, _)| n.ends_with(".cu")) {
-                all.push_str(&format!("// ---- {name}\n"));
-                for line in text.lines() {
-                    if !line.trim_start().starts_with("#include \"") && !line.trim_start().starts_with("#pragma once") {
-                        all.push_str(line);
-                        all.push('\n');
-                    }
-                }
-            }
             let (maj, min) = ctx.compute_capability().map_err(err("nvrtc"))?;
-            let arch: &'static str = Box::leak(format!("compute_{maj}{min}").into_boxed_str());
-            let opts = CompileOptions { arch: Some(arch), options: vec!["-std=c++17".into()], ..Default::default() };
-            compile_ptx_with_opts(all, opts).map_err(|e| Error::new("nvrtc", format!("compiling kernels/ failed: {e}")))?
+            compile_sources(srcs, &format!("compute_{maj}{min}"))?
         }
     };
     ctx.load_module(ptx).map_err(|e| Error::new("cuda", format!("loading the kernel image failed (wrong GPU architecture?): {e:?}")))
+}
+
+/// The kernel sources as the one translation unit NVRTC compiles: every `.cu` in order, with
+/// each `#include "x"` of an embedded file replaced by its text the first time (the files use
+/// `#pragma once`). Other includes stay for the preprocessor (e.g. the emulator's header, behind
+/// `#ifdef FERRO_EMU`).
+pub fn nvrtc_translation_unit(srcs: &[(&str, &str)]) -> Result<String> {
+    fn expand(name: &str, srcs: &[(&str, &str)], done: &mut Vec<String>, out: &mut String, depth: usize) -> Result<()> {
+        if done.iter().any(|d| d == name) {
+            return Ok(());
+        }
+        let Some((_, text)) = srcs.iter().find(|(n, _)| *n == name) else {
+            bail!("nvrtc", "kernel source {name} is included but not embedded");
+        };
+        if depth > 16 {
+            bail!("nvrtc", "#include nesting too deep at {name}");
+        }
+        done.push(name.to_string());
+        out.push_str(&format!("// ---- {name}\n"));
+        for line in text.lines() {
+            let t = line.trim_start();
+            let inc = t.strip_prefix("#include \"").and_then(|r| r.split('"').next());
+            if let Some(inc) = inc.filter(|i| srcs.iter().any(|(n, _)| n == i)) {
+                expand(inc, srcs, done, out, depth + 1)?;
+            } else if !t.starts_with("#pragma once") {
+                out.push_str(line);
+                out.push('\n');
+            }
+        }
+        Ok(())
+    }
+    let (mut done, mut out) = (Vec::new(), String::new());
+    for (name, _) in srcs.iter().filter(|(n, _)| n.ends_with(".cu")) {
+        expand(name, srcs, &mut done, &mut out, 0)?;
+    }
+    Ok(out)
+}
+
+/// Compiles the kernel sources with NVRTC for `arch` (e.g. "compute_90"). Needs libnvrtc on
+/// the library path, not a GPU.
+pub fn compile_sources(srcs: &[(&str, &str)], arch: &str) -> Result<cudarc::nvrtc::Ptx> {
+    use cudarc::nvrtc::{compile_ptx_with_opts, CompileOptions};
+    let all = nvrtc_translation_unit(srcs)?;
+    let arch: &'static str = Box::leak(arch.to_string().into_boxed_str());
+    let opts = CompileOptions { arch: Some(arch), options: vec!["-std=c++17".into(), "-DFERRO_NVRTC".into()], ..Default::default() };
+    compile_ptx_with_opts(all, opts).map_err(|e| Error::new("nvrtc", format!("compiling kernels/ failed: {e}")))
 }

@@ -18,7 +18,7 @@ mod launch;
 mod pool;
 mod storage;
 
-pub use device::{CudaBackend, CudaEvent, CudaStream};
+pub use device::{compile_sources, nvrtc_translation_unit, CudaBackend, CudaEvent, CudaStream};
 pub use launch::{AdamWParams, AdamWTensor};
 pub use storage::CudaStorage;
 
@@ -41,6 +41,11 @@ impl KernelImage {
             None => KernelImage::Sources(sources),
         }
     }
+}
+
+/// True when libnvrtc can be loaded (no GPU needed): the kernel sources can then be compiled.
+pub fn nvrtc_available() -> bool {
+    std::panic::catch_unwind(|| unsafe { cudarc::nvrtc::sys::is_culib_present() }).unwrap_or(false)
 }
 
 /// True when libcuda can be loaded and reports at least one device. Never panics (cudarc's

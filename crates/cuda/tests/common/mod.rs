@@ -10,6 +10,7 @@ use ferrolm_tensor::{backend, Device};
 use std::sync::{Arc, OnceLock, RwLock, RwLockReadGuard, RwLockWriteGuard};
 
 pub const SOURCES: &[(&str, &str)] = &[
+    ("bf16.cuh", include_str!("../../../../kernels/bf16.cuh")),
     ("common.cuh", include_str!("../../../../kernels/common.cuh")),
     ("attention.cu", include_str!("../../../../kernels/attention.cu")),
     ("cross_entropy.cu", include_str!("../../../../kernels/cross_entropy.cu")),
