@@ -15,11 +15,13 @@ mod device;
 mod emu;
 mod gemm;
 mod launch;
+mod pinned;
 mod pool;
 mod storage;
 
 pub use device::{compile_sources, nvrtc_translation_unit, CudaBackend, CudaEvent, CudaStream};
 pub use launch::{AdamWParams, AdamWTensor};
+pub use pinned::PinnedBuffer;
 pub use storage::CudaStorage;
 
 use ferrolm_tensor::Error;

@@ -448,3 +448,32 @@ fn no_gpu_is_reported_without_panicking() {
         assert!(CudaBackend::new(0, KernelImage::Sources(SOURCES)).is_err());
     }
 }
+
+#[test]
+fn pinned_host_buffers_round_trip() {
+    let Some(be) = gpu() else { return };
+    let mut r = Rng::new(16);
+    let n = 10_001;
+    let v: Vec<f32> = (0..n).map(|_| r.normal() as f32).collect();
+    let bytes: Vec<u8> = v.iter().flat_map(|x| x.to_le_bytes()).collect();
+    let dev = be.from_cpu(&CpuStorage::F32(v.clone())).unwrap();
+    let mut streams = vec![None];
+    if !be.is_emulated() {
+        streams.push(Some(be.new_stream().unwrap())); // a side copy stream, ordered by events
+    }
+    for s in &streams {
+        let mut hb = be.alloc_pinned(n * 4).unwrap();
+        be.copy_to_pinned(cs(&dev), &mut hb, s.as_ref()).unwrap();
+        assert_eq!(hb.as_slice().unwrap(), &bytes[..], "device -> pinned");
+        // change it on the host, send it back into a fresh (NaN-poisoned) buffer
+        for (i, b) in hb.as_mut_slice().unwrap().chunks_mut(4).enumerate() {
+            b.copy_from_slice(&(i as f32).to_le_bytes());
+        }
+        let back = be.full(n, DType::F32, f64::NAN).unwrap();
+        be.copy_from_pinned(&mut hb, cs(&back), s.as_ref()).unwrap();
+        let got = down(&be, &back);
+        assert!(got.iter().enumerate().all(|(i, &x)| x == i as f64), "pinned -> device");
+    }
+    let mut small = be.alloc_pinned(8).unwrap();
+    assert!(be.copy_to_pinned(cs(&dev), &mut small, None).is_err(), "a size mismatch must be an error");
+}
