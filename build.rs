@@ -1,9 +1,8 @@
 // Compiles kernels/*.cu into ONE CUDA fatbin embedded in the binary, and writes
 // OUT_DIR/kernels_image.rs with
 //     pub const FATBIN: Option<&[u8]>          // None when no nvcc was found
-//     pub const SOURCES: &[(&str, &str)]       // (file name, text) of every kernels/*.cu{,h}
-// so the facade can `include!(concat!(env!("OUT_DIR"), "/kernels_image.rs"))` and hand both to
-// ferrolm-cuda (which falls back to NVRTC on the sources when FATBIN is None).
+// so the facade can `include!(concat!(env!("OUT_DIR"), "/kernels_image.rs"))` and hand it to
+// ferrolm-cuda, which falls back to NVRTC on its own `KERNEL_SOURCES` when FATBIN is None.
 //
 // nvcc is looked up in: $NVCC, $CUDA_HOME/bin, $CUDA_PATH/bin, PATH, then the project's pinned
 // PyPI toolchain (.cuda/lib/python3.*/site-packages/nvidia/cu13/bin/nvcc, installed by
@@ -26,12 +25,11 @@ fn main() {
     let out = PathBuf::from(env::var("OUT_DIR").unwrap());
     let kdir = root.join("kernels");
 
-    let mut files: Vec<PathBuf> = fs::read_dir(&kdir)
+    let mut cu: Vec<PathBuf> = fs::read_dir(&kdir)
         .map(|rd| rd.filter_map(|e| e.ok().map(|e| e.path())).collect())
         .unwrap_or_default();
-    files.retain(|p| matches!(p.extension().and_then(|e| e.to_str()), Some("cu") | Some("cuh")));
-    files.sort();
-    let cu: Vec<&PathBuf> = files.iter().filter(|p| p.extension().unwrap() == "cu").collect();
+    cu.retain(|p| p.extension().is_some_and(|e| e == "cu"));
+    cu.sort();
 
     let fatbin = if cu.is_empty() {
         None
@@ -53,12 +51,6 @@ fn main() {
         Some(p) => writeln!(src, "pub const FATBIN: Option<&[u8]> = Some(include_bytes!({:?}));", p.display().to_string()).unwrap(),
         None => src.push_str("pub const FATBIN: Option<&[u8]> = None;\n"),
     }
-    src.push_str("pub const SOURCES: &[(&str, &str)] = &[\n");
-    for f in &files {
-        let name = f.file_name().unwrap().to_string_lossy().to_string();
-        writeln!(src, "    ({name:?}, include_str!({:?})),", f.display().to_string()).unwrap();
-    }
-    src.push_str("];\n");
     fs::write(out.join("kernels_image.rs"), src).unwrap();
 }
 
@@ -101,7 +93,7 @@ fn gencodes() -> Vec<String> {
 }
 
 /// One translation unit that includes every kernel file, compiled into one fatbin.
-fn compile(nvcc: &Path, kdir: &Path, cu: &[&PathBuf], out: &Path) -> PathBuf {
+fn compile(nvcc: &Path, kdir: &Path, cu: &[PathBuf], out: &Path) -> PathBuf {
     let all = out.join("ferrolm_kernels_all.cu");
     let mut s = String::new();
     for f in cu {

@@ -15,8 +15,8 @@ pub use ferrolm_tensor::{DType, Device, Error, Result, Shape, Tensor};
 /// Error type of the examples and the training loop: any error with a readable message.
 pub type AnyResult<T> = std::result::Result<T, Box<dyn std::error::Error + Send + Sync>>;
 
-/// The kernels built from `kernels/` by `build.rs`: an nvcc fatbin when nvcc was found at
-/// build time, else the sources for NVRTC.
+/// The fatbin that `build.rs` compiles from `kernels/` when nvcc was found at build time (the
+/// sources for NVRTC are `ferrolm_cuda::KERNEL_SOURCES`).
 pub mod kernels_image {
     include!(concat!(env!("OUT_DIR"), "/kernels_image.rs"));
 }
@@ -43,7 +43,7 @@ pub fn init_cuda(i: usize) -> Result<()> {
     if i >= n {
         return Err(Error::new("device", format!("cuda:{i} is not available: {n} CUDA device(s) visible (is the NVIDIA driver installed?)")));
     }
-    let img = ferrolm_cuda::KernelImage::from_build(kernels_image::FATBIN, kernels_image::SOURCES);
+    let img = ferrolm_cuda::KernelImage::from_build(kernels_image::FATBIN, ferrolm_cuda::KERNEL_SOURCES);
     tensor::backend::register(ferrolm_cuda::CudaBackend::new(i, img)?);
     ready.push(i);
     Ok(())

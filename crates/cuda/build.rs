@@ -1,4 +1,6 @@
-// Builds the CUDA emulator (emu/): the kernels in ../../kernels compiled as C++ for the CPU, plus
+// Writes OUT_DIR/kernel_sources.rs, the one list of kernels/*.cu{,h} as (file name, text) that
+// the NVRTC path, the facade and the tests share (`ferrolm_cuda::KERNEL_SOURCES`). Then builds
+// the CUDA emulator (emu/): the kernels in ../../kernels compiled as C++ for the CPU, plus
 // the fiber runtime, into a static library, and sets `cfg(ferro_emu)` so `CudaBackend::emulated`
 // exists. Steps: preprocess every kernel once with `__global__` turned into a marker to find the
 // kernel names (macros such as ATTN_SIMT generate some), write one translation unit that includes
@@ -19,12 +21,13 @@ fn main() {
     println!("cargo:rerun-if-changed=build.rs");
     println!("cargo:rerun-if-env-changed=CXX");
     println!("cargo:rerun-if-env-changed=FERROLM_NO_EMU");
-    if env::var("FERROLM_NO_EMU").is_ok_and(|v| v == "1") {
-        return;
-    }
     let manifest = PathBuf::from(env::var("CARGO_MANIFEST_DIR").unwrap());
     let out = PathBuf::from(env::var("OUT_DIR").unwrap());
     let kdir = manifest.join("../../kernels");
+    write_sources(&kdir, &out);
+    if env::var("FERROLM_NO_EMU").is_ok_and(|v| v == "1") {
+        return;
+    }
     let edir = manifest.join("emu");
     let target = env::var("TARGET").unwrap_or_default();
     if !target.contains("linux") {
@@ -41,6 +44,24 @@ fn main() {
         // A compiler is there but a kernel does not compile as C++: a real error in kernels/.
         Err(Fail(e)) => panic!("building the CUDA emulator failed: {e}"),
     }
+}
+
+fn write_sources(kdir: &Path, out: &Path) {
+    let mut files: Vec<PathBuf> = fs::read_dir(kdir)
+        .unwrap_or_else(|e| panic!("{}: {e}", kdir.display()))
+        .filter_map(|e| e.ok().map(|e| e.path()))
+        .filter(|p| p.extension().is_some_and(|x| x == "cu" || x == "cuh"))
+        .collect();
+    files.sort();
+    // An expression, `include!`d as the value of ferrolm_cuda::KERNEL_SOURCES.
+    let mut src = String::from("&[\n");
+    for f in &files {
+        let name = f.file_name().unwrap().to_string_lossy().to_string();
+        let path = f.canonicalize().unwrap_or_else(|_| f.clone());
+        writeln!(src, "    ({name:?}, include_str!({:?})),", path.display().to_string()).unwrap();
+    }
+    src.push_str("]\n");
+    fs::write(out.join("kernel_sources.rs"), src).unwrap();
 }
 
 enum Why {

@@ -54,7 +54,6 @@ struct Warp {
     unsigned gen;
     int arrived, alive;
     Kind kind;
-    unsigned mask;
     bool exited[32];
 };
 
@@ -307,8 +306,7 @@ void sync_block() {
     }
     f->state = WAIT_BLOCK;
     f->wait_gen = g;
-    to_scheduler(f);
-    if (b->failed) fail("aborted");
+    to_scheduler(f);  // resumed only once the barrier has released (never after a failure)
 }
 
 unsigned lane_id() { return t_cur->lane; }
@@ -321,7 +319,6 @@ const unsigned* warp_exchange(const unsigned* mine, int n, Kind kind, unsigned m
     unsigned g = w.gen;
     if (w.arrived == 0) {
         w.kind = kind;
-        w.mask = mask;
     } else if (w.kind != kind) {
         fail("block (%u,%u,%u) warp %u: lanes reached different warp collectives (%s and %s)", t_block_idx.x,
              t_block_idx.y, t_block_idx.z, f->warp, w.kind == K_MMA ? "mma.sync" : "shfl.sync",
@@ -337,8 +334,7 @@ const unsigned* warp_exchange(const unsigned* mine, int n, Kind kind, unsigned m
     } else {
         f->state = WAIT_WARP;
         f->wait_gen = g;
-        to_scheduler(f);
-        if (b->failed) fail("aborted");
+        to_scheduler(f);  // resumed only once every live lane has arrived
     }
     return buf;
 }

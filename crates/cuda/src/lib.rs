@@ -26,6 +26,9 @@ pub use storage::CudaStorage;
 
 use ferrolm_tensor::Error;
 
+/// Every kernels/*.cu and *.cuh as (file name, text): what NVRTC compiles when there is no fatbin.
+pub const KERNEL_SOURCES: &[(&str, &str)] = include!(concat!(env!("OUT_DIR"), "/kernel_sources.rs"));
+
 /// The compiled kernels handed over by the facade crate (from `OUT_DIR/kernels_image.rs`).
 #[derive(Clone, Copy, Debug)]
 pub enum KernelImage {

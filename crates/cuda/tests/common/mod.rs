@@ -9,20 +9,8 @@ use ferrolm_cuda::{CudaBackend, KernelImage};
 use ferrolm_tensor::{backend, Device};
 use std::sync::{Arc, OnceLock, RwLock, RwLockReadGuard, RwLockWriteGuard};
 
-pub const SOURCES: &[(&str, &str)] = &[
-    ("bf16.cuh", include_str!("../../../../kernels/bf16.cuh")),
-    ("common.cuh", include_str!("../../../../kernels/common.cuh")),
-    ("attention.cu", include_str!("../../../../kernels/attention.cu")),
-    ("cross_entropy.cu", include_str!("../../../../kernels/cross_entropy.cu")),
-    ("elementwise.cu", include_str!("../../../../kernels/elementwise.cu")),
-    ("embedding.cu", include_str!("../../../../kernels/embedding.cu")),
-    ("optim.cu", include_str!("../../../../kernels/optim.cu")),
-    ("reduce.cu", include_str!("../../../../kernels/reduce.cu")),
-    ("rmsnorm.cu", include_str!("../../../../kernels/rmsnorm.cu")),
-    ("rope.cu", include_str!("../../../../kernels/rope.cu")),
-    ("softmax.cu", include_str!("../../../../kernels/softmax.cu")),
-    ("swiglu.cu", include_str!("../../../../kernels/swiglu.cu")),
-];
+/// The kernel sources NVRTC compiles (the crate's own list, generated from kernels/).
+pub const SOURCES: &[(&str, &str)] = ferrolm_cuda::KERNEL_SOURCES;
 
 pub const GPU: Device = Device::Cuda(0);
 
