@@ -25,9 +25,7 @@ fn main() {
     let out = PathBuf::from(env::var("OUT_DIR").unwrap());
     let kdir = root.join("kernels");
 
-    let mut cu: Vec<PathBuf> = fs::read_dir(&kdir)
-        .map(|rd| rd.filter_map(|e| e.ok().map(|e| e.path())).collect())
-        .unwrap_or_default();
+    let mut cu: Vec<PathBuf> = fs::read_dir(&kdir).map(|rd| rd.filter_map(|e| e.ok().map(|e| e.path())).collect()).unwrap_or_default();
     cu.retain(|p| p.extension().is_some_and(|e| e == "cu"));
     cu.sort();
 

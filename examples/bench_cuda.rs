@@ -142,7 +142,8 @@ fn attn_key(b: usize, hq: usize, hkv: usize, t: usize, d: usize) -> String {
 fn main() -> AnyResult<()> {
     let args: Vec<String> = std::env::args().collect();
     let quick = args.iter().any(|a| a == "--quick");
-    let reps = args.iter().position(|a| a == "--reps").and_then(|i| args.get(i + 1)).and_then(|s| s.parse().ok()).unwrap_or(20usize).max(10);
+    let reps =
+        args.iter().position(|a| a == "--reps").and_then(|i| args.get(i + 1)).and_then(|s| s.parse().ok()).unwrap_or(20usize).max(10);
 
     if ferrolm_cuda::device_count() == 0 {
         println!("skipped: no CUDA device");
@@ -156,8 +157,10 @@ fn main() -> AnyResult<()> {
     let be = CudaBackend::latest(0).ok_or("init_cuda(0) succeeded but no live CUDA backend was found")?;
     let device = be.device_name();
     let date = civil_date();
-    println!("# ferrolm CUDA kernel benchmark\n\ndevice: {device}  \ndate: {date}  \nreps: {reps} (median), kernels image: {}\n",
-        if ferrolm::kernels_image::FATBIN.is_some() { "nvcc fatbin" } else { "NVRTC sources" });
+    println!(
+        "# ferrolm CUDA kernel benchmark\n\ndevice: {device}  \ndate: {date}  \nreps: {reps} (median), kernels image: {}\n",
+        if ferrolm::kernels_image::FATBIN.is_some() { "nvcc fatbin" } else { "NVRTC sources" }
+    );
     let mut bn = Bench { be: be.clone(), gen: Gen(0x5EED_F00D), reps };
     let bf = DType::BF16;
 
@@ -202,21 +205,42 @@ fn main() -> AnyResult<()> {
     let n = r * c;
     {
         let (a, b) = (bn.randn(&[r, c], bf, 1.0)?, bn.randn(&[r, c], bf, 1.0)?);
-        let ms = bn.time(|| { be.binary(BinaryOp::Add, a.sl(), b.sl())?; Ok(()) })?;
+        let ms = bn.time(|| {
+            be.binary(BinaryOp::Add, a.sl(), b.sl())?;
+            Ok(())
+        })?;
         push(&mut rows, "add (bf16)", format!("({r}, {c})"), ms, 3.0 * n as f64 * 2.0, 0.0);
-        let ms = bn.time(|| { be.unary(UnaryOp::Silu, a.sl())?; Ok(()) })?;
+        let ms = bn.time(|| {
+            be.unary(UnaryOp::Silu, a.sl())?;
+            Ok(())
+        })?;
         push(&mut rows, "silu (bf16)", format!("({r}, {c})"), ms, 2.0 * n as f64 * 2.0, 0.0);
-        let ms = bn.time(|| { be.reduce(ReduceOp::Sum, a.sl(), &[1])?; Ok(()) })?;
+        let ms = bn.time(|| {
+            be.reduce(ReduceOp::Sum, a.sl(), &[1])?;
+            Ok(())
+        })?;
         push(&mut rows, "sum over last dim (bf16)", format!("({r}, {c})"), ms, (n + r) as f64 * 2.0, 0.0);
-        let ms = bn.time(|| { be.reduce(ReduceOp::Sum, a.sl(), &[0])?; Ok(()) })?;
+        let ms = bn.time(|| {
+            be.reduce(ReduceOp::Sum, a.sl(), &[0])?;
+            Ok(())
+        })?;
         push(&mut rows, "sum over first dim (bf16)", format!("({r}, {c})"), ms, (n + c) as f64 * 2.0, 0.0);
         let tl = transpose_layout(&a.l);
-        let ms = bn.time(|| { be.copy_strided((&a.s, &tl))?; Ok(()) })?;
+        let ms = bn.time(|| {
+            be.copy_strided((&a.s, &tl))?;
+            Ok(())
+        })?;
         push(&mut rows, "transpose copy (bf16)", format!("({c}, {r})^T"), ms, 2.0 * n as f64 * 2.0, 0.0);
-        let ms = bn.time(|| { be.softmax_last(a.sl())?; Ok(()) })?;
+        let ms = bn.time(|| {
+            be.softmax_last(a.sl())?;
+            Ok(())
+        })?;
         push(&mut rows, "softmax fwd (bf16)", format!("({r}, {c})"), ms, 2.0 * n as f64 * 2.0, 0.0);
         let y = Buf { s: be.softmax_last(a.sl())?, l: a.l.clone() };
-        let ms = bn.time(|| { be.softmax_last_backward(y.sl(), b.sl())?; Ok(()) })?;
+        let ms = bn.time(|| {
+            be.softmax_last_backward(y.sl(), b.sl())?;
+            Ok(())
+        })?;
         push(&mut rows, "softmax bwd (bf16)", format!("({r}, {c})"), ms, 3.0 * n as f64 * 2.0, 0.0);
     }
     be.empty_cache()?;
@@ -225,12 +249,18 @@ fn main() -> AnyResult<()> {
         let x = bn.randn(&[rn, d], bf, 1.0)?;
         let w = bn.randn(&[d], bf, 1.0)?;
         let dy = bn.randn(&[rn, d], bf, 1.0)?;
-        let ms = bn.time(|| { be.rmsnorm(x.sl(), w.sl(), 1e-5)?; Ok(()) })?;
+        let ms = bn.time(|| {
+            be.rmsnorm(x.sl(), w.sl(), 1e-5)?;
+            Ok(())
+        })?;
         let nn = (rn * d) as f64;
         push(&mut rows, "rmsnorm fwd (bf16)", format!("({rn}, {d})"), ms, 2.0 * nn * 2.0 + rn as f64 * 4.0, 0.0);
         let (_y, inv) = be.rmsnorm(x.sl(), w.sl(), 1e-5)?;
         let inv = Buf { s: inv, l: layout(&[rn]) };
-        let ms = bn.time(|| { be.rmsnorm_backward(dy.sl(), x.sl(), w.sl(), inv.sl())?; Ok(()) })?;
+        let ms = bn.time(|| {
+            be.rmsnorm_backward(dy.sl(), x.sl(), w.sl(), inv.sl())?;
+            Ok(())
+        })?;
         push(&mut rows, "rmsnorm bwd (bf16)", format!("({rn}, {d})"), ms, 3.0 * nn * 2.0 + rn as f64 * 4.0, 0.0);
     }
     be.empty_cache()?;
@@ -240,9 +270,15 @@ fn main() -> AnyResult<()> {
         let cos = bn.randn(&[t, d], bf, 0.7)?;
         let sin = bn.randn(&[t, d], bf, 0.7)?;
         let nn = (b * h * t * d) as f64;
-        let ms = bn.time(|| { be.rope(x.sl(), cos.sl(), sin.sl(), false)?; Ok(()) })?;
+        let ms = bn.time(|| {
+            be.rope(x.sl(), cos.sl(), sin.sl(), false)?;
+            Ok(())
+        })?;
         push(&mut rows, "rope fwd (bf16)", format!("({b}, {h}, {t}, {d})"), ms, 2.0 * nn * 2.0 + 2.0 * (t * d) as f64 * 2.0, 0.0);
-        let ms = bn.time(|| { be.rope(x.sl(), cos.sl(), sin.sl(), true)?; Ok(()) })?;
+        let ms = bn.time(|| {
+            be.rope(x.sl(), cos.sl(), sin.sl(), true)?;
+            Ok(())
+        })?;
         push(&mut rows, "rope bwd (bf16)", format!("({b}, {h}, {t}, {d})"), ms, 2.0 * nn * 2.0 + 2.0 * (t * d) as f64 * 2.0, 0.0);
     }
     be.empty_cache()?;
@@ -252,9 +288,15 @@ fn main() -> AnyResult<()> {
         let up = bn.randn(&[rn, f], bf, 1.0)?;
         let dy = bn.randn(&[rn, f], bf, 1.0)?;
         let nn = (rn * f) as f64;
-        let ms = bn.time(|| { be.swiglu(gt.sl(), up.sl())?; Ok(()) })?;
+        let ms = bn.time(|| {
+            be.swiglu(gt.sl(), up.sl())?;
+            Ok(())
+        })?;
         push(&mut rows, "swiglu fwd (bf16)", format!("({rn}, {f})"), ms, 3.0 * nn * 2.0, 0.0);
-        let ms = bn.time(|| { be.swiglu_backward(dy.sl(), gt.sl(), up.sl())?; Ok(()) })?;
+        let ms = bn.time(|| {
+            be.swiglu_backward(dy.sl(), gt.sl(), up.sl())?;
+            Ok(())
+        })?;
         push(&mut rows, "swiglu bwd (bf16)", format!("({rn}, {f})"), ms, 5.0 * nn * 2.0, 0.0);
     }
     be.empty_cache()?;
@@ -264,11 +306,17 @@ fn main() -> AnyResult<()> {
         let t = bn.ids(rn, v)?;
         let scale = bn.scalar_f32(1.0 / rn as f32)?;
         let nn = (rn * v) as f64;
-        let ms = bn.time(|| { be.cross_entropy(x.sl(), t.sl(), -100)?; Ok(()) })?;
+        let ms = bn.time(|| {
+            be.cross_entropy(x.sl(), t.sl(), -100)?;
+            Ok(())
+        })?;
         push(&mut rows, "cross-entropy fwd (bf16)", format!("({rn}, {v})"), ms, nn * 2.0, 0.0);
         let (_, lse, _) = be.cross_entropy(x.sl(), t.sl(), -100)?;
         let lse = Buf { s: lse, l: layout(&[rn]) };
-        let ms_b = bn.time(|| { be.cross_entropy_backward(x.sl(), t.sl(), lse.sl(), -100, scale.sl())?; Ok(()) })?;
+        let ms_b = bn.time(|| {
+            be.cross_entropy_backward(x.sl(), t.sl(), lse.sl(), -100, scale.sl())?;
+            Ok(())
+        })?;
         push(&mut rows, "cross-entropy bwd (bf16)", format!("({rn}, {v})"), ms_b, 2.0 * nn * 2.0, 0.0);
         let ms = bn.time(|| {
             be.cross_entropy(x.sl(), t.sl(), -100)?;
@@ -276,7 +324,10 @@ fn main() -> AnyResult<()> {
             Ok(())
         })?;
         push(&mut rows, "cross-entropy fwd+bwd (bf16)", format!("({rn}, {v})"), ms, 2.0 * nn * 2.0, 0.0);
-        let ms = bn.time(|| { be.cross_entropy_fused(&x.s, &x.l, &t.s, -100, 1.0)?; Ok(()) })?;
+        let ms = bn.time(|| {
+            be.cross_entropy_fused(&x.s, &x.l, &t.s, -100, 1.0)?;
+            Ok(())
+        })?;
         push(&mut rows, "cross-entropy fused fwd+bwd (bf16)", format!("({rn}, {v})"), ms, 2.0 * nn * 2.0, 0.0);
     }
     be.empty_cache()?;
@@ -285,20 +336,42 @@ fn main() -> AnyResult<()> {
         let w = bn.randn(&[vocab, d], bf, 1.0)?;
         let ids = bn.ids(nt, vocab)?;
         let dy = bn.randn(&[nt, d], bf, 1.0)?;
-        let ms = bn.time(|| { be.embedding(w.sl(), ids.sl())?; Ok(()) })?;
+        let ms = bn.time(|| {
+            be.embedding(w.sl(), ids.sl())?;
+            Ok(())
+        })?;
         push(&mut rows, "embedding fwd (bf16)", format!("V{vocab} d{d} n{nt}"), ms, 2.0 * (nt * d) as f64 * 2.0 + nt as f64 * 4.0, 0.0);
-        let ms = bn.time(|| { be.embedding_backward(dy.sl(), ids.sl(), vocab)?; Ok(()) })?;
-        push(&mut rows, "embedding bwd (bf16)", format!("V{vocab} d{d} n{nt}"), ms, (nt * d) as f64 * 2.0 + (vocab * d) as f64 * 2.0 + nt as f64 * 4.0, 0.0);
+        let ms = bn.time(|| {
+            be.embedding_backward(dy.sl(), ids.sl(), vocab)?;
+            Ok(())
+        })?;
+        push(
+            &mut rows,
+            "embedding bwd (bf16)",
+            format!("V{vocab} d{d} n{nt}"),
+            ms,
+            (nt * d) as f64 * 2.0 + (vocab * d) as f64 * 2.0 + nt as f64 * 4.0,
+            0.0,
+        );
     }
     be.empty_cache()?;
 
     // ---- attention ------------------------------------------------------------------------
-    let mut shapes = vec![(4, 16, 16, 1024, 128), (4, 16, 16, 2048, 128), (4, 16, 16, 4096, 128), (8, 32, 32, 2048, 64), (4, 32, 8, 2048, 128), (8, 32, 8, 2048, 64)];
+    let mut shapes = vec![
+        (4, 16, 16, 1024, 128),
+        (4, 16, 16, 2048, 128),
+        (4, 16, 16, 4096, 128),
+        (8, 32, 32, 2048, 64),
+        (4, 32, 8, 2048, 128),
+        (8, 32, 8, 2048, 64),
+    ];
     if quick {
         shapes.truncate(2);
     }
     let mut attn_json = Vec::new();
-    let mut attn_md = String::from("| key | fwd ms | bwd ms | fwd+bwd ms | fwd+bwd TFLOP/s | floor ms | floor/time |\n|---|---:|---:|---:|---:|---:|---:|\n");
+    let mut attn_md = String::from(
+        "| key | fwd ms | bwd ms | fwd+bwd ms | fwd+bwd TFLOP/s | floor ms | floor/time |\n|---|---:|---:|---:|---:|---:|---:|\n",
+    );
     for (b, hq, hkv, t, d) in shapes {
         let dims = AttnDims { b, hq, hkv, t, d };
         let q = bn.randn(&[b, hq, t, d], bf, 1.0)?;
@@ -308,8 +381,14 @@ fn main() -> AnyResult<()> {
         let scale = 1.0 / (d as f64).sqrt();
         let (o, lse) = be.attention(q.sl(), k.sl(), v.sl(), dims, scale)?;
         let (o, lse) = (Buf { s: o, l: layout(&[b, hq, t, d]) }, Buf { s: lse, l: layout(&[b, hq, t]) });
-        let fwd = bn.time(|| { be.attention(q.sl(), k.sl(), v.sl(), dims, scale)?; Ok(()) })?;
-        let bwd = bn.time(|| { be.attention_backward(dout.sl(), q.sl(), k.sl(), v.sl(), o.sl(), lse.sl(), dims, scale)?; Ok(()) })?;
+        let fwd = bn.time(|| {
+            be.attention(q.sl(), k.sl(), v.sl(), dims, scale)?;
+            Ok(())
+        })?;
+        let bwd = bn.time(|| {
+            be.attention_backward(dout.sl(), q.sl(), k.sl(), v.sl(), o.sl(), lse.sl(), dims, scale)?;
+            Ok(())
+        })?;
         let both = bn.time(|| {
             let (o2, l2) = be.attention(q.sl(), k.sl(), v.sl(), dims, scale)?;
             be.attention_backward(dout.sl(), q.sl(), k.sl(), v.sl(), (&o2, &o.l), (&l2, &lse.l), dims, scale)?;
@@ -323,7 +402,12 @@ fn main() -> AnyResult<()> {
         push(&mut rows, "attention bwd (bf16, causal)", key.clone(), bwd, 0.0, 2.5 * f_fwd);
         push(&mut rows, "attention fwd+bwd (bf16, causal)", key.clone(), both, 0.0, f_all);
         let floor = f_all / peak * 1e3;
-        writeln!(attn_md, "| {key} | {fwd:.3} | {bwd:.3} | {both:.3} | {:.1} | {floor:.3} | {:.2} |", f_all / (both * 1e-3) / 1e12, floor / both)?;
+        writeln!(
+            attn_md,
+            "| {key} | {fwd:.3} | {bwd:.3} | {both:.3} | {:.1} | {floor:.3} | {:.2} |",
+            f_all / (both * 1e-3) / 1e12,
+            floor / both
+        )?;
         attn_json.push((key, fwd, bwd, both));
         drop((q, k, v, dout, o, lse));
         be.empty_cache()?;
@@ -349,7 +433,12 @@ fn main() -> AnyResult<()> {
     writeln!(js, "  \"attention_fwd_ms\": {{\n{}\n  }},", obj(&|x| x.1))?;
     writeln!(js, "  \"attention_bwd_ms\": {{\n{}\n  }},", obj(&|x| x.2))?;
     writeln!(js, "  \"attention_fwd_bwd_ms\": {{\n{}\n  }},", obj(&|x| x.3))?;
-    let kr: Vec<String> = rows.iter().map(|r| format!("    {{\"kernel\": {}, \"shape\": {}, \"ms\": {:.6}, \"floor_ms\": {:.6}}}", q(&r.name), q(&r.shape), r.ms, r.floor_ms)).collect();
+    let kr: Vec<String> = rows
+        .iter()
+        .map(|r| {
+            format!("    {{\"kernel\": {}, \"shape\": {}, \"ms\": {:.6}, \"floor_ms\": {:.6}}}", q(&r.name), q(&r.shape), r.ms, r.floor_ms)
+        })
+        .collect();
     writeln!(js, "  \"kernels\": [\n{}\n  ]\n}}", kr.join(",\n"))?;
     if let Ok(out) = std::env::var("OUT") {
         std::fs::create_dir_all(&out)?;
@@ -358,7 +447,13 @@ fn main() -> AnyResult<()> {
         println!("wrote {out}/bench_cuda.md and {out}/bench_cuda.json");
     }
     let (cur, pk, cached) = be.memory_stats();
-    println!("pool: {:.2} GiB live, {:.2} GiB peak, {:.2} GiB cached, {} device allocations", cur as f64 / (1u64 << 30) as f64, pk as f64 / (1u64 << 30) as f64, cached as f64 / (1u64 << 30) as f64, be.device_allocations());
+    println!(
+        "pool: {:.2} GiB live, {:.2} GiB peak, {:.2} GiB cached, {} device allocations",
+        cur as f64 / (1u64 << 30) as f64,
+        pk as f64 / (1u64 << 30) as f64,
+        cached as f64 / (1u64 << 30) as f64,
+        be.device_allocations()
+    );
     Ok(())
 }
 

@@ -35,8 +35,13 @@ fn run() -> AnyResult<()> {
     let dtype = if device == Device::Cpu { DType::F32 } else { DType::BF16 };
     let model = Llama::from_pretrained(dir, dtype, device)?;
     if tokenizer.vocab_size() > model.config().vocab_size {
-        return Err(format!("{}: the tokenizer has {} tokens but the model's vocab_size is {}",
-            dir.join("tokenizer.json").display(), tokenizer.vocab_size(), model.config().vocab_size).into());
+        return Err(format!(
+            "{}: the tokenizer has {} tokens but the model's vocab_size is {}",
+            dir.join("tokenizer.json").display(),
+            tokenizer.vocab_size(),
+            model.config().vocab_size
+        )
+        .into());
     }
     if t > model.config().max_position_embeddings {
         return Err(format!("--seq-len {t} exceeds the model's max_position_embeddings {}", model.config().max_position_embeddings).into());

@@ -9,7 +9,8 @@ use ferrolm::{AnyResult, DType, Device, Llama};
 use ferrolm_tensor::Rng;
 use std::path::Path;
 
-const USAGE: &str = "usage: generate --model DIR --prompt TEXT --max-new-tokens N [--temperature T] [--top-p P] [--seed S] [--device cpu|cuda[:N]]";
+const USAGE: &str =
+    "usage: generate --model DIR --prompt TEXT --max-new-tokens N [--temperature T] [--top-p P] [--seed S] [--device cpu|cuda[:N]]";
 
 fn main() {
     if let Err(e) = run() {
@@ -33,8 +34,13 @@ fn run() -> AnyResult<()> {
     let dtype = if device == Device::Cpu { DType::F32 } else { DType::BF16 };
     let model = Llama::from_pretrained(dir, dtype, device)?;
     if tokenizer.vocab_size() > model.config().vocab_size {
-        return Err(format!("{}: the tokenizer has {} tokens but the model's vocab_size is {}",
-            dir.join("tokenizer.json").display(), tokenizer.vocab_size(), model.config().vocab_size).into());
+        return Err(format!(
+            "{}: the tokenizer has {} tokens but the model's vocab_size is {}",
+            dir.join("tokenizer.json").display(),
+            tokenizer.vocab_size(),
+            model.config().vocab_size
+        )
+        .into());
     }
     let ids = tokenizer.encode(prompt, false)?;
     if ids.is_empty() {

@@ -5,10 +5,10 @@
 //!     [--data DIR|FILE] [--tokenizer tokenizer.json] [--steps N] [--batch-size B] [--seq-len T]
 //!     [--grad-accum K] [--lr LR] [--out DIR] [--resume DIR] [--device cpu|cuda[:N]] [--seed S]
 //!     [--eval-every N] [--save-every N] [--activation-checkpointing]
+use ferrolm::cli::Flags;
 use ferrolm::data::{list_shards, prepare_text_dir, PrepareSummary, Shard, Tokenizer};
 use ferrolm::nn::generate::generate;
 use ferrolm::nn::LlamaConfig;
-use ferrolm::cli::Flags;
 use ferrolm::train::{unigram_entropy, TrainOptions, Trainer};
 use ferrolm::{AnyResult, DType, Device, Llama};
 use ferrolm_tensor::Rng;
@@ -32,8 +32,22 @@ struct Args {
 fn parse() -> AnyResult<Args> {
     let f = Flags::parse(
         USAGE,
-        &["config", "data", "tokenizer", "out", "resume", "device", "steps", "batch-size", "seq-len", "grad-accum", "lr", "seed",
-          "eval-every", "save-every"],
+        &[
+            "config",
+            "data",
+            "tokenizer",
+            "out",
+            "resume",
+            "device",
+            "steps",
+            "batch-size",
+            "seq-len",
+            "grad-accum",
+            "lr",
+            "seed",
+            "eval-every",
+            "save-every",
+        ],
         &["activation-checkpointing"],
     )?;
     let steps = f.get("steps", 500usize)?;
@@ -125,15 +139,26 @@ fn run() -> AnyResult<()> {
         c
     };
     if tokenizer.vocab_size() > cfg.vocab_size {
-        return Err(format!("{}: the tokenizer has {} tokens but the model's vocab_size is {}", tok_path.display(), tokenizer.vocab_size(), cfg.vocab_size).into());
+        return Err(format!(
+            "{}: the tokenizer has {} tokens but the model's vocab_size is {}",
+            tok_path.display(),
+            tokenizer.vocab_size(),
+            cfg.vocab_size
+        )
+        .into());
     }
     cfg.bos_token_id = tokenizer.bos_id();
     cfg.eos_token_id = tokenizer.eos_id().map(|e| vec![e]).unwrap_or_default();
     let mut rng = Rng::new(args.opts.seed);
     let mut model = Llama::new(cfg, dtype, device, &mut rng)?;
     model.set_activation_checkpointing(args.ckpt);
-    println!("model: {} parameters ({:.2} M), {} layers, hidden {}, on {device} in {dtype}",
-        model.num_params(), model.num_params() as f64 / 1e6, model.config().num_hidden_layers, model.config().hidden_size);
+    println!(
+        "model: {} parameters ({:.2} M), {} layers, hidden {}, on {device} in {dtype}",
+        model.num_params(),
+        model.num_params() as f64 / 1e6,
+        model.config().num_hidden_layers,
+        model.config().hidden_size
+    );
 
     let mut trainer = Trainer::new(model, &train, &val, args.opts.clone(), &args.out)?.with_tokenizer(&tok_path);
     if let Some(r) = &args.resume {
@@ -149,7 +174,11 @@ fn run() -> AnyResult<()> {
         tokens.extend(s.slice(0, s.len()));
     }
     let baseline = unigram_entropy(tokens.into_iter());
-    println!("final validation loss {val_loss:.4} (unigram-entropy baseline {baseline:.4}, ppl {:.1} vs {:.1})", val_loss.exp(), baseline.exp());
+    println!(
+        "final validation loss {val_loss:.4} (unigram-entropy baseline {baseline:.4}, ppl {:.1} vs {:.1})",
+        val_loss.exp(),
+        baseline.exp()
+    );
     if val_loss >= baseline {
         println!("warning: the model did not beat the unigram baseline; train longer or raise --lr");
     }

@@ -41,7 +41,10 @@ pub fn init_cuda(i: usize) -> Result<()> {
     }
     let n = ferrolm_cuda::device_count();
     if i >= n {
-        return Err(Error::new("device", format!("cuda:{i} is not available: {n} CUDA device(s) visible (is the NVIDIA driver installed?)")));
+        return Err(Error::new(
+            "device",
+            format!("cuda:{i} is not available: {n} CUDA device(s) visible (is the NVIDIA driver installed?)"),
+        ));
     }
     let img = ferrolm_cuda::KernelImage::from_build(kernels_image::FATBIN, ferrolm_cuda::KERNEL_SOURCES);
     tensor::backend::register(ferrolm_cuda::CudaBackend::new(i, img)?);

@@ -165,8 +165,12 @@ impl Trainer {
             self.history.push((self.step as f64, loss));
             let peak_mib = ferrolm_tensor::peak_bytes() as f64 / (1 << 20) as f64;
             let mfu = self.mfu(tok_s);
-            writeln!(log, "{}", serde_json::json!({"step": self.step, "loss": loss, "lr": lr, "grad_norm": norm,
-                "tokens_per_s": step_tokens / dt.max(1e-9), "elapsed_s": elapsed, "peak_tensor_mib": peak_mib, "mfu": mfu}))?;
+            writeln!(
+                log,
+                "{}",
+                serde_json::json!({"step": self.step, "loss": loss, "lr": lr, "grad_norm": norm,
+                "tokens_per_s": step_tokens / dt.max(1e-9), "elapsed_s": elapsed, "peak_tensor_mib": peak_mib, "mfu": mfu})
+            )?;
             if self.step % self.opts.log_every.max(1) == 0 || self.step == self.opts.steps || self.step == start_step + 1 {
                 if tty {
                     eprint!("\r\x1b[2K");
@@ -175,13 +179,23 @@ impl Trainer {
                     Some(m) => format!(" | MFU {:.1}% | peak mem {peak_mib:.0} MiB", m * 100.0),
                     None => String::new(),
                 };
-                println!("step {:>5}/{} | loss {loss:.4} | lr {lr:.2e} | grad norm {norm:.3} | {tok_s:.0} tok/s{dev} | ETA {}",
-                    self.step, self.opts.steps, fmt_secs(eta));
+                println!(
+                    "step {:>5}/{} | loss {loss:.4} | lr {lr:.2e} | grad norm {norm:.3} | {tok_s:.0} tok/s{dev} | ETA {}",
+                    self.step,
+                    self.opts.steps,
+                    fmt_secs(eta)
+                );
             } else if tty {
                 let frac = self.step as f64 / self.opts.steps as f64;
                 let bar = (frac * 30.0) as usize;
-                eprint!("\r\x1b[2K[{}{}] {:>3.0}% step {} loss {loss:.4} ETA {}", "=".repeat(bar), " ".repeat(30 - bar),
-                    frac * 100.0, self.step, fmt_secs(eta));
+                eprint!(
+                    "\r\x1b[2K[{}{}] {:>3.0}% step {} loss {loss:.4} ETA {}",
+                    "=".repeat(bar),
+                    " ".repeat(30 - bar),
+                    frac * 100.0,
+                    self.step,
+                    fmt_secs(eta)
+                );
             }
             let last = self.step == self.opts.steps;
             if self.opts.eval_every > 0 && (self.step % self.opts.eval_every == 0 || last) {
@@ -240,7 +254,13 @@ impl Trainer {
         std::fs::create_dir_all(&tmp)?;
         self.model.save_pretrained(&tmp)?;
         save_safetensors(&tmp.join("optimizer.safetensors"), &self.opt.state_tensors(), None)?;
-        let state = TrainerState { step: self.step, loader: self.loader.state(), rng: self.rng.state, options: self.opts.clone(), tokens_seen: self.tokens_seen };
+        let state = TrainerState {
+            step: self.step,
+            loader: self.loader.state(),
+            rng: self.rng.state,
+            options: self.opts.clone(),
+            tokens_seen: self.tokens_seen,
+        };
         write_atomic(&tmp.join("trainer_state.json"), serde_json::to_string_pretty(&state)?.as_bytes())?;
         if let Some(t) = &self.tokenizer_file {
             std::fs::copy(t, tmp.join("tokenizer.json")).map_err(|e| format!("cannot copy {}: {e}", t.display()))?;
@@ -267,7 +287,10 @@ impl Trainer {
         let opt_file = dir.join("optimizer.safetensors");
         let tensors = load_safetensors(&opt_file, DType::F32, self.model.device())?;
         self.opt.load_state(st.step as u64, &|name| {
-            tensors.get(name).cloned().ok_or_else(|| ferrolm_tensor::Error::new("resume", format!("{}: missing tensor {name}", opt_file.display())))
+            tensors
+                .get(name)
+                .cloned()
+                .ok_or_else(|| ferrolm_tensor::Error::new("resume", format!("{}: missing tensor {name}", opt_file.display())))
         })?;
         self.loader.restore(&st.loader)?;
         self.rng = Rng { state: st.rng };
@@ -298,7 +321,11 @@ fn fmt_secs(s: f64) -> String {
         return "?".into();
     }
     let s = s.round() as u64;
-    if s >= 3600 { format!("{}h{:02}m", s / 3600, s / 60 % 60) } else { format!("{}m{:02}s", s / 60, s % 60) }
+    if s >= 3600 {
+        format!("{}h{:02}m", s / 3600, s / 60 % 60)
+    } else {
+        format!("{}m{:02}s", s / 60, s % 60)
+    }
 }
 
 /// Entropy (nats) of the unigram distribution of `tokens`: the loss of a model that knows
@@ -310,5 +337,11 @@ pub fn unigram_entropy(tokens: impl Iterator<Item = u32>) -> f64 {
         *counts.entry(t).or_insert(0u64) += 1;
         n += 1;
     }
-    counts.values().map(|&c| { let p = c as f64 / n as f64; -p * p.ln() }).sum()
+    counts
+        .values()
+        .map(|&c| {
+            let p = c as f64 / n as f64;
+            -p * p.ln()
+        })
+        .sum()
 }

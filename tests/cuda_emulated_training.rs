@@ -67,7 +67,10 @@ fn cuda0() -> bool {
         Ok(()) => true,
         Err(e) if gpu => panic!("a GPU is visible but the CUDA backend did not start: {e}"),
         Err(e) => {
-            assert!(!std::env::var("FERROLM_REQUIRE_EMU").is_ok_and(|v| v == "1"), "FERROLM_REQUIRE_EMU=1 but the emulator is unavailable: {e}");
+            assert!(
+                !std::env::var("FERROLM_REQUIRE_EMU").is_ok_and(|v| v == "1"),
+                "FERROLM_REQUIRE_EMU=1 but the emulator is unavailable: {e}"
+            );
             println!("skipped: no CUDA device and no emulator ({e})");
             false
         }
@@ -127,14 +130,19 @@ fn fused_adamw_and_grad_norm_match_the_op_based_cpu_update() {
     let gpu = Device::Cuda(0);
     for dt in [DType::F32, DType::BF16] {
         let mut r = Rng::new(3);
-        let shapes: [(&str, Vec<usize>); 3] = [("layers.0.w", vec![67, 129]), ("norm.weight", vec![129]), ("embed_tokens.weight", vec![5000, 3])];
+        let shapes: [(&str, Vec<usize>); 3] =
+            [("layers.0.w", vec![67, 129]), ("norm.weight", vec![129]), ("embed_tokens.weight", vec![5000, 3])];
         let init: Vec<Tensor> = shapes.iter().map(|(_, s)| Tensor::randn(s.clone(), 0.5, dt, Device::Cpu, &mut r).unwrap()).collect();
         let mk = |dev: Device| -> Vec<(String, Tensor)> {
-            shapes.iter().zip(&init).map(|((n, _), t)| {
-                let p = t.to_device(dev).unwrap().detach();
-                p.set_requires_grad(true).unwrap();
-                (n.to_string(), p)
-            }).collect()
+            shapes
+                .iter()
+                .zip(&init)
+                .map(|((n, _), t)| {
+                    let p = t.to_device(dev).unwrap().detach();
+                    p.set_requires_grad(true).unwrap();
+                    (n.to_string(), p)
+                })
+                .collect()
         };
         let (pc, pg) = (mk(Device::Cpu), mk(gpu));
         let cfg = AdamWConfig::default();

@@ -4,8 +4,8 @@
 use crate::device::{Args, CudaBackend};
 use crate::gemm::Operand;
 use crate::launch::{grid1, kname, rows_grid, sfx, Strided};
-use crate::storage::{cuda, CudaStorage};
 use crate::launch::{AdamWParams, AdamWTensor};
+use crate::storage::{cuda, CudaStorage};
 use ferrolm_tensor::backend::{AdamWHyper, AdamWSlot, AttnDims, Backend, BinaryOp, ReduceOp, Sl, UnaryOp};
 use ferrolm_tensor::{bail, bf16, CpuStorage, DType, Device, Layout, Result, Shape, Storage};
 
@@ -68,7 +68,13 @@ impl CudaBackend {
             (a, b) => bail!("cast", "cast {a} -> {b} is not supported on CUDA"),
         };
         let out = self.alloc(n, dtype)?;
-        self.launch(name, grid1(n, B), B, 0, Args::new().push(s.buf.ptr).push(Strided::from_layout("cast", x.1)?).push(out.buf.ptr).push(n as i64))?;
+        self.launch(
+            name,
+            grid1(n, B),
+            B,
+            0,
+            Args::new().push(s.buf.ptr).push(Strided::from_layout("cast", x.1)?).push(out.buf.ptr).push(n as i64),
+        )?;
         Ok(out)
     }
     /// Describes a (.., r, c) view as a GEMM operand with one batch stride, if it can be.
@@ -146,9 +152,19 @@ impl Backend for CudaBackend {
     fn full(&self, n: usize, dtype: DType, v: f64) -> Result<Storage> {
         let out = self.alloc(n, dtype)?;
         match dtype {
-            DType::BF16 => self.launch("fill_b16", grid1(n, B), B, 0, Args::new().push(out.buf.ptr).push(n as i64).push(ferrolm_tensor::bf16_from_f64(v).to_bits()))?,
-            DType::F32 => self.launch("fill_b32", grid1(n, B), B, 0, Args::new().push(out.buf.ptr).push(n as i64).push((v as f32).to_bits()))?,
-            DType::I32 => self.launch("fill_b32", grid1(n, B), B, 0, Args::new().push(out.buf.ptr).push(n as i64).push((v as i32) as u32))?,
+            DType::BF16 => self.launch(
+                "fill_b16",
+                grid1(n, B),
+                B,
+                0,
+                Args::new().push(out.buf.ptr).push(n as i64).push(ferrolm_tensor::bf16_from_f64(v).to_bits()),
+            )?,
+            DType::F32 => {
+                self.launch("fill_b32", grid1(n, B), B, 0, Args::new().push(out.buf.ptr).push(n as i64).push((v as f32).to_bits()))?
+            }
+            DType::I32 => {
+                self.launch("fill_b32", grid1(n, B), B, 0, Args::new().push(out.buf.ptr).push(n as i64).push((v as i32) as u32))?
+            }
             DType::F64 => unreachable!("alloc rejects f64"),
         }
         Ok(self.wrap(out))
@@ -176,8 +192,20 @@ impl Backend for CudaBackend {
         };
         let n = x.1.numel();
         let out = self.alloc(n, s.dtype)?;
-        self.launch(kname("unary", sfx("unary", s.dtype)?), grid1(n, B), B, 0,
-            Args::new().push(s.buf.ptr).push(Strided::from_layout("unary", x.1)?).push(out.buf.ptr).push(n as i64).push(code as i32).push(a).push(b))?;
+        self.launch(
+            kname("unary", sfx("unary", s.dtype)?),
+            grid1(n, B),
+            B,
+            0,
+            Args::new()
+                .push(s.buf.ptr)
+                .push(Strided::from_layout("unary", x.1)?)
+                .push(out.buf.ptr)
+                .push(n as i64)
+                .push(code as i32)
+                .push(a)
+                .push(b),
+        )?;
         Ok(self.wrap(out))
     }
     fn binary(&self, op: BinaryOp, a: Sl, b: Sl) -> Result<Storage> {
@@ -191,9 +219,20 @@ impl Backend for CudaBackend {
         };
         let n = a.1.numel();
         let out = self.alloc(n, sa.dtype)?;
-        self.launch(kname("binary", sfx("binary", sa.dtype)?), grid1(n, B), B, 0,
-            Args::new().push(sa.buf.ptr).push(Strided::from_layout("binary", a.1)?).push(sb.buf.ptr).push(Strided::from_layout("binary", b.1)?)
-                .push(out.buf.ptr).push(n as i64).push(code))?;
+        self.launch(
+            kname("binary", sfx("binary", sa.dtype)?),
+            grid1(n, B),
+            B,
+            0,
+            Args::new()
+                .push(sa.buf.ptr)
+                .push(Strided::from_layout("binary", a.1)?)
+                .push(sb.buf.ptr)
+                .push(Strided::from_layout("binary", b.1)?)
+                .push(out.buf.ptr)
+                .push(n as i64)
+                .push(code),
+        )?;
         Ok(self.wrap(out))
     }
     fn reduce(&self, op: ReduceOp, x: Sl, dims: &[usize]) -> Result<Storage> {
@@ -213,8 +252,20 @@ impl Backend for CudaBackend {
         let kept = Strided::from_parts("reduce", &kd, &ks, l.offset, false)?;
         let red = Strided::from_parts("reduce", &rd, &rs, 0, false)?;
         let out = self.alloc(nout, s.dtype)?;
-        self.launch(kname("reduce", sfx("reduce", s.dtype)?), (nout.clamp(1, 1 << 20) as u32, 1, 1), B, 0,
-            Args::new().push(s.buf.ptr).push(kept).push(red).push(out.buf.ptr).push(nout as i64).push(nred as i64).push((op == ReduceOp::Max) as i32))?;
+        self.launch(
+            kname("reduce", sfx("reduce", s.dtype)?),
+            (nout.clamp(1, 1 << 20) as u32, 1, 1),
+            B,
+            0,
+            Args::new()
+                .push(s.buf.ptr)
+                .push(kept)
+                .push(red)
+                .push(out.buf.ptr)
+                .push(nout as i64)
+                .push(nred as i64)
+                .push((op == ReduceOp::Max) as i32),
+        )?;
         Ok(self.wrap(out))
     }
     fn matmul(&self, a: Sl, b: Sl) -> Result<Storage> {
@@ -292,8 +343,13 @@ impl Backend for CudaBackend {
         self.launch("ids_check", grid1(n, B), B, 0, Args::new().push(ids_c.buf.ptr).push(n as i64).push(vocab as i64).push(bad.buf.ptr))?;
         self.check_bad_flag("embedding", &bad, &format!("a token id is out of range for a vocabulary of {vocab}"))?;
         let out = self.alloc(n * d, sw.dtype)?;
-        self.launch(kname("embedding_fwd", sfx("embedding", sw.dtype)?), rows_grid(n), 128, 0,
-            Args::new().push(sw.ptr_at(w.1.offset)).push(ids_c.buf.ptr).push(out.buf.ptr).push(n as i64).push(d as i64))?;
+        self.launch(
+            kname("embedding_fwd", sfx("embedding", sw.dtype)?),
+            rows_grid(n),
+            128,
+            0,
+            Args::new().push(sw.ptr_at(w.1.offset)).push(ids_c.buf.ptr).push(out.buf.ptr).push(n as i64).push(d as i64),
+        )?;
         Ok(self.wrap(out))
     }
     fn embedding_backward(&self, dy: Sl, ids: Sl, vocab: usize) -> Result<Storage> {
@@ -304,29 +360,44 @@ impl Backend for CudaBackend {
         let acc = self.alloc(vocab * d, DType::F32)?;
         self.memset0(acc.buf.ptr, vocab * d * 4)?;
         let grid = (vocab.div_ceil(64).max(1) as u32, d.div_ceil(128).max(1) as u32, 1);
-        self.launch(kname("embedding_bwd", sfx("embedding_backward", s.dtype)?), grid, 128, 0,
-            Args::new().push(s.ptr_at(dy.1.offset)).push(ids_c.buf.ptr).push(acc.buf.ptr).push(n as i64).push(d as i64).push(vocab as i64))?;
+        self.launch(
+            kname("embedding_bwd", sfx("embedding_backward", s.dtype)?),
+            grid,
+            128,
+            0,
+            Args::new().push(s.ptr_at(dy.1.offset)).push(ids_c.buf.ptr).push(acc.buf.ptr).push(n as i64).push(d as i64).push(vocab as i64),
+        )?;
         if s.dtype == DType::F32 {
             return Ok(self.wrap(acc));
         }
         let l = Layout::contiguous(Shape(vec![vocab * d]));
         let accs = self.wrap(acc);
-        self.cast(( &accs, &l), s.dtype)
+        self.cast((&accs, &l), s.dtype)
     }
     fn softmax_last(&self, x: Sl) -> Result<Storage> {
         let s = cuda("softmax", x.0)?;
         let (n, d) = rows(x.1);
         let out = self.alloc(n * d, s.dtype)?;
-        self.launch(kname("softmax_fwd", sfx("softmax", s.dtype)?), rows_grid(n), B, 0,
-            Args::new().push(s.ptr_at(x.1.offset)).push(out.buf.ptr).push(n as i64).push(d as i64))?;
+        self.launch(
+            kname("softmax_fwd", sfx("softmax", s.dtype)?),
+            rows_grid(n),
+            B,
+            0,
+            Args::new().push(s.ptr_at(x.1.offset)).push(out.buf.ptr).push(n as i64).push(d as i64),
+        )?;
         Ok(self.wrap(out))
     }
     fn softmax_last_backward(&self, y: Sl, dy: Sl) -> Result<Storage> {
         let s = cuda("softmax_backward", y.0)?;
         let (n, d) = rows(y.1);
         let out = self.alloc(n * d, s.dtype)?;
-        self.launch(kname("softmax_bwd", sfx("softmax_backward", s.dtype)?), rows_grid(n), B, 0,
-            Args::new().push(s.ptr_at(y.1.offset)).push(self.ptr("softmax_backward", dy)?).push(out.buf.ptr).push(n as i64).push(d as i64))?;
+        self.launch(
+            kname("softmax_bwd", sfx("softmax_backward", s.dtype)?),
+            rows_grid(n),
+            B,
+            0,
+            Args::new().push(s.ptr_at(y.1.offset)).push(self.ptr("softmax_backward", dy)?).push(out.buf.ptr).push(n as i64).push(d as i64),
+        )?;
         Ok(self.wrap(out))
     }
     fn rmsnorm(&self, x: Sl, w: Sl, eps: f64) -> Result<(Storage, Storage)> {
@@ -334,8 +405,20 @@ impl Backend for CudaBackend {
         let (n, d) = rows(x.1);
         let y = self.alloc(n * d, s.dtype)?;
         let r = self.alloc(n, DType::F32)?;
-        self.launch(kname("rmsnorm_fwd", sfx("rmsnorm", s.dtype)?), rows_grid(n), B, 0,
-            Args::new().push(s.ptr_at(x.1.offset)).push(self.ptr("rmsnorm", w)?).push(y.buf.ptr).push(r.buf.ptr).push(n as i64).push(d as i64).push(eps as f32))?;
+        self.launch(
+            kname("rmsnorm_fwd", sfx("rmsnorm", s.dtype)?),
+            rows_grid(n),
+            B,
+            0,
+            Args::new()
+                .push(s.ptr_at(x.1.offset))
+                .push(self.ptr("rmsnorm", w)?)
+                .push(y.buf.ptr)
+                .push(r.buf.ptr)
+                .push(n as i64)
+                .push(d as i64)
+                .push(eps as f32),
+        )?;
         Ok((self.wrap(y), self.wrap(r)))
     }
     fn rmsnorm_backward(&self, dy: Sl, x: Sl, w: Sl, inv_rms: Sl) -> Result<(Storage, Storage)> {
@@ -346,19 +429,34 @@ impl Backend for CudaBackend {
         let (rp, _keep) = self.f32_ptr(op, inv_rms)?;
         let (pdy, px, pw) = (self.ptr(op, dy)?, s.ptr_at(x.1.offset), self.ptr(op, w)?);
         let dx = self.alloc(n * d, s.dtype)?;
-        self.launch(kname("rmsnorm_bwd_dx", sf), rows_grid(n), B, 0,
-            Args::new().push(pdy).push(px).push(pw).push(rp).push(dx.buf.ptr).push(n as i64).push(d as i64))?;
+        self.launch(
+            kname("rmsnorm_bwd_dx", sf),
+            rows_grid(n),
+            B,
+            0,
+            Args::new().push(pdy).push(px).push(pw).push(rp).push(dx.buf.ptr).push(n as i64).push(d as i64),
+        )?;
         let rpc = 64usize;
         let nchunks = n.div_ceil(rpc).max(1);
         let partial = self.alloc(nchunks * d, DType::F32)?;
         if n == 0 {
             self.memset0(partial.buf.ptr, nchunks * d * 4)?;
         }
-        self.launch(kname("rmsnorm_bwd_dw_partial", sf), (nchunks as u32, d.div_ceil(B as usize).max(1) as u32, 1), B, 0,
-            Args::new().push(pdy).push(px).push(rp).push(partial.buf.ptr).push(n as i64).push(d as i64).push(rpc as i64))?;
+        self.launch(
+            kname("rmsnorm_bwd_dw_partial", sf),
+            (nchunks as u32, d.div_ceil(B as usize).max(1) as u32, 1),
+            B,
+            0,
+            Args::new().push(pdy).push(px).push(rp).push(partial.buf.ptr).push(n as i64).push(d as i64).push(rpc as i64),
+        )?;
         let dw = self.alloc(d, s.dtype)?;
-        self.launch(kname("rmsnorm_bwd_dw_finish", sf), grid1(d, B), B, 0,
-            Args::new().push(partial.buf.ptr).push(dw.buf.ptr).push(nchunks as i64).push(d as i64))?;
+        self.launch(
+            kname("rmsnorm_bwd_dw_finish", sf),
+            grid1(d, B),
+            B,
+            0,
+            Args::new().push(partial.buf.ptr).push(dw.buf.ptr).push(nchunks as i64).push(d as i64),
+        )?;
         Ok((self.wrap(dx), self.wrap(dw)))
     }
     fn rope(&self, x: Sl, cos: Sl, sin: Sl, inverse: bool) -> Result<Storage> {
@@ -368,17 +466,34 @@ impl Backend for CudaBackend {
         let n = x.1.numel();
         let nrows = if d == 0 { 0 } else { n / d };
         let out = self.alloc(n, s.dtype)?;
-        self.launch(kname("rope", sfx("rope", s.dtype)?), grid1(nrows * d / 2, B), B, 0,
-            Args::new().push(s.ptr_at(x.1.offset)).push(self.ptr("rope", cos)?).push(self.ptr("rope", sin)?).push(out.buf.ptr)
-                .push(nrows as i64).push(t as i64).push(d as i64).push(inverse as i32))?;
+        self.launch(
+            kname("rope", sfx("rope", s.dtype)?),
+            grid1(nrows * d / 2, B),
+            B,
+            0,
+            Args::new()
+                .push(s.ptr_at(x.1.offset))
+                .push(self.ptr("rope", cos)?)
+                .push(self.ptr("rope", sin)?)
+                .push(out.buf.ptr)
+                .push(nrows as i64)
+                .push(t as i64)
+                .push(d as i64)
+                .push(inverse as i32),
+        )?;
         Ok(self.wrap(out))
     }
     fn swiglu(&self, gate: Sl, up: Sl) -> Result<Storage> {
         let s = cuda("swiglu", gate.0)?;
         let n = gate.1.numel();
         let out = self.alloc(n, s.dtype)?;
-        self.launch(kname("swiglu_fwd", sfx("swiglu", s.dtype)?), grid1(n, B), B, 0,
-            Args::new().push(s.ptr_at(gate.1.offset)).push(self.ptr("swiglu", up)?).push(out.buf.ptr).push(n as i64))?;
+        self.launch(
+            kname("swiglu_fwd", sfx("swiglu", s.dtype)?),
+            grid1(n, B),
+            B,
+            0,
+            Args::new().push(s.ptr_at(gate.1.offset)).push(self.ptr("swiglu", up)?).push(out.buf.ptr).push(n as i64),
+        )?;
         Ok(self.wrap(out))
     }
     fn swiglu_backward(&self, dy: Sl, gate: Sl, up: Sl) -> Result<(Storage, Storage)> {
@@ -386,8 +501,19 @@ impl Backend for CudaBackend {
         let s = cuda(op, gate.0)?;
         let n = gate.1.numel();
         let (dg, du) = (self.alloc(n, s.dtype)?, self.alloc(n, s.dtype)?);
-        self.launch(kname("swiglu_bwd", sfx(op, s.dtype)?), grid1(n, B), B, 0,
-            Args::new().push(self.ptr(op, dy)?).push(s.ptr_at(gate.1.offset)).push(self.ptr(op, up)?).push(dg.buf.ptr).push(du.buf.ptr).push(n as i64))?;
+        self.launch(
+            kname("swiglu_bwd", sfx(op, s.dtype)?),
+            grid1(n, B),
+            B,
+            0,
+            Args::new()
+                .push(self.ptr(op, dy)?)
+                .push(s.ptr_at(gate.1.offset))
+                .push(self.ptr(op, up)?)
+                .push(dg.buf.ptr)
+                .push(du.buf.ptr)
+                .push(n as i64),
+        )?;
         Ok((self.wrap(dg), self.wrap(du)))
     }
     fn attention(&self, q: Sl, k: Sl, v: Sl, a: AttnDims, scale: f64) -> Result<(Storage, Storage)> {
@@ -402,17 +528,47 @@ impl Backend for CudaBackend {
         if s.dtype == DType::BF16 && (a.d == 64 || a.d == 128) {
             let name = if a.d == 64 { "flash_fwd_bf16_d64" } else { "flash_fwd_bf16_d128" };
             let smem = (2 * 64 * (a.d + 8) * 2) as u32;
-            self.launch(name, (a.t.div_ceil(64) as u32, a.hq as u32, a.b as u32), 128, smem,
-                Args::new().push(pq).push(pk).push(pv).push(o.buf.ptr).push(lse.buf.ptr).push(hq).push(hkv).push(t).push(scale as f32))?;
+            self.launch(
+                name,
+                (a.t.div_ceil(64) as u32, a.hq as u32, a.b as u32),
+                128,
+                smem,
+                Args::new().push(pq).push(pk).push(pv).push(o.buf.ptr).push(lse.buf.ptr).push(hq).push(hkv).push(t).push(scale as f32),
+            )?;
         } else {
             let rows = a.b * a.hq * a.t;
-            self.launch(kname("attn_fwd_simt", sf), grid1(rows * 32, 128), 128, 0,
-                Args::new().push(pq).push(pk).push(pv).push(o.buf.ptr).push(lse.buf.ptr).push(a.b as i32).push(hq).push(hkv).push(t).push(a.d as i32).push(scale as f32))?;
+            self.launch(
+                kname("attn_fwd_simt", sf),
+                grid1(rows * 32, 128),
+                128,
+                0,
+                Args::new()
+                    .push(pq)
+                    .push(pk)
+                    .push(pv)
+                    .push(o.buf.ptr)
+                    .push(lse.buf.ptr)
+                    .push(a.b as i32)
+                    .push(hq)
+                    .push(hkv)
+                    .push(t)
+                    .push(a.d as i32)
+                    .push(scale as f32),
+            )?;
         }
         Ok((self.wrap(o), self.wrap(lse)))
     }
-    fn attention_backward(&self, dout: Sl, q: Sl, k: Sl, v: Sl, out: Sl, lse: Sl, a: AttnDims, scale: f64)
-        -> Result<(Storage, Storage, Storage)> {
+    fn attention_backward(
+        &self,
+        dout: Sl,
+        q: Sl,
+        k: Sl,
+        v: Sl,
+        out: Sl,
+        lse: Sl,
+        a: AttnDims,
+        scale: f64,
+    ) -> Result<(Storage, Storage, Storage)> {
         let op = "attention_backward";
         let s = cuda(op, q.0)?;
         let sf = sfx(op, s.dtype)?;
@@ -421,8 +577,13 @@ impl Backend for CudaBackend {
         let (pl, _keep) = self.f32_ptr(op, lse)?;
         let rows = a.b * a.hq * a.t;
         let dvec = self.alloc(rows, DType::F32)?;
-        self.launch(kname("attn_bwd_dot", sf), grid1(rows * 32, 256), 256, 0,
-            Args::new().push(pdo).push(po).push(dvec.buf.ptr).push(rows as i64).push(a.d as i32))?;
+        self.launch(
+            kname("attn_bwd_dot", sf),
+            grid1(rows * 32, 256),
+            256,
+            0,
+            Args::new().push(pdo).push(po).push(dvec.buf.ptr).push(rows as i64).push(a.d as i32),
+        )?;
         let dq = self.alloc(rows * a.d, s.dtype)?;
         let dk = self.alloc(a.b * a.hkv * a.t * a.d, s.dtype)?;
         let dv = self.alloc(a.b * a.hkv * a.t * a.d, s.dtype)?;
@@ -431,19 +592,87 @@ impl Backend for CudaBackend {
             let d128 = a.d == 128;
             let st = a.d + 8;
             let smem_kv = ((2 * 64 + 2 * 32) * st * 2 + 2 * 32 * 4) as u32;
-            self.launch(if d128 { "flash_bwd_dkdv_bf16_d128" } else { "flash_bwd_dkdv_bf16_d64" }, (a.t.div_ceil(64) as u32, a.hkv as u32, a.b as u32), 128, smem_kv,
-                Args::new().push(pq).push(pk).push(pv).push(pdo).push(pl).push(dvec.buf.ptr).push(dk.buf.ptr).push(dv.buf.ptr).push(hq).push(hkv).push(t).push(sc))?;
+            self.launch(
+                if d128 { "flash_bwd_dkdv_bf16_d128" } else { "flash_bwd_dkdv_bf16_d64" },
+                (a.t.div_ceil(64) as u32, a.hkv as u32, a.b as u32),
+                128,
+                smem_kv,
+                Args::new()
+                    .push(pq)
+                    .push(pk)
+                    .push(pv)
+                    .push(pdo)
+                    .push(pl)
+                    .push(dvec.buf.ptr)
+                    .push(dk.buf.ptr)
+                    .push(dv.buf.ptr)
+                    .push(hq)
+                    .push(hkv)
+                    .push(t)
+                    .push(sc),
+            )?;
             let smem_q = (2 * 32 * st * 2) as u32;
-            self.launch(if d128 { "flash_bwd_dq_bf16_d128" } else { "flash_bwd_dq_bf16_d64" }, (a.t.div_ceil(64) as u32, a.hq as u32, a.b as u32), 128, smem_q,
-                Args::new().push(pq).push(pk).push(pv).push(pdo).push(pl).push(dvec.buf.ptr).push(dq.buf.ptr).push(hq).push(hkv).push(t).push(sc))?;
+            self.launch(
+                if d128 { "flash_bwd_dq_bf16_d128" } else { "flash_bwd_dq_bf16_d64" },
+                (a.t.div_ceil(64) as u32, a.hq as u32, a.b as u32),
+                128,
+                smem_q,
+                Args::new()
+                    .push(pq)
+                    .push(pk)
+                    .push(pv)
+                    .push(pdo)
+                    .push(pl)
+                    .push(dvec.buf.ptr)
+                    .push(dq.buf.ptr)
+                    .push(hq)
+                    .push(hkv)
+                    .push(t)
+                    .push(sc),
+            )?;
         } else {
             let kvrows = a.b * a.hkv * a.t;
-            self.launch(kname("attn_bwd_dkdv_simt", sf), grid1(kvrows * 32, 128), 128, 0,
-                Args::new().push(pq).push(pk).push(pv).push(pdo).push(pl).push(dvec.buf.ptr).push(dk.buf.ptr).push(dv.buf.ptr)
-                    .push(a.b as i32).push(hq).push(hkv).push(t).push(a.d as i32).push(sc))?;
-            self.launch(kname("attn_bwd_dq_simt", sf), grid1(rows * 32, 128), 128, 0,
-                Args::new().push(pq).push(pk).push(pv).push(pdo).push(pl).push(dvec.buf.ptr).push(dq.buf.ptr)
-                    .push(a.b as i32).push(hq).push(hkv).push(t).push(a.d as i32).push(sc))?;
+            self.launch(
+                kname("attn_bwd_dkdv_simt", sf),
+                grid1(kvrows * 32, 128),
+                128,
+                0,
+                Args::new()
+                    .push(pq)
+                    .push(pk)
+                    .push(pv)
+                    .push(pdo)
+                    .push(pl)
+                    .push(dvec.buf.ptr)
+                    .push(dk.buf.ptr)
+                    .push(dv.buf.ptr)
+                    .push(a.b as i32)
+                    .push(hq)
+                    .push(hkv)
+                    .push(t)
+                    .push(a.d as i32)
+                    .push(sc),
+            )?;
+            self.launch(
+                kname("attn_bwd_dq_simt", sf),
+                grid1(rows * 32, 128),
+                128,
+                0,
+                Args::new()
+                    .push(pq)
+                    .push(pk)
+                    .push(pv)
+                    .push(pdo)
+                    .push(pl)
+                    .push(dvec.buf.ptr)
+                    .push(dq.buf.ptr)
+                    .push(a.b as i32)
+                    .push(hq)
+                    .push(hkv)
+                    .push(t)
+                    .push(a.d as i32)
+                    .push(sc),
+            )?;
         }
         Ok((self.wrap(dq), self.wrap(dk), self.wrap(dv)))
     }
@@ -454,15 +683,46 @@ impl Backend for CudaBackend {
         let t = self.contiguous(op, targets)?;
         let bad = self.alloc(1, DType::I32)?;
         self.memset0(bad.buf.ptr, 4)?;
-        self.launch("targets_check", grid1(n, B), B, 0, Args::new().push(t.buf.ptr).push(n as i64).push(v as i64).push(ignore_index).push(bad.buf.ptr))?;
+        self.launch(
+            "targets_check",
+            grid1(n, B),
+            B,
+            0,
+            Args::new().push(t.buf.ptr).push(n as i64).push(v as i64).push(ignore_index).push(bad.buf.ptr),
+        )?;
         let lse = self.alloc(n, DType::F32)?;
         let rl = self.alloc(n, DType::F32)?;
-        self.launch(kname("ce_fwd", sfx(op, s.dtype)?), rows_grid(n), B, 0,
-            Args::new().push(s.ptr_at(logits.1.offset)).push(t.buf.ptr).push(lse.buf.ptr).push(rl.buf.ptr).push(n as i64).push(v as i64).push(ignore_index))?;
+        self.launch(
+            kname("ce_fwd", sfx(op, s.dtype)?),
+            rows_grid(n),
+            B,
+            0,
+            Args::new()
+                .push(s.ptr_at(logits.1.offset))
+                .push(t.buf.ptr)
+                .push(lse.buf.ptr)
+                .push(rl.buf.ptr)
+                .push(n as i64)
+                .push(v as i64)
+                .push(ignore_index),
+        )?;
         let loss = self.alloc(1, DType::F32)?;
         let count = self.alloc(1, DType::I32)?;
-        self.launch("ce_finish", (1, 1, 1), 1024, 0,
-            Args::new().push(rl.buf.ptr).push(t.buf.ptr).push(n as i64).push(ignore_index).push(1.0f32).push(loss.buf.ptr).push(count.buf.ptr).push(0u64))?;
+        self.launch(
+            "ce_finish",
+            (1, 1, 1),
+            1024,
+            0,
+            Args::new()
+                .push(rl.buf.ptr)
+                .push(t.buf.ptr)
+                .push(n as i64)
+                .push(ignore_index)
+                .push(1.0f32)
+                .push(loss.buf.ptr)
+                .push(count.buf.ptr)
+                .push(0u64),
+        )?;
         self.check_bad_flag(op, &bad, &format!("a target is out of range for {v} classes (ignore_index is {ignore_index})"))?;
         let c: Vec<i32> = self.download(count.buf.ptr, 1)?;
         Ok((self.wrap(loss), self.wrap(lse), c[0] as usize))
@@ -475,8 +735,21 @@ impl Backend for CudaBackend {
         let (pl, _k1) = self.f32_ptr(op, lse)?;
         let (ps, _k2) = self.f32_ptr(op, scale)?;
         let out = self.alloc(n * v, s.dtype)?;
-        self.launch(kname("ce_bwd", sfx(op, s.dtype)?), rows_grid(n), B, 0,
-            Args::new().push(s.ptr_at(logits.1.offset)).push(t.buf.ptr).push(pl).push(ps).push(out.buf.ptr).push(n as i64).push(v as i64).push(ignore_index))?;
+        self.launch(
+            kname("ce_bwd", sfx(op, s.dtype)?),
+            rows_grid(n),
+            B,
+            0,
+            Args::new()
+                .push(s.ptr_at(logits.1.offset))
+                .push(t.buf.ptr)
+                .push(pl)
+                .push(ps)
+                .push(out.buf.ptr)
+                .push(n as i64)
+                .push(v as i64)
+                .push(ignore_index),
+        )?;
         Ok(self.wrap(out))
     }
     fn adamw_step(&self, slots: &[AdamWSlot], h: AdamWHyper) -> Result<bool> {
@@ -489,7 +762,9 @@ impl Backend for CudaBackend {
         let whole = |x| whole(op, x);
         let mut ts = Vec::with_capacity(slots.len());
         for s in slots {
-            let (Some(p), Some(g), Some(m), Some(v)) = (whole(s.param)?, whole(s.grad)?, whole(s.m)?, whole(s.v)?) else { return Ok(false) };
+            let (Some(p), Some(g), Some(m), Some(v)) = (whole(s.param)?, whole(s.grad)?, whole(s.m)?, whole(s.v)?) else {
+                return Ok(false);
+            };
             let (master, param_bf16) = match s.master {
                 Some(ms) => match whole(ms)? {
                     Some(ms) if p.dtype == DType::BF16 => (ms, Some(p)),

@@ -21,8 +21,17 @@ mod ffi {
     extern "C" {
         pub static ferro_emu_kernels: [Kernel; 0];
         pub static ferro_emu_kernel_count: c_int;
-        pub fn ferro_emu_run(entry: unsafe extern "C" fn(*mut *mut c_void), gx: u32, gy: u32, gz: u32, block: u32, smem: u32,
-            args: *mut *mut c_void, err: *mut c_char, errlen: usize) -> c_int;
+        pub fn ferro_emu_run(
+            entry: unsafe extern "C" fn(*mut *mut c_void),
+            gx: u32,
+            gy: u32,
+            gz: u32,
+            block: u32,
+            smem: u32,
+            args: *mut *mut c_void,
+            err: *mut c_char,
+            errlen: usize,
+        ) -> c_int;
         pub fn ferro_emu_set_reverse(on: c_int);
     }
 }
@@ -54,7 +63,8 @@ pub(crate) fn launch(name: &'static str, grid: (u32, u32, u32), block: u32, smem
     let mut err = vec![0u8; 1024];
     // SAFETY: args points at one value per kernel parameter, of the parameter's type (the same
     // contract as cuLaunchKernel); device pointers in them are live host allocations.
-    let rc = unsafe { ffi::ferro_emu_run(entry, grid.0, grid.1, grid.2, block, smem, args.as_mut_ptr(), err.as_mut_ptr() as *mut _, err.len()) };
+    let rc =
+        unsafe { ffi::ferro_emu_run(entry, grid.0, grid.1, grid.2, block, smem, args.as_mut_ptr(), err.as_mut_ptr() as *mut _, err.len()) };
     if rc != 0 {
         let msg = String::from_utf8_lossy(&err[..err.iter().position(|&c| c == 0).unwrap_or(err.len())]).into_owned();
         let what = if rc == 2 { "invalid launch configuration" } else { "kernel failed" };

@@ -74,7 +74,7 @@ impl LtCall {
             d => return Err(Error::new("matmul", format!("{d} GEMM is not supported on CUDA"))),
         };
         let (ta, tb) = (b.trans, a.trans); // cuBLASLt's A is our b, its B is our a
-        // Lt A = B^T (n, k); Lt B = A^T (k, m); D = C^T (n, m).
+                                           // Lt A = B^T (n, k); Lt B = A^T (k, m); D = C^T (n, m).
         let (ar, ac) = if ta { (k, n) } else { (n, k) };
         let (br, bc) = if tb { (m, k) } else { (k, m) };
         Ok(LtCall {
@@ -130,10 +130,20 @@ fn layout(dt: sys::cudaDataType, rows: usize, cols: usize, ld: i64, batch: usize
     if batch > 1 {
         let b = batch as i32;
         unsafe {
-            lt::set_matrix_layout_attribute(l, sys::cublasLtMatrixLayoutAttribute_t::CUBLASLT_MATRIX_LAYOUT_BATCH_COUNT,
-                &b as *const i32 as *const c_void, 4).map_err(err("matmul"))?;
-            lt::set_matrix_layout_attribute(l, sys::cublasLtMatrixLayoutAttribute_t::CUBLASLT_MATRIX_LAYOUT_STRIDED_BATCH_OFFSET,
-                &stride as *const i64 as *const c_void, 8).map_err(err("matmul"))?;
+            lt::set_matrix_layout_attribute(
+                l,
+                sys::cublasLtMatrixLayoutAttribute_t::CUBLASLT_MATRIX_LAYOUT_BATCH_COUNT,
+                &b as *const i32 as *const c_void,
+                4,
+            )
+            .map_err(err("matmul"))?;
+            lt::set_matrix_layout_attribute(
+                l,
+                sys::cublasLtMatrixLayoutAttribute_t::CUBLASLT_MATRIX_LAYOUT_STRIDED_BATCH_OFFSET,
+                &stride as *const i64 as *const c_void,
+                8,
+            )
+            .map_err(err("matmul"))?;
         }
     }
     Ok(l)
@@ -142,7 +152,8 @@ fn layout(dt: sys::cudaDataType, rows: usize, cols: usize, ld: i64, batch: usize
 impl Gemm {
     pub fn new(ctx: &Arc<CudaContext>, pool: &Arc<Pool>, _stream: &Arc<CudaStream>) -> Result<Gemm> {
         ctx.bind_to_thread().map_err(err("cublaslt"))?;
-        let handle = lt::create_handle().map_err(|e| Error::new("cublaslt", format!("cannot create a cuBLASLt handle (is libcublasLt on the library path?): {e:?}")))?;
+        let handle = lt::create_handle()
+            .map_err(|e| Error::new("cublaslt", format!("cannot create a cuBLASLt handle (is libcublasLt on the library path?): {e:?}")))?;
         let workspace = pool.alloc(WORKSPACE)?;
         Ok(Gemm { handle, workspace, algos: HashMap::new() })
     }
@@ -150,29 +161,64 @@ impl Gemm {
     /// Runs a planned call on `stream`.
     pub fn run(&mut self, stream: &CudaStream, c: &LtCall) -> Result<()> {
         let dt = if c.bf16 { sys::cudaDataType::CUDA_R_16BF } else { sys::cudaDataType::CUDA_R_32F };
-        let op = lt::create_matmul_desc(sys::cublasComputeType_t::CUBLAS_COMPUTE_32F, sys::cudaDataType::CUDA_R_32F).map_err(err("matmul"))?;
+        let op =
+            lt::create_matmul_desc(sys::cublasComputeType_t::CUBLAS_COMPUTE_32F, sys::cudaDataType::CUDA_R_32F).map_err(err("matmul"))?;
         let mut d = Descs { op, layouts: [std::ptr::null_mut(); 3] };
-        let opn = |t: bool| if t { cudarc::cublas::sys::cublasOperation_t::CUBLAS_OP_T } else { cudarc::cublas::sys::cublasOperation_t::CUBLAS_OP_N };
+        let opn = |t: bool| {
+            if t {
+                cudarc::cublas::sys::cublasOperation_t::CUBLAS_OP_T
+            } else {
+                cudarc::cublas::sys::cublasOperation_t::CUBLAS_OP_N
+            }
+        };
         unsafe {
             let (oa, ob) = (opn(c.ta), opn(c.tb));
-            lt::set_matmul_desc_attribute(op, sys::cublasLtMatmulDescAttributes_t::CUBLASLT_MATMUL_DESC_TRANSA,
-                &oa as *const _ as *const c_void, std::mem::size_of_val(&oa)).map_err(err("matmul"))?;
-            lt::set_matmul_desc_attribute(op, sys::cublasLtMatmulDescAttributes_t::CUBLASLT_MATMUL_DESC_TRANSB,
-                &ob as *const _ as *const c_void, std::mem::size_of_val(&ob)).map_err(err("matmul"))?;
+            lt::set_matmul_desc_attribute(
+                op,
+                sys::cublasLtMatmulDescAttributes_t::CUBLASLT_MATMUL_DESC_TRANSA,
+                &oa as *const _ as *const c_void,
+                std::mem::size_of_val(&oa),
+            )
+            .map_err(err("matmul"))?;
+            lt::set_matmul_desc_attribute(
+                op,
+                sys::cublasLtMatmulDescAttributes_t::CUBLASLT_MATMUL_DESC_TRANSB,
+                &ob as *const _ as *const c_void,
+                std::mem::size_of_val(&ob),
+            )
+            .map_err(err("matmul"))?;
         }
         for (i, x) in [&c.a, &c.b, &c.d].into_iter().enumerate() {
             d.layouts[i] = layout(dt, x.rows, x.cols, x.ld, c.batch, x.stride)?;
         }
-        let key = Key { bf16: c.bf16, ta: c.ta, tb: c.tb, m: c.d.rows, n: c.d.cols, k: c.k, lda: c.a.ld, ldb: c.b.ld, batch: c.batch, sa: c.a.stride, sb: c.b.stride };
+        let key = Key {
+            bf16: c.bf16,
+            ta: c.ta,
+            tb: c.tb,
+            m: c.d.rows,
+            n: c.d.cols,
+            k: c.k,
+            lda: c.a.ld,
+            ldb: c.b.ld,
+            batch: c.batch,
+            sa: c.a.stride,
+            sb: c.b.stride,
+        };
         let algo = match self.algos.get(&key) {
             Some(a) => *a,
             None => {
                 let pref = lt::create_matmul_pref().map_err(err("matmul"))?;
                 let ws = WORKSPACE as u64;
                 let h = unsafe {
-                    let r = lt::set_matmul_pref_attribute(pref, sys::cublasLtMatmulPreferenceAttributes_t::CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES,
-                        &ws as *const u64 as *const c_void, 8);
-                    let h = r.and_then(|_| lt::get_matmul_algo_heuristic(self.handle, op, d.layouts[0], d.layouts[1], d.layouts[2], d.layouts[2], pref));
+                    let r = lt::set_matmul_pref_attribute(
+                        pref,
+                        sys::cublasLtMatmulPreferenceAttributes_t::CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES,
+                        &ws as *const u64 as *const c_void,
+                        8,
+                    );
+                    let h = r.and_then(|_| {
+                        lt::get_matmul_algo_heuristic(self.handle, op, d.layouts[0], d.layouts[1], d.layouts[2], d.layouts[2], pref)
+                    });
                     let _ = lt::destroy_matmul_pref(pref);
                     h.map_err(|e| Error::new("matmul", format!("no cuBLASLt algorithm for {c:?}: {e:?}")))?
                 };
@@ -182,10 +228,24 @@ impl Gemm {
         };
         let (alpha, beta) = (1.0f32, 0.0f32);
         unsafe {
-            lt::matmul(self.handle, op, &alpha as *const f32 as *const c_void, &beta as *const f32 as *const c_void,
-                c.a.ptr as *const c_void, d.layouts[0], c.b.ptr as *const c_void, d.layouts[1],
-                c.d.ptr as *const c_void, d.layouts[2], c.d.ptr as *mut c_void, d.layouts[2],
-                &algo, self.workspace.ptr as *mut c_void, WORKSPACE, stream.cu_stream() as sys::cudaStream_t)
+            lt::matmul(
+                self.handle,
+                op,
+                &alpha as *const f32 as *const c_void,
+                &beta as *const f32 as *const c_void,
+                c.a.ptr as *const c_void,
+                d.layouts[0],
+                c.b.ptr as *const c_void,
+                d.layouts[1],
+                c.d.ptr as *const c_void,
+                d.layouts[2],
+                c.d.ptr as *mut c_void,
+                d.layouts[2],
+                &algo,
+                self.workspace.ptr as *mut c_void,
+                WORKSPACE,
+                stream.cu_stream() as sys::cudaStream_t,
+            )
         }
         .map_err(|e| Error::new("matmul", format!("cuBLASLt matmul failed: {e:?}")))
     }

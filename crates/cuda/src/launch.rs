@@ -197,8 +197,16 @@ impl CudaBackend {
         let dm = self.upload(as_bytes(&map), DType::I32)?;
         let bc1 = 1.0 - (p.beta1 as f64).powi(p.step as i32);
         let bc2 = 1.0 - (p.beta2 as f64).powi(p.step as i32);
-        let args = Args::new().push(dt.buf.ptr).push(dm.buf.ptr).push(p.lr).push(p.beta1).push(p.beta2).push(p.eps)
-            .push((1.0 / bc1) as f32).push((1.0 / bc2) as f32).push(grad_scale.map_or(0u64, |(g, i)| g.ptr_at(i)));
+        let args = Args::new()
+            .push(dt.buf.ptr)
+            .push(dm.buf.ptr)
+            .push(p.lr)
+            .push(p.beta1)
+            .push(p.beta2)
+            .push(p.eps)
+            .push((1.0 / bc1) as f32)
+            .push((1.0 / bc2) as f32)
+            .push(grad_scale.map_or(0u64, |(g, i)| g.ptr_at(i)));
         self.launch("adamw_multi", (map.len() as u32, 1, 1), 256, 0, args)
         // dt, dm return to the pool here; stream order keeps them valid for the launch.
     }
@@ -220,7 +228,13 @@ impl CudaBackend {
         } else {
             let dt = self.upload(as_bytes(&table), DType::I32)?;
             let dm = self.upload(as_bytes(&map), DType::I32)?;
-            self.launch("grad_norm_partial", (map.len() as u32, 1, 1), 256, 0, Args::new().push(dt.buf.ptr).push(dm.buf.ptr).push(partial.buf.ptr))?;
+            self.launch(
+                "grad_norm_partial",
+                (map.len() as u32, 1, 1),
+                256,
+                0,
+                Args::new().push(dt.buf.ptr).push(dm.buf.ptr).push(partial.buf.ptr),
+            )?;
         }
         let nb = map.len().max(1) as i64;
         self.launch("grad_norm_finish", (1, 1, 1), 1024, 0, Args::new().push(partial.buf.ptr).push(nb).push(max_norm).push(out.buf.ptr))?;
@@ -230,8 +244,14 @@ impl CudaBackend {
     /// Fused cross-entropy forward + backward in one pass over the logits: returns
     /// (mean loss () f32, lse (n) f32, dlogits (n, v) in the logits' dtype) with
     /// dlogits = (softmax - onehot) * grad_mult / count. No host synchronisation.
-    pub fn cross_entropy_fused(&self, logits: &Storage, logits_layout: &Layout, targets: &Storage, ignore_index: i32, grad_mult: f32)
-        -> Result<(CudaStorage, CudaStorage, CudaStorage)> {
+    pub fn cross_entropy_fused(
+        &self,
+        logits: &Storage,
+        logits_layout: &Layout,
+        targets: &Storage,
+        ignore_index: i32,
+        grad_mult: f32,
+    ) -> Result<(CudaStorage, CudaStorage, CudaStorage)> {
         let op = "cross_entropy_fused";
         let x = cuda(op, logits)?;
         let t = cuda(op, targets)?;
@@ -239,16 +259,49 @@ impl CudaBackend {
         let v = *logits_layout.dims().last().unwrap_or(&1);
         let n = if v == 0 { 0 } else { logits_layout.numel() / v };
         let scale = self.alloc(1, DType::F32)?;
-        self.launch("ce_count_scale", (1, 1, 1), 1024, 0, Args::new().push(t.buf.ptr).push(n as i64).push(ignore_index).push(grad_mult).push(scale.buf.ptr))?;
+        self.launch(
+            "ce_count_scale",
+            (1, 1, 1),
+            1024,
+            0,
+            Args::new().push(t.buf.ptr).push(n as i64).push(ignore_index).push(grad_mult).push(scale.buf.ptr),
+        )?;
         let lse = self.alloc(n, DType::F32)?;
         let rl = self.alloc(n, DType::F32)?;
         let dx = self.alloc(n * v, x.dtype)?;
-        self.launch(kname("ce_fused", s), rows_grid(n), 256, 0, Args::new().push(x.ptr_at(logits_layout.offset)).push(t.buf.ptr)
-            .push(scale.buf.ptr).push(lse.buf.ptr).push(rl.buf.ptr).push(dx.buf.ptr).push(n as i64).push(v as i64).push(ignore_index))?;
+        self.launch(
+            kname("ce_fused", s),
+            rows_grid(n),
+            256,
+            0,
+            Args::new()
+                .push(x.ptr_at(logits_layout.offset))
+                .push(t.buf.ptr)
+                .push(scale.buf.ptr)
+                .push(lse.buf.ptr)
+                .push(rl.buf.ptr)
+                .push(dx.buf.ptr)
+                .push(n as i64)
+                .push(v as i64)
+                .push(ignore_index),
+        )?;
         let loss = self.alloc(1, DType::F32)?;
         let count = self.alloc(1, DType::I32)?;
-        self.launch("ce_finish", (1, 1, 1), 1024, 0, Args::new().push(rl.buf.ptr).push(t.buf.ptr).push(n as i64).push(ignore_index)
-            .push(1.0f32).push(loss.buf.ptr).push(count.buf.ptr).push(0u64))?;
+        self.launch(
+            "ce_finish",
+            (1, 1, 1),
+            1024,
+            0,
+            Args::new()
+                .push(rl.buf.ptr)
+                .push(t.buf.ptr)
+                .push(n as i64)
+                .push(ignore_index)
+                .push(1.0f32)
+                .push(loss.buf.ptr)
+                .push(count.buf.ptr)
+                .push(0u64),
+        )?;
         Ok((loss, lse, dx))
     }
 }

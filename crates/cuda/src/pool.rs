@@ -118,9 +118,9 @@ impl Pool {
                 // Out of memory: give the cached blocks back to the driver and retry once.
                 self.mem.synchronize()?;
                 self.trim();
-                self.mem.malloc(class).map_err(|e| {
-                    ferrolm_tensor::Error::new("alloc", format!("out of device memory allocating {bytes} bytes: {e}"))
-                })?
+                self.mem
+                    .malloc(class)
+                    .map_err(|e| ferrolm_tensor::Error::new("alloc", format!("out of device memory allocating {bytes} bytes: {e}")))?
             }
         };
         let mut l = self.lists.lock().unwrap_or_else(|e| e.into_inner());

@@ -99,13 +99,16 @@ fn matmul_shapes() {
 fn fwd_bwd(name: &str, dt: DType, inputs: &[Tensor], loose: bool, f: impl Fn(&[Tensor]) -> Tensor) {
     let mut r = rng(99);
     let run = |dev: Device, cot: Option<&Tensor>| {
-        let xs: Vec<Tensor> = inputs.iter().map(|x| {
-            let t = x.to_device(dev).unwrap().detach();
-            if t.dtype() != DType::I32 {
-                t.set_requires_grad(true).unwrap();
-            }
-            t
-        }).collect();
+        let xs: Vec<Tensor> = inputs
+            .iter()
+            .map(|x| {
+                let t = x.to_device(dev).unwrap().detach();
+                if t.dtype() != DType::I32 {
+                    t.set_requires_grad(true).unwrap();
+                }
+                t
+            })
+            .collect();
         let y = f(&xs);
         (xs, y, cot.map(|c| c.to_device(dev).unwrap()))
     };
@@ -139,7 +142,9 @@ fn fused_norm_rope_swiglu_softmax() {
             let x = randn(&[b, h, t, d], dt, &mut r);
             let cos = randn(&[t, d], dt, &mut r);
             let sin = randn(&[t, d], dt, &mut r);
-            fwd_bwd("rope", dt, &[x], true, |v| v[0].rope(&cos.to_device(v[0].device()).unwrap(), &sin.to_device(v[0].device()).unwrap()).unwrap());
+            fwd_bwd("rope", dt, &[x], true, |v| {
+                v[0].rope(&cos.to_device(v[0].device()).unwrap(), &sin.to_device(v[0].device()).unwrap()).unwrap()
+            });
         }
     }
 }
@@ -190,8 +195,9 @@ fn flash_attention_fwd_bwd_gqa() {
         let k = randn(&[b, hkv, t, d], dt, &mut r);
         let v = randn(&[b, hkv, t, d], dt, &mut r);
         let scale = 1.0 / (d as f64).sqrt();
-        fwd_bwd(&format!("attention {dt} b{b} hq{hq} hkv{hkv} t{t} d{d}"), dt, &[q, k, v], true,
-            |x| Tensor::causal_attention(&x[0], &x[1], &x[2], scale).unwrap());
+        fwd_bwd(&format!("attention {dt} b{b} hq{hq} hkv{hkv} t{t} d{d}"), dt, &[q, k, v], true, |x| {
+            Tensor::causal_attention(&x[0], &x[1], &x[2], scale).unwrap()
+        });
     }
 }
 

@@ -11,7 +11,6 @@ use ferrolm_cuda::{AdamWParams, AdamWTensor, CudaBackend, CudaStorage, KernelIma
 use ferrolm_tensor::backend::{AttnDims, Backend};
 use ferrolm_tensor::{CpuStorage, DType, Device, Layout, Rng, Shape, Storage, Tensor};
 
-
 mod common;
 use common::{gpu, gpu_exclusive, GPU, SOURCES};
 
@@ -99,7 +98,11 @@ fn with_cuda<R>(ts: &[&Tensor], f: impl FnOnce(&[&CudaStorage]) -> R) -> R {
 /// A dense copy (fresh storage) unless the tensor already is one.
 fn dense(t: &Tensor) -> Tensor {
     let ok = t.with_storage(|(s, l)| l.is_contiguous() && l.offset == 0 && cs(s).len_elems() == l.numel());
-    if ok { t.clone() } else { t.affine(1.0, 0.0).unwrap() }
+    if ok {
+        t.clone()
+    } else {
+        t.affine(1.0, 0.0).unwrap()
+    }
 }
 
 // ---- AdamW and grad norm ------------------------------------------------------------------
@@ -124,7 +127,13 @@ fn adamw_multi_matches_host_f64_with_clip() {
     let Some(be) = gpu() else { return };
     let mut r = Rng::new(11);
     // odd sizes, across the 4096-element chunk boundary; (n, bf16 grad, bf16 param copy, wd)
-    let specs = [(1usize, false, true, 0.1f32), (4097, true, true, 0.1), (12_345, true, true, 0.0), (333, false, false, 0.05), (8191, true, false, 0.1)];
+    let specs = [
+        (1usize, false, true, 0.1f32),
+        (4097, true, true, 0.1),
+        (12_345, true, true, 0.0),
+        (333, false, false, 0.05),
+        (8191, true, false, 0.1),
+    ];
     let max_norm = 0.5f32; // the random grads have a far larger norm: the clip factor is < 1
     let mut host: Vec<(Vec<f64>, Vec<f64>, Vec<f64>)> = Vec::new();
     let mut dev: Vec<(Storage, Storage, Storage, Option<Storage>)> = Vec::new();
@@ -133,8 +142,11 @@ fn adamw_multi_matches_host_f64_with_clip() {
         let m = normals(n, 0.01, &mut r);
         let v: Vec<f64> = normals(n, 1e-3, &mut r).into_iter().map(|x| x.abs() + 1e-6).collect();
         // f32 round trip so host and device start from the same values
-        let (w, m, v): (Vec<f64>, Vec<f64>, Vec<f64>) =
-            (w.iter().map(|&x| x as f32 as f64).collect(), m.iter().map(|&x| x as f32 as f64).collect(), v.iter().map(|&x| x as f32 as f64).collect());
+        let (w, m, v): (Vec<f64>, Vec<f64>, Vec<f64>) = (
+            w.iter().map(|&x| x as f32 as f64).collect(),
+            m.iter().map(|&x| x as f32 as f64).collect(),
+            v.iter().map(|&x| x as f32 as f64).collect(),
+        );
         let pbf = pb.then(|| up_bf16(&be, &vec![f64::NAN; n])); // poisoned: must be written
         dev.push((up_f32(&be, &w), up_f32(&be, &m), up_f32(&be, &v), pbf));
         host.push((w, m, v));
@@ -165,9 +177,19 @@ fn adamw_multi_matches_host_f64_with_clip() {
         close("grad_norm", &nv[..1], &[norm_host], 0.0, 1e-5);
         close("clip factor", &nv[1..], &[clip_host], 0.0, 1e-5);
         assert!(clip_host < 1.0, "test setup: the clip must be active");
-        let tensors: Vec<AdamWTensor> = dev.iter().zip(&grads_dev).zip(&specs).map(|((d, g), s)| AdamWTensor {
-            master: cs(&d.0), grad: cs(g), m: cs(&d.1), v: cs(&d.2), param_bf16: d.3.as_ref().map(cs), weight_decay: s.3,
-        }).collect();
+        let tensors: Vec<AdamWTensor> = dev
+            .iter()
+            .zip(&grads_dev)
+            .zip(&specs)
+            .map(|((d, g), s)| AdamWTensor {
+                master: cs(&d.0),
+                grad: cs(g),
+                m: cs(&d.1),
+                v: cs(&d.2),
+                param_bf16: d.3.as_ref().map(cs),
+                weight_decay: s.3,
+            })
+            .collect();
         be.adamw_multi_scaled(&tensors, p, Some((cs(&no), 1))).unwrap();
         // the device applies its own f32 clip factor; use it so the comparison tests the update
         let gs = nv[1];
@@ -194,7 +216,8 @@ fn adamw_multi_matches_host_f64_with_clip() {
     let no = Storage::Device(Box::new(be.grad_norm(&[cs(&dg)], 0.0).unwrap()));
     assert_eq!(down(&be, &no)[1], 1.0, "clip factor with max_norm 0");
     let p = AdamWParams { lr: 3e-3, beta1: 0.9, beta2: 0.999, eps: 1e-8, step: 1 };
-    be.adamw_multi(&[AdamWTensor { master: cs(&dw), grad: cs(&dg), m: cs(&dm), v: cs(&dv), param_bf16: None, weight_decay: 0.0 }], p, None).unwrap();
+    be.adamw_multi(&[AdamWTensor { master: cs(&dw), grad: cs(&dg), m: cs(&dm), v: cs(&dv), param_bf16: None, weight_decay: 0.0 }], p, None)
+        .unwrap();
     let (mut hw, mut hm, mut hv) = (w.clone(), vec![0.0; n], vec![0.0; n]);
     adamw_host(&mut hw, &mut hm, &mut hv, &g, 1.0, p, 0.0);
     close("adamw unscaled master", &down(&be, &dw), &hw, 1e-6, 1e-5);
@@ -251,14 +274,18 @@ fn fused_cross_entropy_matches_cpu_backend() {
             let (lref, gref) = (loss.item().unwrap(), xc.grad().unwrap().to_vec_f64().unwrap());
             // host f64 lse of the (dtype-rounded) logits
             let xv = x.to_vec_f64().unwrap();
-            let lse_ref: Vec<f64> = xv.chunks(v).map(|row| {
-                let mx = row.iter().cloned().fold(f64::NEG_INFINITY, f64::max);
-                mx + row.iter().map(|&z| (z - mx).exp()).sum::<f64>().ln()
-            }).collect();
+            let lse_ref: Vec<f64> = xv
+                .chunks(v)
+                .map(|row| {
+                    let mx = row.iter().cloned().fold(f64::NEG_INFINITY, f64::max);
+                    mx + row.iter().map(|&z| (z - mx).exp()).sum::<f64>().ln()
+                })
+                .collect();
             let xg = x.to_device(GPU).unwrap();
             let tg = tt.to_device(GPU).unwrap();
             let grad_mult = 0.75f32;
-            let (l, lse, dx) = xg.with_storage(|(xs, xl)| tg.with_storage(|(ts, _)| be.cross_entropy_fused(xs, xl, ts, -100, grad_mult))).unwrap();
+            let (l, lse, dx) =
+                xg.with_storage(|(xs, xl)| tg.with_storage(|(ts, _)| be.cross_entropy_fused(xs, xl, ts, -100, grad_mult))).unwrap();
             let (l, lse, dx) = (Storage::Device(Box::new(l)), Storage::Device(Box::new(lse)), Storage::Device(Box::new(dx)));
             let (at, rt) = if dt == DType::BF16 { (2e-2, 2e-2) } else { (1e-5, 1e-4) };
             let name = format!("ce_fused {dt} ({n}, {v})");
@@ -281,7 +308,11 @@ fn fused_cross_entropy_matches_cpu_backend() {
 
 fn dev_rand(be: &CudaBackend, n: usize, dt: DType, r: &mut Rng) -> Storage {
     let v = normals(n, 1.0, r);
-    if dt == DType::BF16 { up_bf16(be, &v) } else { up_f32(be, &v) }
+    if dt == DType::BF16 {
+        up_bf16(be, &v)
+    } else {
+        up_f32(be, &v)
+    }
 }
 
 #[test]
@@ -289,7 +320,12 @@ fn attention_backward_is_bitwise_deterministic() {
     let Some(be) = gpu() else { return };
     let mut r = Rng::new(14);
     // tensor-core paths (bf16 d64/d128, GQA) and the SIMT path
-    for (dt, b, hq, hkv, t, d) in [(DType::BF16, 2, 8, 2, 333, 128), (DType::BF16, 1, 4, 4, 1024, 64), (DType::BF16, 2, 4, 1, 77, 128), (DType::F32, 1, 4, 2, 129, 64)] {
+    for (dt, b, hq, hkv, t, d) in [
+        (DType::BF16, 2, 8, 2, 333, 128),
+        (DType::BF16, 1, 4, 4, 1024, 64),
+        (DType::BF16, 2, 4, 1, 77, 128),
+        (DType::F32, 1, 4, 2, 129, 64),
+    ] {
         let dims = AttnDims { b, hq, hkv, t, d };
         let (lq, lkv) = (Layout::contiguous(Shape(vec![b, hq, t, d])), Layout::contiguous(Shape(vec![b, hkv, t, d])));
         let q = dev_rand(&be, b * hq * t * d, dt, &mut r);
@@ -300,7 +336,8 @@ fn attention_backward_is_bitwise_deterministic() {
         let run = || {
             let (o, lse) = be.attention((&q, &lq), (&k, &lkv), (&v, &lkv), dims, scale).unwrap();
             let llse = Layout::contiguous(Shape(vec![b, hq, t]));
-            let (dq, dk, dv) = be.attention_backward((&dout, &lq), (&q, &lq), (&k, &lkv), (&v, &lkv), (&o, &lq), (&lse, &llse), dims, scale).unwrap();
+            let (dq, dk, dv) =
+                be.attention_backward((&dout, &lq), (&q, &lq), (&k, &lkv), (&v, &lkv), (&o, &lq), (&lse, &llse), dims, scale).unwrap();
             [o, lse, dq, dk, dv].iter().map(|s| bits(&be, s)).collect::<Vec<_>>()
         };
         let a = run();
@@ -365,7 +402,9 @@ impl Model {
         let x = Tensor::embedding(ids, &self.emb).unwrap(); // (B*T, DM)
         let h = x.rms_norm(&self.norm, 1e-5).unwrap();
         let qkv = h.matmul(&self.wqkv).unwrap().reshape(vec![B, T, 3, H, HD]).unwrap();
-        let pick = |i: usize| qkv.narrow(2, i, 1).unwrap().reshape(vec![B, T, H, HD]).unwrap().permute(&[0, 2, 1, 3]).unwrap().contiguous().unwrap();
+        let pick = |i: usize| {
+            qkv.narrow(2, i, 1).unwrap().reshape(vec![B, T, H, HD]).unwrap().permute(&[0, 2, 1, 3]).unwrap().contiguous().unwrap()
+        };
         let a = Tensor::causal_attention(&pick(0), &pick(1), &pick(2), 1.0 / (HD as f64).sqrt()).unwrap();
         let a = a.permute(&[0, 2, 1, 3]).unwrap().contiguous().unwrap().reshape(vec![B * T, DM]).unwrap();
         let x = x.add(&a).unwrap();
@@ -396,10 +435,14 @@ fn pool_makes_no_device_allocation_after_warm_up() {
     };
     m.norm.set_requires_grad(true).unwrap();
     // fp32 master weights and moments
-    let state: Vec<(Storage, Storage, Storage)> = m.params().iter().map(|t| {
-        let n = t.numel();
-        (up_f32(&be, &t.to_vec_f64().unwrap()), up_f32(&be, &vec![0.0; n]), up_f32(&be, &vec![0.0; n]))
-    }).collect();
+    let state: Vec<(Storage, Storage, Storage)> = m
+        .params()
+        .iter()
+        .map(|t| {
+            let n = t.numel();
+            (up_f32(&be, &t.to_vec_f64().unwrap()), up_f32(&be, &vec![0.0; n]), up_f32(&be, &vec![0.0; n]))
+        })
+        .collect();
     let ids: Vec<i32> = (0..B * T).map(|_| r.below(V as u64) as i32).collect();
     let ids = Tensor::from_vec(ids, vec![B * T], GPU).unwrap();
     let tg: Vec<i32> = (0..B * T).map(|i| if i % 11 == 5 { -100 } else { r.below(V as u64) as i32 }).collect();
@@ -414,9 +457,16 @@ fn pool_makes_no_device_allocation_after_warm_up() {
         with_cuda(&all, |s| {
             let np = grads.len();
             let norm = be.grad_norm(&s[..np], 1.0).unwrap();
-            let ts: Vec<AdamWTensor> = (0..np).map(|i| AdamWTensor {
-                master: cs(&state[i].0), grad: s[i], m: cs(&state[i].1), v: cs(&state[i].2), param_bf16: Some(s[np + i]), weight_decay: 0.1,
-            }).collect();
+            let ts: Vec<AdamWTensor> = (0..np)
+                .map(|i| AdamWTensor {
+                    master: cs(&state[i].0),
+                    grad: s[i],
+                    m: cs(&state[i].1),
+                    v: cs(&state[i].2),
+                    param_bf16: Some(s[np + i]),
+                    weight_decay: 0.1,
+                })
+                .collect();
             be.adamw_multi_scaled(&ts, AdamWParams { lr: 1e-3, beta1: 0.9, beta2: 0.95, eps: 1e-8, step: k }, Some((&norm, 1))).unwrap();
         });
         drop(grads);

@@ -9,8 +9,7 @@ use std::process::ExitCode;
 
 use ferrolm_data::{prepare_text_dir, Tokenizer};
 
-const USAGE: &str =
-    "usage: prepare_data --input <file or dir of .txt> --tokenizer <tokenizer.json> \
+const USAGE: &str = "usage: prepare_data --input <file or dir of .txt> --tokenizer <tokenizer.json> \
                      --out <dir> [--val-fraction 0.05] [--shard-tokens 100000000]";
 
 fn run() -> Result<(), String> {
@@ -23,28 +22,15 @@ fn run() -> Result<(), String> {
             "--input" => input = Some(PathBuf::from(value()?)),
             "--tokenizer" => tokenizer = Some(PathBuf::from(value()?)),
             "--out" => out = Some(PathBuf::from(value()?)),
-            "--val-fraction" => {
-                val_fraction = value()?
-                    .parse()
-                    .map_err(|e| format!("--val-fraction: {e}"))?
-            }
-            "--shard-tokens" => {
-                shard_tokens = value()?
-                    .parse()
-                    .map_err(|e| format!("--shard-tokens: {e}"))?
-            }
+            "--val-fraction" => val_fraction = value()?.parse().map_err(|e| format!("--val-fraction: {e}"))?,
+            "--shard-tokens" => shard_tokens = value()?.parse().map_err(|e| format!("--shard-tokens: {e}"))?,
             "-h" | "--help" => return Err(USAGE.into()),
             other => return Err(format!("unknown argument {other}\n{USAGE}")),
         }
     }
-    let (input, tokenizer, out) = (
-        input.ok_or(USAGE)?,
-        tokenizer.ok_or(USAGE)?,
-        out.ok_or(USAGE)?,
-    );
+    let (input, tokenizer, out) = (input.ok_or(USAGE)?, tokenizer.ok_or(USAGE)?, out.ok_or(USAGE)?);
     let tok = Tokenizer::from_file(&tokenizer).map_err(|e| e.to_string())?;
-    let s = prepare_text_dir(&input, &tok, &out, val_fraction, shard_tokens)
-        .map_err(|e| e.to_string())?;
+    let s = prepare_text_dir(&input, &tok, &out, val_fraction, shard_tokens).map_err(|e| e.to_string())?;
     println!(
         "{} documents -> {} train tokens in {} shard(s), {} val tokens in {} shard(s) ({:?}) under {}",
         s.documents,

@@ -26,24 +26,11 @@ fn run() -> Result<(), String> {
     let corpus = corpus.ok_or(USAGE)?;
     let out = out.ok_or(USAGE)?;
     let files = text_files(&corpus).map_err(|e| e.to_string())?;
-    let bytes: u64 = files
-        .iter()
-        .filter_map(|f| std::fs::metadata(f).ok())
-        .map(|m| m.len())
-        .sum();
-    eprintln!(
-        "training byte-level BPE (vocab {vocab}) on {} files, {bytes} bytes",
-        files.len()
-    );
+    let bytes: u64 = files.iter().filter_map(|f| std::fs::metadata(f).ok()).map(|m| m.len()).sum();
+    eprintln!("training byte-level BPE (vocab {vocab}) on {} files, {bytes} bytes", files.len());
     let tok = train_byte_level_bpe(&files, vocab).map_err(|e| e.to_string())?;
     tok.save(&out).map_err(|e| e.to_string())?;
-    println!(
-        "wrote {}: vocab_size={} bos={:?} eos={:?}",
-        out.display(),
-        tok.vocab_size(),
-        tok.bos_id(),
-        tok.eos_id()
-    );
+    println!("wrote {}: vocab_size={} bos={:?} eos={:?}", out.display(), tok.vocab_size(), tok.bos_id(), tok.eos_id());
     Ok(())
 }
 

@@ -11,10 +11,7 @@ use std::path::{Path, PathBuf};
 #[derive(Debug)]
 pub enum Error {
     /// An operating-system error while touching `path`.
-    Io {
-        path: PathBuf,
-        source: std::io::Error,
-    },
+    Io { path: PathBuf, source: std::io::Error },
     /// `path` exists but its contents are not what we expect (bad magic,
     /// unsupported version, truncated, corrupt JSON ...).
     Format { path: PathBuf, msg: String },
@@ -30,17 +27,11 @@ pub type Result<T> = std::result::Result<T, Error>;
 
 impl Error {
     pub(crate) fn io(path: &Path, source: std::io::Error) -> Self {
-        Error::Io {
-            path: path.to_path_buf(),
-            source,
-        }
+        Error::Io { path: path.to_path_buf(), source }
     }
 
     pub(crate) fn format(path: &Path, msg: impl Into<String>) -> Self {
-        Error::Format {
-            path: path.to_path_buf(),
-            msg: msg.into(),
-        }
+        Error::Format { path: path.to_path_buf(), msg: msg.into() }
     }
 
     pub(crate) fn invalid(msg: impl Into<String>) -> Self {

@@ -78,11 +78,7 @@ impl Windows {
         let shards = paths.iter().map(Shard::open).collect::<Result<Vec<_>>>()?;
         let mut first = vec![0u64];
         for s in &shards {
-            let n = if s.len() > seq {
-                (s.len() - 1) / seq
-            } else {
-                0
-            };
+            let n = if s.len() > seq { (s.len() - 1) / seq } else { 0 };
             first.push(first.last().unwrap() + n as u64);
         }
         if *first.last().unwrap() == 0 {
@@ -138,16 +134,7 @@ impl DataLoader {
             return Err(Error::invalid("batch size must be positive"));
         }
         let windows = Windows::open(paths, seq)?;
-        let mut loader = DataLoader {
-            windows,
-            batch,
-            seed,
-            epoch: 0,
-            cursor: 0,
-            order: Vec::new(),
-            rank: 0,
-            world_size: 1,
-        };
+        let mut loader = DataLoader { windows, batch, seed, epoch: 0, cursor: 0, order: Vec::new(), rank: 0, world_size: 1 };
         loader.shuffle();
         Ok(loader)
     }
@@ -155,9 +142,7 @@ impl DataLoader {
     /// Makes this loader serve rank `rank` of `world_size` data-parallel ranks.
     pub fn for_rank(mut self, rank: usize, world_size: usize) -> Result<Self> {
         if world_size == 0 || rank >= world_size {
-            return Err(Error::invalid(format!(
-                "rank {rank} is not in a world of size {world_size}"
-            )));
+            return Err(Error::invalid(format!("rank {rank} is not in a world of size {world_size}")));
         }
         self.rank = rank;
         self.world_size = world_size;
@@ -197,23 +182,12 @@ impl DataLoader {
                 self.windows.push(w, &mut inputs, &mut targets);
             }
         }
-        Batch {
-            inputs,
-            targets,
-            batch: b,
-            seq: t,
-        }
+        Batch { inputs, targets, batch: b, seq: t }
     }
 
     /// Position to save with a checkpoint.
     pub fn state(&self) -> LoaderState {
-        LoaderState {
-            seed: self.seed,
-            epoch: self.epoch,
-            cursor: self.cursor,
-            seq_len: self.windows.seq,
-            num_windows: self.windows.len(),
-        }
+        LoaderState { seed: self.seed, epoch: self.epoch, cursor: self.cursor, seq_len: self.windows.seq, num_windows: self.windows.len() }
     }
 
     /// Continues from `state`: the following batches equal those the saving loader
@@ -229,10 +203,7 @@ impl DataLoader {
             )));
         }
         if state.cursor > state.num_windows {
-            return Err(Error::invalid(format!(
-                "loader state cursor {} is past the epoch end",
-                state.cursor
-            )));
+            return Err(Error::invalid(format!("loader state cursor {} is past the epoch end", state.cursor)));
         }
         let reshuffle = state.seed != self.seed || state.epoch != self.epoch;
         self.seed = state.seed;
@@ -268,11 +239,7 @@ pub fn eval_batches<P: AsRef<Path>>(paths: &[P], batch: usize, seq: usize) -> Re
     if batch == 0 {
         return Err(Error::invalid("batch size must be positive"));
     }
-    Ok(EvalBatches {
-        windows: Windows::open(paths, seq)?,
-        batch,
-        next: 0,
-    })
+    Ok(EvalBatches { windows: Windows::open(paths, seq)?, batch, next: 0 })
 }
 
 impl EvalBatches {
@@ -297,11 +264,6 @@ impl Iterator for EvalBatches {
             self.windows.push(w, &mut inputs, &mut targets);
         }
         self.next += b as u64;
-        Some(Batch {
-            inputs,
-            targets,
-            batch: b,
-            seq: t,
-        })
+        Some(Batch { inputs, targets, batch: b, seq: t })
     }
 }

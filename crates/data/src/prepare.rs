@@ -37,15 +37,10 @@ impl PrepareSummary {
         let path = out_dir.as_ref().join(MANIFEST);
         match std::fs::read_to_string(&path) {
             Ok(s) => {
-                let mut summary: Self = serde_json::from_str(&s)
-                    .map_err(|e| Error::format(&path, format!("bad manifest: {e}")))?;
+                let mut summary: Self = serde_json::from_str(&s).map_err(|e| Error::format(&path, format!("bad manifest: {e}")))?;
                 // The manifest stores bare file names so the directory can be moved.
                 let dir = out_dir.as_ref();
-                for p in summary
-                    .train_shards
-                    .iter_mut()
-                    .chain(summary.val_shards.iter_mut())
-                {
+                for p in summary.train_shards.iter_mut().chain(summary.val_shards.iter_mut()) {
                     *p = dir.join(p.file_name().unwrap_or_default());
                 }
                 Ok(Some(summary))
@@ -107,9 +102,7 @@ pub fn prepare_text_dir(
 ) -> Result<PrepareSummary> {
     let (input, out_dir) = (input.as_ref(), out_dir.as_ref());
     if !(0.0..1.0).contains(&val_fraction) {
-        return Err(Error::invalid(format!(
-            "val_fraction must be in [0, 1), got {val_fraction}"
-        )));
+        return Err(Error::invalid(format!("val_fraction must be in [0, 1), got {val_fraction}")));
     }
     if shard_tokens == 0 {
         return Err(Error::invalid("shard_tokens must be positive"));
@@ -131,10 +124,7 @@ pub fn prepare_text_dir(
     if manifest.exists() {
         std::fs::remove_file(&manifest).map_err(|e| Error::io(&manifest, e))?;
     }
-    for old in list_shards(out_dir, "train")?
-        .into_iter()
-        .chain(list_shards(out_dir, "val")?)
-    {
+    for old in list_shards(out_dir, "train")?.into_iter().chain(list_shards(out_dir, "val")?) {
         std::fs::remove_file(&old).map_err(|e| Error::io(&old, e))?;
     }
 
@@ -151,11 +141,7 @@ pub fn prepare_text_dir(
         val_shards: write_shards(out_dir, "val", val, dtype, shard_tokens)?,
     };
     let mut on_disk = summary.clone();
-    for p in on_disk
-        .train_shards
-        .iter_mut()
-        .chain(on_disk.val_shards.iter_mut())
-    {
+    for p in on_disk.train_shards.iter_mut().chain(on_disk.val_shards.iter_mut()) {
         *p = PathBuf::from(p.file_name().unwrap_or_default());
     }
     let json = serde_json::to_string_pretty(&on_disk).expect("summary serializes");
@@ -163,13 +149,7 @@ pub fn prepare_text_dir(
     Ok(summary)
 }
 
-fn write_shards(
-    dir: &Path,
-    prefix: &str,
-    tokens: &[u32],
-    dtype: TokenDtype,
-    shard_tokens: usize,
-) -> Result<Vec<PathBuf>> {
+fn write_shards(dir: &Path, prefix: &str, tokens: &[u32], dtype: TokenDtype, shard_tokens: usize) -> Result<Vec<PathBuf>> {
     let mut paths = Vec::new();
     for (i, chunk) in tokens.chunks(shard_tokens).enumerate() {
         let path = dir.join(format!("{prefix}_{i:06}.bin"));

@@ -93,15 +93,8 @@ impl ShardWriter {
         let tmp = PathBuf::from(tmp);
         let file = File::create(&tmp).map_err(|e| Error::io(&tmp, e))?;
         let mut out = BufWriter::with_capacity(1 << 20, file);
-        out.write_all(&header(dtype, 0))
-            .map_err(|e| Error::io(&tmp, e))?;
-        Ok(ShardWriter {
-            path,
-            tmp,
-            out: Some(out),
-            dtype,
-            count: 0,
-        })
+        out.write_all(&header(dtype, 0)).map_err(|e| Error::io(&tmp, e))?;
+        Ok(ShardWriter { path, tmp, out: Some(out), dtype, count: 0 })
     }
 
     /// Appends `tokens`; an id too wide for the shard's dtype is an error.
@@ -111,18 +104,12 @@ impl ShardWriter {
         match self.dtype {
             TokenDtype::U16 => {
                 for &t in tokens {
-                    let t = u16::try_from(t).map_err(|_| {
-                        Error::invalid(format!(
-                            "{}: token id {t} does not fit a u16 shard",
-                            self.path.display()
-                        ))
-                    })?;
+                    let t = u16::try_from(t)
+                        .map_err(|_| Error::invalid(format!("{}: token id {t} does not fit a u16 shard", self.path.display())))?;
                     buf.extend_from_slice(&t.to_le_bytes());
                 }
             }
-            TokenDtype::U32 => tokens
-                .iter()
-                .for_each(|t| buf.extend_from_slice(&t.to_le_bytes())),
+            TokenDtype::U32 => tokens.iter().for_each(|t| buf.extend_from_slice(&t.to_le_bytes())),
         }
         out.write_all(&buf).map_err(|e| Error::io(&self.tmp, e))?;
         self.count += tokens.len() as u64;
@@ -142,13 +129,10 @@ impl ShardWriter {
     /// Writes the final header, syncs and renames into place; returns the token count.
     pub fn finish(mut self) -> Result<u64> {
         let out = self.out.take().expect("ShardWriter finished twice");
-        let mut file = out
-            .into_inner()
-            .map_err(|e| Error::io(&self.tmp, e.into_error()))?;
+        let mut file = out.into_inner().map_err(|e| Error::io(&self.tmp, e.into_error()))?;
         let io = |e| Error::io(&self.tmp, e);
         file.seek(SeekFrom::Start(0)).map_err(io)?;
-        file.write_all(&header(self.dtype, self.count))
-            .map_err(io)?;
+        file.write_all(&header(self.dtype, self.count)).map_err(io)?;
         file.sync_all().map_err(io)?;
         drop(file);
         std::fs::rename(&self.tmp, &self.path).map_err(|e| Error::io(&self.path, e))?;
@@ -195,26 +179,17 @@ impl Shard {
         // rename) and never modified in place, so the bytes do not change under us.
         let map = unsafe { Mmap::map(&file) }.map_err(|e| Error::io(&path, e))?;
         if map[0..8] != MAGIC {
-            return Err(Error::format(
-                &path,
-                "not a ferrolm token shard (bad magic)",
-            ));
+            return Err(Error::format(&path, "not a ferrolm token shard (bad magic)"));
         }
         let u32_at = |o: usize| u32::from_le_bytes(map[o..o + 4].try_into().unwrap());
         let version = u32_at(8);
         if version != VERSION {
-            return Err(Error::format(
-                &path,
-                format!("unsupported token shard version {version} (this build reads {VERSION})"),
-            ));
+            return Err(Error::format(&path, format!("unsupported token shard version {version} (this build reads {VERSION})")));
         }
         let code = u32_at(12);
-        let dtype = TokenDtype::from_code(code)
-            .ok_or_else(|| Error::format(&path, format!("unsupported token dtype code {code}")))?;
+        let dtype = TokenDtype::from_code(code).ok_or_else(|| Error::format(&path, format!("unsupported token dtype code {code}")))?;
         let count = u64::from_le_bytes(map[16..24].try_into().unwrap());
-        let expected = count
-            .checked_mul(dtype.size() as u64)
-            .and_then(|b| b.checked_add(HEADER_LEN as u64));
+        let expected = count.checked_mul(dtype.size() as u64).and_then(|b| b.checked_add(HEADER_LEN as u64));
         if expected != Some(file_len) {
             return Err(Error::format(
                 &path,
@@ -226,12 +201,7 @@ impl Shard {
                 ),
             ));
         }
-        Ok(Shard {
-            path,
-            map,
-            dtype,
-            len: count as usize,
-        })
+        Ok(Shard { path, map, dtype, len: count as usize })
     }
 
     /// Number of tokens.
@@ -256,12 +226,7 @@ impl Shard {
 
     /// Token `i`. Panics if `i >= len()` (an indexing bug, like slice indexing).
     pub fn get(&self, i: usize) -> u32 {
-        assert!(
-            i < self.len,
-            "token index {i} out of range for {} ({} tokens)",
-            self.path.display(),
-            self.len
-        );
+        assert!(i < self.len, "token index {i} out of range for {} ({} tokens)", self.path.display(), self.len);
         let o = HEADER_LEN + i * self.dtype.size();
         match self.dtype {
             TokenDtype::U16 => u16::from_le_bytes([self.map[o], self.map[o + 1]]) as u32,
@@ -280,21 +245,12 @@ impl Shard {
     /// (the loader converts straight into its i32 batch buffers).
     pub(crate) fn extend_into(&self, start: usize, len: usize, mut f: impl FnMut(u32)) {
         let end = start.checked_add(len).filter(|&e| e <= self.len);
-        assert!(
-            end.is_some(),
-            "range {start}+{len} out of range for {} ({} tokens)",
-            self.path.display(),
-            self.len
-        );
+        assert!(end.is_some(), "range {start}+{len} out of range for {} ({} tokens)", self.path.display(), self.len);
         let w = self.dtype.size();
         let bytes = &self.map[HEADER_LEN + start * w..HEADER_LEN + (start + len) * w];
         match self.dtype {
-            TokenDtype::U16 => bytes
-                .chunks_exact(2)
-                .for_each(|c| f(u16::from_le_bytes([c[0], c[1]]) as u32)),
-            TokenDtype::U32 => bytes
-                .chunks_exact(4)
-                .for_each(|c| f(u32::from_le_bytes([c[0], c[1], c[2], c[3]]))),
+            TokenDtype::U16 => bytes.chunks_exact(2).for_each(|c| f(u16::from_le_bytes([c[0], c[1]]) as u32)),
+            TokenDtype::U32 => bytes.chunks_exact(4).for_each(|c| f(u32::from_le_bytes([c[0], c[1], c[2], c[3]]))),
         }
     }
 }

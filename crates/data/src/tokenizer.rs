@@ -36,27 +36,20 @@ impl Tokenizer {
     pub fn from_file(path: impl AsRef<Path>) -> Result<Self> {
         let path = path.as_ref();
         let json = std::fs::read_to_string(path).map_err(|e| Error::io(path, e))?;
-        let inner: tokenizers::Tokenizer = json
-            .parse()
-            .map_err(|e| Error::format(path, format!("not a valid tokenizer.json: {e}")))?;
+        let inner: tokenizers::Tokenizer = json.parse().map_err(|e| Error::format(path, format!("not a valid tokenizer.json: {e}")))?;
         Ok(Tokenizer { inner })
     }
 
     /// Writes the tokenizer as `tokenizer.json` (pretty-printed, so diffs stay readable).
     pub fn save(&self, path: impl AsRef<Path>) -> Result<()> {
         let path = path.as_ref();
-        self.inner
-            .save(path, true)
-            .map_err(|e| Error::format(path, format!("cannot write tokenizer: {e}")))
+        self.inner.save(path, true).map_err(|e| Error::format(path, format!("cannot write tokenizer: {e}")))
     }
 
     /// Token ids of `text`. With `add_special_tokens` the tokenizer's post-processor
     /// runs (for ours: prepends `<|bos|>`); without it the ids are the plain text.
     pub fn encode(&self, text: &str, add_special_tokens: bool) -> Result<Vec<u32>> {
-        let enc = self
-            .inner
-            .encode(text, add_special_tokens)
-            .map_err(|e| Error::Tokenizer(format!("encode failed: {e}")))?;
+        let enc = self.inner.encode(text, add_special_tokens).map_err(|e| Error::Tokenizer(format!("encode failed: {e}")))?;
         Ok(enc.get_ids().to_vec())
     }
 
@@ -64,13 +57,9 @@ impl Tokenizer {
     pub fn decode(&self, ids: &[u32]) -> Result<String> {
         let vocab = self.vocab_size();
         if let Some(&bad) = ids.iter().find(|&&id| id as usize >= vocab) {
-            return Err(Error::invalid(format!(
-                "token id {bad} out of range (vocab size {vocab})"
-            )));
+            return Err(Error::invalid(format!("token id {bad} out of range (vocab size {vocab})")));
         }
-        self.inner
-            .decode(ids, false)
-            .map_err(|e| Error::Tokenizer(format!("decode failed: {e}")))
+        self.inner.decode(ids, false).map_err(|e| Error::Tokenizer(format!("decode failed: {e}")))
     }
 
     /// Number of ids, added/special tokens included: the embedding table size.
@@ -111,17 +100,12 @@ pub fn train_byte_level_bpe(files: &[PathBuf], vocab_size: usize) -> Result<Toke
     }
     // 256 byte symbols + 2 specials is the floor for a byte-level vocabulary.
     if vocab_size < 258 {
-        return Err(Error::invalid(format!(
-            "vocab size {vocab_size} is below the byte-level minimum of 258"
-        )));
+        return Err(Error::invalid(format!("vocab size {vocab_size} is below the byte-level minimum of 258")));
     }
     for f in files {
         std::fs::metadata(f).map_err(|e| Error::io(f, e))?;
     }
-    let specials = vec![
-        AddedToken::from(BOS_TOKEN, true),
-        AddedToken::from(EOS_TOKEN, true),
-    ];
+    let specials = vec![AddedToken::from(BOS_TOKEN, true), AddedToken::from(EOS_TOKEN, true)];
     let mut trainer: TrainerWrapper = BpeTrainerBuilder::new()
         .show_progress(false)
         .vocab_size(vocab_size)
@@ -132,20 +116,11 @@ pub fn train_byte_level_bpe(files: &[PathBuf], vocab_size: usize) -> Result<Toke
         .into();
 
     let mut inner = tokenizers::Tokenizer::new(BPE::default());
-    inner
-        .with_pre_tokenizer(Some(ByteLevel::new(false, true, true)))
-        .with_decoder(Some(ByteLevel::default()));
-    let names = files
-        .iter()
-        .map(|p| p.to_string_lossy().into_owned())
-        .collect();
-    inner
-        .train_from_files(&mut trainer, names)
-        .map_err(|e| Error::Tokenizer(format!("training failed: {e}")))?;
+    inner.with_pre_tokenizer(Some(ByteLevel::new(false, true, true))).with_decoder(Some(ByteLevel::default()));
+    let names = files.iter().map(|p| p.to_string_lossy().into_owned()).collect();
+    inner.train_from_files(&mut trainer, names).map_err(|e| Error::Tokenizer(format!("training failed: {e}")))?;
 
-    let bos = inner
-        .token_to_id(BOS_TOKEN)
-        .ok_or_else(|| Error::Tokenizer("trained vocabulary lacks <|bos|>".into()))?;
+    let bos = inner.token_to_id(BOS_TOKEN).ok_or_else(|| Error::Tokenizer("trained vocabulary lacks <|bos|>".into()))?;
     let template = TemplateProcessing::builder()
         .try_single(format!("{BOS_TOKEN} $A"))
         .and_then(|b| b.try_pair(format!("{BOS_TOKEN} $A {BOS_TOKEN}:1 $B:1")))
@@ -154,10 +129,8 @@ pub fn train_byte_level_bpe(files: &[PathBuf], vocab_size: usize) -> Result<Toke
         .build()
         .map_err(|e| Error::Tokenizer(format!("template: {e}")))?;
     // ByteLevel first (offset trimming, as GPT-2 / Llama 3 do), then the BOS template.
-    let post = Sequence::new(vec![
-        PostProcessorWrapper::ByteLevel(ByteLevel::new(false, false, true)),
-        PostProcessorWrapper::Template(template),
-    ]);
+    let post =
+        Sequence::new(vec![PostProcessorWrapper::ByteLevel(ByteLevel::new(false, false, true)), PostProcessorWrapper::Template(template)]);
     inner.with_post_processor(Some(post));
     Ok(Tokenizer { inner })
 }

@@ -10,10 +10,7 @@ fn round_trip(dtype: TokenDtype, tokens: &[u32]) {
     w.write(&tokens[..tokens.len() / 2]).unwrap();
     w.write(&tokens[tokens.len() / 2..]).unwrap();
     assert_eq!(w.finish().unwrap(), tokens.len() as u64);
-    assert!(
-        !dir.path().join("a.bin.tmp").exists(),
-        "temp file must be renamed away"
-    );
+    assert!(!dir.path().join("a.bin.tmp").exists(), "temp file must be renamed away");
 
     let s = Shard::open(&path).unwrap();
     assert_eq!(s.dtype(), dtype);
@@ -33,9 +30,7 @@ fn round_trip_u16() {
 
 #[test]
 fn round_trip_u32() {
-    let tokens: Vec<u32> = (0..1000u32)
-        .map(|i| i.wrapping_mul(2_654_435_761))
-        .collect();
+    let tokens: Vec<u32> = (0..1000u32).map(|i| i.wrapping_mul(2_654_435_761)).collect();
     round_trip(TokenDtype::U32, &tokens);
 }
 
@@ -64,38 +59,22 @@ fn truncated_shard_is_an_error_naming_the_path() {
     let path = common::write_shard(dir.path(), "t.bin", &(0..100).collect::<Vec<_>>());
     let bytes = std::fs::read(&path).unwrap();
     std::fs::write(&path, &bytes[..bytes.len() - 3]).unwrap();
-    let err = Shard::open(&path)
-        .err()
-        .expect("truncated shard must not open")
-        .to_string();
-    assert!(
-        err.contains(&path.display().to_string()) && err.contains("truncated"),
-        "{err}"
-    );
+    let err = Shard::open(&path).err().expect("truncated shard must not open").to_string();
+    assert!(err.contains(&path.display().to_string()) && err.contains("truncated"), "{err}");
 
     std::fs::write(&path, &bytes[..20]).unwrap(); // shorter than the header
     let err = Shard::open(&path).err().unwrap().to_string();
-    assert!(
-        err.contains(&path.display().to_string()) && err.contains("truncated"),
-        "{err}"
-    );
+    assert!(err.contains(&path.display().to_string()) && err.contains("truncated"), "{err}");
 }
 
 #[test]
 fn foreign_file_and_bad_version_are_errors() {
     let dir = Scratch::new("shard-foreign");
     let path = dir.path().join("notes.txt");
-    std::fs::write(
-        &path,
-        "this is just some text, long enough to hold a header",
-    )
-    .unwrap();
+    std::fs::write(&path, "this is just some text, long enough to hold a header").unwrap();
     let err = Shard::open(&path).err().unwrap().to_string();
     assert!(err.contains(&path.display().to_string()), "{err}");
-    assert!(
-        err.contains("not a ferrolm token shard (bad magic)"),
-        "{err}"
-    );
+    assert!(err.contains("not a ferrolm token shard (bad magic)"), "{err}");
 
     let path = common::write_shard(dir.path(), "v.bin", &[1, 2, 3]);
     let mut bytes = std::fs::read(&path).unwrap();

@@ -31,12 +31,7 @@ fn bundled_tokenizer_round_trips_corpus_text() {
 
     let text = sample();
     let ids = tok.encode(&text, false).unwrap();
-    assert!(
-        ids.len() * 3 < text.len(),
-        "BPE should compress ({} ids for {} bytes)",
-        ids.len(),
-        text.len()
-    );
+    assert!(ids.len() * 3 < text.len(), "BPE should compress ({} ids for {} bytes)", ids.len(), text.len());
     assert!(ids.iter().all(|&i| (i as usize) < tok.vocab_size()));
     assert_eq!(tok.decode(&ids).unwrap(), text);
 
@@ -46,10 +41,7 @@ fn bundled_tokenizer_round_trips_corpus_text() {
 
     let with_bos = tok.encode("To be, or not to be", true).unwrap();
     assert_eq!(with_bos[0], 0);
-    assert_eq!(
-        &with_bos[1..],
-        tok.encode("To be, or not to be", false).unwrap()
-    );
+    assert_eq!(&with_bos[1..], tok.encode("To be, or not to be", false).unwrap());
     assert!(tok.decode(&[5000]).is_err());
 }
 
@@ -78,17 +70,11 @@ fn prepare_splits_deterministically_and_feeds_the_loader() {
 
     let out = Scratch::new("prep-out");
     let s = prepare_text_dir(input.path(), &tok, out.path(), 0.1, 1000).unwrap();
-    let expected: Vec<u32> = [&a, &b]
-        .iter()
-        .flat_map(|t| tok.encode(t, false).unwrap().into_iter().chain([1]))
-        .collect();
+    let expected: Vec<u32> = [&a, &b].iter().flat_map(|t| tok.encode(t, false).unwrap().into_iter().chain([1])).collect();
     assert_eq!(s.documents, 2);
     assert_eq!(s.train_tokens + s.val_tokens, expected.len() as u64);
     assert_eq!(s.val_tokens, (expected.len() as f64 * 0.1).round() as u64);
-    assert_eq!(
-        s.train_shards.len(),
-        (s.train_tokens as usize).div_ceil(1000)
-    );
+    assert_eq!(s.train_shards.len(), (s.train_tokens as usize).div_ceil(1000));
     assert_eq!(PrepareSummary::load(out.path()).unwrap().as_ref(), Some(&s));
 
     let read: Vec<u32> = s
@@ -100,10 +86,7 @@ fn prepare_splits_deterministically_and_feeds_the_loader() {
             sh.slice(0, sh.len())
         })
         .collect();
-    assert_eq!(
-        read, expected,
-        "shards hold the token stream in order, train then val"
-    );
+    assert_eq!(read, expected, "shards hold the token stream in order, train then val");
 
     let mut loader = DataLoader::open(&s.train_shards, 2, 64, 0).unwrap();
     let batch = loader.next_batch();
@@ -113,10 +96,7 @@ fn prepare_splits_deterministically_and_feeds_the_loader() {
     // A re-run with bigger shards replaces the old set instead of mixing with it.
     let s2 = prepare_text_dir(input.path(), &tok, out.path(), 0.1, 1 << 20).unwrap();
     assert_eq!(s2.train_shards.len(), 1);
-    assert_eq!(
-        ferrolm_data::list_shards(out.path(), "train").unwrap(),
-        s2.train_shards
-    );
+    assert_eq!(ferrolm_data::list_shards(out.path(), "train").unwrap(), s2.train_shards);
 
     let empty = Scratch::new("prep-empty");
     assert!(prepare_text_dir(empty.path(), &tok, out.path(), 0.1, 1000).is_err());

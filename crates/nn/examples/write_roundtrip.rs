@@ -32,7 +32,12 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
             head_dim: 16,
             rms_norm_eps: 1e-5,
             rope_theta: 500000.0,
-            rope_scaling: RopeScaling::Llama3 { factor: 8.0, low_freq_factor: 1.0, high_freq_factor: 4.0, original_max_position_embeddings: 16 },
+            rope_scaling: RopeScaling::Llama3 {
+                factor: 8.0,
+                low_freq_factor: 1.0,
+                high_freq_factor: 4.0,
+                original_max_position_embeddings: 16,
+            },
             max_position_embeddings: 64,
             tie_word_embeddings: false,
             bos_token_id: Some(1),

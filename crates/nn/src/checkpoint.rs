@@ -103,7 +103,8 @@ pub fn load_safetensors(path: &Path, dtype: DType, device: Device) -> Result<Ten
 pub fn read_index(path: &Path) -> Result<BTreeMap<String, String>> {
     let text = std::fs::read_to_string(path).map_err(|e| io_err(path, "cannot read", e))?;
     let v: serde_json::Value = serde_json::from_str(&text).map_err(|e| io_err(path, "invalid JSON", e))?;
-    let map = v.get("weight_map").and_then(|m| m.as_object()).ok_or_else(|| io_err(path, "field `weight_map`", "missing or not an object"))?;
+    let map =
+        v.get("weight_map").and_then(|m| m.as_object()).ok_or_else(|| io_err(path, "field `weight_map`", "missing or not an object"))?;
     map.iter()
         .map(|(k, v)| {
             let shard = v.as_str().ok_or_else(|| io_err(path, &format!("weight_map[`{k}`]"), "not a file name"))?;
@@ -124,7 +125,10 @@ pub fn load_model_dir(dir: &Path, dtype: DType, device: Device) -> Result<Tensor
         return load_safetensors(&single, dtype, device);
     }
     if !index.is_file() {
-        return Err(Error::new("checkpoint", format!("{}: neither model.safetensors nor model.safetensors.index.json found", dir.display())));
+        return Err(Error::new(
+            "checkpoint",
+            format!("{}: neither model.safetensors nor model.safetensors.index.json found", dir.display()),
+        ));
     }
     let map = read_index(&index)?;
     let mut by_shard: BTreeMap<&str, Vec<&str>> = BTreeMap::new();
@@ -175,10 +179,14 @@ pub fn save_safetensors(path: &Path, tensors: &[(String, Tensor)], dtype: Option
     }
     let views = bufs
         .iter()
-        .map(|(n, d, s, b)| Ok((n.as_str(), TensorView::new(*d, s.clone(), b).map_err(|e| io_err(path, &format!("tensor `{n}`"), format!("{e:?}")))?)))
+        .map(|(n, d, s, b)| {
+            Ok((n.as_str(), TensorView::new(*d, s.clone(), b).map_err(|e| io_err(path, &format!("tensor `{n}`"), format!("{e:?}")))?))
+        })
         .collect::<Result<Vec<_>>>()?;
     let meta = Some(HashMap::from([("format".to_string(), "pt".to_string())]));
-    write_atomic_with(path, |tmp| safetensors::serialize_to_file(views, &meta, tmp).map_err(|e| io_err(tmp, "write safetensors", format!("{e:?}"))))
+    write_atomic_with(path, |tmp| {
+        safetensors::serialize_to_file(views, &meta, tmp).map_err(|e| io_err(tmp, "write safetensors", format!("{e:?}")))
+    })
 }
 
 /// `dir/name`, creating `dir` when needed.

@@ -55,7 +55,9 @@ impl Fields<'_> {
     fn usize_opt(&self, k: &str) -> Result<Option<usize>> {
         match self.get(k) {
             None => Ok(None),
-            Some(v) => v.as_u64().map(|n| Some(n as usize)).ok_or_else(|| err(self.src, k, format!("expected a non-negative integer, got {v}"))),
+            Some(v) => {
+                v.as_u64().map(|n| Some(n as usize)).ok_or_else(|| err(self.src, k, format!("expected a non-negative integer, got {v}")))
+            }
         }
     }
     fn usize_req(&self, k: &str) -> Result<usize> {
@@ -129,7 +131,10 @@ fn parse_rope(dict: &Map<String, Value>, src: &str, field: &str, theta: Option<f
             if !positive(factor) || !positive(low) || high <= low || orig == 0 {
                 return Err(err(src, field, format!("invalid llama3 scaling: factor {factor}, low_freq_factor {low}, high_freq_factor {high} (must exceed low), original_max_position_embeddings {orig}")));
             }
-            Ok((theta, RopeScaling::Llama3 { factor, low_freq_factor: low, high_freq_factor: high, original_max_position_embeddings: orig }))
+            Ok((
+                theta,
+                RopeScaling::Llama3 { factor, low_freq_factor: low, high_freq_factor: high, original_max_position_embeddings: orig },
+            ))
         }
         other => Err(err(src, &fname("rope_type"), format!("rope type {other:?} is not supported (supported: default, llama3)"))),
     }
@@ -189,7 +194,11 @@ impl LlamaConfig {
             Some(d) => d,
             None => {
                 if num_attention_heads == 0 || hidden_size % num_attention_heads != 0 {
-                    return Err(err(src, "head_dim", format!("missing, and hidden_size {hidden_size} is not divisible by num_attention_heads {num_attention_heads}")));
+                    return Err(err(
+                        src,
+                        "head_dim",
+                        format!("missing, and hidden_size {hidden_size} is not divisible by num_attention_heads {num_attention_heads}"),
+                    ));
                 }
                 hidden_size / num_attention_heads
             }
@@ -254,7 +263,14 @@ impl LlamaConfig {
             }
         }
         if self.num_attention_heads % self.num_key_value_heads != 0 {
-            return Err(err(src, "num_key_value_heads", format!("num_attention_heads {} is not a multiple of num_key_value_heads {}", self.num_attention_heads, self.num_key_value_heads)));
+            return Err(err(
+                src,
+                "num_key_value_heads",
+                format!(
+                    "num_attention_heads {} is not a multiple of num_key_value_heads {}",
+                    self.num_attention_heads, self.num_key_value_heads
+                ),
+            ));
         }
         if self.head_dim % 2 != 0 {
             return Err(err(src, "head_dim", format!("{} must be even for rotary embeddings", self.head_dim)));
@@ -264,7 +280,9 @@ impl LlamaConfig {
                 return Err(err(src, k, format!("must be positive, got {v}")));
             }
         }
-        if let RopeScaling::Llama3 { factor, low_freq_factor: lo, high_freq_factor: hi, original_max_position_embeddings: old } = self.rope_scaling {
+        if let RopeScaling::Llama3 { factor, low_freq_factor: lo, high_freq_factor: hi, original_max_position_embeddings: old } =
+            self.rope_scaling
+        {
             if !positive(factor) || !positive(lo) || hi <= lo || old == 0 {
                 return Err(err(src, "rope_scaling", format!("invalid llama3 scaling: factor {factor}, low_freq_factor {lo}, high_freq_factor {hi}, original_max_position_embeddings {old}")));
             }

@@ -30,7 +30,14 @@ impl KvCache {
             self.layers = vec![None; n_layers];
             self.batch = batch;
         } else if self.layers.len() != n_layers || self.batch != batch {
-            return Err(Error::new("KvCache", format!("cache holds {} layers x batch {}, model call has {n_layers} layers x batch {batch}; clear() it first", self.layers.len(), self.batch)));
+            return Err(Error::new(
+                "KvCache",
+                format!(
+                    "cache holds {} layers x batch {}, model call has {n_layers} layers x batch {batch}; clear() it first",
+                    self.layers.len(),
+                    self.batch
+                ),
+            ));
         }
         Ok(())
     }
@@ -86,7 +93,10 @@ pub fn generate(model: &Llama, prompt_ids: &[u32], max_new_tokens: usize, temper
     let cfg = model.config();
     let room = cfg.max_position_embeddings.saturating_sub(prompt_ids.len());
     let ids_tensor = |ids: &[u32]| -> Result<Tensor> {
-        let v: Vec<i32> = ids.iter().map(|&i| i32::try_from(i).map_err(|_| Error::new("generate", format!("token id {i} too large")))).collect::<Result<_>>()?;
+        let v: Vec<i32> = ids
+            .iter()
+            .map(|&i| i32::try_from(i).map_err(|_| Error::new("generate", format!("token id {i} too large"))))
+            .collect::<Result<_>>()?;
         Tensor::from_vec(v, vec![1, ids.len()], Device::Cpu)?.to_device(model.device())
     };
     let mut cache = KvCache::new();

@@ -224,7 +224,8 @@ impl Llama {
             p.set_requires_grad(true).expect("float leaf");
             p
         };
-        let dims = Dims { n_head: cfg.num_attention_heads, n_kv_head: cfg.num_key_value_heads, head_dim: cfg.head_dim, eps: cfg.rms_norm_eps };
+        let dims =
+            Dims { n_head: cfg.num_attention_heads, n_kv_head: cfg.num_key_value_heads, head_dim: cfg.head_dim, eps: cfg.rms_norm_eps };
         let embed_tokens = take("model.embed_tokens.weight");
         let blocks = (0..cfg.num_hidden_layers)
             .map(|l| {
@@ -304,7 +305,10 @@ impl Llama {
         let (b, t) = (ids.dim(0), ids.dim(1));
         let max = self.cfg.max_position_embeddings;
         if t == 0 || past + t > max {
-            return Err(Error::new("Llama::forward", format!("sequence positions {past}..{} exceed max_position_embeddings {max} (or are empty)", past + t)));
+            return Err(Error::new(
+                "Llama::forward",
+                format!("sequence positions {past}..{} exceed max_position_embeddings {max} (or are empty)", past + t),
+            ));
         }
         Ok((b, t))
     }
@@ -336,7 +340,10 @@ impl Llama {
     /// so that position t predicts targets[t]; -100 is ignored.
     pub fn loss(&self, inputs: &Tensor, targets: &Tensor) -> Result<Tensor> {
         if targets.dims() != inputs.dims() || targets.dtype() != DType::I32 {
-            return Err(Error::new("Llama::loss", format!("targets must be i32 of the inputs' shape {:?}, got {:?} {}", inputs.shape(), targets.shape(), targets.dtype())));
+            return Err(Error::new(
+                "Llama::loss",
+                format!("targets must be i32 of the inputs' shape {:?}, got {:?} {}", inputs.shape(), targets.shape(), targets.dtype()),
+            ));
         }
         let logits = self.forward(inputs)?; // (B, T, V)
         let (n, v) = (inputs.numel(), self.cfg.vocab_size);

@@ -56,7 +56,8 @@ impl AdamW {
             if !p.dtype().is_float() {
                 bail!("AdamW", "parameter {name} is {}, not a float tensor", p.dtype());
             }
-            let master = if p.dtype() == DType::F32 || p.dtype() == DType::F64 { None } else { Some(p.to_dtype(DType::F32)?.contiguous()?) };
+            let master =
+                if p.dtype() == DType::F32 || p.dtype() == DType::F64 { None } else { Some(p.to_dtype(DType::F32)?.contiguous()?) };
             let sd = if p.dtype() == DType::F64 { DType::F64 } else { DType::F32 };
             slots.push(Slot {
                 name: name.clone(),
@@ -78,10 +79,22 @@ impl AdamW {
         let c = &self.cfg;
         if self.slots.first().is_some_and(|s| s.param.device() != Device::Cpu) {
             let grads: Vec<Option<Tensor>> = self.slots.iter().map(|s| s.param.grad()).collect();
-            let ts: Vec<AdamWTensors> = self.slots.iter().zip(&grads).filter_map(|(s, g)| {
-                let wd = if s.decay { c.weight_decay } else { 0.0 };
-                g.as_ref().map(|g| AdamWTensors { param: &s.param, grad: g, master: s.master.as_ref(), m: &s.m, v: &s.v, weight_decay: wd })
-            }).collect();
+            let ts: Vec<AdamWTensors> = self
+                .slots
+                .iter()
+                .zip(&grads)
+                .filter_map(|(s, g)| {
+                    let wd = if s.decay { c.weight_decay } else { 0.0 };
+                    g.as_ref().map(|g| AdamWTensors {
+                        param: &s.param,
+                        grad: g,
+                        master: s.master.as_ref(),
+                        m: &s.m,
+                        v: &s.v,
+                        weight_decay: wd,
+                    })
+                })
+                .collect();
             let h = AdamWHyper { lr, beta1: c.beta1, beta2: c.beta2, eps: c.eps, step: self.step };
             if fused_adamw_step(&ts, h)? {
                 self.last_step_fused = true;

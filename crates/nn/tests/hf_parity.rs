@@ -366,7 +366,10 @@ fn fresh_model_init_and_presets() {
     assert!(params.iter().all(|(_, p)| p.requires_grad()));
     assert!(!params.iter().any(|(n, _)| n == "lm_head.weight"), "tiny is tied");
     let c = cfg.hidden_size;
-    let per_layer = 2 * c + c * cfg.num_attention_heads * cfg.head_dim * 2 + 2 * c * cfg.num_key_value_heads * cfg.head_dim + 3 * c * cfg.intermediate_size;
+    let per_layer = 2 * c
+        + c * cfg.num_attention_heads * cfg.head_dim * 2
+        + 2 * c * cfg.num_key_value_heads * cfg.head_dim
+        + 3 * c * cfg.intermediate_size;
     assert_eq!(model.num_params(), 256 * c + cfg.num_hidden_layers * per_layer + c);
     let emb = params[0].1.to_vec::<f32>().unwrap();
     let std = (emb.iter().map(|x| (*x as f64).powi(2)).sum::<f64>() / emb.len() as f64).sqrt();
@@ -397,7 +400,12 @@ fn tiny_preset_step_time() {
             loss.backward().unwrap();
             model.parameters().iter().for_each(|(_, p)| p.zero_grad());
             let s = start.elapsed().as_secs_f64();
-            eprintln!("tiny, checkpointing {ckpt}, step {step}: loss {:.4}, {:.3} s, {:.0} tok/s", loss.item().unwrap(), s, (b * t) as f64 / s);
+            eprintln!(
+                "tiny, checkpointing {ckpt}, step {step}: loss {:.4}, {:.3} s, {:.0} tok/s",
+                loss.item().unwrap(),
+                s,
+                (b * t) as f64 / s
+            );
         }
     }
 }
@@ -412,9 +420,12 @@ fn f16_checkpoint_loads() {
     let bufs: Vec<(String, Vec<usize>, Vec<u8>)> = model
         .parameters()
         .into_iter()
-        .map(|(n, p)| (n, p.dims().to_vec(), p.to_vec::<f32>().unwrap().iter().flat_map(|&x| half::f16::from_f32(x).to_le_bytes()).collect()))
+        .map(|(n, p)| {
+            (n, p.dims().to_vec(), p.to_vec::<f32>().unwrap().iter().flat_map(|&x| half::f16::from_f32(x).to_le_bytes()).collect())
+        })
         .collect();
-    let views: Vec<(&str, TensorView)> = bufs.iter().map(|(n, s, b)| (n.as_str(), TensorView::new(Dtype::F16, s.clone(), b).unwrap())).collect();
+    let views: Vec<(&str, TensorView)> =
+        bufs.iter().map(|(n, s, b)| (n.as_str(), TensorView::new(Dtype::F16, s.clone(), b).unwrap())).collect();
     safetensors::serialize_to_file(views, &None, &tmp.0.join("model.safetensors")).unwrap();
     let m16 = Llama::from_pretrained(&tmp.0, DType::F32, Device::Cpu).unwrap();
     let ids = sample_ids(&model, 1, 8, 9);

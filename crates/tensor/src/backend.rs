@@ -20,7 +20,10 @@ pub enum UnaryOp {
     /// x^p
     Powf(f64),
     /// x * mul + add
-    Affine { mul: f64, add: f64 },
+    Affine {
+        mul: f64,
+        add: f64,
+    },
 }
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -110,8 +113,17 @@ pub trait Backend: Send + Sync {
     fn attention(&self, q: Sl, k: Sl, v: Sl, dims: AttnDims, scale: f64) -> Result<(Storage, Storage)>;
     /// -> (dq, dk, dv)
     #[allow(clippy::too_many_arguments)]
-    fn attention_backward(&self, dout: Sl, q: Sl, k: Sl, v: Sl, out: Sl, lse: Sl, dims: AttnDims, scale: f64)
-        -> Result<(Storage, Storage, Storage)>;
+    fn attention_backward(
+        &self,
+        dout: Sl,
+        q: Sl,
+        k: Sl,
+        v: Sl,
+        out: Sl,
+        lse: Sl,
+        dims: AttnDims,
+        scale: f64,
+    ) -> Result<(Storage, Storage, Storage)>;
     /// logits (n, v), targets i32 (n) -> (mean loss () in f32/f64, lse (n) f32, count of counted rows)
     fn cross_entropy(&self, logits: Sl, targets: Sl, ignore_index: i32) -> Result<(Storage, Storage, usize)>;
     /// dlogits = (softmax - onehot) * scale for counted rows, 0 for ignored ones.

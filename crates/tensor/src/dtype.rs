@@ -84,7 +84,11 @@ pub fn bf16_from_f64(x: f64) -> half::bf16 {
         t = f32::from_bits(if t as f64 > a { b - 1 } else { b + 1 });
     }
     let r = half::bf16::from_f32(t);
-    if x.is_sign_negative() { -r } else { r }
+    if x.is_sign_negative() {
+        -r
+    } else {
+        r
+    }
 }
 
 #[cfg(test)]

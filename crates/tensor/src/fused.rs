@@ -32,12 +32,17 @@ impl Tensor {
         shape.push(w.dims()[1]);
         let out = new(st, shape);
         let (ids, vocab) = (ids.clone(), w.dims()[0]);
-        Ok(Tensor::record(out, "embedding", &[weight], Box::new(move |g| {
-            let g = g.contiguous()?;
-            let b = g.backend("embedding")?;
-            let st = with2(&g, &ids, |g, i| b.embedding_backward(g, i, vocab))?;
-            Ok(vec![Some(new(st, [vocab, g.dims()[g.rank() - 1]]))])
-        })))
+        Ok(Tensor::record(
+            out,
+            "embedding",
+            &[weight],
+            Box::new(move |g| {
+                let g = g.contiguous()?;
+                let b = g.backend("embedding")?;
+                let st = with2(&g, &ids, |g, i| b.embedding_backward(g, i, vocab))?;
+                Ok(vec![Some(new(st, [vocab, g.dims()[g.rank() - 1]]))])
+            }),
+        ))
     }
 
     /// RMSNorm over the last dim: x / sqrt(mean(x^2) + eps) * weight. Saves the inverse RMS.
@@ -52,15 +57,20 @@ impl Tensor {
         let (y, r) = with2(&x, &w, |x, w| b.rmsnorm(x, w, eps))?;
         let out = new(y, self.shape().clone());
         let r = new(r, [x.numel() / d.max(1)]);
-        Ok(Tensor::record(out, "rms_norm", &[self, weight], Box::new(move |g| {
-            let g = g.contiguous()?;
-            let b = g.backend("rms_norm")?;
-            let (dx, dw) = {
-                let (gg, gx, gw, gr) = (g.0.storage.read(), x.0.storage.read(), w.0.storage.read(), r.0.storage.read());
-                b.rmsnorm_backward((&gg, g.layout()), (&gx, x.layout()), (&gw, w.layout()), (&gr, r.layout()))?
-            };
-            Ok(vec![Some(new(dx, x.shape().clone())), Some(new(dw, [d]))])
-        })))
+        Ok(Tensor::record(
+            out,
+            "rms_norm",
+            &[self, weight],
+            Box::new(move |g| {
+                let g = g.contiguous()?;
+                let b = g.backend("rms_norm")?;
+                let (dx, dw) = {
+                    let (gg, gx, gw, gr) = (g.0.storage.read(), x.0.storage.read(), w.0.storage.read(), r.0.storage.read());
+                    b.rmsnorm_backward((&gg, g.layout()), (&gx, x.layout()), (&gw, w.layout()), (&gr, r.layout()))?
+                };
+                Ok(vec![Some(new(dx, x.shape().clone())), Some(new(dw, [d]))])
+            }),
+        ))
     }
 
     /// Rotary embedding in Hugging Face's rotate_half convention on x (b, h, t, d) with
@@ -88,15 +98,20 @@ impl Tensor {
         let (g, u) = (gate.contiguous()?, up.contiguous()?);
         let b = g.backend("swiglu")?;
         let out = new(with2(&g, &u, |g, u| b.swiglu(g, u))?, g.shape().clone());
-        Ok(Tensor::record(out, "swiglu", &[gate, up], Box::new(move |dy| {
-            let dy = dy.contiguous()?;
-            let b = dy.backend("swiglu")?;
-            let (dg, du) = {
-                let (a, x, y) = (dy.0.storage.read(), g.0.storage.read(), u.0.storage.read());
-                b.swiglu_backward((&a, dy.layout()), (&x, g.layout()), (&y, u.layout()))?
-            };
-            Ok(vec![Some(new(dg, g.shape().clone())), Some(new(du, g.shape().clone()))])
-        })))
+        Ok(Tensor::record(
+            out,
+            "swiglu",
+            &[gate, up],
+            Box::new(move |dy| {
+                let dy = dy.contiguous()?;
+                let b = dy.backend("swiglu")?;
+                let (dg, du) = {
+                    let (a, x, y) = (dy.0.storage.read(), g.0.storage.read(), u.0.storage.read());
+                    b.swiglu_backward((&a, dy.layout()), (&x, g.layout()), (&y, u.layout()))?
+                };
+                Ok(vec![Some(new(dg, g.shape().clone())), Some(new(du, g.shape().clone()))])
+            }),
+        ))
     }
 
     /// Causal scaled-dot-product attention. q: (b, hq, t, d); k, v: (b, hkv, t, d) with hq a
@@ -108,7 +123,13 @@ impl Tensor {
         }
         let (qd, kd) = (q.dims(), k.dims());
         if k.shape() != v.shape() || qd[0] != kd[0] || qd[2] != kd[2] || qd[3] != kd[3] || kd[1] == 0 || qd[1] % kd[1] != 0 {
-            bail!("attention", "incompatible q {:?}, k {:?}, v {:?}: k and v must match and q heads must be a multiple of kv heads", q.shape(), k.shape(), v.shape());
+            bail!(
+                "attention",
+                "incompatible q {:?}, k {:?}, v {:?}: k and v must match and q heads must be a multiple of kv heads",
+                q.shape(),
+                k.shape(),
+                v.shape()
+            );
         }
         let dims = AttnDims { b: qd[0], hq: qd[1], hkv: kd[1], t: qd[2], d: qd[3] };
         let (qc, kc, vc) = (q.contiguous()?, k.contiguous()?, v.contiguous()?);
@@ -120,16 +141,29 @@ impl Tensor {
         let out = new(o, q.shape().clone());
         let lse = new(lse, [dims.b, dims.hq, dims.t]);
         let o = out.clone();
-        Ok(Tensor::record(out, "attention", &[q, k, v], Box::new(move |g| {
-            let g = g.contiguous()?;
-            let b = g.backend("attention")?;
-            let (dq, dk, dv) = {
-                let s: Vec<_> = [&g, &qc, &kc, &vc, &o, &lse].iter().map(|t| t.0.storage.read()).collect();
-                b.attention_backward((&s[0], g.layout()), (&s[1], qc.layout()), (&s[2], kc.layout()), (&s[3], vc.layout()),
-                    (&s[4], o.layout()), (&s[5], lse.layout()), dims, scale)?
-            };
-            Ok(vec![Some(new(dq, qc.shape().clone())), Some(new(dk, kc.shape().clone())), Some(new(dv, vc.shape().clone()))])
-        })))
+        Ok(Tensor::record(
+            out,
+            "attention",
+            &[q, k, v],
+            Box::new(move |g| {
+                let g = g.contiguous()?;
+                let b = g.backend("attention")?;
+                let (dq, dk, dv) = {
+                    let s: Vec<_> = [&g, &qc, &kc, &vc, &o, &lse].iter().map(|t| t.0.storage.read()).collect();
+                    b.attention_backward(
+                        (&s[0], g.layout()),
+                        (&s[1], qc.layout()),
+                        (&s[2], kc.layout()),
+                        (&s[3], vc.layout()),
+                        (&s[4], o.layout()),
+                        (&s[5], lse.layout()),
+                        dims,
+                        scale,
+                    )?
+                };
+                Ok(vec![Some(new(dq, qc.shape().clone())), Some(new(dk, kc.shape().clone())), Some(new(dv, vc.shape().clone()))])
+            }),
+        ))
     }
 
     /// Mean cross-entropy of logits (n, v) against i32 targets (n), skipping `ignore_index`.
@@ -148,15 +182,26 @@ impl Tensor {
         let out = new(loss, ());
         let lse = new(lse, [x.dims()[0]]);
         let t = targets.clone();
-        Ok(Tensor::record(out, "cross_entropy", &[logits], Box::new(move |g| {
-            let scale = g.mul_scalar(1.0 / count.max(1) as f64)?;
-            let b = x.backend("cross_entropy")?;
-            let st = {
-                let s: Vec<_> = [&x, &t, &lse, &scale].iter().map(|t| t.0.storage.read()).collect();
-                b.cross_entropy_backward((&s[0], x.layout()), (&s[1], t.layout()), (&s[2], lse.layout()), ignore_index, (&s[3], scale.layout()))?
-            };
-            Ok(vec![Some(new(st, x.shape().clone()))])
-        })))
+        Ok(Tensor::record(
+            out,
+            "cross_entropy",
+            &[logits],
+            Box::new(move |g| {
+                let scale = g.mul_scalar(1.0 / count.max(1) as f64)?;
+                let b = x.backend("cross_entropy")?;
+                let st = {
+                    let s: Vec<_> = [&x, &t, &lse, &scale].iter().map(|t| t.0.storage.read()).collect();
+                    b.cross_entropy_backward(
+                        (&s[0], x.layout()),
+                        (&s[1], t.layout()),
+                        (&s[2], lse.layout()),
+                        ignore_index,
+                        (&s[3], scale.layout()),
+                    )?
+                };
+                Ok(vec![Some(new(st, x.shape().clone()))])
+            }),
+        ))
     }
 }
 

@@ -120,21 +120,31 @@ impl Tensor {
     pub fn mul(&self, rhs: &Tensor) -> Result<Tensor> {
         let (out, _) = self.binary(rhs, BinaryOp::Mul, "mul")?;
         let (a, b) = (self.clone(), rhs.clone());
-        Ok(Tensor::record(out, "mul", &[self, rhs], Box::new(move |g| {
-            let ga = if a.requires_grad() { Some(g.mul(&b)?.sum_to(a.shape())?) } else { None };
-            let gb = if b.requires_grad() { Some(g.mul(&a)?.sum_to(b.shape())?) } else { None };
-            Ok(vec![ga, gb])
-        })))
+        Ok(Tensor::record(
+            out,
+            "mul",
+            &[self, rhs],
+            Box::new(move |g| {
+                let ga = if a.requires_grad() { Some(g.mul(&b)?.sum_to(a.shape())?) } else { None };
+                let gb = if b.requires_grad() { Some(g.mul(&a)?.sum_to(b.shape())?) } else { None };
+                Ok(vec![ga, gb])
+            }),
+        ))
     }
     pub fn div(&self, rhs: &Tensor) -> Result<Tensor> {
         let (out, _) = self.binary(rhs, BinaryOp::Div, "div")?;
         let (a, b) = (self.clone(), rhs.clone());
-        Ok(Tensor::record(out, "div", &[self, rhs], Box::new(move |g| {
-            let ga = if a.requires_grad() { Some(g.div(&b)?.sum_to(a.shape())?) } else { None };
-            // d(a/b)/db = -a / b^2
-            let gb = if b.requires_grad() { Some(g.mul(&a)?.div(&b.sqr()?)?.neg()?.sum_to(b.shape())?) } else { None };
-            Ok(vec![ga, gb])
-        })))
+        Ok(Tensor::record(
+            out,
+            "div",
+            &[self, rhs],
+            Box::new(move |g| {
+                let ga = if a.requires_grad() { Some(g.div(&b)?.sum_to(a.shape())?) } else { None };
+                // d(a/b)/db = -a / b^2
+                let gb = if b.requires_grad() { Some(g.mul(&a)?.div(&b.sqr()?)?.neg()?.sum_to(b.shape())?) } else { None };
+                Ok(vec![ga, gb])
+            }),
+        ))
     }
     /// 1.0 where equal, else 0.0 (no gradient).
     pub fn eq_mask(&self, rhs: &Tensor) -> Result<Tensor> {
@@ -186,11 +196,16 @@ impl Tensor {
         let out = self.reduce(ReduceOp::Max, dims, "max")?;
         let (x, m) = (self.clone(), out.clone());
         let dv = dims.to_vec();
-        let out = Tensor::record(out, "max", &[self], Box::new(move |g| {
-            let mask = x.eq_mask(&m.broadcast_as(x.shape().clone())?)?;
-            let count = mask.sum_keepdim(&dv)?;
-            Ok(vec![Some(mask.mul(&g.div(&count)?)?)])
-        }));
+        let out = Tensor::record(
+            out,
+            "max",
+            &[self],
+            Box::new(move |g| {
+                let mask = x.eq_mask(&m.broadcast_as(x.shape().clone())?)?;
+                let count = mask.sum_keepdim(&dv)?;
+                Ok(vec![Some(mask.mul(&g.div(&count)?)?)])
+            }),
+        );
         out.drop_dims(dims, keepdim)
     }
     pub fn sum_all(&self) -> Result<Tensor> {
@@ -232,11 +247,16 @@ impl Tensor {
         so.extend([m, n]);
         let out = new(st, so.into());
         let (a, bt) = (self.clone(), rhs.clone());
-        Ok(Tensor::record(out, "matmul", &[self, rhs], Box::new(move |g| {
-            let ga = if a.requires_grad() { Some(g.matmul(&bt.t()?)?.sum_to(a.shape())?) } else { None };
-            let gb = if bt.requires_grad() { Some(a.t()?.matmul(g)?.sum_to(bt.shape())?) } else { None };
-            Ok(vec![ga, gb])
-        })))
+        Ok(Tensor::record(
+            out,
+            "matmul",
+            &[self, rhs],
+            Box::new(move |g| {
+                let ga = if a.requires_grad() { Some(g.matmul(&bt.t()?)?.sum_to(a.shape())?) } else { None };
+                let gb = if bt.requires_grad() { Some(a.t()?.matmul(g)?.sum_to(bt.shape())?) } else { None };
+                Ok(vec![ga, gb])
+            }),
+        ))
     }
 
     // ---- softmax, casts, devices -------------------------------------------------------------
@@ -247,12 +267,20 @@ impl Tensor {
         let b = self.backend("softmax")?;
         let out = new(x.with_storage(|s| b.softmax_last(s))?, self.shape().clone());
         let y = out.clone();
-        Ok(Tensor::record(out, "softmax", &[self], Box::new(move |g| {
-            let g = g.contiguous()?;
-            let b = y.backend("softmax")?;
-            let st = { let (gy, gg) = (y.0.storage.read(), g.0.storage.read()); b.softmax_last_backward((&gy, y.layout()), (&gg, g.layout()))? };
-            Ok(vec![Some(new(st, y.shape().clone()))])
-        })))
+        Ok(Tensor::record(
+            out,
+            "softmax",
+            &[self],
+            Box::new(move |g| {
+                let g = g.contiguous()?;
+                let b = y.backend("softmax")?;
+                let st = {
+                    let (gy, gg) = (y.0.storage.read(), g.0.storage.read());
+                    b.softmax_last_backward((&gy, y.layout()), (&gg, g.layout()))?
+                };
+                Ok(vec![Some(new(st, y.shape().clone()))])
+            }),
+        ))
     }
 
     /// Converts the elements; the gradient is cast back to the input's dtype.

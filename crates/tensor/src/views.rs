@@ -73,21 +73,26 @@ impl Tensor {
         l.shape.0[dim] = len;
         let full = self.dims()[dim];
         let out = self.view(l, None);
-        Ok(Tensor::record(out, "narrow", &[self], Box::new(move |g| {
-            // Pad the gradient back to the full extent with zeros.
-            let mut parts = Vec::new();
-            let mut zshape = g.dims().to_vec();
-            if start > 0 {
-                zshape[dim] = start;
-                parts.push(Tensor::zeros(zshape.clone(), g.dtype(), g.device())?);
-            }
-            parts.push(g.clone());
-            if start + len < full {
-                zshape[dim] = full - start - len;
-                parts.push(Tensor::zeros(zshape, g.dtype(), g.device())?);
-            }
-            Ok(vec![Some(Tensor::cat(&parts, dim)?)])
-        })))
+        Ok(Tensor::record(
+            out,
+            "narrow",
+            &[self],
+            Box::new(move |g| {
+                // Pad the gradient back to the full extent with zeros.
+                let mut parts = Vec::new();
+                let mut zshape = g.dims().to_vec();
+                if start > 0 {
+                    zshape[dim] = start;
+                    parts.push(Tensor::zeros(zshape.clone(), g.dtype(), g.device())?);
+                }
+                parts.push(g.clone());
+                if start + len < full {
+                    zshape[dim] = full - start - len;
+                    parts.push(Tensor::zeros(zshape, g.dtype(), g.device())?);
+                }
+                Ok(vec![Some(Tensor::cat(&parts, dim)?)])
+            }),
+        ))
     }
 
     /// Splits `dim` into pieces of the given sizes (views).
@@ -96,7 +101,13 @@ impl Tensor {
             bail!("split", "sizes {sizes:?} do not add up to dim {dim} of {:?}", self.shape());
         }
         let mut at = 0;
-        sizes.iter().map(|&s| { at += s; self.narrow(dim, at - s, s) }).collect()
+        sizes
+            .iter()
+            .map(|&s| {
+                at += s;
+                self.narrow(dim, at - s, s)
+            })
+            .collect()
     }
 
     /// `n` equal pieces along `dim`.
@@ -142,7 +153,10 @@ impl Tensor {
         if self.shape() == shape {
             return Ok(self.clone());
         }
-        let pad = self.rank().checked_sub(shape.rank()).ok_or_else(|| crate::Error::new("sum_to", format!("{:?} has fewer dims than {:?}", self.shape(), shape)))?;
+        let pad = self
+            .rank()
+            .checked_sub(shape.rank())
+            .ok_or_else(|| crate::Error::new("sum_to", format!("{:?} has fewer dims than {:?}", self.shape(), shape)))?;
         let dims: Vec<usize> = (0..self.rank()).filter(|&i| i < pad || (shape.0[i - pad] == 1 && self.dims()[i] != 1)).collect();
         self.sum_keepdim(&dims)?.reshape(shape.clone())
     }

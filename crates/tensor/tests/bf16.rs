@@ -66,7 +66,9 @@ fn bf16_elementwise_and_reductions() {
         let c = x[0].chunk(2, 0)?;
         Tensor::cat(&[s[1].clone(), s[0].clone(), c[1].broadcast_as([2, 2, 33])?.reshape([4, 33])?.sqr()?], 1)
     });
-    check("unsqueeze/broadcast/squeeze", &[x.clone()], |x| x[0].unsqueeze(0)?.broadcast_as([3, 4, 33])?.transpose(0, 1)?.narrow(1, 1, 1)?.squeeze(1));
+    check("unsqueeze/broadcast/squeeze", &[x.clone()], |x| {
+        x[0].unsqueeze(0)?.broadcast_as([3, 4, 33])?.transpose(0, 1)?.narrow(1, 1, 1)?.squeeze(1)
+    });
     check("casts", &[x.clone()], |x| x[0].to_dtype(DType::F32)?.to_dtype(DType::BF16));
     assert_eq!(x.0.exp().unwrap().dtype(), DType::BF16);
 }
@@ -130,7 +132,8 @@ fn bf16_fused_backward() {
     run("embedding", &[pair(&[10, 6], g)], &|x| Tensor::embedding(&id, &x[0]));
     let (cb, sb) = rope_cos_sin(5, 4, 100.0, DType::BF16);
     run("rope", &[pair(&[1, 2, 5, 4], g)], &|x| {
-        let (c, s) = if x[0].dtype() == DType::BF16 { (cb.clone(), sb.clone()) } else { (cb.to_dtype(DType::F32)?, sb.to_dtype(DType::F32)?) };
+        let (c, s) =
+            if x[0].dtype() == DType::BF16 { (cb.clone(), sb.clone()) } else { (cb.to_dtype(DType::F32)?, sb.to_dtype(DType::F32)?) };
         x[0].rope(&c, &s)
     });
 }

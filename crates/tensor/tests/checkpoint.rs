@@ -15,7 +15,17 @@ const FF: usize = 24;
 fn block_params(g: &mut Rng) -> Vec<Tensor> {
     let w = |s: &[usize], g: &mut Rng| param(&Tensor::randn(s.to_vec(), 0.2, DType::F32, CPU, g).unwrap());
     let n = |g: &mut Rng| param(&Tensor::rand_uniform([D], 0.8, 1.2, DType::F32, CPU, g).unwrap());
-    vec![n(g), w(&[HQ * HD, D], g), w(&[HKV * HD, D], g), w(&[HKV * HD, D], g), w(&[D, HQ * HD], g), n(g), w(&[FF, D], g), w(&[FF, D], g), w(&[D, FF], g)]
+    vec![
+        n(g),
+        w(&[HQ * HD, D], g),
+        w(&[HKV * HD, D], g),
+        w(&[HKV * HD, D], g),
+        w(&[D, HQ * HD], g),
+        n(g),
+        w(&[FF, D], g),
+        w(&[FF, D], g),
+        w(&[D, FF], g),
+    ]
 }
 
 /// x: (b, t, D) -> (b, t, D); attention block or MLP block or both.

@@ -65,7 +65,11 @@ fn fused_op_errors() {
     let kv = f32s(&[1, 2, 5, 4]);
     expect_err(Tensor::causal_attention(&q, &kv, &kv, 0.5), "attention", "multiple of kv heads");
     expect_err(Tensor::causal_attention(&f32s(&[1, 4, 5, 4]), &kv, &f32s(&[1, 2, 5, 6]), 0.5), "attention", "incompatible");
-    expect_err(Tensor::causal_attention(&f32s(&[1, 4, 5, 4]), &f32s(&[1, 2, 6, 4]), &f32s(&[1, 2, 6, 4]), 0.5), "attention", "incompatible");
+    expect_err(
+        Tensor::causal_attention(&f32s(&[1, 4, 5, 4]), &f32s(&[1, 2, 6, 4]), &f32s(&[1, 2, 6, 4]), 0.5),
+        "attention",
+        "incompatible",
+    );
     expect_err(Tensor::causal_attention(&f32s(&[4, 5, 4]), &kv, &kv, 0.5), "attention", "(batch, heads, seq, head_dim)");
     expect_err(Tensor::causal_attention(&f32s(&[1, 4, 5, 4]), &f32s(&[1, 0, 5, 4]), &f32s(&[1, 0, 5, 4]), 0.5), "attention", "multiple");
     // cross-entropy: target out of range, negative non-ignore target, wrong dtype, wrong shape

@@ -290,8 +290,14 @@ fn assert_close(name: &str, a: &Tensor, b: &Tensor, tol: f64) {
 
 /// Runs `fused` and `naive` on fresh leaves of the same values: outputs and input gradients agree
 /// to 1e-12 (forward) and 1e-10 (backward), relative as in `rel_err`.
-fn fused_vs_naive(name: &str, inputs: &[Tensor], fused: impl Fn(&[Tensor]) -> ferrolm_tensor::Result<Tensor>, naive: impl Fn(&[Tensor]) -> ferrolm_tensor::Result<Tensor>) {
-    let leaves = || -> Vec<Tensor> { inputs.iter().map(|t| param(&t.contiguous().unwrap().detach().to_dtype(DType::F64).unwrap())).collect() };
+fn fused_vs_naive(
+    name: &str,
+    inputs: &[Tensor],
+    fused: impl Fn(&[Tensor]) -> ferrolm_tensor::Result<Tensor>,
+    naive: impl Fn(&[Tensor]) -> ferrolm_tensor::Result<Tensor>,
+) {
+    let leaves =
+        || -> Vec<Tensor> { inputs.iter().map(|t| param(&t.contiguous().unwrap().detach().to_dtype(DType::F64).unwrap())).collect() };
     let (xa, xb) = (leaves(), leaves());
     let (ya, yb) = (fused(&xa).unwrap(), naive(&xb).unwrap());
     assert_close(&format!("{name} forward"), &ya, &yb, 1e-12);
@@ -309,7 +315,12 @@ fn fused_attention_matches_naive() {
     for (b, hq, hkv, t, d) in [(2, 4, 2, 5, 4), (1, 3, 3, 7, 6), (1, 8, 2, 9, 8), (2, 2, 1, 16, 4)] {
         let ins = [randn(&[b, hq, t, d], g), randn(&[b, hkv, t, d], g), randn(&[b, hkv, t, d], g)];
         let sc = 1.0 / (d as f64).sqrt();
-        fused_vs_naive(&format!("attention {b} {hq} {hkv} {t} {d}"), &ins, |x| Tensor::causal_attention(&x[0], &x[1], &x[2], sc), |x| naive_attention(&x[0], &x[1], &x[2], sc));
+        fused_vs_naive(
+            &format!("attention {b} {hq} {hkv} {t} {d}"),
+            &ins,
+            |x| Tensor::causal_attention(&x[0], &x[1], &x[2], sc),
+            |x| naive_attention(&x[0], &x[1], &x[2], sc),
+        );
     }
 }
 

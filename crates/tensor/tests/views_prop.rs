@@ -46,10 +46,17 @@ impl Dense {
 #[derive(Clone, Debug)]
 enum Op {
     Permute(Vec<usize>),
-    Narrow { dim: usize, start: usize, len: usize },
+    Narrow {
+        dim: usize,
+        start: usize,
+        len: usize,
+    },
     Transpose(usize, usize),
     /// New leading dim of size `lead` and every size-1 dim expanded to `to`.
-    Broadcast { lead: usize, to: usize },
+    Broadcast {
+        lead: usize,
+        to: usize,
+    },
     /// contiguous() then reshape to the dims in reverse order / flattened / split.
     Reshape(u8),
 }

@@ -132,7 +132,9 @@ pub fn swiglu<T: Float + Send + Sync>(g: &[T], u: &[T]) -> Vec<T> {
 }
 
 pub fn swiglu_backward<T: Float + Send + Sync>(dy: &[T], g: &[T], u: &[T]) -> (Vec<T>, Vec<T>) {
-    let dg = dy.par_iter().zip(g.par_iter().zip(u.par_iter()))
+    let dg = dy
+        .par_iter()
+        .zip(g.par_iter().zip(u.par_iter()))
         .map(|(&dy, (&g, &u))| {
             let s = sigmoid(g);
             dy * u * s * (T::one() + g * (T::one() - s))
@@ -187,17 +189,22 @@ pub fn attention<T: Float + Send + Sync>(q: &[T], k: &[T], v: &[T], a: AttnDims,
 /// order so dk/dv sums are deterministic.
 #[allow(clippy::too_many_arguments)]
 pub fn attention_backward<T: Float + Send + Sync>(
-    dout: &[T], q: &[T], k: &[T], v: &[T], o: &[T], lse: &[T], a: AttnDims, scale: f64,
+    dout: &[T],
+    q: &[T],
+    k: &[T],
+    v: &[T],
+    o: &[T],
+    lse: &[T],
+    a: AttnDims,
+    scale: f64,
 ) -> (Vec<T>, Vec<T>, Vec<T>) {
     let (t, d, group) = (a.t, a.d, a.hq / a.hkv);
     let sc: T = c(scale);
     let mut dq = vec![T::zero(); q.len()];
     let mut dk = vec![T::zero(); k.len()];
     let mut dv = vec![T::zero(); v.len()];
-    dq.par_chunks_mut(group * t * d)
-        .zip(dk.par_chunks_mut(t * d).zip(dv.par_chunks_mut(t * d)))
-        .enumerate()
-        .for_each(|(bkv, (dqg, (dk, dv)))| {
+    dq.par_chunks_mut(group * t * d).zip(dk.par_chunks_mut(t * d).zip(dv.par_chunks_mut(t * d))).enumerate().for_each(
+        |(bkv, (dqg, (dk, dv)))| {
             let (kh, vh) = (&k[bkv * t * d..(bkv + 1) * t * d], &v[bkv * t * d..(bkv + 1) * t * d]);
             let mut p = vec![T::zero(); t];
             for g in 0..group {
@@ -224,7 +231,8 @@ pub fn attention_backward<T: Float + Send + Sync>(
                     }
                 }
             }
-        });
+        },
+    );
     (dq, dk, dv)
 }
 

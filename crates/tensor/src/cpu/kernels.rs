@@ -131,9 +131,7 @@ pub fn reduce<T: Float + Send + Sync>(op: ReduceOp, x: &[T], l: &Layout, dims: &
 /// Storage offsets of every matrix in the batch dims of a (..., r, c) view.
 fn batch_offsets(l: &Layout) -> Vec<usize> {
     let r = l.shape.rank();
-    Layout { shape: l.shape.0[..r - 2].to_vec().into(), strides: l.strides[..r - 2].to_vec(), offset: l.offset }
-        .indices()
-        .collect()
+    Layout { shape: l.shape.0[..r - 2].to_vec().into(), strides: l.strides[..r - 2].to_vec(), offset: l.offset }.indices().collect()
 }
 
 macro_rules! matmul_impl {
@@ -158,8 +156,7 @@ macro_rules! matmul_impl {
                 // j < cols, lies inside the storage because the layouts were validated as views
                 // of it; `c` is an exclusive (m, n) row-major slice.
                 unsafe {
-                    $gemm(m, k, n, 1.0, a.as_ptr().add(pa), rsa, csa, b.as_ptr().add(pb), rsb, csb, 0.0,
-                        c.as_mut_ptr(), n as isize, 1);
+                    $gemm(m, k, n, 1.0, a.as_ptr().add(pa), rsa, csa, b.as_ptr().add(pb), rsb, csb, 0.0, c.as_mut_ptr(), n as isize, 1);
                 }
             }
             out

@@ -112,7 +112,11 @@ macro_rules! fdispatch {
 
 /// Statistics stay f32 even for bf16 activations (f64 in f64 runs).
 fn stat_dtype(dt: DType) -> DType {
-    if dt == DType::F64 { DType::F64 } else { DType::F32 }
+    if dt == DType::F64 {
+        DType::F64
+    } else {
+        DType::F32
+    }
 }
 
 fn gather<T: Copy + Send + Sync>(v: &[T], l: &Layout) -> Vec<T> {
@@ -205,7 +209,13 @@ impl Backend for CpuBackend {
         let shapes: Vec<&[usize]> = parts.iter().map(|p| p.1.dims()).collect();
         macro_rules! cat_as {
             ($variant:ident) => {{
-                let vs: Vec<&[_]> = hosts.iter().map(|h| match h { CpuStorage::$variant(v) => &v[..], _ => unreachable!() }).collect();
+                let vs: Vec<&[_]> = hosts
+                    .iter()
+                    .map(|h| match h {
+                        CpuStorage::$variant(v) => &v[..],
+                        _ => unreachable!(),
+                    })
+                    .collect();
                 CpuStorage::$variant(kernels::cat(&vs, &shapes, dim))
             }};
         }
@@ -273,16 +283,24 @@ impl Backend for CpuBackend {
     fn rmsnorm_backward(&self, dy: Sl, x: Sl, w: Sl, r: Sl) -> Result<(Storage, Storage)> {
         let (ox, n, d) = rows(x.1);
         let (od, ow, or) = (dy.1.offset, w.1.offset, r.1.offset);
-        Ok(fdispatch!("rmsnorm_backward", x.0.dtype(), [dy, x, w, r],
-            fused::rmsnorm_backward(&dy[od..od + n * d], &x[ox..ox + n * d], &w[ow..ow + d], &r[or..or + n])))
+        Ok(fdispatch!(
+            "rmsnorm_backward",
+            x.0.dtype(),
+            [dy, x, w, r],
+            fused::rmsnorm_backward(&dy[od..od + n * d], &x[ox..ox + n * d], &w[ow..ow + d], &r[or..or + n])
+        ))
     }
     fn rope(&self, x: Sl, cos: Sl, sin: Sl, inverse: bool) -> Result<Storage> {
         let dims = x.1.dims();
         let (t, d) = (dims[2], dims[3]);
         let (ox, oc, os) = (x.1.offset, cos.1.offset, sin.1.offset);
         let n = x.1.numel();
-        Ok(fdispatch!("rope", x.0.dtype(), [x, cos, sin],
-            fused::rope(&x[ox..ox + n], &cos[oc..oc + t * d], &sin[os..os + t * d], t, d, inverse)))
+        Ok(fdispatch!(
+            "rope",
+            x.0.dtype(),
+            [x, cos, sin],
+            fused::rope(&x[ox..ox + n], &cos[oc..oc + t * d], &sin[os..os + t * d], t, d, inverse)
+        ))
     }
     fn swiglu(&self, g: Sl, u: Sl) -> Result<Storage> {
         let n = g.1.numel();
@@ -292,24 +310,43 @@ impl Backend for CpuBackend {
     fn swiglu_backward(&self, dy: Sl, g: Sl, u: Sl) -> Result<(Storage, Storage)> {
         let n = g.1.numel();
         let (od, og, ou) = (dy.1.offset, g.1.offset, u.1.offset);
-        Ok(fdispatch!("swiglu_backward", g.0.dtype(), [dy, g, u],
-            fused::swiglu_backward(&dy[od..od + n], &g[og..og + n], &u[ou..ou + n])))
+        Ok(fdispatch!("swiglu_backward", g.0.dtype(), [dy, g, u], fused::swiglu_backward(&dy[od..od + n], &g[og..og + n], &u[ou..ou + n])))
     }
     fn attention(&self, q: Sl, k: Sl, v: Sl, dims: AttnDims, scale: f64) -> Result<(Storage, Storage)> {
         let (oq, ok, ov) = (q.1.offset, k.1.offset, v.1.offset);
         let (nq, nk) = (q.1.numel(), k.1.numel());
         let dt = q.0.dtype();
-        Ok(fdispatch!("attention", dt, [q, k, v],
-            fused::attention(&q[oq..oq + nq], &k[ok..ok + nk], &v[ov..ov + nk], dims, scale)))
+        Ok(fdispatch!("attention", dt, [q, k, v], fused::attention(&q[oq..oq + nq], &k[ok..ok + nk], &v[ov..ov + nk], dims, scale)))
     }
-    fn attention_backward(&self, dout: Sl, q: Sl, k: Sl, v: Sl, out: Sl, lse: Sl, dims: AttnDims, scale: f64)
-        -> Result<(Storage, Storage, Storage)> {
+    fn attention_backward(
+        &self,
+        dout: Sl,
+        q: Sl,
+        k: Sl,
+        v: Sl,
+        out: Sl,
+        lse: Sl,
+        dims: AttnDims,
+        scale: f64,
+    ) -> Result<(Storage, Storage, Storage)> {
         let (nq, nk) = (q.1.numel(), k.1.numel());
         let offs = [dout.1.offset, q.1.offset, k.1.offset, v.1.offset, out.1.offset, lse.1.offset];
         let nl = lse.1.numel();
-        Ok(fdispatch!("attention_backward", q.0.dtype(), [dout, q, k, v, out, lse],
-            fused::attention_backward(&dout[offs[0]..offs[0] + nq], &q[offs[1]..offs[1] + nq], &k[offs[2]..offs[2] + nk],
-                &v[offs[3]..offs[3] + nk], &out[offs[4]..offs[4] + nq], &lse[offs[5]..offs[5] + nl], dims, scale)))
+        Ok(fdispatch!(
+            "attention_backward",
+            q.0.dtype(),
+            [dout, q, k, v, out, lse],
+            fused::attention_backward(
+                &dout[offs[0]..offs[0] + nq],
+                &q[offs[1]..offs[1] + nq],
+                &k[offs[2]..offs[2] + nk],
+                &v[offs[3]..offs[3] + nk],
+                &out[offs[4]..offs[4] + nq],
+                &lse[offs[5]..offs[5] + nl],
+                dims,
+                scale
+            )
+        ))
     }
     fn cross_entropy(&self, logits: Sl, targets: Sl, ignore: i32) -> Result<(Storage, Storage, usize)> {
         let (ol, n, v) = rows(logits.1);
@@ -326,8 +363,12 @@ impl Backend for CpuBackend {
         let t = gather(i32s("cross_entropy_backward", targets.0)?, targets.1);
         let olse = lse.1.offset;
         let sc = f64s("cross_entropy_backward", scale.0)?[scale.1.offset];
-        Ok(fdispatch!("cross_entropy_backward", logits.0.dtype(), [logits, lse],
-            fused::cross_entropy_backward(&logits[ol..ol + n * v], v, &t, &lse[olse..olse + n], ignore, sc)))
+        Ok(fdispatch!(
+            "cross_entropy_backward",
+            logits.0.dtype(),
+            [logits, lse],
+            fused::cross_entropy_backward(&logits[ol..ol + n * v], v, &t, &lse[olse..olse + n], ignore, sc)
+        ))
     }
 }
 

@@ -107,10 +107,7 @@ pub fn rope_tables(t: usize, d: usize, theta: f64) -> (Vec<f64>, Vec<f64>) {
 }
 pub fn rope_cos_sin(t: usize, d: usize, theta: f64, dt: DType) -> (Tensor, Tensor) {
     let (c, s) = rope_tables(t, d, theta);
-    (
-        Tensor::from_vec(c, [t, d], CPU).unwrap().to_dtype(dt).unwrap(),
-        Tensor::from_vec(s, [t, d], CPU).unwrap().to_dtype(dt).unwrap(),
-    )
+    (Tensor::from_vec(c, [t, d], CPU).unwrap().to_dtype(dt).unwrap(), Tensor::from_vec(s, [t, d], CPU).unwrap().to_dtype(dt).unwrap())
 }
 
 /// softmax(Q K^T * scale + causal mask) V with the K/V heads expanded to the query heads.
