@@ -85,19 +85,21 @@ fn with_cuda<R>(ts: &[&Tensor], f: impl FnOnce(&[&CudaStorage]) -> R) -> R {
                 let v: Vec<&CudaStorage> = acc.iter().map(|p| unsafe { &**p }).collect();
                 f(&v)
             }
-            Some((t, rest)) => t.with_storage(|(s, l)| {
-                let c = cs(s);
-                assert!(l.is_contiguous() && l.offset == 0 && c.len_elems() == l.numel(), "with_cuda needs a dense tensor");
-                acc.push(c as *const CudaStorage);
-                go(rest, acc, f)
-            }),
+            Some((t, rest)) => t
+                .with_storage(|(s, l)| {
+                    let c = cs(s);
+                    assert!(l.is_contiguous() && l.offset == 0 && c.len_elems() == l.numel(), "with_cuda needs a dense tensor");
+                    acc.push(c as *const CudaStorage);
+                    Ok(go(rest, acc, f))
+                })
+                .expect("storage readable"),
         }
     }
     go(ts, &mut Vec::new(), Box::new(f))
 }
 /// A dense copy (fresh storage) unless the tensor already is one.
 fn dense(t: &Tensor) -> Tensor {
-    let ok = t.with_storage(|(s, l)| l.is_contiguous() && l.offset == 0 && cs(s).len_elems() == l.numel());
+    let ok = t.with_storage(|(s, l)| Ok(l.is_contiguous() && l.offset == 0 && cs(s).len_elems() == l.numel())).unwrap();
     if ok {
         t.clone()
     } else {

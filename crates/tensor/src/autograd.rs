@@ -4,7 +4,7 @@
 //! final; its hooks fire then, once per pass, while the rest of backward continues.
 use crate::{Result, Tensor};
 use std::cell::Cell;
-use std::collections::{BinaryHeap, HashMap};
+use std::collections::{BTreeSet, HashMap};
 use std::sync::Arc;
 
 pub type BackwardFn = Box<dyn Fn(&Tensor) -> Result<Vec<Option<Tensor>>> + Send + Sync>;
@@ -49,8 +49,25 @@ impl Tensor {
     }
 }
 
+/// Sums gradient contributions in arrival order (a left fold, as eager accumulation would).
+fn sum_grads(parts: Vec<Tensor>) -> Result<Option<Tensor>> {
+    let mut it = parts.into_iter();
+    let Some(mut acc) = it.next() else { return Ok(None) };
+    for g in it {
+        acc = acc.add(&g)?;
+    }
+    Ok(Some(acc))
+}
+
 /// Core traversal: seeds `root` with `seed` and calls `on_leaf(leaf, grad)` exactly once per
 /// leaf that requires grad, at the moment its gradient is complete.
+///
+/// Gradient contributions are kept as lists and summed only when their tensor is processed,
+/// so a pending contribution (a collective's result still in flight) is not waited on when it
+/// arrives. Among the tensors whose gradients are complete, the newest one with no pending
+/// contribution goes first; only when every ready tensor waits on communication is the newest
+/// of them taken (and waited on). The choice depends on which values are pending, never on
+/// timing, so a run is deterministic; with nothing pending it is plain newest-first order.
 pub(crate) fn traverse(root: &Tensor, seed: Tensor, on_leaf: &mut dyn FnMut(&Tensor, Tensor) -> Result<()>) -> Result<()> {
     let _g = no_grad();
     // Consumer counts of every tensor reachable from root that requires grad.
@@ -68,11 +85,17 @@ pub(crate) fn traverse(root: &Tensor, seed: Tensor, on_leaf: &mut dyn FnMut(&Ten
             }
         }
     }
-    let mut grads: HashMap<usize, Tensor> = HashMap::from([(root.id(), seed)]);
-    let mut ready = BinaryHeap::from([root.id()]);
-    while let Some(id) = ready.pop() {
+    let mut grads: HashMap<usize, Vec<Tensor>> = HashMap::from([(root.id(), vec![seed])]);
+    let mut ready: BTreeSet<usize> = BTreeSet::from([root.id()]);
+    let waits = |grads: &HashMap<usize, Vec<Tensor>>, id: usize| grads.get(&id).is_some_and(|v| v.iter().any(Tensor::is_pending));
+    loop {
+        let id = match ready.iter().rev().find(|&&id| !waits(&grads, id)).or_else(|| ready.last()) {
+            Some(&id) => id,
+            None => break,
+        };
+        ready.remove(&id);
         let t = by_id.remove(&id).expect("ready tensor is in the graph");
-        let g = grads.remove(&id);
+        let g = sum_grads(grads.remove(&id).unwrap_or_default())?;
         let Some(node) = &t.0.grad_fn else {
             if let Some(g) = g {
                 on_leaf(&t, g)?;
@@ -95,11 +118,7 @@ pub(crate) fn traverse(root: &Tensor, seed: Tensor, on_leaf: &mut dyn FnMut(&Ten
                 if gi.shape() != inp.shape() {
                     crate::bail!(format!("{} backward", node.name), "gradient shape {:?} for input {:?}", gi.shape(), inp.shape());
                 }
-                let acc = match grads.remove(&inp.id()) {
-                    Some(prev) => prev.add(&gi)?,
-                    None => gi,
-                };
-                grads.insert(inp.id(), acc);
+                grads.entry(inp.id()).or_default().push(gi);
             }
             let d = deps.get_mut(&inp.id()).expect("counted input");
             *d -= 1;
@@ -109,11 +128,11 @@ pub(crate) fn traverse(root: &Tensor, seed: Tensor, on_leaf: &mut dyn FnMut(&Ten
                     // instead of after every op with a larger id, so hooks run in backward order
                     // while the rest of backward goes on.
                     by_id.remove(&inp.id());
-                    if let Some(gl) = grads.remove(&inp.id()) {
+                    if let Some(gl) = sum_grads(grads.remove(&inp.id()).unwrap_or_default())? {
                         on_leaf(inp, gl)?;
                     }
                 } else {
-                    ready.push(inp.id());
+                    ready.insert(inp.id());
                 }
             }
         }

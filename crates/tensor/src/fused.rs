@@ -9,8 +9,8 @@ fn new(st: Storage, shape: impl Into<Shape>) -> Tensor {
 }
 
 /// Runs `f` with the storages and layouts of `ts` (read locks held for the call).
-fn with2<R>(a: &Tensor, b: &Tensor, f: impl FnOnce(crate::backend::Sl, crate::backend::Sl) -> R) -> R {
-    let (ga, gb) = (a.0.storage.read(), b.0.storage.read());
+fn with2<R>(a: &Tensor, b: &Tensor, f: impl FnOnce(crate::backend::Sl, crate::backend::Sl) -> Result<R>) -> Result<R> {
+    let (ga, gb) = (a.0.storage.read()?, b.0.storage.read()?);
     f((&ga, a.layout()), (&gb, b.layout()))
 }
 
@@ -65,7 +65,7 @@ impl Tensor {
                 let g = g.contiguous()?;
                 let b = g.backend("rms_norm")?;
                 let (dx, dw) = {
-                    let (gg, gx, gw, gr) = (g.0.storage.read(), x.0.storage.read(), w.0.storage.read(), r.0.storage.read());
+                    let (gg, gx, gw, gr) = (g.0.storage.read()?, x.0.storage.read()?, w.0.storage.read()?, r.0.storage.read()?);
                     b.rmsnorm_backward((&gg, g.layout()), (&gx, x.layout()), (&gw, w.layout()), (&gr, r.layout()))?
                 };
                 Ok(vec![Some(new(dx, x.shape().clone())), Some(new(dw, [d]))])
@@ -106,7 +106,7 @@ impl Tensor {
                 let dy = dy.contiguous()?;
                 let b = dy.backend("swiglu")?;
                 let (dg, du) = {
-                    let (a, x, y) = (dy.0.storage.read(), g.0.storage.read(), u.0.storage.read());
+                    let (a, x, y) = (dy.0.storage.read()?, g.0.storage.read()?, u.0.storage.read()?);
                     b.swiglu_backward((&a, dy.layout()), (&x, g.layout()), (&y, u.layout()))?
                 };
                 Ok(vec![Some(new(dg, g.shape().clone())), Some(new(du, g.shape().clone()))])
@@ -135,7 +135,7 @@ impl Tensor {
         let (qc, kc, vc) = (q.contiguous()?, k.contiguous()?, v.contiguous()?);
         let b = qc.backend("attention")?;
         let (o, lse) = {
-            let (gq, gk, gv) = (qc.0.storage.read(), kc.0.storage.read(), vc.0.storage.read());
+            let (gq, gk, gv) = (qc.0.storage.read()?, kc.0.storage.read()?, vc.0.storage.read()?);
             b.attention((&gq, qc.layout()), (&gk, kc.layout()), (&gv, vc.layout()), dims, scale)?
         };
         let out = new(o, q.shape().clone());
@@ -149,7 +149,7 @@ impl Tensor {
                 let g = g.contiguous()?;
                 let b = g.backend("attention")?;
                 let (dq, dk, dv) = {
-                    let s: Vec<_> = [&g, &qc, &kc, &vc, &o, &lse].iter().map(|t| t.0.storage.read()).collect();
+                    let s: Vec<_> = [&g, &qc, &kc, &vc, &o, &lse].iter().map(|t| t.0.storage.read()).collect::<Result<_>>()?;
                     b.attention_backward(
                         (&s[0], g.layout()),
                         (&s[1], qc.layout()),
@@ -190,7 +190,7 @@ impl Tensor {
                 let scale = g.mul_scalar(1.0 / count.max(1) as f64)?;
                 let b = x.backend("cross_entropy")?;
                 let st = {
-                    let s: Vec<_> = [&x, &t, &lse, &scale].iter().map(|t| t.0.storage.read()).collect();
+                    let s: Vec<_> = [&x, &t, &lse, &scale].iter().map(|t| t.0.storage.read()).collect::<Result<_>>()?;
                     b.cross_entropy_backward(
                         (&s[0], x.layout()),
                         (&s[1], t.layout()),
@@ -208,7 +208,7 @@ impl Tensor {
 fn rope_apply(x: &Tensor, cos: &Tensor, sin: &Tensor, inverse: bool) -> Result<Tensor> {
     let b = x.backend("rope")?;
     let st = {
-        let (gx, gc, gs) = (x.0.storage.read(), cos.0.storage.read(), sin.0.storage.read());
+        let (gx, gc, gs) = (x.0.storage.read()?, cos.0.storage.read()?, sin.0.storage.read()?);
         b.rope((&gx, x.layout()), (&gc, cos.layout()), (&gs, sin.layout()), inverse)?
     };
     Ok(new(st, x.shape().clone()))

@@ -101,7 +101,7 @@ impl Tensor {
         let lb = rhs.layout().broadcast_to(name, &shape)?;
         let b = self.backend(name)?;
         let st = {
-            let (ga, gb) = (self.0.storage.read(), rhs.0.storage.read());
+            let (ga, gb) = (self.0.storage.read()?, rhs.0.storage.read()?);
             b.binary(op, (&ga, &la), (&gb, &lb))?
         };
         Ok((new(st, shape.clone()), shape))
@@ -240,7 +240,7 @@ impl Tensor {
         let lb = rhs.layout().broadcast_to("matmul", &sb.into())?;
         let b = self.backend("matmul")?;
         let st = {
-            let (ga, gb) = (self.0.storage.read(), rhs.0.storage.read());
+            let (ga, gb) = (self.0.storage.read()?, rhs.0.storage.read()?);
             b.matmul((&ga, &la), (&gb, &lb))?
         };
         let mut so = batch.0;
@@ -275,7 +275,7 @@ impl Tensor {
                 let g = g.contiguous()?;
                 let b = y.backend("softmax")?;
                 let st = {
-                    let (gy, gg) = (y.0.storage.read(), g.0.storage.read());
+                    let (gy, gg) = (y.0.storage.read()?, g.0.storage.read()?);
                     b.softmax_last_backward((&gy, y.layout()), (&gg, g.layout()))?
                 };
                 Ok(vec![Some(new(st, y.shape().clone()))])

@@ -19,12 +19,12 @@ pub struct AdamWTensors<'a> {
 
 fn dense(t: &Tensor) -> bool {
     let l = t.layout();
-    l.is_contiguous() && l.offset == 0 && t.0.storage.read().len() == t.numel()
+    l.is_contiguous() && l.offset == 0 && t.0.storage.bytes() == t.numel() * t.dtype().size_in_bytes()
 }
 
 /// Read guards over the storages of `ts`, one per distinct storage; `f` gets their views in
 /// the order of `ts`.
-fn with_views<R>(ts: &[&Tensor], f: impl FnOnce(&[Sl]) -> R) -> R {
+fn with_views<R>(ts: &[&Tensor], f: impl FnOnce(&[Sl]) -> Result<R>) -> Result<R> {
     let mut cells: Vec<Arc<StorageCell>> = Vec::new();
     let idx: Vec<usize> = ts
         .iter()
@@ -39,7 +39,7 @@ fn with_views<R>(ts: &[&Tensor], f: impl FnOnce(&[Sl]) -> R) -> R {
             }
         })
         .collect();
-    let guards: Vec<RwLockReadGuard<'_, Storage>> = cells.iter().map(|c| c.read()).collect();
+    let guards: Vec<RwLockReadGuard<'_, Storage>> = cells.iter().map(|c| c.read()).collect::<Result<_>>()?;
     let views: Vec<Sl> = ts.iter().zip(&idx).map(|(t, &i)| (&*guards[i], t.layout())).collect();
     f(&views)
 }

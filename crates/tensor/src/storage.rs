@@ -107,11 +107,32 @@ pub fn reset_peak_bytes() {
     PEAK_BYTES.store(live_bytes(), Ordering::Relaxed);
 }
 
+/// Fills a pending storage in place once the work that produces it (a collective in flight)
+/// completes. It runs at most once, on the first read of the storage.
+pub type Fill = Box<dyn FnOnce(&mut Storage) -> crate::Result<()> + Send>;
+
+enum Pending {
+    Fill(Fill),
+    /// The fill failed: every later read reports the same error.
+    Failed(crate::Error),
+}
+
 /// Storage plus its byte accounting; shared (without copying) by every view of it.
-#[derive(Debug)]
+///
+/// A cell may be *pending*: its bytes are being produced elsewhere (a collective on a
+/// communication thread or stream). The first read waits for them, so a value is waited on
+/// exactly where it is first used, and code that only passes the tensor along never waits.
 pub struct StorageCell {
     pub(crate) inner: std::sync::RwLock<Storage>,
+    pending: std::sync::Mutex<Option<Pending>>,
+    has_pending: std::sync::atomic::AtomicBool,
     bytes: usize,
+}
+
+impl fmt::Debug for StorageCell {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "StorageCell({} bytes{})", self.bytes, if self.is_pending() { ", pending" } else { "" })
+    }
 }
 
 impl StorageCell {
@@ -119,13 +140,78 @@ impl StorageCell {
         let bytes = s.len() * s.dtype().size_in_bytes();
         let now = LIVE_BYTES.fetch_add(bytes, Ordering::Relaxed) + bytes;
         PEAK_BYTES.fetch_max(now, Ordering::Relaxed);
-        StorageCell { inner: std::sync::RwLock::new(s), bytes }
+        StorageCell {
+            inner: std::sync::RwLock::new(s),
+            pending: std::sync::Mutex::new(None),
+            has_pending: std::sync::atomic::AtomicBool::new(false),
+            bytes,
+        }
     }
-    pub fn read(&self) -> std::sync::RwLockReadGuard<'_, Storage> {
-        self.inner.read().unwrap_or_else(|e| e.into_inner())
+
+    /// A cell over `s` (already sized for the result) that `fill` completes on first read.
+    pub fn pending(s: Storage, fill: Fill) -> Self {
+        let c = Self::new(s);
+        *c.pending.lock().unwrap_or_else(|e| e.into_inner()) = Some(Pending::Fill(fill));
+        c.has_pending.store(true, Ordering::Release);
+        c
     }
-    pub fn write(&self) -> std::sync::RwLockWriteGuard<'_, Storage> {
-        self.inner.write().unwrap_or_else(|e| e.into_inner())
+
+    /// True while the bytes are still being produced (or their production failed).
+    pub fn is_pending(&self) -> bool {
+        self.has_pending.load(Ordering::Acquire)
+    }
+
+    /// Waits for a pending fill (no-op when there is none).
+    pub fn resolve(&self) -> crate::Result<()> {
+        if !self.is_pending() {
+            return Ok(());
+        }
+        let mut p = self.pending.lock().unwrap_or_else(|e| e.into_inner());
+        match p.take() {
+            None => Ok(()),
+            Some(Pending::Failed(e)) => {
+                *p = Some(Pending::Failed(e.clone()));
+                Err(e)
+            }
+            Some(Pending::Fill(fill)) => {
+                let mut s = self.inner.write().unwrap_or_else(|e| e.into_inner());
+                let (len, dtype) = (s.len(), s.dtype());
+                let res = fill(&mut s).and_then(|()| {
+                    if s.len() != len || s.dtype() != dtype {
+                        return Err(crate::Error::new(
+                            "pending",
+                            format!("fill produced {} {} elements where {len} {dtype} were promised", s.len(), s.dtype()),
+                        ));
+                    }
+                    Ok(())
+                });
+                match res {
+                    Ok(()) => {
+                        self.has_pending.store(false, Ordering::Release);
+                        Ok(())
+                    }
+                    Err(e) => {
+                        *p = Some(Pending::Failed(e.clone()));
+                        Err(e)
+                    }
+                }
+            }
+        }
+    }
+
+    /// Read access, after waiting for a pending fill.
+    pub fn read(&self) -> crate::Result<std::sync::RwLockReadGuard<'_, Storage>> {
+        self.resolve()?;
+        Ok(self.inner.read().unwrap_or_else(|e| e.into_inner()))
+    }
+    /// Write access, after waiting for a pending fill.
+    pub fn write(&self) -> crate::Result<std::sync::RwLockWriteGuard<'_, Storage>> {
+        self.resolve()?;
+        Ok(self.inner.write().unwrap_or_else(|e| e.into_inner()))
+    }
+    /// Bytes this cell accounts for (known without waiting).
+    pub fn bytes(&self) -> usize {
+        self.bytes
     }
 }
 

@@ -92,6 +92,47 @@ impl Tensor {
         }))
     }
 
+    /// A tensor whose bytes are still being produced (by a collective in flight): `storage`
+    /// is the already-allocated result buffer, `fill` completes it. Nothing waits until the
+    /// first read of the storage (an op using the value, a host copy), which runs `fill` once.
+    pub fn pending(storage: Storage, shape: impl Into<Shape>, fill: crate::storage::Fill) -> Result<Tensor> {
+        let shape = shape.into();
+        if storage.len() != shape.numel() {
+            bail!("pending", "{} elements do not fill shape {:?}", storage.len(), shape);
+        }
+        let (dtype, device) = (storage.dtype(), storage.device());
+        Ok(Tensor(Arc::new(TensorInner {
+            id: NEXT_ID.fetch_add(1, Ordering::Relaxed),
+            storage: Arc::new(StorageCell::pending(storage, fill)),
+            layout: Layout::contiguous(shape),
+            dtype,
+            device,
+            leaf_requires_grad: AtomicBool::new(false),
+            grad_fn: None,
+            grad: Mutex::new(None),
+            hooks: Mutex::new(Vec::new()),
+        })))
+    }
+
+    /// True while this tensor's storage is still being produced (see `pending`).
+    pub fn is_pending(&self) -> bool {
+        self.0.storage.is_pending()
+    }
+
+    /// Waits until a pending value is complete (a no-op otherwise). Reading does this anyway;
+    /// call it to surface a collective's error or to bound where the wait happens.
+    pub fn wait(&self) -> Result<()> {
+        self.0.storage.resolve()
+    }
+
+    /// Wraps `out` as the result of a custom differentiable op over `inputs` (for ops defined
+    /// outside this crate, such as collectives): `backward` maps the output gradient to one
+    /// optional gradient per input. Nothing is recorded under `no_grad` or when no input
+    /// requires grad. The gradients it returns may themselves be pending.
+    pub fn from_op(out: Tensor, name: &'static str, inputs: &[&Tensor], backward: crate::autograd::BackwardFn) -> Tensor {
+        Tensor::record(out, name, inputs, backward)
+    }
+
     pub fn from_vec<T: Element>(data: Vec<T>, shape: impl Into<Shape>, device: Device) -> Result<Tensor> {
         let shape = shape.into();
         if data.len() != shape.numel() {
@@ -175,14 +216,15 @@ impl Tensor {
         Arc::ptr_eq(&self.0.storage, &other.0.storage)
     }
     pub fn storage_bytes(&self) -> usize {
-        self.0.storage.read().len() * self.dtype().size_in_bytes()
+        self.0.storage.bytes()
     }
     pub(crate) fn backend(&self, op: &str) -> Result<Arc<dyn Backend>> {
         backend::get(op, self.device())
     }
     /// Runs `f` with this tensor's storage and layout (read lock held).
-    pub fn with_storage<R>(&self, f: impl FnOnce(Sl) -> R) -> R {
-        let g = self.0.storage.read();
+    /// Waits first if the storage is pending (a collective still producing it).
+    pub fn with_storage<R>(&self, f: impl FnOnce(Sl) -> Result<R>) -> Result<R> {
+        let g = self.0.storage.read()?;
         f((&g, &self.0.layout))
     }
 
@@ -286,9 +328,9 @@ impl Tensor {
         if Arc::ptr_eq(&src.0.storage, &self.0.storage) {
             let copy = src.with_storage(|x| b.copy_strided(x))?;
             let l = Layout::contiguous(src.shape().clone());
-            return b.assign(&mut self.0.storage.write(), &self.0.layout, (&copy, &l));
+            return b.assign(&mut *self.0.storage.write()?, &self.0.layout, (&copy, &l));
         }
-        let sg = src.0.storage.read();
-        b.assign(&mut self.0.storage.write(), &self.0.layout, (&sg, &src.0.layout))
+        let sg = src.0.storage.read()?;
+        b.assign(&mut *self.0.storage.write()?, &self.0.layout, (&sg, &src.0.layout))
     }
 }

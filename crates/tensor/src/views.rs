@@ -192,7 +192,7 @@ impl Tensor {
         }
         let b = first.backend("cat")?;
         let cs: Vec<Tensor> = ts.iter().map(|t| t.contiguous()).collect::<Result<_>>()?;
-        let guards: Vec<_> = cs.iter().map(|t| t.0.storage.read()).collect();
+        let guards: Vec<_> = cs.iter().map(|t| t.0.storage.read()).collect::<Result<_>>()?;
         let parts: Vec<_> = guards.iter().zip(&cs).map(|(g, t)| (&**g, t.layout())).collect();
         let st = b.cat(&parts, dim)?;
         drop(guards);

@@ -1,0 +1,130 @@
+//! Pending values (a collective's result still in flight): waited on at first use, errors
+//! surface at that use, and backward does not force the wait while other work is ready.
+use ferrolm_tensor::{CpuStorage, DType, Device, Storage, Tensor};
+use std::sync::{Arc, Mutex};
+
+type Log = Arc<Mutex<Vec<&'static str>>>;
+
+/// A pending copy of `x` whose fill logs "wait" when it runs.
+fn pending_copy(x: &Tensor, log: &Log) -> Tensor {
+    let data = x.to_cpu_storage().unwrap();
+    let log = log.clone();
+    let empty = Storage::Cpu(CpuStorage::zeros(x.numel(), x.dtype()));
+    Tensor::pending(
+        empty,
+        x.shape().clone(),
+        Box::new(move |s| {
+            log.lock().unwrap().push("wait");
+            *s = Storage::Cpu(data);
+            Ok(())
+        }),
+    )
+    .unwrap()
+}
+
+#[test]
+fn pending_value_waits_on_first_read_only() {
+    let log: Log = Arc::default();
+    let x = Tensor::from_vec(vec![1.0f32, 2.0, 3.0], [3], Device::Cpu).unwrap();
+    let p = pending_copy(&x, &log);
+    assert!(p.is_pending());
+    // Views and shape queries do not wait.
+    let v = p.reshape([3, 1]).unwrap();
+    assert_eq!(v.dims(), [3, 1]);
+    assert!(log.lock().unwrap().is_empty());
+    let y = v.add_scalar(1.0).unwrap();
+    assert_eq!(*log.lock().unwrap(), ["wait"]);
+    assert!(!p.is_pending());
+    assert_eq!(y.to_vec::<f32>().unwrap(), [2.0, 3.0, 4.0]);
+    assert_eq!(p.to_vec::<f32>().unwrap(), [1.0, 2.0, 3.0]);
+    assert_eq!(log.lock().unwrap().len(), 1, "the fill runs once");
+}
+
+#[test]
+fn failed_fill_is_an_error_at_every_use() {
+    let empty = Storage::Cpu(CpuStorage::zeros(2, DType::F32));
+    let p =
+        Tensor::pending(empty, [2], Box::new(|_| Err(ferrolm_tensor::Error::new("all_reduce", "rank 1 timed out after 600 s")))).unwrap();
+    for _ in 0..2 {
+        let e = p.add_scalar(1.0).unwrap_err().to_string();
+        assert!(e.contains("rank 1 timed out"), "{e}");
+    }
+    assert!(p.wait().is_err());
+}
+
+#[test]
+fn fill_of_the_wrong_size_is_an_error() {
+    let empty = Storage::Cpu(CpuStorage::zeros(2, DType::F32));
+    let p = Tensor::pending(
+        empty,
+        [2],
+        Box::new(|s| {
+            *s = Storage::Cpu(CpuStorage::zeros(3, DType::F32));
+            Ok(())
+        }),
+    )
+    .unwrap();
+    let e = p.wait().unwrap_err().to_string();
+    assert!(e.contains("promised"), "{e}");
+}
+
+/// y = comm(x1 * 2) + exp(x2 * 3), where comm's backward returns a pending gradient. The
+/// exp branch is older, so plain newest-first order would wait on the pending gradient
+/// first; the engine runs the exp branch's backward while the gradient is in flight.
+#[test]
+fn backward_defers_pending_gradients_while_other_work_is_ready() {
+    let log: Log = Arc::default();
+    let x1 = Tensor::from_vec(vec![0.5f64, -1.0], [2], Device::Cpu).unwrap();
+    let x2 = Tensor::from_vec(vec![0.25f64, 2.0], [2], Device::Cpu).unwrap();
+    x1.set_requires_grad(true).unwrap();
+    x2.set_requires_grad(true).unwrap();
+
+    let u2 = x2.mul_scalar(3.0).unwrap();
+    let l2 = log.clone();
+    let v2 = Tensor::from_op(
+        u2.exp().unwrap(),
+        "logged_identity",
+        &[&u2.exp().unwrap()],
+        Box::new(move |g| {
+            l2.lock().unwrap().push("other branch");
+            Ok(vec![Some(g.clone())])
+        }),
+    );
+    let u1 = x1.mul_scalar(2.0).unwrap();
+    let l1 = log.clone();
+    let v1 = Tensor::from_op(u1.detach(), "comm", &[&u1], Box::new(move |g| Ok(vec![Some(pending_copy(g, &l1))])));
+    let y = v1.add(&v2).unwrap().sum_all().unwrap();
+    y.backward().unwrap();
+    assert_eq!(*log.lock().unwrap(), ["other branch", "wait"], "the pending gradient was waited on before other ready work");
+    assert_eq!(x1.grad().unwrap().to_vec::<f64>().unwrap(), [2.0, 2.0]);
+    let want: Vec<f64> = [0.25f64, 2.0].iter().map(|v| 3.0 * (3.0 * v).exp()).collect();
+    let got = x2.grad().unwrap().to_vec::<f64>().unwrap();
+    for (a, b) in got.iter().zip(&want) {
+        assert!((a - b).abs() < 1e-12 * b.abs(), "{got:?} vs {want:?}");
+    }
+}
+
+/// Several contributions to one gradient are summed in arrival order, pending or not: the
+/// result equals the eager sum bit for bit.
+#[test]
+fn pending_contributions_sum_like_eager_ones() {
+    let run = |pend: bool| {
+        let log: Log = Arc::default();
+        let x = Tensor::from_vec(vec![0.1f32, 0.7, -0.3], [3], Device::Cpu).unwrap();
+        x.set_requires_grad(true).unwrap();
+        let branch = |k: f64| {
+            let u = x.mul_scalar(k).unwrap();
+            let l = log.clone();
+            Tensor::from_op(
+                u.detach(),
+                "comm",
+                &[&u],
+                Box::new(move |g| Ok(vec![Some(if pend { pending_copy(g, &l) } else { g.clone() })])),
+            )
+        };
+        let y = branch(0.3).add(&branch(1.7)).unwrap().mul(&branch(-2.9)).unwrap().sum_all().unwrap();
+        y.backward().unwrap();
+        x.grad().unwrap().to_vec::<f32>().unwrap()
+    };
+    assert_eq!(run(true), run(false));
+}
