@@ -43,6 +43,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
             bos_token_id: Some(1),
             eos_token_id: vec![2, 3],
             initializer_range: 0.1,
+            ladder_layers: None,
         }
     };
     let mut rng = Rng::new(1234);

@@ -16,6 +16,82 @@ pub enum RopeScaling {
     Llama3 { factor: f64, low_freq_factor: f64, high_freq_factor: f64, original_max_position_embeddings: usize },
 }
 
+/// Which blocks are Ladder blocks (Ladder Residual, arXiv 2501.06589), as the paper's released
+/// `LlamaLadderConfig` spells it: an int N (the last N layers) or a list of layer indices.
+/// Kept in the form it was given, so a checkpoint is written back unchanged.
+#[derive(Clone, Debug, PartialEq)]
+pub enum LadderLayers {
+    /// The last N layers.
+    Last(usize),
+    /// These layer indices.
+    List(Vec<usize>),
+}
+
+impl LadderLayers {
+    /// Per-layer flags for a model of `layers` blocks (already validated).
+    pub fn mask(&self, layers: usize) -> Vec<bool> {
+        match self {
+            LadderLayers::Last(n) => (0..layers).map(|i| i + n.min(&layers) >= layers).collect(),
+            LadderLayers::List(v) => (0..layers).map(|i| v.contains(&i)).collect(),
+        }
+    }
+
+    /// The `--ladder-layers` flag: `all`, an int N (the last N layers), or a comma-separated
+    /// list of layer indices (`0,2,5`; a single index is written `3,`).
+    pub fn parse_flag(s: &str, layers: usize) -> Result<Self> {
+        let bad = |m: String| Error::new("--ladder-layers", m);
+        let s = s.trim();
+        let v = if s == "all" {
+            LadderLayers::Last(layers)
+        } else if s.contains(',') {
+            let idx = s
+                .split(',')
+                .filter(|p| !p.trim().is_empty())
+                .map(|p| p.trim().parse::<usize>().map_err(|_| bad(format!("{p:?} is not a layer index (expected all, N or i,j,k)"))))
+                .collect::<Result<Vec<_>>>()?;
+            LadderLayers::List(idx)
+        } else {
+            LadderLayers::Last(s.parse().map_err(|_| bad(format!("{s:?} is not all, a layer count N or a list i,j,k")))?)
+        };
+        v.check(layers).map_err(|m| bad(m))?;
+        Ok(v)
+    }
+
+    fn check(&self, layers: usize) -> std::result::Result<(), String> {
+        match self {
+            LadderLayers::Last(n) if *n > layers => Err(format!("{n} Ladder layers requested but the model has {layers} layers")),
+            LadderLayers::List(v) => {
+                if let Some(i) = v.iter().find(|&&i| i >= layers) {
+                    return Err(format!("layer index {i} is out of range (the model has layers 0..{layers})"));
+                }
+                let mut sorted = v.clone();
+                sorted.sort_unstable();
+                if let Some(w) = sorted.windows(2).find(|w| w[0] == w[1]) {
+                    return Err(format!("layer index {} is listed twice", w[0]));
+                }
+                Ok(())
+            }
+            _ => Ok(()),
+        }
+    }
+
+    fn to_json(&self) -> Value {
+        match self {
+            LadderLayers::Last(n) => json!(n),
+            LadderLayers::List(v) => json!(v),
+        }
+    }
+}
+
+impl std::fmt::Display for LadderLayers {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            LadderLayers::Last(n) => write!(f, "the last {n}"),
+            LadderLayers::List(v) => write!(f, "{v:?}"),
+        }
+    }
+}
+
 #[derive(Clone, Debug, PartialEq)]
 pub struct LlamaConfig {
     pub vocab_size: usize,
@@ -35,6 +111,9 @@ pub struct LlamaConfig {
     pub eos_token_id: Vec<u32>,
     /// Std of the normal init (`initializer_range`, 0.02 by default).
     pub initializer_range: f64,
+    /// `None`: a plain Llama (`model_type: "llama"`). `Some`: a `llamaLadder` checkpoint, even
+    /// with no Ladder layer (`ladder_layers: 0` computes exactly the plain model).
+    pub ladder_layers: Option<LadderLayers>,
 }
 
 fn err(source: &str, field: &str, msg: impl std::fmt::Display) -> Error {
@@ -160,11 +239,11 @@ impl LlamaConfig {
         let f = Fields { obj, src };
 
         // Fields that would change the maths: accept only what this implementation computes.
-        if let Some(mt) = f.str_opt("model_type")? {
-            if mt != "llama" {
-                return Err(err(src, "model_type", format!("{mt:?} is not supported (only \"llama\")")));
-            }
-        }
+        let ladder_type = match f.str_opt("model_type")? {
+            None | Some("llama") => false,
+            Some("llamaLadder") => true,
+            Some(mt) => return Err(err(src, "model_type", format!("{mt:?} is not supported (only \"llama\" and \"llamaLadder\")"))),
+        };
         for k in ["hidden_act", "hidden_activation"] {
             if let Some(act) = f.str_opt(k)? {
                 if act != "silu" {
@@ -237,6 +316,7 @@ impl LlamaConfig {
             bos_token_id: bos.first().copied(),
             eos_token_id: f.token_ids("eos_token_id")?,
             initializer_range: f.f64_opt("initializer_range")?.unwrap_or(0.02),
+            ladder_layers: parse_ladder_layers(&f, ladder_type)?,
         };
         cfg.validate_in(src)?;
         Ok(cfg)
@@ -290,6 +370,9 @@ impl LlamaConfig {
         if !(self.initializer_range.is_finite() && self.initializer_range >= 0.0) {
             return Err(err(src, "initializer_range", format!("must be >= 0, got {}", self.initializer_range)));
         }
+        if let Some(l) = &self.ladder_layers {
+            l.check(self.num_hidden_layers).map_err(|m| err(src, "ladder_layers", m))?;
+        }
         if vocab_exceeds_ids(self.vocab_size) {
             return Err(err(src, "vocab_size", format!("{} does not fit i32 token ids", self.vocab_size)));
         }
@@ -320,7 +403,7 @@ impl LlamaConfig {
             [one] => json!(one),
             many => json!(many),
         };
-        json!({
+        let mut v = json!({
             "architectures": ["LlamaForCausalLM"],
             "attention_bias": false,
             "attention_dropout": 0.0,
@@ -347,7 +430,22 @@ impl LlamaConfig {
             "torch_dtype": dtype,
             "use_cache": true,
             "vocab_size": self.vocab_size,
-        })
+        });
+        if let (Some(l), Value::Object(o)) = (&self.ladder_layers, &mut v) {
+            // The paper's released format: a Llama config plus these keys (auto_map points at
+            // its HF modeling code, which a user may drop beside the weights).
+            o.insert("model_type".into(), json!("llamaLadder"));
+            o.insert("architectures".into(), json!(["LlamaLadderForCausalLM"]));
+            o.insert(
+                "auto_map".into(),
+                json!({
+                    "AutoConfig": "configuration_llama_ladder.LlamaLadderConfig",
+                    "AutoModelForCausalLM": "modeling_llama_ladder.LlamaLadderForCausalLM"
+                }),
+            );
+            o.insert("ladder_layers".into(), l.to_json());
+        }
+        v
     }
 
     /// Pretty JSON for `config.json` with f32 weights.
@@ -377,6 +475,7 @@ impl LlamaConfig {
             bos_token_id: None,
             eos_token_id: vec![],
             initializer_range: 0.02,
+            ladder_layers: None,
         };
         let cfg = match name {
             // A few minutes of pretraining on a 2-core CPU (~0.5M non-embedding parameters).
@@ -415,6 +514,26 @@ impl LlamaConfig {
     pub fn gqa_group(&self) -> usize {
         self.num_attention_heads / self.num_key_value_heads
     }
+}
+
+/// `ladder_layers`: an int, a list of ints, or null/absent (no Ladder layer). Only a
+/// `llamaLadder` config may carry it.
+fn parse_ladder_layers(f: &Fields, ladder_type: bool) -> Result<Option<LadderLayers>> {
+    let v = f.get("ladder_layers");
+    if !ladder_type {
+        return match v {
+            None => Ok(None),
+            Some(_) => Err(err(f.src, "ladder_layers", "is only valid with \"model_type\": \"llamaLadder\"")),
+        };
+    }
+    let bad = |v: &Value| err(f.src, "ladder_layers", format!("expected a non-negative layer count or a list of layer indices, got {v}"));
+    Ok(Some(match v {
+        None => LadderLayers::List(vec![]),
+        Some(Value::Array(a)) => {
+            LadderLayers::List(a.iter().map(|x| x.as_u64().map(|n| n as usize).ok_or_else(|| bad(x))).collect::<Result<_>>()?)
+        }
+        Some(n) => LadderLayers::Last(n.as_u64().ok_or_else(|| bad(n))? as usize),
+    }))
 }
 
 /// Finite and > 0 (false for NaN).

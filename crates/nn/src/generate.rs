@@ -41,8 +41,8 @@ impl KvCache {
         }
         Ok(())
     }
-    pub(crate) fn layers_mut(&mut self) -> impl Iterator<Item = &mut Option<(Tensor, Tensor)>> {
-        self.layers.iter_mut()
+    pub(crate) fn layer(&mut self, i: usize) -> &mut Option<(Tensor, Tensor)> {
+        &mut self.layers[i]
     }
     pub(crate) fn advance(&mut self, t: usize) {
         self.len += t;

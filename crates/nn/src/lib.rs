@@ -1,12 +1,16 @@
 //! ferrolm-nn: LLaMA on the ferrolm engine, Hugging Face compatible configs and safetensors
-//! checkpoints, KV-cache generation, AdamW and learning-rate schedules.
+//! checkpoints, KV-cache generation, AdamW and learning-rate schedules. The same model file
+//! runs the Ladder Transformer (Ladder Residual) as a residual schedule over the Llama blocks.
 pub mod checkpoint;
 pub mod config;
 pub mod generate;
 pub mod llama;
+pub mod module;
 pub mod optim;
+pub mod remat;
+mod rope;
 pub mod schedule;
 
-pub use config::{LlamaConfig, RopeScaling};
+pub use config::{LadderLayers, LlamaConfig, RopeScaling};
 pub use generate::{generate, KvCache};
 pub use llama::{shift_labels, Llama};

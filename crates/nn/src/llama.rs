@@ -1,67 +1,65 @@
-//! LLaMA (Touvron et al. 2023) exactly as transformers' `LlamaForCausalLM` computes it:
-//! token embedding, N pre-norm blocks of (RMSNorm -> GQA attention with RoPE -> residual,
-//! RMSNorm -> SwiGLU MLP -> residual), a final RMSNorm and the LM head (tied or not).
+//! LLaMA (Touvron et al. 2023) exactly as transformers' `LlamaForCausalLM` computes it, and the
+//! Ladder Transformer (Ladder Residual, arXiv 2501.06589) as a residual schedule over the same
+//! blocks: token embedding, N pre-norm blocks of an attention branch (RMSNorm -> GQA attention
+//! with RoPE) and an MLP branch (RMSNorm -> SwiGLU), a final RMSNorm and the LM head (tied or
+//! not).
+//!
 //! Weights use transformers' names and layout ([out, in]: y = x W^T), so checkpoints move both
 //! ways. Shapes: B batch, T time, C hidden, H query heads, KV key/value heads, D head_dim,
-//! I intermediate, V vocab. Parallelism is attached from outside; this file never sees it.
+//! I intermediate, V vocab. Head counts come from the weights' shapes, so a tensor-parallel
+//! plan that shards them needs no special case here. Parallelism and activation checkpointing
+//! attach from outside (`module.rs`); this file never sees them.
 use crate::checkpoint::{self, TensorMap};
-use crate::config::{LlamaConfig, RopeScaling};
+use crate::config::{LadderLayers, LlamaConfig};
 use crate::generate::KvCache;
-use ferrolm_tensor::{DType, Device, Error, Result, Rng, Tensor};
+use crate::module::{BranchFn, BranchHook, Embedding, HeadOp, Linear, ParamInfo, ParamKind, ParamVisitor};
+use crate::rope::Rope;
+use ferrolm_tensor::{no_grad, DType, Device, Error, Result, Rng, Tensor};
 use std::path::Path;
+use std::sync::Arc;
 
-/// Per-block hyper-parameters (Copy, so checkpoint closures capture them cheaply).
-#[derive(Clone, Copy, Debug)]
-struct Dims {
-    n_head: usize,
-    n_kv_head: usize,
+/// The attention branch: RMSNorm, then causal GQA attention with RoPE.
+#[derive(Clone)]
+pub struct Attention {
+    pub input_layernorm: Tensor, // (C)
+    pub q_proj: Linear,          // (H*D, C)
+    pub k_proj: Linear,          // (KV*D, C)
+    pub v_proj: Linear,          // (KV*D, C)
+    pub o_proj: Linear,          // (C, H*D)
     head_dim: usize,
     eps: f64,
 }
 
-/// One transformer block's parameters (each a shared handle: clones are cheap).
+/// The MLP branch: RMSNorm, then SwiGLU.
 #[derive(Clone)]
-struct Block {
-    input_layernorm: Tensor,          // (C)
-    q_proj: Tensor,                   // (H*D, C)
-    k_proj: Tensor,                   // (KV*D, C)
-    v_proj: Tensor,                   // (KV*D, C)
-    o_proj: Tensor,                   // (C, H*D)
-    post_attention_layernorm: Tensor, // (C)
-    gate_proj: Tensor,                // (I, C)
-    up_proj: Tensor,                  // (I, C)
-    down_proj: Tensor,                // (C, I)
-    dims: Dims,
+pub struct Mlp {
+    pub post_attention_layernorm: Tensor, // (C)
+    pub gate_proj: Linear,                // (I, C)
+    pub up_proj: Linear,                  // (I, C)
+    pub down_proj: Linear,                // (C, I)
+    eps: f64,
 }
 
-pub struct Llama {
-    cfg: LlamaConfig,
-    embed_tokens: Tensor, // (V, C)
-    blocks: Vec<Block>,
-    norm: Tensor,            // (C)
-    lm_head: Option<Tensor>, // (V, C); None when tied to embed_tokens
-    rope_cos: Tensor,        // (max_position_embeddings, D)
-    rope_sin: Tensor,        // (max_position_embeddings, D)
-    checkpointing: bool,
-    dtype: DType,
-    device: Device,
+#[derive(Clone)]
+pub struct Block {
+    pub self_attn: Attention,
+    pub mlp: Mlp,
+    /// A Ladder block: each branch reads the stream without the previous branch's output.
+    pub ladder: bool,
 }
 
-/// y = x W^T over the last dim of x (..., in) with W (out, in).
-fn linear(x: &Tensor, w: &Tensor) -> Result<Tensor> {
-    let d = x.dims();
-    let (lead, cin) = (&d[..d.len() - 1], d[d.len() - 1]);
-    let n: usize = lead.iter().product();
-    let y = x.reshape([n, cin].to_vec())?.matmul(&w.t()?)?; // (N, out)
-    let mut out = lead.to_vec();
-    out.push(w.dim(0));
-    y.reshape(out)
+/// Rotary tables for the positions of one call.
+#[derive(Clone)]
+struct Positions {
+    cos: Tensor, // (T, D)
+    sin: Tensor, // (T, D)
+    past: usize,
 }
 
 /// (B, T, heads*D) -> (B, heads, T, D)
-fn split_heads(x: &Tensor, heads: usize, d: usize) -> Result<Tensor> {
-    let (b, t) = (x.dim(0), x.dim(1));
-    x.reshape(vec![b, t, heads, d])?.permute(&[0, 2, 1, 3])
+fn split_heads(x: &Tensor, d: usize) -> Result<Tensor> {
+    let (b, t, hd) = (x.dim(0), x.dim(1), x.dim(2));
+    x.reshape(vec![b, t, hd / d, d])?.permute(&[0, 2, 1, 3])
 }
 
 /// (B, heads, T, D) -> (B, T, heads*D)
@@ -70,212 +68,339 @@ fn merge_heads(x: &Tensor) -> Result<Tensor> {
     x.permute(&[0, 2, 1, 3])?.reshape(vec![b, t, h * d])
 }
 
-impl Block {
-    /// q, k, v projections with rope applied: (B, H, T, D), (B, KV, T, D), (B, KV, T, D).
-    fn qkv(&self, x: &Tensor, cos: &Tensor, sin: &Tensor) -> Result<(Tensor, Tensor, Tensor)> {
-        let Dims { n_head, n_kv_head, head_dim, .. } = self.dims;
-        let q = split_heads(&linear(x, &self.q_proj)?, n_head, head_dim)?.rope(cos, sin)?;
-        let k = split_heads(&linear(x, &self.k_proj)?, n_kv_head, head_dim)?.rope(cos, sin)?;
-        let v = split_heads(&linear(x, &self.v_proj)?, n_kv_head, head_dim)?;
-        Ok((q, k, v))
-    }
-
-    fn attention(&self, x: &Tensor, cos: &Tensor, sin: &Tensor) -> Result<Tensor> {
-        let (q, k, v) = self.qkv(x, cos, sin)?;
-        let scale = 1.0 / (self.dims.head_dim as f64).sqrt();
-        let y = Tensor::causal_attention(&q, &k, &v, scale)?; // (B, H, T, D), GQA native
-        linear(&merge_heads(&y)?, &self.o_proj) // (B, T, C)
-    }
-
-    fn mlp(&self, x: &Tensor) -> Result<Tensor> {
-        let h = Tensor::swiglu(&linear(x, &self.gate_proj)?, &linear(x, &self.up_proj)?)?; // (B, T, I)
-        linear(&h, &self.down_proj) // (B, T, C)
-    }
-
-    fn forward(&self, x: &Tensor, cos: &Tensor, sin: &Tensor) -> Result<Tensor> {
-        let eps = self.dims.eps;
-        let x = x.add(&self.attention(&x.rms_norm(&self.input_layernorm, eps)?, cos, sin)?)?;
-        x.add(&self.mlp(&x.rms_norm(&self.post_attention_layernorm, eps)?)?)
-    }
-
-    /// Decoding step: attends over the cached keys/values plus the new ones (no autograd use).
-    fn forward_cached(&self, x: &Tensor, cos: &Tensor, sin: &Tensor, kv: &mut Option<(Tensor, Tensor)>, past: usize) -> Result<Tensor> {
-        let eps = self.dims.eps;
-        let (q, k, v) = self.qkv(&x.rms_norm(&self.input_layernorm, eps)?, cos, sin)?;
-        let (k, v) = match kv.take() {
-            Some((pk, pv)) => (Tensor::cat(&[pk, k], 2)?, Tensor::cat(&[pv, v], 2)?), // (B, KV, past+T, D)
-            None => (k, v),
+impl Attention {
+    /// Branch output (B, T, C) for the stream x (B, T, C). With a cache, attends over the
+    /// cached keys/values too and appends this call's.
+    fn forward(&self, x: &Tensor, pos: &Positions, cache: Option<&mut Option<(Tensor, Tensor)>>) -> Result<Tensor> {
+        let h = x.rms_norm(&self.input_layernorm, self.eps)?;
+        let d = self.head_dim;
+        let q = split_heads(&self.q_proj.forward(&h)?, d)?.rope(&pos.cos, &pos.sin)?; // (B, H, T, D)
+        let k = split_heads(&self.k_proj.forward(&h)?, d)?.rope(&pos.cos, &pos.sin)?; // (B, KV, T, D)
+        let v = split_heads(&self.v_proj.forward(&h)?, d)?; // (B, KV, T, D)
+        let scale = 1.0 / (d as f64).sqrt();
+        let y = match cache {
+            None => Tensor::causal_attention(&q, &k, &v, scale)?, // (B, H, T, D), GQA native
+            Some(kv) => {
+                let (k, v) = match kv.take() {
+                    Some((pk, pv)) => (Tensor::cat(&[pk, k], 2)?, Tensor::cat(&[pv, v], 2)?), // (B, KV, past+T, D)
+                    None => (k, v),
+                };
+                *kv = Some((k.clone(), v.clone()));
+                cached_attention(&q, &k, &v, pos.past, scale)?
+            }
         };
-        *kv = Some((k.clone(), v.clone()));
-        let y = cached_attention(&q, &k, &v, past)?;
-        let x = x.add(&linear(&merge_heads(&y)?, &self.o_proj)?)?;
-        x.add(&self.mlp(&x.rms_norm(&self.post_attention_layernorm, eps)?)?)
+        self.o_proj.forward(&merge_heads(&y)?) // (B, T, C)
+    }
+}
+
+impl Mlp {
+    fn forward(&self, x: &Tensor) -> Result<Tensor> {
+        let h = x.rms_norm(&self.post_attention_layernorm, self.eps)?;
+        let a = Tensor::swiglu(&self.gate_proj.forward(&h)?, &self.up_proj.forward(&h)?)?; // (B, T, I)
+        self.down_proj.forward(&a) // (B, T, C)
     }
 }
 
 /// Attention of T new queries at positions past..past+T over S = past+T keys, with GQA done by
 /// grouping query heads per key/value head (never copying K/V).
-fn cached_attention(q: &Tensor, k: &Tensor, v: &Tensor, past: usize) -> Result<Tensor> {
+fn cached_attention(q: &Tensor, k: &Tensor, v: &Tensor, past: usize, scale: f64) -> Result<Tensor> {
     let (b, h, t, d) = (q.dim(0), q.dim(1), q.dim(2), q.dim(3));
     let (kvh, s) = (k.dim(1), k.dim(2));
     let g = h / kvh;
     let q = q.contiguous()?.reshape(vec![b, kvh, g * t, d])?; // (B, KV, G*T, D)
-    let scores = q.matmul(&k.t()?)?.mul_scalar(1.0 / (d as f64).sqrt())?; // (B, KV, G*T, S)
+    let scores = q.matmul(&k.t()?)?.mul_scalar(scale)?; // (B, KV, G*T, S)
     let mask: Vec<f32> = (0..g * t).flat_map(|r| (0..s).map(move |j| if j <= past + r % t { 0.0 } else { -1e30 })).collect();
     let mask = Tensor::from_vec(mask, vec![g * t, s], Device::Cpu)?.to_dtype(q.dtype())?.to_device(q.device())?;
     let p = scores.add(&mask)?.softmax_last()?;
     p.matmul(v)?.reshape(vec![b, h, t, d]) // (B, H, T, D)
 }
 
-/// HF's inv_freq (rounded to f32 like HF's buffer), with llama3 wavelength smoothing.
-fn inv_freq(cfg: &LlamaConfig) -> Vec<f32> {
-    let d = cfg.head_dim;
-    (0..d / 2)
-        .map(|i| {
-            let f = 1.0 / cfg.rope_theta.powf((2 * i) as f64 / d as f64);
-            let f = match cfg.rope_scaling {
-                RopeScaling::Default => f,
-                RopeScaling::Llama3 { factor, low_freq_factor: lo, high_freq_factor: hi, original_max_position_embeddings: old } => {
-                    let old = old as f64;
-                    let wavelen = 2.0 * std::f64::consts::PI / f;
-                    if wavelen < old / hi {
-                        f // high frequency: kept
-                    } else if wavelen > old / lo {
-                        f / factor // low frequency: scaled
-                    } else {
-                        let smooth = (old / wavelen - lo) / (hi - lo);
-                        (1.0 - smooth) * f / factor + smooth * f
-                    }
-                }
-            };
-            f as f32
-        })
-        .collect()
-}
-
-/// cos, sin tables (positions, D) with emb = cat(freqs, freqs); the angle pos * inv_freq is
-/// rounded to f32 as HF's f32 matmul does, then cos/sin taken in f64.
-fn rope_tables(cfg: &LlamaConfig, dtype: DType, device: Device) -> Result<(Tensor, Tensor)> {
-    let (n, d) = (cfg.max_position_embeddings, cfg.head_dim);
-    let inv = inv_freq(cfg);
-    let (mut cos, mut sin) = (Vec::with_capacity(n * d), Vec::with_capacity(n * d));
-    for pos in 0..n {
-        for j in 0..d {
-            let angle = (pos as f32 * inv[j % (d / 2)]) as f64;
-            cos.push(angle.cos());
-            sin.push(angle.sin());
-        }
+/// x + a branch output that was held back, if there is one.
+fn add_late(x: Tensor, pending: Option<Tensor>) -> Result<Tensor> {
+    match pending {
+        Some(p) => x.add(&p),
+        None => Ok(x),
     }
-    let mk = |v: Vec<f64>| Tensor::from_vec(v, vec![n, d], Device::Cpu)?.to_dtype(dtype)?.to_device(device);
-    Ok((mk(cos)?, mk(sin)?))
 }
 
-fn load_err(file: &Path, msg: impl std::fmt::Display) -> Error {
-    Error::new("Llama::from_pretrained", format!("{}: {msg}", file.display()))
+pub struct Llama {
+    cfg: LlamaConfig,
+    pub embed_tokens: Embedding, // (V, C)
+    pub layers: Vec<Block>,
+    pub norm: Tensor, // (C)
+    /// (V, C); `None` when tied to `embed_tokens`.
+    pub lm_head: Option<Tensor>,
+    /// How the head computes logits and the loss (dense, or vocabulary-parallel).
+    pub head_op: Arc<dyn HeadOp>,
+    /// Runs each residual branch (activation checkpointing replaces it).
+    pub branch_hook: Option<Arc<dyn BranchHook>>,
+    rope: Arc<Rope>,
+    dtype: DType,
+    device: Device,
 }
 
 impl Llama {
-    /// Fresh model with transformers' init: every matrix N(0, initializer_range), norms 1.
-    pub fn new(cfg: LlamaConfig, dtype: DType, device: Device, rng: &mut Rng) -> Result<Self> {
-        cfg.validate()?;
-        let std = cfg.initializer_range;
-        let mut tensors = TensorMap::new();
-        for (name, shape) in Self::expected_shapes(&cfg) {
-            let t = if name.ends_with("norm.weight") {
-                Tensor::ones(shape, dtype, device)?
+    // ---- forward: the residual schedule ---------------------------------------------------
+
+    /// The final hidden states (B, T, C), before the final norm.
+    ///
+    /// Every branch output is added to the residual stream exactly once; `pending` holds one
+    /// that is added late. A standard block adds the previous MLP output before it reads the
+    /// stream. A Ladder block does not: its attention reads the stream without the previous
+    /// MLP's output, which is added only after the attention has been launched, and its MLP
+    /// reads the stream without this block's attention output, which is added after the MLP
+    /// has been launched. A branch output may be a value still in flight (a tensor-parallel
+    /// all-reduce); adding it late is what lets the communication overlap the next branch.
+    /// This is exactly the recurrence of the paper's released `LlamaLadderModel`, including
+    /// mixed layers and a Ladder layer at position 0.
+    fn hidden(&self, ids: &Tensor, pos: &Positions, mut cache: Option<&mut KvCache>) -> Result<Tensor> {
+        let mut x = self.embed_tokens.forward(ids)?; // (B, T, C)
+        let mut pending: Option<Tensor> = None; // a branch output not yet added to x
+        for (i, blk) in self.layers.iter().enumerate() {
+            let kv = cache.as_deref_mut().map(|c| c.layer(i));
+            if blk.ladder {
+                let a = self.attention(i, blk, &x, pos, kv)?; // reads x without the last MLP output
+                x = add_late(x, pending.take())?;
+                let m = self.mlp(i, blk, &x)?; // reads x without this attention output
+                x = x.add(&a)?;
+                pending = Some(m);
             } else {
-                Tensor::randn(shape, std, dtype, device, rng)?
-            };
-            tensors.insert(name, t);
+                x = add_late(x, pending.take())?;
+                x = x.add(&self.attention(i, blk, &x, pos, kv)?)?;
+                pending = Some(self.mlp(i, blk, &x)?);
+            }
         }
-        Self::from_tensors(cfg, tensors, dtype, device)
+        add_late(x, pending)
     }
 
-    /// transformers' parameter names and shapes, in `named_parameters()` order.
-    fn expected_shapes(cfg: &LlamaConfig) -> Vec<(String, Vec<usize>)> {
-        let (c, i, v, d) = (cfg.hidden_size, cfg.intermediate_size, cfg.vocab_size, cfg.head_dim);
-        let (hd, kvd) = (cfg.num_attention_heads * d, cfg.num_key_value_heads * d);
-        let mut out = vec![("model.embed_tokens.weight".to_string(), vec![v, c])];
-        for l in 0..cfg.num_hidden_layers {
-            let p = format!("model.layers.{l}");
-            out.extend([
-                (format!("{p}.self_attn.q_proj.weight"), vec![hd, c]),
-                (format!("{p}.self_attn.k_proj.weight"), vec![kvd, c]),
-                (format!("{p}.self_attn.v_proj.weight"), vec![kvd, c]),
-                (format!("{p}.self_attn.o_proj.weight"), vec![c, hd]),
-                (format!("{p}.mlp.gate_proj.weight"), vec![i, c]),
-                (format!("{p}.mlp.up_proj.weight"), vec![i, c]),
-                (format!("{p}.mlp.down_proj.weight"), vec![c, i]),
-                (format!("{p}.input_layernorm.weight"), vec![c]),
-                (format!("{p}.post_attention_layernorm.weight"), vec![c]),
-            ]);
+    fn attention(&self, i: usize, blk: &Block, x: &Tensor, pos: &Positions, kv: Option<&mut Option<(Tensor, Tensor)>>) -> Result<Tensor> {
+        match (&self.branch_hook, kv) {
+            (Some(h), None) => {
+                let (a, pos) = (blk.self_attn.clone(), pos.clone());
+                h.call(i, Arc::new(move |x: &Tensor| a.forward(x, &pos, None)) as BranchFn, x)
+            }
+            (_, kv) => blk.self_attn.forward(x, pos, kv),
         }
-        out.push(("model.norm.weight".to_string(), vec![c]));
-        if !cfg.tie_word_embeddings {
-            out.push(("lm_head.weight".to_string(), vec![v, c]));
+    }
+
+    fn mlp(&self, i: usize, blk: &Block, x: &Tensor) -> Result<Tensor> {
+        match &self.branch_hook {
+            Some(h) => {
+                let m = blk.mlp.clone();
+                h.call(i, Arc::new(move |x: &Tensor| m.forward(x)) as BranchFn, x)
+            }
+            None => blk.mlp.forward(x),
         }
+    }
+
+    fn head_weight(&self) -> &Tensor {
+        self.lm_head.as_ref().unwrap_or(&self.embed_tokens.weight)
+    }
+
+    fn check_ids(&self, ids: &Tensor, past: usize) -> Result<Positions> {
+        if ids.dtype() != DType::I32 || ids.rank() != 2 {
+            return Err(Error::new("Llama::forward", format!("ids must be i32 (batch, seq), got {:?} {}", ids.shape(), ids.dtype())));
+        }
+        let t = ids.dim(1);
+        let max = self.cfg.max_position_embeddings;
+        if t == 0 || past + t > max {
+            return Err(Error::new(
+                "Llama::forward",
+                format!("sequence positions {past}..{} exceed max_position_embeddings {max} (or are empty)", past + t),
+            ));
+        }
+        let (cos, sin) = self.rope.tables(past, t)?;
+        Ok(Positions { cos, sin, past })
+    }
+
+    /// Logits (B, T, V) for i32 token ids (B, T).
+    pub fn forward(&self, ids: &Tensor) -> Result<Tensor> {
+        let pos = self.check_ids(ids, 0)?;
+        let x = self.hidden(ids, &pos, None)?.rms_norm(&self.norm, self.cfg.rms_norm_eps)?;
+        self.head_op.logits(&x, self.head_weight())
+    }
+
+    /// Mean cross-entropy (f32 scalar) of `forward(inputs)` against `targets` (B, T) i32, aligned
+    /// so that position t predicts targets[t]; -100 is ignored.
+    pub fn loss(&self, inputs: &Tensor, targets: &Tensor) -> Result<Tensor> {
+        if targets.dims() != inputs.dims() || targets.dtype() != DType::I32 {
+            return Err(Error::new(
+                "Llama::loss",
+                format!("targets must be i32 of the inputs' shape {:?}, got {:?} {}", inputs.shape(), targets.shape(), targets.dtype()),
+            ));
+        }
+        let pos = self.check_ids(inputs, 0)?;
+        let x = self.hidden(inputs, &pos, None)?.rms_norm(&self.norm, self.cfg.rms_norm_eps)?;
+        self.head_op.loss(&x, self.head_weight(), targets, -100)
+    }
+
+    /// Logits (B, T, V) for ids that continue the sequences held in `cache` (generation).
+    pub fn forward_with_cache(&self, ids: &Tensor, cache: &mut KvCache) -> Result<Tensor> {
+        let pos = self.check_ids(ids, cache.len())?;
+        cache.prepare(self.layers.len(), ids.dim(0))?;
+        let x = self.hidden(ids, &pos, Some(cache))?.rms_norm(&self.norm, self.cfg.rms_norm_eps)?;
+        cache.advance(ids.dim(1));
+        self.head_op.logits(&x, self.head_weight())
+    }
+
+    // ---- parameters: one visitor, in transformers' named_parameters() order ------------------
+
+    /// Calls `f` on every parameter with its fully qualified transformers name, the full
+    /// shape the config implies and its kind; `f` may replace the tensor.
+    pub fn visit_params_mut(&mut self, f: &mut ParamVisitor) -> Result<()> {
+        let c = &self.cfg;
+        let (h, v, i, d) = (c.hidden_size, c.vocab_size, c.intermediate_size, c.head_dim);
+        let (qd, kvd) = (c.num_attention_heads * d, c.num_key_value_heads * d);
+        let mut p = |name: &str, shape: &[usize], kind: ParamKind, t: &mut Tensor| f(&ParamInfo { name, shape, kind }, t);
+        use ParamKind::{Embedding as E, Matrix as M, Norm as N};
+        p("model.embed_tokens.weight", &[v, h], E, &mut self.embed_tokens.weight)?;
+        for (l, b) in self.layers.iter_mut().enumerate() {
+            let (a, m) = (&mut b.self_attn, &mut b.mlp);
+            p(&format!("model.layers.{l}.self_attn.q_proj.weight"), &[qd, h], M, &mut a.q_proj.weight)?;
+            p(&format!("model.layers.{l}.self_attn.k_proj.weight"), &[kvd, h], M, &mut a.k_proj.weight)?;
+            p(&format!("model.layers.{l}.self_attn.v_proj.weight"), &[kvd, h], M, &mut a.v_proj.weight)?;
+            p(&format!("model.layers.{l}.self_attn.o_proj.weight"), &[h, qd], M, &mut a.o_proj.weight)?;
+            p(&format!("model.layers.{l}.mlp.gate_proj.weight"), &[i, h], M, &mut m.gate_proj.weight)?;
+            p(&format!("model.layers.{l}.mlp.up_proj.weight"), &[i, h], M, &mut m.up_proj.weight)?;
+            p(&format!("model.layers.{l}.mlp.down_proj.weight"), &[h, i], M, &mut m.down_proj.weight)?;
+            p(&format!("model.layers.{l}.input_layernorm.weight"), &[h], N, &mut a.input_layernorm)?;
+            p(&format!("model.layers.{l}.post_attention_layernorm.weight"), &[h], N, &mut m.post_attention_layernorm)?;
+        }
+        p("model.norm.weight", &[h], N, &mut self.norm)?;
+        if let Some(w) = &mut self.lm_head {
+            p("lm_head.weight", &[v, h], E, w)?;
+        }
+        Ok(())
+    }
+
+    /// Every parameter with transformers' name (tied models have no `lm_head.weight`).
+    pub fn parameters(&self) -> Vec<(String, Tensor)> {
+        self.named_parameters().into_iter().map(|(n, t, _)| (n, t)).collect()
+    }
+
+    /// Every parameter with its name and kind (weight-decay groups come from the kind).
+    pub fn named_parameters(&self) -> Vec<(String, Tensor, ParamKind)> {
+        let mut out = Vec::new();
+        let mut m = self.shallow_clone();
+        m.visit_params_mut(&mut |p, t| {
+            out.push((p.name.to_string(), t.clone(), p.kind));
+            Ok(())
+        })
+        .expect("collecting never fails");
         out
     }
 
-    /// Builds the model from a complete, shape-checked name -> tensor map.
-    fn from_tensors(cfg: LlamaConfig, mut t: TensorMap, dtype: DType, device: Device) -> Result<Self> {
-        let mut take = |n: &str| -> Tensor {
-            let p = t.remove(n).expect("checked by the caller");
-            p.set_requires_grad(true).expect("float leaf");
-            p
-        };
-        let dims =
-            Dims { n_head: cfg.num_attention_heads, n_kv_head: cfg.num_key_value_heads, head_dim: cfg.head_dim, eps: cfg.rms_norm_eps };
-        let embed_tokens = take("model.embed_tokens.weight");
-        let blocks = (0..cfg.num_hidden_layers)
-            .map(|l| {
-                let p = format!("model.layers.{l}");
-                Block {
-                    input_layernorm: take(&format!("{p}.input_layernorm.weight")),
-                    q_proj: take(&format!("{p}.self_attn.q_proj.weight")),
-                    k_proj: take(&format!("{p}.self_attn.k_proj.weight")),
-                    v_proj: take(&format!("{p}.self_attn.v_proj.weight")),
-                    o_proj: take(&format!("{p}.self_attn.o_proj.weight")),
-                    post_attention_layernorm: take(&format!("{p}.post_attention_layernorm.weight")),
-                    gate_proj: take(&format!("{p}.mlp.gate_proj.weight")),
-                    up_proj: take(&format!("{p}.mlp.up_proj.weight")),
-                    down_proj: take(&format!("{p}.mlp.down_proj.weight")),
-                    dims,
-                }
-            })
-            .collect();
-        let norm = take("model.norm.weight");
-        let lm_head = (!cfg.tie_word_embeddings).then(|| take("lm_head.weight"));
-        let (rope_cos, rope_sin) = rope_tables(&cfg, dtype, device)?;
-        Ok(Llama { cfg, embed_tokens, blocks, norm, lm_head, rope_cos, rope_sin, checkpointing: false, dtype, device })
+    /// A second handle on the same parameters (tensors are shared, nothing is copied).
+    pub fn shallow_clone(&self) -> Llama {
+        Llama {
+            cfg: self.cfg.clone(),
+            embed_tokens: self.embed_tokens.clone(),
+            layers: self.layers.clone(),
+            norm: self.norm.clone(),
+            lm_head: self.lm_head.clone(),
+            head_op: self.head_op.clone(),
+            branch_hook: self.branch_hook.clone(),
+            rope: self.rope.clone(),
+            dtype: self.dtype,
+            device: self.device,
+        }
     }
 
-    /// Loads a transformers checkpoint directory: `config.json` plus `model.safetensors` (or a
-    /// sharded `model.safetensors.index.json`); f32/bf16/f16 weights are converted to `dtype`.
-    pub fn from_pretrained(dir: &Path, dtype: DType, device: Device) -> Result<Self> {
-        if !dtype.is_float() {
-            return Err(load_err(dir, format!("model dtype must be a float type, got {dtype}")));
-        }
-        let cfg = LlamaConfig::from_file(dir.join("config.json"))?;
-        let single = dir.join("model.safetensors");
-        let file = if single.is_file() { single } else { dir.join("model.safetensors.index.json") };
-        let mut tensors = checkpoint::load_model_dir(dir, dtype, device)?;
+    pub fn num_params(&self) -> usize {
+        self.parameters().iter().map(|(_, t)| t.numel()).sum()
+    }
+
+    // ---- construction and checkpoints ------------------------------------------------------
+
+    /// The model's structure for `cfg` with every parameter made by `make(info)`.
+    fn build(cfg: LlamaConfig, dtype: DType, device: Device, make: &mut dyn FnMut(&ParamInfo) -> Result<Tensor>) -> Result<Self> {
+        cfg.validate()?;
+        let none = || Tensor::zeros([0], dtype, device);
+        let lin = || -> Result<Linear> { Ok(Linear::new(none()?)) };
+        let ladder =
+            cfg.ladder_layers.as_ref().map(|l| l.mask(cfg.num_hidden_layers)).unwrap_or_else(|| vec![false; cfg.num_hidden_layers]);
+        let (eps, head_dim) = (cfg.rms_norm_eps, cfg.head_dim);
+        let layers = ladder
+            .iter()
+            .map(|&ladder| {
+                Ok(Block {
+                    self_attn: Attention {
+                        input_layernorm: none()?,
+                        q_proj: lin()?,
+                        k_proj: lin()?,
+                        v_proj: lin()?,
+                        o_proj: lin()?,
+                        head_dim,
+                        eps,
+                    },
+                    mlp: Mlp { post_attention_layernorm: none()?, gate_proj: lin()?, up_proj: lin()?, down_proj: lin()?, eps },
+                    ladder,
+                })
+            })
+            .collect::<Result<Vec<_>>>()?;
+        let mut m = Llama {
+            embed_tokens: Embedding::new(none()?),
+            layers,
+            norm: none()?,
+            lm_head: if cfg.tie_word_embeddings { None } else { Some(none()?) },
+            head_op: Arc::new(crate::module::Dense),
+            branch_hook: None,
+            rope: Arc::new(Rope::new(&cfg, dtype, device)),
+            cfg,
+            dtype,
+            device,
+        };
+        m.visit_params_mut(&mut |p, t| {
+            *t = make(p)?;
+            t.set_requires_grad(true)?;
+            Ok(())
+        })?;
+        Ok(m)
+    }
+
+    /// Fresh model with transformers' init: every matrix N(0, initializer_range), norms 1.
+    pub fn new(cfg: LlamaConfig, dtype: DType, device: Device, rng: &mut Rng) -> Result<Self> {
+        let std = cfg.initializer_range;
+        Self::build(cfg, dtype, device, &mut |p| match p.kind {
+            ParamKind::Norm => Tensor::ones(p.shape.to_vec(), dtype, device),
+            _ => Tensor::randn(p.shape.to_vec(), std, dtype, device, rng),
+        })
+    }
+
+    /// Builds the model from a name -> tensor map that must hold exactly its parameters with
+    /// the config's shapes (`file` names the source in errors).
+    pub fn from_tensors(cfg: LlamaConfig, mut tensors: TensorMap, dtype: DType, device: Device, file: &Path) -> Result<Self> {
+        let err = |msg: String| Error::new("Llama::from_pretrained", format!("{}: {msg}", file.display()));
         // Buffers some older exports include; they are recomputed, never learned.
         tensors.retain(|n, _| !n.ends_with("rotary_emb.inv_freq"));
         if cfg.tie_word_embeddings {
             tensors.remove("lm_head.weight"); // transformers ties it to the embedding too
         }
-        let expected = Self::expected_shapes(&cfg);
-        for (name, shape) in &expected {
-            let t = tensors.get(name).ok_or_else(|| load_err(&file, format!("missing tensor `{name}` (expected shape {shape:?})")))?;
-            if t.dims() != shape.as_slice() {
-                return Err(load_err(&file, format!("tensor `{name}` has shape {:?}, but config.json implies {shape:?}", t.dims())));
+        let m = Self::build(cfg, dtype, device, &mut |p| {
+            let t = tensors.remove(p.name).ok_or_else(|| err(format!("missing tensor `{}` (expected shape {:?})", p.name, p.shape)))?;
+            if t.dims() != p.shape {
+                return Err(err(format!("tensor `{}` has shape {:?}, but config.json implies {:?}", p.name, t.dims(), p.shape)));
             }
+            Ok(t)
+        })?;
+        if let Some(name) = tensors.keys().next() {
+            return Err(err(format!("unknown tensor `{name}` (not a LlamaForCausalLM parameter for this config)")));
         }
-        if let Some(name) = tensors.keys().find(|n| !expected.iter().any(|(e, _)| e == *n)) {
-            return Err(load_err(&file, format!("unknown tensor `{name}` (not a LlamaForCausalLM parameter for this config)")));
+        Ok(m)
+    }
+
+    /// Loads a transformers checkpoint directory: `config.json` plus `model.safetensors` (or a
+    /// sharded `model.safetensors.index.json`); f32/bf16/f16 weights are converted to `dtype`.
+    /// A `llamaLadder` config gives a Ladder model; a plain `llama` one the standard model.
+    pub fn from_pretrained(dir: &Path, dtype: DType, device: Device) -> Result<Self> {
+        if !dtype.is_float() {
+            return Err(Error::new("Llama::from_pretrained", format!("{}: model dtype must be a float type, got {dtype}", dir.display())));
         }
-        Self::from_tensors(cfg, tensors, dtype, device)
+        let cfg = LlamaConfig::from_file(dir.join("config.json"))?;
+        let single = dir.join("model.safetensors");
+        let file = if single.is_file() { single } else { dir.join("model.safetensors.index.json") };
+        let tensors = checkpoint::load_model_dir(dir, dtype, device)?;
+        Self::from_tensors(cfg, tensors, dtype, device, &file)
     }
 
     /// Writes `config.json` and `model.safetensors` (f32) with transformers' names.
@@ -296,103 +421,31 @@ impl Llama {
         checkpoint::write_atomic(&dir.join("config.json"), self.cfg.to_json_string_dtype(hf).as_bytes())
     }
 
-    // ---- forward ---------------------------------------------------------------------------
+    // ---- Ladder conversion -----------------------------------------------------------------
 
-    fn check_ids(&self, ids: &Tensor, past: usize) -> Result<(usize, usize)> {
-        if ids.dtype() != DType::I32 || ids.rank() != 2 {
-            return Err(Error::new("Llama::forward", format!("ids must be i32 (batch, seq), got {:?} {}", ids.shape(), ids.dtype())));
+    /// Makes the chosen blocks Ladder blocks (the rest standard). No weight changes: a Llama
+    /// checkpoint converts by rescheduling its residual stream. `None` makes it a plain Llama.
+    pub fn set_ladder_layers(&mut self, ladder: Option<LadderLayers>) -> Result<()> {
+        let mut cfg = self.cfg.clone();
+        cfg.ladder_layers = ladder;
+        cfg.validate()?;
+        let mask = cfg.ladder_layers.as_ref().map(|l| l.mask(cfg.num_hidden_layers)).unwrap_or_else(|| vec![false; self.layers.len()]);
+        for (b, on) in self.layers.iter_mut().zip(mask) {
+            b.ladder = on;
         }
-        let (b, t) = (ids.dim(0), ids.dim(1));
-        let max = self.cfg.max_position_embeddings;
-        if t == 0 || past + t > max {
-            return Err(Error::new(
-                "Llama::forward",
-                format!("sequence positions {past}..{} exceed max_position_embeddings {max} (or are empty)", past + t),
-            ));
-        }
-        Ok((b, t))
+        self.cfg = cfg;
+        Ok(())
     }
 
-    /// Final norm and LM head: (B, T, C) -> (B, T, V).
-    fn head(&self, x: &Tensor) -> Result<Tensor> {
-        let x = x.rms_norm(&self.norm, self.cfg.rms_norm_eps)?;
-        linear(&x, self.lm_head.as_ref().unwrap_or(&self.embed_tokens))
-    }
-
-    /// Logits (B, T, V) for i32 token ids (B, T).
-    pub fn forward(&self, ids: &Tensor) -> Result<Tensor> {
-        let (_, t) = self.check_ids(ids, 0)?;
-        let cos = self.rope_cos.narrow(0, 0, t)?; // (T, D)
-        let sin = self.rope_sin.narrow(0, 0, t)?;
-        let mut x = Tensor::embedding(ids, &self.embed_tokens)?; // (B, T, C)
-        for blk in &self.blocks {
-            x = if self.checkpointing {
-                let (blk, cos, sin) = (blk.clone(), cos.clone(), sin.clone());
-                ferrolm_tensor::checkpoint(&[x], move |xs| blk.forward(&xs[0], &cos, &sin))?
-            } else {
-                blk.forward(&x, &cos, &sin)?
-            };
+    /// Copies every parameter from `other` by name (both must have the same names and shapes).
+    pub fn copy_params_from(&self, other: &Llama) -> Result<()> {
+        let _g = no_grad();
+        let theirs: std::collections::HashMap<String, Tensor> = other.parameters().into_iter().collect();
+        for (n, p) in self.parameters() {
+            let q = theirs.get(&n).ok_or_else(|| Error::new("copy_params_from", format!("missing parameter {n}")))?;
+            p.assign(q).map_err(|e| Error::new("copy_params_from", format!("{n}: {e}")))?;
         }
-        self.head(&x)
-    }
-
-    /// Mean cross-entropy (f32 scalar) of `forward(inputs)` against `targets` (B, T) i32, aligned
-    /// so that position t predicts targets[t]; -100 is ignored.
-    pub fn loss(&self, inputs: &Tensor, targets: &Tensor) -> Result<Tensor> {
-        if targets.dims() != inputs.dims() || targets.dtype() != DType::I32 {
-            return Err(Error::new(
-                "Llama::loss",
-                format!("targets must be i32 of the inputs' shape {:?}, got {:?} {}", inputs.shape(), targets.shape(), targets.dtype()),
-            ));
-        }
-        let logits = self.forward(inputs)?; // (B, T, V)
-        let (n, v) = (inputs.numel(), self.cfg.vocab_size);
-        Tensor::cross_entropy(&logits.reshape(vec![n, v])?, &targets.reshape(vec![n])?, -100)
-    }
-
-    /// Logits (B, T, V) for ids that continue the sequences held in `cache` (generation).
-    pub fn forward_with_cache(&self, ids: &Tensor, cache: &mut KvCache) -> Result<Tensor> {
-        let past = cache.len();
-        let (b, t) = self.check_ids(ids, past)?;
-        cache.prepare(self.blocks.len(), b)?;
-        let cos = self.rope_cos.narrow(0, past, t)?; // (T, D)
-        let sin = self.rope_sin.narrow(0, past, t)?;
-        let mut x = Tensor::embedding(ids, &self.embed_tokens)?; // (B, T, C)
-        for (blk, kv) in self.blocks.iter().zip(cache.layers_mut()) {
-            x = blk.forward_cached(&x, &cos, &sin, kv, past)?;
-        }
-        cache.advance(t);
-        self.head(&x)
-    }
-
-    // ---- parameters --------------------------------------------------------------------------
-
-    /// Every parameter with transformers' name (tied models have no `lm_head.weight`).
-    pub fn parameters(&self) -> Vec<(String, Tensor)> {
-        let mut out = vec![("model.embed_tokens.weight".to_string(), self.embed_tokens.clone())];
-        for (l, b) in self.blocks.iter().enumerate() {
-            let p = format!("model.layers.{l}");
-            out.extend([
-                (format!("{p}.self_attn.q_proj.weight"), b.q_proj.clone()),
-                (format!("{p}.self_attn.k_proj.weight"), b.k_proj.clone()),
-                (format!("{p}.self_attn.v_proj.weight"), b.v_proj.clone()),
-                (format!("{p}.self_attn.o_proj.weight"), b.o_proj.clone()),
-                (format!("{p}.mlp.gate_proj.weight"), b.gate_proj.clone()),
-                (format!("{p}.mlp.up_proj.weight"), b.up_proj.clone()),
-                (format!("{p}.mlp.down_proj.weight"), b.down_proj.clone()),
-                (format!("{p}.input_layernorm.weight"), b.input_layernorm.clone()),
-                (format!("{p}.post_attention_layernorm.weight"), b.post_attention_layernorm.clone()),
-            ]);
-        }
-        out.push(("model.norm.weight".to_string(), self.norm.clone()));
-        if let Some(h) = &self.lm_head {
-            out.push(("lm_head.weight".to_string(), h.clone()));
-        }
-        out
-    }
-
-    pub fn num_params(&self) -> usize {
-        self.parameters().iter().map(|(_, t)| t.numel()).sum()
+        Ok(())
     }
 
     pub fn config(&self) -> &LlamaConfig {
@@ -403,14 +456,6 @@ impl Llama {
     }
     pub fn device(&self) -> Device {
         self.device
-    }
-
-    /// Recompute each block's activations in backward instead of storing them.
-    pub fn set_activation_checkpointing(&mut self, on: bool) {
-        self.checkpointing = on;
-    }
-    pub fn activation_checkpointing(&self) -> bool {
-        self.checkpointing
     }
 }
 

@@ -1,0 +1,135 @@
+//! The replaceable parts of a model. A model holds its parameters as plain tensors (so one
+//! visitor can name, load, save, shard or re-home them) beside the *op* that applies each one.
+//! A parallel plan swaps the op (and the tensor for its local shard) from outside; the model
+//! file never learns how it is parallelised. Activation checkpointing attaches the same way,
+//! through a [`BranchHook`].
+use ferrolm_tensor::{Result, Tensor};
+use std::sync::Arc;
+
+/// What kind of parameter a tensor is: the optimizer takes weight-decay groups from this,
+/// not from name matching.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum ParamKind {
+    /// A projection matrix: decayed.
+    Matrix,
+    /// A token embedding (or an untied output head): not decayed.
+    Embedding,
+    /// An RMSNorm gain: not decayed, initialised to ones.
+    Norm,
+}
+
+impl ParamKind {
+    pub fn weight_decay(self) -> bool {
+        self == ParamKind::Matrix
+    }
+}
+
+/// One parameter as the visitor sees it: its fully qualified Hugging Face name, the full
+/// (unsharded) shape the config implies, and its kind.
+#[derive(Clone, Debug)]
+pub struct ParamInfo<'a> {
+    pub name: &'a str,
+    pub shape: &'a [usize],
+    pub kind: ParamKind,
+}
+
+/// Visitor over `(ParamInfo, parameter)`. It may replace the tensor (with a loaded one, a
+/// shard, a view into a flat store).
+pub type ParamVisitor<'a> = dyn FnMut(&ParamInfo, &mut Tensor) -> Result<()> + 'a;
+
+/// y = x W^T over the last dim of x: (..., in) -> (..., out), W (out, in).
+pub fn linear(x: &Tensor, w: &Tensor) -> Result<Tensor> {
+    let d = x.dims();
+    let (lead, cin) = (&d[..d.len() - 1], d[d.len() - 1]);
+    let n: usize = lead.iter().product();
+    let y = x.reshape([n, cin].to_vec())?.matmul(&w.t()?)?; // (N, out)
+    let mut out = lead.to_vec();
+    out.push(w.dim(0));
+    y.reshape(out)
+}
+
+/// How a linear layer applies its weight. `Dense` is the single-device op; tensor parallelism
+/// supplies column- and row-parallel ones.
+pub trait LinearOp: Send + Sync {
+    fn forward(&self, x: &Tensor, weight: &Tensor) -> Result<Tensor>;
+}
+
+/// How an embedding looks its rows up (dense, or vocabulary-parallel).
+pub trait EmbeddingOp: Send + Sync {
+    /// i32 ids (B, T) -> (B, T, C)
+    fn forward(&self, ids: &Tensor, weight: &Tensor) -> Result<Tensor>;
+}
+
+/// How the output head turns the final hidden states into logits and the loss.
+pub trait HeadOp: Send + Sync {
+    /// Full logits (B, T, V) from hidden states (B, T, C).
+    fn logits(&self, x: &Tensor, weight: &Tensor) -> Result<Tensor>;
+    /// Mean cross-entropy of the logits against aligned i32 targets (B, T); `ignore` is skipped.
+    fn loss(&self, x: &Tensor, weight: &Tensor, targets: &Tensor, ignore: i32) -> Result<Tensor>;
+}
+
+/// The single-device ops.
+pub struct Dense;
+
+impl LinearOp for Dense {
+    fn forward(&self, x: &Tensor, w: &Tensor) -> Result<Tensor> {
+        linear(x, w)
+    }
+}
+
+impl EmbeddingOp for Dense {
+    fn forward(&self, ids: &Tensor, w: &Tensor) -> Result<Tensor> {
+        Tensor::embedding(ids, w)
+    }
+}
+
+impl HeadOp for Dense {
+    fn logits(&self, x: &Tensor, w: &Tensor) -> Result<Tensor> {
+        linear(x, w)
+    }
+    fn loss(&self, x: &Tensor, w: &Tensor, targets: &Tensor, ignore: i32) -> Result<Tensor> {
+        let logits = linear(x, w)?; // (B, T, V)
+        let (n, v) = (targets.numel(), logits.dim(logits.rank() - 1));
+        Tensor::cross_entropy(&logits.reshape(vec![n, v])?, &targets.reshape(vec![n])?, ignore)
+    }
+}
+
+/// A weight and the op that applies it (cheap to clone: both are shared handles).
+#[derive(Clone)]
+pub struct Linear {
+    pub weight: Tensor,
+    pub op: Arc<dyn LinearOp>,
+}
+
+impl Linear {
+    pub fn new(weight: Tensor) -> Self {
+        Linear { weight, op: Arc::new(Dense) }
+    }
+    pub fn forward(&self, x: &Tensor) -> Result<Tensor> {
+        self.op.forward(x, &self.weight)
+    }
+}
+
+#[derive(Clone)]
+pub struct Embedding {
+    pub weight: Tensor,
+    pub op: Arc<dyn EmbeddingOp>,
+}
+
+impl Embedding {
+    pub fn new(weight: Tensor) -> Self {
+        Embedding { weight, op: Arc::new(Dense) }
+    }
+    pub fn forward(&self, ids: &Tensor) -> Result<Tensor> {
+        self.op.forward(ids, &self.weight)
+    }
+}
+
+/// A residual branch as a value: hidden states in, the branch output out.
+pub type BranchFn = Arc<dyn Fn(&Tensor) -> Result<Tensor> + Send + Sync>;
+
+/// Runs a residual branch of block `layer`. The default calls it; activation checkpointing
+/// (see `remat`) recomputes it in backward instead of keeping its activations.
+pub trait BranchHook: Send + Sync {
+    fn call(&self, layer: usize, branch: BranchFn, x: &Tensor) -> Result<Tensor>;
+}
