@@ -22,5 +22,5 @@ pub use half::bf16;
 pub use optim_ops::{fused_adamw_step, fused_global_norm, AdamWTensors};
 pub use rng::Rng;
 pub use shape::{Layout, Shape};
-pub use storage::{live_bytes, peak_bytes, reset_peak_bytes, CpuStorage, DeviceStorage, Fill, Storage};
+pub use storage::{live_bytes, peak_bytes, reset_peak_bytes, CpuStorage, DeviceStorage, Fill, Refill, Storage};
 pub use tensor::{Element, Tensor};

@@ -111,10 +111,20 @@ pub fn reset_peak_bytes() {
 /// completes. It runs at most once, on the first read of the storage.
 pub type Fill = Box<dyn FnOnce(&mut Storage) -> crate::Result<()> + Send>;
 
-enum Pending {
-    Fill(Fill),
+/// Produces a released storage's bytes again when it is next read (for example by
+/// all-gathering a sharded parameter bucket), unless a prefetch got there first.
+pub trait Refill: Send + Sync {
+    fn refill(&self) -> crate::Result<Storage>;
+}
+
+enum State {
+    Ready,
+    /// Bytes in flight; `fill` completes them.
+    Pending(Fill),
     /// The fill failed: every later read reports the same error.
     Failed(crate::Error),
+    /// The bytes were dropped to save memory; `refill` brings them back on the next read.
+    Released(std::sync::Arc<dyn Refill>),
 }
 
 /// Storage plus its byte accounting; shared (without copying) by every view of it.
@@ -122,28 +132,40 @@ enum Pending {
 /// A cell may be *pending*: its bytes are being produced elsewhere (a collective on a
 /// communication thread or stream). The first read waits for them, so a value is waited on
 /// exactly where it is first used, and code that only passes the tensor along never waits.
+/// A cell may also be *released*: its bytes dropped (a ZeRO-3 parameter bucket between
+/// uses) and produced again on the next read. Live-byte accounting follows both.
 pub struct StorageCell {
     pub(crate) inner: std::sync::RwLock<Storage>,
-    pending: std::sync::Mutex<Option<Pending>>,
-    has_pending: std::sync::atomic::AtomicBool,
+    state: std::sync::Mutex<State>,
+    /// Any state but `Ready`: the fast path of every read checks only this.
+    not_ready: std::sync::atomic::AtomicBool,
+    len: usize,
+    dtype: crate::DType,
     bytes: usize,
 }
 
 impl fmt::Debug for StorageCell {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        write!(f, "StorageCell({} bytes{})", self.bytes, if self.is_pending() { ", pending" } else { "" })
+        write!(f, "StorageCell({} bytes{})", self.bytes, if self.is_pending() { ", not ready" } else { "" })
     }
+}
+
+fn account_add(bytes: usize) {
+    let now = LIVE_BYTES.fetch_add(bytes, Ordering::Relaxed) + bytes;
+    PEAK_BYTES.fetch_max(now, Ordering::Relaxed);
 }
 
 impl StorageCell {
     pub fn new(s: Storage) -> Self {
-        let bytes = s.len() * s.dtype().size_in_bytes();
-        let now = LIVE_BYTES.fetch_add(bytes, Ordering::Relaxed) + bytes;
-        PEAK_BYTES.fetch_max(now, Ordering::Relaxed);
+        let (len, dtype) = (s.len(), s.dtype());
+        let bytes = len * dtype.size_in_bytes();
+        account_add(bytes);
         StorageCell {
             inner: std::sync::RwLock::new(s),
-            pending: std::sync::Mutex::new(None),
-            has_pending: std::sync::atomic::AtomicBool::new(false),
+            state: std::sync::Mutex::new(State::Ready),
+            not_ready: std::sync::atomic::AtomicBool::new(false),
+            len,
+            dtype,
             bytes,
         }
     }
@@ -151,52 +173,101 @@ impl StorageCell {
     /// A cell over `s` (already sized for the result) that `fill` completes on first read.
     pub fn pending(s: Storage, fill: Fill) -> Self {
         let c = Self::new(s);
-        *c.pending.lock().unwrap_or_else(|e| e.into_inner()) = Some(Pending::Fill(fill));
-        c.has_pending.store(true, Ordering::Release);
+        *c.lock_state() = State::Pending(fill);
+        c.not_ready.store(true, Ordering::Release);
         c
     }
 
-    /// True while the bytes are still being produced (or their production failed).
-    pub fn is_pending(&self) -> bool {
-        self.has_pending.load(Ordering::Acquire)
+    fn lock_state(&self) -> std::sync::MutexGuard<'_, State> {
+        self.state.lock().unwrap_or_else(|e| e.into_inner())
     }
 
-    /// Waits for a pending fill (no-op when there is none).
+    /// True while the bytes are not there to read: in flight, failed, or released.
+    pub fn is_pending(&self) -> bool {
+        self.not_ready.load(Ordering::Acquire)
+    }
+
+    /// True while the bytes are released (see `release`).
+    pub fn is_released(&self) -> bool {
+        self.is_pending() && matches!(*self.lock_state(), State::Released(_))
+    }
+
+    fn check_shape(&self, s: &Storage) -> crate::Result<()> {
+        if s.len() != self.len || s.dtype() != self.dtype {
+            return Err(crate::Error::new(
+                "storage",
+                format!("a fill produced {} {} elements where {} {} were promised", s.len(), s.dtype(), self.len, self.dtype),
+            ));
+        }
+        Ok(())
+    }
+
+    /// Waits for a pending fill, or refills released bytes (no-op when ready).
     pub fn resolve(&self) -> crate::Result<()> {
         if !self.is_pending() {
             return Ok(());
         }
-        let mut p = self.pending.lock().unwrap_or_else(|e| e.into_inner());
-        match p.take() {
-            None => Ok(()),
-            Some(Pending::Failed(e)) => {
-                *p = Some(Pending::Failed(e.clone()));
+        let mut st = self.lock_state();
+        let res = match std::mem::replace(&mut *st, State::Ready) {
+            State::Ready => return Ok(()),
+            State::Failed(e) => Err(e),
+            State::Pending(fill) => {
+                let mut s = self.inner.write().unwrap_or_else(|e| e.into_inner());
+                fill(&mut s).and_then(|()| self.check_shape(&s))
+            }
+            State::Released(r) => match r.refill() {
+                Ok(new) => self.check_shape(&new).map(|()| {
+                    *self.inner.write().unwrap_or_else(|e| e.into_inner()) = new;
+                    account_add(self.bytes);
+                }),
+                Err(e) => {
+                    // Still released: a later read may try again.
+                    *st = State::Released(r);
+                    return Err(e);
+                }
+            },
+        };
+        match res {
+            Ok(()) => {
+                self.not_ready.store(false, Ordering::Release);
+                Ok(())
+            }
+            Err(e) => {
+                *st = State::Failed(e.clone());
                 Err(e)
             }
-            Some(Pending::Fill(fill)) => {
-                let mut s = self.inner.write().unwrap_or_else(|e| e.into_inner());
-                let (len, dtype) = (s.len(), s.dtype());
-                let res = fill(&mut s).and_then(|()| {
-                    if s.len() != len || s.dtype() != dtype {
-                        return Err(crate::Error::new(
-                            "pending",
-                            format!("fill produced {} {} elements where {len} {dtype} were promised", s.len(), s.dtype()),
-                        ));
-                    }
-                    Ok(())
-                });
-                match res {
-                    Ok(()) => {
-                        self.has_pending.store(false, Ordering::Release);
-                        Ok(())
-                    }
-                    Err(e) => {
-                        *p = Some(Pending::Failed(e.clone()));
-                        Err(e)
-                    }
-                }
-            }
         }
+    }
+
+    /// Drops the bytes (after waiting for any fill in flight); the next read calls `refill`
+    /// unless `prefetch` brings them back first.
+    pub fn release(&self, refill: std::sync::Arc<dyn Refill>) -> crate::Result<()> {
+        self.resolve()?;
+        let mut st = self.lock_state();
+        *self.inner.write().unwrap_or_else(|e| e.into_inner()) = Storage::Cpu(CpuStorage::zeros(0, self.dtype));
+        LIVE_BYTES.fetch_sub(self.bytes, Ordering::Relaxed);
+        *st = State::Released(refill);
+        self.not_ready.store(true, Ordering::Release);
+        Ok(())
+    }
+
+    /// Starts bringing released bytes back: `storage` (sized for the result) is completed by
+    /// `fill` at the next read. A no-op returning false when the cell is not released.
+    pub fn prefetch(&self, storage: Storage, fill: Fill) -> crate::Result<bool> {
+        let mut st = self.lock_state();
+        if !matches!(*st, State::Released(_)) {
+            return Ok(false);
+        }
+        if storage.len() != self.len || storage.dtype() != self.dtype {
+            return Err(crate::Error::new(
+                "prefetch",
+                format!("{} {} elements for a cell of {} {}", storage.len(), storage.dtype(), self.len, self.dtype),
+            ));
+        }
+        *self.inner.write().unwrap_or_else(|e| e.into_inner()) = storage;
+        account_add(self.bytes);
+        *st = State::Pending(fill);
+        Ok(true)
     }
 
     /// Read access, after waiting for a pending fill.
@@ -209,7 +280,7 @@ impl StorageCell {
         self.resolve()?;
         Ok(self.inner.write().unwrap_or_else(|e| e.into_inner()))
     }
-    /// Bytes this cell accounts for (known without waiting).
+    /// Bytes this cell accounts for when its bytes are present (known without waiting).
     pub fn bytes(&self) -> usize {
         self.bytes
     }
@@ -217,6 +288,9 @@ impl StorageCell {
 
 impl Drop for StorageCell {
     fn drop(&mut self) {
-        LIVE_BYTES.fetch_sub(self.bytes, Ordering::Relaxed);
+        let st = self.state.get_mut().unwrap_or_else(|e| e.into_inner());
+        if !matches!(st, State::Released(_)) {
+            LIVE_BYTES.fetch_sub(self.bytes, Ordering::Relaxed);
+        }
     }
 }

@@ -119,6 +119,21 @@ impl Tensor {
         self.0.storage.is_pending()
     }
 
+    /// Drops this tensor's bytes (shared by all its views) until the next read, which calls
+    /// `refill`, unless `prefetch` brings them back first. For sharded parameters between uses.
+    pub fn release(&self, refill: std::sync::Arc<dyn crate::storage::Refill>) -> Result<()> {
+        self.0.storage.release(refill)
+    }
+    /// True while the bytes are released.
+    pub fn is_released(&self) -> bool {
+        self.0.storage.is_released()
+    }
+    /// Starts bringing released bytes back (`storage` sized for them, `fill` completes it at
+    /// the next read); false when they are not released.
+    pub fn prefetch(&self, storage: Storage, fill: crate::storage::Fill) -> Result<bool> {
+        self.0.storage.prefetch(storage, fill)
+    }
+
     /// Waits until a pending value is complete (a no-op otherwise). Reading does this anyway;
     /// call it to surface a collective's error or to bound where the wait happens.
     pub fn wait(&self) -> Result<()> {

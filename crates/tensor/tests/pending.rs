@@ -24,6 +24,7 @@ fn pending_copy(x: &Tensor, log: &Log) -> Tensor {
 
 #[test]
 fn pending_value_waits_on_first_read_only() {
+    let _serial = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
     let log: Log = Arc::default();
     let x = Tensor::from_vec(vec![1.0f32, 2.0, 3.0], [3], Device::Cpu).unwrap();
     let p = pending_copy(&x, &log);
@@ -42,6 +43,7 @@ fn pending_value_waits_on_first_read_only() {
 
 #[test]
 fn failed_fill_is_an_error_at_every_use() {
+    let _serial = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
     let empty = Storage::Cpu(CpuStorage::zeros(2, DType::F32));
     let p =
         Tensor::pending(empty, [2], Box::new(|_| Err(ferrolm_tensor::Error::new("all_reduce", "rank 1 timed out after 600 s")))).unwrap();
@@ -54,6 +56,7 @@ fn failed_fill_is_an_error_at_every_use() {
 
 #[test]
 fn fill_of_the_wrong_size_is_an_error() {
+    let _serial = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
     let empty = Storage::Cpu(CpuStorage::zeros(2, DType::F32));
     let p = Tensor::pending(
         empty,
@@ -73,6 +76,7 @@ fn fill_of_the_wrong_size_is_an_error() {
 /// first; the engine runs the exp branch's backward while the gradient is in flight.
 #[test]
 fn backward_defers_pending_gradients_while_other_work_is_ready() {
+    let _serial = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
     let log: Log = Arc::default();
     let x1 = Tensor::from_vec(vec![0.5f64, -1.0], [2], Device::Cpu).unwrap();
     let x2 = Tensor::from_vec(vec![0.25f64, 2.0], [2], Device::Cpu).unwrap();
@@ -108,6 +112,7 @@ fn backward_defers_pending_gradients_while_other_work_is_ready() {
 /// result equals the eager sum bit for bit.
 #[test]
 fn pending_contributions_sum_like_eager_ones() {
+    let _serial = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
     let run = |pend: bool| {
         let log: Log = Arc::default();
         let x = Tensor::from_vec(vec![0.1f32, 0.7, -0.3], [3], Device::Cpu).unwrap();
@@ -128,3 +133,64 @@ fn pending_contributions_sum_like_eager_ones() {
     };
     assert_eq!(run(true), run(false));
 }
+
+/// Gives back `data` each time it is asked, counting the calls.
+struct CountingRefill {
+    data: Vec<f32>,
+    calls: Mutex<usize>,
+}
+impl ferrolm_tensor::Refill for CountingRefill {
+    fn refill(&self) -> ferrolm_tensor::Result<Storage> {
+        *self.calls.lock().unwrap() += 1;
+        Ok(Storage::Cpu(CpuStorage::F32(self.data.clone())))
+    }
+}
+
+/// A released tensor gives its bytes back to the accounting, refills on the next read (through
+/// every view), and a prefetch replaces the refill.
+#[test]
+fn released_storage_refills_on_read() {
+    let _serial = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
+    let data: Vec<f32> = (0..1000).map(|i| i as f32).collect();
+    let flat = Tensor::from_vec(data.clone(), [1000], Device::Cpu).unwrap();
+    let view = flat.narrow(0, 10, 20).unwrap().reshape([4, 5]).unwrap();
+    let refill = Arc::new(CountingRefill { data: data.clone(), calls: Mutex::new(0) });
+    let before = ferrolm_tensor::live_bytes();
+    flat.release(refill.clone()).unwrap();
+    assert!(flat.is_released() && view.is_released());
+    assert_eq!(before - ferrolm_tensor::live_bytes(), 4000, "release frees the bytes");
+    let s = view.sum_all().unwrap().item().unwrap();
+    assert_eq!(s, (10..30).sum::<i32>() as f64);
+    assert_eq!(*refill.calls.lock().unwrap(), 1);
+    assert!(!flat.is_released());
+    assert_eq!(ferrolm_tensor::live_bytes(), before);
+
+    // Released again, then prefetched: the read runs the prefetch's fill, not the refill.
+    flat.release(refill.clone()).unwrap();
+    let log: Log = Arc::default();
+    let l = log.clone();
+    let d2 = data.clone();
+    let prefetched = flat
+        .prefetch(
+            Storage::Cpu(CpuStorage::zeros(1000, DType::F32)),
+            Box::new(move |s| {
+                l.lock().unwrap().push("wait");
+                *s = Storage::Cpu(CpuStorage::F32(d2));
+                Ok(())
+            }),
+        )
+        .unwrap();
+    assert!(prefetched);
+    assert_eq!(view.to_vec::<f32>().unwrap()[0], 10.0);
+    assert_eq!(*log.lock().unwrap(), ["wait"]);
+    assert_eq!(*refill.calls.lock().unwrap(), 1, "prefetched bytes need no refill");
+    // Prefetching a cell that is not released is a no-op.
+    assert!(!flat.prefetch(Storage::Cpu(CpuStorage::zeros(1000, DType::F32)), Box::new(|_| Ok(()))).unwrap());
+    // A refill of the wrong size is an error, not garbage.
+    let bad = Arc::new(CountingRefill { data: vec![0.0; 3], calls: Mutex::new(0) });
+    flat.release(bad).unwrap();
+    assert!(view.sum_all().unwrap_err().to_string().contains("promised"));
+}
+
+/// live_bytes is process-wide: the tests of this file run one at a time.
+static SERIAL: Mutex<()> = Mutex::new(());
