@@ -10,6 +10,7 @@ pub mod optim;
 pub mod remat;
 mod rope;
 pub mod schedule;
+pub mod store;
 
 pub use config::{LadderLayers, LlamaConfig, RopeScaling};
 pub use generate::{generate, KvCache};

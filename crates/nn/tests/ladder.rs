@@ -306,3 +306,33 @@ fn converted_checkpoint_round_trips() {
     assert!(m.set_ladder_layers(Some(LadderLayers::List(vec![2]))).is_err());
     assert_eq!(m.config().ladder_layers, Some(LadderLayers::Last(1)));
 }
+
+// ---- the flat parameter store ---------------------------------------------------------------
+
+/// Moving the parameters into flat buffers changes no value and no gradient; the model's
+/// parameters are views of the buffers (an update through the buffer is seen by the model).
+#[test]
+fn flat_store_is_transparent() {
+    use ferrolm_nn::store::ParamStore;
+    let c = cfg(r#","model_type":"llamaLadder","ladder_layers":2,"tie_word_embeddings":true"#);
+    let x = ids(c.vocab_size, 2, 8, 3);
+    let plain = Llama::new(c.clone(), DType::F32, Device::Cpu, &mut Rng::new(2)).unwrap();
+    let want = loss_and_grads(&plain, &x);
+    let mut m = Llama::new(c.clone(), DType::F32, Device::Cpu, &mut Rng::new(2)).unwrap();
+    let store = ParamStore::from_model(&mut m, 64).unwrap();
+    assert_eq!(
+        store.buckets.iter().map(|b| b.name.as_str()).collect::<Vec<_>>(),
+        ["embed", "layers.0", "layers.1", "layers.2", "layers.3", "head"]
+    );
+    assert!(store.buckets.iter().all(|b| b.padded % 64 == 0 && b.padded >= b.numel));
+    assert_eq!(store.numel(), m.num_params());
+    let got = loss_and_grads(&m, &x);
+    assert_eq!(got.0, want.0);
+    assert_eq!(got.2, want.2);
+    // Writing the flat buffer moves the model.
+    let (b, i) = store.find("model.norm.weight").unwrap();
+    let _g = no_grad();
+    store.buckets[b].view(i).unwrap().assign(&Tensor::full([c.hidden_size], 2.0, DType::F32, Device::Cpu).unwrap()).unwrap();
+    let norm = m.parameters().into_iter().find(|(n, _)| n == "model.norm.weight").unwrap().1;
+    assert!(norm.to_vec::<f32>().unwrap().iter().all(|&v| v == 2.0));
+}
