@@ -52,7 +52,7 @@ REPO = Path(__file__).resolve().parent.parent
 DEFAULT_OUT = REPO / "tests" / "fixtures"
 IGNORE = -100
 
-# Sizes keep all of tests/fixtures under 2 MB (about 1.6 MB).
+# Sizes keep these fixtures under 2 MB (about 1.6 MB).
 # Each fixture: LlamaConfig kwargs + batch/seq/seed/init std.
 # Rope settings are passed in the current (transformers >= 5) style `rope_parameters`.
 FIXTURES: dict[str, dict] = {
@@ -151,27 +151,33 @@ def manual_loss(logits: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tenso
     return F.cross_entropy(lg, lb, ignore_index=IGNORE, reduction="sum") / n, n
 
 
-def forward_backward(model: LlamaForCausalLM, input_ids, labels):
+def forward_backward(model: LlamaForCausalLM, input_ids, labels, forward=None):
+    """Logits, loss and every parameter gradient. `forward(model, input_ids, labels) -> (logits,
+    loss)` replaces the model's own forward (make_ladder_fixtures.py runs the Ladder order)."""
     model.zero_grad(set_to_none=True)
-    out = model(input_ids=input_ids, labels=labels, use_cache=False)
-    out.loss.backward()
+    if forward is None:
+        out = model(input_ids=input_ids, labels=labels, use_cache=False)
+        logits, loss = out.logits, out.loss
+    else:
+        logits, loss = forward(model, input_ids, labels)
+    loss.backward()
     grads = {}
     for name, p in model.named_parameters():
         assert p.grad is not None, f"no gradient for {name}"
         grads[name] = p.grad.detach().to(torch.float32).clone()
-    return out.logits.detach().to(torch.float32), out.loss.detach().to(torch.float32), grads
+    return logits.detach().to(torch.float32), loss.detach().to(torch.float32), grads
 
 
-def generate(name: str, spec: dict, out_root: Path) -> None:
-    d = out_root / name
-    if d.exists():
-        shutil.rmtree(d)
-    d.mkdir(parents=True)
-    model = build_model(spec)
-    input_ids, labels = make_inputs(spec, model.config.vocab_size)
-    logits, loss, grads = forward_backward(model, input_ids, labels)
+def rel(p: Path) -> Path:
+    """p relative to the repository when it is inside it (for messages)."""
+    try:
+        return p.resolve().relative_to(REPO)
+    except ValueError:
+        return p
+
+
+def save_reference(path: Path, input_ids, labels, logits, loss, grads, generator: str) -> None:
     n = int((labels[:, 1:] != IGNORE).sum())
-    model.save_pretrained(d, safe_serialization=True)
     ref = {
         "input_ids": input_ids.contiguous(),
         "labels": labels.contiguous(),
@@ -183,10 +189,21 @@ def generate(name: str, spec: dict, out_root: Path) -> None:
         ref[f"grad.{k}"] = v.contiguous()
     # One metadata key only: safetensors serialises metadata in hash order, and a single key
     # keeps regeneration byte-identical. Conventions are in tests/fixtures/README.md.
-    save_file(ref, str(d / "reference.safetensors"), metadata={
-        "generator": "scripts/make_hf_fixtures.py (see tests/fixtures/README.md)",
-    })
-    print(f"wrote {d.relative_to(REPO)}: loss={loss.item():.6f} params={len(grads)}")
+    save_file(ref, str(path), metadata={"generator": f"{generator} (see tests/fixtures/README.md)"})
+
+
+def generate(name: str, spec: dict, out_root: Path) -> None:
+    d = out_root / name
+    if d.exists():
+        shutil.rmtree(d)
+    d.mkdir(parents=True)
+    model = build_model(spec)
+    input_ids, labels = make_inputs(spec, model.config.vocab_size)
+    logits, loss, grads = forward_backward(model, input_ids, labels)
+    model.save_pretrained(d, safe_serialization=True)
+    save_reference(d / "reference.safetensors", input_ids, labels, logits, loss, grads,
+                   "scripts/make_hf_fixtures.py")
+    print(f"wrote {rel(d)}: loss={loss.item():.6f} params={len(grads)}")
 
 
 def legacy_config(cfg: dict, drop_head_dim: bool) -> dict:
@@ -217,7 +234,7 @@ def write_variants(out_root: Path) -> None:
     for fname, (src, drop_head_dim) in LEGACY_VARIANTS.items():
         cfg = json.loads((out_root / src / "config.json").read_text())
         (vd / fname).write_text(json.dumps(legacy_config(cfg, drop_head_dim), indent=2) + "\n")
-        print(f"wrote {(vd / fname).relative_to(REPO)} (equivalent to {src}/config.json)")
+        print(f"wrote {rel(vd / fname)} (equivalent to {src}/config.json)")
 
 
 def close(a: torch.Tensor, b: torch.Tensor, what: str, rtol=1e-4, atol=1e-6) -> float:
@@ -245,12 +262,14 @@ def load(d: Path, config_path: Path | None = None) -> LlamaForCausalLM:
     return model
 
 
-def check(name: str, out_root: Path) -> None:
+def check(name: str, out_root: Path, forward=None):
+    """Recompute a fixture from its files (with `forward`, see forward_backward) and compare.
+    Returns (model, reference tensors, recomputed logits, loss, grads) for stricter checks."""
     d = out_root / name
     ref = load_file(str(d / "reference.safetensors"))
     model = load(d)
     assert model.config.attention_dropout == 0.0
-    logits, loss, grads = forward_backward(model, ref["input_ids"], ref["labels"])
+    logits, loss, grads = forward_backward(model, ref["input_ids"], ref["labels"], forward)
     assert ref["loss"].shape == () and ref["loss"].dtype == torch.float32
     assert ref["input_ids"].dtype == torch.int64 and ref["labels"].dtype == torch.int64
     e_logits = close(logits, ref["logits"], f"{name} logits")
@@ -270,6 +289,7 @@ def check(name: str, out_root: Path) -> None:
         assert "lm_head.weight" not in weights and "lm_head.weight" not in names
     print(f"ok {name}: loss={ref['loss'].item():.6f} (manual {m_loss.item():.6f}, n={n}) "
           f"max|d logits|={e_logits:.1e} |d loss|={e_loss:.1e} max|d grad|={e_grad:.1e}")
+    return model, ref, logits, loss, grads
 
 
 def check_variants(out_root: Path) -> None:
@@ -304,10 +324,12 @@ def main() -> int:
     for name in names:
         check(name, args.out)
     check_variants(args.out)
-    total = sum(f.stat().st_size for f in args.out.rglob("*") if f.is_file())
-    print(f"total size of {args.out}: {total} bytes ({total / 1024:.1f} KiB)")
+    # Only the files this script owns: other generators (make_ladder_fixtures.py) keep their own budget.
+    dirs = [args.out / n for n in FIXTURES] + [args.out / "config_variants"]
+    total = sum(f.stat().st_size for d in dirs for f in d.rglob("*") if f.is_file())
+    print(f"total size of the Llama fixtures in {args.out}: {total} bytes ({total / 1024:.1f} KiB)")
     if total >= 2 * 1024 * 1024:
-        print("error: fixtures exceed 2 MB", file=sys.stderr)
+        print("error: Llama fixtures exceed 2 MB", file=sys.stderr)
         return 1
     return 0
 
