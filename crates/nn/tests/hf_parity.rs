@@ -90,6 +90,23 @@ fn parity_llama_headdim() {
     parity("llama_headdim");
 }
 
+// The Ladder Transformer against the PyTorch reference (scripts/make_ladder_fixtures.py runs
+// transformers' Llama modules in the Ladder order; checked against the authors' released
+// LlamaLadderForCausalLM to 7e-7): int and list `ladder_layers`, mixed standard/Ladder layers,
+// a Ladder layer at position 0, GQA/MHA/MQA, tied and untied embeddings.
+#[test]
+fn parity_ladder_int_gqa_untied() {
+    parity("ladder_int_gqa_untied");
+}
+#[test]
+fn parity_ladder_list_tied() {
+    parity("ladder_list_tied");
+}
+#[test]
+fn parity_ladder_all_mqa() {
+    parity("ladder_all_mqa");
+}
+
 #[test]
 fn every_fixture_is_covered() {
     let mut names: Vec<String> = std::fs::read_dir(fixtures())
@@ -99,7 +116,19 @@ fn every_fixture_is_covered() {
         .map(|e| e.file_name().to_string_lossy().into_owned())
         .collect();
     names.sort();
-    assert_eq!(names, ["llama3_rope", "llama_gqa_untied", "llama_headdim", "llama_mha_tied"], "add a parity_* test for a new fixture");
+    assert_eq!(
+        names,
+        [
+            "ladder_all_mqa",
+            "ladder_int_gqa_untied",
+            "ladder_list_tied",
+            "llama3_rope",
+            "llama_gqa_untied",
+            "llama_headdim",
+            "llama_mha_tied"
+        ],
+        "add a parity_* test for a new fixture"
+    );
 }
 
 #[test]

@@ -2,7 +2,7 @@
 //! checkpoints, the standard model recovered bit for bit with no Ladder layer, every Ladder
 //! layer's backward against f64 finite differences, KV-cache decoding, activation
 //! checkpointing, and conversion of a Llama checkpoint. Parity against the PyTorch reference
-//! on committed fixtures is in `ladder_parity`.
+//! on committed fixtures is in `hf_parity` (`parity_ladder_*`).
 use ferrolm_nn::{shift_labels, KvCache, LadderLayers, Llama, LlamaConfig};
 use ferrolm_tensor::{no_grad, DType, Device, Rng, Tensor};
 use std::path::{Path, PathBuf};
