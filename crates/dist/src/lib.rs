@@ -14,7 +14,7 @@
 //!   `nccl_lib` finds `libnccl.so.2` itself (cudarc's loader only tries `libnccl.so`).
 //! - [`store`]: the TCP rendezvous store on `MASTER_ADDR:MASTER_PORT` (values, barriers,
 //!   failure notices).
-//! - [`env`]: [`DistEnv`] (the torchrun variables) and [`init_from_env`], which returns an
+//! - [`env`](mod@env): [`DistEnv`] (the torchrun variables) and [`init_from_env`], which returns an
 //!   `NcclComm` for a multi-process GPU run and a world of one otherwise.
 //! - [`cost`]: the ring / hierarchical cost model as pure functions (bytes per rank, seconds per
 //!   collective), shared by [`SimLink`], `CommStats` and the planner.
