@@ -11,6 +11,7 @@
 //! the distributed layer gets its own loader, a user must provide `libnccl.so` on
 //! `LD_LIBRARY_PATH` (a symlink to `libnccl.so.2` is enough); `.gpu/run` does exactly that.
 mod backend;
+mod comm;
 mod device;
 mod emu;
 mod gemm;

@@ -1,0 +1,384 @@
+//! The communicator contract: `Communicator` (collectives over a group of ranks), `Work` (a
+//! collective's result as a pending tensor), `ReduceOp`, byte counters and options.
+//!
+//! A collective is functional: it reads its input tensor (made contiguous first) and returns a
+//! new tensor. Its input must not be modified in place until the result has been read, as with
+//! NCCL. Results are pending tensors (`Tensor::pending`): code that only passes them along never
+//! waits; the first read waits (or, on a GPU, orders the compute stream after the collective).
+use crate::cost::{self, Kind};
+use ferrolm_cuda::CudaBackend;
+use ferrolm_tensor::backend::Backend;
+use ferrolm_tensor::{bail, CpuStorage, DType, Device, DeviceStorage, Error, Result, Shape, Storage, Tensor};
+use std::fmt;
+use std::sync::Arc;
+use std::time::Duration;
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum ReduceOp {
+    Sum,
+    /// Sum divided by the group size (in the accumulation precision, rounded once).
+    Avg,
+    Max,
+}
+
+impl fmt::Display for ReduceOp {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(match self {
+            ReduceOp::Sum => "sum",
+            ReduceOp::Avg => "avg",
+            ReduceOp::Max => "max",
+        })
+    }
+}
+
+/// One collective with its arguments (what every rank must agree on).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum Collective {
+    AllReduce(ReduceOp),
+    /// Concatenation of every rank's tensor along dim 0, in rank order.
+    AllGather,
+    /// Reduction of the ranks' tensors, of which rank r keeps block r of dim 0.
+    ReduceScatter(ReduceOp),
+    Broadcast {
+        root: usize,
+    },
+}
+
+impl fmt::Display for Collective {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            Collective::AllReduce(op) => write!(f, "all_reduce({op})"),
+            Collective::AllGather => f.write_str("all_gather"),
+            Collective::ReduceScatter(op) => write!(f, "reduce_scatter({op})"),
+            Collective::Broadcast { root } => write!(f, "broadcast(root {root})"),
+        }
+    }
+}
+
+impl Collective {
+    pub fn kind(&self) -> Kind {
+        match self {
+            Collective::AllReduce(_) => Kind::AllReduce,
+            Collective::AllGather => Kind::AllGather,
+            Collective::ReduceScatter(_) => Kind::ReduceScatter,
+            Collective::Broadcast { .. } => Kind::Broadcast,
+        }
+    }
+
+    /// The result's shape on a group of `n` ranks for an input of `shape`, or an error saying
+    /// why the input does not fit (checked on each rank before anything is sent).
+    pub fn output_shape(&self, shape: &Shape, n: usize) -> Result<Shape> {
+        let op = self.to_string();
+        let dims = shape.dims();
+        match self {
+            Collective::AllGather | Collective::ReduceScatter(_) if dims.is_empty() => {
+                bail!(op, "needs a tensor with a dim 0 to gather or scatter along, got a scalar")
+            }
+            Collective::AllGather => {
+                let mut d = dims.to_vec();
+                d[0] *= n;
+                Ok(Shape(d))
+            }
+            Collective::ReduceScatter(_) => {
+                if dims[0] % n != 0 {
+                    bail!(op, "dim 0 of shape {dims:?} is not divisible by the group size {n}");
+                }
+                let mut d = dims.to_vec();
+                d[0] /= n;
+                Ok(Shape(d))
+            }
+            Collective::Broadcast { root } if *root >= n => bail!(op, "root {root} is not a rank of a group of {n}"),
+            _ => Ok(shape.clone()),
+        }
+    }
+
+    /// Bytes of the full tensor (the `total` of `cost`) for an input of `input_bytes`.
+    pub fn total_bytes(&self, input_bytes: usize, n: usize) -> f64 {
+        match self {
+            Collective::AllGather => (input_bytes * n) as f64,
+            _ => input_bytes as f64,
+        }
+    }
+
+    /// Checks the reduce op against the dtype (averaging integers is refused, not truncated).
+    pub(crate) fn check_dtype(&self, dtype: DType) -> Result<()> {
+        if let Collective::AllReduce(ReduceOp::Avg) | Collective::ReduceScatter(ReduceOp::Avg) = self {
+            if !dtype.is_float() {
+                bail!(self.to_string(), "cannot average {dtype} tensors");
+            }
+        }
+        Ok(())
+    }
+}
+
+/// Per-communicator settings.
+#[derive(Clone, Debug, PartialEq)]
+pub struct CommOptions {
+    /// How long a collective may wait for the other ranks before it fails (default 10 minutes).
+    pub timeout: Duration,
+}
+
+impl Default for CommOptions {
+    fn default() -> Self {
+        CommOptions { timeout: Duration::from_secs(600) }
+    }
+}
+
+impl CommOptions {
+    /// The defaults, with `FERROLM_COMM_TIMEOUT_S` (seconds, may be fractional) overriding the
+    /// timeout when set.
+    pub fn from_env() -> Result<CommOptions> {
+        let mut o = CommOptions::default();
+        if let Ok(v) = std::env::var("FERROLM_COMM_TIMEOUT_S") {
+            let s: f64 = v
+                .trim()
+                .parse()
+                .ok()
+                .filter(|s: &f64| s.is_finite() && *s > 0.0)
+                .ok_or_else(|| Error::new("comm", format!("FERROLM_COMM_TIMEOUT_S={v:?} is not a positive number of seconds")))?;
+            o.timeout = Duration::from_secs_f64(s);
+        }
+        Ok(o)
+    }
+    pub fn with_timeout(mut self, t: Duration) -> Self {
+        self.timeout = t;
+        self
+    }
+}
+
+/// Calls and bytes sent for one kind of collective.
+#[derive(Clone, Copy, Debug, Default, PartialEq)]
+pub struct KindStats {
+    pub calls: u64,
+    /// Bytes this rank sent under the ring accounting of `cost` (`cost::bytes_sent`).
+    pub bytes: f64,
+}
+
+/// What one rank has sent through one communicator (counted at launch).
+#[derive(Clone, Copy, Debug, Default, PartialEq)]
+pub struct CommStats {
+    pub all_reduce: KindStats,
+    pub all_gather: KindStats,
+    pub reduce_scatter: KindStats,
+    pub broadcast: KindStats,
+}
+
+impl CommStats {
+    pub fn total_bytes(&self) -> f64 {
+        self.all_reduce.bytes + self.all_gather.bytes + self.reduce_scatter.bytes + self.broadcast.bytes
+    }
+    pub fn get(&self, kind: Kind) -> KindStats {
+        match kind {
+            Kind::AllReduce => self.all_reduce,
+            Kind::AllGather => self.all_gather,
+            Kind::ReduceScatter => self.reduce_scatter,
+            Kind::Broadcast => self.broadcast,
+        }
+    }
+    /// Counts one collective of `op` launched by `rank` of `n` on an input of `input_bytes`.
+    pub fn record(&mut self, op: Collective, n: usize, rank: usize, input_bytes: usize) {
+        let root = if let Collective::Broadcast { root } = op { root } else { 0 };
+        let b = cost::bytes_sent(op.kind(), n, rank, root, op.total_bytes(input_bytes, n));
+        let k = match op.kind() {
+            Kind::AllReduce => &mut self.all_reduce,
+            Kind::AllGather => &mut self.all_gather,
+            Kind::ReduceScatter => &mut self.reduce_scatter,
+            Kind::Broadcast => &mut self.broadcast,
+        };
+        k.calls += 1;
+        k.bytes += b;
+    }
+}
+
+type WaitFn = Box<dyn FnOnce() -> Result<Storage> + Send>;
+type PollFn = Arc<dyn Fn() -> bool + Send + Sync>;
+
+/// A launched collective before it becomes a tensor: the result's shape, dtype and device, a
+/// `wait` that returns the result storage (blocking on the CPU; on a GPU it only orders the
+/// compute stream), and a `poll` that says whether it has completed. Wrappers such as `SimLink`
+/// compose these before a `Work` is made.
+pub struct Completion {
+    pub(crate) shape: Shape,
+    pub(crate) dtype: DType,
+    pub(crate) device: Device,
+    pub(crate) wait: WaitFn,
+    pub(crate) poll: PollFn,
+}
+
+impl Completion {
+    pub fn new(
+        shape: Shape,
+        dtype: DType,
+        device: Device,
+        wait: impl FnOnce() -> Result<Storage> + Send + 'static,
+        poll: impl Fn() -> bool + Send + Sync + 'static,
+    ) -> Self {
+        Completion { shape, dtype, device, wait: Box::new(wait), poll: Arc::new(poll) }
+    }
+    /// Runs `after` on the result inside `wait` (a delay, a conversion); `done` refines `poll`.
+    pub fn then(
+        self,
+        after: impl FnOnce(Storage) -> Result<Storage> + Send + 'static,
+        done: impl Fn() -> bool + Send + Sync + 'static,
+    ) -> Self {
+        let (wait, poll) = (self.wait, self.poll);
+        Completion { wait: Box::new(move || after(wait()?)), poll: Arc::new(move || poll() && done()), ..self }
+    }
+    pub fn shape(&self) -> &Shape {
+        &self.shape
+    }
+}
+
+/// Stands in for a result buffer until the collective's `wait` hands over the real storage, so
+/// a pending tensor owns no memory that a collective is still writing (the in-flight buffer
+/// stays with the collective, which orders its release; see nccl.rs).
+#[derive(Debug)]
+struct InFlight {
+    dtype: DType,
+    len: usize,
+    device: Device,
+}
+
+impl DeviceStorage for InFlight {
+    fn dtype(&self) -> DType {
+        self.dtype
+    }
+    fn len(&self) -> usize {
+        self.len
+    }
+    fn device(&self) -> Device {
+        self.device
+    }
+    fn as_any(&self) -> &dyn std::any::Any {
+        self
+    }
+    fn as_any_mut(&mut self) -> &mut dyn std::any::Any {
+        self
+    }
+}
+
+/// A collective in flight. Its result is a pending tensor: `tensor()` hands it out without
+/// waiting, and it is waited on where it is first read (or by `wait()`).
+pub struct Work {
+    tensor: Tensor,
+    poll: PollFn,
+}
+
+impl Work {
+    pub fn new(c: Completion) -> Result<Work> {
+        let placeholder = Storage::Device(Box::new(InFlight { dtype: c.dtype, len: c.shape.numel(), device: c.device }));
+        let wait = c.wait;
+        let tensor = Tensor::pending(
+            placeholder,
+            c.shape,
+            Box::new(move |s| {
+                *s = wait()?;
+                Ok(())
+            }),
+        )?;
+        Ok(Work { tensor, poll: c.poll })
+    }
+    /// The result, still pending: nothing waits until it is read.
+    pub fn tensor(&self) -> Tensor {
+        self.tensor.clone()
+    }
+    /// Waits for the result (surfacing the collective's error) and returns it.
+    pub fn wait(&self) -> Result<Tensor> {
+        self.tensor.wait()?;
+        Ok(self.tensor.clone())
+    }
+    /// True once the collective has completed (or failed); never blocks.
+    pub fn is_done(&self) -> bool {
+        !self.tensor.is_pending() || (self.poll)()
+    }
+}
+
+/// A group of ranks that run collectives together. Every rank of the group must launch the
+/// same collectives, with the same arguments, in the same order; each rank's collectives run in
+/// launch order on the communicator's own stream, concurrently with the rank's compute.
+pub trait Communicator: Send + Sync {
+    /// This rank's index in the group.
+    fn rank(&self) -> usize;
+    fn size(&self) -> usize;
+    /// The group's name, used in messages ("world", "world/tp0", ...).
+    fn name(&self) -> &str;
+    /// The world rank of every member, indexed by group rank.
+    fn world_ranks(&self) -> &[usize];
+    fn timeout(&self) -> Duration;
+    /// Starts `op` on `x` (made contiguous) and returns its completion; `Work::new` turns it
+    /// into a pending tensor. The `*_async` methods are the usual way in.
+    fn launch(&self, op: Collective, x: &Tensor) -> Result<Completion>;
+    /// Returns once every rank of the group has called it (and launched everything before it).
+    fn barrier(&self) -> Result<()>;
+    /// Like `MPI_Comm_split`: ranks with the same `color` form a new group, ordered by `key`
+    /// (ties by rank). Every rank of this group must call it, in the same order relative to its
+    /// other collectives. `name` prefixes the new group's name (`"{self}/{name}{color}"`).
+    fn split_named(&self, color: usize, key: usize, name: &str) -> Result<Arc<dyn Communicator>>;
+    /// Bytes and calls this rank has launched on this communicator.
+    fn stats(&self) -> CommStats;
+    /// Declares this rank failed: the other ranks' pending and later collectives fail with
+    /// `reason` instead of waiting for it.
+    fn abort(&self, reason: &str);
+
+    fn split(&self, color: usize, key: usize) -> Result<Arc<dyn Communicator>> {
+        self.split_named(color, key, "split")
+    }
+    fn all_reduce_async(&self, x: &Tensor, op: ReduceOp) -> Result<Work> {
+        Work::new(self.launch(Collective::AllReduce(op), x)?)
+    }
+    /// Every rank's tensor concatenated along dim 0, in rank order.
+    fn all_gather_async(&self, x: &Tensor) -> Result<Work> {
+        Work::new(self.launch(Collective::AllGather, x)?)
+    }
+    /// The reduction of every rank's tensor; rank r gets block r of dim 0 (dim 0 must divide).
+    fn reduce_scatter_async(&self, x: &Tensor, op: ReduceOp) -> Result<Work> {
+        Work::new(self.launch(Collective::ReduceScatter(op), x)?)
+    }
+    /// `root`'s tensor on every rank (the others' inputs give shape and dtype only).
+    fn broadcast_async(&self, x: &Tensor, root: usize) -> Result<Work> {
+        Work::new(self.launch(Collective::Broadcast { root }, x)?)
+    }
+    fn all_reduce(&self, x: &Tensor, op: ReduceOp) -> Result<Tensor> {
+        self.all_reduce_async(x, op)?.wait()
+    }
+    fn all_gather(&self, x: &Tensor) -> Result<Tensor> {
+        self.all_gather_async(x)?.wait()
+    }
+    fn reduce_scatter(&self, x: &Tensor, op: ReduceOp) -> Result<Tensor> {
+        self.reduce_scatter_async(x, op)?.wait()
+    }
+    fn broadcast(&self, x: &Tensor, root: usize) -> Result<Tensor> {
+        self.broadcast_async(x, root)?.wait()
+    }
+}
+
+impl fmt::Debug for dyn Communicator {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "Communicator({}, rank {} of {})", self.name(), self.rank(), self.size())
+    }
+}
+
+/// The backend of a CUDA device, for moving host results there (thread ranks on the emulated
+/// backend) and device copies.
+pub(crate) fn cuda_backend(op: &str, ordinal: usize) -> Result<Arc<CudaBackend>> {
+    CudaBackend::latest(ordinal).ok_or_else(|| Error::new(op, format!("no CUDA backend is initialised for cuda:{ordinal}")))
+}
+
+/// Host elements as storage on `device`.
+pub(crate) fn storage_on(op: &str, cpu: CpuStorage, device: Device) -> Result<Storage> {
+    match device {
+        Device::Cpu => Ok(Storage::Cpu(cpu)),
+        Device::Cuda(o) => cuda_backend(op, o)?.from_cpu(&cpu),
+    }
+}
+
+/// A contiguous copy of `x`'s elements as storage on its own device (no host round trip on a GPU).
+pub(crate) fn copy_storage(op: &str, x: &Tensor) -> Result<Storage> {
+    match x.device() {
+        Device::Cpu => Ok(Storage::Cpu(x.to_cpu_storage()?)),
+        Device::Cuda(o) => {
+            let b = cuda_backend(op, o)?;
+            x.with_storage(|sl| b.copy_strided(sl))
+        }
+    }
+}

@@ -1,0 +1,44 @@
+//! ferrolm-dist: the communication layer of ferrolm's distributed runtime. Tensor parallelism,
+//! ZeRO sharding and the planner are built on it; the model never sees it.
+//!
+//! - [`comm`]: the [`Communicator`] trait (all_reduce, all_gather, reduce_scatter, broadcast,
+//!   barrier, split; `*_async` variants return a [`Work`] whose result is a pending tensor,
+//!   waited on where it is first read), [`ReduceOp`], per-communicator options (timeout) and
+//!   byte counters ([`CommStats`]).
+//! - [`thread`]: [`ThreadComm`], ranks as threads of one process (CPU runs and every parallel
+//!   test): one communication thread per rank and group, deterministic fixed-order reductions,
+//!   tensors of other devices staged through the host, and `ThreadComm::run`, which turns a
+//!   rank's error or panic into prompt errors on the others.
+//! - [`nccl`]: [`NcclComm`], NCCL on its own CUDA stream ordered with the compute stream by
+//!   events, bootstrapped through [`store`], with a watchdog for hangs and peer failures;
+//!   `nccl_lib` finds `libnccl.so.2` itself (cudarc's loader only tries `libnccl.so`).
+//! - [`store`]: the TCP rendezvous store on `MASTER_ADDR:MASTER_PORT` (values, barriers,
+//!   failure notices).
+//! - [`env`](mod@env): [`DistEnv`] (the torchrun variables) and [`init_from_env`], which returns an
+//!   `NcclComm` for a multi-process GPU run and a world of one otherwise.
+//! - [`cost`]: the ring / hierarchical cost model as pure functions (bytes per rank, seconds per
+//!   collective), shared by [`SimLink`], `CommStats` and the planner.
+//! - [`simlink`]: [`SimLink`], a wrapper that completes each collective only after the model's
+//!   time on a FIFO link, so a CPU run measures exposed communication.
+//! - [`mesh`]: [`DeviceMesh`], the tp and dp groups and ZeRO/AMSP's dp sub-groups.
+//! - [`ops`]: collectives as autograd ops (Megatron's f, g, sequence-parallel gather /
+//!   reduce-scatter, scatter), pending in forward and in backward.
+pub mod comm;
+pub mod cost;
+pub mod env;
+pub mod mesh;
+pub mod nccl;
+mod nccl_lib;
+pub mod ops;
+mod reduce;
+pub mod simlink;
+pub mod store;
+pub mod thread;
+
+pub use comm::{Collective, CommOptions, CommStats, Communicator, Completion, KindStats, ReduceOp, Work};
+pub use env::{init, init_from_env, DistEnv};
+pub use mesh::DeviceMesh;
+pub use nccl::{report_panics_to_peers, NcclComm};
+pub use nccl_lib::{library_candidates, nccl_version};
+pub use simlink::SimLink;
+pub use thread::ThreadComm;

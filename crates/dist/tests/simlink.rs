@@ -1,0 +1,127 @@
+//! SimLink: a collective completes `alpha + bytes / bandwidth` after the link is free, one at a
+//! time per link, and compute done before the result is read hides the delay.
+//!
+//! Tolerance: a measured time is at least the modelled time (minus 1 ms of clock slack: the
+//! delay is a sleep until a deadline, which never ends early) and at most 40 ms above it (thread
+//! wake-ups on a loaded 2-core CI machine).
+use ferrolm_dist::cost::{self, GroupSpan, Kind, Link, LinkModel};
+use ferrolm_dist::{CommOptions, Communicator, ReduceOp, SimLink, ThreadComm};
+use ferrolm_tensor::{DType, Device, Tensor};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+const SLACK: f64 = 0.001;
+const TOL: f64 = 0.040;
+
+fn opts() -> CommOptions {
+    CommOptions::default().with_timeout(Duration::from_secs(20))
+}
+
+fn assert_about(measured: f64, want: f64, what: &str) {
+    assert!(measured >= want - SLACK && measured <= want + TOL, "{what}: measured {measured:.4} s, model {want:.4} s");
+}
+
+/// 40 ms latency, 1 MB/s: an all-reduce of 10 000 f32 over 2 ranks sends 40 000 bytes per rank.
+fn flat() -> LinkModel {
+    LinkModel::flat(Link::new(0.040, 1e6))
+}
+
+fn wrap(c: Arc<dyn Communicator>, m: LinkModel) -> Arc<dyn Communicator> {
+    SimLink::wrap(c, m)
+}
+
+#[test]
+fn a_collective_completes_after_alpha_plus_bytes_over_bandwidth() {
+    ThreadComm::run(2, opts(), |c| {
+        let link = SimLink::wrap(c, flat());
+        let x = Tensor::ones([10_000], DType::F32, Device::Cpu)?;
+        let want = 0.040 + 40_000.0 / 1e6;
+        assert_eq!(link.seconds(ferrolm_dist::Collective::AllReduce(ReduceOp::Sum), 40_000), want);
+        link.barrier()?;
+        let t0 = Instant::now();
+        let w = link.all_reduce_async(&x, ReduceOp::Sum)?;
+        assert!(!w.is_done(), "done before the link time passed");
+        let y = w.wait()?;
+        assert_about(t0.elapsed().as_secs_f64(), want, "all_reduce");
+        assert!(w.is_done());
+        assert_eq!(y.to_vec::<f32>()?[0], 2.0);
+        // all_gather of 10 000 f32 per rank: (n-1)/n of the 80 000-byte output.
+        let t0 = Instant::now();
+        link.all_gather(&x)?;
+        assert_about(t0.elapsed().as_secs_f64(), 0.040 + 40_000.0 / 1e6, "all_gather");
+        Ok(())
+    })
+    .unwrap();
+}
+
+#[test]
+fn back_to_back_collectives_are_serialised_on_the_link() {
+    ThreadComm::run(2, opts(), |c| {
+        let link = wrap(c, flat());
+        let x = Tensor::ones([5_000], DType::F32, Device::Cpu)?; // 20 000 bytes: 60 ms each
+        let each = 0.040 + 20_000.0 / 1e6;
+        link.barrier()?;
+        let t0 = Instant::now();
+        let works: Vec<_> = (0..3).map(|_| link.all_reduce_async(&x, ReduceOp::Sum)).collect::<Result<_, _>>()?;
+        works[0].wait()?;
+        assert_about(t0.elapsed().as_secs_f64(), each, "first");
+        assert!(!works[2].is_done(), "the third waits for the link");
+        works[2].wait()?;
+        assert_about(t0.elapsed().as_secs_f64(), 3.0 * each, "third");
+        Ok(())
+    })
+    .unwrap();
+}
+
+#[test]
+fn compute_before_the_read_hides_the_link_time() {
+    let exposed = ThreadComm::run(2, opts(), |c| {
+        let link = wrap(c, flat());
+        let x = Tensor::ones([10_000], DType::F32, Device::Cpu)?; // 80 ms on the link
+        link.barrier()?;
+        let w = link.all_reduce_async(&x, ReduceOp::Sum)?;
+        std::thread::sleep(Duration::from_millis(130)); // "compute" longer than the link time
+        let t = Instant::now();
+        let y = w.tensor().add_scalar(1.0)?; // first read
+        let hidden_wait = t.elapsed().as_secs_f64();
+        assert_eq!(y.to_vec::<f32>()?[0], 3.0);
+        // The same collective read at once exposes all of it.
+        link.barrier()?;
+        let t = Instant::now();
+        link.all_reduce_async(&x, ReduceOp::Sum)?.tensor().add_scalar(1.0)?;
+        Ok((hidden_wait, t.elapsed().as_secs_f64()))
+    })
+    .unwrap();
+    for (hidden, full) in exposed {
+        assert!(hidden < 0.005, "waited {hidden:.4} s after computing past the link time");
+        assert_about(full, 0.080, "read at once");
+    }
+}
+
+/// Two nodes of two ranks: the world group pays the hierarchical cost, a node-local split (a
+/// SimLink too) the intra-node one.
+#[test]
+fn a_two_level_link_charges_the_hierarchical_cost() {
+    let model = LinkModel::two_level(Link::new(0.005, 1e7), Link::new(0.030, 1e6), 2);
+    ThreadComm::run(4, opts(), |c| {
+        let link = wrap(c, model);
+        let x = Tensor::ones([10_000], DType::F32, Device::Cpu)?;
+        let b = 40_000.0;
+        // 2 (5 ms + 1/2 B / 1e7) + 30 ms + 2 (1/2) (B/2) / 1e6 = 14 + 30 + 20 ms.
+        let want = cost::seconds(Kind::AllReduce, GroupSpan { per_node: 2, nodes: 2 }, b, &model);
+        assert!((want - 0.064).abs() < 1e-9, "{want}");
+        link.barrier()?;
+        let t0 = Instant::now();
+        link.all_reduce(&x, ReduceOp::Sum)?;
+        assert_about(t0.elapsed().as_secs_f64(), want, "world all_reduce over 2 nodes");
+
+        let node = link.split(link.rank() / 2, 0)?;
+        assert_eq!(node.world_ranks().len(), 2);
+        node.barrier()?;
+        let t0 = Instant::now();
+        assert_eq!(node.all_reduce(&x, ReduceOp::Sum)?.to_vec::<f32>()?[0], 2.0);
+        assert_about(t0.elapsed().as_secs_f64(), 0.005 + b / 1e7, "node-local all_reduce");
+        Ok(())
+    })
+    .unwrap();
+}
