@@ -175,6 +175,20 @@ impl CommStats {
             Kind::Broadcast => self.broadcast,
         }
     }
+    /// Collectives launched, of every kind.
+    pub fn calls(&self) -> u64 {
+        self.all_reduce.calls + self.all_gather.calls + self.reduce_scatter.calls + self.broadcast.calls
+    }
+    /// What was launched since `earlier` (a snapshot of the same counters).
+    pub fn since(&self, earlier: &CommStats) -> CommStats {
+        let d = |a: KindStats, b: KindStats| KindStats { calls: a.calls - b.calls, bytes: a.bytes - b.bytes };
+        CommStats {
+            all_reduce: d(self.all_reduce, earlier.all_reduce),
+            all_gather: d(self.all_gather, earlier.all_gather),
+            reduce_scatter: d(self.reduce_scatter, earlier.reduce_scatter),
+            broadcast: d(self.broadcast, earlier.broadcast),
+        }
+    }
     /// Counts one collective of `op` launched by `rank` of `n` on an input of `input_bytes`.
     pub fn record(&mut self, op: Collective, n: usize, rank: usize, input_bytes: usize) {
         let root = if let Collective::Broadcast { root } = op { root } else { 0 };

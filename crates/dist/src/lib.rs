@@ -21,6 +21,8 @@
 //! - [`simlink`]: [`SimLink`], a wrapper that completes each collective only after the model's
 //!   time on a FIFO link, so a CPU run measures exposed communication.
 //! - [`mesh`]: [`DeviceMesh`], the tp and dp groups and ZeRO/AMSP's dp sub-groups.
+//! - [`tp`]: Megatron-style tensor parallelism attached to a model from outside
+//!   (`parallelize`): column/row/vocabulary-parallel ops, replicated KV heads for GQA.
 //! - [`ops`]: collectives as autograd ops (Megatron's f, g, sequence-parallel gather /
 //!   reduce-scatter, scatter), pending in forward and in backward.
 pub mod comm;
@@ -34,6 +36,7 @@ mod reduce;
 pub mod simlink;
 pub mod store;
 pub mod thread;
+pub mod tp;
 
 pub use comm::{Collective, CommOptions, CommStats, Communicator, Completion, KindStats, ReduceOp, Work};
 pub use env::{init, init_from_env, DistEnv};

@@ -1,0 +1,286 @@
+//! Megatron-style tensor parallelism, attached to a model from outside.
+//!
+//! `parallelize(&mut model, &tp_group)` replaces each parameter by this rank's shard and
+//! each op by its parallel form; the model file is untouched:
+//! - q/k/v/gate/up: column-parallel (output features split). The forward is a plain GEMM on
+//!   the replicated input; the backward launches the all-reduce of the input gradient and then
+//!   computes the weight gradient while it is in flight (Megatron's async TP).
+//! - o/down: row-parallel (input features split); the output is a partial sum whose
+//!   all-reduce is launched and returned pending, to be waited on where the residual schedule
+//!   adds it (at once for a standard block, one branch later for a Ladder block).
+//! - embedding and LM head: vocabulary-parallel (rows split); the cross-entropy works on the
+//!   vocabulary shards and never gathers the logits.
+//! - GQA with fewer key/value heads than ranks: each rank keeps the key/value head its query
+//!   heads use (replicated, as Megatron does); its weight gradient is summed over the ranks
+//!   that share it.
+use crate::comm::{Communicator, ReduceOp};
+use crate::ops::{gather_from_group, reduce_from_group};
+use ferrolm_nn::module::{linear, EmbeddingOp, HeadOp, LinearOp};
+use ferrolm_nn::Llama;
+use ferrolm_tensor::{bail, no_grad, DType, Error, Result, Tensor};
+use std::collections::BTreeMap;
+use std::sync::Arc;
+
+pub type Comm = Arc<dyn Communicator>;
+
+/// How one parameter is laid out over the tensor-parallel group.
+#[derive(Clone, Debug, PartialEq)]
+pub struct Sharding {
+    /// The dimension that is split (None: every rank holds the whole tensor).
+    pub dim: Option<usize>,
+    /// Number of distinct pieces along `dim`; rank r holds piece `r * parts / tp`.
+    pub parts: usize,
+    /// This rank's piece.
+    pub index: usize,
+    /// Ranks holding each piece (tp / parts): their gradients are summed.
+    pub replicas: usize,
+}
+
+impl Sharding {
+    fn replicated(tp: usize) -> Self {
+        Sharding { dim: None, parts: 1, index: 0, replicas: tp }
+    }
+    fn split(dim: usize, parts: usize, rank: usize, tp: usize) -> Self {
+        Sharding { dim: Some(dim), parts, index: rank * parts / tp, replicas: tp / parts }
+    }
+    /// This rank's piece of the full tensor.
+    pub fn shard(&self, full: &Tensor) -> Result<Tensor> {
+        let _g = no_grad();
+        let Some(dim) = self.dim else { return full.contiguous() };
+        let n = full.dim(dim) / self.parts;
+        full.narrow(dim, self.index * n, n)?.contiguous()
+    }
+}
+
+/// The result of `parallelize`: every parameter's layout, by transformers name.
+#[derive(Clone, Debug)]
+pub struct TpLayout {
+    pub tp: usize,
+    pub rank: usize,
+    pub params: BTreeMap<String, Sharding>,
+}
+
+// ---- column-parallel: y_local = x W_local^T, input gradient all-reduced asynchronously ------
+
+pub struct ColumnParallel {
+    pub comm: Comm,
+    /// Group whose ranks hold the same weight piece (replicated key/value heads); the weight
+    /// gradient is summed over it. None when the weight is not replicated.
+    pub replicas: Option<Comm>,
+}
+
+impl LinearOp for ColumnParallel {
+    fn forward(&self, x: &Tensor, w: &Tensor) -> Result<Tensor> {
+        let y = {
+            let _g = no_grad();
+            linear(x, w)? // (.., out_local)
+        };
+        let (xs, ws, comm, rep) = (x.clone(), w.clone(), self.comm.clone(), self.replicas.clone());
+        Ok(Tensor::from_op(
+            y,
+            "column_parallel_linear",
+            &[x, w],
+            Box::new(move |g| {
+                // dX = dY W is a partial sum over the group: launch its all-reduce first, then
+                // compute dW = dY^T X while it is in flight.
+                let dx = comm.all_reduce_async(&linear(g, &ws.t()?)?, ReduceOp::Sum)?.tensor();
+                let d = xs.dims();
+                let n: usize = d[..d.len() - 1].iter().product();
+                let g2 = g.reshape(vec![n, g.dim(g.rank() - 1)])?;
+                let dw = g2.t()?.matmul(&xs.reshape(vec![n, d[d.len() - 1]])?)?; // (out_local, in)
+                let dw = match &rep {
+                    Some(r) => r.all_reduce_async(&dw, ReduceOp::Sum)?.tensor(),
+                    None => dw,
+                };
+                Ok(vec![Some(dx), Some(dw)])
+            }),
+        ))
+    }
+}
+
+// ---- row-parallel: y = all_reduce(x_local W_local^T), returned pending ------------------------
+
+pub struct RowParallel {
+    pub comm: Comm,
+}
+
+impl LinearOp for RowParallel {
+    fn forward(&self, x: &Tensor, w: &Tensor) -> Result<Tensor> {
+        reduce_from_group(&linear(x, w)?, &self.comm)
+    }
+}
+
+// ---- vocabulary-parallel embedding and head ---------------------------------------------------
+
+/// Rows `start..start + rows` of the (V, C) table live on this rank.
+pub struct VocabParallel {
+    pub comm: Comm,
+    pub start: usize,
+    pub rows: usize,
+}
+
+impl VocabParallel {
+    /// Host-side split of i32 ids into local row ids (0 outside the shard) and a mask.
+    fn local_ids(&self, ids: &Tensor) -> Result<(Tensor, Tensor)> {
+        let v = ids.to_vec::<i32>()?;
+        let (lo, hi) = (self.start as i64, (self.start + self.rows) as i64);
+        let inside = |x: i32| (lo..hi).contains(&(x as i64));
+        let local: Vec<i32> = v.iter().map(|&x| if inside(x) { (x as i64 - lo) as i32 } else { 0 }).collect();
+        let mask: Vec<f32> = v.iter().map(|&x| if inside(x) { 1.0 } else { 0.0 }).collect();
+        let mut mshape = ids.dims().to_vec();
+        mshape.push(1);
+        let dev = ids.device();
+        Ok((Tensor::from_vec(local, ids.dims().to_vec(), dev)?, Tensor::from_vec(mask, mshape, dev)?))
+    }
+}
+
+impl EmbeddingOp for VocabParallel {
+    fn forward(&self, ids: &Tensor, w: &Tensor) -> Result<Tensor> {
+        let (local, mask) = self.local_ids(ids)?;
+        let rows = Tensor::embedding(&local, w)?.mul(&mask.to_dtype(w.dtype())?)?; // zero outside the shard
+        reduce_from_group(&rows, &self.comm)
+    }
+}
+
+impl HeadOp for VocabParallel {
+    fn logits(&self, x: &Tensor, w: &Tensor) -> Result<Tensor> {
+        let local = ColumnParallel { comm: self.comm.clone(), replicas: None }.forward(x, w)?; // (B, T, V/tp)
+        gather_from_group(&local, &self.comm, local.rank() - 1)
+    }
+
+    /// Cross-entropy over vocabulary shards: the row max, the sum of exponentials and the
+    /// target logit are each reduced over the group; the (N, V) logits never are.
+    fn loss(&self, x: &Tensor, w: &Tensor, targets: &Tensor, ignore: i32) -> Result<Tensor> {
+        let logits = ColumnParallel { comm: self.comm.clone(), replicas: None }.forward(x, w)?; // (B, T, V/tp)
+        let n = targets.numel();
+        let l = logits.reshape(vec![n, self.rows])?.to_dtype(DType::F32)?; // (N, V/tp)
+        let t = targets.to_vec::<i32>()?;
+        let counted = t.iter().filter(|&&y| y != ignore).count();
+        if counted == 0 {
+            bail!("vocab_parallel_cross_entropy", "every target is ignored");
+        }
+        // Row max over the whole vocabulary: a constant shift (no gradient flows through it).
+        let m = {
+            let _g = no_grad();
+            self.comm.all_reduce(&l.max(&[1], true)?, ReduceOp::Max)? // (N, 1)
+        };
+        let s = reduce_from_group(&l.sub(&m)?.exp()?.sum(&[1], true)?, &self.comm)?; // (N, 1)
+        let lse = s.log()?.add(&m)?;
+        // One-hot of the targets that fall in this shard (all zero elsewhere and for ignored rows).
+        let (lo, hi) = (self.start as i64, (self.start + self.rows) as i64);
+        let mut onehot = vec![0f32; n * self.rows];
+        let mut keep = vec![0f32; n];
+        for (i, &y) in t.iter().enumerate() {
+            if y != ignore {
+                keep[i] = 1.0;
+                if (lo..hi).contains(&(y as i64)) {
+                    onehot[i * self.rows + (y as i64 - lo) as usize] = 1.0;
+                }
+            }
+        }
+        let dev = l.device();
+        let onehot = Tensor::from_vec(onehot, vec![n, self.rows], dev)?;
+        let tgt = reduce_from_group(&l.mul(&onehot)?.sum(&[1], true)?, &self.comm)?; // (N, 1)
+        let keep = Tensor::from_vec(keep, vec![n, 1], dev)?;
+        lse.sub(&tgt)?.mul(&keep)?.sum_all()?.mul_scalar(1.0 / counted as f64)
+    }
+}
+
+// ---- the plan -----------------------------------------------------------------------------------
+
+/// Shards `model` over the tensor-parallel group `tp` (Megatron's layout, see the module
+/// comment) and returns every parameter's layout. The model must hold full (unsharded)
+/// weights, identical on every rank.
+pub fn parallelize(model: &mut Llama, comm: &Comm) -> Result<TpLayout> {
+    let (tp, rank) = (comm.size(), comm.rank());
+    let c = model.config().clone();
+    let err = |m: String| Error::new("parallelize", m);
+    let need = |what: &str, n: usize| if n % tp == 0 { Ok(()) } else { Err(err(format!("{what} ({n}) is not divisible by --tp {tp}"))) };
+    need("num_attention_heads", c.num_attention_heads)?;
+    need("intermediate_size", c.intermediate_size)?;
+    need("vocab_size", c.vocab_size)?;
+    let kv = c.num_key_value_heads;
+    if kv % tp != 0 && tp % kv != 0 {
+        return Err(err(format!("num_key_value_heads ({kv}) and --tp {tp}: one must divide the other")));
+    }
+    // Ranks that share a replicated key/value head sum its weight gradient.
+    let kv_parts = kv.min(tp);
+    let kv_replicas = if kv < tp { Some(comm.split(rank * kv_parts / tp, rank)?) } else { None };
+
+    let mut layout = BTreeMap::new();
+    model.visit_params_mut(&mut |p, t| {
+        let n = p.name;
+        let s = if n.ends_with("q_proj.weight") || n.ends_with("gate_proj.weight") || n.ends_with("up_proj.weight") {
+            Sharding::split(0, tp, rank, tp)
+        } else if n.ends_with("k_proj.weight") || n.ends_with("v_proj.weight") {
+            Sharding::split(0, kv_parts, rank, tp)
+        } else if n.ends_with("o_proj.weight") || n.ends_with("down_proj.weight") {
+            Sharding::split(1, tp, rank, tp)
+        } else if n == "model.embed_tokens.weight" || n == "lm_head.weight" {
+            Sharding::split(0, tp, rank, tp)
+        } else {
+            Sharding::replicated(tp)
+        };
+        let shard = s.shard(t)?;
+        shard.set_requires_grad(true)?;
+        *t = shard;
+        layout.insert(n.to_string(), s);
+        Ok(())
+    })?;
+    let col = Arc::new(ColumnParallel { comm: comm.clone(), replicas: None });
+    let kv_col = Arc::new(ColumnParallel { comm: comm.clone(), replicas: kv_replicas });
+    let row = Arc::new(RowParallel { comm: comm.clone() });
+    for b in &mut model.layers {
+        let (a, m) = (&mut b.self_attn, &mut b.mlp);
+        a.q_proj.op = col.clone();
+        a.k_proj.op = kv_col.clone();
+        a.v_proj.op = kv_col.clone();
+        a.o_proj.op = row.clone();
+        m.gate_proj.op = col.clone();
+        m.up_proj.op = col.clone();
+        m.down_proj.op = row.clone();
+    }
+    let rows = c.vocab_size / tp;
+    let vp = Arc::new(VocabParallel { comm: comm.clone(), start: rank * rows, rows });
+    model.embed_tokens.op = vp.clone();
+    model.head_op = vp;
+    Ok(TpLayout { tp, rank, params: layout })
+}
+
+impl TpLayout {
+    /// The full tensor from this rank's piece `local` of parameter `name` (every rank of the
+    /// group must call it, in the same order): all-gathers the pieces along the split dim and
+    /// keeps one copy of each replicated piece.
+    pub fn gather(&self, name: &str, local: &Tensor, comm: &Comm) -> Result<Tensor> {
+        let s = self.params.get(name).ok_or_else(|| Error::new("TpLayout::gather", format!("unknown parameter {name}")))?;
+        let Some(dim) = s.dim else { return Ok(local.clone()) };
+        let _g = no_grad();
+        let all = crate::ops::all_gather_along(comm.as_ref(), &local.contiguous()?, dim)?; // tp pieces along dim
+        if s.replicas == 1 {
+            return Ok(all);
+        }
+        let n = local.dim(dim);
+        let pieces: Vec<Tensor> = (0..s.parts).map(|p| all.narrow(dim, p * s.replicas * n, n)).collect::<Result<_>>()?;
+        Tensor::cat(&pieces, dim)
+    }
+
+    /// Sum of squares of the gradients of the whole (unsharded) model, the same on every rank:
+    /// each rank's pieces are summed over the group, a piece held by several ranks counted once.
+    pub fn grad_sq_norm(&self, params: &[(String, Tensor)], comm: &Comm) -> Result<f64> {
+        let _g = no_grad();
+        let mut local = 0.0f64;
+        let mut replicated = 0.0f64;
+        for (name, p) in params {
+            let Some(g) = p.grad() else { continue };
+            let s = self.params.get(name).ok_or_else(|| Error::new("grad_sq_norm", format!("unknown parameter {name}")))?;
+            let sq = g.to_dtype(DType::F32)?.sqr()?.sum_all()?.item()?;
+            if s.dim.is_none() {
+                replicated += sq; // identical on every rank
+            } else {
+                local += sq / s.replicas as f64;
+            }
+        }
+        let t = Tensor::from_vec(vec![local], [1], ferrolm_tensor::Device::Cpu)?;
+        Ok(comm.all_reduce(&t, ReduceOp::Sum)?.item()? + replicated)
+    }
+}

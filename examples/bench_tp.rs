@@ -1,0 +1,190 @@
+//! Tensor-parallel overlap benchmark: how much communication the standard Llama exposes and
+//! how much of it the Ladder Transformer hides, in training and in inference, on CPU thread
+//! ranks behind a simulated link.
+//!
+//!   cargo run --release --example bench_tp -- [--tp 2] [--layers 6] [--hidden 384] [--steps 4]
+//!
+//! For each mode (train: forward + backward + AdamW; infer: a no-grad forward of the batch) it
+//! measures both models (a) with no link cost and (b) behind a simulated link whose bandwidth is
+//! tuned so that the standard model's communication takes 40% of its no-link step. Exposed
+//! communication = step time behind the link - step time without it. One JSON line per row:
+//! model, tp, mode, link, step_s, exposed_comm_s; then the Ladder speedup and the share of the
+//! standard model's exposed communication that Ladder hides (target: at least 70%).
+use ferrolm::nn::optim::{AdamW, AdamWConfig};
+use ferrolm::nn::{LadderLayers, Llama, LlamaConfig};
+use ferrolm::{AnyResult, DType, Device, Tensor};
+use ferrolm_dist::cost::{Link, LinkModel};
+use ferrolm_dist::tp::parallelize;
+use ferrolm_dist::{CommOptions, CommStats, Communicator, SimLink, ThreadComm};
+use ferrolm_tensor::{no_grad, Rng};
+use std::sync::Arc;
+use std::time::Instant;
+
+struct Opts {
+    tp: usize,
+    layers: usize,
+    hidden: usize,
+    batch: usize,
+    seq: usize,
+    steps: usize,
+    comm_share: f64,
+}
+
+fn parse() -> AnyResult<Opts> {
+    let mut o = Opts { tp: 2, layers: 6, hidden: 384, batch: 4, seq: 128, steps: 4, comm_share: 0.4 };
+    let args: Vec<String> = std::env::args().skip(1).collect();
+    let mut it = args.iter();
+    while let Some(a) = it.next() {
+        let mut val = || -> AnyResult<usize> { Ok(it.next().ok_or(format!("{a} needs a value"))?.parse()?) };
+        match a.as_str() {
+            "--tp" => o.tp = val()?,
+            "--layers" => o.layers = val()?,
+            "--hidden" => o.hidden = val()?,
+            "--batch-size" => o.batch = val()?,
+            "--seq-len" => o.seq = val()?,
+            "--steps" => o.steps = val()?,
+            "--help" | "-h" => {
+                println!("usage: bench_tp [--tp N] [--layers L] [--hidden C] [--batch-size B] [--seq-len T] [--steps S]");
+                std::process::exit(0);
+            }
+            other => return Err(format!("unknown argument {other}").into()),
+        }
+    }
+    if o.tp < 2 || o.steps == 0 || o.hidden % (64 * o.tp) != 0 {
+        return Err("--tp must be >= 2, --steps > 0, and --hidden a multiple of 64 x tp".into());
+    }
+    Ok(o)
+}
+
+fn config(o: &Opts, ladder: bool) -> AnyResult<LlamaConfig> {
+    let heads = o.hidden / 64;
+    let mut c = LlamaConfig::preset("tiny")?;
+    c.vocab_size = 4096;
+    c.hidden_size = o.hidden;
+    c.intermediate_size = o.hidden * 8 / 3 / 64 * 64;
+    c.num_hidden_layers = o.layers;
+    c.num_attention_heads = heads;
+    c.num_key_value_heads = heads;
+    c.head_dim = 64;
+    c.max_position_embeddings = o.seq.max(256);
+    c.tie_word_embeddings = false;
+    c.ladder_layers = ladder.then_some(LadderLayers::Last(o.layers));
+    c.validate()?;
+    Ok(c)
+}
+
+#[derive(Clone, Copy, PartialEq)]
+enum Mode {
+    Train,
+    Infer,
+}
+
+/// Median step time (max over ranks) and rank 0's communication counters for one setting.
+fn measure(o: &Opts, cfg: &LlamaConfig, mode: Mode, link: Option<Link>) -> AnyResult<(f64, CommStats)> {
+    let (x, y) = {
+        let mut r = Rng::new(7);
+        let n = o.batch * o.seq;
+        let ids: Vec<i32> = (0..n).map(|_| r.below(cfg.vocab_size as u64) as i32).collect();
+        let tg: Vec<i32> = (0..n).map(|_| r.below(cfg.vocab_size as u64) as i32).collect();
+        (Tensor::from_vec(ids, [o.batch, o.seq], Device::Cpu)?, Tensor::from_vec(tg, [o.batch, o.seq], Device::Cpu)?)
+    };
+    let out = ThreadComm::run(o.tp, CommOptions::default(), |comm| {
+        let comm: Arc<dyn Communicator> = match link {
+            Some(l) => SimLink::wrap(comm, LinkModel::flat(l)),
+            None => comm,
+        };
+        let mut m = Llama::new(cfg.clone(), DType::F32, Device::Cpu, &mut Rng::new(1))?;
+        parallelize(&mut m, &comm)?;
+        let params = m.parameters();
+        let mut opt = AdamW::new(&params, AdamWConfig::default())?;
+        let mut times = Vec::new();
+        let before = comm.stats();
+        for step in 0..=o.steps {
+            comm.barrier()?;
+            let t0 = Instant::now();
+            match mode {
+                Mode::Train => {
+                    let loss = m.loss(&x, &y)?;
+                    loss.backward()?;
+                    opt.step(1e-4)?;
+                    opt.zero_grad();
+                    loss.item()?;
+                }
+                Mode::Infer => {
+                    let _g = no_grad();
+                    m.forward(&x)?.sum_all()?.item()?;
+                }
+            }
+            if step > 0 {
+                times.push(t0.elapsed().as_secs_f64()); // step 0 warms up
+            }
+        }
+        let total = comm.stats().since(&before);
+        times.sort_by(f64::total_cmp);
+        Ok((times[times.len() / 2], total))
+    })?;
+    let step = out.iter().map(|r| r.0).fold(0.0, f64::max);
+    Ok((step, out[0].1.clone()))
+}
+
+fn main() {
+    if let Err(e) = run() {
+        eprintln!("error: {e}");
+        std::process::exit(1);
+    }
+}
+
+fn run() -> AnyResult<()> {
+    let o = parse()?;
+    let (std_cfg, lad_cfg) = (config(&o, false)?, config(&o, true)?);
+    eprintln!(
+        "bench_tp: tp {}, {} layers, hidden {}, batch {} x seq {}, {} timed steps per row, {} threads available",
+        o.tp,
+        o.layers,
+        o.hidden,
+        o.batch,
+        o.seq,
+        o.steps,
+        std::thread::available_parallelism().map(|n| n.get()).unwrap_or(1)
+    );
+    let alpha = 20e-6;
+    let mut summary = Vec::new();
+    for (mode, name) in [(Mode::Train, "train"), (Mode::Infer, "infer")] {
+        let (t0_std, stats) = measure(&o, &std_cfg, mode, None)?;
+        let (t0_lad, _) = measure(&o, &lad_cfg, mode, None)?;
+        // Bandwidth that makes the standard model's communication `comm_share` of its step.
+        let per_step = (o.steps + 1) as f64;
+        let (calls, bytes) = (stats.calls() as f64 / per_step, stats.total_bytes() / per_step);
+        let budget = o.comm_share * t0_std - calls * alpha;
+        if budget <= 0.0 {
+            return Err(format!("{name}: {calls} collectives of {alpha} s latency exceed the communication budget").into());
+        }
+        let link = Link::new(alpha, bytes / budget);
+        let link_desc =
+            format!("alpha {:.0} us, {:.1} MB/s ({:.0}% of the standard step)", alpha * 1e6, link.bytes_per_s / 1e6, o.comm_share * 100.0);
+        let (t1_std, _) = measure(&o, &std_cfg, mode, Some(link))?;
+        let (t1_lad, _) = measure(&o, &lad_cfg, mode, Some(link))?;
+        for (model, t, exposed, l) in [
+            ("llama", t0_std, 0.0, "none".to_string()),
+            ("ladder", t0_lad, 0.0, "none".to_string()),
+            ("llama", t1_std, t1_std - t0_std, link_desc.clone()),
+            ("ladder", t1_lad, t1_lad - t0_lad, link_desc.clone()),
+        ] {
+            println!(
+                "{}",
+                serde_json::json!({"model": model, "tp": o.tp, "mode": name, "link": l, "step_s": t, "exposed_comm_s": exposed})
+            );
+        }
+        let comm_s = calls * alpha + bytes / link.bytes_per_s;
+        let (e_std, e_lad) = (t1_std - t0_std, t1_lad - t0_lad);
+        summary.push(format!(
+            "{name}: link time {comm_s:.3} s/step; exposed llama {e_std:.3} s, ladder {e_lad:.3} s; Ladder hides {:.0}% of what llama exposes; speedup behind the link {:.2}x",
+            100.0 * (1.0 - e_lad / e_std),
+            t1_std / t1_lad
+        ));
+    }
+    for s in summary {
+        println!("{s}");
+    }
+    Ok(())
+}
