@@ -154,6 +154,11 @@ pub fn backward_with(root: &Tensor, seed: Tensor) -> Result<()> {
         crate::bail!("backward", "tensor does not require grad (no parameter reaches it, or it was made under no_grad)");
     }
     traverse(root, seed, &mut |leaf, g| {
+        let sink = leaf.0.sink.lock().unwrap_or_else(|e| e.into_inner()).clone();
+        if let Some(sink) = sink {
+            sink(&g);
+            return Ok(());
+        }
         let total = match leaf.grad() {
             Some(prev) => prev.add(&g)?,
             None => g,

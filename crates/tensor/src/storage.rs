@@ -251,6 +251,21 @@ impl StorageCell {
         Ok(())
     }
 
+    /// As `release`, unless the bytes are in use right now (a read or write guard is held, or
+    /// a fill is in flight): then nothing happens and it returns false.
+    pub fn try_release(&self, refill: std::sync::Arc<dyn Refill>) -> crate::Result<bool> {
+        let mut st = self.lock_state();
+        if !matches!(*st, State::Ready) {
+            return Ok(false);
+        }
+        let Ok(mut inner) = self.inner.try_write() else { return Ok(false) };
+        *inner = Storage::Cpu(CpuStorage::zeros(0, self.dtype));
+        LIVE_BYTES.fetch_sub(self.bytes, Ordering::Relaxed);
+        *st = State::Released(refill);
+        self.not_ready.store(true, Ordering::Release);
+        Ok(true)
+    }
+
     /// Starts bringing released bytes back: `storage` (sized for the result) is completed by
     /// `fill` at the next read. A no-op returning false when the cell is not released.
     pub fn prefetch(&self, storage: Storage, fill: Fill) -> crate::Result<bool> {

@@ -1,5 +1,6 @@
 //! `Tensor`: a strided view of shared storage, plus the autograd links of the op that made it.
-use crate::autograd::{self, Hook, Node};
+pub use crate::autograd::Hook;
+use crate::autograd::{self, Node};
 use crate::backend::{self, Backend, Sl};
 use crate::storage::StorageCell;
 use crate::{bail, CpuStorage, DType, Device, Error, Layout, Result, Shape, Storage};
@@ -20,6 +21,8 @@ pub struct TensorInner {
     pub(crate) grad_fn: Option<Arc<Node>>,
     pub(crate) grad: Mutex<Option<Tensor>>,
     pub(crate) hooks: Mutex<Vec<Hook>>,
+    /// Takes the leaf's final gradient instead of `.grad()` (see `set_grad_sink`).
+    pub(crate) sink: Mutex<Option<Hook>>,
 }
 
 /// A cheap handle (an `Arc`): clones share storage, layout and gradient.
@@ -74,6 +77,7 @@ impl Tensor {
             grad_fn: node,
             grad: Mutex::new(None),
             hooks: Mutex::new(Vec::new()),
+            sink: Mutex::new(None),
         }))
     }
 
@@ -89,6 +93,7 @@ impl Tensor {
             grad_fn: node,
             grad: Mutex::new(None),
             hooks: Mutex::new(Vec::new()),
+            sink: Mutex::new(None),
         }))
     }
 
@@ -111,6 +116,7 @@ impl Tensor {
             grad_fn: None,
             grad: Mutex::new(None),
             hooks: Mutex::new(Vec::new()),
+            sink: Mutex::new(None),
         })))
     }
 
@@ -123,6 +129,10 @@ impl Tensor {
     /// `refill`, unless `prefetch` brings them back first. For sharded parameters between uses.
     pub fn release(&self, refill: std::sync::Arc<dyn crate::storage::Refill>) -> Result<()> {
         self.0.storage.release(refill)
+    }
+    /// As `release`, but only when the bytes are not in use at this moment; false otherwise.
+    pub fn try_release(&self, refill: std::sync::Arc<dyn crate::storage::Refill>) -> Result<bool> {
+        self.0.storage.try_release(refill)
     }
     /// True while the bytes are released.
     pub fn is_released(&self) -> bool {
@@ -281,6 +291,13 @@ impl Tensor {
     pub fn register_hook(&self, f: impl Fn(&Tensor) + Send + Sync + 'static) {
         self.0.hooks.lock().unwrap_or_else(|e| e.into_inner()).push(Arc::new(f));
     }
+    /// Hands this leaf's gradient to `f` once per backward pass, when it is final, instead of
+    /// accumulating it into `.grad()` (hooks do not run). A sharding engine reduces it and
+    /// keeps only its shard, so no full gradient outlives its bucket. `None` restores `.grad()`.
+    pub fn set_grad_sink(&self, f: Option<Hook>) {
+        *self.0.sink.lock().unwrap_or_else(|e| e.into_inner()) = f;
+    }
+
     pub fn backward(&self) -> Result<()> {
         autograd::backward(self)
     }
