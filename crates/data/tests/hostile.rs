@@ -183,7 +183,8 @@ fn hostile_manifests_are_errors_naming_the_field() {
     let path = out.path().join("manifest.json");
     let good: Value = serde_json::from_str(&std::fs::read_to_string(&path).unwrap()).unwrap();
     let tok = bundled();
-    let cases: Vec<(&str, Box<dyn Fn(&mut Value)>)> = vec![
+    type Edit = Box<dyn Fn(&mut Value)>;
+    let cases: Vec<(&str, Edit)> = vec![
         ("train_shards", Box::new(|v| v["train_shards"][0] = json!("../../etc/passwd"))),
         ("train_shards", Box::new(|v| v["train_shards"][0] = json!("/abs/train_000000.bin"))),
         ("val_shards", Box::new(|v| v["val_shards"][0] = json!(".."))),
