@@ -802,7 +802,7 @@ impl Backend for CudaBackend {
 }
 
 fn check_attn(op: &str, a: AttnDims) -> Result<()> {
-    if a.hkv == 0 || a.hq % a.hkv != 0 {
+    if a.hkv == 0 || !a.hq.is_multiple_of(a.hkv) {
         bail!(op, "query heads ({}) must be a multiple of kv heads ({})", a.hq, a.hkv);
     }
     if a.d > 256 {
