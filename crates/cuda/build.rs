@@ -4,15 +4,15 @@
 // the fiber runtime, into a static library, and sets `cfg(ferro_emu)` so `CudaBackend::emulated`
 // exists. Steps: preprocess every kernel once with `__global__` turned into a marker to find the
 // kernel names (macros such as ATTN_SIMT generate some), write one translation unit that includes
-// the kernels and a table of (name, argument-unpacking thunk), compile it and runtime.cpp, archive.
+// the kernels and a table of (name, argument-unpacking thunk), compile it and runtime.cpp into
+// libferro_emu.a. The `cc` crate drives the compiler and the archiver.
 //
-// Needs a C++17 compiler ($CXX, else c++ / g++ / clang++). With none, or with FERROLM_NO_EMU=1, it
-// prints one warning and the crate builds without the emulator (the GPU path is unaffected).
+// Needs a C++17 compiler ($CXX, else the platform's c++). With none, or with FERROLM_NO_EMU=1,
+// it prints one warning and the crate builds without the emulator (the GPU path is unaffected).
 use std::env;
 use std::fmt::Write as _;
 use std::fs;
 use std::path::{Path, PathBuf};
-use std::process::Command;
 
 fn main() {
     println!("cargo::rustc-check-cfg=cfg(ferro_emu)");
@@ -35,11 +35,7 @@ fn main() {
         return;
     }
     match build(&kdir, &edir, &out) {
-        Ok(()) => {
-            println!("cargo:rustc-link-search=native={}", out.display());
-            println!("cargo:rustc-link-lib=static=ferro_emu");
-            println!("cargo:rustc-cfg=ferro_emu");
-        }
+        Ok(()) => println!("cargo:rustc-cfg=ferro_emu"),
         Err(Skip(e)) => println!("cargo:warning=CUDA emulator not built ({e}); CudaBackend::emulated is unavailable"),
         // A compiler is there but a kernel does not compile as C++: a real error in kernels/.
         Err(Fail(e)) => panic!("building the CUDA emulator failed: {e}"),
@@ -70,23 +66,6 @@ enum Why {
 }
 use Why::{Fail, Skip};
 
-fn cxx() -> Result<String, String> {
-    let mut cands: Vec<String> = env::var("CXX").ok().into_iter().collect();
-    cands.extend(["c++", "g++", "clang++"].map(String::from));
-    cands
-        .into_iter()
-        .find(|c| Command::new(c).arg("--version").output().is_ok_and(|o| o.status.success()))
-        .ok_or_else(|| "no C++ compiler: set CXX or install g++".to_string())
-}
-
-fn run(cmd: &mut Command) -> Result<Vec<u8>, String> {
-    let o = cmd.output().map_err(|e| format!("cannot run {cmd:?}: {e}"))?;
-    if !o.status.success() {
-        return Err(format!("{cmd:?} failed:\n{}", String::from_utf8_lossy(&o.stderr)));
-    }
-    Ok(o.stdout)
-}
-
 /// Identifiers that follow `FERRO_KERNEL_MARK void` in the preprocessed kernels.
 fn kernel_names(pre: &str) -> Vec<String> {
     let mut names = Vec::new();
@@ -101,12 +80,39 @@ fn kernel_names(pre: &str) -> Vec<String> {
     names
 }
 
-fn build(kdir: &Path, edir: &Path, out: &Path) -> Result<(), Why> {
-    let cxx = cxx().map_err(Skip)?;
-    build_with(&cxx, kdir, edir, out).map_err(Fail)
+/// The flags both the scan and the real compile use. cc picks the compiler ($CXX, else the
+/// platform's c++), passes OUT_DIR-relative object paths and runs the archiver ($AR).
+fn base(kdir: &Path, edir: &Path) -> cc::Build {
+    let mut b = cc::Build::new();
+    b.cpp(true)
+        .std("c++17")
+        .opt_level(2)
+        .debug(false)
+        .pic(true)
+        .warnings(false)
+        .flag("-w")
+        .define("FERRO_EMU", None)
+        .include(kdir)
+        .include(edir)
+        // The runtime uses no C++ library (no exceptions, new/delete or containers), so the
+        // binaries need no libstdc++.
+        .cpp_link_stdlib(None)
+        .cargo_warnings(false);
+    b
 }
 
-fn build_with(cxx: &str, kdir: &Path, edir: &Path, out: &Path) -> Result<(), String> {
+fn build(kdir: &Path, edir: &Path, out: &Path) -> Result<(), Why> {
+    // cc names a compiler even when none is installed: probe it, so a machine without one
+    // builds the crate without the emulator instead of failing.
+    let probe = base(kdir, edir).try_get_compiler().map_err(|e| Skip(e.to_string()))?;
+    let ok = probe.to_command().arg("--version").output().is_ok_and(|o| o.status.success());
+    if !ok {
+        return Err(Skip(format!("no C++ compiler ({} does not run): set CXX or install g++", probe.path().display())));
+    }
+    build_with(kdir, edir, out).map_err(Fail)
+}
+
+fn build_with(kdir: &Path, edir: &Path, out: &Path) -> Result<(), String> {
     let mut cu: Vec<PathBuf> = fs::read_dir(kdir)
         .map_err(|e| format!("{}: {e}", kdir.display()))?
         .filter_map(|e| e.ok().map(|e| e.path()))
@@ -117,18 +123,11 @@ fn build_with(cxx: &str, kdir: &Path, edir: &Path, out: &Path) -> Result<(), Str
     for f in &cu {
         writeln!(includes, "#include {:?}", f.display().to_string()).unwrap();
     }
-    let flags = ["-std=c++17", "-O2", "-fPIC", "-fno-exceptions", "-fno-rtti", "-fno-threadsafe-statics", "-fno-strict-aliasing", "-w"];
-    let inc = |c: &mut Command| {
-        c.arg("-DFERRO_EMU").arg("-I").arg(kdir).arg("-I").arg(edir);
-    };
 
     let scan = out.join("ferro_emu_scan.cpp");
     fs::write(&scan, &includes).map_err(|e| e.to_string())?;
-    let mut c = Command::new(cxx);
-    c.args(["-std=c++17", "-E", "-P", "-DFERRO_EMU_SCAN"]);
-    inc(&mut c);
-    let pre = String::from_utf8_lossy(&run(c.arg(&scan))?).to_string();
-    let names = kernel_names(&pre);
+    let pre = base(kdir, edir).file(&scan).flag("-P").define("FERRO_EMU_SCAN", None).try_expand().map_err(|e| e.to_string())?;
+    let names = kernel_names(&String::from_utf8_lossy(&pre));
     if names.is_empty() {
         return Err("no kernels found in kernels/".into());
     }
@@ -155,27 +154,15 @@ extern "C" const FerroEmuKernel ferro_emu_kernels[] = {
     let kernels_cpp = out.join("ferro_emu_kernels.cpp");
     fs::write(&kernels_cpp, tu).map_err(|e| e.to_string())?;
 
-    // Compile both units in parallel.
-    let objs = [out.join("ferro_emu_kernels.o"), out.join("ferro_emu_runtime.o")];
-    let srcs = [kernels_cpp, edir.join("runtime.cpp")];
-    let mut children = Vec::new();
-    for (src, obj) in srcs.iter().zip(&objs) {
-        let mut c = Command::new(cxx);
-        c.args(flags).arg("-c");
-        inc(&mut c);
-        c.arg(src).arg("-o").arg(obj);
-        let child = c.stderr(std::process::Stdio::piped()).spawn().map_err(|e| format!("cannot run {cxx}: {e}"))?;
-        children.push((src.clone(), child));
-    }
-    for (src, child) in children {
-        let o = child.wait_with_output().map_err(|e| e.to_string())?;
-        if !o.status.success() {
-            return Err(format!("compiling {} failed:\n{}", src.display(), String::from_utf8_lossy(&o.stderr)));
-        }
-    }
-    let lib = out.join("libferro_emu.a");
-    let _ = fs::remove_file(&lib);
-    let ar = env::var("AR").unwrap_or_else(|_| "ar".into());
-    run(Command::new(ar).arg("crs").arg(&lib).args(&objs))?;
-    Ok(())
+    // Compiles both units (in parallel: cc's `parallel` feature), archives them into
+    // OUT_DIR/libferro_emu.a and prints the link-search / link-lib lines.
+    base(kdir, edir)
+        .flag("-fno-exceptions")
+        .flag("-fno-rtti")
+        .flag("-fno-threadsafe-statics")
+        .flag("-fno-strict-aliasing")
+        .file(&kernels_cpp)
+        .file(edir.join("runtime.cpp"))
+        .try_compile("ferro_emu")
+        .map_err(|e| e.to_string())
 }

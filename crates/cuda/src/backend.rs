@@ -37,7 +37,7 @@ impl CudaBackend {
         Ok(out)
     }
     fn check_bad_flag(&self, op: &str, flag: &CudaStorage, msg: &str) -> Result<()> {
-        let v: Vec<i32> = self.download(flag.buf.ptr, 1)?;
+        let v: Vec<i32> = self.download(&flag.buf, 0, 1)?;
         if v[0] != 0 {
             bail!(op, "{msg}");
         }
@@ -115,7 +115,13 @@ impl CudaBackend {
                 _ => return None,
             }
         }
-        Some(Operand { ptr: s.ptr_at(l.offset), trans, ld: ld.max(1) as i64, batch_stride: bstride.unwrap_or(0) as i64 })
+        Some(Operand {
+            ptr: s.ptr_at(l.offset),
+            avail: s.len.saturating_sub(l.offset),
+            trans,
+            ld: ld.max(1) as i64,
+            batch_stride: bstride.unwrap_or(0) as i64,
+        })
     }
 }
 
@@ -136,16 +142,16 @@ impl Backend for CudaBackend {
         let s = cuda("to_cpu", x.0)?;
         let n = x.1.numel();
         let tmp;
-        let ptr = if x.1.is_contiguous() {
-            s.ptr_at(x.1.offset)
+        let (buf, off) = if x.1.is_contiguous() {
+            (&s.buf, x.1.offset * s.dtype.size_in_bytes())
         } else {
             tmp = self.contiguous("to_cpu", x)?;
-            tmp.buf.ptr
+            (&tmp.buf, 0)
         };
         Ok(match s.dtype {
-            DType::F32 => CpuStorage::F32(self.download::<f32>(ptr, n)?),
-            DType::BF16 => CpuStorage::BF16(self.download::<u16>(ptr, n)?.into_iter().map(bf16::from_bits).collect()),
-            DType::I32 => CpuStorage::I32(self.download::<i32>(ptr, n)?),
+            DType::F32 => CpuStorage::F32(self.download::<f32>(buf, off, n)?),
+            DType::BF16 => CpuStorage::BF16(self.download::<u16>(buf, off, n)?.into_iter().map(bf16::from_bits).collect()),
+            DType::I32 => CpuStorage::I32(self.download::<i32>(buf, off, n)?),
             DType::F64 => bail!("to_cpu", "f64 is not supported on CUDA"),
         })
     }
@@ -289,17 +295,17 @@ impl Backend for CudaBackend {
             Some(o) => o,
             None => {
                 ta = self.contiguous("matmul", a)?;
-                Operand { ptr: ta.buf.ptr, trans: false, ld: k as i64, batch_stride: (m * k) as i64 }
+                Operand { ptr: ta.buf.ptr, avail: ta.len, trans: false, ld: k as i64, batch_stride: (m * k) as i64 }
             }
         };
         let ob = match Self::operand(b, sb, bdims) {
             Some(o) => o,
             None => {
                 tb = self.contiguous("matmul", b)?;
-                Operand { ptr: tb.buf.ptr, trans: false, ld: n as i64, batch_stride: (k * n) as i64 }
+                Operand { ptr: tb.buf.ptr, avail: tb.len, trans: false, ld: n as i64, batch_stride: (k * n) as i64 }
             }
         };
-        self.gemm(sa.dtype, oa, ob, m, n, k, batch, out.buf.ptr)?;
+        self.gemm(sa.dtype, oa, ob, m, n, k, batch, (out.buf.ptr, out.len))?;
         Ok(self.wrap(out))
     }
     fn cat(&self, parts: &[Sl], dim: usize) -> Result<Storage> {
@@ -339,7 +345,7 @@ impl Backend for CudaBackend {
         let ids_c = self.contiguous("embedding", ids)?;
         let n = ids_c.len;
         let bad = self.alloc(1, DType::I32)?;
-        self.memset0(bad.buf.ptr, 4)?;
+        self.memset0(&bad.buf, 4)?;
         self.launch("ids_check", grid1(n, B), B, 0, Args::new().push(ids_c.buf.ptr).push(n as i64).push(vocab as i64).push(bad.buf.ptr))?;
         self.check_bad_flag("embedding", &bad, &format!("a token id is out of range for a vocabulary of {vocab}"))?;
         let out = self.alloc(n * d, sw.dtype)?;
@@ -358,7 +364,7 @@ impl Backend for CudaBackend {
         let ids_c = self.contiguous("embedding_backward", ids)?;
         let n = ids_c.len;
         let acc = self.alloc(vocab * d, DType::F32)?;
-        self.memset0(acc.buf.ptr, vocab * d * 4)?;
+        self.memset0(&acc.buf, vocab * d * 4)?;
         let grid = (vocab.div_ceil(64).max(1) as u32, d.div_ceil(128).max(1) as u32, 1);
         self.launch(
             kname("embedding_bwd", sfx("embedding_backward", s.dtype)?),
@@ -440,7 +446,7 @@ impl Backend for CudaBackend {
         let nchunks = n.div_ceil(rpc).max(1);
         let partial = self.alloc(nchunks * d, DType::F32)?;
         if n == 0 {
-            self.memset0(partial.buf.ptr, nchunks * d * 4)?;
+            self.memset0(&partial.buf, nchunks * d * 4)?;
         }
         self.launch(
             kname("rmsnorm_bwd_dw_partial", sf),
@@ -682,7 +688,7 @@ impl Backend for CudaBackend {
         let (n, v) = rows(logits.1);
         let t = self.contiguous(op, targets)?;
         let bad = self.alloc(1, DType::I32)?;
-        self.memset0(bad.buf.ptr, 4)?;
+        self.memset0(&bad.buf, 4)?;
         self.launch(
             "targets_check",
             grid1(n, B),
@@ -724,7 +730,7 @@ impl Backend for CudaBackend {
                 .push(0u64),
         )?;
         self.check_bad_flag(op, &bad, &format!("a target is out of range for {v} classes (ignore_index is {ignore_index})"))?;
-        let c: Vec<i32> = self.download(count.buf.ptr, 1)?;
+        let c: Vec<i32> = self.download(&count.buf, 0, 1)?;
         Ok((self.wrap(loss), self.wrap(lse), c[0] as usize))
     }
     fn cross_entropy_backward(&self, logits: Sl, targets: Sl, lse: Sl, ignore_index: i32, scale: Sl) -> Result<Storage> {
@@ -790,13 +796,13 @@ impl Backend for CudaBackend {
             gs.push(c);
         }
         let out = self.grad_norm(&gs, 0.0)?;
-        let v: Vec<f32> = self.download(out.buf.ptr, 1)?;
+        let v: Vec<f32> = self.download(&out.buf, 0, 1)?;
         Ok(Some(v[0] as f64))
     }
 }
 
 fn check_attn(op: &str, a: AttnDims) -> Result<()> {
-    if a.hkv == 0 || a.hq % a.hkv != 0 {
+    if a.hkv == 0 || !a.hq.is_multiple_of(a.hkv) {
         bail!(op, "query heads ({}) must be a multiple of kv heads ({})", a.hq, a.hkv);
     }
     if a.d > 256 {

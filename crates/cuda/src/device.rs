@@ -77,7 +77,10 @@ impl CudaBackend {
             bail!("cuda", "device cuda:{ordinal} does not exist ({n} device(s) visible)");
         }
         let ctx = CudaContext::new(ordinal).map_err(err("cuda"))?;
-        // Buffers from the pool are raw pointers ordered by our own stream discipline.
+        // SAFETY: cudarc's event tracking orders its own CudaSlice buffers across streams; this
+        // backend never uses CudaSlice for tensors: pool buffers are raw pointers ordered by its
+        // own stream discipline (one compute stream, events for copy streams), so nothing
+        // relies on the tracking being on. Called before any stream or buffer exists.
         unsafe { ctx.disable_event_tracking() };
         let stream = ctx.new_stream().map_err(err("cuda"))?;
         let module = load_module(&ctx, image)?;
@@ -209,9 +212,10 @@ impl CudaBackend {
         if dtype == DType::F64 {
             bail!("cuda", "f64 tensors are not supported on CUDA (use f32 or bf16)");
         }
-        let buf = self.raw_alloc(n * dtype.size_in_bytes())?;
+        let bytes = n.checked_mul(dtype.size_in_bytes()).ok_or_else(|| Error::new("alloc", format!("{n} elements of {dtype} overflow")))?;
+        let buf = self.raw_alloc(bytes)?;
         if self.poison && n > 0 {
-            self.memset(buf.ptr, 0xFF, n * dtype.size_in_bytes())?;
+            self.memset(&buf, 0xFF, bytes)?;
         }
         Ok(CudaStorage { buf, dtype, len: n, ordinal: self.ordinal })
     }
@@ -234,15 +238,28 @@ impl CudaBackend {
             f.set_attribute(sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, smem as i32)
                 .map_err(|e| Error::new(name, format!("cannot enable {smem} bytes of shared memory: {e:?}")))?;
         }
-        // SAFETY: the argument list matches the kernel's signature (checked by the GPU tests),
-        // every pointer refers to live pool memory ordered on this stream.
+        // SAFETY: `args` holds one pointer per kernel parameter, to a value of the parameter's
+        // type: each launcher in launch.rs / backend.rs builds it for the kernel it names (a
+        // mismatch would show in the kernel tests, which run the same launchers on the emulator).
+        // Device pointers among them are live pool blocks sized by those launchers for the
+        // element counts they pass, and stay allocated until the stream has run the kernel.
         unsafe { result::launch_kernel(f.cu_function(), grid, (block, 1, 1), smem, g.stream.cu_stream(), &mut args.ptrs) }
             .map_err(|e| Error::new(name, format!("launch failed: {e:?}")))
     }
 
     /// out (batch, m, n) contiguous = a · b through cuBLASLt (or its reference on the emulator).
     #[allow(clippy::too_many_arguments)]
-    pub(crate) fn gemm(&self, dtype: DType, a: Operand, b: Operand, m: usize, n: usize, k: usize, batch: usize, out: u64) -> Result<()> {
+    pub(crate) fn gemm(
+        &self,
+        dtype: DType,
+        a: Operand,
+        b: Operand,
+        m: usize,
+        n: usize,
+        k: usize,
+        batch: usize,
+        out: (u64, usize),
+    ) -> Result<()> {
         let call = LtCall::plan(dtype, a, b, m, n, k, batch, out)?;
         match &self.exec {
             Exec::Gpu(g) => {
@@ -255,6 +272,9 @@ impl CudaBackend {
 
     /// Host -> device copy of a slice into new storage.
     pub(crate) fn upload<T: Copy>(&self, v: &[T], dtype: DType) -> Result<CudaStorage> {
+        if std::mem::size_of::<T>() != dtype.size_in_bytes() {
+            bail!("upload", "{}-byte host elements cannot fill {dtype} storage", std::mem::size_of::<T>());
+        }
         let s = self.alloc(v.len(), dtype)?;
         if v.is_empty() {
             return Ok(s);
@@ -262,16 +282,26 @@ impl CudaBackend {
         match &self.exec {
             Exec::Gpu(g) => {
                 self.bind()?;
-                // SAFETY: s has room for v; pageable source is staged before the call returns.
+                // SAFETY: s holds v.len() elements of dtype, which has T's size (checked above), so
+                // the destination has room for the bytes of v; a pageable source is staged by the
+                // driver before the call returns, so v may be dropped afterwards.
                 unsafe { result::memcpy_htod_async(s.buf.ptr, v, g.stream.cu_stream()) }.map_err(err("upload"))?;
             }
-            // SAFETY: emulated device pointers are host addresses; s has room for v.
+            // SAFETY: emulated device pointers are host addresses of live pool blocks; s has room
+            // for size_of_val(v) bytes (element sizes checked above) and is a fresh block, so the
+            // ranges do not overlap.
             Exec::Emu => unsafe { std::ptr::copy_nonoverlapping(v.as_ptr() as *const u8, s.buf.ptr as *mut u8, std::mem::size_of_val(v)) },
         }
         Ok(s)
     }
-    /// Device -> host copy of `n` elements at `ptr` (synchronises the compute stream).
-    pub(crate) fn download<T: Copy + Default>(&self, ptr: u64, n: usize) -> Result<Vec<T>> {
+    /// Device -> host copy of `n` elements `offset` bytes into `buf` (synchronises the compute
+    /// stream). `T` must be a plain number type (every bit pattern valid).
+    pub(crate) fn download<T: Copy + Default>(&self, buf: &DevBuf, offset: usize, n: usize) -> Result<Vec<T>> {
+        let end = n.checked_mul(std::mem::size_of::<T>()).and_then(|b| b.checked_add(offset));
+        if end.is_none_or(|e| e > buf.class) {
+            bail!("download", "{n} elements at byte {offset} are past the end of a {}-byte buffer", buf.class);
+        }
+        let ptr = buf.ptr + offset as u64;
         let mut v = vec![T::default(); n];
         if n == 0 {
             return Ok(v);
@@ -279,29 +309,40 @@ impl CudaBackend {
         match &self.exec {
             Exec::Gpu(g) => {
                 self.bind()?;
+                // SAFETY: the source range lies inside `buf` (checked above) and v has room for n
+                // elements; v is neither read nor dropped before the synchronize below.
                 unsafe { result::memcpy_dtoh_async(&mut v, ptr, g.stream.cu_stream()) }.map_err(err("download"))?;
                 self.synchronize()?;
             }
-            // SAFETY: emulated device pointers are host addresses of live pool buffers.
+            // SAFETY: emulated device pointers are host addresses of live pool blocks (256-byte
+            // aligned, and `offset` is a multiple of T's size at every call site); the range lies
+            // inside `buf` (checked above); v is a fresh Vec of n elements, so no overlap.
             Exec::Emu => unsafe { std::ptr::copy_nonoverlapping(ptr as *const T, v.as_mut_ptr(), n) },
         }
         Ok(v)
     }
-    /// Zero-fills `bytes` at `ptr` on the compute stream.
-    pub(crate) fn memset0(&self, ptr: u64, bytes: usize) -> Result<()> {
-        self.memset(ptr, 0, bytes)
+    /// Zero-fills the first `bytes` of `buf` on the compute stream.
+    pub(crate) fn memset0(&self, buf: &DevBuf, bytes: usize) -> Result<()> {
+        self.memset(buf, 0, bytes)
     }
-    fn memset(&self, ptr: u64, byte: u8, bytes: usize) -> Result<()> {
+    fn memset(&self, buf: &DevBuf, byte: u8, bytes: usize) -> Result<()> {
+        if bytes > buf.class {
+            bail!("memset", "{bytes} bytes do not fit a {}-byte buffer", buf.class);
+        }
         if bytes == 0 {
             return Ok(());
         }
+        let ptr = buf.ptr;
         match &self.exec {
             Exec::Gpu(g) => {
                 self.bind()?;
+                // SAFETY: the range lies inside `buf` (checked above), which stays alive until the
+                // stream has run the memset (pool blocks are reused only in stream order).
                 unsafe { result::memset_d8_async(ptr, byte, bytes, g.stream.cu_stream()) }.map_err(err("memset"))
             }
             Exec::Emu => {
-                // SAFETY: emulated device pointers are host addresses of live pool buffers.
+                // SAFETY: emulated device pointers are host addresses of live pool blocks; the
+                // range lies inside `buf` (checked above).
                 unsafe { std::ptr::write_bytes(ptr as *mut u8, byte, bytes) };
                 Ok(())
             }

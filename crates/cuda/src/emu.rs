@@ -45,14 +45,17 @@ fn find(name: &str) -> Option<Entry> {
     use std::sync::OnceLock;
     static TABLE: OnceLock<HashMap<String, usize>> = OnceLock::new();
     let t = TABLE.get_or_init(|| {
-        // SAFETY: build.rs emits `ferro_emu_kernel_count` entries with NUL-terminated names.
+        // SAFETY: the generated translation unit (build.rs) defines `ferro_emu_kernels` as an
+        // array of exactly `ferro_emu_kernel_count` entries whose names are string literals
+        // (NUL-terminated, static), and both are immutable.
         unsafe {
             let n = ffi::ferro_emu_kernel_count as usize;
             let base = ffi::ferro_emu_kernels.as_ptr();
             (0..n).map(|i| (std::ffi::CStr::from_ptr((*base.add(i)).name).to_string_lossy().into_owned(), i)).collect()
         }
     });
-    // SAFETY: the index is within the table.
+    // SAFETY: every index in the table is below `ferro_emu_kernel_count` (built from 0..n above),
+    // so the entry is inside the immutable static array.
     t.get(name).map(|&i| unsafe { (*ffi::ferro_emu_kernels.as_ptr().add(i)).run })
 }
 
@@ -62,7 +65,9 @@ pub(crate) fn launch(name: &'static str, grid: (u32, u32, u32), block: u32, smem
     let Some(entry) = find(name) else { bail!(name, "kernel not found in the image (emulator)") };
     let mut err = vec![0u8; 1024];
     // SAFETY: args points at one value per kernel parameter, of the parameter's type (the same
-    // contract as cuLaunchKernel); device pointers in them are live host allocations.
+    // contract as cuLaunchKernel, met by the launchers as for the GPU); device pointers in them
+    // are live host allocations of the pool, sized by the launchers; `err` is a writable buffer
+    // of the length passed, which the runtime NUL-terminates within it.
     let rc =
         unsafe { ffi::ferro_emu_run(entry, grid.0, grid.1, grid.2, block, smem, args.as_mut_ptr(), err.as_mut_ptr() as *mut _, err.len()) };
     if rc != 0 {
@@ -80,7 +85,7 @@ pub(crate) fn launch(name: &'static str, _: (u32, u32, u32), _: u32, _: u32, _: 
 /// Launches from the calling thread visit a block's threads in reverse order at every scheduling
 /// round (`true`) or in order. A race-free kernel gives the same bits either way.
 pub(crate) fn set_reverse_schedule(on: bool) {
-    // SAFETY: sets a thread-local flag in the runtime.
+    // SAFETY: only stores an int into a thread_local of the runtime; no pointers involved.
     #[cfg(ferro_emu)]
     unsafe {
         ffi::ferro_emu_set_reverse(on as _)
@@ -125,9 +130,11 @@ pub(crate) fn lt_matmul(c: &LtCall) -> Result<()> {
     for bi in 0..c.batch {
         let (ba, bb, bd) = (bi as i64 * c.a.stride, bi as i64 * c.b.stride, bi as i64 * c.d.stride);
         acc.iter_mut().for_each(|x| *x = 0.0);
-        // SAFETY: emulated device pointers are host addresses; the planner sized every operand
-        // for these indices (a wrong plan reads out of its buffer, which the tests would show as
-        // wrong values or a crash, the same as on a GPU).
+        // SAFETY: emulated device pointers are host addresses of live pool blocks, aligned for
+        // f32/bf16; `check` above refused negative lds and strides, and LtCall::plan checked
+        // that the last element each matrix touches, (batch-1)*stride + (cols-1)*ld + rows-1,
+        // lies inside its buffer, so every offset computed below is in bounds. D does not
+        // alias A or B (it is a fresh allocation).
         unsafe {
             let load = |x: &LtMatrix, off: i64| -> f32 {
                 if c.bf16 {

@@ -19,6 +19,8 @@ const WORKSPACE: usize = 32 << 20;
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub struct Operand {
     pub ptr: u64,
+    /// Elements of the buffer from `ptr` on: every element the GEMM reads must lie below it.
+    pub avail: usize,
     pub trans: bool,
     pub ld: i64,
     pub batch_stride: i64,
@@ -44,6 +46,8 @@ struct Key {
 #[derive(Clone, Copy, Debug)]
 pub struct LtMatrix {
     pub ptr: u64,
+    /// Elements of the buffer from `ptr` on (see `LtMatrix::check_bounds`).
+    pub avail: usize,
     pub rows: usize,
     pub cols: usize,
     pub ld: i64,
@@ -65,9 +69,11 @@ pub struct LtCall {
 }
 
 impl LtCall {
-    /// Row-major out (batch, m, n) contiguous = a (batch, m, k) · b (batch, k, n).
+    /// Row-major out (batch, m, n) contiguous = a (batch, m, k) · b (batch, k, n); `out` is the
+    /// output's (address, elements). Every operand's extent is checked against its buffer, so
+    /// neither cuBLASLt nor the emulator's reference can touch memory outside it.
     #[allow(clippy::too_many_arguments)]
-    pub fn plan(dtype: DType, a: Operand, b: Operand, m: usize, n: usize, k: usize, batch: usize, out: u64) -> Result<LtCall> {
+    pub fn plan(dtype: DType, a: Operand, b: Operand, m: usize, n: usize, k: usize, batch: usize, out: (u64, usize)) -> Result<LtCall> {
         let bf16 = match dtype {
             DType::BF16 => true,
             DType::F32 => false,
@@ -77,16 +83,47 @@ impl LtCall {
                                            // Lt A = B^T (n, k); Lt B = A^T (k, m); D = C^T (n, m).
         let (ar, ac) = if ta { (k, n) } else { (n, k) };
         let (br, bc) = if tb { (m, k) } else { (k, m) };
-        Ok(LtCall {
+        let call = LtCall {
             bf16,
             ta,
             tb,
             k,
             batch,
-            a: LtMatrix { ptr: b.ptr, rows: ar, cols: ac, ld: b.ld, stride: b.batch_stride },
-            b: LtMatrix { ptr: a.ptr, rows: br, cols: bc, ld: a.ld, stride: a.batch_stride },
-            d: LtMatrix { ptr: out, rows: n, cols: m, ld: n as i64, stride: (m * n) as i64 },
-        })
+            a: LtMatrix { ptr: b.ptr, avail: b.avail, rows: ar, cols: ac, ld: b.ld, stride: b.batch_stride },
+            b: LtMatrix { ptr: a.ptr, avail: a.avail, rows: br, cols: bc, ld: a.ld, stride: a.batch_stride },
+            d: LtMatrix { ptr: out.0, avail: out.1, rows: n, cols: m, ld: n as i64, stride: (m * n) as i64 },
+        };
+        for (name, x) in [("b", &call.a), ("a", &call.b), ("out", &call.d)] {
+            x.check_bounds(name, batch)?;
+        }
+        Ok(call)
+    }
+}
+
+impl LtMatrix {
+    /// The last element `batch` column-major matrices touch, `(batch-1)*stride + (cols-1)*ld +
+    /// rows - 1`, lies inside the buffer (negative strides and lds are refused).
+    fn check_bounds(&self, name: &str, batch: usize) -> Result<()> {
+        if batch == 0 {
+            return Ok(());
+        }
+        let last = (|| {
+            let ld = u64::try_from(self.ld).ok()?;
+            let stride = if batch > 1 { u64::try_from(self.stride).ok()? } else { 0 };
+            let rows = (self.rows as u64).checked_sub(1)?;
+            let cols = (self.cols as u64).checked_sub(1)?;
+            stride.checked_mul(batch as u64 - 1)?.checked_add(cols.checked_mul(ld)?)?.checked_add(rows)
+        })();
+        match last {
+            Some(l) if l < self.avail as u64 => Ok(()),
+            _ => Err(Error::new(
+                "matmul",
+                format!(
+                    "operand {name} ({} x {}, ld {}, batch {batch} of stride {}) reaches past its buffer of {} elements",
+                    self.rows, self.cols, self.ld, self.stride, self.avail
+                ),
+            )),
+        }
     }
 }
 
@@ -95,11 +132,13 @@ pub struct Gemm {
     workspace: DevBuf,
     algos: HashMap<Key, sys::cublasLtMatmulAlgo_t>,
 }
-// SAFETY: the handle is only used under the backend's Mutex.
+// SAFETY: a cuBLASLt handle may be used from any thread as long as calls on it do not run
+// concurrently; the backend keeps its Gemm behind a Mutex, so only one thread uses it at a time.
 unsafe impl Send for Gemm {}
 
 impl Drop for Gemm {
     fn drop(&mut self) {
+        // SAFETY: the handle came from create_handle in Gemm::new, is destroyed only here, once.
         unsafe {
             let _ = lt::destroy_handle(self.handle);
         }
@@ -112,6 +151,8 @@ struct Descs {
 }
 impl Drop for Descs {
     fn drop(&mut self) {
+        // SAFETY: non-null descriptors were created by create_matrix_layout / create_matmul_desc
+        // for this Descs alone and are destroyed only here, once; null ones are skipped.
         unsafe {
             for l in self.layouts {
                 if !l.is_null() {
@@ -129,6 +170,8 @@ fn layout(dt: sys::cudaDataType, rows: usize, cols: usize, ld: i64, batch: usize
     let l = lt::create_matrix_layout(dt, rows as u64, cols as u64, ld).map_err(err("matmul"))?;
     if batch > 1 {
         let b = batch as i32;
+        // SAFETY: `l` is a live layout created just above; each attribute value points at a
+        // local of exactly the size passed (i32: 4 bytes, i64: 8), which cuBLASLt copies.
         unsafe {
             lt::set_matrix_layout_attribute(
                 l,
@@ -171,6 +214,8 @@ impl Gemm {
                 cudarc::cublas::sys::cublasOperation_t::CUBLAS_OP_N
             }
         };
+        // SAFETY: `op` is a live descriptor (owned by `d`); each value points at a local
+        // cublasOperation_t and passes its exact size, which cuBLASLt copies.
         unsafe {
             let (oa, ob) = (opn(c.ta), opn(c.tb));
             lt::set_matmul_desc_attribute(
@@ -209,6 +254,8 @@ impl Gemm {
             None => {
                 let pref = lt::create_matmul_pref().map_err(err("matmul"))?;
                 let ws = WORKSPACE as u64;
+                // SAFETY: `pref` is live until destroyed below, the workspace size points at a
+                // local u64 passed with size 8, and the handle, descriptor and layouts are live.
                 let h = unsafe {
                     let r = lt::set_matmul_pref_attribute(
                         pref,
@@ -227,6 +274,11 @@ impl Gemm {
             }
         };
         let (alpha, beta) = (1.0f32, 0.0f32);
+        // SAFETY: the handle, descriptor and layouts are live; alpha/beta are f32 as the f32
+        // compute type requires; every operand's extent (rows, cols, ld, batch stride) was checked
+        // against its buffer in LtCall::plan, and the buffers are pool blocks that stay allocated
+        // until the stream has run this call (blocks are reused only in stream order); the
+        // workspace is a WORKSPACE-byte pool block owned by self.
         unsafe {
             lt::matmul(
                 self.handle,
@@ -248,5 +300,29 @@ impl Gemm {
             )
         }
         .map_err(|e| Error::new("matmul", format!("cuBLASLt matmul failed: {e:?}")))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn op(avail: usize, ld: i64, batch_stride: i64) -> Operand {
+        Operand { ptr: 0x1000, avail, trans: false, ld, batch_stride }
+    }
+
+    /// The planner refuses operands whose extent is past their buffers (before cuBLASLt or the
+    /// emulator could read them).
+    #[test]
+    fn plan_checks_every_operand_against_its_buffer() {
+        // (2, 3) x (3, 4) -> (2, 4), two batches.
+        let ok = LtCall::plan(DType::F32, op(12, 3, 6), op(24, 4, 12), 2, 4, 3, 2, (0x2000, 16));
+        assert!(ok.is_ok(), "{ok:?}");
+        for (a, b, out) in [(op(11, 3, 6), op(24, 4, 12), 16), (op(12, 3, 6), op(23, 4, 12), 16), (op(12, 3, 6), op(24, 4, 12), 15)] {
+            let e = LtCall::plan(DType::F32, a, b, 2, 4, 3, 2, (0x2000, out)).unwrap_err().to_string();
+            assert!(e.contains("reaches past its buffer"), "{e}");
+        }
+        assert!(LtCall::plan(DType::F32, op(12, -3, 6), op(24, 4, 12), 2, 4, 3, 2, (0x2000, 16)).is_err());
+        assert!(LtCall::plan(DType::F32, op(12, 3, i64::MAX), op(24, 4, 12), 2, 4, 3, 2, (0x2000, 16)).is_err());
     }
 }

@@ -134,9 +134,24 @@ pub struct AdamWParams {
     pub step: u32,
 }
 
-fn as_bytes<T: Copy>(v: &[T]) -> &[u8] {
-    // SAFETY: plain-old-data repr(C) structs.
-    unsafe { std::slice::from_raw_parts(v.as_ptr() as *const u8, std::mem::size_of_val(v)) }
+/// `repr(C)` structs passed to kernels as raw words: only fields of plain number types and no
+/// padding, so every byte of a value is initialised (checked at compile time below), and a size
+/// that is a multiple of 4.
+trait KernelPod: Copy {}
+impl KernelPod for AdamT {}
+impl KernelPod for GradT {}
+impl KernelPod for BlockMap {}
+const _: () = assert!(std::mem::size_of::<AdamT>() == 5 * 8 + 8 + 4 + 4);
+const _: () = assert!(std::mem::size_of::<GradT>() == 8 + 8 + 4 + 4);
+const _: () = assert!(std::mem::size_of::<BlockMap>() == 4 + 4 + 8);
+
+/// The bytes of `v` as native-endian i32 words, the I32 storage the kernels read them from.
+fn as_words<T: KernelPod>(v: &[T]) -> Vec<i32> {
+    // SAFETY: T is one of the KernelPod structs: no padding (sizes asserted above equal the sum
+    // of their fields), so all size_of_val(v) bytes are initialised; u8 has alignment 1, and the
+    // slice borrows v only within this function.
+    let bytes = unsafe { std::slice::from_raw_parts(v.as_ptr() as *const u8, std::mem::size_of_val(v)) };
+    bytes.chunks_exact(4).map(|c| i32::from_ne_bytes([c[0], c[1], c[2], c[3]])).collect()
 }
 
 impl CudaBackend {
@@ -193,8 +208,8 @@ impl CudaBackend {
         if map.is_empty() {
             return Ok(());
         }
-        let dt = self.upload(as_bytes(&table), DType::I32)?;
-        let dm = self.upload(as_bytes(&map), DType::I32)?;
+        let dt = self.upload(&as_words(&table), DType::I32)?;
+        let dm = self.upload(&as_words(&map), DType::I32)?;
         let bc1 = 1.0 - (p.beta1 as f64).powi(p.step as i32);
         let bc2 = 1.0 - (p.beta2 as f64).powi(p.step as i32);
         let args = Args::new()
@@ -224,10 +239,10 @@ impl CudaBackend {
         let map = Self::block_map(&table.iter().map(|t| t.n as usize).collect::<Vec<_>>());
         let partial = self.alloc(map.len().max(1), DType::F32)?;
         if map.is_empty() {
-            self.memset0(partial.buf.ptr, 4)?;
+            self.memset0(&partial.buf, 4)?;
         } else {
-            let dt = self.upload(as_bytes(&table), DType::I32)?;
-            let dm = self.upload(as_bytes(&map), DType::I32)?;
+            let dt = self.upload(&as_words(&table), DType::I32)?;
+            let dm = self.upload(&as_words(&map), DType::I32)?;
             self.launch(
                 "grad_norm_partial",
                 (map.len() as u32, 1, 1),

@@ -51,6 +51,8 @@ impl KernelImage {
 
 /// True when libnvrtc can be loaded (no GPU needed): the kernel sources can then be compiled.
 pub fn nvrtc_available() -> bool {
+    // SAFETY: only tries to dlopen libnvrtc and look up its symbols; no NVRTC function is called.
+    // (catch_unwind: cudarc's loader panics when the library is missing.)
     std::panic::catch_unwind(|| unsafe { cudarc::nvrtc::sys::is_culib_present() }).unwrap_or(false)
 }
 
@@ -63,7 +65,7 @@ pub fn is_available() -> bool {
 /// Number of CUDA devices (0 when the driver library is missing or fails to initialise).
 pub fn device_count() -> usize {
     let r = std::panic::catch_unwind(|| {
-        // SAFETY: only probes whether the shared library can be opened.
+        // SAFETY: only tries to dlopen libcuda and look up its symbols; no driver call is made.
         if !unsafe { cudarc::driver::sys::is_culib_present() } {
             return 0;
         }

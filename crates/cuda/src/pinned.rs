@@ -58,8 +58,9 @@ impl CudaBackend {
         let mem = match &self.exec {
             Exec::Gpu(g) => {
                 self.bind()?;
-                // SAFETY: flags 0 = plain page-locked memory (not write-combined: the host reads it);
-                // zeroed below before anyone can read it.
+                // SAFETY: cuMemHostAlloc of bytes.max(1) bytes with flags 0 (plain page-locked,
+                // not write-combined: the host reads it) on the bound context; the memory is
+                // uninitialised, and is zeroed below before anything reads it.
                 let mut p = unsafe { g.ctx.alloc_pinned_with_flags::<u8>(bytes.max(1), 0) }.map_err(err("alloc_pinned"))?;
                 p.as_mut_slice().map_err(err("alloc_pinned"))?.fill(0);
                 Mem::Pinned(p)
@@ -108,14 +109,18 @@ impl CudaBackend {
             return Ok(());
         }
         match &mut dst.mem {
-            // SAFETY: emulated device pointers are host addresses of live pool buffers.
+            // SAFETY: emulated device pointers are host addresses of live pool blocks; check_sizes
+            // made n = src.len * element size = v.len(), and src's block holds at least that
+            // (alloc sized it); a pool block and a Vec never overlap.
             Mem::Plain(v) => unsafe { std::ptr::copy_nonoverlapping(src.buf.ptr as *const u8, v.as_mut_ptr(), n) },
             Mem::Pinned(p) => {
                 let s = self.copy_stream(stream)?;
                 self.bind()?;
                 let host = &mut p.as_mut_slice().map_err(err("copy_to_pinned"))?[..n];
-                // SAFETY: page-locked destination that stays alive (owned by dst) and is not
-                // accessed until `pending` completes; the source is ordered by copy_stream.
+                // SAFETY: `host` is n bytes of a page-locked buffer owned by dst, which stays alive
+                // and is not accessed until `pending` completes (wait() is called before every
+                // access); the n-byte source range lies inside src's block (check_sizes), which the
+                // copy stream reads after the work ordered before it.
                 unsafe { result::memcpy_dtoh_async(host, src.buf.ptr, s.cu_stream()) }.map_err(err("copy_to_pinned"))?;
                 self.after_copy(s, dst)?;
             }
@@ -132,13 +137,14 @@ impl CudaBackend {
             return Ok(());
         }
         match &mut src.mem {
-            // SAFETY: as above.
+            // SAFETY: as above, with the roles swapped: n = v.len() bytes fit dst's block.
             Mem::Plain(v) => unsafe { std::ptr::copy_nonoverlapping(v.as_ptr(), dst.buf.ptr as *mut u8, n) },
             Mem::Pinned(p) => {
                 let s = self.copy_stream(stream)?;
                 self.bind()?;
                 let host = &p.as_slice().map_err(err("copy_from_pinned"))?[..n];
-                // SAFETY: page-locked source kept alive and unmodified until `pending` completes.
+                // SAFETY: page-locked source of n bytes, kept alive and unmodified until `pending`
+                // completes; the destination range lies inside dst's block (check_sizes).
                 unsafe { result::memcpy_htod_async(dst.buf.ptr, host, s.cu_stream()) }.map_err(err("copy_from_pinned"))?;
                 self.after_copy(s, src)?;
             }

@@ -11,12 +11,13 @@ use ferrolm_tensor::Result;
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
 
-/// Size classes: 4 steps per power of two above 512 bytes (at most 25% waste).
-fn size_class(bytes: usize) -> usize {
+/// Size classes: 4 steps per power of two above 512 bytes (at most 25% waste). `None` when the
+/// class would not fit `isize` (no allocator can serve it, and the rounding would overflow).
+fn size_class(bytes: usize) -> Option<usize> {
     let b = bytes.max(512);
     let p = usize::BITS - 1 - b.leading_zeros(); // floor(log2 b)
     let step = (1usize << p) / 4;
-    b.div_ceil(step) * step
+    b.div_ceil(step).checked_mul(step).filter(|&c| c <= isize::MAX as usize)
 }
 
 #[derive(Default)]
@@ -43,12 +44,14 @@ impl Mem {
         match self {
             Mem::Gpu(ctx) => {
                 ctx.bind_to_thread().map_err(|e| format!("{e:?}"))?;
-                // SAFETY: plain device allocation; the memory is uninitialised until a kernel writes it.
+                // SAFETY: cuMemAlloc of `bytes` (a size class, > 0) on the context bound above; the
+                // memory is uninitialised until written, and no Rust reference is made to it.
                 unsafe { result::malloc_sync(bytes) }.map_err(|e| format!("{e:?}"))
             }
             Mem::Host => {
                 let l = std::alloc::Layout::from_size_align(bytes, HOST_ALIGN).map_err(|e| e.to_string())?;
-                // SAFETY: non-zero size (size classes are >= 512 bytes).
+                // SAFETY: `l` has a non-zero size (size classes are >= 512 bytes) and a valid
+                // alignment (checked by from_size_align above).
                 let p = unsafe { std::alloc::alloc(l) };
                 if p.is_null() {
                     return Err("host allocation failed".into());
@@ -59,11 +62,14 @@ impl Mem {
     }
     fn free(&self, ptr: sys::CUdeviceptr, bytes: usize) {
         match self {
-            // SAFETY: ptr came from malloc_sync and no live DevBuf refers to it.
             Mem::Gpu(_) => {
+                // SAFETY: `ptr` came from malloc_sync (pool blocks are only ever made there) and
+                // sits in a free list, so no live DevBuf refers to it; callers synchronise the
+                // streams before trimming, so no queued kernel still uses it.
                 let _ = unsafe { result::free_sync(ptr) };
             }
-            // SAFETY: allocated above with this size and alignment.
+            // SAFETY: `ptr` came from `alloc` above with size `bytes` (its size class, which is
+            // what free lists are keyed by) and HOST_ALIGN, a layout that was valid then.
             Mem::Host => unsafe { std::alloc::dealloc(ptr as *mut u8, std::alloc::Layout::from_size_align_unchecked(bytes, HOST_ALIGN)) },
         }
     }
@@ -102,7 +108,7 @@ impl Pool {
         Arc::new(Pool { mem, lists: Mutex::new(Lists::default()) })
     }
     pub fn alloc(self: &Arc<Self>, bytes: usize) -> Result<DevBuf> {
-        let class = size_class(bytes);
+        let class = size_class(bytes).ok_or_else(|| ferrolm_tensor::Error::new("alloc", format!("{bytes} bytes cannot be allocated")))?;
         {
             let mut l = self.lists.lock().unwrap_or_else(|e| e.into_inner());
             if let Some(ptr) = l.free.get_mut(&class).and_then(|v| v.pop()) {
@@ -176,9 +182,11 @@ mod tests {
     #[test]
     fn size_classes_cover_the_request_with_bounded_waste() {
         for b in [0usize, 1, 511, 512, 513, 1000, 4096, 5000, 1 << 20, (1 << 20) + 1, 123_456_789] {
-            let c = size_class(b);
+            let c = size_class(b).unwrap();
             assert!(c >= b && c >= 512);
             assert!(b < 512 || c as f64 <= b as f64 * 1.25 + 1.0, "{b} -> {c}");
         }
+        assert_eq!(size_class(usize::MAX), None);
+        assert_eq!(size_class(isize::MAX as usize), None);
     }
 }

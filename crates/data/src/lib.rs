@@ -2,20 +2,23 @@
 //!
 //! - [`Tokenizer`]: any Hugging Face `tokenizer.json` (byte-level BPE trainer included);
 //! - [`shard`]: memory-mapped binary token shards (`FRLMTOK` header + u16/u32 ids);
-//! - [`prepare_text_dir`]: `.txt` files -> train/val shards;
+//! - [`prepare_text_dir`]: `.txt` files -> train/val shards and a manifest;
+//! - [`check_token_data`]: a prepared directory checked against the tokenizer at open;
 //! - [`DataLoader`]: seeded, resumable shuffled batches, and [`eval_batches`].
 //!
 //! The crate deals in plain `Vec<u32>` / `Vec<i32>` and does not depend on the
 //! tensor crate, so it builds and tests on its own.
 
+pub mod check;
 pub mod error;
 pub mod loader;
 pub mod prepare;
 pub mod shard;
 pub mod tokenizer;
 
+pub use check::{check_shard_ids, check_token_data, TokenData};
 pub use error::{Error, Result};
 pub use loader::{eval_batches, Batch, DataLoader, EvalBatches, LoaderState};
-pub use prepare::{list_shards, prepare_text_dir, text_files, PrepareSummary};
+pub use prepare::{list_shards, prepare_text_dir, text_files, PrepareSummary, ShardInfo};
 pub use shard::{Shard, ShardWriter, TokenDtype};
 pub use tokenizer::{train_byte_level_bpe, Tokenizer, BOS_TOKEN, EOS_TOKEN};

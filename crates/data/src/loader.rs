@@ -115,6 +115,30 @@ impl Windows {
     }
 }
 
+/// Most token ids one step may draw (all ranks): 2^31, 16 GiB of i32 inputs and targets. A
+/// larger request is a mistake (a batch size in the trillions), refused before allocating.
+pub const MAX_BATCH_TOKENS: u64 = 1 << 31;
+
+/// `batch` and `seq` positive, and `world_size * batch * seq` within [`MAX_BATCH_TOKENS`].
+fn check_batch(batch: usize, seq: usize, world_size: usize) -> Result<()> {
+    if batch == 0 {
+        return Err(Error::invalid("batch size must be positive"));
+    }
+    if seq == 0 {
+        return Err(Error::invalid("sequence length must be positive"));
+    }
+    let tokens = (batch as u64).checked_mul(seq as u64).and_then(|t| t.checked_mul(world_size as u64));
+    if tokens.is_none_or(|t| t > MAX_BATCH_TOKENS) {
+        return Err(Error::invalid(format!(
+            "batch size {batch} x sequence length {seq} x {world_size} rank(s) is more than {MAX_BATCH_TOKENS} tokens per step"
+        )));
+    }
+    Ok(())
+}
+
+/// Epoch counts a restored state may carry: far beyond any run, and the counter cannot overflow.
+const MAX_EPOCH: u64 = 1 << 62;
+
 /// Shuffled training batches; see the module docs.
 pub struct DataLoader {
     windows: Windows,
@@ -130,9 +154,7 @@ pub struct DataLoader {
 impl DataLoader {
     /// Opens `paths` and yields `(batch, seq)` batches; the order is a function of `seed`.
     pub fn open<P: AsRef<Path>>(paths: &[P], batch: usize, seq: usize, seed: u64) -> Result<Self> {
-        if batch == 0 {
-            return Err(Error::invalid("batch size must be positive"));
-        }
+        check_batch(batch, seq, 1)?;
         let windows = Windows::open(paths, seq)?;
         let mut loader = DataLoader { windows, batch, seed, epoch: 0, cursor: 0, order: Vec::new(), rank: 0, world_size: 1 };
         loader.shuffle();
@@ -144,6 +166,7 @@ impl DataLoader {
         if world_size == 0 || rank >= world_size {
             return Err(Error::invalid(format!("rank {rank} is not in a world of size {world_size}")));
         }
+        check_batch(self.batch, self.windows.seq, world_size)?;
         self.rank = rank;
         self.world_size = world_size;
         Ok(self)
@@ -195,7 +218,7 @@ impl DataLoader {
     pub fn restore(&mut self, state: &LoaderState) -> Result<()> {
         if state.seq_len != self.windows.seq || state.num_windows != self.windows.len() {
             return Err(Error::invalid(format!(
-                "loader state is for {} windows of {} tokens, these shards give {} windows of {}",
+                "loader state (fields `num_windows`, `seq_len`) is for {} windows of {} tokens, these shards give {} windows of {}",
                 state.num_windows,
                 state.seq_len,
                 self.windows.len(),
@@ -203,7 +226,13 @@ impl DataLoader {
             )));
         }
         if state.cursor > state.num_windows {
-            return Err(Error::invalid(format!("loader state cursor {} is past the epoch end", state.cursor)));
+            return Err(Error::invalid(format!(
+                "loader state field `cursor`: {} is past the end of an epoch of {} windows",
+                state.cursor, state.num_windows
+            )));
+        }
+        if state.epoch >= MAX_EPOCH {
+            return Err(Error::invalid(format!("loader state field `epoch`: {} is out of range (at most {MAX_EPOCH})", state.epoch)));
         }
         let reshuffle = state.seed != self.seed || state.epoch != self.epoch;
         self.seed = state.seed;
@@ -236,9 +265,7 @@ pub struct EvalBatches {
 
 /// Sequential, unshuffled batches over all full `(seq + 1)`-token windows of `paths`.
 pub fn eval_batches<P: AsRef<Path>>(paths: &[P], batch: usize, seq: usize) -> Result<EvalBatches> {
-    if batch == 0 {
-        return Err(Error::invalid("batch size must be positive"));
-    }
+    check_batch(batch, seq, 1)?;
     Ok(EvalBatches { windows: Windows::open(paths, seq)?, batch, next: 0 })
 }
 

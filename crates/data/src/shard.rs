@@ -175,8 +175,12 @@ impl Shard {
             };
             return Err(Error::format(&path, msg));
         }
-        // SAFETY: the map is read-only; shards are written once (temp file +
-        // rename) and never modified in place, so the bytes do not change under us.
+        // SAFETY: memmap2 requires that the file is not modified or truncated while mapped.
+        // ferrolm never writes a shard in place: ShardWriter writes a temp file and renames it
+        // over the name, which replaces the directory entry and leaves this mapping's inode
+        // untouched. Another process truncating the file under us is outside what we can check
+        // (the kernel then raises SIGBUS on access, as for any mapped file). The length used
+        // below comes from the mapping itself, and every read is bounds-checked slice access.
         let map = unsafe { Mmap::map(&file) }.map_err(|e| Error::io(&path, e))?;
         if map[0..8] != MAGIC {
             return Err(Error::format(&path, "not a ferrolm token shard (bad magic)"));
@@ -201,7 +205,9 @@ impl Shard {
                 ),
             ));
         }
-        Ok(Shard { path, map, dtype, len: count as usize })
+        let len =
+            usize::try_from(count).map_err(|_| Error::format(&path, format!("{count} tokens do not fit this machine's address space")))?;
+        Ok(Shard { path, map, dtype, len })
     }
 
     /// Number of tokens.
@@ -222,6 +228,38 @@ impl Shard {
     /// The file this shard was opened from.
     pub fn path(&self) -> &Path {
         &self.path
+    }
+
+    /// The largest token id, `None` for an empty shard. Reads every token (a sequential scan of
+    /// the mapping: about a second per GB from page cache, longer from a cold disk).
+    pub fn max_id(&self) -> Option<u32> {
+        let bytes = &self.map[HEADER_LEN..];
+        match self.dtype {
+            TokenDtype::U16 => bytes.chunks_exact(2).map(|c| u16::from_le_bytes([c[0], c[1]]) as u32).max(),
+            TokenDtype::U32 => bytes.chunks_exact(4).map(|c| u32::from_le_bytes([c[0], c[1], c[2], c[3]])).max(),
+        }
+    }
+
+    /// Checks that every id is below `vocab_size`; the error names the shard, the first bad
+    /// id and its position. A u16 shard needs no scan when the vocabulary covers all of u16.
+    pub fn check_ids(&self, vocab_size: usize) -> Result<()> {
+        if self.dtype == TokenDtype::U16 && vocab_size > u16::MAX as usize {
+            return Ok(());
+        }
+        match self.max_id() {
+            Some(m) if m as usize >= vocab_size => {
+                let pos = (0..self.len).find(|&i| self.get(i) as usize >= vocab_size).unwrap_or(0);
+                Err(Error::format(
+                    &self.path,
+                    format!(
+                        "token id {} at position {pos} is out of range for the tokenizer's vocabulary of {vocab_size} \
+                         (largest id in this shard: {m}): the shard was prepared with another tokenizer",
+                        self.get(pos)
+                    ),
+                ))
+            }
+            _ => Ok(()),
+        }
     }
 
     /// Token `i`. Panics if `i >= len()` (an indexing bug, like slice indexing).

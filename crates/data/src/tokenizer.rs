@@ -29,15 +29,60 @@ const EOS_NAMES: [&str; 4] = [EOS_TOKEN, "</s>", "<|end_of_text|>", "<|endoftext
 /// A loaded tokenizer (any Hugging Face `tokenizer.json`).
 pub struct Tokenizer {
     inner: tokenizers::Tokenizer,
+    /// One past the largest id (see [`Tokenizer::vocab_size`]).
+    vocab_size: usize,
 }
 
 impl Tokenizer {
-    /// Loads a Hugging Face `tokenizer.json`; errors name the file.
+    /// Loads a Hugging Face `tokenizer.json`; errors name the file (and the field, for the
+    /// settings refused by [`Tokenizer::from_bytes`]).
     pub fn from_file(path: impl AsRef<Path>) -> Result<Self> {
         let path = path.as_ref();
-        let json = std::fs::read_to_string(path).map_err(|e| Error::io(path, e))?;
-        let inner: tokenizers::Tokenizer = json.parse().map_err(|e| Error::format(path, format!("not a valid tokenizer.json: {e}")))?;
-        Ok(Tokenizer { inner })
+        let json = std::fs::read(path).map_err(|e| Error::io(path, e))?;
+        Self::parse(&json, path)
+    }
+
+    /// Parses the text of a `tokenizer.json`. Refused, with an error naming the field:
+    /// `truncation` or `padding` set (the tokenizer would silently cut documents, or pad them
+    /// with ids that are not text; with `stride >= max_length` the tokenizers library panics
+    /// while encoding), and ids that do not fit the i32 token ids of a batch.
+    pub fn from_bytes(json: &[u8]) -> Result<Self> {
+        Self::parse(json, Path::new("<tokenizer json>"))
+    }
+
+    fn parse(json: &[u8], path: &Path) -> Result<Self> {
+        let bad = |e: &dyn std::fmt::Display| Error::format(path, format!("not a valid tokenizer.json: {e}"));
+        let value: serde_json::Value = serde_json::from_slice(json).map_err(|e| bad(&e))?;
+        check_ids(&value, path)?;
+        let inner: tokenizers::Tokenizer = serde_json::from_value(value).map_err(|e| bad(&e))?;
+        if let Some(t) = inner.get_truncation() {
+            return Err(Error::format(
+                path,
+                format!(
+                    "field `truncation` is set (max_length {}, stride {}): ferrolm tokenizes whole documents and cuts \
+                     training windows itself, so truncation would silently drop text; set `truncation` to null",
+                    t.max_length, t.stride
+                ),
+            ));
+        }
+        if inner.get_padding().is_some() {
+            return Err(Error::format(
+                path,
+                "field `padding` is set: padding would add ids that are not text to every encoding; set `padding` to null",
+            ));
+        }
+        let vocab = inner.get_vocab(true);
+        let max_id = vocab.values().copied().max();
+        // Ids become i32 in batches and index the embedding table, so every id must be below
+        // `vocab_size`, which therefore counts the holes of a sparse vocabulary too.
+        let vocab_size = max_id.map_or(0, |m| m as usize + 1).max(vocab.len());
+        if vocab_size == 0 {
+            return Err(Error::format(path, "field `model.vocab`: the vocabulary is empty"));
+        }
+        if vocab_size > MAX_ID as usize + 1 {
+            return Err(Error::format(path, format!("{vocab_size} tokens do not fit the i32 ids of a batch")));
+        }
+        Ok(Tokenizer { inner, vocab_size })
     }
 
     /// Writes the tokenizer as `tokenizer.json` (pretty-printed, so diffs stay readable).
@@ -62,9 +107,21 @@ impl Tokenizer {
         self.inner.decode(ids, false).map_err(|e| Error::Tokenizer(format!("decode failed: {e}")))
     }
 
-    /// Number of ids, added/special tokens included: the embedding table size.
+    /// The embedding table size: one past the largest id, added/special tokens included (for a
+    /// dense vocabulary, the number of tokens), so every id the tokenizer emits is below it.
     pub fn vocab_size(&self) -> usize {
-        self.inner.get_vocab_size(true)
+        self.vocab_size
+    }
+
+    /// A stable 64-bit FNV-1a hash (16 hex digits) of the tokenizer's canonical JSON: equal for
+    /// the same vocabulary, merges, normaliser, pre-tokenizer and post-processor, whatever the
+    /// whitespace or key order of the file. Prepared data records it (see `check_token_data`).
+    pub fn fingerprint(&self) -> Result<String> {
+        use std::hash::Hasher;
+        let json = self.inner.to_string(false).map_err(|e| Error::Tokenizer(format!("cannot serialise: {e}")))?;
+        let mut h = fnv::FnvHasher::default();
+        h.write(json.as_bytes());
+        Ok(format!("{:016x}", h.finish()))
     }
 
     /// Id of `token`, if it is in the vocabulary.
@@ -86,6 +143,29 @@ impl Tokenizer {
     pub fn inner(&self) -> &tokenizers::Tokenizer {
         &self.inner
     }
+}
+
+/// Largest token id accepted: ids become i32 in batches, and `vocab_size = max id + 1` must
+/// fit too.
+const MAX_ID: u64 = i32::MAX as u64 - 1;
+
+/// Refuses ids above [`MAX_ID`] in `model.vocab` and `added_tokens` before the tokenizers
+/// library sees them (it numbers added tokens from the largest id with `+ 1`, which overflows).
+fn check_ids(v: &serde_json::Value, path: &Path) -> Result<()> {
+    let too_big = |field: &str, tok: &str, id: &serde_json::Value| {
+        Error::format(path, format!("field `{field}`: token {tok:?} has id {id}, beyond the largest id ferrolm accepts ({MAX_ID})"))
+    };
+    if let Some(vocab) = v.pointer("/model/vocab").and_then(|x| x.as_object()) {
+        if let Some((tok, id)) = vocab.iter().find(|(_, id)| id.as_u64().is_some_and(|i| i > MAX_ID)) {
+            return Err(too_big("model.vocab", tok, id));
+        }
+    }
+    for t in v.get("added_tokens").and_then(|x| x.as_array()).into_iter().flatten() {
+        if let Some(id) = t.get("id").filter(|id| id.as_u64().is_some_and(|i| i > MAX_ID)) {
+            return Err(too_big("added_tokens", t.get("content").and_then(|c| c.as_str()).unwrap_or("?"), id));
+        }
+    }
+    Ok(())
 }
 
 /// Trains a GPT-2-style byte-level BPE on `files`, with `<|bos|>` = 0 and
@@ -132,5 +212,6 @@ pub fn train_byte_level_bpe(files: &[PathBuf], vocab_size: usize) -> Result<Toke
     let post =
         Sequence::new(vec![PostProcessorWrapper::ByteLevel(ByteLevel::new(false, false, true)), PostProcessorWrapper::Template(template)]);
     inner.with_post_processor(Some(post));
-    Ok(Tokenizer { inner })
+    let vocab_size = inner.get_vocab_size(true);
+    Ok(Tokenizer { inner, vocab_size })
 }

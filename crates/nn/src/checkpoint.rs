@@ -75,11 +75,41 @@ fn decode(data: &[u8], src: StDtype, dtype: DType) -> std::result::Result<CpuSto
     })
 }
 
+/// The dtypes a model weight may be stored as.
+fn is_float(d: StDtype) -> bool {
+    matches!(d, StDtype::F32 | StDtype::BF16 | StDtype::F16 | StDtype::F64)
+}
+
+/// A shape whose strides are computable: the product of its non-zero dims fits `isize` (the
+/// safetensors crate checks the element count, which is 0 as soon as one dim is, while
+/// row-major strides multiply the dims after each one).
+fn check_shape(shape: &[usize]) -> std::result::Result<(), String> {
+    let fits = shape.iter().filter(|&&d| d != 0).try_fold(1usize, |acc, &d| acc.checked_mul(d).filter(|&p| p <= isize::MAX as usize));
+    match fits {
+        Some(_) => Ok(()),
+        None => Err(format!("shape {shape:?} is too large to address")),
+    }
+}
+
 /// Reads every tensor of one safetensors file. Float tensors become `dtype`; integer tensors
 /// (token ids in reference files) become i32. `keep` filters names before any decoding.
 pub fn load_safetensors_filtered(path: &Path, dtype: DType, device: Device, keep: &dyn Fn(&str) -> bool) -> Result<TensorMap> {
+    load_filtered(path, dtype, device, keep, false)
+}
+
+/// As [`load_safetensors_filtered`], for model weights and optimizer state: a tensor stored
+/// as an integer (or any non-float) dtype is an error naming the file and the tensor.
+pub fn load_float_safetensors_filtered(path: &Path, dtype: DType, device: Device, keep: &dyn Fn(&str) -> bool) -> Result<TensorMap> {
+    load_filtered(path, dtype, device, keep, true)
+}
+
+fn load_filtered(path: &Path, dtype: DType, device: Device, keep: &dyn Fn(&str) -> bool, floats_only: bool) -> Result<TensorMap> {
     let file = std::fs::File::open(path).map_err(|e| io_err(path, "cannot open", e))?;
-    // SAFETY: the file is only read; a checkpoint must not be modified while it loads.
+    // SAFETY: memmap2 requires that the file is not modified or truncated while mapped.
+    // ferrolm never writes a checkpoint file in place (write_atomic: temp file + rename, which
+    // leaves a mapped inode untouched); a truncation by another process is outside what we can
+    // check (it raises SIGBUS, as for any mapped file). Every read below is a bounds-checked
+    // slice of the mapping, whose offsets the safetensors crate validated against its length.
     let mmap = unsafe { memmap2::Mmap::map(&file) }.map_err(|e| io_err(path, "cannot memory-map", e))?;
     let st = SafeTensors::deserialize(&mmap).map_err(|e| io_err(path, "not a valid safetensors file", format!("{e:?}")))?;
     let mut out = TensorMap::new();
@@ -87,9 +117,17 @@ pub fn load_safetensors_filtered(path: &Path, dtype: DType, device: Device, keep
         if !keep(&name) {
             continue;
         }
-        let storage = decode(view.data(), view.dtype(), dtype).map_err(|e| io_err(path, &format!("tensor `{name}`"), e))?;
-        let t = Tensor::from_cpu_storage(storage, Shape::from(view.shape().to_vec()), device)
-            .map_err(|e| io_err(path, &format!("tensor `{name}`"), e))?;
+        let what = format!("tensor `{name}`");
+        if floats_only && !is_float(view.dtype()) {
+            return Err(io_err(
+                path,
+                &what,
+                format!("stored as {:?}, but a model weight must be a float type (F32, BF16, F16 or F64)", view.dtype()),
+            ));
+        }
+        check_shape(view.shape()).map_err(|e| io_err(path, &what, e))?;
+        let storage = decode(view.data(), view.dtype(), dtype).map_err(|e| io_err(path, &what, e))?;
+        let t = Tensor::from_cpu_storage(storage, Shape::from(view.shape().to_vec()), device).map_err(|e| io_err(path, &what, e))?;
         out.insert(name, t);
     }
     Ok(out)
@@ -97,6 +135,12 @@ pub fn load_safetensors_filtered(path: &Path, dtype: DType, device: Device, keep
 
 pub fn load_safetensors(path: &Path, dtype: DType, device: Device) -> Result<TensorMap> {
     load_safetensors_filtered(path, dtype, device, &|_| true)
+}
+
+/// Every tensor of one safetensors file, which must all be floats (model weights, optimizer
+/// state); see [`load_float_safetensors_filtered`].
+pub fn load_float_safetensors(path: &Path, dtype: DType, device: Device) -> Result<TensorMap> {
+    load_float_safetensors_filtered(path, dtype, device, &|_| true)
 }
 
 /// The `weight_map` of a sharded checkpoint's index: tensor name -> shard file name.
@@ -108,7 +152,8 @@ pub fn read_index(path: &Path) -> Result<BTreeMap<String, String>> {
     map.iter()
         .map(|(k, v)| {
             let shard = v.as_str().ok_or_else(|| io_err(path, &format!("weight_map[`{k}`]"), "not a file name"))?;
-            if shard.contains('/') || shard.contains('\\') || shard == ".." {
+            let plain = matches!(Path::new(shard).components().collect::<Vec<_>>()[..], [std::path::Component::Normal(_)]);
+            if !plain || shard.contains('\\') {
                 return Err(io_err(path, &format!("weight_map[`{k}`]"), format!("shard {shard:?} is not a plain file name")));
             }
             Ok((k.clone(), shard.to_string()))
@@ -117,12 +162,16 @@ pub fn read_index(path: &Path) -> Result<BTreeMap<String, String>> {
 }
 
 /// The weights of a Hugging Face model directory: `model.safetensors`, or the shards named by
-/// `model.safetensors.index.json` (every tensor must be in the shard the index names).
+/// `model.safetensors.index.json` (every tensor must be in the shard the index names). Weights
+/// must be stored as floats; `dtype` must be a float type.
 pub fn load_model_dir(dir: &Path, dtype: DType, device: Device) -> Result<TensorMap> {
+    if !dtype.is_float() {
+        return Err(Error::new("checkpoint", format!("{}: model weights cannot load as {dtype}", dir.display())));
+    }
     let single = dir.join("model.safetensors");
     let index = dir.join("model.safetensors.index.json");
     if single.is_file() {
-        return load_safetensors(&single, dtype, device);
+        return load_float_safetensors(&single, dtype, device);
     }
     if !index.is_file() {
         return Err(Error::new(
@@ -138,7 +187,7 @@ pub fn load_model_dir(dir: &Path, dtype: DType, device: Device) -> Result<Tensor
     let mut out = TensorMap::new();
     for (shard, names) in by_shard {
         let path = dir.join(shard);
-        let got = load_safetensors_filtered(&path, dtype, device, &|n| names.binary_search(&n).is_ok())?;
+        let got = load_float_safetensors_filtered(&path, dtype, device, &|n| names.binary_search(&n).is_ok())?;
         if let Some(missing) = names.iter().find(|n| !got.contains_key(**n)) {
             return Err(io_err(&path, &format!("tensor `{missing}`"), format!("listed in {} but not in this shard", index.display())));
         }

@@ -342,7 +342,7 @@ impl LlamaConfig {
                 return Err(err(src, k, "must be positive"));
             }
         }
-        if self.num_attention_heads % self.num_key_value_heads != 0 {
+        if !self.num_attention_heads.is_multiple_of(self.num_key_value_heads) {
             return Err(err(
                 src,
                 "num_key_value_heads",
@@ -352,7 +352,7 @@ impl LlamaConfig {
                 ),
             ));
         }
-        if self.head_dim % 2 != 0 {
+        if !self.head_dim.is_multiple_of(2) {
             return Err(err(src, "head_dim", format!("{} must be even for rotary embeddings", self.head_dim)));
         }
         for (k, v) in [("rms_norm_eps", self.rms_norm_eps), ("rope_theta", self.rope_theta)] {
@@ -375,6 +375,59 @@ impl LlamaConfig {
         }
         if vocab_exceeds_ids(self.vocab_size) {
             return Err(err(src, "vocab_size", format!("{} does not fit i32 token ids", self.vocab_size)));
+        }
+        if let Some(b) = self.bos_token_id.filter(|&b| b as usize >= self.vocab_size) {
+            return Err(err(src, "bos_token_id", format!("{b} is outside the vocabulary of {}", self.vocab_size)));
+        }
+        self.check_sizes(src)
+    }
+
+    /// Parameter count (embeddings, every layer, final norm, and `lm_head` unless tied) in
+    /// checked arithmetic: `None` when it overflows u64. Exactly the elements the model holds.
+    pub fn num_parameters(&self) -> Option<u64> {
+        let [v, h, i, l, nh, nkv, d] = [
+            self.vocab_size,
+            self.hidden_size,
+            self.intermediate_size,
+            self.num_hidden_layers,
+            self.num_attention_heads,
+            self.num_key_value_heads,
+            self.head_dim,
+        ]
+        .map(|x| x as u64);
+        let q = nh.checked_mul(d)?;
+        let kv = nkv.checked_mul(d)?;
+        // q, k, v and o projections; gate, up and down; two norms.
+        let attn = h.checked_mul(q.checked_add(kv.checked_mul(2)?)?.checked_add(q)?)?;
+        let mlp = h.checked_mul(i)?.checked_mul(3)?;
+        let layer = attn.checked_add(mlp)?.checked_add(h.checked_mul(2)?)?;
+        let embed = v.checked_mul(h)?.checked_mul(if self.tie_word_embeddings { 1 } else { 2 })?;
+        embed.checked_add(layer.checked_mul(l)?)?.checked_add(h)
+    }
+
+    /// Sizes whose products overflow or that no machine could hold are refused before anything
+    /// is allocated: the parameter count (at most [`MAX_PARAMETERS`]) and the rotary tables
+    /// built per position (at most [`MAX_ROPE_TABLE`] entries). The error names the field that
+    /// is furthest above what real models use, and shows the product.
+    fn check_sizes(&self, src: &str) -> Result<()> {
+        let f = |field: &'static str, value: usize| (field, value as u64);
+        let rope = [f("max_position_embeddings", self.max_position_embeddings), f("head_dim", self.head_dim)];
+        let rope_entries = (self.max_position_embeddings as u64).checked_mul(self.head_dim as u64);
+        if rope_entries.is_none_or(|n| n > MAX_ROPE_TABLE) {
+            return Err(too_big(src, "rotary tables", &rope, rope_entries, MAX_ROPE_TABLE));
+        }
+        let all = [
+            f("vocab_size", self.vocab_size),
+            f("hidden_size", self.hidden_size),
+            f("intermediate_size", self.intermediate_size),
+            f("num_hidden_layers", self.num_hidden_layers),
+            f("num_attention_heads", self.num_attention_heads),
+            f("num_key_value_heads", self.num_key_value_heads),
+            f("head_dim", self.head_dim),
+        ];
+        let params = self.num_parameters();
+        if params.is_none_or(|n| n > MAX_PARAMETERS) {
+            return Err(too_big(src, "parameters", &all, params, MAX_PARAMETERS));
         }
         Ok(())
     }
@@ -534,6 +587,40 @@ fn parse_ladder_layers(f: &Fields, ladder_type: bool) -> Result<Option<LadderLay
         }
         Some(n) => LadderLayers::Last(n.as_u64().ok_or_else(|| bad(n))? as usize),
     }))
+}
+
+/// Largest model a config may describe: 2^40 (1.1e12) parameters, above every Llama released
+/// (405B) and far above what one machine holds; beyond it a config is a mistake or an attack.
+pub const MAX_PARAMETERS: u64 = 1 << 40;
+
+/// Largest rotary table (`max_position_embeddings * head_dim` entries; a cos and a sin table
+/// are built, in f64 first): 2^28, a million positions at head_dim 256.
+pub const MAX_ROPE_TABLE: u64 = 1 << 28;
+
+/// What each size is in released Llama-family models, at most; the field furthest above it
+/// is the one an oversized product is blamed on.
+fn typical(field: &str) -> f64 {
+    match field {
+        "vocab_size" => 262_144.0,
+        "hidden_size" => 16_384.0,
+        "intermediate_size" => 65_536.0,
+        "num_hidden_layers" => 128.0,
+        "num_attention_heads" | "num_key_value_heads" => 128.0,
+        "head_dim" => 256.0,
+        "max_position_embeddings" => 1048576.0,
+        _ => 1.0,
+    }
+}
+
+/// The error for a product of `factors` that overflowed (`None`) or exceeded `limit`.
+fn too_big(src: &str, what: &str, factors: &[(&'static str, u64)], product: Option<u64>, limit: u64) -> Error {
+    let worst = factors.iter().max_by(|a, b| (a.1 as f64 / typical(a.0)).total_cmp(&(b.1 as f64 / typical(b.0)))).map_or("", |f| f.0);
+    let sizes = factors.iter().map(|(k, v)| format!("{k} {v}")).collect::<Vec<_>>().join(", ");
+    let amount = match product {
+        Some(n) => format!("{n} {what}, more than the limit of {limit}"),
+        None => format!("{what} overflow 64-bit arithmetic"),
+    };
+    err(src, worst, format!("too large: {sizes} give {amount}"))
 }
 
 /// Finite and > 0 (false for NaN).

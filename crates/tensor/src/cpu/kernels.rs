@@ -134,32 +134,56 @@ fn batch_offsets(l: &Layout) -> Vec<usize> {
     Layout { shape: l.shape.0[..r - 2].to_vec().into(), strides: l.strides[..r - 2].to_vec(), offset: l.offset }.indices().collect()
 }
 
+/// Checks that a (rows, cols) matrix at storage offset `base` with strides (rs, cs) lies inside
+/// a storage of `len` elements: its last element, base + (rows-1)*rs + (cols-1)*cs, is below it.
+fn check_extent(op: &str, len: usize, base: usize, rows: usize, cols: usize, rs: usize, cs: usize) -> crate::Result<()> {
+    let last = (rows.checked_sub(1).and_then(|r| r.checked_mul(rs)))
+        .zip(cols.checked_sub(1).and_then(|c| c.checked_mul(cs)))
+        .and_then(|(x, y)| x.checked_add(y)?.checked_add(base));
+    match last {
+        Some(l) if l < len => Ok(()),
+        _ => crate::bail!(op, "a {rows}x{cols} matrix at offset {base} with strides ({rs}, {cs}) reaches past a storage of {len} elements"),
+    }
+}
+
 macro_rules! matmul_impl {
     ($name:ident, $t:ty, $gemm:path) => {
         /// a: (..., m, k), b: (..., k, n) with equal batch dims; any strides (transposes are free).
-        pub fn $name(a: &[$t], la: &Layout, b: &[$t], lb: &Layout) -> Vec<$t> {
+        /// Every matrix's extent is checked against its storage before the GEMM reads it.
+        pub fn $name(a: &[$t], la: &Layout, b: &[$t], lb: &Layout) -> crate::Result<Vec<$t>> {
             let r = la.shape.rank();
+            if r < 2 || lb.shape.rank() != r || la.shape.0[r - 1] != lb.shape.0[r - 2] {
+                crate::bail!("matmul", "shapes {:?} and {:?} do not multiply", la.shape, lb.shape);
+            }
             let (m, k, n) = (la.shape.0[r - 2], la.shape.0[r - 1], lb.shape.0[r - 1]);
             let (oa, ob) = (batch_offsets(la), batch_offsets(lb));
+            if oa.len() != ob.len() {
+                crate::bail!("matmul", "batch dims differ: {:?} and {:?}", la.shape, lb.shape);
+            }
             let mut out = vec![0.0 as $t; oa.len() * m * n];
             let (rsa, csa) = (la.strides[r - 2] as isize, la.strides[r - 1] as isize);
             let (rsb, csb) = (lb.strides[r - 2] as isize, lb.strides[r - 1] as isize);
             if m == 0 || n == 0 {
-                return out;
+                return Ok(out);
             }
             for (bi, (&pa, &pb)) in oa.iter().zip(&ob).enumerate() {
                 let c = &mut out[bi * m * n..(bi + 1) * m * n];
                 if k == 0 {
                     continue;
                 }
-                // SAFETY: every index the GEMM touches, offset + i*rs + j*cs for i < rows and
-                // j < cols, lies inside the storage because the layouts were validated as views
-                // of it; `c` is an exclusive (m, n) row-major slice.
+                check_extent("matmul", a.len(), pa, m, k, la.strides[r - 2], la.strides[r - 1])?;
+                check_extent("matmul", b.len(), pb, k, n, lb.strides[r - 2], lb.strides[r - 1])?;
+                // SAFETY: check_extent above proved that the last element of each operand,
+                // base + (rows-1)*rs + (cols-1)*cs, lies inside its slice; strides are
+                // non-negative, so every index the GEMM touches (base + i*rs + j*cs, i < rows,
+                // j < cols) does too. A stride is multiplied only by indices below its dim, so
+                // where it matters (dim > 1) it is below the slice length and its isize cast is
+                // exact. `c` is an exclusive (m, n) row-major slice of `out` (strides n, 1).
                 unsafe {
                     $gemm(m, k, n, 1.0, a.as_ptr().add(pa), rsa, csa, b.as_ptr().add(pb), rsb, csb, 0.0, c.as_mut_ptr(), n as isize, 1);
                 }
             }
-            out
+            Ok(out)
         }
     };
 }
@@ -177,4 +201,27 @@ pub fn cat<T: Copy>(parts: &[&[T]], shapes: &[&[usize]], dim: usize) -> Vec<T> {
         }
     }
     out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::Shape;
+
+    /// The GEMM's unsafe read is guarded: a layout reaching past its storage is an error.
+    #[test]
+    fn matmul_refuses_layouts_past_the_storage() {
+        let a = vec![1f32; 6];
+        let la = Layout::contiguous(Shape(vec![2, 3]));
+        let lb = Layout::contiguous(Shape(vec![3, 2]));
+        assert_eq!(matmul_f32(&a, &la, &a, &lb).unwrap(), vec![3.0; 4]);
+        let short = vec![1f32; 5];
+        let e = matmul_f32(&short, &la, &a, &lb).unwrap_err().to_string();
+        assert!(e.contains("reaches past a storage of 5 elements"), "{e}");
+        let shifted = Layout { offset: 1, ..la.clone() };
+        assert!(matmul_f32(&a, &shifted, &a, &lb).is_err());
+        let wide = Layout { strides: vec![usize::MAX / 2, 1], ..la.clone() };
+        assert!(matmul_f32(&a, &wide, &a, &lb).is_err());
+        assert!(matmul_f64(&[0.0; 6], &la, &[0.0; 6], &la).is_err(), "inner dims differ");
+    }
 }

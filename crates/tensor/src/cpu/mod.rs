@@ -198,10 +198,10 @@ impl Backend for CpuBackend {
         let dt = a.0.dtype();
         if dt == DType::F64 {
             let (a, b) = (f64s("matmul", a.0)?, f64s("matmul", b.0)?);
-            Ok(kernels::matmul_f64(&a, la, &b, lb).finish(dt))
+            Ok(kernels::matmul_f64(&a, la, &b, lb)?.finish(dt))
         } else {
             let (a, b) = (f32s("matmul", a.0)?, f32s("matmul", b.0)?);
-            Ok(kernels::matmul_f32(&a, la, &b, lb).finish(dt))
+            Ok(kernels::matmul_f32(&a, la, &b, lb)?.finish(dt))
         }
     }
     fn cat(&self, parts: &[Sl], dim: usize) -> Result<Storage> {
