@@ -37,6 +37,7 @@ pub mod simlink;
 pub mod store;
 pub mod thread;
 pub mod tp;
+pub mod zero;
 
 pub use comm::{Collective, CommOptions, CommStats, Communicator, Completion, KindStats, ReduceOp, Work};
 pub use env::{init, init_from_env, DistEnv};

@@ -268,7 +268,7 @@ impl Llama {
         }
         p("model.norm.weight", &[h], N, &mut self.norm)?;
         if let Some(w) = &mut self.lm_head {
-            p("lm_head.weight", &[v, h], E, w)?;
+            p("lm_head.weight", &[v, h], M, w)?; // decayed, as every projection
         }
         Ok(())
     }

@@ -12,7 +12,7 @@ use std::sync::Arc;
 pub enum ParamKind {
     /// A projection matrix: decayed.
     Matrix,
-    /// A token embedding (or an untied output head): not decayed.
+    /// A token embedding: not decayed.
     Embedding,
     /// An RMSNorm gain: not decayed, initialised to ones.
     Norm,

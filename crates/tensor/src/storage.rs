@@ -266,20 +266,14 @@ impl StorageCell {
         Ok(true)
     }
 
-    /// Starts bringing released bytes back: `storage` (sized for the result) is completed by
-    /// `fill` at the next read. A no-op returning false when the cell is not released.
-    pub fn prefetch(&self, storage: Storage, fill: Fill) -> crate::Result<bool> {
+    /// Starts bringing released bytes back: `fill` produces them (replacing the placeholder
+    /// storage it is given) at the next read. A no-op returning false when the cell is not
+    /// released. The bytes count as live from now on.
+    pub fn prefetch(&self, fill: Fill) -> crate::Result<bool> {
         let mut st = self.lock_state();
         if !matches!(*st, State::Released(_)) {
             return Ok(false);
         }
-        if storage.len() != self.len || storage.dtype() != self.dtype {
-            return Err(crate::Error::new(
-                "prefetch",
-                format!("{} {} elements for a cell of {} {}", storage.len(), storage.dtype(), self.len, self.dtype),
-            ));
-        }
-        *self.inner.write().unwrap_or_else(|e| e.into_inner()) = storage;
         account_add(self.bytes);
         *st = State::Pending(fill);
         Ok(true)

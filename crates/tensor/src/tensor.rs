@@ -138,10 +138,22 @@ impl Tensor {
     pub fn is_released(&self) -> bool {
         self.0.storage.is_released()
     }
-    /// Starts bringing released bytes back (`storage` sized for them, `fill` completes it at
-    /// the next read); false when they are not released.
-    pub fn prefetch(&self, storage: Storage, fill: crate::storage::Fill) -> Result<bool> {
-        self.0.storage.prefetch(storage, fill)
+    /// Starts bringing released bytes back (`fill` produces them at the next read); false
+    /// when they are not released.
+    pub fn prefetch(&self, fill: crate::storage::Fill) -> Result<bool> {
+        self.0.storage.prefetch(fill)
+    }
+
+    /// A copy with its own storage (contiguous), even when this tensor is already contiguous
+    /// (`contiguous()` returns a view then). No autograd history.
+    pub fn deep_copy(&self) -> Result<Tensor> {
+        Ok(Tensor::from_storage(self.storage_copy()?, Layout::contiguous(self.shape().clone()), None))
+    }
+
+    /// A fresh contiguous copy of this tensor's elements as storage on its own device.
+    pub fn storage_copy(&self) -> Result<Storage> {
+        let b = self.backend("storage_copy")?;
+        self.with_storage(|x| b.copy_strided(x))
     }
 
     /// Waits until a pending value is complete (a no-op otherwise). Reading does this anyway;

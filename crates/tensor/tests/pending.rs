@@ -171,21 +171,18 @@ fn released_storage_refills_on_read() {
     let l = log.clone();
     let d2 = data.clone();
     let prefetched = flat
-        .prefetch(
-            Storage::Cpu(CpuStorage::zeros(1000, DType::F32)),
-            Box::new(move |s| {
-                l.lock().unwrap().push("wait");
-                *s = Storage::Cpu(CpuStorage::F32(d2));
-                Ok(())
-            }),
-        )
+        .prefetch(Box::new(move |s| {
+            l.lock().unwrap().push("wait");
+            *s = Storage::Cpu(CpuStorage::F32(d2));
+            Ok(())
+        }))
         .unwrap();
     assert!(prefetched);
     assert_eq!(view.to_vec::<f32>().unwrap()[0], 10.0);
     assert_eq!(*log.lock().unwrap(), ["wait"]);
     assert_eq!(*refill.calls.lock().unwrap(), 1, "prefetched bytes need no refill");
     // Prefetching a cell that is not released is a no-op.
-    assert!(!flat.prefetch(Storage::Cpu(CpuStorage::zeros(1000, DType::F32)), Box::new(|_| Ok(()))).unwrap());
+    assert!(!flat.prefetch(Box::new(|_| Ok(()))).unwrap());
     // A refill of the wrong size is an error, not garbage.
     let bad = Arc::new(CountingRefill { data: vec![0.0; 3], calls: Mutex::new(0) });
     flat.release(bad).unwrap();

@@ -1,0 +1,663 @@
+//! Flexible ZeRO sharding (AMSP, arXiv 2311.00257): parameters, gradients and optimizer states
+//! each sharded over their own group of data-parallel ranks, `ShardSpec { params: s_p,
+//! grads: s_g, optim: s_os }`, over the flat parameter store (`ferrolm_nn::store`).
+//!
+//! Shards are ranges of each padded layer bucket (AMSP's intra-tensor layout, its Fig. 6a),
+//! so every hand-over is a reduce-scatter or an all-gather, never AMSP's all-reduce with
+//! select-and-drop. Within a block of s_os consecutive data-parallel ranks, rank `r_os` has
+//! parameter index `a = r_os % s_p` and sub-index `b = r_os / s_p`; its optimizer shard is
+//! range `j = a * (s_os/s_p) + b` of s_os, which lies inside its parameter range `a` of s_p.
+//! Groups (each ordered so that rank k of the group holds range k):
+//! - P (s_p ranks, same block and b): all-gathers a bucket before use (ZeRO-3 when s_p > 1).
+//! - G (s_g ranks): reduce-scatters each bucket's gradient once per micro-batch, as soon as
+//!   its last parameter's gradient arrives (a gradient sink in backward); the result is
+//!   accumulated over micro-batches, so a rank only ever holds 1/s_g of the gradients.
+//!   s_g = s_p: G is P. s_g = s_os: G is the block, ordered by j.
+//! - OS sub-group (s_os/s_p ranks, same block and a): once per step, when s_os > s_g, it
+//!   reduce-scatters the accumulated gradient range down to the optimizer range; after the
+//!   update it all-gathers the optimizer ranges back into the parameter range.
+//! - OS replicas (dp/s_os ranks, same j): all-reduce the optimizer-range gradient, once per step.
+//!
+//! ZeRO-1 is (1, 1, dp), ZeRO-2 (1, dp, dp), ZeRO-3 (dp, dp, dp), MiCS (s, s, s), plain data
+//! parallelism (1, 1, 1). The step's traffic per rank is `traffic_bytes` (tests hold the
+//! implementation to it).
+use crate::comm::{Communicator, ReduceOp};
+use crate::tp::TpLayout;
+use crate::DeviceMesh;
+use ferrolm_nn::optim::AdamWConfig;
+use ferrolm_nn::store::ParamStore;
+use ferrolm_nn::Llama;
+use ferrolm_tensor::{no_grad, DType, Device, Error, Refill, Result, Storage, Tensor};
+use std::collections::VecDeque;
+use std::sync::{Arc, Mutex, Weak};
+
+pub type Comm = Arc<dyn Communicator>;
+
+/// Group sizes over which parameters, gradients and optimizer states are sharded.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+pub struct ShardSpec {
+    pub params: usize,
+    pub grads: usize,
+    pub optim: usize,
+}
+
+impl std::fmt::Display for ShardSpec {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "(params {}, grads {}, optim {})", self.params, self.grads, self.optim)
+    }
+}
+
+impl ShardSpec {
+    /// `--zero 0|1|2|3`: plain data parallelism, ZeRO-1 (1, 1, dp), ZeRO-2 (1, dp, dp),
+    /// ZeRO-3 (dp, dp, dp).
+    pub fn zero(stage: usize, dp: usize) -> Result<ShardSpec> {
+        Ok(match stage {
+            0 => ShardSpec { params: 1, grads: 1, optim: 1 },
+            1 => ShardSpec { params: 1, grads: 1, optim: dp },
+            2 => ShardSpec { params: 1, grads: dp, optim: dp },
+            3 => ShardSpec { params: dp, grads: dp, optim: dp },
+            s => return Err(Error::new("--zero", format!("{s} is not a ZeRO stage (0, 1, 2 or 3)"))),
+        })
+    }
+
+    /// MiCS: everything sharded within groups of `s` ranks, replicated across them.
+    pub fn mics(s: usize) -> ShardSpec {
+        ShardSpec { params: s, grads: s, optim: s }
+    }
+
+    /// AMSP's constraints, for `dp` data-parallel ranks of which `dp_per_node` share a node.
+    pub fn validate(&self, dp: usize, dp_per_node: usize) -> Result<()> {
+        let err = |m: String| Error::new("ShardSpec", format!("{self} with {dp} data-parallel ranks: {m}"));
+        for (flag, s) in [("--shard-params", self.params), ("--shard-grads", self.grads), ("--shard-optim", self.optim)] {
+            if s == 0 || dp % s != 0 {
+                return Err(err(format!("{flag} {s} does not divide the data-parallel size {dp}")));
+            }
+            let dpn = dp_per_node.clamp(1, dp);
+            let fits = if s <= dpn { dpn % s == 0 } else { s % dpn == 0 };
+            if !fits {
+                return Err(err(format!(
+                    "{flag} {s}: a group must fit inside a node ({dpn} data-parallel ranks per node) or span whole nodes"
+                )));
+            }
+        }
+        if !(self.params <= self.grads && self.grads <= self.optim) {
+            return Err(err(
+                "AMSP needs params <= grads <= optim: a rank must not hold gradients or optimizer states of parameters it does not hold"
+                    .into(),
+            ));
+        }
+        if self.grads != self.params && self.grads != self.optim {
+            return Err(err("grads must equal params or optim (AMSP's s_g in {s_p, s_os})".into()));
+        }
+        if self.optim % self.params != 0 {
+            return Err(err("optim must be a multiple of params, so that each optimizer shard lies inside one parameter shard".into()));
+        }
+        Ok(())
+    }
+
+    /// Every valid spec for `dp` ranks, `dp_per_node` per node.
+    pub fn all_valid(dp: usize, dp_per_node: usize) -> Vec<ShardSpec> {
+        let divs: Vec<usize> = (1..=dp).filter(|s| dp % s == 0).collect();
+        let mut out = Vec::new();
+        for &p in &divs {
+            for &o in &divs {
+                for g in [p, o] {
+                    let s = ShardSpec { params: p, grads: g, optim: o };
+                    if !out.contains(&s) && s.validate(dp, dp_per_node).is_ok() {
+                        out.push(s);
+                    }
+                }
+            }
+        }
+        out
+    }
+
+    /// Bytes of model states per rank for `numel` (padded) parameter elements: parameters in
+    /// `param_bytes` per element over s_p, gradients in the same type over s_g, and the
+    /// optimizer's m, v (and an fp32 master copy for low-precision parameters) over s_os. Mixed
+    /// precision (bf16): 2/s_p + 2/s_g + 12/s_os per element; f32: 4/s_p + 4/s_g + 8/s_os.
+    pub fn state_bytes(&self, numel: u64, param_bytes: u64) -> u64 {
+        let optim = if param_bytes == 4 { 8 } else { 12 };
+        numel * param_bytes / self.params as u64 + numel * param_bytes / self.grads as u64 + numel * optim / self.optim as u64
+    }
+}
+
+/// Bytes each rank sends per optimizer step (ring accounting of `cost::bytes_sent`), for
+/// buckets of `bucket_numel` padded elements of `elem_bytes`, `micro` micro-batches, and
+/// `gathers` parameter all-gathers per bucket per micro-batch (forward and backward; see
+/// `Zero::gathers_per_micro_batch`). The gradient-norm all-reduce (8 bytes) is not included.
+pub fn traffic_bytes(spec: ShardSpec, dp: usize, bucket_numel: &[usize], gathers: &[usize], elem_bytes: usize, micro: usize) -> f64 {
+    let ring = |k: usize| (k as f64 - 1.0) / k as f64;
+    let (sp, sg, so) = (spec.params, spec.grads, spec.optim);
+    let mut total = 0.0;
+    for (&n, &ag) in bucket_numel.iter().zip(gathers) {
+        let b = (n * elem_bytes) as f64;
+        total += micro as f64 * (ag as f64 * ring(sp) * b + ring(sg) * b);
+        let rep = dp / so;
+        if so > sg {
+            total += ring(so / sg) * b / sg as f64 + 2.0 * ring(rep) * b / so as f64;
+        } else {
+            total += 2.0 * ring(rep) * b / sg as f64;
+        }
+        total += ring(so / sp) * b / sp as f64;
+    }
+    total
+}
+
+/// The data-parallel sub-groups of one rank (see the module comment).
+struct Groups {
+    p: Comm,
+    g: Comm,
+    os_sub: Comm,
+    os_rep: Comm,
+    block: Comm,
+    /// Parameter range index a, optimizer sub-index b, optimizer range j.
+    a: usize,
+    b: usize,
+    j: usize,
+}
+
+impl Groups {
+    fn new(dp: &Comm, s: ShardSpec) -> Result<Groups> {
+        let (sp, sg, so) = (s.params, s.grads, s.optim);
+        let r = dp.rank();
+        let (blk, ro) = (r / so, r % so);
+        let (a, b, k) = (ro % sp, ro / sp, so / sp);
+        let j = a * k + b;
+        let p = dp.split_named(blk * k + b, a, "zero_p")?;
+        let os_sub = dp.split_named(blk * sp + a, b, "zero_os")?;
+        let block = dp.split_named(blk, j, "zero_block")?;
+        let g = if sg == sp { p.clone() } else { block.clone() };
+        let os_rep = dp.split_named(j, blk, "zero_rep")?;
+        Ok(Groups { p, g, os_sub, os_rep, block, a, b, j })
+    }
+}
+
+/// One layer bucket's shards on this rank.
+struct ZBucket {
+    n: usize,
+    /// (n) the store's buffer, which the model's parameters view; released between uses when
+    /// s_p > 1.
+    flat: Tensor,
+    /// (n / s_p) this rank's parameter range (the flat buffer itself when s_p = 1).
+    p_shard: Tensor,
+    /// (n / s_g) gradients reduced over G and accumulated over micro-batches.
+    g_acc: Option<Tensor>,
+    /// (n / s_os) fp32 optimizer state of range j: master (for low-precision parameters), m, v.
+    master: Option<Tensor>,
+    m: Tensor,
+    v: Tensor,
+    /// (n / s_os) 1 where weight decay applies, 0 elsewhere (norms, embeddings, padding).
+    decay: Tensor,
+    /// (n / s_os) each element's weight in the global gradient norm: 1 over the number of
+    /// tensor-parallel ranks holding the same value.
+    norm_weight: Tensor,
+}
+
+/// Gradients being assembled into bucket buffers by the sinks during backward.
+struct Assembly {
+    buckets: Vec<AsmBucket>,
+    error: Option<Error>,
+}
+
+struct AsmBucket {
+    full: Option<Tensor>,
+    arrived: usize,
+    expected: usize,
+    /// Reduced (possibly pending) gradient ranges of this step's micro-batches.
+    reduced: Vec<Tensor>,
+}
+
+/// Materialises released parameter buckets (s_p > 1): an all-gather over P on a miss, and a
+/// prefetch of the next bucket in the direction of the pass (AMSP/DeepSpeed's prefetch), with
+/// at most `MAX_LIVE` buckets materialised.
+struct Gatherer {
+    p: Comm,
+    pshards: Vec<Tensor>,
+    flats: Vec<Tensor>,
+    me: Weak<Gatherer>,
+    state: Mutex<GatherState>,
+    /// Set while `release_all` waits for prefetches: their completion must not start more.
+    releasing: std::sync::atomic::AtomicBool,
+}
+
+#[derive(Default)]
+struct GatherState {
+    live: VecDeque<usize>,
+    backward: bool,
+    gathers: Vec<usize>,
+}
+
+const MAX_LIVE: usize = 3;
+
+struct BucketRefill {
+    g: Weak<Gatherer>,
+    i: usize,
+}
+
+impl Refill for BucketRefill {
+    fn refill(&self) -> Result<Storage> {
+        let g = self.g.upgrade().ok_or_else(|| Error::new("zero", "parameter bucket read after its engine was dropped"))?;
+        let full = g.p.all_gather(&g.pshards[self.i])?;
+        g.state.lock().unwrap_or_else(|e| e.into_inner()).gathers[self.i] += 1;
+        g.materialised(self.i)?;
+        full.storage_copy()
+    }
+}
+
+impl Gatherer {
+    fn refill_for(&self, i: usize) -> Arc<dyn Refill> {
+        Arc::new(BucketRefill { g: self.me.clone(), i })
+    }
+
+    /// Bookkeeping after bucket `i` became readable: prefetch its successor, evict the oldest.
+    fn materialised(&self, i: usize) -> Result<()> {
+        let mut st = self.state.lock().unwrap_or_else(|e| e.into_inner());
+        st.live.retain(|&k| k != i);
+        st.live.push_back(i);
+        let next = if st.backward { i.checked_sub(1) } else { Some(i + 1).filter(|&k| k < self.flats.len()) };
+        if let Some(k) = next {
+            if self.flats[k].is_released() {
+                let w = self.p.all_gather_async(&self.pshards[k])?;
+                let me = self.me.clone();
+                self.flats[k].prefetch(Box::new(move |s| {
+                    *s = w.wait()?.storage_copy()?;
+                    match me.upgrade() {
+                        Some(g) if !g.releasing.load(std::sync::atomic::Ordering::Acquire) => g.materialised(k),
+                        _ => Ok(()),
+                    }
+                }))?;
+                st.gathers[k] += 1;
+                st.live.retain(|&x| x != k);
+                st.live.push_back(k);
+            }
+        }
+        while st.live.len() > MAX_LIVE {
+            let old = st.live.pop_front().expect("non-empty");
+            if old == i || Some(old) == next || !self.flats[old].try_release(self.refill_for(old))? {
+                st.live.push_back(old);
+                break;
+            }
+        }
+        Ok(())
+    }
+
+    /// Releases every materialised bucket (between passes).
+    fn release_all(&self, backward: bool) -> Result<()> {
+        use std::sync::atomic::Ordering;
+        self.releasing.store(true, Ordering::Release);
+        // Not under the state lock: waiting for a prefetch runs its fill.
+        let res = (|| {
+            for (i, f) in self.flats.iter().enumerate() {
+                if !f.is_released() {
+                    f.wait()?; // a prefetch in flight completes first
+                    f.release(self.refill_for(i))?;
+                }
+            }
+            Ok(())
+        })();
+        self.releasing.store(false, Ordering::Release);
+        let mut st = self.state.lock().unwrap_or_else(|e| e.into_inner());
+        st.backward = backward;
+        st.live.clear();
+        res
+    }
+}
+
+/// The sharded data-parallel engine of one rank. Use: `begin_forward`, forward,
+/// `begin_backward`, backward (gradients flow into the engine), `end_backward`; repeat per
+/// micro-batch; then `step`.
+pub struct Zero {
+    pub spec: ShardSpec,
+    dp: usize,
+    groups: Groups,
+    buckets: Vec<ZBucket>,
+    store: ParamStore,
+    asm: Arc<Mutex<Assembly>>,
+    gather: Option<Arc<Gatherer>>,
+    tp: Option<Comm>,
+    cfg: AdamWConfig,
+    /// Optimizer steps taken.
+    pub step: u64,
+    micro: usize,
+    dtype: DType,
+}
+
+impl Zero {
+    /// Moves `model`'s parameters into the flat store and shards them over `mesh`'s
+    /// data-parallel group by `spec`. With tensor parallelism, `tp` is the layout `parallelize`
+    /// returned (the store then holds this rank's tensor-parallel shards).
+    pub fn new(model: &mut Llama, mesh: &DeviceMesh, spec: ShardSpec, tp: Option<&TpLayout>, cfg: AdamWConfig) -> Result<Zero> {
+        let dp = mesh.dp();
+        spec.validate(dp, (mesh.ranks_per_node() / mesh.tp()).max(1))?;
+        let groups = Groups::new(mesh.dp_group(), spec)?;
+        let (sp, so) = (spec.params, spec.optim);
+        // Every range of every bucket must be a whole number of elements.
+        let store = ParamStore::from_model(model, dp * 8)?;
+        let dtype = store.buckets.first().map_or(DType::F32, |b| b.dtype);
+        let _g = no_grad();
+        let mut buckets = Vec::with_capacity(store.buckets.len());
+        for bk in &store.buckets {
+            let n = bk.padded;
+            let p_shard = if sp == 1 { bk.flat.clone() } else { bk.flat.narrow(0, groups.a * n / sp, n / sp)?.deep_copy()? };
+            let (lo, len) = (groups.j * n / so, n / so);
+            let os_param = bk.flat.narrow(0, lo, len)?;
+            let master = if dtype == DType::F32 { None } else { Some(os_param.to_dtype(DType::F32)?.deep_copy()?) };
+            // Per-element masks over the optimizer range, from the slots it overlaps.
+            let (mut decay, mut weight) = (vec![0f32; len], vec![0f32; len]);
+            for s in &bk.slots {
+                let (s0, s1) = (s.offset.max(lo), (s.offset + s.numel()).min(lo + len));
+                let w = match tp {
+                    None => 1.0,
+                    Some(l) => match l.params.get(&s.name) {
+                        Some(sh) if sh.dim.is_some() => 1.0 / sh.replicas as f32,
+                        _ => 1.0 / l.tp as f32,
+                    },
+                };
+                for e in s0..s1.max(s0) {
+                    decay[e - lo] = if s.kind.weight_decay() { 1.0 } else { 0.0 };
+                    weight[e - lo] = w;
+                }
+            }
+            let dev = bk.flat.device();
+            buckets.push(ZBucket {
+                n,
+                flat: bk.flat.clone(),
+                p_shard,
+                g_acc: None,
+                master,
+                m: Tensor::zeros([len], DType::F32, dev)?,
+                v: Tensor::zeros([len], DType::F32, dev)?,
+                decay: Tensor::from_vec(decay, [len], dev)?,
+                norm_weight: Tensor::from_vec(weight, [len], dev)?,
+            });
+        }
+        let asm = Arc::new(Mutex::new(Assembly {
+            buckets: store
+                .buckets
+                .iter()
+                .map(|b| AsmBucket { full: None, arrived: 0, expected: b.slots.len(), reduced: Vec::new() })
+                .collect(),
+            error: None,
+        }));
+        let mut zero = Zero {
+            spec,
+            dp,
+            groups,
+            buckets,
+            store,
+            asm,
+            gather: None,
+            tp: tp.map(|_| mesh.tp_group().clone()),
+            cfg,
+            step: 0,
+            micro: 0,
+            dtype,
+        };
+        zero.install_sinks(model)?;
+        if sp > 1 {
+            let g = Arc::new_cyclic(|me| Gatherer {
+                p: zero.groups.p.clone(),
+                pshards: zero.buckets.iter().map(|b| b.p_shard.clone()).collect(),
+                flats: zero.buckets.iter().map(|b| b.flat.clone()).collect(),
+                me: me.clone(),
+                state: Mutex::new(GatherState { gathers: vec![0; zero.buckets.len()], ..Default::default() }),
+                releasing: std::sync::atomic::AtomicBool::new(false),
+            });
+            g.release_all(false)?;
+            zero.gather = Some(g);
+        }
+        Ok(zero)
+    }
+
+    /// Each parameter's gradient goes into its bucket's buffer; the bucket's reduce-scatter
+    /// over G is launched when its last gradient arrives.
+    fn install_sinks(&self, model: &Llama) -> Result<()> {
+        let params: std::collections::HashMap<String, Tensor> = model.parameters().into_iter().collect();
+        for (bi, bk) in self.store.buckets.iter().enumerate() {
+            let n = bk.padded;
+            for s in &bk.slots {
+                let p = params.get(&s.name).ok_or_else(|| Error::new("zero", format!("parameter {} is not in the model", s.name)))?;
+                let (asm, g, sg, off, numel, dtype, dev) =
+                    (self.asm.clone(), self.groups.g.clone(), self.spec.grads, s.offset, s.numel(), bk.dtype, p.device());
+                p.set_grad_sink(Some(Arc::new(move |grad: &Tensor| {
+                    let mut a = asm.lock().unwrap_or_else(|e| e.into_inner());
+                    if a.error.is_some() {
+                        return;
+                    }
+                    let res = (|| -> Result<()> {
+                        let b = &mut a.buckets[bi];
+                        let full = match &b.full {
+                            Some(f) => f.clone(),
+                            None => {
+                                let f = Tensor::zeros([n], dtype, dev)?;
+                                b.full = Some(f.clone());
+                                f
+                            }
+                        };
+                        full.narrow(0, off, numel)?.assign(&grad.reshape([numel])?)?;
+                        b.arrived += 1;
+                        if b.arrived == b.expected {
+                            flush(b, &g, sg)?;
+                        }
+                        Ok(())
+                    })();
+                    if let Err(e) = res {
+                        a.error = Some(e);
+                    }
+                })));
+            }
+        }
+        Ok(())
+    }
+
+    /// Call before each micro-batch's forward pass.
+    pub fn begin_forward(&self) -> Result<()> {
+        match &self.gather {
+            Some(g) => g.release_all(false),
+            None => Ok(()),
+        }
+    }
+
+    /// Call between the forward pass and `backward()`.
+    pub fn begin_backward(&self) -> Result<()> {
+        match &self.gather {
+            Some(g) => g.release_all(true),
+            None => Ok(()),
+        }
+    }
+
+    /// Call after each micro-batch's backward: launches what did not complete and accumulates
+    /// the reduced gradient ranges.
+    pub fn end_backward(&mut self) -> Result<()> {
+        let reduced: Vec<Vec<Tensor>> = {
+            let mut a = self.asm.lock().unwrap_or_else(|e| e.into_inner());
+            if let Some(e) = a.error.take() {
+                return Err(e);
+            }
+            for b in a.buckets.iter_mut() {
+                if b.full.is_some() {
+                    flush(b, &self.groups.g, self.spec.grads)?; // some parameter got no gradient
+                }
+            }
+            a.buckets.iter_mut().map(|b| std::mem::take(&mut b.reduced)).collect()
+        };
+        let _g = no_grad();
+        for (bk, parts) in self.buckets.iter_mut().zip(reduced) {
+            for r in parts {
+                bk.g_acc = Some(match bk.g_acc.take() {
+                    Some(acc) => acc.add(&r)?,
+                    None => r.contiguous()?,
+                });
+            }
+        }
+        self.micro += 1;
+        if let Some(g) = &self.gather {
+            g.release_all(false)?;
+        }
+        Ok(())
+    }
+
+    /// The optimizer step after the last micro-batch: gradients handed over to the optimizer
+    /// ranges and averaged over the data-parallel ranks, clipped to `max_norm` by the global
+    /// norm (`<= 0`: no clipping), AdamW on this rank's range, updated parameters gathered
+    /// back into the parameter ranges. Returns the gradient norm before clipping.
+    pub fn step(&mut self, lr: f64, max_norm: f64) -> Result<f64> {
+        if self.micro == 0 {
+            return Err(Error::new("zero", "step() without a backward pass since the last step"));
+        }
+        let _g = no_grad();
+        let (sg, so, dp) = (self.spec.grads, self.spec.optim, self.dp);
+        // Hand-over G -> OS: launch every bucket's collectives, then use them.
+        let mut os_grads = Vec::with_capacity(self.buckets.len());
+        for bk in &mut self.buckets {
+            let acc = match bk.g_acc.take() {
+                Some(a) => a,
+                None => Tensor::zeros([bk.n / sg], self.dtype, bk.flat.device())?,
+            };
+            let mut g = acc;
+            if so > sg {
+                g = reduce_scatter(&self.groups.os_sub, &g)?;
+            }
+            if self.groups.os_rep.size() > 1 {
+                g = self.groups.os_rep.all_reduce_async(&g, ReduceOp::Sum)?.tensor();
+            }
+            os_grads.push(g);
+        }
+        let scale = 1.0 / dp as f64;
+        let os_grads: Vec<Tensor> = os_grads.into_iter().map(|g| g.to_dtype(DType::F32)?.mul_scalar(scale)).collect::<Result<_>>()?;
+        // Global norm: each optimizer range once (summed over the block), tensor-parallel
+        // copies weighted.
+        let mut local = 0.0;
+        for (g, bk) in os_grads.iter().zip(&self.buckets) {
+            local += g.sqr()?.mul(&bk.norm_weight)?.sum_all()?.item()?;
+        }
+        let mut sq = sum_over(&self.groups.block, local)?;
+        if let Some(tp) = &self.tp {
+            sq = sum_over(tp, sq)?;
+        }
+        let norm = sq.sqrt();
+        let clip = if max_norm > 0.0 && norm > max_norm { max_norm / (norm + 1e-6) } else { 1.0 };
+        self.step += 1;
+        let c = &self.cfg;
+        let (bc1, bc2) = (1.0 - c.beta1.powi(self.step as i32), 1.0 - c.beta2.powi(self.step as i32));
+        let (k, len_of) = (so / self.spec.params, |n: usize| n / so);
+        for (bk, g) in self.buckets.iter_mut().zip(os_grads) {
+            let g = if clip != 1.0 { g.mul_scalar(clip)? } else { g };
+            let len = len_of(bk.n);
+            let pview = bk.p_shard.narrow(0, self.groups.b * len, len)?;
+            let w = match &bk.master {
+                Some(m) => m.clone(),
+                None => pview.clone(),
+            };
+            let m = bk.m.mul_scalar(c.beta1)?.add(&g.mul_scalar(1.0 - c.beta1)?)?;
+            let v = bk.v.mul_scalar(c.beta2)?.add(&g.sqr()?.mul_scalar(1.0 - c.beta2)?)?;
+            let denom = v.mul_scalar(1.0 / bc2)?.sqrt()?.add_scalar(c.eps)?;
+            let mut upd = m.mul_scalar(1.0 / bc1)?.div(&denom)?;
+            if c.weight_decay != 0.0 {
+                upd = upd.add(&w.to_dtype(DType::F32)?.mul(&bk.decay)?.mul_scalar(c.weight_decay)?)?;
+            }
+            let w_new = w.to_dtype(DType::F32)?.sub(&upd.mul_scalar(lr)?)?;
+            bk.m.assign(&m)?;
+            bk.v.assign(&v)?;
+            if let Some(master) = &bk.master {
+                master.assign(&w_new)?;
+            }
+            pview.assign(&w_new)?;
+            // Hand-back OS -> P: the optimizer ranges of this parameter range, gathered.
+            if k > 1 {
+                let full = self.groups.os_sub.all_gather(&pview.contiguous()?)?;
+                bk.p_shard.assign(&full)?;
+            }
+        }
+        self.micro = 0;
+        Ok(norm)
+    }
+
+    /// Bytes of model states this rank holds now: (parameters, gradients, optimizer states).
+    /// Released parameter buckets count nothing; call it after the last backward of a step to
+    /// see the gradients.
+    pub fn state_bytes(&self) -> (usize, usize, usize) {
+        let mut p = 0;
+        let mut g = 0;
+        let mut o = 0;
+        for bk in &self.buckets {
+            p += bk.p_shard.storage_bytes();
+            if self.spec.params > 1 && !bk.flat.is_released() {
+                p += bk.flat.storage_bytes();
+            }
+            g += bk.g_acc.as_ref().map_or(0, |t| t.storage_bytes());
+            o += bk.m.storage_bytes() + bk.v.storage_bytes() + bk.master.as_ref().map_or(0, |t| t.storage_bytes());
+        }
+        (p, g, o)
+    }
+
+    /// Parameter all-gathers per bucket per micro-batch when s_p > 1: one before the bucket's
+    /// forward, one before (or prefetched for) its backward; a tied embedding, used again by
+    /// the head at the end of the forward pass and in its backward, twice more. This is what
+    /// the engine does (tests hold it to it) and what the planner's cost model charges.
+    pub fn expected_gathers(spec: ShardSpec, buckets: usize, tied: bool) -> Vec<usize> {
+        (0..buckets)
+            .map(|i| {
+                if spec.params == 1 {
+                    0
+                } else if i == 0 && tied && buckets > MAX_LIVE {
+                    4
+                } else {
+                    2
+                }
+            })
+            .collect()
+    }
+
+    /// Padded elements of each bucket.
+    pub fn bucket_numel(&self) -> Vec<usize> {
+        self.buckets.iter().map(|b| b.n).collect()
+    }
+
+    /// Parameter all-gathers each bucket has needed since the engine was built (0 when s_p = 1).
+    pub fn gathers(&self) -> Vec<usize> {
+        match &self.gather {
+            Some(g) => g.state.lock().unwrap_or_else(|e| e.into_inner()).gathers.clone(),
+            None => vec![0; self.buckets.len()],
+        }
+    }
+
+    /// The communicators this engine uses (for traffic accounting), without duplicates.
+    pub fn comms(&self) -> Vec<Comm> {
+        let g = &self.groups;
+        let mut out: Vec<Comm> = vec![g.p.clone()];
+        for c in [&g.g, &g.os_sub, &g.os_rep, &g.block] {
+            if !out.iter().any(|x| Arc::ptr_eq(x, c)) {
+                out.push(c.clone());
+            }
+        }
+        out
+    }
+
+    pub fn store(&self) -> &ParamStore {
+        &self.store
+    }
+}
+
+/// Launches a bucket's gradient reduction over G (or keeps it whole when s_g = 1).
+fn flush(b: &mut AsmBucket, g: &Comm, sg: usize) -> Result<()> {
+    let full = b.full.take().ok_or_else(|| Error::new("zero", "no gradient to flush"))?;
+    b.arrived = 0;
+    b.reduced.push(if sg > 1 { g.reduce_scatter_async(&full, ReduceOp::Sum)?.tensor() } else { full });
+    Ok(())
+}
+
+fn reduce_scatter(c: &Comm, x: &Tensor) -> Result<Tensor> {
+    if c.size() == 1 {
+        return Ok(x.clone());
+    }
+    Ok(c.reduce_scatter_async(x, ReduceOp::Sum)?.tensor())
+}
+
+fn sum_over(c: &Comm, v: f64) -> Result<f64> {
+    if c.size() == 1 {
+        return Ok(v);
+    }
+    c.all_reduce(&Tensor::from_vec(vec![v], [1], Device::Cpu)?, ReduceOp::Sum)?.item()
+}

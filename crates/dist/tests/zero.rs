@@ -1,0 +1,185 @@
+//! Flexible ZeRO (AMSP) on thread ranks: every valid ShardSpec follows plain data parallelism,
+//! which follows the single-device run with the same global batch; composes with tensor
+//! parallelism; holds exactly the model-state bytes of the formula; sends exactly the bytes
+//! of the traffic model.
+use ferrolm_dist::tp::parallelize;
+use ferrolm_dist::zero::{traffic_bytes, ShardSpec, Zero};
+use ferrolm_dist::{CommOptions, CommStats, Communicator, DeviceMesh, ThreadComm};
+use ferrolm_nn::optim::{clip_grad_norm, AdamW, AdamWConfig};
+use ferrolm_nn::{shift_labels, Llama, LlamaConfig};
+use ferrolm_tensor::{DType, Device, Rng, Tensor};
+use std::sync::Arc;
+
+const STEPS: usize = 10;
+const ACCUM: usize = 2;
+/// Rows per micro-batch of the whole data-parallel group.
+const ROWS: usize = 4;
+const SEQ: usize = 8;
+const LR: f64 = 3e-3;
+const CLIP: f64 = 0.5;
+
+fn config(tied: bool) -> LlamaConfig {
+    LlamaConfig::from_json_str(&format!(
+        r#"{{"vocab_size":64,"hidden_size":32,"intermediate_size":48,"num_hidden_layers":2,"num_attention_heads":4,
+            "num_key_value_heads":2,"max_position_embeddings":32,"initializer_range":0.1,"tie_word_embeddings":{tied},
+            "model_type":"llamaLadder","ladder_layers":1}}"#
+    ))
+    .unwrap()
+}
+
+fn opt_cfg() -> AdamWConfig {
+    AdamWConfig { weight_decay: 0.1, ..AdamWConfig::default() }
+}
+
+/// Micro-batch `i` of the whole group: ROWS rows of random ids (two batches in turn, so the
+/// loss falls).
+fn micro_batch(i: usize) -> (Vec<i32>, Vec<i32>) {
+    let mut r = Rng::new(11 + (i % 4) as u64);
+    let ids: Vec<i32> = (0..ROWS * SEQ).map(|_| r.below(64) as i32).collect();
+    let tg = shift_labels(&ids, SEQ);
+    (ids, tg)
+}
+
+fn rows(v: &[i32], from: usize, n: usize) -> Tensor {
+    Tensor::from_vec(v[from * SEQ..(from + n) * SEQ].to_vec(), [n, SEQ], Device::Cpu).unwrap()
+}
+
+/// The single-device run on the whole batch.
+fn single_device(tied: bool) -> Vec<f64> {
+    let m = Llama::new(config(tied), DType::F32, Device::Cpu, &mut Rng::new(1)).unwrap();
+    let params = m.parameters();
+    let mut opt = AdamW::new(&params, opt_cfg()).unwrap();
+    let mut losses = Vec::new();
+    for s in 0..STEPS {
+        let mut sum = 0.0;
+        for k in 0..ACCUM {
+            let (x, y) = micro_batch(s * ACCUM + k);
+            let loss = m.loss(&rows(&x, 0, ROWS), &rows(&y, 0, ROWS)).unwrap();
+            sum += loss.item().unwrap();
+            loss.mul_scalar(1.0 / ACCUM as f64).unwrap().backward().unwrap();
+        }
+        clip_grad_norm(&params, CLIP).unwrap();
+        opt.step(LR).unwrap();
+        opt.zero_grad();
+        losses.push(sum / ACCUM as f64);
+    }
+    losses
+}
+
+struct RankOut {
+    losses: Vec<f64>,
+    /// (params, grads, optim) bytes held after the last backward, and the formula's total.
+    bytes: (usize, usize, usize),
+    padded: u64,
+    traffic: f64,
+    model_traffic: f64,
+}
+
+/// One rank of a dp x tp run with `spec`; returns its mean micro-batch losses per step.
+fn rank(comm: Arc<dyn Communicator>, dp: usize, tp: usize, rpn: usize, spec: ShardSpec, tied: bool) -> ferrolm_tensor::Result<RankOut> {
+    let mesh = DeviceMesh::new(comm, tp, dp, rpn)?;
+    let mut m = Llama::new(config(tied), DType::F32, Device::Cpu, &mut Rng::new(1))?;
+    let layout = if tp > 1 { Some(parallelize(&mut m, mesh.tp_group())?) } else { None };
+    let mut z = Zero::new(&mut m, &mesh, spec, layout.as_ref(), opt_cfg())?;
+    let per = ROWS / dp;
+    let mut losses = Vec::new();
+    let mut bytes = (0, 0, 0);
+    let (mut traffic, mut model_traffic) = (0.0, 0.0);
+    for s in 0..STEPS {
+        let before: Vec<CommStats> = z.comms().iter().map(|c| c.stats()).collect();
+        let gathers0 = z.gathers();
+        let mut sum = 0.0;
+        for k in 0..ACCUM {
+            let (x, y) = micro_batch(s * ACCUM + k);
+            let (x, y) = (rows(&x, mesh.dp_rank() * per, per), rows(&y, mesh.dp_rank() * per, per));
+            z.begin_forward()?;
+            let loss = m.loss(&x, &y)?;
+            sum += loss.item()?;
+            z.begin_backward()?;
+            loss.mul_scalar(1.0 / ACCUM as f64)?.backward()?;
+            z.end_backward()?;
+        }
+        if s == STEPS - 1 {
+            bytes = z.state_bytes();
+        }
+        z.step(LR, CLIP)?;
+        let sent: f64 = z.comms().iter().zip(&before).map(|(c, b)| c.stats().since(b).total_bytes()).sum();
+        let gathers: Vec<usize> = z.gathers().iter().zip(&gathers0).map(|(a, b)| (a - b) / ACCUM).collect();
+        assert_eq!(gathers, Zero::expected_gathers(spec, z.bucket_numel().len(), tied), "{spec}: parameter all-gathers per bucket");
+        // The norm all-reduce over the block: one f64.
+        let norm_bytes = if spec.optim > 1 { 2.0 * (spec.optim as f64 - 1.0) / spec.optim as f64 * 8.0 } else { 0.0 };
+        traffic = sent - norm_bytes;
+        model_traffic = traffic_bytes(spec, dp, &z.bucket_numel(), &gathers, 4, ACCUM);
+        losses.push(sum / ACCUM as f64);
+    }
+    Ok(RankOut { losses, bytes, padded: z.bucket_numel().iter().sum::<usize>() as u64, traffic, model_traffic })
+}
+
+/// Mean over data-parallel ranks of each step's loss (ranks 0.. of tp index 0).
+fn dp_mean(outs: &[RankOut], dp: usize, tp: usize) -> Vec<f64> {
+    (0..STEPS).map(|s| (0..dp).map(|d| outs[d * tp].losses[s]).sum::<f64>() / dp as f64).collect()
+}
+
+fn close(a: &[f64], b: &[f64], tol: f64, what: &str) {
+    for (s, (x, y)) in a.iter().zip(b).enumerate() {
+        assert!((x - y).abs() <= tol * y.abs(), "{what}: step {s}: {x} vs {y}\n{a:?}\n{b:?}");
+    }
+}
+
+#[test]
+fn plain_data_parallel_equals_single_device() {
+    let want = single_device(false);
+    assert!(want[STEPS - 1] < want[0] - 0.2, "the run does not learn: {want:?}");
+    let outs = ThreadComm::run(4, CommOptions::default(), |c| rank(c, 4, 1, 4, ShardSpec::zero(0, 4)?, false)).unwrap();
+    close(&dp_mean(&outs, 4, 1), &want, 1e-5, "dp=4 vs single device");
+}
+
+#[test]
+fn every_shard_spec_follows_plain_data_parallelism() {
+    // dp = 4 in one node, and 2 nodes x 2 ranks; tied embeddings in the second.
+    for (rpn, tied) in [(4, false), (2, true)] {
+        let plain =
+            dp_mean(&ThreadComm::run(4, CommOptions::default(), |c| rank(c, 4, 1, rpn, ShardSpec::zero(0, 4)?, tied)).unwrap(), 4, 1);
+        let specs = ShardSpec::all_valid(4, rpn);
+        assert!(specs.len() >= 6, "{specs:?}");
+        for spec in specs {
+            let outs = ThreadComm::run(4, CommOptions::default(), |c| rank(c, 4, 1, rpn, spec, tied)).unwrap();
+            close(&dp_mean(&outs, 4, 1), &plain, 1e-5, &format!("{spec} ({rpn} ranks per node)"));
+            for (r, o) in outs.iter().enumerate() {
+                // Model-state bytes held equal the formula (f32: 4/s_p + 4/s_g + 8/s_os per padded element).
+                let held = (o.bytes.0 + o.bytes.1 + o.bytes.2) as u64;
+                assert_eq!(held, spec.state_bytes(o.padded, 4), "{spec} rank {r}: bytes held {:?}", o.bytes);
+                // Bytes sent in the last step equal the traffic model.
+                assert!((o.traffic - o.model_traffic).abs() < 0.5, "{spec} rank {r}: sent {} bytes, model {}", o.traffic, o.model_traffic);
+            }
+        }
+    }
+}
+
+#[test]
+fn zero_composes_with_tensor_parallelism() {
+    let plain = dp_mean(&ThreadComm::run(2, CommOptions::default(), |c| rank(c, 2, 1, 2, ShardSpec::zero(0, 2)?, false)).unwrap(), 2, 1);
+    for spec in [ShardSpec::zero(1, 2).unwrap(), ShardSpec::zero(3, 2).unwrap()] {
+        let outs = ThreadComm::run(4, CommOptions::default(), |c| rank(c, 2, 2, 4, spec, false)).unwrap();
+        close(&dp_mean(&outs, 2, 2), &plain, 1e-4, &format!("dp 2 x tp 2, {spec}"));
+    }
+}
+
+#[test]
+fn invalid_specs_say_why() {
+    let cases = [
+        (ShardSpec { params: 3, grads: 3, optim: 3 }, 4, 4, "does not divide"),
+        (ShardSpec { params: 2, grads: 1, optim: 4 }, 4, 4, "params <= grads <= optim"),
+        (ShardSpec { params: 1, grads: 2, optim: 4 }, 8, 8, "grads must equal params or optim"),
+        (ShardSpec { params: 4, grads: 4, optim: 2 }, 4, 4, "params <= grads <= optim"),
+        (ShardSpec { params: 2, grads: 2, optim: 4 }, 4, 3, "inside a node"),
+    ];
+    for (s, dp, dpn, want) in cases {
+        let e = s.validate(dp, dpn).unwrap_err().to_string();
+        assert!(e.contains(want), "{s}: {e}");
+    }
+    assert!(ShardSpec::zero(4, 8).unwrap_err().to_string().contains("--zero"));
+    for st in 0..=3 {
+        ShardSpec::zero(st, 8).unwrap().validate(8, 4).unwrap();
+    }
+}
