@@ -271,6 +271,21 @@ impl DeviceStorage for InFlight {
     }
 }
 
+/// A pending tensor of `shape` whose value `f` computes when it is first read (for example by
+/// the next collective, on its communication thread): work chained after a collective without
+/// waiting for it. No memory is held until then.
+pub fn deferred(shape: Shape, dtype: DType, device: Device, f: impl FnOnce() -> Result<Tensor> + Send + 'static) -> Result<Tensor> {
+    let placeholder = Storage::Device(Box::new(InFlight { dtype, len: shape.numel(), device }));
+    Tensor::pending(
+        placeholder,
+        shape,
+        Box::new(move |s| {
+            *s = f()?.storage_copy()?;
+            Ok(())
+        }),
+    )
+}
+
 /// A collective in flight. Its result is a pending tensor: `tensor()` hands it out without
 /// waiting, and it is waited on where it is first read (or by `wait()`).
 pub struct Work {

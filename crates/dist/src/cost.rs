@@ -10,18 +10,20 @@
 //!   (reduce-scatter then all-gather), all_gather and reduce_scatter `(n-1)/n · total`,
 //!   broadcast `total` for every rank but the last of the chain (the rank just before the root
 //!   in ring order), which sends nothing. A group of one sends nothing and costs nothing.
-//! - A link is `alpha` (seconds per collective, not per ring step) plus bytes over `bandwidth`
-//!   (bytes per second per rank). A collective inside one node costs
-//!   `alpha_intra + ring_bytes / bw_intra`; broadcast charges `total` (the pipelined chain moves
-//!   every byte over every link once).
+//! - A link is `alpha` (seconds of latency per ring step) plus bytes over `bandwidth` (bytes per
+//!   second per rank): the alpha-beta ring model, in which a ring of `p` ranks takes `p - 1`
+//!   steps per pass (AMSP's `t_rs = (p-1)(alpha + v/(p w))`), so latency grows with the group,
+//!   which is what makes sharding over a whole large cluster slow. A collective inside one node
+//!   costs `passes·(k-1)·alpha_intra + ring_bytes / bw_intra` (all_reduce two passes, the others
+//!   one); broadcast charges `total` (the pipelined chain moves every byte over every link once).
 //! - A group spanning `m > 1` nodes with at most `k` of its ranks on one node runs the
 //!   hierarchical algorithm (each rank has its own inter-node bandwidth, as with one NIC per GPU):
 //!   - all_reduce: intra reduce-scatter, inter all_reduce of the `total/k` shard, intra
-//!     all-gather: `2·[alpha_i + (k-1)/k·total/bw_i] + alpha_e + 2(m-1)/m·(total/k)/bw_e`;
+//!     all-gather: `2·[(k-1)·alpha_i + (k-1)/k·total/bw_i] + 2(m-1)·alpha_e + 2(m-1)/m·(total/k)/bw_e`;
 //!   - all_gather / reduce_scatter: one intra and one inter stage:
-//!     `[alpha_i + (k-1)/k·total/bw_i] + alpha_e + (m-1)/m·(total/k)/bw_e`;
+//!     `[(k-1)·alpha_i + (k-1)/k·total/bw_i] + (m-1)·alpha_e + (m-1)/m·(total/k)/bw_e`;
 //!   - broadcast: root to one rank per node, then inside each node:
-//!     `alpha_e + total/bw_e + [alpha_i + total/bw_i]`;
+//!     `(m-1)·alpha_e + total/bw_e + [(k-1)·alpha_i + total/bw_i]`;
 //!
 //!   the bracketed intra terms vanish when `k = 1`. The hierarchical algorithm sends exactly the
 //!   flat ring's bytes per rank (`(k-1)/k + (m-1)/(mk) = (n-1)/n`), split as `hier_bytes` says.
@@ -138,16 +140,15 @@ pub fn seconds(kind: Kind, span: GroupSpan, total: f64, model: &LinkModel) -> f6
     if k * m <= 1 {
         return 0.0;
     }
+    // Latency steps per stage: passes x (ranks in the ring - 1).
+    let passes = if kind == Kind::AllReduce { 2.0 } else { 1.0 };
+    let stage = |link: &Link, ranks: usize, bytes: f64| passes * (ranks as f64 - 1.0) * link.alpha_s + bytes / link.bytes_per_s;
     if m == 1 {
-        return model.intra.seconds(ring_bytes(kind, k, total));
+        return stage(&model.intra, k, ring_bytes(kind, k, total));
     }
     let (intra_b, inter_b) = hier_bytes(kind, span, total);
-    let intra = |b: f64| if k > 1 { model.intra.seconds(b) } else { 0.0 };
-    match kind {
-        // Two intra stages (reduce-scatter, all-gather), each moving half of the intra bytes.
-        Kind::AllReduce => 2.0 * intra(intra_b / 2.0) + model.inter.seconds(inter_b),
-        Kind::AllGather | Kind::ReduceScatter | Kind::Broadcast => intra(intra_b) + model.inter.seconds(inter_b),
-    }
+    let intra = if k > 1 { stage(&model.intra, k, intra_b) } else { 0.0 };
+    intra + stage(&model.inter, m, inter_b)
 }
 
 #[cfg(test)]
@@ -171,16 +172,19 @@ mod tests {
         let inter = Link::new(1e-4, 1e10);
         let model = LinkModel::two_level(intra, inter, 4);
         let b = 8e6;
-        // One node: alpha + 2(n-1)/n B / bw.
+        // One node of 4: two passes of 3 steps' latency + 2(n-1)/n B / bw.
         let t = seconds(Kind::AllReduce, GroupSpan::intra(4), b, &model);
-        assert!((t - (1e-5 + 1.5 * b / 1e11)).abs() < 1e-12);
-        // Two nodes of four: 2(alpha_i + 3/4 B/bw_i) + alpha_e + 2(1/2)(B/4)/bw_e.
+        assert!((t - (6.0 * 1e-5 + 1.5 * b / 1e11)).abs() < 1e-12);
+        // Two nodes of four: 2(3 alpha_i + 3/4 B/bw_i) + 2 alpha_e + 2(1/2)(B/4)/bw_e.
         let t = seconds(Kind::AllReduce, GroupSpan { per_node: 4, nodes: 2 }, b, &model);
-        let want = 2.0 * (1e-5 + 0.75 * b / 1e11) + 1e-4 + (b / 4.0) / 1e10;
+        let want = 2.0 * (3.0 * 1e-5 + 0.75 * b / 1e11) + 2.0 * 1e-4 + (b / 4.0) / 1e10;
         assert!((t - want).abs() < 1e-12, "{t} vs {want}");
-        // One rank per node: inter only.
+        // One rank per node: inter only, 3 steps.
         let t = seconds(Kind::AllGather, GroupSpan { per_node: 1, nodes: 4 }, b, &model);
-        assert!((t - (1e-4 + 0.75 * b / 1e10)).abs() < 1e-12);
+        assert!((t - (3.0 * 1e-4 + 0.75 * b / 1e10)).abs() < 1e-12);
+        // Latency grows with the ring: 64 ranks in one node pay 63 steps.
+        let t = seconds(Kind::AllGather, GroupSpan::intra(64), 0.0, &model);
+        assert!((t - 63.0 * 1e-5).abs() < 1e-12);
         // A group of one is free.
         assert_eq!(seconds(Kind::Broadcast, GroupSpan::intra(1), b, &model), 0.0);
     }

@@ -32,6 +32,7 @@ pub mod mesh;
 pub mod nccl;
 mod nccl_lib;
 pub mod ops;
+pub mod plan;
 mod reduce;
 pub mod simlink;
 pub mod store;

@@ -18,6 +18,13 @@
 //!   update it all-gathers the optimizer ranges back into the parameter range.
 //! - OS replicas (dp/s_os ranks, same j): all-reduce the optimizer-range gradient, once per step.
 //!
+//! Overlap: in the last micro-batch of a step, a bucket's whole hand-over (reduce-scatter over
+//! G, the earlier micro-batches' sum added on the communication thread, reduce-scatter over the
+//! OS sub-group, all-reduce over the replicas) is launched from the gradient sink the moment the
+//! bucket's gradient is complete, so it runs behind the rest of the backward pass. The update
+//! then goes bucket by bucket, each bucket's parameter all-gather launched as soon as its range
+//! is updated, behind the next bucket's update.
+//!
 //! ZeRO-1 is (1, 1, dp), ZeRO-2 (1, dp, dp), ZeRO-3 (dp, dp, dp), MiCS (s, s, s), plain data
 //! parallelism (1, 1, 1). The step's traffic per rank is `traffic_bytes` (tests hold the
 //! implementation to it).
@@ -181,8 +188,6 @@ struct ZBucket {
     flat: Tensor,
     /// (n / s_p) this rank's parameter range (the flat buffer itself when s_p = 1).
     p_shard: Tensor,
-    /// (n / s_g) gradients reduced over G and accumulated over micro-batches.
-    g_acc: Option<Tensor>,
     /// (n / s_os) fp32 optimizer state of range j: master (for low-precision parameters), m, v.
     master: Option<Tensor>,
     m: Tensor,
@@ -198,14 +203,23 @@ struct ZBucket {
 struct Assembly {
     buckets: Vec<AsmBucket>,
     error: Option<Error>,
+    /// The backward pass running is the step's last micro-batch.
+    last: bool,
+    groups: Arc<Groups>,
+    spec: ShardSpec,
 }
 
 struct AsmBucket {
     full: Option<Tensor>,
     arrived: usize,
     expected: usize,
-    /// Reduced (possibly pending) gradient ranges of this step's micro-batches.
+    /// Reduced (possibly pending) gradient ranges of this step's earlier micro-batches.
     reduced: Vec<Tensor>,
+    /// (n / s_g) the sum of the earlier micro-batches' ranges.
+    acc: Option<Tensor>,
+    /// (n / s_os) after the last micro-batch: the gradient of this rank's optimizer range,
+    /// summed over every data-parallel rank (pending while its collectives run).
+    os_grad: Option<Tensor>,
 }
 
 /// Materialises released parameter buckets (s_p > 1): an all-gather over P on a miss, and a
@@ -310,7 +324,7 @@ impl Gatherer {
 pub struct Zero {
     pub spec: ShardSpec,
     dp: usize,
-    groups: Groups,
+    groups: Arc<Groups>,
     buckets: Vec<ZBucket>,
     store: ParamStore,
     asm: Arc<Mutex<Assembly>>,
@@ -330,7 +344,7 @@ impl Zero {
     pub fn new(model: &mut Llama, mesh: &DeviceMesh, spec: ShardSpec, tp: Option<&TpLayout>, cfg: AdamWConfig) -> Result<Zero> {
         let dp = mesh.dp();
         spec.validate(dp, (mesh.ranks_per_node() / mesh.tp()).max(1))?;
-        let groups = Groups::new(mesh.dp_group(), spec)?;
+        let groups = Arc::new(Groups::new(mesh.dp_group(), spec)?);
         let (sp, so) = (spec.params, spec.optim);
         // Every range of every bucket must be a whole number of elements.
         let store = ParamStore::from_model(model, dp * 8)?;
@@ -364,7 +378,6 @@ impl Zero {
                 n,
                 flat: bk.flat.clone(),
                 p_shard,
-                g_acc: None,
                 master,
                 m: Tensor::zeros([len], DType::F32, dev)?,
                 v: Tensor::zeros([len], DType::F32, dev)?,
@@ -376,9 +389,12 @@ impl Zero {
             buckets: store
                 .buckets
                 .iter()
-                .map(|b| AsmBucket { full: None, arrived: 0, expected: b.slots.len(), reduced: Vec::new() })
+                .map(|b| AsmBucket { full: None, arrived: 0, expected: b.slots.len(), reduced: Vec::new(), acc: None, os_grad: None })
                 .collect(),
             error: None,
+            last: true,
+            groups: groups.clone(),
+            spec,
         }));
         let mut zero = Zero {
             spec,
@@ -418,13 +434,13 @@ impl Zero {
             let n = bk.padded;
             for s in &bk.slots {
                 let p = params.get(&s.name).ok_or_else(|| Error::new("zero", format!("parameter {} is not in the model", s.name)))?;
-                let (asm, g, sg, off, numel, dtype, dev) =
-                    (self.asm.clone(), self.groups.g.clone(), self.spec.grads, s.offset, s.numel(), bk.dtype, p.device());
+                let (asm, off, numel, dtype, dev) = (self.asm.clone(), s.offset, s.numel(), bk.dtype, p.device());
                 p.set_grad_sink(Some(Arc::new(move |grad: &Tensor| {
                     let mut a = asm.lock().unwrap_or_else(|e| e.into_inner());
                     if a.error.is_some() {
                         return;
                     }
+                    let a = &mut *a;
                     let res = (|| -> Result<()> {
                         let b = &mut a.buckets[bi];
                         let full = match &b.full {
@@ -438,7 +454,7 @@ impl Zero {
                         full.narrow(0, off, numel)?.assign(&grad.reshape([numel])?)?;
                         b.arrived += 1;
                         if b.arrived == b.expected {
-                            flush(b, &g, sg)?;
+                            flush(b, &a.groups, a.spec, a.last)?;
                         }
                         Ok(())
                     })();
@@ -459,8 +475,10 @@ impl Zero {
         }
     }
 
-    /// Call between the forward pass and `backward()`.
-    pub fn begin_backward(&self) -> Result<()> {
+    /// Call between the forward pass and `backward()`; `last`: this is the step's last
+    /// micro-batch (its gradient hand-over starts during the backward pass).
+    pub fn begin_backward(&self, last: bool) -> Result<()> {
+        self.asm.lock().unwrap_or_else(|e| e.into_inner()).last = last;
         match &self.gather {
             Some(g) => g.release_all(true),
             None => Ok(()),
@@ -470,25 +488,28 @@ impl Zero {
     /// Call after each micro-batch's backward: launches what did not complete and accumulates
     /// the reduced gradient ranges.
     pub fn end_backward(&mut self) -> Result<()> {
-        let reduced: Vec<Vec<Tensor>> = {
+        {
             let mut a = self.asm.lock().unwrap_or_else(|e| e.into_inner());
+            let a = &mut *a;
             if let Some(e) = a.error.take() {
                 return Err(e);
             }
             for b in a.buckets.iter_mut() {
                 if b.full.is_some() {
-                    flush(b, &self.groups.g, self.spec.grads)?; // some parameter got no gradient
+                    flush(b, &a.groups, a.spec, a.last)?; // some parameter got no gradient
+                }
+                if !a.last && b.os_grad.is_some() {
+                    return Err(Error::new("zero", "a micro-batch after the step's last one: call step() first"));
                 }
             }
-            a.buckets.iter_mut().map(|b| std::mem::take(&mut b.reduced)).collect()
-        };
-        let _g = no_grad();
-        for (bk, parts) in self.buckets.iter_mut().zip(reduced) {
-            for r in parts {
-                bk.g_acc = Some(match bk.g_acc.take() {
-                    Some(acc) => acc.add(&r)?,
-                    None => r.contiguous()?,
-                });
+            let _g = no_grad();
+            for b in a.buckets.iter_mut() {
+                for r in std::mem::take(&mut b.reduced) {
+                    b.acc = Some(match b.acc.take() {
+                        Some(acc) => acc.add(&r)?,
+                        None => r.contiguous()?,
+                    });
+                }
             }
         }
         self.micro += 1;
@@ -507,30 +528,31 @@ impl Zero {
             return Err(Error::new("zero", "step() without a backward pass since the last step"));
         }
         let _g = no_grad();
-        let (sg, so, dp) = (self.spec.grads, self.spec.optim, self.dp);
-        // Hand-over G -> OS: launch every bucket's collectives, then use them.
-        let mut os_grads = Vec::with_capacity(self.buckets.len());
-        for bk in &mut self.buckets {
-            let acc = match bk.g_acc.take() {
-                Some(a) => a,
-                None => Tensor::zeros([bk.n / sg], self.dtype, bk.flat.device())?,
-            };
-            let mut g = acc;
-            if so > sg {
-                g = reduce_scatter(&self.groups.os_sub, &g)?;
+        let (so, dp) = (self.spec.optim, self.dp);
+        // The hand-over ran during the last backward; a bucket that got no gradient at all
+        // hands over zeros.
+        let os_grads: Vec<Tensor> = {
+            let mut a = self.asm.lock().unwrap_or_else(|e| e.into_inner());
+            let a = &mut *a;
+            let mut out = Vec::with_capacity(a.buckets.len());
+            for (b, bk) in a.buckets.iter_mut().zip(&self.buckets) {
+                if b.os_grad.is_none() {
+                    b.full = Some(Tensor::zeros([bk.n], self.dtype, bk.flat.device())?);
+                    flush(b, &a.groups, a.spec, true)?;
+                }
+                out.push(b.os_grad.take().expect("flushed"));
             }
-            if self.groups.os_rep.size() > 1 {
-                g = self.groups.os_rep.all_reduce_async(&g, ReduceOp::Sum)?.tensor();
-            }
-            os_grads.push(g);
-        }
+            out
+        };
         let scale = 1.0 / dp as f64;
-        let os_grads: Vec<Tensor> = os_grads.into_iter().map(|g| g.to_dtype(DType::F32)?.mul_scalar(scale)).collect::<Result<_>>()?;
+        let mut grads = Vec::with_capacity(os_grads.len());
         // Global norm: each optimizer range once (summed over the block), tensor-parallel
-        // copies weighted.
+        // copies weighted. Reading each range waits for its collectives, bucket by bucket.
         let mut local = 0.0;
-        for (g, bk) in os_grads.iter().zip(&self.buckets) {
+        for (g, bk) in os_grads.into_iter().zip(&self.buckets) {
+            let g = g.to_dtype(DType::F32)?.mul_scalar(scale)?;
             local += g.sqr()?.mul(&bk.norm_weight)?.sum_all()?.item()?;
+            grads.push(g);
         }
         let mut sq = sum_over(&self.groups.block, local)?;
         if let Some(tp) = &self.tp {
@@ -541,10 +563,11 @@ impl Zero {
         self.step += 1;
         let c = &self.cfg;
         let (bc1, bc2) = (1.0 - c.beta1.powi(self.step as i32), 1.0 - c.beta2.powi(self.step as i32));
-        let (k, len_of) = (so / self.spec.params, |n: usize| n / so);
-        for (bk, g) in self.buckets.iter_mut().zip(os_grads) {
+        let k = so / self.spec.params;
+        let mut gathered = Vec::with_capacity(self.buckets.len());
+        for (bk, g) in self.buckets.iter_mut().zip(grads) {
             let g = if clip != 1.0 { g.mul_scalar(clip)? } else { g };
-            let len = len_of(bk.n);
+            let len = bk.n / so;
             let pview = bk.p_shard.narrow(0, self.groups.b * len, len)?;
             let w = match &bk.master {
                 Some(m) => m.clone(),
@@ -564,9 +587,11 @@ impl Zero {
                 master.assign(&w_new)?;
             }
             pview.assign(&w_new)?;
-            // Hand-back OS -> P: the optimizer ranges of this parameter range, gathered.
-            if k > 1 {
-                let full = self.groups.os_sub.all_gather(&pview.contiguous()?)?;
+            // Hand-back OS -> P, launched now, behind the next bucket's update.
+            gathered.push(if k > 1 { Some(self.groups.os_sub.all_gather_async(&pview.deep_copy()?)?.tensor()) } else { None });
+        }
+        for (bk, g) in self.buckets.iter().zip(gathered) {
+            if let Some(full) = g {
                 bk.p_shard.assign(&full)?;
             }
         }
@@ -578,18 +603,23 @@ impl Zero {
     /// Released parameter buckets count nothing; call it after the last backward of a step to
     /// see the gradients.
     pub fn state_bytes(&self) -> (usize, usize, usize) {
-        let mut p = 0;
-        let mut g = 0;
-        let mut o = 0;
+        // Gradients: the range a rank accumulates into (n / s_g), held between micro-batches.
+        let g: usize = self.buckets.iter().map(|b| b.n / self.spec.grads * self.dtype.size_in_bytes()).sum();
+        let (mut p, mut o) = (0, 0);
         for bk in &self.buckets {
             p += bk.p_shard.storage_bytes();
             if self.spec.params > 1 && !bk.flat.is_released() {
                 p += bk.flat.storage_bytes();
             }
-            g += bk.g_acc.as_ref().map_or(0, |t| t.storage_bytes());
             o += bk.m.storage_bytes() + bk.v.storage_bytes() + bk.master.as_ref().map_or(0, |t| t.storage_bytes());
         }
         (p, g, o)
+    }
+
+    /// Bytes of accumulated gradient ranges held right now (between micro-batches of a step).
+    pub fn grad_bytes_held(&self) -> usize {
+        let a = self.asm.lock().unwrap_or_else(|e| e.into_inner());
+        a.buckets.iter().map(|b| b.acc.as_ref().map_or(0, |t| t.storage_bytes())).sum()
     }
 
     /// Parameter all-gathers per bucket per micro-batch when s_p > 1: one before the bucket's
@@ -640,11 +670,31 @@ impl Zero {
     }
 }
 
-/// Launches a bucket's gradient reduction over G (or keeps it whole when s_g = 1).
-fn flush(b: &mut AsmBucket, g: &Comm, sg: usize) -> Result<()> {
+/// Launches a bucket's gradient reduction over G (kept whole when s_g = 1). In the last
+/// micro-batch, chains the whole hand-over to the optimizer range behind it, without waiting:
+/// the earlier micro-batches' sum is added when the next collective reads its input.
+fn flush(b: &mut AsmBucket, groups: &Groups, spec: ShardSpec, last: bool) -> Result<()> {
     let full = b.full.take().ok_or_else(|| Error::new("zero", "no gradient to flush"))?;
     b.arrived = 0;
-    b.reduced.push(if sg > 1 { g.reduce_scatter_async(&full, ReduceOp::Sum)?.tensor() } else { full });
+    let r = if spec.grads > 1 { groups.g.reduce_scatter_async(&full, ReduceOp::Sum)?.tensor() } else { full };
+    if !last {
+        b.reduced.push(r);
+        return Ok(());
+    }
+    let mut g = match b.acc.take() {
+        None => r,
+        Some(acc) => {
+            let (shape, dtype, dev) = (r.shape().clone(), r.dtype(), r.device());
+            crate::comm::deferred(shape, dtype, dev, move || acc.add(&r))?
+        }
+    };
+    if spec.optim > spec.grads {
+        g = reduce_scatter(&groups.os_sub, &g)?;
+    }
+    if groups.os_rep.size() > 1 {
+        g = groups.os_rep.all_reduce_async(&g, ReduceOp::Sum)?.tensor();
+    }
+    b.os_grad = Some(g);
     Ok(())
 }
 

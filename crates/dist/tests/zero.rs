@@ -95,9 +95,19 @@ fn rank(comm: Arc<dyn Communicator>, dp: usize, tp: usize, rpn: usize, spec: Sha
             z.begin_forward()?;
             let loss = m.loss(&x, &y)?;
             sum += loss.item()?;
-            z.begin_backward()?;
+            z.begin_backward(k + 1 == ACCUM)?;
             loss.mul_scalar(1.0 / ACCUM as f64)?.backward()?;
             z.end_backward()?;
+            if k + 1 < ACCUM {
+                // Between micro-batches a rank holds exactly its gradient range (n / s_g).
+                let held = z.grad_bytes_held();
+                if held != z.state_bytes().1 {
+                    return Err(ferrolm_tensor::Error::new(
+                        "test",
+                        format!("{spec}: {held} gradient bytes held, range is {}", z.state_bytes().1),
+                    ));
+                }
+            }
         }
         if s == STEPS - 1 {
             bytes = z.state_bytes();

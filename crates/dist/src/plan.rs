@@ -1,0 +1,275 @@
+//! The sharding planner: AMSP's cost model (memory per rank of each model state under a
+//! `ShardSpec`, the communication of each state's collectives over its group, the overlap with
+//! compute) applied to ferrolm's own engine, and an exhaustive search over every valid spec.
+//!
+//! The communication terms are those `zero::Zero` performs (its tests hold it to
+//! `zero::traffic_bytes`), priced with the same cost functions as the simulated link
+//! (`cost::seconds`, hierarchical across nodes), over the actual members of each group:
+//! - T_p: parameter all-gathers over P, `Zero::expected_gathers` per bucket per micro-batch;
+//! - T_g: the bucket reduce-scatter over G, per micro-batch;
+//! - T_os0: the hand-over G -> optimizer ranges (reduce-scatter over the OS sub-group when
+//!   s_os > s_g, then the all-reduce over the OS replicas), once per step;
+//! - T_os1: the all-gather of updated ranges back into parameter ranges, once per step.
+//!
+//! Overlap: the gathers of a pass run ahead of its compute (prefetch) and the reduce-scatters
+//! behind the backward, so each pass exposes only what its compute cannot cover plus one
+//! bucket's worth (the pipeline's fill or drain); the once-per-step terms are exposed.
+use crate::cost::{self, GroupSpan, Kind, LinkModel};
+use crate::zero::ShardSpec;
+use ferrolm_tensor::{Error, Result};
+
+/// The shapes that set parameter count, memory and FLOPs.
+#[derive(Clone, Debug, PartialEq)]
+pub struct ModelShape {
+    pub name: String,
+    pub layers: usize,
+    pub hidden: usize,
+    pub intermediate: usize,
+    pub heads: usize,
+    pub kv_heads: usize,
+    pub head_dim: usize,
+    pub vocab: usize,
+    pub tied: bool,
+}
+
+impl ModelShape {
+    /// LLaMA shapes: `7b`, `13b`, `30b` (LLaMA-1's 32.5B) and `70b` (Llama 2, GQA).
+    pub fn preset(name: &str) -> Result<ModelShape> {
+        let (layers, hidden, inter, heads, kv, vocab) = match name {
+            "7b" => (32, 4096, 11008, 32, 32, 32000),
+            "13b" => (40, 5120, 13824, 40, 40, 32000),
+            "30b" => (60, 6656, 17920, 52, 52, 32000),
+            "70b" => (80, 8192, 28672, 64, 8, 32000),
+            other => return Err(Error::new("--model", format!("unknown preset {other:?} (known: 7b, 13b, 30b, 70b, or a config.json)"))),
+        };
+        Ok(ModelShape {
+            name: name.into(),
+            layers,
+            hidden,
+            intermediate: inter,
+            heads,
+            kv_heads: kv,
+            head_dim: hidden / heads,
+            vocab,
+            tied: false,
+        })
+    }
+
+    pub fn from_config(c: &ferrolm_nn::LlamaConfig, name: &str) -> ModelShape {
+        ModelShape {
+            name: name.into(),
+            layers: c.num_hidden_layers,
+            hidden: c.hidden_size,
+            intermediate: c.intermediate_size,
+            heads: c.num_attention_heads,
+            kv_heads: c.num_key_value_heads,
+            head_dim: c.head_dim,
+            vocab: c.vocab_size,
+            tied: c.tie_word_embeddings,
+        }
+    }
+
+    /// Parameters of one transformer layer held by one of `tp` tensor-parallel ranks (a key/
+    /// value head shared by several ranks is held by each).
+    pub fn layer_params(&self, tp: usize) -> u64 {
+        let (h, i, d) = (self.hidden as u64, self.intermediate as u64, self.head_dim as u64);
+        let tp = tp as u64;
+        let q = self.heads as u64 * d * h / tp; // q_proj, and o_proj alike
+        let kv = if self.kv_heads as u64 >= tp { self.kv_heads as u64 * d * h / tp } else { d * h }; // k_proj, v_proj each
+        2 * q + 2 * kv + 3 * h * i / tp + 2 * h
+    }
+
+    /// Parameters held by one of `tp` ranks, per bucket (embedding, each layer, head).
+    pub fn bucket_params(&self, tp: usize) -> Vec<u64> {
+        let (h, v) = (self.hidden as u64, self.vocab as u64);
+        let mut out = vec![v * h / tp as u64];
+        out.extend(std::iter::repeat_n(self.layer_params(tp), self.layers));
+        out.push(h + if self.tied { 0 } else { v * h / tp as u64 });
+        out
+    }
+
+    /// Parameters of the whole model.
+    pub fn params(&self) -> u64 {
+        self.bucket_params(1).iter().sum()
+    }
+
+    /// Training FLOPs per token: 6 per parameter (forward and backward) plus attention
+    /// (PaLM's 12 L T d count) for sequences of `seq`.
+    pub fn flops_per_token(&self, seq: usize) -> f64 {
+        6.0 * self.params() as f64 + 12.0 * (self.layers * seq * self.heads * self.head_dim) as f64
+    }
+}
+
+/// The machines.
+#[derive(Clone, Debug)]
+pub struct Cluster {
+    pub gpus: usize,
+    pub gpus_per_node: usize,
+    pub mem_bytes: f64,
+    pub link: LinkModel,
+    /// Dense FLOP/s one rank sustains on the model's GEMMs.
+    pub flops: f64,
+    /// Peak FLOP/s of one rank (for MFU).
+    pub peak_flops: f64,
+    /// Memory kept free (allocator slack, CUDA workspace), as a fraction of `mem_bytes`.
+    pub margin: f64,
+}
+
+/// What one step trains.
+#[derive(Clone, Debug)]
+pub struct Workload {
+    pub seq: usize,
+    pub micro_batch: usize,
+    pub global_batch_tokens: usize,
+    pub tp: usize,
+    /// Bytes per parameter element (2 for bf16 mixed precision, 4 for f32).
+    pub elem_bytes: usize,
+    /// Transformer layers whose activations are recomputed in backward.
+    pub checkpointed_layers: usize,
+}
+
+#[derive(Clone, Debug)]
+pub struct Memory {
+    pub params: f64,
+    pub grads: f64,
+    pub optim: f64,
+    pub activations: f64,
+    pub buffers: f64,
+}
+
+impl Memory {
+    pub fn total(&self) -> f64 {
+        self.params + self.grads + self.optim + self.activations + self.buffers
+    }
+}
+
+/// The model's verdict on one layout.
+#[derive(Clone, Debug)]
+pub struct Estimate {
+    pub spec: ShardSpec,
+    pub dp: usize,
+    pub micro_batches: usize,
+    pub mem: Memory,
+    pub fits: bool,
+    /// Communication per step if nothing overlapped, by term (T_p, T_g, T_os0, T_os1).
+    pub comm: [f64; 4],
+    pub exposed: f64,
+    pub compute: f64,
+    pub step: f64,
+    pub mfu: f64,
+}
+
+impl Estimate {
+    pub fn comm_total(&self) -> f64 {
+        self.comm.iter().sum()
+    }
+}
+
+/// Data-parallel members (dp ranks) of rank 0's groups: (P, G, OS sub-group, OS replicas),
+/// exactly as `zero` splits them.
+fn groups_of_rank0(dp: usize, s: ShardSpec) -> [Vec<usize>; 4] {
+    let (sp, sg, so) = (s.params, s.grads, s.optim);
+    let k = so / sp;
+    let p: Vec<usize> = (0..sp).collect(); // block 0, b = 0
+    let os_sub: Vec<usize> = (0..k).map(|b| b * sp).collect(); // a = 0
+    let g = if sg == sp { p.clone() } else { (0..so).collect() };
+    let rep: Vec<usize> = (0..dp / so).map(|blk| blk * so).collect(); // j = 0
+    [p, g, os_sub, rep]
+}
+
+/// Activation bytes one rank keeps for backward per micro-batch of `b` sequences of `seq`
+/// tokens: per layer, what ferrolm's ops save (inputs of the norms, projections, attention
+/// output and statistics, SwiGLU inputs); a recomputed layer keeps its input only, and one
+/// layer is live again during its recompute. Plus the logits and loss temporaries.
+pub fn activation_bytes(m: &ModelShape, w: &Workload) -> f64 {
+    let (bs, h, i, e) = ((w.micro_batch * w.seq) as f64, m.hidden as f64, m.intermediate as f64 / w.tp as f64, w.elem_bytes as f64);
+    let qkv = (m.heads + 2 * m.kv_heads.max(w.tp)) as f64 * m.head_dim as f64 / w.tp as f64;
+    let attn_out = m.heads as f64 * m.head_dim as f64 / w.tp as f64;
+    // Saved per layer: two normed inputs and two residual inputs (4h), q/k/v (after rope) and
+    // the attention output (qkv + attn_out), the LSE (4 bytes per head and token), gate, up
+    // and the SwiGLU output (3i).
+    let full = bs * e * (4.0 * h + qkv + attn_out + 3.0 * i) + bs * 4.0 * (m.heads / w.tp) as f64;
+    let ck = w.checkpointed_layers.min(m.layers) as f64;
+    let layers = (m.layers as f64 - ck) * full + ck * bs * e * h + if ck > 0.0 { full } else { 0.0 };
+    let logits = bs * (m.vocab / w.tp) as f64 * 4.0 * 3.0; // f32 logits, exp, gradient
+    layers + logits
+}
+
+/// Estimates one layout (see the module comment); `None` when the spec is invalid here.
+pub fn evaluate(m: &ModelShape, c: &Cluster, w: &Workload, spec: ShardSpec) -> Option<Estimate> {
+    let ranks_per_group = w.tp;
+    if c.gpus % ranks_per_group != 0 || c.gpus_per_node % w.tp != 0 {
+        return None;
+    }
+    let dp = c.gpus / w.tp;
+    let dpn = (c.gpus_per_node / w.tp).max(1);
+    spec.validate(dp, dpn).ok()?;
+    let tokens_per_micro = w.micro_batch * w.seq * dp;
+    if w.global_batch_tokens % tokens_per_micro != 0 {
+        return None;
+    }
+    let micro = w.global_batch_tokens / tokens_per_micro;
+    let e = w.elem_bytes as f64;
+    let buckets: Vec<f64> = m.bucket_params(w.tp).iter().map(|&n| n as f64).collect();
+    let local: f64 = buckets.iter().sum();
+    let optim_b = if w.elem_bytes == 4 { 8.0 } else { 12.0 };
+    let biggest = buckets.iter().copied().fold(0.0, f64::max);
+    let gathered = if spec.params > 1 { 3.0 * biggest * e } else { 0.0 }; // MAX_LIVE buckets
+    let mem = Memory {
+        params: local * e / spec.params as f64,
+        grads: local * e / spec.grads as f64,
+        optim: local * optim_b / spec.optim as f64,
+        activations: activation_bytes(m, w),
+        buffers: gathered + 2.0 * biggest * e,
+    };
+    let fits = mem.total() <= c.mem_bytes * (1.0 - c.margin);
+
+    // Communication, priced over each group's real placement.
+    let rpn = c.link.ranks_per_node;
+    let span = |members: &[usize]| GroupSpan::of(&members.iter().map(|&d| d * w.tp).collect::<Vec<_>>(), rpn);
+    let [p, g, os, rep] = groups_of_rank0(dp, spec);
+    let (sp_, sg_, so_, rep_) = (span(&p), span(&g), span(&os), span(&rep));
+    let t = |k: Kind, sp: GroupSpan, bytes: f64| cost::seconds(k, sp, bytes, &c.link);
+    let gathers = crate::zero::Zero::expected_gathers(spec, buckets.len(), m.tied);
+    let (mut tp_, mut tp_fwd, mut tg, mut t0, mut t1) = (0.0, 0.0, 0.0, 0.0, 0.0);
+    for (i, (&n, &ag)) in buckets.iter().zip(&gathers).enumerate() {
+        let b = n * e;
+        let one = t(Kind::AllGather, sp_, b);
+        tp_ += ag as f64 * one;
+        // In the forward pass: once per bucket, and the tied embedding again for the head.
+        tp_fwd += ag.min(if i == 0 && ag == 4 { 2 } else { 1 }) as f64 * one;
+        tg += t(Kind::ReduceScatter, sg_, b);
+        if spec.optim > spec.grads {
+            t0 += t(Kind::ReduceScatter, so_, b / spec.grads as f64);
+        }
+        t0 += t(Kind::AllReduce, rep_, b / spec.optim as f64);
+        t1 += t(Kind::AllGather, so_, b / spec.params as f64);
+    }
+    let comm = [micro as f64 * tp_, micro as f64 * tg, t0, t1];
+
+    // Compute: the model's FLOPs over the ranks, recompute adding a forward per layer.
+    let flops = m.flops_per_token(w.seq) * (w.micro_batch * w.seq) as f64 / w.tp as f64;
+    let fwd = flops / 3.0 / c.flops;
+    let recompute = fwd * w.checkpointed_layers.min(m.layers) as f64 / m.layers as f64;
+    let nb = buckets.len() as f64;
+    // Per micro-batch: forward gathers behind forward compute, backward gathers and
+    // reduce-scatters behind backward compute; one bucket's worth each is not covered.
+    let fwd_comm = tp_fwd;
+    let bwd_comm = tp_ - tp_fwd + tg;
+    let exposed_micro = (fwd_comm - fwd).max(0.0) + fwd_comm / nb + (bwd_comm - 2.0 * fwd - recompute).max(0.0) + bwd_comm / nb;
+    let exposed = micro as f64 * exposed_micro + t0 + t1;
+    let compute = micro as f64 * (3.0 * fwd + recompute);
+    let step = compute + exposed;
+    let tokens = w.global_batch_tokens as f64;
+    let mfu = m.flops_per_token(w.seq) * tokens / (step * c.gpus as f64 * c.peak_flops);
+    Some(Estimate { spec, dp, micro_batches: micro, mem, fits, comm, exposed, compute, step, mfu })
+}
+
+/// Every valid layout, fitting ones first, fastest first.
+pub fn search(m: &ModelShape, c: &Cluster, w: &Workload) -> Vec<Estimate> {
+    let dp = c.gpus / w.tp.max(1);
+    let dpn = (c.gpus_per_node / w.tp.max(1)).max(1);
+    let mut out: Vec<Estimate> = ShardSpec::all_valid(dp, dpn).into_iter().filter_map(|s| evaluate(m, c, w, s)).collect();
+    out.sort_by(|a, b| b.fits.cmp(&a.fits).then(a.step.total_cmp(&b.step)).then(a.mem.total().total_cmp(&b.mem.total())));
+    out
+}
