@@ -11,9 +11,13 @@
 //!   s_os > s_g, then the all-reduce over the OS replicas), once per step;
 //! - T_os1: the all-gather of updated ranges back into parameter ranges, once per step.
 //!
-//! Overlap: the gathers of a pass run ahead of its compute (prefetch) and the reduce-scatters
-//! behind the backward, so each pass exposes only what its compute cannot cover plus one
-//! bucket's worth (the pipeline's fill or drain); the once-per-step terms are exposed.
+//! Overlap, as the engine schedules it: a pass's parameter gathers run ahead of its compute
+//! (prefetch) and the gradient reduce-scatters behind the backward; in the step's last
+//! micro-batch the hand-over T_os0 runs behind the backward too. So each pass exposes what its
+//! compute cannot cover plus one bucket's worth (the pipeline's fill or drain); T_os1 (after
+//! the update) is exposed. Overlapped communication is not free on a GPU (NCCL kernels take
+//! SMs and memory bandwidth from the GEMMs): `Cluster::interference` charges that fraction of
+//! the hidden time (0 for the CPU simulated link, whose "communication" is a sleep).
 use crate::cost::{self, GroupSpan, Kind, LinkModel};
 use crate::zero::ShardSpec;
 use ferrolm_tensor::{Error, Result};
@@ -113,6 +117,8 @@ pub struct Cluster {
     pub peak_flops: f64,
     /// Memory kept free (allocator slack, CUDA workspace), as a fraction of `mem_bytes`.
     pub margin: f64,
+    /// Fraction of overlapped communication time that still slows compute.
+    pub interference: f64,
 }
 
 /// What one step trains.
@@ -251,15 +257,21 @@ pub fn evaluate(m: &ModelShape, c: &Cluster, w: &Workload, spec: ShardSpec) -> O
     let flops = m.flops_per_token(w.seq) * (w.micro_batch * w.seq) as f64 / w.tp as f64;
     let fwd = flops / 3.0 / c.flops;
     let recompute = fwd * w.checkpointed_layers.min(m.layers) as f64 / m.layers as f64;
-    let nb = buckets.len() as f64;
     // Per micro-batch: forward gathers behind forward compute, backward gathers and
     // reduce-scatters behind backward compute; one bucket's worth each is not covered.
+    let nb = buckets.len() as f64;
     let fwd_comm = tp_fwd;
     let bwd_comm = tp_ - tp_fwd + tg;
-    let exposed_micro = (fwd_comm - fwd).max(0.0) + fwd_comm / nb + (bwd_comm - 2.0 * fwd - recompute).max(0.0) + bwd_comm / nb;
-    let exposed = micro as f64 * exposed_micro + t0 + t1;
-    let compute = micro as f64 * (3.0 * fwd + recompute);
-    let step = compute + exposed;
+    // One pass: what compute cannot cover, plus one bucket's share (fill or drain).
+    let pass = |comm: f64, compute: f64| (comm - compute).max(0.0) + comm / nb;
+    let micro_f = micro as f64;
+    let exposed_fwd = micro_f * pass(fwd_comm, fwd);
+    let exposed_bwd = (micro_f - 1.0) * pass(bwd_comm, 2.0 * fwd + recompute) + pass(bwd_comm + t0, 2.0 * fwd + recompute);
+    let exposed = exposed_fwd + exposed_bwd + t1;
+    let total_comm: f64 = comm.iter().sum();
+    let hidden = (total_comm - exposed).max(0.0);
+    let compute = micro_f * (3.0 * fwd + recompute);
+    let step = compute + exposed + c.interference * hidden;
     let tokens = w.global_batch_tokens as f64;
     let mfu = m.flops_per_token(w.seq) * tokens / (step * c.gpus as f64 * c.peak_flops);
     Some(Estimate { spec, dp, micro_batches: micro, mem, fits, comm, exposed, compute, step, mfu })
