@@ -83,8 +83,14 @@ impl<'a> MakeWriter<'a> for StderrAboveBars {
 /// The filter for `level` (a `--log-level` value or any `RUST_LOG` directive), else
 /// `RUST_LOG`, else `info`.
 pub fn filter(level: Option<&str>) -> Result<EnvFilter, String> {
+    const LEVELS: [&str; 6] = ["off", "error", "warn", "info", "debug", "trace"];
     match level {
-        Some(l) => EnvFilter::try_new(l).map_err(|e| format!("--log-level {l:?}: {e}")),
+        // A bare word must be a level: EnvFilter would take a typo for a module name and
+        // silently show nothing.
+        Some(l) if !l.contains(['=', ',']) && !LEVELS.contains(&l.to_ascii_lowercase().as_str()) => {
+            Err(format!("`{l}` is not a level: use one of {} (or directives such as ferrolm=debug)", LEVELS.join(", ")))
+        }
+        Some(l) => EnvFilter::try_new(l).map_err(|e| format!("`{l}`: {e}")),
         None => Ok(EnvFilter::try_from_default_env().unwrap_or_else(|_| EnvFilter::new("info"))),
     }
 }

@@ -9,6 +9,7 @@ use std::path::PathBuf;
 
 #[derive(Parser, Debug, Clone, PartialEq)]
 #[command(
+    allow_negative_numbers = true,
     name = "eval",
     about = "Mean next-token loss and perplexity of a checkpoint on a text file. The text is tokenized with the \
              checkpoint's tokenizer.json (no special tokens) and scored on every full window tokens[i*T .. i*T+T+1]; \

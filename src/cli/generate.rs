@@ -11,6 +11,7 @@ use std::path::PathBuf;
 
 #[derive(Parser, Debug, Clone, PartialEq)]
 #[command(
+    allow_negative_numbers = true,
     name = "generate",
     about = "Sample a continuation of a prompt from a checkpoint (temperature and nucleus sampling, with a KV cache)",
     after_help = env_help(&[ENV_COMMON, ENV_DEVICE])
@@ -26,10 +27,10 @@ pub struct GenerateArgs {
     #[arg(long, value_name = "N", default_value = "100")]
     pub max_new_tokens: usize,
     /// Sampling temperature (0: greedy)
-    #[arg(long, default_value = "0.8", value_parser = non_negative)]
+    #[arg(long, default_value = "0.8", value_parser = non_negative, allow_hyphen_values = true)]
     pub temperature: f64,
     /// Nucleus sampling: keep the smallest set of tokens whose probability reaches P
-    #[arg(long, value_name = "P", default_value = "0.95", value_parser = probability)]
+    #[arg(long, value_name = "P", default_value = "0.95", value_parser = probability, allow_hyphen_values = true)]
     pub top_p: f64,
     /// Seed of the sampler
     #[arg(long, default_value = "0")]

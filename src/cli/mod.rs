@@ -55,7 +55,7 @@ where
         }
     };
     if let Err(e) = crate::logging::init(a.log_args().log_level.as_deref()) {
-        eprintln!("error: {e}");
+        eprintln!("error: --log-level {e}");
         return 2;
     }
     match run(a) {
@@ -114,6 +114,11 @@ pub fn fraction(s: &str) -> Result<f64, String> {
     Ok(v)
 }
 
+/// A log level or `RUST_LOG`-style directives.
+pub fn log_level(s: &str) -> Result<String, String> {
+    crate::logging::filter(Some(s)).map(|_| s.to_string())
+}
+
 /// A positive integer that fits this machine's `usize`.
 pub fn positive(s: &str) -> Result<usize, String> {
     let v: usize = s.trim().parse().map_err(|_| format!("`{s}` is not a positive integer (or is too large)"))?;
@@ -150,7 +155,7 @@ pub fn env_help(parts: &[&str]) -> String {
 pub struct LogArgs {
     /// Log level or filter (error, warn, info, debug, trace, or RUST_LOG directives)
     /// [default: $RUST_LOG, else info]
-    #[arg(long, value_name = "LEVEL")]
+    #[arg(long, value_name = "LEVEL", value_parser = log_level)]
     pub log_level: Option<String>,
 }
 
@@ -196,7 +201,7 @@ pub struct TrainArgs {
     #[arg(long, default_value = "1", value_parser = positive, help_heading = "Optimization")]
     pub grad_accum: usize,
     /// Peak learning rate (warmup, then cosine decay to a tenth of it)
-    #[arg(long, default_value = "2e-3", value_parser = non_negative, help_heading = "Optimization")]
+    #[arg(long, default_value = "2e-3", value_parser = non_negative, allow_hyphen_values = true, help_heading = "Optimization")]
     pub lr: f64,
     /// Seed of the model init and the data order
     #[arg(long, default_value = "1337", help_heading = "Optimization")]
@@ -213,6 +218,7 @@ pub struct TrainArgs {
     #[arg(long, value_name = "DIR", default_value = "runs/train", help_heading = "Run")]
     pub out: PathBuf,
     /// Continue from a checkpoint, or a run directory whose latest checkpoint is used
+    /// [default: start a new run]
     #[arg(long, value_name = "DIR", help_heading = "Run")]
     pub resume: Option<PathBuf>,
     /// Replace the run already in --out (its checkpoints, metrics.jsonl and loss.png are deleted
@@ -264,6 +270,7 @@ impl TrainArgs {
 /// `bench_cuda`'s flags (the tool itself is `examples/bench_cuda.rs`).
 #[derive(Parser, Debug, Clone, PartialEq)]
 #[command(
+    allow_negative_numbers = true,
     name = "bench_cuda",
     about = "Benchmark every CUDA kernel: median GPU time per kernel against its memory-bandwidth or GEMM-peak floor",
     long_about = None,

@@ -9,6 +9,7 @@ use std::path::{Path, PathBuf};
 
 #[derive(Parser, Debug, Clone, PartialEq)]
 #[command(
+    allow_negative_numbers = true,
     name = "prepare_data",
     about = "Tokenize text (a .txt file or a directory of them, one document per file) into train/validation token \
              shards and a manifest.json, the prepared-data directory that pretrain_llama --data reads",
@@ -25,7 +26,7 @@ pub struct PrepareDataArgs {
     #[arg(long, value_name = "DIR")]
     pub out: PathBuf,
     /// Fraction of the tokens (the end of the stream) held out for validation
-    #[arg(long, default_value = "0.05", value_parser = fraction)]
+    #[arg(long, default_value = "0.05", value_parser = fraction, allow_hyphen_values = true)]
     pub val_fraction: f64,
     /// Tokens per shard file
     #[arg(long, default_value = "100000000", value_parser = positive)]
@@ -71,6 +72,7 @@ pub fn prepare_data(a: PrepareDataArgs) -> AnyResult<()> {
 
 #[derive(Parser, Debug, Clone, PartialEq)]
 #[command(
+    allow_negative_numbers = true,
     name = "train_tokenizer",
     about = "Train a byte-level BPE tokenizer (Hugging Face tokenizer.json) on text",
     after_help = env_help(&[ENV_COMMON])

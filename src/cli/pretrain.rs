@@ -14,6 +14,7 @@ use std::path::{Path, PathBuf};
 
 #[derive(Parser, Debug, Clone, PartialEq)]
 #[command(
+    allow_negative_numbers = true,
     name = "pretrain_llama",
     about = "Pretrain a LLaMA model with Hugging Face compatible checkpoints. With no flags: a small model on the \
              bundled Shakespeare corpus, on the best device present, in a few minutes on a laptop CPU.",
