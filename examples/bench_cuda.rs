@@ -112,6 +112,9 @@ impl Bench {
     }
 }
 
+/// (shape key, forward ms, backward ms, forward+backward ms) of one attention shape.
+type AttnTimes = (String, f64, f64, f64);
+
 /// One table row: floor from bytes (over the copy bandwidth) or FLOPs (over the GEMM peak).
 struct Row {
     name: String,
@@ -369,7 +372,7 @@ fn run(args: BenchCudaArgs) -> AnyResult<()> {
     if quick {
         shapes.truncate(2);
     }
-    let mut attn_json = Vec::new();
+    let mut attn_json: Vec<AttnTimes> = Vec::new();
     let mut attn_md = String::from(
         "| key | fwd ms | bwd ms | fwd+bwd ms | fwd+bwd TFLOP/s | floor ms | floor/time |\n|---|---:|---:|---:|---:|---:|---:|\n",
     );
@@ -428,9 +431,8 @@ fn run(args: BenchCudaArgs) -> AnyResult<()> {
     let q = |s: &str| serde_json::to_string(s).unwrap();
     writeln!(js, "  \"device\": {},\n  \"date\": {},\n  \"reps\": {reps},", q(&device), q(&date))?;
     writeln!(js, "  \"copy_gbps\": {:.3},\n  \"gemm_bf16_tflops\": {:.3},", bw / 1e9, peak / 1e12)?;
-    let obj = |f: &dyn Fn(&(String, f64, f64, f64)) -> f64| {
-        attn_json.iter().map(|x| format!("    {}: {:.6}", q(&x.0), f(x))).collect::<Vec<_>>().join(",\n")
-    };
+    let obj =
+        |f: &dyn Fn(&AttnTimes) -> f64| attn_json.iter().map(|x| format!("    {}: {:.6}", q(&x.0), f(x))).collect::<Vec<_>>().join(",\n");
     writeln!(js, "  \"attention_fwd_ms\": {{\n{}\n  }},", obj(&|x| x.1))?;
     writeln!(js, "  \"attention_bwd_ms\": {{\n{}\n  }},", obj(&|x| x.2))?;
     writeln!(js, "  \"attention_fwd_bwd_ms\": {{\n{}\n  }},", obj(&|x| x.3))?;

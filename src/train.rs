@@ -401,11 +401,6 @@ impl Trainer {
         }
     }
 
-    /// Every tensor a checkpoint stores, model weights first, then the optimizer state.
-    fn checkpoint_tensors(&self) -> (Vec<(String, Tensor)>, Vec<(String, Tensor)>) {
-        (self.model.parameters(), self.opt.state_tensors())
-    }
-
     /// The first tensor holding a NaN or an infinity, if any. x * 0 is 0 for finite x and NaN
     /// otherwise, so one device-side sum over all tensors (one host sync) answers the common
     /// case; only when it is not finite are the tensors checked one by one to name the culprit.
@@ -438,7 +433,8 @@ impl Trainer {
     /// failure midway removes the partial directory and leaves `latest` on the previous one.
     pub fn save_checkpoint(&self) -> AnyResult<PathBuf> {
         let name = checkpoint_name(self.step);
-        let (params, state) = self.checkpoint_tensors();
+        // Every tensor the checkpoint stores: the weights, then the optimizer state.
+        let (params, state) = (self.model.parameters(), self.opt.state_tensors());
         let all: Vec<&(String, Tensor)> = params.iter().chain(&state).collect();
         if let Some(bad) = Self::non_finite_tensor(&all)? {
             bail!("refusing to save checkpoint {name}: `{bad}` holds NaN or infinite values (the previous checkpoint is kept)");

@@ -130,20 +130,21 @@ pub fn positive(s: &str) -> Result<usize, String> {
 
 // ---- shared flags -------------------------------------------------------------------------
 
-/// Environment variables every tool reads.
-pub const ENV_COMMON: &str = "\
-  RUST_LOG               log filter when --log-level is not given (e.g. `warn`, `ferrolm=debug`)
-  RAYON_NUM_THREADS      threads of the CPU backend (default: one per core)";
+/// Environment variables every tool reads (help lines: two spaces, name padded to 23).
+pub const ENV_COMMON: &str = concat!(
+    "  RUST_LOG               log filter when --log-level is not given (`warn`, `ferrolm=debug`)\n",
+    "  RAYON_NUM_THREADS      threads of the CPU backend [default: one per core]",
+);
 
 /// Environment variables of the tools that pick a device.
-pub const ENV_DEVICE: &str = "\
-  FERROLM_CUDA_EMULATOR  `1`: cuda:N is the CPU emulator of the CUDA backend (slow; for checking)
-  FERROLM_CUDA_POISON    `1`: fill fresh CUDA allocations with NaN (finds reads of unset memory)
-  LD_LIBRARY_PATH        where the CUDA driver, cuBLAS(Lt), NVRTC and NCCL libraries are found";
+pub const ENV_DEVICE: &str = concat!(
+    "  FERROLM_CUDA_EMULATOR  `1`: cuda:N is the CPU emulator of the CUDA backend (slow)\n",
+    "  FERROLM_CUDA_POISON    `1`: fill new CUDA allocations with NaN (finds unset reads)\n",
+    "  LD_LIBRARY_PATH        where the NVIDIA driver, cuBLAS(Lt), NVRTC and NCCL are found",
+);
 
 /// Environment variables of the training tools.
-pub const ENV_TRAIN: &str = "\
-  FERROLM_PEAK_TFLOPS    the GPU's dense bf16 peak for the MFU figure (default 989, H100/H200 SXM)";
+pub const ENV_TRAIN: &str = "  FERROLM_PEAK_TFLOPS    the GPU's bf16 dense peak for MFU [default: 989, H100 SXM]";
 
 /// `Environment:` help section from the given lists.
 pub fn env_help(parts: &[&str]) -> String {
@@ -189,29 +190,29 @@ pub struct TrainArgs {
     pub tokenizer: Option<PathBuf>,
 
     /// Optimizer steps
-    #[arg(long, default_value = "500", value_parser = positive, help_heading = "Optimization")]
+    #[arg(long, value_name = "N", default_value = "500", value_parser = positive, help_heading = "Optimization")]
     pub steps: usize,
     /// Sequences per micro-batch
-    #[arg(long, default_value = "16", value_parser = positive, help_heading = "Optimization")]
+    #[arg(long, value_name = "B", default_value = "16", value_parser = positive, help_heading = "Optimization")]
     pub batch_size: usize,
     /// Tokens per sequence
-    #[arg(long, default_value = "128", value_parser = positive, help_heading = "Optimization")]
+    #[arg(long, value_name = "T", default_value = "128", value_parser = positive, help_heading = "Optimization")]
     pub seq_len: usize,
     /// Micro-batches per optimizer step
-    #[arg(long, default_value = "1", value_parser = positive, help_heading = "Optimization")]
+    #[arg(long, value_name = "K", default_value = "1", value_parser = positive, help_heading = "Optimization")]
     pub grad_accum: usize,
     /// Peak learning rate (warmup, then cosine decay to a tenth of it)
-    #[arg(long, default_value = "2e-3", value_parser = non_negative, allow_hyphen_values = true, help_heading = "Optimization")]
+    #[arg(long, value_name = "LR", default_value = "2e-3", value_parser = non_negative, allow_hyphen_values = true, help_heading = "Optimization")]
     pub lr: f64,
     /// Seed of the model init and the data order
-    #[arg(long, default_value = "1337", help_heading = "Optimization")]
+    #[arg(long, value_name = "S", default_value = "1337", help_heading = "Optimization")]
     pub seed: u64,
     /// Recompute each layer's activations in backward (less memory, ~1/3 more compute)
     #[arg(long, help_heading = "Optimization")]
     pub activation_checkpointing: bool,
     /// Stop after this many steps in a row whose loss or gradient norm is not finite (each is
     /// skipped without an update)
-    #[arg(long, default_value = "5", value_parser = positive, help_heading = "Optimization")]
+    #[arg(long, value_name = "N", default_value = "5", value_parser = positive, help_heading = "Optimization")]
     pub max_skipped_steps: usize,
 
     /// Output directory: checkpoints/, metrics.jsonl, loss.png
@@ -274,9 +275,12 @@ impl TrainArgs {
     name = "bench_cuda",
     about = "Benchmark every CUDA kernel: median GPU time per kernel against its memory-bandwidth or GEMM-peak floor",
     long_about = None,
-    after_help = format!("Environment:\n{ENV_COMMON}\n  FERROLM_REQUIRE_GPU    `1`: no CUDA device is an error (exit 1), not a skip\n  \
-                          OUT                    also write OUT/bench_cuda.md and OUT/bench_cuda.json\n  \
-                          LD_LIBRARY_PATH        where the CUDA driver and libraries are found")
+    after_help = env_help(&[
+        ENV_COMMON,
+        "  FERROLM_REQUIRE_GPU    `1`: no CUDA device is an error (exit 1), not a skip",
+        "  OUT                    also write $OUT/bench_cuda.md and $OUT/bench_cuda.json",
+        "  LD_LIBRARY_PATH        where the NVIDIA driver, cuBLAS(Lt) and NVRTC are found",
+    ])
 )]
 pub struct BenchCudaArgs {
     /// Timed repetitions per kernel (at least 10; the median is reported)

@@ -118,9 +118,11 @@ fn rope_tables(t: usize, d: usize, theta: f64) -> (Tensor, Tensor) {
 #[derive(Parser)]
 #[command(
     name = "bench_cpu",
-    after_help = "Environment:\n  \
-                  RAYON_NUM_THREADS      threads of the engine's element-wise and reduction kernels (default: one per core)\n  \
-                  MATMUL_NUM_THREADS     threads of matrixmultiply's GEMM (default: one per core)"
+    after_help = concat!(
+        "Environment:\n",
+        "  RAYON_NUM_THREADS      threads of element-wise and reduction kernels [default: one per core]\n",
+        "  MATMUL_NUM_THREADS     threads of matrixmultiply's GEMM [default: one per core]",
+    )
 )]
 struct Args {}
 
