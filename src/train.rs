@@ -116,6 +116,8 @@ pub struct Trainer {
     skipped_total: u64,
     skipped_in_a_row: usize,
     resumed: Option<Resumed>,
+    /// The step this trainer last saved a checkpoint of.
+    last_saved: std::cell::Cell<Option<usize>>,
     /// (step, training loss) of every step, restored from `metrics.jsonl` on resume.
     pub history: Vec<(f64, f64)>,
     /// (step, validation loss), restored the same way.
@@ -180,6 +182,7 @@ impl Trainer {
             skipped_total: 0,
             skipped_in_a_row: 0,
             resumed: None,
+            last_saved: std::cell::Cell::new(None),
             history: Vec::new(),
             val_history: Vec::new(),
             fail_checkpoint_file: None,
@@ -442,7 +445,10 @@ impl Trainer {
         let root = self.out_dir.join(CHECKPOINTS);
         std::fs::create_dir_all(&root).with_context(|| format!("cannot create {}", root.display()))?;
         let dst = root.join(&name);
-        if dst.exists() {
+        // Only this trainer's own checkpoint of this very step may be rewritten (saving again
+        // after `run()` saved its last step); anything else under that name is not ours.
+        let rewrite = dst.exists();
+        if rewrite && self.last_saved.get() != Some(self.step) {
             bail!("{} already exists: refusing to overwrite a saved checkpoint", dst.display());
         }
         let tmp = root.join(format!(".{name}.tmp"));
@@ -451,8 +457,15 @@ impl Trainer {
             std::fs::remove_dir_all(&tmp).with_context(|| format!("cannot remove the stale partial checkpoint {}", tmp.display()))?;
         }
         let previous = std::fs::read_to_string(root.join(LATEST)).ok().map(|s| s.trim().to_string());
+        let old = root.join(format!(".{name}.old"));
         if let Err(e) = self.write_checkpoint_files(&tmp, &state).and_then(|()| {
+            if rewrite {
+                std::fs::rename(&dst, &old).with_context(|| format!("cannot move {} aside", dst.display()))?;
+            }
             std::fs::rename(&tmp, &dst).with_context(|| format!("cannot rename {} to {}", tmp.display(), dst.display()))?;
+            if rewrite {
+                std::fs::remove_dir_all(&old).with_context(|| format!("cannot remove {}", old.display()))?;
+            }
             sync_dir(&root)
         }) {
             let _ = std::fs::remove_dir_all(&tmp);
@@ -462,6 +475,7 @@ impl Trainer {
             };
             return Err(e.context(format!("saving checkpoint {name} failed; its partial files were removed and {kept}")));
         }
+        self.last_saved.set(Some(self.step));
         write_atomic(&root.join(LATEST), name.as_bytes())?;
         sync_dir(&root)?;
         for old in run_dir::prune(&root, self.safety.keep_last)? {

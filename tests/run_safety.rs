@@ -127,6 +127,26 @@ fn a_run_that_only_sees_nan_stops_without_writing_a_checkpoint() {
 }
 
 #[test]
+fn a_checkpoint_is_rewritten_only_by_the_trainer_that_saved_it() {
+    let dir = tmp("resave");
+    let run = dir.join("run");
+    let mut t = trainer(&dir, "run", opts(2));
+    t.run().unwrap();
+    // Saving again after run() saved the last step rewrites that same checkpoint.
+    assert_eq!(t.save_checkpoint().unwrap(), run.join("checkpoints/step-000002"));
+    assert_eq!(checkpoint_names(&run), ["step-000002"]);
+    // Another trainer at the same step (here: a fresh one stepped by hand) may not.
+    let before = snapshot(&run);
+    let mut other = trainer(&dir, "run", opts(2));
+    other.train_step().unwrap();
+    other.train_step().unwrap();
+    let err = format!("{:#}", other.save_checkpoint().unwrap_err());
+    assert!(err.contains("step-000002 already exists: refusing to overwrite"), "{err}");
+    assert_eq!(snapshot(&run), before);
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+#[test]
 fn weights_that_are_not_finite_are_never_saved_and_latest_stays() {
     let dir = tmp("nan-save");
     let mut t = trainer(&dir, "run", opts(3));
