@@ -10,11 +10,13 @@
 //! `$OUT/bench_cuda.json` (`attention_fwd_bwd_ms: {key: ms}`, joined by
 //! `scripts/bench_attention_torch.py --ours $OUT/bench_cuda.json`).
 //!
-//!   cargo run --release --example bench_cuda [-- --reps 20 --quick]
+//!   cargo run --release --example bench_cuda [-- --reps 20 --quick]   (`--help` lists the flags)
 //!   on a GPU host: .gpu/run bin/bench_cuda
 //!
 //! With no CUDA device it prints "skipped: no CUDA device" and exits 0 (1 with
 //! FERROLM_REQUIRE_GPU=1).
+use anyhow::anyhow;
+use ferrolm::cli::BenchCudaArgs;
 use ferrolm::tensor::backend::{AttnDims, Backend, BinaryOp, ReduceOp, Sl, UnaryOp};
 use ferrolm::tensor::{bf16, CpuStorage, DType, Layout, Shape, Storage};
 use ferrolm::AnyResult;
@@ -67,7 +69,7 @@ impl Bench {
         let cpu = match dt {
             DType::BF16 => CpuStorage::BF16((0..n).map(|_| bf16::from_f32(self.gen.normal(std))).collect()),
             DType::F32 => CpuStorage::F32((0..n).map(|_| self.gen.normal(std)).collect()),
-            d => return Err(format!("randn: {d} not supported").into()),
+            d => return Err(anyhow!("randn: {d} not supported")),
         };
         Ok(Buf { s: self.be.from_cpu(&cpu)?, l: layout(shape) })
     }
@@ -89,7 +91,7 @@ impl Bench {
         }
         be.synchronize()?;
         let ev = |e: ferrolm_cuda::CudaEvent, g: ferrolm_cuda::CudaEvent| -> AnyResult<f64> {
-            Ok(e.elapsed_ms(&g).map_err(|x| format!("event timing failed: {x:?}"))? as f64)
+            Ok(e.elapsed_ms(&g).map_err(|x| anyhow!("event timing failed: {x:?}"))? as f64)
         };
         let a = be.timing_event()?;
         f()?;
@@ -109,6 +111,9 @@ impl Bench {
         Ok(v[v.len() / 2])
     }
 }
+
+/// (shape key, forward ms, backward ms, forward+backward ms) of one attention shape.
+type AttnTimes = (String, f64, f64, f64);
 
 /// One table row: floor from bytes (over the copy bandwidth) or FLOPs (over the GEMM peak).
 struct Row {
@@ -139,22 +144,21 @@ fn attn_key(b: usize, hq: usize, hkv: usize, t: usize, d: usize) -> String {
     format!("b{b}_hq{hq}_hkv{hkv}_t{t}_d{d}")
 }
 
-fn main() -> AnyResult<()> {
-    let args: Vec<String> = std::env::args().collect();
-    let quick = args.iter().any(|a| a == "--quick");
-    let reps =
-        args.iter().position(|a| a == "--reps").and_then(|i| args.get(i + 1)).and_then(|s| s.parse().ok()).unwrap_or(20usize).max(10);
+fn main() {
+    ferrolm::cli::main_with(run)
+}
 
+fn run(args: BenchCudaArgs) -> AnyResult<()> {
+    let (quick, reps) = (args.quick, args.reps as usize);
     if ferrolm_cuda::device_count() == 0 {
         println!("skipped: no CUDA device");
         if std::env::var("FERROLM_REQUIRE_GPU").is_ok_and(|v| v == "1") {
-            eprintln!("FERROLM_REQUIRE_GPU=1 but no CUDA device is available");
-            std::process::exit(1);
+            return Err(anyhow!("FERROLM_REQUIRE_GPU=1 but no CUDA device is available"));
         }
         return Ok(());
     }
     ferrolm::init_cuda(0)?;
-    let be = CudaBackend::latest(0).ok_or("init_cuda(0) succeeded but no live CUDA backend was found")?;
+    let be = CudaBackend::latest(0).ok_or_else(|| anyhow!("init_cuda(0) succeeded but no live CUDA backend was found"))?;
     let device = be.device_name();
     let date = civil_date();
     println!(
@@ -368,7 +372,7 @@ fn main() -> AnyResult<()> {
     if quick {
         shapes.truncate(2);
     }
-    let mut attn_json = Vec::new();
+    let mut attn_json: Vec<AttnTimes> = Vec::new();
     let mut attn_md = String::from(
         "| key | fwd ms | bwd ms | fwd+bwd ms | fwd+bwd TFLOP/s | floor ms | floor/time |\n|---|---:|---:|---:|---:|---:|---:|\n",
     );
@@ -427,9 +431,8 @@ fn main() -> AnyResult<()> {
     let q = |s: &str| serde_json::to_string(s).unwrap();
     writeln!(js, "  \"device\": {},\n  \"date\": {},\n  \"reps\": {reps},", q(&device), q(&date))?;
     writeln!(js, "  \"copy_gbps\": {:.3},\n  \"gemm_bf16_tflops\": {:.3},", bw / 1e9, peak / 1e12)?;
-    let obj = |f: &dyn Fn(&(String, f64, f64, f64)) -> f64| {
-        attn_json.iter().map(|x| format!("    {}: {:.6}", q(&x.0), f(x))).collect::<Vec<_>>().join(",\n")
-    };
+    let obj =
+        |f: &dyn Fn(&AttnTimes) -> f64| attn_json.iter().map(|x| format!("    {}: {:.6}", q(&x.0), f(x))).collect::<Vec<_>>().join(",\n");
     writeln!(js, "  \"attention_fwd_ms\": {{\n{}\n  }},", obj(&|x| x.1))?;
     writeln!(js, "  \"attention_bwd_ms\": {{\n{}\n  }},", obj(&|x| x.2))?;
     writeln!(js, "  \"attention_fwd_bwd_ms\": {{\n{}\n  }},", obj(&|x| x.3))?;

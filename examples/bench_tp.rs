@@ -10,6 +10,8 @@
 //! communication = step time behind the link - step time without it. One JSON line per row:
 //! model, tp, mode, link, step_s, exposed_comm_s; then the Ladder speedup and the share of the
 //! standard model's exposed communication that Ladder hides (target: at least 70%).
+use clap::Parser;
+use ferrolm::cli::{env_help, fraction, positive, LogArgs, Tool, ENV_COMMON};
 use ferrolm::nn::optim::{AdamW, AdamWConfig};
 use ferrolm::nn::{LadderLayers, Llama, LlamaConfig};
 use ferrolm::{AnyResult, DType, Device, Tensor};
@@ -20,40 +22,42 @@ use ferrolm_tensor::{no_grad, Rng};
 use std::sync::Arc;
 use std::time::Instant;
 
+#[derive(Parser, Debug, Clone)]
+#[command(
+    name = "bench_tp",
+    about = "Tensor-parallel overlap benchmark: exposed communication of Llama and Ladder on CPU thread ranks behind a simulated link",
+    after_help = env_help(&[ENV_COMMON, "  MATMUL_NUM_THREADS     GEMM threads per rank (1 keeps the ranks from contending)"])
+)]
 struct Opts {
+    /// Tensor-parallel ranks (threads)
+    #[arg(long, default_value = "2", value_parser = positive)]
     tp: usize,
+    /// Transformer layers
+    #[arg(long, default_value = "6", value_parser = positive)]
     layers: usize,
+    /// Hidden size (a multiple of 64 x tp; head_dim is 64)
+    #[arg(long, default_value = "384", value_parser = positive)]
     hidden: usize,
-    batch: usize,
-    seq: usize,
+    /// Sequences per step
+    #[arg(long, default_value = "4", value_parser = positive)]
+    batch_size: usize,
+    /// Tokens per sequence
+    #[arg(long, default_value = "128", value_parser = positive)]
+    seq_len: usize,
+    /// Timed steps per row (after one warm-up step; the median is reported)
+    #[arg(long, default_value = "4", value_parser = positive)]
     steps: usize,
+    /// Share of the standard model's no-link step that the simulated link's communication takes
+    #[arg(long, default_value = "0.4", value_parser = fraction)]
     comm_share: f64,
+    #[command(flatten)]
+    log: LogArgs,
 }
 
-fn parse() -> AnyResult<Opts> {
-    let mut o = Opts { tp: 2, layers: 6, hidden: 384, batch: 4, seq: 128, steps: 4, comm_share: 0.4 };
-    let args: Vec<String> = std::env::args().skip(1).collect();
-    let mut it = args.iter();
-    while let Some(a) = it.next() {
-        let mut val = || -> AnyResult<usize> { Ok(it.next().ok_or(format!("{a} needs a value"))?.parse()?) };
-        match a.as_str() {
-            "--tp" => o.tp = val()?,
-            "--layers" => o.layers = val()?,
-            "--hidden" => o.hidden = val()?,
-            "--batch-size" => o.batch = val()?,
-            "--seq-len" => o.seq = val()?,
-            "--steps" => o.steps = val()?,
-            "--help" | "-h" => {
-                println!("usage: bench_tp [--tp N] [--layers L] [--hidden C] [--batch-size B] [--seq-len T] [--steps S]");
-                std::process::exit(0);
-            }
-            other => return Err(format!("unknown argument {other}").into()),
-        }
+impl Tool for Opts {
+    fn log_args(&self) -> &LogArgs {
+        &self.log
     }
-    if o.tp < 2 || o.steps == 0 || o.hidden % (64 * o.tp) != 0 {
-        return Err("--tp must be >= 2, --steps > 0, and --hidden a multiple of 64 x tp".into());
-    }
-    Ok(o)
 }
 
 fn config(o: &Opts, ladder: bool) -> AnyResult<LlamaConfig> {
@@ -66,7 +70,7 @@ fn config(o: &Opts, ladder: bool) -> AnyResult<LlamaConfig> {
     c.num_attention_heads = heads;
     c.num_key_value_heads = heads;
     c.head_dim = 64;
-    c.max_position_embeddings = o.seq.max(256);
+    c.max_position_embeddings = o.seq_len.max(256);
     c.tie_word_embeddings = false;
     c.ladder_layers = ladder.then_some(LadderLayers::Last(o.layers));
     c.validate()?;
@@ -83,10 +87,10 @@ enum Mode {
 fn measure(o: &Opts, cfg: &LlamaConfig, mode: Mode, link: Option<Link>) -> AnyResult<(f64, CommStats)> {
     let (x, y) = {
         let mut r = Rng::new(7);
-        let n = o.batch * o.seq;
+        let n = o.batch_size * o.seq_len;
         let ids: Vec<i32> = (0..n).map(|_| r.below(cfg.vocab_size as u64) as i32).collect();
         let tg: Vec<i32> = (0..n).map(|_| r.below(cfg.vocab_size as u64) as i32).collect();
-        (Tensor::from_vec(ids, [o.batch, o.seq], Device::Cpu)?, Tensor::from_vec(tg, [o.batch, o.seq], Device::Cpu)?)
+        (Tensor::from_vec(ids, [o.batch_size, o.seq_len], Device::Cpu)?, Tensor::from_vec(tg, [o.batch_size, o.seq_len], Device::Cpu)?)
     };
     let out = ThreadComm::run(o.tp, CommOptions::default(), |comm| {
         let comm: Arc<dyn Communicator> = match link {
@@ -128,22 +132,21 @@ fn measure(o: &Opts, cfg: &LlamaConfig, mode: Mode, link: Option<Link>) -> AnyRe
 }
 
 fn main() {
-    if let Err(e) = run() {
-        eprintln!("error: {e}");
-        std::process::exit(1);
-    }
+    ferrolm::cli::main_with(run)
 }
 
-fn run() -> AnyResult<()> {
-    let o = parse()?;
+fn run(o: Opts) -> AnyResult<()> {
+    if o.tp < 2 || o.hidden % (64 * o.tp) != 0 {
+        anyhow::bail!("--tp must be >= 2 and --hidden a multiple of 64 x tp");
+    }
     let (std_cfg, lad_cfg) = (config(&o, false)?, config(&o, true)?);
     eprintln!(
         "bench_tp: tp {}, {} layers, hidden {}, batch {} x seq {}, {} timed steps per row, {} threads available",
         o.tp,
         o.layers,
         o.hidden,
-        o.batch,
-        o.seq,
+        o.batch_size,
+        o.seq_len,
         o.steps,
         std::thread::available_parallelism().map(|n| n.get()).unwrap_or(1)
     );
@@ -154,10 +157,14 @@ fn run() -> AnyResult<()> {
         let (t0_lad, _) = measure(&o, &lad_cfg, mode, None)?;
         // Bandwidth that makes the standard model's communication `comm_share` of its step.
         let per_step = (o.steps + 1) as f64;
-        let (calls, bytes) = (stats.calls() as f64 / per_step, stats.total_bytes() / per_step);
+        // Latency steps of a ring of tp ranks: an all-reduce two passes, the others one.
+        let steps = (2 * stats.all_reduce.calls + stats.all_gather.calls + stats.reduce_scatter.calls + stats.broadcast.calls) as f64
+            * (o.tp - 1) as f64
+            / per_step;
+        let (calls, bytes) = (steps, stats.total_bytes() / per_step);
         let budget = o.comm_share * t0_std - calls * alpha;
         if budget <= 0.0 {
-            return Err(format!("{name}: {calls} collectives of {alpha} s latency exceed the communication budget").into());
+            anyhow::bail!("{name}: {calls} collectives of {alpha} s latency exceed the communication budget");
         }
         let link = Link::new(alpha, bytes / budget);
         let link_desc =

@@ -1,9 +1,15 @@
 //! ferrolm: a native LLM training framework in Rust.
 //!
 //! This facade re-exports the workspace crates and holds what needs all of them: the
-//! training loop (`train`) and run-time plotting (`plot`).
+//! training loop (`train`), its run directories (`run_dir`), the command-line tools (`cli`) and
+//! what they share: logs (`logging`), progress bars (`progress`), the loss curve (`plot`) and a
+//! memory estimate (`memory`).
 pub mod cli;
+pub mod logging;
+pub mod memory;
 pub mod plot;
+pub mod progress;
+pub mod run_dir;
 pub mod train;
 
 pub use ferrolm_data as data;
@@ -12,8 +18,9 @@ pub use ferrolm_nn::Llama;
 pub use ferrolm_tensor as tensor;
 pub use ferrolm_tensor::{DType, Device, Error, Result, Shape, Tensor};
 
-/// Error type of the examples and the training loop: any error with a readable message.
-pub type AnyResult<T> = std::result::Result<T, Box<dyn std::error::Error + Send + Sync>>;
+/// Result of the tools and the training loop: an error with its chain of causes (anyhow), which
+/// the tools print as `error: what failed: why`.
+pub type AnyResult<T> = anyhow::Result<T>;
 
 /// The fatbin that `build.rs` compiles from `kernels/` when nvcc was found at build time (the
 /// sources for NVRTC are `ferrolm_cuda::KERNEL_SOURCES`).
@@ -34,7 +41,7 @@ pub fn init_cuda(i: usize) -> Result<()> {
         return Ok(());
     }
     if std::env::var("FERROLM_CUDA_EMULATOR").is_ok_and(|v| v == "1") {
-        eprintln!("note: FERROLM_CUDA_EMULATOR=1: cuda:{i} is the CPU emulator of the CUDA backend (slow; for checking, not for training)");
+        tracing::info!("FERROLM_CUDA_EMULATOR=1: cuda:{i} is the CPU emulator of the CUDA backend (slow; for checking, not for training)");
         tensor::backend::register(ferrolm_cuda::CudaBackend::emulated(i)?);
         ready.push(i);
         return Ok(());
@@ -63,7 +70,7 @@ pub fn pick_device(flag: Option<&str>) -> Result<Device> {
             match init_cuda(0) {
                 Ok(()) => Ok(Device::Cuda(0)),
                 Err(e) => {
-                    eprintln!("warning: a GPU is visible but the CUDA backend did not start ({e}); using the CPU");
+                    tracing::warn!("a GPU is visible but the CUDA backend did not start ({e}); using the CPU");
                     Ok(Device::Cpu)
                 }
             }

@@ -1,18 +1,31 @@
-//! The training loop shared by the examples: gradient accumulation, AdamW with warmup+cosine,
-//! global-norm clipping, periodic validation, JSONL metrics, a progress line with ETA, and
-//! atomic checkpoints (Hugging Face layout + training state) that resume bit-exactly.
+//! The training loop shared by the training tools: gradient accumulation, AdamW with
+//! warmup+cosine, global-norm clipping, periodic validation, JSONL metrics, progress, and atomic
+//! checkpoints (Hugging Face layout + training state) that resume bit-exactly.
+//!
+//! It never loses work: a directory holding a run is not written over without `overwrite`; a
+//! step whose loss or gradient norm is not finite is skipped before the update (and the run
+//! stops after `max_skipped_steps` in a row); weights that are not finite are never saved; a
+//! failed validation still saves its checkpoint; a failed save leaves the previous checkpoint
+//! as `latest` and removes its own partial files.
+use crate::logging::is_rank_zero;
+use crate::progress::{report, Progress};
+use crate::run_dir::{self, checkpoint_name, sync_dir, CHECKPOINTS, LATEST, METRICS, TRAINER_STATE};
 use crate::{AnyResult, Llama};
+use anyhow::{anyhow, bail, Context};
 use ferrolm_data::{eval_batches, Batch, DataLoader, LoaderState};
 use ferrolm_nn::checkpoint::{load_safetensors, save_safetensors, write_atomic};
 use ferrolm_nn::optim::{clip_grad_norm, AdamW, AdamWConfig};
 use ferrolm_nn::schedule::CosineSchedule;
+use ferrolm_nn::LlamaConfig;
 use ferrolm_tensor::{no_grad, DType, Device, Rng, Tensor};
 use serde::{Deserialize, Serialize};
-use std::io::{IsTerminal, Write};
+use std::collections::HashMap;
+use std::io::Write;
 use std::path::{Path, PathBuf};
 use std::time::Instant;
 
-#[derive(Clone, Debug, Serialize, Deserialize)]
+/// The options that shape training (saved with every checkpoint and compared on resume).
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 pub struct TrainOptions {
     pub steps: usize,
     pub batch_size: usize,
@@ -30,6 +43,42 @@ pub struct TrainOptions {
     pub seed: u64,
 }
 
+impl TrainOptions {
+    /// Sizes positive, rates finite and not negative; the error names the flag.
+    pub fn validate(&self) -> AnyResult<()> {
+        for (flag, v) in
+            [("--steps", self.steps), ("--batch-size", self.batch_size), ("--seq-len", self.seq_len), ("--grad-accum", self.grad_accum)]
+        {
+            if v == 0 {
+                bail!("{flag} must be positive, got 0");
+            }
+        }
+        for (flag, v) in [("--lr", self.lr), ("min_lr", self.min_lr), ("weight_decay", self.weight_decay), ("grad_clip", self.grad_clip)] {
+            if !v.is_finite() || v < 0.0 {
+                bail!("{flag} must be a finite number >= 0, got {v}");
+            }
+        }
+        Ok(())
+    }
+}
+
+/// How a run guards against losing work; see the module docs.
+#[derive(Clone, Debug, PartialEq)]
+pub struct RunSafety {
+    /// Stop with an error after this many skipped (non-finite) steps in a row.
+    pub max_skipped_steps: usize,
+    /// Keep only the newest N complete checkpoints (0: keep all).
+    pub keep_last: usize,
+    /// Replace what a fresh run would otherwise refuse to write over (removed first, and logged).
+    pub overwrite: bool,
+}
+
+impl Default for RunSafety {
+    fn default() -> Self {
+        RunSafety { max_skipped_steps: 5, keep_last: 0, overwrite: false }
+    }
+}
+
 #[derive(Serialize, Deserialize)]
 struct TrainerState {
     step: usize,
@@ -37,11 +86,24 @@ struct TrainerState {
     rng: u64,
     options: TrainOptions,
     tokens_seen: u64,
+    /// Steps whose update was skipped: AdamW's own step count is `step - skipped_steps`.
+    #[serde(default)]
+    skipped_steps: u64,
+}
+
+/// Where the current run continues from (set by [`Trainer::resume`]).
+#[derive(Clone, Debug)]
+struct Resumed {
+    run_dir: Option<PathBuf>,
+    step: usize,
+    /// `metrics.jsonl` lines of the resumed run up to its step: the start of this run's file.
+    metrics: Vec<String>,
 }
 
 pub struct Trainer {
     pub model: Llama,
     pub opts: TrainOptions,
+    pub safety: RunSafety,
     pub out_dir: PathBuf,
     pub step: usize,
     pub rng: Rng,
@@ -51,8 +113,19 @@ pub struct Trainer {
     val_shards: Vec<PathBuf>,
     tokenizer_file: Option<PathBuf>,
     tokens_seen: u64,
+    skipped_total: u64,
+    skipped_in_a_row: usize,
+    resumed: Option<Resumed>,
+    /// The step this trainer last saved a checkpoint of.
+    last_saved: std::cell::Cell<Option<usize>>,
+    /// (step, training loss) of every step, restored from `metrics.jsonl` on resume.
     pub history: Vec<(f64, f64)>,
+    /// (step, validation loss), restored the same way.
     pub val_history: Vec<(f64, f64)>,
+    /// Test hook: the checkpoint file whose write fails (as a full disk would), e.g.
+    /// `Some("optimizer.safetensors".into())`.
+    #[doc(hidden)]
+    pub fail_checkpoint_file: Option<String>,
 }
 
 /// (B, T) i32 tensors for one batch on `device`.
@@ -62,24 +135,42 @@ pub fn batch_tensors(b: &Batch, device: Device) -> AnyResult<(Tensor, Tensor)> {
     Ok((x, y))
 }
 
+/// Full `(seq_len + 1)`-token windows in `shards`: the validation split must hold at least one.
+pub fn check_validation_data(shards: &[PathBuf], batch_size: usize, seq_len: usize) -> AnyResult<()> {
+    if shards.is_empty() {
+        bail!("no validation shards (val_*.bin): prepare the data with a validation fraction > 0");
+    }
+    let hint =
+        || format!("the validation split holds no full window of --seq-len {seq_len} + 1 tokens: lower --seq-len or add validation data");
+    let n = eval_batches(shards, batch_size, seq_len).with_context(hint)?.num_batches();
+    if n == 0 {
+        bail!(hint());
+    }
+    Ok(())
+}
+
 impl Trainer {
+    /// Checks the options (flags), that the batch fits in memory and, when it will be used, the
+    /// validation split, before the loader or anything batch-sized is allocated.
     pub fn new(model: Llama, train_shards: &[PathBuf], val_shards: &[PathBuf], opts: TrainOptions, out_dir: &Path) -> AnyResult<Trainer> {
-        if opts.steps == 0 || opts.batch_size == 0 || opts.seq_len == 0 || opts.grad_accum == 0 {
-            return Err("steps, batch size, sequence length and gradient accumulation must all be positive".into());
-        }
+        opts.validate()?;
         let maxpos = model.config().max_position_embeddings;
         if opts.seq_len > maxpos {
-            return Err(format!("--seq-len {} is longer than the model's max_position_embeddings ({maxpos})", opts.seq_len).into());
+            bail!("--seq-len {} is longer than the model's max_position_embeddings ({maxpos})", opts.seq_len);
+        }
+        crate::memory::check_fits(model.config(), model.dtype(), model.device(), &opts, model.activation_checkpointing())?;
+        if opts.eval_every > 0 {
+            check_validation_data(val_shards, opts.batch_size, opts.seq_len)?;
         }
         let params = model.parameters();
         let opt = AdamW::new(&params, AdamWConfig { weight_decay: opts.weight_decay, ..AdamWConfig::default() })?;
         let sched = CosineSchedule { max_lr: opts.lr, min_lr: opts.min_lr, warmup_steps: opts.warmup_steps, total_steps: opts.steps };
-        let loader = DataLoader::open(train_shards, opts.batch_size, opts.seq_len, opts.seed)?;
-        std::fs::create_dir_all(out_dir).map_err(|e| format!("cannot create {}: {e}", out_dir.display()))?;
+        let loader = DataLoader::open(train_shards, opts.batch_size, opts.seq_len, opts.seed).context("cannot open the training split")?;
         Ok(Trainer {
             model,
             rng: Rng::new(opts.seed),
             opts,
+            safety: RunSafety::default(),
             out_dir: out_dir.to_path_buf(),
             step: 0,
             opt,
@@ -88,8 +179,13 @@ impl Trainer {
             val_shards: val_shards.to_vec(),
             tokenizer_file: None,
             tokens_seen: 0,
+            skipped_total: 0,
+            skipped_in_a_row: 0,
+            resumed: None,
+            last_saved: std::cell::Cell::new(None),
             history: Vec::new(),
             val_history: Vec::new(),
+            fail_checkpoint_file: None,
         })
     }
 
@@ -99,26 +195,37 @@ impl Trainer {
         self
     }
 
-    /// Mean validation loss over at most `max_batches` windows-batches (all if 0).
+    pub fn with_safety(mut self, safety: RunSafety) -> Self {
+        self.safety = safety;
+        self
+    }
+
+    /// Mean validation loss over at most `max_batches` batches (all if 0).
     pub fn evaluate(&self, max_batches: usize) -> AnyResult<f64> {
         let _g = no_grad();
+        let it = eval_batches(&self.val_shards, self.opts.batch_size, self.opts.seq_len).context("cannot open the validation split")?;
+        let total = if max_batches > 0 { it.num_batches().min(max_batches) } else { it.num_batches() };
+        let bar = Progress::steps(total as u64, "eval ");
         let (mut sum, mut n) = (0.0, 0usize);
-        for (i, b) in eval_batches(&self.val_shards, self.opts.batch_size, self.opts.seq_len)?.enumerate() {
-            if max_batches > 0 && i >= max_batches {
-                break;
-            }
+        for b in it.take(total) {
             let (x, y) = batch_tensors(&b, self.model.device())?;
             let rows = b.batch * b.seq;
             sum += self.model.loss(&x, &y)?.item()? * rows as f64;
             n += rows;
+            bar.inc(1);
         }
         if n == 0 {
-            return Err("validation split holds no full window: lower --seq-len or add data".into());
+            bail!("validation split holds no full window: lower --seq-len or add data");
         }
         Ok(sum / n as f64)
     }
 
     /// One optimizer step over `grad_accum` micro-batches: returns (loss, grad norm, lr).
+    ///
+    /// The loss and the gradient norm are checked before the update: when either is not
+    /// finite the update is skipped (weights and optimizer state unchanged, the step and the
+    /// data position still advance) with a warning, the values are returned as they were, and
+    /// after `max_skipped_steps` such steps in a row this returns an error.
     pub fn train_step(&mut self) -> AnyResult<(f64, f64, f64)> {
         let params = self.model.parameters();
         self.opt.zero_grad();
@@ -131,91 +238,133 @@ impl Trainer {
             loss.mul_scalar(1.0 / self.opts.grad_accum as f64)?.backward()?;
             self.tokens_seen += (b.batch * b.seq) as u64;
         }
+        let loss = loss_sum / self.opts.grad_accum as f64;
         let norm = clip_grad_norm(&params, self.opts.grad_clip)?;
         let lr = self.sched.lr(self.step);
+        self.step += 1;
+        if !loss.is_finite() || !norm.is_finite() {
+            self.opt.zero_grad();
+            self.skipped_total += 1;
+            self.skipped_in_a_row += 1;
+            tracing::warn!(
+                "step {}: loss {loss}, gradient norm {norm}: skipping this update ({} in a row, the run stops at {})",
+                self.step,
+                self.skipped_in_a_row,
+                self.safety.max_skipped_steps
+            );
+            if self.skipped_in_a_row >= self.safety.max_skipped_steps.max(1) {
+                bail!(
+                    "stopping at step {}: {} steps in a row had a non-finite loss or gradient norm (--max-skipped-steps {}); \
+                     lower --lr, check the data, or resume from the last checkpoint",
+                    self.step,
+                    self.skipped_in_a_row,
+                    self.safety.max_skipped_steps
+                );
+            }
+            return Ok((loss, norm, lr));
+        }
+        self.skipped_in_a_row = 0;
         self.opt.step(lr)?;
         self.opt.zero_grad();
-        self.step += 1;
-        let loss = loss_sum / self.opts.grad_accum as f64;
-        if !loss.is_finite() {
-            return Err(format!("loss became {loss} at step {}: lower --lr or check the data", self.step).into());
-        }
         Ok((loss, norm, lr))
+    }
+
+    /// Before the first write: refuses (or with `overwrite` clears) what this run would write
+    /// over, and starts `metrics.jsonl` (on resume: with the resumed run's lines up to its step).
+    fn prepare_out_dir(&self) -> AnyResult<std::fs::File> {
+        let out = &self.out_dir;
+        let resumed = self.resumed.as_ref().map(|r| (r.run_dir.as_deref(), r.step));
+        run_dir::check_out_dir(out, resumed, self.safety.overwrite)?;
+        std::fs::create_dir_all(out).with_context(|| format!("cannot create the output directory {}", out.display()))?;
+        if self.safety.overwrite {
+            run_dir::clear_for_new_run(out, self.resumed.as_ref().map(|r| r.step))?;
+        }
+        let metrics = out.join(METRICS);
+        if let Some(r) = &self.resumed {
+            let (_, later) = run_dir::read_metrics(out, r.step)?;
+            if later > 0 {
+                tracing::warn!("{}: dropping {later} line(s) after step {}, which this run repeats", metrics.display(), r.step);
+            }
+            let mut text = r.metrics.join("\n");
+            if !text.is_empty() {
+                text.push('\n');
+            }
+            write_atomic(&metrics, text.as_bytes())?;
+        }
+        std::fs::OpenOptions::new()
+            .create(true)
+            .append(true)
+            .open(&metrics)
+            .with_context(|| format!("cannot open {} for writing", metrics.display()))
     }
 
     /// Trains to `opts.steps`, logging, evaluating and checkpointing on the way.
     pub fn run(&mut self) -> AnyResult<()> {
-        let mut log = std::fs::OpenOptions::new()
-            .create(true)
-            .append(true)
-            .open(self.out_dir.join("metrics.jsonl"))
-            .map_err(|e| format!("cannot open metrics.jsonl in {}: {e}", self.out_dir.display()))?;
-        let tty = std::io::stderr().is_terminal();
+        let mut log = self.prepare_out_dir()?;
+        let mut write_line = |v: serde_json::Value| -> AnyResult<()> {
+            writeln!(log, "{v}").and_then(|()| log.flush()).context("cannot append to metrics.jsonl")
+        };
         let start = Instant::now();
         let (start_step, tokens0) = (self.step, self.tokens_seen);
         let step_tokens = (self.opts.batch_size * self.opts.seq_len * self.opts.grad_accum) as f64;
+        let bar = Progress::steps(self.opts.steps as u64, "train");
+        bar.start_at(self.step as u64);
         while self.step < self.opts.steps {
             let t0 = Instant::now();
             let (loss, norm, lr) = self.train_step()?;
+            let skipped = !loss.is_finite() || !norm.is_finite();
             let dt = t0.elapsed().as_secs_f64();
             let elapsed = start.elapsed().as_secs_f64();
             let done = self.step - start_step;
             let tok_s = (self.tokens_seen - tokens0) as f64 / elapsed.max(1e-9);
             let eta = elapsed / done as f64 * (self.opts.steps - self.step) as f64;
-            self.history.push((self.step as f64, loss));
             let peak_mib = ferrolm_tensor::peak_bytes() as f64 / (1 << 20) as f64;
             let mfu = self.mfu(tok_s);
-            writeln!(
-                log,
-                "{}",
-                serde_json::json!({"step": self.step, "loss": loss, "lr": lr, "grad_norm": norm,
-                "tokens_per_s": step_tokens / dt.max(1e-9), "elapsed_s": elapsed, "peak_tensor_mib": peak_mib, "mfu": mfu})
-            )?;
+            if skipped {
+                write_line(serde_json::json!({"step": self.step, "skipped": true, "lr": lr}))?;
+            } else {
+                self.history.push((self.step as f64, loss));
+                write_line(serde_json::json!({"step": self.step, "loss": loss, "lr": lr, "grad_norm": norm,
+                "tokens_per_s": step_tokens / dt.max(1e-9), "elapsed_s": elapsed, "peak_tensor_mib": peak_mib, "mfu": mfu}))?;
+            }
+            bar.set_position(self.step as u64);
+            bar.set_message(format!("loss {loss:.4}"));
             if self.step % self.opts.log_every.max(1) == 0 || self.step == self.opts.steps || self.step == start_step + 1 {
-                if tty {
-                    eprint!("\r\x1b[2K");
-                }
                 let dev = match mfu {
                     Some(m) => format!(" | MFU {:.1}% | peak mem {peak_mib:.0} MiB", m * 100.0),
                     None => String::new(),
                 };
-                println!(
+                report(&format!(
                     "step {:>5}/{} | loss {loss:.4} | lr {lr:.2e} | grad norm {norm:.3} | {tok_s:.0} tok/s{dev} | ETA {}",
                     self.step,
                     self.opts.steps,
                     fmt_secs(eta)
-                );
-            } else if tty {
-                let frac = self.step as f64 / self.opts.steps as f64;
-                let bar = (frac * 30.0) as usize;
-                eprint!(
-                    "\r\x1b[2K[{}{}] {:>3.0}% step {} loss {loss:.4} ETA {}",
-                    "=".repeat(bar),
-                    " ".repeat(30 - bar),
-                    frac * 100.0,
-                    self.step,
-                    fmt_secs(eta)
-                );
+                ));
             }
             let last = self.step == self.opts.steps;
+            let mut eval_error = None;
             if self.opts.eval_every > 0 && (self.step % self.opts.eval_every == 0 || last) {
-                let v = self.evaluate(self.opts.eval_batches)?;
-                self.val_history.push((self.step as f64, v));
-                writeln!(log, "{}", serde_json::json!({"step": self.step, "val_loss": v}))?;
-                if tty {
-                    eprint!("\r\x1b[2K");
+                match self.evaluate(self.opts.eval_batches) {
+                    Ok(v) => {
+                        self.val_history.push((self.step as f64, v));
+                        write_line(serde_json::json!({"step": self.step, "val_loss": v}))?;
+                        report(&format!("step {:>5}/{} | val loss {v:.4}", self.step, self.opts.steps));
+                    }
+                    Err(e) => eval_error = Some(e),
                 }
-                println!("step {:>5}/{} | val loss {v:.4}", self.step, self.opts.steps);
             }
-            if (self.opts.save_every > 0 && self.step % self.opts.save_every == 0) || last {
+            // A failed validation must not cost the checkpoint of this step: save, then report.
+            if (self.opts.save_every > 0 && self.step % self.opts.save_every == 0) || last || eval_error.is_some() {
                 let dir = self.save_checkpoint()?;
-                if tty {
-                    eprint!("\r\x1b[2K");
-                }
-                println!("saved checkpoint {}", dir.display());
+                report(&format!("saved checkpoint {}", dir.display()));
+                self.plot();
+            }
+            if let Some(e) = eval_error {
+                return Err(e.context(format!("validation at step {} failed (the checkpoint of this step was saved)", self.step)));
             }
         }
-        self.plot()?;
+        drop(bar);
+        self.plot();
         Ok(())
     }
 
@@ -234,86 +383,245 @@ impl Trainer {
         Some(per_token * tokens_per_s / peak)
     }
 
-    fn plot(&self) -> AnyResult<()> {
-        let series = [
-            crate::plot::Series { points: &self.history, rgb: [31, 119, 180] },
-            crate::plot::Series { points: &self.val_history, rgb: [214, 39, 40] },
-        ];
-        crate::plot::line_plot(&self.out_dir.join("loss.png"), 640, 400, &series)?;
-        Ok(())
+    /// `loss.png` from the whole history (restored on resume). A failed plot is a warning: the
+    /// curve is never worth a run.
+    fn plot(&self) {
+        if !is_rank_zero() {
+            return;
+        }
+        let chart = crate::plot::Chart {
+            title: "loss",
+            x_label: "step",
+            y_label: "loss (nats/token)",
+            series: vec![
+                crate::plot::Series { points: &self.history, rgb: [31, 119, 180], label: "train" },
+                crate::plot::Series { points: &self.val_history, rgb: [214, 39, 40], label: "validation" },
+            ],
+        };
+        let path = self.out_dir.join(run_dir::LOSS_PNG);
+        if let Err(e) = chart.write_png(&path, 640, 400) {
+            tracing::warn!("cannot write {}: {e}", path.display());
+        }
     }
 
-    /// Writes `checkpoints/step-NNNNNN/` through a temporary directory and a rename, then
-    /// points `checkpoints/latest` at it: a crash mid-save leaves the previous one intact.
+    /// The first tensor holding a NaN or an infinity, if any. x * 0 is 0 for finite x and NaN
+    /// otherwise, so one device-side sum over all tensors (one host sync) answers the common
+    /// case; only when it is not finite are the tensors checked one by one to name the culprit.
+    fn non_finite_tensor(tensors: &[&(String, Tensor)]) -> AnyResult<Option<String>> {
+        let _g = no_grad();
+        let probe = |t: &Tensor| -> AnyResult<Tensor> { Ok(t.to_dtype(DType::F32)?.mul_scalar(0.0)?.sum_all()?) };
+        let mut acc: Option<Tensor> = None;
+        for (_, t) in tensors {
+            let s = probe(t)?;
+            acc = Some(match acc {
+                Some(a) => a.add(&s)?,
+                None => s,
+            });
+        }
+        match acc {
+            Some(a) if !a.item()?.is_finite() => {}
+            _ => return Ok(None),
+        }
+        for (name, t) in tensors {
+            if !probe(t)?.item()?.is_finite() {
+                return Ok(Some(name.clone()));
+            }
+        }
+        Ok(Some("(a sum of finite tensors)".into()))
+    }
+
+    /// Writes `checkpoints/step-NNNNNN/` through a temporary directory, fsyncs it, renames it
+    /// into place, fsyncs `checkpoints/`, then points `checkpoints/latest` at it and prunes to
+    /// `keep_last`. Refuses weights that are not finite and a step directory that exists. A
+    /// failure midway removes the partial directory and leaves `latest` on the previous one.
     pub fn save_checkpoint(&self) -> AnyResult<PathBuf> {
-        let root = self.out_dir.join("checkpoints");
-        std::fs::create_dir_all(&root)?;
-        let name = format!("step-{:06}", self.step);
+        let name = checkpoint_name(self.step);
+        // Every tensor the checkpoint stores: the weights, then the optimizer state.
+        let (params, state) = (self.model.parameters(), self.opt.state_tensors());
+        let all: Vec<&(String, Tensor)> = params.iter().chain(&state).collect();
+        if let Some(bad) = Self::non_finite_tensor(&all)? {
+            bail!("refusing to save checkpoint {name}: `{bad}` holds NaN or infinite values (the previous checkpoint is kept)");
+        }
+        let root = self.out_dir.join(CHECKPOINTS);
+        std::fs::create_dir_all(&root).with_context(|| format!("cannot create {}", root.display()))?;
+        let dst = root.join(&name);
+        // Only this trainer's own checkpoint of this very step may be rewritten (saving again
+        // after `run()` saved its last step); anything else under that name is not ours.
+        let rewrite = dst.exists();
+        if rewrite && self.last_saved.get() != Some(self.step) {
+            bail!("{} already exists: refusing to overwrite a saved checkpoint", dst.display());
+        }
         let tmp = root.join(format!(".{name}.tmp"));
-        let _ = std::fs::remove_dir_all(&tmp);
-        std::fs::create_dir_all(&tmp)?;
-        self.model.save_pretrained(&tmp)?;
-        save_safetensors(&tmp.join("optimizer.safetensors"), &self.opt.state_tensors(), None)?;
-        let state = TrainerState {
+        if tmp.exists() {
+            // Only a save of this same step that was interrupted leaves this name behind.
+            std::fs::remove_dir_all(&tmp).with_context(|| format!("cannot remove the stale partial checkpoint {}", tmp.display()))?;
+        }
+        let previous = std::fs::read_to_string(root.join(LATEST)).ok().map(|s| s.trim().to_string());
+        let old = root.join(format!(".{name}.old"));
+        if let Err(e) = self.write_checkpoint_files(&tmp, &state).and_then(|()| {
+            if rewrite {
+                std::fs::rename(&dst, &old).with_context(|| format!("cannot move {} aside", dst.display()))?;
+            }
+            std::fs::rename(&tmp, &dst).with_context(|| format!("cannot rename {} to {}", tmp.display(), dst.display()))?;
+            if rewrite {
+                std::fs::remove_dir_all(&old).with_context(|| format!("cannot remove {}", old.display()))?;
+            }
+            sync_dir(&root)
+        }) {
+            let _ = std::fs::remove_dir_all(&tmp);
+            let kept = match previous {
+                Some(p) => format!("latest still names {p}, which is intact"),
+                None => "no earlier checkpoint exists".to_string(),
+            };
+            return Err(e.context(format!("saving checkpoint {name} failed; its partial files were removed and {kept}")));
+        }
+        self.last_saved.set(Some(self.step));
+        write_atomic(&root.join(LATEST), name.as_bytes())?;
+        sync_dir(&root)?;
+        for old in run_dir::prune(&root, self.safety.keep_last)? {
+            tracing::info!("removed old checkpoint {} (--keep-last {})", old.display(), self.safety.keep_last);
+        }
+        Ok(dst)
+    }
+
+    fn write_checkpoint_files(&self, tmp: &Path, state: &[(String, Tensor)]) -> AnyResult<()> {
+        let fault = |file: &str| -> AnyResult<()> {
+            match &self.fail_checkpoint_file {
+                Some(f) if f == file => Err(anyhow!(std::io::Error::from(std::io::ErrorKind::StorageFull)))
+                    .with_context(|| format!("cannot write {}", tmp.join(file).display())),
+                _ => Ok(()),
+            }
+        };
+        std::fs::create_dir_all(tmp).with_context(|| format!("cannot create {}", tmp.display()))?;
+        fault("model.safetensors")?;
+        self.model.save_pretrained(tmp)?;
+        fault("optimizer.safetensors")?;
+        save_safetensors(&tmp.join("optimizer.safetensors"), state, None)?;
+        if let Some(t) = &self.tokenizer_file {
+            fault("tokenizer.json")?;
+            let dst = tmp.join("tokenizer.json");
+            std::fs::copy(t, &dst).with_context(|| format!("cannot copy {} into the checkpoint", t.display()))?;
+            std::fs::File::open(&dst).and_then(|f| f.sync_all()).with_context(|| format!("cannot fsync {}", dst.display()))?;
+        }
+        let st = TrainerState {
             step: self.step,
             loader: self.loader.state(),
             rng: self.rng.state,
             options: self.opts.clone(),
             tokens_seen: self.tokens_seen,
+            skipped_steps: self.skipped_total,
         };
-        write_atomic(&tmp.join("trainer_state.json"), serde_json::to_string_pretty(&state)?.as_bytes())?;
-        if let Some(t) = &self.tokenizer_file {
-            std::fs::copy(t, tmp.join("tokenizer.json")).map_err(|e| format!("cannot copy {}: {e}", t.display()))?;
-        }
-        let dst = root.join(&name);
-        let _ = std::fs::remove_dir_all(&dst);
-        std::fs::rename(&tmp, &dst)?;
-        write_atomic(&root.join("latest"), name.as_bytes())?;
-        Ok(dst)
+        fault(TRAINER_STATE)?;
+        // Last: its presence marks the checkpoint complete.
+        write_atomic(&tmp.join(TRAINER_STATE), serde_json::to_string_pretty(&st)?.as_bytes())?;
+        sync_dir(tmp)
     }
 
-    /// Restores model, optimizer, data position, RNG and step from a checkpoint directory
-    /// (or a run directory, whose `checkpoints/latest` is followed).
+    /// Restores model, optimizer, data position, RNG, step and the loss history from a
+    /// checkpoint directory (or a run directory, whose `checkpoints/latest` is followed).
+    ///
+    /// The checkpoint's `config.json` must describe the model being trained (else an error
+    /// naming the fields that differ); weights are matched by name. Changed training options
+    /// are warned about with their old and new values.
     pub fn resume(&mut self, path: &Path) -> AnyResult<()> {
-        let dir = resolve_checkpoint(path)?;
-        let state_file = dir.join("trainer_state.json");
-        let text = std::fs::read_to_string(&state_file).map_err(|e| format!("{}: {e}", state_file.display()))?;
-        let st: TrainerState = serde_json::from_str(&text).map_err(|e| format!("{}: {e}", state_file.display()))?;
+        let dir = run_dir::resolve_checkpoint(path)?;
+        let state_file = dir.join(TRAINER_STATE);
+        let text = std::fs::read_to_string(&state_file).with_context(|| format!("cannot read {}", state_file.display()))?;
+        let st: TrainerState = serde_json::from_str(&text).with_context(|| format!("{} is not a trainer state", state_file.display()))?;
+
+        let cfg_file = dir.join("config.json");
+        let saved_cfg = LlamaConfig::from_file(&cfg_file)?;
+        let diffs = config_diff(&saved_cfg, self.model.config());
+        if !diffs.is_empty() {
+            bail!("cannot resume from {}: it holds a different model ({})", dir.display(), diffs.join("; "));
+        }
         let loaded = Llama::from_pretrained(&dir, self.model.dtype(), self.model.device())?;
-        let _g = no_grad();
-        for ((n, p), (_, q)) in self.model.parameters().iter().zip(loaded.parameters()) {
-            p.assign(&q).map_err(|e| format!("{}: {n}: {e}", dir.display()))?;
+        let mut by_name: HashMap<String, Tensor> = loaded.parameters().into_iter().collect();
+        {
+            let _g = no_grad();
+            for (n, p) in self.model.parameters() {
+                let q = by_name.remove(&n).ok_or_else(|| anyhow!("{}: missing weight `{n}`", dir.display()))?;
+                p.assign(&q).with_context(|| format!("{}: weight `{n}`", dir.display()))?;
+            }
+        }
+        if let Some(extra) = by_name.keys().next() {
+            bail!("{}: weight `{extra}` is not a parameter of this model", dir.display());
+        }
+
+        for w in option_changes(&st.options, &self.opts) {
+            tracing::warn!("resuming with a changed option: {w}");
         }
         let opt_file = dir.join("optimizer.safetensors");
         let tensors = load_safetensors(&opt_file, DType::F32, self.model.device())?;
-        self.opt.load_state(st.step as u64, &|name| {
+        self.opt.load_state(st.step as u64 - st.skipped_steps.min(st.step as u64), &|name| {
             tensors
                 .get(name)
                 .cloned()
                 .ok_or_else(|| ferrolm_tensor::Error::new("resume", format!("{}: missing tensor {name}", opt_file.display())))
         })?;
-        self.loader.restore(&st.loader)?;
+        if st.options.seq_len == self.opts.seq_len {
+            self.loader.restore(&st.loader).with_context(|| format!("{}: cannot restore the data position", state_file.display()))?;
+        } else {
+            tracing::warn!("the data position cannot carry over to a new --seq-len: the data order restarts from the beginning");
+        }
         self.rng = Rng { state: st.rng };
         self.step = st.step;
         self.tokens_seen = st.tokens_seen;
+        self.skipped_total = st.skipped_steps;
+        self.skipped_in_a_row = 0;
+
+        let run_dir = run_dir::run_dir_of(&dir);
+        let (lines, _) = match &run_dir {
+            Some(r) => run_dir::read_metrics(r, st.step)?,
+            None => (Vec::new(), 0),
+        };
+        self.history = lines.iter().filter_map(|l| Some((l.step as f64, l.loss?))).collect();
+        self.val_history = lines.iter().filter_map(|l| Some((l.step as f64, l.val_loss?))).collect();
+        self.resumed = Some(Resumed { run_dir, step: st.step, metrics: lines.into_iter().map(|l| l.raw).collect() });
         Ok(())
     }
 }
 
-/// A checkpoint directory, or a run directory whose `checkpoints/latest` names one.
-pub fn resolve_checkpoint(path: &Path) -> AnyResult<PathBuf> {
-    if path.join("trainer_state.json").is_file() {
-        return Ok(path.to_path_buf());
-    }
-    for root in [path.join("checkpoints"), path.to_path_buf()] {
-        if let Ok(name) = std::fs::read_to_string(root.join("latest")) {
-            let d = root.join(name.trim());
-            if d.join("trainer_state.json").is_file() {
-                return Ok(d);
-            }
+/// `field: checkpoint A, this run B` for every model field that differs (the stored dtype is
+/// not part of the model).
+pub fn config_diff(saved: &LlamaConfig, current: &LlamaConfig) -> Vec<String> {
+    let (a, b) = (saved.to_json_value("float32"), current.to_json_value("float32"));
+    let (Some(a), Some(b)) = (a.as_object(), b.as_object()) else { return vec!["config.json is not an object".into()] };
+    let mut out = Vec::new();
+    for (k, va) in a {
+        let vb = b.get(k).cloned().unwrap_or_default();
+        if *va != vb && k != "initializer_range" {
+            out.push(format!("{k}: checkpoint {va}, this run {vb}"));
         }
     }
-    Err(format!("{}: no checkpoint found (expected trainer_state.json, or checkpoints/latest in a run directory)", path.display()).into())
+    out
+}
+
+/// Sentences for each training option that differs between a checkpoint and this run.
+pub fn option_changes(old: &TrainOptions, new: &TrainOptions) -> Vec<String> {
+    let mut out = Vec::new();
+    let mut cmp = |name: &str, a: String, b: String, note: &str| {
+        if a != b {
+            out.push(format!("{name} {a} -> {b}{note}"));
+        }
+    };
+    cmp("--steps", old.steps.to_string(), new.steps.to_string(), " (the learning-rate schedule is reshaped to the new length)");
+    cmp("--batch-size", old.batch_size.to_string(), new.batch_size.to_string(), "");
+    cmp("--seq-len", old.seq_len.to_string(), new.seq_len.to_string(), "");
+    cmp("--grad-accum", old.grad_accum.to_string(), new.grad_accum.to_string(), "");
+    cmp("--lr", old.lr.to_string(), new.lr.to_string(), "");
+    cmp("min_lr", old.min_lr.to_string(), new.min_lr.to_string(), "");
+    cmp("warmup_steps", old.warmup_steps.to_string(), new.warmup_steps.to_string(), "");
+    cmp("weight_decay", old.weight_decay.to_string(), new.weight_decay.to_string(), "");
+    cmp("grad_clip", old.grad_clip.to_string(), new.grad_clip.to_string(), "");
+    cmp("--seed", old.seed.to_string(), new.seed.to_string(), " (the data order of the checkpoint is kept)");
+    out
+}
+
+/// A checkpoint directory, or a run directory whose `checkpoints/latest` names one (falling
+/// back to the newest complete checkpoint when `latest` is missing or names a broken one).
+pub fn resolve_checkpoint(path: &Path) -> AnyResult<PathBuf> {
+    run_dir::resolve_checkpoint(path)
 }
 
 fn fmt_secs(s: f64) -> String {

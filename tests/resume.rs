@@ -72,6 +72,7 @@ fn resumed_run_repeats_losses_bitwise() {
     second.resume(&tmp.join("split")).unwrap();
     assert_eq!(second.step, 3);
     second.run().unwrap();
+    // The first half never ran `run()`, so there is no metrics.jsonl to restore a history from.
     let got: Vec<f64> = second.history.iter().map(|h| h.1).collect();
     let want: Vec<f64> = full.history[3..].iter().map(|h| h.1).collect();
     assert_eq!(got.len(), 3);

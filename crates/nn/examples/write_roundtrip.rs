@@ -6,18 +6,29 @@
 //!
 //! Default: GQA (4 / 2 heads), untied head, llama3 rope. `--tied`: the "tiny" preset
 //! shape with tied embeddings and plain rope. `--bf16`: weights stored as bf16.
+use clap::Parser;
 use ferrolm_nn::{shift_labels, Llama, LlamaConfig, RopeScaling};
 use ferrolm_tensor::{DType, Device, Rng, Tensor};
 use std::path::PathBuf;
 
+/// Write a random LLaMA checkpoint and roundtrip_ids.json (token ids, labels and the loss ferrolm
+/// computes from the checkpoint as stored) for scripts/check_hf_roundtrip.py, which checks that
+/// transformers loads the checkpoint and gets the same loss.
+#[derive(Parser)]
+#[command(name = "write_roundtrip")]
+struct Args {
+    /// Output directory (created if needed)
+    dir: PathBuf,
+    /// The "tiny" preset shape with tied embeddings and plain rope [default: GQA 4/2 heads, untied, llama3 rope]
+    #[arg(long)]
+    tied: bool,
+    /// Store the weights as bf16 [default: f32]
+    #[arg(long)]
+    bf16: bool,
+}
+
 fn main() -> Result<(), Box<dyn std::error::Error>> {
-    let args: Vec<String> = std::env::args().skip(1).collect();
-    let Some(dir) = args.iter().find(|a| !a.starts_with("--")).map(PathBuf::from) else {
-        eprintln!("usage: write_roundtrip DIR [--tied] [--bf16]");
-        std::process::exit(2);
-    };
-    let tied = args.iter().any(|a| a == "--tied");
-    let bf16 = args.iter().any(|a| a == "--bf16");
+    let Args { dir, tied, bf16 } = Args::parse();
 
     let cfg = if tied {
         LlamaConfig { vocab_size: 320, initializer_range: 0.08, ..LlamaConfig::preset("tiny")? }

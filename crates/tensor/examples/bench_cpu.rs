@@ -2,7 +2,8 @@
 //! called directly on the same shapes and strides, and forward+backward of a 2-layer
 //! Llama-style block stack built from tensor ops.
 //!
-//!     cargo run --release -p ferrolm-tensor --example bench_cpu
+//!     cargo run --release -p ferrolm-tensor --example bench_cpu   (`--help` for the details)
+use clap::Parser;
 use ferrolm_tensor::{no_grad, DType, Device, Rng, Tensor};
 use std::time::Instant;
 
@@ -111,7 +112,22 @@ fn rope_tables(t: usize, d: usize, theta: f64) -> (Tensor, Tensor) {
     (Tensor::from_vec(c, [t, d], Device::Cpu).unwrap(), Tensor::from_vec(s, [t, d], Device::Cpu).unwrap())
 }
 
+/// Benchmark the CPU engine: f32 GEMM through Tensor::matmul next to matrixmultiply::sgemm on
+/// the same shapes, and forward + backward of a 2-layer Llama-style block stack. Prints
+/// markdown tables (GFLOP/s; the median of repeated runs).
+#[derive(Parser)]
+#[command(
+    name = "bench_cpu",
+    after_help = concat!(
+        "Environment:\n",
+        "  RAYON_NUM_THREADS      threads of element-wise and reduction kernels [default: one per core]\n",
+        "  MATMUL_NUM_THREADS     threads of matrixmultiply's GEMM [default: one per core]",
+    )
+)]
+struct Args {}
+
 fn main() {
+    Args::parse();
     let threads = std::thread::available_parallelism().map(|n| n.get()).unwrap_or(1);
     println!("ferrolm-tensor CPU bench ({threads} hardware threads, MATMUL_NUM_THREADS={:?})\n", std::env::var("MATMUL_NUM_THREADS").ok());
     let rng = &mut Rng::new(0);

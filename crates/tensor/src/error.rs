@@ -1,7 +1,8 @@
 //! One error type for the engine: every failure names the op that raised it.
-use std::fmt;
 
-#[derive(Debug, Clone)]
+/// An engine failure: `op` names the operation that raised it, `msg` says what went wrong.
+#[derive(Debug, Clone, thiserror::Error)]
+#[error("{op}: {msg}")]
 pub struct Error {
     pub op: String,
     pub msg: String,
@@ -12,14 +13,6 @@ impl Error {
         Error { op: op.into(), msg: msg.into() }
     }
 }
-
-impl fmt::Display for Error {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        write!(f, "{}: {}", self.op, self.msg)
-    }
-}
-
-impl std::error::Error for Error {}
 
 pub type Result<T> = std::result::Result<T, Error>;
 

@@ -1,0 +1,98 @@
+//! `eval`: mean next-token cross-entropy of a checkpoint on a text file.
+use super::{env_help, positive, DeviceArgs, LogArgs, Tool, ENV_COMMON, ENV_DEVICE};
+use crate::data::Tokenizer;
+use crate::progress::{report, Progress};
+use crate::{AnyResult, DType, Device, Llama, Tensor};
+use anyhow::{bail, Context};
+use clap::Parser;
+use std::path::PathBuf;
+
+#[derive(Parser, Debug, Clone, PartialEq)]
+#[command(
+    allow_negative_numbers = true,
+    name = "eval",
+    about = "Mean next-token loss and perplexity of a checkpoint on a text file. The text is tokenized with the \
+             checkpoint's tokenizer.json (no special tokens) and scored on every full window tokens[i*T .. i*T+T+1]; \
+             the last line printed is `loss <float> ppl <float> tokens <int>`.",
+    after_help = env_help(&[ENV_COMMON, ENV_DEVICE])
+)]
+pub struct EvalArgs {
+    /// Checkpoint directory (config.json, model.safetensors, tokenizer.json)
+    #[arg(long, value_name = "DIR")]
+    pub model: PathBuf,
+    /// Text file to score
+    #[arg(long, value_name = "FILE")]
+    pub text: PathBuf,
+    /// Tokens per window (T)
+    #[arg(long, value_name = "T", value_parser = positive)]
+    pub seq_len: usize,
+    /// Windows per forward pass
+    #[arg(long, default_value = "8", value_parser = positive)]
+    pub batch_size: usize,
+    #[command(flatten)]
+    pub device: DeviceArgs,
+    #[command(flatten)]
+    pub log: LogArgs,
+}
+
+impl Tool for EvalArgs {
+    fn log_args(&self) -> &LogArgs {
+        &self.log
+    }
+}
+
+pub fn run(a: EvalArgs) -> AnyResult<()> {
+    let (dir, t, bs) = (&a.model, a.seq_len, a.batch_size);
+    std::fs::metadata(dir).with_context(|| format!("cannot open the model directory {}", dir.display()))?;
+    let tok_path = dir.join("tokenizer.json");
+    let tokenizer = Tokenizer::from_file(&tok_path).with_context(|| format!("cannot load the tokenizer {}", tok_path.display()))?;
+    let text = std::fs::read_to_string(&a.text).with_context(|| format!("cannot read the text file {}", a.text.display()))?;
+    let device = a.device.pick()?;
+    let ids = tokenizer.encode(&text, false)?;
+    let dtype = if device == Device::Cpu { DType::F32 } else { DType::BF16 };
+    let model = Llama::from_pretrained(dir, dtype, device).with_context(|| format!("cannot load the model in {}", dir.display()))?;
+    if tokenizer.vocab_size() > model.config().vocab_size {
+        bail!(
+            "{}: the tokenizer has {} tokens but the model's vocab_size is {}",
+            tok_path.display(),
+            tokenizer.vocab_size(),
+            model.config().vocab_size
+        );
+    }
+    if t > model.config().max_position_embeddings {
+        bail!("--seq-len {t} exceeds the model's max_position_embeddings {}", model.config().max_position_embeddings);
+    }
+    let windows = if ids.len() > t { (ids.len() - 1) / t } else { 0 };
+    if windows == 0 {
+        bail!("{}: {} tokens do not fill one window of {} tokens (--seq-len {t} + 1)", a.text.display(), ids.len(), t + 1);
+    }
+    let Some(need) = bs.min(windows).checked_mul(t).and_then(|n| n.checked_mul(8)) else {
+        bail!("--batch-size {bs} × --seq-len {t} overflows");
+    };
+    if let Some(avail) = crate::memory::available_host_bytes() {
+        if need as u64 > avail {
+            bail!("--batch-size {bs} × --seq-len {t} needs {need} bytes for one batch, {avail} are available: lower --batch-size");
+        }
+    }
+    let _g = crate::tensor::no_grad();
+    let (mut sum, mut n) = (0.0f64, 0usize);
+    let bar = Progress::items((windows * t) as u64, "eval");
+    for start in (0..windows).step_by(bs) {
+        let b = bs.min(windows - start);
+        let (mut x, mut y) = (Vec::with_capacity(b * t), Vec::with_capacity(b * t));
+        for w in start..start + b {
+            let win = &ids[w * t..w * t + t + 1];
+            x.extend(win[..t].iter().map(|&v| v as i32));
+            y.extend(win[1..].iter().map(|&v| v as i32));
+        }
+        let xt = Tensor::from_vec(x, [b, t], device)?;
+        let yt = Tensor::from_vec(y, [b, t], device)?;
+        sum += model.loss(&xt, &yt)?.item()? * (b * t) as f64;
+        n += b * t;
+        bar.inc((b * t) as u64);
+    }
+    drop(bar);
+    let loss = sum / n as f64;
+    report(&format!("loss {loss:.6} ppl {:.4} tokens {n}", loss.exp()));
+    Ok(())
+}

@@ -1,0 +1,74 @@
+//! `generate`: sample text from a checkpoint with a KV cache.
+use super::{env_help, non_negative, probability, DeviceArgs, LogArgs, Tool, ENV_COMMON, ENV_DEVICE};
+use crate::data::Tokenizer;
+use crate::nn::generate::generate;
+use crate::progress::report;
+use crate::{AnyResult, DType, Device, Llama};
+use anyhow::{bail, Context};
+use clap::Parser;
+use ferrolm_tensor::Rng;
+use std::path::PathBuf;
+
+#[derive(Parser, Debug, Clone, PartialEq)]
+#[command(
+    allow_negative_numbers = true,
+    name = "generate",
+    about = "Sample a continuation of a prompt from a checkpoint (temperature and nucleus sampling, with a KV cache)",
+    after_help = env_help(&[ENV_COMMON, ENV_DEVICE])
+)]
+pub struct GenerateArgs {
+    /// Checkpoint directory (config.json, model.safetensors, tokenizer.json)
+    #[arg(long, value_name = "DIR")]
+    pub model: PathBuf,
+    /// Text to continue
+    #[arg(long)]
+    pub prompt: String,
+    /// Tokens to sample
+    #[arg(long, value_name = "N", default_value = "100")]
+    pub max_new_tokens: usize,
+    /// Sampling temperature (0: greedy)
+    #[arg(long, default_value = "0.8", value_parser = non_negative, allow_hyphen_values = true)]
+    pub temperature: f64,
+    /// Nucleus sampling: keep the smallest set of tokens whose probability reaches P
+    #[arg(long, value_name = "P", default_value = "0.95", value_parser = probability, allow_hyphen_values = true)]
+    pub top_p: f64,
+    /// Seed of the sampler
+    #[arg(long, default_value = "0")]
+    pub seed: u64,
+    #[command(flatten)]
+    pub device: DeviceArgs,
+    #[command(flatten)]
+    pub log: LogArgs,
+}
+
+impl Tool for GenerateArgs {
+    fn log_args(&self) -> &LogArgs {
+        &self.log
+    }
+}
+
+pub fn run(a: GenerateArgs) -> AnyResult<()> {
+    let dir = &a.model;
+    std::fs::metadata(dir).with_context(|| format!("cannot open the model directory {}", dir.display()))?;
+    let tok_path = dir.join("tokenizer.json");
+    let tokenizer = Tokenizer::from_file(&tok_path).with_context(|| format!("cannot load the tokenizer {}", tok_path.display()))?;
+    let device = a.device.pick()?;
+    let dtype = if device == Device::Cpu { DType::F32 } else { DType::BF16 };
+    let model = Llama::from_pretrained(dir, dtype, device).with_context(|| format!("cannot load the model in {}", dir.display()))?;
+    if tokenizer.vocab_size() > model.config().vocab_size {
+        bail!(
+            "{}: the tokenizer has {} tokens but the model's vocab_size is {}",
+            tok_path.display(),
+            tokenizer.vocab_size(),
+            model.config().vocab_size
+        );
+    }
+    let ids = tokenizer.encode(&a.prompt, false)?;
+    if ids.is_empty() {
+        bail!("--prompt encodes to no tokens");
+    }
+    let mut rng = Rng::new(a.seed);
+    let out = generate(&model, &ids, a.max_new_tokens, a.temperature, a.top_p, &mut rng)?;
+    report(&format!("{}{}", a.prompt, tokenizer.decode(&out)?));
+    Ok(())
+}

@@ -1,0 +1,308 @@
+//! The command-line tools: their flags (clap derive) and what they run, as library functions
+//! that `examples/*.rs` wrap in three lines and tests call directly.
+//!
+//! Shared flags are defined once and flattened into each tool: [`LogArgs`] and [`DeviceArgs`]
+//! everywhere, [`TrainArgs`] in every training tool. A tool is a [`Tool`]: it may adjust the
+//! derived command (a per-tool default of a shared flag, see `pretrain::PretrainArgs`), and
+//! [`main_with`] runs it: flag errors are clap's (exit code 2, with suggestions), runtime errors
+//! print their whole chain of causes (`error: cannot open data directory foo: No such file or
+//! directory (os error 2)`) and exit with 1.
+pub mod eval;
+pub mod generate;
+pub mod prepare;
+pub mod pretrain;
+
+use crate::train::{RunSafety, TrainOptions};
+use crate::AnyResult;
+use clap::{ArgMatches, Args, Command, CommandFactory, Parser};
+use std::ffi::OsString;
+use std::path::PathBuf;
+
+/// A command-line tool built from a clap derive.
+pub trait Tool: Parser {
+    /// The command as parsed: the derived one, adjusted where a tool needs (defaults of shared
+    /// flags that differ per tool).
+    fn cli() -> Command {
+        <Self as CommandFactory>::command()
+    }
+    fn log_args(&self) -> &LogArgs;
+}
+
+/// Parses `args` (program name first) as tool `A`.
+pub fn parse_from<A: Tool, I, T>(args: I) -> Result<A, clap::Error>
+where
+    I: IntoIterator<Item = T>,
+    T: Into<OsString> + Clone,
+{
+    let mut cmd = A::cli();
+    let m: ArgMatches = cmd.try_get_matches_from_mut(args)?;
+    A::from_arg_matches(&m).map_err(|e| e.format(&mut cmd))
+}
+
+/// Parses `args`, sets up logging, runs `run`, and returns the process exit code: 0, 1 for a
+/// runtime error (printed with its causes), or clap's code for a flag error (2; 0 for `--help`).
+pub fn run_tool<A, I, T>(args: I, run: impl FnOnce(A) -> AnyResult<()>) -> i32
+where
+    A: Tool,
+    I: IntoIterator<Item = T>,
+    T: Into<OsString> + Clone,
+{
+    let a: A = match parse_from(args) {
+        Ok(a) => a,
+        Err(e) => {
+            let _ = e.print();
+            return e.exit_code();
+        }
+    };
+    if let Err(e) = crate::logging::init(a.log_args().log_level.as_deref()) {
+        eprintln!("error: --log-level {e}");
+        return 2;
+    }
+    match run(a) {
+        Ok(()) => 0,
+        Err(e) => {
+            crate::progress::suspend(|| eprintln!("{}", error_report(&e)));
+            1
+        }
+    }
+}
+
+/// `main` of a tool: `fn main() { ferrolm::cli::main_with(ferrolm::cli::eval::run) }`.
+pub fn main_with<A: Tool>(run: impl FnOnce(A) -> AnyResult<()>) -> ! {
+    std::process::exit(run_tool(std::env::args_os(), run))
+}
+
+/// `error: what failed: why: root cause` on one line, as a user sees it.
+pub fn error_report(e: &anyhow::Error) -> String {
+    format!("error: {e:#}")
+}
+
+// ---- value parsers: flags are checked where they are read, and the error names the flag ----
+
+fn number(s: &str) -> Result<f64, String> {
+    let v: f64 = s.trim().parse().map_err(|_| format!("`{s}` is not a number"))?;
+    if !v.is_finite() {
+        return Err(format!("`{s}` is not a finite number"));
+    }
+    Ok(v)
+}
+
+/// A finite number >= 0 (learning rates, temperatures).
+pub fn non_negative(s: &str) -> Result<f64, String> {
+    let v = number(s)?;
+    if v < 0.0 {
+        return Err(format!("must be >= 0, got {v}"));
+    }
+    Ok(v)
+}
+
+/// A finite number in (0, 1] (top-p).
+pub fn probability(s: &str) -> Result<f64, String> {
+    let v = number(s)?;
+    if v <= 0.0 || v > 1.0 {
+        return Err(format!("must be in (0, 1], got {v}"));
+    }
+    Ok(v)
+}
+
+/// A finite number in [0, 1) (the validation fraction).
+pub fn fraction(s: &str) -> Result<f64, String> {
+    let v = number(s)?;
+    if !(0.0..1.0).contains(&v) {
+        return Err(format!("must be in [0, 1), got {v}"));
+    }
+    Ok(v)
+}
+
+/// A log level or `RUST_LOG`-style directives.
+pub fn log_level(s: &str) -> Result<String, String> {
+    crate::logging::filter(Some(s)).map(|_| s.to_string())
+}
+
+/// A positive integer that fits this machine's `usize`.
+pub fn positive(s: &str) -> Result<usize, String> {
+    let v: usize = s.trim().parse().map_err(|_| format!("`{s}` is not a positive integer (or is too large)"))?;
+    if v == 0 {
+        return Err("must be at least 1".into());
+    }
+    Ok(v)
+}
+
+// ---- shared flags -------------------------------------------------------------------------
+
+/// Environment variables every tool reads (help lines: two spaces, name padded to 23).
+pub const ENV_COMMON: &str = concat!(
+    "  RUST_LOG               log filter when --log-level is not given (`warn`, `ferrolm=debug`)\n",
+    "  RAYON_NUM_THREADS      threads of the CPU backend [default: one per core]",
+);
+
+/// Environment variables of the tools that pick a device.
+pub const ENV_DEVICE: &str = concat!(
+    "  FERROLM_CUDA_EMULATOR  `1`: cuda:N is the CPU emulator of the CUDA backend (slow)\n",
+    "  FERROLM_CUDA_POISON    `1`: fill new CUDA allocations with NaN (finds unset reads)\n",
+    "  LD_LIBRARY_PATH        where the NVIDIA driver, cuBLAS(Lt), NVRTC and NCCL are found",
+);
+
+/// Environment variables of the training tools.
+pub const ENV_TRAIN: &str = "  FERROLM_PEAK_TFLOPS    the GPU's bf16 dense peak for MFU [default: 989, H100 SXM]";
+
+/// `Environment:` help section from the given lists.
+pub fn env_help(parts: &[&str]) -> String {
+    format!("Environment:\n{}", parts.join("\n"))
+}
+
+#[derive(Args, Debug, Clone, PartialEq)]
+#[command(next_help_heading = "Logging")]
+pub struct LogArgs {
+    /// Log level or filter (error, warn, info, debug, trace, or RUST_LOG directives)
+    /// [default: $RUST_LOG, else info]
+    #[arg(long, value_name = "LEVEL", value_parser = log_level)]
+    pub log_level: Option<String>,
+}
+
+#[derive(Args, Debug, Clone, PartialEq)]
+#[command(next_help_heading = "Device")]
+pub struct DeviceArgs {
+    /// Device: cpu, cuda or cuda:N [default: cuda:0 when a GPU is visible, else cpu]
+    #[arg(long, value_name = "DEVICE")]
+    pub device: Option<String>,
+}
+
+impl DeviceArgs {
+    /// The device, its backend started.
+    pub fn pick(&self) -> AnyResult<ferrolm_tensor::Device> {
+        Ok(crate::pick_device(self.device.as_deref())?)
+    }
+}
+
+/// Flags every training tool shares. New groups of shared flags (parallelism: `--tp`, `--dp`,
+/// `--zero`, sharding, offload) go in their own `#[derive(Args)]` struct flattened here, with
+/// their own help heading; flags of one tool only (`--config`, `--ladder-layers`) go in that
+/// tool's struct. A tool changes the default of a shared flag in its `Tool::cli()`.
+#[derive(Args, Debug, Clone, PartialEq)]
+pub struct TrainArgs {
+    /// Training data: a directory prepared by prepare_data, or text (a .txt file or a directory
+    /// of them) that is tokenized once into runs/cache [default: data/corpus, the bundled corpus]
+    #[arg(long, value_name = "DIR|FILE", help_heading = "Data")]
+    pub data: Option<PathBuf>,
+    /// Tokenizer (Hugging Face tokenizer.json) [default: data/tokenizer.json]
+    #[arg(long, value_name = "FILE", help_heading = "Data")]
+    pub tokenizer: Option<PathBuf>,
+
+    /// Optimizer steps
+    #[arg(long, value_name = "N", default_value = "500", value_parser = positive, help_heading = "Optimization")]
+    pub steps: usize,
+    /// Sequences per micro-batch
+    #[arg(long, value_name = "B", default_value = "16", value_parser = positive, help_heading = "Optimization")]
+    pub batch_size: usize,
+    /// Tokens per sequence
+    #[arg(long, value_name = "T", default_value = "128", value_parser = positive, help_heading = "Optimization")]
+    pub seq_len: usize,
+    /// Micro-batches per optimizer step
+    #[arg(long, value_name = "K", default_value = "1", value_parser = positive, help_heading = "Optimization")]
+    pub grad_accum: usize,
+    /// Peak learning rate (warmup, then cosine decay to a tenth of it)
+    #[arg(long, value_name = "LR", default_value = "2e-3", value_parser = non_negative, allow_hyphen_values = true, help_heading = "Optimization")]
+    pub lr: f64,
+    /// Seed of the model init and the data order
+    #[arg(long, value_name = "S", default_value = "1337", help_heading = "Optimization")]
+    pub seed: u64,
+    /// Recompute each layer's activations in backward (less memory, ~1/3 more compute)
+    #[arg(long, help_heading = "Optimization")]
+    pub activation_checkpointing: bool,
+    /// Stop after this many steps in a row whose loss or gradient norm is not finite (each is
+    /// skipped without an update)
+    #[arg(long, value_name = "N", default_value = "5", value_parser = positive, help_heading = "Optimization")]
+    pub max_skipped_steps: usize,
+
+    /// Output directory: checkpoints/, metrics.jsonl, loss.png
+    #[arg(long, value_name = "DIR", default_value = "runs/train", help_heading = "Run")]
+    pub out: PathBuf,
+    /// Continue from a checkpoint, or a run directory whose latest checkpoint is used
+    /// [default: start a new run]
+    #[arg(long, value_name = "DIR", help_heading = "Run")]
+    pub resume: Option<PathBuf>,
+    /// Replace the run already in --out (its checkpoints, metrics.jsonl and loss.png are deleted
+    /// first); without it such a directory is refused
+    #[arg(long, help_heading = "Run")]
+    pub overwrite: bool,
+    /// Validate every N steps and at the end (0: only at the end of the run)
+    #[arg(long, value_name = "N", default_value = "100", help_heading = "Run")]
+    pub eval_every: usize,
+    /// Save a checkpoint every N steps and at the end (0: only at the end)
+    #[arg(long, value_name = "N", default_value = "250", help_heading = "Run")]
+    pub save_every: usize,
+    /// Keep only the newest N checkpoints (0: keep all); the latest is never removed
+    #[arg(long, value_name = "N", default_value = "0", help_heading = "Run")]
+    pub keep_last: usize,
+
+    #[command(flatten)]
+    pub device: DeviceArgs,
+    #[command(flatten)]
+    pub log: LogArgs,
+}
+
+impl TrainArgs {
+    /// The training options these flags give (schedule details derived from --steps and --lr).
+    pub fn options(&self) -> TrainOptions {
+        TrainOptions {
+            steps: self.steps,
+            batch_size: self.batch_size,
+            seq_len: self.seq_len,
+            grad_accum: self.grad_accum,
+            lr: self.lr,
+            min_lr: self.lr / 10.0,
+            warmup_steps: (self.steps / 10 + 1).min(25),
+            weight_decay: 0.1,
+            grad_clip: 1.0,
+            eval_every: self.eval_every,
+            eval_batches: 20,
+            save_every: self.save_every,
+            log_every: 25,
+            seed: self.seed,
+        }
+    }
+
+    pub fn safety(&self) -> RunSafety {
+        RunSafety { max_skipped_steps: self.max_skipped_steps, keep_last: self.keep_last, overwrite: self.overwrite }
+    }
+}
+
+/// `bench_cuda`'s flags (the tool itself is `examples/bench_cuda.rs`).
+#[derive(Parser, Debug, Clone, PartialEq)]
+#[command(
+    allow_negative_numbers = true,
+    name = "bench_cuda",
+    about = "Benchmark every CUDA kernel: median GPU time per kernel against its memory-bandwidth or GEMM-peak floor",
+    long_about = None,
+    after_help = env_help(&[
+        ENV_COMMON,
+        "  FERROLM_REQUIRE_GPU    `1`: no CUDA device is an error (exit 1), not a skip",
+        "  OUT                    also write $OUT/bench_cuda.md and $OUT/bench_cuda.json",
+        "  LD_LIBRARY_PATH        where the NVIDIA driver, cuBLAS(Lt) and NVRTC are found",
+    ])
+)]
+pub struct BenchCudaArgs {
+    /// Timed repetitions per kernel (at least 10; the median is reported)
+    #[arg(long, default_value = "20", value_parser = clap::value_parser!(u32).range(10..))]
+    pub reps: u32,
+    /// Fewer and smaller shapes (a quick check, not a benchmark)
+    #[arg(long)]
+    pub quick: bool,
+    #[command(flatten)]
+    pub log: LogArgs,
+}
+
+impl Tool for BenchCudaArgs {
+    fn log_args(&self) -> &LogArgs {
+        &self.log
+    }
+}
+
+/// A bundled file: relative to the working directory, else beside the binary's folder (the
+/// GPU staging layout), else in the source tree this library was built from.
+pub fn bundled(rel: &str) -> PathBuf {
+    let exe_dir = std::env::current_exe().ok().and_then(|p| p.parent().and_then(|d| d.parent()).map(std::path::Path::to_path_buf));
+    let cands = [Some(PathBuf::from(rel)), exe_dir.map(|d| d.join(rel)), Some(std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join(rel))];
+    cands.iter().flatten().find(|p| p.exists()).cloned().unwrap_or_else(|| PathBuf::from(rel))
+}

@@ -1,0 +1,164 @@
+//! `pretrain_llama`: pretrain a LLaMA model from scratch (or continue a run).
+use super::{env_help, prepare, LogArgs, Tool, TrainArgs, ENV_COMMON, ENV_DEVICE, ENV_TRAIN};
+use crate::data::{list_shards, PrepareSummary, Shard, Tokenizer};
+use crate::nn::generate::generate;
+use crate::nn::LlamaConfig;
+use crate::progress::report;
+use crate::run_dir;
+use crate::train::{check_validation_data, unigram_entropy, Trainer};
+use crate::{AnyResult, DType, Device, Llama};
+use anyhow::{bail, Context};
+use clap::{Command, Parser};
+use ferrolm_tensor::Rng;
+use std::path::{Path, PathBuf};
+
+#[derive(Parser, Debug, Clone, PartialEq)]
+#[command(
+    allow_negative_numbers = true,
+    name = "pretrain_llama",
+    about = "Pretrain a LLaMA model with Hugging Face compatible checkpoints. With no flags: a small model on the \
+             bundled Shakespeare corpus, on the best device present, in a few minutes on a laptop CPU.",
+    after_help = env_help(&[ENV_COMMON, ENV_DEVICE, ENV_TRAIN])
+)]
+pub struct PretrainArgs {
+    /// Model: a preset (tiny, small) or a config.json
+    #[arg(long, value_name = "tiny|small|FILE", default_value = "tiny", help_heading = "Model")]
+    pub config: String,
+    #[command(flatten)]
+    pub train: TrainArgs,
+}
+
+impl Tool for PretrainArgs {
+    fn cli() -> Command {
+        <Self as clap::CommandFactory>::command().mut_arg("out", |a| a.default_value("runs/pretrain_llama"))
+    }
+    fn log_args(&self) -> &LogArgs {
+        &self.train.log
+    }
+}
+
+/// Cache folder for tokenized text: named after the data and keyed by the files' names, sizes
+/// and modification times and the tokenizer, so edited data or another tokenizer re-tokenizes.
+fn cache_name(data: &Path, tokenizer: &Path) -> AnyResult<String> {
+    use std::hash::{Hash, Hasher};
+    let mut h = std::collections::hash_map::DefaultHasher::new();
+    for f in crate::data::text_files(data)?.iter().chain([&tokenizer.to_path_buf()]) {
+        let m = std::fs::metadata(f).with_context(|| format!("cannot read {}", f.display()))?;
+        (f.file_name(), m.len(), m.modified().ok()).hash(&mut h);
+    }
+    let stem = data.file_stem().map(|s| s.to_string_lossy().into_owned()).unwrap_or_else(|| "data".into());
+    Ok(format!("{stem}-{:016x}", h.finish()))
+}
+
+/// The shard directory for `data`: a prepared directory as is, text tokenized once into runs/cache.
+fn shard_dir(data: &Path, tokenizer: &Tokenizer, tok_path: &Path) -> AnyResult<PathBuf> {
+    let what = if data.extension().is_some() { "data file" } else { "data directory" };
+    std::fs::metadata(data).with_context(|| format!("cannot open {what} {}", data.display()))?;
+    if PrepareSummary::load(data)?.is_some() {
+        return Ok(data.to_path_buf());
+    }
+    let dir = PathBuf::from("runs/cache").join(cache_name(data, tok_path)?);
+    if PrepareSummary::load(&dir)?.is_none() {
+        tracing::info!("tokenizing {} with {} into {}", data.display(), tok_path.display(), dir.display());
+        let s = prepare::tokenize_text(data, tokenizer, &dir, 0.05, 1 << 24)?;
+        report(&format!("  {} train / {} validation tokens in {}", s.train_tokens, s.val_tokens, dir.display()));
+    }
+    Ok(dir)
+}
+
+/// Checks the flags and the output directory before anything slow or large happens.
+fn preflight(a: &TrainArgs) -> AnyResult<()> {
+    a.options().validate()?;
+    let resumed = match &a.resume {
+        Some(r) => {
+            let dir = run_dir::resolve_checkpoint(r).with_context(|| format!("--resume {}", r.display()))?;
+            let state = std::fs::read_to_string(dir.join(run_dir::TRAINER_STATE))?;
+            let step = serde_json::from_str::<serde_json::Value>(&state)?
+                .get("step")
+                .and_then(|s| s.as_u64())
+                .with_context(|| format!("{}: no step", dir.join(run_dir::TRAINER_STATE).display()))?;
+            Some((run_dir::run_dir_of(&dir), step as usize))
+        }
+        None => None,
+    };
+    run_dir::check_out_dir(&a.out, resumed.as_ref().map(|(d, s)| (d.as_deref(), *s)), a.overwrite)
+}
+
+pub fn run(args: PretrainArgs) -> AnyResult<()> {
+    let a = &args.train;
+    preflight(a)?;
+    let opts = a.options();
+    let device = a.device.pick()?;
+    let dtype = if device == Device::Cpu { DType::F32 } else { DType::BF16 };
+
+    let tok_path = a.tokenizer.clone().unwrap_or_else(|| super::bundled("data/tokenizer.json"));
+    let tokenizer = Tokenizer::from_file(&tok_path).with_context(|| format!("cannot load the tokenizer {}", tok_path.display()))?;
+    let data = a.data.clone().unwrap_or_else(|| super::bundled("data/corpus"));
+    let shards = shard_dir(&data, &tokenizer, &tok_path)?;
+    let train = list_shards(&shards, "train")?;
+    let val = list_shards(&shards, "val")?;
+    if train.is_empty() {
+        bail!("{}: no training shards (train_*.bin)", shards.display());
+    }
+    // The final validation always runs, so the split must serve one window whatever --eval-every.
+    check_validation_data(&val, opts.batch_size, opts.seq_len).with_context(|| format!("{}", shards.display()))?;
+
+    let mut cfg = if Path::new(&args.config).is_file() {
+        LlamaConfig::from_file(Path::new(&args.config))?
+    } else {
+        let mut c = LlamaConfig::preset(&args.config).context("--config")?;
+        c.vocab_size = tokenizer.vocab_size();
+        c
+    };
+    if tokenizer.vocab_size() > cfg.vocab_size {
+        bail!(
+            "{}: the tokenizer has {} tokens but the model's vocab_size is {}",
+            tok_path.display(),
+            tokenizer.vocab_size(),
+            cfg.vocab_size
+        );
+    }
+    cfg.bos_token_id = tokenizer.bos_id();
+    cfg.eos_token_id = tokenizer.eos_id().map(|e| vec![e]).unwrap_or_default();
+    crate::memory::check_fits(&cfg, dtype, device, &opts, a.activation_checkpointing)?;
+    let mut rng = Rng::new(opts.seed);
+    let mut model = Llama::new(cfg, dtype, device, &mut rng)?;
+    model.set_activation_checkpointing(a.activation_checkpointing);
+    report(&format!(
+        "model: {} parameters ({:.2} M), {} layers, hidden {}, on {device} in {dtype}",
+        model.num_params(),
+        model.num_params() as f64 / 1e6,
+        model.config().num_hidden_layers,
+        model.config().hidden_size
+    ));
+
+    let mut trainer = Trainer::new(model, &train, &val, opts, &a.out)?.with_tokenizer(&tok_path).with_safety(a.safety());
+    if let Some(r) = &a.resume {
+        trainer.resume(r).with_context(|| format!("--resume {}", r.display()))?;
+        report(&format!("resumed from {} at step {}", r.display(), trainer.step));
+    }
+    trainer.run()?;
+
+    let val_loss = trainer.evaluate(0)?;
+    let mut tokens = Vec::new();
+    for p in &val {
+        let s = Shard::open(p)?;
+        tokens.extend(s.slice(0, s.len()));
+    }
+    let baseline = unigram_entropy(tokens.into_iter());
+    report(&format!(
+        "final validation loss {val_loss:.4} (unigram-entropy baseline {baseline:.4}, ppl {:.1} vs {:.1})",
+        val_loss.exp(),
+        baseline.exp()
+    ));
+    if val_loss >= baseline {
+        tracing::warn!("the model did not beat the unigram baseline; train longer or raise --lr");
+    }
+    report(&format!("checkpoint: {}  (loss curve: {})", a.out.join("checkpoints").display(), a.out.join("loss.png").display()));
+
+    let prompt = "ROMEO:\n";
+    let ids = tokenizer.encode(prompt, false)?;
+    let out = generate(&trainer.model, &ids, 80, 0.8, 0.95, &mut trainer.rng)?;
+    report(&format!("--- sample ---\n{}{}", prompt, tokenizer.decode(&out)?));
+    Ok(())
+}

@@ -1,0 +1,286 @@
+//! The tools' flags behave like the ecosystem's (clap): `--help` says what the tool does, lists
+//! every flag with its default and the environment it reads; `--flag=value` works; typos get a
+//! suggestion; unknown and repeated flags are refused with exit code 2; non-finite or negative
+//! values are refused naming the flag; runtime errors exit 1 with their causes. The tools are
+//! library functions (`ferrolm::cli::*`) that `examples/*.rs` wrap, so these run in-process.
+mod common;
+use clap::error::ErrorKind;
+use common::*;
+use ferrolm::cli::eval::EvalArgs;
+use ferrolm::cli::generate::GenerateArgs;
+use ferrolm::cli::prepare::{PrepareDataArgs, TrainTokenizerArgs};
+use ferrolm::cli::pretrain::PretrainArgs;
+use ferrolm::cli::{error_report, parse_from, run_tool, BenchCudaArgs, Tool};
+
+/// (program, its command as parsed, words its --help must contain).
+fn tools() -> Vec<(&'static str, clap::Command, Vec<&'static str>)> {
+    let dev = vec!["FERROLM_CUDA_EMULATOR", "RUST_LOG"];
+    vec![
+        ("pretrain_llama", PretrainArgs::cli(), [dev.clone(), vec!["Pretrain a LLaMA", "FERROLM_PEAK_TFLOPS"]].concat()),
+        ("eval", EvalArgs::cli(), [dev.clone(), vec!["perplexity"]].concat()),
+        ("generate", GenerateArgs::cli(), [dev, vec!["Sample"]].concat()),
+        ("prepare_data", PrepareDataArgs::cli(), vec!["Tokenize text", "RUST_LOG"]),
+        ("train_tokenizer", TrainTokenizerArgs::cli(), vec!["byte-level BPE", "RUST_LOG"]),
+        ("bench_cuda", BenchCudaArgs::cli(), vec!["Benchmark every CUDA kernel", "FERROLM_REQUIRE_GPU", "OUT"]),
+    ]
+}
+
+#[test]
+fn help_says_what_each_tool_does_and_lists_every_flag_with_its_default_and_the_environment() {
+    for (name, mut cmd, words) in tools() {
+        let help = cmd.render_long_help().to_string();
+        for w in words {
+            assert!(help.contains(w), "{name} --help lacks {w:?}:\n{help}");
+        }
+        assert!(help.contains("Environment:"), "{name} --help has no Environment section");
+        for arg in cmd.get_arguments().filter(|a| a.get_id() != "help" && a.get_id() != "version") {
+            let flag = match arg.get_long() {
+                Some(l) => format!("--{l}"),
+                None => format!("<{}>", arg.get_id().as_str().to_uppercase()),
+            };
+            assert!(help.contains(&flag), "{name} --help does not list {flag}");
+            let defaults: Vec<String> = arg.get_default_values().iter().map(|v| v.to_string_lossy().into_owned()).collect();
+            let takes_value = arg.get_action().takes_values();
+            if let Some(d) = defaults.first().filter(|_| takes_value) {
+                assert!(help.contains(&format!("[default: {d}]")), "{name} --help does not show {flag}'s default {d}");
+            } else if takes_value && !arg.is_required_set() {
+                // An optional flag without a fixed default says in words what happens without it.
+                let doc = arg.get_long_help().or(arg.get_help()).map(|s| s.to_string()).unwrap_or_default();
+                assert!(doc.contains("[default:"), "{name}: {flag} neither has a default nor says what it defaults to: {doc:?}");
+            }
+        }
+    }
+}
+
+#[test]
+fn help_exits_zero() {
+    for (name, _, _) in tools() {
+        let e = match name {
+            "pretrain_llama" => parse_from::<PretrainArgs, _, _>([name, "--help"]).unwrap_err(),
+            "eval" => parse_from::<EvalArgs, _, _>([name, "--help"]).unwrap_err(),
+            _ => continue,
+        };
+        assert_eq!(e.kind(), ErrorKind::DisplayHelp);
+        assert_eq!(e.exit_code(), 0);
+    }
+}
+
+#[test]
+fn existing_flags_keep_their_names_and_defaults() {
+    let a: PretrainArgs = parse_from(["pretrain_llama"]).unwrap();
+    let t = &a.train;
+    assert_eq!(a.config, "tiny");
+    assert_eq!((t.steps, t.batch_size, t.seq_len, t.grad_accum, t.seed), (500, 16, 128, 1, 1337));
+    assert_eq!((t.lr, t.eval_every, t.save_every), (2e-3, 100, 250));
+    assert_eq!(t.out, std::path::PathBuf::from("runs/pretrain_llama"));
+    assert!(t.data.is_none() && t.tokenizer.is_none() && t.resume.is_none() && t.device.device.is_none());
+    assert!(!t.activation_checkpointing && !t.overwrite);
+    assert_eq!((t.keep_last, t.max_skipped_steps), (0, 5));
+    let o = t.options();
+    assert_eq!((o.min_lr, o.warmup_steps, o.weight_decay, o.grad_clip, o.log_every), (2e-4, 25, 0.1, 1.0, 25));
+
+    let e: EvalArgs = parse_from(["eval", "--model", "m", "--text", "t", "--seq-len", "64"]).unwrap();
+    assert_eq!((e.seq_len, e.batch_size), (64, 8));
+    let g: GenerateArgs = parse_from(["generate", "--model", "m", "--prompt", "Hi"]).unwrap();
+    assert_eq!((g.max_new_tokens, g.temperature, g.top_p, g.seed), (100, 0.8, 0.95, 0));
+    let p: PrepareDataArgs = parse_from(["prepare_data", "--input", "i", "--tokenizer", "t", "--out", "o"]).unwrap();
+    assert_eq!((p.val_fraction, p.shard_tokens), (0.05, 100_000_000));
+    let k: TrainTokenizerArgs = parse_from(["train_tokenizer", "--corpus", "c", "--out", "o"]).unwrap();
+    assert_eq!(k.vocab_size, 4096);
+    let b: BenchCudaArgs = parse_from(["bench_cuda"]).unwrap();
+    assert_eq!((b.reps, b.quick), (20, false));
+}
+
+#[test]
+fn flag_equals_value_works() {
+    let a: PretrainArgs =
+        parse_from(["pretrain_llama", "--steps=7", "--lr=0.01", "--out=x/y", "--device=cpu", "--config=small", "--log-level=warn"])
+            .unwrap();
+    assert_eq!((a.train.steps, a.train.lr, a.config.as_str()), (7, 0.01, "small"));
+    assert_eq!(a.train.out, std::path::PathBuf::from("x/y"));
+    assert_eq!(a.train.device.device.as_deref(), Some("cpu"));
+    assert_eq!(a.train.log.log_level.as_deref(), Some("warn"));
+}
+
+#[test]
+fn typos_get_a_suggestion_and_unknown_flags_exit_2() {
+    let e = parse_from::<PretrainArgs, _, _>(["pretrain_llama", "--step", "5"]).unwrap_err();
+    assert_eq!(e.kind(), ErrorKind::UnknownArgument);
+    assert_eq!(e.exit_code(), 2);
+    let msg = e.to_string();
+    assert!(msg.contains("--step") && msg.contains("similar argument exists: '--steps'"), "{msg}");
+    let e = parse_from::<EvalArgs, _, _>(["eval", "--modle", "m", "--text", "t", "--seq-len", "4"]).unwrap_err();
+    assert!(e.to_string().contains("'--model'"), "{e}");
+    let e = parse_from::<PretrainArgs, _, _>(["pretrain_llama", "--frobnicate"]).unwrap_err();
+    assert_eq!((e.kind(), e.exit_code()), (ErrorKind::UnknownArgument, 2));
+    assert_eq!(run_tool::<PretrainArgs, _, _>(["pretrain_llama", "--frobnicate"], |_| panic!("must not run")), 2);
+}
+
+#[test]
+fn repeated_flags_are_refused() {
+    for args in [
+        vec!["pretrain_llama", "--steps", "1", "--steps", "2"],
+        vec!["pretrain_llama", "--overwrite", "--overwrite"],
+        vec!["pretrain_llama", "--lr=1e-3", "--lr", "2e-3"],
+    ] {
+        let e = parse_from::<PretrainArgs, _, _>(args.clone()).unwrap_err();
+        assert_eq!(e.kind(), ErrorKind::ArgumentConflict, "{args:?}: {e}");
+        assert_eq!(e.exit_code(), 2);
+        assert!(e.to_string().contains("cannot be used multiple times"), "{e}");
+    }
+    assert_eq!(run_tool::<PretrainArgs, _, _>(["pretrain_llama", "--steps", "1", "--steps", "2"], |_| panic!("must not run")), 2);
+}
+
+#[test]
+fn non_finite_negative_and_zero_values_are_refused_naming_the_flag() {
+    for (bad, flag) in [("NaN", "--lr"), ("inf", "--lr"), ("-1e-3", "--lr")] {
+        let e = parse_from::<PretrainArgs, _, _>(["pretrain_llama", "--lr", bad]).unwrap_err();
+        assert_eq!((e.kind(), e.exit_code()), (ErrorKind::ValueValidation, 2), "{bad}");
+        assert!(e.to_string().contains(flag), "{e}");
+    }
+    for (args, flag) in [
+        (vec!["pretrain_llama", "--batch-size", "0"], "--batch-size"),
+        (vec!["pretrain_llama", "--steps", "-3"], "--steps"),
+        (vec!["pretrain_llama", "--max-skipped-steps", "0"], "--max-skipped-steps"),
+        (vec!["pretrain_llama", "--batch-size", "99999999999999999999999"], "--batch-size"),
+    ] {
+        let e = parse_from::<PretrainArgs, _, _>(args.clone()).unwrap_err();
+        assert_eq!(e.exit_code(), 2, "{args:?}");
+        assert!(e.to_string().contains(flag), "{e}");
+    }
+    for (args, flag) in [
+        (vec!["--temperature", "NaN"], "--temperature"),
+        (vec!["--temperature", "-1"], "--temperature"),
+        (vec!["--top-p", "0"], "--top-p"),
+        (vec!["--top-p", "1.5"], "--top-p"),
+    ] {
+        let full = [vec!["generate", "--model", "m", "--prompt", "p"], args].concat();
+        let e = parse_from::<GenerateArgs, _, _>(full).unwrap_err();
+        assert_eq!(e.exit_code(), 2);
+        assert!(e.to_string().contains(flag), "{e}");
+    }
+    let e = parse_from::<PrepareDataArgs, _, _>(["prepare_data", "--input", "i", "--tokenizer", "t", "--out", "o", "--val-fraction", "1"])
+        .unwrap_err();
+    assert!(e.to_string().contains("--val-fraction"), "{e}");
+    let e = parse_from::<EvalArgs, _, _>(["eval", "--model", "m", "--text", "t", "--seq-len", "0"]).unwrap_err();
+    assert!(e.to_string().contains("--seq-len"), "{e}");
+    let e = parse_from::<PretrainArgs, _, _>(["pretrain_llama", "--log-level", "verbose"]).unwrap_err();
+    assert!(e.to_string().contains("--log-level") && e.to_string().contains("not a level"), "{e}");
+    assert!(parse_from::<PretrainArgs, _, _>(["pretrain_llama", "--log-level", "ferrolm=debug,warn"]).is_ok());
+    let e = parse_from::<BenchCudaArgs, _, _>(["bench_cuda", "--reps", "3"]).unwrap_err();
+    assert!(e.to_string().contains("--reps"), "{e}");
+}
+
+#[test]
+fn a_missing_data_directory_is_an_error_with_its_cause_and_exit_code_1() {
+    let dir = tmp("cli-nodata");
+    let missing = dir.join("foo");
+    let out = dir.join("out");
+    let a: PretrainArgs =
+        parse_from(["pretrain_llama", "--device", "cpu", "--data", missing.to_str().unwrap(), "--out", out.to_str().unwrap()]).unwrap();
+    let err = error_report(&ferrolm::cli::pretrain::run(a).unwrap_err());
+    assert_eq!(err, format!("error: cannot open data directory {}: No such file or directory (os error 2)", missing.display()));
+    let code = run_tool::<PretrainArgs, _, _>(
+        ["pretrain_llama", "--data", missing.to_str().unwrap(), "--out", out.to_str().unwrap()],
+        ferrolm::cli::pretrain::run,
+    );
+    assert_eq!(code, 1);
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+#[test]
+fn pretrain_refuses_a_used_out_dir_before_any_work() {
+    let dir = tmp("cli-used-out");
+    let out = dir.join("out");
+    std::fs::create_dir_all(&out).unwrap();
+    std::fs::write(out.join("metrics.jsonl"), "{\"step\":1,\"loss\":3.0}\n").unwrap();
+    let before = snapshot(&out);
+    // --data does not exist: the refusal must come first (before any tokenizing or training).
+    let a: PretrainArgs = parse_from(["pretrain_llama", "--data", "/nonexistent", "--out", out.to_str().unwrap()]).unwrap();
+    let err = error_report(&ferrolm::cli::pretrain::run(a).unwrap_err());
+    assert!(err.contains("already holds a run: metrics.jsonl") && err.contains("--overwrite"), "{err}");
+    assert_eq!(snapshot(&out), before);
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+/// A prepared data directory and a small config.json for end-to-end runs of the tools.
+fn small_setup(dir: &std::path::Path) -> (std::path::PathBuf, std::path::PathBuf) {
+    let data = dir.join("data");
+    let a: PrepareDataArgs = parse_from([
+        "prepare_data",
+        "--input",
+        root().join("data/corpus/sonnets.txt").to_str().unwrap(),
+        "--tokenizer",
+        tokenizer_path().to_str().unwrap(),
+        "--out",
+        data.to_str().unwrap(),
+        "--val-fraction=0.1",
+    ])
+    .unwrap();
+    ferrolm::cli::prepare::prepare_data(a).unwrap();
+    let cfg = dir.join("config.json");
+    std::fs::write(&cfg, config(4096, 2).to_json_string()).unwrap();
+    (data, cfg)
+}
+
+#[test]
+fn pretrain_end_to_end_then_eval_of_its_checkpoint() {
+    let dir = tmp("cli-e2e");
+    let (data, cfg) = small_setup(&dir);
+    let out = dir.join("run");
+    let args = |extra: &[&str]| -> PretrainArgs {
+        let base = [
+            "pretrain_llama",
+            "--device=cpu",
+            "--data",
+            data.to_str().unwrap(),
+            "--config",
+            cfg.to_str().unwrap(),
+            "--out",
+            out.to_str().unwrap(),
+            "--seq-len=16",
+            "--eval-every=2",
+            "--save-every=1",
+            "--keep-last=1",
+        ];
+        parse_from(base.iter().copied().chain(extra.iter().copied())).unwrap()
+    };
+    ferrolm::cli::pretrain::run(args(&["--steps=3", "--batch-size=2"])).unwrap();
+    assert_eq!(checkpoint_names(&out), ["step-000003"], "--keep-last 1");
+    assert!(out.join("loss.png").is_file() && out.join("metrics.jsonl").is_file());
+
+    // Resume to 5 steps: the history (and the curve) continues.
+    ferrolm::cli::pretrain::run(args(&["--steps=5", "--batch-size=2", "--resume", out.to_str().unwrap(), "--max-skipped-steps=2"]))
+        .unwrap();
+    assert_eq!(checkpoint_names(&out), ["step-000005"]);
+    let lines = std::fs::read_to_string(out.join("metrics.jsonl")).unwrap();
+    assert_eq!(lines.lines().filter(|l| l.contains("\"loss\"")).count(), 5, "{lines}");
+
+    // A batch in the trillions is refused naming the flag, and the run is left as it was.
+    let before = snapshot(&out);
+    let e = error_report(
+        &ferrolm::cli::pretrain::run(args(&["--steps=6", "--resume", out.to_str().unwrap(), "--batch-size=1000000000000"])).unwrap_err(),
+    );
+    assert!(e.contains("--batch-size 1000000000000"), "{e}");
+    assert_eq!(snapshot(&out), before);
+
+    // The checkpoint is self-contained: eval reads its tokenizer and weights.
+    let ck = out.join("checkpoints/step-000005");
+    let text = root().join("data/corpus/sonnets.txt");
+    let e: EvalArgs = parse_from([
+        "eval",
+        "--device=cpu",
+        "--model",
+        ck.to_str().unwrap(),
+        "--text",
+        text.to_str().unwrap(),
+        "--seq-len=32",
+        "--batch-size=64",
+    ])
+    .unwrap();
+    ferrolm::cli::eval::run(e).unwrap();
+    let e: EvalArgs = parse_from(["eval", "--model", dir.join("nope").to_str().unwrap(), "--text", "t", "--seq-len=4"]).unwrap();
+    let msg = error_report(&ferrolm::cli::eval::run(e).unwrap_err());
+    assert!(msg.contains("cannot open the model directory") && msg.contains("(os error 2)"), "{msg}");
+    let _ = std::fs::remove_dir_all(&dir);
+}

@@ -1,0 +1,136 @@
+//! Shared by the run-safety and CLI tests: a small prepared data set, a tiny model, short
+//! training options, and a log capture.
+#![allow(dead_code)]
+use ferrolm::data::{list_shards, prepare_text_dir, Tokenizer};
+use ferrolm::nn::LlamaConfig;
+use ferrolm::train::{TrainOptions, Trainer};
+use ferrolm::{DType, Device, Llama};
+use ferrolm_tensor::Rng;
+use std::io::Write;
+use std::path::{Path, PathBuf};
+use std::sync::{Arc, Mutex};
+
+pub fn root() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).to_path_buf()
+}
+
+pub fn tokenizer_path() -> PathBuf {
+    root().join("data/tokenizer.json")
+}
+
+/// A fresh, empty temporary directory unique to this test.
+pub fn tmp(name: &str) -> PathBuf {
+    let d = std::env::temp_dir().join(format!("ferrolm-{name}-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&d);
+    std::fs::create_dir_all(&d).unwrap();
+    d
+}
+
+/// Shards of the sonnets (10% validation) in `dir/shards`: (train, val, vocab size).
+pub fn shards(dir: &Path) -> (Vec<PathBuf>, Vec<PathBuf>, usize) {
+    shards_with(dir, 0.1)
+}
+
+pub fn shards_with(dir: &Path, val_fraction: f64) -> (Vec<PathBuf>, Vec<PathBuf>, usize) {
+    let tok = Tokenizer::from_file(tokenizer_path()).unwrap();
+    let out = dir.join("shards");
+    prepare_text_dir(root().join("data/corpus/sonnets.txt"), &tok, &out, val_fraction, 1 << 20).unwrap();
+    (list_shards(&out, "train").unwrap(), list_shards(&out, "val").unwrap(), tok.vocab_size())
+}
+
+pub fn config(vocab: usize, layers: usize) -> LlamaConfig {
+    LlamaConfig::from_json_str(&format!(
+        r#"{{"model_type":"llama","vocab_size":{vocab},"hidden_size":32,"intermediate_size":64,"num_hidden_layers":{layers},
+            "num_attention_heads":4,"num_key_value_heads":2,"max_position_embeddings":64,"tie_word_embeddings":true}}"#
+    ))
+    .unwrap()
+}
+
+pub fn model(vocab: usize) -> Llama {
+    Llama::new(config(vocab, 2), DType::F32, Device::Cpu, &mut Rng::new(1)).unwrap()
+}
+
+pub fn opts(steps: usize) -> TrainOptions {
+    TrainOptions {
+        steps,
+        batch_size: 2,
+        seq_len: 16,
+        grad_accum: 1,
+        lr: 3e-3,
+        min_lr: 3e-4,
+        warmup_steps: 1,
+        weight_decay: 0.1,
+        grad_clip: 1.0,
+        eval_every: 0,
+        eval_batches: 2,
+        save_every: 0,
+        log_every: 100,
+        seed: 7,
+    }
+}
+
+pub fn trainer(dir: &Path, out: &str, o: TrainOptions) -> Trainer {
+    let (train, val, vocab) = shards(dir);
+    Trainer::new(model(vocab), &train, &val, o, &dir.join(out)).unwrap().with_tokenizer(&tokenizer_path())
+}
+
+/// Every file under `dir` with its bytes, sorted: two snapshots are equal when nothing was
+/// added, removed or rewritten.
+pub fn snapshot(dir: &Path) -> Vec<(PathBuf, Vec<u8>)> {
+    let mut out = Vec::new();
+    let mut stack = vec![dir.to_path_buf()];
+    while let Some(d) = stack.pop() {
+        for e in std::fs::read_dir(&d).unwrap() {
+            let p = e.unwrap().path();
+            if p.is_dir() {
+                stack.push(p);
+            } else {
+                out.push((p.clone(), std::fs::read(&p).unwrap()));
+            }
+        }
+    }
+    out.sort();
+    out
+}
+
+pub fn latest(run: &Path) -> String {
+    std::fs::read_to_string(run.join("checkpoints/latest")).unwrap().trim().to_string()
+}
+
+pub fn checkpoint_names(run: &Path) -> Vec<String> {
+    let mut v: Vec<String> = match std::fs::read_dir(run.join("checkpoints")) {
+        Ok(rd) => rd.map(|e| e.unwrap().file_name().to_string_lossy().into_owned()).filter(|n| n != "latest").collect(),
+        Err(_) => Vec::new(),
+    };
+    v.sort();
+    v
+}
+
+#[derive(Clone, Default)]
+pub struct LogBuf(Arc<Mutex<Vec<u8>>>);
+
+impl Write for LogBuf {
+    fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
+        self.0.lock().unwrap().extend_from_slice(buf);
+        Ok(buf.len())
+    }
+    fn flush(&mut self) -> std::io::Result<()> {
+        Ok(())
+    }
+}
+
+impl<'a> tracing_subscriber::fmt::MakeWriter<'a> for LogBuf {
+    type Writer = LogBuf;
+    fn make_writer(&'a self) -> LogBuf {
+        self.clone()
+    }
+}
+
+/// Runs `f` with this thread's log lines (info and up) captured: (its result, the log text).
+pub fn capture_logs<R>(f: impl FnOnce() -> R) -> (R, String) {
+    let buf = LogBuf::default();
+    let sub = ferrolm::logging::subscriber(tracing_subscriber::EnvFilter::new("info"), buf.clone());
+    let r = tracing::subscriber::with_default(sub, f);
+    let text = String::from_utf8(buf.0.lock().unwrap().clone()).unwrap();
+    (r, text)
+}
