@@ -22,9 +22,21 @@ pub fn set_rank(rank: usize, world: usize) {
     WORLD.store(world, Ordering::Relaxed);
 }
 
-/// (rank, world size) as set by [`set_rank`]; (0, 1) by default.
+thread_local! {
+    /// A thread rank's own (rank, world): ranks that are threads of one process (CPU runs).
+    static THREAD_RANK: std::cell::Cell<Option<(usize, usize)>> = const { std::cell::Cell::new(None) };
+}
+
+/// Declares the calling thread rank `rank` of `world` (thread ranks of one process); it takes
+/// precedence over the process rank on this thread. `None` clears it.
+pub fn set_thread_rank(r: Option<(usize, usize)>) {
+    THREAD_RANK.with(|c| c.set(r.map(|(rank, world)| (rank.min(world.max(1) - 1), world.max(1)))));
+}
+
+/// (rank, world size): the calling thread's rank if it is a thread rank, else the process's as
+/// set by [`set_rank`]; (0, 1) by default.
 pub fn rank() -> (usize, usize) {
-    (RANK.load(Ordering::Relaxed), WORLD.load(Ordering::Relaxed))
+    THREAD_RANK.with(|c| c.get()).unwrap_or_else(|| (RANK.load(Ordering::Relaxed), WORLD.load(Ordering::Relaxed)))
 }
 
 /// Whether this process draws progress and prints report lines: rank 0 only.

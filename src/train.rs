@@ -53,6 +53,15 @@ impl TrainOptions {
                 bail!("{flag} must be positive, got 0");
             }
         }
+        let tokens = self.batch_size.checked_mul(self.seq_len).filter(|&n| n as u64 <= ferrolm_data::MAX_BATCH_TOKENS);
+        if tokens.is_none() {
+            bail!(
+                "--batch-size {} x --seq-len {} is more than the {} tokens a micro-batch may hold",
+                self.batch_size,
+                self.seq_len,
+                ferrolm_data::MAX_BATCH_TOKENS
+            );
+        }
         for (flag, v) in [("--lr", self.lr), ("min_lr", self.min_lr), ("weight_decay", self.weight_decay), ("grad_clip", self.grad_clip)] {
             if !v.is_finite() || v < 0.0 {
                 bail!("{flag} must be a finite number >= 0, got {v}");
