@@ -53,8 +53,10 @@ impl TrainOptions {
                 bail!("{flag} must be positive, got 0");
             }
         }
-        let tokens = self.batch_size.checked_mul(self.seq_len).filter(|&n| n as u64 <= ferrolm_data::MAX_BATCH_TOKENS);
-        if tokens.is_none() {
+        let Some(tokens) = self.batch_size.checked_mul(self.seq_len) else {
+            bail!("--batch-size {} x --seq-len {} overflows", self.batch_size, self.seq_len);
+        };
+        if tokens as u64 > ferrolm_data::MAX_BATCH_TOKENS {
             bail!(
                 "--batch-size {} x --seq-len {} is more than the {} tokens a micro-batch may hold",
                 self.batch_size,
