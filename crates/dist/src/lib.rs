@@ -25,6 +25,7 @@
 //!   (`parallelize`): column/row/vocabulary-parallel ops, replicated KV heads for GQA.
 //! - [`ops`]: collectives as autograd ops (Megatron's f, g, sequence-parallel gather /
 //!   reduce-scatter, scatter), pending in forward and in backward.
+pub mod ckpt;
 pub mod comm;
 pub mod cost;
 pub mod env;

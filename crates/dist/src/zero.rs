@@ -599,6 +599,99 @@ impl Zero {
         Ok(norm)
     }
 
+    /// Drops the gradients of this step (a skipped step): waits for what is in flight and
+    /// forgets it, leaving weights and optimizer state untouched.
+    pub fn discard(&mut self) -> Result<()> {
+        let pending: Vec<Tensor> = {
+            let mut a = self.asm.lock().unwrap_or_else(|e| e.into_inner());
+            let mut out = Vec::new();
+            for b in a.buckets.iter_mut() {
+                b.full = None;
+                b.arrived = 0;
+                out.extend(b.reduced.drain(..));
+                out.extend(b.acc.take());
+                out.extend(b.os_grad.take());
+            }
+            a.error = None;
+            out
+        };
+        // Collectives already launched must complete on every rank before the next ones.
+        for t in pending {
+            t.wait()?;
+        }
+        self.micro = 0;
+        Ok(())
+    }
+
+    /// The optimizer step count, for checkpoints.
+    pub fn set_step(&mut self, step: u64) {
+        self.step = step;
+    }
+
+    /// Whether this rank writes its parameter range in a sharded checkpoint (the first block's
+    /// ranks with b = 0 hold each range once) and its optimizer range (the first block).
+    pub fn writes(&self) -> (bool, bool) {
+        let first_block = self.groups.os_rep.rank() == 0;
+        (first_block && self.groups.b == 0, first_block)
+    }
+
+    /// This rank's shards for a sharded checkpoint, per bucket `i`: `param.{i}` (the parameter
+    /// range a of s_p) when it writes parameters, and `exp_avg.{i}`, `exp_avg_sq.{i}`
+    /// (`master.{i}`) (optimizer range j of s_os) when it writes optimizer state.
+    pub fn shard_tensors(&self) -> Vec<(String, Tensor)> {
+        let (wp, wo) = self.writes();
+        let mut out = Vec::new();
+        for (i, b) in self.buckets.iter().enumerate() {
+            if wp {
+                out.push((format!("param.{i}"), b.p_shard.clone()));
+            }
+            if wo {
+                out.push((format!("exp_avg.{i}"), b.m.clone()));
+                out.push((format!("exp_avg_sq.{i}"), b.v.clone()));
+                if let Some(m) = &b.master {
+                    out.push((format!("master.{i}"), m.clone()));
+                }
+            }
+        }
+        out
+    }
+
+    /// Loads parameters and optimizer state given per parameter name as this rank's
+    /// (tensor-parallel-local) tensors: `params[name]`, and `state["exp_avg.<name>"]`,
+    /// `state["exp_avg_sq.<name>"]` (and `master.<name>`, else taken from the parameter)
+    /// in AdamW's checkpoint names. Padding stays zero.
+    pub fn load(&mut self, params: &dyn Fn(&str) -> Result<Tensor>, state: &dyn Fn(&str) -> Result<Tensor>, step: u64) -> Result<()> {
+        let _g = no_grad();
+        let (sp, so) = (self.spec.params, self.spec.optim);
+        for (bk, sb) in self.buckets.iter_mut().zip(&self.store.buckets) {
+            let n = bk.n;
+            let dev = bk.flat.device();
+            let build = |dtype: DType, get: &dyn Fn(&str) -> Result<Tensor>| -> Result<Tensor> {
+                let flat = Tensor::zeros([n], dtype, dev)?;
+                for s in &sb.slots {
+                    flat.narrow(0, s.offset, s.numel())?.assign(&get(&s.name)?.reshape([s.numel()])?)?;
+                }
+                Ok(flat)
+            };
+            let p = build(self.dtype, params)?;
+            bk.p_shard.assign(&p.narrow(0, self.groups.a * n / sp, n / sp)?)?;
+            let (lo, len) = (self.groups.j * n / so, n / so);
+            let m = build(DType::F32, &|name| state(&format!("exp_avg.{name}")))?;
+            bk.m.assign(&m.narrow(0, lo, len)?)?;
+            let v = build(DType::F32, &|name| state(&format!("exp_avg_sq.{name}")))?;
+            bk.v.assign(&v.narrow(0, lo, len)?)?;
+            if let Some(master) = &bk.master {
+                let w = build(DType::F32, &|name| state(&format!("master.{name}")).or_else(|_| params(name)?.to_dtype(DType::F32)))?;
+                master.assign(&w.narrow(0, lo, len)?)?;
+            }
+        }
+        if let Some(g) = &self.gather {
+            g.release_all(false)?; // stale gathered buckets
+        }
+        self.step = step;
+        Ok(())
+    }
+
     /// Bytes of model states this rank holds now: (parameters, gradients, optimizer states).
     /// Released parameter buckets count nothing; call it after the last backward of a step to
     /// see the gradients.

@@ -1,0 +1,261 @@
+//! Sharded checkpoints of a tensor- and data-parallel run: each rank writes its own shards
+//! (no gather through rank 0), an index says how they fit together, and the full model and
+//! optimizer state are rebuilt from them for a Hugging Face checkpoint or a resume under any
+//! other layout (another `--tp`, `--dp` or `ShardSpec`).
+//!
+//! Layout of `DIR/shards/`: `index.json` ([`ShardIndex`]) and `tp{t}-dp{d}.safetensors`, the
+//! shards `Zero::shard_tensors` gives on tensor-parallel rank t, data-parallel rank d: each
+//! parameter range once (`param.{bucket}`, ranks d < s_p) and each optimizer range once
+//! (`exp_avg.{bucket}`, `exp_avg_sq.{bucket}`, `master.{bucket}`, ranks d < s_os).
+use crate::comm::Communicator;
+use crate::tp::{Sharding, TpLayout};
+use crate::zero::{ShardSpec, Zero};
+use crate::DeviceMesh;
+use ferrolm_nn::checkpoint::{load_float_safetensors, save_safetensors, TensorMap};
+use ferrolm_tensor::{no_grad, DType, Device, Error, Result, Tensor};
+use serde::{Deserialize, Serialize};
+use std::collections::BTreeMap;
+use std::path::{Path, PathBuf};
+
+pub const SHARDS_DIR: &str = "shards";
+pub const INDEX: &str = "index.json";
+
+#[derive(Clone, Debug, Serialize, Deserialize, PartialEq)]
+pub struct SlotIndex {
+    pub name: String,
+    pub offset: usize,
+    /// Shape on one tensor-parallel rank.
+    pub shape: Vec<usize>,
+}
+
+#[derive(Clone, Debug, Serialize, Deserialize, PartialEq)]
+pub struct BucketIndex {
+    pub name: String,
+    pub padded: usize,
+    pub slots: Vec<SlotIndex>,
+}
+
+/// How a parameter is split over the tensor-parallel ranks (`tp::Sharding` without the rank).
+#[derive(Clone, Debug, Serialize, Deserialize, PartialEq)]
+pub struct SplitIndex {
+    pub dim: Option<usize>,
+    pub parts: usize,
+    pub replicas: usize,
+}
+
+#[derive(Clone, Debug, Serialize, Deserialize, PartialEq)]
+pub struct ShardIndex {
+    pub format: String,
+    pub tp: usize,
+    pub dp: usize,
+    pub spec: ShardSpec,
+    /// Parameter dtype of the run ("f32", "bf16").
+    pub dtype: String,
+    /// Buckets on each tensor-parallel rank (the same layout on every rank).
+    pub buckets: Vec<BucketIndex>,
+    pub tp_layout: BTreeMap<String, SplitIndex>,
+}
+
+const FORMAT: &str = "ferrolm-sharded-v1";
+
+fn shard_file(dir: &Path, t: usize, d: usize) -> PathBuf {
+    dir.join(SHARDS_DIR).join(format!("tp{t}-dp{d}.safetensors"))
+}
+
+fn err(dir: &Path, m: impl std::fmt::Display) -> Error {
+    Error::new("sharded checkpoint", format!("{}: {m}", dir.display()))
+}
+
+/// Writes this rank's shards of `zero` into `dir/shards/` (every rank calls it; world rank 0
+/// also writes the index) and waits until every rank has written.
+pub fn save_shards(dir: &Path, zero: &Zero, tp: Option<&TpLayout>, mesh: &DeviceMesh) -> Result<()> {
+    let sdir = dir.join(SHARDS_DIR);
+    if mesh.world().rank() == 0 {
+        std::fs::create_dir_all(&sdir).map_err(|e| err(&sdir, format!("cannot create: {e}")))?;
+    }
+    mesh.world().barrier()?;
+    let tensors = zero.shard_tensors();
+    let written =
+        if tensors.is_empty() { Ok(()) } else { save_safetensors(&shard_file(dir, mesh.tp_rank(), mesh.dp_rank()), &tensors, None) };
+    // Every rank learns whether every rank wrote its part before anyone goes on.
+    let failed = sum(mesh.world(), if written.is_err() { 1.0 } else { 0.0 })?;
+    written?;
+    if failed > 0.0 {
+        return Err(err(dir, format!("{failed} rank(s) could not write their shards")));
+    }
+    if mesh.world().rank() == 0 {
+        let buckets = zero
+            .store()
+            .buckets
+            .iter()
+            .map(|b| BucketIndex {
+                name: b.name.clone(),
+                padded: b.padded,
+                slots: b.slots.iter().map(|s| SlotIndex { name: s.name.clone(), offset: s.offset, shape: s.shape.clone() }).collect(),
+            })
+            .collect();
+        let tp_layout = match tp {
+            Some(l) => l.params.iter().map(|(n, s)| (n.clone(), SplitIndex { dim: s.dim, parts: s.parts, replicas: s.replicas })).collect(),
+            None => BTreeMap::new(),
+        };
+        let dtype = zero.store().buckets.first().map_or(DType::F32, |b| b.dtype);
+        let index = ShardIndex {
+            format: FORMAT.into(),
+            tp: mesh.tp(),
+            dp: mesh.dp(),
+            spec: zero.spec,
+            dtype: dtype.to_string(),
+            buckets,
+            tp_layout,
+        };
+        let text = serde_json::to_string_pretty(&index).map_err(|e| err(dir, e))?;
+        ferrolm_nn::checkpoint::write_atomic(&sdir.join(INDEX), text.as_bytes())?;
+    }
+    mesh.world().barrier()
+}
+
+fn sum(c: &std::sync::Arc<dyn Communicator>, v: f64) -> Result<f64> {
+    if c.size() == 1 {
+        return Ok(v);
+    }
+    c.all_reduce(&Tensor::from_vec(vec![v], [1], Device::Cpu)?, crate::ReduceOp::Sum)?.item()
+}
+
+/// True when `dir` holds a sharded checkpoint.
+pub fn is_sharded(dir: &Path) -> bool {
+    dir.join(SHARDS_DIR).join(INDEX).is_file()
+}
+
+pub fn read_index(dir: &Path) -> Result<ShardIndex> {
+    let p = dir.join(SHARDS_DIR).join(INDEX);
+    let text = std::fs::read_to_string(&p).map_err(|e| err(&p, format!("cannot read: {e}")))?;
+    let idx: ShardIndex = serde_json::from_str(&text).map_err(|e| err(&p, format!("not a shard index: {e}")))?;
+    if idx.format != FORMAT {
+        return Err(err(&p, format!("format {:?}, expected {FORMAT:?}", idx.format)));
+    }
+    if idx.tp == 0 || idx.dp == 0 {
+        return Err(err(&p, "tp and dp must be positive"));
+    }
+    idx.spec.validate(idx.dp, idx.dp).or_else(|_| idx.spec.validate(idx.dp, 1))?;
+    for b in &idx.buckets {
+        if b.padded % (idx.dp * 8).max(1) != 0 {
+            return Err(err(&p, format!("bucket {} of {} elements does not split over {} ranks", b.name, b.padded, idx.dp)));
+        }
+        for s in &b.slots {
+            let n =
+                s.shape.iter().try_fold(1usize, |a, &d| a.checked_mul(d)).ok_or_else(|| err(&p, format!("{}: shape overflows", s.name)))?;
+            if s.offset.checked_add(n).is_none_or(|e| e > b.padded) {
+                return Err(err(&p, format!("{} lies outside its bucket", s.name)));
+            }
+        }
+    }
+    Ok(idx)
+}
+
+/// The full (unsharded) parameters and AdamW state (`exp_avg.<name>`, `exp_avg_sq.<name>`,
+/// `master.<name>`) of a sharded checkpoint, as f32 tensors on the CPU.
+pub fn load_full(dir: &Path) -> Result<(TensorMap, TensorMap)> {
+    let idx = read_index(dir)?;
+    let (sp, so) = (idx.spec.params, idx.spec.optim);
+    let k = so / sp;
+    let _g = no_grad();
+    // Per tensor-parallel rank: name -> its local tensor.
+    let mut local: Vec<TensorMap> = Vec::with_capacity(idx.tp);
+    for t in 0..idx.tp {
+        // Writers are dp ranks 0..s_os (parameters on 0..s_p <= s_os).
+        let files: Vec<TensorMap> =
+            (0..so).map(|d| load_float_safetensors(&shard_file(dir, t, d), DType::F32, Device::Cpu)).collect::<Result<_>>()?;
+        let file = |d: usize| -> Result<&TensorMap> { Ok(&files[d]) };
+        let mut named = TensorMap::new();
+        for (i, b) in idx.buckets.iter().enumerate() {
+            let get = |f: &TensorMap, key: &str, d: usize| -> Result<Tensor> {
+                f.get(key).cloned().ok_or_else(|| err(&shard_file(dir, t, d), format!("missing tensor {key}")))
+            };
+            // Parameter ranges a = 0..s_p live on dp ranks a.
+            let params: Vec<Tensor> = (0..sp).map(|a| get(file(a)?, &format!("param.{i}"), a)).collect::<Result<_>>()?;
+            // Optimizer range j lives on dp rank b * s_p + a with a = j / k, b = j % k.
+            let os = |key: &str| -> Result<Option<Tensor>> {
+                let mut parts = Vec::with_capacity(so);
+                for j in 0..so {
+                    let d = (j % k) * sp + j / k;
+                    match file(d)?.get(&format!("{key}.{i}")) {
+                        Some(t) => parts.push(t.clone()),
+                        None if key == "master" => return Ok(None),
+                        None => return Err(err(&shard_file(dir, t, d), format!("missing tensor {key}.{i}"))),
+                    }
+                }
+                Ok(Some(Tensor::cat(&parts, 0)?))
+            };
+            let flat = Tensor::cat(&params, 0)?;
+            let (m, v, master) = (os("exp_avg")?.expect("required"), os("exp_avg_sq")?.expect("required"), os("master")?);
+            for (what, full) in [("", Some(&flat)), ("exp_avg.", Some(&m)), ("exp_avg_sq.", Some(&v)), ("master.", master.as_ref())] {
+                let Some(full) = full else { continue };
+                if full.numel() != b.padded {
+                    return Err(err(dir, format!("bucket {}: shards hold {} elements, the index says {}", b.name, full.numel(), b.padded)));
+                }
+                for s in &b.slots {
+                    let n: usize = s.shape.iter().product();
+                    named.insert(format!("{what}{}", s.name), full.narrow(0, s.offset, n)?.reshape(s.shape.clone())?.contiguous()?);
+                }
+            }
+        }
+        local.push(named);
+    }
+    // Join the tensor-parallel pieces.
+    let mut params = TensorMap::new();
+    let mut state = TensorMap::new();
+    for key in local[0].keys() {
+        let base =
+            key.strip_prefix("exp_avg.").or_else(|| key.strip_prefix("exp_avg_sq.")).or_else(|| key.strip_prefix("master.")).unwrap_or(key);
+        let full = match idx.tp_layout.get(base) {
+            Some(SplitIndex { dim: Some(dim), parts, replicas }) if idx.tp > 1 => {
+                let pieces: Vec<Tensor> = (0..*parts)
+                    .map(|p| local[p * replicas].get(key).cloned().ok_or_else(|| err(dir, format!("missing {key}"))))
+                    .collect::<Result<_>>()?;
+                Tensor::cat(&pieces, *dim)?
+            }
+            _ => local[0][key].clone(),
+        };
+        if base == key.as_str() {
+            params.insert(key.clone(), full);
+        } else {
+            state.insert(key.clone(), full);
+        }
+    }
+    Ok((params, state))
+}
+
+/// This rank's tensor-parallel piece of a full tensor.
+pub fn local_piece(full: &Tensor, name: &str, tp: Option<&TpLayout>) -> Result<Tensor> {
+    match tp.and_then(|l| l.params.get(name)) {
+        Some(s) => s.shard(full),
+        None => Ok(full.clone()),
+    }
+}
+
+/// Loads full parameters and optimizer state (from `load_full`, or a single-device
+/// checkpoint's tensors) into this rank's engine, cut for its own layout.
+pub fn load_into(zero: &mut Zero, params: &TensorMap, state: &TensorMap, tp: Option<&TpLayout>, step: u64, device: Device) -> Result<()> {
+    let piece = |map: &TensorMap, key: &str, base: &str, dtype: DType| -> Result<Tensor> {
+        let t = map.get(key).ok_or_else(|| Error::new("resume", format!("missing tensor {key}")))?;
+        local_piece(t, base, tp)?.to_dtype(dtype)?.to_device(device)
+    };
+    let dtype = zero.store().buckets.first().map_or(DType::F32, |b| b.dtype);
+    zero.load(
+        &|n| piece(params, n, n, dtype),
+        &|k| {
+            let base = k.split_once('.').map_or(k, |(_, b)| b);
+            piece(state, k, base, DType::F32)
+        },
+        step,
+    )
+}
+
+/// Splits a parameter of the given full shape the way `sharding` does (for tests and tools).
+pub fn split_shape(full: &[usize], s: &Sharding) -> Vec<usize> {
+    let mut out = full.to_vec();
+    if let Some(d) = s.dim {
+        out[d] /= s.parts;
+    }
+    out
+}
