@@ -7,6 +7,7 @@
 pub mod cli;
 pub mod logging;
 pub mod memory;
+pub mod parallel;
 pub mod plot;
 pub mod progress;
 pub mod run_dir;

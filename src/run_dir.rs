@@ -32,7 +32,8 @@ pub fn missing_files(dir: &Path) -> Vec<&'static str> {
     if !dir.join("model.safetensors").is_file() && !dir.join("model.safetensors.index.json").is_file() {
         missing.push("model.safetensors");
     }
-    if !dir.join("optimizer.safetensors").is_file() {
+    // The optimizer state: one device's file, or the shards of a parallel run.
+    if !dir.join("optimizer.safetensors").is_file() && !ferrolm_dist::ckpt::is_sharded(dir) {
         missing.push("optimizer.safetensors");
     }
     if !dir.join(TRAINER_STATE).is_file() {

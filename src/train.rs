@@ -8,6 +8,7 @@
 //! failed validation still saves its checkpoint; a failed save leaves the previous checkpoint
 //! as `latest` and removes its own partial files.
 use crate::logging::is_rank_zero;
+use crate::parallel::DistEngine;
 use crate::progress::{report, Progress};
 use crate::run_dir::{self, checkpoint_name, sync_dir, CHECKPOINTS, LATEST, METRICS, TRAINER_STATE};
 use crate::{AnyResult, Llama};
@@ -111,6 +112,12 @@ struct Resumed {
     metrics: Vec<String>,
 }
 
+/// What updates the weights: AdamW on one device, or the tensor-/data-parallel engine.
+enum Engine {
+    Single(AdamW),
+    Dist(Box<DistEngine>),
+}
+
 pub struct Trainer {
     pub model: Llama,
     pub opts: TrainOptions,
@@ -118,7 +125,7 @@ pub struct Trainer {
     pub out_dir: PathBuf,
     pub step: usize,
     pub rng: Rng,
-    opt: AdamW,
+    engine: Engine,
     sched: CosineSchedule,
     loader: DataLoader,
     val_shards: Vec<PathBuf>,
@@ -164,6 +171,36 @@ impl Trainer {
     /// Checks the options (flags), that the batch fits in memory and, when it will be used, the
     /// validation split, before the loader or anything batch-sized is allocated.
     pub fn new(model: Llama, train_shards: &[PathBuf], val_shards: &[PathBuf], opts: TrainOptions, out_dir: &Path) -> AnyResult<Trainer> {
+        Self::build(model, None, train_shards, val_shards, opts, out_dir)
+    }
+
+    /// A trainer on several ranks: `model` holds this rank's shards, `dist` was attached to it
+    /// (`DistEngine::attach`). Every rank of the layout builds one and calls the same methods;
+    /// each data-parallel rank reads its share of every batch, and rank 0 writes the files.
+    pub fn new_distributed(
+        model: Llama,
+        dist: DistEngine,
+        train_shards: &[PathBuf],
+        val_shards: &[PathBuf],
+        opts: TrainOptions,
+        out_dir: &Path,
+    ) -> AnyResult<Trainer> {
+        Self::build(model, Some(dist), train_shards, val_shards, opts, out_dir)
+    }
+
+    /// The optimizer settings every engine uses.
+    pub fn adamw_config(opts: &TrainOptions) -> AdamWConfig {
+        AdamWConfig { weight_decay: opts.weight_decay, ..AdamWConfig::default() }
+    }
+
+    fn build(
+        model: Llama,
+        dist: Option<DistEngine>,
+        train_shards: &[PathBuf],
+        val_shards: &[PathBuf],
+        opts: TrainOptions,
+        out_dir: &Path,
+    ) -> AnyResult<Trainer> {
         opts.validate()?;
         let maxpos = model.config().max_position_embeddings;
         if opts.seq_len > maxpos {
@@ -173,10 +210,18 @@ impl Trainer {
         if opts.eval_every > 0 {
             check_validation_data(val_shards, opts.batch_size, opts.seq_len)?;
         }
-        let params = model.parameters();
-        let opt = AdamW::new(&params, AdamWConfig { weight_decay: opts.weight_decay, ..AdamWConfig::default() })?;
         let sched = CosineSchedule { max_lr: opts.lr, min_lr: opts.min_lr, warmup_steps: opts.warmup_steps, total_steps: opts.steps };
-        let loader = DataLoader::open(train_shards, opts.batch_size, opts.seq_len, opts.seed).context("cannot open the training split")?;
+        let mut loader =
+            DataLoader::open(train_shards, opts.batch_size, opts.seq_len, opts.seed).context("cannot open the training split")?;
+        let engine = match dist {
+            None => Engine::Single(AdamW::new(&model.parameters(), Self::adamw_config(&opts))?),
+            Some(d) => {
+                loader = loader
+                    .for_rank(d.mesh.dp_rank(), d.mesh.dp())
+                    .context("cannot split the training data over the data-parallel ranks")?;
+                Engine::Dist(Box::new(d))
+            }
+        };
         Ok(Trainer {
             model,
             rng: Rng::new(opts.seed),
@@ -184,7 +229,7 @@ impl Trainer {
             safety: RunSafety::default(),
             out_dir: out_dir.to_path_buf(),
             step: 0,
-            opt,
+            engine,
             sched,
             loader,
             val_shards: val_shards.to_vec(),
@@ -238,23 +283,62 @@ impl Trainer {
     /// data position still advance) with a warning, the values are returned as they were, and
     /// after `max_skipped_steps` such steps in a row this returns an error.
     pub fn train_step(&mut self) -> AnyResult<(f64, f64, f64)> {
-        let params = self.model.parameters();
-        self.opt.zero_grad();
-        let mut loss_sum = 0.0;
-        for _ in 0..self.opts.grad_accum {
-            let b = self.loader.next_batch();
-            let (x, y) = batch_tensors(&b, self.model.device())?;
-            let loss = self.model.loss(&x, &y)?;
-            loss_sum += loss.item()?;
-            loss.mul_scalar(1.0 / self.opts.grad_accum as f64)?.backward()?;
-            self.tokens_seen += (b.batch * b.seq) as u64;
-        }
-        let loss = loss_sum / self.opts.grad_accum as f64;
-        let norm = clip_grad_norm(&params, self.opts.grad_clip)?;
+        let (loss, norm) = match &mut self.engine {
+            Engine::Single(opt) => {
+                let params = self.model.parameters();
+                opt.zero_grad();
+                let mut loss_sum = 0.0;
+                for _ in 0..self.opts.grad_accum {
+                    let b = self.loader.next_batch();
+                    let (x, y) = batch_tensors(&b, self.model.device())?;
+                    let loss = self.model.loss(&x, &y)?;
+                    loss_sum += loss.item()?;
+                    loss.mul_scalar(1.0 / self.opts.grad_accum as f64)?.backward()?;
+                    self.tokens_seen += (b.batch * b.seq) as u64;
+                }
+                (loss_sum / self.opts.grad_accum as f64, clip_grad_norm(&params, self.opts.grad_clip)?)
+            }
+            Engine::Dist(d) => {
+                let accum = self.opts.grad_accum;
+                let mut loss_sum = 0.0;
+                for k in 0..accum {
+                    let b = self.loader.next_batch();
+                    let (x, y) = batch_tensors(&b, self.model.device())?;
+                    d.zero.begin_forward()?;
+                    let loss = self.model.loss(&x, &y)?;
+                    loss_sum += loss.item()?;
+                    d.zero.begin_backward(k + 1 == accum)?;
+                    loss.mul_scalar(1.0 / accum as f64)?.backward()?;
+                    d.zero.end_backward()?;
+                    self.tokens_seen += (b.batch * b.seq * d.mesh.dp()) as u64;
+                }
+                // The step's loss over every data-parallel rank (the same decision on each).
+                let local = Tensor::from_vec(vec![loss_sum / accum as f64], [1], Device::Cpu)?;
+                let loss = d.mesh.dp_group().all_reduce(&local, ferrolm_dist::ReduceOp::Avg)?.item()?;
+                (loss, f64::NAN) // the norm comes with the update below
+            }
+        };
         let lr = self.sched.lr(self.step);
         self.step += 1;
+        // Check the loss (and on one device the norm) before any update.
+        let norm = match &mut self.engine {
+            Engine::Single(opt) => {
+                if loss.is_finite() && norm.is_finite() {
+                    opt.step(lr)?;
+                }
+                opt.zero_grad();
+                norm
+            }
+            Engine::Dist(d) => {
+                if loss.is_finite() {
+                    d.zero.step(lr, self.opts.grad_clip)? // skips the update itself when the norm is not finite
+                } else {
+                    d.zero.discard()?;
+                    f64::NAN
+                }
+            }
+        };
         if !loss.is_finite() || !norm.is_finite() {
-            self.opt.zero_grad();
             self.skipped_total += 1;
             self.skipped_in_a_row += 1;
             tracing::warn!(
@@ -275,9 +359,22 @@ impl Trainer {
             return Ok((loss, norm, lr));
         }
         self.skipped_in_a_row = 0;
-        self.opt.step(lr)?;
-        self.opt.zero_grad();
         Ok((loss, norm, lr))
+    }
+
+    /// This rank's world communicator and rank when distributed.
+    fn world(&self) -> Option<&std::sync::Arc<dyn ferrolm_dist::Communicator>> {
+        match &self.engine {
+            Engine::Dist(d) => Some(d.mesh.world()),
+            Engine::Single(_) => None,
+        }
+    }
+
+    fn barrier(&self) -> AnyResult<()> {
+        if let Some(w) = self.world() {
+            w.barrier()?;
+        }
+        Ok(())
     }
 
     /// Before the first write: refuses (or with `overwrite` clears) what this run would write
@@ -311,9 +408,22 @@ impl Trainer {
 
     /// Trains to `opts.steps`, logging, evaluating and checkpointing on the way.
     pub fn run(&mut self) -> AnyResult<()> {
-        let mut log = self.prepare_out_dir()?;
+        // Rank 0 owns the output directory; the others wait until it is ready.
+        let mut log = if is_rank_zero() { Some(self.prepare_out_dir()) } else { None };
+        let ready = log.as_ref().is_none_or(|r| r.is_ok());
+        if let Some(w) = self.world() {
+            let failed =
+                w.all_reduce(&Tensor::from_vec(vec![if ready { 0.0 } else { 1.0 }], [1], Device::Cpu)?, ferrolm_dist::ReduceOp::Sum)?;
+            if failed.item()? > 0.0 && ready {
+                bail!("rank 0 could not prepare the output directory {}", self.out_dir.display());
+            }
+        }
+        let mut log = log.take().transpose()?;
         let mut write_line = |v: serde_json::Value| -> AnyResult<()> {
-            writeln!(log, "{v}").and_then(|()| log.flush()).context("cannot append to metrics.jsonl")
+            match &mut log {
+                Some(log) => writeln!(log, "{v}").and_then(|()| log.flush()).context("cannot append to metrics.jsonl"),
+                None => Ok(()),
+            }
         };
         let start = Instant::now();
         let (start_step, tokens0) = (self.step, self.tokens_seen);
@@ -445,41 +555,79 @@ impl Trainer {
     /// into place, fsyncs `checkpoints/`, then points `checkpoints/latest` at it and prunes to
     /// `keep_last`. Refuses weights that are not finite and a step directory that exists. A
     /// failure midway removes the partial directory and leaves `latest` on the previous one.
+    ///
+    /// On several ranks every rank calls it: each writes its own shards (`shards/`), then rank 0
+    /// joins them into the Hugging Face `model.safetensors` and finishes the directory.
     pub fn save_checkpoint(&self) -> AnyResult<PathBuf> {
         let name = checkpoint_name(self.step);
-        // Every tensor the checkpoint stores: the weights, then the optimizer state.
-        let (params, state) = (self.model.parameters(), self.opt.state_tensors());
+        // Every tensor the checkpoint stores, as this rank holds it.
+        let (params, state) = match &self.engine {
+            Engine::Single(opt) => (self.model.parameters(), opt.state_tensors()),
+            Engine::Dist(d) => (Vec::new(), d.zero.shard_tensors()),
+        };
         let all: Vec<&(String, Tensor)> = params.iter().chain(&state).collect();
-        if let Some(bad) = Self::non_finite_tensor(&all)? {
+        let bad = Self::non_finite_tensor(&all)?;
+        if let Some(w) = self.world() {
+            let n = w
+                .all_reduce(&Tensor::from_vec(vec![bad.is_some() as u8 as f64], [1], Device::Cpu)?, ferrolm_dist::ReduceOp::Sum)?
+                .item()?;
+            if n > 0.0 && bad.is_none() {
+                bail!("refusing to save checkpoint {name}: another rank holds NaN or infinite values (the previous checkpoint is kept)");
+            }
+        }
+        if let Some(bad) = bad {
             bail!("refusing to save checkpoint {name}: `{bad}` holds NaN or infinite values (the previous checkpoint is kept)");
         }
         let root = self.out_dir.join(CHECKPOINTS);
-        std::fs::create_dir_all(&root).with_context(|| format!("cannot create {}", root.display()))?;
         let dst = root.join(&name);
+        let tmp = root.join(format!(".{name}.tmp"));
         // Only this trainer's own checkpoint of this very step may be rewritten (saving again
         // after `run()` saved its last step); anything else under that name is not ours.
         let rewrite = dst.exists();
         if rewrite && self.last_saved.get() != Some(self.step) {
             bail!("{} already exists: refusing to overwrite a saved checkpoint", dst.display());
         }
-        let tmp = root.join(format!(".{name}.tmp"));
-        if tmp.exists() {
-            // Only a save of this same step that was interrupted leaves this name behind.
-            std::fs::remove_dir_all(&tmp).with_context(|| format!("cannot remove the stale partial checkpoint {}", tmp.display()))?;
-        }
+        let prepared = if is_rank_zero() {
+            (|| -> AnyResult<()> {
+                std::fs::create_dir_all(&root).with_context(|| format!("cannot create {}", root.display()))?;
+                if tmp.exists() {
+                    // Only a save of this same step that was interrupted leaves this name behind.
+                    std::fs::remove_dir_all(&tmp)
+                        .with_context(|| format!("cannot remove the stale partial checkpoint {}", tmp.display()))?;
+                }
+                std::fs::create_dir_all(&tmp).with_context(|| format!("cannot create {}", tmp.display()))
+            })()
+        } else {
+            Ok(())
+        };
+        self.agree(prepared.is_ok(), "prepare the checkpoint directory")?;
+        prepared?;
         let previous = std::fs::read_to_string(root.join(LATEST)).ok().map(|s| s.trim().to_string());
+        let shards = match &self.engine {
+            Engine::Dist(d) => ferrolm_dist::ckpt::save_shards(&tmp, &d.zero, d.tp.as_ref(), &d.mesh).map_err(anyhow::Error::from),
+            Engine::Single(_) => Ok(()),
+        };
         let old = root.join(format!(".{name}.old"));
-        if let Err(e) = self.write_checkpoint_files(&tmp, &state).and_then(|()| {
-            if rewrite {
-                std::fs::rename(&dst, &old).with_context(|| format!("cannot move {} aside", dst.display()))?;
+        let finished = shards.and_then(|()| {
+            if !is_rank_zero() {
+                return Ok(());
             }
-            std::fs::rename(&tmp, &dst).with_context(|| format!("cannot rename {} to {}", tmp.display(), dst.display()))?;
-            if rewrite {
-                std::fs::remove_dir_all(&old).with_context(|| format!("cannot remove {}", old.display()))?;
+            self.write_checkpoint_files(&tmp, &state).and_then(|()| {
+                if rewrite {
+                    std::fs::rename(&dst, &old).with_context(|| format!("cannot move {} aside", dst.display()))?;
+                }
+                std::fs::rename(&tmp, &dst).with_context(|| format!("cannot rename {} to {}", tmp.display(), dst.display()))?;
+                if rewrite {
+                    std::fs::remove_dir_all(&old).with_context(|| format!("cannot remove {}", old.display()))?;
+                }
+                sync_dir(&root)
+            })
+        });
+        let agreed = self.agree(finished.is_ok(), "write the checkpoint");
+        if let Err(e) = finished.and(agreed) {
+            if is_rank_zero() {
+                let _ = std::fs::remove_dir_all(&tmp);
             }
-            sync_dir(&root)
-        }) {
-            let _ = std::fs::remove_dir_all(&tmp);
             let kept = match previous {
                 Some(p) => format!("latest still names {p}, which is intact"),
                 None => "no earlier checkpoint exists".to_string(),
@@ -487,12 +635,27 @@ impl Trainer {
             return Err(e.context(format!("saving checkpoint {name} failed; its partial files were removed and {kept}")));
         }
         self.last_saved.set(Some(self.step));
-        write_atomic(&root.join(LATEST), name.as_bytes())?;
-        sync_dir(&root)?;
-        for old in run_dir::prune(&root, self.safety.keep_last)? {
-            tracing::info!("removed old checkpoint {} (--keep-last {})", old.display(), self.safety.keep_last);
+        if is_rank_zero() {
+            write_atomic(&root.join(LATEST), name.as_bytes())?;
+            sync_dir(&root)?;
+            for old in run_dir::prune(&root, self.safety.keep_last)? {
+                tracing::info!("removed old checkpoint {} (--keep-last {})", old.display(), self.safety.keep_last);
+            }
         }
+        self.barrier()?;
         Ok(dst)
+    }
+
+    /// On several ranks: whether every rank succeeded at `what` (an error on the ranks that
+    /// did not fail themselves when another did).
+    fn agree(&self, ok: bool, what: &str) -> AnyResult<()> {
+        let Some(w) = self.world() else { return Ok(()) };
+        let failed =
+            w.all_reduce(&Tensor::from_vec(vec![if ok { 0.0 } else { 1.0 }], [1], Device::Cpu)?, ferrolm_dist::ReduceOp::Sum)?.item()?;
+        if failed > 0.0 && ok {
+            bail!("another rank could not {what}");
+        }
+        Ok(())
     }
 
     fn write_checkpoint_files(&self, tmp: &Path, state: &[(String, Tensor)]) -> AnyResult<()> {
@@ -505,9 +668,21 @@ impl Trainer {
         };
         std::fs::create_dir_all(tmp).with_context(|| format!("cannot create {}", tmp.display()))?;
         fault("model.safetensors")?;
-        self.model.save_pretrained(tmp)?;
-        fault("optimizer.safetensors")?;
-        save_safetensors(&tmp.join("optimizer.safetensors"), state, None)?;
+        match &self.engine {
+            Engine::Single(_) => {
+                self.model.save_pretrained(tmp)?;
+                fault("optimizer.safetensors")?;
+                save_safetensors(&tmp.join("optimizer.safetensors"), state, None)?;
+            }
+            Engine::Dist(_) => {
+                // The Hugging Face model, joined from the shards every rank just wrote.
+                let (params, _) = ferrolm_dist::ckpt::load_full(tmp)?;
+                let named: Vec<(String, Tensor)> = params.into_iter().collect();
+                let path = ferrolm_nn::checkpoint::prepare_dir(tmp, "model.safetensors")?;
+                save_safetensors(&path, &named, Some(DType::F32))?;
+                write_atomic(&tmp.join("config.json"), self.model.config().to_json_string_dtype("float32").as_bytes())?;
+            }
+        }
         if let Some(t) = &self.tokenizer_file {
             fault("tokenizer.json")?;
             let dst = tmp.join("tokenizer.json");
@@ -546,30 +721,52 @@ impl Trainer {
         if !diffs.is_empty() {
             bail!("cannot resume from {}: it holds a different model ({})", dir.display(), diffs.join("; "));
         }
-        let loaded = Llama::from_pretrained(&dir, self.model.dtype(), self.model.device())?;
-        let mut by_name: HashMap<String, Tensor> = loaded.parameters().into_iter().collect();
-        {
-            let _g = no_grad();
-            for (n, p) in self.model.parameters() {
-                let q = by_name.remove(&n).ok_or_else(|| anyhow!("{}: missing weight `{n}`", dir.display()))?;
-                p.assign(&q).with_context(|| format!("{}: weight `{n}`", dir.display()))?;
-            }
-        }
-        if let Some(extra) = by_name.keys().next() {
+        // Full weights by name (the Hugging Face files, whatever layout wrote them) and the full
+        // optimizer state (one device's file, or joined from the shards of a parallel run).
+        let sharded = ferrolm_dist::ckpt::is_sharded(&dir);
+        let (weights, state): (HashMap<String, Tensor>, HashMap<String, Tensor>) = if sharded {
+            let (p, s) = ferrolm_dist::ckpt::load_full(&dir)?;
+            (p.into_iter().collect(), s.into_iter().collect())
+        } else {
+            let loaded = Llama::from_pretrained(&dir, DType::F32, Device::Cpu)?;
+            let opt_file = dir.join("optimizer.safetensors");
+            let s = load_safetensors(&opt_file, DType::F32, Device::Cpu)?;
+            (loaded.parameters().into_iter().collect(), s.into_iter().collect())
+        };
+        let expected: Vec<String> = self.model.parameters().into_iter().map(|(n, _)| n).collect();
+        if let Some(extra) = weights.keys().find(|k| !expected.contains(k)) {
             bail!("{}: weight `{extra}` is not a parameter of this model", dir.display());
         }
-
+        if let Some(missing) = expected.iter().find(|k| !weights.contains_key(*k)) {
+            bail!("{}: missing weight `{missing}`", dir.display());
+        }
         for w in option_changes(&st.options, &self.opts) {
             tracing::warn!("resuming with a changed option: {w}");
         }
-        let opt_file = dir.join("optimizer.safetensors");
-        let tensors = load_safetensors(&opt_file, DType::F32, self.model.device())?;
-        self.opt.load_state(st.step as u64 - st.skipped_steps.min(st.step as u64), &|name| {
-            tensors
-                .get(name)
-                .cloned()
-                .ok_or_else(|| ferrolm_tensor::Error::new("resume", format!("{}: missing tensor {name}", opt_file.display())))
-        })?;
+        let opt_step = st.step as u64 - st.skipped_steps.min(st.step as u64);
+        let device = self.model.device();
+        match &mut self.engine {
+            Engine::Single(opt) => {
+                let _g = no_grad();
+                for (n, p) in self.model.parameters() {
+                    p.assign(&weights[&n].to_dtype(p.dtype())?.to_device(device)?)
+                        .with_context(|| format!("{}: weight `{n}`", dir.display()))?;
+                }
+                opt.load_state(opt_step, &|name| {
+                    state
+                        .get(name)
+                        .map(|t| t.to_device(device))
+                        .transpose()?
+                        .ok_or_else(|| ferrolm_tensor::Error::new("resume", format!("{}: missing optimizer tensor {name}", dir.display())))
+                })?;
+            }
+            Engine::Dist(d) => {
+                let w: ferrolm_nn::checkpoint::TensorMap = weights.into_iter().collect();
+                let s: ferrolm_nn::checkpoint::TensorMap = state.into_iter().collect();
+                ferrolm_dist::ckpt::load_into(&mut d.zero, &w, &s, d.tp.as_ref(), opt_step, device)
+                    .with_context(|| format!("cannot load {} into this rank's shards", dir.display()))?;
+            }
+        }
         if st.options.seq_len == self.opts.seq_len {
             self.loader.restore(&st.loader).with_context(|| format!("{}: cannot restore the data position", state_file.display()))?;
         } else {

@@ -169,9 +169,15 @@ pub struct DeviceArgs {
 }
 
 impl DeviceArgs {
-    /// The device, its backend started.
+    /// The device, its backend started. In a multi-process run (torchrun's `WORLD_SIZE` > 1)
+    /// `cuda` (or no flag) means this process's GPU, `cuda:$LOCAL_RANK`.
     pub fn pick(&self) -> AnyResult<ferrolm_tensor::Device> {
-        Ok(crate::pick_device(self.device.as_deref())?)
+        let local = ferrolm_dist::DistEnv::from_env()?.filter(|e| e.world_size > 1).map(|e| format!("cuda:{}", e.local_rank));
+        let flag = match (self.device.as_deref(), &local) {
+            (None | Some("cuda"), Some(l)) => Some(l.as_str()),
+            (f, _) => f,
+        };
+        Ok(crate::pick_device(flag)?)
     }
 }
 
@@ -236,6 +242,8 @@ pub struct TrainArgs {
     #[arg(long, value_name = "N", default_value = "0", help_heading = "Run")]
     pub keep_last: usize,
 
+    #[command(flatten)]
+    pub parallel: crate::parallel::ParallelArgs,
     #[command(flatten)]
     pub device: DeviceArgs,
     #[command(flatten)]

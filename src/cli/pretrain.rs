@@ -24,6 +24,10 @@ pub struct PretrainArgs {
     /// Model: a preset (tiny, small) or a config.json
     #[arg(long, value_name = "tiny|small|FILE", default_value = "tiny", help_heading = "Model")]
     pub config: String,
+    /// Pretrain a Ladder Transformer (Ladder Residual): `all`, the last N layers, or layer
+    /// indices i,j,k [default: the standard Llama; a llamaLadder --config keeps its own]
+    #[arg(long, value_name = "all|N|i,j,k", help_heading = "Model")]
+    pub ladder_layers: Option<String>,
     #[command(flatten)]
     pub train: TrainArgs,
 }
@@ -84,7 +88,18 @@ fn preflight(a: &TrainArgs) -> AnyResult<()> {
     run_dir::check_out_dir(&a.out, resumed.as_ref().map(|(d, s)| (d.as_deref(), *s)), a.overwrite)
 }
 
-pub fn run(args: PretrainArgs) -> AnyResult<()> {
+/// What every rank shares: the checked flags, the tokenizer and the prepared data.
+struct Prepared {
+    device: Device,
+    dtype: DType,
+    tok_path: PathBuf,
+    tokenizer: Tokenizer,
+    train: Vec<PathBuf>,
+    val: Vec<PathBuf>,
+    cfg: LlamaConfig,
+}
+
+fn prepare(args: &PretrainArgs) -> AnyResult<Prepared> {
     let a = &args.train;
     preflight(a)?;
     let opts = a.options();
@@ -118,21 +133,51 @@ pub fn run(args: PretrainArgs) -> AnyResult<()> {
             cfg.vocab_size
         );
     }
+    if let Some(l) = &args.ladder_layers {
+        cfg.ladder_layers = Some(crate::nn::LadderLayers::parse_flag(l, cfg.num_hidden_layers)?);
+        cfg.validate()?;
+    }
     cfg.bos_token_id = tokenizer.bos_id();
     cfg.eos_token_id = tokenizer.eos_id().map(|e| vec![e]).unwrap_or_default();
     crate::memory::check_fits(&cfg, dtype, device, &opts, a.activation_checkpointing)?;
+    Ok(Prepared { device, dtype, tok_path, tokenizer, train, val, cfg })
+}
+
+pub fn run(args: PretrainArgs) -> AnyResult<()> {
+    let a = &args.train;
+    let device = a.device.pick()?;
+    crate::parallel::launch(&a.parallel, device, || prepare(&args), |p, comm| train_rank(&args, p, comm))
+}
+
+/// One rank's run (the only one on a single device).
+fn train_rank(args: &PretrainArgs, p: &Prepared, comm: Option<crate::parallel::Comm>) -> AnyResult<()> {
+    let a = &args.train;
+    let opts = a.options();
     let mut rng = Rng::new(opts.seed);
-    let mut model = Llama::new(cfg, dtype, device, &mut rng)?;
+    let mut model = Llama::new(p.cfg.clone(), p.dtype, p.device, &mut rng)?;
     model.set_activation_checkpointing(a.activation_checkpointing);
+    let kind = match &p.cfg.ladder_layers {
+        Some(l) => format!(" (Ladder Transformer: {l} layers)"),
+        None => String::new(),
+    };
     report(&format!(
-        "model: {} parameters ({:.2} M), {} layers, hidden {}, on {device} in {dtype}",
+        "model: {} parameters ({:.2} M), {} layers, hidden {}, on {} in {}{kind}",
         model.num_params(),
         model.num_params() as f64 / 1e6,
         model.config().num_hidden_layers,
-        model.config().hidden_size
+        model.config().hidden_size,
+        p.device,
+        p.dtype
     ));
-
-    let mut trainer = Trainer::new(model, &train, &val, opts, &a.out)?.with_tokenizer(&tok_path).with_safety(a.safety());
+    let mut trainer = match comm {
+        None => Trainer::new(model, &p.train, &p.val, opts.clone(), &a.out)?,
+        Some(c) => {
+            let dist = crate::parallel::DistEngine::attach(&mut model, c, &a.parallel, Trainer::adamw_config(&opts))?;
+            report(&format!("parallel: tp {} x dp {} ranks, sharding {}", a.parallel.tp, a.parallel.dp, dist.zero.spec));
+            Trainer::new_distributed(model, dist, &p.train, &p.val, opts.clone(), &a.out)?
+        }
+    };
+    trainer = trainer.with_tokenizer(&p.tok_path).with_safety(a.safety());
     if let Some(r) = &a.resume {
         trainer.resume(r).with_context(|| format!("--resume {}", r.display()))?;
         report(&format!("resumed from {} at step {}", r.display(), trainer.step));
@@ -141,8 +186,8 @@ pub fn run(args: PretrainArgs) -> AnyResult<()> {
 
     let val_loss = trainer.evaluate(0)?;
     let mut tokens = Vec::new();
-    for p in &val {
-        let s = Shard::open(p)?;
+    for s in &p.val {
+        let s = Shard::open(s)?;
         tokens.extend(s.slice(0, s.len()));
     }
     let baseline = unigram_entropy(tokens.into_iter());
@@ -151,14 +196,14 @@ pub fn run(args: PretrainArgs) -> AnyResult<()> {
         val_loss.exp(),
         baseline.exp()
     ));
-    if val_loss >= baseline {
+    if val_loss >= baseline && crate::logging::is_rank_zero() {
         tracing::warn!("the model did not beat the unigram baseline; train longer or raise --lr");
     }
     report(&format!("checkpoint: {}  (loss curve: {})", a.out.join("checkpoints").display(), a.out.join("loss.png").display()));
 
     let prompt = "ROMEO:\n";
-    let ids = tokenizer.encode(prompt, false)?;
+    let ids = p.tokenizer.encode(prompt, false)?;
     let out = generate(&trainer.model, &ids, 80, 0.8, 0.95, &mut trainer.rng)?;
-    report(&format!("--- sample ---\n{}{}", prompt, tokenizer.decode(&out)?));
+    report(&format!("--- sample ---\n{}{}", prompt, p.tokenizer.decode(&out)?));
     Ok(())
 }

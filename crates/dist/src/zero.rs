@@ -522,7 +522,8 @@ impl Zero {
     /// The optimizer step after the last micro-batch: gradients handed over to the optimizer
     /// ranges and averaged over the data-parallel ranks, clipped to `max_norm` by the global
     /// norm (`<= 0`: no clipping), AdamW on this rank's range, updated parameters gathered
-    /// back into the parameter ranges. Returns the gradient norm before clipping.
+    /// back into the parameter ranges. Returns the gradient norm before clipping; when it is
+    /// not finite nothing is updated (the step is skipped on every rank alike).
     pub fn step(&mut self, lr: f64, max_norm: f64) -> Result<f64> {
         if self.micro == 0 {
             return Err(Error::new("zero", "step() without a backward pass since the last step"));
@@ -559,6 +560,10 @@ impl Zero {
             sq = sum_over(tp, sq)?;
         }
         let norm = sq.sqrt();
+        self.micro = 0;
+        if !norm.is_finite() {
+            return Ok(norm); // a skipped step: the gradients are dropped, nothing is updated
+        }
         let clip = if max_norm > 0.0 && norm > max_norm { max_norm / (norm + 1e-6) } else { 1.0 };
         self.step += 1;
         let c = &self.cfg;
