@@ -32,7 +32,7 @@ pub struct ParallelArgs {
     #[arg(long, value_name = "N", default_value = "1", value_parser = positive)]
     pub dp: usize,
     /// ZeRO preset over the data-parallel ranks: 1 shards optimizer states, 2 also gradients,
-    /// 3 also parameters (0: plain data parallelism)
+    /// 3 also parameters (0: plain data parallelism) [default: the --shard-* flags, else 0]
     #[arg(long, value_name = "0|1|2|3", value_parser = clap::value_parser!(u8).range(0..=3),
           conflicts_with_all = ["shard_params", "shard_grads", "shard_optim"])]
     pub zero: Option<u8>,
