@@ -21,6 +21,37 @@ use std::sync::Arc;
 
 pub type Comm = Arc<dyn Communicator>;
 
+/// Tensor parallelism for the inference tools (eval, generate).
+#[derive(Args, Debug, Clone, PartialEq, Default)]
+#[command(next_help_heading = "Parallelism")]
+pub struct TpArgs {
+    /// Tensor-parallel ranks (on the CPU, threads of this process; on GPUs, one process per
+    /// GPU under torchrun or the launch example)
+    #[arg(long, value_name = "N", default_value = "1", value_parser = positive)]
+    pub tp: usize,
+}
+
+impl TpArgs {
+    pub fn layout(&self) -> ParallelArgs {
+        ParallelArgs { tp: self.tp, dp: 1, ..Default::default() }
+    }
+}
+
+/// Loads a checkpoint on every rank and shards it for tensor parallelism (inference tools).
+pub fn load_for_inference(
+    dir: &std::path::Path,
+    dtype: ferrolm_tensor::DType,
+    device: Device,
+    comm: Option<Comm>,
+    tp: &TpArgs,
+) -> AnyResult<Llama> {
+    let mut model = Llama::from_pretrained(dir, dtype, device).with_context(|| format!("cannot load the model in {}", dir.display()))?;
+    if let Some(c) = comm {
+        DistEngine::tensor_parallel(&mut model, c, &tp.layout())?;
+    }
+    Ok(model)
+}
+
 /// The parallel layout flags.
 #[derive(Args, Debug, Clone, PartialEq, Default)]
 #[command(next_help_heading = "Parallelism")]

@@ -30,6 +30,8 @@ pub struct EvalArgs {
     #[arg(long, default_value = "8", value_parser = positive)]
     pub batch_size: usize,
     #[command(flatten)]
+    pub parallel: crate::parallel::TpArgs,
+    #[command(flatten)]
     pub device: DeviceArgs,
     #[command(flatten)]
     pub log: LogArgs,
@@ -42,7 +44,7 @@ impl Tool for EvalArgs {
 }
 
 pub fn run(a: EvalArgs) -> AnyResult<()> {
-    let (dir, t, bs) = (&a.model, a.seq_len, a.batch_size);
+    let dir = &a.model;
     std::fs::metadata(dir).with_context(|| format!("cannot open the model directory {}", dir.display()))?;
     let tok_path = dir.join("tokenizer.json");
     let tokenizer = Tokenizer::from_file(&tok_path).with_context(|| format!("cannot load the tokenizer {}", tok_path.display()))?;
@@ -50,7 +52,21 @@ pub fn run(a: EvalArgs) -> AnyResult<()> {
     let device = a.device.pick()?;
     let ids = tokenizer.encode(&text, false)?;
     let dtype = if device == Device::Cpu { DType::F32 } else { DType::BF16 };
-    let model = Llama::from_pretrained(dir, dtype, device).with_context(|| format!("cannot load the model in {}", dir.display()))?;
+    crate::parallel::launch(
+        &a.parallel.layout(),
+        device,
+        || Ok(()),
+        |_, comm| {
+            let model = crate::parallel::load_for_inference(dir, dtype, device, comm, &a.parallel)?;
+            score(&a, &model, &tokenizer, &ids, device)
+        },
+    )
+}
+
+/// Mean loss of `model` over every full window of `ids`; prints the result line.
+fn score(a: &EvalArgs, model: &Llama, tokenizer: &Tokenizer, ids: &[u32], device: Device) -> AnyResult<()> {
+    let (dir, t, bs) = (&a.model, a.seq_len, a.batch_size);
+    let tok_path = dir.join("tokenizer.json");
     if tokenizer.vocab_size() > model.config().vocab_size {
         bail!(
             "{}: the tokenizer has {} tokens but the model's vocab_size is {}",

@@ -3,7 +3,7 @@ use super::{env_help, non_negative, probability, DeviceArgs, LogArgs, Tool, ENV_
 use crate::data::Tokenizer;
 use crate::nn::generate::generate;
 use crate::progress::report;
-use crate::{AnyResult, DType, Device, Llama};
+use crate::{AnyResult, DType, Device};
 use anyhow::{bail, Context};
 use clap::Parser;
 use ferrolm_tensor::Rng;
@@ -36,6 +36,8 @@ pub struct GenerateArgs {
     #[arg(long, default_value = "0")]
     pub seed: u64,
     #[command(flatten)]
+    pub parallel: crate::parallel::TpArgs,
+    #[command(flatten)]
     pub device: DeviceArgs,
     #[command(flatten)]
     pub log: LogArgs,
@@ -54,21 +56,29 @@ pub fn run(a: GenerateArgs) -> AnyResult<()> {
     let tokenizer = Tokenizer::from_file(&tok_path).with_context(|| format!("cannot load the tokenizer {}", tok_path.display()))?;
     let device = a.device.pick()?;
     let dtype = if device == Device::Cpu { DType::F32 } else { DType::BF16 };
-    let model = Llama::from_pretrained(dir, dtype, device).with_context(|| format!("cannot load the model in {}", dir.display()))?;
-    if tokenizer.vocab_size() > model.config().vocab_size {
-        bail!(
-            "{}: the tokenizer has {} tokens but the model's vocab_size is {}",
-            tok_path.display(),
-            tokenizer.vocab_size(),
-            model.config().vocab_size
-        );
-    }
     let ids = tokenizer.encode(&a.prompt, false)?;
     if ids.is_empty() {
         bail!("--prompt encodes to no tokens");
     }
-    let mut rng = Rng::new(a.seed);
-    let out = generate(&model, &ids, a.max_new_tokens, a.temperature, a.top_p, &mut rng)?;
-    report(&format!("{}{}", a.prompt, tokenizer.decode(&out)?));
-    Ok(())
+    crate::parallel::launch(
+        &a.parallel.layout(),
+        device,
+        || Ok(()),
+        |_, comm| {
+            let model = crate::parallel::load_for_inference(dir, dtype, device, comm, &a.parallel)?;
+            if tokenizer.vocab_size() > model.config().vocab_size {
+                bail!(
+                    "{}: the tokenizer has {} tokens but the model's vocab_size is {}",
+                    tok_path.display(),
+                    tokenizer.vocab_size(),
+                    model.config().vocab_size
+                );
+            }
+            // Every rank samples the same tokens: the logits are gathered, the seed is shared.
+            let mut rng = Rng::new(a.seed);
+            let out = generate(&model, &ids, a.max_new_tokens, a.temperature, a.top_p, &mut rng)?;
+            report(&format!("{}{}", a.prompt, tokenizer.decode(&out)?));
+            Ok(())
+        },
+    )
 }
