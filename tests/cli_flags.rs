@@ -7,6 +7,7 @@ mod common;
 use clap::error::ErrorKind;
 use common::*;
 use ferrolm::cli::eval::EvalArgs;
+use ferrolm::cli::finetune::FinetuneArgs;
 use ferrolm::cli::generate::GenerateArgs;
 use ferrolm::cli::prepare::{PrepareDataArgs, TrainTokenizerArgs};
 use ferrolm::cli::pretrain::PretrainArgs;
@@ -16,7 +17,12 @@ use ferrolm::cli::{error_report, parse_from, run_tool, BenchCudaArgs, Tool};
 fn tools() -> Vec<(&'static str, clap::Command, Vec<&'static str>)> {
     let dev = vec!["FERROLM_CUDA_EMULATOR", "RUST_LOG"];
     vec![
-        ("pretrain_llama", PretrainArgs::cli(), [dev.clone(), vec!["Pretrain a LLaMA", "FERROLM_PEAK_TFLOPS"]].concat()),
+        (
+            "pretrain_llama",
+            PretrainArgs::cli(),
+            [dev.clone(), vec!["Pretrain a LLaMA", "FERROLM_PEAK_TFLOPS", "--tp", "--zero", "--ladder-layers"]].concat(),
+        ),
+        ("finetune_ladder", FinetuneArgs::cli(), [dev.clone(), vec!["Ladder Transformer", "--ladder-layers", "--tp"]].concat()),
         ("eval", EvalArgs::cli(), [dev.clone(), vec!["perplexity"]].concat()),
         ("generate", GenerateArgs::cli(), [dev, vec!["Sample"]].concat()),
         ("prepare_data", PrepareDataArgs::cli(), vec!["Tokenize text", "RUST_LOG"]),
@@ -58,6 +64,7 @@ fn help_exits_zero() {
         let e = match name {
             "pretrain_llama" => parse_from::<PretrainArgs, _, _>([name, "--help"]).unwrap_err(),
             "eval" => parse_from::<EvalArgs, _, _>([name, "--help"]).unwrap_err(),
+            "finetune_ladder" => parse_from::<FinetuneArgs, _, _>([name, "--help"]).unwrap_err(),
             _ => continue,
         };
         assert_eq!(e.kind(), ErrorKind::DisplayHelp);

@@ -55,7 +55,7 @@ fn cache_name(data: &Path, tokenizer: &Path) -> AnyResult<String> {
 }
 
 /// The shard directory for `data`: a prepared directory as is, text tokenized once into runs/cache.
-fn shard_dir(data: &Path, tokenizer: &Tokenizer, tok_path: &Path) -> AnyResult<PathBuf> {
+pub(crate) fn shard_dir(data: &Path, tokenizer: &Tokenizer, tok_path: &Path) -> AnyResult<PathBuf> {
     let what = if data.extension().is_some() { "data file" } else { "data directory" };
     std::fs::metadata(data).with_context(|| format!("cannot open {what} {}", data.display()))?;
     if PrepareSummary::load(data)?.is_some() {
@@ -71,7 +71,7 @@ fn shard_dir(data: &Path, tokenizer: &Tokenizer, tok_path: &Path) -> AnyResult<P
 }
 
 /// Checks the flags and the output directory before anything slow or large happens.
-fn preflight(a: &TrainArgs) -> AnyResult<()> {
+pub(crate) fn preflight(a: &TrainArgs) -> AnyResult<()> {
     a.options().validate()?;
     let resumed = match &a.resume {
         Some(r) => {

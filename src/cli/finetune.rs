@@ -1,0 +1,142 @@
+//! `finetune_ladder`: convert a Hugging Face Llama checkpoint to the Ladder Transformer (Ladder
+//! Residual, arXiv 2501.06589) and fine-tune it. The conversion changes no weight: the chosen
+//! blocks read the residual stream one branch late. The validation loss is reported for the
+//! plain model, for the converted one before training and after it; checkpoints are written in
+//! the paper's released format (`model_type: "llamaLadder"`, `ladder_layers`).
+use super::pretrain::{preflight, shard_dir};
+use super::{env_help, LogArgs, Tool, TrainArgs, ENV_COMMON, ENV_DEVICE, ENV_TRAIN};
+use crate::data::{list_shards, Tokenizer};
+use crate::nn::LadderLayers;
+use crate::parallel::{Comm, DistEngine};
+use crate::progress::report;
+use crate::train::{check_validation_data, Trainer};
+use crate::{AnyResult, DType, Device, Llama};
+use anyhow::{bail, Context};
+use clap::{Command, Parser};
+use std::path::PathBuf;
+
+#[derive(Parser, Debug, Clone, PartialEq)]
+#[command(
+    allow_negative_numbers = true,
+    name = "finetune_ladder",
+    about = "Convert a Hugging Face Llama checkpoint to the Ladder Transformer and fine-tune it. Reports the validation \
+             loss of the plain model, of the converted model before training and after it; writes checkpoints in the \
+             paper's llamaLadder format under OUT/checkpoints/. With --steps 0 it only converts.",
+    after_help = env_help(&[ENV_COMMON, ENV_DEVICE, ENV_TRAIN])
+)]
+pub struct FinetuneArgs {
+    /// The Llama checkpoint to convert (config.json, model.safetensors, tokenizer.json)
+    #[arg(long, value_name = "DIR", help_heading = "Model")]
+    pub model: PathBuf,
+    /// The blocks to make Ladder blocks: `all`, the last N layers, or indices i,j,k (a single
+    /// index is written `3,`)
+    #[arg(long, value_name = "N|i,j,k", help_heading = "Model")]
+    pub ladder_layers: String,
+    #[command(flatten)]
+    pub train: TrainArgs,
+}
+
+impl Tool for FinetuneArgs {
+    fn cli() -> Command {
+        <Self as clap::CommandFactory>::command()
+            .mut_arg("out", |a| a.default_value("runs/finetune_ladder"))
+            .mut_arg("steps", |a| a.default_value("200").value_parser(clap::value_parser!(usize)).help("Optimizer steps (0: only convert)"))
+            .mut_arg("lr", |a| a.default_value("3e-4"))
+    }
+    fn log_args(&self) -> &LogArgs {
+        &self.train.log
+    }
+}
+
+struct Prepared {
+    device: Device,
+    dtype: DType,
+    tok_path: PathBuf,
+    train: Vec<PathBuf>,
+    val: Vec<PathBuf>,
+    ladder: LadderLayers,
+}
+
+fn prepare(args: &FinetuneArgs) -> AnyResult<Prepared> {
+    let a = &args.train;
+    // --steps 0 converts only; the checks below are those of a run of at least one step.
+    let mut checked = a.clone();
+    checked.steps = checked.steps.max(1);
+    preflight(&checked)?;
+    let device = a.device.pick()?;
+    let dtype = if device == Device::Cpu { DType::F32 } else { DType::BF16 };
+    let dir = &args.model;
+    std::fs::metadata(dir).with_context(|| format!("cannot open the model directory {}", dir.display()))?;
+    let cfg = crate::nn::LlamaConfig::from_file(dir.join("config.json"))?;
+    let ladder = LadderLayers::parse_flag(&args.ladder_layers, cfg.num_hidden_layers)?;
+    let tok_path = a.tokenizer.clone().unwrap_or_else(|| dir.join("tokenizer.json"));
+    let tokenizer = Tokenizer::from_file(&tok_path).with_context(|| format!("cannot load the tokenizer {}", tok_path.display()))?;
+    if tokenizer.vocab_size() > cfg.vocab_size {
+        bail!(
+            "{}: the tokenizer has {} tokens but the model's vocab_size is {}",
+            tok_path.display(),
+            tokenizer.vocab_size(),
+            cfg.vocab_size
+        );
+    }
+    let data = a.data.clone().unwrap_or_else(|| super::bundled("data/corpus"));
+    let shards = shard_dir(&data, &tokenizer, &tok_path)?;
+    let (train, val) = (list_shards(&shards, "train")?, list_shards(&shards, "val")?);
+    let opts = checked.options();
+    check_validation_data(&val, opts.batch_size, opts.seq_len).with_context(|| format!("{}", shards.display()))?;
+    crate::memory::check_fits(&cfg, dtype, device, &opts, a.activation_checkpointing)?;
+    Ok(Prepared { device, dtype, tok_path, train, val, ladder })
+}
+
+pub fn run(args: FinetuneArgs) -> AnyResult<()> {
+    let device = args.train.device.pick()?;
+    crate::parallel::launch(&args.train.parallel, device, || prepare(&args), |p, comm| finetune_rank(&args, p, comm))
+}
+
+fn finetune_rank(args: &FinetuneArgs, p: &Prepared, comm: Option<Comm>) -> AnyResult<()> {
+    let a = &args.train;
+    let mut opts = a.options();
+    opts.steps = opts.steps.max(1); // the trainer's schedule needs a length; --steps 0 never steps
+    let mut model =
+        Llama::from_pretrained(&args.model, p.dtype, p.device).with_context(|| format!("cannot load {}", args.model.display()))?;
+    let before_kind = model.config().ladder_layers.clone();
+    model.set_ladder_layers(None)?; // the plain model first, for its validation loss
+    model.set_activation_checkpointing(a.activation_checkpointing);
+    report(&format!("loaded {}: {} parameters, {} layers", args.model.display(), model.num_params(), model.config().num_hidden_layers));
+    if let Some(l) = before_kind {
+        report(&format!("note: {} is already a Ladder model ({l} layers); it is converted again from its weights", args.model.display()));
+    }
+    let mut trainer = match comm {
+        None => Trainer::new(model, &p.train, &p.val, opts.clone(), &a.out)?,
+        Some(c) => {
+            let dist = DistEngine::attach(&mut model, c, &a.parallel, Trainer::adamw_config(&opts))?;
+            Trainer::new_distributed(model, dist, &p.train, &p.val, opts.clone(), &a.out)?
+        }
+    };
+    trainer = trainer.with_tokenizer(&p.tok_path).with_safety(a.safety());
+    let resuming = a.resume.is_some();
+    let plain = if resuming { None } else { Some(trainer.evaluate(0)?) };
+    trainer.model.set_ladder_layers(Some(p.ladder.clone()))?;
+    if let Some(plain) = plain {
+        report(&format!("plain Llama validation loss {plain:.4}"));
+        let converted = trainer.evaluate(0)?;
+        report(&format!("converted ({} layers Ladder) validation loss before fine-tuning {converted:.4}", p.ladder));
+    }
+    if let Some(r) = &a.resume {
+        trainer.resume(r).with_context(|| format!("--resume {}", r.display()))?;
+        report(&format!("resumed from {} at step {}", r.display(), trainer.step));
+    }
+    if a.steps == 0 {
+        let dir = trainer.save_checkpoint()?;
+        report(&format!("converted checkpoint {}", dir.display()));
+        return Ok(());
+    }
+    trainer.run()?;
+    let after = trainer.evaluate(0)?;
+    match plain {
+        Some(plain) => report(&format!("validation loss after fine-tuning {after:.4} (plain Llama {plain:.4})")),
+        None => report(&format!("validation loss after fine-tuning {after:.4}")),
+    };
+    report(&format!("checkpoint: {}", a.out.join("checkpoints").display()));
+    Ok(())
+}

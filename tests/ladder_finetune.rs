@@ -1,0 +1,109 @@
+//! `finetune_ladder` and `pretrain_llama --ladder-layers`: conversion-only runs write the
+//! paper's checkpoint format, fine-tuning resumes exactly, eval and generate load the result,
+//! and bad --ladder-layers values are refused naming the flag.
+mod common;
+use common::*;
+use ferrolm::cli::eval::EvalArgs;
+use ferrolm::cli::finetune::FinetuneArgs;
+use ferrolm::cli::generate::GenerateArgs;
+use ferrolm::cli::pretrain::PretrainArgs;
+use ferrolm::cli::{error_report, parse_from};
+use std::path::{Path, PathBuf};
+
+/// A plain Llama checkpoint (with tokenizer.json) and prepared data.
+fn setup(dir: &Path) -> (PathBuf, PathBuf) {
+    let (train, _, vocab) = shards(dir);
+    let data = train[0].parent().unwrap().to_path_buf();
+    let ck = dir.join("llama");
+    let m = model(vocab);
+    m.save_pretrained(&ck).unwrap();
+    std::fs::copy(tokenizer_path(), ck.join("tokenizer.json")).unwrap();
+    (ck, data)
+}
+
+fn finetune(ck: &Path, data: &Path, out: &Path, extra: &[&str]) -> anyhow::Result<()> {
+    let base = [
+        "finetune_ladder",
+        "--device=cpu",
+        "--model",
+        ck.to_str().unwrap(),
+        "--data",
+        data.to_str().unwrap(),
+        "--out",
+        out.to_str().unwrap(),
+        "--seq-len=16",
+        "--batch-size=2",
+        "--eval-every=0",
+    ];
+    let a: FinetuneArgs = parse_from(base.iter().copied().chain(extra.iter().copied())).unwrap();
+    ferrolm::cli::finetune::run(a)
+}
+
+fn losses(run: &Path) -> Vec<u64> {
+    std::fs::read_to_string(run.join("metrics.jsonl"))
+        .unwrap()
+        .lines()
+        .filter_map(|l| serde_json::from_str::<serde_json::Value>(l).ok()?.get("loss")?.as_f64())
+        .map(f64::to_bits)
+        .collect()
+}
+
+#[test]
+fn conversion_only_writes_the_papers_format_and_loads_in_eval_and_generate() {
+    let dir = tmp("ladder-convert");
+    let (ck, data) = setup(&dir);
+    let out = dir.join("converted");
+    finetune(&ck, &data, &out, &["--ladder-layers", "0,", "--steps=0"]).unwrap();
+    let step0 = out.join("checkpoints/step-000000");
+    let cfg: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(step0.join("config.json")).unwrap()).unwrap();
+    assert_eq!(cfg["model_type"], "llamaLadder");
+    assert_eq!(cfg["ladder_layers"], serde_json::json!([0]));
+    // The weights are the plain model's, under transformers' names.
+    let a = ferrolm_nn::checkpoint::load_safetensors(&ck.join("model.safetensors"), ferrolm::DType::F32, ferrolm::Device::Cpu).unwrap();
+    let b = ferrolm_nn::checkpoint::load_safetensors(&step0.join("model.safetensors"), ferrolm::DType::F32, ferrolm::Device::Cpu).unwrap();
+    assert_eq!(a.keys().collect::<Vec<_>>(), b.keys().collect::<Vec<_>>());
+    for (k, t) in &a {
+        assert_eq!(t.to_vec::<f32>().unwrap(), b[k].to_vec::<f32>().unwrap(), "{k} changed by the conversion");
+    }
+    // eval and generate read the config and build the Ladder model.
+    let text = root().join("data/corpus/sonnets.txt");
+    let e: EvalArgs =
+        parse_from(["eval", "--device=cpu", "--model", step0.to_str().unwrap(), "--text", text.to_str().unwrap(), "--seq-len=16"]).unwrap();
+    ferrolm::cli::eval::run(e).unwrap();
+    let g: GenerateArgs =
+        parse_from(["generate", "--device=cpu", "--model", step0.to_str().unwrap(), "--prompt", "Shall I", "--max-new-tokens=5", "--tp=2"])
+            .unwrap();
+    ferrolm::cli::generate::run(g).unwrap();
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+#[test]
+fn finetune_resume_is_exact() {
+    let dir = tmp("ladder-resume");
+    let (ck, data) = setup(&dir);
+    let (whole, resumed) = (dir.join("whole"), dir.join("resumed"));
+    finetune(&ck, &data, &whole, &["--ladder-layers=1", "--steps=6", "--save-every=3"]).unwrap();
+    // A run stopped after step 3 (its checkpoint) and continued elsewhere.
+    let step3 = whole.join("checkpoints/step-000003");
+    finetune(&ck, &data, &resumed, &["--ladder-layers=1", "--steps=6", "--save-every=3", "--resume", step3.to_str().unwrap()]).unwrap();
+    let (a, b) = (losses(&whole), losses(&resumed));
+    assert_eq!(a.len(), 6);
+    assert_eq!(b.len(), 6, "the resumed run starts from the checkpoint's history");
+    assert_eq!(a, b, "resumed fine-tuning differs from the uninterrupted run");
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+#[test]
+fn bad_ladder_layers_are_refused_naming_the_flag() {
+    let dir = tmp("ladder-bad");
+    let (ck, data) = setup(&dir);
+    for bad in ["3", "0,7", "x"] {
+        let e = error_report(&finetune(&ck, &data, &dir.join("out"), &["--ladder-layers", bad]).unwrap_err());
+        assert!(e.contains("--ladder-layers"), "{bad}: {e}");
+    }
+    let p: PretrainArgs =
+        parse_from(["pretrain_llama", "--device=cpu", "--ladder-layers=9", "--out", dir.join("p").to_str().unwrap()]).unwrap();
+    let e = error_report(&ferrolm::cli::pretrain::run(p).unwrap_err());
+    assert!(e.contains("--ladder-layers") && e.contains("9"), "{e}");
+    let _ = std::fs::remove_dir_all(&dir);
+}
