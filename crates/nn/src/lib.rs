@@ -3,7 +3,6 @@
 //! runs the Ladder Transformer (Ladder Residual) as a residual schedule over the Llama blocks.
 pub mod checkpoint;
 pub mod config;
-pub mod cpu_adam;
 pub mod generate;
 pub mod llama;
 pub mod module;

@@ -4,7 +4,7 @@
 //! norm reduction) runs those instead, with the same state. The state is a list of named
 //! tensors for checkpoints.
 use ferrolm_tensor::backend::AdamWHyper;
-use ferrolm_tensor::{bail, fused_adamw_step, fused_global_norm, no_grad, AdamWTensors, DType, Device, Result, Tensor};
+use ferrolm_tensor::{bail, fused_adamw_step, fused_global_norm, no_grad, AdamWTensors, DType, Result, Tensor};
 
 #[derive(Clone, Debug, PartialEq)]
 pub struct AdamWConfig {
@@ -42,6 +42,9 @@ pub struct AdamW {
     pub step: u64,
     /// Whether the last `step` ran the backend's fused kernel (false: the op-based update).
     pub last_step_fused: bool,
+    /// Use the backend's fused kernel when it has one (the CPU's `cpu_adam` for f32, CUDA's
+    /// multi-tensor kernel); false forces the op-based update (a reference for tests).
+    pub allow_fused: bool,
 }
 
 impl AdamW {
@@ -68,7 +71,7 @@ impl AdamW {
                 decay: decay(name, p),
             });
         }
-        Ok(AdamW { cfg, slots, step: 0, last_step_fused: false })
+        Ok(AdamW { cfg, slots, step: 0, last_step_fused: false, allow_fused: true })
     }
 
     /// One update with learning rate `lr` from the parameters' accumulated `.grad()`s.
@@ -77,7 +80,7 @@ impl AdamW {
         let _g = no_grad();
         self.step += 1;
         let c = &self.cfg;
-        if self.slots.first().is_some_and(|s| s.param.device() != Device::Cpu) {
+        {
             let grads: Vec<Option<Tensor>> = self.slots.iter().map(|s| s.param.grad()).collect();
             let ts: Vec<AdamWTensors> = self
                 .slots
@@ -96,7 +99,7 @@ impl AdamW {
                 })
                 .collect();
             let h = AdamWHyper { lr, beta1: c.beta1, beta2: c.beta2, eps: c.eps, step: self.step };
-            if fused_adamw_step(&ts, h)? {
+            if self.allow_fused && fused_adamw_step(&ts, h)? {
                 self.last_step_fused = true;
                 return Ok(());
             }
@@ -227,6 +230,39 @@ mod tests {
         let got = p.to_vec::<f64>().unwrap();
         for (a, b) in got.iter().zip(&want) {
             assert!((a - b).abs() < 1e-12, "{got:?} vs {want:?}");
+        }
+    }
+
+    /// The CPU's fused kernel (f32, and bf16 with an f32 master) against the op-based update:
+    /// the same arithmetic in another order of roundings, so within 1e-6 relative.
+    #[test]
+    fn cpu_fused_adamw_matches_the_ops() {
+        for dt in [DType::F32, DType::BF16] {
+            let mut r = ferrolm_tensor::Rng::new(4);
+            let mk = |r: &mut ferrolm_tensor::Rng| {
+                let p = Tensor::randn([300, 7], 0.3, dt, Device::Cpu, r).unwrap();
+                p.set_requires_grad(true).unwrap();
+                vec![("layers.0.w".to_string(), p)]
+            };
+            let (pa, pb) = (mk(&mut r), mk(&mut ferrolm_tensor::Rng::new(4)));
+            let cfg = AdamWConfig::default();
+            let (mut fa, mut ob) = (AdamW::new(&pa, cfg.clone()).unwrap(), AdamW::new(&pb, cfg).unwrap());
+            ob.allow_fused = false;
+            for _ in 0..3 {
+                let g = Tensor::randn([300, 7], 1.0, DType::F32, Device::Cpu, &mut r).unwrap();
+                pa[0].1.set_grad(Some(g.clone()));
+                pb[0].1.set_grad(Some(g));
+                fa.step(1e-2).unwrap();
+                ob.step(1e-2).unwrap();
+                assert!(fa.last_step_fused && !ob.last_step_fused);
+            }
+            for ((n, a), (_, b)) in fa.state_tensors().iter().zip(ob.state_tensors().iter()).chain(pa.iter().zip(pb.iter())) {
+                let (x, y) = (a.to_vec_f64().unwrap(), b.to_vec_f64().unwrap());
+                let scale = y.iter().map(|v| v.abs()).fold(1e-12, f64::max);
+                let d = x.iter().zip(&y).map(|(u, w)| (u - w).abs()).fold(0.0, f64::max);
+                let tol = if dt == DType::BF16 && n == "layers.0.w" { 1e-2 } else { 1e-6 };
+                assert!(d <= tol * scale, "{dt} {n}: max diff {d} (scale {scale})");
+            }
         }
     }
 

@@ -4,6 +4,7 @@
 pub mod autograd;
 pub mod backend;
 mod cpu;
+pub mod cpu_adam;
 mod dtype;
 mod error;
 mod fused;

@@ -52,6 +52,51 @@ fn one_device(op: &str, ts: &[&Tensor]) -> Result<Device> {
     Ok(d)
 }
 
+/// The CPU's fused AdamW (`cpu_adam`): f32 state, f32 gradients, the parameter f32 (updated
+/// in place) or bf16 with an f32 master. `Ok(false)` when a slot is not of that form.
+fn cpu_adamw_step(slots: &[AdamWTensors], h: AdamWHyper) -> Result<bool> {
+    use crate::CpuStorage;
+    let f32_dense = |t: &Tensor| t.dtype() == crate::DType::F32 && dense(t);
+    let ok = slots.iter().all(|s| {
+        f32_dense(s.grad)
+            && f32_dense(s.m)
+            && f32_dense(s.v)
+            && match s.master {
+                None => f32_dense(s.param),
+                Some(m) => f32_dense(m) && s.param.dtype() == crate::DType::BF16 && dense(s.param),
+            }
+    });
+    if slots.is_empty() || !ok {
+        return Ok(false);
+    }
+    for s in slots {
+        let distinct = [s.param, s.m, s.v, s.grad].iter().chain(s.master.iter()).map(|t| Arc::as_ptr(&t.0.storage)).collect::<Vec<_>>();
+        if (1..distinct.len()).any(|i| distinct[..i].contains(&distinct[i])) {
+            return Ok(false); // aliased state: leave it to the op-based update
+        }
+        let g = s.grad.0.storage.read()?;
+        let (mut m, mut v) = (s.m.0.storage.write()?, s.v.0.storage.write()?);
+        let (Storage::Cpu(CpuStorage::F32(g)), Storage::Cpu(CpuStorage::F32(m)), Storage::Cpu(CpuStorage::F32(v))) =
+            (&*g, &mut *m, &mut *v)
+        else {
+            return Ok(false);
+        };
+        match s.master {
+            None => {
+                let mut p = s.param.0.storage.write()?;
+                let Storage::Cpu(CpuStorage::F32(p)) = &mut *p else { return Ok(false) };
+                crate::cpu_adam::adamw_step(p, m, v, g, None, &h, s.weight_decay)?;
+            }
+            Some(master) => {
+                let (mut w, mut p) = (master.0.storage.write()?, s.param.0.storage.write()?);
+                let (Storage::Cpu(CpuStorage::F32(w)), Storage::Cpu(CpuStorage::BF16(p))) = (&mut *w, &mut *p) else { return Ok(false) };
+                crate::cpu_adam::adamw_step(w, m, v, g, Some(p), &h, s.weight_decay)?;
+            }
+        }
+    }
+    Ok(true)
+}
+
 /// Runs the backend's fused AdamW over `slots` if it has one and every tensor is dense;
 /// `Ok(false)` means nothing was changed and the caller must run the op-based update.
 pub fn fused_adamw_step(slots: &[AdamWTensors], h: AdamWHyper) -> Result<bool> {
@@ -61,7 +106,10 @@ pub fn fused_adamw_step(slots: &[AdamWTensors], h: AdamWHyper) -> Result<bool> {
         all.extend(s.master);
     }
     let device = one_device("fused_adamw_step", &all)?;
-    if all.is_empty() || device == Device::Cpu || !all.iter().all(|t| dense(t)) {
+    if device == Device::Cpu {
+        return cpu_adamw_step(slots, h);
+    }
+    if all.is_empty() || !all.iter().all(|t| dense(t)) {
         return Ok(false);
     }
     let b = backend::get("fused_adamw_step", device)?;

@@ -9,8 +9,8 @@
 //!
 //! Traffic per parameter: reads g, w, m, v (16 bytes), writes w, m, v (12 bytes) and the
 //! bf16 copy (2 bytes): 30 bytes, or 28 without the bf16 copy. The update is memory bound.
-use ferrolm_tensor::backend::AdamWHyper;
-use ferrolm_tensor::{bf16, Error, Result};
+use crate::backend::AdamWHyper;
+use crate::{bf16, Error, Result};
 use rayon::prelude::*;
 
 /// Elements per task: large enough to amortise scheduling, small enough to balance threads.
@@ -147,7 +147,7 @@ mod tests {
     #[test]
     fn matches_the_formula_and_rounds_like_half() {
         let n = 3 * CHUNK + 17;
-        let mut r = ferrolm_tensor::Rng::new(1);
+        let mut r = crate::Rng::new(1);
         let g: Vec<f32> = (0..n).map(|_| r.normal() as f32).collect();
         let w0: Vec<f32> = (0..n).map(|_| r.normal() as f32).collect();
         let (mut w, mut m, mut v) = (w0.clone(), vec![0.01f32; n], vec![0.02f32; n]);
