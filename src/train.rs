@@ -450,7 +450,7 @@ impl Trainer {
             }
             bar.set_position(self.step as u64);
             bar.set_message(format!("loss {loss:.4}"));
-            if self.step % self.opts.log_every.max(1) == 0 || self.step == self.opts.steps || self.step == start_step + 1 {
+            if self.step.is_multiple_of(self.opts.log_every.max(1)) || self.step == self.opts.steps || self.step == start_step + 1 {
                 let dev = match mfu {
                     Some(m) => format!(" | MFU {:.1}% | peak mem {peak_mib:.0} MiB", m * 100.0),
                     None => String::new(),
@@ -464,7 +464,7 @@ impl Trainer {
             }
             let last = self.step == self.opts.steps;
             let mut eval_error = None;
-            if self.opts.eval_every > 0 && (self.step % self.opts.eval_every == 0 || last) {
+            if self.opts.eval_every > 0 && (self.step.is_multiple_of(self.opts.eval_every) || last) {
                 match self.evaluate(self.opts.eval_batches) {
                     Ok(v) => {
                         self.val_history.push((self.step as f64, v));
@@ -475,7 +475,7 @@ impl Trainer {
                 }
             }
             // A failed validation must not cost the checkpoint of this step: save, then report.
-            if (self.opts.save_every > 0 && self.step % self.opts.save_every == 0) || last || eval_error.is_some() {
+            if (self.opts.save_every > 0 && self.step.is_multiple_of(self.opts.save_every)) || last || eval_error.is_some() {
                 let dir = self.save_checkpoint()?;
                 report(&format!("saved checkpoint {}", dir.display()));
                 self.plot();

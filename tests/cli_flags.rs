@@ -291,3 +291,35 @@ fn pretrain_end_to_end_then_eval_of_its_checkpoint() {
     assert!(msg.contains("cannot open the model directory") && msg.contains("(os error 2)"), "{msg}");
     let _ = std::fs::remove_dir_all(&dir);
 }
+
+#[test]
+fn data_prepared_with_another_tokenizer_is_refused_at_open() {
+    let dir = tmp("cli-other-tokenizer");
+    let other = dir.join("other-tokenizer.json");
+    let sonnets = root().join("data/corpus/sonnets.txt");
+    let t: TrainTokenizerArgs =
+        parse_from(["train_tokenizer", "--corpus", sonnets.to_str().unwrap(), "--vocab-size=300", "--out", other.to_str().unwrap()])
+            .unwrap();
+    ferrolm::cli::prepare::train_tokenizer(t).unwrap();
+    let data = dir.join("data");
+    let p: PrepareDataArgs = parse_from([
+        "prepare_data",
+        "--input",
+        sonnets.to_str().unwrap(),
+        "--tokenizer",
+        other.to_str().unwrap(),
+        "--out",
+        data.to_str().unwrap(),
+    ])
+    .unwrap();
+    ferrolm::cli::prepare::prepare_data(p).unwrap();
+    let out = dir.join("run");
+    // Trained with the bundled tokenizer: the ids in these shards mean other tokens.
+    let a: PretrainArgs =
+        parse_from(["pretrain_llama", "--device=cpu", "--data", data.to_str().unwrap(), "--out", out.to_str().unwrap(), "--steps=1"])
+            .unwrap();
+    let err = error_report(&ferrolm::cli::pretrain::run(a).unwrap_err());
+    assert!(err.contains("does not fit the tokenizer") && err.contains("vocab_size"), "{err}");
+    assert!(!out.join("checkpoints").exists(), "a run started on mismatched data");
+    let _ = std::fs::remove_dir_all(&dir);
+}

@@ -3,9 +3,9 @@
 //! blocks read the residual stream one branch late. The validation loss is reported for the
 //! plain model, for the converted one before training and after it; checkpoints are written in
 //! the paper's released format (`model_type: "llamaLadder"`, `ladder_layers`).
-use super::pretrain::{preflight, shard_dir};
+use super::pretrain::{preflight, token_data};
 use super::{env_help, LogArgs, Tool, TrainArgs, ENV_COMMON, ENV_DEVICE, ENV_TRAIN};
-use crate::data::{list_shards, Tokenizer};
+use crate::data::Tokenizer;
 use crate::nn::LadderLayers;
 use crate::parallel::{Comm, DistEngine};
 use crate::progress::report;
@@ -80,8 +80,7 @@ fn prepare(args: &FinetuneArgs) -> AnyResult<Prepared> {
         );
     }
     let data = a.data.clone().unwrap_or_else(|| super::bundled("data/corpus"));
-    let shards = shard_dir(&data, &tokenizer, &tok_path)?;
-    let (train, val) = (list_shards(&shards, "train")?, list_shards(&shards, "val")?);
+    let (shards, train, val) = token_data(&data, &tokenizer, &tok_path)?;
     let opts = checked.options();
     check_validation_data(&val, opts.batch_size, opts.seq_len).with_context(|| format!("{}", shards.display()))?;
     crate::memory::check_fits(&cfg, dtype, device, &opts, a.activation_checkpointing)?;

@@ -1,6 +1,6 @@
 //! `pretrain_llama`: pretrain a LLaMA model from scratch (or continue a run).
 use super::{env_help, prepare, LogArgs, Tool, TrainArgs, ENV_COMMON, ENV_DEVICE, ENV_TRAIN};
-use crate::data::{list_shards, PrepareSummary, Shard, Tokenizer};
+use crate::data::{PrepareSummary, Shard, Tokenizer};
 use crate::nn::generate::generate;
 use crate::nn::LlamaConfig;
 use crate::progress::report;
@@ -70,6 +70,19 @@ pub(crate) fn shard_dir(data: &Path, tokenizer: &Tokenizer, tok_path: &Path) -> 
     Ok(dir)
 }
 
+/// The train and validation shards for `--data`, checked at open against the tokenizer (manifest
+/// vocabulary and fingerprint, every shard's dtype, length and ids): a bad id is found here, not
+/// at the step that first draws it.
+pub(crate) fn token_data(data: &Path, tokenizer: &Tokenizer, tok_path: &Path) -> AnyResult<(PathBuf, Vec<PathBuf>, Vec<PathBuf>)> {
+    let shards = shard_dir(data, tokenizer, tok_path)?;
+    let td = crate::data::check_token_data(&shards, tokenizer)
+        .with_context(|| format!("the prepared data in {} does not fit the tokenizer {}", shards.display(), tok_path.display()))?;
+    for w in &td.warnings {
+        tracing::warn!("{w}");
+    }
+    Ok((shards, td.train_shards, td.val_shards))
+}
+
 /// Checks the flags and the output directory before anything slow or large happens.
 pub(crate) fn preflight(a: &TrainArgs) -> AnyResult<()> {
     a.options().validate()?;
@@ -109,12 +122,7 @@ fn prepare(args: &PretrainArgs) -> AnyResult<Prepared> {
     let tok_path = a.tokenizer.clone().unwrap_or_else(|| super::bundled("data/tokenizer.json"));
     let tokenizer = Tokenizer::from_file(&tok_path).with_context(|| format!("cannot load the tokenizer {}", tok_path.display()))?;
     let data = a.data.clone().unwrap_or_else(|| super::bundled("data/corpus"));
-    let shards = shard_dir(&data, &tokenizer, &tok_path)?;
-    let train = list_shards(&shards, "train")?;
-    let val = list_shards(&shards, "val")?;
-    if train.is_empty() {
-        bail!("{}: no training shards (train_*.bin)", shards.display());
-    }
+    let (shards, train, val) = token_data(&data, &tokenizer, &tok_path)?;
     // The final validation always runs, so the split must serve one window whatever --eval-every.
     check_validation_data(&val, opts.batch_size, opts.seq_len).with_context(|| format!("{}", shards.display()))?;
 
