@@ -43,12 +43,13 @@ impl Sharding {
     fn split(dim: usize, parts: usize, rank: usize, tp: usize) -> Self {
         Sharding { dim: Some(dim), parts, index: rank * parts / tp, replicas: tp / parts }
     }
-    /// This rank's piece of the full tensor.
+    /// This rank's piece of the full tensor, in storage of its own (a view would keep the
+    /// whole tensor alive on every rank).
     pub fn shard(&self, full: &Tensor) -> Result<Tensor> {
         let _g = no_grad();
-        let Some(dim) = self.dim else { return full.contiguous() };
+        let Some(dim) = self.dim else { return full.deep_copy() };
         let n = full.dim(dim) / self.parts;
-        full.narrow(dim, self.index * n, n)?.contiguous()
+        full.narrow(dim, self.index * n, n)?.deep_copy()
     }
 }
 

@@ -175,6 +175,25 @@ fn tp_generation_gives_the_same_tokens() {
     }
 }
 
+/// Each rank holds only its shards: the bytes of the parameters on a rank are the model's
+/// over tp (plus what is replicated), not the whole model.
+#[test]
+fn tp_ranks_hold_only_their_shards() {
+    let c = config(r#","num_key_value_heads":4"#);
+    let whole: usize =
+        Llama::new(c.clone(), DType::F32, Device::Cpu, &mut Rng::new(1)).unwrap().parameters().iter().map(|(_, p)| p.storage_bytes()).sum();
+    let held = ThreadComm::run(2, CommOptions::default(), |comm| {
+        let mut m = Llama::new(c.clone(), DType::F32, Device::Cpu, &mut Rng::new(1))?;
+        parallelize(&mut m, &comm)?;
+        Ok(m.parameters().iter().map(|(_, p)| p.storage_bytes()).sum::<usize>())
+    })
+    .unwrap();
+    let norms = 4 * (2 * c.num_hidden_layers + 1) * c.hidden_size; // replicated on both ranks
+    for h in held {
+        assert_eq!(h, (whole - norms) / 2 + norms, "a rank holds {h} bytes of parameters, the model {whole}");
+    }
+}
+
 #[test]
 fn tp_refuses_indivisible_shapes() {
     let c = config(r#","num_key_value_heads":2,"intermediate_size":50"#);
