@@ -81,7 +81,13 @@ impl AdamW {
         self.step += 1;
         let c = &self.cfg;
         {
-            let grads: Vec<Option<Tensor>> = self.slots.iter().map(|s| s.param.grad()).collect();
+            // The fused kernels want dense gradients; a linear weight's gradient arrives as the
+            // transposed view of the backward GEMM's result.
+            let grads: Vec<Option<Tensor>> = self
+                .slots
+                .iter()
+                .map(|s| s.param.grad().map(|g| if g.is_contiguous() { Ok(g) } else { g.contiguous() }).transpose())
+                .collect::<Result<_>>()?;
             let ts: Vec<AdamWTensors> = self
                 .slots
                 .iter()
