@@ -54,6 +54,11 @@ impl Tokenizer {
         let bad = |e: &dyn std::fmt::Display| Error::format(path, format!("not a valid tokenizer.json: {e}"));
         let value: serde_json::Value = serde_json::from_slice(json).map_err(|e| bad(&e))?;
         check_ids(&value, path)?;
+        if let Some(pp) = value.get("post_processor") {
+            check_post_processor(pp, path, "post_processor")?;
+        }
+        check_bpe_merges(&value, path)?;
+        let value_pp = value.get("post_processor").cloned();
         let inner: tokenizers::Tokenizer = serde_json::from_value(value).map_err(|e| bad(&e))?;
         if let Some(t) = inner.get_truncation() {
             return Err(Error::format(
@@ -81,6 +86,13 @@ impl Tokenizer {
         }
         if vocab_size > MAX_ID as usize + 1 {
             return Err(Error::format(path, format!("{vocab_size} tokens do not fit the i32 ids of a batch")));
+        }
+        // A post-processor inserts the ids its special tokens declare: they must be tokens.
+        if let Some(id) = special_token_ids(value_pp.as_ref()).into_iter().find(|&id| id as usize >= vocab_size) {
+            return Err(Error::format(
+                path,
+                format!("field `post_processor`: a special token has id {id}, outside the vocabulary of {vocab_size}"),
+            ));
         }
         Ok(Tokenizer { inner, vocab_size })
     }
@@ -164,6 +176,78 @@ fn check_ids(v: &serde_json::Value, path: &Path) -> Result<()> {
         if let Some(id) = t.get("id").filter(|id| id.as_u64().is_some_and(|i| i > MAX_ID)) {
             return Err(too_big("added_tokens", t.get("content").and_then(|c| c.as_str()).unwrap_or("?"), id));
         }
+    }
+    Ok(())
+}
+
+/// Every id the `special_tokens` of a template post-processor (at any depth) declares.
+fn special_token_ids(pp: Option<&serde_json::Value>) -> Vec<u64> {
+    let Some(pp) = pp else { return Vec::new() };
+    let mut out = Vec::new();
+    for p in pp.get("processors").and_then(|x| x.as_array()).into_iter().flatten() {
+        out.extend(special_token_ids(Some(p)));
+    }
+    for t in pp.get("special_tokens").and_then(|s| s.as_object()).into_iter().flat_map(|o| o.values()) {
+        out.extend(t.get("ids").and_then(|x| x.as_array()).into_iter().flatten().map(|i| i.as_u64().unwrap_or(u64::MAX)));
+    }
+    out
+}
+
+/// With a `continuing_subword_prefix`, the tokenizers library slices the prefix off the second
+/// token of every BPE merge and panics when that token does not start with it.
+fn check_bpe_merges(v: &serde_json::Value, path: &Path) -> Result<()> {
+    let Some(model) = v.get("model").filter(|m| m.get("type").and_then(|t| t.as_str()) == Some("BPE")) else { return Ok(()) };
+    let Some(prefix) = model.get("continuing_subword_prefix").and_then(|p| p.as_str()).filter(|p| !p.is_empty()) else { return Ok(()) };
+    for (i, m) in model.get("merges").and_then(|x| x.as_array()).into_iter().flatten().enumerate() {
+        let second = match m {
+            serde_json::Value::String(s) => s.split_once(' ').map(|(_, b)| b.to_string()),
+            serde_json::Value::Array(a) => a.get(1).and_then(|b| b.as_str()).map(str::to_string),
+            _ => None,
+        };
+        if let Some(b) = second {
+            if !b.starts_with(prefix) {
+                return Err(Error::format(
+                    path,
+                    format!("field `model.merges`: merge {i} ends in {b:?}, which lacks the continuing_subword_prefix {prefix:?}"),
+                ));
+            }
+        }
+    }
+    Ok(())
+}
+
+/// A `TemplateProcessing` post-processor must define every special token its templates name
+/// (the tokenizers library panics while encoding otherwise), each with as many ids as tokens.
+/// `Sequence` post-processors are checked member by member.
+fn check_post_processor(pp: &serde_json::Value, path: &Path, field: &str) -> Result<()> {
+    let bad = |m: String| Error::format(path, format!("field `{field}`: {m}"));
+    match pp.get("type").and_then(|t| t.as_str()) {
+        Some("Sequence") => {
+            for (i, p) in pp.get("processors").and_then(|x| x.as_array()).into_iter().flatten().enumerate() {
+                check_post_processor(p, path, &format!("{field}.processors[{i}]"))?;
+            }
+        }
+        Some("TemplateProcessing") => {
+            let specials = pp.get("special_tokens").and_then(|s| s.as_object());
+            for (name, t) in specials.into_iter().flatten() {
+                let len = |k: &str| t.get(k).and_then(|x| x.as_array()).map(|a| a.len());
+                if len("ids") != len("tokens") {
+                    return Err(bad(format!("special token {name:?} has {:?} ids for {:?} tokens", len("ids"), len("tokens"))));
+                }
+            }
+            for template in ["single", "pair"] {
+                for piece in pp.get(template).and_then(|x| x.as_array()).into_iter().flatten() {
+                    if let Some(id) = piece.pointer("/SpecialToken/id").and_then(|x| x.as_str()) {
+                        if !specials.is_some_and(|s| s.contains_key(id)) {
+                            return Err(bad(format!(
+                                "template `{template}` uses special token {id:?}, which `special_tokens` does not define"
+                            )));
+                        }
+                    }
+                }
+            }
+        }
+        _ => {}
     }
     Ok(())
 }

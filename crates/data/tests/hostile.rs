@@ -47,6 +47,40 @@ fn prepared(tag: &str) -> (Scratch, Scratch) {
     (input, out)
 }
 
+/// Found by the fuzzer: a template post-processor that names a special token it does not
+/// define made the tokenizers library panic ("no entry found for key") while encoding.
+#[test]
+fn template_with_an_undefined_special_token_is_refused() {
+    let mut v = bundled_json();
+    // The bundled post-processor: Sequence [ByteLevel, TemplateProcessing].
+    let template = v["post_processor"]["processors"][1].clone();
+    assert_eq!(template["type"], "TemplateProcessing", "{}", v["post_processor"]);
+    let mut broken = template.clone();
+    broken["special_tokens"] = json!({});
+    v["post_processor"]["processors"][1] = broken.clone();
+    let e = err_of(Tokenizer::from_bytes(serde_json::to_string(&v).unwrap().as_bytes()));
+    assert!(e.contains("`post_processor.processors[1]`") && e.contains("special token"), "{e}");
+    // On its own as well.
+    v["post_processor"] = broken;
+    let e = err_of(Tokenizer::from_bytes(serde_json::to_string(&v).unwrap().as_bytes()));
+    assert!(e.contains("`post_processor`") && e.contains("special token"), "{e}");
+}
+
+/// Also found by the fuzzer: a continuing_subword_prefix that the second token of a merge
+/// lacks (the library slices it off and panics), and special-token ids outside the vocabulary
+/// (encoding would emit ids the embedding does not have).
+#[test]
+fn bpe_prefix_and_special_token_ids_are_checked() {
+    let mut v = bundled_json();
+    v["model"]["continuing_subword_prefix"] = json!("##########");
+    let e = err_of(Tokenizer::from_bytes(serde_json::to_string(&v).unwrap().as_bytes()));
+    assert!(e.contains("`model.merges`") && e.contains("continuing_subword_prefix"), "{e}");
+    let mut v = bundled_json();
+    v["post_processor"]["processors"][1]["special_tokens"]["<|bos|>"]["ids"] = json!([999999]);
+    let e = err_of(Tokenizer::from_bytes(serde_json::to_string(&v).unwrap().as_bytes()));
+    assert!(e.contains("`post_processor`") && e.contains("999999"), "{e}");
+}
+
 #[test]
 fn tokenizer_with_truncation_is_refused_naming_file_and_field() {
     let dir = Scratch::new("tok-trunc");
