@@ -3,8 +3,10 @@
 //! `parallelize(&mut model, &tp_group)` replaces each parameter by this rank's shard and
 //! each op by its parallel form; the model file is untouched:
 //! - q/k/v/gate/up: column-parallel (output features split). The forward is a plain GEMM on
-//!   the replicated input; the backward launches the all-reduce of the input gradient and then
-//!   computes the weight gradient while it is in flight (Megatron's async TP).
+//!   the replicated input, behind one Megatron `f` per input shared by the projections that
+//!   read it, so q, k and v (and gate and up) sum their input gradients locally and all-reduce
+//!   them once, as a fused QKV projection would. Each weight gradient is deferred work that
+//!   the autograd engine runs while that all-reduce is in flight (Megatron's async TP).
 //! - o/down: row-parallel (input features split); the output is a partial sum whose
 //!   all-reduce is launched and returned pending, to be waited on where the residual schedule
 //!   adds it (at once for a standard block, one branch later for a Ladder block).
@@ -14,12 +16,12 @@
 //!   heads use (replicated, as Megatron does); its weight gradient is summed over the ranks
 //!   that share it.
 use crate::comm::{Communicator, ReduceOp};
-use crate::ops::{gather_from_group, reduce_from_group};
+use crate::ops::{copy_to_group, gather_from_group, reduce_from_group};
 use ferrolm_nn::module::{linear, EmbeddingOp, HeadOp, LinearOp};
 use ferrolm_nn::Llama;
 use ferrolm_tensor::{bail, no_grad, DType, Error, Result, Tensor};
 use std::collections::BTreeMap;
-use std::sync::Arc;
+use std::sync::{Arc, Mutex};
 
 pub type Comm = Arc<dyn Communicator>;
 
@@ -61,34 +63,64 @@ pub struct TpLayout {
     pub params: BTreeMap<String, Sharding>,
 }
 
-// ---- column-parallel: y_local = x W_local^T, input gradient all-reduced asynchronously ------
+// ---- column-parallel: y_local = f(x) W_local^T ----------------------------------------------
+
+/// Megatron's `f` (identity forward, all-reduce of the gradient in backward) applied once per
+/// input tensor, shared by every column-parallel projection that reads it (q, k and v read
+/// the same normed input, gate and up another): their input gradients are summed locally and
+/// all-reduced once, as Megatron's fused QKV does, instead of once per projection.
+#[derive(Default)]
+pub struct SharedInput {
+    last: Mutex<Option<(usize, Tensor)>>,
+}
+
+impl SharedInput {
+    fn f(&self, x: &Tensor, comm: &Comm) -> Result<Tensor> {
+        let mut last = self.last.lock().unwrap_or_else(|e| e.into_inner());
+        if let Some((id, xf)) = last.as_ref() {
+            if *id == x.id() {
+                return Ok(xf.clone());
+            }
+        }
+        let xf = copy_to_group(x, comm)?;
+        *last = Some((x.id(), xf.clone()));
+        Ok(xf)
+    }
+}
 
 pub struct ColumnParallel {
     pub comm: Comm,
     /// Group whose ranks hold the same weight piece (replicated key/value heads); the weight
     /// gradient is summed over it. None when the weight is not replicated.
     pub replicas: Option<Comm>,
+    pub input: Arc<SharedInput>,
 }
 
 impl LinearOp for ColumnParallel {
     fn forward(&self, x: &Tensor, w: &Tensor) -> Result<Tensor> {
+        let xf = self.input.f(x, &self.comm)?;
         let y = {
             let _g = no_grad();
-            linear(x, w)? // (.., out_local)
+            linear(&xf, w)? // (.., out_local)
         };
-        let (xs, ws, comm, rep) = (x.clone(), w.clone(), self.comm.clone(), self.replicas.clone());
+        let (xs, ws, rep) = (xf.clone(), w.clone(), self.replicas.clone());
         Ok(Tensor::from_op(
             y,
             "column_parallel_linear",
-            &[x, w],
+            &[&xf, w],
             Box::new(move |g| {
-                // dX = dY W is a partial sum over the group: launch its all-reduce first, then
-                // compute dW = dY^T X while it is in flight.
-                let dx = comm.all_reduce_async(&linear(g, &ws.t()?)?, ReduceOp::Sum)?.tensor();
-                let d = xs.dims();
-                let n: usize = d[..d.len() - 1].iter().product();
-                let g2 = g.reshape(vec![n, g.dim(g.rank() - 1)])?;
-                let dw = g2.t()?.matmul(&xs.reshape(vec![n, d[d.len() - 1]])?)?; // (out_local, in)
+                // dX = dY W now: it completes the input gradient, whose all-reduce (the shared
+                // f's backward) can then start. dW = dY^T X is deferred local work that the
+                // engine runs while that all-reduce is in flight (Megatron's async TP).
+                let dx = linear(g, &ws.t()?)?;
+                let (g, xs) = (g.clone(), xs.clone());
+                let d = xs.dims().to_vec();
+                let (shape, dtype, dev) = (ws.shape().clone(), ws.dtype(), ws.device());
+                let dw = Tensor::deferred(shape, dtype, dev, move || {
+                    let n: usize = d[..d.len() - 1].iter().product();
+                    let g2 = g.reshape(vec![n, g.dim(g.rank() - 1)])?;
+                    g2.t()?.matmul(&xs.reshape(vec![n, d[d.len() - 1]])?) // (out_local, in)
+                })?;
                 let dw = match &rep {
                     Some(r) => r.all_reduce_async(&dw, ReduceOp::Sum)?.tensor(),
                     None => dw,
@@ -135,6 +167,13 @@ impl VocabParallel {
     }
 }
 
+impl VocabParallel {
+    /// The head's projection onto this rank's vocabulary rows.
+    fn head(&self) -> ColumnParallel {
+        ColumnParallel { comm: self.comm.clone(), replicas: None, input: Arc::default() }
+    }
+}
+
 impl EmbeddingOp for VocabParallel {
     fn forward(&self, ids: &Tensor, w: &Tensor) -> Result<Tensor> {
         let (local, mask) = self.local_ids(ids)?;
@@ -145,14 +184,14 @@ impl EmbeddingOp for VocabParallel {
 
 impl HeadOp for VocabParallel {
     fn logits(&self, x: &Tensor, w: &Tensor) -> Result<Tensor> {
-        let local = ColumnParallel { comm: self.comm.clone(), replicas: None }.forward(x, w)?; // (B, T, V/tp)
+        let local = self.head().forward(x, w)?; // (B, T, V/tp)
         gather_from_group(&local, &self.comm, local.rank() - 1)
     }
 
     /// Cross-entropy over vocabulary shards: the row max, the sum of exponentials and the
     /// target logit are each reduced over the group; the (N, V) logits never are.
     fn loss(&self, x: &Tensor, w: &Tensor, targets: &Tensor, ignore: i32) -> Result<Tensor> {
-        let logits = ColumnParallel { comm: self.comm.clone(), replicas: None }.forward(x, w)?; // (B, T, V/tp)
+        let logits = self.head().forward(x, w)?; // (B, T, V/tp)
         let n = targets.numel();
         let l = logits.reshape(vec![n, self.rows])?.to_dtype(DType::F32)?; // (N, V/tp)
         let t = targets.to_vec::<i32>()?;
@@ -228,8 +267,10 @@ pub fn parallelize(model: &mut Llama, comm: &Comm) -> Result<TpLayout> {
         layout.insert(n.to_string(), s);
         Ok(())
     })?;
-    let col = Arc::new(ColumnParallel { comm: comm.clone(), replicas: None });
-    let kv_col = Arc::new(ColumnParallel { comm: comm.clone(), replicas: kv_replicas });
+    // One shared f for all the column-parallel projections: each input is all-reduced once.
+    let input = Arc::new(SharedInput::default());
+    let col = Arc::new(ColumnParallel { comm: comm.clone(), replicas: None, input: input.clone() });
+    let kv_col = Arc::new(ColumnParallel { comm: comm.clone(), replicas: kv_replicas, input });
     let row = Arc::new(RowParallel { comm: comm.clone() });
     for b in &mut model.layers {
         let (a, m) = (&mut b.self_attn, &mut b.mlp);

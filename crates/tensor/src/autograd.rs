@@ -87,9 +87,22 @@ pub(crate) fn traverse(root: &Tensor, seed: Tensor, on_leaf: &mut dyn FnMut(&Ten
     }
     let mut grads: HashMap<usize, Vec<Tensor>> = HashMap::from([(root.id(), vec![seed])]);
     let mut ready: BTreeSet<usize> = BTreeSet::from([root.id()]);
-    let waits = |grads: &HashMap<usize, Vec<Tensor>>, id: usize| grads.get(&id).is_some_and(|v| v.iter().any(Tensor::is_pending));
+    // What a ready tensor's gradient still waits for: communication in flight, or only local
+    // work deferred into it (a weight gradient).
+    let comm = |grads: &HashMap<usize, Vec<Tensor>>, id: usize| {
+        grads.get(&id).is_some_and(|v| v.iter().any(|g| g.is_pending() && !g.is_deferred()))
+    };
+    let any = |grads: &HashMap<usize, Vec<Tensor>>, id: usize| grads.get(&id).is_some_and(|v| v.iter().any(Tensor::is_pending));
     loop {
-        let id = match ready.iter().rev().find(|&&id| !waits(&grads, id)).or_else(|| ready.last()) {
+        // 1. the newest tensor whose gradient is complete; 2. deferred local work (it runs while
+        // the collectives launched by 1 are in flight); 3. the newest, waiting for it.
+        let pick = ready
+            .iter()
+            .rev()
+            .find(|&&id| !any(&grads, id))
+            .or_else(|| ready.iter().rev().find(|&&id| !comm(&grads, id)))
+            .or_else(|| ready.last());
+        let id = match pick {
             Some(&id) => id,
             None => break,
         };
@@ -98,6 +111,7 @@ pub(crate) fn traverse(root: &Tensor, seed: Tensor, on_leaf: &mut dyn FnMut(&Ten
         let g = sum_grads(grads.remove(&id).unwrap_or_default())?;
         let Some(node) = &t.0.grad_fn else {
             if let Some(g) = g {
+                g.wait()?; // the scheduler chose this moment: run the deferred work, or wait
                 on_leaf(&t, g)?;
             }
             continue;
@@ -123,10 +137,11 @@ pub(crate) fn traverse(root: &Tensor, seed: Tensor, on_leaf: &mut dyn FnMut(&Ten
             let d = deps.get_mut(&inp.id()).expect("counted input");
             *d -= 1;
             if *d == 0 {
-                if inp.is_leaf() {
+                if inp.is_leaf() && !any(&grads, inp.id()) {
                     // A leaf's gradient is final now: deliver it (and fire its hooks) at once
                     // instead of after every op with a larger id, so hooks run in backward order
-                    // while the rest of backward goes on.
+                    // while the rest of backward goes on. A gradient still pending (deferred work,
+                    // or a collective) joins the ready set and is scheduled like any other.
                     by_id.remove(&inp.id());
                     if let Some(gl) = sum_grads(grads.remove(&inp.id()).unwrap_or_default())? {
                         on_leaf(inp, gl)?;

@@ -139,6 +139,8 @@ pub struct StorageCell {
     state: std::sync::Mutex<State>,
     /// Any state but `Ready`: the fast path of every read checks only this.
     not_ready: std::sync::atomic::AtomicBool,
+    /// The pending fill is local work (a deferred computation), not a wait on another party.
+    local: std::sync::atomic::AtomicBool,
     len: usize,
     dtype: crate::DType,
     bytes: usize,
@@ -164,6 +166,7 @@ impl StorageCell {
             inner: std::sync::RwLock::new(s),
             state: std::sync::Mutex::new(State::Ready),
             not_ready: std::sync::atomic::AtomicBool::new(false),
+            local: std::sync::atomic::AtomicBool::new(false),
             len,
             dtype,
             bytes,
@@ -180,6 +183,30 @@ impl StorageCell {
 
     fn lock_state(&self) -> std::sync::MutexGuard<'_, State> {
         self.state.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// A pending cell whose fill is local work (a deferred computation, see
+    /// `Tensor::deferred`): resolving it makes progress instead of waiting on communication.
+    pub fn local_pending(s: Storage, fill: Fill) -> Self {
+        let c = Self::pending(s, fill);
+        c.local.store(true, Ordering::Release);
+        c
+    }
+
+    /// The cell promises `n` elements (its placeholder may hold none): the size its fill must
+    /// produce, and what it accounts for.
+    pub(crate) fn promising(mut self, n: usize) -> Self {
+        let bytes = n * self.dtype.size_in_bytes();
+        LIVE_BYTES.fetch_sub(self.bytes, Ordering::Relaxed);
+        account_add(bytes);
+        self.len = n;
+        self.bytes = bytes;
+        self
+    }
+
+    /// True while a local (deferred-computation) fill is outstanding.
+    pub fn is_local_pending(&self) -> bool {
+        self.is_pending() && self.local.load(Ordering::Acquire)
     }
 
     /// True while the bytes are not there to read: in flight, failed, or released.

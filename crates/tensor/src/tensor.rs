@@ -120,6 +120,48 @@ impl Tensor {
         })))
     }
 
+    /// A tensor computed by `f` when it is first read: work that need not happen where it is
+    /// written (a weight gradient, deferred so that a collective launched before it can run
+    /// meanwhile). The autograd engine runs such work when everything else ready is waiting
+    /// on communication.
+    pub fn deferred(
+        shape: impl Into<Shape>,
+        dtype: DType,
+        device: Device,
+        f: impl FnOnce() -> Result<Tensor> + Send + 'static,
+    ) -> Result<Tensor> {
+        let shape = shape.into();
+        let placeholder = Storage::Cpu(CpuStorage::zeros(0, dtype));
+        let n = shape.numel();
+        let fill: crate::storage::Fill = Box::new(move |s| {
+            let t = f()?;
+            if t.numel() != n || t.dtype() != dtype || t.device() != device {
+                bail!("deferred", "computed {:?} {} on {}, promised {n} {dtype} elements on {device}", t.shape(), t.dtype(), t.device());
+            }
+            *s = t.storage_copy()?;
+            Ok(())
+        });
+        // The cell promises the result's size; the placeholder is replaced by the fill.
+        let cell = StorageCell::local_pending(placeholder, fill);
+        Ok(Tensor(Arc::new(TensorInner {
+            id: NEXT_ID.fetch_add(1, Ordering::Relaxed),
+            storage: Arc::new(cell.promising(n)),
+            layout: Layout::contiguous(shape),
+            dtype,
+            device,
+            leaf_requires_grad: AtomicBool::new(false),
+            grad_fn: None,
+            grad: Mutex::new(None),
+            hooks: Mutex::new(Vec::new()),
+            sink: Mutex::new(None),
+        })))
+    }
+
+    /// True while this tensor's storage is still being computed locally (see `deferred`).
+    pub fn is_deferred(&self) -> bool {
+        self.0.storage.is_local_pending()
+    }
+
     /// True while this tensor's storage is still being produced (see `pending`).
     pub fn is_pending(&self) -> bool {
         self.0.storage.is_pending()

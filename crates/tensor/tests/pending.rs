@@ -191,3 +191,40 @@ fn released_storage_refills_on_read() {
 
 /// live_bytes is process-wide: the tests of this file run one at a time.
 static SERIAL: Mutex<()> = Mutex::new(());
+
+/// A weight gradient deferred as local work runs while communication launched after it is in
+/// flight: the engine launches the collective (the input gradient's all-reduce), then computes
+/// the deferred weight gradient, then waits for the collective.
+#[test]
+fn deferred_weight_gradients_run_while_communication_is_in_flight() {
+    let _serial = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
+    let log: Log = Arc::default();
+    let w = Tensor::from_vec(vec![2.0f64, 3.0], [2], Device::Cpu).unwrap();
+    w.set_requires_grad(true).unwrap();
+    let x = Tensor::from_vec(vec![1.0f64, -1.0], [2], Device::Cpu).unwrap();
+    x.set_requires_grad(true).unwrap();
+    // "comm": identity forward, its backward launches a pending (logged) copy.
+    let l1 = log.clone();
+    let xf = Tensor::from_op(x.detach(), "comm", &[&x], Box::new(move |g| Ok(vec![Some(pending_copy(g, &l1))])));
+    // "linear": y = xf * w; backward: dx now, dw deferred (logged when computed).
+    let (xs, ws, l2) = (xf.clone(), w.clone(), log.clone());
+    let y = Tensor::from_op(
+        xf.mul(&w).unwrap().detach(),
+        "linear",
+        &[&xf, &w],
+        Box::new(move |g| {
+            let dx = g.mul(&ws)?;
+            let (g, xs, l2) = (g.clone(), xs.clone(), l2.clone());
+            let dw = Tensor::deferred(g.shape().clone(), g.dtype(), g.device(), move || {
+                l2.lock().unwrap().push("weight gradient");
+                g.mul(&xs)
+            })?;
+            Ok(vec![Some(dx), Some(dw)])
+        }),
+    );
+    y.sum_all().unwrap().backward().unwrap();
+    assert_eq!(*log.lock().unwrap(), ["weight gradient", "wait"], "the deferred work ran before the wait");
+    assert_eq!(w.grad().unwrap().to_vec::<f64>().unwrap(), [1.0, -1.0]);
+    assert_eq!(x.grad().unwrap().to_vec::<f64>().unwrap(), [2.0, 3.0]);
+    assert!(!w.grad().unwrap().is_pending());
+}
