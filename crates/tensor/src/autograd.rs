@@ -111,7 +111,11 @@ pub(crate) fn traverse(root: &Tensor, seed: Tensor, on_leaf: &mut dyn FnMut(&Ten
         let g = sum_grads(grads.remove(&id).unwrap_or_default())?;
         let Some(node) = &t.0.grad_fn else {
             if let Some(g) = g {
-                g.wait()?; // the scheduler chose this moment: run the deferred work, or wait
+                if g.is_deferred() {
+                    g.wait()?; // the scheduler chose this moment to run the deferred work
+                }
+                // A collective's result is handed over still pending: the leaf's consumer
+                // (an optimizer, a sharding engine) waits where it reads it.
                 on_leaf(&t, g)?;
             }
             continue;
