@@ -126,3 +126,24 @@ fn a_two_level_link_charges_the_hierarchical_cost() {
     })
     .unwrap();
 }
+
+/// Data cannot move before the last rank posts: a rank that arrives early waits for its peer
+/// and then for the whole link time (the link time is not hidden behind the wait).
+#[test]
+fn the_transfer_starts_when_every_rank_has_posted() {
+    let waits = ThreadComm::run(2, opts(), |c| {
+        let link = wrap(c, flat());
+        let x = Tensor::ones([10_000], DType::F32, Device::Cpu)?; // 120 ms on the link
+        link.barrier()?;
+        let t0 = Instant::now();
+        if link.rank() == 1 {
+            std::thread::sleep(Duration::from_millis(150)); // the late rank
+        }
+        link.all_reduce(&x, ReduceOp::Sum)?;
+        Ok(t0.elapsed().as_secs_f64())
+    })
+    .unwrap();
+    for w in waits {
+        assert_about(w, 0.150 + 0.120, "early and late rank alike");
+    }
+}
