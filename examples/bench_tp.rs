@@ -33,10 +33,10 @@ struct Opts {
     #[arg(long, default_value = "2", value_parser = positive)]
     tp: usize,
     /// Transformer layers
-    #[arg(long, default_value = "6", value_parser = positive)]
+    #[arg(long, default_value = "8", value_parser = positive)]
     layers: usize,
     /// Hidden size (a multiple of 64 x tp; head_dim is 64)
-    #[arg(long, default_value = "384", value_parser = positive)]
+    #[arg(long, default_value = "512", value_parser = positive)]
     hidden: usize,
     /// Sequences per step
     #[arg(long, default_value = "4", value_parser = positive)]
@@ -45,7 +45,7 @@ struct Opts {
     #[arg(long, default_value = "128", value_parser = positive)]
     seq_len: usize,
     /// Timed steps per row (after one warm-up step; the median is reported)
-    #[arg(long, default_value = "4", value_parser = positive)]
+    #[arg(long, default_value = "5", value_parser = positive)]
     steps: usize,
     /// Rounds: every configuration is measured once per round, in turn, and its fastest round
     /// kept (other work on the machine only ever slows a round down)
@@ -54,6 +54,9 @@ struct Opts {
     /// Share of the standard model's no-link step that the simulated link's communication takes
     #[arg(long, default_value = "0.4", value_parser = fraction)]
     comm_share: f64,
+    /// Print the modelled 8-GPU figure (Llama-3-8B shape, TP 8 on one H100 NVLink node) and exit
+    #[arg(long)]
+    modelled_8gpu: bool,
     #[command(flatten)]
     log: LogArgs,
 }
@@ -139,7 +142,81 @@ fn main() {
     ferrolm::cli::main_with(run)
 }
 
+/// The modelled 8-GPU figure: Llama-3-8B's shape at TP 8 on one H100 SXM node. Compute per
+/// GEMM is a roofline (989 TFLOP/s dense bf16 at 60% efficiency, 3.35 TB/s HBM3: NVIDIA's H100
+/// SXM datasheet); an all-reduce costs what `cost::seconds` charges on NVLink 4 (900 GB/s
+/// bidirectional per GPU; 360 GB/s per rank and direction, the bus bandwidth nccl-tests reach
+/// on DGX H100; 2 us per ring step). Per branch the standard model exposes its forward
+/// all-reduce and, in backward, what the deferred weight-gradient GEMM does not cover; the
+/// Ladder model exposes only what the next branch's compute does not cover.
+fn modelled_8gpu(o: &Opts) {
+    use ferrolm_dist::cost::{seconds, GroupSpan, Kind};
+    let (h, inter, heads, kv, d, layers, vocab) = (4096.0, 14336.0, 32.0, 8.0, 128.0, 32usize, 128256.0);
+    let tp = 8.0;
+    let link = LinkModel::flat(Link::new(2e-6, 360e9));
+    let (peak, eff, hbm) = (989e12, 0.6, 3.35e12);
+    let gemm = |m: f64, k: f64, n: f64| (2.0 * m * k * n / (peak * eff)).max(2.0 * (m * k + k * n + m * n) / hbm);
+    for (mode, tokens, ctx) in [("train", 4096.0, 4096.0), ("infer", 4096.0, 4096.0), ("decode", 64.0, 4096.0)] {
+        let ar = seconds(Kind::AllReduce, GroupSpan::intra(8), tokens * h * 2.0, &link);
+        // Forward compute of each branch on one GPU.
+        let attn_core = if mode == "decode" {
+            2.0 * 2.0 * tokens * ctx * heads * d / tp / (peak * eff)
+        } else {
+            2.0 * tokens * ctx * heads * d / tp / (peak * eff)
+        };
+        let attn = gemm(tokens, h, (heads + 2.0 * kv) * d / tp) + gemm(tokens, heads * d / tp, h) + attn_core;
+        let mlp = gemm(tokens, h, 2.0 * inter / tp) + gemm(tokens, inter / tp, h);
+        let head = gemm(tokens, h, vocab / tp);
+        let fwd = layers as f64 * (attn + mlp) + head;
+        let (mut std_exposed, mut lad_exposed) = (0.0f64, 0.0f64);
+        // Forward: the standard model waits for every all-reduce; Ladder hides each behind
+        // the next branch (the last one has none).
+        std_exposed += 2.0 * layers as f64 * ar;
+        for i in 0..2 * layers {
+            let next = if i + 1 == 2 * layers {
+                0.0
+            } else if i % 2 == 0 {
+                mlp
+            } else {
+                attn
+            };
+            lad_exposed += (ar - next).max(0.0);
+        }
+        let mut step = fwd;
+        if mode == "train" {
+            // Backward (2x forward): the input-gradient all-reduce of each branch behind its
+            // deferred weight-gradient GEMMs (half the branch's backward) in both models, and in
+            // Ladder behind the other branch's backward too.
+            for (own, other) in [(attn, mlp), (mlp, attn)] {
+                std_exposed += layers as f64 * (ar - own).max(0.0);
+                lad_exposed += layers as f64 * (ar - own - 2.0 * other).max(0.0);
+            }
+            step = 3.0 * fwd;
+        }
+        for (model, exposed) in [("llama", std_exposed), ("ladder", lad_exposed)] {
+            println!(
+                "{}",
+                serde_json::json!({"model": model, "tp": 8, "mode": mode, "link": "modelled: 8x H100 SXM NVLink 4 (2 us/step, 360 GB/s per rank)",
+                    "step_s": step + exposed, "exposed_comm_s": exposed, "tokens": tokens})
+            );
+        }
+        println!(
+            "{mode} (modelled, {} tokens): compute {:.2} ms, llama exposes {:.2} ms, ladder {:.2} ms; Ladder {:.2}x faster",
+            tokens,
+            step * 1e3,
+            std_exposed * 1e3,
+            lad_exposed * 1e3,
+            (step + std_exposed) / (step + lad_exposed)
+        );
+    }
+    let _ = o;
+}
+
 fn run(o: Opts) -> AnyResult<()> {
+    if o.modelled_8gpu {
+        modelled_8gpu(&o);
+        return Ok(());
+    }
     if o.tp < 2 || o.hidden % (64 * o.tp) != 0 {
         anyhow::bail!("--tp must be >= 2 and --hidden a multiple of 64 x tp");
     }
