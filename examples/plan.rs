@@ -77,6 +77,9 @@ struct PlanArgs {
     /// Fraction of overlapped communication that still slows compute
     #[arg(long, default_value = "0.2", value_parser = fraction)]
     interference: f64,
+    /// GPU memory bandwidth, GB/s (the optimizer update is memory bound)
+    #[arg(long, default_value = "2000")]
+    hbm_gb_s: f64,
     /// Rows of the table
     #[arg(long, default_value = "12", value_parser = positive)]
     top: usize,
@@ -164,6 +167,8 @@ fn run(a: PlanArgs) -> AnyResult<()> {
         peak_flops: a.peak_tflops * 1e12,
         margin: a.margin,
         interference: a.interference,
+        update_s_per_elem: 28.0 / (a.hbm_gb_s * 1e9),
+        comm_cpu_s_per_byte: 0.0,
     };
     let work = Workload {
         seq: a.seq_len,

@@ -15,7 +15,7 @@
 //! (prefetch) and the gradient reduce-scatters behind the backward; in the step's last
 //! micro-batch the hand-over T_os0 runs behind the backward too. So each pass exposes what its
 //! compute cannot cover plus one bucket's worth (the pipeline's fill or drain); T_os1 (after
-//! the update) is exposed. Overlapped communication is not free on a GPU (NCCL kernels take
+//! the update) overlaps the update of the following buckets. Overlapped communication is not free on a GPU (NCCL kernels take
 //! SMs and memory bandwidth from the GEMMs): `Cluster::interference` charges that fraction of
 //! the hidden time (0 for the CPU simulated link, whose "communication" is a sleep).
 use crate::cost::{self, GroupSpan, Kind, LinkModel};
@@ -119,6 +119,12 @@ pub struct Cluster {
     pub margin: f64,
     /// Fraction of overlapped communication time that still slows compute.
     pub interference: f64,
+    /// Seconds the optimizer takes per parameter element it updates (AdamW moves 28 bytes per
+    /// element: on a GPU, 28 / HBM bandwidth).
+    pub update_s_per_elem: f64,
+    /// Compute time the communicator itself takes per byte a rank sends (thread ranks copy and
+    /// sum on the same cores as the model; 0 for NCCL, whose cost is `interference`).
+    pub comm_cpu_s_per_byte: f64,
 }
 
 /// What one step trains.
@@ -267,10 +273,15 @@ pub fn evaluate(m: &ModelShape, c: &Cluster, w: &Workload, spec: ShardSpec) -> O
     let micro_f = micro as f64;
     let exposed_fwd = micro_f * pass(fwd_comm, fwd);
     let exposed_bwd = (micro_f - 1.0) * pass(bwd_comm, 2.0 * fwd + recompute) + pass(bwd_comm + t0, 2.0 * fwd + recompute);
-    let exposed = exposed_fwd + exposed_bwd + t1;
+    // The update runs bucket by bucket, each bucket's parameter all-gather behind the next
+    // bucket's update.
+    let update = local / spec.optim as f64 * c.update_s_per_elem;
+    let exposed = exposed_fwd + exposed_bwd + pass(t1, update);
     let total_comm: f64 = comm.iter().sum();
     let hidden = (total_comm - exposed).max(0.0);
-    let compute = micro_f * (3.0 * fwd + recompute);
+    let sent =
+        crate::zero::traffic_bytes(spec, dp, &buckets.iter().map(|&b| b as usize).collect::<Vec<_>>(), &gathers, w.elem_bytes, micro);
+    let compute = micro_f * (3.0 * fwd + recompute) + update + sent * c.comm_cpu_s_per_byte;
     let step = compute + exposed + c.interference * hidden;
     let tokens = w.global_batch_tokens as f64;
     let mfu = m.flops_per_token(w.seq) * tokens / (step * c.gpus as f64 * c.peak_flops);

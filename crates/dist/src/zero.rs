@@ -194,6 +194,8 @@ struct ZBucket {
     v: Tensor,
     /// (n / s_os) 1 where weight decay applies, 0 elsewhere (norms, embeddings, padding).
     decay: Tensor,
+    /// The same as runs (start, len, decays) for the fused update.
+    runs: Vec<(usize, usize, bool)>,
     /// (n / s_os) each element's weight in the global gradient norm: 1 over the number of
     /// tensor-parallel ranks holding the same value.
     norm_weight: Tensor,
@@ -333,6 +335,8 @@ pub struct Zero {
     cfg: AdamWConfig,
     /// Optimizer steps taken.
     pub step: u64,
+    /// Seconds the last step spent updating (the AdamW loop, without waiting for gradients).
+    pub last_update_s: f64,
     micro: usize,
     dtype: DType,
 }
@@ -374,7 +378,15 @@ impl Zero {
                 }
             }
             let dev = bk.flat.device();
+            let mut runs: Vec<(usize, usize, bool)> = Vec::new();
+            for (e, &d) in decay.iter().enumerate() {
+                match runs.last_mut() {
+                    Some(r) if r.2 == (d != 0.0) => r.1 += 1,
+                    _ => runs.push((e, 1, d != 0.0)),
+                }
+            }
             buckets.push(ZBucket {
+                runs,
                 n,
                 flat: bk.flat.clone(),
                 p_shard,
@@ -407,6 +419,7 @@ impl Zero {
             tp: tp.map(|_| mesh.tp_group().clone()),
             cfg,
             step: 0,
+            last_update_s: 0.0,
             micro: 0,
             dtype,
         };
@@ -569,6 +582,7 @@ impl Zero {
         let c = &self.cfg;
         let (bc1, bc2) = (1.0 - c.beta1.powi(self.step as i32), 1.0 - c.beta2.powi(self.step as i32));
         let k = so / self.spec.params;
+        let t_update = std::time::Instant::now();
         let mut gathered = Vec::with_capacity(self.buckets.len());
         for (bk, g) in self.buckets.iter_mut().zip(grads) {
             let g = if clip != 1.0 { g.mul_scalar(clip)? } else { g };
@@ -578,6 +592,13 @@ impl Zero {
                 Some(m) => m.clone(),
                 None => pview.clone(),
             };
+            let segments: Vec<(usize, usize, f64)> =
+                bk.runs.iter().map(|&(s, l, d)| (s, l, if d { c.weight_decay } else { 0.0 })).collect();
+            let h = ferrolm_tensor::backend::AdamWHyper { lr, beta1: c.beta1, beta2: c.beta2, eps: c.eps, step: self.step };
+            if ferrolm_tensor::fused_adamw_ranges(&pview, &g, &bk.m, &bk.v, bk.master.as_ref(), &segments, h)? {
+                gathered.push(if k > 1 { Some(self.groups.os_sub.all_gather_async(&pview.deep_copy()?)?.tensor()) } else { None });
+                continue;
+            }
             let m = bk.m.mul_scalar(c.beta1)?.add(&g.mul_scalar(1.0 - c.beta1)?)?;
             let v = bk.v.mul_scalar(c.beta2)?.add(&g.sqr()?.mul_scalar(1.0 - c.beta2)?)?;
             let denom = v.mul_scalar(1.0 / bc2)?.sqrt()?.add_scalar(c.eps)?;
@@ -595,6 +616,7 @@ impl Zero {
             // Hand-back OS -> P, launched now, behind the next bucket's update.
             gathered.push(if k > 1 { Some(self.groups.os_sub.all_gather_async(&pview.deep_copy()?)?.tensor()) } else { None });
         }
+        self.last_update_s = t_update.elapsed().as_secs_f64();
         for (bk, g) in self.buckets.iter().zip(gathered) {
             if let Some(full) = g {
                 bk.p_shard.assign(&full)?;

@@ -135,3 +135,58 @@ pub fn fused_global_norm(xs: &[&Tensor]) -> Result<Option<f64>> {
     let b = backend::get("fused_global_norm", device)?;
     with_views(xs, |v| b.global_norm(v))
 }
+
+/// One AdamW update over flat 1-D ranges on the CPU (`cpu_adam`): `param` (a contiguous view,
+/// f32, or bf16 with the f32 `master`), dense f32 `grad`, `m`, `v` of the same length, and
+/// `segments` (start, len, weight decay) covering the elements to update. `Ok(false)` when the
+/// tensors are not of that form (the caller runs the op-based update).
+pub fn fused_adamw_ranges(
+    param: &Tensor,
+    grad: &Tensor,
+    m: &Tensor,
+    v: &Tensor,
+    master: Option<&Tensor>,
+    segments: &[(usize, usize, f64)],
+    h: AdamWHyper,
+) -> Result<bool> {
+    use crate::{CpuStorage, DType};
+    let n = param.numel();
+    let f32_dense = |t: &Tensor| t.device() == Device::Cpu && t.dtype() == DType::F32 && t.numel() == n && dense(t);
+    let param_ok = param.device() == Device::Cpu
+        && param.rank() == 1
+        && param.is_contiguous()
+        && match master {
+            None => param.dtype() == DType::F32,
+            Some(w) => param.dtype() == DType::BF16 && f32_dense(w),
+        };
+    if !(param_ok && f32_dense(grad) && f32_dense(m) && f32_dense(v)) || segments.iter().any(|&(s, l, _)| s + l > n) {
+        return Ok(false);
+    }
+    let cells: Vec<*const crate::storage::StorageCell> =
+        [param, grad, m, v].iter().chain(master.iter()).map(|t| Arc::as_ptr(&t.0.storage)).collect();
+    if (1..cells.len()).any(|i| cells[..i].contains(&cells[i])) {
+        return Ok(false);
+    }
+    let off = param.layout().offset;
+    let g = grad.0.storage.read()?;
+    let (mut ms, mut vs, mut ps) = (m.0.storage.write()?, v.0.storage.write()?, param.0.storage.write()?);
+    let mut ws = match master {
+        Some(w) => Some(w.0.storage.write()?),
+        None => None,
+    };
+    let (Storage::Cpu(CpuStorage::F32(g)), Storage::Cpu(CpuStorage::F32(m)), Storage::Cpu(CpuStorage::F32(v))) = (&*g, &mut *ms, &mut *vs)
+    else {
+        return Ok(false);
+    };
+    for &(s, l, wd) in segments {
+        let (g, m, v) = (&g[s..s + l], &mut m[s..s + l], &mut v[s..s + l]);
+        match (&mut *ps, ws.as_deref_mut()) {
+            (Storage::Cpu(CpuStorage::F32(p)), None) => crate::cpu_adam::adamw_step(&mut p[off + s..off + s + l], m, v, g, None, &h, wd)?,
+            (Storage::Cpu(CpuStorage::BF16(p)), Some(Storage::Cpu(CpuStorage::F32(w)))) => {
+                crate::cpu_adam::adamw_step(&mut w[s..s + l], m, v, g, Some(&mut p[off + s..off + s + l]), &h, wd)?
+            }
+            _ => return Ok(false),
+        }
+    }
+    Ok(true)
+}
