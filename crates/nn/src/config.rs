@@ -425,6 +425,10 @@ impl LlamaConfig {
             f("num_key_value_heads", self.num_key_value_heads),
             f("head_dim", self.head_dim),
         ];
+        if self.num_hidden_layers as u64 > MAX_LAYERS {
+            let n = self.num_hidden_layers;
+            return Err(err(src, "num_hidden_layers", format!("too large: {n} layers, more than the limit of {MAX_LAYERS}")));
+        }
         let params = self.num_parameters();
         if params.is_none_or(|n| n > MAX_PARAMETERS) {
             return Err(too_big(src, "parameters", &all, params, MAX_PARAMETERS));
@@ -592,6 +596,10 @@ fn parse_ladder_layers(f: &Fields, ladder_type: bool) -> Result<Option<LadderLay
 /// Largest model a config may describe: 2^40 (1.1e12) parameters, above every Llama released
 /// (405B) and far above what one machine holds; beyond it a config is a mistake or an attack.
 pub const MAX_PARAMETERS: u64 = 1 << 40;
+
+/// Layers one model may have. Per-layer structures are allocated before any weight is read, so
+/// a config claiming billions of tiny layers must be refused by count, not by parameters.
+pub const MAX_LAYERS: u64 = 1 << 16;
 
 /// Largest rotary table (`max_position_embeddings * head_dim` entries; a cos and a sin table
 /// are built, in f64 first): 2^28, a million positions at head_dim 256.

@@ -7,7 +7,7 @@
 mod fuzzing;
 
 use ferrolm_nn::checkpoint::{load_float_safetensors, load_safetensors};
-use ferrolm_nn::config::{MAX_PARAMETERS, MAX_ROPE_TABLE};
+use ferrolm_nn::config::{MAX_LAYERS, MAX_PARAMETERS, MAX_ROPE_TABLE};
 use ferrolm_nn::{Llama, LlamaConfig};
 use ferrolm_tensor::{DType, Device, Rng};
 use fuzzing::{apply_bytes, byte_edit, config, json_mutations, mutate_json, ByteEdit, JsonEdit};
@@ -149,6 +149,7 @@ proptest! {
         if let Ok(c) = LlamaConfig::from_json_str(&text) {
             c.validate().unwrap();
             prop_assert!(c.num_parameters().is_some_and(|n| n <= MAX_PARAMETERS));
+            prop_assert!(c.num_hidden_layers as u64 <= MAX_LAYERS);
             prop_assert!((c.max_position_embeddings as u64) * (c.head_dim as u64) <= MAX_ROPE_TABLE);
             // Round trip; floats within an ulp or two (serde_json's default float parsing is not
             // exactly round-trip).

@@ -2,7 +2,7 @@
 //! naming the file and the field or tensor, never a panic, and nothing is allocated for sizes
 //! that cannot fit.
 use ferrolm_nn::checkpoint::{load_float_safetensors, load_model_dir, load_safetensors, save_safetensors};
-use ferrolm_nn::config::{MAX_PARAMETERS, MAX_ROPE_TABLE};
+use ferrolm_nn::config::{MAX_LAYERS, MAX_PARAMETERS, MAX_ROPE_TABLE};
 use ferrolm_nn::{Llama, LlamaConfig};
 use ferrolm_tensor::{DType, Device, Rng, Tensor};
 use serde_json::{json, Value};
@@ -86,6 +86,15 @@ fn huge_head_dim_is_refused_naming_the_field() {
         v["num_attention_heads"] = json!(1 << 10);
     })));
     assert!(e.contains("parameters") && e.contains(&MAX_PARAMETERS.to_string()), "{e}");
+}
+
+/// Billions of tiny layers stay under the parameter limit but would allocate gigabytes of
+/// per-layer structures before any weight is read (CI ran out of memory on this once).
+#[test]
+fn billions_of_tiny_layers_are_refused_by_count() {
+    let e = err_of(LlamaConfig::from_json_str(&config_with(|v| v["num_hidden_layers"] = json!(1u64 << 31))));
+    assert!(e.contains("`num_hidden_layers`") && e.contains(&MAX_LAYERS.to_string()), "{e}");
+    LlamaConfig::from_json_str(&config_with(|v| v["num_hidden_layers"] = json!(MAX_LAYERS))).unwrap();
 }
 
 #[test]
