@@ -20,6 +20,8 @@
 //!   collective), shared by [`SimLink`], `CommStats` and the planner.
 //! - [`simlink`]: [`SimLink`], a wrapper that completes each collective only after the model's
 //!   time on a FIFO link, so a CPU run measures exposed communication.
+//! - [`dos`]: Deep Optimizer States' performance model (update phase of an offloaded step for
+//!   one GPU subgroup in k) and the choice of k.
 //! - [`mesh`]: [`DeviceMesh`], the tp and dp groups and ZeRO/AMSP's dp sub-groups.
 //! - [`tp`]: Megatron-style tensor parallelism attached to a model from outside
 //!   (`parallelize`): column/row/vocabulary-parallel ops, replicated KV heads for GQA.
@@ -28,6 +30,7 @@
 pub mod ckpt;
 pub mod comm;
 pub mod cost;
+pub mod dos;
 pub mod env;
 pub mod mesh;
 pub mod nccl;
