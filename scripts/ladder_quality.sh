@@ -1,0 +1,63 @@
+#!/usr/bin/env bash
+# Ladder quality check (issue 8): a benchmark script, not a test.
+#   1. From scratch on the bundled corpus, same config, steps and seed: standard Llama vs
+#      all-Ladder vs upper-half Ladder; final validation losses side by side.
+#   2. Conversion: the standard model from (1), its upper half converted to Ladder, validation
+#      loss before and after a short fine-tune, beside the unconverted model fine-tuned the same
+#      way (so the comparison is not just "more training").
+# Usage: scripts/ladder_quality.sh [OUT_DIR]   (env: STEPS=500 FT_STEPS=100 CONFIG=tiny)
+# Prints a markdown table at the end; docs/LADDER.md records one run.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+OUT=${1:-runs/ladder_quality}
+STEPS=${STEPS:-500}
+FT_STEPS=${FT_STEPS:-100}
+CONFIG=${CONFIG:-tiny}
+mkdir -p "$OUT"
+cargo build --release --example pretrain_llama --example finetune_ladder
+bin=target/release/examples
+layers=$(python3 -c "import json,sys; print(json.load(open(sys.argv[1]))['num_hidden_layers'])" "$CONFIG" 2>/dev/null || echo 4)
+half=$((layers / 2))
+
+final_val() { python3 - "$1" <<'PY'
+import json, sys
+vals = [json.loads(l) for l in open(sys.argv[1]) if '"val_loss"' in l]
+print(f"{vals[-1]['val_loss']:.4f}" if vals else "n/a")
+PY
+}
+
+declare -A val
+for name in standard all upper_half; do
+  case $name in
+    standard) extra=() ;;
+    all) extra=(--ladder-layers all) ;;
+    upper_half) extra=(--ladder-layers "$half") ;;
+  esac
+  echo "== pretrain $name (${extra[*]:-standard}) for $STEPS steps"
+  "$bin/pretrain_llama" --config "$CONFIG" --steps "$STEPS" --seed 1337 --eval-every 0 --save-every 0 \
+    --out "$OUT/$name" --overwrite "${extra[@]}" 2>&1 | grep -v '^\s*$' | tail -3
+  val[$name]=$(final_val "$OUT/$name/metrics.jsonl")
+done
+
+ckpt=$(ls -d "$OUT"/standard/checkpoints/*/ | sort | tail -1)
+echo "== convert the upper $half layers of $ckpt and fine-tune $FT_STEPS steps"
+"$bin/finetune_ladder" --model "$ckpt" --ladder-layers "$half" --steps "$FT_STEPS" --eval-every 0 --save-every 0 \
+  --out "$OUT/converted" --overwrite 2>&1 | tee "$OUT/converted.log" | grep -i "loss" | tail -4
+echo "== the unconverted model fine-tuned the same way (no Ladder layers)"
+"$bin/finetune_ladder" --model "$ckpt" --ladder-layers 0 --steps "$FT_STEPS" --eval-every 0 --save-every 0 \
+  --out "$OUT/unconverted" --overwrite 2>&1 | tee "$OUT/unconverted.log" | grep -i "loss" | tail -4
+
+echo
+echo "| from scratch ($CONFIG, $STEPS steps, seed 1337) | final val loss |"
+echo "|---|---|"
+echo "| standard Llama | ${val[standard]} |"
+echo "| all-Ladder | ${val[all]} |"
+echo "| upper-half Ladder (last $half of $layers) | ${val[upper_half]} |"
+echo
+echo "| conversion (upper $half layers) | val loss |"
+echo "|---|---|"
+num() { sed -n "s/.*$1 \([0-9.]*\).*/\1/p" "$OUT/converted.log" | head -1; }
+echo "| pretrained Llama (unconverted) | $(num 'plain Llama validation loss') |"
+echo "| converted, before fine-tune | $(num 'before fine-tuning') |"
+echo "| converted, after $FT_STEPS steps | $(num 'after fine-tuning') |"
+echo "| unconverted, after the same $FT_STEPS steps | $(final_val "$OUT/unconverted/metrics.jsonl") |"
