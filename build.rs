@@ -70,7 +70,7 @@ fn find_nvcc(root: &Path) -> Option<PathBuf> {
         let mut pys: Vec<PathBuf> = rd.filter_map(|e| e.ok().map(|e| e.path())).collect();
         pys.sort();
         for py in pys {
-            if py.file_name().map_or(false, |n| n.to_string_lossy().starts_with("python3.")) {
+            if py.file_name().is_some_and(|n| n.to_string_lossy().starts_with("python3.")) {
                 cands.push(py.join("site-packages/nvidia/cu13/bin").join(exe));
             }
         }

@@ -135,7 +135,7 @@ fn measure(o: &Opts, cfg: &LlamaConfig, mode: Mode, link: Option<Link>) -> AnyRe
         Ok((times[times.len() / 2], total))
     })?;
     let step = out.iter().map(|r| r.0).fold(0.0, f64::max);
-    Ok((step, out[0].1.clone()))
+    Ok((step, out[0].1))
 }
 
 fn main() {
@@ -217,7 +217,7 @@ fn run(o: Opts) -> AnyResult<()> {
         modelled_8gpu(&o);
         return Ok(());
     }
-    if o.tp < 2 || o.hidden % (64 * o.tp) != 0 {
+    if o.tp < 2 || !o.hidden.is_multiple_of(64 * o.tp) {
         anyhow::bail!("--tp must be >= 2 and --hidden a multiple of 64 x tp");
     }
     let (std_cfg, lad_cfg) = (config(&o, false)?, config(&o, true)?);

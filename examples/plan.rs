@@ -141,7 +141,7 @@ fn run(a: PlanArgs) -> AnyResult<()> {
     } else {
         ModelShape::preset(&a.model)?
     };
-    if a.gpus % a.tp != 0 || a.gpus_per_node % a.tp != 0 {
+    if !a.gpus.is_multiple_of(a.tp) || !a.gpus_per_node.is_multiple_of(a.tp) {
         anyhow::bail!("--tp {} must divide --gpus {} and --gpus-per-node {}", a.tp, a.gpus, a.gpus_per_node);
     }
     let intra = match a.calibrate {

@@ -103,7 +103,7 @@ impl ParallelArgs {
             }
         };
         let rpn = self.ranks_per_node();
-        if rpn % self.tp != 0 {
+        if !rpn.is_multiple_of(self.tp) {
             bail!("--ranks-per-node {rpn} must be a multiple of --tp {}", self.tp);
         }
         s.validate(self.dp, (rpn / self.tp).max(1))?;

@@ -13,7 +13,7 @@ const B: u32 = 256;
 
 fn rows(l: &Layout) -> (usize, usize) {
     let d = *l.dims().last().unwrap_or(&1);
-    (if d == 0 { 0 } else { l.numel() / d }, d)
+    (l.numel().checked_div(d).unwrap_or(0), d)
 }
 
 impl CudaBackend {
@@ -208,7 +208,7 @@ impl Backend for CudaBackend {
                 .push(Strided::from_layout("unary", x.1)?)
                 .push(out.buf.ptr)
                 .push(n as i64)
-                .push(code as i32)
+                .push(code)
                 .push(a)
                 .push(b),
         )?;
@@ -470,7 +470,7 @@ impl Backend for CudaBackend {
         let dims = x.1.dims();
         let (t, d) = (dims[2], dims[3]);
         let n = x.1.numel();
-        let nrows = if d == 0 { 0 } else { n / d };
+        let nrows = n.checked_div(d).unwrap_or(0);
         let out = self.alloc(n, s.dtype)?;
         self.launch(
             kname("rope", sfx("rope", s.dtype)?),

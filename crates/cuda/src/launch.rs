@@ -272,7 +272,7 @@ impl CudaBackend {
         let t = cuda(op, targets)?;
         let s = sfx(op, x.dtype)?;
         let v = *logits_layout.dims().last().unwrap_or(&1);
-        let n = if v == 0 { 0 } else { logits_layout.numel() / v };
+        let n = logits_layout.numel().checked_div(v).unwrap_or(0);
         let scale = self.alloc(1, DType::F32)?;
         self.launch(
             "ce_count_scale",

@@ -134,7 +134,7 @@ fn fused_norm_rope_swiglu_softmax() {
             let x = randn(&[n, d], dt, &mut r);
             let w = randn(&[d], dt, &mut r);
             fwd_bwd("rmsnorm", dt, &[x.clone(), w], true, |t| t[0].rms_norm(&t[1], 1e-5).unwrap());
-            fwd_bwd("softmax", dt, &[x.clone()], true, |t| t[0].softmax_last().unwrap());
+            fwd_bwd("softmax", dt, std::slice::from_ref(&x), true, |t| t[0].softmax_last().unwrap());
             let u = randn(&[n, d], dt, &mut r);
             fwd_bwd("swiglu", dt, &[x, u], true, |t| Tensor::swiglu(&t[0], &t[1]).unwrap());
         }

@@ -77,6 +77,7 @@ fn rbf(x: f64) -> f64 {
 /// Runs `f` with the CUDA storages of `ts` (read locks held for the whole call). Each tensor
 /// must be contiguous with offset 0 and own exactly its elements.
 fn with_cuda<R>(ts: &[&Tensor], f: impl FnOnce(&[&CudaStorage]) -> R) -> R {
+    #[allow(clippy::type_complexity)] // a recursive borrow helper; a type alias would not make it clearer
     fn go<R>(ts: &[&Tensor], acc: &mut Vec<*const CudaStorage>, f: Box<dyn FnOnce(&[&CudaStorage]) -> R + '_>) -> R {
         match ts.split_first() {
             None => {

@@ -80,7 +80,7 @@ impl Collective {
                 Ok(Shape(d))
             }
             Collective::ReduceScatter(_) => {
-                if dims[0] % n != 0 {
+                if !dims[0].is_multiple_of(n) {
                     bail!(op, "dim 0 of shape {dims:?} is not divisible by the group size {n}");
                 }
                 let mut d = dims.to_vec();

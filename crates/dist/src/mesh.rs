@@ -32,7 +32,7 @@ impl DeviceMesh {
         if tp * dp != world.size() {
             bail!("mesh", "tp {tp} x dp {dp} = {} ranks, but the world has {}", tp * dp, world.size());
         }
-        if ranks_per_node % tp != 0 {
+        if !ranks_per_node.is_multiple_of(tp) {
             bail!("mesh", "tp {tp} does not divide the {ranks_per_node} ranks per node: a tensor-parallel group must stay inside a node");
         }
         let r = world.rank();
@@ -68,7 +68,7 @@ impl DeviceMesh {
     }
 
     fn check_s(&self, s: usize) -> Result<()> {
-        if s == 0 || self.dp % s != 0 {
+        if s == 0 || !self.dp.is_multiple_of(s) {
             bail!("mesh", "a dp sub-group size must divide dp = {}, got {s}", self.dp);
         }
         Ok(())
@@ -112,10 +112,10 @@ impl DeviceMesh {
 /// block of `s` consecutive dp ranks (world ranks `(b·s + i)·tp + tp_index`) must lie inside one
 /// node or consist of whole nodes.
 pub fn dp_span(tp: usize, dp: usize, ranks_per_node: usize, s: usize) -> Result<GroupSpan> {
-    if tp == 0 || ranks_per_node == 0 || ranks_per_node % tp != 0 {
+    if tp == 0 || ranks_per_node == 0 || !ranks_per_node.is_multiple_of(tp) {
         bail!("mesh", "tp {tp} must divide the {ranks_per_node} ranks per node");
     }
-    if s == 0 || dp % s != 0 {
+    if s == 0 || !dp.is_multiple_of(s) {
         bail!("mesh", "a dp sub-group size must divide dp = {dp}, got {s}");
     }
     let per_node = ranks_per_node / tp; // dp ranks on one node

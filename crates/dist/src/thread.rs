@@ -274,7 +274,7 @@ impl Group {
     }
 
     fn poll(&self, seq: u64) -> bool {
-        self.world.failure().is_some() || lock(&self.state).slots.get(&seq).map_or(true, |s| s.outcome.is_some())
+        self.world.failure().is_some() || lock(&self.state).slots.get(&seq).is_none_or(|s| s.outcome.is_some())
     }
 }
 

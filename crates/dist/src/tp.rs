@@ -235,12 +235,13 @@ pub fn parallelize(model: &mut Llama, comm: &Comm) -> Result<TpLayout> {
     let (tp, rank) = (comm.size(), comm.rank());
     let c = model.config().clone();
     let err = |m: String| Error::new("parallelize", m);
-    let need = |what: &str, n: usize| if n % tp == 0 { Ok(()) } else { Err(err(format!("{what} ({n}) is not divisible by --tp {tp}"))) };
+    let need =
+        |what: &str, n: usize| if n.is_multiple_of(tp) { Ok(()) } else { Err(err(format!("{what} ({n}) is not divisible by --tp {tp}"))) };
     need("num_attention_heads", c.num_attention_heads)?;
     need("intermediate_size", c.intermediate_size)?;
     need("vocab_size", c.vocab_size)?;
     let kv = c.num_key_value_heads;
-    if kv % tp != 0 && tp % kv != 0 {
+    if !kv.is_multiple_of(tp) && tp % kv != 0 {
         return Err(err(format!("num_key_value_heads ({kv}) and --tp {tp}: one must divide the other")));
     }
     // Ranks that share a replicated key/value head sum its weight gradient.

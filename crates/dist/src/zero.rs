@@ -76,11 +76,11 @@ impl ShardSpec {
     pub fn validate(&self, dp: usize, dp_per_node: usize) -> Result<()> {
         let err = |m: String| Error::new("ShardSpec", format!("{self} with {dp} data-parallel ranks: {m}"));
         for (flag, s) in [("--shard-params", self.params), ("--shard-grads", self.grads), ("--shard-optim", self.optim)] {
-            if s == 0 || dp % s != 0 {
+            if s == 0 || !dp.is_multiple_of(s) {
                 return Err(err(format!("{flag} {s} does not divide the data-parallel size {dp}")));
             }
             let dpn = dp_per_node.clamp(1, dp);
-            let fits = if s <= dpn { dpn % s == 0 } else { s % dpn == 0 };
+            let fits = if s <= dpn { dpn.is_multiple_of(s) } else { s % dpn == 0 };
             if !fits {
                 return Err(err(format!(
                     "{flag} {s}: a group must fit inside a node ({dpn} data-parallel ranks per node) or span whole nodes"
@@ -96,7 +96,7 @@ impl ShardSpec {
         if self.grads != self.params && self.grads != self.optim {
             return Err(err("grads must equal params or optim (AMSP's s_g in {s_p, s_os})".into()));
         }
-        if self.optim % self.params != 0 {
+        if !self.optim.is_multiple_of(self.params) {
             return Err(err("optim must be a multiple of params, so that each optimizer shard lies inside one parameter shard".into()));
         }
         Ok(())
@@ -104,7 +104,7 @@ impl ShardSpec {
 
     /// Every valid spec for `dp` ranks, `dp_per_node` per node.
     pub fn all_valid(dp: usize, dp_per_node: usize) -> Vec<ShardSpec> {
-        let divs: Vec<usize> = (1..=dp).filter(|s| dp % s == 0).collect();
+        let divs: Vec<usize> = (1..=dp).filter(|s| dp.is_multiple_of(*s)).collect();
         let mut out = Vec::new();
         for &p in &divs {
             for &o in &divs {
@@ -635,7 +635,7 @@ impl Zero {
             for b in a.buckets.iter_mut() {
                 b.full = None;
                 b.arrived = 0;
-                out.extend(b.reduced.drain(..));
+                out.append(&mut b.reduced);
                 out.extend(b.acc.take());
                 out.extend(b.os_grad.take());
             }

@@ -53,7 +53,7 @@ impl LadderLayers {
         } else {
             LadderLayers::Last(s.parse().map_err(|_| bad(format!("{s:?} is not all, a layer count N or a list i,j,k")))?)
         };
-        v.check(layers).map_err(|m| bad(m))?;
+        v.check(layers).map_err(bad)?;
         Ok(v)
     }
 

@@ -36,6 +36,8 @@ fn targets(ids: &Tensor) -> Tensor {
     Tensor::from_vec(shift_labels(&ids.to_vec::<i32>().unwrap(), t), ids.dims().to_vec(), Device::Cpu).unwrap()
 }
 
+/// (logits, loss, every parameter's gradient by name).
+#[allow(clippy::type_complexity)]
 fn loss_and_grads(m: &Llama, x: &Tensor) -> (Vec<f32>, f64, Vec<(String, Vec<f32>)>) {
     for (_, p) in m.parameters() {
         p.zero_grad();

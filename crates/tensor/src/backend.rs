@@ -77,6 +77,8 @@ pub struct AdamWHyper {
 
 pub trait Backend: Send + Sync {
     fn device(&self) -> Device;
+    /// Upload a host storage to this backend's device.
+    #[allow(clippy::wrong_self_convention)] // `self` is the backend doing the upload, not the source
     fn from_cpu(&self, s: &CpuStorage) -> Result<Storage>;
     /// Contiguous host copy of the view.
     fn to_cpu(&self, x: Sl) -> Result<CpuStorage>;

@@ -77,7 +77,7 @@ impl Tensor {
     /// precomputed cos/sin of shape (t, d) (constants: no gradient flows into them).
     pub fn rope(&self, cos: &Tensor, sin: &Tensor) -> Result<Tensor> {
         same_float("rope", &[self, cos, sin])?;
-        if self.rank() != 4 || self.dims()[3] % 2 != 0 {
+        if self.rank() != 4 || !self.dims()[3].is_multiple_of(2) {
             bail!("rope", "x must be (batch, heads, seq, head_dim) with an even head_dim, got {:?}", self.shape());
         }
         let (t, d) = (self.dims()[2], self.dims()[3]);

@@ -23,6 +23,7 @@ impl Shape {
         s
     }
     /// Numpy-style broadcast of two shapes.
+    #[allow(clippy::needless_range_loop)] // i indexes three arrays with different offsets
     pub fn broadcast(op: &str, a: &Shape, b: &Shape) -> Result<Shape> {
         let r = a.rank().max(b.rank());
         let mut out = vec![0; r];
@@ -108,6 +109,7 @@ impl Layout {
         StridedIter::new(self, start, len.min(self.numel().saturating_sub(start)))
     }
     /// Layout broadcast to `target` (which must be a valid broadcast of this shape).
+    #[allow(clippy::needless_range_loop)] // i indexes the target and, shifted by the padding, the source
     pub fn broadcast_to(&self, op: &str, target: &Shape) -> Result<Layout> {
         let r = target.rank();
         if self.shape.rank() > r {

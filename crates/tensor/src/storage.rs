@@ -56,6 +56,9 @@ impl CpuStorage {
 pub trait DeviceStorage: Send + Sync + fmt::Debug + Any {
     fn dtype(&self) -> DType;
     fn len(&self) -> usize;
+    fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
     fn device(&self) -> Device;
     fn as_any(&self) -> &dyn Any;
     fn as_any_mut(&mut self) -> &mut dyn Any;

@@ -65,7 +65,7 @@ impl Tensor {
     }
 
     pub fn narrow(&self, dim: usize, start: usize, len: usize) -> Result<Tensor> {
-        if dim >= self.rank() || start.checked_add(len).map_or(true, |e| e > self.dims()[dim]) {
+        if dim >= self.rank() || start.checked_add(len).is_none_or(|e| e > self.dims()[dim]) {
             bail!("narrow", "range {start}..+{len} of dim {dim} is outside shape {:?}", self.shape());
         }
         let mut l = self.layout().clone();
@@ -112,7 +112,7 @@ impl Tensor {
 
     /// `n` equal pieces along `dim`.
     pub fn chunk(&self, n: usize, dim: usize) -> Result<Vec<Tensor>> {
-        if n == 0 || dim >= self.rank() || self.dims()[dim] % n != 0 {
+        if n == 0 || dim >= self.rank() || !self.dims()[dim].is_multiple_of(n) {
             bail!("chunk", "dim {dim} of {:?} does not split into {n} equal chunks", self.shape());
         }
         self.split(&vec![self.dims()[dim] / n; n], dim)

@@ -39,37 +39,37 @@ fn bf16_elementwise_and_reductions() {
     let g = &mut Rng::new(1);
     let x = pair(&[4, 33], g);
     let p = pos_pair(&[4, 33], g);
-    check("neg", &[x.clone()], |x| x[0].neg());
-    check("exp", &[x.clone()], |x| x[0].exp());
-    check("sqr", &[x.clone()], |x| x[0].sqr());
-    check("silu", &[x.clone()], |x| x[0].silu());
-    check("log", &[p.clone()], |x| x[0].log());
-    check("sqrt", &[p.clone()], |x| x[0].sqrt());
-    check("rsqrt", &[p.clone()], |x| x[0].rsqrt());
-    check("recip", &[p.clone()], |x| x[0].recip());
-    check("powf", &[p.clone()], |x| x[0].powf(1.5));
-    check("affine", &[x.clone()], |x| x[0].affine(0.5, 0.25));
+    check("neg", std::slice::from_ref(&x), |x| x[0].neg());
+    check("exp", std::slice::from_ref(&x), |x| x[0].exp());
+    check("sqr", std::slice::from_ref(&x), |x| x[0].sqr());
+    check("silu", std::slice::from_ref(&x), |x| x[0].silu());
+    check("log", std::slice::from_ref(&p), |x| x[0].log());
+    check("sqrt", std::slice::from_ref(&p), |x| x[0].sqrt());
+    check("rsqrt", std::slice::from_ref(&p), |x| x[0].rsqrt());
+    check("recip", std::slice::from_ref(&p), |x| x[0].recip());
+    check("powf", std::slice::from_ref(&p), |x| x[0].powf(1.5));
+    check("affine", std::slice::from_ref(&x), |x| x[0].affine(0.5, 0.25));
     let row = pair(&[33], g);
     check("add bcast", &[x.clone(), row.clone()], |x| x[0].add(&x[1]));
     check("sub bcast", &[x.clone(), row.clone()], |x| x[0].sub(&x[1]));
     check("mul bcast", &[x.clone(), row.clone()], |x| x[0].mul(&x[1]));
     check("div", &[x.clone(), p.clone()], |x| x[0].div(&x[1]));
-    check("sum", &[x.clone()], |x| x[0].sum(&[1], false));
-    check("mean", &[x.clone()], |x| x[0].mean(&[0], true));
-    check("max", &[x.clone()], |x| x[0].max(&[1], true));
-    check("softmax", &[x.clone()], |x| x[0].softmax_last());
-    check("views", &[x.clone()], |x| x[0].t()?.narrow(0, 3, 20)?.contiguous()?.reshape([4, 5, 4])?.permute(&[2, 0, 1]));
+    check("sum", std::slice::from_ref(&x), |x| x[0].sum(&[1], false));
+    check("mean", std::slice::from_ref(&x), |x| x[0].mean(&[0], true));
+    check("max", std::slice::from_ref(&x), |x| x[0].max(&[1], true));
+    check("softmax", std::slice::from_ref(&x), |x| x[0].softmax_last());
+    check("views", std::slice::from_ref(&x), |x| x[0].t()?.narrow(0, 3, 20)?.contiguous()?.reshape([4, 5, 4])?.permute(&[2, 0, 1]));
     check("cat", &[x.clone(), p.clone()], |x| Tensor::cat(x, 0));
     check("stack", &[x.clone(), p.clone()], |x| Tensor::stack(x, 1));
-    check("split/chunk", &[x.clone()], |x| {
+    check("split/chunk", std::slice::from_ref(&x), |x| {
         let s = x[0].split(&[10, 23], 1)?;
         let c = x[0].chunk(2, 0)?;
         Tensor::cat(&[s[1].clone(), s[0].clone(), c[1].broadcast_as([2, 2, 33])?.reshape([4, 33])?.sqr()?], 1)
     });
-    check("unsqueeze/broadcast/squeeze", &[x.clone()], |x| {
+    check("unsqueeze/broadcast/squeeze", std::slice::from_ref(&x), |x| {
         x[0].unsqueeze(0)?.broadcast_as([3, 4, 33])?.transpose(0, 1)?.narrow(1, 1, 1)?.squeeze(1)
     });
-    check("casts", &[x.clone()], |x| x[0].to_dtype(DType::F32)?.to_dtype(DType::BF16));
+    check("casts", std::slice::from_ref(&x), |x| x[0].to_dtype(DType::F32)?.to_dtype(DType::BF16));
     assert_eq!(x.0.exp().unwrap().dtype(), DType::BF16);
 }
 

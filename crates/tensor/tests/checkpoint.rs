@@ -110,14 +110,14 @@ fn checkpoint_hooks_fire_once_and_nested_checkpoints_work() {
         move |xs: &[Tensor]| xs[0].matmul(&w)?.silu()
     };
     // plain reference
-    let plain = f(&[x.clone()]).unwrap().matmul(&w).unwrap().sum_all().unwrap();
+    let plain = f(std::slice::from_ref(&x)).unwrap().matmul(&w).unwrap().sum_all().unwrap();
     plain.backward().unwrap();
     let want = w.grad().unwrap().to_vec::<f32>().unwrap();
     w.zero_grad();
     *calls.lock().unwrap() = 0;
     // the same inside a checkpoint nested in a checkpoint
     let w2 = w.clone();
-    let y = checkpoint(&[x.clone()], move |xs| {
+    let y = checkpoint(std::slice::from_ref(&x), move |xs| {
         let f = f.clone();
         checkpoint(xs, move |ys| f(ys))?.matmul(&w2)
     })

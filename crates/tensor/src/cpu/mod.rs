@@ -375,7 +375,7 @@ impl Backend for CpuBackend {
 /// (offset, rows, last dim) of a contiguous view.
 fn rows(l: &Layout) -> (usize, usize, usize) {
     let d = *l.dims().last().unwrap_or(&1);
-    (l.offset, if d == 0 { 0 } else { l.numel() / d }, d)
+    (l.offset, l.numel().checked_div(d).unwrap_or(0), d)
 }
 
 fn check_targets(t: &[i32], v: usize, ignore: i32) -> Result<()> {
