@@ -1,6 +1,6 @@
 //! `prepare_data` (text -> token shards) and `train_tokenizer` (a byte-level BPE tokenizer.json).
 use super::{env_help, fraction, positive, LogArgs, Tool, ENV_COMMON};
-use crate::data::{prepare_text_dir, text_files, train_byte_level_bpe, PrepareSummary, Tokenizer};
+use crate::data::{prepare_text_dir_with_progress, text_files, train_byte_level_bpe, PrepareSummary, Tokenizer};
 use crate::progress::{report, Progress};
 use crate::AnyResult;
 use anyhow::Context;
@@ -46,10 +46,9 @@ impl Tool for PrepareDataArgs {
 pub fn tokenize_text(input: &Path, tokenizer: &Tokenizer, out: &Path, val_fraction: f64, shard_tokens: usize) -> AnyResult<PrepareSummary> {
     let files = text_files(input).with_context(|| format!("cannot read the text in {}", input.display()))?;
     let bytes: u64 = files.iter().filter_map(|f| std::fs::metadata(f).ok()).map(|m| m.len()).sum();
-    // prepare_text_dir reports no progress of its own yet: a spinner shows it is alive.
-    let bar = Progress::spinner("tokenize");
-    bar.set_message(format!("{} file(s), {:.1} MiB", files.len(), bytes as f64 / (1 << 20) as f64));
-    let s = prepare_text_dir(input, tokenizer, out, val_fraction, shard_tokens)
+    let bar = Progress::bytes(bytes, "tokenize");
+    bar.set_message(format!("{} file(s)", files.len()));
+    let s = prepare_text_dir_with_progress(input, tokenizer, out, val_fraction, shard_tokens, &mut |n| bar.inc(n))
         .with_context(|| format!("cannot prepare {} into {}", input.display(), out.display()))?;
     Ok(s)
 }

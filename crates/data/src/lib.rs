@@ -19,6 +19,6 @@ pub mod tokenizer;
 pub use check::{check_shard_ids, check_token_data, TokenData};
 pub use error::{Error, Result};
 pub use loader::{eval_batches, Batch, DataLoader, EvalBatches, LoaderState, MAX_BATCH_TOKENS};
-pub use prepare::{list_shards, prepare_text_dir, text_files, PrepareSummary, ShardInfo};
+pub use prepare::{list_shards, prepare_text_dir, prepare_text_dir_with_progress, text_files, PrepareSummary, ShardInfo};
 pub use shard::{Shard, ShardWriter, TokenDtype};
 pub use tokenizer::{train_byte_level_bpe, Tokenizer, BOS_TOKEN, EOS_TOKEN};

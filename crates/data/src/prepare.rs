@@ -163,6 +163,19 @@ pub fn prepare_text_dir(
     val_fraction: f64,
     shard_tokens: usize,
 ) -> Result<PrepareSummary> {
+    prepare_text_dir_with_progress(input, tokenizer, out_dir, val_fraction, shard_tokens, &mut |_| {})
+}
+
+/// [`prepare_text_dir`], calling `on_bytes(n)` after each input file with the `n` bytes of
+/// text it held (for a progress bar with a rate and an ETA).
+pub fn prepare_text_dir_with_progress(
+    input: impl AsRef<Path>,
+    tokenizer: &Tokenizer,
+    out_dir: impl AsRef<Path>,
+    val_fraction: f64,
+    shard_tokens: usize,
+    on_bytes: &mut dyn FnMut(u64),
+) -> Result<PrepareSummary> {
     let (input, out_dir) = (input.as_ref(), out_dir.as_ref());
     if !(0.0..1.0).contains(&val_fraction) {
         return Err(Error::invalid(format!("val_fraction must be in [0, 1), got {val_fraction}")));
@@ -177,6 +190,7 @@ pub fn prepare_text_dir(
         let text = std::fs::read_to_string(f).map_err(|e| Error::io(f, e))?;
         tokens.extend(tokenizer.encode(&text, false)?);
         tokens.extend(eos);
+        on_bytes(text.len() as u64);
     }
     if tokens.is_empty() {
         return Err(Error::format(input, "input holds no text (0 tokens)"));

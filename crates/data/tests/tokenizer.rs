@@ -3,7 +3,7 @@ mod common;
 use std::path::PathBuf;
 
 use common::Scratch;
-use ferrolm_data::{eval_batches, prepare_text_dir, DataLoader, PrepareSummary, Tokenizer};
+use ferrolm_data::{eval_batches, prepare_text_dir, prepare_text_dir_with_progress, DataLoader, PrepareSummary, Tokenizer};
 
 fn repo_data() -> PathBuf {
     PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../data")
@@ -69,7 +69,11 @@ fn prepare_splits_deterministically_and_feeds_the_loader() {
     std::fs::write(input.path().join("ignored.md"), "not text").unwrap();
 
     let out = Scratch::new("prep-out");
-    let s = prepare_text_dir(input.path(), &tok, out.path(), 0.1, 1000).unwrap();
+    let mut progress = Vec::new();
+    let s = prepare_text_dir_with_progress(input.path(), &tok, out.path(), 0.1, 1000, &mut |n| progress.push(n)).unwrap();
+    // The progress callback sees each text file's bytes once (the .md file is not text input).
+    assert_eq!(progress.iter().sum::<u64>(), (a.len() + b.len()) as u64);
+    assert_eq!(progress.len(), 2);
     let expected: Vec<u32> = [&a, &b].iter().flat_map(|t| tok.encode(t, false).unwrap().into_iter().chain([1])).collect();
     assert_eq!(s.documents, 2);
     assert_eq!(s.train_tokens + s.val_tokens, expected.len() as u64);
