@@ -45,9 +45,7 @@ impl Tool for EvalArgs {
 
 pub fn run(a: EvalArgs) -> AnyResult<()> {
     let dir = &a.model;
-    std::fs::metadata(dir).with_context(|| format!("cannot open the model directory {}", dir.display()))?;
-    let tok_path = dir.join("tokenizer.json");
-    let tokenizer = Tokenizer::from_file(&tok_path).with_context(|| format!("cannot load the tokenizer {}", tok_path.display()))?;
+    let tokenizer = super::model_dir_tokenizer(dir)?;
     let text = std::fs::read_to_string(&a.text).with_context(|| format!("cannot read the text file {}", a.text.display()))?;
     let device = a.device.pick()?;
     let ids = tokenizer.encode(&text, false)?;

@@ -1,10 +1,9 @@
 //! `generate`: sample text from a checkpoint with a KV cache.
 use super::{env_help, non_negative, probability, DeviceArgs, LogArgs, Tool, ENV_COMMON, ENV_DEVICE};
-use crate::data::Tokenizer;
 use crate::nn::generate::generate;
 use crate::progress::report;
 use crate::{AnyResult, DType, Device};
-use anyhow::{bail, Context};
+use anyhow::bail;
 use clap::Parser;
 use ferrolm_tensor::Rng;
 use std::path::PathBuf;
@@ -51,9 +50,7 @@ impl Tool for GenerateArgs {
 
 pub fn run(a: GenerateArgs) -> AnyResult<()> {
     let dir = &a.model;
-    std::fs::metadata(dir).with_context(|| format!("cannot open the model directory {}", dir.display()))?;
-    let tok_path = dir.join("tokenizer.json");
-    let tokenizer = Tokenizer::from_file(&tok_path).with_context(|| format!("cannot load the tokenizer {}", tok_path.display()))?;
+    let tokenizer = super::model_dir_tokenizer(dir)?;
     let device = a.device.pick()?;
     let dtype = if device == Device::Cpu { DType::F32 } else { DType::BF16 };
     let ids = tokenizer.encode(&a.prompt, false)?;
@@ -69,7 +66,7 @@ pub fn run(a: GenerateArgs) -> AnyResult<()> {
             if tokenizer.vocab_size() > model.config().vocab_size {
                 bail!(
                     "{}: the tokenizer has {} tokens but the model's vocab_size is {}",
-                    tok_path.display(),
+                    dir.join("tokenizer.json").display(),
                     tokenizer.vocab_size(),
                     model.config().vocab_size
                 );

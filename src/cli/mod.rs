@@ -74,6 +74,14 @@ pub fn main_with<A: Tool>(run: impl FnOnce(A) -> AnyResult<()>) -> ! {
 }
 
 /// `error: what failed: why: root cause` on one line, as a user sees it.
+/// The tokenizer of a model directory (eval, generate), with errors naming the directory or file.
+pub fn model_dir_tokenizer(dir: &std::path::Path) -> AnyResult<crate::data::Tokenizer> {
+    use anyhow::Context;
+    std::fs::metadata(dir).with_context(|| format!("cannot open the model directory {}", dir.display()))?;
+    let tok_path = dir.join("tokenizer.json");
+    crate::data::Tokenizer::from_file(&tok_path).with_context(|| format!("cannot load the tokenizer {}", tok_path.display()))
+}
+
 pub fn error_report(e: &anyhow::Error) -> String {
     format!("error: {e:#}")
 }

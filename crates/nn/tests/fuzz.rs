@@ -14,26 +14,14 @@ use fuzzing::{apply_bytes, byte_edit, config, json_mutations, mutate_json, ByteE
 use proptest::prelude::*;
 use safetensors::tensor::{Dtype, TensorView};
 use serde_json::Value;
-use std::path::{Path, PathBuf};
+use std::path::Path;
 use std::sync::OnceLock;
 
 #[global_allocator]
 static ALLOC: fuzzing::CappedAlloc = fuzzing::CappedAlloc;
 
-struct TempDir(PathBuf);
-impl TempDir {
-    fn new(name: &str) -> Self {
-        let p = std::env::temp_dir().join(format!("ferrolm-nn-fuzz-{name}-{}", std::process::id()));
-        let _ = std::fs::remove_dir_all(&p);
-        std::fs::create_dir_all(&p).unwrap();
-        TempDir(p)
-    }
-}
-impl Drop for TempDir {
-    fn drop(&mut self) {
-        let _ = std::fs::remove_dir_all(&self.0);
-    }
-}
+mod common;
+use common::TempDir;
 
 /// Splits a safetensors file into its header (as JSON) and payload.
 fn split(bytes: &[u8]) -> (Value, Vec<u8>) {

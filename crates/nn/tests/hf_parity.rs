@@ -23,20 +23,8 @@ fn rel_err(a: &Tensor, b: &Tensor) -> f64 {
 }
 
 /// A scratch directory under the system temp dir, removed when dropped.
-struct TempDir(PathBuf);
-impl TempDir {
-    fn new(name: &str) -> Self {
-        let p = std::env::temp_dir().join(format!("ferrolm-nn-{name}-{}", std::process::id()));
-        let _ = std::fs::remove_dir_all(&p);
-        std::fs::create_dir_all(&p).unwrap();
-        TempDir(p)
-    }
-}
-impl Drop for TempDir {
-    fn drop(&mut self) {
-        let _ = std::fs::remove_dir_all(&self.0);
-    }
-}
+mod common;
+use common::TempDir;
 
 fn parity(name: &str) {
     let dir = fixtures().join(name);

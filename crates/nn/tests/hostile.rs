@@ -6,22 +6,10 @@ use ferrolm_nn::config::{MAX_LAYERS, MAX_PARAMETERS, MAX_ROPE_TABLE};
 use ferrolm_nn::{Llama, LlamaConfig};
 use ferrolm_tensor::{DType, Device, Rng, Tensor};
 use serde_json::{json, Value};
-use std::path::{Path, PathBuf};
+use std::path::Path;
 
-struct TempDir(PathBuf);
-impl TempDir {
-    fn new(name: &str) -> Self {
-        let p = std::env::temp_dir().join(format!("ferrolm-nn-hostile-{name}-{}", std::process::id()));
-        let _ = std::fs::remove_dir_all(&p);
-        std::fs::create_dir_all(&p).unwrap();
-        TempDir(p)
-    }
-}
-impl Drop for TempDir {
-    fn drop(&mut self) {
-        let _ = std::fs::remove_dir_all(&self.0);
-    }
-}
+mod common;
+use common::TempDir;
 
 fn tiny() -> LlamaConfig {
     LlamaConfig::from_json_str(
