@@ -16,15 +16,12 @@ CONFIG=${CONFIG:-tiny}
 mkdir -p "$OUT"
 cargo build --release --example pretrain_llama --example finetune_ladder
 bin=target/release/examples
-layers=$(python3 -c "import json,sys; print(json.load(open(sys.argv[1]))['num_hidden_layers'])" "$CONFIG" 2>/dev/null || echo 4)
+case $CONFIG in
+  tiny) layers=4 ;;
+  small) layers=8 ;;
+  *) layers=$(python3 -c "import json,sys; print(json.load(open(sys.argv[1]))['num_hidden_layers'])" "$CONFIG") ;;
+esac
 half=$((layers / 2))
-
-final_val() { python3 - "$1" <<'PY'
-import json, sys
-vals = [json.loads(l) for l in open(sys.argv[1]) if '"val_loss"' in l]
-print(f"{vals[-1]['val_loss']:.4f}" if vals else "n/a")
-PY
-}
 
 declare -A val
 for name in standard all upper_half; do
@@ -35,8 +32,10 @@ for name in standard all upper_half; do
   esac
   echo "== pretrain $name (${extra[*]:-standard}) for $STEPS steps"
   "$bin/pretrain_llama" --config "$CONFIG" --steps "$STEPS" --seed 1337 --eval-every 0 --save-every 0 \
-    --out "$OUT/$name" --overwrite "${extra[@]}" 2>&1 | grep -v '^\s*$' | tail -3
-  val[$name]=$(final_val "$OUT/$name/metrics.jsonl")
+    --out "$OUT/$name" --overwrite "${extra[@]}" > "$OUT/$name.log" 2>&1
+  # The whole validation split, as pretrain_llama reports it at the end.
+  val[$name]=$(sed -n 's/^final validation loss \([0-9.]*\).*/\1/p' "$OUT/$name.log")
+  grep "^final validation loss" "$OUT/$name.log"
 done
 
 ckpt=$(ls -d "$OUT"/standard/checkpoints/*/ | sort | tail -1)
@@ -60,4 +59,4 @@ num() { sed -n "s/.*$1 \([0-9.]*\).*/\1/p" "$OUT/converted.log" | head -1; }
 echo "| pretrained Llama (unconverted) | $(num 'plain Llama validation loss') |"
 echo "| converted, before fine-tune | $(num 'before fine-tuning') |"
 echo "| converted, after $FT_STEPS steps | $(num 'after fine-tuning') |"
-echo "| unconverted, after the same $FT_STEPS steps | $(final_val "$OUT/unconverted/metrics.jsonl") |"
+echo "| unconverted, after the same $FT_STEPS steps | $(sed -n 's/.*after fine-tuning \([0-9.]*\).*/\1/p' "$OUT/unconverted.log" | head -1) |"

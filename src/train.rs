@@ -464,7 +464,8 @@ impl Trainer {
             }
             let last = self.step == self.opts.steps;
             let mut eval_error = None;
-            if self.opts.eval_every > 0 && (self.step.is_multiple_of(self.opts.eval_every) || last) {
+            // `--eval-every 0` means only at the end, as its help says.
+            if last || (self.opts.eval_every > 0 && self.step.is_multiple_of(self.opts.eval_every)) {
                 match self.evaluate(self.opts.eval_batches) {
                     Ok(v) => {
                         self.val_history.push((self.step as f64, v));

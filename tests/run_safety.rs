@@ -56,8 +56,11 @@ fn overwrite_removes_the_old_run_first_and_says_so() {
     // Only the new run is left: its one checkpoint, and a metrics file with its two steps.
     assert_eq!(checkpoint_names(&dir.join("run")), ["step-000002"]);
     let metrics = std::fs::read_to_string(dir.join("run/metrics.jsonl")).unwrap();
-    let steps: Vec<u64> =
-        metrics.lines().map(|l| serde_json::from_str::<serde_json::Value>(l).unwrap()["step"].as_u64().unwrap()).collect();
+    let steps: Vec<u64> = metrics
+        .lines()
+        .filter(|l| l.contains("\"loss\""))
+        .map(|l| serde_json::from_str::<serde_json::Value>(l).unwrap()["step"].as_u64().unwrap())
+        .collect();
     assert_eq!(steps, [1, 2], "old metrics were kept or appended to: {metrics}");
     let _ = std::fs::remove_dir_all(&dir);
 }
@@ -301,6 +304,24 @@ fn a_batch_size_in_the_trillions_is_refused_before_anything_is_allocated() {
         let err = format!("{:#}", Trainer::new(model(vocab), &train, &val, o, &dir.join("run")).err().unwrap());
         assert!(err.contains(want), "{err}");
     }
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+/// `--eval-every 0` means "only at the end of the run" (its help says so); it used to mean never.
+#[test]
+fn eval_every_zero_validates_once_at_the_end() {
+    let dir = tmp("eval-zero");
+    let run = dir.join("run");
+    let mut t = trainer(&dir, "run", TrainOptions { eval_every: 0, ..opts(3) });
+    t.run().unwrap();
+    let vals: Vec<u64> = std::fs::read_to_string(run.join("metrics.jsonl"))
+        .unwrap()
+        .lines()
+        .filter(|l| l.contains("\"val_loss\""))
+        .map(|l| serde_json::from_str::<serde_json::Value>(l).unwrap()["step"].as_u64().unwrap())
+        .collect();
+    assert_eq!(vals, [3]);
+    assert_eq!(t.val_history.len(), 1);
     let _ = std::fs::remove_dir_all(&dir);
 }
 
