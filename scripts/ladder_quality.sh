@@ -5,7 +5,7 @@
 #   2. Conversion: the standard model from (1), its upper half converted to Ladder, validation
 #      loss before and after a short fine-tune, beside the unconverted model fine-tuned the same
 #      way (so the comparison is not just "more training").
-# Usage: scripts/ladder_quality.sh [OUT_DIR]   (env: STEPS=500 FT_STEPS=100 CONFIG=tiny)
+# Usage: scripts/ladder_quality.sh [OUT_DIR]   (env: STEPS=500 FT_STEPS=100 CONFIG=tiny SEED=1337)
 # Prints a markdown table at the end; docs/LADDER.md records one run.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -13,6 +13,7 @@ OUT=${1:-runs/ladder_quality}
 STEPS=${STEPS:-500}
 FT_STEPS=${FT_STEPS:-100}
 CONFIG=${CONFIG:-tiny}
+SEED=${SEED:-1337}
 mkdir -p "$OUT"
 cargo build --release --example pretrain_llama --example finetune_ladder
 bin=target/release/examples
@@ -31,7 +32,7 @@ for name in standard all upper_half; do
     upper_half) extra=(--ladder-layers "$half") ;;
   esac
   echo "== pretrain $name (${extra[*]:-standard}) for $STEPS steps"
-  "$bin/pretrain_llama" --config "$CONFIG" --steps "$STEPS" --seed 1337 --eval-every 0 --save-every 0 \
+  "$bin/pretrain_llama" --config "$CONFIG" --steps "$STEPS" --seed "$SEED" --eval-every 0 --save-every 0 \
     --out "$OUT/$name" --overwrite "${extra[@]}" > "$OUT/$name.log" 2>&1
   # The whole validation split, as pretrain_llama reports it at the end.
   val[$name]=$(sed -n 's/^final validation loss \([0-9.]*\).*/\1/p' "$OUT/$name.log")
@@ -47,7 +48,7 @@ echo "== the unconverted model fine-tuned the same way (no Ladder layers)"
   --out "$OUT/unconverted" --overwrite 2>&1 | tee "$OUT/unconverted.log" | grep -i "loss" | tail -4
 
 echo
-echo "| from scratch ($CONFIG, $STEPS steps, seed 1337) | final val loss |"
+echo "| from scratch ($CONFIG, $STEPS steps, seed $SEED) | final val loss |"
 echo "|---|---|"
 echo "| standard Llama | ${val[standard]} |"
 echo "| all-Ladder | ${val[all]} |"
