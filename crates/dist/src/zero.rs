@@ -29,6 +29,7 @@
 //! parallelism (1, 1, 1). The step's traffic per rank is `traffic_bytes` (tests hold the
 //! implementation to it).
 use crate::comm::{Communicator, ReduceOp};
+use crate::offload::{Offload, OffloadConfig};
 use crate::tp::TpLayout;
 use crate::DeviceMesh;
 use ferrolm_nn::optim::AdamWConfig;
@@ -209,9 +210,12 @@ struct Assembly {
     last: bool,
     groups: Arc<Groups>,
     spec: ShardSpec,
+    /// Offloaded optimizer state: CPU subgroups' gradients stream to it from the sinks.
+    offload: Option<Arc<Mutex<Offload>>>,
 }
 
 struct AsmBucket {
+    index: usize,
     full: Option<Tensor>,
     arrived: usize,
     expected: usize,
@@ -339,6 +343,8 @@ pub struct Zero {
     pub last_update_s: f64,
     micro: usize,
     dtype: DType,
+    /// `--offload-optimizer`: this rank's optimizer state in host memory (`offload`).
+    offload: Option<Arc<Mutex<Offload>>>,
 }
 
 impl Zero {
@@ -401,12 +407,22 @@ impl Zero {
             buckets: store
                 .buckets
                 .iter()
-                .map(|b| AsmBucket { full: None, arrived: 0, expected: b.slots.len(), reduced: Vec::new(), acc: None, os_grad: None })
+                .enumerate()
+                .map(|(index, b)| AsmBucket {
+                    index,
+                    full: None,
+                    arrived: 0,
+                    expected: b.slots.len(),
+                    reduced: Vec::new(),
+                    acc: None,
+                    os_grad: None,
+                })
                 .collect(),
             error: None,
             last: true,
             groups: groups.clone(),
             spec,
+            offload: None,
         }));
         let mut zero = Zero {
             spec,
@@ -422,6 +438,7 @@ impl Zero {
             last_update_s: 0.0,
             micro: 0,
             dtype,
+            offload: None,
         };
         zero.install_sinks(model)?;
         if sp > 1 {
@@ -467,7 +484,7 @@ impl Zero {
                         full.narrow(0, off, numel)?.assign(&grad.reshape([numel])?)?;
                         b.arrived += 1;
                         if b.arrived == b.expected {
-                            flush(b, &a.groups, a.spec, a.last)?;
+                            flush(b, &a.groups, a.spec, a.last, a.offload.as_ref())?;
                         }
                         Ok(())
                     })();
@@ -509,7 +526,7 @@ impl Zero {
             }
             for b in a.buckets.iter_mut() {
                 if b.full.is_some() {
-                    flush(b, &a.groups, a.spec, a.last)?; // some parameter got no gradient
+                    flush(b, &a.groups, a.spec, a.last, a.offload.as_ref())?; // some parameter got no gradient
                 }
                 if !a.last && b.os_grad.is_some() {
                     return Err(Error::new("zero", "a micro-batch after the step's last one: call step() first"));
@@ -552,7 +569,7 @@ impl Zero {
             for (b, bk) in a.buckets.iter_mut().zip(&self.buckets) {
                 if b.os_grad.is_none() {
                     b.full = Some(Tensor::zeros([bk.n], self.dtype, bk.flat.device())?);
-                    flush(b, &a.groups, a.spec, true)?;
+                    flush(b, &a.groups, a.spec, true, a.offload.as_ref())?;
                 }
                 out.push(b.os_grad.take().expect("flushed"));
             }
@@ -584,6 +601,16 @@ impl Zero {
         let k = so / self.spec.params;
         let t_update = std::time::Instant::now();
         let mut gathered = Vec::with_capacity(self.buckets.len());
+        if let Some(off) = &self.offload {
+            let h = ferrolm_tensor::backend::AdamWHyper { lr, beta1: c.beta1, beta2: c.beta2, eps: c.eps, step: self.step };
+            let views: Vec<Tensor> =
+                self.buckets.iter().map(|bk| bk.p_shard.narrow(0, self.groups.b * (bk.n / so), bk.n / so)).collect::<Result<_>>()?;
+            off.lock().unwrap_or_else(|e| e.into_inner()).step(&views, &grads, scale, clip, c.weight_decay, h)?;
+            for pview in &views {
+                gathered.push(if k > 1 { Some(self.groups.os_sub.all_gather_async(&pview.deep_copy()?)?.tensor()) } else { None });
+            }
+        }
+        let grads = if self.offload.is_some() { Vec::new() } else { grads };
         for (bk, g) in self.buckets.iter_mut().zip(grads) {
             let g = if clip != 1.0 { g.mul_scalar(clip)? } else { g };
             let len = bk.n / so;
@@ -642,6 +669,9 @@ impl Zero {
             a.error = None;
             out
         };
+        if let Some(o) = &self.offload {
+            o.lock().unwrap_or_else(|e| e.into_inner()).discard();
+        }
         // Collectives already launched must complete on every rank before the next ones.
         for t in pending {
             t.wait()?;
@@ -665,14 +695,21 @@ impl Zero {
     /// This rank's shards for a sharded checkpoint, per bucket `i`: `param.{i}` (the parameter
     /// range a of s_p) when it writes parameters, and `exp_avg.{i}`, `exp_avg_sq.{i}`
     /// (`master.{i}`) (optimizer range j of s_os) when it writes optimizer state.
-    pub fn shard_tensors(&self) -> Vec<(String, Tensor)> {
+    pub fn shard_tensors(&self) -> Result<Vec<(String, Tensor)>> {
         let (wp, wo) = self.writes();
         let mut out = Vec::new();
         for (i, b) in self.buckets.iter().enumerate() {
             if wp {
                 out.push((format!("param.{i}"), b.p_shard.clone()));
             }
-            if wo {
+            if wo && self.offload.is_some() {
+                let (w, m, v) = self.offloaded_state(i)?;
+                out.push((format!("exp_avg.{i}"), m));
+                out.push((format!("exp_avg_sq.{i}"), v));
+                if self.dtype != DType::F32 {
+                    out.push((format!("master.{i}"), w));
+                }
+            } else if wo {
                 out.push((format!("exp_avg.{i}"), b.m.clone()));
                 out.push((format!("exp_avg_sq.{i}"), b.v.clone()));
                 if let Some(m) = &b.master {
@@ -680,7 +717,55 @@ impl Zero {
                 }
             }
         }
-        out
+        Ok(out)
+    }
+
+    /// Moves this rank's optimizer state (master, m, v) into host memory, updated there and on
+    /// the device in interleaved subgroups (`offload`). Call right after `new`, before training
+    /// or `load`. Returns what `--offload-gpu-every` resolved to.
+    pub fn enable_offload(&mut self, cfg: &OffloadConfig) -> Result<crate::offload::OffloadPlan> {
+        if self.offload.is_some() {
+            return Err(Error::new("zero", "optimizer offload is already on"));
+        }
+        let so = self.spec.optim;
+        let _g = no_grad();
+        let mut views = Vec::with_capacity(self.buckets.len());
+        for bk in &self.buckets {
+            let len = bk.n / so;
+            // The fp32 master seeds the host copy when there is one (it is the exact value).
+            views.push(match &bk.master {
+                Some(m) => m.clone(),
+                None => bk.p_shard.narrow(0, self.groups.b * len, len)?,
+            });
+        }
+        let runs: Vec<Vec<(usize, usize, bool)>> = self.buckets.iter().map(|b| b.runs.clone()).collect();
+        let off = Offload::new(cfg, &views, &runs, self.cfg.weight_decay != 0.0, self.dtype)?;
+        let plan = off.plan().clone();
+        for bk in &mut self.buckets {
+            let dev = bk.flat.device();
+            bk.master = None;
+            bk.m = Tensor::zeros([0], DType::F32, dev)?;
+            bk.v = Tensor::zeros([0], DType::F32, dev)?;
+        }
+        let off = Arc::new(Mutex::new(off));
+        self.asm.lock().unwrap_or_else(|e| e.into_inner()).offload = Some(off.clone());
+        self.offload = Some(off);
+        Ok(plan)
+    }
+
+    /// Whether the optimizer state is offloaded.
+    pub fn offloaded(&self) -> bool {
+        self.offload.is_some()
+    }
+
+    /// The offload schedule (k, subgroups, what `auto` measured), when offload is on.
+    pub fn offload_plan(&self) -> Option<crate::offload::OffloadPlan> {
+        self.offload.as_ref().map(|o| o.lock().unwrap_or_else(|e| e.into_inner()).plan().clone())
+    }
+
+    fn offloaded_state(&self, bucket: usize) -> Result<(Tensor, Tensor, Tensor)> {
+        let off = self.offload.as_ref().ok_or_else(|| Error::new("zero", "the optimizer state is not offloaded"))?;
+        off.lock().unwrap_or_else(|e| e.into_inner()).state(bucket)
     }
 
     /// Loads parameters and optimizer state given per parameter name as this rank's
@@ -690,7 +775,7 @@ impl Zero {
     pub fn load(&mut self, params: &dyn Fn(&str) -> Result<Tensor>, state: &dyn Fn(&str) -> Result<Tensor>, step: u64) -> Result<()> {
         let _g = no_grad();
         let (sp, so) = (self.spec.params, self.spec.optim);
-        for (bk, sb) in self.buckets.iter_mut().zip(&self.store.buckets) {
+        for (bi, (bk, sb)) in self.buckets.iter_mut().zip(&self.store.buckets).enumerate() {
             let n = bk.n;
             let dev = bk.flat.device();
             let build = |dtype: DType, get: &dyn Fn(&str) -> Result<Tensor>| -> Result<Tensor> {
@@ -704,8 +789,14 @@ impl Zero {
             bk.p_shard.assign(&p.narrow(0, self.groups.a * n / sp, n / sp)?)?;
             let (lo, len) = (self.groups.j * n / so, n / so);
             let m = build(DType::F32, &|name| state(&format!("exp_avg.{name}")))?;
-            bk.m.assign(&m.narrow(0, lo, len)?)?;
             let v = build(DType::F32, &|name| state(&format!("exp_avg_sq.{name}")))?;
+            if let Some(off) = &self.offload {
+                let w = build(DType::F32, &|name| state(&format!("master.{name}")).or_else(|_| params(name)?.to_dtype(DType::F32)))?;
+                let r = |t: &Tensor| t.narrow(0, lo, len)?.contiguous();
+                off.lock().unwrap_or_else(|e| e.into_inner()).load(bi, &r(&w)?, &r(&m)?, &r(&v)?)?;
+                continue;
+            }
+            bk.m.assign(&m.narrow(0, lo, len)?)?;
             bk.v.assign(&v.narrow(0, lo, len)?)?;
             if let Some(master) = &bk.master {
                 let w = build(DType::F32, &|name| state(&format!("master.{name}")).or_else(|_| params(name)?.to_dtype(DType::F32)))?;
@@ -793,7 +884,7 @@ impl Zero {
 /// Launches a bucket's gradient reduction over G (kept whole when s_g = 1). In the last
 /// micro-batch, chains the whole hand-over to the optimizer range behind it, without waiting:
 /// the earlier micro-batches' sum is added when the next collective reads its input.
-fn flush(b: &mut AsmBucket, groups: &Groups, spec: ShardSpec, last: bool) -> Result<()> {
+fn flush(b: &mut AsmBucket, groups: &Groups, spec: ShardSpec, last: bool, offload: Option<&Arc<Mutex<Offload>>>) -> Result<()> {
     let full = b.full.take().ok_or_else(|| Error::new("zero", "no gradient to flush"))?;
     b.arrived = 0;
     let r = if spec.grads > 1 { groups.g.reduce_scatter_async(&full, ReduceOp::Sum)?.tensor() } else { full };
@@ -813,6 +904,11 @@ fn flush(b: &mut AsmBucket, groups: &Groups, spec: ShardSpec, last: bool) -> Res
     }
     if groups.os_rep.size() > 1 {
         g = groups.os_rep.all_reduce_async(&g, ReduceOp::Sum)?.tensor();
+    }
+    if let Some(o) = offload {
+        // DOS's asynchronous gradient flush: CPU subgroups' gradients leave for the host now,
+        // behind the rest of the backward pass.
+        o.lock().unwrap_or_else(|e| e.into_inner()).stream_grad(b.index, &g)?;
     }
     b.os_grad = Some(g);
     Ok(())
