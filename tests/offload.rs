@@ -250,3 +250,32 @@ fn resume_mid_run_with_offload_is_exact_and_the_checkpoint_does_not_show_it() {
     assert_eq!(full.losses, cross.losses, "resuming the offloaded checkpoint without offload");
     let _ = std::fs::remove_dir_all(&dir);
 }
+
+#[test]
+fn offload_flags_are_validated() {
+    use clap::Parser;
+    #[derive(Parser)]
+    struct Cli {
+        #[command(flatten)]
+        p: ParallelArgs,
+    }
+    let ok = Cli::try_parse_from(["t", "--offload-optimizer", "--offload-subgroup-size", "1000", "--offload-gpu-every", "4"]).unwrap();
+    assert_eq!(ok.p.offload().unwrap(), ferrolm_dist::offload::OffloadConfig { subgroup: 1000, gpu_every: GpuEvery::Every(4) });
+    let auto = Cli::try_parse_from(["t", "--offload-optimizer"]).unwrap();
+    assert_eq!(auto.p.offload().unwrap().gpu_every, GpuEvery::Auto);
+    assert_eq!(
+        Cli::try_parse_from(["t", "--offload-optimizer", "--offload-gpu-every", "inf"]).unwrap().p.offload_gpu_every,
+        GpuEvery::Never
+    );
+    assert!(Cli::try_parse_from(["t"]).unwrap().p.offload().is_none());
+    for bad in [
+        vec!["--offload-optimizer", "--offload-subgroup-size", "0"],
+        vec!["--offload-optimizer", "--offload-gpu-every", "0"],
+        vec!["--offload-optimizer", "--offload-gpu-every", "often"],
+        vec!["--offload-gpu-every", "2"], // without --offload-optimizer
+    ] {
+        let err = Cli::try_parse_from(std::iter::once("t").chain(bad.iter().copied())).err();
+        let msg = err.map(|e| e.to_string()).unwrap_or_default();
+        assert!(msg.contains("offload"), "{bad:?} must be refused naming the flag, got `{msg}`");
+    }
+}

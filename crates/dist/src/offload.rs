@@ -160,20 +160,24 @@ fn cuda_storage(s: &Storage) -> Result<&CudaStorage> {
 }
 
 /// Copies between device tensors and host memory: asynchronous pinned copies on a CUDA backend
-/// (on a side stream on a real GPU), tensor reads and writes on the CPU device.
+/// (on a real GPU one side stream per direction, so that a GPU subgroup's state going back and
+/// the next one's coming in use both directions of the link at once), tensor reads and writes on
+/// the CPU device.
 struct Link {
     be: Option<Arc<CudaBackend>>,
-    stream: Option<Arc<CudaStream>>,
+    h2d_stream: Option<Arc<CudaStream>>,
+    d2h_stream: Option<Arc<CudaStream>>,
 }
 
 impl Link {
     fn new(device: Device) -> Result<Link> {
         match device {
-            Device::Cpu => Ok(Link { be: None, stream: None }),
+            Device::Cpu => Ok(Link { be: None, h2d_stream: None, d2h_stream: None }),
             Device::Cuda(o) => {
                 let be = CudaBackend::latest(o).ok_or_else(|| Error::new("offload", format!("no CUDA backend for {device}")))?;
-                let stream = if be.is_emulated() { None } else { Some(be.new_stream()?) };
-                Ok(Link { be: Some(be), stream })
+                let (h2d_stream, d2h_stream) =
+                    if be.is_emulated() { (None, None) } else { (Some(be.new_stream()?), Some(be.new_stream()?)) };
+                Ok(Link { be: Some(be), h2d_stream, d2h_stream })
             }
         }
     }
@@ -184,7 +188,7 @@ impl Link {
         match (&self.be, host) {
             (Some(be), HostMem::Pinned(buf)) => {
                 contiguous(t)?;
-                t.with_storage(|(s, l)| be.copy_to_pinned_at(cuda_storage(s)?, (l.offset + off) * es, buf, self.stream.as_ref()))
+                t.with_storage(|(s, l)| be.copy_to_pinned_at(cuda_storage(s)?, (l.offset + off) * es, buf, self.d2h_stream.as_ref()))
             }
             (_, h) => {
                 let len = h.bytes()?.len() / es;
@@ -205,7 +209,7 @@ impl Link {
         match (&self.be, host) {
             (Some(be), HostMem::Pinned(buf)) => {
                 contiguous(t)?;
-                t.with_storage(|(s, l)| be.copy_from_pinned_at(buf, cuda_storage(s)?, (l.offset + off) * es, self.stream.as_ref()))
+                t.with_storage(|(s, l)| be.copy_from_pinned_at(buf, cuda_storage(s)?, (l.offset + off) * es, self.h2d_stream.as_ref()))
             }
             (_, h) => {
                 let len = h.bytes()?.len() / es;
