@@ -71,6 +71,20 @@ struct Run {
 /// Trains `steps` steps on `p.dp` thread ranks (one rank: the single-device run with the sharded
 /// engine), optionally resuming from `resume` first.
 fn train(dir: &Path, vocab: usize, out: &str, device: Device, p: &ParallelArgs, o: TrainOptions, resume: Option<&Path>) -> Run {
+    train_as(DType::F32, dir, vocab, out, device, p, o, resume)
+}
+
+#[allow(clippy::too_many_arguments)]
+fn train_as(
+    dtype: DType,
+    dir: &Path,
+    vocab: usize,
+    out: &str,
+    device: Device,
+    p: &ParallelArgs,
+    o: TrainOptions,
+    resume: Option<&Path>,
+) -> Run {
     let train = list_shards(dir.join("shards"), "train").unwrap();
     let val = list_shards(dir.join("shards"), "val").unwrap();
     let cfg = LlamaConfig::from_json_str(&format!(
@@ -81,7 +95,7 @@ fn train(dir: &Path, vocab: usize, out: &str, device: Device, p: &ParallelArgs, 
     let mut out_runs = ThreadComm::run(p.world(), CommOptions::default(), |comm| {
         ferrolm::logging::set_thread_rank(Some((comm.rank(), comm.size())));
         let e = |e: anyhow::Error| ferrolm::Error::new("test", format!("{e:#}"));
-        let mut model = Llama::new(cfg.clone(), DType::F32, device, &mut Rng::new(1))?;
+        let mut model = Llama::new(cfg.clone(), dtype, device, &mut Rng::new(1))?;
         let dist = DistEngine::attach(&mut model, comm, p, Trainer::adamw_config(&o)).map_err(e)?;
         assert_eq!(dist.zero.offloaded(), p.offload_optimizer);
         if let Some(plan) = dist.zero.offload_plan() {
@@ -226,6 +240,11 @@ fn offload_composed_with_zero1_on_two_thread_ranks_equals_no_offload() {
         let off = train(&dir, vocab, &format!("k{k}"), Device::Cpu, &par(2, 1, Some((500, k))), opts(3, 0), None);
         assert_exact(&format!("ZeRO-1 dp 2 with offload k = {k}"), &base, &off);
     }
+    // bf16 weights: the host keeps the fp32 master and sends bf16 copies back.
+    let base = train_as(DType::BF16, &dir, vocab, "base16", Device::Cpu, &par(2, 1, None), opts(3, 0), None);
+    let off = train_as(DType::BF16, &dir, vocab, "off16", Device::Cpu, &par(2, 1, Some((500, GpuEvery::Every(2)))), opts(3, 0), None);
+    assert_exact("bf16 ZeRO-1 dp 2 with offload k = 2", &base, &off);
+    assert!(off.state.iter().any(|(n, _)| n.starts_with("master.")), "a bf16 run's checkpoint holds the fp32 master");
     let _ = std::fs::remove_dir_all(&dir);
 }
 

@@ -432,8 +432,10 @@ impl Offload {
     }
 
     /// The update phase. Per bucket: `params` the device view of the optimizer range (updated),
-    /// `grads` its fp32 gradient on the device, already multiplied by `scale` (1/dp); `clip` the
-    /// clipping factor (1: none); `wd` AdamW's weight decay where it applies.
+    /// `grads` its summed gradient on the device as reduced (parameter dtype, not yet multiplied
+    /// by `scale` = 1/dp); `clip` the clipping factor (1: none); `wd` AdamW's weight decay where
+    /// it applies. Both paths apply scale, then clip, as `x * f32(factor) + 0` in f32, the ops the
+    /// engine's own update uses, so that the result is the same bits.
     pub fn step(&mut self, params: &[Tensor], grads: &[Tensor], scale: f64, clip: f64, wd: f64, h: AdamWHyper) -> Result<()> {
         let _g = no_grad();
         let n = self.subgroups.len();
@@ -447,7 +449,7 @@ impl Offload {
             if self.subgroups[i].gpu {
                 let (j, st) = prefetched.take().expect("every GPU subgroup is prefetched");
                 debug_assert_eq!(i, j);
-                self.gpu_update(i, st, params, grads, clip, wd, h)?;
+                self.gpu_update(i, st, params, grads, scale, clip, wd, h)?;
                 // The next GPU subgroup's state starts over while the CPU works on the ones
                 // between (DOS's prefetch at the stride's first subgroup).
                 if let Some(j) = next_gpu(i + 1, &self.subgroups) {
@@ -478,10 +480,20 @@ impl Offload {
     }
 
     #[allow(clippy::too_many_arguments)]
-    fn gpu_update(&mut self, i: usize, st: OnDevice, params: &[Tensor], grads: &[Tensor], clip: f64, wd: f64, h: AdamWHyper) -> Result<()> {
+    fn gpu_update(
+        &mut self,
+        i: usize,
+        st: OnDevice,
+        params: &[Tensor],
+        grads: &[Tensor],
+        scale: f64,
+        clip: f64,
+        wd: f64,
+        h: AdamWHyper,
+    ) -> Result<()> {
         let sg = &mut self.subgroups[i];
-        let g = grads[sg.bucket].narrow(0, sg.lo, sg.len)?;
-        let g = if clip != 1.0 { g.mul_scalar(clip)? } else { g.deep_copy()? };
+        let g = grads[sg.bucket].narrow(0, sg.lo, sg.len)?.to_dtype(DType::F32)?.mul_scalar(scale)?;
+        let g = if clip != 1.0 { g.mul_scalar(clip)? } else { g };
         let pview = params[sg.bucket].narrow(0, sg.lo, sg.len)?;
         let weight_decay = if sg.decay { wd } else { 0.0 };
         let bf16_param = if self.param_dtype == DType::F32 { None } else { Some(pview.deep_copy()?) };
@@ -506,12 +518,12 @@ impl Offload {
         // The factors the device path applies (`mul_scalar` is x * f32(s) + 0 in f32), so that the
         // update is bit-identical to the one without offload.
         let mut factors = Vec::new();
-        if sg.streamed {
-            if scale != 1.0 {
-                factors.push(scale as f32);
-            }
-        } else {
-            self.link.d2h(&grads[sg.bucket], sg.lo, grad)?;
+        if scale != 1.0 {
+            factors.push(scale as f32);
+        }
+        if !sg.streamed {
+            let part = grads[sg.bucket].narrow(0, sg.lo, sg.len)?.to_dtype(DType::F32)?.contiguous()?;
+            self.link.d2h(&part, 0, grad)?;
         }
         sg.streamed = false;
         if clip != 1.0 {

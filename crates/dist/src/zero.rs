@@ -581,9 +581,11 @@ impl Zero {
         // copies weighted. Reading each range waits for its collectives, bucket by bucket.
         let mut local = 0.0;
         for (g, bk) in os_grads.into_iter().zip(&self.buckets) {
-            let g = g.to_dtype(DType::F32)?.mul_scalar(scale)?;
-            local += g.sqr()?.mul(&bk.norm_weight)?.sum_all()?.item()?;
-            grads.push(g);
+            let g32 = g.to_dtype(DType::F32)?.mul_scalar(scale)?;
+            local += g32.sqr()?.mul(&bk.norm_weight)?.sum_all()?.item()?;
+            // Offload converts per subgroup: the whole shard's fp32 gradient never sits on the
+            // device at once.
+            grads.push(if self.offload.is_some() { g } else { g32 });
         }
         let mut sq = sum_over(&self.groups.block, local)?;
         if let Some(tp) = &self.tp {
