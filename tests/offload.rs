@@ -102,7 +102,14 @@ fn train_as(
             // Each k really splits the subgroups between the two paths as asked.
             let want = match p.offload_gpu_every {
                 GpuEvery::Every(k) => Some(k),
-                _ => None,
+                GpuEvery::Never => None,
+                // auto: the model's choice on the rates measured at start-up.
+                GpuEvery::Auto => {
+                    let inputs = plan.inputs.as_ref().expect("auto measures the model's inputs");
+                    assert!(inputs.cpu_adam_elems_per_s > 0.0 && inputs.h2d_bytes_per_s > 0.0 && inputs.gpu_adam_elems_per_s > 0.0);
+                    assert_eq!(inputs.elems, plan.elems);
+                    ferrolm_dist::dos::choose_k(inputs).k
+                }
             };
             assert_eq!(plan.k, want);
             let on_dev = plan.device_subgroups;
@@ -297,4 +304,13 @@ fn offload_flags_are_validated() {
         let msg = err.map(|e| e.to_string()).unwrap_or_default();
         assert!(msg.contains("offload"), "{bad:?} must be refused naming the flag, got `{msg}`");
     }
+}
+
+#[test]
+fn auto_takes_k_from_the_model_on_measured_rates_and_trains() {
+    let (dir, vocab) = setup("auto");
+    let base = train(&dir, vocab, "base", Device::Cpu, &par(1, 0, None), opts(2, 0), None);
+    let auto = train(&dir, vocab, "auto", Device::Cpu, &par(1, 0, Some((400, GpuEvery::Auto))), opts(2, 0), None);
+    assert_exact("offload with k = auto vs none", &base, &auto);
+    let _ = std::fs::remove_dir_all(&dir);
 }
