@@ -225,26 +225,25 @@ impl DistEngine {
     }
 }
 
-/// Says where the optimizer state went and, for `auto`, the measured inputs and chosen k.
+/// Prints where the optimizer state went and, for `auto`, the measured inputs and the chosen k.
 fn report_offload(plan: &ferrolm_dist::offload::OffloadPlan, device: Device) {
-    if !crate::logging::is_rank_zero() {
-        return;
-    }
-    let k = plan.k.map_or("inf (all subgroups on the CPU)".to_string(), |k| k.to_string());
+    use crate::progress::report;
+    let k = plan.k.map_or("inf (every subgroup on the CPU)".to_string(), |k| k.to_string());
     if device == Device::Cpu {
-        tracing::info!(
-            "--offload-optimizer on --device cpu: the schedule runs, but the state was in host memory already (no memory saved)"
-        );
+        report("offload: --device cpu: the schedule runs, but the optimizer state was in host memory already (no memory is saved)");
     }
-    tracing::info!("optimizer offload: {} elements in {} subgroups, one in k on the device, k = {k}", plan.elems, plan.subgroups);
+    report(&format!(
+        "offload: optimizer state of {} elements in host memory, {} subgroups, {} of them updated on the device: k = {k}",
+        plan.elems, plan.subgroups, plan.device_subgroups
+    ));
     if let (Some(i), Some(e)) = (&plan.inputs, &plan.estimate) {
-        tracing::info!(
-            "offload model (measured): CPU AdamW {:.3e} elem/s, device AdamW {:.3e} elem/s, H2D {:.2} GB/s, D2H {:.2} GB/s -> k = {k}, modelled update {:.3} s",
+        report(&format!(
+            "offload: --offload-gpu-every auto: measured CPU AdamW {:.3e} elem/s, device AdamW {:.3e} elem/s, H2D {:.2} GB/s, D2H {:.2} GB/s; the model chose k = {k} (modelled update {:.3} s)",
             i.cpu_adam_elems_per_s,
             i.gpu_adam_elems_per_s,
             i.h2d_bytes_per_s / 1e9,
             i.d2h_bytes_per_s / 1e9,
             e.update_s
-        );
+        ));
     }
 }

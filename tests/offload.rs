@@ -314,3 +314,36 @@ fn auto_takes_k_from_the_model_on_measured_rates_and_trains() {
     assert_exact("offload with k = auto vs none", &base, &auto);
     let _ = std::fs::remove_dir_all(&dir);
 }
+
+/// The training tool itself: `--offload-optimizer` on one device runs the sharded engine as a
+/// single rank and follows the plain run's losses exactly (both on the CPU device).
+#[test]
+fn the_pretrain_tool_with_offload_follows_the_plain_run() {
+    let (dir, vocab) = setup("cli");
+    let cfg = dir.join("config.json");
+    let c = LlamaConfig::from_json_str(&format!(
+        r#"{{"model_type":"llama","vocab_size":{vocab},"hidden_size":32,"intermediate_size":64,"num_hidden_layers":2,
+            "num_attention_heads":4,"num_key_value_heads":2,"max_position_embeddings":64,"tie_word_embeddings":false}}"#
+    ))
+    .unwrap();
+    std::fs::write(&cfg, c.to_json_string()).unwrap();
+    let run = |out: &str, extra: &[&str]| -> Vec<f64> {
+        let outp = dir.join(out);
+        let (d, c, o) = (dir.join("shards"), cfg.clone(), outp.clone());
+        let base = ["pretrain_llama", "--device=cpu", "--data", d.to_str().unwrap(), "--config", c.to_str().unwrap()];
+        let rest = ["--out", o.to_str().unwrap(), "--seq-len=16", "--eval-every=0", "--steps=4", "--lr=3e-3"];
+        let a: ferrolm::cli::pretrain::PretrainArgs =
+            ferrolm::cli::parse_from(base.iter().chain(&rest).copied().chain(extra.iter().copied())).unwrap();
+        ferrolm::cli::pretrain::run(a).unwrap();
+        std::fs::read_to_string(outp.join("metrics.jsonl"))
+            .unwrap()
+            .lines()
+            .filter_map(|l| serde_json::from_str::<serde_json::Value>(l).ok()?.get("loss")?.as_f64())
+            .collect()
+    };
+    let plain = run("plain", &[]);
+    let off = run("off", &["--offload-optimizer", "--offload-subgroup-size=300", "--offload-gpu-every=2"]);
+    assert_eq!(plain.len(), 4);
+    assert_eq!(plain, off, "losses with --offload-optimizer");
+    let _ = std::fs::remove_dir_all(&dir);
+}
