@@ -66,6 +66,8 @@ pub struct PinnedBuffer {
     bytes: usize,
     /// Completes when the last copy into or out of this buffer has.
     pending: Option<Pending>,
+    /// What a detached copy's device side needs alive until it completes (dropped by `wait`).
+    keep: Option<Box<dyn std::any::Any + Send>>,
 }
 
 fn run_queue(q: &EmuQueue) {
@@ -112,6 +114,7 @@ impl PinnedBuffer {
             Some(Pending::Gpu(ev)) => ev.synchronize().map_err(err("pinned"))?,
             Some(Pending::Emu(q)) => run_queue(&q),
         }
+        self.keep = None;
         Ok(())
     }
     fn plain_bytes(v: &[u64], n: usize) -> &[u8] {
@@ -171,6 +174,8 @@ impl Drop for PinnedBuffer {
     /// context), the memory is leaked rather than freed under a transfer that may still run.
     fn drop(&mut self) {
         if self.wait().is_err() {
+            // The device memory a detached copy reads is leaked too.
+            std::mem::forget(self.keep.take());
             if let Mem::Pinned(p) = std::mem::replace(&mut self.mem, Mem::Plain(Vec::new())) {
                 std::mem::forget(p);
             }
@@ -193,7 +198,7 @@ impl CudaBackend {
             }
             Exec::Emu => Mem::Plain(vec![0; bytes.div_ceil(8)]),
         };
-        Ok(PinnedBuffer { mem, bytes, pending: None })
+        Ok(PinnedBuffer { mem, bytes, pending: None, keep: None })
     }
 
     /// Test hook, emulated device only: while on, copies issued from this thread are queued
@@ -276,6 +281,33 @@ impl CudaBackend {
         dst: &mut PinnedBuffer,
         stream: Option<&Arc<CudaStream>>,
     ) -> Result<()> {
+        self.d2h(src, offset, dst, stream, None)
+    }
+
+    /// `copy_to_pinned_at` without making the compute stream wait for the copy, so the kernels
+    /// after it run beside it (a gradient leaving for the host while the backward pass goes on).
+    /// `keep` (the tensor that owns `src`) is held until `dst` is waited for, so the pool cannot
+    /// hand the block to another kernel meanwhile; the caller must not enqueue writes to the range
+    /// before then (they would race the copy, and the host would read a mix).
+    pub fn copy_to_pinned_detached(
+        &self,
+        src: &CudaStorage,
+        offset: usize,
+        dst: &mut PinnedBuffer,
+        stream: Option<&Arc<CudaStream>>,
+        keep: Box<dyn std::any::Any + Send>,
+    ) -> Result<()> {
+        self.d2h(src, offset, dst, stream, Some(keep))
+    }
+
+    fn d2h(
+        &self,
+        src: &CudaStorage,
+        offset: usize,
+        dst: &mut PinnedBuffer,
+        stream: Option<&Arc<CudaStream>>,
+        keep: Option<Box<dyn std::any::Any + Send>>,
+    ) -> Result<()> {
         let n = Self::check_range("copy_to_pinned", src, offset, dst)?;
         dst.wait()?;
         if n == 0 {
@@ -286,6 +318,7 @@ impl CudaBackend {
             // Emulated device pointers are host addresses of live pool blocks; the range was
             // checked to lie inside src's block and the buffer holds n bytes; the two never overlap.
             Self::emu_copy(dst, EmuCopy { src: dev as *const u8, dst: host, n });
+            dst.keep = keep;
             return Ok(());
         }
         let Mem::Pinned(p) = &mut dst.mem else { unreachable!("plain memory handled above") };
@@ -297,7 +330,14 @@ impl CudaBackend {
         // n-byte source range lies inside src's block (check_range), which the copy stream reads
         // after the work ordered before it.
         unsafe { result::memcpy_dtoh_async(host, dev, s.cu_stream()) }.map_err(err("copy_to_pinned"))?;
-        self.after_copy(s, dst)
+        match keep {
+            None => self.after_copy(s, dst),
+            Some(k) => {
+                dst.pending = Some(Pending::Gpu(self.record_event(s)?));
+                dst.keep = Some(k);
+                Ok(())
+            }
+        }
     }
 
     /// Enqueues host -> device of `src` into all of `dst` on `stream` (default: the compute

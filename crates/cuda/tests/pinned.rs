@@ -104,3 +104,24 @@ fn deferred_copies_of_independent_buffers_complete_at_synchronize_in_any_order()
     let got = down(&be, &dev, 2 * n);
     assert!(got[..n].iter().all(|&x| x == 1.0) && got[n..].iter().all(|&x| x == 2.0), "{got:?}");
 }
+
+#[test]
+fn a_detached_copy_keeps_its_source_alive_until_waited_for() {
+    let Some(be) = gpu() else { return };
+    let _d = Defer::on(&be);
+    let stream = if be.is_emulated() { None } else { Some(be.new_stream().unwrap()) };
+    let n = 2048;
+    let want: Vec<f32> = (0..n).map(|i| i as f32 + 0.25).collect();
+    let src = be.from_cpu(&CpuStorage::F32(want.clone())).unwrap();
+    let mut hb = be.alloc_pinned(n * 4).unwrap();
+    let raw = cs(&src) as *const CudaStorage;
+    // SAFETY (test): `src` moves into the box below but stays at the same heap address (the
+    // storage is boxed inside `Storage::Device`), and the copy is issued before anything drops it.
+    be.copy_to_pinned_detached(unsafe { &*raw }, 0, &mut hb, stream.as_ref(), Box::new(src)).unwrap();
+    // Were the source freed now, this allocation of the same size would reuse its block and
+    // poison it with NaN (FERROLM_CUDA_POISON=1) before the deferred copy reads it.
+    let other = be.full(n, DType::F32, f64::NAN).unwrap();
+    let got = hb.as_f32().unwrap();
+    assert!(got == &want[..], "the detached copy read memory its source no longer owned (first: {})", got[0]);
+    drop(other);
+}

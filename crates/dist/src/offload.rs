@@ -183,12 +183,18 @@ impl Link {
     }
 
     /// Device -> host: `len` elements of the 1-D contiguous `t` from element `off` (all of `host`).
+    /// The compute stream does not wait for the copy: `t` is kept alive until `host` is waited
+    /// for, and every tensor sent this way (a reduced gradient, a GPU subgroup's state after its
+    /// update) is never written again.
     fn d2h(&self, t: &Tensor, off: usize, host: &mut HostMem) -> Result<()> {
         let es = t.dtype().size_in_bytes();
         match (&self.be, host) {
             (Some(be), HostMem::Pinned(buf)) => {
                 contiguous(t)?;
-                t.with_storage(|(s, l)| be.copy_to_pinned_at(cuda_storage(s)?, (l.offset + off) * es, buf, self.d2h_stream.as_ref()))
+                let keep = Box::new(t.clone());
+                t.with_storage(|(s, l)| {
+                    be.copy_to_pinned_detached(cuda_storage(s)?, (l.offset + off) * es, buf, self.d2h_stream.as_ref(), keep)
+                })
             }
             (_, h) => {
                 let len = h.bytes()?.len() / es;
