@@ -102,7 +102,7 @@ impl ParallelArgs {
 
     /// The offload settings, when `--offload-optimizer` is on.
     pub fn offload(&self) -> Option<OffloadConfig> {
-        self.offload_optimizer.then(|| OffloadConfig { subgroup: self.offload_subgroup_size, gpu_every: self.offload_gpu_every })
+        self.offload_optimizer.then_some(OffloadConfig { subgroup: self.offload_subgroup_size, gpu_every: self.offload_gpu_every })
     }
 
     pub fn ranks_per_node(&self) -> usize {
