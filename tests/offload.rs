@@ -240,13 +240,17 @@ fn cpu_and_device_adamw_agree_to_1e_6() {
 }
 
 #[test]
-fn offload_composed_with_zero1_on_two_thread_ranks_equals_no_offload() {
+fn offload_composed_with_zero_on_two_thread_ranks_equals_no_offload() {
     let (dir, vocab) = setup("zero");
     let base = train(&dir, vocab, "base", Device::Cpu, &par(2, 1, None), opts(3, 0), None);
     for k in [GpuEvery::Every(2), GpuEvery::Never] {
         let off = train(&dir, vocab, &format!("k{k}"), Device::Cpu, &par(2, 1, Some((500, k))), opts(3, 0), None);
         assert_exact(&format!("ZeRO-1 dp 2 with offload k = {k}"), &base, &off);
     }
+    // ZeRO-3: parameters sharded too; the offloaded range is a slice of this rank's parameter shard.
+    let base3 = train(&dir, vocab, "base3", Device::Cpu, &par(2, 3, None), opts(3, 0), None);
+    let off3 = train(&dir, vocab, "off3", Device::Cpu, &par(2, 3, Some((500, GpuEvery::Every(2)))), opts(3, 0), None);
+    assert_exact("ZeRO-3 dp 2 with offload k = 2", &base3, &off3);
     // bf16 weights: the host keeps the fp32 master and sends bf16 copies back.
     let base = train_as(DType::BF16, &dir, vocab, "base16", Device::Cpu, &par(2, 1, None), opts(3, 0), None);
     let off = train_as(DType::BF16, &dir, vocab, "off16", Device::Cpu, &par(2, 1, Some((500, GpuEvery::Every(2)))), opts(3, 0), None);
