@@ -206,11 +206,14 @@ impl DistEngine {
     pub fn attach(model: &mut Llama, comm: Comm, par: &ParallelArgs, cfg: AdamWConfig) -> AnyResult<DistEngine> {
         let mesh = DeviceMesh::new(comm, par.tp, par.dp, par.ranks_per_node())?;
         let tp = if par.tp > 1 { Some(parallelize(model, mesh.tp_group())?) } else { None };
-        let mut zero = Zero::new(model, &mesh, par.spec()?, tp.as_ref(), cfg)?;
-        if let Some(o) = par.offload() {
-            let plan = zero.enable_offload(&o)?;
-            report_offload(&plan, model.device());
-        }
+        let zero = match par.offload() {
+            None => Zero::new(model, &mesh, par.spec()?, tp.as_ref(), cfg)?,
+            Some(o) => {
+                let (zero, plan) = Zero::with_offload(model, &mesh, par.spec()?, tp.as_ref(), cfg, &o)?;
+                report_offload(&plan, model.device());
+                zero
+            }
+        };
         Ok(DistEngine { mesh, tp, zero })
     }
 

@@ -98,6 +98,10 @@ fn train_as(
         let mut model = Llama::new(cfg.clone(), dtype, device, &mut Rng::new(1))?;
         let dist = DistEngine::attach(&mut model, comm, p, Trainer::adamw_config(&o)).map_err(e)?;
         assert_eq!(dist.zero.offloaded(), p.offload_optimizer);
+        if p.offload_optimizer {
+            // Built offloaded: no optimizer state was ever allocated on the device.
+            assert_eq!(dist.zero.state_bytes().2, 0, "optimizer bytes on the device with offload");
+        }
         if let Some(plan) = dist.zero.offload_plan() {
             // Each k really splits the subgroups between the two paths as asked.
             let want = match p.offload_gpu_every {

@@ -199,7 +199,9 @@ struct ZBucket {
     runs: Vec<(usize, usize, bool)>,
     /// (n / s_os) each element's weight in the global gradient norm: 1 over the number of
     /// tensor-parallel ranks holding the same value.
-    norm_weight: Tensor,
+    /// None without tensor parallelism, where every element weighs 1 (padding, weighted 0 here,
+    /// only ever holds zero gradients): no shard-sized mask on the device.
+    norm_weight: Option<Tensor>,
 }
 
 /// Gradients being assembled into bucket buffers by the sinks during backward.
@@ -352,6 +354,36 @@ impl Zero {
     /// data-parallel group by `spec`. With tensor parallelism, `tp` is the layout `parallelize`
     /// returned (the store then holds this rank's tensor-parallel shards).
     pub fn new(model: &mut Llama, mesh: &DeviceMesh, spec: ShardSpec, tp: Option<&TpLayout>, cfg: AdamWConfig) -> Result<Zero> {
+        Ok(Self::build(model, mesh, spec, tp, cfg, None)?.0)
+    }
+
+    /// `new` with the optimizer state offloaded (`offload`) from the start: the device never holds
+    /// the shard's master, m, v or decay mask, not even briefly (for a 7B model on one GPU they
+    /// would not fit). Returns what `--offload-gpu-every` resolved to.
+    pub fn with_offload(
+        model: &mut Llama,
+        mesh: &DeviceMesh,
+        spec: ShardSpec,
+        tp: Option<&TpLayout>,
+        cfg: AdamWConfig,
+        offload: &OffloadConfig,
+    ) -> Result<(Zero, crate::offload::OffloadPlan)> {
+        let (z, plan) = Self::build(model, mesh, spec, tp, cfg, Some(offload))?;
+        Ok((z, plan.expect("offload was asked for")))
+    }
+
+    fn build(
+        model: &mut Llama,
+        mesh: &DeviceMesh,
+        spec: ShardSpec,
+        tp: Option<&TpLayout>,
+        cfg: AdamWConfig,
+        offload: Option<&OffloadConfig>,
+    ) -> Result<(Zero, Option<crate::offload::OffloadPlan>)> {
+        if let Some(o) = offload {
+            o.validate()?;
+        }
+        let on_device = offload.is_none();
         let dp = mesh.dp();
         spec.validate(dp, (mesh.ranks_per_node() / mesh.tp()).max(1))?;
         let groups = Arc::new(Groups::new(mesh.dp_group(), spec)?);
@@ -366,7 +398,7 @@ impl Zero {
             let p_shard = if sp == 1 { bk.flat.clone() } else { bk.flat.narrow(0, groups.a * n / sp, n / sp)?.deep_copy()? };
             let (lo, len) = (groups.j * n / so, n / so);
             let os_param = bk.flat.narrow(0, lo, len)?;
-            let master = if dtype == DType::F32 { None } else { Some(os_param.to_dtype(DType::F32)?.deep_copy()?) };
+            let master = if dtype == DType::F32 || !on_device { None } else { Some(os_param.to_dtype(DType::F32)?.deep_copy()?) };
             // Per-element masks over the optimizer range, from the slots it overlaps.
             let (mut decay, mut weight) = (vec![0f32; len], vec![0f32; len]);
             for s in &bk.slots {
@@ -397,10 +429,11 @@ impl Zero {
                 flat: bk.flat.clone(),
                 p_shard,
                 master,
-                m: Tensor::zeros([len], DType::F32, dev)?,
-                v: Tensor::zeros([len], DType::F32, dev)?,
-                decay: Tensor::from_vec(decay, [len], dev)?,
-                norm_weight: Tensor::from_vec(weight, [len], dev)?,
+                m: Tensor::zeros([if on_device { len } else { 0 }], DType::F32, dev)?,
+                v: Tensor::zeros([if on_device { len } else { 0 }], DType::F32, dev)?,
+                // Only the op-based update reads the mask; offload works from `runs`.
+                decay: if on_device { Tensor::from_vec(decay, [len], dev)? } else { Tensor::zeros([0], DType::F32, dev)? },
+                norm_weight: if tp.is_some() { Some(Tensor::from_vec(weight, [len], dev)?) } else { None },
             });
         }
         let asm = Arc::new(Mutex::new(Assembly {
@@ -453,7 +486,11 @@ impl Zero {
             g.release_all(false)?;
             zero.gather = Some(g);
         }
-        Ok(zero)
+        let plan = match offload {
+            Some(o) => Some(zero.enable_offload(o)?),
+            None => None,
+        };
+        Ok((zero, plan))
     }
 
     /// Each parameter's gradient goes into its bucket's buffer; the bucket's reduce-scatter
@@ -582,7 +619,12 @@ impl Zero {
         let mut local = 0.0;
         for (g, bk) in os_grads.into_iter().zip(&self.buckets) {
             let g32 = g.to_dtype(DType::F32)?.mul_scalar(scale)?;
-            local += g32.sqr()?.mul(&bk.norm_weight)?.sum_all()?.item()?;
+            let sq = g32.sqr()?;
+            let sq = match &bk.norm_weight {
+                Some(w) => sq.mul(w)?,
+                None => sq,
+            };
+            local += sq.sum_all()?.item()?;
             // Offload converts per subgroup: the whole shard's fp32 gradient never sits on the
             // device at once.
             grads.push(if self.offload.is_some() { g } else { g32 });
@@ -724,7 +766,8 @@ impl Zero {
 
     /// Moves this rank's optimizer state (master, m, v) into host memory, updated there and on
     /// the device in interleaved subgroups (`offload`). Call right after `new`, before training
-    /// or `load`. Returns what `--offload-gpu-every` resolved to.
+    /// or `load` (`with_offload` does the same without ever allocating the state on the device).
+    /// Returns what `--offload-gpu-every` resolved to.
     pub fn enable_offload(&mut self, cfg: &OffloadConfig) -> Result<crate::offload::OffloadPlan> {
         if self.offload.is_some() {
             return Err(Error::new("zero", "optimizer offload is already on"));
@@ -746,6 +789,7 @@ impl Zero {
         for bk in &mut self.buckets {
             let dev = bk.flat.device();
             bk.master = None;
+            bk.decay = Tensor::zeros([0], DType::F32, dev)?;
             bk.m = Tensor::zeros([0], DType::F32, dev)?;
             bk.v = Tensor::zeros([0], DType::F32, dev)?;
         }
