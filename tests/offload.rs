@@ -355,3 +355,41 @@ fn the_pretrain_tool_with_offload_follows_the_plain_run() {
     assert_eq!(plain, off, "losses with --offload-optimizer");
     let _ = std::fs::remove_dir_all(&dir);
 }
+
+/// The gradients of CPU subgroups leave for the host from the gradient sinks during the last
+/// micro-batch's backward pass, not in the step: right after `backward()` (before `end_backward`
+/// and `step`) every one has been sent, after an earlier micro-batch none, and `step` consumes them.
+#[test]
+fn gradients_stream_to_the_host_from_the_sinks_during_backward() {
+    use ferrolm::nn::optim::AdamWConfig;
+    use ferrolm_dist::offload::OffloadConfig;
+    use ferrolm_dist::zero::{ShardSpec, Zero};
+    use ferrolm_dist::DeviceMesh;
+    let cfg = LlamaConfig::from_json_str(
+        r#"{"model_type":"llama","vocab_size":64,"hidden_size":32,"intermediate_size":64,"num_hidden_layers":2,
+            "num_attention_heads":4,"num_key_value_heads":2,"max_position_embeddings":64,"tie_word_embeddings":true}"#,
+    )
+    .unwrap();
+    ThreadComm::run(1, CommOptions::default(), |comm| {
+        let mut model = Llama::new(cfg.clone(), DType::F32, Device::Cpu, &mut Rng::new(1))?;
+        let mesh = DeviceMesh::new(comm, 1, 1, 1)?;
+        let off = OffloadConfig { subgroup: 256, gpu_every: GpuEvery::Every(3) };
+        let (mut z, plan) = Zero::with_offload(&mut model, &mesh, ShardSpec::zero(0, 1)?, None, AdamWConfig::default(), &off)?;
+        let cpu = plan.subgroups - plan.device_subgroups;
+        let ids = Tensor::from_vec((0..32).map(|i| (i * 7 % 64) as i32).collect::<Vec<_>>(), [2, 16], Device::Cpu)?;
+        let tg = Tensor::from_vec((0..32).map(|i| (i * 5 % 64) as i32).collect::<Vec<_>>(), [2, 16], Device::Cpu)?;
+        for last in [false, true] {
+            z.begin_forward()?;
+            let loss = model.loss(&ids, &tg)?;
+            z.begin_backward(last)?;
+            loss.backward()?;
+            let want = if last { cpu } else { 0 };
+            assert_eq!(z.offload_grads_streamed(), Some((want, cpu)), "after backward (last micro-batch: {last})");
+            z.end_backward()?;
+        }
+        z.step(1e-3, 1.0)?;
+        assert_eq!(z.offload_grads_streamed(), Some((0, cpu)), "the step consumed the streamed gradients");
+        Ok(())
+    })
+    .unwrap();
+}

@@ -430,6 +430,17 @@ impl Offload {
         Ok(())
     }
 
+    /// (CPU subgroups whose gradient has been sent to the host this step, CPU subgroups).
+    pub fn grads_streamed(&self) -> (usize, usize) {
+        let cpu = self.subgroups.iter().filter(|s| !s.gpu);
+        let (mut sent, mut all) = (0, 0);
+        for s in cpu {
+            sent += s.streamed as usize;
+            all += 1;
+        }
+        (sent, all)
+    }
+
     /// Forgets the gradients streamed this step (a skipped step).
     pub fn discard(&mut self) {
         for sg in &mut self.subgroups {

@@ -809,6 +809,12 @@ impl Zero {
         self.offload.as_ref().map(|o| o.lock().unwrap_or_else(|e| e.into_inner()).plan().clone())
     }
 
+    /// With offload: (CPU subgroups whose gradient already left for the host this step, CPU
+    /// subgroups). After the last micro-batch's backward every one has, launched from the sinks.
+    pub fn offload_grads_streamed(&self) -> Option<(usize, usize)> {
+        self.offload.as_ref().map(|o| o.lock().unwrap_or_else(|e| e.into_inner()).grads_streamed())
+    }
+
     fn offloaded_state(&self, bucket: usize) -> Result<(Tensor, Tensor, Tensor)> {
         let off = self.offload.as_ref().ok_or_else(|| Error::new("zero", "the optimizer state is not offloaded"))?;
         off.lock().unwrap_or_else(|e| e.into_inner()).state(bucket)
