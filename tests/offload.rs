@@ -376,8 +376,8 @@ fn gradients_stream_to_the_host_from_the_sinks_during_backward() {
         let off = OffloadConfig { subgroup: 256, gpu_every: GpuEvery::Every(3) };
         let (mut z, plan) = Zero::with_offload(&mut model, &mesh, ShardSpec::zero(0, 1)?, None, AdamWConfig::default(), &off)?;
         let cpu = plan.subgroups - plan.device_subgroups;
-        let ids = Tensor::from_vec((0..32).map(|i| (i * 7 % 64) as i32).collect::<Vec<_>>(), [2, 16], Device::Cpu)?;
-        let tg = Tensor::from_vec((0..32).map(|i| (i * 5 % 64) as i32).collect::<Vec<_>>(), [2, 16], Device::Cpu)?;
+        let ids = Tensor::from_vec((0..32i32).map(|i| i * 7 % 64).collect::<Vec<_>>(), [2, 16], Device::Cpu)?;
+        let tg = Tensor::from_vec((0..32i32).map(|i| i * 5 % 64).collect::<Vec<_>>(), [2, 16], Device::Cpu)?;
         for last in [false, true] {
             z.begin_forward()?;
             let loss = model.loss(&ids, &tg)?;
