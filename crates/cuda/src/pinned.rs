@@ -51,7 +51,9 @@ impl EmuCopy {
 type EmuQueue = Arc<Mutex<Vec<EmuCopy>>>;
 
 thread_local! {
-    static DEFER: Cell<bool> = const { Cell::new(false) };
+    /// Which emulated copies issued from this thread are deferred: 0 none, 1 all, 2 detached
+    /// D2H copies only.
+    static DEFER: Cell<u8> = const { Cell::new(0) };
 }
 
 static DEFERRED: Mutex<Vec<std::sync::Weak<Mutex<Vec<EmuCopy>>>>> = Mutex::new(Vec::new());
@@ -205,7 +207,7 @@ impl CudaBackend {
     /// instead of run (see the module comment). No effect on a GPU.
     pub fn emulator_defer_copies(&self, on: bool) {
         if self.is_emulated() {
-            DEFER.with(|d| d.set(on));
+            DEFER.with(|d| d.set(on as u8));
         }
     }
 
@@ -256,8 +258,24 @@ impl CudaBackend {
         Ok(())
     }
     /// An emulated copy: now, or queued on `buf` in deferred mode.
-    fn emu_copy(buf: &mut PinnedBuffer, job: EmuCopy) {
-        if !DEFER.with(|d| d.get()) {
+    /// Test hook, emulated device only: while on, detached D2H copies issued from this thread are
+    /// queued until their buffer is waited for; every other copy runs at once. That is faithful to
+    /// a GPU for a whole training run (kernels after an H2D copy, or after an ordinary D2H copy,
+    /// are ordered behind it there; nothing is ordered behind a detached copy), so an engine's
+    /// missing wait or early release of a detached source shows up in its results.
+    pub fn emulator_defer_detached_copies(&self, on: bool) {
+        if self.is_emulated() {
+            DEFER.with(|d| d.set(if on { 2 } else { 0 }));
+        }
+    }
+
+    fn emu_copy(buf: &mut PinnedBuffer, job: EmuCopy, detached: bool) {
+        let defer = match DEFER.with(|d| d.get()) {
+            1 => true,
+            2 => detached,
+            _ => false,
+        };
+        if !defer {
             job.run();
             return;
         }
@@ -317,7 +335,7 @@ impl CudaBackend {
         if let Some(host) = dst.plain_ptr() {
             // Emulated device pointers are host addresses of live pool blocks; the range was
             // checked to lie inside src's block and the buffer holds n bytes; the two never overlap.
-            Self::emu_copy(dst, EmuCopy { src: dev as *const u8, dst: host, n });
+            Self::emu_copy(dst, EmuCopy { src: dev as *const u8, dst: host, n }, keep.is_some());
             dst.keep = keep;
             return Ok(());
         }
@@ -363,7 +381,7 @@ impl CudaBackend {
         let dev = dst.buf.ptr + offset as u64;
         if let Some(host) = src.plain_ptr() {
             // As above, with the roles swapped.
-            Self::emu_copy(src, EmuCopy { src: host, dst: dev as *mut u8, n });
+            Self::emu_copy(src, EmuCopy { src: host, dst: dev as *mut u8, n }, false);
             return Ok(());
         }
         let Mem::Pinned(p) = &mut src.mem else { unreachable!("plain memory handled above") };
