@@ -11,6 +11,7 @@ use crate::cli::positive;
 use crate::AnyResult;
 use anyhow::{bail, Context};
 use clap::Args;
+use ferrolm_dist::offload::{GpuEvery, OffloadConfig};
 use ferrolm_dist::tp::{parallelize, TpLayout};
 use ferrolm_dist::zero::{ShardSpec, Zero};
 use ferrolm_dist::{CommOptions, Communicator, DeviceMesh, DistEnv, ThreadComm};
@@ -80,11 +81,28 @@ pub struct ParallelArgs {
     /// [default: every rank on one node]
     #[arg(long, value_name = "N", value_parser = positive)]
     pub ranks_per_node: Option<usize>,
+    /// Keep this rank's optimizer state (fp32 master, m, v) in pinned host memory and update it
+    /// on the CPU, one subgroup in k on the GPU (Deep Optimizer States; docs/OFFLOAD.md). On
+    /// --device cpu it runs but saves nothing (the state is in host memory already)
+    #[arg(long)]
+    pub offload_optimizer: bool,
+    /// Elements per offloaded subgroup (the unit of the CPU/GPU interleaving)
+    #[arg(long, value_name = "N", default_value = "10000000", value_parser = positive, requires = "offload_optimizer")]
+    pub offload_subgroup_size: usize,
+    /// Update one subgroup in k on the GPU: k >= 1, `auto` (the performance model's k, from
+    /// throughputs measured at start-up) or `inf` (all on the CPU)
+    #[arg(long, value_name = "k|auto|inf", default_value = "auto", requires = "offload_optimizer")]
+    pub offload_gpu_every: GpuEvery,
 }
 
 impl ParallelArgs {
     pub fn world(&self) -> usize {
         self.tp * self.dp
+    }
+
+    /// The offload settings, when `--offload-optimizer` is on.
+    pub fn offload(&self) -> Option<OffloadConfig> {
+        self.offload_optimizer.then_some(OffloadConfig { subgroup: self.offload_subgroup_size, gpu_every: self.offload_gpu_every })
     }
 
     pub fn ranks_per_node(&self) -> usize {
@@ -113,6 +131,9 @@ impl ParallelArgs {
     /// Checks the flags against the run (before anything is built).
     pub fn validate(&self, device: Device) -> AnyResult<()> {
         self.spec()?;
+        if let Some(o) = self.offload() {
+            o.validate()?;
+        }
         let env = DistEnv::from_env()?;
         let procs = env.as_ref().map_or(1, |e| e.world_size);
         if procs > 1 && procs != self.world() {
@@ -159,7 +180,8 @@ where
         return per_rank(&p, Some(comm));
     }
     let p = prepare()?;
-    if world == 1 {
+    // Offload lives in the sharded engine, so a single device with it runs as one rank.
+    if world == 1 && !par.offload_optimizer {
         return per_rank(&p, None);
     }
     let mut out = ThreadComm::run(world, CommOptions::from_env()?, |comm| {
@@ -184,7 +206,14 @@ impl DistEngine {
     pub fn attach(model: &mut Llama, comm: Comm, par: &ParallelArgs, cfg: AdamWConfig) -> AnyResult<DistEngine> {
         let mesh = DeviceMesh::new(comm, par.tp, par.dp, par.ranks_per_node())?;
         let tp = if par.tp > 1 { Some(parallelize(model, mesh.tp_group())?) } else { None };
-        let zero = Zero::new(model, &mesh, par.spec()?, tp.as_ref(), cfg)?;
+        let zero = match par.offload() {
+            None => Zero::new(model, &mesh, par.spec()?, tp.as_ref(), cfg)?,
+            Some(o) => {
+                let (zero, plan) = Zero::with_offload(model, &mesh, par.spec()?, tp.as_ref(), cfg, &o)?;
+                report_offload(&plan, model.device());
+                zero
+            }
+        };
         Ok(DistEngine { mesh, tp, zero })
     }
 
@@ -196,5 +225,28 @@ impl DistEngine {
         let mesh = DeviceMesh::new(comm, par.tp, 1, par.ranks_per_node())?;
         let tp = if par.tp > 1 { Some(parallelize(model, mesh.tp_group())?) } else { None };
         Ok((mesh, tp))
+    }
+}
+
+/// Prints where the optimizer state went and, for `auto`, the measured inputs and the chosen k.
+fn report_offload(plan: &ferrolm_dist::offload::OffloadPlan, device: Device) {
+    use crate::progress::report;
+    let k = plan.k.map_or("inf (every subgroup on the CPU)".to_string(), |k| k.to_string());
+    if device == Device::Cpu {
+        report("offload: --device cpu: the schedule runs, but the optimizer state was in host memory already (no memory is saved)");
+    }
+    report(&format!(
+        "offload: optimizer state of {} elements in host memory, {} subgroups, {} of them updated on the device: k = {k}",
+        plan.elems, plan.subgroups, plan.device_subgroups
+    ));
+    if let (Some(i), Some(e)) = (&plan.inputs, &plan.estimate) {
+        report(&format!(
+            "offload: --offload-gpu-every auto: measured CPU AdamW {:.3e} elem/s, device AdamW {:.3e} elem/s, H2D {:.2} GB/s, D2H {:.2} GB/s; the model chose k = {k} (modelled update {:.3} s)",
+            i.cpu_adam_elems_per_s,
+            i.gpu_adam_elems_per_s,
+            i.h2d_bytes_per_s / 1e9,
+            i.d2h_bytes_per_s / 1e9,
+            e.update_s
+        ));
     }
 }

@@ -536,6 +536,8 @@ impl Trainer {
         for (_, t) in tensors {
             let s = probe(t)?;
             acc = Some(match acc {
+                // Offloaded optimizer state is on the host, the weights on the device.
+                Some(a) if a.device() != s.device() => a.add(&s.to_device(a.device())?)?,
                 Some(a) => a.add(&s)?,
                 None => s,
             });
@@ -564,7 +566,7 @@ impl Trainer {
         // Every tensor the checkpoint stores, as this rank holds it.
         let (params, state) = match &self.engine {
             Engine::Single(opt) => (self.model.parameters(), opt.state_tensors()),
-            Engine::Dist(d) => (Vec::new(), d.zero.shard_tensors()),
+            Engine::Dist(d) => (Vec::new(), d.zero.shard_tensors()?),
         };
         let all: Vec<&(String, Tensor)> = params.iter().chain(&state).collect();
         let bad = Self::non_finite_tensor(&all)?;

@@ -1,25 +1,97 @@
 //! Page-locked host buffers and asynchronous copies between them and device storage, on any
-//! stream (the copy streams that optimizer offload and checkpointing will use). A buffer keeps
-//! the event of its last copy, and every access to its bytes waits for that event first, so a
-//! copy in flight is never read or overwritten. On the emulated device the buffer is ordinary
-//! memory and copies complete before they return.
+//! stream (the copy streams that optimizer offload and checkpointing use). A buffer keeps what
+//! completes its copies in flight (an event on a GPU), and every access to its bytes waits for
+//! them first, so a copy in flight is never read or overwritten; dropping a buffer waits too, so
+//! its memory is never freed under a copy (the raw `memcpy_*_async` calls below bypass cudarc's
+//! own bookkeeping, which would otherwise be the only thing `PinnedHostSlice`'s drop waits for).
+//!
+//! On the emulated device the buffer is ordinary memory and copies complete before they
+//! return, unless [`CudaBackend::emulator_defer_copies`] is on for the calling thread: then a
+//! copy is only queued on the buffer and runs when something waits for it (an access, another
+//! copy, the drop) or at the backend's `synchronize`, in reverse order of issue. That is the
+//! latest and most reordered a GPU's copy engines could complete them, which is what the tests of
+//! these rules need.
 use crate::device::{CudaBackend, CudaStream, Exec};
 use crate::err;
 use crate::storage::CudaStorage;
 use cudarc::driver::{result, CudaEvent, PinnedHostSlice};
 use ferrolm_tensor::{bail, Result};
-use std::sync::Arc;
+use std::cell::Cell;
+use std::sync::{Arc, Mutex};
 
 enum Mem {
     Pinned(PinnedHostSlice<u8>),
-    Plain(Vec<u8>),
+    /// u64 words so that the bytes can be viewed as f32 (the GPU path's page-locked memory is
+    /// page aligned).
+    Plain(Vec<u64>),
+}
+
+/// A copy the emulator has queued but not run (deferred mode): the source and destination
+/// addresses, both kept alive by their owners until it runs (the buffer waits for it before it is
+/// accessed, reused or freed; device storage is only freed after `synchronize`).
+struct EmuCopy {
+    src: *const u8,
+    dst: *mut u8,
+    n: usize,
+}
+// SAFETY: the addresses are only dereferenced by `run`, under the rules of the struct comment;
+// the queue moves between threads only together with the buffer that owns it.
+unsafe impl Send for EmuCopy {}
+
+impl EmuCopy {
+    fn run(&self) {
+        // SAFETY: see the struct comment: both ranges are n bytes of live, non-overlapping
+        // allocations (a pool block and a buffer's Vec).
+        unsafe { std::ptr::copy_nonoverlapping(self.src, self.dst, self.n) }
+    }
+}
+
+/// Deferred emulated copies not yet waited for, in issue order (shared with the backend's
+/// `synchronize` through a registry of weak handles).
+type EmuQueue = Arc<Mutex<Vec<EmuCopy>>>;
+
+thread_local! {
+    /// Which emulated copies issued from this thread are deferred: 0 none, 1 all, 2 detached
+    /// D2H copies only.
+    static DEFER: Cell<u8> = const { Cell::new(0) };
+}
+
+static DEFERRED: Mutex<Vec<std::sync::Weak<Mutex<Vec<EmuCopy>>>>> = Mutex::new(Vec::new());
+
+enum Pending {
+    Gpu(CudaEvent),
+    Emu(EmuQueue),
 }
 
 pub struct PinnedBuffer {
     mem: Mem,
     bytes: usize,
     /// Completes when the last copy into or out of this buffer has.
-    pending: Option<CudaEvent>,
+    pending: Option<Pending>,
+    /// What a detached copy's device side needs alive until it completes (dropped by `wait`).
+    keep: Option<Box<dyn std::any::Any + Send>>,
+}
+
+fn run_queue(q: &EmuQueue) {
+    let jobs = std::mem::take(&mut *q.lock().unwrap_or_else(|e| e.into_inner()));
+    for j in &jobs {
+        j.run();
+    }
+}
+
+/// Runs every deferred emulated copy, newest first (the emulator's `synchronize`).
+pub(crate) fn run_deferred() {
+    let queues: Vec<EmuQueue> = {
+        let mut reg = DEFERRED.lock().unwrap_or_else(|e| e.into_inner());
+        let live = reg.drain(..).filter_map(|w| w.upgrade()).collect();
+        live
+    };
+    for q in queues.iter().rev() {
+        let jobs = std::mem::take(&mut *q.lock().unwrap_or_else(|e| e.into_inner()));
+        for j in jobs.iter().rev() {
+            j.run();
+        }
+    }
 }
 
 impl PinnedBuffer {
@@ -29,25 +101,86 @@ impl PinnedBuffer {
     pub fn is_empty(&self) -> bool {
         self.len() == 0
     }
-    fn wait(&mut self) -> Result<()> {
-        if let Some(ev) = self.pending.take() {
-            ev.synchronize().map_err(err("pinned"))?;
+    /// Whether a copy into or out of the buffer may still be running (false once waited for).
+    pub fn in_flight(&self) -> bool {
+        match &self.pending {
+            None => false,
+            Some(Pending::Gpu(_)) => true,
+            Some(Pending::Emu(q)) => !q.lock().unwrap_or_else(|e| e.into_inner()).is_empty(),
         }
+    }
+    /// Waits for every copy into or out of the buffer.
+    pub fn wait(&mut self) -> Result<()> {
+        match self.pending.take() {
+            None => {}
+            Some(Pending::Gpu(ev)) => ev.synchronize().map_err(err("pinned"))?,
+            Some(Pending::Emu(q)) => run_queue(&q),
+        }
+        self.keep = None;
         Ok(())
+    }
+    fn plain_bytes(v: &[u64], n: usize) -> &[u8] {
+        // SAFETY: u64 words reinterpreted as their bytes; n <= 8 * len (alloc_pinned).
+        unsafe { std::slice::from_raw_parts(v.as_ptr() as *const u8, n) }
+    }
+    fn plain_bytes_mut(v: &mut [u64], n: usize) -> &mut [u8] {
+        // SAFETY: as above, with the unique borrow of v.
+        unsafe { std::slice::from_raw_parts_mut(v.as_mut_ptr() as *mut u8, n) }
     }
     /// The bytes, after every copy touching them has finished.
     pub fn as_slice(&mut self) -> Result<&[u8]> {
         self.wait()?;
         match &self.mem {
             Mem::Pinned(p) => Ok(&p.as_slice().map_err(err("pinned"))?[..self.bytes]),
-            Mem::Plain(v) => Ok(v),
+            Mem::Plain(v) => Ok(Self::plain_bytes(v, self.bytes)),
         }
     }
     pub fn as_mut_slice(&mut self) -> Result<&mut [u8]> {
         self.wait()?;
         match &mut self.mem {
             Mem::Pinned(p) => Ok(&mut p.as_mut_slice().map_err(err("pinned"))?[..self.bytes]),
-            Mem::Plain(v) => Ok(v),
+            Mem::Plain(v) => Ok(Self::plain_bytes_mut(v, self.bytes)),
+        }
+    }
+    /// The bytes as f32 (the buffer's length must be a multiple of 4), after every copy.
+    pub fn as_f32(&mut self) -> Result<&[f32]> {
+        let b = self.as_slice()?;
+        // SAFETY: the memory is 8-byte (Vec<u64>) or page aligned and any bit pattern is an f32.
+        let (pre, mid, post) = unsafe { b.align_to::<f32>() };
+        if !pre.is_empty() || !post.is_empty() {
+            bail!("pinned", "a buffer of {} bytes is not a whole number of aligned f32", b.len());
+        }
+        Ok(mid)
+    }
+    pub fn as_f32_mut(&mut self) -> Result<&mut [f32]> {
+        let b = self.as_mut_slice()?;
+        let n = b.len();
+        // SAFETY: as in `as_f32`.
+        let (pre, mid, post) = unsafe { b.align_to_mut::<f32>() };
+        if !pre.is_empty() || !post.is_empty() {
+            bail!("pinned", "a buffer of {n} bytes is not a whole number of aligned f32");
+        }
+        Ok(mid)
+    }
+    /// The buffer's address for an emulated copy (after `wait`).
+    fn plain_ptr(&mut self) -> Option<*mut u8> {
+        match &mut self.mem {
+            Mem::Plain(v) => Some(v.as_mut_ptr() as *mut u8),
+            Mem::Pinned(_) => None,
+        }
+    }
+}
+
+impl Drop for PinnedBuffer {
+    /// Waits for the copies in flight before the memory goes back. If that wait fails (a broken
+    /// context), the memory is leaked rather than freed under a transfer that may still run.
+    fn drop(&mut self) {
+        if self.wait().is_err() {
+            // The device memory a detached copy reads is leaked too.
+            std::mem::forget(self.keep.take());
+            if let Mem::Pinned(p) = std::mem::replace(&mut self.mem, Mem::Plain(Vec::new())) {
+                std::mem::forget(p);
+            }
         }
     }
 }
@@ -65,9 +198,25 @@ impl CudaBackend {
                 p.as_mut_slice().map_err(err("alloc_pinned"))?.fill(0);
                 Mem::Pinned(p)
             }
-            Exec::Emu => Mem::Plain(vec![0; bytes]),
+            Exec::Emu => Mem::Plain(vec![0; bytes.div_ceil(8)]),
         };
-        Ok(PinnedBuffer { mem, bytes, pending: None })
+        Ok(PinnedBuffer { mem, bytes, pending: None, keep: None })
+    }
+
+    /// Test hook, emulated device only: while on, copies issued from this thread are queued
+    /// instead of run (see the module comment). No effect on a GPU.
+    pub fn emulator_defer_copies(&self, on: bool) {
+        if self.is_emulated() {
+            DEFER.with(|d| d.set(on as u8));
+        }
+    }
+
+    /// Emulated device: runs every deferred copy not yet waited for, newest first (what a
+    /// `synchronize` guarantees on a GPU). No effect on a GPU.
+    pub fn emulator_complete_copies(&self) {
+        if self.is_emulated() {
+            run_deferred();
+        }
     }
 
     /// The stream to copy on, made to wait for the compute stream's work so far (which produced
@@ -89,66 +238,160 @@ impl CudaBackend {
         if !Arc::ptr_eq(s, &g.stream) {
             g.stream.wait(&ev).map_err(err("copy"))?;
         }
-        buf.pending = Some(ev);
+        buf.pending = Some(Pending::Gpu(ev));
         Ok(())
     }
-    fn check_sizes(op: &str, dev: &CudaStorage, buf: &PinnedBuffer) -> Result<usize> {
+    /// Checks that `buf.len()` bytes from byte `offset` lie inside `dev`.
+    fn check_range(op: &str, dev: &CudaStorage, offset: usize, buf: &PinnedBuffer) -> Result<usize> {
+        let total = dev.len * dev.dtype.size_in_bytes();
+        let n = buf.len();
+        if offset.checked_add(n).is_none_or(|end| end > total) {
+            bail!(op, "bytes {offset}..{} of a device storage of {total} bytes", offset.saturating_add(n));
+        }
+        Ok(n)
+    }
+    fn check_sizes(op: &str, dev: &CudaStorage, buf: &PinnedBuffer) -> Result<()> {
         let n = dev.len * dev.dtype.size_in_bytes();
         if n != buf.len() {
             bail!(op, "device storage is {n} bytes, the host buffer {}", buf.len());
         }
-        Ok(n)
+        Ok(())
+    }
+    /// An emulated copy: now, or queued on `buf` in deferred mode.
+    /// Test hook, emulated device only: while on, detached D2H copies issued from this thread are
+    /// queued until their buffer is waited for; every other copy runs at once. That is faithful to
+    /// a GPU for a whole training run (kernels after an H2D copy, or after an ordinary D2H copy,
+    /// are ordered behind it there; nothing is ordered behind a detached copy), so an engine's
+    /// missing wait or early release of a detached source shows up in its results.
+    pub fn emulator_defer_detached_copies(&self, on: bool) {
+        if self.is_emulated() {
+            DEFER.with(|d| d.set(if on { 2 } else { 0 }));
+        }
+    }
+
+    fn emu_copy(buf: &mut PinnedBuffer, job: EmuCopy, detached: bool) {
+        let defer = match DEFER.with(|d| d.get()) {
+            1 => true,
+            2 => detached,
+            _ => false,
+        };
+        if !defer {
+            job.run();
+            return;
+        }
+        let q: EmuQueue = Arc::new(Mutex::new(vec![job]));
+        DEFERRED.lock().unwrap_or_else(|e| e.into_inner()).push(Arc::downgrade(&q));
+        buf.pending = Some(Pending::Emu(q));
     }
 
     /// Enqueues device -> host of all of `src` into `dst` on `stream` (default: the compute
     /// stream). Returns at once; `dst.as_slice()` waits for the copy.
     pub fn copy_to_pinned(&self, src: &CudaStorage, dst: &mut PinnedBuffer, stream: Option<&Arc<CudaStream>>) -> Result<()> {
-        let n = Self::check_sizes("copy_to_pinned", src, dst)?;
+        Self::check_sizes("copy_to_pinned", src, dst)?;
+        self.copy_to_pinned_at(src, 0, dst, stream)
+    }
+
+    /// Enqueues device -> host of `dst.len()` bytes of `src` from byte `offset` into `dst`.
+    pub fn copy_to_pinned_at(
+        &self,
+        src: &CudaStorage,
+        offset: usize,
+        dst: &mut PinnedBuffer,
+        stream: Option<&Arc<CudaStream>>,
+    ) -> Result<()> {
+        self.d2h(src, offset, dst, stream, None)
+    }
+
+    /// `copy_to_pinned_at` without making the compute stream wait for the copy, so the kernels
+    /// after it run beside it (a gradient leaving for the host while the backward pass goes on).
+    /// `keep` (the tensor that owns `src`) is held until `dst` is waited for, so the pool cannot
+    /// hand the block to another kernel meanwhile; the caller must not enqueue writes to the range
+    /// before then (they would race the copy, and the host would read a mix).
+    pub fn copy_to_pinned_detached(
+        &self,
+        src: &CudaStorage,
+        offset: usize,
+        dst: &mut PinnedBuffer,
+        stream: Option<&Arc<CudaStream>>,
+        keep: Box<dyn std::any::Any + Send>,
+    ) -> Result<()> {
+        self.d2h(src, offset, dst, stream, Some(keep))
+    }
+
+    fn d2h(
+        &self,
+        src: &CudaStorage,
+        offset: usize,
+        dst: &mut PinnedBuffer,
+        stream: Option<&Arc<CudaStream>>,
+        keep: Option<Box<dyn std::any::Any + Send>>,
+    ) -> Result<()> {
+        let n = Self::check_range("copy_to_pinned", src, offset, dst)?;
         dst.wait()?;
         if n == 0 {
             return Ok(());
         }
-        match &mut dst.mem {
-            // SAFETY: emulated device pointers are host addresses of live pool blocks; check_sizes
-            // made n = src.len * element size = v.len(), and src's block holds at least that
-            // (alloc sized it); a pool block and a Vec never overlap.
-            Mem::Plain(v) => unsafe { std::ptr::copy_nonoverlapping(src.buf.ptr as *const u8, v.as_mut_ptr(), n) },
-            Mem::Pinned(p) => {
-                let s = self.copy_stream(stream)?;
-                self.bind()?;
-                let host = &mut p.as_mut_slice().map_err(err("copy_to_pinned"))?[..n];
-                // SAFETY: `host` is n bytes of a page-locked buffer owned by dst, which stays alive
-                // and is not accessed until `pending` completes (wait() is called before every
-                // access); the n-byte source range lies inside src's block (check_sizes), which the
-                // copy stream reads after the work ordered before it.
-                unsafe { result::memcpy_dtoh_async(host, src.buf.ptr, s.cu_stream()) }.map_err(err("copy_to_pinned"))?;
-                self.after_copy(s, dst)?;
+        let dev = src.buf.ptr + offset as u64;
+        if let Some(host) = dst.plain_ptr() {
+            // Emulated device pointers are host addresses of live pool blocks; the range was
+            // checked to lie inside src's block and the buffer holds n bytes; the two never overlap.
+            Self::emu_copy(dst, EmuCopy { src: dev as *const u8, dst: host, n }, keep.is_some());
+            dst.keep = keep;
+            return Ok(());
+        }
+        let Mem::Pinned(p) = &mut dst.mem else { unreachable!("plain memory handled above") };
+        let s = self.copy_stream(stream)?;
+        self.bind()?;
+        let host = &mut p.as_mut_slice().map_err(err("copy_to_pinned"))?[..n];
+        // SAFETY: `host` is n bytes of a page-locked buffer owned by dst, which is not accessed,
+        // reused or freed until `pending` completes (wait() runs before each of those); the
+        // n-byte source range lies inside src's block (check_range), which the copy stream reads
+        // after the work ordered before it.
+        unsafe { result::memcpy_dtoh_async(host, dev, s.cu_stream()) }.map_err(err("copy_to_pinned"))?;
+        match keep {
+            None => self.after_copy(s, dst),
+            Some(k) => {
+                dst.pending = Some(Pending::Gpu(self.record_event(s)?));
+                dst.keep = Some(k);
+                Ok(())
             }
         }
-        Ok(())
     }
 
     /// Enqueues host -> device of `src` into all of `dst` on `stream` (default: the compute
     /// stream); kernels enqueued on the compute stream afterwards see the data.
     pub fn copy_from_pinned(&self, src: &mut PinnedBuffer, dst: &CudaStorage, stream: Option<&Arc<CudaStream>>) -> Result<()> {
-        let n = Self::check_sizes("copy_from_pinned", dst, src)?;
+        Self::check_sizes("copy_from_pinned", dst, src)?;
+        self.copy_from_pinned_at(src, dst, 0, stream)
+    }
+
+    /// Enqueues host -> device of all of `src` into `dst` from byte `offset`.
+    pub fn copy_from_pinned_at(
+        &self,
+        src: &mut PinnedBuffer,
+        dst: &CudaStorage,
+        offset: usize,
+        stream: Option<&Arc<CudaStream>>,
+    ) -> Result<()> {
+        let n = Self::check_range("copy_from_pinned", dst, offset, src)?;
         src.wait()?;
         if n == 0 {
             return Ok(());
         }
-        match &mut src.mem {
-            // SAFETY: as above, with the roles swapped: n = v.len() bytes fit dst's block.
-            Mem::Plain(v) => unsafe { std::ptr::copy_nonoverlapping(v.as_ptr(), dst.buf.ptr as *mut u8, n) },
-            Mem::Pinned(p) => {
-                let s = self.copy_stream(stream)?;
-                self.bind()?;
-                let host = &p.as_slice().map_err(err("copy_from_pinned"))?[..n];
-                // SAFETY: page-locked source of n bytes, kept alive and unmodified until `pending`
-                // completes; the destination range lies inside dst's block (check_sizes).
-                unsafe { result::memcpy_htod_async(dst.buf.ptr, host, s.cu_stream()) }.map_err(err("copy_from_pinned"))?;
-                self.after_copy(s, src)?;
-            }
+        let dev = dst.buf.ptr + offset as u64;
+        if let Some(host) = src.plain_ptr() {
+            // As above, with the roles swapped.
+            Self::emu_copy(src, EmuCopy { src: host, dst: dev as *mut u8, n }, false);
+            return Ok(());
         }
-        Ok(())
+        let Mem::Pinned(p) = &mut src.mem else { unreachable!("plain memory handled above") };
+        let s = self.copy_stream(stream)?;
+        self.bind()?;
+        let host = &p.as_slice().map_err(err("copy_from_pinned"))?[..n];
+        // SAFETY: page-locked source of n bytes, kept alive and unmodified until `pending`
+        // completes (wait() runs before any access, reuse or free); the destination range lies
+        // inside dst's block (check_range).
+        unsafe { result::memcpy_htod_async(dev, host, s.cu_stream()) }.map_err(err("copy_from_pinned"))?;
+        self.after_copy(s, src)
     }
 }

@@ -74,7 +74,7 @@ pub fn save_shards(dir: &Path, zero: &Zero, tp: Option<&TpLayout>, mesh: &Device
         std::fs::create_dir_all(&sdir).map_err(|e| err(&sdir, format!("cannot create: {e}")))?;
     }
     mesh.world().barrier()?;
-    let tensors = zero.shard_tensors();
+    let tensors = zero.shard_tensors()?;
     let written =
         if tensors.is_empty() { Ok(()) } else { save_safetensors(&shard_file(dir, mesh.tp_rank(), mesh.dp_rank()), &tensors, None) };
     // Every rank learns whether every rank wrote its part before anyone goes on.

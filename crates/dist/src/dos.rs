@@ -4,7 +4,8 @@
 //! offload engine (`--offload-gpu-every auto`), the planner and the auto-configurator.
 //!
 //! The paper's own equations were not available to us; this is our derivation from its
-//! mechanism and the authors' implementation (docs/PARALLEL.md, "Optimizer offload").
+//! mechanism and the authors' implementation (docs/OFFLOAD.md, which also reviews where the
+//! implementation in `offload.rs` departs from it).
 //!
 //! A rank's optimizer shard of `E` elements is split into `n = ceil(E / S)` subgroups. Subgroup
 //! `i` is updated on the GPU iff `(i + 1) % k == 0` (`k = 1`: every subgroup; `k = None`: none,

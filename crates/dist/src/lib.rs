@@ -35,6 +35,7 @@ pub mod env;
 pub mod mesh;
 pub mod nccl;
 mod nccl_lib;
+pub mod offload;
 pub mod ops;
 pub mod plan;
 mod reduce;

@@ -29,6 +29,7 @@
 //! parallelism (1, 1, 1). The step's traffic per rank is `traffic_bytes` (tests hold the
 //! implementation to it).
 use crate::comm::{Communicator, ReduceOp};
+use crate::offload::{Offload, OffloadConfig};
 use crate::tp::TpLayout;
 use crate::DeviceMesh;
 use ferrolm_nn::optim::AdamWConfig;
@@ -198,7 +199,9 @@ struct ZBucket {
     runs: Vec<(usize, usize, bool)>,
     /// (n / s_os) each element's weight in the global gradient norm: 1 over the number of
     /// tensor-parallel ranks holding the same value.
-    norm_weight: Tensor,
+    /// None without tensor parallelism, where every element weighs 1 (padding, weighted 0 here,
+    /// only ever holds zero gradients): no shard-sized mask on the device.
+    norm_weight: Option<Tensor>,
 }
 
 /// Gradients being assembled into bucket buffers by the sinks during backward.
@@ -209,9 +212,12 @@ struct Assembly {
     last: bool,
     groups: Arc<Groups>,
     spec: ShardSpec,
+    /// Offloaded optimizer state: CPU subgroups' gradients stream to it from the sinks.
+    offload: Option<Arc<Mutex<Offload>>>,
 }
 
 struct AsmBucket {
+    index: usize,
     full: Option<Tensor>,
     arrived: usize,
     expected: usize,
@@ -339,6 +345,8 @@ pub struct Zero {
     pub last_update_s: f64,
     micro: usize,
     dtype: DType,
+    /// `--offload-optimizer`: this rank's optimizer state in host memory (`offload`).
+    offload: Option<Arc<Mutex<Offload>>>,
 }
 
 impl Zero {
@@ -346,6 +354,36 @@ impl Zero {
     /// data-parallel group by `spec`. With tensor parallelism, `tp` is the layout `parallelize`
     /// returned (the store then holds this rank's tensor-parallel shards).
     pub fn new(model: &mut Llama, mesh: &DeviceMesh, spec: ShardSpec, tp: Option<&TpLayout>, cfg: AdamWConfig) -> Result<Zero> {
+        Ok(Self::build(model, mesh, spec, tp, cfg, None)?.0)
+    }
+
+    /// `new` with the optimizer state offloaded (`offload`) from the start: the device never holds
+    /// the shard's master, m, v or decay mask, not even briefly (for a 7B model on one GPU they
+    /// would not fit). Returns what `--offload-gpu-every` resolved to.
+    pub fn with_offload(
+        model: &mut Llama,
+        mesh: &DeviceMesh,
+        spec: ShardSpec,
+        tp: Option<&TpLayout>,
+        cfg: AdamWConfig,
+        offload: &OffloadConfig,
+    ) -> Result<(Zero, crate::offload::OffloadPlan)> {
+        let (z, plan) = Self::build(model, mesh, spec, tp, cfg, Some(offload))?;
+        Ok((z, plan.expect("offload was asked for")))
+    }
+
+    fn build(
+        model: &mut Llama,
+        mesh: &DeviceMesh,
+        spec: ShardSpec,
+        tp: Option<&TpLayout>,
+        cfg: AdamWConfig,
+        offload: Option<&OffloadConfig>,
+    ) -> Result<(Zero, Option<crate::offload::OffloadPlan>)> {
+        if let Some(o) = offload {
+            o.validate()?;
+        }
+        let on_device = offload.is_none();
         let dp = mesh.dp();
         spec.validate(dp, (mesh.ranks_per_node() / mesh.tp()).max(1))?;
         let groups = Arc::new(Groups::new(mesh.dp_group(), spec)?);
@@ -360,7 +398,7 @@ impl Zero {
             let p_shard = if sp == 1 { bk.flat.clone() } else { bk.flat.narrow(0, groups.a * n / sp, n / sp)?.deep_copy()? };
             let (lo, len) = (groups.j * n / so, n / so);
             let os_param = bk.flat.narrow(0, lo, len)?;
-            let master = if dtype == DType::F32 { None } else { Some(os_param.to_dtype(DType::F32)?.deep_copy()?) };
+            let master = if dtype == DType::F32 || !on_device { None } else { Some(os_param.to_dtype(DType::F32)?.deep_copy()?) };
             // Per-element masks over the optimizer range, from the slots it overlaps.
             let (mut decay, mut weight) = (vec![0f32; len], vec![0f32; len]);
             for s in &bk.slots {
@@ -391,22 +429,33 @@ impl Zero {
                 flat: bk.flat.clone(),
                 p_shard,
                 master,
-                m: Tensor::zeros([len], DType::F32, dev)?,
-                v: Tensor::zeros([len], DType::F32, dev)?,
-                decay: Tensor::from_vec(decay, [len], dev)?,
-                norm_weight: Tensor::from_vec(weight, [len], dev)?,
+                m: Tensor::zeros([if on_device { len } else { 0 }], DType::F32, dev)?,
+                v: Tensor::zeros([if on_device { len } else { 0 }], DType::F32, dev)?,
+                // Only the op-based update reads the mask; offload works from `runs`.
+                decay: if on_device { Tensor::from_vec(decay, [len], dev)? } else { Tensor::zeros([0], DType::F32, dev)? },
+                norm_weight: if tp.is_some() { Some(Tensor::from_vec(weight, [len], dev)?) } else { None },
             });
         }
         let asm = Arc::new(Mutex::new(Assembly {
             buckets: store
                 .buckets
                 .iter()
-                .map(|b| AsmBucket { full: None, arrived: 0, expected: b.slots.len(), reduced: Vec::new(), acc: None, os_grad: None })
+                .enumerate()
+                .map(|(index, b)| AsmBucket {
+                    index,
+                    full: None,
+                    arrived: 0,
+                    expected: b.slots.len(),
+                    reduced: Vec::new(),
+                    acc: None,
+                    os_grad: None,
+                })
                 .collect(),
             error: None,
             last: true,
             groups: groups.clone(),
             spec,
+            offload: None,
         }));
         let mut zero = Zero {
             spec,
@@ -422,6 +471,7 @@ impl Zero {
             last_update_s: 0.0,
             micro: 0,
             dtype,
+            offload: None,
         };
         zero.install_sinks(model)?;
         if sp > 1 {
@@ -436,7 +486,11 @@ impl Zero {
             g.release_all(false)?;
             zero.gather = Some(g);
         }
-        Ok(zero)
+        let plan = match offload {
+            Some(o) => Some(zero.enable_offload(o)?),
+            None => None,
+        };
+        Ok((zero, plan))
     }
 
     /// Each parameter's gradient goes into its bucket's buffer; the bucket's reduce-scatter
@@ -467,7 +521,7 @@ impl Zero {
                         full.narrow(0, off, numel)?.assign(&grad.reshape([numel])?)?;
                         b.arrived += 1;
                         if b.arrived == b.expected {
-                            flush(b, &a.groups, a.spec, a.last)?;
+                            flush(b, &a.groups, a.spec, a.last, a.offload.as_ref())?;
                         }
                         Ok(())
                     })();
@@ -509,7 +563,7 @@ impl Zero {
             }
             for b in a.buckets.iter_mut() {
                 if b.full.is_some() {
-                    flush(b, &a.groups, a.spec, a.last)?; // some parameter got no gradient
+                    flush(b, &a.groups, a.spec, a.last, a.offload.as_ref())?; // some parameter got no gradient
                 }
                 if !a.last && b.os_grad.is_some() {
                     return Err(Error::new("zero", "a micro-batch after the step's last one: call step() first"));
@@ -552,7 +606,7 @@ impl Zero {
             for (b, bk) in a.buckets.iter_mut().zip(&self.buckets) {
                 if b.os_grad.is_none() {
                     b.full = Some(Tensor::zeros([bk.n], self.dtype, bk.flat.device())?);
-                    flush(b, &a.groups, a.spec, true)?;
+                    flush(b, &a.groups, a.spec, true, a.offload.as_ref())?;
                 }
                 out.push(b.os_grad.take().expect("flushed"));
             }
@@ -564,9 +618,16 @@ impl Zero {
         // copies weighted. Reading each range waits for its collectives, bucket by bucket.
         let mut local = 0.0;
         for (g, bk) in os_grads.into_iter().zip(&self.buckets) {
-            let g = g.to_dtype(DType::F32)?.mul_scalar(scale)?;
-            local += g.sqr()?.mul(&bk.norm_weight)?.sum_all()?.item()?;
-            grads.push(g);
+            let g32 = g.to_dtype(DType::F32)?.mul_scalar(scale)?;
+            let sq = g32.sqr()?;
+            let sq = match &bk.norm_weight {
+                Some(w) => sq.mul(w)?,
+                None => sq,
+            };
+            local += sq.sum_all()?.item()?;
+            // Offload converts per subgroup: the whole shard's fp32 gradient never sits on the
+            // device at once.
+            grads.push(if self.offload.is_some() { g } else { g32 });
         }
         let mut sq = sum_over(&self.groups.block, local)?;
         if let Some(tp) = &self.tp {
@@ -584,6 +645,16 @@ impl Zero {
         let k = so / self.spec.params;
         let t_update = std::time::Instant::now();
         let mut gathered = Vec::with_capacity(self.buckets.len());
+        if let Some(off) = &self.offload {
+            let h = ferrolm_tensor::backend::AdamWHyper { lr, beta1: c.beta1, beta2: c.beta2, eps: c.eps, step: self.step };
+            let views: Vec<Tensor> =
+                self.buckets.iter().map(|bk| bk.p_shard.narrow(0, self.groups.b * (bk.n / so), bk.n / so)).collect::<Result<_>>()?;
+            off.lock().unwrap_or_else(|e| e.into_inner()).step(&views, &grads, scale, clip, c.weight_decay, h)?;
+            for pview in &views {
+                gathered.push(if k > 1 { Some(self.groups.os_sub.all_gather_async(&pview.deep_copy()?)?.tensor()) } else { None });
+            }
+        }
+        let grads = if self.offload.is_some() { Vec::new() } else { grads };
         for (bk, g) in self.buckets.iter_mut().zip(grads) {
             let g = if clip != 1.0 { g.mul_scalar(clip)? } else { g };
             let len = bk.n / so;
@@ -642,6 +713,9 @@ impl Zero {
             a.error = None;
             out
         };
+        if let Some(o) = &self.offload {
+            o.lock().unwrap_or_else(|e| e.into_inner()).discard();
+        }
         // Collectives already launched must complete on every rank before the next ones.
         for t in pending {
             t.wait()?;
@@ -665,14 +739,21 @@ impl Zero {
     /// This rank's shards for a sharded checkpoint, per bucket `i`: `param.{i}` (the parameter
     /// range a of s_p) when it writes parameters, and `exp_avg.{i}`, `exp_avg_sq.{i}`
     /// (`master.{i}`) (optimizer range j of s_os) when it writes optimizer state.
-    pub fn shard_tensors(&self) -> Vec<(String, Tensor)> {
+    pub fn shard_tensors(&self) -> Result<Vec<(String, Tensor)>> {
         let (wp, wo) = self.writes();
         let mut out = Vec::new();
         for (i, b) in self.buckets.iter().enumerate() {
             if wp {
                 out.push((format!("param.{i}"), b.p_shard.clone()));
             }
-            if wo {
+            if wo && self.offload.is_some() {
+                let (w, m, v) = self.offloaded_state(i)?;
+                out.push((format!("exp_avg.{i}"), m));
+                out.push((format!("exp_avg_sq.{i}"), v));
+                if self.dtype != DType::F32 {
+                    out.push((format!("master.{i}"), w));
+                }
+            } else if wo {
                 out.push((format!("exp_avg.{i}"), b.m.clone()));
                 out.push((format!("exp_avg_sq.{i}"), b.v.clone()));
                 if let Some(m) = &b.master {
@@ -680,7 +761,63 @@ impl Zero {
                 }
             }
         }
-        out
+        Ok(out)
+    }
+
+    /// Moves this rank's optimizer state (master, m, v) into host memory, updated there and on
+    /// the device in interleaved subgroups (`offload`). Call right after `new`, before training
+    /// or `load` (`with_offload` does the same without ever allocating the state on the device).
+    /// Returns what `--offload-gpu-every` resolved to.
+    pub fn enable_offload(&mut self, cfg: &OffloadConfig) -> Result<crate::offload::OffloadPlan> {
+        if self.offload.is_some() {
+            return Err(Error::new("zero", "optimizer offload is already on"));
+        }
+        let so = self.spec.optim;
+        let _g = no_grad();
+        let mut views = Vec::with_capacity(self.buckets.len());
+        for bk in &self.buckets {
+            let len = bk.n / so;
+            // The fp32 master seeds the host copy when there is one (it is the exact value).
+            views.push(match &bk.master {
+                Some(m) => m.clone(),
+                None => bk.p_shard.narrow(0, self.groups.b * len, len)?,
+            });
+        }
+        let runs: Vec<Vec<(usize, usize, bool)>> = self.buckets.iter().map(|b| b.runs.clone()).collect();
+        let off = Offload::new(cfg, &views, &runs, self.cfg.weight_decay != 0.0, self.dtype)?;
+        let plan = off.plan().clone();
+        for bk in &mut self.buckets {
+            let dev = bk.flat.device();
+            bk.master = None;
+            bk.decay = Tensor::zeros([0], DType::F32, dev)?;
+            bk.m = Tensor::zeros([0], DType::F32, dev)?;
+            bk.v = Tensor::zeros([0], DType::F32, dev)?;
+        }
+        let off = Arc::new(Mutex::new(off));
+        self.asm.lock().unwrap_or_else(|e| e.into_inner()).offload = Some(off.clone());
+        self.offload = Some(off);
+        Ok(plan)
+    }
+
+    /// Whether the optimizer state is offloaded.
+    pub fn offloaded(&self) -> bool {
+        self.offload.is_some()
+    }
+
+    /// The offload schedule (k, subgroups, what `auto` measured), when offload is on.
+    pub fn offload_plan(&self) -> Option<crate::offload::OffloadPlan> {
+        self.offload.as_ref().map(|o| o.lock().unwrap_or_else(|e| e.into_inner()).plan().clone())
+    }
+
+    /// With offload: (CPU subgroups whose gradient already left for the host this step, CPU
+    /// subgroups). After the last micro-batch's backward every one has, launched from the sinks.
+    pub fn offload_grads_streamed(&self) -> Option<(usize, usize)> {
+        self.offload.as_ref().map(|o| o.lock().unwrap_or_else(|e| e.into_inner()).grads_streamed())
+    }
+
+    fn offloaded_state(&self, bucket: usize) -> Result<(Tensor, Tensor, Tensor)> {
+        let off = self.offload.as_ref().ok_or_else(|| Error::new("zero", "the optimizer state is not offloaded"))?;
+        off.lock().unwrap_or_else(|e| e.into_inner()).state(bucket)
     }
 
     /// Loads parameters and optimizer state given per parameter name as this rank's
@@ -690,7 +827,7 @@ impl Zero {
     pub fn load(&mut self, params: &dyn Fn(&str) -> Result<Tensor>, state: &dyn Fn(&str) -> Result<Tensor>, step: u64) -> Result<()> {
         let _g = no_grad();
         let (sp, so) = (self.spec.params, self.spec.optim);
-        for (bk, sb) in self.buckets.iter_mut().zip(&self.store.buckets) {
+        for (bi, (bk, sb)) in self.buckets.iter_mut().zip(&self.store.buckets).enumerate() {
             let n = bk.n;
             let dev = bk.flat.device();
             let build = |dtype: DType, get: &dyn Fn(&str) -> Result<Tensor>| -> Result<Tensor> {
@@ -704,8 +841,14 @@ impl Zero {
             bk.p_shard.assign(&p.narrow(0, self.groups.a * n / sp, n / sp)?)?;
             let (lo, len) = (self.groups.j * n / so, n / so);
             let m = build(DType::F32, &|name| state(&format!("exp_avg.{name}")))?;
-            bk.m.assign(&m.narrow(0, lo, len)?)?;
             let v = build(DType::F32, &|name| state(&format!("exp_avg_sq.{name}")))?;
+            if let Some(off) = &self.offload {
+                let w = build(DType::F32, &|name| state(&format!("master.{name}")).or_else(|_| params(name)?.to_dtype(DType::F32)))?;
+                let r = |t: &Tensor| t.narrow(0, lo, len)?.contiguous();
+                off.lock().unwrap_or_else(|e| e.into_inner()).load(bi, &r(&w)?, &r(&m)?, &r(&v)?)?;
+                continue;
+            }
+            bk.m.assign(&m.narrow(0, lo, len)?)?;
             bk.v.assign(&v.narrow(0, lo, len)?)?;
             if let Some(master) = &bk.master {
                 let w = build(DType::F32, &|name| state(&format!("master.{name}")).or_else(|_| params(name)?.to_dtype(DType::F32)))?;
@@ -793,7 +936,7 @@ impl Zero {
 /// Launches a bucket's gradient reduction over G (kept whole when s_g = 1). In the last
 /// micro-batch, chains the whole hand-over to the optimizer range behind it, without waiting:
 /// the earlier micro-batches' sum is added when the next collective reads its input.
-fn flush(b: &mut AsmBucket, groups: &Groups, spec: ShardSpec, last: bool) -> Result<()> {
+fn flush(b: &mut AsmBucket, groups: &Groups, spec: ShardSpec, last: bool, offload: Option<&Arc<Mutex<Offload>>>) -> Result<()> {
     let full = b.full.take().ok_or_else(|| Error::new("zero", "no gradient to flush"))?;
     b.arrived = 0;
     let r = if spec.grads > 1 { groups.g.reduce_scatter_async(&full, ReduceOp::Sum)?.tensor() } else { full };
@@ -813,6 +956,11 @@ fn flush(b: &mut AsmBucket, groups: &Groups, spec: ShardSpec, last: bool) -> Res
     }
     if groups.os_rep.size() > 1 {
         g = groups.os_rep.all_reduce_async(&g, ReduceOp::Sum)?.tensor();
+    }
+    if let Some(o) = offload {
+        // DOS's asynchronous gradient flush: CPU subgroups' gradients leave for the host now,
+        // behind the rest of the backward pass.
+        o.lock().unwrap_or_else(|e| e.into_inner()).stream_grad(b.index, &g)?;
     }
     b.os_grad = Some(g);
     Ok(())

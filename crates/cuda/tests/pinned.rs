@@ -1,0 +1,127 @@
+//! Pinned host buffers are never freed or reused while a copy into or out of them is in flight.
+//! On the CPU emulator, copies run deferred (`emulator_defer_copies`): a copy only happens when
+//! something waits for it, and `emulator_complete_copies` runs the rest newest first. So a drop
+//! that does not wait loses an H2D copy (the device keeps its NaN poison), and a reuse or read that
+//! does not wait sees stale bytes, deterministically. On a GPU the same checks run with real
+//! asynchronous copies on a side stream.
+use ferrolm_cuda::{CudaBackend, CudaStorage};
+use ferrolm_tensor::backend::Backend;
+use ferrolm_tensor::{CpuStorage, DType, Layout, Shape, Storage};
+
+mod common;
+use common::gpu;
+
+fn cs(s: &Storage) -> &CudaStorage {
+    match s {
+        Storage::Device(d) => d.as_any().downcast_ref::<CudaStorage>().expect("CUDA storage"),
+        Storage::Cpu(_) => panic!("expected device storage"),
+    }
+}
+fn down(be: &CudaBackend, s: &Storage, n: usize) -> Vec<f32> {
+    match be.to_cpu((s, &Layout::contiguous(Shape::from(vec![n])))).unwrap() {
+        CpuStorage::F32(v) => v,
+        other => panic!("expected f32, got {:?}", other.dtype()),
+    }
+}
+
+struct Defer<'a>(&'a CudaBackend);
+impl<'a> Defer<'a> {
+    fn on(be: &'a CudaBackend) -> Self {
+        be.emulator_defer_copies(true);
+        Defer(be)
+    }
+}
+impl Drop for Defer<'_> {
+    fn drop(&mut self) {
+        self.0.emulator_defer_copies(false);
+    }
+}
+
+#[test]
+fn a_buffer_dropped_under_an_h2d_copy_completes_it_first() {
+    let Some(be) = gpu() else { return };
+    let _d = Defer::on(&be);
+    let stream = if be.is_emulated() { None } else { Some(be.new_stream().unwrap()) };
+    let n = 4099;
+    let dev = be.full(n, DType::F32, f64::NAN).unwrap();
+    let mut hb = be.alloc_pinned(n * 4).unwrap();
+    for (i, x) in hb.as_f32_mut().unwrap().iter_mut().enumerate() {
+        *x = i as f32 * 0.5;
+    }
+    be.copy_from_pinned(&mut hb, cs(&dev), stream.as_ref()).unwrap();
+    if be.is_emulated() {
+        assert!(hb.in_flight(), "the emulator must defer the copy for this test to mean anything");
+    }
+    drop(hb); // must wait for (on the emulator: run) the copy before freeing the memory
+    be.emulator_complete_copies();
+    be.synchronize().unwrap();
+    let got = down(&be, &dev, n);
+    assert!(got.iter().enumerate().all(|(i, &x)| x == i as f32 * 0.5), "the copy out of a dropped buffer was lost");
+}
+
+#[test]
+fn a_buffer_is_not_reused_or_read_before_its_copy_completes() {
+    let Some(be) = gpu() else { return };
+    let _d = Defer::on(&be);
+    let stream = if be.is_emulated() { None } else { Some(be.new_stream().unwrap()) };
+    let n = 1000;
+    let a: Vec<f32> = (0..n).map(|i| i as f32).collect();
+    let b: Vec<f32> = (0..n).map(|i| -(i as f32)).collect();
+    let (da, db) = (be.from_cpu(&CpuStorage::F32(a.clone())).unwrap(), be.from_cpu(&CpuStorage::F32(b.clone())).unwrap());
+    let mut hb = be.alloc_pinned(n * 4).unwrap();
+    // D2H of a, then reuse of the buffer for D2H of b: the first must land before the second.
+    be.copy_to_pinned(cs(&da), &mut hb, stream.as_ref()).unwrap();
+    be.copy_to_pinned(cs(&db), &mut hb, stream.as_ref()).unwrap();
+    assert_eq!(hb.as_f32().unwrap(), &b[..], "the later copy must win: copies into one buffer stay in order");
+    // H2D out of the buffer, then the host writes into it: the copy must read the old bytes.
+    let dst = be.full(n, DType::F32, f64::NAN).unwrap();
+    be.copy_from_pinned(&mut hb, cs(&dst), stream.as_ref()).unwrap();
+    hb.as_f32_mut().unwrap().fill(7.0);
+    be.emulator_complete_copies();
+    be.synchronize().unwrap();
+    assert_eq!(down(&be, &dst, n), b, "the host overwrote a buffer while a copy was reading it");
+    // A sub-range copy: bytes 40.. of a into a 100-element buffer.
+    let mut part = be.alloc_pinned(100 * 4).unwrap();
+    be.copy_to_pinned_at(cs(&da), 40, &mut part, stream.as_ref()).unwrap();
+    assert_eq!(part.as_f32().unwrap(), &a[10..110]);
+    assert!(be.copy_to_pinned_at(cs(&da), (n - 99) * 4, &mut part, None).is_err(), "a range past the end must be an error");
+}
+
+#[test]
+fn deferred_copies_of_independent_buffers_complete_at_synchronize_in_any_order() {
+    let Some(be) = gpu() else { return };
+    let _d = Defer::on(&be);
+    let n = 64;
+    let dev = be.full(2 * n, DType::F32, f64::NAN).unwrap();
+    let mut bufs: Vec<_> = (0..2).map(|_| be.alloc_pinned(n * 4).unwrap()).collect();
+    for (k, hb) in bufs.iter_mut().enumerate() {
+        hb.as_f32_mut().unwrap().fill(k as f32 + 1.0);
+        be.copy_from_pinned_at(hb, cs(&dev), k * n * 4, None).unwrap();
+    }
+    be.emulator_complete_copies();
+    be.synchronize().unwrap();
+    assert!(bufs.iter().all(|b| !b.in_flight()));
+    let got = down(&be, &dev, 2 * n);
+    assert!(got[..n].iter().all(|&x| x == 1.0) && got[n..].iter().all(|&x| x == 2.0), "{got:?}");
+}
+
+#[test]
+fn a_detached_copy_keeps_its_source_alive_until_waited_for() {
+    let Some(be) = gpu() else { return };
+    let _d = Defer::on(&be);
+    let stream = if be.is_emulated() { None } else { Some(be.new_stream().unwrap()) };
+    let n = 2048;
+    let want: Vec<f32> = (0..n).map(|i| i as f32 + 0.25).collect();
+    let src = be.from_cpu(&CpuStorage::F32(want.clone())).unwrap();
+    let mut hb = be.alloc_pinned(n * 4).unwrap();
+    let raw = cs(&src) as *const CudaStorage;
+    // SAFETY (test): `src` moves into the box below but stays at the same heap address (the
+    // storage is boxed inside `Storage::Device`), and the copy is issued before anything drops it.
+    be.copy_to_pinned_detached(unsafe { &*raw }, 0, &mut hb, stream.as_ref(), Box::new(src)).unwrap();
+    // Were the source freed now, this allocation of the same size would reuse its block and
+    // poison it with NaN (FERROLM_CUDA_POISON=1) before the deferred copy reads it.
+    let other = be.full(n, DType::F32, f64::NAN).unwrap();
+    let got = hb.as_f32().unwrap();
+    assert!(got == &want[..], "the detached copy read memory its source no longer owned (first: {})", got[0]);
+    drop(other);
+}
