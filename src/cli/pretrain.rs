@@ -147,7 +147,16 @@ fn prepare(args: &PretrainArgs) -> AnyResult<Prepared> {
     }
     cfg.bos_token_id = tokenizer.bos_id();
     cfg.eos_token_id = tokenizer.eos_id().map(|e| vec![e]).unwrap_or_default();
-    crate::memory::check_fits(&cfg, dtype, device, &opts, a.activation_checkpointing)?;
+    let par = &a.parallel;
+    let layout = crate::memory::MemLayout {
+        tp: par.tp,
+        dp: par.dp,
+        spec: par.spec()?,
+        checkpointed_layers: if a.activation_checkpointing { usize::MAX } else { 0 },
+        thread_ranks: par.world() > 1 && ferrolm_dist::DistEnv::from_env()?.is_none_or(|e| e.world_size <= 1),
+    };
+    let mem = crate::memory::check_layout(&cfg, dtype, device, &opts, &layout)?;
+    report(&format!("memory: predicted peak {}", crate::memory::describe(&mem)));
     Ok(Prepared { device, dtype, tok_path, tokenizer, train, val, cfg })
 }
 

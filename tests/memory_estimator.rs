@@ -1,0 +1,120 @@
+//! The memory estimator (`ferrolm::memory::estimate`) against the measured tensor-bytes peak
+//! (`ferrolm_tensor::peak_bytes`) of real CPU training steps: one device with and without
+//! activation checkpointing, and four thread ranks under several ShardSpecs (ZeRO-0/1/2/3,
+//! MiCS) with checkpointing on and off and with gradient accumulation. Within 10% each.
+//!
+//! The peak counter is process-wide, so everything runs in this one test (its own binary); four
+//! thread ranks run in lockstep (every micro-batch ends in collectives), so their common peak
+//! is four times one rank's.
+use ferrolm::memory::{estimate, MemLayout};
+use ferrolm::nn::optim::{AdamW, AdamWConfig};
+use ferrolm::nn::{Llama, LlamaConfig};
+use ferrolm::{DType, Device, Tensor};
+use ferrolm_dist::zero::{ShardSpec, Zero};
+use ferrolm_dist::{CommOptions, DeviceMesh, ThreadComm};
+use ferrolm_tensor::{live_bytes, peak_bytes, reset_peak_bytes, Rng};
+
+const BATCH: usize = 4;
+const SEQ: usize = 64;
+
+fn config() -> LlamaConfig {
+    LlamaConfig::from_json_str(
+        r#"{"model_type":"llama","vocab_size":2048,"hidden_size":128,"intermediate_size":320,"num_hidden_layers":3,
+            "num_attention_heads":4,"num_key_value_heads":2,"max_position_embeddings":128,"tie_word_embeddings":false}"#,
+    )
+    .unwrap()
+}
+
+fn ids(rank: usize, vocab: usize) -> Tensor {
+    let v: Vec<i32> = (0..BATCH * SEQ).map(|i| ((i * 7 + rank * 13) % vocab) as i32).collect();
+    Tensor::from_vec(v, [BATCH, SEQ], Device::Cpu).unwrap()
+}
+
+/// Peak bytes of the second and third steps of one device (the first step allocates lazily).
+fn single(cfg: &LlamaConfig, ck: bool) -> f64 {
+    let mut m = Llama::new(cfg.clone(), DType::F32, Device::Cpu, &mut Rng::new(1)).unwrap();
+    m.set_activation_checkpointing(ck);
+    let mut opt = AdamW::new(&m.parameters(), AdamWConfig::default()).unwrap();
+    let x = ids(0, cfg.vocab_size);
+    let base = live_bytes();
+    for step in 0..3 {
+        if step == 1 {
+            reset_peak_bytes();
+        }
+        opt.zero_grad();
+        m.loss(&x, &x).unwrap().backward().unwrap();
+        opt.step(1e-3).unwrap();
+    }
+    // What was live before the model existed (other allocations of this process) is not ours.
+    (peak_bytes() - (base - 3 * 4 * m.num_params())) as f64
+}
+
+/// Peak bytes per rank of four thread ranks (2 nodes x 2) training with `spec`.
+fn dist(cfg: &LlamaConfig, spec: ShardSpec, ck: bool, accum: usize) -> f64 {
+    let before = live_bytes();
+    ThreadComm::run(4, CommOptions::default(), |comm| {
+        let mesh = DeviceMesh::new(comm.clone(), 1, 4, 2)?;
+        let mut m = Llama::new(cfg.clone(), DType::F32, Device::Cpu, &mut Rng::new(1))?;
+        m.set_activation_checkpointing(ck);
+        let mut z = Zero::new(&mut m, &mesh, spec, None, AdamWConfig::default())?;
+        let x = ids(mesh.dp_rank(), cfg.vocab_size);
+        for step in 0..3 {
+            comm.barrier()?;
+            if step == 1 && comm.rank() == 0 {
+                reset_peak_bytes();
+            }
+            comm.barrier()?;
+            for k in 0..accum {
+                z.begin_forward()?;
+                let loss = m.loss(&x, &x)?;
+                z.begin_backward(k + 1 == accum)?;
+                loss.mul_scalar(1.0 / accum as f64)?.backward()?;
+                z.end_backward()?;
+            }
+            z.step(1e-4, 1.0)?;
+        }
+        comm.barrier()?;
+        Ok(())
+    })
+    .unwrap();
+    (peak_bytes() - before) as f64 / 4.0
+}
+
+#[test]
+fn estimate_is_within_ten_percent_of_the_measured_peak() {
+    let cfg = config();
+    let mut rows = Vec::new();
+    for ck in [false, true] {
+        let measured = single(&cfg, ck);
+        let predicted = estimate(&cfg, DType::F32, Device::Cpu, BATCH, SEQ, 1, &MemLayout::single(ck)).unwrap().total();
+        rows.push((format!("single device, checkpointing {ck}"), predicted, measured));
+    }
+    let specs = [
+        ("ZeRO-0", ShardSpec::zero(0, 4).unwrap()),
+        ("ZeRO-1", ShardSpec::zero(1, 4).unwrap()),
+        ("ZeRO-2", ShardSpec::zero(2, 4).unwrap()),
+        ("ZeRO-3", ShardSpec::zero(3, 4).unwrap()),
+        ("MiCS-2", ShardSpec::mics(2)),
+    ];
+    for (name, spec) in specs {
+        for (ck, accum) in [(false, 1), (true, 1), (false, 2)] {
+            let measured = dist(&cfg, spec, ck, accum);
+            let layout = MemLayout { tp: 1, dp: 4, spec, checkpointed_layers: if ck { usize::MAX } else { 0 }, thread_ranks: true };
+            let predicted = estimate(&cfg, DType::F32, Device::Cpu, BATCH, SEQ, accum, &layout).unwrap().total();
+            rows.push((format!("{name} {spec}, checkpointing {ck}, {accum} micro-batches"), predicted, measured));
+        }
+    }
+    let mut bad = Vec::new();
+    for (what, p, m) in &rows {
+        let err = (p - m) / m;
+        println!("{what}: predicted {:.2} MiB, measured {:.2} MiB, error {:+.1}%", p / 1048576.0, m / 1048576.0, err * 100.0);
+        if err.abs() > 0.10 {
+            bad.push(format!("{what}: {err:+.3}"));
+        }
+    }
+    assert!(bad.is_empty(), "off by more than 10%: {bad:?}");
+    // Sharding and checkpointing must move the prediction the way they move the measurement.
+    let zero0 = rows.iter().find(|r| r.0.starts_with("ZeRO-0") && r.0.contains("false, 1")).unwrap();
+    let zero3 = rows.iter().find(|r| r.0.starts_with("ZeRO-3") && r.0.contains("false, 1")).unwrap();
+    assert!(zero3.1 < zero0.1 && zero3.2 < zero0.2);
+}
