@@ -37,14 +37,24 @@ pub struct ModelShape {
 }
 
 impl ModelShape {
-    /// LLaMA shapes: `7b`, `13b`, `30b` (LLaMA-1's 32.5B) and `70b` (Llama 2, GQA).
+    /// LLaMA shapes: `7b`, `13b`, `30b` (LLaMA-1's 32.5B) and `70b` (Llama 2, GQA); and the
+    /// GPT-3 shapes NeMo's launcher trains, `gpt3-5b` (24 x 4096, 32 heads) and `gpt3-175b`
+    /// (96 x 12288, 96 heads), vocabulary 51200, tied embeddings, their 4h GeLU MLP (8h² weights)
+    /// written as the SwiGLU width with the same weights (3·h·i = 8h², i = 8h/3).
     pub fn preset(name: &str) -> Result<ModelShape> {
         let (layers, hidden, inter, heads, kv, vocab) = match name {
             "7b" => (32, 4096, 11008, 32, 32, 32000),
             "13b" => (40, 5120, 13824, 40, 40, 32000),
             "30b" => (60, 6656, 17920, 52, 52, 32000),
             "70b" => (80, 8192, 28672, 64, 8, 32000),
-            other => return Err(Error::new("--model", format!("unknown preset {other:?} (known: 7b, 13b, 30b, 70b, or a config.json)"))),
+            "gpt3-5b" => (24, 4096, 10944, 32, 32, 51200),
+            "gpt3-175b" => (96, 12288, 32768, 96, 96, 51200),
+            other => {
+                return Err(Error::new(
+                    "--model",
+                    format!("unknown preset {other:?} (known: 7b, 13b, 30b, 70b, gpt3-5b, gpt3-175b, or a config.json)"),
+                ))
+            }
         };
         Ok(ModelShape {
             name: name.into(),
@@ -55,7 +65,7 @@ impl ModelShape {
             kv_heads: kv,
             head_dim: hidden / heads,
             vocab,
-            tied: false,
+            tied: name.starts_with("gpt3"),
         })
     }
 
