@@ -31,7 +31,8 @@ fn size_from_budget_matches_hand_computed_cases() {
     assert!(params_from_budget(&Budget { tokens: -1.0, ..b }).is_err());
     // The table's nearest shapes.
     assert_eq!(shape_for_params(6.7e9, 32000).name, "7b");
-    assert_eq!(shape_for_params(4.032e9, 32000).name, "2.7b");
+    assert_eq!(shape_for_params(4.032e9, 32000).name, "5b"); // the README recommends a 5B GPT-3 here
+    assert_eq!(shape_for_params(2.5e9, 32000).name, "2.7b");
     assert_eq!(shape_for_params(1.3e9, 32000).name, "1.3b");
     assert_eq!(shape_for_params(200e9, 32000).name, "175b");
 }

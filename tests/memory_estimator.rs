@@ -14,28 +14,35 @@ use ferrolm_dist::zero::{ShardSpec, Zero};
 use ferrolm_dist::{CommOptions, DeviceMesh, ThreadComm};
 use ferrolm_tensor::{live_bytes, peak_bytes, reset_peak_bytes, Rng};
 
-const BATCH: usize = 4;
-const SEQ: usize = 64;
-
-fn config() -> LlamaConfig {
-    LlamaConfig::from_json_str(
-        r#"{"model_type":"llama","vocab_size":2048,"hidden_size":128,"intermediate_size":320,"num_hidden_layers":3,
-            "num_attention_heads":4,"num_key_value_heads":2,"max_position_embeddings":128,"tie_word_embeddings":false}"#,
-    )
-    .unwrap()
+/// A model and the batch it trains on.
+#[derive(Clone)]
+struct Case {
+    cfg: LlamaConfig,
+    batch: usize,
+    seq: usize,
 }
 
-fn ids(rank: usize, vocab: usize) -> Tensor {
-    let v: Vec<i32> = (0..BATCH * SEQ).map(|i| ((i * 7 + rank * 13) % vocab) as i32).collect();
-    Tensor::from_vec(v, [BATCH, SEQ], Device::Cpu).unwrap()
+fn case(hidden: usize, inter: usize, layers: usize, batch: usize, seq: usize) -> Case {
+    let cfg = LlamaConfig::from_json_str(&format!(
+        r#"{{"model_type":"llama","vocab_size":2048,"hidden_size":{hidden},"intermediate_size":{inter},"num_hidden_layers":{layers},
+            "num_attention_heads":4,"num_key_value_heads":2,"max_position_embeddings":256,"tie_word_embeddings":false}}"#
+    ))
+    .unwrap();
+    Case { cfg, batch, seq }
+}
+
+fn ids(c: &Case, rank: usize) -> Tensor {
+    let v: Vec<i32> = (0..c.batch * c.seq).map(|i| ((i * 7 + rank * 13) % c.cfg.vocab_size) as i32).collect();
+    Tensor::from_vec(v, [c.batch, c.seq], Device::Cpu).unwrap()
 }
 
 /// Peak bytes of the second and third steps of one device (the first step allocates lazily).
-fn single(cfg: &LlamaConfig, ck: bool) -> f64 {
+fn single(c: &Case, ck: bool) -> f64 {
+    let cfg = &c.cfg;
     let mut m = Llama::new(cfg.clone(), DType::F32, Device::Cpu, &mut Rng::new(1)).unwrap();
     m.set_activation_checkpointing(ck);
     let mut opt = AdamW::new(&m.parameters(), AdamWConfig::default()).unwrap();
-    let x = ids(0, cfg.vocab_size);
+    let x = ids(c, 0);
     let base = live_bytes();
     for step in 0..3 {
         if step == 1 {
@@ -50,14 +57,15 @@ fn single(cfg: &LlamaConfig, ck: bool) -> f64 {
 }
 
 /// Peak bytes per rank of four thread ranks (2 nodes x 2) training with `spec`.
-fn dist(cfg: &LlamaConfig, spec: ShardSpec, ck: bool, accum: usize) -> f64 {
+fn dist(c: &Case, spec: ShardSpec, ck: bool, accum: usize) -> f64 {
+    let cfg = &c.cfg;
     let before = live_bytes();
     ThreadComm::run(4, CommOptions::default(), |comm| {
         let mesh = DeviceMesh::new(comm.clone(), 1, 4, 2)?;
         let mut m = Llama::new(cfg.clone(), DType::F32, Device::Cpu, &mut Rng::new(1))?;
         m.set_activation_checkpointing(ck);
         let mut z = Zero::new(&mut m, &mesh, spec, None, AdamWConfig::default())?;
-        let x = ids(mesh.dp_rank(), cfg.vocab_size);
+        let x = ids(c, mesh.dp_rank());
         for step in 0..3 {
             comm.barrier()?;
             if step == 1 && comm.rank() == 0 {
@@ -82,12 +90,16 @@ fn dist(cfg: &LlamaConfig, spec: ShardSpec, ck: bool, accum: usize) -> f64 {
 
 #[test]
 fn estimate_is_within_ten_percent_of_the_measured_peak() {
-    let cfg = config();
+    // A deeper narrow model and a shallow wide one on a longer sequence.
+    let deep = case(128, 320, 3, 4, 64);
+    let wide = case(256, 640, 2, 2, 128);
     let mut rows = Vec::new();
-    for ck in [false, true] {
-        let measured = single(&cfg, ck);
-        let predicted = estimate(&cfg, DType::F32, Device::Cpu, BATCH, SEQ, 1, &MemLayout::single(ck)).unwrap().total();
-        rows.push((format!("single device, checkpointing {ck}"), predicted, measured));
+    let predict =
+        |c: &Case, accum: usize, l: &MemLayout| estimate(&c.cfg, DType::F32, Device::Cpu, c.batch, c.seq, accum, l).unwrap().total();
+    for (name, c) in [("deep", &deep), ("wide", &wide)] {
+        for ck in [false, true] {
+            rows.push((format!("{name} single device, checkpointing {ck}"), predict(c, 1, &MemLayout::single(ck)), single(c, ck)));
+        }
     }
     let specs = [
         ("ZeRO-0", ShardSpec::zero(0, 4).unwrap()),
@@ -96,13 +108,18 @@ fn estimate_is_within_ten_percent_of_the_measured_peak() {
         ("ZeRO-3", ShardSpec::zero(3, 4).unwrap()),
         ("MiCS-2", ShardSpec::mics(2)),
     ];
+    let mut runs: Vec<(&str, &Case, ShardSpec, bool, usize)> = Vec::new();
     for (name, spec) in specs {
         for (ck, accum) in [(false, 1), (true, 1), (false, 2)] {
-            let measured = dist(&cfg, spec, ck, accum);
-            let layout = MemLayout { tp: 1, dp: 4, spec, checkpointed_layers: if ck { usize::MAX } else { 0 }, thread_ranks: true };
-            let predicted = estimate(&cfg, DType::F32, Device::Cpu, BATCH, SEQ, accum, &layout).unwrap().total();
-            rows.push((format!("{name} {spec}, checkpointing {ck}, {accum} micro-batches"), predicted, measured));
+            runs.push((name, &deep, spec, ck, accum));
         }
+    }
+    runs.push(("wide ZeRO-1", &wide, ShardSpec::zero(1, 4).unwrap(), false, 1));
+    runs.push(("wide ZeRO-3", &wide, ShardSpec::zero(3, 4).unwrap(), true, 1));
+    for (name, c, spec, ck, accum) in runs {
+        let measured = dist(c, spec, ck, accum);
+        let layout = MemLayout { tp: 1, dp: 4, spec, checkpointed_layers: if ck { usize::MAX } else { 0 }, thread_ranks: true };
+        rows.push((format!("{name} {spec}, checkpointing {ck}, {accum} micro-batches"), predict(c, accum, &layout), measured));
     }
     let mut bad = Vec::new();
     for (what, p, m) in &rows {

@@ -51,15 +51,16 @@ pub fn days_for(params: f64, tokens: f64, gpus: usize, tflops_per_gpu: f64) -> f
     params * FLOPS_PER_PARAM_TOKEN * tokens / (86400.0 * gpus as f64 * tflops_per_gpu * 1e12)
 }
 
-/// LLaMA-style shapes by size (layers, hidden, heads, kv heads, SwiGLU width): GPT-3's Table 2.1
-/// depths and widths below 7B, LLaMA-1's Table 2 from 7B, a GPT-3 175B depth and width at the
-/// top; FFN width LLaMA's 2/3 · 4h rounded up to a multiple of 256.
+/// LLaMA-style shapes by size (layers, hidden, heads; kv heads = heads; SwiGLU width LLaMA's
+/// 2/3 · 4h rounded up to a multiple of 256): GPT-3's Table 2.1 depths and widths below 7B,
+/// NeMo's 5B GPT-3 (24 x 4096), LLaMA-1's Table 2 from 7B, GPT-3 175B's at the top.
 const SIZES: &[(&str, usize, usize, usize)] = &[
     ("125m", 12, 768, 12),
     ("350m", 24, 1024, 16),
     ("760m", 24, 1536, 16),
     ("1.3b", 24, 2048, 16),
     ("2.7b", 32, 2560, 32),
+    ("5b", 24, 4096, 32),
     ("7b", 32, 4096, 32),
     ("13b", 40, 5120, 40),
     ("30b", 60, 6656, 52),

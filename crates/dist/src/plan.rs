@@ -222,7 +222,8 @@ pub enum Engine {
 /// engine, see docs/AUTOCONFIG.md): per token and layer about 10 hidden-sized tensors (norm
 /// inputs, residuals, q/k/v, the attention output; the attention part split over `tp`) and 4
 /// MLP-sized ones (gate, up, their SwiGLU and its input to down_proj); a checkpointed layer keeps
-/// the inputs and outputs of its two residual branches (4 hidden-sized tensors). Plus the f32
+/// the inputs and outputs of its two residual branches (4 hidden-sized tensors), and the
+/// branch being recomputed in backward holds its activations again. Plus the f32
 /// logits (vocabulary split over `tp`) and the embedding output and final norm (2 hidden-sized).
 pub fn activation_bytes(m: &ModelShape, w: &Workload) -> f64 {
     let (tokens, h, e) = ((w.micro_batch * w.seq) as f64, m.hidden as f64, w.elem_bytes as f64);
@@ -230,7 +231,9 @@ pub fn activation_bytes(m: &ModelShape, w: &Workload) -> f64 {
     let i = m.intermediate as f64 / tp;
     let full = 4.0 * h + 6.0 * h / tp + 4.0 * i;
     let ck = w.checkpointed_layers.min(m.layers) as f64;
-    let layers = (m.layers as f64 - ck) * full + ck * 4.0 * h;
+    // During backward one checkpointed branch at a time is recomputed: about half a layer.
+    let recompute = if ck > 0.0 { 0.5 * full } else { 0.0 };
+    let layers = (m.layers as f64 - ck) * full + ck * 4.0 * h + recompute;
     tokens * (e * (layers + 2.0 * h) + 4.0 * m.vocab as f64 / tp)
 }
 
@@ -239,8 +242,8 @@ pub fn activation_bytes(m: &ModelShape, w: &Workload) -> f64 {
 /// CUDA context and cuBLAS workspace on a GPU, 0 on the CPU) the caller passes.
 ///
 /// Model states follow the engine's real layout: `Single` holds parameters, gradients and the
-/// AdamW moments (plus an f32 master below f32), and its backward about half a parameter-sized
-/// transient more; `Zero` holds each bucket's parameter shard (`n / s_p`, plus up to `MAX_LIVE`
+/// AdamW moments (plus an f32 master below f32), and its backward about a quarter of a
+/// parameter-sized transient more; `Zero` holds each bucket's parameter shard (`n / s_p`, plus up to `MAX_LIVE`
 /// = 3 gathered buckets when `s_p > 1`), the gradients of its optimizer range at the step
 /// (`n / s_os`) with one whole bucket buffer in flight towards it when `s_os > 1`, with several
 /// micro-batches an accumulator of `n / s_g` (about three quarters of it live at the peak), and
@@ -256,7 +259,7 @@ pub fn memory(m: &ModelShape, w: &Workload, spec: ShardSpec, engine: Engine, mic
     let activations = activation_bytes(m, w);
     match engine {
         Engine::Single => {
-            Memory { params: local * e, grads: local * e, optim: local * (8.0 + master), activations, buffers: 0.5 * local * e, workspace }
+            Memory { params: local * e, grads: local * e, optim: local * (8.0 + master), activations, buffers: 0.25 * local * e, workspace }
         }
         Engine::Zero { .. } => {
             let (sp, sg, so) = (spec.params as f64, spec.grads as f64, spec.optim as f64);
