@@ -135,3 +135,36 @@ fn estimate_is_within_ten_percent_of_the_measured_peak() {
     let zero3 = rows.iter().find(|r| r.0.starts_with("ZeRO-3") && r.0.contains("false, 1")).unwrap();
     assert!(zero3.1 < zero0.1 && zero3.2 < zero0.2);
 }
+
+/// A run that cannot fit is refused before anything is allocated, with the numbers; the
+/// override lets it through.
+#[test]
+fn a_run_that_cannot_fit_is_refused_with_the_numbers() {
+    let c = case(128, 320, 3, 4, 64);
+    let avail = ferrolm::memory::available_host_bytes().expect("/proc/meminfo") as f64;
+    // Enough sequences of 256 tokens that the activations alone exceed what the host has.
+    let per_token = estimate(&c.cfg, DType::F32, Device::Cpu, 1, 256, 1, &MemLayout::single(false)).unwrap().activations / 256.0;
+    let batch = (2.0 * avail / per_token / 256.0).ceil() as usize;
+    let opts = ferrolm::train::TrainOptions {
+        steps: 1,
+        batch_size: batch,
+        seq_len: 256,
+        grad_accum: 1,
+        lr: 1e-3,
+        min_lr: 1e-4,
+        warmup_steps: 1,
+        weight_decay: 0.1,
+        grad_clip: 1.0,
+        eval_every: 0,
+        eval_batches: 1,
+        save_every: 0,
+        log_every: 1,
+        seed: 1,
+    };
+    let err = ferrolm::memory::check_layout(&c.cfg, DType::F32, Device::Cpu, &opts, &MemLayout::single(false)).unwrap_err().to_string();
+    assert!(err.contains(&format!("--batch-size {batch}")) && err.contains("needs about") && err.contains("activations"), "{err}");
+    // Small enough: accepted, and the prediction comes back.
+    let ok = ferrolm::train::TrainOptions { batch_size: 4, ..opts };
+    let m = ferrolm::memory::check_layout(&c.cfg, DType::F32, Device::Cpu, &ok, &MemLayout::single(true)).unwrap();
+    assert!(m.total() > m.states());
+}
