@@ -105,8 +105,17 @@ pub fn available_host_bytes() -> Option<u64> {
     kib.checked_mul(1024)
 }
 
+/// Bytes in GiB, or MiB below one GiB.
+pub fn human(b: f64) -> String {
+    if b >= (1u64 << 30) as f64 {
+        format!("{:.2} GiB", b / (1u64 << 30) as f64)
+    } else {
+        format!("{:.1} MiB", b / (1u64 << 20) as f64)
+    }
+}
+
 fn gib(b: f64) -> String {
-    format!("{:.2} GiB", b / (1u64 << 30) as f64)
+    human(b)
 }
 
 /// One line: the prediction per rank and its parts.

@@ -35,26 +35,28 @@ pub struct AutoconfigArgs {
     /// config.json [default: from the budget flags]
     #[arg(long, value_name = "PRESET|FILE", help_heading = "Model")]
     pub model: Option<String>,
-    /// Budget: training days
+    /// Budget: training days [default: no budget; --model gives the model]
     #[arg(long, help_heading = "Model", requires_all = ["tflops_per_gpu", "tokens"])]
     pub days: Option<f64>,
     /// Budget: achieved TFLOP/s per GPU (also the modelled GEMM throughput of --target gpu)
+    /// [default: none; --target gpu then assumes 60% of --peak-tflops]
     #[arg(long, help_heading = "Model")]
     pub tflops_per_gpu: Option<f64>,
-    /// Budget: training tokens
+    /// Budget: training tokens [default: none]
     #[arg(long, help_heading = "Model")]
     pub tokens: Option<f64>,
     /// Vocabulary of a shape picked from the budget
     #[arg(long, default_value = "32000", value_parser = positive, help_heading = "Model")]
     pub vocab: usize,
     /// A Ladder Transformer: `all`, the last N layers, or i,j,k (its TP all-reduces overlap)
+    /// [default: the model's own; a plain Llama]
     #[arg(long, value_name = "all|N|i,j,k", help_heading = "Model")]
     pub ladder_layers: Option<String>,
 
     /// cpu: thread ranks here, calibrated, trials possible; gpu: a modelled cluster
     #[arg(long, value_enum, default_value = "cpu", help_heading = "Cluster")]
     pub target: Target,
-    /// GPUs in all (gpu)
+    /// GPUs in all (gpu; with a budget also on cpu) [default: --nodes x --ranks-per-node]
     #[arg(long, value_parser = positive, help_heading = "Cluster")]
     pub gpus: Option<usize>,
     /// GPUs per node (gpu)
@@ -75,7 +77,7 @@ pub struct AutoconfigArgs {
     /// GPU memory bandwidth, GB/s (the on-device optimizer update is memory bound) (gpu)
     #[arg(long, default_value = "2000", help_heading = "Cluster")]
     pub hbm_gb_s: f64,
-    /// Consider optimizer offload (gpu): host link GB/s per direction
+    /// Consider optimizer offload (gpu): host link GB/s per direction [default: offload not considered]
     #[arg(long, value_name = "GB/S", help_heading = "Cluster")]
     pub offload_pcie_gb_s: Option<f64>,
     /// CPU AdamW rate per GPU's share of the host, elements/s, for offload (gpu)

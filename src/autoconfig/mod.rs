@@ -362,7 +362,11 @@ pub fn search(shape: &ModelShape, cluster: &Cluster, space: &SearchSpace) -> (Ve
                         if c.mem.total() > cap {
                             reject(
                                 c.name(),
-                                format!("needs {:.2} GiB, over {:.2} GiB (memory less the margin)", c.mem.total() / GIB, cap / GIB),
+                                format!(
+                                    "needs {}, over {} (memory less the margin)",
+                                    crate::memory::human(c.mem.total()),
+                                    crate::memory::human(cap)
+                                ),
                             );
                             continue;
                         }

@@ -30,6 +30,7 @@ pub struct PretrainArgs {
     pub ladder_layers: Option<String>,
     /// Take the model, layout and batch from a train_config.json written by the autoconfig
     /// example; flags given here win (a flag given at its default value counts as not given)
+    /// [default: every flag from the command line]
     #[arg(long, value_name = "FILE", help_heading = "Model")]
     pub config_from: Option<PathBuf>,
     #[command(flatten)]
