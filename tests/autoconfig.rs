@@ -97,7 +97,7 @@ fn filters_keep_every_ranked_layout_valid_and_fitting() {
     let cap = c.mem_bytes * (1.0 - c.margin);
     for k in &ranked {
         assert_eq!(m.heads % k.tp, 0, "{}", k.name());
-        assert!(m.kv_heads % k.tp == 0 || k.tp % m.kv_heads == 0, "{}", k.name());
+        assert!(m.kv_heads.is_multiple_of(k.tp) || k.tp.is_multiple_of(m.kv_heads), "{}", k.name());
         assert_eq!(8 % k.tp, 0, "{}", k.name());
         assert_eq!(k.tp * k.dp, 64);
         assert_eq!(s.global_batch_tokens % (k.micro_batch * s.seq * k.dp), 0, "{}", k.name());

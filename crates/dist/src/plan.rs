@@ -281,14 +281,14 @@ pub fn memory(m: &ModelShape, w: &Workload, spec: ShardSpec, engine: Engine, mic
 /// Estimates one layout (see the module comment); `None` when the spec is invalid here.
 pub fn evaluate(m: &ModelShape, c: &Cluster, w: &Workload, spec: ShardSpec) -> Option<Estimate> {
     let ranks_per_group = w.tp;
-    if c.gpus % ranks_per_group != 0 || c.gpus_per_node % w.tp != 0 {
+    if !c.gpus.is_multiple_of(ranks_per_group) || !c.gpus_per_node.is_multiple_of(w.tp) {
         return None;
     }
     let dp = c.gpus / w.tp;
     let dpn = (c.gpus_per_node / w.tp).max(1);
     spec.validate(dp, dpn).ok()?;
     let tokens_per_micro = w.micro_batch * w.seq * dp;
-    if w.global_batch_tokens % tokens_per_micro != 0 {
+    if !w.global_batch_tokens.is_multiple_of(tokens_per_micro) {
         return None;
     }
     let micro = w.global_batch_tokens / tokens_per_micro;
