@@ -4,6 +4,7 @@
 //! training loop (`train`), its run directories (`run_dir`), the command-line tools (`cli`) and
 //! what they share: logs (`logging`), progress bars (`progress`), the loss curve (`plot`) and a
 //! memory estimate (`memory`).
+pub mod autoconfig;
 pub mod cli;
 pub mod logging;
 pub mod memory;

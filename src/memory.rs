@@ -1,11 +1,27 @@
-//! Will this run fit? A rough, deliberately simple estimate of a training run's memory, checked
-//! before anything is allocated, so that `--batch-size 1000000000000` is an error naming the
-//! flag instead of an abort inside the allocator. A full estimator (sharding, offload,
-//! recomputation) replaces [`estimate_training_bytes`]; keep every caller going through it.
+//! Will this run fit? Peak memory per rank of a training configuration, predicted before
+//! anything is allocated: parameters, gradients and optimizer states under the layout's
+//! `ShardSpec` and tensor parallelism, activations with or without checkpointing, the engines'
+//! transient buffers and a device workspace. The model is `ferrolm_dist::plan::memory` (the
+//! planner and the auto-configurator rank layouts with the same numbers); this module maps a
+//! run's flags onto it and refuses, with the numbers, a run that cannot fit.
+//!
+//! Measured against `ferrolm_tensor::peak_bytes` on the CPU engine (tests/memory_estimator.rs
+//! holds it within 10% for several shard specs, with and without checkpointing).
 use crate::nn::LlamaConfig;
 use crate::train::TrainOptions;
 use anyhow::{bail, Result};
+use ferrolm_dist::plan::{self, Engine, Memory, ModelShape, Workload};
+use ferrolm_dist::zero::ShardSpec;
 use ferrolm_tensor::{DType, Device};
+
+/// Environment variable: `1` skips the refusal (the prediction is still printed).
+pub const ENV_SKIP_CHECK: &str = "FERROLM_SKIP_MEMORY_CHECK";
+/// Environment variable: a GPU's memory in GiB (no device query exists yet; without it a GPU
+/// run is not refused, only told its prediction).
+pub const ENV_DEVICE_GIB: &str = "FERROLM_DEVICE_MEMORY_GIB";
+
+/// Bytes kept on a GPU for the CUDA context, cuBLAS(Lt) workspace and allocator slack.
+pub const CUDA_WORKSPACE_BYTES: f64 = 1024.0 * 1024.0 * 1024.0;
 
 /// Parameters of a LLaMA with this config, or None when the count overflows.
 pub fn param_count(c: &LlamaConfig) -> Option<u64> {
@@ -20,25 +36,65 @@ pub fn param_count(c: &LlamaConfig) -> Option<u64> {
     layer.checked_mul(u(c.num_hidden_layers))?.checked_add(embed)?.checked_add(head)?.checked_add(h)
 }
 
-/// Bytes a training step needs, roughly: weights, gradients and two f32 AdamW moments per
-/// parameter (plus an f32 master copy below f32), and the activations kept for backward (every
-/// layer's, or one layer's plus the layer inputs under activation checkpointing), the logits
-/// and their gradient in f32, and the attention scores of the unfused path. None on overflow.
+/// How a run is laid out over ranks, as far as memory is concerned.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct MemLayout {
+    pub tp: usize,
+    pub dp: usize,
+    pub spec: ShardSpec,
+    /// Transformer layers whose activations are recomputed (the first ones; `usize::MAX`: all).
+    pub checkpointed_layers: usize,
+    /// Whether the ranks are threads of this process (their memory adds up in one RAM).
+    pub thread_ranks: bool,
+}
+
+impl MemLayout {
+    /// One device, no sharding.
+    pub fn single(checkpointing: bool) -> MemLayout {
+        MemLayout {
+            tp: 1,
+            dp: 1,
+            spec: ShardSpec { params: 1, grads: 1, optim: 1 },
+            checkpointed_layers: if checkpointing { usize::MAX } else { 0 },
+            thread_ranks: false,
+        }
+    }
+
+    pub fn world(&self) -> usize {
+        self.tp * self.dp
+    }
+}
+
+/// Predicted peak bytes of one rank, broken down; None when the sizes overflow.
+pub fn estimate(
+    cfg: &LlamaConfig,
+    dtype: DType,
+    device: Device,
+    batch: usize,
+    seq: usize,
+    grad_accum: usize,
+    l: &MemLayout,
+) -> Option<Memory> {
+    batch.checked_mul(seq)?.checked_mul(grad_accum)?;
+    param_count(cfg)?;
+    let shape = ModelShape::from_config(cfg, "run");
+    let w = Workload {
+        seq,
+        micro_batch: batch,
+        global_batch_tokens: (batch * seq * grad_accum).saturating_mul(l.dp),
+        tp: l.tp.max(1),
+        elem_bytes: dtype.size_in_bytes(),
+        checkpointed_layers: l.checkpointed_layers.min(cfg.num_hidden_layers),
+    };
+    let engine = if l.world() > 1 { Engine::Zero { dp: l.dp } } else { Engine::Single };
+    let workspace = if device == Device::Cpu { 0.0 } else { CUDA_WORKSPACE_BYTES };
+    let m = plan::memory(&shape, &w, l.spec, engine, grad_accum, workspace);
+    m.total().is_finite().then_some(m)
+}
+
+/// Bytes a single-device training step needs at its peak. None on overflow.
 pub fn estimate_training_bytes(cfg: &LlamaConfig, dtype: DType, batch: usize, seq: usize, checkpointing: bool) -> Option<u64> {
-    let params = param_count(cfg)?;
-    let el = dtype.size_in_bytes() as u64;
-    let master = if dtype == DType::F32 { 0 } else { 4 };
-    let state = params.checked_mul(2 * el + 8 + master)?;
-    let tokens = (batch as u64).checked_mul(seq as u64)?;
-    let (h, i, heads) = (cfg.hidden_size as u64, cfg.intermediate_size as u64, cfg.num_attention_heads as u64);
-    // Per token and layer: ~10 hidden-sized tensors (norms, q/k/v/o, residuals), ~4 MLP-sized
-    // (gate, up, their product, the activation), and a row of attention scores per head.
-    let per_layer = h.checked_mul(10)?.checked_add(i.checked_mul(4)?)?.checked_add(heads.checked_mul(seq as u64)?)?;
-    let layers = cfg.num_hidden_layers as u64;
-    let kept = if checkpointing { per_layer.checked_add(h.checked_mul(layers)?)? } else { per_layer.checked_mul(layers)? };
-    let acts = tokens.checked_mul(kept)?.checked_mul(el)?;
-    let logits = tokens.checked_mul(cfg.vocab_size as u64)?.checked_mul(12)?;
-    state.checked_add(acts)?.checked_add(logits)
+    estimate(cfg, dtype, Device::Cpu, batch, seq, 1, &MemLayout::single(checkpointing)).map(|m| m.total() as u64)
 }
 
 /// Memory the system can still give this process (`MemAvailable`), None where unknown.
@@ -49,14 +105,44 @@ pub fn available_host_bytes() -> Option<u64> {
     kib.checked_mul(1024)
 }
 
-fn gib(b: u64) -> String {
-    format!("{:.1} GiB", b as f64 / (1u64 << 30) as f64)
+/// Bytes in GiB, or MiB below one GiB.
+pub fn human(b: f64) -> String {
+    if b >= (1u64 << 30) as f64 {
+        format!("{:.2} GiB", b / (1u64 << 30) as f64)
+    } else {
+        format!("{:.1} MiB", b / (1u64 << 20) as f64)
+    }
 }
 
-/// Refuses, naming the flag, a batch whose sizes overflow or that cannot fit: the host batch
-/// buffers against the host's available memory, and on the CPU the whole estimate as well.
-/// (A CUDA device's free memory is not queried yet: only the host side is checked there.)
+fn gib(b: f64) -> String {
+    human(b)
+}
+
+/// One line: the prediction per rank and its parts.
+pub fn describe(m: &Memory) -> String {
+    format!(
+        "{} per rank (parameters {}, gradients {}, optimizer {}, activations {}, buffers {}, workspace {})",
+        gib(m.total()),
+        gib(m.params),
+        gib(m.grads),
+        gib(m.optim),
+        gib(m.activations),
+        gib(m.buffers),
+        gib(m.workspace)
+    )
+}
+
+/// Refuses, naming the flag, a single-device batch whose sizes overflow or that cannot fit.
 pub fn check_fits(cfg: &LlamaConfig, dtype: DType, device: Device, o: &TrainOptions, checkpointing: bool) -> Result<()> {
+    check_layout(cfg, dtype, device, o, &MemLayout::single(checkpointing)).map(|_| ())
+}
+
+/// Checks a run laid out by `l`: the batch sizes, the host batch buffers against the host's
+/// available memory, and the predicted peak against the memory it will get: on the CPU the
+/// host's available memory (thread ranks add up), on a GPU `FERROLM_DEVICE_MEMORY_GIB` when set.
+/// `FERROLM_SKIP_MEMORY_CHECK=1` turns the refusal of the prediction into a warning. Returns
+/// the prediction per rank.
+pub fn check_layout(cfg: &LlamaConfig, dtype: DType, device: Device, o: &TrainOptions, l: &MemLayout) -> Result<Memory> {
     let Some(tokens) = o.batch_size.checked_mul(o.seq_len) else {
         bail!("--batch-size {} × --seq-len {} overflows: lower --batch-size", o.batch_size, o.seq_len);
     };
@@ -72,27 +158,40 @@ pub fn check_fits(cfg: &LlamaConfig, dtype: DType, device: Device, o: &TrainOpti
                 "--batch-size {} with --seq-len {}: the batch alone needs {} of host memory, {} are available: lower --batch-size",
                 o.batch_size,
                 o.seq_len,
-                gib(need),
-                gib(avail)
+                gib(need as f64),
+                gib(avail as f64)
             );
         }
     }
-    let Some(need) = estimate_training_bytes(cfg, dtype, o.batch_size, o.seq_len, checkpointing).filter(|_| host.is_some()) else {
+    let Some(mem) = estimate(cfg, dtype, device, o.batch_size, o.seq_len, o.grad_accum, l).filter(|_| host.is_some()) else {
         bail!("--batch-size {} with --seq-len {}: the memory estimate overflows: lower --batch-size", o.batch_size, o.seq_len);
     };
-    if device == Device::Cpu {
-        if let Some(avail) = avail {
-            if need > avail {
-                bail!(
-                    "--batch-size {} with --seq-len {} needs about {} (weights, gradients, optimizer state, activations) but {} are available: \
-                     lower --batch-size (raise --grad-accum for the same tokens per step) or --seq-len, or pass --activation-checkpointing",
-                    o.batch_size,
-                    o.seq_len,
-                    gib(need),
-                    gib(avail)
-                );
+    let skip = std::env::var(ENV_SKIP_CHECK).is_ok_and(|v| v == "1");
+    let (need, cap, what) = if device == Device::Cpu {
+        let ranks = if l.thread_ranks { l.world() as f64 } else { 1.0 };
+        (mem.total() * ranks, avail.map(|a| a as f64), if ranks > 1.0 { "host memory for all thread ranks" } else { "host memory" })
+    } else {
+        let cap = std::env::var(ENV_DEVICE_GIB).ok().and_then(|v| v.parse::<f64>().ok()).map(|g| g * (1u64 << 30) as f64);
+        (mem.total(), cap, "device memory per rank")
+    };
+    if let Some(cap) = cap {
+        if need > cap {
+            let msg = format!(
+                "--batch-size {} with --seq-len {} needs about {} of {what} ({}) but {} are available: lower --batch-size \
+                 (raise --grad-accum for the same tokens per step) or --seq-len, pass --activation-checkpointing, or shard more \
+                 (--zero, --shard-*); {ENV_SKIP_CHECK}=1 runs it anyway",
+                o.batch_size,
+                o.seq_len,
+                gib(need),
+                describe(&mem),
+                gib(cap)
+            );
+            if skip {
+                tracing::warn!("{msg}");
+            } else {
+                bail!("{msg}");
             }
         }
     }
-    Ok(())
+    Ok(mem)
 }

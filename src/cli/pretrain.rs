@@ -28,6 +28,11 @@ pub struct PretrainArgs {
     /// indices i,j,k [default: the standard Llama; a llamaLadder --config keeps its own]
     #[arg(long, value_name = "all|N|i,j,k", help_heading = "Model")]
     pub ladder_layers: Option<String>,
+    /// Take the model, layout and batch from a train_config.json written by the autoconfig
+    /// example; flags given here win (a flag given at its default value counts as not given)
+    /// [default: every flag from the command line]
+    #[arg(long, value_name = "FILE", help_heading = "Model")]
+    pub config_from: Option<PathBuf>,
     #[command(flatten)]
     pub train: TrainArgs,
 }
@@ -147,11 +152,75 @@ fn prepare(args: &PretrainArgs) -> AnyResult<Prepared> {
     }
     cfg.bos_token_id = tokenizer.bos_id();
     cfg.eos_token_id = tokenizer.eos_id().map(|e| vec![e]).unwrap_or_default();
-    crate::memory::check_fits(&cfg, dtype, device, &opts, a.activation_checkpointing)?;
+    let par = &a.parallel;
+    let layout = crate::memory::MemLayout {
+        tp: par.tp,
+        dp: par.dp,
+        spec: par.spec()?,
+        checkpointed_layers: if a.activation_checkpointing { usize::MAX } else { 0 },
+        thread_ranks: par.world() > 1 && ferrolm_dist::DistEnv::from_env()?.is_none_or(|e| e.world_size <= 1),
+    };
+    let mem = crate::memory::check_layout(&cfg, dtype, device, &opts, &layout)?;
+    report(&format!("memory: predicted peak {}", crate::memory::describe(&mem)));
     Ok(Prepared { device, dtype, tok_path, tokenizer, train, val, cfg })
 }
 
+/// Fills the flags left at their defaults from `--config-from` (the autoconfig example's
+/// train_config.json); returns the flags unchanged without it.
+pub fn apply_config_from(mut args: PretrainArgs) -> AnyResult<PretrainArgs> {
+    let Some(path) = args.config_from.clone() else { return Ok(args) };
+    let f = crate::autoconfig::trial::TrainConfig::load(&path).context("--config-from")?;
+    let d: PretrainArgs = super::parse_from(["pretrain_llama"])?;
+    let mut filled = Vec::new();
+    macro_rules! fill {
+        ($field:expr, $default:expr, $value:expr, $name:literal) => {
+            if $field == $default {
+                $field = $value;
+                filled.push($name);
+            }
+        };
+    }
+    if let Some(c) = f.config {
+        fill!(args.config, d.config, c, "config");
+    }
+    if f.ladder_layers.is_some() {
+        fill!(args.ladder_layers, d.ladder_layers, f.ladder_layers, "ladder_layers");
+    }
+    let (t, dt) = (&mut args.train, &d.train);
+    fill!(t.parallel.tp, dt.parallel.tp, f.tp, "tp");
+    fill!(t.parallel.dp, dt.parallel.dp, f.dp, "dp");
+    // --zero conflicts with the --shard-* flags: a preset given here replaces the file's spec.
+    if t.parallel.zero.is_none() {
+        fill!(t.parallel.shard_params, dt.parallel.shard_params, Some(f.shard_params), "shard_params");
+        fill!(t.parallel.shard_grads, dt.parallel.shard_grads, Some(f.shard_grads), "shard_grads");
+        fill!(t.parallel.shard_optim, dt.parallel.shard_optim, Some(f.shard_optim), "shard_optim");
+    }
+    fill!(t.parallel.ranks_per_node, dt.parallel.ranks_per_node, Some(f.ranks_per_node), "ranks_per_node");
+    fill!(t.batch_size, dt.batch_size, f.batch_size, "batch_size");
+    fill!(t.grad_accum, dt.grad_accum, f.grad_accum, "grad_accum");
+    fill!(t.seq_len, dt.seq_len, f.seq_len, "seq_len");
+    fill!(t.lr, dt.lr, f.lr, "lr");
+    fill!(t.activation_checkpointing, dt.activation_checkpointing, f.activation_checkpointing, "activation_checkpointing");
+    if let Some(steps) = f.steps {
+        fill!(t.steps, dt.steps, steps, "steps");
+    }
+    if f.checkpointed_layers > 0 && !f.activation_checkpointing {
+        tracing::warn!(
+            "{}: the layout checkpoints {} layers; pretrain_llama checkpoints all or none, so none here",
+            path.display(),
+            f.checkpointed_layers
+        );
+    }
+    // The offload flags (--offload-optimizer, --offload-gpu-every) are not in this build yet.
+    if f.offload_optimizer {
+        bail!("{}: offload_optimizer is true, but this pretrain_llama has no --offload-optimizer", path.display());
+    }
+    report(&format!("--config-from {}: {}", path.display(), if filled.is_empty() { "nothing filled".into() } else { filled.join(", ") }));
+    Ok(args)
+}
+
 pub fn run(args: PretrainArgs) -> AnyResult<()> {
+    let args = apply_config_from(args)?;
     let a = &args.train;
     let device = a.device.pick()?;
     crate::parallel::launch(&a.parallel, device, || prepare(&args), |p, comm| train_rank(&args, p, comm))

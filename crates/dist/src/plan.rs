@@ -37,14 +37,24 @@ pub struct ModelShape {
 }
 
 impl ModelShape {
-    /// LLaMA shapes: `7b`, `13b`, `30b` (LLaMA-1's 32.5B) and `70b` (Llama 2, GQA).
+    /// LLaMA shapes: `7b`, `13b`, `30b` (LLaMA-1's 32.5B) and `70b` (Llama 2, GQA); and the
+    /// GPT-3 shapes NeMo's launcher trains, `gpt3-5b` (24 x 4096, 32 heads) and `gpt3-175b`
+    /// (96 x 12288, 96 heads), vocabulary 51200, tied embeddings, their 4h GeLU MLP (8h² weights)
+    /// written as the SwiGLU width with the same weights (3·h·i = 8h², i = 8h/3).
     pub fn preset(name: &str) -> Result<ModelShape> {
         let (layers, hidden, inter, heads, kv, vocab) = match name {
             "7b" => (32, 4096, 11008, 32, 32, 32000),
             "13b" => (40, 5120, 13824, 40, 40, 32000),
             "30b" => (60, 6656, 17920, 52, 52, 32000),
             "70b" => (80, 8192, 28672, 64, 8, 32000),
-            other => return Err(Error::new("--model", format!("unknown preset {other:?} (known: 7b, 13b, 30b, 70b, or a config.json)"))),
+            "gpt3-5b" => (24, 4096, 10944, 32, 32, 51200),
+            "gpt3-175b" => (96, 12288, 32768, 96, 96, 51200),
+            other => {
+                return Err(Error::new(
+                    "--model",
+                    format!("unknown preset {other:?} (known: 7b, 13b, 30b, 70b, gpt3-5b, gpt3-175b, or a config.json)"),
+                ))
+            }
         };
         Ok(ModelShape {
             name: name.into(),
@@ -55,7 +65,7 @@ impl ModelShape {
             kv_heads: kv,
             head_dim: hidden / heads,
             vocab,
-            tied: false,
+            tied: name.starts_with("gpt3"),
         })
     }
 
@@ -146,12 +156,21 @@ pub struct Memory {
     pub grads: f64,
     pub optim: f64,
     pub activations: f64,
+    /// Transients: gathered parameter buckets, gradient buckets in flight, the single engine's
+    /// gradient temporary.
     pub buffers: f64,
+    /// A fixed reserve (CUDA context, cuBLAS workspace).
+    pub workspace: f64,
 }
 
 impl Memory {
     pub fn total(&self) -> f64 {
-        self.params + self.grads + self.optim + self.activations + self.buffers
+        self.params + self.grads + self.optim + self.activations + self.buffers + self.workspace
+    }
+
+    /// Model states alone (parameters, gradients, optimizer).
+    pub fn states(&self) -> f64 {
+        self.params + self.grads + self.optim
     }
 }
 
@@ -189,22 +208,74 @@ fn groups_of_rank0(dp: usize, s: ShardSpec) -> [Vec<usize>; 4] {
     [p, g, os_sub, rep]
 }
 
+/// Which engine holds the model states (their layouts differ, and so do their transients).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Engine {
+    /// One device, `ferrolm_nn::optim::AdamW` over the model's own parameters.
+    Single,
+    /// `zero::Zero`: flat buckets sharded by a `ShardSpec` over `dp` ranks.
+    Zero { dp: usize },
+}
+
 /// Activation bytes one rank keeps for backward per micro-batch of `b` sequences of `seq`
-/// tokens: per layer, what ferrolm's ops save (inputs of the norms, projections, attention
-/// output and statistics, SwiGLU inputs); a recomputed layer keeps its input only, and one
-/// layer is live again during its recompute. Plus the logits and loss temporaries.
+/// tokens, as ferrolm's ops save them (measured with `ferrolm_tensor::peak_bytes` on the CPU
+/// engine, see docs/AUTOCONFIG.md): per token and layer about 10 hidden-sized tensors (norm
+/// inputs, residuals, q/k/v, the attention output; the attention part split over `tp`) and 4
+/// MLP-sized ones (gate, up, their SwiGLU and its input to down_proj); a checkpointed layer keeps
+/// the inputs and outputs of its two residual branches (4 hidden-sized tensors), and the
+/// branch being recomputed in backward holds its activations again. Plus the f32
+/// logits (vocabulary split over `tp`) and the embedding output and final norm (2 hidden-sized).
 pub fn activation_bytes(m: &ModelShape, w: &Workload) -> f64 {
-    let (bs, h, i, e) = ((w.micro_batch * w.seq) as f64, m.hidden as f64, m.intermediate as f64 / w.tp as f64, w.elem_bytes as f64);
-    let qkv = (m.heads + 2 * m.kv_heads.max(w.tp)) as f64 * m.head_dim as f64 / w.tp as f64;
-    let attn_out = m.heads as f64 * m.head_dim as f64 / w.tp as f64;
-    // Saved per layer: two normed inputs and two residual inputs (4h), q/k/v (after rope) and
-    // the attention output (qkv + attn_out), the LSE (4 bytes per head and token), gate, up
-    // and the SwiGLU output (3i).
-    let full = bs * e * (4.0 * h + qkv + attn_out + 3.0 * i) + bs * 4.0 * (m.heads / w.tp) as f64;
+    let (tokens, h, e) = ((w.micro_batch * w.seq) as f64, m.hidden as f64, w.elem_bytes as f64);
+    let tp = w.tp.max(1) as f64;
+    let i = m.intermediate as f64 / tp;
+    let full = 4.0 * h + 6.0 * h / tp + 4.0 * i;
     let ck = w.checkpointed_layers.min(m.layers) as f64;
-    let layers = (m.layers as f64 - ck) * full + ck * bs * e * h + if ck > 0.0 { full } else { 0.0 };
-    let logits = bs * (m.vocab / w.tp) as f64 * 4.0 * 3.0; // f32 logits, exp, gradient
-    layers + logits
+    // During backward one checkpointed branch at a time is recomputed: about half a layer.
+    let recompute = if ck > 0.0 { 0.5 * full } else { 0.0 };
+    let layers = (m.layers as f64 - ck) * full + ck * 4.0 * h + recompute;
+    tokens * (e * (layers + 2.0 * h) + 4.0 * m.vocab as f64 / tp)
+}
+
+/// Device bytes one rank needs at its peak for `spec` over `engine`'s ranks with
+/// `micro_batches` micro-batches per step, broken down. `workspace` is a fixed reserve (the
+/// CUDA context and cuBLAS workspace on a GPU, 0 on the CPU) the caller passes.
+///
+/// Model states follow the engine's real layout: `Single` holds parameters, gradients and the
+/// AdamW moments (plus an f32 master below f32), and its backward about a quarter of a
+/// parameter-sized transient more; `Zero` holds each bucket's parameter shard (`n / s_p`, plus up to `MAX_LIVE`
+/// = 3 gathered buckets when `s_p > 1`), the gradients of its optimizer range at the step
+/// (`n / s_os`) with one whole bucket buffer in flight towards it when `s_os > 1`, with several
+/// micro-batches an accumulator of `n / s_g` (about three quarters of it live at the peak), and
+/// per optimizer element m, v and the two f32 masks (weight decay, norm weight) plus the master
+/// below f32. The fractions are fitted to measured peaks (docs/AUTOCONFIG.md, "Memory
+/// estimator"); the rest is counted.
+pub fn memory(m: &ModelShape, w: &Workload, spec: ShardSpec, engine: Engine, micro_batches: usize, workspace: f64) -> Memory {
+    let e = w.elem_bytes as f64;
+    let buckets: Vec<f64> = m.bucket_params(w.tp).iter().map(|&n| n as f64).collect();
+    let local: f64 = buckets.iter().sum();
+    let biggest = buckets.iter().copied().fold(0.0, f64::max);
+    let master = if w.elem_bytes == 4 { 0.0 } else { 4.0 };
+    let activations = activation_bytes(m, w);
+    match engine {
+        Engine::Single => {
+            Memory { params: local * e, grads: local * e, optim: local * (8.0 + master), activations, buffers: 0.25 * local * e, workspace }
+        }
+        Engine::Zero { .. } => {
+            let (sp, sg, so) = (spec.params as f64, spec.grads as f64, spec.optim as f64);
+            let gathered = if spec.params > 1 { 3.0 * biggest * e } else { 0.0 };
+            let accumulator = if micro_batches > 1 { 0.75 * local * e / sg } else { 0.0 };
+            let in_flight = if spec.optim > 1 { biggest * e } else { 0.0 };
+            Memory {
+                params: local * e / sp,
+                grads: local * e / so + accumulator,
+                optim: local * (16.0 + master) / so,
+                activations,
+                buffers: gathered + in_flight,
+                workspace,
+            }
+        }
+    }
 }
 
 /// Estimates one layout (see the module comment); `None` when the spec is invalid here.
@@ -224,16 +295,7 @@ pub fn evaluate(m: &ModelShape, c: &Cluster, w: &Workload, spec: ShardSpec) -> O
     let e = w.elem_bytes as f64;
     let buckets: Vec<f64> = m.bucket_params(w.tp).iter().map(|&n| n as f64).collect();
     let local: f64 = buckets.iter().sum();
-    let optim_b = if w.elem_bytes == 4 { 8.0 } else { 12.0 };
-    let biggest = buckets.iter().copied().fold(0.0, f64::max);
-    let gathered = if spec.params > 1 { 3.0 * biggest * e } else { 0.0 }; // MAX_LIVE buckets
-    let mem = Memory {
-        params: local * e / spec.params as f64,
-        grads: local * e / spec.grads as f64,
-        optim: local * optim_b / spec.optim as f64,
-        activations: activation_bytes(m, w),
-        buffers: gathered + 2.0 * biggest * e,
-    };
+    let mem = memory(m, w, spec, Engine::Zero { dp }, micro, 0.0);
     let fits = mem.total() <= c.mem_bytes * (1.0 - c.margin);
 
     // Communication, priced over each group's real placement.
