@@ -46,6 +46,10 @@ pub struct MemLayout {
     pub checkpointed_layers: usize,
     /// Whether the ranks are threads of this process (their memory adds up in one RAM).
     pub thread_ranks: bool,
+    /// `--offload-optimizer` with this subgroup size: the optimizer shard (master, m, v) lives
+    /// in host memory; a device keeps two subgroups' state (12 B per element each: the one
+    /// being updated and the next one's prefetch), as the autoconfig model counts it.
+    pub offload_subgroup: Option<usize>,
 }
 
 impl MemLayout {
@@ -57,11 +61,24 @@ impl MemLayout {
             spec: ShardSpec { params: 1, grads: 1, optim: 1 },
             checkpointed_layers: if checkpointing { usize::MAX } else { 0 },
             thread_ranks: false,
+            offload_subgroup: None,
         }
     }
 
     pub fn world(&self) -> usize {
         self.tp * self.dp
+    }
+
+    /// The layout the parallel flags describe (thread ranks unless a launcher started processes).
+    pub fn from_flags(par: &crate::parallel::ParallelArgs, checkpointing: bool) -> anyhow::Result<MemLayout> {
+        Ok(MemLayout {
+            tp: par.tp,
+            dp: par.dp,
+            spec: par.spec()?,
+            checkpointed_layers: if checkpointing { usize::MAX } else { 0 },
+            thread_ranks: par.world() > 1 && ferrolm_dist::DistEnv::from_env()?.is_none_or(|e| e.world_size <= 1),
+            offload_subgroup: par.offload().map(|o| o.subgroup),
+        })
     }
 }
 
@@ -88,7 +105,11 @@ pub fn estimate(
     };
     let engine = if l.world() > 1 { Engine::Zero { dp: l.dp } } else { Engine::Single };
     let workspace = if device == Device::Cpu { 0.0 } else { CUDA_WORKSPACE_BYTES };
-    let m = plan::memory(&shape, &w, l.spec, engine, grad_accum, workspace);
+    let mut m = plan::memory(&shape, &w, l.spec, engine, grad_accum, workspace);
+    // Offloaded optimizer state leaves a device, not the host: on the CPU it stays counted.
+    if let (Some(sub), false) = (l.offload_subgroup, device == Device::Cpu) {
+        m.optim = m.optim.min(24.0 * sub as f64);
+    }
     m.total().is_finite().then_some(m)
 }
 

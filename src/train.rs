@@ -206,7 +206,11 @@ impl Trainer {
         if opts.seq_len > maxpos {
             bail!("--seq-len {} is longer than the model's max_position_embeddings ({maxpos})", opts.seq_len);
         }
-        crate::memory::check_fits(model.config(), model.dtype(), model.device(), &opts, model.activation_checkpointing())?;
+        // A distributed run was checked for its layout before its ranks started (the tools'
+        // `MemLayout::from_flags`); here, one device's whole model.
+        if dist.is_none() {
+            crate::memory::check_fits(model.config(), model.dtype(), model.device(), &opts, model.activation_checkpointing())?;
+        }
         if opts.eval_every > 0 {
             check_validation_data(val_shards, opts.batch_size, opts.seq_len)?;
         }

@@ -10,6 +10,7 @@ use ferrolm::autoconfig::{days_for, hyper_params, params_from_budget, search, sh
 use ferrolm::cli::parse_from;
 use ferrolm::cli::pretrain::{apply_config_from, PretrainArgs};
 use ferrolm_dist::cost::{Link, LinkModel};
+use ferrolm_dist::offload::GpuEvery;
 use ferrolm_dist::plan::{Cluster, ModelShape};
 
 #[test]
@@ -232,6 +233,14 @@ fn config_from_rejects_bad_files_naming_them() {
     assert!(run(&format!("{{{}}}", good.replace("\"lr\":0.001", "\"lr\":\"fast\""))).contains("train_config.json"));
     assert!(run(&format!("{{{good},\"offload_gpu_every\":\"often\"}}")).contains("offload_gpu_every"));
     assert!(run("{").contains("is not a train_config.json"));
+    // The offload keys become pretrain_llama's offload flags.
+    for (every, want) in [("\"inf\"", GpuEvery::Never), ("\"auto\"", GpuEvery::Auto), ("2", GpuEvery::Every(2))] {
+        let f = dir.join("train_config.json");
+        std::fs::write(&f, format!("{{{good},\"offload_optimizer\":true,\"offload_gpu_every\":{every}}}")).unwrap();
+        let a = apply_config_from(parse_from(["pretrain_llama", "--config-from", f.to_str().unwrap()]).unwrap()).unwrap();
+        assert!(a.train.parallel.offload_optimizer);
+        assert_eq!(a.train.parallel.offload_gpu_every, want, "{every}");
+    }
     let missing: PretrainArgs = parse_from(["pretrain_llama", "--config-from", "/nonexistent/tc.json"]).unwrap();
     assert!(format!("{:#}", apply_config_from(missing).unwrap_err()).contains("/nonexistent/tc.json"));
     let _ = std::fs::remove_dir_all(&dir);

@@ -118,7 +118,14 @@ fn estimate_is_within_ten_percent_of_the_measured_peak() {
     runs.push(("wide ZeRO-3", &wide, ShardSpec::zero(3, 4).unwrap(), true, 1));
     for (name, c, spec, ck, accum) in runs {
         let measured = dist(c, spec, ck, accum);
-        let layout = MemLayout { tp: 1, dp: 4, spec, checkpointed_layers: if ck { usize::MAX } else { 0 }, thread_ranks: true };
+        let layout = MemLayout {
+            tp: 1,
+            dp: 4,
+            spec,
+            checkpointed_layers: if ck { usize::MAX } else { 0 },
+            thread_ranks: true,
+            offload_subgroup: None,
+        };
         rows.push((format!("{name} {spec}, checkpointing {ck}, {accum} micro-batches"), predict(c, accum, &layout), measured));
     }
     let mut bad = Vec::new();

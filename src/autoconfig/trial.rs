@@ -148,6 +148,13 @@ pub fn parallel_args(c: &Candidate, ranks_per_node: usize) -> ParallelArgs {
         shard_grads: Some(c.spec.grads),
         shard_optim: Some(c.spec.optim),
         ranks_per_node: Some(ranks_per_node),
+        offload_optimizer: c.offload_k.is_some(),
+        offload_subgroup_size: 10_000_000,
+        offload_gpu_every: match c.offload_k {
+            Some(0) => ferrolm_dist::offload::GpuEvery::Never,
+            Some(k) => ferrolm_dist::offload::GpuEvery::Every(k),
+            None => ferrolm_dist::offload::GpuEvery::Auto,
+        },
     }
 }
 
@@ -249,7 +256,7 @@ impl TrainConfig {
             checkpointed_layers: c.checkpointed_layers,
             steps: None,
             offload_optimizer: c.offload_k.is_some(),
-            offload_gpu_every: c.offload_k.map(|k| if k == 0 { serde_json::json!("auto") } else { serde_json::json!(k) }),
+            offload_gpu_every: c.offload_k.map(|k| if k == 0 { serde_json::json!("inf") } else { serde_json::json!(k) }),
             hyper_parameters: None,
             predicted: Some(serde_json::json!({
                 "step_s": c.step_s, "tokens_per_s": c.tokens_per_s, "mfu": c.mfu, "mem_bytes_per_rank": c.mem.total(),
@@ -282,9 +289,9 @@ impl TrainConfig {
         }
         match &c.offload_gpu_every {
             None => {}
-            Some(serde_json::Value::String(s)) if s == "auto" => {}
+            Some(serde_json::Value::String(s)) if s == "auto" || s == "inf" => {}
             Some(v) if v.as_u64().is_some_and(|k| k >= 1) => {}
-            Some(v) => anyhow::bail!("{}: offload_gpu_every must be \"auto\" or a positive integer, got {v}", path.display()),
+            Some(v) => anyhow::bail!("{}: offload_gpu_every must be \"auto\", \"inf\" or a positive integer, got {v}", path.display()),
         }
         Ok(c)
     }

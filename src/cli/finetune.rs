@@ -83,7 +83,9 @@ fn prepare(args: &FinetuneArgs) -> AnyResult<Prepared> {
     let (shards, train, val) = token_data(&data, &tokenizer, &tok_path)?;
     let opts = checked.options();
     check_validation_data(&val, opts.batch_size, opts.seq_len).with_context(|| format!("{}", shards.display()))?;
-    crate::memory::check_fits(&cfg, dtype, device, &opts, a.activation_checkpointing)?;
+    let layout = crate::memory::MemLayout::from_flags(&a.parallel, a.activation_checkpointing)?;
+    let mem = crate::memory::check_layout(&cfg, dtype, device, &opts, &layout)?;
+    report(&format!("memory: predicted peak {}", crate::memory::describe(&mem)));
     Ok(Prepared { device, dtype, tok_path, train, val, ladder })
 }
 

@@ -152,14 +152,7 @@ fn prepare(args: &PretrainArgs) -> AnyResult<Prepared> {
     }
     cfg.bos_token_id = tokenizer.bos_id();
     cfg.eos_token_id = tokenizer.eos_id().map(|e| vec![e]).unwrap_or_default();
-    let par = &a.parallel;
-    let layout = crate::memory::MemLayout {
-        tp: par.tp,
-        dp: par.dp,
-        spec: par.spec()?,
-        checkpointed_layers: if a.activation_checkpointing { usize::MAX } else { 0 },
-        thread_ranks: par.world() > 1 && ferrolm_dist::DistEnv::from_env()?.is_none_or(|e| e.world_size <= 1),
-    };
+    let layout = crate::memory::MemLayout::from_flags(&a.parallel, a.activation_checkpointing)?;
     let mem = crate::memory::check_layout(&cfg, dtype, device, &opts, &layout)?;
     report(&format!("memory: predicted peak {}", crate::memory::describe(&mem)));
     Ok(Prepared { device, dtype, tok_path, tokenizer, train, val, cfg })
@@ -211,9 +204,14 @@ pub fn apply_config_from(mut args: PretrainArgs) -> AnyResult<PretrainArgs> {
             f.checkpointed_layers
         );
     }
-    // The offload flags (--offload-optimizer, --offload-gpu-every) are not in this build yet.
     if f.offload_optimizer {
-        bail!("{}: offload_optimizer is true, but this pretrain_llama has no --offload-optimizer", path.display());
+        fill!(t.parallel.offload_optimizer, dt.parallel.offload_optimizer, true, "offload_optimizer");
+        if let Some(v) = &f.offload_gpu_every {
+            let text = v.as_str().map(String::from).unwrap_or_else(|| v.to_string());
+            let k: ferrolm_dist::offload::GpuEvery =
+                text.parse().map_err(|e: String| anyhow::anyhow!("{}: offload_gpu_every: {e}", path.display()))?;
+            fill!(t.parallel.offload_gpu_every, dt.parallel.offload_gpu_every, k, "offload_gpu_every");
+        }
     }
     report(&format!("--config-from {}: {}", path.display(), if filled.is_empty() { "nothing filled".into() } else { filled.join(", ") }));
     Ok(args)

@@ -247,7 +247,8 @@ pub fn activation_bytes(m: &ModelShape, w: &Workload) -> f64 {
 /// = 3 gathered buckets when `s_p > 1`), the gradients of its optimizer range at the step
 /// (`n / s_os`) with one whole bucket buffer in flight towards it when `s_os > 1`, with several
 /// micro-batches an accumulator of `n / s_g` (about three quarters of it live at the peak), and
-/// per optimizer element m, v and the two f32 masks (weight decay, norm weight) plus the master
+/// per optimizer element m, v and the f32 weight-decay mask (and a norm-weight mask under
+/// tensor parallelism) plus the master
 /// below f32. The fractions are fitted to measured peaks (docs/AUTOCONFIG.md, "Memory
 /// estimator"); the rest is counted.
 pub fn memory(m: &ModelShape, w: &Workload, spec: ShardSpec, engine: Engine, micro_batches: usize, workspace: f64) -> Memory {
@@ -269,7 +270,8 @@ pub fn memory(m: &ModelShape, w: &Workload, spec: ShardSpec, engine: Engine, mic
             Memory {
                 params: local * e / sp,
                 grads: local * e / so + accumulator,
-                optim: local * (16.0 + master) / so,
+                // m, v, the weight-decay mask; the norm-weight mask only under tensor parallelism.
+                optim: local * (12.0 + if w.tp > 1 { 4.0 } else { 0.0 } + master) / so,
                 activations,
                 buffers: gathered + in_flight,
                 workspace,
