@@ -105,8 +105,11 @@ pub struct AutoconfigArgs {
     #[arg(long, default_value = "0.1", value_parser = fraction, help_heading = "Cluster")]
     pub margin: f64,
 
-    /// Tokens per sequence
-    #[arg(long, default_value = "2048", value_parser = positive, help_heading = "Search")]
+    /// Tokens per sequence [default: 2048, or the model's max_position_embeddings when shorter]
+    #[arg(long = "seq-len", value_parser = positive, help_heading = "Search")]
+    pub seq_len_flag: Option<usize>,
+    /// The sequence length in effect (`--seq-len`, else the default above), set by `autoconfig`.
+    #[arg(skip)]
     pub seq_len: usize,
     /// Tokens per optimizer step [default: the recipe's global batch]
     #[arg(long, value_parser = positive, help_heading = "Search")]
@@ -172,7 +175,9 @@ fn config_for_shape(s: &ModelShape, seq: usize) -> LlamaConfig {
 }
 
 /// The model: its shape, and on the CPU target a config the trials can build.
-fn model(a: &AutoconfigArgs) -> AnyResult<(ModelShape, Option<LlamaConfig>, Option<f64>)> {
+const DEFAULT_SEQ_LEN: usize = 2048;
+
+fn model(a: &mut AutoconfigArgs) -> AnyResult<(ModelShape, Option<LlamaConfig>, Option<f64>)> {
     let budget = match (a.days, a.tflops_per_gpu, a.tokens) {
         (Some(days), Some(tf), Some(tokens)) => {
             let gpus = a.gpus.unwrap_or(a.nodes * a.ranks_per_node);
@@ -204,6 +209,9 @@ fn model(a: &AutoconfigArgs) -> AnyResult<(ModelShape, Option<LlamaConfig>, Opti
         c.validate().context("--ladder-layers")?;
     }
     if let Some(c) = &cfg {
+        if a.seq_len_flag.is_none() {
+            a.seq_len = a.seq_len.min(c.max_position_embeddings);
+        }
         if a.seq_len > c.max_position_embeddings {
             bail!("--seq-len {} is longer than the model's max_position_embeddings ({})", a.seq_len, c.max_position_embeddings);
         }
@@ -238,6 +246,9 @@ pub fn run(a: AutoconfigArgs) -> AnyResult<()> {
 
 /// Everything but the final JSON line.
 pub fn autoconfig(a: &AutoconfigArgs) -> AnyResult<Report> {
+    let mut args = a.clone();
+    args.seq_len = a.seq_len_flag.unwrap_or(DEFAULT_SEQ_LEN);
+    let a = &mut args;
     if a.micro_batches.contains(&0) {
         bail!("--micro-batches: sizes must be at least 1");
     }
@@ -245,6 +256,7 @@ pub fn autoconfig(a: &AutoconfigArgs) -> AnyResult<Report> {
         bail!("--trials runs on CPU thread ranks (--target cpu); a GPU cluster is modelled only");
     }
     let (shape, cfg, budget) = model(a)?;
+    let a = &*a;
     let params = shape.params() as f64;
     if let Some(p) = budget {
         println!(
