@@ -104,26 +104,7 @@ fn measure(a: &Args, cfg: &LlamaConfig, spec: ShardSpec, link: Option<LinkModel>
         let mut z = Zero::new(&mut m, &mesh, spec, None, AdamWConfig::default())?;
         let rows = a.batch_size * a.seq_len;
         let x = Tensor::from_vec(ids[mesh.dp_rank() * rows..(mesh.dp_rank() + 1) * rows].to_vec(), [a.batch_size, a.seq_len], Device::Cpu)?;
-        let (mut times, mut updates) = (Vec::new(), Vec::new());
-        for step in 0..=a.steps {
-            comm.barrier()?;
-            let t0 = Instant::now();
-            for k in 0..a.grad_accum {
-                z.begin_forward()?;
-                let loss = m.loss(&x, &x)?;
-                z.begin_backward(k + 1 == a.grad_accum)?;
-                loss.mul_scalar(1.0 / a.grad_accum as f64)?.backward()?;
-                z.end_backward()?;
-            }
-            z.step(1e-4, 1.0)?;
-            if step > 0 {
-                times.push(t0.elapsed().as_secs_f64());
-                updates.push(z.last_update_s);
-            }
-        }
-        times.sort_by(f64::total_cmp);
-        updates.sort_by(f64::total_cmp);
-        Ok((times[times.len() / 2], updates[updates.len() / 2]))
+        ferrolm::autoconfig::trial::time_zero_steps(&m, &mut z, comm.as_ref(), &x, a.grad_accum, a.steps)
     })?;
     Ok(out.into_iter().fold((0.0, 0.0), |m, r| (m.0.max(r.0), m.1.max(r.1))))
 }

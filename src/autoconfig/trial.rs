@@ -50,6 +50,39 @@ fn comm_cpu_cost(world: usize) -> AnyResult<f64> {
     Ok(per.into_iter().fold(0.0, f64::max))
 }
 
+/// Times `steps` ZeRO steps of `grad_accum` micro-batches of `x` (inputs as targets) after one
+/// warm-up step; the medians of the step time and of its optimizer update, on this rank. Shared
+/// by the calibration here and `examples/bench_zero.rs`.
+pub fn time_zero_steps(
+    m: &Llama,
+    z: &mut Zero,
+    comm: &dyn Communicator,
+    x: &Tensor,
+    grad_accum: usize,
+    steps: usize,
+) -> ferrolm_tensor::Result<(f64, f64)> {
+    let (mut times, mut updates) = (Vec::new(), Vec::new());
+    for step in 0..=steps {
+        comm.barrier()?;
+        let t0 = Instant::now();
+        for k in 0..grad_accum {
+            z.begin_forward()?;
+            let loss = m.loss(x, x)?;
+            z.begin_backward(k + 1 == grad_accum)?;
+            loss.mul_scalar(1.0 / grad_accum as f64)?.backward()?;
+            z.end_backward()?;
+        }
+        z.step(1e-4, 1.0)?;
+        if step > 0 {
+            times.push(t0.elapsed().as_secs_f64());
+            updates.push(z.last_update_s);
+        }
+    }
+    times.sort_by(f64::total_cmp);
+    updates.sort_by(f64::total_cmp);
+    Ok((times[times.len() / 2], updates[updates.len() / 2]))
+}
+
 /// Calibrates on `world` thread ranks: plain data parallelism (every rank a whole model), no
 /// link, `micro_batch` sequences of `seq`, 3 timed steps after one warm-up (medians).
 pub fn calibrate(cfg: &LlamaConfig, world: usize, micro_batch: usize, seq: usize) -> AnyResult<Calibration> {
@@ -63,24 +96,8 @@ pub fn calibrate(cfg: &LlamaConfig, world: usize, micro_batch: usize, seq: usize
         let mut m = Llama::new(cfg.clone(), DType::F32, Device::Cpu, &mut Rng::new(1))?;
         let mut z = Zero::new(&mut m, &mesh, spec, None, AdamWConfig::default())?;
         let x = Tensor::from_vec(ids[mesh.dp_rank() * rows..(mesh.dp_rank() + 1) * rows].to_vec(), [micro_batch, seq], Device::Cpu)?;
-        let (mut times, mut updates) = (Vec::new(), Vec::new());
-        for step in 0..4 {
-            comm.barrier()?;
-            let t0 = Instant::now();
-            z.begin_forward()?;
-            let loss = m.loss(&x, &x)?;
-            z.begin_backward(true)?;
-            loss.backward()?;
-            z.end_backward()?;
-            z.step(1e-4, 1.0)?;
-            if step > 0 {
-                times.push(t0.elapsed().as_secs_f64());
-                updates.push(z.last_update_s);
-            }
-        }
-        times.sort_by(f64::total_cmp);
-        updates.sort_by(f64::total_cmp);
-        Ok((times[1], updates[1], z.bucket_numel()))
+        let (t, upd) = time_zero_steps(&m, &mut z, comm.as_ref(), &x, 1, 3)?;
+        Ok((t, upd, z.bucket_numel()))
     })?;
     let (t, upd) = out.iter().fold((0.0f64, 0.0f64), |m, r| (m.0.max(r.0), m.1.max(r.1)));
     let shape = ModelShape::from_config(cfg, "trial");
