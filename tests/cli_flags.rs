@@ -236,21 +236,8 @@ fn pretrain_end_to_end_then_eval_of_its_checkpoint() {
     let (data, cfg) = small_setup(&dir);
     let out = dir.join("run");
     let args = |extra: &[&str]| -> PretrainArgs {
-        let base = [
-            "pretrain_llama",
-            "--device=cpu",
-            "--data",
-            data.to_str().unwrap(),
-            "--config",
-            cfg.to_str().unwrap(),
-            "--out",
-            out.to_str().unwrap(),
-            "--seq-len=16",
-            "--eval-every=2",
-            "--save-every=1",
-            "--keep-last=1",
-        ];
-        parse_from(base.iter().copied().chain(extra.iter().copied())).unwrap()
+        let flags: Vec<&str> = ["--eval-every=2", "--save-every=1", "--keep-last=1"].into_iter().chain(extra.iter().copied()).collect();
+        pretrain_args(&data, &cfg, &out, &flags)
     };
     ferrolm::cli::pretrain::run(args(&["--steps=3", "--batch-size=2"])).unwrap();
     assert_eq!(checkpoint_names(&out), ["step-000003"], "--keep-last 1");

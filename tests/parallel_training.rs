@@ -3,30 +3,13 @@
 //! device and the other way round). Losses compared step by step from metrics.jsonl.
 mod common;
 use common::*;
-use ferrolm::cli::parse_from;
-use ferrolm::cli::pretrain::PretrainArgs;
 use std::path::Path;
 
 const STEPS: usize = 20;
 
 fn pretrain(dir: &Path, data: &Path, cfg: &Path, out: &str, extra: &[&str]) {
-    let outp = dir.join(out);
-    let base = [
-        "pretrain_llama",
-        "--device=cpu",
-        "--data",
-        data.to_str().unwrap(),
-        "--config",
-        cfg.to_str().unwrap(),
-        "--out",
-        outp.to_str().unwrap(),
-        "--seq-len=16",
-        "--eval-every=0",
-        "--save-every=10",
-        "--lr=3e-3",
-    ];
-    let a: PretrainArgs = parse_from(base.iter().copied().chain(extra.iter().copied())).unwrap();
-    ferrolm::cli::pretrain::run(a).unwrap();
+    let flags: Vec<&str> = ["--eval-every=0", "--save-every=10", "--lr=3e-3"].into_iter().chain(extra.iter().copied()).collect();
+    ferrolm::cli::pretrain::run(pretrain_args(data, cfg, &dir.join(out), &flags)).unwrap();
 }
 
 fn losses(run: &Path) -> Vec<f64> {

@@ -134,3 +134,20 @@ pub fn capture_logs<R>(f: impl FnOnce() -> R) -> (R, String) {
     let text = String::from_utf8(buf.0.lock().unwrap().clone()).unwrap();
     (r, text)
 }
+
+/// `pretrain_llama`'s flags for a short CPU run of `cfg` on `data` into `out` (sequences of 16
+/// tokens), followed by `extra`.
+pub fn pretrain_args(data: &Path, cfg: &Path, out: &Path, extra: &[&str]) -> ferrolm::cli::pretrain::PretrainArgs {
+    let base = [
+        "pretrain_llama",
+        "--device=cpu",
+        "--data",
+        data.to_str().unwrap(),
+        "--config",
+        cfg.to_str().unwrap(),
+        "--out",
+        out.to_str().unwrap(),
+        "--seq-len=16",
+    ];
+    ferrolm::cli::parse_from(base.iter().copied().chain(extra.iter().copied())).unwrap()
+}
