@@ -400,33 +400,6 @@ fn fresh_model_init_and_presets() {
     assert!((loss - (256f64).ln()).abs() < 0.1, "initial loss {loss}");
 }
 
-/// Throughput of the "tiny" preset on this machine (not a correctness test):
-/// cargo test -p ferrolm-nn --release --test hf_parity -- --ignored --nocapture
-#[test]
-#[ignore]
-fn tiny_preset_step_time() {
-    let mut model = Llama::new(LlamaConfig::preset("tiny").unwrap(), DType::F32, Device::Cpu, &mut Rng::new(0)).unwrap();
-    let (b, t) = (8, 256);
-    let ids = sample_ids(&model, b, t, 1);
-    let targets = Tensor::from_vec(shift_labels(&ids.to_vec::<i32>().unwrap(), t), vec![b, t], Device::Cpu).unwrap();
-    for ckpt in [false, true] {
-        model.set_activation_checkpointing(ckpt);
-        for step in 0..3 {
-            let start = std::time::Instant::now();
-            let loss = model.loss(&ids, &targets).unwrap();
-            loss.backward().unwrap();
-            model.parameters().iter().for_each(|(_, p)| p.zero_grad());
-            let s = start.elapsed().as_secs_f64();
-            eprintln!(
-                "tiny, checkpointing {ckpt}, step {step}: loss {:.4}, {:.3} s, {:.0} tok/s",
-                loss.item().unwrap(),
-                s,
-                (b * t) as f64 / s
-            );
-        }
-    }
-}
-
 #[test]
 fn f16_checkpoint_loads() {
     use safetensors::tensor::{Dtype, TensorView};
