@@ -54,12 +54,16 @@ impl Tokenizer {
         let bad = |e: &dyn std::fmt::Display| Error::format(path, format!("not a valid tokenizer.json: {e}"));
         let value: serde_json::Value = serde_json::from_slice(json).map_err(|e| bad(&e))?;
         check_ids(&value, path)?;
-        if let Some(pp) = value.get("post_processor") {
+        check_bpe_merges(&value, path)?;
+        let inner: tokenizers::Tokenizer = serde_json::from_value(value).map_err(|e| bad(&e))?;
+        // The post-processor is checked as the library parsed it, re-serialised: serde accepts
+        // several spellings of one struct (an array for a struct, for instance), and a check of
+        // the raw JSON missed a template naming an undefined special token written that way,
+        // which the library then panics on while encoding.
+        let value_pp = inner.get_post_processor().map(serde_json::to_value).transpose().map_err(|e| bad(&e))?;
+        if let Some(pp) = &value_pp {
             check_post_processor(pp, path, "post_processor")?;
         }
-        check_bpe_merges(&value, path)?;
-        let value_pp = value.get("post_processor").cloned();
-        let inner: tokenizers::Tokenizer = serde_json::from_value(value).map_err(|e| bad(&e))?;
         if let Some(t) = inner.get_truncation() {
             return Err(Error::format(
                 path,
@@ -189,6 +193,10 @@ fn special_token_ids(pp: Option<&serde_json::Value>) -> Vec<u64> {
     }
     for t in pp.get("special_tokens").and_then(|s| s.as_object()).into_iter().flat_map(|o| o.values()) {
         out.extend(t.get("ids").and_then(|x| x.as_array()).into_iter().flatten().map(|i| i.as_u64().unwrap_or(u64::MAX)));
+    }
+    // Bert/Roberta processors: `sep` and `cls` are (token, id).
+    for k in ["sep", "cls"] {
+        out.extend(pp.get(k).and_then(|x| x.get(1)).map(|i| i.as_u64().unwrap_or(u64::MAX)));
     }
     out
 }

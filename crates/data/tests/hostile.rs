@@ -66,6 +66,23 @@ fn template_with_an_undefined_special_token_is_refused() {
     assert!(e.contains("`post_processor`") && e.contains("special token"), "{e}");
 }
 
+/// Found by the fuzzer in CI: serde also reads a struct written as an array, so a template
+/// piece `{"SpecialToken": ["<undefined>", 0]}` slipped past a check of the raw JSON and the
+/// library panicked while encoding. The check now reads the library's own parse.
+#[test]
+fn a_template_piece_spelt_as_an_array_is_checked_too() {
+    let mut v = bundled_json();
+    let single = &mut v["post_processor"]["processors"][1]["single"];
+    single.as_array_mut().unwrap().push(json!({"SpecialToken": ["<|undefined|>", 0]}));
+    let e = err_of(Tokenizer::from_bytes(serde_json::to_string(&v).unwrap().as_bytes()));
+    assert!(e.contains("`post_processor.processors[1]`") && e.contains("<|undefined|>"), "{e}");
+    // A special token spelt as an array with an id outside the vocabulary, likewise.
+    let mut v = bundled_json();
+    v["post_processor"]["processors"][1]["special_tokens"]["<|bos|>"] = json!(["<|bos|>", [999999], ["<|bos|>"]]);
+    let e = err_of(Tokenizer::from_bytes(serde_json::to_string(&v).unwrap().as_bytes()));
+    assert!(e.contains("`post_processor`") && e.contains("999999"), "{e}");
+}
+
 /// Also found by the fuzzer: a continuing_subword_prefix that the second token of a merge
 /// lacks (the library slices it off and panics), and special-token ids outside the vocabulary
 /// (encoding would emit ids the embedding does not have).
