@@ -4,6 +4,7 @@
 //! relative (summation orders differ), bf16 to 3e-2 (the GPU rounds intermediates to bf16, e.g.
 //! P in flash attention). The bf16 model has head dim 64, so the tensor-core attention kernels
 //! run inside real training. Checkpoints written from the device must load back on the CPU.
+mod common;
 use ferrolm::data::{list_shards, prepare_text_dir, Tokenizer};
 use ferrolm::nn::LlamaConfig;
 use ferrolm::train::{TrainOptions, Trainer};
@@ -54,29 +55,6 @@ fn run(tmp: &Path, name: &str, m: Llama, steps: usize) -> (Vec<f64>, Vec<f64>, T
     (losses, val, t)
 }
 
-/// Registers `cuda:0`: the GPU if there is one, else the emulator. False (the test prints that it
-/// skipped) only when neither is available and neither FERROLM_REQUIRE_GPU nor
-/// FERROLM_REQUIRE_EMU is set.
-fn cuda0() -> bool {
-    let gpu = ferrolm_cuda::device_count() > 0;
-    if !gpu {
-        assert!(!std::env::var("FERROLM_REQUIRE_GPU").is_ok_and(|v| v == "1"), "FERROLM_REQUIRE_GPU=1 but no CUDA device");
-        std::env::set_var("FERROLM_CUDA_EMULATOR", "1");
-    }
-    match ferrolm::init_cuda(0) {
-        Ok(()) => true,
-        Err(e) if gpu => panic!("a GPU is visible but the CUDA backend did not start: {e}"),
-        Err(e) => {
-            assert!(
-                !std::env::var("FERROLM_REQUIRE_EMU").is_ok_and(|v| v == "1"),
-                "FERROLM_REQUIRE_EMU=1 but the emulator is unavailable: {e}"
-            );
-            println!("skipped: no CUDA device and no emulator ({e})");
-            false
-        }
-    }
-}
-
 fn close(what: &str, cpu: &[f64], gpu: &[f64], rtol: f64) {
     assert_eq!(cpu.len(), gpu.len(), "{what}: lengths");
     for (a, b) in cpu.iter().zip(gpu) {
@@ -86,7 +64,7 @@ fn close(what: &str, cpu: &[f64], gpu: &[f64], rtol: f64) {
 
 #[test]
 fn training_on_the_emulated_cuda_backend_matches_the_cpu() {
-    if !cuda0() {
+    if !common::cuda0() {
         return;
     }
     let gpu = Device::Cuda(0);
@@ -124,7 +102,7 @@ fn training_on_the_emulated_cuda_backend_matches_the_cpu() {
 fn fused_adamw_and_grad_norm_match_the_op_based_cpu_update() {
     use ferrolm::nn::optim::{clip_grad_norm, AdamW, AdamWConfig};
     use ferrolm::Tensor;
-    if !cuda0() {
+    if !common::cuda0() {
         return;
     }
     let gpu = Device::Cuda(0);

@@ -9,6 +9,7 @@
 //! two updates are held to 1e-6 relative (about 16 ulp) and a few steps' losses to 1e-5.
 //! On `--device cpu` every "device" update is the same CPU kernel on the same gradients, so there
 //! the comparison is bit for bit.
+mod common;
 use ferrolm::data::{list_shards, prepare_text_dir, Tokenizer};
 use ferrolm::nn::LlamaConfig;
 use ferrolm::parallel::{DistEngine, ParallelArgs};
@@ -174,31 +175,9 @@ fn assert_exact(what: &str, a: &Run, b: &Run) {
     assert_eq!(a.state, b.state, "{what}: optimizer state and weights");
 }
 
-/// Registers `cuda:0`: the GPU if there is one, else the emulator; false when neither is there
-/// (and neither FERROLM_REQUIRE_GPU nor FERROLM_REQUIRE_EMU asks for one).
-fn cuda0() -> bool {
-    let gpu = ferrolm_cuda::device_count() > 0;
-    if !gpu {
-        assert!(!std::env::var("FERROLM_REQUIRE_GPU").is_ok_and(|v| v == "1"), "FERROLM_REQUIRE_GPU=1 but no CUDA device");
-        std::env::set_var("FERROLM_CUDA_EMULATOR", "1");
-    }
-    match ferrolm::init_cuda(0) {
-        Ok(()) => true,
-        Err(e) if gpu => panic!("a GPU is visible but the CUDA backend did not start: {e}"),
-        Err(e) => {
-            assert!(
-                !std::env::var("FERROLM_REQUIRE_EMU").is_ok_and(|v| v == "1"),
-                "FERROLM_REQUIRE_EMU=1 but the emulator is unavailable: {e}"
-            );
-            println!("skipped: no CUDA device and no emulator ({e})");
-            false
-        }
-    }
-}
-
 #[test]
 fn offload_on_the_cuda_device_follows_training_without_it_for_every_k() {
-    if !cuda0() {
+    if !common::cuda0() {
         return;
     }
     let (dir, vocab) = setup("emu");
@@ -227,7 +206,7 @@ fn offload_on_the_cuda_device_follows_training_without_it_for_every_k() {
 /// over several steps (see the module comment for why this bound), with and without decay.
 #[test]
 fn cpu_and_device_adamw_agree_to_1e_6() {
-    if !cuda0() {
+    if !common::cuda0() {
         return;
     }
     let gpu = Device::Cuda(0);

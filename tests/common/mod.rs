@@ -151,3 +151,26 @@ pub fn pretrain_args(data: &Path, cfg: &Path, out: &Path, extra: &[&str]) -> fer
     ];
     ferrolm::cli::parse_from(base.iter().copied().chain(extra.iter().copied())).unwrap()
 }
+
+/// Registers `cuda:0`: the GPU if there is one, else the emulator. False (the test prints that it
+/// skipped) only when neither is available and neither FERROLM_REQUIRE_GPU nor
+/// FERROLM_REQUIRE_EMU is set.
+pub fn cuda0() -> bool {
+    let gpu = ferrolm_cuda::device_count() > 0;
+    if !gpu {
+        assert!(!std::env::var("FERROLM_REQUIRE_GPU").is_ok_and(|v| v == "1"), "FERROLM_REQUIRE_GPU=1 but no CUDA device");
+        std::env::set_var("FERROLM_CUDA_EMULATOR", "1");
+    }
+    match ferrolm::init_cuda(0) {
+        Ok(()) => true,
+        Err(e) if gpu => panic!("a GPU is visible but the CUDA backend did not start: {e}"),
+        Err(e) => {
+            assert!(
+                !std::env::var("FERROLM_REQUIRE_EMU").is_ok_and(|v| v == "1"),
+                "FERROLM_REQUIRE_EMU=1 but the emulator is unavailable: {e}"
+            );
+            println!("skipped: no CUDA device and no emulator ({e})");
+            false
+        }
+    }
+}
