@@ -211,7 +211,8 @@ impl Trainer {
         if dist.is_none() {
             crate::memory::check_fits(model.config(), model.dtype(), model.device(), &opts, model.activation_checkpointing())?;
         }
-        if opts.eval_every > 0 {
+        // Every run validates at its last step (`eval_every` 0 means only then).
+        if opts.steps > 0 {
             check_validation_data(val_shards, opts.batch_size, opts.seq_len)?;
         }
         let sched = CosineSchedule { max_lr: opts.lr, min_lr: opts.min_lr, warmup_steps: opts.warmup_steps, total_steps: opts.steps };
@@ -317,8 +318,9 @@ impl Trainer {
                     self.tokens_seen += (b.batch * b.seq * d.mesh.dp()) as u64;
                 }
                 // The step's loss over every data-parallel rank (the same decision on each).
-                let local = Tensor::from_vec(vec![loss_sum / accum as f64], [1], Device::Cpu)?;
-                let loss = d.mesh.dp_group().all_reduce(&local, ferrolm_dist::ReduceOp::Avg)?.item()?;
+                let dp = d.mesh.dp_group();
+                let loss =
+                    ferrolm_dist::comm::all_reduce_scalar(dp.as_ref(), loss_sum / accum as f64, self.model.device())? / dp.size() as f64;
                 (loss, f64::NAN) // the norm comes with the update below
             }
         };
@@ -415,13 +417,7 @@ impl Trainer {
         // Rank 0 owns the output directory; the others wait until it is ready.
         let mut log = if is_rank_zero() { Some(self.prepare_out_dir()) } else { None };
         let ready = log.as_ref().is_none_or(|r| r.is_ok());
-        if let Some(w) = self.world() {
-            let failed =
-                w.all_reduce(&Tensor::from_vec(vec![if ready { 0.0 } else { 1.0 }], [1], Device::Cpu)?, ferrolm_dist::ReduceOp::Sum)?;
-            if failed.item()? > 0.0 && ready {
-                bail!("rank 0 could not prepare the output directory {}", self.out_dir.display());
-            }
-        }
+        self.agree(ready, &format!("prepare the output directory {}", self.out_dir.display()))?;
         let mut log = log.take().transpose()?;
         let mut write_line = |v: serde_json::Value| -> AnyResult<()> {
             match &mut log {
@@ -431,7 +427,12 @@ impl Trainer {
         };
         let start = Instant::now();
         let (start_step, tokens0) = (self.step, self.tokens_seen);
-        let step_tokens = (self.opts.batch_size * self.opts.seq_len * self.opts.grad_accum) as f64;
+        // Tokens per step over every data-parallel rank, like `tokens_seen`.
+        let dp = match &self.engine {
+            Engine::Dist(d) => d.mesh.dp(),
+            Engine::Single(_) => 1,
+        };
+        let step_tokens = (self.opts.batch_size * self.opts.seq_len * self.opts.grad_accum * dp) as f64;
         let bar = Progress::steps(self.opts.steps as u64, "train");
         bar.start_at(self.step as u64);
         while self.step < self.opts.steps {
@@ -444,7 +445,9 @@ impl Trainer {
             let tok_s = (self.tokens_seen - tokens0) as f64 / elapsed.max(1e-9);
             let eta = elapsed / done as f64 * (self.opts.steps - self.step) as f64;
             let peak_mib = ferrolm_tensor::peak_bytes() as f64 / (1 << 20) as f64;
-            let mfu = self.mfu(tok_s);
+            // One device's utilisation: its share of the tokens (its parameters are its
+            // tensor-parallel share already).
+            let mfu = self.mfu(tok_s / dp as f64);
             if skipped {
                 write_line(serde_json::json!({"step": self.step, "skipped": true, "lr": lr}))?;
             } else {
@@ -574,14 +577,7 @@ impl Trainer {
         };
         let all: Vec<&(String, Tensor)> = params.iter().chain(&state).collect();
         let bad = Self::non_finite_tensor(&all)?;
-        if let Some(w) = self.world() {
-            let n = w
-                .all_reduce(&Tensor::from_vec(vec![bad.is_some() as u8 as f64], [1], Device::Cpu)?, ferrolm_dist::ReduceOp::Sum)?
-                .item()?;
-            if n > 0.0 && bad.is_none() {
-                bail!("refusing to save checkpoint {name}: another rank holds NaN or infinite values (the previous checkpoint is kept)");
-            }
-        }
+        self.agree(bad.is_none(), &format!("save checkpoint {name}: it holds NaN or infinite values (the previous checkpoint is kept)"))?;
         if let Some(bad) = bad {
             bail!("refusing to save checkpoint {name}: `{bad}` holds NaN or infinite values (the previous checkpoint is kept)");
         }
@@ -657,8 +653,8 @@ impl Trainer {
     /// did not fail themselves when another did).
     fn agree(&self, ok: bool, what: &str) -> AnyResult<()> {
         let Some(w) = self.world() else { return Ok(()) };
-        let failed =
-            w.all_reduce(&Tensor::from_vec(vec![if ok { 0.0 } else { 1.0 }], [1], Device::Cpu)?, ferrolm_dist::ReduceOp::Sum)?.item()?;
+        // On the model's device: NCCL refuses a host tensor.
+        let failed = ferrolm_dist::comm::all_reduce_scalar(w.as_ref(), if ok { 0.0 } else { 1.0 }, self.model.device())?;
         if failed > 0.0 && ok {
             bail!("another rank could not {what}");
         }

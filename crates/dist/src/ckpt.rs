@@ -7,7 +7,6 @@
 //! shards `Zero::shard_tensors` gives on tensor-parallel rank t, data-parallel rank d: each
 //! parameter range once (`param.{bucket}`, ranks d < s_p) and each optimizer range once
 //! (`exp_avg.{bucket}`, `exp_avg_sq.{bucket}`, `master.{bucket}`, ranks d < s_os).
-use crate::comm::Communicator;
 use crate::tp::{Sharding, TpLayout};
 use crate::zero::{ShardSpec, Zero};
 use crate::DeviceMesh;
@@ -78,7 +77,7 @@ pub fn save_shards(dir: &Path, zero: &Zero, tp: Option<&TpLayout>, mesh: &Device
     let written =
         if tensors.is_empty() { Ok(()) } else { save_safetensors(&shard_file(dir, mesh.tp_rank(), mesh.dp_rank()), &tensors, None) };
     // Every rank learns whether every rank wrote its part before anyone goes on.
-    let failed = sum(mesh.world(), if written.is_err() { 1.0 } else { 0.0 })?;
+    let failed = crate::comm::all_reduce_scalar(mesh.world().as_ref(), if written.is_err() { 1.0 } else { 0.0 }, zero.device())?;
     written?;
     if failed > 0.0 {
         return Err(err(dir, format!("{failed} rank(s) could not write their shards")));
@@ -112,13 +111,6 @@ pub fn save_shards(dir: &Path, zero: &Zero, tp: Option<&TpLayout>, mesh: &Device
         ferrolm_nn::checkpoint::write_atomic(&sdir.join(INDEX), text.as_bytes())?;
     }
     mesh.world().barrier()
-}
-
-fn sum(c: &std::sync::Arc<dyn Communicator>, v: f64) -> Result<f64> {
-    if c.size() == 1 {
-        return Ok(v);
-    }
-    c.all_reduce(&Tensor::from_vec(vec![v], [1], Device::Cpu)?, crate::ReduceOp::Sum)?.item()
 }
 
 /// True when `dir` holds a sharded checkpoint.

@@ -411,3 +411,14 @@ pub(crate) fn copy_storage(op: &str, x: &Tensor) -> Result<Storage> {
         }
     }
 }
+
+/// The sum of `v` over the ranks of `c` (norms, failure counts). The one-element tensor is built
+/// on `device`, the device of the tensors the communicator serves: NCCL refuses a host tensor.
+/// f64 on the CPU; f32 on a GPU, whose backend has no f64 tensors.
+pub fn all_reduce_scalar(c: &dyn Communicator, v: f64, device: Device) -> Result<f64> {
+    if c.size() == 1 {
+        return Ok(v);
+    }
+    let t = if device == Device::Cpu { Tensor::from_vec(vec![v], [1], device)? } else { Tensor::from_vec(vec![v as f32], [1], device)? };
+    c.all_reduce(&t, ReduceOp::Sum)?.item()
+}

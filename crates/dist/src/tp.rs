@@ -323,7 +323,7 @@ impl TpLayout {
                 local += sq / s.replicas as f64;
             }
         }
-        let t = Tensor::from_vec(vec![local], [1], ferrolm_tensor::Device::Cpu)?;
-        Ok(comm.all_reduce(&t, ReduceOp::Sum)?.item()? + replicated)
+        let device = params.first().map_or(ferrolm_tensor::Device::Cpu, |(_, p)| p.device());
+        Ok(crate::comm::all_reduce_scalar(comm.as_ref(), local, device)? + replicated)
     }
 }

@@ -28,7 +28,7 @@
 //! ZeRO-1 is (1, 1, dp), ZeRO-2 (1, dp, dp), ZeRO-3 (dp, dp, dp), MiCS (s, s, s), plain data
 //! parallelism (1, 1, 1). The step's traffic per rank is `traffic_bytes` (tests hold the
 //! implementation to it).
-use crate::comm::{Communicator, ReduceOp};
+use crate::comm::{all_reduce_scalar, Communicator, ReduceOp};
 use crate::offload::{Offload, OffloadConfig};
 use crate::tp::TpLayout;
 use crate::DeviceMesh;
@@ -629,9 +629,9 @@ impl Zero {
             // device at once.
             grads.push(if self.offload.is_some() { g } else { g32 });
         }
-        let mut sq = sum_over(&self.groups.block, local)?;
+        let mut sq = all_reduce_scalar(self.groups.block.as_ref(), local, self.device())?;
         if let Some(tp) = &self.tp {
-            sq = sum_over(tp, sq)?;
+            sq = all_reduce_scalar(tp.as_ref(), sq, self.device())?;
         }
         let norm = sq.sqrt();
         self.micro = 0;
@@ -865,6 +865,11 @@ impl Zero {
     /// Bytes of model states this rank holds now: (parameters, gradients, optimizer states).
     /// Released parameter buckets count nothing; call it after the last backward of a step to
     /// see the gradients.
+    /// The device of the model's parameters (where this engine's collectives run).
+    pub fn device(&self) -> Device {
+        self.buckets.first().map_or(Device::Cpu, |b| b.p_shard.device())
+    }
+
     pub fn state_bytes(&self) -> (usize, usize, usize) {
         // Gradients: the range a rank accumulates into (n / s_g), held between micro-batches.
         let g: usize = self.buckets.iter().map(|b| b.n / self.spec.grads * self.dtype.size_in_bytes()).sum();
@@ -971,11 +976,4 @@ fn reduce_scatter(c: &Comm, x: &Tensor) -> Result<Tensor> {
         return Ok(x.clone());
     }
     Ok(c.reduce_scatter_async(x, ReduceOp::Sum)?.tensor())
-}
-
-fn sum_over(c: &Comm, v: f64) -> Result<f64> {
-    if c.size() == 1 {
-        return Ok(v);
-    }
-    c.all_reduce(&Tensor::from_vec(vec![v], [1], Device::Cpu)?, ReduceOp::Sum)?.item()
 }

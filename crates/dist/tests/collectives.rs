@@ -340,6 +340,10 @@ fn emulated_cuda_tensors_are_staged_through_the_host() {
                 assert_eq!(got.to_vec_f64()?, reference(op, dtype, &inputs, comm.rank()), "{op} {dtype}");
             }
         }
+        // Norms and failure counts are summed on the device the communicator serves (NCCL
+        // refuses host tensors): an f64 scalar on cuda:0.
+        let s = ferrolm_dist::comm::all_reduce_scalar(comm.as_ref(), comm.rank() as f64 + 0.5, Device::Cuda(0))?;
+        assert_eq!(s, 0.5 + 1.5 + 2.5);
         Ok(())
     })
     .unwrap();

@@ -66,30 +66,37 @@ fn cpu_adamw_step(slots: &[AdamWTensors], h: AdamWHyper) -> Result<bool> {
                 Some(m) => f32_dense(m) && s.param.dtype() == crate::DType::BF16 && dense(s.param),
             }
     });
-    if slots.is_empty() || !ok {
+    // Aliased state is left to the op-based update. Checked for every slot before any is
+    // updated: `Ok(false)` promises that nothing changed.
+    let aliased = slots.iter().any(|s| {
+        let distinct = [s.param, s.m, s.v, s.grad].iter().chain(s.master.iter()).map(|t| Arc::as_ptr(&t.0.storage)).collect::<Vec<_>>();
+        (1..distinct.len()).any(|i| distinct[..i].contains(&distinct[i]))
+    });
+    if slots.is_empty() || !ok || aliased {
         return Ok(false);
     }
+    let mismatch = || crate::Error::new("fused_adamw_step", "a storage does not match its dtype");
     for s in slots {
-        let distinct = [s.param, s.m, s.v, s.grad].iter().chain(s.master.iter()).map(|t| Arc::as_ptr(&t.0.storage)).collect::<Vec<_>>();
-        if (1..distinct.len()).any(|i| distinct[..i].contains(&distinct[i])) {
-            return Ok(false); // aliased state: leave it to the op-based update
-        }
+        // On the CPU an f32 tensor's storage is `CpuStorage::F32` (and bf16's `BF16`), so the
+        // matches below cannot fail after the checks above.
         let g = s.grad.0.storage.read()?;
         let (mut m, mut v) = (s.m.0.storage.write()?, s.v.0.storage.write()?);
         let (Storage::Cpu(CpuStorage::F32(g)), Storage::Cpu(CpuStorage::F32(m)), Storage::Cpu(CpuStorage::F32(v))) =
             (&*g, &mut *m, &mut *v)
         else {
-            return Ok(false);
+            return Err(mismatch());
         };
         match s.master {
             None => {
                 let mut p = s.param.0.storage.write()?;
-                let Storage::Cpu(CpuStorage::F32(p)) = &mut *p else { return Ok(false) };
+                let Storage::Cpu(CpuStorage::F32(p)) = &mut *p else { return Err(mismatch()) };
                 crate::cpu_adam::adamw_step(p, m, v, g, None, &h, s.weight_decay)?;
             }
             Some(master) => {
                 let (mut w, mut p) = (master.0.storage.write()?, s.param.0.storage.write()?);
-                let (Storage::Cpu(CpuStorage::F32(w)), Storage::Cpu(CpuStorage::BF16(p))) = (&mut *w, &mut *p) else { return Ok(false) };
+                let (Storage::Cpu(CpuStorage::F32(w)), Storage::Cpu(CpuStorage::BF16(p))) = (&mut *w, &mut *p) else {
+                    return Err(mismatch());
+                };
                 crate::cpu_adam::adamw_step(w, m, v, g, Some(p), &h, s.weight_decay)?;
             }
         }
