@@ -92,6 +92,24 @@ static __device__ __forceinline__ float block_sum(float v, float* scratch) {
     v = lane < nw ? scratch[lane] : 0.0f;
     return warp_sum(v);
 }
+// Block-wide sum in f64 (every thread gets the result), for sums over many elements whose f32
+// partials would lose digits (the gradient norm, a loss over millions of rows, counts past 2^24).
+// A fixed tree through shared memory: deterministic. `scratch` is blockDim.x doubles of shared
+// memory; safe to call repeatedly.
+static __device__ __forceinline__ double block_sum_f64(double v, double* scratch) {
+    __syncthreads();
+    scratch[threadIdx.x] = v;
+    __syncthreads();
+    for (int n = blockDim.x; n > 1;) {
+        int half = (n + 1) >> 1;
+        if ((int)threadIdx.x < n - half) scratch[threadIdx.x] += scratch[threadIdx.x + half];
+        __syncthreads();
+        n = half;
+    }
+    double r = scratch[0];
+    __syncthreads();
+    return r;
+}
 static __device__ __forceinline__ float block_max(float v, float* scratch) {
     int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nw = blockDim.x >> 5;
     v = warp_max(v);

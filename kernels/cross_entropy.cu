@@ -43,17 +43,18 @@ extern "C" __global__ void ce_fwd_bf16(const bf16* x, const int* t, float* lse, 
 // number of counted rows, scale_out[0] = mult / max(count, 1) (the mean's gradient scale).
 extern "C" __global__ void ce_finish(const float* row_loss, const int* targets, i64 n, int ignore, float mult,
                                      float* loss, int* count, float* scale_out) {
-    __shared__ float scratch[32];
-    float s = 0.0f, c = 0.0f;
+    // Sums over every row of the batch (millions at large batches): f64, exact counts.
+    __shared__ double scratch[1024];
+    double s = 0.0, c = 0.0;
     for (i64 r = threadIdx.x; r < n; r += blockDim.x) {
         s += row_loss[r];
-        c += targets[r] != ignore ? 1.0f : 0.0f;
+        c += targets[r] != ignore ? 1.0 : 0.0;
     }
-    s = block_sum(s, scratch);
-    c = block_sum(c, scratch);
+    s = block_sum_f64(s, scratch);
+    c = block_sum_f64(c, scratch);
     if (threadIdx.x == 0) {
         int ci = (int)c;
-        loss[0] = ci == 0 ? 0.0f : s / (float)ci;
+        loss[0] = ci == 0 ? 0.0f : (float)(s / c);
         count[0] = ci;
         if (scale_out) scale_out[0] = mult / (float)(ci > 0 ? ci : 1);
     }
@@ -100,11 +101,11 @@ extern "C" __global__ void ce_fused_bf16(const bf16* x, const int* t, const floa
 
 // One block: scale_out[0] = mult / max(count of non-ignored targets, 1).
 extern "C" __global__ void ce_count_scale(const int* targets, i64 n, int ignore, float mult, float* scale_out) {
-    __shared__ float scratch[32];
-    float c = 0.0f;
-    for (i64 r = threadIdx.x; r < n; r += blockDim.x) c += targets[r] != ignore ? 1.0f : 0.0f;
-    c = block_sum(c, scratch);
-    if (threadIdx.x == 0) scale_out[0] = mult / fmaxf(c, 1.0f);
+    __shared__ double scratch[1024];
+    double c = 0.0;
+    for (i64 r = threadIdx.x; r < n; r += blockDim.x) c += targets[r] != ignore ? 1.0 : 0.0;
+    c = block_sum_f64(c, scratch);
+    if (threadIdx.x == 0) scale_out[0] = (float)((double)mult / (c > 1.0 ? c : 1.0));
 }
 // Any counted target outside [0, v) sets *bad = 1.
 extern "C" __global__ void targets_check(const int* t, i64 n, i64 v, int ignore, int* bad) {

@@ -7,7 +7,7 @@
 //   m = b1 m + (1-b1) g;  v = b2 v + (1-b2) g^2
 //   w -= lr * ( (m / bc1) / (sqrt(v / bc2) + eps) + wd * w )
 // The norm is two-stage: per-block partial sums of squares, then one block sums the partials in
-// block order — the same bits every run, no atomics.
+// f64, in block order — the same bits every run, no atomics.
 #include "common.cuh"
 
 #define OPT_CHUNK 4096
@@ -62,12 +62,13 @@ extern "C" __global__ void grad_norm_partial(const GradTensor* tensors, const Bl
 // One block: out[0] = sqrt(sum(partial)), out[1] = clip factor min(1, max_norm / (norm + 1e-6))
 // (1 when max_norm <= 0).
 extern "C" __global__ void grad_norm_finish(const float* partial, i64 nblocks, float max_norm, float* out) {
-    __shared__ float scratch[32];
-    float acc = 0.0f;
+    // 10^8 elements make 24k partials: summed in f64 (an f32 fold was 1e-5 off at that size).
+    __shared__ double scratch[1024];
+    double acc = 0.0;
     for (i64 i = threadIdx.x; i < nblocks; i += blockDim.x) acc += partial[i];
-    acc = block_sum(acc, scratch);
+    acc = block_sum_f64(acc, scratch);
     if (threadIdx.x == 0) {
-        float norm = sqrtf(acc);
+        float norm = (float)sqrt(acc);
         out[0] = norm;
         out[1] = max_norm > 0.0f ? fminf(1.0f, max_norm / (norm + 1e-6f)) : 1.0f;
     }

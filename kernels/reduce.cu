@@ -1,22 +1,28 @@
 // reduce.cu — sum / max over an arbitrary set of dimensions. The launcher splits the input
 // view into two strided descriptors: `kept` (the output's dims, with the input's strides) and
 // `red` (the reduced dims). One block owns one output element and walks its `nred` inputs
-// in a fixed thread-strided order, then combines through a fixed shuffle tree: results are
-// deterministic run to run. Accumulation is fp32 whatever the storage dtype.
+// in a fixed thread-strided order, then combines through a fixed tree: results are
+// deterministic run to run. Sums accumulate in f64 (maxima in f32) whatever the storage dtype.
 #include "common.cuh"
 
 template <typename T>
 static __device__ void reduce_impl(const T* x, Strided kept, Strided red, T* y, i64 nout, i64 nred, int is_max) {
     __shared__ float scratch[32];
+    __shared__ double scratch64[1024];
     for (i64 o = blockIdx.x; o < nout; o += gridDim.x) {
         i64 base = strided_index(kept, o);  // includes the view offset
-        float acc = is_max ? -INFINITY : 0.0f;
-        for (i64 r = threadIdx.x; r < nred; r += blockDim.x) {
-            float v = to_f(x[base + strided_index(red, r)]);
-            acc = is_max ? fmaxf(acc, v) : acc + v;
+        if (is_max) {
+            float acc = -INFINITY;
+            for (i64 r = threadIdx.x; r < nred; r += blockDim.x) acc = fmaxf(acc, to_f(x[base + strided_index(red, r)]));
+            acc = block_max(acc, scratch);
+            if (threadIdx.x == 0) y[o] = from_f<T>(acc);
+        } else {
+            // Each thread walks nred / blockDim elements: a long fold, so it runs in f64.
+            double acc = 0.0;
+            for (i64 r = threadIdx.x; r < nred; r += blockDim.x) acc += (double)to_f(x[base + strided_index(red, r)]);
+            acc = block_sum_f64(acc, scratch64);
+            if (threadIdx.x == 0) y[o] = from_f<T>((float)acc);
         }
-        acc = is_max ? block_max(acc, scratch) : block_sum(acc, scratch);
-        if (threadIdx.x == 0) y[o] = from_f<T>(acc);
     }
 }
 // `red.offset` must be 0 (the view offset lives in `kept`).

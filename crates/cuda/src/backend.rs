@@ -782,7 +782,7 @@ impl Backend for CudaBackend {
             ts.push(AdamWTensor { master, grad: g, m, v, param_bf16, weight_decay: s.weight_decay as f32 });
         }
         let step = u32::try_from(h.step).map_err(|_| ferrolm_tensor::Error::new(op, "step count overflows u32"))?;
-        let p = AdamWParams { lr: h.lr as f32, beta1: h.beta1 as f32, beta2: h.beta2 as f32, eps: h.eps as f32, step };
+        let p = AdamWParams { lr: h.lr as f32, beta1: h.beta1, beta2: h.beta2, eps: h.eps as f32, step };
         self.adamw_multi(&ts, p, None)?;
         Ok(true)
     }

@@ -127,8 +127,10 @@ pub struct AdamWTensor<'a> {
 #[derive(Clone, Copy, Debug)]
 pub struct AdamWParams {
     pub lr: f32,
-    pub beta1: f32,
-    pub beta2: f32,
+    /// f64, as the host optimizers hold them: the bias corrections 1 - beta^t are computed from
+    /// these exact values (an f32-rounded 0.95 shifts them by 2e-7 relative).
+    pub beta1: f64,
+    pub beta2: f64,
     pub eps: f32,
     /// 1-based step count (for bias correction).
     pub step: u32,
@@ -210,14 +212,14 @@ impl CudaBackend {
         }
         let dt = self.upload(&as_words(&table), DType::I32)?;
         let dm = self.upload(&as_words(&map), DType::I32)?;
-        let bc1 = 1.0 - (p.beta1 as f64).powi(p.step as i32);
-        let bc2 = 1.0 - (p.beta2 as f64).powi(p.step as i32);
+        let bc1 = 1.0 - p.beta1.powi(p.step as i32);
+        let bc2 = 1.0 - p.beta2.powi(p.step as i32);
         let args = Args::new()
             .push(dt.buf.ptr)
             .push(dm.buf.ptr)
             .push(p.lr)
-            .push(p.beta1)
-            .push(p.beta2)
+            .push(p.beta1 as f32)
+            .push(p.beta2 as f32)
             .push(p.eps)
             .push((1.0 / bc1) as f32)
             .push((1.0 / bc2) as f32)

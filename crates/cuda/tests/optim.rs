@@ -113,7 +113,7 @@ fn dense(t: &Tensor) -> Tensor {
 /// Host f64 AdamW step (the update of ferrolm-nn's AdamW and kernels/optim.cu).
 #[allow(clippy::too_many_arguments)]
 fn adamw_host(w: &mut [f64], m: &mut [f64], v: &mut [f64], g: &[f64], gs: f64, p: AdamWParams, wd: f64) {
-    let (b1, b2) = (p.beta1 as f64, p.beta2 as f64);
+    let (b1, b2) = (p.beta1, p.beta2);
     let bc1 = 1.0 - b1.powi(p.step as i32);
     let bc2 = 1.0 - b2.powi(p.step as i32);
     for i in 0..w.len() {

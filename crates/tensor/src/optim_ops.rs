@@ -132,11 +132,15 @@ pub fn fused_adamw_step(slots: &[AdamWTensors], h: AdamWHyper) -> Result<bool> {
     })
 }
 
-/// sqrt(sum of squares) over every element of `xs` by the backend's fused kernel, if it has
-/// one and every tensor is dense; `Ok(None)` otherwise.
+/// sqrt(sum of squares) over every element of `xs`: on the CPU accumulated in f64 (any layout);
+/// on a device by the backend's fused kernel when it has one and every tensor is dense (CUDA:
+/// per-block partials summed in f64), `Ok(None)` otherwise.
 pub fn fused_global_norm(xs: &[&Tensor]) -> Result<Option<f64>> {
     let device = one_device("fused_global_norm", xs)?;
-    if xs.is_empty() || device == Device::Cpu || !xs.iter().all(|t| dense(t)) {
+    if device == Device::Cpu {
+        return with_views(xs, |v| v.iter().map(|&x| crate::cpu::sum_squares(x)).sum::<Result<f64>>()).map(|s| Some(s.sqrt()));
+    }
+    if xs.is_empty() || !xs.iter().all(|t| dense(t)) {
         return Ok(None);
     }
     let b = backend::get("fused_global_norm", device)?;

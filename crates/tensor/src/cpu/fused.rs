@@ -248,14 +248,15 @@ pub fn cross_entropy<T: Float + Send + Sync>(logits: &[T], v: usize, t: &[i32], 
             m + row.iter().fold(T::zero(), |a, &x| a + (x - m).exp()).ln()
         })
         .collect();
-    let (mut sum, mut n) = (T::zero(), 0usize);
+    // The mean over every counted row, summed in f64 (a batch holds up to millions of rows).
+    let (mut sum, mut n) = (0f64, 0usize);
     for (r, &tg) in t.iter().enumerate() {
         if tg != ignore {
-            sum = sum + lse[r] - logits[r * v + tg as usize];
+            sum += (lse[r] - logits[r * v + tg as usize]).to_f64().unwrap_or(f64::NAN);
             n += 1;
         }
     }
-    (vec![if n == 0 { T::zero() } else { sum / c(n as f64) }], Stat(lse))
+    (vec![if n == 0 { T::zero() } else { c(sum / n as f64) }], Stat(lse))
 }
 
 pub fn cross_entropy_backward<T: Float + Send + Sync>(logits: &[T], v: usize, t: &[i32], lse: &[T], ignore: i32, scale: f64) -> Vec<T> {

@@ -119,6 +119,24 @@ fn stat_dtype(dt: DType) -> DType {
     }
 }
 
+/// Sum of squares of a view's elements, accumulated in f64 (deterministic; see `kernels::sum_f64`).
+pub(crate) fn sum_squares(x: Sl) -> Result<f64> {
+    fn sq<T: Copy + Send + Sync>(v: &[T], l: &Layout, f: impl Fn(T) -> f64 + Sync) -> f64 {
+        if l.is_contiguous() {
+            kernels::sum_f64(&v[l.offset..l.offset + l.numel()], |x| f(x) * f(x))
+        } else {
+            let idx: Vec<usize> = l.indices().collect();
+            kernels::sum_f64(&idx, |i| f(v[i]) * f(v[i]))
+        }
+    }
+    Ok(match cpu("sum_squares", x.0)? {
+        CpuStorage::F32(v) => sq(v, x.1, |a| a as f64),
+        CpuStorage::BF16(v) => sq(v, x.1, |a| a.to_f64()),
+        CpuStorage::F64(v) => sq(v, x.1, |a| a),
+        CpuStorage::I32(_) => bail!("sum_squares", "i32 tensors have no norm"),
+    })
+}
+
 fn gather<T: Copy + Send + Sync>(v: &[T], l: &Layout) -> Vec<T> {
     const PAR_MIN: usize = 1 << 15;
     const CHUNK: usize = 1 << 13;
