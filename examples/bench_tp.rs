@@ -106,8 +106,7 @@ fn measure(o: &Opts, cfg: &LlamaConfig, mode: Mode, link: Option<Link>) -> AnyRe
         };
         let mut m = Llama::new(cfg.clone(), DType::F32, Device::Cpu, &mut Rng::new(1))?;
         parallelize(&mut m, &comm)?;
-        let params = m.parameters();
-        let mut opt = AdamW::new(&params, AdamWConfig::default())?;
+        let mut opt = AdamW::new(&m.named_parameters(), AdamWConfig::default())?;
         let mut times = Vec::new();
         let before = comm.stats();
         for step in 0..=o.steps {

@@ -15,7 +15,7 @@ use ferrolm::nn::{Llama, LlamaConfig};
 use ferrolm::{AnyResult, DType, Device, Tensor};
 use ferrolm_dist::cost::{Link, LinkModel};
 use ferrolm_dist::plan::{evaluate, search, Cluster, ModelShape, Workload};
-use ferrolm_dist::zero::{ShardSpec, Zero};
+use ferrolm_dist::zero::{Placement, ShardSpec, Zero};
 use ferrolm_dist::{CommOptions, Communicator, DeviceMesh, SimLink, ThreadComm};
 use ferrolm_tensor::Rng;
 use std::sync::Arc;
@@ -100,10 +100,10 @@ fn measure(a: &Args, cfg: &LlamaConfig, spec: ShardSpec, link: Option<LinkModel>
             None => comm,
         };
         let mesh = DeviceMesh::new(comm.clone(), 1, world, a.ranks_per_node)?;
+        let (rows, d) = (a.batch_size * a.seq_len, mesh.dp_rank());
+        let x = Tensor::from_vec(ids[d * rows..(d + 1) * rows].to_vec(), [a.batch_size, a.seq_len], Device::Cpu)?;
         let mut m = Llama::new(cfg.clone(), DType::F32, Device::Cpu, &mut Rng::new(1))?;
-        let mut z = Zero::new(&mut m, &mesh, spec, None, AdamWConfig::default())?;
-        let rows = a.batch_size * a.seq_len;
-        let x = Tensor::from_vec(ids[mesh.dp_rank() * rows..(mesh.dp_rank() + 1) * rows].to_vec(), [a.batch_size, a.seq_len], Device::Cpu)?;
+        let mut z = Zero::new(&mut m, mesh, spec, None, AdamWConfig::default(), Placement::Device)?;
         ferrolm::autoconfig::trial::time_zero_steps(&m, &mut z, comm.as_ref(), &x, a.grad_accum, a.steps)
     })?;
     Ok(out.into_iter().fold((0.0, 0.0), |m, r| (m.0.max(r.0), m.1.max(r.1))))

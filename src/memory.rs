@@ -8,9 +8,8 @@
 //! Measured against `ferrolm_tensor::peak_bytes` on the CPU engine (tests/memory_estimator.rs
 //! holds it within 10% for several shard specs, with and without checkpointing).
 use crate::nn::LlamaConfig;
-use crate::train::TrainOptions;
 use anyhow::{bail, Result};
-use ferrolm_dist::plan::{self, Engine, Memory, ModelShape, Workload};
+use ferrolm_dist::plan::{self, Memory, ModelShape, Workload};
 use ferrolm_dist::zero::ShardSpec;
 use ferrolm_tensor::{DType, Device};
 
@@ -34,6 +33,14 @@ pub fn param_count(c: &LlamaConfig) -> Option<u64> {
     let embed = u(c.vocab_size).checked_mul(h)?;
     let head = if c.tie_word_embeddings { 0 } else { embed };
     layer.checked_mul(u(c.num_hidden_layers))?.checked_add(embed)?.checked_add(head)?.checked_add(h)
+}
+
+/// The batch of a run, as far as memory is concerned.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct RunShape {
+    pub batch_size: usize,
+    pub seq_len: usize,
+    pub grad_accum: usize,
 }
 
 /// How a run is laid out over ranks, as far as memory is concerned.
@@ -68,18 +75,6 @@ impl MemLayout {
     pub fn world(&self) -> usize {
         self.tp * self.dp
     }
-
-    /// The layout the parallel flags describe (thread ranks unless a launcher started processes).
-    pub fn from_flags(par: &crate::parallel::ParallelArgs, checkpointing: bool) -> anyhow::Result<MemLayout> {
-        Ok(MemLayout {
-            tp: par.tp,
-            dp: par.dp,
-            spec: par.spec()?,
-            checkpointed_layers: if checkpointing { usize::MAX } else { 0 },
-            thread_ranks: par.world() > 1 && ferrolm_dist::DistEnv::from_env()?.is_none_or(|e| e.world_size <= 1),
-            offload_subgroup: par.offload().map(|o| o.subgroup),
-        })
-    }
 }
 
 /// Predicted peak bytes of one rank, broken down; None when the sizes overflow.
@@ -103,9 +98,8 @@ pub fn estimate(
         elem_bytes: dtype.size_in_bytes(),
         checkpointed_layers: l.checkpointed_layers.min(cfg.num_hidden_layers),
     };
-    let engine = if l.world() > 1 { Engine::Zero { dp: l.dp } } else { Engine::Single };
     let workspace = if device == Device::Cpu { 0.0 } else { CUDA_WORKSPACE_BYTES };
-    let mut m = plan::memory(&shape, &w, l.spec, engine, grad_accum, workspace);
+    let mut m = plan::memory(&shape, &w, l.spec, grad_accum, workspace);
     // Offloaded optimizer state leaves a device, not the host: on the CPU it stays counted.
     if let (Some(sub), false) = (l.offload_subgroup, device == Device::Cpu) {
         m.optim = m.optim.min(24.0 * sub as f64);
@@ -153,17 +147,12 @@ pub fn describe(m: &Memory) -> String {
     )
 }
 
-/// Refuses, naming the flag, a single-device batch whose sizes overflow or that cannot fit.
-pub fn check_fits(cfg: &LlamaConfig, dtype: DType, device: Device, o: &TrainOptions, checkpointing: bool) -> Result<()> {
-    check_layout(cfg, dtype, device, o, &MemLayout::single(checkpointing)).map(|_| ())
-}
-
 /// Checks a run laid out by `l`: the batch sizes, the host batch buffers against the host's
 /// available memory, and the predicted peak against the memory it will get: on the CPU the
 /// host's available memory (thread ranks add up), on a GPU `FERROLM_DEVICE_MEMORY_GIB` when set.
 /// `FERROLM_SKIP_MEMORY_CHECK=1` turns the refusal of the prediction into a warning. Returns
 /// the prediction per rank.
-pub fn check_layout(cfg: &LlamaConfig, dtype: DType, device: Device, o: &TrainOptions, l: &MemLayout) -> Result<Memory> {
+pub fn check_layout(cfg: &LlamaConfig, dtype: DType, device: Device, o: &RunShape, l: &MemLayout) -> Result<Memory> {
     let Some(tokens) = o.batch_size.checked_mul(o.seq_len) else {
         bail!("--batch-size {} × --seq-len {} overflows: lower --batch-size", o.batch_size, o.seq_len);
     };

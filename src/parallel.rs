@@ -1,7 +1,7 @@
 //! Running a tool on several ranks. The flags (`--tp`, `--dp`, `--zero`, `--shard-params`,
 //! `--shard-grads`, `--shard-optim`, `--ranks-per-node`) are shared by every tool that takes
-//! them; `launch` starts the ranks and `DistEngine::attach` wires tensor parallelism and the
-//! sharded data-parallel engine onto a model from outside.
+//! them; `launch` starts the ranks and `attach` wires tensor parallelism and the training
+//! engine onto a model from outside.
 //!
 //! Where the ranks come from:
 //! - a torchrun / SLURM / mpirun environment (`WORLD_SIZE` > 1): one process per GPU, NCCL;
@@ -13,7 +13,7 @@ use anyhow::{bail, Context};
 use clap::Args;
 use ferrolm_dist::offload::{GpuEvery, OffloadConfig};
 use ferrolm_dist::tp::{parallelize, TpLayout};
-use ferrolm_dist::zero::{ShardSpec, Zero};
+use ferrolm_dist::zero::{Placement, ShardSpec, Zero};
 use ferrolm_dist::{CommOptions, Communicator, DeviceMesh, DistEnv, ThreadComm};
 use ferrolm_nn::optim::AdamWConfig;
 use ferrolm_nn::Llama;
@@ -48,7 +48,7 @@ pub fn load_for_inference(
 ) -> AnyResult<Llama> {
     let mut model = Llama::from_pretrained(dir, dtype, device).with_context(|| format!("cannot load the model in {}", dir.display()))?;
     if let Some(c) = comm {
-        DistEngine::tensor_parallel(&mut model, c, &tp.layout())?;
+        tensor_parallel(&mut model, c, &tp.layout())?;
     }
     Ok(model)
 }
@@ -128,6 +128,19 @@ impl ParallelArgs {
         Ok(s)
     }
 
+    /// The layout as the memory estimator reads it (thread ranks unless a launcher started
+    /// processes).
+    pub fn mem_layout(&self, checkpointing: bool) -> AnyResult<crate::memory::MemLayout> {
+        Ok(crate::memory::MemLayout {
+            tp: self.tp,
+            dp: self.dp,
+            spec: self.spec()?,
+            checkpointed_layers: if checkpointing { usize::MAX } else { 0 },
+            thread_ranks: self.world() > 1 && DistEnv::from_env()?.is_none_or(|e| e.world_size <= 1),
+            offload_subgroup: self.offload().map(|o| o.subgroup),
+        })
+    }
+
     /// Checks the flags against the run (before anything is built).
     pub fn validate(&self, device: Device) -> AnyResult<()> {
         self.spec()?;
@@ -180,8 +193,7 @@ where
         return per_rank(&p, Some(comm));
     }
     let p = prepare()?;
-    // Offload lives in the sharded engine, so a single device with it runs as one rank.
-    if world == 1 && !par.offload_optimizer {
+    if world == 1 {
         return per_rank(&p, None);
     }
     let mut out = ThreadComm::run(world, CommOptions::from_env()?, |comm| {
@@ -193,39 +205,37 @@ where
     Ok(out.swap_remove(0))
 }
 
-/// Tensor parallelism and the sharded data-parallel engine of one rank.
-pub struct DistEngine {
-    pub mesh: DeviceMesh,
-    pub tp: Option<TpLayout>,
-    pub zero: Zero,
+/// This rank's training engine for `model` (built whole, the same on every rank): tensor
+/// parallelism first, then its parameters move into the engine's store, sharded as the flags
+/// say. Without a communicator (one device) the engine spans a world of one.
+pub fn attach(model: &mut Llama, comm: Option<Comm>, par: &ParallelArgs, cfg: AdamWConfig) -> AnyResult<Zero> {
+    let offload = par.offload();
+    let placement = match &offload {
+        Some(o) => Placement::Offload(o),
+        None => Placement::Device,
+    };
+    let zero = match comm {
+        None => Zero::single(model, cfg, placement)?,
+        Some(comm) => {
+            let mesh = DeviceMesh::new(comm, par.tp, par.dp, par.ranks_per_node())?;
+            let tp = if par.tp > 1 { Some(parallelize(model, mesh.tp_group())?) } else { None };
+            Zero::new(model, mesh, par.spec()?, tp, cfg, placement)?
+        }
+    };
+    if let Some(plan) = zero.offload_plan() {
+        report_offload(&plan, model.device());
+    }
+    Ok(zero)
 }
 
-impl DistEngine {
-    /// Shards `model` (built whole, the same on every rank) over the layout: tensor
-    /// parallelism first, then its parameters move into the ZeRO engine's store.
-    pub fn attach(model: &mut Llama, comm: Comm, par: &ParallelArgs, cfg: AdamWConfig) -> AnyResult<DistEngine> {
-        let mesh = DeviceMesh::new(comm, par.tp, par.dp, par.ranks_per_node())?;
-        let tp = if par.tp > 1 { Some(parallelize(model, mesh.tp_group())?) } else { None };
-        let zero = match par.offload() {
-            None => Zero::new(model, &mesh, par.spec()?, tp.as_ref(), cfg)?,
-            Some(o) => {
-                let (zero, plan) = Zero::with_offload(model, &mesh, par.spec()?, tp.as_ref(), cfg, &o)?;
-                report_offload(&plan, model.device());
-                zero
-            }
-        };
-        Ok(DistEngine { mesh, tp, zero })
+/// Tensor parallelism only (inference: eval, generate).
+pub fn tensor_parallel(model: &mut Llama, comm: Comm, par: &ParallelArgs) -> AnyResult<(DeviceMesh, Option<TpLayout>)> {
+    if par.dp != 1 || par.spec()? != ShardSpec::zero(0, 1)? {
+        bail!("this tool runs tensor parallelism only: drop --dp and the sharding flags");
     }
-
-    /// Tensor parallelism only (inference: eval, generate).
-    pub fn tensor_parallel(model: &mut Llama, comm: Comm, par: &ParallelArgs) -> AnyResult<(DeviceMesh, Option<TpLayout>)> {
-        if par.dp != 1 || par.spec()? != ShardSpec::zero(0, 1)? {
-            bail!("this tool runs tensor parallelism only: drop --dp and the sharding flags");
-        }
-        let mesh = DeviceMesh::new(comm, par.tp, 1, par.ranks_per_node())?;
-        let tp = if par.tp > 1 { Some(parallelize(model, mesh.tp_group())?) } else { None };
-        Ok((mesh, tp))
-    }
+    let mesh = DeviceMesh::new(comm, par.tp, 1, par.ranks_per_node())?;
+    let tp = if par.tp > 1 { Some(parallelize(model, mesh.tp_group())?) } else { None };
+    Ok((mesh, tp))
 }
 
 /// Prints where the optimizer state went and, for `auto`, the measured inputs and the chosen k.

@@ -8,14 +8,15 @@
 //! failed validation still saves its checkpoint; a failed save leaves the previous checkpoint
 //! as `latest` and removes its own partial files.
 use crate::logging::is_rank_zero;
-use crate::parallel::DistEngine;
 use crate::progress::{report, Progress};
 use crate::run_dir::{self, checkpoint_name, sync_dir, CHECKPOINTS, LATEST, METRICS, TRAINER_STATE};
 use crate::{AnyResult, Llama};
-use anyhow::{anyhow, bail, Context};
+use anyhow::{bail, Context};
 use ferrolm_data::{eval_batches, Batch, DataLoader, LoaderState};
+use ferrolm_dist::zero::{Placement, Zero};
+use ferrolm_dist::TrainEngine;
 use ferrolm_nn::checkpoint::{load_safetensors, save_safetensors, write_atomic};
-use ferrolm_nn::optim::{clip_grad_norm, AdamW, AdamWConfig};
+use ferrolm_nn::optim::AdamWConfig;
 use ferrolm_nn::schedule::CosineSchedule;
 use ferrolm_nn::LlamaConfig;
 use ferrolm_tensor::{no_grad, DType, Device, Rng, Tensor};
@@ -26,6 +27,7 @@ use std::path::{Path, PathBuf};
 use std::time::Instant;
 
 /// The options that shape training (saved with every checkpoint and compared on resume).
+/// `Default` is `pretrain_llama`'s defaults for 500 steps at lr 2e-3.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 pub struct TrainOptions {
     pub steps: usize,
@@ -44,7 +46,38 @@ pub struct TrainOptions {
     pub seed: u64,
 }
 
+impl Default for TrainOptions {
+    fn default() -> Self {
+        TrainOptions::for_run(500, 2e-3)
+    }
+}
+
 impl TrainOptions {
+    /// A run of `steps` steps at peak rate `lr`: warmup over min(steps / 10 + 1, 25) steps, cosine
+    /// to lr / 10, weight decay 0.1, clipping at 1.0 (the tools' schedule), batch 16 x 128.
+    pub fn for_run(steps: usize, lr: f64) -> TrainOptions {
+        TrainOptions {
+            steps,
+            batch_size: 16,
+            seq_len: 128,
+            grad_accum: 1,
+            lr,
+            min_lr: lr / 10.0,
+            warmup_steps: (steps / 10 + 1).min(25),
+            weight_decay: 0.1,
+            grad_clip: 1.0,
+            eval_every: 100,
+            eval_batches: 20,
+            save_every: 250,
+            log_every: 25,
+            seed: 1337,
+        }
+    }
+    /// The batch shape, as the memory estimator reads it.
+    pub fn shape(&self) -> crate::memory::RunShape {
+        crate::memory::RunShape { batch_size: self.batch_size, seq_len: self.seq_len, grad_accum: self.grad_accum }
+    }
+
     /// Sizes positive, rates finite and not negative; the error names the flag.
     pub fn validate(&self) -> AnyResult<()> {
         for (flag, v) in
@@ -112,12 +145,6 @@ struct Resumed {
     metrics: Vec<String>,
 }
 
-/// What updates the weights: AdamW on one device, or the tensor-/data-parallel engine.
-enum Engine {
-    Single(AdamW),
-    Dist(Box<DistEngine>),
-}
-
 pub struct Trainer {
     pub model: Llama,
     pub opts: TrainOptions,
@@ -125,7 +152,8 @@ pub struct Trainer {
     pub out_dir: PathBuf,
     pub step: usize,
     pub rng: Rng,
-    engine: Engine,
+    /// Owns where the parameters and optimizer state live; a world of one on one device.
+    engine: Box<dyn TrainEngine>,
     sched: CosineSchedule,
     loader: DataLoader,
     val_shards: Vec<PathBuf>,
@@ -140,10 +168,6 @@ pub struct Trainer {
     pub history: Vec<(f64, f64)>,
     /// (step, validation loss), restored the same way.
     pub val_history: Vec<(f64, f64)>,
-    /// Test hook: the checkpoint file whose write fails (as a full disk would), e.g.
-    /// `Some("optimizer.safetensors".into())`.
-    #[doc(hidden)]
-    pub fail_checkpoint_file: Option<String>,
 }
 
 /// (B, T) i32 tensors for one batch on `device`.
@@ -168,24 +192,37 @@ pub fn check_validation_data(shards: &[PathBuf], batch_size: usize, seq_len: usi
 }
 
 impl Trainer {
-    /// Checks the options (flags), that the batch fits in memory and, when it will be used, the
-    /// validation split, before the loader or anything batch-sized is allocated.
-    pub fn new(model: Llama, train_shards: &[PathBuf], val_shards: &[PathBuf], opts: TrainOptions, out_dir: &Path) -> AnyResult<Trainer> {
-        Self::build(model, None, train_shards, val_shards, opts, out_dir)
-    }
-
-    /// A trainer on several ranks: `model` holds this rank's shards, `dist` was attached to it
-    /// (`DistEngine::attach`). Every rank of the layout builds one and calls the same methods;
-    /// each data-parallel rank reads its share of every batch, and rank 0 writes the files.
-    pub fn new_distributed(
-        model: Llama,
-        dist: DistEngine,
+    /// A trainer on one device: the sharded engine on a world of one. Checks the options (flags),
+    /// that the batch fits in memory and, when it will be used, the validation split, before the
+    /// loader or anything batch-sized is allocated.
+    pub fn new(
+        mut model: Llama,
         train_shards: &[PathBuf],
         val_shards: &[PathBuf],
         opts: TrainOptions,
         out_dir: &Path,
     ) -> AnyResult<Trainer> {
-        Self::build(model, Some(dist), train_shards, val_shards, opts, out_dir)
+        Self::check(&model, val_shards, &opts)?;
+        let layout = crate::memory::MemLayout::single(model.activation_checkpointing());
+        crate::memory::check_layout(model.config(), model.dtype(), model.device(), &opts.shape(), &layout)?;
+        let engine = Zero::single(&mut model, Self::adamw_config(&opts), Placement::Device)?;
+        Self::build(model, Box::new(engine), train_shards, val_shards, opts, out_dir)
+    }
+
+    /// A trainer with an engine attached to `model` (`crate::parallel::attach`: on several
+    /// ranks `model` holds this rank's shards). Every rank of the layout builds one and calls the
+    /// same methods; each data-parallel rank reads its share of every batch, and rank 0 writes
+    /// the files. The tools check the layout's memory before their ranks start.
+    pub fn with_engine(
+        model: Llama,
+        engine: Box<dyn TrainEngine>,
+        train_shards: &[PathBuf],
+        val_shards: &[PathBuf],
+        opts: TrainOptions,
+        out_dir: &Path,
+    ) -> AnyResult<Trainer> {
+        Self::check(&model, val_shards, &opts)?;
+        Self::build(model, engine, train_shards, val_shards, opts, out_dir)
     }
 
     /// The optimizer settings every engine uses.
@@ -193,40 +230,33 @@ impl Trainer {
         AdamWConfig { weight_decay: opts.weight_decay, ..AdamWConfig::default() }
     }
 
-    fn build(
-        model: Llama,
-        dist: Option<DistEngine>,
-        train_shards: &[PathBuf],
-        val_shards: &[PathBuf],
-        opts: TrainOptions,
-        out_dir: &Path,
-    ) -> AnyResult<Trainer> {
+    fn check(model: &Llama, val_shards: &[PathBuf], opts: &TrainOptions) -> AnyResult<()> {
         opts.validate()?;
         let maxpos = model.config().max_position_embeddings;
         if opts.seq_len > maxpos {
             bail!("--seq-len {} is longer than the model's max_position_embeddings ({maxpos})", opts.seq_len);
         }
-        // A distributed run was checked for its layout before its ranks started (the tools'
-        // `MemLayout::from_flags`); here, one device's whole model.
-        if dist.is_none() {
-            crate::memory::check_fits(model.config(), model.dtype(), model.device(), &opts, model.activation_checkpointing())?;
-        }
         // Every run validates at its last step (`eval_every` 0 means only then).
         if opts.steps > 0 {
             check_validation_data(val_shards, opts.batch_size, opts.seq_len)?;
         }
+        Ok(())
+    }
+
+    fn build(
+        model: Llama,
+        engine: Box<dyn TrainEngine>,
+        train_shards: &[PathBuf],
+        val_shards: &[PathBuf],
+        opts: TrainOptions,
+        out_dir: &Path,
+    ) -> AnyResult<Trainer> {
         let sched = CosineSchedule { max_lr: opts.lr, min_lr: opts.min_lr, warmup_steps: opts.warmup_steps, total_steps: opts.steps };
-        let mut loader =
-            DataLoader::open(train_shards, opts.batch_size, opts.seq_len, opts.seed).context("cannot open the training split")?;
-        let engine = match dist {
-            None => Engine::Single(AdamW::new(&model.parameters(), Self::adamw_config(&opts))?),
-            Some(d) => {
-                loader = loader
-                    .for_rank(d.mesh.dp_rank(), d.mesh.dp())
-                    .context("cannot split the training data over the data-parallel ranks")?;
-                Engine::Dist(Box::new(d))
-            }
-        };
+        let mesh = engine.mesh();
+        let loader = DataLoader::open(train_shards, opts.batch_size, opts.seq_len, opts.seed)
+            .context("cannot open the training split")?
+            .for_rank(mesh.dp_rank(), mesh.dp())
+            .context("cannot split the training data over the data-parallel ranks")?;
         Ok(Trainer {
             model,
             rng: Rng::new(opts.seed),
@@ -246,7 +276,6 @@ impl Trainer {
             last_saved: std::cell::Cell::new(None),
             history: Vec::new(),
             val_history: Vec::new(),
-            fail_checkpoint_file: None,
         })
     }
 
@@ -288,63 +317,28 @@ impl Trainer {
     /// data position still advance) with a warning, the values are returned as they were, and
     /// after `max_skipped_steps` such steps in a row this returns an error.
     pub fn train_step(&mut self) -> AnyResult<(f64, f64, f64)> {
-        let (loss, norm) = match &mut self.engine {
-            Engine::Single(opt) => {
-                let params = self.model.parameters();
-                opt.zero_grad();
-                let mut loss_sum = 0.0;
-                for _ in 0..self.opts.grad_accum {
-                    let b = self.loader.next_batch();
-                    let (x, y) = batch_tensors(&b, self.model.device())?;
-                    let loss = self.model.loss(&x, &y)?;
-                    loss_sum += loss.item()?;
-                    loss.mul_scalar(1.0 / self.opts.grad_accum as f64)?.backward()?;
-                    self.tokens_seen += (b.batch * b.seq) as u64;
-                }
-                (loss_sum / self.opts.grad_accum as f64, clip_grad_norm(&params, self.opts.grad_clip)?)
-            }
-            Engine::Dist(d) => {
-                let accum = self.opts.grad_accum;
-                let mut loss_sum = 0.0;
-                for k in 0..accum {
-                    let b = self.loader.next_batch();
-                    let (x, y) = batch_tensors(&b, self.model.device())?;
-                    d.zero.begin_forward()?;
-                    let loss = self.model.loss(&x, &y)?;
-                    loss_sum += loss.item()?;
-                    d.zero.begin_backward(k + 1 == accum)?;
-                    loss.mul_scalar(1.0 / accum as f64)?.backward()?;
-                    d.zero.end_backward()?;
-                    self.tokens_seen += (b.batch * b.seq * d.mesh.dp()) as u64;
-                }
-                // The step's loss over every data-parallel rank (the same decision on each).
-                let dp = d.mesh.dp_group();
-                let loss =
-                    ferrolm_dist::comm::all_reduce_scalar(dp.as_ref(), loss_sum / accum as f64, self.model.device())? / dp.size() as f64;
-                (loss, f64::NAN) // the norm comes with the update below
-            }
-        };
+        let accum = self.opts.grad_accum;
+        let dp = self.engine.mesh().dp();
+        let device = self.model.device();
+        // Each micro-batch's loss stays on the device; the step reads them once.
+        let mut losses = Vec::with_capacity(accum);
+        for k in 0..accum {
+            let b = self.loader.next_batch();
+            let (x, y) = batch_tensors(&b, device)?;
+            let model = &self.model;
+            self.engine.micro_batch(k + 1 == accum, &mut || {
+                let loss = model.loss(&x, &y)?;
+                losses.push(loss.detach().reshape([1])?);
+                loss.mul_scalar(1.0 / accum as f64)
+            })?;
+            self.tokens_seen += (b.batch * b.seq * dp) as u64;
+        }
+        let local_loss = Tensor::cat(&losses, 0)?.to_vec_f64()?.iter().sum::<f64>() / accum as f64;
         let lr = self.sched.lr(self.step);
         self.step += 1;
-        // Check the loss (and on one device the norm) before any update.
-        let norm = match &mut self.engine {
-            Engine::Single(opt) => {
-                if loss.is_finite() && norm.is_finite() {
-                    opt.step(lr)?;
-                }
-                opt.zero_grad();
-                norm
-            }
-            Engine::Dist(d) => {
-                if loss.is_finite() {
-                    d.zero.step(lr, self.opts.grad_clip)? // skips the update itself when the norm is not finite
-                } else {
-                    d.zero.discard()?;
-                    f64::NAN
-                }
-            }
-        };
-        if !loss.is_finite() || !norm.is_finite() {
+        let r = self.engine.step(lr, self.opts.grad_clip, local_loss)?;
+        let (loss, norm) = (r.loss, r.grad_norm);
+        if !r.applied {
             self.skipped_total += 1;
             self.skipped_in_a_row += 1;
             tracing::warn!(
@@ -368,19 +362,8 @@ impl Trainer {
         Ok((loss, norm, lr))
     }
 
-    /// This rank's world communicator and rank when distributed.
-    fn world(&self) -> Option<&std::sync::Arc<dyn ferrolm_dist::Communicator>> {
-        match &self.engine {
-            Engine::Dist(d) => Some(d.mesh.world()),
-            Engine::Single(_) => None,
-        }
-    }
-
     fn barrier(&self) -> AnyResult<()> {
-        if let Some(w) = self.world() {
-            w.barrier()?;
-        }
-        Ok(())
+        Ok(self.engine.mesh().world().barrier()?)
     }
 
     /// Before the first write: refuses (or with `overwrite` clears) what this run would write
@@ -428,10 +411,7 @@ impl Trainer {
         let start = Instant::now();
         let (start_step, tokens0) = (self.step, self.tokens_seen);
         // Tokens per step over every data-parallel rank, like `tokens_seen`.
-        let dp = match &self.engine {
-            Engine::Dist(d) => d.mesh.dp(),
-            Engine::Single(_) => 1,
-        };
+        let dp = self.engine.mesh().dp();
         let step_tokens = (self.opts.batch_size * self.opts.seq_len * self.opts.grad_accum * dp) as f64;
         let bar = Progress::steps(self.opts.steps as u64, "train");
         bar.start_at(self.step as u64);
@@ -536,7 +516,9 @@ impl Trainer {
     /// The first tensor holding a NaN or an infinity, if any. x * 0 is 0 for finite x and NaN
     /// otherwise, so one device-side sum over all tensors (one host sync) answers the common
     /// case; only when it is not finite are the tensors checked one by one to name the culprit.
-    fn non_finite_tensor(tensors: &[&(String, Tensor)]) -> AnyResult<Option<String>> {
+    /// The first of this rank's checkpoint tensors that holds a NaN or an infinity, named by the
+    /// parameter the bad element belongs to. One host read when every tensor is finite.
+    fn non_finite_state(&self, tensors: &[(String, Tensor)]) -> AnyResult<Option<String>> {
         let _g = no_grad();
         let probe = |t: &Tensor| -> AnyResult<Tensor> { Ok(t.to_dtype(DType::F32)?.mul_scalar(0.0)?.sum_all()?) };
         let mut acc: Option<Tensor> = None;
@@ -554,8 +536,8 @@ impl Trainer {
             _ => return Ok(None),
         }
         for (name, t) in tensors {
-            if !probe(t)?.item()?.is_finite() {
-                return Ok(Some(name.clone()));
+            if let Some(i) = t.to_vec_f64()?.iter().position(|v| !v.is_finite()) {
+                return Ok(Some(self.engine.owner_of(name, i).unwrap_or_else(|| name.clone())));
             }
         }
         Ok(Some("(a sum of finite tensors)".into()))
@@ -571,12 +553,8 @@ impl Trainer {
     pub fn save_checkpoint(&self) -> AnyResult<PathBuf> {
         let name = checkpoint_name(self.step);
         // Every tensor the checkpoint stores, as this rank holds it.
-        let (params, state) = match &self.engine {
-            Engine::Single(opt) => (self.model.parameters(), opt.state_tensors()),
-            Engine::Dist(d) => (Vec::new(), d.zero.shard_tensors()?),
-        };
-        let all: Vec<&(String, Tensor)> = params.iter().chain(&state).collect();
-        let bad = Self::non_finite_tensor(&all)?;
+        let state = self.engine.state()?;
+        let bad = self.non_finite_state(&state)?;
         self.agree(bad.is_none(), &format!("save checkpoint {name}: it holds NaN or infinite values (the previous checkpoint is kept)"))?;
         if let Some(bad) = bad {
             bail!("refusing to save checkpoint {name}: `{bad}` holds NaN or infinite values (the previous checkpoint is kept)");
@@ -606,16 +584,13 @@ impl Trainer {
         self.agree(prepared.is_ok(), "prepare the checkpoint directory")?;
         prepared?;
         let previous = std::fs::read_to_string(root.join(LATEST)).ok().map(|s| s.trim().to_string());
-        let shards = match &self.engine {
-            Engine::Dist(d) => ferrolm_dist::ckpt::save_shards(&tmp, &d.zero, d.tp.as_ref(), &d.mesh).map_err(anyhow::Error::from),
-            Engine::Single(_) => Ok(()),
-        };
+        let shards = self.engine.save_shards(&tmp).map_err(anyhow::Error::from);
         let old = root.join(format!(".{name}.old"));
         let finished = shards.and_then(|()| {
             if !is_rank_zero() {
                 return Ok(());
             }
-            self.write_checkpoint_files(&tmp, &state).and_then(|()| {
+            self.write_checkpoint_files(&tmp).and_then(|()| {
                 if rewrite {
                     std::fs::rename(&dst, &old).with_context(|| format!("cannot move {} aside", dst.display()))?;
                 }
@@ -652,7 +627,7 @@ impl Trainer {
     /// On several ranks: whether every rank succeeded at `what` (an error on the ranks that
     /// did not fail themselves when another did).
     fn agree(&self, ok: bool, what: &str) -> AnyResult<()> {
-        let Some(w) = self.world() else { return Ok(()) };
+        let w = self.engine.mesh().world();
         // On the model's device: NCCL refuses a host tensor.
         let failed = ferrolm_dist::comm::all_reduce_scalar(w.as_ref(), if ok { 0.0 } else { 1.0 }, self.model.device())?;
         if failed > 0.0 && ok {
@@ -661,33 +636,15 @@ impl Trainer {
         Ok(())
     }
 
-    fn write_checkpoint_files(&self, tmp: &Path, state: &[(String, Tensor)]) -> AnyResult<()> {
-        let fault = |file: &str| -> AnyResult<()> {
-            match &self.fail_checkpoint_file {
-                Some(f) if f == file => Err(anyhow!(std::io::Error::from(std::io::ErrorKind::StorageFull)))
-                    .with_context(|| format!("cannot write {}", tmp.join(file).display())),
-                _ => Ok(()),
-            }
-        };
-        std::fs::create_dir_all(tmp).with_context(|| format!("cannot create {}", tmp.display()))?;
-        fault("model.safetensors")?;
-        match &self.engine {
-            Engine::Single(_) => {
-                self.model.save_pretrained(tmp)?;
-                fault("optimizer.safetensors")?;
-                save_safetensors(&tmp.join("optimizer.safetensors"), state, None)?;
-            }
-            Engine::Dist(_) => {
-                // The Hugging Face model, joined from the shards every rank just wrote.
-                let (params, _) = ferrolm_dist::ckpt::load_full(tmp)?;
-                let named: Vec<(String, Tensor)> = params.into_iter().collect();
-                let path = ferrolm_nn::checkpoint::prepare_dir(tmp, "model.safetensors")?;
-                save_safetensors(&path, &named, Some(DType::F32))?;
-                write_atomic(&tmp.join("config.json"), self.model.config().to_json_string_dtype("float32").as_bytes())?;
-            }
-        }
+    /// Rank 0, after every rank wrote its shards into `tmp`: the Hugging Face model joined from
+    /// them, the tokenizer and, last, the trainer state that marks the checkpoint complete.
+    fn write_checkpoint_files(&self, tmp: &Path) -> AnyResult<()> {
+        let (params, _) = ferrolm_dist::ckpt::load_full(tmp)?;
+        let named: Vec<(String, Tensor)> = params.into_iter().collect();
+        let path = ferrolm_nn::checkpoint::prepare_dir(tmp, "model.safetensors")?;
+        save_safetensors(&path, &named, Some(DType::F32))?;
+        write_atomic(&tmp.join("config.json"), self.model.config().to_json_string_dtype("float32").as_bytes())?;
         if let Some(t) = &self.tokenizer_file {
-            fault("tokenizer.json")?;
             let dst = tmp.join("tokenizer.json");
             std::fs::copy(t, &dst).with_context(|| format!("cannot copy {} into the checkpoint", t.display()))?;
             std::fs::File::open(&dst).and_then(|f| f.sync_all()).with_context(|| format!("cannot fsync {}", dst.display()))?;
@@ -700,7 +657,6 @@ impl Trainer {
             tokens_seen: self.tokens_seen,
             skipped_steps: self.skipped_total,
         };
-        fault(TRAINER_STATE)?;
         // Last: its presence marks the checkpoint complete.
         write_atomic(&tmp.join(TRAINER_STATE), serde_json::to_string_pretty(&st)?.as_bytes())?;
         sync_dir(tmp)
@@ -747,29 +703,9 @@ impl Trainer {
             tracing::warn!("resuming with a changed option: {w}");
         }
         let opt_step = st.step as u64 - st.skipped_steps.min(st.step as u64);
-        let device = self.model.device();
-        match &mut self.engine {
-            Engine::Single(opt) => {
-                let _g = no_grad();
-                for (n, p) in self.model.parameters() {
-                    p.assign(&weights[&n].to_dtype(p.dtype())?.to_device(device)?)
-                        .with_context(|| format!("{}: weight `{n}`", dir.display()))?;
-                }
-                opt.load_state(opt_step, &|name| {
-                    state
-                        .get(name)
-                        .map(|t| t.to_device(device))
-                        .transpose()?
-                        .ok_or_else(|| ferrolm_tensor::Error::new("resume", format!("{}: missing optimizer tensor {name}", dir.display())))
-                })?;
-            }
-            Engine::Dist(d) => {
-                let w: ferrolm_nn::checkpoint::TensorMap = weights.into_iter().collect();
-                let s: ferrolm_nn::checkpoint::TensorMap = state.into_iter().collect();
-                ferrolm_dist::ckpt::load_into(&mut d.zero, &w, &s, d.tp.as_ref(), opt_step, device)
-                    .with_context(|| format!("cannot load {} into this rank's shards", dir.display()))?;
-            }
-        }
+        let w: ferrolm_nn::checkpoint::TensorMap = weights.into_iter().collect();
+        let s: ferrolm_nn::checkpoint::TensorMap = state.into_iter().collect();
+        self.engine.load(&w, &s, opt_step).with_context(|| format!("cannot load {} into this rank's shards", dir.display()))?;
         if st.options.seq_len == self.opts.seq_len {
             self.loader.restore(&st.loader).with_context(|| format!("{}: cannot restore the data position", state_file.display()))?;
         } else {

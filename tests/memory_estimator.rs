@@ -7,11 +7,11 @@
 //! thread ranks run in lockstep (every micro-batch ends in collectives), so their common peak
 //! is four times one rank's.
 use ferrolm::memory::{estimate, MemLayout};
-use ferrolm::nn::optim::{AdamW, AdamWConfig};
+use ferrolm::nn::optim::AdamWConfig;
 use ferrolm::nn::{Llama, LlamaConfig};
 use ferrolm::{DType, Device, Tensor};
-use ferrolm_dist::zero::{ShardSpec, Zero};
-use ferrolm_dist::{CommOptions, DeviceMesh, ThreadComm};
+use ferrolm_dist::zero::{Placement, ShardSpec, Zero};
+use ferrolm_dist::{CommOptions, DeviceMesh, ThreadComm, TrainEngine};
 use ferrolm_tensor::{live_bytes, peak_bytes, reset_peak_bytes, Rng};
 
 /// A model and the batch it trains on.
@@ -36,24 +36,24 @@ fn ids(c: &Case, rank: usize) -> Tensor {
     Tensor::from_vec(v, [c.batch, c.seq], Device::Cpu).unwrap()
 }
 
-/// Peak bytes of the second and third steps of one device (the first step allocates lazily).
+/// Peak bytes of the second and third steps of one device (the first step allocates lazily):
+/// the engine on a world of one.
 fn single(c: &Case, ck: bool) -> f64 {
     let cfg = &c.cfg;
+    let before = live_bytes();
     let mut m = Llama::new(cfg.clone(), DType::F32, Device::Cpu, &mut Rng::new(1)).unwrap();
     m.set_activation_checkpointing(ck);
-    let mut opt = AdamW::new(&m.parameters(), AdamWConfig::default()).unwrap();
+    let mut z = Zero::single(&mut m, AdamWConfig::default(), Placement::Device).unwrap();
     let x = ids(c, 0);
-    let base = live_bytes();
     for step in 0..3 {
         if step == 1 {
             reset_peak_bytes();
         }
-        opt.zero_grad();
-        m.loss(&x, &x).unwrap().backward().unwrap();
-        opt.step(1e-3).unwrap();
+        z.micro_batch(true, &mut || m.loss(&x, &x)).unwrap();
+        z.step(1e-3, 1.0, 0.0).unwrap();
     }
     // What was live before the model existed (other allocations of this process) is not ours.
-    (peak_bytes() - (base - 3 * 4 * m.num_params())) as f64
+    (peak_bytes() - before) as f64
 }
 
 /// Peak bytes per rank of four thread ranks (2 nodes x 2) training with `spec`.
@@ -62,10 +62,10 @@ fn dist(c: &Case, spec: ShardSpec, ck: bool, accum: usize) -> f64 {
     let before = live_bytes();
     ThreadComm::run(4, CommOptions::default(), |comm| {
         let mesh = DeviceMesh::new(comm.clone(), 1, 4, 2)?;
+        let x = ids(c, mesh.dp_rank());
         let mut m = Llama::new(cfg.clone(), DType::F32, Device::Cpu, &mut Rng::new(1))?;
         m.set_activation_checkpointing(ck);
-        let mut z = Zero::new(&mut m, &mesh, spec, None, AdamWConfig::default())?;
-        let x = ids(c, mesh.dp_rank());
+        let mut z = Zero::new(&mut m, mesh, spec, None, AdamWConfig::default(), Placement::Device)?;
         for step in 0..3 {
             comm.barrier()?;
             if step == 1 && comm.rank() == 0 {
@@ -73,13 +73,9 @@ fn dist(c: &Case, spec: ShardSpec, ck: bool, accum: usize) -> f64 {
             }
             comm.barrier()?;
             for k in 0..accum {
-                z.begin_forward()?;
-                let loss = m.loss(&x, &x)?;
-                z.begin_backward(k + 1 == accum)?;
-                loss.mul_scalar(1.0 / accum as f64)?.backward()?;
-                z.end_backward()?;
+                z.micro_batch(k + 1 == accum, &mut || m.loss(&x, &x)?.mul_scalar(1.0 / accum as f64))?;
             }
-            z.step(1e-4, 1.0)?;
+            z.step(1e-4, 1.0, 0.0)?;
         }
         comm.barrier()?;
         Ok(())
@@ -152,26 +148,11 @@ fn a_run_that_cannot_fit_is_refused_with_the_numbers() {
     // Enough sequences of 256 tokens that the activations alone exceed what the host has.
     let per_token = estimate(&c.cfg, DType::F32, Device::Cpu, 1, 256, 1, &MemLayout::single(false)).unwrap().activations / 256.0;
     let batch = (2.0 * avail / per_token / 256.0).ceil() as usize;
-    let opts = ferrolm::train::TrainOptions {
-        steps: 1,
-        batch_size: batch,
-        seq_len: 256,
-        grad_accum: 1,
-        lr: 1e-3,
-        min_lr: 1e-4,
-        warmup_steps: 1,
-        weight_decay: 0.1,
-        grad_clip: 1.0,
-        eval_every: 0,
-        eval_batches: 1,
-        save_every: 0,
-        log_every: 1,
-        seed: 1,
-    };
+    let opts = ferrolm::memory::RunShape { batch_size: batch, seq_len: 256, grad_accum: 1 };
     let err = ferrolm::memory::check_layout(&c.cfg, DType::F32, Device::Cpu, &opts, &MemLayout::single(false)).unwrap_err().to_string();
     assert!(err.contains(&format!("--batch-size {batch}")) && err.contains("needs about") && err.contains("activations"), "{err}");
     // Small enough: accepted, and the prediction comes back.
-    let ok = ferrolm::train::TrainOptions { batch_size: 4, ..opts };
+    let ok = ferrolm::memory::RunShape { batch_size: 4, ..opts };
     let m = ferrolm::memory::check_layout(&c.cfg, DType::F32, Device::Cpu, &ok, &MemLayout::single(true)).unwrap();
     assert!(m.total() > m.states());
 }

@@ -12,13 +12,13 @@
 mod common;
 use ferrolm::data::{list_shards, prepare_text_dir, Tokenizer};
 use ferrolm::nn::LlamaConfig;
-use ferrolm::parallel::{DistEngine, ParallelArgs};
+use ferrolm::parallel::ParallelArgs;
 use ferrolm::train::{TrainOptions, Trainer};
 use ferrolm::{DType, Device, Llama, Tensor};
 use ferrolm_dist::offload::GpuEvery;
 use ferrolm_dist::{CommOptions, ThreadComm};
 use ferrolm_tensor::backend::AdamWHyper;
-use ferrolm_tensor::{AdamWTensors, Rng};
+use ferrolm_tensor::{AdamWRange, Rng};
 use std::path::{Path, PathBuf};
 
 fn root() -> PathBuf {
@@ -103,13 +103,13 @@ fn train_as(
         }
         let e = |e: anyhow::Error| ferrolm::Error::new("test", format!("{e:#}"));
         let mut model = Llama::new(cfg.clone(), dtype, device, &mut Rng::new(1))?;
-        let dist = DistEngine::attach(&mut model, comm, p, Trainer::adamw_config(&o)).map_err(e)?;
-        assert_eq!(dist.zero.offloaded(), p.offload_optimizer);
+        let zero = ferrolm::parallel::attach(&mut model, Some(comm), p, Trainer::adamw_config(&o)).map_err(e)?;
+        assert_eq!(zero.offloaded(), p.offload_optimizer);
         if p.offload_optimizer {
             // Built offloaded: no optimizer state was ever allocated on the device.
-            assert_eq!(dist.zero.state_bytes().2, 0, "optimizer bytes on the device with offload");
+            assert_eq!(zero.state_bytes().2, 0, "optimizer bytes on the device with offload");
         }
-        if let Some(plan) = dist.zero.offload_plan() {
+        if let Some(plan) = zero.offload_plan() {
             // Each k really splits the subgroups between the two paths as asked.
             let want = match p.offload_gpu_every {
                 GpuEvery::Every(k) => Some(k),
@@ -130,7 +130,7 @@ fn train_as(
             }
             assert!(plan.subgroups > 8, "too few subgroups ({}) to test the interleaving", plan.subgroups);
         }
-        let mut t = Trainer::new_distributed(model, dist, &train, &val, o.clone(), &dir.join(out)).map_err(e)?;
+        let mut t = Trainer::with_engine(model, Box::new(zero), &train, &val, o.clone(), &dir.join(out)).map_err(e)?;
         if let Some(r) = resume {
             t.resume(r).map_err(e)?;
         }
@@ -222,8 +222,8 @@ fn cpu_and_device_adamw_agree_to_1e_6() {
             let h = AdamWHyper { lr: 1e-2, beta1: 0.9, beta2: 0.95, eps: 1e-8, step };
             ferrolm_tensor::cpu_adam::adamw_step(&mut w, &mut m, &mut v, &g, None, &h, wd).unwrap();
             let dg = dev(&g);
-            let slot = AdamWTensors { param: &dw, grad: &dg, master: None, m: &dm, v: &dv, weight_decay: wd };
-            assert!(ferrolm_tensor::fused_adamw_step(&[slot], h).unwrap(), "the device must run its fused kernel");
+            let range = AdamWRange { param: &dw, grad: &dg, master: None, m: &dm, v: &dv, segments: &[(0, n, wd)] };
+            assert!(ferrolm_tensor::fused_adamw(&[range], h).unwrap(), "the device must run its fused kernel");
             for (what, host, d) in [("w", &w, &dw), ("m", &m, &dm), ("v", &v, &dv)] {
                 let d = d.to_vec::<f32>().unwrap();
                 for i in 0..n {
@@ -354,14 +354,15 @@ fn the_pretrain_tool_with_offload_follows_the_plain_run() {
 }
 
 /// The gradients of CPU subgroups leave for the host from the gradient sinks during the last
-/// micro-batch's backward pass, not in the step: right after `backward()` (before `end_backward`
-/// and `step`) every one has been sent, after an earlier micro-batch none, and `step` consumes them.
+/// micro-batch's backward pass, not in the step: right after that micro-batch (before `step`)
+/// every one has been sent, after an earlier micro-batch none, and `step` consumes them. (Every
+/// parameter gets a gradient here, so no bucket is left for the end of the micro-batch to flush.)
 #[test]
 fn gradients_stream_to_the_host_from_the_sinks_during_backward() {
     use ferrolm::nn::optim::AdamWConfig;
     use ferrolm_dist::offload::OffloadConfig;
-    use ferrolm_dist::zero::{ShardSpec, Zero};
-    use ferrolm_dist::DeviceMesh;
+    use ferrolm_dist::zero::{Placement, ShardSpec, Zero};
+    use ferrolm_dist::{DeviceMesh, TrainEngine};
     let cfg = LlamaConfig::from_json_str(
         r#"{"model_type":"llama","vocab_size":64,"hidden_size":32,"intermediate_size":64,"num_hidden_layers":2,
             "num_attention_heads":4,"num_key_value_heads":2,"max_position_embeddings":64,"tie_word_embeddings":true}"#,
@@ -371,20 +372,17 @@ fn gradients_stream_to_the_host_from_the_sinks_during_backward() {
         let mut model = Llama::new(cfg.clone(), DType::F32, Device::Cpu, &mut Rng::new(1))?;
         let mesh = DeviceMesh::new(comm, 1, 1, 1)?;
         let off = OffloadConfig { subgroup: 256, gpu_every: GpuEvery::Every(3) };
-        let (mut z, plan) = Zero::with_offload(&mut model, &mesh, ShardSpec::zero(0, 1)?, None, AdamWConfig::default(), &off)?;
+        let mut z = Zero::new(&mut model, mesh, ShardSpec::zero(0, 1)?, None, AdamWConfig::default(), Placement::Offload(&off))?;
+        let plan = z.offload_plan().expect("offloaded");
         let cpu = plan.subgroups - plan.device_subgroups;
         let ids = Tensor::from_vec((0..32i32).map(|i| i * 7 % 64).collect::<Vec<_>>(), [2, 16], Device::Cpu)?;
         let tg = Tensor::from_vec((0..32i32).map(|i| i * 5 % 64).collect::<Vec<_>>(), [2, 16], Device::Cpu)?;
         for last in [false, true] {
-            z.begin_forward()?;
-            let loss = model.loss(&ids, &tg)?;
-            z.begin_backward(last)?;
-            loss.backward()?;
+            z.micro_batch(last, &mut || model.loss(&ids, &tg))?;
             let want = if last { cpu } else { 0 };
             assert_eq!(z.offload_grads_streamed(), Some((want, cpu)), "after backward (last micro-batch: {last})");
-            z.end_backward()?;
         }
-        z.step(1e-3, 1.0)?;
+        z.step(1e-3, 1.0, 0.0)?;
         assert_eq!(z.offload_grads_streamed(), Some((0, cpu)), "the step consumed the streamed gradients");
         Ok(())
     })

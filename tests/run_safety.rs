@@ -268,28 +268,61 @@ fn latest_naming_a_missing_or_incomplete_checkpoint_falls_back_to_the_newest_com
     let _ = std::fs::remove_dir_all(&dir);
 }
 
+/// A full disk, for real: the test runs itself again as a child process whose files may not grow
+/// past a limit (RLIMIT_FSIZE, with SIGXFSZ ignored, so a write past it fails with EFBIG). The
+/// limit lets the small files of a checkpoint through and stops the shard file midway.
 #[test]
 fn a_save_that_fails_midway_leaves_the_previous_checkpoint_usable_and_removes_the_partial_one() {
+    const CHILD: &str = "FERROLM_TEST_DISK_FULL_CHILD";
+    if std::env::var(CHILD).is_ok() {
+        return disk_full_child();
+    }
+    let name = "a_save_that_fails_midway_leaves_the_previous_checkpoint_usable_and_removes_the_partial_one";
+    let out = std::process::Command::new(std::env::current_exe().unwrap())
+        .args(["--exact", name, "--nocapture", "--test-threads=1"])
+        .env(CHILD, "1")
+        .output()
+        .unwrap();
+    let text = format!("{}{}", String::from_utf8_lossy(&out.stdout), String::from_utf8_lossy(&out.stderr));
+    assert!(out.status.success() && text.contains("disk-full child: checked"), "{text}");
+}
+
+fn set_file_size_limit(bytes: u64) {
+    // SAFETY: plain system calls on this process: ignore SIGXFSZ, set the soft file-size limit.
+    unsafe {
+        libc::signal(libc::SIGXFSZ, libc::SIG_IGN);
+        let mut lim = libc::rlimit { rlim_cur: 0, rlim_max: 0 };
+        assert_eq!(libc::getrlimit(libc::RLIMIT_FSIZE, &mut lim), 0);
+        lim.rlim_cur = bytes;
+        assert_eq!(libc::setrlimit(libc::RLIMIT_FSIZE, &lim), 0);
+    }
+}
+
+fn disk_full_child() {
     let dir = tmp("disk-full");
     let run = dir.join("run");
     let mut t = trainer(&dir, "run", TrainOptions { save_every: 2, ..opts(4) });
-    t.fail_checkpoint_file = None;
     for _ in 0..2 {
         t.train_step().unwrap();
     }
     t.save_checkpoint().unwrap();
     let before = snapshot(&run.join("checkpoints"));
+    let size = |f: &str| std::fs::metadata(run.join("checkpoints/step-000002").join(f)).unwrap().len();
+    let (shard, model) = (size("shards/tp0-dp0.safetensors"), size("model.safetensors"));
+    assert!(shard > model + 1024, "the shard (parameters and optimizer state) is the biggest file: {shard} vs {model}");
     t.train_step().unwrap();
-    t.fail_checkpoint_file = Some("optimizer.safetensors".into()); // model.safetensors is written, then the disk is full
+    set_file_size_limit((shard + model) / 2);
     let err = format!("{:#}", t.save_checkpoint().unwrap_err());
+    set_file_size_limit(libc::RLIM_INFINITY);
     assert!(err.contains("saving checkpoint step-000003 failed"), "{err}");
     assert!(err.contains("latest still names step-000002"), "{err}");
-    assert!(err.contains("optimizer.safetensors"), "the cause names the file: {err}");
+    assert!(err.contains("tp0-dp0.safetensors"), "the cause names the file: {err}");
     assert_eq!(snapshot(&run.join("checkpoints")), before, "the partial checkpoint was left behind or the previous one changed");
     let mut next = trainer(&dir, "run", opts(4));
     next.resume(&run).unwrap();
     assert_eq!(next.step, 2);
     let _ = std::fs::remove_dir_all(&dir);
+    println!("disk-full child: checked");
 }
 
 #[test]

@@ -19,7 +19,7 @@ pub mod trial;
 use anyhow::{bail, Result};
 use ferrolm_dist::cost::{self, GroupSpan, Kind};
 use ferrolm_dist::dos::{self, DosInputs};
-use ferrolm_dist::plan::{self, Cluster, Engine, Estimate, Memory, ModelShape, Workload};
+use ferrolm_dist::plan::{self, Cluster, Estimate, Memory, ModelShape, Workload};
 use ferrolm_dist::zero::ShardSpec;
 use serde::Serialize;
 
@@ -397,7 +397,7 @@ fn candidate(
     let flops_token = m.flops_per_token(w.seq);
     let fwd_s = flops_token * (w.micro_batch * w.seq) as f64 / w.tp as f64 / 3.0 / c.flops;
     let tp_comm_s = tp_comm(m, c, w, micro, fwd_s, space.ladder_layers);
-    let mut mem = plan::memory(m, w, spec, Engine::Zero { dp }, micro, space.workspace_bytes);
+    let mut mem = plan::memory(m, w, spec, micro, space.workspace_bytes);
     let (mut offload_s, mut offload_k) = (0.0, None);
     if let (Some(_), Some(r)) = (offload, &space.offload) {
         let local: f64 = m.bucket_params(w.tp).iter().sum::<u64>() as f64;

@@ -6,14 +6,14 @@ use super::Candidate;
 use crate::nn::optim::AdamWConfig;
 use crate::nn::remat::apply_activation_checkpointing;
 use crate::nn::{Llama, LlamaConfig};
-use crate::parallel::{DistEngine, ParallelArgs};
+use crate::parallel::ParallelArgs;
 use crate::train::{TrainOptions, Trainer};
 use crate::{AnyResult, DType, Device, Tensor};
 use anyhow::Context;
 use ferrolm_dist::cost::LinkModel;
 use ferrolm_dist::plan::ModelShape;
-use ferrolm_dist::zero::{ShardSpec, Zero};
-use ferrolm_dist::{CommOptions, Communicator, DeviceMesh, ReduceOp, SimLink, ThreadComm};
+use ferrolm_dist::zero::{Placement, ShardSpec, Zero};
+use ferrolm_dist::{CommOptions, Communicator, DeviceMesh, ReduceOp, SimLink, ThreadComm, TrainEngine};
 use ferrolm_tensor::Rng;
 use serde::{Deserialize, Serialize};
 use std::path::{Path, PathBuf};
@@ -66,13 +66,9 @@ pub fn time_zero_steps(
         comm.barrier()?;
         let t0 = Instant::now();
         for k in 0..grad_accum {
-            z.begin_forward()?;
-            let loss = m.loss(x, x)?;
-            z.begin_backward(k + 1 == grad_accum)?;
-            loss.mul_scalar(1.0 / grad_accum as f64)?.backward()?;
-            z.end_backward()?;
+            z.micro_batch(k + 1 == grad_accum, &mut || m.loss(x, x)?.mul_scalar(1.0 / grad_accum as f64))?;
         }
-        z.step(1e-4, 1.0)?;
+        z.step(1e-4, 1.0, 0.0)?;
         if step > 0 {
             times.push(t0.elapsed().as_secs_f64());
             updates.push(z.last_update_s);
@@ -93,9 +89,10 @@ pub fn calibrate(cfg: &LlamaConfig, world: usize, micro_batch: usize, seq: usize
     let ids: Vec<i32> = (0..world * rows).map(|_| r.below(cfg.vocab_size as u64) as i32).collect();
     let out = ThreadComm::run(world, CommOptions::default(), |comm| {
         let mesh = DeviceMesh::new(comm.clone(), 1, world, world)?;
+        let dp_rank = mesh.dp_rank();
         let mut m = Llama::new(cfg.clone(), DType::F32, Device::Cpu, &mut Rng::new(1))?;
-        let mut z = Zero::new(&mut m, &mesh, spec, None, AdamWConfig::default())?;
-        let x = Tensor::from_vec(ids[mesh.dp_rank() * rows..(mesh.dp_rank() + 1) * rows].to_vec(), [micro_batch, seq], Device::Cpu)?;
+        let mut z = Zero::new(&mut m, mesh, spec, None, AdamWConfig::default(), Placement::Device)?;
+        let x = Tensor::from_vec(ids[dp_rank * rows..(dp_rank + 1) * rows].to_vec(), [micro_batch, seq], Device::Cpu)?;
         let (t, upd) = time_zero_steps(&m, &mut z, comm.as_ref(), &x, 1, 3)?;
         Ok((t, upd, z.bucket_numel()))
     })?;
@@ -190,8 +187,8 @@ pub fn run_trial(s: &TrialSetup, c: &Candidate) -> AnyResult<Measured> {
             let comm: Arc<dyn Communicator> = SimLink::wrap(comm, s.link);
             let mut model = Llama::new(s.cfg.clone(), DType::F32, Device::Cpu, &mut Rng::new(opts.seed))?;
             apply_activation_checkpointing(&mut model, c.checkpointed_layers);
-            let dist = DistEngine::attach(&mut model, comm, &par, Trainer::adamw_config(&opts))?;
-            let mut t = Trainer::new_distributed(model, dist, &s.train, &s.val, opts.clone(), &out)?;
+            let engine = crate::parallel::attach(&mut model, Some(comm), &par, Trainer::adamw_config(&opts))?;
+            let mut t = Trainer::with_engine(model, Box::new(engine), &s.train, &s.val, opts.clone(), &out)?;
             let mut times = Vec::new();
             let mut loss = f64::NAN;
             for step in 0..=s.steps {

@@ -7,7 +7,7 @@ use super::pretrain::{preflight, token_data};
 use super::{env_help, LogArgs, Tool, TrainArgs, ENV_COMMON, ENV_DEVICE, ENV_TRAIN};
 use crate::data::Tokenizer;
 use crate::nn::LadderLayers;
-use crate::parallel::{Comm, DistEngine};
+use crate::parallel::Comm;
 use crate::progress::report;
 use crate::train::{check_validation_data, Trainer};
 use crate::{AnyResult, DType, Device, Llama};
@@ -83,8 +83,8 @@ fn prepare(args: &FinetuneArgs) -> AnyResult<Prepared> {
     let (shards, train, val) = token_data(&data, &tokenizer, &tok_path)?;
     let opts = checked.options();
     check_validation_data(&val, opts.batch_size, opts.seq_len).with_context(|| format!("{}", shards.display()))?;
-    let layout = crate::memory::MemLayout::from_flags(&a.parallel, a.activation_checkpointing)?;
-    let mem = crate::memory::check_layout(&cfg, dtype, device, &opts, &layout)?;
+    let layout = a.parallel.mem_layout(a.activation_checkpointing)?;
+    let mem = crate::memory::check_layout(&cfg, dtype, device, &opts.shape(), &layout)?;
     report(&format!("memory: predicted peak {}", crate::memory::describe(&mem)));
     Ok(Prepared { device, dtype, tok_path, train, val, ladder })
 }
@@ -107,13 +107,8 @@ fn finetune_rank(args: &FinetuneArgs, p: &Prepared, comm: Option<Comm>) -> AnyRe
     if let Some(l) = before_kind {
         report(&format!("note: {} is already a Ladder model ({l} layers); it is converted again from its weights", args.model.display()));
     }
-    let mut trainer = match comm {
-        None => Trainer::new(model, &p.train, &p.val, opts.clone(), &a.out)?,
-        Some(c) => {
-            let dist = DistEngine::attach(&mut model, c, &a.parallel, Trainer::adamw_config(&opts))?;
-            Trainer::new_distributed(model, dist, &p.train, &p.val, opts.clone(), &a.out)?
-        }
-    };
+    let engine = crate::parallel::attach(&mut model, comm, &a.parallel, Trainer::adamw_config(&opts))?;
+    let mut trainer = Trainer::with_engine(model, Box::new(engine), &p.train, &p.val, opts.clone(), &a.out)?;
     trainer = trainer.with_tokenizer(&p.tok_path).with_safety(a.safety());
     let resuming = a.resume.is_some();
     let plain = if resuming { None } else { Some(trainer.evaluate(0)?) };

@@ -152,8 +152,8 @@ fn prepare(args: &PretrainArgs) -> AnyResult<Prepared> {
     }
     cfg.bos_token_id = tokenizer.bos_id();
     cfg.eos_token_id = tokenizer.eos_id().map(|e| vec![e]).unwrap_or_default();
-    let layout = crate::memory::MemLayout::from_flags(&a.parallel, a.activation_checkpointing)?;
-    let mem = crate::memory::check_layout(&cfg, dtype, device, &opts, &layout)?;
+    let layout = a.parallel.mem_layout(a.activation_checkpointing)?;
+    let mem = crate::memory::check_layout(&cfg, dtype, device, &opts.shape(), &layout)?;
     report(&format!("memory: predicted peak {}", crate::memory::describe(&mem)));
     Ok(Prepared { device, dtype, tok_path, tokenizer, train, val, cfg })
 }
@@ -244,14 +244,12 @@ fn train_rank(args: &PretrainArgs, p: &Prepared, comm: Option<crate::parallel::C
         p.device,
         p.dtype
     ));
-    let mut trainer = match comm {
-        None => Trainer::new(model, &p.train, &p.val, opts.clone(), &a.out)?,
-        Some(c) => {
-            let dist = crate::parallel::DistEngine::attach(&mut model, c, &a.parallel, Trainer::adamw_config(&opts))?;
-            report(&format!("parallel: tp {} x dp {} ranks, sharding {}", a.parallel.tp, a.parallel.dp, dist.zero.spec));
-            Trainer::new_distributed(model, dist, &p.train, &p.val, opts.clone(), &a.out)?
-        }
-    };
+    let parallel = comm.is_some();
+    let engine = crate::parallel::attach(&mut model, comm, &a.parallel, Trainer::adamw_config(&opts))?;
+    if parallel {
+        report(&format!("parallel: tp {} x dp {} ranks, sharding {}", a.parallel.tp, a.parallel.dp, engine.spec));
+    }
+    let mut trainer = Trainer::with_engine(model, Box::new(engine), &p.train, &p.val, opts.clone(), &a.out)?;
     trainer = trainer.with_tokenizer(&p.tok_path).with_safety(a.safety());
     if let Some(r) = &a.resume {
         trainer.resume(r).with_context(|| format!("--resume {}", r.display()))?;

@@ -4,12 +4,11 @@
 //! other layout (another `--tp`, `--dp` or `ShardSpec`).
 //!
 //! Layout of `DIR/shards/`: `index.json` ([`ShardIndex`]) and `tp{t}-dp{d}.safetensors`, the
-//! shards `Zero::shard_tensors` gives on tensor-parallel rank t, data-parallel rank d: each
+//! shards [`shard_tensors`] gives on tensor-parallel rank t, data-parallel rank d: each
 //! parameter range once (`param.{bucket}`, ranks d < s_p) and each optimizer range once
 //! (`exp_avg.{bucket}`, `exp_avg_sq.{bucket}`, `master.{bucket}`, ranks d < s_os).
 use crate::tp::{Sharding, TpLayout};
 use crate::zero::{ShardSpec, Zero};
-use crate::DeviceMesh;
 use ferrolm_nn::checkpoint::{load_float_safetensors, save_safetensors, TensorMap};
 use ferrolm_tensor::{no_grad, DType, Device, Error, Result, Tensor};
 use serde::{Deserialize, Serialize};
@@ -65,15 +64,53 @@ fn err(dir: &Path, m: impl std::fmt::Display) -> Error {
     Error::new("sharded checkpoint", format!("{}: {m}", dir.display()))
 }
 
+/// This rank's shards, per bucket `i`: `param.{i}` (the parameter range a of s_p) when it writes
+/// parameters, and `exp_avg.{i}`, `exp_avg_sq.{i}` (`master.{i}`) (optimizer range j of s_os)
+/// when it writes optimizer state. Where the state lived (device or offloaded) does not show.
+pub fn shard_tensors(zero: &Zero) -> Result<Vec<(String, Tensor)>> {
+    let (wp, wo) = zero.writes();
+    let mut out = Vec::new();
+    for i in 0..zero.bucket_numel().len() {
+        if wp {
+            out.push((format!("param.{i}"), zero.param_range(i).clone()));
+        }
+        if wo {
+            let (master, m, v) = zero.optim_state(i)?;
+            out.push((format!("exp_avg.{i}"), m));
+            out.push((format!("exp_avg_sq.{i}"), v));
+            if let Some(w) = master {
+                out.push((format!("master.{i}"), w));
+            }
+        }
+    }
+    Ok(out)
+}
+
+/// The parameter an element of one of this rank's shard tensors (`param.{i}`, `exp_avg.{i}`,
+/// `exp_avg_sq.{i}`, `master.{i}` at `index`) belongs to, e.g. `exp_avg of
+/// model.layers.0.mlp.up_proj.weight`; None for padding or an unknown name.
+pub fn shard_element_owner(zero: &Zero, key: &str, index: usize) -> Option<String> {
+    let (what, bucket) = key.rsplit_once('.')?;
+    let b = zero.store().buckets.get(bucket.parse::<usize>().ok()?)?;
+    let (n, pos, spec) = (b.padded, zero.position(), zero.spec);
+    let at = match what {
+        "param" => pos.param_range * n / spec.params + index,
+        _ => pos.optim_range * n / spec.optim + index,
+    };
+    let slot = b.slots.iter().find(|s| s.offset <= at && at < s.offset + s.numel())?;
+    Some(if what == "param" { slot.name.clone() } else { format!("{what} of {}", slot.name) })
+}
+
 /// Writes this rank's shards of `zero` into `dir/shards/` (every rank calls it; world rank 0
 /// also writes the index) and waits until every rank has written.
-pub fn save_shards(dir: &Path, zero: &Zero, tp: Option<&TpLayout>, mesh: &DeviceMesh) -> Result<()> {
+pub fn save_shards(dir: &Path, zero: &Zero) -> Result<()> {
+    let (mesh, tp) = (zero.mesh(), zero.tp_layout());
     let sdir = dir.join(SHARDS_DIR);
     if mesh.world().rank() == 0 {
         std::fs::create_dir_all(&sdir).map_err(|e| err(&sdir, format!("cannot create: {e}")))?;
     }
     mesh.world().barrier()?;
-    let tensors = zero.shard_tensors()?;
+    let tensors = shard_tensors(zero)?;
     let written =
         if tensors.is_empty() { Ok(()) } else { save_safetensors(&shard_file(dir, mesh.tp_rank(), mesh.dp_rank()), &tensors, None) };
     // Every rank learns whether every rank wrote its part before anyone goes on.
@@ -97,7 +134,7 @@ pub fn save_shards(dir: &Path, zero: &Zero, tp: Option<&TpLayout>, mesh: &Device
             Some(l) => l.params.iter().map(|(n, s)| (n.clone(), SplitIndex { dim: s.dim, parts: s.parts, replicas: s.replicas })).collect(),
             None => BTreeMap::new(),
         };
-        let dtype = zero.store().buckets.first().map_or(DType::F32, |b| b.dtype);
+        let dtype = zero.dtype();
         let index = ShardIndex {
             format: FORMAT.into(),
             tp: mesh.tp(),
@@ -226,21 +263,37 @@ pub fn local_piece(full: &Tensor, name: &str, tp: Option<&TpLayout>) -> Result<T
 }
 
 /// Loads full parameters and optimizer state (from `load_full`, or a single-device
-/// checkpoint's tensors) into this rank's engine, cut for its own layout.
-pub fn load_into(zero: &mut Zero, params: &TensorMap, state: &TensorMap, tp: Option<&TpLayout>, step: u64, device: Device) -> Result<()> {
+/// checkpoint's tensors) into this rank's engine, cut for its own layout: per bucket, the full
+/// flat buffers of parameters and state are assembled from the named tensors (this rank's
+/// tensor-parallel pieces), then each rank keeps its ranges. Padding stays zero. A missing
+/// `master.<name>` is taken from the parameter.
+pub fn load_into(zero: &mut Zero, params: &TensorMap, state: &TensorMap, step: u64) -> Result<()> {
+    let _g = no_grad();
+    let (device, dtype) = (zero.device(), zero.dtype());
+    let tp = zero.tp_layout().cloned();
     let piece = |map: &TensorMap, key: &str, base: &str, dtype: DType| -> Result<Tensor> {
         let t = map.get(key).ok_or_else(|| Error::new("resume", format!("missing tensor {key}")))?;
-        local_piece(t, base, tp)?.to_dtype(dtype)?.to_device(device)
+        local_piece(t, base, tp.as_ref())?.to_dtype(dtype)?.to_device(device)
     };
-    let dtype = zero.store().buckets.first().map_or(DType::F32, |b| b.dtype);
-    zero.load(
-        &|n| piece(params, n, n, dtype),
-        &|k| {
-            let base = k.split_once('.').map_or(k, |(_, b)| b);
-            piece(state, k, base, DType::F32)
-        },
-        step,
-    )
+    // (padded length, slots) of each bucket: the store is borrowed from the engine being loaded.
+    let buckets: Vec<(usize, Vec<ferrolm_nn::store::Slot>)> = zero.store().buckets.iter().map(|b| (b.padded, b.slots.clone())).collect();
+    for (i, (n, slots)) in buckets.iter().enumerate() {
+        let build = |dtype: DType, get: &dyn Fn(&str) -> Result<Tensor>| -> Result<Tensor> {
+            let flat = Tensor::zeros([*n], dtype, device)?;
+            for s in slots {
+                flat.narrow(0, s.offset, s.numel())?.assign(&get(&s.name)?.reshape([s.numel()])?)?;
+            }
+            Ok(flat)
+        };
+        let p = build(dtype, &|name| piece(params, name, name, dtype))?;
+        let m = build(DType::F32, &|name| piece(state, &format!("exp_avg.{name}"), name, DType::F32))?;
+        let v = build(DType::F32, &|name| piece(state, &format!("exp_avg_sq.{name}"), name, DType::F32))?;
+        let w = build(DType::F32, &|name| {
+            piece(state, &format!("master.{name}"), name, DType::F32).or_else(|_| piece(params, name, name, DType::F32))
+        })?;
+        zero.load_bucket(i, &p, &w, &m, &v)?;
+    }
+    zero.loaded(step)
 }
 
 /// Splits a parameter of the given full shape the way `sharding` does (for tests and tools).

@@ -22,7 +22,11 @@
 //!   time on a FIFO link, so a CPU run measures exposed communication.
 //! - [`dos`]: Deep Optimizer States' performance model (update phase of an offloaded step for
 //!   one GPU subgroup in k) and the choice of k.
-//! - [`mesh`]: [`DeviceMesh`], the tp and dp groups and ZeRO/AMSP's dp sub-groups.
+//! - [`mesh`]: [`DeviceMesh`], the tp and dp groups.
+//! - [`engine`]: [`TrainEngine`], what a training loop drives (micro-batches, the step, skips,
+//!   checkpoint state), and [`zero`], the engine: flexible ZeRO sharding over the flat parameter
+//!   store, on one device as on many; [`offload`] keeps its optimizer state in host memory, and
+//!   [`ckpt`] writes and reads its sharded checkpoints.
 //! - [`tp`]: Megatron-style tensor parallelism attached to a model from outside
 //!   (`parallelize`): column/row/vocabulary-parallel ops, replicated KV heads for GQA.
 //! - [`ops`]: collectives as autograd ops (Megatron's f, g, sequence-parallel gather /
@@ -31,6 +35,7 @@ pub mod ckpt;
 pub mod comm;
 pub mod cost;
 pub mod dos;
+pub mod engine;
 pub mod env;
 pub mod mesh;
 pub mod nccl;
@@ -46,6 +51,7 @@ pub mod tp;
 pub mod zero;
 
 pub use comm::{Collective, CommOptions, CommStats, Communicator, Completion, KindStats, ReduceOp, Work};
+pub use engine::{StepReport, TrainEngine};
 pub use env::{init, init_from_env, DistEnv};
 pub use mesh::DeviceMesh;
 pub use nccl::{report_panics_to_peers, NcclComm};

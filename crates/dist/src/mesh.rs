@@ -1,16 +1,13 @@
-//! `DeviceMesh`: names the groups that tensor parallelism and ZeRO/AMSP sharding use.
+//! `DeviceMesh`: the world split into the tensor-parallel and data-parallel groups.
 //!
 //! World ranks are laid out dp-major: `rank = dp_index · tp + tp_index`, so the `tp` ranks of
 //! one model replica are consecutive and stay inside a node (`ranks_per_node` must be a
-//! multiple of `tp`). The dp group of a rank holds the ranks with its `tp_index`. ZeRO/AMSP cut
-//! the dp group further: `dp_shard_group(s)` is a block of `s` consecutive dp ranks (the ranks a
-//! shard is spread over), `dp_replica_group(s)` holds the ranks with the same index across those
-//! blocks (the ranks that keep the same shard).
+//! multiple of `tp`). The dp group of a rank holds the ranks with its `tp_index`; the sharded
+//! engine cuts it further into its own groups (`zero::groups`).
 use crate::comm::Communicator;
 use crate::cost::GroupSpan;
 use ferrolm_tensor::{bail, Result};
-use std::collections::HashMap;
-use std::sync::{Arc, Mutex};
+use std::sync::Arc;
 
 pub struct DeviceMesh {
     world: Arc<dyn Communicator>,
@@ -19,8 +16,6 @@ pub struct DeviceMesh {
     ranks_per_node: usize,
     tp_group: Arc<dyn Communicator>,
     dp_group: Arc<dyn Communicator>,
-    /// (replica?, s) -> group, made on first use.
-    sub: Mutex<HashMap<(bool, usize), Arc<dyn Communicator>>>,
 }
 
 impl DeviceMesh {
@@ -39,7 +34,7 @@ impl DeviceMesh {
         let (dp_index, tp_index) = (r / tp, r % tp);
         let tp_group = world.split_named(dp_index, tp_index, "tp")?;
         let dp_group = world.split_named(tp_index, dp_index, "dp")?;
-        Ok(DeviceMesh { world, tp, dp, ranks_per_node, tp_group, dp_group, sub: Mutex::new(HashMap::new()) })
+        Ok(DeviceMesh { world, tp, dp, ranks_per_node, tp_group, dp_group })
     }
 
     pub fn world(&self) -> &Arc<dyn Communicator> {
@@ -67,40 +62,7 @@ impl DeviceMesh {
         &self.dp_group
     }
 
-    fn check_s(&self, s: usize) -> Result<()> {
-        if s == 0 || !self.dp.is_multiple_of(s) {
-            bail!("mesh", "a dp sub-group size must divide dp = {}, got {s}", self.dp);
-        }
-        Ok(())
-    }
-
-    /// The block of `s` consecutive dp ranks this rank belongs to (cached; the first call for
-    /// each `s` is collective over the dp group).
-    pub fn dp_shard_group(&self, s: usize) -> Result<Arc<dyn Communicator>> {
-        self.check_s(s)?;
-        let d = self.dp_rank();
-        self.cached((false, s), || self.dp_group.split_named(d / s, d % s, &format!("shard{s}_")))
-    }
-
-    /// The ranks with this rank's index inside the blocks of `dp_shard_group(s)` (cached; the
-    /// first call for each `s` is collective over the dp group).
-    pub fn dp_replica_group(&self, s: usize) -> Result<Arc<dyn Communicator>> {
-        self.check_s(s)?;
-        let d = self.dp_rank();
-        self.cached((true, s), || self.dp_group.split_named(d % s, d / s, &format!("replica{s}_")))
-    }
-
-    fn cached(&self, key: (bool, usize), make: impl FnOnce() -> Result<Arc<dyn Communicator>>) -> Result<Arc<dyn Communicator>> {
-        let mut m = self.sub.lock().unwrap_or_else(|e| e.into_inner());
-        if let Some(g) = m.get(&key) {
-            return Ok(g.clone());
-        }
-        let g = make()?;
-        m.insert(key, g.clone());
-        Ok(g)
-    }
-
-    /// How a `dp_shard_group(s)` block lies on the nodes: inside one node when `s` fits in a
+    /// How a block of `s` consecutive dp ranks lies on the nodes: inside one node when `s` fits in a
     /// node's dp ranks, else across whole nodes. A block that would straddle a node boundary
     /// only partly is an error.
     pub fn dp_span(&self, s: usize) -> Result<GroupSpan> {

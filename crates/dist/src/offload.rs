@@ -22,8 +22,9 @@
 //! schedule and its composition with ZeRO over thread ranks can be tested without a GPU.
 use crate::dos::{self, DosEstimate, DosInputs};
 use ferrolm_cuda::{CudaBackend, CudaStorage, CudaStream, PinnedBuffer};
+use ferrolm_nn::optim::adamw_update;
 use ferrolm_tensor::backend::AdamWHyper;
-use ferrolm_tensor::{bf16, fused_adamw_step, no_grad, AdamWTensors, DType, Device, Error, Result, Storage, Tensor};
+use ferrolm_tensor::{bf16, no_grad, AdamWRange, DType, Device, Error, Result, Storage, Tensor};
 use std::sync::Arc;
 use std::time::Instant;
 
@@ -397,8 +398,7 @@ impl Offload {
         let h = AdamWHyper { lr: 1e-3, beta1: 0.9, beta2: 0.999, eps: 1e-8, step: 1 };
         let gpu = n as f64
             / time(&mut || {
-                let slot = AdamWTensors { param: &p, grad: &g, master: None, m: &m, v: &v, weight_decay: 0.0 };
-                fused_adamw_step(&[slot], h)?;
+                adamw_update(&[AdamWRange { param: &p, grad: &g, master: None, m: &m, v: &v, segments: &[(0, n, 0.0)] }], h)?;
                 if let Some(be) = &self.link.be {
                     be.synchronize()?;
                 }
@@ -514,13 +514,12 @@ impl Offload {
         let pview = params[sg.bucket].narrow(0, sg.lo, sg.len)?;
         let weight_decay = if sg.decay { wd } else { 0.0 };
         let bf16_param = if self.param_dtype == DType::F32 { None } else { Some(pview.deep_copy()?) };
-        let slot = match &bf16_param {
-            Some(p) => AdamWTensors { param: p, grad: &g, master: Some(&st.master), m: &st.m, v: &st.v, weight_decay },
-            None => AdamWTensors { param: &st.master, grad: &g, master: None, m: &st.m, v: &st.v, weight_decay },
+        let segments = [(0, sg.len, weight_decay)];
+        let range = match &bf16_param {
+            Some(p) => AdamWRange { param: p, grad: &g, master: Some(&st.master), m: &st.m, v: &st.v, segments: &segments },
+            None => AdamWRange { param: &st.master, grad: &g, master: None, m: &st.m, v: &st.v, segments: &segments },
         };
-        if !fused_adamw_step(&[slot], h)? {
-            return Err(Error::new("offload", format!("{} has no fused AdamW for a GPU subgroup", self.device)));
-        }
+        adamw_update(&[range], h)?;
         pview.assign(bf16_param.as_ref().unwrap_or(&st.master))?;
         self.link.d2h(&st.master, 0, &mut sg.master)?;
         self.link.d2h(&st.m, 0, &mut sg.m)?;

@@ -5,7 +5,7 @@
 //! The communication terms are those `zero::Zero` performs (its tests hold it to
 //! `zero::traffic_bytes`), priced with the same cost functions as the simulated link
 //! (`cost::seconds`, hierarchical across nodes), over the actual members of each group:
-//! - T_p: parameter all-gathers over P, `Zero::expected_gathers` per bucket per micro-batch;
+//! - T_p: parameter all-gathers over P, `zero::expected_gathers` per bucket per micro-batch;
 //! - T_g: the bucket reduce-scatter over G, per micro-batch;
 //! - T_os0: the hand-over G -> optimizer ranges (reduce-scatter over the OS sub-group when
 //!   s_os > s_g, then the all-reduce over the OS replicas), once per step;
@@ -196,25 +196,12 @@ impl Estimate {
     }
 }
 
-/// Data-parallel members (dp ranks) of rank 0's groups: (P, G, OS sub-group, OS replicas),
-/// exactly as `zero` splits them.
+/// Data-parallel members of rank 0's groups (P, G, OS sub-group, OS replicas), as the engine
+/// splits them.
 fn groups_of_rank0(dp: usize, s: ShardSpec) -> [Vec<usize>; 4] {
-    let (sp, sg, so) = (s.params, s.grads, s.optim);
-    let k = so / sp;
-    let p: Vec<usize> = (0..sp).collect(); // block 0, b = 0
-    let os_sub: Vec<usize> = (0..k).map(|b| b * sp).collect(); // a = 0
-    let g = if sg == sp { p.clone() } else { (0..so).collect() };
-    let rep: Vec<usize> = (0..dp / so).map(|blk| blk * so).collect(); // j = 0
-    [p, g, os_sub, rep]
-}
-
-/// Which engine holds the model states (their layouts differ, and so do their transients).
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum Engine {
-    /// One device, `ferrolm_nn::optim::AdamW` over the model's own parameters.
-    Single,
-    /// `zero::Zero`: flat buckets sharded by a `ShardSpec` over `dp` ranks.
-    Zero { dp: usize },
+    use crate::zero::{members, ZeroGroup};
+    let g = if s.grads == s.params { ZeroGroup::Params } else { ZeroGroup::Block };
+    [ZeroGroup::Params, g, ZeroGroup::OptimSub, ZeroGroup::OptimReplicas].map(|grp| members(grp, s, dp, 0))
 }
 
 /// Activation bytes one rank keeps for backward per micro-batch of `b` sequences of `seq`
@@ -237,46 +224,37 @@ pub fn activation_bytes(m: &ModelShape, w: &Workload) -> f64 {
     tokens * (e * (layers + 2.0 * h) + 4.0 * m.vocab as f64 / tp)
 }
 
-/// Device bytes one rank needs at its peak for `spec` over `engine`'s ranks with
-/// `micro_batches` micro-batches per step, broken down. `workspace` is a fixed reserve (the
-/// CUDA context and cuBLAS workspace on a GPU, 0 on the CPU) the caller passes.
+/// Device bytes one rank needs at its peak for `spec` with `micro_batches` micro-batches per
+/// step, broken down. `workspace` is a fixed reserve (the CUDA context and cuBLAS workspace on a
+/// GPU, 0 on the CPU) the caller passes.
 ///
-/// Model states follow the engine's real layout: `Single` holds parameters, gradients and the
-/// AdamW moments (plus an f32 master below f32), and its backward about a quarter of a
-/// parameter-sized transient more; `Zero` holds each bucket's parameter shard (`n / s_p`, plus up to `MAX_LIVE`
-/// = 3 gathered buckets when `s_p > 1`), the gradients of its optimizer range at the step
-/// (`n / s_os`) with one whole bucket buffer in flight towards it when `s_os > 1`, with several
-/// micro-batches an accumulator of `n / s_g` (about three quarters of it live at the peak), and
-/// per optimizer element m, v and the f32 weight-decay mask (and a norm-weight mask under
-/// tensor parallelism) plus the master
-/// below f32. The fractions are fitted to measured peaks (docs/AUTOCONFIG.md, "Memory
-/// estimator"); the rest is counted.
-pub fn memory(m: &ModelShape, w: &Workload, spec: ShardSpec, engine: Engine, micro_batches: usize, workspace: f64) -> Memory {
+/// Model states follow the engine's layout (one device is the spec (1, 1, 1)): each bucket's
+/// parameter shard (`n / s_p`, plus up to `MAX_LIVE` = 3 gathered buckets when `s_p > 1`), the
+/// gradients of its optimizer range at the step (`n / s_os`) with one whole bucket buffer in
+/// flight towards it when `s_os > 1` (and the step's squared gradient of one bucket), with
+/// several micro-batches an accumulator of `n / s_g` (about three quarters of it live at the
+/// peak), and per optimizer element m and v (and a norm-weight mask under tensor parallelism)
+/// plus the master below f32. The fractions are fitted to measured peaks (docs/AUTOCONFIG.md,
+/// "Memory estimator"); the rest is counted.
+pub fn memory(m: &ModelShape, w: &Workload, spec: ShardSpec, micro_batches: usize, workspace: f64) -> Memory {
     let e = w.elem_bytes as f64;
     let buckets: Vec<f64> = m.bucket_params(w.tp).iter().map(|&n| n as f64).collect();
     let local: f64 = buckets.iter().sum();
     let biggest = buckets.iter().copied().fold(0.0, f64::max);
     let master = if w.elem_bytes == 4 { 0.0 } else { 4.0 };
     let activations = activation_bytes(m, w);
-    match engine {
-        Engine::Single => {
-            Memory { params: local * e, grads: local * e, optim: local * (8.0 + master), activations, buffers: 0.25 * local * e, workspace }
-        }
-        Engine::Zero { .. } => {
-            let (sp, sg, so) = (spec.params as f64, spec.grads as f64, spec.optim as f64);
-            let gathered = if spec.params > 1 { 3.0 * biggest * e } else { 0.0 };
-            let accumulator = if micro_batches > 1 { 0.75 * local * e / sg } else { 0.0 };
-            let in_flight = if spec.optim > 1 { biggest * e } else { 0.0 };
-            Memory {
-                params: local * e / sp,
-                grads: local * e / so + accumulator,
-                // m, v, the weight-decay mask; the norm-weight mask only under tensor parallelism.
-                optim: local * (12.0 + if w.tp > 1 { 4.0 } else { 0.0 } + master) / so,
-                activations,
-                buffers: gathered + in_flight,
-                workspace,
-            }
-        }
+    let (sp, sg, so) = (spec.params as f64, spec.grads as f64, spec.optim as f64);
+    let gathered = if spec.params > 1 { 3.0 * biggest * e } else { 0.0 };
+    let accumulator = if micro_batches > 1 { 0.75 * local * e / sg } else { 0.0 };
+    let in_flight = if spec.optim > 1 { biggest * e } else { 0.0 };
+    Memory {
+        params: local * e / sp,
+        grads: local * e / so + accumulator,
+        // m, v; the norm-weight mask only under tensor parallelism.
+        optim: local * (8.0 + if w.tp > 1 { 4.0 } else { 0.0 } + master) / so,
+        activations,
+        buffers: gathered + in_flight + 4.0 * biggest / so,
+        workspace,
     }
 }
 
@@ -297,7 +275,7 @@ pub fn evaluate(m: &ModelShape, c: &Cluster, w: &Workload, spec: ShardSpec) -> O
     let e = w.elem_bytes as f64;
     let buckets: Vec<f64> = m.bucket_params(w.tp).iter().map(|&n| n as f64).collect();
     let local: f64 = buckets.iter().sum();
-    let mem = memory(m, w, spec, Engine::Zero { dp }, micro, 0.0);
+    let mem = memory(m, w, spec, micro, 0.0);
     let fits = mem.total() <= c.mem_bytes * (1.0 - c.margin);
 
     // Communication, priced over each group's real placement.
@@ -306,7 +284,7 @@ pub fn evaluate(m: &ModelShape, c: &Cluster, w: &Workload, spec: ShardSpec) -> O
     let [p, g, os, rep] = groups_of_rank0(dp, spec);
     let (sp_, sg_, so_, rep_) = (span(&p), span(&g), span(&os), span(&rep));
     let t = |k: Kind, sp: GroupSpan, bytes: f64| cost::seconds(k, sp, bytes, &c.link);
-    let gathers = crate::zero::Zero::expected_gathers(spec, buckets.len(), m.tied);
+    let gathers = crate::zero::expected_gathers(spec.params, buckets.len(), m.tied);
     let (mut tp_, mut tp_fwd, mut tg, mut t0, mut t1) = (0.0, 0.0, 0.0, 0.0, 0.0);
     for (i, (&n, &ag)) in buckets.iter().zip(&gathers).enumerate() {
         let b = n * e;

@@ -3,7 +3,6 @@
 //! rank, world sizes 1-4, split sub-groups and the device mesh.
 use ferrolm_dist::{Collective, CommOptions, Communicator, ReduceOp, ThreadComm};
 use ferrolm_tensor::{bf16, DType, Device, Tensor};
-use std::sync::Arc;
 use std::time::Duration;
 
 fn opts() -> CommOptions {
@@ -267,7 +266,7 @@ fn i32_tensors_gather_broadcast_and_sum() {
 }
 
 #[test]
-fn device_mesh_names_tp_dp_and_zero_groups() {
+fn device_mesh_names_tp_and_dp_groups_and_zero_cuts_dp() {
     use ferrolm_dist::cost::GroupSpan;
     use ferrolm_dist::mesh::{dp_span, DeviceMesh};
     ThreadComm::run(8, opts(), |world| {
@@ -277,12 +276,20 @@ fn device_mesh_names_tp_dp_and_zero_groups() {
         assert_eq!(mesh.tp_group().world_ranks(), [r / 2 * 2, r / 2 * 2 + 1]);
         let t = r % 2;
         assert_eq!(mesh.dp_group().world_ranks(), [t, t + 2, t + 4, t + 6]);
-        let shard = mesh.dp_shard_group(2)?;
-        let d = r / 2;
+        // The sharded engine's groups cut the dp group (MiCS over blocks of 2): a block of two
+        // consecutive dp ranks, and the ranks of one index across the blocks.
+        use ferrolm_dist::zero::{members, ShardPosition, ShardSpec, ZeroGroup};
+        let (d, spec) = (r / 2, ShardSpec::mics(2));
+        let split = |g: ZeroGroup| {
+            let (color, key) = ShardPosition::of(d, spec).split(g, spec);
+            mesh.dp_group().split_named(color, key, "zero")
+        };
+        let (shard, replica) = (split(ZeroGroup::Block)?, split(ZeroGroup::OptimReplicas)?);
         assert_eq!(shard.world_ranks(), [(d / 2 * 2) * 2 + t, (d / 2 * 2 + 1) * 2 + t]);
-        let replica = mesh.dp_replica_group(2)?;
         assert_eq!(replica.world_ranks(), [(d % 2) * 2 + t, (d % 2 + 2) * 2 + t]);
-        assert!(Arc::ptr_eq(&shard, &mesh.dp_shard_group(2)?), "cached");
+        let world_of = |dps: Vec<usize>| dps.into_iter().map(|x| x * 2 + t).collect::<Vec<_>>();
+        assert_eq!(shard.world_ranks(), world_of(members(ZeroGroup::Block, spec, 4, d)));
+        assert_eq!(replica.world_ranks(), world_of(members(ZeroGroup::OptimReplicas, spec, 4, d)));
         // The groups work: sum of world ranks over each.
         let x = Tensor::from_vec(vec![r as f64], [1], Device::Cpu)?;
         for g in [mesh.tp_group(), mesh.dp_group(), &shard, &replica] {

@@ -105,7 +105,7 @@ fn tp_training_follows_single_device() {
         let want: Vec<f64> = {
             let m = Llama::new(c.clone(), DType::F32, Device::Cpu, &mut Rng::new(1)).unwrap();
             let params = m.parameters();
-            let mut opt = AdamW::new(&params, opt_cfg.clone()).unwrap();
+            let mut opt = AdamW::new(&m.named_parameters(), opt_cfg.clone()).unwrap();
             batches
                 .iter()
                 .map(|(x, y)| {
@@ -123,7 +123,7 @@ fn tp_training_follows_single_device() {
                 let mut m = Llama::new(c.clone(), DType::F32, Device::Cpu, &mut Rng::new(1))?;
                 let layout: TpLayout = parallelize(&mut m, &comm)?;
                 let params = m.parameters();
-                let mut opt = AdamW::new(&params, opt_cfg.clone())?;
+                let mut opt = AdamW::new(&m.named_parameters(), opt_cfg.clone())?;
                 let mut losses = Vec::new();
                 for (x, y) in &batches {
                     let loss = m.loss(x, y)?;

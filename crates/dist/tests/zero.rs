@@ -3,8 +3,8 @@
 //! parallelism; holds exactly the model-state bytes of the formula; sends exactly the bytes
 //! of the traffic model.
 use ferrolm_dist::tp::parallelize;
-use ferrolm_dist::zero::{traffic_bytes, ShardSpec, Zero};
-use ferrolm_dist::{CommOptions, CommStats, Communicator, DeviceMesh, ThreadComm};
+use ferrolm_dist::zero::{expected_gathers, traffic_bytes, Placement, ShardSpec, Zero};
+use ferrolm_dist::{CommOptions, CommStats, Communicator, DeviceMesh, ThreadComm, TrainEngine};
 use ferrolm_nn::optim::{clip_grad_norm, AdamW, AdamWConfig};
 use ferrolm_nn::{shift_labels, Llama, LlamaConfig};
 use ferrolm_tensor::{DType, Device, Rng, Tensor};
@@ -48,7 +48,7 @@ fn rows(v: &[i32], from: usize, n: usize) -> Tensor {
 fn single_device(tied: bool) -> Vec<f64> {
     let m = Llama::new(config(tied), DType::F32, Device::Cpu, &mut Rng::new(1)).unwrap();
     let params = m.parameters();
-    let mut opt = AdamW::new(&params, opt_cfg()).unwrap();
+    let mut opt = AdamW::new(&m.named_parameters(), opt_cfg()).unwrap();
     let mut losses = Vec::new();
     for s in 0..STEPS {
         let mut sum = 0.0;
@@ -78,9 +78,10 @@ struct RankOut {
 /// One rank of a dp x tp run with `spec`; returns its mean micro-batch losses per step.
 fn rank(comm: Arc<dyn Communicator>, dp: usize, tp: usize, rpn: usize, spec: ShardSpec, tied: bool) -> ferrolm_tensor::Result<RankOut> {
     let mesh = DeviceMesh::new(comm, tp, dp, rpn)?;
+    let dp_rank = mesh.dp_rank();
     let mut m = Llama::new(config(tied), DType::F32, Device::Cpu, &mut Rng::new(1))?;
     let layout = if tp > 1 { Some(parallelize(&mut m, mesh.tp_group())?) } else { None };
-    let mut z = Zero::new(&mut m, &mesh, spec, layout.as_ref(), opt_cfg())?;
+    let mut z = Zero::new(&mut m, mesh, spec, layout, opt_cfg(), Placement::Device)?;
     let per = ROWS / dp;
     let mut losses = Vec::new();
     let mut bytes = (0, 0, 0);
@@ -91,13 +92,14 @@ fn rank(comm: Arc<dyn Communicator>, dp: usize, tp: usize, rpn: usize, spec: Sha
         let mut sum = 0.0;
         for k in 0..ACCUM {
             let (x, y) = micro_batch(s * ACCUM + k);
-            let (x, y) = (rows(&x, mesh.dp_rank() * per, per), rows(&y, mesh.dp_rank() * per, per));
-            z.begin_forward()?;
-            let loss = m.loss(&x, &y)?;
-            sum += loss.item()?;
-            z.begin_backward(k + 1 == ACCUM)?;
-            loss.mul_scalar(1.0 / ACCUM as f64)?.backward()?;
-            z.end_backward()?;
+            let (x, y) = (rows(&x, dp_rank * per, per), rows(&y, dp_rank * per, per));
+            let mut loss = 0.0;
+            z.micro_batch(k + 1 == ACCUM, &mut || {
+                let l = m.loss(&x, &y)?;
+                loss = l.item()?;
+                l.mul_scalar(1.0 / ACCUM as f64)
+            })?;
+            sum += loss;
             if k + 1 < ACCUM {
                 // Between micro-batches a rank holds exactly its gradient range (n / s_g).
                 let held = z.grad_bytes_held();
@@ -112,13 +114,12 @@ fn rank(comm: Arc<dyn Communicator>, dp: usize, tp: usize, rpn: usize, spec: Sha
         if s == STEPS - 1 {
             bytes = z.state_bytes();
         }
-        z.step(LR, CLIP)?;
+        z.step(LR, CLIP, sum / ACCUM as f64)?;
         let sent: f64 = z.comms().iter().zip(&before).map(|(c, b)| c.stats().since(b).total_bytes()).sum();
         let gathers: Vec<usize> = z.gathers().iter().zip(&gathers0).map(|(a, b)| (a - b) / ACCUM).collect();
-        assert_eq!(gathers, Zero::expected_gathers(spec, z.bucket_numel().len(), tied), "{spec}: parameter all-gathers per bucket");
-        // The norm all-reduce over the block: one f64.
-        let norm_bytes = if spec.optim > 1 { 2.0 * (spec.optim as f64 - 1.0) / spec.optim as f64 * 8.0 } else { 0.0 };
-        traffic = sent - norm_bytes;
+        assert_eq!(gathers, expected_gathers(spec.params, z.bucket_numel().len(), tied), "{spec}: parameter all-gathers per bucket");
+        // The step's loss and norm all-reduce runs on the world communicator, not the engine's groups.
+        traffic = sent;
         model_traffic = traffic_bytes(spec, dp, &z.bucket_numel(), &gathers, 4, ACCUM);
         losses.push(sum / ACCUM as f64);
     }
@@ -211,12 +212,13 @@ fn run_span(
 ) -> ferrolm_tensor::Result<Vec<f64>> {
     use ferrolm_dist::ckpt;
     let mesh = DeviceMesh::new(comm, tp, dp, dp * tp)?;
+    let dp_rank = mesh.dp_rank();
     let mut m = Llama::new(config(true), DType::F32, Device::Cpu, &mut Rng::new(if resume.is_some() { 99 } else { 1 }))?;
     let layout = if tp > 1 { Some(parallelize(&mut m, mesh.tp_group())?) } else { None };
-    let mut z = Zero::new(&mut m, &mesh, spec, layout.as_ref(), opt_cfg())?;
+    let mut z = Zero::new(&mut m, mesh, spec, layout, opt_cfg(), Placement::Device)?;
     if let Some(dir) = resume {
         let (params, state) = ckpt::load_full(dir)?;
-        ckpt::load_into(&mut z, &params, &state, layout.as_ref(), from as u64, Device::Cpu)?;
+        ckpt::load_into(&mut z, &params, &state, from as u64)?;
     }
     let per = ROWS / dp;
     let mut losses = Vec::new();
@@ -224,21 +226,20 @@ fn run_span(
         let mut sum = 0.0;
         for k in 0..ACCUM {
             let (x, y) = micro_batch(s * ACCUM + k);
-            let (x, y) = (rows(&x, mesh.dp_rank() * per, per), rows(&y, mesh.dp_rank() * per, per));
-            z.begin_forward()?;
-            let loss = m.loss(&x, &y)?;
-            sum += loss.item()?;
-            z.begin_backward(k + 1 == ACCUM)?;
-            loss.mul_scalar(1.0 / ACCUM as f64)?.backward()?;
-            z.end_backward()?;
+            let (x, y) = (rows(&x, dp_rank * per, per), rows(&y, dp_rank * per, per));
+            let mut loss = 0.0;
+            z.micro_batch(k + 1 == ACCUM, &mut || {
+                let l = m.loss(&x, &y)?;
+                loss = l.item()?;
+                l.mul_scalar(1.0 / ACCUM as f64)
+            })?;
+            sum += loss;
         }
-        z.step(LR, CLIP)?;
         // The mean over data-parallel ranks, as the trainer logs it.
-        let t = Tensor::from_vec(vec![sum / ACCUM as f64], [1], Device::Cpu)?;
-        losses.push(mesh.dp_group().all_reduce(&t, ferrolm_dist::ReduceOp::Avg)?.item()?);
+        losses.push(z.step(LR, CLIP, sum / ACCUM as f64)?.loss);
     }
     if let Some(dir) = save {
-        ckpt::save_shards(dir, &z, layout.as_ref(), &mesh)?;
+        ckpt::save_shards(dir, &z)?;
     }
     Ok(losses)
 }

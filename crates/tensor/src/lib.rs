@@ -20,7 +20,7 @@ pub use autograd::{checkpoint, is_grad_enabled, no_grad, set_grad_enabled};
 pub use dtype::{bf16_from_f64, DType, Device};
 pub use error::{Error, Result};
 pub use half::bf16;
-pub use optim_ops::{fused_adamw_ranges, fused_adamw_step, fused_global_norm, AdamWTensors};
+pub use optim_ops::{fused_adamw, fused_global_norm, AdamWRange};
 pub use rng::Rng;
 pub use shape::{Layout, Shape};
 pub use storage::{live_bytes, peak_bytes, reset_peak_bytes, CpuStorage, DeviceStorage, Fill, Refill, Storage};

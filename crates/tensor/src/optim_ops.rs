@@ -7,14 +7,119 @@ use crate::storage::StorageCell;
 use crate::{bail, Device, Result, Storage, Tensor};
 use std::sync::{Arc, RwLockReadGuard};
 
-/// One parameter's tensors for `fused_adamw_step` (see `backend::AdamWSlot`).
-pub struct AdamWTensors<'a> {
+/// A flat range of one parameter buffer and its AdamW state: 1-D contiguous views of one length
+/// `n` (offsets allowed). `param` is updated in place: f32, or bf16 rounded from the f32
+/// `master`; `grad`, `m`, `v` are f32. `segments` (start, len, weight decay) are the elements to
+/// update, in runs of equal weight decay (one `(0, n, wd)` for a whole parameter).
+pub struct AdamWRange<'a> {
     pub param: &'a Tensor,
-    pub grad: &'a Tensor,
     pub master: Option<&'a Tensor>,
+    pub grad: &'a Tensor,
     pub m: &'a Tensor,
     pub v: &'a Tensor,
-    pub weight_decay: f64,
+    pub segments: &'a [(usize, usize, f64)],
+}
+
+impl AdamWRange<'_> {
+    fn tensors(&self) -> impl Iterator<Item = &Tensor> + '_ {
+        [self.param, self.grad, self.m, self.v].into_iter().chain(self.master)
+    }
+    /// Whether every view is 1-D contiguous of the parameter's length, the dtypes are the fused
+    /// kernels' (see the struct), the segments lie inside, and no two views share a storage.
+    fn fusable(&self) -> bool {
+        use crate::DType::{BF16, F32};
+        let n = self.param.numel();
+        let flat = |t: &Tensor| t.rank() == 1 && t.is_contiguous() && t.numel() == n;
+        let types = [self.grad, self.m, self.v].iter().all(|t| t.dtype() == F32)
+            && match self.master {
+                None => self.param.dtype() == F32,
+                Some(w) => w.dtype() == F32 && self.param.dtype() == BF16,
+            };
+        let cells: Vec<*const StorageCell> = self.tensors().map(|t| Arc::as_ptr(&t.0.storage)).collect();
+        let distinct = (1..cells.len()).all(|i| !cells[..i].contains(&cells[i]));
+        types && distinct && self.tensors().all(flat) && self.segments.iter().all(|&(s, l, _)| s.checked_add(l).is_some_and(|e| e <= n))
+    }
+}
+
+/// One AdamW update of `ranges` by a fused kernel: the CPU's `cpu_adam` (multi-threaded,
+/// vectorised) or the device backend's multi-tensor kernel. Every capability is checked before
+/// any state is touched: `Ok(false)` means nothing changed and the caller runs the op-based
+/// reference (`ferrolm_nn::optim::adamw_update` does).
+pub fn fused_adamw(ranges: &[AdamWRange], h: AdamWHyper) -> Result<bool> {
+    let all: Vec<&Tensor> = ranges.iter().flat_map(|r| r.tensors()).collect();
+    let device = one_device("fused_adamw", &all)?;
+    if ranges.is_empty() || !ranges.iter().all(|r| r.fusable()) {
+        return Ok(false);
+    }
+    if device == Device::Cpu {
+        for r in ranges {
+            cpu_adamw(r, h)?;
+        }
+        return Ok(true);
+    }
+    let b = backend::get("fused_adamw", device)?;
+    // One slot per segment: the segment's part of each view.
+    let layouts: Vec<Vec<Vec<crate::Layout>>> = ranges
+        .iter()
+        .map(|r| {
+            r.segments
+                .iter()
+                .map(|&(s, l, _)| {
+                    r.tensors().map(|t| crate::Layout { offset: t.layout().offset + s, ..crate::Layout::contiguous([l].into()) }).collect()
+                })
+                .collect()
+        })
+        .collect();
+    with_views(&all, |v| {
+        let mut slots = Vec::new();
+        let mut at = 0;
+        for (r, segs) in ranges.iter().zip(&layouts) {
+            let k = 4 + r.master.is_some() as usize;
+            for (seg, ls) in r.segments.iter().zip(segs) {
+                let view = |i: usize| (v[at + i].0, &ls[i]);
+                slots.push(AdamWSlot {
+                    param: view(0),
+                    grad: view(1),
+                    m: view(2),
+                    v: view(3),
+                    master: r.master.map(|_| view(4)),
+                    weight_decay: seg.2,
+                });
+            }
+            at += k;
+        }
+        b.adamw_step(&slots, h)
+    })
+}
+
+/// `fused_adamw` of one range on the CPU (checked `fusable`): `cpu_adam` per segment.
+fn cpu_adamw(r: &AdamWRange, h: AdamWHyper) -> Result<()> {
+    use crate::CpuStorage;
+    let mismatch = || crate::Error::new("fused_adamw", "a storage does not match its dtype");
+    let off = |t: &Tensor| t.layout().offset;
+    let (og, om, ov, op) = (off(r.grad), off(r.m), off(r.v), off(r.param));
+    let g = r.grad.0.storage.read()?;
+    let (mut ms, mut vs, mut ps) = (r.m.0.storage.write()?, r.v.0.storage.write()?, r.param.0.storage.write()?);
+    let mut ws = match r.master {
+        Some(w) => Some((w.0.storage.write()?, off(w))),
+        None => None,
+    };
+    let (Storage::Cpu(CpuStorage::F32(g)), Storage::Cpu(CpuStorage::F32(m)), Storage::Cpu(CpuStorage::F32(v))) = (&*g, &mut *ms, &mut *vs)
+    else {
+        return Err(mismatch());
+    };
+    for &(s, l, wd) in r.segments {
+        let (g, m, v) = (&g[og + s..og + s + l], &mut m[om + s..om + s + l], &mut v[ov + s..ov + s + l]);
+        match (&mut *ps, ws.as_mut()) {
+            (Storage::Cpu(CpuStorage::F32(p)), None) => crate::cpu_adam::adamw_step(&mut p[op + s..op + s + l], m, v, g, None, &h, wd)?,
+            (Storage::Cpu(CpuStorage::BF16(p)), Some((w, ow))) => {
+                let Storage::Cpu(CpuStorage::F32(w)) = &mut **w else { return Err(mismatch()) };
+                crate::cpu_adam::adamw_step(&mut w[*ow + s..*ow + s + l], m, v, g, Some(&mut p[op + s..op + s + l]), &h, wd)?
+            }
+            _ => return Err(mismatch()),
+        }
+    }
+    Ok(())
 }
 
 fn dense(t: &Tensor) -> bool {
@@ -52,86 +157,6 @@ fn one_device(op: &str, ts: &[&Tensor]) -> Result<Device> {
     Ok(d)
 }
 
-/// The CPU's fused AdamW (`cpu_adam`): f32 state, f32 gradients, the parameter f32 (updated
-/// in place) or bf16 with an f32 master. `Ok(false)` when a slot is not of that form.
-fn cpu_adamw_step(slots: &[AdamWTensors], h: AdamWHyper) -> Result<bool> {
-    use crate::CpuStorage;
-    let f32_dense = |t: &Tensor| t.dtype() == crate::DType::F32 && dense(t);
-    let ok = slots.iter().all(|s| {
-        f32_dense(s.grad)
-            && f32_dense(s.m)
-            && f32_dense(s.v)
-            && match s.master {
-                None => f32_dense(s.param),
-                Some(m) => f32_dense(m) && s.param.dtype() == crate::DType::BF16 && dense(s.param),
-            }
-    });
-    // Aliased state is left to the op-based update. Checked for every slot before any is
-    // updated: `Ok(false)` promises that nothing changed.
-    let aliased = slots.iter().any(|s| {
-        let distinct = [s.param, s.m, s.v, s.grad].iter().chain(s.master.iter()).map(|t| Arc::as_ptr(&t.0.storage)).collect::<Vec<_>>();
-        (1..distinct.len()).any(|i| distinct[..i].contains(&distinct[i]))
-    });
-    if slots.is_empty() || !ok || aliased {
-        return Ok(false);
-    }
-    let mismatch = || crate::Error::new("fused_adamw_step", "a storage does not match its dtype");
-    for s in slots {
-        // On the CPU an f32 tensor's storage is `CpuStorage::F32` (and bf16's `BF16`), so the
-        // matches below cannot fail after the checks above.
-        let g = s.grad.0.storage.read()?;
-        let (mut m, mut v) = (s.m.0.storage.write()?, s.v.0.storage.write()?);
-        let (Storage::Cpu(CpuStorage::F32(g)), Storage::Cpu(CpuStorage::F32(m)), Storage::Cpu(CpuStorage::F32(v))) =
-            (&*g, &mut *m, &mut *v)
-        else {
-            return Err(mismatch());
-        };
-        match s.master {
-            None => {
-                let mut p = s.param.0.storage.write()?;
-                let Storage::Cpu(CpuStorage::F32(p)) = &mut *p else { return Err(mismatch()) };
-                crate::cpu_adam::adamw_step(p, m, v, g, None, &h, s.weight_decay)?;
-            }
-            Some(master) => {
-                let (mut w, mut p) = (master.0.storage.write()?, s.param.0.storage.write()?);
-                let (Storage::Cpu(CpuStorage::F32(w)), Storage::Cpu(CpuStorage::BF16(p))) = (&mut *w, &mut *p) else {
-                    return Err(mismatch());
-                };
-                crate::cpu_adam::adamw_step(w, m, v, g, Some(p), &h, s.weight_decay)?;
-            }
-        }
-    }
-    Ok(true)
-}
-
-/// Runs the backend's fused AdamW over `slots` if it has one and every tensor is dense;
-/// `Ok(false)` means nothing was changed and the caller must run the op-based update.
-pub fn fused_adamw_step(slots: &[AdamWTensors], h: AdamWHyper) -> Result<bool> {
-    let mut all: Vec<&Tensor> = Vec::with_capacity(slots.len() * 5);
-    for s in slots {
-        all.extend([s.param, s.grad, s.m, s.v]);
-        all.extend(s.master);
-    }
-    let device = one_device("fused_adamw_step", &all)?;
-    if device == Device::Cpu {
-        return cpu_adamw_step(slots, h);
-    }
-    if all.is_empty() || !all.iter().all(|t| dense(t)) {
-        return Ok(false);
-    }
-    let b = backend::get("fused_adamw_step", device)?;
-    with_views(&all, |v| {
-        let mut at = 0;
-        let mut out = Vec::with_capacity(slots.len());
-        for s in slots {
-            let master = s.master.map(|_| v[at + 4]);
-            out.push(AdamWSlot { param: v[at], grad: v[at + 1], m: v[at + 2], v: v[at + 3], master, weight_decay: s.weight_decay });
-            at += 4 + s.master.is_some() as usize;
-        }
-        b.adamw_step(&out, h)
-    })
-}
-
 /// sqrt(sum of squares) over every element of `xs`: on the CPU accumulated in f64 (any layout);
 /// on a device by the backend's fused kernel when it has one and every tensor is dense (CUDA:
 /// per-block partials summed in f64), `Ok(None)` otherwise.
@@ -145,59 +170,4 @@ pub fn fused_global_norm(xs: &[&Tensor]) -> Result<Option<f64>> {
     }
     let b = backend::get("fused_global_norm", device)?;
     with_views(xs, |v| b.global_norm(v))
-}
-
-/// One AdamW update over flat 1-D ranges on the CPU (`cpu_adam`): `param` (a contiguous view,
-/// f32, or bf16 with the f32 `master`), dense f32 `grad`, `m`, `v` of the same length, and
-/// `segments` (start, len, weight decay) covering the elements to update. `Ok(false)` when the
-/// tensors are not of that form (the caller runs the op-based update).
-pub fn fused_adamw_ranges(
-    param: &Tensor,
-    grad: &Tensor,
-    m: &Tensor,
-    v: &Tensor,
-    master: Option<&Tensor>,
-    segments: &[(usize, usize, f64)],
-    h: AdamWHyper,
-) -> Result<bool> {
-    use crate::{CpuStorage, DType};
-    let n = param.numel();
-    let f32_dense = |t: &Tensor| t.device() == Device::Cpu && t.dtype() == DType::F32 && t.numel() == n && dense(t);
-    let param_ok = param.device() == Device::Cpu
-        && param.rank() == 1
-        && param.is_contiguous()
-        && match master {
-            None => param.dtype() == DType::F32,
-            Some(w) => param.dtype() == DType::BF16 && f32_dense(w),
-        };
-    if !(param_ok && f32_dense(grad) && f32_dense(m) && f32_dense(v)) || segments.iter().any(|&(s, l, _)| s + l > n) {
-        return Ok(false);
-    }
-    let cells: Vec<*const crate::storage::StorageCell> =
-        [param, grad, m, v].iter().chain(master.iter()).map(|t| Arc::as_ptr(&t.0.storage)).collect();
-    if (1..cells.len()).any(|i| cells[..i].contains(&cells[i])) {
-        return Ok(false);
-    }
-    let off = param.layout().offset;
-    let g = grad.0.storage.read()?;
-    let (mut ms, mut vs, mut ps) = (m.0.storage.write()?, v.0.storage.write()?, param.0.storage.write()?);
-    let mut ws = match master {
-        Some(w) => Some(w.0.storage.write()?),
-        None => None,
-    };
-    let (Storage::Cpu(CpuStorage::F32(g)), Storage::Cpu(CpuStorage::F32(m)), Storage::Cpu(CpuStorage::F32(v))) = (&*g, &mut *ms, &mut *vs)
-    else {
-        return Ok(false);
-    };
-    for &(s, l, wd) in segments {
-        let (g, m, v) = (&g[s..s + l], &mut m[s..s + l], &mut v[s..s + l]);
-        match (&mut *ps, ws.as_deref_mut()) {
-            (Storage::Cpu(CpuStorage::F32(p)), None) => crate::cpu_adam::adamw_step(&mut p[off + s..off + s + l], m, v, g, None, &h, wd)?,
-            (Storage::Cpu(CpuStorage::BF16(p)), Some(Storage::Cpu(CpuStorage::F32(w)))) => {
-                crate::cpu_adam::adamw_step(&mut w[s..s + l], m, v, g, Some(&mut p[off + s..off + s + l]), &h, wd)?
-            }
-            _ => return Ok(false),
-        }
-    }
-    Ok(true)
 }

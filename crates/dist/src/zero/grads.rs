@@ -1,0 +1,234 @@
+//! The gradient pipeline. A gradient sink copies each parameter's gradient into its bucket's
+//! buffer the moment autograd has finished it; a complete bucket is reduce-scattered over G
+//! (s_g ranks) at once, behind the rest of the backward pass, and its range accumulated over
+//! the step's micro-batches, so a rank never holds more than 1/s_g of the gradients.
+//!
+//! In the step's last micro-batch a bucket's whole hand-over to the optimizer range is chained
+//! behind its reduce-scatter without waiting: the earlier micro-batches' sum is added when the
+//! next collective reads its input, then a reduce-scatter over the OS sub-group narrows the range
+//! (s_os > s_g) and an all-reduce over the replicas completes the sum. The optimizer state's
+//! gradient-ready hook (offload's host stream) sees the result as soon as it is launched.
+use super::groups::{Comm, ShardGroups};
+use super::ShardSpec;
+use crate::comm::ReduceOp;
+use ferrolm_nn::store::ParamStore;
+use ferrolm_nn::Llama;
+use ferrolm_tensor::{no_grad, DType, Device, Error, Result, Tensor};
+use std::sync::{Arc, Mutex, MutexGuard};
+
+/// Called with (bucket, its optimizer-range gradient, possibly pending) when a bucket's
+/// hand-over has been launched in the step's last micro-batch.
+pub(crate) type GradReady = Arc<dyn Fn(usize, &Tensor) -> Result<()> + Send + Sync>;
+
+/// One bucket's gradient on its way to the optimizer range.
+struct BucketGrads {
+    numel: usize,
+    dtype: DType,
+    device: Device,
+    /// (numel) the gradients arrived in this micro-batch.
+    full: Option<Tensor>,
+    arrived: usize,
+    expected: usize,
+    /// Reduced (possibly pending) ranges of this step's earlier micro-batches.
+    reduced: Vec<Tensor>,
+    /// (numel / s_g) the sum of the earlier micro-batches' ranges.
+    acc: Option<Tensor>,
+    /// (numel / s_os) after the last micro-batch: the gradient of this rank's optimizer range,
+    /// summed over every data-parallel rank (pending while its collectives run).
+    optim_grad: Option<Tensor>,
+}
+
+struct Assembly {
+    buckets: Vec<BucketGrads>,
+    /// The first failure inside a sink (sinks cannot return errors to autograd).
+    error: Option<Error>,
+    /// The backward pass running is the step's last micro-batch.
+    last: bool,
+    groups: Arc<ShardGroups>,
+    spec: ShardSpec,
+    grad_ready: Option<GradReady>,
+}
+
+pub(crate) struct GradPipeline(Arc<Mutex<Assembly>>);
+
+impl GradPipeline {
+    pub fn new(store: &ParamStore, groups: Arc<ShardGroups>, spec: ShardSpec) -> GradPipeline {
+        let buckets = store
+            .buckets
+            .iter()
+            .map(|b| BucketGrads {
+                numel: b.padded,
+                dtype: b.dtype,
+                device: b.flat.device(),
+                full: None,
+                arrived: 0,
+                expected: b.slots.len(),
+                reduced: Vec::new(),
+                acc: None,
+                optim_grad: None,
+            })
+            .collect();
+        GradPipeline(Arc::new(Mutex::new(Assembly { buckets, error: None, last: true, groups, spec, grad_ready: None })))
+    }
+
+    fn lock(&self) -> MutexGuard<'_, Assembly> {
+        self.0.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    pub fn set_grad_ready(&self, hook: Option<GradReady>) {
+        self.lock().grad_ready = hook;
+    }
+
+    /// Each of `model`'s parameters hands its gradient to its bucket's buffer; the bucket is
+    /// flushed when its last parameter's gradient arrives.
+    pub fn install_sinks(&self, store: &ParamStore, model: &Llama) -> Result<()> {
+        let params: std::collections::HashMap<String, Tensor> = model.parameters().into_iter().collect();
+        for (bi, bk) in store.buckets.iter().enumerate() {
+            for s in &bk.slots {
+                let p = params.get(&s.name).ok_or_else(|| Error::new("zero", format!("parameter {} is not in the model", s.name)))?;
+                let (asm, off, numel) = (self.0.clone(), s.offset, s.numel());
+                p.set_grad_sink(Some(Arc::new(move |grad: &Tensor| {
+                    let mut a = asm.lock().unwrap_or_else(|e| e.into_inner());
+                    if a.error.is_some() {
+                        return;
+                    }
+                    if let Err(e) = a.arrive(bi, off, numel, grad) {
+                        a.error = Some(e);
+                    }
+                })));
+            }
+        }
+        Ok(())
+    }
+
+    /// Before a micro-batch's backward: whether it is the step's last.
+    pub fn begin_backward(&self, last: bool) {
+        self.lock().last = last;
+    }
+
+    /// After a micro-batch's backward: flushes buckets some parameter of which got no gradient,
+    /// and accumulates the reduced ranges of a micro-batch before the last.
+    pub fn end_backward(&self) -> Result<()> {
+        let mut a = self.lock();
+        if let Some(e) = a.error.take() {
+            return Err(e);
+        }
+        for i in 0..a.buckets.len() {
+            if a.buckets[i].full.is_some() {
+                a.flush(i)?;
+            }
+            if !a.last && a.buckets[i].optim_grad.is_some() {
+                return Err(Error::new("zero", "a micro-batch after the step's last one: call step() first"));
+            }
+        }
+        let _g = no_grad();
+        for b in a.buckets.iter_mut() {
+            for r in std::mem::take(&mut b.reduced) {
+                b.acc = Some(match b.acc.take() {
+                    Some(acc) => acc.add(&r)?,
+                    None => r.contiguous()?,
+                });
+            }
+        }
+        Ok(())
+    }
+
+    /// After the last micro-batch: every bucket's optimizer-range gradient (summed over the
+    /// data-parallel ranks, not yet averaged). A bucket that got no gradient hands over zeros.
+    pub fn take_optim_grads(&self) -> Result<Vec<Tensor>> {
+        let mut a = self.lock();
+        let _g = no_grad();
+        let mut out = Vec::with_capacity(a.buckets.len());
+        for i in 0..a.buckets.len() {
+            if a.buckets[i].optim_grad.is_none() {
+                let b = &mut a.buckets[i];
+                b.full = Some(Tensor::zeros([b.numel], b.dtype, b.device)?);
+                a.last = true;
+                a.flush(i)?;
+            }
+            out.push(a.buckets[i].optim_grad.take().expect("flushed"));
+        }
+        Ok(out)
+    }
+
+    /// Forgets this step's gradients; returns the tensors still in flight, which the caller must
+    /// wait for (every rank completes the collectives it launched).
+    pub fn discard(&self) -> Vec<Tensor> {
+        let mut a = self.lock();
+        let mut out = Vec::new();
+        for b in a.buckets.iter_mut() {
+            b.full = None;
+            b.arrived = 0;
+            out.append(&mut b.reduced);
+            out.extend(b.acc.take());
+            out.extend(b.optim_grad.take());
+        }
+        a.error = None;
+        out
+    }
+
+    /// Bytes of accumulated gradient ranges held now (between micro-batches of a step).
+    pub fn bytes_held(&self) -> usize {
+        self.lock().buckets.iter().map(|b| b.acc.as_ref().map_or(0, |t| t.storage_bytes())).sum()
+    }
+}
+
+impl Assembly {
+    /// A parameter's gradient: into its bucket's buffer; the bucket flushes when complete.
+    fn arrive(&mut self, bucket: usize, offset: usize, numel: usize, grad: &Tensor) -> Result<()> {
+        let b = &mut self.buckets[bucket];
+        let full = match &b.full {
+            Some(f) => f.clone(),
+            None => {
+                let f = Tensor::zeros([b.numel], b.dtype, b.device)?;
+                b.full = Some(f.clone());
+                f
+            }
+        };
+        full.narrow(0, offset, numel)?.assign(&grad.reshape([numel])?)?;
+        b.arrived += 1;
+        if b.arrived == b.expected {
+            self.flush(bucket)?;
+        }
+        Ok(())
+    }
+
+    /// Launches bucket `i`'s reduce-scatter over G (kept whole when s_g = 1); in the last
+    /// micro-batch chains the hand-over to the optimizer range behind it (module comment).
+    fn flush(&mut self, i: usize) -> Result<()> {
+        let (g_comm, spec, last) = (&self.groups.grads, self.spec, self.last);
+        let b = &mut self.buckets[i];
+        let full = b.full.take().ok_or_else(|| Error::new("zero", "no gradient to flush"))?;
+        b.arrived = 0;
+        let r = if spec.grads > 1 { g_comm.reduce_scatter_async(&full, ReduceOp::Sum)?.tensor() } else { full };
+        if !last {
+            b.reduced.push(r);
+            return Ok(());
+        }
+        let mut g = match b.acc.take() {
+            None => r,
+            Some(acc) => {
+                let (shape, dtype, dev) = (r.shape().clone(), r.dtype(), r.device());
+                crate::comm::deferred(shape, dtype, dev, move || acc.add(&r))?
+            }
+        };
+        if spec.optim > spec.grads {
+            g = reduce_scatter(&self.groups.optim_sub, &g)?;
+        }
+        if self.groups.optim_replicas.size() > 1 {
+            g = self.groups.optim_replicas.all_reduce_async(&g, ReduceOp::Sum)?.tensor();
+        }
+        if let Some(hook) = &self.grad_ready {
+            hook(i, &g)?;
+        }
+        self.buckets[i].optim_grad = Some(g);
+        Ok(())
+    }
+}
+
+fn reduce_scatter(c: &Comm, x: &Tensor) -> Result<Tensor> {
+    if c.size() == 1 {
+        return Ok(x.clone());
+    }
+    Ok(c.reduce_scatter_async(x, ReduceOp::Sum)?.tensor())
+}
