@@ -11,7 +11,8 @@
 //!   rank's error or panic into prompt errors on the others.
 //! - [`nccl`]: [`NcclComm`], NCCL on its own CUDA stream ordered with the compute stream by
 //!   events, bootstrapped through [`store`], with a watchdog for hangs and peer failures;
-//!   `nccl_lib` finds `libnccl.so.2` itself (cudarc's loader only tries `libnccl.so`).
+//!   [`nccl_lib`] finds `libnccl.so.2` itself (cudarc's loader only tries `libnccl.so`), or
+//!   opens the emulated NCCL (crates/dist/emu) for multi-process runs on the CUDA emulator.
 //! - [`store`]: the TCP rendezvous store on `MASTER_ADDR:MASTER_PORT` (values, barriers,
 //!   failure notices).
 //! - [`env`](mod@env): [`DistEnv`] (the torchrun variables) and [`init_from_env`], which returns an
@@ -39,7 +40,7 @@ pub mod engine;
 pub mod env;
 pub mod mesh;
 pub mod nccl;
-mod nccl_lib;
+pub mod nccl_lib;
 pub mod offload;
 pub mod ops;
 pub mod plan;
