@@ -41,6 +41,8 @@ pub mod plan;
 mod reduce;
 pub mod simlink;
 pub mod store;
+pub mod tcpstore;
+pub mod tcpstore_server;
 pub mod thread;
 pub mod tp;
 pub mod zero;
