@@ -179,9 +179,10 @@ pub struct DeviceArgs {
 
 impl DeviceArgs {
     /// The device, its backend started. In a multi-process run (torchrun's `WORLD_SIZE` > 1)
-    /// `cuda` (or no flag) means this process's GPU, `cuda:$LOCAL_RANK`.
+    /// `cuda` (or no flag) means this process's GPU: `cuda:$LOCAL_RANK`, or `cuda:0` when
+    /// `CUDA_VISIBLE_DEVICES` shows the process one GPU.
     pub fn pick(&self) -> AnyResult<ferrolm_tensor::Device> {
-        let local = ferrolm_dist::DistEnv::from_env()?.filter(|e| e.world_size > 1).map(|e| format!("cuda:{}", e.local_rank));
+        let local = ferrolm_dist::DistEnv::from_env()?.filter(|e| e.world_size > 1).map(|e| e.cuda_device());
         let flag = match (self.device.as_deref(), &local) {
             (None | Some("cuda"), Some(l)) => Some(l.as_str()),
             (f, _) => f,

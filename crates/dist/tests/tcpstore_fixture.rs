@@ -4,7 +4,7 @@
 //! - our client, run through the same operations against a fake server that plays the recorded
 //!   replies, must send exactly the torch client's bytes and return torch's results;
 //! - our server, sent the torch client's bytes, must answer exactly the torch server's bytes.
-use ferrolm_dist::tcpstore_server::StoreServer;
+use ferrolm_dist::store::StoreServer;
 use ferrolm_dist::tcpstore::TcpStoreClient;
 use serde_json::{json, Value};
 use std::io::{Read, Write};
