@@ -152,6 +152,9 @@ pub const ENV_DEVICE: &str = concat!(
     "  LD_LIBRARY_PATH        where the NVIDIA driver, cuBLAS(Lt), NVRTC and NCCL are found",
 );
 
+/// Environment variables of the tools that run as one process per GPU (torchrun, srun, launch).
+pub const ENV_LAUNCH: &str = ferrolm_dist::env::ENV_HELP;
+
 /// Environment variables of the training tools.
 pub const ENV_TRAIN: &str = "  FERROLM_PEAK_TFLOPS    the GPU's bf16 dense peak for MFU [default: 989, H100 SXM]";
 

@@ -29,14 +29,15 @@ pub const DEFAULT_MASTER_PORT: u16 = 29500;
 /// The launcher variables, for a tool's `--help` (two spaces, name padded to 23).
 pub const ENV_HELP: &str = concat!(
     "  RANK, WORLD_SIZE       this process's rank and the process count (torchrun, launch)\n",
-    "  LOCAL_RANK             index on this node: the process drives cuda:LOCAL_RANK, or cuda:0 when\n",
-    "                         CUDA_VISIBLE_DEVICES shows it one GPU\n",
+    "  LOCAL_RANK             index on this node: the process uses cuda:LOCAL_RANK, or cuda:0\n",
+    "                         when CUDA_VISIBLE_DEVICES shows it one GPU\n",
     "  LOCAL_WORLD_SIZE       processes per node [default: SLURM's tasks per node, else WORLD_SIZE]\n",
-    "  MASTER_ADDR            host of global rank 0 [default under srun: first host of SLURM_JOB_NODELIST]\n",
+    "  MASTER_ADDR            host of global rank 0 [default under srun: first host of the node list]\n",
     "  MASTER_PORT            port of the rendezvous store [default: 29500]\n",
-    "  TORCHELASTIC_USE_AGENT_STORE  `True` (set by torchrun): join the agent's store, do not serve one\n",
-    "  SLURM_PROCID, SLURM_NTASKS, SLURM_LOCALID  ranks under srun when RANK, WORLD_SIZE, LOCAL_RANK\n",
-    "                         are not set (Open MPI's OMPI_COMM_WORLD_* likewise)",
+    "  TORCHELASTIC_USE_AGENT_STORE\n",
+    "                         `True` (torchrun sets it): join the agent's store, do not serve one\n",
+    "  SLURM_PROCID           under srun, with SLURM_NTASKS and SLURM_LOCALID: the ranks when RANK,\n",
+    "                         WORLD_SIZE, LOCAL_RANK are not set (OMPI_COMM_WORLD_* likewise)",
 );
 
 /// Where the rank came from (for messages that name the variable).
@@ -214,7 +215,7 @@ impl DistEnv {
                 Some((n, list)) => slurm::first_host(&list).map_err(|e| Error::new("dist env", format!("{n}={list:?}: {e}")))?,
                 None => bail!(
                     "dist env",
-                    "{world_var}={world_size} but MASTER_ADDR is not set: export the host of global rank 0 as MASTER_ADDR (torchrun and srun set it or its source)"
+                    "{world_var}={world_size} but MASTER_ADDR is not set: export the host of global rank 0 as MASTER_ADDR (torchrun sets it; under srun it defaults to the first host of SLURM_JOB_NODELIST)"
                 ),
             },
         };

@@ -292,6 +292,8 @@ fn watchdog(weak: Weak<Shared>) {
         if let Some(msg) = reason {
             s.fail(msg.clone(), notify);
             eprintln!("ferrolm-dist: {msg}; aborting this process");
+            // Rank 0 serves the store: keep it until the others have read the notice.
+            s.store.linger(Duration::from_secs(10));
             std::process::exit(1);
         }
     }

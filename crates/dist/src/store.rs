@@ -217,14 +217,14 @@ impl Store {
                     }
                     _ => "",
                 };
-                Err(Error::new(
-                    ctx,
-                    format!(
-                        "only {arrived} of {} ranks joined the rendezvous at {at} within {:.1} s; missing ranks: {missing}.{hint}",
-                        env.world_size,
-                        timeout.as_secs_f64()
-                    ),
-                ))
+                let msg = format!(
+                    "only {arrived} of {} ranks joined the rendezvous at {at} within {:.1} s; missing ranks: {missing}.{hint}",
+                    env.world_size,
+                    timeout.as_secs_f64()
+                );
+                // The ranks that did come end with the same reason, not each at its own timeout.
+                let _ = store.report_failure(&msg);
+                Err(Error::new(ctx, msg))
             }
         }
     }
@@ -301,6 +301,15 @@ impl Store {
     pub fn is_server(&self) -> bool {
         self.server.is_some()
     }
+    /// For a process about to exit on an error: if it serves the store, keeps it up until the
+    /// other ranks have disconnected (at most `max`), so they read its failure notice instead of
+    /// finding the store gone. Returns at once elsewhere.
+    pub fn linger(&self, max: Duration) {
+        if let Some(s) = &self.server {
+            s.wait_for_other_clients(max);
+        }
+    }
+
     /// The namespace put before every key on the wire.
     pub fn prefix(&self) -> &str {
         &self.prefix

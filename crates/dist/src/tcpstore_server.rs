@@ -104,23 +104,28 @@ impl StoreServer {
     }
 }
 
-impl Drop for StoreServer {
-    fn drop(&mut self) {
+impl StoreServer {
+    /// Waits until no client of another process is connected, at most `max`; whether none is.
+    /// (A process that is about to exit calls it so the others can read a failure notice first.)
+    pub fn wait_for_other_clients(&self, max: Duration) -> bool {
         let started = Instant::now();
-        let deadline = started + self.linger;
+        let deadline = started + max;
         let mut told = false;
         let mut inner = lock(&self.state);
         loop {
             let n = Self::foreign_connections(&inner);
             let now = Instant::now();
-            if n == 0 || now >= deadline {
-                break;
+            if n == 0 {
+                return true;
+            }
+            if now >= deadline {
+                return false;
             }
             if !told && now - started >= Duration::from_secs(2) {
                 eprintln!(
                     "ferrolm-dist: the rendezvous store on {} waits for {n} client(s) of other ranks to disconnect (up to {:.0} s) before it stops",
                     self.addr,
-                    self.linger.as_secs_f64()
+                    max.as_secs_f64()
                 );
                 told = true;
             }
@@ -128,6 +133,13 @@ impl Drop for StoreServer {
             let wait = (deadline - now).min(Duration::from_millis(100));
             inner = self.state.closed.wait_timeout(inner, wait).unwrap_or_else(|e| e.into_inner()).0;
         }
+    }
+}
+
+impl Drop for StoreServer {
+    fn drop(&mut self) {
+        self.wait_for_other_clients(self.linger);
+        let inner = lock(&self.state);
         self.state.stop.store(true, Ordering::Release);
         for c in inner.conns.values() {
             let _ = c.stream.shutdown(Shutdown::Both);

@@ -334,8 +334,15 @@ fn two_processes_with_one_rank_both_fail_naming_rank() {
 fn a_rank_that_never_arrives_is_named_at_the_timeout() {
     let port = std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port();
     let t0 = Instant::now();
-    let e = Store::rendezvous(&at(0, 3, port, false), Duration::from_millis(800)).err().unwrap().to_string();
-    assert!(t0.elapsed() >= Duration::from_millis(750) && t0.elapsed() < Duration::from_secs(5), "{:?}", t0.elapsed());
-    assert!(e.contains("only 1 of 3 ranks joined the rendezvous"), "{e}");
-    assert!(e.contains("missing ranks: 1, 2"), "{e}");
+    let (e0, e1) = std::thread::scope(|s| {
+        // Rank 0 would wait 60 s: the first rank to time out tells it why.
+        let r0 = s.spawn(|| Store::rendezvous(&at(0, 3, port, false), Duration::from_secs(60)).err().unwrap().to_string());
+        std::thread::sleep(Duration::from_millis(100));
+        let e1 = Store::rendezvous(&at(1, 3, port, false), Duration::from_millis(800)).err().unwrap().to_string();
+        (r0.join().unwrap(), e1)
+    });
+    assert!(t0.elapsed() >= Duration::from_millis(850) && t0.elapsed() < Duration::from_secs(5), "{:?}", t0.elapsed());
+    assert!(e1.contains("only 2 of 3 ranks joined the rendezvous"), "{e1}");
+    assert!(e1.contains("missing ranks: 2."), "{e1}");
+    assert!(e0.contains("rank 1 failed: only 2 of 3 ranks joined the rendezvous") && e0.contains("missing ranks: 2."), "{e0}");
 }
