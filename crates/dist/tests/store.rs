@@ -140,7 +140,7 @@ fn waits_time_out_and_a_dead_server_is_reported() {
     // Every later request fails at once with the same reason.
     let t0 = Instant::now();
     assert!(st.set("x", b"y").unwrap_err().to_string().contains("lost"));
-    assert!(t0.elapsed() < Duration::from_millis(100));
+    assert!(t0.elapsed() < Duration::from_secs(1), "{:?}", t0.elapsed());
 }
 
 #[test]
