@@ -3,32 +3,56 @@
 //!
 //!   cargo run --release --example launch -- --nproc-per-node N <tool> <tool flags>
 //!
-//! `<tool>` is a path to a program, or the name of a ferrolm example built beside this one
-//! (`pretrain_llama`, `finetune_ladder`, `eval`, `generate`). Each process gets `RANK`,
-//! `LOCAL_RANK`, `WORLD_SIZE`, `LOCAL_WORLD_SIZE`, `MASTER_ADDR` and `MASTER_PORT`; if one
-//! fails, the others are stopped and its exit code is returned.
+//! and, for a job across nodes, one invocation per node with the same master address and port:
+//!
+//!   launch --nnodes 2 --node-rank 0 --master-addr node0 --master-port 29500 --nproc-per-node 8 pretrain_llama ...
+//!   launch --nnodes 2 --node-rank 1 --master-addr node0 --master-port 29500 --nproc-per-node 8 pretrain_llama ...
+//!
+//! (two invocations on one machine act as two simulated nodes). `<tool>` is a path to a program,
+//! or the name of a ferrolm example built beside this one (`pretrain_llama`, `finetune_ladder`,
+//! `eval`, `generate`). Each process gets `RANK`, `LOCAL_RANK`, `WORLD_SIZE`, `LOCAL_WORLD_SIZE`,
+//! `GROUP_RANK`/`NODE_RANK`, `MASTER_ADDR` and `MASTER_PORT`; global rank 0 (on node 0) serves the
+//! rendezvous store. If one process fails, the others of this node are stopped and the error
+//! names its rank.
 use clap::Parser;
 use ferrolm::cli::{env_help, positive, LogArgs, Tool, ENV_COMMON};
 use ferrolm::AnyResult;
+use ferrolm_dist::launcher::LocalLaunch;
+use ferrolm_dist::DEFAULT_MASTER_PORT;
 use std::path::PathBuf;
-use std::process::{Child, Command};
-use std::time::Duration;
 
 #[derive(Parser, Debug, Clone)]
 #[command(
     name = "launch",
     about = "Start one process per GPU on this node with torchrun's environment (RANK, LOCAL_RANK, WORLD_SIZE, \
-             LOCAL_WORLD_SIZE, MASTER_ADDR, MASTER_PORT) and wait for them; the first failure stops the others.",
+             LOCAL_WORLD_SIZE, GROUP_RANK, MASTER_ADDR, MASTER_PORT) and wait for them; the first failure stops the \
+             others. Run it once per node, with --nnodes, --node-rank and one --master-addr/--master-port, for a job \
+             across nodes.",
     trailing_var_arg = true,
-    after_help = env_help(&[ENV_COMMON, "  MASTER_PORT            rendezvous port [default: a free port]"])
+    after_help = env_help(&[
+        ENV_COMMON,
+        "  MASTER_PORT            rendezvous port when --master-port is not given [default: a free port with\n                         --nnodes 1, else 29500]",
+    ])
 )]
 struct LaunchArgs {
     /// Processes (GPUs) on this node
     #[arg(long, value_name = "N", value_parser = positive)]
     nproc_per_node: usize,
-    /// Rendezvous address [default: 127.0.0.1]
+    /// Nodes in the job (one invocation of launch per node)
+    #[arg(long, value_name = "N", default_value_t = 1, value_parser = positive)]
+    nnodes: usize,
+    /// This node's index, 0..nnodes (node 0 runs global rank 0, which serves the rendezvous store)
+    #[arg(long, value_name = "I", default_value_t = 0)]
+    node_rank: usize,
+    /// Host of node 0, reachable from every node [default: 127.0.0.1]
     #[arg(long, value_name = "HOST")]
     master_addr: Option<String>,
+    /// Rendezvous port on the master [default: $MASTER_PORT, else a free port with --nnodes 1, else 29500]
+    #[arg(long, value_name = "PORT")]
+    master_port: Option<u16>,
+    /// Write each process's stdout and stderr to DIR/rank{R}.log instead of this terminal
+    #[arg(long, value_name = "DIR")]
+    log_dir: Option<PathBuf>,
     #[command(flatten)]
     log: LogArgs,
     /// The program and its flags
@@ -56,63 +80,42 @@ fn free_port() -> AnyResult<u16> {
 }
 
 fn run(a: LaunchArgs) -> AnyResult<()> {
-    let program = resolve(&a.command[0]);
-    let port = match std::env::var("MASTER_PORT") {
-        Ok(p) => p.parse::<u16>().map_err(|_| anyhow::anyhow!("MASTER_PORT={p:?} is not a port"))?,
-        Err(_) => free_port()?,
+    let master_port = match (a.master_port, std::env::var("MASTER_PORT")) {
+        (Some(p), _) => p,
+        (None, Ok(p)) => {
+            p.trim().parse::<u16>().ok().filter(|&p| p > 0).ok_or_else(|| anyhow::anyhow!("MASTER_PORT={p:?} is not a port number"))?
+        }
+        // One node: any free port. Several: every invocation must agree without talking.
+        (None, Err(_)) if a.nnodes == 1 => free_port()?,
+        (None, Err(_)) => DEFAULT_MASTER_PORT,
     };
-    let addr = a.master_addr.clone().unwrap_or_else(|| "127.0.0.1".into());
-    let n = a.nproc_per_node;
-    let mut children: Vec<Child> = Vec::with_capacity(n);
-    for rank in 0..n {
-        let child = Command::new(&program)
-            .args(&a.command[1..])
-            .env("RANK", rank.to_string())
-            .env("LOCAL_RANK", rank.to_string())
-            .env("WORLD_SIZE", n.to_string())
-            .env("LOCAL_WORLD_SIZE", n.to_string())
-            .env("MASTER_ADDR", &addr)
-            .env("MASTER_PORT", port.to_string())
-            .spawn();
-        match child {
-            Ok(c) => children.push(c),
-            Err(e) => {
-                for c in &mut children {
-                    let _ = c.kill();
-                }
-                anyhow::bail!("cannot start {}: {e}", program.display());
-            }
-        }
+    if let Some(d) = &a.log_dir {
+        std::fs::create_dir_all(d).map_err(|e| anyhow::anyhow!("--log-dir {}: {e}", d.display()))?;
     }
-    tracing::info!("started {n} processes of {} (rendezvous {addr}:{port})", program.display());
-    // Wait for all; the first failure stops the rest.
-    let mut codes: Vec<Option<i32>> = vec![None; n];
-    loop {
-        let mut failed = None;
-        for (r, c) in children.iter_mut().enumerate() {
-            if codes[r].is_none() {
-                if let Some(s) = c.try_wait()? {
-                    codes[r] = Some(s.code().unwrap_or(1));
-                    if !s.success() && failed.is_none() {
-                        failed = Some((r, s.code().unwrap_or(1)));
-                    }
-                }
-            }
-        }
-        if let Some((r, code)) = failed {
-            for (k, c) in children.iter_mut().enumerate() {
-                if codes[k].is_none() {
-                    let _ = c.kill();
-                    let _ = c.wait();
-                }
-            }
-            anyhow::bail!("rank {r} exited with code {code}; the other ranks were stopped");
-        }
-        if codes.iter().all(Option::is_some) {
-            return Ok(());
-        }
-        std::thread::sleep(Duration::from_millis(50));
-    }
+    let launch = LocalLaunch {
+        program: resolve(&a.command[0]),
+        args: a.command[1..].to_vec(),
+        nproc_per_node: a.nproc_per_node,
+        nnodes: a.nnodes,
+        node_rank: a.node_rank,
+        master_addr: a.master_addr.clone().unwrap_or_else(|| "127.0.0.1".into()),
+        master_port,
+        env: Vec::new(),
+        log_dir: a.log_dir.clone(),
+    };
+    launch.validate()?;
+    let running = launch.spawn()?;
+    tracing::info!(
+        "started ranks {}..{} of {} ({}; rendezvous {}:{})",
+        a.node_rank * a.nproc_per_node,
+        (a.node_rank + 1) * a.nproc_per_node,
+        launch.world_size(),
+        launch.program.display(),
+        launch.master_addr,
+        master_port
+    );
+    running.wait()?;
+    Ok(())
 }
 
 fn main() {

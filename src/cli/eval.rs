@@ -1,5 +1,5 @@
 //! `eval`: mean next-token cross-entropy of a checkpoint on a text file.
-use super::{env_help, positive, DeviceArgs, LogArgs, Tool, ENV_COMMON, ENV_DEVICE};
+use super::{env_help, positive, DeviceArgs, LogArgs, Tool, ENV_COMMON, ENV_DEVICE, ENV_LAUNCH};
 use crate::data::Tokenizer;
 use crate::progress::{report, Progress};
 use crate::{AnyResult, DType, Device, Llama, Tensor};
@@ -14,7 +14,7 @@ use std::path::PathBuf;
     about = "Mean next-token loss and perplexity of a checkpoint on a text file. The text is tokenized with the \
              checkpoint's tokenizer.json (no special tokens) and scored on every full window tokens[i*T .. i*T+T+1]; \
              the last line printed is `loss <float> ppl <float> tokens <int>`.",
-    after_help = env_help(&[ENV_COMMON, ENV_DEVICE])
+    after_help = env_help(&[ENV_COMMON, ENV_DEVICE, ENV_LAUNCH])
 )]
 pub struct EvalArgs {
     /// Checkpoint directory (config.json, model.safetensors, tokenizer.json)

@@ -4,7 +4,7 @@
 //! plain model, for the converted one before training and after it; checkpoints are written in
 //! the paper's released format (`model_type: "llamaLadder"`, `ladder_layers`).
 use super::pretrain::{preflight, token_data};
-use super::{env_help, LogArgs, Tool, TrainArgs, ENV_COMMON, ENV_DEVICE, ENV_TRAIN};
+use super::{env_help, LogArgs, Tool, TrainArgs, ENV_COMMON, ENV_DEVICE, ENV_LAUNCH, ENV_TRAIN};
 use crate::data::Tokenizer;
 use crate::nn::LadderLayers;
 use crate::parallel::Comm;
@@ -22,7 +22,7 @@ use std::path::PathBuf;
     about = "Convert a Hugging Face Llama checkpoint to the Ladder Transformer and fine-tune it. Reports the validation \
              loss of the plain model, of the converted model before training and after it; writes checkpoints in the \
              paper's llamaLadder format under OUT/checkpoints/. With --steps 0 it only converts.",
-    after_help = env_help(&[ENV_COMMON, ENV_DEVICE, ENV_TRAIN])
+    after_help = env_help(&[ENV_COMMON, ENV_DEVICE, ENV_TRAIN, ENV_LAUNCH])
 )]
 pub struct FinetuneArgs {
     /// The Llama checkpoint to convert (config.json, model.safetensors, tokenizer.json)

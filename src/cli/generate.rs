@@ -1,5 +1,5 @@
 //! `generate`: sample text from a checkpoint with a KV cache.
-use super::{env_help, non_negative, probability, DeviceArgs, LogArgs, Tool, ENV_COMMON, ENV_DEVICE};
+use super::{env_help, non_negative, probability, DeviceArgs, LogArgs, Tool, ENV_COMMON, ENV_DEVICE, ENV_LAUNCH};
 use crate::nn::generate::generate;
 use crate::progress::report;
 use crate::{AnyResult, DType, Device};
@@ -13,7 +13,7 @@ use std::path::PathBuf;
     allow_negative_numbers = true,
     name = "generate",
     about = "Sample a continuation of a prompt from a checkpoint (temperature and nucleus sampling, with a KV cache)",
-    after_help = env_help(&[ENV_COMMON, ENV_DEVICE])
+    after_help = env_help(&[ENV_COMMON, ENV_DEVICE, ENV_LAUNCH])
 )]
 pub struct GenerateArgs {
     /// Checkpoint directory (config.json, model.safetensors, tokenizer.json)

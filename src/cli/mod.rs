@@ -152,6 +152,9 @@ pub const ENV_DEVICE: &str = concat!(
     "  LD_LIBRARY_PATH        where the NVIDIA driver, cuBLAS(Lt), NVRTC and NCCL are found",
 );
 
+/// Environment variables of the tools that run as one process per GPU (torchrun, srun, launch).
+pub const ENV_LAUNCH: &str = ferrolm_dist::env::ENV_HELP;
+
 /// Environment variables of the training tools.
 pub const ENV_TRAIN: &str = "  FERROLM_PEAK_TFLOPS    the GPU's bf16 dense peak for MFU [default: 989, H100 SXM]";
 
@@ -179,9 +182,10 @@ pub struct DeviceArgs {
 
 impl DeviceArgs {
     /// The device, its backend started. In a multi-process run (torchrun's `WORLD_SIZE` > 1)
-    /// `cuda` (or no flag) means this process's GPU, `cuda:$LOCAL_RANK`.
+    /// `cuda` (or no flag) means this process's GPU: `cuda:$LOCAL_RANK`, or `cuda:0` when
+    /// `CUDA_VISIBLE_DEVICES` shows the process one GPU.
     pub fn pick(&self) -> AnyResult<ferrolm_tensor::Device> {
-        let local = ferrolm_dist::DistEnv::from_env()?.filter(|e| e.world_size > 1).map(|e| format!("cuda:{}", e.local_rank));
+        let local = ferrolm_dist::DistEnv::from_env()?.filter(|e| e.world_size > 1).map(|e| e.cuda_device());
         let flag = match (self.device.as_deref(), &local) {
             (None | Some("cuda"), Some(l)) => Some(l.as_str()),
             (f, _) => f,

@@ -1,5 +1,5 @@
 //! `pretrain_llama`: pretrain a LLaMA model from scratch (or continue a run).
-use super::{env_help, prepare, LogArgs, Tool, TrainArgs, ENV_COMMON, ENV_DEVICE, ENV_TRAIN};
+use super::{env_help, prepare, LogArgs, Tool, TrainArgs, ENV_COMMON, ENV_DEVICE, ENV_LAUNCH, ENV_TRAIN};
 use crate::data::{PrepareSummary, Shard, Tokenizer};
 use crate::nn::generate::generate;
 use crate::nn::LlamaConfig;
@@ -18,7 +18,7 @@ use std::path::{Path, PathBuf};
     name = "pretrain_llama",
     about = "Pretrain a LLaMA model with Hugging Face compatible checkpoints. With no flags: a small model on the \
              bundled Shakespeare corpus, on the best device present, in a few minutes on a laptop CPU.",
-    after_help = env_help(&[ENV_COMMON, ENV_DEVICE, ENV_TRAIN])
+    after_help = env_help(&[ENV_COMMON, ENV_DEVICE, ENV_TRAIN, ENV_LAUNCH])
 )]
 pub struct PretrainArgs {
     /// Model: a preset (tiny, small) or a config.json

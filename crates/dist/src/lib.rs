@@ -13,10 +13,13 @@
 //!   events, bootstrapped through [`store`], with a watchdog for hangs and peer failures;
 //!   [`nccl_lib`] finds `libnccl.so.2` itself (cudarc's loader only tries `libnccl.so`), or
 //!   opens the emulated NCCL (crates/dist/emu) for multi-process runs on the CUDA emulator.
-//! - [`store`]: the TCP rendezvous store on `MASTER_ADDR:MASTER_PORT` (values, barriers,
-//!   failure notices).
-//! - [`env`](mod@env): [`DistEnv`] (the torchrun variables) and [`init_from_env`], which returns an
-//!   `NcclComm` for a multi-process GPU run and a world of one otherwise.
+//! - [`store`]: the rendezvous store on `MASTER_ADDR:MASTER_PORT` (values, barriers with their
+//!   own timeouts, failure notices), speaking PyTorch's TCPStore protocol ([`tcpstore`]): a
+//!   client of torchrun's agent store, or of the store rank 0 serves without an agent.
+//! - [`env`](mod@env): [`DistEnv`] (torchrun, srun and Open MPI variables: ranks, ranks per node,
+//!   the GPU ordinal, who serves the store) and [`init_from_env`], which returns an `NcclComm`
+//!   for a multi-process GPU run and a world of one otherwise; [`slurm`] expands SLURM's host
+//!   and tasks-per-node lists; [`launcher`] starts one node's processes (the `launch` example).
 //! - [`cost`]: the ring / hierarchical cost model as pure functions (bytes per rank, seconds per
 //!   collective), shared by [`SimLink`], `CommStats` and the planner.
 //! - [`simlink`]: [`SimLink`], a wrapper that completes each collective only after the model's
@@ -38,6 +41,7 @@ pub mod cost;
 pub mod dos;
 pub mod engine;
 pub mod env;
+pub mod launcher;
 pub mod mesh;
 pub mod nccl;
 pub mod nccl_lib;
@@ -46,14 +50,17 @@ pub mod ops;
 pub mod plan;
 mod reduce;
 pub mod simlink;
+pub mod slurm;
 pub mod store;
+pub mod tcpstore;
+mod tcpstore_server;
 pub mod thread;
 pub mod tp;
 pub mod zero;
 
 pub use comm::{Collective, CommOptions, CommStats, Communicator, Completion, KindStats, ReduceOp, Work};
 pub use engine::{StepReport, TrainEngine};
-pub use env::{init, init_from_env, DistEnv};
+pub use env::{cuda_ordinal, init, init_from_env, world_store, DistEnv, Launcher, DEFAULT_MASTER_PORT};
 pub use mesh::DeviceMesh;
 pub use nccl::{report_panics_to_peers, NcclComm};
 pub use nccl_lib::{library_candidates, nccl_version};

@@ -236,6 +236,7 @@ fn watchdog(weak: Weak<Shared>) {
         // Event queries need the device's context current on this thread.
         let _ = s.backend.context().map(|c| c.bind_to_thread());
         let mut reason = None;
+        let mut oldest = Duration::ZERO;
         {
             let mut q = lock(&s.inflight);
             while let Some(f) = q.front() {
@@ -251,7 +252,10 @@ fn watchdog(weak: Weak<Shared>) {
                         ));
                         break;
                     }
-                    Ok(false) => break,
+                    Ok(false) => {
+                        oldest = f.launched.elapsed();
+                        break;
+                    }
                     Err(e) => {
                         reason = Some(format!("{}: CUDA error on the communication stream: {e:?}", s.context(f.seq, &f.what)));
                         break;
@@ -271,14 +275,25 @@ fn watchdog(weak: Weak<Shared>) {
         let mut notify = true;
         if reason.is_none() && last_check.elapsed() > Duration::from_secs(1) {
             last_check = Instant::now();
-            if let Ok(Some(m)) = WATCH.get().unwrap_or(&s.store).failure() {
-                reason = Some(format!("rank {} of group {}: {m}", s.rank, s.name));
-                notify = false;
+            match WATCH.get().unwrap_or(&s.store).failure() {
+                Ok(Some(m)) => {
+                    reason = Some(format!("rank {} of group {}: {m}", s.rank, s.name));
+                    notify = false;
+                }
+                // The store's process died (rank 0, or torchrun's agent) while a collective
+                // waits: its peers are gone. Idle, it may just be the end of the run.
+                Err(e) if oldest > Duration::from_secs(2) => {
+                    reason = Some(format!("rank {} of group {}: {e}", s.rank, s.name));
+                    notify = false;
+                }
+                _ => {}
             }
         }
         if let Some(msg) = reason {
             s.fail(msg.clone(), notify);
             eprintln!("ferrolm-dist: {msg}; aborting this process");
+            // Rank 0 serves the store: keep it until the others have read the notice.
+            s.store.linger(Duration::from_secs(10));
             std::process::exit(1);
         }
     }

@@ -1,198 +1,62 @@
-//! A small TCP rendezvous store on `MASTER_ADDR:MASTER_PORT`, for bootstrapping processes:
-//! rank 0 serves it, every rank (rank 0 included) connects as a client, retrying until the
-//! timeout while the server comes up. It holds small byte values (`set`, and `get`, which waits
-//! until the key is set), counts barriers, and keeps a failure notice: once a rank reports a
-//! failure, every waiting and later request of every rank fails with it instead of hanging.
+//! The rendezvous store of a multi-process run, on `MASTER_ADDR:MASTER_PORT`: small values (the
+//! NCCL unique id), counted barriers, and a failure notice. It speaks PyTorch's TCPStore protocol
+//! (`tcpstore`): under torchrun every rank joins the agent's store as a client; without an agent
+//! (the `launch` example, srun, mpirun) rank 0 serves one (`StoreServer`) and every rank, rank 0
+//! included, connects to it.
 //!
-//! Wire format (little endian), one request and one reply at a time per connection:
-//! request `op u8, rank u32, world u32, wait_ms u64, key (u32 len + bytes), value (u32 len + bytes)`;
-//! reply `status u8 (0 ok, 1 error), payload (u32 len + bytes)`.
-use ferrolm_tensor::{bail, Error, Result};
-use std::collections::HashMap;
-use std::io::{BufReader, BufWriter, Read, Write};
-use std::net::{SocketAddr, TcpListener, TcpStream, ToSocketAddrs};
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
-use std::sync::{Arc, Condvar, Mutex};
+//! On top of plain keys, a `Store` keeps:
+//! - a key namespace per launch attempt (`/worker/attempt_{TORCHELASTIC_RESTART_COUNT}/`), so a
+//!   restarted torchrun group does not read the last attempt's keys from the agent's store;
+//! - barriers with their own timeout (`barrier_timeout`): a counter every rank adds to, the last
+//!   arrival sets a "done" key the others wait on (as torch's store barrier does). Rank-0-only
+//!   phases wait here, not inside a collective under the NCCL watchdog;
+//! - a failure notice: the first `report_failure` wins (compare-and-set), and every waiting and
+//!   later request of every rank fails with it. The protocol has no wait-for-any, so waits run in
+//!   slices (50 ms growing to 1 s) with a check of the notice between them; the awaited key
+//!   itself wakes a wait at once;
+//! - a lost connection (the process serving the store died) fails that request and every later
+//!   one with a message that says so, instead of hanging.
+use crate::env::DistEnv;
+use crate::tcpstore::{ConnectError, TcpStoreClient};
+pub use crate::tcpstore_server::StoreServer;
+use ferrolm_tensor::{Error, Result};
+use std::io;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 
-const SET: u8 = 1;
-const GET: u8 = 2;
-const BARRIER: u8 = 3;
-const FAIL: u8 = 4;
-const CHECK: u8 = 5;
-/// Values are small (ids, descriptors); anything larger is a corrupt stream.
-const MAX_LEN: u32 = 16 << 20;
+/// How long a server may take to answer the validation handshake. Past it, whatever listens on
+/// the port is not a store we can talk to (decided quickly, not after the rendezvous timeout).
+pub const HANDSHAKE_TIMEOUT: Duration = Duration::from_secs(3);
 
-#[derive(Default)]
-struct Shared {
-    kv: HashMap<String, Vec<u8>>,
-    barriers: HashMap<String, usize>,
-    failure: Option<String>,
-}
+/// Longest slice of a wait between two checks of the failure notice.
+const MAX_SLICE: Duration = Duration::from_secs(1);
 
-struct ServerState {
-    shared: Mutex<Shared>,
-    cv: Condvar,
-    stop: AtomicBool,
+/// Who serves the store (for messages when it goes away).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum StoreHost {
+    /// Rank 0 of this job (our `StoreServer`).
+    Rank0,
+    /// torchrun's elastic agent (`TORCHELASTIC_USE_AGENT_STORE=True`).
+    Agent,
+    /// Whoever listens at the address `Store::connect` was given.
+    External,
 }
 
-/// The serving side (rank 0). Stops accepting when dropped; open connections end with it.
-pub struct StoreServer {
-    addr: SocketAddr,
-    state: Arc<ServerState>,
-}
-
-impl StoreServer {
-    /// Listens on `addr` (port 0 picks a free port; see `addr()`).
-    pub fn bind(addr: impl ToSocketAddrs + std::fmt::Debug) -> Result<StoreServer> {
-        let what = format!("{addr:?}");
-        let listener = TcpListener::bind(addr).map_err(|e| Error::new("store", format!("cannot listen on {what}: {e}")))?;
-        let local = listener.local_addr().map_err(|e| Error::new("store", e.to_string()))?;
-        let state = Arc::new(ServerState { shared: Mutex::default(), cv: Condvar::new(), stop: AtomicBool::new(false) });
-        let st = state.clone();
-        std::thread::Builder::new()
-            .name("store-server".into())
-            .spawn(move || {
-                for conn in listener.incoming() {
-                    if st.stop.load(Ordering::Acquire) {
-                        break;
-                    }
-                    let Ok(conn) = conn else { continue };
-                    let st = st.clone();
-                    let _ = std::thread::Builder::new().name("store-conn".into()).spawn(move || serve(conn, &st));
-                }
-            })
-            .map_err(|e| Error::new("store", format!("cannot start the store thread: {e}")))?;
-        Ok(StoreServer { addr: local, state })
-    }
-    pub fn addr(&self) -> SocketAddr {
-        self.addr
-    }
-}
-
-impl Drop for StoreServer {
-    fn drop(&mut self) {
-        self.state.stop.store(true, Ordering::Release);
-        self.state.cv.notify_all();
-        // Wake the accept loop so it sees the flag.
-        let wake = if self.addr.ip().is_unspecified() { SocketAddr::new([127, 0, 0, 1].into(), self.addr.port()) } else { self.addr };
-        let _ = TcpStream::connect_timeout(&wake, Duration::from_millis(200));
-    }
-}
-
-fn lock(m: &Mutex<Shared>) -> std::sync::MutexGuard<'_, Shared> {
-    m.lock().unwrap_or_else(|e| e.into_inner())
-}
-
-fn read_u32(r: &mut impl Read) -> std::io::Result<u32> {
-    let mut b = [0u8; 4];
-    r.read_exact(&mut b)?;
-    Ok(u32::from_le_bytes(b))
-}
-fn read_bytes(r: &mut impl Read) -> std::io::Result<Vec<u8>> {
-    let n = read_u32(r)?;
-    if n > MAX_LEN {
-        return Err(std::io::Error::new(std::io::ErrorKind::InvalidData, format!("a {n}-byte field is too large for the store")));
-    }
-    let mut v = vec![0u8; n as usize];
-    r.read_exact(&mut v)?;
-    Ok(v)
-}
-fn write_bytes(w: &mut impl Write, b: &[u8]) -> std::io::Result<()> {
-    w.write_all(&(b.len() as u32).to_le_bytes())?;
-    w.write_all(b)
-}
-
-/// One client connection: answers requests until it closes.
-fn serve(conn: TcpStream, st: &ServerState) {
-    let _ = conn.set_nodelay(true);
-    let Ok(wconn) = conn.try_clone() else { return };
-    let (mut r, mut w) = (BufReader::new(conn), BufWriter::new(wconn));
-    loop {
-        let req = (|| -> std::io::Result<(u8, u32, u32, u64, String, Vec<u8>)> {
-            let mut op = [0u8; 1];
-            r.read_exact(&mut op)?;
-            let (rank, world) = (read_u32(&mut r)?, read_u32(&mut r)?);
-            let mut ms = [0u8; 8];
-            r.read_exact(&mut ms)?;
-            let key = String::from_utf8_lossy(&read_bytes(&mut r)?).into_owned();
-            Ok((op[0], rank, world, u64::from_le_bytes(ms), key, read_bytes(&mut r)?))
-        })();
-        let Ok((op, rank, world, wait_ms, key, value)) = req else { return };
-        let reply = handle(st, op, rank, world, Duration::from_millis(wait_ms), &key, value);
-        let (status, payload) = match reply {
-            Ok(v) => (0u8, v),
-            Err(m) => (1u8, m.into_bytes()),
-        };
-        if w.write_all(&[status]).and_then(|()| write_bytes(&mut w, &payload)).and_then(|()| w.flush()).is_err() {
-            return;
+impl StoreHost {
+    fn who(self) -> &'static str {
+        match self {
+            StoreHost::Rank0 => "rank 0, which serves it,",
+            StoreHost::Agent => "the torchrun agent, which serves it,",
+            StoreHost::External => "its server",
         }
     }
 }
 
-fn handle(
-    st: &ServerState,
-    op: u8,
-    rank: u32,
-    world: u32,
-    wait: Duration,
-    key: &str,
-    value: Vec<u8>,
-) -> std::result::Result<Vec<u8>, String> {
-    let deadline = Instant::now() + wait;
-    let mut sh = lock(&st.shared);
-    // Waits until `ready` holds, failing on a failure notice, a stopping server or the deadline.
-    macro_rules! wait_for {
-        ($ready:expr, $what:expr) => {
-            loop {
-                if let Some(f) = &sh.failure {
-                    return Err(f.clone());
-                }
-                if $ready(&*sh) {
-                    break;
-                }
-                let now = Instant::now();
-                if now >= deadline || st.stop.load(Ordering::Acquire) {
-                    return Err(format!("timed out after {:.1} s waiting for {}", wait.as_secs_f64(), $what));
-                }
-                sh = st.cv.wait_timeout(sh, deadline - now).unwrap_or_else(|e| e.into_inner()).0;
-            }
-        };
-    }
-    match op {
-        SET => {
-            if let Some(f) = &sh.failure {
-                return Err(f.clone());
-            }
-            sh.kv.insert(key.to_string(), value);
-            st.cv.notify_all();
-            Ok(Vec::new())
-        }
-        GET => {
-            wait_for!(|s: &Shared| s.kv.contains_key(key), format!("key {key:?}"));
-            Ok(sh.kv[key].clone())
-        }
-        BARRIER => {
-            if let Some(f) = &sh.failure {
-                return Err(f.clone());
-            }
-            *sh.barriers.entry(key.to_string()).or_default() += 1;
-            st.cv.notify_all();
-            let world = world as usize;
-            let count = |s: &Shared| s.barriers.get(key).copied().unwrap_or(0);
-            wait_for!(|s: &Shared| count(s) >= world, format!("barrier {key:?} ({} of {world} ranks arrived)", count(&sh)));
-            Ok(Vec::new())
-        }
-        FAIL => {
-            if sh.failure.is_none() {
-                sh.failure = Some(format!("rank {rank} failed: {}", String::from_utf8_lossy(&value)));
-            }
-            st.cv.notify_all();
-            Ok(Vec::new())
-        }
-        CHECK => Ok(sh.failure.clone().unwrap_or_default().into_bytes()),
-        _ => Err(format!("unknown store request {op}")),
-    }
+struct Conn {
+    client: Option<TcpStoreClient>,
+    /// Set once the connection broke; every later request fails with it.
+    lost: Option<String>,
 }
 
 /// One rank's connection to the store.
@@ -201,69 +65,219 @@ pub struct Store {
     rank: usize,
     world_size: usize,
     timeout: Duration,
-    conn: Mutex<(BufReader<TcpStream>, BufWriter<TcpStream>)>,
+    prefix: String,
+    host: StoreHost,
+    conn: Mutex<Conn>,
     barriers: AtomicU64,
     /// Rank 0's server, kept alive as long as its own connection.
-    _server: Option<StoreServer>,
+    server: Option<StoreServer>,
+}
+
+fn this_host() -> String {
+    std::fs::read_to_string("/proc/sys/kernel/hostname")
+        .ok()
+        .map(|s| s.trim().to_string())
+        .filter(|s| !s.is_empty())
+        .or_else(|| std::env::var("HOSTNAME").ok())
+        .unwrap_or_else(|| "this host".into())
+}
+
+/// "host:port", bracketing an IPv6 literal.
+pub fn join_host_port(host: &str, port: u16) -> String {
+    if host.contains(':') && !host.starts_with('[') {
+        format!("[{host}]:{port}")
+    } else {
+        format!("{host}:{port}")
+    }
+}
+
+/// Connects, retrying while nothing answers (the server may not be up yet) until `deadline`;
+/// gives up at once on something that answers but is not a store. Each attempt may take
+/// `HANDSHAKE_TIMEOUT` past the deadline.
+fn connect_until(addr: &str, deadline: Instant) -> std::result::Result<TcpStoreClient, ConnectError> {
+    loop {
+        match TcpStoreClient::connect(addr, HANDSHAKE_TIMEOUT, std::process::id()) {
+            Ok(c) => return Ok(c),
+            Err(ConnectError::Unreachable(_)) if Instant::now() < deadline => std::thread::sleep(Duration::from_millis(50)),
+            Err(e) => return Err(e),
+        }
+    }
 }
 
 impl Store {
-    /// Connects to the store at `addr` ("host:port"), retrying until `timeout` while the server
-    /// is not up yet. `timeout` also bounds every later wait (`get`, `barrier`).
+    /// Connects to the store at `addr` ("host:port") as `rank` of `world_size`, retrying until
+    /// `timeout` while the server is not up yet. `timeout` also bounds every later wait (`get`,
+    /// `barrier`). Keys are put under "/".
     pub fn connect(addr: &str, rank: usize, world_size: usize, timeout: Duration) -> Result<Store> {
-        let deadline = Instant::now() + timeout;
-        let mut last = String::from("no address resolved");
-        let stream = loop {
-            if let Ok(s) = Self::try_connect(addr, deadline, &mut last) {
-                break s;
-            }
-            if Instant::now() >= deadline {
-                bail!(
-                    "store",
-                    "rank {rank} could not reach the rendezvous store at {addr} within {:.1} s (is rank 0 running, are MASTER_ADDR/MASTER_PORT right?): {last}",
+        let client = connect_until(addr, Instant::now() + timeout).map_err(|e| match e {
+            ConnectError::Unreachable(m) => Error::new(
+                "store",
+                format!(
+                    "rank {rank} could not reach the rendezvous store at {addr} within {:.1} s (is rank 0 running, are MASTER_ADDR/MASTER_PORT right?): {m}",
                     timeout.as_secs_f64()
-                );
-            }
-            std::thread::sleep(Duration::from_millis(50));
-        };
-        let _ = stream.set_nodelay(true);
-        let w = stream.try_clone().map_err(|e| Error::new("store", e.to_string()))?;
-        Ok(Store {
+                ),
+            ),
+            ConnectError::NotAStore(m) => Error::new("store", format!("rank {rank}: the server at {addr} is not a rendezvous store: {m}")),
+        })?;
+        Ok(Store::from_client(client, addr, rank, world_size, timeout, "/".into(), StoreHost::External, None))
+    }
+
+    #[allow(clippy::too_many_arguments)]
+    fn from_client(
+        client: TcpStoreClient,
+        addr: &str,
+        rank: usize,
+        world_size: usize,
+        timeout: Duration,
+        prefix: String,
+        host: StoreHost,
+        server: Option<StoreServer>,
+    ) -> Store {
+        Store {
             addr: addr.to_string(),
             rank,
             world_size,
             timeout,
-            conn: Mutex::new((BufReader::new(stream), BufWriter::new(w))),
+            prefix,
+            host,
+            conn: Mutex::new(Conn { client: Some(client), lost: None }),
             barriers: AtomicU64::new(0),
-            _server: None,
-        })
+            server,
+        }
     }
 
-    fn try_connect(addr: &str, deadline: Instant, last: &mut String) -> std::result::Result<TcpStream, ()> {
-        let addrs = addr.to_socket_addrs().map_err(|e| *last = format!("cannot resolve {addr}: {e}"))?;
-        for a in addrs {
-            let left = deadline.saturating_duration_since(Instant::now()).clamp(Duration::from_millis(10), Duration::from_secs(2));
-            match TcpStream::connect_timeout(&a, left) {
-                Ok(s) => return Ok(s),
-                Err(e) => *last = format!("{a}: {e}"),
+    /// Joins the job's store as `env` describes it: under torchrun's agent
+    /// (`TORCHELASTIC_USE_AGENT_STORE=True`) as a client of the agent's store; otherwise rank 0
+    /// serves the store on `MASTER_PORT` (all interfaces) and every rank connects to
+    /// `MASTER_ADDR:MASTER_PORT`. Then the rank claims its number (two processes with one `RANK`
+    /// both fail, naming it) and waits, up to `timeout`, until every rank has joined.
+    pub fn rendezvous(env: &DistEnv, timeout: Duration) -> Result<Store> {
+        let addr = join_host_port(&env.master_addr, env.master_port);
+        let at = format!("MASTER_ADDR:MASTER_PORT = {addr}");
+        let ctx = format!("rendezvous (rank {} of {})", env.rank, env.world_size);
+        let deadline = Instant::now() + timeout;
+        let host = if env.agent_store { StoreHost::Agent } else { StoreHost::Rank0 };
+        let mut bind_err = None;
+        let server = if env.serves_store() {
+            let any = if env.master_addr.contains(':') { "::" } else { "0.0.0.0" };
+            match StoreServer::bind_io((any, env.master_port)) {
+                Ok(s) => Some(s),
+                Err(e) if e.kind() == io::ErrorKind::AddrInUse => {
+                    // Something holds the port: another rank 0 (found below by the claim), or
+                    // something that is not a store (found by the handshake).
+                    bind_err = Some(e);
+                    None
+                }
+                Err(e) => {
+                    return Err(Error::new(
+                        ctx,
+                        format!("rank 0 cannot serve the rendezvous store on port {} (MASTER_PORT): {e}", env.master_port),
+                    ))
+                }
+            }
+        } else {
+            None
+        };
+        // Rank 0 that found the port taken looks once: nobody will start a store there later.
+        let client = connect_until(&addr, if bind_err.is_some() { Instant::now() } else { deadline }).map_err(|e| {
+            let held = match &bind_err {
+                Some(b) => format!(" (rank 0 could not listen on port {}: {b})", env.master_port),
+                None => String::new(),
+            };
+            let msg = match e {
+                ConnectError::NotAStore(m) => format!(
+                    "{at} is held by something that is not a rendezvous store{held}: {m}. {}",
+                    if env.agent_store {
+                        "Under torchrun the agent serves this store: its TCPStore protocol version is not the one ferrolm speaks"
+                    } else {
+                        "Pick a free MASTER_PORT, or check that MASTER_ADDR names rank 0's node"
+                    }
+                ),
+                ConnectError::Unreachable(m) if bind_err.is_some() => {
+                    format!("port {} (MASTER_PORT) is in use but no store answers on {at}{held}: {m}. Pick a free MASTER_PORT", env.master_port)
+                }
+                ConnectError::Unreachable(m) => format!(
+                    "could not reach the rendezvous store at {at} within {:.1} s ({} should serve it: is it running, are MASTER_ADDR/MASTER_PORT right?): {m}",
+                    timeout.as_secs_f64(),
+                    if env.agent_store { "the torchrun agent" } else { "rank 0" }
+                ),
+            };
+            Error::new(ctx.clone(), msg)
+        })?;
+        let prefix = format!("/worker/attempt_{}/", env.restart_count);
+        let store = Store::from_client(client, &addr, env.rank, env.world_size, timeout, prefix, host, server);
+        store.claim_rank(env)?;
+        match store.barrier_inner("rendezvous", deadline.saturating_duration_since(Instant::now()))? {
+            Ok(()) => Ok(store),
+            Err(arrived) => {
+                let missing = store.missing_ranks()?;
+                let hint = match env.launcher {
+                    crate::env::Launcher::Slurm => {
+                        " Under SLURM, start one process per task with srun (not the tool itself in the batch script)."
+                    }
+                    _ => "",
+                };
+                let msg = format!(
+                    "only {arrived} of {} ranks joined the rendezvous at {at} within {:.1} s; missing ranks: {missing}.{hint}",
+                    env.world_size,
+                    timeout.as_secs_f64()
+                );
+                // The ranks that did come end with the same reason, not each at its own timeout.
+                let _ = store.report_failure(&msg);
+                Err(Error::new(ctx, msg))
             }
         }
-        Err(())
     }
 
-    /// The torchrun-style rendezvous: rank 0 serves on all interfaces at `port`, every rank
-    /// connects to `master_addr:port`.
-    pub fn rendezvous(master_addr: &str, port: u16, rank: usize, world_size: usize, timeout: Duration) -> Result<Store> {
-        let server = if rank == 0 { Some(StoreServer::bind(("0.0.0.0", port))?) } else { None };
-        let mut s = Store::connect(&format!("{master_addr}:{port}"), rank, world_size, timeout)?;
-        s._server = server;
-        Ok(s)
+    /// Claims this rank's number; a second process with the same rank fails here and posts a
+    /// failure notice, so the first fails too.
+    fn claim_rank(&self, env: &DistEnv) -> Result<()> {
+        // Unique per connection, so two threads of one process claiming one rank differ too.
+        static CLAIMS: AtomicU64 = AtomicU64::new(0);
+        let me = format!("{} pid {} #{}", this_host(), std::process::id(), CLAIMS.fetch_add(1, Ordering::Relaxed));
+        let key = self.key(&format!("rank/{}", env.rank));
+        let owner = self.io("claim rank", &key, |c| c.compare_set(&key, b"", me.as_bytes()))?;
+        if owner != me.as_bytes() {
+            let var = env.launcher.rank_var();
+            let msg = format!(
+                "{var}={} is used by two processes ({} and {me}): every process of the job needs its own rank",
+                env.rank,
+                String::from_utf8_lossy(&owner)
+            );
+            let _ = self.report_failure(&msg);
+            return Err(Error::new(format!("rendezvous (rank {} of {})", env.rank, env.world_size), msg));
+        }
+        Ok(())
+    }
+
+    /// Ranks that have not claimed their number (at most 16 listed).
+    fn missing_ranks(&self) -> Result<String> {
+        let mut missing = Vec::new();
+        let mut more = 0;
+        for r in 0..self.world_size {
+            let key = self.key(&format!("rank/{r}"));
+            if !self.io("check", &key, |c| c.check(&[&key]))? {
+                if missing.len() < 16 {
+                    missing.push(r.to_string());
+                } else {
+                    more += 1;
+                }
+            }
+        }
+        let mut s = missing.join(", ");
+        if more > 0 {
+            s += &format!(" and {more} more");
+        }
+        Ok(if s.is_empty() { "none (a rank left early)".into() } else { s })
     }
 
     /// A second connection for the same rank (a watchdog thread polls on its own connection so
     /// it never queues behind a blocking `get`).
     pub fn reconnect(&self) -> Result<Store> {
-        Store::connect(&self.addr, self.rank, self.world_size, self.timeout)
+        let client = connect_until(&self.addr, Instant::now() + self.timeout).map_err(|e| {
+            Error::new("store", format!("rank {} cannot open a second connection to the store at {}: {e}", self.rank, self.addr))
+        })?;
+        Ok(Store::from_client(client, &self.addr, self.rank, self.world_size, self.timeout, self.prefix.clone(), self.host, None))
     }
 
     pub fn rank(&self) -> usize {
@@ -272,59 +286,194 @@ impl Store {
     pub fn world_size(&self) -> usize {
         self.world_size
     }
+    /// The default bound of `get` and `barrier`.
+    pub fn timeout(&self) -> Duration {
+        self.timeout
+    }
+    /// "host:port" of the store.
+    pub fn addr(&self) -> &str {
+        &self.addr
+    }
+    pub fn host(&self) -> StoreHost {
+        self.host
+    }
+    /// Whether this process serves the store (rank 0 without an agent).
+    pub fn is_server(&self) -> bool {
+        self.server.is_some()
+    }
+    /// For a process about to exit on an error: if it serves the store, keeps it up until the
+    /// other ranks have disconnected (at most `max`), so they read its failure notice instead of
+    /// finding the store gone. Returns at once elsewhere.
+    pub fn linger(&self, max: Duration) {
+        if let Some(s) = &self.server {
+            s.wait_for_other_clients(max);
+        }
+    }
 
-    fn request(&self, op: u8, key: &str, value: &[u8], wait: Duration) -> Result<Vec<u8>> {
-        let what = match op {
-            SET => "set",
-            GET => "get",
-            BARRIER => "barrier",
-            FAIL => "report_failure",
-            _ => "check",
-        };
-        let ctx = || format!("store {what} {key:?} (rank {} at {})", self.rank, self.addr);
-        let mut c = self.conn.lock().unwrap_or_else(|e| e.into_inner());
-        let (r, w) = &mut *c;
-        // The server answers a wait at its deadline; a silent server is dead after a margin.
-        let _ = r.get_ref().set_read_timeout(Some(wait + Duration::from_secs(10)));
-        let io = (|| -> std::io::Result<(u8, Vec<u8>)> {
-            w.write_all(&[op])?;
-            w.write_all(&(self.rank as u32).to_le_bytes())?;
-            w.write_all(&(self.world_size as u32).to_le_bytes())?;
-            w.write_all(&(wait.as_millis() as u64).to_le_bytes())?;
-            write_bytes(w, key.as_bytes())?;
-            write_bytes(w, value)?;
-            w.flush()?;
-            let mut status = [0u8; 1];
-            r.read_exact(&mut status)?;
-            Ok((status[0], read_bytes(r)?))
-        })();
-        match io {
-            Ok((0, v)) => Ok(v),
-            Ok((_, m)) => Err(Error::new(ctx(), String::from_utf8_lossy(&m).into_owned())),
-            Err(e) => Err(Error::new(ctx(), format!("connection to the store lost (did rank 0 exit?): {e}"))),
+    /// The namespace put before every key on the wire.
+    pub fn prefix(&self) -> &str {
+        &self.prefix
+    }
+
+    fn key(&self, k: &str) -> Vec<u8> {
+        format!("{}{k}", self.prefix).into_bytes()
+    }
+
+    fn lock(&self) -> MutexGuard<'_, Conn> {
+        self.conn.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// Runs one exchange; an I/O error marks the connection lost for good.
+    fn io<T>(&self, what: &str, key: &[u8], f: impl FnOnce(&mut TcpStoreClient) -> io::Result<T>) -> Result<T> {
+        let ctx = || format!("store {what} {:?} (rank {} at {})", String::from_utf8_lossy(key), self.rank, self.addr);
+        let mut c = self.lock();
+        if let Some(l) = &c.lost {
+            return Err(Error::new(ctx(), l.clone()));
+        }
+        let client = c.client.as_mut().expect("a connection that is not lost has a client");
+        match f(client) {
+            Ok(v) => Ok(v),
+            Err(e) => {
+                let why = match e.kind() {
+                    io::ErrorKind::InvalidData => format!("the rendezvous store at {} broke the protocol: {e}", self.addr),
+                    io::ErrorKind::WouldBlock | io::ErrorKind::TimedOut => format!(
+                        "the rendezvous store at {} stopped answering (no reply within {} s; did {} hang or exit?)",
+                        self.addr,
+                        crate::tcpstore::REPLY_TIMEOUT.as_secs(),
+                        self.host.who()
+                    ),
+                    io::ErrorKind::UnexpectedEof => {
+                        format!(
+                            "connection to the rendezvous store at {} lost (did {} exit?): the server closed it",
+                            self.addr,
+                            self.host.who()
+                        )
+                    }
+                    _ => format!("connection to the rendezvous store at {} lost (did {} exit?): {e}", self.addr, self.host.who()),
+                };
+                c.lost = Some(why.clone());
+                c.client = None;
+                Err(Error::new(ctx(), why))
+            }
+        }
+    }
+
+    fn fail_if_notice(&self, what: &str, key: &[u8]) -> Result<()> {
+        match self.failure_for(what, key)? {
+            Some(f) => Err(Error::new(format!("store {what} {:?} (rank {} at {})", String::from_utf8_lossy(key), self.rank, self.addr), f)),
+            None => Ok(()),
+        }
+    }
+
+    /// Waits up to `timeout` until `key` is set, failing on a failure notice; whether it is set.
+    fn wait_key(&self, what: &str, key: &[u8], timeout: Duration) -> Result<bool> {
+        let deadline = Instant::now() + timeout;
+        let mut slice = Duration::from_millis(50);
+        loop {
+            let left = deadline.saturating_duration_since(Instant::now());
+            if self.io(what, key, |c| c.wait(&[key], slice.min(left)))? {
+                return Ok(true);
+            }
+            self.fail_if_notice(what, key)?;
+            if Instant::now() >= deadline {
+                return Ok(false);
+            }
+            slice = (slice * 2).min(MAX_SLICE);
         }
     }
 
     pub fn set(&self, key: &str, value: &[u8]) -> Result<()> {
-        self.request(SET, key, value, Duration::ZERO).map(|_| ())
+        let k = self.key(key);
+        self.fail_if_notice("set", &k)?;
+        self.io("set", &k, |c| c.set(&k, value))
     }
-    /// The value of `key`, waiting (up to the timeout) until some rank sets it.
+
+    /// The value of `key`, waiting (up to the store's timeout) until some rank sets it.
     pub fn get(&self, key: &str) -> Result<Vec<u8>> {
-        self.request(GET, key, &[], self.timeout)
+        self.get_timeout(key, self.timeout)
     }
-    /// Returns when every rank has entered this barrier (barriers are numbered per connection
-    /// so each rank must call them in the same order).
+
+    /// `get` with its own bound.
+    pub fn get_timeout(&self, key: &str, timeout: Duration) -> Result<Vec<u8>> {
+        let k = self.key(key);
+        self.fail_if_notice("get", &k)?;
+        if !self.wait_key("get", &k, timeout)? {
+            return Err(Error::new(
+                format!("store get {key:?} (rank {} at {})", self.rank, self.addr),
+                format!("timed out after {:.1} s waiting for key {key:?}", timeout.as_secs_f64()),
+            ));
+        }
+        self.io("get", &k, |c| c.get_now(&k))
+    }
+
+    /// Adds `delta` to the counter at `key` (absent: 0); the new value.
+    pub fn add(&self, key: &str, delta: i64) -> Result<i64> {
+        let k = self.key(key);
+        self.io("add", &k, |c| c.add(&k, delta))
+    }
+
+    /// Whether `key` is set (does not wait).
+    pub fn check(&self, key: &str) -> Result<bool> {
+        let k = self.key(key);
+        self.io("check", &k, |c| c.check(&[&k]))
+    }
+
+    /// Returns when every rank has entered this barrier, waiting at most the store's timeout.
+    /// Barriers are numbered per connection, so every rank must call them in the same order.
     pub fn barrier(&self, name: &str) -> Result<()> {
+        self.barrier_timeout(name, self.timeout)
+    }
+
+    /// `barrier` with its own bound: ranks that wait for a rank-0-only phase (tokenising,
+    /// consolidating a checkpoint) wait here, with a timeout longer than the collectives'.
+    pub fn barrier_timeout(&self, name: &str, timeout: Duration) -> Result<()> {
+        match self.barrier_inner(name, timeout)? {
+            Ok(()) => Ok(()),
+            Err(arrived) => Err(Error::new(
+                format!("store barrier {name:?} (rank {} at {})", self.rank, self.addr),
+                format!(
+                    "timed out after {:.1} s waiting for barrier {name:?} ({arrived} of {} ranks arrived)",
+                    timeout.as_secs_f64(),
+                    self.world_size
+                ),
+            )),
+        }
+    }
+
+    /// `Ok(Err(arrived))` when the barrier timed out.
+    fn barrier_inner(&self, name: &str, timeout: Duration) -> Result<std::result::Result<(), i64>> {
         let k = self.barriers.fetch_add(1, Ordering::Relaxed);
-        self.request(BARRIER, &format!("{name}#{k}"), &[], self.timeout).map(|_| ())
+        let base = format!("barrier/{name}#{k}");
+        let (count, done) = (self.key(&format!("{base}/count")), self.key(&format!("{base}/done")));
+        self.fail_if_notice("barrier", &count)?;
+        let n = self.io("barrier", &count, |c| c.add(&count, 1))?;
+        if n == self.world_size as i64 {
+            self.io("barrier", &done, |c| c.set(&done, b"1"))?;
+        }
+        if self.wait_key("barrier", &done, timeout)? {
+            return Ok(Ok(()));
+        }
+        let arrived = self.io("barrier", &count, |c| c.add(&count, 0))?;
+        Ok(Err(arrived))
     }
-    /// Posts a failure notice: every rank's waiting and later requests fail with it.
+
+    /// Posts a failure notice ("rank R failed: msg"): every rank's waiting and later requests
+    /// fail with it. The first notice wins.
     pub fn report_failure(&self, msg: &str) -> Result<()> {
-        self.request(FAIL, "", msg.as_bytes(), Duration::ZERO).map(|_| ())
+        let k = self.key("failure");
+        let notice = format!("rank {} failed: {msg}", self.rank);
+        self.io("report_failure", &k, |c| c.compare_set(&k, b"", notice.as_bytes())).map(|_| ())
     }
+
     /// The failure notice, if any rank has posted one ("rank R failed: ...").
     pub fn failure(&self) -> Result<Option<String>> {
-        let v = self.request(CHECK, "", &[], Duration::ZERO)?;
-        Ok(if v.is_empty() { None } else { Some(String::from_utf8_lossy(&v).into_owned()) })
+        let k = self.key("failure");
+        self.failure_for("check", &k)
+    }
+
+    fn failure_for(&self, what: &str, ctx_key: &[u8]) -> Result<Option<String>> {
+        let k = self.key("failure");
+        let v = self.io(what, ctx_key, |c| if c.check(&[&k])? { c.get_now(&k).map(Some) } else { Ok(None) })?;
+        Ok(v.map(|v| String::from_utf8_lossy(&v).into_owned()))
     }
 }

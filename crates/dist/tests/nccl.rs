@@ -19,7 +19,7 @@ fn the_launcher_environment_is_parsed_with_errors_naming_the_variable() {
     assert_eq!(DistEnv::from_lookup(&lookup(&[])).unwrap(), None, "no launcher: single process");
     let torchrun = [("RANK", "3"), ("WORLD_SIZE", "8"), ("LOCAL_RANK", "3"), ("MASTER_ADDR", "node0"), ("MASTER_PORT", "29400")];
     let e = DistEnv::from_lookup(&lookup(&torchrun)).unwrap().unwrap();
-    assert_eq!(e, DistEnv { rank: 3, world_size: 8, local_rank: 3, master_addr: "node0".into(), master_port: 29400 });
+    assert_eq!(e, DistEnv::local(3, 8, "node0", 29400));
     let ompi = [
         ("OMPI_COMM_WORLD_RANK", "5"),
         ("OMPI_COMM_WORLD_SIZE", "16"),
@@ -74,7 +74,7 @@ fn without_a_launcher_the_world_is_one_rank() {
     assert!(y.is_pending());
     assert_eq!(y.to_vec::<f32>().unwrap(), [1.5, -2.0]);
     assert!(!y.shares_storage(&x), "a collective's result is a copy");
-    let env = DistEnv { rank: 0, world_size: 2, local_rank: 0, master_addr: "127.0.0.1".into(), master_port: 1 };
+    let env = DistEnv::local(0, 2, "127.0.0.1", 1);
     if ferrolm_cuda::device_count() == 0 {
         let e = ferrolm_dist::init(Some(env), CommOptions::default()).err().unwrap().to_string();
         assert!(e.contains("needs NCCL on a GPU"), "{e}");
