@@ -118,7 +118,7 @@ pub fn kernels(ks: &[Kernel], structs: &[Struct], consts: &[Constant]) -> Result
     }
     s.push_str("}\n\nimpl Kernel {\n    /// How many kernels there are.\n");
     writeln!(s, "    pub const COUNT: usize = {};", ks.len()).unwrap();
-    writeln!(s, "    const NAMES: [&'static str; {}] = [", ks.len()).unwrap();
+    writeln!(s, "    /// Every kernel's symbol, in `Kernel` order.\n    pub const NAMES: [&'static str; {}] = [", ks.len()).unwrap();
     for k in ks {
         writeln!(s, "        {:?},", k.name).unwrap();
     }

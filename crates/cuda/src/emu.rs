@@ -75,6 +75,23 @@ pub(crate) unsafe fn launch(kernel: Kernel, _: Launch, _: &mut [*mut c_void]) ->
     bail!(kernel.name(), "the CUDA emulator was not built")
 }
 
+#[cfg(all(test, ferro_emu))]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_emulator_table_is_in_kernel_order() {
+        // SAFETY: as in `launch`: the generated table has `ferro_emu_kernel_count` immutable
+        // entries whose names are static NUL-terminated literals.
+        let names: Vec<String> = unsafe {
+            let n = ffi::ferro_emu_kernel_count as usize;
+            let base = ffi::ferro_emu_kernels.as_ptr();
+            (0..n).map(|i| std::ffi::CStr::from_ptr((*base.add(i)).name).to_string_lossy().into_owned()).collect()
+        };
+        assert_eq!(names, Kernel::NAMES, "the emulator's table and `Kernel` disagree");
+    }
+}
+
 /// Launches from the calling thread visit a block's threads in reverse order at every scheduling
 /// round (`true`) or in order. A race-free kernel gives the same bits either way.
 pub(crate) fn set_reverse_schedule(on: bool) {
