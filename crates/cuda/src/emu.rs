@@ -6,7 +6,7 @@
 use crate::gemm::{LtCall, LtMatrix};
 use crate::kernels::Kernel;
 use crate::launch::Launch;
-use ferrolm_tensor::{bail, bf16, Error, Result};
+use ferrolm_tensor::{bail, bf16, Result};
 use std::ffi::c_void;
 
 /// Whether build.rs compiled the emulator into this binary.
@@ -64,7 +64,7 @@ pub(crate) unsafe fn launch(kernel: Kernel, cfg: Launch, args: &mut [*mut c_void
     if rc != 0 {
         let msg = String::from_utf8_lossy(&err[..err.iter().position(|&c| c == 0).unwrap_or(err.len())]).into_owned();
         let what = if rc == 2 { "invalid launch configuration" } else { "kernel failed" };
-        return Err(Error::new(name, format!("{what} (emulator, grid {grid:?}, block {block}, {smem} B shared): {msg}")));
+        bail!(name, "{what} (emulator, grid {grid:?}, block {block}, {smem} B shared): {msg}");
     }
     Ok(())
 }
