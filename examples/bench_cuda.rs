@@ -3,8 +3,9 @@
 //! Floors are measured first on the same device: the engine's device-to-device copy bandwidth
 //! (bytes moved / bandwidth) and the cuBLASLt bf16 GEMM peak at 8192^3 (FLOPs / peak). Each row
 //! is the median of >= 10 timed repetitions (CUDA events on the compute stream) after warm-up,
-//! on fresh random inputs (never zeros). Kernels are called through the `Backend` trait directly
-//! (no autograd bookkeeping), so the time is the kernels' plus the engine's launch overhead.
+//! on fresh random inputs (never zeros). Kernels are called through the `Backend` trait and the
+//! fused ops' storage-level functions (`ferrolm::ops::<op>::forward` / `backward`) directly (no
+//! autograd bookkeeping), so the time is the kernels' plus the engine's launch overhead.
 //!
 //! Output: a markdown table on stdout; with `$OUT` set also `$OUT/bench_cuda.md` and
 //! `$OUT/bench_cuda.json` (`attention_fwd_bwd_ms: {key: ms}`, joined by
@@ -17,8 +18,9 @@
 //! FERROLM_REQUIRE_GPU=1).
 use anyhow::anyhow;
 use ferrolm::cli::BenchCudaArgs;
-use ferrolm::tensor::backend::{AttnDims, Backend, BinaryOp, ReduceOp, Sl, UnaryOp};
-use ferrolm::tensor::{bf16, CpuStorage, DType, Layout, Shape, Storage};
+use ferrolm::ops::{attention, cross_entropy, embedding, rmsnorm, rope, softmax, swiglu, AttnDims};
+use ferrolm::tensor::backend::{Backend, BinaryOp, ReduceOp, Sl, UnaryOp};
+use ferrolm::tensor::{bf16, CpuStorage, DType, Layout, Rng, Shape, Storage};
 use ferrolm::AnyResult;
 use ferrolm_cuda::CudaBackend;
 use std::fmt::Write as _;
@@ -35,27 +37,17 @@ impl Buf {
     }
 }
 
-/// Fast host generator (SplitMix64) for large random inputs.
-struct Gen(u64);
-impl Gen {
-    fn next(&mut self) -> u64 {
-        self.0 = self.0.wrapping_add(0x9E37_79B9_7F4A_7C15);
-        let mut z = self.0;
-        z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
-        z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
-        z ^ (z >> 31)
-    }
-    /// Approximately N(0, std^2): sum of four uniforms (16-bit each) from one draw.
-    fn normal(&mut self, std: f32) -> f32 {
-        let r = self.next();
-        let s: f32 = (0..4).map(|i| ((r >> (16 * i)) & 0xFFFF) as f32 / 65536.0).sum();
-        (s - 2.0) * 1.732_050_8 * std
-    }
+/// Approximately N(0, std^2), fast enough for large inputs: the sum of four 16-bit uniforms
+/// from one draw.
+fn fast_normal(rng: &mut Rng, std: f32) -> f32 {
+    let r = rng.next_u64();
+    let s: f32 = (0..4).map(|i| ((r >> (16 * i)) & 0xFFFF) as f32 / 65536.0).sum();
+    (s - 2.0) * 1.732_050_8 * std
 }
 
 struct Bench {
     be: Arc<CudaBackend>,
-    gen: Gen,
+    rng: Rng,
     reps: usize,
 }
 
@@ -67,14 +59,14 @@ impl Bench {
     fn randn(&mut self, shape: &[usize], dt: DType, std: f32) -> AnyResult<Buf> {
         let n: usize = shape.iter().product();
         let cpu = match dt {
-            DType::BF16 => CpuStorage::BF16((0..n).map(|_| bf16::from_f32(self.gen.normal(std))).collect()),
-            DType::F32 => CpuStorage::F32((0..n).map(|_| self.gen.normal(std)).collect()),
+            DType::BF16 => CpuStorage::BF16((0..n).map(|_| bf16::from_f32(fast_normal(&mut self.rng, std))).collect()),
+            DType::F32 => CpuStorage::F32((0..n).map(|_| fast_normal(&mut self.rng, std)).collect()),
             d => return Err(anyhow!("randn: {d} not supported")),
         };
         Ok(Buf { s: self.be.from_cpu(&cpu)?, l: layout(shape) })
     }
     fn ids(&mut self, n: usize, below: usize) -> AnyResult<Buf> {
-        let v: Vec<i32> = (0..n).map(|_| (self.gen.next() % below as u64) as i32).collect();
+        let v: Vec<i32> = (0..n).map(|_| self.rng.below(below as u64) as i32).collect();
         Ok(Buf { s: self.be.from_cpu(&CpuStorage::I32(v))?, l: layout(&[n]) })
     }
     fn scalar_f32(&mut self, v: f32) -> AnyResult<Buf> {
@@ -165,7 +157,7 @@ fn run(args: BenchCudaArgs) -> AnyResult<()> {
         "# ferrolm CUDA kernel benchmark\n\ndevice: {device}  \ndate: {date}  \nreps: {reps} (median), kernels image: {}\n",
         if ferrolm::kernels_image::FATBIN.is_some() { "nvcc fatbin" } else { "NVRTC sources" }
     );
-    let mut bn = Bench { be: be.clone(), gen: Gen(0x5EED_F00D), reps };
+    let mut bn = Bench { be: be.clone(), rng: Rng::new(0x5EED_F00D), reps };
     let bf = DType::BF16;
 
     // ---- floors ---------------------------------------------------------------------------
@@ -236,13 +228,13 @@ fn run(args: BenchCudaArgs) -> AnyResult<()> {
         })?;
         push(&mut rows, "transpose copy (bf16)", format!("({c}, {r})^T"), ms, 2.0 * n as f64 * 2.0, 0.0);
         let ms = bn.time(|| {
-            be.softmax_last(a.sl())?;
+            softmax::forward(a.sl())?;
             Ok(())
         })?;
         push(&mut rows, "softmax fwd (bf16)", format!("({r}, {c})"), ms, 2.0 * n as f64 * 2.0, 0.0);
-        let y = Buf { s: be.softmax_last(a.sl())?, l: a.l.clone() };
+        let y = Buf { s: softmax::forward(a.sl())?, l: a.l.clone() };
         let ms = bn.time(|| {
-            be.softmax_last_backward(y.sl(), b.sl())?;
+            softmax::backward(y.sl(), b.sl())?;
             Ok(())
         })?;
         push(&mut rows, "softmax bwd (bf16)", format!("({r}, {c})"), ms, 3.0 * n as f64 * 2.0, 0.0);
@@ -254,15 +246,15 @@ fn run(args: BenchCudaArgs) -> AnyResult<()> {
         let w = bn.randn(&[d], bf, 1.0)?;
         let dy = bn.randn(&[rn, d], bf, 1.0)?;
         let ms = bn.time(|| {
-            be.rmsnorm(x.sl(), w.sl(), 1e-5)?;
+            rmsnorm::forward(x.sl(), w.sl(), 1e-5)?;
             Ok(())
         })?;
         let nn = (rn * d) as f64;
         push(&mut rows, "rmsnorm fwd (bf16)", format!("({rn}, {d})"), ms, 2.0 * nn * 2.0 + rn as f64 * 4.0, 0.0);
-        let (_y, inv) = be.rmsnorm(x.sl(), w.sl(), 1e-5)?;
+        let (_y, inv) = rmsnorm::forward(x.sl(), w.sl(), 1e-5)?;
         let inv = Buf { s: inv, l: layout(&[rn]) };
         let ms = bn.time(|| {
-            be.rmsnorm_backward(dy.sl(), x.sl(), w.sl(), inv.sl())?;
+            rmsnorm::backward(dy.sl(), x.sl(), w.sl(), inv.sl())?;
             Ok(())
         })?;
         push(&mut rows, "rmsnorm bwd (bf16)", format!("({rn}, {d})"), ms, 3.0 * nn * 2.0 + rn as f64 * 4.0, 0.0);
@@ -275,12 +267,12 @@ fn run(args: BenchCudaArgs) -> AnyResult<()> {
         let sin = bn.randn(&[t, d], bf, 0.7)?;
         let nn = (b * h * t * d) as f64;
         let ms = bn.time(|| {
-            be.rope(x.sl(), cos.sl(), sin.sl(), false)?;
+            rope::apply(x.sl(), cos.sl(), sin.sl(), false)?;
             Ok(())
         })?;
         push(&mut rows, "rope fwd (bf16)", format!("({b}, {h}, {t}, {d})"), ms, 2.0 * nn * 2.0 + 2.0 * (t * d) as f64 * 2.0, 0.0);
         let ms = bn.time(|| {
-            be.rope(x.sl(), cos.sl(), sin.sl(), true)?;
+            rope::apply(x.sl(), cos.sl(), sin.sl(), true)?;
             Ok(())
         })?;
         push(&mut rows, "rope bwd (bf16)", format!("({b}, {h}, {t}, {d})"), ms, 2.0 * nn * 2.0 + 2.0 * (t * d) as f64 * 2.0, 0.0);
@@ -293,12 +285,12 @@ fn run(args: BenchCudaArgs) -> AnyResult<()> {
         let dy = bn.randn(&[rn, f], bf, 1.0)?;
         let nn = (rn * f) as f64;
         let ms = bn.time(|| {
-            be.swiglu(gt.sl(), up.sl())?;
+            swiglu::forward(gt.sl(), up.sl())?;
             Ok(())
         })?;
         push(&mut rows, "swiglu fwd (bf16)", format!("({rn}, {f})"), ms, 3.0 * nn * 2.0, 0.0);
         let ms = bn.time(|| {
-            be.swiglu_backward(dy.sl(), gt.sl(), up.sl())?;
+            swiglu::backward(dy.sl(), gt.sl(), up.sl())?;
             Ok(())
         })?;
         push(&mut rows, "swiglu bwd (bf16)", format!("({rn}, {f})"), ms, 5.0 * nn * 2.0, 0.0);
@@ -311,25 +303,25 @@ fn run(args: BenchCudaArgs) -> AnyResult<()> {
         let scale = bn.scalar_f32(1.0 / rn as f32)?;
         let nn = (rn * v) as f64;
         let ms = bn.time(|| {
-            be.cross_entropy(x.sl(), t.sl(), -100)?;
+            cross_entropy::forward(x.sl(), t.sl(), -100)?;
             Ok(())
         })?;
         push(&mut rows, "cross-entropy fwd (bf16)", format!("({rn}, {v})"), ms, nn * 2.0, 0.0);
-        let (_, lse, _) = be.cross_entropy(x.sl(), t.sl(), -100)?;
+        let (_, lse, _) = cross_entropy::forward(x.sl(), t.sl(), -100)?;
         let lse = Buf { s: lse, l: layout(&[rn]) };
         let ms_b = bn.time(|| {
-            be.cross_entropy_backward(x.sl(), t.sl(), lse.sl(), -100, scale.sl())?;
+            cross_entropy::backward(x.sl(), t.sl(), lse.sl(), -100, scale.sl())?;
             Ok(())
         })?;
         push(&mut rows, "cross-entropy bwd (bf16)", format!("({rn}, {v})"), ms_b, 2.0 * nn * 2.0, 0.0);
         let ms = bn.time(|| {
-            be.cross_entropy(x.sl(), t.sl(), -100)?;
-            be.cross_entropy_backward(x.sl(), t.sl(), lse.sl(), -100, scale.sl())?;
+            cross_entropy::forward(x.sl(), t.sl(), -100)?;
+            cross_entropy::backward(x.sl(), t.sl(), lse.sl(), -100, scale.sl())?;
             Ok(())
         })?;
         push(&mut rows, "cross-entropy fwd+bwd (bf16)", format!("({rn}, {v})"), ms, 2.0 * nn * 2.0, 0.0);
         let ms = bn.time(|| {
-            be.cross_entropy_fused(&x.s, &x.l, &t.s, -100, 1.0)?;
+            cross_entropy::forward_backward_cuda(&be, x.sl(), &t.s, -100, 1.0)?;
             Ok(())
         })?;
         push(&mut rows, "cross-entropy fused fwd+bwd (bf16)", format!("({rn}, {v})"), ms, 2.0 * nn * 2.0, 0.0);
@@ -341,12 +333,12 @@ fn run(args: BenchCudaArgs) -> AnyResult<()> {
         let ids = bn.ids(nt, vocab)?;
         let dy = bn.randn(&[nt, d], bf, 1.0)?;
         let ms = bn.time(|| {
-            be.embedding(w.sl(), ids.sl())?;
+            embedding::forward(w.sl(), ids.sl())?;
             Ok(())
         })?;
         push(&mut rows, "embedding fwd (bf16)", format!("V{vocab} d{d} n{nt}"), ms, 2.0 * (nt * d) as f64 * 2.0 + nt as f64 * 4.0, 0.0);
         let ms = bn.time(|| {
-            be.embedding_backward(dy.sl(), ids.sl(), vocab)?;
+            embedding::backward(dy.sl(), ids.sl(), vocab)?;
             Ok(())
         })?;
         push(
@@ -383,19 +375,19 @@ fn run(args: BenchCudaArgs) -> AnyResult<()> {
         let v = bn.randn(&[b, hkv, t, d], bf, 1.0)?;
         let dout = bn.randn(&[b, hq, t, d], bf, 1.0)?;
         let scale = 1.0 / (d as f64).sqrt();
-        let (o, lse) = be.attention(q.sl(), k.sl(), v.sl(), dims, scale)?;
+        let (o, lse) = attention::forward(q.sl(), k.sl(), v.sl(), dims, scale)?;
         let (o, lse) = (Buf { s: o, l: layout(&[b, hq, t, d]) }, Buf { s: lse, l: layout(&[b, hq, t]) });
         let fwd = bn.time(|| {
-            be.attention(q.sl(), k.sl(), v.sl(), dims, scale)?;
+            attention::forward(q.sl(), k.sl(), v.sl(), dims, scale)?;
             Ok(())
         })?;
         let bwd = bn.time(|| {
-            be.attention_backward(dout.sl(), q.sl(), k.sl(), v.sl(), o.sl(), lse.sl(), dims, scale)?;
+            attention::backward(dout.sl(), q.sl(), k.sl(), v.sl(), o.sl(), lse.sl(), dims, scale)?;
             Ok(())
         })?;
         let both = bn.time(|| {
-            let (o2, l2) = be.attention(q.sl(), k.sl(), v.sl(), dims, scale)?;
-            be.attention_backward(dout.sl(), q.sl(), k.sl(), v.sl(), (&o2, &o.l), (&l2, &lse.l), dims, scale)?;
+            let (o2, l2) = attention::forward(q.sl(), k.sl(), v.sl(), dims, scale)?;
+            attention::backward(dout.sl(), q.sl(), k.sl(), v.sl(), (&o2, &o.l), (&l2, &lse.l), dims, scale)?;
             Ok(())
         })?;
         // Causal: fwd 2·B·H·T²·D (half of 4·B·H·T²·D), bwd 2.5x the forward.

@@ -88,7 +88,7 @@ static __device__ __forceinline__ float quad_sum(float v) {
 // grid (ceil(t/64), hq, b), block 128, dynamic smem 2 * 64 * (D + 8) * 2 bytes.
 template <int D>
 static __device__ void flash_fwd_impl(const bf16* q, const bf16* k, const bf16* v, bf16* o, float* lse, int hq, int hkv, int t, float scale) {
-    constexpr int BR = 64, BC = 64, ST = D + 8;
+    constexpr int BR = FLASH_ROWS, BC = FLASH_FWD_TILE, ST = D + FLASH_PAD;
     DYNAMIC_SMEM(smem);
     bf16* sK = reinterpret_cast<bf16*>(smem);  // (BC, ST)
     bf16* sV = sK + BC * ST;                   // (BC, ST)
@@ -173,10 +173,10 @@ static __device__ void flash_fwd_impl(const bf16* q, const bf16* k, const bf16* 
         if (tq == 0) lse[(i64)(b * hq + h) * t + rows[r]] = m_r[r] + logf(l_r[r]);
     }
 }
-extern "C" __global__ void __launch_bounds__(128) flash_fwd_bf16_d64(const bf16* q, const bf16* k, const bf16* v, bf16* o, float* lse, int hq, int hkv, int t, float scale) {
+extern "C" __global__ void __launch_bounds__(FLASH_THREADS) flash_fwd_bf16_d64(const bf16* q, const bf16* k, const bf16* v, bf16* o, float* lse, int hq, int hkv, int t, float scale) {
     flash_fwd_impl<64>(q, k, v, o, lse, hq, hkv, t, scale);
 }
-extern "C" __global__ void __launch_bounds__(128) flash_fwd_bf16_d128(const bf16* q, const bf16* k, const bf16* v, bf16* o, float* lse, int hq, int hkv, int t, float scale) {
+extern "C" __global__ void __launch_bounds__(FLASH_THREADS) flash_fwd_bf16_d128(const bf16* q, const bf16* k, const bf16* v, bf16* o, float* lse, int hq, int hkv, int t, float scale) {
     flash_fwd_impl<128>(q, k, v, o, lse, hq, hkv, t, scale);
 }
 
@@ -199,7 +199,7 @@ extern "C" __global__ void attn_bwd_dot_bf16(const bf16* dout, const bf16* out, 
 template <int D>
 static __device__ void flash_bwd_dkdv_impl(const bf16* q, const bf16* k, const bf16* v, const bf16* dout, const float* lse,
                                            const float* dvec, bf16* dk, bf16* dv, int hq, int hkv, int t, float scale) {
-    constexpr int BC = 64, BR = 32, ST = D + 8;
+    constexpr int BC = FLASH_ROWS, BR = FLASH_BWD_TILE, ST = D + FLASH_PAD;
     DYNAMIC_SMEM(smem);
     bf16* sK = reinterpret_cast<bf16*>(smem);  // (BC, ST)
     bf16* sV = sK + BC * ST;                   // (BC, ST)
@@ -288,11 +288,11 @@ static __device__ void flash_bwd_dkdv_impl(const bf16* q, const bf16* k, const b
         }
     }
 }
-extern "C" __global__ void __launch_bounds__(128) flash_bwd_dkdv_bf16_d64(const bf16* q, const bf16* k, const bf16* v, const bf16* dout, const float* lse,
+extern "C" __global__ void __launch_bounds__(FLASH_THREADS) flash_bwd_dkdv_bf16_d64(const bf16* q, const bf16* k, const bf16* v, const bf16* dout, const float* lse,
                                                                        const float* dvec, bf16* dk, bf16* dv, int hq, int hkv, int t, float scale) {
     flash_bwd_dkdv_impl<64>(q, k, v, dout, lse, dvec, dk, dv, hq, hkv, t, scale);
 }
-extern "C" __global__ void __launch_bounds__(128) flash_bwd_dkdv_bf16_d128(const bf16* q, const bf16* k, const bf16* v, const bf16* dout, const float* lse,
+extern "C" __global__ void __launch_bounds__(FLASH_THREADS) flash_bwd_dkdv_bf16_d128(const bf16* q, const bf16* k, const bf16* v, const bf16* dout, const float* lse,
                                                                         const float* dvec, bf16* dk, bf16* dv, int hq, int hkv, int t, float scale) {
     flash_bwd_dkdv_impl<128>(q, k, v, dout, lse, dvec, dk, dv, hq, hkv, t, scale);
 }
@@ -302,7 +302,7 @@ extern "C" __global__ void __launch_bounds__(128) flash_bwd_dkdv_bf16_d128(const
 template <int D>
 static __device__ void flash_bwd_dq_impl(const bf16* q, const bf16* k, const bf16* v, const bf16* dout, const float* lse,
                                          const float* dvec, bf16* dq, int hq, int hkv, int t, float scale) {
-    constexpr int BR = 64, BC = 32, ST = D + 8;
+    constexpr int BR = FLASH_ROWS, BC = FLASH_BWD_TILE, ST = D + FLASH_PAD;
     DYNAMIC_SMEM(smem);
     bf16* sK = reinterpret_cast<bf16*>(smem);  // (BC, ST)
     bf16* sV = sK + BC * ST;                   // (BC, ST)
@@ -372,29 +372,28 @@ static __device__ void flash_bwd_dq_impl(const bf16* q, const bf16* k, const bf1
             *reinterpret_cast<__nv_bfloat162*>(dqh + (i64)rows[r] * D + n * 8 + 2 * tq) = __floats2bfloat162_rn(acc[n][2 * r], acc[n][2 * r + 1]);
     }
 }
-extern "C" __global__ void __launch_bounds__(128) flash_bwd_dq_bf16_d64(const bf16* q, const bf16* k, const bf16* v, const bf16* dout, const float* lse,
+extern "C" __global__ void __launch_bounds__(FLASH_THREADS) flash_bwd_dq_bf16_d64(const bf16* q, const bf16* k, const bf16* v, const bf16* dout, const float* lse,
                                                                      const float* dvec, bf16* dq, int hq, int hkv, int t, float scale) {
     flash_bwd_dq_impl<64>(q, k, v, dout, lse, dvec, dq, hq, hkv, t, scale);
 }
-extern "C" __global__ void __launch_bounds__(128) flash_bwd_dq_bf16_d128(const bf16* q, const bf16* k, const bf16* v, const bf16* dout, const float* lse,
+extern "C" __global__ void __launch_bounds__(FLASH_THREADS) flash_bwd_dq_bf16_d128(const bf16* q, const bf16* k, const bf16* v, const bf16* dout, const float* lse,
                                                                       const float* dvec, bf16* dq, int hq, int hkv, int t, float scale) {
     flash_bwd_dq_impl<128>(q, k, v, dout, lse, dvec, dq, hq, hkv, t, scale);
 }
 
 // ---- SIMT kernels: f32 (and bf16 with head dims other than 64/128), d <= 256 ------------------
 // One warp per row; lane x holds elements x, x+32, ... of the row. Same math, fixed order.
-#define SIMT_MAXE 8
 template <typename T>
 static __device__ __forceinline__ float simt_dot(const float* a, const T* b, int d, int lane) {
     float acc = 0.0f;
 #pragma unroll
-    for (int e = 0; e < SIMT_MAXE; ++e) { int x = lane + 32 * e; if (x < d) acc += a[e] * to_f(b[x]); }
+    for (int e = 0; e < ATTN_SIMT_PER_LANE; ++e) { int x = lane + 32 * e; if (x < d) acc += a[e] * to_f(b[x]); }
     return warp_sum(acc);
 }
 template <typename T>
 static __device__ __forceinline__ void simt_load(float* a, const T* src, int d, int lane) {
 #pragma unroll
-    for (int e = 0; e < SIMT_MAXE; ++e) { int x = lane + 32 * e; a[e] = x < d ? to_f(src[x]) : 0.0f; }
+    for (int e = 0; e < ATTN_SIMT_PER_LANE; ++e) { int x = lane + 32 * e; a[e] = x < d ? to_f(src[x]) : 0.0f; }
 }
 // warp per (b, h, i): rows = b*hq*t
 template <typename T>
@@ -406,20 +405,20 @@ static __device__ void attn_fwd_simt_impl(const T* q, const T* k, const T* v, T*
     int i = (int)(row % t), h = (int)(bh % hq), b = (int)(bh / hq), hk = h / (hq / hkv);
     const T* kh = k + (i64)(b * hkv + hk) * t * d;
     const T* vh = v + (i64)(b * hkv + hk) * t * d;
-    float qi[SIMT_MAXE], acc[SIMT_MAXE];
+    float qi[ATTN_SIMT_PER_LANE], acc[ATTN_SIMT_PER_LANE];
     simt_load(qi, q + row * d, d, lane);
-    for (int e = 0; e < SIMT_MAXE; ++e) acc[e] = 0.0f;
+    for (int e = 0; e < ATTN_SIMT_PER_LANE; ++e) acc[e] = 0.0f;
     float m = -INFINITY, l = 0.0f;
     for (int j = 0; j <= i; ++j) {
         float s = simt_dot(qi, kh + (i64)j * d, d, lane) * scale;
         float mn = fmaxf(m, s), alpha = expf(m - mn), p = expf(s - mn);
         l = l * alpha + p;
 #pragma unroll
-        for (int e = 0; e < SIMT_MAXE; ++e) { int x = lane + 32 * e; if (x < d) acc[e] = acc[e] * alpha + p * to_f(vh[(i64)j * d + x]); }
+        for (int e = 0; e < ATTN_SIMT_PER_LANE; ++e) { int x = lane + 32 * e; if (x < d) acc[e] = acc[e] * alpha + p * to_f(vh[(i64)j * d + x]); }
         m = mn;
     }
 #pragma unroll
-    for (int e = 0; e < SIMT_MAXE; ++e) { int x = lane + 32 * e; if (x < d) o[row * d + x] = from_f<T>(acc[e] / l); }
+    for (int e = 0; e < ATTN_SIMT_PER_LANE; ++e) { int x = lane + 32 * e; if (x < d) o[row * d + x] = from_f<T>(acc[e] / l); }
     if (lane == 0) lse[row] = m + logf(l);
 }
 // warp per (b, hkv, j): loops the group's query heads, then i >= j, in order.
@@ -431,10 +430,10 @@ static __device__ void attn_bwd_dkdv_simt_impl(const T* q, const T* k, const T* 
     if (row >= (i64)b_ * hkv * t) return;
     i64 bk = row / t;
     int j = (int)(row % t), group = hq / hkv;
-    float kj[SIMT_MAXE], vj[SIMT_MAXE], dka[SIMT_MAXE], dva[SIMT_MAXE];
+    float kj[ATTN_SIMT_PER_LANE], vj[ATTN_SIMT_PER_LANE], dka[ATTN_SIMT_PER_LANE], dva[ATTN_SIMT_PER_LANE];
     simt_load(kj, k + row * d, d, lane);
     simt_load(vj, v + row * d, d, lane);
-    for (int e = 0; e < SIMT_MAXE; ++e) dka[e] = dva[e] = 0.0f;
+    for (int e = 0; e < ATTN_SIMT_PER_LANE; ++e) dka[e] = dva[e] = 0.0f;
     for (int gi = 0; gi < group; ++gi) {
         i64 bh = bk * group + gi;  // query heads of one kv head are contiguous
         for (int i = j; i < t; ++i) {
@@ -443,14 +442,14 @@ static __device__ void attn_bwd_dkdv_simt_impl(const T* q, const T* k, const T* 
             float p = expf(simt_dot(kj, qi, d, lane) * scale - lse[bh * t + i]);
             float ds = p * (simt_dot(vj, doi, d, lane) - dvec[bh * t + i]) * scale;
 #pragma unroll
-            for (int e = 0; e < SIMT_MAXE; ++e) {
+            for (int e = 0; e < ATTN_SIMT_PER_LANE; ++e) {
                 int x = lane + 32 * e;
                 if (x < d) { dva[e] += p * to_f(doi[x]); dka[e] += ds * to_f(qi[x]); }
             }
         }
     }
 #pragma unroll
-    for (int e = 0; e < SIMT_MAXE; ++e) { int x = lane + 32 * e; if (x < d) { dk[row * d + x] = from_f<T>(dka[e]); dv[row * d + x] = from_f<T>(dva[e]); } }
+    for (int e = 0; e < ATTN_SIMT_PER_LANE; ++e) { int x = lane + 32 * e; if (x < d) { dk[row * d + x] = from_f<T>(dka[e]); dv[row * d + x] = from_f<T>(dva[e]); } }
 }
 // warp per (b, h, i)
 template <typename T>
@@ -463,19 +462,19 @@ static __device__ void attn_bwd_dq_simt_impl(const T* q, const T* k, const T* v,
     int i = (int)(row % t), h = (int)(bh % hq), b = (int)(bh / hq), hk = h / (hq / hkv);
     const T* kh = k + (i64)(b * hkv + hk) * t * d;
     const T* vh = v + (i64)(b * hkv + hk) * t * d;
-    float qi[SIMT_MAXE], doi[SIMT_MAXE], acc[SIMT_MAXE];
+    float qi[ATTN_SIMT_PER_LANE], doi[ATTN_SIMT_PER_LANE], acc[ATTN_SIMT_PER_LANE];
     simt_load(qi, q + row * d, d, lane);
     simt_load(doi, dout + row * d, d, lane);
-    for (int e = 0; e < SIMT_MAXE; ++e) acc[e] = 0.0f;
+    for (int e = 0; e < ATTN_SIMT_PER_LANE; ++e) acc[e] = 0.0f;
     float l = lse[row], dd = dvec[row];
     for (int j = 0; j <= i; ++j) {
         float p = expf(simt_dot(qi, kh + (i64)j * d, d, lane) * scale - l);
         float ds = p * (simt_dot(doi, vh + (i64)j * d, d, lane) - dd) * scale;
 #pragma unroll
-        for (int e = 0; e < SIMT_MAXE; ++e) { int x = lane + 32 * e; if (x < d) acc[e] += ds * to_f(kh[(i64)j * d + x]); }
+        for (int e = 0; e < ATTN_SIMT_PER_LANE; ++e) { int x = lane + 32 * e; if (x < d) acc[e] += ds * to_f(kh[(i64)j * d + x]); }
     }
 #pragma unroll
-    for (int e = 0; e < SIMT_MAXE; ++e) { int x = lane + 32 * e; if (x < d) dq[row * d + x] = from_f<T>(acc[e]); }
+    for (int e = 0; e < ATTN_SIMT_PER_LANE; ++e) { int x = lane + 32 * e; if (x < d) dq[row * d + x] = from_f<T>(acc[e]); }
 }
 #define ATTN_SIMT(suffix, T)                                                                                                         \
     extern "C" __global__ void attn_fwd_simt_##suffix(const T* q, const T* k, const T* v, T* o, float* lse, int b, int hq, int hkv, \

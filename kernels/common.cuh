@@ -6,6 +6,7 @@
 // or concatenates them for NVRTC, so everything here is `static` / `inline` and nothing here
 // may include a host standard-library header (NVRTC has none).
 #pragma once
+#include "constants.cuh"  // shared with the Rust launchers (ferrolm_cuda::consts)
 #if defined(FERRO_EMU)
 #include "ferro_emu.h"  // CPU emulation for tests without a GPU (crates/cuda/emu)
 #endif
@@ -23,7 +24,6 @@
 typedef __nv_bfloat16 bf16;
 typedef long long i64;
 
-#define FERRO_MAX_RANK 6
 
 // ---- conversions -----------------------------------------------------------------------------
 static __device__ __forceinline__ float to_f(float x) { return x; }

@@ -3,11 +3,8 @@
 // div, eq) whose operands are broadcast views (stride 0) of rank <= 6, fills, dtype casts and
 // the raw strided copy that backs copy_strided / assign / cat. Inputs are read through a
 // `Strided` descriptor, outputs are contiguous (or, for strided_copy, strided too); math is
-// fp32 and bf16 results are rounded once. The op codes mirror `UnaryOp` / `BinaryOp` order.
+// fp32 and bf16 results are rounded once. The op codes (constants.cuh) mirror `UnaryOp` / `BinaryOp` order.
 #include "common.cuh"
-
-enum { U_NEG, U_EXP, U_LOG, U_SQRT, U_RSQRT, U_RECIP, U_SQR, U_SILU, U_SILU_GRAD, U_POWF, U_AFFINE };
-enum { B_ADD, B_SUB, B_MUL, B_DIV, B_EQ };
 
 static __device__ __forceinline__ float unary_apply(int op, float v, float a, float b) {
     switch (op) {

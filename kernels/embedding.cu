@@ -7,10 +7,6 @@
 // f32 dw; the launcher casts to bf16 afterwards when needed.
 #include "common.cuh"
 
-#define EMB_ROWS 64     // vocab rows owned by one block
-#define EMB_COLS 128    // columns (threads) per block
-#define EMB_CHUNK 1024  // ids staged per shared-memory pass
-
 template <typename T>
 static __device__ void embedding_fwd_impl(const T* w, const int* ids, T* out, i64 n, i64 d) {
     for (i64 r = blockIdx.x; r < n; r += gridDim.x) {

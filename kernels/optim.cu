@@ -10,8 +10,6 @@
 // f64, in block order — the same bits every run, no atomics.
 #include "common.cuh"
 
-#define OPT_CHUNK 4096
-
 struct BlockMap { int tensor; int pad; i64 start; };
 struct AdamTensor {
     float* master;       // (n) fp32 weights, updated in place

@@ -17,6 +17,7 @@ pub mod train;
 pub use ferrolm_data as data;
 pub use ferrolm_nn as nn;
 pub use ferrolm_nn::Llama;
+pub use ferrolm_ops as ops;
 pub use ferrolm_tensor as tensor;
 pub use ferrolm_tensor::{DType, Device, Error, Result, Shape, Tensor};
 

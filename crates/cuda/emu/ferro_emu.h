@@ -15,11 +15,7 @@
 #include <string.h>
 
 // ---- qualifiers ----------------------------------------------------------------------------------
-#ifdef FERRO_EMU_SCAN
-#define __global__ FERRO_KERNEL_MARK  // build.rs finds the kernel names after preprocessing
-#else
 #define __global__
-#endif
 #define __device__
 #define __host__
 #define __forceinline__ inline

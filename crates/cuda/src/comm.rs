@@ -8,8 +8,8 @@ use crate::storage::CudaStorage;
 use ferrolm_tensor::{DType, Result, Storage};
 
 impl CudaBackend {
-    /// `n` uninitialised elements of pooled device memory (NaN bits under FERROLM_CUDA_POISON),
-    /// for a result that a collective on another stream will write.
+    /// `n` uninitialised elements of pooled device memory (NaN bits under FERROLM_CUDA_POISON):
+    /// a kernel's output, or a result that a collective on another stream will write.
     pub fn alloc_storage(&self, n: usize, dtype: DType) -> Result<CudaStorage> {
         self.alloc(n, dtype)
     }

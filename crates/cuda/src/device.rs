@@ -1,13 +1,14 @@
 //! The per-device state: context, streams, events, pool, kernel module and cuBLASLt handle.
 use crate::gemm::{Gemm, LtCall, Operand};
+use crate::kernels::Kernel;
+use crate::launch::Launch;
 use crate::pool::{DevBuf, Mem, Pool};
 use crate::storage::CudaStorage;
 use crate::{err, KernelImage};
 use cudarc::driver::{result, sys, CudaContext, CudaFunction, CudaModule};
-use ferrolm_tensor::{bail, DType, Error, Result, Storage};
-use std::collections::HashMap;
+use ferrolm_tensor::{bail, DType, Error, Result};
 use std::ffi::c_void;
-use std::sync::{Arc, Mutex};
+use std::sync::{Arc, Mutex, OnceLock};
 
 pub use cudarc::driver::{CudaEvent, CudaStream};
 
@@ -35,7 +36,8 @@ pub(crate) struct Gpu {
     /// Every op of the `Backend` trait is enqueued here.
     pub(crate) stream: Arc<CudaStream>,
     module: Arc<CudaModule>,
-    funcs: Mutex<HashMap<&'static str, CudaFunction>>,
+    /// The kernels' function handles, indexed by `Kernel`, each looked up on its first launch.
+    funcs: Box<[OnceLock<CudaFunction>]>,
     pub(crate) gemm: Mutex<Gemm>,
 }
 
@@ -45,24 +47,6 @@ impl std::fmt::Debug for CudaBackend {
             Exec::Gpu(_) => write!(f, "CudaBackend(cuda:{})", self.ordinal),
             Exec::Emu => write!(f, "CudaBackend(cuda:{}, emulated on the CPU)", self.ordinal),
         }
-    }
-}
-
-/// Kernel parameters, kept alive (and aligned) until the launch call returns.
-#[derive(Default)]
-pub(crate) struct Args {
-    store: Vec<Box<dyn std::any::Any>>,
-    ptrs: Vec<*mut c_void>,
-}
-impl Args {
-    pub fn new() -> Self {
-        Args::default()
-    }
-    pub fn push<T: Copy + 'static>(mut self, v: T) -> Self {
-        let b = Box::new(v);
-        self.ptrs.push(&*b as *const T as *mut c_void);
-        self.store.push(b);
-        self
     }
 }
 
@@ -86,7 +70,8 @@ impl CudaBackend {
         let module = load_module(&ctx, image)?;
         let pool = Pool::new(Mem::Gpu(ctx.clone()));
         let gemm = Gemm::new(&ctx, &pool, &stream)?;
-        let gpu = Gpu { ctx, stream, module, funcs: Mutex::new(HashMap::new()), gemm: Mutex::new(gemm) };
+        let funcs = (0..Kernel::COUNT).map(|_| OnceLock::new()).collect();
+        let gpu = Gpu { ctx, stream, module, funcs, gemm: Mutex::new(gemm) };
         Ok(Self::finish(ordinal, Exec::Gpu(gpu), pool))
     }
 
@@ -219,31 +204,35 @@ impl CudaBackend {
         }
         Ok(CudaStorage { buf, dtype, len: n, ordinal: self.ordinal })
     }
-    pub(crate) fn wrap(&self, s: CudaStorage) -> Storage {
-        Storage::Device(Box::new(s))
-    }
 
-    /// Enqueues kernel `name` on the compute stream (runs it to completion on the emulator).
-    pub(crate) fn launch(&self, name: &'static str, grid: (u32, u32, u32), block: u32, smem: u32, mut args: Args) -> Result<()> {
+    /// Enqueues `kernel` on the compute stream (runs it to completion on the emulator). Called
+    /// by the generated typed launchers (`crate::kernels`).
+    ///
+    /// # Safety
+    /// `args` holds one pointer per kernel parameter, to a value of that parameter's type, and
+    /// every device pointer among those values addresses live memory of this device holding what
+    /// the kernel accesses for this launch shape; pool blocks stay allocated until the stream has
+    /// run the kernel.
+    pub(crate) unsafe fn launch(&self, kernel: Kernel, cfg: Launch, args: &mut [*mut c_void]) -> Result<()> {
+        let Launch { grid, block, smem } = cfg;
         if grid.0 == 0 || grid.1 == 0 || grid.2 == 0 {
             return Ok(());
         }
+        let name = kernel.name();
         let g = match &self.exec {
             Exec::Gpu(g) => g,
-            Exec::Emu => return crate::emu::launch(name, grid, block, smem, &mut args.ptrs),
+            // SAFETY: the caller's contract, which is the emulator's too.
+            Exec::Emu => return unsafe { crate::emu::launch(kernel, cfg, args) },
         };
         self.bind()?;
-        let f = g.func(name)?;
+        let f = g.func(kernel)?;
         if smem > 48 * 1024 {
             f.set_attribute(sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, smem as i32)
                 .map_err(|e| Error::new(name, format!("cannot enable {smem} bytes of shared memory: {e:?}")))?;
         }
-        // SAFETY: `args` holds one pointer per kernel parameter, to a value of the parameter's
-        // type: each launcher in launch.rs / backend.rs builds it for the kernel it names (a
-        // mismatch would show in the kernel tests, which run the same launchers on the emulator).
-        // Device pointers among them are live pool blocks sized by those launchers for the
-        // element counts they pass, and stay allocated until the stream has run the kernel.
-        unsafe { result::launch_kernel(f.cu_function(), grid, (block, 1, 1), smem, g.stream.cu_stream(), &mut args.ptrs) }
+        // SAFETY: the caller's contract: one pointer per parameter, of its type, and live device
+        // memory behind every device pointer until the stream has run the kernel.
+        unsafe { result::launch_kernel(f.cu_function(), grid, (block, 1, 1), smem, g.stream.cu_stream(), args) }
             .map_err(|e| Error::new(name, format!("launch failed: {e:?}")))
     }
 
@@ -351,14 +340,15 @@ impl CudaBackend {
 }
 
 impl Gpu {
-    fn func(&self, name: &'static str) -> Result<CudaFunction> {
-        let mut f = self.funcs.lock().unwrap_or_else(|e| e.into_inner());
-        if let Some(x) = f.get(name) {
-            return Ok(x.clone());
+    /// The function handle of `kernel`, looked up in the module on its first launch only.
+    fn func(&self, kernel: Kernel) -> Result<&CudaFunction> {
+        let slot = &self.funcs[kernel as usize];
+        if let Some(f) = slot.get() {
+            return Ok(f);
         }
-        let x = self.module.load_function(name).map_err(|e| Error::new(name, format!("kernel not found in the image: {e:?}")))?;
-        f.insert(name, x.clone());
-        Ok(x)
+        let name = kernel.name();
+        let f = self.module.load_function(name).map_err(|e| Error::new(name, format!("kernel not found in the image: {e:?}")))?;
+        Ok(slot.get_or_init(|| f))
     }
 }
 

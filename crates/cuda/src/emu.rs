@@ -1,10 +1,12 @@
-//! The Rust side of the CUDA emulator (the C++ side is crates/cuda/emu): kernel lookup and launch
-//! through the table that build.rs generates, and a reference implementation of the cuBLASLt
-//! call that `gemm.rs` plans, with cuBLASLt's column-major semantics and its validity checks, so
-//! the layout arithmetic of every GEMM is tested without a GPU. Device pointers on the emulated
+//! The Rust side of the CUDA emulator (the C++ side is crates/cuda/emu): kernel launch through
+//! the table that build.rs generates (indexed by `Kernel`), and a reference implementation of the
+//! cuBLASLt call that `gemm.rs` plans, with cuBLASLt's column-major semantics and its validity
+//! checks, so the layout arithmetic of every GEMM is tested without a GPU. Device pointers on the emulated
 //! device are host addresses (see `pool::Mem::Host`).
 use crate::gemm::{LtCall, LtMatrix};
-use ferrolm_tensor::{bail, bf16, Error, Result};
+use crate::kernels::Kernel;
+use crate::launch::Launch;
+use ferrolm_tensor::{bail, bf16, Result};
 use std::ffi::c_void;
 
 /// Whether build.rs compiled the emulator into this binary.
@@ -14,12 +16,12 @@ pub const AVAILABLE: bool = cfg!(ferro_emu);
 mod ffi {
     use std::ffi::{c_char, c_int, c_void};
     #[repr(C)]
-    pub struct Kernel {
+    pub struct TableEntry {
         pub name: *const c_char,
         pub run: unsafe extern "C" fn(*mut *mut c_void),
     }
     extern "C" {
-        pub static ferro_emu_kernels: [Kernel; 0];
+        pub static ferro_emu_kernels: [TableEntry; 0];
         pub static ferro_emu_kernel_count: c_int;
         pub fn ferro_emu_run(
             entry: unsafe extern "C" fn(*mut *mut c_void),
@@ -36,50 +38,58 @@ mod ffi {
     }
 }
 
+/// Runs `kernel` over the grid to completion on the calling thread. The emulator's table is
+/// generated in `Kernel` order (build.rs), so the kernel's index is its entry.
+///
+/// # Safety
+/// As `CudaBackend::launch`: `args` points at one value per kernel parameter, of the
+/// parameter's type, and device pointers in them are live host allocations of the pool holding
+/// what the kernel accesses.
 #[cfg(ferro_emu)]
-type Entry = unsafe extern "C" fn(*mut *mut c_void);
-
-#[cfg(ferro_emu)]
-fn find(name: &str) -> Option<Entry> {
-    use std::collections::HashMap;
-    use std::sync::OnceLock;
-    static TABLE: OnceLock<HashMap<String, usize>> = OnceLock::new();
-    let t = TABLE.get_or_init(|| {
-        // SAFETY: the generated translation unit (build.rs) defines `ferro_emu_kernels` as an
-        // array of exactly `ferro_emu_kernel_count` entries whose names are string literals
-        // (NUL-terminated, static), and both are immutable.
-        unsafe {
-            let n = ffi::ferro_emu_kernel_count as usize;
-            let base = ffi::ferro_emu_kernels.as_ptr();
-            (0..n).map(|i| (std::ffi::CStr::from_ptr((*base.add(i)).name).to_string_lossy().into_owned(), i)).collect()
-        }
-    });
-    // SAFETY: every index in the table is below `ferro_emu_kernel_count` (built from 0..n above),
-    // so the entry is inside the immutable static array.
-    t.get(name).map(|&i| unsafe { (*ffi::ferro_emu_kernels.as_ptr().add(i)).run })
-}
-
-/// Runs kernel `name` over the grid to completion on the calling thread.
-#[cfg(ferro_emu)]
-pub(crate) fn launch(name: &'static str, grid: (u32, u32, u32), block: u32, smem: u32, args: &mut [*mut c_void]) -> Result<()> {
-    let Some(entry) = find(name) else { bail!(name, "kernel not found in the image (emulator)") };
+pub(crate) unsafe fn launch(kernel: Kernel, cfg: Launch, args: &mut [*mut c_void]) -> Result<()> {
+    let (name, i) = (kernel.name(), kernel as usize);
+    // SAFETY: reads an immutable int defined by the generated translation unit.
+    if i >= unsafe { ffi::ferro_emu_kernel_count } as usize {
+        bail!(name, "kernel not in the emulator's table (a stale build?)");
+    }
+    // SAFETY: i is below `ferro_emu_kernel_count` (checked above), so the entry is inside the
+    // immutable static array.
+    let entry = unsafe { (*ffi::ferro_emu_kernels.as_ptr().add(i)).run };
+    let Launch { grid, block, smem } = cfg;
     let mut err = vec![0u8; 1024];
-    // SAFETY: args points at one value per kernel parameter, of the parameter's type (the same
-    // contract as cuLaunchKernel, met by the launchers as for the GPU); device pointers in them
-    // are live host allocations of the pool, sized by the launchers; `err` is a writable buffer
-    // of the length passed, which the runtime NUL-terminates within it.
+    // SAFETY: the caller's contract covers `args`; `err` is a writable buffer of the length
+    // passed, which the runtime NUL-terminates within it.
     let rc =
         unsafe { ffi::ferro_emu_run(entry, grid.0, grid.1, grid.2, block, smem, args.as_mut_ptr(), err.as_mut_ptr() as *mut _, err.len()) };
     if rc != 0 {
         let msg = String::from_utf8_lossy(&err[..err.iter().position(|&c| c == 0).unwrap_or(err.len())]).into_owned();
         let what = if rc == 2 { "invalid launch configuration" } else { "kernel failed" };
-        return Err(Error::new(name, format!("{what} (emulator, grid {grid:?}, block {block}, {smem} B shared): {msg}")));
+        bail!(name, "{what} (emulator, grid {grid:?}, block {block}, {smem} B shared): {msg}");
     }
     Ok(())
 }
+/// # Safety
+/// Nothing runs: the emulator was not built.
 #[cfg(not(ferro_emu))]
-pub(crate) fn launch(name: &'static str, _: (u32, u32, u32), _: u32, _: u32, _: &mut [*mut c_void]) -> Result<()> {
-    bail!(name, "the CUDA emulator was not built")
+pub(crate) unsafe fn launch(kernel: Kernel, _: Launch, _: &mut [*mut c_void]) -> Result<()> {
+    bail!(kernel.name(), "the CUDA emulator was not built")
+}
+
+#[cfg(all(test, ferro_emu))]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_emulator_table_is_in_kernel_order() {
+        // SAFETY: as in `launch`: the generated table has `ferro_emu_kernel_count` immutable
+        // entries whose names are static NUL-terminated literals.
+        let names: Vec<String> = unsafe {
+            let n = ffi::ferro_emu_kernel_count as usize;
+            let base = ffi::ferro_emu_kernels.as_ptr();
+            (0..n).map(|i| std::ffi::CStr::from_ptr((*base.add(i)).name).to_string_lossy().into_owned()).collect()
+        };
+        assert_eq!(names, Kernel::NAMES, "the emulator's table and `Kernel` disagree");
+    }
 }
 
 /// Launches from the calling thread visit a block's threads in reverse order at every scheduling

@@ -1,26 +1,107 @@
-//! Launch helpers shared by the `Backend` impl, plus the fused optimizer / loss launchers that
-//! have no `Backend` method (AdamW, global grad norm, fused cross-entropy).
-use crate::device::{Args, CudaBackend};
+//! What a kernel launcher needs beyond the generated typed launches (`crate::kernels`): device
+//! pointers (`DevPtr`), launch shapes (`Launch`), strided view descriptors, and buffers from the
+//! pool (outputs, zeroed scratch, contiguous copies, casts). The `Backend` impl (backend.rs) and
+//! the fused ops' launchers (crates/ops, one module per op) are written with these. Below them,
+//! the fused optimizer launchers, which have no op of their own (AdamW, global grad norm).
+use crate::consts;
+use crate::device::CudaBackend;
+use crate::kernels::{self, Strided};
 use crate::storage::{cuda, CudaStorage};
-use ferrolm_tensor::{bail, DType, Layout, Result, Storage};
+use ferrolm_tensor::backend::Sl;
+use ferrolm_tensor::{bail, DType, Error, Layout, Result};
+use std::ffi::c_void;
 
-pub(crate) const MAX_RANK: usize = 6;
+/// A device address passed to a kernel's pointer parameter. On the emulated device it is a host
+/// address. Made from a storage (`CudaStorage::ptr`, `CudaStorage::at`), never from a number, so
+/// a count cannot be passed where a kernel expects a pointer.
+#[repr(transparent)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct DevPtr(pub(crate) u64);
 
-/// Mirror of `struct Strided` in kernels/common.cuh.
-#[repr(C)]
-#[derive(Clone, Copy, Debug, Default)]
-pub(crate) struct Strided {
-    shape: [i64; MAX_RANK],
-    stride: [i64; MAX_RANK],
-    offset: i64,
-    rank: i32,
-    contiguous: i32,
+impl DevPtr {
+    /// The null pointer, for the optional pointer parameters the kernels test against 0.
+    pub const NULL: DevPtr = DevPtr(0);
+    /// The raw address.
+    pub fn addr(self) -> u64 {
+        self.0
+    }
+}
+
+impl CudaStorage {
+    /// Element 0 as a kernel argument.
+    pub fn ptr(&self) -> DevPtr {
+        DevPtr(self.buf.ptr)
+    }
+    /// Element `offset` as a kernel argument.
+    pub fn at(&self, offset: usize) -> DevPtr {
+        DevPtr(self.ptr_at(offset))
+    }
+}
+
+/// Grid, block size and dynamic shared memory (bytes) of one kernel launch. A grid with a zero
+/// dimension launches nothing.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Launch {
+    pub grid: (u32, u32, u32),
+    pub block: u32,
+    pub smem: u32,
+}
+
+impl Launch {
+    /// The block size of the element-wise and one-block-per-row launches (the kernels take any
+    /// multiple of 32 up to 1024).
+    pub const BLOCK: u32 = 256;
+    /// `grid` blocks of `block` threads, no dynamic shared memory.
+    pub fn new(grid: (u32, u32, u32), block: u32) -> Launch {
+        Launch { grid, block, smem: 0 }
+    }
+    /// Enough blocks of `block` threads for a grid-stride loop over `n` elements (capped; the
+    /// kernels loop over the rest).
+    pub fn cover(n: usize, block: u32) -> Launch {
+        let g = n.div_ceil(block as usize).clamp(1, 65535 * 16);
+        Launch::new((g as u32, 1, 1), block)
+    }
+    /// One block of `block` threads per row (grid-stride past 2^20 rows).
+    pub fn per_row(rows: usize, block: u32) -> Launch {
+        Launch::new((rows.clamp(1, 1 << 20) as u32, 1, 1), block)
+    }
+    /// A single block (the one-block reductions).
+    pub fn single(block: u32) -> Launch {
+        Launch::new((1, 1, 1), block)
+    }
+    /// The same launch with `bytes` of dynamic shared memory.
+    pub fn smem(self, bytes: usize) -> Launch {
+        Launch { smem: bytes as u32, ..self }
+    }
+}
+
+/// A kernel argument: the address of a value of the parameter's type (generated launchers).
+pub(crate) fn arg<T>(v: &T) -> *mut c_void {
+    v as *const T as *mut c_void
+}
+
+/// The error for a dtype the kernels have no variant of.
+pub fn unsupported(op: &str, dt: DType) -> Error {
+    Error::new(op, format!("{dt} is not supported by the CUDA kernels (use f32 or bf16)"))
+}
+
+/// Ok for the dtypes the float kernels take (f32, bf16).
+pub fn check_kernel_dtype(op: &str, dt: DType) -> Result<()> {
+    match dt {
+        DType::F32 | DType::BF16 => Ok(()),
+        d => Err(unsupported(op, d)),
+    }
 }
 
 impl Strided {
-    /// Drops size-1 dims and merges dims that are contiguous with each other.
+    /// The descriptor of a view, with size-1 dims dropped and dims that are contiguous with each
+    /// other merged.
     pub fn from_layout(op: &str, l: &Layout) -> Result<Strided> {
         Self::from_parts(op, l.dims(), &l.strides, l.offset, l.is_contiguous())
+    }
+    /// A dense run of elements starting at element 0.
+    pub fn contiguous() -> Strided {
+        Strided { contiguous: 1, ..Default::default() }
     }
     pub fn from_parts(op: &str, dims: &[usize], strides: &[usize], offset: usize, contiguous: bool) -> Result<Strided> {
         let mut s = Strided { offset: offset as i64, contiguous: contiguous as i32, ..Default::default() };
@@ -40,8 +121,8 @@ impl Strided {
                 _ => d.push((n as i64, st as i64)),
             }
         }
-        if d.len() > MAX_RANK {
-            bail!(op, "view of rank {} cannot be collapsed to rank {MAX_RANK} for CUDA: make it contiguous first", d.len());
+        if d.len() > consts::FERRO_MAX_RANK {
+            bail!(op, "view of rank {} cannot be collapsed to rank {} for CUDA: make it contiguous first", d.len(), consts::FERRO_MAX_RANK);
         }
         s.rank = d.len() as i32;
         for (i, (n, st)) in d.into_iter().enumerate() {
@@ -52,40 +133,67 @@ impl Strided {
     }
 }
 
-pub(crate) fn grid1(n: usize, block: u32) -> (u32, u32, u32) {
-    let g = n.div_ceil(block as usize).clamp(1, 65535 * 16);
-    (g as u32, 1, 1)
-}
-pub(crate) fn rows_grid(rows: usize) -> (u32, u32, u32) {
-    (rows.clamp(1, 1 << 20) as u32, 1, 1)
-}
-pub(crate) fn sfx(op: &str, dt: DType) -> Result<&'static str> {
-    match dt {
-        DType::F32 => Ok("f32"),
-        DType::BF16 => Ok("bf16"),
-        d => bail!(op, "{d} is not supported by the CUDA kernels (use f32 or bf16)"),
+impl CudaBackend {
+    /// `n` zeroed elements of pooled device memory (scratch that kernels accumulate into).
+    pub fn alloc_zeroed(&self, n: usize, dtype: DType) -> Result<CudaStorage> {
+        let s = self.alloc(n, dtype)?;
+        self.memset0(&s.buf, n * dtype.size_in_bytes())?;
+        Ok(s)
+    }
+    /// Element `index` of an i32 storage, read back to the host (synchronises the stream): a
+    /// kernel's flag or count.
+    pub fn read_i32(&self, s: &CudaStorage, index: usize) -> Result<i32> {
+        if s.dtype != DType::I32 {
+            bail!("read_i32", "expected i32 storage, got {}", s.dtype);
+        }
+        Ok(self.download::<i32>(&s.buf, index * 4, 1)?[0])
+    }
+    /// A dense copy of the view `x` (always a new buffer).
+    pub fn contiguous(&self, op: &str, x: Sl) -> Result<CudaStorage> {
+        let s = cuda(op, x.0)?;
+        let n = x.1.numel();
+        let out = self.alloc(n, s.dtype)?;
+        self.strided_copy(op, s, Strided::from_layout(op, x.1)?, &out, Strided::contiguous(), n)?;
+        Ok(out)
+    }
+    /// `dst[view ld] = src[view ls]` over `n` elements.
+    pub(crate) fn strided_copy(&self, op: &str, src: &CudaStorage, ls: Strided, dst: &CudaStorage, ld: Strided, n: usize) -> Result<()> {
+        let copy = match src.dtype.size_in_bytes() {
+            4 => kernels::strided_copy_b32,
+            2 => kernels::strided_copy_b16,
+            _ => bail!(op, "{} is not supported on CUDA", src.dtype),
+        };
+        // SAFETY: both descriptors address `n` elements inside their buffers (callers build them
+        // from views of those buffers), of the element width the kernel copies.
+        unsafe { copy(self, Launch::cover(n, Launch::BLOCK), src.ptr(), ls, dst.ptr(), ld, n as i64) }
+    }
+    /// A dense copy of the view `x` converted to `dtype` (a plain copy when it already is).
+    pub fn to_dtype(&self, x: Sl, dtype: DType) -> Result<CudaStorage> {
+        let s = cuda("cast", x.0)?;
+        if s.dtype == dtype {
+            return self.contiguous("cast", x);
+        }
+        let convert = match (s.dtype, dtype) {
+            (DType::F32, DType::BF16) => kernels::cast_f32_bf16,
+            (DType::BF16, DType::F32) => kernels::cast_bf16_f32,
+            (DType::F32, DType::I32) => kernels::cast_f32_i32,
+            (DType::BF16, DType::I32) => kernels::cast_bf16_i32,
+            (DType::I32, DType::BF16) => kernels::cast_i32_bf16,
+            (DType::I32, DType::F32) => kernels::cast_i32_f32,
+            (a, b) => bail!("cast", "cast {a} -> {b} is not supported on CUDA"),
+        };
+        let n = x.1.numel();
+        let out = self.alloc(n, dtype)?;
+        // SAFETY: the descriptor addresses the view's n elements of the source dtype inside its
+        // buffer; `out` holds n elements of the destination dtype.
+        unsafe { convert(self, Launch::cover(n, Launch::BLOCK), s.ptr(), Strided::from_layout("cast", x.1)?, out.ptr(), n as i64)? };
+        Ok(out)
     }
 }
 
-/// Kernel name `base_f32` / `base_bf16` as a static string.
-pub(crate) fn kname(base: &str, suffix: &str) -> &'static str {
-    use std::collections::HashMap;
-    use std::sync::Mutex;
-    static NAMES: Mutex<Option<HashMap<String, &'static str>>> = Mutex::new(None);
-    let key = format!("{base}_{suffix}");
-    let mut g = NAMES.lock().unwrap_or_else(|e| e.into_inner());
-    let m = g.get_or_insert_with(HashMap::new);
-    if let Some(s) = m.get(&key) {
-        return s;
-    }
-    let s: &'static str = Box::leak(key.clone().into_boxed_str());
-    m.insert(key, s);
-    s
-}
+// ---- fused optimizer launchers ---------------------------------------------------------------
 
-// ---- fused optimizer / loss launchers ----------------------------------------------------------
-
-const OPT_CHUNK: usize = 4096;
+const OPT_CHUNK: usize = consts::OPT_CHUNK;
 
 #[repr(C)]
 #[derive(Clone, Copy)]
@@ -194,7 +302,7 @@ impl CudaBackend {
             if [t.master.dtype, t.m.dtype, t.v.dtype].iter().any(|&d| d != DType::F32) {
                 bail!(op, "master weights and moments must be f32");
             }
-            sfx(op, t.grad.dtype)?;
+            check_kernel_dtype(op, t.grad.dtype)?;
             table.push(AdamT {
                 master: t.master.buf.ptr,
                 grad: t.grad.buf.ptr,
@@ -214,17 +322,12 @@ impl CudaBackend {
         let dm = self.upload(&as_words(&map), DType::I32)?;
         let bc1 = 1.0 - p.beta1.powi(p.step as i32);
         let bc2 = 1.0 - p.beta2.powi(p.step as i32);
-        let args = Args::new()
-            .push(dt.buf.ptr)
-            .push(dm.buf.ptr)
-            .push(p.lr)
-            .push(p.beta1 as f32)
-            .push(p.beta2 as f32)
-            .push(p.eps)
-            .push((1.0 / bc1) as f32)
-            .push((1.0 / bc2) as f32)
-            .push(grad_scale.map_or(0u64, |(g, i)| g.ptr_at(i)));
-        self.launch("adamw_multi", (map.len() as u32, 1, 1), 256, 0, args)
+        let (inv_bc1, inv_bc2) = ((1.0 / bc1) as f32, (1.0 / bc2) as f32);
+        let scale = grad_scale.map_or(DevPtr::NULL, |(g, i)| g.at(i));
+        let cfg = Launch::new((map.len() as u32, 1, 1), 256);
+        // SAFETY: dt and dm hold the tensor table and block map the kernel reads (one block per
+        // map entry); every table entry addresses n elements of live, length-checked storage.
+        unsafe { kernels::adamw_multi(self, cfg, dt.ptr(), dm.ptr(), p.lr, p.beta1 as f32, p.beta2 as f32, p.eps, inv_bc1, inv_bc2, scale) }
         // dt, dm return to the pool here; stream order keeps them valid for the launch.
     }
 
@@ -234,7 +337,7 @@ impl CudaBackend {
         let op = "grad_norm";
         let mut table = Vec::new();
         for g in grads {
-            sfx(op, g.dtype)?;
+            check_kernel_dtype(op, g.dtype)?;
             table.push(GradT { grad: g.buf.ptr, n: g.len as i64, grad_bf16: (g.dtype == DType::BF16) as i32, pad: 0 });
         }
         let out = self.alloc(2, DType::F32)?;
@@ -245,80 +348,13 @@ impl CudaBackend {
         } else {
             let dt = self.upload(&as_words(&table), DType::I32)?;
             let dm = self.upload(&as_words(&map), DType::I32)?;
-            self.launch(
-                "grad_norm_partial",
-                (map.len() as u32, 1, 1),
-                256,
-                0,
-                Args::new().push(dt.buf.ptr).push(dm.buf.ptr).push(partial.buf.ptr),
-            )?;
+            // SAFETY: dt and dm hold the table and block map the kernel reads; `partial` has one
+            // element per block.
+            unsafe { kernels::grad_norm_partial(self, Launch::new((map.len() as u32, 1, 1), 256), dt.ptr(), dm.ptr(), partial.ptr())? };
         }
         let nb = map.len().max(1) as i64;
-        self.launch("grad_norm_finish", (1, 1, 1), 1024, 0, Args::new().push(partial.buf.ptr).push(nb).push(max_norm).push(out.buf.ptr))?;
+        // SAFETY: `partial` holds nb elements, `out` two.
+        unsafe { kernels::grad_norm_finish(self, Launch::single(1024), partial.ptr(), nb, max_norm, out.ptr())? };
         Ok(out)
-    }
-
-    /// Fused cross-entropy forward + backward in one pass over the logits: returns
-    /// (mean loss () f32, lse (n) f32, dlogits (n, v) in the logits' dtype) with
-    /// dlogits = (softmax - onehot) * grad_mult / count. No host synchronisation.
-    pub fn cross_entropy_fused(
-        &self,
-        logits: &Storage,
-        logits_layout: &Layout,
-        targets: &Storage,
-        ignore_index: i32,
-        grad_mult: f32,
-    ) -> Result<(CudaStorage, CudaStorage, CudaStorage)> {
-        let op = "cross_entropy_fused";
-        let x = cuda(op, logits)?;
-        let t = cuda(op, targets)?;
-        let s = sfx(op, x.dtype)?;
-        let v = *logits_layout.dims().last().unwrap_or(&1);
-        let n = logits_layout.numel().checked_div(v).unwrap_or(0);
-        let scale = self.alloc(1, DType::F32)?;
-        self.launch(
-            "ce_count_scale",
-            (1, 1, 1),
-            1024,
-            0,
-            Args::new().push(t.buf.ptr).push(n as i64).push(ignore_index).push(grad_mult).push(scale.buf.ptr),
-        )?;
-        let lse = self.alloc(n, DType::F32)?;
-        let rl = self.alloc(n, DType::F32)?;
-        let dx = self.alloc(n * v, x.dtype)?;
-        self.launch(
-            kname("ce_fused", s),
-            rows_grid(n),
-            256,
-            0,
-            Args::new()
-                .push(x.ptr_at(logits_layout.offset))
-                .push(t.buf.ptr)
-                .push(scale.buf.ptr)
-                .push(lse.buf.ptr)
-                .push(rl.buf.ptr)
-                .push(dx.buf.ptr)
-                .push(n as i64)
-                .push(v as i64)
-                .push(ignore_index),
-        )?;
-        let loss = self.alloc(1, DType::F32)?;
-        let count = self.alloc(1, DType::I32)?;
-        self.launch(
-            "ce_finish",
-            (1, 1, 1),
-            1024,
-            0,
-            Args::new()
-                .push(rl.buf.ptr)
-                .push(t.buf.ptr)
-                .push(n as i64)
-                .push(ignore_index)
-                .push(1.0f32)
-                .push(loss.buf.ptr)
-                .push(count.buf.ptr)
-                .push(0u64),
-        )?;
-        Ok((loss, lse, dx))
     }
 }

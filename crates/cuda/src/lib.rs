@@ -2,7 +2,10 @@
 //! (plus extra streams and events for copies and communication), a stream-ordered memory pool,
 //! a cuBLASLt handle and the module built from `kernels/` (the fatbin that the root `build.rs`
 //! embeds, or the kernel sources compiled by NVRTC at first use). It implements
-//! `ferrolm_tensor::backend::Backend` and is made visible to tensors with `register`.
+//! `ferrolm_tensor::backend::Backend` (memory, casts, primitive math) and is made visible to
+//! tensors with `register`. Kernels are launched through the typed launchers that build.rs
+//! generates from their signatures (`kernels`); the fused ops' launchers live with their ops
+//! (crates/ops), written with the same public pieces (`DevPtr`, `Launch`, `kernels`, `consts`).
 //!
 //! Everything is loaded dynamically (cudarc `dynamic-loading`): this crate builds, and its tests
 //! pass, on a machine with no CUDA at all; nothing is dlopened until a backend is created.
@@ -15,17 +18,24 @@ mod comm;
 mod device;
 mod emu;
 mod gemm;
+pub mod kernels;
 mod launch;
 mod pinned;
 mod pool;
 mod storage;
 
 pub use device::{compile_sources, nvrtc_translation_unit, CudaBackend, CudaEvent, CudaStream};
-pub use launch::{AdamWParams, AdamWTensor};
+pub use launch::{check_kernel_dtype, unsupported, AdamWParams, AdamWTensor, DevPtr, Launch};
 pub use pinned::PinnedBuffer;
 pub use storage::CudaStorage;
 
 use ferrolm_tensor::Error;
+
+/// The numbers the kernels and their launchers share (tile shapes, block sizes, op codes): the
+/// definitions of kernels/constants.cuh, turned into Rust by build.rs.
+pub mod consts {
+    include!(concat!(env!("OUT_DIR"), "/consts.rs"));
+}
 
 /// Every kernels/*.cu and *.cuh as (file name, text): what NVRTC compiles when there is no fatbin.
 pub const KERNEL_SOURCES: &[(&str, &str)] = include!(concat!(env!("OUT_DIR"), "/kernel_sources.rs"));

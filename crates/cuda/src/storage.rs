@@ -49,3 +49,9 @@ pub(crate) fn cuda<'a>(op: &str, s: &'a Storage) -> Result<&'a CudaStorage> {
         Storage::Cpu(_) => bail!(op, "CUDA backend got CPU storage"),
     }
 }
+
+impl From<CudaStorage> for Storage {
+    fn from(s: CudaStorage) -> Storage {
+        Storage::Device(Box::new(s))
+    }
+}

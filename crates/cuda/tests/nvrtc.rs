@@ -1,8 +1,8 @@
 //! The NVRTC path (what a GPU host without nvcc at build time runs, and what the CUDA tests use
 //! by default): the embedded kernel sources, assembled into one translation unit, must compile
-//! with NVRTC for sm_80 and sm_90. Needs libnvrtc only, no GPU. Without libnvrtc it prints
-//! "skipped: libnvrtc not found"; FERROLM_REQUIRE_NVRTC=1 (CI, which installs it) makes that a
-//! failure.
+//! with NVRTC for sm_80 and sm_90, with an entry for every kernel of the typed launchers. Needs
+//! libnvrtc only, no GPU. Without libnvrtc it prints "skipped: libnvrtc not found";
+//! FERROLM_REQUIRE_NVRTC=1 (CI, which installs it) makes that a failure.
 mod common;
 use common::SOURCES;
 
@@ -16,8 +16,8 @@ fn kernel_sources_compile_with_nvrtc() {
     for arch in ["compute_80", "compute_90"] {
         let ptx = ferrolm_cuda::compile_sources(SOURCES, arch).unwrap_or_else(|e| panic!("{arch}: {e}"));
         let text = ptx.to_src();
-        for k in ["flash_fwd_bf16_d128", "flash_bwd_dkdv_bf16_d64", "adamw_multi", "ce_fused_bf16", "rmsnorm_bwd_dw_finish_f32"] {
-            assert!(text.contains(&format!(".entry {k}")), "{arch}: kernel {k} missing from the PTX");
+        for k in ferrolm_cuda::kernels::Kernel::NAMES {
+            assert!(text.contains(&format!(".entry {k}(")), "{arch}: kernel {k} missing from the PTX");
         }
         assert!(text.contains("mma.sync.aligned.m16n8k16"), "{arch}: no tensor-core mma in the PTX");
     }

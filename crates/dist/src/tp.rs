@@ -177,7 +177,7 @@ impl VocabParallel {
 impl EmbeddingOp for VocabParallel {
     fn forward(&self, ids: &Tensor, w: &Tensor) -> Result<Tensor> {
         let (local, mask) = self.local_ids(ids)?;
-        let rows = Tensor::embedding(&local, w)?.mul(&mask.to_dtype(w.dtype())?)?; // zero outside the shard
+        let rows = ferrolm_ops::embedding(&local, w)?.mul(&mask.to_dtype(w.dtype())?)?; // zero outside the shard
         reduce_from_group(&rows, &self.comm)
     }
 }

@@ -14,6 +14,7 @@ use crate::config::{LadderLayers, LlamaConfig};
 use crate::generate::KvCache;
 use crate::module::{BranchFn, BranchHook, Embedding, HeadOp, Linear, ParamInfo, ParamKind, ParamVisitor};
 use crate::rope::Rope;
+use ferrolm_ops::{causal_attention, rms_norm, rope, softmax_last, swiglu};
 use ferrolm_tensor::{no_grad, DType, Device, Error, Result, Rng, Tensor};
 use std::path::Path;
 use std::sync::Arc;
@@ -72,14 +73,14 @@ impl Attention {
     /// Branch output (B, T, C) for the stream x (B, T, C). With a cache, attends over the
     /// cached keys/values too and appends this call's.
     fn forward(&self, x: &Tensor, pos: &Positions, cache: Option<&mut Option<(Tensor, Tensor)>>) -> Result<Tensor> {
-        let h = x.rms_norm(&self.input_layernorm, self.eps)?;
+        let h = rms_norm(x, &self.input_layernorm, self.eps)?;
         let d = self.head_dim;
-        let q = split_heads(&self.q_proj.forward(&h)?, d)?.rope(&pos.cos, &pos.sin)?; // (B, H, T, D)
-        let k = split_heads(&self.k_proj.forward(&h)?, d)?.rope(&pos.cos, &pos.sin)?; // (B, KV, T, D)
+        let q = rope(&split_heads(&self.q_proj.forward(&h)?, d)?, &pos.cos, &pos.sin)?; // (B, H, T, D)
+        let k = rope(&split_heads(&self.k_proj.forward(&h)?, d)?, &pos.cos, &pos.sin)?; // (B, KV, T, D)
         let v = split_heads(&self.v_proj.forward(&h)?, d)?; // (B, KV, T, D)
         let scale = 1.0 / (d as f64).sqrt();
         let y = match cache {
-            None => Tensor::causal_attention(&q, &k, &v, scale)?, // (B, H, T, D), GQA native
+            None => causal_attention(&q, &k, &v, scale)?, // (B, H, T, D), GQA native
             Some(kv) => {
                 let (k, v) = match kv.take() {
                     Some((pk, pv)) => (Tensor::cat(&[pk, k], 2)?, Tensor::cat(&[pv, v], 2)?), // (B, KV, past+T, D)
@@ -95,8 +96,8 @@ impl Attention {
 
 impl Mlp {
     fn forward(&self, x: &Tensor) -> Result<Tensor> {
-        let h = x.rms_norm(&self.post_attention_layernorm, self.eps)?;
-        let a = Tensor::swiglu(&self.gate_proj.forward(&h)?, &self.up_proj.forward(&h)?)?; // (B, T, I)
+        let h = rms_norm(x, &self.post_attention_layernorm, self.eps)?;
+        let a = swiglu(&self.gate_proj.forward(&h)?, &self.up_proj.forward(&h)?)?; // (B, T, I)
         self.down_proj.forward(&a) // (B, T, C)
     }
 }
@@ -111,7 +112,7 @@ fn cached_attention(q: &Tensor, k: &Tensor, v: &Tensor, past: usize, scale: f64)
     let scores = q.matmul(&k.t()?)?.mul_scalar(scale)?; // (B, KV, G*T, S)
     let mask: Vec<f32> = (0..g * t).flat_map(|r| (0..s).map(move |j| if j <= past + r % t { 0.0 } else { -1e30 })).collect();
     let mask = Tensor::from_vec(mask, vec![g * t, s], Device::Cpu)?.to_dtype(q.dtype())?.to_device(q.device())?;
-    let p = scores.add(&mask)?.softmax_last()?;
+    let p = softmax_last(&scores.add(&mask)?)?;
     p.matmul(v)?.reshape(vec![b, h, t, d]) // (B, H, T, D)
 }
 
@@ -216,7 +217,7 @@ impl Llama {
     /// Logits (B, T, V) for i32 token ids (B, T).
     pub fn forward(&self, ids: &Tensor) -> Result<Tensor> {
         let pos = self.check_ids(ids, 0)?;
-        let x = self.hidden(ids, &pos, None)?.rms_norm(&self.norm, self.cfg.rms_norm_eps)?;
+        let x = rms_norm(&self.hidden(ids, &pos, None)?, &self.norm, self.cfg.rms_norm_eps)?;
         self.head_op.logits(&x, self.head_weight())
     }
 
@@ -230,7 +231,7 @@ impl Llama {
             ));
         }
         let pos = self.check_ids(inputs, 0)?;
-        let x = self.hidden(inputs, &pos, None)?.rms_norm(&self.norm, self.cfg.rms_norm_eps)?;
+        let x = rms_norm(&self.hidden(inputs, &pos, None)?, &self.norm, self.cfg.rms_norm_eps)?;
         self.head_op.loss(&x, self.head_weight(), targets, -100)
     }
 
@@ -238,7 +239,7 @@ impl Llama {
     pub fn forward_with_cache(&self, ids: &Tensor, cache: &mut KvCache) -> Result<Tensor> {
         let pos = self.check_ids(ids, cache.len())?;
         cache.prepare(self.layers.len(), ids.dim(0))?;
-        let x = self.hidden(ids, &pos, Some(cache))?.rms_norm(&self.norm, self.cfg.rms_norm_eps)?;
+        let x = rms_norm(&self.hidden(ids, &pos, Some(cache))?, &self.norm, self.cfg.rms_norm_eps)?;
         cache.advance(ids.dim(1));
         self.head_op.logits(&x, self.head_weight())
     }

@@ -79,7 +79,7 @@ impl LinearOp for Dense {
 
 impl EmbeddingOp for Dense {
     fn forward(&self, ids: &Tensor, w: &Tensor) -> Result<Tensor> {
-        Tensor::embedding(ids, w)
+        ferrolm_ops::embedding(ids, w)
     }
 }
 
@@ -90,7 +90,7 @@ impl HeadOp for Dense {
     fn loss(&self, x: &Tensor, w: &Tensor, targets: &Tensor, ignore: i32) -> Result<Tensor> {
         let logits = linear(x, w)?; // (B, T, V)
         let (n, v) = (targets.numel(), logits.dim(logits.rank() - 1));
-        Tensor::cross_entropy(&logits.reshape(vec![n, v])?, &targets.reshape(vec![n])?, ignore)
+        ferrolm_ops::cross_entropy(&logits.reshape(vec![n, v])?, &targets.reshape(vec![n])?, ignore)
     }
 }
 

@@ -4,6 +4,7 @@
 //! checkpointing, and conversion of a Llama checkpoint. Parity against the PyTorch reference
 //! on committed fixtures is in `hf_parity` (`parity_ladder_*`).
 use ferrolm_nn::{shift_labels, KvCache, LadderLayers, Llama, LlamaConfig};
+use ferrolm_ops::{causal_attention, rms_norm, rope, swiglu};
 use ferrolm_tensor::{no_grad, DType, Device, Rng, Tensor};
 use std::path::{Path, PathBuf};
 
@@ -146,21 +147,21 @@ fn schedule_matches_the_released_recurrence() {
         // One layer's attention branch alone: a one-layer standard model would add more, so run
         // the branch through the public modules.
         let a = &m.layers[l].self_attn;
-        let hn = h.rms_norm(&a.input_layernorm, c.rms_norm_eps).unwrap();
+        let hn = rms_norm(h, &a.input_layernorm, c.rms_norm_eps).unwrap();
         let (b, t) = (h.dim(0), h.dim(1));
         let d = c.head_dim;
         let sh = |y: Tensor| y.reshape(vec![b, t, y.dim(2) / d, d]).unwrap().permute(&[0, 2, 1, 3]).unwrap();
         let (cos, sin) = rope_tables(&c, t);
-        let q = sh(a.q_proj.forward(&hn).unwrap()).rope(&cos, &sin).unwrap();
-        let k = sh(a.k_proj.forward(&hn).unwrap()).rope(&cos, &sin).unwrap();
+        let q = rope(&sh(a.q_proj.forward(&hn).unwrap()), &cos, &sin).unwrap();
+        let k = rope(&sh(a.k_proj.forward(&hn).unwrap()), &cos, &sin).unwrap();
         let v = sh(a.v_proj.forward(&hn).unwrap());
-        let y = Tensor::causal_attention(&q, &k, &v, 1.0 / (d as f64).sqrt()).unwrap();
+        let y = causal_attention(&q, &k, &v, 1.0 / (d as f64).sqrt()).unwrap();
         a.o_proj.forward(&y.permute(&[0, 2, 1, 3]).unwrap().reshape(vec![b, t, c.num_attention_heads * d]).unwrap()).unwrap()
     };
     let mlp = |l: usize, h: &Tensor| -> Tensor {
         let p = &m.layers[l].mlp;
-        let hn = h.rms_norm(&p.post_attention_layernorm, c.rms_norm_eps).unwrap();
-        p.down_proj.forward(&Tensor::swiglu(&p.gate_proj.forward(&hn).unwrap(), &p.up_proj.forward(&hn).unwrap()).unwrap()).unwrap()
+        let hn = rms_norm(h, &p.post_attention_layernorm, c.rms_norm_eps).unwrap();
+        p.down_proj.forward(&swiglu(&p.gate_proj.forward(&hn).unwrap(), &p.up_proj.forward(&hn).unwrap()).unwrap()).unwrap()
     };
     let mut h = m.embed_tokens.forward(&x).unwrap();
     let mut p = h.clone();
@@ -178,7 +179,7 @@ fn schedule_matches_the_released_recurrence() {
         p = a;
     }
     let head = m.lm_head.as_ref().unwrap_or(&m.embed_tokens.weight);
-    let logits = ferrolm_nn::module::linear(&h.rms_norm(&m.norm, c.rms_norm_eps).unwrap(), head).unwrap();
+    let logits = ferrolm_nn::module::linear(&rms_norm(&h, &m.norm, c.rms_norm_eps).unwrap(), head).unwrap();
     let got = m.forward(&x).unwrap();
     let (a, b) = (got.to_vec::<f64>().unwrap(), logits.to_vec::<f64>().unwrap());
     let diff = a.iter().zip(&b).map(|(x, y)| (x - y).abs()).fold(0.0, f64::max);

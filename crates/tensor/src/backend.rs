@@ -1,8 +1,12 @@
-//! The contract between the op layer (`Tensor`) and a device. Every method takes storages with
-//! their layouts and returns fresh contiguous storage; the op layer has already checked shapes,
-//! dtypes and devices. Fused ops receive contiguous inputs (offset may be non-zero).
+//! The contract between the op layer (`Tensor`) and a device: memory, casts and primitive math
+//! (element-wise, reductions, matmul, concatenation, copies), plus optional fused optimizer
+//! hooks. Every method takes storages with their layouts and returns fresh contiguous storage;
+//! the op layer has already checked shapes, dtypes and devices. The fused ops (RMSNorm,
+//! attention, ...) are not part of it: each lives in its own module of the ops crate with its
+//! CPU and CUDA forms, and finds a device's backend with `get` (`Backend::into_any` to downcast).
 //! The CPU backend is built in; a device backend (CUDA) registers itself with `register`.
 use crate::{CpuStorage, DType, Device, Layout, Result, Storage};
+use std::any::Any;
 use std::sync::{Arc, RwLock};
 
 #[derive(Clone, Copy, Debug, PartialEq)]
@@ -42,16 +46,6 @@ pub enum ReduceOp {
     Max,
 }
 
-/// Sizes of a causal attention call: q is (b, hq, t, d), k and v are (b, hkv, t, d).
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub struct AttnDims {
-    pub b: usize,
-    pub hq: usize,
-    pub hkv: usize,
-    pub t: usize,
-    pub d: usize,
-}
-
 pub type Sl<'a> = (&'a Storage, &'a Layout);
 
 /// One parameter of a fused AdamW step. Every view is dense (contiguous, offset 0, owning
@@ -75,8 +69,10 @@ pub struct AdamWHyper {
     pub step: u64,
 }
 
-pub trait Backend: Send + Sync {
+pub trait Backend: Send + Sync + 'static {
     fn device(&self) -> Device;
+    /// The backend as `Any`, for code that needs its concrete type (an op's device launcher).
+    fn into_any(self: Arc<Self>) -> Arc<dyn Any + Send + Sync>;
     /// Upload a host storage to this backend's device.
     #[allow(clippy::wrong_self_convention)] // `self` is the backend doing the upload, not the source
     fn from_cpu(&self, s: &CpuStorage) -> Result<Storage>;
@@ -95,41 +91,6 @@ pub trait Backend: Send + Sync {
     fn cat(&self, parts: &[Sl], dim: usize) -> Result<Storage>;
     /// In place: `dst[view] = src` element-wise (same shape); used by optimizers and loaders.
     fn assign(&self, dst: &mut Storage, dst_layout: &Layout, src: Sl) -> Result<()>;
-
-    /// w: (vocab, d) contiguous, ids: i32 of any shape -> (ids.., d)
-    fn embedding(&self, w: Sl, ids: Sl) -> Result<Storage>;
-    /// Deterministic scatter-add of dy (n, d) rows into a (vocab, d) gradient.
-    fn embedding_backward(&self, dy: Sl, ids: Sl, vocab: usize) -> Result<Storage>;
-    fn softmax_last(&self, x: Sl) -> Result<Storage>;
-    fn softmax_last_backward(&self, y: Sl, dy: Sl) -> Result<Storage>;
-    /// x: (rows, d), w: (d) -> (y, inv_rms (rows) f32)
-    fn rmsnorm(&self, x: Sl, w: Sl, eps: f64) -> Result<(Storage, Storage)>;
-    /// -> (dx, dw)
-    fn rmsnorm_backward(&self, dy: Sl, x: Sl, w: Sl, inv_rms: Sl) -> Result<(Storage, Storage)>;
-    /// x: (b, h, t, d), cos/sin: (t, d). `inverse` applies the transpose rotation (the backward).
-    fn rope(&self, x: Sl, cos: Sl, sin: Sl, inverse: bool) -> Result<Storage>;
-    fn swiglu(&self, gate: Sl, up: Sl) -> Result<Storage>;
-    /// -> (dgate, dup)
-    fn swiglu_backward(&self, dy: Sl, gate: Sl, up: Sl) -> Result<(Storage, Storage)>;
-    /// Causal attention; -> (o (b,hq,t,d), lse (b,hq,t) f32)
-    fn attention(&self, q: Sl, k: Sl, v: Sl, dims: AttnDims, scale: f64) -> Result<(Storage, Storage)>;
-    /// -> (dq, dk, dv)
-    #[allow(clippy::too_many_arguments)]
-    fn attention_backward(
-        &self,
-        dout: Sl,
-        q: Sl,
-        k: Sl,
-        v: Sl,
-        out: Sl,
-        lse: Sl,
-        dims: AttnDims,
-        scale: f64,
-    ) -> Result<(Storage, Storage, Storage)>;
-    /// logits (n, v), targets i32 (n) -> (mean loss () in f32/f64, lse (n) f32, count of counted rows)
-    fn cross_entropy(&self, logits: Sl, targets: Sl, ignore_index: i32) -> Result<(Storage, Storage, usize)>;
-    /// dlogits = (softmax - onehot) * scale for counted rows, 0 for ignored ones.
-    fn cross_entropy_backward(&self, logits: Sl, targets: Sl, lse: Sl, ignore_index: i32, scale: Sl) -> Result<Storage>;
 
     /// Optional fused optimizer kernels. `Ok(false)` / `Ok(None)`: the backend has none and
     /// the caller runs the op-based version (the CPU backend's answer).
@@ -155,7 +116,9 @@ pub fn register(backend: Arc<dyn Backend>) {
     b.push(backend);
 }
 
-pub(crate) fn get(op: &str, device: Device) -> Result<Arc<dyn Backend>> {
+/// The backend of `device` (the CPU's, or the one registered for it); an error naming `op` when
+/// none is registered.
+pub fn get(op: &str, device: Device) -> Result<Arc<dyn Backend>> {
     if device == Device::Cpu {
         return Ok(crate::cpu::backend());
     }

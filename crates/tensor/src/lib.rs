@@ -1,13 +1,14 @@
 //! ferrolm-tensor: tensors (strided views over shared storage), reverse-mode autograd with
 //! per-parameter gradient hooks and activation checkpointing, and the CPU reference backend.
-//! Device backends plug in through [`backend::Backend`].
+//! Device backends plug in through [`backend::Backend`]; ops defined outside this crate (the
+//! fused ops of ferrolm-ops) through `Tensor::from_op`, `Tensor::from_storage` and the CPU
+//! helpers of [`cpu`].
 pub mod autograd;
 pub mod backend;
-mod cpu;
+pub mod cpu;
 pub mod cpu_adam;
 mod dtype;
 mod error;
-mod fused;
 mod ops;
 mod optim_ops;
 mod rng;
@@ -20,6 +21,7 @@ pub use autograd::{checkpoint, is_grad_enabled, no_grad, set_grad_enabled};
 pub use dtype::{bf16_from_f64, DType, Device};
 pub use error::{Error, Result};
 pub use half::bf16;
+pub use ops::{same_device, same_float};
 pub use optim_ops::{fused_adamw, fused_global_norm, AdamWRange};
 pub use rng::Rng;
 pub use shape::{Layout, Shape};

@@ -3,7 +3,8 @@
 use crate::backend::{BinaryOp, ReduceOp, UnaryOp};
 use crate::{bail, DType, Device, Layout, Result, Shape, Storage, Tensor};
 
-pub(crate) fn same_device(op: &str, ts: &[&Tensor]) -> Result<()> {
+/// Ok when every tensor is on the device of the first; an error naming `op` otherwise.
+pub fn same_device(op: &str, ts: &[&Tensor]) -> Result<()> {
     let d = ts[0].device();
     if let Some(t) = ts.iter().find(|t| t.device() != d) {
         bail!(op, "tensors on different devices: {} and {} (move them with to_device first)", d, t.device());
@@ -11,7 +12,8 @@ pub(crate) fn same_device(op: &str, ts: &[&Tensor]) -> Result<()> {
     Ok(())
 }
 
-pub(crate) fn same_float(op: &str, ts: &[&Tensor]) -> Result<()> {
+/// Ok when the tensors share one device and one float dtype; an error naming `op` otherwise.
+pub fn same_float(op: &str, ts: &[&Tensor]) -> Result<()> {
     same_device(op, ts)?;
     let dt = ts[0].dtype();
     if !dt.is_float() {
@@ -259,29 +261,7 @@ impl Tensor {
         ))
     }
 
-    // ---- softmax, casts, devices -------------------------------------------------------------
-
-    pub fn softmax_last(&self) -> Result<Tensor> {
-        same_float("softmax", &[self])?;
-        let x = self.contiguous()?;
-        let b = self.backend("softmax")?;
-        let out = new(x.with_storage(|s| b.softmax_last(s))?, self.shape().clone());
-        let y = out.clone();
-        Ok(Tensor::record(
-            out,
-            "softmax",
-            &[self],
-            Box::new(move |g| {
-                let g = g.contiguous()?;
-                let b = y.backend("softmax")?;
-                let st = {
-                    let (gy, gg) = (y.0.storage.read()?, g.0.storage.read()?);
-                    b.softmax_last_backward((&gy, y.layout()), (&gg, g.layout()))?
-                };
-                Ok(vec![Some(new(st, y.shape().clone()))])
-            }),
-        ))
-    }
+    // ---- casts, devices -----------------------------------------------------------------------
 
     /// Converts the elements; the gradient is cast back to the input's dtype.
     pub fn to_dtype(&self, dtype: DType) -> Result<Tensor> {

@@ -129,7 +129,7 @@ fn dense(t: &Tensor) -> bool {
 
 /// Read guards over the storages of `ts`, one per distinct storage; `f` gets their views in
 /// the order of `ts`.
-fn with_views<R>(ts: &[&Tensor], f: impl FnOnce(&[Sl]) -> Result<R>) -> Result<R> {
+pub(crate) fn with_views<R>(ts: &[&Tensor], f: impl FnOnce(&[Sl]) -> Result<R>) -> Result<R> {
     let mut cells: Vec<Arc<StorageCell>> = Vec::new();
     let idx: Vec<usize> = ts
         .iter()

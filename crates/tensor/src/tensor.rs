@@ -65,11 +65,11 @@ element!(i32, I32);
 impl Tensor {
     // ---- construction ----------------------------------------------------------------------
 
-    pub(crate) fn from_storage(storage: Storage, layout: Layout, node: Option<Arc<Node>>) -> Tensor {
-        let (dtype, device) = (storage.dtype(), storage.device());
+    /// A tensor over `storage` (a cell shared by its views) with no gradient yet.
+    fn from_cell(storage: Arc<StorageCell>, layout: Layout, dtype: DType, device: Device, node: Option<Arc<Node>>) -> Tensor {
         Tensor(Arc::new(TensorInner {
             id: NEXT_ID.fetch_add(1, Ordering::Relaxed),
-            storage: Arc::new(StorageCell::new(storage)),
+            storage,
             layout,
             dtype,
             device,
@@ -81,20 +81,24 @@ impl Tensor {
         }))
     }
 
+    pub(crate) fn from_storage(storage: Storage, layout: Layout, node: Option<Arc<Node>>) -> Tensor {
+        let (dtype, device) = (storage.dtype(), storage.device());
+        Tensor::from_cell(Arc::new(StorageCell::new(storage)), layout, dtype, device, node)
+    }
+
+    /// A contiguous tensor of `shape` over `storage` (for ops defined outside this crate, which
+    /// make their output storage themselves and wrap it with `from_op`).
+    pub fn new(storage: Storage, shape: impl Into<Shape>) -> Result<Tensor> {
+        let shape = shape.into();
+        if storage.len() != shape.numel() {
+            bail!("Tensor::new", "{} elements do not fill shape {:?}", storage.len(), shape);
+        }
+        Ok(Tensor::from_storage(storage, Layout::contiguous(shape), None))
+    }
+
     /// A new view of this tensor's storage (no copy), recorded as an op when grads flow.
     pub(crate) fn view(&self, layout: Layout, node: Option<Arc<Node>>) -> Tensor {
-        Tensor(Arc::new(TensorInner {
-            id: NEXT_ID.fetch_add(1, Ordering::Relaxed),
-            storage: self.0.storage.clone(),
-            layout,
-            dtype: self.0.dtype,
-            device: self.0.device,
-            leaf_requires_grad: AtomicBool::new(false),
-            grad_fn: node,
-            grad: Mutex::new(None),
-            hooks: Mutex::new(Vec::new()),
-            sink: Mutex::new(None),
-        }))
+        Tensor::from_cell(self.0.storage.clone(), layout, self.0.dtype, self.0.device, node)
     }
 
     /// A tensor whose bytes are still being produced (by a collective in flight): `storage`
@@ -106,18 +110,7 @@ impl Tensor {
             bail!("pending", "{} elements do not fill shape {:?}", storage.len(), shape);
         }
         let (dtype, device) = (storage.dtype(), storage.device());
-        Ok(Tensor(Arc::new(TensorInner {
-            id: NEXT_ID.fetch_add(1, Ordering::Relaxed),
-            storage: Arc::new(StorageCell::pending(storage, fill)),
-            layout: Layout::contiguous(shape),
-            dtype,
-            device,
-            leaf_requires_grad: AtomicBool::new(false),
-            grad_fn: None,
-            grad: Mutex::new(None),
-            hooks: Mutex::new(Vec::new()),
-            sink: Mutex::new(None),
-        })))
+        Ok(Tensor::from_cell(Arc::new(StorageCell::pending(storage, fill)), Layout::contiguous(shape), dtype, device, None))
     }
 
     /// A tensor computed by `f` when it is first read: work that need not happen where it is
@@ -143,18 +136,7 @@ impl Tensor {
         });
         // The cell promises the result's size; the placeholder is replaced by the fill.
         let cell = StorageCell::local_pending(placeholder, fill);
-        Ok(Tensor(Arc::new(TensorInner {
-            id: NEXT_ID.fetch_add(1, Ordering::Relaxed),
-            storage: Arc::new(cell.promising(n)),
-            layout: Layout::contiguous(shape),
-            dtype,
-            device,
-            leaf_requires_grad: AtomicBool::new(false),
-            grad_fn: None,
-            grad: Mutex::new(None),
-            hooks: Mutex::new(Vec::new()),
-            sink: Mutex::new(None),
-        })))
+        Ok(Tensor::from_cell(Arc::new(cell.promising(n)), Layout::contiguous(shape), dtype, device, None))
     }
 
     /// True while this tensor's storage is still being computed locally (see `deferred`).
@@ -305,6 +287,11 @@ impl Tensor {
     pub fn with_storage<R>(&self, f: impl FnOnce(Sl) -> Result<R>) -> Result<R> {
         let g = self.0.storage.read()?;
         f((&g, &self.0.layout))
+    }
+    /// Runs `f` with the storages and layouts of `ts`, in order, under one read lock per
+    /// distinct storage (views of one storage share it). Waits for pending storage first.
+    pub fn with_storages<R>(ts: &[&Tensor], f: impl FnOnce(&[Sl]) -> Result<R>) -> Result<R> {
+        crate::optim_ops::with_views(ts, f)
     }
 
     // ---- autograd surface ------------------------------------------------------------------

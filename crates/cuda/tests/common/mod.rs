@@ -1,12 +1,15 @@
-//! Shared by the CUDA test binaries: the kernel sources for NVRTC (or a fatbin named by
-//! FERROLM_KERNELS_FATBIN), and `gpu()`, which registers the backend once: the real device when
+//! Shared by the CUDA test binaries (this crate's, and crates/ops/tests/cuda.rs through a
+//! `#[path]` module): the kernel sources for NVRTC (or a fatbin named by
+//! FERROLM_KERNELS_FATBIN), helpers that compare and move values, and `gpu()`, which registers
+//! the backend once: the real device when
 //! there is one, else the CPU emulator (crates/cuda/emu: the same kernels/*.cu compiled as C++,
 //! with fibers for CUDA threads), announced with "no CUDA device: running on the CUDA emulator".
 //! FERROLM_REQUIRE_GPU=1 demands a real GPU (panics without one); FERROLM_REQUIRE_EMU=1 (CI)
 //! demands a GPU or the emulator; with neither the tests print "skipped: no CUDA device".
 #![allow(dead_code)]
-use ferrolm_cuda::{CudaBackend, KernelImage};
-use ferrolm_tensor::{backend, Device};
+use ferrolm_cuda::{CudaBackend, CudaStorage, KernelImage};
+use ferrolm_tensor::backend::{self, Backend};
+use ferrolm_tensor::{CpuStorage, DType, Device, Layout, Rng, Shape, Storage, Tensor};
 use std::sync::{Arc, OnceLock, RwLock, RwLockReadGuard, RwLockWriteGuard};
 
 /// The kernel sources NVRTC compiles (the crate's own list, generated from kernels/).
@@ -75,4 +78,143 @@ fn backend_once() -> Option<Arc<CudaBackend>> {
     }
     println!("skipped: no CUDA device");
     None
+}
+
+// ---- comparing and moving values (shared by the CUDA tests of this crate and of crates/ops) ----
+
+/// Runs `f` with f32 and then bf16, and one generator seeded with `seed`, when there is a device
+/// (see `gpu`).
+pub fn each_float_dtype(seed: u64, mut f: impl FnMut(DType, &mut Rng)) {
+    let Some(_device) = gpu() else { return };
+    let mut r = Rng::new(seed);
+    for dt in [DType::F32, DType::BF16] {
+        f(dt, &mut r);
+    }
+}
+pub fn rng(seed: u64) -> Rng {
+    Rng::new(seed)
+}
+pub fn randn(shape: &[usize], dt: DType, r: &mut Rng) -> Tensor {
+    Tensor::randn(shape.to_vec(), 1.0, dt, Device::Cpu, r).unwrap()
+}
+pub fn tol(dt: DType, loose: bool) -> (f64, f64) {
+    match (dt, loose) {
+        (DType::BF16, _) => (2e-2, 2e-2),
+        (_, true) => (1e-3, 1e-3),
+        _ => (1e-4, 1e-4),
+    }
+}
+pub fn check(name: &str, cpu: &Tensor, gpu: &Tensor, dt: DType, loose: bool) {
+    assert_eq!(cpu.dims(), gpu.dims(), "{name}: shape");
+    let (a, b) = (cpu.to_vec_f64().unwrap(), gpu.to_cpu_storage().map(|_| gpu.to_vec_f64().unwrap()).unwrap());
+    let (at, rt) = tol(dt, loose);
+    for (i, (x, y)) in a.iter().zip(&b).enumerate() {
+        assert!(y.is_finite() || !x.is_finite(), "{name}: element {i} is {y} (reference {x}): unwritten or overflow");
+        assert!((x - y).abs() <= at + rt * x.abs(), "{name}: element {i}: gpu {y} vs cpu {x}");
+    }
+}
+pub fn to_gpu(t: &Tensor) -> Tensor {
+    t.to_device(GPU).unwrap()
+}
+
+pub fn normals(n: usize, std: f64, r: &mut Rng) -> Vec<f64> {
+    (0..n).map(|_| r.normal() * std).collect()
+}
+pub fn up_f32(be: &CudaBackend, v: &[f64]) -> Storage {
+    be.from_cpu(&CpuStorage::F32(v.iter().map(|&x| x as f32).collect())).unwrap()
+}
+pub fn up_bf16(be: &CudaBackend, v: &[f64]) -> Storage {
+    be.from_cpu(&CpuStorage::BF16(v.iter().map(|&x| ferrolm_tensor::bf16_from_f64(x)).collect())).unwrap()
+}
+pub fn cs(s: &Storage) -> &CudaStorage {
+    match s {
+        Storage::Device(d) => d.as_any().downcast_ref::<CudaStorage>().expect("CUDA storage"),
+        Storage::Cpu(_) => panic!("expected device storage"),
+    }
+}
+pub fn flat(n: usize) -> Layout {
+    Layout::contiguous(Shape(vec![n]))
+}
+/// Host copy of a whole device storage as f64.
+pub fn down(be: &CudaBackend, s: &Storage) -> Vec<f64> {
+    let n = cs(s).len_elems();
+    match be.to_cpu((s, &flat(n))).unwrap() {
+        CpuStorage::F32(v) => v.into_iter().map(f64::from).collect(),
+        CpuStorage::BF16(v) => v.into_iter().map(f64::from).collect(),
+        CpuStorage::I32(v) => v.into_iter().map(f64::from).collect(),
+        CpuStorage::F64(v) => v,
+    }
+}
+/// Raw bits of a whole device storage (f32 as u32, bf16 as u16 widened).
+pub fn bits(be: &CudaBackend, s: &Storage) -> Vec<u32> {
+    let n = cs(s).len_elems();
+    match be.to_cpu((s, &flat(n))).unwrap() {
+        CpuStorage::F32(v) => v.into_iter().map(f32::to_bits).collect(),
+        CpuStorage::BF16(v) => v.into_iter().map(|x| x.to_bits() as u32).collect(),
+        CpuStorage::I32(v) => v.into_iter().map(|x| x as u32).collect(),
+        CpuStorage::F64(_) => unreachable!(),
+    }
+}
+pub trait LenElems {
+    fn len_elems(&self) -> usize;
+}
+pub fn close(name: &str, got: &[f64], want: &[f64], atol: f64, rtol: f64) {
+    assert_eq!(got.len(), want.len(), "{name}: length");
+    for (i, (g, w)) in got.iter().zip(want).enumerate() {
+        assert!(g.is_finite(), "{name}: element {i} is {g} (reference {w}): unwritten or overflow");
+        assert!((g - w).abs() <= atol + rtol * w.abs(), "{name}: element {i}: gpu {g} vs host {w}");
+    }
+}
+/// Rounds like the device would when it stores/reads bf16.
+pub fn rbf(x: f64) -> f64 {
+    f64::from(ferrolm_tensor::bf16_from_f64(x))
+}
+
+/// Runs `f` with the CUDA storages of `ts` (read locks held for the whole call). Each tensor
+/// must be contiguous with offset 0 and own exactly its elements.
+pub fn with_cuda<R>(ts: &[&Tensor], f: impl FnOnce(&[&CudaStorage]) -> R) -> R {
+    #[allow(clippy::type_complexity)] // a recursive borrow helper; a type alias would not make it clearer
+    fn go<R>(ts: &[&Tensor], acc: &mut Vec<*const CudaStorage>, f: Box<dyn FnOnce(&[&CudaStorage]) -> R + '_>) -> R {
+        match ts.split_first() {
+            None => {
+                // SAFETY: every pointer refers to storage whose read guard is held by an
+                // enclosing `with_storage` frame for the duration of this call.
+                let v: Vec<&CudaStorage> = acc.iter().map(|p| unsafe { &**p }).collect();
+                f(&v)
+            }
+            Some((t, rest)) => t
+                .with_storage(|(s, l)| {
+                    let c = cs(s);
+                    assert!(l.is_contiguous() && l.offset == 0 && c.len_elems() == l.numel(), "with_cuda needs a dense tensor");
+                    acc.push(c as *const CudaStorage);
+                    Ok(go(rest, acc, f))
+                })
+                .expect("storage readable"),
+        }
+    }
+    go(ts, &mut Vec::new(), Box::new(f))
+}
+/// A dense copy (fresh storage) unless the tensor already is one.
+pub fn dense(t: &Tensor) -> Tensor {
+    let ok = t.with_storage(|(s, l)| Ok(l.is_contiguous() && l.offset == 0 && cs(s).len_elems() == l.numel())).unwrap();
+    if ok {
+        t.clone()
+    } else {
+        t.affine(1.0, 0.0).unwrap()
+    }
+}
+
+pub fn dev_rand(be: &CudaBackend, n: usize, dt: DType, r: &mut Rng) -> Storage {
+    let v = normals(n, 1.0, r);
+    if dt == DType::BF16 {
+        up_bf16(be, &v)
+    } else {
+        up_f32(be, &v)
+    }
+}
+
+impl LenElems for CudaStorage {
+    fn len_elems(&self) -> usize {
+        ferrolm_tensor::DeviceStorage::len(self)
+    }
 }

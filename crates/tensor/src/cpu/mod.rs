@@ -1,11 +1,16 @@
 //! The CPU backend: the reference every other backend is checked against. Float kernels are
 //! generic over f32/f64; bf16 inputs are widened to f32, computed, and rounded back once.
-mod fused;
+//!
+//! The helpers below are public for the CPU forms of ops defined outside this crate (the fused
+//! ops of the ops crate): `float_dispatch!` runs a generic kernel in the working precision of a
+//! dtype and turns its result back into storage (`Finish`, `Stat`); `gather` and `i32s` read
+//! views and ids.
 mod kernels;
 
-use crate::backend::{AttnDims, Backend, BinaryOp, ReduceOp, Sl, UnaryOp};
+use crate::backend::{Backend, BinaryOp, ReduceOp, Sl, UnaryOp};
 use crate::{bail, CpuStorage, DType, Device, Layout, Result, Storage};
 use half::bf16;
+use std::any::Any;
 use std::borrow::Cow;
 use std::sync::{Arc, OnceLock};
 
@@ -23,7 +28,8 @@ fn cpu<'a>(op: &str, s: &'a Storage) -> Result<&'a CpuStorage> {
     }
 }
 
-pub(crate) fn f32s<'a>(op: &str, s: &'a Storage) -> Result<Cow<'a, [f32]>> {
+/// The elements of float storage as f32 (borrowed when they are f32).
+pub fn f32s<'a>(op: &str, s: &'a Storage) -> Result<Cow<'a, [f32]>> {
     Ok(match cpu(op, s)? {
         CpuStorage::F32(v) => Cow::Borrowed(v),
         CpuStorage::BF16(v) => Cow::Owned(v.iter().map(|x| x.to_f32()).collect()),
@@ -32,7 +38,8 @@ pub(crate) fn f32s<'a>(op: &str, s: &'a Storage) -> Result<Cow<'a, [f32]>> {
     })
 }
 
-pub(crate) fn f64s<'a>(op: &str, s: &'a Storage) -> Result<Cow<'a, [f64]>> {
+/// The elements of float storage as f64 (borrowed when they are f64).
+pub fn f64s<'a>(op: &str, s: &'a Storage) -> Result<Cow<'a, [f64]>> {
     Ok(match cpu(op, s)? {
         CpuStorage::F64(v) => Cow::Borrowed(v),
         CpuStorage::F32(v) => Cow::Owned(v.iter().map(|&x| x as f64).collect()),
@@ -41,7 +48,8 @@ pub(crate) fn f64s<'a>(op: &str, s: &'a Storage) -> Result<Cow<'a, [f64]>> {
     })
 }
 
-fn i32s<'a>(op: &str, s: &'a Storage) -> Result<&'a [i32]> {
+/// The elements of i32 storage (token ids, targets).
+pub fn i32s<'a>(op: &str, s: &'a Storage) -> Result<&'a [i32]> {
     match cpu(op, s)? {
         CpuStorage::I32(v) => Ok(v),
         other => bail!(op, "expected i32 ids, got {}", other.dtype()),
@@ -49,7 +57,7 @@ fn i32s<'a>(op: &str, s: &'a Storage) -> Result<&'a [i32]> {
 }
 
 /// Converts a kernel's result (vectors, or tuples of them) back into storage of `dtype`.
-pub(crate) trait Finish {
+pub trait Finish {
     type Out;
     fn finish(self, dtype: DType) -> Self::Out;
 }
@@ -69,7 +77,7 @@ impl Finish for Vec<f64> {
     }
 }
 /// A statistic (inverse RMS, log-sum-exp) kept in f32 even for bf16 activations.
-pub(crate) struct Stat<V>(pub V);
+pub struct Stat<V>(pub V);
 impl Finish for Stat<Vec<f32>> {
     type Out = Storage;
     fn finish(self, _: DType) -> Storage {
@@ -96,27 +104,20 @@ impl<A: Finish, B: Finish, C: Finish> Finish for (A, B, C) {
 }
 
 /// Runs `$body` in the working precision of `$dt` (f64 for f64, else f32) with each named
-/// storage bound to a slice of that precision, then converts the result back to `$dt`.
-macro_rules! fdispatch {
+/// storage view (`Sl`) rebound to a slice of that precision, then converts the result back to
+/// storage of `$dt` (`Finish`). Errors (a non-float storage) return from the enclosing function.
+#[macro_export]
+macro_rules! float_dispatch {
     ($op:expr, $dt:expr, [$($x:ident),*], $body:expr) => {{
-        let dt: DType = $dt;
-        if dt == DType::F64 {
-            $(let $x = f64s($op, $x.0)?; let $x: &[f64] = &$x;)*
-            Finish::finish($body, dt)
+        let dt: $crate::DType = $dt;
+        if dt == $crate::DType::F64 {
+            $(let $x = $crate::cpu::f64s($op, $x.0)?; let $x: &[f64] = &$x;)*
+            $crate::cpu::Finish::finish($body, dt)
         } else {
-            $(let $x = f32s($op, $x.0)?; let $x: &[f32] = &$x;)*
-            Finish::finish($body, dt)
+            $(let $x = $crate::cpu::f32s($op, $x.0)?; let $x: &[f32] = &$x;)*
+            $crate::cpu::Finish::finish($body, dt)
         }
     }};
-}
-
-/// Statistics stay f32 even for bf16 activations (f64 in f64 runs).
-fn stat_dtype(dt: DType) -> DType {
-    if dt == DType::F64 {
-        DType::F64
-    } else {
-        DType::F32
-    }
 }
 
 /// Sum of squares of a view's elements, accumulated in f64 (deterministic; see `kernels::sum_f64`).
@@ -137,7 +138,8 @@ pub(crate) fn sum_squares(x: Sl) -> Result<f64> {
     })
 }
 
-fn gather<T: Copy + Send + Sync>(v: &[T], l: &Layout) -> Vec<T> {
+/// The elements of the view `l` of `v`, in row-major order.
+pub fn gather<T: Copy + Send + Sync>(v: &[T], l: &Layout) -> Vec<T> {
     const PAR_MIN: usize = 1 << 15;
     const CHUNK: usize = 1 << 13;
     let n = l.numel();
@@ -161,6 +163,9 @@ fn gather<T: Copy + Send + Sync>(v: &[T], l: &Layout) -> Vec<T> {
 impl Backend for CpuBackend {
     fn device(&self) -> Device {
         Device::Cpu
+    }
+    fn into_any(self: Arc<Self>) -> Arc<dyn Any + Send + Sync> {
+        self
     }
     fn from_cpu(&self, s: &CpuStorage) -> Result<Storage> {
         Ok(Storage::Cpu(s.clone()))
@@ -201,15 +206,15 @@ impl Backend for CpuBackend {
     }
     fn unary(&self, op: UnaryOp, x: Sl) -> Result<Storage> {
         let l = x.1;
-        Ok(fdispatch!("unary", x.0.dtype(), [x], kernels::unary(op, x, l)))
+        Ok(float_dispatch!("unary", x.0.dtype(), [x], kernels::unary(op, x, l)))
     }
     fn binary(&self, op: BinaryOp, a: Sl, b: Sl) -> Result<Storage> {
         let (la, lb) = (a.1, b.1);
-        Ok(fdispatch!("binary", a.0.dtype(), [a, b], kernels::binary(op, a, la, b, lb)))
+        Ok(float_dispatch!("binary", a.0.dtype(), [a, b], kernels::binary(op, a, la, b, lb)))
     }
     fn reduce(&self, op: ReduceOp, x: Sl, dims: &[usize]) -> Result<Storage> {
         let l = x.1;
-        Ok(fdispatch!("reduce", x.0.dtype(), [x], kernels::reduce(op, x, l, dims)))
+        Ok(float_dispatch!("reduce", x.0.dtype(), [x], kernels::reduce(op, x, l, dims)))
     }
     fn matmul(&self, a: Sl, b: Sl) -> Result<Storage> {
         let (la, lb) = (a.1, b.1);
@@ -266,139 +271,4 @@ impl Backend for CpuBackend {
         }
         Ok(())
     }
-
-    fn embedding(&self, w: Sl, ids: Sl) -> Result<Storage> {
-        let d = w.1.dims()[1];
-        let idv = gather(i32s("embedding", ids.0)?, ids.1);
-        let vocab = w.1.dims()[0];
-        if let Some(bad) = idv.iter().find(|&&i| i < 0 || i as usize >= vocab) {
-            bail!("embedding", "token id {bad} out of range for a vocabulary of {vocab}");
-        }
-        let off = w.1.offset;
-        Ok(fdispatch!("embedding", w.0.dtype(), [w], fused::embedding(&w[off..], d, &idv)))
-    }
-    fn embedding_backward(&self, dy: Sl, ids: Sl, vocab: usize) -> Result<Storage> {
-        let idv = gather(i32s("embedding_backward", ids.0)?, ids.1);
-        let d = *dy.1.dims().last().unwrap_or(&1);
-        let off = dy.1.offset;
-        Ok(fdispatch!("embedding_backward", dy.0.dtype(), [dy], fused::embedding_backward(&dy[off..], d, &idv, vocab)))
-    }
-    fn softmax_last(&self, x: Sl) -> Result<Storage> {
-        let (off, n, d) = rows(x.1);
-        Ok(fdispatch!("softmax", x.0.dtype(), [x], fused::softmax(&x[off..off + n * d], d)))
-    }
-    fn softmax_last_backward(&self, y: Sl, dy: Sl) -> Result<Storage> {
-        let (oy, n, d) = rows(y.1);
-        let (od, _, _) = rows(dy.1);
-        Ok(fdispatch!("softmax_backward", y.0.dtype(), [y, dy], fused::softmax_backward(&y[oy..oy + n * d], &dy[od..od + n * d], d)))
-    }
-    fn rmsnorm(&self, x: Sl, w: Sl, eps: f64) -> Result<(Storage, Storage)> {
-        let (ox, n, d) = rows(x.1);
-        let ow = w.1.offset;
-        let dt = x.0.dtype();
-        Ok(fdispatch!("rmsnorm", dt, [x, w], fused::rmsnorm(&x[ox..ox + n * d], &w[ow..ow + d], eps)))
-    }
-    fn rmsnorm_backward(&self, dy: Sl, x: Sl, w: Sl, r: Sl) -> Result<(Storage, Storage)> {
-        let (ox, n, d) = rows(x.1);
-        let (od, ow, or) = (dy.1.offset, w.1.offset, r.1.offset);
-        Ok(fdispatch!(
-            "rmsnorm_backward",
-            x.0.dtype(),
-            [dy, x, w, r],
-            fused::rmsnorm_backward(&dy[od..od + n * d], &x[ox..ox + n * d], &w[ow..ow + d], &r[or..or + n])
-        ))
-    }
-    fn rope(&self, x: Sl, cos: Sl, sin: Sl, inverse: bool) -> Result<Storage> {
-        let dims = x.1.dims();
-        let (t, d) = (dims[2], dims[3]);
-        let (ox, oc, os) = (x.1.offset, cos.1.offset, sin.1.offset);
-        let n = x.1.numel();
-        Ok(fdispatch!(
-            "rope",
-            x.0.dtype(),
-            [x, cos, sin],
-            fused::rope(&x[ox..ox + n], &cos[oc..oc + t * d], &sin[os..os + t * d], t, d, inverse)
-        ))
-    }
-    fn swiglu(&self, g: Sl, u: Sl) -> Result<Storage> {
-        let n = g.1.numel();
-        let (og, ou) = (g.1.offset, u.1.offset);
-        Ok(fdispatch!("swiglu", g.0.dtype(), [g, u], fused::swiglu(&g[og..og + n], &u[ou..ou + n])))
-    }
-    fn swiglu_backward(&self, dy: Sl, g: Sl, u: Sl) -> Result<(Storage, Storage)> {
-        let n = g.1.numel();
-        let (od, og, ou) = (dy.1.offset, g.1.offset, u.1.offset);
-        Ok(fdispatch!("swiglu_backward", g.0.dtype(), [dy, g, u], fused::swiglu_backward(&dy[od..od + n], &g[og..og + n], &u[ou..ou + n])))
-    }
-    fn attention(&self, q: Sl, k: Sl, v: Sl, dims: AttnDims, scale: f64) -> Result<(Storage, Storage)> {
-        let (oq, ok, ov) = (q.1.offset, k.1.offset, v.1.offset);
-        let (nq, nk) = (q.1.numel(), k.1.numel());
-        let dt = q.0.dtype();
-        Ok(fdispatch!("attention", dt, [q, k, v], fused::attention(&q[oq..oq + nq], &k[ok..ok + nk], &v[ov..ov + nk], dims, scale)))
-    }
-    fn attention_backward(
-        &self,
-        dout: Sl,
-        q: Sl,
-        k: Sl,
-        v: Sl,
-        out: Sl,
-        lse: Sl,
-        dims: AttnDims,
-        scale: f64,
-    ) -> Result<(Storage, Storage, Storage)> {
-        let (nq, nk) = (q.1.numel(), k.1.numel());
-        let offs = [dout.1.offset, q.1.offset, k.1.offset, v.1.offset, out.1.offset, lse.1.offset];
-        let nl = lse.1.numel();
-        Ok(fdispatch!(
-            "attention_backward",
-            q.0.dtype(),
-            [dout, q, k, v, out, lse],
-            fused::attention_backward(
-                &dout[offs[0]..offs[0] + nq],
-                &q[offs[1]..offs[1] + nq],
-                &k[offs[2]..offs[2] + nk],
-                &v[offs[3]..offs[3] + nk],
-                &out[offs[4]..offs[4] + nq],
-                &lse[offs[5]..offs[5] + nl],
-                dims,
-                scale
-            )
-        ))
-    }
-    fn cross_entropy(&self, logits: Sl, targets: Sl, ignore: i32) -> Result<(Storage, Storage, usize)> {
-        let (ol, n, v) = rows(logits.1);
-        let t = gather(i32s("cross_entropy", targets.0)?, targets.1);
-        check_targets(&t, v, ignore)?;
-        let dt = logits.0.dtype();
-        let sd = stat_dtype(dt);
-        let count = t.iter().filter(|&&x| x != ignore).count();
-        let (loss, lse) = fdispatch!("cross_entropy", sd, [logits], fused::cross_entropy(&logits[ol..ol + n * v], v, &t, ignore));
-        Ok((loss, lse, count))
-    }
-    fn cross_entropy_backward(&self, logits: Sl, targets: Sl, lse: Sl, ignore: i32, scale: Sl) -> Result<Storage> {
-        let (ol, n, v) = rows(logits.1);
-        let t = gather(i32s("cross_entropy_backward", targets.0)?, targets.1);
-        let olse = lse.1.offset;
-        let sc = f64s("cross_entropy_backward", scale.0)?[scale.1.offset];
-        Ok(fdispatch!(
-            "cross_entropy_backward",
-            logits.0.dtype(),
-            [logits, lse],
-            fused::cross_entropy_backward(&logits[ol..ol + n * v], v, &t, &lse[olse..olse + n], ignore, sc)
-        ))
-    }
-}
-
-/// (offset, rows, last dim) of a contiguous view.
-fn rows(l: &Layout) -> (usize, usize, usize) {
-    let d = *l.dims().last().unwrap_or(&1);
-    (l.offset, l.numel().checked_div(d).unwrap_or(0), d)
-}
-
-fn check_targets(t: &[i32], v: usize, ignore: i32) -> Result<()> {
-    if let Some(bad) = t.iter().find(|&&x| x != ignore && (x < 0 || x as usize >= v)) {
-        bail!("cross_entropy", "target {bad} out of range for {v} classes (ignore_index is {ignore})");
-    }
-    Ok(())
 }

@@ -1,5 +1,6 @@
-//! Helpers shared by the engine's integration tests: random tensors, a finite-difference
-//! gradient checker, RoPE tables, and naive compositions the fused ops are compared against.
+//! Helpers shared by the engine's integration tests (and, through a `#[path]` module, by the
+//! fused ops' tests in crates/ops): random tensors, a finite-difference gradient checker, bf16
+//! against f32 comparisons and error assertions.
 #![allow(dead_code)]
 use ferrolm_tensor::{no_grad, DType, Device, Result, Rng, Tensor};
 
@@ -30,6 +31,13 @@ fn seed_of(name: &str) -> u64 {
 pub fn rel_err(a: &[f64], b: &[f64]) -> f64 {
     assert_eq!(a.len(), b.len(), "length mismatch");
     a.iter().zip(b).map(|(x, y)| (x - y).abs() / y.abs().max(1.0)).fold(0.0, f64::max)
+}
+
+/// Asserts `rel_err(a, b) < 1e-12`: an f64 kernel against plain Rust loops.
+#[track_caller]
+pub fn close(name: &str, a: &[f64], b: &[f64]) {
+    let e = rel_err(a, b);
+    assert!(e < 1e-12, "{name}: {e:e}");
 }
 
 /// Default finite-difference check: central differences with eps = 1e-6 in f64 and
@@ -90,76 +98,46 @@ pub fn gradcheck_with(name: &str, inputs: &[Tensor], eps: f64, tol: f64, f: impl
     }
 }
 
-/// Hugging Face rotate_half tables: inv_freq_i = theta^(-2i/d), angle = pos * inv_freq,
-/// emb = cat(angles, angles); returns (cos, sin), each (t, d) row-major.
-pub fn rope_tables(t: usize, d: usize, theta: f64) -> (Vec<f64>, Vec<f64>) {
-    let h = d / 2;
-    let (mut c, mut s) = (vec![0.0; t * d], vec![0.0; t * d]);
-    for p in 0..t {
-        for j in 0..d {
-            let inv = theta.powf(-2.0 * (j % h) as f64 / d as f64);
-            let a = p as f64 * inv;
-            c[p * d + j] = a.cos();
-            s[p * d + j] = a.sin();
-        }
-    }
-    (c, s)
+/// bf16 against f32 on the same inputs: the CPU computes bf16 in f32 and rounds each op's result
+/// once, so outputs of O(1) agree to 2e-2 relative (bf16 has an 8-bit mantissa); gradients, which
+/// pass through several rounded ops, to 5e-2.
+pub const BF16_TOL: f64 = 2e-2;
+pub const BF16_GRAD_TOL: f64 = 5e-2;
+
+/// A bf16 tensor and its exact f32 copy.
+pub fn pair(shape: &[usize], g: &mut Rng) -> (Tensor, Tensor) {
+    let b = randn_dt(shape, DType::BF16, g);
+    let f = b.to_dtype(DType::F32).unwrap();
+    (b, f)
 }
-pub fn rope_cos_sin(t: usize, d: usize, theta: f64, dt: DType) -> (Tensor, Tensor) {
-    let (c, s) = rope_tables(t, d, theta);
-    (Tensor::from_vec(c, [t, d], CPU).unwrap().to_dtype(dt).unwrap(), Tensor::from_vec(s, [t, d], CPU).unwrap().to_dtype(dt).unwrap())
+pub fn pos_pair(shape: &[usize], g: &mut Rng) -> (Tensor, Tensor) {
+    let b = Tensor::rand_uniform(shape.to_vec(), 0.5, 2.0, DType::BF16, CPU, g).unwrap();
+    let f = b.to_dtype(DType::F32).unwrap();
+    (b, f)
 }
 
-/// softmax(Q K^T * scale + causal mask) V with the K/V heads expanded to the query heads.
-pub fn naive_attention(q: &Tensor, k: &Tensor, v: &Tensor, scale: f64) -> Result<Tensor> {
-    let (b, hq, t, d) = (q.dim(0), q.dim(1), q.dim(2), q.dim(3));
-    let hkv = k.dim(1);
-    let group = hq / hkv;
-    let expand = |x: &Tensor| -> Result<Tensor> { x.unsqueeze(2)?.broadcast_as([b, hkv, group, t, d])?.reshape([b, hq, t, d]) };
-    let (k, v) = (expand(k)?, expand(v)?);
-    let s = q.matmul(&k.t()?)?.mul_scalar(scale)?;
-    let mask: Vec<f64> = (0..t * t).map(|ij| if ij % t > ij / t { -1e30 } else { 0.0 }).collect();
-    let mask = Tensor::from_vec(mask, [t, t], CPU)?.to_dtype(q.dtype())?;
-    s.add(&mask)?.softmax_last()?.matmul(&v)
+/// Runs `f` on the bf16 inputs and on their f32 copies and compares.
+#[track_caller]
+pub fn bf16_check(name: &str, ins: &[(Tensor, Tensor)], f: impl Fn(&[Tensor]) -> Result<Tensor>) {
+    let b: Vec<Tensor> = ins.iter().map(|p| p.0.clone()).collect();
+    let x: Vec<Tensor> = ins.iter().map(|p| p.1.clone()).collect();
+    let (yb, yf) = (f(&b).unwrap(), f(&x).unwrap());
+    assert_eq!(yb.dims(), yf.dims(), "{name}: shape");
+    assert!(yb.dtype() == DType::BF16 || yb.dtype() == DType::F32, "{name}: dtype {}", yb.dtype());
+    let e = rel_err(&yb.to_vec_f64().unwrap(), &yf.to_vec_f64().unwrap());
+    assert!(e < BF16_TOL, "{name}: bf16 vs f32 rel err {e:.3e} >= {BF16_TOL:e}");
 }
 
-/// x * rsqrt(mean(x^2) + eps) * w over the last dim.
-pub fn naive_rms_norm(x: &Tensor, w: &Tensor, eps: f64) -> Result<Tensor> {
-    let last = x.rank() - 1;
-    x.mul(&x.sqr()?.mean(&[last], true)?.add_scalar(eps)?.rsqrt()?)?.mul(w)
+/// Asserts `r` is an error whose Display starts with "`op`:" and contains `needle`.
+#[track_caller]
+pub fn expect_err<T: std::fmt::Debug>(r: Result<T>, op: &str, needle: &str) {
+    let e = r.expect_err(&format!("expected an error from {op}"));
+    let s = e.to_string();
+    assert!(s.starts_with(&format!("{op}: ")), "error {s:?} does not name op {op:?}");
+    assert_eq!(e.op, op);
+    assert!(s.contains(needle), "error {s:?} does not mention {needle:?}");
 }
 
-/// mean over non-ignored rows of -log softmax(logits)[target].
-pub fn naive_cross_entropy(logits: &Tensor, targets: &[i32], ignore: i32) -> Result<Tensor> {
-    let (n, v) = (logits.dim(0), logits.dim(1));
-    let mut onehot = vec![0.0; n * v];
-    let mut count = 0;
-    for (r, &t) in targets.iter().enumerate() {
-        if t != ignore {
-            onehot[r * v + t as usize] = 1.0;
-            count += 1;
-        }
-    }
-    let onehot = Tensor::from_vec(onehot, [n, v], CPU)?.to_dtype(logits.dtype())?;
-    logits.softmax_last()?.log()?.mul(&onehot)?.sum_all()?.mul_scalar(-1.0 / count.max(1) as f64)
-}
-
-/// Explicit rotary formula on x (b, h, t, d) with positions 0..t.
-pub fn naive_rope(x: &[f64], dims: [usize; 4], theta: f64) -> Vec<f64> {
-    let [b, h, t, d] = dims;
-    let half = d / 2;
-    let mut y = vec![0.0; x.len()];
-    for bh in 0..b * h {
-        for p in 0..t {
-            let base = (bh * t + p) * d;
-            for j in 0..half {
-                let a = p as f64 * theta.powf(-2.0 * j as f64 / d as f64);
-                let (c, s) = (a.cos(), a.sin());
-                let (x1, x2) = (x[base + j], x[base + j + half]);
-                y[base + j] = x1 * c - x2 * s;
-                y[base + j + half] = x2 * c + x1 * s;
-            }
-        }
-    }
-    y
+pub fn f32s(shape: &[usize]) -> Tensor {
+    Tensor::zeros(shape.to_vec(), DType::F32, CPU).unwrap()
 }

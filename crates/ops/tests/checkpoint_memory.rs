@@ -1,15 +1,15 @@
 //! Activation checkpointing holds less memory after forward and gives bitwise the same
 //! gradients. One #[test] in its own binary: `live_bytes()` is a process-global counter, so no
 //! other test may allocate tensors concurrently.
+use ferrolm_ops::{causal_attention, rms_norm, swiglu};
 use ferrolm_tensor::{checkpoint, live_bytes, DType, Device, Result, Rng, Tensor};
 
-const B: usize = 2;
-const T: usize = 32;
+// Sizes: model width, query heads (of width HD), kv heads, MLP width.
 const D: usize = 32;
-const FF: usize = 96;
 const H: usize = 4;
-const HKV: usize = 2;
 const HD: usize = D / H;
+const HKV: usize = 2;
+const FF: usize = 96;
 
 fn params(g: &mut Rng) -> Vec<Tensor> {
     let mk = |s: &[usize], std: f64, g: &mut Rng| {
@@ -31,13 +31,14 @@ fn params(g: &mut Rng) -> Vec<Tensor> {
 
 /// Attention + SwiGLU MLP with residuals. x: (B, T, D).
 fn block(x: &Tensor, p: &[Tensor]) -> Result<Tensor> {
-    let h = x.rms_norm(&p[0], 1e-5)?;
-    let heads = |w: &Tensor, n: usize| h.matmul(&w.t()?)?.reshape([B, T, n, HD])?.permute(&[0, 2, 1, 3]);
+    let (b, t) = (x.dim(0), x.dim(1));
+    let h = rms_norm(x, &p[0], 1e-5)?;
+    let heads = |w: &Tensor, n: usize| h.matmul(&w.t()?)?.reshape([b, t, n, HD])?.permute(&[0, 2, 1, 3]);
     let (q, k, v) = (heads(&p[1], H)?, heads(&p[2], HKV)?, heads(&p[3], HKV)?);
-    let a = Tensor::causal_attention(&q, &k, &v, 0.35)?.permute(&[0, 2, 1, 3])?.reshape([B, T, D])?;
+    let a = causal_attention(&q, &k, &v, 0.35)?.permute(&[0, 2, 1, 3])?.reshape([b, t, D])?;
     let x = x.add(&a.matmul(&p[4].t()?)?)?;
-    let h = x.rms_norm(&p[0], 1e-5)?;
-    x.add(&Tensor::swiglu(&h.matmul(&p[5].t()?)?, &h.matmul(&p[6].t()?)?)?.matmul(&p[7].t()?)?)
+    let h = rms_norm(&x, &p[0], 1e-5)?;
+    x.add(&swiglu(&h.matmul(&p[5].t()?)?, &h.matmul(&p[6].t()?)?)?.matmul(&p[7].t()?)?)
 }
 
 /// -> (bytes held after forward beyond the parameters and input, gradients)
@@ -47,7 +48,7 @@ fn run(ckpt: bool) -> (usize, Vec<Vec<f32>>) {
     for l in &layers {
         l[0].set_requires_grad(true).unwrap();
     }
-    let x = Tensor::randn([B, T, D], 1.0, DType::F32, Device::Cpu, g).unwrap();
+    let x = Tensor::randn([2, 32, D], 1.0, DType::F32, Device::Cpu, g).unwrap(); // (B, T, D)
     x.set_requires_grad(true).unwrap();
     let base = live_bytes();
     let mut h = x.clone();

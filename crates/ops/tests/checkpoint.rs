@@ -2,6 +2,7 @@
 //! (The memory comparison lives alone in checkpoint_memory.rs: live_bytes is process-global.)
 mod common;
 use common::*;
+use ferrolm_ops::{causal_attention, rms_norm, rope, swiglu};
 use ferrolm_tensor::{checkpoint, no_grad, DType, Result, Rng, Tensor};
 use std::sync::{Arc, Mutex};
 
@@ -33,17 +34,17 @@ fn block(x: &Tensor, p: &[Tensor], cos: &Tensor, sin: &Tensor, attn: bool, mlp: 
     let (b, t) = (x.dim(0), x.dim(1));
     let mut x = x.clone();
     if attn {
-        let h = x.rms_norm(&p[0], 1e-5)?;
+        let h = rms_norm(&x, &p[0], 1e-5)?;
         let heads = |w: &Tensor, n: usize| h.matmul(&w.t()?)?.reshape([b, t, n, HD])?.permute(&[0, 2, 1, 3]);
-        let q = heads(&p[1], HQ)?.rope(cos, sin)?;
-        let k = heads(&p[2], HKV)?.rope(cos, sin)?;
+        let q = rope(&heads(&p[1], HQ)?, cos, sin)?;
+        let k = rope(&heads(&p[2], HKV)?, cos, sin)?;
         let v = heads(&p[3], HKV)?;
-        let a = Tensor::causal_attention(&q, &k, &v, 0.5)?.permute(&[0, 2, 1, 3])?.reshape([b, t, HQ * HD])?;
+        let a = causal_attention(&q, &k, &v, 0.5)?.permute(&[0, 2, 1, 3])?.reshape([b, t, HQ * HD])?;
         x = x.add(&a.matmul(&p[4].t()?)?)?;
     }
     if mlp {
-        let h = x.rms_norm(&p[5], 1e-5)?;
-        let m = Tensor::swiglu(&h.matmul(&p[6].t()?)?, &h.matmul(&p[7].t()?)?)?.matmul(&p[8].t()?)?;
+        let h = rms_norm(&x, &p[5], 1e-5)?;
+        let m = swiglu(&h.matmul(&p[6].t()?)?, &h.matmul(&p[7].t()?)?)?.matmul(&p[8].t()?)?;
         x = x.add(&m)?;
     }
     Ok(x)

@@ -2,8 +2,9 @@
 //! called directly on the same shapes and strides, and forward+backward of a 2-layer
 //! Llama-style block stack built from tensor ops.
 //!
-//!     cargo run --release -p ferrolm-tensor --example bench_cpu   (`--help` for the details)
+//!     cargo run --release -p ferrolm-ops --example bench_cpu   (`--help` for the details)
 use clap::Parser;
+use ferrolm_ops::{causal_attention, rms_norm, rope, swiglu};
 use ferrolm_tensor::{no_grad, DType, Device, Rng, Tensor};
 use std::time::Instant;
 
@@ -58,8 +59,8 @@ const B: usize = 4;
 const T: usize = 128;
 const DM: usize = 256;
 const HQ: usize = 4;
-const HKV: usize = 2;
 const HD: usize = DM / HQ;
+const HKV: usize = 2;
 const FF: usize = 688;
 
 fn layer(rng: &mut Rng) -> Layer {
@@ -87,16 +88,16 @@ fn layer(rng: &mut Rng) -> Layer {
 }
 
 fn block(x: &Tensor, l: &Layer, cos: &Tensor, sin: &Tensor) -> Tensor {
-    let h = x.rms_norm(&l.n1, 1e-5).unwrap(); // (B, T, DM)
+    let h = rms_norm(x, &l.n1, 1e-5).unwrap(); // (B, T, DM)
     let heads = |w: &Tensor, n: usize| h.matmul(&w.t().unwrap()).unwrap().reshape([B, T, n, HD]).unwrap().permute(&[0, 2, 1, 3]).unwrap();
-    let q = heads(&l.wq, HQ).rope(cos, sin).unwrap(); // (B, HQ, T, HD)
-    let k = heads(&l.wk, HKV).rope(cos, sin).unwrap(); // (B, HKV, T, HD)
+    let q = rope(&heads(&l.wq, HQ), cos, sin).unwrap(); // (B, HQ, T, HD)
+    let k = rope(&heads(&l.wk, HKV), cos, sin).unwrap(); // (B, HKV, T, HD)
     let v = heads(&l.wv, HKV);
-    let a = Tensor::causal_attention(&q, &k, &v, 1.0 / (HD as f64).sqrt()).unwrap();
+    let a = causal_attention(&q, &k, &v, 1.0 / (HD as f64).sqrt()).unwrap();
     let a = a.permute(&[0, 2, 1, 3]).unwrap().reshape([B, T, DM]).unwrap();
     let x = x.add(&a.matmul(&l.wo.t().unwrap()).unwrap()).unwrap();
-    let h = x.rms_norm(&l.n2, 1e-5).unwrap();
-    let m = Tensor::swiglu(&h.matmul(&l.w1.t().unwrap()).unwrap(), &h.matmul(&l.w3.t().unwrap()).unwrap()).unwrap();
+    let h = rms_norm(&x, &l.n2, 1e-5).unwrap();
+    let m = swiglu(&h.matmul(&l.w1.t().unwrap()).unwrap(), &h.matmul(&l.w3.t().unwrap()).unwrap()).unwrap();
     x.add(&m.matmul(&l.w2.t().unwrap()).unwrap()).unwrap()
 }
 

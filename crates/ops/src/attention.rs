@@ -1,0 +1,353 @@
+//! Causal scaled-dot-product attention with native grouped-query attention: q (b, hq, t, d),
+//! k and v (b, hkv, t, d) with hq a multiple of hkv; query head h reads kv head h / (hq / hkv)
+//! in place, K/V are never copied per query head. o = softmax(q·kᵀ·scale + causal mask)·v;
+//! the forward saves the log-sum-exp of each row (f32), so the backward recomputes the
+//! probabilities without a (t, t) matrix. dK/dV sum over a group's query heads in a fixed order
+//! on every device (deterministic).
+//! CUDA: kernels/attention.cu, FlashAttention-2 on tensor cores for bf16 with head dim 64/128
+//! (forward; backward as dK/dV and dQ passes), one warp per row (SIMT) for everything else.
+use crate::dispatch::{dev_ptr, f32_ptr, num, on, On};
+use ferrolm_tensor::backend::Sl;
+use ferrolm_tensor::{bail, same_float, Result, Storage, Tensor};
+
+/// Sizes of a causal attention call: q is (b, hq, t, d), k and v are (b, hkv, t, d).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct AttnDims {
+    pub b: usize,
+    pub hq: usize,
+    pub hkv: usize,
+    pub t: usize,
+    pub d: usize,
+}
+
+/// Causal attention of q (b, hq, t, d) over k, v (b, hkv, t, d), hq a multiple of hkv.
+pub fn causal_attention(q: &Tensor, k: &Tensor, v: &Tensor, scale: f64) -> Result<Tensor> {
+    same_float("attention", &[q, k, v])?;
+    if q.rank() != 4 || k.rank() != 4 || v.rank() != 4 {
+        bail!("attention", "q, k, v must be (batch, heads, seq, head_dim), got {:?} {:?} {:?}", q.shape(), k.shape(), v.shape());
+    }
+    let (qd, kd) = (q.dims(), k.dims());
+    if k.shape() != v.shape() || qd[0] != kd[0] || qd[2] != kd[2] || qd[3] != kd[3] || kd[1] == 0 || qd[1] % kd[1] != 0 {
+        bail!(
+            "attention",
+            "incompatible q {:?}, k {:?}, v {:?}: k and v must match and q heads must be a multiple of kv heads",
+            q.shape(),
+            k.shape(),
+            v.shape()
+        );
+    }
+    let dims = AttnDims { b: qd[0], hq: qd[1], hkv: kd[1], t: qd[2], d: qd[3] };
+    let (qc, kc, vc) = (q.contiguous()?, k.contiguous()?, v.contiguous()?);
+    let (o, lse) = Tensor::with_storages(&[&qc, &kc, &vc], |s| forward(s[0], s[1], s[2], dims, scale))?;
+    let out = Tensor::new(o, q.shape().clone())?;
+    let lse = Tensor::new(lse, [dims.b, dims.hq, dims.t])?;
+    let o = out.clone();
+    let backward_fn = move |g: &Tensor| {
+        let g = g.contiguous()?;
+        let (dq, dk, dv) =
+            Tensor::with_storages(&[&g, &qc, &kc, &vc, &o, &lse], |s| backward(s[0], s[1], s[2], s[3], s[4], s[5], dims, scale))?;
+        let shapes = [qc.shape(), kc.shape(), vc.shape()];
+        Ok(vec![
+            Some(Tensor::new(dq, shapes[0].clone())?),
+            Some(Tensor::new(dk, shapes[1].clone())?),
+            Some(Tensor::new(dv, shapes[2].clone())?),
+        ])
+    };
+    Ok(Tensor::from_op(out, "attention", &[q, k, v], Box::new(backward_fn)))
+}
+
+/// q, k, v contiguous -> (o (b, hq, t, d), lse (b, hq, t) in f32, f64 for f64).
+pub fn forward(q: Sl, k: Sl, v: Sl, dims: AttnDims, scale: f64) -> Result<(Storage, Storage)> {
+    match on("attention", q.0)? {
+        On::Cpu => cpu::forward(q, k, v, dims, scale),
+        On::Cuda(be) => cuda::forward(&be, q, k, v, dims, scale),
+    }
+}
+
+/// The output gradient, the inputs and the forward's o and lse, contiguous -> (dq, dk, dv).
+#[allow(clippy::too_many_arguments)]
+pub fn backward(dout: Sl, q: Sl, k: Sl, v: Sl, out: Sl, lse: Sl, dims: AttnDims, scale: f64) -> Result<(Storage, Storage, Storage)> {
+    match on("attention", q.0)? {
+        On::Cpu => cpu::backward(dout, q, k, v, out, lse, dims, scale),
+        On::Cuda(be) => cuda::backward(&be, [dout, q, k, v, out, lse], dims, scale),
+    }
+}
+
+mod cpu {
+    //! The reference: forward parallel over (batch, query head), backward over (batch, kv head)
+    //! with the group's query heads visited in order.
+    use super::*;
+    use ferrolm_tensor::cpu::Stat;
+    use ferrolm_tensor::float_dispatch;
+    use num_traits::Float;
+    use rayon::prelude::*;
+
+    pub(super) fn forward(q: Sl, k: Sl, v: Sl, dims: AttnDims, scale: f64) -> Result<(Storage, Storage)> {
+        let (oq, ok, ov) = (q.1.offset, k.1.offset, v.1.offset);
+        let (nq, nk) = (q.1.numel(), k.1.numel());
+        let dt = q.0.dtype();
+        Ok(float_dispatch!("attention", dt, [q, k, v], attention(&q[oq..oq + nq], &k[ok..ok + nk], &v[ov..ov + nk], dims, scale)))
+    }
+
+    #[allow(clippy::too_many_arguments)]
+    pub(super) fn backward(
+        dout: Sl,
+        q: Sl,
+        k: Sl,
+        v: Sl,
+        out: Sl,
+        lse: Sl,
+        dims: AttnDims,
+        scale: f64,
+    ) -> Result<(Storage, Storage, Storage)> {
+        let (nq, nk) = (q.1.numel(), k.1.numel());
+        let offs = [dout.1.offset, q.1.offset, k.1.offset, v.1.offset, out.1.offset, lse.1.offset];
+        let nl = lse.1.numel();
+        Ok(float_dispatch!(
+            "attention_backward",
+            q.0.dtype(),
+            [dout, q, k, v, out, lse],
+            attention_backward(
+                &dout[offs[0]..offs[0] + nq],
+                &q[offs[1]..offs[1] + nq],
+                &k[offs[2]..offs[2] + nk],
+                &v[offs[3]..offs[3] + nk],
+                &out[offs[4]..offs[4] + nq],
+                &lse[offs[5]..offs[5] + nl],
+                dims,
+                scale
+            )
+        ))
+    }
+
+    fn dot<T: Float>(a: &[T], b: &[T]) -> T {
+        a.iter().zip(b).fold(T::zero(), |s, (&x, &y)| s + x * y)
+    }
+
+    /// -> (o (b, hq, t, d), lse (b, hq, t))
+    fn attention<T: Float + Send + Sync>(q: &[T], k: &[T], v: &[T], a: AttnDims, scale: f64) -> (Vec<T>, Stat<Vec<T>>) {
+        let (t, d, group) = (a.t, a.d, a.hq / a.hkv);
+        let sc: T = num(scale);
+        let mut o = vec![T::zero(); q.len()];
+        let mut lse = vec![T::zero(); a.b * a.hq * t];
+        o.par_chunks_mut(t * d).zip(lse.par_chunks_mut(t)).enumerate().for_each(|(bh, (o, lse))| {
+            let (b, h) = (bh / a.hq, bh % a.hq);
+            let kv = (b * a.hkv + h / group) * t * d;
+            let (qh, kh, vh) = (&q[bh * t * d..(bh + 1) * t * d], &k[kv..kv + t * d], &v[kv..kv + t * d]);
+            let mut s = vec![T::zero(); t];
+            for i in 0..t {
+                let qi = &qh[i * d..(i + 1) * d];
+                let mut m = T::neg_infinity();
+                for j in 0..=i {
+                    s[j] = dot(qi, &kh[j * d..(j + 1) * d]) * sc;
+                    m = m.max(s[j]);
+                }
+                let mut l = T::zero();
+                let oi = &mut o[i * d..(i + 1) * d];
+                for j in 0..=i {
+                    let p = (s[j] - m).exp();
+                    l = l + p;
+                    for (x, &vv) in oi.iter_mut().zip(&vh[j * d..(j + 1) * d]) {
+                        *x = *x + p * vv;
+                    }
+                }
+                oi.iter_mut().for_each(|x| *x = *x / l);
+                lse[i] = m + l.ln();
+            }
+        });
+        (o, Stat(lse))
+    }
+
+    /// -> (dq, dk, dv). The query heads of one kv head are contiguous, so a task owns the dq
+    /// rows of its group and the dk/dv rows of its kv head.
+    #[allow(clippy::too_many_arguments)]
+    fn attention_backward<T: Float + Send + Sync>(
+        dout: &[T],
+        q: &[T],
+        k: &[T],
+        v: &[T],
+        o: &[T],
+        lse: &[T],
+        a: AttnDims,
+        scale: f64,
+    ) -> (Vec<T>, Vec<T>, Vec<T>) {
+        let (t, d, group) = (a.t, a.d, a.hq / a.hkv);
+        let sc: T = num(scale);
+        let mut dq = vec![T::zero(); q.len()];
+        let mut dk = vec![T::zero(); k.len()];
+        let mut dv = vec![T::zero(); v.len()];
+        dq.par_chunks_mut(group * t * d).zip(dk.par_chunks_mut(t * d).zip(dv.par_chunks_mut(t * d))).enumerate().for_each(
+            |(bkv, (dqg, (dk, dv)))| {
+                let (kh, vh) = (&k[bkv * t * d..(bkv + 1) * t * d], &v[bkv * t * d..(bkv + 1) * t * d]);
+                let mut p = vec![T::zero(); t];
+                for g in 0..group {
+                    let bh = bkv * group + g;
+                    let base = bh * t * d;
+                    let dqh = &mut dqg[g * t * d..(g + 1) * t * d];
+                    for i in 0..t {
+                        let qi = &q[base + i * d..base + (i + 1) * d];
+                        let doi = &dout[base + i * d..base + (i + 1) * d];
+                        let di = dot(doi, &o[base + i * d..base + (i + 1) * d]);
+                        let l = lse[bh * t + i];
+                        for j in 0..=i {
+                            p[j] = (dot(qi, &kh[j * d..(j + 1) * d]) * sc - l).exp();
+                        }
+                        for j in 0..=i {
+                            let dp = dot(doi, &vh[j * d..(j + 1) * d]);
+                            let ds = p[j] * (dp - di) * sc;
+                            let (kj, dkj, dvj) = (&kh[j * d..(j + 1) * d], &mut dk[j * d..(j + 1) * d], &mut dv[j * d..(j + 1) * d]);
+                            for x in 0..d {
+                                dqh[i * d + x] = dqh[i * d + x] + ds * kj[x];
+                                dkj[x] = dkj[x] + ds * qi[x];
+                                dvj[x] = dvj[x] + p[j] * doi[x];
+                            }
+                        }
+                    }
+                }
+            },
+        );
+        (dq, dk, dv)
+    }
+}
+
+mod cuda {
+    //! Launchers of kernels/attention.cu: the tensor-core (flash) kernels for bf16 with head dim
+    //! 64 or 128, the SIMT kernels (one warp per row) otherwise.
+    use super::*;
+    use ferrolm_cuda::consts::{ATTN_SIMT_PER_LANE, FLASH_BWD_TILE, FLASH_FWD_TILE, FLASH_PAD, FLASH_ROWS, FLASH_THREADS};
+    use ferrolm_cuda::{kernels, CudaBackend, CudaStorage, DevPtr, Launch};
+    use ferrolm_tensor::{DType, DeviceStorage};
+
+    /// Threads per block of the SIMT kernels (a warp per row).
+    const SIMT_BLOCK: u32 = 128;
+    /// Threads per block of the backward's rowsum(dO * O) (a warp per row).
+    const DOT_BLOCK: u32 = 256;
+    const BF16_BYTES: usize = 2;
+
+    fn check(op: &str, a: AttnDims) -> Result<()> {
+        if a.hkv == 0 || !a.hq.is_multiple_of(a.hkv) {
+            bail!(op, "query heads ({}) must be a multiple of kv heads ({})", a.hq, a.hkv);
+        }
+        if a.d > 32 * ATTN_SIMT_PER_LANE {
+            bail!(op, "head dim {} > {} is not supported on CUDA", a.d, 32 * ATTN_SIMT_PER_LANE);
+        }
+        if a.t > i32::MAX as usize {
+            bail!(op, "sequence too long");
+        }
+        Ok(())
+    }
+
+    /// The tensor-core kernels take bf16 with head dim 64 or 128.
+    fn flash(dt: DType, a: AttnDims) -> bool {
+        dt == DType::BF16 && (a.d == 64 || a.d == 128)
+    }
+
+    /// One block of FLASH_THREADS per FLASH_ROWS rows of each of `heads` heads of each batch.
+    fn flash_grid(a: AttnDims, heads: usize, smem: usize) -> Launch {
+        Launch::new((a.t.div_ceil(FLASH_ROWS) as u32, heads as u32, a.b as u32), FLASH_THREADS as u32).smem(smem)
+    }
+
+    pub(super) fn forward(be: &CudaBackend, q: Sl, k: Sl, v: Sl, a: AttnDims, scale: f64) -> Result<(Storage, Storage)> {
+        let op = "attention";
+        let s = CudaStorage::of(op, q.0)?;
+        check(op, a)?;
+        let o = be.alloc_storage(a.b * a.hq * a.t * a.d, s.dtype())?;
+        let lse = be.alloc_storage(a.b * a.hq * a.t, DType::F32)?;
+        let (pq, pk, pv) = (s.at(q.1.offset), dev_ptr(op, k)?, dev_ptr(op, v)?);
+        let (hq, hkv, t, sc) = (a.hq as i32, a.hkv as i32, a.t as i32, scale as f32);
+        // SAFETY (both branches): q is (b, hq, t, d), k and v (b, hkv, t, d), contiguous, of one
+        // dtype; o holds b * hq * t * d elements of it and lse b * hq * t f32. The flash kernels
+        // get the shared memory their tiles need (two (FWD_TILE, d + PAD) bf16 tiles).
+        if flash(s.dtype(), a) {
+            let launch = if a.d == 64 { kernels::flash_fwd_bf16_d64 } else { kernels::flash_fwd_bf16_d128 };
+            let cfg = flash_grid(a, a.hq, 2 * FLASH_FWD_TILE * (a.d + FLASH_PAD) * BF16_BYTES);
+            unsafe { launch(be, cfg, pq, pk, pv, o.ptr(), lse.ptr(), hq, hkv, t, sc)? };
+        } else {
+            let cfg = Launch::cover(a.b * a.hq * a.t * 32, SIMT_BLOCK);
+            unsafe { kernels::attn_fwd_simt(be, s.dtype(), cfg, pq, pk, pv, o.ptr(), lse.ptr(), a.b as i32, hq, hkv, t, a.d as i32, sc)? };
+        }
+        Ok((o.into(), lse.into()))
+    }
+
+    /// `views` are dout, q, k, v, out, lse.
+    pub(super) fn backward(be: &CudaBackend, views: [Sl; 6], a: AttnDims, scale: f64) -> Result<(Storage, Storage, Storage)> {
+        let op = "attention_backward";
+        let [dout, q, k, v, out, lse] = views;
+        let s = CudaStorage::of(op, q.0)?;
+        let dt = s.dtype();
+        check(op, a)?;
+        let (lse, _keep) = f32_ptr(be, op, lse)?;
+        let rows = a.b * a.hq * a.t;
+        let dvec = be.alloc_storage(rows, DType::F32)?;
+        let ins = Inputs { q: s.at(q.1.offset), k: dev_ptr(op, k)?, v: dev_ptr(op, v)?, dout: dev_ptr(op, dout)?, lse, dvec: dvec.ptr() };
+        let dq = be.alloc_storage(rows * a.d, dt)?;
+        let (dk, dv) = (be.alloc_storage(a.b * a.hkv * a.t * a.d, dt)?, be.alloc_storage(a.b * a.hkv * a.t * a.d, dt)?);
+        let grads = [dq.ptr(), dk.ptr(), dv.ptr()];
+        // SAFETY: dout, q and out are (b, hq, t, d), k and v (b, hkv, t, d), contiguous, of dtype
+        // dt; lse b * hq * t f32. dvec holds `rows` f32 (D = rowsum(dO * O)), dq rows * d
+        // elements of dt, dk and dv b * hkv * t * d.
+        unsafe {
+            kernels::attn_bwd_dot(
+                be,
+                dt,
+                Launch::cover(rows * 32, DOT_BLOCK),
+                ins.dout,
+                dev_ptr(op, out)?,
+                ins.dvec,
+                rows as i64,
+                a.d as i32,
+            )?;
+            if flash(dt, a) {
+                flash_backward(be, a, &ins, grads, scale as f32)?;
+            } else {
+                simt_backward(be, dt, a, &ins, grads, scale as f32)?;
+            }
+        }
+        Ok((dq.into(), dk.into(), dv.into()))
+    }
+
+    /// What every backward kernel reads: the inputs, the forward's lse and D = rowsum(dO * O).
+    struct Inputs {
+        q: DevPtr,
+        k: DevPtr,
+        v: DevPtr,
+        dout: DevPtr,
+        lse: DevPtr,
+        dvec: DevPtr,
+    }
+
+    /// The tensor-core backward: dK/dV per kv head (a block owns FLASH_ROWS kv rows and stages
+    /// FLASH_BWD_TILE query rows of q, dO, lse and D at a time), then dQ per query head.
+    ///
+    /// # Safety
+    /// As in `backward`: every pointer addresses the tensor it names, with the sizes of `a`.
+    unsafe fn flash_backward(be: &CudaBackend, a: AttnDims, x: &Inputs, [dq, dk, dv]: [DevPtr; 3], sc: f32) -> Result<()> {
+        let (hq, hkv, t) = (a.hq as i32, a.hkv as i32, a.t as i32);
+        let row_bytes = (a.d + FLASH_PAD) * BF16_BYTES;
+        let smem_kv = (2 * FLASH_ROWS + 2 * FLASH_BWD_TILE) * row_bytes + 2 * FLASH_BWD_TILE * 4;
+        let smem_q = 2 * FLASH_BWD_TILE * row_bytes;
+        let d128 = a.d == 128;
+        let dkdv = if d128 { kernels::flash_bwd_dkdv_bf16_d128 } else { kernels::flash_bwd_dkdv_bf16_d64 };
+        let dq_pass = if d128 { kernels::flash_bwd_dq_bf16_d128 } else { kernels::flash_bwd_dq_bf16_d64 };
+        // SAFETY: the caller's contract; each kernel gets the shared memory its tiles take.
+        unsafe {
+            dkdv(be, flash_grid(a, a.hkv, smem_kv), x.q, x.k, x.v, x.dout, x.lse, x.dvec, dk, dv, hq, hkv, t, sc)?;
+            dq_pass(be, flash_grid(a, a.hq, smem_q), x.q, x.k, x.v, x.dout, x.lse, x.dvec, dq, hq, hkv, t, sc)
+        }
+    }
+
+    /// The SIMT backward: a warp per kv row (dK, dV), then a warp per query row (dQ).
+    ///
+    /// # Safety
+    /// As in `backward`: every pointer addresses the tensor it names, with the sizes of `a`.
+    unsafe fn simt_backward(be: &CudaBackend, dt: DType, a: AttnDims, x: &Inputs, [dq, dk, dv]: [DevPtr; 3], sc: f32) -> Result<()> {
+        let (b, hq, hkv, t, d) = (a.b as i32, a.hq as i32, a.hkv as i32, a.t as i32, a.d as i32);
+        let kv_rows = Launch::cover(a.b * a.hkv * a.t * 32, SIMT_BLOCK);
+        let q_rows = Launch::cover(a.b * a.hq * a.t * 32, SIMT_BLOCK);
+        // SAFETY: the caller's contract.
+        unsafe {
+            kernels::attn_bwd_dkdv_simt(be, dt, kv_rows, x.q, x.k, x.v, x.dout, x.lse, x.dvec, dk, dv, b, hq, hkv, t, d, sc)?;
+            kernels::attn_bwd_dq_simt(be, dt, q_rows, x.q, x.k, x.v, x.dout, x.lse, x.dvec, dq, b, hq, hkv, t, d, sc)
+        }
+    }
+}

@@ -1,0 +1,245 @@
+//! Mean softmax cross-entropy of logits (n, v) against i32 targets (n), rows whose target is
+//! `ignore_index` not counted. The softmax is never stored: the forward keeps the log-sum-exp
+//! per row (f32) and the backward recomputes dlogits = (exp(x − lse) − onehot) · g / count.
+//! The mean and the count are summed in a fixed order. A target outside [0, v) is an error.
+//! CUDA: kernels/cross_entropy.cu, including a fused forward + backward in one pass over the
+//! logits (`forward_backward_cuda`) with the gradient scale kept on the device.
+use crate::dispatch::{f32_ptr, num, on, rows, On};
+use ferrolm_tensor::backend::Sl;
+use ferrolm_tensor::{bail, same_device, DType, Result, Storage, Tensor};
+
+pub use cuda::forward_backward as forward_backward_cuda;
+
+/// Mean cross-entropy of `logits` (n, v) against i32 `targets` (n), skipping `ignore_index`.
+/// The loss is f32 for f32/bf16 logits (f64 for f64).
+pub fn cross_entropy(logits: &Tensor, targets: &Tensor, ignore_index: i32) -> Result<Tensor> {
+    same_device("cross_entropy", &[logits, targets])?;
+    if logits.rank() != 2 || !logits.dtype().is_float() {
+        bail!("cross_entropy", "logits must be a float (rows, classes) matrix, got {:?} {}", logits.shape(), logits.dtype());
+    }
+    if targets.dtype() != DType::I32 || targets.dims() != [logits.dims()[0]] {
+        bail!("cross_entropy", "targets must be i32 of shape [{}], got {:?} {}", logits.dims()[0], targets.shape(), targets.dtype());
+    }
+    let x = logits.contiguous()?;
+    let (loss, lse, count) = Tensor::with_storages(&[&x, targets], |s| forward(s[0], s[1], ignore_index))?;
+    let out = Tensor::new(loss, ())?;
+    let lse = Tensor::new(lse, [x.dims()[0]])?;
+    let t = targets.clone();
+    let backward_fn = move |g: &Tensor| {
+        let scale = g.mul_scalar(1.0 / count.max(1) as f64)?;
+        let st = Tensor::with_storages(&[&x, &t, &lse, &scale], |s| backward(s[0], s[1], s[2], ignore_index, s[3]))?;
+        Ok(vec![Some(Tensor::new(st, x.shape().clone())?)])
+    };
+    Ok(Tensor::from_op(out, "cross_entropy", &[logits], Box::new(backward_fn)))
+}
+
+/// logits (n, v) contiguous, targets i32 (n) -> (mean loss () in f32, f64 for f64 logits;
+/// lse (n) likewise; the count of counted rows).
+pub fn forward(logits: Sl, targets: Sl, ignore_index: i32) -> Result<(Storage, Storage, usize)> {
+    match on("cross_entropy", logits.0)? {
+        On::Cpu => cpu::forward(logits, targets, ignore_index),
+        On::Cuda(be) => cuda::forward(&be, logits, targets, ignore_index),
+    }
+}
+
+/// dlogits = (softmax − onehot) · scale for counted rows, 0 for ignored ones; `scale` is a
+/// one-element tensor (the loss gradient over the count).
+pub fn backward(logits: Sl, targets: Sl, lse: Sl, ignore_index: i32, scale: Sl) -> Result<Storage> {
+    match on("cross_entropy", logits.0)? {
+        On::Cpu => cpu::backward(logits, targets, lse, ignore_index, scale),
+        On::Cuda(be) => cuda::backward(&be, logits, targets, lse, ignore_index, scale),
+    }
+}
+
+mod cpu {
+    //! The reference: lse per row in parallel, the mean summed in row order.
+    use super::*;
+    use ferrolm_tensor::cpu::{f64s, gather, i32s, Stat};
+    use ferrolm_tensor::float_dispatch;
+    use num_traits::Float;
+    use rayon::prelude::*;
+
+    pub(super) fn forward(logits: Sl, targets: Sl, ignore: i32) -> Result<(Storage, Storage, usize)> {
+        let (ol, n, v) = rows(logits.1);
+        let t = gather(i32s("cross_entropy", targets.0)?, targets.1);
+        if let Some(bad) = t.iter().find(|&&x| x != ignore && (x < 0 || x as usize >= v)) {
+            bail!("cross_entropy", "target {bad} out of range for {v} classes (ignore_index is {ignore})");
+        }
+        // The loss and the statistics are f32 even for bf16 logits (f64 in f64 runs).
+        let stat_dtype = if logits.0.dtype() == DType::F64 { DType::F64 } else { DType::F32 };
+        let count = t.iter().filter(|&&x| x != ignore).count();
+        let (loss, lse) = float_dispatch!("cross_entropy", stat_dtype, [logits], cross_entropy(&logits[ol..ol + n * v], v, &t, ignore));
+        Ok((loss, lse, count))
+    }
+
+    pub(super) fn backward(logits: Sl, targets: Sl, lse: Sl, ignore: i32, scale: Sl) -> Result<Storage> {
+        let (ol, n, v) = rows(logits.1);
+        let t = gather(i32s("cross_entropy_backward", targets.0)?, targets.1);
+        let olse = lse.1.offset;
+        let sc = f64s("cross_entropy_backward", scale.0)?[scale.1.offset];
+        Ok(float_dispatch!(
+            "cross_entropy_backward",
+            logits.0.dtype(),
+            [logits, lse],
+            cross_entropy_backward(&logits[ol..ol + n * v], v, &t, &lse[olse..olse + n], ignore, sc)
+        ))
+    }
+
+    /// logits: (n, v) -> (mean loss over counted rows (1), lse (n)). With no counted row the
+    /// loss is 0.
+    fn cross_entropy<T: Float + Send + Sync>(logits: &[T], v: usize, t: &[i32], ignore: i32) -> (Vec<T>, Stat<Vec<T>>) {
+        let lse: Vec<T> = logits
+            .par_chunks(v.max(1))
+            .map(|row| {
+                let m = row.iter().fold(T::neg_infinity(), |a, &b| a.max(b));
+                m + row.iter().fold(T::zero(), |a, &x| a + (x - m).exp()).ln()
+            })
+            .collect();
+        // The mean over every counted row, summed in f64 (a batch holds up to millions of rows).
+        let (mut sum, mut n) = (0f64, 0usize);
+        for (r, &tg) in t.iter().enumerate() {
+            if tg != ignore {
+                sum += (lse[r] - logits[r * v + tg as usize]).to_f64().unwrap_or(f64::NAN);
+                n += 1;
+            }
+        }
+        (vec![if n == 0 { T::zero() } else { num(sum / n as f64) }], Stat(lse))
+    }
+
+    fn cross_entropy_backward<T: Float + Send + Sync>(logits: &[T], v: usize, t: &[i32], lse: &[T], ignore: i32, scale: f64) -> Vec<T> {
+        let sc: T = num(scale);
+        let mut d = vec![T::zero(); logits.len()];
+        d.par_chunks_mut(v.max(1)).zip(logits.par_chunks(v.max(1))).enumerate().for_each(|(r, (d, x))| {
+            if t[r] == ignore {
+                return;
+            }
+            for (o, &xv) in d.iter_mut().zip(x) {
+                *o = (xv - lse[r]).exp() * sc;
+            }
+            d[t[r] as usize] = d[t[r] as usize] - sc;
+        });
+        d
+    }
+}
+
+mod cuda {
+    //! Launchers of kernels/cross_entropy.cu.
+    use super::*;
+    use ferrolm_cuda::{check_kernel_dtype, kernels, CudaBackend, CudaStorage, DevPtr, Launch};
+    use ferrolm_tensor::DeviceStorage;
+
+    /// Threads of the one-block reductions over rows (ce_finish, ce_count_scale).
+    const FINISH_BLOCK: u32 = 1024;
+
+    pub(super) fn forward(be: &CudaBackend, logits: Sl, targets: Sl, ignore: i32) -> Result<(Storage, Storage, usize)> {
+        let op = "cross_entropy";
+        let s = CudaStorage::of(op, logits.0)?;
+        let (_, n, v) = rows(logits.1);
+        let t = be.contiguous(op, targets)?;
+        let bad = be.alloc_zeroed(1, DType::I32)?;
+        let (lse, rl) = (be.alloc_storage(n, DType::F32)?, be.alloc_storage(n, DType::F32)?);
+        let (ni, vi) = (n as i64, v as i64);
+        // SAFETY: logits are (n, v) contiguous from their offset, `t` n i32 (range-checked by
+        // targets_check before any result is used), `bad` one i32, lse and rl n f32.
+        unsafe {
+            kernels::targets_check(be, Launch::cover(n, Launch::BLOCK), t.ptr(), ni, vi, ignore, bad.ptr())?;
+            kernels::ce_fwd(
+                be,
+                s.dtype(),
+                Launch::per_row(n, Launch::BLOCK),
+                s.at(logits.1.offset),
+                t.ptr(),
+                lse.ptr(),
+                rl.ptr(),
+                ni,
+                vi,
+                ignore,
+            )?;
+        }
+        let (loss, count) = finish(be, &rl, &t, n, ignore)?;
+        if be.read_i32(&bad, 0)? != 0 {
+            bail!(op, "a target is out of range for {v} classes (ignore_index is {ignore})");
+        }
+        let count = be.read_i32(&count, 0)? as usize;
+        Ok((loss.into(), lse.into(), count))
+    }
+
+    /// The mean of the row losses `rl` over the counted rows and that count, summed in a fixed
+    /// order by one block: (loss (1) f32, count (1) i32).
+    fn finish(be: &CudaBackend, rl: &CudaStorage, t: &CudaStorage, n: usize, ignore: i32) -> Result<(CudaStorage, CudaStorage)> {
+        let (loss, count) = (be.alloc_storage(1, DType::F32)?, be.alloc_storage(1, DType::I32)?);
+        // SAFETY: rl holds n f32 and t n i32; loss and count one element each; no scale output.
+        unsafe {
+            kernels::ce_finish(
+                be,
+                Launch::single(FINISH_BLOCK),
+                rl.ptr(),
+                t.ptr(),
+                n as i64,
+                ignore,
+                1.0,
+                loss.ptr(),
+                count.ptr(),
+                DevPtr::NULL,
+            )?
+        };
+        Ok((loss, count))
+    }
+
+    pub(super) fn backward(be: &CudaBackend, logits: Sl, targets: Sl, lse: Sl, ignore: i32, scale: Sl) -> Result<Storage> {
+        let op = "cross_entropy_backward";
+        let s = CudaStorage::of(op, logits.0)?;
+        let (_, n, v) = rows(logits.1);
+        let t = be.contiguous(op, targets)?;
+        let ((pl, _keep_lse), (ps, _keep_scale)) = (f32_ptr(be, op, lse)?, f32_ptr(be, op, scale)?);
+        let out = be.alloc_storage(n * v, s.dtype())?;
+        let cfg = Launch::per_row(n, Launch::BLOCK);
+        // SAFETY: logits are (n, v) contiguous, `t` n i32 in range (checked by the forward), lse
+        // n f32, the scale one f32; `out` holds n * v elements of the logits' dtype.
+        unsafe { kernels::ce_bwd(be, s.dtype(), cfg, s.at(logits.1.offset), t.ptr(), pl, ps, out.ptr(), n as i64, v as i64, ignore)? };
+        Ok(out.into())
+    }
+
+    /// Fused cross-entropy forward + backward in one pass over the logits: returns
+    /// (mean loss () f32, lse (n) f32, dlogits (n, v) in the logits' dtype) with
+    /// dlogits = (softmax - onehot) * grad_mult / count. No host synchronisation (and no check
+    /// of the targets' range: the caller's loader guarantees it).
+    pub fn forward_backward(
+        be: &CudaBackend,
+        logits: Sl,
+        targets: &Storage,
+        ignore_index: i32,
+        grad_mult: f32,
+    ) -> Result<(CudaStorage, CudaStorage, CudaStorage)> {
+        let op = "cross_entropy_fused";
+        let x = CudaStorage::of(op, logits.0)?;
+        let t = CudaStorage::of(op, targets)?;
+        check_kernel_dtype(op, x.dtype())?;
+        let (_, n, v) = rows(logits.1);
+        let scale = be.alloc_storage(1, DType::F32)?;
+        let (lse, rl) = (be.alloc_storage(n, DType::F32)?, be.alloc_storage(n, DType::F32)?);
+        let dx = be.alloc_storage(n * v, x.dtype())?;
+        let (ni, vi, cfg) = (n as i64, v as i64, Launch::per_row(n, 256));
+        // SAFETY: logits are (n, v) contiguous from their offset, `t` n i32, `scale` one f32,
+        // lse and rl n f32, dx n * v elements of the logits' dtype.
+        unsafe {
+            kernels::ce_count_scale(be, Launch::single(FINISH_BLOCK), t.ptr(), ni, ignore_index, grad_mult, scale.ptr())?;
+            kernels::ce_fused(
+                be,
+                x.dtype(),
+                cfg,
+                x.at(logits.1.offset),
+                t.ptr(),
+                scale.ptr(),
+                lse.ptr(),
+                rl.ptr(),
+                dx.ptr(),
+                ni,
+                vi,
+                ignore_index,
+            )?;
+        }
+        let (loss, _count) = finish(be, &rl, t, n, ignore_index)?;
+        Ok((loss, lse, dx))
+    }
+}

@@ -1,0 +1,53 @@
+//! What the op modules share: the device an op runs on (`On`), the shapes and pointers their
+//! launchers read off storage views, and f64 constants for the generic CPU kernels.
+use ferrolm_cuda::{CudaBackend, CudaStorage, DevPtr};
+use ferrolm_tensor::backend::{self, Sl};
+use ferrolm_tensor::{DType, Device, DeviceStorage, Error, Layout, Result, Storage};
+use num_traits::Float;
+use std::sync::Arc;
+
+/// Where an op's storages live: the host (the CPU reference runs), or a CUDA device (its
+/// launcher runs on the registered backend).
+pub(crate) enum On {
+    Cpu,
+    Cuda(Arc<CudaBackend>),
+}
+
+/// The device of `x` (an op's inputs share one device: the op checked that), with its backend.
+pub(crate) fn on(op: &str, x: &Storage) -> Result<On> {
+    match x.device() {
+        Device::Cpu => Ok(On::Cpu),
+        device => backend::get(op, device)?
+            .into_any()
+            .downcast::<CudaBackend>()
+            .map(On::Cuda)
+            .map_err(|_| Error::new(op, format!("the backend of {device} has no kernels for {op}"))),
+    }
+}
+
+/// (offset, rows, last dim) of a contiguous view.
+pub(crate) fn rows(l: &Layout) -> (usize, usize, usize) {
+    let d = *l.dims().last().unwrap_or(&1);
+    (l.offset, l.numel().checked_div(d).unwrap_or(0), d)
+}
+
+/// The device address of the first element of a CUDA view.
+pub(crate) fn dev_ptr(op: &str, x: Sl) -> Result<DevPtr> {
+    Ok(CudaStorage::of(op, x.0)?.at(x.1.offset))
+}
+
+/// A statistic or scale as an f32 device pointer: the view itself when it is f32, else an f32
+/// copy, returned beside the pointer to keep it alive until the launch is enqueued.
+pub(crate) fn f32_ptr(be: &CudaBackend, op: &str, x: Sl) -> Result<(DevPtr, Option<CudaStorage>)> {
+    let s = CudaStorage::of(op, x.0)?;
+    if s.dtype() == DType::F32 {
+        return Ok((s.at(x.1.offset), None));
+    }
+    let c = be.to_dtype(x, DType::F32)?;
+    Ok((c.ptr(), Some(c)))
+}
+
+/// `v` in the CPU kernels' working precision.
+pub(crate) fn num<T: Float>(v: f64) -> T {
+    T::from(v).unwrap()
+}

@@ -1,0 +1,36 @@
+//! ferrolm-ops: the fused ops of the models, one module per op. A module holds everything of its
+//! op: a purpose paragraph, the public op with its backward rule (a custom autograd op made with
+//! `Tensor::from_op`, whose backward calls the op's own backward kernels, never a chain of small
+//! ops), the storage-level `forward` / `backward` that dispatch on the device of the inputs, the
+//! CPU reference (generic over f32/f64; bf16 is widened to f32 and rounded once) and the CUDA
+//! launcher (the kernels of `kernels/<op>.cu` through the typed launches of
+//! `ferrolm_cuda::kernels`).
+//!
+//! | op | module | CUDA kernels |
+//! |---|---|---|
+//! | `rms_norm` | `rmsnorm` | kernels/rmsnorm.cu |
+//! | `rope` | `rope` | kernels/rope.cu |
+//! | `swiglu` | `swiglu` | kernels/swiglu.cu |
+//! | `causal_attention` | `attention` | kernels/attention.cu |
+//! | `cross_entropy` | `cross_entropy` | kernels/cross_entropy.cu |
+//! | `embedding` | `embedding` | kernels/embedding.cu |
+//! | `softmax_last` | `softmax` | kernels/softmax.cu |
+//!
+//! Adding a fused op takes a module here and its `.cu` file: build.rs finds the new kernels and
+//! generates their typed launchers; the tensor crate and the CUDA backend do not change.
+pub mod attention;
+pub mod cross_entropy;
+mod dispatch;
+pub mod embedding;
+pub mod rmsnorm;
+pub mod rope;
+pub mod softmax;
+pub mod swiglu;
+
+pub use attention::{causal_attention, AttnDims};
+pub use cross_entropy::cross_entropy;
+pub use embedding::embedding;
+pub use rmsnorm::rms_norm;
+pub use rope::rope;
+pub use softmax::softmax_last;
+pub use swiglu::swiglu;

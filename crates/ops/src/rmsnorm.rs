@@ -1,0 +1,162 @@
+//! RMSNorm over the last dimension (LLaMA's norm): y = x · r · w with r = 1 / sqrt(mean(x²) + eps)
+//! per row. The forward saves r (f32 even for bf16 activations) for the backward: with
+//! g = dy · w, dx = r · (g − x · r² · mean(g · x)) and dw = Σ_rows dy · x · r, a sum over rows
+//! taken in a fixed order on every device, so results are deterministic.
+//! CUDA: kernels/rmsnorm.cu (one block per row; dw in two passes through per-chunk partials).
+use crate::dispatch::{dev_ptr, f32_ptr, num, on, rows, On};
+use ferrolm_tensor::backend::Sl;
+use ferrolm_tensor::{bail, same_float, Result, Storage, Tensor};
+
+/// RMSNorm of `x` over its last dim with weight `w` (d). Saves the inverse RMS per row.
+pub fn rms_norm(x: &Tensor, w: &Tensor, eps: f64) -> Result<Tensor> {
+    same_float("rms_norm", &[x, w])?;
+    let d = *x.dims().last().unwrap_or(&0);
+    if w.dims() != [d] {
+        bail!("rms_norm", "weight shape {:?} does not match the last dim of {:?}", w.shape(), x.shape());
+    }
+    let (xc, wc) = (x.contiguous()?, w.contiguous()?);
+    let (y, r) = Tensor::with_storages(&[&xc, &wc], |s| forward(s[0], s[1], eps))?;
+    let out = Tensor::new(y, x.shape().clone())?;
+    let r = Tensor::new(r, [xc.numel() / d.max(1)])?;
+    let backward_fn = move |g: &Tensor| {
+        let g = g.contiguous()?;
+        let (dx, dw) = Tensor::with_storages(&[&g, &xc, &wc, &r], |s| backward(s[0], s[1], s[2], s[3]))?;
+        Ok(vec![Some(Tensor::new(dx, xc.shape().clone())?), Some(Tensor::new(dw, [d])?)])
+    };
+    Ok(Tensor::from_op(out, "rms_norm", &[x, w], Box::new(backward_fn)))
+}
+
+/// x (rows, d) and w (d), contiguous -> (y (rows, d), inverse RMS (rows) in f32, f64 for f64).
+pub fn forward(x: Sl, w: Sl, eps: f64) -> Result<(Storage, Storage)> {
+    match on("rms_norm", x.0)? {
+        On::Cpu => cpu::forward(x, w, eps),
+        On::Cuda(be) => cuda::forward(&be, x, w, eps),
+    }
+}
+
+/// -> (dx (rows, d), dw (d)), from the inverse RMS the forward saved.
+pub fn backward(dy: Sl, x: Sl, w: Sl, inv_rms: Sl) -> Result<(Storage, Storage)> {
+    match on("rms_norm", x.0)? {
+        On::Cpu => cpu::backward(dy, x, w, inv_rms),
+        On::Cuda(be) => cuda::backward(&be, dy, x, w, inv_rms),
+    }
+}
+
+mod cpu {
+    //! The reference: rows in parallel; dw summed over rows in row order.
+    use super::*;
+    use ferrolm_tensor::cpu::Stat;
+    use ferrolm_tensor::float_dispatch;
+    use num_traits::Float;
+    use rayon::prelude::*;
+
+    pub(super) fn forward(x: Sl, w: Sl, eps: f64) -> Result<(Storage, Storage)> {
+        let (ox, n, d) = rows(x.1);
+        let ow = w.1.offset;
+        let dt = x.0.dtype();
+        Ok(float_dispatch!("rmsnorm", dt, [x, w], rmsnorm(&x[ox..ox + n * d], &w[ow..ow + d], eps)))
+    }
+
+    pub(super) fn backward(dy: Sl, x: Sl, w: Sl, r: Sl) -> Result<(Storage, Storage)> {
+        let (ox, n, d) = rows(x.1);
+        let (od, ow, or) = (dy.1.offset, w.1.offset, r.1.offset);
+        Ok(float_dispatch!(
+            "rmsnorm_backward",
+            x.0.dtype(),
+            [dy, x, w, r],
+            rmsnorm_backward(&dy[od..od + n * d], &x[ox..ox + n * d], &w[ow..ow + d], &r[or..or + n])
+        ))
+    }
+
+    /// x: (n, d), w: (d) -> (y (n, d), inv_rms (n))
+    fn rmsnorm<T: Float + Send + Sync>(x: &[T], w: &[T], eps: f64) -> (Vec<T>, Stat<Vec<T>>) {
+        let d = w.len().max(1);
+        let mut y = vec![T::zero(); x.len()];
+        let mut r = vec![T::zero(); x.len() / d];
+        y.par_chunks_mut(d).zip(r.par_iter_mut()).zip(x.par_chunks(d)).for_each(|((y, r), x)| {
+            let ms = x.iter().fold(T::zero(), |a, &v| a + v * v) / num(d as f64);
+            *r = (ms + num(eps)).sqrt().recip();
+            for ((o, &v), &g) in y.iter_mut().zip(x).zip(w) {
+                *o = v * *r * g;
+            }
+        });
+        (y, Stat(r))
+    }
+
+    /// -> (dx (n, d), dw (d))
+    fn rmsnorm_backward<T: Float + Send + Sync>(dy: &[T], x: &[T], w: &[T], r: &[T]) -> (Vec<T>, Vec<T>) {
+        let d = w.len().max(1);
+        let mut dx = vec![T::zero(); x.len()];
+        dx.par_chunks_mut(d).zip(x.par_chunks(d).zip(dy.par_chunks(d))).zip(r.par_iter()).for_each(|((dx, (x, dy)), &r)| {
+            // dx = r * (g - x * r^2 * mean(g * x)) with g = dy * w
+            let gx = x.iter().zip(dy).zip(w).fold(T::zero(), |a, ((&xv, &g), &wv)| a + g * wv * xv) / num(d as f64);
+            for (((o, &xv), &g), &wv) in dx.iter_mut().zip(x).zip(dy).zip(w) {
+                *o = r * (g * wv - xv * r * r * gx);
+            }
+        });
+        let mut dw = vec![T::zero(); d];
+        for ((x, dy), &r) in x.chunks(d).zip(dy.chunks(d)).zip(r) {
+            for ((a, &xv), &g) in dw.iter_mut().zip(x).zip(dy) {
+                *a = *a + g * xv * r;
+            }
+        }
+        (dx, dw)
+    }
+}
+
+mod cuda {
+    //! Launchers of kernels/rmsnorm.cu.
+    use super::*;
+    use ferrolm_cuda::{kernels, CudaBackend, CudaStorage, Launch};
+    use ferrolm_tensor::{DType, DeviceStorage};
+
+    /// Rows each block of the first dw pass sums (a partial per chunk of rows).
+    const ROWS_PER_CHUNK: usize = 64;
+
+    pub(super) fn forward(be: &CudaBackend, x: Sl, w: Sl, eps: f64) -> Result<(Storage, Storage)> {
+        let s = CudaStorage::of("rmsnorm", x.0)?;
+        let (_, n, d) = rows(x.1);
+        let (y, r) = (be.alloc_storage(n * d, s.dtype())?, be.alloc_storage(n, DType::F32)?);
+        let cfg = Launch::per_row(n, Launch::BLOCK);
+        // SAFETY: x is (n, d) and w (d), both of x's dtype and contiguous from their offsets;
+        // y holds n * d elements of that dtype, r n f32.
+        unsafe {
+            kernels::rmsnorm_fwd(
+                be,
+                s.dtype(),
+                cfg,
+                s.at(x.1.offset),
+                dev_ptr("rmsnorm", w)?,
+                y.ptr(),
+                r.ptr(),
+                n as i64,
+                d as i64,
+                eps as f32,
+            )?
+        };
+        Ok((y.into(), r.into()))
+    }
+
+    pub(super) fn backward(be: &CudaBackend, dy: Sl, x: Sl, w: Sl, inv_rms: Sl) -> Result<(Storage, Storage)> {
+        let op = "rmsnorm_backward";
+        let s = CudaStorage::of(op, x.0)?;
+        let (dt, (_, n, d)) = (s.dtype(), rows(x.1));
+        let (r, _keep) = f32_ptr(be, op, inv_rms)?;
+        let (pdy, px, pw) = (dev_ptr(op, dy)?, s.at(x.1.offset), dev_ptr(op, w)?);
+        let (ni, di, chunk) = (n as i64, d as i64, ROWS_PER_CHUNK as i64);
+        let dx = be.alloc_storage(n * d, dt)?;
+        let nchunks = n.div_ceil(ROWS_PER_CHUNK).max(1);
+        // With no rows the partials must still sum to zero.
+        let partial = if n == 0 { be.alloc_zeroed(nchunks * d, DType::F32)? } else { be.alloc_storage(nchunks * d, DType::F32)? };
+        let dw = be.alloc_storage(d, dt)?;
+        let cols = Launch::new((nchunks as u32, d.div_ceil(Launch::BLOCK as usize).max(1) as u32, 1), Launch::BLOCK);
+        // SAFETY: dy and x are (n, d) and w (d) of dtype dt, r n f32, all contiguous; dx holds
+        // n * d elements, partial nchunks * d f32 (chunk c covers rows [c * chunk, ..)), dw d.
+        unsafe {
+            kernels::rmsnorm_bwd_dx(be, dt, Launch::per_row(n, Launch::BLOCK), pdy, px, pw, r, dx.ptr(), ni, di)?;
+            kernels::rmsnorm_bwd_dw_partial(be, dt, cols, pdy, px, r, partial.ptr(), ni, di, chunk)?;
+            kernels::rmsnorm_bwd_dw_finish(be, dt, Launch::cover(d, Launch::BLOCK), partial.ptr(), dw.ptr(), nchunks as i64, di)?;
+        }
+        Ok((dx.into(), dw.into()))
+    }
+}

@@ -1,0 +1,117 @@
+//! The SwiGLU gate of LLaMA's MLP: y = silu(gate) · up, element-wise. Backward, with
+//! s = sigmoid(gate): dgate = dy · up · s · (1 + gate · (1 − s)), dup = dy · silu(gate).
+//! CUDA: kernels/swiglu.cu.
+use crate::dispatch::{dev_ptr, on, On};
+use ferrolm_tensor::backend::Sl;
+use ferrolm_tensor::{bail, same_float, Result, Storage, Tensor};
+
+/// silu(gate) * up, element-wise (same shapes).
+pub fn swiglu(gate: &Tensor, up: &Tensor) -> Result<Tensor> {
+    same_float("swiglu", &[gate, up])?;
+    if gate.shape() != up.shape() {
+        bail!("swiglu", "gate {:?} and up {:?} differ in shape", gate.shape(), up.shape());
+    }
+    let (g, u) = (gate.contiguous()?, up.contiguous()?);
+    let out = Tensor::new(Tensor::with_storages(&[&g, &u], |s| forward(s[0], s[1]))?, g.shape().clone())?;
+    let backward_fn = move |dy: &Tensor| {
+        let dy = dy.contiguous()?;
+        let (dg, du) = Tensor::with_storages(&[&dy, &g, &u], |s| backward(s[0], s[1], s[2]))?;
+        Ok(vec![Some(Tensor::new(dg, g.shape().clone())?), Some(Tensor::new(du, g.shape().clone())?)])
+    };
+    Ok(Tensor::from_op(out, "swiglu", &[gate, up], Box::new(backward_fn)))
+}
+
+/// gate, up contiguous (same length) -> silu(gate) * up.
+pub fn forward(gate: Sl, up: Sl) -> Result<Storage> {
+    match on("swiglu", gate.0)? {
+        On::Cpu => cpu::forward(gate, up),
+        On::Cuda(be) => cuda::forward(&be, gate, up),
+    }
+}
+
+/// -> (dgate, dup)
+pub fn backward(dy: Sl, gate: Sl, up: Sl) -> Result<(Storage, Storage)> {
+    match on("swiglu", gate.0)? {
+        On::Cpu => cpu::backward(dy, gate, up),
+        On::Cuda(be) => cuda::backward(&be, dy, gate, up),
+    }
+}
+
+mod cpu {
+    //! The reference, element-wise in parallel.
+    use super::*;
+    use ferrolm_tensor::float_dispatch;
+    use num_traits::Float;
+    use rayon::prelude::*;
+
+    pub(super) fn forward(g: Sl, u: Sl) -> Result<Storage> {
+        let n = g.1.numel();
+        let (og, ou) = (g.1.offset, u.1.offset);
+        Ok(float_dispatch!("swiglu", g.0.dtype(), [g, u], swiglu(&g[og..og + n], &u[ou..ou + n])))
+    }
+
+    pub(super) fn backward(dy: Sl, g: Sl, u: Sl) -> Result<(Storage, Storage)> {
+        let n = g.1.numel();
+        let (od, og, ou) = (dy.1.offset, g.1.offset, u.1.offset);
+        Ok(float_dispatch!("swiglu_backward", g.0.dtype(), [dy, g, u], swiglu_backward(&dy[od..od + n], &g[og..og + n], &u[ou..ou + n])))
+    }
+
+    fn sigmoid<T: Float>(v: T) -> T {
+        T::one() / (T::one() + (-v).exp())
+    }
+
+    fn swiglu<T: Float + Send + Sync>(g: &[T], u: &[T]) -> Vec<T> {
+        g.par_iter().zip(u.par_iter()).map(|(&g, &u)| g * sigmoid(g) * u).collect()
+    }
+
+    fn swiglu_backward<T: Float + Send + Sync>(dy: &[T], g: &[T], u: &[T]) -> (Vec<T>, Vec<T>) {
+        let dg = dy
+            .par_iter()
+            .zip(g.par_iter().zip(u.par_iter()))
+            .map(|(&dy, (&g, &u))| {
+                let s = sigmoid(g);
+                dy * u * s * (T::one() + g * (T::one() - s))
+            })
+            .collect();
+        let du = dy.par_iter().zip(g.par_iter()).map(|(&dy, &g)| dy * g * sigmoid(g)).collect();
+        (dg, du)
+    }
+}
+
+mod cuda {
+    //! Launchers of kernels/swiglu.cu.
+    use super::*;
+    use ferrolm_cuda::{kernels, CudaBackend, CudaStorage, Launch};
+    use ferrolm_tensor::DeviceStorage;
+
+    pub(super) fn forward(be: &CudaBackend, gate: Sl, up: Sl) -> Result<Storage> {
+        let s = CudaStorage::of("swiglu", gate.0)?;
+        let n = gate.1.numel();
+        let out = be.alloc_storage(n, s.dtype())?;
+        // SAFETY: gate and up hold n contiguous elements of one dtype; `out` holds n of it.
+        unsafe {
+            kernels::swiglu_fwd(
+                be,
+                s.dtype(),
+                Launch::cover(n, Launch::BLOCK),
+                s.at(gate.1.offset),
+                dev_ptr("swiglu", up)?,
+                out.ptr(),
+                n as i64,
+            )?
+        };
+        Ok(out.into())
+    }
+
+    pub(super) fn backward(be: &CudaBackend, dy: Sl, gate: Sl, up: Sl) -> Result<(Storage, Storage)> {
+        let op = "swiglu_backward";
+        let s = CudaStorage::of(op, gate.0)?;
+        let n = gate.1.numel();
+        let (dg, du) = (be.alloc_storage(n, s.dtype())?, be.alloc_storage(n, s.dtype())?);
+        let (pdy, pu) = (dev_ptr(op, dy)?, dev_ptr(op, up)?);
+        let cfg = Launch::cover(n, Launch::BLOCK);
+        // SAFETY: dy, gate and up hold n contiguous elements of one dtype; dg and du n of it.
+        unsafe { kernels::swiglu_bwd(be, s.dtype(), cfg, pdy, s.at(gate.1.offset), pu, dg.ptr(), du.ptr(), n as i64)? };
+        Ok((dg.into(), du.into()))
+    }
+}

@@ -1,0 +1,351 @@
+//! The fused ops on the CUDA device (the GPU, else the CPU emulator) against their CPU
+//! reference on fresh random inputs, bitwise run-to-run determinism of the backward kernels
+//! that reduce (attention, embedding), the fused cross-entropy launcher, and the memory pool's
+//! steady state over whole training steps. New device buffers are poisoned with NaN
+//! (FERROLM_CUDA_POISON=1), so an unwritten output element fails; every element is compared.
+//! Tolerances: f32 |d| <= 1e-4 + 1e-4 |ref| (1e-3 for attention sums and gradients), bf16
+//! |d| <= 2e-2 + 2e-2 |ref| (the CPU widens bf16 to f32 and rounds once; the GPU rounds
+//! intermediates such as P in attention to bf16). On the emulator the second run of each
+//! determinism check schedules every block's threads in reverse order, so a data race fails it.
+//! With no CUDA device the tests print "skipped: no CUDA device" and pass, unless
+//! FERROLM_REQUIRE_GPU=1 (or FERROLM_REQUIRE_EMU=1 without the emulator), where they fail.
+#[path = "../../cuda/tests/common/mod.rs"]
+mod common;
+use common::*;
+use ferrolm_cuda::{AdamWParams, AdamWTensor};
+use ferrolm_ops::{attention, causal_attention, cross_entropy, embedding, rms_norm, rope, softmax_last, swiglu, AttnDims};
+use ferrolm_tensor::backend::Backend;
+use ferrolm_tensor::{CpuStorage, DType, Device, Layout, Rng, Shape, Storage, Tensor};
+
+/// Runs `f` on CPU and GPU copies of `inputs`, back-propagates a random cotangent and compares
+/// the output and every input gradient.
+fn fwd_bwd(name: &str, dt: DType, inputs: &[Tensor], loose: bool, f: impl Fn(&[Tensor]) -> Tensor) {
+    let mut r = rng(99);
+    let run = |dev: Device, cot: Option<&Tensor>| {
+        let xs: Vec<Tensor> = inputs
+            .iter()
+            .map(|x| {
+                let t = x.to_device(dev).unwrap().detach();
+                if t.dtype() != DType::I32 {
+                    t.set_requires_grad(true).unwrap();
+                }
+                t
+            })
+            .collect();
+        let y = f(&xs);
+        (xs, y, cot.map(|c| c.to_device(dev).unwrap()))
+    };
+    let (cx, cy, _) = run(Device::Cpu, None);
+    let cot = randn(cy.dims(), cy.dtype(), &mut r);
+    let (gx, gy, gcot) = run(GPU, Some(&cot));
+    check(name, &cy, &gy, dt, loose);
+    cy.mul(&cot).unwrap().sum_all().unwrap().backward().unwrap();
+    gy.mul(gcot.as_ref().unwrap()).unwrap().sum_all().unwrap().backward().unwrap();
+    for (i, (c, g)) in cx.iter().zip(&gx).enumerate() {
+        if let (Some(a), Some(b)) = (c.grad(), g.grad()) {
+            check(&format!("{name}.grad[{i}]"), &a, &b, dt, true);
+        }
+    }
+}
+
+#[test]
+fn fused_norm_rope_swiglu_softmax() {
+    each_float_dtype(3, |dt, r| {
+        for (n, d) in [(1, 8), (37, 96), (130, 1000)] {
+            let x = randn(&[n, d], dt, r);
+            let w = randn(&[d], dt, r);
+            fwd_bwd("rmsnorm", dt, &[x.clone(), w], true, |t| rms_norm(&t[0], &t[1], 1e-5).unwrap());
+            fwd_bwd("softmax", dt, std::slice::from_ref(&x), true, |t| softmax_last(&t[0]).unwrap());
+            let u = randn(&[n, d], dt, r);
+            fwd_bwd("swiglu", dt, &[x, u], true, |t| swiglu(&t[0], &t[1]).unwrap());
+        }
+        for (b, h, t, d) in [(1, 1, 1, 2), (2, 3, 17, 64), (1, 2, 33, 128)] {
+            let x = randn(&[b, h, t, d], dt, r);
+            let cos = randn(&[t, d], dt, r);
+            let sin = randn(&[t, d], dt, r);
+            fwd_bwd("rope", dt, &[x], true, |v| {
+                rope(&v[0], &cos.to_device(v[0].device()).unwrap(), &sin.to_device(v[0].device()).unwrap()).unwrap()
+            });
+        }
+    });
+}
+
+#[test]
+fn embedding_fwd_bwd_deterministic() {
+    each_float_dtype(4, |dt, r| {
+        for (vocab, d, n) in [(5, 3, 7), (300, 65, 1500), (1000, 128, 64)] {
+            let w = randn(&[vocab, d], dt, r);
+            let ids: Vec<i32> = (0..n).map(|i| ((i * 7919 + 13) % vocab) as i32).collect();
+            let ids = Tensor::from_vec(ids, vec![n], Device::Cpu).unwrap();
+            fwd_bwd("embedding", dt, &[ids, w], false, |t| embedding(&t[0], &t[1]).unwrap());
+        }
+    });
+}
+
+#[test]
+fn cross_entropy_with_ignore() {
+    each_float_dtype(5, |dt, r| {
+        for (n, v) in [(1, 2), (9, 1001), (64, 32000)] {
+            let x = randn(&[n, v], dt, r);
+            let t: Vec<i32> = (0..n).map(|i| if i % 4 == 3 { -100 } else { ((i * 131) % v) as i32 }).collect();
+            let t = Tensor::from_vec(t, vec![n], Device::Cpu).unwrap();
+            fwd_bwd("cross_entropy", dt, &[x, t], true, |a| cross_entropy(&a[0], &a[1], -100).unwrap());
+        }
+    });
+}
+
+#[test]
+fn flash_attention_fwd_bwd_gqa() {
+    let Some(_) = gpu() else { return };
+    let mut r = rng(6);
+    // (dtype, b, hq, hkv, t, d): bf16 d64/d128 take the tensor-core path, the rest SIMT.
+    let cases = [
+        (DType::BF16, 1, 2, 2, 1, 64),
+        (DType::BF16, 2, 4, 2, 77, 64),
+        (DType::BF16, 1, 8, 2, 130, 128),
+        (DType::BF16, 1, 2, 1, 19, 32),
+        (DType::F32, 2, 4, 1, 45, 64),
+        (DType::F32, 1, 2, 2, 17, 40),
+    ];
+    for (dt, b, hq, hkv, t, d) in cases {
+        let q = randn(&[b, hq, t, d], dt, &mut r);
+        let k = randn(&[b, hkv, t, d], dt, &mut r);
+        let v = randn(&[b, hkv, t, d], dt, &mut r);
+        let scale = 1.0 / (d as f64).sqrt();
+        fwd_bwd(&format!("attention {dt} b{b} hq{hq} hkv{hkv} t{t} d{d}"), dt, &[q, k, v], true, |x| {
+            causal_attention(&x[0], &x[1], &x[2], scale).unwrap()
+        });
+    }
+}
+
+// ---- fused cross-entropy --------------------------------------------------------------------
+
+#[test]
+fn fused_cross_entropy_matches_cpu_backend() {
+    let Some(be) = gpu() else { return };
+    let mut r = Rng::new(13);
+    for dt in [DType::F32, DType::BF16] {
+        for (n, v) in [(1usize, 2usize), (9, 1001), (64, 32000), (130, 4099)] {
+            let x = Tensor::randn(vec![n, v], 2.0, dt, Device::Cpu, &mut r).unwrap();
+            let t: Vec<i32> = (0..n).map(|i| if i % 4 == 3 { -100 } else { r.below(v as u64) as i32 }).collect();
+            let tt = Tensor::from_vec(t.clone(), vec![n], Device::Cpu).unwrap();
+            // CPU reference: loss and dlogits through the CPU backend's cross_entropy + backward
+            let xc = x.detach();
+            xc.set_requires_grad(true).unwrap();
+            let loss = cross_entropy(&xc, &tt, -100).unwrap();
+            loss.backward().unwrap();
+            let (lref, gref) = (loss.item().unwrap(), xc.grad().unwrap().to_vec_f64().unwrap());
+            // host f64 lse of the (dtype-rounded) logits
+            let xv = x.to_vec_f64().unwrap();
+            let lse_ref: Vec<f64> = xv
+                .chunks(v)
+                .map(|row| {
+                    let mx = row.iter().cloned().fold(f64::NEG_INFINITY, f64::max);
+                    mx + row.iter().map(|&z| (z - mx).exp()).sum::<f64>().ln()
+                })
+                .collect();
+            let xg = x.to_device(GPU).unwrap();
+            let tg = tt.to_device(GPU).unwrap();
+            let grad_mult = 0.75f32;
+            let (l, lse, dx) = xg
+                .with_storage(|(xs, xl)| {
+                    tg.with_storage(|(ts, _)| cross_entropy::forward_backward_cuda(&be, (xs, xl), ts, -100, grad_mult))
+                })
+                .unwrap();
+            let (l, lse, dx) = (Storage::Device(Box::new(l)), Storage::Device(Box::new(lse)), Storage::Device(Box::new(dx)));
+            let (at, rt) = if dt == DType::BF16 { (2e-2, 2e-2) } else { (1e-5, 1e-4) };
+            let name = format!("ce_fused {dt} ({n}, {v})");
+            close(&format!("{name} loss"), &down(&be, &l), &[lref], 1e-5, 1e-4);
+            close(&format!("{name} lse"), &down(&be, &lse), &lse_ref, 1e-4, 1e-5);
+            let want: Vec<f64> = gref.iter().map(|g| g * grad_mult as f64).collect();
+            close(&format!("{name} dlogits"), &down(&be, &dx), &want, at * 1e-2 + 1e-7, rt);
+            // ignored rows get exactly zero gradient
+            let d = down(&be, &dx);
+            for (i, &ti) in t.iter().enumerate() {
+                if ti == -100 {
+                    assert!(d[i * v..(i + 1) * v].iter().all(|&z| z == 0.0), "{name}: ignored row {i} has a nonzero gradient");
+                }
+            }
+        }
+    }
+}
+
+// ---- determinism -------------------------------------------------------------------------------
+
+#[test]
+fn attention_backward_is_bitwise_deterministic() {
+    let Some(be) = gpu() else { return };
+    let mut r = Rng::new(14);
+    // tensor-core paths (bf16 d64/d128, GQA) and the SIMT path
+    for (dt, b, hq, hkv, t, d) in [
+        (DType::BF16, 2, 8, 2, 333, 128),
+        (DType::BF16, 1, 4, 4, 1024, 64),
+        (DType::BF16, 2, 4, 1, 77, 128),
+        (DType::F32, 1, 4, 2, 129, 64),
+    ] {
+        let dims = AttnDims { b, hq, hkv, t, d };
+        let (lq, lkv) = (Layout::contiguous(Shape(vec![b, hq, t, d])), Layout::contiguous(Shape(vec![b, hkv, t, d])));
+        let q = dev_rand(&be, b * hq * t * d, dt, &mut r);
+        let k = dev_rand(&be, b * hkv * t * d, dt, &mut r);
+        let v = dev_rand(&be, b * hkv * t * d, dt, &mut r);
+        let dout = dev_rand(&be, b * hq * t * d, dt, &mut r);
+        let scale = 1.0 / (d as f64).sqrt();
+        let run = || {
+            let (o, lse) = attention::forward((&q, &lq), (&k, &lkv), (&v, &lkv), dims, scale).unwrap();
+            let llse = Layout::contiguous(Shape(vec![b, hq, t]));
+            let (dq, dk, dv) =
+                attention::backward((&dout, &lq), (&q, &lq), (&k, &lkv), (&v, &lkv), (&o, &lq), (&lse, &llse), dims, scale).unwrap();
+            [o, lse, dq, dk, dv].iter().map(|s| bits(&be, s)).collect::<Vec<_>>()
+        };
+        let a = run();
+        be.emulator_reverse_schedule(true); // on the emulator the second run also checks for races
+        let c = run();
+        be.emulator_reverse_schedule(false);
+        for (i, what) in ["out", "lse", "dq", "dk", "dv"].iter().enumerate() {
+            let bad = a[i].iter().zip(&c[i]).filter(|(x, y)| x != y).count();
+            assert_eq!(bad, 0, "attention {dt} b{b} hq{hq} hkv{hkv} t{t} d{d}: {what} differs between runs in {bad} elements");
+            // lse is f32 whatever the dtype of q, k, v
+            let is_bf16 = dt == DType::BF16 && *what != "lse";
+            let fin = a[i].iter().all(|&x| if is_bf16 { f32::from_bits(x << 16).is_finite() } else { f32::from_bits(x).is_finite() });
+            assert!(fin, "attention {dt} {what}: non-finite (unwritten) elements");
+        }
+    }
+}
+
+#[test]
+fn embedding_backward_is_bitwise_deterministic() {
+    let Some(be) = gpu() else { return };
+    let mut r = Rng::new(15);
+    for dt in [DType::F32, DType::BF16] {
+        // few rows, many repeats: a non-deterministic scatter-add would show here
+        for (vocab, d, n) in [(50usize, 64usize, 5000usize), (7, 129, 20_000), (32000, 128, 4096)] {
+            let ids: Vec<i32> = (0..n).map(|_| r.below(vocab as u64) as i32).collect();
+            let ids = be.from_cpu(&CpuStorage::I32(ids)).unwrap();
+            let dy = dev_rand(&be, n * d, dt, &mut r);
+            let (ly, li) = (Layout::contiguous(Shape(vec![n, d])), flat(n));
+            let a = bits(&be, &embedding::backward((&dy, &ly), (&ids, &li), vocab).unwrap());
+            be.emulator_reverse_schedule(true); // on the emulator the second run also checks for races
+            let b = bits(&be, &embedding::backward((&dy, &ly), (&ids, &li), vocab).unwrap());
+            be.emulator_reverse_schedule(false);
+            let bad = a.iter().zip(&b).filter(|(x, y)| x != y).count();
+            assert_eq!(bad, 0, "embedding backward {dt} V{vocab} d{d} n{n}: {bad} elements differ between runs");
+        }
+    }
+}
+
+// ---- memory pool steady state --------------------------------------------------------------------
+
+/// Vocabulary, H heads of width HD (model width DM), MLP width; a batch of B sequences of T tokens.
+const V: usize = 512;
+const H: usize = 2;
+const HD: usize = 64;
+const DM: usize = H * HD;
+const FF: usize = 256;
+const BATCH: [usize; 2] = [2, 96];
+
+struct Model {
+    emb: Tensor,
+    norm: Tensor,
+    wqkv: Tensor,
+    wgu: Tensor,
+    wdown: Tensor,
+    wout: Tensor,
+}
+
+impl Model {
+    fn params(&self) -> Vec<&Tensor> {
+        vec![&self.emb, &self.norm, &self.wqkv, &self.wgu, &self.wdown, &self.wout]
+    }
+    fn loss(&self, ids: &Tensor, targets: &Tensor) -> Tensor {
+        let [b, t] = BATCH;
+        let x = embedding(ids, &self.emb).unwrap(); // (B*T, DM)
+        let h = rms_norm(&x, &self.norm, 1e-5).unwrap();
+        let qkv = h.matmul(&self.wqkv).unwrap().reshape(vec![b, t, 3, H, HD]).unwrap();
+        let pick = |i: usize| {
+            qkv.narrow(2, i, 1).unwrap().reshape(vec![b, t, H, HD]).unwrap().permute(&[0, 2, 1, 3]).unwrap().contiguous().unwrap()
+        };
+        let a = causal_attention(&pick(0), &pick(1), &pick(2), 1.0 / (HD as f64).sqrt()).unwrap();
+        let a = a.permute(&[0, 2, 1, 3]).unwrap().contiguous().unwrap().reshape(vec![b * t, DM]).unwrap();
+        let x = x.add(&a).unwrap();
+        let gu = x.matmul(&self.wgu).unwrap();
+        let (g, u) = (gu.narrow(1, 0, FF).unwrap(), gu.narrow(1, FF, FF).unwrap());
+        let x = x.add(&swiglu(&g, &u).unwrap().matmul(&self.wdown).unwrap()).unwrap();
+        let logits = x.matmul(&self.wout).unwrap();
+        cross_entropy(&logits, targets, -100).unwrap()
+    }
+}
+
+#[test]
+fn pool_makes_no_device_allocation_after_warm_up() {
+    let Some(be) = gpu_exclusive() else { return };
+    let mut r = Rng::new(16);
+    let p = |shape: Vec<usize>, std: f64, r: &mut Rng| {
+        let t = Tensor::randn(shape, std, DType::BF16, GPU, r).unwrap();
+        t.set_requires_grad(true).unwrap();
+        t
+    };
+    let m = Model {
+        emb: p(vec![V, DM], 1.0, &mut r),
+        norm: Tensor::ones(vec![DM], DType::BF16, GPU).unwrap().affine(1.0, 0.0).unwrap().detach(),
+        wqkv: p(vec![DM, 3 * DM], 0.05, &mut r),
+        wgu: p(vec![DM, 2 * FF], 0.05, &mut r),
+        wdown: p(vec![FF, DM], 0.05, &mut r),
+        wout: p(vec![DM, V], 0.05, &mut r),
+    };
+    m.norm.set_requires_grad(true).unwrap();
+    // fp32 master weights and moments
+    let state: Vec<(Storage, Storage, Storage)> = m
+        .params()
+        .iter()
+        .map(|t| {
+            let n = t.numel();
+            (up_f32(&be, &t.to_vec_f64().unwrap()), up_f32(&be, &vec![0.0; n]), up_f32(&be, &vec![0.0; n]))
+        })
+        .collect();
+    let n = BATCH[0] * BATCH[1];
+    let ids: Vec<i32> = (0..n).map(|_| r.below(V as u64) as i32).collect();
+    let ids = Tensor::from_vec(ids, vec![n], GPU).unwrap();
+    let tg: Vec<i32> = (0..n).map(|i| if i % 11 == 5 { -100 } else { r.below(V as u64) as i32 }).collect();
+    let targets = Tensor::from_vec(tg, vec![n], GPU).unwrap();
+    let mut losses = Vec::new();
+    let step = |k: u32| {
+        let loss = m.loss(&ids, &targets);
+        loss.backward().unwrap();
+        let grads: Vec<Tensor> = m.params().iter().map(|t| dense(&t.grad().expect("grad"))).collect();
+        let mut all: Vec<&Tensor> = grads.iter().collect();
+        all.extend(m.params());
+        with_cuda(&all, |s| {
+            let np = grads.len();
+            let norm = be.grad_norm(&s[..np], 1.0).unwrap();
+            let ts: Vec<AdamWTensor> = (0..np)
+                .map(|i| AdamWTensor {
+                    master: cs(&state[i].0),
+                    grad: s[i],
+                    m: cs(&state[i].1),
+                    v: cs(&state[i].2),
+                    param_bf16: Some(s[np + i]),
+                    weight_decay: 0.1,
+                })
+                .collect();
+            be.adamw_multi_scaled(&ts, AdamWParams { lr: 1e-3, beta1: 0.9, beta2: 0.95, eps: 1e-8, step: k }, Some((&norm, 1))).unwrap();
+        });
+        drop(grads);
+        for t in m.params() {
+            t.zero_grad();
+        }
+        loss.item().unwrap() // synchronises
+    };
+    losses.push(step(1));
+    losses.push(step(2)); // second warm-up: the moments / grads exist from here on
+    be.synchronize().unwrap();
+    let (allocs0, (cur0, _, cached0)) = (be.device_allocations(), be.memory_stats());
+    for k in 3..=8 {
+        losses.push(step(k));
+    }
+    be.synchronize().unwrap();
+    let (allocs1, (cur1, _, cached1)) = (be.device_allocations(), be.memory_stats());
+    assert!(losses.iter().all(|l| l.is_finite()), "losses {losses:?}");
+    assert!(losses.last().unwrap() < &losses[0], "training did not reduce the loss: {losses:?}");
+    assert_eq!(allocs1, allocs0, "steady-state steps made {} new device allocations", allocs1 - allocs0);
+    assert_eq!(cur1 + cached1, cur0 + cached0, "pool footprint changed: {} -> {} bytes", cur0 + cached0, cur1 + cached1);
+}

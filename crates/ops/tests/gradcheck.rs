@@ -1,0 +1,246 @@
+//! Finite-difference gradient checks (f64, central differences, eps = 1e-6) of the fused ops,
+//! and their forward and backward against naive compositions of primitive ops.
+//! Tolerance unless a test says otherwise: max |analytic - numeric| / max(1, |numeric|) < 1e-6.
+mod common;
+use common::*;
+use ferrolm_ops::{causal_attention, cross_entropy, embedding, rms_norm, rope, softmax_last, swiglu};
+use ferrolm_tensor::{no_grad, DType, Rng, Tensor};
+
+#[test]
+fn fused_ops_record_nothing_under_no_grad() {
+    let g = &mut Rng::new(9);
+    let p = param(&randn(&[3, 3], g));
+    let _g = no_grad();
+    let y = rms_norm(&p, &p.narrow(0, 0, 1).unwrap().squeeze(0).unwrap(), 1e-5).unwrap();
+    assert!(!y.requires_grad() && y.is_leaf());
+}
+
+#[test]
+fn grad_softmax() {
+    let g = &mut Rng::new(6);
+    gradcheck("softmax", &[randn(&[3, 4, 7], g)], |x| softmax_last(&x[0]));
+    gradcheck("softmax transposed", &[randn(&[3, 7, 4], g)], |x| softmax_last(&x[0].transpose(1, 2)?));
+    gradcheck("softmax 1 wide", &[randn(&[5, 1], g)], |x| softmax_last(&x[0]));
+}
+
+#[test]
+fn grad_embedding() {
+    let g = &mut Rng::new(7);
+    let w = randn(&[7, 3], g);
+    let id2 = ids(&[1, 3, 1, 0, 6, 3, 3, 2, 1, 5], &[2, 5]);
+    gradcheck("embedding repeated ids", std::slice::from_ref(&w), |x| embedding(&id2, &x[0]));
+    let id1 = ids(&[4, 4, 4, 0], &[4]);
+    gradcheck("embedding 1-d ids", std::slice::from_ref(&w), |x| embedding(&id1, &x[0]));
+    // Tied use: embedding and output projection share the weight.
+    gradcheck("embedding tied", &[w], |x| embedding(&id1, &x[0])?.matmul(&x[0].t()?));
+}
+
+#[test]
+fn grad_rms_norm() {
+    let g = &mut Rng::new(11);
+    let w = uniform(&[6], 0.5, 1.5, g);
+    gradcheck("rms_norm", &[randn(&[2, 3, 6], g), w.clone()], |x| rms_norm(&x[0], &x[1], 1e-5));
+    gradcheck("rms_norm transposed x", &[randn(&[6, 3], g), w.clone()], |x| rms_norm(&x[0].t()?, &x[1], 1e-5));
+    gradcheck("rms_norm odd", &[randn(&[5, 7], g), uniform(&[7], 0.5, 1.5, g)], |x| rms_norm(&x[0], &x[1], 1e-2));
+}
+
+#[test]
+fn grad_rope() {
+    let g = &mut Rng::new(12);
+    let (c, s) = rope_cos_sin(5, 4, 10000.0, DType::F64);
+    gradcheck("rope t5 d4", &[randn(&[2, 3, 5, 4], g)], |x| rope(&x[0], &c, &s));
+    let (c, s) = rope_cos_sin(7, 6, 10.0, DType::F64);
+    gradcheck("rope t7 d6", &[randn(&[1, 2, 7, 6], g)], |x| rope(&x[0], &c, &s));
+    // as a model calls it: (b, t, h, d) projections permuted to (b, h, t, d)
+    gradcheck("rope permuted", &[randn(&[2, 7, 3, 6], g)], |x| rope(&x[0].permute(&[0, 2, 1, 3])?, &c, &s));
+}
+
+#[test]
+fn grad_swiglu() {
+    let g = &mut Rng::new(13);
+    gradcheck("swiglu", &[randn(&[3, 7], g), randn(&[3, 7], g)], |x| swiglu(&x[0], &x[1]));
+    gradcheck("swiglu transposed", &[randn(&[7, 3], g), randn(&[3, 7], g)], |x| swiglu(&x[0].t()?, &x[1]));
+    gradcheck("swiglu same input", &[randn(&[2, 5], g)], |x| swiglu(&x[0], &x[0]));
+}
+
+#[test]
+fn grad_causal_attention() {
+    let g = &mut Rng::new(14);
+    // (b, hq, hkv, t, d)
+    for (b, hq, hkv, t, d) in [(2, 4, 2, 5, 4), (1, 2, 2, 7, 6), (1, 4, 2, 7, 6), (2, 3, 1, 5, 4), (1, 4, 4, 1, 4)] {
+        let scale = 1.0 / (d as f64).sqrt();
+        let ins = [randn(&[b, hq, t, d], g), randn(&[b, hkv, t, d], g), randn(&[b, hkv, t, d], g)];
+        gradcheck(&format!("attention b{b} hq{hq} hkv{hkv} t{t} d{d}"), &ins, |x| causal_attention(&x[0], &x[1], &x[2], scale));
+    }
+    // (b, t, h, d) inputs permuted to (b, h, t, d), as a model produces them
+    let ins = [randn(&[1, 5, 4, 6], g), randn(&[1, 5, 2, 6], g), randn(&[1, 5, 2, 6], g)];
+    gradcheck("attention permuted inputs", &ins, |x| {
+        let p = |t: &Tensor| t.permute(&[0, 2, 1, 3]);
+        causal_attention(&p(&x[0])?, &p(&x[1])?, &p(&x[2])?, 0.3)
+    });
+}
+
+#[test]
+fn grad_cross_entropy() {
+    let g = &mut Rng::new(15);
+    let t = ids(&[2, -100, 0, 4, -100, 1], &[6]);
+    gradcheck("cross_entropy ignore", &[randn(&[6, 5], g)], |x| cross_entropy(&x[0], &t, -100));
+    let t2 = ids(&[0, 6, 3], &[3]);
+    gradcheck("cross_entropy transposed logits", &[randn(&[7, 3], g)], |x| cross_entropy(&x[0].t()?, &t2, -100));
+    // Everything ignored: loss 0, zero gradient (no NaN from 0/0).
+    let none = ids(&[-100, -100], &[2]);
+    let x = param(&randn(&[2, 3], g));
+    let l = cross_entropy(&x, &none, -100).unwrap();
+    assert_eq!(l.item().unwrap(), 0.0);
+    l.backward().unwrap();
+    assert!(x.grad().unwrap().to_vec::<f64>().unwrap().iter().all(|&v| v == 0.0));
+}
+
+/// A whole pre-norm block in f64 (norm, q/k/v/o, RoPE, GQA attention, SwiGLU MLP, residuals,
+/// tied-embedding logits, cross-entropy): every parameter's gradient against finite differences.
+#[test]
+fn grad_transformer_block() {
+    let g = &mut Rng::new(16);
+    let (t, dm, hq, hkv, hd, ff, vocab) = (5, 8, 2, 1, 4, 6, 7);
+    let (c, s) = rope_cos_sin(t, hd, 100.0, DType::F64);
+    let tok = ids(&[1, 4, 4, 0, 6], &[1, t]);
+    let tgt = ids(&[4, 4, 0, -100, 2], &[t]);
+    let sc = |sh: &[usize], g: &mut Rng| randn(sh, g).mul_scalar(0.4).unwrap();
+    let params = [
+        sc(&[vocab, dm], g),
+        uniform(&[dm], 0.5, 1.5, g),
+        sc(&[hq * hd, dm], g),
+        sc(&[hkv * hd, dm], g),
+        sc(&[hkv * hd, dm], g),
+        sc(&[dm, hq * hd], g),
+        uniform(&[dm], 0.5, 1.5, g),
+        sc(&[ff, dm], g),
+        sc(&[ff, dm], g),
+        sc(&[dm, ff], g),
+    ];
+    gradcheck("transformer block", &params, |p| {
+        let x = embedding(&tok, &p[0])?; // (1, t, dm)
+        let h = rms_norm(&x, &p[1], 1e-5)?;
+        let heads = |w: &Tensor, n: usize| h.matmul(&w.t()?)?.reshape([1, t, n, hd])?.permute(&[0, 2, 1, 3]);
+        let q = rope(&heads(&p[2], hq)?, &c, &s)?;
+        let k = rope(&heads(&p[3], hkv)?, &c, &s)?;
+        let v = heads(&p[4], hkv)?;
+        let a = causal_attention(&q, &k, &v, 0.5)?.permute(&[0, 2, 1, 3])?.reshape([1, t, hq * hd])?;
+        let x = x.add(&a.matmul(&p[5].t()?)?)?;
+        let h = rms_norm(&x, &p[6], 1e-5)?;
+        let m = swiglu(&h.matmul(&p[7].t()?)?, &h.matmul(&p[8].t()?)?)?.matmul(&p[9].t()?)?;
+        let x = x.add(&m)?;
+        let logits = x.reshape([t, dm])?.matmul(&p[0].t()?)?;
+        cross_entropy(&logits, &tgt, -100)
+    });
+}
+
+// ---- fused forward (and backward) against naive compositions, f64 -------------------------
+
+fn assert_close(name: &str, a: &Tensor, b: &Tensor, tol: f64) {
+    assert_eq!(a.dims(), b.dims(), "{name}: shapes");
+    let e = rel_err(&a.to_vec_f64().unwrap(), &b.to_vec_f64().unwrap());
+    assert!(e < tol, "{name}: max rel err {e:e} >= {tol:e}");
+}
+
+/// Runs `fused` and `naive` on fresh leaves of the same values: outputs and input gradients agree
+/// to 1e-12 (forward) and 1e-10 (backward), relative as in `rel_err`.
+fn fused_vs_naive(
+    name: &str,
+    inputs: &[Tensor],
+    fused: impl Fn(&[Tensor]) -> ferrolm_tensor::Result<Tensor>,
+    naive: impl Fn(&[Tensor]) -> ferrolm_tensor::Result<Tensor>,
+) {
+    let leaves =
+        || -> Vec<Tensor> { inputs.iter().map(|t| param(&t.contiguous().unwrap().detach().to_dtype(DType::F64).unwrap())).collect() };
+    let (xa, xb) = (leaves(), leaves());
+    let (ya, yb) = (fused(&xa).unwrap(), naive(&xb).unwrap());
+    assert_close(&format!("{name} forward"), &ya, &yb, 1e-12);
+    let w = Tensor::randn(ya.dims().to_vec(), 1.0, DType::F64, CPU, &mut Rng::new(99)).unwrap();
+    ya.mul(&w).unwrap().sum_all().unwrap().backward().unwrap();
+    yb.mul(&w).unwrap().sum_all().unwrap().backward().unwrap();
+    for (i, (a, b)) in xa.iter().zip(&xb).enumerate() {
+        assert_close(&format!("{name} grad {i}"), &a.grad().unwrap(), &b.grad().unwrap(), 1e-10);
+    }
+}
+
+#[test]
+fn fused_attention_matches_naive() {
+    let g = &mut Rng::new(20);
+    for (b, hq, hkv, t, d) in [(2, 4, 2, 5, 4), (1, 3, 3, 7, 6), (1, 8, 2, 9, 8), (2, 2, 1, 16, 4)] {
+        let ins = [randn(&[b, hq, t, d], g), randn(&[b, hkv, t, d], g), randn(&[b, hkv, t, d], g)];
+        let sc = 1.0 / (d as f64).sqrt();
+        fused_vs_naive(
+            &format!("attention {b} {hq} {hkv} {t} {d}"),
+            &ins,
+            |x| causal_attention(&x[0], &x[1], &x[2], sc),
+            |x| naive_attention(&x[0], &x[1], &x[2], sc),
+        );
+    }
+}
+
+#[test]
+fn fused_rms_norm_matches_naive() {
+    let g = &mut Rng::new(21);
+    let ins = [randn(&[3, 4, 10], g), uniform(&[10], 0.5, 1.5, g)];
+    fused_vs_naive("rms_norm", &ins, |x| rms_norm(&x[0], &x[1], 1e-6), |x| naive_rms_norm(&x[0], &x[1], 1e-6));
+}
+
+#[test]
+fn fused_swiglu_matches_naive() {
+    let g = &mut Rng::new(22);
+    let ins = [randn(&[4, 9], g), randn(&[4, 9], g)];
+    fused_vs_naive("swiglu", &ins, |x| swiglu(&x[0], &x[1]), |x| x[0].silu()?.mul(&x[1]));
+}
+
+#[test]
+fn fused_cross_entropy_matches_naive() {
+    let g = &mut Rng::new(23);
+    let tv = [3, -100, 0, 10, 5, -100, 7];
+    let t = ids(&tv, &[7]);
+    let ins = [randn(&[7, 11], g).mul_scalar(3.0).unwrap()];
+    fused_vs_naive("cross_entropy", &ins, |x| cross_entropy(&x[0], &t, -100), |x| naive_cross_entropy(&x[0], &tv, -100));
+    // other ignore index; large logits stay finite (log-sum-exp is shifted)
+    let tv = [1, 2, 0];
+    let t = ids(&tv, &[3]);
+    let big = randn(&[3, 4], g).mul_scalar(300.0).unwrap();
+    let l = cross_entropy(&big, &t, 2).unwrap().item().unwrap();
+    assert!(l.is_finite());
+    let lv = big.to_vec::<f64>().unwrap();
+    let mut want = 0.0;
+    for (r, &tg) in tv.iter().enumerate().filter(|(_, &tg)| tg != 2) {
+        let row = &lv[r * 4..r * 4 + 4];
+        let m = row.iter().cloned().fold(f64::MIN, f64::max);
+        want += m + row.iter().map(|x| (x - m).exp()).sum::<f64>().ln() - row[tg as usize];
+    }
+    want /= 2.0;
+    assert!((l - want).abs() < 1e-9 * want.abs().max(1.0), "{l} vs {want}");
+}
+
+#[test]
+fn fused_rope_matches_formula() {
+    let g = &mut Rng::new(24);
+    for (dims, theta) in [([2, 3, 5, 4], 10000.0), ([1, 2, 7, 6], 10.0), ([1, 1, 16, 8], 500000.0)] {
+        let x = randn(&dims, g);
+        let (c, s) = rope_cos_sin(dims[2], dims[3], theta, DType::F64);
+        let y = rope(&x, &c, &s).unwrap().to_vec::<f64>().unwrap();
+        let want = naive_rope(&x.to_vec::<f64>().unwrap(), dims, theta);
+        let e = rel_err(&y, &want);
+        assert!(e < 1e-12, "rope {dims:?}: {e:e}");
+        // rotation keeps the norm of each (x_j, x_{j+d/2}) pair, so the whole norm
+        let n = |v: &[f64]| v.iter().map(|a| a * a).sum::<f64>();
+        assert!((n(&y) - n(&x.to_vec::<f64>().unwrap())).abs() < 1e-9);
+    }
+}
+
+#[test]
+fn fused_embedding_matches_rows() {
+    let g = &mut Rng::new(25);
+    let w = randn(&[6, 3], g);
+    let idv = [5, 0, 5, 2];
+    let y = embedding(&ids(&idv, &[2, 2]), &w).unwrap();
+    assert_eq!(y.dims(), &[2, 2, 3]);
+    let wv = w.to_vec::<f64>().unwrap();
+    let want: Vec<f64> = idv.iter().flat_map(|&i| wv[i as usize * 3..i as usize * 3 + 3].to_vec()).collect();
+    assert_eq!(y.to_vec::<f64>().unwrap(), want);
+}

@@ -1,0 +1,36 @@
+// constants.cuh — the numbers the kernels and their Rust launchers must agree on, written once.
+// crates/cuda/build.rs turns each `#define NAME <integer>` into `pub const NAME: usize` and each
+// enumerator into `pub const NAME: i32` (C's int) in `ferrolm_cuda::consts`, so a launcher never
+// repeats a tile shape, a block size or an op code. Only such definitions belong here: build.rs
+// rejects anything else. Included by common.cuh.
+#pragma once
+
+// Rank limit of the `Strided` view descriptor (common.cuh): views collapse to at most this many dims.
+#define FERRO_MAX_RANK 6
+
+// Op codes of unary_* / binary_* (elementwise.cu), in the order of `UnaryOp` / `BinaryOp`.
+enum { U_NEG, U_EXP, U_LOG, U_SQRT, U_RSQRT, U_RECIP, U_SQR, U_SILU, U_SILU_GRAD, U_POWF, U_AFFINE };
+enum { B_ADD, B_SUB, B_MUL, B_DIV, B_EQ };
+
+// Embedding backward (embedding.cu): a block owns EMB_ROWS vocab rows and EMB_COLS columns (one
+// thread each), and stages EMB_CHUNK token ids per shared-memory pass.
+#define EMB_ROWS 64
+#define EMB_COLS 128
+#define EMB_CHUNK 1024
+
+// Flash attention (attention.cu, bf16 tensor cores): a block of FLASH_THREADS threads (4 warps x
+// 16 rows) owns FLASH_ROWS rows: query rows in the forward and dQ, kv rows in dK/dV. It stages
+// FLASH_FWD_TILE kv rows per step in the forward and FLASH_BWD_TILE rows per step in the
+// backward (query rows for dK/dV, kv rows for dQ). Shared-memory rows are padded by FLASH_PAD
+// bf16 elements against bank conflicts.
+#define FLASH_THREADS 128
+#define FLASH_ROWS 64
+#define FLASH_FWD_TILE 64
+#define FLASH_BWD_TILE 32
+#define FLASH_PAD 8
+// SIMT attention (one warp per row): each lane holds ATTN_SIMT_PER_LANE elements of a row, so
+// the head dim is at most 32 * ATTN_SIMT_PER_LANE.
+#define ATTN_SIMT_PER_LANE 8
+
+// Multi-tensor optimizer kernels (optim.cu): one block per OPT_CHUNK elements of a tensor.
+#define OPT_CHUNK 4096
