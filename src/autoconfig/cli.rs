@@ -32,7 +32,8 @@ pub enum Target {
 )]
 pub struct AutoconfigArgs {
     /// Model: a preset (cpu: tiny, small; gpu: 7b, 13b, 30b, 70b, gpt3-5b, gpt3-175b) or a
-    /// config.json [default: from the budget flags]
+    /// config.json; a GPU preset with GPU flags (--gpus ...) implies --target gpu
+    /// [default: from the budget flags]
     #[arg(long, value_name = "PRESET|FILE", help_heading = "Model")]
     pub model: Option<String>,
     /// Budget: training days [default: no budget; --model gives the model]
@@ -54,35 +55,39 @@ pub struct AutoconfigArgs {
     pub ladder_layers: Option<String>,
 
     /// cpu: thread ranks here, calibrated, trials possible; gpu: a modelled cluster
-    #[arg(long, value_enum, default_value = "cpu", help_heading = "Cluster")]
+    /// [default: gpu for a GPU preset given with a GPU flag, else cpu]
+    #[arg(long = "target", value_enum, help_heading = "Cluster")]
+    pub target_flag: Option<Target>,
+    /// The target in effect (`--target`, else as its help says), set by `autoconfig`.
+    #[arg(skip = Target::Cpu)]
     pub target: Target,
     /// GPUs in all (gpu; with a budget also on cpu) [default: --nodes x --ranks-per-node]
     #[arg(long, value_parser = positive, help_heading = "Cluster")]
     pub gpus: Option<usize>,
-    /// GPUs per node (gpu)
-    #[arg(long, default_value = "8", value_parser = positive, help_heading = "Cluster")]
-    pub gpus_per_node: usize,
-    /// Memory per GPU, GiB (gpu)
-    #[arg(long, default_value = "80", help_heading = "Cluster")]
-    pub gpu_mem_gib: f64,
+    /// GPUs per node (gpu) [default: 8]
+    #[arg(long, value_parser = positive, help_heading = "Cluster")]
+    pub gpus_per_node: Option<usize>,
+    /// Memory per GPU, GiB (gpu) [default: 80]
+    #[arg(long, help_heading = "Cluster")]
+    pub gpu_mem_gib: Option<f64>,
     /// Peak dense bf16 TFLOP/s per GPU, for MFU (gpu) [default: 312, A100]
-    #[arg(long, default_value = "312", help_heading = "Cluster")]
-    pub peak_tflops: f64,
+    #[arg(long, help_heading = "Cluster")]
+    pub peak_tflops: Option<f64>,
     /// Intra-node bandwidth per rank and direction, GB/s (gpu) [default: 150, NVLink 3 at NCCL bus bandwidth]
-    #[arg(long, default_value = "150", help_heading = "Cluster")]
-    pub intra_gb_s: f64,
+    #[arg(long, help_heading = "Cluster")]
+    pub intra_gb_s: Option<f64>,
     /// Inter-node bandwidth per rank and direction, GB/s (gpu) [default: 25, 8 x HDR 200 Gb/s per 8 GPUs]
-    #[arg(long, default_value = "25", help_heading = "Cluster")]
-    pub inter_gb_s: f64,
-    /// GPU memory bandwidth, GB/s (the on-device optimizer update is memory bound) (gpu)
-    #[arg(long, default_value = "2000", help_heading = "Cluster")]
-    pub hbm_gb_s: f64,
+    #[arg(long, help_heading = "Cluster")]
+    pub inter_gb_s: Option<f64>,
+    /// GPU memory bandwidth, GB/s (the on-device optimizer update is memory bound) (gpu) [default: 2000]
+    #[arg(long, help_heading = "Cluster")]
+    pub hbm_gb_s: Option<f64>,
     /// Consider optimizer offload (gpu): host link GB/s per direction [default: offload not considered]
     #[arg(long, value_name = "GB/S", help_heading = "Cluster")]
     pub offload_pcie_gb_s: Option<f64>,
-    /// CPU AdamW rate per GPU's share of the host, elements/s, for offload (gpu)
-    #[arg(long, default_value = "1e9", help_heading = "Cluster")]
-    pub offload_cpu_adam: f64,
+    /// CPU AdamW rate per GPU's share of the host, elements/s, for offload (gpu) [default: 1e9]
+    #[arg(long, help_heading = "Cluster")]
+    pub offload_cpu_adam: Option<f64>,
     /// Elements per offload subgroup
     #[arg(long, default_value = "100000000", value_parser = positive, help_heading = "Cluster")]
     pub offload_subgroup_size: usize,
@@ -130,7 +135,8 @@ pub struct AutoconfigArgs {
     /// Timed steps per trial (after one warm-up step; the median is used)
     #[arg(long, default_value = "3", value_parser = positive, help_heading = "Trials")]
     pub trial_steps: usize,
-    /// Training data for trials (prepared directory or text) [default: the bundled corpus]
+    /// Training data for trials: a prepared directory, or text and datasets as pretrain_llama's
+    /// --data takes them [default: the bundled corpus]
     #[arg(long, help_heading = "Trials")]
     pub data: Option<PathBuf>,
     /// Tokenizer [default: data/tokenizer.json]
@@ -142,6 +148,54 @@ pub struct AutoconfigArgs {
     pub out: PathBuf,
     #[command(flatten)]
     pub log: LogArgs,
+}
+
+/// The presets of `--model`, as `--help` names them.
+pub const CPU_PRESETS: [&str; 2] = ["tiny", "small"];
+pub const GPU_PRESETS: [&str; 6] = ["7b", "13b", "30b", "70b", "gpt3-5b", "gpt3-175b"];
+
+impl AutoconfigArgs {
+    /// The GPU flags given on the command line (those that describe the modelled cluster).
+    pub fn gpu_flags_given(&self) -> Vec<&'static str> {
+        let given = [
+            ("--gpus", self.gpus.is_some()),
+            ("--gpus-per-node", self.gpus_per_node.is_some()),
+            ("--gpu-mem-gib", self.gpu_mem_gib.is_some()),
+            ("--peak-tflops", self.peak_tflops.is_some()),
+            ("--intra-gb-s", self.intra_gb_s.is_some()),
+            ("--inter-gb-s", self.inter_gb_s.is_some()),
+            ("--hbm-gb-s", self.hbm_gb_s.is_some()),
+            ("--offload-pcie-gb-s", self.offload_pcie_gb_s.is_some()),
+            ("--offload-cpu-adam", self.offload_cpu_adam.is_some()),
+        ];
+        given.into_iter().filter(|g| g.1).map(|g| g.0).collect()
+    }
+
+    /// `--target`, or what `--model` and the GPU flags imply: a GPU preset is a modelled
+    /// cluster (far too large to calibrate on this CPU), so GPU flags with one mean gpu, and
+    /// without them the error says which flag to add.
+    pub fn resolve_target(&self) -> AnyResult<Target> {
+        let gpu_preset = self.model.as_deref().filter(|m| GPU_PRESETS.contains(m) && !Path::new(m).is_file());
+        let given = self.gpu_flags_given();
+        match (self.target_flag, gpu_preset) {
+            (Some(t), None) => Ok(t),
+            (None, None) => Ok(Target::Cpu),
+            (Some(Target::Gpu), Some(_)) => Ok(Target::Gpu),
+            (Some(Target::Cpu), Some(m)) => bail!(
+                "--model {m} is a GPU preset, modelled on a GPU cluster only (--target cpu calibrates models it can build here: \
+                 {}): use --target gpu with --gpus N",
+                CPU_PRESETS.join(", ")
+            ),
+            (None, Some(m)) if !given.is_empty() => {
+                tracing::info!("--model {m} with {}: --target gpu", given.join(", "));
+                Ok(Target::Gpu)
+            }
+            (None, Some(m)) => bail!(
+                "--model {m} is a GPU preset: add --gpus N (the GPUs in all; --gpus-per-node and --gpu-mem-gib describe them, \
+                 defaults 8 and 80), which implies --target gpu"
+            ),
+        }
+    }
 }
 
 impl Tool for AutoconfigArgs {
@@ -190,12 +244,16 @@ fn model(a: &mut AutoconfigArgs) -> AnyResult<(ModelShape, Option<LlamaConfig>, 
             let c = LlamaConfig::from_file(m).with_context(|| format!("--model {m}"))?;
             (ModelShape::from_config(&c, m), Some(c))
         }
-        (Some(m), _) if a.target == Target::Cpu => {
-            let tok = tokenizer(a)?;
-            let c = LlamaConfig::preset(m).context("--model")?.with_vocab_size(tok.vocab_size());
+        (Some(m), _) if CPU_PRESETS.contains(&m.as_str()) => {
+            let c = LlamaConfig::preset(m).context("--model")?;
+            // On the CPU the trials train it with the tokenizer; a modelled GPU keeps its vocabulary.
+            let c = if a.target == Target::Cpu { c.with_vocab_size(tokenizer(a)?.vocab_size()) } else { c };
             (ModelShape::from_config(&c, m), Some(c))
         }
-        (Some(m), _) => (ModelShape::preset(m)?, None),
+        (Some(m), _) if GPU_PRESETS.contains(&m.as_str()) => (ModelShape::preset(m)?, None),
+        (Some(m), _) => {
+            bail!("--model {m}: not a preset (cpu: {}; gpu: {}) nor a config.json file", CPU_PRESETS.join(", "), GPU_PRESETS.join(", "))
+        }
         (None, Some(p)) => {
             let s = shape_for_params(p, a.vocab);
             let c = config_for_shape(&s, a.seq_len);
@@ -248,6 +306,7 @@ pub fn run(a: AutoconfigArgs) -> AnyResult<()> {
 pub fn autoconfig(a: &AutoconfigArgs) -> AnyResult<Report> {
     let mut args = a.clone();
     args.seq_len = a.seq_len_flag.unwrap_or(DEFAULT_SEQ_LEN);
+    args.target = args.resolve_target()?;
     let a = &mut args;
     if a.micro_batches.contains(&0) {
         bail!("--micro-batches: sizes must be at least 1");
@@ -291,22 +350,24 @@ pub fn autoconfig(a: &AutoconfigArgs) -> AnyResult<Report> {
     let mut flops_by_mbs = Vec::new();
     let (cluster, calib) = match a.target {
         Target::Gpu => {
-            let gpus = a.gpus.context("--target gpu needs --gpus")?;
-            let tf = a.tflops_per_gpu.unwrap_or(0.6 * a.peak_tflops);
+            let gpus = a.gpus.context("--target gpu needs --gpus N (the GPUs in all)")?;
+            let per_node = a.gpus_per_node.unwrap_or(8).min(gpus);
+            let peak = a.peak_tflops.unwrap_or(312.0);
+            let tf = a.tflops_per_gpu.unwrap_or(0.6 * peak);
             let c = Cluster {
                 gpus,
-                gpus_per_node: a.gpus_per_node.min(gpus),
-                mem_bytes: a.gpu_mem_gib * GIB,
+                gpus_per_node: per_node,
+                mem_bytes: a.gpu_mem_gib.unwrap_or(80.0) * GIB,
                 link: LinkModel::two_level(
-                    Link::new(5e-6, a.intra_gb_s * 1e9),
-                    Link::new(15e-6, a.inter_gb_s * 1e9),
-                    a.gpus_per_node.min(gpus),
+                    Link::new(5e-6, a.intra_gb_s.unwrap_or(150.0) * 1e9),
+                    Link::new(15e-6, a.inter_gb_s.unwrap_or(25.0) * 1e9),
+                    per_node,
                 ),
                 flops: tf * 1e12,
-                peak_flops: a.peak_tflops * 1e12,
+                peak_flops: peak * 1e12,
                 margin: a.margin,
                 interference: 0.2,
-                update_s_per_elem: 28.0 / (a.hbm_gb_s * 1e9),
+                update_s_per_elem: 28.0 / (a.hbm_gb_s.unwrap_or(2000.0) * 1e9),
                 comm_cpu_s_per_byte: 0.0,
             };
             (c, None)
@@ -359,8 +420,8 @@ pub fn autoconfig(a: &AutoconfigArgs) -> AnyResult<Report> {
     };
     let offload = match (a.target, a.offload_pcie_gb_s) {
         (Target::Gpu, Some(bw)) => Some(OffloadRates {
-            cpu_adam_elems_per_s: a.offload_cpu_adam,
-            gpu_adam_elems_per_s: a.hbm_gb_s * 1e9 / 28.0,
+            cpu_adam_elems_per_s: a.offload_cpu_adam.unwrap_or(1e9),
+            gpu_adam_elems_per_s: a.hbm_gb_s.unwrap_or(2000.0) * 1e9 / 28.0,
             h2d_bytes_per_s: bw * 1e9,
             d2h_bytes_per_s: bw * 1e9,
             subgroup: a.offload_subgroup_size as u64,

@@ -3,7 +3,7 @@
 //! blocks read the residual stream one branch late. The validation loss is reported for the
 //! plain model, for the converted one before training and after it; checkpoints are written in
 //! the paper's released format (`model_type: "llamaLadder"`, `ladder_layers`).
-use super::pretrain::{preflight, token_data};
+use super::pretrain::{preflight, token_data_with};
 use super::{env_help, LogArgs, Tool, TrainArgs, ENV_COMMON, ENV_DEVICE, ENV_LAUNCH, ENV_TRAIN};
 use crate::data::Tokenizer;
 use crate::nn::LadderLayers;
@@ -11,7 +11,7 @@ use crate::parallel::Comm;
 use crate::progress::report;
 use crate::train::{check_validation_data, Trainer};
 use crate::{AnyResult, DType, Device, Llama};
-use anyhow::{bail, Context};
+use anyhow::Context;
 use clap::{Command, Parser};
 use std::path::PathBuf;
 
@@ -71,16 +71,9 @@ fn prepare(args: &FinetuneArgs) -> AnyResult<Prepared> {
     let ladder = LadderLayers::parse_flag(&args.ladder_layers, cfg.num_hidden_layers)?;
     let tok_path = a.tokenizer.clone().unwrap_or_else(|| dir.join("tokenizer.json"));
     let tokenizer = Tokenizer::from_file(&tok_path).with_context(|| format!("cannot load the tokenizer {}", tok_path.display()))?;
-    if tokenizer.vocab_size() > cfg.vocab_size {
-        bail!(
-            "{}: the tokenizer has {} tokens but the model's vocab_size is {}",
-            tok_path.display(),
-            tokenizer.vocab_size(),
-            cfg.vocab_size
-        );
-    }
+    super::pretrain::check_vocab(&tokenizer, &tok_path, cfg.vocab_size, &dir.join("config.json").display().to_string())?;
     let data = a.data.clone().unwrap_or_else(|| super::bundled("data/corpus"));
-    let (shards, train, val) = token_data(&data, &tokenizer, &tok_path)?;
+    let (shards, train, val) = token_data_with(&data, &tokenizer, &tok_path, &a.records)?;
     let opts = checked.options();
     check_validation_data(&val, opts.batch_size, opts.seq_len).with_context(|| format!("{}", shards.display()))?;
     let layout = a.parallel.mem_layout(a.activation_checkpointing)?;

@@ -1,6 +1,6 @@
 //! `generate`: sample text from a checkpoint with a KV cache.
 use super::{env_help, non_negative, probability, DeviceArgs, LogArgs, Tool, ENV_COMMON, ENV_DEVICE, ENV_LAUNCH};
-use crate::nn::generate::generate;
+use crate::nn::generate::generate_within;
 use crate::progress::report;
 use crate::{AnyResult, DType, Device};
 use anyhow::bail;
@@ -63,17 +63,12 @@ pub fn run(a: GenerateArgs) -> AnyResult<()> {
         || Ok(()),
         |_, comm| {
             let model = crate::parallel::load_for_inference(dir, dtype, device, comm, &a.parallel)?;
-            if tokenizer.vocab_size() > model.config().vocab_size {
-                bail!(
-                    "{}: the tokenizer has {} tokens but the model's vocab_size is {}",
-                    dir.join("tokenizer.json").display(),
-                    tokenizer.vocab_size(),
-                    model.config().vocab_size
-                );
-            }
+            let cfg_path = dir.join("config.json").display().to_string();
+            super::pretrain::check_vocab(&tokenizer, &dir.join("tokenizer.json"), model.config().vocab_size, &cfg_path)?;
             // Every rank samples the same tokens: the logits are gathered, the seed is shared.
+            // Only the tokenizer's ids are drawn (a padded vocabulary has rows beyond them).
             let mut rng = Rng::new(a.seed);
-            let out = generate(&model, &ids, a.max_new_tokens, a.temperature, a.top_p, &mut rng)?;
+            let out = generate_within(&model, &ids, a.max_new_tokens, a.temperature, a.top_p, tokenizer.vocab_size(), &mut rng)?;
             report(&format!("{}{}", a.prompt, tokenizer.decode(&out)?));
             Ok(())
         },

@@ -200,13 +200,16 @@ impl DeviceArgs {
 /// tool's struct. A tool changes the default of a shared flag in its `Tool::cli()`.
 #[derive(Args, Debug, Clone, PartialEq)]
 pub struct TrainArgs {
-    /// Training data: a directory prepared by prepare_data, or text (a .txt file or a directory
-    /// of them) that is tokenized once into runs/cache [default: data/corpus, the bundled corpus]
-    #[arg(long, value_name = "DIR|FILE", help_heading = "Data")]
+    /// Training data: a directory prepared by prepare_data, or text and datasets tokenized once
+    /// into runs/cache: a .txt file, a .jsonl / .jsonl.gz / .jsonl.zst / .parquet file, a
+    /// directory of these, or a quoted glob [default: data/corpus, the bundled corpus]
+    #[arg(long, value_name = "DIR|FILE|GLOB", help_heading = "Data")]
     pub data: Option<PathBuf>,
     /// Tokenizer (Hugging Face tokenizer.json) [default: data/tokenizer.json]
     #[arg(long, value_name = "FILE", help_heading = "Data")]
     pub tokenizer: Option<PathBuf>,
+    #[command(flatten)]
+    pub records: prepare::RecordArgs,
 
     /// Optimizer steps
     #[arg(long, value_name = "N", default_value = "500", value_parser = positive, help_heading = "Optimization")]

@@ -1,23 +1,28 @@
-//! `prepare_data` (text -> token shards) and `train_tokenizer` (a byte-level BPE tokenizer.json).
+//! `prepare_data` (text and datasets -> token shards) and `train_tokenizer` (a byte-level BPE
+//! tokenizer.json).
 use super::{env_help, fraction, positive, LogArgs, Tool, ENV_COMMON};
-use crate::data::{prepare_text_dir_with_progress, text_files, train_byte_level_bpe, PrepareSummary, Tokenizer};
+use crate::data::{prepare, text_files, train_byte_level_bpe, PrepareOptions, PrepareSummary, Tokenizer};
 use crate::progress::{report, Progress};
 use crate::AnyResult;
 use anyhow::Context;
 use clap::Parser;
+use std::ops::ControlFlow;
 use std::path::{Path, PathBuf};
 
 #[derive(Parser, Debug, Clone, PartialEq)]
 #[command(
     allow_negative_numbers = true,
     name = "prepare_data",
-    about = "Tokenize text (a .txt file or a directory of them, one document per file) into train/validation token \
-             shards and a manifest.json, the prepared-data directory that pretrain_llama --data reads",
+    about = "Tokenize text or a dataset (.txt, .jsonl, .jsonl.gz, .jsonl.zst, .parquet: a file, a directory or a glob) into \
+             train/validation token shards and a manifest.json, the prepared-data directory that pretrain_llama --data \
+             reads. Runs on every core; an interrupted run resumes where it stopped.",
     after_help = env_help(&[ENV_COMMON])
 )]
 pub struct PrepareDataArgs {
-    /// Text: a .txt file or a directory of .txt files
-    #[arg(long, value_name = "FILE|DIR")]
+    /// Input: a .txt file (one document), a .jsonl / .jsonl.gz / .jsonl.zst file (one document
+    /// per line) or a .parquet file (one per row), a directory of these, or a quoted glob
+    /// ("data/*.parquet")
+    #[arg(long, value_name = "FILE|DIR|GLOB")]
     pub input: PathBuf,
     /// Tokenizer (Hugging Face tokenizer.json)
     #[arg(long, value_name = "FILE")]
@@ -25,14 +30,32 @@ pub struct PrepareDataArgs {
     /// Output directory (its old shards and manifest are replaced)
     #[arg(long, value_name = "DIR")]
     pub out: PathBuf,
-    /// Fraction of the tokens (the end of the stream) held out for validation
+    /// Fraction held out for validation: the end of the token stream for text files, whole
+    /// documents for datasets
     #[arg(long, default_value = "0.05", value_parser = fraction, allow_hyphen_values = true)]
     pub val_fraction: f64,
     /// Tokens per shard file
     #[arg(long, default_value = "100000000", value_parser = positive)]
     pub shard_tokens: usize,
     #[command(flatten)]
+    pub records: RecordArgs,
+    /// Shuffle the documents with this seed before the split and the shards [default: input order]
+    #[arg(long, value_name = "SEED")]
+    pub shuffle_docs: Option<u64>,
+    #[command(flatten)]
     pub log: LogArgs,
+}
+
+/// How records of a dataset are read (prepare_data and the training tools' --data).
+#[derive(clap::Args, Debug, Clone, PartialEq)]
+pub struct RecordArgs {
+    /// The JSON field or Parquet column holding the text (a dotted path for a nested column)
+    #[arg(long, value_name = "NAME", default_value = "text", help_heading = "Data")]
+    pub text_field: String,
+    /// Skip records that cannot be read (a missing or non-string field, bad UTF-8, a truncated
+    /// stream: the rest of that file), counting and reporting them, instead of stopping
+    #[arg(long, help_heading = "Data")]
+    pub skip_bad_records: bool,
 }
 
 impl Tool for PrepareDataArgs {
@@ -41,31 +64,86 @@ impl Tool for PrepareDataArgs {
     }
 }
 
-/// Tokenizes `input` into shards in `out` with a progress indicator (shared by prepare_data and
-/// the first-use tokenizing of pretrain_llama).
-pub fn tokenize_text(input: &Path, tokenizer: &Tokenizer, out: &Path, val_fraction: f64, shard_tokens: usize) -> AnyResult<PrepareSummary> {
-    let files = text_files(input).with_context(|| format!("cannot read the text in {}", input.display()))?;
-    let bytes: u64 = files.iter().filter_map(|f| std::fs::metadata(f).ok()).map(|m| m.len()).sum();
-    let bar = Progress::bytes(bytes, "tokenize");
-    bar.set_message(format!("{} file(s)", files.len()));
-    let s = prepare_text_dir_with_progress(input, tokenizer, out, val_fraction, shard_tokens, &mut |n| bar.inc(n))
-        .with_context(|| format!("cannot prepare {} into {}", input.display(), out.display()))?;
+/// Tokenizes `input` into shards in `out` with a progress bar (bytes, documents, tokens/s, ETA),
+/// shared by prepare_data and the first-use tokenizing of the training tools. A run interrupted
+/// before resumes from its finished parts.
+pub fn tokenize_data(input: &Path, tokenizer: &Tokenizer, out: &Path, opts: &PrepareOptions) -> AnyResult<PrepareSummary> {
+    let bar = Progress::bytes(0, "tokenize");
+    let start = std::time::Instant::now();
+    let mut first = true;
+    let s = prepare(input, tokenizer, out, opts, &mut |p| {
+        if first {
+            first = false;
+            bar.bar().set_length(p.total_bytes);
+            bar.start_at(p.resumed_bytes);
+            if p.resumed_documents > 0 {
+                report(&format!(
+                    "resuming {}: {} documents ({} tokens) already tokenized",
+                    out.display(),
+                    p.resumed_documents,
+                    p.resumed_tokens
+                ));
+            }
+        }
+        bar.set_position(p.bytes);
+        let rate = (p.tokens - p.resumed_tokens) as f64 / start.elapsed().as_secs_f64().max(1e-3);
+        let skipped = if p.skipped_records > 0 { format!(", {} skipped", p.skipped_records) } else { String::new() };
+        bar.set_message(format!("{} docs, {} tok/s{skipped}", p.documents, human(rate)));
+        ControlFlow::Continue(())
+    })
+    .with_context(|| format!("cannot prepare {} into {}", input.display(), out.display()))?;
     Ok(s)
 }
 
-pub fn prepare_data(a: PrepareDataArgs) -> AnyResult<()> {
-    let tok = Tokenizer::from_file(&a.tokenizer).with_context(|| format!("cannot load the tokenizer {}", a.tokenizer.display()))?;
-    let s = tokenize_text(&a.input, &tok, &a.out, a.val_fraction, a.shard_tokens)?;
+/// `1.23M`-style counts for the progress line.
+fn human(x: f64) -> String {
+    match x {
+        x if x >= 1e9 => format!("{:.2}G", x / 1e9),
+        x if x >= 1e6 => format!("{:.2}M", x / 1e6),
+        x if x >= 1e3 => format!("{:.1}k", x / 1e3),
+        x => format!("{x:.0}"),
+    }
+}
+
+/// The report lines after preparing: sizes, how documents were framed and split, and skips.
+pub fn report_prepared(s: &PrepareSummary, out: &Path) {
     report(&format!(
-        "{} documents -> {} train tokens in {} shard(s), {} val tokens in {} shard(s) ({:?}) under {}",
+        "{} document{} -> {} train tokens in {} shard(s), {} val tokens in {} shard(s) ({:?}) under {}",
         s.documents,
+        if s.documents == 1 { "" } else { "s" },
         s.train_tokens,
         s.train_shards.len(),
         s.val_tokens,
         s.val_shards.len(),
         s.dtype,
-        a.out.display()
+        out.display()
     ));
+    let split = match (s.split.as_deref(), s.val_documents) {
+        (Some("documents"), Some(n)) => format!("validation: {n} whole documents"),
+        _ => "validation: the end of the token stream".to_string(),
+    };
+    let shuffled = s.shuffle_docs.map(|seed| format!(", documents shuffled (seed {seed})")).unwrap_or_default();
+    report(&format!("{}; {split}{shuffled}", s.framing.as_deref().unwrap_or("documents delimited")));
+    if s.skipped_records > 0 {
+        report(&format!("skipped {} bad record(s) (--skip-bad-records); the first:", s.skipped_records));
+        for e in &s.skipped_examples {
+            report(&format!("  {e}"));
+        }
+    }
+}
+
+pub fn prepare_data(a: PrepareDataArgs) -> AnyResult<()> {
+    let tok = Tokenizer::from_file(&a.tokenizer).with_context(|| format!("cannot load the tokenizer {}", a.tokenizer.display()))?;
+    let opts = PrepareOptions {
+        val_fraction: a.val_fraction,
+        shard_tokens: a.shard_tokens,
+        text_field: a.records.text_field.clone(),
+        skip_bad_records: a.records.skip_bad_records,
+        shuffle_docs: a.shuffle_docs,
+        ..PrepareOptions::default()
+    };
+    let s = tokenize_data(&a.input, &tok, &a.out, &opts)?;
+    report_prepared(&s, &a.out);
     Ok(())
 }
 

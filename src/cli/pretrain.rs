@@ -1,7 +1,8 @@
 //! `pretrain_llama`: pretrain a LLaMA model from scratch (or continue a run).
-use super::{env_help, prepare, LogArgs, Tool, TrainArgs, ENV_COMMON, ENV_DEVICE, ENV_LAUNCH, ENV_TRAIN};
-use crate::data::{PrepareSummary, Shard, Tokenizer};
-use crate::nn::generate::generate;
+use super::prepare::{self, RecordArgs};
+use super::{env_help, LogArgs, Tool, TrainArgs, ENV_COMMON, ENV_DEVICE, ENV_LAUNCH, ENV_TRAIN};
+use crate::data::{PrepareOptions, PrepareSummary, Shard, Tokenizer};
+use crate::nn::generate::generate_within;
 use crate::nn::LlamaConfig;
 use crate::progress::report;
 use crate::run_dir;
@@ -46,40 +47,75 @@ impl Tool for PretrainArgs {
     }
 }
 
-/// Cache folder for tokenized text: named after the data and keyed by the files' names, sizes
-/// and modification times and the tokenizer, so edited data or another tokenizer re-tokenizes.
-fn cache_name(data: &Path, tokenizer: &Path) -> AnyResult<String> {
+/// Cache folder for tokenized data: named after the data and keyed by the input files' names,
+/// sizes and modification times, the tokenizer, and the record flags when they are not the
+/// defaults, so edited data, another tokenizer or another text field tokenizes again.
+fn cache_name(data: &Path, tokenizer: &Path, records: &RecordArgs) -> AnyResult<String> {
     use std::hash::{Hash, Hasher};
     let mut h = std::collections::hash_map::DefaultHasher::new();
-    for f in crate::data::text_files(data)?.iter().chain([&tokenizer.to_path_buf()]) {
+    let inputs = crate::data::resolve_inputs(data)?;
+    for f in inputs.iter().map(|f| &f.path).chain([&tokenizer.to_path_buf()]) {
         let m = std::fs::metadata(f).with_context(|| format!("cannot read {}", f.display()))?;
         (f.file_name(), m.len(), m.modified().ok()).hash(&mut h);
     }
+    if records.text_field != "text" || records.skip_bad_records {
+        (&records.text_field, records.skip_bad_records).hash(&mut h);
+    }
     let stem = data.file_stem().map(|s| s.to_string_lossy().into_owned()).unwrap_or_else(|| "data".into());
+    // A glob's stem (`*`) and other odd characters do not belong in a directory name.
+    let stem: String = stem.chars().map(|c| if c.is_alphanumeric() || "._-".contains(c) { c } else { '_' }).collect();
     Ok(format!("{stem}-{:016x}", h.finish()))
 }
 
-/// The shard directory for `data`: a prepared directory as is, text tokenized once into runs/cache.
-pub(crate) fn shard_dir(data: &Path, tokenizer: &Tokenizer, tok_path: &Path) -> AnyResult<PathBuf> {
-    let what = if data.extension().is_some() { "data file" } else { "data directory" };
-    std::fs::metadata(data).with_context(|| format!("cannot open {what} {}", data.display()))?;
+/// Whether `--data` is written as a glob (and is not a path that exists).
+fn is_glob(data: &Path) -> bool {
+    !data.exists() && data.to_str().is_some_and(|s| s.contains(['*', '?', '[']))
+}
+
+/// The shard directory for `data`: a prepared directory as is; text and datasets (a file, a
+/// directory of them, a glob) tokenized once into runs/cache, resuming an interrupted tokenizing.
+pub(crate) fn shard_dir(data: &Path, tokenizer: &Tokenizer, tok_path: &Path, records: &RecordArgs) -> AnyResult<PathBuf> {
+    if !is_glob(data) {
+        let what = if data.is_file() || data.extension().is_some() { "data file" } else { "data directory" };
+        std::fs::metadata(data).with_context(|| format!("cannot open {what} {}", data.display()))?;
+    }
     if PrepareSummary::load(data)?.is_some() {
         return Ok(data.to_path_buf());
     }
-    let dir = PathBuf::from("runs/cache").join(cache_name(data, tok_path)?);
+    let name = cache_name(data, tok_path, records).with_context(|| format!("cannot read the data {}", data.display()))?;
+    let dir = PathBuf::from("runs/cache").join(name);
     if PrepareSummary::load(&dir)?.is_none() {
         tracing::info!("tokenizing {} with {} into {}", data.display(), tok_path.display(), dir.display());
-        let s = prepare::tokenize_text(data, tokenizer, &dir, 0.05, 1 << 24)?;
-        report(&format!("  {} train / {} validation tokens in {}", s.train_tokens, s.val_tokens, dir.display()));
+        let opts = PrepareOptions {
+            val_fraction: 0.05,
+            shard_tokens: 1 << 24,
+            text_field: records.text_field.clone(),
+            skip_bad_records: records.skip_bad_records,
+            ..PrepareOptions::default()
+        };
+        let s = prepare::tokenize_data(data, tokenizer, &dir, &opts)?;
+        prepare::report_prepared(&s, &dir);
     }
     Ok(dir)
 }
 
 /// The train and validation shards for `--data`, checked at open against the tokenizer (manifest
 /// vocabulary and fingerprint, every shard's dtype, length and ids): a bad id is found here, not
-/// at the step that first draws it.
+/// at the step that first draws it. Datasets are read with the default record flags
+/// (`--text-field text`); [`token_data_with`] takes them.
 pub(crate) fn token_data(data: &Path, tokenizer: &Tokenizer, tok_path: &Path) -> AnyResult<(PathBuf, Vec<PathBuf>, Vec<PathBuf>)> {
-    let shards = shard_dir(data, tokenizer, tok_path)?;
+    let records = RecordArgs { text_field: "text".into(), skip_bad_records: false };
+    token_data_with(data, tokenizer, tok_path, &records)
+}
+
+/// [`token_data`] with the record flags (`--text-field`, `--skip-bad-records`).
+pub(crate) fn token_data_with(
+    data: &Path,
+    tokenizer: &Tokenizer,
+    tok_path: &Path,
+    records: &RecordArgs,
+) -> AnyResult<(PathBuf, Vec<PathBuf>, Vec<PathBuf>)> {
+    let shards = shard_dir(data, tokenizer, tok_path, records)?;
     let td = crate::data::check_token_data(&shards, tokenizer)
         .with_context(|| format!("the prepared data in {} does not fit the tokenizer {}", shards.display(), tok_path.display()))?;
     for w in &td.warnings {
@@ -127,7 +163,7 @@ fn prepare(args: &PretrainArgs) -> AnyResult<Prepared> {
     let tok_path = a.tokenizer.clone().unwrap_or_else(|| super::bundled("data/tokenizer.json"));
     let tokenizer = Tokenizer::from_file(&tok_path).with_context(|| format!("cannot load the tokenizer {}", tok_path.display()))?;
     let data = a.data.clone().unwrap_or_else(|| super::bundled("data/corpus"));
-    let (shards, train, val) = token_data(&data, &tokenizer, &tok_path)?;
+    let (shards, train, val) = token_data_with(&data, &tokenizer, &tok_path, &a.records)?;
     // The final validation always runs, so the split must serve one window whatever --eval-every.
     check_validation_data(&val, opts.batch_size, opts.seq_len).with_context(|| format!("{}", shards.display()))?;
 
@@ -138,14 +174,7 @@ fn prepare(args: &PretrainArgs) -> AnyResult<Prepared> {
         c.vocab_size = tokenizer.vocab_size();
         c
     };
-    if tokenizer.vocab_size() > cfg.vocab_size {
-        bail!(
-            "{}: the tokenizer has {} tokens but the model's vocab_size is {}",
-            tok_path.display(),
-            tokenizer.vocab_size(),
-            cfg.vocab_size
-        );
-    }
+    check_vocab(&tokenizer, &tok_path, cfg.vocab_size, &args.config)?;
     if let Some(l) = &args.ladder_layers {
         cfg.ladder_layers = Some(crate::nn::LadderLayers::parse_flag(l, cfg.num_hidden_layers)?);
         cfg.validate()?;
@@ -156,6 +185,31 @@ fn prepare(args: &PretrainArgs) -> AnyResult<Prepared> {
     let mem = crate::memory::check_layout(&cfg, dtype, device, &opts.shape(), &layout)?;
     report(&format!("memory: predicted peak {}", crate::memory::describe(&mem)));
     Ok(Prepared { device, dtype, tok_path, tokenizer, train, val, cfg })
+}
+
+/// The model's `vocab_size` against the tokenizer's ids: smaller is refused (the ids would index
+/// past the embedding); larger (a vocabulary padded to a round size, e.g. 32000 for a 4096-token
+/// tokenizer) trains, with one warning here, and the sample at the end draws only the
+/// tokenizer's ids.
+pub(crate) fn check_vocab(tokenizer: &Tokenizer, tok_path: &Path, model_vocab: usize, model: &str) -> AnyResult<()> {
+    let tok_vocab = tokenizer.vocab_size();
+    if tok_vocab > model_vocab {
+        bail!(
+            "{}: the tokenizer's ids go up to {} but the model's vocab_size ({model}) is {model_vocab}: its ids would index past \
+             the embedding table; use a model with vocab_size >= {tok_vocab}",
+            tok_path.display(),
+            tok_vocab - 1,
+        );
+    }
+    if model_vocab > tok_vocab {
+        tracing::warn!(
+            "the model's vocab_size ({model_vocab}, {model}) is larger than the tokenizer's {tok_vocab} ids ({}): rows {tok_vocab}..{} \
+             of the embedding are padding that no text uses; sampling draws only the tokenizer's ids",
+            tok_path.display(),
+            model_vocab - 1
+        );
+    }
+    Ok(())
 }
 
 /// Fills the flags left at their defaults from `--config-from` (the autoconfig example's
@@ -274,9 +328,17 @@ fn train_rank(args: &PretrainArgs, p: &Prepared, comm: Option<crate::parallel::C
     }
     report(&format!("checkpoint: {}  (loss curve: {})", a.out.join("checkpoints").display(), a.out.join("loss.png").display()));
 
+    // The sample is a look at the model, not part of the run: a failure is a warning.
     let prompt = "ROMEO:\n";
-    let ids = p.tokenizer.encode(prompt, false)?;
-    let out = generate(&trainer.model, &ids, 80, 0.8, 0.95, &mut trainer.rng)?;
-    report(&format!("--- sample ---\n{}{}", prompt, p.tokenizer.decode(&out)?));
+    let sample = p.tokenizer.encode(prompt, false).map_err(anyhow::Error::from).and_then(|ids| {
+        let out = generate_within(&trainer.model, &ids, 80, 0.8, 0.95, p.tokenizer.vocab_size(), &mut trainer.rng)?;
+        Ok(p.tokenizer.decode(&out)?)
+    });
+    match sample {
+        Ok(text) => {
+            report(&format!("--- sample ---\n{prompt}{text}"));
+        }
+        Err(e) => tracing::warn!("no sample: {e:#}"),
+    }
     Ok(())
 }

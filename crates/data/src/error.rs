@@ -20,6 +20,12 @@ pub enum Error {
     /// An invalid argument or a data set that cannot serve the request
     /// (empty, shorter than one window, mismatched loader state ...).
     Invalid(String),
+    /// One record of an input file cannot be a document: `at` says where (`line 12`, `row 7`,
+    /// `byte offset 4096`), `msg` what is wrong and with which field.
+    Record { path: PathBuf, at: String, msg: String },
+    /// Stopped on the caller's request (a progress callback); the work done so far is kept for
+    /// the next run to resume from.
+    Interrupted,
 }
 
 /// `Result` with this crate's [`Error`].
@@ -37,6 +43,10 @@ impl Error {
     pub(crate) fn invalid(msg: impl Into<String>) -> Self {
         Error::Invalid(msg.into())
     }
+
+    pub(crate) fn record(path: &Path, at: impl Into<String>, msg: impl Into<String>) -> Self {
+        Error::Record { path: path.to_path_buf(), at: at.into(), msg: msg.into() }
+    }
 }
 
 impl fmt::Display for Error {
@@ -46,15 +56,13 @@ impl fmt::Display for Error {
             Error::Format { path, msg } => write!(f, "{}: {msg}", path.display()),
             Error::Tokenizer(msg) => write!(f, "tokenizer: {msg}"),
             Error::Invalid(msg) => f.write_str(msg),
+            Error::Record { path, at, msg } => write!(f, "{}: {at}: {msg}", path.display()),
+            Error::Interrupted => f.write_str("interrupted (run again to resume)"),
         }
     }
 }
 
-impl std::error::Error for Error {
-    fn source(&self) -> Option<&(dyn std::error::Error + 'static)> {
-        match self {
-            Error::Io { source, .. } => Some(source),
-            _ => None,
-        }
-    }
-}
+/// No `source()`: the message above already ends with the operating system's reason, and a
+/// chain printer (`anyhow`'s `{:#}`) would print it twice (`…: Not a directory (os error 20):
+/// Not a directory (os error 20)`).
+impl std::error::Error for Error {}

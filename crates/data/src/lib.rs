@@ -2,7 +2,9 @@
 //!
 //! - [`Tokenizer`]: any Hugging Face `tokenizer.json` (byte-level BPE trainer included);
 //! - [`shard`]: memory-mapped binary token shards (`FRLMTOK` header + u16/u32 ids);
-//! - [`prepare_text_dir`]: `.txt` files -> train/val shards and a manifest;
+//! - [`resolve_inputs`] and [`DocReader`]: text, JSON Lines (plain, gzip, zstd) and Parquet
+//!   inputs, read one document at a time;
+//! - [`prepare`]: documents -> train/val shards and a manifest, on every core, resumable;
 //! - [`check_token_data`]: a prepared directory checked against the tokenizer at open;
 //! - [`DataLoader`]: seeded, resumable shuffled batches, and [`eval_batches`].
 //!
@@ -11,14 +13,25 @@
 
 pub mod check;
 pub mod error;
+pub mod finalize;
+pub mod framing;
+pub mod input;
 pub mod loader;
+mod parquet_reader;
+pub mod pipeline;
 pub mod prepare;
+pub mod records;
 pub mod shard;
 pub mod tokenizer;
 
 pub use check::{check_shard_ids, check_token_data, TokenData};
 pub use error::{Error, Result};
+pub use finalize::SplitKind;
+pub use framing::DocFraming;
+pub use input::{resolve_inputs, text_files, Compression, InputFile, InputFormat};
 pub use loader::{eval_batches, Batch, DataLoader, EvalBatches, LoaderState, MAX_BATCH_TOKENS};
-pub use prepare::{list_shards, prepare_text_dir, prepare_text_dir_with_progress, text_files, PrepareSummary, ShardInfo};
+pub use pipeline::PrepareProgress;
+pub use prepare::{list_shards, prepare, prepare_text_dir, prepare_text_dir_with_progress, PrepareOptions, PrepareSummary, ShardInfo};
+pub use records::{DocReader, Piece, ReadError};
 pub use shard::{Shard, ShardWriter, TokenDtype};
 pub use tokenizer::{train_byte_level_bpe, Tokenizer, BOS_TOKEN, EOS_TOKEN};

@@ -41,10 +41,10 @@ pub struct LoaderState {
 
 /// SplitMix64 (Steele, Lea & Flood 2014): tiny, fast, and well mixed enough to
 /// shuffle; written here so the stream never changes under a dependency update.
-struct SplitMix64(u64);
+pub(crate) struct SplitMix64(pub(crate) u64);
 
 impl SplitMix64 {
-    fn next_u64(&mut self) -> u64 {
+    pub(crate) fn next_u64(&mut self) -> u64 {
         self.0 = self.0.wrapping_add(0x9E37_79B9_7F4A_7C15);
         let mut z = self.0;
         z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
@@ -54,7 +54,7 @@ impl SplitMix64 {
 
     /// Uniform-enough integer in `0..n` by multiply-high; the bias, at most
     /// `n / 2^64`, is irrelevant for shuffling windows.
-    fn below(&mut self, n: u64) -> u64 {
+    pub(crate) fn below(&mut self, n: u64) -> u64 {
         ((self.next_u64() as u128 * n as u128) >> 64) as u64
     }
 }

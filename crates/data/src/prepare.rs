@@ -1,17 +1,23 @@
-//! Text -> token shards: `train_NNNNNN.bin` and `val_NNNNNN.bin` in one directory.
+//! Documents -> token shards: `train_NNNNNN.bin` and `val_NNNNNN.bin` in one directory.
 //!
-//! The split is by position in the token stream (the last `val_fraction` of it
-//! is validation), so it is deterministic and needs no RNG; with files sorted by
-//! name the whole output is a pure function of the inputs. A `manifest.json`
-//! is written last, so its presence means the directory is complete — callers
+//! [`prepare`] reads the inputs ([`resolve_inputs`]: text, JSON Lines plain or compressed,
+//! Parquet), tokenizes them on every core into parts that an interrupted run resumes from
+//! (`pipeline`), then writes the shards with the validation split (`finalize`). With inputs
+//! sorted by path the whole output is a pure function of the inputs and the options. A
+//! `manifest.json` is written last, so its presence means the directory is complete — callers
 //! that build shards on first use check for it (see [`PrepareSummary::load`]).
 
+use std::ops::ControlFlow;
 use std::path::{Path, PathBuf};
 
 use serde::{Deserialize, Serialize};
 
 use crate::error::{Error, Result};
-use crate::shard::{ShardWriter, TokenDtype};
+use crate::finalize::{write_splits, Parts};
+use crate::framing::DocFraming;
+use crate::input::{resolve_inputs, InputFile};
+use crate::pipeline::{Journal, PrepareProgress, TokenizePass, WORK_DIR};
+use crate::shard::TokenDtype;
 use crate::tokenizer::Tokenizer;
 
 /// Name of the summary file written into the output directory.
@@ -35,6 +41,28 @@ pub struct PrepareSummary {
     /// Per-shard token counts and largest ids, train shards first; empty in older manifests.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub shards: Vec<ShardInfo>,
+    /// How validation was cut: `"tokens"` (the end of the token stream) or `"documents"`
+    /// (whole documents); absent in older manifests (always `"tokens"`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub split: Option<String>,
+    /// Documents with tokens in the validation split.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub val_documents: Option<u64>,
+    /// What separates documents (`"<|eos|> after each document"`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub framing: Option<String>,
+    /// The seed of `--shuffle-docs`, when the documents were shuffled.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub shuffle_docs: Option<u64>,
+    /// Records skipped by `--skip-bad-records`, and the first few reasons.
+    #[serde(default, skip_serializing_if = "is_zero")]
+    pub skipped_records: u64,
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub skipped_examples: Vec<String>,
+}
+
+fn is_zero(n: &u64) -> bool {
+    *n == 0
 }
 
 /// What the manifest records about one shard, so a replaced or damaged shard is noticed.
@@ -54,6 +82,10 @@ impl PrepareSummary {
     pub fn load(out_dir: impl AsRef<Path>) -> Result<Option<Self>> {
         let dir = out_dir.as_ref();
         let path = dir.join(MANIFEST);
+        if !dir.is_dir() {
+            // A file (text to tokenize) or nothing: not a prepared directory.
+            return Ok(None);
+        }
         let s = match std::fs::read_to_string(&path) {
             Ok(s) => s,
             Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(None),
@@ -113,26 +145,6 @@ fn file_name(p: &Path) -> String {
     p.file_name().map(|n| n.to_string_lossy().into_owned()).unwrap_or_default()
 }
 
-/// The `.txt` files of `input` (itself, if it is a file), sorted by name.
-pub fn text_files(input: &Path) -> Result<Vec<PathBuf>> {
-    let meta = std::fs::metadata(input).map_err(|e| Error::io(input, e))?;
-    if meta.is_file() {
-        return Ok(vec![input.to_path_buf()]);
-    }
-    let mut files = Vec::new();
-    for entry in std::fs::read_dir(input).map_err(|e| Error::io(input, e))? {
-        let path = entry.map_err(|e| Error::io(input, e))?.path();
-        if path.is_file() && path.extension().is_some_and(|x| x == "txt") {
-            files.push(path);
-        }
-    }
-    files.sort();
-    if files.is_empty() {
-        return Err(Error::format(input, "no .txt files in this directory"));
-    }
-    Ok(files)
-}
-
 /// The `train` or `val` shards of a prepared directory, in order, as its `manifest.json`
 /// lists them (never by file-name pattern: stray or stale files in the directory are not data).
 /// A directory without a manifest is an error: it was never completely prepared.
@@ -148,57 +160,76 @@ pub fn list_shards(dir: impl AsRef<Path>, prefix: &str) -> Result<Vec<PathBuf>> 
     }
 }
 
-/// Tokenizes every `.txt` under `input` (one document per file, `<eos>`
-/// appended to each when the tokenizer has one) and writes shards of at most
-/// `shard_tokens` tokens into `out_dir`. The previous manifest and the shards it lists
-/// are removed first so that a re-run never mixes outputs. The manifest records the
-/// tokenizer's fingerprint and each shard's size and largest id.
-///
-/// The token stream is held in memory (4 bytes per token): fine up to a few
-/// hundred million tokens; larger corpora want a streaming two-pass variant.
-pub fn prepare_text_dir(
-    input: impl AsRef<Path>,
-    tokenizer: &Tokenizer,
-    out_dir: impl AsRef<Path>,
-    val_fraction: f64,
-    shard_tokens: usize,
-) -> Result<PrepareSummary> {
-    prepare_text_dir_with_progress(input, tokenizer, out_dir, val_fraction, shard_tokens, &mut |_| {})
+/// Settings of [`prepare`].
+#[derive(Clone, Debug, PartialEq)]
+pub struct PrepareOptions {
+    /// Share of the tokens held out for validation, in [0, 1).
+    pub val_fraction: f64,
+    /// Tokens per output shard.
+    pub shard_tokens: usize,
+    /// JSON field / Parquet column (a dotted path for nested columns) holding the text.
+    pub text_field: String,
+    /// Count and report bad records (and unreadable files) instead of failing on the first.
+    pub skip_bad_records: bool,
+    /// Shuffle documents with this seed before the split and the shards.
+    pub shuffle_docs: Option<u64>,
+    /// Tokens per intermediate part: how much an interrupted run may have to redo.
+    pub part_tokens: usize,
+    /// Bytes of text per batch encoded in parallel.
+    pub batch_bytes: usize,
 }
 
-/// [`prepare_text_dir`], calling `on_bytes(n)` after each input file with the `n` bytes of
-/// text it held (for a progress bar with a rate and an ETA).
-pub fn prepare_text_dir_with_progress(
-    input: impl AsRef<Path>,
-    tokenizer: &Tokenizer,
-    out_dir: impl AsRef<Path>,
-    val_fraction: f64,
-    shard_tokens: usize,
-    on_bytes: &mut dyn FnMut(u64),
-) -> Result<PrepareSummary> {
-    let (input, out_dir) = (input.as_ref(), out_dir.as_ref());
-    if !(0.0..1.0).contains(&val_fraction) {
-        return Err(Error::invalid(format!("val_fraction must be in [0, 1), got {val_fraction}")));
+impl Default for PrepareOptions {
+    fn default() -> Self {
+        PrepareOptions {
+            val_fraction: 0.05,
+            shard_tokens: 100_000_000,
+            text_field: "text".into(),
+            skip_bad_records: false,
+            shuffle_docs: None,
+            part_tokens: 1 << 24,
+            batch_bytes: 8 << 20,
+        }
     }
-    if shard_tokens == 0 {
-        return Err(Error::invalid("shard_tokens must be positive"));
-    }
-    let files = text_files(input)?;
-    let eos = tokenizer.eos_id();
-    let mut tokens: Vec<u32> = Vec::new();
-    for f in &files {
-        let text = std::fs::read_to_string(f).map_err(|e| Error::io(f, e))?;
-        tokens.extend(tokenizer.encode(&text, false)?);
-        tokens.extend(eos);
-        on_bytes(text.len() as u64);
-    }
-    if tokens.is_empty() {
-        return Err(Error::format(input, "input holds no text (0 tokens)"));
-    }
+}
 
-    std::fs::create_dir_all(out_dir).map_err(|e| Error::io(out_dir, e))?;
-    // Remove the previous output (the manifest first, so a crash in between leaves a
-    // directory that reads as unprepared, never a manifest naming missing shards).
+impl PrepareOptions {
+    fn validate(&self) -> Result<()> {
+        if !(0.0..1.0).contains(&self.val_fraction) {
+            return Err(Error::invalid(format!("val_fraction must be in [0, 1), got {}", self.val_fraction)));
+        }
+        if self.shard_tokens == 0 || self.part_tokens == 0 || self.batch_bytes == 0 {
+            return Err(Error::invalid("shard_tokens, part_tokens and batch_bytes must be positive"));
+        }
+        if self.text_field.is_empty() {
+            return Err(Error::invalid("the text field name is empty"));
+        }
+        Ok(())
+    }
+}
+
+/// What determines the ids of the parts: a resumed run must match it (an FNV-1a hash).
+fn job_key(inputs: &[InputFile], fingerprint: &str, framing: &DocFraming, text_field: &str) -> String {
+    use std::hash::Hasher;
+    let mut h = fnv::FnvHasher::default();
+    let mut put = |s: &str| {
+        h.write(s.as_bytes());
+        h.write_u8(0);
+    };
+    put("ferrolm-prepare-1");
+    put(fingerprint);
+    put(&format!("{:?}{:?}", framing.prefix, framing.suffix));
+    put(text_field);
+    for f in inputs {
+        let mtime = f.modified.and_then(|t| t.duration_since(std::time::UNIX_EPOCH).ok()).map_or(0, |d| d.as_nanos());
+        put(&format!("{}\u{1}{}\u{1}{mtime}", f.path.display(), f.bytes));
+    }
+    format!("{:016x}", h.finish())
+}
+
+/// Removes the previous manifest (first, so a crash in between leaves a directory that reads as
+/// unprepared, never a manifest naming missing shards), then the shards it listed.
+fn remove_previous_output(out_dir: &Path) -> Result<()> {
     let manifest = out_dir.join(MANIFEST);
     let old = PrepareSummary::load(out_dir).ok().flatten();
     if manifest.exists() {
@@ -210,49 +241,124 @@ pub fn prepare_text_dir_with_progress(
             _ => {}
         }
     }
+    Ok(())
+}
 
-    let n_val = (tokens.len() as f64 * val_fraction).round() as usize;
-    let (train, val) = tokens.split_at(tokens.len() - n_val);
+/// Tokenizes the documents of `input` (a file, directory or glob: see [`resolve_inputs`]) into
+/// train/val shards of `out_dir` with a `manifest.json` recording the tokenizer's fingerprint,
+/// each shard's size and largest id, the split and the skips. The previous manifest and its
+/// shards are removed first, so a re-run never mixes outputs. A run that stops midway (an error,
+/// a kill, `on_progress` returning `Break`) leaves its finished parts in `out_dir/.prepare/`, and
+/// the next run with the same inputs, tokenizer and text field resumes from them, producing the
+/// same shards as an uninterrupted run.
+pub fn prepare(
+    input: impl AsRef<Path>,
+    tokenizer: &Tokenizer,
+    out_dir: impl AsRef<Path>,
+    opts: &PrepareOptions,
+    on_progress: &mut dyn FnMut(&PrepareProgress) -> ControlFlow<()>,
+) -> Result<PrepareSummary> {
+    let (input, out_dir) = (input.as_ref(), out_dir.as_ref());
+    opts.validate()?;
+    let inputs = resolve_inputs(input)?;
+    let framing = DocFraming::of(tokenizer)?;
+    let fingerprint = tokenizer.fingerprint()?;
     let vocab_size = tokenizer.vocab_size();
     let dtype = TokenDtype::for_vocab(vocab_size);
-    let mut shards = Vec::new();
-    let train_shards = write_shards(out_dir, "train", train, dtype, shard_tokens, &mut shards)?;
-    let val_shards = write_shards(out_dir, "val", val, dtype, shard_tokens, &mut shards)?;
+
+    std::fs::create_dir_all(out_dir).map_err(|e| Error::io(out_dir, e))?;
+    remove_previous_output(out_dir)?;
+    let work = out_dir.join(WORK_DIR);
+    let job = job_key(&inputs, &fingerprint, &framing, &opts.text_field);
+    // A journal whose run skipped records resumes only a run that skips them too.
+    let mut journal = match Journal::load(&work, &job).filter(|j| j.skipped_records == 0 || opts.skip_bad_records) {
+        Some(j) => j,
+        None => {
+            if work.exists() {
+                std::fs::remove_dir_all(&work).map_err(|e| Error::io(&work, e))?;
+            }
+            std::fs::create_dir_all(&work).map_err(|e| Error::io(&work, e))?;
+            let j = Journal::new_for(job);
+            j.save(&work)?;
+            j
+        }
+    };
+    if !journal.done {
+        let pass = TokenizePass {
+            inputs: &inputs,
+            tokenizer,
+            framing: &framing,
+            text_field: &opts.text_field,
+            skip_bad_records: opts.skip_bad_records,
+            dtype,
+            part_tokens: opts.part_tokens,
+            batch_bytes: opts.batch_bytes,
+        };
+        pass.run(&work, &mut journal, on_progress)?;
+    }
+
+    let parts = Parts::open(&work, &journal.parts)?;
+    if parts.tokens() == 0 {
+        return Err(Error::format(input, "input holds no text (0 tokens)"));
+    }
+    let by_documents = !inputs.iter().all(|f| f.format.is_text());
+    let w = write_splits(&parts, out_dir, dtype, opts.shard_tokens, opts.val_fraction, by_documents, opts.shuffle_docs)?;
     let summary = PrepareSummary {
-        documents: files.len(),
-        train_tokens: train.len() as u64,
-        val_tokens: val.len() as u64,
+        documents: parts.documents() as usize,
+        train_tokens: w.train_tokens,
+        val_tokens: w.val_tokens,
         vocab_size,
         dtype,
-        train_shards,
-        val_shards,
-        tokenizer_fingerprint: Some(tokenizer.fingerprint()?),
-        shards,
+        train_shards: w.train_shards,
+        val_shards: w.val_shards,
+        tokenizer_fingerprint: Some(fingerprint),
+        shards: w.shards,
+        split: Some(w.split.name().to_string()),
+        val_documents: Some(w.val_documents),
+        framing: Some(framing.describe(tokenizer)),
+        shuffle_docs: opts.shuffle_docs,
+        skipped_records: journal.skipped_records,
+        skipped_examples: journal.skipped_examples.clone(),
     };
+    drop(parts);
     // Written last and atomically: its presence means the directory is complete.
-    let tmp = out_dir.join(format!("{MANIFEST}.tmp"));
+    let (tmp, manifest) = (out_dir.join(format!("{MANIFEST}.tmp")), out_dir.join(MANIFEST));
     std::fs::write(&tmp, summary.to_json()).map_err(|e| Error::io(&tmp, e))?;
     std::fs::rename(&tmp, &manifest).map_err(|e| Error::io(&manifest, e))?;
+    std::fs::remove_dir_all(&work).map_err(|e| Error::io(&work, e))?;
     Ok(summary)
 }
 
-fn write_shards(
-    dir: &Path,
-    prefix: &str,
-    tokens: &[u32],
-    dtype: TokenDtype,
+/// [`prepare`] with default options but the split and shard size: the entry point the tools
+/// and tests used when only text was read (its name is kept; it reads every format).
+pub fn prepare_text_dir(
+    input: impl AsRef<Path>,
+    tokenizer: &Tokenizer,
+    out_dir: impl AsRef<Path>,
+    val_fraction: f64,
     shard_tokens: usize,
-    info: &mut Vec<ShardInfo>,
-) -> Result<Vec<PathBuf>> {
-    let mut paths = Vec::new();
-    for (i, chunk) in tokens.chunks(shard_tokens).enumerate() {
-        let file = format!("{prefix}_{i:06}.bin");
-        let path = dir.join(&file);
-        let mut w = ShardWriter::create(&path, dtype)?;
-        w.write(chunk)?;
-        w.finish()?;
-        info.push(ShardInfo { file, tokens: chunk.len() as u64, max_id: chunk.iter().copied().max() });
-        paths.push(path);
-    }
-    Ok(paths)
+) -> Result<PrepareSummary> {
+    prepare_text_dir_with_progress(input, tokenizer, out_dir, val_fraction, shard_tokens, &mut |_| {})
+}
+
+/// [`prepare_text_dir`], calling `on_bytes(n)` as input is read with the `n` bytes read since
+/// the previous call (for a progress bar with a rate and an ETA).
+pub fn prepare_text_dir_with_progress(
+    input: impl AsRef<Path>,
+    tokenizer: &Tokenizer,
+    out_dir: impl AsRef<Path>,
+    val_fraction: f64,
+    shard_tokens: usize,
+    on_bytes: &mut dyn FnMut(u64),
+) -> Result<PrepareSummary> {
+    let opts = PrepareOptions { val_fraction, shard_tokens, ..PrepareOptions::default() };
+    let mut last = None;
+    prepare(input, tokenizer, out_dir, &opts, &mut |p| {
+        let before = *last.get_or_insert(p.resumed_bytes);
+        if p.bytes > before {
+            on_bytes(p.bytes - before);
+            last = Some(p.bytes);
+        }
+        ControlFlow::Continue(())
+    })
 }

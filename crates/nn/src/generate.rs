@@ -86,7 +86,25 @@ pub fn sample(logits: &[f32], temperature: f64, top_p: f64, rng: &mut Rng) -> u3
 /// Generates up to `max_new_tokens` tokens after `prompt_ids` and returns them (without the
 /// prompt); stops after an `eos_token_id` of the config, or at max_position_embeddings.
 pub fn generate(model: &Llama, prompt_ids: &[u32], max_new_tokens: usize, temperature: f64, top_p: f64, rng: &mut Rng) -> Result<Vec<u32>> {
+    generate_within(model, prompt_ids, max_new_tokens, temperature, top_p, usize::MAX, rng)
+}
+
+/// [`generate`], sampling only ids below `vocab_limit`: a model whose embedding is padded past
+/// its tokenizer (`vocab_size` 32000 with a 4096-token tokenizer) has logits for rows no text
+/// ever used, and an id from them could not be decoded.
+pub fn generate_within(
+    model: &Llama,
+    prompt_ids: &[u32],
+    max_new_tokens: usize,
+    temperature: f64,
+    top_p: f64,
+    vocab_limit: usize,
+    rng: &mut Rng,
+) -> Result<Vec<u32>> {
     let _g = no_grad();
+    if vocab_limit == 0 {
+        return Err(Error::new("generate", "the vocabulary limit is 0: no token can be sampled"));
+    }
     if prompt_ids.is_empty() {
         return Err(Error::new("generate", "the prompt needs at least one token"));
     }
@@ -106,7 +124,7 @@ pub fn generate(model: &Llama, prompt_ids: &[u32], max_new_tokens: usize, temper
         let logits = model.forward_with_cache(&ids_tensor(&next_input)?, &mut cache)?; // (1, t, V)
         let t = logits.dim(1);
         let last = logits.narrow(1, t - 1, 1)?.to_vec_f32()?; // (V)
-        let tok = sample(&last, temperature, top_p, rng);
+        let tok = sample(&last[..vocab_limit.min(last.len())], temperature, top_p, rng);
         out.push(tok);
         if cfg.eos_token_id.contains(&tok) || cache.len() >= cfg.max_position_embeddings {
             break;
@@ -134,5 +152,21 @@ mod tests {
             seen[sample(&logits, 1.0, 1.0, &mut rng) as usize] += 1;
         }
         assert!(seen.iter().all(|&c| c > 0), "{seen:?}");
+    }
+
+    #[test]
+    fn generation_stays_within_the_limit() {
+        let cfg = crate::LlamaConfig::from_json_str(
+            r#"{"model_type":"llama","vocab_size":64,"hidden_size":16,"intermediate_size":32,"num_hidden_layers":1,
+                "num_attention_heads":2,"num_key_value_heads":1,"max_position_embeddings":64}"#,
+        )
+        .unwrap();
+        let model = Llama::new(cfg, ferrolm_tensor::DType::F32, Device::Cpu, &mut Rng::new(3)).unwrap();
+        let mut rng = Rng::new(0);
+        let free = generate(&model, &[1, 2], 40, 5.0, 1.0, &mut rng).unwrap();
+        assert!(free.iter().any(|&t| t >= 10), "a hot sampler over 64 ids draws some >= 10: {free:?}");
+        let limited = generate_within(&model, &[1, 2], 40, 5.0, 1.0, 10, &mut rng).unwrap();
+        assert!(limited.iter().all(|&t| t < 10), "{limited:?}");
+        assert!(generate_within(&model, &[1], 4, 1.0, 1.0, 0, &mut rng).is_err());
     }
 }

@@ -13,5 +13,5 @@ pub mod schedule;
 pub mod store;
 
 pub use config::{LadderLayers, LlamaConfig, RopeScaling};
-pub use generate::{generate, KvCache};
+pub use generate::{generate, generate_within, KvCache};
 pub use llama::{shift_labels, Llama};
