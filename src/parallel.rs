@@ -1,17 +1,18 @@
-//! Running a tool on several ranks. The flags (`--tp`, `--dp`, `--zero`, `--shard-params`,
-//! `--shard-grads`, `--shard-optim`, `--ranks-per-node`) are shared by every tool that takes
-//! them; `launch` starts the ranks and `attach` wires tensor parallelism and the training
-//! engine onto a model from outside.
+//! Running a tool on several ranks: [`launch`] starts them, [`attach`] wires tensor parallelism
+//! and the training engine onto a model from outside. The layout comes from the parallel flags
+//! (`cli::ParallelArgs::layout`) as a plain [`Layout`].
 //!
 //! Where the ranks come from:
-//! - a torchrun / SLURM / mpirun environment (`WORLD_SIZE` > 1): one process per GPU, NCCL;
+//! - a torchrun / srun / mpirun environment (`WORLD_SIZE` > 1): one process per GPU, NCCL. The
+//!   processes meet at the rendezvous store; a rank-0-only phase (tokenising, a cache) runs before
+//!   any collective, behind a store barrier with its own timeout (`FERROLM_PREPARE_TIMEOUT`
+//!   seconds, default 3600), never inside a collective under the NCCL watchdog; a rank's error
+//!   is posted to the store so the others stop promptly;
 //! - otherwise, on the CPU: `tp x dp` ranks as threads of this process (`ThreadComm`);
 //! - several ranks on GPUs without such an environment is an error that says how to launch.
-use crate::cli::positive;
 use crate::AnyResult;
 use anyhow::{bail, Context};
-use clap::Args;
-use ferrolm_dist::offload::{GpuEvery, OffloadConfig};
+use ferrolm_dist::offload::OffloadConfig;
 use ferrolm_dist::tp::{parallelize, TpLayout};
 use ferrolm_dist::zero::{Placement, ShardSpec, Zero};
 use ferrolm_dist::{CommOptions, Communicator, DeviceMesh, DistEnv, ThreadComm};
@@ -19,113 +20,33 @@ use ferrolm_nn::optim::AdamWConfig;
 use ferrolm_nn::Llama;
 use ferrolm_tensor::Device;
 use std::sync::Arc;
+use std::time::Duration;
 
 pub type Comm = Arc<dyn Communicator>;
 
-/// Tensor parallelism for the inference tools (eval, generate).
-#[derive(Args, Debug, Clone, PartialEq, Default)]
-#[command(next_help_heading = "Parallelism")]
-pub struct TpArgs {
-    /// Tensor-parallel ranks (on the CPU, threads of this process; on GPUs, one process per
-    /// GPU under torchrun or the launch example)
-    #[arg(long, value_name = "N", default_value = "1", value_parser = positive)]
+/// Environment variable: seconds the other ranks wait for rank 0's preparation.
+pub const ENV_PREPARE_TIMEOUT: &str = "FERROLM_PREPARE_TIMEOUT";
+
+/// How a run is laid out over ranks.
+#[derive(Clone, Debug, PartialEq)]
+pub struct Layout {
     pub tp: usize,
-}
-
-impl TpArgs {
-    pub fn layout(&self) -> ParallelArgs {
-        ParallelArgs { tp: self.tp, dp: 1, ..Default::default() }
-    }
-}
-
-/// Loads a checkpoint on every rank and shards it for tensor parallelism (inference tools).
-pub fn load_for_inference(
-    dir: &std::path::Path,
-    dtype: ferrolm_tensor::DType,
-    device: Device,
-    comm: Option<Comm>,
-    tp: &TpArgs,
-) -> AnyResult<Llama> {
-    let mut model = Llama::from_pretrained(dir, dtype, device).with_context(|| format!("cannot load the model in {}", dir.display()))?;
-    if let Some(c) = comm {
-        tensor_parallel(&mut model, c, &tp.layout())?;
-    }
-    Ok(model)
-}
-
-/// The parallel layout flags.
-#[derive(Args, Debug, Clone, PartialEq, Default)]
-#[command(next_help_heading = "Parallelism")]
-pub struct ParallelArgs {
-    /// Tensor-parallel ranks (Megatron-style; on the CPU, threads of this process)
-    #[arg(long, value_name = "N", default_value = "1", value_parser = positive)]
-    pub tp: usize,
-    /// Data-parallel ranks (each takes its share of every batch; --batch-size is per rank)
-    #[arg(long, value_name = "N", default_value = "1", value_parser = positive)]
     pub dp: usize,
-    /// ZeRO preset over the data-parallel ranks: 1 shards optimizer states, 2 also gradients,
-    /// 3 also parameters (0: plain data parallelism) [default: the --shard-* flags, else 0]
-    #[arg(long, value_name = "0|1|2|3", value_parser = clap::value_parser!(u8).range(0..=3),
-          conflicts_with_all = ["shard_params", "shard_grads", "shard_optim"])]
-    pub zero: Option<u8>,
-    /// Group size over which parameters are sharded (AMSP's s_p) [default: 1]
-    #[arg(long, value_name = "S", value_parser = positive)]
-    pub shard_params: Option<usize>,
-    /// Group size over which gradients are sharded (s_g: equal to s_p or s_os) [default: s_p]
-    #[arg(long, value_name = "S", value_parser = positive)]
-    pub shard_grads: Option<usize>,
-    /// Group size over which optimizer states are sharded (s_os) [default: s_g]
-    #[arg(long, value_name = "S", value_parser = positive)]
-    pub shard_optim: Option<usize>,
-    /// Ranks per node: sharding groups stay inside a node or span whole nodes
-    /// [default: every rank on one node]
-    #[arg(long, value_name = "N", value_parser = positive)]
-    pub ranks_per_node: Option<usize>,
-    /// Keep this rank's optimizer state (fp32 master, m, v) in pinned host memory and update it
-    /// on the CPU, one subgroup in k on the GPU (Deep Optimizer States; docs/OFFLOAD.md). On
-    /// --device cpu it runs but saves nothing (the state is in host memory already)
-    #[arg(long)]
-    pub offload_optimizer: bool,
-    /// Elements per offloaded subgroup (the unit of the CPU/GPU interleaving)
-    #[arg(long, value_name = "N", default_value = "10000000", value_parser = positive, requires = "offload_optimizer")]
-    pub offload_subgroup_size: usize,
-    /// Update one subgroup in k on the GPU: k >= 1, `auto` (the performance model's k, from
-    /// throughputs measured at start-up) or `inf` (all on the CPU)
-    #[arg(long, value_name = "k|auto|inf", default_value = "auto", requires = "offload_optimizer")]
-    pub offload_gpu_every: GpuEvery,
+    pub spec: ShardSpec,
+    /// Ranks per node: sharding groups stay inside a node or span whole nodes.
+    pub ranks_per_node: usize,
+    /// `--offload-optimizer`: the optimizer state in host memory.
+    pub offload: Option<OffloadConfig>,
 }
 
-impl ParallelArgs {
+impl Layout {
+    /// One device.
+    pub fn single() -> Layout {
+        Layout { tp: 1, dp: 1, spec: ShardSpec { params: 1, grads: 1, optim: 1 }, ranks_per_node: 1, offload: None }
+    }
+
     pub fn world(&self) -> usize {
         self.tp * self.dp
-    }
-
-    /// The offload settings, when `--offload-optimizer` is on.
-    pub fn offload(&self) -> Option<OffloadConfig> {
-        self.offload_optimizer.then_some(OffloadConfig { subgroup: self.offload_subgroup_size, gpu_every: self.offload_gpu_every })
-    }
-
-    pub fn ranks_per_node(&self) -> usize {
-        self.ranks_per_node.unwrap_or(self.world())
-    }
-
-    /// The ShardSpec the flags give (validated against --dp and --ranks-per-node).
-    pub fn spec(&self) -> AnyResult<ShardSpec> {
-        let s = match self.zero {
-            Some(z) => ShardSpec::zero(z as usize, self.dp)?,
-            None => {
-                let p = self.shard_params.unwrap_or(1);
-                let g = self.shard_grads.unwrap_or(p);
-                let o = self.shard_optim.unwrap_or(g).max(g);
-                ShardSpec { params: p, grads: g, optim: o }
-            }
-        };
-        let rpn = self.ranks_per_node();
-        if !rpn.is_multiple_of(self.tp) {
-            bail!("--ranks-per-node {rpn} must be a multiple of --tp {}", self.tp);
-        }
-        s.validate(self.dp, (rpn / self.tp).max(1))?;
-        Ok(s)
     }
 
     /// The layout as the memory estimator reads it (thread ranks unless a launcher started
@@ -134,19 +55,15 @@ impl ParallelArgs {
         Ok(crate::memory::MemLayout {
             tp: self.tp,
             dp: self.dp,
-            spec: self.spec()?,
+            spec: self.spec,
             checkpointed_layers: if checkpointing { usize::MAX } else { 0 },
             thread_ranks: self.world() > 1 && DistEnv::from_env()?.is_none_or(|e| e.world_size <= 1),
-            offload_subgroup: self.offload().map(|o| o.subgroup),
+            offload_subgroup: self.offload.as_ref().map(|o| o.subgroup),
         })
     }
 
-    /// Checks the flags against the run (before anything is built).
+    /// Checks the layout against the launcher (before anything is built).
     pub fn validate(&self, device: Device) -> AnyResult<()> {
-        self.spec()?;
-        if let Some(o) = self.offload() {
-            o.validate()?;
-        }
         let env = DistEnv::from_env()?;
         let procs = env.as_ref().map_or(1, |e| e.world_size);
         if procs > 1 && procs != self.world() {
@@ -164,11 +81,26 @@ impl ParallelArgs {
     }
 }
 
+/// Loads a checkpoint on every rank and shards it for tensor parallelism (inference tools).
+pub fn load_for_inference(
+    dir: &std::path::Path,
+    dtype: ferrolm_tensor::DType,
+    device: Device,
+    comm: Option<Comm>,
+    layout: &Layout,
+) -> AnyResult<Llama> {
+    let mut model = Llama::from_pretrained(dir, dtype, device).with_context(|| format!("cannot load the model in {}", dir.display()))?;
+    if let Some(c) = comm {
+        tensor_parallel(&mut model, c, layout)?;
+    }
+    Ok(model)
+}
+
 /// Runs `per_rank` on every rank of the layout and returns rank 0's result. `prepare` runs
 /// once before (on rank 0 first, then on the other processes of a multi-process run, so shared
 /// caches are built once); its result is shared by the thread ranks.
 pub fn launch<P, T>(
-    par: &ParallelArgs,
+    layout: &Layout,
     device: Device,
     prepare: impl Fn() -> AnyResult<P>,
     per_rank: impl Fn(&P, Option<Comm>) -> AnyResult<T> + Sync,
@@ -177,20 +109,10 @@ where
     P: Sync,
     T: Send,
 {
-    par.validate(device)?;
-    let world = par.world();
+    layout.validate(device)?;
+    let world = layout.world();
     if let Some(env) = DistEnv::from_env()?.filter(|e| e.world_size > 1) {
-        let comm = ferrolm_dist::init(Some(env), CommOptions::from_env()?).context("cannot join the launcher's world")?;
-        crate::logging::set_rank(comm.rank(), comm.size());
-        let p = if comm.rank() == 0 {
-            let p = prepare();
-            comm.barrier()?;
-            p?
-        } else {
-            comm.barrier()?;
-            prepare()?
-        };
-        return per_rank(&p, Some(comm));
+        return launch_processes(&env, prepare, per_rank);
     }
     let p = prepare()?;
     if world == 1 {
@@ -205,21 +127,49 @@ where
     Ok(out.swap_remove(0))
 }
 
+/// This process's rank of a multi-process run (see the module comment).
+fn launch_processes<P, T>(env: &DistEnv, prepare: impl Fn() -> AnyResult<P>, per_rank: impl Fn(&P, Option<Comm>) -> AnyResult<T>) -> AnyResult<T> {
+    let options = CommOptions::from_env()?;
+    let backend = ferrolm_dist::env::gpu_backend(env)?;
+    let store = ferrolm_dist::env::rendezvous(env, &options).context("cannot join the launcher's world")?;
+    crate::logging::set_rank(env.rank, env.world_size);
+    let timeout = match std::env::var(ENV_PREPARE_TIMEOUT) {
+        Ok(v) => Duration::from_secs_f64(v.trim().parse::<f64>().ok().filter(|s| s.is_finite() && *s > 0.0).ok_or_else(|| {
+            anyhow::anyhow!("{ENV_PREPARE_TIMEOUT}={v:?} is not a positive number of seconds")
+        })?),
+        Err(_) => Duration::from_secs(3600),
+    };
+    // Errors, not only panics, reach the other ranks through the store.
+    let notify = |e: anyhow::Error, what: &str| -> anyhow::Error {
+        let _ = store.report_failure(&format!("rank {} failed while {what}: {e:#}", env.rank));
+        e
+    };
+    let p = if env.rank == 0 {
+        let p = prepare().map_err(|e| notify(e, "preparing the run"));
+        store.barrier_timeout("ferrolm/prepare", timeout).context("waiting for the other ranks after preparing")?;
+        p?
+    } else {
+        store.barrier_timeout("ferrolm/prepare", timeout).context("waiting for rank 0 to prepare the run")?;
+        prepare().map_err(|e| notify(e, "preparing the run"))?
+    };
+    let comm = ferrolm_dist::env::init_with_store(env, store.clone(), backend, options).context("cannot join the launcher's world")?;
+    per_rank(&p, Some(comm)).map_err(|e| notify(e, "training"))
+}
+
 /// This rank's training engine for `model` (built whole, the same on every rank): tensor
 /// parallelism first, then its parameters move into the engine's store, sharded as the flags
 /// say. Without a communicator (one device) the engine spans a world of one.
-pub fn attach(model: &mut Llama, comm: Option<Comm>, par: &ParallelArgs, cfg: AdamWConfig) -> AnyResult<Zero> {
-    let offload = par.offload();
-    let placement = match &offload {
+pub fn attach(model: &mut Llama, comm: Option<Comm>, layout: &Layout, cfg: AdamWConfig) -> AnyResult<Zero> {
+    let placement = match &layout.offload {
         Some(o) => Placement::Offload(o),
         None => Placement::Device,
     };
     let zero = match comm {
         None => Zero::single(model, cfg, placement)?,
         Some(comm) => {
-            let mesh = DeviceMesh::new(comm, par.tp, par.dp, par.ranks_per_node())?;
-            let tp = if par.tp > 1 { Some(parallelize(model, mesh.tp_group())?) } else { None };
-            Zero::new(model, mesh, par.spec()?, tp, cfg, placement)?
+            let mesh = DeviceMesh::new(comm, layout.tp, layout.dp, layout.ranks_per_node)?;
+            let tp = if layout.tp > 1 { Some(parallelize(model, mesh.tp_group())?) } else { None };
+            Zero::new(model, mesh, layout.spec, tp, cfg, placement)?
         }
     };
     if let Some(plan) = zero.offload_plan() {
@@ -229,12 +179,12 @@ pub fn attach(model: &mut Llama, comm: Option<Comm>, par: &ParallelArgs, cfg: Ad
 }
 
 /// Tensor parallelism only (inference: eval, generate).
-pub fn tensor_parallel(model: &mut Llama, comm: Comm, par: &ParallelArgs) -> AnyResult<(DeviceMesh, Option<TpLayout>)> {
-    if par.dp != 1 || par.spec()? != ShardSpec::zero(0, 1)? {
+pub fn tensor_parallel(model: &mut Llama, comm: Comm, layout: &Layout) -> AnyResult<(DeviceMesh, Option<TpLayout>)> {
+    if layout.dp != 1 || layout.spec != ShardSpec::zero(0, 1)? {
         bail!("this tool runs tensor parallelism only: drop --dp and the sharding flags");
     }
-    let mesh = DeviceMesh::new(comm, par.tp, 1, par.ranks_per_node())?;
-    let tp = if par.tp > 1 { Some(parallelize(model, mesh.tp_group())?) } else { None };
+    let mesh = DeviceMesh::new(comm, layout.tp, 1, layout.ranks_per_node)?;
+    let tp = if layout.tp > 1 { Some(parallelize(model, mesh.tp_group())?) } else { None };
     Ok((mesh, tp))
 }
 

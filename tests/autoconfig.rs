@@ -4,7 +4,7 @@
 //! fastest measured, and train_config.json round-trips into pretrain_llama.
 mod common;
 use common::*;
-use ferrolm::autoconfig::cli::{autoconfig, AutoconfigArgs};
+use ferrolm::cli::autoconfig::{autoconfig, AutoconfigArgs};
 use ferrolm::autoconfig::trial::TrainConfig;
 use ferrolm::autoconfig::{days_for, hyper_params, params_from_budget, search, shape_for_params, Budget, SearchSpace};
 use ferrolm::cli::parse_from;
@@ -233,6 +233,15 @@ fn config_from_rejects_bad_files_naming_them() {
     assert!(run(&format!("{{{}}}", good.replace("\"lr\":0.001", "\"lr\":\"fast\""))).contains("train_config.json"));
     assert!(run(&format!("{{{good},\"offload_gpu_every\":\"often\"}}")).contains("offload_gpu_every"));
     assert!(run("{").contains("is not a train_config.json"));
+    // A flag given on the command line wins even at its default value (dp 1, batch 16, lr 2e-3):
+    // the file says dp 2, batch 2 and lr 1e-3.
+    let f = dir.join("train_config.json");
+    std::fs::write(&f, format!("{{{good}}}")).unwrap();
+    let given = ["pretrain_llama", "--config-from", f.to_str().unwrap(), "--dp", "1", "--batch-size=16", "--lr", "2e-3"];
+    let a = apply_config_from(parse_from(given).unwrap()).unwrap();
+    assert_eq!((a.train.parallel.dp, a.train.batch_size, a.train.lr), (1, 16, 2e-3));
+    let a = apply_config_from(parse_from(["pretrain_llama", "--config-from", f.to_str().unwrap()]).unwrap()).unwrap();
+    assert_eq!((a.train.parallel.dp, a.train.batch_size, a.train.lr), (2, 2, 1e-3), "not given: from the file");
     // The offload keys become pretrain_llama's offload flags.
     for (every, want) in [("\"inf\"", GpuEvery::Never), ("\"auto\"", GpuEvery::Auto), ("2", GpuEvery::Every(2))] {
         let f = dir.join("train_config.json");

@@ -2,7 +2,7 @@
 //! with GPU flags means `--target gpu`, and without them the error says which flag to add.
 mod common;
 use common::tmp;
-use ferrolm::autoconfig::cli::{autoconfig, AutoconfigArgs, Target};
+use ferrolm::cli::autoconfig::{autoconfig, AutoconfigArgs, Target};
 use ferrolm::cli::{error_report, parse_from, Tool};
 
 /// The presets as `--help` lists them: `(cpu: tiny, small; gpu: 7b, ...)`.
@@ -15,7 +15,7 @@ fn presets_in_help() -> (Vec<String>, Vec<String>) {
     (list("(cpu: ", ';'), list("; gpu: ", ')'))
 }
 
-fn run(flags: &[&str]) -> anyhow::Result<ferrolm::autoconfig::cli::Report> {
+fn run(flags: &[&str]) -> anyhow::Result<ferrolm::cli::autoconfig::Report> {
     let a: AutoconfigArgs = parse_from(["autoconfig"].iter().chain(flags)).unwrap();
     autoconfig(&a)
 }
@@ -51,8 +51,8 @@ fn without_gpu_flags_the_error_says_which_flag_to_add() {
 #[test]
 fn every_preset_named_in_help_is_accepted() {
     let (cpu, gpu) = presets_in_help();
-    assert_eq!(cpu, ferrolm::autoconfig::cli::CPU_PRESETS);
-    assert_eq!(gpu, ferrolm::autoconfig::cli::GPU_PRESETS);
+    assert_eq!(cpu, ferrolm::cli::autoconfig::CPU_PRESETS);
+    assert_eq!(gpu, ferrolm::cli::autoconfig::GPU_PRESETS);
     let out = tmp("presets-all");
     let o = format!("--out={}", out.display());
     for p in &gpu {

@@ -12,7 +12,7 @@
 mod common;
 use ferrolm::data::{list_shards, prepare_text_dir, Tokenizer};
 use ferrolm::nn::LlamaConfig;
-use ferrolm::parallel::ParallelArgs;
+use ferrolm::cli::parallel::ParallelArgs;
 use ferrolm::train::{TrainOptions, Trainer};
 use ferrolm::{DType, Device, Llama, Tensor};
 use ferrolm_dist::offload::GpuEvery;
@@ -103,7 +103,7 @@ fn train_as(
         }
         let e = |e: anyhow::Error| ferrolm::Error::new("test", format!("{e:#}"));
         let mut model = Llama::new(cfg.clone(), dtype, device, &mut Rng::new(1))?;
-        let zero = ferrolm::parallel::attach(&mut model, Some(comm), p, Trainer::adamw_config(&o)).map_err(e)?;
+        let zero = ferrolm::parallel::attach(&mut model, Some(comm), &p.layout().map_err(e)?, Trainer::adamw_config(&o)).map_err(e)?;
         assert_eq!(zero.offloaded(), p.offload_optimizer);
         if p.offload_optimizer {
             // Built offloaded: no optimizer state was ever allocated on the device.
@@ -291,14 +291,14 @@ fn offload_flags_are_validated() {
         p: ParallelArgs,
     }
     let ok = Cli::try_parse_from(["t", "--offload-optimizer", "--offload-subgroup-size", "1000", "--offload-gpu-every", "4"]).unwrap();
-    assert_eq!(ok.p.offload().unwrap(), ferrolm_dist::offload::OffloadConfig { subgroup: 1000, gpu_every: GpuEvery::Every(4) });
+    assert_eq!(ok.p.layout().unwrap().offload.unwrap(), ferrolm_dist::offload::OffloadConfig { subgroup: 1000, gpu_every: GpuEvery::Every(4) });
     let auto = Cli::try_parse_from(["t", "--offload-optimizer"]).unwrap();
-    assert_eq!(auto.p.offload().unwrap().gpu_every, GpuEvery::Auto);
+    assert_eq!(auto.p.layout().unwrap().offload.unwrap().gpu_every, GpuEvery::Auto);
     assert_eq!(
         Cli::try_parse_from(["t", "--offload-optimizer", "--offload-gpu-every", "inf"]).unwrap().p.offload_gpu_every,
         GpuEvery::Never
     );
-    assert!(Cli::try_parse_from(["t"]).unwrap().p.offload().is_none());
+    assert!(Cli::try_parse_from(["t"]).unwrap().p.layout().unwrap().offload.is_none());
     for bad in [
         vec!["--offload-optimizer", "--offload-subgroup-size", "0"],
         vec!["--offload-optimizer", "--offload-gpu-every", "0"],

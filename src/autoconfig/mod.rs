@@ -13,7 +13,6 @@
 //!   ladder layers overlapped with the next block's compute (Ladder Residual's point);
 //! - optimizer offload: model states' optimizer part leaves the device and the update phase is
 //!   Deep Optimizer States' model (`ferrolm_dist::dos`).
-pub mod cli;
 pub mod trial;
 
 use anyhow::{bail, Result};

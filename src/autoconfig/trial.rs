@@ -6,7 +6,7 @@ use super::Candidate;
 use crate::nn::optim::AdamWConfig;
 use crate::nn::remat::apply_activation_checkpointing;
 use crate::nn::{Llama, LlamaConfig};
-use crate::parallel::ParallelArgs;
+use crate::parallel::Layout;
 use crate::train::{TrainOptions, Trainer};
 use crate::{AnyResult, DType, Device, Tensor};
 use anyhow::Context;
@@ -152,24 +152,16 @@ pub fn train_options(c: &Candidate, seq: usize, lr: f64, steps: usize) -> TrainO
     }
 }
 
-/// The parallel flags of a candidate.
-pub fn parallel_args(c: &Candidate, ranks_per_node: usize) -> ParallelArgs {
-    ParallelArgs {
-        tp: c.tp,
-        dp: c.dp,
-        zero: None,
-        shard_params: Some(c.spec.params),
-        shard_grads: Some(c.spec.grads),
-        shard_optim: Some(c.spec.optim),
-        ranks_per_node: Some(ranks_per_node),
-        offload_optimizer: c.offload_k.is_some(),
-        offload_subgroup_size: 10_000_000,
-        offload_gpu_every: match c.offload_k {
-            Some(0) => ferrolm_dist::offload::GpuEvery::Never,
-            Some(k) => ferrolm_dist::offload::GpuEvery::Every(k),
-            None => ferrolm_dist::offload::GpuEvery::Auto,
-        },
-    }
+/// The layout of a candidate.
+pub fn layout(c: &Candidate, ranks_per_node: usize) -> Layout {
+    use ferrolm_dist::offload::{GpuEvery, OffloadConfig};
+    let gpu_every = match c.offload_k {
+        Some(0) => GpuEvery::Never,
+        Some(k) => GpuEvery::Every(k),
+        None => GpuEvery::Auto,
+    };
+    let offload = c.offload_k.map(|_| OffloadConfig { subgroup: 10_000_000, gpu_every });
+    Layout { tp: c.tp, dp: c.dp, spec: c.spec, ranks_per_node, offload }
 }
 
 /// Runs `c` for one warm-up and `s.steps` timed steps with the real trainer on thread ranks
@@ -178,7 +170,7 @@ pub fn run_trial(s: &TrialSetup, c: &Candidate) -> AnyResult<Measured> {
     if c.offload_k.is_some() {
         anyhow::bail!("{}: optimizer offload is modelled only, not run on thread ranks", c.name());
     }
-    let par = parallel_args(c, s.ranks_per_node);
+    let par = layout(c, s.ranks_per_node);
     let world = par.world();
     let opts = train_options(c, s.seq, s.lr, s.steps + 1);
     let out = s.out_dir.join(c.name().replace([' ', '(', ')', ','], "_"));

@@ -2,7 +2,7 @@
 use super::{env_help, positive, DeviceArgs, LogArgs, Tool, ENV_COMMON, ENV_DEVICE, ENV_LAUNCH};
 use crate::data::Tokenizer;
 use crate::progress::{report, Progress};
-use crate::{AnyResult, DType, Device, Llama, Tensor};
+use crate::{AnyResult, Device, Llama, Tensor};
 use anyhow::{bail, Context};
 use clap::Parser;
 use std::path::PathBuf;
@@ -30,7 +30,7 @@ pub struct EvalArgs {
     #[arg(long, default_value = "8", value_parser = positive)]
     pub batch_size: usize,
     #[command(flatten)]
-    pub parallel: crate::parallel::TpArgs,
+    pub parallel: super::parallel::TpArgs,
     #[command(flatten)]
     pub device: DeviceArgs,
     #[command(flatten)]
@@ -49,13 +49,13 @@ pub fn run(a: EvalArgs) -> AnyResult<()> {
     let text = std::fs::read_to_string(&a.text).with_context(|| format!("cannot read the text file {}", a.text.display()))?;
     let device = a.device.pick()?;
     let ids = tokenizer.encode(&text, false)?;
-    let dtype = if device == Device::Cpu { DType::F32 } else { DType::BF16 };
+    let dtype = a.device.dtype(device);
     crate::parallel::launch(
-        &a.parallel.layout(),
+        &a.parallel.layout()?,
         device,
         || Ok(()),
         |_, comm| {
-            let model = crate::parallel::load_for_inference(dir, dtype, device, comm, &a.parallel)?;
+            let model = crate::parallel::load_for_inference(dir, dtype, device, comm, &a.parallel.layout()?)?;
             score(&a, &model, &tokenizer, &ids, device)
         },
     )

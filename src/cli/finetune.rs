@@ -64,7 +64,7 @@ fn prepare(args: &FinetuneArgs) -> AnyResult<Prepared> {
     checked.steps = checked.steps.max(1);
     preflight(&checked)?;
     let device = a.device.pick()?;
-    let dtype = if device == Device::Cpu { DType::F32 } else { DType::BF16 };
+    let dtype = a.device.dtype(device);
     let dir = &args.model;
     std::fs::metadata(dir).with_context(|| format!("cannot open the model directory {}", dir.display()))?;
     let cfg = crate::nn::LlamaConfig::from_file(dir.join("config.json"))?;
@@ -76,7 +76,7 @@ fn prepare(args: &FinetuneArgs) -> AnyResult<Prepared> {
     let (shards, train, val) = token_data_with(&data, &tokenizer, &tok_path, &a.records)?;
     let opts = checked.options();
     check_validation_data(&val, opts.batch_size, opts.seq_len).with_context(|| format!("{}", shards.display()))?;
-    let layout = a.parallel.mem_layout(a.activation_checkpointing)?;
+    let layout = a.parallel.layout()?.mem_layout(a.activation_checkpointing)?;
     let mem = crate::memory::check_layout(&cfg, dtype, device, &opts.shape(), &layout)?;
     report(&format!("memory: predicted peak {}", crate::memory::describe(&mem)));
     Ok(Prepared { device, dtype, tok_path, train, val, ladder })
@@ -84,7 +84,7 @@ fn prepare(args: &FinetuneArgs) -> AnyResult<Prepared> {
 
 pub fn run(args: FinetuneArgs) -> AnyResult<()> {
     let device = args.train.device.pick()?;
-    crate::parallel::launch(&args.train.parallel, device, || prepare(&args), |p, comm| finetune_rank(&args, p, comm))
+    crate::parallel::launch(&args.train.parallel.layout()?, device, || prepare(&args), |p, comm| finetune_rank(&args, p, comm))
 }
 
 fn finetune_rank(args: &FinetuneArgs, p: &Prepared, comm: Option<Comm>) -> AnyResult<()> {
@@ -100,7 +100,7 @@ fn finetune_rank(args: &FinetuneArgs, p: &Prepared, comm: Option<Comm>) -> AnyRe
     if let Some(l) = before_kind {
         report(&format!("note: {} is already a Ladder model ({l} layers); it is converted again from its weights", args.model.display()));
     }
-    let engine = crate::parallel::attach(&mut model, comm, &a.parallel, Trainer::adamw_config(&opts))?;
+    let engine = crate::parallel::attach(&mut model, comm, &a.parallel.layout()?, Trainer::adamw_config(&opts))?;
     let mut trainer = Trainer::with_engine(model, Box::new(engine), &p.train, &p.val, opts.clone(), &a.out)?;
     trainer = trainer.with_tokenizer(&p.tok_path).with_safety(a.safety());
     let resuming = a.resume.is_some();

@@ -2,7 +2,7 @@
 use super::{env_help, non_negative, probability, DeviceArgs, LogArgs, Tool, ENV_COMMON, ENV_DEVICE, ENV_LAUNCH};
 use crate::nn::generate::generate_within;
 use crate::progress::report;
-use crate::{AnyResult, DType, Device};
+use crate::AnyResult;
 use anyhow::bail;
 use clap::Parser;
 use ferrolm_tensor::Rng;
@@ -35,7 +35,7 @@ pub struct GenerateArgs {
     #[arg(long, default_value = "0")]
     pub seed: u64,
     #[command(flatten)]
-    pub parallel: crate::parallel::TpArgs,
+    pub parallel: super::parallel::TpArgs,
     #[command(flatten)]
     pub device: DeviceArgs,
     #[command(flatten)]
@@ -52,17 +52,17 @@ pub fn run(a: GenerateArgs) -> AnyResult<()> {
     let dir = &a.model;
     let tokenizer = super::model_dir_tokenizer(dir)?;
     let device = a.device.pick()?;
-    let dtype = if device == Device::Cpu { DType::F32 } else { DType::BF16 };
+    let dtype = a.device.dtype(device);
     let ids = tokenizer.encode(&a.prompt, false)?;
     if ids.is_empty() {
         bail!("--prompt encodes to no tokens");
     }
     crate::parallel::launch(
-        &a.parallel.layout(),
+        &a.parallel.layout()?,
         device,
         || Ok(()),
         |_, comm| {
-            let model = crate::parallel::load_for_inference(dir, dtype, device, comm, &a.parallel)?;
+            let model = crate::parallel::load_for_inference(dir, dtype, device, comm, &a.parallel.layout()?)?;
             let cfg_path = dir.join("config.json").display().to_string();
             super::pretrain::check_vocab(&tokenizer, &dir.join("tokenizer.json"), model.config().vocab_size, &cfg_path)?;
             // Every rank samples the same tokens: the logits are gathered, the seed is shared.

@@ -7,9 +7,11 @@
 //! [`main_with`] runs it: flag errors are clap's (exit code 2, with suggestions), runtime errors
 //! print their whole chain of causes (`error: cannot open data directory foo: No such file or
 //! directory (os error 2)`) and exit with 1.
+pub mod autoconfig;
 pub mod eval;
 pub mod finetune;
 pub mod generate;
+pub mod parallel;
 pub mod prepare;
 pub mod pretrain;
 
@@ -27,6 +29,8 @@ pub trait Tool: Parser {
         <Self as CommandFactory>::command()
     }
     fn log_args(&self) -> &LogArgs;
+    /// Sees the parsed matches (e.g. which flags were given on the command line).
+    fn record_matches(&mut self, _m: &ArgMatches) {}
 }
 
 /// Parses `args` (program name first) as tool `A`.
@@ -37,7 +41,9 @@ where
 {
     let mut cmd = A::cli();
     let m: ArgMatches = cmd.try_get_matches_from_mut(args)?;
-    A::from_arg_matches(&m).map_err(|e| e.format(&mut cmd))
+    let mut a = A::from_arg_matches(&m).map_err(|e| e.format(&mut cmd))?;
+    a.record_matches(&m);
+    Ok(a)
 }
 
 /// Parses `args`, sets up logging, runs `run`, and returns the process exit code: 0, 1 for a
@@ -178,12 +184,46 @@ pub struct DeviceArgs {
     /// Device: cpu, cuda or cuda:N [default: cuda:0 when a GPU is visible, else cpu]
     #[arg(long, value_name = "DEVICE")]
     pub device: Option<String>,
+    /// Compute dtype of weights and activations: f32, or bf16 with fp32 master weights and
+    /// optimizer state [default: bf16 on CUDA, f32 on the CPU]
+    #[arg(long, value_name = "f32|bf16")]
+    pub dtype: Option<ComputeDtype>,
+}
+
+/// `--dtype`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum, serde::Serialize, serde::Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum ComputeDtype {
+    F32,
+    Bf16,
+}
+
+impl ComputeDtype {
+    pub fn dtype(self) -> ferrolm_tensor::DType {
+        match self {
+            ComputeDtype::F32 => ferrolm_tensor::DType::F32,
+            ComputeDtype::Bf16 => ferrolm_tensor::DType::BF16,
+        }
+    }
+    /// `flag`, or the device's default: bf16 on CUDA, f32 on the CPU.
+    pub fn resolve(flag: Option<ComputeDtype>, device: ferrolm_tensor::Device) -> ferrolm_tensor::DType {
+        match (flag, device) {
+            (Some(d), _) => d.dtype(),
+            (None, ferrolm_tensor::Device::Cpu) => ferrolm_tensor::DType::F32,
+            (None, _) => ferrolm_tensor::DType::BF16,
+        }
+    }
 }
 
 impl DeviceArgs {
     /// The device, its backend started. In a multi-process run (torchrun's `WORLD_SIZE` > 1)
     /// `cuda` (or no flag) means this process's GPU: `cuda:$LOCAL_RANK`, or `cuda:0` when
     /// `CUDA_VISIBLE_DEVICES` shows the process one GPU.
+    /// The compute dtype on `device` (see `--dtype`).
+    pub fn dtype(&self, device: ferrolm_tensor::Device) -> ferrolm_tensor::DType {
+        ComputeDtype::resolve(self.dtype, device)
+    }
+
     pub fn pick(&self) -> AnyResult<ferrolm_tensor::Device> {
         let local = ferrolm_dist::DistEnv::from_env()?.filter(|e| e.world_size > 1).map(|e| e.cuda_device());
         let flag = match (self.device.as_deref(), &local) {
@@ -259,7 +299,7 @@ pub struct TrainArgs {
     pub keep_last: usize,
 
     #[command(flatten)]
-    pub parallel: crate::parallel::ParallelArgs,
+    pub parallel: parallel::ParallelArgs,
     #[command(flatten)]
     pub device: DeviceArgs,
     #[command(flatten)]

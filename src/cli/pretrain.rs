@@ -30,12 +30,18 @@ pub struct PretrainArgs {
     #[arg(long, value_name = "all|N|i,j,k", help_heading = "Model")]
     pub ladder_layers: Option<String>,
     /// Take the model, layout and batch from a train_config.json written by the autoconfig
-    /// example; flags given here win (a flag given at its default value counts as not given)
+    /// example; flags given here win, also when given at their default value
     /// [default: every flag from the command line]
     #[arg(long, value_name = "FILE", help_heading = "Model")]
     pub config_from: Option<PathBuf>,
+    /// Text the closing sample continues [default: a line break]
+    #[arg(long, value_name = "TEXT", help_heading = "Run")]
+    pub sample_prompt: Option<String>,
     #[command(flatten)]
     pub train: TrainArgs,
+    /// The flags given on the command line (clap ids), which `--config-from` leaves alone.
+    #[arg(skip)]
+    pub given: Vec<String>,
 }
 
 impl Tool for PretrainArgs {
@@ -44,6 +50,13 @@ impl Tool for PretrainArgs {
     }
     fn log_args(&self) -> &LogArgs {
         &self.train.log
+    }
+    fn record_matches(&mut self, m: &clap::ArgMatches) {
+        self.given = m
+            .ids()
+            .filter(|id| m.value_source(id.as_str()) == Some(clap::parser::ValueSource::CommandLine))
+            .map(|id| id.to_string())
+            .collect();
     }
 }
 
@@ -158,7 +171,7 @@ fn prepare(args: &PretrainArgs) -> AnyResult<Prepared> {
     preflight(a)?;
     let opts = a.options();
     let device = a.device.pick()?;
-    let dtype = if device == Device::Cpu { DType::F32 } else { DType::BF16 };
+    let dtype = a.device.dtype(device);
 
     let tok_path = a.tokenizer.clone().unwrap_or_else(|| super::bundled("data/tokenizer.json"));
     let tokenizer = Tokenizer::from_file(&tok_path).with_context(|| format!("cannot load the tokenizer {}", tok_path.display()))?;
@@ -181,7 +194,7 @@ fn prepare(args: &PretrainArgs) -> AnyResult<Prepared> {
     }
     cfg.bos_token_id = tokenizer.bos_id();
     cfg.eos_token_id = tokenizer.eos_id().map(|e| vec![e]).unwrap_or_default();
-    let layout = a.parallel.mem_layout(a.activation_checkpointing)?;
+    let layout = a.parallel.layout()?.mem_layout(a.activation_checkpointing)?;
     let mem = crate::memory::check_layout(&cfg, dtype, device, &opts.shape(), &layout)?;
     report(&format!("memory: predicted peak {}", crate::memory::describe(&mem)));
     Ok(Prepared { device, dtype, tok_path, tokenizer, train, val, cfg })
@@ -217,39 +230,40 @@ pub(crate) fn check_vocab(tokenizer: &Tokenizer, tok_path: &Path, model_vocab: u
 pub fn apply_config_from(mut args: PretrainArgs) -> AnyResult<PretrainArgs> {
     let Some(path) = args.config_from.clone() else { return Ok(args) };
     let f = crate::autoconfig::trial::TrainConfig::load(&path).context("--config-from")?;
-    let d: PretrainArgs = super::parse_from(["pretrain_llama"])?;
+    let given = std::mem::take(&mut args.given);
     let mut filled = Vec::new();
+    // A flag given on the command line wins, at whatever value; the file fills the others.
     macro_rules! fill {
-        ($field:expr, $default:expr, $value:expr, $name:literal) => {
-            if $field == $default {
+        ($field:expr, $value:expr, $name:literal) => {
+            if !given.iter().any(|g| g == $name) {
                 $field = $value;
                 filled.push($name);
             }
         };
     }
     if let Some(c) = f.config {
-        fill!(args.config, d.config, c, "config");
+        fill!(args.config, c, "config");
     }
     if f.ladder_layers.is_some() {
-        fill!(args.ladder_layers, d.ladder_layers, f.ladder_layers, "ladder_layers");
+        fill!(args.ladder_layers, f.ladder_layers, "ladder_layers");
     }
-    let (t, dt) = (&mut args.train, &d.train);
-    fill!(t.parallel.tp, dt.parallel.tp, f.tp, "tp");
-    fill!(t.parallel.dp, dt.parallel.dp, f.dp, "dp");
+    let t = &mut args.train;
+    fill!(t.parallel.tp, f.tp, "tp");
+    fill!(t.parallel.dp, f.dp, "dp");
     // --zero conflicts with the --shard-* flags: a preset given here replaces the file's spec.
     if t.parallel.zero.is_none() {
-        fill!(t.parallel.shard_params, dt.parallel.shard_params, Some(f.shard_params), "shard_params");
-        fill!(t.parallel.shard_grads, dt.parallel.shard_grads, Some(f.shard_grads), "shard_grads");
-        fill!(t.parallel.shard_optim, dt.parallel.shard_optim, Some(f.shard_optim), "shard_optim");
+        fill!(t.parallel.shard_params, Some(f.shard_params), "shard_params");
+        fill!(t.parallel.shard_grads, Some(f.shard_grads), "shard_grads");
+        fill!(t.parallel.shard_optim, Some(f.shard_optim), "shard_optim");
     }
-    fill!(t.parallel.ranks_per_node, dt.parallel.ranks_per_node, Some(f.ranks_per_node), "ranks_per_node");
-    fill!(t.batch_size, dt.batch_size, f.batch_size, "batch_size");
-    fill!(t.grad_accum, dt.grad_accum, f.grad_accum, "grad_accum");
-    fill!(t.seq_len, dt.seq_len, f.seq_len, "seq_len");
-    fill!(t.lr, dt.lr, f.lr, "lr");
-    fill!(t.activation_checkpointing, dt.activation_checkpointing, f.activation_checkpointing, "activation_checkpointing");
+    fill!(t.parallel.ranks_per_node, Some(f.ranks_per_node), "ranks_per_node");
+    fill!(t.batch_size, f.batch_size, "batch_size");
+    fill!(t.grad_accum, f.grad_accum, "grad_accum");
+    fill!(t.seq_len, f.seq_len, "seq_len");
+    fill!(t.lr, f.lr, "lr");
+    fill!(t.activation_checkpointing, f.activation_checkpointing, "activation_checkpointing");
     if let Some(steps) = f.steps {
-        fill!(t.steps, dt.steps, steps, "steps");
+        fill!(t.steps, steps, "steps");
     }
     if f.checkpointed_layers > 0 && !f.activation_checkpointing {
         tracing::warn!(
@@ -259,12 +273,12 @@ pub fn apply_config_from(mut args: PretrainArgs) -> AnyResult<PretrainArgs> {
         );
     }
     if f.offload_optimizer {
-        fill!(t.parallel.offload_optimizer, dt.parallel.offload_optimizer, true, "offload_optimizer");
+        fill!(t.parallel.offload_optimizer, true, "offload_optimizer");
         if let Some(v) = &f.offload_gpu_every {
             let text = v.as_str().map(String::from).unwrap_or_else(|| v.to_string());
             let k: ferrolm_dist::offload::GpuEvery =
                 text.parse().map_err(|e: String| anyhow::anyhow!("{}: offload_gpu_every: {e}", path.display()))?;
-            fill!(t.parallel.offload_gpu_every, dt.parallel.offload_gpu_every, k, "offload_gpu_every");
+            fill!(t.parallel.offload_gpu_every, k, "offload_gpu_every");
         }
     }
     report(&format!("--config-from {}: {}", path.display(), if filled.is_empty() { "nothing filled".into() } else { filled.join(", ") }));
@@ -275,7 +289,7 @@ pub fn run(args: PretrainArgs) -> AnyResult<()> {
     let args = apply_config_from(args)?;
     let a = &args.train;
     let device = a.device.pick()?;
-    crate::parallel::launch(&a.parallel, device, || prepare(&args), |p, comm| train_rank(&args, p, comm))
+    crate::parallel::launch(&a.parallel.layout()?, device, || prepare(&args), |p, comm| train_rank(&args, p, comm))
 }
 
 /// One rank's run (the only one on a single device).
@@ -299,7 +313,7 @@ fn train_rank(args: &PretrainArgs, p: &Prepared, comm: Option<crate::parallel::C
         p.dtype
     ));
     let parallel = comm.is_some();
-    let engine = crate::parallel::attach(&mut model, comm, &a.parallel, Trainer::adamw_config(&opts))?;
+    let engine = crate::parallel::attach(&mut model, comm, &a.parallel.layout()?, Trainer::adamw_config(&opts))?;
     if parallel {
         report(&format!("parallel: tp {} x dp {} ranks, sharding {}", a.parallel.tp, a.parallel.dp, engine.spec));
     }
@@ -329,7 +343,7 @@ fn train_rank(args: &PretrainArgs, p: &Prepared, comm: Option<crate::parallel::C
     report(&format!("checkpoint: {}  (loss curve: {})", a.out.join("checkpoints").display(), a.out.join("loss.png").display()));
 
     // The sample is a look at the model, not part of the run: a failure is a warning.
-    let prompt = "ROMEO:\n";
+    let prompt = args.sample_prompt.as_deref().unwrap_or("\n");
     let sample = p.tokenizer.encode(prompt, false).map_err(anyhow::Error::from).and_then(|ids| {
         let out = generate_within(&trainer.model, &ids, 80, 0.8, 0.95, p.tokenizer.vocab_size(), &mut trainer.rng)?;
         Ok(p.tokenizer.decode(&out)?)

@@ -3,9 +3,9 @@
 //!   the optimizer's rate and the communicator's cost are calibrated here, and `--trials K`
 //!   runs the top K layouts with the real trainer;
 //! - `--target gpu`: a modelled cluster (throughput, bandwidths and memory from the flags).
-use super::trial::{calibrate, run_trial, Calibration, Measured, TrainConfig, TrialSetup};
-use super::{hyper_params, params_from_budget, search, shape_for_params, Budget, Candidate, OffloadRates, SearchSpace, GIB};
-use crate::cli::{env_help, fraction, positive, LogArgs, Tool, ENV_COMMON};
+use super::{env_help, fraction, positive, LogArgs, Tool, ENV_COMMON};
+use crate::autoconfig::trial::{calibrate, run_trial, Calibration, Measured, TrainConfig, TrialSetup};
+use crate::autoconfig::{hyper_params, params_from_budget, search, shape_for_params, Budget, Candidate, OffloadRates, SearchSpace, GIB};
 use crate::data::Tokenizer;
 use crate::nn::{LadderLayers, LlamaConfig};
 use crate::AnyResult;
