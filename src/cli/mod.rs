@@ -199,6 +199,17 @@ pub enum ComputeDtype {
 }
 
 impl ComputeDtype {
+    /// The flag's spelling: "f32" or "bf16".
+    pub fn name(self) -> &'static str {
+        match self {
+            ComputeDtype::F32 => "f32",
+            ComputeDtype::Bf16 => "bf16",
+        }
+    }
+    /// Parses the flag's spelling (as in train_config.json).
+    pub fn parse(s: &str) -> Option<ComputeDtype> {
+        <ComputeDtype as clap::ValueEnum>::from_str(s, false).ok()
+    }
     pub fn dtype(self) -> ferrolm_tensor::DType {
         match self {
             ComputeDtype::F32 => ferrolm_tensor::DType::F32,
