@@ -15,8 +15,8 @@ use anyhow::{bail, Context};
 use ferrolm_data::{eval_batches, Batch, DataLoader, LoaderState};
 use ferrolm_dist::zero::{Placement, Zero};
 use ferrolm_dist::TrainEngine;
-use ferrolm_nn::checkpoint::{load_safetensors, save_safetensors, write_atomic};
 use ferrolm_nn::optim::AdamWConfig;
+use ferrolm_nn::safetensors_io::{load_safetensors, save_safetensors, write_atomic};
 use ferrolm_nn::schedule::CosineSchedule;
 use ferrolm_nn::LlamaConfig;
 use ferrolm_tensor::{no_grad, DType, Device, Rng, Tensor};
@@ -641,7 +641,7 @@ impl Trainer {
     fn write_checkpoint_files(&self, tmp: &Path) -> AnyResult<()> {
         let (params, _) = ferrolm_dist::ckpt::load_full(tmp)?;
         let named: Vec<(String, Tensor)> = params.into_iter().collect();
-        let path = ferrolm_nn::checkpoint::prepare_dir(tmp, "model.safetensors")?;
+        let path = ferrolm_nn::safetensors_io::prepare_dir(tmp, "model.safetensors")?;
         save_safetensors(&path, &named, Some(DType::F32))?;
         write_atomic(&tmp.join("config.json"), self.model.config().to_json_string_dtype("float32").as_bytes())?;
         if let Some(t) = &self.tokenizer_file {
@@ -703,8 +703,8 @@ impl Trainer {
             tracing::warn!("resuming with a changed option: {w}");
         }
         let opt_step = st.step as u64 - st.skipped_steps.min(st.step as u64);
-        let w: ferrolm_nn::checkpoint::TensorMap = weights.into_iter().collect();
-        let s: ferrolm_nn::checkpoint::TensorMap = state.into_iter().collect();
+        let w: ferrolm_nn::safetensors_io::TensorMap = weights.into_iter().collect();
+        let s: ferrolm_nn::safetensors_io::TensorMap = state.into_iter().collect();
         self.engine.load(&w, &s, opt_step).with_context(|| format!("cannot load {} into this rank's shards", dir.display()))?;
         if st.options.seq_len == self.opts.seq_len {
             self.loader.restore(&st.loader).with_context(|| format!("{}: cannot restore the data position", state_file.display()))?;
