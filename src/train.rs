@@ -206,7 +206,7 @@ impl Trainer {
         let layout = crate::memory::MemLayout::single(model.activation_checkpointing());
         crate::memory::check_layout(model.config(), model.dtype(), model.device(), &opts.shape(), &layout)?;
         let engine = Zero::single(&mut model, Self::adamw_config(&opts), Placement::Device)?;
-        Self::build(model, Box::new(engine), train_shards, val_shards, opts, out_dir)
+        Self::build(model, Box::new(engine), (train_shards, val_shards), opts, out_dir)
     }
 
     /// A trainer with an engine attached to `model` (`crate::parallel::attach`: on several
@@ -222,7 +222,7 @@ impl Trainer {
         out_dir: &Path,
     ) -> AnyResult<Trainer> {
         Self::check(&model, val_shards, &opts)?;
-        Self::build(model, engine, train_shards, val_shards, opts, out_dir)
+        Self::build(model, engine, (train_shards, val_shards), opts, out_dir)
     }
 
     /// The optimizer settings every engine uses.
@@ -243,14 +243,15 @@ impl Trainer {
         Ok(())
     }
 
+    /// `new` and `with_engine` after their checks; `shards` are (train, validation).
     fn build(
         model: Llama,
         engine: Box<dyn TrainEngine>,
-        train_shards: &[PathBuf],
-        val_shards: &[PathBuf],
+        shards: (&[PathBuf], &[PathBuf]),
         opts: TrainOptions,
         out_dir: &Path,
     ) -> AnyResult<Trainer> {
+        let (train_shards, val_shards) = shards;
         let sched = CosineSchedule { max_lr: opts.lr, min_lr: opts.min_lr, warmup_steps: opts.warmup_steps, total_steps: opts.steps };
         let mesh = engine.mesh();
         let loader = DataLoader::open(train_shards, opts.batch_size, opts.seq_len, opts.seed)

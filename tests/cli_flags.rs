@@ -120,9 +120,9 @@ fn dtype_takes_both_forms_defaults_by_device_and_refuses_others() {
     // The default is bf16 (with fp32 masters) on CUDA, f32 on the CPU.
     assert_eq!(ComputeDtype::resolve(None, Device::Cuda(0)), DType::BF16);
     let e: EvalArgs = parse_from(["eval", "--model", "m", "--text", "t", "--seq-len=4", "--dtype=f32"]).unwrap();
-    assert_eq!(e.device.dtype, Some(ComputeDtype::F32));
+    assert_eq!(e.run.device.dtype, Some(ComputeDtype::F32));
     let g: GenerateArgs = parse_from(["generate", "--model", "m", "--prompt", "Hi", "--dtype", "bf16"]).unwrap();
-    assert_eq!(g.device.dtype, Some(ComputeDtype::Bf16));
+    assert_eq!(g.run.device.dtype, Some(ComputeDtype::Bf16));
     let f: FinetuneArgs = parse_from(["finetune_ladder", "--model", "m", "--ladder-layers", "2", "--dtype", "f32"]).unwrap();
     assert_eq!(f.train.device.dtype, Some(ComputeDtype::F32));
     for bad in ["f64", "fp16", ""] {
@@ -308,16 +308,11 @@ fn pretrain_end_to_end_then_eval_of_its_checkpoint() {
     // The checkpoint is self-contained: eval reads its tokenizer and weights.
     let ck = out.join("checkpoints/step-000005");
     let text = root().join("data/corpus/sonnets.txt");
-    let e: EvalArgs = parse_from([
-        "eval",
-        "--device=cpu",
-        "--model",
-        ck.to_str().unwrap(),
-        "--text",
-        text.to_str().unwrap(),
-        "--seq-len=32",
-        "--batch-size=64",
-    ])
+    let e: EvalArgs = parse_from(common::args(
+        &["eval", "--device=cpu", "--seq-len=32", "--batch-size=64"],
+        &[flag("model", &ck), flag("text", &text)],
+        &[],
+    ))
     .unwrap();
     ferrolm::cli::eval::run(e).unwrap();
     let e: EvalArgs = parse_from(["eval", "--model", dir.join("nope").to_str().unwrap(), "--text", "t", "--seq-len=4"]).unwrap();

@@ -22,20 +22,8 @@ fn setup(dir: &Path) -> (PathBuf, PathBuf) {
 }
 
 fn finetune(ck: &Path, data: &Path, out: &Path, extra: &[&str]) -> anyhow::Result<()> {
-    let base = [
-        "finetune_ladder",
-        "--device=cpu",
-        "--model",
-        ck.to_str().unwrap(),
-        "--data",
-        data.to_str().unwrap(),
-        "--out",
-        out.to_str().unwrap(),
-        "--seq-len=16",
-        "--batch-size=2",
-        "--eval-every=0",
-    ];
-    let a: FinetuneArgs = parse_from(base.iter().copied().chain(extra.iter().copied())).unwrap();
+    let head = ["finetune_ladder", "--device=cpu", "--seq-len=16", "--batch-size=2", "--eval-every=0"];
+    let a: FinetuneArgs = parse_from(args(&head, &[flag("model", ck), flag("data", data), flag("out", out)], extra)).unwrap();
     ferrolm::cli::finetune::run(a)
 }
 
