@@ -83,15 +83,17 @@ static __device__ __forceinline__ float warp_max(float v) {
 }
 // Block-wide reductions; every thread gets the result. blockDim.x must be a multiple of 32
 // (<= 1024). `scratch` is 32 floats of shared memory; safe to call repeatedly.
-static __device__ __forceinline__ float block_sum(float v, float* scratch) {
+template <float (*warp_reduce)(float)>
+static __device__ __forceinline__ float block_reduce(float v, float* scratch, float identity) {
     int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nw = blockDim.x >> 5;
-    v = warp_sum(v);
+    v = warp_reduce(v);
     __syncthreads();
     if (lane == 0) scratch[warp] = v;
     __syncthreads();
-    v = lane < nw ? scratch[lane] : 0.0f;
-    return warp_sum(v);
+    v = lane < nw ? scratch[lane] : identity;
+    return warp_reduce(v);
 }
+static __device__ __forceinline__ float block_sum(float v, float* scratch) { return block_reduce<warp_sum>(v, scratch, 0.0f); }
 // Block-wide sum in f64 (every thread gets the result), for sums over many elements whose f32
 // partials would lose digits (the gradient norm, a loss over millions of rows, counts past 2^24).
 // A fixed tree through shared memory: deterministic. `scratch` is blockDim.x doubles of shared
@@ -110,12 +112,4 @@ static __device__ __forceinline__ double block_sum_f64(double v, double* scratch
     __syncthreads();
     return r;
 }
-static __device__ __forceinline__ float block_max(float v, float* scratch) {
-    int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nw = blockDim.x >> 5;
-    v = warp_max(v);
-    __syncthreads();
-    if (lane == 0) scratch[warp] = v;
-    __syncthreads();
-    v = lane < nw ? scratch[lane] : -INFINITY;
-    return warp_max(v);
-}
+static __device__ __forceinline__ float block_max(float v, float* scratch) { return block_reduce<warp_max>(v, scratch, -INFINITY); }

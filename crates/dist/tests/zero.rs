@@ -75,6 +75,20 @@ struct RankOut {
     model_traffic: f64,
 }
 
+/// Micro-batch `i` (of ACCUM per step) on data-parallel rank `dp_rank`, which reads `per` rows of
+/// the group's batch; returns its loss.
+fn rank_micro_batch(z: &mut Zero, m: &Llama, i: usize, dp_rank: usize, per: usize) -> ferrolm_tensor::Result<f64> {
+    let (x, y) = micro_batch(i);
+    let (x, y) = (rows(&x, dp_rank * per, per), rows(&y, dp_rank * per, per));
+    let mut loss = 0.0;
+    z.micro_batch((i + 1) % ACCUM == 0, &mut || {
+        let l = m.loss(&x, &y)?;
+        loss = l.item()?;
+        l.mul_scalar(1.0 / ACCUM as f64)
+    })?;
+    Ok(loss)
+}
+
 /// One rank of a dp x tp run with `spec`; returns its mean micro-batch losses per step.
 fn rank(comm: Arc<dyn Communicator>, dp: usize, tp: usize, rpn: usize, spec: ShardSpec, tied: bool) -> ferrolm_tensor::Result<RankOut> {
     let mesh = DeviceMesh::new(comm, tp, dp, rpn)?;
@@ -91,15 +105,7 @@ fn rank(comm: Arc<dyn Communicator>, dp: usize, tp: usize, rpn: usize, spec: Sha
         let gathers0 = z.gathers();
         let mut sum = 0.0;
         for k in 0..ACCUM {
-            let (x, y) = micro_batch(s * ACCUM + k);
-            let (x, y) = (rows(&x, dp_rank * per, per), rows(&y, dp_rank * per, per));
-            let mut loss = 0.0;
-            z.micro_batch(k + 1 == ACCUM, &mut || {
-                let l = m.loss(&x, &y)?;
-                loss = l.item()?;
-                l.mul_scalar(1.0 / ACCUM as f64)
-            })?;
-            sum += loss;
+            sum += rank_micro_batch(&mut z, &m, s * ACCUM + k, dp_rank, per)?;
             if k + 1 < ACCUM {
                 // Between micro-batches a rank holds exactly its gradient range (n / s_g).
                 let held = z.grad_bytes_held();
@@ -225,15 +231,7 @@ fn run_span(
     for s in from..to {
         let mut sum = 0.0;
         for k in 0..ACCUM {
-            let (x, y) = micro_batch(s * ACCUM + k);
-            let (x, y) = (rows(&x, dp_rank * per, per), rows(&y, dp_rank * per, per));
-            let mut loss = 0.0;
-            z.micro_batch(k + 1 == ACCUM, &mut || {
-                let l = m.loss(&x, &y)?;
-                loss = l.item()?;
-                l.mul_scalar(1.0 / ACCUM as f64)
-            })?;
-            sum += loss;
+            sum += rank_micro_batch(&mut z, &m, s * ACCUM + k, dp_rank, per)?;
         }
         // The mean over data-parallel ranks, as the trainer logs it.
         losses.push(z.step(LR, CLIP, sum / ACCUM as f64)?.loss);
