@@ -112,6 +112,9 @@ pub(crate) struct Emu {
     pub(crate) stream: Arc<CudaStream>,
     /// Race mode's seed (0: off), read by every stream of this backend before each item.
     race: Arc<AtomicU64>,
+    /// Test hook (`emulator_skip_copy_wait`): copies on a side stream skip their wait for the
+    /// compute stream, the mutation that race mode must catch.
+    pub(crate) skip_copy_wait: std::sync::atomic::AtomicBool,
 }
 
 pub(crate) struct Gpu {
@@ -174,7 +177,7 @@ impl CudaBackend {
         crate::emu_stream::install_report();
         let race = Arc::new(AtomicU64::new(crate::emu_stream::race_from_env()));
         let stream = Arc::new(CudaStream::Emu(EmuStream::new(race.clone())?));
-        Ok(Self::finish(ordinal, Exec::Emu(Emu { stream, race }), Pool::new(Mem::Host)))
+        Ok(Self::finish(ordinal, Exec::Emu(Emu { stream, race, skip_copy_wait: false.into() }), Pool::new(Mem::Host)))
     }
 
     /// Emulated device: race mode with `seed` (a pseudo-random delay before every queued item
@@ -182,6 +185,17 @@ impl CudaBackend {
     pub fn emulator_race(&self, seed: Option<u64>) {
         if let Exec::Emu(e) = &self.exec {
             e.race.store(seed.map_or(0, |s| s.max(1)), Ordering::Relaxed);
+        }
+    }
+
+    /// Test hook, emulated device only: while on, a D2H pinned copy on a side stream does not
+    /// wait for the compute stream's work before it (one compute -> copy event wait removed), so
+    /// a race-mode run reads unfinished data. (Only D2H: an early H2D write could corrupt a block
+    /// a kernel still reads, e.g. a pointer table, and crash rather than fail.) No effect on a
+    /// GPU.
+    pub fn emulator_skip_copy_wait(&self, on: bool) {
+        if let Exec::Emu(e) = &self.exec {
+            e.skip_copy_wait.store(on, Ordering::Relaxed);
         }
     }
 

@@ -16,7 +16,7 @@
 //! emulated device is counted with its call site (the first frame outside this crate and the
 //! tensor crate). At exit the report prints `emulator host waits: TOTAL (PER_STEP per step)` and
 //! one line per call site. Training marks its steps (`StepScope`), so the per-step figure counts
-//! only the waits made while a step runs.
+//! only the waits made for a step (on its thread, or on a thread working for it).
 use ferrolm_tensor::{Error, Result};
 use std::collections::{HashMap, VecDeque};
 use std::ffi::{c_int, c_void};
@@ -301,7 +301,6 @@ impl HostWaits {
 static TOTAL: AtomicU64 = AtomicU64::new(0);
 static IN_STEPS: AtomicU64 = AtomicU64::new(0);
 static STEPS: AtomicU64 = AtomicU64::new(0);
-static ACTIVE_STEPS: AtomicUsize = AtomicUsize::new(0);
 static TRACK_SITES: AtomicBool = AtomicBool::new(false);
 static SITES: Mutex<Option<HashMap<String, u64>>> = Mutex::new(None);
 
@@ -358,7 +357,7 @@ pub fn format_report(w: &HostWaits) -> String {
 /// Counts one host wait on the emulated device, at the caller's site.
 pub(crate) fn count_host_wait() {
     TOTAL.fetch_add(1, Ordering::Relaxed);
-    if ACTIVE_STEPS.load(Ordering::Relaxed) > 0 {
+    if StepScope::in_step() {
         IN_STEPS.fetch_add(1, Ordering::Relaxed);
     }
     if TRACK_SITES.load(Ordering::Relaxed) {
@@ -415,20 +414,42 @@ pub fn track_host_wait_sites(on: bool) {
     TRACK_SITES.store(on || report_enabled(), Ordering::Relaxed);
 }
 
-/// Marks a training step while alive: host waits made meanwhile (by any thread) count as the
-/// step's, and its end counts one step.
-pub struct StepScope(());
+thread_local! {
+    /// How many step scopes are open on this thread.
+    static IN_STEP: std::cell::Cell<u32> = const { std::cell::Cell::new(0) };
+}
+
+/// Marks a training step while alive: host waits made meanwhile on this thread count as the
+/// step's, and its end counts one step. Work done for the step on another thread (a
+/// communication thread staging a collective's input) is attributed with `on_behalf`.
+pub struct StepScope {
+    counts: bool,
+}
 
 impl StepScope {
     pub fn begin() -> StepScope {
-        ACTIVE_STEPS.fetch_add(1, Ordering::Relaxed);
-        StepScope(())
+        IN_STEP.with(|c| c.set(c.get() + 1));
+        StepScope { counts: true }
+    }
+    /// Whether this thread is inside a step.
+    pub fn in_step() -> bool {
+        IN_STEP.with(|c| c.get() > 0)
+    }
+    /// While alive, this thread's host waits count as a step's when `in_step` (the submitting
+    /// thread's `in_step()`); counts no step of its own.
+    pub fn on_behalf(in_step: bool) -> Option<StepScope> {
+        in_step.then(|| {
+            IN_STEP.with(|c| c.set(c.get() + 1));
+            StepScope { counts: false }
+        })
     }
 }
 
 impl Drop for StepScope {
     fn drop(&mut self) {
-        STEPS.fetch_add(1, Ordering::Relaxed);
-        ACTIVE_STEPS.fetch_sub(1, Ordering::Relaxed);
+        if self.counts {
+            STEPS.fetch_add(1, Ordering::Relaxed);
+        }
+        IN_STEP.with(|c| c.set(c.get().saturating_sub(1)));
     }
 }

@@ -154,10 +154,12 @@ impl CudaBackend {
 
     /// The stream to copy on, made to wait for the compute stream's work so far (which produced
     /// or last used the device storage).
-    fn copy_stream<'a>(&'a self, stream: Option<&'a Arc<CudaStream>>) -> Result<&'a Arc<CudaStream>> {
+    /// (`emulator_skip_copy_wait` removes that wait for D2H copies.)
+    fn copy_stream<'a>(&'a self, stream: Option<&'a Arc<CudaStream>>, d2h: bool) -> Result<&'a Arc<CudaStream>> {
         let compute = self.compute_stream()?;
         let s = stream.unwrap_or(compute);
-        if !Arc::ptr_eq(s, compute) {
+        let mutated = d2h && matches!(&self.exec, Exec::Emu(e) if e.skip_copy_wait.load(std::sync::atomic::Ordering::Relaxed));
+        if !Arc::ptr_eq(s, compute) && !mutated {
             let ev = self.record_event(compute)?;
             s.wait(&ev)?;
         }
@@ -246,7 +248,7 @@ impl CudaBackend {
             return Ok(());
         }
         let dev = src.buf.ptr + offset as u64;
-        let s = self.copy_stream(stream)?;
+        let s = self.copy_stream(stream, true)?;
         if let Some(host) = dst.plain_ptr() {
             // Emulated device pointers are host addresses of live pool blocks; the range was
             // checked to lie inside src's block and the buffer holds n bytes; the two never overlap.
@@ -292,7 +294,7 @@ impl CudaBackend {
             return Ok(());
         }
         let dev = dst.buf.ptr + offset as u64;
-        let s = self.copy_stream(stream)?;
+        let s = self.copy_stream(stream, false)?;
         if let Some(host) = src.plain_ptr() {
             // As above, with the roles swapped.
             Self::emu_copy(s, EmuCopy { src: host as usize, dst: dev as usize, n })?;
