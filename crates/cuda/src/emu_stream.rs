@@ -367,22 +367,27 @@ pub(crate) fn count_host_wait() {
 }
 
 /// The first frame of the current backtrace outside the CUDA backend, the tensor crate and the
-/// standard library: "function (file:line)".
+/// standard library: "function (file:line)", the file relative to the workspace.
 fn call_site() -> String {
+    let here = std::path::Path::new(env!("CARGO_MANIFEST_DIR"));
+    let root = here.parent().and_then(|p| p.parent()).unwrap_or(here);
+    let internal = [here.join("src"), root.join("crates/tensor/src")];
+    let cwd = std::env::current_dir().unwrap_or_default();
     let bt = std::backtrace::Backtrace::force_capture().to_string();
     let mut func: Option<&str> = None;
     for line in bt.lines() {
         let t = line.trim();
         if let Some(at) = t.strip_prefix("at ") {
             let Some(f) = func.take() else { continue };
-            let internal = ["crates/cuda/src/", "crates/tensor/src/", "/rustc/", "/.cargo/registry/"];
-            if internal.iter().any(|p| at.contains(p)) {
+            let at = at.rsplit_once(':').map_or(at, |(a, _col)| a); // file:line
+                                                                    // Backtraces print paths under the working directory relative to it.
+            let abs = if at.starts_with('/') { std::path::PathBuf::from(at) } else { cwd.join(at.trim_start_matches("./")) };
+            if at.contains("/rustc/") || at.contains("/.cargo/registry/") || internal.iter().any(|d| abs.starts_with(d)) {
                 continue;
             }
-            let at = at.rsplit_once(':').map_or(at, |(a, _col)| a);
-            let at = at.find("crates/").or_else(|| at.find("src/")).or_else(|| at.find("tests/")).map_or(at, |i| &at[i..]);
+            let shown = abs.strip_prefix(root).unwrap_or(&abs).display().to_string();
             let f = f.rsplit_once("::h").filter(|(_, h)| h.len() == 16).map_or(f, |(a, _)| a);
-            return format!("{f} ({at})");
+            return format!("{f} ({shown})");
         }
         func = t.split_once(": ").map(|(_, f)| f).filter(|_| t.chars().next().is_some_and(|c| c.is_ascii_digit()));
     }
