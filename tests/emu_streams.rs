@@ -86,14 +86,20 @@ fn race(be: &CudaBackend, seed: Option<u64>, f: impl FnOnce()) {
     }
 }
 
-/// Single device and offload k = 2 (compute, H2D and D2H streams): five race seeds each, every
-/// one bitwise equal to the ordered run.
+/// Single device, offload k = 2 (compute, H2D and D2H streams), TP 2 and ZeRO-3 (thread ranks
+/// sharing the device): five race seeds each, every one bitwise equal to the ordered run.
 #[test]
 fn race_mode_training_is_bitwise_equal_to_the_ordered_run() {
     let _g = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
     let Some(be) = emulated() else { return };
     let d = data("emu-race");
-    for (name, p) in [("single", ParallelArgs { tp: 1, dp: 1, zero: Some(0), ..Default::default() }), ("offload-k2", offload_k2())] {
+    let layouts = [
+        ("single", ParallelArgs { tp: 1, dp: 1, zero: Some(0), ..Default::default() }),
+        ("offload-k2", offload_k2()),
+        ("tp2", ParallelArgs { tp: 2, dp: 1, ..Default::default() }),
+        ("zero3", ParallelArgs { tp: 1, dp: 2, zero: Some(3), ..Default::default() }),
+    ];
+    for (name, p) in layouts {
         let base = train(&d, &format!("{name}-ordered"), &p, 2);
         assert!(base.0.iter().all(|l| l.is_finite()), "{name}: {:?}", base.0);
         for seed in 1..=5 {
