@@ -128,23 +128,15 @@ where
 }
 
 /// This process's rank of a multi-process run (see the module comment).
-fn launch_processes<P, T>(
-    env: &DistEnv,
-    prepare: impl Fn() -> AnyResult<P>,
-    per_rank: impl Fn(&P, Option<Comm>) -> AnyResult<T>,
-) -> AnyResult<T> {
+fn launch_processes<P, T>(env: &DistEnv, prepare: impl Fn() -> AnyResult<P>, per_rank: impl Fn(&P, Option<Comm>) -> AnyResult<T>) -> AnyResult<T> {
     let options = CommOptions::from_env()?;
     let backend = ferrolm_dist::env::gpu_backend(env)?;
     let store = ferrolm_dist::env::rendezvous(env, &options).context("cannot join the launcher's world")?;
     crate::logging::set_rank(env.rank, env.world_size);
     let timeout = match std::env::var(ENV_PREPARE_TIMEOUT) {
-        Ok(v) => Duration::from_secs_f64(
-            v.trim()
-                .parse::<f64>()
-                .ok()
-                .filter(|s| s.is_finite() && *s > 0.0)
-                .ok_or_else(|| anyhow::anyhow!("{ENV_PREPARE_TIMEOUT}={v:?} is not a positive number of seconds"))?,
-        ),
+        Ok(v) => Duration::from_secs_f64(v.trim().parse::<f64>().ok().filter(|s| s.is_finite() && *s > 0.0).ok_or_else(|| {
+            anyhow::anyhow!("{ENV_PREPARE_TIMEOUT}={v:?} is not a positive number of seconds")
+        })?),
         Err(_) => Duration::from_secs(3600),
     };
     // Errors, not only panics, reach the other ranks through the store.
