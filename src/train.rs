@@ -318,6 +318,8 @@ impl Trainer {
     /// data position still advance) with a warning, the values are returned as they were, and
     /// after `max_skipped_steps` such steps in a row this returns an error.
     pub fn train_step(&mut self) -> AnyResult<(f64, f64, f64)> {
+        // The CUDA emulator's host-wait accounting counts this step's waits (FERROLM_EMU_REPORT).
+        let _step = ferrolm_cuda::StepScope::begin();
         let accum = self.opts.grad_accum;
         let dp = self.engine.mesh().dp();
         let device = self.model.device();

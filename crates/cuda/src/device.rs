@@ -1,4 +1,5 @@
 //! The per-device state: context, streams, events, pool, kernel module and cuBLASLt handle.
+use crate::emu_stream::{EmuEvent, EmuStream, Job};
 use crate::gemm::{Gemm, LtCall, Operand};
 use crate::kernels::Kernel;
 use crate::launch::Launch;
@@ -8,9 +9,83 @@ use crate::{err, KernelImage};
 use cudarc::driver::{result, sys, CudaContext, CudaFunction, CudaModule};
 use ferrolm_tensor::{bail, DType, Error, Result};
 use std::ffi::c_void;
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, OnceLock};
 
-pub use cudarc::driver::{CudaEvent, CudaStream};
+/// A CUDA stream: a driver stream on a GPU, or an emulated one (`emu_stream`), whose address is
+/// the `cudaStream_t` that the emulated libraries (crates/dist/emu) enqueue on.
+#[derive(Debug)]
+pub enum CudaStream {
+    Gpu(Arc<cudarc::driver::CudaStream>),
+    Emu(Arc<EmuStream>),
+}
+
+/// An event recorded on a `CudaStream`.
+#[derive(Debug)]
+pub enum CudaEvent {
+    Gpu(cudarc::driver::CudaEvent),
+    Emu(EmuEvent),
+}
+
+impl CudaStream {
+    /// Later work on this stream waits for `ev` (the host does not).
+    pub fn wait(&self, ev: &CudaEvent) -> Result<()> {
+        match (self, ev) {
+            (CudaStream::Gpu(s), CudaEvent::Gpu(e)) => s.wait(e).map_err(err("stream wait")),
+            (CudaStream::Emu(s), CudaEvent::Emu(e)) => s.wait_event(e),
+            _ => bail!("stream wait", "an event of one device kind on a stream of the other"),
+        }
+    }
+    /// The host waits for everything queued on the stream.
+    pub fn synchronize(&self) -> Result<()> {
+        match self {
+            CudaStream::Gpu(s) => s.synchronize().map_err(err("synchronize")),
+            CudaStream::Emu(s) => s.synchronize(),
+        }
+    }
+    /// The raw handle passed to libraries (cuBLASLt, NCCL; the emulated ones on the emulator).
+    pub fn cu_stream(&self) -> sys::CUstream {
+        match self {
+            CudaStream::Gpu(s) => s.cu_stream(),
+            CudaStream::Emu(s) => s.handle() as sys::CUstream,
+        }
+    }
+    pub(crate) fn emu(&self, op: &'static str) -> Result<&Arc<EmuStream>> {
+        match self {
+            CudaStream::Emu(s) => Ok(s),
+            CudaStream::Gpu(_) => bail!(op, "a GPU stream passed to the emulated device"),
+        }
+    }
+}
+
+impl CudaEvent {
+    /// The host waits for the event.
+    pub fn synchronize(&self) -> Result<()> {
+        match self {
+            CudaEvent::Gpu(e) => e.synchronize().map_err(err("event synchronize")),
+            CudaEvent::Emu(e) => e.synchronize(),
+        }
+    }
+    /// Whether the work before the event has run (no wait).
+    pub fn try_is_complete(&self) -> Result<bool> {
+        match self {
+            CudaEvent::Gpu(e) => e.try_is_complete().map_err(err("event query")),
+            CudaEvent::Emu(e) => Ok(e.is_complete()),
+        }
+    }
+    /// As `try_is_complete`, an error reading as not complete.
+    pub fn is_complete(&self) -> bool {
+        self.try_is_complete().unwrap_or(false)
+    }
+    /// Milliseconds from this event to `end` (waits for `end`).
+    pub fn elapsed_ms(&self, end: &CudaEvent) -> Result<f32> {
+        match (self, end) {
+            (CudaEvent::Gpu(a), CudaEvent::Gpu(b)) => a.elapsed_ms(b).map_err(err("elapsed_ms")),
+            (CudaEvent::Emu(a), CudaEvent::Emu(b)) => a.elapsed_ms(b),
+            _ => bail!("elapsed_ms", "events of different device kinds"),
+        }
+    }
+}
 
 /// Every backend created in this process (weak), for `CudaBackend::latest`.
 static INSTANCES: Mutex<Vec<std::sync::Weak<CudaBackend>>> = Mutex::new(Vec::new());
@@ -25,16 +100,28 @@ pub struct CudaBackend {
 }
 
 /// What runs the kernels: a real device, or the CPU emulator (crates/cuda/emu), which runs the
-/// same kernels/*.cu compiled as C++ over host memory, synchronously, for tests without a GPU.
+/// same kernels/*.cu compiled as C++ over host memory, on emulated streams, for tests without a
+/// GPU.
 pub(crate) enum Exec {
     Gpu(Gpu),
-    Emu,
+    Emu(Emu),
+}
+
+pub(crate) struct Emu {
+    /// The compute stream: every op of the `Backend` trait is queued here.
+    pub(crate) stream: Arc<CudaStream>,
+    /// Race mode's seed (0: off), read by every stream of this backend before each item.
+    race: Arc<AtomicU64>,
+    /// Test hook (`emulator_skip_copy_wait`): copies on a side stream skip their wait for the
+    /// compute stream, the mutation that race mode must catch.
+    pub(crate) skip_copy_wait: std::sync::atomic::AtomicBool,
 }
 
 pub(crate) struct Gpu {
     pub(crate) ctx: Arc<CudaContext>,
     /// Every op of the `Backend` trait is enqueued here.
     pub(crate) stream: Arc<CudaStream>,
+    raw_stream: Arc<cudarc::driver::CudaStream>,
     module: Arc<CudaModule>,
     /// The kernels' function handles, indexed by `Kernel`, each looked up on its first launch.
     funcs: Box<[OnceLock<CudaFunction>]>,
@@ -45,7 +132,7 @@ impl std::fmt::Debug for CudaBackend {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         match self.exec {
             Exec::Gpu(_) => write!(f, "CudaBackend(cuda:{})", self.ordinal),
-            Exec::Emu => write!(f, "CudaBackend(cuda:{}, emulated on the CPU)", self.ordinal),
+            Exec::Emu(_) => write!(f, "CudaBackend(cuda:{}, emulated on the CPU)", self.ordinal),
         }
     }
 }
@@ -66,25 +153,59 @@ impl CudaBackend {
         // own stream discipline (one compute stream, events for copy streams), so nothing
         // relies on the tracking being on. Called before any stream or buffer exists.
         unsafe { ctx.disable_event_tracking() };
-        let stream = ctx.new_stream().map_err(err("cuda"))?;
+        let raw_stream = ctx.new_stream().map_err(err("cuda"))?;
         let module = load_module(&ctx, image)?;
         let pool = Pool::new(Mem::Gpu(ctx.clone()));
-        let gemm = Gemm::new(&ctx, &pool, &stream)?;
+        let gemm = Gemm::new(&ctx, &pool, &raw_stream)?;
         let funcs = (0..Kernel::COUNT).map(|_| OnceLock::new()).collect();
-        let gpu = Gpu { ctx, stream, module, funcs, gemm: Mutex::new(gemm) };
+        let stream = Arc::new(CudaStream::Gpu(raw_stream.clone()));
+        let gpu = Gpu { ctx, stream, raw_stream, module, funcs, gemm: Mutex::new(gemm) };
         Ok(Self::finish(ordinal, Exec::Gpu(gpu), pool))
     }
 
     /// A backend that presents itself as `cuda:ordinal` but runs every kernel of kernels/ on the
     /// CPU through the emulator (crates/cuda/emu) and GEMMs through a reference implementation
-    /// of cuBLASLt's semantics. Synchronous and slow (each CUDA thread is a fiber): it exists to
-    /// check the backend's launch logic and the kernels' indexing, synchronisation and mma
-    /// fragment layouts where there is no GPU. Streams and events are not available on it.
+    /// of cuBLASLt's semantics. Slow (each CUDA thread is a fiber): it exists to check the
+    /// backend's launch logic, the kernels' indexing, synchronisation and mma fragment layouts,
+    /// and the engines' stream and event discipline where there is no GPU. Its streams are
+    /// queues run by worker threads, as a GPU runs them (`emu_stream`); `FERROLM_EMU_RACE=SEED`
+    /// turns on race mode, `FERROLM_EMU_REPORT=1` the host-wait report.
     pub fn emulated(ordinal: usize) -> Result<Arc<CudaBackend>> {
         if !crate::emu::AVAILABLE {
             bail!("cuda", "the CUDA emulator was not built (no C++ compiler at build time, or FERROLM_NO_EMU=1)");
         }
-        Ok(Self::finish(ordinal, Exec::Emu, Pool::new(Mem::Host)))
+        crate::emu_stream::install_report();
+        let race = Arc::new(AtomicU64::new(crate::emu_stream::race_from_env()));
+        let stream = Arc::new(CudaStream::Emu(EmuStream::new(race.clone())?));
+        Ok(Self::finish(ordinal, Exec::Emu(Emu { stream, race, skip_copy_wait: false.into() }), Pool::new(Mem::Host)))
+    }
+
+    /// Emulated device: race mode with `seed` (a pseudo-random delay before every queued item
+    /// of every stream of this backend), or off with `None`. No effect on a GPU.
+    pub fn emulator_race(&self, seed: Option<u64>) {
+        if let Exec::Emu(e) = &self.exec {
+            e.race.store(seed.map_or(0, |s| s.max(1)), Ordering::Relaxed);
+        }
+    }
+
+    /// Test hook, emulated device only: while on, a D2H pinned copy on a side stream does not
+    /// wait for the compute stream's work before it (one compute -> copy event wait removed), so
+    /// a race-mode run reads unfinished data. (Only D2H: an early H2D write could corrupt a block
+    /// a kernel still reads, e.g. a pointer table, and crash rather than fail.) No effect on a
+    /// GPU.
+    pub fn emulator_skip_copy_wait(&self, on: bool) {
+        if let Exec::Emu(e) = &self.exec {
+            e.skip_copy_wait.store(on, Ordering::Relaxed);
+        }
+    }
+
+    /// Emulated device: queues `job` on the compute stream (its error, if any, is the stream's
+    /// sticky error, reported by the next wait).
+    pub(crate) fn emu_enqueue(&self, op: &'static str, job: Job) -> Result<()> {
+        match &self.exec {
+            Exec::Emu(e) => e.stream.emu(op)?.enqueue(job),
+            Exec::Gpu(_) => bail!(op, "not an emulated device"),
+        }
     }
 
     fn finish(ordinal: usize, exec: Exec, pool: Arc<Pool>) -> Arc<CudaBackend> {
@@ -106,12 +227,12 @@ impl CudaBackend {
 
     /// True for a backend made by `emulated`.
     pub fn is_emulated(&self) -> bool {
-        matches!(self.exec, Exec::Emu)
+        matches!(self.exec, Exec::Emu(_))
     }
     pub(crate) fn gpu(&self, op: &'static str) -> Result<&Gpu> {
         match &self.exec {
             Exec::Gpu(g) => Ok(g),
-            Exec::Emu => bail!(op, "not available on the emulated CUDA device (no streams or events there)"),
+            Exec::Emu(_) => bail!(op, "not available on the emulated CUDA device"),
         }
     }
 
@@ -127,16 +248,19 @@ impl CudaBackend {
     pub fn device_name(&self) -> String {
         match &self.exec {
             Exec::Gpu(g) => g.ctx.name().unwrap_or_else(|e| format!("cuda:{} ({e:?})", self.ordinal)),
-            Exec::Emu => "CUDA emulator (CPU)".into(),
+            Exec::Emu(_) => "CUDA emulator (CPU)".into(),
         }
     }
     /// Records a timing-enabled event on the compute stream; `start.elapsed_ms(&end)` gives the
     /// GPU time between two of them (it waits for `end`).
     pub fn timing_event(&self) -> Result<CudaEvent> {
-        let g = self.gpu("timing_event")?;
+        let g = match &self.exec {
+            Exec::Gpu(g) => g,
+            Exec::Emu(e) => return self.record_event(&e.stream),
+        };
         let ev = g.ctx.new_event(Some(sys::CUevent_flags::CU_EVENT_DEFAULT)).map_err(err("timing_event"))?;
-        ev.record(&g.stream).map_err(err("timing_event"))?;
-        Ok(ev)
+        ev.record(&g.raw_stream).map_err(err("timing_event"))?;
+        Ok(CudaEvent::Gpu(ev))
     }
 
     pub fn ordinal(&self) -> usize {
@@ -146,22 +270,39 @@ impl CudaBackend {
         Ok(&self.gpu("context")?.ctx)
     }
     pub fn compute_stream(&self) -> Result<&Arc<CudaStream>> {
-        Ok(&self.gpu("compute_stream")?.stream)
+        match &self.exec {
+            Exec::Gpu(g) => Ok(&g.stream),
+            Exec::Emu(e) => Ok(&e.stream),
+        }
     }
     /// A new stream (communication, host<->device copies); order it with events.
     pub fn new_stream(&self) -> Result<Arc<CudaStream>> {
-        self.gpu("new_stream")?.ctx.new_stream().map_err(err("new_stream"))
+        match &self.exec {
+            Exec::Gpu(g) => Ok(Arc::new(CudaStream::Gpu(g.ctx.new_stream().map_err(err("new_stream"))?))),
+            Exec::Emu(e) => Ok(Arc::new(CudaStream::Emu(EmuStream::new(e.race.clone())?))),
+        }
     }
     /// Records an event on `stream` (for `wait` on another stream or timing).
     pub fn record_event(&self, stream: &CudaStream) -> Result<CudaEvent> {
-        let ev = self.gpu("record_event")?.ctx.new_event(None).map_err(err("record_event"))?;
-        ev.record(stream).map_err(err("record_event"))?;
-        Ok(ev)
+        match (&self.exec, stream) {
+            (Exec::Gpu(g), CudaStream::Gpu(s)) => {
+                let ev = g.ctx.new_event(None).map_err(err("record_event"))?;
+                ev.record(s).map_err(err("record_event"))?;
+                Ok(CudaEvent::Gpu(ev))
+            }
+            (Exec::Emu(_), CudaStream::Emu(s)) => Ok(CudaEvent::Emu(s.record()?)),
+            _ => bail!("record_event", "a stream of another device kind"),
+        }
     }
+    /// Binds the device's context to the calling thread (nothing to do on the emulator).
+    pub fn bind_to_thread(&self) -> Result<()> {
+        self.bind()
+    }
+    /// The host waits for the compute stream (on the emulator: a counted host wait).
     pub fn synchronize(&self) -> Result<()> {
         match &self.exec {
-            Exec::Gpu(g) => g.stream.synchronize().map_err(err("synchronize")),
-            Exec::Emu => Ok(()),
+            Exec::Gpu(g) => g.stream.synchronize(),
+            Exec::Emu(e) => e.stream.synchronize(),
         }
     }
     /// (bytes in live device buffers, peak since `reset_peak_memory`, bytes cached by the pool)
@@ -186,7 +327,7 @@ impl CudaBackend {
     pub(crate) fn bind(&self) -> Result<()> {
         match &self.exec {
             Exec::Gpu(g) => g.ctx.bind_to_thread().map_err(err("cuda")),
-            Exec::Emu => Ok(()),
+            Exec::Emu(_) => Ok(()),
         }
     }
     pub(crate) fn raw_alloc(&self, bytes: usize) -> Result<DevBuf> {
@@ -213,7 +354,7 @@ impl CudaBackend {
     /// every device pointer among those values addresses live memory of this device holding what
     /// the kernel accesses for this launch shape; pool blocks stay allocated until the stream has
     /// run the kernel.
-    pub(crate) unsafe fn launch(&self, kernel: Kernel, cfg: Launch, args: &mut [*mut c_void]) -> Result<()> {
+    pub(crate) unsafe fn launch(&self, kernel: Kernel, cfg: Launch, args: &mut [crate::launch::Arg]) -> Result<()> {
         let Launch { grid, block, smem } = cfg;
         if grid.0 == 0 || grid.1 == 0 || grid.2 == 0 {
             return Ok(());
@@ -222,7 +363,7 @@ impl CudaBackend {
         let g = match &self.exec {
             Exec::Gpu(g) => g,
             // SAFETY: the caller's contract, which is the emulator's too.
-            Exec::Emu => return unsafe { crate::emu::launch(kernel, cfg, args) },
+            Exec::Emu(_) => return unsafe { crate::emu::launch(self, kernel, cfg, args) },
         };
         self.bind()?;
         let f = g.func(kernel)?;
@@ -230,9 +371,10 @@ impl CudaBackend {
             f.set_attribute(sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, smem as i32)
                 .map_err(|e| Error::new(name, format!("cannot enable {smem} bytes of shared memory: {e:?}")))?;
         }
+        let mut ptrs: Vec<*mut c_void> = args.iter().map(|a| a.ptr).collect();
         // SAFETY: the caller's contract: one pointer per parameter, of its type, and live device
         // memory behind every device pointer until the stream has run the kernel.
-        unsafe { result::launch_kernel(f.cu_function(), grid, (block, 1, 1), smem, g.stream.cu_stream(), args) }
+        unsafe { result::launch_kernel(f.cu_function(), grid, (block, 1, 1), smem, g.stream.cu_stream(), &mut ptrs) }
             .map_err(|e| Error::new(name, format!("launch failed: {e:?}")))
     }
 
@@ -253,9 +395,12 @@ impl CudaBackend {
         match &self.exec {
             Exec::Gpu(g) => {
                 self.bind()?;
-                g.gemm.lock().unwrap_or_else(|e| e.into_inner()).run(&g.stream, &call)
+                g.gemm.lock().unwrap_or_else(|e| e.into_inner()).run(&g.raw_stream, &call)
             }
-            Exec::Emu => crate::emu::lt_matmul(&call),
+            Exec::Emu(_) => {
+                crate::emu::lt_check(&call)?;
+                self.emu_enqueue("matmul", Box::new(move || crate::emu::lt_matmul(&call).map_err(|e| e.to_string())))
+            }
         }
     }
 
@@ -276,10 +421,25 @@ impl CudaBackend {
                 // driver before the call returns, so v may be dropped afterwards.
                 unsafe { result::memcpy_htod_async(s.buf.ptr, v, g.stream.cu_stream()) }.map_err(err("upload"))?;
             }
-            // SAFETY: emulated device pointers are host addresses of live pool blocks; s has room
-            // for size_of_val(v) bytes (element sizes checked above) and is a fresh block, so the
-            // ranges do not overlap.
-            Exec::Emu => unsafe { std::ptr::copy_nonoverlapping(v.as_ptr() as *const u8, s.buf.ptr as *mut u8, std::mem::size_of_val(v)) },
+            Exec::Emu(_) => {
+                // A pageable copy: the source is staged before the call returns (here into a
+                // Vec the queued copy owns), the write lands in stream order.
+                let staged: Vec<u8> = {
+                    // SAFETY: v is size_of_val(v) initialised bytes of plain values.
+                    unsafe { std::slice::from_raw_parts(v.as_ptr() as *const u8, std::mem::size_of_val(v)) }.to_vec()
+                };
+                let dst = s.buf.ptr as usize;
+                self.emu_enqueue(
+                    "upload",
+                    Box::new(move || {
+                        // SAFETY: emulated device pointers are host addresses of live pool blocks;
+                        // s has room for the staged bytes (element sizes checked above) and
+                        // blocks are recycled in stream order, so it is alive when this runs.
+                        unsafe { std::ptr::copy_nonoverlapping(staged.as_ptr(), dst as *mut u8, staged.len()) };
+                        Ok(())
+                    }),
+                )?;
+            }
         }
         Ok(s)
     }
@@ -303,10 +463,15 @@ impl CudaBackend {
                 unsafe { result::memcpy_dtoh_async(&mut v, ptr, g.stream.cu_stream()) }.map_err(err("download"))?;
                 self.synchronize()?;
             }
-            // SAFETY: emulated device pointers are host addresses of live pool blocks (256-byte
-            // aligned, and `offset` is a multiple of T's size at every call site); the range lies
-            // inside `buf` (checked above); v is a fresh Vec of n elements, so no overlap.
-            Exec::Emu => unsafe { std::ptr::copy_nonoverlapping(ptr as *const T, v.as_mut_ptr(), n) },
+            Exec::Emu(e) => {
+                // A blocking copy: the host waits for the stream, then reads.
+                e.stream.synchronize()?;
+                // SAFETY: emulated device pointers are host addresses of live pool blocks (256-byte
+                // aligned, and `offset` is a multiple of T's size at every call site); the range
+                // lies inside `buf` (checked above); v is a fresh Vec of n elements, so no overlap;
+                // the stream has run everything that writes it.
+                unsafe { std::ptr::copy_nonoverlapping(ptr as *const T, v.as_mut_ptr(), n) }
+            }
         }
         Ok(v)
     }
@@ -329,11 +494,17 @@ impl CudaBackend {
                 // stream has run the memset (pool blocks are reused only in stream order).
                 unsafe { result::memset_d8_async(ptr, byte, bytes, g.stream.cu_stream()) }.map_err(err("memset"))
             }
-            Exec::Emu => {
-                // SAFETY: emulated device pointers are host addresses of live pool blocks; the
-                // range lies inside `buf` (checked above).
-                unsafe { std::ptr::write_bytes(ptr as *mut u8, byte, bytes) };
-                Ok(())
+            Exec::Emu(_) => {
+                let p = ptr as usize;
+                self.emu_enqueue(
+                    "memset",
+                    Box::new(move || {
+                        // SAFETY: emulated device pointers are host addresses of live pool blocks;
+                        // the range lies inside `buf` (checked above), alive in stream order.
+                        unsafe { std::ptr::write_bytes(p as *mut u8, byte, bytes) };
+                        Ok(())
+                    }),
+                )
             }
         }
     }

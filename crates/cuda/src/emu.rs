@@ -3,9 +3,10 @@
 //! cuBLASLt call that `gemm.rs` plans, with cuBLASLt's column-major semantics and its validity
 //! checks, so the layout arithmetic of every GEMM is tested without a GPU. Device pointers on the emulated
 //! device are host addresses (see `pool::Mem::Host`).
+use crate::device::CudaBackend;
 use crate::gemm::{LtCall, LtMatrix};
 use crate::kernels::Kernel;
-use crate::launch::Launch;
+use crate::launch::{Arg, Launch};
 use ferrolm_tensor::{bail, bf16, Result};
 use std::ffi::c_void;
 
@@ -38,15 +39,18 @@ mod ffi {
     }
 }
 
-/// Runs `kernel` over the grid to completion on the calling thread. The emulator's table is
-/// generated in `Kernel` order (build.rs), so the kernel's index is its entry.
+/// Queues `kernel` over the grid on the backend's compute stream: the argument values are
+/// copied now (the launcher's locals are gone when it runs) and the stream's worker runs the
+/// grid to completion. The emulator's table is generated in `Kernel` order (build.rs), so the
+/// kernel's index is its entry. A failure is the stream's sticky error, reported by the next wait
+/// (as a GPU reports a kernel fault).
 ///
 /// # Safety
 /// As `CudaBackend::launch`: `args` points at one value per kernel parameter, of the
 /// parameter's type, and device pointers in them are live host allocations of the pool holding
-/// what the kernel accesses.
+/// what the kernel accesses, until the stream has run the kernel.
 #[cfg(ferro_emu)]
-pub(crate) unsafe fn launch(kernel: Kernel, cfg: Launch, args: &mut [*mut c_void]) -> Result<()> {
+pub(crate) unsafe fn launch(be: &CudaBackend, kernel: Kernel, cfg: Launch, args: &mut [Arg]) -> Result<()> {
     let (name, i) = (kernel.name(), kernel as usize);
     // SAFETY: reads an immutable int defined by the generated translation unit.
     if i >= unsafe { ffi::ferro_emu_kernel_count } as usize {
@@ -55,24 +59,51 @@ pub(crate) unsafe fn launch(kernel: Kernel, cfg: Launch, args: &mut [*mut c_void
     // SAFETY: i is below `ferro_emu_kernel_count` (checked above), so the entry is inside the
     // immutable static array.
     let entry = unsafe { (*ffi::ferro_emu_kernels.as_ptr().add(i)).run };
-    let Launch { grid, block, smem } = cfg;
-    let mut err = vec![0u8; 1024];
-    // SAFETY: the caller's contract covers `args`; `err` is a writable buffer of the length
-    // passed, which the runtime NUL-terminates within it.
-    let rc =
-        unsafe { ffi::ferro_emu_run(entry, grid.0, grid.1, grid.2, block, smem, args.as_mut_ptr(), err.as_mut_ptr() as *mut _, err.len()) };
-    if rc != 0 {
-        let msg = String::from_utf8_lossy(&err[..err.iter().position(|&c| c == 0).unwrap_or(err.len())]).into_owned();
-        let what = if rc == 2 { "invalid launch configuration" } else { "kernel failed" };
-        bail!(name, "{what} (emulator, grid {grid:?}, block {block}, {smem} B shared): {msg}");
-    }
-    Ok(())
+    // Each value in its own 8-byte aligned words (every parameter type is at most 8-aligned).
+    let values: Vec<Vec<u64>> = args
+        .iter()
+        .map(|a| {
+            let mut w = vec![0u64; a.size.div_ceil(8)];
+            // SAFETY: the caller's contract: a.ptr addresses a live value of a.size bytes.
+            unsafe { std::ptr::copy_nonoverlapping(a.ptr as *const u8, w.as_mut_ptr() as *mut u8, a.size) };
+            w
+        })
+        .collect();
+    let reverse = REVERSE.with(|r| r.get());
+    be.emu_enqueue(
+        name,
+        Box::new(move || {
+            let Launch { grid, block, smem } = cfg;
+            let mut values = values;
+            let mut ptrs: Vec<*mut c_void> = values.iter_mut().map(|w| w.as_mut_ptr() as *mut c_void).collect();
+            let mut err = vec![0u8; 1024];
+            // SAFETY: only stores an int into a thread_local of the runtime (this worker's).
+            unsafe { ffi::ferro_emu_set_reverse(reverse as _) };
+            // SAFETY: the launch's contract covers the values behind `ptrs` (copied above) and
+            // the device memory they address; `err` is a writable buffer of the length passed,
+            // which the runtime NUL-terminates within it.
+            let rc = unsafe {
+                ffi::ferro_emu_run(entry, grid.0, grid.1, grid.2, block, smem, ptrs.as_mut_ptr(), err.as_mut_ptr() as *mut _, err.len())
+            };
+            if rc != 0 {
+                let msg = String::from_utf8_lossy(&err[..err.iter().position(|&c| c == 0).unwrap_or(err.len())]).into_owned();
+                let what = if rc == 2 { "invalid launch configuration" } else { "kernel failed" };
+                return Err(format!("{name}: {what} (emulator, grid {grid:?}, block {block}, {smem} B shared): {msg}"));
+            }
+            Ok(())
+        }),
+    )
 }
 /// # Safety
 /// Nothing runs: the emulator was not built.
 #[cfg(not(ferro_emu))]
-pub(crate) unsafe fn launch(kernel: Kernel, _: Launch, _: &mut [*mut c_void]) -> Result<()> {
+pub(crate) unsafe fn launch(_: &CudaBackend, kernel: Kernel, _: Launch, _: &mut [Arg]) -> Result<()> {
     bail!(kernel.name(), "the CUDA emulator was not built")
+}
+
+thread_local! {
+    /// `set_reverse_schedule` of this thread, handed to the worker with each launch.
+    static REVERSE: std::cell::Cell<bool> = const { std::cell::Cell::new(false) };
 }
 
 #[cfg(all(test, ferro_emu))]
@@ -95,13 +126,7 @@ mod tests {
 /// Launches from the calling thread visit a block's threads in reverse order at every scheduling
 /// round (`true`) or in order. A race-free kernel gives the same bits either way.
 pub(crate) fn set_reverse_schedule(on: bool) {
-    // SAFETY: only stores an int into a thread_local of the runtime; no pointers involved.
-    #[cfg(ferro_emu)]
-    unsafe {
-        ffi::ferro_emu_set_reverse(on as _)
-    };
-    #[cfg(not(ferro_emu))]
-    let _ = on;
+    REVERSE.with(|r| r.set(on));
 }
 
 /// cuBLASLt's checks for one matrix: positive sizes, ld >= rows (column-major), and that the
@@ -119,9 +144,8 @@ fn check(name: &str, m: &LtMatrix, batch: usize) -> Result<()> {
     Ok(())
 }
 
-/// D = op(A) · op(B) with cuBLASLt's semantics: column-major operands, op = transpose when the
-/// flag is set, fp32 accumulation, result rounded once to the output type.
-pub(crate) fn lt_matmul(c: &LtCall) -> Result<()> {
+/// What cuBLASLt checks when the call is made (before anything is queued).
+pub(crate) fn lt_check(c: &LtCall) -> Result<()> {
     check("A", &c.a, c.batch)?;
     check("B", &c.b, c.batch)?;
     check("D", &c.d, c.batch)?;
@@ -131,6 +155,14 @@ pub(crate) fn lt_matmul(c: &LtCall) -> Result<()> {
     if a_m != m || b_n != n || a_k != k || b_k != k {
         bail!("matmul", "cuBLASLt would reject the shapes: op(A) {a_m}x{a_k}, op(B) {b_k}x{b_n}, D {m}x{n}");
     }
+    Ok(())
+}
+
+/// D = op(A) · op(B) with cuBLASLt's semantics: column-major operands, op = transpose when the
+/// flag is set, fp32 accumulation, result rounded once to the output type.
+pub(crate) fn lt_matmul(c: &LtCall) -> Result<()> {
+    lt_check(c)?;
+    let (m, n, k) = (c.d.rows, c.d.cols, c.k);
     // Element (i, j) of a column-major matrix, or of its transpose.
     let at = |x: &LtMatrix, t: bool, i: usize, j: usize, base: i64| -> i64 {
         let (r, col) = if t { (j, i) } else { (i, j) };

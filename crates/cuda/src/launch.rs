@@ -75,9 +75,16 @@ impl Launch {
     }
 }
 
-/// A kernel argument: the address of a value of the parameter's type (generated launchers).
-pub(crate) fn arg<T>(v: &T) -> *mut c_void {
-    v as *const T as *mut c_void
+/// A kernel argument: the address and size of a value of the parameter's type (generated
+/// launchers). The emulator copies the bytes, since its launch runs after the launcher returned.
+#[derive(Clone, Copy)]
+pub(crate) struct Arg {
+    pub(crate) ptr: *mut c_void,
+    pub(crate) size: usize,
+}
+
+pub(crate) fn arg<T: Copy>(v: &T) -> Arg {
+    Arg { ptr: v as *const T as *mut c_void, size: std::mem::size_of::<T>() }
 }
 
 /// The error for a dtype the kernels have no variant of.

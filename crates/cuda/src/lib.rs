@@ -17,6 +17,7 @@ mod backend;
 mod comm;
 mod device;
 mod emu;
+mod emu_stream;
 mod gemm;
 pub mod kernels;
 mod launch;
@@ -25,6 +26,7 @@ mod pool;
 mod storage;
 
 pub use device::{compile_sources, nvrtc_translation_unit, CudaBackend, CudaEvent, CudaStream};
+pub use emu_stream::{format_report, host_waits, reset_host_waits, track_host_wait_sites, HostWaits, StepScope};
 pub use launch::{check_kernel_dtype, unsupported, AdamWParams, AdamWTensor, DevPtr, Launch};
 pub use pinned::PinnedBuffer;
 pub use storage::CudaStorage;

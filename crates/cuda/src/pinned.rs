@@ -5,19 +5,16 @@
 //! its memory is never freed under a copy (the raw `memcpy_*_async` calls below bypass cudarc's
 //! own bookkeeping, which would otherwise be the only thing `PinnedHostSlice`'s drop waits for).
 //!
-//! On the emulated device the buffer is ordinary memory and copies complete before they
-//! return, unless [`CudaBackend::emulator_defer_copies`] is on for the calling thread: then a
-//! copy is only queued on the buffer and runs when something waits for it (an access, another
-//! copy, the drop) or at the backend's `synchronize`, in reverse order of issue. That is the
-//! latest and most reordered a GPU's copy engines could complete them, which is what the tests of
-//! these rules need.
-use crate::device::{CudaBackend, CudaStream, Exec};
+//! On the emulated device the buffer is ordinary memory and the copies are items on emulated
+//! streams (`emu_stream`), completing when the stream's worker gets to them; race mode
+//! (`CudaBackend::emulator_race`) delays every item, so a read or reuse that does not wait sees
+//! stale bytes.
+use crate::device::{CudaBackend, CudaEvent, CudaStream, Exec};
 use crate::err;
 use crate::storage::CudaStorage;
-use cudarc::driver::{result, CudaEvent, PinnedHostSlice};
+use cudarc::driver::{result, PinnedHostSlice};
 use ferrolm_tensor::{bail, Result};
-use std::cell::Cell;
-use std::sync::{Arc, Mutex};
+use std::sync::Arc;
 
 enum Mem {
     Pinned(PinnedHostSlice<u8>),
@@ -26,72 +23,30 @@ enum Mem {
     Plain(Vec<u64>),
 }
 
-/// A copy the emulator has queued but not run (deferred mode): the source and destination
-/// addresses, both kept alive by their owners until it runs (the buffer waits for it before it is
-/// accessed, reused or freed; device storage is only freed after `synchronize`).
+/// A copy queued on an emulated stream: the addresses, kept alive by their owners until it runs
+/// (the buffer waits for it before it is accessed, reused or freed; the device side is kept by
+/// the stream order of the pool, or by `keep` for a detached copy).
 struct EmuCopy {
-    src: *const u8,
-    dst: *mut u8,
+    src: usize,
+    dst: usize,
     n: usize,
 }
-// SAFETY: the addresses are only dereferenced by `run`, under the rules of the struct comment;
-// the queue moves between threads only together with the buffer that owns it.
-unsafe impl Send for EmuCopy {}
 
 impl EmuCopy {
     fn run(&self) {
         // SAFETY: see the struct comment: both ranges are n bytes of live, non-overlapping
         // allocations (a pool block and a buffer's Vec).
-        unsafe { std::ptr::copy_nonoverlapping(self.src, self.dst, self.n) }
+        unsafe { std::ptr::copy_nonoverlapping(self.src as *const u8, self.dst as *mut u8, self.n) }
     }
-}
-
-/// Deferred emulated copies not yet waited for, in issue order (shared with the backend's
-/// `synchronize` through a registry of weak handles).
-type EmuQueue = Arc<Mutex<Vec<EmuCopy>>>;
-
-thread_local! {
-    /// Which emulated copies issued from this thread are deferred: 0 none, 1 all, 2 detached
-    /// D2H copies only.
-    static DEFER: Cell<u8> = const { Cell::new(0) };
-}
-
-static DEFERRED: Mutex<Vec<std::sync::Weak<Mutex<Vec<EmuCopy>>>>> = Mutex::new(Vec::new());
-
-enum Pending {
-    Gpu(CudaEvent),
-    Emu(EmuQueue),
 }
 
 pub struct PinnedBuffer {
     mem: Mem,
     bytes: usize,
     /// Completes when the last copy into or out of this buffer has.
-    pending: Option<Pending>,
+    pending: Option<CudaEvent>,
     /// What a detached copy's device side needs alive until it completes (dropped by `wait`).
     keep: Option<Box<dyn std::any::Any + Send>>,
-}
-
-fn run_queue(q: &EmuQueue) {
-    let jobs = std::mem::take(&mut *q.lock().unwrap_or_else(|e| e.into_inner()));
-    for j in &jobs {
-        j.run();
-    }
-}
-
-/// Runs every deferred emulated copy, newest first (the emulator's `synchronize`).
-pub(crate) fn run_deferred() {
-    let queues: Vec<EmuQueue> = {
-        let mut reg = DEFERRED.lock().unwrap_or_else(|e| e.into_inner());
-        let live = reg.drain(..).filter_map(|w| w.upgrade()).collect();
-        live
-    };
-    for q in queues.iter().rev() {
-        let jobs = std::mem::take(&mut *q.lock().unwrap_or_else(|e| e.into_inner()));
-        for j in jobs.iter().rev() {
-            j.run();
-        }
-    }
 }
 
 impl PinnedBuffer {
@@ -103,18 +58,12 @@ impl PinnedBuffer {
     }
     /// Whether a copy into or out of the buffer may still be running (false once waited for).
     pub fn in_flight(&self) -> bool {
-        match &self.pending {
-            None => false,
-            Some(Pending::Gpu(_)) => true,
-            Some(Pending::Emu(q)) => !q.lock().unwrap_or_else(|e| e.into_inner()).is_empty(),
-        }
+        self.pending.as_ref().is_some_and(|e| !e.is_complete())
     }
     /// Waits for every copy into or out of the buffer.
     pub fn wait(&mut self) -> Result<()> {
-        match self.pending.take() {
-            None => {}
-            Some(Pending::Gpu(ev)) => ev.synchronize().map_err(err("pinned"))?,
-            Some(Pending::Emu(q)) => run_queue(&q),
+        if let Some(ev) = self.pending.take() {
+            ev.synchronize()?;
         }
         self.keep = None;
         Ok(())
@@ -198,47 +147,33 @@ impl CudaBackend {
                 p.as_mut_slice().map_err(err("alloc_pinned"))?.fill(0);
                 Mem::Pinned(p)
             }
-            Exec::Emu => Mem::Plain(vec![0; bytes.div_ceil(8)]),
+            Exec::Emu(_) => Mem::Plain(vec![0; bytes.div_ceil(8)]),
         };
         Ok(PinnedBuffer { mem, bytes, pending: None, keep: None })
     }
 
-    /// Test hook, emulated device only: while on, copies issued from this thread are queued
-    /// instead of run (see the module comment). No effect on a GPU.
-    pub fn emulator_defer_copies(&self, on: bool) {
-        if self.is_emulated() {
-            DEFER.with(|d| d.set(on as u8));
-        }
-    }
-
-    /// Emulated device: runs every deferred copy not yet waited for, newest first (what a
-    /// `synchronize` guarantees on a GPU). No effect on a GPU.
-    pub fn emulator_complete_copies(&self) {
-        if self.is_emulated() {
-            run_deferred();
-        }
-    }
-
     /// The stream to copy on, made to wait for the compute stream's work so far (which produced
     /// or last used the device storage).
-    fn copy_stream<'a>(&'a self, stream: Option<&'a Arc<CudaStream>>) -> Result<&'a Arc<CudaStream>> {
-        let g = self.gpu("copy")?;
-        let s = stream.unwrap_or(&g.stream);
-        if !Arc::ptr_eq(s, &g.stream) {
-            let ev = self.record_event(&g.stream)?;
-            s.wait(&ev).map_err(err("copy"))?;
+    /// (`emulator_skip_copy_wait` removes that wait for D2H copies.)
+    fn copy_stream<'a>(&'a self, stream: Option<&'a Arc<CudaStream>>, d2h: bool) -> Result<&'a Arc<CudaStream>> {
+        let compute = self.compute_stream()?;
+        let s = stream.unwrap_or(compute);
+        let mutated = d2h && matches!(&self.exec, Exec::Emu(e) if e.skip_copy_wait.load(std::sync::atomic::Ordering::Relaxed));
+        if !Arc::ptr_eq(s, compute) && !mutated {
+            let ev = self.record_event(compute)?;
+            s.wait(&ev)?;
         }
         Ok(s)
     }
     /// After a copy on `s`: the compute stream waits for it (so later kernels see the data), and
     /// the buffer remembers it.
     fn after_copy(&self, s: &Arc<CudaStream>, buf: &mut PinnedBuffer) -> Result<()> {
-        let g = self.gpu("copy")?;
+        let compute = self.compute_stream()?;
         let ev = self.record_event(s)?;
-        if !Arc::ptr_eq(s, &g.stream) {
-            g.stream.wait(&ev).map_err(err("copy"))?;
+        if !Arc::ptr_eq(s, compute) {
+            compute.wait(&ev)?;
         }
-        buf.pending = Some(Pending::Gpu(ev));
+        buf.pending = Some(ev);
         Ok(())
     }
     /// Checks that `buf.len()` bytes from byte `offset` lie inside `dev`.
@@ -257,31 +192,12 @@ impl CudaBackend {
         }
         Ok(())
     }
-    /// An emulated copy: now, or queued on `buf` in deferred mode.
-    /// Test hook, emulated device only: while on, detached D2H copies issued from this thread are
-    /// queued until their buffer is waited for; every other copy runs at once. That is faithful to
-    /// a GPU for a whole training run (kernels after an H2D copy, or after an ordinary D2H copy,
-    /// are ordered behind it there; nothing is ordered behind a detached copy), so an engine's
-    /// missing wait or early release of a detached source shows up in its results.
-    pub fn emulator_defer_detached_copies(&self, on: bool) {
-        if self.is_emulated() {
-            DEFER.with(|d| d.set(if on { 2 } else { 0 }));
-        }
-    }
-
-    fn emu_copy(buf: &mut PinnedBuffer, job: EmuCopy, detached: bool) {
-        let defer = match DEFER.with(|d| d.get()) {
-            1 => true,
-            2 => detached,
-            _ => false,
-        };
-        if !defer {
+    /// An emulated copy, queued on `s`.
+    fn emu_copy(s: &CudaStream, job: EmuCopy) -> Result<()> {
+        s.emu("copy")?.enqueue(Box::new(move || {
             job.run();
-            return;
-        }
-        let q: EmuQueue = Arc::new(Mutex::new(vec![job]));
-        DEFERRED.lock().unwrap_or_else(|e| e.into_inner()).push(Arc::downgrade(&q));
-        buf.pending = Some(Pending::Emu(q));
+            Ok(())
+        }))
     }
 
     /// Enqueues device -> host of all of `src` into `dst` on `stream` (default: the compute
@@ -332,26 +248,25 @@ impl CudaBackend {
             return Ok(());
         }
         let dev = src.buf.ptr + offset as u64;
+        let s = self.copy_stream(stream, true)?;
         if let Some(host) = dst.plain_ptr() {
             // Emulated device pointers are host addresses of live pool blocks; the range was
             // checked to lie inside src's block and the buffer holds n bytes; the two never overlap.
-            Self::emu_copy(dst, EmuCopy { src: dev as *const u8, dst: host, n }, keep.is_some());
-            dst.keep = keep;
-            return Ok(());
+            Self::emu_copy(s, EmuCopy { src: dev as usize, dst: host as usize, n })?;
+        } else {
+            let Mem::Pinned(p) = &mut dst.mem else { unreachable!("plain memory handled above") };
+            self.bind()?;
+            let host = &mut p.as_mut_slice().map_err(err("copy_to_pinned"))?[..n];
+            // SAFETY: `host` is n bytes of a page-locked buffer owned by dst, which is not
+            // accessed, reused or freed until `pending` completes (wait() runs before each of
+            // those); the n-byte source range lies inside src's block (check_range), which the
+            // copy stream reads after the work ordered before it.
+            unsafe { result::memcpy_dtoh_async(host, dev, s.cu_stream()) }.map_err(err("copy_to_pinned"))?;
         }
-        let Mem::Pinned(p) = &mut dst.mem else { unreachable!("plain memory handled above") };
-        let s = self.copy_stream(stream)?;
-        self.bind()?;
-        let host = &mut p.as_mut_slice().map_err(err("copy_to_pinned"))?[..n];
-        // SAFETY: `host` is n bytes of a page-locked buffer owned by dst, which is not accessed,
-        // reused or freed until `pending` completes (wait() runs before each of those); the
-        // n-byte source range lies inside src's block (check_range), which the copy stream reads
-        // after the work ordered before it.
-        unsafe { result::memcpy_dtoh_async(host, dev, s.cu_stream()) }.map_err(err("copy_to_pinned"))?;
         match keep {
             None => self.after_copy(s, dst),
             Some(k) => {
-                dst.pending = Some(Pending::Gpu(self.record_event(s)?));
+                dst.pending = Some(self.record_event(s)?);
                 dst.keep = Some(k);
                 Ok(())
             }
@@ -379,19 +294,19 @@ impl CudaBackend {
             return Ok(());
         }
         let dev = dst.buf.ptr + offset as u64;
+        let s = self.copy_stream(stream, false)?;
         if let Some(host) = src.plain_ptr() {
             // As above, with the roles swapped.
-            Self::emu_copy(src, EmuCopy { src: host, dst: dev as *mut u8, n }, false);
-            return Ok(());
+            Self::emu_copy(s, EmuCopy { src: host as usize, dst: dev as usize, n })?;
+        } else {
+            let Mem::Pinned(p) = &mut src.mem else { unreachable!("plain memory handled above") };
+            self.bind()?;
+            let host = &p.as_slice().map_err(err("copy_from_pinned"))?[..n];
+            // SAFETY: page-locked source of n bytes, kept alive and unmodified until `pending`
+            // completes (wait() runs before any access, reuse or free); the destination range
+            // lies inside dst's block (check_range).
+            unsafe { result::memcpy_htod_async(dev, host, s.cu_stream()) }.map_err(err("copy_from_pinned"))?;
         }
-        let Mem::Pinned(p) = &mut src.mem else { unreachable!("plain memory handled above") };
-        let s = self.copy_stream(stream)?;
-        self.bind()?;
-        let host = &p.as_slice().map_err(err("copy_from_pinned"))?[..n];
-        // SAFETY: page-locked source of n bytes, kept alive and unmodified until `pending`
-        // completes (wait() runs before any access, reuse or free); the destination range lies
-        // inside dst's block (check_range).
-        unsafe { result::memcpy_htod_async(dev, host, s.cu_stream()) }.map_err(err("copy_from_pinned"))?;
         self.after_copy(s, src)
     }
 }

@@ -1,9 +1,8 @@
 //! Pinned host buffers are never freed or reused while a copy into or out of them is in flight.
-//! On the CPU emulator, copies run deferred (`emulator_defer_copies`): a copy only happens when
-//! something waits for it, and `emulator_complete_copies` runs the rest newest first. So a drop
-//! that does not wait loses an H2D copy (the device keeps its NaN poison), and a reuse or read that
-//! does not wait sees stale bytes, deterministically. On a GPU the same checks run with real
-//! asynchronous copies on a side stream.
+//! The copies run on a side stream; on the CPU emulator in race mode (a random delay before every
+//! queued item), so a drop that does not wait loses an H2D copy (the device keeps its NaN
+//! poison), and a reuse or read that does not wait sees stale bytes. On a GPU the same checks run
+//! with real asynchronous copies.
 use ferrolm_cuda::{CudaBackend, CudaStorage};
 use ferrolm_tensor::backend::Backend;
 use ferrolm_tensor::{CpuStorage, DType, Layout, Shape, Storage};
@@ -24,24 +23,25 @@ fn down(be: &CudaBackend, s: &Storage, n: usize) -> Vec<f32> {
     }
 }
 
-struct Defer<'a>(&'a CudaBackend);
-impl<'a> Defer<'a> {
+/// Race mode on the emulator while alive (seed 7); nothing on a GPU.
+struct Race<'a>(&'a CudaBackend);
+impl<'a> Race<'a> {
     fn on(be: &'a CudaBackend) -> Self {
-        be.emulator_defer_copies(true);
-        Defer(be)
+        be.emulator_race(Some(7));
+        Race(be)
     }
 }
-impl Drop for Defer<'_> {
+impl Drop for Race<'_> {
     fn drop(&mut self) {
-        self.0.emulator_defer_copies(false);
+        self.0.emulator_race(None);
     }
 }
 
 #[test]
 fn a_buffer_dropped_under_an_h2d_copy_completes_it_first() {
     let Some(be) = gpu() else { return };
-    let _d = Defer::on(&be);
-    let stream = if be.is_emulated() { None } else { Some(be.new_stream().unwrap()) };
+    let _d = Race::on(&be);
+    let stream = Some(be.new_stream().unwrap());
     let n = 4099;
     let dev = be.full(n, DType::F32, f64::NAN).unwrap();
     let mut hb = be.alloc_pinned(n * 4).unwrap();
@@ -49,11 +49,7 @@ fn a_buffer_dropped_under_an_h2d_copy_completes_it_first() {
         *x = i as f32 * 0.5;
     }
     be.copy_from_pinned(&mut hb, cs(&dev), stream.as_ref()).unwrap();
-    if be.is_emulated() {
-        assert!(hb.in_flight(), "the emulator must defer the copy for this test to mean anything");
-    }
     drop(hb); // must wait for (on the emulator: run) the copy before freeing the memory
-    be.emulator_complete_copies();
     be.synchronize().unwrap();
     let got = down(&be, &dev, n);
     assert!(got.iter().enumerate().all(|(i, &x)| x == i as f32 * 0.5), "the copy out of a dropped buffer was lost");
@@ -62,8 +58,8 @@ fn a_buffer_dropped_under_an_h2d_copy_completes_it_first() {
 #[test]
 fn a_buffer_is_not_reused_or_read_before_its_copy_completes() {
     let Some(be) = gpu() else { return };
-    let _d = Defer::on(&be);
-    let stream = if be.is_emulated() { None } else { Some(be.new_stream().unwrap()) };
+    let _d = Race::on(&be);
+    let stream = Some(be.new_stream().unwrap());
     let n = 1000;
     let a: Vec<f32> = (0..n).map(|i| i as f32).collect();
     let b: Vec<f32> = (0..n).map(|i| -(i as f32)).collect();
@@ -77,7 +73,6 @@ fn a_buffer_is_not_reused_or_read_before_its_copy_completes() {
     let dst = be.full(n, DType::F32, f64::NAN).unwrap();
     be.copy_from_pinned(&mut hb, cs(&dst), stream.as_ref()).unwrap();
     hb.as_f32_mut().unwrap().fill(7.0);
-    be.emulator_complete_copies();
     be.synchronize().unwrap();
     assert_eq!(down(&be, &dst, n), b, "the host overwrote a buffer while a copy was reading it");
     // A sub-range copy: bytes 40.. of a into a 100-element buffer.
@@ -88,9 +83,9 @@ fn a_buffer_is_not_reused_or_read_before_its_copy_completes() {
 }
 
 #[test]
-fn deferred_copies_of_independent_buffers_complete_at_synchronize_in_any_order() {
+fn copies_of_independent_buffers_complete_at_synchronize() {
     let Some(be) = gpu() else { return };
-    let _d = Defer::on(&be);
+    let _d = Race::on(&be);
     let n = 64;
     let dev = be.full(2 * n, DType::F32, f64::NAN).unwrap();
     let mut bufs: Vec<_> = (0..2).map(|_| be.alloc_pinned(n * 4).unwrap()).collect();
@@ -98,7 +93,6 @@ fn deferred_copies_of_independent_buffers_complete_at_synchronize_in_any_order()
         hb.as_f32_mut().unwrap().fill(k as f32 + 1.0);
         be.copy_from_pinned_at(hb, cs(&dev), k * n * 4, None).unwrap();
     }
-    be.emulator_complete_copies();
     be.synchronize().unwrap();
     assert!(bufs.iter().all(|b| !b.in_flight()));
     let got = down(&be, &dev, 2 * n);
@@ -108,8 +102,8 @@ fn deferred_copies_of_independent_buffers_complete_at_synchronize_in_any_order()
 #[test]
 fn a_detached_copy_keeps_its_source_alive_until_waited_for() {
     let Some(be) = gpu() else { return };
-    let _d = Defer::on(&be);
-    let stream = if be.is_emulated() { None } else { Some(be.new_stream().unwrap()) };
+    let _d = Race::on(&be);
+    let stream = Some(be.new_stream().unwrap());
     let n = 2048;
     let want: Vec<f32> = (0..n).map(|i| i as f32 + 0.25).collect();
     let src = be.from_cpu(&CpuStorage::F32(want.clone())).unwrap();
@@ -119,7 +113,7 @@ fn a_detached_copy_keeps_its_source_alive_until_waited_for() {
     // storage is boxed inside `Storage::Device`), and the copy is issued before anything drops it.
     be.copy_to_pinned_detached(unsafe { &*raw }, 0, &mut hb, stream.as_ref(), Box::new(src)).unwrap();
     // Were the source freed now, this allocation of the same size would reuse its block and
-    // poison it with NaN (FERROLM_CUDA_POISON=1) before the deferred copy reads it.
+    // poison it with NaN (FERROLM_CUDA_POISON=1) before the delayed copy reads it.
     let other = be.full(n, DType::F32, f64::NAN).unwrap();
     let got = hb.as_f32().unwrap();
     assert!(got == &want[..], "the detached copy read memory its source no longer owned (first: {})", got[0]);

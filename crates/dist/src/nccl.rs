@@ -403,7 +403,7 @@ impl Communicator for NcclComm {
         if s.check_args {
             s.check_agreement(seq, &format!("{what} of {:?} {dtype}", x.dims()))?;
         }
-        s.backend.context()?.bind_to_thread().map_err(cuda_err("nccl"))?;
+        s.backend.bind_to_thread()?;
         let ready = s.backend.record_event(&compute)?;
         s.stream.wait(&ready).map_err(cuda_err("nccl"))?;
         let (send, recv, st) = (in_ptr as *const c_void, out_ptr as *mut c_void, s.stream.cu_stream() as *mut c_void);
@@ -445,7 +445,7 @@ impl Communicator for NcclComm {
         };
         let backend = s.backend.clone();
         let poll = move || {
-            let _ = backend.context().map(|c| c.bind_to_thread());
+            let _ = backend.bind_to_thread();
             done.is_complete()
         };
         Ok(Completion::new(shape, dtype, device, wait, poll))

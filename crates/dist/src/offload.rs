@@ -176,8 +176,7 @@ impl Link {
             Device::Cpu => Ok(Link { be: None, h2d_stream: None, d2h_stream: None }),
             Device::Cuda(o) => {
                 let be = CudaBackend::latest(o).ok_or_else(|| Error::new("offload", format!("no CUDA backend for {device}")))?;
-                let (h2d_stream, d2h_stream) =
-                    if be.is_emulated() { (None, None) } else { (Some(be.new_stream()?), Some(be.new_stream()?)) };
+                let (h2d_stream, d2h_stream) = (Some(be.new_stream()?), Some(be.new_stream()?));
                 Ok(Link { be: Some(be), h2d_stream, d2h_stream })
             }
         }

@@ -310,6 +310,9 @@ struct Job {
     seq: u64,
     req: Request,
     input: Option<Tensor>,
+    /// Submitted inside a training step: the staging's host waits are that step's (the CUDA
+    /// emulator's accounting).
+    in_step: bool,
 }
 
 struct Stream {
@@ -418,6 +421,7 @@ impl ThreadComm {
                 .name(format!("{}-r{}-comm", self.group.name, self.rank))
                 .spawn(move || {
                     for job in rx {
+                        let _step = ferrolm_cuda::StepScope::on_behalf(job.in_step);
                         let input = match &job.input {
                             Some(t) => t.to_cpu_storage().map(Some).map_err(|e| e.to_string()),
                             None => Ok(None),
@@ -441,7 +445,7 @@ impl ThreadComm {
         st.tx
             .as_ref()
             .expect("started")
-            .send(Job { seq, req, input })
+            .send(Job { seq, req, input, in_step: ferrolm_cuda::StepScope::in_step() })
             .map_err(|_| Error::new("thread_comm", "the communication thread stopped"))?;
         Ok(ticket)
     }

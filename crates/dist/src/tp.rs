@@ -206,21 +206,33 @@ impl HeadOp for VocabParallel {
         };
         let s = reduce_from_group(&l.sub(&m)?.exp()?.sum(&[1], true)?, &self.comm)?; // (N, 1)
         let lse = s.log()?.add(&m)?;
-        // One-hot of the targets that fall in this shard (all zero elsewhere and for ignored rows).
+        // The target logit of each row, gathered by index from the flattened (N * V/tp) logits:
+        // N indices go to the device, not an (N, V/tp) one-hot. A row whose target is in another
+        // shard, or ignored, reads its element 0 and is masked to zero (`inside`).
         let (lo, hi) = (self.start as i64, (self.start + self.rows) as i64);
-        let mut onehot = vec![0f32; n * self.rows];
-        let mut keep = vec![0f32; n];
+        if (n * self.rows) as u64 > i32::MAX as u64 {
+            bail!(
+                "vocab_parallel_cross_entropy",
+                "{n} rows x {} vocabulary rows per rank exceed 2^31 logits; use a smaller micro-batch or a larger --tp",
+                self.rows
+            );
+        }
+        let (mut idx, mut inside, mut keep) = (vec![0i32; n], vec![0f32; n], vec![0f32; n]);
         for (i, &y) in t.iter().enumerate() {
+            idx[i] = (i * self.rows) as i32;
             if y != ignore {
                 keep[i] = 1.0;
                 if (lo..hi).contains(&(y as i64)) {
-                    onehot[i * self.rows + (y as i64 - lo) as usize] = 1.0;
+                    idx[i] += (y as i64 - lo) as i32;
+                    inside[i] = 1.0;
                 }
             }
         }
         let dev = l.device();
-        let onehot = Tensor::from_vec(onehot, vec![n, self.rows], dev)?;
-        let tgt = reduce_from_group(&l.mul(&onehot)?.sum(&[1], true)?, &self.comm)?; // (N, 1)
+        let flat = l.reshape(vec![n * self.rows, 1])?;
+        let picked = ferrolm_ops::embedding(&Tensor::from_vec(idx, vec![n], dev)?, &flat)?; // (N, 1)
+        let inside = Tensor::from_vec(inside, vec![n, 1], dev)?;
+        let tgt = reduce_from_group(&picked.mul(&inside)?, &self.comm)?; // (N, 1)
         let keep = Tensor::from_vec(keep, vec![n, 1], dev)?;
         lse.sub(&tgt)?.mul(&keep)?.sum_all()?.mul_scalar(1.0 / counted as f64)
     }

@@ -1,0 +1,186 @@
+//! Training on the CUDA emulator's streams (crates/cuda/src/emu_stream.rs): race mode
+//! (`FERROLM_EMU_RACE`: a random delay before every queued item of every stream) gives the same
+//! bits as the ordered run, a removed compute -> copy event wait is caught by it, and the host
+//! waits per training step stay at their stated bounds.
+//!
+//! These check the emulator: on a GPU, or without the emulator, they skip and say so. The
+//! host-wait counts are process-wide, so the tests of this file take one lock.
+mod common;
+use ferrolm::cli::parallel::ParallelArgs;
+use ferrolm::train::{TrainOptions, Trainer};
+use ferrolm::{DType, Device, Llama};
+use ferrolm_cuda::CudaBackend;
+use ferrolm_dist::offload::GpuEvery;
+use ferrolm_dist::{CommOptions, ThreadComm};
+use ferrolm_tensor::Rng;
+use std::path::PathBuf;
+use std::sync::{Arc, Mutex};
+
+static SERIAL: Mutex<()> = Mutex::new(());
+
+fn emulated() -> Option<Arc<CudaBackend>> {
+    if !common::cuda0() {
+        return None;
+    }
+    let be = CudaBackend::latest(0).expect("cuda:0 registered");
+    if !be.is_emulated() {
+        println!("skipped: cuda:0 is a GPU; these tests check the emulator's streams");
+        return None;
+    }
+    Some(be)
+}
+
+struct Data {
+    dir: PathBuf,
+    train: Vec<PathBuf>,
+    val: Vec<PathBuf>,
+    vocab: usize,
+}
+
+fn data(name: &str) -> Data {
+    let dir = common::tmp(name);
+    let (train, val, vocab) = common::shards(&dir);
+    Data { dir, train, val, vocab }
+}
+
+fn opts(steps: usize) -> TrainOptions {
+    TrainOptions { grad_accum: 2, grad_clip: 0.5, ..common::opts(steps) }
+}
+
+/// (losses, rank 0's parameters) after `steps` steps of the layout `p` on thread ranks sharing
+/// the emulated cuda:0.
+fn train(d: &Data, out: &str, p: &ParallelArgs, steps: usize) -> (Vec<f64>, Vec<Vec<f64>>) {
+    let o = opts(steps);
+    let cfg = common::config(d.vocab, 2);
+    let mut runs = ThreadComm::run(p.world(), CommOptions::default(), |comm| {
+        ferrolm::logging::set_thread_rank(Some((comm.rank(), comm.size())));
+        let e = |e: anyhow::Error| ferrolm::Error::new("test", format!("{e:#}"));
+        let mut model = Llama::new(cfg.clone(), DType::F32, Device::Cuda(0), &mut Rng::new(1))?;
+        let engine = ferrolm::parallel::attach(&mut model, Some(comm), &p.layout().map_err(e)?, Trainer::adamw_config(&o)).map_err(e)?;
+        let mut t = Trainer::with_engine(model, Box::new(engine), &d.train, &d.val, o.clone(), &d.dir.join(out)).map_err(e)?;
+        t.run().map_err(e)?;
+        let losses = t.history.iter().map(|h| h.1).collect();
+        let params = t.model.parameters().iter().map(|(_, x)| x.to_vec_f64()).collect::<ferrolm::Result<_>>()?;
+        ferrolm::logging::set_thread_rank(None);
+        Ok((losses, params))
+    })
+    .unwrap();
+    runs.swap_remove(0)
+}
+
+fn offload_k2() -> ParallelArgs {
+    ParallelArgs {
+        offload_optimizer: true,
+        offload_subgroup_size: 700,
+        offload_gpu_every: GpuEvery::Every(2),
+        ..ParallelArgs { tp: 1, dp: 1, zero: Some(0), ..Default::default() }
+    }
+}
+
+fn race(be: &CudaBackend, seed: Option<u64>, f: impl FnOnce()) {
+    be.emulator_race(seed);
+    let r = std::panic::catch_unwind(std::panic::AssertUnwindSafe(f));
+    be.emulator_race(None);
+    if let Err(p) = r {
+        std::panic::resume_unwind(p);
+    }
+}
+
+/// Single device, offload k = 2 (compute, H2D and D2H streams), TP 2 and ZeRO-3 (thread ranks
+/// sharing the device): five race seeds each, every one bitwise equal to the ordered run.
+#[test]
+fn race_mode_training_is_bitwise_equal_to_the_ordered_run() {
+    let _g = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
+    let Some(be) = emulated() else { return };
+    let d = data("emu-race");
+    let layouts = [
+        ("single", ParallelArgs { tp: 1, dp: 1, zero: Some(0), ..Default::default() }),
+        ("offload-k2", offload_k2()),
+        ("tp2", ParallelArgs { tp: 2, dp: 1, ..Default::default() }),
+        ("zero3", ParallelArgs { tp: 1, dp: 2, zero: Some(3), ..Default::default() }),
+    ];
+    for (name, p) in layouts {
+        let base = train(&d, &format!("{name}-ordered"), &p, 2);
+        assert!(base.0.iter().all(|l| l.is_finite()), "{name}: {:?}", base.0);
+        for seed in 1..=5 {
+            race(&be, Some(seed), || {
+                let r = train(&d, &format!("{name}-race{seed}"), &p, 2);
+                assert_eq!(r.0, base.0, "{name}, race seed {seed}: losses");
+                assert!(r.1 == base.1, "{name}, race seed {seed}: parameters differ from the ordered run");
+            });
+        }
+    }
+    let _ = std::fs::remove_dir_all(&d.dir);
+}
+
+/// The mutation check: with the compute -> copy-stream event wait removed (the D2H copies of
+/// the reduced gradients then start before backward has written them), race mode must change
+/// the result; with the wait in place (the test above) it never does.
+#[test]
+fn race_mode_catches_a_removed_event_wait() {
+    let _g = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
+    let Some(be) = emulated() else { return };
+    let d = data("emu-mutant");
+    let p = offload_k2();
+    let base = train(&d, "ordered", &p, 2);
+    be.emulator_skip_copy_wait(true);
+    let mut caught = Vec::new();
+    for seed in 1..=3 {
+        race(&be, Some(seed), || {
+            let r = train(&d, &format!("mutant{seed}"), &p, 2);
+            caught.push(r.0 != base.0 || r.1 != base.1);
+        });
+    }
+    be.emulator_skip_copy_wait(false);
+    let _ = std::fs::remove_dir_all(&d.dir);
+    assert!(caught.iter().all(|&c| c), "race mode missed the removed wait for seeds {caught:?}");
+}
+
+/// Host waits per training step, counted by the emulator (`FERROLM_EMU_REPORT`'s numbers), for
+/// each layout at its bound. Thread ranks move collective data through the host (ThreadComm
+/// stages device tensors), so their bounds include those reads; the single-device step may make
+/// only the waits that read the loss and the grad-norm scalar back.
+#[test]
+fn host_waits_per_step_stay_at_their_bounds() {
+    let _g = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
+    let Some(_be) = emulated() else { return };
+    ferrolm_cuda::track_host_wait_sites(true);
+    let d = data("emu-waits");
+    let zero = |dp, z: u8| ParallelArgs { tp: 1, dp, zero: Some(z), ..Default::default() };
+    let amsp = ParallelArgs { tp: 1, dp: 4, shard_params: Some(2), shard_grads: Some(2), shard_optim: Some(4), ..Default::default() };
+    // (layout, its name, the bound on host waits per step per rank)
+    let cases: [(ParallelArgs, &str, f64); 5] = [
+        (zero(1, 0), "single device", BOUND_SINGLE),
+        (ParallelArgs { tp: 2, dp: 1, ..Default::default() }, "TP 2", BOUND_TP2),
+        (amsp, "ZeRO (2,2,4)", BOUND_ZERO_224),
+        (zero(2, 3), "ZeRO-3", BOUND_ZERO3),
+        (offload_k2(), "offload k = 2", BOUND_OFFLOAD_K2),
+    ];
+    let mut report = String::new();
+    for (p, name, bound) in &cases {
+        ferrolm_cuda::reset_host_waits();
+        train(&d, &name.replace(' ', "_"), p, 2);
+        let w = ferrolm_cuda::host_waits();
+        report.push_str(&format!("{name}: {} per step (bound {bound})\n{}", w.per_step(), ferrolm_cuda::format_report(&w)));
+        assert_eq!(w.steps, 2 * p.world() as u64, "{name}: steps counted");
+        assert!(w.per_step() <= *bound, "{name}: {} host waits per step, bound {bound}\n{report}", w.per_step());
+    }
+    println!("{report}");
+    let _ = std::fs::remove_dir_all(&d.dir);
+}
+
+// The bounds, per step and rank (2 micro-batches a step), as measured on 2026-11-23:
+// - single device, 8: per micro-batch the embedding's id check, cross-entropy's target check and
+//   its token count (3 each); per step the loss read and the grad-norm scalar (1 each);
+// - TP 2 (38), ZeRO (2,2,4) (46), ZeRO-3 (38): those, plus ThreadComm's staging of every
+//   collective's input through the host (crates/dist/src/thread.rs, counted for the step that
+//   submitted it), the scalar all-reduces of the loss and the norm, and (TP) the
+//   vocabulary-parallel embedding's and loss's reads of the ids and targets and the id check of
+//   the target-logit gather (crates/dist/src/tp.rs);
+// - offload k = 2, 663.5: per subgroup (219 of them) the pinned buffers' waits before each copy
+//   and host access of the flush and the update (crates/dist/src/offload.rs).
+const BOUND_SINGLE: f64 = 8.0;
+const BOUND_TP2: f64 = 38.0;
+const BOUND_ZERO_224: f64 = 46.0;
+const BOUND_ZERO3: f64 = 38.0;
+const BOUND_OFFLOAD_K2: f64 = 663.5;
