@@ -274,7 +274,7 @@ impl DeviceStorage for InFlight {
 /// A pending tensor of `shape` whose value `f` computes when it is first read (for example by
 /// the next collective, on its communication thread): work chained after a collective without
 /// waiting for it. No memory is held until then.
-pub fn deferred(shape: Shape, dtype: DType, device: Device, f: impl FnOnce() -> Result<Tensor> + Send + 'static) -> Result<Tensor> {
+pub fn computed_on_read(shape: Shape, dtype: DType, device: Device, f: impl FnOnce() -> Result<Tensor> + Send + 'static) -> Result<Tensor> {
     let placeholder = Storage::Device(Box::new(InFlight { dtype, len: shape.numel(), device }));
     Tensor::pending(
         placeholder,

@@ -209,7 +209,7 @@ impl Assembly {
             None => r,
             Some(acc) => {
                 let (shape, dtype, dev) = (r.shape().clone(), r.dtype(), r.device());
-                crate::comm::deferred(shape, dtype, dev, move || acc.add(&r))?
+                crate::comm::computed_on_read(shape, dtype, dev, move || acc.add(&r))?
             }
         };
         if spec.optim > spec.grads {
