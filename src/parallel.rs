@@ -153,15 +153,17 @@ fn launch_processes<P, T>(
         let _ = store.report_failure(&format!("rank {} failed while {what}: {e:#}", env.rank));
         e.context(format!("rank {} of {} failed while {what}", env.rank, env.world_size))
     };
+    let barrier = |what: &str| store.barrier_timeout("ferrolm/prepare", timeout).map_err(|e| notify(e.into(), what));
     let p = if env.rank == 0 {
         let p = drill_delay().and_then(|()| prepare()).map_err(|e| notify(e, "preparing the run"));
-        store.barrier_timeout("ferrolm/prepare", timeout).context("waiting for the other ranks after preparing")?;
+        barrier("waiting for the other ranks after preparing")?;
         p?
     } else {
-        store.barrier_timeout("ferrolm/prepare", timeout).context("waiting for rank 0 to prepare the run")?;
+        barrier("waiting for rank 0 to prepare the run")?;
         prepare().map_err(|e| notify(e, "preparing the run"))?
     };
-    let comm = ferrolm_dist::env::init_with_store(env, store.clone(), backend, options).context("cannot join the launcher's world")?;
+    let comm = ferrolm_dist::env::init_with_store(env, store.clone(), backend, options)
+        .map_err(|e| notify(e.into(), "joining the NCCL communicator"))?;
     per_rank(&p, Some(comm)).map_err(|e| notify(e, "training"))
 }
 
