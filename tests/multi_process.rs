@@ -337,14 +337,15 @@ fn newest_checkpoint_loads(run: &Path) -> PathBuf {
     ck
 }
 
-#[test]
-fn drill_a_rank_killed_mid_step_stops_every_process() {
+/// SIGKILLs `victim` of a 2-process run once a checkpoint exists and steps go on; the
+/// survivor must stop by itself, naming itself and the collective it was in.
+fn kill_drill(victim: usize) {
     if !emulated() {
         return;
     }
-    let s = Setup::new("drill-kill");
+    let s = Setup::new(&format!("drill-kill{victim}"));
     let mut ranks = Ranks::start(&s, "kill", 2, &[0, 1], &[], |_| s.args("cuda", "run", &["--steps=200", "--dp=2", "--save-every=2"]));
-    // Rank 0 logs each step to metrics.jsonl: kill rank 1 once a checkpoint exists and steps go on.
+    // Rank 0 logs each step to metrics.jsonl.
     let t0 = Instant::now();
     while losses(&s.dir.join("run")).len() < 3 {
         assert!(t0.elapsed() < Duration::from_secs(120), "no 3 steps in 120 s\n{}", ranks.all_logs());
@@ -352,20 +353,32 @@ fn drill_a_rank_killed_mid_step_stops_every_process() {
         std::thread::sleep(Duration::from_millis(20));
     }
     let fault = Instant::now();
-    ranks.children[1].as_mut().unwrap().kill().unwrap();
+    ranks.children[victim].as_mut().unwrap().kill().unwrap();
     let (codes, end) = ranks.wait_all(bound());
     let logs = ranks.all_logs();
-    all_failed(&codes, &[0, 1], Some(1), &logs);
-    eprintln!("all ranks ended {:.1} s after the SIGKILL", (end - fault).as_secs_f64());
-    let err = ranks.log(0);
+    all_failed(&codes, &[0, 1], Some(victim), &logs);
+    eprintln!("all ranks ended {:.1} s after the SIGKILL of rank {victim}", (end - fault).as_secs_f64());
+    let survivor = 1 - victim;
+    let err = ranks.log(survivor);
     let first = err.lines().find(|l| l.contains("error") || l.contains("ferrolm-dist:")).unwrap_or_default().to_string();
-    eprintln!("rank 0: {first}");
-    assert!(first.contains("rank 0"), "rank 0's first error does not name it: {first}\n{logs}");
+    eprintln!("rank {survivor}: {first}");
+    assert!(first.contains(&format!("rank {survivor}")), "rank {survivor}'s first error does not name it: {first}\n{logs}");
     assert!(
-        err.contains("training") || err.contains("all-reduce") || err.contains("all_reduce"),
-        "rank 0 does not say what it was doing\n{logs}"
+        first.contains("training") || first.contains("all_reduce") || first.contains("all_gather") || first.contains("reduce_scatter"),
+        "rank {survivor} does not say what it was doing\n{logs}"
     );
     newest_checkpoint_loads(&s.dir.join("run"));
+}
+
+#[test]
+fn drill_a_rank_killed_mid_step_stops_every_process() {
+    kill_drill(1);
+}
+
+/// Rank 0 also serves the store: its death must be noticed as well.
+#[test]
+fn drill_rank_0_killed_mid_step_stops_every_process() {
+    kill_drill(0);
 }
 
 #[test]

@@ -477,9 +477,10 @@ impl Communicator for NcclComm {
                 f.store(true, Ordering::Release);
             }
             if let Err(e) = lib.check(&what, r) {
-                let msg = format!("{}: {e}", s.context(seq, &what));
+                // The context names the operation already.
+                let msg = format!("{}: {}", s.context(seq, &what), e.msg);
                 s.fail(msg.clone(), true);
-                bail!(s.context(seq, &what), "{e}");
+                bail!(s.context(seq, &what), "{}", e.msg);
             }
         }
         let done = match (&s.stream, host_done) {
