@@ -481,3 +481,71 @@ fn drill_an_output_directory_that_is_not_shared_is_refused_at_start_up() {
     // Nothing was trained into either directory.
     assert!(losses(&s.dir.join("node0")).is_empty(), "{logs}");
 }
+
+// ---- torchrun, where it is installed ----
+
+/// torchrun: FERROLM_TORCHRUN, the workspace's .venv, or on PATH.
+fn torchrun() -> Option<PathBuf> {
+    let candidates =
+        [std::env::var_os("FERROLM_TORCHRUN").map(PathBuf::from), Some(root().join(".venv/bin/torchrun")), Some("torchrun".into())];
+    candidates
+        .into_iter()
+        .flatten()
+        .find(|p| Command::new(p).arg("--help").stdout(Stdio::null()).stderr(Stdio::null()).status().is_ok_and(|s| s.success()))
+}
+
+#[test]
+fn torchrun_starts_ranks_that_train_like_thread_ranks() {
+    if !emulated() {
+        return;
+    }
+    let Some(torchrun) = torchrun() else {
+        eprintln!(
+            "skipped: torchrun is not installed (FERROLM_TORCHRUN, .venv/bin/torchrun or PATH): the torchrun training runs did not run"
+        );
+        return;
+    };
+    let s = Setup::new("mp-torchrun");
+    let steps = format!("--steps={STEPS}");
+    let exe = std::env::current_exe().unwrap();
+    let run = |out: &str, extra: &[&str], invocations: Vec<Vec<String>>| -> Vec<f64> {
+        let env = rank_env(&s.args("cuda", out, extra));
+        let children: Vec<(usize, Child)> = invocations
+            .into_iter()
+            .enumerate()
+            .map(|(i, launcher)| {
+                let log = std::fs::File::create(s.dir.join(format!("{out}-torchrun{i}.log"))).unwrap();
+                let child = Command::new(&torchrun)
+                    .args(launcher)
+                    .arg("--no-python")
+                    .arg(&exe)
+                    .args(self_args())
+                    .envs(env.iter().map(|(k, v)| (k, v)))
+                    .stdin(Stdio::null())
+                    .stdout(log.try_clone().unwrap())
+                    .stderr(log)
+                    .spawn()
+                    .unwrap();
+                (i, child)
+            })
+            .collect();
+        for (i, mut c) in children {
+            let st = c.wait().unwrap();
+            let log = std::fs::read_to_string(s.dir.join(format!("{out}-torchrun{i}.log"))).unwrap_or_default();
+            assert!(st.success(), "torchrun {i} of {out}: {st}\n{log}");
+        }
+        losses(&s.dir.join(out))
+    };
+    let a = |v: &[&str]| v.iter().map(|s| s.to_string()).collect::<Vec<_>>();
+    // c10d rendezvous on one node: 2 processes --tp 2.
+    let threads = s.threads("threads-tp2", &[&steps, "--tp=2"]);
+    let procs = run("standalone-tp2", &[&steps, "--tp=2"], vec![a(&["--standalone", "--nproc-per-node", "2"])]);
+    close(&procs, &threads, 1e-4, "torchrun --standalone, --tp 2 vs thread ranks");
+    // Static rendezvous, two simulated nodes of one process: --dp 2.
+    let threads = s.threads("threads-dp2", &[&steps, "--dp=2"]);
+    let port = free_port().to_string();
+    let node =
+        |i: &str| a(&["--nnodes", "2", "--node-rank", i, "--nproc-per-node", "1", "--master-addr", "127.0.0.1", "--master-port", &port]);
+    let procs = run("static-dp2", &[&steps, "--dp=2"], vec![node("0"), node("1")]);
+    close(&procs, &threads, 1e-4, "torchrun static 2 nodes, --dp 2 vs thread ranks");
+}
