@@ -549,3 +549,45 @@ fn torchrun_starts_ranks_that_train_like_thread_ranks() {
     let procs = run("static-dp2", &[&steps, "--dp=2"], vec![node("0"), node("1")]);
     close(&procs, &threads, 1e-4, "torchrun static 2 nodes, --dp 2 vs thread ranks");
 }
+
+#[test]
+fn srun_variables_set_by_hand_start_a_run() {
+    if !emulated() {
+        return;
+    }
+    let s = Setup::new("mp-srun");
+    let steps = "--steps=2";
+    let port = free_port().to_string();
+    // What srun exports for `srun --nodes 1 --ntasks 2` on host "localhost": no RANK, no
+    // MASTER_ADDR (the first host of the node list is the master).
+    let children: Vec<Child> = (0..2)
+        .map(|r| {
+            let log = std::fs::File::create(s.dir.join(format!("srun{r}.log"))).unwrap();
+            let r = r.to_string();
+            let slurm = [
+                ("SLURM_PROCID", r.as_str()),
+                ("SLURM_LOCALID", r.as_str()),
+                ("SLURM_NTASKS", "2"),
+                ("SLURM_NODEID", "0"),
+                ("SLURM_TASKS_PER_NODE", "2"),
+                ("SLURM_JOB_NODELIST", "localhost"),
+                ("MASTER_PORT", port.as_str()),
+            ];
+            Command::new(std::env::current_exe().unwrap())
+                .args(self_args())
+                .envs(rank_env(&s.args("cuda", "run", &[steps, "--dp=2"])))
+                .envs(slurm)
+                .stdin(Stdio::null())
+                .stdout(log.try_clone().unwrap())
+                .stderr(log)
+                .spawn()
+                .unwrap()
+        })
+        .collect();
+    for (r, mut c) in children.into_iter().enumerate() {
+        let st = c.wait().unwrap();
+        let log = std::fs::read_to_string(s.dir.join(format!("srun{r}.log"))).unwrap_or_default();
+        assert!(st.success(), "srun rank {r}: {st}\n{log}");
+    }
+    assert_eq!(losses(&s.dir.join("run")).len(), 2);
+}
