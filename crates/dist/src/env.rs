@@ -37,7 +37,10 @@ pub const ENV_HELP: &str = concat!(
     "  TORCHELASTIC_USE_AGENT_STORE\n",
     "                         `True` (torchrun sets it): join the agent's store, do not serve one\n",
     "  SLURM_PROCID           under srun, with SLURM_NTASKS and SLURM_LOCALID: the ranks when RANK,\n",
-    "                         WORLD_SIZE, LOCAL_RANK are not set (OMPI_COMM_WORLD_* likewise)",
+    "                         WORLD_SIZE, LOCAL_RANK are not set (OMPI_COMM_WORLD_* likewise)\n",
+    "  FERROLM_COMM_TIMEOUT_S seconds ranks wait for each other (rendezvous, collectives) [default: 600]\n",
+    "  FERROLM_PREPARE_TIMEOUT\n",
+    "                         seconds the other ranks wait for rank 0 to prepare the run [default: 3600]",
 );
 
 /// Where the rank came from (for messages that name the variable).
