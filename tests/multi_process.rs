@@ -591,3 +591,38 @@ fn srun_variables_set_by_hand_start_a_run() {
     }
     assert_eq!(losses(&s.dir.join("run")).len(), 2);
 }
+
+#[test]
+fn drill_a_rank_whose_collectives_disagree_stops_every_process() {
+    if !emulated() {
+        return;
+    }
+    let s = Setup::new("drill-mismatch");
+    // Rank 1 alone builds a wider MLP: its gradient all-reduces disagree with rank 0's in size,
+    // which the NCCL layer detects and reports on every rank.
+    let wide = s.dir.join("wide.json");
+    let mut c: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(&s.cfg).unwrap()).unwrap();
+    c["intermediate_size"] = serde_json::json!(96);
+    std::fs::write(&wide, c.to_string()).unwrap();
+    let t0 = Instant::now();
+    let mut ranks = Ranks::start(&s, "mismatch", 2, &[0, 1], &[], |r| {
+        let mut a = s.args("cuda", "run", &["--steps=6", "--dp=2"]);
+        if r == 1 {
+            let i = a.iter().position(|x| x == "--config").unwrap();
+            a[i + 1] = wide.to_str().unwrap().to_string();
+        }
+        a
+    });
+    let (codes, end) = ranks.wait_all(bound());
+    let logs = ranks.all_logs();
+    all_failed(&codes, &[0, 1], None, &logs);
+    eprintln!("all ranks ended {:.1} s after the start", (end - t0).as_secs_f64());
+    for r in 0..2 {
+        let first = ranks.log(r).lines().find(|l| l.starts_with("error:")).unwrap_or_default().to_string();
+        eprintln!("rank {r}: {first}");
+        assert!(first.contains(&format!("rank {r} of 2 failed while")), "rank {r}'s error does not name it: {first}\n{logs}");
+    }
+    let warn = logs.lines().find(|l| l.contains("NCCL WARN")).unwrap_or_default().to_string();
+    eprintln!("{warn}");
+    assert!(warn.contains("rank 0 called") && warn.contains("rank 1 called"), "the mismatch is not described\n{logs}");
+}
