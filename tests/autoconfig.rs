@@ -4,9 +4,9 @@
 //! fastest measured, and train_config.json round-trips into pretrain_llama.
 mod common;
 use common::*;
+use ferrolm::cli::autoconfig::{autoconfig, AutoconfigArgs};
 use ferrolm::autoconfig::trial::TrainConfig;
 use ferrolm::autoconfig::{days_for, hyper_params, params_from_budget, search, shape_for_params, Budget, SearchSpace};
-use ferrolm::cli::autoconfig::{autoconfig, AutoconfigArgs};
 use ferrolm::cli::parse_from;
 use ferrolm::cli::pretrain::{apply_config_from, PretrainArgs};
 use ferrolm_dist::cost::{Link, LinkModel};
