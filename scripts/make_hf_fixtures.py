@@ -55,47 +55,39 @@ IGNORE = -100
 # Sizes keep these fixtures under 2 MB (about 1.6 MB).
 # Each fixture: LlamaConfig kwargs + batch/seq/seed/init std.
 # Rope settings are passed in the current (transformers >= 5) style `rope_parameters`.
+DEFAULT_ROPE = dict(rope_type="default", rope_theta=10000.0)
+
+
+def llama_config(vocab, hidden, ffn, layers, heads, kv, eps, tied, rope=None, **extra) -> dict:
+    """LlamaConfig kwargs of a fixture (rope in the transformers >= 5 `rope_parameters` style)."""
+    return dict(
+        vocab_size=vocab, hidden_size=hidden, intermediate_size=ffn, **extra,
+        num_hidden_layers=layers, num_attention_heads=heads, num_key_value_heads=kv,
+        max_position_embeddings=64, rms_norm_eps=eps, tie_word_embeddings=tied,
+        rope_parameters=rope or DEFAULT_ROPE,
+    )
+
+
 FIXTURES: dict[str, dict] = {
     "llama_gqa_untied": dict(
-        config=dict(
-            vocab_size=96, hidden_size=64, intermediate_size=96,
-            num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-            max_position_embeddings=64, rms_norm_eps=1e-5, tie_word_embeddings=False,
-            rope_parameters=dict(rope_type="default", rope_theta=10000.0),
-        ),
+        config=llama_config(96, 64, 96, 2, 4, 2, 1e-5, False),
         batch=2, seq=16, seed=1, std=0.02,
     ),
     "llama_mha_tied": dict(
-        config=dict(
-            vocab_size=96, hidden_size=32, intermediate_size=96,
-            num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=4,
-            max_position_embeddings=64, rms_norm_eps=1e-6, tie_word_embeddings=True,
-            rope_parameters=dict(rope_type="default", rope_theta=10000.0),
-        ),
+        config=llama_config(96, 32, 96, 2, 4, 4, 1e-6, True),
         batch=2, seq=12, seed=2, std=0.02,
     ),
     # head_dim 32 and original_max_position_embeddings 32 make the three llama3 regimes all
     # occur: wavelengths 2*pi*theta^(2i/32) = 6.3 (< 32/4: kept), 14.3 (smoothed), 32.5.. (/8).
     "llama3_rope": dict(
-        config=dict(
-            vocab_size=96, hidden_size=64, intermediate_size=64,
-            num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1,
-            max_position_embeddings=64, rms_norm_eps=1e-5, tie_word_embeddings=False,
-            rope_parameters=dict(
-                rope_type="llama3", rope_theta=500000.0, factor=8.0,
-                low_freq_factor=1.0, high_freq_factor=4.0,
-                original_max_position_embeddings=32,
-            ),
-        ),
+        config=llama_config(96, 64, 64, 2, 2, 1, 1e-5, False, rope=dict(
+            rope_type="llama3", rope_theta=500000.0, factor=8.0, low_freq_factor=1.0,
+            high_freq_factor=4.0, original_max_position_embeddings=32,
+        )),
         batch=2, seq=32, seed=3, std=0.1,
     ),
     "llama_headdim": dict(
-        config=dict(
-            vocab_size=64, hidden_size=32, intermediate_size=64, head_dim=16,
-            num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-            max_position_embeddings=64, rms_norm_eps=1e-5, tie_word_embeddings=False,
-            rope_parameters=dict(rope_type="default", rope_theta=10000.0),
-        ),
+        config=llama_config(64, 32, 64, 2, 4, 2, 1e-5, False, head_dim=16),
         batch=2, seq=8, seed=4, std=0.05,
     ),
 }

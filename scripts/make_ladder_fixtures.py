@@ -82,33 +82,18 @@ LADDER_CONFIG = {
 FIXTURES: dict[str, dict] = {
     # int form: the last two of four layers; two standard layers feed the Ladder ones.
     "ladder_int_gqa_untied": dict(
-        config=dict(
-            vocab_size=64, hidden_size=32, intermediate_size=64,
-            num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
-            max_position_embeddings=64, rms_norm_eps=1e-5, tie_word_embeddings=False,
-            rope_parameters=dict(rope_type="default", rope_theta=10000.0),
-        ),
+        config=hf.llama_config(64, 32, 64, 4, 4, 2, 1e-5, False),
         ladder_layers=2, batch=2, seq=16, seed=21, std=0.1,
     ),
     # list form: layer 0 is Ladder (its p is still the embedding, so only its MLP input
     # differs), layer 1 is a standard layer between two Ladder ones.
     "ladder_list_tied": dict(
-        config=dict(
-            vocab_size=64, hidden_size=32, intermediate_size=64,
-            num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=4,
-            max_position_embeddings=64, rms_norm_eps=1e-6, tie_word_embeddings=True,
-            rope_parameters=dict(rope_type="default", rope_theta=10000.0),
-        ),
+        config=hf.llama_config(64, 32, 64, 3, 4, 4, 1e-6, True),
         ladder_layers=[0, 2], batch=2, seq=12, seed=22, std=0.1,
     ),
     # every layer Ladder (the "Ladder Transformer" of the paper), given as the int 3.
     "ladder_all_mqa": dict(
-        config=dict(
-            vocab_size=64, hidden_size=32, intermediate_size=64,
-            num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=1,
-            max_position_embeddings=64, rms_norm_eps=1e-5, tie_word_embeddings=False,
-            rope_parameters=dict(rope_type="default", rope_theta=10000.0),
-        ),
+        config=hf.llama_config(64, 32, 64, 3, 4, 1, 1e-5, False),
         ladder_layers=3, batch=2, seq=10, seed=23, std=0.1,
     ),
 }

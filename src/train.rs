@@ -15,8 +15,8 @@ use anyhow::{bail, Context};
 use ferrolm_data::{eval_batches, Batch, DataLoader, LoaderState};
 use ferrolm_dist::zero::{Placement, Zero};
 use ferrolm_dist::TrainEngine;
-use ferrolm_nn::checkpoint::{load_safetensors, save_safetensors, write_atomic};
 use ferrolm_nn::optim::AdamWConfig;
+use ferrolm_nn::safetensors_io::{load_safetensors, save_safetensors, write_atomic};
 use ferrolm_nn::schedule::CosineSchedule;
 use ferrolm_nn::LlamaConfig;
 use ferrolm_tensor::{no_grad, DType, Device, Rng, Tensor};
@@ -211,7 +211,7 @@ impl Trainer {
         let layout = crate::memory::MemLayout::single(model.activation_checkpointing());
         crate::memory::check_layout(model.config(), model.dtype(), model.device(), &opts.shape(), &layout)?;
         let engine = Zero::single(&mut model, Self::adamw_config(&opts), Placement::Device)?;
-        Self::build(model, Box::new(engine), train_shards, val_shards, opts, out_dir)
+        Self::build(model, Box::new(engine), (train_shards, val_shards), opts, out_dir)
     }
 
     /// A trainer with an engine attached to `model` (`crate::parallel::attach`: on several
@@ -227,7 +227,7 @@ impl Trainer {
         out_dir: &Path,
     ) -> AnyResult<Trainer> {
         Self::check(&model, val_shards, &opts)?;
-        Self::build(model, engine, train_shards, val_shards, opts, out_dir)
+        Self::build(model, engine, (train_shards, val_shards), opts, out_dir)
     }
 
     /// The optimizer settings every engine uses.
@@ -248,14 +248,15 @@ impl Trainer {
         Ok(())
     }
 
+    /// `new` and `with_engine` after their checks; `shards` are (train, validation).
     fn build(
         model: Llama,
         engine: Box<dyn TrainEngine>,
-        train_shards: &[PathBuf],
-        val_shards: &[PathBuf],
+        shards: (&[PathBuf], &[PathBuf]),
         opts: TrainOptions,
         out_dir: &Path,
     ) -> AnyResult<Trainer> {
+        let (train_shards, val_shards) = shards;
         let sched = CosineSchedule { max_lr: opts.lr, min_lr: opts.min_lr, warmup_steps: opts.warmup_steps, total_steps: opts.steps };
         let mesh = engine.mesh();
         let loader = DataLoader::open(train_shards, opts.batch_size, opts.seq_len, opts.seed)
@@ -692,7 +693,7 @@ impl Trainer {
     fn write_checkpoint_files(&self, tmp: &Path) -> AnyResult<()> {
         let (params, _) = ferrolm_dist::ckpt::load_full(tmp)?;
         let named: Vec<(String, Tensor)> = params.into_iter().collect();
-        let path = ferrolm_nn::checkpoint::prepare_dir(tmp, "model.safetensors")?;
+        let path = ferrolm_nn::safetensors_io::prepare_dir(tmp, "model.safetensors")?;
         save_safetensors(&path, &named, Some(DType::F32))?;
         write_atomic(&tmp.join("config.json"), self.model.config().to_json_string_dtype("float32").as_bytes())?;
         if let Some(t) = &self.tokenizer_file {
@@ -754,8 +755,8 @@ impl Trainer {
             tracing::warn!("resuming with a changed option: {w}");
         }
         let opt_step = st.step as u64 - st.skipped_steps.min(st.step as u64);
-        let w: ferrolm_nn::checkpoint::TensorMap = weights.into_iter().collect();
-        let s: ferrolm_nn::checkpoint::TensorMap = state.into_iter().collect();
+        let w: ferrolm_nn::safetensors_io::TensorMap = weights.into_iter().collect();
+        let s: ferrolm_nn::safetensors_io::TensorMap = state.into_iter().collect();
         self.engine.load(&w, &s, opt_step).with_context(|| format!("cannot load {} into this rank's shards", dir.display()))?;
         if st.options.seq_len == self.opts.seq_len {
             self.loader.restore(&st.loader).with_context(|| format!("{}: cannot restore the data position", state_file.display()))?;

@@ -4,11 +4,12 @@
 //! fastest measured, and train_config.json round-trips into pretrain_llama.
 mod common;
 use common::*;
-use ferrolm::cli::autoconfig::{autoconfig, AutoconfigArgs};
 use ferrolm::autoconfig::trial::TrainConfig;
 use ferrolm::autoconfig::{days_for, hyper_params, params_from_budget, search, shape_for_params, Budget, SearchSpace};
+use ferrolm::cli::autoconfig::{autoconfig, AutoconfigArgs};
 use ferrolm::cli::parse_from;
 use ferrolm::cli::pretrain::{apply_config_from, PretrainArgs};
+use ferrolm::cli::ComputeDtype;
 use ferrolm_dist::cost::{Link, LinkModel};
 use ferrolm_dist::offload::GpuEvery;
 use ferrolm_dist::plan::{Cluster, ModelShape};
@@ -194,6 +195,8 @@ fn end_to_end_trials_pick_the_fastest_measured_and_round_trip_into_pretrain() {
     );
     assert_eq!((a.train.batch_size, a.train.grad_accum, a.train.seq_len, a.train.lr), (file.batch_size, file.grad_accum, 32, file.lr));
     assert_eq!(Some(a.config.clone()), file.config);
+    assert_eq!(file.dtype.as_deref(), Some("f32"), "a CPU target sizes and runs in f32");
+    assert_eq!(a.train.device.dtype, Some(ComputeDtype::F32));
     assert_eq!(p(&["--batch-size=3"]).train.batch_size, 3);
 
     // And it trains with that layout.
@@ -250,6 +253,13 @@ fn config_from_rejects_bad_files_naming_them() {
         assert!(a.train.parallel.offload_optimizer);
         assert_eq!(a.train.parallel.offload_gpu_every, want, "{every}");
     }
+    // The dtype the layout was sized for fills --dtype, unless --dtype is given; a bad one is named.
+    std::fs::write(&f, format!("{{{good},\"dtype\":\"bf16\"}}")).unwrap();
+    let a = apply_config_from(parse_from(["pretrain_llama", "--config-from", f.to_str().unwrap()]).unwrap()).unwrap();
+    assert_eq!(a.train.device.dtype, Some(ComputeDtype::Bf16));
+    let a = apply_config_from(parse_from(["pretrain_llama", "--config-from", f.to_str().unwrap(), "--dtype=f32"]).unwrap()).unwrap();
+    assert_eq!(a.train.device.dtype, Some(ComputeDtype::F32));
+    assert!(run(&format!("{{{good},\"dtype\":\"f16\"}}")).contains("dtype must be \"f32\" or \"bf16\", got \"f16\""));
     let missing: PretrainArgs = parse_from(["pretrain_llama", "--config-from", "/nonexistent/tc.json"]).unwrap();
     assert!(format!("{:#}", apply_config_from(missing).unwrap_err()).contains("/nonexistent/tc.json"));
     let _ = std::fs::remove_dir_all(&dir);

@@ -20,7 +20,7 @@ fn tools() -> Vec<(&'static str, clap::Command, Vec<&'static str>)> {
         (
             "pretrain_llama",
             PretrainArgs::cli(),
-            [dev.clone(), vec!["Pretrain a LLaMA", "FERROLM_PEAK_TFLOPS", "--tp", "--zero", "--ladder-layers"]].concat(),
+            [dev.clone(), vec!["Pretrain a LLaMA", "FERROLM_PEAK_TFLOPS", "--tp", "--zero", "--ladder-layers", "--dtype"]].concat(),
         ),
         ("finetune_ladder", FinetuneArgs::cli(), [dev.clone(), vec!["Ladder Transformer", "--ladder-layers", "--tp"]].concat()),
         ("eval", EvalArgs::cli(), [dev.clone(), vec!["perplexity"]].concat()),
@@ -107,6 +107,29 @@ fn flag_equals_value_works() {
     assert_eq!(a.train.out, std::path::PathBuf::from("x/y"));
     assert_eq!(a.train.device.device.as_deref(), Some("cpu"));
     assert_eq!(a.train.log.log_level.as_deref(), Some("warn"));
+}
+
+#[test]
+fn dtype_takes_both_forms_defaults_by_device_and_refuses_others() {
+    use ferrolm::cli::ComputeDtype;
+    use ferrolm::{DType, Device};
+    for (flag, want) in [(vec!["--dtype", "bf16"], DType::BF16), (vec!["--dtype=f32"], DType::F32), (vec![], DType::F32)] {
+        let a: PretrainArgs = parse_from(["pretrain_llama"].into_iter().chain(flag.iter().copied())).unwrap();
+        assert_eq!(a.train.device.dtype(Device::Cpu), want, "{flag:?} on the CPU");
+    }
+    // The default is bf16 (with fp32 masters) on CUDA, f32 on the CPU.
+    assert_eq!(ComputeDtype::resolve(None, Device::Cuda(0)), DType::BF16);
+    let e: EvalArgs = parse_from(["eval", "--model", "m", "--text", "t", "--seq-len=4", "--dtype=f32"]).unwrap();
+    assert_eq!(e.run.device.dtype, Some(ComputeDtype::F32));
+    let g: GenerateArgs = parse_from(["generate", "--model", "m", "--prompt", "Hi", "--dtype", "bf16"]).unwrap();
+    assert_eq!(g.run.device.dtype, Some(ComputeDtype::Bf16));
+    let f: FinetuneArgs = parse_from(["finetune_ladder", "--model", "m", "--ladder-layers", "2", "--dtype", "f32"]).unwrap();
+    assert_eq!(f.train.device.dtype, Some(ComputeDtype::F32));
+    for bad in ["f64", "fp16", ""] {
+        let e = parse_from::<PretrainArgs, _, _>(["pretrain_llama", "--dtype", bad]).unwrap_err();
+        assert_eq!((e.kind(), e.exit_code()), (ErrorKind::InvalidValue, 2), "--dtype {bad:?}");
+        assert!(e.to_string().contains("--dtype") && e.to_string().contains("bf16"), "{e}");
+    }
 }
 
 #[test]
@@ -231,6 +254,30 @@ fn small_setup(dir: &std::path::Path) -> (std::path::PathBuf, std::path::PathBuf
 }
 
 #[test]
+fn pretrain_in_bf16_on_the_cpu_follows_f32() {
+    let dir = tmp("cli-bf16");
+    let (data, cfg) = small_setup(&dir);
+    let losses = |dtype: &str| -> Vec<f64> {
+        let out = dir.join(dtype);
+        let a = pretrain_args(&data, &cfg, &out, &["--steps=4", "--batch-size=2", "--eval-every=0", "--save-every=0", "--dtype", dtype]);
+        ferrolm::cli::pretrain::run(a).unwrap();
+        let m = std::fs::read_to_string(out.join("metrics.jsonl")).unwrap();
+        m.lines()
+            .filter_map(|l| serde_json::from_str::<serde_json::Value>(l).ok())
+            .filter_map(|v| v.get("loss").and_then(|x| x.as_f64()))
+            .collect()
+    };
+    let (f32, bf16) = (losses("f32"), losses("bf16"));
+    assert_eq!((f32.len(), bf16.len()), (4, 4), "{f32:?} {bf16:?}");
+    // bf16 weights and activations (8 bits of mantissa) with fp32 masters: within 2% of f32.
+    for (a, b) in f32.iter().zip(&bf16) {
+        assert!(b.is_finite() && (a - b).abs() <= 0.02 * a, "bf16 {bf16:?} vs f32 {f32:?}");
+    }
+    assert_ne!(f32, bf16, "--dtype bf16 must change the arithmetic");
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+#[test]
 fn pretrain_end_to_end_then_eval_of_its_checkpoint() {
     let dir = tmp("cli-e2e");
     let (data, cfg) = small_setup(&dir);
@@ -261,16 +308,11 @@ fn pretrain_end_to_end_then_eval_of_its_checkpoint() {
     // The checkpoint is self-contained: eval reads its tokenizer and weights.
     let ck = out.join("checkpoints/step-000005");
     let text = root().join("data/corpus/sonnets.txt");
-    let e: EvalArgs = parse_from([
-        "eval",
-        "--device=cpu",
-        "--model",
-        ck.to_str().unwrap(),
-        "--text",
-        text.to_str().unwrap(),
-        "--seq-len=32",
-        "--batch-size=64",
-    ])
+    let e: EvalArgs = parse_from(common::args(
+        &["eval", "--device=cpu", "--seq-len=32", "--batch-size=64"],
+        &[flag("model", &ck), flag("text", &text)],
+        &[],
+    ))
     .unwrap();
     ferrolm::cli::eval::run(e).unwrap();
     let e: EvalArgs = parse_from(["eval", "--model", dir.join("nope").to_str().unwrap(), "--text", "t", "--seq-len=4"]).unwrap();

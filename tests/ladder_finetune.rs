@@ -22,20 +22,8 @@ fn setup(dir: &Path) -> (PathBuf, PathBuf) {
 }
 
 fn finetune(ck: &Path, data: &Path, out: &Path, extra: &[&str]) -> anyhow::Result<()> {
-    let base = [
-        "finetune_ladder",
-        "--device=cpu",
-        "--model",
-        ck.to_str().unwrap(),
-        "--data",
-        data.to_str().unwrap(),
-        "--out",
-        out.to_str().unwrap(),
-        "--seq-len=16",
-        "--batch-size=2",
-        "--eval-every=0",
-    ];
-    let a: FinetuneArgs = parse_from(base.iter().copied().chain(extra.iter().copied())).unwrap();
+    let head = ["finetune_ladder", "--device=cpu", "--seq-len=16", "--batch-size=2", "--eval-every=0"];
+    let a: FinetuneArgs = parse_from(args(&head, &[flag("model", ck), flag("data", data), flag("out", out)], extra)).unwrap();
     ferrolm::cli::finetune::run(a)
 }
 
@@ -59,8 +47,9 @@ fn conversion_only_writes_the_papers_format_and_loads_in_eval_and_generate() {
     assert_eq!(cfg["model_type"], "llamaLadder");
     assert_eq!(cfg["ladder_layers"], serde_json::json!([0]));
     // The weights are the plain model's, under transformers' names.
-    let a = ferrolm_nn::checkpoint::load_safetensors(&ck.join("model.safetensors"), ferrolm::DType::F32, ferrolm::Device::Cpu).unwrap();
-    let b = ferrolm_nn::checkpoint::load_safetensors(&step0.join("model.safetensors"), ferrolm::DType::F32, ferrolm::Device::Cpu).unwrap();
+    let a = ferrolm_nn::safetensors_io::load_safetensors(&ck.join("model.safetensors"), ferrolm::DType::F32, ferrolm::Device::Cpu).unwrap();
+    let b =
+        ferrolm_nn::safetensors_io::load_safetensors(&step0.join("model.safetensors"), ferrolm::DType::F32, ferrolm::Device::Cpu).unwrap();
     assert_eq!(a.keys().collect::<Vec<_>>(), b.keys().collect::<Vec<_>>());
     for (k, t) in &a {
         assert_eq!(t.to_vec::<f32>().unwrap(), b[k].to_vec::<f32>().unwrap(), "{k} changed by the conversion");

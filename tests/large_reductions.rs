@@ -2,8 +2,15 @@
 //! emulator where there is no GPU): the global gradient norm (`fused_global_norm`,
 //! `clip_grad_norm`), `sum_all`, and the cross-entropy mean over millions of rows. A sequential
 //! f32 fold, which these once were, is percents off at this size (each addition to a sum near
-//! 2^27 rounds to a multiple of 16).
+//! 2^27 rounds to a multiple of 16). The norm a training step clips by is checked the same way
+//! through the one engine, under tensor parallelism and ZeRO sharding, on thread ranks.
 mod common;
+
+use ferrolm::nn::LlamaConfig;
+use ferrolm_dist::tp::parallelize;
+use ferrolm_dist::zero::{Placement, ShardSpec, Zero};
+use ferrolm_dist::{CommOptions, Communicator, DeviceMesh, ThreadComm, TrainEngine};
+use std::sync::Arc;
 
 use ferrolm::nn::optim::clip_grad_norm;
 use ferrolm::tensor::fused_global_norm;
@@ -101,4 +108,76 @@ fn cross_entropy_mean_over_millions_of_rows() {
     let y = Tensor::from_vec(targets, [rows], Device::Cpu).unwrap();
     let got = ferrolm::ops::cross_entropy(&x, &y, -100).unwrap().item().unwrap();
     assert!(rel(got, want) < TOL, "mean loss {got} vs f64 {want}");
+}
+
+/// A Llama of 1.13 * 10^8 parameters (vocabulary 49152, hidden 1024, one layer, untied).
+fn large_config() -> LlamaConfig {
+    LlamaConfig::from_json_str(
+        r#"{"vocab_size":49152,"hidden_size":1024,"intermediate_size":2816,"num_hidden_layers":1,"num_attention_heads":8,
+            "num_key_value_heads":8,"max_position_embeddings":16,"tie_word_embeddings":false}"#,
+    )
+    .unwrap()
+}
+
+/// One rank of a tp x dp run with `spec`: every parameter's gradient is set to known values
+/// (the loss is sum(p * c_p), so the gradient of p is c_p, the same on every data-parallel rank,
+/// whose mean is then c_p exactly). Returns (the engine's grad norm, this rank's share of the
+/// f64 reference: its pieces' squares over their replicas, and the replicated tensors once, on
+/// tensor-parallel rank 0 of data-parallel rank 0).
+fn engine_norm_rank(comm: Arc<dyn Communicator>, device: Device, tp: usize, dp: usize, spec: ShardSpec) -> ferrolm::Result<(f64, f64)> {
+    let mesh = DeviceMesh::new(comm, tp, dp, tp * dp)?;
+    let (tp_rank, dp_rank) = (mesh.tp_rank(), mesh.dp_rank());
+    let mut m = ferrolm::Llama::new(large_config(), DType::F32, device, &mut ferrolm_tensor::Rng::new(1))?;
+    let layout = if tp > 1 { Some(parallelize(&mut m, mesh.tp_group())?) } else { None };
+    let mut z = Zero::new(&mut m, mesh, spec, layout.clone(), ferrolm::nn::optim::AdamWConfig::default(), Placement::Device)?;
+    let params = m.parameters(); // after Zero::new, which moves them into its buckets
+    let (mut share, mut cs) = (0.0f64, Vec::new());
+    for (k, (name, p)) in params.iter().enumerate() {
+        let sharding = layout.as_ref().and_then(|l| l.params.get(name));
+        // A piece held by `replicas` ranks counts once; a replicated tensor once in all.
+        let (piece, replicas, sharded) = match sharding {
+            Some(s) if s.dim.is_some() => (s.index, s.replicas, true),
+            _ => (0, 1, false),
+        };
+        let c = values(p.numel(), (k as u64) << 8 | piece as u64);
+        if dp_rank == 0 && (sharded || tp_rank == 0) {
+            share += f64_sum_squares(&c) / replicas as f64;
+        }
+        cs.push(Tensor::from_vec(c, p.dims().to_vec(), device)?);
+    }
+    let total: usize = params.iter().map(|(_, p)| p.numel()).sum::<usize>() * tp;
+    assert!(total >= N, "{total} parameters");
+    z.micro_batch(true, &mut || {
+        let mut loss = Tensor::zeros([], DType::F32, device)?;
+        for ((_, p), c) in params.iter().zip(&cs) {
+            loss = loss.add(&p.mul(c)?.sum_all()?)?;
+        }
+        Ok(loss)
+    })?;
+    let report = z.step(1e-3, 1.0, 0.0)?;
+    Ok((report.grad_norm, share))
+}
+
+fn check_engine_norm(device: Device, tp: usize, dp: usize, stage: usize) {
+    let spec = ShardSpec::zero(stage, dp).unwrap();
+    let outs = ThreadComm::run(tp * dp, CommOptions::default(), |c| engine_norm_rank(c, device, tp, dp, spec)).unwrap();
+    let want = outs.iter().map(|o| o.1).sum::<f64>().sqrt();
+    for (r, (got, _)) in outs.iter().enumerate() {
+        assert!(rel(*got, want) < TOL, "{device} tp {tp} dp {dp} ZeRO-{stage} rank {r}: grad norm {got} vs f64 {want}");
+    }
+}
+
+#[test]
+fn gradient_norm_of_1e8_parameters_under_tp_and_zero_on_the_cpu() {
+    check_engine_norm(Device::Cpu, 2, 1, 0);
+    check_engine_norm(Device::Cpu, 1, 2, 3);
+}
+
+#[test]
+fn gradient_norm_of_1e8_parameters_under_tp_and_zero_on_cuda() {
+    if !common::cuda0() {
+        return;
+    }
+    // One run covers both on the emulator (its kernels are slow at this size): TP 2 x ZeRO-3 dp 2.
+    check_engine_norm(Device::Cuda(0), 2, 2, 3);
 }

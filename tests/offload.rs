@@ -10,9 +10,9 @@
 //! On `--device cpu` every "device" update is the same CPU kernel on the same gradients, so there
 //! the comparison is bit for bit.
 mod common;
+use ferrolm::cli::parallel::ParallelArgs;
 use ferrolm::data::{list_shards, prepare_text_dir, Tokenizer};
 use ferrolm::nn::LlamaConfig;
-use ferrolm::cli::parallel::ParallelArgs;
 use ferrolm::train::{TrainOptions, Trainer};
 use ferrolm::{DType, Device, Llama, Tensor};
 use ferrolm_dist::offload::GpuEvery;
@@ -291,7 +291,10 @@ fn offload_flags_are_validated() {
         p: ParallelArgs,
     }
     let ok = Cli::try_parse_from(["t", "--offload-optimizer", "--offload-subgroup-size", "1000", "--offload-gpu-every", "4"]).unwrap();
-    assert_eq!(ok.p.layout().unwrap().offload.unwrap(), ferrolm_dist::offload::OffloadConfig { subgroup: 1000, gpu_every: GpuEvery::Every(4) });
+    assert_eq!(
+        ok.p.layout().unwrap().offload.unwrap(),
+        ferrolm_dist::offload::OffloadConfig { subgroup: 1000, gpu_every: GpuEvery::Every(4) }
+    );
     let auto = Cli::try_parse_from(["t", "--offload-optimizer"]).unwrap();
     assert_eq!(auto.p.layout().unwrap().offload.unwrap().gpu_every, GpuEvery::Auto);
     assert_eq!(

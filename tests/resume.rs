@@ -1,33 +1,15 @@
 //! Resume is exact: a run stopped at a checkpoint and resumed repeats the uninterrupted run's
 //! losses bit for bit on the CPU (model, AdamW moments, data position, step all restored).
+mod common;
+use common::root;
 use ferrolm::data::{list_shards, prepare_text_dir, Tokenizer};
 use ferrolm::nn::LlamaConfig;
 use ferrolm::train::{TrainOptions, Trainer};
 use ferrolm::{DType, Device, Llama};
 use ferrolm_tensor::Rng;
-use std::path::{Path, PathBuf};
-
-fn root() -> PathBuf {
-    Path::new(env!("CARGO_MANIFEST_DIR")).to_path_buf()
-}
 
 fn opts() -> TrainOptions {
-    TrainOptions {
-        steps: 6,
-        batch_size: 2,
-        seq_len: 16,
-        grad_accum: 2,
-        lr: 3e-3,
-        min_lr: 3e-4,
-        warmup_steps: 2,
-        weight_decay: 0.1,
-        grad_clip: 1.0,
-        eval_every: 0,
-        eval_batches: 2,
-        save_every: 0,
-        log_every: 100,
-        seed: 7,
-    }
+    TrainOptions { steps: 6, grad_accum: 2, warmup_steps: 2, ..common::opts(6) }
 }
 
 fn model(vocab: usize) -> Llama {

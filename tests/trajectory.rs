@@ -58,32 +58,12 @@ fn follow_pytorch(name: &str) {
     let cfg = dir.join("config.json");
     std::fs::write(&cfg, serde_json::to_string_pretty(&fx["config"]).unwrap()).unwrap();
     let r = &fx["run"];
-    let num = |k: &str| r[k].to_string();
     let (data, out) = (dir.join("shards"), dir.join("run"));
-    let args = [
-        "pretrain_llama",
-        "--device=cpu",
-        "--data",
-        data.to_str().unwrap(),
-        "--config",
-        cfg.to_str().unwrap(),
-        "--out",
-        out.to_str().unwrap(),
-        "--steps",
-        &num("steps"),
-        "--batch-size",
-        &num("batch_size"),
-        "--seq-len",
-        &num("seq_len"),
-        "--grad-accum",
-        &num("grad_accum"),
-        "--lr",
-        &num("lr"),
-        "--seed",
-        &num("seed"),
-        "--eval-every=0",
-        "--save-every=0",
-    ];
+    let mut flags = vec![common::flag("data", &data), common::flag("config", &cfg), common::flag("out", &out)];
+    for key in ["steps", "batch_size", "seq_len", "grad_accum", "lr", "seed"] {
+        flags.push(format!("--{}={}", key.replace('_', "-"), r[key]));
+    }
+    let args = common::args(&["pretrain_llama", "--device=cpu", "--eval-every=0", "--save-every=0"], &flags, &[]);
     ferrolm::cli::pretrain::run(ferrolm::cli::parse_from(args).unwrap()).unwrap();
 
     // metrics.jsonl: one line per step with its loss and gradient norm (before clipping).

@@ -120,6 +120,8 @@ pub struct TrialSetup {
     pub lr: f64,
     /// Timed steps (after one warm-up step).
     pub steps: usize,
+    /// The trials' compute dtype (`--dtype`).
+    pub dtype: DType,
     pub out_dir: PathBuf,
 }
 
@@ -177,7 +179,7 @@ pub fn run_trial(s: &TrialSetup, c: &Candidate) -> AnyResult<Measured> {
     let per = ThreadComm::run(world, CommOptions::default(), |comm| {
         (|| -> AnyResult<(f64, f64)> {
             let comm: Arc<dyn Communicator> = SimLink::wrap(comm, s.link);
-            let mut model = Llama::new(s.cfg.clone(), DType::F32, Device::Cpu, &mut Rng::new(opts.seed))?;
+            let mut model = Llama::new(s.cfg.clone(), s.dtype, Device::Cpu, &mut Rng::new(opts.seed))?;
             apply_activation_checkpointing(&mut model, c.checkpointed_layers);
             let engine = crate::parallel::attach(&mut model, Some(comm), &par, Trainer::adamw_config(&opts))?;
             let mut t = Trainer::with_engine(model, Box::new(engine), &s.train, &s.val, opts.clone(), &out)?;
@@ -234,6 +236,9 @@ pub struct TrainConfig {
     /// `--offload-gpu-every`: `"auto"` or k.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub offload_gpu_every: Option<serde_json::Value>,
+    /// The compute dtype the layout was sized for (`--dtype`): "f32" or "bf16".
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub dtype: Option<String>,
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub hyper_parameters: Option<serde_json::Value>,
     #[serde(default, skip_serializing_if = "Option::is_none")]
@@ -263,6 +268,7 @@ impl TrainConfig {
             steps: None,
             offload_optimizer: c.offload_k.is_some(),
             offload_gpu_every: c.offload_k.map(|k| if k == 0 { serde_json::json!("inf") } else { serde_json::json!(k) }),
+            dtype: None,
             hyper_parameters: None,
             predicted: Some(serde_json::json!({
                 "step_s": c.step_s, "tokens_per_s": c.tokens_per_s, "mfu": c.mfu, "mem_bytes_per_rank": c.mem.total(),

@@ -91,6 +91,10 @@ pub struct AutoconfigArgs {
     /// Elements per offload subgroup
     #[arg(long, default_value = "100000000", value_parser = positive, help_heading = "Cluster")]
     pub offload_subgroup_size: usize,
+    /// Dtype of weights and activations the layouts are sized and the trials run in: f32, or bf16
+    /// with fp32 master weights and optimizer state [default: f32 for --target cpu, bf16 for gpu]
+    #[arg(long, value_name = "f32|bf16", help_heading = "Cluster")]
+    pub dtype: Option<super::ComputeDtype>,
     /// Simulated nodes (cpu)
     #[arg(long, default_value = "2", value_parser = positive, help_heading = "Cluster")]
     pub nodes: usize,
@@ -155,6 +159,10 @@ pub const CPU_PRESETS: [&str; 2] = ["tiny", "small"];
 pub const GPU_PRESETS: [&str; 6] = ["7b", "13b", "30b", "70b", "gpt3-5b", "gpt3-175b"];
 
 impl AutoconfigArgs {
+    /// `--dtype`, else the target's: f32 on the CPU, bf16 on GPUs.
+    pub fn compute_dtype(&self) -> super::ComputeDtype {
+        self.dtype.unwrap_or(if self.target == Target::Cpu { super::ComputeDtype::F32 } else { super::ComputeDtype::Bf16 })
+    }
     /// The GPU flags given on the command line (those that describe the modelled cluster).
     pub fn gpu_flags_given(&self) -> Vec<&'static str> {
         let given = [
@@ -436,7 +444,7 @@ pub fn autoconfig(a: &AutoconfigArgs) -> AnyResult<Report> {
         max_tp: a.max_tp,
         offload,
         ladder_layers: ladder,
-        elem_bytes: if a.target == Target::Cpu { 4 } else { 2 },
+        elem_bytes: a.compute_dtype().dtype().size_in_bytes(),
         workspace_bytes: if a.target == Target::Cpu { 0.0 } else { crate::memory::CUDA_WORKSPACE_BYTES },
         flops_by_micro_batch: flops_by_mbs.clone(),
     };
@@ -477,6 +485,7 @@ pub fn autoconfig(a: &AutoconfigArgs) -> AnyResult<Report> {
             seq: a.seq_len,
             lr: hp.lr,
             steps: a.trial_steps,
+            dtype: a.compute_dtype().dtype(),
             out_dir: a.out.join("trials"),
         };
         for c in ranked.iter().filter(|c| c.offload_k.is_none()).take(a.trials) {
@@ -522,6 +531,7 @@ pub fn autoconfig(a: &AutoconfigArgs) -> AnyResult<Report> {
     // train_config.json.
     std::fs::create_dir_all(&a.out).with_context(|| format!("cannot create {}", a.out.display()))?;
     let mut tc = TrainConfig::of(&chosen, shape.layers, cluster.gpus_per_node, a.seq_len, hp.lr);
+    tc.dtype = Some(a.compute_dtype().name().into());
     tc.config = match (&a.model, &cfg) {
         (Some(m), _) if !Path::new(m).is_file() && a.target == Target::Gpu => Some(m.clone()),
         (_, Some(c)) => {

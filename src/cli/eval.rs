@@ -1,5 +1,5 @@
 //! `eval`: mean next-token cross-entropy of a checkpoint on a text file.
-use super::{env_help, positive, DeviceArgs, LogArgs, Tool, ENV_COMMON, ENV_DEVICE, ENV_LAUNCH};
+use super::{env_help, positive, LogArgs, ModelRunArgs, Tool, ENV_COMMON, ENV_DEVICE, ENV_LAUNCH};
 use crate::data::Tokenizer;
 use crate::progress::{report, Progress};
 use crate::{AnyResult, Device, Llama, Tensor};
@@ -30,35 +30,21 @@ pub struct EvalArgs {
     #[arg(long, default_value = "8", value_parser = positive)]
     pub batch_size: usize,
     #[command(flatten)]
-    pub parallel: super::parallel::TpArgs,
-    #[command(flatten)]
-    pub device: DeviceArgs,
-    #[command(flatten)]
-    pub log: LogArgs,
+    pub run: ModelRunArgs,
 }
 
 impl Tool for EvalArgs {
     fn log_args(&self) -> &LogArgs {
-        &self.log
+        &self.run.log
     }
 }
 
 pub fn run(a: EvalArgs) -> AnyResult<()> {
-    let dir = &a.model;
-    let tokenizer = super::model_dir_tokenizer(dir)?;
-    let text = std::fs::read_to_string(&a.text).with_context(|| format!("cannot read the text file {}", a.text.display()))?;
-    let device = a.device.pick()?;
-    let ids = tokenizer.encode(&text, false)?;
-    let dtype = a.device.dtype(device);
-    crate::parallel::launch(
-        &a.parallel.layout()?,
-        device,
-        || Ok(()),
-        |_, comm| {
-            let model = crate::parallel::load_for_inference(dir, dtype, device, comm, &a.parallel.layout()?)?;
-            score(&a, &model, &tokenizer, &ids, device)
-        },
-    )
+    a.run.with_model(&a.model, |model, tokenizer, device| {
+        let text = std::fs::read_to_string(&a.text).with_context(|| format!("cannot read the text file {}", a.text.display()))?;
+        let ids = tokenizer.encode(&text, false)?;
+        score(&a, model, tokenizer, &ids, device)
+    })
 }
 
 /// Mean loss of `model` over every full window of `ids`; prints the result line.

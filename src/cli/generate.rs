@@ -1,5 +1,5 @@
 //! `generate`: sample text from a checkpoint with a KV cache.
-use super::{env_help, non_negative, probability, DeviceArgs, LogArgs, Tool, ENV_COMMON, ENV_DEVICE, ENV_LAUNCH};
+use super::{env_help, non_negative, probability, LogArgs, ModelRunArgs, Tool, ENV_COMMON, ENV_DEVICE, ENV_LAUNCH};
 use crate::nn::generate::generate_within;
 use crate::progress::report;
 use crate::AnyResult;
@@ -35,42 +35,29 @@ pub struct GenerateArgs {
     #[arg(long, default_value = "0")]
     pub seed: u64,
     #[command(flatten)]
-    pub parallel: super::parallel::TpArgs,
-    #[command(flatten)]
-    pub device: DeviceArgs,
-    #[command(flatten)]
-    pub log: LogArgs,
+    pub run: ModelRunArgs,
 }
 
 impl Tool for GenerateArgs {
     fn log_args(&self) -> &LogArgs {
-        &self.log
+        &self.run.log
     }
 }
 
 pub fn run(a: GenerateArgs) -> AnyResult<()> {
     let dir = &a.model;
-    let tokenizer = super::model_dir_tokenizer(dir)?;
-    let device = a.device.pick()?;
-    let dtype = a.device.dtype(device);
-    let ids = tokenizer.encode(&a.prompt, false)?;
-    if ids.is_empty() {
-        bail!("--prompt encodes to no tokens");
-    }
-    crate::parallel::launch(
-        &a.parallel.layout()?,
-        device,
-        || Ok(()),
-        |_, comm| {
-            let model = crate::parallel::load_for_inference(dir, dtype, device, comm, &a.parallel.layout()?)?;
-            let cfg_path = dir.join("config.json").display().to_string();
-            super::pretrain::check_vocab(&tokenizer, &dir.join("tokenizer.json"), model.config().vocab_size, &cfg_path)?;
-            // Every rank samples the same tokens: the logits are gathered, the seed is shared.
-            // Only the tokenizer's ids are drawn (a padded vocabulary has rows beyond them).
-            let mut rng = Rng::new(a.seed);
-            let out = generate_within(&model, &ids, a.max_new_tokens, a.temperature, a.top_p, tokenizer.vocab_size(), &mut rng)?;
-            report(&format!("{}{}", a.prompt, tokenizer.decode(&out)?));
-            Ok(())
-        },
-    )
+    a.run.with_model(dir, |model, tokenizer, _| {
+        let ids = tokenizer.encode(&a.prompt, false)?;
+        if ids.is_empty() {
+            bail!("--prompt encodes to no tokens");
+        }
+        let cfg_path = dir.join("config.json").display().to_string();
+        super::pretrain::check_vocab(tokenizer, &dir.join("tokenizer.json"), model.config().vocab_size, &cfg_path)?;
+        // Every rank samples the same tokens: the logits are gathered, the seed is shared.
+        // Only the tokenizer's ids are drawn (a padded vocabulary has rows beyond them).
+        let mut rng = Rng::new(a.seed);
+        let out = generate_within(model, &ids, a.max_new_tokens, a.temperature, a.top_p, tokenizer.vocab_size(), &mut rng)?;
+        report(&format!("{}{}", a.prompt, tokenizer.decode(&out)?));
+        Ok(())
+    })
 }

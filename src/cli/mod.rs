@@ -81,6 +81,42 @@ pub fn main_with<A: Tool>(run: impl FnOnce(A) -> AnyResult<()>) -> ! {
 
 /// `error: what failed: why: root cause` on one line, as a user sees it.
 /// The tokenizer of a model directory (eval, generate), with errors naming the directory or file.
+/// The flags of the tools that run a trained model (eval, generate): tensor parallelism, the
+/// device and dtype, logging.
+#[derive(clap::Args, Debug, Clone, PartialEq)]
+pub struct ModelRunArgs {
+    #[command(flatten)]
+    pub parallel: parallel::TpArgs,
+    #[command(flatten)]
+    pub device: DeviceArgs,
+    #[command(flatten)]
+    pub log: LogArgs,
+}
+
+impl ModelRunArgs {
+    /// Loads `dir`'s tokenizer, then on every rank of `--tp` the model's weights (this rank's
+    /// shards), and runs `f` there.
+    pub fn with_model(
+        &self,
+        dir: &std::path::Path,
+        f: impl Fn(&crate::Llama, &crate::data::Tokenizer, crate::Device) -> AnyResult<()> + Sync,
+    ) -> AnyResult<()> {
+        let tokenizer = model_dir_tokenizer(dir)?;
+        let device = self.device.pick()?;
+        let dtype = self.device.dtype(device);
+        let layout = self.parallel.layout()?;
+        crate::parallel::launch(
+            &layout,
+            device,
+            || Ok(()),
+            |_, comm| {
+                let model = crate::parallel::load_for_inference(dir, dtype, device, comm, &layout)?;
+                f(&model, &tokenizer, device)
+            },
+        )
+    }
+}
+
 pub fn model_dir_tokenizer(dir: &std::path::Path) -> AnyResult<crate::data::Tokenizer> {
     use anyhow::Context;
     std::fs::metadata(dir).with_context(|| format!("cannot open the model directory {}", dir.display()))?;
@@ -200,6 +236,17 @@ pub enum ComputeDtype {
 }
 
 impl ComputeDtype {
+    /// The flag's spelling: "f32" or "bf16".
+    pub fn name(self) -> &'static str {
+        match self {
+            ComputeDtype::F32 => "f32",
+            ComputeDtype::Bf16 => "bf16",
+        }
+    }
+    /// Parses the flag's spelling (as in train_config.json).
+    pub fn parse(s: &str) -> Option<ComputeDtype> {
+        <ComputeDtype as clap::ValueEnum>::from_str(s, false).ok()
+    }
     pub fn dtype(self) -> ferrolm_tensor::DType {
         match self {
             ComputeDtype::F32 => ferrolm_tensor::DType::F32,

@@ -99,7 +99,8 @@ impl ParallelArgs {
             bail!("--ranks-per-node {rpn} must be a multiple of --tp {}", self.tp);
         }
         spec.validate(self.dp, (rpn / self.tp).max(1))?;
-        let offload = self.offload_optimizer.then_some(OffloadConfig { subgroup: self.offload_subgroup_size, gpu_every: self.offload_gpu_every });
+        let offload =
+            self.offload_optimizer.then_some(OffloadConfig { subgroup: self.offload_subgroup_size, gpu_every: self.offload_gpu_every });
         if let Some(o) = &offload {
             o.validate()?;
         }

@@ -265,6 +265,11 @@ pub fn apply_config_from(mut args: PretrainArgs) -> AnyResult<PretrainArgs> {
     if let Some(steps) = f.steps {
         fill!(t.steps, steps, "steps");
     }
+    if let Some(d) = &f.dtype {
+        let d = super::ComputeDtype::parse(d)
+            .ok_or_else(|| anyhow::anyhow!("{}: dtype must be \"f32\" or \"bf16\", got {d:?}", path.display()))?;
+        fill!(t.device.dtype, Some(d), "dtype");
+    }
     if f.checkpointed_layers > 0 && !f.activation_checkpointing {
         tracing::warn!(
             "{}: the layout checkpoints {} layers; pretrain_llama checkpoints all or none, so none here",

@@ -138,18 +138,18 @@ pub fn capture_logs<R>(f: impl FnOnce() -> R) -> (R, String) {
 /// `pretrain_llama`'s flags for a short CPU run of `cfg` on `data` into `out` (sequences of 16
 /// tokens), followed by `extra`.
 pub fn pretrain_args(data: &Path, cfg: &Path, out: &Path, extra: &[&str]) -> ferrolm::cli::pretrain::PretrainArgs {
-    let base = [
-        "pretrain_llama",
-        "--device=cpu",
-        "--data",
-        data.to_str().unwrap(),
-        "--config",
-        cfg.to_str().unwrap(),
-        "--out",
-        out.to_str().unwrap(),
-        "--seq-len=16",
-    ];
-    ferrolm::cli::parse_from(base.iter().copied().chain(extra.iter().copied())).unwrap()
+    let paths = [flag("data", data), flag("config", cfg), flag("out", out)];
+    ferrolm::cli::parse_from(args(&["pretrain_llama", "--device=cpu", "--seq-len=16"], &paths, extra)).unwrap()
+}
+
+/// `--name=PATH`.
+pub fn flag(name: &str, path: &Path) -> String {
+    format!("--{name}={}", path.display())
+}
+
+/// A command line: `head`, then `paths` (see [`flag`]), then `extra`.
+pub fn args(head: &[&str], paths: &[String], extra: &[&str]) -> Vec<String> {
+    head.iter().map(|s| s.to_string()).chain(paths.iter().cloned()).chain(extra.iter().map(|s| s.to_string())).collect()
 }
 
 /// Registers `cuda:0`: the GPU if there is one, else the emulator. False (the test prints that it

@@ -9,7 +9,7 @@
 //! (`exp_avg.{bucket}`, `exp_avg_sq.{bucket}`, `master.{bucket}`, ranks d < s_os).
 use crate::tp::{Sharding, TpLayout};
 use crate::zero::{ShardSpec, Zero};
-use ferrolm_nn::checkpoint::{load_float_safetensors, save_safetensors, TensorMap};
+use ferrolm_nn::safetensors_io::{load_float_safetensors, save_safetensors, TensorMap};
 use ferrolm_tensor::{no_grad, DType, Device, Error, Result, Tensor};
 use serde::{Deserialize, Serialize};
 use std::collections::BTreeMap;
@@ -145,7 +145,7 @@ pub fn save_shards(dir: &Path, zero: &Zero) -> Result<()> {
             tp_layout,
         };
         let text = serde_json::to_string_pretty(&index).map_err(|e| err(dir, e))?;
-        ferrolm_nn::checkpoint::write_atomic(&sdir.join(INDEX), text.as_bytes())?;
+        ferrolm_nn::safetensors_io::write_atomic(&sdir.join(INDEX), text.as_bytes())?;
     }
     mesh.world().barrier()
 }
@@ -276,7 +276,7 @@ pub fn load_into(zero: &mut Zero, params: &TensorMap, state: &TensorMap, step: u
         local_piece(t, base, tp.as_ref())?.to_dtype(dtype)?.to_device(device)
     };
     // (padded length, slots) of each bucket: the store is borrowed from the engine being loaded.
-    let buckets: Vec<(usize, Vec<ferrolm_nn::store::Slot>)> = zero.store().buckets.iter().map(|b| (b.padded, b.slots.clone())).collect();
+    let buckets: Vec<(usize, Vec<ferrolm_nn::buckets::Slot>)> = zero.store().buckets.iter().map(|b| (b.padded, b.slots.clone())).collect();
     for (i, (n, slots)) in buckets.iter().enumerate() {
         let build = |dtype: DType, get: &dyn Fn(&str) -> Result<Tensor>| -> Result<Tensor> {
             let flat = Tensor::zeros([*n], dtype, device)?;

@@ -3,7 +3,7 @@
 //! itself is forward, backward, step: `micro_batch` for each micro-batch of a step, then `step`.
 //! `zero::Zero` is the engine, on one device (a world of one) as on many.
 use crate::DeviceMesh;
-use ferrolm_nn::checkpoint::TensorMap;
+use ferrolm_nn::safetensors_io::TensorMap;
 use ferrolm_tensor::{Result, Tensor};
 use std::path::Path;
 

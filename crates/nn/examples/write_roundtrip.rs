@@ -86,7 +86,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     };
     let rows = |v: &[i32]| v.chunks(t).map(|r| r.to_vec()).collect::<Vec<_>>();
     let json = serde_json::json!({"input_ids": rows(&ids), "labels": rows(&labels), "loss": loss});
-    ferrolm_nn::checkpoint::write_atomic(&dir.join("roundtrip_ids.json"), json.to_string().as_bytes())?;
+    ferrolm_nn::safetensors_io::write_atomic(&dir.join("roundtrip_ids.json"), json.to_string().as_bytes())?;
     println!("wrote {} ({} parameters, {}), ferrolm loss {loss:.8}", dir.display(), model.num_params(), if bf16 { "bf16" } else { "f32" });
     Ok(())
 }

@@ -1,7 +1,7 @@
 //! ferrolm-nn: LLaMA on the ferrolm engine, Hugging Face compatible configs and safetensors
 //! checkpoints, KV-cache generation, AdamW and learning-rate schedules. The same model file
 //! runs the Ladder Transformer (Ladder Residual) as a residual schedule over the Llama blocks.
-pub mod checkpoint;
+pub mod buckets;
 pub mod config;
 pub mod generate;
 pub mod llama;
@@ -9,8 +9,8 @@ pub mod module;
 pub mod optim;
 pub mod remat;
 mod rope;
+pub mod safetensors_io;
 pub mod schedule;
-pub mod store;
 
 pub use config::{LadderLayers, LlamaConfig, RopeScaling};
 pub use generate::{generate, generate_within, KvCache};

@@ -9,11 +9,11 @@
 //! I intermediate, V vocab. Head counts come from the weights' shapes, so a tensor-parallel
 //! plan that shards them needs no special case here. Parallelism and activation checkpointing
 //! attach from outside (`module.rs`); this file never sees them.
-use crate::checkpoint::{self, TensorMap};
 use crate::config::{LadderLayers, LlamaConfig};
 use crate::generate::KvCache;
 use crate::module::{BranchFn, BranchHook, Embedding, HeadOp, Linear, ParamInfo, ParamKind, ParamVisitor};
 use crate::rope::Rope;
+use crate::safetensors_io::{self, TensorMap};
 use ferrolm_ops::{causal_attention, rms_norm, rope, softmax_last, swiglu};
 use ferrolm_tensor::{no_grad, DType, Device, Error, Result, Rng, Tensor};
 use std::path::Path;
@@ -400,7 +400,7 @@ impl Llama {
         let cfg = LlamaConfig::from_file(dir.join("config.json"))?;
         let single = dir.join("model.safetensors");
         let file = if single.is_file() { single } else { dir.join("model.safetensors.index.json") };
-        let tensors = checkpoint::load_model_dir(dir, dtype, device)?;
+        let tensors = safetensors_io::load_model_dir(dir, dtype, device)?;
         Self::from_tensors(cfg, tensors, dtype, device, &file)
     }
 
@@ -417,9 +417,9 @@ impl Llama {
             DType::BF16 => "bfloat16",
             other => return Err(Error::new("Llama::save_pretrained", format!("cannot save weights as {other}: use f32 or bf16"))),
         };
-        let path = checkpoint::prepare_dir(dir, "model.safetensors")?;
-        checkpoint::save_safetensors(&path, &self.parameters(), Some(dtype))?;
-        checkpoint::write_atomic(&dir.join("config.json"), self.cfg.to_json_string_dtype(hf).as_bytes())
+        let path = safetensors_io::prepare_dir(dir, "model.safetensors")?;
+        safetensors_io::save_safetensors(&path, &self.parameters(), Some(dtype))?;
+        safetensors_io::write_atomic(&dir.join("config.json"), self.cfg.to_json_string_dtype(hf).as_bytes())
     }
 
     // ---- Ladder conversion -----------------------------------------------------------------

@@ -3,7 +3,7 @@
 //! recomputed in backward. Gradients are bitwise those of the plain run.
 use crate::llama::Llama;
 use crate::module::{BranchFn, BranchHook};
-use ferrolm_tensor::{checkpoint, Result, Tensor};
+use ferrolm_tensor::{recompute, Result, Tensor};
 use std::sync::Arc;
 
 /// Recomputes the branches of blocks `0..layers` (the first blocks: their activations live
@@ -17,7 +17,7 @@ impl BranchHook for Recompute {
         if layer >= self.layers {
             return branch(x);
         }
-        checkpoint(std::slice::from_ref(x), move |xs| branch(&xs[0]))
+        recompute(std::slice::from_ref(x), move |xs| branch(&xs[0]))
     }
 }
 

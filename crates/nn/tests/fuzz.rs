@@ -6,8 +6,8 @@
 #[path = "../../data/tests/fuzzing/mod.rs"]
 mod fuzzing;
 
-use ferrolm_nn::checkpoint::{load_float_safetensors, load_safetensors};
 use ferrolm_nn::config::{MAX_LAYERS, MAX_PARAMETERS, MAX_ROPE_TABLE};
+use ferrolm_nn::safetensors_io::{load_float_safetensors, load_safetensors};
 use ferrolm_nn::{Llama, LlamaConfig};
 use ferrolm_tensor::{DType, Device, Rng};
 use fuzzing::{apply_bytes, byte_edit, config, json_mutations, mutate_json, ByteEdit, JsonEdit};

@@ -2,7 +2,7 @@
 //! every parameter gradient, all in f32 on the CPU, with relative error
 //! max|ours - hf| / max|hf| < 1e-4 per tensor. Plus config parsing, checkpoint round trips and
 //! the errors a user sees for broken checkpoints.
-use ferrolm_nn::checkpoint::{load_safetensors, save_safetensors};
+use ferrolm_nn::safetensors_io::{load_safetensors, save_safetensors};
 use ferrolm_nn::{generate, shift_labels, KvCache, Llama, LlamaConfig};
 use ferrolm_tensor::{DType, Device, Rng, Tensor};
 use std::path::{Path, PathBuf};

@@ -1,8 +1,8 @@
 //! Hostile `config.json`, safetensors files and checkpoint directories: each gives an error
 //! naming the file and the field or tensor, never a panic, and nothing is allocated for sizes
 //! that cannot fit.
-use ferrolm_nn::checkpoint::{load_float_safetensors, load_model_dir, load_safetensors, save_safetensors};
 use ferrolm_nn::config::{MAX_LAYERS, MAX_PARAMETERS, MAX_ROPE_TABLE};
+use ferrolm_nn::safetensors_io::{load_float_safetensors, load_model_dir, load_safetensors, save_safetensors};
 use ferrolm_nn::{Llama, LlamaConfig};
 use ferrolm_tensor::{DType, Device, Rng, Tensor};
 use serde_json::{json, Value};

@@ -304,13 +304,13 @@ fn converted_checkpoint_round_trips() {
 /// parameters are views of the buffers (an update through the buffer is seen by the model).
 #[test]
 fn flat_store_is_transparent() {
-    use ferrolm_nn::store::ParamStore;
+    use ferrolm_nn::buckets::ParamBuckets;
     let c = cfg(r#","model_type":"llamaLadder","ladder_layers":2,"tie_word_embeddings":true"#);
     let x = ids(c.vocab_size, 2, 8, 3);
     let plain = Llama::new(c.clone(), DType::F32, Device::Cpu, &mut Rng::new(2)).unwrap();
     let want = loss_and_grads(&plain, &x);
     let mut m = Llama::new(c.clone(), DType::F32, Device::Cpu, &mut Rng::new(2)).unwrap();
-    let store = ParamStore::from_model(&mut m, 64).unwrap();
+    let store = ParamBuckets::from_model(&mut m, 64).unwrap();
     assert_eq!(
         store.buckets.iter().map(|b| b.name.as_str()).collect::<Vec<_>>(),
         ["embed", "layers.0", "layers.1", "layers.2", "layers.3", "head"]

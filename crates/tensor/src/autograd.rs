@@ -195,7 +195,7 @@ pub fn backward_with(root: &Tensor, seed: Tensor) -> Result<()> {
 /// backward runs `f` again and backpropagates through the recomputed segment. Parameters that
 /// `f` uses (found by tracing one recorded forward) get their gradients like in a plain run.
 /// `f` must be deterministic; it gives bitwise the same gradients as running it directly.
-pub fn checkpoint<F>(inputs: &[Tensor], f: F) -> Result<Tensor>
+pub fn recompute<F>(inputs: &[Tensor], f: F) -> Result<Tensor>
 where
     F: Fn(&[Tensor]) -> Result<Tensor> + Send + Sync + 'static,
 {
@@ -258,5 +258,5 @@ where
     });
     debug_assert_eq!(all.len(), n_in + params.len());
     let refs: Vec<&Tensor> = all.iter().collect();
-    Ok(Tensor::record(out, "checkpoint", &refs, backward))
+    Ok(Tensor::record(out, "recompute", &refs, backward))
 }

@@ -17,7 +17,7 @@ mod storage;
 mod tensor;
 mod views;
 
-pub use autograd::{checkpoint, is_grad_enabled, no_grad, set_grad_enabled};
+pub use autograd::{is_grad_enabled, no_grad, recompute, set_grad_enabled};
 pub use dtype::{bf16_from_f64, DType, Device};
 pub use error::{Error, Result};
 pub use half::bf16;

@@ -151,7 +151,7 @@ pub struct StorageCell {
 
 impl fmt::Debug for StorageCell {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        write!(f, "StorageCell({} bytes{})", self.bytes, if self.is_pending() { ", not ready" } else { "" })
+        write!(f, "StorageCell({} bytes{})", self.bytes, if self.is_ready() { "" } else { ", not ready" })
     }
 }
 
@@ -209,17 +209,25 @@ impl StorageCell {
 
     /// True while a local (deferred-computation) fill is outstanding.
     pub fn is_local_pending(&self) -> bool {
-        self.is_pending() && self.local.load(Ordering::Acquire)
+        self.local.load(Ordering::Acquire) && self.is_pending()
     }
 
-    /// True while the bytes are not there to read: in flight, failed, or released.
+    /// True while a fill is in flight (a collective's result, a deferred computation, or a
+    /// prefetch of released bytes): a read waits for it. False for ready, failed and released
+    /// storage.
     pub fn is_pending(&self) -> bool {
-        self.not_ready.load(Ordering::Acquire)
+        !self.is_ready() && matches!(*self.lock_state(), State::Pending(_))
+    }
+
+    /// True when the bytes are there to read without waiting (no fill in flight, not failed,
+    /// not released). Lock-free: the hot path of every read.
+    pub fn is_ready(&self) -> bool {
+        !self.not_ready.load(Ordering::Acquire)
     }
 
     /// True while the bytes are released (see `release`).
     pub fn is_released(&self) -> bool {
-        self.is_pending() && matches!(*self.lock_state(), State::Released(_))
+        !self.is_ready() && matches!(*self.lock_state(), State::Released(_))
     }
 
     fn check_shape(&self, s: &Storage) -> crate::Result<()> {
@@ -234,7 +242,7 @@ impl StorageCell {
 
     /// Waits for a pending fill, or refills released bytes (no-op when ready).
     pub fn resolve(&self) -> crate::Result<()> {
-        if !self.is_pending() {
+        if self.is_ready() {
             return Ok(());
         }
         let mut st = self.lock_state();
@@ -309,15 +317,28 @@ impl StorageCell {
         Ok(true)
     }
 
-    /// Read access, after waiting for a pending fill.
+    /// Read access, after waiting for a pending fill. Readiness is checked again under the
+    /// guard: a `try_release` between `resolve` and the guard (it needs the write lock, so it
+    /// cannot come after) would otherwise hand out its empty placeholder.
     pub fn read(&self) -> crate::Result<std::sync::RwLockReadGuard<'_, Storage>> {
-        self.resolve()?;
-        Ok(self.inner.read().unwrap_or_else(|e| e.into_inner()))
+        loop {
+            self.resolve()?;
+            let g = self.inner.read().unwrap_or_else(|e| e.into_inner());
+            if self.is_ready() {
+                return Ok(g);
+            }
+        }
     }
-    /// Write access, after waiting for a pending fill.
+    /// Write access, after waiting for a pending fill (readiness checked under the guard, as
+    /// in `read`).
     pub fn write(&self) -> crate::Result<std::sync::RwLockWriteGuard<'_, Storage>> {
-        self.resolve()?;
-        Ok(self.inner.write().unwrap_or_else(|e| e.into_inner()))
+        loop {
+            self.resolve()?;
+            let g = self.inner.write().unwrap_or_else(|e| e.into_inner());
+            if self.is_ready() {
+                return Ok(g);
+            }
+        }
     }
     /// Bytes this cell accounts for when its bytes are present (known without waiting).
     pub fn bytes(&self) -> usize {

@@ -144,7 +144,8 @@ impl Tensor {
         self.0.storage.is_local_pending()
     }
 
-    /// True while this tensor's storage is still being produced (see `pending`).
+    /// True while this tensor's storage is still being produced (see `pending`); false once it
+    /// is ready, failed or released.
     pub fn is_pending(&self) -> bool {
         self.0.storage.is_pending()
     }

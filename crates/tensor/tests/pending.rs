@@ -47,9 +47,11 @@ fn failed_fill_is_an_error_at_every_use() {
     let empty = Storage::Cpu(CpuStorage::zeros(2, DType::F32));
     let p =
         Tensor::pending(empty, [2], Box::new(|_| Err(ferrolm_tensor::Error::new("all_reduce", "rank 1 timed out after 600 s")))).unwrap();
+    assert!(p.is_pending());
     for _ in 0..2 {
         let e = p.add_scalar(1.0).unwrap_err().to_string();
         assert!(e.contains("rank 1 timed out"), "{e}");
+        assert!(!p.is_pending(), "a failed fill is no longer in flight");
     }
     assert!(p.wait().is_err());
 }
@@ -158,6 +160,7 @@ fn released_storage_refills_on_read() {
     let before = ferrolm_tensor::live_bytes();
     flat.release(refill.clone()).unwrap();
     assert!(flat.is_released() && view.is_released());
+    assert!(!flat.is_pending(), "released bytes are not a fill in flight");
     assert_eq!(before - ferrolm_tensor::live_bytes(), 4000, "release frees the bytes");
     let s = view.sum_all().unwrap().item().unwrap();
     assert_eq!(s, (10..30).sum::<i32>() as f64);
@@ -178,6 +181,7 @@ fn released_storage_refills_on_read() {
         }))
         .unwrap();
     assert!(prefetched);
+    assert!(flat.is_pending() && !flat.is_released(), "a prefetch is a fill in flight");
     assert_eq!(view.to_vec::<f32>().unwrap()[0], 10.0);
     assert_eq!(*log.lock().unwrap(), ["wait"]);
     assert_eq!(*refill.calls.lock().unwrap(), 1, "prefetched bytes need no refill");

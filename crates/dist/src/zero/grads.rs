@@ -11,7 +11,7 @@
 use super::groups::{Comm, ShardGroups};
 use super::ShardSpec;
 use crate::comm::ReduceOp;
-use ferrolm_nn::store::ParamStore;
+use ferrolm_nn::buckets::ParamBuckets;
 use ferrolm_nn::Llama;
 use ferrolm_tensor::{no_grad, DType, Device, Error, Result, Tensor};
 use std::sync::{Arc, Mutex, MutexGuard};
@@ -52,7 +52,7 @@ struct Assembly {
 pub(crate) struct GradPipeline(Arc<Mutex<Assembly>>);
 
 impl GradPipeline {
-    pub fn new(store: &ParamStore, groups: Arc<ShardGroups>, spec: ShardSpec) -> GradPipeline {
+    pub fn new(store: &ParamBuckets, groups: Arc<ShardGroups>, spec: ShardSpec) -> GradPipeline {
         let buckets = store
             .buckets
             .iter()
@@ -81,7 +81,7 @@ impl GradPipeline {
 
     /// Each of `model`'s parameters hands its gradient to its bucket's buffer; the bucket is
     /// flushed when its last parameter's gradient arrives.
-    pub fn install_sinks(&self, store: &ParamStore, model: &Llama) -> Result<()> {
+    pub fn install_sinks(&self, store: &ParamBuckets, model: &Llama) -> Result<()> {
         let params: std::collections::HashMap<String, Tensor> = model.parameters().into_iter().collect();
         for (bi, bk) in store.buckets.iter().enumerate() {
             for s in &bk.slots {

@@ -32,9 +32,9 @@ use crate::engine::{StepReport, TrainEngine};
 use crate::offload::{OffloadConfig, OffloadPlan};
 use crate::tp::TpLayout;
 use crate::{DeviceMesh, ThreadComm};
-use ferrolm_nn::checkpoint::TensorMap;
+use ferrolm_nn::buckets::ParamBuckets;
 use ferrolm_nn::optim::AdamWConfig;
-use ferrolm_nn::store::ParamStore;
+use ferrolm_nn::safetensors_io::TensorMap;
 use ferrolm_nn::Llama;
 use ferrolm_tensor::{no_grad, DType, Device, Error, Result, Tensor};
 use gather::Gatherer;
@@ -65,7 +65,7 @@ pub struct Zero {
     tp: Option<TpLayout>,
     groups: Arc<ShardGroups>,
     buckets: Vec<Bucket>,
-    store: ParamStore,
+    store: ParamBuckets,
     grads: GradPipeline,
     gather: Option<Arc<Gatherer>>,
     state: Arc<Mutex<Box<dyn OptimState>>>,
@@ -106,7 +106,7 @@ impl Zero {
         let groups = Arc::new(ShardGroups::new(mesh.dp_group(), spec)?);
         let (sp, so) = (spec.params, spec.optim);
         // Every range of every bucket must be a whole number of elements.
-        let store = ParamStore::from_model(model, dp * 8)?;
+        let store = ParamBuckets::from_model(model, dp * 8)?;
         let dtype = store.buckets.first().map_or(DType::F32, |b| b.dtype);
         let _g = no_grad();
         let (mut buckets, mut runs, mut optim_params) = (Vec::new(), Vec::new(), Vec::new());
@@ -179,7 +179,7 @@ impl Zero {
     pub fn tp_layout(&self) -> Option<&TpLayout> {
         self.tp.as_ref()
     }
-    pub fn store(&self) -> &ParamStore {
+    pub fn store(&self) -> &ParamBuckets {
         &self.store
     }
     pub fn cfg(&self) -> &AdamWConfig {

@@ -46,7 +46,7 @@ impl Bucket {
     }
 }
 
-pub struct ParamStore {
+pub struct ParamBuckets {
     pub buckets: Vec<Bucket>,
     pub device: Device,
 }
@@ -65,13 +65,13 @@ pub fn bucket_of(name: &str) -> String {
     }
 }
 
-impl ParamStore {
+impl ParamBuckets {
     /// Moves every parameter of `model` into flat buffers (bucket sizes padded to a multiple
     /// of `align` elements) and replaces it by a view: values, names, shapes and
     /// `requires_grad` are unchanged, gradients still arrive per parameter.
-    pub fn from_model(model: &mut Llama, align: usize) -> Result<ParamStore> {
+    pub fn from_model(model: &mut Llama, align: usize) -> Result<ParamBuckets> {
         if align == 0 {
-            return Err(Error::new("ParamStore", "alignment must be positive"));
+            return Err(Error::new("ParamBuckets", "alignment must be positive"));
         }
         let device = model.device();
         // Pass 1: layout, in the visitor's (forward) order.
@@ -101,7 +101,7 @@ impl ParamStore {
             }
             out.push(Bucket { name, dtype, flat, numel, padded, slots });
         }
-        let store = ParamStore { buckets: out, device };
+        let store = ParamBuckets { buckets: out, device };
         // Pass 3: the model's parameters become leaf views of the flat buffers.
         store.attach(model)?;
         Ok(store)
@@ -116,7 +116,7 @@ impl ParamStore {
             }
         }
         model.visit_params_mut(&mut |p, t| {
-            let v = views.remove(p.name).ok_or_else(|| Error::new("ParamStore", format!("no slot for parameter {}", p.name)))?;
+            let v = views.remove(p.name).ok_or_else(|| Error::new("ParamBuckets", format!("no slot for parameter {}", p.name)))?;
             v.set_requires_grad(true)?;
             *t = v;
             Ok(())

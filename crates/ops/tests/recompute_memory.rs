@@ -2,7 +2,7 @@
 //! gradients. One #[test] in its own binary: `live_bytes()` is a process-global counter, so no
 //! other test may allocate tensors concurrently.
 use ferrolm_ops::{causal_attention, rms_norm, swiglu};
-use ferrolm_tensor::{checkpoint, live_bytes, DType, Device, Result, Rng, Tensor};
+use ferrolm_tensor::{live_bytes, recompute, DType, Device, Result, Rng, Tensor};
 
 // Sizes: model width, query heads (of width HD), kv heads, MLP width.
 const D: usize = 32;
@@ -55,7 +55,7 @@ fn run(ckpt: bool) -> (usize, Vec<Vec<f32>>) {
     for p in &layers {
         h = if ckpt {
             let p = p.clone();
-            checkpoint(&[h], move |xs| block(&xs[0], &p)).unwrap()
+            recompute(&[h], move |xs| block(&xs[0], &p)).unwrap()
         } else {
             block(&h, p).unwrap()
         };

@@ -3,7 +3,7 @@
 mod common;
 use common::*;
 use ferrolm_ops::{causal_attention, rms_norm, rope, swiglu};
-use ferrolm_tensor::{checkpoint, no_grad, DType, Result, Rng, Tensor};
+use ferrolm_tensor::{no_grad, recompute, DType, Result, Rng, Tensor};
 use std::sync::{Arc, Mutex};
 
 const D: usize = 16;
@@ -68,7 +68,7 @@ fn run(segments: &[(bool, bool)], ckpt: bool, x_requires_grad: bool) -> (f32, Ve
     for (p, &(attn, mlp)) in params.iter().zip(segments) {
         if ckpt {
             let (p, c, s) = (p.clone(), cos.clone(), sin.clone());
-            h = checkpoint(&[h], move |xs| block(&xs[0], &p, &c, &s, attn, mlp)).unwrap();
+            h = recompute(&[h], move |xs| block(&xs[0], &p, &c, &s, attn, mlp)).unwrap();
         } else {
             h = block(&h, p, &cos, &sin, attn, mlp).unwrap();
         }
@@ -118,9 +118,9 @@ fn checkpoint_hooks_fire_once_and_nested_checkpoints_work() {
     *calls.lock().unwrap() = 0;
     // the same inside a checkpoint nested in a checkpoint
     let w2 = w.clone();
-    let y = checkpoint(std::slice::from_ref(&x), move |xs| {
+    let y = recompute(std::slice::from_ref(&x), move |xs| {
         let f = f.clone();
-        checkpoint(xs, move |ys| f(ys))?.matmul(&w2)
+        recompute(xs, move |ys| f(ys))?.matmul(&w2)
     })
     .unwrap()
     .sum_all()
@@ -131,6 +131,6 @@ fn checkpoint_hooks_fire_once_and_nested_checkpoints_work() {
     // under no_grad a checkpoint is just the function
     let _ng = no_grad();
     let w3 = w.clone();
-    let z = checkpoint(&[x], move |xs| xs[0].matmul(&w3)).unwrap();
+    let z = recompute(&[x], move |xs| xs[0].matmul(&w3)).unwrap();
     assert!(!z.requires_grad());
 }
