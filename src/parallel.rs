@@ -147,21 +147,38 @@ fn launch_processes<P, T>(
         ),
         Err(_) => Duration::from_secs(3600),
     };
-    // Errors, not only panics, reach the other ranks through the store.
+    // Errors, not only panics, reach the other ranks through the store; the error names the
+    // rank and what it was doing.
     let notify = |e: anyhow::Error, what: &str| -> anyhow::Error {
         let _ = store.report_failure(&format!("rank {} failed while {what}: {e:#}", env.rank));
-        e
+        e.context(format!("rank {} of {} failed while {what}", env.rank, env.world_size))
     };
+    let barrier = |what: &str| store.barrier_timeout("ferrolm/prepare", timeout).map_err(|e| notify(e.into(), what));
     let p = if env.rank == 0 {
-        let p = prepare().map_err(|e| notify(e, "preparing the run"));
-        store.barrier_timeout("ferrolm/prepare", timeout).context("waiting for the other ranks after preparing")?;
+        let p = drill_delay().and_then(|()| prepare()).map_err(|e| notify(e, "preparing the run"));
+        barrier("waiting for the other ranks after preparing")?;
         p?
     } else {
-        store.barrier_timeout("ferrolm/prepare", timeout).context("waiting for rank 0 to prepare the run")?;
+        barrier("waiting for rank 0 to prepare the run")?;
         prepare().map_err(|e| notify(e, "preparing the run"))?
     };
-    let comm = ferrolm_dist::env::init_with_store(env, store.clone(), backend, options).context("cannot join the launcher's world")?;
+    let comm = ferrolm_dist::env::init_with_store(env, store.clone(), backend, options)
+        .map_err(|e| notify(e.into(), "joining the NCCL communicator"))?;
     per_rank(&p, Some(comm)).map_err(|e| notify(e, "training"))
+}
+
+/// Environment variable for fault drills: rank 0 spends this many more seconds preparing the run
+/// (as tokenising a large corpus would), so tests can check that the other ranks wait behind the
+/// preparation barrier and not under the collective timeout.
+pub const ENV_DRILL_PREPARE_DELAY: &str = "FERROLM_DRILL_PREPARE_DELAY_S";
+
+fn drill_delay() -> AnyResult<()> {
+    if let Ok(v) = std::env::var(ENV_DRILL_PREPARE_DELAY) {
+        let s = v.trim().parse::<f64>().ok().filter(|s| s.is_finite() && *s >= 0.0);
+        let s = s.ok_or_else(|| anyhow::anyhow!("{ENV_DRILL_PREPARE_DELAY}={v:?} is not a number of seconds"))?;
+        std::thread::sleep(Duration::from_secs_f64(s));
+    }
+    Ok(())
 }
 
 /// This rank's training engine for `model` (built whole, the same on every rank): tensor

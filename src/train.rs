@@ -26,6 +26,11 @@ use std::io::Write;
 use std::path::{Path, PathBuf};
 use std::time::Instant;
 
+/// The marker rank 0 of a multi-process run writes into the output directory at start-up, and
+/// the store key that carries its value (`Trainer::check_shared_out_dir`).
+pub const SHARED_MARKER: &str = ".ferrolm-shared-marker";
+const SHARED_MARKER_KEY: &str = "ferrolm/shared-marker";
+
 /// The options that shape training (saved with every checkpoint and compared on resume).
 /// `Default` is `pretrain_llama`'s defaults for 500 steps at lr 2e-3.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
@@ -398,6 +403,51 @@ impl Trainer {
             .with_context(|| format!("cannot open {} for writing", metrics.display()))
     }
 
+    /// A multi-process run (ranks meeting at a store, possibly on several nodes): every rank
+    /// writes its checkpoint shards into the output directory and rank 0 joins them, so the
+    /// directory must be one filesystem for all of them. Rank 0 writes a marker with a fresh
+    /// value there and publishes the value through the store; every rank reads the marker back
+    /// and the run stops at start-up, with that reason, when one cannot (instead of failing at
+    /// the first save). Thread ranks share the process's filesystem: nothing to check.
+    fn check_shared_out_dir(&self) -> AnyResult<()> {
+        let Some(store) = ferrolm_dist::env::world_store() else { return Ok(()) };
+        let marker = self.out_dir.join(SHARED_MARKER);
+        let rank = store.rank();
+        let seen = if rank == 0 {
+            let nanos = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0, |d| d.as_nanos());
+            let value = format!("{}-{nanos}", std::process::id());
+            write_atomic(&marker, value.as_bytes())
+                .map_err(anyhow::Error::from)
+                .and_then(|()| Ok(store.set(SHARED_MARKER_KEY, value.as_bytes())?))
+                .with_context(|| format!("cannot write the marker {}", marker.display()))
+        } else {
+            (|| -> AnyResult<()> {
+                let value = store.get(SHARED_MARKER_KEY).context("waiting for rank 0's marker value")?;
+                let not_shared = ": checkpoints of a multi-node run need a filesystem shared by all ranks (give every node the same --out on shared storage)";
+                match std::fs::read(&marker) {
+                    Ok(b) if b == value => Ok(()),
+                    Ok(_) => bail!(
+                        "rank {rank}: {} holds another run's marker, not the one rank 0 just wrote: the output directory {} is not the one rank 0 sees{not_shared}",
+                        marker.display(),
+                        self.out_dir.display()
+                    ),
+                    Err(e) => bail!(
+                        "rank {rank}: cannot read the marker {} that rank 0 wrote ({e}): the output directory {} is not shared with rank 0{not_shared}",
+                        marker.display(),
+                        self.out_dir.display()
+                    ),
+                }
+            })()
+        };
+        self.agree(seen.is_ok(), &format!("see the output directory {} that rank 0 prepared (it is not shared)", self.out_dir.display()))?;
+        seen?;
+        if rank == 0 {
+            // Every rank has read it (agree is a collective after the reads).
+            let _ = std::fs::remove_file(&marker);
+        }
+        Ok(())
+    }
+
     /// Trains to `opts.steps`, logging, evaluating and checkpointing on the way.
     pub fn run(&mut self) -> AnyResult<()> {
         // Rank 0 owns the output directory; the others wait until it is ready.
@@ -405,6 +455,7 @@ impl Trainer {
         let ready = log.as_ref().is_none_or(|r| r.is_ok());
         self.agree(ready, &format!("prepare the output directory {}", self.out_dir.display()))?;
         let mut log = log.take().transpose()?;
+        self.check_shared_out_dir()?;
         let mut write_line = |v: serde_json::Value| -> AnyResult<()> {
             match &mut log {
                 Some(log) => writeln!(log, "{v}").and_then(|()| log.flush()).context("cannot append to metrics.jsonl"),

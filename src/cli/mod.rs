@@ -189,7 +189,8 @@ pub const ENV_COMMON: &str = concat!(
 
 /// Environment variables of the tools that pick a device.
 pub const ENV_DEVICE: &str = concat!(
-    "  FERROLM_CUDA_EMULATOR  `1`: cuda:N is the CPU emulator of the CUDA backend (slow)\n",
+    "  FERROLM_CUDA_EMULATOR  `1`: cuda:N is the CPU emulator of the CUDA backend (slow); processes\n",
+    "                         started by a launcher then talk through the emulated NCCL\n",
     "  FERROLM_CUDA_POISON    `1`: fill new CUDA allocations with NaN (finds unset reads)\n",
     "  LD_LIBRARY_PATH        where the NVIDIA driver, cuBLAS(Lt), NVRTC and NCCL are found",
 );

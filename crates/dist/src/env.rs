@@ -37,7 +37,10 @@ pub const ENV_HELP: &str = concat!(
     "  TORCHELASTIC_USE_AGENT_STORE\n",
     "                         `True` (torchrun sets it): join the agent's store, do not serve one\n",
     "  SLURM_PROCID           under srun, with SLURM_NTASKS and SLURM_LOCALID: the ranks when RANK,\n",
-    "                         WORLD_SIZE, LOCAL_RANK are not set (OMPI_COMM_WORLD_* likewise)",
+    "                         WORLD_SIZE, LOCAL_RANK are not set (OMPI_COMM_WORLD_* likewise)\n",
+    "  FERROLM_COMM_TIMEOUT_S seconds ranks wait for each other (rendezvous, collectives) [default: 600]\n",
+    "  FERROLM_PREPARE_TIMEOUT\n",
+    "                         seconds the other ranks wait for rank 0 to prepare the run [default: 3600]",
 );
 
 /// Where the rank came from (for messages that name the variable).
@@ -308,14 +311,20 @@ pub fn init(env: Option<DistEnv>, options: CommOptions) -> Result<Arc<dyn Commun
     init_with_store(&env, store, backend, options)
 }
 
-/// The CUDA backend `init` uses: the process's GPU, initialised.
+/// Environment variable: `1` makes `cuda:N` the CPU emulator of the CUDA backend (read by the
+/// tools' `init_cuda`); a multi-process run then uses the emulated NCCL.
+pub const ENV_CUDA_EMULATOR: &str = "FERROLM_CUDA_EMULATOR";
+
+/// The CUDA backend `init` uses: the process's GPU, initialised. The emulated device is
+/// accepted when `FERROLM_CUDA_EMULATOR=1` (its communicator then uses the emulated NCCL).
 pub fn gpu_backend(env: &DistEnv) -> Result<Arc<CudaBackend>> {
-    CudaBackend::latest(env.cuda_ordinal).filter(|b| !b.is_emulated()).ok_or_else(|| {
+    let emulator = std::env::var(ENV_CUDA_EMULATOR).is_ok_and(|v| v == "1");
+    CudaBackend::latest(env.cuda_ordinal).filter(|b| !b.is_emulated() || emulator).ok_or_else(|| {
         Error::new(
             "dist init",
             format!(
-                "WORLD_SIZE={} describes a multi-process run, which needs NCCL on a GPU: initialise CUDA on {} first. \
-                 CPU runs use thread ranks in one process instead.",
+                "WORLD_SIZE={} describes a multi-process run, which needs NCCL on a GPU (or the CUDA emulator with \
+                 {ENV_CUDA_EMULATOR}=1): initialise CUDA on {} first. CPU runs use thread ranks in one process instead.",
                 env.world_size,
                 env.cuda_device()
             ),

@@ -19,11 +19,18 @@
 //! `Communicator::abort` posts a failure notice; so does a panic, once `report_panics_to_peers`
 //! is installed (`init` does it).
 //!
+//! On the emulated CUDA device (`FERROLM_CUDA_EMULATOR=1`) the same code drives the emulated
+//! NCCL (`nccl_lib::for_device`). That device has no streams or events yet: the communicator
+//! then has no stream of its own and passes NULL, so each collective runs at call time (in issue
+//! order, as NCCL orders one communicator's work) and its completion is a host flag set when the
+//! call returns; the watchdog watches that flag as it watches an event, and its abort unblocks a
+//! call that waits for a peer. Once the emulator has streams, `CommStream::Cuda` serves it too.
+//!
 //! `FERROLM_COMM_CHECK=1` checks every collective's arguments against rank 0's through the
 //! store (a round trip per collective: for debugging); without it, ranks that disagree get what
 //! NCCL does with mismatched calls.
 use crate::comm::{Collective, CommOptions, CommStats, Communicator, Completion, ReduceOp};
-use crate::nccl_lib::{self, nccl, NcclLib, RawComm, UniqueId};
+use crate::nccl_lib::{self, NcclLib, RawComm, UniqueId};
 use crate::store::Store;
 use ferrolm_cuda::{CudaBackend, CudaEvent, CudaStorage, CudaStream};
 use ferrolm_tensor::{bail, no_grad, DType, Device, Error, Result, Storage, Tensor};
@@ -53,7 +60,24 @@ struct InFlight {
     seq: u64,
     what: String,
     launched: Instant,
-    done: Arc<CudaEvent>,
+    done: Done,
+}
+
+/// When a collective has completed: an event on the communication stream, or (no stream: the
+/// call ran on the host) a flag set when the call returned.
+#[derive(Clone)]
+enum Done {
+    Event(Arc<CudaEvent>),
+    Host(Arc<AtomicBool>),
+}
+
+impl Done {
+    fn try_is_complete(&self) -> std::result::Result<bool, String> {
+        match self {
+            Done::Event(e) => e.try_is_complete().map_err(|e| format!("{e:?}")),
+            Done::Host(f) => Ok(f.load(Ordering::Acquire)),
+        }
+    }
 }
 
 struct Shared {
@@ -65,7 +89,9 @@ struct Shared {
     world_ranks: Vec<usize>,
     timeout: Duration,
     backend: Arc<CudaBackend>,
-    stream: Arc<CudaStream>,
+    /// The communication stream; `None` on the emulated device until it has streams (NULL is
+    /// passed: collectives run at call time).
+    stream: Option<Arc<CudaStream>>,
     store: Arc<Store>,
     /// Next sequence number; held across each NCCL call.
     launch: Mutex<u64>,
@@ -98,10 +124,8 @@ impl NcclComm {
         backend: Arc<CudaBackend>,
         options: CommOptions,
     ) -> Result<Arc<NcclComm>> {
-        let lib = nccl()?;
-        if backend.is_emulated() {
-            bail!("nccl", "NCCL needs a real GPU; the emulated CUDA backend has no streams");
-        }
+        // The emulated NCCL for the emulated device, real NCCL on a GPU.
+        let lib = nccl_lib::for_device(backend.is_emulated())?;
         let mut id = UniqueId { internal: [0; 128] };
         if rank == 0 {
             // SAFETY: writes the 128-byte id.
@@ -115,7 +139,7 @@ impl NcclComm {
             id.internal.copy_from_slice(&v);
         }
         store.barrier("nccl/world/init")?;
-        backend.context()?.bind_to_thread().map_err(cuda_err("nccl"))?;
+        bind(&backend)?;
         let mut comm: RawComm = std::ptr::null_mut();
         // SAFETY: every rank passes the same id and world size and its own rank.
         lib.check("ncclCommInitRank", unsafe { (lib.comm_init_rank)(&mut comm, world_size as i32, id, rank as i32) })?;
@@ -136,7 +160,7 @@ impl NcclComm {
         backend: Arc<CudaBackend>,
         timeout: Duration,
     ) -> Result<Arc<NcclComm>> {
-        let stream = backend.new_stream()?;
+        let stream = if backend.is_emulated() { None } else { Some(backend.new_stream()?) };
         let s = Arc::new(Shared {
             lib,
             comm,
@@ -163,6 +187,12 @@ impl NcclComm {
             .map_err(|e| Error::new("nccl", format!("cannot start the watchdog thread: {e}")))?;
         Ok(Arc::new(NcclComm { s }))
     }
+}
+
+/// Makes the device's context current on this thread (NCCL calls need it on a GPU; the
+/// emulated device has none).
+fn bind(backend: &CudaBackend) -> Result<()> {
+    backend.bind_to_thread()
 }
 
 impl Shared {
@@ -218,7 +248,7 @@ impl Shared {
 impl Drop for Shared {
     fn drop(&mut self) {
         if !self.aborted.load(Ordering::Acquire) {
-            let _ = self.backend.context().map(|c| c.bind_to_thread());
+            let _ = bind(&self.backend);
             // SAFETY: no call on this communicator can be running: it is being dropped.
             let _ = unsafe { (self.lib.comm_destroy)(self.comm.0) };
         }
@@ -234,7 +264,7 @@ fn watchdog(weak: Weak<Shared>) {
             return;
         }
         // Event queries need the device's context current on this thread.
-        let _ = s.backend.context().map(|c| c.bind_to_thread());
+        let _ = bind(&s.backend);
         let mut reason = None;
         let mut oldest = Duration::ZERO;
         {
@@ -257,7 +287,7 @@ fn watchdog(weak: Weak<Shared>) {
                         break;
                     }
                     Err(e) => {
-                        reason = Some(format!("{}: CUDA error on the communication stream: {e:?}", s.context(f.seq, &f.what)));
+                        reason = Some(format!("{}: CUDA error on the communication stream: {e}", s.context(f.seq, &f.what)));
                         break;
                     }
                 }
@@ -340,13 +370,17 @@ fn nccl_op(op: ReduceOp) -> i32 {
 struct Buffers {
     out: Option<CudaStorage>,
     input: Option<Tensor>,
-    done: Arc<CudaEvent>,
-    compute: Arc<CudaStream>,
+    done: Done,
+    /// `None` without a communication stream (the collective has run when the call returned).
+    compute: Option<Arc<CudaStream>>,
 }
 
 impl Buffers {
     fn order_compute(&self) -> Result<()> {
-        self.compute.wait(&self.done).map_err(cuda_err("nccl"))
+        match (&self.compute, &self.done) {
+            (Some(c), Done::Event(e)) => c.wait(e).map_err(cuda_err("nccl")),
+            _ => Ok(()),
+        }
     }
 }
 
@@ -395,7 +429,10 @@ impl Communicator for NcclComm {
         // Reading the storage settles a pending input: its own fill orders the compute stream.
         let in_ptr = x.with_storage(|(st, l)| Ok(CudaStorage::of(&what, st)?.ptr_at(l.offset)))?;
         let out_ptr = out.device_ptr();
-        let compute = s.backend.compute_stream()?.clone();
+        let compute = match s.stream {
+            Some(_) => Some(s.backend.compute_stream()?.clone()),
+            None => None,
+        };
 
         let mut next = lock(&s.launch);
         let seq = *next;
@@ -403,10 +440,22 @@ impl Communicator for NcclComm {
         if s.check_args {
             s.check_agreement(seq, &format!("{what} of {:?} {dtype}", x.dims()))?;
         }
-        s.backend.bind_to_thread()?;
-        let ready = s.backend.record_event(&compute)?;
-        s.stream.wait(&ready).map_err(cuda_err("nccl"))?;
-        let (send, recv, st) = (in_ptr as *const c_void, out_ptr as *mut c_void, s.stream.cu_stream() as *mut c_void);
+        bind(&s.backend)?;
+        let (send, recv) = (in_ptr as *const c_void, out_ptr as *mut c_void);
+        let (st, host_done) = match (&s.stream, &compute) {
+            (Some(stream), Some(compute)) => {
+                let ready = s.backend.record_event(compute)?;
+                stream.wait(&ready).map_err(cuda_err("nccl"))?;
+                (stream.cu_stream() as *mut c_void, None)
+            }
+            _ => {
+                // No stream: the call itself runs the collective, and may wait for a peer; the
+                // watchdog sees it in flight from now on.
+                let flag = Arc::new(AtomicBool::new(false));
+                lock(&s.inflight).push_back(InFlight { seq, what: what.clone(), launched: Instant::now(), done: Done::Host(flag.clone()) });
+                (std::ptr::null_mut(), Some(flag))
+            }
+        };
         let lib = s.lib;
         let c = s.comm.0;
         if x.numel() > 0 {
@@ -421,17 +470,30 @@ impl Communicator for NcclComm {
                     Collective::Broadcast { root } => (lib.broadcast)(send, recv, x.numel(), dt, root as i32, c, st),
                 }
             };
+            if let Some(f) = &host_done {
+                f.store(true, Ordering::Release);
+            }
             if let Err(e) = lib.check(&what, r) {
-                let msg = format!("{}: {e}", s.context(seq, &what));
+                // The context names the operation already.
+                let msg = format!("{}: {}", s.context(seq, &what), e.msg);
                 s.fail(msg.clone(), true);
-                bail!(s.context(seq, &what), "{e}");
+                bail!(s.context(seq, &what), "{}", e.msg);
             }
         }
-        let done = Arc::new(s.backend.record_event(&s.stream)?);
+        let done = match (&s.stream, host_done) {
+            (Some(stream), _) => Done::Event(Arc::new(s.backend.record_event(stream)?)),
+            (None, f) => {
+                let f = f.unwrap_or_default();
+                f.store(true, Ordering::Release);
+                Done::Host(f)
+            }
+        };
         *next += 1;
         drop(next);
         lock(&s.stats).record(op, n, s.rank, x.numel() * dtype.size_in_bytes());
-        lock(&s.inflight).push_back(InFlight { seq, what: what.clone(), launched: Instant::now(), done: done.clone() });
+        if let Done::Event(_) = done {
+            lock(&s.inflight).push_back(InFlight { seq, what: what.clone(), launched: Instant::now(), done: done.clone() });
+        }
 
         let bufs = Buffers { out: Some(out), input: Some(x), done: done.clone(), compute };
         let shared = self.s.clone();
@@ -445,8 +507,11 @@ impl Communicator for NcclComm {
         };
         let backend = s.backend.clone();
         let poll = move || {
-            let _ = backend.bind_to_thread();
-            done.is_complete()
+            let _ = bind(&backend);
+            match &done {
+                Done::Event(e) => e.is_complete(),
+                Done::Host(f) => f.load(Ordering::Acquire),
+            }
         };
         Ok(Completion::new(shape, dtype, device, wait, poll))
     }
@@ -482,7 +547,7 @@ impl Communicator for NcclComm {
         members.sort();
         let new_rank = members.iter().position(|&(_, p)| p == s.rank).expect("own record");
         let world_ranks = members.iter().map(|&(_, p)| s.world_ranks[p]).collect();
-        s.backend.context()?.bind_to_thread().map_err(cuda_err("nccl"))?;
+        bind(&s.backend)?;
         let mut comm: RawComm = std::ptr::null_mut();
         {
             let _serial = lock(&s.launch);
