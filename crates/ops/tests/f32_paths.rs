@@ -48,7 +48,7 @@ fn f32_fused_ops_match_f64() {
     check("attention", &ins, |x| causal_attention(&x[0], &x[1], &x[2], 0.3));
     // Rows of 1000 classes (16-lane sums with a tail), 70 rows, logits spread to +-12.
     let logits = randn(&[70, 1000], g).mul_scalar(4.0).unwrap();
-    let t: Vec<i32> = (0..70).map(|i| (i * 131 % 1000) as i32).collect();
+    let t: Vec<i32> = (0..70).map(|i| i * 131 % 1000).collect();
     let t = Tensor::from_vec(t, [70], Device::Cpu).unwrap();
     check("cross_entropy", &[logits], |x| cross_entropy(&x[0], &t, -100));
     // 40000 elements: the parallel path, and gate values deep in both tails of the sigmoid.

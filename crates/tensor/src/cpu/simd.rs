@@ -48,7 +48,7 @@ pub fn exp_f32(x: f32) -> f32 {
     let xc = x.clamp(LO, HI);
     let n = (xc * LOG2E + ROUND) - ROUND;
     let r = (xc - n * LN2_HI) - n * LN2_LO;
-    let p = ((((1.987_569_1e-4 * r + 1.398_199_9e-3) * r + 8.333_452e-3) * r + 4.166_579_6e-2) * r + 1.666_666_5e-1) * r + 5.000_000_1e-1;
+    let p = ((((1.987_569_1e-4 * r + 1.398_199_9e-3) * r + 8.333_452e-3) * r + 4.166_579_6e-2) * r + 1.666_666_5e-1) * r + 0.5;
     let e = (p * r * r + r) + 1.0;
     // n is in [-126, 128]: 2^n as 2^h * 2^(n-h), h = n/2, both normal floats (exact products).
     let ni = n as i32;
