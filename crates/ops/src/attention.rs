@@ -75,10 +75,14 @@ pub fn backward(dout: Sl, q: Sl, k: Sl, v: Sl, out: Sl, lse: Sl, dims: AttnDims,
 
 mod cpu {
     //! The reference: forward parallel over (batch, query head), backward over (batch, kv head)
-    //! with the group's query heads visited in order.
+    //! with the group's query heads visited in order. K and V are read in place (GQA); each task
+    //! transposes its K (and V) once so that a row of scores is computed as axpys over
+    //! contiguous memory, which vectorise (`multiversion!`) without changing the order of any
+    //! sum; `exp` is the vectorisable `FastExp`.
     use super::*;
+    use ferrolm_tensor::cpu::simd::{axpy, FastExp};
     use ferrolm_tensor::cpu::Stat;
-    use ferrolm_tensor::float_dispatch;
+    use ferrolm_tensor::{float_dispatch, multiversion};
     use num_traits::Float;
     use rayon::prelude::*;
 
@@ -124,8 +128,60 @@ mod cpu {
         a.iter().zip(b).fold(T::zero(), |s, (&x, &y)| s + x * y)
     }
 
+    /// The (t, d) rows of `m` as a (d, t) matrix, so that a row of scores is a sum of axpys over
+    /// contiguous columns (vectorised) while each score still sums its d products in order.
+    #[inline(always)]
+    fn transpose<T: Float>(m: &[T], t: usize, d: usize, out: &mut Vec<T>) {
+        out.clear();
+        out.resize(t * d, T::zero());
+        for (j, row) in m.chunks_exact(d).enumerate() {
+            for (x, &v) in row.iter().enumerate() {
+                out[x * t + j] = v;
+            }
+        }
+    }
+
+    /// s[j] = sum over x in order of a[x] * bt[x][j], j < s.len(): the dots of `a` with the
+    /// first s.len() rows of the matrix whose transpose (d, t) is `bt`.
+    #[inline(always)]
+    fn dots_t<T: Float>(s: &mut [T], a: &[T], bt: &[T], t: usize) {
+        let n = s.len();
+        s.fill(T::zero());
+        for (x, &ax) in a.iter().enumerate() {
+            axpy(s, ax, &bt[x * t..x * t + n]);
+        }
+    }
+
+    multiversion! {
+    /// One (batch, query head): o and lse of its t rows.
+    fn attention_head[T: FastExp](qh: &[T], kh: &[T], vh: &[T], t: usize, d: usize, sc: T, o: &mut [T], lse: &mut [T]) {
+        let (mut kt, mut s) = (Vec::new(), vec![T::zero(); t]);
+        transpose(kh, t, d, &mut kt);
+        for i in 0..t {
+            let s = &mut s[..=i];
+            dots_t(s, &qh[i * d..(i + 1) * d], &kt, t);
+            let mut m = T::neg_infinity();
+            for v in s.iter_mut() {
+                *v = *v * sc;
+                m = m.max(*v);
+            }
+            for v in s.iter_mut() {
+                *v = (*v - m).fast_exp();
+            }
+            let l = s.iter().fold(T::zero(), |a, &p| a + p);
+            let oi = &mut o[i * d..(i + 1) * d];
+            oi.fill(T::zero());
+            for (j, &p) in s.iter().enumerate() {
+                axpy(oi, p, &vh[j * d..(j + 1) * d]);
+            }
+            oi.iter_mut().for_each(|x| *x = *x / l);
+            lse[i] = m + l.ln();
+        }
+    }
+    }
+
     /// -> (o (b, hq, t, d), lse (b, hq, t))
-    fn attention<T: Float + Send + Sync>(q: &[T], k: &[T], v: &[T], a: AttnDims, scale: f64) -> (Vec<T>, Stat<Vec<T>>) {
+    fn attention<T: FastExp + Send + Sync>(q: &[T], k: &[T], v: &[T], a: AttnDims, scale: f64) -> (Vec<T>, Stat<Vec<T>>) {
         let (t, d, group) = (a.t, a.d, a.hq / a.hkv);
         let sc: T = num(scale);
         let mut o = vec![T::zero(); q.len()];
@@ -134,34 +190,62 @@ mod cpu {
             let (b, h) = (bh / a.hq, bh % a.hq);
             let kv = (b * a.hkv + h / group) * t * d;
             let (qh, kh, vh) = (&q[bh * t * d..(bh + 1) * t * d], &k[kv..kv + t * d], &v[kv..kv + t * d]);
-            let mut s = vec![T::zero(); t];
-            for i in 0..t {
-                let qi = &qh[i * d..(i + 1) * d];
-                let mut m = T::neg_infinity();
-                for j in 0..=i {
-                    s[j] = dot(qi, &kh[j * d..(j + 1) * d]) * sc;
-                    m = m.max(s[j]);
-                }
-                let mut l = T::zero();
-                let oi = &mut o[i * d..(i + 1) * d];
-                for j in 0..=i {
-                    let p = (s[j] - m).exp();
-                    l = l + p;
-                    for (x, &vv) in oi.iter_mut().zip(&vh[j * d..(j + 1) * d]) {
-                        *x = *x + p * vv;
-                    }
-                }
-                oi.iter_mut().for_each(|x| *x = *x / l);
-                lse[i] = m + l.ln();
-            }
+            attention_head(qh, kh, vh, t, d, sc, o, lse);
         });
         (o, Stat(lse))
+    }
+
+    /// The inputs of one kv head's backward: its k, v (t, d), and for each of its query heads
+    /// q, dO, O (t, d) and lse (t) one after the other.
+    struct KvGroup<'a, T> {
+        k: &'a [T],
+        v: &'a [T],
+        q: &'a [T],
+        dout: &'a [T],
+        o: &'a [T],
+        lse: &'a [T],
+    }
+
+    multiversion! {
+    /// One kv head: dq of its query heads, its dk and dv (accumulated over the query heads in
+    /// order, then rows in order).
+    fn attention_head_backward[T: FastExp](x: KvGroup<T>, group: usize, t: usize, d: usize, sc: T, dqg: &mut [T], dk: &mut [T], dv: &mut [T]) {
+        let (mut kt, mut vt) = (Vec::new(), Vec::new());
+        transpose(x.k, t, d, &mut kt);
+        transpose(x.v, t, d, &mut vt);
+        let (mut p, mut ds) = (vec![T::zero(); t], vec![T::zero(); t]);
+        for g in 0..group {
+            let base = g * t * d;
+            let dqh = &mut dqg[base..base + t * d];
+            for i in 0..t {
+                let r = base + i * d..base + (i + 1) * d;
+                let (qi, doi) = (&x.q[r.clone()], &x.dout[r.clone()]);
+                let di = dot(doi, &x.o[r]);
+                let l = x.lse[g * t + i];
+                let (p, ds) = (&mut p[..=i], &mut ds[..=i]);
+                dots_t(p, qi, &kt, t);
+                for v in p.iter_mut() {
+                    *v = (*v * sc - l).fast_exp();
+                }
+                dots_t(ds, doi, &vt, t);
+                for (s, &pj) in ds.iter_mut().zip(p.iter()) {
+                    *s = pj * (*s - di) * sc;
+                }
+                let dqi = &mut dqh[i * d..(i + 1) * d];
+                for j in 0..=i {
+                    axpy(dqi, ds[j], &x.k[j * d..(j + 1) * d]);
+                    axpy(&mut dk[j * d..(j + 1) * d], ds[j], qi);
+                    axpy(&mut dv[j * d..(j + 1) * d], p[j], doi);
+                }
+            }
+        }
+    }
     }
 
     /// -> (dq, dk, dv). The query heads of one kv head are contiguous, so a task owns the dq
     /// rows of its group and the dk/dv rows of its kv head.
     #[allow(clippy::too_many_arguments)]
-    fn attention_backward<T: Float + Send + Sync>(
+    fn attention_backward<T: FastExp + Send + Sync>(
         dout: &[T],
         q: &[T],
         k: &[T],
@@ -176,36 +260,18 @@ mod cpu {
         let mut dq = vec![T::zero(); q.len()];
         let mut dk = vec![T::zero(); k.len()];
         let mut dv = vec![T::zero(); v.len()];
-        dq.par_chunks_mut(group * t * d).zip(dk.par_chunks_mut(t * d).zip(dv.par_chunks_mut(t * d))).enumerate().for_each(
-            |(bkv, (dqg, (dk, dv)))| {
-                let (kh, vh) = (&k[bkv * t * d..(bkv + 1) * t * d], &v[bkv * t * d..(bkv + 1) * t * d]);
-                let mut p = vec![T::zero(); t];
-                for g in 0..group {
-                    let bh = bkv * group + g;
-                    let base = bh * t * d;
-                    let dqh = &mut dqg[g * t * d..(g + 1) * t * d];
-                    for i in 0..t {
-                        let qi = &q[base + i * d..base + (i + 1) * d];
-                        let doi = &dout[base + i * d..base + (i + 1) * d];
-                        let di = dot(doi, &o[base + i * d..base + (i + 1) * d]);
-                        let l = lse[bh * t + i];
-                        for j in 0..=i {
-                            p[j] = (dot(qi, &kh[j * d..(j + 1) * d]) * sc - l).exp();
-                        }
-                        for j in 0..=i {
-                            let dp = dot(doi, &vh[j * d..(j + 1) * d]);
-                            let ds = p[j] * (dp - di) * sc;
-                            let (kj, dkj, dvj) = (&kh[j * d..(j + 1) * d], &mut dk[j * d..(j + 1) * d], &mut dv[j * d..(j + 1) * d]);
-                            for x in 0..d {
-                                dqh[i * d + x] = dqh[i * d + x] + ds * kj[x];
-                                dkj[x] = dkj[x] + ds * qi[x];
-                                dvj[x] = dvj[x] + p[j] * doi[x];
-                            }
-                        }
-                    }
-                }
-            },
-        );
+        let (hd, gd) = (t * d, group * t * d);
+        dq.par_chunks_mut(gd).zip(dk.par_chunks_mut(hd).zip(dv.par_chunks_mut(hd))).enumerate().for_each(|(bkv, (dqg, (dk, dv)))| {
+            let x = KvGroup {
+                k: &k[bkv * hd..(bkv + 1) * hd],
+                v: &v[bkv * hd..(bkv + 1) * hd],
+                q: &q[bkv * gd..(bkv + 1) * gd],
+                dout: &dout[bkv * gd..(bkv + 1) * gd],
+                o: &o[bkv * gd..(bkv + 1) * gd],
+                lse: &lse[bkv * group * t..(bkv + 1) * group * t],
+            };
+            attention_head_backward(x, group, t, d, sc, dqg, dk, dv);
+        });
         (dq, dk, dv)
     }
 }

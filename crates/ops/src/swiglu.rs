@@ -38,10 +38,10 @@ pub fn backward(dy: Sl, gate: Sl, up: Sl) -> Result<(Storage, Storage)> {
 }
 
 mod cpu {
-    //! The reference, element-wise in parallel.
+    //! The reference, element-wise in parallel, vectorised (`multiversion!`, `FastExp`).
     use super::*;
-    use ferrolm_tensor::float_dispatch;
-    use num_traits::Float;
+    use ferrolm_tensor::cpu::simd::FastExp;
+    use ferrolm_tensor::{float_dispatch, multiversion};
     use rayon::prelude::*;
 
     pub(super) fn forward(g: Sl, u: Sl) -> Result<Storage> {
@@ -56,24 +56,44 @@ mod cpu {
         Ok(float_dispatch!("swiglu_backward", g.0.dtype(), [dy, g, u], swiglu_backward(&dy[od..od + n], &g[og..og + n], &u[ou..ou + n])))
     }
 
-    fn sigmoid<T: Float>(v: T) -> T {
-        T::one() / (T::one() + (-v).exp())
+    /// Elements per parallel task: a few pages, so every core gets work and the vector loop
+    /// inside runs long.
+    const GRAIN: usize = 1 << 12;
+
+    #[inline(always)]
+    fn sigmoid<T: FastExp>(v: T) -> T {
+        T::one() / (T::one() + (-v).fast_exp())
     }
 
-    fn swiglu<T: Float + Send + Sync>(g: &[T], u: &[T]) -> Vec<T> {
-        g.par_iter().zip(u.par_iter()).map(|(&g, &u)| g * sigmoid(g) * u).collect()
+    multiversion! {
+        fn forward_chunk[T: FastExp](y: &mut [T], g: &[T], u: &[T]) {
+            for ((y, &g), &u) in y.iter_mut().zip(g).zip(u) {
+                *y = g * sigmoid(g) * u;
+            }
+        }
     }
 
-    fn swiglu_backward<T: Float + Send + Sync>(dy: &[T], g: &[T], u: &[T]) -> (Vec<T>, Vec<T>) {
-        let dg = dy
-            .par_iter()
-            .zip(g.par_iter().zip(u.par_iter()))
-            .map(|(&dy, (&g, &u))| {
+    multiversion! {
+        fn backward_chunk[T: FastExp](dg: &mut [T], du: &mut [T], dy: &[T], g: &[T], u: &[T]) {
+            for ((((dg, du), &dy), &g), &u) in dg.iter_mut().zip(du.iter_mut()).zip(dy).zip(g).zip(u) {
                 let s = sigmoid(g);
-                dy * u * s * (T::one() + g * (T::one() - s))
-            })
-            .collect();
-        let du = dy.par_iter().zip(g.par_iter()).map(|(&dy, &g)| dy * g * sigmoid(g)).collect();
+                *dg = dy * u * s * (T::one() + g * (T::one() - s));
+                *du = dy * g * s;
+            }
+        }
+    }
+
+    fn swiglu<T: FastExp + Send + Sync>(g: &[T], u: &[T]) -> Vec<T> {
+        let mut y = vec![T::zero(); g.len()];
+        y.par_chunks_mut(GRAIN).zip(g.par_chunks(GRAIN).zip(u.par_chunks(GRAIN))).for_each(|(y, (g, u))| forward_chunk(y, g, u));
+        y
+    }
+
+    fn swiglu_backward<T: FastExp + Send + Sync>(dy: &[T], g: &[T], u: &[T]) -> (Vec<T>, Vec<T>) {
+        let (mut dg, mut du) = (vec![T::zero(); g.len()], vec![T::zero(); g.len()]);
+        let outs = dg.par_chunks_mut(GRAIN).zip(du.par_chunks_mut(GRAIN));
+        outs.zip(dy.par_chunks(GRAIN).zip(g.par_chunks(GRAIN).zip(u.par_chunks(GRAIN))))
+            .for_each(|((dg, du), (dy, (g, u)))| backward_chunk(dg, du, dy, g, u));
         (dg, du)
     }
 }

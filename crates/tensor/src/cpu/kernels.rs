@@ -1,4 +1,5 @@
 //! Generic strided CPU kernels: element-wise, reductions, GEMM, concatenation.
+use super::simd::FastExp;
 use crate::backend::{BinaryOp, ReduceOp, UnaryOp};
 use crate::Layout;
 use num_traits::Float;
@@ -9,14 +10,31 @@ const PAR_MIN: usize = 1 << 15;
 /// Elements per parallel task on strided walks.
 const CHUNK: usize = 1 << 13;
 
+/// Elements per parallel task on contiguous element-wise work.
+const GRAIN: usize = 1 << 12;
+
+crate::multiversion! {
+    fn map_into[T: Float, F: Fn(T) -> T](y: &mut [T], x: &[T], f: &F) {
+        for (o, &v) in y.iter_mut().zip(x) {
+            *o = f(v);
+        }
+    }
+}
+
+/// y = f(x) over contiguous slices, in parallel above PAR_MIN, each task's loop vectorised.
+fn map_contiguous<T: Float + Send + Sync>(x: &[T], f: impl Fn(T) -> T + Sync) -> Vec<T> {
+    let mut y = vec![T::zero(); x.len()];
+    if x.len() >= PAR_MIN {
+        y.par_chunks_mut(GRAIN).zip(x.par_chunks(GRAIN)).for_each(|(y, x)| map_into(y, x, &f));
+    } else {
+        map_into(&mut y, x, &f);
+    }
+    y
+}
+
 fn map_view<T: Float + Send + Sync>(x: &[T], l: &Layout, f: impl Fn(T) -> T + Sync) -> Vec<T> {
     if l.is_contiguous() {
-        let s = &x[l.offset..l.offset + l.numel()];
-        if s.len() >= PAR_MIN {
-            s.par_iter().map(|&v| f(v)).collect()
-        } else {
-            s.iter().map(|&v| f(v)).collect()
-        }
+        map_contiguous(&x[l.offset..l.offset + l.numel()], f)
     } else if l.numel() >= PAR_MIN {
         let mut out = vec![T::zero(); l.numel()];
         out.par_chunks_mut(CHUNK).enumerate().for_each(|(c, o)| {
@@ -31,19 +49,19 @@ fn map_view<T: Float + Send + Sync>(x: &[T], l: &Layout, f: impl Fn(T) -> T + Sy
     }
 }
 
-pub fn unary<T: Float + Send + Sync>(op: UnaryOp, x: &[T], l: &Layout) -> Vec<T> {
+pub fn unary<T: FastExp + Send + Sync>(op: UnaryOp, x: &[T], l: &Layout) -> Vec<T> {
     let c = |v: f64| T::from(v).unwrap();
     match op {
         UnaryOp::Neg => map_view(x, l, |v| -v),
-        UnaryOp::Exp => map_view(x, l, |v| v.exp()),
+        UnaryOp::Exp => map_view(x, l, |v| v.fast_exp()),
         UnaryOp::Log => map_view(x, l, |v| v.ln()),
         UnaryOp::Sqrt => map_view(x, l, |v| v.sqrt()),
         UnaryOp::Rsqrt => map_view(x, l, |v| v.sqrt().recip()),
         UnaryOp::Recip => map_view(x, l, |v| v.recip()),
         UnaryOp::Sqr => map_view(x, l, |v| v * v),
-        UnaryOp::Silu => map_view(x, l, |v| v / (T::one() + (-v).exp())),
+        UnaryOp::Silu => map_view(x, l, |v| v / (T::one() + (-v).fast_exp())),
         UnaryOp::SiluGrad => map_view(x, l, |v| {
-            let s = T::one() / (T::one() + (-v).exp());
+            let s = T::one() / (T::one() + (-v).fast_exp());
             s * (T::one() + v * (T::one() - s))
         }),
         UnaryOp::Powf(p) => {
@@ -57,6 +75,7 @@ pub fn unary<T: Float + Send + Sync>(op: UnaryOp, x: &[T], l: &Layout) -> Vec<T>
     }
 }
 
+#[inline(always)]
 fn apply<T: Float>(op: BinaryOp, a: T, b: T) -> T {
     match op {
         BinaryOp::Add => a + b,
@@ -73,14 +92,37 @@ fn apply<T: Float>(op: BinaryOp, a: T, b: T) -> T {
     }
 }
 
+#[inline(always)]
+fn zip_into<T: Float>(o: &mut [T], a: &[T], b: &[T], f: impl Fn(T, T) -> T) {
+    for ((o, &x), &y) in o.iter_mut().zip(a).zip(b) {
+        *o = f(x, y);
+    }
+}
+
+crate::multiversion! {
+    /// o = a op b on contiguous slices; one loop per op (the match outside it), so each vectorises.
+    fn binary_into[T: Float](op: BinaryOp, o: &mut [T], a: &[T], b: &[T]) {
+        match op {
+            BinaryOp::Add => zip_into(o, a, b, |x, y| x + y),
+            BinaryOp::Sub => zip_into(o, a, b, |x, y| x - y),
+            BinaryOp::Mul => zip_into(o, a, b, |x, y| x * y),
+            BinaryOp::Div => zip_into(o, a, b, |x, y| x / y),
+            BinaryOp::Eq => zip_into(o, a, b, |x, y| apply(BinaryOp::Eq, x, y)),
+        }
+    }
+}
+
 pub fn binary<T: Float + Send + Sync>(op: BinaryOp, a: &[T], la: &Layout, b: &[T], lb: &Layout) -> Vec<T> {
     let n = la.numel();
     if la.is_contiguous() && lb.is_contiguous() {
         let (a, b) = (&a[la.offset..la.offset + n], &b[lb.offset..lb.offset + n]);
+        let mut out = vec![T::zero(); n];
         if n >= PAR_MIN {
-            return a.par_iter().zip(b.par_iter()).map(|(&x, &y)| apply(op, x, y)).collect();
+            out.par_chunks_mut(GRAIN).zip(a.par_chunks(GRAIN).zip(b.par_chunks(GRAIN))).for_each(|(o, (a, b))| binary_into(op, o, a, b));
+        } else {
+            binary_into(op, &mut out, a, b);
         }
-        return a.iter().zip(b).map(|(&x, &y)| apply(op, x, y)).collect();
+        return out;
     }
     // Broadcast or strided operands: walk both views; large outputs in parallel chunks.
     if n < PAR_MIN {
@@ -207,6 +249,32 @@ macro_rules! matmul_impl {
     };
 }
 matmul_impl!(matmul_f32, f32, matrixmultiply::sgemm);
+
+/// bf16 a (..., m, k) · b (..., k, n) -> f32 (..., m, n) on AVX512-BF16 (`gemm_bf16`); the
+/// caller checked `gemm_bf16::available()`. Extents are checked as in `matmul_f32`.
+pub fn matmul_bf16(a: &[half::bf16], la: &Layout, b: &[half::bf16], lb: &Layout) -> crate::Result<Vec<f32>> {
+    use super::gemm_bf16::{gemm, View};
+    let r = la.shape.rank();
+    if r < 2 || lb.shape.rank() != r || la.shape.0[r - 1] != lb.shape.0[r - 2] {
+        crate::bail!("matmul", "shapes {:?} and {:?} do not multiply", la.shape, lb.shape);
+    }
+    let (m, k, n) = (la.shape.0[r - 2], la.shape.0[r - 1], lb.shape.0[r - 1]);
+    let (oa, ob) = (batch_offsets(la), batch_offsets(lb));
+    if oa.len() != ob.len() {
+        crate::bail!("matmul", "batch dims differ: {:?} and {:?}", la.shape, lb.shape);
+    }
+    let mut out = vec![0f32; oa.len() * m * n];
+    if m == 0 || n == 0 || k == 0 {
+        return Ok(out);
+    }
+    let (rsa, csa, rsb, csb) = (la.strides[r - 2], la.strides[r - 1], lb.strides[r - 2], lb.strides[r - 1]);
+    for (c, (&pa, &pb)) in out.chunks_mut(m * n).zip(oa.iter().zip(&ob)) {
+        check_extent("matmul", a.len(), pa, m, k, rsa, csa)?;
+        check_extent("matmul", b.len(), pb, k, n, rsb, csb)?;
+        gemm(m, k, n, View { data: a, off: pa, rs: rsa, cs: csa }, View { data: b, off: pb, rs: rsb, cs: csb }, c);
+    }
+    Ok(out)
+}
 matmul_impl!(matmul_f64, f64, matrixmultiply::dgemm);
 
 /// Concatenates contiguous parts of the given shapes along `dim`.

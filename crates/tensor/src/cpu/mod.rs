@@ -1,11 +1,15 @@
 //! The CPU backend: the reference every other backend is checked against. Float kernels are
-//! generic over f32/f64; bf16 inputs are widened to f32, computed, and rounded back once.
+//! generic over f32/f64; bf16 inputs are widened to f32, computed, and rounded back once (the
+//! GEMM reads bf16 directly on AVX512-BF16: `gemm_bf16`). `simd` compiles the hot loops for the
+//! vector unit found at run time.
 //!
 //! The helpers below are public for the CPU forms of ops defined outside this crate (the fused
 //! ops of the ops crate): `float_dispatch!` runs a generic kernel in the working precision of a
 //! dtype and turns its result back into storage (`Finish`, `Stat`); `gather` and `i32s` read
 //! views and ids.
+pub mod gemm_bf16;
 mod kernels;
+pub mod simd;
 
 use crate::backend::{Backend, BinaryOp, ReduceOp, Sl, UnaryOp};
 use crate::{bail, CpuStorage, DType, Device, Layout, Result, Storage};
@@ -138,13 +142,34 @@ pub(crate) fn sum_squares(x: Sl) -> Result<f64> {
     })
 }
 
-/// The elements of the view `l` of `v`, in row-major order.
+/// The elements of the view `l` of `v`, in row-major order. Views whose last dim is contiguous
+/// (a permute of the leading dims: heads split or merged) are copied a row at a time.
 pub fn gather<T: Copy + Send + Sync>(v: &[T], l: &Layout) -> Vec<T> {
     const PAR_MIN: usize = 1 << 15;
     const CHUNK: usize = 1 << 13;
+    const MIN_ROW: usize = 8;
     let n = l.numel();
+    let r = l.shape.rank();
     if l.is_contiguous() {
         v[l.offset..l.offset + n].to_vec()
+    } else if n > 0 && r >= 2 && l.strides[r - 1] == 1 && l.shape.0[r - 1] >= MIN_ROW {
+        let w = l.shape.0[r - 1];
+        let rows = Layout { shape: l.shape.0[..r - 1].to_vec().into(), strides: l.strides[..r - 1].to_vec(), offset: l.offset };
+        let mut out = vec![v[l.offset]; n];
+        let copy_rows = |o: &mut [T], first_row: usize| {
+            let idx = rows.indices_range(first_row, o.len() / w);
+            for (o, i) in o.chunks_exact_mut(w).zip(idx) {
+                o.copy_from_slice(&v[i..i + w]);
+            }
+        };
+        if n >= PAR_MIN {
+            use rayon::prelude::*;
+            let per = CHUNK.div_ceil(w);
+            out.par_chunks_mut(per * w).enumerate().for_each(|(c, o)| copy_rows(o, c * per));
+        } else {
+            copy_rows(&mut out, 0);
+        }
+        out
     } else if n >= PAR_MIN {
         use rayon::prelude::*;
         let mut out = vec![v[l.offset]; n];
@@ -222,6 +247,10 @@ impl Backend for CpuBackend {
         if dt == DType::F64 {
             let (a, b) = (f64s("matmul", a.0)?, f64s("matmul", b.0)?);
             Ok(kernels::matmul_f64(&a, la, &b, lb)?.finish(dt))
+        } else if let (DType::BF16, true, CpuStorage::BF16(av), CpuStorage::BF16(bv)) =
+            (dt, gemm_bf16::available(), cpu("matmul", a.0)?, cpu("matmul", b.0)?)
+        {
+            Ok(kernels::matmul_bf16(av, la, bv, lb)?.finish(dt))
         } else {
             let (a, b) = (f32s("matmul", a.0)?, f32s("matmul", b.0)?);
             Ok(kernels::matmul_f32(&a, la, &b, lb)?.finish(dt))
