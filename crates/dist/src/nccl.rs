@@ -20,11 +20,11 @@
 //! is installed (`init` does it).
 //!
 //! On the emulated CUDA device (`FERROLM_CUDA_EMULATOR=1`) the same code drives the emulated
-//! NCCL (`nccl_lib::for_device`). That device has no streams or events yet: the communicator
-//! then has no stream of its own and passes NULL, so each collective runs at call time (in issue
-//! order, as NCCL orders one communicator's work) and its completion is a host flag set when the
-//! call returns; the watchdog watches that flag as it watches an event, and its abort unblocks a
-//! call that waits for a peer. Once the emulator has streams, `CommStream::Cuda` serves it too.
+//! NCCL (`nccl_lib::for_device`) on the emulator's streams: each collective is queued on the
+//! communication stream behind an event wait on the compute stream, exactly as on a GPU, and its
+//! completion is an emulated event. `FERROLM_EMU_NCCL_NULL_STREAM=1` (a debugging switch) passes
+//! NULL instead: each collective then runs at call time, in issue order, and its completion is a
+//! host flag that the watchdog watches as it watches an event.
 //!
 //! `FERROLM_COMM_CHECK=1` checks every collective's arguments against rank 0's through the
 //! store (a round trip per collective: for debugging); without it, ranks that disagree get what
@@ -160,7 +160,11 @@ impl NcclComm {
         backend: Arc<CudaBackend>,
         timeout: Duration,
     ) -> Result<Arc<NcclComm>> {
-        let stream = if backend.is_emulated() { None } else { Some(backend.new_stream()?) };
+        let stream = if backend.is_emulated() && std::env::var("FERROLM_EMU_NCCL_NULL_STREAM").is_ok_and(|v| v == "1") {
+            None
+        } else {
+            Some(backend.new_stream()?)
+        };
         let s = Arc::new(Shared {
             lib,
             comm,
@@ -196,6 +200,14 @@ fn bind(backend: &CudaBackend) -> Result<()> {
 }
 
 impl Shared {
+    /// This rank and the oldest collective it has in flight (what a failure interrupted), or
+    /// just the rank and group when it is idle.
+    fn doing(&self) -> String {
+        match lock(&self.inflight).front() {
+            Some(f) => self.context(f.seq, &f.what),
+            None => format!("rank {} of group {}", self.rank, self.name),
+        }
+    }
     fn context(&self, seq: u64, what: &str) -> String {
         format!(
             "rank {} (world rank {}) of group {} {:?}: {what} #{seq}",
@@ -257,6 +269,9 @@ impl Drop for Shared {
 
 fn watchdog(weak: Weak<Shared>) {
     let mut last_check = Instant::now();
+    // The collective that completed last: NCCL reports an error asynchronously, after the
+    // failing collective's completion event may already have fired.
+    let mut last_done: Option<(u64, String)> = None;
     loop {
         std::thread::sleep(Duration::from_millis(100));
         let Some(s) = weak.upgrade() else { return };
@@ -267,11 +282,14 @@ fn watchdog(weak: Weak<Shared>) {
         let _ = bind(&s.backend);
         let mut reason = None;
         let mut oldest = Duration::ZERO;
+        let mut done_now = false;
         {
             let mut q = lock(&s.inflight);
             while let Some(f) = q.front() {
                 match f.done.try_is_complete() {
                     Ok(true) => {
+                        last_done = Some((f.seq, f.what.clone()));
+                        done_now = true;
                         q.pop_front();
                     }
                     Ok(false) if f.launched.elapsed() > s.timeout => {
@@ -300,20 +318,27 @@ fn watchdog(weak: Weak<Shared>) {
             && async_err != 0
             && async_err != nccl_lib::NCCL_IN_PROGRESS
         {
-            reason = Some(format!("rank {} of group {}: {}", s.rank, s.name, s.lib.check("nccl", async_err).unwrap_err()));
+            // The failing collective: one that completed since the last poll, else the oldest in
+            // flight, else the last one this rank ran.
+            let empty = lock(&s.inflight).is_empty();
+            let at = match &last_done {
+                Some((seq, what)) if done_now || empty => s.context(*seq, what),
+                _ => s.doing(),
+            };
+            reason = Some(format!("{at}: {}", s.lib.check("nccl", async_err).unwrap_err()));
         }
         let mut notify = true;
         if reason.is_none() && last_check.elapsed() > Duration::from_secs(1) {
             last_check = Instant::now();
             match WATCH.get().unwrap_or(&s.store).failure() {
                 Ok(Some(m)) => {
-                    reason = Some(format!("rank {} of group {}: {m}", s.rank, s.name));
+                    reason = Some(format!("{}: {m}", s.doing()));
                     notify = false;
                 }
                 // The store's process died (rank 0, or torchrun's agent) while a collective
                 // waits: its peers are gone. Idle, it may just be the end of the run.
                 Err(e) if oldest > Duration::from_secs(2) => {
-                    reason = Some(format!("rank {} of group {}: {e}", s.rank, s.name));
+                    reason = Some(format!("{}: {e}", s.doing()));
                     notify = false;
                 }
                 _ => {}
