@@ -46,16 +46,16 @@ pub enum ReduceOp {
     Max,
 }
 
-pub type Sl<'a> = (&'a Storage, &'a Layout);
+pub type StorageView<'a> = (&'a Storage, &'a Layout);
 
 /// One parameter of a fused AdamW step. Every view is dense (contiguous, offset 0, owning
 /// exactly its elements) and of one length; `master` is the fp32 copy of a bf16 `param`.
 pub struct AdamWSlot<'a> {
-    pub param: Sl<'a>,
-    pub grad: Sl<'a>,
-    pub master: Option<Sl<'a>>,
-    pub m: Sl<'a>,
-    pub v: Sl<'a>,
+    pub param: StorageView<'a>,
+    pub grad: StorageView<'a>,
+    pub master: Option<StorageView<'a>>,
+    pub m: StorageView<'a>,
+    pub v: StorageView<'a>,
     pub weight_decay: f64,
 }
 
@@ -77,20 +77,20 @@ pub trait Backend: Send + Sync + 'static {
     #[allow(clippy::wrong_self_convention)] // `self` is the backend doing the upload, not the source
     fn from_cpu(&self, s: &CpuStorage) -> Result<Storage>;
     /// Contiguous host copy of the view.
-    fn to_cpu(&self, x: Sl) -> Result<CpuStorage>;
+    fn to_cpu(&self, x: StorageView) -> Result<CpuStorage>;
     fn full(&self, n: usize, dtype: DType, v: f64) -> Result<Storage>;
-    fn copy_strided(&self, x: Sl) -> Result<Storage>;
-    fn cast(&self, x: Sl, dtype: DType) -> Result<Storage>;
-    fn unary(&self, op: UnaryOp, x: Sl) -> Result<Storage>;
+    fn copy_strided(&self, x: StorageView) -> Result<Storage>;
+    fn cast(&self, x: StorageView, dtype: DType) -> Result<Storage>;
+    fn unary(&self, op: UnaryOp, x: StorageView) -> Result<Storage>;
     /// `a` and `b` have the same (broadcast) shape.
-    fn binary(&self, op: BinaryOp, a: Sl, b: Sl) -> Result<Storage>;
+    fn binary(&self, op: BinaryOp, a: StorageView, b: StorageView) -> Result<Storage>;
     /// Reduces `dims`; the output keeps them with size 1.
-    fn reduce(&self, op: ReduceOp, x: Sl, dims: &[usize]) -> Result<Storage>;
+    fn reduce(&self, op: ReduceOp, x: StorageView, dims: &[usize]) -> Result<Storage>;
     /// a: (..., m, k), b: (..., k, n) with identical (possibly broadcast) batch dims.
-    fn matmul(&self, a: Sl, b: Sl) -> Result<Storage>;
-    fn cat(&self, parts: &[Sl], dim: usize) -> Result<Storage>;
+    fn matmul(&self, a: StorageView, b: StorageView) -> Result<Storage>;
+    fn cat(&self, parts: &[StorageView], dim: usize) -> Result<Storage>;
     /// In place: `dst[view] = src` element-wise (same shape); used by optimizers and loaders.
-    fn assign(&self, dst: &mut Storage, dst_layout: &Layout, src: Sl) -> Result<()>;
+    fn assign(&self, dst: &mut Storage, dst_layout: &Layout, src: StorageView) -> Result<()>;
 
     /// Optional fused optimizer kernels. `Ok(false)` / `Ok(None)`: the backend has none and
     /// the caller runs the op-based version (the CPU backend's answer).
@@ -102,7 +102,7 @@ pub trait Backend: Send + Sync + 'static {
         Ok(false)
     }
     /// sqrt(sum of squares) over every element of `xs` (dense views), read back to the host.
-    fn global_norm(&self, _xs: &[Sl]) -> Result<Option<f64>> {
+    fn global_norm(&self, _xs: &[StorageView]) -> Result<Option<f64>> {
         Ok(None)
     }
 }
