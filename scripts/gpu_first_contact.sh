@@ -139,7 +139,7 @@ write_md() {
                 secs = s; sub(/.*"seconds":/, "", secs); sub(/[,}].*/, "", secs)
                 reh = (s ~ /"rehearsal":true/) ? "yes" : ""
                 figs = s; sub(/^\{"step":[0-9]+,"name":"[^"]*","ok":(true|false),"seconds":[^,}]*(,"rehearsal":true)?,?/, "", figs)
-                sub(/\}$/, "", figs); gsub(/\|/, "\\|", figs)
+                sub(/\}$/, "", figs); gsub(/\|/, "\\|", figs); gsub(/"/, "", figs); gsub(/,/, ", ", figs)
                 printf "| %d | %s | %s | %s | %s | %s |\n", i, name, ok, secs, reh, figs
             }
         }' "$JSONL"
