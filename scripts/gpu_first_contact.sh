@@ -220,7 +220,7 @@ pretrain() {
 }
 
 # Values of KEY in a metrics.jsonl, one a line (training-step lines only).
-metric() { grep -o "\"$2\":[-0-9.eE+]*" "$1" 2>/dev/null | cut -d: -f2; }
+metric() { grep -o "\"$2\":-\?[0-9][-0-9.eE+]*" "$1" 2>/dev/null | cut -d: -f2; }
 
 # Median of the numbers on stdin, skipping the first $1 (warm-up).
 median_after() {

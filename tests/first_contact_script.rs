@@ -10,13 +10,7 @@ fn script() -> PathBuf {
 }
 
 fn run(args: &[&str], out: &Path) -> Output {
-    Command::new("bash")
-        .arg(script())
-        .args(args)
-        .env("OUT", out)
-        .env_remove("FERROLM_CUDA_EMULATOR")
-        .output()
-        .expect("bash runs")
+    Command::new("bash").arg(script()).args(args).env("OUT", out).env_remove("FERROLM_CUDA_EMULATOR").output().expect("bash runs")
 }
 
 fn scratch(name: &str) -> PathBuf {
@@ -48,7 +42,12 @@ fn help_lists_every_step_in_order() {
 #[test]
 fn bad_arguments_are_refused_by_name() {
     let out = scratch("bad");
-    for (args, needle) in [(&["--steps", "0"][..], "--steps"), (&["--steps", "1,x"][..], "--steps"), (&["--bogus"][..], "--bogus"), (&["--steps"][..], "--steps")] {
+    for (args, needle) in [
+        (&["--steps", "0"][..], "--steps"),
+        (&["--steps", "1,x"][..], "--steps"),
+        (&["--bogus"][..], "--bogus"),
+        (&["--steps"][..], "--steps"),
+    ] {
         let o = run(args, &out);
         assert_eq!(o.status.code(), Some(2), "{args:?} should exit 2");
         let err = String::from_utf8_lossy(&o.stderr);
