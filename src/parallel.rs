@@ -8,6 +8,7 @@
 //!   any collective, behind a store barrier with its own timeout (`FERROLM_PREPARE_TIMEOUT`
 //!   seconds, default 3600), never inside a collective under the NCCL watchdog; a rank's error
 //!   is posted to the store so the others stop promptly;
+//!   `FERROLM_FORCE_NCCL=1` takes this path at `WORLD_SIZE=1` too (one GPU through NCCL);
 //! - otherwise, on the CPU: `tp x dp` ranks as threads of this process (`ThreadComm`);
 //! - several ranks on GPUs without such an environment is an error that says how to launch.
 use crate::AnyResult;
@@ -23,6 +24,10 @@ use std::sync::Arc;
 use std::time::Duration;
 
 pub type Comm = Arc<dyn Communicator>;
+
+/// Environment variable: `1` takes the multi-process path (`NcclComm`) also at a world size of
+/// one under a launcher, so a single GPU exercises NCCL end to end.
+pub const ENV_FORCE_NCCL: &str = "FERROLM_FORCE_NCCL";
 
 /// Environment variable: seconds the other ranks wait for rank 0's preparation.
 pub const ENV_PREPARE_TIMEOUT: &str = "FERROLM_PREPARE_TIMEOUT";
@@ -111,7 +116,8 @@ where
 {
     layout.validate(device)?;
     let world = layout.world();
-    if let Some(env) = DistEnv::from_env()?.filter(|e| e.world_size > 1) {
+    let force_nccl = std::env::var(ENV_FORCE_NCCL).is_ok_and(|v| v == "1");
+    if let Some(env) = DistEnv::from_env()?.filter(|e| e.world_size > 1 || force_nccl) {
         return launch_processes(&env, prepare, per_rank);
     }
     let p = prepare()?;
