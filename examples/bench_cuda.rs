@@ -136,13 +136,25 @@ fn attn_key(b: usize, hq: usize, hkv: usize, t: usize, d: usize) -> String {
     format!("b{b}_hq{hq}_hkv{hkv}_t{t}_d{d}")
 }
 
+/// A size: tiny on the emulator, else the `--quick` or the full one.
+fn pick<T>(tiny: bool, quick: bool, q: T, full: T, t: T) -> T {
+    if tiny {
+        t
+    } else if quick {
+        q
+    } else {
+        full
+    }
+}
+
 fn main() {
     ferrolm::cli::main_with(run)
 }
 
 fn run(args: BenchCudaArgs) -> AnyResult<()> {
     let (quick, reps) = (args.quick, args.reps as usize);
-    if ferrolm_cuda::device_count() == 0 {
+    let emulator = std::env::var("FERROLM_CUDA_EMULATOR").is_ok_and(|v| v == "1");
+    if ferrolm_cuda::device_count() == 0 && !emulator {
         println!("skipped: no CUDA device");
         if std::env::var("FERROLM_REQUIRE_GPU").is_ok_and(|v| v == "1") {
             return Err(anyhow!("FERROLM_REQUIRE_GPU=1 but no CUDA device is available"));
@@ -152,6 +164,12 @@ fn run(args: BenchCudaArgs) -> AnyResult<()> {
     ferrolm::init_cuda(0)?;
     let be = CudaBackend::latest(0).ok_or_else(|| anyhow!("init_cuda(0) succeeded but no live CUDA backend was found"))?;
     let device = be.device_name();
+    // The emulator runs every kernel on the CPU: tiny shapes, to rehearse this program (its
+    // timings mean nothing).
+    let tiny = be.is_emulated();
+    if tiny {
+        println!("emulator: tiny shapes; the timings below are not GPU measurements\n");
+    }
     let date = civil_date();
     println!(
         "# ferrolm CUDA kernel benchmark\n\ndevice: {device}  \ndate: {date}  \nreps: {reps} (median), kernels image: {}\n",
@@ -161,7 +179,7 @@ fn run(args: BenchCudaArgs) -> AnyResult<()> {
     let bf = DType::BF16;
 
     // ---- floors ---------------------------------------------------------------------------
-    let copy_n: usize = if quick { 64 << 20 } else { 512 << 20 }; // bf16 elements (1 GiB full)
+    let copy_n: usize = pick(tiny, quick, 64 << 20, 512 << 20, 1 << 16); // bf16 elements (1 GiB full)
     let src = bn.randn(&[copy_n], bf, 1.0)?;
     let copy_ms = bn.time(|| {
         be.copy_strided(src.sl())?;
@@ -170,7 +188,7 @@ fn run(args: BenchCudaArgs) -> AnyResult<()> {
     let copy_bytes = 2.0 * copy_n as f64 * 2.0;
     let bw = copy_bytes / (copy_ms * 1e-3); // bytes/s
     drop(src);
-    let g = if quick { 4096 } else { 8192 };
+    let g = pick(tiny, quick, 4096, 8192, 64);
     let (ga, gb) = (bn.randn(&[g, g], bf, 1.0)?, bn.randn(&[g, g], bf, 1.0)?);
     let gemm_ms = bn.time(|| {
         be.matmul(ga.sl(), gb.sl())?;
@@ -197,7 +215,7 @@ fn run(args: BenchCudaArgs) -> AnyResult<()> {
     };
 
     // ---- memory-bound kernels -------------------------------------------------------------
-    let (r, c) = if quick { (4096, 4096) } else { (8192, 8192) };
+    let (r, c) = pick(tiny, quick, (4096, 4096), (8192, 8192), (64, 64));
     let n = r * c;
     {
         let (a, b) = (bn.randn(&[r, c], bf, 1.0)?, bn.randn(&[r, c], bf, 1.0)?);
@@ -241,7 +259,7 @@ fn run(args: BenchCudaArgs) -> AnyResult<()> {
     }
     be.empty_cache()?;
     {
-        let (rn, d) = if quick { (4096, 4096) } else { (16384, 4096) };
+        let (rn, d) = pick(tiny, quick, (4096, 4096), (16384, 4096), (64, 64));
         let x = bn.randn(&[rn, d], bf, 1.0)?;
         let w = bn.randn(&[d], bf, 1.0)?;
         let dy = bn.randn(&[rn, d], bf, 1.0)?;
@@ -261,7 +279,7 @@ fn run(args: BenchCudaArgs) -> AnyResult<()> {
     }
     be.empty_cache()?;
     {
-        let (b, h, t, d) = if quick { (2, 16, 2048, 128) } else { (4, 32, 4096, 128) };
+        let (b, h, t, d) = pick(tiny, quick, (2, 16, 2048, 128), (4, 32, 4096, 128), (1, 2, 64, 64));
         let x = bn.randn(&[b, h, t, d], bf, 1.0)?;
         let cos = bn.randn(&[t, d], bf, 0.7)?;
         let sin = bn.randn(&[t, d], bf, 0.7)?;
@@ -279,7 +297,7 @@ fn run(args: BenchCudaArgs) -> AnyResult<()> {
     }
     be.empty_cache()?;
     {
-        let (rn, f) = if quick { (2048, 11008) } else { (8192, 11008) };
+        let (rn, f) = pick(tiny, quick, (2048, 11008), (8192, 11008), (64, 128));
         let gt = bn.randn(&[rn, f], bf, 1.0)?;
         let up = bn.randn(&[rn, f], bf, 1.0)?;
         let dy = bn.randn(&[rn, f], bf, 1.0)?;
@@ -297,7 +315,7 @@ fn run(args: BenchCudaArgs) -> AnyResult<()> {
     }
     be.empty_cache()?;
     {
-        let (rn, v) = if quick { (2048, 32000) } else { (8192, 32000) };
+        let (rn, v) = pick(tiny, quick, (2048, 32000), (8192, 32000), (64, 512));
         let x = bn.randn(&[rn, v], bf, 2.0)?;
         let t = bn.ids(rn, v)?;
         let scale = bn.scalar_f32(1.0 / rn as f32)?;
@@ -328,7 +346,7 @@ fn run(args: BenchCudaArgs) -> AnyResult<()> {
     }
     be.empty_cache()?;
     {
-        let (vocab, d, nt) = if quick { (32000, 2048, 4096) } else { (32000, 4096, 16384) };
+        let (vocab, d, nt) = pick(tiny, quick, (32000, 2048, 4096), (32000, 4096, 16384), (512, 64, 128));
         let w = bn.randn(&[vocab, d], bf, 1.0)?;
         let ids = bn.ids(nt, vocab)?;
         let dy = bn.randn(&[nt, d], bf, 1.0)?;
@@ -363,6 +381,9 @@ fn run(args: BenchCudaArgs) -> AnyResult<()> {
     ];
     if quick {
         shapes.truncate(2);
+    }
+    if tiny {
+        shapes = vec![(1, 2, 2, 64, 64), (1, 4, 2, 64, 64)];
     }
     let mut attn_json: Vec<AttnTimes> = Vec::new();
     let mut attn_md = String::from(
