@@ -19,7 +19,7 @@
 use anyhow::anyhow;
 use ferrolm::cli::BenchCudaArgs;
 use ferrolm::ops::{attention, cross_entropy, embedding, rmsnorm, rope, softmax, swiglu, AttnDims};
-use ferrolm::tensor::backend::{Backend, BinaryOp, ReduceOp, StorageView, UnaryOp};
+use ferrolm::tensor::backend::{Backend, BinaryOp, ReduceOp, UnaryOp, View};
 use ferrolm::tensor::{bf16, CpuStorage, DType, Layout, Rng, Shape, Storage};
 use ferrolm::AnyResult;
 use ferrolm_cuda::CudaBackend;
@@ -32,7 +32,7 @@ struct Buf {
     l: Layout,
 }
 impl Buf {
-    fn sl(&self) -> StorageView<'_> {
+    fn sl(&self) -> View<'_> {
         (&self.s, &self.l)
     }
 }

@@ -207,11 +207,11 @@ impl Trainer {
         opts: TrainOptions,
         out_dir: &Path,
     ) -> AnyResult<Trainer> {
-        Self::check(&model, val_shards, &opts)?;
+        opts.validate()?; // the memory check needs valid options; `with_engine` checks the rest
         let layout = crate::memory::MemLayout::single(model.activation_checkpointing());
         crate::memory::check_layout(model.config(), model.dtype(), model.device(), &opts.shape(), &layout)?;
         let engine = Zero::single(&mut model, Self::adamw_config(&opts), Placement::Device)?;
-        Self::build(model, Box::new(engine), (train_shards, val_shards), opts, out_dir)
+        Self::with_engine(model, Box::new(engine), train_shards, val_shards, opts, out_dir)
     }
 
     /// A trainer with an engine attached to `model` (`crate::parallel::attach`: on several
@@ -227,36 +227,6 @@ impl Trainer {
         out_dir: &Path,
     ) -> AnyResult<Trainer> {
         Self::check(&model, val_shards, &opts)?;
-        Self::build(model, engine, (train_shards, val_shards), opts, out_dir)
-    }
-
-    /// The optimizer settings every engine uses.
-    pub fn adamw_config(opts: &TrainOptions) -> AdamWConfig {
-        AdamWConfig { weight_decay: opts.weight_decay, ..AdamWConfig::default() }
-    }
-
-    fn check(model: &Llama, val_shards: &[PathBuf], opts: &TrainOptions) -> AnyResult<()> {
-        opts.validate()?;
-        let maxpos = model.config().max_position_embeddings;
-        if opts.seq_len > maxpos {
-            bail!("--seq-len {} is longer than the model's max_position_embeddings ({maxpos})", opts.seq_len);
-        }
-        // Every run validates at its last step (`eval_every` 0 means only then).
-        if opts.steps > 0 {
-            check_validation_data(val_shards, opts.batch_size, opts.seq_len)?;
-        }
-        Ok(())
-    }
-
-    /// `new` and `with_engine` after their checks; `shards` are (train, validation).
-    fn build(
-        model: Llama,
-        engine: Box<dyn TrainEngine>,
-        shards: (&[PathBuf], &[PathBuf]),
-        opts: TrainOptions,
-        out_dir: &Path,
-    ) -> AnyResult<Trainer> {
-        let (train_shards, val_shards) = shards;
         let sched = CosineSchedule { max_lr: opts.lr, min_lr: opts.min_lr, warmup_steps: opts.warmup_steps, total_steps: opts.steps };
         let mesh = engine.mesh();
         let loader = DataLoader::open(train_shards, opts.batch_size, opts.seq_len, opts.seed)
@@ -283,6 +253,24 @@ impl Trainer {
             history: Vec::new(),
             val_history: Vec::new(),
         })
+    }
+
+    /// The optimizer settings every engine uses.
+    pub fn adamw_config(opts: &TrainOptions) -> AdamWConfig {
+        AdamWConfig { weight_decay: opts.weight_decay, ..AdamWConfig::default() }
+    }
+
+    fn check(model: &Llama, val_shards: &[PathBuf], opts: &TrainOptions) -> AnyResult<()> {
+        opts.validate()?;
+        let maxpos = model.config().max_position_embeddings;
+        if opts.seq_len > maxpos {
+            bail!("--seq-len {} is longer than the model's max_position_embeddings ({maxpos})", opts.seq_len);
+        }
+        // Every run validates at its last step (`eval_every` 0 means only then).
+        if opts.steps > 0 {
+            check_validation_data(val_shards, opts.batch_size, opts.seq_len)?;
+        }
+        Ok(())
     }
 
     /// Copies this tokenizer.json into every checkpoint so a checkpoint is self-contained.

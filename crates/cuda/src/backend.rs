@@ -9,14 +9,14 @@ use crate::gemm::Operand;
 use crate::kernels::{self, Strided};
 use crate::launch::{AdamWParams, AdamWTensor, Launch};
 use crate::storage::{cuda, CudaStorage};
-use ferrolm_tensor::backend::{AdamWHyper, AdamWSlot, Backend, BinaryOp, ReduceOp, StorageView, UnaryOp};
+use ferrolm_tensor::backend::{AdamWHyper, AdamWSlot, Backend, BinaryOp, ReduceOp, UnaryOp, View};
 use ferrolm_tensor::{bail, bf16, CpuStorage, DType, Device, Layout, Result, Shape, Storage};
 use std::any::Any;
 use std::sync::Arc;
 
 impl CudaBackend {
     /// Describes a (.., r, c) view as a GEMM operand with one batch stride, if it can be.
-    fn operand(x: StorageView, s: &CudaStorage, batch_dims: &[usize]) -> Option<Operand> {
+    fn operand(x: View, s: &CudaStorage, batch_dims: &[usize]) -> Option<Operand> {
         let l = x.1;
         let r = l.dims().len();
         let (rows, cols) = (l.dims()[r - 2], l.dims()[r - 1]);
@@ -79,7 +79,7 @@ impl Backend for CudaBackend {
         };
         Ok(out.into())
     }
-    fn to_cpu(&self, x: StorageView) -> Result<CpuStorage> {
+    fn to_cpu(&self, x: View) -> Result<CpuStorage> {
         let s = cuda("to_cpu", x.0)?;
         let n = x.1.numel();
         let tmp;
@@ -110,13 +110,13 @@ impl Backend for CudaBackend {
         }
         Ok(out.into())
     }
-    fn copy_strided(&self, x: StorageView) -> Result<Storage> {
+    fn copy_strided(&self, x: View) -> Result<Storage> {
         Ok(self.contiguous("copy_strided", x)?.into())
     }
-    fn cast(&self, x: StorageView, dtype: DType) -> Result<Storage> {
+    fn cast(&self, x: View, dtype: DType) -> Result<Storage> {
         Ok(self.to_dtype(x, dtype)?.into())
     }
-    fn unary(&self, op: UnaryOp, x: StorageView) -> Result<Storage> {
+    fn unary(&self, op: UnaryOp, x: View) -> Result<Storage> {
         let s = cuda("unary", x.0)?;
         let (code, a, b) = match op {
             UnaryOp::Neg => (consts::U_NEG, 0.0, 0.0),
@@ -138,7 +138,7 @@ impl Backend for CudaBackend {
         unsafe { kernels::unary(self, s.dtype, Launch::cover(n, Launch::BLOCK), s.ptr(), lx, out.ptr(), n as i64, code, a, b)? };
         Ok(out.into())
     }
-    fn binary(&self, op: BinaryOp, a: StorageView, b: StorageView) -> Result<Storage> {
+    fn binary(&self, op: BinaryOp, a: View, b: View) -> Result<Storage> {
         let (sa, sb) = (cuda("binary", a.0)?, cuda("binary", b.0)?);
         let code = match op {
             BinaryOp::Add => consts::B_ADD,
@@ -156,7 +156,7 @@ impl Backend for CudaBackend {
         unsafe { kernels::binary(self, sa.dtype, cfg, sa.ptr(), la, sb.ptr(), lb, out.ptr(), n as i64, code)? };
         Ok(out.into())
     }
-    fn reduce(&self, op: ReduceOp, x: StorageView, dims: &[usize]) -> Result<Storage> {
+    fn reduce(&self, op: ReduceOp, x: View, dims: &[usize]) -> Result<Storage> {
         let s = cuda("reduce", x.0)?;
         let l = x.1;
         let (mut kd, mut ks, mut rd, mut rs) = (vec![], vec![], vec![], vec![]);
@@ -179,7 +179,7 @@ impl Backend for CudaBackend {
         unsafe { kernels::reduce(self, s.dtype, cfg, s.ptr(), kept, red, out.ptr(), nout as i64, nred as i64, is_max)? };
         Ok(out.into())
     }
-    fn matmul(&self, a: StorageView, b: StorageView) -> Result<Storage> {
+    fn matmul(&self, a: View, b: View) -> Result<Storage> {
         let (sa, sb) = (cuda("matmul", a.0)?, cuda("matmul", b.0)?);
         let r = a.1.dims().len();
         if r < 2 || b.1.dims().len() != r {
@@ -213,7 +213,7 @@ impl Backend for CudaBackend {
         self.gemm(sa.dtype, oa, ob, m, n, k, batch, (out.buf.ptr, out.len))?;
         Ok(out.into())
     }
-    fn cat(&self, parts: &[StorageView], dim: usize) -> Result<Storage> {
+    fn cat(&self, parts: &[View], dim: usize) -> Result<Storage> {
         let first = parts.first().ok_or_else(|| ferrolm_tensor::Error::new("cat", "nothing to concatenate"))?;
         let dt = cuda("cat", first.0)?.dtype;
         let mut shape = first.1.dims().to_vec();
@@ -234,7 +234,7 @@ impl Backend for CudaBackend {
         }
         Ok(out.into())
     }
-    fn assign(&self, dst: &mut Storage, dl: &Layout, src: StorageView) -> Result<()> {
+    fn assign(&self, dst: &mut Storage, dl: &Layout, src: View) -> Result<()> {
         let s = cuda("assign", src.0)?;
         let d = cuda("assign", dst)?;
         if s.dtype != d.dtype {
@@ -247,7 +247,7 @@ impl Backend for CudaBackend {
     fn adamw_step(&self, slots: &[AdamWSlot], h: AdamWHyper) -> Result<bool> {
         let op = "adamw_step";
         // The launcher addresses whole buffers: every view must start at 0 and cover its storage.
-        fn whole<'a>(op: &str, x: StorageView<'a>) -> Result<Option<&'a CudaStorage>> {
+        fn whole<'a>(op: &str, x: View<'a>) -> Result<Option<&'a CudaStorage>> {
             let c = cuda(op, x.0)?;
             Ok((x.1.is_contiguous() && x.1.offset == 0 && c.len == x.1.numel()).then_some(c))
         }
@@ -272,7 +272,7 @@ impl Backend for CudaBackend {
         self.adamw_multi(&ts, p, None)?;
         Ok(true)
     }
-    fn global_norm(&self, xs: &[StorageView]) -> Result<Option<f64>> {
+    fn global_norm(&self, xs: &[View]) -> Result<Option<f64>> {
         let mut gs = Vec::with_capacity(xs.len());
         for x in xs {
             let c = cuda("global_norm", x.0)?;

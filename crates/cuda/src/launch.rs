@@ -7,7 +7,7 @@ use crate::consts;
 use crate::device::CudaBackend;
 use crate::kernels::{self, Strided};
 use crate::storage::{cuda, CudaStorage};
-use ferrolm_tensor::backend::StorageView;
+use ferrolm_tensor::backend::View;
 use ferrolm_tensor::{bail, DType, Error, Layout, Result};
 use std::ffi::c_void;
 
@@ -156,7 +156,7 @@ impl CudaBackend {
         Ok(self.download::<i32>(&s.buf, index * 4, 1)?[0])
     }
     /// A dense copy of the view `x` (always a new buffer).
-    pub fn contiguous(&self, op: &str, x: StorageView) -> Result<CudaStorage> {
+    pub fn contiguous(&self, op: &str, x: View) -> Result<CudaStorage> {
         let s = cuda(op, x.0)?;
         let n = x.1.numel();
         let out = self.alloc(n, s.dtype)?;
@@ -175,7 +175,7 @@ impl CudaBackend {
         unsafe { copy(self, Launch::cover(n, Launch::BLOCK), src.ptr(), ls, dst.ptr(), ld, n as i64) }
     }
     /// A dense copy of the view `x` converted to `dtype` (a plain copy when it already is).
-    pub fn to_dtype(&self, x: StorageView, dtype: DType) -> Result<CudaStorage> {
+    pub fn to_dtype(&self, x: View, dtype: DType) -> Result<CudaStorage> {
         let s = cuda("cast", x.0)?;
         if s.dtype == dtype {
             return self.contiguous("cast", x);

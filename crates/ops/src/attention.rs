@@ -7,7 +7,7 @@
 //! CUDA: kernels/attention.cu, FlashAttention-2 on tensor cores for bf16 with head dim 64/128
 //! (forward; backward as dK/dV and dQ passes), one warp per row (SIMT) for everything else.
 use crate::dispatch::{dev_ptr, f32_ptr, num, on, On};
-use ferrolm_tensor::backend::StorageView;
+use ferrolm_tensor::backend::View;
 use ferrolm_tensor::{bail, same_float, Result, Storage, Tensor};
 
 /// Sizes of a causal attention call: q is (b, hq, t, d), k and v are (b, hkv, t, d).
@@ -57,7 +57,7 @@ pub fn causal_attention(q: &Tensor, k: &Tensor, v: &Tensor, scale: f64) -> Resul
 }
 
 /// q, k, v contiguous -> (o (b, hq, t, d), lse (b, hq, t) in f32, f64 for f64).
-pub fn forward(q: StorageView, k: StorageView, v: StorageView, dims: AttnDims, scale: f64) -> Result<(Storage, Storage)> {
+pub fn forward(q: View, k: View, v: View, dims: AttnDims, scale: f64) -> Result<(Storage, Storage)> {
     match on("attention", q.0)? {
         On::Cpu => cpu::forward(q, k, v, dims, scale),
         On::Cuda(be) => cuda::forward(&be, q, k, v, dims, scale),
@@ -67,17 +67,17 @@ pub fn forward(q: StorageView, k: StorageView, v: StorageView, dims: AttnDims, s
 /// The output gradient, the inputs and the forward's o and lse, contiguous -> (dq, dk, dv).
 #[allow(clippy::too_many_arguments)]
 pub fn backward(
-    dout: StorageView,
-    q: StorageView,
-    k: StorageView,
-    v: StorageView,
-    out: StorageView,
-    lse: StorageView,
+    dout: View,
+    q: View,
+    k: View,
+    v: View,
+    out: View,
+    lse: View,
     dims: AttnDims,
     scale: f64,
 ) -> Result<(Storage, Storage, Storage)> {
     match on("attention", q.0)? {
-        On::Cpu => cpu::backward(dout, q, k, v, out, lse, dims, scale),
+        On::Cpu => cpu::backward([dout, q, k, v, out, lse], dims, scale),
         On::Cuda(be) => cuda::backward(&be, [dout, q, k, v, out, lse], dims, scale),
     }
 }
@@ -95,24 +95,16 @@ mod cpu {
     use num_traits::Float;
     use rayon::prelude::*;
 
-    pub(super) fn forward(q: StorageView, k: StorageView, v: StorageView, dims: AttnDims, scale: f64) -> Result<(Storage, Storage)> {
+    pub(super) fn forward(q: View, k: View, v: View, dims: AttnDims, scale: f64) -> Result<(Storage, Storage)> {
         let (oq, ok, ov) = (q.1.offset, k.1.offset, v.1.offset);
         let (nq, nk) = (q.1.numel(), k.1.numel());
         let dt = q.0.dtype();
         Ok(float_dispatch!("attention", dt, [q, k, v], attention(&q[oq..oq + nq], &k[ok..ok + nk], &v[ov..ov + nk], dims, scale)))
     }
 
-    #[allow(clippy::too_many_arguments)]
-    pub(super) fn backward(
-        dout: StorageView,
-        q: StorageView,
-        k: StorageView,
-        v: StorageView,
-        out: StorageView,
-        lse: StorageView,
-        dims: AttnDims,
-        scale: f64,
-    ) -> Result<(Storage, Storage, Storage)> {
+    /// `views`: the output gradient, q, k, v, and the forward's o and lse.
+    pub(super) fn backward(views: [View; 6], dims: AttnDims, scale: f64) -> Result<(Storage, Storage, Storage)> {
+        let [dout, q, k, v, out, lse] = views;
         let (nq, nk) = (q.1.numel(), k.1.numel());
         let offs = [dout.1.offset, q.1.offset, k.1.offset, v.1.offset, out.1.offset, lse.1.offset];
         let nl = lse.1.numel();
@@ -322,14 +314,7 @@ mod cuda {
         Launch::new((a.t.div_ceil(FLASH_ROWS) as u32, heads as u32, a.b as u32), FLASH_THREADS as u32).smem(smem)
     }
 
-    pub(super) fn forward(
-        be: &CudaBackend,
-        q: StorageView,
-        k: StorageView,
-        v: StorageView,
-        a: AttnDims,
-        scale: f64,
-    ) -> Result<(Storage, Storage)> {
+    pub(super) fn forward(be: &CudaBackend, q: View, k: View, v: View, a: AttnDims, scale: f64) -> Result<(Storage, Storage)> {
         let op = "attention";
         let s = CudaStorage::of(op, q.0)?;
         check(op, a)?;
@@ -352,7 +337,7 @@ mod cuda {
     }
 
     /// `views` are dout, q, k, v, out, lse.
-    pub(super) fn backward(be: &CudaBackend, views: [StorageView; 6], a: AttnDims, scale: f64) -> Result<(Storage, Storage, Storage)> {
+    pub(super) fn backward(be: &CudaBackend, views: [View; 6], a: AttnDims, scale: f64) -> Result<(Storage, Storage, Storage)> {
         let op = "attention_backward";
         let [dout, q, k, v, out, lse] = views;
         let s = CudaStorage::of(op, q.0)?;

@@ -5,7 +5,7 @@
 //! CUDA: kernels/cross_entropy.cu, including a fused forward + backward in one pass over the
 //! logits (`forward_backward_cuda`) with the gradient scale kept on the device.
 use crate::dispatch::{f32_ptr, num, on, rows, On};
-use ferrolm_tensor::backend::StorageView;
+use ferrolm_tensor::backend::View;
 use ferrolm_tensor::{bail, same_device, DType, Result, Storage, Tensor};
 
 pub use cuda::forward_backward as forward_backward_cuda;
@@ -35,7 +35,7 @@ pub fn cross_entropy(logits: &Tensor, targets: &Tensor, ignore_index: i32) -> Re
 
 /// logits (n, v) contiguous, targets i32 (n) -> (mean loss () in f32, f64 for f64 logits;
 /// lse (n) likewise; the count of counted rows).
-pub fn forward(logits: StorageView, targets: StorageView, ignore_index: i32) -> Result<(Storage, Storage, usize)> {
+pub fn forward(logits: View, targets: View, ignore_index: i32) -> Result<(Storage, Storage, usize)> {
     match on("cross_entropy", logits.0)? {
         On::Cpu => cpu::forward(logits, targets, ignore_index),
         On::Cuda(be) => cuda::forward(&be, logits, targets, ignore_index),
@@ -44,7 +44,7 @@ pub fn forward(logits: StorageView, targets: StorageView, ignore_index: i32) -> 
 
 /// dlogits = (softmax − onehot) · scale for counted rows, 0 for ignored ones; `scale` is a
 /// one-element tensor (the loss gradient over the count).
-pub fn backward(logits: StorageView, targets: StorageView, lse: StorageView, ignore_index: i32, scale: StorageView) -> Result<Storage> {
+pub fn backward(logits: View, targets: View, lse: View, ignore_index: i32, scale: View) -> Result<Storage> {
     match on("cross_entropy", logits.0)? {
         On::Cpu => cpu::backward(logits, targets, lse, ignore_index, scale),
         On::Cuda(be) => cuda::backward(&be, logits, targets, lse, ignore_index, scale),
@@ -60,7 +60,7 @@ mod cpu {
     use ferrolm_tensor::{float_dispatch, multiversion};
     use rayon::prelude::*;
 
-    pub(super) fn forward(logits: StorageView, targets: StorageView, ignore: i32) -> Result<(Storage, Storage, usize)> {
+    pub(super) fn forward(logits: View, targets: View, ignore: i32) -> Result<(Storage, Storage, usize)> {
         let (ol, n, v) = rows(logits.1);
         let t = gather(i32s("cross_entropy", targets.0)?, targets.1);
         if let Some(bad) = t.iter().find(|&&x| x != ignore && (x < 0 || x as usize >= v)) {
@@ -73,13 +73,7 @@ mod cpu {
         Ok((loss, lse, count))
     }
 
-    pub(super) fn backward(
-        logits: StorageView,
-        targets: StorageView,
-        lse: StorageView,
-        ignore: i32,
-        scale: StorageView,
-    ) -> Result<Storage> {
+    pub(super) fn backward(logits: View, targets: View, lse: View, ignore: i32, scale: View) -> Result<Storage> {
         let (ol, n, v) = rows(logits.1);
         let t = gather(i32s("cross_entropy_backward", targets.0)?, targets.1);
         let olse = lse.1.offset;
@@ -147,7 +141,7 @@ mod cuda {
     /// Threads of the one-block reductions over rows (ce_finish, ce_count_scale).
     const FINISH_BLOCK: u32 = 1024;
 
-    pub(super) fn forward(be: &CudaBackend, logits: StorageView, targets: StorageView, ignore: i32) -> Result<(Storage, Storage, usize)> {
+    pub(super) fn forward(be: &CudaBackend, logits: View, targets: View, ignore: i32) -> Result<(Storage, Storage, usize)> {
         let op = "cross_entropy";
         let s = CudaStorage::of(op, logits.0)?;
         let (_, n, v) = rows(logits.1);
@@ -202,14 +196,7 @@ mod cuda {
         Ok((loss, count))
     }
 
-    pub(super) fn backward(
-        be: &CudaBackend,
-        logits: StorageView,
-        targets: StorageView,
-        lse: StorageView,
-        ignore: i32,
-        scale: StorageView,
-    ) -> Result<Storage> {
+    pub(super) fn backward(be: &CudaBackend, logits: View, targets: View, lse: View, ignore: i32, scale: View) -> Result<Storage> {
         let op = "cross_entropy_backward";
         let s = CudaStorage::of(op, logits.0)?;
         let (_, n, v) = rows(logits.1);
@@ -229,7 +216,7 @@ mod cuda {
     /// of the targets' range: the caller's loader guarantees it).
     pub fn forward_backward(
         be: &CudaBackend,
-        logits: StorageView,
+        logits: View,
         targets: &Storage,
         ignore_index: i32,
         grad_mult: f32,

@@ -1,7 +1,7 @@
 //! What the op modules share: the device an op runs on (`On`), the shapes and pointers their
 //! launchers read off storage views, and f64 constants for the generic CPU kernels.
 use ferrolm_cuda::{CudaBackend, CudaStorage, DevPtr};
-use ferrolm_tensor::backend::{self, StorageView};
+use ferrolm_tensor::backend::{self, View};
 use ferrolm_tensor::{DType, Device, DeviceStorage, Error, Layout, Result, Storage};
 use num_traits::Float;
 use std::sync::Arc;
@@ -32,13 +32,13 @@ pub(crate) fn rows(l: &Layout) -> (usize, usize, usize) {
 }
 
 /// The device address of the first element of a CUDA view.
-pub(crate) fn dev_ptr(op: &str, x: StorageView) -> Result<DevPtr> {
+pub(crate) fn dev_ptr(op: &str, x: View) -> Result<DevPtr> {
     Ok(CudaStorage::of(op, x.0)?.at(x.1.offset))
 }
 
 /// A statistic or scale as an f32 device pointer: the view itself when it is f32, else an f32
 /// copy, returned beside the pointer to keep it alive until the launch is enqueued.
-pub(crate) fn f32_ptr(be: &CudaBackend, op: &str, x: StorageView) -> Result<(DevPtr, Option<CudaStorage>)> {
+pub(crate) fn f32_ptr(be: &CudaBackend, op: &str, x: View) -> Result<(DevPtr, Option<CudaStorage>)> {
     let s = CudaStorage::of(op, x.0)?;
     if s.dtype() == DType::F32 {
         return Ok((s.at(x.1.offset), None));

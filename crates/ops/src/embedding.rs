@@ -4,7 +4,7 @@
 //! the vocabulary are an error, not a read out of bounds.
 //! CUDA: kernels/embedding.cu (the backward accumulates in f32 and casts once).
 use crate::dispatch::{on, On};
-use ferrolm_tensor::backend::StorageView;
+use ferrolm_tensor::backend::View;
 use ferrolm_tensor::{bail, same_device, DType, Result, Storage, Tensor};
 
 /// Rows of `weight` (vocab, d) picked by i32 `ids` of any shape -> (ids.., d).
@@ -29,7 +29,7 @@ pub fn embedding(ids: &Tensor, weight: &Tensor) -> Result<Tensor> {
 }
 
 /// w (vocab, d) contiguous, ids i32 of any layout -> (n ids, d).
-pub fn forward(w: StorageView, ids: StorageView) -> Result<Storage> {
+pub fn forward(w: View, ids: View) -> Result<Storage> {
     match on("embedding", w.0)? {
         On::Cpu => cpu::forward(w, ids),
         On::Cuda(be) => cuda::forward(&be, w, ids),
@@ -37,7 +37,7 @@ pub fn forward(w: StorageView, ids: StorageView) -> Result<Storage> {
 }
 
 /// dy (n, d) contiguous, ids (n) -> the (vocab, d) gradient of the weight.
-pub fn backward(dy: StorageView, ids: StorageView, vocab: usize) -> Result<Storage> {
+pub fn backward(dy: View, ids: View, vocab: usize) -> Result<Storage> {
     match on("embedding", dy.0)? {
         On::Cpu => cpu::backward(dy, ids, vocab),
         On::Cuda(be) => cuda::backward(&be, dy, ids, vocab),
@@ -51,7 +51,7 @@ mod cpu {
     use ferrolm_tensor::float_dispatch;
     use num_traits::Float;
 
-    pub(super) fn forward(w: StorageView, ids: StorageView) -> Result<Storage> {
+    pub(super) fn forward(w: View, ids: View) -> Result<Storage> {
         let d = w.1.dims()[1];
         let idv = gather(i32s("embedding", ids.0)?, ids.1);
         let vocab = w.1.dims()[0];
@@ -62,7 +62,7 @@ mod cpu {
         Ok(float_dispatch!("embedding", w.0.dtype(), [w], embedding(&w[off..], d, &idv)))
     }
 
-    pub(super) fn backward(dy: StorageView, ids: StorageView, vocab: usize) -> Result<Storage> {
+    pub(super) fn backward(dy: View, ids: View, vocab: usize) -> Result<Storage> {
         let idv = gather(i32s("embedding_backward", ids.0)?, ids.1);
         let d = *dy.1.dims().last().unwrap_or(&1);
         let off = dy.1.offset;
@@ -100,7 +100,7 @@ mod cuda {
     /// The threads of the forward's row copy.
     const COPY_BLOCK: u32 = 128;
 
-    pub(super) fn forward(be: &CudaBackend, w: StorageView, ids: StorageView) -> Result<Storage> {
+    pub(super) fn forward(be: &CudaBackend, w: View, ids: View) -> Result<Storage> {
         let sw = CudaStorage::of("embedding", w.0)?;
         let (vocab, d) = (w.1.dims()[0], w.1.dims()[1]);
         let ids = be.contiguous("embedding", ids)?;
@@ -129,7 +129,7 @@ mod cuda {
         Ok(out.into())
     }
 
-    pub(super) fn backward(be: &CudaBackend, dy: StorageView, ids: StorageView, vocab: usize) -> Result<Storage> {
+    pub(super) fn backward(be: &CudaBackend, dy: View, ids: View, vocab: usize) -> Result<Storage> {
         let s = CudaStorage::of("embedding_backward", dy.0)?;
         let d = *dy.1.dims().last().unwrap_or(&1);
         let ids = be.contiguous("embedding_backward", ids)?;

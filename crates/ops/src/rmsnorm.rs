@@ -4,7 +4,7 @@
 //! taken in a fixed order on every device, so results are deterministic.
 //! CUDA: kernels/rmsnorm.cu (one block per row; dw in two passes through per-chunk partials).
 use crate::dispatch::{dev_ptr, f32_ptr, num, on, rows, On};
-use ferrolm_tensor::backend::StorageView;
+use ferrolm_tensor::backend::View;
 use ferrolm_tensor::{bail, same_float, Result, Storage, Tensor};
 
 /// RMSNorm of `x` over its last dim with weight `w` (d). Saves the inverse RMS per row.
@@ -27,7 +27,7 @@ pub fn rms_norm(x: &Tensor, w: &Tensor, eps: f64) -> Result<Tensor> {
 }
 
 /// x (rows, d) and w (d), contiguous -> (y (rows, d), inverse RMS (rows) in f32, f64 for f64).
-pub fn forward(x: StorageView, w: StorageView, eps: f64) -> Result<(Storage, Storage)> {
+pub fn forward(x: View, w: View, eps: f64) -> Result<(Storage, Storage)> {
     match on("rms_norm", x.0)? {
         On::Cpu => cpu::forward(x, w, eps),
         On::Cuda(be) => cuda::forward(&be, x, w, eps),
@@ -35,7 +35,7 @@ pub fn forward(x: StorageView, w: StorageView, eps: f64) -> Result<(Storage, Sto
 }
 
 /// -> (dx (rows, d), dw (d)), from the inverse RMS the forward saved.
-pub fn backward(dy: StorageView, x: StorageView, w: StorageView, inv_rms: StorageView) -> Result<(Storage, Storage)> {
+pub fn backward(dy: View, x: View, w: View, inv_rms: View) -> Result<(Storage, Storage)> {
     match on("rms_norm", x.0)? {
         On::Cpu => cpu::backward(dy, x, w, inv_rms),
         On::Cuda(be) => cuda::backward(&be, dy, x, w, inv_rms),
@@ -52,14 +52,14 @@ mod cpu {
     use num_traits::Float;
     use rayon::prelude::*;
 
-    pub(super) fn forward(x: StorageView, w: StorageView, eps: f64) -> Result<(Storage, Storage)> {
+    pub(super) fn forward(x: View, w: View, eps: f64) -> Result<(Storage, Storage)> {
         let (ox, n, d) = rows(x.1);
         let ow = w.1.offset;
         let dt = x.0.dtype();
         Ok(float_dispatch!("rmsnorm", dt, [x, w], rmsnorm(&x[ox..ox + n * d], &w[ow..ow + d], eps)))
     }
 
-    pub(super) fn backward(dy: StorageView, x: StorageView, w: StorageView, r: StorageView) -> Result<(Storage, Storage)> {
+    pub(super) fn backward(dy: View, x: View, w: View, r: View) -> Result<(Storage, Storage)> {
         let (ox, n, d) = rows(x.1);
         let (od, ow, or) = (dy.1.offset, w.1.offset, r.1.offset);
         Ok(float_dispatch!(
@@ -138,7 +138,7 @@ mod cuda {
     /// Rows each block of the first dw pass sums (a partial per chunk of rows).
     const ROWS_PER_CHUNK: usize = 64;
 
-    pub(super) fn forward(be: &CudaBackend, x: StorageView, w: StorageView, eps: f64) -> Result<(Storage, Storage)> {
+    pub(super) fn forward(be: &CudaBackend, x: View, w: View, eps: f64) -> Result<(Storage, Storage)> {
         let s = CudaStorage::of("rmsnorm", x.0)?;
         let (_, n, d) = rows(x.1);
         let (y, r) = (be.alloc_storage(n * d, s.dtype())?, be.alloc_storage(n, DType::F32)?);
@@ -162,13 +162,7 @@ mod cuda {
         Ok((y.into(), r.into()))
     }
 
-    pub(super) fn backward(
-        be: &CudaBackend,
-        dy: StorageView,
-        x: StorageView,
-        w: StorageView,
-        inv_rms: StorageView,
-    ) -> Result<(Storage, Storage)> {
+    pub(super) fn backward(be: &CudaBackend, dy: View, x: View, w: View, inv_rms: View) -> Result<(Storage, Storage)> {
         let op = "rmsnorm_backward";
         let s = CudaStorage::of(op, x.0)?;
         let (dt, (_, n, d)) = (s.dtype(), rows(x.1));

@@ -4,7 +4,7 @@
 //! gradient (`inverse`); the tables are constants and get no gradient.
 //! CUDA: kernels/rope.cu (one thread per (row, pair)).
 use crate::dispatch::{dev_ptr, on, On};
-use ferrolm_tensor::backend::StorageView;
+use ferrolm_tensor::backend::View;
 use ferrolm_tensor::{bail, same_float, Result, Storage, Tensor};
 
 /// RoPE on x (b, h, t, d) with an even head dim, from cos/sin tables of shape (t, d).
@@ -29,7 +29,7 @@ fn rotate(x: &Tensor, cos: &Tensor, sin: &Tensor, inverse: bool) -> Result<Tenso
 
 /// x (b, h, t, d) and cos/sin (t, d), contiguous -> the rotated x; `inverse` applies the
 /// transposed rotation (the backward).
-pub fn apply(x: StorageView, cos: StorageView, sin: StorageView, inverse: bool) -> Result<Storage> {
+pub fn apply(x: View, cos: View, sin: View, inverse: bool) -> Result<Storage> {
     match on("rope", x.0)? {
         On::Cpu => cpu::apply(x, cos, sin, inverse),
         On::Cuda(be) => cuda::apply(&be, x, cos, sin, inverse),
@@ -43,7 +43,7 @@ mod cpu {
     use num_traits::Float;
     use rayon::prelude::*;
 
-    pub(super) fn apply(x: StorageView, cos: StorageView, sin: StorageView, inverse: bool) -> Result<Storage> {
+    pub(super) fn apply(x: View, cos: View, sin: View, inverse: bool) -> Result<Storage> {
         let dims = x.1.dims();
         let (t, d) = (dims[2], dims[3]);
         let (ox, oc, os) = (x.1.offset, cos.1.offset, sin.1.offset);
@@ -85,7 +85,7 @@ mod cuda {
     use ferrolm_cuda::{kernels, CudaBackend, CudaStorage, Launch};
     use ferrolm_tensor::DeviceStorage;
 
-    pub(super) fn apply(be: &CudaBackend, x: StorageView, cos: StorageView, sin: StorageView, inverse: bool) -> Result<Storage> {
+    pub(super) fn apply(be: &CudaBackend, x: View, cos: View, sin: View, inverse: bool) -> Result<Storage> {
         let s = CudaStorage::of("rope", x.0)?;
         let (t, d) = (x.1.dims()[2], x.1.dims()[3]);
         let n = x.1.numel();

@@ -2,7 +2,7 @@
 //! dx = y · (dy − ⟨y, dy⟩), both with the row reductions taken in a fixed order.
 //! CUDA: kernels/softmax.cu (one block per row).
 use crate::dispatch::{dev_ptr, on, rows, On};
-use ferrolm_tensor::backend::StorageView;
+use ferrolm_tensor::backend::View;
 use ferrolm_tensor::{same_float, Result, Storage, Tensor};
 
 /// Softmax of `x` over its last dim.
@@ -20,7 +20,7 @@ pub fn softmax_last(x: &Tensor) -> Result<Tensor> {
 }
 
 /// x (rows, d) contiguous -> softmax over each row.
-pub fn forward(x: StorageView) -> Result<Storage> {
+pub fn forward(x: View) -> Result<Storage> {
     match on("softmax", x.0)? {
         On::Cpu => cpu::forward(x),
         On::Cuda(be) => cuda::forward(&be, x),
@@ -28,7 +28,7 @@ pub fn forward(x: StorageView) -> Result<Storage> {
 }
 
 /// The forward's output y and the gradient dy, contiguous -> dx.
-pub fn backward(y: StorageView, dy: StorageView) -> Result<Storage> {
+pub fn backward(y: View, dy: View) -> Result<Storage> {
     match on("softmax", y.0)? {
         On::Cpu => cpu::backward(y, dy),
         On::Cuda(be) => cuda::backward(&be, y, dy),
@@ -42,12 +42,12 @@ mod cpu {
     use num_traits::Float;
     use rayon::prelude::*;
 
-    pub(super) fn forward(x: StorageView) -> Result<Storage> {
+    pub(super) fn forward(x: View) -> Result<Storage> {
         let (off, n, d) = rows(x.1);
         Ok(float_dispatch!("softmax", x.0.dtype(), [x], softmax(&x[off..off + n * d], d)))
     }
 
-    pub(super) fn backward(y: StorageView, dy: StorageView) -> Result<Storage> {
+    pub(super) fn backward(y: View, dy: View) -> Result<Storage> {
         let (oy, n, d) = rows(y.1);
         let (od, _, _) = rows(dy.1);
         Ok(float_dispatch!("softmax_backward", y.0.dtype(), [y, dy], softmax_backward(&y[oy..oy + n * d], &dy[od..od + n * d], d)))
@@ -85,7 +85,7 @@ mod cuda {
     use ferrolm_cuda::{kernels, CudaBackend, CudaStorage, Launch};
     use ferrolm_tensor::DeviceStorage;
 
-    pub(super) fn forward(be: &CudaBackend, x: StorageView) -> Result<Storage> {
+    pub(super) fn forward(be: &CudaBackend, x: View) -> Result<Storage> {
         let s = CudaStorage::of("softmax", x.0)?;
         let (_, n, d) = rows(x.1);
         let out = be.alloc_storage(n * d, s.dtype())?;
@@ -94,7 +94,7 @@ mod cuda {
         Ok(out.into())
     }
 
-    pub(super) fn backward(be: &CudaBackend, y: StorageView, dy: StorageView) -> Result<Storage> {
+    pub(super) fn backward(be: &CudaBackend, y: View, dy: View) -> Result<Storage> {
         let s = CudaStorage::of("softmax_backward", y.0)?;
         let (_, n, d) = rows(y.1);
         let out = be.alloc_storage(n * d, s.dtype())?;

@@ -2,7 +2,7 @@
 //! s = sigmoid(gate): dgate = dy · up · s · (1 + gate · (1 − s)), dup = dy · silu(gate).
 //! CUDA: kernels/swiglu.cu.
 use crate::dispatch::{dev_ptr, on, On};
-use ferrolm_tensor::backend::StorageView;
+use ferrolm_tensor::backend::View;
 use ferrolm_tensor::{bail, same_float, Result, Storage, Tensor};
 
 /// silu(gate) * up, element-wise (same shapes).
@@ -22,7 +22,7 @@ pub fn swiglu(gate: &Tensor, up: &Tensor) -> Result<Tensor> {
 }
 
 /// gate, up contiguous (same length) -> silu(gate) * up.
-pub fn forward(gate: StorageView, up: StorageView) -> Result<Storage> {
+pub fn forward(gate: View, up: View) -> Result<Storage> {
     match on("swiglu", gate.0)? {
         On::Cpu => cpu::forward(gate, up),
         On::Cuda(be) => cuda::forward(&be, gate, up),
@@ -30,7 +30,7 @@ pub fn forward(gate: StorageView, up: StorageView) -> Result<Storage> {
 }
 
 /// -> (dgate, dup)
-pub fn backward(dy: StorageView, gate: StorageView, up: StorageView) -> Result<(Storage, Storage)> {
+pub fn backward(dy: View, gate: View, up: View) -> Result<(Storage, Storage)> {
     match on("swiglu", gate.0)? {
         On::Cpu => cpu::backward(dy, gate, up),
         On::Cuda(be) => cuda::backward(&be, dy, gate, up),
@@ -44,13 +44,13 @@ mod cpu {
     use ferrolm_tensor::{float_dispatch, multiversion};
     use rayon::prelude::*;
 
-    pub(super) fn forward(g: StorageView, u: StorageView) -> Result<Storage> {
+    pub(super) fn forward(g: View, u: View) -> Result<Storage> {
         let n = g.1.numel();
         let (og, ou) = (g.1.offset, u.1.offset);
         Ok(float_dispatch!("swiglu", g.0.dtype(), [g, u], swiglu(&g[og..og + n], &u[ou..ou + n])))
     }
 
-    pub(super) fn backward(dy: StorageView, g: StorageView, u: StorageView) -> Result<(Storage, Storage)> {
+    pub(super) fn backward(dy: View, g: View, u: View) -> Result<(Storage, Storage)> {
         let n = g.1.numel();
         let (od, og, ou) = (dy.1.offset, g.1.offset, u.1.offset);
         Ok(float_dispatch!("swiglu_backward", g.0.dtype(), [dy, g, u], swiglu_backward(&dy[od..od + n], &g[og..og + n], &u[ou..ou + n])))
@@ -104,7 +104,7 @@ mod cuda {
     use ferrolm_cuda::{kernels, CudaBackend, CudaStorage, Launch};
     use ferrolm_tensor::DeviceStorage;
 
-    pub(super) fn forward(be: &CudaBackend, gate: StorageView, up: StorageView) -> Result<Storage> {
+    pub(super) fn forward(be: &CudaBackend, gate: View, up: View) -> Result<Storage> {
         let s = CudaStorage::of("swiglu", gate.0)?;
         let n = gate.1.numel();
         let out = be.alloc_storage(n, s.dtype())?;
@@ -123,7 +123,7 @@ mod cuda {
         Ok(out.into())
     }
 
-    pub(super) fn backward(be: &CudaBackend, dy: StorageView, gate: StorageView, up: StorageView) -> Result<(Storage, Storage)> {
+    pub(super) fn backward(be: &CudaBackend, dy: View, gate: View, up: View) -> Result<(Storage, Storage)> {
         let op = "swiglu_backward";
         let s = CudaStorage::of(op, gate.0)?;
         let n = gate.1.numel();

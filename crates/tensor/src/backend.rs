@@ -46,16 +46,17 @@ pub enum ReduceOp {
     Max,
 }
 
-pub type StorageView<'a> = (&'a Storage, &'a Layout);
+/// A storage and the layout that views it: what every primitive and fused op reads.
+pub type View<'a> = (&'a Storage, &'a Layout);
 
 /// One parameter of a fused AdamW step. Every view is dense (contiguous, offset 0, owning
 /// exactly its elements) and of one length; `master` is the fp32 copy of a bf16 `param`.
 pub struct AdamWSlot<'a> {
-    pub param: StorageView<'a>,
-    pub grad: StorageView<'a>,
-    pub master: Option<StorageView<'a>>,
-    pub m: StorageView<'a>,
-    pub v: StorageView<'a>,
+    pub param: View<'a>,
+    pub grad: View<'a>,
+    pub master: Option<View<'a>>,
+    pub m: View<'a>,
+    pub v: View<'a>,
     pub weight_decay: f64,
 }
 
@@ -77,20 +78,20 @@ pub trait Backend: Send + Sync + 'static {
     #[allow(clippy::wrong_self_convention)] // `self` is the backend doing the upload, not the source
     fn from_cpu(&self, s: &CpuStorage) -> Result<Storage>;
     /// Contiguous host copy of the view.
-    fn to_cpu(&self, x: StorageView) -> Result<CpuStorage>;
+    fn to_cpu(&self, x: View) -> Result<CpuStorage>;
     fn full(&self, n: usize, dtype: DType, v: f64) -> Result<Storage>;
-    fn copy_strided(&self, x: StorageView) -> Result<Storage>;
-    fn cast(&self, x: StorageView, dtype: DType) -> Result<Storage>;
-    fn unary(&self, op: UnaryOp, x: StorageView) -> Result<Storage>;
+    fn copy_strided(&self, x: View) -> Result<Storage>;
+    fn cast(&self, x: View, dtype: DType) -> Result<Storage>;
+    fn unary(&self, op: UnaryOp, x: View) -> Result<Storage>;
     /// `a` and `b` have the same (broadcast) shape.
-    fn binary(&self, op: BinaryOp, a: StorageView, b: StorageView) -> Result<Storage>;
+    fn binary(&self, op: BinaryOp, a: View, b: View) -> Result<Storage>;
     /// Reduces `dims`; the output keeps them with size 1.
-    fn reduce(&self, op: ReduceOp, x: StorageView, dims: &[usize]) -> Result<Storage>;
+    fn reduce(&self, op: ReduceOp, x: View, dims: &[usize]) -> Result<Storage>;
     /// a: (..., m, k), b: (..., k, n) with identical (possibly broadcast) batch dims.
-    fn matmul(&self, a: StorageView, b: StorageView) -> Result<Storage>;
-    fn cat(&self, parts: &[StorageView], dim: usize) -> Result<Storage>;
+    fn matmul(&self, a: View, b: View) -> Result<Storage>;
+    fn cat(&self, parts: &[View], dim: usize) -> Result<Storage>;
     /// In place: `dst[view] = src` element-wise (same shape); used by optimizers and loaders.
-    fn assign(&self, dst: &mut Storage, dst_layout: &Layout, src: StorageView) -> Result<()>;
+    fn assign(&self, dst: &mut Storage, dst_layout: &Layout, src: View) -> Result<()>;
 
     /// Optional fused optimizer kernels. `Ok(false)` / `Ok(None)`: the backend has none and
     /// the caller runs the op-based version (the CPU backend's answer).
@@ -102,7 +103,7 @@ pub trait Backend: Send + Sync + 'static {
         Ok(false)
     }
     /// sqrt(sum of squares) over every element of `xs` (dense views), read back to the host.
-    fn global_norm(&self, _xs: &[StorageView]) -> Result<Option<f64>> {
+    fn global_norm(&self, _xs: &[View]) -> Result<Option<f64>> {
         Ok(None)
     }
 }

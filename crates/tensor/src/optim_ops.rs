@@ -2,7 +2,7 @@
 //! `Backend::global_norm`): they take the storages of many tensors at once, so the read guards
 //! are taken here, once per distinct storage (two views of one storage would otherwise lock it
 //! twice on one thread).
-use crate::backend::{self, AdamWHyper, AdamWSlot, StorageView};
+use crate::backend::{self, AdamWHyper, AdamWSlot, View};
 use crate::storage::StorageCell;
 use crate::{bail, Device, Result, Storage, Tensor};
 use std::sync::{Arc, RwLockReadGuard};
@@ -129,7 +129,7 @@ fn dense(t: &Tensor) -> bool {
 
 /// Read guards over the storages of `ts`, one per distinct storage; `f` gets their views in
 /// the order of `ts`.
-pub(crate) fn with_views<R>(ts: &[&Tensor], f: impl FnOnce(&[StorageView]) -> Result<R>) -> Result<R> {
+pub(crate) fn with_views<R>(ts: &[&Tensor], f: impl FnOnce(&[View]) -> Result<R>) -> Result<R> {
     let mut cells: Vec<Arc<StorageCell>> = Vec::new();
     let idx: Vec<usize> = ts
         .iter()
@@ -145,7 +145,7 @@ pub(crate) fn with_views<R>(ts: &[&Tensor], f: impl FnOnce(&[StorageView]) -> Re
         })
         .collect();
     let guards: Vec<RwLockReadGuard<'_, Storage>> = cells.iter().map(|c| c.read()).collect::<Result<_>>()?;
-    let views: Vec<StorageView> = ts.iter().zip(&idx).map(|(t, &i)| (&*guards[i], t.layout())).collect();
+    let views: Vec<View> = ts.iter().zip(&idx).map(|(t, &i)| (&*guards[i], t.layout())).collect();
     f(&views)
 }
 

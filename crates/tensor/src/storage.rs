@@ -321,20 +321,17 @@ impl StorageCell {
     /// guard: a `try_release` between `resolve` and the guard (it needs the write lock, so it
     /// cannot come after) would otherwise hand out its empty placeholder.
     pub fn read(&self) -> crate::Result<std::sync::RwLockReadGuard<'_, Storage>> {
-        loop {
-            self.resolve()?;
-            let g = self.inner.read().unwrap_or_else(|e| e.into_inner());
-            if self.is_ready() {
-                return Ok(g);
-            }
-        }
+        self.ready_guard(|| self.inner.read().unwrap_or_else(|e| e.into_inner()))
     }
     /// Write access, after waiting for a pending fill (readiness checked under the guard, as
     /// in `read`).
     pub fn write(&self) -> crate::Result<std::sync::RwLockWriteGuard<'_, Storage>> {
+        self.ready_guard(|| self.inner.write().unwrap_or_else(|e| e.into_inner()))
+    }
+    fn ready_guard<G>(&self, guard: impl Fn() -> G) -> crate::Result<G> {
         loop {
             self.resolve()?;
-            let g = self.inner.write().unwrap_or_else(|e| e.into_inner());
+            let g = guard();
             if self.is_ready() {
                 return Ok(g);
             }

@@ -1,7 +1,7 @@
 //! `Tensor`: a strided view of shared storage, plus the autograd links of the op that made it.
 pub use crate::autograd::Hook;
 use crate::autograd::{self, Node};
-use crate::backend::{self, Backend, StorageView};
+use crate::backend::{self, Backend, View};
 use crate::storage::StorageCell;
 use crate::{bail, CpuStorage, DType, Device, Error, Layout, Result, Shape, Storage};
 use half::bf16;
@@ -285,13 +285,13 @@ impl Tensor {
     }
     /// Runs `f` with this tensor's storage and layout (read lock held).
     /// Waits first if the storage is pending (a collective still producing it).
-    pub fn with_storage<R>(&self, f: impl FnOnce(StorageView) -> Result<R>) -> Result<R> {
+    pub fn with_storage<R>(&self, f: impl FnOnce(View) -> Result<R>) -> Result<R> {
         let g = self.0.storage.read()?;
         f((&g, &self.0.layout))
     }
     /// Runs `f` with the storages and layouts of `ts`, in order, under one read lock per
     /// distinct storage (views of one storage share it). Waits for pending storage first.
-    pub fn with_storages<R>(ts: &[&Tensor], f: impl FnOnce(&[StorageView]) -> Result<R>) -> Result<R> {
+    pub fn with_storages<R>(ts: &[&Tensor], f: impl FnOnce(&[View]) -> Result<R>) -> Result<R> {
         crate::optim_ops::with_views(ts, f)
     }
 

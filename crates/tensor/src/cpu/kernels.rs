@@ -207,20 +207,35 @@ fn check_extent(op: &str, len: usize, base: usize, rows: usize, cols: usize, rs:
     }
 }
 
+/// A batched matmul's shape: rank, (m, k, n), and each operand's matrix offsets per batch.
+struct MatmulDims {
+    r: usize,
+    m: usize,
+    k: usize,
+    n: usize,
+    oa: Vec<usize>,
+    ob: Vec<usize>,
+}
+
+fn matmul_dims(la: &Layout, lb: &Layout) -> crate::Result<MatmulDims> {
+    let r = la.shape.rank();
+    if r < 2 || lb.shape.rank() != r || la.shape.0[r - 1] != lb.shape.0[r - 2] {
+        crate::bail!("matmul", "shapes {:?} and {:?} do not multiply", la.shape, lb.shape);
+    }
+    let (m, k, n) = (la.shape.0[r - 2], la.shape.0[r - 1], lb.shape.0[r - 1]);
+    let (oa, ob) = (batch_offsets(la), batch_offsets(lb));
+    if oa.len() != ob.len() {
+        crate::bail!("matmul", "batch dims differ: {:?} and {:?}", la.shape, lb.shape);
+    }
+    Ok(MatmulDims { r, m, k, n, oa, ob })
+}
+
 macro_rules! matmul_impl {
     ($name:ident, $t:ty, $gemm:path) => {
         /// a: (..., m, k), b: (..., k, n) with equal batch dims; any strides (transposes are free).
         /// Every matrix's extent is checked against its storage before the GEMM reads it.
         pub fn $name(a: &[$t], la: &Layout, b: &[$t], lb: &Layout) -> crate::Result<Vec<$t>> {
-            let r = la.shape.rank();
-            if r < 2 || lb.shape.rank() != r || la.shape.0[r - 1] != lb.shape.0[r - 2] {
-                crate::bail!("matmul", "shapes {:?} and {:?} do not multiply", la.shape, lb.shape);
-            }
-            let (m, k, n) = (la.shape.0[r - 2], la.shape.0[r - 1], lb.shape.0[r - 1]);
-            let (oa, ob) = (batch_offsets(la), batch_offsets(lb));
-            if oa.len() != ob.len() {
-                crate::bail!("matmul", "batch dims differ: {:?} and {:?}", la.shape, lb.shape);
-            }
+            let MatmulDims { r, m, k, n, oa, ob } = matmul_dims(la, lb)?;
             let mut out = vec![0.0 as $t; oa.len() * m * n];
             let (rsa, csa) = (la.strides[r - 2] as isize, la.strides[r - 1] as isize);
             let (rsb, csb) = (lb.strides[r - 2] as isize, lb.strides[r - 1] as isize);
@@ -254,15 +269,7 @@ matmul_impl!(matmul_f32, f32, matrixmultiply::sgemm);
 /// caller checked `gemm_bf16::available()`. Extents are checked as in `matmul_f32`.
 pub fn matmul_bf16(a: &[half::bf16], la: &Layout, b: &[half::bf16], lb: &Layout) -> crate::Result<Vec<f32>> {
     use super::gemm_bf16::{gemm, View};
-    let r = la.shape.rank();
-    if r < 2 || lb.shape.rank() != r || la.shape.0[r - 1] != lb.shape.0[r - 2] {
-        crate::bail!("matmul", "shapes {:?} and {:?} do not multiply", la.shape, lb.shape);
-    }
-    let (m, k, n) = (la.shape.0[r - 2], la.shape.0[r - 1], lb.shape.0[r - 1]);
-    let (oa, ob) = (batch_offsets(la), batch_offsets(lb));
-    if oa.len() != ob.len() {
-        crate::bail!("matmul", "batch dims differ: {:?} and {:?}", la.shape, lb.shape);
-    }
+    let MatmulDims { r, m, k, n, oa, ob } = matmul_dims(la, lb)?;
     let mut out = vec![0f32; oa.len() * m * n];
     if m == 0 || n == 0 || k == 0 {
         return Ok(out);

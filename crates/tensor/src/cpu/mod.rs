@@ -11,7 +11,7 @@ pub mod gemm_bf16;
 mod kernels;
 pub mod simd;
 
-use crate::backend::{Backend, BinaryOp, ReduceOp, StorageView, UnaryOp};
+use crate::backend::{Backend, BinaryOp, ReduceOp, UnaryOp, View};
 use crate::{bail, CpuStorage, DType, Device, Layout, Result, Storage};
 use half::bf16;
 use std::any::Any;
@@ -108,7 +108,7 @@ impl<A: Finish, B: Finish, C: Finish> Finish for (A, B, C) {
 }
 
 /// Runs `$body` in the working precision of `$dt` (f64 for f64, else f32) with each named
-/// storage view (`StorageView`) rebound to a slice of that precision, then converts the result back to
+/// storage view (`View`) rebound to a slice of that precision, then converts the result back to
 /// storage of `$dt` (`Finish`). Errors (a non-float storage) return from the enclosing function.
 #[macro_export]
 macro_rules! float_dispatch {
@@ -125,7 +125,7 @@ macro_rules! float_dispatch {
 }
 
 /// Sum of squares of a view's elements, accumulated in f64 (deterministic; see `kernels::sum_f64`).
-pub(crate) fn sum_squares(x: StorageView) -> Result<f64> {
+pub(crate) fn sum_squares(x: View) -> Result<f64> {
     fn sq<T: Copy + Send + Sync>(v: &[T], l: &Layout, f: impl Fn(T) -> f64 + Sync) -> f64 {
         if l.is_contiguous() {
             kernels::sum_f64(&v[l.offset..l.offset + l.numel()], |x| f(x) * f(x))
@@ -195,7 +195,7 @@ impl Backend for CpuBackend {
     fn from_cpu(&self, s: &CpuStorage) -> Result<Storage> {
         Ok(Storage::Cpu(s.clone()))
     }
-    fn to_cpu(&self, x: StorageView) -> Result<CpuStorage> {
+    fn to_cpu(&self, x: View) -> Result<CpuStorage> {
         Ok(match cpu("to_cpu", x.0)? {
             CpuStorage::F32(v) => CpuStorage::F32(gather(v, x.1)),
             CpuStorage::BF16(v) => CpuStorage::BF16(gather(v, x.1)),
@@ -206,10 +206,10 @@ impl Backend for CpuBackend {
     fn full(&self, n: usize, dtype: DType, v: f64) -> Result<Storage> {
         Ok(Storage::Cpu(CpuStorage::full(n, dtype, v)))
     }
-    fn copy_strided(&self, x: StorageView) -> Result<Storage> {
+    fn copy_strided(&self, x: View) -> Result<Storage> {
         Ok(Storage::Cpu(self.to_cpu(x)?))
     }
-    fn cast(&self, x: StorageView, dtype: DType) -> Result<Storage> {
+    fn cast(&self, x: View, dtype: DType) -> Result<Storage> {
         let src = self.to_cpu(x)?;
         let f = |v: Vec<f64>| -> CpuStorage {
             match dtype {
@@ -229,19 +229,19 @@ impl Backend for CpuBackend {
             (CpuStorage::I32(v), _) => f(v.iter().map(|&x| x as f64).collect()),
         }))
     }
-    fn unary(&self, op: UnaryOp, x: StorageView) -> Result<Storage> {
+    fn unary(&self, op: UnaryOp, x: View) -> Result<Storage> {
         let l = x.1;
         Ok(float_dispatch!("unary", x.0.dtype(), [x], kernels::unary(op, x, l)))
     }
-    fn binary(&self, op: BinaryOp, a: StorageView, b: StorageView) -> Result<Storage> {
+    fn binary(&self, op: BinaryOp, a: View, b: View) -> Result<Storage> {
         let (la, lb) = (a.1, b.1);
         Ok(float_dispatch!("binary", a.0.dtype(), [a, b], kernels::binary(op, a, la, b, lb)))
     }
-    fn reduce(&self, op: ReduceOp, x: StorageView, dims: &[usize]) -> Result<Storage> {
+    fn reduce(&self, op: ReduceOp, x: View, dims: &[usize]) -> Result<Storage> {
         let l = x.1;
         Ok(float_dispatch!("reduce", x.0.dtype(), [x], kernels::reduce(op, x, l, dims)))
     }
-    fn matmul(&self, a: StorageView, b: StorageView) -> Result<Storage> {
+    fn matmul(&self, a: View, b: View) -> Result<Storage> {
         let (la, lb) = (a.1, b.1);
         let dt = a.0.dtype();
         if dt == DType::F64 {
@@ -256,7 +256,7 @@ impl Backend for CpuBackend {
             Ok(kernels::matmul_f32(&a, la, &b, lb)?.finish(dt))
         }
     }
-    fn cat(&self, parts: &[StorageView], dim: usize) -> Result<Storage> {
+    fn cat(&self, parts: &[View], dim: usize) -> Result<Storage> {
         let hosts: Vec<CpuStorage> = parts.iter().map(|p| self.to_cpu(*p)).collect::<Result<_>>()?;
         let shapes: Vec<&[usize]> = parts.iter().map(|p| p.1.dims()).collect();
         macro_rules! cat_as {
@@ -278,7 +278,7 @@ impl Backend for CpuBackend {
             DType::I32 => cat_as!(I32),
         }))
     }
-    fn assign(&self, dst: &mut Storage, dl: &Layout, src: StorageView) -> Result<()> {
+    fn assign(&self, dst: &mut Storage, dl: &Layout, src: View) -> Result<()> {
         let src = self.to_cpu(src)?;
         let dst = match dst {
             Storage::Cpu(c) => c,
