@@ -4,13 +4,13 @@
 //! plain model, for the converted one before training and after it; checkpoints are written in
 //! the paper's released format (`model_type: "llamaLadder"`, `ladder_layers`).
 use super::pretrain::{preflight, token_data_with};
-use super::{env_help, LogArgs, Tool, TrainArgs, ENV_COMMON, ENV_DEVICE, ENV_LAUNCH, ENV_TRAIN};
+use super::{env_help, LogArgs, Tool, TrainArgs, TrainData, ENV_COMMON, ENV_DEVICE, ENV_LAUNCH, ENV_TRAIN};
 use crate::data::Tokenizer;
 use crate::nn::LadderLayers;
 use crate::parallel::Comm;
 use crate::progress::report;
-use crate::train::{check_validation_data, Trainer};
-use crate::{AnyResult, DType, Device, Llama};
+use crate::train::check_validation_data;
+use crate::{AnyResult, Llama};
 use anyhow::Context;
 use clap::{Command, Parser};
 use std::path::PathBuf;
@@ -49,11 +49,7 @@ impl Tool for FinetuneArgs {
 }
 
 struct Prepared {
-    device: Device,
-    dtype: DType,
-    tok_path: PathBuf,
-    train: Vec<PathBuf>,
-    val: Vec<PathBuf>,
+    data: TrainData,
     ladder: LadderLayers,
 }
 
@@ -79,7 +75,7 @@ fn prepare(args: &FinetuneArgs) -> AnyResult<Prepared> {
     let layout = a.parallel.layout()?.mem_layout(a.activation_checkpointing)?;
     let mem = crate::memory::check_layout(&cfg, dtype, device, &opts.shape(), &layout)?;
     report(&format!("memory: predicted peak {}", crate::memory::describe(&mem)));
-    Ok(Prepared { device, dtype, tok_path, train, val, ladder })
+    Ok(Prepared { data: TrainData { device, dtype, tok_path, train, val }, ladder })
 }
 
 pub fn run(args: FinetuneArgs) -> AnyResult<()> {
@@ -91,8 +87,8 @@ fn finetune_rank(args: &FinetuneArgs, p: &Prepared, comm: Option<Comm>) -> AnyRe
     let a = &args.train;
     let mut opts = a.options();
     opts.steps = opts.steps.max(1); // the trainer's schedule needs a length; --steps 0 never steps
-    let mut model =
-        Llama::from_pretrained(&args.model, p.dtype, p.device).with_context(|| format!("cannot load {}", args.model.display()))?;
+    let mut model = Llama::from_pretrained(&args.model, p.data.dtype, p.data.device)
+        .with_context(|| format!("cannot load {}", args.model.display()))?;
     let before_kind = model.config().ladder_layers.clone();
     model.set_ladder_layers(None)?; // the plain model first, for its validation loss
     model.set_activation_checkpointing(a.activation_checkpointing);
@@ -100,9 +96,7 @@ fn finetune_rank(args: &FinetuneArgs, p: &Prepared, comm: Option<Comm>) -> AnyRe
     if let Some(l) = before_kind {
         report(&format!("note: {} is already a Ladder model ({l} layers); it is converted again from its weights", args.model.display()));
     }
-    let engine = crate::parallel::attach(&mut model, comm, &a.parallel.layout()?, Trainer::adamw_config(&opts))?;
-    let mut trainer = Trainer::with_engine(model, Box::new(engine), &p.train, &p.val, opts.clone(), &a.out)?;
-    trainer = trainer.with_tokenizer(&p.tok_path).with_safety(a.safety());
+    let (mut trainer, _) = p.data.trainer(model, a, opts.clone(), comm)?;
     let resuming = a.resume.is_some();
     let plain = if resuming { None } else { Some(trainer.evaluate(0)?) };
     trainer.model.set_ladder_layers(Some(p.ladder.clone()))?;

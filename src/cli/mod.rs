@@ -81,6 +81,34 @@ pub fn main_with<A: Tool>(run: impl FnOnce(A) -> AnyResult<()>) -> ! {
 
 /// `error: what failed: why: root cause` on one line, as a user sees it.
 /// The tokenizer of a model directory (eval, generate), with errors naming the directory or file.
+/// What every rank of a training tool shares after preparation: the device and dtype, the
+/// tokenizer file and the token shards.
+pub(crate) struct TrainData {
+    pub device: crate::Device,
+    pub dtype: crate::DType,
+    pub tok_path: std::path::PathBuf,
+    pub train: Vec<std::path::PathBuf>,
+    pub val: Vec<std::path::PathBuf>,
+}
+
+impl TrainData {
+    /// This rank's trainer for `model` and the sharding its engine uses: the engine attached
+    /// for the flags' layout, the data, the tokenizer saved with checkpoints, and the run's safety
+    /// settings.
+    pub(crate) fn trainer(
+        &self,
+        mut model: crate::Llama,
+        a: &TrainArgs,
+        opts: crate::train::TrainOptions,
+        comm: Option<crate::parallel::Comm>,
+    ) -> AnyResult<(crate::train::Trainer, ferrolm_dist::zero::ShardSpec)> {
+        let engine = crate::parallel::attach(&mut model, comm, &a.parallel.layout()?, crate::train::Trainer::adamw_config(&opts))?;
+        let spec = engine.spec;
+        let t = crate::train::Trainer::with_engine(model, Box::new(engine), &self.train, &self.val, opts, &a.out)?;
+        Ok((t.with_tokenizer(&self.tok_path).with_safety(a.safety()), spec))
+    }
+}
+
 /// The flags of the tools that run a trained model (eval, generate): tensor parallelism, the
 /// device and dtype, logging.
 #[derive(clap::Args, Debug, Clone, PartialEq)]

@@ -1,13 +1,13 @@
 //! `pretrain_llama`: pretrain a LLaMA model from scratch (or continue a run).
 use super::prepare::{self, RecordArgs};
-use super::{env_help, LogArgs, Tool, TrainArgs, ENV_COMMON, ENV_DEVICE, ENV_LAUNCH, ENV_TRAIN};
+use super::{env_help, LogArgs, Tool, TrainArgs, TrainData, ENV_COMMON, ENV_DEVICE, ENV_LAUNCH, ENV_TRAIN};
 use crate::data::{PrepareOptions, PrepareSummary, Shard, Tokenizer};
 use crate::nn::generate::generate_within;
 use crate::nn::LlamaConfig;
 use crate::progress::report;
 use crate::run_dir;
-use crate::train::{check_validation_data, unigram_entropy, Trainer};
-use crate::{AnyResult, DType, Device, Llama};
+use crate::train::{check_validation_data, unigram_entropy};
+use crate::{AnyResult, Llama};
 use anyhow::{bail, Context};
 use clap::{Command, Parser};
 use ferrolm_tensor::Rng;
@@ -157,12 +157,8 @@ pub(crate) fn preflight(a: &TrainArgs) -> AnyResult<()> {
 
 /// What every rank shares: the checked flags, the tokenizer and the prepared data.
 struct Prepared {
-    device: Device,
-    dtype: DType,
-    tok_path: PathBuf,
+    data: TrainData,
     tokenizer: Tokenizer,
-    train: Vec<PathBuf>,
-    val: Vec<PathBuf>,
     cfg: LlamaConfig,
 }
 
@@ -197,7 +193,7 @@ fn prepare(args: &PretrainArgs) -> AnyResult<Prepared> {
     let layout = a.parallel.layout()?.mem_layout(a.activation_checkpointing)?;
     let mem = crate::memory::check_layout(&cfg, dtype, device, &opts.shape(), &layout)?;
     report(&format!("memory: predicted peak {}", crate::memory::describe(&mem)));
-    Ok(Prepared { device, dtype, tok_path, tokenizer, train, val, cfg })
+    Ok(Prepared { data: TrainData { device, dtype, tok_path, train, val }, tokenizer, cfg })
 }
 
 /// The model's `vocab_size` against the tokenizer's ids: smaller is refused (the ids would index
@@ -302,7 +298,7 @@ fn train_rank(args: &PretrainArgs, p: &Prepared, comm: Option<crate::parallel::C
     let a = &args.train;
     let opts = a.options();
     let mut rng = Rng::new(opts.seed);
-    let mut model = Llama::new(p.cfg.clone(), p.dtype, p.device, &mut rng)?;
+    let mut model = Llama::new(p.cfg.clone(), p.data.dtype, p.data.device, &mut rng)?;
     model.set_activation_checkpointing(a.activation_checkpointing);
     let kind = match &p.cfg.ladder_layers {
         Some(l) => format!(" (Ladder Transformer: {l} layers)"),
@@ -314,16 +310,14 @@ fn train_rank(args: &PretrainArgs, p: &Prepared, comm: Option<crate::parallel::C
         model.num_params() as f64 / 1e6,
         model.config().num_hidden_layers,
         model.config().hidden_size,
-        p.device,
-        p.dtype
+        p.data.device,
+        p.data.dtype
     ));
     let parallel = comm.is_some();
-    let engine = crate::parallel::attach(&mut model, comm, &a.parallel.layout()?, Trainer::adamw_config(&opts))?;
+    let (mut trainer, spec) = p.data.trainer(model, a, opts.clone(), comm)?;
     if parallel {
-        report(&format!("parallel: tp {} x dp {} ranks, sharding {}", a.parallel.tp, a.parallel.dp, engine.spec));
+        report(&format!("parallel: tp {} x dp {} ranks, sharding {spec}", a.parallel.tp, a.parallel.dp));
     }
-    let mut trainer = Trainer::with_engine(model, Box::new(engine), &p.train, &p.val, opts.clone(), &a.out)?;
-    trainer = trainer.with_tokenizer(&p.tok_path).with_safety(a.safety());
     if let Some(r) = &a.resume {
         trainer.resume(r).with_context(|| format!("--resume {}", r.display()))?;
         report(&format!("resumed from {} at step {}", r.display(), trainer.step));
@@ -332,7 +326,7 @@ fn train_rank(args: &PretrainArgs, p: &Prepared, comm: Option<crate::parallel::C
 
     let val_loss = trainer.evaluate(0)?;
     let mut tokens = Vec::new();
-    for s in &p.val {
+    for s in &p.data.val {
         let s = Shard::open(s)?;
         tokens.extend(s.slice(0, s.len()));
     }

@@ -111,27 +111,14 @@ fn srun_alone_gives_ranks_layout_and_master() {
         env_of(&[("SLURM_PROCID", "9"), ("SLURM_NODEID", "2"), ("SLURM_LOCALID", "1"), ("SLURM_NTASKS", "11"), srun[4], srun[5], srun[6]]);
     assert_eq!((last.local_world_size, last.node_rank), (3, 2));
     // A step's own layout wins over the job's; SLURM_NTASKS_PER_NODE is the last resort.
-    let step = env_of(&[
-        srun[0],
-        srun[1],
-        srun[2],
-        srun[3],
-        srun[4],
-        srun[6],
-        ("SLURM_STEP_TASKS_PER_NODE", "2(x3),5"),
-        ("SLURM_STEP_NODELIST", "b[5-7]"),
-    ]);
+    // srun's variables without SLURM_NTASKS_PER_NODE, then the case's own.
+    let with = |own: &[(&'static str, &'static str)]| env_of(&[&[srun[0], srun[1], srun[2], srun[3], srun[4], srun[6]], own].concat());
+    let step = with(&[("SLURM_STEP_TASKS_PER_NODE", "2(x3),5"), ("SLURM_STEP_NODELIST", "b[5-7]")]);
     assert_eq!((step.local_world_size, step.master_addr.as_str()), (2, "b5"));
     let plain = env_of(&[("SLURM_PROCID", "3"), ("SLURM_NTASKS", "8"), ("SLURM_LOCALID", "3"), ("SLURM_NTASKS_PER_NODE", "4"), srun[6]]);
     assert_eq!((plain.local_world_size, plain.node_rank, plain.num_nodes), (4, 0, 2));
     // Explicit variables win over SLURM's (torchrun under srun, or a job script's exports).
-    let mixed = env_of(&[
-        srun[0],
-        srun[1],
-        srun[2],
-        srun[3],
-        srun[4],
-        srun[6],
+    let mixed = with(&[
         ("RANK", "2"),
         ("WORLD_SIZE", "4"),
         ("LOCAL_RANK", "0"),
