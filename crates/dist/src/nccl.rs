@@ -19,8 +19,8 @@
 //! `Communicator::abort` posts a failure notice; so does a panic, once `report_panics_to_peers`
 //! is installed (`init` does it).
 //!
-//! `FERROLM_COMM_CHECK=1` checks every collective's arguments against rank 0's through the
-//! store (a round trip per collective: for debugging); without it, ranks that disagree get what
+//! `FERROLM_COMM_CHECK=1` checks every collective's arguments and call site
+//! (`comm::call_site`) against rank 0's through the store (a round trip per collective: for debugging); without it, ranks that disagree get what
 //! NCCL does with mismatched calls.
 use crate::comm::{Collective, CommOptions, CommStats, Communicator, Completion, ReduceOp};
 use crate::nccl_lib::{self, nccl, NcclLib, RawComm, UniqueId};
@@ -401,7 +401,8 @@ impl Communicator for NcclComm {
         let seq = *next;
         s.check_failed(|| s.context(seq, &what))?;
         if s.check_args {
-            s.check_agreement(seq, &format!("{what} of {:?} {dtype}", x.dims()))?;
+            let at = crate::comm::current_site().map_or(String::new(), |s| format!(" at {s}"));
+            s.check_agreement(seq, &format!("{what} of {:?} {dtype}{at}", x.dims()))?;
         }
         s.backend.bind_to_thread()?;
         let ready = s.backend.record_event(&compute)?;

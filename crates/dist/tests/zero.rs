@@ -81,7 +81,7 @@ fn rank_micro_batch(z: &mut Zero, m: &Llama, i: usize, dp_rank: usize, per: usiz
     let (x, y) = micro_batch(i);
     let (x, y) = (rows(&x, dp_rank * per, per), rows(&y, dp_rank * per, per));
     let mut loss = 0.0;
-    z.micro_batch((i + 1) % ACCUM == 0, &mut || {
+    z.micro_batch((i + 1).is_multiple_of(ACCUM), &mut || {
         let l = m.loss(&x, &y)?;
         loss = l.item()?;
         l.mul_scalar(1.0 / ACCUM as f64)
