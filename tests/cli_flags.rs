@@ -148,7 +148,7 @@ fn grad_reduce_dtype_takes_both_forms_defaults_to_f32_and_refuses_others() {
     assert_eq!(f.train.parallel.grad_reduce_dtype.to_string(), "bf16");
     for bad in ["f16", "fp32", ""] {
         let e = parse_from::<PretrainArgs, _, _>(["pretrain_llama", "--grad-reduce-dtype", bad]).unwrap_err();
-        assert_eq!((e.kind(), e.exit_code()), (ErrorKind::InvalidValue, 2), "--grad-reduce-dtype {bad:?}");
+        assert_eq!((e.kind(), e.exit_code()), (ErrorKind::ValueValidation, 2), "--grad-reduce-dtype {bad:?}");
         assert!(e.to_string().contains("--grad-reduce-dtype") && e.to_string().contains("bf16"), "{e}");
     }
     let help = PretrainArgs::cli().render_long_help().to_string();

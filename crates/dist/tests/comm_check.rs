@@ -75,3 +75,44 @@ fn buckets_issued_in_a_different_order_fail_with_the_site_named() {
     assert!(err.contains("disagree"), "{err}");
     assert!(err.contains("at bucket 0, gradient reduce-scatter") && err.contains("at bucket 1, gradient reduce-scatter"), "{err}");
 }
+
+/// One communicator per distinct group: no backend communicator of one rank, none that
+/// duplicates the dp group, no two with the same ranks in the same order.
+#[test]
+fn one_communicator_per_distinct_group() {
+    use ferrolm_dist::zero::{members, ZeroGroup};
+    use std::sync::Arc;
+    for spec in ShardSpec::all_valid(DP, 2) {
+        let out = ThreadComm::run(DP, CommOptions::default(), move |comm| {
+            let mesh = DeviceMesh::new(comm, 1, DP, 2)?;
+            let (dp, r) = (mesh.dp_group().clone(), mesh.dp_rank());
+            let mut m = Llama::new(config(), DType::F32, Device::Cpu, &mut Rng::new(1))?;
+            let z = Zero::new(&mut m, mesh, spec, None, AdamWConfig::default(), Placement::Device)?;
+            let comms = z.comms();
+            let mut seen: Vec<Vec<usize>> = Vec::new();
+            for c in &comms {
+                let ranks = c.world_ranks().to_vec();
+                if c.size() == 1 {
+                    assert!(!c.name().starts_with("zero_"), "{spec}: a split communicator of one rank ({})", c.name());
+                    continue;
+                }
+                assert!(!seen.contains(&ranks), "{spec}: two communicators over {ranks:?}");
+                if ranks == dp.world_ranks() {
+                    assert!(Arc::ptr_eq(c, &dp), "{spec}: a duplicate of the dp group ({})", c.name());
+                }
+                seen.push(ranks);
+            }
+            // As many multi-rank communicators as distinct multi-rank groups.
+            let mut groups: Vec<Vec<usize>> = [ZeroGroup::Params, ZeroGroup::OptimSub, ZeroGroup::Block, ZeroGroup::OptimReplicas]
+                .iter()
+                .map(|&g| members(g, spec, DP, r))
+                .filter(|m| m.len() > 1)
+                .collect();
+            groups.sort();
+            groups.dedup();
+            assert_eq!(seen.len(), groups.len(), "{spec}: {seen:?} for {groups:?}");
+            Ok(())
+        });
+        out.unwrap_or_else(|e| panic!("{spec}: {e}"));
+    }
+}
