@@ -141,6 +141,7 @@ fn run(a: Args) -> AnyResult<()> {
         global_batch_tokens: world * a.batch_size * a.seq_len * a.grad_accum,
         tp: 1,
         elem_bytes: 4,
+        grad_bytes: 4,
         checkpointed_layers: 0,
     };
     // Calibrate compute and the optimizer's rate: plain data parallelism, no link.

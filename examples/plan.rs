@@ -176,6 +176,7 @@ fn run(a: PlanArgs) -> AnyResult<()> {
         global_batch_tokens: a.global_batch_tokens,
         tp: a.tp,
         elem_bytes: 2,
+        grad_bytes: 4, // f32 main gradients (the trainers' default)
         checkpointed_layers: a.checkpointed_layers,
     };
     let ranked = search(&model, &cluster, &work);

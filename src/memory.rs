@@ -10,7 +10,7 @@
 use crate::nn::LlamaConfig;
 use anyhow::{bail, Result};
 use ferrolm_dist::plan::{self, Memory, ModelShape, Workload};
-use ferrolm_dist::zero::ShardSpec;
+use ferrolm_dist::zero::{GradReduceDtype, ShardSpec};
 use ferrolm_tensor::{DType, Device};
 
 /// Environment variable: `1` skips the refusal (the prediction is still printed).
@@ -57,6 +57,8 @@ pub struct MemLayout {
     /// in host memory; a device keeps two subgroups' state (12 B per element each: the one
     /// being updated and the next one's prefetch), as the autoconfig model counts it.
     pub offload_subgroup: Option<usize>,
+    /// `--grad-reduce-dtype`: the dtype gradients are accumulated and reduced in.
+    pub grad_reduce: GradReduceDtype,
 }
 
 impl MemLayout {
@@ -69,6 +71,7 @@ impl MemLayout {
             checkpointed_layers: if checkpointing { usize::MAX } else { 0 },
             thread_ranks: false,
             offload_subgroup: None,
+            grad_reduce: GradReduceDtype::default(),
         }
     }
 
@@ -96,6 +99,7 @@ pub fn estimate(
         global_batch_tokens: (batch * seq * grad_accum).saturating_mul(l.dp),
         tp: l.tp.max(1),
         elem_bytes: dtype.size_in_bytes(),
+        grad_bytes: l.grad_reduce.bytes(dtype.size_in_bytes()),
         checkpointed_layers: l.checkpointed_layers.min(cfg.num_hidden_layers),
     };
     let workspace = if device == Device::Cpu { 0.0 } else { CUDA_WORKSPACE_BYTES };

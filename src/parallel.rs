@@ -15,7 +15,7 @@ use crate::AnyResult;
 use anyhow::{bail, Context};
 use ferrolm_dist::offload::OffloadConfig;
 use ferrolm_dist::tp::{parallelize, TpLayout};
-use ferrolm_dist::zero::{Placement, ShardSpec, Zero};
+use ferrolm_dist::zero::{GradReduceDtype, Placement, ShardSpec, Zero};
 use ferrolm_dist::{CommOptions, Communicator, DeviceMesh, DistEnv, ThreadComm};
 use ferrolm_nn::optim::AdamWConfig;
 use ferrolm_nn::Llama;
@@ -42,12 +42,21 @@ pub struct Layout {
     pub ranks_per_node: usize,
     /// `--offload-optimizer`: the optimizer state in host memory.
     pub offload: Option<OffloadConfig>,
+    /// `--grad-reduce-dtype`: the dtype gradients are accumulated and reduced in.
+    pub grad_reduce: GradReduceDtype,
 }
 
 impl Layout {
     /// One device.
     pub fn single() -> Layout {
-        Layout { tp: 1, dp: 1, spec: ShardSpec { params: 1, grads: 1, optim: 1 }, ranks_per_node: 1, offload: None }
+        Layout {
+            tp: 1,
+            dp: 1,
+            spec: ShardSpec { params: 1, grads: 1, optim: 1 },
+            ranks_per_node: 1,
+            offload: None,
+            grad_reduce: GradReduceDtype::default(),
+        }
     }
 
     pub fn world(&self) -> usize {
@@ -64,6 +73,7 @@ impl Layout {
             checkpointed_layers: if checkpointing { usize::MAX } else { 0 },
             thread_ranks: self.world() > 1 && DistEnv::from_env()?.is_none_or(|e| e.world_size <= 1),
             offload_subgroup: self.offload.as_ref().map(|o| o.subgroup),
+            grad_reduce: self.grad_reduce,
         })
     }
 
@@ -195,7 +205,7 @@ pub fn attach(model: &mut Llama, comm: Option<Comm>, layout: &Layout, cfg: AdamW
         Some(o) => Placement::Offload(o),
         None => Placement::Device,
     };
-    let zero = match comm {
+    let mut zero = match comm {
         None => Zero::single(model, cfg, placement)?,
         Some(comm) => {
             let mesh = DeviceMesh::new(comm, layout.tp, layout.dp, layout.ranks_per_node)?;
@@ -203,6 +213,7 @@ pub fn attach(model: &mut Llama, comm: Option<Comm>, layout: &Layout, cfg: AdamW
             Zero::new(model, mesh, layout.spec, tp, cfg, placement)?
         }
     };
+    zero.set_grad_reduce_dtype(layout.grad_reduce)?;
     if let Some(plan) = zero.offload_plan() {
         report_offload(&plan, model.device());
     }

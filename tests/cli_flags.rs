@@ -133,6 +133,30 @@ fn dtype_takes_both_forms_defaults_by_device_and_refuses_others() {
 }
 
 #[test]
+fn grad_reduce_dtype_takes_both_forms_defaults_to_f32_and_refuses_others() {
+    for (flag, want) in [
+        (vec!["--grad-reduce-dtype", "bf16"], "bf16"),
+        (vec!["--grad-reduce-dtype=bf16"], "bf16"),
+        (vec!["--grad-reduce-dtype=f32"], "f32"),
+        (vec![], "f32"),
+    ] {
+        let a: PretrainArgs = parse_from(["pretrain_llama"].into_iter().chain(flag.iter().copied())).unwrap();
+        assert_eq!(a.train.parallel.grad_reduce_dtype.to_string(), want, "{flag:?}");
+        assert_eq!(a.train.parallel.layout().unwrap().grad_reduce.to_string(), want, "{flag:?} reaches the layout");
+    }
+    let f: FinetuneArgs = parse_from(["finetune_ladder", "--model", "m", "--ladder-layers", "2", "--grad-reduce-dtype=bf16"]).unwrap();
+    assert_eq!(f.train.parallel.grad_reduce_dtype.to_string(), "bf16");
+    for bad in ["f16", "fp32", ""] {
+        let e = parse_from::<PretrainArgs, _, _>(["pretrain_llama", "--grad-reduce-dtype", bad]).unwrap_err();
+        assert_eq!((e.kind(), e.exit_code()), (ErrorKind::ValueValidation, 2), "--grad-reduce-dtype {bad:?}");
+        assert!(e.to_string().contains("--grad-reduce-dtype") && e.to_string().contains("bf16"), "{e}");
+    }
+    let help = PretrainArgs::cli().render_long_help().to_string();
+    let at = help.find("--grad-reduce-dtype").expect("--grad-reduce-dtype in --help");
+    assert!(help[at..].split("\n  -").next().unwrap().contains("[default: f32]"), "{}", &help[at..]);
+}
+
+#[test]
 fn typos_get_a_suggestion_and_unknown_flags_exit_2() {
     let e = parse_from::<PretrainArgs, _, _>(["pretrain_llama", "--step", "5"]).unwrap_err();
     assert_eq!(e.kind(), ErrorKind::UnknownArgument);

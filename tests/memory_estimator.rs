@@ -121,6 +121,7 @@ fn estimate_is_within_ten_percent_of_the_measured_peak() {
             checkpointed_layers: if ck { usize::MAX } else { 0 },
             thread_ranks: true,
             offload_subgroup: None,
+            grad_reduce: Default::default(),
         };
         rows.push((format!("{name} {spec}, checkpointing {ck}, {accum} micro-batches"), predict(c, accum, &layout), measured));
     }
@@ -155,4 +156,34 @@ fn a_run_that_cannot_fit_is_refused_with_the_numbers() {
     let ok = ferrolm::memory::RunShape { batch_size: 4, ..opts };
     let m = ferrolm::memory::check_layout(&c.cfg, DType::F32, Device::Cpu, &ok, &MemLayout::single(true)).unwrap();
     assert!(m.total() > m.states());
+}
+
+/// f32 main gradients (the default) against `--grad-reduce-dtype bf16` with bf16 parameters:
+/// every gradient byte the estimator counts doubles (2 more bytes per element), parameters and
+/// optimizer states stay. Pure arithmetic: no tensors, so it does not disturb the peak above.
+#[test]
+fn f32_main_gradients_cost_two_more_bytes_per_gradient_element() {
+    use ferrolm_dist::plan::ModelShape;
+    use ferrolm_dist::zero::GradReduceDtype;
+    let c = case(64, 128, 2, 2, 32);
+    let buckets = ModelShape::from_config(&c.cfg, "run").bucket_params(1);
+    let n: f64 = buckets.iter().sum::<u64>() as f64;
+    let biggest = *buckets.iter().max().unwrap() as f64;
+    for (dp, spec, accum) in [(1, ShardSpec::zero(0, 1).unwrap(), 1), (4, ShardSpec::zero(2, 4).unwrap(), 2)] {
+        let l = |g| MemLayout { dp, spec, grad_reduce: g, ..MemLayout::single(false) };
+        let a = estimate(&c.cfg, DType::BF16, Device::Cpu, c.batch, c.seq, accum, &l(GradReduceDtype::F32)).unwrap();
+        let b = estimate(&c.cfg, DType::BF16, Device::Cpu, c.batch, c.seq, accum, &l(GradReduceDtype::Bf16)).unwrap();
+        let (sg, so) = (spec.grads as f64, spec.optim as f64);
+        // The optimizer range's gradient, the accumulator (3/4 live) with several micro-batches,
+        // and one whole bucket in flight when the optimizer state is sharded.
+        let grads = 2.0 * n / so + if accum > 1 { 0.75 * 2.0 * n / sg } else { 0.0 };
+        let buffers = if spec.optim > 1 { 2.0 * biggest } else { 0.0 };
+        let close = |x: f64, y: f64| (x - y).abs() <= 1e-9 * y.max(1.0);
+        assert!(close(a.grads - b.grads, grads), "{spec}: {} - {} vs {grads}", a.grads, b.grads);
+        assert!(close(a.buffers - b.buffers, buffers), "{spec}: {} - {} vs {buffers}", a.buffers, b.buffers);
+        assert_eq!((a.params, a.optim, a.activations), (b.params, b.optim, b.activations), "{spec}");
+        // With f32 parameters the setting changes nothing.
+        let f = |g| estimate(&c.cfg, DType::F32, Device::Cpu, c.batch, c.seq, accum, &l(g)).unwrap().total();
+        assert_eq!(f(GradReduceDtype::F32), f(GradReduceDtype::Bf16));
+    }
 }

@@ -19,7 +19,7 @@ use anyhow::{bail, Result};
 use ferrolm_dist::cost::{self, GroupSpan, Kind};
 use ferrolm_dist::dos::{self, DosInputs};
 use ferrolm_dist::plan::{self, Cluster, Estimate, Memory, ModelShape, Workload};
-use ferrolm_dist::zero::ShardSpec;
+use ferrolm_dist::zero::{GradReduceDtype, ShardSpec};
 use serde::Serialize;
 
 /// FLOPs per parameter and token when training with full activation recompute: 6 (forward and
@@ -348,6 +348,8 @@ pub fn search(shape: &ModelShape, cluster: &Cluster, space: &SearchSpace) -> (Ve
                         global_batch_tokens: space.global_batch_tokens,
                         tp,
                         elem_bytes,
+                        // The trainers' default: f32 main gradients.
+                        grad_bytes: GradReduceDtype::default().bytes(elem_bytes),
                         checkpointed_layers: ck,
                     };
                     let Some(base) = plan::evaluate(shape, cluster, &w, spec) else { continue };

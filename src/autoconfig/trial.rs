@@ -163,7 +163,7 @@ pub fn layout(c: &Candidate, ranks_per_node: usize) -> Layout {
         None => GpuEvery::Auto,
     };
     let offload = c.offload_k.map(|_| OffloadConfig { subgroup: 10_000_000, gpu_every });
-    Layout { tp: c.tp, dp: c.dp, spec: c.spec, ranks_per_node, offload }
+    Layout { tp: c.tp, dp: c.dp, spec: c.spec, ranks_per_node, offload, grad_reduce: Default::default() }
 }
 
 /// Runs `c` for one warm-up and `s.steps` timed steps with the real trainer on thread ranks

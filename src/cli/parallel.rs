@@ -6,7 +6,7 @@ use crate::AnyResult;
 use anyhow::bail;
 use clap::Args;
 use ferrolm_dist::offload::{GpuEvery, OffloadConfig};
-use ferrolm_dist::zero::ShardSpec;
+use ferrolm_dist::zero::{GradReduceDtype, ShardSpec};
 use ferrolm_dist::DistEnv;
 
 /// Tensor parallelism for the inference tools (eval, generate).
@@ -65,6 +65,11 @@ pub struct ParallelArgs {
     /// throughputs measured at start-up) or `inf` (all on the CPU)
     #[arg(long, value_name = "k|auto|inf", default_value = "auto", requires = "offload_optimizer")]
     pub offload_gpu_every: GpuEvery,
+    /// The dtype gradients are accumulated and reduced in: f32 main-gradient buffers (as
+    /// Megatron-LM and DeepSpeed do with bf16 parameters), or bf16, the parameter dtype of
+    /// --dtype bf16 (half the gradient memory and traffic; with f32 parameters both are f32)
+    #[arg(long, value_name = "f32|bf16", default_value = "f32")]
+    pub grad_reduce_dtype: GradReduceDtype,
 }
 
 impl ParallelArgs {
@@ -104,6 +109,6 @@ impl ParallelArgs {
         if let Some(o) = &offload {
             o.validate()?;
         }
-        Ok(Layout { tp: self.tp, dp: self.dp, spec, ranks_per_node: rpn, offload })
+        Ok(Layout { tp: self.tp, dp: self.dp, spec, ranks_per_node: rpn, offload, grad_reduce: self.grad_reduce_dtype })
     }
 }

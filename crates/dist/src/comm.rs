@@ -422,3 +422,39 @@ pub fn all_reduce_scalar(c: &dyn Communicator, v: f64, device: Device) -> Result
     let t = if device == Device::Cpu { Tensor::from_vec(vec![v], [1], device)? } else { Tensor::from_vec(vec![v as f32], [1], device)? };
     c.all_reduce(&t, ReduceOp::Sum)?.item()
 }
+
+/// Environment variable: `1` makes every collective carry its call site (`call_site`) and
+/// checks that the ranks of a group launch the same collective from the same site, so ranks
+/// that issue buckets in a different order fail with the site named.
+pub const ENV_COMM_CHECK: &str = "FERROLM_COMM_CHECK";
+
+/// Whether `FERROLM_COMM_CHECK=1` is set (read at each collective: tests may turn it on).
+pub fn comm_check() -> bool {
+    std::env::var(ENV_COMM_CHECK).is_ok_and(|v| v == "1")
+}
+
+thread_local! {
+    static SITE: std::cell::RefCell<Option<String>> = const { std::cell::RefCell::new(None) };
+}
+
+/// Restores the previous call site when dropped.
+pub struct SiteGuard(Option<String>);
+
+impl Drop for SiteGuard {
+    fn drop(&mut self) {
+        let prev = self.0.take();
+        SITE.with(|s| *s.borrow_mut() = prev);
+    }
+}
+
+/// Names the call site (for example "bucket 3, gradient reduce-scatter") of the collectives this
+/// thread launches until the guard drops. Formats nothing unless `FERROLM_COMM_CHECK=1`.
+pub fn call_site(site: impl FnOnce() -> String) -> SiteGuard {
+    let new = comm_check().then(site);
+    SiteGuard(SITE.with(|s| std::mem::replace(&mut *s.borrow_mut(), new)))
+}
+
+/// The call site this thread's next collective carries (None without `FERROLM_COMM_CHECK=1`).
+pub fn current_site() -> Option<String> {
+    SITE.with(|s| s.borrow().clone()).filter(|_| comm_check())
+}

@@ -26,8 +26,9 @@
 //! NULL instead: each collective then runs at call time, in issue order, and its completion is a
 //! host flag that the watchdog watches as it watches an event.
 //!
-//! `FERROLM_COMM_CHECK=1` checks every collective's arguments against rank 0's through the
-//! store (a round trip per collective: for debugging); without it, ranks that disagree get what
+//! `FERROLM_COMM_CHECK=1` checks every collective's arguments and call site (`comm::call_site`)
+//! against rank 0's through the store (a round trip per collective: for debugging); without it,
+//! ranks that disagree get what
 //! NCCL does with mismatched calls.
 use crate::comm::{Collective, CommOptions, CommStats, Communicator, Completion, ReduceOp};
 use crate::nccl_lib::{self, NcclLib, RawComm, UniqueId};
@@ -463,7 +464,8 @@ impl Communicator for NcclComm {
         let seq = *next;
         s.check_failed(|| s.context(seq, &what))?;
         if s.check_args {
-            s.check_agreement(seq, &format!("{what} of {:?} {dtype}", x.dims()))?;
+            let at = crate::comm::current_site().map_or(String::new(), |s| format!(" at {s}"));
+            s.check_agreement(seq, &format!("{what} of {:?} {dtype}{at}", x.dims()))?;
         }
         bind(&s.backend)?;
         let (send, recv) = (in_ptr as *const c_void, out_ptr as *mut c_void);

@@ -146,6 +146,9 @@ pub struct Workload {
     pub tp: usize,
     /// Bytes per parameter element (2 for bf16 mixed precision, 4 for f32).
     pub elem_bytes: usize,
+    /// Bytes per gradient element as accumulated and reduced (`--grad-reduce-dtype`: 4 for the
+    /// default f32 main gradients, `elem_bytes` for bf16).
+    pub grad_bytes: usize,
     /// Transformer layers whose activations are recomputed in backward.
     pub checkpointed_layers: usize,
 }
@@ -233,11 +236,11 @@ pub fn activation_bytes(m: &ModelShape, w: &Workload) -> f64 {
 /// gradients of its optimizer range at the step (`n / s_os`) with one whole bucket buffer in
 /// flight towards it when `s_os > 1` (and the step's squared gradient of one bucket), with
 /// several micro-batches an accumulator of `n / s_g` (about three quarters of it live at the
-/// peak), and per optimizer element m and v (and a norm-weight mask under tensor parallelism)
+/// peak), gradients counted at `grad_bytes` per element, and per optimizer element m and v (and a norm-weight mask under tensor parallelism)
 /// plus the master below f32. The fractions are fitted to measured peaks (docs/AUTOCONFIG.md,
 /// "Memory estimator"); the rest is counted.
 pub fn memory(m: &ModelShape, w: &Workload, spec: ShardSpec, micro_batches: usize, workspace: f64) -> Memory {
-    let e = w.elem_bytes as f64;
+    let (e, ge) = (w.elem_bytes as f64, w.grad_bytes as f64);
     let buckets: Vec<f64> = m.bucket_params(w.tp).iter().map(|&n| n as f64).collect();
     let local: f64 = buckets.iter().sum();
     let biggest = buckets.iter().copied().fold(0.0, f64::max);
@@ -245,11 +248,11 @@ pub fn memory(m: &ModelShape, w: &Workload, spec: ShardSpec, micro_batches: usiz
     let activations = activation_bytes(m, w);
     let (sp, sg, so) = (spec.params as f64, spec.grads as f64, spec.optim as f64);
     let gathered = if spec.params > 1 { 3.0 * biggest * e } else { 0.0 };
-    let accumulator = if micro_batches > 1 { 0.75 * local * e / sg } else { 0.0 };
-    let in_flight = if spec.optim > 1 { biggest * e } else { 0.0 };
+    let accumulator = if micro_batches > 1 { 0.75 * local * ge / sg } else { 0.0 };
+    let in_flight = if spec.optim > 1 { biggest * ge } else { 0.0 };
     Memory {
         params: local * e / sp,
-        grads: local * e / so + accumulator,
+        grads: local * ge / so + accumulator,
         // m, v; the norm-weight mask only under tensor parallelism.
         optim: local * (8.0 + if w.tp > 1 { 4.0 } else { 0.0 } + master) / so,
         activations,
@@ -287,16 +290,16 @@ pub fn evaluate(m: &ModelShape, c: &Cluster, w: &Workload, spec: ShardSpec) -> O
     let gathers = crate::zero::expected_gathers(spec.params, buckets.len(), m.tied);
     let (mut tp_, mut tp_fwd, mut tg, mut t0, mut t1) = (0.0, 0.0, 0.0, 0.0, 0.0);
     for (i, (&n, &ag)) in buckets.iter().zip(&gathers).enumerate() {
-        let b = n * e;
+        let (b, gb) = (n * e, n * w.grad_bytes as f64);
         let one = t(Kind::AllGather, sp_, b);
         tp_ += ag as f64 * one;
         // In the forward pass: once per bucket, and the tied embedding again for the head.
         tp_fwd += ag.min(if i == 0 && ag == 4 { 2 } else { 1 }) as f64 * one;
-        tg += t(Kind::ReduceScatter, sg_, b);
+        tg += t(Kind::ReduceScatter, sg_, gb);
         if spec.optim > spec.grads {
-            t0 += t(Kind::ReduceScatter, so_, b / spec.grads as f64);
+            t0 += t(Kind::ReduceScatter, so_, gb / spec.grads as f64);
         }
-        t0 += t(Kind::AllReduce, rep_, b / spec.optim as f64);
+        t0 += t(Kind::AllReduce, rep_, gb / spec.optim as f64);
         t1 += t(Kind::AllGather, so_, b / spec.params as f64);
     }
     let comm = [micro as f64 * tp_, micro as f64 * tg, t0, t1];

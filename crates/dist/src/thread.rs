@@ -52,15 +52,26 @@ impl World {
 /// What one rank asked for under one sequence number.
 #[derive(Clone, Debug, PartialEq)]
 enum Request {
-    Data { op: Collective, shape: Shape, dtype: DType },
+    /// `site`: the launching call site under FERROLM_COMM_CHECK=1 (`comm::call_site`).
+    Data {
+        op: Collective,
+        shape: Shape,
+        dtype: DType,
+        site: Option<String>,
+    },
     Barrier,
-    Split { name: String, color: usize, key: usize },
+    Split {
+        name: String,
+        color: usize,
+        key: usize,
+    },
 }
 
 impl Request {
     fn describe(&self) -> String {
         match self {
-            Request::Data { op, shape, dtype } => format!("{op} of {:?} {dtype}", shape.dims()),
+            Request::Data { op, shape, dtype, site: None } => format!("{op} of {:?} {dtype}", shape.dims()),
+            Request::Data { op, shape, dtype, site: Some(at) } => format!("{op} of {:?} {dtype} at {at}", shape.dims()),
             Request::Barrier => "barrier".into(),
             Request::Split { name, color, key } => format!("split {name:?} (color {color}, key {key})"),
         }
@@ -489,7 +500,7 @@ impl Communicator for ThreadComm {
             let s = copy_storage(&op.to_string(), x)?;
             return Ok(Completion::new(shape, dtype, device, move || Ok(s), || true));
         }
-        let req = Request::Data { op, shape: x.shape().clone(), dtype };
+        let req = Request::Data { op, shape: x.shape().clone(), dtype, site: crate::comm::current_site() };
         let ticket = self.submit(req, Some(x.detach()))?;
         let (group, seq, rank) = (self.group.clone(), ticket.seq, self.rank);
         let wait = move || {

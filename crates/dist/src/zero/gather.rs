@@ -36,7 +36,11 @@ struct BucketRefill {
 impl Refill for BucketRefill {
     fn refill(&self) -> Result<Storage> {
         let g = self.g.upgrade().ok_or_else(|| Error::new("zero", "parameter bucket read after its engine was dropped"))?;
-        let full = g.p.all_gather(&g.pshards[self.i])?;
+        let full = {
+            let i = self.i;
+            let _site = crate::comm::call_site(|| format!("bucket {i}, parameter all-gather on first read"));
+            g.p.all_gather(&g.pshards[self.i])?
+        };
         g.state.lock().unwrap_or_else(|e| e.into_inner()).gathers[self.i] += 1;
         g.materialised(self.i)?;
         full.storage_copy()
@@ -56,6 +60,8 @@ impl Gatherer {
         let next = if st.backward { i.checked_sub(1) } else { Some(i + 1).filter(|&k| k < self.flats.len()) };
         if let Some(k) = next {
             if self.flats[k].is_released() {
+                let phase = if st.backward { "backward" } else { "forward" };
+                let _site = crate::comm::call_site(|| format!("bucket {k}, {phase} parameter prefetch all-gather"));
                 let w = self.p.all_gather_async(&self.pshards[k])?;
                 let me = self.me.clone();
                 self.flats[k].prefetch(Box::new(move |s| {

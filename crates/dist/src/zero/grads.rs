@@ -47,18 +47,22 @@ struct Assembly {
     groups: Arc<ShardGroups>,
     spec: ShardSpec,
     grad_ready: Option<GradReady>,
+    /// The dtype of the optimizer-range gradients last handed over (for tests and reports).
+    handed_over: Option<DType>,
 }
 
 pub(crate) struct GradPipeline(Arc<Mutex<Assembly>>);
 
 impl GradPipeline {
-    pub fn new(store: &ParamBuckets, groups: Arc<ShardGroups>, spec: ShardSpec) -> GradPipeline {
+    /// Gradients are accumulated and reduced in `dtype` (f32 main-gradient buffers with
+    /// low-precision parameters, or the parameter dtype).
+    pub fn new(store: &ParamBuckets, groups: Arc<ShardGroups>, spec: ShardSpec, dtype: DType) -> GradPipeline {
         let buckets = store
             .buckets
             .iter()
             .map(|b| BucketGrads {
                 numel: b.padded,
-                dtype: b.dtype,
+                dtype,
                 device: b.flat.device(),
                 full: None,
                 arrived: 0,
@@ -68,11 +72,18 @@ impl GradPipeline {
                 optim_grad: None,
             })
             .collect();
-        GradPipeline(Arc::new(Mutex::new(Assembly { buckets, error: None, last: true, groups, spec, grad_ready: None })))
+        GradPipeline(Arc::new(Mutex::new(Assembly { buckets, error: None, last: true, groups, spec, grad_ready: None, handed_over: None })))
     }
 
     fn lock(&self) -> MutexGuard<'_, Assembly> {
         self.0.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// Accumulates and reduces in `dtype` from the next micro-batch on (between steps only).
+    pub fn set_dtype(&self, dtype: DType) {
+        for b in self.lock().buckets.iter_mut() {
+            b.dtype = dtype;
+        }
     }
 
     pub fn set_grad_ready(&self, hook: Option<GradReady>) {
@@ -148,6 +159,7 @@ impl GradPipeline {
             }
             out.push(a.buckets[i].optim_grad.take().expect("flushed"));
         }
+        a.handed_over = out.first().map(|t| t.dtype());
         Ok(out)
     }
 
@@ -165,6 +177,11 @@ impl GradPipeline {
         }
         a.error = None;
         out
+    }
+
+    /// The dtype of the optimizer-range gradients the last step received (None before one).
+    pub fn handed_over(&self) -> Option<DType> {
+        self.lock().handed_over
     }
 
     /// Bytes of accumulated gradient ranges held now (between micro-batches of a step).
@@ -200,6 +217,7 @@ impl Assembly {
         let b = &mut self.buckets[i];
         let full = b.full.take().ok_or_else(|| Error::new("zero", "no gradient to flush"))?;
         b.arrived = 0;
+        let _site = crate::comm::call_site(|| format!("bucket {i}, gradient reduce-scatter (last micro-batch: {last})"));
         let r = if spec.grads > 1 { g_comm.reduce_scatter_async(&full, ReduceOp::Sum)?.tensor() } else { full };
         if !last {
             b.reduced.push(r);
@@ -213,9 +231,11 @@ impl Assembly {
             }
         };
         if spec.optim > spec.grads {
+            let _site = crate::comm::call_site(|| format!("bucket {i}, optimizer-range reduce-scatter"));
             g = reduce_scatter(&self.groups.optim_sub, &g)?;
         }
         if self.groups.optim_replicas.size() > 1 {
+            let _site = crate::comm::call_site(|| format!("bucket {i}, replica all-reduce"));
             g = self.groups.optim_replicas.all_reduce_async(&g, ReduceOp::Sum)?.tensor();
         }
         if let Some(hook) = &self.grad_ready {

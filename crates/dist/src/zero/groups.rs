@@ -74,9 +74,11 @@ pub fn members(group: ZeroGroup, spec: ShardSpec, dp: usize, dp_rank: usize) -> 
 
 pub type Comm = Arc<dyn Communicator>;
 
-/// One rank's communicators for its groups. The gradient group G is P when s_g = s_p and the
-/// block when s_g = s_os; groups of one rank are the same communicator as the dp group's solo
-/// split, cheap to call (`size() == 1` skips them).
+/// One rank's communicators for its groups: one communicator per distinct group. A group of one
+/// rank gets no communicator of the backend (a solo thread communicator: every collective a
+/// copy), a group that is the whole dp group in its order is the dp communicator itself, and
+/// groups with the same members in the same order share one (the gradient group G is P when
+/// s_g = s_p and the block when s_g = s_os; MiCS's P is its block).
 pub(crate) struct ShardGroups {
     pub pos: ShardPosition,
     pub params: Comm,
@@ -87,22 +89,36 @@ pub(crate) struct ShardGroups {
 }
 
 impl ShardGroups {
-    /// Splits `dp` (collective over it: every data-parallel rank calls this with the same spec).
+    /// Splits `dp` (collective over it: every data-parallel rank calls this with the same spec;
+    /// which groups are split depends on the spec alone, so every rank splits the same ones).
     pub fn new(dp: &Comm, spec: ShardSpec) -> Result<ShardGroups> {
-        let pos = ShardPosition::of(dp.rank(), spec);
-        let split = |g: ZeroGroup, name: &str| -> Result<Comm> {
-            let (color, key) = pos.split(g, spec);
-            dp.split_named(color, key, name)
+        let (n, me) = (dp.size(), dp.rank());
+        let pos = ShardPosition::of(me, spec);
+        let mut made: Vec<(Vec<usize>, Comm)> = vec![((0..n).collect(), dp.clone())];
+        let mut comm = |g: ZeroGroup, name: &str| -> Result<Comm> {
+            let m = members(g, spec, n, me);
+            if let Some((_, c)) = made.iter().find(|(x, _)| *x == m) {
+                return Ok(c.clone());
+            }
+            let c = if m.len() == 1 {
+                crate::ThreadComm::solo(crate::CommOptions::default())
+            } else {
+                let (color, key) = pos.split(g, spec);
+                dp.split_named(color, key, name)?
+            };
+            made.push((m, c.clone()));
+            Ok(c)
         };
-        let params = split(ZeroGroup::Params, "zero_p")?;
-        let optim_sub = split(ZeroGroup::OptimSub, "zero_os")?;
-        let block = split(ZeroGroup::Block, "zero_block")?;
+        let params = comm(ZeroGroup::Params, "zero_p")?;
+        let optim_sub = comm(ZeroGroup::OptimSub, "zero_os")?;
+        let block = comm(ZeroGroup::Block, "zero_block")?;
         let grads = if spec.grads == spec.params { params.clone() } else { block.clone() };
-        let optim_replicas = split(ZeroGroup::OptimReplicas, "zero_rep")?;
+        let optim_replicas = comm(ZeroGroup::OptimReplicas, "zero_rep")?;
         Ok(ShardGroups { pos, params, grads, optim_sub, optim_replicas, block })
     }
 
-    /// The distinct communicators (for traffic accounting).
+    /// The distinct communicators (for traffic accounting; the dp communicator when a group is
+    /// the whole dp group).
     pub fn all(&self) -> Vec<Comm> {
         let mut out: Vec<Comm> = Vec::new();
         for c in [&self.params, &self.grads, &self.optim_sub, &self.optim_replicas, &self.block] {

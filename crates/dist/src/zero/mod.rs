@@ -25,7 +25,7 @@ mod state;
 
 pub use gather::expected_gathers;
 pub use groups::{members, ShardPosition, ZeroGroup};
-pub use spec::{traffic_bytes, ShardSpec};
+pub use spec::{traffic_bytes, GradReduceDtype, ShardSpec};
 
 use crate::comm::ReduceOp;
 use crate::engine::{StepReport, TrainEngine};
@@ -76,6 +76,7 @@ pub struct Zero {
     pub last_update_s: f64,
     micro: usize,
     dtype: DType,
+    grad_reduce: GradReduceDtype,
 }
 
 /// What `Zero::new` does with the optimizer state.
@@ -148,19 +149,65 @@ impl Zero {
             Placement::Offload(o) => Box::new(Offloaded::new(o, &optim_params, &runs, &cfg)?),
         };
         let state = Arc::new(Mutex::new(state));
-        let grads = GradPipeline::new(&store, groups.clone(), spec);
+        let grad_reduce = GradReduceDtype::default();
+        let grads = GradPipeline::new(&store, groups.clone(), spec, grad_reduce.dtype(dtype));
         grads.install_sinks(&store, model)?;
-        if lock(&state).grads_streamed().is_some() {
-            let st = state.clone();
-            grads.set_grad_ready(Some(Arc::new(move |i, g| lock(&st).grad_ready(i, g))));
-        }
         let gather = if sp > 1 {
             let pshards = buckets.iter().map(|b| b.param_range.clone()).collect();
             Some(Gatherer::new(groups.params.clone(), pshards, buckets.iter().map(|b| b.flat.clone()).collect())?)
         } else {
             None
         };
-        Ok(Zero { spec, mesh, tp, groups, buckets, store, grads, gather, state, cfg, step: 0, last_update_s: 0.0, micro: 0, dtype })
+        let mut z = Zero {
+            spec,
+            mesh,
+            tp,
+            groups,
+            buckets,
+            store,
+            grads,
+            gather,
+            state,
+            cfg,
+            step: 0,
+            last_update_s: 0.0,
+            micro: 0,
+            dtype,
+            grad_reduce,
+        };
+        z.install_grad_ready();
+        Ok(z)
+    }
+
+    /// Hooks the optimizer state's gradient-ready handler (offload streams each reduced
+    /// gradient to the host as soon as it is launched) to the gradient pipeline.
+    fn install_grad_ready(&mut self) {
+        if lock(&self.state).grads_streamed().is_some() {
+            let st = self.state.clone();
+            self.grads.set_grad_ready(Some(Arc::new(move |i, g| lock(&st).grad_ready(i, g))));
+        }
+    }
+
+    /// The dtype gradients are accumulated and reduced in (`--grad-reduce-dtype`): f32 main
+    /// gradients by default, as Megatron-LM and DeepSpeed do with bf16 parameters, or the
+    /// parameter dtype. Set it before the first micro-batch (collective: every rank the same).
+    pub fn set_grad_reduce_dtype(&mut self, d: GradReduceDtype) -> Result<()> {
+        if self.micro != 0 {
+            return Err(Error::new("zero", "the gradient reduce dtype changes between steps only"));
+        }
+        if d != self.grad_reduce {
+            self.grad_reduce = d;
+            self.grads.set_dtype(d.dtype(self.dtype));
+        }
+        Ok(())
+    }
+    /// The dtype gradients are accumulated and reduced in.
+    pub fn grad_dtype(&self) -> DType {
+        self.grad_reduce.dtype(self.dtype)
+    }
+    /// The dtype of the reduced optimizer-range gradients the last step used (None before one).
+    pub fn reduced_grad_dtype(&self) -> Option<DType> {
+        self.grads.handed_over()
     }
 
     /// The engine of a single device: a world of one rank, nothing sharded.
@@ -253,7 +300,7 @@ impl Zero {
     /// the device). Released parameter buckets count nothing; gradients count the range a rank
     /// accumulates into (numel / s_g), held between micro-batches.
     pub fn state_bytes(&self) -> (usize, usize, usize) {
-        let g: usize = self.buckets.iter().map(|b| b.numel / self.spec.grads * self.dtype.size_in_bytes()).sum();
+        let g: usize = self.buckets.iter().map(|b| b.numel / self.spec.grads * self.grad_dtype().size_in_bytes()).sum();
         let mut p = 0;
         for bk in &self.buckets {
             p += bk.param_range.storage_bytes();
@@ -296,6 +343,7 @@ impl Zero {
             Device::Cpu => Tensor::from_vec(vec![loss, sq], [2], Device::Cpu)?,
             d => Tensor::from_vec(vec![loss as f32, sq as f32], [2], d)?, // no f64 on a GPU
         };
+        let _site = crate::comm::call_site(|| "step, loss and squared-norm all-reduce".to_string());
         let v = world.all_reduce(&t, ReduceOp::Sum)?.to_vec_f64()?;
         let replicas = (self.mesh.dp() / self.spec.optim) as f64;
         Ok((v[0] / world.size() as f64, v[1] / replicas))
@@ -374,6 +422,7 @@ impl TrainEngine for Zero {
         // Hand-back OS -> P of each bucket, launched as soon as its range is updated.
         self.state().update(&updates, scalars, &mut |i| {
             if k > 1 {
+                let _site = crate::comm::call_site(|| format!("bucket {i}, updated-range all-gather"));
                 gathered[i] = Some(os_sub.all_gather_async(&updates[i].params.deep_copy()?)?.tensor());
             }
             Ok(())

@@ -1,7 +1,56 @@
 //! `ShardSpec`: the group sizes over which parameters, gradients and optimizer states are
 //! sharded (AMSP's s_p, s_g, s_os), the constraints a valid one meets, the model-state bytes it
 //! leaves on a rank, and the bytes a step sends (`traffic_bytes`, which tests hold the engine to).
-use ferrolm_tensor::{Error, Result};
+use ferrolm_tensor::{DType, Error, Result};
+
+/// The dtype gradients are accumulated and reduced in (`--grad-reduce-dtype`). `F32`, the
+/// default, keeps fp32 main-gradient buffers with low-precision parameters, as Megatron-LM
+/// (`--accumulate-allreduce-grads-in-fp32`) and DeepSpeed do with bf16; `Bf16` accumulates and
+/// reduces in the parameter dtype (bf16 for bf16 parameters: half the gradient memory and
+/// traffic, rounding at every sum).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum GradReduceDtype {
+    #[default]
+    F32,
+    Bf16,
+}
+
+impl GradReduceDtype {
+    /// The gradient dtype for parameters of `param`.
+    pub fn dtype(self, param: DType) -> DType {
+        match self {
+            GradReduceDtype::F32 => DType::F32,
+            GradReduceDtype::Bf16 => param,
+        }
+    }
+    /// Bytes per gradient element for parameters of `param_bytes` bytes.
+    pub fn bytes(self, param_bytes: usize) -> usize {
+        match self {
+            GradReduceDtype::F32 => 4,
+            GradReduceDtype::Bf16 => param_bytes,
+        }
+    }
+}
+
+impl std::str::FromStr for GradReduceDtype {
+    type Err = String;
+    fn from_str(s: &str) -> std::result::Result<Self, String> {
+        match s {
+            "f32" => Ok(GradReduceDtype::F32),
+            "bf16" => Ok(GradReduceDtype::Bf16),
+            _ => Err(format!("{s:?} is not a gradient reduce dtype: expected f32 or bf16")),
+        }
+    }
+}
+
+impl std::fmt::Display for GradReduceDtype {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(match self {
+            GradReduceDtype::F32 => "f32",
+            GradReduceDtype::Bf16 => "bf16",
+        })
+    }
+}
 
 /// Group sizes over which parameters, gradients and optimizer states are sharded.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
