@@ -20,7 +20,22 @@ fn tools() -> Vec<(&'static str, clap::Command, Vec<&'static str>)> {
         (
             "pretrain_llama",
             PretrainArgs::cli(),
-            [dev.clone(), vec!["Pretrain a LLaMA", "FERROLM_PEAK_TFLOPS", "--tp", "--zero", "--ladder-layers", "--dtype"]].concat(),
+            [
+                dev.clone(),
+                vec![
+                    "Pretrain a LLaMA",
+                    "FERROLM_PEAK_TFLOPS",
+                    "--tp",
+                    "--zero",
+                    "--ladder-layers",
+                    "--dtype",
+                    "FERROLM_EMU_RACE",
+                    "FERROLM_EMU_REPORT",
+                    "FERROLM_FORCE_NCCL",
+                    "FERROLM_COMM_CHECK",
+                ],
+            ]
+            .concat(),
         ),
         ("finetune_ladder", FinetuneArgs::cli(), [dev.clone(), vec!["Ladder Transformer", "--ladder-layers", "--tp"]].concat()),
         ("eval", EvalArgs::cli(), [dev.clone(), vec!["perplexity"]].concat()),

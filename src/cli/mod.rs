@@ -220,6 +220,8 @@ pub const ENV_DEVICE: &str = concat!(
     "  FERROLM_CUDA_EMULATOR  `1`: cuda:N is the CPU emulator of the CUDA backend (slow); processes\n",
     "                         started by a launcher then talk through the emulated NCCL\n",
     "  FERROLM_CUDA_POISON    `1`: fill new CUDA allocations with NaN (finds unset reads)\n",
+    "  FERROLM_EMU_RACE       SEED: the emulator delays every queued item at random (shows missing waits)\n",
+    "  FERROLM_EMU_REPORT     `1`: the emulator prints its host waits per call site at exit\n",
     "  LD_LIBRARY_PATH        where the NVIDIA driver, cuBLAS(Lt), NVRTC and NCCL are found",
 );
 

@@ -40,7 +40,9 @@ pub const ENV_HELP: &str = concat!(
     "                         WORLD_SIZE, LOCAL_RANK are not set (OMPI_COMM_WORLD_* likewise)\n",
     "  FERROLM_COMM_TIMEOUT_S seconds ranks wait for each other (rendezvous, collectives) [default: 600]\n",
     "  FERROLM_PREPARE_TIMEOUT\n",
-    "                         seconds the other ranks wait for rank 0 to prepare the run [default: 3600]",
+    "                         seconds the other ranks wait for rank 0 to prepare the run [default: 3600]\n",
+    "  FERROLM_COMM_CHECK     `1`: check every collective's arguments and call site against rank 0's\n",
+    "  FERROLM_FORCE_NCCL     `1`: take the one-process-per-GPU NCCL path even at WORLD_SIZE=1",
 );
 
 /// Where the rank came from (for messages that name the variable).

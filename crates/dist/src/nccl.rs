@@ -90,8 +90,8 @@ struct Shared {
     world_ranks: Vec<usize>,
     timeout: Duration,
     backend: Arc<CudaBackend>,
-    /// The communication stream; `None` on the emulated device until it has streams (NULL is
-    /// passed: collectives run at call time).
+    /// The communication stream; `None` only under `FERROLM_EMU_NCCL_NULL_STREAM=1` on the
+    /// emulated device (NULL is passed: collectives run at call time).
     stream: Option<Arc<CudaStream>>,
     store: Arc<Store>,
     /// Next sequence number; held across each NCCL call.
