@@ -26,7 +26,7 @@ use std::time::Instant;
 #[command(
     name = "bench_tp",
     about = "Tensor-parallel overlap benchmark: exposed communication of Llama and Ladder on CPU thread ranks behind a simulated link",
-    after_help = env_help(&[ENV_COMMON, "  MATMUL_NUM_THREADS     GEMM threads per rank (1 keeps the ranks from contending)"])
+    after_help = env_help(&[ENV_COMMON])
 )]
 struct Opts {
     /// Tensor-parallel ranks (threads)

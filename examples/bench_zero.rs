@@ -26,7 +26,7 @@ use std::time::Instant;
     name = "bench_zero",
     about = "ZeRO/AMSP layouts on CPU thread ranks behind a simulated two-level link: measured step time and exposed \
              communication beside the planner's prediction, at one memory cap",
-    after_help = env_help(&[ENV_COMMON, "  MATMUL_NUM_THREADS     GEMM threads per rank (1 keeps the ranks from contending)"])
+    after_help = env_help(&[ENV_COMMON])
 )]
 struct Args {
     /// Simulated nodes

@@ -4,6 +4,7 @@
 //! training loop (`train`), its run directories (`run_dir`), the command-line tools (`cli`) and
 //! what they share: logs (`logging`), progress bars (`progress`), the loss curve (`plot`) and a
 //! memory estimate (`memory`).
+pub mod alloc;
 pub mod autoconfig;
 pub mod cli;
 pub mod logging;
@@ -87,3 +88,6 @@ pub fn pick_device(flag: Option<&str>) -> Result<Device> {
         }
     }
 }
+
+#[global_allocator]
+static ALLOCATOR: alloc::Allocator = alloc::Allocator;

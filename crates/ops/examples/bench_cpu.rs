@@ -121,8 +121,7 @@ fn rope_tables(t: usize, d: usize, theta: f64) -> (Tensor, Tensor) {
     name = "bench_cpu",
     after_help = concat!(
         "Environment:\n",
-        "  RAYON_NUM_THREADS      threads of element-wise and reduction kernels [default: one per core]\n",
-        "  MATMUL_NUM_THREADS     threads of matrixmultiply's GEMM [default: one per core]",
+        "  RAYON_NUM_THREADS      threads of the CPU kernels, GEMM included [default: one per core]",
     )
 )]
 struct Args {}
@@ -130,9 +129,9 @@ struct Args {}
 fn main() {
     Args::parse();
     let threads = std::thread::available_parallelism().map(|n| n.get()).unwrap_or(1);
-    println!("ferrolm-tensor CPU bench ({threads} hardware threads, MATMUL_NUM_THREADS={:?})\n", std::env::var("MATMUL_NUM_THREADS").ok());
+    println!("ferrolm-tensor CPU bench ({threads} hardware threads, {} in the kernels' pool)\n", rayon::current_num_threads());
     let rng = &mut Rng::new(0);
-    println!("| GEMM (m x k x n) | Tensor::matmul GFLOP/s | matrixmultiply::sgemm GFLOP/s | ratio |");
+    println!("| GEMM (m x k x n) | Tensor::matmul GFLOP/s | matrixmultiply::sgemm (one thread) GFLOP/s | ratio |");
     println!("|---|---:|---:|---:|");
     let shapes: &[(usize, usize, usize, bool, &str)] = &[
         (64, 64, 64, false, ""),

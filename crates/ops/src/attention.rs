@@ -84,13 +84,14 @@ pub fn backward(
 
 mod cpu {
     //! The reference: forward parallel over (batch, query head), backward over (batch, kv head)
-    //! with the group's query heads visited in order. K and V are read in place (GQA); each task
-    //! transposes its K (and V) once so that a row of scores is computed as axpys over
-    //! contiguous memory, which vectorise (`multiversion!`) without changing the order of any
-    //! sum; `exp` is the vectorisable `FastExp`.
+    //! with the group's query heads visited in order. K and V are read in place (GQA, no
+    //! copies). Each task walks its query rows in blocks of BLOCK_Q: the scores of a block
+    //! against the keys it may see, and every product with them, are single-threaded GEMMs
+    //! (the tasks are the parallelism), the softmax between them is vectorised
+    //! (`multiversion!`, `FastExp`), and the block's scores are the only (rows, t) buffer.
     use super::*;
-    use ferrolm_tensor::cpu::simd::{axpy, FastExp};
-    use ferrolm_tensor::cpu::Stat;
+    use ferrolm_tensor::cpu::simd::{max, sum_map, FastExp};
+    use ferrolm_tensor::cpu::{GemmScalar, Stat};
     use ferrolm_tensor::{float_dispatch, multiversion};
     use num_traits::Float;
     use rayon::prelude::*;
@@ -129,60 +130,82 @@ mod cpu {
         a.iter().zip(b).fold(T::zero(), |s, (&x, &y)| s + x * y)
     }
 
-    /// The (t, d) rows of `m` as a (d, t) matrix, so that a row of scores is a sum of axpys over
-    /// contiguous columns (vectorised) while each score still sums its d products in order.
-    #[inline(always)]
-    fn transpose<T: Float>(m: &[T], t: usize, d: usize, out: &mut Vec<T>) {
-        out.clear();
-        out.resize(t * d, T::zero());
-        for (j, row) in m.chunks_exact(d).enumerate() {
-            for (x, &v) in row.iter().enumerate() {
-                out[x * t + j] = v;
-            }
-        }
-    }
+    /// Query rows per block: a block's scores against its keys are one (rows, keys) GEMM.
+    const BLOCK_Q: usize = 64;
 
-    /// s[j] = sum over x in order of a[x] * bt[x][j], j < s.len(): the dots of `a` with the
-    /// first s.len() rows of the matrix whose transpose (d, t) is `bt`.
+    /// C (m, n) = alpha A (m, k) B (k, n) + beta C on slices, one thread; an operand is (slice,
+    /// row stride, column stride), C's row stride is `rsc`. The extents are checked first.
     #[inline(always)]
-    fn dots_t<T: Float>(s: &mut [T], a: &[T], bt: &[T], t: usize) {
-        let n = s.len();
-        s.fill(T::zero());
-        for (x, &ax) in a.iter().enumerate() {
-            axpy(s, ax, &bt[x * t..x * t + n]);
+    #[allow(clippy::too_many_arguments)]
+    fn mm<T: GemmScalar>(
+        m: usize,
+        k: usize,
+        n: usize,
+        alpha: T,
+        a: (&[T], usize, usize),
+        b: (&[T], usize, usize),
+        beta: T,
+        c: &mut [T],
+        rsc: usize,
+    ) {
+        let last = |rows: usize, cols: usize, rs: usize, cs: usize| (rows - 1) * rs + (cols - 1) * cs;
+        assert!(m > 0 && k > 0 && n > 0 && rsc >= n, "attention: empty or overlapping GEMM ({m}, {k}, {n})");
+        assert!(
+            last(m, k, a.1, a.2) < a.0.len() && last(k, n, b.1, b.2) < b.0.len() && last(m, n, rsc, 1) < c.len(),
+            "attention: GEMM operand out of range"
+        );
+        // SAFETY: the asserts above put the last element of every operand inside its slice
+        // (strides are non-negative, so every other index is below it); C's rows are `rsc >= n`
+        // apart, so its elements do not alias, and `c` is an exclusive borrow apart from a and b.
+        unsafe {
+            T::gemm(
+                m,
+                k,
+                n,
+                alpha,
+                a.0.as_ptr(),
+                a.1 as isize,
+                a.2 as isize,
+                b.0.as_ptr(),
+                b.1 as isize,
+                b.2 as isize,
+                beta,
+                c.as_mut_ptr(),
+                rsc as isize,
+                1,
+            )
         }
     }
 
     multiversion! {
-    /// One (batch, query head): o and lse of its t rows.
-    fn attention_head[T: FastExp](qh: &[T], kh: &[T], vh: &[T], t: usize, d: usize, sc: T, o: &mut [T], lse: &mut [T]) {
-        let (mut kt, mut s) = (Vec::new(), vec![T::zero(); t]);
-        transpose(kh, t, d, &mut kt);
-        for i in 0..t {
-            let s = &mut s[..=i];
-            dots_t(s, &qh[i * d..(i + 1) * d], &kt, t);
-            let mut m = T::neg_infinity();
-            for v in s.iter_mut() {
-                *v = *v * sc;
-                m = m.max(*v);
+    /// One (batch, query head): o and lse of its t rows, a block of BLOCK_Q query rows at a time:
+    /// S = scale Q K^T against the keys up to the block's last row (GEMM), the causal softmax of
+    /// each row in place, then O = P V (GEMM).
+    fn attention_head[T: FastExp + GemmScalar](qh: &[T], kh: &[T], vh: &[T], t: usize, d: usize, sc: T, o: &mut [T], lse: &mut [T]) {
+        let mut s = vec![T::zero(); BLOCK_Q.min(t) * t];
+        for i0 in (0..t).step_by(BLOCK_Q) {
+            let (rows, keys) = (BLOCK_Q.min(t - i0), (i0 + BLOCK_Q).min(t));
+            let s = &mut s[..rows * keys];
+            mm(rows, d, keys, sc, (&qh[i0 * d..], d, 1), (kh, 1, d), T::zero(), s, keys);
+            for (r, row) in s.chunks_exact_mut(keys).enumerate() {
+                let (live, future) = row.split_at_mut(i0 + r + 1);
+                let m = max(live);
+                for v in live.iter_mut() {
+                    *v = (*v - m).fast_exp();
+                }
+                let l = sum_map(live, |p| p);
+                let inv = T::one() / l;
+                live.iter_mut().for_each(|p| *p = *p * inv);
+                future.fill(T::zero());
+                lse[i0 + r] = m + l.ln();
             }
-            for v in s.iter_mut() {
-                *v = (*v - m).fast_exp();
-            }
-            let l = s.iter().fold(T::zero(), |a, &p| a + p);
-            let oi = &mut o[i * d..(i + 1) * d];
-            oi.fill(T::zero());
-            for (j, &p) in s.iter().enumerate() {
-                axpy(oi, p, &vh[j * d..(j + 1) * d]);
-            }
-            oi.iter_mut().for_each(|x| *x = *x / l);
-            lse[i] = m + l.ln();
+            mm(rows, keys, d, T::one(), (s, keys, 1), (vh, d, 1), T::zero(), &mut o[i0 * d..], d);
         }
     }
     }
 
     /// -> (o (b, hq, t, d), lse (b, hq, t))
-    fn attention<T: FastExp + Send + Sync>(q: &[T], k: &[T], v: &[T], a: AttnDims, scale: f64) -> (Vec<T>, Stat<Vec<T>>) {
+    fn attention<T: FastExp + GemmScalar + Send + Sync>(q: &[T], k: &[T], v: &[T], a: AttnDims, scale: f64) -> (Vec<T>, Stat<Vec<T>>) {
         let (t, d, group) = (a.t, a.d, a.hq / a.hkv);
         let sc: T = num(scale);
         let mut o = vec![T::zero(); q.len()];
@@ -209,35 +232,36 @@ mod cpu {
 
     multiversion! {
     /// One kv head: dq of its query heads, its dk and dv (accumulated over the query heads in
-    /// order, then rows in order).
-    fn attention_head_backward[T: FastExp](x: KvGroup<T>, group: usize, t: usize, d: usize, sc: T, dqg: &mut [T], dk: &mut [T], dv: &mut [T]) {
-        let (mut kt, mut vt) = (Vec::new(), Vec::new());
-        transpose(x.k, t, d, &mut kt);
-        transpose(x.v, t, d, &mut vt);
-        let (mut p, mut ds) = (vec![T::zero(); t], vec![T::zero(); t]);
+    /// order, then blocks in order). Per block of query rows: P from the forward's lse and dP =
+    /// dO V^T (GEMMs), dS = P (dP - rowsum(dO O)) scale in place, then dQ = dS K, dK += dS^T Q
+    /// and dV += P^T dO (GEMMs).
+    fn attention_head_backward[T: FastExp + GemmScalar](x: KvGroup<T>, group: usize, t: usize, d: usize, sc: T, dqg: &mut [T], dk: &mut [T], dv: &mut [T]) {
+        let (mut p, mut ds) = (vec![T::zero(); BLOCK_Q.min(t) * t], vec![T::zero(); BLOCK_Q.min(t) * t]);
+        let (zero, one) = (T::zero(), T::one());
         for g in 0..group {
-            let base = g * t * d;
-            let dqh = &mut dqg[base..base + t * d];
-            for i in 0..t {
-                let r = base + i * d..base + (i + 1) * d;
-                let (qi, doi) = (&x.q[r.clone()], &x.dout[r.clone()]);
-                let di = dot(doi, &x.o[r]);
-                let l = x.lse[g * t + i];
-                let (p, ds) = (&mut p[..=i], &mut ds[..=i]);
-                dots_t(p, qi, &kt, t);
-                for v in p.iter_mut() {
-                    *v = (*v * sc - l).fast_exp();
+            let head = g * t * d..(g + 1) * t * d;
+            let (q, dout, o) = (&x.q[head.clone()], &x.dout[head.clone()], &x.o[head.clone()]);
+            let dqh = &mut dqg[head];
+            for i0 in (0..t).step_by(BLOCK_Q) {
+                let (rows, keys) = (BLOCK_Q.min(t - i0), (i0 + BLOCK_Q).min(t));
+                let (p, ds) = (&mut p[..rows * keys], &mut ds[..rows * keys]);
+                mm(rows, d, keys, sc, (&q[i0 * d..], d, 1), (x.k, 1, d), zero, p, keys);
+                mm(rows, d, keys, one, (&dout[i0 * d..], d, 1), (x.v, 1, d), zero, ds, keys);
+                for (r, (pr, dr)) in p.chunks_exact_mut(keys).zip(ds.chunks_exact_mut(keys)).enumerate() {
+                    let i = i0 + r;
+                    let di = dot(&dout[i * d..(i + 1) * d], &o[i * d..(i + 1) * d]);
+                    let l = x.lse[g * t + i];
+                    let (live, future) = pr.split_at_mut(i + 1);
+                    for (pj, sj) in live.iter_mut().zip(dr.iter_mut()) {
+                        *pj = (*pj - l).fast_exp();
+                        *sj = *pj * (*sj - di) * sc;
+                    }
+                    future.fill(zero);
+                    dr[i + 1..].fill(zero);
                 }
-                dots_t(ds, doi, &vt, t);
-                for (s, &pj) in ds.iter_mut().zip(p.iter()) {
-                    *s = pj * (*s - di) * sc;
-                }
-                let dqi = &mut dqh[i * d..(i + 1) * d];
-                for j in 0..=i {
-                    axpy(dqi, ds[j], &x.k[j * d..(j + 1) * d]);
-                    axpy(&mut dk[j * d..(j + 1) * d], ds[j], qi);
-                    axpy(&mut dv[j * d..(j + 1) * d], p[j], doi);
-                }
+                mm(rows, keys, d, one, (ds, keys, 1), (x.k, d, 1), zero, &mut dqh[i0 * d..], d);
+                mm(keys, rows, d, one, (ds, 1, keys), (&q[i0 * d..], d, 1), one, dk, d);
+                mm(keys, rows, d, one, (p, 1, keys), (&dout[i0 * d..], d, 1), one, dv, d);
             }
         }
     }
@@ -246,7 +270,7 @@ mod cpu {
     /// -> (dq, dk, dv). The query heads of one kv head are contiguous, so a task owns the dq
     /// rows of its group and the dk/dv rows of its kv head.
     #[allow(clippy::too_many_arguments)]
-    fn attention_backward<T: FastExp + Send + Sync>(
+    fn attention_backward<T: FastExp + GemmScalar + Send + Sync>(
         dout: &[T],
         q: &[T],
         k: &[T],

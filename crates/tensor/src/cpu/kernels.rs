@@ -230,35 +230,152 @@ fn matmul_dims(la: &Layout, lb: &Layout) -> crate::Result<MatmulDims> {
     Ok(MatmulDims { r, m, k, n, oa, ob })
 }
 
+/// A single-threaded GEMM on raw strided operands, for fused CPU kernels that cut their own work
+/// into tasks (attention): C (m, n) = alpha A (m, k) B (k, n) + beta C, through matrixmultiply.
+pub trait GemmScalar: Float {
+    /// # Safety
+    /// Every index the product touches, `x + i*rsx + j*csx` for i, j below the operand's
+    /// dims, lies inside that operand's allocation; C's elements do not alias each other or A
+    /// and B; with beta = 0, C may be uninitialised.
+    #[allow(clippy::too_many_arguments)]
+    unsafe fn gemm(
+        m: usize,
+        k: usize,
+        n: usize,
+        alpha: Self,
+        a: *const Self,
+        rsa: isize,
+        csa: isize,
+        b: *const Self,
+        rsb: isize,
+        csb: isize,
+        beta: Self,
+        c: *mut Self,
+        rsc: isize,
+        csc: isize,
+    );
+}
+
+impl GemmScalar for f32 {
+    #[inline(always)]
+    unsafe fn gemm(
+        m: usize,
+        k: usize,
+        n: usize,
+        alpha: f32,
+        a: *const f32,
+        rsa: isize,
+        csa: isize,
+        b: *const f32,
+        rsb: isize,
+        csb: isize,
+        beta: f32,
+        c: *mut f32,
+        rsc: isize,
+        csc: isize,
+    ) {
+        matrixmultiply::sgemm(m, k, n, alpha, a, rsa, csa, b, rsb, csb, beta, c, rsc, csc)
+    }
+}
+
+impl GemmScalar for f64 {
+    #[inline(always)]
+    unsafe fn gemm(
+        m: usize,
+        k: usize,
+        n: usize,
+        alpha: f64,
+        a: *const f64,
+        rsa: isize,
+        csa: isize,
+        b: *const f64,
+        rsb: isize,
+        csb: isize,
+        beta: f64,
+        c: *mut f64,
+        rsc: isize,
+        csc: isize,
+    ) {
+        matrixmultiply::dgemm(m, k, n, alpha, a, rsa, csa, b, rsb, csb, beta, c, rsc, csc)
+    }
+}
+
+/// Output rows (or columns) of one parallel GEMM task are a multiple of this: the height of
+/// matrixmultiply's AVX-512 tile, so no task ends in a partial tile where another could start.
+const GEMM_ALIGN: usize = 32;
+/// Below this many multiply-adds per matrix a GEMM is one task.
+const GEMM_PAR_MIN: usize = 1 << 18;
+
+/// An address that crosses to the pool's threads. Every task writes a disjoint block of the
+/// output and only reads the operands.
+#[derive(Clone, Copy)]
+struct Addr(usize);
+
+/// The blocks one matrix of a batched GEMM is cut into: (rows, or columns when n > m, per task;
+/// task count). The batch and the blocks together give the pool about one task per thread, on
+/// rayon's pool, so the GEMM and the element-wise kernels share one set of threads.
+fn gemm_split(batches: usize, m: usize, k: usize, n: usize) -> (usize, usize) {
+    let long = m.max(n);
+    let threads = rayon::current_num_threads();
+    if threads <= 1 || batches >= threads || m * k * n < GEMM_PAR_MIN || long < 2 * GEMM_ALIGN {
+        return (long, 1);
+    }
+    let want = threads.div_ceil(batches);
+    let per = long.div_ceil(want).div_ceil(GEMM_ALIGN) * GEMM_ALIGN;
+    (per, long.div_ceil(per))
+}
+
 macro_rules! matmul_impl {
     ($name:ident, $t:ty, $gemm:path) => {
         /// a: (..., m, k), b: (..., k, n) with equal batch dims; any strides (transposes are free).
-        /// Every matrix's extent is checked against its storage before the GEMM reads it.
+        /// Every matrix's extent is checked against its storage before the GEMM reads it. The
+        /// batch, and a large matrix's longer output side, are cut into tasks on rayon's pool;
+        /// each task is a single-threaded GEMM into its own block of the output.
         pub fn $name(a: &[$t], la: &Layout, b: &[$t], lb: &Layout) -> crate::Result<Vec<$t>> {
             let MatmulDims { r, m, k, n, oa, ob } = matmul_dims(la, lb)?;
-            let mut out = vec![0.0 as $t; oa.len() * m * n];
-            let (rsa, csa) = (la.strides[r - 2] as isize, la.strides[r - 1] as isize);
-            let (rsb, csb) = (lb.strides[r - 2] as isize, lb.strides[r - 1] as isize);
-            if m == 0 || n == 0 {
-                return Ok(out);
+            let len = oa.len() * m * n;
+            if m == 0 || n == 0 || k == 0 {
+                return Ok(vec![0.0 as $t; len]);
             }
-            for (bi, (&pa, &pb)) in oa.iter().zip(&ob).enumerate() {
-                let c = &mut out[bi * m * n..(bi + 1) * m * n];
-                if k == 0 {
-                    continue;
-                }
-                check_extent("matmul", a.len(), pa, m, k, la.strides[r - 2], la.strides[r - 1])?;
-                check_extent("matmul", b.len(), pb, k, n, lb.strides[r - 2], lb.strides[r - 1])?;
-                // SAFETY: check_extent above proved that the last element of each operand,
+            let (rsa, csa) = (la.strides[r - 2], la.strides[r - 1]);
+            let (rsb, csb) = (lb.strides[r - 2], lb.strides[r - 1]);
+            for (&pa, &pb) in oa.iter().zip(&ob) {
+                check_extent("matmul", a.len(), pa, m, k, rsa, csa)?;
+                check_extent("matmul", b.len(), pb, k, n, rsb, csb)?;
+            }
+            let (per, blocks) = gemm_split(oa.len(), m, k, n);
+            let rows = m >= n;
+            let mut out: Vec<$t> = Vec::with_capacity(len);
+            let (pa0, pb0, pc0) = (Addr(a.as_ptr() as usize), Addr(b.as_ptr() as usize), Addr(out.as_mut_ptr() as usize));
+            let task = |t: usize| {
+                let (bi, blk) = (t / blocks, t % blocks);
+                let (lo, hi) = (blk * per, ((blk + 1) * per).min(if rows { m } else { n }));
+                // Row block: a's rows lo..hi into c's rows lo..hi; column block: b's columns.
+                let (mm, nn) = if rows { (hi - lo, n) } else { (m, hi - lo) };
+                let (da, db, dc) = if rows { (lo * rsa, 0, lo * n) } else { (0, lo * csb, lo) };
+                // SAFETY: check_extent above proved that the last element of every operand,
                 // base + (rows-1)*rs + (cols-1)*cs, lies inside its slice; strides are
-                // non-negative, so every index the GEMM touches (base + i*rs + j*cs, i < rows,
-                // j < cols) does too. A stride is multiplied only by indices below its dim, so
-                // where it matters (dim > 1) it is below the slice length and its isize cast is
-                // exact. `c` is an exclusive (m, n) row-major slice of `out` (strides n, 1).
+                // non-negative, so every index this block's GEMM touches (a sub-range of those
+                // rows or columns) does too, and a stride is multiplied only by indices below
+                // its dim, so its isize cast is exact. `out` has capacity for the whole (batch,
+                // m, n) output; this task writes exactly its own (mm, nn) block at strides
+                // (n, 1), disjoint from every other task's, and with beta = 0 the GEMM never
+                // reads the uninitialised output. `out` is not touched until every task ended.
                 unsafe {
-                    $gemm(m, k, n, 1.0, a.as_ptr().add(pa), rsa, csa, b.as_ptr().add(pb), rsb, csb, 0.0, c.as_mut_ptr(), n as isize, 1);
+                    let ap = (pa0.0 as *const $t).add(oa[bi] + da);
+                    let bp = (pb0.0 as *const $t).add(ob[bi] + db);
+                    let cp = (pc0.0 as *mut $t).add(bi * m * n + dc);
+                    $gemm(mm, k, nn, 1.0, ap, rsa as isize, csa as isize, bp, rsb as isize, csb as isize, 0.0, cp, n as isize, 1);
                 }
+            };
+            let tasks = oa.len() * blocks;
+            if tasks == 1 {
+                task(0);
+            } else {
+                (0..tasks).into_par_iter().for_each(task);
             }
+            // SAFETY: the tasks above wrote every element of the (batch, m, n) output once.
+            unsafe { out.set_len(len) };
             Ok(out)
         }
     };
