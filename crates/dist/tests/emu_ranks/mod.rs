@@ -51,6 +51,15 @@ pub fn child(test: &str, body: impl FnOnce(&Rank)) {
     std::process::exit(0);
 }
 
+/// A whole test: in a rank process of `test`, runs `body` and exits; in the test itself, starts
+/// ranks 0..n and asserts that every one succeeds within `timeout` (passes at once when the
+/// emulated NCCL is not built).
+pub fn run_ranks(test: &str, n: usize, timeout: Duration, body: impl FnOnce(&Rank)) {
+    child(test, body);
+    let Some(g) = Group::spawn(test, n, &[]) else { return };
+    g.finish(timeout).assert_ok();
+}
+
 fn write_atomic(path: &Path, bytes: &[u8]) {
     let tmp = path.with_extension(format!("tmp{}", std::process::id()));
     std::fs::write(&tmp, bytes).unwrap();
