@@ -84,20 +84,101 @@ static __device__ __forceinline__ float quad_sum(float v) {
     return v + __shfl_xor_sync(0xffffffffu, v, 2);
 }
 
+// ---- the prologue the tensor-core kernels share -----------------------------------------------
+// A thread's place in a block of FLASH_THREADS: its warp (16 rows of the block each) and its
+// fragment coordinates, group g = lane / 4 and thread-in-quad tq = lane % 4.
+struct FlashLane {
+    int warp, g, tq;
+};
+static __device__ __forceinline__ FlashLane flash_lane() {
+    int lane = threadIdx.x & 31;
+    return FlashLane{(int)(threadIdx.x >> 5), lane >> 2, lane & 3};
+}
+// The (t, D) rows of head `head` of batch `b` in a (b, heads, t, D) tensor.
+template <int D, typename T>
+static __device__ __forceinline__ T* head_rows(T* x, int b, int heads, int head, int t) {
+    return x + (i64)(b * heads + head) * t * D;
+}
+// The (BC, ST) tiles of K and V at the start of a block's dynamic shared memory.
+struct KvTiles {
+    bf16 *sK, *sV;
+};
+template <int BC, int ST>
+static __device__ __forceinline__ KvTiles kv_tiles(unsigned char* smem) {
+    bf16* sK = reinterpret_cast<bf16*>(smem);
+    return KvTiles{sK, sK + BC * ST};
+}
+// A block of FLASH_ROWS query rows of one query head (grid (ceil(t/64), hq, b)), as the forward
+// and dQ see it: batch b, query head h, the kv head hk it reads, its first row q0, and the
+// rows of its Q, K and V heads.
+template <int D>
+struct QueryBlock {
+    int b, h, hk, q0;
+    const bf16 *qh, *kh, *vh;
+};
+template <int D>
+static __device__ __forceinline__ QueryBlock<D> query_block(const bf16* q, const bf16* k, const bf16* v, int hq, int hkv, int t) {
+    int b = blockIdx.z, h = blockIdx.y, hk = h / (hq / hkv);
+    return QueryBlock<D>{b, h, hk, (int)blockIdx.x * FLASH_ROWS, head_rows<D>(q, b, hq, h, t), head_rows<D>(k, b, hkv, hk, t),
+                         head_rows<D>(v, b, hkv, hk, t)};
+}
+// acc += P X for this warp's 16 rows: P (16, BC) is in mma C fragments (s), reused as the A
+// operand; X is a (BC, D) tile in shared memory with row stride ST.
+template <int D, int ST, int BC>
+static __device__ __forceinline__ void mma_c_by_tile(float (*acc)[4], float (*s)[4], const bf16* sX, int g, int tq) {
+#pragma unroll
+    for (int kk = 0; kk < BC / 16; ++kk) {
+        unsigned a[4];
+        c_to_a(a, s[2 * kk], s[2 * kk + 1]);
+#pragma unroll
+        for (int n = 0; n < D / 8; ++n) {
+            unsigned bf[2];
+            ld_b_kn(bf, sX, ST, kk * 16, n * 8, g, tq);
+            mma_bf16(acc[n], a, bf);
+        }
+    }
+}
+// The two products a backward pass starts a tile with, for this warp's 16 rows against the N rows
+// of two shared tiles (row stride ST): x = A0 B0^T and y = A1 B1^T over the head dim, from zero,
+// where load_a(a, i, k) loads the A fragment of operand i (0 or 1) at column k.
+template <int D, int ST, int N, typename LoadA>
+static __device__ __forceinline__ void mma_two_products(float (*x)[4], float (*y)[4], const LoadA& load_a, const bf16* sB0,
+                                                        const bf16* sB1, int g, int tq) {
+#pragma unroll
+    for (int j = 0; j < N / 8; ++j) {
+#pragma unroll
+        for (int e = 0; e < 4; ++e) x[j][e] = y[j][e] = 0.0f;
+#pragma unroll
+        for (int kk = 0; kk < D / 16; ++kk) {
+            unsigned a[4], bf[2];
+            load_a(a, 0, kk * 16);
+            ld_b_nk(bf, sB0, ST, j * 8, kk * 16, g, tq);
+            mma_bf16(x[j], a, bf);
+            load_a(a, 1, kk * 16);
+            ld_b_nk(bf, sB1, ST, j * 8, kk * 16, g, tq);
+            mma_bf16(y[j], a, bf);
+        }
+    }
+}
+// Stages kv rows [k0, k0 + BC) of K and V into sK and sV, between barriers: every thread is done
+// with the previous tile before it is overwritten, and this one is complete before it is read.
+template <int D, int ST, int BC>
+static __device__ __forceinline__ void stage_kv_tile(bf16* sK, bf16* sV, const bf16* kh, const bf16* vh, int k0, int t) {
+    __syncthreads();
+    stage_rows<D, ST>(sK, kh, k0, BC, t);
+    stage_rows<D, ST>(sV, vh, k0, BC, t);
+    __syncthreads();
+}
+
 // ---- forward (bf16, tensor cores) -------------------------------------------------------------
 // grid (ceil(t/64), hq, b), block 128, dynamic smem 2 * 64 * (D + 8) * 2 bytes.
 template <int D>
 static __device__ void flash_fwd_impl(const bf16* q, const bf16* k, const bf16* v, bf16* o, float* lse, int hq, int hkv, int t, float scale) {
     constexpr int BR = FLASH_ROWS, BC = FLASH_FWD_TILE, ST = D + FLASH_PAD;
     DYNAMIC_SMEM(smem);
-    bf16* sK = reinterpret_cast<bf16*>(smem);  // (BC, ST)
-    bf16* sV = sK + BC * ST;                   // (BC, ST)
-    int b = blockIdx.z, h = blockIdx.y, hk = h / (hq / hkv);
-    int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, tq = lane & 3;
-    int q0 = blockIdx.x * BR;
-    const bf16* qh = q + (i64)(b * hq + h) * t * D;
-    const bf16* kh = k + (i64)(b * hkv + hk) * t * D;
-    const bf16* vh = v + (i64)(b * hkv + hk) * t * D;
+    auto [sK, sV] = kv_tiles<BC, ST>(smem);
+    auto [warp, g, tq] = flash_lane();
+    auto [b, h, hk, q0, qh, kh, vh] = query_block<D>(q, k, v, hq, hkv, t);
     unsigned qf[D / 16][4];
 #pragma unroll
     for (int kk = 0; kk < D / 16; ++kk) ld_a_global(qf[kk], qh, D, q0 + warp * 16, t, kk * 16, g, tq);
@@ -108,10 +189,7 @@ static __device__ void flash_fwd_impl(const bf16* q, const bf16* k, const bf16* 
     int rows[2] = {q0 + warp * 16 + g, q0 + warp * 16 + g + 8};
     int kv_end = min(t, q0 + BR);
     for (int k0 = 0; k0 < kv_end; k0 += BC) {
-        __syncthreads();
-        stage_rows<D, ST>(sK, kh, k0, BC, t);
-        stage_rows<D, ST>(sV, vh, k0, BC, t);
-        __syncthreads();
+        stage_kv_tile<D, ST, BC>(sK, sV, kh, vh, k0, t);
         float s[BC / 8][4];
 #pragma unroll
         for (int j = 0; j < BC / 8; ++j) {
@@ -149,19 +227,9 @@ static __device__ void flash_fwd_impl(const bf16* q, const bf16* k, const bf16* 
             for (int e = 0; e < 4; ++e) { float p = expf(s[j][e] - m_r[e >> 1]); s[j][e] = p; rs[e >> 1] += p; }
         l_r[0] += quad_sum(rs[0]);
         l_r[1] += quad_sum(rs[1]);
-#pragma unroll
-        for (int kk = 0; kk < BC / 16; ++kk) {
-            unsigned a[4];
-            c_to_a(a, s[2 * kk], s[2 * kk + 1]);
-#pragma unroll
-            for (int n = 0; n < D / 8; ++n) {
-                unsigned bf[2];
-                ld_b_kn(bf, sV, ST, kk * 16, n * 8, g, tq);
-                mma_bf16(acc[n], a, bf);
-            }
-        }
+        mma_c_by_tile<D, ST, BC>(acc, s, sV, g, tq);  // O += P V
     }
-    bf16* oh = o + (i64)(b * hq + h) * t * D;
+    bf16* oh = head_rows<D>(o, b, hq, h, t);
 #pragma unroll
     for (int r = 0; r < 2; ++r) {
         if (rows[r] >= t) continue;
@@ -201,17 +269,16 @@ static __device__ void flash_bwd_dkdv_impl(const bf16* q, const bf16* k, const b
                                            const float* dvec, bf16* dk, bf16* dv, int hq, int hkv, int t, float scale) {
     constexpr int BC = FLASH_ROWS, BR = FLASH_BWD_TILE, ST = D + FLASH_PAD;
     DYNAMIC_SMEM(smem);
-    bf16* sK = reinterpret_cast<bf16*>(smem);  // (BC, ST)
-    bf16* sV = sK + BC * ST;                   // (BC, ST)
+    auto [sK, sV] = kv_tiles<BC, ST>(smem);
     bf16* sQ = sV + BC * ST;                   // (BR, ST)
     bf16* sO = sQ + BR * ST;                   // (BR, ST) dO
     float* sL = reinterpret_cast<float*>(sO + BR * ST);  // (BR) lse
     float* sD = sL + BR;                                  // (BR) D
     int b = blockIdx.z, hk = blockIdx.y, group = hq / hkv;
-    int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, tq = lane & 3;
+    auto [warp, g, tq] = flash_lane();
     int k0 = blockIdx.x * BC;
-    const bf16* kh = k + (i64)(b * hkv + hk) * t * D;
-    const bf16* vh = v + (i64)(b * hkv + hk) * t * D;
+    const bf16* kh = head_rows<D>(k, b, hkv, hk, t);
+    const bf16* vh = head_rows<D>(v, b, hkv, hk, t);
     stage_rows<D, ST>(sK, kh, k0, BC, t);
     stage_rows<D, ST>(sV, vh, k0, BC, t);
     float dka[D / 8][4], dva[D / 8][4];
@@ -222,8 +289,8 @@ static __device__ void flash_bwd_dkdv_impl(const bf16* q, const bf16* k, const b
     int kvrow[2] = {k0 + warp * 16 + g, k0 + warp * 16 + g + 8};
     for (int gi = 0; gi < group; ++gi) {
         int h = hk * group + gi;
-        const bf16* qh = q + (i64)(b * hq + h) * t * D;
-        const bf16* oh = dout + (i64)(b * hq + h) * t * D;
+        const bf16* qh = head_rows<D>(q, b, hq, h, t);
+        const bf16* oh = head_rows<D>(dout, b, hq, h, t);
         const float* lh = lse + (i64)(b * hq + h) * t;
         const float* dh = dvec + (i64)(b * hq + h) * t;
         for (int i0 = (k0 / BR) * BR; i0 < t; i0 += BR) {
@@ -236,20 +303,11 @@ static __device__ void flash_bwd_dkdv_impl(const bf16* q, const bf16* k, const b
             }
             __syncthreads();
             float p[BR / 8][4], ds[BR / 8][4];
+            // S^T = K Q^T and dP^T = V dO^T
+            auto kv_rows = [sK = sK, sV = sV, r0 = warp * 16, g = g, tq = tq](unsigned* a, int i, int k) { ld_a(a, i ? sV : sK, ST, r0, k, g, tq); };
+            mma_two_products<D, ST, BR>(p, ds, kv_rows, sQ, sO, g, tq);
 #pragma unroll
             for (int j = 0; j < BR / 8; ++j) {
-#pragma unroll
-                for (int e = 0; e < 4; ++e) p[j][e] = ds[j][e] = 0.0f;
-#pragma unroll
-                for (int kk = 0; kk < D / 16; ++kk) {
-                    unsigned a[4], bf[2];
-                    ld_a(a, sK, ST, warp * 16, kk * 16, g, tq);
-                    ld_b_nk(bf, sQ, ST, j * 8, kk * 16, g, tq);
-                    mma_bf16(p[j], a, bf);   // S^T = K Q^T
-                    ld_a(a, sV, ST, warp * 16, kk * 16, g, tq);
-                    ld_b_nk(bf, sO, ST, j * 8, kk * 16, g, tq);
-                    mma_bf16(ds[j], a, bf);  // dP^T = V dO^T
-                }
 #pragma unroll
                 for (int e = 0; e < 4; ++e) {
                     int qc = j * 8 + 2 * tq + (e & 1), qrow = i0 + qc, kr = kvrow[e >> 1];
@@ -275,8 +333,8 @@ static __device__ void flash_bwd_dkdv_impl(const bf16* q, const bf16* k, const b
             }
         }
     }
-    bf16* dkh = dk + (i64)(b * hkv + hk) * t * D;
-    bf16* dvh = dv + (i64)(b * hkv + hk) * t * D;
+    bf16* dkh = head_rows<D>(dk, b, hkv, hk, t);
+    bf16* dvh = head_rows<D>(dv, b, hkv, hk, t);
 #pragma unroll
     for (int r = 0; r < 2; ++r) {
         if (kvrow[r] >= t) continue;
@@ -304,15 +362,10 @@ static __device__ void flash_bwd_dq_impl(const bf16* q, const bf16* k, const bf1
                                          const float* dvec, bf16* dq, int hq, int hkv, int t, float scale) {
     constexpr int BR = FLASH_ROWS, BC = FLASH_BWD_TILE, ST = D + FLASH_PAD;
     DYNAMIC_SMEM(smem);
-    bf16* sK = reinterpret_cast<bf16*>(smem);  // (BC, ST)
-    bf16* sV = sK + BC * ST;                   // (BC, ST)
-    int b = blockIdx.z, h = blockIdx.y, hk = h / (hq / hkv);
-    int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, tq = lane & 3;
-    int q0 = blockIdx.x * BR;
-    const bf16* qh = q + (i64)(b * hq + h) * t * D;
-    const bf16* oh = dout + (i64)(b * hq + h) * t * D;
-    const bf16* kh = k + (i64)(b * hkv + hk) * t * D;
-    const bf16* vh = v + (i64)(b * hkv + hk) * t * D;
+    auto [sK, sV] = kv_tiles<BC, ST>(smem);
+    auto [warp, g, tq] = flash_lane();
+    auto [b, h, hk, q0, qh, kh, vh] = query_block<D>(q, k, v, hq, hkv, t);
+    const bf16* oh = head_rows<D>(dout, b, hq, h, t);
     int rows[2] = {q0 + warp * 16 + g, q0 + warp * 16 + g + 8};
     float lr[2], dr[2];
     for (int r = 0; r < 2; ++r) {
@@ -324,25 +377,15 @@ static __device__ void flash_bwd_dq_impl(const bf16* q, const bf16* k, const bf1
     for (int n = 0; n < D / 8; ++n) acc[n][0] = acc[n][1] = acc[n][2] = acc[n][3] = 0.0f;
     int kv_end = min(t, q0 + BR);
     for (int k0 = 0; k0 < kv_end; k0 += BC) {
-        __syncthreads();
-        stage_rows<D, ST>(sK, kh, k0, BC, t);
-        stage_rows<D, ST>(sV, vh, k0, BC, t);
-        __syncthreads();
+        stage_kv_tile<D, ST, BC>(sK, sV, kh, vh, k0, t);
         float s[BC / 8][4], dp[BC / 8][4];
+        // S = Q K^T and dP = dO V^T
+        auto q_rows = [qh = qh, oh, r0 = q0 + warp * 16, t, g = g, tq = tq](unsigned* a, int i, int k) {
+            ld_a_global(a, i ? oh : qh, D, r0, t, k, g, tq);
+        };
+        mma_two_products<D, ST, BC>(s, dp, q_rows, sK, sV, g, tq);
 #pragma unroll
         for (int j = 0; j < BC / 8; ++j) {
-#pragma unroll
-            for (int e = 0; e < 4; ++e) s[j][e] = dp[j][e] = 0.0f;
-#pragma unroll
-            for (int kk = 0; kk < D / 16; ++kk) {
-                unsigned a[4], bf[2];
-                ld_a_global(a, qh, D, q0 + warp * 16, t, kk * 16, g, tq);
-                ld_b_nk(bf, sK, ST, j * 8, kk * 16, g, tq);
-                mma_bf16(s[j], a, bf);   // S = Q K^T
-                ld_a_global(a, oh, D, q0 + warp * 16, t, kk * 16, g, tq);
-                ld_b_nk(bf, sV, ST, j * 8, kk * 16, g, tq);
-                mma_bf16(dp[j], a, bf);  // dP = dO V^T
-            }
 #pragma unroll
             for (int e = 0; e < 4; ++e) {
                 int col = k0 + j * 8 + 2 * tq + (e & 1), row = rows[e >> 1];
@@ -351,19 +394,9 @@ static __device__ void flash_bwd_dq_impl(const bf16* q, const bf16* k, const bf1
                 s[j][e] = pv * (dp[j][e] - dr[e >> 1]) * scale;  // dS
             }
         }
-#pragma unroll
-        for (int kk = 0; kk < BC / 16; ++kk) {
-            unsigned a[4];
-            c_to_a(a, s[2 * kk], s[2 * kk + 1]);
-#pragma unroll
-            for (int n = 0; n < D / 8; ++n) {
-                unsigned bf[2];
-                ld_b_kn(bf, sK, ST, kk * 16, n * 8, g, tq);
-                mma_bf16(acc[n], a, bf);  // dQ += dS K
-            }
-        }
+        mma_c_by_tile<D, ST, BC>(acc, s, sK, g, tq);  // dQ += dS K
     }
-    bf16* dqh = dq + (i64)(b * hq + h) * t * D;
+    bf16* dqh = head_rows<D>(dq, b, hq, h, t);
 #pragma unroll
     for (int r = 0; r < 2; ++r) {
         if (rows[r] >= t) continue;
@@ -395,16 +428,28 @@ static __device__ __forceinline__ void simt_load(float* a, const T* src, int d, 
 #pragma unroll
     for (int e = 0; e < ATTN_SIMT_PER_LANE; ++e) { int x = lane + 32 * e; a[e] = x < d ? to_f(src[x]) : 0.0f; }
 }
+// The row of a (rows, d) view that a warp of the SIMT kernels owns.
+static __device__ __forceinline__ i64 simt_warp_row() { return ((i64)blockIdx.x * blockDim.x + threadIdx.x) >> 5; }
+// Query row `row` of a (b, hq, t, d) tensor: its position i in the sequence and the (t, d) rows of
+// the K and V heads it reads.
+template <typename T>
+struct SimtQueryRow {
+    int i;
+    const T *kh, *vh;
+};
+template <typename T>
+static __device__ __forceinline__ SimtQueryRow<T> simt_query_row(i64 row, const T* k, const T* v, int hq, int hkv, int t, int d) {
+    i64 bh = row / t;
+    int i = (int)(row % t), h = (int)(bh % hq), b = (int)(bh / hq), hk = h / (hq / hkv);
+    return SimtQueryRow<T>{i, k + (i64)(b * hkv + hk) * t * d, v + (i64)(b * hkv + hk) * t * d};
+}
 // warp per (b, h, i): rows = b*hq*t
 template <typename T>
 static __device__ void attn_fwd_simt_impl(const T* q, const T* k, const T* v, T* o, float* lse, int b_, int hq, int hkv, int t, int d, float scale) {
-    i64 row = ((i64)blockIdx.x * blockDim.x + threadIdx.x) >> 5;
+    i64 row = simt_warp_row();
     int lane = threadIdx.x & 31;
     if (row >= (i64)b_ * hq * t) return;
-    i64 bh = row / t;
-    int i = (int)(row % t), h = (int)(bh % hq), b = (int)(bh / hq), hk = h / (hq / hkv);
-    const T* kh = k + (i64)(b * hkv + hk) * t * d;
-    const T* vh = v + (i64)(b * hkv + hk) * t * d;
+    auto [i, kh, vh] = simt_query_row(row, k, v, hq, hkv, t, d);
     float qi[ATTN_SIMT_PER_LANE], acc[ATTN_SIMT_PER_LANE];
     simt_load(qi, q + row * d, d, lane);
     for (int e = 0; e < ATTN_SIMT_PER_LANE; ++e) acc[e] = 0.0f;
@@ -425,7 +470,7 @@ static __device__ void attn_fwd_simt_impl(const T* q, const T* k, const T* v, T*
 template <typename T>
 static __device__ void attn_bwd_dkdv_simt_impl(const T* q, const T* k, const T* v, const T* dout, const float* lse, const float* dvec,
                                                T* dk, T* dv, int b_, int hq, int hkv, int t, int d, float scale) {
-    i64 row = ((i64)blockIdx.x * blockDim.x + threadIdx.x) >> 5;
+    i64 row = simt_warp_row();
     int lane = threadIdx.x & 31;
     if (row >= (i64)b_ * hkv * t) return;
     i64 bk = row / t;
@@ -455,13 +500,10 @@ static __device__ void attn_bwd_dkdv_simt_impl(const T* q, const T* k, const T* 
 template <typename T>
 static __device__ void attn_bwd_dq_simt_impl(const T* q, const T* k, const T* v, const T* dout, const float* lse, const float* dvec,
                                              T* dq, int b_, int hq, int hkv, int t, int d, float scale) {
-    i64 row = ((i64)blockIdx.x * blockDim.x + threadIdx.x) >> 5;
+    i64 row = simt_warp_row();
     int lane = threadIdx.x & 31;
     if (row >= (i64)b_ * hq * t) return;
-    i64 bh = row / t;
-    int i = (int)(row % t), h = (int)(bh % hq), b = (int)(bh / hq), hk = h / (hq / hkv);
-    const T* kh = k + (i64)(b * hkv + hk) * t * d;
-    const T* vh = v + (i64)(b * hkv + hk) * t * d;
+    auto [i, kh, vh] = simt_query_row(row, k, v, hq, hkv, t, d);
     float qi[ATTN_SIMT_PER_LANE], doi[ATTN_SIMT_PER_LANE], acc[ATTN_SIMT_PER_LANE];
     simt_load(qi, q + row * d, d, lane);
     simt_load(doi, dout + row * d, d, lane);

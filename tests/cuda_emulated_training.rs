@@ -64,10 +64,7 @@ fn close(what: &str, cpu: &[f64], gpu: &[f64], rtol: f64) {
 
 #[test]
 fn training_on_the_emulated_cuda_backend_matches_the_cpu() {
-    if !common::cuda0() {
-        return;
-    }
-    let gpu = Device::Cuda(0);
+    let Some(gpu) = common::cuda0_device() else { return };
     let tmp = std::env::temp_dir().join(format!("ferrolm-emu-train-{}", std::process::id()));
     let _ = std::fs::remove_dir_all(&tmp);
     let tok = Tokenizer::from_file(root().join("data/tokenizer.json")).unwrap();
@@ -103,10 +100,7 @@ fn fused_adamw_and_grad_norm_match_the_op_based_cpu_update() {
     use ferrolm::nn::module::ParamKind;
     use ferrolm::nn::optim::{clip_grad_norm, AdamW, AdamWConfig, UpdatePath};
     use ferrolm::Tensor;
-    if !common::cuda0() {
-        return;
-    }
-    let gpu = Device::Cuda(0);
+    let Some(gpu) = common::cuda0_device() else { return };
     for dt in [DType::F32, DType::BF16] {
         let mut r = Rng::new(3);
         let shapes: [(&str, Vec<usize>); 3] =

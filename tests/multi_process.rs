@@ -48,25 +48,12 @@ fn bound() -> Duration {
 }
 
 /// A prepared data set and a config with 4 heads / 2 kv heads.
-struct Setup {
-    dir: PathBuf,
-    data: PathBuf,
-    cfg: PathBuf,
-}
+type Setup = ParallelDir;
+
+/// A small validation split: the tool evaluates all of it at the end of every run.
+const VAL_FRACTION: f64 = 0.01;
 
 impl Setup {
-    fn new(name: &str) -> Setup {
-        let dir = tmp(name);
-        // A small validation split: the tool evaluates all of it at the end of every run.
-        let (train, _, vocab) = shards_with(&dir, 0.01);
-        let data = train[0].parent().unwrap().to_path_buf();
-        let cfg = dir.join("config.json");
-        let mut c = config(vocab.div_ceil(4) * 4, 2);
-        c.tie_word_embeddings = false;
-        std::fs::write(&cfg, c.to_json_string()).unwrap();
-        Setup { dir, data, cfg }
-    }
-
     /// `pretrain_llama` flags for a run into `out` on `device`.
     fn args(&self, device: &str, out: &str, extra: &[&str]) -> Vec<String> {
         let out = self.dir.join(out);
@@ -133,14 +120,6 @@ impl Setup {
     }
 }
 
-impl Drop for Setup {
-    fn drop(&mut self) {
-        if !std::thread::panicking() {
-            let _ = std::fs::remove_dir_all(&self.dir);
-        }
-    }
-}
-
 /// The environment of a rank process: the emulated device, bounded waits, the tool's flags.
 fn rank_env(args: &[String]) -> Vec<(String, String)> {
     vec![
@@ -150,22 +129,6 @@ fn rank_env(args: &[String]) -> Vec<(String, String)> {
         ("FERROLM_COMM_TIMEOUT_S".into(), "60".into()),
         ("RUST_LOG".into(), "info".into()),
     ]
-}
-
-fn losses(run: &Path) -> Vec<f64> {
-    std::fs::read_to_string(run.join("metrics.jsonl"))
-        .unwrap_or_default()
-        .lines()
-        .filter_map(|l| serde_json::from_str::<serde_json::Value>(l).ok()?.get("loss")?.as_f64())
-        .collect()
-}
-
-fn close(a: &[f64], b: &[f64], tol: f64, what: &str) {
-    assert_eq!(a.len(), b.len(), "{what}: {a:?} vs {b:?}");
-    assert!(a.len() >= STEPS.min(b.len()), "{what}: too few steps");
-    for (s, (x, y)) in a.iter().zip(b).enumerate() {
-        assert!((x - y).abs() <= tol * y.abs(), "{what}: step {}: {x} vs {y}", s + 1);
-    }
 }
 
 fn emulated() -> bool {
@@ -185,7 +148,7 @@ fn two_processes_tp2_follow_thread_ranks_and_checkpoints_cross_resume() {
     if !emulated() {
         return;
     }
-    let s = Setup::new("mp-tp2");
+    let s = Setup::new("mp-tp2", VAL_FRACTION);
     let steps = format!("--steps={STEPS}");
     let threads = s.threads("threads", &[&steps, "--tp=2"]);
     let procs = s.processes("procs", &[&steps, "--tp=2"], 2, 1);
@@ -205,7 +168,7 @@ fn four_processes_on_two_simulated_nodes_tp2_dp2_zero3_follow_thread_ranks() {
     if !emulated() {
         return;
     }
-    let s = Setup::new("mp-zero3");
+    let s = Setup::new("mp-zero3", VAL_FRACTION);
     let flags = [format!("--steps={STEPS}"), "--tp=2".into(), "--dp=2".into(), "--zero=3".into()];
     let flags: Vec<&str> = flags.iter().map(String::as_str).collect();
     let threads = s.threads("threads", &flags);
@@ -218,7 +181,7 @@ fn two_processes_dp2_offload_follow_thread_ranks() {
     if !emulated() {
         return;
     }
-    let s = Setup::new("mp-offload");
+    let s = Setup::new("mp-offload", VAL_FRACTION);
     let flags = [format!("--steps={STEPS}"), "--dp=2".into(), "--offload-optimizer".into()];
     let flags: Vec<&str> = flags.iter().map(String::as_str).collect();
     let threads = s.threads("threads", &flags);
@@ -343,7 +306,7 @@ fn kill_drill(victim: usize) {
     if !emulated() {
         return;
     }
-    let s = Setup::new(&format!("drill-kill{victim}"));
+    let s = Setup::new(&format!("drill-kill{victim}"), VAL_FRACTION);
     let mut ranks = Ranks::start(&s, "kill", 2, &[0, 1], &[], |_| s.args("cuda", "run", &["--steps=200", "--dp=2", "--save-every=2"]));
     // Rank 0 logs each step to metrics.jsonl.
     let t0 = Instant::now();
@@ -386,7 +349,7 @@ fn drill_a_rank_returning_an_error_stops_every_process() {
     if !emulated() {
         return;
     }
-    let s = Setup::new("drill-error");
+    let s = Setup::new("drill-error", VAL_FRACTION);
     // Rank 1 alone reads a copy of the data whose training shard is damaged.
     let bad = s.dir.join("bad-data");
     std::fs::create_dir_all(&bad).unwrap();
@@ -424,7 +387,7 @@ fn drill_a_rank_that_never_arrives_stops_the_others_at_the_timeout() {
     if !emulated() {
         return;
     }
-    let s = Setup::new("drill-absent");
+    let s = Setup::new("drill-absent", VAL_FRACTION);
     let mut ranks =
         Ranks::start(&s, "absent", 2, &[0], &[("FERROLM_COMM_TIMEOUT_S", "3")], |_| s.args("cuda", "run", &["--steps=6", "--dp=2"]));
     let t0 = Instant::now();
@@ -441,7 +404,7 @@ fn drill_rank_0_busy_before_the_first_collective_waits_behind_the_prepare_barrie
     if !emulated() {
         return;
     }
-    let s = Setup::new("drill-busy");
+    let s = Setup::new("drill-busy", VAL_FRACTION);
     // Busier than the collective timeout: the others wait at the store barrier, and the run goes on.
     let env = [("FERROLM_COMM_TIMEOUT_S", "4"), ("FERROLM_DRILL_PREPARE_DELAY_S", "6")];
     let mut ranks = Ranks::start(&s, "busy", 2, &[0, 1], &env, |_| s.args("cuda", "ok", &["--steps=2", "--dp=2"]));
@@ -466,7 +429,7 @@ fn drill_an_output_directory_that_is_not_shared_is_refused_at_start_up() {
     if !emulated() {
         return;
     }
-    let s = Setup::new("drill-shared");
+    let s = Setup::new("drill-shared", VAL_FRACTION);
     let port = free_port();
     // Two simulated nodes, each given its own --out: as two hosts with local disks.
     let nodes: Vec<LocalLaunch> = (0..2).map(|i| s.node(&format!("node{i}"), &["--steps=6", "--dp=2"], 1, 2, i, port)).collect();
@@ -505,7 +468,7 @@ fn torchrun_starts_ranks_that_train_like_thread_ranks() {
         );
         return;
     };
-    let s = Setup::new("mp-torchrun");
+    let s = Setup::new("mp-torchrun", VAL_FRACTION);
     let steps = format!("--steps={STEPS}");
     let exe = std::env::current_exe().unwrap();
     let run = |out: &str, extra: &[&str], invocations: Vec<Vec<String>>| -> Vec<f64> {
@@ -555,7 +518,7 @@ fn srun_variables_set_by_hand_start_a_run() {
     if !emulated() {
         return;
     }
-    let s = Setup::new("mp-srun");
+    let s = Setup::new("mp-srun", VAL_FRACTION);
     let steps = "--steps=2";
     let port = free_port().to_string();
     // What srun exports for `srun --nodes 1 --ntasks 2` on host "localhost": no RANK, no
@@ -597,7 +560,7 @@ fn drill_a_rank_whose_collectives_disagree_stops_every_process() {
     if !emulated() {
         return;
     }
-    let s = Setup::new("drill-mismatch");
+    let s = Setup::new("drill-mismatch", VAL_FRACTION);
     // Rank 1 alone builds a wider MLP: its gradient all-reduces disagree with rank 0's in size,
     // which the NCCL layer detects and reports on every rank.
     let wide = s.dir.join("wide.json");

@@ -208,10 +208,7 @@ fn offload_on_the_cuda_device_follows_training_without_it_for_every_k() {
 /// over several steps (see the module comment for why this bound), with and without decay.
 #[test]
 fn cpu_and_device_adamw_agree_to_1e_6() {
-    if !common::cuda0() {
-        return;
-    }
-    let gpu = Device::Cuda(0);
+    let Some(gpu) = common::cuda0_device() else { return };
     let n = 5003;
     let mut r = Rng::new(9);
     let rnd = |r: &mut Rng, s: f64| -> Vec<f32> { (0..n).map(|_| (r.normal() * s) as f32).collect() };

@@ -223,17 +223,19 @@ pub struct Report {
 }
 
 fn config_for_shape(s: &ModelShape, seq: usize) -> LlamaConfig {
-    let mut c = LlamaConfig::preset("tiny").expect("preset");
-    c.vocab_size = s.vocab;
-    c.hidden_size = s.hidden;
-    c.intermediate_size = s.intermediate;
-    c.num_hidden_layers = s.layers;
-    c.num_attention_heads = s.heads;
-    c.num_key_value_heads = s.kv_heads;
-    c.head_dim = s.head_dim;
-    c.max_position_embeddings = seq.max(c.max_position_embeddings);
-    c.tie_word_embeddings = s.tied;
-    c
+    let tiny = LlamaConfig::preset("tiny").expect("preset");
+    LlamaConfig {
+        vocab_size: s.vocab,
+        hidden_size: s.hidden,
+        intermediate_size: s.intermediate,
+        num_hidden_layers: s.layers,
+        num_attention_heads: s.heads,
+        num_key_value_heads: s.kv_heads,
+        head_dim: s.head_dim,
+        max_position_embeddings: seq.max(tiny.max_position_embeddings),
+        tie_word_embeddings: s.tied,
+        ..tiny
+    }
 }
 
 /// The model: its shape, and on the CPU target a config the trials can build.

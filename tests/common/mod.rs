@@ -31,6 +31,37 @@ pub fn shards(dir: &Path) -> (Vec<PathBuf>, Vec<PathBuf>, usize) {
     shards_with(dir, 0.1)
 }
 
+/// A test's scratch folder for the parallel runs: shards of the sonnets (`val_fraction`
+/// validation) in `data`, and in `cfg` a config with 4 heads / 2 kv heads (kv < tp at tp 4),
+/// untied, its vocabulary rounded up to a multiple of 4. Removed when the test passes, kept for a
+/// look when it fails.
+pub struct ParallelDir {
+    pub dir: PathBuf,
+    pub data: PathBuf,
+    pub cfg: PathBuf,
+}
+
+impl ParallelDir {
+    pub fn new(name: &str, val_fraction: f64) -> ParallelDir {
+        let dir = tmp(name);
+        let (train, _, vocab) = shards_with(&dir, val_fraction);
+        let data = train[0].parent().unwrap().to_path_buf();
+        let cfg = dir.join("config.json");
+        let mut c = config(vocab.div_ceil(4) * 4, 2);
+        c.tie_word_embeddings = false;
+        std::fs::write(&cfg, c.to_json_string()).unwrap();
+        ParallelDir { dir, data, cfg }
+    }
+}
+
+impl Drop for ParallelDir {
+    fn drop(&mut self) {
+        if !std::thread::panicking() {
+            let _ = std::fs::remove_dir_all(&self.dir);
+        }
+    }
+}
+
 pub fn shards_with(dir: &Path, val_fraction: f64) -> (Vec<PathBuf>, Vec<PathBuf>, usize) {
     let tok = Tokenizer::from_file(tokenizer_path()).unwrap();
     let out = dir.join("shards");
@@ -150,6 +181,29 @@ pub fn flag(name: &str, path: &Path) -> String {
 /// A command line: `head`, then `paths` (see [`flag`]), then `extra`.
 pub fn args(head: &[&str], paths: &[String], extra: &[&str]) -> Vec<String> {
     head.iter().map(|s| s.to_string()).chain(paths.iter().cloned()).chain(extra.iter().map(|s| s.to_string())).collect()
+}
+
+/// The `loss` of each line of `run`/metrics.jsonl that has one, in order (none when the file
+/// is missing: the caller's comparison then reports the empty curve).
+pub fn losses(run: &Path) -> Vec<f64> {
+    std::fs::read_to_string(run.join("metrics.jsonl"))
+        .unwrap_or_default()
+        .lines()
+        .filter_map(|l| serde_json::from_str::<serde_json::Value>(l).ok()?.get("loss")?.as_f64())
+        .collect()
+}
+
+/// Two loss curves of the same length that agree step by step within `tol` relative to `b`.
+pub fn close(a: &[f64], b: &[f64], tol: f64, what: &str) {
+    assert_eq!(a.len(), b.len(), "{what}: {a:?} vs {b:?}");
+    for (s, (x, y)) in a.iter().zip(b).enumerate() {
+        assert!((x - y).abs() <= tol * y.abs(), "{what}: step {}: {x} vs {y}", s + 1);
+    }
+}
+
+/// `cuda:0` once [`cuda0`] has registered it; `None` when the test skips.
+pub fn cuda0_device() -> Option<Device> {
+    cuda0().then_some(Device::Cuda(0))
 }
 
 /// Registers `cuda:0`: the GPU if there is one, else the emulator. False (the test prints that it

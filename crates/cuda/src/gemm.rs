@@ -214,24 +214,15 @@ impl Gemm {
                 cudarc::cublas::sys::cublasOperation_t::CUBLAS_OP_N
             }
         };
-        // SAFETY: `op` is a live descriptor (owned by `d`); each value points at a local
-        // cublasOperation_t and passes its exact size, which cuBLASLt copies.
-        unsafe {
-            let (oa, ob) = (opn(c.ta), opn(c.tb));
-            lt::set_matmul_desc_attribute(
-                op,
-                sys::cublasLtMatmulDescAttributes_t::CUBLASLT_MATMUL_DESC_TRANSA,
-                &oa as *const _ as *const c_void,
-                std::mem::size_of_val(&oa),
-            )
-            .map_err(err("matmul"))?;
-            lt::set_matmul_desc_attribute(
-                op,
-                sys::cublasLtMatmulDescAttributes_t::CUBLASLT_MATMUL_DESC_TRANSB,
-                &ob as *const _ as *const c_void,
-                std::mem::size_of_val(&ob),
-            )
-            .map_err(err("matmul"))?;
+        use sys::cublasLtMatmulDescAttributes_t::{CUBLASLT_MATMUL_DESC_TRANSA, CUBLASLT_MATMUL_DESC_TRANSB};
+        for (attr, t) in [(CUBLASLT_MATMUL_DESC_TRANSA, c.ta), (CUBLASLT_MATMUL_DESC_TRANSB, c.tb)] {
+            let o = opn(t);
+            // SAFETY: `op` is a live descriptor (owned by `d`); the value points at a local
+            // cublasOperation_t and passes its exact size, which cuBLASLt copies.
+            unsafe {
+                lt::set_matmul_desc_attribute(op, attr, &o as *const _ as *const c_void, std::mem::size_of_val(&o))
+                    .map_err(err("matmul"))?;
+            }
         }
         for (i, x) in [&c.a, &c.b, &c.d].into_iter().enumerate() {
             d.layouts[i] = layout(dt, x.rows, x.cols, x.ld, c.batch, x.stride)?;

@@ -23,6 +23,13 @@ enum Mem {
     Plain(Vec<u64>),
 }
 
+/// Which way a copy between the device and a buffer goes.
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum Direction {
+    ToHost,
+    FromHost,
+}
+
 /// A copy queued on an emulated stream: the addresses, kept alive by their owners until it runs
 /// (the buffer waits for it before it is accessed, reused or freed; the device side is kept by
 /// the stream order of the pool, or by `keep` for a detached copy).
@@ -242,27 +249,7 @@ impl CudaBackend {
         stream: Option<&Arc<CudaStream>>,
         keep: Option<Box<dyn std::any::Any + Send>>,
     ) -> Result<()> {
-        let n = Self::check_range("copy_to_pinned", src, offset, dst)?;
-        dst.wait()?;
-        if n == 0 {
-            return Ok(());
-        }
-        let dev = src.buf.ptr + offset as u64;
-        let s = self.copy_stream(stream, true)?;
-        if let Some(host) = dst.plain_ptr() {
-            // Emulated device pointers are host addresses of live pool blocks; the range was
-            // checked to lie inside src's block and the buffer holds n bytes; the two never overlap.
-            Self::emu_copy(s, EmuCopy { src: dev as usize, dst: host as usize, n })?;
-        } else {
-            let Mem::Pinned(p) = &mut dst.mem else { unreachable!("plain memory handled above") };
-            self.bind()?;
-            let host = &mut p.as_mut_slice().map_err(err("copy_to_pinned"))?[..n];
-            // SAFETY: `host` is n bytes of a page-locked buffer owned by dst, which is not
-            // accessed, reused or freed until `pending` completes (wait() runs before each of
-            // those); the n-byte source range lies inside src's block (check_range), which the
-            // copy stream reads after the work ordered before it.
-            unsafe { result::memcpy_dtoh_async(host, dev, s.cu_stream()) }.map_err(err("copy_to_pinned"))?;
-        }
+        let Some(s) = self.enqueue_copy(Direction::ToHost, src, offset, dst, stream)? else { return Ok(()) };
         match keep {
             None => self.after_copy(s, dst),
             Some(k) => {
@@ -271,6 +258,53 @@ impl CudaBackend {
                 Ok(())
             }
         }
+    }
+
+    /// Enqueues the copy of `host.len()` bytes between `host` and `dev` from byte `offset`, in
+    /// `dir`, on `stream` (default: the compute stream), after `host`'s previous copy completes.
+    /// Returns the stream it went on, or `None` when there was nothing to copy.
+    fn enqueue_copy<'a>(
+        &'a self,
+        dir: Direction,
+        dev: &CudaStorage,
+        offset: usize,
+        host: &mut PinnedBuffer,
+        stream: Option<&'a Arc<CudaStream>>,
+    ) -> Result<Option<&'a Arc<CudaStream>>> {
+        let op = match dir {
+            Direction::ToHost => "copy_to_pinned",
+            Direction::FromHost => "copy_from_pinned",
+        };
+        let n = Self::check_range(op, dev, offset, host)?;
+        host.wait()?;
+        if n == 0 {
+            return Ok(None);
+        }
+        let dev = dev.buf.ptr + offset as u64;
+        let s = self.copy_stream(stream, dir == Direction::ToHost)?;
+        if let Some(h) = host.plain_ptr() {
+            // Emulated device pointers are host addresses of live pool blocks; the range was
+            // checked to lie inside dev's block and the buffer holds n bytes; the two never overlap.
+            let (src, dst) = match dir {
+                Direction::ToHost => (dev as usize, h as usize),
+                Direction::FromHost => (h as usize, dev as usize),
+            };
+            Self::emu_copy(s, EmuCopy { src, dst, n })?;
+        } else {
+            let Mem::Pinned(p) = &mut host.mem else { unreachable!("plain memory handled above") };
+            self.bind()?;
+            let h = &mut p.as_mut_slice().map_err(err(op))?[..n];
+            // SAFETY: `h` is n bytes of a page-locked buffer owned by `host`, which is not
+            // accessed, reused or freed until `pending` completes (wait() runs before each of
+            // those); the n-byte device range lies inside dev's block (check_range), which the
+            // copy stream reaches after the work ordered before it.
+            match dir {
+                Direction::ToHost => unsafe { result::memcpy_dtoh_async(h, dev, s.cu_stream()) },
+                Direction::FromHost => unsafe { result::memcpy_htod_async(dev, &*h, s.cu_stream()) },
+            }
+            .map_err(err(op))?;
+        }
+        Ok(Some(s))
     }
 
     /// Enqueues host -> device of `src` into all of `dst` on `stream` (default: the compute
@@ -288,25 +322,9 @@ impl CudaBackend {
         offset: usize,
         stream: Option<&Arc<CudaStream>>,
     ) -> Result<()> {
-        let n = Self::check_range("copy_from_pinned", dst, offset, src)?;
-        src.wait()?;
-        if n == 0 {
-            return Ok(());
+        match self.enqueue_copy(Direction::FromHost, dst, offset, src, stream)? {
+            Some(s) => self.after_copy(s, src),
+            None => Ok(()),
         }
-        let dev = dst.buf.ptr + offset as u64;
-        let s = self.copy_stream(stream, false)?;
-        if let Some(host) = src.plain_ptr() {
-            // As above, with the roles swapped.
-            Self::emu_copy(s, EmuCopy { src: host as usize, dst: dev as usize, n })?;
-        } else {
-            let Mem::Pinned(p) = &mut src.mem else { unreachable!("plain memory handled above") };
-            self.bind()?;
-            let host = &p.as_slice().map_err(err("copy_from_pinned"))?[..n];
-            // SAFETY: page-locked source of n bytes, kept alive and unmodified until `pending`
-            // completes (wait() runs before any access, reuse or free); the destination range
-            // lies inside dst's block (check_range).
-            unsafe { result::memcpy_htod_async(dev, host, s.cu_stream()) }.map_err(err("copy_from_pinned"))?;
-        }
-        self.after_copy(s, src)
     }
 }

@@ -30,6 +30,15 @@ fn adamw_host(w: &mut [f64], m: &mut [f64], v: &mut [f64], g: &[f64], gs: f64, p
     }
 }
 
+/// n normal gradients of standard deviation `std`, on the device in bf16 or f32, and on the host
+/// as f64 rounded the same way.
+fn random_grad(be: &CudaBackend, n: usize, std: f64, bf16: bool, r: &mut Rng) -> (Vec<f64>, Storage) {
+    let round = |x: f64| if bf16 { rbf(x) } else { x as f32 as f64 };
+    let g: Vec<f64> = normals(n, std, r).into_iter().map(round).collect();
+    let dev = if bf16 { up_bf16(be, &g) } else { up_f32(be, &g) };
+    (g, dev)
+}
+
 #[test]
 fn adamw_multi_matches_host_f64_with_clip() {
     let Some(be) = gpu() else { return };
@@ -65,16 +74,9 @@ fn adamw_multi_matches_host_f64_with_clip() {
         let mut grads_host = Vec::new();
         let mut grads_dev = Vec::new();
         for &(n, gb, _, _) in &specs {
-            let g = normals(n, 1.0, &mut r);
-            if gb {
-                let g: Vec<f64> = g.iter().map(|&x| rbf(x)).collect();
-                grads_dev.push(up_bf16(&be, &g));
-                grads_host.push(g);
-            } else {
-                let g: Vec<f64> = g.iter().map(|&x| x as f32 as f64).collect();
-                grads_dev.push(up_f32(&be, &g));
-                grads_host.push(g);
-            }
+            let (g, gd) = random_grad(&be, n, 1.0, gb, &mut r);
+            grads_dev.push(gd);
+            grads_host.push(g);
         }
         let gref: Vec<&CudaStorage> = grads_dev.iter().map(cs).collect();
         let norm_out = be.grad_norm(&gref, max_norm).unwrap();
@@ -139,16 +141,9 @@ fn grad_norm_matches_host_f64_and_is_deterministic() {
         let mut host = Vec::new();
         let mut dev = Vec::new();
         for (i, &n) in sizes.iter().enumerate() {
-            let g = normals(n, 0.3, &mut r);
-            if i % 2 == 0 {
-                let g: Vec<f64> = g.iter().map(|&x| rbf(x)).collect();
-                dev.push(up_bf16(&be, &g));
-                host.extend(g);
-            } else {
-                let g: Vec<f64> = g.iter().map(|&x| x as f32 as f64).collect();
-                dev.push(up_f32(&be, &g));
-                host.extend(g);
-            }
+            let (g, gd) = random_grad(&be, n, 0.3, i % 2 == 0, &mut r);
+            dev.push(gd);
+            host.extend(g);
         }
         let refs: Vec<&CudaStorage> = dev.iter().map(cs).collect();
         let norm = host.iter().map(|x| x * x).sum::<f64>().sqrt();

@@ -3,12 +3,13 @@
 //! queued item), so a drop that does not wait loses an H2D copy (the device keeps its NaN
 //! poison), and a reuse or read that does not wait sees stale bytes. On a GPU the same checks run
 //! with real asynchronous copies.
-use ferrolm_cuda::{CudaBackend, CudaStorage};
+use ferrolm_cuda::{CudaBackend, CudaStorage, CudaStream};
 use ferrolm_tensor::backend::Backend;
 use ferrolm_tensor::{CpuStorage, DType, Layout, Shape, Storage};
+use std::sync::{Arc, RwLockReadGuard};
 
 mod common;
-use common::gpu;
+use common::{gpu, Gpu};
 
 fn cs(s: &Storage) -> &CudaStorage {
     match s {
@@ -23,25 +24,36 @@ fn down(be: &CudaBackend, s: &Storage, n: usize) -> Vec<f32> {
     }
 }
 
-/// Race mode on the emulator while alive (seed 7); nothing on a GPU.
-struct Race<'a>(&'a CudaBackend);
-impl<'a> Race<'a> {
-    fn on(be: &'a CudaBackend) -> Self {
+/// The backend, in race mode on the emulator while alive (seed 7); nothing on a GPU.
+struct Race(Gpu<RwLockReadGuard<'static, ()>>);
+impl Race {
+    fn on(be: Gpu<RwLockReadGuard<'static, ()>>) -> Self {
         be.emulator_race(Some(7));
         Race(be)
     }
 }
-impl Drop for Race<'_> {
+impl std::ops::Deref for Race {
+    type Target = CudaBackend;
+    fn deref(&self) -> &CudaBackend {
+        &self.0
+    }
+}
+impl Drop for Race {
     fn drop(&mut self) {
         self.0.emulator_race(None);
     }
 }
 
+/// The backend in race mode and a side stream for the copies; `None` (skip) without a device.
+fn racing() -> Option<(Race, Option<Arc<CudaStream>>)> {
+    let be = Race::on(gpu()?);
+    let stream = Some(be.new_stream().unwrap());
+    Some((be, stream))
+}
+
 #[test]
 fn a_buffer_dropped_under_an_h2d_copy_completes_it_first() {
-    let Some(be) = gpu() else { return };
-    let _d = Race::on(&be);
-    let stream = Some(be.new_stream().unwrap());
+    let Some((be, stream)) = racing() else { return };
     let n = 4099;
     let dev = be.full(n, DType::F32, f64::NAN).unwrap();
     let mut hb = be.alloc_pinned(n * 4).unwrap();
@@ -57,9 +69,7 @@ fn a_buffer_dropped_under_an_h2d_copy_completes_it_first() {
 
 #[test]
 fn a_buffer_is_not_reused_or_read_before_its_copy_completes() {
-    let Some(be) = gpu() else { return };
-    let _d = Race::on(&be);
-    let stream = Some(be.new_stream().unwrap());
+    let Some((be, stream)) = racing() else { return };
     let n = 1000;
     let a: Vec<f32> = (0..n).map(|i| i as f32).collect();
     let b: Vec<f32> = (0..n).map(|i| -(i as f32)).collect();
@@ -84,8 +94,7 @@ fn a_buffer_is_not_reused_or_read_before_its_copy_completes() {
 
 #[test]
 fn copies_of_independent_buffers_complete_at_synchronize() {
-    let Some(be) = gpu() else { return };
-    let _d = Race::on(&be);
+    let Some(be) = gpu().map(Race::on) else { return };
     let n = 64;
     let dev = be.full(2 * n, DType::F32, f64::NAN).unwrap();
     let mut bufs: Vec<_> = (0..2).map(|_| be.alloc_pinned(n * 4).unwrap()).collect();
@@ -101,9 +110,7 @@ fn copies_of_independent_buffers_complete_at_synchronize() {
 
 #[test]
 fn a_detached_copy_keeps_its_source_alive_until_waited_for() {
-    let Some(be) = gpu() else { return };
-    let _d = Race::on(&be);
-    let stream = Some(be.new_stream().unwrap());
+    let Some((be, stream)) = racing() else { return };
     let n = 2048;
     let want: Vec<f32> = (0..n).map(|i| i as f32 + 0.25).collect();
     let src = be.from_cpu(&CpuStorage::F32(want.clone())).unwrap();

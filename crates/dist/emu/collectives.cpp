@@ -122,41 +122,27 @@ uint16_t f32_to_f16(float f) {
     return (uint16_t)(sign | q);
 }
 
+// How an element type reduces: the accumulator it widens to, whether it is a float (NaN wins,
+// no wrap-around), and the conversions. Integers (wrapping like NCCL's integer kernels), f32 and
+// f64 accumulate as themselves; bf16 and f16 (16 bits) widen to f32.
 template <class S>
-struct Elem {  // integers: wrap like NCCL's integer kernels
+struct Elem {
     using Acc = S;
-    static constexpr bool kFloat = false;
+    static constexpr bool kFloat = std::is_floating_point_v<S>;
     static Acc load(S x) { return x; }
     static S store(Acc a) { return a; }
 };
-template <>
-struct Elem<float> {
+template <class S, float (*Widen)(uint16_t), uint16_t (*Narrow)(float)>
+struct HalfWidth {
     using Acc = float;
     static constexpr bool kFloat = true;
-    static Acc load(float x) { return x; }
-    static float store(Acc a) { return a; }
+    static Acc load(S x) { return Widen(x.bits); }
+    static S store(Acc a) { return S{Narrow(a)}; }
 };
 template <>
-struct Elem<double> {
-    using Acc = double;
-    static constexpr bool kFloat = true;
-    static Acc load(double x) { return x; }
-    static double store(Acc a) { return a; }
-};
+struct Elem<Bf16> : HalfWidth<Bf16, bf16_to_f32, f32_to_bf16> {};
 template <>
-struct Elem<Bf16> {
-    using Acc = float;
-    static constexpr bool kFloat = true;
-    static Acc load(Bf16 x) { return bf16_to_f32(x.bits); }
-    static Bf16 store(Acc a) { return Bf16{f32_to_bf16(a)}; }
-};
-template <>
-struct Elem<Half> {
-    using Acc = float;
-    static constexpr bool kFloat = true;
-    static Acc load(Half x) { return f16_to_f32(x.bits); }
-    static Half store(Acc a) { return Half{f32_to_f16(a)}; }
-};
+struct Elem<Half> : HalfWidth<Half, f16_to_f32, f32_to_f16> {};
 
 template <class A, bool F, int OP>
 A combine(A a, A b) {

@@ -175,16 +175,22 @@ bool write_full(int fd, const void* p, size_t n) {
     return true;
 }
 
+// One recv into the n bytes at c, advancing both past what arrived (nothing on EINTR). False on
+// an error, or on the peer's close with errno 0.
+static bool recv_some(int fd, char*& c, size_t& n) {
+    ssize_t r = ::recv(fd, c, n, 0);
+    if (r < 0 && errno == EINTR) return true;
+    if (r == 0) errno = 0;
+    if (r <= 0) return false;
+    c += r;
+    n -= (size_t)r;
+    return true;
+}
+
 bool read_full(int fd, void* p, size_t n) {
     char* c = (char*)p;
-    while (n > 0) {
-        ssize_t r = ::recv(fd, c, n, 0);
-        if (r < 0 && errno == EINTR) continue;
-        if (r == 0) errno = 0;
-        if (r <= 0) return false;
-        c += r;
-        n -= (size_t)r;
-    }
+    while (n > 0)
+        if (!recv_some(fd, c, n)) return false;
     return true;
 }
 
@@ -195,12 +201,7 @@ bool read_full_by(int fd, void* p, size_t n, Clock::time_point deadline) {
         int r = poll(&q, 1, ms_until(deadline));
         if (r < 0 && errno != EINTR) return false;
         if (r > 0) {
-            ssize_t got = ::recv(fd, c, n, 0);
-            if (got < 0 && errno == EINTR) continue;
-            if (got == 0) errno = 0;
-            if (got <= 0) return false;
-            c += got;
-            n -= (size_t)got;
+            if (!recv_some(fd, c, n)) return false;
         } else if (Clock::now() >= deadline) {
             errno = ETIMEDOUT;
             return false;

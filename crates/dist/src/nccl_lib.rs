@@ -75,32 +75,63 @@ pub const NCCL_IN_PROGRESS: c_int = 7;
 /// ncclCommSplit appeared in 2.18.
 const MIN_VERSION: c_int = 21800;
 
-/// NCCL's entry points, resolved from one library (real or emulated). The function pointers are
-/// NCCL's C functions: calling them is `unsafe`, with NCCL's contracts (buffers of the sizes the
-/// counts imply, on the communicator's device; one thread at a time per communicator, except
-/// `comm_get_async_error` and `comm_abort`).
-pub struct NcclLib {
-    /// The file it was opened from.
-    pub path: String,
-    /// NCCL's version code (e.g. 22703 for 2.27.3).
-    pub version: c_int,
-    /// The emulated NCCL (crates/dist/emu), whose "device" buffers are host memory.
-    pub emulated: bool,
-    pub get_unique_id: unsafe extern "C" fn(*mut UniqueId) -> NcclResult,
-    pub comm_init_rank: unsafe extern "C" fn(*mut RawComm, c_int, UniqueId, c_int) -> NcclResult,
-    pub comm_split: unsafe extern "C" fn(RawComm, c_int, c_int, *mut RawComm, *mut c_void) -> NcclResult,
-    pub comm_abort: unsafe extern "C" fn(RawComm) -> NcclResult,
-    pub comm_destroy: unsafe extern "C" fn(RawComm) -> NcclResult,
-    pub comm_get_async_error: unsafe extern "C" fn(RawComm, *mut NcclResult) -> NcclResult,
-    pub comm_count: unsafe extern "C" fn(RawComm, *mut c_int) -> NcclResult,
-    pub comm_user_rank: unsafe extern "C" fn(RawComm, *mut c_int) -> NcclResult,
-    get_error_string: unsafe extern "C" fn(NcclResult) -> *const c_char,
-    pub all_reduce: unsafe extern "C" fn(*const c_void, *mut c_void, usize, c_int, c_int, RawComm, RawStream) -> NcclResult,
-    pub all_gather: unsafe extern "C" fn(*const c_void, *mut c_void, usize, c_int, RawComm, RawStream) -> NcclResult,
-    pub reduce_scatter: unsafe extern "C" fn(*const c_void, *mut c_void, usize, c_int, c_int, RawComm, RawStream) -> NcclResult,
-    pub broadcast: unsafe extern "C" fn(*const c_void, *mut c_void, usize, c_int, c_int, RawComm, RawStream) -> NcclResult,
-    /// Keeps the symbols above valid for the life of the process.
-    _lib: libloading::Library,
+/// Declares [`NcclLib`] with one field per NCCL entry point, each named once with its C symbol
+/// and its C signature from nccl.h, and `resolve_entry_points`, which looks every one of them up.
+macro_rules! nccl_entry_points {
+    ($($vis:vis $field:ident = $name:literal: $sig:ty;)*) => {
+        /// NCCL's entry points, resolved from one library (real or emulated). The function
+        /// pointers are NCCL's C functions: calling them is `unsafe`, with NCCL's contracts
+        /// (buffers of the sizes the counts imply, on the communicator's device; one thread at a
+        /// time per communicator, except `comm_get_async_error` and `comm_abort`).
+        pub struct NcclLib {
+            /// The file it was opened from.
+            pub path: String,
+            /// NCCL's version code (e.g. 22703 for 2.27.3).
+            pub version: c_int,
+            /// The emulated NCCL (crates/dist/emu), whose "device" buffers are host memory.
+            pub emulated: bool,
+            $($vis $field: $sig,)*
+            /// Keeps the symbols above valid for the life of the process.
+            _lib: libloading::Library,
+        }
+
+        fn resolve_entry_points(lib: libloading::Library, path: &str, version: c_int, emulated: bool) -> std::result::Result<NcclLib, String> {
+            Ok(NcclLib {
+                path: path.to_string(),
+                version,
+                emulated,
+                // SAFETY: each symbol is NCCL's, and its field's type is its C signature.
+                $($field: unsafe { symbol(&lib, path, concat!($name, "\0")) }?,)*
+                _lib: lib,
+            })
+        }
+    };
+}
+
+nccl_entry_points! {
+    pub get_unique_id = "ncclGetUniqueId": unsafe extern "C" fn(*mut UniqueId) -> NcclResult;
+    pub comm_init_rank = "ncclCommInitRank": unsafe extern "C" fn(*mut RawComm, c_int, UniqueId, c_int) -> NcclResult;
+    pub comm_split = "ncclCommSplit": unsafe extern "C" fn(RawComm, c_int, c_int, *mut RawComm, *mut c_void) -> NcclResult;
+    pub comm_abort = "ncclCommAbort": unsafe extern "C" fn(RawComm) -> NcclResult;
+    pub comm_destroy = "ncclCommDestroy": unsafe extern "C" fn(RawComm) -> NcclResult;
+    pub comm_get_async_error = "ncclCommGetAsyncError": unsafe extern "C" fn(RawComm, *mut NcclResult) -> NcclResult;
+    pub comm_count = "ncclCommCount": unsafe extern "C" fn(RawComm, *mut c_int) -> NcclResult;
+    pub comm_user_rank = "ncclCommUserRank": unsafe extern "C" fn(RawComm, *mut c_int) -> NcclResult;
+    get_error_string = "ncclGetErrorString": unsafe extern "C" fn(NcclResult) -> *const c_char;
+    pub all_reduce = "ncclAllReduce": unsafe extern "C" fn(*const c_void, *mut c_void, usize, c_int, c_int, RawComm, RawStream) -> NcclResult;
+    pub all_gather = "ncclAllGather": unsafe extern "C" fn(*const c_void, *mut c_void, usize, c_int, RawComm, RawStream) -> NcclResult;
+    pub reduce_scatter = "ncclReduceScatter": unsafe extern "C" fn(*const c_void, *mut c_void, usize, c_int, c_int, RawComm, RawStream) -> NcclResult;
+    pub broadcast = "ncclBroadcast": unsafe extern "C" fn(*const c_void, *mut c_void, usize, c_int, c_int, RawComm, RawStream) -> NcclResult;
+}
+
+/// The symbol `name` (NUL-terminated) of `lib`, or an error naming it and the file.
+///
+/// # Safety
+/// `T` must be the symbol's C type.
+unsafe fn symbol<T: Copy>(lib: &libloading::Library, path: &str, name: &str) -> std::result::Result<T, String> {
+    let shown = name.trim_end_matches('\0');
+    // SAFETY: the caller's contract.
+    unsafe { lib.get::<T>(name.as_bytes()) }.map(|s| *s).map_err(|e| format!("{path} has no {shown}: {e}"))
 }
 
 impl NcclLib {
@@ -202,13 +233,8 @@ pub fn open_path(path: &str) -> Result<NcclLib> {
 }
 
 fn resolve(lib: libloading::Library, path: &str) -> std::result::Result<NcclLib, String> {
-    macro_rules! sym {
-        ($name:literal) => {
-            // SAFETY: the symbol is NCCL's, and the field's type is its C signature from nccl.h.
-            *unsafe { lib.get(concat!($name, "\0").as_bytes()) }.map_err(|e| format!("{path} has no {}: {e}", $name))?
-        };
-    }
-    let get_version: unsafe extern "C" fn(*mut c_int) -> NcclResult = sym!("ncclGetVersion");
+    // SAFETY: the symbol is NCCL's, and this is its C signature from nccl.h.
+    let get_version: unsafe extern "C" fn(*mut c_int) -> NcclResult = unsafe { symbol(&lib, path, "ncclGetVersion\0") }?;
     let mut version = 0;
     // SAFETY: writes one int.
     if unsafe { get_version(&mut version) } != 0 || version < MIN_VERSION {
@@ -216,25 +242,7 @@ fn resolve(lib: libloading::Library, path: &str) -> std::result::Result<NcclLib,
     }
     // SAFETY: only looks the symbol up; the emulated NCCL exports this marker, real NCCL does not.
     let emulated = unsafe { lib.get::<*const c_int>(b"ferro_nccl_emu_abi\0") }.is_ok();
-    Ok(NcclLib {
-        path: path.to_string(),
-        version,
-        emulated,
-        get_unique_id: sym!("ncclGetUniqueId"),
-        comm_init_rank: sym!("ncclCommInitRank"),
-        comm_split: sym!("ncclCommSplit"),
-        comm_abort: sym!("ncclCommAbort"),
-        comm_destroy: sym!("ncclCommDestroy"),
-        comm_get_async_error: sym!("ncclCommGetAsyncError"),
-        comm_count: sym!("ncclCommCount"),
-        comm_user_rank: sym!("ncclCommUserRank"),
-        get_error_string: sym!("ncclGetErrorString"),
-        all_reduce: sym!("ncclAllReduce"),
-        all_gather: sym!("ncclAllGather"),
-        reduce_scatter: sym!("ncclReduceScatter"),
-        broadcast: sym!("ncclBroadcast"),
-        _lib: lib,
-    })
+    resolve_entry_points(lib, path, version, emulated)
 }
 
 /// The real NCCL, opened once per process (never the emulated one).

@@ -26,32 +26,49 @@ fn fmax<F: num_like::Float>(a: F, b: F) -> F {
     }
 }
 
+/// Sum, max or mean of float parts, widened to the accumulator type `F` (the mean divides the
+/// sum by the number of parts once, at the end).
+fn float_reduce<T: Copy, F: num_like::Float>(op: ReduceOp, parts: &[&[T]], widen: impl Fn(T) -> F) -> Vec<F> {
+    let acc = match op {
+        ReduceOp::Max => fold(parts, widen, fmax),
+        _ => fold(parts, widen, |a, b| a + b),
+    };
+    if op == ReduceOp::Avg {
+        let n = F::count(parts.len());
+        acc.into_iter().map(|a| a / n).collect()
+    } else {
+        acc
+    }
+}
+
 mod num_like {
-    pub trait Float: Copy + PartialOrd {
+    pub trait Float: Copy + PartialOrd + std::ops::Add<Output = Self> + std::ops::Div<Output = Self> {
         fn is_nan(self) -> bool;
         fn nan() -> Self;
+        /// `n` as this type (a rank count: exact).
+        fn count(n: usize) -> Self;
     }
-    impl Float for f32 {
-        fn is_nan(self) -> bool {
-            f32::is_nan(self)
-        }
-        fn nan() -> Self {
-            f32::NAN
-        }
+    macro_rules! float {
+        ($t:ident) => {
+            impl Float for $t {
+                fn is_nan(self) -> bool {
+                    $t::is_nan(self)
+                }
+                fn nan() -> Self {
+                    $t::NAN
+                }
+                fn count(n: usize) -> Self {
+                    n as $t
+                }
+            }
+        };
     }
-    impl Float for f64 {
-        fn is_nan(self) -> bool {
-            f64::is_nan(self)
-        }
-        fn nan() -> Self {
-            f64::NAN
-        }
-    }
+    float!(f32);
+    float!(f64);
 }
 
 /// The element-wise reduction of `parts` (same dtype and length, checked by the caller).
 pub(crate) fn reduce(op: ReduceOp, parts: &[CpuStorage]) -> Result<CpuStorage> {
-    let n = parts.len();
     macro_rules! slices {
         ($v:ident) => {
             parts
@@ -64,31 +81,9 @@ pub(crate) fn reduce(op: ReduceOp, parts: &[CpuStorage]) -> Result<CpuStorage> {
         };
     }
     Ok(match &parts[0] {
-        CpuStorage::F32(_) => {
-            let s = slices!(F32);
-            let acc = match op {
-                ReduceOp::Max => fold(&s, |x| x, fmax),
-                _ => fold(&s, |x| x, |a, b| a + b),
-            };
-            CpuStorage::F32(if op == ReduceOp::Avg { acc.into_iter().map(|a| a / n as f32).collect() } else { acc })
-        }
-        CpuStorage::BF16(_) => {
-            let s = slices!(BF16);
-            let acc = match op {
-                ReduceOp::Max => fold(&s, f32::from, fmax),
-                _ => fold(&s, f32::from, |a, b| a + b),
-            };
-            let scale = if op == ReduceOp::Avg { n as f32 } else { 1.0 };
-            CpuStorage::BF16(acc.into_iter().map(|a| bf16::from_f32(a / scale)).collect())
-        }
-        CpuStorage::F64(_) => {
-            let s = slices!(F64);
-            let acc = match op {
-                ReduceOp::Max => fold(&s, |x| x, fmax),
-                _ => fold(&s, |x| x, |a, b| a + b),
-            };
-            CpuStorage::F64(if op == ReduceOp::Avg { acc.into_iter().map(|a| a / n as f64).collect() } else { acc })
-        }
+        CpuStorage::F32(_) => CpuStorage::F32(float_reduce(op, &slices!(F32), |x| x)),
+        CpuStorage::BF16(_) => CpuStorage::BF16(float_reduce(op, &slices!(BF16), f32::from).into_iter().map(bf16::from_f32).collect()),
+        CpuStorage::F64(_) => CpuStorage::F64(float_reduce(op, &slices!(F64), |x| x)),
         CpuStorage::I32(_) => {
             let s = slices!(I32);
             let acc = match op {

@@ -106,6 +106,14 @@ fn results(dir: &Path) -> Vec<Value> {
 }
 
 /// Every log under `dir`, for failure messages.
+/// Each of `names`.log in `dir` says `what`.
+fn each_log_says(dir: &Path, names: &[&str], what: &str) {
+    for name in names {
+        let log = std::fs::read_to_string(dir.join(format!("{name}.log"))).unwrap();
+        assert!(log.contains(what), "{name}:\n{log}");
+    }
+}
+
 fn logs(dir: &Path) -> String {
     let mut out = String::new();
     for e in std::fs::read_dir(dir).unwrap().flatten() {
@@ -244,10 +252,7 @@ fn a_rank_that_fails_stops_the_waiting_ranks_promptly() {
     let took = t0.elapsed();
     assert_eq!(codes, [Some(5), Some(4), Some(5)], "{}", logs(&dir));
     assert!(took < Duration::from_secs(15), "{took:?}");
-    for r in [0, 2] {
-        let log = std::fs::read_to_string(dir.join(format!("rank{r}.log"))).unwrap();
-        assert!(log.contains("rank 1 failed: a bad shard on rank 1 only"), "rank {r}:\n{log}");
-    }
+    each_log_says(&dir, &["rank0", "rank2"], "rank 1 failed: a bad shard on rank 1 only");
     let _ = std::fs::remove_dir_all(&dir);
 }
 
@@ -260,10 +265,7 @@ fn two_processes_with_one_rank_both_fail_naming_rank() {
     let b = spawn_peer(&dir, "second", &rank_vars(0, 2, port));
     let codes = [wait_for(a, Duration::from_secs(60)), wait_for(b, Duration::from_secs(60))];
     assert_eq!(codes, [Some(3), Some(3)], "{}", logs(&dir));
-    for name in ["first", "second"] {
-        let log = std::fs::read_to_string(dir.join(format!("{name}.log"))).unwrap();
-        assert!(log.contains("RANK=0 is used by two processes"), "{name}:\n{log}");
-    }
+    each_log_says(&dir, &["first", "second"], "RANK=0 is used by two processes");
     let _ = std::fs::remove_dir_all(&dir);
 }
 

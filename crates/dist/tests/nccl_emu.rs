@@ -6,7 +6,7 @@
 //! FERROLM_REQUIRE_EMU=1.
 mod emu_ranks;
 
-use emu_ranks::{child, emu, reduce_ref, values, Buf, Comm, Dt, Group, Rank, TestStream, ALL_DTYPES, ALL_OPS};
+use emu_ranks::{child, emu, reduce_ref, run_ranks, values, Buf, Comm, Dt, Group, Rank, TestStream, ALL_DTYPES, ALL_OPS};
 use ferrolm_dist::nccl_lib::{self, UniqueId, NCCL_MAX, NCCL_SPLIT_NOCOLOR, NCCL_SUM};
 use std::ptr::null_mut;
 use std::sync::{Arc, Mutex};
@@ -132,16 +132,12 @@ fn every_collective(r: &Rank) {
 
 #[test]
 fn every_collective_dtype_and_op_on_2_ranks() {
-    child("every_collective_dtype_and_op_on_2_ranks", every_collective);
-    let Some(g) = Group::spawn("every_collective_dtype_and_op_on_2_ranks", 2, &[]) else { return };
-    g.finish(Duration::from_secs(120)).assert_ok();
+    run_ranks("every_collective_dtype_and_op_on_2_ranks", 2, Duration::from_secs(120), every_collective);
 }
 
 #[test]
 fn every_collective_dtype_and_op_on_4_ranks() {
-    child("every_collective_dtype_and_op_on_4_ranks", every_collective);
-    let Some(g) = Group::spawn("every_collective_dtype_and_op_on_4_ranks", 4, &[]) else { return };
-    g.finish(Duration::from_secs(120)).assert_ok();
+    run_ranks("every_collective_dtype_and_op_on_4_ranks", 4, Duration::from_secs(120), every_collective);
 }
 
 fn gather_i32(comm: &Comm, v: i32) -> Vec<i32> {
@@ -154,7 +150,7 @@ fn gather_i32(comm: &Comm, v: i32) -> Vec<i32> {
 
 #[test]
 fn split_orders_ranks_by_key_and_nocolor_gets_no_communicator() {
-    child("split_orders_ranks_by_key_and_nocolor_gets_no_communicator", |r| {
+    run_ranks("split_orders_ranks_by_key_and_nocolor_gets_no_communicator", 4, Duration::from_secs(60), |r| {
         let world = r.init();
         let me = r.rank as i32;
         // Parity groups with reversed keys: the new ranks run against the parent's.
@@ -178,13 +174,11 @@ fn split_orders_ranks_by_key_and_nocolor_gets_no_communicator() {
             assert_eq!(c.destroy(), 0);
         }
     });
-    let Some(g) = Group::spawn("split_orders_ranks_by_key_and_nocolor_gets_no_communicator", 4, &[]) else { return };
-    g.finish(Duration::from_secs(60)).assert_ok();
 }
 
 #[test]
 fn communicators_interleaved_on_streams_do_not_cross_talk() {
-    child("communicators_interleaved_on_streams_do_not_cross_talk", |r| {
+    run_ranks("communicators_interleaved_on_streams_do_not_cross_talk", 4, Duration::from_secs(60), |r| {
         const C: usize = 1000;
         const ITERS: u64 = 8;
         let world = r.init();
@@ -237,8 +231,6 @@ fn communicators_interleaved_on_streams_do_not_cross_talk() {
             assert_eq!(c.destroy(), 0);
         }
     });
-    let Some(g) = Group::spawn("communicators_interleaved_on_streams_do_not_cross_talk", 4, &[]) else { return };
-    g.finish(Duration::from_secs(60)).assert_ok();
 }
 
 struct Ptr(*mut std::ffi::c_void);
@@ -247,7 +239,7 @@ unsafe impl Send for Ptr {}
 
 #[test]
 fn a_collective_on_a_stream_returns_at_once_and_completes_in_stream_order() {
-    child("a_collective_on_a_stream_returns_at_once_and_completes_in_stream_order", |r| {
+    run_ranks("a_collective_on_a_stream_returns_at_once_and_completes_in_stream_order", 2, Duration::from_secs(60), |r| {
         const C: usize = 4096;
         let comm = r.init();
         let me = r.rank;
@@ -310,8 +302,6 @@ fn a_collective_on_a_stream_returns_at_once_and_completes_in_stream_order() {
         drop((s, s2));
         assert_eq!(comm.destroy(), 0);
     });
-    let Some(g) = Group::spawn("a_collective_on_a_stream_returns_at_once_and_completes_in_stream_order", 2, &[]) else { return };
-    g.finish(Duration::from_secs(60)).assert_ok();
 }
 
 #[test]

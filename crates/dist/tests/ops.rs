@@ -47,6 +47,21 @@ fn serial_mlp(t: usize, d: usize, h: usize) -> Mlp {
     Mlp { x, w1, w2, c, y: y.detach() }
 }
 
+impl Mlp {
+    /// Rank r's weight shards as leaves, hb hidden units each: W1 by columns (column-parallel),
+    /// W2 by rows (row-parallel).
+    fn weight_shards(&self, r: usize, hb: usize) -> ferrolm_tensor::Result<(Tensor, Tensor)> {
+        Ok((leaf(&self.w1.narrow(1, r * hb, hb)?), leaf(&self.w2.narrow(0, r * hb, hb)?)))
+    }
+
+    /// The shards' gradients are the matching blocks of the serial run's.
+    fn check_weight_grads(&self, w1: &Tensor, w2: &Tensor, r: usize, hb: usize) -> ferrolm_tensor::Result<()> {
+        assert_close(&w1.grad().unwrap(), &self.w1.grad().unwrap().narrow(1, r * hb, hb)?, "dW1 shard");
+        assert_close(&w2.grad().unwrap(), &self.w2.grad().unwrap().narrow(0, r * hb, hb)?, "dW2 shard");
+        Ok(())
+    }
+}
+
 #[test]
 fn f_and_g_around_a_tensor_parallel_mlp_match_the_serial_run() {
     for n in [2, 4] {
@@ -55,8 +70,7 @@ fn f_and_g_around_a_tensor_parallel_mlp_match_the_serial_run() {
         ThreadComm::run(n, opts(), |comm| {
             let (r, hb) = (comm.rank(), h / n);
             let x = leaf(&s.x);
-            let w1 = leaf(&s.w1.narrow(1, r * hb, hb)?); // column-parallel
-            let w2 = leaf(&s.w2.narrow(0, r * hb, hb)?); // row-parallel
+            let (w1, w2) = s.weight_shards(r, hb)?;
             let xc = copy_to_group(&x, &comm)?;
             let partial = xc.matmul(&w1)?.silu()?.matmul(&w2)?;
             let y = reduce_from_group(&partial, &comm)?;
@@ -66,9 +80,7 @@ fn f_and_g_around_a_tensor_parallel_mlp_match_the_serial_run() {
             assert!(gx.is_pending(), "f's backward returns the pending all-reduce of the gradient");
             assert_close(&y, &s.y, "forward");
             assert_close(&gx, &s.x.grad().unwrap(), "dX");
-            assert_close(&w1.grad().unwrap(), &s.w1.grad().unwrap().narrow(1, r * hb, hb)?, "dW1 shard");
-            assert_close(&w2.grad().unwrap(), &s.w2.grad().unwrap().narrow(0, r * hb, hb)?, "dW2 shard");
-            Ok(())
+            s.check_weight_grads(&w1, &w2, r, hb)
         })
         .unwrap();
     }
@@ -82,8 +94,7 @@ fn sequence_parallel_gather_and_reduce_scatter_match_the_serial_run() {
         ThreadComm::run(n, opts(), |comm| {
             let (r, tb, hb) = (comm.rank(), t / n, h / n);
             let x = leaf(&s.x.narrow(0, r * tb, tb)?); // this rank's sequence block
-            let w1 = leaf(&s.w1.narrow(1, r * hb, hb)?);
-            let w2 = leaf(&s.w2.narrow(0, r * hb, hb)?);
+            let (w1, w2) = s.weight_shards(r, hb)?;
             let xg = gather_from_group(&x, &comm, 0)?;
             assert!(xg.is_pending());
             let partial = xg.matmul(&w1)?.silu()?.matmul(&w2)?;
@@ -95,9 +106,7 @@ fn sequence_parallel_gather_and_reduce_scatter_match_the_serial_run() {
             assert!(gx.is_pending(), "gather's backward is a pending reduce-scatter");
             assert_close(&y, &s.y.narrow(0, r * tb, tb)?, "forward rows");
             assert_close(&gx, &s.x.grad().unwrap().narrow(0, r * tb, tb)?, "dX rows");
-            assert_close(&w1.grad().unwrap(), &s.w1.grad().unwrap().narrow(1, r * hb, hb)?, "dW1 shard");
-            assert_close(&w2.grad().unwrap(), &s.w2.grad().unwrap().narrow(0, r * hb, hb)?, "dW2 shard");
-            Ok(())
+            s.check_weight_grads(&w1, &w2, r, hb)
         })
         .unwrap();
     }

@@ -27,15 +27,20 @@ fn flat() -> LinkModel {
     LinkModel::flat(Link::new(0.040, 1e6))
 }
 
-fn wrap(c: Arc<dyn Communicator>, m: LinkModel) -> Arc<dyn Communicator> {
-    SimLink::wrap(c, m)
+/// Runs `body` on `n` thread ranks, each with its communicator wrapped in a SimLink of `model`
+/// and a tensor of `len` f32 ones; returns the ranks' results in rank order.
+fn on_links<T: Send>(
+    n: usize,
+    model: LinkModel,
+    len: usize,
+    body: impl Fn(Arc<SimLink>, Tensor) -> ferrolm_tensor::Result<T> + Sync,
+) -> Vec<T> {
+    ThreadComm::run(n, opts(), |c| body(SimLink::wrap(c, model), Tensor::ones([len], DType::F32, Device::Cpu)?)).unwrap()
 }
 
 #[test]
 fn a_collective_completes_after_alpha_plus_bytes_over_bandwidth() {
-    ThreadComm::run(2, opts(), |c| {
-        let link = SimLink::wrap(c, flat());
-        let x = Tensor::ones([10_000], DType::F32, Device::Cpu)?;
+    on_links(2, flat(), 10_000, |link, x| {
         let want = 2.0 * 0.040 + 40_000.0 / 1e6;
         assert_eq!(link.seconds(ferrolm_dist::Collective::AllReduce(ReduceOp::Sum), 40_000), want);
         link.barrier()?;
@@ -51,15 +56,13 @@ fn a_collective_completes_after_alpha_plus_bytes_over_bandwidth() {
         link.all_gather(&x)?;
         assert_about(t0.elapsed().as_secs_f64(), 0.040 + 40_000.0 / 1e6, "all_gather");
         Ok(())
-    })
-    .unwrap();
+    });
 }
 
 #[test]
 fn back_to_back_collectives_are_serialised_on_the_link() {
-    ThreadComm::run(2, opts(), |c| {
-        let link = wrap(c, flat());
-        let x = Tensor::ones([5_000], DType::F32, Device::Cpu)?; // 20 000 bytes: 100 ms each
+    // x: 20 000 bytes: 100 ms each
+    on_links(2, flat(), 5_000, |link, x| {
         let each = 2.0 * 0.040 + 20_000.0 / 1e6;
         link.barrier()?;
         let t0 = Instant::now();
@@ -70,15 +73,13 @@ fn back_to_back_collectives_are_serialised_on_the_link() {
         works[2].wait()?;
         assert_about(t0.elapsed().as_secs_f64(), 3.0 * each, "third");
         Ok(())
-    })
-    .unwrap();
+    });
 }
 
 #[test]
 fn compute_before_the_read_hides_the_link_time() {
-    let exposed = ThreadComm::run(2, opts(), |c| {
-        let link = wrap(c, flat());
-        let x = Tensor::ones([10_000], DType::F32, Device::Cpu)?; // 120 ms on the link
+    // x: 120 ms on the link
+    let exposed = on_links(2, flat(), 10_000, |link, x| {
         link.barrier()?;
         let w = link.all_reduce_async(&x, ReduceOp::Sum)?;
         std::thread::sleep(Duration::from_millis(170)); // "compute" longer than the link time
@@ -91,8 +92,7 @@ fn compute_before_the_read_hides_the_link_time() {
         let t = Instant::now();
         link.all_reduce_async(&x, ReduceOp::Sum)?.tensor().add_scalar(1.0)?;
         Ok((hidden_wait, t.elapsed().as_secs_f64()))
-    })
-    .unwrap();
+    });
     for (hidden, full) in exposed {
         assert!(hidden < 0.005, "waited {hidden:.4} s after computing past the link time");
         assert_about(full, 0.120, "read at once");
@@ -104,9 +104,7 @@ fn compute_before_the_read_hides_the_link_time() {
 #[test]
 fn a_two_level_link_charges_the_hierarchical_cost() {
     let model = LinkModel::two_level(Link::new(0.005, 1e7), Link::new(0.030, 1e6), 2);
-    ThreadComm::run(4, opts(), |c| {
-        let link = wrap(c, model);
-        let x = Tensor::ones([10_000], DType::F32, Device::Cpu)?;
+    on_links(4, model, 10_000, |link, x| {
         let b = 40_000.0;
         // 2 (5 ms + 1/2 B / 1e7) + 2 x 30 ms + 2 (1/2) (B/2) / 1e6 = 14 + 60 + 20 ms.
         let want = cost::seconds(Kind::AllReduce, GroupSpan { per_node: 2, nodes: 2 }, b, &model);
@@ -123,17 +121,15 @@ fn a_two_level_link_charges_the_hierarchical_cost() {
         assert_eq!(node.all_reduce(&x, ReduceOp::Sum)?.to_vec::<f32>()?[0], 2.0);
         assert_about(t0.elapsed().as_secs_f64(), 2.0 * 0.005 + b / 1e7, "node-local all_reduce");
         Ok(())
-    })
-    .unwrap();
+    });
 }
 
 /// Data cannot move before the last rank posts: a rank that arrives early waits for its peer
 /// and then for the whole link time (the link time is not hidden behind the wait).
 #[test]
 fn the_transfer_starts_when_every_rank_has_posted() {
-    let waits = ThreadComm::run(2, opts(), |c| {
-        let link = wrap(c, flat());
-        let x = Tensor::ones([10_000], DType::F32, Device::Cpu)?; // 120 ms on the link
+    // x: 120 ms on the link
+    let waits = on_links(2, flat(), 10_000, |link, x| {
         link.barrier()?;
         let t0 = Instant::now();
         if link.rank() == 1 {
@@ -141,8 +137,7 @@ fn the_transfer_starts_when_every_rank_has_posted() {
         }
         link.all_reduce(&x, ReduceOp::Sum)?;
         Ok(t0.elapsed().as_secs_f64())
-    })
-    .unwrap();
+    });
     for w in waits {
         assert_about(w, 0.150 + 0.120, "early and late rank alike");
     }

@@ -174,12 +174,19 @@ fn save_pretrained_round_trip() {
     }
 }
 
+/// A fixture's model (f32), and a new checkpoint folder holding only its config.json, for a
+/// test to write the weights into in another form.
+fn model_and_bare_checkpoint(fixture: &str, tmp_name: &str) -> (Llama, TempDir) {
+    let src = fixtures().join(fixture);
+    let model = Llama::from_pretrained(&src, DType::F32, Device::Cpu).unwrap();
+    let tmp = TempDir::new(tmp_name);
+    std::fs::copy(src.join("config.json"), tmp.0.join("config.json")).unwrap();
+    (model, tmp)
+}
+
 #[test]
 fn sharded_checkpoint_loads() {
-    let src = fixtures().join("llama_gqa_untied");
-    let model = Llama::from_pretrained(&src, DType::F32, Device::Cpu).unwrap();
-    let tmp = TempDir::new("sharded");
-    std::fs::copy(src.join("config.json"), tmp.0.join("config.json")).unwrap();
+    let (model, tmp) = model_and_bare_checkpoint("llama_gqa_untied", "sharded");
     let params = model.parameters();
     let (a, b) = params.split_at(params.len() / 2);
     save_safetensors(&tmp.0.join("model-00001-of-00002.safetensors"), a, None).unwrap();
@@ -403,10 +410,7 @@ fn fresh_model_init_and_presets() {
 #[test]
 fn f16_checkpoint_loads() {
     use safetensors::tensor::{Dtype, TensorView};
-    let src = fixtures().join("llama_headdim");
-    let model = Llama::from_pretrained(&src, DType::F32, Device::Cpu).unwrap();
-    let tmp = TempDir::new("f16");
-    std::fs::copy(src.join("config.json"), tmp.0.join("config.json")).unwrap();
+    let (model, tmp) = model_and_bare_checkpoint("llama_headdim", "f16");
     let bufs: Vec<(String, Vec<usize>, Vec<u8>)> = model
         .parameters()
         .into_iter()

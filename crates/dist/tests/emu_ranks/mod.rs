@@ -51,6 +51,15 @@ pub fn child(test: &str, body: impl FnOnce(&Rank)) {
     std::process::exit(0);
 }
 
+/// A whole test: in a rank process of `test`, runs `body` and exits; in the test itself, starts
+/// ranks 0..n and asserts that every one succeeds within `timeout` (passes at once when the
+/// emulated NCCL is not built).
+pub fn run_ranks(test: &str, n: usize, timeout: Duration, body: impl FnOnce(&Rank)) {
+    child(test, body);
+    let Some(g) = Group::spawn(test, n, &[]) else { return };
+    g.finish(timeout).assert_ok();
+}
+
 fn write_atomic(path: &Path, bytes: &[u8]) {
     let tmp = path.with_extension(format!("tmp{}", std::process::id()));
     std::fs::write(&tmp, bytes).unwrap();
@@ -475,9 +484,32 @@ fn nan_max<F: PartialOrd + Copy>(a: F, b: F, nan: F, max: bool) -> F {
     }
 }
 
+/// One element of a float reduction over `n` ranks: rank 0 op rank 1 op ... in the accumulator
+/// type `F` (`value(q)` is rank q's element widened to it); a mean divides the sum by `count`
+/// (`n` as `F`) once, at the end.
+fn float_fold<F>(op: i32, n: usize, value: impl Fn(usize) -> F, nan: F, count: F) -> F
+where
+    F: PartialOrd + Copy + std::ops::Add<Output = F> + std::ops::Mul<Output = F> + std::ops::DivAssign,
+{
+    use nccl_lib::{NCCL_AVG, NCCL_MAX, NCCL_PROD, NCCL_SUM};
+    let mut a = value(0);
+    for q in 1..n {
+        let b = value(q);
+        a = match op {
+            NCCL_SUM | NCCL_AVG => a + b,
+            NCCL_PROD => a * b,
+            _ => nan_max(a, b, nan, op == NCCL_MAX),
+        };
+    }
+    if op == NCCL_AVG {
+        a /= count;
+    }
+    a
+}
+
 /// The element-wise reduction of `parts` (one byte vector per rank, in rank order).
 pub fn reduce_ref(dt: Dt, op: i32, parts: &[Vec<u8>]) -> Vec<u8> {
-    use nccl_lib::{NCCL_AVG, NCCL_MAX, NCCL_MIN, NCCL_PROD, NCCL_SUM};
+    use nccl_lib::{NCCL_AVG, NCCL_MIN, NCCL_PROD, NCCL_SUM};
     let (n, es) = (parts.len(), dt.size());
     let len = parts[0].len() / es;
     let mut out = Vec::with_capacity(parts[0].len());
@@ -485,33 +517,11 @@ pub fn reduce_ref(dt: Dt, op: i32, parts: &[Vec<u8>]) -> Vec<u8> {
         let el = |q: usize| &parts[q][i * es..(i + 1) * es];
         match dt {
             Dt::F64 => {
-                let mut a = f64::from_le_bytes(el(0).try_into().unwrap());
-                for q in 1..n {
-                    let b = f64::from_le_bytes(el(q).try_into().unwrap());
-                    a = match op {
-                        NCCL_SUM | NCCL_AVG => a + b,
-                        NCCL_PROD => a * b,
-                        _ => nan_max(a, b, f64::NAN, op == NCCL_MAX),
-                    };
-                }
-                if op == NCCL_AVG {
-                    a /= n as f64;
-                }
+                let a = float_fold(op, n, |q| f64::from_le_bytes(el(q).try_into().unwrap()), f64::NAN, n as f64);
                 out.extend(a.to_le_bytes());
             }
             Dt::F16 | Dt::F32 | Dt::Bf16 => {
-                let mut a = dt.f32_of(el(0));
-                for q in 1..n {
-                    let b = dt.f32_of(el(q));
-                    a = match op {
-                        NCCL_SUM | NCCL_AVG => a + b,
-                        NCCL_PROD => a * b,
-                        _ => nan_max(a, b, f32::NAN, op == NCCL_MAX),
-                    };
-                }
-                if op == NCCL_AVG {
-                    a /= n as f32;
-                }
+                let a = float_fold(op, n, |q| dt.f32_of(el(q)), f32::NAN, n as f32);
                 match dt {
                     Dt::F16 => out.extend(half::f16::from_f32(a).to_bits().to_le_bytes()),
                     Dt::Bf16 => out.extend(half::bf16::from_f32(a).to_bits().to_le_bytes()),
