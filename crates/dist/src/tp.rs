@@ -262,9 +262,14 @@ pub fn parallelize(model: &mut Llama, comm: &Comm) -> Result<TpLayout> {
     if !kv.is_multiple_of(tp) && tp % kv != 0 {
         return Err(err(format!("num_key_value_heads ({kv}) and --tp {tp}: one must divide the other")));
     }
-    // Ranks that share a replicated key/value head sum its weight gradient.
+    // Ranks that share a replicated key/value head sum its weight gradient: the whole group
+    // when there is one key/value head (its own communicator, not a duplicate).
     let kv_parts = kv.min(tp);
-    let kv_replicas = if kv < tp { Some(comm.split(rank * kv_parts / tp, rank)?) } else { None };
+    let kv_replicas = match kv_parts {
+        _ if kv >= tp => None,
+        1 => Some(comm.clone()),
+        _ => Some(comm.split(rank * kv_parts / tp, rank)?),
+    };
 
     let mut layout = BTreeMap::new();
     model.visit_params_mut(&mut |p, t| {
