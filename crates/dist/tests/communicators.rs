@@ -87,5 +87,7 @@ fn one_communicator_per_distinct_group_for_each_layout() {
             assert!(*r != world && !got[..i].contains(r), "tp {tp} dp {dp} {s}: {r:?} split twice (or the world again)");
         }
         assert_eq!(got, want, "tp {tp} dp {dp} {s}: communicators split on rank 0");
+        // The memory estimator's count (NCCL buffers per communicator): these and the world.
+        assert_eq!(ferrolm_dist::plan::communicators(tp, dp, s, 1), 1 + got.len(), "tp {tp} dp {dp} {s}");
     }
 }
