@@ -1,7 +1,8 @@
 //! Will this run fit? Peak memory per rank of a training configuration, predicted before
 //! anything is allocated: parameters, gradients and optimizer states under the layout's
 //! `ShardSpec` and tensor parallelism, activations with or without checkpointing, the engines'
-//! transient buffers and a device workspace. The model is `ferrolm_dist::plan::memory` (the
+//! transient buffers and a device workspace (with NCCL's buffers per communicator on a
+//! multi-process GPU run). The model is `ferrolm_dist::plan::memory` (the
 //! planner and the auto-configurator rank layouts with the same numbers); this module maps a
 //! run's flags onto it and refuses, with the numbers, a run that cannot fit.
 //!
@@ -102,13 +103,22 @@ pub fn estimate(
         grad_bytes: l.grad_reduce.bytes(dtype.size_in_bytes()),
         checkpointed_layers: l.checkpointed_layers.min(cfg.num_hidden_layers),
     };
-    let workspace = if device == Device::Cpu { 0.0 } else { CUDA_WORKSPACE_BYTES };
+    let workspace = if device == Device::Cpu { 0.0 } else { CUDA_WORKSPACE_BYTES + nccl_buffer_bytes(cfg, l) };
     let mut m = plan::memory(&shape, &w, l.spec, grad_accum, workspace);
     // Offloaded optimizer state leaves a device, not the host: on the CPU it stays counted.
     if let (Some(sub), false) = (l.offload_subgroup, device == Device::Cpu) {
         m.optim = m.optim.min(24.0 * sub as f64);
     }
     m.total().is_finite().then_some(m)
+}
+
+/// NCCL's buffers on each rank of a multi-process GPU run: one `NCCL_BYTES_PER_COMMUNICATOR`
+/// per communicator (see `ferrolm_dist::plan`); none for one rank or thread ranks (ThreadComm).
+pub fn nccl_buffer_bytes(cfg: &LlamaConfig, l: &MemLayout) -> f64 {
+    if l.world() <= 1 || l.thread_ranks {
+        return 0.0;
+    }
+    plan::communicators(l.tp, l.dp, l.spec, cfg.num_key_value_heads) as f64 * plan::NCCL_BYTES_PER_COMMUNICATOR
 }
 
 /// Bytes a single-device training step needs at its peak. None on overflow.

@@ -19,6 +19,7 @@ use ferrolm_nn::optim::AdamWConfig;
 use ferrolm_nn::safetensors_io::{load_safetensors, save_safetensors, write_atomic};
 use ferrolm_nn::schedule::CosineSchedule;
 use ferrolm_nn::LlamaConfig;
+use ferrolm_ops::Tokens;
 use ferrolm_tensor::{no_grad, DType, Device, Rng, Tensor};
 use serde::{Deserialize, Serialize};
 use std::collections::HashMap;
@@ -175,10 +176,11 @@ pub struct Trainer {
     pub val_history: Vec<(f64, f64)>,
 }
 
-/// (B, T) i32 tensors for one batch on `device`.
-pub fn batch_tensors(b: &Batch, device: Device) -> AnyResult<(Tensor, Tensor)> {
-    let x = Tensor::from_vec(b.inputs.clone(), [b.batch, b.seq], device)?;
-    let y = Tensor::from_vec(b.targets.clone(), [b.batch, b.seq], device)?;
+/// (B, T) i32 inputs and targets of one batch on `device`, with their host copies: the model
+/// checks them (and counts the targets) on the host, so a micro-batch never reads the device.
+pub fn batch_tensors(b: &Batch, device: Device) -> AnyResult<(Tokens, Tokens)> {
+    let x = Tokens::upload(b.inputs.clone(), [b.batch, b.seq], device)?;
+    let y = Tokens::upload(b.targets.clone(), [b.batch, b.seq], device)?;
     Ok((x, y))
 }
 

@@ -187,3 +187,34 @@ fn f32_main_gradients_cost_two_more_bytes_per_gradient_element() {
         assert_eq!(f(GradReduceDtype::F32), f(GradReduceDtype::Bf16));
     }
 }
+
+/// NCCL's buffers: a multi-process GPU run counts `NCCL_BYTES_PER_COMMUNICATOR` (128 MiB) per
+/// communicator of the rank in its workspace; the CPU, one device and thread ranks (ThreadComm,
+/// no NCCL) count none. Pure arithmetic, like the test above.
+#[test]
+fn nccl_buffers_are_counted_per_communicator_on_multi_rank_gpu_runs() {
+    use ferrolm::memory::CUDA_WORKSPACE_BYTES;
+    use ferrolm_dist::plan::NCCL_BYTES_PER_COMMUNICATOR;
+    assert_eq!(NCCL_BYTES_PER_COMMUNICATOR, 128.0 * 1024.0 * 1024.0);
+    let c = case(64, 128, 2, 2, 32); // 4 heads, 2 key/value heads
+    let spec = |p, g, o| ShardSpec { params: p, grads: g, optim: o };
+    let gpu = Device::Cuda(0);
+    // (tp, dp, spec, the communicators of rank 0)
+    let cases = [
+        (1, 1, spec(1, 1, 1), 0), // one device
+        (1, 2, spec(1, 1, 1), 1), // the world (= the dp group)
+        (2, 1, spec(1, 1, 1), 1), // the world (= the tp group)
+        (2, 2, spec(1, 2, 2), 3), // world, tp, dp (the engine's groups are dp or one rank)
+        (1, 4, spec(2, 2, 4), 4), // world (= dp), P, OS, the block (dp's ranks in another order)
+        (2, 4, spec(2, 2, 4), 6), // world, tp, dp, P, OS, the block
+        (4, 1, spec(1, 1, 1), 2), // world (= tp), the two ranks sharing a key/value head
+    ];
+    for (tp, dp, s, n) in cases {
+        let l = MemLayout { tp, dp, spec: s, ..MemLayout::single(false) };
+        let at = |device, l: &MemLayout| estimate(&c.cfg, DType::F32, device, c.batch, c.seq, 1, l).unwrap().workspace;
+        let want = CUDA_WORKSPACE_BYTES + n as f64 * NCCL_BYTES_PER_COMMUNICATOR;
+        assert_eq!(at(gpu, &l), want, "tp {tp} dp {dp} {s}: {n} communicators");
+        assert_eq!(at(gpu, &MemLayout { thread_ranks: true, ..l }), CUDA_WORKSPACE_BYTES, "tp {tp} dp {dp} {s}: thread ranks");
+        assert_eq!(at(Device::Cpu, &l), 0.0, "tp {tp} dp {dp} {s}: CPU");
+    }
+}

@@ -1,8 +1,9 @@
 //! `eval`: mean next-token cross-entropy of a checkpoint on a text file.
 use super::{env_help, positive, LogArgs, ModelRunArgs, Tool, ENV_COMMON, ENV_DEVICE, ENV_LAUNCH};
 use crate::data::Tokenizer;
+use crate::ops::Tokens;
 use crate::progress::{report, Progress};
-use crate::{AnyResult, Device, Llama, Tensor};
+use crate::{AnyResult, Device, Llama};
 use anyhow::{bail, Context};
 use clap::Parser;
 use std::path::PathBuf;
@@ -85,8 +86,8 @@ fn score(a: &EvalArgs, model: &Llama, tokenizer: &Tokenizer, ids: &[u32], device
             x.extend(win[..t].iter().map(|&v| v as i32));
             y.extend(win[1..].iter().map(|&v| v as i32));
         }
-        let xt = Tensor::from_vec(x, [b, t], device)?;
-        let yt = Tensor::from_vec(y, [b, t], device)?;
+        let xt = Tokens::upload(x, [b, t], device)?;
+        let yt = Tokens::upload(y, [b, t], device)?;
         sum += model.loss(&xt, &yt)?.item()? * (b * t) as f64;
         n += b * t;
         bar.inc((b * t) as u64);

@@ -381,6 +381,36 @@ pub trait Communicator: Send + Sync {
     }
 }
 
+/// Implements the `Communicator` methods that a wrapper around `self.inner` (an
+/// `Arc<dyn Communicator>`) passes on unchanged: rank, size, name, world ranks, timeout, stats
+/// and abort. The wrapper writes `launch`, `barrier` and `split_named` (`SimLink`; test wrappers).
+#[macro_export]
+macro_rules! forward_to_inner {
+    () => {
+        fn rank(&self) -> usize {
+            self.inner.rank()
+        }
+        fn size(&self) -> usize {
+            self.inner.size()
+        }
+        fn name(&self) -> &str {
+            self.inner.name()
+        }
+        fn world_ranks(&self) -> &[usize] {
+            self.inner.world_ranks()
+        }
+        fn timeout(&self) -> ::std::time::Duration {
+            self.inner.timeout()
+        }
+        fn stats(&self) -> $crate::CommStats {
+            self.inner.stats()
+        }
+        fn abort(&self, reason: &str) {
+            self.inner.abort(reason)
+        }
+    };
+}
+
 impl fmt::Debug for dyn Communicator {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         write!(f, "Communicator({}, rank {} of {})", self.name(), self.rank(), self.size())

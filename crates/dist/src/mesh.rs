@@ -4,6 +4,10 @@
 //! one model replica are consecutive and stay inside a node (`ranks_per_node` must be a
 //! multiple of `tp`). The dp group of a rank holds the ranks with its `tp_index`; the sharded
 //! engine cuts it further into its own groups (`zero::groups`).
+//!
+//! One communicator per distinct group (each costs NCCL its connections and buffers): a group
+//! of one rank gets a solo thread communicator (every collective a copy, nothing of the
+//! backend), and a group that is the whole world in world order is the world communicator.
 use crate::comm::Communicator;
 use crate::cost::GroupSpan;
 use ferrolm_tensor::{bail, Result};
@@ -32,8 +36,18 @@ impl DeviceMesh {
         }
         let r = world.rank();
         let (dp_index, tp_index) = (r / tp, r % tp);
-        let tp_group = world.split_named(dp_index, tp_index, "tp")?;
-        let dp_group = world.split_named(tp_index, dp_index, "dp")?;
+        // The decisions depend on tp and dp alone, so every rank splits the same groups.
+        let group = |size: usize, color: usize, key: usize, name: &str| -> Result<Arc<dyn Communicator>> {
+            if size == 1 {
+                Ok(crate::ThreadComm::solo(crate::CommOptions::default()))
+            } else if size == world.size() {
+                Ok(world.clone()) // key == world rank: the world's own order
+            } else {
+                world.split_named(color, key, name)
+            }
+        };
+        let tp_group = group(tp, dp_index, tp_index, "tp")?;
+        let dp_group = group(dp, tp_index, dp_index, "dp")?;
         Ok(DeviceMesh { world, tp, dp, ranks_per_node, tp_group, dp_group })
     }
 

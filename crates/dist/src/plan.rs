@@ -207,6 +207,39 @@ fn groups_of_rank0(dp: usize, s: ShardSpec) -> [Vec<usize>; 4] {
     [ZeroGroup::Params, g, ZeroGroup::OptimSub, ZeroGroup::OptimReplicas].map(|grp| members(grp, s, dp, 0))
 }
 
+/// NCCL's default `NCCL_BUFFSIZE`: the Simple protocol's buffer per channel and connection
+/// (4 MiB, NCCL's environment-variable documentation).
+pub const NCCL_BUFFSIZE: f64 = 4.0 * 1024.0 * 1024.0;
+/// Channels assumed per communicator. NCCL picks them from the topology (its `NCCL_DEBUG=INFO`
+/// logs show 16 to 32 on NVLink H100 nodes); 16 is a middle figure, not a measurement.
+pub const NCCL_CHANNELS: f64 = 16.0;
+/// Device bytes one rank holds for one NCCL communicator: per channel a ring connection to each
+/// of its two neighbours, each with an `NCCL_BUFFSIZE` buffer (the LL and LL128 protocols' own
+/// buffers, and NCCL's small per-communicator state, are not counted): 16 × 2 × 4 MiB = 128 MiB.
+/// An assumption stated for the estimator, to be replaced by a measurement on a multi-GPU node.
+pub const NCCL_BYTES_PER_COMMUNICATOR: f64 = NCCL_CHANNELS * 2.0 * NCCL_BUFFSIZE;
+
+/// The communicators of more than one rank that world rank 0 of a `tp` × `dp` run holds, one
+/// per distinct group as the mesh, tensor parallelism and the engine create them: the world,
+/// the tp and dp groups when they are neither one rank nor the world, the group of ranks that
+/// share a replicated key/value head (1 < `kv_heads` < tp), and the engine's groups under `spec`
+/// that are neither one rank nor an earlier group.
+pub fn communicators(tp: usize, dp: usize, spec: ShardSpec, kv_heads: usize) -> usize {
+    use crate::zero::{members, ZeroGroup};
+    let (tp, dp) = (tp.max(1), dp.max(1));
+    let mut groups: Vec<Vec<usize>> = vec![(0..tp * dp).collect(), (0..tp).collect(), (0..dp).map(|d| d * tp).collect()];
+    if kv_heads > 1 && kv_heads < tp {
+        groups.push((0..tp / kv_heads).collect());
+    }
+    for g in [ZeroGroup::Params, ZeroGroup::OptimSub, ZeroGroup::Block, ZeroGroup::OptimReplicas] {
+        groups.push(members(g, spec, dp, 0).into_iter().map(|d| d * tp).collect());
+    }
+    let mut distinct: Vec<Vec<usize>> = groups.into_iter().filter(|g| g.len() > 1).collect();
+    distinct.sort();
+    distinct.dedup();
+    distinct.len()
+}
+
 /// Activation bytes one rank keeps for backward per micro-batch of `b` sequences of `seq`
 /// tokens, as ferrolm's ops save them (measured with `ferrolm_tensor::peak_bytes` on the CPU
 /// engine, see docs/AUTOCONFIG.md): per token and layer about 10 hidden-sized tensors (norm
@@ -229,7 +262,8 @@ pub fn activation_bytes(m: &ModelShape, w: &Workload) -> f64 {
 
 /// Device bytes one rank needs at its peak for `spec` with `micro_batches` micro-batches per
 /// step, broken down. `workspace` is a fixed reserve (the CUDA context and cuBLAS workspace on a
-/// GPU, 0 on the CPU) the caller passes.
+/// GPU, 0 on the CPU, plus NCCL's buffers on a multi-rank GPU run:
+/// `communicators` × `NCCL_BYTES_PER_COMMUNICATOR`) the caller passes.
 ///
 /// Model states follow the engine's layout (one device is the spec (1, 1, 1)): each bucket's
 /// parameter shard (`n / s_p`, plus up to `MAX_LIVE` = 3 gathered buckets when `s_p > 1`), the

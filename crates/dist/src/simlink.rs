@@ -10,7 +10,7 @@
 //! wait. The result is handed over at `end`; a rank that computes past it waits for nothing.
 //! Each group (and each split sub-group) is its own link; contention between groups is not
 //! modelled.
-use crate::comm::{Collective, CommStats, Communicator, Completion};
+use crate::comm::{Collective, Communicator, Completion};
 use crate::cost::{self, GroupSpan, LinkModel};
 use ferrolm_tensor::{Result, Tensor};
 use std::sync::{Arc, Mutex};
@@ -74,21 +74,7 @@ fn sleep_until(t: Instant) {
 }
 
 impl Communicator for SimLink {
-    fn rank(&self) -> usize {
-        self.inner.rank()
-    }
-    fn size(&self) -> usize {
-        self.inner.size()
-    }
-    fn name(&self) -> &str {
-        self.inner.name()
-    }
-    fn world_ranks(&self) -> &[usize] {
-        self.inner.world_ranks()
-    }
-    fn timeout(&self) -> Duration {
-        self.inner.timeout()
-    }
+    crate::forward_to_inner!();
     fn launch(&self, op: Collective, x: &Tensor) -> Result<Completion> {
         let secs = self.seconds(op, x.numel() * x.dtype().size_in_bytes());
         let c = self.inner.launch(op, x)?;
@@ -145,11 +131,5 @@ impl Communicator for SimLink {
     }
     fn split_named(&self, color: usize, key: usize, name: &str) -> Result<Arc<dyn Communicator>> {
         Ok(SimLink::wrap(self.inner.split_named(color, key, name)?, self.model))
-    }
-    fn stats(&self) -> CommStats {
-        self.inner.stats()
-    }
-    fn abort(&self, reason: &str) {
-        self.inner.abort(reason)
     }
 }

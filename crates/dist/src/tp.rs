@@ -11,7 +11,8 @@
 //!   all-reduce is launched and returned pending, to be waited on where the residual schedule
 //!   adds it (at once for a standard block, one branch later for a Ladder block).
 //! - embedding and LM head: vocabulary-parallel (rows split); the cross-entropy works on the
-//!   vocabulary shards and never gathers the logits.
+//!   vocabulary shards and never gathers the logits. Ids and targets are split, checked and
+//!   counted on their host copy (`Tokens`), so neither reads the device back.
 //! - GQA with fewer key/value heads than ranks: each rank keeps the key/value head its query
 //!   heads use (replicated, as Megatron does); its weight gradient is summed over the ranks
 //!   that share it.
@@ -19,6 +20,7 @@ use crate::comm::{Communicator, ReduceOp};
 use crate::ops::{copy_to_group, gather_from_group, reduce_from_group};
 use ferrolm_nn::module::{linear, EmbeddingOp, HeadOp, LinearOp};
 use ferrolm_nn::Llama;
+use ferrolm_ops::Tokens;
 use ferrolm_tensor::{bail, no_grad, DType, Error, Result, Tensor};
 use std::collections::BTreeMap;
 use std::sync::{Arc, Mutex};
@@ -153,17 +155,21 @@ pub struct VocabParallel {
 }
 
 impl VocabParallel {
-    /// Host-side split of i32 ids into local row ids (0 outside the shard) and a mask.
-    fn local_ids(&self, ids: &Tensor) -> Result<(Tensor, Tensor)> {
-        let v = ids.to_vec::<i32>()?;
+    /// Host-side split of i32 ids (their host copy; a bare tensor is read back) into local row
+    /// ids (0 outside the shard, uploaded with their copy) and a mask. Ids outside the whole
+    /// vocabulary are an error, as for a dense embedding.
+    fn local_ids(&self, ids: &Tokens) -> Result<(Tokens, Tensor)> {
+        let v = ids.host_ids()?;
+        let t = ids.tensor();
+        ferrolm_ops::tokens::check_ids(&v, self.rows * self.comm.size())?;
         let (lo, hi) = (self.start as i64, (self.start + self.rows) as i64);
         let inside = |x: i32| (lo..hi).contains(&(x as i64));
         let local: Vec<i32> = v.iter().map(|&x| if inside(x) { (x as i64 - lo) as i32 } else { 0 }).collect();
         let mask: Vec<f32> = v.iter().map(|&x| if inside(x) { 1.0 } else { 0.0 }).collect();
-        let mut mshape = ids.dims().to_vec();
+        let mut mshape = t.dims().to_vec();
         mshape.push(1);
-        let dev = ids.device();
-        Ok((Tensor::from_vec(local, ids.dims().to_vec(), dev)?, Tensor::from_vec(mask, mshape, dev)?))
+        let dev = t.device();
+        Ok((Tokens::upload(local, t.dims().to_vec(), dev)?, Tensor::from_vec(mask, mshape, dev)?))
     }
 }
 
@@ -175,9 +181,9 @@ impl VocabParallel {
 }
 
 impl EmbeddingOp for VocabParallel {
-    fn forward(&self, ids: &Tensor, w: &Tensor) -> Result<Tensor> {
+    fn forward(&self, ids: &Tokens, w: &Tensor) -> Result<Tensor> {
         let (local, mask) = self.local_ids(ids)?;
-        let rows = ferrolm_ops::embedding(&local, w)?.mul(&mask.to_dtype(w.dtype())?)?; // zero outside the shard
+        let rows = ferrolm_ops::embedding_tokens(&local, w)?.mul(&mask.to_dtype(w.dtype())?)?; // zero outside the shard
         reduce_from_group(&rows, &self.comm)
     }
 }
@@ -190,12 +196,12 @@ impl HeadOp for VocabParallel {
 
     /// Cross-entropy over vocabulary shards: the row max, the sum of exponentials and the
     /// target logit are each reduced over the group; the (N, V) logits never are.
-    fn loss(&self, x: &Tensor, w: &Tensor, targets: &Tensor, ignore: i32) -> Result<Tensor> {
+    fn loss(&self, x: &Tensor, w: &Tensor, targets: &Tokens, ignore: i32) -> Result<Tensor> {
         let logits = self.head().forward(x, w)?; // (B, T, V/tp)
-        let n = targets.numel();
+        let n = targets.tensor().numel();
         let l = logits.reshape(vec![n, self.rows])?.to_dtype(DType::F32)?; // (N, V/tp)
-        let t = targets.to_vec::<i32>()?;
-        let counted = t.iter().filter(|&&y| y != ignore).count();
+        let t = targets.host_ids()?;
+        let counted = ferrolm_ops::tokens::count_targets(&t, self.rows * self.comm.size(), ignore)?;
         if counted == 0 {
             bail!("vocab_parallel_cross_entropy", "every target is ignored");
         }
@@ -230,7 +236,7 @@ impl HeadOp for VocabParallel {
         }
         let dev = l.device();
         let flat = l.reshape(vec![n * self.rows, 1])?;
-        let picked = ferrolm_ops::embedding(&Tensor::from_vec(idx, vec![n], dev)?, &flat)?; // (N, 1)
+        let picked = ferrolm_ops::embedding_tokens(&Tokens::upload(idx, vec![n], dev)?, &flat)?; // (N, 1)
         let inside = Tensor::from_vec(inside, vec![n, 1], dev)?;
         let tgt = reduce_from_group(&picked.mul(&inside)?, &self.comm)?; // (N, 1)
         let keep = Tensor::from_vec(keep, vec![n, 1], dev)?;
@@ -256,9 +262,16 @@ pub fn parallelize(model: &mut Llama, comm: &Comm) -> Result<TpLayout> {
     if !kv.is_multiple_of(tp) && tp % kv != 0 {
         return Err(err(format!("num_key_value_heads ({kv}) and --tp {tp}: one must divide the other")));
     }
-    // Ranks that share a replicated key/value head sum its weight gradient.
+    // Ranks that share a replicated key/value head sum its weight gradient: the whole group
+    // when there is one key/value head (its own communicator, not a duplicate).
     let kv_parts = kv.min(tp);
-    let kv_replicas = if kv < tp { Some(comm.split(rank * kv_parts / tp, rank)?) } else { None };
+    let kv_replicas = if kv >= tp {
+        None
+    } else if kv_parts == 1 {
+        Some(comm.clone())
+    } else {
+        Some(comm.split(rank * kv_parts / tp, rank)?)
+    };
 
     let mut layout = BTreeMap::new();
     model.visit_params_mut(&mut |p, t| {

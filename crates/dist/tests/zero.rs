@@ -2,6 +2,7 @@
 //! which follows the single-device run with the same global batch; composes with tensor
 //! parallelism; holds exactly the model-state bytes of the formula; sends exactly the bytes
 //! of the traffic model.
+use ferrolm_dist::cost::Kind;
 use ferrolm_dist::tp::parallelize;
 use ferrolm_dist::zero::{expected_gathers, traffic_bytes, Placement, ShardSpec, Zero};
 use ferrolm_dist::{CommOptions, CommStats, Communicator, DeviceMesh, ThreadComm, TrainEngine};
@@ -124,9 +125,16 @@ fn rank(comm: Arc<dyn Communicator>, dp: usize, tp: usize, rpn: usize, spec: Sha
         let sent: f64 = z.comms().iter().zip(&before).map(|(c, b)| c.stats().since(b).total_bytes()).sum();
         let gathers: Vec<usize> = z.gathers().iter().zip(&gathers0).map(|(a, b)| (a - b) / ACCUM).collect();
         assert_eq!(gathers, expected_gathers(spec.params, z.bucket_numel().len(), tied), "{spec}: parameter all-gathers per bucket");
-        // The step's loss and norm all-reduce runs on the world communicator, not the engine's groups.
+        // The step's loss and norm all-reduce (two f64) runs on the world communicator, which is
+        // one of the engine's groups when the dp group is the whole world (tp = 1).
+        let world = z.mesh().world();
+        let scalars = if z.comms().iter().any(|c| Arc::ptr_eq(c, world)) {
+            ferrolm_dist::cost::bytes_sent(Kind::AllReduce, world.size(), world.rank(), 0, 16.0)
+        } else {
+            0.0
+        };
         traffic = sent;
-        model_traffic = traffic_bytes(spec, dp, &z.bucket_numel(), &gathers, 4, ACCUM);
+        model_traffic = traffic_bytes(spec, dp, &z.bucket_numel(), &gathers, 4, ACCUM) + scalars;
         losses.push(sum / ACCUM as f64);
     }
     Ok(RankOut { losses, bytes, padded: z.bucket_numel().iter().sum::<usize>() as u64, traffic, model_traffic })

@@ -14,7 +14,7 @@ use crate::generate::KvCache;
 use crate::module::{BranchFn, BranchHook, Embedding, HeadOp, Linear, ParamInfo, ParamKind, ParamVisitor};
 use crate::rope::Rope;
 use crate::safetensors_io::{self, TensorMap};
-use ferrolm_ops::{causal_attention, rms_norm, rope, softmax_last, swiglu};
+use ferrolm_ops::{causal_attention, rms_norm, rope, softmax_last, swiglu, Tokens};
 use ferrolm_tensor::{no_grad, DType, Device, Error, Result, Rng, Tensor};
 use std::path::Path;
 use std::sync::Arc;
@@ -154,7 +154,7 @@ impl Llama {
     /// all-reduce); adding it late is what lets the communication overlap the next branch.
     /// This is exactly the recurrence of the paper's released `LlamaLadderModel`, including
     /// mixed layers and a Ladder layer at position 0.
-    fn hidden(&self, ids: &Tensor, pos: &Positions, mut cache: Option<&mut KvCache>) -> Result<Tensor> {
+    fn hidden(&self, ids: &Tokens, pos: &Positions, mut cache: Option<&mut KvCache>) -> Result<Tensor> {
         let mut x = self.embed_tokens.forward(ids)?; // (B, T, C)
         let mut pending: Option<Tensor> = None; // a branch output not yet added to x
         for (i, blk) in self.layers.iter().enumerate() {
@@ -214,16 +214,22 @@ impl Llama {
         Ok(Positions { cos, sin, past })
     }
 
-    /// Logits (B, T, V) for i32 token ids (B, T).
-    pub fn forward(&self, ids: &Tensor) -> Result<Tensor> {
-        let pos = self.check_ids(ids, 0)?;
-        let x = rms_norm(&self.hidden(ids, &pos, None)?, &self.norm, self.cfg.rms_norm_eps)?;
+    /// Logits (B, T, V) for i32 token ids (B, T): a `&Tensor` (its range checked on the device)
+    /// or `&Tokens` (checked on their host copy).
+    pub fn forward(&self, ids: impl Into<Tokens>) -> Result<Tensor> {
+        let ids = ids.into();
+        let pos = self.check_ids(ids.tensor(), 0)?;
+        let x = rms_norm(&self.hidden(&ids, &pos, None)?, &self.norm, self.cfg.rms_norm_eps)?;
         self.head_op.logits(&x, self.head_weight())
     }
 
     /// Mean cross-entropy (f32 scalar) of `forward(inputs)` against `targets` (B, T) i32, aligned
-    /// so that position t predicts targets[t]; -100 is ignored.
-    pub fn loss(&self, inputs: &Tensor, targets: &Tensor) -> Result<Tensor> {
+    /// so that position t predicts targets[t]; -100 is ignored. Ids and targets are `&Tensor`s
+    /// (checked and counted on the device: host waits on a GPU) or `&Tokens` uploaded with their
+    /// host copy (checked and counted there: the loss is computed without a host wait).
+    pub fn loss(&self, inputs: impl Into<Tokens>, targets: impl Into<Tokens>) -> Result<Tensor> {
+        let (ids, tg) = (inputs.into(), targets.into());
+        let (inputs, targets) = (ids.tensor(), tg.tensor());
         if targets.dims() != inputs.dims() || targets.dtype() != DType::I32 {
             return Err(Error::new(
                 "Llama::loss",
@@ -231,15 +237,15 @@ impl Llama {
             ));
         }
         let pos = self.check_ids(inputs, 0)?;
-        let x = rms_norm(&self.hidden(inputs, &pos, None)?, &self.norm, self.cfg.rms_norm_eps)?;
-        self.head_op.loss(&x, self.head_weight(), targets, -100)
+        let x = rms_norm(&self.hidden(&ids, &pos, None)?, &self.norm, self.cfg.rms_norm_eps)?;
+        self.head_op.loss(&x, self.head_weight(), &tg, -100)
     }
 
     /// Logits (B, T, V) for ids that continue the sequences held in `cache` (generation).
     pub fn forward_with_cache(&self, ids: &Tensor, cache: &mut KvCache) -> Result<Tensor> {
         let pos = self.check_ids(ids, cache.len())?;
         cache.prepare(self.layers.len(), ids.dim(0))?;
-        let x = rms_norm(&self.hidden(ids, &pos, Some(cache))?, &self.norm, self.cfg.rms_norm_eps)?;
+        let x = rms_norm(&self.hidden(&Tokens::device(ids), &pos, Some(cache))?, &self.norm, self.cfg.rms_norm_eps)?;
         cache.advance(ids.dim(1));
         self.head_op.logits(&x, self.head_weight())
     }

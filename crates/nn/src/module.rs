@@ -3,6 +3,7 @@
 //! A parallel plan swaps the op (and the tensor for its local shard) from outside; the model
 //! file never learns how it is parallelised. Activation checkpointing attaches the same way,
 //! through a [`BranchHook`].
+use ferrolm_ops::Tokens;
 use ferrolm_tensor::{Result, Tensor};
 use std::sync::Arc;
 
@@ -54,10 +55,11 @@ pub trait LinearOp: Send + Sync {
     fn forward(&self, x: &Tensor, weight: &Tensor) -> Result<Tensor>;
 }
 
-/// How an embedding looks its rows up (dense, or vocabulary-parallel).
+/// How an embedding looks its rows up (dense, or vocabulary-parallel). Ids that carry their
+/// host copy are checked (and, vocabulary-parallel, split) on the host, never read back.
 pub trait EmbeddingOp: Send + Sync {
     /// i32 ids (B, T) -> (B, T, C)
-    fn forward(&self, ids: &Tensor, weight: &Tensor) -> Result<Tensor>;
+    fn forward(&self, ids: &Tokens, weight: &Tensor) -> Result<Tensor>;
 }
 
 /// How the output head turns the final hidden states into logits and the loss.
@@ -65,7 +67,8 @@ pub trait HeadOp: Send + Sync {
     /// Full logits (B, T, V) from hidden states (B, T, C).
     fn logits(&self, x: &Tensor, weight: &Tensor) -> Result<Tensor>;
     /// Mean cross-entropy of the logits against aligned i32 targets (B, T); `ignore` is skipped.
-    fn loss(&self, x: &Tensor, weight: &Tensor, targets: &Tensor, ignore: i32) -> Result<Tensor>;
+    /// The loss stays on the device; targets with their host copy are checked and counted there.
+    fn loss(&self, x: &Tensor, weight: &Tensor, targets: &Tokens, ignore: i32) -> Result<Tensor>;
 }
 
 /// The single-device ops.
@@ -78,8 +81,8 @@ impl LinearOp for Dense {
 }
 
 impl EmbeddingOp for Dense {
-    fn forward(&self, ids: &Tensor, w: &Tensor) -> Result<Tensor> {
-        ferrolm_ops::embedding(ids, w)
+    fn forward(&self, ids: &Tokens, w: &Tensor) -> Result<Tensor> {
+        ferrolm_ops::embedding_tokens(ids, w)
     }
 }
 
@@ -87,10 +90,10 @@ impl HeadOp for Dense {
     fn logits(&self, x: &Tensor, w: &Tensor) -> Result<Tensor> {
         linear(x, w)
     }
-    fn loss(&self, x: &Tensor, w: &Tensor, targets: &Tensor, ignore: i32) -> Result<Tensor> {
+    fn loss(&self, x: &Tensor, w: &Tensor, targets: &Tokens, ignore: i32) -> Result<Tensor> {
         let logits = linear(x, w)?; // (B, T, V)
-        let (n, v) = (targets.numel(), logits.dim(logits.rank() - 1));
-        ferrolm_ops::cross_entropy(&logits.reshape(vec![n, v])?, &targets.reshape(vec![n])?, ignore)
+        let (n, v) = (targets.tensor().numel(), logits.dim(logits.rank() - 1));
+        ferrolm_ops::cross_entropy_tokens(&logits.reshape(vec![n, v])?, &targets.reshape(vec![n])?, ignore)
     }
 }
 
@@ -120,8 +123,9 @@ impl Embedding {
     pub fn new(weight: Tensor) -> Self {
         Embedding { weight, op: Arc::new(Dense) }
     }
-    pub fn forward(&self, ids: &Tensor) -> Result<Tensor> {
-        self.op.forward(ids, &self.weight)
+    /// `ids`: a `&Tensor` (checked on the device) or `&Tokens`.
+    pub fn forward(&self, ids: impl Into<Tokens>) -> Result<Tensor> {
+        self.op.forward(&ids.into(), &self.weight)
     }
 }
 

@@ -1,18 +1,29 @@
 //! Mean softmax cross-entropy of logits (n, v) against i32 targets (n), rows whose target is
 //! `ignore_index` not counted. The softmax is never stored: the forward keeps the log-sum-exp
 //! per row (f32) and the backward recomputes dlogits = (exp(x − lse) − onehot) · g / count.
-//! The mean and the count are summed in a fixed order. A target outside [0, v) is an error.
+//! The mean and the count are summed in a fixed order. A target outside [0, v) is an error:
+//! targets that carry their host copy (`Tokens::upload`) are checked and counted on the host,
+//! others on the device (two host waits on a GPU: the check and the count).
 //! CUDA: kernels/cross_entropy.cu, including a fused forward + backward in one pass over the
 //! logits (`forward_backward_cuda`) with the gradient scale kept on the device.
 use crate::dispatch::{f32_ptr, num, on, rows, On};
+use crate::tokens::Tokens;
 use ferrolm_tensor::backend::View;
 use ferrolm_tensor::{bail, same_device, DType, Result, Storage, Tensor};
 
 pub use cuda::forward_backward as forward_backward_cuda;
 
 /// Mean cross-entropy of `logits` (n, v) against i32 `targets` (n), skipping `ignore_index`.
-/// The loss is f32 for f32/bf16 logits (f64 for f64).
+/// The loss is f32 for f32/bf16 logits (f64 for f64). The targets are checked and counted on
+/// the device; `cross_entropy_tokens` does it on a host copy instead.
 pub fn cross_entropy(logits: &Tensor, targets: &Tensor, ignore_index: i32) -> Result<Tensor> {
+    cross_entropy_tokens(logits, &Tokens::device(targets), ignore_index)
+}
+
+/// `cross_entropy` of `targets`, checked and counted on the host when they carry their host
+/// copy: the loss then stays on the device (no host wait).
+pub fn cross_entropy_tokens(logits: &Tensor, tokens: &Tokens, ignore_index: i32) -> Result<Tensor> {
+    let targets = tokens.tensor();
     same_device("cross_entropy", &[logits, targets])?;
     if logits.rank() != 2 || !logits.dtype().is_float() {
         bail!("cross_entropy", "logits must be a float (rows, classes) matrix, got {:?} {}", logits.shape(), logits.dtype());
@@ -21,7 +32,8 @@ pub fn cross_entropy(logits: &Tensor, targets: &Tensor, ignore_index: i32) -> Re
         bail!("cross_entropy", "targets must be i32 of shape [{}], got {:?} {}", logits.dims()[0], targets.shape(), targets.dtype());
     }
     let x = logits.contiguous()?;
-    let (loss, lse, count) = Tensor::with_storages(&[&x, targets], |s| forward(s[0], s[1], ignore_index))?;
+    let known = tokens.count_targets(x.dims()[1], ignore_index)?;
+    let (loss, lse, count) = Tensor::with_storages(&[&x, targets], |s| forward_with(s[0], s[1], ignore_index, known))?;
     let out = Tensor::new(loss, ())?;
     let lse = Tensor::new(lse, [x.dims()[0]])?;
     let t = targets.clone();
@@ -36,9 +48,15 @@ pub fn cross_entropy(logits: &Tensor, targets: &Tensor, ignore_index: i32) -> Re
 /// logits (n, v) contiguous, targets i32 (n) -> (mean loss () in f32, f64 for f64 logits;
 /// lse (n) likewise; the count of counted rows).
 pub fn forward(logits: View, targets: View, ignore_index: i32) -> Result<(Storage, Storage, usize)> {
+    forward_with(logits, targets, ignore_index, None)
+}
+
+/// `forward`; `known`: the count of counted rows when the caller has checked the targets (CUDA
+/// then neither checks nor reads the count back; the CPU checks anyway, at no cost in waits).
+fn forward_with(logits: View, targets: View, ignore_index: i32, known: Option<usize>) -> Result<(Storage, Storage, usize)> {
     match on("cross_entropy", logits.0)? {
         On::Cpu => cpu::forward(logits, targets, ignore_index),
-        On::Cuda(be) => cuda::forward(&be, logits, targets, ignore_index),
+        On::Cuda(be) => cuda::forward(&be, logits, targets, ignore_index, known),
     }
 }
 
@@ -63,12 +81,9 @@ mod cpu {
     pub(super) fn forward(logits: View, targets: View, ignore: i32) -> Result<(Storage, Storage, usize)> {
         let (ol, n, v) = rows(logits.1);
         let t = gather(i32s("cross_entropy", targets.0)?, targets.1);
-        if let Some(bad) = t.iter().find(|&&x| x != ignore && (x < 0 || x as usize >= v)) {
-            bail!("cross_entropy", "target {bad} out of range for {v} classes (ignore_index is {ignore})");
-        }
+        let count = crate::tokens::count_targets(&t, v, ignore)?;
         // The loss and the statistics are f32 even for bf16 logits (f64 in f64 runs).
         let stat_dtype = if logits.0.dtype() == DType::F64 { DType::F64 } else { DType::F32 };
-        let count = t.iter().filter(|&&x| x != ignore).count();
         let (loss, lse) = float_dispatch!("cross_entropy", stat_dtype, [logits], cross_entropy(&logits[ol..ol + n * v], v, &t, ignore));
         Ok((loss, lse, count))
     }
@@ -141,18 +156,31 @@ mod cuda {
     /// Threads of the one-block reductions over rows (ce_finish, ce_count_scale).
     const FINISH_BLOCK: u32 = 1024;
 
-    pub(super) fn forward(be: &CudaBackend, logits: View, targets: View, ignore: i32) -> Result<(Storage, Storage, usize)> {
+    /// `known`: the count of counted rows, the targets checked by the caller on the host (then
+    /// nothing is read back); None: checked and counted here (two host waits).
+    pub(super) fn forward(
+        be: &CudaBackend,
+        logits: View,
+        targets: View,
+        ignore: i32,
+        known: Option<usize>,
+    ) -> Result<(Storage, Storage, usize)> {
         let op = "cross_entropy";
         let s = CudaStorage::of(op, logits.0)?;
         let (_, n, v) = rows(logits.1);
         let t = be.contiguous(op, targets)?;
-        let bad = be.alloc_zeroed(1, DType::I32)?;
         let (lse, rl) = (be.alloc_storage(n, DType::F32)?, be.alloc_storage(n, DType::F32)?);
         let (ni, vi) = (n as i64, v as i64);
-        // SAFETY: logits are (n, v) contiguous from their offset, `t` n i32 (range-checked by
-        // targets_check before any result is used), `bad` one i32, lse and rl n f32.
+        let bad = match known {
+            Some(_) => None,
+            None => Some(be.alloc_zeroed(1, DType::I32)?),
+        };
+        // SAFETY: logits are (n, v) contiguous from their offset, `t` n i32 (range-checked on the
+        // host, or by targets_check before any result is used), `bad` one i32, lse and rl n f32.
         unsafe {
-            kernels::targets_check(be, Launch::cover(n, Launch::BLOCK), t.ptr(), ni, vi, ignore, bad.ptr())?;
+            if let Some(bad) = &bad {
+                kernels::targets_check(be, Launch::cover(n, Launch::BLOCK), t.ptr(), ni, vi, ignore, bad.ptr())?;
+            }
             kernels::ce_fwd(
                 be,
                 s.dtype(),
@@ -167,6 +195,10 @@ mod cuda {
             )?;
         }
         let (loss, count) = finish(be, &rl, &t, n, ignore)?;
+        if let Some(count) = known {
+            return Ok((loss.into(), lse.into(), count));
+        }
+        let bad = bad.expect("the check ran: the count is not known");
         if be.read_i32(&bad, 0)? != 0 {
             bail!(op, "a target is out of range for {v} classes (ignore_index is {ignore})");
         }

@@ -1,14 +1,23 @@
 //! Token embedding: rows of a weight (vocab, d) picked by i32 ids of any shape -> (ids.., d).
 //! The backward scatter-adds the gradient's rows into a (vocab, d) gradient in token order on
 //! every device (no float atomics on CUDA), so repeated ids sum deterministically. Ids outside
-//! the vocabulary are an error, not a read out of bounds.
+//! the vocabulary are an error, not a read out of bounds: checked on the host when the ids
+//! carry their host copy (`Tokens::upload`, no device read), else on the device.
 //! CUDA: kernels/embedding.cu (the backward accumulates in f32 and casts once).
 use crate::dispatch::{on, On};
+use crate::tokens::Tokens;
 use ferrolm_tensor::backend::View;
 use ferrolm_tensor::{bail, same_device, DType, Result, Storage, Tensor};
 
-/// Rows of `weight` (vocab, d) picked by i32 `ids` of any shape -> (ids.., d).
+/// Rows of `weight` (vocab, d) picked by i32 `ids` of any shape -> (ids.., d). The ids are
+/// checked on the device (a host wait on a GPU); `embedding_tokens` checks a host copy instead.
 pub fn embedding(ids: &Tensor, weight: &Tensor) -> Result<Tensor> {
+    embedding_tokens(&Tokens::device(ids), weight)
+}
+
+/// `embedding` of `ids`, checked on the host when they carry their host copy.
+pub fn embedding_tokens(tokens: &Tokens, weight: &Tensor) -> Result<Tensor> {
+    let ids = tokens.tensor();
     same_device("embedding", &[ids, weight])?;
     if ids.dtype() != DType::I32 {
         bail!("embedding", "ids must be i32, got {}", ids.dtype());
@@ -17,7 +26,9 @@ pub fn embedding(ids: &Tensor, weight: &Tensor) -> Result<Tensor> {
         bail!("embedding", "weight must be a float (vocab, dim) matrix, got {:?} {}", weight.shape(), weight.dtype());
     }
     let w = weight.contiguous()?;
-    let st = Tensor::with_storages(&[&w, ids], |s| forward(s[0], s[1]))?;
+    tokens.check_ids(w.dims()[0])?;
+    let device_check = tokens.host().is_none();
+    let st = Tensor::with_storages(&[&w, ids], |s| forward_with(s[0], s[1], device_check))?;
     let out = Tensor::new(st, [ids.dims(), &[w.dims()[1]]].concat())?;
     let (ids, vocab) = (ids.clone(), w.dims()[0]);
     let backward_fn = move |g: &Tensor| {
@@ -30,9 +41,15 @@ pub fn embedding(ids: &Tensor, weight: &Tensor) -> Result<Tensor> {
 
 /// w (vocab, d) contiguous, ids i32 of any layout -> (n ids, d).
 pub fn forward(w: View, ids: View) -> Result<Storage> {
+    forward_with(w, ids, true)
+}
+
+/// `forward`; `device_check` false when the caller has checked the ids' range (CUDA then skips
+/// the check and its host wait; the CPU checks anyway, at no cost in waits).
+fn forward_with(w: View, ids: View, device_check: bool) -> Result<Storage> {
     match on("embedding", w.0)? {
         On::Cpu => cpu::forward(w, ids),
-        On::Cuda(be) => cuda::forward(&be, w, ids),
+        On::Cuda(be) => cuda::forward(&be, w, ids, device_check),
     }
 }
 
@@ -54,10 +71,7 @@ mod cpu {
     pub(super) fn forward(w: View, ids: View) -> Result<Storage> {
         let d = w.1.dims()[1];
         let idv = gather(i32s("embedding", ids.0)?, ids.1);
-        let vocab = w.1.dims()[0];
-        if let Some(bad) = idv.iter().find(|&&i| i < 0 || i as usize >= vocab) {
-            bail!("embedding", "token id {bad} out of range for a vocabulary of {vocab}");
-        }
+        crate::tokens::check_ids(&idv, w.1.dims()[0])?;
         let off = w.1.offset;
         Ok(float_dispatch!("embedding", w.0.dtype(), [w], embedding(&w[off..], d, &idv)))
     }
@@ -100,20 +114,22 @@ mod cuda {
     /// The threads of the forward's row copy.
     const COPY_BLOCK: u32 = 128;
 
-    pub(super) fn forward(be: &CudaBackend, w: View, ids: View) -> Result<Storage> {
+    pub(super) fn forward(be: &CudaBackend, w: View, ids: View, check: bool) -> Result<Storage> {
         let sw = CudaStorage::of("embedding", w.0)?;
         let (vocab, d) = (w.1.dims()[0], w.1.dims()[1]);
         let ids = be.contiguous("embedding", ids)?;
         let n = ids.len();
-        let bad = be.alloc_zeroed(1, DType::I32)?;
-        // SAFETY: `ids` holds n i32, `bad` one.
-        unsafe { kernels::ids_check(be, Launch::cover(n, Launch::BLOCK), ids.ptr(), n as i64, vocab as i64, bad.ptr())? };
-        if be.read_i32(&bad, 0)? != 0 {
-            bail!("embedding", "a token id is out of range for a vocabulary of {vocab}");
+        if check {
+            let bad = be.alloc_zeroed(1, DType::I32)?;
+            // SAFETY: `ids` holds n i32, `bad` one.
+            unsafe { kernels::ids_check(be, Launch::cover(n, Launch::BLOCK), ids.ptr(), n as i64, vocab as i64, bad.ptr())? };
+            if be.read_i32(&bad, 0)? != 0 {
+                bail!("embedding", "a token id is out of range for a vocabulary of {vocab}");
+            }
         }
         let out = be.alloc_storage(n * d, sw.dtype())?;
-        // SAFETY: every id is in [0, vocab) (checked above), w is (vocab, d) contiguous from its
-        // offset, `out` holds n * d elements of w's dtype.
+        // SAFETY: every id is in [0, vocab) (checked above, or on the host by the caller), w is
+        // (vocab, d) contiguous from its offset, `out` holds n * d elements of w's dtype.
         unsafe {
             kernels::embedding_fwd(
                 be,

@@ -16,6 +16,9 @@
 //! | `embedding` | `embedding` | kernels/embedding.cu |
 //! | `softmax_last` | `softmax` | kernels/softmax.cu |
 //!
+//! `Tokens` carries a batch's ids with their host copy, so the embedding and the cross-entropy
+//! check them on the host instead of reading the device back.
+//!
 //! Adding a fused op takes a module here and its `.cu` file: build.rs finds the new kernels and
 //! generates their typed launchers; the tensor crate and the CUDA backend do not change.
 pub mod attention;
@@ -26,11 +29,13 @@ pub mod rmsnorm;
 pub mod rope;
 pub mod softmax;
 pub mod swiglu;
+pub mod tokens;
 
 pub use attention::{causal_attention, AttnDims};
-pub use cross_entropy::cross_entropy;
-pub use embedding::embedding;
+pub use cross_entropy::{cross_entropy, cross_entropy_tokens};
+pub use embedding::{embedding, embedding_tokens};
 pub use rmsnorm::rms_norm;
 pub use rope::rope;
 pub use softmax::softmax_last;
 pub use swiglu::swiglu;
+pub use tokens::Tokens;

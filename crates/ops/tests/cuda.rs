@@ -349,3 +349,52 @@ fn pool_makes_no_device_allocation_after_warm_up() {
     assert_eq!(allocs1, allocs0, "steady-state steps made {} new device allocations", allocs1 - allocs0);
     assert_eq!(cur1 + cached1, cur0 + cached0, "pool footprint changed: {} -> {} bytes", cur0 + cached0, cur1 + cached1);
 }
+
+/// Ids and targets uploaded with their host copy (`Tokens::upload`) are checked and counted on
+/// the host: the embedding and the cross-entropy, forward and backward, make no host wait on
+/// the device and give the bits of the device-checked path, which makes three (the id check,
+/// the target check and the count). Bad ids and targets fail with the host check's messages.
+/// Waits are counted inside a `StepScope` on this thread only (other tests make none there).
+#[test]
+fn uploaded_tokens_are_checked_on_the_host_without_a_host_wait() {
+    use ferrolm_cuda::{host_waits, StepScope};
+    use ferrolm_ops::{cross_entropy_tokens, embedding_tokens, Tokens};
+    let Some(_g) = gpu() else { return };
+    let mut r = rng(5);
+    let (n, v, d) = (37usize, 50usize, 16usize);
+    let ids: Vec<i32> = (0..n).map(|i| (i * 7 % v) as i32).collect();
+    let tg: Vec<i32> = (0..n).map(|i| if i % 5 == 0 { -100 } else { (i * 3 % v) as i32 }).collect();
+    let (w0, head) = (to_gpu(&randn(&[v, d], DType::F32, &mut r)), to_gpu(&randn(&[v, d], DType::F32, &mut r)));
+    // (host waits made, loss, the embedding's gradient)
+    let run = |ids: Tokens, tg: Tokens| {
+        let w = w0.detach();
+        w.set_requires_grad(true).unwrap();
+        let before = host_waits().in_steps;
+        let loss = {
+            let _step = StepScope::begin();
+            let x = embedding_tokens(&ids, &w).unwrap();
+            let loss = cross_entropy_tokens(&x.matmul(&head.t().unwrap()).unwrap(), &tg, -100).unwrap();
+            loss.backward().unwrap();
+            loss
+        };
+        let waits = host_waits().in_steps - before;
+        (waits, loss.to_vec::<f32>().unwrap(), w.grad().unwrap().to_vec::<f32>().unwrap())
+    };
+    let up = |v: &[i32]| Tokens::upload(v.to_vec(), [v.len()], GPU).unwrap();
+    let dev = |v: &[i32]| Tokens::device(&to_gpu(&Tensor::from_vec(v.to_vec(), [v.len()], Device::Cpu).unwrap()));
+    let host = run(up(&ids), up(&tg));
+    let device = run(dev(&ids), dev(&tg));
+    assert_eq!((host.0, device.0), (0, 3), "host waits: host-checked, device-checked");
+    assert_eq!(host.1, device.1, "loss");
+    assert_eq!(host.2, device.2, "embedding gradient");
+    let w = w0.detach();
+    let err = |e: ferrolm_tensor::Error| e.to_string();
+    let before = host_waits().in_steps;
+    let _step = StepScope::begin();
+    let e = err(embedding_tokens(&up(&[0, v as i32]), &w).unwrap_err());
+    assert!(e.contains("embedding") && e.contains(&format!("token id {v} out of range for a vocabulary of {v}")), "{e}");
+    let logits = to_gpu(&randn(&[3, v], DType::F32, &mut r));
+    let e = err(cross_entropy_tokens(&logits, &up(&[0, -1, 1]), -100).unwrap_err());
+    assert!(e.contains("cross_entropy") && e.contains("target -1 out of range"), "{e}");
+    assert_eq!(host_waits().in_steps - before, 0, "the host checks read nothing back");
+}
