@@ -1,7 +1,7 @@
 //! ZeRO/AMSP benchmark: the step time and exposed communication of ZeRO-1, ZeRO-2, ZeRO-3,
-//! MiCS and the planner's layout on CPU thread ranks behind a simulated two-level link (fast
-//! inside a "node", slow between nodes), at one memory cap; and the planner's modelled step
-//! time beside each measured one.
+//! MiCS, AMSP (s_p = s_g = ranks per node, s_os = world) and the planner's layout on CPU thread
+//! ranks behind a simulated two-level link (fast inside a "node", slow between nodes), at one
+//! memory cap; and the planner's modelled step time beside each measured one.
 //!
 //!   cargo run --release --example bench_zero -- [--nodes 2 --ranks-per-node 2] [--steps 3]
 //!
@@ -198,6 +198,12 @@ fn run(a: Args) -> AnyResult<()> {
         ("ZeRO-3", ShardSpec::zero(3, world)?),
         ("MiCS", ShardSpec::mics(a.ranks_per_node)),
     ];
+    // AMSP's usual pick (parameters and gradients within a node, optimizer state over the
+    // world): its last micro-batch chains collectives, whatever the planner picks on this run.
+    let amsp = ShardSpec { params: a.ranks_per_node, grads: a.ranks_per_node, optim: world };
+    if !candidates.iter().any(|(_, s)| *s == amsp) {
+        candidates.push(("AMSP", amsp));
+    }
     if !candidates.iter().any(|(_, s)| *s == planner) {
         candidates.push(("planner", planner));
     }
