@@ -1,7 +1,7 @@
 //! ZeRO/AMSP benchmark: the step time and exposed communication of ZeRO-1, ZeRO-2, ZeRO-3,
-//! MiCS and the planner's layout on CPU thread ranks behind a simulated two-level link (fast
-//! inside a "node", slow between nodes), at one memory cap; and the planner's modelled step
-//! time beside each measured one.
+//! MiCS, AMSP (s_p = s_g = ranks per node, s_os = world) and the planner's layout on CPU thread
+//! ranks behind a simulated two-level link (fast inside a "node", slow between nodes), at one
+//! memory cap; and the planner's modelled step time beside each measured one.
 //!
 //!   cargo run --release --example bench_zero -- [--nodes 2 --ranks-per-node 2] [--steps 3]
 //!
@@ -9,7 +9,7 @@
 //! planner predicts from the link parameters, the model and the layout. Exposed communication =
 //! step time behind the link - step time of the same layout without it.
 use clap::Parser;
-use ferrolm::cli::{env_help, positive, LogArgs, Tool, ENV_COMMON};
+use ferrolm::cli::{env_help, positive, LogArgs, Tool, ENV_CALLER_RESOLVE_HELP, ENV_COMMON};
 use ferrolm::nn::optim::AdamWConfig;
 use ferrolm::nn::{Llama, LlamaConfig};
 use ferrolm::{AnyResult, DType, Device, Tensor};
@@ -26,7 +26,10 @@ use std::time::Instant;
     name = "bench_zero",
     about = "ZeRO/AMSP layouts on CPU thread ranks behind a simulated two-level link: measured step time and exposed \
              communication beside the planner's prediction, at one memory cap",
-    after_help = env_help(&[ENV_COMMON])
+    after_help = env_help(&[
+        ENV_COMMON,
+        ENV_CALLER_RESOLVE_HELP
+    ])
 )]
 struct Args {
     /// Simulated nodes
@@ -166,6 +169,13 @@ fn run(a: Args) -> AnyResult<()> {
         update_s_per_elem,
         comm_cpu_s_per_byte,
     };
+    let caller = std::env::var(ferrolm_dist::thread::ENV_CALLER_RESOLVE).is_ok_and(|v| v.trim() == "1");
+    eprintln!(
+        "bench_zero: pending collective inputs are waited for on the {} ({}={})",
+        if caller { "launching thread, as NCCL does" } else { "communication thread" },
+        ferrolm_dist::thread::ENV_CALLER_RESOLVE,
+        u8::from(caller)
+    );
     eprintln!(
         "bench_zero: {} nodes x {} ranks, {:.2} M parameters, {} layers, link intra {} MB/s, inter {} MB/s, cap {} MiB; \
          calibrated compute {:.1} GFLOP/s per rank (plain step {t_plain:.3} s, update {t_update:.3} s), communicator {:.2} ns/byte",
@@ -187,6 +197,12 @@ fn run(a: Args) -> AnyResult<()> {
         ("ZeRO-3", ShardSpec::zero(3, world)?),
         ("MiCS", ShardSpec::mics(a.ranks_per_node)),
     ];
+    // AMSP's usual pick (parameters and gradients within a node, optimizer state over the
+    // world): its last micro-batch chains collectives, whatever the planner picks on this run.
+    let amsp = ShardSpec { params: a.ranks_per_node, grads: a.ranks_per_node, optim: world };
+    if !candidates.iter().any(|(_, s)| *s == amsp) {
+        candidates.push(("AMSP", amsp));
+    }
     if !candidates.iter().any(|(_, s)| *s == planner) {
         candidates.push(("planner", planner));
     }

@@ -84,8 +84,18 @@ impl Setup {
         losses(&self.dir.join(out))
     }
 
-    /// One node's processes of the run into `out` (rank logs in `out.logs/`).
-    fn node(&self, out: &str, extra: &[&str], nproc: usize, nnodes: usize, node_rank: usize, port: u16) -> LocalLaunch {
+    /// One node's processes of the run into `out` (rank logs in `out.logs/`), with `env` added.
+    #[allow(clippy::too_many_arguments)]
+    fn node(
+        &self,
+        out: &str,
+        extra: &[&str],
+        nproc: usize,
+        nnodes: usize,
+        node_rank: usize,
+        port: u16,
+        env: &[(&str, &str)],
+    ) -> LocalLaunch {
         let logs = self.dir.join(format!("{out}.logs"));
         std::fs::create_dir_all(&logs).unwrap();
         let mut l = LocalLaunch::one_node(std::env::current_exe().unwrap(), self_args(), nproc, port);
@@ -93,13 +103,19 @@ impl Setup {
         l.node_rank = node_rank;
         l.log_dir = Some(logs);
         l.env = rank_env(&self.args("cuda", out, extra));
+        l.env.extend(env.iter().map(|(k, v)| (k.to_string(), v.to_string())));
         l
     }
 
     /// The run as processes through the launcher: `nnodes` launches of `nproc` ranks each.
     fn processes(&self, out: &str, extra: &[&str], nproc: usize, nnodes: usize) -> Vec<f64> {
+        self.processes_with(out, extra, nproc, nnodes, &[])
+    }
+
+    /// As `processes`, with more environment for the ranks.
+    fn processes_with(&self, out: &str, extra: &[&str], nproc: usize, nnodes: usize, env: &[(&str, &str)]) -> Vec<f64> {
         let port = free_port();
-        let nodes: Vec<LocalLaunch> = (0..nnodes).map(|i| self.node(out, extra, nproc, nnodes, i, port)).collect();
+        let nodes: Vec<LocalLaunch> = (0..nnodes).map(|i| self.node(out, extra, nproc, nnodes, i, port, env)).collect();
         let running: Vec<_> = nodes.iter().map(|n| n.spawn().unwrap()).collect();
         let results: Vec<_> = running.into_iter().map(|r| r.wait()).collect();
         for (i, r) in results.iter().enumerate() {
@@ -174,6 +190,25 @@ fn four_processes_on_two_simulated_nodes_tp2_dp2_zero3_follow_thread_ranks() {
     let threads = s.threads("threads", &flags);
     let procs = s.processes("procs", &flags, 2, 2);
     close(&procs, &threads, 1e-4, "4 processes on 2 nodes --tp 2 --dp 2 --zero 3 vs thread ranks");
+}
+
+/// ZeRO (2,2,4) on 4 processes: in the last micro-batch each bucket's gradient reduce-scatter
+/// (over 2 ranks) feeds the optimizer-range reduce-scatter (over the other pair) still in flight,
+/// which waits for it on its own communication stream. Race mode (a random delay before every
+/// item of every emulated stream) gives the same bits as the ordered run, so that wait is there;
+/// both follow thread ranks.
+#[test]
+fn four_processes_zero_224_chain_collectives_bitwise_in_race_mode() {
+    if !emulated() {
+        return;
+    }
+    let s = Setup::new("mp-224");
+    let flags = ["--steps=4", "--dp=4", "--shard-params=2", "--shard-grads=2", "--shard-optim=4", "--grad-accum=2", "--save-every=0"];
+    let threads = s.threads("threads", &flags);
+    let procs = s.processes("procs", &flags, 4, 1);
+    close(&procs, &threads, 1e-4, "4 processes (2,2,4) vs thread ranks");
+    let raced = s.processes_with("race", &flags, 4, 1, &[("FERROLM_EMU_RACE", "3")]);
+    assert_eq!(raced, procs, "(2,2,4) in race mode (seed 3) vs the ordered run");
 }
 
 #[test]
@@ -432,7 +467,7 @@ fn drill_an_output_directory_that_is_not_shared_is_refused_at_start_up() {
     let s = Setup::new("drill-shared", VAL_FRACTION);
     let port = free_port();
     // Two simulated nodes, each given its own --out: as two hosts with local disks.
-    let nodes: Vec<LocalLaunch> = (0..2).map(|i| s.node(&format!("node{i}"), &["--steps=6", "--dp=2"], 1, 2, i, port)).collect();
+    let nodes: Vec<LocalLaunch> = (0..2).map(|i| s.node(&format!("node{i}"), &["--steps=6", "--dp=2"], 1, 2, i, port, &[])).collect();
     let t0 = Instant::now();
     let running: Vec<_> = nodes.iter().map(|n| n.spawn().unwrap()).collect();
     let results: Vec<_> = running.into_iter().map(|r| r.wait()).collect();

@@ -389,3 +389,47 @@ fn gradients_stream_to_the_host_from_the_sinks_during_backward() {
     })
     .unwrap();
 }
+
+/// With dp > 1 a bucket's gradient reaches the gradient-ready hook still in flight (the result of
+/// its collectives). Reading it there would make backward wait for the collectives it just
+/// launched: the offload reads it only once the next bucket's gradient is handed over (that
+/// bucket's backward ran meanwhile), and the last one when backward is over.
+#[test]
+fn a_gradient_in_flight_is_read_only_after_the_next_bucket_is_handed_over() {
+    use ferrolm_dist::offload::{Offload, OffloadConfig};
+    use ferrolm_tensor::{CpuStorage, Storage};
+    use std::sync::atomic::{AtomicBool, Ordering};
+    use std::sync::Arc;
+    let n = 64;
+    let params: Vec<Tensor> = (0..3).map(|b| Tensor::from_vec(vec![b as f32; n], [n], Device::Cpu).unwrap()).collect();
+    let runs = vec![vec![(0, n, true)]; 3];
+    let cfg = OffloadConfig { subgroup: 32, gpu_every: GpuEvery::Never };
+    let mut off = Offload::new(&cfg, &params, &runs, true, DType::F32).unwrap();
+    let read: Vec<Arc<AtomicBool>> = (0..3).map(|_| Arc::new(AtomicBool::new(false))).collect();
+    let grads: Vec<Tensor> = (0..3)
+        .map(|b| {
+            let flag = read[b].clone();
+            let fill: ferrolm_tensor::Fill = Box::new(move |s| {
+                flag.store(true, Ordering::SeqCst);
+                *s = Storage::Cpu(CpuStorage::F32(vec![b as f32 + 1.0; n]));
+                Ok(())
+            });
+            Tensor::pending(Storage::Cpu(CpuStorage::zeros(n, DType::F32)), [n], fill).unwrap()
+        })
+        .collect();
+    let was_read = |b: usize| read[b].load(Ordering::SeqCst);
+    for (b, g) in grads.iter().enumerate() {
+        off.stream_grad(b, g).unwrap();
+        assert!(!was_read(b), "bucket {b}'s gradient was read by its own hook");
+        assert_eq!(off.deferred_grad(), Some(b));
+        if b > 0 {
+            assert!(was_read(b - 1), "bucket {}'s gradient was not streamed after bucket {b}'s hook", b - 1);
+        }
+        // Two subgroups per bucket, all on the CPU.
+        assert_eq!(off.grads_streamed(), (2 * b, 6), "after bucket {b}'s hook");
+    }
+    off.grads_complete().unwrap();
+    assert!(was_read(2));
+    assert_eq!(off.deferred_grad(), None);
+    assert_eq!(off.grads_streamed(), (6, 6), "every gradient streamed once backward is over");
+}

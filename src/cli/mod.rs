@@ -228,8 +228,22 @@ pub const ENV_DEVICE: &str = concat!(
 /// Environment variables of the tools that run as one process per GPU (torchrun, srun, launch).
 pub const ENV_LAUNCH: &str = ferrolm_dist::env::ENV_HELP;
 
+macro_rules! caller_resolve_help {
+    () => {
+        concat!(
+            "  FERROLM_THREADCOMM_CALLER_RESOLVE\n",
+            "                         `1`: thread ranks wait for a pending collective input on the launching\n",
+            "                         thread, as NCCL does (a collective's result in flight is still chained)",
+        )
+    };
+}
+
 /// Environment variables of the training tools.
-pub const ENV_TRAIN: &str = "  FERROLM_PEAK_TFLOPS    the GPU's bf16 dense peak for MFU [default: 989, H100 SXM]";
+pub const ENV_TRAIN: &str =
+    concat!("  FERROLM_PEAK_TFLOPS    the GPU's bf16 dense peak for MFU [default: 989, H100 SXM]\n", caller_resolve_help!());
+
+/// `FERROLM_THREADCOMM_CALLER_RESOLVE` (thread ranks: `--dp`/`--tp` in one process, benchmarks).
+pub const ENV_CALLER_RESOLVE_HELP: &str = caller_resolve_help!();
 
 /// `Environment:` help section from the given lists.
 pub fn env_help(parts: &[&str]) -> String {

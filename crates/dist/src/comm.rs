@@ -206,6 +206,35 @@ impl CommStats {
 
 type WaitFn = Box<dyn FnOnce() -> Result<Storage> + Send>;
 type PollFn = Arc<dyn Fn() -> bool + Send + Sync>;
+/// What a communicator knows about a result in flight, so that a later collective reading it
+/// (on this or another communicator of the same kind) can chain behind it on its own stream
+/// instead of waiting for it where it is launched (`Tensor::pending_producer`). Always an
+/// `Arc<InFlightResult>`.
+pub(crate) type Producer = Arc<dyn std::any::Any + Send + Sync>;
+
+/// A collective's result still in flight, as a later collective may consume it.
+pub(crate) enum InFlightResult {
+    /// Thread ranks: blocks (on the consuming communicator's thread) until the host copy of the
+    /// result is there and returns it; None once the producer's slot is gone (the result has
+    /// been read, so reading the tensor no longer waits).
+    Host(Box<dyn Fn() -> Result<Option<CpuStorage>> + Send + Sync>),
+    /// A result whose wait is communication (a simulated link's delay): a communication thread
+    /// may wait for it, the launching thread need not.
+    Comm,
+    /// NCCL: the result's device buffer (`ptr`, alive while the pending tensor is) is complete
+    /// when `event`, recorded on the producing communication stream, fires.
+    Device { event: Arc<ferrolm_cuda::CudaEvent>, ptr: u64 },
+}
+
+impl InFlightResult {
+    pub(crate) fn producer(self) -> Producer {
+        Arc::new(self)
+    }
+    /// The in-flight collective result `x` is, if it is one (pending, viewed whole).
+    pub(crate) fn of(x: &Tensor) -> Option<Arc<InFlightResult>> {
+        x.pending_producer()?.downcast::<InFlightResult>().ok()
+    }
+}
 
 /// A launched collective before it becomes a tensor: the result's shape, dtype and device, a
 /// `wait` that returns the result storage (blocking on the CPU; on a GPU it only orders the
@@ -217,6 +246,8 @@ pub struct Completion {
     pub(crate) device: Device,
     pub(crate) wait: WaitFn,
     pub(crate) poll: PollFn,
+    /// Set by the communicator that launched the collective (see `Producer`).
+    pub(crate) producer: Option<Producer>,
 }
 
 impl Completion {
@@ -227,16 +258,23 @@ impl Completion {
         wait: impl FnOnce() -> Result<Storage> + Send + 'static,
         poll: impl Fn() -> bool + Send + Sync + 'static,
     ) -> Self {
-        Completion { shape, dtype, device, wait: Box::new(wait), poll: Arc::new(poll) }
+        Completion { shape, dtype, device, wait: Box::new(wait), poll: Arc::new(poll), producer: None }
+    }
+    /// Names what produces the result, for collectives that chain behind it.
+    pub(crate) fn produced_by(mut self, p: Producer) -> Self {
+        self.producer = Some(p);
+        self
     }
     /// Runs `after` on the result inside `wait` (a delay, a conversion); `done` refines `poll`.
+    /// The result is then no longer the collective's own: later collectives read it instead of
+    /// chaining behind the collective.
     pub fn then(
         self,
         after: impl FnOnce(Storage) -> Result<Storage> + Send + 'static,
         done: impl Fn() -> bool + Send + Sync + 'static,
     ) -> Self {
         let (wait, poll) = (self.wait, self.poll);
-        Completion { wait: Box::new(move || after(wait()?)), poll: Arc::new(move || poll() && done()), ..self }
+        Completion { wait: Box::new(move || after(wait()?)), poll: Arc::new(move || poll() && done()), producer: None, ..self }
     }
     pub fn shape(&self) -> &Shape {
         &self.shape
@@ -271,21 +309,6 @@ impl DeviceStorage for InFlight {
     }
 }
 
-/// A pending tensor of `shape` whose value `f` computes when it is first read (for example by
-/// the next collective, on its communication thread): work chained after a collective without
-/// waiting for it. No memory is held until then.
-pub fn computed_on_read(shape: Shape, dtype: DType, device: Device, f: impl FnOnce() -> Result<Tensor> + Send + 'static) -> Result<Tensor> {
-    let placeholder = Storage::Device(Box::new(InFlight { dtype, len: shape.numel(), device }));
-    Tensor::pending(
-        placeholder,
-        shape,
-        Box::new(move |s| {
-            *s = f()?.storage_copy()?;
-            Ok(())
-        }),
-    )
-}
-
 /// A collective in flight. Its result is a pending tensor: `tensor()` hands it out without
 /// waiting, and it is waited on where it is first read (or by `wait()`).
 pub struct Work {
@@ -297,14 +320,14 @@ impl Work {
     pub fn new(c: Completion) -> Result<Work> {
         let placeholder = Storage::Device(Box::new(InFlight { dtype: c.dtype, len: c.shape.numel(), device: c.device }));
         let wait = c.wait;
-        let tensor = Tensor::pending(
-            placeholder,
-            c.shape,
-            Box::new(move |s| {
-                *s = wait()?;
-                Ok(())
-            }),
-        )?;
+        let fill: ferrolm_tensor::Fill = Box::new(move |s| {
+            *s = wait()?;
+            Ok(())
+        });
+        let tensor = match c.producer {
+            Some(p) => Tensor::pending_from(placeholder, c.shape, fill, p)?,
+            None => Tensor::pending(placeholder, c.shape, fill)?,
+        };
         Ok(Work { tensor, poll: c.poll })
     }
     /// The result, still pending: nothing waits until it is read.

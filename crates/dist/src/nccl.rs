@@ -3,6 +3,10 @@
 //! Ordering, with no host blocking anywhere:
 //! - input ready: an event recorded on the compute stream after the input was produced; the
 //!   communication stream waits on it before the NCCL call;
+//! - chained input: a collective whose input is another collective's result still in flight
+//!   (this communicator's or another's; ZeRO's reduce-scatter -> optimizer-range reduce-scatter ->
+//!   all-reduce) makes its stream wait on the producer's completion event and reads the
+//!   producer's buffer; neither the host nor the compute stream waits for the producer;
 //! - result: an event recorded on the communication stream after the call. The pending fill
 //!   makes the compute stream wait on it, so kernels that read the result run after NCCL wrote
 //!   it. The fill keeps the input and output buffers until then; if the result is dropped unread,
@@ -30,7 +34,7 @@
 //! against rank 0's through the store (a round trip per collective: for debugging); without it,
 //! ranks that disagree get what
 //! NCCL does with mismatched calls.
-use crate::comm::{Collective, CommOptions, CommStats, Communicator, Completion, ReduceOp};
+use crate::comm::{Collective, CommOptions, CommStats, Communicator, Completion, InFlightResult, ReduceOp};
 use crate::nccl_lib::{self, NcclLib, RawComm, UniqueId};
 use crate::store::Store;
 use ferrolm_cuda::{CudaBackend, CudaEvent, CudaStorage, CudaStream};
@@ -447,13 +451,26 @@ impl Communicator for NcclComm {
             bail!(what, "NCCL communicator of cuda:{} got a tensor on {device}", s.backend.ordinal());
         }
         let dt = nccl_dtype(&what, dtype)?;
+        // Another collective's result in flight is chained: this stream waits for its event and
+        // reads its buffer, and neither the host nor the compute stream waits for it.
+        let chained = match (&s.stream, InFlightResult::of(x).as_deref()) {
+            (Some(_), Some(InFlightResult::Device { event, ptr })) => Some((event.clone(), *ptr)),
+            _ => None,
+        };
         let x = {
             let _g = no_grad();
-            x.contiguous()?.detach()
+            if chained.is_some() {
+                x.detach()
+            } else {
+                x.contiguous()?.detach()
+            }
         };
         let out = s.backend.alloc_storage(shape.numel(), dtype)?;
-        // Reading the storage settles a pending input: its own fill orders the compute stream.
-        let in_ptr = x.with_storage(|(st, l)| Ok(CudaStorage::of(&what, st)?.ptr_at(l.offset)))?;
+        let in_ptr = match &chained {
+            Some((_, ptr)) => *ptr,
+            // Reading the storage settles a pending input: its own fill orders the compute stream.
+            None => x.with_storage(|(st, l)| Ok(CudaStorage::of(&what, st)?.ptr_at(l.offset)))?,
+        };
         let out_ptr = out.device_ptr();
         let compute = match s.stream {
             Some(_) => Some(s.backend.compute_stream()?.clone()),
@@ -471,8 +488,13 @@ impl Communicator for NcclComm {
         let (send, recv) = (in_ptr as *const c_void, out_ptr as *mut c_void);
         let (st, host_done) = match (&s.stream, &compute) {
             (Some(stream), Some(compute)) => {
+                // The compute stream's work so far: it produced the input, or (chained) last used
+                // the blocks of the output, which the pool recycles in compute-stream order.
                 let ready = s.backend.record_event(compute)?;
                 stream.wait(&ready).map_err(cuda_err("nccl"))?;
+                if let Some((produced, _)) = &chained {
+                    stream.wait(produced).map_err(cuda_err("nccl"))?;
+                }
                 (stream.cu_stream() as *mut c_void, None)
             }
             _ => {
@@ -522,6 +544,12 @@ impl Communicator for NcclComm {
             lock(&s.inflight).push_back(InFlight { seq, what: what.clone(), launched: Instant::now(), done: done.clone() });
         }
 
+        let producer = match &done {
+            Done::Event(e) => Some(InFlightResult::Device { event: e.clone(), ptr: out_ptr }.producer()),
+            Done::Host(_) => None,
+        };
+        // The input (a chained result in flight included) lives until the compute stream has
+        // waited for this collective.
         let bufs = Buffers { out: Some(out), input: Some(x), done: done.clone(), compute };
         let shared = self.s.clone();
         let wait = move || {
@@ -540,7 +568,11 @@ impl Communicator for NcclComm {
                 Done::Host(f) => f.load(Ordering::Acquire),
             }
         };
-        Ok(Completion::new(shape, dtype, device, wait, poll))
+        let c = Completion::new(shape, dtype, device, wait, poll);
+        Ok(match producer {
+            Some(p) => c.produced_by(p),
+            None => c,
+        })
     }
 
     fn barrier(&self) -> Result<()> {

@@ -272,6 +272,8 @@ pub struct Offload {
     plan: OffloadPlan,
     /// Seconds of the last update phase spent in CPU AdamW (for the model's inputs).
     pub last_cpu_adam_s: f64,
+    /// The newest gradient handed over and not yet streamed (see `stream_grad`).
+    deferred: Option<(usize, Tensor)>,
 }
 
 /// Elements the measurements of `auto` use (large enough for steady bandwidth, small enough to be
@@ -320,6 +322,7 @@ impl Offload {
             param_dtype,
             plan: OffloadPlan { k, subgroups: spans.len(), device_subgroups: 0, elems: elems as u64, inputs: None, estimate: None },
             last_cpu_adam_s: 0.0,
+            deferred: None,
         };
         if cfg.gpu_every == GpuEvery::Auto {
             let inputs = off.measure(elems as u64, cfg.subgroup as u64)?;
@@ -417,9 +420,34 @@ impl Offload {
         })
     }
 
-    /// Gradient-ready hook: bucket `bucket`'s optimizer-range gradient `g` (unscaled) is complete;
-    /// its CPU subgroups' parts start for the host now.
+    /// Gradient-ready hook: bucket `bucket`'s optimizer-range gradient `g` (unscaled) has been
+    /// launched, and may still be in flight (with dp > 1 it is the result of the bucket's
+    /// collectives). Reading it now would make backward wait for the collectives just launched,
+    /// so its CPU subgroups' parts start for the host when the next bucket's gradient is handed
+    /// over (that bucket's backward ran meanwhile), or at `grads_complete`. The previous bucket's
+    /// parts start now.
     pub fn stream_grad(&mut self, bucket: usize, g: &Tensor) -> Result<()> {
+        match self.deferred.replace((bucket, g.clone())) {
+            Some((b, older)) => self.send_grad(b, &older),
+            None => Ok(()),
+        }
+    }
+
+    /// Every gradient of this step has been handed over (the end of the last micro-batch's
+    /// backward): the deferred one starts for the host too.
+    pub fn grads_complete(&mut self) -> Result<()> {
+        match self.deferred.take() {
+            Some((b, g)) => self.send_grad(b, &g),
+            None => Ok(()),
+        }
+    }
+
+    /// The gradient of bucket `bucket`, still deferred (not yet read), if it is the one held back.
+    pub fn deferred_grad(&self) -> Option<usize> {
+        self.deferred.as_ref().map(|(b, _)| *b)
+    }
+
+    fn send_grad(&mut self, bucket: usize, g: &Tensor) -> Result<()> {
         let _g = no_grad();
         let g32 = if g.dtype() == DType::F32 { g.clone() } else { g.to_dtype(DType::F32)? };
         for sg in self.subgroups.iter_mut().filter(|s| s.bucket == bucket && !s.gpu) {
@@ -442,6 +470,7 @@ impl Offload {
 
     /// Forgets the gradients streamed this step (a skipped step).
     pub fn discard(&mut self) {
+        self.deferred = None;
         for sg in &mut self.subgroups {
             sg.streamed = false;
         }
@@ -453,6 +482,7 @@ impl Offload {
     /// it applies. Both paths apply scale, then clip, as `x * f32(factor) + 0` in f32, the ops the
     /// engine's own update uses, so that the result is the same bits.
     pub fn step(&mut self, params: &[Tensor], grads: &[Tensor], scale: f64, clip: f64, wd: f64, h: AdamWHyper) -> Result<()> {
+        self.grads_complete()?;
         let _g = no_grad();
         let n = self.subgroups.len();
         let next_gpu = |from: usize, sgs: &[Subgroup]| (from..n).find(|&j| sgs[j].gpu);

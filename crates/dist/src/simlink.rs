@@ -10,7 +10,7 @@
 //! wait. The result is handed over at `end`; a rank that computes past it waits for nothing.
 //! Each group (and each split sub-group) is its own link; contention between groups is not
 //! modelled.
-use crate::comm::{Collective, Communicator, Completion};
+use crate::comm::{Collective, Communicator, Completion, InFlightResult};
 use crate::cost::{self, GroupSpan, LinkModel};
 use ferrolm_tensor::{Result, Tensor};
 use std::sync::{Arc, Mutex};
@@ -89,7 +89,7 @@ impl Communicator for SimLink {
         let (g1, g2) = (got.clone(), got);
         let rx = Arc::new(Mutex::new(rx));
         let rx2 = rx.clone();
-        Ok(Completion::new(
+        let c = Completion::new(
             shape,
             dtype,
             device,
@@ -109,7 +109,9 @@ impl Communicator for SimLink {
                 }
                 g.is_some()
             },
-        ))
+        );
+        // The result's wait is the link's: a collective reading it chains behind it.
+        Ok(c.produced_by(InFlightResult::Comm.producer()))
     }
     fn barrier(&self) -> Result<()> {
         let alpha = if self.size() <= 1 {

@@ -13,7 +13,7 @@
 //! a rank that errors, panics or returns without joining makes the others fail promptly with
 //! "rank R exited: ...", and a rank that never comes makes them fail at the timeout with the
 //! group, the collective, its sequence number and the ranks it was waiting for.
-use crate::comm::{copy_storage, storage_on, Collective, CommOptions, CommStats, Communicator, Completion};
+use crate::comm::{copy_storage, storage_on, Collective, CommOptions, CommStats, Communicator, Completion, InFlightResult};
 use crate::reduce;
 use ferrolm_tensor::{bail, CpuStorage, DType, Error, Result, Shape, Tensor};
 use std::collections::HashMap;
@@ -21,6 +21,23 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::mpsc::{channel, Sender};
 use std::sync::{Arc, Condvar, Mutex, MutexGuard};
 use std::time::{Duration, Instant};
+
+/// Environment variable, for benchmarks and tests: `1` makes a thread rank wait for a pending
+/// collective input on the thread that launches the collective, as NCCL does (it reads the
+/// input's device pointer there), instead of on its communication thread. Inputs that are
+/// themselves collective results in flight are chained either way. Read when a world is made.
+pub const ENV_CALLER_RESOLVE: &str = "FERROLM_THREADCOMM_CALLER_RESOLVE";
+
+fn caller_resolve() -> Result<bool> {
+    match std::env::var(ENV_CALLER_RESOLVE) {
+        Err(_) => Ok(false),
+        Ok(v) => match v.trim() {
+            "" | "0" => Ok(false),
+            "1" => Ok(true),
+            _ => bail!("thread_comm", "{ENV_CALLER_RESOLVE}={v:?}: expected 1 (on) or 0 (off)"),
+        },
+    }
+}
 
 /// How often a waiting rank re-checks for failed or exited ranks.
 const POLL: Duration = Duration::from_millis(20);
@@ -35,6 +52,9 @@ struct World {
     failure: Mutex<Option<(usize, String)>>,
     /// Ranks whose function returned normally.
     exited: Vec<AtomicBool>,
+    /// `FERROLM_THREADCOMM_CALLER_RESOLVE=1`: a pending input is waited for by the launching
+    /// thread, as NCCL does, unless it is a collective's result (chained on the stream).
+    caller_resolve: bool,
 }
 
 impl World {
@@ -247,12 +267,18 @@ impl Group {
     /// Waits for the outcome of `seq`, failing on a failed world, a rank that exited without
     /// joining, or the deadline.
     fn wait(&self, rank: usize, seq: u64, verb: &str, deadline: Instant) -> Result<Arc<Outcome>> {
+        self.wait_open(rank, seq, verb, deadline)?
+            .ok_or_else(|| Error::new(self.context(rank, seq, verb), "internal error: the collective's slot is gone"))
+    }
+
+    /// As `wait`, but None when the slot is gone (every rank has taken the outcome).
+    fn wait_open(&self, rank: usize, seq: u64, verb: &str, deadline: Instant) -> Result<Option<Arc<Outcome>>> {
         let ctx = || self.context(rank, seq, verb);
         let mut st = lock(&self.state);
         loop {
-            let Some(slot) = st.slots.get(&seq) else { bail!(ctx(), "internal error: the collective's slot is gone") };
+            let Some(slot) = st.slots.get(&seq) else { return Ok(None) };
             if let Some(o) = &slot.outcome {
-                return o.clone().map_err(|m| Error::new(ctx(), m));
+                return o.clone().map(Some).map_err(|m| Error::new(ctx(), m));
             }
             if let Some(msg) = self.failed() {
                 bail!(ctx(), "{msg}");
@@ -321,6 +347,9 @@ struct Job {
     seq: u64,
     req: Request,
     input: Option<Tensor>,
+    /// The input is another collective's result in flight: its host copy is taken from there
+    /// (no staging through the device), on this thread, never the launching one.
+    chained: Option<Arc<InFlightResult>>,
     /// Submitted inside a training step: the staging's host waits are that step's (the CUDA
     /// emulator's accounting).
     in_step: bool,
@@ -355,7 +384,11 @@ impl ThreadComm {
         if world_size == 0 {
             bail!("thread_comm", "world size must be at least 1");
         }
-        let world = Arc::new(World { failure: Mutex::new(None), exited: (0..world_size).map(|_| AtomicBool::new(false)).collect() });
+        let world = Arc::new(World {
+            failure: Mutex::new(None),
+            exited: (0..world_size).map(|_| AtomicBool::new(false)).collect(),
+            caller_resolve: caller_resolve()?,
+        });
         let g = Group::new(world.clone(), "world".into(), (0..world_size).collect(), options.timeout);
         Ok((world, (0..world_size).map(|r| ThreadComm::new(g.clone(), r)).collect()))
     }
@@ -418,7 +451,7 @@ impl ThreadComm {
     }
 
     /// Assigns the next sequence number and queues the job on this rank's stream.
-    fn submit(&self, req: Request, input: Option<Tensor>) -> Result<Ticket> {
+    fn submit(&self, req: Request, input: Option<Tensor>, chained: Option<Arc<InFlightResult>>) -> Result<Ticket> {
         let verb = req.verb();
         let mut st = lock(&self.stream);
         let seq = st.next_seq;
@@ -433,9 +466,15 @@ impl ThreadComm {
                 .spawn(move || {
                     for job in rx {
                         let _step = ferrolm_cuda::StepScope::on_behalf(job.in_step);
-                        let input = match &job.input {
-                            Some(t) => t.to_cpu_storage().map(Some).map_err(|e| e.to_string()),
-                            None => Ok(None),
+                        let input = match (&job.input, job.chained.as_deref()) {
+                            (Some(t), Some(InFlightResult::Host(host))) => match host() {
+                                Ok(Some(s)) => Ok(Some(s)),
+                                Ok(None) => t.to_cpu_storage().map(Some),
+                                Err(e) => Err(e),
+                            }
+                            .map_err(|e| e.to_string()),
+                            (Some(t), _) => t.to_cpu_storage().map(Some).map_err(|e| e.to_string()),
+                            (None, _) => Ok(None),
                         };
                         group.deposit(rank, job.seq, job.req, input);
                     }
@@ -456,7 +495,7 @@ impl ThreadComm {
         st.tx
             .as_ref()
             .expect("started")
-            .send(Job { seq, req, input, in_step: ferrolm_cuda::StepScope::in_step() })
+            .send(Job { seq, req, input, chained, in_step: ferrolm_cuda::StepScope::in_step() })
             .map_err(|_| Error::new("thread_comm", "the communication thread stopped"))?;
         Ok(ticket)
     }
@@ -500,27 +539,37 @@ impl Communicator for ThreadComm {
             let s = copy_storage(&op.to_string(), x)?;
             return Ok(Completion::new(shape, dtype, device, move || Ok(s), || true));
         }
+        // A collective's result in flight is chained: this rank's communication thread waits for
+        // it. Any other pending input is waited for here under caller resolution (as NCCL reads
+        // it on the launching thread), else on the communication thread.
+        let chained = InFlightResult::of(x);
+        if self.group.world.caller_resolve && chained.is_none() {
+            x.wait()?;
+        }
         let req = Request::Data { op, shape: x.shape().clone(), dtype, site: crate::comm::current_site() };
-        let ticket = self.submit(req, Some(x.detach()))?;
-        let (group, seq, rank) = (self.group.clone(), ticket.seq, self.rank);
+        let ticket = self.submit(req, Some(x.detach()), chained)?;
+        let (group, seq, rank, deadline) = (self.group.clone(), ticket.seq, self.rank, ticket.deadline);
+        let mine = move |out: &Outcome| match out {
+            Outcome::Same(s) => s.clone(),
+            Outcome::PerRank(v) => v[rank].clone(),
+            _ => unreachable!("data collectives have data outcomes"),
+        };
         let wait = move || {
             let out = ticket.outcome()?;
-            let cpu = match &*out {
-                Outcome::Same(s) => s.clone(),
-                Outcome::PerRank(v) => v[rank].clone(),
-                _ => unreachable!("data collectives have data outcomes"),
-            };
-            storage_on(&op.to_string(), cpu, device)
+            storage_on(&op.to_string(), mine(&out), device)
         };
-        Ok(Completion::new(shape, dtype, device, wait, move || group.poll(seq)))
+        let g = group.clone();
+        let host = move || Ok(g.wait_open(rank, seq, &op.to_string(), deadline)?.map(|o| mine(&o)));
+        let c = Completion::new(shape, dtype, device, wait, move || group.poll(seq));
+        Ok(c.produced_by(InFlightResult::Host(Box::new(host)).producer()))
     }
 
     fn barrier(&self) -> Result<()> {
-        self.submit(Request::Barrier, None)?.outcome().map(|_| ())
+        self.submit(Request::Barrier, None, None)?.outcome().map(|_| ())
     }
 
     fn split_named(&self, color: usize, key: usize, name: &str) -> Result<Arc<dyn Communicator>> {
-        let out = self.submit(Request::Split { name: name.to_string(), color, key }, None)?.outcome()?;
+        let out = self.submit(Request::Split { name: name.to_string(), color, key }, None, None)?.outcome()?;
         match &*out {
             Outcome::Split(v) => {
                 let (g, r) = &v[self.rank];

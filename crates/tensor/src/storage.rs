@@ -144,6 +144,9 @@ pub struct StorageCell {
     not_ready: std::sync::atomic::AtomicBool,
     /// The pending fill is local work (a deferred computation), not a wait on another party.
     local: std::sync::atomic::AtomicBool,
+    /// What produces a pending fill's bytes, for consumers that can chain behind it without
+    /// waiting (a collective reading another collective's result on its communication stream).
+    producer: std::sync::OnceLock<std::sync::Arc<dyn std::any::Any + Send + Sync>>,
     len: usize,
     dtype: crate::DType,
     bytes: usize,
@@ -170,6 +173,7 @@ impl StorageCell {
             state: std::sync::Mutex::new(State::Ready),
             not_ready: std::sync::atomic::AtomicBool::new(false),
             local: std::sync::atomic::AtomicBool::new(false),
+            producer: std::sync::OnceLock::new(),
             len,
             dtype,
             bytes,
@@ -182,6 +186,22 @@ impl StorageCell {
         *c.lock_state() = State::Pending(fill);
         c.not_ready.store(true, Ordering::Release);
         c
+    }
+
+    /// A pending cell as `pending`, naming what produces its bytes (see `pending_producer`).
+    pub fn pending_from(s: Storage, fill: Fill, producer: std::sync::Arc<dyn std::any::Any + Send + Sync>) -> Self {
+        let c = Self::pending(s, fill);
+        let _ = c.producer.set(producer);
+        c
+    }
+
+    /// What produces the bytes, while a fill made by `pending_from` is still outstanding.
+    pub fn pending_producer(&self) -> Option<std::sync::Arc<dyn std::any::Any + Send + Sync>> {
+        if self.is_pending() {
+            self.producer.get().cloned()
+        } else {
+            None
+        }
     }
 
     fn lock_state(&self) -> std::sync::MutexGuard<'_, State> {
@@ -340,6 +360,10 @@ impl StorageCell {
     /// Bytes this cell accounts for when its bytes are present (known without waiting).
     pub fn bytes(&self) -> usize {
         self.bytes
+    }
+    /// Elements the cell holds when present (known without waiting).
+    pub(crate) fn numel(&self) -> usize {
+        self.len
     }
 }
 

@@ -113,6 +113,33 @@ impl Tensor {
         Ok(Tensor::from_cell(Arc::new(StorageCell::pending(storage, fill)), Layout::contiguous(shape), dtype, device, None))
     }
 
+    /// As `pending`, naming what produces the bytes: a consumer that understands `producer`
+    /// (a collective on a communication stream) may chain behind it instead of reading it.
+    pub fn pending_from(
+        storage: Storage,
+        shape: impl Into<Shape>,
+        fill: crate::storage::Fill,
+        producer: Arc<dyn std::any::Any + Send + Sync>,
+    ) -> Result<Tensor> {
+        let shape = shape.into();
+        if storage.len() != shape.numel() {
+            bail!("pending", "{} elements do not fill shape {:?}", storage.len(), shape);
+        }
+        let (dtype, device) = (storage.dtype(), storage.device());
+        let cell = StorageCell::pending_from(storage, fill, producer);
+        Ok(Tensor::from_cell(Arc::new(cell), Layout::contiguous(shape), dtype, device, None))
+    }
+
+    /// The producer named by `pending_from`, while the bytes are still pending and this tensor
+    /// views all of them in order (None otherwise: the consumer reads the tensor as usual).
+    pub fn pending_producer(&self) -> Option<Arc<dyn std::any::Any + Send + Sync>> {
+        let l = &self.0.layout;
+        if l.offset != 0 || !l.is_contiguous() || l.numel() != self.0.storage.numel() {
+            return None;
+        }
+        self.0.storage.pending_producer()
+    }
+
     /// A tensor computed by `f` when it is first read: work that need not happen where it is
     /// written (a weight gradient, deferred so that a collective launched before it can run
     /// meanwhile). The autograd engine runs such work when everything else ready is waiting

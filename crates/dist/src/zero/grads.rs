@@ -4,9 +4,11 @@
 //! the step's micro-batches, so a rank never holds more than 1/s_g of the gradients.
 //!
 //! In the step's last micro-batch a bucket's whole hand-over to the optimizer range is chained
-//! behind its reduce-scatter without waiting: the earlier micro-batches' sum is added when the
-//! next collective reads its input, then a reduce-scatter over the OS sub-group narrows the range
-//! (s_os > s_g) and an all-reduce over the replicas completes the sum. The optimizer state's
+//! behind its reduce-scatter without waiting: the earlier micro-batches' sum of this rank's range
+//! is added to this rank's block of the reduce-scatter's input (so it is counted once in the
+//! reduction), then a reduce-scatter over the OS sub-group narrows the range (s_os > s_g) and an
+//! all-reduce over the replicas completes the sum. Each collective reads the previous one's
+//! result in flight: it waits for it on its communication stream, never on the host. The optimizer state's
 //! gradient-ready hook (offload's host stream) sees the result as soon as it is launched.
 use super::groups::{Comm, ShardGroups};
 use super::ShardSpec;
@@ -215,21 +217,31 @@ impl Assembly {
     fn flush(&mut self, i: usize) -> Result<()> {
         let (g_comm, spec, last) = (&self.groups.grads, self.spec, self.last);
         let b = &mut self.buckets[i];
-        let full = b.full.take().ok_or_else(|| Error::new("zero", "no gradient to flush"))?;
+        let mut full = b.full.take().ok_or_else(|| Error::new("zero", "no gradient to flush"))?;
         b.arrived = 0;
+        if last {
+            if let Some(acc) = b.acc.take() {
+                // The earlier micro-batches' sum of this rank's range joins the reduction: added
+                // to this rank's block of its input, it is counted once in that block's sum. The
+                // result is then the collective's own, and the collectives after it chain on
+                // the communication stream (nothing in between for the host to wait for).
+                let _g = no_grad();
+                if spec.grads > 1 {
+                    let len = b.numel / spec.grads;
+                    let mine = full.narrow(0, g_comm.rank() * len, len)?;
+                    mine.assign(&mine.add(&acc)?)?;
+                } else {
+                    full = full.add(&acc)?;
+                }
+            }
+        }
         let _site = crate::comm::call_site(|| format!("bucket {i}, gradient reduce-scatter (last micro-batch: {last})"));
         let r = if spec.grads > 1 { g_comm.reduce_scatter_async(&full, ReduceOp::Sum)?.tensor() } else { full };
         if !last {
             b.reduced.push(r);
             return Ok(());
         }
-        let mut g = match b.acc.take() {
-            None => r,
-            Some(acc) => {
-                let (shape, dtype, dev) = (r.shape().clone(), r.dtype(), r.device());
-                crate::comm::computed_on_read(shape, dtype, dev, move || acc.add(&r))?
-            }
-        };
+        let mut g = r;
         if spec.optim > spec.grads {
             let _site = crate::comm::call_site(|| format!("bucket {i}, optimizer-range reduce-scatter"));
             g = reduce_scatter(&self.groups.optim_sub, &g)?;

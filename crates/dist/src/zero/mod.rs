@@ -366,6 +366,10 @@ impl TrainEngine for Zero {
         }
         loss.backward()?;
         self.grads.end_backward()?;
+        if last {
+            // The offloaded state streams the gradient it held back (the last bucket's).
+            lock(&self.state).grads_complete()?;
+        }
         self.micro += 1;
         if let Some(g) = &self.gather {
             g.release_all(false)?;

@@ -30,6 +30,10 @@ pub(crate) trait OptimState: Send {
     fn grad_ready(&mut self, _bucket: usize, _grad: &Tensor) -> Result<()> {
         Ok(())
     }
+    /// The last micro-batch's backward is over: every `grad_ready` of the step has been called.
+    fn grads_complete(&mut self) -> Result<()> {
+        Ok(())
+    }
     /// The step was skipped: forget what `grad_ready` received.
     fn discard(&mut self) {}
     /// Bucket `i`'s fp32 state (master when the parameters are lower precision, m, v), for
@@ -148,6 +152,9 @@ impl OptimState for Offloaded {
     }
     fn grad_ready(&mut self, bucket: usize, grad: &Tensor) -> Result<()> {
         self.off.stream_grad(bucket, grad)
+    }
+    fn grads_complete(&mut self) -> Result<()> {
+        self.off.grads_complete()
     }
     fn discard(&mut self) {
         self.off.discard();
