@@ -202,7 +202,7 @@ fn four_processes_zero_224_chain_collectives_bitwise_in_race_mode() {
     if !emulated() {
         return;
     }
-    let s = Setup::new("mp-224");
+    let s = Setup::new("mp-224", VAL_FRACTION);
     let flags = ["--steps=4", "--dp=4", "--shard-params=2", "--shard-grads=2", "--shard-optim=4", "--grad-accum=2", "--save-every=0"];
     let threads = s.threads("threads", &flags);
     let procs = s.processes("procs", &flags, 4, 1);
