@@ -102,6 +102,14 @@ impl ModelShape {
         out
     }
 
+    /// Elements of the largest single parameter one of `tp` ranks holds (the embedding or the
+    /// head in most shapes, an MLP projection where the intermediate size beats the vocabulary).
+    pub fn largest_param(&self, tp: usize) -> u64 {
+        let (h, tp) = (self.hidden as u64, tp.max(1) as u64);
+        let q = self.heads as u64 * self.head_dim as u64 * h;
+        [self.vocab as u64 * h, self.intermediate as u64 * h, q].into_iter().max().unwrap_or(0) / tp
+    }
+
     /// Parameters of the whole model.
     pub fn params(&self) -> u64 {
         self.bucket_params(1).iter().sum()
@@ -160,7 +168,7 @@ pub struct Memory {
     pub optim: f64,
     pub activations: f64,
     /// Transients: gathered parameter buckets, gradient buckets in flight, the single engine's
-    /// gradient temporary.
+    /// gradient temporary (or the largest gradient widened to the main-gradient dtype).
     pub buffers: f64,
     /// A fixed reserve (CUDA context, cuBLAS workspace).
     pub workspace: f64,
@@ -270,7 +278,9 @@ pub fn activation_bytes(m: &ModelShape, w: &Workload) -> f64 {
 /// gradients of its optimizer range at the step (`n / s_os`) with one whole bucket buffer in
 /// flight towards it when `s_os > 1` (and the step's squared gradient of one bucket), with
 /// several micro-batches an accumulator of `n / s_g` (about three quarters of it live at the
-/// peak), gradients counted at `grad_bytes` per element, and per optimizer element m and v (and a norm-weight mask under tensor parallelism)
+/// peak), gradients counted at `grad_bytes` per element (with gradients wider than the
+/// parameters, the largest parameter's gradient in both dtypes during backward, in place of the
+/// step's squared gradient when larger), and per optimizer element m and v (and a norm-weight mask under tensor parallelism)
 /// plus the master below f32. The fractions are fitted to measured peaks (docs/AUTOCONFIG.md,
 /// "Memory estimator"); the rest is counted.
 pub fn memory(m: &ModelShape, w: &Workload, spec: ShardSpec, micro_batches: usize, workspace: f64) -> Memory {
@@ -284,13 +294,20 @@ pub fn memory(m: &ModelShape, w: &Workload, spec: ShardSpec, micro_batches: usiz
     let gathered = if spec.params > 1 { 3.0 * biggest * e } else { 0.0 };
     let accumulator = if micro_batches > 1 { 0.75 * local * ge / sg } else { 0.0 };
     let in_flight = if spec.optim > 1 { biggest * ge } else { 0.0 };
+    // Gradients accumulated wider than the parameters (f32 main gradients of bf16 ones): each
+    // parameter's gradient arrives from autograd in the parameter dtype and is widened to a
+    // copy of its own before it lands in its bucket, so the largest one is held twice, `e` and
+    // `ge` bytes per element, late in the backward pass beside the activations. It never meets
+    // the step's squared gradient, so the larger of the two counts.
+    let step_sq = 4.0 * biggest / so;
+    let widened = if ge > e { (e + ge) * m.largest_param(w.tp) as f64 } else { 0.0 };
     Memory {
         params: local * e / sp,
         grads: local * ge / so + accumulator,
         // m, v; the norm-weight mask only under tensor parallelism.
         optim: local * (8.0 + if w.tp > 1 { 4.0 } else { 0.0 } + master) / so,
         activations,
-        buffers: gathered + in_flight + 4.0 * biggest / so,
+        buffers: gathered + in_flight + step_sq.max(widened),
         workspace,
     }
 }
