@@ -112,6 +112,15 @@ impl Setup {
         self.processes_with(out, extra, nproc, nnodes, &[])
     }
 
+    /// The run on thread ranks ("threads") and on `nproc` processes over `nnodes` simulated
+    /// nodes ("procs"), whose losses must agree within 1e-4: (processes' losses, threads').
+    fn processes_follow_threads(&self, flags: &[&str], nproc: usize, nnodes: usize) -> (Vec<f64>, Vec<f64>) {
+        let threads = self.threads("threads", flags);
+        let procs = self.processes("procs", flags, nproc, nnodes);
+        close(&procs, &threads, 1e-4, &format!("{nproc} processes on {nnodes} node(s), {} vs thread ranks", flags.join(" ")));
+        (procs, threads)
+    }
+
     /// As `processes`, with more environment for the ranks.
     fn processes_with(&self, out: &str, extra: &[&str], nproc: usize, nnodes: usize, env: &[(&str, &str)]) -> Vec<f64> {
         let port = free_port();
@@ -166,9 +175,7 @@ fn two_processes_tp2_follow_thread_ranks_and_checkpoints_cross_resume() {
     }
     let s = Setup::new("mp-tp2", VAL_FRACTION);
     let steps = format!("--steps={STEPS}");
-    let threads = s.threads("threads", &[&steps, "--tp=2"]);
-    let procs = s.processes("procs", &[&steps, "--tp=2"], 2, 1);
-    close(&procs, &threads, 1e-4, "2 processes --tp 2 vs thread ranks");
+    let (procs, threads) = s.processes_follow_threads(&[&steps, "--tp=2"], 2, 1);
     assert!(procs[STEPS - 1] < procs[0], "does not learn: {procs:?}");
     // A checkpoint of the processes resumes on thread ranks, and the other way round.
     let ck = |run: &str| s.dir.join(run).join("checkpoints/step-000003").to_str().unwrap().to_string();
@@ -187,9 +194,7 @@ fn four_processes_on_two_simulated_nodes_tp2_dp2_zero3_follow_thread_ranks() {
     let s = Setup::new("mp-zero3", VAL_FRACTION);
     let flags = [format!("--steps={STEPS}"), "--tp=2".into(), "--dp=2".into(), "--zero=3".into()];
     let flags: Vec<&str> = flags.iter().map(String::as_str).collect();
-    let threads = s.threads("threads", &flags);
-    let procs = s.processes("procs", &flags, 2, 2);
-    close(&procs, &threads, 1e-4, "4 processes on 2 nodes --tp 2 --dp 2 --zero 3 vs thread ranks");
+    s.processes_follow_threads(&flags, 2, 2);
 }
 
 /// ZeRO (2,2,4) on 4 processes: in the last micro-batch each bucket's gradient reduce-scatter
@@ -204,9 +209,7 @@ fn four_processes_zero_224_chain_collectives_bitwise_in_race_mode() {
     }
     let s = Setup::new("mp-224", VAL_FRACTION);
     let flags = ["--steps=4", "--dp=4", "--shard-params=2", "--shard-grads=2", "--shard-optim=4", "--grad-accum=2", "--save-every=0"];
-    let threads = s.threads("threads", &flags);
-    let procs = s.processes("procs", &flags, 4, 1);
-    close(&procs, &threads, 1e-4, "4 processes (2,2,4) vs thread ranks");
+    let (procs, _) = s.processes_follow_threads(&flags, 4, 1);
     let raced = s.processes_with("race", &flags, 4, 1, &[("FERROLM_EMU_RACE", "3")]);
     assert_eq!(raced, procs, "(2,2,4) in race mode (seed 3) vs the ordered run");
 }
@@ -219,9 +222,7 @@ fn two_processes_dp2_offload_follow_thread_ranks() {
     let s = Setup::new("mp-offload", VAL_FRACTION);
     let flags = [format!("--steps={STEPS}"), "--dp=2".into(), "--offload-optimizer".into()];
     let flags: Vec<&str> = flags.iter().map(String::as_str).collect();
-    let threads = s.threads("threads", &flags);
-    let procs = s.processes("procs", &flags, 2, 1);
-    close(&procs, &threads, 1e-4, "2 processes --dp 2 --offload-optimizer vs thread ranks");
+    s.processes_follow_threads(&flags, 2, 1);
 }
 
 // ---- fault drills ----
