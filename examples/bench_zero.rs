@@ -168,6 +168,7 @@ fn run(a: Args) -> AnyResult<()> {
         interference: 0.0, // the simulated link sleeps: it takes nothing from compute
         update_s_per_elem,
         comm_cpu_s_per_byte,
+        comm_buffer_bytes: 0.0,
     };
     let caller = std::env::var(ferrolm_dist::thread::ENV_CALLER_RESOLVE).is_ok_and(|v| v.trim() == "1");
     eprintln!(

@@ -169,6 +169,7 @@ fn run(a: PlanArgs) -> AnyResult<()> {
         interference: a.interference,
         update_s_per_elem: 28.0 / (a.hbm_gb_s * 1e9),
         comm_cpu_s_per_byte: 0.0,
+        comm_buffer_bytes: ferrolm_dist::plan::NCCL_BYTES_PER_COMMUNICATOR,
     };
     let work = Workload {
         seq: a.seq_len,

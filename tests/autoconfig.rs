@@ -66,6 +66,7 @@ fn gpu_cluster(gpus: usize, mem_gib: f64) -> Cluster {
         interference: 0.2,
         update_s_per_elem: 28.0 / 2e12,
         comm_cpu_s_per_byte: 0.0,
+        comm_buffer_bytes: ferrolm_dist::plan::NCCL_BYTES_PER_COMMUNICATOR,
     }
 }
 
@@ -285,4 +286,27 @@ fn help_lists_every_flag_with_its_default() {
     assert!(e.contains("--tflops-per-gpu"), "{e}");
     let e = parse_from::<AutoconfigArgs, _, _>(["autoconfig", "--target=tpu"]).unwrap_err().to_string();
     assert!(e.contains("tpu"), "{e}");
+}
+
+#[test]
+fn planner_counts_nccl_buffers_per_communicator() {
+    use ferrolm_dist::plan::{communicators, evaluate, Workload, NCCL_BYTES_PER_COMMUNICATOR};
+    use ferrolm_dist::zero::ShardSpec;
+    let m = ModelShape::preset("7b").unwrap();
+    let w =
+        Workload { seq: 2048, micro_batch: 1, global_batch_tokens: 64 * 2048, tp: 2, elem_bytes: 2, grad_bytes: 4, checkpointed_layers: 0 };
+    let with = gpu_cluster(16, 80.0);
+    let without = Cluster { comm_buffer_bytes: 0.0, ..with.clone() };
+    for spec in [ShardSpec::zero(3, 8).unwrap(), ShardSpec::mics(2), ShardSpec { params: 2, grads: 2, optim: 4 }] {
+        let (a, b) = (evaluate(&m, &with, &w, spec).unwrap(), evaluate(&m, &without, &w, spec).unwrap());
+        let n = communicators(2, 8, spec, m.kv_heads);
+        // The world, the tp and dp groups at least; the engine's sub-groups where they differ.
+        assert!(n >= 3, "{spec}: {n} communicators");
+        assert_eq!(a.mem.total() - b.mem.total(), n as f64 * NCCL_BYTES_PER_COMMUNICATOR, "{spec}");
+        assert_eq!(a.mem.workspace, n as f64 * NCCL_BYTES_PER_COMMUNICATOR, "{spec}");
+    }
+    // A lone GPU holds no communicator.
+    let one = Cluster { gpus: 1, ..with.clone() };
+    let w1 = Workload { tp: 1, global_batch_tokens: 2048, ..w.clone() };
+    assert_eq!(evaluate(&m, &one, &w1, ShardSpec::zero(0, 1).unwrap()).unwrap().mem.workspace, 0.0);
 }

@@ -379,6 +379,7 @@ pub fn autoconfig(a: &AutoconfigArgs) -> AnyResult<Report> {
                 interference: 0.2,
                 update_s_per_elem: 28.0 / (a.hbm_gb_s.unwrap_or(2000.0) * 1e9),
                 comm_cpu_s_per_byte: 0.0,
+                comm_buffer_bytes: ferrolm_dist::plan::NCCL_BYTES_PER_COMMUNICATOR,
             };
             (c, None)
         }
@@ -424,6 +425,7 @@ pub fn autoconfig(a: &AutoconfigArgs) -> AnyResult<Report> {
                 interference: 0.0,
                 update_s_per_elem: cal.update_s_per_elem,
                 comm_cpu_s_per_byte: cal.comm_cpu_s_per_byte,
+                comm_buffer_bytes: 0.0, // thread ranks (ThreadComm) hold no device buffers
             };
             (c, Some(cal))
         }

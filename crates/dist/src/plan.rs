@@ -143,6 +143,9 @@ pub struct Cluster {
     /// Compute time the communicator itself takes per byte a rank sends (thread ranks copy and
     /// sum on the same cores as the model; 0 for NCCL, whose cost is `interference`).
     pub comm_cpu_s_per_byte: f64,
+    /// Device bytes each communicator of more than one rank holds on every member: NCCL's
+    /// buffers (`NCCL_BYTES_PER_COMMUNICATOR` on GPUs), 0 for thread ranks.
+    pub comm_buffer_bytes: f64,
 }
 
 /// What one step trains.
@@ -329,7 +332,9 @@ pub fn evaluate(m: &ModelShape, c: &Cluster, w: &Workload, spec: ShardSpec) -> O
     let e = w.elem_bytes as f64;
     let buckets: Vec<f64> = m.bucket_params(w.tp).iter().map(|&n| n as f64).collect();
     let local: f64 = buckets.iter().sum();
-    let mem = memory(m, w, spec, micro, 0.0);
+    // NCCL's buffers, one set per distinct group of more than one rank that rank 0 joins.
+    let buffers = if c.gpus > 1 { communicators(w.tp, dp, spec, m.kv_heads) as f64 * c.comm_buffer_bytes } else { 0.0 };
+    let mem = memory(m, w, spec, micro, buffers);
     let fits = mem.total() <= c.mem_bytes * (1.0 - c.margin);
 
     // Communication, priced over each group's real placement.
