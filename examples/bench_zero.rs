@@ -65,6 +65,10 @@ struct Args {
     /// Memory cap per rank, MiB (model states + activations as the planner estimates them)
     #[arg(long, default_value = "80")]
     mem_cap_mib: f64,
+    /// Measure only these layouts (comma-separated: zero-1, zero-2, zero-3, mics, amsp), for
+    /// repeated runs of a few; the planner's pick is always measured
+    #[arg(long, value_delimiter = ',', value_parser = ["zero-1", "zero-2", "zero-3", "mics", "amsp"])]
+    only: Vec<String>,
     #[command(flatten)]
     log: LogArgs,
 }
@@ -203,6 +207,9 @@ fn run(a: Args) -> AnyResult<()> {
     let amsp = ShardSpec { params: a.ranks_per_node, grads: a.ranks_per_node, optim: world };
     if !candidates.iter().any(|(_, s)| *s == amsp) {
         candidates.push(("AMSP", amsp));
+    }
+    if !a.only.is_empty() {
+        candidates.retain(|(name, s)| *s == planner || a.only.iter().any(|o| o.eq_ignore_ascii_case(name)));
     }
     if !candidates.iter().any(|(_, s)| *s == planner) {
         candidates.push(("planner", planner));
