@@ -354,6 +354,7 @@ impl CudaBackend {
         }
         let mutated = matches!(&self.exec, Exec::Emu(e) if e.skip_copy_wait.load(std::sync::atomic::Ordering::Relaxed));
         if !mutated {
+            self.bind()?;
             stream.wait(ready)?;
         }
         // SAFETY: the range lies inside the allocation (check_range), which the caller keeps
