@@ -10,11 +10,14 @@ use ferrolm::cli::parallel::ParallelArgs;
 use ferrolm::train::{TrainOptions, Trainer};
 use ferrolm::{DType, Device, Llama};
 use ferrolm_cuda::CudaBackend;
-use ferrolm_dist::offload::GpuEvery;
-use ferrolm_dist::{CommOptions, ThreadComm};
-use ferrolm_tensor::Rng;
+use ferrolm_dist::offload::{grad_copies_behind_events, GpuEvery, Offload, OffloadConfig};
+use ferrolm_dist::store::{Store, StoreServer};
+use ferrolm_dist::{CommOptions, Communicator, NcclComm, ReduceOp, ThreadComm};
+use ferrolm_tensor::backend::AdamWHyper;
+use ferrolm_tensor::{Rng, Tensor};
 use std::path::PathBuf;
 use std::sync::{Arc, Mutex};
+use std::time::Duration;
 
 static SERIAL: Mutex<()> = Mutex::new(());
 
@@ -136,6 +139,80 @@ fn race_mode_catches_a_removed_event_wait() {
     assert!(caught.iter().all(|&c| c), "race mode missed the removed wait for seeds {caught:?}");
 }
 
+/// Three buckets' gradients through an `Offload` of CPU subgroups (4 per bucket) and one update.
+/// Each gradient comes from a chain of kernels on the compute stream; with `comm` it is then
+/// all-reduced over a world-of-one NCCL communicator (the emulated NCCL, on its own stream) and
+/// handed over still in flight, as the ZeRO engine hands over a dp > 1 gradient. `scale` varies
+/// the values, so a copy that reads the result buffer early never finds the right bytes left
+/// there by an earlier run. Returns the updated parameters and the parts copied behind events.
+fn offload_update(comm: Option<&dyn Communicator>, scale: f32) -> (Vec<Vec<f32>>, u64) {
+    let (dev, n) = (Device::Cuda(0), 2048);
+    let params: Vec<Tensor> = (0..3)
+        .map(|b| Tensor::from_vec((0..n).map(|i| (i % 17) as f32 * 0.01 + b as f32).collect::<Vec<f32>>(), [n], dev).unwrap())
+        .collect();
+    let runs = vec![vec![(0, n, true)]; 3];
+    let cfg = OffloadConfig { subgroup: 512, gpu_every: GpuEvery::Never };
+    let mut off = Offload::new(&cfg, &params, &runs, true, DType::F32).unwrap();
+    let before = grad_copies_behind_events();
+    let mut grads = Vec::new();
+    for b in 0..3 {
+        let v: Vec<f32> = (0..n).map(|i| ((i * 7 + b) % 29) as f32 * scale - 0.3).collect();
+        let mut x = Tensor::from_vec(v, [n], dev).unwrap();
+        for _ in 0..12 {
+            x = x.mul_scalar(1.0009765625).unwrap();
+        }
+        let g = match comm {
+            Some(c) => c.all_reduce_async(&x, ReduceOp::Sum).unwrap().tensor(),
+            None => x,
+        };
+        off.stream_grad(b, &g).unwrap();
+        assert_eq!(off.deferred_grad(), None, "bucket {b}: nothing is held back");
+        assert_eq!(off.grads_streamed(), (4 * (b + 1), 12), "bucket {b}: its parts left at once");
+        if comm.is_some() {
+            assert!(g.is_pending(), "bucket {b}: the hook read the collective's result");
+        }
+        grads.push(g);
+    }
+    let h = AdamWHyper { lr: 1e-2, beta1: 0.9, beta2: 0.999, eps: 1e-8, step: 1 };
+    off.step(&params, &grads, 1.0, 1.0, 0.01, h).unwrap();
+    (params.iter().map(|p| p.to_vec::<f32>().unwrap()).collect(), grad_copies_behind_events() - before)
+}
+
+/// With dp > 1 on NCCL, offload streams a bucket's reduced gradient to the host while the
+/// collective is still in flight: the copy stream waits on the collective's completion event and
+/// copies from its result buffer, so the hook reads nothing (the result stays pending) and holds
+/// nothing back. The update equals the one from the same gradients handed over ready, in race
+/// mode too (five seeds); the mutation (the event wait removed, `emulator_skip_copy_wait`)
+/// changes it under race mode.
+#[test]
+fn offload_copies_a_collectives_result_behind_its_event() {
+    let _g = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
+    let Some(be) = emulated() else { return };
+    let server = StoreServer::bind("127.0.0.1:0").unwrap();
+    let store = Arc::new(Store::connect(&server.addr().to_string(), 0, 1, Duration::from_secs(30)).unwrap());
+    let comm: Arc<dyn Communicator> = NcclComm::init(0, 1, store, be.clone(), CommOptions::default()).unwrap();
+    let want = |scale| offload_update(None, scale);
+    let (base, none) = want(0.01);
+    assert_eq!(none, 0, "ready gradients are copied behind the compute stream, not an event");
+    let (got, chained) = offload_update(Some(&*comm), 0.01);
+    assert_eq!(chained, 12, "every CPU subgroup's part went behind its collective's event");
+    assert!(got == base, "the update from gradients in flight differs from the one from ready gradients");
+    for seed in 1..=5 {
+        let scale = 0.01 + seed as f32 * 1e-3;
+        let base = want(scale).0;
+        race(&be, Some(seed), || assert!(offload_update(Some(&*comm), scale).0 == base, "race seed {seed}: the update differs"));
+    }
+    let mut caught = Vec::new();
+    be.emulator_skip_copy_wait(true);
+    for seed in 1..=3 {
+        let scale = 0.02 + seed as f32 * 1e-3;
+        let base = want(scale).0;
+        race(&be, Some(seed), || caught.push(offload_update(Some(&*comm), scale).0 != base));
+    }
+    be.emulator_skip_copy_wait(false);
+    assert!(caught.iter().all(|&c| c), "race mode missed the removed event wait for seeds {caught:?}");
+}
+
 /// Host waits per training step, counted by the emulator (`FERROLM_EMU_REPORT`'s numbers), for
 /// each layout at its bound. Thread ranks move collective data through the host (ThreadComm
 /// stages device tensors), so their bounds include those reads; the single-device step may make
@@ -183,7 +260,12 @@ fn host_waits_per_step_stay_at_their_bounds() {
 //   producer, with no device round trip and no host wait; ZeRO-3 (s_os = s_g) has no chained
 //   collective;
 // - offload k = 2, 657.5: per subgroup (219 of them) the pinned buffers' waits before each
-//   copy and host access of the flush and the update (crates/dist/src/offload.rs).
+//   copy and host access of the update (crates/dist/src/offload.rs), about three a subgroup.
+//   Measured again after the gradient flush stopped holding gradients back: unchanged, since
+//   at dp = 1 the gradient handed over is ready and its copy never waited on the host (the
+//   copy stream waits for the compute stream); the one host wait per streamed gradient is the
+//   CPU update's read of its buffer. With dp > 1 on NCCL the flush waits on nothing either
+//   (`offload_copies_a_collectives_result_behind_its_event`).
 const BOUND_SINGLE: f64 = 2.0;
 const BOUND_TP2: f64 = 30.0;
 const BOUND_ZERO_224: f64 = 36.0;

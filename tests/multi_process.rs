@@ -26,12 +26,38 @@ const ARGS_VAR: &str = "FERROLM_MP_ARGS";
 const STEPS: usize = 6;
 
 /// The entry point of the rank processes: `pretrain_llama` with the flags in `FERROLM_MP_ARGS`
-/// (a JSON list), exiting with its status. In an ordinary test run it returns at once.
+/// (a JSON list), exiting with its status. In an ordinary test run it returns at once. Its last
+/// line (in the rank's log) says how many offloaded gradient parts were copied behind their
+/// collective's event ([`CHAINED`]).
 #[test]
 fn rank_process() {
     let Ok(a) = std::env::var(ARGS_VAR) else { return };
     let args: Vec<String> = serde_json::from_str(&a).expect("FERROLM_MP_ARGS is a JSON list of strings");
-    std::process::exit(ferrolm::cli::run_tool(args, ferrolm::cli::pretrain::run));
+    let code = ferrolm::cli::run_tool(args, ferrolm::cli::pretrain::run);
+    println!("{CHAINED}{}", ferrolm_dist::offload::grad_copies_behind_events());
+    std::process::exit(code);
+}
+
+const CHAINED: &str = "rank_process: offloaded gradient parts copied behind their collective's event: ";
+
+/// Per rank log of the run `out`: the count of `rank_process`'s last line, and the CPU subgroups
+/// from the offload report ("..., N subgroups, M of them updated on the device: ...") where the
+/// rank prints it (rank 0).
+fn chained_copies(s: &Setup, out: &str) -> Vec<(u64, Option<u64>)> {
+    let mut logs: Vec<_> = std::fs::read_dir(s.dir.join(format!("{out}.logs"))).unwrap().map(|e| e.unwrap().path()).collect();
+    logs.sort();
+    logs.iter()
+        .map(|p| {
+            let text = std::fs::read_to_string(p).unwrap();
+            let count = text.lines().rev().find_map(|l| l.strip_prefix(CHAINED));
+            let count = count.unwrap_or_else(|| panic!("{}: no count of chained copies\n{text}", p.display()));
+            let cpu = text.lines().find_map(|l| l.split_once(" in host memory, ")).map(|(_, report)| {
+                let words: Vec<&str> = report.split([' ', ',']).filter(|w| !w.is_empty()).collect();
+                words[0].parse::<u64>().unwrap() - words[2].parse::<u64>().unwrap()
+            });
+            (count.trim().parse().unwrap(), cpu)
+        })
+        .collect()
 }
 
 fn self_args() -> Vec<String> {
@@ -214,6 +240,9 @@ fn four_processes_zero_224_chain_collectives_bitwise_in_race_mode() {
     assert_eq!(raced, procs, "(2,2,4) in race mode (seed 3) vs the ordered run");
 }
 
+/// `--dp 2 --offload-optimizer` on 2 processes follows thread ranks. Here the reduced gradients
+/// reach the offload as NCCL results in flight: each rank's log counts the parts copied behind
+/// their collective's event (every CPU subgroup, every step), and race mode gives the same bits.
 #[test]
 fn two_processes_dp2_offload_follow_thread_ranks() {
     if !emulated() {
@@ -222,7 +251,18 @@ fn two_processes_dp2_offload_follow_thread_ranks() {
     let s = Setup::new("mp-offload", VAL_FRACTION);
     let flags = [format!("--steps={STEPS}"), "--dp=2".into(), "--offload-optimizer".into()];
     let flags: Vec<&str> = flags.iter().map(String::as_str).collect();
-    s.processes_follow_threads(&flags, 2, 1);
+    let (procs, _) = s.processes_follow_threads(&flags, 2, 1);
+    // The reduced gradients reach the offload as NCCL results in flight, and leave for the host
+    // behind their collectives' events: on every rank, every step's CPU subgroups. In race mode
+    // (a random delay before every item of every emulated stream) the run gives the same bits.
+    let chained = chained_copies(&s, "procs");
+    println!("offloaded gradient parts copied behind events, per rank (count, CPU subgroups): {chained:?}");
+    assert_eq!(chained.len(), 2);
+    let Some(cpu) = chained[0].1 else { panic!("rank 0 printed no offload report") };
+    assert!(cpu > 0 && chained[0].0 == STEPS as u64 * cpu, "rank 0: {chained:?}: every CPU subgroup of every step");
+    assert!(chained[1].0 > 0 && chained[1].0.is_multiple_of(STEPS as u64), "rank 1: {chained:?}: the same parts every step");
+    let raced = s.processes_with("race", &flags, 2, 1, &[("FERROLM_EMU_RACE", "5")]);
+    assert_eq!(raced, procs, "dp 2 offload in race mode (seed 5) vs the ordered run");
 }
 
 // ---- fault drills ----

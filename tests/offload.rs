@@ -391,9 +391,12 @@ fn gradients_stream_to_the_host_from_the_sinks_during_backward() {
 }
 
 /// With dp > 1 a bucket's gradient reaches the gradient-ready hook still in flight (the result of
-/// its collectives). Reading it there would make backward wait for the collectives it just
-/// launched: the offload reads it only once the next bucket's gradient is handed over (that
-/// bucket's backward ran meanwhile), and the last one when backward is over.
+/// its collectives). One that cannot be chained behind its collective's event (here a pending
+/// host tensor, as a thread rank's result is) would make backward wait for the collectives it
+/// just launched if read there: the offload reads it only once the next bucket's gradient is
+/// handed over (that bucket's backward ran meanwhile), and the last one when backward is over.
+/// A ready gradient leaves at once. (An NCCL result in flight leaves at once too, behind its
+/// collective's event: tests/emu_streams.rs.)
 #[test]
 fn a_gradient_in_flight_is_read_only_after_the_next_bucket_is_handed_over() {
     use ferrolm_dist::offload::{Offload, OffloadConfig};
@@ -432,4 +435,21 @@ fn a_gradient_in_flight_is_read_only_after_the_next_bucket_is_handed_over() {
     assert!(was_read(2));
     assert_eq!(off.deferred_grad(), None);
     assert_eq!(off.grads_streamed(), (6, 6), "every gradient streamed once backward is over");
+    off.discard();
+    // Ready gradients: nothing to wait for, nothing held back; a pending one after them is.
+    for b in 0..2 {
+        off.stream_grad(b, &Tensor::from_vec(vec![1.0f32; n], [n], Device::Cpu).unwrap()).unwrap();
+        assert_eq!((off.deferred_grad(), off.grads_streamed()), (None, (2 * (b + 1), 6)), "ready bucket {b}");
+    }
+    let pending = |b: usize| {
+        let fill: ferrolm_tensor::Fill = Box::new(move |s| {
+            *s = Storage::Cpu(CpuStorage::F32(vec![b as f32; n]));
+            Ok(())
+        });
+        Tensor::pending(Storage::Cpu(CpuStorage::zeros(n, DType::F32)), [n], fill).unwrap()
+    };
+    let g2 = pending(2);
+    off.stream_grad(2, &g2).unwrap();
+    assert!(g2.is_pending(), "the hook read a pending gradient it cannot chain");
+    assert_eq!((off.deferred_grad(), off.grads_streamed()), (Some(2), (4, 6)));
 }

@@ -113,7 +113,7 @@ pub(crate) struct Emu {
     /// Race mode's seed (0: off), read by every stream of this backend before each item.
     race: Arc<AtomicU64>,
     /// Test hook (`emulator_skip_copy_wait`): copies on a side stream skip their wait for the
-    /// compute stream, the mutation that race mode must catch.
+    /// compute stream (or for the producer's event), the mutation that race mode must catch.
     pub(crate) skip_copy_wait: std::sync::atomic::AtomicBool,
 }
 
@@ -189,8 +189,9 @@ impl CudaBackend {
     }
 
     /// Test hook, emulated device only: while on, a D2H pinned copy on a side stream does not
-    /// wait for the compute stream's work before it (one compute -> copy event wait removed), so
-    /// a race-mode run reads unfinished data. (Only D2H: an early H2D write could corrupt a block
+    /// wait for the compute stream's work before it (one compute -> copy event wait removed), and
+    /// `copy_to_pinned_after_event` does not wait on its event, so a race-mode run reads
+    /// unfinished data. (Only D2H: an early H2D write could corrupt a block
     /// a kernel still reads, e.g. a pointer table, and crash rather than fail.) No effect on a
     /// GPU.
     pub fn emulator_skip_copy_wait(&self, on: bool) {

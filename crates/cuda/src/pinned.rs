@@ -5,6 +5,11 @@
 //! its memory is never freed under a copy (the raw `memcpy_*_async` calls below bypass cudarc's
 //! own bookkeeping, which would otherwise be the only thing `PinnedHostSlice`'s drop waits for).
 //!
+//! A copy from device storage waits for the compute stream's work so far (which produced the
+//! storage); `copy_to_pinned_after_event` instead waits on a given event, for memory another
+//! stream writes (a collective's result, complete when its event on the communication stream
+//! fires), so neither the host nor the compute stream waits for the producer.
+//!
 //! On the emulated device the buffer is ordinary memory and the copies are items on emulated
 //! streams (`emu_stream`), completing when the stream's worker gets to them; race mode
 //! (`CudaBackend::emulator_race`) delays every item, so a read or reuse that does not wait sees
@@ -183,12 +188,11 @@ impl CudaBackend {
         buf.pending = Some(ev);
         Ok(())
     }
-    /// Checks that `buf.len()` bytes from byte `offset` lie inside `dev`.
-    fn check_range(op: &str, dev: &CudaStorage, offset: usize, buf: &PinnedBuffer) -> Result<usize> {
-        let total = dev.len * dev.dtype.size_in_bytes();
+    /// Checks that `buf.len()` bytes from byte `offset` lie inside a device range of `total` bytes.
+    fn check_range(op: &str, total: usize, offset: usize, buf: &PinnedBuffer) -> Result<usize> {
         let n = buf.len();
         if offset.checked_add(n).is_none_or(|end| end > total) {
-            bail!(op, "bytes {offset}..{} of a device storage of {total} bytes", offset.saturating_add(n));
+            bail!(op, "bytes {offset}..{} of a device range of {total} bytes", offset.saturating_add(n));
         }
         Ok(n)
     }
@@ -275,36 +279,90 @@ impl CudaBackend {
             Direction::ToHost => "copy_to_pinned",
             Direction::FromHost => "copy_from_pinned",
         };
-        let n = Self::check_range(op, dev, offset, host)?;
+        let n = Self::check_range(op, dev.len * dev.dtype.size_in_bytes(), offset, host)?;
         host.wait()?;
         if n == 0 {
             return Ok(None);
         }
-        let dev = dev.buf.ptr + offset as u64;
         let s = self.copy_stream(stream, dir == Direction::ToHost)?;
+        // SAFETY: the range was checked to lie inside dev's block, which the stream reaches
+        // after the work ordered before it (`copy_stream`).
+        unsafe { self.enqueue_raw(op, dir, dev.buf.ptr + offset as u64, host, s)? };
+        Ok(Some(s))
+    }
+
+    /// Enqueues the copy of all of `host` (waited for already, not empty) to or from the device
+    /// address `dev` on `s`.
+    ///
+    /// # Safety
+    /// `dev` is the start of `host.len()` bytes of live device memory of this backend that stay
+    /// alive, and are not written by other work (ToHost) or not read by it (FromHost), until the
+    /// copy has run.
+    unsafe fn enqueue_raw(&self, op: &'static str, dir: Direction, dev: u64, host: &mut PinnedBuffer, s: &CudaStream) -> Result<()> {
+        let n = host.len();
         if let Some(h) = host.plain_ptr() {
-            // Emulated device pointers are host addresses of live pool blocks; the range was
-            // checked to lie inside dev's block and the buffer holds n bytes; the two never overlap.
+            // Emulated device pointers are host addresses of live pool blocks (the caller's
+            // contract) and the buffer holds n bytes; the two never overlap.
             let (src, dst) = match dir {
                 Direction::ToHost => (dev as usize, h as usize),
                 Direction::FromHost => (h as usize, dev as usize),
             };
-            Self::emu_copy(s, EmuCopy { src, dst, n })?;
-        } else {
-            let Mem::Pinned(p) = &mut host.mem else { unreachable!("plain memory handled above") };
-            self.bind()?;
-            let h = &mut p.as_mut_slice().map_err(err(op))?[..n];
-            // SAFETY: `h` is n bytes of a page-locked buffer owned by `host`, which is not
-            // accessed, reused or freed until `pending` completes (wait() runs before each of
-            // those); the n-byte device range lies inside dev's block (check_range), which the
-            // copy stream reaches after the work ordered before it.
-            match dir {
-                Direction::ToHost => unsafe { result::memcpy_dtoh_async(h, dev, s.cu_stream()) },
-                Direction::FromHost => unsafe { result::memcpy_htod_async(dev, &*h, s.cu_stream()) },
-            }
-            .map_err(err(op))?;
+            return Self::emu_copy(s, EmuCopy { src, dst, n });
         }
-        Ok(Some(s))
+        let Mem::Pinned(p) = &mut host.mem else { unreachable!("plain memory handled above") };
+        self.bind()?;
+        let h = &mut p.as_mut_slice().map_err(err(op))?[..n];
+        // SAFETY: `h` is n bytes of a page-locked buffer owned by `host`, which is not accessed,
+        // reused or freed until `pending` completes (wait() runs before each of those); the
+        // n-byte device range is the caller's contract.
+        match dir {
+            Direction::ToHost => unsafe { result::memcpy_dtoh_async(h, dev, s.cu_stream()) },
+            Direction::FromHost => unsafe { result::memcpy_htod_async(dev, &*h, s.cu_stream()) },
+        }
+        .map_err(err(op))
+    }
+
+    /// Enqueues device -> host of `dst.len()` bytes from byte `offset` of the device allocation
+    /// at `src` (`src_bytes` long) into `dst`, on `stream` once `ready` has fired: the stream
+    /// waits on the event, and neither the host nor the compute stream waits for anything (a
+    /// collective's result leaving for the host behind the collective's completion event,
+    /// recorded on the communicator's stream). `keep` (what owns the allocation) is held until
+    /// `dst` is waited for, as in `copy_to_pinned_detached`. Returns at once;
+    /// `dst.as_slice()` waits for the copy.
+    /// (`emulator_skip_copy_wait` removes the wait on `ready`.)
+    ///
+    /// # Safety
+    /// `src` is the address of a device allocation of this backend of at least `src_bytes`
+    /// bytes, which `keep` keeps alive; every write to the copied range is ordered before
+    /// `ready`, and none is enqueued after it until `dst` has been waited for.
+    #[allow(clippy::too_many_arguments)]
+    pub unsafe fn copy_to_pinned_after_event(
+        &self,
+        ready: &CudaEvent,
+        src: u64,
+        src_bytes: usize,
+        offset: usize,
+        dst: &mut PinnedBuffer,
+        stream: &Arc<CudaStream>,
+        keep: Box<dyn std::any::Any + Send>,
+    ) -> Result<()> {
+        let op = "copy_to_pinned_after_event";
+        let n = Self::check_range(op, src_bytes, offset, dst)?;
+        dst.wait()?;
+        if n == 0 {
+            return Ok(());
+        }
+        let mutated = matches!(&self.exec, Exec::Emu(e) if e.skip_copy_wait.load(std::sync::atomic::Ordering::Relaxed));
+        if !mutated {
+            self.bind()?;
+            stream.wait(ready)?;
+        }
+        // SAFETY: the range lies inside the allocation (check_range), which the caller keeps
+        // alive through `keep` and does not write after `ready`, which the stream waited on.
+        unsafe { self.enqueue_raw(op, Direction::ToHost, src + offset as u64, dst, stream)? };
+        dst.pending = Some(self.record_event(stream)?);
+        dst.keep = Some(keep);
+        Ok(())
     }
 
     /// Enqueues host -> device of `src` into all of `dst` on `stream` (default: the compute

@@ -9,7 +9,7 @@ use ferrolm_tensor::{CpuStorage, DType, Layout, Shape, Storage};
 use std::sync::{Arc, RwLockReadGuard};
 
 mod common;
-use common::{gpu, Gpu};
+use common::{gpu, gpu_exclusive, Gpu};
 
 fn cs(s: &Storage) -> &CudaStorage {
     match s {
@@ -125,4 +125,60 @@ fn a_detached_copy_keeps_its_source_alive_until_waited_for() {
     let got = hb.as_f32().unwrap();
     assert!(got == &want[..], "the detached copy read memory its source no longer owned (first: {})", got[0]);
     drop(other);
+}
+
+/// `copy_to_pinned_after_event`: a D2H copy of memory that another stream writes (here a chain
+/// of H2D copies on a producer stream; in training a collective's result on the communicator's
+/// stream) waits on the producer's event on the copy stream, so it sees the last write. Neither
+/// the host nor the compute stream is involved. On the emulator in race mode, five seeds; then
+/// the mutation: with the event wait removed (`emulator_skip_copy_wait`), the copy runs ahead of
+/// the producer and race mode shows it.
+#[test]
+fn a_copy_behind_an_event_sees_the_producers_data_only_through_the_wait() {
+    let Some(be) = gpu_exclusive() else { return };
+    let n = 1024;
+    let writes = 48;
+    let (producer, copier) = (be.new_stream().unwrap(), be.new_stream().unwrap());
+    let mut stage: Vec<_> = (0..writes).map(|_| be.alloc_pinned(n * 4).unwrap()).collect();
+    for (k, b) in stage.iter_mut().enumerate() {
+        b.as_f32_mut().unwrap().fill(k as f32 + 1.0);
+    }
+    let want = vec![writes as f32; n];
+    // One run: a NaN-poisoned buffer written `writes` times on the producer stream, then read
+    // from byte 4 * 16 on by the copy behind the producer's event. Returns what the host got.
+    let mut run = |seed: Option<u64>, skip_wait: bool| -> Vec<f32> {
+        be.emulator_race(seed);
+        be.emulator_skip_copy_wait(skip_wait);
+        let dev = be.full(n + 16, DType::F32, f64::NAN).unwrap();
+        be.synchronize().unwrap();
+        for b in stage.iter_mut() {
+            be.copy_from_pinned_at(b, cs(&dev), 16 * 4, Some(&producer)).unwrap();
+        }
+        let ready = be.record_event(&producer).unwrap();
+        let mut hb = be.alloc_pinned(n * 4).unwrap();
+        let (ptr, bytes) = (cs(&dev).device_ptr(), (n + 16) * 4);
+        // SAFETY: `dev` is a live allocation of `bytes` bytes kept alive below until `hb` has
+        // been read; its writes are the producer's copies, all before `ready`.
+        unsafe { be.copy_to_pinned_after_event(&ready, ptr, bytes, 16 * 4, &mut hb, &copier, Box::new(())) }.unwrap();
+        let got = hb.as_f32().unwrap().to_vec();
+        be.synchronize().unwrap();
+        be.emulator_skip_copy_wait(false);
+        be.emulator_race(None);
+        drop(dev);
+        got
+    };
+    assert_eq!(run(None, false), want, "ordered run");
+    if !be.is_emulated() {
+        return;
+    }
+    for seed in 1..=5 {
+        assert_eq!(run(Some(seed), false), want, "race seed {seed}: the copy did not wait for the producer");
+    }
+    let caught: Vec<bool> = (1..=3).map(|seed| run(Some(seed), true) != want).collect();
+    assert!(caught.iter().all(|&c| c), "race mode missed the removed event wait for seeds {caught:?}");
+    let mut part = be.alloc_pinned(8).unwrap();
+    let ev = be.record_event(&copier).unwrap();
+    // SAFETY: the range check fails before anything is enqueued.
+    let e = unsafe { be.copy_to_pinned_after_event(&ev, 0, 4, 0, &mut part, &copier, Box::new(())) };
+    assert!(e.is_err(), "8 bytes of a 4-byte range must be an error");
 }

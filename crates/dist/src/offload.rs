@@ -6,8 +6,11 @@
 //!   subgroups of at most `--offload-subgroup-size` elements. A subgroup never straddles a run
 //!   of equal weight decay, so each is one slot of the fused update on either side.
 //! - Gradients of CPU subgroups stream to the host from the gradient-ready hook (the ZeRO
-//!   engine's sink, the moment a bucket's optimizer-range gradient is complete), on a copy
-//!   stream; those of GPU subgroups never leave the GPU.
+//!   engine's sink, the moment a bucket's optimizer-range gradient is launched), on a copy
+//!   stream; those of GPU subgroups never leave the GPU. With dp > 1 the gradient is a
+//!   collective's result still in flight: on NCCL the copy stream waits on the collective's
+//!   completion event and copies from its result buffer, so neither the host nor the compute
+//!   stream waits for the collective (see `Offload::stream_grad`).
 //! - Update phase, subgroups in order: subgroup `i` is updated on the GPU iff `dos::on_gpu(i, k)`
 //!   (one in k; `k = None`: all on the CPU). A GPU subgroup's master/m/v are prefetched H2D as soon
 //!   as the previous GPU subgroup is done, so the copy runs while the CPU updates the k − 1
@@ -20,13 +23,27 @@
 //! On `--device cpu` the same engine runs with host memory on both sides (the "copies" are
 //! memcpys and the "GPU" update is the CPU kernel): it saves nothing there, and exists so that the
 //! schedule and its composition with ZeRO over thread ranks can be tested without a GPU.
+use crate::comm::InFlightResult;
 use crate::dos::{self, DosEstimate, DosInputs};
-use ferrolm_cuda::{CudaBackend, CudaStorage, CudaStream, PinnedBuffer};
+use ferrolm_cuda::{CudaBackend, CudaEvent, CudaStorage, CudaStream, PinnedBuffer};
 use ferrolm_nn::optim::adamw_update;
 use ferrolm_tensor::backend::AdamWHyper;
 use ferrolm_tensor::{bf16, no_grad, AdamWRange, DType, Device, Error, Result, Storage, Tensor};
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::Instant;
+
+/// Gradient parts this process has copied to the host behind their collective's completion
+/// event (without reading the pending result), over every `Offload`.
+static COPIES_BEHIND_EVENTS: AtomicU64 = AtomicU64::new(0);
+
+/// How many gradient parts (one per CPU subgroup and step) this process has streamed to the host
+/// behind the completion event of the collective that produced them, still in flight: the copy
+/// stream waited on the event, and neither the host nor the compute stream did. For tests and
+/// reports.
+pub fn grad_copies_behind_events() -> u64 {
+    COPIES_BEHIND_EVENTS.load(Ordering::Relaxed)
+}
 
 /// `--offload-gpu-every`: one subgroup in `k` on the GPU, the performance model's `k`, or none.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Default)]
@@ -182,14 +199,45 @@ impl Link {
         }
     }
 
+    /// The completion event and result buffer of the collective whose result `t` is, while it is
+    /// still in flight, when a copy can chain behind it: an NCCL result (f32, 1-D, viewed whole)
+    /// on a CUDA backend. None otherwise (a ready tensor, a thread rank's result, a conversion).
+    fn in_flight(&self, t: &Tensor) -> Option<(Arc<CudaEvent>, u64)> {
+        if self.d2h_stream.is_none() || t.dtype() != DType::F32 || t.rank() != 1 {
+            return None;
+        }
+        match InFlightResult::of(t).as_deref() {
+            Some(InFlightResult::Device { event, ptr }) => Some((event.clone(), *ptr)),
+            _ => None,
+        }
+    }
+
+    /// Whether `d2h` of `t` starts without anything waiting for `t`'s producer: `t` is ready (the
+    /// copy stream waits for the compute stream's work so far, the host does not), or it is a
+    /// collective's result that the copy chains behind (`in_flight`).
+    fn starts_at_once(&self, t: &Tensor) -> bool {
+        !t.is_pending() || self.in_flight(t).is_some()
+    }
+
     /// Device -> host: `len` elements of the 1-D contiguous `t` from element `off` (all of `host`).
     /// The compute stream does not wait for the copy: `t` is kept alive until `host` is waited
     /// for, and every tensor sent this way (a reduced gradient, a GPU subgroup's state after its
-    /// update) is never written again.
+    /// update) is never written again. A collective's result still in flight (`in_flight`) is
+    /// not read: the copy stream waits on the collective's completion event and copies from its
+    /// result buffer. Any other pending `t` is read first (which waits for it).
     fn d2h(&self, t: &Tensor, off: usize, host: &mut HostMem) -> Result<()> {
         let es = t.dtype().size_in_bytes();
         match (&self.be, host) {
             (Some(be), HostMem::Pinned(buf)) => {
+                if let (Some((event, ptr)), Some(stream)) = (self.in_flight(t), &self.d2h_stream) {
+                    // SAFETY: `ptr` is the collective's result buffer, `t.numel()` elements that
+                    // live while the pending `t` does (kept until `buf` is waited for); only the
+                    // collective writes them, before `event`, and a reduced gradient is never
+                    // written again.
+                    unsafe { be.copy_to_pinned_after_event(&event, ptr, t.numel() * es, off * es, buf, stream, Box::new(t.clone())) }?;
+                    COPIES_BEHIND_EVENTS.fetch_add(1, Ordering::Relaxed);
+                    return Ok(());
+                }
                 contiguous(t)?;
                 let keep = Box::new(t.clone());
                 t.with_storage(|(s, l)| {
@@ -272,7 +320,8 @@ pub struct Offload {
     plan: OffloadPlan,
     /// Seconds of the last update phase spent in CPU AdamW (for the model's inputs).
     pub last_cpu_adam_s: f64,
-    /// The newest gradient handed over and not yet streamed (see `stream_grad`).
+    /// The newest gradient handed over and not yet streamed, one that could not start at once
+    /// (see `stream_grad`).
     deferred: Option<(usize, Tensor)>,
 }
 
@@ -422,14 +471,25 @@ impl Offload {
 
     /// Gradient-ready hook: bucket `bucket`'s optimizer-range gradient `g` (unscaled) has been
     /// launched, and may still be in flight (with dp > 1 it is the result of the bucket's
-    /// collectives). Reading it now would make backward wait for the collectives just launched,
-    /// so its CPU subgroups' parts start for the host when the next bucket's gradient is handed
-    /// over (that bucket's backward ran meanwhile), or at `grads_complete`. The previous bucket's
-    /// parts start now.
+    /// collectives). Its CPU subgroups' parts start for the host now when nothing has to wait
+    /// for that: a ready gradient (the copy stream waits for the compute stream), or an NCCL
+    /// result in flight (the copy stream waits on the collective's completion event and copies
+    /// from its result buffer; neither the host nor the compute stream waits).
+    ///
+    /// Any other gradient in flight cannot be chained: a thread rank's result arrives through
+    /// the host, so reading it blocks the calling thread, and a converted result must be
+    /// computed first. Reading it now would make backward wait for the collectives just
+    /// launched, so it is held back by one bucket: its parts start when the next bucket's
+    /// gradient is handed over (that bucket's backward ran meanwhile), or at `grads_complete`.
     pub fn stream_grad(&mut self, bucket: usize, g: &Tensor) -> Result<()> {
-        match self.deferred.replace((bucket, g.clone())) {
-            Some((b, older)) => self.send_grad(b, &older),
-            None => Ok(()),
+        if let Some((b, older)) = self.deferred.take() {
+            self.send_grad(b, &older)?;
+        }
+        if self.link.starts_at_once(g) {
+            self.send_grad(bucket, g)
+        } else {
+            self.deferred = Some((bucket, g.clone()));
+            Ok(())
         }
     }
 
@@ -442,7 +502,7 @@ impl Offload {
         }
     }
 
-    /// The gradient of bucket `bucket`, still deferred (not yet read), if it is the one held back.
+    /// The bucket whose gradient is held back (not yet read), if one is.
     pub fn deferred_grad(&self) -> Option<usize> {
         self.deferred.as_ref().map(|(b, _)| *b)
     }
