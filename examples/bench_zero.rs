@@ -251,5 +251,10 @@ fn run(a: Args) -> AnyResult<()> {
         if fastest == Some(planner) { "yes".to_string() } else { format!("no ({} is)", fastest.map_or("none".into(), |s| s.to_string())) },
         ((pick.3 - pick.2) / pick.2 * 100.0).abs()
     );
+    if std::env::var(ferrolm_dist::thread::ENV_CALLER_RESOLVE).is_ok_and(|v| v.trim() == "1") {
+        // Zero means every collective input was ready or chained: the schedule is the default
+        // mode's, and any difference in exposed communication between the modes is noise.
+        println!("caller-side waits for a pending collective input: {}", ThreadComm::caller_waits());
+    }
     Ok(())
 }

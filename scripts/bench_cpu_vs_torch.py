@@ -18,6 +18,11 @@ The Python environment (optional; nothing in CI needs it):
     /path/venv/bin/python scripts/bench_cpu_vs_torch.py [--shapes tiny,cpu-small,124m] [--gemm]
 Thread count: both sides use every core unless --threads N (RAYON_NUM_THREADS and
 torch.set_num_threads).
+
+--rounds N alternates the two sides N times per shape (ferrolm first in odd rounds, PyTorch first
+in even ones) and reports the median of each side and the median of the per-round ratios: on a
+shared or virtual machine whose speed drifts from minute to minute, a ratio of runs taken seconds
+apart is steadier than one of runs taken minutes apart.
 """
 import argparse
 import json
@@ -111,9 +116,12 @@ def main():
     p.add_argument("--dtype", default="f32", choices=["f32", "bf16"])
     p.add_argument("--threads", type=int, default=0, help="threads on both sides (default: every core)")
     p.add_argument("--gemm", action="store_true", help="also GEMM on the model's shapes, in --dtype")
+    p.add_argument("--rounds", type=int, default=1, help="alternate the two sides this many times per shape; report medians")
     p.add_argument("--no-build", action="store_true", help="use the built example as it is")
     p.add_argument("--profile", default="release", help="cargo profile of the example (profiling: release with symbols)")
     args = p.parse_args()
+    if args.rounds < 1:
+        sys.exit("--rounds: must be at least 1")
     try:
         import torch
     except ImportError:
@@ -123,15 +131,31 @@ def main():
     if not args.no_build:
         subprocess.run(["cargo", "build", "--profile", args.profile, "--example", "bench_train_cpu"], cwd=ROOT, check=True)
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads; dtype {args.dtype}")
-    print("| shape | ferrolm tokens/s | PyTorch eager tokens/s | ratio |")
-    print("|---|---:|---:|---:|")
-    for name in filter(None, args.shapes.split(",")):
+    names = list(filter(None, args.shapes.split(",")))
+    for name in names:
         if name not in SHAPES:
             sys.exit(f"--shapes: unknown shape {name!r} (known: {', '.join(SHAPES)})")
+    if args.rounds == 1:
+        print("| shape | ferrolm tokens/s | PyTorch eager tokens/s | ratio |")
+        print("|---|---:|---:|---:|")
+    else:
+        print(f"| shape | ferrolm tokens/s (median of {args.rounds}) | PyTorch eager tokens/s (median) | ratio (median) | ratio per round |")
+        print("|---|---:|---:|---:|---|")
+    median = lambda v: sorted(v)[len(v) // 2] if len(v) % 2 else sum(sorted(v)[len(v) // 2 - 1 : len(v) // 2 + 1]) / 2
+    for name in names:
         steps = args.steps or SHAPES[name][-1]
-        f = ferrolm(args, ["--shape", name, "--steps", str(steps), "--dtype", args.dtype])[0]["tokens_per_s"]
-        t = torch_train(name, steps, args.dtype)
-        print(f"| {name} | {f:,.0f} | {t:,.0f} | {f / t:.2f} |", flush=True)
+        fs, ts = [], []
+        for r in range(args.rounds):
+            run_f = lambda: fs.append(ferrolm(args, ["--shape", name, "--steps", str(steps), "--dtype", args.dtype])[0]["tokens_per_s"])
+            run_t = lambda: ts.append(torch_train(name, steps, args.dtype))
+            for run in (run_f, run_t) if r % 2 == 0 else (run_t, run_f):
+                run()
+        ratios = [f / t for f, t in zip(fs, ts)]
+        if args.rounds == 1:
+            print(f"| {name} | {fs[0]:,.0f} | {ts[0]:,.0f} | {ratios[0]:.2f} |", flush=True)
+        else:
+            each = ", ".join(f"{x:.2f}" for x in ratios)
+            print(f"| {name} | {median(fs):,.0f} | {median(ts):,.0f} | {median(ratios):.2f} | {each} |", flush=True)
     if args.gemm:
         print(f"\n| GEMM {args.dtype} (m x k x n) | ferrolm GFLOP/s | torch.mm GFLOP/s | ratio |")
         print("|---|---:|---:|---:|")

@@ -116,11 +116,14 @@ impl Collective {
 pub struct CommOptions {
     /// How long a collective may wait for the other ranks before it fails (default 10 minutes).
     pub timeout: Duration,
+    /// Thread ranks only: wait for a pending input on the launching thread, as NCCL does (see
+    /// `thread::ENV_CALLER_RESOLVE`, which turns it on too). Default off.
+    pub caller_resolve: bool,
 }
 
 impl Default for CommOptions {
     fn default() -> Self {
-        CommOptions { timeout: Duration::from_secs(600) }
+        CommOptions { timeout: Duration::from_secs(600), caller_resolve: false }
     }
 }
 
@@ -142,6 +145,10 @@ impl CommOptions {
     }
     pub fn with_timeout(mut self, t: Duration) -> Self {
         self.timeout = t;
+        self
+    }
+    pub fn with_caller_resolve(mut self, on: bool) -> Self {
+        self.caller_resolve = on;
         self
     }
 }

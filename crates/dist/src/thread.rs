@@ -39,6 +39,10 @@ fn caller_resolve() -> Result<bool> {
     }
 }
 
+/// Collectives whose launching thread waited for a pending input under caller resolution, in
+/// this process (`ThreadComm::caller_waits`).
+static CALLER_WAITS: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
+
 /// How often a waiting rank re-checks for failed or exited ranks.
 const POLL: Duration = Duration::from_millis(20);
 
@@ -387,10 +391,19 @@ impl ThreadComm {
         let world = Arc::new(World {
             failure: Mutex::new(None),
             exited: (0..world_size).map(|_| AtomicBool::new(false)).collect(),
-            caller_resolve: caller_resolve()?,
+            caller_resolve: options.caller_resolve || caller_resolve()?,
         });
         let g = Group::new(world.clone(), "world".into(), (0..world_size).collect(), options.timeout);
         Ok((world, (0..world_size).map(|r| ThreadComm::new(g.clone(), r)).collect()))
+    }
+
+    /// How many collectives, in this process so far, found their input pending and waited for it
+    /// on the launching thread under caller resolution (`CommOptions::caller_resolve` or
+    /// `FERROLM_THREADCOMM_CALLER_RESOLVE=1`). A collective result in flight is chained on the
+    /// communication thread instead and never counts; with every input chained or ready, caller
+    /// resolution runs exactly the schedule of the default mode.
+    pub fn caller_waits() -> u64 {
+        CALLER_WAITS.load(Ordering::Relaxed)
     }
 
     /// A world of one rank (what a single-process run uses): collectives are copies.
@@ -544,6 +557,9 @@ impl Communicator for ThreadComm {
         // it on the launching thread), else on the communication thread.
         let chained = InFlightResult::of(x);
         if self.group.world.caller_resolve && chained.is_none() {
+            if x.is_pending() {
+                CALLER_WAITS.fetch_add(1, Ordering::Relaxed);
+            }
             x.wait()?;
         }
         let req = Request::Data { op, shape: x.shape().clone(), dtype, site: crate::comm::current_site() };

@@ -281,3 +281,38 @@ fn sharded_checkpoints_resume_under_any_layout() {
     close(&got, &whole[half..], 1e-4, "a dp 2 x tp 2 checkpoint resumed on one rank");
     let _ = std::fs::remove_dir_all(&dir);
 }
+
+#[test]
+fn caller_resolution_waits_for_no_input_of_the_engine() {
+    // Under caller resolution a thread rank waits for a pending collective input on the thread
+    // that launches the collective, as NCCL does. The engine's chains (AMSP's last micro-batch:
+    // gradient reduce-scatter, optimizer reduce-scatter, replica all-reduce) pass collective
+    // results in flight, which are chained on the communication thread, and every other input
+    // is ready: no wait at all, and the same losses bit for bit as the default mode. So the
+    // exposed communication of `bench_zero` cannot differ between the modes but by noise.
+    for spec in [ShardSpec { params: 2, grads: 2, optim: 4 }, ShardSpec::mics(2), ShardSpec::zero(3, 4).unwrap()] {
+        let before = ThreadComm::caller_waits();
+        let caller = ThreadComm::run(4, CommOptions::default().with_caller_resolve(true), |c| rank(c, 4, 1, 2, spec, false)).unwrap();
+        assert_eq!(ThreadComm::caller_waits() - before, 0, "{spec}: the launching thread waited for an input");
+        let default = ThreadComm::run(4, CommOptions::default(), |c| rank(c, 4, 1, 2, spec, false)).unwrap();
+        for (a, b) in caller.iter().zip(&default) {
+            assert_eq!(a.losses, b.losses, "{spec}");
+        }
+    }
+    // The count sees a wait where there is one: a pending input that is not a whole collective
+    // result (a view of one) is waited for where it is launched. Rank 1 joins the first
+    // all-reduce late, so rank 0's result is still in flight when rank 0 launches the second.
+    let before = ThreadComm::caller_waits();
+    let sums = ThreadComm::run(2, CommOptions::default().with_caller_resolve(true), |c| {
+        if c.rank() == 1 {
+            std::thread::sleep(std::time::Duration::from_millis(300));
+        }
+        let x = Tensor::from_vec(vec![1.0f32 + c.rank() as f32; 4], [4], Device::Cpu)?;
+        let first = c.all_reduce_async(&x, ferrolm_dist::ReduceOp::Sum)?.tensor();
+        c.all_reduce(&first.narrow(0, 0, 2)?, ferrolm_dist::ReduceOp::Sum)?.to_vec::<f32>()
+    })
+    .unwrap();
+    assert_eq!(sums, vec![vec![6.0; 2]; 2]);
+    let waits = ThreadComm::caller_waits() - before;
+    assert!((1..=2).contains(&waits), "{waits} caller-side waits");
+}
