@@ -1,4 +1,4 @@
-//! CPU engine benchmark: f32 GEMM through `Tensor::matmul` next to the `gemm` crate called directly
+//! CPU engine benchmark: f32 GEMM through `Tensor::matmul` next to `matrixmultiply::sgemm`
 //! called directly on the same shapes and strides, and forward+backward of a 2-layer
 //! Llama-style block stack built from tensor ops.
 //!
@@ -37,8 +37,7 @@ fn gemm_row(m: usize, k: usize, n: usize, ta: bool, rng: &mut Rng) -> (f64, f64)
     let mut c = vec![0f32; m * n];
     let (rsa, csa) = if ta { (1, m as isize) } else { (k as isize, 1) };
     let direct = median_secs(5, 0.6, || unsafe {
-        #[rustfmt::skip]
-        gemm::gemm(m, n, k, c.as_mut_ptr(), 1, n as isize, false, av.as_ptr(), csa, rsa, bv.as_ptr(), 1, n as isize, 0.0f32, 1.0f32, false, false, false, gemm::Parallelism::None);
+        matrixmultiply::sgemm(m, k, n, 1.0, av.as_ptr(), rsa, csa, bv.as_ptr(), n as isize, 1, 0.0, c.as_mut_ptr(), n as isize, 1);
         std::hint::black_box(&c);
     });
     (flops / engine / 1e9, flops / direct / 1e9)
@@ -114,7 +113,7 @@ fn rope_tables(t: usize, d: usize, theta: f64) -> (Tensor, Tensor) {
     (Tensor::from_vec(c, [t, d], Device::Cpu).unwrap(), Tensor::from_vec(s, [t, d], Device::Cpu).unwrap())
 }
 
-/// Benchmark the CPU engine: f32 GEMM through Tensor::matmul next to the gemm crate called directly on
+/// Benchmark the CPU engine: f32 GEMM through Tensor::matmul next to matrixmultiply::sgemm on
 /// the same shapes, and forward + backward of a 2-layer Llama-style block stack. Prints
 /// markdown tables (GFLOP/s; the median of repeated runs).
 #[derive(Parser)]
@@ -132,7 +131,7 @@ fn main() {
     let threads = std::thread::available_parallelism().map(|n| n.get()).unwrap_or(1);
     println!("ferrolm-tensor CPU bench ({threads} hardware threads, {} in the kernels' pool)\n", rayon::current_num_threads());
     let rng = &mut Rng::new(0);
-    println!("| GEMM (m x k x n) | Tensor::matmul GFLOP/s | gemm crate (one thread) GFLOP/s | ratio |");
+    println!("| GEMM (m x k x n) | Tensor::matmul GFLOP/s | matrixmultiply::sgemm (one thread) GFLOP/s | ratio |");
     println!("|---|---:|---:|---:|");
     let shapes: &[(usize, usize, usize, bool, &str)] = &[
         (64, 64, 64, false, ""),

@@ -231,7 +231,7 @@ fn matmul_dims(la: &Layout, lb: &Layout) -> crate::Result<MatmulDims> {
 }
 
 /// A single-threaded GEMM on raw strided operands, for fused CPU kernels that cut their own work
-/// into tasks (attention): C (m, n) = alpha A (m, k) B (k, n) + beta C, through the `gemm` crate.
+/// into tasks (attention): C (m, n) = alpha A (m, k) B (k, n) + beta C, through matrixmultiply.
 pub trait GemmScalar: Float {
     /// # Safety
     /// Every index the product touches, `x + i*rsx + j*csx` for i, j below the operand's
@@ -256,35 +256,6 @@ pub trait GemmScalar: Float {
     );
 }
 
-/// C = alpha A B + beta C on the calling thread, through the `gemm` crate (its AVX-512, AVX2+FMA
-/// or portable kernels, picked at run time). Its argument order differs: it takes columns
-/// before rows, and its own `alpha` scales C and `beta` the product; with beta = 0 here, C is
-/// not read.
-///
-/// # Safety
-/// As `GemmScalar::gemm`.
-#[allow(clippy::too_many_arguments)]
-#[inline(always)]
-unsafe fn one_thread_gemm<T: 'static + Float>(
-    m: usize,
-    k: usize,
-    n: usize,
-    alpha: T,
-    a: *const T,
-    rsa: isize,
-    csa: isize,
-    b: *const T,
-    rsb: isize,
-    csb: isize,
-    beta: T,
-    c: *mut T,
-    rsc: isize,
-    csc: isize,
-) {
-    let read_c = beta != T::zero();
-    gemm::gemm(m, n, k, c, csc, rsc, read_c, a, csa, rsa, b, csb, rsb, beta, alpha, false, false, false, gemm::Parallelism::None)
-}
-
 impl GemmScalar for f32 {
     #[inline(always)]
     unsafe fn gemm(
@@ -303,7 +274,7 @@ impl GemmScalar for f32 {
         rsc: isize,
         csc: isize,
     ) {
-        one_thread_gemm(m, k, n, alpha, a, rsa, csa, b, rsb, csb, beta, c, rsc, csc)
+        matrixmultiply::sgemm(m, k, n, alpha, a, rsa, csa, b, rsb, csb, beta, c, rsc, csc)
     }
 }
 
@@ -325,12 +296,12 @@ impl GemmScalar for f64 {
         rsc: isize,
         csc: isize,
     ) {
-        one_thread_gemm(m, k, n, alpha, a, rsa, csa, b, rsb, csb, beta, c, rsc, csc)
+        matrixmultiply::dgemm(m, k, n, alpha, a, rsa, csa, b, rsb, csb, beta, c, rsc, csc)
     }
 }
 
-/// Output rows (or columns) of one parallel GEMM task are a multiple of this (two 16-float
-/// vectors), so a task's block does not end inside a vector of the kernels' tiles.
+/// Output rows (or columns) of one parallel GEMM task are a multiple of this: the height of
+/// matrixmultiply's AVX-512 tile, so no task ends in a partial tile where another could start.
 const GEMM_ALIGN: usize = 32;
 /// Below this many multiply-adds per matrix a GEMM is one task.
 const GEMM_PAR_MIN: usize = 1 << 18;
@@ -409,7 +380,7 @@ macro_rules! matmul_impl {
         }
     };
 }
-matmul_impl!(matmul_f32, f32, one_thread_gemm);
+matmul_impl!(matmul_f32, f32, matrixmultiply::sgemm);
 
 /// bf16 a (..., m, k) · b (..., k, n) -> f32 (..., m, n) on AVX512-BF16 (`gemm_bf16`); the
 /// caller checked `gemm_bf16::available()`. Extents are checked as in `matmul_f32`.
@@ -428,7 +399,7 @@ pub fn matmul_bf16(a: &[half::bf16], la: &Layout, b: &[half::bf16], lb: &Layout)
     }
     Ok(out)
 }
-matmul_impl!(matmul_f64, f64, one_thread_gemm);
+matmul_impl!(matmul_f64, f64, matrixmultiply::dgemm);
 
 /// Concatenates contiguous parts of the given shapes along `dim`.
 pub fn cat<T: Copy>(parts: &[&[T]], shapes: &[&[usize]], dim: usize) -> Vec<T> {
