@@ -174,7 +174,7 @@ fn run(a: Args) -> AnyResult<()> {
         comm_cpu_s_per_byte,
         comm_buffer_bytes: 0.0,
     };
-    let caller = std::env::var(ferrolm_dist::thread::ENV_CALLER_RESOLVE).is_ok_and(|v| v.trim() == "1");
+    let caller = ferrolm_dist::thread::caller_resolve_from_env()?;
     eprintln!(
         "bench_zero: pending collective inputs are waited for on the {} ({}={})",
         if caller { "launching thread, as NCCL does" } else { "communication thread" },
@@ -251,7 +251,7 @@ fn run(a: Args) -> AnyResult<()> {
         if fastest == Some(planner) { "yes".to_string() } else { format!("no ({} is)", fastest.map_or("none".into(), |s| s.to_string())) },
         ((pick.3 - pick.2) / pick.2 * 100.0).abs()
     );
-    if std::env::var(ferrolm_dist::thread::ENV_CALLER_RESOLVE).is_ok_and(|v| v.trim() == "1") {
+    if caller {
         // Zero means every collective input was ready or chained: the schedule is the default
         // mode's, and any difference in exposed communication between the modes is noise.
         println!("caller-side waits for a pending collective input: {}", ThreadComm::caller_waits());

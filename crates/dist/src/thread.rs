@@ -28,7 +28,9 @@ use std::time::{Duration, Instant};
 /// themselves collective results in flight are chained either way. Read when a world is made.
 pub const ENV_CALLER_RESOLVE: &str = "FERROLM_THREADCOMM_CALLER_RESOLVE";
 
-fn caller_resolve() -> Result<bool> {
+/// Whether `ENV_CALLER_RESOLVE` turns caller resolution on; an error names a value that is
+/// neither `1` nor `0`.
+pub fn caller_resolve_from_env() -> Result<bool> {
     match std::env::var(ENV_CALLER_RESOLVE) {
         Err(_) => Ok(false),
         Ok(v) => match v.trim() {
@@ -391,7 +393,7 @@ impl ThreadComm {
         let world = Arc::new(World {
             failure: Mutex::new(None),
             exited: (0..world_size).map(|_| AtomicBool::new(false)).collect(),
-            caller_resolve: options.caller_resolve || caller_resolve()?,
+            caller_resolve: options.caller_resolve || caller_resolve_from_env()?,
         });
         let g = Group::new(world.clone(), "world".into(), (0..world_size).collect(), options.timeout);
         Ok((world, (0..world_size).map(|r| ThreadComm::new(g.clone(), r)).collect()))
