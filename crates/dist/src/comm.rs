@@ -331,10 +331,7 @@ impl Work {
             *s = wait()?;
             Ok(())
         });
-        let tensor = match c.producer {
-            Some(p) => Tensor::pending_from(placeholder, c.shape, fill, p)?,
-            None => Tensor::pending(placeholder, c.shape, fill)?,
-        };
+        let tensor = Tensor::pending_from(placeholder, c.shape, fill, c.producer)?;
         Ok(Work { tensor, poll: c.poll })
     }
     /// The result, still pending: nothing waits until it is read.

@@ -182,16 +182,18 @@ impl StorageCell {
 
     /// A cell over `s` (already sized for the result) that `fill` completes on first read.
     pub fn pending(s: Storage, fill: Fill) -> Self {
+        Self::pending_from(s, fill, None)
+    }
+
+    /// A pending cell as `pending`, naming what produces its bytes when `producer` is given (see
+    /// `pending_producer`).
+    pub fn pending_from(s: Storage, fill: Fill, producer: Option<std::sync::Arc<dyn std::any::Any + Send + Sync>>) -> Self {
         let c = Self::new(s);
         *c.lock_state() = State::Pending(fill);
         c.not_ready.store(true, Ordering::Release);
-        c
-    }
-
-    /// A pending cell as `pending`, naming what produces its bytes (see `pending_producer`).
-    pub fn pending_from(s: Storage, fill: Fill, producer: std::sync::Arc<dyn std::any::Any + Send + Sync>) -> Self {
-        let c = Self::pending(s, fill);
-        let _ = c.producer.set(producer);
+        if let Some(p) = producer {
+            let _ = c.producer.set(p);
+        }
         c
     }
 

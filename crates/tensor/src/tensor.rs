@@ -105,21 +105,17 @@ impl Tensor {
     /// is the already-allocated result buffer, `fill` completes it. Nothing waits until the
     /// first read of the storage (an op using the value, a host copy), which runs `fill` once.
     pub fn pending(storage: Storage, shape: impl Into<Shape>, fill: crate::storage::Fill) -> Result<Tensor> {
-        let shape = shape.into();
-        if storage.len() != shape.numel() {
-            bail!("pending", "{} elements do not fill shape {:?}", storage.len(), shape);
-        }
-        let (dtype, device) = (storage.dtype(), storage.device());
-        Ok(Tensor::from_cell(Arc::new(StorageCell::pending(storage, fill)), Layout::contiguous(shape), dtype, device, None))
+        Self::pending_from(storage, shape, fill, None)
     }
 
-    /// As `pending`, naming what produces the bytes: a consumer that understands `producer`
-    /// (a collective on a communication stream) may chain behind it instead of reading it.
+    /// As `pending`, naming what produces the bytes when `producer` is given: a consumer that
+    /// understands it (a collective on a communication stream) may chain behind it instead of
+    /// reading it.
     pub fn pending_from(
         storage: Storage,
         shape: impl Into<Shape>,
         fill: crate::storage::Fill,
-        producer: Arc<dyn std::any::Any + Send + Sync>,
+        producer: Option<Arc<dyn std::any::Any + Send + Sync>>,
     ) -> Result<Tensor> {
         let shape = shape.into();
         if storage.len() != shape.numel() {

@@ -300,8 +300,9 @@ impl GemmScalar for f64 {
     }
 }
 
-/// Output rows (or columns) of one parallel GEMM task are a multiple of this: the height of
-/// matrixmultiply's AVX-512 tile, so no task ends in a partial tile where another could start.
+/// Output rows (or columns) of one parallel GEMM task are a multiple of this, a multiple of every
+/// side of matrixmultiply's micro-tiles (at most 16), so no task ends in a partial tile where
+/// another could start.
 const GEMM_ALIGN: usize = 32;
 /// Below this many multiply-adds per matrix a GEMM is one task.
 const GEMM_PAR_MIN: usize = 1 << 18;
@@ -325,62 +326,63 @@ fn gemm_split(batches: usize, m: usize, k: usize, n: usize) -> (usize, usize) {
     (per, long.div_ceil(per))
 }
 
-macro_rules! matmul_impl {
-    ($name:ident, $t:ty, $gemm:path) => {
-        /// a: (..., m, k), b: (..., k, n) with equal batch dims; any strides (transposes are free).
-        /// Every matrix's extent is checked against its storage before the GEMM reads it. The
-        /// batch, and a large matrix's longer output side, are cut into tasks on rayon's pool;
-        /// each task is a single-threaded GEMM into its own block of the output.
-        pub fn $name(a: &[$t], la: &Layout, b: &[$t], lb: &Layout) -> crate::Result<Vec<$t>> {
-            let MatmulDims { r, m, k, n, oa, ob } = matmul_dims(la, lb)?;
-            let len = oa.len() * m * n;
-            if m == 0 || n == 0 || k == 0 {
-                return Ok(vec![0.0 as $t; len]);
-            }
-            let (rsa, csa) = (la.strides[r - 2], la.strides[r - 1]);
-            let (rsb, csb) = (lb.strides[r - 2], lb.strides[r - 1]);
-            for (&pa, &pb) in oa.iter().zip(&ob) {
-                check_extent("matmul", a.len(), pa, m, k, rsa, csa)?;
-                check_extent("matmul", b.len(), pb, k, n, rsb, csb)?;
-            }
-            let (per, blocks) = gemm_split(oa.len(), m, k, n);
-            let rows = m >= n;
-            let mut out: Vec<$t> = Vec::with_capacity(len);
-            let (pa0, pb0, pc0) = (Addr(a.as_ptr() as usize), Addr(b.as_ptr() as usize), Addr(out.as_mut_ptr() as usize));
-            let task = |t: usize| {
-                let (bi, blk) = (t / blocks, t % blocks);
-                let (lo, hi) = (blk * per, ((blk + 1) * per).min(if rows { m } else { n }));
-                // Row block: a's rows lo..hi into c's rows lo..hi; column block: b's columns.
-                let (mm, nn) = if rows { (hi - lo, n) } else { (m, hi - lo) };
-                let (da, db, dc) = if rows { (lo * rsa, 0, lo * n) } else { (0, lo * csb, lo) };
-                // SAFETY: check_extent above proved that the last element of every operand,
-                // base + (rows-1)*rs + (cols-1)*cs, lies inside its slice; strides are
-                // non-negative, so every index this block's GEMM touches (a sub-range of those
-                // rows or columns) does too, and a stride is multiplied only by indices below
-                // its dim, so its isize cast is exact. `out` has capacity for the whole (batch,
-                // m, n) output; this task writes exactly its own (mm, nn) block at strides
-                // (n, 1), disjoint from every other task's, and with beta = 0 the GEMM never
-                // reads the uninitialised output. `out` is not touched until every task ended.
-                unsafe {
-                    let ap = (pa0.0 as *const $t).add(oa[bi] + da);
-                    let bp = (pb0.0 as *const $t).add(ob[bi] + db);
-                    let cp = (pc0.0 as *mut $t).add(bi * m * n + dc);
-                    $gemm(mm, k, nn, 1.0, ap, rsa as isize, csa as isize, bp, rsb as isize, csb as isize, 0.0, cp, n as isize, 1);
-                }
-            };
-            let tasks = oa.len() * blocks;
-            if tasks == 1 {
-                task(0);
-            } else {
-                (0..tasks).into_par_iter().for_each(task);
-            }
-            // SAFETY: the tasks above wrote every element of the (batch, m, n) output once.
-            unsafe { out.set_len(len) };
-            Ok(out)
+/// a: (..., m, k), b: (..., k, n) with equal batch dims; any strides (transposes are free).
+/// Every matrix's extent is checked against its storage before the GEMM reads it. The
+/// batch, and a large matrix's longer output side, are cut into tasks on rayon's pool;
+/// each task is a single-threaded GEMM into its own block of the output.
+pub fn matmul<T: GemmScalar + Send + Sync>(a: &[T], la: &Layout, b: &[T], lb: &Layout) -> crate::Result<Vec<T>> {
+    let MatmulDims { r, m, k, n, oa, ob } = matmul_dims(la, lb)?;
+    let len = oa.len() * m * n;
+    // An empty batch as well: `gemm_split` divides by the batch count.
+    if len == 0 || k == 0 {
+        return Ok(vec![T::zero(); len]);
+    }
+    let (rsa, csa) = (la.strides[r - 2], la.strides[r - 1]);
+    let (rsb, csb) = (lb.strides[r - 2], lb.strides[r - 1]);
+    for (&pa, &pb) in oa.iter().zip(&ob) {
+        check_extent("matmul", a.len(), pa, m, k, rsa, csa)?;
+        check_extent("matmul", b.len(), pb, k, n, rsb, csb)?;
+    }
+    let (per, blocks) = gemm_split(oa.len(), m, k, n);
+    let rows = m >= n;
+    let mut out: Vec<T> = Vec::with_capacity(len);
+    let (pa0, pb0, pc0) = (Addr(a.as_ptr() as usize), Addr(b.as_ptr() as usize), Addr(out.as_mut_ptr() as usize));
+    let task = |t: usize| {
+        let (bi, blk) = (t / blocks, t % blocks);
+        let (lo, hi) = (blk * per, ((blk + 1) * per).min(if rows { m } else { n }));
+        // Row block: a's rows lo..hi into c's rows lo..hi; column block: b's columns.
+        let (mm, nn) = if rows { (hi - lo, n) } else { (m, hi - lo) };
+        let (da, db, dc) = if rows { (lo * rsa, 0, lo * n) } else { (0, lo * csb, lo) };
+        // SAFETY: check_extent above proved that the last element of every operand,
+        // base + (rows-1)*rs + (cols-1)*cs, lies inside its slice; strides are
+        // non-negative, so every index this block's GEMM touches (a sub-range of those
+        // rows or columns) does too, and a stride is multiplied only by indices below
+        // its dim, so its isize cast is exact. `out` has capacity for the whole (batch,
+        // m, n) output; this task writes exactly its own (mm, nn) block at strides
+        // (n, 1), disjoint from every other task's, and with beta = 0 the GEMM never
+        // reads the uninitialised output. `out` is not touched until every task ended.
+        unsafe {
+            let ap = (pa0.0 as *const T).add(oa[bi] + da);
+            let bp = (pb0.0 as *const T).add(ob[bi] + db);
+            let cp = (pc0.0 as *mut T).add(bi * m * n + dc);
+            T::gemm(mm, k, nn, T::one(), ap, rsa as isize, csa as isize, bp, rsb as isize, csb as isize, T::zero(), cp, n as isize, 1);
         }
     };
+    let tasks = oa.len() * blocks;
+    if tasks == 1 {
+        task(0);
+    } else {
+        (0..tasks).into_par_iter().for_each(task);
+    }
+    // SAFETY: the tasks above wrote every element of the (batch, m, n) output once.
+    unsafe { out.set_len(len) };
+    Ok(out)
 }
-matmul_impl!(matmul_f32, f32, matrixmultiply::sgemm);
+
+/// f32 `matmul`.
+pub fn matmul_f32(a: &[f32], la: &Layout, b: &[f32], lb: &Layout) -> crate::Result<Vec<f32>> {
+    matmul(a, la, b, lb)
+}
 
 /// bf16 a (..., m, k) · b (..., k, n) -> f32 (..., m, n) on AVX512-BF16 (`gemm_bf16`); the
 /// caller checked `gemm_bf16::available()`. Extents are checked as in `matmul_f32`.
@@ -399,7 +401,10 @@ pub fn matmul_bf16(a: &[half::bf16], la: &Layout, b: &[half::bf16], lb: &Layout)
     }
     Ok(out)
 }
-matmul_impl!(matmul_f64, f64, matrixmultiply::dgemm);
+/// f64 `matmul`.
+pub fn matmul_f64(a: &[f64], la: &Layout, b: &[f64], lb: &Layout) -> crate::Result<Vec<f64>> {
+    matmul(a, la, b, lb)
+}
 
 /// Concatenates contiguous parts of the given shapes along `dim`.
 pub fn cat<T: Copy>(parts: &[&[T]], shapes: &[&[usize]], dim: usize) -> Vec<T> {
@@ -434,5 +439,49 @@ mod tests {
         let wide = Layout { strides: vec![usize::MAX / 2, 1], ..la.clone() };
         assert!(matmul_f32(&a, &wide, &a, &lb).is_err());
         assert!(matmul_f64(&[0.0; 6], &la, &[0.0; 6], &la).is_err(), "inner dims differ");
+    }
+
+    /// The parallel split (row blocks, column blocks when n > m, a partial last block, batches,
+    /// transposed operands, an empty batch) on a 4-thread pool against a naive f64 product.
+    #[test]
+    fn split_gemm_matches_a_naive_product() {
+        let pool = rayon::ThreadPoolBuilder::new().num_threads(4).build().unwrap();
+        pool.install(|| {
+            for (batch, m, k, n, ta, tb) in [
+                (1, 200, 300, 130, false, false),
+                (1, 40, 300, 500, false, true),
+                (1, 290, 310, 70, true, false),
+                (3, 70, 60, 90, false, false),
+            ] {
+                assert!(batch > 1 || m * k * n >= GEMM_PAR_MIN, "a single matrix this small would not be split");
+                let val = |i: usize| ((i * 7919) % 1009) as f32 / 1009.0 - 0.5;
+                let a: Vec<f32> = (0..batch * m * k).map(val).collect();
+                let b: Vec<f32> = (0..batch * k * n).map(|i| val(i + 13)).collect();
+                // A transposed operand is stored (k, m) or (n, k) and viewed through its strides.
+                let lay = |rows: usize, cols: usize, t: bool| {
+                    let strides = if t { vec![rows * cols, 1, rows] } else { vec![rows * cols, cols, 1] };
+                    Layout { shape: Shape(vec![batch, rows, cols]), strides, offset: 0 }
+                };
+                let (la, lb) = (lay(m, k, ta), lay(k, n, tb));
+                let got = matmul_f32(&a, &la, &b, &lb).unwrap();
+                let at = |l: &Layout, d: &[f32], bi: usize, i: usize, j: usize| {
+                    d[bi * l.strides[0] + i * l.strides[1] + j * l.strides[2]] as f64
+                };
+                for bi in 0..batch {
+                    for i in 0..m {
+                        for j in 0..n {
+                            let want: f64 = (0..k).map(|p| at(&la, &a, bi, i, p) * at(&lb, &b, bi, p, j)).sum();
+                            let g = got[(bi * m + i) * n + j] as f64;
+                            assert!(
+                                (g - want).abs() <= 1e-4 * (1.0 + want.abs()),
+                                "{batch}x{m}x{k}x{n} ({ta},{tb}) at {bi},{i},{j}: {g} vs {want}"
+                            );
+                        }
+                    }
+                }
+            }
+            let empty = Layout { shape: Shape(vec![0, 64, 64]), strides: vec![4096, 64, 1], offset: 0 };
+            assert!(matmul_f32(&[], &empty, &[], &empty).unwrap().is_empty(), "an empty batch");
+        });
     }
 }
