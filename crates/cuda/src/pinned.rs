@@ -164,13 +164,18 @@ impl CudaBackend {
         Ok(PinnedBuffer { mem, bytes, pending: None, keep: None })
     }
 
+    /// The emulator's mutation check: copies skip the wait that orders them after their producer.
+    fn skip_copy_wait(&self) -> bool {
+        matches!(&self.exec, Exec::Emu(e) if e.skip_copy_wait.load(std::sync::atomic::Ordering::Relaxed))
+    }
+
     /// The stream to copy on, made to wait for the compute stream's work so far (which produced
     /// or last used the device storage).
     /// (`emulator_skip_copy_wait` removes that wait for D2H copies.)
     fn copy_stream<'a>(&'a self, stream: Option<&'a Arc<CudaStream>>, d2h: bool) -> Result<&'a Arc<CudaStream>> {
         let compute = self.compute_stream()?;
         let s = stream.unwrap_or(compute);
-        let mutated = d2h && matches!(&self.exec, Exec::Emu(e) if e.skip_copy_wait.load(std::sync::atomic::Ordering::Relaxed));
+        let mutated = d2h && self.skip_copy_wait();
         if !Arc::ptr_eq(s, compute) && !mutated {
             let ev = self.record_event(compute)?;
             s.wait(&ev)?;
@@ -352,7 +357,7 @@ impl CudaBackend {
         if n == 0 {
             return Ok(());
         }
-        let mutated = matches!(&self.exec, Exec::Emu(e) if e.skip_copy_wait.load(std::sync::atomic::Ordering::Relaxed));
+        let mutated = self.skip_copy_wait();
         if !mutated {
             self.bind()?;
             stream.wait(ready)?;

@@ -241,6 +241,14 @@ impl InFlightResult {
     pub(crate) fn of(x: &Tensor) -> Option<Arc<InFlightResult>> {
         x.pending_producer()?.downcast::<InFlightResult>().ok()
     }
+    /// The completion event and result buffer of the NCCL collective whose result in flight `x`
+    /// is (`Device`), if it is one.
+    pub(crate) fn device_of(x: &Tensor) -> Option<(Arc<ferrolm_cuda::CudaEvent>, u64)> {
+        match InFlightResult::of(x).as_deref() {
+            Some(InFlightResult::Device { event, ptr }) => Some((event.clone(), *ptr)),
+            _ => None,
+        }
+    }
 }
 
 /// A launched collective before it becomes a tensor: the result's shape, dtype and device, a

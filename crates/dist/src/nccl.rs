@@ -453,10 +453,7 @@ impl Communicator for NcclComm {
         let dt = nccl_dtype(&what, dtype)?;
         // Another collective's result in flight is chained: this stream waits for its event and
         // reads its buffer, and neither the host nor the compute stream waits for it.
-        let chained = match (&s.stream, InFlightResult::of(x).as_deref()) {
-            (Some(_), Some(InFlightResult::Device { event, ptr })) => Some((event.clone(), *ptr)),
-            _ => None,
-        };
+        let chained = s.stream.as_ref().and_then(|_| InFlightResult::device_of(x));
         let x = {
             let _g = no_grad();
             if chained.is_some() {

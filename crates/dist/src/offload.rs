@@ -206,10 +206,7 @@ impl Link {
         if self.d2h_stream.is_none() || t.dtype() != DType::F32 || t.rank() != 1 {
             return None;
         }
-        match InFlightResult::of(t).as_deref() {
-            Some(InFlightResult::Device { event, ptr }) => Some((event.clone(), *ptr)),
-            _ => None,
-        }
+        InFlightResult::device_of(t)
     }
 
     /// Whether `d2h` of `t` starts without anything waiting for `t`'s producer: `t` is ready (the

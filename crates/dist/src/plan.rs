@@ -173,7 +173,8 @@ pub struct Memory {
     /// Transients: gathered parameter buckets, gradient buckets in flight, the single engine's
     /// gradient temporary (or the largest gradient widened to the main-gradient dtype).
     pub buffers: f64,
-    /// A fixed reserve (CUDA context, cuBLAS workspace).
+    /// A fixed reserve (CUDA context, cuBLAS workspace), plus NCCL's buffers on a multi-rank GPU
+    /// run (`communicators` × `Cluster::comm_buffer_bytes`).
     pub workspace: f64,
 }
 

@@ -246,10 +246,11 @@ fn async_results_are_pending_until_read_and_chain() {
         let z = comm.all_gather_async(&y)?.tensor();
         assert_eq!(z.to_vec::<f32>()?, [3.0, 4.0, 3.0, 4.0]);
         // The all-gather chained behind the all-reduce: it took the result's host copy on its
-        // communication thread, so y itself was never waited for, and reading it now is at once.
+        // communication thread, so y itself was never waited for (still pending, its fill not
+        // run), and reading it now is at once.
         assert!(w.is_done());
+        assert!(y.is_pending(), "the all-gather read y, not the all-reduce's host copy");
         assert_eq!(y.to_vec::<f32>()?, [3.0, 4.0]);
-        assert!(!y.is_pending());
         Ok(())
     })
     .unwrap();

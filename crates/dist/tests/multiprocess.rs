@@ -105,7 +105,6 @@ fn results(dir: &Path) -> Vec<Value> {
     v
 }
 
-/// Every log under `dir`, for failure messages.
 /// Each of `names`.log in `dir` says `what`.
 fn each_log_says(dir: &Path, names: &[&str], what: &str) {
     for name in names {
@@ -114,6 +113,7 @@ fn each_log_says(dir: &Path, names: &[&str], what: &str) {
     }
 }
 
+/// Every log under `dir`, for failure messages.
 fn logs(dir: &Path) -> String {
     let mut out = String::new();
     for e in std::fs::read_dir(dir).unwrap().flatten() {
