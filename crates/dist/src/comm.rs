@@ -477,6 +477,20 @@ pub(crate) fn copy_storage(op: &str, x: &Tensor) -> Result<Storage> {
     }
 }
 
+/// The sub-group of `size` ranks of `parent` this rank joins, as `split_named(color, key, name)`
+/// (a collective over `parent`: every rank calls it with the same `size`), without a new
+/// communicator where none is needed: a group of one is a solo communicator (no NCCL), and a
+/// group of all of `parent`'s ranks, which the callers order by their `parent` rank, is `parent`.
+pub fn sub_group(parent: &Arc<dyn Communicator>, size: usize, color: usize, key: usize, name: &str) -> Result<Arc<dyn Communicator>> {
+    if size == 1 {
+        Ok(crate::ThreadComm::solo(crate::CommOptions::default()))
+    } else if size == parent.size() {
+        Ok(parent.clone())
+    } else {
+        parent.split_named(color, key, name)
+    }
+}
+
 /// The sum of `v` over the ranks of `c` (norms, failure counts). The one-element tensor is built
 /// on `device`, the device of the tensors the communicator serves: NCCL refuses a host tensor.
 /// f64 on the CPU; f32 on a GPU, whose backend has no f64 tensors.

@@ -36,18 +36,10 @@ impl DeviceMesh {
         }
         let r = world.rank();
         let (dp_index, tp_index) = (r / tp, r % tp);
-        // The decisions depend on tp and dp alone, so every rank splits the same groups.
-        let group = |size: usize, color: usize, key: usize, name: &str| -> Result<Arc<dyn Communicator>> {
-            if size == 1 {
-                Ok(crate::ThreadComm::solo(crate::CommOptions::default()))
-            } else if size == world.size() {
-                Ok(world.clone()) // key == world rank: the world's own order
-            } else {
-                world.split_named(color, key, name)
-            }
-        };
-        let tp_group = group(tp, dp_index, tp_index, "tp")?;
-        let dp_group = group(dp, tp_index, dp_index, "dp")?;
+        // The decisions depend on tp and dp alone, so every rank splits the same groups; a group
+        // of the whole world is ordered by world rank (key == world rank).
+        let tp_group = crate::comm::sub_group(&world, tp, dp_index, tp_index, "tp")?;
+        let dp_group = crate::comm::sub_group(&world, dp, tp_index, dp_index, "dp")?;
         Ok(DeviceMesh { world, tp, dp, ranks_per_node, tp_group, dp_group })
     }
 

@@ -265,13 +265,7 @@ pub fn parallelize(model: &mut Llama, comm: &Comm) -> Result<TpLayout> {
     // Ranks that share a replicated key/value head sum its weight gradient: the whole group
     // when there is one key/value head (its own communicator, not a duplicate).
     let kv_parts = kv.min(tp);
-    let kv_replicas = if kv >= tp {
-        None
-    } else if kv_parts == 1 {
-        Some(comm.clone())
-    } else {
-        Some(comm.split(rank * kv_parts / tp, rank)?)
-    };
+    let kv_replicas = if kv >= tp { None } else { Some(crate::comm::sub_group(comm, tp / kv_parts, rank * kv_parts / tp, rank, "kv")?) };
 
     let mut layout = BTreeMap::new();
     model.visit_params_mut(&mut |p, t| {

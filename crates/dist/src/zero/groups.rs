@@ -100,6 +100,8 @@ impl ShardGroups {
             if let Some((_, c)) = made.iter().find(|(x, _)| *x == m) {
                 return Ok(c.clone());
             }
+            // Not `comm::sub_group`: a group of all dp ranks in another order (the block group of
+            // some specs) is a split of its own, not `dp`.
             let c = if m.len() == 1 {
                 crate::ThreadComm::solo(crate::CommOptions::default())
             } else {
