@@ -194,6 +194,29 @@ fn fused_swiglu_matches_naive() {
     fused_vs_naive("swiglu", &ins, |x| swiglu(&x[0], &x[1]), |x| x[0].silu()?.mul(&x[1]));
 }
 
+/// The loss as the backward's root (incoming gradient exactly 1: the CPU hands back the gradient
+/// its forward computed) and under a scaled root, against the naive form; without grad the
+/// loss is the same value.
+#[test]
+fn cross_entropy_root_gradient_matches_naive() {
+    let g = &mut Rng::new(24);
+    let tv = [4, -100, 0, 9, 2];
+    let t = ids(&tv, &[5]);
+    let x0 = randn(&[5, 10], g).mul_scalar(2.0).unwrap();
+    for root_scale in [1.0, 0.25] {
+        let (xa, xb) = (param(&x0), param(&x0));
+        let la = cross_entropy(&xa, &t, -100).unwrap();
+        let lb = naive_cross_entropy(&xb, &tv, -100).unwrap();
+        assert_close("cross_entropy root loss", &la, &lb, 1e-12);
+        la.mul_scalar(root_scale).unwrap().backward().unwrap();
+        lb.mul_scalar(root_scale).unwrap().backward().unwrap();
+        assert_close(&format!("cross_entropy root grad x{root_scale}"), &xa.grad().unwrap(), &xb.grad().unwrap(), 1e-12);
+    }
+    let _g = no_grad();
+    let lc = cross_entropy(&x0, &t, -100).unwrap();
+    assert_close("cross_entropy without grad", &lc, &naive_cross_entropy(&x0, &tv, -100).unwrap(), 1e-12);
+}
+
 #[test]
 fn fused_cross_entropy_matches_naive() {
     let g = &mut Rng::new(23);

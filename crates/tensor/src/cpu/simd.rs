@@ -170,6 +170,26 @@ pub fn sum_map<T: Float>(x: &[T], f: impl Fn(T) -> T) -> T {
     acc.iter().fold(T::zero(), |s, &a| s + a)
 }
 
+/// `d[j] = f(x[j])`, returning the sum of the `d[j]` in the lanes and order of `sum_map`, so
+/// the sum is bit for bit `sum_map(x, f)`.
+#[inline(always)]
+pub fn map_into_sum<T: Float>(d: &mut [T], x: &[T], f: impl Fn(T) -> T) -> T {
+    assert_eq!(d.len(), x.len(), "map_into_sum: output and input lengths differ");
+    let mut acc = [T::zero(); LANES];
+    let (mut dc, mut xc) = (d.chunks_exact_mut(LANES), x.chunks_exact(LANES));
+    for (o, c) in (&mut dc).zip(&mut xc) {
+        for ((a, o), &v) in acc.iter_mut().zip(o.iter_mut()).zip(c) {
+            *o = f(v);
+            *a = *a + *o;
+        }
+    }
+    for ((a, o), &v) in acc.iter_mut().zip(dc.into_remainder()).zip(xc.remainder()) {
+        *o = f(v);
+        *a = *a + *o;
+    }
+    acc.iter().fold(T::zero(), |s, &a| s + a)
+}
+
 /// The largest element (-inf for none; NaN elements are skipped, as `Float::max` does).
 #[inline(always)]
 pub fn max<T: Float>(x: &[T]) -> T {
@@ -241,5 +261,19 @@ mod tests {
         plain[1] = x.iter().fold(f32::NEG_INFINITY, |m, &v| m.max(v));
         assert_eq!(fast.iter().map(|v| v.to_bits()).collect::<Vec<_>>(), plain.iter().map(|v| v.to_bits()).collect::<Vec<_>>());
         assert!(["avx512", "avx2", "portable"].contains(&simd_level()));
+    }
+
+    /// `map_into_sum` writes f(x) and sums it bit for bit as `sum_map` does, tail included.
+    #[test]
+    fn map_into_sum_is_sum_map_with_its_terms_stored() {
+        for len in [0usize, 1, 15, 16, 17, 1003] {
+            let x: Vec<f32> = (0..len).map(|i| ((i * 53 % 97) as f32 - 48.0) * 0.091).collect();
+            let mut d = vec![f32::NAN; len];
+            let s = map_into_sum(&mut d, &x, |v| exp_f32(v - 1.5));
+            assert_eq!(s.to_bits(), sum_map(&x, |v| exp_f32(v - 1.5)).to_bits(), "len {len}");
+            for (o, &v) in d.iter().zip(&x) {
+                assert_eq!(o.to_bits(), exp_f32(v - 1.5).to_bits());
+            }
+        }
     }
 }
