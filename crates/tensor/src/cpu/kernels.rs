@@ -274,7 +274,7 @@ impl GemmScalar for f32 {
         rsc: isize,
         csc: isize,
     ) {
-        matrixmultiply::sgemm(m, k, n, alpha, a, rsa, csa, b, rsb, csb, beta, c, rsc, csc)
+        super::sgemm::sgemm(m, k, n, alpha, a, rsa, csa, b, rsb, csb, beta, c, rsc, csc)
     }
 }
 
