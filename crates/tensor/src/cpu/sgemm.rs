@@ -55,6 +55,16 @@ pub fn kernel_name() -> &'static str {
     }
 }
 
+/// The (rows, columns) register tile `sgemm` runs on this machine: parallel callers cut C into
+/// blocks that are multiples of it.
+pub fn tile() -> (usize, usize) {
+    if use_avx512() {
+        (MR, NR)
+    } else {
+        (super::kernels::GEMM_ALIGN, super::kernels::GEMM_ALIGN)
+    }
+}
+
 /// C (m, n) = alpha A (m, k) B (k, n) + beta C; element (i, j) of X at `x + i*rsx + j*csx`.
 ///
 /// # Safety
@@ -238,12 +248,20 @@ pub(crate) mod avx512 {
             let dst = pa.add(p * kc);
             let src = a.offset(p as isize * rsa);
             if csa == 1 {
-                // Row-major: read each row contiguously, scatter into the (L1-resident) panel.
-                for r in 0..rows {
-                    let row = src.offset(r as isize * rsa);
-                    for kk in 0..kc {
-                        *dst.add(kk * MR + r) = *row.add(kk);
+                // Row-major: read 16 k-steps of each row contiguously, transpose in registers.
+                let mut kk = 0;
+                while kk < kc {
+                    let len = 16.min(kc - kk);
+                    let lm = (((1u32 << len) - 1) & 0xffff) as __mmask16;
+                    let mut v = [_mm512_setzero_ps(); 16];
+                    for (r, x) in v.iter_mut().enumerate().take(rows) {
+                        *x = _mm512_maskz_loadu_ps(lm, src.offset(r as isize * rsa).add(kk));
                     }
+                    transpose16(&mut v);
+                    for (t, x) in v.iter().enumerate().take(len) {
+                        _mm512_mask_storeu_ps(dst.add((kk + t) * MR), (1 << MR) - 1, *x);
+                    }
+                    kk += 16;
                 }
             } else if rsa == 1 {
                 // Column-major: each k-step's rows are contiguous.
@@ -294,12 +312,25 @@ pub(crate) mod avx512 {
                     }
                 }
                 if rsb == 1 {
-                    // Column-major: read each column contiguously.
-                    for j in 0..cols {
-                        let col = src.offset(j as isize * csb);
-                        for kk in 0..kc {
-                            *dst.add(kk * NR + j) = *col.add(kk);
+                    // Column-major: read 16 k-steps of each column contiguously, transpose in
+                    // registers, 16 columns at a time.
+                    let mut kk = 0;
+                    while kk < kc {
+                        let len = 16.min(kc - kk);
+                        let lm = (((1u32 << len) - 1) & 0xffff) as __mmask16;
+                        let mut h = 0;
+                        while h < cols {
+                            let mut v = [_mm512_setzero_ps(); 16];
+                            for (j, x) in v.iter_mut().enumerate().take(cols - h) {
+                                *x = _mm512_maskz_loadu_ps(lm, src.offset((h + j) as isize * csb).add(kk));
+                            }
+                            transpose16(&mut v);
+                            for (t, x) in v.iter().enumerate().take(len) {
+                                _mm512_store_ps(dst.add((kk + t) * NR + h), *x);
+                            }
+                            h += 16;
                         }
+                        kk += 16;
                     }
                 } else {
                     for kk in 0..kc {
@@ -310,6 +341,40 @@ pub(crate) mod avx512 {
                 }
             }
             q += NR;
+        }
+    }
+
+    /// Transpose a 16 x 16 block held as 16 rows: afterwards v[j] holds column j.
+    #[inline]
+    #[target_feature(enable = "avx512f")]
+    unsafe fn transpose16(v: &mut [__m512; 16]) {
+        // Pairs of rows interleaved by 32 bits, then by 64 bits: within each 128-bit lane l,
+        // u[4g + j] holds (row 4g, 4g+1, 4g+2, 4g+3) at column 4l + j.
+        let mut t = [_mm512_setzero_ps(); 16];
+        for p in 0..8 {
+            t[2 * p] = _mm512_unpacklo_ps(v[2 * p], v[2 * p + 1]);
+            t[2 * p + 1] = _mm512_unpackhi_ps(v[2 * p], v[2 * p + 1]);
+        }
+        let mut u = [_mm512_setzero_ps(); 16];
+        for g in 0..4 {
+            let (a, b, c, d) = (t[4 * g], t[4 * g + 1], t[4 * g + 2], t[4 * g + 3]);
+            let (a, b, c, d) = (_mm512_castps_pd(a), _mm512_castps_pd(b), _mm512_castps_pd(c), _mm512_castps_pd(d));
+            u[4 * g] = _mm512_castpd_ps(_mm512_unpacklo_pd(a, c));
+            u[4 * g + 1] = _mm512_castpd_ps(_mm512_unpackhi_pd(a, c));
+            u[4 * g + 2] = _mm512_castpd_ps(_mm512_unpacklo_pd(b, d));
+            u[4 * g + 3] = _mm512_castpd_ps(_mm512_unpackhi_pd(b, d));
+        }
+        // A 4 x 4 transpose of 128-bit lanes across the four row groups, for each j.
+        for j in 0..4 {
+            let (u0, u1, u2, u3) = (u[j], u[4 + j], u[8 + j], u[12 + j]);
+            let v0 = _mm512_shuffle_f32x4::<0x88>(u0, u1);
+            let v1 = _mm512_shuffle_f32x4::<0xdd>(u0, u1);
+            let v2 = _mm512_shuffle_f32x4::<0x88>(u2, u3);
+            let v3 = _mm512_shuffle_f32x4::<0xdd>(u2, u3);
+            v[j] = _mm512_shuffle_f32x4::<0x88>(v0, v2);
+            v[4 + j] = _mm512_shuffle_f32x4::<0x88>(v1, v3);
+            v[8 + j] = _mm512_shuffle_f32x4::<0xdd>(v0, v2);
+            v[12 + j] = _mm512_shuffle_f32x4::<0xdd>(v1, v3);
         }
     }
 
@@ -331,41 +396,54 @@ pub(crate) mod avx512 {
         beta: f32,
     }
 
-    /// One tile of `rows` (1..=MR) rows, through the kernel compiled for exactly that many.
+    /// One tile of `rows` (1..=MR) rows, through the kernel compiled for exactly that many, and
+    /// for one zmm of columns where the tile has at most 16.
     #[inline(always)]
     unsafe fn tile(rows: usize, kc: usize, ap: *const f32, bp: *const f32, st: &Store) {
-        match rows {
-            14 => kernel::<14>(kc, ap, bp, st),
-            13 => kernel::<13>(kc, ap, bp, st),
-            12 => kernel::<12>(kc, ap, bp, st),
-            11 => kernel::<11>(kc, ap, bp, st),
-            10 => kernel::<10>(kc, ap, bp, st),
-            9 => kernel::<9>(kc, ap, bp, st),
-            8 => kernel::<8>(kc, ap, bp, st),
-            7 => kernel::<7>(kc, ap, bp, st),
-            6 => kernel::<6>(kc, ap, bp, st),
-            5 => kernel::<5>(kc, ap, bp, st),
-            4 => kernel::<4>(kc, ap, bp, st),
-            3 => kernel::<3>(kc, ap, bp, st),
-            2 => kernel::<2>(kc, ap, bp, st),
-            _ => kernel::<1>(kc, ap, bp, st),
+        macro_rules! by_rows {
+            ($w:literal) => {
+                match rows {
+                    14 => kernel::<14, $w>(kc, ap, bp, st),
+                    13 => kernel::<13, $w>(kc, ap, bp, st),
+                    12 => kernel::<12, $w>(kc, ap, bp, st),
+                    11 => kernel::<11, $w>(kc, ap, bp, st),
+                    10 => kernel::<10, $w>(kc, ap, bp, st),
+                    9 => kernel::<9, $w>(kc, ap, bp, st),
+                    8 => kernel::<8, $w>(kc, ap, bp, st),
+                    7 => kernel::<7, $w>(kc, ap, bp, st),
+                    6 => kernel::<6, $w>(kc, ap, bp, st),
+                    5 => kernel::<5, $w>(kc, ap, bp, st),
+                    4 => kernel::<4, $w>(kc, ap, bp, st),
+                    3 => kernel::<3, $w>(kc, ap, bp, st),
+                    2 => kernel::<2, $w>(kc, ap, bp, st),
+                    _ => kernel::<1, $w>(kc, ap, bp, st),
+                }
+            };
+        }
+        if st.cols > 16 {
+            by_rows!(2)
+        } else {
+            by_rows!(1)
         }
     }
 
-    /// The register kernel: R rows x 32 columns of C in 2R zmm accumulators over kc steps of a
-    /// packed A panel (MR floats per step, the first R used) and a packed B panel (32 per step).
+    /// The register kernel: R rows x 16W columns (W = 1 or 2) of C in RW zmm accumulators over
+    /// kc steps of a packed A panel (MR floats per step, the first R used) and a packed B panel
+    /// (32 per step, the first 16W used).
     #[target_feature(enable = "avx512f")]
-    unsafe fn kernel<const R: usize>(kc: usize, ap: *const f32, bp: *const f32, st: &Store) {
+    unsafe fn kernel<const R: usize, const W: usize>(kc: usize, ap: *const f32, bp: *const f32, st: &Store) {
         let mut acc0 = [_mm512_setzero_ps(); R];
         let mut acc1 = [_mm512_setzero_ps(); R];
         let (mut ap, mut bp) = (ap, bp);
         for _ in 0..kc {
             let b0 = _mm512_load_ps(bp);
-            let b1 = _mm512_load_ps(bp.add(16));
+            let b1 = if W == 2 { _mm512_load_ps(bp.add(16)) } else { _mm512_setzero_ps() };
             for r in 0..R {
                 let av = _mm512_set1_ps(*ap.add(r));
                 acc0[r] = _mm512_fmadd_ps(av, b0, acc0[r]);
-                acc1[r] = _mm512_fmadd_ps(av, b1, acc1[r]);
+                if W == 2 {
+                    acc1[r] = _mm512_fmadd_ps(av, b1, acc1[r]);
+                }
             }
             ap = ap.add(MR);
             bp = bp.add(NR);
