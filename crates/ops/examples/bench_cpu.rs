@@ -1,5 +1,5 @@
 //! CPU engine benchmark: f32 GEMM through `Tensor::matmul` next to ferrolm's `sgemm` and
-//! `matrixmultiply::sgemm` called directly (one thread, alternated) on the same shapes and strides, and forward+backward of a 2-layer
+//! `matrixmultiply::sgemm` called directly (one thread, alternated run by run) on the same shapes and strides, and forward+backward of a 2-layer
 //! Llama-style block stack built from tensor ops.
 //!
 //!     cargo run --release -p ferrolm-ops --example bench_cpu   (`--help` for the details)
@@ -42,23 +42,34 @@ fn gemm_row(m: usize, k: usize, n: usize, ta: bool, tb: bool, rng: &mut Rng) -> 
     let mut c = vec![0f32; m * n];
     let (rsa, csa) = if ta { (1, m as isize) } else { (k as isize, 1) };
     let (rsb, csb) = if tb { (1, k as isize) } else { (n as isize, 1) };
-    // Alternate the two direct GEMMs, round by round, so drift in the machine's speed hits both.
-    let (mut ours, mut theirs) = (Vec::new(), Vec::new());
-    for _ in 0..3 {
-        ours.push(median_secs(3, 0.2, || unsafe {
-            sgemm(m, k, n, 1.0, av.as_ptr(), rsa, csa, bv.as_ptr(), rsb, csb, 0.0, c.as_mut_ptr(), n as isize, 1);
-            std::hint::black_box(&c);
-        }));
-        theirs.push(median_secs(3, 0.2, || unsafe {
-            matrixmultiply::sgemm(m, k, n, 1.0, av.as_ptr(), rsa, csa, bv.as_ptr(), rsb, csb, 0.0, c.as_mut_ptr(), n as isize, 1);
-            std::hint::black_box(&c);
-        }));
+    // Alternate the two direct GEMMs run by run, so drift in the machine's speed hits both.
+    let cp = c.as_mut_ptr();
+    let mut ours = || unsafe {
+        sgemm(m, k, n, 1.0, av.as_ptr(), rsa, csa, bv.as_ptr(), rsb, csb, 0.0, cp, n as isize, 1);
+        std::hint::black_box(cp);
+    };
+    let mut theirs = || unsafe {
+        matrixmultiply::sgemm(m, k, n, 1.0, av.as_ptr(), rsa, csa, bv.as_ptr(), rsb, csb, 0.0, cp, n as isize, 1);
+        std::hint::black_box(cp);
+    };
+    let (mut to, mut tt) = (Vec::new(), Vec::new());
+    let time = |f: &mut dyn FnMut()| {
+        let t = Instant::now();
+        f();
+        t.elapsed().as_secs_f64()
+    };
+    ours();
+    theirs();
+    let start = Instant::now();
+    while to.len() < 5 || (start.elapsed().as_secs_f64() < 1.2 && to.len() < 200) {
+        to.push(time(&mut ours));
+        tt.push(time(&mut theirs));
     }
     let med = |mut v: Vec<f64>| {
         v.sort_by(|a, b| a.partial_cmp(b).unwrap());
         v[v.len() / 2]
     };
-    (flops / engine / 1e9, flops / med(ours) / 1e9, flops / med(theirs) / 1e9)
+    (flops / engine / 1e9, flops / med(to) / 1e9, flops / med(tt) / 1e9)
 }
 
 struct Layer {

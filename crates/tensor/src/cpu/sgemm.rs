@@ -26,8 +26,11 @@ pub const NR: usize = 32;
 const KC: usize = 256;
 /// Rows of A packed at once (a multiple of MR).
 const MC: usize = MR * 12;
-/// Most columns of B packed at once (a multiple of NR).
-const NC: usize = 512;
+/// Most columns of B packed at once (a multiple of NR): a (KC, NC) block of B, walked by every
+/// A panel, stays in L2.
+const NC: usize = 768;
+/// Most floats of A kept packed across column blocks (4 MiB).
+const A_WHOLE: usize = 1 << 20;
 
 /// Which path `sgemm` takes, decided once: true for the AVX-512 kernel.
 fn use_avx512() -> bool {
@@ -97,7 +100,7 @@ pub unsafe fn sgemm(
 
 #[cfg(target_arch = "x86_64")]
 pub(crate) mod avx512 {
-    use super::{KC, MC, MR, NC, NR};
+    use super::{A_WHOLE, KC, MC, MR, NC, NR};
     use std::arch::x86_64::*;
     use std::cell::RefCell;
 
@@ -201,20 +204,27 @@ pub(crate) mod avx512 {
         let ncb = col_block(n);
         let kcb = k.div_ceil(k.div_ceil(KC));
         let kc_max = kcb.min(k);
-        let pa = reserve(pa_buf, MC.min(m.div_ceil(MR) * MR) * kc_max);
+        let mp = m.div_ceil(MR) * MR;
+        // With several column blocks, A's whole KC slice is packed once and kept (up to A_WHOLE
+        // floats) instead of once per column block.
+        let whole = n > ncb && mp * kc_max <= A_WHOLE;
+        let pa = reserve(pa_buf, if whole { mp } else { MC.min(mp) } * kc_max);
         let pb = reserve(pb_buf, ncb.min(n.div_ceil(NR) * NR) * kc_max);
-        let mut jc = 0;
-        while jc < n {
-            let nc = ncb.min(n - jc);
-            let mut pc = 0;
-            while pc < k {
-                let kc = kcb.min(k - pc);
+        let mut pc = 0;
+        while pc < k {
+            let kc = kcb.min(k - pc);
+            let first = pc == 0;
+            let mut jc = 0;
+            while jc < n {
+                let nc = ncb.min(n - jc);
                 pack_b(kc, nc, b.offset(pc as isize * rsb + jc as isize * csb), rsb, csb, pb);
-                let first = pc == 0;
                 let mut ic = 0;
                 while ic < m {
                     let mc = MC.min(m - ic);
-                    pack_a(mc, kc, a.offset(ic as isize * rsa + pc as isize * csa), rsa, csa, pa);
+                    let pa = if whole { pa.add(ic * kc) } else { pa };
+                    if !whole || jc == 0 {
+                        pack_a(mc, kc, a.offset(ic as isize * rsa + pc as isize * csa), rsa, csa, pa);
+                    }
                     let mut ir = 0;
                     while ir < mc {
                         let rows = MR.min(mc - ir);
@@ -232,9 +242,9 @@ pub(crate) mod avx512 {
                     }
                     ic += mc;
                 }
-                pc += kc;
+                jc += nc;
             }
-            jc += nc;
+            pc += kc;
         }
     }
 
@@ -242,6 +252,20 @@ pub(crate) mod avx512 {
     /// consecutive floats (rows past mc are left as they are; the kernel never reads them).
     #[target_feature(enable = "avx512f")]
     unsafe fn pack_a(mc: usize, kc: usize, a: *const f32, rsa: isize, csa: isize, pa: *mut f32) {
+        if rsa == 1 && csa != 1 {
+            // Column-major: each k-step's rows are contiguous; read them start to end and deal
+            // them out 14 per panel.
+            for kk in 0..kc {
+                let s = a.offset(kk as isize * csa);
+                let mut p = 0;
+                while p < mc {
+                    let rm = ((1u32 << MR.min(mc - p)) - 1) as __mmask16;
+                    _mm512_mask_storeu_ps(pa.add(p * kc + kk * MR), rm, _mm512_maskz_loadu_ps(rm, s.add(p)));
+                    p += MR;
+                }
+            }
+            return;
+        }
         let mut p = 0;
         while p < mc {
             let rows = MR.min(mc - p);
@@ -263,11 +287,6 @@ pub(crate) mod avx512 {
                     }
                     kk += 16;
                 }
-            } else if rsa == 1 {
-                // Column-major: each k-step's rows are contiguous.
-                for kk in 0..kc {
-                    std::ptr::copy_nonoverlapping(src.offset(kk as isize * csa), dst.add(kk * MR), rows);
-                }
             } else {
                 for kk in 0..kc {
                     for r in 0..rows {
@@ -283,60 +302,62 @@ pub(crate) mod avx512 {
     /// NR consecutive floats, zero past nc.
     #[target_feature(enable = "avx512f")]
     unsafe fn pack_b(kc: usize, nc: usize, b: *const f32, rsb: isize, csb: isize, pb: *mut f32) {
+        if csb == 1 {
+            // Row-major: each row of the block is read once, start to end (the hardware
+            // prefetcher follows it), and dealt out 32 floats per panel.
+            for kk in 0..kc {
+                let s = b.offset(kk as isize * rsb);
+                let mut q = 0;
+                while q + NR <= nc {
+                    let d = pb.add(q * kc + kk * NR);
+                    _mm512_store_ps(d, _mm512_loadu_ps(s.add(q)));
+                    _mm512_store_ps(d.add(16), _mm512_loadu_ps(s.add(q + 16)));
+                    q += NR;
+                }
+                if q < nc {
+                    let (m0, m1) = masks(nc - q);
+                    let d = pb.add(q * kc + kk * NR);
+                    _mm512_store_ps(d, _mm512_maskz_loadu_ps(m0, s.add(q)));
+                    _mm512_store_ps(d.add(16), _mm512_maskz_loadu_ps(m1, s.wrapping_add(q + 16)));
+                }
+            }
+            return;
+        }
         let mut q = 0;
         while q < nc {
             let cols = NR.min(nc - q);
             let dst = pb.add(q * kc);
             let src = b.offset(q as isize * csb);
-            if csb == 1 {
-                if cols == NR {
-                    for kk in 0..kc {
-                        let s = src.offset(kk as isize * rsb);
-                        let d = dst.add(kk * NR);
-                        _mm512_store_ps(d, _mm512_loadu_ps(s));
-                        _mm512_store_ps(d.add(16), _mm512_loadu_ps(s.add(16)));
+            if cols < NR {
+                for kk in 0..kc {
+                    std::ptr::write_bytes(dst.add(kk * NR + cols), 0, NR - cols);
+                }
+            }
+            if rsb == 1 {
+                // Column-major: read 16 k-steps of each column contiguously, transpose in
+                // registers, 16 columns at a time.
+                let mut kk = 0;
+                while kk < kc {
+                    let len = 16.min(kc - kk);
+                    let lm = (((1u32 << len) - 1) & 0xffff) as __mmask16;
+                    let mut h = 0;
+                    while h < cols {
+                        let mut v = [_mm512_setzero_ps(); 16];
+                        for (j, x) in v.iter_mut().enumerate().take(cols - h) {
+                            *x = _mm512_maskz_loadu_ps(lm, src.offset((h + j) as isize * csb).add(kk));
+                        }
+                        transpose16(&mut v);
+                        for (t, x) in v.iter().enumerate().take(len) {
+                            _mm512_store_ps(dst.add((kk + t) * NR + h), *x);
+                        }
+                        h += 16;
                     }
-                } else {
-                    let (m0, m1) = masks(cols);
-                    for kk in 0..kc {
-                        let s = src.offset(kk as isize * rsb);
-                        let d = dst.add(kk * NR);
-                        _mm512_store_ps(d, _mm512_maskz_loadu_ps(m0, s));
-                        _mm512_store_ps(d.add(16), _mm512_maskz_loadu_ps(m1, s.wrapping_add(16)));
-                    }
+                    kk += 16;
                 }
             } else {
-                if cols < NR {
-                    for kk in 0..kc {
-                        std::ptr::write_bytes(dst.add(kk * NR + cols), 0, NR - cols);
-                    }
-                }
-                if rsb == 1 {
-                    // Column-major: read 16 k-steps of each column contiguously, transpose in
-                    // registers, 16 columns at a time.
-                    let mut kk = 0;
-                    while kk < kc {
-                        let len = 16.min(kc - kk);
-                        let lm = (((1u32 << len) - 1) & 0xffff) as __mmask16;
-                        let mut h = 0;
-                        while h < cols {
-                            let mut v = [_mm512_setzero_ps(); 16];
-                            for (j, x) in v.iter_mut().enumerate().take(cols - h) {
-                                *x = _mm512_maskz_loadu_ps(lm, src.offset((h + j) as isize * csb).add(kk));
-                            }
-                            transpose16(&mut v);
-                            for (t, x) in v.iter().enumerate().take(len) {
-                                _mm512_store_ps(dst.add((kk + t) * NR + h), *x);
-                            }
-                            h += 16;
-                        }
-                        kk += 16;
-                    }
-                } else {
-                    for kk in 0..kc {
-                        for j in 0..cols {
-                            *dst.add(kk * NR + j) = *src.offset(kk as isize * rsb + j as isize * csb);
-                        }
+                for kk in 0..kc {
+                    for j in 0..cols {
+                        *dst.add(kk * NR + j) = *src.offset(kk as isize * rsb + j as isize * csb);
                     }
                 }
             }
