@@ -231,7 +231,8 @@ fn matmul_dims(la: &Layout, lb: &Layout) -> crate::Result<MatmulDims> {
 }
 
 /// A single-threaded GEMM on raw strided operands, for fused CPU kernels that cut their own work
-/// into tasks (attention): C (m, n) = alpha A (m, k) B (k, n) + beta C, through matrixmultiply.
+/// into tasks (attention): C (m, n) = alpha A (m, k) B (k, n) + beta C; f32 through `sgemm`
+/// (AVX-512 where the CPU has it, else matrixmultiply), f64 through matrixmultiply.
 pub trait GemmScalar: Float {
     /// # Safety
     /// Every index the product touches, `x + i*rsx + j*csx` for i, j below the operand's

@@ -3,20 +3,24 @@
 //! `FERROLM_CPU_SGEMM=matrixmultiply` (or `FERROLM_CPU_SIMD=portable`) is set, it is
 //! `matrixmultiply::sgemm`.
 //!
-//! Blocking in the BLIS style: C's columns are cut into NC blocks; each block's k range into KC
-//! slices; B's (KC, NC) slice is packed into panels of NR = 32 columns (row after row, 32 floats
-//! each, zero past n); then A's rows into MC blocks packed into panels of MR = 14 rows (column
-//! after column, 14 floats each). The register kernel keeps an MR x NR tile of C in 28 zmm
+//! Blocking in the BLIS style: the depth is cut into KC slices; for each slice C's columns into
+//! blocks of at most NC, B's (KC, NC) block packed into panels of NR = 32 columns (row after row,
+//! 32 floats each, zero past n); A's rows into MC blocks packed into panels of MR = 14 rows
+//! (column after column, 14 floats each), packed once per slice and kept across the column
+//! blocks (up to A_WHOLE floats). The register kernel keeps an MR x NR tile of C in 28 zmm
 //! registers, loads one row of the B panel (2 zmm) per k-step and broadcasts A's 14 values of
-//! that step. One A panel (14 KB at KC = 256) stays in L1 while the kernel walks the B panels of
-//! the block from L2. alpha and beta are applied once per tile when the first KC slice is stored
-//! (with beta = 0 C is never read); later slices add to C.
+//! that step; tiles of at most 16 columns run a one-zmm variant, tiles of fewer rows a kernel
+//! compiled for that many. One A panel (14 KB at KC = 256) stays in L1 while the kernel walks
+//! the B panels of the block from L2. alpha and beta are applied once per tile when the first KC
+//! slice is stored (with beta = 0 C is never read); later slices add to C, so the sum over k is
+//! in order for every element. Masked loads and stores handle partial tiles; a C with column
+//! stride other than 1 is written through a stack tile.
 //!
-//! Packing reads the operands contiguously whatever their layout: a row-major A (csa = 1) is read
-//! row by row and scattered into the small packed panel; a column-major A (rsa = 1) is copied 14
-//! floats at a time; a row-major B (csb = 1) is copied 32 floats at a time; a column-major B
-//! (rsb = 1) is read column by column. Other strides take a generic loop. The packed buffers live
-//! in a per-thread cache, so steady state allocates nothing.
+//! Packing reads the operands contiguously whatever their layout: a row-major A (csa = 1) and a
+//! column-major B (rsb = 1) are read 16 floats along each source row and turned by in-register
+//! 16 x 16 transposes; a column-major A and a row-major B are read source row by source row,
+//! start to end, and dealt out to the panels. Other strides take a generic loop. The packed
+//! buffers live in a per-thread cache, so steady state allocates nothing.
 
 /// Rows of the register tile.
 pub const MR: usize = 14;
@@ -148,7 +152,7 @@ pub(crate) mod avx512 {
         if m == 0 || n == 0 {
             return;
         }
-        if k == 0 || alpha == 0.0 {
+        if k == 0 {
             scale_c(m, n, beta, c, rsc, csc);
             return;
         }
