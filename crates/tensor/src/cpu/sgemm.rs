@@ -32,7 +32,7 @@ const KC: usize = 256;
 const MC: usize = MR * 12;
 /// Most columns of B packed at once (a multiple of NR): a (KC, NC) block of B, walked by every
 /// A panel, stays in L2.
-const NC: usize = 768;
+const NC: usize = 384;
 /// Most floats of A kept packed across column blocks (4 MiB).
 const A_WHOLE: usize = 1 << 20;
 
