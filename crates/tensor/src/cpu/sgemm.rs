@@ -596,6 +596,9 @@ mod tests {
             check(f, m, k, n, 2, 1, true, 1.25, 0.0, rng);
             check(f, m, k, n, 0, 0, true, 1.0, 1.0, rng);
         }
+        // A too large to stay packed across column blocks (repacked per block).
+        let m_big = A_WHOLE / KC + 2 * MR + 1;
+        check(f, m_big, KC, NC + 1, 0, 1, false, 1.0, 0.0, rng);
         // Attention: S = Q K^T (K row-major (256, 32): B strides (1, 32)), O = P V, accumulated.
         check(f, 64, 32, 256, 0, 1, false, 0.125, 0.0, rng);
         check(f, 64, 256, 32, 0, 0, false, 1.0, 1.0, rng);
