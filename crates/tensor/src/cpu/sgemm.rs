@@ -1,7 +1,7 @@
 //! f32 GEMM with an AVX-512 register kernel: C (m, n) = alpha A (m, k) B (k, n) + beta C, any
 //! non-negative strides. Where the CPU lacks AVX-512F (or on other architectures), and where
 //! `FERROLM_CPU_SGEMM=matrixmultiply` (or `FERROLM_CPU_SIMD=portable`) is set, it is
-//! `matrixmultiply::sgemm`.
+//! `matrixmultiply::sgemm` (`FERROLM_CPU_SGEMM=auto`, the default, picks by the CPU).
 //!
 //! Blocking in the BLIS style: the depth is cut into KC slices; for each slice C's columns into
 //! blocks of at most NC, B's (KC, NC) block packed into panels of NR = 32 columns (row after row,
@@ -42,9 +42,15 @@ fn use_avx512() -> bool {
     {
         static U: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
         *U.get_or_init(|| {
-            std::env::var("FERROLM_CPU_SGEMM").map_or(true, |v| v != "matrixmultiply")
-                && std::env::var("FERROLM_CPU_SIMD").map_or(true, |v| v != "portable")
-                && avx512::available()
+            let forced = match std::env::var("FERROLM_CPU_SGEMM").as_deref() {
+                Ok("matrixmultiply") => true,
+                Ok("" | "auto") | Err(_) => false,
+                Ok(v) => {
+                    eprintln!("FERROLM_CPU_SGEMM={v:?} is not `matrixmultiply` or `auto`; using `auto`");
+                    false
+                }
+            };
+            !forced && std::env::var("FERROLM_CPU_SIMD").map_or(true, |v| v != "portable") && avx512::available()
         })
     }
     #[cfg(not(target_arch = "x86_64"))]
