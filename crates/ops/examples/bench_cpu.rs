@@ -1,10 +1,11 @@
-//! CPU engine benchmark: f32 GEMM through `Tensor::matmul` next to `matrixmultiply::sgemm`
-//! called directly on the same shapes and strides, and forward+backward of a 2-layer
+//! CPU engine benchmark: f32 GEMM through `Tensor::matmul` next to ferrolm's `sgemm` and
+//! `matrixmultiply::sgemm` called directly (one thread, alternated run by run) on the same shapes and strides, and forward+backward of a 2-layer
 //! Llama-style block stack built from tensor ops.
 //!
 //!     cargo run --release -p ferrolm-ops --example bench_cpu   (`--help` for the details)
 use clap::Parser;
 use ferrolm_ops::{causal_attention, rms_norm, rope, swiglu};
+use ferrolm_tensor::cpu::sgemm::{kernel_name as sgemm_kernel, sgemm};
 use ferrolm_tensor::{no_grad, DType, Device, Rng, Tensor};
 use std::time::Instant;
 
@@ -22,25 +23,53 @@ fn median_secs(min_reps: usize, budget: f64, mut f: impl FnMut()) -> f64 {
     ts[ts.len() / 2]
 }
 
-/// (m, k, n, lhs transposed): C (m, n) = A (m, k) @ B (k, n); with `ta` A is stored (k, m).
-fn gemm_row(m: usize, k: usize, n: usize, ta: bool, rng: &mut Rng) -> (f64, f64) {
+/// One GEMM shape: C (m, n) = A (m, k) @ B (k, n); with `ta` A is stored (k, m) (a transposed
+/// view), with `tb` B is stored (n, k) (a Linear's `x @ W^T`). Returns GFLOP/s of
+/// (Tensor::matmul, ferrolm's sgemm on one thread, matrixmultiply::sgemm on one thread).
+fn gemm_row(m: usize, k: usize, n: usize, ta: bool, tb: bool, rng: &mut Rng) -> (f64, f64, f64) {
     let a_shape = if ta { [k, m] } else { [m, k] };
+    let b_shape = if tb { [n, k] } else { [k, n] };
     let a = Tensor::randn(a_shape, 1.0, DType::F32, Device::Cpu, rng).unwrap();
-    let b = Tensor::randn([k, n], 1.0, DType::F32, Device::Cpu, rng).unwrap();
+    let b = Tensor::randn(b_shape, 1.0, DType::F32, Device::Cpu, rng).unwrap();
     let flops = 2.0 * (m * k * n) as f64;
     let _g = no_grad();
     let engine = median_secs(5, 0.6, || {
         let a = if ta { a.t().unwrap() } else { a.clone() };
+        let b = if tb { b.t().unwrap() } else { b.clone() };
         std::hint::black_box(a.matmul(&b).unwrap());
     });
     let (av, bv) = (a.to_vec::<f32>().unwrap(), b.to_vec::<f32>().unwrap());
     let mut c = vec![0f32; m * n];
     let (rsa, csa) = if ta { (1, m as isize) } else { (k as isize, 1) };
-    let direct = median_secs(5, 0.6, || unsafe {
-        matrixmultiply::sgemm(m, k, n, 1.0, av.as_ptr(), rsa, csa, bv.as_ptr(), n as isize, 1, 0.0, c.as_mut_ptr(), n as isize, 1);
-        std::hint::black_box(&c);
-    });
-    (flops / engine / 1e9, flops / direct / 1e9)
+    let (rsb, csb) = if tb { (1, k as isize) } else { (n as isize, 1) };
+    // Alternate the two direct GEMMs run by run, so drift in the machine's speed hits both.
+    let cp = c.as_mut_ptr();
+    let mut ours = || unsafe {
+        sgemm(m, k, n, 1.0, av.as_ptr(), rsa, csa, bv.as_ptr(), rsb, csb, 0.0, cp, n as isize, 1);
+        std::hint::black_box(cp);
+    };
+    let mut theirs = || unsafe {
+        matrixmultiply::sgemm(m, k, n, 1.0, av.as_ptr(), rsa, csa, bv.as_ptr(), rsb, csb, 0.0, cp, n as isize, 1);
+        std::hint::black_box(cp);
+    };
+    let (mut to, mut tt) = (Vec::new(), Vec::new());
+    let time = |f: &mut dyn FnMut()| {
+        let t = Instant::now();
+        f();
+        t.elapsed().as_secs_f64()
+    };
+    ours();
+    theirs();
+    let start = Instant::now();
+    while to.len() < 5 || (start.elapsed().as_secs_f64() < 1.2 && to.len() < 200) {
+        to.push(time(&mut ours));
+        tt.push(time(&mut theirs));
+    }
+    let med = |mut v: Vec<f64>| {
+        v.sort_by(|a, b| a.partial_cmp(b).unwrap());
+        v[v.len() / 2]
+    };
+    (flops / engine / 1e9, flops / med(to) / 1e9, flops / med(tt) / 1e9)
 }
 
 struct Layer {
@@ -113,15 +142,16 @@ fn rope_tables(t: usize, d: usize, theta: f64) -> (Tensor, Tensor) {
     (Tensor::from_vec(c, [t, d], Device::Cpu).unwrap(), Tensor::from_vec(s, [t, d], Device::Cpu).unwrap())
 }
 
-/// Benchmark the CPU engine: f32 GEMM through Tensor::matmul next to matrixmultiply::sgemm on
-/// the same shapes, and forward + backward of a 2-layer Llama-style block stack. Prints
+/// Benchmark the CPU engine: f32 GEMM through Tensor::matmul next to ferrolm's sgemm and
+/// matrixmultiply::sgemm (one thread each) on the same shapes, and forward + backward of a 2-layer Llama-style block stack. Prints
 /// markdown tables (GFLOP/s; the median of repeated runs).
 #[derive(Parser)]
 #[command(
     name = "bench_cpu",
     after_help = concat!(
         "Environment:\n",
-        "  RAYON_NUM_THREADS      threads of the CPU kernels, GEMM included [default: one per core]",
+        "  RAYON_NUM_THREADS      threads of the CPU kernels, GEMM included [default: one per core]\n",
+        "  FERROLM_CPU_SGEMM      `matrixmultiply`: Tensor::matmul's f32 GEMM is matrixmultiply [default: AVX-512 where found]",
     )
 )]
 struct Args {}
@@ -131,22 +161,28 @@ fn main() {
     let threads = std::thread::available_parallelism().map(|n| n.get()).unwrap_or(1);
     println!("ferrolm-tensor CPU bench ({threads} hardware threads, {} in the kernels' pool)\n", rayon::current_num_threads());
     let rng = &mut Rng::new(0);
-    println!("| GEMM (m x k x n) | Tensor::matmul GFLOP/s | matrixmultiply::sgemm (one thread) GFLOP/s | ratio |");
-    println!("|---|---:|---:|---:|");
-    let shapes: &[(usize, usize, usize, bool, &str)] = &[
-        (64, 64, 64, false, ""),
-        (128, 128, 128, false, ""),
-        (256, 256, 256, false, ""),
-        (512, 512, 512, false, ""),
-        (1024, 1024, 1024, false, ""),
-        (4096, 256, 1024, false, " (x @ W_up)"),
-        (4096, 1024, 256, false, " (h @ W_down)"),
-        (4096, 256, 256, false, " (x @ W_q)"),
-        (256, 4096, 1024, true, " (x^T @ dY, weight grad)"),
+    println!("GEMM kernel: {} (`FERROLM_CPU_SGEMM=matrixmultiply` selects matrixmultiply)\n", sgemm_kernel());
+    println!(
+        "| GEMM (m x k x n) | Tensor::matmul GFLOP/s | ferrolm sgemm (one thread) GFLOP/s | matrixmultiply::sgemm (one thread) GFLOP/s | ratio |"
+    );
+    println!("|---|---:|---:|---:|---:|");
+    // (m, k, n, A transposed, B transposed, note); B transposed is a Linear's `x @ W^T`.
+    let shapes: &[(usize, usize, usize, bool, bool, &str)] = &[
+        (64, 64, 64, false, false, ""),
+        (256, 256, 256, false, false, ""),
+        (1024, 1024, 1024, false, false, ""),
+        (2048, 256, 256, false, true, " (x @ W_q^T)"),
+        (2048, 256, 688, false, true, " (x @ W_up^T)"),
+        (2048, 688, 256, false, true, " (h @ W_down^T)"),
+        (2048, 688, 256, false, false, " (dY @ W_up, input grad)"),
+        (2048, 256, 4096, false, true, " (x @ W_lm^T)"),
+        (256, 2048, 688, true, false, " (x^T @ dY, weight grad)"),
+        (64, 32, 256, false, true, " (attention Q K^T tile)"),
+        (64, 256, 32, false, false, " (attention P V tile)"),
     ];
-    for &(m, k, n, ta, note) in shapes {
-        let (e, d) = gemm_row(m, k, n, ta, rng);
-        println!("| {m} x {k} x {n}{note} | {e:.1} | {d:.1} | {:.2} |", e / d);
+    for &(m, k, n, ta, tb, note) in shapes {
+        let (e, ours, theirs) = gemm_row(m, k, n, ta, tb, rng);
+        println!("| {m} x {k} x {n}{note} | {e:.1} | {ours:.1} | {theirs:.1} | {:.2} |", ours / theirs);
     }
 
     // 2-layer block stack, forward + backward.

@@ -231,7 +231,8 @@ fn matmul_dims(la: &Layout, lb: &Layout) -> crate::Result<MatmulDims> {
 }
 
 /// A single-threaded GEMM on raw strided operands, for fused CPU kernels that cut their own work
-/// into tasks (attention): C (m, n) = alpha A (m, k) B (k, n) + beta C, through matrixmultiply.
+/// into tasks (attention): C (m, n) = alpha A (m, k) B (k, n) + beta C; f32 through `sgemm`
+/// (AVX-512 where the CPU has it, else matrixmultiply), f64 through matrixmultiply.
 pub trait GemmScalar: Float {
     /// # Safety
     /// Every index the product touches, `x + i*rsx + j*csx` for i, j below the operand's
@@ -254,6 +255,11 @@ pub trait GemmScalar: Float {
         rsc: isize,
         csc: isize,
     );
+
+    /// (rows, columns) of the register tile `gemm` runs: the alignment of parallel tasks.
+    fn gemm_tile() -> (usize, usize) {
+        (GEMM_ALIGN, GEMM_ALIGN)
+    }
 }
 
 impl GemmScalar for f32 {
@@ -274,7 +280,11 @@ impl GemmScalar for f32 {
         rsc: isize,
         csc: isize,
     ) {
-        matrixmultiply::sgemm(m, k, n, alpha, a, rsa, csa, b, rsb, csb, beta, c, rsc, csc)
+        super::sgemm::sgemm(m, k, n, alpha, a, rsa, csa, b, rsb, csb, beta, c, rsc, csc)
+    }
+
+    fn gemm_tile() -> (usize, usize) {
+        super::sgemm::tile()
     }
 }
 
@@ -300,10 +310,11 @@ impl GemmScalar for f64 {
     }
 }
 
-/// Output rows (or columns) of one parallel GEMM task are a multiple of this, a multiple of every
-/// side of matrixmultiply's micro-tiles (at most 16), so no task ends in a partial tile where
+/// Output rows (or columns) of one parallel GEMM task through matrixmultiply are a multiple of
+/// this, a multiple of every side of its micro-tiles (at most 16); the AVX-512 f32 GEMM aligns
+/// them to its own tile (`GemmScalar::gemm_tile`). So no task ends in a partial tile where
 /// another could start.
-const GEMM_ALIGN: usize = 32;
+pub(crate) const GEMM_ALIGN: usize = 32;
 /// Below this many multiply-adds per matrix a GEMM is one task.
 const GEMM_PAR_MIN: usize = 1 << 18;
 
@@ -315,14 +326,17 @@ struct Addr(usize);
 /// The blocks one matrix of a batched GEMM is cut into: (rows, or columns when n > m, per task;
 /// task count). The batch and the blocks together give the pool about one task per thread, on
 /// rayon's pool, so the GEMM and the element-wise kernels share one set of threads.
-fn gemm_split(batches: usize, m: usize, k: usize, n: usize) -> (usize, usize) {
+/// `tile` is the GEMM's (rows, columns) register tile; a task's rows (columns) are a multiple of
+/// its rows (columns).
+fn gemm_split(batches: usize, m: usize, k: usize, n: usize, tile: (usize, usize)) -> (usize, usize) {
     let long = m.max(n);
+    let align = if m >= n { tile.0 } else { tile.1 };
     let threads = rayon::current_num_threads();
-    if threads <= 1 || batches >= threads || m * k * n < GEMM_PAR_MIN || long < 2 * GEMM_ALIGN {
+    if threads <= 1 || batches >= threads || m * k * n < GEMM_PAR_MIN || long < 2 * align.max(GEMM_ALIGN) {
         return (long, 1);
     }
     let want = threads.div_ceil(batches);
-    let per = long.div_ceil(want).div_ceil(GEMM_ALIGN) * GEMM_ALIGN;
+    let per = long.div_ceil(want).div_ceil(align) * align;
     (per, long.div_ceil(per))
 }
 
@@ -343,7 +357,7 @@ pub fn matmul<T: GemmScalar + Send + Sync>(a: &[T], la: &Layout, b: &[T], lb: &L
         check_extent("matmul", a.len(), pa, m, k, rsa, csa)?;
         check_extent("matmul", b.len(), pb, k, n, rsb, csb)?;
     }
-    let (per, blocks) = gemm_split(oa.len(), m, k, n);
+    let (per, blocks) = gemm_split(oa.len(), m, k, n, T::gemm_tile());
     let rows = m >= n;
     let mut out: Vec<T> = Vec::with_capacity(len);
     let (pa0, pb0, pc0) = (Addr(a.as_ptr() as usize), Addr(b.as_ptr() as usize), Addr(out.as_mut_ptr() as usize));
@@ -443,6 +457,22 @@ mod tests {
 
     /// The parallel split (row blocks, column blocks when n > m, a partial last block, batches,
     /// transposed operands, an empty batch) on a 4-thread pool against a naive f64 product.
+    #[test]
+    fn gemm_split_aligns_tasks_to_the_tile() {
+        let pool = rayon::ThreadPoolBuilder::new().num_threads(4).build().unwrap();
+        pool.install(|| {
+            for (m, k, n, tile) in
+                [(2048, 256, 256, (14, 32)), (300, 256, 2000, (14, 32)), (2048, 256, 688, (32, 32)), (997, 300, 50, (14, 32))]
+            {
+                let (per, blocks) = gemm_split(1, m, k, n, tile);
+                let (long, align) = if m >= n { (m, tile.0) } else { (n, tile.1) };
+                assert!(blocks > 1, "{m}x{k}x{n} is split");
+                assert_eq!(per % align, 0, "{m}x{k}x{n}: {per} per task, tile {tile:?}");
+                assert!(per * blocks >= long && per * (blocks - 1) < long, "{m}x{k}x{n}: {blocks} x {per}");
+            }
+        });
+    }
+
     #[test]
     fn split_gemm_matches_a_naive_product() {
         let pool = rayon::ThreadPoolBuilder::new().num_threads(4).build().unwrap();

@@ -9,6 +9,7 @@
 //! views and ids.
 pub mod gemm_bf16;
 mod kernels;
+pub mod sgemm;
 pub use kernels::GemmScalar;
 pub mod simd;
 
