@@ -45,7 +45,7 @@ fn gemm_row(m: usize, k: usize, n: usize, ta: bool, tb: bool, rng: &mut Rng) -> 
     // Alternate the two direct GEMMs run by run, so drift in the machine's speed hits both.
     let cp = c.as_mut_ptr();
     let mut ours = || unsafe {
-        sgemm(m, k, n, 1.0, av.as_ptr(), rsa, csa, bv.as_ptr(), rsb, csb, 0.0, cp, n as isize, 1);
+        sgemm()(m, k, n, 1.0, av.as_ptr(), rsa, csa, bv.as_ptr(), rsb, csb, 0.0, cp, n as isize, 1);
         std::hint::black_box(cp);
     };
     let mut theirs = || unsafe {

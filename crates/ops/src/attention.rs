@@ -158,7 +158,7 @@ mod cpu {
         // (strides are non-negative, so every other index is below it); C's rows are `rsc >= n`
         // apart, so its elements do not alias, and `c` is an exclusive borrow apart from a and b.
         unsafe {
-            T::gemm(
+            T::gemm()(
                 m,
                 k,
                 n,

@@ -230,31 +230,21 @@ fn matmul_dims(la: &Layout, lb: &Layout) -> crate::Result<MatmulDims> {
     Ok(MatmulDims { r, m, k, n, oa, ob })
 }
 
-/// A single-threaded GEMM on raw strided operands, for fused CPU kernels that cut their own work
-/// into tasks (attention): C (m, n) = alpha A (m, k) B (k, n) + beta C; f32 through `sgemm`
-/// (AVX-512 where the CPU has it, else matrixmultiply), f64 through matrixmultiply.
+/// A single-threaded GEMM on raw strided operands: C (m, n) = alpha A (m, k) B (k, n) + beta C,
+/// the arguments (m, k, n, alpha, a, rsa, csa, b, rsb, csb, beta, c, rsc, csc) as
+/// matrixmultiply takes them, element (i, j) of X at `x + i*rsx + j*csx`.
+///
+/// # Safety
+/// Every index the product touches lies inside that operand's allocation; strides are
+/// non-negative; C's elements do not alias each other or A and B; with beta = 0, C may be
+/// uninitialised (it is never read).
+pub type GemmFn<T> = unsafe fn(usize, usize, usize, T, *const T, isize, isize, *const T, isize, isize, T, *mut T, isize, isize);
+
+/// The GEMM of an element type, for `matmul` and for fused CPU kernels that cut their own work
+/// into tasks (attention): f32 through `sgemm` (AVX-512 where the CPU has it, else
+/// matrixmultiply), f64 through matrixmultiply.
 pub trait GemmScalar: Float {
-    /// # Safety
-    /// Every index the product touches, `x + i*rsx + j*csx` for i, j below the operand's
-    /// dims, lies inside that operand's allocation; C's elements do not alias each other or A
-    /// and B; with beta = 0, C may be uninitialised.
-    #[allow(clippy::too_many_arguments)]
-    unsafe fn gemm(
-        m: usize,
-        k: usize,
-        n: usize,
-        alpha: Self,
-        a: *const Self,
-        rsa: isize,
-        csa: isize,
-        b: *const Self,
-        rsb: isize,
-        csb: isize,
-        beta: Self,
-        c: *mut Self,
-        rsc: isize,
-        csc: isize,
-    );
+    fn gemm() -> GemmFn<Self>;
 
     /// (rows, columns) of the register tile `gemm` runs: the alignment of parallel tasks.
     fn gemm_tile() -> (usize, usize) {
@@ -264,23 +254,8 @@ pub trait GemmScalar: Float {
 
 impl GemmScalar for f32 {
     #[inline(always)]
-    unsafe fn gemm(
-        m: usize,
-        k: usize,
-        n: usize,
-        alpha: f32,
-        a: *const f32,
-        rsa: isize,
-        csa: isize,
-        b: *const f32,
-        rsb: isize,
-        csb: isize,
-        beta: f32,
-        c: *mut f32,
-        rsc: isize,
-        csc: isize,
-    ) {
-        super::sgemm::sgemm(m, k, n, alpha, a, rsa, csa, b, rsb, csb, beta, c, rsc, csc)
+    fn gemm() -> GemmFn<f32> {
+        super::sgemm::sgemm()
     }
 
     fn gemm_tile() -> (usize, usize) {
@@ -290,23 +265,8 @@ impl GemmScalar for f32 {
 
 impl GemmScalar for f64 {
     #[inline(always)]
-    unsafe fn gemm(
-        m: usize,
-        k: usize,
-        n: usize,
-        alpha: f64,
-        a: *const f64,
-        rsa: isize,
-        csa: isize,
-        b: *const f64,
-        rsb: isize,
-        csb: isize,
-        beta: f64,
-        c: *mut f64,
-        rsc: isize,
-        csc: isize,
-    ) {
-        matrixmultiply::dgemm(m, k, n, alpha, a, rsa, csa, b, rsb, csb, beta, c, rsc, csc)
+    fn gemm() -> GemmFn<f64> {
+        matrixmultiply::dgemm
     }
 }
 
@@ -379,7 +339,7 @@ pub fn matmul<T: GemmScalar + Send + Sync>(a: &[T], la: &Layout, b: &[T], lb: &L
             let ap = (pa0.0 as *const T).add(oa[bi] + da);
             let bp = (pb0.0 as *const T).add(ob[bi] + db);
             let cp = (pc0.0 as *mut T).add(bi * m * n + dc);
-            T::gemm(mm, k, nn, T::one(), ap, rsa as isize, csa as isize, bp, rsb as isize, csb as isize, T::zero(), cp, n as isize, 1);
+            T::gemm()(mm, k, nn, T::one(), ap, rsa as isize, csa as isize, bp, rsb as isize, csb as isize, T::zero(), cp, n as isize, 1);
         }
     };
     let tasks = oa.len() * blocks;

@@ -78,34 +78,16 @@ pub fn tile() -> (usize, usize) {
     }
 }
 
-/// C (m, n) = alpha A (m, k) B (k, n) + beta C; element (i, j) of X at `x + i*rsx + j*csx`.
-///
-/// # Safety
-/// Every index the product touches lies inside its operand's allocation; strides are
-/// non-negative; C's elements do not alias each other or A and B; with beta = 0, C may be
-/// uninitialised (it is never read).
-#[allow(clippy::too_many_arguments)]
-pub unsafe fn sgemm(
-    m: usize,
-    k: usize,
-    n: usize,
-    alpha: f32,
-    a: *const f32,
-    rsa: isize,
-    csa: isize,
-    b: *const f32,
-    rsb: isize,
-    csb: isize,
-    beta: f32,
-    c: *mut f32,
-    rsc: isize,
-    csc: isize,
-) {
+/// The f32 GEMM's signature and contract (`kernels::GemmFn`).
+pub type Gemm = super::kernels::GemmFn<f32>;
+
+/// The f32 GEMM of this machine (see the module): the AVX-512 one, or `matrixmultiply::sgemm`.
+pub fn sgemm() -> Gemm {
     #[cfg(target_arch = "x86_64")]
     if use_avx512() {
-        return avx512::sgemm(m, k, n, alpha, a, rsa, csa, b, rsb, csb, beta, c, rsc, csc);
+        return avx512::sgemm;
     }
-    matrixmultiply::sgemm(m, k, n, alpha, a, rsa, csa, b, rsb, csb, beta, c, rsc, csc)
+    matrixmultiply::sgemm
 }
 
 #[cfg(target_arch = "x86_64")]
@@ -137,7 +119,7 @@ pub(crate) mod avx512 {
         is_x86_feature_detected!("avx512f")
     }
 
-    /// The AVX-512 GEMM (same contract as `super::sgemm`). The caller checked `available()`.
+    /// The AVX-512 GEMM (the contract of `super::Gemm`). The caller checked `available()`.
     #[allow(clippy::too_many_arguments)]
     pub unsafe fn sgemm(
         m: usize,
@@ -164,14 +146,15 @@ pub(crate) mod avx512 {
         }
         // Re-entrancy (a GEMM inside a GEMM) cannot happen; fall back to fresh buffers if the
         // cache is somehow borrowed rather than panic.
+        let (a, b, c) = (Mat { p: a, rs: rsa, cs: csa }, Mat { p: b, rs: rsb, cs: csb }, Mat { p: c, rs: rsc, cs: csc });
         BUFS.with(|cell| match cell.try_borrow_mut() {
             Ok(mut bufs) => {
                 let (pa, pb) = &mut *bufs;
-                blocked(m, k, n, alpha, a, rsa, csa, b, rsb, csb, beta, c, rsc, csc, pa, pb)
+                blocked(m, k, n, alpha, a, b, beta, c, pa, pb)
             }
             Err(_) => {
                 let (mut pa, mut pb) = (Vec::new(), Vec::new());
-                blocked(m, k, n, alpha, a, rsa, csa, b, rsb, csb, beta, c, rsc, csc, &mut pa, &mut pb)
+                blocked(m, k, n, alpha, a, b, beta, c, &mut pa, &mut pb)
             }
         })
     }
@@ -192,25 +175,28 @@ pub(crate) mod avx512 {
         n.div_ceil(blocks).div_ceil(NR) * NR
     }
 
+    /// A strided operand: element (i, j) at `p + i*rs + j*cs`.
+    #[derive(Clone, Copy)]
+    struct Mat<P> {
+        p: P,
+        rs: isize,
+        cs: isize,
+    }
+
     #[allow(clippy::too_many_arguments)]
     unsafe fn blocked(
         m: usize,
         k: usize,
         n: usize,
         alpha: f32,
-        a: *const f32,
-        rsa: isize,
-        csa: isize,
-        b: *const f32,
-        rsb: isize,
-        csb: isize,
+        a: Mat<*const f32>,
+        b: Mat<*const f32>,
         beta: f32,
-        c: *mut f32,
-        rsc: isize,
-        csc: isize,
+        c: Mat<*mut f32>,
         pa_buf: &mut Vec<Line>,
         pb_buf: &mut Vec<Line>,
     ) {
+        let (Mat { p: a, rs: rsa, cs: csa }, Mat { p: b, rs: rsb, cs: csb }, Mat { p: c, rs: rsc, cs: csc }) = (a, b, c);
         let ncb = col_block(n);
         let kcb = k.div_ceil(k.div_ceil(KC));
         let kc_max = kcb.min(k);
@@ -526,8 +512,6 @@ mod tests {
         }
     }
 
-    type Gemm = unsafe fn(usize, usize, usize, f32, *const f32, isize, isize, *const f32, isize, isize, f32, *mut f32, isize, isize);
-
     /// Layouts of an (r, c) operand: (name, rows stride, cols stride, storage length).
     fn layout(kind: u8, r: usize, c: usize) -> (isize, isize, usize) {
         match kind {
@@ -627,8 +611,8 @@ mod tests {
         }
         #[cfg(not(target_arch = "x86_64"))]
         println!("not x86-64: the AVX-512 kernel is not compiled");
-        println!("checking `sgemm` as dispatched here ({})", kernel_name());
-        suite(sgemm);
+        println!("checking `sgemm()` as dispatched here ({})", kernel_name());
+        suite(sgemm());
         println!("checking the matrixmultiply fallback");
         suite(matrixmultiply::sgemm);
     }
