@@ -57,10 +57,15 @@ pub fn cross_entropy_tokens(logits: &Tensor, tokens: &Tokens, ignore_index: i32)
 fn cpu_fused(logits: &Tensor, x: &Tensor, targets: &Tensor, ignore_index: i32) -> Result<Tensor> {
     let (loss, grad) = Tensor::with_storages(&[x, targets], |s| cpu::forward_backward(s[0], s[1], ignore_index))?;
     let out = Tensor::new(loss, ())?;
-    let grad = Tensor::new(grad, x.shape().clone())?;
+    // Taken by the one backward call, so the graph does not keep a logits-sized buffer alive
+    // through the rest of the backward pass.
+    let grad = std::sync::Mutex::new(Some(Tensor::new(grad, x.shape().clone())?));
     let backward_fn = move |g: &Tensor| {
+        let Some(grad) = grad.lock().unwrap_or_else(|e| e.into_inner()).take() else {
+            bail!("cross_entropy", "backward ran twice through one CPU loss; compute the loss again");
+        };
         let g = g.to_vec_f64()?[0];
-        Ok(vec![Some(if g == 1.0 { grad.clone() } else { grad.mul_scalar(g)? })])
+        Ok(vec![Some(if g == 1.0 { grad } else { grad.mul_scalar(g)? })])
     };
     Ok(Tensor::from_op(out, "cross_entropy", &[logits], Box::new(backward_fn)))
 }

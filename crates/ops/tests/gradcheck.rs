@@ -212,6 +212,13 @@ fn cross_entropy_root_gradient_matches_naive() {
         lb.mul_scalar(root_scale).unwrap().backward().unwrap();
         assert_close(&format!("cross_entropy root grad x{root_scale}"), &xa.grad().unwrap(), &xb.grad().unwrap(), 1e-12);
     }
+    // The CPU hands its gradient to the one backward; a second one through the same loss is
+    // refused by name instead of returning a stale or missing gradient.
+    let xd = param(&x0);
+    let ld = cross_entropy(&xd, &t, -100).unwrap();
+    ld.backward().unwrap();
+    let err = ld.backward().expect_err("a second backward through one CPU loss").to_string();
+    assert!(err.contains("cross_entropy") && err.contains("twice"), "{err}");
     let _g = no_grad();
     let lc = cross_entropy(&x0, &t, -100).unwrap();
     assert_close("cross_entropy without grad", &lc, &naive_cross_entropy(&x0, &tv, -100).unwrap(), 1e-12);
