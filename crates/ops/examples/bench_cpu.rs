@@ -1,26 +1,39 @@
 //! CPU engine benchmark: f32 GEMM through `Tensor::matmul` next to ferrolm's `sgemm` and
-//! `matrixmultiply::sgemm` called directly (one thread, alternated run by run) on the same shapes and strides, and forward+backward of a 2-layer
-//! Llama-style block stack built from tensor ops.
+//! `matrixmultiply::sgemm` called directly (one thread, alternated call by call) on the same
+//! shapes and strides, and forward+backward of a 2-layer Llama-style block stack built from
+//! tensor ops.
 //!
 //!     cargo run --release -p ferrolm-ops --example bench_cpu   (`--help` for the details)
 use clap::Parser;
 use ferrolm_ops::{causal_attention, rms_norm, rope, swiglu};
-use ferrolm_tensor::cpu::sgemm::{kernel_name as sgemm_kernel, sgemm};
+use ferrolm_tensor::cpu::sgemm::{kernel_name as sgemm_kernel, sgemm, Gemm};
 use ferrolm_tensor::{no_grad, DType, Device, Rng, Tensor};
 use std::time::Instant;
 
-/// Median seconds of `f` over at least `min_reps` runs and ~`budget` seconds (after a warm-up).
-fn median_secs(min_reps: usize, budget: f64, mut f: impl FnMut()) -> f64 {
-    f();
-    let mut ts = Vec::new();
+/// Median seconds of each of `fs`, run in turn (so drift in the machine's speed hits them all),
+/// over at least `min_reps` rounds and ~`budget` seconds, after one warm-up round.
+fn median_secs_each(min_reps: usize, budget: f64, fs: &mut [&mut dyn FnMut()]) -> Vec<f64> {
+    fs.iter_mut().for_each(|f| f());
+    let mut ts = vec![Vec::new(); fs.len()];
     let start = Instant::now();
-    while ts.len() < min_reps || (start.elapsed().as_secs_f64() < budget && ts.len() < 200) {
-        let t = Instant::now();
-        f();
-        ts.push(t.elapsed().as_secs_f64());
+    while ts[0].len() < min_reps || (start.elapsed().as_secs_f64() < budget && ts[0].len() < 200) {
+        for (f, t) in fs.iter_mut().zip(&mut ts) {
+            let t0 = Instant::now();
+            f();
+            t.push(t0.elapsed().as_secs_f64());
+        }
     }
-    ts.sort_by(|a, b| a.partial_cmp(b).unwrap());
-    ts[ts.len() / 2]
+    ts.into_iter()
+        .map(|mut t| {
+            t.sort_by(|a, b| a.partial_cmp(b).unwrap());
+            t[t.len() / 2]
+        })
+        .collect()
+}
+
+/// Median seconds of `f` (`median_secs_each` of one).
+fn median_secs(min_reps: usize, budget: f64, mut f: impl FnMut()) -> f64 {
+    median_secs_each(min_reps, budget, &mut [&mut f])[0]
 }
 
 /// One GEMM shape: C (m, n) = A (m, k) @ B (k, n); with `ta` A is stored (k, m) (a transposed
@@ -42,34 +55,17 @@ fn gemm_row(m: usize, k: usize, n: usize, ta: bool, tb: bool, rng: &mut Rng) -> 
     let mut c = vec![0f32; m * n];
     let (rsa, csa) = if ta { (1, m as isize) } else { (k as isize, 1) };
     let (rsb, csb) = if tb { (1, k as isize) } else { (n as isize, 1) };
-    // Alternate the two direct GEMMs run by run, so drift in the machine's speed hits both.
-    let cp = c.as_mut_ptr();
-    let mut ours = || unsafe {
-        sgemm()(m, k, n, 1.0, av.as_ptr(), rsa, csa, bv.as_ptr(), rsb, csb, 0.0, cp, n as isize, 1);
-        std::hint::black_box(cp);
+    // The two direct GEMMs alternate call by call, so drift in the machine's speed hits both.
+    let (cp, ap, bp) = (c.as_mut_ptr(), av.as_ptr(), bv.as_ptr());
+    let direct = |g: Gemm| {
+        move || unsafe {
+            g(m, k, n, 1.0, ap, rsa, csa, bp, rsb, csb, 0.0, cp, n as isize, 1);
+            std::hint::black_box(cp);
+        }
     };
-    let mut theirs = || unsafe {
-        matrixmultiply::sgemm(m, k, n, 1.0, av.as_ptr(), rsa, csa, bv.as_ptr(), rsb, csb, 0.0, cp, n as isize, 1);
-        std::hint::black_box(cp);
-    };
-    let (mut to, mut tt) = (Vec::new(), Vec::new());
-    let time = |f: &mut dyn FnMut()| {
-        let t = Instant::now();
-        f();
-        t.elapsed().as_secs_f64()
-    };
-    ours();
-    theirs();
-    let start = Instant::now();
-    while to.len() < 5 || (start.elapsed().as_secs_f64() < 1.2 && to.len() < 200) {
-        to.push(time(&mut ours));
-        tt.push(time(&mut theirs));
-    }
-    let med = |mut v: Vec<f64>| {
-        v.sort_by(|a, b| a.partial_cmp(b).unwrap());
-        v[v.len() / 2]
-    };
-    (flops / engine / 1e9, flops / med(to) / 1e9, flops / med(tt) / 1e9)
+    let (mut ours, mut theirs) = (direct(sgemm()), direct(matrixmultiply::sgemm));
+    let t = median_secs_each(5, 1.2, &mut [&mut ours, &mut theirs]);
+    (flops / engine / 1e9, flops / t[0] / 1e9, flops / t[1] / 1e9)
 }
 
 struct Layer {
@@ -143,7 +139,8 @@ fn rope_tables(t: usize, d: usize, theta: f64) -> (Tensor, Tensor) {
 }
 
 /// Benchmark the CPU engine: f32 GEMM through Tensor::matmul next to ferrolm's sgemm and
-/// matrixmultiply::sgemm (one thread each) on the same shapes, and forward + backward of a 2-layer Llama-style block stack. Prints
+/// matrixmultiply::sgemm (one thread each) on the same shapes, and forward + backward of a
+/// 2-layer Llama-style block stack. Prints
 /// markdown tables (GFLOP/s; the median of repeated runs).
 #[derive(Parser)]
 #[command(

@@ -103,13 +103,20 @@ mod cpu {
     use ferrolm_tensor::{float_dispatch, multiversion};
     use rayon::prelude::*;
 
-    pub(super) fn forward(logits: View, targets: View, ignore: i32) -> Result<(Storage, Storage, usize)> {
+    /// The logits' element range, the classes, the targets gathered and checked, and the count
+    /// of counted rows.
+    fn prepare(logits: View, targets: View, ignore: i32) -> Result<(std::ops::Range<usize>, usize, Vec<i32>, usize)> {
         let (ol, n, v) = rows(logits.1);
         let t = gather(i32s("cross_entropy", targets.0)?, targets.1);
         let count = crate::tokens::count_targets(&t, v, ignore)?;
+        Ok((ol..ol + n * v, v, t, count))
+    }
+
+    pub(super) fn forward(logits: View, targets: View, ignore: i32) -> Result<(Storage, Storage, usize)> {
+        let (range, v, t, count) = prepare(logits, targets, ignore)?;
         // The loss and the statistics are f32 even for bf16 logits (f64 in f64 runs).
         let stat_dtype = if logits.0.dtype() == DType::F64 { DType::F64 } else { DType::F32 };
-        let (loss, lse) = float_dispatch!("cross_entropy", stat_dtype, [logits], cross_entropy(&logits[ol..ol + n * v], v, &t, ignore));
+        let (loss, lse) = float_dispatch!("cross_entropy", stat_dtype, [logits], cross_entropy(&logits[range], v, &t, ignore));
         Ok((loss, lse, count))
     }
 
@@ -129,10 +136,8 @@ mod cpu {
     /// logits (n, v) contiguous, targets (n) -> (mean loss over counted rows, f32 or f64 as in
     /// `forward`; dlogits for a loss gradient of 1, in the logits' dtype).
     pub(crate) fn forward_backward(logits: View, targets: View, ignore: i32) -> Result<(Storage, Storage)> {
-        let (ol, n, v) = rows(logits.1);
-        let t = gather(i32s("cross_entropy", targets.0)?, targets.1);
-        let count = crate::tokens::count_targets(&t, v, ignore)?;
-        Ok(float_dispatch!("cross_entropy", logits.0.dtype(), [logits], fused(&logits[ol..ol + n * v], v, &t, ignore, count)))
+        let (range, v, t, count) = prepare(logits, targets, ignore)?;
+        Ok(float_dispatch!("cross_entropy", logits.0.dtype(), [logits], fused(&logits[range], v, &t, ignore, count)))
     }
 
     multiversion! {
@@ -148,38 +153,35 @@ mod cpu {
         }
     }
 
-    /// -> (mean loss over counted rows as a statistic, dlogits (n, v)). Ignored rows get a zero
-    /// gradient; the mean is summed in f64 in row order, as in `cross_entropy`.
+    /// -> (mean loss over counted rows as a statistic, dlogits (n, v)); `count` counted rows.
+    /// Ignored rows get a zero gradient.
     fn fused<T: FastExp + Send + Sync>(logits: &[T], v: usize, t: &[i32], ignore: i32, count: usize) -> (Stat<Vec<T>>, Vec<T>) {
         let sc: T = num(1.0 / count.max(1) as f64);
-        let mut d: Vec<T> = Vec::with_capacity(logits.len());
-        // SAFETY: T is a plain float (any bit pattern is a value), and every row below is written
-        // in full before `d` is read: `row_lse_grad` stores every element, ignored rows are
-        // filled with zeros.
-        #[allow(clippy::uninit_vec)]
-        unsafe {
-            d.set_len(logits.len())
-        };
+        let mut d = vec![T::zero(); logits.len()];
         let lse: Vec<T> = d
             .par_chunks_mut(v.max(1))
             .zip(logits.par_chunks(v.max(1)))
             .zip(t.par_iter())
-            .map(|((d, x), &tg)| {
-                if tg == ignore {
-                    d.fill(T::zero());
-                    T::zero()
-                } else {
-                    row_lse_grad(d, x, tg as usize, sc)
-                }
-            })
+            .map(|((d, x), &tg)| if tg == ignore { T::zero() } else { row_lse_grad(d, x, tg as usize, sc) })
             .collect();
-        let mut sum = 0f64;
+        (Stat(vec![mean_loss(logits, v, t, ignore, &lse)]), d)
+    }
+
+    /// The mean of lse − logit[target] over the counted rows, summed in f64 in row order (a
+    /// batch holds up to millions of rows); 0 with no counted row.
+    fn mean_loss<T: FastExp>(logits: &[T], v: usize, t: &[i32], ignore: i32, lse: &[T]) -> T {
+        let (mut sum, mut n) = (0f64, 0usize);
         for (r, &tg) in t.iter().enumerate() {
             if tg != ignore {
                 sum += (lse[r] - logits[r * v + tg as usize]).to_f64().unwrap_or(f64::NAN);
+                n += 1;
             }
         }
-        (Stat(vec![if count == 0 { T::zero() } else { num(sum / count as f64) }]), d)
+        if n == 0 {
+            T::zero()
+        } else {
+            num(sum / n as f64)
+        }
     }
 
     multiversion! {
@@ -203,15 +205,7 @@ mod cpu {
     /// loss is 0.
     fn cross_entropy<T: FastExp + Send + Sync>(logits: &[T], v: usize, t: &[i32], ignore: i32) -> (Vec<T>, Stat<Vec<T>>) {
         let lse: Vec<T> = logits.par_chunks(v.max(1)).map(row_lse).collect();
-        // The mean over every counted row, summed in f64 (a batch holds up to millions of rows).
-        let (mut sum, mut n) = (0f64, 0usize);
-        for (r, &tg) in t.iter().enumerate() {
-            if tg != ignore {
-                sum += (lse[r] - logits[r * v + tg as usize]).to_f64().unwrap_or(f64::NAN);
-                n += 1;
-            }
-        }
-        (vec![if n == 0 { T::zero() } else { num(sum / n as f64) }], Stat(lse))
+        (vec![mean_loss(logits, v, t, ignore, &lse)], Stat(lse))
     }
 
     fn cross_entropy_backward<T: FastExp + Send + Sync>(logits: &[T], v: usize, t: &[i32], lse: &[T], ignore: i32, scale: f64) -> Vec<T> {

@@ -1,7 +1,8 @@
 //! f32 GEMM with an AVX-512 register kernel: C (m, n) = alpha A (m, k) B (k, n) + beta C, any
-//! non-negative strides. Where the CPU lacks AVX-512F (or on other architectures), and where
-//! `FERROLM_CPU_SGEMM=matrixmultiply` (or `FERROLM_CPU_SIMD=portable`) is set, it is
-//! `matrixmultiply::sgemm` (`FERROLM_CPU_SGEMM=auto`, the default, picks by the CPU).
+//! non-negative strides. Where the CPU kernels do not run at AVX-512 (`simd::level`: F, VL, BW
+//! and DQ; or on other architectures), and where `FERROLM_CPU_SGEMM=matrixmultiply` (or
+//! `FERROLM_CPU_SIMD=portable`) is set, it is `matrixmultiply::sgemm` (`FERROLM_CPU_SGEMM=auto`,
+//! the default, picks by the CPU).
 //!
 //! Blocking in the BLIS style: the depth is cut into KC slices; for each slice C's columns into
 //! blocks of at most NC, B's (KC, NC) block packed into panels of NR = 32 columns (row after row,
@@ -50,7 +51,9 @@ fn use_avx512() -> bool {
                     false
                 }
             };
-            !forced && std::env::var("FERROLM_CPU_SIMD").map_or(true, |v| v != "portable") && avx512::available()
+            // `simd::level()` is 2 only with AVX-512 (F, VL, BW, DQ) and without
+            // FERROLM_CPU_SIMD=portable.
+            !forced && super::simd::level() == 2
         })
     }
     #[cfg(not(target_arch = "x86_64"))]
@@ -114,12 +117,7 @@ pub(crate) mod avx512 {
         v.as_mut_ptr() as *mut f32
     }
 
-    /// Whether this CPU runs `sgemm` below.
-    pub fn available() -> bool {
-        is_x86_feature_detected!("avx512f")
-    }
-
-    /// The AVX-512 GEMM (the contract of `super::Gemm`). The caller checked `available()`.
+    /// The AVX-512 GEMM (the contract of `super::Gemm`). The caller checked `simd::level() == 2`.
     #[allow(clippy::too_many_arguments)]
     pub unsafe fn sgemm(
         m: usize,
@@ -273,11 +271,7 @@ pub(crate) mod avx512 {
                 while kk < kc {
                     let len = 16.min(kc - kk);
                     let lm = (((1u32 << len) - 1) & 0xffff) as __mmask16;
-                    let mut v = [_mm512_setzero_ps(); 16];
-                    for (r, x) in v.iter_mut().enumerate().take(rows) {
-                        *x = _mm512_maskz_loadu_ps(lm, src.offset(r as isize * rsa).add(kk));
-                    }
-                    transpose16(&mut v);
+                    let v = transposed(src.add(kk), rsa, rows, lm);
                     for (t, x) in v.iter().enumerate().take(len) {
                         _mm512_mask_storeu_ps(dst.add((kk + t) * MR), (1 << MR) - 1, *x);
                     }
@@ -338,11 +332,7 @@ pub(crate) mod avx512 {
                     let lm = (((1u32 << len) - 1) & 0xffff) as __mmask16;
                     let mut h = 0;
                     while h < cols {
-                        let mut v = [_mm512_setzero_ps(); 16];
-                        for (j, x) in v.iter_mut().enumerate().take(cols - h) {
-                            *x = _mm512_maskz_loadu_ps(lm, src.offset((h + j) as isize * csb).add(kk));
-                        }
-                        transpose16(&mut v);
+                        let v = transposed(src.offset(h as isize * csb).add(kk), csb, cols - h, lm);
                         for (t, x) in v.iter().enumerate().take(len) {
                             _mm512_store_ps(dst.add((kk + t) * NR + h), *x);
                         }
@@ -359,6 +349,19 @@ pub(crate) mod avx512 {
             }
             q += NR;
         }
+    }
+
+    /// The first `lines` (<= 16) source lines `stride` apart, 16 floats each from `src` (lanes
+    /// outside `lm` read as 0, unread), transposed: v[t] holds element t of every line.
+    #[inline]
+    #[target_feature(enable = "avx512f")]
+    unsafe fn transposed(src: *const f32, stride: isize, lines: usize, lm: __mmask16) -> [__m512; 16] {
+        let mut v = [_mm512_setzero_ps(); 16];
+        for (r, x) in v.iter_mut().enumerate().take(lines) {
+            *x = _mm512_maskz_loadu_ps(lm, src.offset(r as isize * stride));
+        }
+        transpose16(&mut v);
+        v
     }
 
     /// Transpose a 16 x 16 block held as 16 rows: afterwards v[j] holds column j.
@@ -503,13 +506,11 @@ pub(crate) mod avx512 {
 mod tests {
     use super::*;
 
-    /// A deterministic stream of floats in [-1, 1).
-    struct Lcg(u64);
-    impl Lcg {
-        fn next(&mut self) -> f32 {
-            self.0 = self.0.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
-            ((self.0 >> 40) as f32 / (1u64 << 24) as f32) * 2.0 - 1.0
-        }
+    use crate::Rng;
+
+    /// A float in [-1, 1).
+    fn draw(rng: &mut Rng) -> f32 {
+        (rng.uniform() * 2.0 - 1.0) as f32
     }
 
     /// Layouts of an (r, c) operand: (name, rows stride, cols stride, storage length).
@@ -524,14 +525,14 @@ mod tests {
     /// One product through `f` against a naive f64 product, C poisoned with NaN for beta = 0
     /// and holding random values for beta != 0; error relative to sum |alpha a b| + |beta c|.
     #[allow(clippy::too_many_arguments)]
-    fn check(f: Gemm, m: usize, k: usize, n: usize, la: u8, lb: u8, ct: bool, alpha: f32, beta: f32, rng: &mut Lcg) {
+    fn check(f: Gemm, m: usize, k: usize, n: usize, la: u8, lb: u8, ct: bool, alpha: f32, beta: f32, rng: &mut Rng) {
         let (rsa, csa, lena) = layout(la, m, k);
         let (rsb, csb, lenb) = layout(lb, k, n);
-        let a: Vec<f32> = (0..lena).map(|_| rng.next()).collect();
-        let b: Vec<f32> = (0..lenb).map(|_| rng.next()).collect();
+        let a: Vec<f32> = (0..lena).map(|_| draw(rng)).collect();
+        let b: Vec<f32> = (0..lenb).map(|_| draw(rng)).collect();
         // C row-major, or transposed (csc != 1).
         let (rsc, csc) = if ct { (1, m as isize) } else { (n as isize, 1) };
-        let c0: Vec<f32> = (0..m * n).map(|_| if beta == 0.0 { f32::NAN } else { rng.next() }).collect();
+        let c0: Vec<f32> = (0..m * n).map(|_| if beta == 0.0 { f32::NAN } else { draw(rng) }).collect();
         let mut c = c0.clone();
         unsafe { f(m, k, n, alpha, a.as_ptr(), rsa, csa, b.as_ptr(), rsb, csb, beta, c.as_mut_ptr(), rsc, csc) };
         for i in 0..m {
@@ -560,7 +561,7 @@ mod tests {
     }
 
     fn suite(f: Gemm) {
-        let rng = &mut Lcg(7);
+        let rng = &mut Rng::new(7);
         // Every edge: dims of 1, not multiples of the tile sides, k > KC, n > NC, m > MC.
         let shapes = [
             (1, 1, 1),
@@ -603,11 +604,11 @@ mod tests {
     #[test]
     fn sgemm_matches_a_naive_product() {
         #[cfg(target_arch = "x86_64")]
-        if avx512::available() {
+        if crate::cpu::simd::level() == 2 {
             println!("checking the AVX-512 kernel");
             suite(avx512::sgemm);
         } else {
-            println!("AVX-512F absent: the AVX-512 kernel is not checked on this CPU");
+            println!("no AVX-512 (or FERROLM_CPU_SIMD=portable): the AVX-512 kernel is not checked here");
         }
         #[cfg(not(target_arch = "x86_64"))]
         println!("not x86-64: the AVX-512 kernel is not compiled");
