@@ -43,14 +43,11 @@ fn use_avx512() -> bool {
     {
         static U: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
         *U.get_or_init(|| {
-            let forced = match std::env::var("FERROLM_CPU_SGEMM").as_deref() {
-                Ok("matrixmultiply") => true,
-                Ok("" | "auto") | Err(_) => false,
-                Ok(v) => {
-                    eprintln!("FERROLM_CPU_SGEMM={v:?} is not `matrixmultiply` or `auto`; using `auto`");
-                    false
-                }
-            };
+            let var = std::env::var("FERROLM_CPU_SGEMM").ok();
+            let forced = forced_matrixmultiply(var.as_deref()).unwrap_or_else(|e| {
+                eprintln!("{e}; using `auto`");
+                false
+            });
             // `simd::level()` is 2 only with AVX-512 (F, VL, BW, DQ) and without
             // FERROLM_CPU_SIMD=portable.
             !forced && super::simd::level() == 2
@@ -59,6 +56,17 @@ fn use_avx512() -> bool {
     #[cfg(not(target_arch = "x86_64"))]
     {
         false
+    }
+}
+
+/// Whether a `FERROLM_CPU_SGEMM` value (None: unset) forces matrixmultiply: `matrixmultiply`
+/// does; `auto` and empty leave the choice to the CPU; anything else is an error naming it.
+#[cfg_attr(not(target_arch = "x86_64"), allow(dead_code))]
+fn forced_matrixmultiply(value: Option<&str>) -> Result<bool, String> {
+    match value {
+        Some("matrixmultiply") => Ok(true),
+        None | Some("" | "auto") => Ok(false),
+        Some(v) => Err(format!("FERROLM_CPU_SGEMM={v:?} is not `matrixmultiply` or `auto`")),
     }
 }
 
@@ -599,6 +607,17 @@ mod tests {
             unsafe { f(2, 0, 3, 1.0, [].as_ptr(), 0, 1, [].as_ptr(), 3, 1, beta, c.as_mut_ptr(), 3, 1) };
             assert!(c.iter().all(|&x| x == 1.5 * beta), "k = 0, beta = {beta}: {c:?}");
         }
+    }
+
+    /// Every form of FERROLM_CPU_SGEMM the docs name, and a bad one refused by name.
+    #[test]
+    fn sgemm_variable_takes_matrixmultiply_or_auto() {
+        assert_eq!(forced_matrixmultiply(Some("matrixmultiply")), Ok(true));
+        for v in [None, Some(""), Some("auto")] {
+            assert_eq!(forced_matrixmultiply(v), Ok(false), "{v:?}");
+        }
+        let e = forced_matrixmultiply(Some("mkl")).unwrap_err();
+        assert!(e.contains("FERROLM_CPU_SGEMM") && e.contains("\"mkl\""), "{e}");
     }
 
     #[test]
