@@ -1,12 +1,12 @@
-//! CPU engine benchmark: f32 GEMM through `Tensor::matmul` next to ferrolm's `sgemm` and
-//! `matrixmultiply::sgemm` called directly (one thread, alternated call by call) on the same
-//! shapes and strides, and forward+backward of a 2-layer Llama-style block stack built from
+//! CPU engine benchmark: f32 GEMM through `Tensor::matmul` next to ferrolm's `sgemm`, the same
+//! with A always packed, and `matrixmultiply::sgemm` called directly (one thread, alternated call
+//! by call) on the same shapes and strides, and forward+backward of a 2-layer Llama-style block stack built from
 //! tensor ops.
 //!
 //!     cargo run --release -p ferrolm-ops --example bench_cpu   (`--help` for the details)
 use clap::Parser;
 use ferrolm_ops::{causal_attention, rms_norm, rope, swiglu};
-use ferrolm_tensor::cpu::sgemm::{kernel_name as sgemm_kernel, sgemm, Gemm};
+use ferrolm_tensor::cpu::sgemm::{kernel_name as sgemm_kernel, sgemm, sgemm_packed, Gemm};
 use ferrolm_tensor::{no_grad, DType, Device, Rng, Tensor};
 use std::time::Instant;
 
@@ -38,8 +38,9 @@ fn median_secs(min_reps: usize, budget: f64, mut f: impl FnMut()) -> f64 {
 
 /// One GEMM shape: C (m, n) = A (m, k) @ B (k, n); with `ta` A is stored (k, m) (a transposed
 /// view), with `tb` B is stored (n, k) (a Linear's `x @ W^T`). Returns GFLOP/s of
-/// (Tensor::matmul, ferrolm's sgemm on one thread, matrixmultiply::sgemm on one thread).
-fn gemm_row(m: usize, k: usize, n: usize, ta: bool, tb: bool, rng: &mut Rng) -> (f64, f64, f64) {
+/// (Tensor::matmul, ferrolm's sgemm on one thread, the same with A always packed where the
+/// AVX-512 GEMM runs, matrixmultiply::sgemm on one thread).
+fn gemm_row(m: usize, k: usize, n: usize, ta: bool, tb: bool, rng: &mut Rng) -> (f64, f64, Option<f64>, f64) {
     let a_shape = if ta { [k, m] } else { [m, k] };
     let b_shape = if tb { [n, k] } else { [k, n] };
     let a = Tensor::randn(a_shape, 1.0, DType::F32, Device::Cpu, rng).unwrap();
@@ -64,8 +65,18 @@ fn gemm_row(m: usize, k: usize, n: usize, ta: bool, tb: bool, rng: &mut Rng) -> 
         }
     };
     let (mut ours, mut theirs) = (direct(sgemm()), direct(matrixmultiply::sgemm));
-    let t = median_secs_each(5, 1.2, &mut [&mut ours, &mut theirs]);
-    (flops / engine / 1e9, flops / t[0] / 1e9, flops / t[1] / 1e9)
+    let gf = |t: f64| flops / t / 1e9;
+    match sgemm_packed() {
+        Some(packed) => {
+            let mut packed = direct(packed);
+            let t = median_secs_each(5, 1.8, &mut [&mut ours, &mut packed, &mut theirs]);
+            (gf(engine), gf(t[0]), Some(gf(t[1])), gf(t[2]))
+        }
+        None => {
+            let t = median_secs_each(5, 1.2, &mut [&mut ours, &mut theirs]);
+            (gf(engine), gf(t[0]), None, gf(t[1]))
+        }
+    }
 }
 
 struct Layer {
@@ -160,9 +171,9 @@ fn main() {
     let rng = &mut Rng::new(0);
     println!("GEMM kernel: {} (`FERROLM_CPU_SGEMM=matrixmultiply` selects matrixmultiply)\n", sgemm_kernel());
     println!(
-        "| GEMM (m x k x n) | Tensor::matmul GFLOP/s | ferrolm sgemm (one thread) GFLOP/s | matrixmultiply::sgemm (one thread) GFLOP/s | ratio |"
+        "| GEMM (m x k x n) | Tensor::matmul GFLOP/s | ferrolm sgemm (one thread) GFLOP/s | same, A always packed GFLOP/s | matrixmultiply::sgemm (one thread) GFLOP/s | ratio to matrixmultiply |"
     );
-    println!("|---|---:|---:|---:|---:|");
+    println!("|---|---:|---:|---:|---:|---:|");
     // (m, k, n, A transposed, B transposed, note); B transposed is a Linear's `x @ W^T`.
     let shapes: &[(usize, usize, usize, bool, bool, &str)] = &[
         (64, 64, 64, false, false, ""),
@@ -174,12 +185,14 @@ fn main() {
         (2048, 688, 256, false, false, " (dY @ W_up, input grad)"),
         (2048, 256, 4096, false, true, " (x @ W_lm^T)"),
         (256, 2048, 688, true, false, " (x^T @ dY, weight grad)"),
+        (2048, 1024, 256, false, true, " (A's rows 4 KiB apart: packed)"),
         (64, 32, 256, false, true, " (attention Q K^T tile)"),
         (64, 256, 32, false, false, " (attention P V tile)"),
     ];
     for &(m, k, n, ta, tb, note) in shapes {
-        let (e, ours, theirs) = gemm_row(m, k, n, ta, tb, rng);
-        println!("| {m} x {k} x {n}{note} | {e:.1} | {ours:.1} | {theirs:.1} | {:.2} |", ours / theirs);
+        let (e, ours, packed, theirs) = gemm_row(m, k, n, ta, tb, rng);
+        let packed = packed.map_or("-".to_string(), |g| format!("{g:.1}"));
+        println!("| {m} x {k} x {n}{note} | {e:.1} | {ours:.1} | {packed} | {theirs:.1} | {:.2} |", ours / theirs);
     }
 
     // 2-layer block stack, forward + backward.

@@ -17,6 +17,14 @@
 //! in order for every element. Masked loads and stores handle partial tiles; a C with column
 //! stride other than 1 is written through a stack tile.
 //!
+//! A row-major A (csa = 1) is not packed at all where that pays (`reads_a_in_place`): the kernel
+//! broadcasts each k-step's 14 values from the panel's 14 rows where they lie, each row read
+//! start to end, and the panel stays in L1 across the B panels just as a packed one does. This
+//! saves the pass over A that packing costs (on the cpu-small shapes 5-17% of a GEMM, one thread
+//! and two, measured by `bench_cpu`). It does not pay, and A is packed, where the rows are a
+//! multiple of 4 KiB apart (the panel's rows then share L1 sets) or B has more than two column
+//! blocks (a packed A is packed once and reused by each).
+//!
 //! Packing reads the operands contiguously whatever their layout: a row-major A (csa = 1) and a
 //! column-major B (rsb = 1) are read 16 floats along each source row and turned by in-register
 //! 16 x 16 transposes; a column-major A and a row-major B are read source row by source row,
@@ -101,6 +109,16 @@ pub fn sgemm() -> Gemm {
     matrixmultiply::sgemm
 }
 
+/// The AVX-512 GEMM with A always packed, where `sgemm()` is the AVX-512 one: what `sgemm()`
+/// was before it read a row-major A in place. For the benchmark that compares the two.
+pub fn sgemm_packed() -> Option<Gemm> {
+    #[cfg(target_arch = "x86_64")]
+    if use_avx512() {
+        return Some(avx512::sgemm_packed);
+    }
+    None
+}
+
 #[cfg(target_arch = "x86_64")]
 pub(crate) mod avx512 {
     use super::{A_WHOLE, KC, MC, MR, NC, NR};
@@ -143,24 +161,62 @@ pub(crate) mod avx512 {
         rsc: isize,
         csc: isize,
     ) {
+        let (a, b, c) = (Mat { p: a, rs: rsa, cs: csa }, Mat { p: b, rs: rsb, cs: csb }, Mat { p: c, rs: rsc, cs: csc });
+        run(m, k, n, alpha, a, b, beta, c, true)
+    }
+
+    /// `sgemm` that packs A whatever its layout (the same contract): what `sgemm` did before it
+    /// read a row-major A in place, kept for the benchmark that compares the two and for tests.
+    #[allow(clippy::too_many_arguments)]
+    pub unsafe fn sgemm_packed(
+        m: usize,
+        k: usize,
+        n: usize,
+        alpha: f32,
+        a: *const f32,
+        rsa: isize,
+        csa: isize,
+        b: *const f32,
+        rsb: isize,
+        csb: isize,
+        beta: f32,
+        c: *mut f32,
+        rsc: isize,
+        csc: isize,
+    ) {
+        let (a, b, c) = (Mat { p: a, rs: rsa, cs: csa }, Mat { p: b, rs: rsb, cs: csb }, Mat { p: c, rs: rsc, cs: csc });
+        run(m, k, n, alpha, a, b, beta, c, false)
+    }
+
+    #[allow(clippy::too_many_arguments)]
+    unsafe fn run(
+        m: usize,
+        k: usize,
+        n: usize,
+        alpha: f32,
+        a: Mat<*const f32>,
+        b: Mat<*const f32>,
+        beta: f32,
+        c: Mat<*mut f32>,
+        in_place: bool,
+    ) {
         if m == 0 || n == 0 {
             return;
         }
         if k == 0 {
-            scale_c(m, n, beta, c, rsc, csc);
+            scale_c(m, n, beta, c.p, c.rs, c.cs);
             return;
         }
         // Re-entrancy (a GEMM inside a GEMM) cannot happen; fall back to fresh buffers if the
         // cache is somehow borrowed rather than panic.
-        let (a, b, c) = (Mat { p: a, rs: rsa, cs: csa }, Mat { p: b, rs: rsb, cs: csb }, Mat { p: c, rs: rsc, cs: csc });
         BUFS.with(|cell| match cell.try_borrow_mut() {
             Ok(mut bufs) => {
                 let (pa, pb) = &mut *bufs;
-                blocked(m, k, n, alpha, a, b, beta, c, pa, pb)
+                blocked(m, k, n, alpha, a, b, beta, c, pa, pb, in_place)
             }
             Err(_) => {
                 let (mut pa, mut pb) = (Vec::new(), Vec::new());
-                blocked(m, k, n, alpha, a, b, beta, c, &mut pa, &mut pb)
+                blocked(m, k, n, alpha, a, b, beta, c, &mut pa, &mut pb, in_place)
             }
         })
     }
@@ -173,6 +229,17 @@ pub(crate) mod avx512 {
                 *p = if beta == 0.0 { 0.0 } else { beta * *p };
             }
         }
+    }
+
+    /// Whether the kernel reads A where it lies instead of packing it: for a row-major A
+    /// (`csa == 1`), where each k-step of a panel is one float from each of its MR rows. Packing
+    /// costs a pass over A per call, which in-place reads save, unless
+    /// - the rows are a multiple of 4 KiB apart: all MR rows of a panel then fall into the same
+    ///   L1 sets, more than its ways hold (measured 12-30% slower than packing);
+    /// - B has more than two column blocks: A is then walked once per block, and a packed A is
+    ///   packed once and read contiguously every time after.
+    pub(super) fn reads_a_in_place(rsa: isize, csa: isize, column_blocks: usize) -> bool {
+        csa == 1 && !(rsa.unsigned_abs() * 4).is_multiple_of(4096) && column_blocks <= 2
     }
 
     /// Column blocks of at most NC, of near-equal width rounded up to NR.
@@ -201,6 +268,7 @@ pub(crate) mod avx512 {
         c: Mat<*mut f32>,
         pa_buf: &mut Vec<Line>,
         pb_buf: &mut Vec<Line>,
+        in_place: bool,
     ) {
         let (Mat { p: a, rs: rsa, cs: csa }, Mat { p: b, rs: rsb, cs: csb }, Mat { p: c, rs: rsc, cs: csc }) = (a, b, c);
         let ncb = col_block(n);
@@ -209,8 +277,9 @@ pub(crate) mod avx512 {
         let mp = m.div_ceil(MR) * MR;
         // With several column blocks, A's whole KC slice is packed once and kept (up to A_WHOLE
         // floats) instead of once per column block.
-        let whole = n > ncb && mp * kc_max <= A_WHOLE;
-        let pa = reserve(pa_buf, if whole { mp } else { MC.min(mp) } * kc_max);
+        let direct = in_place && reads_a_in_place(rsa, csa, n.div_ceil(ncb));
+        let whole = !direct && n > ncb && mp * kc_max <= A_WHOLE;
+        let pa = if direct { std::ptr::null_mut() } else { reserve(pa_buf, if whole { mp } else { MC.min(mp) } * kc_max) };
         let pb = reserve(pb_buf, ncb.min(n.div_ceil(NR) * NR) * kc_max);
         let mut pc = 0;
         while pc < k {
@@ -224,20 +293,28 @@ pub(crate) mod avx512 {
                 while ic < m {
                     let mc = MC.min(m - ic);
                     let pa = if whole { pa.add(ic * kc) } else { pa };
-                    if !whole || jc == 0 {
+                    if !direct && (!whole || jc == 0) {
                         pack_a(mc, kc, a.offset(ic as isize * rsa + pc as isize * csa), rsa, csa, pa);
                     }
                     let mut ir = 0;
                     while ir < mc {
                         let rows = MR.min(mc - ir);
-                        let ap = pa.add(ir * kc);
+                        let ap = if direct {
+                            APanel { p: a.offset((ic + ir) as isize * rsa + pc as isize), rs: rsa }
+                        } else {
+                            APanel { p: pa.add(ir * kc), rs: 0 }
+                        };
                         let mut jr = 0;
                         while jr < nc {
                             let cols = NR.min(nc - jr);
                             let bp = pb.add(jr * kc);
                             let cp = c.offset((ic + ir) as isize * rsc + (jc + jr) as isize * csc);
                             let st = Store { c: cp, rsc, csc, rows, cols, alpha, beta: if first { beta } else { 1.0 } };
-                            tile(rows, kc, ap, bp, &st);
+                            if direct {
+                                tile::<true>(rows, kc, ap, bp, &st);
+                            } else {
+                                tile::<false>(rows, kc, ap, bp, &st);
+                            }
                             jr += NR;
                         }
                         ir += MR;
@@ -424,27 +501,35 @@ pub(crate) mod avx512 {
         beta: f32,
     }
 
+    /// The A side of a register tile: a packed panel (`rs` unused: MR floats per k-step), or a
+    /// row-major A read in place (rows `rs` floats apart, k-steps contiguous).
+    #[derive(Clone, Copy)]
+    struct APanel {
+        p: *const f32,
+        rs: isize,
+    }
+
     /// One tile of `rows` (1..=MR) rows, through the kernel compiled for exactly that many, and
     /// for one zmm of columns where the tile has at most 16.
     #[inline(always)]
-    unsafe fn tile(rows: usize, kc: usize, ap: *const f32, bp: *const f32, st: &Store) {
+    unsafe fn tile<const IN_PLACE: bool>(rows: usize, kc: usize, a: APanel, bp: *const f32, st: &Store) {
         macro_rules! by_rows {
             ($w:literal) => {
                 match rows {
-                    14 => kernel::<14, $w>(kc, ap, bp, st),
-                    13 => kernel::<13, $w>(kc, ap, bp, st),
-                    12 => kernel::<12, $w>(kc, ap, bp, st),
-                    11 => kernel::<11, $w>(kc, ap, bp, st),
-                    10 => kernel::<10, $w>(kc, ap, bp, st),
-                    9 => kernel::<9, $w>(kc, ap, bp, st),
-                    8 => kernel::<8, $w>(kc, ap, bp, st),
-                    7 => kernel::<7, $w>(kc, ap, bp, st),
-                    6 => kernel::<6, $w>(kc, ap, bp, st),
-                    5 => kernel::<5, $w>(kc, ap, bp, st),
-                    4 => kernel::<4, $w>(kc, ap, bp, st),
-                    3 => kernel::<3, $w>(kc, ap, bp, st),
-                    2 => kernel::<2, $w>(kc, ap, bp, st),
-                    _ => kernel::<1, $w>(kc, ap, bp, st),
+                    14 => kernel::<14, $w, IN_PLACE>(kc, a, bp, st),
+                    13 => kernel::<13, $w, IN_PLACE>(kc, a, bp, st),
+                    12 => kernel::<12, $w, IN_PLACE>(kc, a, bp, st),
+                    11 => kernel::<11, $w, IN_PLACE>(kc, a, bp, st),
+                    10 => kernel::<10, $w, IN_PLACE>(kc, a, bp, st),
+                    9 => kernel::<9, $w, IN_PLACE>(kc, a, bp, st),
+                    8 => kernel::<8, $w, IN_PLACE>(kc, a, bp, st),
+                    7 => kernel::<7, $w, IN_PLACE>(kc, a, bp, st),
+                    6 => kernel::<6, $w, IN_PLACE>(kc, a, bp, st),
+                    5 => kernel::<5, $w, IN_PLACE>(kc, a, bp, st),
+                    4 => kernel::<4, $w, IN_PLACE>(kc, a, bp, st),
+                    3 => kernel::<3, $w, IN_PLACE>(kc, a, bp, st),
+                    2 => kernel::<2, $w, IN_PLACE>(kc, a, bp, st),
+                    _ => kernel::<1, $w, IN_PLACE>(kc, a, bp, st),
                 }
             };
         }
@@ -459,21 +544,21 @@ pub(crate) mod avx512 {
     /// kc steps of a packed A panel (MR floats per step, the first R used) and a packed B panel
     /// (32 per step, the first 16W used).
     #[target_feature(enable = "avx512f")]
-    unsafe fn kernel<const R: usize, const W: usize>(kc: usize, ap: *const f32, bp: *const f32, st: &Store) {
+    unsafe fn kernel<const R: usize, const W: usize, const IN_PLACE: bool>(kc: usize, a: APanel, bp: *const f32, st: &Store) {
         let mut acc0 = [_mm512_setzero_ps(); R];
         let mut acc1 = [_mm512_setzero_ps(); R];
-        let (mut ap, mut bp) = (ap, bp);
+        let (mut ap, mut bp) = (a.p, bp);
         for _ in 0..kc {
             let b0 = _mm512_load_ps(bp);
             let b1 = if W == 2 { _mm512_load_ps(bp.add(16)) } else { _mm512_setzero_ps() };
             for r in 0..R {
-                let av = _mm512_set1_ps(*ap.add(r));
+                let av = _mm512_set1_ps(if IN_PLACE { *ap.offset(r as isize * a.rs) } else { *ap.add(r) });
                 acc0[r] = _mm512_fmadd_ps(av, b0, acc0[r]);
                 if W == 2 {
                     acc1[r] = _mm512_fmadd_ps(av, b1, acc1[r]);
                 }
             }
-            ap = ap.add(MR);
+            ap = ap.add(if IN_PLACE { 1 } else { MR });
             bp = bp.add(NR);
         }
         let alpha = _mm512_set1_ps(st.alpha);
@@ -582,6 +667,8 @@ mod tests {
             (MC + 5, 40, 2 * NR + 1),
             (30, 2 * KC + 3, NC + NR + 7),
             (3, 5, NC * 2 + 1),
+            // A row-major with rows 4 KiB apart: packed, not read in place.
+            (MR + 3, 1024, NR + 5),
         ];
         for &(m, k, n) in &shapes {
             for la in 0..3 {
@@ -609,6 +696,22 @@ mod tests {
         }
     }
 
+    /// A row-major A is read in place unless its rows alias in L1 or B has over two column
+    /// blocks; any other layout is packed.
+    #[cfg(target_arch = "x86_64")]
+    #[test]
+    fn a_is_read_in_place_only_where_it_pays() {
+        use avx512::reads_a_in_place as in_place;
+        for rsa in [1, 17, 256, 512, 688, 768, 1536, 2048 + 1] {
+            assert!(in_place(rsa, 1, 1) && in_place(rsa, 1, 2), "row stride {rsa}");
+            assert!(!in_place(rsa, 1, 3), "row stride {rsa}, 3 column blocks");
+        }
+        for rsa in [1024, 2048, 4096, 3072 * 4] {
+            assert!(!in_place(rsa, 1, 1), "row stride {rsa} floats: rows 4 KiB apart");
+        }
+        assert!(!in_place(1, 256, 1) && !in_place(513, 2, 1), "not row-major");
+    }
+
     /// Every form of FERROLM_CPU_SGEMM the docs name, and a bad one refused by name.
     #[test]
     fn sgemm_variable_takes_matrixmultiply_or_auto() {
@@ -626,6 +729,8 @@ mod tests {
         if crate::cpu::simd::level() == 2 {
             println!("checking the AVX-512 kernel");
             suite(avx512::sgemm);
+            println!("checking the AVX-512 kernel with A always packed");
+            suite(avx512::sgemm_packed);
         } else {
             println!("no AVX-512 (or FERROLM_CPU_SIMD=portable): the AVX-512 kernel is not checked here");
         }
