@@ -149,6 +149,43 @@ fn rope_tables(t: usize, d: usize, theta: f64) -> (Tensor, Tensor) {
     (Tensor::from_vec(c, [t, d], Device::Cpu).unwrap(), Tensor::from_vec(s, [t, d], Device::Cpu).unwrap())
 }
 
+/// Independent 512-bit FMA chains for `iters` rounds of 12 (one thread); returns the lanes' sum
+/// so the chains cannot be folded away.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f")]
+unsafe fn fma_chains(iters: usize, seed: f32) -> f32 {
+    use std::arch::x86_64::*;
+    let (b, c) = (_mm512_set1_ps(1.000_000_1), _mm512_set1_ps(1e-7));
+    let mut acc: [__m512; 12] = std::array::from_fn(|i| _mm512_set1_ps(seed + i as f32));
+    for _ in 0..iters {
+        for a in acc.iter_mut() {
+            *a = _mm512_fmadd_ps(*a, b, c);
+        }
+    }
+    acc.iter().map(|&a| _mm512_reduce_add_ps(a)).sum()
+}
+
+/// f32 FMA peak of `threads` threads running 512-bit FMA chains at once (GFLOP/s; the best of
+/// three runs, as a ceiling should be on a machine shared with others), or None without
+/// AVX-512F: the ceiling the GEMM columns are measured against.
+fn fma_peak(threads: usize) -> Option<f64> {
+    #[cfg(target_arch = "x86_64")]
+    if std::arch::is_x86_feature_detected!("avx512f") {
+        let iters = 10_000_000;
+        let run = || {
+            let t = Instant::now();
+            let sums: Vec<f32> = std::thread::scope(|s| {
+                let hs: Vec<_> = (0..threads).map(|i| s.spawn(move || unsafe { fma_chains(iters, i as f32) })).collect();
+                hs.into_iter().map(|h| h.join().unwrap()).collect()
+            });
+            std::hint::black_box(sums);
+            (threads * iters * 12 * 16 * 2) as f64 / t.elapsed().as_secs_f64() / 1e9
+        };
+        return Some((0..3).map(|_| run()).fold(0.0, f64::max));
+    }
+    None
+}
+
 /// Benchmark the CPU engine: f32 GEMM through Tensor::matmul next to ferrolm's sgemm and
 /// matrixmultiply::sgemm (one thread each) on the same shapes, and forward + backward of a
 /// 2-layer Llama-style block stack. Prints
@@ -169,6 +206,12 @@ fn main() {
     let threads = std::thread::available_parallelism().map(|n| n.get()).unwrap_or(1);
     println!("ferrolm-tensor CPU bench ({threads} hardware threads, {} in the kernels' pool)\n", rayon::current_num_threads());
     let rng = &mut Rng::new(0);
+    match (fma_peak(1), fma_peak(threads)) {
+        (Some(one), Some(all)) => {
+            println!("f32 FMA peak (independent 512-bit FMA chains): {one:.1} GFLOP/s on one thread, {all:.1} on {threads}\n")
+        }
+        _ => println!("f32 FMA peak: not measured (no AVX-512F)\n"),
+    }
     println!("GEMM kernel: {} (`FERROLM_CPU_SGEMM=matrixmultiply` selects matrixmultiply)\n", sgemm_kernel());
     println!(
         "| GEMM (m x k x n) | Tensor::matmul GFLOP/s | ferrolm sgemm (one thread) GFLOP/s | same, A always packed GFLOP/s | matrixmultiply::sgemm (one thread) GFLOP/s | ratio to matrixmultiply |"
