@@ -104,7 +104,7 @@ pub type Gemm = super::kernels::GemmFn<f32>;
 pub fn sgemm() -> Gemm {
     #[cfg(target_arch = "x86_64")]
     if use_avx512() {
-        return avx512::sgemm;
+        return avx512::sgemm::<true>;
     }
     matrixmultiply::sgemm
 }
@@ -114,7 +114,7 @@ pub fn sgemm() -> Gemm {
 pub fn sgemm_packed() -> Option<Gemm> {
     #[cfg(target_arch = "x86_64")]
     if use_avx512() {
-        return Some(avx512::sgemm_packed);
+        return Some(avx512::sgemm::<false>);
     }
     None
 }
@@ -144,8 +144,11 @@ pub(crate) mod avx512 {
     }
 
     /// The AVX-512 GEMM (the contract of `super::Gemm`). The caller checked `simd::level() == 2`.
+    /// `IN_PLACE`: a row-major A is read where it lies where that pays (`reads_a_in_place`);
+    /// false packs A whatever its layout, as before that existed (for the benchmark that
+    /// compares the two, and for tests).
     #[allow(clippy::too_many_arguments)]
-    pub unsafe fn sgemm(
+    pub unsafe fn sgemm<const IN_PLACE: bool>(
         m: usize,
         k: usize,
         n: usize,
@@ -160,63 +163,25 @@ pub(crate) mod avx512 {
         c: *mut f32,
         rsc: isize,
         csc: isize,
-    ) {
-        let (a, b, c) = (Mat { p: a, rs: rsa, cs: csa }, Mat { p: b, rs: rsb, cs: csb }, Mat { p: c, rs: rsc, cs: csc });
-        run(m, k, n, alpha, a, b, beta, c, true)
-    }
-
-    /// `sgemm` that packs A whatever its layout (the same contract): what `sgemm` did before it
-    /// read a row-major A in place, kept for the benchmark that compares the two and for tests.
-    #[allow(clippy::too_many_arguments)]
-    pub unsafe fn sgemm_packed(
-        m: usize,
-        k: usize,
-        n: usize,
-        alpha: f32,
-        a: *const f32,
-        rsa: isize,
-        csa: isize,
-        b: *const f32,
-        rsb: isize,
-        csb: isize,
-        beta: f32,
-        c: *mut f32,
-        rsc: isize,
-        csc: isize,
-    ) {
-        let (a, b, c) = (Mat { p: a, rs: rsa, cs: csa }, Mat { p: b, rs: rsb, cs: csb }, Mat { p: c, rs: rsc, cs: csc });
-        run(m, k, n, alpha, a, b, beta, c, false)
-    }
-
-    #[allow(clippy::too_many_arguments)]
-    unsafe fn run(
-        m: usize,
-        k: usize,
-        n: usize,
-        alpha: f32,
-        a: Mat<*const f32>,
-        b: Mat<*const f32>,
-        beta: f32,
-        c: Mat<*mut f32>,
-        in_place: bool,
     ) {
         if m == 0 || n == 0 {
             return;
         }
         if k == 0 {
-            scale_c(m, n, beta, c.p, c.rs, c.cs);
+            scale_c(m, n, beta, c, rsc, csc);
             return;
         }
         // Re-entrancy (a GEMM inside a GEMM) cannot happen; fall back to fresh buffers if the
         // cache is somehow borrowed rather than panic.
+        let (a, b, c) = (Mat { p: a, rs: rsa, cs: csa }, Mat { p: b, rs: rsb, cs: csb }, Mat { p: c, rs: rsc, cs: csc });
         BUFS.with(|cell| match cell.try_borrow_mut() {
             Ok(mut bufs) => {
                 let (pa, pb) = &mut *bufs;
-                blocked(m, k, n, alpha, a, b, beta, c, pa, pb, in_place)
+                blocked(m, k, n, alpha, a, b, beta, c, pa, pb, IN_PLACE)
             }
             Err(_) => {
                 let (mut pa, mut pb) = (Vec::new(), Vec::new());
-                blocked(m, k, n, alpha, a, b, beta, c, &mut pa, &mut pb, in_place)
+                blocked(m, k, n, alpha, a, b, beta, c, &mut pa, &mut pb, IN_PLACE)
             }
         })
     }
@@ -728,9 +693,9 @@ mod tests {
         #[cfg(target_arch = "x86_64")]
         if crate::cpu::simd::level() == 2 {
             println!("checking the AVX-512 kernel");
-            suite(avx512::sgemm);
+            suite(avx512::sgemm::<true>);
             println!("checking the AVX-512 kernel with A always packed");
-            suite(avx512::sgemm_packed);
+            suite(avx512::sgemm::<false>);
         } else {
             println!("no AVX-512 (or FERROLM_CPU_SIMD=portable): the AVX-512 kernel is not checked here");
         }
