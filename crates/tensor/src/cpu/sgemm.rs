@@ -20,8 +20,8 @@
 //! A row-major A (csa = 1) is not packed at all where that pays (`reads_a_in_place`): the kernel
 //! broadcasts each k-step's 14 values from the panel's 14 rows where they lie, each row read
 //! start to end, and the panel stays in L1 across the B panels just as a packed one does. This
-//! saves the pass over A that packing costs (on the cpu-small shapes 5-17% of a GEMM, one thread
-//! and two, measured by `bench_cpu`). It does not pay, and A is packed, where the rows are a
+//! saves the pass over A that packing costs: 2-9% of a GEMM on the cpu-small model shapes and
+//! 45% on attention's P V tile, one thread (`bench_cpu`, docs/BENCHMARKS.md). It does not pay, and A is packed, where the rows are a
 //! multiple of 4 KiB apart (the panel's rows then share L1 sets) or B has more than two column
 //! blocks (a packed A is packed once and reused by each).
 //!
@@ -506,8 +506,9 @@ pub(crate) mod avx512 {
     }
 
     /// The register kernel: R rows x 16W columns (W = 1 or 2) of C in RW zmm accumulators over
-    /// kc steps of a packed A panel (MR floats per step, the first R used) and a packed B panel
-    /// (32 per step, the first 16W used).
+    /// kc steps of an A panel (packed: MR floats per step, the first R used; IN_PLACE: R rows of
+    /// A `a.rs` floats apart, one float of each per step) and a packed B panel (32 per step, the
+    /// first 16W used).
     #[target_feature(enable = "avx512f")]
     unsafe fn kernel<const R: usize, const W: usize, const IN_PLACE: bool>(kc: usize, a: APanel, bp: *const f32, st: &Store) {
         let mut acc0 = [_mm512_setzero_ps(); R];
