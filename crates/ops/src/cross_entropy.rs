@@ -1,10 +1,11 @@
 //! Mean softmax cross-entropy of logits (n, v) against i32 targets (n), rows whose target is
 //! `ignore_index` not counted. The softmax is never stored: the forward keeps the log-sum-exp
 //! per row (f32) and the backward recomputes dlogits = (exp(x − lse) − onehot) · g / count.
-//! On the CPU, when the logits need a gradient, one pass over each row computes the loss and
-//! the gradient for a root gradient of 1 (`cpu::forward_backward`); backward hands it back, or
-//! scales it for any other incoming gradient. The mean and the count are summed in a fixed order. A target outside [0, v) is an error:
-//! targets that carry their host copy (`Tokens::upload`) are checked and counted on the host,
+//! On the CPU, when f32 or f64 logits need a gradient, one pass over each row computes the loss
+//! and the gradient for a root gradient of 1 (`cpu::forward_backward`); backward hands it back,
+//! scaled in place for any other incoming gradient (bf16 logits keep the two-pass form, whose
+//! gradient is rounded once). The mean and the count are summed in a fixed order. A target
+//! outside [0, v) is an error: targets that carry their host copy (`Tokens::upload`) are checked and counted on the host,
 //! others on the device (two host waits on a GPU: the check and the count).
 //! CUDA: kernels/cross_entropy.cu, including a fused forward + backward in one pass over the
 //! logits (`forward_backward_cuda`) with the gradient scale kept on the device.
@@ -35,7 +36,7 @@ pub fn cross_entropy_tokens(logits: &Tensor, tokens: &Tokens, ignore_index: i32)
     }
     let x = logits.contiguous()?;
     let known = tokens.count_targets(x.dims()[1], ignore_index)?;
-    if x.device() == Device::Cpu && is_grad_enabled() && logits.requires_grad() {
+    if x.device() == Device::Cpu && x.dtype() != DType::BF16 && is_grad_enabled() && logits.requires_grad() {
         return cpu_fused(logits, &x, targets, ignore_index);
     }
     let (loss, lse, count) = Tensor::with_storages(&[&x, targets], |s| forward_with(s[0], s[1], ignore_index, known))?;
@@ -50,22 +51,27 @@ pub fn cross_entropy_tokens(logits: &Tensor, tokens: &Tokens, ignore_index: i32)
     Ok(Tensor::from_op(out, "cross_entropy", &[logits], Box::new(backward_fn)))
 }
 
-/// The CPU's training form: one pass over each row computes the loss and the gradient for a
-/// loss gradient of 1, (softmax − onehot) / count, which backward returns as it is when the
-/// incoming gradient is 1 (the loss is the root) and scales otherwise. It reads the logits once
-/// instead of three times and skips the backward's second exp of every logit.
+/// The CPU's training form for f32 and f64 logits: one pass over each row computes the loss and
+/// the gradient for a loss gradient of 1, (softmax − onehot) / count, which backward returns as
+/// it is when the incoming gradient is 1 (the loss is the root) and scales in place otherwise
+/// (gradient accumulation's 1/accum). It reads the logits once instead of three times and skips
+/// the backward's second exp of every logit.
 fn cpu_fused(logits: &Tensor, x: &Tensor, targets: &Tensor, ignore_index: i32) -> Result<Tensor> {
     let (loss, grad) = Tensor::with_storages(&[x, targets], |s| cpu::forward_backward(s[0], s[1], ignore_index))?;
     let out = Tensor::new(loss, ())?;
+    let shape = x.shape().clone();
     // Taken by the one backward call, so the graph does not keep a logits-sized buffer alive
     // through the rest of the backward pass.
-    let grad = std::sync::Mutex::new(Some(Tensor::new(grad, x.shape().clone())?));
+    let grad = std::sync::Mutex::new(Some(grad));
     let backward_fn = move |g: &Tensor| {
-        let Some(grad) = grad.lock().unwrap_or_else(|e| e.into_inner()).take() else {
+        let Some(mut grad) = grad.lock().unwrap_or_else(|e| e.into_inner()).take() else {
             bail!("cross_entropy", "backward ran twice through one CPU loss; compute the loss again");
         };
         let g = g.to_vec_f64()?[0];
-        Ok(vec![Some(if g == 1.0 { grad } else { grad.mul_scalar(g)? })])
+        if g != 1.0 {
+            cpu::scale_in_place(&mut grad, g)?;
+        }
+        Ok(vec![Some(Tensor::new(grad, shape.clone())?)])
     };
     Ok(Tensor::from_op(out, "cross_entropy", &[logits], Box::new(backward_fn)))
 }
@@ -100,7 +106,7 @@ mod cpu {
     use super::*;
     use ferrolm_tensor::cpu::simd::{self, FastExp};
     use ferrolm_tensor::cpu::{f64s, gather, i32s, Stat};
-    use ferrolm_tensor::{float_dispatch, multiversion};
+    use ferrolm_tensor::{float_dispatch, multiversion, CpuStorage};
     use rayon::prelude::*;
 
     /// The logits' element range, the classes, the targets gathered and checked, and the count
@@ -134,10 +140,24 @@ mod cpu {
     }
 
     /// logits (n, v) contiguous, targets (n) -> (mean loss over counted rows, f32 or f64 as in
-    /// `forward`; dlogits for a loss gradient of 1, in the logits' dtype).
+    /// `forward`; dlogits for a loss gradient of 1, in the logits' dtype). f32 or f64 logits: bf16
+    /// ones would be rounded here and again when scaled.
     pub(crate) fn forward_backward(logits: View, targets: View, ignore: i32) -> Result<(Storage, Storage)> {
         let (range, v, t, count) = prepare(logits, targets, ignore)?;
         Ok(float_dispatch!("cross_entropy", logits.0.dtype(), [logits], fused(&logits[range], v, &t, ignore, count)))
+    }
+
+    /// The fused form's gradient times the incoming gradient `g`, in place (f32 or f64).
+    pub(super) fn scale_in_place(grad: &mut Storage, g: f64) -> Result<()> {
+        match grad {
+            Storage::Cpu(CpuStorage::F32(v)) => {
+                let g = g as f32;
+                v.par_iter_mut().for_each(|x| *x *= g);
+            }
+            Storage::Cpu(CpuStorage::F64(v)) => v.par_iter_mut().for_each(|x| *x *= g),
+            other => bail!("cross_entropy", "the fused CPU gradient is f32 or f64, not {:?} on {:?}", other.dtype(), other.device()),
+        }
+        Ok(())
     }
 
     multiversion! {
