@@ -1,6 +1,7 @@
-//! CPU engine benchmark: f32 GEMM through `Tensor::matmul` next to ferrolm's `sgemm`, the same
-//! with A always packed, and `matrixmultiply::sgemm` called directly (one thread, alternated call
-//! by call) on the same shapes and strides, and forward+backward of a 2-layer Llama-style block stack built from
+//! CPU engine benchmark: the f32 FMA peak of one thread and of all; f32 GEMM through
+//! `Tensor::matmul` next to ferrolm's `sgemm`, the same with A always packed, and
+//! `matrixmultiply::sgemm` called directly (one thread, alternated call by call) on the same
+//! shapes and strides; and forward+backward of a 2-layer Llama-style block stack built from
 //! tensor ops.
 //!
 //!     cargo run --release -p ferrolm-ops --example bench_cpu   (`--help` for the details)
@@ -186,10 +187,11 @@ fn fma_peak(threads: usize) -> Option<f64> {
     None
 }
 
-/// Benchmark the CPU engine: f32 GEMM through Tensor::matmul next to ferrolm's sgemm and
+/// Benchmark the CPU engine: the f32 FMA peak (512-bit FMA chains, one thread and all), f32 GEMM
+/// through Tensor::matmul next to ferrolm's sgemm, the same with A always packed, and
 /// matrixmultiply::sgemm (one thread each) on the same shapes, and forward + backward of a
-/// 2-layer Llama-style block stack. Prints
-/// markdown tables (GFLOP/s; the median of repeated runs).
+/// 2-layer Llama-style block stack. Prints markdown tables (GFLOP/s; the median of repeated
+/// runs).
 #[derive(Parser)]
 #[command(
     name = "bench_cpu",

@@ -21,9 +21,9 @@
 //! broadcasts each k-step's 14 values from the panel's 14 rows where they lie, each row read
 //! start to end, and the panel stays in L1 across the B panels just as a packed one does. This
 //! saves the pass over A that packing costs: 2-9% of a GEMM on the cpu-small model shapes and
-//! 45% on attention's P V tile, one thread (`bench_cpu`, docs/BENCHMARKS.md). It does not pay, and A is packed, where the rows are a
-//! multiple of 4 KiB apart (the panel's rows then share L1 sets) or B has more than two column
-//! blocks (a packed A is packed once and reused by each).
+//! 45% on attention's P V tile, one thread (`bench_cpu`, docs/BENCHMARKS.md). It does not pay,
+//! and A is packed, where the rows are a multiple of 4 KiB apart (the panel's rows then share L1
+//! sets) or B has more than two column blocks (a packed A is packed once and reused by each).
 //!
 //! Packing reads the operands contiguously whatever their layout: a row-major A (csa = 1) and a
 //! column-major B (rsb = 1) are read 16 floats along each source row and turned by in-register
@@ -240,9 +240,9 @@ pub(crate) mod avx512 {
         let kcb = k.div_ceil(k.div_ceil(KC));
         let kc_max = kcb.min(k);
         let mp = m.div_ceil(MR) * MR;
-        // With several column blocks, A's whole KC slice is packed once and kept (up to A_WHOLE
-        // floats) instead of once per column block.
         let direct = in_place && reads_a_in_place(rsa, csa, n.div_ceil(ncb));
+        // With several column blocks, a packed A's whole KC slice is packed once and kept (up to
+        // A_WHOLE floats) instead of once per column block.
         let whole = !direct && n > ncb && mp * kc_max <= A_WHOLE;
         let pa = if direct { std::ptr::null_mut() } else { reserve(pa_buf, if whole { mp } else { MC.min(mp) } * kc_max) };
         let pb = reserve(pb_buf, ncb.min(n.div_ceil(NR) * NR) * kc_max);
