@@ -11,6 +11,7 @@ pub mod logging;
 pub mod memory;
 pub mod parallel;
 pub mod plot;
+pub mod profile;
 pub mod progress;
 pub mod run_dir;
 pub mod train;

@@ -438,8 +438,20 @@ impl Trainer {
         Ok(())
     }
 
-    /// Trains to `opts.steps`, logging, evaluating and checkpointing on the way.
+    /// Trains to `opts.steps`, logging, evaluating and checkpointing on the way. With the kernel
+    /// profile on (`FERROLM_PROFILE=1`, `--profile`), prints its table at the end, failed or not,
+    /// and writes it as `profile.json` in the run directory (`crate::profile`).
     pub fn run(&mut self) -> AnyResult<()> {
+        let r = self.run_steps();
+        if ferrolm_cuda::profile::enabled() && self.model.device() != Device::Cpu {
+            if let Err(e) = crate::profile::finish(&self.out_dir) {
+                tracing::warn!("kernel profile: {e:#}");
+            }
+        }
+        r
+    }
+
+    fn run_steps(&mut self) -> AnyResult<()> {
         // Rank 0 owns the output directory; the others wait until it is ready.
         let mut log = if is_rank_zero() { Some(self.prepare_out_dir()) } else { None };
         let ready = log.as_ref().is_none_or(|r| r.is_ok());

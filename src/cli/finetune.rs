@@ -79,6 +79,9 @@ fn prepare(args: &FinetuneArgs) -> AnyResult<Prepared> {
 }
 
 pub fn run(args: FinetuneArgs) -> AnyResult<()> {
+    if args.train.profile {
+        crate::profile::enable();
+    }
     let device = args.train.device.pick()?;
     crate::parallel::launch(&args.train.parallel.layout()?, device, || prepare(&args), |p, comm| finetune_rank(&args, p, comm))
 }

@@ -239,8 +239,11 @@ macro_rules! caller_resolve_help {
 }
 
 /// Environment variables of the training tools.
-pub const ENV_TRAIN: &str =
-    concat!("  FERROLM_PEAK_TFLOPS    the GPU's bf16 dense peak for MFU [default: 989, H100 SXM]\n", caller_resolve_help!());
+pub const ENV_TRAIN: &str = concat!(
+    "  FERROLM_PEAK_TFLOPS    the GPU's bf16 dense peak for MFU [default: 989, H100 SXM]\n",
+    "  FERROLM_PROFILE        `1`: as --profile (time every CUDA kernel launch; profile.json in --out)\n",
+    caller_resolve_help!()
+);
 
 /// `FERROLM_THREADCOMM_CALLER_RESOLVE` (thread ranks: `--dp`/`--tp` in one process, benchmarks).
 pub const ENV_CALLER_RESOLVE_HELP: &str = caller_resolve_help!();
@@ -389,6 +392,11 @@ pub struct TrainArgs {
     /// Keep only the newest N checkpoints (0: keep all); the latest is never removed
     #[arg(long, value_name = "N", default_value = "0", help_heading = "Run")]
     pub keep_last: usize,
+    /// Time every CUDA kernel launch with CUDA events (as FERROLM_PROFILE=1): at the end of
+    /// training print a table by kernel (launches, total ms, share, mean us, largest grid) and
+    /// write it as profile.json in --out; on the emulator launches are counted, not timed
+    #[arg(long, help_heading = "Run")]
+    pub profile: bool,
 
     #[command(flatten)]
     pub parallel: parallel::ParallelArgs,

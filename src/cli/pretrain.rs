@@ -289,6 +289,9 @@ pub fn apply_config_from(mut args: PretrainArgs) -> AnyResult<PretrainArgs> {
 pub fn run(args: PretrainArgs) -> AnyResult<()> {
     let args = apply_config_from(args)?;
     let a = &args.train;
+    if a.profile {
+        crate::profile::enable();
+    }
     let device = a.device.pick()?;
     crate::parallel::launch(&a.parallel.layout()?, device, || prepare(&args), |p, comm| train_rank(&args, p, comm))
 }

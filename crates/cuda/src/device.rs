@@ -4,6 +4,7 @@ use crate::gemm::{Gemm, LtCall, Operand};
 use crate::kernels::Kernel;
 use crate::launch::Launch;
 use crate::pool::{DevBuf, Mem, Pool};
+use crate::profile::{self, LaunchShape};
 use crate::storage::CudaStorage;
 use crate::{err, KernelImage};
 use cudarc::driver::{result, sys, CudaContext, CudaFunction, CudaModule};
@@ -126,7 +127,11 @@ pub(crate) struct Gpu {
     /// The kernels' function handles, indexed by `Kernel`, each looked up on its first launch.
     funcs: Box<[OnceLock<CudaFunction>]>,
     pub(crate) gemm: Mutex<Gemm>,
+    sm_count: OnceLock<u32>,
 }
+
+/// The SM count the emulator reports: an H100's and H200's, so CI checks their launch geometry.
+pub const EMULATED_SMS: u32 = 132;
 
 impl std::fmt::Debug for CudaBackend {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
@@ -159,7 +164,7 @@ impl CudaBackend {
         let gemm = Gemm::new(&ctx, &pool, &raw_stream)?;
         let funcs = (0..Kernel::COUNT).map(|_| OnceLock::new()).collect();
         let stream = Arc::new(CudaStream::Gpu(raw_stream.clone()));
-        let gpu = Gpu { ctx, stream, raw_stream, module, funcs, gemm: Mutex::new(gemm) };
+        let gpu = Gpu { ctx, stream, raw_stream, module, funcs, gemm: Mutex::new(gemm), sm_count: OnceLock::new() };
         Ok(Self::finish(ordinal, Exec::Gpu(gpu), pool))
     }
 
@@ -356,16 +361,23 @@ impl CudaBackend {
     /// the kernel accesses for this launch shape; pool blocks stay allocated until the stream has
     /// run the kernel.
     pub(crate) unsafe fn launch(&self, kernel: Kernel, cfg: Launch, args: &mut [crate::launch::Arg]) -> Result<()> {
-        let Launch { grid, block, smem } = cfg;
+        let Launch { grid, block, smem, elems } = cfg;
         if grid.0 == 0 || grid.1 == 0 || grid.2 == 0 {
             return Ok(());
         }
         let name = kernel.name();
+        let shape = LaunchShape { grid, block, elems };
         let g = match &self.exec {
             Exec::Gpu(g) => g,
-            // SAFETY: the caller's contract, which is the emulator's too.
-            Exec::Emu(_) => return unsafe { crate::emu::launch(self, kernel, cfg, args) },
+            Exec::Emu(_) => {
+                if profile::enabled() {
+                    profile::count(name, shape, self.sm_count(), &|| self.device_name());
+                }
+                // SAFETY: the caller's contract, which is the emulator's too.
+                return unsafe { crate::emu::launch(self, kernel, cfg, args) };
+            }
         };
+        let timer = self.profile_start()?;
         self.bind()?;
         let f = g.func(kernel)?;
         if smem > 48 * 1024 {
@@ -376,7 +388,41 @@ impl CudaBackend {
         // SAFETY: the caller's contract: one pointer per parameter, of its type, and live device
         // memory behind every device pointer until the stream has run the kernel.
         unsafe { result::launch_kernel(f.cu_function(), grid, (block, 1, 1), smem, g.stream.cu_stream(), &mut ptrs) }
-            .map_err(|e| Error::new(name, format!("launch failed: {e:?}")))
+            .map_err(|e| Error::new(name, format!("launch failed: {e:?}")))?;
+        self.profile_end(timer, name, shape)
+    }
+
+    /// With the profile on, on a GPU: a timing event recorded on the compute stream before a
+    /// launch (`profile_end` records its partner after it).
+    fn profile_start(&self) -> Result<Option<CudaEvent>> {
+        match &self.exec {
+            Exec::Gpu(_) if profile::enabled() => self.timing_event().map(Some),
+            _ => Ok(None),
+        }
+    }
+    /// Records the launch `name` in the profile: timed between `start` and a new event on a GPU,
+    /// counted on the emulator.
+    fn profile_end(&self, start: Option<CudaEvent>, name: &'static str, shape: LaunchShape) -> Result<()> {
+        match start {
+            Some(start) => {
+                let end = self.timing_event()?;
+                profile::timed(name, shape, start, end, self.sm_count(), &|| self.device_name());
+            }
+            None if profile::enabled() => profile::count(name, shape, self.sm_count(), &|| self.device_name()),
+            None => {}
+        }
+        Ok(())
+    }
+
+    /// The device's streaming multiprocessors (132 on the emulator, which models an H100/H200),
+    /// for launch grids that fill the device.
+    pub fn sm_count(&self) -> u32 {
+        match &self.exec {
+            Exec::Gpu(g) => *g.sm_count.get_or_init(|| {
+                g.ctx.attribute(sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT).map_or(132, |n| n.max(1) as u32)
+            }),
+            Exec::Emu(_) => EMULATED_SMS,
+        }
     }
 
     /// out (batch, m, n) contiguous = a · b through cuBLASLt (or its reference on the emulator).
@@ -393,13 +439,18 @@ impl CudaBackend {
         out: (u64, usize),
     ) -> Result<()> {
         let call = LtCall::plan(dtype, a, b, m, n, k, batch, out)?;
+        let name = if dtype == DType::BF16 { "gemm_bf16 (cuBLASLt)" } else { "gemm_f32 (cuBLASLt)" };
+        let shape = LaunchShape { grid: (1, 1, 1), block: 0, elems: 0 };
         match &self.exec {
             Exec::Gpu(g) => {
                 self.bind()?;
-                g.gemm.lock().unwrap_or_else(|e| e.into_inner()).run(&g.raw_stream, &call)
+                let timer = self.profile_start()?;
+                g.gemm.lock().unwrap_or_else(|e| e.into_inner()).run(&g.raw_stream, &call)?;
+                self.profile_end(timer, name, shape)
             }
             Exec::Emu(_) => {
                 crate::emu::lt_check(&call)?;
+                self.profile_end(None, name, shape)?;
                 self.emu_enqueue("matmul", Box::new(move || crate::emu::lt_matmul(&call).map_err(|e| e.to_string())))
             }
         }

@@ -73,7 +73,7 @@ pub(crate) unsafe fn launch(be: &CudaBackend, kernel: Kernel, cfg: Launch, args:
     be.emu_enqueue(
         name,
         Box::new(move || {
-            let Launch { grid, block, smem } = cfg;
+            let Launch { grid, block, smem, .. } = cfg;
             let mut values = values;
             let mut ptrs: Vec<*mut c_void> = values.iter_mut().map(|w| w.as_mut_ptr() as *mut c_void).collect();
             let mut err = vec![0u8; 1024];

@@ -434,6 +434,7 @@ pub struct StepScope {
 impl StepScope {
     pub fn begin() -> StepScope {
         IN_STEP.with(|c| c.set(c.get() + 1));
+        crate::profile::step_begin();
         StepScope { counts: true }
     }
     /// Whether this thread is inside a step.
@@ -454,6 +455,7 @@ impl Drop for StepScope {
     fn drop(&mut self) {
         if self.counts {
             STEPS.fetch_add(1, Ordering::Relaxed);
+            crate::profile::step_end();
         }
         IN_STEP.with(|c| c.set(c.get().saturating_sub(1)));
     }

@@ -1,0 +1,132 @@
+//! Launch geometry and the launch budget of a training step, counted by the built-in kernel
+//! profile (`ferrolm_cuda::profile`, `FERROLM_PROFILE=1` / `--profile`) on `cuda:0`: the GPU when
+//! one is visible, else the CPU emulator, which reports an H100's 132 SMs so CI checks the grids
+//! a GPU would get.
+//!
+//! - A training step of a 124M-class model's layout (12 layers, bf16, untied embeddings, one
+//!   device, the trainer's engine) makes at most `STEP_LAUNCH_BUDGET` launches: 60% of the 1,567
+//!   the first hardware profile counted (2026-11-26). The widths are small (the count does not
+//!   depend on them), so the emulator runs it in seconds. The per-layer count is the difference
+//!   between 13 and 12 layers; both are printed for docs/BENCHMARKS.md.
+//! - No launch that touches more than 2^20 elements runs on fewer blocks than the device has
+//!   SMs: the primitive ops, the casts and copies, the reductions and the step's norm, each at
+//!   2^21 elements.
+//!
+//! The profile is one per process: the tests of this file take a lock and reset it.
+mod common;
+use ferrolm::data::{list_shards, prepare_text_dir, Tokenizer};
+use ferrolm::nn::LlamaConfig;
+use ferrolm::train::{TrainOptions, Trainer};
+use ferrolm::{DType, Device, Llama, Tensor};
+use ferrolm_cuda::profile;
+use ferrolm_tensor::Rng;
+use std::sync::Mutex;
+
+/// At most 60% of the 1,567 launches per step of the first hardware profile (issue 31).
+const STEP_LAUNCH_BUDGET: f64 = 940.0;
+
+static PROFILE: Mutex<()> = Mutex::new(());
+
+fn opts(steps: usize) -> TrainOptions {
+    TrainOptions {
+        steps,
+        batch_size: 1,
+        seq_len: 16,
+        grad_accum: 1,
+        lr: 1e-3,
+        min_lr: 1e-4,
+        warmup_steps: 1,
+        weight_decay: 0.1,
+        grad_clip: 1.0,
+        eval_every: 0,
+        eval_batches: 1,
+        save_every: 0,
+        log_every: 100,
+        seed: 3,
+    }
+}
+
+/// Launches per training step of a `layers`-layer bf16 Llama (head dim 64, so the flash kernels
+/// run as on a GPU), and the profile of those steps.
+fn step_launches(layers: usize) -> (f64, profile::ProfileReport) {
+    let device = common::cuda0_device().expect("cuda:0");
+    let tmp = common::tmp(&format!("launches-{layers}"));
+    let tok = Tokenizer::from_file(common::tokenizer_path()).unwrap();
+    prepare_text_dir(common::root().join("data/corpus/sonnets.txt"), &tok, tmp.join("shards"), 0.1, 1 << 20).unwrap();
+    let cfg = LlamaConfig::from_json_str(&format!(
+        r#"{{"model_type":"llama","vocab_size":{},"hidden_size":128,"intermediate_size":256,"num_hidden_layers":{layers},
+            "num_attention_heads":2,"num_key_value_heads":2,"max_position_embeddings":64,"tie_word_embeddings":false}}"#,
+        tok.vocab_size()
+    ))
+    .unwrap();
+    let model = Llama::new(cfg, DType::BF16, device, &mut Rng::new(1)).unwrap();
+    let train = list_shards(tmp.join("shards"), "train").unwrap();
+    let val = list_shards(tmp.join("shards"), "val").unwrap();
+    let mut t = Trainer::new(model, &train, &val, opts(3), &tmp.join("run")).unwrap();
+    profile::enable(true);
+    profile::reset();
+    t.run().unwrap();
+    let r = profile::report();
+    profile::enable(false);
+    assert!(tmp.join("run/profile.json").is_file(), "the trainer wrote no profile.json");
+    let _ = std::fs::remove_dir_all(&tmp);
+    assert_eq!(r.step_launches.len(), 3, "three steps marked: {:?}", r.step_launches);
+    // Every step after the first makes the same launches (the first may set things up).
+    assert!(r.step_launches[1..].windows(2).all(|w| w[0] == w[1]), "steps differ: {:?}", r.step_launches);
+    (r.step_launches[2] as f64, r)
+}
+
+#[test]
+fn a_training_step_of_a_12_layer_model_stays_within_the_launch_budget() {
+    if common::cuda0_device().is_none() {
+        return;
+    }
+    let _g = PROFILE.lock().unwrap_or_else(|e| e.into_inner());
+    let (l12, r) = step_launches(12);
+    let (l13, _) = step_launches(13);
+    println!("{}", r.table());
+    println!("launches per step: 12 layers {l12}, 13 layers {l13}, per layer {}", l13 - l12);
+    assert!(l12 <= STEP_LAUNCH_BUDGET, "a 12-layer training step made {l12} launches, over the budget of {STEP_LAUNCH_BUDGET}");
+    assert!(l13 > l12, "a 13th layer added no launch: the count is not a training step's");
+    let json = ferrolm::profile::to_json(&r);
+    assert_eq!(json["launches_per_step"].as_f64(), r.launches_per_step());
+    assert!(json["kernels"].as_array().is_some_and(|k| !k.is_empty() && k[0]["name"].is_string()));
+}
+
+#[test]
+fn launches_over_a_million_elements_fill_the_device() {
+    let Some(device) = common::cuda0_device() else { return };
+    let _g = PROFILE.lock().unwrap_or_else(|e| e.into_inner());
+    let n = 1usize << 21;
+    let mut r = Rng::new(5);
+    profile::enable(true);
+    profile::reset();
+    for dt in [DType::F32, DType::BF16] {
+        let a = Tensor::randn([n / 1024, 1024], 1.0, dt, Device::Cpu, &mut r).unwrap().to_device(device).unwrap();
+        let b = Tensor::randn([n / 1024, 1024], 1.0, dt, Device::Cpu, &mut r).unwrap().to_device(device).unwrap();
+        let row = Tensor::randn([1, 1024], 1.0, dt, Device::Cpu, &mut r).unwrap().to_device(device).unwrap();
+        let outs = vec![
+            a.add(&b).unwrap(),
+            a.mul(&row).unwrap(),
+            a.sqr().unwrap(),
+            a.mul_scalar(0.5).unwrap(),
+            a.to_dtype(if dt == DType::F32 { DType::BF16 } else { DType::F32 }).unwrap(),
+            a.transpose(0, 1).unwrap().contiguous().unwrap(),
+            a.sum_all().unwrap(),
+            a.sum(&[0], true).unwrap(),
+            a.sum(&[1], true).unwrap(),
+            a.max(&[1], true).unwrap(),
+            Tensor::zeros([n], dt, device).unwrap(),
+        ];
+        let norm = ferrolm::tensor::fused_sum_squares(&[&a, &b], &[None, None], 1.0).unwrap();
+        assert!(norm.is_some_and(|v| v.is_finite() && v > 0.0));
+        for o in outs {
+            o.to_device(Device::Cpu).unwrap();
+        }
+    }
+    let rep = profile::report();
+    profile::enable(false);
+    println!("{}", rep.table());
+    assert!(rep.launches() > 20, "the ops made {} launches: the profile did not see them", rep.launches());
+    assert!(rep.small_grids.is_empty(), "launches over 2^20 elements on fewer blocks than {} SMs: {:?}", rep.sm_count, rep.small_grids);
+}
