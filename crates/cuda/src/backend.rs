@@ -7,7 +7,7 @@ use crate::consts;
 use crate::device::CudaBackend;
 use crate::gemm::Operand;
 use crate::kernels::{self, Strided};
-use crate::launch::{AdamWParams, AdamWTensor, Launch};
+use crate::launch::{AdamPart, AdamWParams, Launch, NormPart};
 use crate::storage::{cuda, CudaStorage};
 use ferrolm_tensor::backend::{AdamWHyper, AdamWSlot, Backend, BinaryOp, ReduceOp, UnaryOp, View};
 use ferrolm_tensor::{bail, bf16, CpuStorage, DType, Device, Layout, Result, Shape, Storage};
@@ -244,32 +244,35 @@ impl Backend for CudaBackend {
         self.strided_copy("assign", s, Strided::from_layout("assign", src.1)?, d, dstl, dl.numel())
     }
 
-    fn adamw_step(&self, slots: &[AdamWSlot], h: AdamWHyper) -> Result<bool> {
+    fn adamw_step(&self, slots: &[AdamWSlot], h: AdamWHyper, grad_scale: f64) -> Result<bool> {
         let op = "adamw_step";
-        // The launcher addresses whole buffers: every view must start at 0 and cover its storage.
-        fn whole<'a>(op: &str, x: View<'a>) -> Result<Option<&'a CudaStorage>> {
+        // Each slot is a contiguous range (a segment of a bucket, at any offset).
+        let n = |s: &AdamWSlot| s.param.1.numel();
+        fn at(op: &str, x: View, n: usize) -> Result<Option<(u64, DType)>> {
             let c = cuda(op, x.0)?;
-            Ok((x.1.is_contiguous() && x.1.offset == 0 && c.len == x.1.numel()).then_some(c))
+            let fits = x.1.is_contiguous() && x.1.numel() == n && x.1.offset.checked_add(n).is_some_and(|e| e <= c.len);
+            Ok(fits.then(|| (c.ptr_at(x.1.offset), c.dtype)))
         }
-        let whole = |x| whole(op, x);
-        let mut ts = Vec::with_capacity(slots.len());
+        let mut parts = Vec::with_capacity(slots.len());
         for s in slots {
-            let (Some(p), Some(g), Some(m), Some(v)) = (whole(s.param)?, whole(s.grad)?, whole(s.m)?, whole(s.v)?) else {
+            let len = n(s);
+            let (Some(p), Some(g), Some(m), Some(v)) = (at(op, s.param, len)?, at(op, s.grad, len)?, at(op, s.m, len)?, at(op, s.v, len)?)
+            else {
                 return Ok(false);
             };
             let (master, param_bf16) = match s.master {
-                Some(ms) => match whole(ms)? {
-                    Some(ms) if p.dtype == DType::BF16 => (ms, Some(p)),
+                Some(ms) => match at(op, ms, len)? {
+                    Some(ms) if p.1 == DType::BF16 => (ms, Some(p)),
                     _ => return Ok(false),
                 },
-                None if p.dtype == DType::F32 => (p, None),
+                None if p.1 == DType::F32 => (p, None),
                 None => return Ok(false),
             };
-            ts.push(AdamWTensor { master, grad: g, m, v, param_bf16, weight_decay: s.weight_decay as f32 });
+            parts.push(AdamPart { master, grad: g, m, v, param_bf16, n: len, weight_decay: s.weight_decay as f32 });
         }
         let step = u32::try_from(h.step).map_err(|_| ferrolm_tensor::Error::new(op, "step count overflows u32"))?;
         let p = AdamWParams { lr: h.lr as f32, beta1: h.beta1, beta2: h.beta2, eps: h.eps as f32, step };
-        self.adamw_multi(&ts, p, None)?;
+        self.adamw_parts(&parts, p, None, grad_scale as f32)?;
         Ok(true)
     }
     fn global_norm(&self, xs: &[View]) -> Result<Option<f64>> {
@@ -284,5 +287,18 @@ impl Backend for CudaBackend {
         let out = self.grad_norm(&gs, 0.0)?;
         let v: Vec<f32> = self.download(&out.buf, 0, 1)?;
         Ok(Some(v[0] as f64))
+    }
+    fn sum_squares(&self, xs: &[View], weights: &[Option<View>], scale: f64) -> Result<Option<f64>> {
+        let mut parts = Vec::with_capacity(xs.len());
+        for (x, w) in xs.iter().zip(weights) {
+            let weight = match w {
+                Some(w) => Some((cuda("sum_squares", w.0)?, w.1.offset)),
+                None => None,
+            };
+            parts.push(NormPart { grad: cuda("sum_squares", x.0)?, offset: x.1.offset, len: x.1.numel(), weight });
+        }
+        // sum((s x)^2 w) = s^2 sum(x^2 w): the scale is applied once, in f64.
+        let (_, sq) = self.grad_norm_weighted(&parts, 0.0)?;
+        Ok(Some(scale * scale * self.read_f64(&sq)?))
     }
 }

@@ -198,3 +198,57 @@ fn pinned_host_buffers_round_trip() {
     let mut small = be.alloc_pinned(8).unwrap();
     assert!(be.copy_to_pinned(cs(&dev), &mut small, None).is_err(), "a size mismatch must be an error");
 }
+
+/// The step's norm in one pass (`grad_norm_weighted`, the `sum_squares` hook): gradients that
+/// are views at offsets inside larger buffers (16-byte aligned ones take the vector loads, the
+/// others the scalar loop), f32 and bf16 in one launch, with and without per-element weights,
+/// against a host f64 sum; bitwise the same when the emulator runs the threads in reverse.
+#[test]
+fn weighted_grad_norm_over_offset_views_matches_host_f64() {
+    let Some(be) = gpu() else { return };
+    let mut r = Rng::new(13);
+    // (buffer length, offset, length, bf16, weighted): offsets 0 and 8 are 16-byte aligned in
+    // bf16, 4 in f32; 3 and 5 are not.
+    let specs = [
+        (20_000usize, 0usize, 20_000usize, true, false),
+        (9000, 8, 8192, true, true),
+        (5000, 3, 4096, true, true),
+        (13_000, 4, 12_000, false, true),
+        (8200, 5, 8190, false, false),
+        (1, 0, 1, false, true),
+    ];
+    let (mut parts_host, mut bufs, mut wbufs) = (Vec::new(), Vec::new(), Vec::new());
+    for &(len, off, n, bf16, weighted) in &specs {
+        let (g, gd) = random_grad(&be, len, 0.3, bf16, &mut r);
+        let w: Option<Vec<f64>> = weighted.then(|| (0..len).map(|i| [1.0, 0.5, 0.25][i % 3]).collect());
+        parts_host.push((g[off..off + n].to_vec(), w.as_ref().map(|w| w[off..off + n].to_vec())));
+        bufs.push(gd);
+        wbufs.push(w.map(|w| up_f32(&be, &w)));
+    }
+    let want: f64 =
+        parts_host.iter().flat_map(|(g, w)| g.iter().enumerate().map(move |(i, x)| x * x * w.as_ref().map_or(1.0, |w| w[i]))).sum();
+    let parts: Vec<ferrolm_cuda::NormPart> = specs
+        .iter()
+        .zip(bufs.iter().zip(&wbufs))
+        .map(|(&(_, off, n, _, _), (g, w))| ferrolm_cuda::NormPart {
+            grad: cs(g),
+            offset: off,
+            len: n,
+            weight: w.as_ref().map(|w| (cs(w), off)),
+        })
+        .collect();
+    let (norm, sq) = be.grad_norm_weighted(&parts, 1.0).unwrap();
+    let got = be.read_f64(&sq).unwrap();
+    assert!((got - want).abs() <= 1e-6 * want, "weighted sum of squares {got} vs host {want}");
+    let nv = down(&be, &Storage::Device(Box::new(norm)));
+    close("weighted norm", &nv[..1], &[want.sqrt()], 1e-6, 1e-6);
+    be.emulator_reverse_schedule(true);
+    let again = be.read_f64(&be.grad_norm_weighted(&parts, 1.0).unwrap().1).unwrap();
+    be.emulator_reverse_schedule(false);
+    assert_eq!(got.to_bits(), again.to_bits(), "the weighted norm is not bitwise reproducible");
+    // A weight shorter than its gradient is refused, naming the lengths.
+    let short = up_f32(&be, &[1.0; 10]);
+    let bad = [ferrolm_cuda::NormPart { grad: cs(&bufs[0]), offset: 0, len: 100, weight: Some((cs(&short), 0)) }];
+    let e = be.grad_norm_weighted(&bad, 1.0).unwrap_err().to_string();
+    assert!(e.contains("100 elements"), "{e}");
+}

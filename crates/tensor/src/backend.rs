@@ -99,11 +99,18 @@ pub trait Backend: Send + Sync + 'static {
     /// One AdamW update of every slot in place (m, v, master or param, and the bf16 param from
     /// the updated master). The caller holds the storages' read guards: a device backend
     /// writes through device pointers, ordered on its stream like every other op.
-    fn adamw_step(&self, _slots: &[AdamWSlot], _h: AdamWHyper) -> Result<bool> {
+    /// Every gradient is multiplied by `grad_scale` first (read in its own dtype, f32 or bf16).
+    fn adamw_step(&self, _slots: &[AdamWSlot], _h: AdamWHyper, _grad_scale: f64) -> Result<bool> {
         Ok(false)
     }
     /// sqrt(sum of squares) over every element of `xs` (dense views), read back to the host.
     fn global_norm(&self, _xs: &[View]) -> Result<Option<f64>> {
+        Ok(None)
+    }
+    /// The weighted sum of squares over every element of `xs` (contiguous views):
+    /// sum((scale x)^2 w), w the matching element of `weights[i]` (an f32 view of `xs[i]`'s
+    /// length) or 1 where that is None; accumulated in f64 in a fixed order and read back once.
+    fn sum_squares(&self, _xs: &[View], _weights: &[Option<View>], _scale: f64) -> Result<Option<f64>> {
         Ok(None)
     }
 }

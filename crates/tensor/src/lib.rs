@@ -22,7 +22,7 @@ pub use dtype::{bf16_from_f64, DType, Device};
 pub use error::{Error, Result};
 pub use half::bf16;
 pub use ops::{same_device, same_float};
-pub use optim_ops::{fused_adamw, fused_global_norm, AdamWRange};
+pub use optim_ops::{fused_adamw, fused_adamw_scaled, fused_global_norm, fused_sum_squares, AdamWRange};
 pub use rng::Rng;
 pub use shape::{Layout, Shape};
 pub use storage::{live_bytes, peak_bytes, reset_peak_bytes, CpuStorage, DeviceStorage, Fill, Refill, Storage};

@@ -26,11 +26,13 @@ impl AdamWRange<'_> {
     }
     /// Whether every view is 1-D contiguous of the parameter's length, the dtypes are the fused
     /// kernels' (see the struct), the segments lie inside, and no two views share a storage.
-    fn fusable(&self) -> bool {
+    fn fusable(&self, bf16_grad: bool) -> bool {
         use crate::DType::{BF16, F32};
         let n = self.param.numel();
         let flat = |t: &Tensor| t.rank() == 1 && t.is_contiguous() && t.numel() == n;
-        let types = [self.grad, self.m, self.v].iter().all(|t| t.dtype() == F32)
+        let grad_ok = self.grad.dtype() == F32 || (bf16_grad && self.grad.dtype() == BF16);
+        let types = grad_ok
+            && [self.m, self.v].iter().all(|t| t.dtype() == F32)
             && match self.master {
                 None => self.param.dtype() == F32,
                 Some(w) => w.dtype() == F32 && self.param.dtype() == BF16,
@@ -46,9 +48,17 @@ impl AdamWRange<'_> {
 /// any state is touched: `Ok(false)` means nothing changed and the caller runs the op-based
 /// reference (`ferrolm_nn::optim::adamw_update` does).
 pub fn fused_adamw(ranges: &[AdamWRange], h: AdamWHyper) -> Result<bool> {
+    fused_adamw_scaled(ranges, h, 1.0)
+}
+
+/// `fused_adamw` with every gradient multiplied by `grad_scale` first (the step's 1/dp and clip
+/// factor), inside the kernel: on a device the gradients may be bf16, read as they are, so the
+/// step needs no f32 copy of them. On the CPU only `grad_scale` 1 and f32 gradients are fused.
+pub fn fused_adamw_scaled(ranges: &[AdamWRange], h: AdamWHyper, grad_scale: f64) -> Result<bool> {
     let all: Vec<&Tensor> = ranges.iter().flat_map(|r| r.tensors()).collect();
     let device = one_device("fused_adamw", &all)?;
-    if ranges.is_empty() || !ranges.iter().all(|r| r.fusable()) {
+    let on_cpu = device == Device::Cpu;
+    if ranges.is_empty() || !ranges.iter().all(|r| r.fusable(!on_cpu)) || (on_cpu && grad_scale != 1.0) {
         return Ok(false);
     }
     if device == Device::Cpu {
@@ -88,7 +98,7 @@ pub fn fused_adamw(ranges: &[AdamWRange], h: AdamWHyper) -> Result<bool> {
             }
             at += k;
         }
-        b.adamw_step(&slots, h)
+        b.adamw_step(&slots, h, grad_scale)
     })
 }
 
@@ -170,4 +180,29 @@ pub fn fused_global_norm(xs: &[&Tensor]) -> Result<Option<f64>> {
     }
     let b = backend::get("fused_global_norm", device)?;
     with_views(xs, |v| b.global_norm(v))
+}
+
+/// sum((scale x)^2 w) over every element of `xs`, w the matching element of `weights[i]` (f32,
+/// `xs[i]`'s length) or 1: the gradient norm of a training step in one pass, by the device
+/// backend's fused kernel (CUDA: every gradient read once in its dtype, f64 partials in a fixed
+/// order, one read back). `Ok(None)` on the CPU, for views that are not contiguous, or where the
+/// backend has no such kernel: the caller then composes it from ops.
+pub fn fused_sum_squares(xs: &[&Tensor], weights: &[Option<&Tensor>], scale: f64) -> Result<Option<f64>> {
+    if xs.len() != weights.len() {
+        bail!("fused_sum_squares", "{} tensors but {} weights", xs.len(), weights.len());
+    }
+    let all: Vec<&Tensor> = xs.iter().copied().chain(weights.iter().flatten().copied()).collect();
+    let device = one_device("fused_sum_squares", &all)?;
+    let fits = |(x, w): (&&Tensor, &Option<&Tensor>)| {
+        x.is_contiguous() && w.is_none_or(|w| w.is_contiguous() && w.dtype() == crate::DType::F32 && w.numel() == x.numel())
+    };
+    if device == Device::Cpu || xs.is_empty() || !xs.iter().zip(weights).all(fits) {
+        return Ok(None);
+    }
+    let b = backend::get("fused_sum_squares", device)?;
+    with_views(&all, |v| {
+        let (xv, mut wv) = (&v[..xs.len()], v[xs.len()..].iter());
+        let ws: Vec<Option<View>> = weights.iter().map(|w| w.and_then(|_| wv.next().copied())).collect();
+        b.sum_squares(xv, &ws, scale)
+    })
 }

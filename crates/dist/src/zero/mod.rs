@@ -36,7 +36,7 @@ use ferrolm_nn::buckets::ParamBuckets;
 use ferrolm_nn::optim::AdamWConfig;
 use ferrolm_nn::safetensors_io::TensorMap;
 use ferrolm_nn::Llama;
-use ferrolm_tensor::{no_grad, DType, Device, Error, Result, Tensor};
+use ferrolm_tensor::{fused_sum_squares, no_grad, DType, Device, Error, Result, Tensor};
 use gather::Gatherer;
 use grads::GradPipeline;
 use groups::{Comm, ShardGroups};
@@ -384,24 +384,31 @@ impl TrainEngine for Zero {
         let _g = no_grad();
         let scale = 1.0 / self.mesh.dp() as f64;
         let grads = self.grads.take_optim_grads()?;
-        let offloaded = self.offloaded();
-        // This rank's squared norm: its optimizer ranges, summed on the device bucket by bucket
-        // (each read waits for its collectives) and read back once.
-        let (mut sums, mut scaled) = (Vec::with_capacity(grads.len()), Vec::with_capacity(grads.len()));
-        for (g, bk) in grads.iter().zip(&self.buckets) {
-            let g32 = g.to_dtype(DType::F32)?;
-            let g32 = if scale != 1.0 { g32.mul_scalar(scale)? } else { g32 };
-            let sq = g32.sqr()?;
-            let sq = match &bk.norm_weight {
-                Some(w) => sq.mul(w)?,
-                None => sq,
-            };
-            sums.push(sq.sum_all()?.reshape([1])?);
-            // Offload converts per subgroup: the shard's fp32 gradient never sits on the device
-            // whole.
-            scaled.push(if offloaded { None } else { Some(g32) });
-        }
-        let local_sq: f64 = if sums.is_empty() { 0.0 } else { Tensor::cat(&sums, 0)?.to_vec_f64()?.iter().sum() };
+        // This rank's squared norm over its optimizer ranges, read back once: one fused pass
+        // over every bucket's gradient where the device has one (each gradient read once in
+        // its dtype), else composed from ops bucket by bucket (the CPU).
+        let weights: Vec<Option<&Tensor>> = self.buckets.iter().map(|b| b.norm_weight.as_ref()).collect();
+        let local_sq = match fused_sum_squares(&grads.iter().collect::<Vec<_>>(), &weights, scale)? {
+            Some(sq) => sq,
+            None => {
+                let mut sums = Vec::with_capacity(grads.len());
+                for (g, w) in grads.iter().zip(&weights) {
+                    let g32 = g.to_dtype(DType::F32)?;
+                    let g32 = if scale != 1.0 { g32.mul_scalar(scale)? } else { g32 };
+                    let sq = g32.sqr()?;
+                    let sq = match w {
+                        Some(w) => sq.mul(w)?,
+                        None => sq,
+                    };
+                    sums.push(sq.sum_all()?.reshape([1])?);
+                }
+                if sums.is_empty() {
+                    0.0
+                } else {
+                    Tensor::cat(&sums, 0)?.to_vec_f64()?.iter().sum()
+                }
+            }
+        };
         let (loss, sq) = self.global_loss_and_sq_norm(local_loss, local_sq)?;
         let norm = sq.sqrt();
         self.micro = 0;
@@ -414,12 +421,12 @@ impl TrainEngine for Zero {
         let k = self.spec.optim / self.spec.params;
         let b = self.groups.pos.sub_index;
         let mut updates = Vec::with_capacity(grads.len());
-        for ((g, s), bk) in grads.into_iter().zip(scaled).zip(&self.buckets) {
+        for (g, bk) in grads.into_iter().zip(&self.buckets) {
             let len = bk.numel / self.spec.optim;
-            // OnDevice reads the scaled f32 gradient, Offloaded the raw one (it scales per subgroup).
-            updates.push(BucketUpdate { params: bk.param_range.narrow(0, b * len, len)?, grad: s.unwrap_or(g) });
+            // The raw gradient: the state applies the scale (Offloaded per subgroup).
+            updates.push(BucketUpdate { params: bk.param_range.narrow(0, b * len, len)?, grad: g });
         }
-        let scalars = UpdateScalars { scale: if offloaded { scale } else { 1.0 }, clip, hyper: self.cfg.hyper(lr, self.step) };
+        let scalars = UpdateScalars { scale, clip, hyper: self.cfg.hyper(lr, self.step) };
         let t_update = std::time::Instant::now();
         let mut gathered: Vec<Option<Tensor>> = vec![None; updates.len()];
         let os_sub = self.groups.optim_sub.clone();

@@ -5,7 +5,7 @@
 //! scale, the clip factor and the step's hyper-parameters.
 use crate::offload::{Offload, OffloadConfig, OffloadPlan};
 use ferrolm_nn::optim::{adamw_update, AdamWConfig, AdamWHyper};
-use ferrolm_tensor::{no_grad, AdamWRange, DType, Device, Result, Tensor};
+use ferrolm_tensor::{fused_adamw_scaled, no_grad, AdamWRange, DType, Device, Result, Tensor};
 
 /// One bucket of an update: this rank's optimizer range of the parameters (a device view,
 /// updated in place) and its gradient as reduced (parameter dtype, summed over the ranks).
@@ -94,6 +94,13 @@ impl OptimState for OnDevice {
     fn update(&mut self, buckets: &[BucketUpdate], s: UpdateScalars, done: &mut dyn FnMut(usize) -> Result<()>) -> Result<()> {
         let _g = no_grad();
         for (i, (u, st)) in buckets.iter().zip(&self.buckets).enumerate() {
+            // A device reads the raw gradient (bf16 or f32) and scales it inside the kernel.
+            let raw =
+                AdamWRange { param: &u.params, master: st.master.as_ref(), grad: &u.grad, m: &st.m, v: &st.v, segments: &st.segments };
+            if fused_adamw_scaled(&[raw], s.hyper, s.scale * s.clip)? {
+                done(i)?;
+                continue;
+            }
             let mut g = u.grad.to_dtype(DType::F32)?;
             if s.scale != 1.0 {
                 g = g.mul_scalar(s.scale)?;
