@@ -89,6 +89,17 @@ static __device__ __forceinline__ bool strided_fits32(const Strided& l, i64 n) {
 struct __align__(16) vec16 {
     unsigned w[4];
 };
+// One 16-byte load (nvcc splits a struct copy into four 4-byte loads; uint4 is one LDG.E.128).
+static __device__ __forceinline__ vec16 ld16(const vec16* p) {
+#ifdef FERRO_EMU
+    return *p;
+#else
+    uint4 u = *reinterpret_cast<const uint4*>(p);
+    vec16 v;
+    v.w[0] = u.x, v.w[1] = u.y, v.w[2] = u.z, v.w[3] = u.w;
+    return v;
+#endif
+}
 static __device__ __forceinline__ float bits_f(unsigned u) {
 #ifdef FERRO_EMU
     float f;

@@ -69,7 +69,7 @@ static __device__ void unary_contig_impl(const T* x, T* y, i64 n, int op, float 
     vec16* yv = reinterpret_cast<vec16*>(y);
     FOR_EACH(i, nv) {
         float f[N];
-        Vec<T>::load(xv[i], f);
+        Vec<T>::load(ld16(xv + (i)), f);
 #pragma unroll
         for (int k = 0; k < N; ++k) f[k] = unary_apply(op, f[k], a, b);
         yv[i] = Vec<T>::store(f);
@@ -86,8 +86,8 @@ static __device__ void binary_contig_impl(const T* a, const T* b, T* y, i64 n, i
     vec16* yv = reinterpret_cast<vec16*>(y);
     FOR_EACH(i, nv) {
         float fa[N], fb[N];
-        Vec<T>::load(av[i], fa);
-        Vec<T>::load(bv[i], fb);
+        Vec<T>::load(ld16(av + (i)), fa);
+        Vec<T>::load(ld16(bv + (i)), fb);
 #pragma unroll
         for (int k = 0; k < N; ++k) fa[k] = binary_apply(op, fa[k], fb[k]);
         yv[i] = Vec<T>::store(fa);
@@ -105,7 +105,7 @@ static __device__ __forceinline__ void binary_row_walk(const T* a, const T* row,
     vec16* yv = reinterpret_cast<vec16*>(y);
     for (I i = (I)blockIdx.x * blockDim.x + threadIdx.x; i < nv; i += (I)gridDim.x * blockDim.x) {
         float fa[N];
-        Vec<T>::load(av[i], fa);
+        Vec<T>::load(ld16(av + (i)), fa);
         I j = (i * N) % cols;
 #pragma unroll
         for (int k = 0; k < N; ++k) {
@@ -243,8 +243,8 @@ extern "C" __global__ void cast_contig_f32_bf16(const float* x, bf16* y, i64 n) 
     vec16* yv = reinterpret_cast<vec16*>(y);
     FOR_EACH(i, nv) {
         float f[8];
-        Vec<float>::load(xv[2 * i], f);
-        Vec<float>::load(xv[2 * i + 1], f + 4);
+        Vec<float>::load(ld16(xv + (2 * i)), f);
+        Vec<float>::load(ld16(xv + (2 * i + 1)), f + 4);
         yv[i] = Vec<bf16>::store(f);
     }
     FOR_TAIL(i, nv, 8, n) y[i] = from_f<bf16>(x[i]);
@@ -255,7 +255,7 @@ extern "C" __global__ void cast_contig_bf16_f32(const bf16* x, float* y, i64 n) 
     vec16* yv = reinterpret_cast<vec16*>(y);
     FOR_EACH(i, nv) {
         float f[8];
-        Vec<bf16>::load(xv[i], f);
+        Vec<bf16>::load(ld16(xv + (i)), f);
         yv[2 * i] = Vec<float>::store(f);
         yv[2 * i + 1] = Vec<float>::store(f + 4);
     }
