@@ -184,7 +184,7 @@ pub(crate) fn waves(items: usize, block: u32, sm: u32) -> Launch {
 
 /// Whether `p` (a device address) is 16-byte aligned: the vector paths need it.
 pub(crate) fn aligned(p: DevPtr) -> bool {
-    p.0 % 16 == 0
+    p.0.is_multiple_of(16)
 }
 
 impl CudaBackend {
