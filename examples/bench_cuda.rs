@@ -1,7 +1,7 @@
 //! CUDA kernel benchmark: every kernel's median GPU time against its floor.
 //!
-//! Floors are measured first on the same device: the engine's device-to-device copy bandwidth
-//! (bytes moved / bandwidth) and the cuBLASLt bf16 GEMM peak at 8192^3 (FLOPs / peak). Each row
+//! Floors are measured first on the same device: the device-to-device copy bandwidth (a dense
+//! `copy_strided`, which the engine runs as one cuMemcpyDtoD; bytes moved / bandwidth) and the cuBLASLt bf16 GEMM peak at 8192^3 (FLOPs / peak). Each row
 //! is the median of >= 10 timed repetitions (CUDA events on the compute stream) after warm-up,
 //! on fresh random inputs (never zeros). Kernels are called through the `Backend` trait and the
 //! fused ops' storage-level functions (`ferrolm::ops::<op>::forward` / `backward`) directly (no
@@ -201,7 +201,7 @@ fn run(args: BenchCudaArgs) -> AnyResult<()> {
     let mut md = String::new();
     writeln!(md, "# ferrolm CUDA kernel benchmark\n\ndevice: {device}  \ndate: {date}  \nreps: {reps} (median of CUDA-event timings after warm-up)\n")?;
     writeln!(md, "## Floors\n\n| floor | shape | ms | rate |\n|---|---|---:|---:|")?;
-    writeln!(md, "| device copy (engine copy_strided, contiguous bf16) | {copy_n} elems | {copy_ms:.3} | {:.0} GB/s |", bw / 1e9)?;
+    writeln!(md, "| device copy (cuMemcpyDtoD through copy_strided, bf16) | {copy_n} elems | {copy_ms:.3} | {:.0} GB/s |", bw / 1e9)?;
     writeln!(md, "| cuBLASLt bf16 GEMM | {g}x{g}x{g} | {gemm_ms:.3} | {:.1} TFLOP/s |", peak / 1e12)?;
     print!("{}", md.split_once("## Floors").map(|x| format!("## Floors{}", x.1)).unwrap_or_default());
     use std::io::Write as _;
@@ -210,7 +210,8 @@ fn run(args: BenchCudaArgs) -> AnyResult<()> {
     let mut rows: Vec<Row> = Vec::new();
     let push = |rows: &mut Vec<Row>, name: &str, shape: String, ms: f64, bytes: f64, flops: f64| {
         let floor_ms = if flops > 0.0 { flops / peak * 1e3 } else { bytes / bw * 1e3 };
-        println!("{name:<34} {shape:<28} {ms:>9.4} ms  floor {floor_ms:>9.4} ms  ratio {:.2}", floor_ms / ms);
+        let gbps = bytes / (ms * 1e-3) / 1e9;
+        println!("{name:<34} {shape:<28} {ms:>9.4} ms  {gbps:>7.0} GB/s  floor {floor_ms:>9.4} ms  ratio {:.2}", floor_ms / ms);
         rows.push(Row { name: name.into(), shape, ms, bytes, flops, floor_ms });
     };
 
@@ -239,6 +240,23 @@ fn run(args: BenchCudaArgs) -> AnyResult<()> {
             Ok(())
         })?;
         push(&mut rows, "sum over first dim (bf16)", format!("({r}, {c})"), ms, (n + c) as f64 * 2.0, 0.0);
+        {
+            // A gradient bucket's full sum, and a column sum, in f32.
+            let nb: usize = pick(tiny, quick, 24_600_000, 24_600_000, 1 << 16);
+            let v = bn.randn(&[nb], DType::F32, 1.0)?;
+            let ms = bn.time(|| {
+                be.reduce(ReduceOp::Sum, v.sl(), &[0])?;
+                Ok(())
+            })?;
+            push(&mut rows, "full sum (f32)", format!("({nb})"), ms, nb as f64 * 4.0, 0.0);
+            let (cr, cc) = pick(tiny, quick, (6000, 4096), (6000, 4096), (64, 96));
+            let m = bn.randn(&[cr, cc], DType::F32, 1.0)?;
+            let ms = bn.time(|| {
+                be.reduce(ReduceOp::Sum, m.sl(), &[0])?;
+                Ok(())
+            })?;
+            push(&mut rows, "column sum (f32)", format!("({cr}, {cc})"), ms, (cr * cc + cc) as f64 * 4.0, 0.0);
+        }
         let tl = transpose_layout(&a.l);
         let ms = bn.time(|| {
             be.copy_strided((&a.s, &tl))?;
@@ -432,10 +450,11 @@ fn run(args: BenchCudaArgs) -> AnyResult<()> {
 
     // ---- report ---------------------------------------------------------------------------
     writeln!(md, "\n## Kernels\n\nfloor = bytes / copy bandwidth for memory-bound kernels, FLOPs / GEMM peak for attention; ratio = floor / time (1.0 = at the floor).\n")?;
-    writeln!(md, "| kernel | shape | median ms | GB or GFLOP | floor ms | floor/time |\n|---|---|---:|---:|---:|---:|")?;
+    writeln!(md, "| kernel | shape | median ms | GB or GFLOP | GB/s | floor ms | floor/time |\n|---|---|---:|---:|---:|---:|---:|")?;
     for r in &rows {
         let amount = if r.flops > 0.0 { format!("{:.1} GFLOP", r.flops / 1e9) } else { format!("{:.3} GB", r.bytes / 1e9) };
-        writeln!(md, "| {} | {} | {:.4} | {} | {:.4} | {:.2} |", r.name, r.shape, r.ms, amount, r.floor_ms, r.floor_ms / r.ms)?;
+        let gbps = r.bytes / (r.ms * 1e-3) / 1e9;
+        writeln!(md, "| {} | {} | {:.4} | {} | {gbps:.0} | {:.4} | {:.2} |", r.name, r.shape, r.ms, amount, r.floor_ms, r.floor_ms / r.ms)?;
     }
     writeln!(md, "\n## Attention fwd+bwd (join with scripts/bench_attention_torch.py)\n\n{attn_md}")?;
     println!("\n{md}");
@@ -452,7 +471,14 @@ fn run(args: BenchCudaArgs) -> AnyResult<()> {
     let kr: Vec<String> = rows
         .iter()
         .map(|r| {
-            format!("    {{\"kernel\": {}, \"shape\": {}, \"ms\": {:.6}, \"floor_ms\": {:.6}}}", q(&r.name), q(&r.shape), r.ms, r.floor_ms)
+            let gbps = r.bytes / (r.ms * 1e-3) / 1e9;
+            format!(
+                "    {{\"kernel\": {}, \"shape\": {}, \"ms\": {:.6}, \"floor_ms\": {:.6}, \"gbps\": {gbps:.3}}}",
+                q(&r.name),
+                q(&r.shape),
+                r.ms,
+                r.floor_ms
+            )
         })
         .collect();
     writeln!(js, "  \"kernels\": [\n{}\n  ]\n}}", kr.join(",\n"))?;

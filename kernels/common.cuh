@@ -48,19 +48,108 @@ struct Strided {
     i64 stride[FERRO_MAX_RANK];
     i64 offset;
     int rank;
-    int contiguous;  // 1: element i is at offset + i
+    int contiguous;  // 1: element i is at offset + i (the launchers then also set rank 1, stride 1)
 };
 
-static __device__ __forceinline__ i64 strided_index(const Strided& l, i64 i) {
-    if (l.contiguous) return l.offset + i;
-    i64 off = l.offset;
-    for (int d = l.rank - 1; d >= 0; --d) {
-        i64 s = l.shape[d];
-        off += (i % s) * l.stride[d];
-        i /= s;
+// The loops run over the compile-time FERRO_MAX_RANK with `if (d < rank)`, so every shape and
+// stride is read at a constant index: nvcc keeps a by-value parameter in the constant bank
+// instead of copying it to local memory (a runtime index into it costs LDL/STL per thread).
+template <typename I>
+static __device__ __forceinline__ I strided_index_t(const Strided& l, I i) {
+    I off = (I)l.offset;
+    if (l.rank == 1) return off + i * (I)l.stride[0];  // the common strided run: no division
+#pragma unroll
+    for (int d = FERRO_MAX_RANK - 1; d >= 0; --d) {
+        if (d < l.rank) {
+            I s = (I)l.shape[d];
+            I q = i / s;
+            off += (i - q * s) * (I)l.stride[d];
+            i = q;
+        }
     }
     return off;
 }
+static __device__ __forceinline__ i64 strided_index(const Strided& l, i64 i) {
+    if (l.contiguous) return l.offset + i;
+    return strided_index_t<i64>(l, i);
+}
+// True when every index of the view (offset + sum((shape - 1) * stride)) and `n` fit in 32 bits,
+// so the kernel may walk it with unsigned 32-bit math (64-bit division is many instructions).
+static __device__ __forceinline__ bool strided_fits32(const Strided& l, i64 n) {
+    i64 hi = l.offset;
+#pragma unroll
+    for (int d = 0; d < FERRO_MAX_RANK; ++d)
+        if (d < l.rank) hi += (l.shape[d] - 1) * l.stride[d];
+    return n < 0x7fffffffLL && hi < 0x7fffffffLL;
+}
+
+// ---- 16-byte vectors (contiguous fast paths) ---------------------------------------------------
+// One 16-byte access: 4 f32 or 8 bf16. Loads and stores of it compile to LDG.E.128 / STG.E.128
+// when the address is 16-byte aligned, which the launchers check before choosing these paths.
+struct __align__(16) vec16 {
+    unsigned w[4];
+};
+// One 16-byte load (nvcc splits a struct copy into four 4-byte loads; uint4 is one LDG.E.128).
+static __device__ __forceinline__ vec16 ld16(const vec16* p) {
+#ifdef FERRO_EMU
+    return *p;
+#else
+    uint4 u = *reinterpret_cast<const uint4*>(p);
+    vec16 v;
+    v.w[0] = u.x, v.w[1] = u.y, v.w[2] = u.z, v.w[3] = u.w;
+    return v;
+#endif
+}
+static __device__ __forceinline__ float bits_f(unsigned u) {
+#ifdef FERRO_EMU
+    float f;
+    memcpy(&f, &u, 4);
+    return f;
+#else
+    return __uint_as_float(u);
+#endif
+}
+static __device__ __forceinline__ unsigned f_bits(float f) {
+#ifdef FERRO_EMU
+    unsigned u;
+    memcpy(&u, &f, 4);
+    return u;
+#else
+    return __float_as_uint(f);
+#endif
+}
+static __device__ __forceinline__ unsigned bf_bits(float f) { return (unsigned)__bfloat16_as_ushort(__float2bfloat16_rn(f)); }
+// A vector of T as N floats and back (bf16: element 2k is the low half of word k).
+template <typename T> struct Vec;
+template <> struct Vec<float> {
+    enum { N = 4 };
+    static __device__ __forceinline__ void load(const vec16& v, float* f) {
+#pragma unroll
+        for (int k = 0; k < 4; ++k) f[k] = bits_f(v.w[k]);
+    }
+    static __device__ __forceinline__ vec16 store(const float* f) {
+        vec16 v;
+#pragma unroll
+        for (int k = 0; k < 4; ++k) v.w[k] = f_bits(f[k]);
+        return v;
+    }
+};
+template <> struct Vec<bf16> {
+    enum { N = 8 };
+    static __device__ __forceinline__ void load(const vec16& v, float* f) {
+#pragma unroll
+        for (int k = 0; k < 4; ++k) {
+            f[2 * k] = bits_f(v.w[k] << 16);
+            f[2 * k + 1] = bits_f(v.w[k] & 0xffff0000u);
+        }
+    }
+    static __device__ __forceinline__ vec16 store(const float* f) {
+        vec16 v;
+#pragma unroll
+        for (int k = 0; k < 4; ++k) v.w[k] = bf_bits(f[2 * k]) | (bf_bits(f[2 * k + 1]) << 16);
+        return v;
+    }
+};
 
 // The block's dynamic shared memory (size set at launch), as `unsigned char* name`.
 #ifdef FERRO_EMU

@@ -34,3 +34,21 @@ enum { B_ADD, B_SUB, B_MUL, B_DIV, B_EQ };
 
 // Multi-tensor optimizer kernels (optim.cu): one block per OPT_CHUNK elements of a tensor.
 #define OPT_CHUNK 4096
+
+// Element-wise, cast, fill and copy launches (elementwise.cu): grids of at most
+// EW_WAVES * (SM count) blocks of EW_BLOCK threads (EW_WAVES blocks of 256 fill an SM's 2048
+// threads once), grid-stride past that.
+#define EW_BLOCK 256
+#define EW_WAVES 8
+// Tiled transpose (elementwise.cu): TP_TILE x TP_TILE tiles, a block of TP_TILE * TP_ROWS threads.
+#define TP_TILE 32
+#define TP_ROWS 8
+// Reductions (reduce.cu): the launcher aims at RED_WAVES * (SM count) blocks. A reduced row is
+// split over blocks of at least RED_ROW_CHUNK elements each; the column (thread-per-output)
+// kernel splits the reduced range into chunks of at least RED_COL_CHUNK elements. Rows shorter
+// than RED_ROW_MIN go to the column kernel (a block per output would leave most threads idle).
+#define RED_BLOCK 256
+#define RED_WAVES 4
+#define RED_ROW_CHUNK 1024
+#define RED_COL_CHUNK 16
+#define RED_ROW_MIN 64

@@ -1,34 +1,134 @@
 // reduce.cu — sum / max over an arbitrary set of dimensions. The launcher splits the input
-// view into two strided descriptors: `kept` (the output's dims, with the input's strides) and
-// `red` (the reduced dims). One block owns one output element and walks its `nred` inputs
-// in a fixed thread-strided order, then combines through a fixed tree: results are
-// deterministic run to run. Sums accumulate in f64 (maxima in f32) whatever the storage dtype.
+// view into two strided descriptors: `kept` (the output's dims, with the input's strides and
+// the view offset) and `red` (the reduced dims, offset 0), and picks one of two layouts:
+//   rows: a block owns (output o, split s) and walks split s of o's reduced range with its
+//         threads side by side (coalesced when the reduced dims are the inner ones);
+//   cols: a thread owns (output o, chunk c) and walks chunk c of o's reduced range alone
+//         (coalesced when the kept dims are the inner ones: a sum over dim 0 of (R, C)).
+// With one split / chunk the kernel writes the outputs; otherwise it writes per-block f64
+// partials (maxima too: an f32 is exact in f64) and `reduce_finish_*` combines each output's
+// partials in a fixed order. Every order is fixed by the launch shape, never by timing: results
+// are bitwise deterministic run to run. Sums accumulate in f64 whatever the storage dtype.
+// Floors: n * sizeof(T) bytes read (the partials are a few KB).
 #include "common.cuh"
 
 template <typename T>
-static __device__ void reduce_impl(const T* x, Strided kept, Strided red, T* y, i64 nout, i64 nred, int is_max) {
+static __device__ __forceinline__ float red_load(const T* x, i64 base, const Strided& red, i64 r) {
+    return to_f(x[base + strided_index(red, r)]);
+}
+
+template <typename T>
+static __device__ void reduce_rows_impl(const T* x, Strided kept, Strided red, double* part, T* y, i64 nout, i64 nred, i64 chunk,
+                                        int splits, int is_max) {
     __shared__ float scratch[32];
     __shared__ double scratch64[1024];
-    for (i64 o = blockIdx.x; o < nout; o += gridDim.x) {
-        i64 base = strided_index(kept, o);  // includes the view offset
+    for (i64 blk = blockIdx.x; blk < nout * splits; blk += gridDim.x) {
+        i64 o = blk / splits;
+        int s = (int)(blk - o * splits);
+        i64 base = strided_index(kept, o);
+        i64 lo = (i64)s * chunk, hi = min(nred, lo + chunk);
+        double r;
         if (is_max) {
             float acc = -INFINITY;
-            for (i64 r = threadIdx.x; r < nred; r += blockDim.x) acc = fmaxf(acc, to_f(x[base + strided_index(red, r)]));
-            acc = block_max(acc, scratch);
-            if (threadIdx.x == 0) y[o] = from_f<T>(acc);
+#pragma unroll 4
+            for (i64 i = lo + threadIdx.x; i < hi; i += blockDim.x) acc = fmaxf(acc, red_load(x, base, red, i));
+            r = (double)block_max(acc, scratch);
         } else {
-            // Each thread walks nred / blockDim elements: a long fold, so it runs in f64.
             double acc = 0.0;
-            for (i64 r = threadIdx.x; r < nred; r += blockDim.x) acc += (double)to_f(x[base + strided_index(red, r)]);
-            acc = block_sum_f64(acc, scratch64);
-            if (threadIdx.x == 0) y[o] = from_f<T>((float)acc);
+#pragma unroll 4
+            for (i64 i = lo + threadIdx.x; i < hi; i += blockDim.x) acc += (double)red_load(x, base, red, i);
+            r = block_sum_f64(acc, scratch64);
+        }
+        if (threadIdx.x == 0) {
+            if (splits == 1) y[o] = from_f<T>((float)r);
+            else part[o * splits + s] = r;
         }
     }
 }
-// `red.offset` must be 0 (the view offset lives in `kept`).
-extern "C" __global__ void reduce_f32(const float* x, Strided kept, Strided red, float* y, i64 nout, i64 nred, int is_max) {
-    reduce_impl(x, kept, red, y, nout, nred, is_max);
+
+template <typename T>
+static __device__ void reduce_cols_impl(const T* x, Strided kept, Strided red, double* part, T* y, i64 nout, i64 nred, i64 chunk,
+                                        int chunks, int is_max) {
+    i64 tiles = (nout + blockDim.x - 1) / blockDim.x;
+    for (i64 blk = blockIdx.x; blk < tiles * chunks; blk += gridDim.x) {
+        i64 c = blk / tiles;
+        i64 o = (blk - c * tiles) * blockDim.x + threadIdx.x;
+        if (o >= nout) continue;
+        i64 base = strided_index(kept, o);
+        i64 lo = c * chunk, hi = min(nred, lo + chunk);
+        double r;
+        if (is_max) {
+            float acc = -INFINITY;
+#pragma unroll 4
+            for (i64 i = lo; i < hi; ++i) acc = fmaxf(acc, red_load(x, base, red, i));
+            r = (double)acc;
+        } else {
+            double acc = 0.0;
+#pragma unroll 4
+            for (i64 i = lo; i < hi; ++i) acc += (double)red_load(x, base, red, i);
+            r = acc;
+        }
+        if (chunks == 1) y[o] = from_f<T>((float)r);
+        else part[c * nout + o] = r;
+    }
 }
-extern "C" __global__ void reduce_bf16(const bf16* x, Strided kept, Strided red, bf16* y, i64 nout, i64 nred, int is_max) {
-    reduce_impl(x, kept, red, y, nout, nred, is_max);
+
+// Output o of the rows layout from part[o * splits + s], s = 0..splits: a block per output, a
+// fixed tree. Of the cols layout (part[s * nout + o]): a thread per output, in order of s.
+template <typename T>
+static __device__ void reduce_finish_impl(const double* part, T* y, i64 nout, int splits, int cols, int is_max) {
+    __shared__ double scratch64[1024];
+    if (cols) {
+        FOR_EACH(o, nout) {
+            double acc = is_max ? -INFINITY : 0.0;
+            for (int s = 0; s < splits; ++s) acc = is_max ? fmax(acc, part[(i64)s * nout + o]) : acc + part[(i64)s * nout + o];
+            y[o] = from_f<T>((float)acc);
+        }
+        return;
+    }
+    for (i64 o = blockIdx.x; o < nout; o += gridDim.x) {
+        double acc = is_max ? -INFINITY : 0.0;
+        for (int s = threadIdx.x; s < splits; s += blockDim.x) acc = is_max ? fmax(acc, part[o * splits + s]) : acc + part[o * splits + s];
+        if (is_max) {
+            __syncthreads();
+            scratch64[threadIdx.x] = acc;
+            __syncthreads();
+            for (int n = blockDim.x; n > 1;) {
+                int half = (n + 1) >> 1;
+                if ((int)threadIdx.x < n - half) scratch64[threadIdx.x] = fmax(scratch64[threadIdx.x], scratch64[threadIdx.x + half]);
+                __syncthreads();
+                n = half;
+            }
+            acc = scratch64[0];
+            __syncthreads();
+        } else {
+            acc = block_sum_f64(acc, scratch64);
+        }
+        if (threadIdx.x == 0) y[o] = from_f<T>((float)acc);
+    }
+}
+
+// `red.offset` must be 0 (the view offset lives in `kept`). `part` holds nout * splits doubles
+// (unused, may be null, when splits == 1).
+extern "C" __global__ void reduce_rows_f32(const float* x, Strided kept, Strided red, double* part, float* y, i64 nout, i64 nred, i64 chunk,
+                                           int splits, int is_max) {
+    reduce_rows_impl(x, kept, red, part, y, nout, nred, chunk, splits, is_max);
+}
+extern "C" __global__ void reduce_rows_bf16(const bf16* x, Strided kept, Strided red, double* part, bf16* y, i64 nout, i64 nred, i64 chunk,
+                                            int splits, int is_max) {
+    reduce_rows_impl(x, kept, red, part, y, nout, nred, chunk, splits, is_max);
+}
+extern "C" __global__ void reduce_cols_f32(const float* x, Strided kept, Strided red, double* part, float* y, i64 nout, i64 nred, i64 chunk,
+                                           int chunks, int is_max) {
+    reduce_cols_impl(x, kept, red, part, y, nout, nred, chunk, chunks, is_max);
+}
+extern "C" __global__ void reduce_cols_bf16(const bf16* x, Strided kept, Strided red, double* part, bf16* y, i64 nout, i64 nred, i64 chunk,
+                                            int chunks, int is_max) {
+    reduce_cols_impl(x, kept, red, part, y, nout, nred, chunk, chunks, is_max);
+}
+extern "C" __global__ void reduce_finish_f32(const double* part, float* y, i64 nout, int splits, int cols, int is_max) {
+    reduce_finish_impl(part, y, nout, splits, cols, is_max);
+}
+extern "C" __global__ void reduce_finish_bf16(const double* part, bf16* y, i64 nout, int splits, int cols, int is_max) {
+    reduce_finish_impl(part, y, nout, splits, cols, is_max);
 }

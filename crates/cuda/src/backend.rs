@@ -7,7 +7,7 @@ use crate::consts;
 use crate::device::CudaBackend;
 use crate::gemm::Operand;
 use crate::kernels::{self, Strided};
-use crate::launch::{AdamPart, AdamWParams, Launch, NormPart};
+use crate::launch::{aligned, AdamPart, AdamWParams, DevPtr, NormPart};
 use crate::storage::{cuda, CudaStorage};
 use ferrolm_tensor::backend::{AdamWHyper, AdamWSlot, Backend, BinaryOp, ReduceOp, UnaryOp, View};
 use ferrolm_tensor::{bail, bf16, CpuStorage, DType, Device, Layout, Result, Shape, Storage};
@@ -98,8 +98,10 @@ impl Backend for CudaBackend {
     }
     fn full(&self, n: usize, dtype: DType, v: f64) -> Result<Storage> {
         let out = self.alloc(n, dtype)?;
-        let (cfg, y, len) = (Launch::cover(n, Launch::BLOCK), out.ptr(), n as i64);
-        // SAFETY: `out` holds n elements of the width each fill writes.
+        let cfg = self.plan_elementwise(n, dtype.size_in_bytes(), true);
+        let (y, len) = (out.ptr(), n as i64);
+        // SAFETY: `out` holds n elements of the width each fill writes, from a 16-byte aligned
+        // pool block (the fills store 16-byte vectors).
         unsafe {
             match dtype {
                 DType::BF16 => kernels::fill_b16(self, cfg, y, len, ferrolm_tensor::bf16_from_f64(v).to_bits())?,
@@ -134,8 +136,17 @@ impl Backend for CudaBackend {
         let n = x.1.numel();
         let out = self.alloc(n, s.dtype)?;
         let lx = Strided::from_layout("unary", x.1)?;
+        let src = s.at(lx.offset as usize);
+        if lx.is_dense() && aligned(src) {
+            let cfg = self.plan_elementwise(n, s.dtype.size_in_bytes(), true);
+            // SAFETY: src addresses the view's n dense elements, 16-byte aligned (checked); `out`
+            // holds n elements in an aligned pool block.
+            unsafe { kernels::unary_contig(self, s.dtype, cfg, src, out.ptr(), n as i64, code, a, b)? };
+            return Ok(out.into());
+        }
+        let cfg = self.plan_elementwise(n, s.dtype.size_in_bytes(), false);
         // SAFETY: lx addresses the view's n elements inside x's buffer; `out` holds n elements.
-        unsafe { kernels::unary(self, s.dtype, Launch::cover(n, Launch::BLOCK), s.ptr(), lx, out.ptr(), n as i64, code, a, b)? };
+        unsafe { kernels::unary(self, s.dtype, cfg, s.ptr(), lx, out.ptr(), n as i64, code, a, b)? };
         Ok(out.into())
     }
     fn binary(&self, op: BinaryOp, a: View, b: View) -> Result<Storage> {
@@ -150,7 +161,33 @@ impl Backend for CudaBackend {
         let n = a.1.numel();
         let out = self.alloc(n, sa.dtype)?;
         let (la, lb) = (Strided::from_layout("binary", a.1)?, Strided::from_layout("binary", b.1)?);
-        let cfg = Launch::cover(n, Launch::BLOCK);
+        let (pa, pb) = (sa.at(la.offset as usize), sb.at(lb.offset as usize));
+        let vcfg = self.plan_elementwise(n, sa.dtype.size_in_bytes(), true);
+        if la.is_dense() && lb.is_dense() && aligned(pa) && aligned(pb) {
+            // SAFETY: pa and pb address n dense, 16-byte aligned elements of one dtype; `out`
+            // holds n elements in an aligned pool block.
+            unsafe { kernels::binary_contig(self, sa.dtype, vcfg, pa, pb, out.ptr(), n as i64, code)? };
+            return Ok(out.into());
+        }
+        // One dense operand against a broadcast scalar or row vector.
+        let bcast = |dense: &Strided, pd: DevPtr, other: &Strided| -> Option<i64> {
+            let row = match other.rank {
+                0 => Some(1),
+                1 if other.stride[0] == 0 => Some(1),
+                2 if other.stride[0] == 0 && other.stride[1] == 1 => Some(other.shape[1]),
+                _ => None,
+            };
+            row.filter(|_| dense.is_dense() && aligned(pd))
+        };
+        let row = bcast(&la, pa, &lb).map(|c| (pa, pb, c, 0)).or_else(|| bcast(&lb, pb, &la).map(|c| (pb, pa, c, 1)));
+        if let Some((dense, rowp, cols, row_first)) = row {
+            // SAFETY: `dense` addresses n dense, aligned elements; `rowp` the `cols` elements of
+            // the broadcast operand (a row repeated every `cols` elements, or a scalar); `out`
+            // holds n elements in an aligned pool block.
+            unsafe { kernels::binary_row(self, sa.dtype, vcfg, dense, rowp, out.ptr(), n as i64, cols, code, row_first)? };
+            return Ok(out.into());
+        }
+        let cfg = self.plan_elementwise(n, sa.dtype.size_in_bytes(), false);
         // SAFETY: la and lb address the two views' n elements inside their buffers (the op layer
         // gives both one dtype); `out` holds n elements.
         unsafe { kernels::binary(self, sa.dtype, cfg, sa.ptr(), la, sb.ptr(), lb, out.ptr(), n as i64, code)? };
@@ -173,10 +210,27 @@ impl Backend for CudaBackend {
         let kept = Strided::from_parts("reduce", &kd, &ks, l.offset, false)?;
         let red = Strided::from_parts("reduce", &rd, &rs, 0, false)?;
         let out = self.alloc(nout, s.dtype)?;
-        let (cfg, is_max) = (Launch::per_row(nout, Launch::BLOCK), (op == ReduceOp::Max) as i32);
+        if nout == 0 {
+            return Ok(out.into());
+        }
+        let is_max = (op == ReduceOp::Max) as i32;
+        let plan = self.plan_reduce(nout, nred, red.is_dense());
+        let (splits, chunk) = (plan.splits as i32, plan.chunk as i64);
+        // f64 partials, as pairs of f32 storage elements (the pool has no f64 dtype).
+        let part = match plan.finish {
+            Some(_) => Some(self.alloc(2 * nout * plan.splits, DType::F32)?),
+            None => None,
+        };
+        let pp = part.as_ref().map_or(DevPtr::NULL, |p| p.ptr());
+        let main = if plan.rows { kernels::reduce_rows } else { kernels::reduce_cols };
         // SAFETY: kept and red together address the view's nout * nred elements inside x's
-        // buffer; `out` holds nout elements.
-        unsafe { kernels::reduce(self, s.dtype, cfg, s.ptr(), kept, red, out.ptr(), nout as i64, nred as i64, is_max)? };
+        // buffer; `part` holds nout * splits doubles when there are several splits; `out` holds
+        // nout elements.
+        unsafe { main(self, s.dtype, plan.main, s.ptr(), kept, red, pp, out.ptr(), nout as i64, nred as i64, chunk, splits, is_max)? };
+        if let Some(cfg) = plan.finish {
+            // SAFETY: `part` holds the nout * splits partials written above; `out` nout elements.
+            unsafe { kernels::reduce_finish(self, s.dtype, cfg, pp, out.ptr(), nout as i64, splits, (!plan.rows) as i32, is_max)? };
+        }
         Ok(out.into())
     }
     fn matmul(&self, a: View, b: View) -> Result<Storage> {

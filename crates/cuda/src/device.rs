@@ -394,7 +394,7 @@ impl CudaBackend {
 
     /// With the profile on, on a GPU: a timing event recorded on the compute stream before a
     /// launch (`profile_end` records its partner after it).
-    fn profile_start(&self) -> Result<Option<CudaEvent>> {
+    pub(crate) fn profile_start(&self) -> Result<Option<CudaEvent>> {
         match &self.exec {
             Exec::Gpu(_) if profile::enabled() => self.timing_event().map(Some),
             _ => Ok(None),
@@ -402,7 +402,7 @@ impl CudaBackend {
     }
     /// Records the launch `name` in the profile: timed between `start` and a new event on a GPU,
     /// counted on the emulator.
-    fn profile_end(&self, start: Option<CudaEvent>, name: &'static str, shape: LaunchShape) -> Result<()> {
+    pub(crate) fn profile_end(&self, start: Option<CudaEvent>, name: &'static str, shape: LaunchShape) -> Result<()> {
         match start {
             Some(start) => {
                 let end = self.timing_event()?;

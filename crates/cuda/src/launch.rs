@@ -4,7 +4,7 @@
 //! the fused ops' launchers (crates/ops, one module per op) are written with these. Below them,
 //! the fused optimizer launchers, which have no op of their own (AdamW, global grad norm).
 use crate::consts;
-use crate::device::CudaBackend;
+use crate::device::{CudaBackend, Exec};
 use crate::kernels::{self, Strided};
 use crate::storage::{cuda, CudaStorage};
 use ferrolm_tensor::backend::View;
@@ -113,15 +113,20 @@ impl Strided {
     pub fn from_layout(op: &str, l: &Layout) -> Result<Strided> {
         Self::from_parts(op, l.dims(), &l.strides, l.offset, l.is_contiguous())
     }
-    /// A dense run of elements starting at element 0.
-    pub fn contiguous() -> Strided {
-        Strided { contiguous: 1, ..Default::default() }
+    /// A dense run of `n` elements starting at element 0.
+    pub fn dense(n: usize) -> Strided {
+        let mut s = Strided { contiguous: 1, rank: 1, ..Default::default() };
+        s.shape[0] = n as i64;
+        s.stride[0] = 1;
+        s
     }
+    /// The descriptor of `dims` / `strides` at `offset`; `contiguous` says the view is dense,
+    /// which gives rank 1, stride 1 (the kernels index that without a division).
     pub fn from_parts(op: &str, dims: &[usize], strides: &[usize], offset: usize, contiguous: bool) -> Result<Strided> {
-        let mut s = Strided { offset: offset as i64, contiguous: contiguous as i32, ..Default::default() };
         if contiguous {
-            return Ok(s);
+            return Ok(Strided { offset: offset as i64, ..Self::dense(dims.iter().product()) });
         }
+        let mut s = Strided { offset: offset as i64, ..Default::default() };
         let mut d: Vec<(i64, i64)> = Vec::new();
         for (&n, &st) in dims.iter().zip(strides) {
             if n == 1 {
@@ -143,11 +148,81 @@ impl Strided {
             s.shape[i] = n;
             s.stride[i] = st;
         }
+        if s.rank == 0 || (s.rank == 1 && s.stride[0] == 1) {
+            s.contiguous = 1;
+        }
         Ok(s)
+    }
+    /// True when the elements are a dense run from `offset`.
+    pub fn is_dense(&self) -> bool {
+        self.contiguous == 1
+    }
+    /// (batch, rows, cols, batch stride, col stride) when the view, in row-major order, is a
+    /// (batched) transposed matrix: rows at stride 1, cols at a stride > 1 (`transpose_*`).
+    fn transposed(&self) -> Option<(i64, i64, i64, i64, i64)> {
+        let r = self.rank as usize;
+        match r {
+            2 if self.stride[0] == 1 => Some((1, self.shape[0], self.shape[1], 0, self.stride[1])),
+            3 if self.stride[1] == 1 => Some((self.shape[0], self.shape[1], self.shape[2], self.stride[0], self.stride[2])),
+            _ => None,
+        }
     }
 }
 
+/// The launches of one reduction (`CudaBackend::plan_reduce`): the main kernel (`reduce_rows_*`
+/// when `rows`, else `reduce_cols_*`) over `splits` pieces of `chunk` reduced elements per
+/// output, and with more than one split, `finish` (`reduce_finish_*`) over the partials.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct ReducePlan {
+    pub rows: bool,
+    pub splits: usize,
+    pub chunk: usize,
+    pub main: Launch,
+    pub finish: Option<Launch>,
+}
+
+/// Blocks of a grid-stride launch of `items` work items, `block` threads each, capped at
+/// `EW_WAVES` blocks per SM (the kernels loop over the rest).
+pub(crate) fn waves(items: usize, block: u32, sm: u32) -> Launch {
+    let cap = (sm as usize * consts::EW_WAVES).max(1);
+    Launch::new((items.div_ceil(block as usize).clamp(1, cap) as u32, 1, 1), block).elems(items)
+}
+
+/// Whether `p` (a device address) is 16-byte aligned: the vector paths need it.
+pub(crate) fn aligned(p: DevPtr) -> bool {
+    p.0.is_multiple_of(16)
+}
+
 impl CudaBackend {
+    /// The launch of a dense element-wise / cast / fill kernel over `n` elements: vectors of
+    /// 16 bytes (`16 / elem_bytes` elements) when `vector`, one element per item otherwise.
+    pub fn plan_elementwise(&self, n: usize, elem_bytes: usize, vector: bool) -> Launch {
+        let items = if vector { n.div_ceil(16 / elem_bytes) } else { n };
+        waves(items, consts::EW_BLOCK as u32, self.sm_count()).elems(n)
+    }
+    /// The launches of a reduction of `nout` outputs over `nred` elements each. `rows_contig`:
+    /// the reduced elements of an output are a dense run (stride 1), read best by a block.
+    pub fn plan_reduce(&self, nout: usize, nred: usize, rows_contig: bool) -> ReducePlan {
+        let target = self.sm_count() as usize * consts::RED_WAVES;
+        let block = consts::RED_BLOCK as u32;
+        let rows = (rows_contig && nred >= consts::RED_ROW_MIN) || nout < 32;
+        if rows {
+            let splits = target.div_ceil(nout.max(1)).min(nred.div_ceil(consts::RED_ROW_CHUNK)).max(1);
+            let chunk = nred.div_ceil(splits).max(1);
+            let splits = nred.div_ceil(chunk).max(1);
+            let main = Launch::new(((nout * splits).clamp(1, 1 << 20) as u32, 1, 1), block).elems(nout * nred);
+            let finish = (splits > 1).then(|| Launch::new((nout.clamp(1, 1 << 20) as u32, 1, 1), block).elems(nout * splits));
+            ReducePlan { rows, splits, chunk, main, finish }
+        } else {
+            let tiles = nout.div_ceil(block as usize).max(1);
+            let chunks = target.div_ceil(tiles).min(nred.div_ceil(consts::RED_COL_CHUNK)).max(1);
+            let chunk = nred.div_ceil(chunks).max(1);
+            let chunks = nred.div_ceil(chunk).max(1);
+            let main = Launch::new(((tiles * chunks).clamp(1, 1 << 20) as u32, 1, 1), block).elems(nout * nred);
+            let finish = (chunks > 1).then(|| waves(nout, block, self.sm_count()).elems(nout * chunks));
+            ReducePlan { rows, splits: chunks, chunk, main, finish }
+        }
+    }
     /// `n` zeroed elements of pooled device memory (scratch that kernels accumulate into).
     pub fn alloc_zeroed(&self, n: usize, dtype: DType) -> Result<CudaStorage> {
         let s = self.alloc(n, dtype)?;
@@ -162,30 +237,104 @@ impl CudaBackend {
         }
         Ok(self.download::<i32>(&s.buf, index * 4, 1)?[0])
     }
+    /// Copies `n` elements from element `src_at` of `src` to element `dst_at` of `dst` (same
+    /// dtype) with a device-to-device memcpy on the compute stream.
+    pub fn copy_elements(&self, src: &CudaStorage, src_at: usize, dst: &CudaStorage, dst_at: usize, n: usize) -> Result<()> {
+        let op = "copy";
+        if src.dtype != dst.dtype || src_at + n > src.len || dst_at + n > dst.len {
+            bail!(op, "cannot copy {n} {} elements from {src_at} of {} to {dst_at} of {} {}", src.dtype, src.len, dst.len, dst.dtype);
+        }
+        let bytes = n * src.dtype.size_in_bytes();
+        if bytes == 0 {
+            return Ok(());
+        }
+        let (s, d) = (src.ptr_at(src_at), dst.ptr_at(dst_at));
+        let shape = crate::profile::LaunchShape { grid: (1, 1, 1), block: 0, elems: 0 };
+        match &self.exec {
+            Exec::Gpu(g) => {
+                self.bind()?;
+                let timer = self.profile_start()?;
+                // SAFETY: both ranges lie inside their buffers (checked above), which stay alive
+                // until the stream has run the copy (pool blocks are reused in stream order).
+                unsafe { cudarc::driver::result::memcpy_dtod_async(d, s, bytes, g.stream.cu_stream()) }
+                    .map_err(|e| Error::new(op, format!("{e:?}")))?;
+                self.profile_end(timer, "memcpy_dtod", shape)
+            }
+            Exec::Emu(_) => {
+                self.profile_end(None, "memcpy_dtod", shape)?;
+                self.emu_enqueue(
+                    op,
+                    Box::new(move || {
+                        // SAFETY: emulated device pointers are host addresses of live pool blocks; both
+                        // ranges lie inside their buffers (checked above), alive in stream order.
+                        unsafe { std::ptr::copy(s as usize as *const u8, d as usize as *mut u8, bytes) };
+                        Ok(())
+                    }),
+                )
+            }
+        }
+    }
     /// A dense copy of the view `x` (always a new buffer).
     pub fn contiguous(&self, op: &str, x: View) -> Result<CudaStorage> {
         let s = cuda(op, x.0)?;
         let n = x.1.numel();
         let out = self.alloc(n, s.dtype)?;
-        self.strided_copy(op, s, Strided::from_layout(op, x.1)?, &out, Strided::contiguous(), n)?;
+        self.strided_copy(op, s, Strided::from_layout(op, x.1)?, &out, Strided::dense(n), n)?;
         Ok(out)
     }
-    /// `dst[view ld] = src[view ls]` over `n` elements.
+    /// `dst[view ld] = src[view ls]` over `n` elements: a memcpy when both are dense, the tiled
+    /// transpose for a (batched) transposed source into a dense destination, else the strided
+    /// copy kernel.
     pub(crate) fn strided_copy(&self, op: &str, src: &CudaStorage, ls: Strided, dst: &CudaStorage, ld: Strided, n: usize) -> Result<()> {
-        let copy = match src.dtype.size_in_bytes() {
-            4 => kernels::strided_copy_b32,
-            2 => kernels::strided_copy_b16,
-            _ => bail!(op, "{} is not supported on CUDA", src.dtype),
-        };
+        let w = src.dtype.size_in_bytes();
+        if w != 4 && w != 2 {
+            bail!(op, "{} is not supported on CUDA", src.dtype);
+        }
+        if n == 0 {
+            return Ok(());
+        }
+        if ls.is_dense() && ld.is_dense() {
+            return self.copy_elements(src, ls.offset as usize, dst, ld.offset as usize, n);
+        }
+        if let (Some((b, r, c, sb, sc)), true) = (ls.transposed(), ld.is_dense()) {
+            let blocks = (b as usize) * (r as usize).div_ceil(consts::TP_TILE) * (c as usize).div_ceil(consts::TP_TILE);
+            let cfg = Launch::new((blocks.clamp(1, 65535 * 16) as u32, 1, 1), (consts::TP_TILE * consts::TP_ROWS) as u32).elems(n);
+            let t = if w == 4 { kernels::transpose_b32 } else { kernels::transpose_b16 };
+            // SAFETY: the source view addresses (b, r, c) elements at off + b*sb + r + c*sc inside
+            // src's buffer; dst holds b*r*c = n elements from ld.offset.
+            return unsafe { t(self, cfg, src.ptr(), dst.at(ld.offset as usize), b, r, c, ls.offset, sb, sc) };
+        }
+        let copy = if w == 4 { kernels::strided_copy_b32 } else { kernels::strided_copy_b16 };
+        let cfg = waves(n, Launch::BLOCK, self.sm_count());
         // SAFETY: both descriptors address `n` elements inside their buffers (callers build them
         // from views of those buffers), of the element width the kernel copies.
-        unsafe { copy(self, Launch::cover(n, Launch::BLOCK), src.ptr(), ls, dst.ptr(), ld, n as i64) }
+        unsafe { copy(self, cfg, src.ptr(), ls, dst.ptr(), ld, n as i64) }
     }
     /// A dense copy of the view `x` converted to `dtype` (a plain copy when it already is).
     pub fn to_dtype(&self, x: View, dtype: DType) -> Result<CudaStorage> {
         let s = cuda("cast", x.0)?;
         if s.dtype == dtype {
             return self.contiguous("cast", x);
+        }
+        let n = x.1.numel();
+        let out = self.alloc(n, dtype)?;
+        let lx = Strided::from_layout("cast", x.1)?;
+        let src = s.at(lx.offset as usize);
+        if lx.is_dense() && aligned(src) {
+            type Cast = unsafe fn(&CudaBackend, Launch, DevPtr, DevPtr, i64) -> Result<()>;
+            let dense: Option<Cast> = match (s.dtype, dtype) {
+                (DType::F32, DType::BF16) => Some(kernels::cast_contig_f32_bf16),
+                (DType::BF16, DType::F32) => Some(kernels::cast_contig_bf16_f32),
+                _ => None,
+            };
+            if let Some(k) = dense {
+                // Eight elements a vector step (two f32 vectors, one bf16 vector).
+                let cfg = waves(n.div_ceil(8), consts::EW_BLOCK as u32, self.sm_count()).elems(n);
+                // SAFETY: src addresses the view's n dense elements (16-byte aligned, checked);
+                // `out` holds n elements of the destination dtype (pool blocks are aligned).
+                unsafe { k(self, cfg, src, out.ptr(), n as i64)? };
+                return Ok(out);
+            }
         }
         let convert = match (s.dtype, dtype) {
             (DType::F32, DType::BF16) => kernels::cast_f32_bf16,
@@ -196,11 +345,9 @@ impl CudaBackend {
             (DType::I32, DType::F32) => kernels::cast_i32_f32,
             (a, b) => bail!("cast", "cast {a} -> {b} is not supported on CUDA"),
         };
-        let n = x.1.numel();
-        let out = self.alloc(n, dtype)?;
         // SAFETY: the descriptor addresses the view's n elements of the source dtype inside its
         // buffer; `out` holds n elements of the destination dtype.
-        unsafe { convert(self, Launch::cover(n, Launch::BLOCK), s.ptr(), Strided::from_layout("cast", x.1)?, out.ptr(), n as i64)? };
+        unsafe { convert(self, waves(n, Launch::BLOCK, self.sm_count()), s.ptr(), lx, out.ptr(), n as i64)? };
         Ok(out)
     }
 }

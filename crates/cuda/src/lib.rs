@@ -28,7 +28,7 @@ mod storage;
 
 pub use device::{compile_sources, nvrtc_translation_unit, CudaBackend, CudaEvent, CudaStream};
 pub use emu_stream::{format_report, host_waits, reset_host_waits, track_host_wait_sites, HostWaits, StepScope};
-pub use launch::{check_kernel_dtype, unsupported, AdamWParams, AdamWTensor, DevPtr, Launch, NormPart};
+pub use launch::{check_kernel_dtype, unsupported, AdamWParams, AdamWTensor, DevPtr, Launch, NormPart, ReducePlan};
 pub use pinned::PinnedBuffer;
 pub use storage::CudaStorage;
 
