@@ -284,7 +284,7 @@ part3() {
     fig kernel_rows "$(jnum "${rows:-0}")"
     fig gemm_tflops "$(jnum "$gemm")"
     fig copy_gb_s "$(jnum "$copy")"
-    fig outputs "$(jstr "bench_cuda.md, bench_cuda.json")"
+    [ -s "$OUT/bench_cuda.json" ] && fig outputs "$(jstr "bench_cuda.md, bench_cuda.json")"
     [ $s -eq 0 ] && [ -s "$WORK/bench/bench_cuda.json" ]
 }
 
