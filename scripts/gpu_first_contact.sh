@@ -80,23 +80,12 @@ JSONL="$OUT/gpu_first_contact.jsonl"
 MD="$OUT/gpu_first_contact.md"
 RUNS="$OUT/fc_runs"
 
-# ---------------------------------------------------------------- helpers (also used by steps)
-log() { echo "[first-contact] $*" >&2; }
-
-# JSON string of $1.
-jstr() {
-    local s=$1
-    s=${s//\\/\\\\}; s=${s//\"/\\\"}; s=${s//$'\n'/\\n}; s=${s//$'\t'/ }; s=${s//$'\r'/}
-    printf '"%s"' "$s"
-}
-
-# A JSON number, or null when $1 is not one.
-jnum() {
-    if [[ "$1" =~ ^-?[0-9]+(\.[0-9]+)?([eE][-+]?[0-9]+)?$ ]]; then printf '%s' "$1"; else printf null; fi
-}
-
-# Figures of the running step: `fig key json-value` appends to the step's figure file.
-fig() { printf '%s\t%s\n' "$1" "$2" >>"$FIGS"; }
+# ---------------------------------------------------------------- helpers
+# jstr, jnum, fig, find_bin, need_bin, write_config, train_data, tokenizer, pretrain, metric,
+# median_after, predicted_mib, rehearsal_env, cargo_test_bins, test_counts: scripts/gpu_lib.sh.
+LOG_TAG=first-contact
+# shellcheck source=gpu_lib.sh
+source "$ROOT/scripts/gpu_lib.sh"
 
 # The JSON line of one step: record STEP NAME OK SECONDS FIGFILE REHEARSAL
 record() {
@@ -148,34 +137,7 @@ write_md() {
     } >"$MD"
 }
 
-# The binary NAME (an example or a test-* binary), or an empty string.
-find_bin() {
-    local name=$1 d
-    for d in "${FERROLM_BIN_DIR:-}" "$PWD/bin" "$ROOT/.gpu/bin" "$ROOT/target/release/examples" "$ROOT/target/debug/examples"; do
-        [ -n "$d" ] && [ "$REHEARSE" = 1 ] && [[ "$d" == */.gpu/bin || "$d" == "$PWD/bin" ]] && continue
-        if [ -n "$d" ] && [ -x "$d/$name" ] && [ -f "$d/$name" ]; then echo "$d/$name"; return 0; fi
-    done
-    return 1
-}
-
-need_bin() {
-    local b
-    b=$(find_bin "$1") || { log "missing binary $1 (stage it, or build it: cargo build --release --examples)"; return 1; }
-    echo "$b"
-}
-
 # Shapes: tiny in the rehearsal; on a GPU a small model for correctness, 124M/350M/1B for speed.
-write_config() { # NAME HIDDEN INTER LAYERS HEADS -> path of a config.json
-    local f="$RUNS/config_$1.json"
-    mkdir -p "$RUNS"
-    cat >"$f" <<EOF
-{"architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": 4096, "hidden_size": $2,
- "intermediate_size": $3, "num_hidden_layers": $4, "num_attention_heads": $5, "num_key_value_heads": $5,
- "max_position_embeddings": 4096, "rms_norm_eps": 1e-5, "rope_theta": 10000.0, "tie_word_embeddings": false}
-EOF
-    echo "$f"
-}
-
 config_for() {
     case "$1" in
         tiny) write_config tiny 32 64 2 2 ;;
@@ -185,51 +147,6 @@ config_for() {
         1b) write_config 1b 2048 5632 16 32 ;;
         3b) write_config 3b 3072 8192 26 24 ;;
     esac
-}
-
-# Training text: a few plays in the rehearsal (so the closing full validation is short), the
-# whole bundled corpus on a GPU.
-train_data() {
-    local corpus
-    for corpus in "$ROOT/data/corpus" "$PWD/data/corpus"; do [ -d "$corpus" ] && break; done
-    if [ "$REHEARSE" = 1 ]; then
-        mkdir -p "$RUNS/data"
-        [ -s "$RUNS/data/rehearsal.txt" ] || cat "$corpus"/hamlet.txt | head -c 60000 >"$RUNS/data/rehearsal.txt"
-        echo "$RUNS/data/rehearsal.txt"
-    else
-        echo "$corpus"
-    fi
-}
-
-tokenizer() {
-    local t
-    for t in "$ROOT/data/tokenizer.json" "$PWD/data/tokenizer.json"; do [ -f "$t" ] && { echo "$t"; return; }; done
-}
-
-# pretrain RUN ARGS...: pretrain_llama into $RUNS/RUN (log RUN.log); the exit status is its own.
-pretrain() {
-    local run=$1; shift
-    local bin; bin=$(need_bin pretrain_llama) || return 1
-    rm -rf "${RUNS:?}/$run"
-    (cd "$RUNS" && "$bin" --out "$RUNS/$run" --tokenizer "$(tokenizer)" --eval-every 0 --save-every 0 \
-        --log-level warn "$@") >"$RUNS/$run.log" 2>&1
-    local s=$?
-    echo "$run" >>"$RUNS/runs.txt"
-    tail -n 3 "$RUNS/$run.log" >&2
-    return $s
-}
-
-# Values of KEY in a metrics.jsonl, one a line (training-step lines only).
-metric() { grep -o "\"$2\":-\?[0-9][-0-9.eE+]*" "$1" 2>/dev/null | cut -d: -f2; }
-
-# Median of the numbers on stdin, skipping the first $1 (warm-up).
-median_after() {
-    tail -n +"$(( $1 + 1 ))" | sort -g | awk '{a[NR] = $1} END {if (NR == 0) print "null"; else if (NR % 2) print a[(NR + 1) / 2]; else print (a[NR / 2] + a[NR / 2 + 1]) / 2}'
-}
-
-# The estimator's predicted peak of a run, in MiB (from its "memory: predicted peak" line).
-predicted_mib() {
-    grep -o 'memory: predicted peak [0-9.]* [KMGT]iB' "$1" | head -n 1 | awk '{u = $5; v = $4; m = (u == "KiB") ? v / 1024 : (u == "MiB") ? v : (u == "GiB") ? v * 1024 : v * 1048576; print m}'
 }
 
 # ---------------------------------------------------------------- the steps
@@ -264,15 +181,14 @@ step2() {
     local bins=() t fatbin passed=0 failed=0 bfail=0 pass name
     if [ "$REHEARSE" = 1 ]; then
         # The emulator runs the CUDA crate's tests and the ops' CUDA tests (the rest is CI's).
-        local listing; listing=$(cd "$ROOT" && cargo test -p ferrolm-cuda -p ferrolm-ops --test cuda --test kernels --test nvrtc --test optim --test pinned --no-run --message-format=json 2>/dev/null)
-        mapfile -t bins < <(echo "$listing" | grep -o '"executable":"[^"]*"' | cut -d'"' -f4 | sort -u)
+        mapfile -t bins < <(cargo_test_bins -p ferrolm-cuda -p ferrolm-ops --test cuda --test kernels --test nvrtc --test optim --test pinned)
     else
         local dir; dir=$(dirname "$(find_bin pretrain_llama || echo "$PWD/bin/x")")
         for t in "$dir"/test-*; do [ -x "$t" ] && bins+=("$t"); done
     fi
     fatbin=${FERROLM_KERNELS_FATBIN:-}
     if [ -z "$fatbin" ]; then
-        for f in "$(dirname "${bins[0]:-.}")/ferrolm_kernels.fatbin" $(ls -t "$ROOT"/target/*/build/ferrolm-*/out/ferrolm_kernels.fatbin 2>/dev/null); do
+        for f in "$(dirname "${bins[0]:-.}")/ferrolm_kernels.fatbin" $(ls -t "$(target_dir)"/*/build/ferrolm-*/out/ferrolm_kernels.fatbin 2>/dev/null); do
             [ -f "$f" ] && { fatbin=$f; break; }
         done
     fi
@@ -292,8 +208,7 @@ step2() {
             fi
             local s=$?
             local p f
-            p=$(grep -o 'test result: .* [0-9]* passed' "$OUT/fc_step2_${pass}_$name.log" | grep -o '[0-9]* passed' | awk '{n += $1} END {print n + 0}')
-            f=$(grep -o '[0-9]* failed' "$OUT/fc_step2_${pass}_$name.log" | awk '{n += $1} END {print n + 0}')
+            read -r p f < <(test_counts "$OUT/fc_step2_${pass}_$name.log")
             passed=$((passed + p)); failed=$((failed + f))
             if [ $s -ne 0 ]; then bfail=$((bfail + 1)); echo "FAILED: $pass $name (exit $s)"; tail -n 15 "$OUT/fc_step2_${pass}_$name.log"; fi
         done
@@ -491,19 +406,14 @@ mkdir -p "$OUT" "$RUNS" || { echo "error: cannot create OUT=$OUT" >&2; exit 2; }
 FC_COMMAND="$0 $([ "$REHEARSE" = 1 ] && echo --rehearse) --steps $STEPS"
 export OUT PY REHEARSE FC_COMMAND
 if [ "$REHEARSE" = 1 ]; then
-    export FERROLM_CUDA_EMULATOR=1
-    unset FERROLM_REQUIRE_GPU
-    if [ -d "$ROOT/.cuda" ]; then
-        nv=$(ls -d "$ROOT"/.cuda/lib/python3.*/site-packages/nvidia/cu13/lib 2>/dev/null | head -n 1)
-        [ -n "$nv" ] && export LD_LIBRARY_PATH="$nv${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
-    fi
+    rehearsal_env
     log "rehearsal: building the examples and the CUDA tests (dev profile)"
     t0=$(date +%s)
     (cd "$ROOT" && cargo build --examples -q && cargo test -p ferrolm-cuda -p ferrolm-ops --test cuda --test kernels \
         --test nvrtc --test optim --test pinned --no-run -q) || log "build failed: the steps that need it will fail"
     log "build: $(( $(date +%s) - t0 )) s"
     # The tools prefer the dev profile's artifacts in the rehearsal.
-    export FERROLM_BIN_DIR=${FERROLM_BIN_DIR:-$ROOT/target/debug/examples}
+    export FERROLM_BIN_DIR=${FERROLM_BIN_DIR:-$(target_dir)/debug/examples}
 else
     export FERROLM_REQUIRE_GPU=1
 fi

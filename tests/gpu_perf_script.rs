@@ -1,0 +1,129 @@
+//! `scripts/gpu_perf.sh`: its help, its refusal of bad arguments, and its rehearsal (no GPU: the
+//! CUDA emulator, tiny shapes, dev-profile binaries, PyTorch skipped when it does not import),
+//! which must write `$OUT/gpu_perf.json` with every part, each marked rehearsal, the Markdown
+//! report, the log archive, part 3's bench_cuda tables and part 4's profile, and nothing else.
+use std::path::{Path, PathBuf};
+use std::process::{Command, Output};
+
+fn script() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).join("scripts/gpu_perf.sh")
+}
+
+fn run(args: &[&str], out: &Path, work: &Path) -> Output {
+    Command::new("bash")
+        .arg(script())
+        .args(args)
+        .env("OUT", out)
+        .env("GP_WORK", work)
+        .env_remove("FERROLM_CUDA_EMULATOR")
+        .env_remove("FERROLM_REQUIRE_GPU")
+        .output()
+        .expect("bash runs")
+}
+
+fn scratch(name: &str) -> PathBuf {
+    let d = std::env::temp_dir().join(format!("ferrolm-gpu-perf-{name}-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&d);
+    d
+}
+
+#[test]
+fn help_names_every_part_and_output() {
+    let out = scratch("help");
+    let o = run(&["--help"], &out, &out.join("work"));
+    assert!(o.status.success(), "--help failed: {}", String::from_utf8_lossy(&o.stderr));
+    let text = String::from_utf8_lossy(&o.stdout);
+    let mut at = 0;
+    for (i, n) in ["tests", "train", "bench_cuda", "profile"].iter().enumerate() {
+        let needle = format!("{} {n}", i + 1);
+        let pos = text[at..].find(&needle).unwrap_or_else(|| panic!("--help lacks part `{needle}` after the previous one:\n{text}"));
+        at += pos + needle.len();
+    }
+    for s in ["--rehearse", "--parts", "OUT", "gpu_perf.md", "gpu_perf.json", "gpu_perf_logs.tar.gz", "profile.json", "GP_BUDGET_S"] {
+        assert!(text.contains(s), "--help does not mention {s}");
+    }
+    assert!(!out.exists(), "--help must not write anything");
+}
+
+#[test]
+fn bad_arguments_are_refused_by_name() {
+    let out = scratch("bad");
+    for (args, needle) in [
+        (&["--parts", "5"][..], "--parts"),
+        (&["--parts", "1,x"][..], "--parts"),
+        (&["--parts", ""][..], "--parts"),
+        (&["--parts"][..], "--parts"),
+        (&["--bogus"][..], "--bogus"),
+    ] {
+        let o = run(args, &out, &out.join("work"));
+        assert_eq!(o.status.code(), Some(2), "{args:?} should exit 2");
+        let err = String::from_utf8_lossy(&o.stderr);
+        assert!(err.contains(needle), "{args:?}: the error does not name {needle}: {err}");
+    }
+    assert!(!out.join("gpu_perf.json").exists());
+}
+
+fn positive(v: &serde_json::Value) -> bool {
+    v.as_f64().is_some_and(|x| x > 0.0)
+}
+
+/// The whole rehearsal: tens of seconds once the examples are built (cargo checks them first).
+#[test]
+fn rehearsal_writes_every_part_marked_rehearsal() {
+    let out = scratch("rehearsal");
+    let work = scratch("rehearsal-work");
+    let o = run(&["--rehearse"], &out, &work);
+    let log = format!("{}{}", String::from_utf8_lossy(&o.stdout), String::from_utf8_lossy(&o.stderr));
+    assert!(o.status.success(), "the rehearsal must finish past failed parts:\n{log}");
+
+    let text = std::fs::read_to_string(out.join("gpu_perf.json")).unwrap_or_else(|e| panic!("no gpu_perf.json ({e}):\n{log}"));
+    let v: serde_json::Value = serde_json::from_str(&text).unwrap_or_else(|e| panic!("gpu_perf.json is not JSON ({e}):\n{text}"));
+    assert_eq!(v["mode"], "rehearsal", "{text}");
+    for part in ["tests", "train", "bench_cuda", "profile"] {
+        let p = &v[part];
+        assert!(p["ok"].is_boolean(), "part {part} lacks ok: {text}");
+        assert!(p["seconds"].as_f64().is_some_and(|s| s >= 0.0), "part {part} lacks seconds: {text}");
+        assert!(positive(&p["limit_s"]), "part {part} lacks its limit: {text}");
+        assert_eq!(p["rehearsal"], true, "part {part} is not marked rehearsal: {text}");
+        assert!(p["figures"].is_object(), "part {part} lacks figures: {text}");
+    }
+    // The parts that do not wait on pretrain_llama --profile pass in the rehearsal.
+    let t = &v["tests"]["figures"];
+    assert_eq!(v["tests"]["ok"], true, "{text}\n{log}");
+    assert!(positive(&t["tests_passed"]) && t["tests_failed"] == 0, "{text}");
+    assert_eq!(v["train"]["ok"], true, "{text}\n{log}");
+    for shape in ["124m", "1b"] {
+        let f = &v["train"]["figures"];
+        assert!(positive(&f[format!("{shape}_ours_tokens_per_s")]), "{shape}: no tokens/s of ours: {text}");
+        assert!(positive(&f[format!("{shape}_params")]), "{shape}: no parameter count: {text}");
+        // PyTorch either ran (on the CPU) or is marked skipped.
+        let eager = &f[format!("{shape}_eager_tokens_per_s")];
+        assert!(positive(eager) || f[format!("{shape}_eager_skipped")].is_string(), "{shape}: PyTorch neither ran nor skipped: {text}");
+    }
+    assert_eq!(v["bench_cuda"]["ok"], true, "{text}\n{log}");
+    assert!(positive(&v["bench_cuda"]["figures"]["kernel_rows"]), "{text}");
+    for f in ["bench_cuda.md", "bench_cuda.json", "gpu_perf.md", "gpu_perf_logs.tar.gz"] {
+        assert!(out.join(f).metadata().is_ok_and(|m| m.len() > 0), "{f} missing or empty in OUT");
+    }
+    let md = std::fs::read_to_string(out.join("gpu_perf.md")).unwrap();
+    for row in ["| 1 | tests |", "| 2 | train |", "| 3 | bench_cuda |", "| 4 | profile |"] {
+        assert_eq!(md.matches(row).count(), 1, "gpu_perf.md lacks the row `{row}`:\n{md}");
+    }
+    // The device tool brings back 8 files: the script writes at most 6.
+    let files = std::fs::read_dir(&out).unwrap().count();
+    assert!(
+        files <= 6,
+        "{files} entries in OUT: {:?}",
+        std::fs::read_dir(&out).unwrap().map(|e| e.unwrap().file_name()).collect::<Vec<_>>()
+    );
+
+    // Part 4 needs pretrain_llama --profile (profile.json in the run directory).
+    let prof = &v["profile"];
+    assert!(positive(&prof["figures"]["launches_per_step"]), "the profile's launches_per_step is not a positive number: {text}");
+    assert_eq!(prof["figures"]["timed"], false, "the emulator's profile must say it is not timed: {text}");
+    assert!(prof["figures"]["top_kernels"].as_array().is_some_and(|k| !k.is_empty()), "{text}");
+    assert!(out.join("profile.json").exists(), "profile.json not copied to OUT");
+    assert_eq!(prof["ok"], true, "{text}");
+    std::fs::remove_dir_all(&out).unwrap();
+    std::fs::remove_dir_all(&work).unwrap();
+}
