@@ -298,6 +298,15 @@ impl Backend for CudaBackend {
         self.strided_copy("assign", s, Strided::from_layout("assign", src.1)?, d, dstl, dl.numel())
     }
 
+    fn assign_cast(&self, dst: &mut Storage, dl: &Layout, src: View) -> Result<bool> {
+        let d = cuda("assign", dst)?;
+        if !dl.is_contiguous() || d.dtype == DType::I32 || cuda("assign", src.0)?.dtype == DType::I32 {
+            return Ok(false);
+        }
+        self.cast_into(src, d, dl.offset)?;
+        Ok(true)
+    }
+
     fn adamw_step(&self, slots: &[AdamWSlot], h: AdamWHyper, grad_scale: f64) -> Result<bool> {
         let op = "adamw_step";
         // Each slot is a contiguous range (a segment of a bucket, at any offset).

@@ -316,11 +316,21 @@ impl CudaBackend {
         if s.dtype == dtype {
             return self.contiguous("cast", x);
         }
-        let n = x.1.numel();
-        let out = self.alloc(n, dtype)?;
+        let out = self.alloc(x.1.numel(), dtype)?;
+        self.cast_into(x, &out, 0)?;
+        Ok(out)
+    }
+    /// Writes the view `x` converted to `dst`'s dtype densely into `dst` from element `at`: one
+    /// launch (the vector kernel when both ends are dense and 16-byte aligned).
+    pub fn cast_into(&self, x: View, dst: &CudaStorage, at: usize) -> Result<()> {
+        let s = cuda("cast", x.0)?;
+        let (n, dtype) = (x.1.numel(), dst.dtype);
+        if at.checked_add(n).is_none_or(|e| e > dst.len) {
+            bail!("cast", "{n} elements from {at} do not fit a destination of {}", dst.len);
+        }
         let lx = Strided::from_layout("cast", x.1)?;
-        let src = s.at(lx.offset as usize);
-        if lx.is_dense() && aligned(src) {
+        let (src, out) = (s.at(lx.offset as usize), dst.at(at));
+        if lx.is_dense() && aligned(src) && aligned(out) {
             type Cast = unsafe fn(&CudaBackend, Launch, DevPtr, DevPtr, i64) -> Result<()>;
             let dense: Option<Cast> = match (s.dtype, dtype) {
                 (DType::F32, DType::BF16) => Some(kernels::cast_contig_f32_bf16),
@@ -330,10 +340,9 @@ impl CudaBackend {
             if let Some(k) = dense {
                 // Eight elements a vector step (two f32 vectors, one bf16 vector).
                 let cfg = waves(n.div_ceil(8), consts::EW_BLOCK as u32, self.sm_count()).elems(n);
-                // SAFETY: src addresses the view's n dense elements (16-byte aligned, checked);
-                // `out` holds n elements of the destination dtype (pool blocks are aligned).
-                unsafe { k(self, cfg, src, out.ptr(), n as i64)? };
-                return Ok(out);
+                // SAFETY: src addresses the view's n dense elements and `out` n elements of the
+                // destination dtype (bounds checked above), both 16-byte aligned (checked).
+                return unsafe { k(self, cfg, src, out, n as i64) };
             }
         }
         let convert = match (s.dtype, dtype) {
@@ -346,9 +355,8 @@ impl CudaBackend {
             (a, b) => bail!("cast", "cast {a} -> {b} is not supported on CUDA"),
         };
         // SAFETY: the descriptor addresses the view's n elements of the source dtype inside its
-        // buffer; `out` holds n elements of the destination dtype.
-        unsafe { convert(self, waves(n, Launch::BLOCK, self.sm_count()), s.ptr(), lx, out.ptr(), n as i64)? };
-        Ok(out)
+        // buffer; `out` has room for n elements of the destination dtype (checked above).
+        unsafe { convert(self, waves(n, Launch::BLOCK, self.sm_count()), s.ptr(), lx, out, n as i64) }
     }
 }
 

@@ -92,6 +92,11 @@ pub trait Backend: Send + Sync + 'static {
     fn cat(&self, parts: &[View], dim: usize) -> Result<Storage>;
     /// In place: `dst[view] = src` element-wise (same shape); used by optimizers and loaders.
     fn assign(&self, dst: &mut Storage, dst_layout: &Layout, src: View) -> Result<()>;
+    /// `assign` from a source of another dtype, converted on the way in one pass (rounded
+    /// once). `Ok(false)`: not supported here (the caller converts first, then assigns).
+    fn assign_cast(&self, _dst: &mut Storage, _dst_layout: &Layout, _src: View) -> Result<bool> {
+        Ok(false)
+    }
 
     /// Optional fused optimizer kernels. `Ok(false)` / `Ok(None)`: the backend has none and
     /// the caller runs the op-based version (the CPU backend's answer).

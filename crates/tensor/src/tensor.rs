@@ -415,13 +415,19 @@ impl Tensor {
         if src.device() != self.device() {
             bail!("assign", "device mismatch: destination {} source {}", self.device(), src.device());
         }
+        let b = self.backend("assign")?;
+        if src.dtype() != self.dtype() && !Arc::ptr_eq(&src.0.storage, &self.0.storage) {
+            let sg = src.0.storage.read()?;
+            if b.assign_cast(&mut *self.0.storage.write()?, &self.0.layout, (&sg, &src.0.layout))? {
+                return Ok(());
+            }
+        }
         let src = if src.dtype() != self.dtype() {
             let _g = autograd::no_grad();
             src.to_dtype(self.dtype())?
         } else {
             src.clone()
         };
-        let b = self.backend("assign")?;
         if Arc::ptr_eq(&src.0.storage, &self.0.storage) {
             let copy = src.with_storage(|x| b.copy_strided(x))?;
             let l = Layout::contiguous(src.shape().clone());
