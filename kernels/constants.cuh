@@ -34,3 +34,7 @@ enum { B_ADD, B_SUB, B_MUL, B_DIV, B_EQ };
 
 // Multi-tensor optimizer kernels (optim.cu): one block per OPT_CHUNK elements of a tensor.
 #define OPT_CHUNK 4096
+
+// Sorted embedding backward (embedding.cu, `embedding_bwd_sorted_*`): at most EMB_SORT_THREADS
+// threads per block, each moving 16 bytes of a dy row at a time.
+#define EMB_SORT_THREADS 128
