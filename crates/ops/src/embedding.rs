@@ -228,7 +228,7 @@ mod cuda {
         let w = 16 / dt.size_in_bytes();
         let threads = d.div_ceil(w).next_multiple_of(32).clamp(32, consts::EMB_SORT_THREADS);
         let src = s.at(dy.1.offset);
-        let vec = d % w == 0 && src.addr() % 16 == 0 && dw.ptr().addr() % 16 == 0;
+        let vec = d.is_multiple_of(w) && src.addr().is_multiple_of(16) && dw.ptr().addr().is_multiple_of(16);
         if vocab > i32::MAX as usize || d.div_ceil(threads * w) > 65535 {
             bail!("embedding_backward", "a ({vocab}, {d}) gradient exceeds the kernel's grid");
         }
