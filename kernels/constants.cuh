@@ -52,3 +52,7 @@ enum { B_ADD, B_SUB, B_MUL, B_DIV, B_EQ };
 #define RED_ROW_CHUNK 1024
 #define RED_COL_CHUNK 16
 #define RED_ROW_MIN 64
+
+// Sorted embedding backward (embedding.cu, `embedding_bwd_sorted_*`): at most EMB_SORT_THREADS
+// threads per block, each moving 16 bytes of a dy row at a time.
+#define EMB_SORT_THREADS 128

@@ -10,11 +10,7 @@ use ferrolm::nn::LlamaConfig;
 use ferrolm::train::{TrainOptions, Trainer};
 use ferrolm::{DType, Device, Llama};
 use ferrolm_tensor::Rng;
-use std::path::{Path, PathBuf};
-
-fn root() -> PathBuf {
-    Path::new(env!("CARGO_MANIFEST_DIR")).to_path_buf()
-}
+use std::path::Path;
 
 fn opts(steps: usize) -> TrainOptions {
     TrainOptions {
@@ -67,8 +63,8 @@ fn training_on_the_emulated_cuda_backend_matches_the_cpu() {
     let Some(gpu) = common::cuda0_device() else { return };
     let tmp = std::env::temp_dir().join(format!("ferrolm-emu-train-{}", std::process::id()));
     let _ = std::fs::remove_dir_all(&tmp);
-    let tok = Tokenizer::from_file(root().join("data/tokenizer.json")).unwrap();
-    prepare_text_dir(root().join("data/corpus/sonnets.txt"), &tok, tmp.join("shards"), 0.1, 1 << 20).unwrap();
+    let tok = Tokenizer::from_file(common::tokenizer_path()).unwrap();
+    prepare_text_dir(common::data_path("corpus/sonnets.txt"), &tok, tmp.join("shards"), 0.1, 1 << 20).unwrap();
     let v = tok.vocab_size();
 
     // f32, GQA 4:2, head dim 8 (SIMT attention)

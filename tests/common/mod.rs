@@ -14,8 +14,36 @@ pub fn root() -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR")).to_path_buf()
 }
 
+/// The bundled data folder (`tokenizer.json`, `corpus/`), found at run time so that a test
+/// binary run on another machine or from another folder (the GPU runner runs them from `.gpu/`,
+/// with `data/` beside `bin/`) finds it: `$FERROLM_DATA_DIR` when set, else `./data`, else the
+/// first `data/` holding `tokenizer.json` up from the binary's folder, then up from the working
+/// directory, and only last the build machine's `CARGO_MANIFEST_DIR/data`.
+pub fn data_dir() -> PathBuf {
+    if let Some(d) = std::env::var_os("FERROLM_DATA_DIR").filter(|d| !d.is_empty()) {
+        return PathBuf::from(d);
+    }
+    let holds = |d: &Path| d.join("tokenizer.json").is_file();
+    if holds(Path::new("data")) {
+        return PathBuf::from("data");
+    }
+    let exe_dir = std::env::current_exe().ok().and_then(|e| e.parent().map(Path::to_path_buf));
+    let cwd = std::env::current_dir().ok();
+    for start in [exe_dir, cwd].into_iter().flatten() {
+        if let Some(d) = start.ancestors().map(|a| a.join("data")).find(|d| holds(d)) {
+            return d;
+        }
+    }
+    root().join("data")
+}
+
+/// `rel` inside the bundled data folder (`data_dir`).
+pub fn data_path(rel: &str) -> PathBuf {
+    data_dir().join(rel)
+}
+
 pub fn tokenizer_path() -> PathBuf {
-    root().join("data/tokenizer.json")
+    data_path("tokenizer.json")
 }
 
 /// A fresh, empty temporary directory unique to this test.
@@ -65,7 +93,7 @@ impl Drop for ParallelDir {
 pub fn shards_with(dir: &Path, val_fraction: f64) -> (Vec<PathBuf>, Vec<PathBuf>, usize) {
     let tok = Tokenizer::from_file(tokenizer_path()).unwrap();
     let out = dir.join("shards");
-    prepare_text_dir(root().join("data/corpus/sonnets.txt"), &tok, &out, val_fraction, 1 << 20).unwrap();
+    prepare_text_dir(data_path("corpus/sonnets.txt"), &tok, &out, val_fraction, 1 << 20).unwrap();
     (list_shards(&out, "train").unwrap(), list_shards(&out, "val").unwrap(), tok.vocab_size())
 }
 

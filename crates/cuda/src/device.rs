@@ -37,8 +37,10 @@ impl CudaStream {
             _ => bail!("stream wait", "an event of one device kind on a stream of the other"),
         }
     }
-    /// The host waits for everything queued on the stream.
+    /// The host waits for everything queued on the stream (a counted host wait).
+    #[track_caller]
     pub fn synchronize(&self) -> Result<()> {
+        crate::emu_stream::count_host_wait();
         match self {
             CudaStream::Gpu(s) => s.synchronize().map_err(err("synchronize")),
             CudaStream::Emu(s) => s.synchronize(),
@@ -60,8 +62,10 @@ impl CudaStream {
 }
 
 impl CudaEvent {
-    /// The host waits for the event.
+    /// The host waits for the event (a counted host wait).
+    #[track_caller]
     pub fn synchronize(&self) -> Result<()> {
+        crate::emu_stream::count_host_wait();
         match self {
             CudaEvent::Gpu(e) => e.synchronize().map_err(err("event synchronize")),
             CudaEvent::Emu(e) => e.synchronize(),
@@ -78,8 +82,10 @@ impl CudaEvent {
     pub fn is_complete(&self) -> bool {
         self.try_is_complete().unwrap_or(false)
     }
-    /// Milliseconds from this event to `end` (waits for `end`).
+    /// Milliseconds from this event to `end` (waits for `end`: a counted host wait).
+    #[track_caller]
     pub fn elapsed_ms(&self, end: &CudaEvent) -> Result<f32> {
+        crate::emu_stream::count_host_wait();
         match (self, end) {
             (CudaEvent::Gpu(a), CudaEvent::Gpu(b)) => a.elapsed_ms(b).map_err(err("elapsed_ms")),
             (CudaEvent::Emu(a), CudaEvent::Emu(b)) => a.elapsed_ms(b),
@@ -304,7 +310,8 @@ impl CudaBackend {
     pub fn bind_to_thread(&self) -> Result<()> {
         self.bind()
     }
-    /// The host waits for the compute stream (on the emulator: a counted host wait).
+    /// The host waits for the compute stream (a counted host wait).
+    #[track_caller]
     pub fn synchronize(&self) -> Result<()> {
         match &self.exec {
             Exec::Gpu(g) => g.stream.synchronize(),
@@ -324,6 +331,7 @@ impl CudaBackend {
         self.pool.reset_peak()
     }
     /// Returns cached free blocks to the driver (synchronises the compute stream).
+    #[track_caller]
     pub fn empty_cache(&self) -> Result<()> {
         self.synchronize()?;
         self.pool.trim();
@@ -496,7 +504,8 @@ impl CudaBackend {
         Ok(s)
     }
     /// Device -> host copy of `n` elements `offset` bytes into `buf` (synchronises the compute
-    /// stream). `T` must be a plain number type (every bit pattern valid).
+    /// stream: a counted host wait). `T` must be a plain number type (every bit pattern valid).
+    #[track_caller]
     pub(crate) fn download<T: Copy + Default>(&self, buf: &DevBuf, offset: usize, n: usize) -> Result<Vec<T>> {
         let end = n.checked_mul(std::mem::size_of::<T>()).and_then(|b| b.checked_add(offset));
         if end.is_none_or(|e| e > buf.class) {

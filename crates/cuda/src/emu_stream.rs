@@ -13,8 +13,10 @@
 //! host read without a synchronisation, then gives wrong or varying bits.
 //!
 //! Host waits (`FERROLM_EMU_REPORT=1`, `host_waits`): every synchronisation of the host with the
-//! emulated device is counted with its call site (the first frame outside this crate and the
-//! tensor crate). At exit the report prints `emulator host waits: TOTAL (PER_STEP per step)` and
+//! device, emulated or a GPU (the waiting functions of `device.rs` and `pinned.rs` count on both
+//! paths), is counted with its call site: the caller's `file:line` (`#[track_caller]` through
+//! the waiting functions, so it survives a stripped release binary), or where that caller is
+//! inside this crate or the tensor crate, the first frame of a backtrace outside them. At exit the report prints `emulator host waits: TOTAL (PER_STEP per step)` and
 //! one line per call site. Training marks its steps (`StepScope`), so the per-step figure counts
 //! only the waits made for a step (on its thread, or on a thread working for it).
 use ferrolm_tensor::{Error, Result};
@@ -216,12 +218,8 @@ impl EmuStream {
         let (q, target) = (ev.q.clone(), ev.target);
         self.enqueue(Box::new(move || q.wait_for(target).map_err(|e| e.to_string())))
     }
-    /// Host wait for everything queued so far (counted at the caller's site).
+    /// Host wait for everything queued so far (counted by the caller, `CudaStream::synchronize`).
     pub(crate) fn synchronize(&self) -> Result<()> {
-        count_host_wait();
-        self.sync_uncounted()
-    }
-    pub(crate) fn sync_uncounted(&self) -> Result<()> {
         let target = lock(&self.q.st).queued;
         self.q.wait_for(target)
     }
@@ -259,9 +257,8 @@ impl EmuEvent {
     pub(crate) fn is_complete(&self) -> bool {
         lock(&self.q.st).done >= self.target
     }
-    /// Host wait for the event (counted at the caller's site).
+    /// Host wait for the event (counted by the caller, `CudaEvent::synchronize`).
     pub(crate) fn synchronize(&self) -> Result<()> {
-        count_host_wait();
         self.q.wait_for(self.target)
     }
     pub(crate) fn elapsed_ms(&self, end: &EmuEvent) -> Result<f32> {
@@ -354,21 +351,36 @@ pub fn format_report(w: &HostWaits) -> String {
     s
 }
 
-/// Counts one host wait on the emulated device, at the caller's site.
+/// Counts one host wait on the device (a GPU or the emulator), at the caller's site.
+#[track_caller]
 pub(crate) fn count_host_wait() {
     TOTAL.fetch_add(1, Ordering::Relaxed);
     if StepScope::in_step() {
         IN_STEPS.fetch_add(1, Ordering::Relaxed);
     }
     if TRACK_SITES.load(Ordering::Relaxed) {
-        let site = call_site();
+        let site = call_site(std::panic::Location::caller());
         *lock(&SITES).get_or_insert_with(HashMap::new).entry(site).or_insert(0) += 1;
     }
 }
 
+/// The site of a host wait: `at` ("file:line", the innermost caller not marked
+/// `#[track_caller]`) when it lies outside this crate and the tensor crate; else the first
+/// backtrace frame outside them ("function (file:line)"), which needs debug symbols; else `at`
+/// marked "(inside)".
+fn call_site(at: &std::panic::Location<'_>) -> String {
+    let file = at.file().replace('\\', "/");
+    let inside = ["crates/cuda/src/", "crates/tensor/src/"].iter().any(|d| file.contains(d));
+    if !inside {
+        return format!("{file}:{}", at.line());
+    }
+    backtrace_site().unwrap_or_else(|| format!("(inside) {file}:{}", at.line()))
+}
+
 /// The first frame of the current backtrace outside the CUDA backend, the tensor crate and the
-/// standard library: "function (file:line)", the file relative to the workspace.
-fn call_site() -> String {
+/// standard library: "function (file:line)", the file relative to the workspace; None when the
+/// backtrace has no such frame or no file names (a binary without debug information).
+fn backtrace_site() -> Option<String> {
     let here = std::path::Path::new(env!("CARGO_MANIFEST_DIR"));
     let root = here.parent().and_then(|p| p.parent()).unwrap_or(here);
     let internal = [here.join("src"), root.join("crates/tensor/src")];
@@ -387,11 +399,11 @@ fn call_site() -> String {
             }
             let shown = abs.strip_prefix(root).unwrap_or(&abs).display().to_string();
             let f = f.rsplit_once("::h").filter(|(_, h)| h.len() == 16).map_or(f, |(a, _)| a);
-            return format!("{f} ({shown})");
+            return Some(format!("{f} ({shown})"));
         }
         func = t.split_once(": ").map(|(_, f)| f).filter(|_| t.chars().next().is_some_and(|c| c.is_ascii_digit()));
     }
-    "(unknown call site)".into()
+    None
 }
 
 /// What was counted since the start (or the last `reset_host_waits`).

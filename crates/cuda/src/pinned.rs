@@ -72,7 +72,9 @@ impl PinnedBuffer {
     pub fn in_flight(&self) -> bool {
         self.pending.as_ref().is_some_and(|e| !e.is_complete())
     }
-    /// Waits for every copy into or out of the buffer.
+    /// Waits for every copy into or out of the buffer (a counted host wait, at the caller's
+    /// site, when a copy was queued since the last wait).
+    #[track_caller]
     pub fn wait(&mut self) -> Result<()> {
         if let Some(ev) = self.pending.take() {
             ev.synchronize()?;
@@ -89,6 +91,7 @@ impl PinnedBuffer {
         unsafe { std::slice::from_raw_parts_mut(v.as_mut_ptr() as *mut u8, n) }
     }
     /// The bytes, after every copy touching them has finished.
+    #[track_caller]
     pub fn as_slice(&mut self) -> Result<&[u8]> {
         self.wait()?;
         match &self.mem {
@@ -96,6 +99,7 @@ impl PinnedBuffer {
             Mem::Plain(v) => Ok(Self::plain_bytes(v, self.bytes)),
         }
     }
+    #[track_caller]
     pub fn as_mut_slice(&mut self) -> Result<&mut [u8]> {
         self.wait()?;
         match &mut self.mem {
@@ -104,6 +108,7 @@ impl PinnedBuffer {
         }
     }
     /// The bytes as f32 (the buffer's length must be a multiple of 4), after every copy.
+    #[track_caller]
     pub fn as_f32(&mut self) -> Result<&[f32]> {
         let b = self.as_slice()?;
         // SAFETY: the memory is 8-byte (Vec<u64>) or page aligned and any bit pattern is an f32.
@@ -113,6 +118,7 @@ impl PinnedBuffer {
         }
         Ok(mid)
     }
+    #[track_caller]
     pub fn as_f32_mut(&mut self) -> Result<&mut [f32]> {
         let b = self.as_mut_slice()?;
         let n = b.len();

@@ -3,7 +3,10 @@
 //! every device (no float atomics on CUDA), so repeated ids sum deterministically. Ids outside
 //! the vocabulary are an error, not a read out of bounds: checked on the host when the ids
 //! carry their host copy (`Tokens::upload`, no device read), else on the device.
-//! CUDA: kernels/embedding.cu (the backward accumulates in f32 and casts once).
+//! CUDA: kernels/embedding.cu. With a host copy the backward sorts positions by id on the host
+//! and sums each id's segment (`backward_sorted`: each gradient element read once, each weight
+//! gradient element written once); a bare id tensor keeps the scan of every id per vocab block
+//! (`backward`). Both accumulate in f32 and round once.
 use crate::dispatch::{on, On};
 use crate::tokens::Tokens;
 use ferrolm_tensor::backend::View;
@@ -30,10 +33,13 @@ pub fn embedding_tokens(tokens: &Tokens, weight: &Tensor) -> Result<Tensor> {
     let device_check = tokens.host().is_none();
     let st = Tensor::with_storages(&[&w, ids], |s| forward_with(s[0], s[1], device_check))?;
     let out = Tensor::new(st, [ids.dims(), &[w.dims()[1]]].concat())?;
-    let (ids, vocab) = (ids.clone(), w.dims()[0]);
+    let (tokens, vocab) = (tokens.clone(), w.dims()[0]);
     let backward_fn = move |g: &Tensor| {
         let g = g.contiguous()?;
-        let st = Tensor::with_storages(&[&g, &ids], |s| backward(s[0], s[1], vocab))?;
+        let st = Tensor::with_storages(&[&g, tokens.tensor()], |s| match tokens.host() {
+            Some(h) => backward_sorted(s[0], h, vocab),
+            None => backward(s[0], s[1], vocab),
+        })?;
         Ok(vec![Some(Tensor::new(st, [vocab, g.dims()[g.rank() - 1]])?)])
     };
     Ok(Tensor::from_op(out, "embedding", &[weight], Box::new(backward_fn)))
@@ -53,12 +59,50 @@ fn forward_with(w: View, ids: View, device_check: bool) -> Result<Storage> {
     }
 }
 
-/// dy (n, d) contiguous, ids (n) -> the (vocab, d) gradient of the weight.
+/// dy (n, d) contiguous, ids (n) on dy's device -> the (vocab, d) gradient of the weight. On
+/// CUDA this is the path for ids without a host copy: every block scans all n ids
+/// (`backward_sorted` is the fast one).
 pub fn backward(dy: View, ids: View, vocab: usize) -> Result<Storage> {
     match on("embedding", dy.0)? {
         On::Cpu => cpu::backward(dy, ids, vocab),
         On::Cuda(be) => cuda::backward(&be, dy, ids, vocab),
     }
+}
+
+/// `backward` with the ids on the host (`ids` row-major, n of them, each checked to lie in
+/// [0, vocab)). On CUDA the positions are sorted by id here and uploaded with the segment
+/// starts in one copy (no host wait); the kernel sums each id's rows in token order.
+pub fn backward_sorted(dy: View, ids: &[i32], vocab: usize) -> Result<Storage> {
+    crate::tokens::check_ids(ids, vocab)?;
+    let d = *dy.1.dims().last().unwrap_or(&1);
+    if dy.1.numel() != ids.len() * d {
+        bail!("embedding_backward", "a gradient of shape {:?} for {} ids", dy.1.dims(), ids.len());
+    }
+    match on("embedding", dy.0)? {
+        On::Cpu => cpu::backward_host(dy, ids, vocab),
+        On::Cuda(be) => cuda::backward_sorted(&be, dy, ids, vocab),
+    }
+}
+
+/// The sort of `backward_sorted`: [start (vocab + 1) | perm (n)], where perm[start[v]..start[v+1]]
+/// are the positions of id v in ascending order (a stable counting sort, O(n + vocab)). Ids
+/// must lie in [0, vocab) and n in i32.
+fn sort_plan(ids: &[i32], vocab: usize) -> Vec<i32> {
+    let mut plan = vec![0i32; vocab + 1 + ids.len()];
+    for &i in ids {
+        plan[i as usize + 1] += 1;
+    }
+    for v in 0..vocab {
+        plan[v + 1] += plan[v];
+    }
+    let mut next = plan[..vocab].to_vec();
+    let (_, perm) = plan.split_at_mut(vocab + 1);
+    for (p, &i) in ids.iter().enumerate() {
+        let slot = &mut next[i as usize];
+        perm[*slot as usize] = p as i32;
+        *slot += 1;
+    }
+    plan
 }
 
 mod cpu {
@@ -81,6 +125,12 @@ mod cpu {
         let d = *dy.1.dims().last().unwrap_or(&1);
         let off = dy.1.offset;
         Ok(float_dispatch!("embedding_backward", dy.0.dtype(), [dy], embedding_backward(&dy[off..], d, &idv, vocab)))
+    }
+
+    pub(super) fn backward_host(dy: View, ids: &[i32], vocab: usize) -> Result<Storage> {
+        let d = *dy.1.dims().last().unwrap_or(&1);
+        let off = dy.1.offset;
+        Ok(float_dispatch!("embedding_backward", dy.0.dtype(), [dy], embedding_backward(&dy[off..], d, ids, vocab)))
     }
 
     /// w: (vocab, d), ids: (n) -> (n, d)
@@ -109,7 +159,8 @@ mod cuda {
     //! Launchers of kernels/embedding.cu.
     use super::*;
     use ferrolm_cuda::{consts, kernels, CudaBackend, CudaStorage, Launch};
-    use ferrolm_tensor::{DeviceStorage, Layout, Shape};
+    use ferrolm_tensor::backend::Backend;
+    use ferrolm_tensor::{CpuStorage, DeviceStorage, Layout, Shape};
 
     /// The threads of the forward's row copy.
     const COPY_BLOCK: u32 = 128;
@@ -161,5 +212,44 @@ mod cuda {
         }
         let acc: Storage = acc.into();
         Ok(be.to_dtype((&acc, &Layout::contiguous(Shape(vec![vocab * d]))), s.dtype())?.into())
+    }
+
+    pub(super) fn backward_sorted(be: &CudaBackend, dy: View, ids: &[i32], vocab: usize) -> Result<Storage> {
+        let s = CudaStorage::of("embedding_backward", dy.0)?;
+        let (dt, n) = (s.dtype(), ids.len());
+        let d = *dy.1.dims().last().unwrap_or(&1);
+        if n > i32::MAX as usize || vocab + 1 + n > i32::MAX as usize {
+            bail!("embedding_backward", "{n} ids over a vocabulary of {vocab} do not fit the kernel's i32 plan");
+        }
+        let plan = be.from_cpu(&CpuStorage::I32(super::sort_plan(ids, vocab)))?;
+        let plan = CudaStorage::of("embedding_backward", &plan)?;
+        let dw = be.alloc_storage(vocab * d, dt)?;
+        // Each thread moves 16 bytes (w elements) per row; a block's tile is threads * w columns.
+        let w = 16 / dt.size_in_bytes();
+        let threads = d.div_ceil(w).next_multiple_of(32).clamp(32, consts::EMB_SORT_THREADS);
+        let src = s.at(dy.1.offset);
+        let vec = d.is_multiple_of(w) && src.addr().is_multiple_of(16) && dw.ptr().addr().is_multiple_of(16);
+        if vocab > i32::MAX as usize || d.div_ceil(threads * w) > 65535 {
+            bail!("embedding_backward", "a ({vocab}, {d}) gradient exceeds the kernel's grid");
+        }
+        let grid = (vocab as u32, d.div_ceil(threads * w) as u32, 1);
+        // SAFETY: dy is (n, d) contiguous from its offset (`src`), `plan` holds vocab + 1 segment
+        // starts and a permutation of 0..n (every start <= n, the ids checked in [0, vocab) by
+        // the caller), `dw` (vocab, d) of dy's dtype; with `vec` both are 16-byte aligned and
+        // d % w == 0.
+        unsafe {
+            kernels::embedding_bwd_sorted(
+                be,
+                dt,
+                Launch::new(grid, threads as u32),
+                src,
+                plan.ptr(),
+                dw.ptr(),
+                d as i64,
+                vocab as i64,
+                vec as i32,
+            )?
+        };
+        Ok(dw.into())
     }
 }

@@ -233,6 +233,69 @@ fn embedding_backward_is_bitwise_deterministic() {
     }
 }
 
+/// The sorted backward (ids with a host copy) against the CPU reference, bit for bit (both sum
+/// each id's rows in token order in f32 and round once), on poisoned outputs: repeated ids,
+/// absent ids (zero rows), one id everywhere, n and d not multiples of anything, d a multiple of
+/// the 16-byte vector width (vector path) and not (scalar path), dy at an odd offset (unaligned:
+/// scalar path), and no ids at all. A second run with reversed thread schedules must repeat it.
+#[test]
+fn embedding_sorted_backward_matches_the_cpu_bitwise() {
+    let Some(be) = gpu() else { return };
+    let mut r = Rng::new(16);
+    for dt in [DType::F32, DType::BF16] {
+        // (vocab, d, n, how ids are drawn, dy's element offset)
+        let cases: [(usize, usize, usize, &str, usize); 9] = [
+            (50, 64, 5000, "uniform", 0),
+            (7, 129, 2001, "uniform", 0),
+            (1000, 136, 37, "uniform", 0), // most rows absent
+            (300, 40, 999, "one", 0),      // one id everywhere
+            (300, 40, 999, "skewed", 3),   // unaligned dy
+            (64, 8, 513, "half", 0),       // only even ids
+            (5, 3, 7, "uniform", 1),
+            (33, 1024, 130, "uniform", 0), // several column tiles
+            (9, 16, 0, "uniform", 0),      // no ids: all zero
+        ];
+        for (vocab, d, n, how, off) in cases {
+            let ids: Vec<i32> = (0..n)
+                .map(|_| match how {
+                    "one" => (vocab / 2) as i32,
+                    "skewed" => {
+                        if r.below(4) == 0 {
+                            r.below(vocab as u64) as i32
+                        } else {
+                            1
+                        }
+                    }
+                    "half" => (2 * r.below(vocab as u64 / 2)) as i32,
+                    _ => r.below(vocab as u64) as i32,
+                })
+                .collect();
+            let dy = dev_rand(&be, off + n * d, dt, &mut r);
+            let ly = Layout { offset: off, ..Layout::contiguous(Shape(vec![n, d])) };
+            let host_dy = be.to_cpu((&dy, &flat(off + n * d))).unwrap();
+            let want = embedding::backward_sorted((&Storage::Cpu(host_dy), &ly), &ids, vocab).unwrap();
+            let want: Vec<u32> = match want {
+                Storage::Cpu(CpuStorage::F32(v)) => v.into_iter().map(f32::to_bits).collect(),
+                Storage::Cpu(CpuStorage::BF16(v)) => v.into_iter().map(|x| x.to_bits() as u32).collect(),
+                _ => unreachable!(),
+            };
+            let a = bits(&be, &embedding::backward_sorted((&dy, &ly), &ids, vocab).unwrap());
+            be.emulator_reverse_schedule(true);
+            let b = bits(&be, &embedding::backward_sorted((&dy, &ly), &ids, vocab).unwrap());
+            be.emulator_reverse_schedule(false);
+            let case = format!("embedding sorted backward {dt} V{vocab} d{d} n{n} {how} offset {off}");
+            assert_eq!(a.len(), vocab * d, "{case}: size");
+            let bad = a.iter().zip(&want).filter(|(x, y)| x != y).count();
+            assert_eq!(bad, 0, "{case}: {bad} elements differ from the CPU reference");
+            assert_eq!(a, b, "{case}: differs between runs");
+        }
+        // Ids are checked: one outside the vocabulary is an error, not a read out of bounds.
+        let dy = dev_rand(&be, 2 * 4, dt, &mut r);
+        let e = embedding::backward_sorted((&dy, &Layout::contiguous(Shape(vec![2, 4]))), &[0, 9], 9).unwrap_err();
+        assert!(e.to_string().contains("out of range"), "{e}");
+    }
+}
+
 // ---- memory pool steady state --------------------------------------------------------------------
 
 /// Vocabulary, H heads of width HD (model width DM), MLP width; a batch of B sequences of T tokens.
