@@ -373,8 +373,13 @@ fn run(args: BenchCudaArgs) -> AnyResult<()> {
             Ok(())
         })?;
         push(&mut rows, "embedding fwd (bf16)", format!("V{vocab} d{d} n{nt}"), ms, 2.0 * (nt * d) as f64 * 2.0 + nt as f64 * 4.0, 0.0);
+        let host_ids: Vec<i32> = match bn.be.to_cpu(ids.sl())? {
+            CpuStorage::I32(v) => v,
+            _ => anyhow::bail!("ids are not i32"),
+        };
+        // The training path: ids sorted once on the host, segment sums on the device.
         let ms = bn.time(|| {
-            embedding::backward(dy.sl(), ids.sl(), vocab)?;
+            embedding::backward_sorted(dy.sl(), &host_ids, vocab)?;
             Ok(())
         })?;
         push(
