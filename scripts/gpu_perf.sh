@@ -292,8 +292,12 @@ part3() {
 profile_summary() {
     local pj=$1 flat kernels
     flat=$(tr -d '\n\r' <"$pj")
-    # The top-level numbers sit outside the kernels list; take them before it.
-    local head=${flat%%\"kernels\"*}
+    # The top-level numbers: the text with every [...] list (kernels, grids) cut out, whatever
+    # order the keys come in.
+    local head
+    head=$(awk '{ out = ""; d = 0; n = length($0)
+                  for (i = 1; i <= n; i++) { c = substr($0, i, 1); if (c == "[") d++; if (d == 0) out = out c; if (c == "]") d-- }
+                  print out }' <<<"$flat")
     local k
     for k in launches_per_step launches steps total_ms; do
         fig "$k" "$(jnum "$(grep -o "\"$k\": *-\?[0-9][0-9.eE+-]*" <<<"$head" | head -n 1 | sed 's/.*: *//')")"
