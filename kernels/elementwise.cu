@@ -60,9 +60,10 @@ static __device__ void binary_impl(const T* a, Strided la, const T* b, Strided l
 // The tail (n % N elements) is done by the first threads of the grid, one element each.
 #define FOR_TAIL(i, nv, N, n) for (i64 i = (nv) * (N) + (i64)blockIdx.x * blockDim.x + threadIdx.x; i < (n); i += (i64)gridDim.x * blockDim.x)
 
-// Floor: 2n * sizeof(T) bytes (read x, write y).
-template <typename T>
-static __device__ void unary_contig_impl(const T* x, T* y, i64 n, int op, float a, float b) {
+// Floor: 2n * sizeof(T) bytes (read x, write y). The op is a template parameter, so the loop
+// holds no switch (`unary_contig_impl` dispatches once per launch).
+template <int OP, typename T>
+static __device__ void unary_contig_op(const T* x, T* y, i64 n, float a, float b) {
     const int N = Vec<T>::N;
     i64 nv = n / N;
     const vec16* xv = reinterpret_cast<const vec16*>(x);
@@ -71,10 +72,26 @@ static __device__ void unary_contig_impl(const T* x, T* y, i64 n, int op, float 
         float f[N];
         Vec<T>::load(ld16(xv + (i)), f);
 #pragma unroll
-        for (int k = 0; k < N; ++k) f[k] = unary_apply(op, f[k], a, b);
+        for (int k = 0; k < N; ++k) f[k] = unary_apply(OP, f[k], a, b);
         yv[i] = Vec<T>::store(f);
     }
-    FOR_TAIL(i, nv, N, n) y[i] = from_f<T>(unary_apply(op, to_f(x[i]), a, b));
+    FOR_TAIL(i, nv, N, n) y[i] = from_f<T>(unary_apply(OP, to_f(x[i]), a, b));
+}
+template <typename T>
+static __device__ void unary_contig_impl(const T* x, T* y, i64 n, int op, float a, float b) {
+    switch (op) {
+        case U_NEG: unary_contig_op<U_NEG>(x, y, n, a, b); break;
+        case U_EXP: unary_contig_op<U_EXP>(x, y, n, a, b); break;
+        case U_LOG: unary_contig_op<U_LOG>(x, y, n, a, b); break;
+        case U_SQRT: unary_contig_op<U_SQRT>(x, y, n, a, b); break;
+        case U_RSQRT: unary_contig_op<U_RSQRT>(x, y, n, a, b); break;
+        case U_RECIP: unary_contig_op<U_RECIP>(x, y, n, a, b); break;
+        case U_SQR: unary_contig_op<U_SQR>(x, y, n, a, b); break;
+        case U_SILU: unary_contig_op<U_SILU>(x, y, n, a, b); break;
+        case U_SILU_GRAD: unary_contig_op<U_SILU_GRAD>(x, y, n, a, b); break;
+        case U_POWF: unary_contig_op<U_POWF>(x, y, n, a, b); break;
+        default: unary_contig_op<U_AFFINE>(x, y, n, a, b); break;
+    }
 }
 // Floor: 3n * sizeof(T) bytes.
 template <typename T>
@@ -160,10 +177,13 @@ extern "C" __global__ void fill_b16(unsigned short* y, i64 n, unsigned short v) 
 
 // dst[view ld] = src[view ls], both walked in row-major order of the same shape. Floor: 2n * width
 // bytes, when the views are dense (the launcher then uses a device-to-device memcpy instead).
+template <typename T>
+static __device__ __forceinline__ T copy_load(const T* p) { return *p; }
+static __device__ __forceinline__ vec16 copy_load(const vec16* p) { return ld16(p); }  // one LDG.E.128
 template <typename T, typename I>
 static __device__ __forceinline__ void copy_walk(const T* src, const Strided& ls, T* dst, const Strided& ld, I n) {
     for (I i = (I)blockIdx.x * blockDim.x + threadIdx.x; i < n; i += (I)gridDim.x * blockDim.x)
-        dst[strided_index_t<I>(ld, i)] = src[strided_index_t<I>(ls, i)];
+        dst[strided_index_t<I>(ld, i)] = copy_load(src + strided_index_t<I>(ls, i));
 }
 template <typename T>
 static __device__ void strided_copy_impl(const T* src, Strided ls, T* dst, Strided ld, i64 n) {
@@ -174,6 +194,12 @@ extern "C" __global__ void strided_copy_b32(const unsigned* src, Strided ls, uns
     strided_copy_impl(src, ls, dst, ld, n);
 }
 extern "C" __global__ void strided_copy_b16(const unsigned short* src, Strided ls, unsigned short* dst, Strided ld, i64 n) {
+    strided_copy_impl(src, ls, dst, ld, n);
+}
+// The same walk in 16-byte units: views whose innermost dim is a dense run of whole, aligned
+// 16-byte vectors (a head permute (b, t, h, d) -> (b, h, t, d) with d a multiple of 8 bf16), with
+// shapes, strides and offsets counted in vectors by the launcher. Floor: 2n * 16 bytes.
+extern "C" __global__ void strided_copy_b128(const vec16* src, Strided ls, vec16* dst, Strided ld, i64 n) {
     strided_copy_impl(src, ls, dst, ld, n);
 }
 

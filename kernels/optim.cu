@@ -53,7 +53,18 @@ extern "C" __global__ void adamw_multi(const AdamTensor* tensors, const BlockMap
 // f64 through a fixed tree, and the partial is stored in f64. Every gradient is read once, in its
 // own dtype; `weight` (f32, the element's weight in the norm) may be null (weight 1).
 // Floor: the bytes of the gradients (+ the weights) once: 124M bf16 grads = 248 MB, ~62 us at 4 TB/s.
-struct __align__(16) Vec16 { unsigned w[4]; };
+// A 16-byte read-only load through the global space (the table's pointers are generic, so a
+// plain load would be a generic LD): one LDG.E.128 on the GPU.
+static __device__ __forceinline__ vec16 ld16_ro(const void* p) {
+#ifdef FERRO_EMU
+    return *reinterpret_cast<const vec16*>(p);
+#else
+    uint4 u = __ldg(reinterpret_cast<const uint4*>(p));
+    vec16 v;
+    v.w[0] = u.x, v.w[1] = u.y, v.w[2] = u.z, v.w[3] = u.w;
+    return v;
+#endif
+}
 static __device__ __forceinline__ float sq_weighted(float g, const float* w, i64 i) {
     return w ? g * g * w[i] : g * g;
 }
@@ -69,15 +80,15 @@ extern "C" __global__ void grad_norm_partial(const GradTensor* tensors, const Bl
         // Thread k reads elements [start + 8 (k + 256 j), +8) for j < per / 8: 16-byte loads.
         for (int j = 0; j < per / 8; ++j) {
             i64 i0 = bm.start + 8 * ((i64)threadIdx.x + 256 * j);
-            Vec16 v = *reinterpret_cast<const Vec16*>((const bf16*)t.grad + i0);
-            const bf16* e = reinterpret_cast<const bf16*>(&v);
-            for (int q = 0; q < 8; ++q) acc += sq_weighted(__bfloat162float(e[q]), t.weight, i0 + q);
+            float e[8];
+            Vec<bf16>::load(ld16_ro((const bf16*)t.grad + i0), e);
+            for (int q = 0; q < 8; ++q) acc += sq_weighted(e[q], t.weight, i0 + q);
         }
     } else if (vec) {
         for (int j = 0; j < per / 4; ++j) {
             i64 i0 = bm.start + 4 * ((i64)threadIdx.x + 256 * j);
-            Vec16 v = *reinterpret_cast<const Vec16*>((const float*)t.grad + i0);
-            const float* e = reinterpret_cast<const float*>(&v);
+            float e[4];
+            Vec<float>::load(ld16_ro((const float*)t.grad + i0), e);
             for (int q = 0; q < 4; ++q) acc += sq_weighted(e[q], t.weight, i0 + q);
         }
     } else {

@@ -28,15 +28,53 @@ static __device__ void reduce_rows_impl(const T* x, Strided kept, Strided red, d
         i64 base = strided_index(kept, o);
         i64 lo = (i64)s * chunk, hi = min(nred, lo + chunk);
         double r;
+        // A dense reduced range (the inner dims of a row-major view) is read directly, in 16-byte
+        // vectors from the first aligned element: thread k takes vectors k, k + blockDim, ...
+        // then the unaligned head and the tail one element each. A fixed order either way.
+        const bool dense = red.rank == 1 && red.stride[0] == 1;
+        const int N = Vec<T>::N;
+        i64 vlo = hi, vhi = hi;
+        if (dense) {
+            const T* p = x + base;
+            i64 skew = (i64)((16 - ((unsigned long long)(p + lo) & 15)) & 15) / (i64)sizeof(T);
+            if (((unsigned long long)(p + lo) & (sizeof(T) - 1)) == 0 && lo + skew <= hi) {
+                vlo = lo + skew;
+                vhi = vlo + (hi - vlo) / N * N;
+            }
+        }
         if (is_max) {
             float acc = -INFINITY;
+            if (vlo < vhi) {
+                const vec16* v = reinterpret_cast<const vec16*>(x + base + vlo);
+                for (i64 j = threadIdx.x; j < (vhi - vlo) / N; j += blockDim.x) {
+                    float f[N];
+                    Vec<T>::load(ld16(v + j), f);
+#pragma unroll
+                    for (int k = 0; k < N; ++k) acc = fmaxf(acc, f[k]);
+                }
+                for (i64 i = lo + threadIdx.x; i < vlo; i += blockDim.x) acc = fmaxf(acc, to_f(x[base + i]));
+                for (i64 i = vhi + threadIdx.x; i < hi; i += blockDim.x) acc = fmaxf(acc, to_f(x[base + i]));
+            } else {
 #pragma unroll 4
-            for (i64 i = lo + threadIdx.x; i < hi; i += blockDim.x) acc = fmaxf(acc, red_load(x, base, red, i));
+                for (i64 i = lo + threadIdx.x; i < hi; i += blockDim.x) acc = fmaxf(acc, red_load(x, base, red, i));
+            }
             r = (double)block_max(acc, scratch);
         } else {
             double acc = 0.0;
+            if (vlo < vhi) {
+                const vec16* v = reinterpret_cast<const vec16*>(x + base + vlo);
+                for (i64 j = threadIdx.x; j < (vhi - vlo) / N; j += blockDim.x) {
+                    float f[N];
+                    Vec<T>::load(ld16(v + j), f);
+#pragma unroll
+                    for (int k = 0; k < N; ++k) acc += (double)f[k];
+                }
+                for (i64 i = lo + threadIdx.x; i < vlo; i += blockDim.x) acc += (double)to_f(x[base + i]);
+                for (i64 i = vhi + threadIdx.x; i < hi; i += blockDim.x) acc += (double)to_f(x[base + i]);
+            } else {
 #pragma unroll 4
-            for (i64 i = lo + threadIdx.x; i < hi; i += blockDim.x) acc += (double)red_load(x, base, red, i);
+                for (i64 i = lo + threadIdx.x; i < hi; i += blockDim.x) acc += (double)red_load(x, base, red, i);
+            }
             r = block_sum_f64(acc, scratch64);
         }
         if (threadIdx.x == 0) {

@@ -391,3 +391,19 @@ fn data_prepared_with_another_tokenizer_is_refused_at_open() {
     assert!(!out.join("checkpoints").exists(), "a run started on mismatched data");
     let _ = std::fs::remove_dir_all(&dir);
 }
+
+/// `--profile` on both training tools (off by default; a flag, so a value or a repeat is refused),
+/// and `FERROLM_PROFILE` in their help.
+#[test]
+fn profile_flag_on_the_training_tools() {
+    let a: PretrainArgs = parse_from(["pretrain_llama"]).unwrap();
+    assert!(!a.train.profile);
+    let a: PretrainArgs = parse_from(["pretrain_llama", "--profile"]).unwrap();
+    assert!(a.train.profile);
+    let f: FinetuneArgs = parse_from(["finetune_ladder", "--model", "m", "--profile"]).unwrap();
+    assert!(f.train.profile);
+    assert!(parse_from::<PretrainArgs, _, _>(["pretrain_llama", "--profile", "--profile"]).is_err());
+    assert!(parse_from::<PretrainArgs, _, _>(["pretrain_llama", "--profile=1"]).is_err());
+    let help = parse_from::<PretrainArgs, _, _>(["pretrain_llama", "--help"]).unwrap_err().to_string();
+    assert!(help.contains("--profile") && help.contains("FERROLM_PROFILE"), "{help}");
+}

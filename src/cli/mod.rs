@@ -241,7 +241,7 @@ macro_rules! caller_resolve_help {
 /// Environment variables of the training tools.
 pub const ENV_TRAIN: &str = concat!(
     "  FERROLM_PEAK_TFLOPS    the GPU's bf16 dense peak for MFU [default: 989, H100 SXM]\n",
-    "  FERROLM_PROFILE        `1`: as --profile (time every CUDA kernel launch; profile.json in --out)\n",
+    "  FERROLM_PROFILE        `1` (any value but 0, false, off): as --profile (profile.json in --out)\n",
     caller_resolve_help!()
 );
 

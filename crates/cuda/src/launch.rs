@@ -157,6 +157,25 @@ impl Strided {
     pub fn is_dense(&self) -> bool {
         self.contiguous == 1
     }
+    /// The same view in units of `k` elements, when its innermost dim is a dense run of a
+    /// multiple of `k` and every other stride and the offset are multiples of `k` (so each unit
+    /// is k adjacent elements, aligned like the base).
+    pub(crate) fn widen(&self, k: i64) -> Option<Strided> {
+        let r = self.rank as usize;
+        if r == 0 || k <= 1 || self.stride[r - 1] != 1 || self.shape[r - 1] % k != 0 || self.offset % k != 0 {
+            return None;
+        }
+        if (0..r - 1).any(|d| self.stride[d] % k != 0) {
+            return None;
+        }
+        let mut v = *self;
+        v.shape[r - 1] /= k;
+        for d in 0..r - 1 {
+            v.stride[d] /= k;
+        }
+        v.offset /= k;
+        Some(v)
+    }
     /// (batch, rows, cols, batch stride, col stride) when the view, in row-major order, is a
     /// (batched) transposed matrix: rows at stride 1, cols at a stride > 1 (`transpose_*`).
     fn transposed(&self) -> Option<(i64, i64, i64, i64, i64)> {
@@ -208,7 +227,8 @@ impl CudaBackend {
         let rows = (rows_contig && nred >= consts::RED_ROW_MIN) || nout < 32;
         if rows {
             let splits = target.div_ceil(nout.max(1)).min(nred.div_ceil(consts::RED_ROW_CHUNK)).max(1);
-            let chunk = nred.div_ceil(splits).max(1);
+            // Whole 16-byte vectors per split, so every split of an aligned row reads aligned.
+            let chunk = nred.div_ceil(splits).max(1).next_multiple_of(8);
             let splits = nred.div_ceil(chunk).max(1);
             let main = Launch::new(((nout * splits).clamp(1, 1 << 20) as u32, 1, 1), block).elems(nout * nred);
             let finish = (splits > 1).then(|| Launch::new((nout.clamp(1, 1 << 20) as u32, 1, 1), block).elems(nout * splits));
@@ -303,6 +323,16 @@ impl CudaBackend {
             // SAFETY: the source view addresses (b, r, c) elements at off + b*sb + r + c*sc inside
             // src's buffer; dst holds b*r*c = n elements from ld.offset.
             return unsafe { t(self, cfg, src.ptr(), dst.at(ld.offset as usize), b, r, c, ls.offset, sb, sc) };
+        }
+        // Innermost runs of whole 16-byte vectors on both sides: copy 16 bytes an index.
+        let k = 16 / w as i64;
+        if let (Some(vs), Some(vd), true) = (ls.widen(k), ld.widen(k), aligned(src.ptr()) && aligned(dst.ptr())) {
+            let nv = n / k as usize;
+            let cfg = waves(nv, Launch::BLOCK, self.sm_count()).elems(n);
+            // SAFETY: vs and vd address the same bytes as ls and ld, in 16-byte units (widen
+            // divides every stride, the inner extent and the offset exactly), and both bases
+            // are 16-byte aligned.
+            return unsafe { kernels::strided_copy_b128(self, cfg, src.ptr(), vs, dst.ptr(), vd, nv as i64) };
         }
         let copy = if w == 4 { kernels::strided_copy_b32 } else { kernels::strided_copy_b16 };
         let cfg = waves(n, Launch::BLOCK, self.sm_count());

@@ -33,12 +33,18 @@ pub fn enabled() -> bool {
         2 => true,
         1 => false,
         _ => {
-            let on = std::env::var("FERROLM_PROFILE").is_ok_and(|v| !v.is_empty() && v != "0");
+            let on = env_turns_on(std::env::var("FERROLM_PROFILE").ok().as_deref());
             // Another thread may have called `enable` meanwhile: only fill in the unread state.
             let _ = STATE.compare_exchange(0, if on { 2 } else { 1 }, Ordering::Relaxed, Ordering::Relaxed);
             STATE.load(Ordering::Relaxed) == 2
         }
     }
+}
+
+/// Whether a `FERROLM_PROFILE` value turns the profile on: any value but none, empty, `0`,
+/// `false` or `off`.
+pub fn env_turns_on(v: Option<&str>) -> bool {
+    v.is_some_and(|v| !matches!(v.trim().to_ascii_lowercase().as_str(), "" | "0" | "false" | "off"))
 }
 
 /// Turns recording on or off (on: as `FERROLM_PROFILE=1`).
@@ -310,5 +316,51 @@ pub fn report() -> ProfileReport {
         kernels,
         step_launches: g.steps.clone(),
         small_grids: g.small.clone(),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn every_documented_form_of_ferrolm_profile() {
+        for on in ["1", "yes", "true", "on"] {
+            assert!(env_turns_on(Some(on)), "{on}");
+        }
+        for off in [None, Some(""), Some("0"), Some("false"), Some("OFF"), Some(" 0 ")] {
+            assert!(!env_turns_on(off), "{off:?}");
+        }
+    }
+
+    #[test]
+    fn the_median_of_the_step_counts_and_the_table() {
+        let k = |name: &str, launches, total_ms| KernelStat {
+            name: name.into(),
+            launches,
+            total_ms,
+            share: 0.0,
+            mean_us: 0.0,
+            max_grid: (132, 1, 1),
+            max_block: 256,
+        };
+        let mut r = ProfileReport {
+            device: "dev".into(),
+            sm_count: 132,
+            timed: true,
+            kernels: vec![k("a", 10, 3.0), k("b", 4, 1.0)],
+            step_launches: vec![],
+            small_grids: vec![],
+        };
+        assert_eq!(r.launches_per_step(), None);
+        r.step_launches = vec![9, 5, 7];
+        assert_eq!(r.launches_per_step(), Some(7.0));
+        r.step_launches = vec![9, 5, 7, 6];
+        assert_eq!(r.launches_per_step(), Some(6.5));
+        assert_eq!((r.launches(), r.total_ms()), (14, 4.0));
+        r.step_launches = vec![9, 5, 7];
+        let t = r.table();
+        assert!(t.contains("14 launches over 3 steps (7 launches per step)"), "{t}");
+        assert!(t.lines().nth(2).is_some_and(|l| l.ends_with(" a") && l.contains("(132, 1, 1)x256")), "{t}");
     }
 }

@@ -209,3 +209,82 @@ fn launch_geometry_fills_the_device() {
         }
     }
 }
+
+/// Head permutes (b, t, h, d) -> (b, h, t, d) and back, as attention's split/merge makes them:
+/// with d a multiple of the 16-byte vector (8 bf16, 4 f32) the copy runs in 16-byte units
+/// (`strided_copy_b128`); d = 6 and an odd view offset take the element kernel. Every element
+/// must land exactly where the CPU puts it.
+#[test]
+fn head_permutes_copy_in_vectors_and_elements() {
+    each_float_dtype(14, |dt, r| {
+        for (b, t, h, d) in [(2, 5, 3, 8), (1, 7, 4, 16), (2, 3, 2, 64), (2, 5, 3, 6), (1, 9, 2, 12)] {
+            let x = randn(&[b, t, h, d], dt, r);
+            let g = to_gpu(&x);
+            let want = x.permute(&[0, 2, 1, 3]).unwrap().contiguous().unwrap();
+            let got = g.permute(&[0, 2, 1, 3]).unwrap().contiguous().unwrap();
+            assert_eq!(
+                got.to_device(Device::Cpu).unwrap().to_vec_f64().unwrap(),
+                want.to_vec_f64().unwrap(),
+                "split {:?} {dt}",
+                (b, t, h, d)
+            );
+            let back = got.permute(&[0, 2, 1, 3]).unwrap().contiguous().unwrap();
+            assert_eq!(
+                back.to_device(Device::Cpu).unwrap().to_vec_f64().unwrap(),
+                x.to_vec_f64().unwrap(),
+                "merge {:?} {dt}",
+                (b, t, h, d)
+            );
+            // a view one element in: no longer whole vectors
+            let flat = randn(&[b * t * h * d + 1], dt, r);
+            let gflat = to_gpu(&flat);
+            let v = |f: &Tensor| {
+                f.narrow(0, 1, b * t * h * d).unwrap().reshape([b, t, h, d]).unwrap().permute(&[0, 2, 1, 3]).unwrap().contiguous().unwrap()
+            };
+            assert_eq!(
+                v(&gflat).to_device(Device::Cpu).unwrap().to_vec_f64().unwrap(),
+                v(&flat).to_vec_f64().unwrap(),
+                "offset {:?} {dt}",
+                (b, t, h, d)
+            );
+        }
+    });
+}
+
+/// Every unary op on the dense path (the op is a template parameter there), aligned and not.
+#[test]
+fn every_unary_op_on_the_dense_path() {
+    each_float_dtype(15, |dt, r| {
+        for n in [13usize, 4099] {
+            let x = randn(&[n + 1], dt, r);
+            let g = to_gpu(&x);
+            for off in [0, 1] {
+                let (a, ga) = (x.narrow(0, off, n).unwrap(), g.narrow(0, off, n).unwrap());
+                let (p, gp) = (a.sqr().unwrap().add_scalar(0.5).unwrap(), ga.sqr().unwrap().add_scalar(0.5).unwrap());
+                check("silu", &a.silu().unwrap(), &ga.silu().unwrap(), dt, false);
+                check("sqr", &a.sqr().unwrap(), &ga.sqr().unwrap(), dt, false);
+                check("log", &p.log().unwrap(), &gp.log().unwrap(), dt, false);
+                check("sqrt", &p.sqrt().unwrap(), &gp.sqrt().unwrap(), dt, false);
+                check("rsqrt", &p.rsqrt().unwrap(), &gp.rsqrt().unwrap(), dt, false);
+                check("recip", &p.recip().unwrap(), &gp.recip().unwrap(), dt, false);
+                check("powf", &p.powf(1.5).unwrap(), &gp.powf(1.5).unwrap(), dt, false);
+            }
+        }
+    });
+}
+
+/// Sums and maxima over dense rows whose start is not 16-byte aligned (the vector loop starts
+/// after a scalar head) and whose length is not a multiple of the vector.
+#[test]
+fn dense_row_reductions_from_unaligned_starts() {
+    each_float_dtype(16, |dt, r| {
+        for (rows, cols, off) in [(3usize, 1001usize, 1usize), (2, 70_001, 3), (1, 300_007, 5), (4, 4096, 0)] {
+            let flat = randn(&[rows * cols + off], dt, r);
+            let g = to_gpu(&flat);
+            let v = |f: &Tensor| f.narrow(0, off, rows * cols).unwrap().reshape([rows, cols]).unwrap();
+            check("row sum", &v(&flat).sum(&[1], false).unwrap(), &v(&g).sum(&[1], false).unwrap(), dt, true);
+            check("row max", &v(&flat).max(&[1], false).unwrap(), &v(&g).max(&[1], false).unwrap(), dt, false);
+            check("full sum", &v(&flat).sum_all().unwrap(), &v(&g).sum_all().unwrap(), dt, true);
+        }
+    });
+}

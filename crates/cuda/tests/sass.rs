@@ -93,16 +93,20 @@ fn vector_loads_and_no_local_memory() {
     };
     let find = |name: &str| funcs.iter().find(|(n, _)| n == name).map(|(_, b)| b.as_str());
     let vector = ["unary_contig", "binary_contig", "binary_row"].iter().flat_map(|k| [format!("{k}_f32"), format!("{k}_bf16")]);
-    let vector: Vec<String> = vector.chain(["cast_contig_f32_bf16".into(), "cast_contig_bf16_f32".into()]).collect();
+    let vector: Vec<String> = vector
+        .chain(["cast_contig_f32_bf16".into(), "cast_contig_bf16_f32".into(), "strided_copy_b128".into(), "grad_norm_partial".into()])
+        .collect();
     for k in &vector {
         let body = find(k).unwrap_or_else(|| panic!("{k} is not in {} (a stale fatbin?)", fb.display()));
         assert!(body.contains("LDG.E.128"), "{k}: no 16-byte loads (LDG.E.128) in its sm_90 code");
-        assert!(body.contains("STG.E.128"), "{k}: no 16-byte stores (STG.E.128) in its sm_90 code");
+        if k != "grad_norm_partial" {
+            assert!(body.contains("STG.E.128"), "{k}: no 16-byte stores (STG.E.128) in its sm_90 code");
+        }
     }
     for k in ["fill_b32", "fill_b16"] {
         assert!(find(k).is_some_and(|b| b.contains("STG.E.128")), "{k}: no 16-byte stores");
     }
-    let prefixes = ["unary_", "binary_", "cast_", "fill_", "strided_copy_", "transpose_", "reduce_"];
+    let prefixes = ["unary_", "binary_", "cast_", "fill_", "strided_copy_", "transpose_", "reduce_", "grad_norm_", "adamw_", "embedding_"];
     let mut checked = 0;
     for (name, body) in &funcs {
         if prefixes.iter().any(|p| name.starts_with(p)) {
