@@ -299,7 +299,7 @@ profile_summary() {
                   for (i = 1; i <= n; i++) { c = substr($0, i, 1); if (c == "[") d++; if (d == 0) out = out c; if (c == "]") d-- }
                   print out }' <<<"$flat")
     local k
-    for k in launches_per_step launches steps total_ms; do
+    for k in launches_per_step ms_per_step launches steps total_ms; do
         fig "$k" "$(jnum "$(grep -o "\"$k\": *-\?[0-9][0-9.eE+-]*" <<<"$head" | head -n 1 | sed 's/.*: *//')")"
     done
     fig timed "$(grep -o '"timed": *\(true\|false\)' <<<"$head" | head -n 1 | sed 's/.*: *//' | grep . || echo null)"
@@ -377,6 +377,10 @@ part4() {
         return 1
     fi
     cp -f "$pj" "$OUT/profile.json"
+    # The steps' wall time beside their device time: the gap is the device waiting for the host.
+    local wall
+    wall=$(metric "$RUNS/$run/metrics.jsonl" tokens_per_s | awk -v t=$((bs * seq)) '$1 > 0 {print 1000 * t / $1}' | median_after 1)
+    fig wall_ms_per_step "$(jnum "$wall")"
     profile_summary "$pj" && [ $s -eq 0 ]
 }
 

@@ -5,7 +5,8 @@
 //!
 //! `profile.json`: `{"device", "timed" (false on the emulator: only counts mean anything),
 //! "note", "sm_count", "steps", "launches", "launches_per_step" (median over the steps),
-//! "step_launches" (per step), "total_ms", "kernels": [{"name", "launches", "total_ms",
+//! "step_launches" (per step), "step_ms" (device ms of each step's launches), "ms_per_step"
+//! (their median; null when not timed), "total_ms", "kernels": [{"name", "launches", "total_ms",
 //! "share" (0..1), "mean_us", "max_grid" [x, y, z], "max_block"}] (slowest first),
 //! "small_grids": [{"name", "elems", "grid", "block"}] (launches over 2^20 elements on fewer
 //! blocks than the device has SMs)}`.
@@ -41,6 +42,7 @@ pub fn to_json(r: &ProfileReport) -> serde_json::Value {
     serde_json::json!({
         "device": r.device, "timed": r.timed, "note": note, "sm_count": r.sm_count,
         "steps": r.step_launches.len(), "launches": r.launches(), "launches_per_step": r.launches_per_step(),
+        "step_ms": r.step_ms, "ms_per_step": r.ms_per_step(),
         "step_launches": r.step_launches, "total_ms": r.total_ms(), "kernels": kernels, "small_grids": small,
     })
 }

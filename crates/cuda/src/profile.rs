@@ -70,6 +70,8 @@ pub(crate) struct LaunchShape {
 
 struct Pending {
     name: &'static str,
+    /// The step it ran in (index into `steps_ms`), if inside one.
+    step: Option<usize>,
     start: CudaEvent,
     end: CudaEvent,
 }
@@ -87,6 +89,8 @@ struct Inner {
     pending: Vec<Pending>,
     /// Launches made inside each finished step.
     steps: Vec<u64>,
+    /// Device milliseconds of the launches inside each step (finished or open).
+    steps_ms: Vec<f64>,
     /// Launches since the open step began.
     current: u64,
     in_step: u32,
@@ -101,6 +105,7 @@ impl Inner {
             stats: BTreeMap::new(),
             pending: Vec::new(),
             steps: Vec::new(),
+            steps_ms: Vec::new(),
             current: 0,
             in_step: 0,
             small: Vec::new(),
@@ -139,6 +144,9 @@ impl Inner {
             if let Some(s) = self.stats.get_mut(p.name) {
                 s.total_ms += ms;
             }
+            if let Some(t) = p.step.and_then(|i| self.steps_ms.get_mut(i)) {
+                *t += ms;
+            }
         }
     }
 }
@@ -157,7 +165,8 @@ pub(crate) fn timed(name: &'static str, shape: LaunchShape, start: CudaEvent, en
     TIMED.store(true, Ordering::Relaxed);
     let mut g = lock();
     g.count(name, shape, 0.0, sm_count, device);
-    g.pending.push(Pending { name, start, end });
+    let step = (g.in_step > 0).then(|| g.steps.len());
+    g.pending.push(Pending { name, step, start, end });
     if g.pending.len() >= RESOLVE_EVERY {
         g.resolve();
     }
@@ -171,6 +180,8 @@ pub(crate) fn step_begin() {
     let mut g = lock();
     if g.in_step == 0 {
         g.current = 0;
+        let n = g.steps.len();
+        g.steps_ms.resize(n + 1, 0.0);
     }
     g.in_step += 1;
 }
@@ -229,6 +240,9 @@ pub struct ProfileReport {
     pub kernels: Vec<KernelStat>,
     /// Launches made inside each finished training step, in order.
     pub step_launches: Vec<u64>,
+    /// Device milliseconds of each finished step's launches (zeros when not `timed`): against
+    /// the step's wall time, the difference is time the device waited for the host.
+    pub step_ms: Vec<f64>,
     pub small_grids: Vec<SmallGrid>,
 }
 
@@ -241,20 +255,25 @@ impl ProfileReport {
     }
     /// The median of the per-step launch counts (None before a step has finished).
     pub fn launches_per_step(&self) -> Option<f64> {
-        let mut v = self.step_launches.clone();
-        if v.is_empty() {
+        median(self.step_launches.iter().map(|&v| v as f64).collect())
+    }
+    /// The median of the per-step device milliseconds (None before a timed step has finished).
+    pub fn ms_per_step(&self) -> Option<f64> {
+        if !self.timed {
             return None;
         }
-        v.sort_unstable();
-        let n = v.len();
-        Some(if n % 2 == 1 { v[n / 2] as f64 } else { (v[n / 2 - 1] + v[n / 2]) as f64 / 2.0 })
+        median(self.step_ms.clone())
     }
 
     /// The table printed at exit: one line per kernel, the slowest first.
     pub fn table(&self) -> String {
         use std::fmt::Write as _;
         let mut s = String::new();
-        let per_step = self.launches_per_step().map_or("no finished step".to_string(), |v| format!("{v:.0} launches per step"));
+        let per_step = match (self.launches_per_step(), self.ms_per_step()) {
+            (None, _) => "no finished step".to_string(),
+            (Some(v), None) => format!("{v:.0} launches per step"),
+            (Some(v), Some(ms)) => format!("{v:.0} launches and {ms:.3} ms of device time per step"),
+        };
         let _ = writeln!(
             s,
             "kernel profile: {}, {} launches over {} steps ({per_step}), {:.3} ms of device time{}",
@@ -289,6 +308,15 @@ impl ProfileReport {
     }
 }
 
+fn median(mut v: Vec<f64>) -> Option<f64> {
+    if v.is_empty() {
+        return None;
+    }
+    v.sort_by(f64::total_cmp);
+    let n = v.len();
+    Some(if n % 2 == 1 { v[n / 2] } else { (v[n / 2 - 1] + v[n / 2]) / 2.0 })
+}
+
 /// The profile so far (reads back every pending event: waits for the last recorded launch).
 pub fn report() -> ProfileReport {
     let mut g = lock();
@@ -315,6 +343,7 @@ pub fn report() -> ProfileReport {
         timed,
         kernels,
         step_launches: g.steps.clone(),
+        step_ms: g.steps_ms.iter().take(g.steps.len()).copied().collect(),
         small_grids: g.small.clone(),
     }
 }
@@ -350,6 +379,7 @@ mod tests {
             timed: true,
             kernels: vec![k("a", 10, 3.0), k("b", 4, 1.0)],
             step_launches: vec![],
+            step_ms: vec![],
             small_grids: vec![],
         };
         assert_eq!(r.launches_per_step(), None);
