@@ -239,6 +239,39 @@ extern "C" __global__ void transpose_b16(const unsigned short* src, unsigned sho
     transpose_impl(src, dst, batch, rows, cols, off, sb, sc);
 }
 
+// The bf16 transpose in 4-byte pairs: a 64 x 64 tile, read as pairs (r, r + 1) along the
+// source's contiguous r and written as pairs (c, c + 1) along the destination's contiguous c, so
+// a warp moves 128 bytes per access on both sides (transpose_b16 moves 64). Element (b, r, c) is
+// at off + b * sb + r + c * sc; rows, cols, off, sb and sc are even (the launcher checks), so
+// every pair is aligned. blockDim.x == 256. Floor: 4n bytes.
+extern "C" __global__ void transpose_pairs_b16(const unsigned* src, unsigned* dst, i64 batch, i64 rows, i64 cols, i64 off, i64 sb, i64 sc) {
+    __shared__ unsigned tile[64][33];  // tile[c - c0][(r - r0) / 2]: the pair (r, r + 1) of column c
+    int tx = threadIdx.x & 31, ty = threadIdx.x >> 5;
+    i64 tr = (rows + 63) / 64, tc = (cols + 63) / 64;
+    for (i64 t = blockIdx.x; t < batch * tr * tc; t += gridDim.x) {
+        i64 b = t / (tr * tc), rem = t - b * (tr * tc);
+        i64 r0 = (rem / tc) * 64, c0 = (rem % tc) * 64;
+        i64 base = (off + b * sb) / 2;
+#pragma unroll
+        for (int k = ty; k < 64; k += 8) {
+            i64 r = r0 + 2 * tx, c = c0 + k;
+            if (r < rows && c < cols) tile[k][tx] = src[base + (c * sc) / 2 + r / 2];
+        }
+        __syncthreads();
+        unsigned* d = dst + (b * rows * cols) / 2;
+#pragma unroll
+        for (int k = ty; k < 64; k += 8) {
+            i64 r = r0 + k, c = c0 + 2 * tx;
+            if (r < rows && c < cols) {
+                int sh = (k & 1) * 16;
+                unsigned e0 = (tile[2 * tx][k >> 1] >> sh) & 0xffffu, e1 = (tile[2 * tx + 1][k >> 1] >> sh) & 0xffffu;
+                d[(r * cols + c) / 2] = e0 | (e1 << 16);
+            }
+        }
+        __syncthreads();
+    }
+}
+
 // ---- casts (strided source, contiguous destination) ---------------------------------------------
 template <typename TI, typename TO, typename I>
 static __device__ __forceinline__ void cast_walk(const TI* x, const Strided& lx, TO* y, I n) {

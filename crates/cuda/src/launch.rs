@@ -317,6 +317,16 @@ impl CudaBackend {
             return self.copy_elements(src, ls.offset as usize, dst, ld.offset as usize, n);
         }
         if let (Some((b, r, c, sb, sc)), true) = (ls.transposed(), ld.is_dense()) {
+            let even = [r, c, ls.offset, sb, sc, ld.offset].iter().all(|v| v % 2 == 0);
+            if w == 2 && even && src.ptr().0 % 4 == 0 && dst.ptr().0 % 4 == 0 {
+                let blocks = (b as usize) * (r as usize).div_ceil(64) * (c as usize).div_ceil(64);
+                let cfg = Launch::new((blocks.clamp(1, 65535 * 16) as u32, 1, 1), 256).elems(n);
+                // SAFETY: as below, with every pair (r, r + 1) and (c, c + 1) inside the views:
+                // rows, cols, the offsets and strides are even and the bases 4-byte aligned.
+                return unsafe {
+                    kernels::transpose_pairs_b16(self, cfg, src.ptr(), dst.at(ld.offset as usize), b, r, c, ls.offset, sb, sc)
+                };
+            }
             let blocks = (b as usize) * (r as usize).div_ceil(consts::TP_TILE) * (c as usize).div_ceil(consts::TP_TILE);
             let cfg = Launch::new((blocks.clamp(1, 65535 * 16) as u32, 1, 1), (consts::TP_TILE * consts::TP_ROWS) as u32).elems(n);
             let t = if w == 4 { kernels::transpose_b32 } else { kernels::transpose_b16 };

@@ -283,7 +283,7 @@ impl ProfileReport {
             self.total_ms(),
             if self.timed { " (CUDA events)" } else { " (emulator: launches counted, times meaningless)" }
         );
-        let _ = writeln!(s, "{:>11} {:>7} {:>9} {:>10}  {:<18} kernel", "total ms", "share", "launches", "mean us", "largest grid");
+        let _ = writeln!(s, "{:>11} {:>7} {:>9} {:>10}  {:<18} kernel", "total ms", "share", "launches", "mean µs", "largest grid");
         for k in &self.kernels {
             let grid = format!("({}, {}, {})x{}", k.max_grid.0, k.max_grid.1, k.max_grid.2, k.max_block);
             let _ = writeln!(

@@ -71,7 +71,8 @@ fn fills_copies_cat_and_transposes() {
             let c = Tensor::full(vec![n], -1.5, dt, Device::Cpu).unwrap();
             check("full", &c, &Tensor::full(vec![n], -1.5, dt, GPU).unwrap(), dt, false);
         }
-        for (a, b, k) in [(1, 1, 3), (3, 4, 5), (37, 45, 2), (64, 96, 1), (33, 70, 3)] {
+        // even shapes take the bf16 pair kernel (transpose_pairs_b16), odd ones the element tiles
+        for (a, b, k) in [(1, 1, 3), (3, 4, 5), (37, 45, 2), (64, 96, 1), (33, 70, 3), (130, 66, 2), (66, 200, 3)] {
             let x = randn(&[k, a, b], dt, r);
             let g = to_gpu(&x);
             // (batched) transposes: the tiled kernel
