@@ -130,7 +130,8 @@ impl LtMatrix {
 pub struct Gemm {
     handle: sys::cublasLtHandle_t,
     workspace: DevBuf,
-    algos: HashMap<Key, sys::cublasLtMatmulAlgo_t>,
+    /// Per call shape: its descriptors and algorithm, made on its first call.
+    algos: HashMap<Key, (Descs, sys::cublasLtMatmulAlgo_t)>,
 }
 // SAFETY: a cuBLASLt handle may be used from any thread as long as calls on it do not run
 // concurrently; the backend keeps its Gemm behind a Mutex, so only one thread uses it at a time.
@@ -193,16 +194,8 @@ fn layout(dt: sys::cudaDataType, rows: usize, cols: usize, ld: i64, batch: usize
 }
 
 impl Gemm {
-    pub fn new(ctx: &Arc<CudaContext>, pool: &Arc<Pool>, _stream: &Arc<CudaStream>) -> Result<Gemm> {
-        ctx.bind_to_thread().map_err(err("cublaslt"))?;
-        let handle = lt::create_handle()
-            .map_err(|e| Error::new("cublaslt", format!("cannot create a cuBLASLt handle (is libcublasLt on the library path?): {e:?}")))?;
-        let workspace = pool.alloc(WORKSPACE)?;
-        Ok(Gemm { handle, workspace, algos: HashMap::new() })
-    }
-
-    /// Runs a planned call on `stream`.
-    pub fn run(&mut self, stream: &CudaStream, c: &LtCall) -> Result<()> {
+    /// The descriptors of a call's shape and cuBLASLt's first heuristic algorithm for them.
+    fn plan(&self, c: &LtCall) -> Result<(Descs, sys::cublasLtMatmulAlgo_t)> {
         let dt = if c.bf16 { sys::cudaDataType::CUDA_R_16BF } else { sys::cudaDataType::CUDA_R_32F };
         let op =
             lt::create_matmul_desc(sys::cublasComputeType_t::CUBLAS_COMPUTE_32F, sys::cudaDataType::CUDA_R_32F).map_err(err("matmul"))?;
@@ -227,6 +220,36 @@ impl Gemm {
         for (i, x) in [&c.a, &c.b, &c.d].into_iter().enumerate() {
             d.layouts[i] = layout(dt, x.rows, x.cols, x.ld, c.batch, x.stride)?;
         }
+        let pref = lt::create_matmul_pref().map_err(err("matmul"))?;
+        let ws = WORKSPACE as u64;
+        // SAFETY: `pref` is live until destroyed below, the workspace size points at a local u64
+        // passed with size 8, and the handle, descriptor and layouts are live.
+        let h = unsafe {
+            let r = lt::set_matmul_pref_attribute(
+                pref,
+                sys::cublasLtMatmulPreferenceAttributes_t::CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES,
+                &ws as *const u64 as *const c_void,
+                8,
+            );
+            let h = r
+                .and_then(|_| lt::get_matmul_algo_heuristic(self.handle, op, d.layouts[0], d.layouts[1], d.layouts[2], d.layouts[2], pref));
+            let _ = lt::destroy_matmul_pref(pref);
+            h.map_err(|e| Error::new("matmul", format!("no cuBLASLt algorithm for {c:?}: {e:?}")))?
+        };
+        Ok((d, h.algo))
+    }
+
+    pub fn new(ctx: &Arc<CudaContext>, pool: &Arc<Pool>, _stream: &Arc<CudaStream>) -> Result<Gemm> {
+        ctx.bind_to_thread().map_err(err("cublaslt"))?;
+        let handle = lt::create_handle()
+            .map_err(|e| Error::new("cublaslt", format!("cannot create a cuBLASLt handle (is libcublasLt on the library path?): {e:?}")))?;
+        let workspace = pool.alloc(WORKSPACE)?;
+        Ok(Gemm { handle, workspace, algos: HashMap::new() })
+    }
+
+    /// Runs a planned call on `stream`. The descriptors and the algorithm of a shape are made
+    /// once and kept (a training step repeats a few dozen shapes hundreds of times).
+    pub fn run(&mut self, stream: &CudaStream, c: &LtCall) -> Result<()> {
         let key = Key {
             bf16: c.bf16,
             ta: c.ta,
@@ -240,30 +263,12 @@ impl Gemm {
             sa: c.a.stride,
             sb: c.b.stride,
         };
-        let algo = match self.algos.get(&key) {
-            Some(a) => *a,
-            None => {
-                let pref = lt::create_matmul_pref().map_err(err("matmul"))?;
-                let ws = WORKSPACE as u64;
-                // SAFETY: `pref` is live until destroyed below, the workspace size points at a
-                // local u64 passed with size 8, and the handle, descriptor and layouts are live.
-                let h = unsafe {
-                    let r = lt::set_matmul_pref_attribute(
-                        pref,
-                        sys::cublasLtMatmulPreferenceAttributes_t::CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES,
-                        &ws as *const u64 as *const c_void,
-                        8,
-                    );
-                    let h = r.and_then(|_| {
-                        lt::get_matmul_algo_heuristic(self.handle, op, d.layouts[0], d.layouts[1], d.layouts[2], d.layouts[2], pref)
-                    });
-                    let _ = lt::destroy_matmul_pref(pref);
-                    h.map_err(|e| Error::new("matmul", format!("no cuBLASLt algorithm for {c:?}: {e:?}")))?
-                };
-                self.algos.insert(key, h.algo);
-                h.algo
-            }
-        };
+        if !self.algos.contains_key(&key) {
+            let planned = self.plan(c)?;
+            self.algos.insert(key, planned);
+        }
+        let (d, algo) = self.algos.get(&key).expect("inserted above");
+        let (op, algo) = (d.op, *algo);
         let (alpha, beta) = (1.0f32, 0.0f32);
         // SAFETY: the handle, descriptor and layouts are live; alpha/beta are f32 as the f32
         // compute type requires; every operand's extent (rows, cols, ld, batch stride) was checked
