@@ -400,7 +400,7 @@ fn profile_flag_on_the_training_tools() {
     assert!(!a.train.profile);
     let a: PretrainArgs = parse_from(["pretrain_llama", "--profile"]).unwrap();
     assert!(a.train.profile);
-    let f: FinetuneArgs = parse_from(["finetune_ladder", "--model", "m", "--profile"]).unwrap();
+    let f: FinetuneArgs = parse_from(["finetune_ladder", "--model", "m", "--ladder-layers", "2", "--profile"]).unwrap();
     assert!(f.train.profile);
     assert!(parse_from::<PretrainArgs, _, _>(["pretrain_llama", "--profile", "--profile"]).is_err());
     assert!(parse_from::<PretrainArgs, _, _>(["pretrain_llama", "--profile=1"]).is_err());
