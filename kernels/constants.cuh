@@ -48,7 +48,7 @@ enum { B_ADD, B_SUB, B_MUL, B_DIV, B_EQ };
 // kernel splits the reduced range into chunks of at least RED_COL_CHUNK elements. Rows shorter
 // than RED_ROW_MIN go to the column kernel (a block per output would leave most threads idle).
 #define RED_BLOCK 256
-#define RED_WAVES 8
+#define RED_WAVES 4
 #define RED_ROW_CHUNK 1024
 #define RED_COL_CHUNK 16
 #define RED_ROW_MIN 64

@@ -62,27 +62,13 @@ static __device__ void reduce_rows_impl(const T* x, Strided kept, Strided red, d
         } else {
             double acc = 0.0;
             if (vlo < vhi) {
-                // Four vectors in flight per thread, each into its own f64 sum (combined in a
-                // fixed order below): loads are not serialised behind one chain of adds.
                 const vec16* v = reinterpret_cast<const vec16*>(x + base + vlo);
-                i64 nv = (vhi - vlo) / N, j = threadIdx.x;
-                double a4[4] = {0.0, 0.0, 0.0, 0.0};
-                for (; j + 3 * (i64)blockDim.x < nv; j += 4 * (i64)blockDim.x) {
-                    float f[4][N];
-#pragma unroll
-                    for (int u = 0; u < 4; ++u) Vec<T>::load(ld16(v + j + u * (i64)blockDim.x), f[u]);
-#pragma unroll
-                    for (int u = 0; u < 4; ++u)
-#pragma unroll
-                        for (int k = 0; k < N; ++k) a4[u] += (double)f[u][k];
-                }
-                for (; j < nv; j += blockDim.x) {
+                for (i64 j = threadIdx.x; j < (vhi - vlo) / N; j += blockDim.x) {
                     float f[N];
                     Vec<T>::load(ld16(v + j), f);
 #pragma unroll
-                    for (int k = 0; k < N; ++k) a4[0] += (double)f[k];
+                    for (int k = 0; k < N; ++k) acc += (double)f[k];
                 }
-                acc = (a4[0] + a4[1]) + (a4[2] + a4[3]);
                 for (i64 i = lo + threadIdx.x; i < vlo; i += blockDim.x) acc += (double)to_f(x[base + i]);
                 for (i64 i = vhi + threadIdx.x; i < hi; i += blockDim.x) acc += (double)to_f(x[base + i]);
             } else {
