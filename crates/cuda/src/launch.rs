@@ -318,7 +318,7 @@ impl CudaBackend {
         }
         if let (Some((b, r, c, sb, sc)), true) = (ls.transposed(), ld.is_dense()) {
             let even = [r, c, ls.offset, sb, sc, ld.offset].iter().all(|v| v % 2 == 0);
-            if w == 2 && even && src.ptr().0 % 4 == 0 && dst.ptr().0 % 4 == 0 {
+            if w == 2 && even && src.ptr().0.is_multiple_of(4) && dst.ptr().0.is_multiple_of(4) {
                 let blocks = (b as usize) * (r as usize).div_ceil(64) * (c as usize).div_ceil(64);
                 let cfg = Launch::new((blocks.clamp(1, 65535 * 16) as u32, 1, 1), 256).elems(n);
                 // SAFETY: as below, with every pair (r, r + 1) and (c, c + 1) inside the views:
