@@ -1,7 +1,8 @@
 //! The kernel profile of a run (`FERROLM_PROFILE=1`, or `--profile` on the training tools): the
 //! table `ferrolm_cuda::profile` collects, printed at the end of training and written as
 //! `profile.json` in the run directory. Rank r > 0 of a multi-process run writes
-//! `profile.rank<r>.json` beside it.
+//! `profile.rank<r>.json` beside it. A run on the CPU writes one too, with no kernels (its
+//! `device` says "no CUDA launch") and the steps it counted.
 //!
 //! `profile.json`: `{"device", "timed" (false on the emulator: only counts mean anything),
 //! "note", "sm_count", "steps", "launches", "launches_per_step" (median over the steps),

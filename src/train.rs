@@ -443,7 +443,7 @@ impl Trainer {
     /// and writes it as `profile.json` in the run directory (`crate::profile`).
     pub fn run(&mut self) -> AnyResult<()> {
         let r = self.run_steps();
-        if ferrolm_cuda::profile::enabled() && self.model.device() != Device::Cpu {
+        if ferrolm_cuda::profile::enabled() {
             if let Err(e) = crate::profile::finish(&self.out_dir) {
                 tracing::warn!("kernel profile: {e:#}");
             }

@@ -130,3 +130,23 @@ fn launches_over_a_million_elements_fill_the_device() {
     assert!(rep.launches() > 20, "the ops made {} launches: the profile did not see them", rep.launches());
     assert!(rep.small_grids.is_empty(), "launches over 2^20 elements on fewer blocks than {} SMs: {:?}", rep.sm_count, rep.small_grids);
 }
+
+/// With the profile on, a CPU run still writes `profile.json`: no kernels, its steps counted.
+#[test]
+fn a_cpu_run_writes_a_profile_with_no_kernels() {
+    let _g = PROFILE.lock().unwrap_or_else(|e| e.into_inner());
+    let dir = common::tmp("profile-cpu");
+    common::shards(&dir);
+    let mut t = common::trainer(&dir, "run", TrainOptions { eval_every: 0, ..common::opts(2) });
+    profile::enable(true);
+    profile::reset();
+    let r = t.run();
+    profile::enable(false);
+    r.unwrap();
+    let text = std::fs::read_to_string(dir.join("run/profile.json")).expect("profile.json in the run directory");
+    let v: serde_json::Value = serde_json::from_str(&text).unwrap();
+    assert_eq!(v["kernels"].as_array().map(|k| k.len()), Some(0), "{text}");
+    assert_eq!(v["steps"].as_u64(), Some(2), "{text}");
+    assert_eq!(v["timed"].as_bool(), Some(false), "{text}");
+    let _ = std::fs::remove_dir_all(&dir);
+}
