@@ -129,6 +129,13 @@ fn launches_over_a_million_elements_fill_the_device() {
     println!("{}", rep.table());
     assert!(rep.launches() > 20, "the ops made {} launches: the profile did not see them", rep.launches());
     assert!(rep.small_grids.is_empty(), "launches over 2^20 elements on fewer blocks than {} SMs: {:?}", rep.sm_count, rep.small_grids);
+    // Independently of what launchers declare: every kernel but the finishing passes (over a few
+    // hundred partials) ran on a full grid at least once, the reductions included.
+    let blocks = |g: (u32, u32, u32)| g.0 as u64 * g.1 as u64 * g.2 as u64;
+    for k in rep.kernels.iter().filter(|k| !k.name.contains("finish") && !k.name.starts_with("gemm") && !k.name.starts_with("memcpy")) {
+        assert!(blocks(k.max_grid) >= rep.sm_count as u64, "{} ran on at most {:?} blocks over 2^21 elements", k.name, k.max_grid);
+    }
+    assert!(rep.kernels.iter().any(|k| k.name.starts_with("reduce_")), "no reduction kernel ran");
 }
 
 /// With the profile on, a CPU run still writes `profile.json`: no kernels, its steps counted.
