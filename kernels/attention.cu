@@ -182,6 +182,18 @@ static __device__ __forceinline__ void store_rows(bf16* x, float (*acc)[4], cons
     }
 }
 #define FLASH_LOG2E 1.4426950408889634f
+// 2^x in one MUFU.EX2 (ex2.approx.ftz: relative error ~2^-22, subnormal results flushed to 0,
+// 2^-inf = 0); exp2f adds a range check and two conditional multiplies around it. The softmax
+// probabilities it makes are rounded to bf16 before every product.
+static __device__ __forceinline__ float exp2_fast(float x) {
+#ifdef FERRO_EMU
+    return exp2f(x);
+#else
+    float y;
+    asm("ex2.approx.ftz.f32 %0, %1;\n" : "=f"(y) : "f"(x));
+    return y;
+#endif
+}
 
 // ---- forward (bf16, tensor cores) -------------------------------------------------------------
 // grid (ceil(t/128), hq, b), block 256 (8 warps x 16 query rows), dynamic smem
@@ -249,14 +261,14 @@ static __device__ void flash_fwd_impl(const bf16* q, const bf16* k, const bf16* 
 #pragma unroll
                 for (int n = 0; n < BC / 8; ++n) mx = fmaxf(mx, fmaxf(s[n][2 * r], s[n][2 * r + 1]));
                 mx = quad_max(mx);  // finite: column 0 (tile 0, never skipped) is seen by every row
-                float alpha = exp2f((m_r[r] - mx) * sl2), ms = mx * sl2, rs = 0.0f;
+                float alpha = exp2_fast((m_r[r] - mx) * sl2), ms = mx * sl2, rs = 0.0f;
                 m_r[r] = mx;
 #pragma unroll
                 for (int n = 0; n < D / 8; ++n) { acc[n][2 * r] *= alpha; acc[n][2 * r + 1] *= alpha; }
 #pragma unroll
                 for (int n = 0; n < BC / 8; ++n)
 #pragma unroll
-                    for (int e = 2 * r; e < 2 * r + 2; ++e) { float p = exp2f(fmaf(s[n][e], sl2, -ms)); s[n][e] = p; rs += p; }
+                    for (int e = 2 * r; e < 2 * r + 2; ++e) { float p = exp2_fast(fmaf(s[n][e], sl2, -ms)); s[n][e] = p; rs += p; }
                 l_r[r] = l_r[r] * alpha + rs;  // this thread's columns; the quad is summed at the end
             }
             mma_c_by_kn<D, BC>(acc, s, sV, lane);  // O += P V
@@ -363,7 +375,7 @@ static __device__ void flash_bwd_dkdv_impl(const bf16* q, const bf16* k, const b
                 for (int e = 0; e < 4; ++e) {
                     int qc = n * 8 + 2 * tq + (e & 1), qrow = i0 + qc, kr = kvrow[e >> 1];
                     bool ok = !mask || (qrow >= kr && qrow < t && kr < t);
-                    float pv = ok ? exp2f(fmaf(p[n][e], sl2, -sL[qc])) : 0.0f;
+                    float pv = ok ? exp2_fast(fmaf(p[n][e], sl2, -sL[qc])) : 0.0f;
                     p[n][e] = pv;
                     ds[n][e] = pv * (ds[n][e] - sD[qc]) * scale;
                 }
@@ -439,7 +451,7 @@ static __device__ void flash_bwd_dq_impl(const bf16* q, const bf16* k, const bf1
                 for (int e = 0; e < 4; ++e) {
                     int col = k0 + n * 8 + 2 * tq + (e & 1), row = rows[e >> 1];
                     bool ok = !mask || (col <= row && col < t);
-                    float pv = ok ? exp2f(fmaf(s[n][e], sl2, -l2[e >> 1])) : 0.0f;
+                    float pv = ok ? exp2_fast(fmaf(s[n][e], sl2, -l2[e >> 1])) : 0.0f;
                     s[n][e] = pv * (dp[n][e] - dr[e >> 1]) * scale;  // dS
                 }
             mma_c_by_kn<D, BC>(acc, s, sK, lane);  // dQ += dS K
