@@ -13,14 +13,15 @@
 //! NCCL ships as `libnccl.so.2`, a name cudarc does not try (it looks for `libnccl.so`). Until
 //! the distributed layer gets its own loader, a user must provide `libnccl.so` on
 //! `LD_LIBRARY_PATH` (a symlink to `libnccl.so.2` is enough); `.gpu/run` does exactly that.
+mod alloc;
 mod backend;
-mod comm;
 mod device;
 mod emu;
 mod emu_stream;
 mod gemm;
 pub mod kernels;
 mod launch;
+mod optim;
 mod pinned;
 mod pool;
 pub mod profile;
@@ -28,7 +29,8 @@ mod storage;
 
 pub use device::{compile_sources, nvrtc_translation_unit, CudaBackend, CudaEvent, CudaStream};
 pub use emu_stream::{format_report, host_waits, reset_host_waits, track_host_wait_sites, HostWaits, StepScope};
-pub use launch::{check_kernel_dtype, unsupported, AdamWParams, AdamWTensor, DevPtr, Launch, NormPart, ReducePlan};
+pub use launch::{check_kernel_dtype, unsupported, DevPtr, Launch, ReducePlan};
+pub use optim::{AdamWParams, AdamWTensor, NormPart};
 pub use pinned::PinnedBuffer;
 pub use storage::CudaStorage;
 
