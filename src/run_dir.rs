@@ -33,7 +33,7 @@ pub fn missing_files(dir: &Path) -> Vec<&'static str> {
         missing.push("model.safetensors");
     }
     // The optimizer state: one device's file, or the shards of a parallel run.
-    if !dir.join("optimizer.safetensors").is_file() && !ferrolm_dist::ckpt::is_sharded(dir) {
+    if !dir.join("optimizer.safetensors").is_file() && !ferrolm_dist::zero::ckpt::is_sharded(dir) {
         missing.push("optimizer.safetensors");
     }
     if !dir.join(TRAINER_STATE).is_file() {

@@ -604,8 +604,10 @@ impl Trainer {
     /// `keep_last`. Refuses weights that are not finite and a step directory that exists. A
     /// failure midway removes the partial directory and leaves `latest` on the previous one.
     ///
-    /// On several ranks every rank calls it: each writes its own shards (`shards/`), then rank 0
-    /// joins them into the Hugging Face `model.safetensors` and finishes the directory.
+    /// On several ranks every rank calls it: each writes its own shards (`shards/`), the ranks
+    /// join their parameters (`TrainEngine::full_params`: collectives, no shard is read back), and
+    /// world rank 0 of the engine's mesh writes the Hugging Face `model.safetensors` and
+    /// finishes the directory.
     pub fn save_checkpoint(&self) -> AnyResult<PathBuf> {
         let name = checkpoint_name(self.step);
         // Every tensor the checkpoint stores, as this rank holds it.
@@ -624,7 +626,8 @@ impl Trainer {
         if rewrite && self.last_saved.get() != Some(self.step) {
             bail!("{} already exists: refusing to overwrite a saved checkpoint", dst.display());
         }
-        let prepared = if is_rank_zero() {
+        let rank0 = self.engine.mesh().world().rank() == 0;
+        let prepared = if rank0 {
             (|| -> AnyResult<()> {
                 std::fs::create_dir_all(&root).with_context(|| format!("cannot create {}", root.display()))?;
                 if tmp.exists() {
@@ -641,12 +644,12 @@ impl Trainer {
         prepared?;
         let previous = std::fs::read_to_string(root.join(LATEST)).ok().map(|s| s.trim().to_string());
         let shards = self.engine.save_shards(&tmp).map_err(anyhow::Error::from);
+        // Every rank takes part in joining the parameters once every rank's shards are written.
+        let params = shards.and_then(|()| self.engine.full_params().map_err(anyhow::Error::from));
         let old = root.join(format!(".{name}.old"));
-        let finished = shards.and_then(|()| {
-            if !is_rank_zero() {
-                return Ok(());
-            }
-            self.write_checkpoint_files(&tmp).and_then(|()| {
+        let finished = params.and_then(|params| {
+            let Some(params) = params else { return Ok(()) };
+            self.write_checkpoint_files(&tmp, params).and_then(|()| {
                 if rewrite {
                     std::fs::rename(&dst, &old).with_context(|| format!("cannot move {} aside", dst.display()))?;
                 }
@@ -659,7 +662,7 @@ impl Trainer {
         });
         let agreed = self.agree(finished.is_ok(), "write the checkpoint");
         if let Err(e) = finished.and(agreed) {
-            if is_rank_zero() {
+            if rank0 {
                 let _ = std::fs::remove_dir_all(&tmp);
             }
             let kept = match previous {
@@ -669,7 +672,7 @@ impl Trainer {
             return Err(e.context(format!("saving checkpoint {name} failed; its partial files were removed and {kept}")));
         }
         self.last_saved.set(Some(self.step));
-        if is_rank_zero() {
+        if rank0 {
             write_atomic(&root.join(LATEST), name.as_bytes())?;
             sync_dir(&root)?;
             for old in run_dir::prune(&root, self.safety.keep_last)? {
@@ -692,10 +695,10 @@ impl Trainer {
         Ok(())
     }
 
-    /// Rank 0, after every rank wrote its shards into `tmp`: the Hugging Face model joined from
-    /// them, the tokenizer and, last, the trainer state that marks the checkpoint complete.
-    fn write_checkpoint_files(&self, tmp: &Path) -> AnyResult<()> {
-        let (params, _) = ferrolm_dist::ckpt::load_full(tmp)?;
+    /// Rank 0, after every rank wrote its shards into `tmp`: the Hugging Face model from the full
+    /// parameters the ranks joined, the tokenizer and, last, the trainer state that marks the
+    /// checkpoint complete.
+    fn write_checkpoint_files(&self, tmp: &Path, params: ferrolm_nn::safetensors_io::TensorMap) -> AnyResult<()> {
         let named: Vec<(String, Tensor)> = params.into_iter().collect();
         let path = ferrolm_nn::safetensors_io::prepare_dir(tmp, "model.safetensors")?;
         save_safetensors(&path, &named, Some(DType::F32))?;
@@ -738,9 +741,9 @@ impl Trainer {
         }
         // Full weights by name (the Hugging Face files, whatever layout wrote them) and the full
         // optimizer state (one device's file, or joined from the shards of a parallel run).
-        let sharded = ferrolm_dist::ckpt::is_sharded(&dir);
+        let sharded = ferrolm_dist::zero::ckpt::is_sharded(&dir);
         let (weights, state): (HashMap<String, Tensor>, HashMap<String, Tensor>) = if sharded {
-            let (p, s) = ferrolm_dist::ckpt::load_full(&dir)?;
+            let (p, s) = ferrolm_dist::zero::ckpt::load_full(&dir)?;
             (p.into_iter().collect(), s.into_iter().collect())
         } else {
             let loaded = Llama::from_pretrained(&dir, DType::F32, Device::Cpu)?;
