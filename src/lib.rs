@@ -6,6 +6,7 @@
 //! memory estimate (`memory`).
 pub mod alloc;
 pub mod autoconfig;
+pub mod checkpoint;
 pub mod cli;
 pub mod logging;
 pub mod memory;
