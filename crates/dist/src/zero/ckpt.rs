@@ -319,7 +319,7 @@ pub fn load_into(zero: &mut Zero, params: &TensorMap, state: &TensorMap, step: u
         let t = map.get(key).ok_or_else(|| Error::new("resume", format!("missing tensor {key}")))?;
         local_piece(t, base, tp.as_ref())?.to_dtype(dtype)?.to_device(device)
     };
-    // (padded length, slots) of each bucket: the store is borrowed from the engine being loaded.
+    // (padded length, slots) of each bucket, copied: the buckets are the engine's being loaded.
     let buckets: Vec<(usize, Vec<ferrolm_nn::buckets::Slot>)> = zero.store.buckets.iter().map(|b| (b.padded, b.slots.clone())).collect();
     for (i, (n, slots)) in buckets.iter().enumerate() {
         let build = |dtype: DType, get: &dyn Fn(&str) -> Result<Tensor>| -> Result<Tensor> {

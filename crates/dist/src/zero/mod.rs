@@ -1,5 +1,5 @@
 //! The training engine: flexible ZeRO sharding (AMSP, arXiv 2311.00257) over the flat parameter
-//! store (`ferrolm_nn::store`). Parameters, gradients and optimizer states are each sharded over
+//! buckets (`ferrolm_nn::buckets::ParamBuckets`). Parameters, gradients and optimizer states are each sharded over
 //! their own group of data-parallel ranks, `ShardSpec { params: s_p, grads: s_g, optim: s_os }`.
 //! Training on one device is this engine on a world of one, spec (1, 1, 1): the same code path,
 //! with every collective of size one skipped.
@@ -47,7 +47,7 @@ use std::sync::{Arc, Mutex, MutexGuard};
 /// One layer bucket's shards on this rank.
 struct Bucket {
     numel: usize,
-    /// (numel) the store's buffer, which the model's parameters view; released between uses
+    /// (numel) the bucket's flat buffer, which the model's parameters view; released between uses
     /// when s_p > 1.
     flat: Tensor,
     /// (numel / s_p) this rank's parameter range (the flat buffer itself when s_p = 1).
@@ -89,7 +89,7 @@ pub enum Placement<'a> {
 }
 
 impl Zero {
-    /// Moves `model`'s parameters into the flat store and shards them over `mesh`'s data-parallel
+    /// Moves `model`'s parameters into flat buckets and shards them over `mesh`'s data-parallel
     /// group by `spec`. With tensor parallelism, `tp` is the layout `parallelize` returned (the
     /// store then holds this rank's tensor-parallel shards). Collective over the mesh.
     pub fn new(
