@@ -1,6 +1,7 @@
 //! The training engine: flexible ZeRO sharding (AMSP, arXiv 2311.00257) over the flat parameter
-//! buckets (`ferrolm_nn::buckets::ParamBuckets`). Parameters, gradients and optimizer states are each sharded over
-//! their own group of data-parallel ranks, `ShardSpec { params: s_p, grads: s_g, optim: s_os }`.
+//! buckets (`ferrolm_nn::buckets::ParamBuckets`). Parameters, gradients and optimizer states
+//! are each sharded over their own group of data-parallel ranks,
+//! `ShardSpec { params: s_p, grads: s_g, optim: s_os }`.
 //! Training on one device is this engine on a world of one, spec (1, 1, 1): the same code path,
 //! with every collective of size one skipped.
 //!
