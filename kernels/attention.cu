@@ -63,41 +63,41 @@ static __device__ __forceinline__ float quad_sum(float v) {
     v += __shfl_xor_sync(0xffffffffu, v, 1);
     return v + __shfl_xor_sync(0xffffffffu, v, 2);
 }
+// acc (16 x 16 NP) += A B over K = 16 KK: at k-step kk, load_a(a, kk) gives the A fragment
+// once, then for each pair of n-tiles np, load_b(b, kk, np) gives the B fragments of n-tiles
+// 2 np (b[0..1]) and 2 np + 1 (b[2..3]).
+template <int KK, int NP, typename LoadA, typename LoadB>
+static __device__ __forceinline__ void mma_tiles(float (*acc)[4], const LoadA& load_a, const LoadB& load_b) {
+#pragma unroll
+    for (int kk = 0; kk < KK; ++kk) {
+        unsigned a[4];
+        load_a(a, kk);
+#pragma unroll
+        for (int np = 0; np < NP; ++np) {
+            unsigned bf[4];
+            load_b(bf, kk, np);
+            mma_bf16(acc[2 * np], a, bf);
+            mma_bf16(acc[2 * np + 1], a, bf + 2);
+        }
+    }
+}
 // (16 x N) += A (16 x K) B, A from shared rows [r0, r0 + 16) (ldsm_a), B an n-major tile
 // (ldsm_b_nk) of N rows: acc[j] is n-tile j. K and N multiples of 16.
 template <int K, int N>
 static __device__ __forceinline__ void mma_rows_by_nk(float (*acc)[4], const bf16* sA, int r0, const bf16* sB, int lane) {
     constexpr int ST = K + FLASH_PAD;
-#pragma unroll
-    for (int kk = 0; kk < K / 16; ++kk) {
-        unsigned a[4];
-        ldsm_a(a, sA, ST, r0, kk * 16, lane);
-#pragma unroll
-        for (int np = 0; np < N / 16; ++np) {
-            unsigned bf[4];
-            ldsm_b_nk(bf, sB, ST, np * 16, kk * 16, lane);
-            mma_bf16(acc[2 * np], a, bf);
-            mma_bf16(acc[2 * np + 1], a, bf + 2);
-        }
-    }
+    mma_tiles<K / 16, N / 16>(
+        acc, [&](unsigned* a, int kk) { ldsm_a(a, sA, ST, r0, kk * 16, lane); },
+        [&](unsigned* b, int kk, int np) { ldsm_b_nk(b, sB, ST, np * 16, kk * 16, lane); });
 }
 // acc (16 x D) += P (16 x K) X, P in C fragments (p[j] is k-tile j of 8 columns), reused as the A
 // operand; X a k-major (K, D) tile in shared memory (ldsm_b_kn).
 template <int D, int K>
 static __device__ __forceinline__ void mma_c_by_kn(float (*acc)[4], float (*p)[4], const bf16* sX, int lane) {
     constexpr int ST = D + FLASH_PAD;
-#pragma unroll
-    for (int kk = 0; kk < K / 16; ++kk) {
-        unsigned a[4];
-        c_to_a(a, p[2 * kk], p[2 * kk + 1]);
-#pragma unroll
-        for (int np = 0; np < D / 16; ++np) {
-            unsigned bf[4];
-            ldsm_b_kn(bf, sX, ST, kk * 16, np * 16, lane);
-            mma_bf16(acc[2 * np], a, bf);
-            mma_bf16(acc[2 * np + 1], a, bf + 2);
-        }
-    }
+    mma_tiles<K / 16, D / 16>(
+        acc, [&](unsigned* a, int kk) { c_to_a(a, p[2 * kk], p[2 * kk + 1]); },
+        [&](unsigned* b, int kk, int np) { ldsm_b_kn(b, sX, ST, kk * 16, np * 16, lane); });
 }
 template <int N>
 static __device__ __forceinline__ void zero_acc(float (*acc)[4]) {
@@ -237,15 +237,9 @@ static __device__ void flash_fwd_impl(const bf16* q, const bf16* k, const bf16* 
         if (k0 <= wr0 + 15 && wr0 < t) {  // warp-uniform: the tile has a column some row may see
             float s[BC / 8][4];
             zero_acc<BC / 8>(s);
-#pragma unroll
-            for (int kk = 0; kk < D / 16; ++kk)
-#pragma unroll
-                for (int np = 0; np < BC / 16; ++np) {
-                    unsigned bf[4];
-                    ldsm_b_nk(bf, sK, ST, np * 16, kk * 16, lane);
-                    mma_bf16(s[2 * np], qf[kk], bf);
-                    mma_bf16(s[2 * np + 1], qf[kk], bf + 2);
-                }
+            mma_tiles<D / 16, BC / 16>(  // S = Q K^T, Q from registers
+                s, [&](unsigned* a, int kk) { a[0] = qf[kk][0], a[1] = qf[kk][1], a[2] = qf[kk][2], a[3] = qf[kk][3]; },
+                [&](unsigned* b, int kk, int np) { ldsm_b_nk(b, sK, ST, np * 16, kk * 16, lane); });
             if (k0 + BC - 1 > wr0 || k0 + BC > t) {  // crosses the diagonal or the end
 #pragma unroll
                 for (int n = 0; n < BC / 8; ++n)

@@ -96,22 +96,14 @@ fn cp_async_groups_complete_in_order_with_zero_fill() {
     let (a, b, c) = (words(&mut r, 128), words(&mut r, 128), words(&mut r, 32));
     let (sa, sb, sc) = (up_u32(&be, &a), up_u32(&be, &b), up_u32(&be, &c));
     let (out, outw) = (poison(&be, 256), poison(&be, 32));
-    // SAFETY: a and b hold 128 words, c 32; out 256 and outw 32; one warp, 1536 bytes of shared
-    // memory (three regions of 32 16-byte chunks).
-    let launch = |early: i32| unsafe {
-        kernels::probe_cp_async(
-            &be,
-            Launch::new((1, 1, 1), 32).smem(3 * 32 * 16),
-            cs(&sa).ptr(),
-            cs(&sb).ptr(),
-            cs(&sc).ptr(),
-            cs(&out).ptr(),
-            cs(&outw).ptr(),
-            early,
-        )
-        .unwrap()
+    // SAFETY: a and b hold 128 words, c 32; out and outw hold at least 256 and 32 words; one
+    // warp, 1536 bytes of shared memory (three regions of 32 16-byte chunks).
+    let launch = |out: &Storage, early: i32| unsafe {
+        let ptrs = [&sa, &sb, &sc, out, &outw].map(|s| cs(s).ptr());
+        let cfg = Launch::new((1, 1, 1), 32).smem(3 * 32 * 16);
+        kernels::probe_cp_async(&be, cfg, ptrs[0], ptrs[1], ptrs[2], ptrs[3], ptrs[4], early).unwrap()
     };
-    launch(0);
+    launch(&out, 0);
     let (got, gotw) = (bits(&be, &out), bits(&be, &outw));
     for x in 0..32 {
         let src = 31 - x; // thread x reads the chunk thread 31 - x copied
@@ -124,20 +116,7 @@ fn cp_async_groups_complete_in_order_with_zero_fill() {
     }
     if be.is_emulated() {
         let out = poison(&be, 256);
-        // SAFETY: as above.
-        unsafe {
-            kernels::probe_cp_async(
-                &be,
-                Launch::new((1, 1, 1), 32).smem(1536),
-                cs(&sa).ptr(),
-                cs(&sb).ptr(),
-                cs(&sc).ptr(),
-                cs(&out).ptr(),
-                cs(&outw).ptr(),
-                1,
-            )
-            .unwrap()
-        };
+        launch(&out, 1);
         let got = bits(&be, &out);
         assert!(got[..128].iter().all(|&w| w == u32::MAX), "a read before cp.async.wait_group must see NaN bits on the emulator");
     }

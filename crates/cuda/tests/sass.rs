@@ -79,18 +79,29 @@ fn has_op(body: &str, op: &str) -> bool {
     })
 }
 
-#[test]
-fn vector_loads_and_no_local_memory() {
+/// The fatbin, the cuobjdump that reads it and its sm_90 SASS per kernel; None (after `skip`
+/// says why) when one of them is missing.
+fn sass_of_fatbin() -> Option<(PathBuf, PathBuf, Vec<(String, String)>)> {
     let Some(fb) = fatbin().filter(|p| p.is_file()) else {
-        return skip("no built fatbin (FERROLM_KERNELS_FATBIN, or build/ferrolm-*/out/ferrolm_kernels.fatbin: needs nvcc)");
+        skip("no built fatbin (FERROLM_KERNELS_FATBIN, or build/ferrolm-*/out/ferrolm_kernels.fatbin: needs nvcc)");
+        return None;
     };
     let Some(tool) = cuobjdump() else {
-        return skip("no cuobjdump (.cuda/ from scripts/install-cuda-toolchain.sh, or PATH)");
+        skip("no cuobjdump (.cuda/ from scripts/install-cuda-toolchain.sh, or PATH)");
+        return None;
     };
-    let funcs = match sass(&tool, &fb) {
-        Ok(f) => f,
-        Err(e) => return skip(&e),
-    };
+    match sass(&tool, &fb) {
+        Ok(f) => Some((fb, tool, f)),
+        Err(e) => {
+            skip(&e);
+            None
+        }
+    }
+}
+
+#[test]
+fn vector_loads_and_no_local_memory() {
+    let Some((fb, _, funcs)) = sass_of_fatbin() else { return };
     let find = |name: &str| funcs.iter().find(|(n, _)| n == name).map(|(_, b)| b.as_str());
     let vector = ["unary_contig", "binary_contig", "binary_row"].iter().flat_map(|k| [format!("{k}_f32"), format!("{k}_bf16")]);
     let vector: Vec<String> = vector
@@ -127,16 +138,7 @@ fn vector_loads_and_no_local_memory() {
 /// scalar shared-memory loads or spills fails here.
 #[test]
 fn flash_attention_feeds_the_tensor_cores() {
-    let Some(fb) = fatbin().filter(|p| p.is_file()) else {
-        return skip("no built fatbin (FERROLM_KERNELS_FATBIN, or build/ferrolm-*/out/ferrolm_kernels.fatbin: needs nvcc)");
-    };
-    let Some(tool) = cuobjdump() else {
-        return skip("no cuobjdump (.cuda/ from scripts/install-cuda-toolchain.sh, or PATH)");
-    };
-    let funcs = match sass(&tool, &fb) {
-        Ok(f) => f,
-        Err(e) => return skip(&e),
-    };
+    let Some((fb, tool, funcs)) = sass_of_fatbin() else { return };
     let usage = match resource_usage(&tool, &fb) {
         Ok(u) => u,
         Err(e) => return skip(&e),
