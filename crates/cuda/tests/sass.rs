@@ -79,9 +79,12 @@ fn has_op(body: &str, op: &str) -> bool {
     })
 }
 
+/// (kernel name, its SASS text) of every function.
+type Funcs = Vec<(String, String)>;
+
 /// The fatbin, the cuobjdump that reads it and its sm_90 SASS per kernel; None (after `skip`
 /// says why) when one of them is missing.
-fn sass_of_fatbin() -> Option<(PathBuf, PathBuf, Vec<(String, String)>)> {
+fn sass_of_fatbin() -> Option<(PathBuf, PathBuf, Funcs)> {
     let Some(fb) = fatbin().filter(|p| p.is_file()) else {
         skip("no built fatbin (FERROLM_KERNELS_FATBIN, or build/ferrolm-*/out/ferrolm_kernels.fatbin: needs nvcc)");
         return None;
