@@ -65,8 +65,8 @@ impl Layout {
 
     /// The layout as the memory estimator reads it (thread ranks unless a launcher started
     /// processes).
-    pub fn mem_layout(&self, checkpointing: bool) -> AnyResult<crate::memory::MemLayout> {
-        Ok(crate::memory::MemLayout {
+    pub fn mem_layout(&self, checkpointing: bool) -> AnyResult<crate::planner::memory::MemLayout> {
+        Ok(crate::planner::memory::MemLayout {
             tp: self.tp,
             dp: self.dp,
             spec: self.spec,

@@ -5,14 +5,15 @@
 mod common;
 use common::*;
 use ferrolm::autoconfig::trial::TrainConfig;
-use ferrolm::autoconfig::{days_for, hyper_params, params_from_budget, search, shape_for_params, Budget, SearchSpace};
+use ferrolm::autoconfig::{days_for, hyper_params, params_from_budget, shape_for_params, Budget};
 use ferrolm::cli::autoconfig::{autoconfig, AutoconfigArgs};
 use ferrolm::cli::parse_from;
 use ferrolm::cli::pretrain::{apply_config_from, PretrainArgs};
 use ferrolm::cli::ComputeDtype;
-use ferrolm_dist::cost::{Link, LinkModel};
+use ferrolm::planner::cost::{Link, LinkModel};
+use ferrolm::planner::layouts::{search, Candidate, OffloadRates, SearchSpace};
+use ferrolm::planner::{Cluster, ModelShape};
 use ferrolm_dist::offload::GpuEvery;
-use ferrolm_dist::plan::{Cluster, ModelShape};
 
 #[test]
 fn size_from_budget_matches_hand_computed_cases() {
@@ -66,7 +67,7 @@ fn gpu_cluster(gpus: usize, mem_gib: f64) -> Cluster {
         interference: 0.2,
         update_s_per_elem: 28.0 / 2e12,
         comm_cpu_s_per_byte: 0.0,
-        comm_buffer_bytes: ferrolm_dist::plan::NCCL_BYTES_PER_COMMUNICATOR,
+        comm_buffer_bytes: ferrolm::planner::NCCL_BYTES_PER_COMMUNICATOR,
     }
 }
 
@@ -80,6 +81,7 @@ fn space(seq: usize, global: usize) -> SearchSpace {
         offload: None,
         ladder_layers: None,
         elem_bytes: 2,
+        grad_reduce: Default::default(),
         workspace_bytes: 1e9,
         flops_by_micro_batch: Vec::new(),
     }
@@ -127,11 +129,11 @@ fn ladder_hides_tensor_parallel_all_reduces_and_offload_frees_device_memory() {
     let (plain, _) = search(&m, &c, &s);
     s.ladder_layers = Some(m.layers);
     let (ladder, _) = search(&m, &c, &s);
-    let tp4 = |v: &[ferrolm::autoconfig::Candidate]| v.iter().find(|k| k.tp == 4).cloned().unwrap();
+    let tp4 = |v: &[Candidate]| v.iter().find(|k| k.tp == 4).cloned().unwrap();
     let (p, l) = (tp4(&plain), tp4(&ladder));
     assert!(p.tp_comm_s > 0.0 && l.tp_comm_s < p.tp_comm_s, "{} vs {}", l.tp_comm_s, p.tp_comm_s);
     s.ladder_layers = None;
-    s.offload = Some(ferrolm::autoconfig::OffloadRates {
+    s.offload = Some(OffloadRates {
         cpu_adam_elems_per_s: 1e9,
         gpu_adam_elems_per_s: 7e10,
         h2d_bytes_per_s: 25e9,
@@ -290,7 +292,9 @@ fn help_lists_every_flag_with_its_default() {
 
 #[test]
 fn planner_counts_nccl_buffers_per_communicator() {
-    use ferrolm_dist::plan::{communicators, evaluate, Workload, NCCL_BYTES_PER_COMMUNICATOR};
+    use ferrolm::planner::step::evaluate;
+    use ferrolm::planner::{Workload, NCCL_BYTES_PER_COMMUNICATOR};
+    use ferrolm_dist::zero::groups::communicators;
     use ferrolm_dist::zero::ShardSpec;
     let m = ModelShape::preset("7b").unwrap();
     let w =

@@ -1,4 +1,4 @@
-//! The memory estimator (`ferrolm::memory::estimate`) against the measured tensor-bytes peak
+//! The memory estimator (`ferrolm::planner::memory::estimate`) against the measured tensor-bytes peak
 //! (`ferrolm_tensor::peak_bytes`) of real CPU training steps: one device with and without
 //! activation checkpointing, and four thread ranks under several ShardSpecs (ZeRO-0/1/2/3,
 //! MiCS) with checkpointing on and off and with gradient accumulation. Within 10% each. One
@@ -8,9 +8,9 @@
 //! The peak counter is process-wide, so everything runs in this one test (its own binary); four
 //! thread ranks run in lockstep (every micro-batch ends in collectives), so their common peak
 //! is four times one rank's.
-use ferrolm::memory::{estimate, MemLayout};
 use ferrolm::nn::optim::AdamWConfig;
 use ferrolm::nn::{Llama, LlamaConfig};
+use ferrolm::planner::memory::{estimate, MemLayout};
 use ferrolm::{DType, Device, Tensor};
 use ferrolm_dist::zero::{Placement, ShardSpec, Zero};
 use ferrolm_dist::{CommOptions, DeviceMesh, ThreadComm, TrainEngine};
@@ -172,16 +172,17 @@ fn estimate_is_within_ten_percent_of_the_measured_peak() {
 #[test]
 fn a_run_that_cannot_fit_is_refused_with_the_numbers() {
     let c = case(128, 320, 3, 4, 64);
-    let avail = ferrolm::memory::available_host_bytes().expect("/proc/meminfo") as f64;
+    let avail = ferrolm::planner::memory::available_host_bytes().expect("/proc/meminfo") as f64;
     // Enough sequences of 256 tokens that the activations alone exceed what the host has.
     let per_token = estimate(&c.cfg, DType::F32, Device::Cpu, 1, 256, 1, &MemLayout::single(false)).unwrap().activations / 256.0;
     let batch = (2.0 * avail / per_token / 256.0).ceil() as usize;
-    let opts = ferrolm::memory::RunShape { batch_size: batch, seq_len: 256, grad_accum: 1 };
-    let err = ferrolm::memory::check_layout(&c.cfg, DType::F32, Device::Cpu, &opts, &MemLayout::single(false)).unwrap_err().to_string();
+    let opts = ferrolm::planner::memory::RunShape { batch_size: batch, seq_len: 256, grad_accum: 1 };
+    let err =
+        ferrolm::planner::memory::check_layout(&c.cfg, DType::F32, Device::Cpu, &opts, &MemLayout::single(false)).unwrap_err().to_string();
     assert!(err.contains(&format!("--batch-size {batch}")) && err.contains("needs about") && err.contains("activations"), "{err}");
     // Small enough: accepted, and the prediction comes back.
-    let ok = ferrolm::memory::RunShape { batch_size: 4, ..opts };
-    let m = ferrolm::memory::check_layout(&c.cfg, DType::F32, Device::Cpu, &ok, &MemLayout::single(true)).unwrap();
+    let ok = ferrolm::planner::memory::RunShape { batch_size: 4, ..opts };
+    let m = ferrolm::planner::memory::check_layout(&c.cfg, DType::F32, Device::Cpu, &ok, &MemLayout::single(true)).unwrap();
     assert!(m.total() > m.states());
 }
 
@@ -190,7 +191,7 @@ fn a_run_that_cannot_fit_is_refused_with_the_numbers() {
 /// optimizer states stay. Pure arithmetic: no tensors, so it does not disturb the peak above.
 #[test]
 fn f32_main_gradients_cost_two_more_bytes_per_gradient_element() {
-    use ferrolm_dist::plan::ModelShape;
+    use ferrolm::planner::ModelShape;
     use ferrolm_dist::zero::GradReduceDtype;
     let c = case(64, 128, 2, 2, 32);
     let buckets = ModelShape::from_config(&c.cfg, "run").bucket_params(1);
@@ -224,8 +225,8 @@ fn f32_main_gradients_cost_two_more_bytes_per_gradient_element() {
 /// no NCCL) count none. Pure arithmetic, like the test above.
 #[test]
 fn nccl_buffers_are_counted_per_communicator_on_multi_rank_gpu_runs() {
-    use ferrolm::memory::CUDA_WORKSPACE_BYTES;
-    use ferrolm_dist::plan::NCCL_BYTES_PER_COMMUNICATOR;
+    use ferrolm::planner::memory::CUDA_WORKSPACE_BYTES;
+    use ferrolm::planner::NCCL_BYTES_PER_COMMUNICATOR;
     assert_eq!(NCCL_BYTES_PER_COMMUNICATOR, 128.0 * 1024.0 * 1024.0);
     let c = case(64, 128, 2, 2, 32); // 4 heads, 2 key/value heads
     let spec = |p, g, o| ShardSpec { params: p, grads: g, optim: o };

@@ -70,7 +70,7 @@ fn score(a: &EvalArgs, model: &Llama, tokenizer: &Tokenizer, ids: &[u32], device
     let Some(need) = bs.min(windows).checked_mul(t).and_then(|n| n.checked_mul(8)) else {
         bail!("--batch-size {bs} × --seq-len {t} overflows");
     };
-    if let Some(avail) = crate::memory::available_host_bytes() {
+    if let Some(avail) = crate::planner::memory::available_host_bytes() {
         if need as u64 > avail {
             bail!("--batch-size {bs} × --seq-len {t} needs {need} bytes for one batch, {avail} are available: lower --batch-size");
         }

@@ -73,8 +73,8 @@ fn prepare(args: &FinetuneArgs) -> AnyResult<Prepared> {
     let opts = checked.options();
     check_validation_data(&val, opts.batch_size, opts.seq_len).with_context(|| format!("{}", shards.display()))?;
     let layout = a.parallel.layout()?.mem_layout(a.activation_checkpointing)?;
-    let mem = crate::memory::check_layout(&cfg, dtype, device, &opts.shape(), &layout)?;
-    report(&format!("memory: predicted peak {}", crate::memory::describe(&mem)));
+    let mem = crate::planner::memory::check_layout(&cfg, dtype, device, &opts.shape(), &layout)?;
+    report(&format!("memory: predicted peak {}", crate::planner::memory::describe(&mem)));
     Ok(Prepared { data: TrainData { device, dtype, tok_path, train, val }, ladder })
 }
 

@@ -8,10 +8,12 @@
 //! print their whole chain of causes (`error: cannot open data directory foo: No such file or
 //! directory (os error 2)`) and exit with 1.
 pub mod autoconfig;
+pub mod cluster;
 pub mod eval;
 pub mod finetune;
 pub mod generate;
 pub mod parallel;
+pub mod plan;
 pub mod prepare;
 pub mod pretrain;
 

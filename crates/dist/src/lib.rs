@@ -1,5 +1,7 @@
-//! ferrolm-dist: the communication layer of ferrolm's distributed runtime. Tensor parallelism,
-//! ZeRO sharding and the planner are built on it; the model never sees it.
+//! ferrolm-dist: ferrolm's distributed runtime: communication, tensor parallelism, ZeRO
+//! sharding and optimizer offload; the model never sees it. The performance model that ranks
+//! layouts (the planner) is `ferrolm::planner` in the facade; of it only the pure functions the
+//! runtime itself uses live here ([`cost`], [`dos`]).
 //!
 //! - [`comm`]: the [`Communicator`] trait (all_reduce, all_gather, reduce_scatter, broadcast,
 //!   barrier, split; `*_async` variants return a [`Work`] whose result is a pending tensor,
@@ -21,7 +23,7 @@
 //!   for a multi-process GPU run and a world of one otherwise; [`slurm`] expands SLURM's host
 //!   and tasks-per-node lists; [`launcher`] starts one node's processes (the `launch` example).
 //! - [`cost`]: the ring / hierarchical cost model as pure functions (bytes per rank, seconds per
-//!   collective), shared by [`SimLink`], `CommStats` and the planner.
+//!   collective), shared by [`SimLink`], `CommStats` and the planner (`ferrolm::planner`).
 //! - [`simlink`]: [`SimLink`], a wrapper that completes each collective only after the model's
 //!   time on a FIFO link, so a CPU run measures exposed communication.
 //! - [`dos`]: Deep Optimizer States' performance model (update phase of an offloaded step for
@@ -47,7 +49,6 @@ pub mod nccl;
 pub mod nccl_lib;
 pub mod offload;
 pub mod ops;
-pub mod plan;
 mod reduce;
 pub mod simlink;
 pub mod slurm;
