@@ -210,7 +210,7 @@ impl Trainer {
         out_dir: &Path,
     ) -> AnyResult<Trainer> {
         opts.validate()?; // the memory check needs valid options; `with_engine` checks the rest
-        let layout = crate::planner::memory::MemLayout::single(model.activation_checkpointing());
+        let layout = crate::planner::memory::MemParallelism::single(model.activation_checkpointing());
         crate::planner::memory::check_layout(model.config(), model.dtype(), model.device(), &opts.shape(), &layout)?;
         let engine = Zero::single(&mut model, Self::adamw_config(&opts), Placement::Device)?;
         Self::with_engine(model, Box::new(engine), train_shards, val_shards, opts, out_dir)

@@ -3,7 +3,7 @@
 //! `planner::calibrate`), and the `train_config.json` that `pretrain_llama --config-from` reads.
 use crate::nn::remat::apply_activation_checkpointing;
 use crate::nn::{Llama, LlamaConfig};
-use crate::parallel::Layout;
+use crate::parallel::Parallelism;
 use crate::planner::cost::LinkModel;
 use crate::planner::layouts::Candidate;
 use crate::train::{TrainOptions, Trainer};
@@ -70,7 +70,7 @@ pub fn train_options(c: &Candidate, seq: usize, lr: f64, steps: usize) -> TrainO
 }
 
 /// The layout of a candidate.
-pub fn layout(c: &Candidate, ranks_per_node: usize, grad_reduce: GradReduceDtype) -> Layout {
+pub fn layout(c: &Candidate, ranks_per_node: usize, grad_reduce: GradReduceDtype) -> Parallelism {
     use ferrolm_dist::offload::{GpuEvery, OffloadConfig};
     let gpu_every = match c.offload_k {
         Some(0) => GpuEvery::Never,
@@ -78,7 +78,7 @@ pub fn layout(c: &Candidate, ranks_per_node: usize, grad_reduce: GradReduceDtype
         None => GpuEvery::Auto,
     };
     let offload = c.offload_k.map(|_| OffloadConfig { subgroup: 10_000_000, gpu_every });
-    Layout { tp: c.tp, dp: c.dp, spec: c.spec, ranks_per_node, offload, grad_reduce }
+    Parallelism { tp: c.tp, dp: c.dp, spec: c.spec, ranks_per_node, offload, grad_reduce }
 }
 
 /// Runs `c` for one warm-up and `s.steps` timed steps with the real trainer on thread ranks

@@ -137,7 +137,7 @@ pub struct RunShape {
 
 /// How a run is laid out over ranks, as far as memory is concerned.
 #[derive(Clone, Copy, Debug, PartialEq)]
-pub struct MemLayout {
+pub struct MemParallelism {
     pub tp: usize,
     pub dp: usize,
     pub spec: ShardSpec,
@@ -153,10 +153,10 @@ pub struct MemLayout {
     pub grad_reduce: GradReduceDtype,
 }
 
-impl MemLayout {
+impl MemParallelism {
     /// One device, no sharding.
-    pub fn single(checkpointing: bool) -> MemLayout {
-        MemLayout {
+    pub fn single(checkpointing: bool) -> MemParallelism {
+        MemParallelism {
             tp: 1,
             dp: 1,
             spec: ShardSpec { params: 1, grads: 1, optim: 1 },
@@ -180,7 +180,7 @@ pub fn estimate(
     batch: usize,
     seq: usize,
     grad_accum: usize,
-    l: &MemLayout,
+    l: &MemParallelism,
 ) -> Option<Memory> {
     batch.checked_mul(seq)?.checked_mul(grad_accum)?;
     param_count(cfg)?;
@@ -205,7 +205,7 @@ pub fn estimate(
 
 /// NCCL's buffers on each rank of a multi-process GPU run: one `NCCL_BYTES_PER_COMMUNICATOR`
 /// per communicator (see `cluster::NCCL_BYTES_PER_COMMUNICATOR`); none for one rank or thread ranks (ThreadComm).
-pub fn nccl_buffer_bytes(cfg: &LlamaConfig, l: &MemLayout) -> f64 {
+pub fn nccl_buffer_bytes(cfg: &LlamaConfig, l: &MemParallelism) -> f64 {
     if l.world() <= 1 || l.thread_ranks {
         return 0.0;
     }
@@ -214,7 +214,7 @@ pub fn nccl_buffer_bytes(cfg: &LlamaConfig, l: &MemLayout) -> f64 {
 
 /// Bytes a single-device training step needs at its peak. None on overflow.
 pub fn estimate_training_bytes(cfg: &LlamaConfig, dtype: DType, batch: usize, seq: usize, checkpointing: bool) -> Option<u64> {
-    estimate(cfg, dtype, Device::Cpu, batch, seq, 1, &MemLayout::single(checkpointing)).map(|m| m.total() as u64)
+    estimate(cfg, dtype, Device::Cpu, batch, seq, 1, &MemParallelism::single(checkpointing)).map(|m| m.total() as u64)
 }
 
 /// Memory the system can still give this process (`MemAvailable`), None where unknown.
@@ -257,7 +257,7 @@ pub fn describe(m: &Memory) -> String {
 /// host's available memory (thread ranks add up), on a GPU `FERROLM_DEVICE_MEMORY_GIB` when set.
 /// `FERROLM_SKIP_MEMORY_CHECK=1` turns the refusal of the prediction into a warning. Returns
 /// the prediction per rank.
-pub fn check_layout(cfg: &LlamaConfig, dtype: DType, device: Device, o: &RunShape, l: &MemLayout) -> Result<Memory> {
+pub fn check_layout(cfg: &LlamaConfig, dtype: DType, device: Device, o: &RunShape, l: &MemParallelism) -> Result<Memory> {
     let Some(tokens) = o.batch_size.checked_mul(o.seq_len) else {
         bail!("--batch-size {} × --seq-len {} overflows: lower --batch-size", o.batch_size, o.seq_len);
     };

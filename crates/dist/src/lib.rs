@@ -35,10 +35,11 @@
 //!   [`ckpt`] writes and reads its sharded checkpoints.
 //! - [`tp`]: Megatron-style tensor parallelism attached to a model from outside
 //!   (`parallelize`): column/row/vocabulary-parallel ops, replicated KV heads for GQA.
-//! - [`ops`]: collectives as autograd ops (Megatron's f, g, sequence-parallel gather /
+//! - [`comm_ops`]: collectives as autograd ops (Megatron's f, g, sequence-parallel gather /
 //!   reduce-scatter, scatter), pending in forward and in backward.
 pub mod ckpt;
 pub mod comm;
+pub mod comm_ops;
 pub mod cost;
 pub mod dos;
 pub mod engine;
@@ -48,7 +49,6 @@ pub mod mesh;
 pub mod nccl;
 pub mod nccl_lib;
 pub mod offload;
-pub mod ops;
 mod reduce;
 pub mod simlink;
 pub mod slurm;

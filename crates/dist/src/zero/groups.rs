@@ -6,7 +6,8 @@
 //! `j = a · (s_os/s_p) + b` lies inside parameter range `a`. Each group is ordered so that its
 //! k-th rank holds range k of what the group shards.
 use super::ShardSpec;
-use crate::comm::Communicator;
+// Re-exported: the engine names it through this module (`super::groups::Comm`).
+pub use crate::comm::Comm;
 use ferrolm_tensor::Result;
 use std::sync::Arc;
 
@@ -71,8 +72,6 @@ pub fn members(group: ZeroGroup, spec: ShardSpec, dp: usize, dp_rank: usize) -> 
     m.sort();
     m.into_iter().map(|(_, r)| r).collect()
 }
-
-pub type Comm = Arc<dyn Communicator>;
 
 /// One rank's communicators for its groups: one communicator per distinct group. A group of one
 /// rank gets no communicator of the backend (a solo thread communicator: every collective a
