@@ -300,7 +300,7 @@ struct Subgroup {
 }
 
 /// A GPU subgroup's state on the device while it is updated.
-struct OnDevice {
+struct DeviceSubgroup {
     master: Tensor,
     m: Tensor,
     v: Tensor,
@@ -568,9 +568,9 @@ impl Offload {
         Ok(())
     }
 
-    fn prefetch(&mut self, i: usize) -> Result<OnDevice> {
+    fn prefetch(&mut self, i: usize) -> Result<DeviceSubgroup> {
         let len = self.subgroups[i].len;
-        let st = OnDevice {
+        let st = DeviceSubgroup {
             master: Tensor::zeros([len], DType::F32, self.device)?,
             m: Tensor::zeros([len], DType::F32, self.device)?,
             v: Tensor::zeros([len], DType::F32, self.device)?,
@@ -586,7 +586,7 @@ impl Offload {
     fn gpu_update(
         &mut self,
         i: usize,
-        st: OnDevice,
+        st: DeviceSubgroup,
         params: &[Tensor],
         grads: &[Tensor],
         scale: f64,
