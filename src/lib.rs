@@ -8,6 +8,7 @@
 pub mod alloc;
 pub mod autoconfig;
 pub mod cli;
+pub mod eval;
 pub mod logging;
 pub mod parallel;
 pub mod planner;
