@@ -16,6 +16,7 @@ pub mod plot;
 pub mod profile;
 pub mod progress;
 pub mod run_dir;
+pub mod shards;
 pub mod train;
 
 pub use ferrolm_data as data;

@@ -187,7 +187,7 @@ impl AutoconfigArgs {
             .map_err(anyhow::Error::from)
             .map_err(|e| e.context(format!("cannot load the tokenizer {}", tok_path.display())))?;
         let data = self.data.clone().unwrap_or_else(|| super::bundled("data/corpus"));
-        let (_, train, val) = super::pretrain::token_data(&data, &tok, &tok_path)?;
+        let (_, train, val) = crate::shards::token_data(&data, &tok, &tok_path)?;
         Ok(TrialData { train, val })
     }
 
