@@ -80,22 +80,31 @@ pub struct Request {
     pub vocab: usize,
     /// `all`, the last N layers, or i,j,k.
     pub ladder_layers: Option<String>,
+    /// Thread ranks here, or a modelled GPU cluster.
     pub target: Target,
     /// `Target::Gpu`: the cluster (its `gpus` 0 when not given).
     pub gpu: GpuClusterSpec,
+    /// `Target::Gpu`: optimizer offload as a candidate.
     pub offload: Option<OffloadRequest>,
+    /// `Target::Cpu`: the simulated cluster.
     pub threads: ThreadCluster,
     /// Weights and activations.
     pub dtype: DType,
+    /// The dtype gradients are accumulated and reduced in.
     pub grad_reduce: GradReduceDtype,
+    /// Memory kept free, a fraction of each rank's.
     pub margin: f64,
+    /// Tokens per sequence.
     pub seq_len: usize,
     /// Whether `seq_len` was asked for (else it shrinks to the model's positions).
     pub seq_len_given: bool,
     /// `None`: the recipe's global batch.
     pub global_batch_tokens: Option<usize>,
+    /// Micro-batch sizes tried.
     pub micro_batches: Vec<usize>,
+    /// Largest tensor-parallel degree tried.
     pub max_tp: usize,
+    /// Layouts run with the real trainer (`Target::Cpu`), and their timed steps.
     pub trials: usize,
     pub trial_steps: usize,
     /// The tokenizer a CPU preset is sized to and trials train with.
@@ -109,21 +118,29 @@ pub struct Request {
 /// What a run found.
 #[derive(Debug)]
 pub struct Report {
+    /// The model.
     pub shape: ModelShape,
     /// Parameters the budget trains, when a budget picked the model.
     pub budget_params: Option<f64>,
     /// The sequence length in effect.
     pub seq_len: usize,
+    /// The recipe, each row with its source.
     pub hyper: HyperParams,
+    /// Tokens per optimizer step in effect.
     pub global_batch_tokens: usize,
+    /// The machines the layouts were modelled on.
     pub cluster: Cluster,
     /// `Target::Cpu`: the measurements, and the compute rate by micro-batch size.
     pub calibration: Option<Calibration>,
     pub flops_by_micro_batch: Vec<(usize, f64)>,
+    /// Every layout that fits, fastest modelled first; the others with their reasons.
     pub ranked: Vec<Candidate>,
     pub rejected: Vec<Rejected>,
+    /// The trialled layouts with their measurements, fastest measured first.
     pub measured: Vec<(Candidate, Measured)>,
+    /// The fastest measured layout, else the fastest modelled.
     pub chosen: Candidate,
+    /// The `train_config.json` written.
     pub config_path: PathBuf,
     /// The chosen layout, as the tool's last line.
     pub json: serde_json::Value,

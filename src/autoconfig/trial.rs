@@ -24,12 +24,17 @@ fn rank_err(e: anyhow::Error) -> ferrolm_tensor::Error {
 /// Where trials train.
 #[derive(Clone, Debug)]
 pub struct TrialSetup {
+    /// The model the trials build.
     pub cfg: LlamaConfig,
+    /// Token shards.
     pub train: Vec<PathBuf>,
     pub val: Vec<PathBuf>,
+    /// The simulated link the thread ranks talk over, `ranks_per_node` to a node.
     pub link: LinkModel,
     pub ranks_per_node: usize,
+    /// Tokens per sequence.
     pub seq: usize,
+    /// The recipe's peak learning rate.
     pub lr: f64,
     /// Timed steps (after one warm-up step).
     pub steps: usize,
@@ -37,6 +42,7 @@ pub struct TrialSetup {
     pub dtype: DType,
     /// The dtype gradients are reduced in (`--grad-reduce-dtype`), as the layouts were priced.
     pub grad_reduce: GradReduceDtype,
+    /// Where each trial's run directory goes.
     pub out_dir: PathBuf,
 }
 

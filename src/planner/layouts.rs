@@ -31,11 +31,14 @@ pub struct OffloadRates {
 /// The search space and its limits.
 #[derive(Clone, Debug)]
 pub struct SearchSpace {
+    /// Tokens per sequence and per optimizer step.
     pub seq: usize,
     pub global_batch_tokens: usize,
+    /// Micro-batch sizes tried.
     pub micro_batches: Vec<usize>,
     /// Checkpointed-layer counts tried (0 and all layers are always tried).
     pub partial_checkpointing: bool,
+    /// Largest tensor-parallel degree tried (inside a node).
     pub max_tp: usize,
     /// Optimizer offload as a candidate dimension (GPU clusters only).
     pub offload: Option<OffloadRates>,
