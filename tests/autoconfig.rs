@@ -199,6 +199,8 @@ fn end_to_end_trials_pick_the_fastest_measured_and_round_trip_into_pretrain() {
     assert_eq!((a.train.batch_size, a.train.grad_accum, a.train.seq_len, a.train.lr), (file.batch_size, file.grad_accum, 32, file.lr));
     assert_eq!(Some(a.config.clone()), file.config);
     assert_eq!(file.dtype.as_deref(), Some("f32"), "a CPU target sizes and runs in f32");
+    assert_eq!(file.grad_reduce_dtype.as_deref(), Some("f32"), "the layouts were priced with f32 gradients");
+    assert_eq!(a.train.parallel.grad_reduce_dtype.to_string(), "f32");
     assert_eq!(a.train.device.dtype, Some(ComputeDtype::F32));
     assert_eq!(p(&["--batch-size=3"]).train.batch_size, 3);
 
@@ -256,6 +258,13 @@ fn config_from_rejects_bad_files_naming_them() {
         assert!(a.train.parallel.offload_optimizer);
         assert_eq!(a.train.parallel.offload_gpu_every, want, "{every}");
     }
+    // The gradient dtype the layout was priced in fills --grad-reduce-dtype; a bad one is named.
+    std::fs::write(&f, format!("{{{good},\"grad_reduce_dtype\":\"bf16\"}}")).unwrap();
+    let a = apply_config_from(parse_from(["pretrain_llama", "--config-from", f.to_str().unwrap()]).unwrap()).unwrap();
+    assert_eq!(a.train.parallel.grad_reduce_dtype.to_string(), "bf16");
+    let given = ["pretrain_llama", "--config-from", f.to_str().unwrap(), "--grad-reduce-dtype=f32"];
+    assert_eq!(apply_config_from(parse_from(given).unwrap()).unwrap().train.parallel.grad_reduce_dtype.to_string(), "f32");
+    assert!(run(&format!("{{{good},\"grad_reduce_dtype\":\"f16\"}}")).contains("grad_reduce_dtype"));
     // The dtype the layout was sized for fills --dtype, unless --dtype is given; a bad one is named.
     std::fs::write(&f, format!("{{{good},\"dtype\":\"bf16\"}}")).unwrap();
     let a = apply_config_from(parse_from(["pretrain_llama", "--config-from", f.to_str().unwrap()]).unwrap()).unwrap();

@@ -318,6 +318,7 @@ fn write_train_config(r: &Request, rep: &Report, cfg: Option<&LlamaConfig>) -> A
     std::fs::create_dir_all(out).with_context(|| format!("cannot create {}", out.display()))?;
     let mut tc = TrainConfig::of(&rep.chosen, rep.shape.layers, rep.cluster.gpus_per_node, rep.seq_len, rep.hyper.lr);
     tc.dtype = Some(if r.dtype == DType::F32 { "f32" } else { "bf16" }.into());
+    tc.grad_reduce_dtype = Some(r.grad_reduce.to_string());
     tc.config = match (&r.model, cfg) {
         (Some(m), _) if !Path::new(m).is_file() && r.target == Target::Gpu => Some(m.clone()),
         (_, Some(c)) => {

@@ -160,6 +160,9 @@ pub struct TrainConfig {
     /// The compute dtype the layout was sized for (`--dtype`): "f32" or "bf16".
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub dtype: Option<String>,
+    /// The dtype the layout's gradients were priced in (`--grad-reduce-dtype`): "f32" or "bf16".
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub grad_reduce_dtype: Option<String>,
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub hyper_parameters: Option<serde_json::Value>,
     #[serde(default, skip_serializing_if = "Option::is_none")]
@@ -190,6 +193,7 @@ impl TrainConfig {
             offload_optimizer: c.offload_k.is_some(),
             offload_gpu_every: c.offload_k.map(|k| if k == 0 { serde_json::json!("inf") } else { serde_json::json!(k) }),
             dtype: None,
+            grad_reduce_dtype: None,
             hyper_parameters: None,
             predicted: Some(serde_json::json!({
                 "step_s": c.step_s, "tokens_per_s": c.tokens_per_s, "mfu": c.mfu, "mem_bytes_per_rank": c.mem.total(),

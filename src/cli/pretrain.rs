@@ -188,6 +188,11 @@ pub fn apply_config_from(mut args: PretrainArgs) -> AnyResult<PretrainArgs> {
             .ok_or_else(|| anyhow::anyhow!("{}: dtype must be \"f32\" or \"bf16\", got {d:?}", path.display()))?;
         fill!(t.device.dtype, Some(d), "dtype");
     }
+    if let Some(g) = &f.grad_reduce_dtype {
+        let g: ferrolm_dist::zero::GradReduceDtype =
+            g.parse().map_err(|e: String| anyhow::anyhow!("{}: grad_reduce_dtype: {e}", path.display()))?;
+        fill!(t.parallel.grad_reduce_dtype, g, "grad_reduce_dtype");
+    }
     if f.checkpointed_layers > 0 && !f.activation_checkpointing {
         tracing::warn!(
             "{}: the layout checkpoints {} layers; pretrain_llama checkpoints all or none, so none here",
