@@ -16,10 +16,11 @@
 // (one warp per row, same math, same determinism, slower).
 #include "common.cuh"
 
-// ---- mma.sync fragment helpers (m16n8k16, row.col) ------------------------------------------
+// ---- mma.sync m16n8k16 (row.col, bf16 in, f32 accumulate) and its fragments --------------------
 // lane = 4*g + tq. A (16x16): a0 (g, 2tq..+1), a1 (g+8, 2tq..), a2 (g, 2tq+8..), a3 (g+8, 2tq+8..).
 // B (16x8, k x n): b0 (k 2tq..+1, n g), b1 (k 2tq+8..+9, n g). C (16x8): c0,c1 (g, 2tq..+1),
-// c2,c3 (g+8, 2tq..+1).
+// c2,c3 (g+8, 2tq..+1). Every operand that lives in shared memory is loaded with one ldmatrix.x4
+// (four 8x8 matrices; lane L gives the address of row L % 8 of matrix L / 8).
 static __device__ __forceinline__ void mma_bf16(float* c, const unsigned* a, const unsigned* b) {
 #ifdef FERRO_EMU
     ferro_emu::mma_m16n8k16_bf16(c, a, b);
@@ -30,34 +31,22 @@ static __device__ __forceinline__ void mma_bf16(float* c, const unsigned* a, con
         : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
 #endif
 }
-static __device__ __forceinline__ unsigned ld_pair(const bf16* p) { return *reinterpret_cast<const unsigned*>(p); }
-static __device__ __forceinline__ unsigned pack2(bf16 lo, bf16 hi) {
-    return (unsigned)__bfloat16_as_ushort(lo) | ((unsigned)__bfloat16_as_ushort(hi) << 16);
+// A fragment: A[r][k] = s[(r0 + r) * st + k0 + k]. Matrices (rows 0-7 | 8-15) x (cols 0-7 | 8-15)
+// in the order a0..a3: lane L addresses row L % 16, column 8 (L / 16).
+static __device__ __forceinline__ void ldsm_a(unsigned* a, const bf16* s, int st, int r0, int k0, int lane) {
+    ldsm<4, false>(a, s + (r0 + (lane & 15)) * st + k0 + 8 * (lane >> 4));
 }
-// A[r][k] = s[(r0 + r) * st + k0 + k]
-static __device__ __forceinline__ void ld_a(unsigned* a, const bf16* s, int st, int r0, int k0, int g, int tq) {
-    a[0] = ld_pair(s + (r0 + g) * st + k0 + 2 * tq);
-    a[1] = ld_pair(s + (r0 + g + 8) * st + k0 + 2 * tq);
-    a[2] = ld_pair(s + (r0 + g) * st + k0 + 2 * tq + 8);
-    a[3] = ld_pair(s + (r0 + g + 8) * st + k0 + 2 * tq + 8);
+// B fragments of two n-tiles, B[k][n] = s[(n0 + n) * st + k0 + k] (a tile stored n-major: "K^T"):
+// b[0..1] for columns n0..n0+7, b[2..3] for n0+8..n0+15. Matrix i holds rows n0 + 8 (i / 2) + 0..7
+// and columns k0 + 8 (i % 2) + 0..7: lane L addresses row n0 + L % 8 + 8 (L / 16), column
+// k0 + 8 ((L / 8) % 2).
+static __device__ __forceinline__ void ldsm_b_nk(unsigned* b, const bf16* s, int st, int n0, int k0, int lane) {
+    ldsm<4, false>(b, s + (n0 + (lane & 7) + 8 * (lane >> 4)) * st + k0 + 8 * ((lane >> 3) & 1));
 }
-// A fragment straight from global memory rows (row index >= t reads as zero).
-static __device__ __forceinline__ void ld_a_global(unsigned* a, const bf16* base, int d, int r0, int t, int k0, int g, int tq) {
-    int ra = r0 + g, rb = r0 + g + 8;
-    a[0] = ra < t ? ld_pair(base + (i64)ra * d + k0 + 2 * tq) : 0u;
-    a[1] = rb < t ? ld_pair(base + (i64)rb * d + k0 + 2 * tq) : 0u;
-    a[2] = ra < t ? ld_pair(base + (i64)ra * d + k0 + 2 * tq + 8) : 0u;
-    a[3] = rb < t ? ld_pair(base + (i64)rb * d + k0 + 2 * tq + 8) : 0u;
-}
-// B[k][n] = s[(n0 + n) * st + k0 + k]   (rows of s indexed by n, k contiguous: "K^T")
-static __device__ __forceinline__ void ld_b_nk(unsigned* b, const bf16* s, int st, int n0, int k0, int g, int tq) {
-    b[0] = ld_pair(s + (n0 + g) * st + k0 + 2 * tq);
-    b[1] = ld_pair(s + (n0 + g) * st + k0 + 2 * tq + 8);
-}
-// B[k][n] = s[(k0 + k) * st + n0 + n]   (rows of s indexed by k: "V")
-static __device__ __forceinline__ void ld_b_kn(unsigned* b, const bf16* s, int st, int k0, int n0, int g, int tq) {
-    b[0] = pack2(s[(k0 + 2 * tq) * st + n0 + g], s[(k0 + 2 * tq + 1) * st + n0 + g]);
-    b[1] = pack2(s[(k0 + 2 * tq + 8) * st + n0 + g], s[(k0 + 2 * tq + 9) * st + n0 + g]);
+// B fragments of two n-tiles, B[k][n] = s[(k0 + k) * st + n0 + n] (a tile stored k-major: "V"),
+// through ldmatrix.trans: matrix i holds rows k0 + 8 (i % 2) + 0..7, columns n0 + 8 (i / 2) + 0..7.
+static __device__ __forceinline__ void ldsm_b_kn(unsigned* b, const bf16* s, int st, int k0, int n0, int lane) {
+    ldsm<4, true>(b, s + (k0 + (lane & 15)) * st + n0 + 8 * (lane >> 4));
 }
 // C accumulators of two adjacent n-tiles -> the A fragment of the next product (k = those 16 cols).
 static __device__ __forceinline__ void c_to_a(unsigned* a, const float* c0, const float* c1) {
@@ -65,15 +54,6 @@ static __device__ __forceinline__ void c_to_a(unsigned* a, const float* c0, cons
     a[1] = pack_bf16(c0[2], c0[3]);
     a[2] = pack_bf16(c1[0], c1[1]);
     a[3] = pack_bf16(c1[2], c1[3]);
-}
-// Stage rows [r0, r0 + rows) of a (t, D) matrix into shared memory (row stride ST), zero past t.
-template <int D, int ST>
-static __device__ __forceinline__ void stage_rows(bf16* s, const bf16* src, int r0, int rows, int t) {
-    for (int idx = threadIdx.x; idx < rows * (D / 2); idx += blockDim.x) {
-        int r = idx / (D / 2), c = (idx % (D / 2)) * 2;
-        unsigned v = (r0 + r < t) ? ld_pair(src + (i64)(r0 + r) * D + c) : 0u;
-        *reinterpret_cast<unsigned*>(s + r * ST + c) = v;
-    }
 }
 static __device__ __forceinline__ float quad_max(float v) {
     v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, 1));
@@ -83,34 +63,90 @@ static __device__ __forceinline__ float quad_sum(float v) {
     v += __shfl_xor_sync(0xffffffffu, v, 1);
     return v + __shfl_xor_sync(0xffffffffu, v, 2);
 }
+// (16 x N) += A (16 x K) B, A from shared rows [r0, r0 + 16) (ldsm_a), B an n-major tile
+// (ldsm_b_nk) of N rows: acc[j] is n-tile j. K and N multiples of 16.
+template <int K, int N>
+static __device__ __forceinline__ void mma_rows_by_nk(float (*acc)[4], const bf16* sA, int r0, const bf16* sB, int lane) {
+    constexpr int ST = K + FLASH_PAD;
+#pragma unroll
+    for (int kk = 0; kk < K / 16; ++kk) {
+        unsigned a[4];
+        ldsm_a(a, sA, ST, r0, kk * 16, lane);
+#pragma unroll
+        for (int np = 0; np < N / 16; ++np) {
+            unsigned bf[4];
+            ldsm_b_nk(bf, sB, ST, np * 16, kk * 16, lane);
+            mma_bf16(acc[2 * np], a, bf);
+            mma_bf16(acc[2 * np + 1], a, bf + 2);
+        }
+    }
+}
+// acc (16 x D) += P (16 x K) X, P in C fragments (p[j] is k-tile j of 8 columns), reused as the A
+// operand; X a k-major (K, D) tile in shared memory (ldsm_b_kn).
+template <int D, int K>
+static __device__ __forceinline__ void mma_c_by_kn(float (*acc)[4], float (*p)[4], const bf16* sX, int lane) {
+    constexpr int ST = D + FLASH_PAD;
+#pragma unroll
+    for (int kk = 0; kk < K / 16; ++kk) {
+        unsigned a[4];
+        c_to_a(a, p[2 * kk], p[2 * kk + 1]);
+#pragma unroll
+        for (int np = 0; np < D / 16; ++np) {
+            unsigned bf[4];
+            ldsm_b_kn(bf, sX, ST, kk * 16, np * 16, lane);
+            mma_bf16(acc[2 * np], a, bf);
+            mma_bf16(acc[2 * np + 1], a, bf + 2);
+        }
+    }
+}
+template <int N>
+static __device__ __forceinline__ void zero_acc(float (*acc)[4]) {
+#pragma unroll
+    for (int n = 0; n < N; ++n) acc[n][0] = acc[n][1] = acc[n][2] = acc[n][3] = 0.0f;
+}
+// Issues cp.async for rows [r0, r0 + ROWS) of a (t, D) matrix into shared rows of stride D + PAD,
+// 16 bytes per copy, the block's threads striding over the chunks; rows past t are zero-filled
+// (their source address is row 0's, which is not read). The caller commits the group.
+template <int D, int ROWS>
+static __device__ __forceinline__ void load_rows_async(bf16* s, const bf16* src, int r0, int t) {
+    constexpr int CH = D / 8, ST = D + FLASH_PAD;
+    static_assert((ROWS * CH) % FLASH_THREADS == 0, "whole chunks per thread");
+#pragma unroll
+    for (int it = 0; it < ROWS * CH / FLASH_THREADS; ++it) {
+        int idx = it * FLASH_THREADS + (int)threadIdx.x, r = idx / CH, c = (idx % CH) * 8;
+        bool ok = r0 + r < t;
+        cp_async16(s + r * ST + c, src + (ok ? (i64)(r0 + r) * D + c : 0), ok);
+    }
+}
+// Issues cp.async for n f32 values [r0, r0 + n) of a length-t vector (threads [base, base + n)),
+// zero past t.
+static __device__ __forceinline__ void load_vec_async(float* s, const float* src, int r0, int n, int t, int base) {
+    int i = (int)threadIdx.x - base;
+    if (i >= 0 && i < n) {
+        bool ok = r0 + i < t;
+        cp_async4(s + i, src + (ok ? r0 + i : 0), ok);
+    }
+}
 
 // ---- the prologue the tensor-core kernels share -----------------------------------------------
-// A thread's place in a block of FLASH_THREADS: its warp (16 rows of the block each) and its
-// fragment coordinates, group g = lane / 4 and thread-in-quad tq = lane % 4.
+// A thread's place in a block of FLASH_THREADS: its warp (16 rows of the block each), its lane, and
+// its fragment coordinates, group g = lane / 4 and thread-in-quad tq = lane % 4.
 struct FlashLane {
-    int warp, g, tq;
+    int warp, lane, g, tq;
 };
 static __device__ __forceinline__ FlashLane flash_lane() {
     int lane = threadIdx.x & 31;
-    return FlashLane{(int)(threadIdx.x >> 5), lane >> 2, lane & 3};
+    return FlashLane{(int)(threadIdx.x >> 5), lane, lane >> 2, lane & 3};
 }
 // The (t, D) rows of head `head` of batch `b` in a (b, heads, t, D) tensor.
 template <int D, typename T>
 static __device__ __forceinline__ T* head_rows(T* x, int b, int heads, int head, int t) {
     return x + (i64)(b * heads + head) * t * D;
 }
-// The (BC, ST) tiles of K and V at the start of a block's dynamic shared memory.
-struct KvTiles {
-    bf16 *sK, *sV;
-};
-template <int BC, int ST>
-static __device__ __forceinline__ KvTiles kv_tiles(unsigned char* smem) {
-    bf16* sK = reinterpret_cast<bf16*>(smem);
-    return KvTiles{sK, sK + BC * ST};
-}
-// A block of FLASH_ROWS query rows of one query head (grid (ceil(t/64), hq, b)), as the forward
-// and dQ see it: batch b, query head h, the kv head hk it reads, its first row q0, and the
-// rows of its Q, K and V heads.
+// A block of FLASH_ROWS query rows of one query head (grid (ceil(t/128), hq, b)), as the forward
+// and dQ see it: batch b, query head h, the kv head hk it reads, its first row q0, and the rows of
+// its Q, K and V heads. Blocks run the longest causal rows first (blockIdx.x 0 is the last rows),
+// so the short ones fill the tail of the wave.
 template <int D>
 struct QueryBlock {
     int b, h, hk, q0;
@@ -119,133 +155,140 @@ struct QueryBlock {
 template <int D>
 static __device__ __forceinline__ QueryBlock<D> query_block(const bf16* q, const bf16* k, const bf16* v, int hq, int hkv, int t) {
     int b = blockIdx.z, h = blockIdx.y, hk = h / (hq / hkv);
-    return QueryBlock<D>{b, h, hk, (int)blockIdx.x * FLASH_ROWS, head_rows<D>(q, b, hq, h, t), head_rows<D>(k, b, hkv, hk, t),
-                         head_rows<D>(v, b, hkv, hk, t)};
+    int q0 = (int)(gridDim.x - 1 - blockIdx.x) * FLASH_ROWS;
+    return QueryBlock<D>{b, h, hk, q0, head_rows<D>(q, b, hq, h, t), head_rows<D>(k, b, hkv, hk, t), head_rows<D>(v, b, hkv, hk, t)};
 }
-// acc += P X for this warp's 16 rows: P (16, BC) is in mma C fragments (s), reused as the A
-// operand; X is a (BC, D) tile in shared memory with row stride ST.
-template <int D, int ST, int BC>
-static __device__ __forceinline__ void mma_c_by_tile(float (*acc)[4], float (*s)[4], const bf16* sX, int g, int tq) {
-#pragma unroll
-    for (int kk = 0; kk < BC / 16; ++kk) {
-        unsigned a[4];
-        c_to_a(a, s[2 * kk], s[2 * kk + 1]);
-#pragma unroll
-        for (int n = 0; n < D / 8; ++n) {
-            unsigned bf[2];
-            ld_b_kn(bf, sX, ST, kk * 16, n * 8, g, tq);
-            mma_bf16(acc[n], a, bf);
-        }
-    }
+// K/V tiles of BC rows, double-buffered: stage i's K at base + 2 i BC ST, its V BC ST further.
+template <int D, int BC>
+static __device__ __forceinline__ const bf16* kv_stage(const bf16* base, int i) {
+    return base + (i & 1) * 2 * BC * (D + FLASH_PAD);
 }
-// The two products a backward pass starts a tile with, for this warp's 16 rows against the N rows
-// of two shared tiles (row stride ST): x = A0 B0^T and y = A1 B1^T over the head dim, from zero,
-// where load_a(a, i, k) loads the A fragment of operand i (0 or 1) at column k.
-template <int D, int ST, int N, typename LoadA>
-static __device__ __forceinline__ void mma_two_products(float (*x)[4], float (*y)[4], const LoadA& load_a, const bf16* sB0,
-                                                        const bf16* sB1, int g, int tq) {
-#pragma unroll
-    for (int j = 0; j < N / 8; ++j) {
-#pragma unroll
-        for (int e = 0; e < 4; ++e) x[j][e] = y[j][e] = 0.0f;
-#pragma unroll
-        for (int kk = 0; kk < D / 16; ++kk) {
-            unsigned a[4], bf[2];
-            load_a(a, 0, kk * 16);
-            ld_b_nk(bf, sB0, ST, j * 8, kk * 16, g, tq);
-            mma_bf16(x[j], a, bf);
-            load_a(a, 1, kk * 16);
-            ld_b_nk(bf, sB1, ST, j * 8, kk * 16, g, tq);
-            mma_bf16(y[j], a, bf);
-        }
-    }
+template <int D, int BC>
+static __device__ __forceinline__ void load_kv_async(bf16* base, int i, const bf16* kh, const bf16* vh, int k0, int t) {
+    bf16* sK = base + (i & 1) * 2 * BC * (D + FLASH_PAD);
+    load_rows_async<D, BC>(sK, kh, k0, t);
+    load_rows_async<D, BC>(sK + BC * (D + FLASH_PAD), vh, k0, t);
 }
-// Stages kv rows [k0, k0 + BC) of K and V into sK and sV, between barriers: every thread is done
-// with the previous tile before it is overwritten, and this one is complete before it is read.
-template <int D, int ST, int BC>
-static __device__ __forceinline__ void stage_kv_tile(bf16* sK, bf16* sV, const bf16* kh, const bf16* vh, int k0, int t) {
-    __syncthreads();
-    stage_rows<D, ST>(sK, kh, k0, BC, t);
-    stage_rows<D, ST>(sV, vh, k0, BC, t);
-    __syncthreads();
-}
-
-// ---- forward (bf16, tensor cores) -------------------------------------------------------------
-// grid (ceil(t/64), hq, b), block 128, dynamic smem 2 * 64 * (D + 8) * 2 bytes.
+// Writes this warp's two C rows (`rows`, skipped past t) of a (16, D) accumulator, times mul[r],
+// into the (t, D) rows x as bf16.
 template <int D>
-static __device__ void flash_fwd_impl(const bf16* q, const bf16* k, const bf16* v, bf16* o, float* lse, int hq, int hkv, int t, float scale) {
-    constexpr int BR = FLASH_ROWS, BC = FLASH_FWD_TILE, ST = D + FLASH_PAD;
-    DYNAMIC_SMEM(smem);
-    auto [sK, sV] = kv_tiles<BC, ST>(smem);
-    auto [warp, g, tq] = flash_lane();
-    auto [b, h, hk, q0, qh, kh, vh] = query_block<D>(q, k, v, hq, hkv, t);
-    unsigned qf[D / 16][4];
-#pragma unroll
-    for (int kk = 0; kk < D / 16; ++kk) ld_a_global(qf[kk], qh, D, q0 + warp * 16, t, kk * 16, g, tq);
-    float acc[D / 8][4];
-#pragma unroll
-    for (int n = 0; n < D / 8; ++n) acc[n][0] = acc[n][1] = acc[n][2] = acc[n][3] = 0.0f;
-    float m_r[2] = {-INFINITY, -INFINITY}, l_r[2] = {0.0f, 0.0f};
-    int rows[2] = {q0 + warp * 16 + g, q0 + warp * 16 + g + 8};
-    int kv_end = min(t, q0 + BR);
-    for (int k0 = 0; k0 < kv_end; k0 += BC) {
-        stage_kv_tile<D, ST, BC>(sK, sV, kh, vh, k0, t);
-        float s[BC / 8][4];
-#pragma unroll
-        for (int j = 0; j < BC / 8; ++j) {
-            s[j][0] = s[j][1] = s[j][2] = s[j][3] = 0.0f;
-#pragma unroll
-            for (int kk = 0; kk < D / 16; ++kk) {
-                unsigned bf[2];
-                ld_b_nk(bf, sK, ST, j * 8, kk * 16, g, tq);
-                mma_bf16(s[j], qf[kk], bf);
-            }
-        }
-        float mx[2] = {m_r[0], m_r[1]};
-#pragma unroll
-        for (int j = 0; j < BC / 8; ++j)
-#pragma unroll
-            for (int e = 0; e < 4; ++e) {
-                int col = k0 + j * 8 + 2 * tq + (e & 1), row = rows[e >> 1];
-                float val = (col > row || col >= t) ? -INFINITY : s[j][e] * scale;
-                s[j][e] = val;
-                mx[e >> 1] = fmaxf(mx[e >> 1], val);
-            }
-        float rs[2] = {0.0f, 0.0f};
-#pragma unroll
-        for (int r = 0; r < 2; ++r) {
-            mx[r] = quad_max(mx[r]);  // finite: column k0 <= every row of this block
-            float alpha = expf(m_r[r] - mx[r]);
-            l_r[r] *= alpha;
-#pragma unroll
-            for (int n = 0; n < D / 8; ++n) { acc[n][2 * r] *= alpha; acc[n][2 * r + 1] *= alpha; }
-            m_r[r] = mx[r];
-        }
-#pragma unroll
-        for (int j = 0; j < BC / 8; ++j)
-#pragma unroll
-            for (int e = 0; e < 4; ++e) { float p = expf(s[j][e] - m_r[e >> 1]); s[j][e] = p; rs[e >> 1] += p; }
-        l_r[0] += quad_sum(rs[0]);
-        l_r[1] += quad_sum(rs[1]);
-        mma_c_by_tile<D, ST, BC>(acc, s, sV, g, tq);  // O += P V
-    }
-    bf16* oh = head_rows<D>(o, b, hq, h, t);
+static __device__ __forceinline__ void store_rows(bf16* x, float (*acc)[4], const int* rows, const float* mul, int t, int tq) {
 #pragma unroll
     for (int r = 0; r < 2; ++r) {
         if (rows[r] >= t) continue;
-        float inv = 1.0f / l_r[r];
 #pragma unroll
         for (int n = 0; n < D / 8; ++n)
-            *reinterpret_cast<__nv_bfloat162*>(oh + (i64)rows[r] * D + n * 8 + 2 * tq) =
-                __floats2bfloat162_rn(acc[n][2 * r] * inv, acc[n][2 * r + 1] * inv);
-        if (tq == 0) lse[(i64)(b * hq + h) * t + rows[r]] = m_r[r] + logf(l_r[r]);
+            *reinterpret_cast<unsigned*>(x + (i64)rows[r] * D + n * 8 + 2 * tq) = pack_bf16(acc[n][2 * r] * mul[r], acc[n][2 * r + 1] * mul[r]);
     }
 }
+#define FLASH_LOG2E 1.4426950408889634f
+// 2^x in one MUFU.EX2 (ex2.approx.ftz: relative error ~2^-22, subnormal results flushed to 0,
+// 2^-inf = 0); exp2f adds a range check and two conditional multiplies around it. The softmax
+// probabilities it makes are rounded to bf16 before every product.
+static __device__ __forceinline__ float exp2_fast(float x) {
+#ifdef FERRO_EMU
+    return exp2f(x);
+#else
+    float y;
+    asm("ex2.approx.ftz.f32 %0, %1;\n" : "=f"(y) : "f"(x));
+    return y;
+#endif
+}
+
+// ---- forward (bf16, tensor cores) -------------------------------------------------------------
+// grid (ceil(t/128), hq, b), block 256 (8 warps x 16 query rows), dynamic smem
+// (128 + 4 BC) (D + 8) * 2 bytes: the Q tile, then two stages of K and V tiles of BC rows.
+// Q is loaded once (cp.async, then ldmatrix into registers, where it stays); the K/V tile of step
+// j + 1 is in flight (cp.async) while step j computes S = Q K^T, the online softmax (exp2 with
+// log2(e) folded into the scale) and O += P V, P taken from the S accumulators. A warp skips the
+// tiles wholly above its rows' diagonal, and masks only the tiles that cross it (or the end).
+template <int D, int BC>
+static __device__ void flash_fwd_impl(const bf16* q, const bf16* k, const bf16* v, bf16* o, float* lse, int hq, int hkv, int t, float scale) {
+    constexpr int BR = FLASH_ROWS, ST = D + FLASH_PAD;
+    DYNAMIC_SMEM(smem);
+    bf16* sQ = reinterpret_cast<bf16*>(smem);
+    bf16* sKV = sQ + BR * ST;
+    auto [warp, lane, g, tq] = flash_lane();
+    auto [b, h, hk, q0, qh, kh, vh] = query_block<D>(q, k, v, hq, hkv, t);
+    int kv_end = min(t, q0 + BR), n_tiles = (kv_end + BC - 1) / BC;
+    load_rows_async<D, BR>(sQ, qh, q0, t);
+    cp_async_commit();
+    load_kv_async<D, BC>(sKV, 0, kh, vh, 0, t);
+    cp_async_commit();
+    cp_async_wait<1>();  // Q
+    __syncthreads();
+    int r0 = warp * 16, wr0 = q0 + r0;  // this warp's rows: wr0 .. wr0 + 15
+    unsigned qf[D / 16][4];
+#pragma unroll
+    for (int kk = 0; kk < D / 16; ++kk) ldsm_a(qf[kk], sQ, ST, r0, kk * 16, lane);
+    float acc[D / 8][4];
+    zero_acc<D / 8>(acc);
+    float m_r[2] = {-INFINITY, -INFINITY}, l_r[2] = {0.0f, 0.0f};
+    int rows[2] = {wr0 + g, wr0 + g + 8};
+    const float sl2 = scale * FLASH_LOG2E;
+    for (int j = 0; j < n_tiles; ++j) {
+        int k0 = j * BC;
+        if (j + 1 < n_tiles) load_kv_async<D, BC>(sKV, j + 1, kh, vh, k0 + BC, t);
+        cp_async_commit();
+        cp_async_wait<1>();  // tile j
+        __syncthreads();
+        const bf16* sK = kv_stage<D, BC>(sKV, j);
+        const bf16* sV = sK + BC * ST;
+        if (k0 <= wr0 + 15 && wr0 < t) {  // warp-uniform: the tile has a column some row may see
+            float s[BC / 8][4];
+            zero_acc<BC / 8>(s);
+#pragma unroll
+            for (int kk = 0; kk < D / 16; ++kk)
+#pragma unroll
+                for (int np = 0; np < BC / 16; ++np) {
+                    unsigned bf[4];
+                    ldsm_b_nk(bf, sK, ST, np * 16, kk * 16, lane);
+                    mma_bf16(s[2 * np], qf[kk], bf);
+                    mma_bf16(s[2 * np + 1], qf[kk], bf + 2);
+                }
+            if (k0 + BC - 1 > wr0 || k0 + BC > t) {  // crosses the diagonal or the end
+#pragma unroll
+                for (int n = 0; n < BC / 8; ++n)
+#pragma unroll
+                    for (int e = 0; e < 4; ++e) {
+                        int col = k0 + n * 8 + 2 * tq + (e & 1);
+                        if (col > rows[e >> 1] || col >= t) s[n][e] = -INFINITY;
+                    }
+            }
+#pragma unroll
+            for (int r = 0; r < 2; ++r) {
+                float mx = m_r[r];
+#pragma unroll
+                for (int n = 0; n < BC / 8; ++n) mx = fmaxf(mx, fmaxf(s[n][2 * r], s[n][2 * r + 1]));
+                mx = quad_max(mx);  // finite: column 0 (tile 0, never skipped) is seen by every row
+                float alpha = exp2_fast((m_r[r] - mx) * sl2), ms = mx * sl2, rs = 0.0f;
+                m_r[r] = mx;
+#pragma unroll
+                for (int n = 0; n < D / 8; ++n) { acc[n][2 * r] *= alpha; acc[n][2 * r + 1] *= alpha; }
+#pragma unroll
+                for (int n = 0; n < BC / 8; ++n)
+#pragma unroll
+                    for (int e = 2 * r; e < 2 * r + 2; ++e) { float p = exp2_fast(fmaf(s[n][e], sl2, -ms)); s[n][e] = p; rs += p; }
+                l_r[r] = l_r[r] * alpha + rs;  // this thread's columns; the quad is summed at the end
+            }
+            mma_c_by_kn<D, BC>(acc, s, sV, lane);  // O += P V
+        }
+        __syncthreads();  // every warp is done with stage j before step j + 1 refills it
+    }
+    float inv[2];
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+        l_r[r] = quad_sum(l_r[r]);
+        inv[r] = 1.0f / l_r[r];
+        if (rows[r] < t && tq == 0) lse[(i64)(b * hq + h) * t + rows[r]] = m_r[r] * scale + logf(l_r[r]);
+    }
+    store_rows<D>(head_rows<D>(o, b, hq, h, t), acc, rows, inv, t, tq);
+}
 extern "C" __global__ void __launch_bounds__(FLASH_THREADS) flash_fwd_bf16_d64(const bf16* q, const bf16* k, const bf16* v, bf16* o, float* lse, int hq, int hkv, int t, float scale) {
-    flash_fwd_impl<64>(q, k, v, o, lse, hq, hkv, t, scale);
+    flash_fwd_impl<64, FLASH_FWD_TILE_D64>(q, k, v, o, lse, hq, hkv, t, scale);
 }
 extern "C" __global__ void __launch_bounds__(FLASH_THREADS) flash_fwd_bf16_d128(const bf16* q, const bf16* k, const bf16* v, bf16* o, float* lse, int hq, int hkv, int t, float scale) {
-    flash_fwd_impl<128>(q, k, v, o, lse, hq, hkv, t, scale);
+    flash_fwd_impl<128, FLASH_FWD_TILE_D128>(q, k, v, o, lse, hq, hkv, t, scale);
 }
 
 // ---- backward preprocessing: D = rowsum(dO * O), one warp per row ------------------------------
@@ -263,155 +306,168 @@ extern "C" __global__ void attn_bwd_dot_f32(const float* dout, const float* out,
 extern "C" __global__ void attn_bwd_dot_bf16(const bf16* dout, const bf16* out, float* dvec, i64 rows, int d) { attn_bwd_dot_impl(dout, out, dvec, rows, d); }
 
 // ---- backward dK, dV (bf16, tensor cores) -----------------------------------------------------
-// grid (ceil(t/64), hkv, b), block 128, dynamic smem (2*64 + 2*32) * (D + 8) * 2 + 2 * 32 * 4.
-template <int D>
+// grid (ceil(t/128), hkv, b), block 256 (8 warps x 16 kv rows), dynamic smem
+// (2 * 128 + 4 BQ) (D + 8) * 2 + 4 BQ * 4 bytes: the block's K and V rows, then two stages of
+// (Q, dO) tiles of BQ query rows and their (lse, D). The block walks the group's query heads in
+// order and, in each, the query tiles from its diagonal on: one sequence of steps, the next
+// step's tiles in flight (cp.async) while this one computes, per warp, S^T = K Q^T and
+// dP^T = V dO^T (K, V rows as the A operand), P^T = exp2(S^T scale log2(e) - lse log2(e)),
+// dS^T = P^T (dP^T - D) scale, then dV += P^T dO and dK += dS^T Q with P^T, dS^T taken from
+// the accumulators. dK, dV stay in registers: deterministic, no atomics.
+template <int D, int BQ>
 static __device__ void flash_bwd_dkdv_impl(const bf16* q, const bf16* k, const bf16* v, const bf16* dout, const float* lse,
                                            const float* dvec, bf16* dk, bf16* dv, int hq, int hkv, int t, float scale) {
-    constexpr int BC = FLASH_ROWS, BR = FLASH_BWD_TILE, ST = D + FLASH_PAD;
+    constexpr int BKV = FLASH_ROWS, ST = D + FLASH_PAD;
     DYNAMIC_SMEM(smem);
-    auto [sK, sV] = kv_tiles<BC, ST>(smem);
-    bf16* sQ = sV + BC * ST;                   // (BR, ST)
-    bf16* sO = sQ + BR * ST;                   // (BR, ST) dO
-    float* sL = reinterpret_cast<float*>(sO + BR * ST);  // (BR) lse
-    float* sD = sL + BR;                                  // (BR) D
+    bf16* sK = reinterpret_cast<bf16*>(smem);
+    bf16* sV = sK + BKV * ST;
+    bf16* sQO = sV + BKV * ST;                                  // stage i: Q, then dO (BQ rows each)
+    float* sLD = reinterpret_cast<float*>(sQO + 4 * BQ * ST);  // stage i: lse, then D (BQ each)
     int b = blockIdx.z, hk = blockIdx.y, group = hq / hkv;
-    auto [warp, g, tq] = flash_lane();
-    int k0 = blockIdx.x * BC;
+    auto [warp, lane, g, tq] = flash_lane();
+    int k0 = blockIdx.x * BKV;  // the first blocks have the most query tiles: they start first
     const bf16* kh = head_rows<D>(k, b, hkv, hk, t);
     const bf16* vh = head_rows<D>(v, b, hkv, hk, t);
-    stage_rows<D, ST>(sK, kh, k0, BC, t);
-    stage_rows<D, ST>(sV, vh, k0, BC, t);
+    load_rows_async<D, BKV>(sK, kh, k0, t);
+    load_rows_async<D, BKV>(sV, vh, k0, t);
+    cp_async_commit();
+    int i_first = (k0 / BQ) * BQ, per_head = (t - i_first + BQ - 1) / BQ, steps = group * per_head;
+    // Step j: query head hk * group + j / per_head, query rows from i_first + (j % per_head) BQ.
+    auto load_step = [&](int j) {
+        int h = hk * group + j / per_head, i0 = i_first + (j % per_head) * BQ;
+        bf16* sQ = sQO + (j & 1) * 2 * BQ * ST;
+        float* sL = sLD + (j & 1) * 2 * BQ;
+        load_rows_async<D, BQ>(sQ, head_rows<D>(q, b, hq, h, t), i0, t);
+        load_rows_async<D, BQ>(sQ + BQ * ST, head_rows<D>(dout, b, hq, h, t), i0, t);
+        load_vec_async(sL, lse + (i64)(b * hq + h) * t, i0, BQ, t, 0);
+        load_vec_async(sL + BQ, dvec + (i64)(b * hq + h) * t, i0, BQ, t, BQ);
+    };
+    load_step(0);
+    cp_async_commit();
     float dka[D / 8][4], dva[D / 8][4];
+    zero_acc<D / 8>(dka);
+    zero_acc<D / 8>(dva);
+    int r0 = warp * 16, kr0 = k0 + r0;  // this warp's kv rows: kr0 .. kr0 + 15
+    int kvrow[2] = {kr0 + g, kr0 + g + 8};
+    const float sl2 = scale * FLASH_LOG2E;
+    for (int j = 0; j < steps; ++j) {
+        int i0 = i_first + (j % per_head) * BQ;
+        if (j + 1 < steps) load_step(j + 1);
+        cp_async_commit();
+        cp_async_wait<1>();  // K, V and step j
+        // lse -> lse log2(e) for the exp2 below, by the thread that copied it (its copy is done)
+        float* sL = sLD + (j & 1) * 2 * BQ;
+        if ((int)threadIdx.x < BQ) sL[threadIdx.x] *= FLASH_LOG2E;
+        __syncthreads();
+        const bf16* sQ = sQO + (j & 1) * 2 * BQ * ST;
+        const bf16* sO = sQ + BQ * ST;
+        const float* sD = sL + BQ;
+        if (i0 + BQ - 1 >= kr0 && kr0 < t) {  // warp-uniform: some query row of the tile sees a kv row
+            float p[BQ / 8][4], ds[BQ / 8][4];
+            zero_acc<BQ / 8>(p);
+            zero_acc<BQ / 8>(ds);
+            mma_rows_by_nk<D, BQ>(p, sK, r0, sQ, lane);   // S^T = K Q^T
+            mma_rows_by_nk<D, BQ>(ds, sV, r0, sO, lane);  // dP^T = V dO^T
+            bool mask = i0 < kr0 + 15 || i0 + BQ > t || kr0 + 15 >= t;
 #pragma unroll
-    for (int n = 0; n < D / 8; ++n)
-#pragma unroll
-        for (int e = 0; e < 4; ++e) dka[n][e] = dva[n][e] = 0.0f;
-    int kvrow[2] = {k0 + warp * 16 + g, k0 + warp * 16 + g + 8};
-    for (int gi = 0; gi < group; ++gi) {
-        int h = hk * group + gi;
-        const bf16* qh = head_rows<D>(q, b, hq, h, t);
-        const bf16* oh = head_rows<D>(dout, b, hq, h, t);
-        const float* lh = lse + (i64)(b * hq + h) * t;
-        const float* dh = dvec + (i64)(b * hq + h) * t;
-        for (int i0 = (k0 / BR) * BR; i0 < t; i0 += BR) {
-            __syncthreads();
-            stage_rows<D, ST>(sQ, qh, i0, BR, t);
-            stage_rows<D, ST>(sO, oh, i0, BR, t);
-            for (int r = threadIdx.x; r < BR; r += blockDim.x) {
-                sL[r] = i0 + r < t ? lh[i0 + r] : 0.0f;
-                sD[r] = i0 + r < t ? dh[i0 + r] : 0.0f;
-            }
-            __syncthreads();
-            float p[BR / 8][4], ds[BR / 8][4];
-            // S^T = K Q^T and dP^T = V dO^T
-            auto kv_rows = [sK = sK, sV = sV, r0 = warp * 16, g = g, tq = tq](unsigned* a, int i, int k) { ld_a(a, i ? sV : sK, ST, r0, k, g, tq); };
-            mma_two_products<D, ST, BR>(p, ds, kv_rows, sQ, sO, g, tq);
-#pragma unroll
-            for (int j = 0; j < BR / 8; ++j) {
+            for (int n = 0; n < BQ / 8; ++n)
 #pragma unroll
                 for (int e = 0; e < 4; ++e) {
-                    int qc = j * 8 + 2 * tq + (e & 1), qrow = i0 + qc, kr = kvrow[e >> 1];
-                    bool ok = qrow >= kr && qrow < t && kr < t;
-                    float pv = ok ? expf(p[j][e] * scale - sL[qc]) : 0.0f;
-                    p[j][e] = pv;
-                    ds[j][e] = pv * (ds[j][e] - sD[qc]) * scale;
+                    int qc = n * 8 + 2 * tq + (e & 1), qrow = i0 + qc, kr = kvrow[e >> 1];
+                    bool ok = !mask || (qrow >= kr && qrow < t && kr < t);
+                    float pv = ok ? exp2_fast(fmaf(p[n][e], sl2, -sL[qc])) : 0.0f;
+                    p[n][e] = pv;
+                    ds[n][e] = pv * (ds[n][e] - sD[qc]) * scale;
                 }
-            }
-#pragma unroll
-            for (int kk = 0; kk < BR / 16; ++kk) {
-                unsigned ap[4], as[4];
-                c_to_a(ap, p[2 * kk], p[2 * kk + 1]);
-                c_to_a(as, ds[2 * kk], ds[2 * kk + 1]);
-#pragma unroll
-                for (int n = 0; n < D / 8; ++n) {
-                    unsigned bf[2];
-                    ld_b_kn(bf, sO, ST, kk * 16, n * 8, g, tq);
-                    mma_bf16(dva[n], ap, bf);  // dV += P^T dO
-                    ld_b_kn(bf, sQ, ST, kk * 16, n * 8, g, tq);
-                    mma_bf16(dka[n], as, bf);  // dK += dS^T Q
-                }
-            }
+            mma_c_by_kn<D, BQ>(dva, p, sO, lane);   // dV += P^T dO
+            mma_c_by_kn<D, BQ>(dka, ds, sQ, lane);  // dK += dS^T Q
         }
+        __syncthreads();  // every warp is done with stage j before step j + 1 refills it
     }
-    bf16* dkh = head_rows<D>(dk, b, hkv, hk, t);
-    bf16* dvh = head_rows<D>(dv, b, hkv, hk, t);
-#pragma unroll
-    for (int r = 0; r < 2; ++r) {
-        if (kvrow[r] >= t) continue;
-#pragma unroll
-        for (int n = 0; n < D / 8; ++n) {
-            i64 off = (i64)kvrow[r] * D + n * 8 + 2 * tq;
-            *reinterpret_cast<__nv_bfloat162*>(dkh + off) = __floats2bfloat162_rn(dka[n][2 * r], dka[n][2 * r + 1]);
-            *reinterpret_cast<__nv_bfloat162*>(dvh + off) = __floats2bfloat162_rn(dva[n][2 * r], dva[n][2 * r + 1]);
-        }
-    }
+    const float one[2] = {1.0f, 1.0f};
+    store_rows<D>(head_rows<D>(dk, b, hkv, hk, t), dka, kvrow, one, t, tq);
+    store_rows<D>(head_rows<D>(dv, b, hkv, hk, t), dva, kvrow, one, t, tq);
 }
 extern "C" __global__ void __launch_bounds__(FLASH_THREADS) flash_bwd_dkdv_bf16_d64(const bf16* q, const bf16* k, const bf16* v, const bf16* dout, const float* lse,
                                                                        const float* dvec, bf16* dk, bf16* dv, int hq, int hkv, int t, float scale) {
-    flash_bwd_dkdv_impl<64>(q, k, v, dout, lse, dvec, dk, dv, hq, hkv, t, scale);
+    flash_bwd_dkdv_impl<64, FLASH_BWD_TILE_D64>(q, k, v, dout, lse, dvec, dk, dv, hq, hkv, t, scale);
 }
 extern "C" __global__ void __launch_bounds__(FLASH_THREADS) flash_bwd_dkdv_bf16_d128(const bf16* q, const bf16* k, const bf16* v, const bf16* dout, const float* lse,
                                                                         const float* dvec, bf16* dk, bf16* dv, int hq, int hkv, int t, float scale) {
-    flash_bwd_dkdv_impl<128>(q, k, v, dout, lse, dvec, dk, dv, hq, hkv, t, scale);
+    flash_bwd_dkdv_impl<128, FLASH_BWD_TILE_D128>(q, k, v, dout, lse, dvec, dk, dv, hq, hkv, t, scale);
 }
 
 // ---- backward dQ (bf16, tensor cores) ---------------------------------------------------------
-// grid (ceil(t/64), hq, b), block 128, dynamic smem 2 * 32 * (D + 8) * 2.
-template <int D>
+// grid (ceil(t/128), hq, b), block 256 (8 warps x 16 query rows), dynamic smem
+// (2 * 128 + 4 BC) (D + 8) * 2 bytes: the block's Q and dO rows, then two stages of K and V tiles
+// of BC rows. Per kv tile (the next in flight): S = Q K^T, dP = dO V^T, dS = P (dP - D) scale
+// with P = exp2(S scale log2(e) - lse log2(e)), dQ += dS K (K through ldmatrix.trans); the
+// causal skipping and masking of the forward.
+template <int D, int BC>
 static __device__ void flash_bwd_dq_impl(const bf16* q, const bf16* k, const bf16* v, const bf16* dout, const float* lse,
                                          const float* dvec, bf16* dq, int hq, int hkv, int t, float scale) {
-    constexpr int BR = FLASH_ROWS, BC = FLASH_BWD_TILE, ST = D + FLASH_PAD;
+    constexpr int BR = FLASH_ROWS, ST = D + FLASH_PAD;
     DYNAMIC_SMEM(smem);
-    auto [sK, sV] = kv_tiles<BC, ST>(smem);
-    auto [warp, g, tq] = flash_lane();
+    bf16* sQ = reinterpret_cast<bf16*>(smem);
+    bf16* sO = sQ + BR * ST;
+    bf16* sKV = sO + BR * ST;
+    auto [warp, lane, g, tq] = flash_lane();
     auto [b, h, hk, q0, qh, kh, vh] = query_block<D>(q, k, v, hq, hkv, t);
-    const bf16* oh = head_rows<D>(dout, b, hq, h, t);
-    int rows[2] = {q0 + warp * 16 + g, q0 + warp * 16 + g + 8};
-    float lr[2], dr[2];
+    int kv_end = min(t, q0 + BR), n_tiles = (kv_end + BC - 1) / BC;
+    load_rows_async<D, BR>(sQ, qh, q0, t);
+    load_rows_async<D, BR>(sO, head_rows<D>(dout, b, hq, h, t), q0, t);
+    cp_async_commit();
+    load_kv_async<D, BC>(sKV, 0, kh, vh, 0, t);
+    cp_async_commit();
+    int r0 = warp * 16, wr0 = q0 + r0;
+    int rows[2] = {wr0 + g, wr0 + g + 8};
+    float l2[2], dr[2];
+#pragma unroll
     for (int r = 0; r < 2; ++r) {
-        lr[r] = rows[r] < t ? lse[(i64)(b * hq + h) * t + rows[r]] : 0.0f;
+        l2[r] = rows[r] < t ? lse[(i64)(b * hq + h) * t + rows[r]] * FLASH_LOG2E : 0.0f;
         dr[r] = rows[r] < t ? dvec[(i64)(b * hq + h) * t + rows[r]] : 0.0f;
     }
     float acc[D / 8][4];
+    zero_acc<D / 8>(acc);
+    const float sl2 = scale * FLASH_LOG2E;
+    for (int j = 0; j < n_tiles; ++j) {
+        int k0 = j * BC;
+        if (j + 1 < n_tiles) load_kv_async<D, BC>(sKV, j + 1, kh, vh, k0 + BC, t);
+        cp_async_commit();
+        cp_async_wait<1>();  // Q, dO and tile j
+        __syncthreads();
+        const bf16* sK = kv_stage<D, BC>(sKV, j);
+        const bf16* sV = sK + BC * ST;
+        if (k0 <= wr0 + 15 && wr0 < t) {
+            float s[BC / 8][4], dp[BC / 8][4];
+            zero_acc<BC / 8>(s);
+            zero_acc<BC / 8>(dp);
+            mma_rows_by_nk<D, BC>(s, sQ, r0, sK, lane);   // S = Q K^T
+            mma_rows_by_nk<D, BC>(dp, sO, r0, sV, lane);  // dP = dO V^T
+            bool mask = k0 + BC - 1 > wr0 || k0 + BC > t;
 #pragma unroll
-    for (int n = 0; n < D / 8; ++n) acc[n][0] = acc[n][1] = acc[n][2] = acc[n][3] = 0.0f;
-    int kv_end = min(t, q0 + BR);
-    for (int k0 = 0; k0 < kv_end; k0 += BC) {
-        stage_kv_tile<D, ST, BC>(sK, sV, kh, vh, k0, t);
-        float s[BC / 8][4], dp[BC / 8][4];
-        // S = Q K^T and dP = dO V^T
-        auto q_rows = [qh = qh, oh, r0 = q0 + warp * 16, t, g = g, tq = tq](unsigned* a, int i, int k) {
-            ld_a_global(a, i ? oh : qh, D, r0, t, k, g, tq);
-        };
-        mma_two_products<D, ST, BC>(s, dp, q_rows, sK, sV, g, tq);
+            for (int n = 0; n < BC / 8; ++n)
 #pragma unroll
-        for (int j = 0; j < BC / 8; ++j) {
-#pragma unroll
-            for (int e = 0; e < 4; ++e) {
-                int col = k0 + j * 8 + 2 * tq + (e & 1), row = rows[e >> 1];
-                bool ok = col <= row && col < t && row < t;
-                float pv = ok ? expf(s[j][e] * scale - lr[e >> 1]) : 0.0f;
-                s[j][e] = pv * (dp[j][e] - dr[e >> 1]) * scale;  // dS
-            }
+                for (int e = 0; e < 4; ++e) {
+                    int col = k0 + n * 8 + 2 * tq + (e & 1), row = rows[e >> 1];
+                    bool ok = !mask || (col <= row && col < t);
+                    float pv = ok ? exp2_fast(fmaf(s[n][e], sl2, -l2[e >> 1])) : 0.0f;
+                    s[n][e] = pv * (dp[n][e] - dr[e >> 1]) * scale;  // dS
+                }
+            mma_c_by_kn<D, BC>(acc, s, sK, lane);  // dQ += dS K
         }
-        mma_c_by_tile<D, ST, BC>(acc, s, sK, g, tq);  // dQ += dS K
+        __syncthreads();
     }
-    bf16* dqh = head_rows<D>(dq, b, hq, h, t);
-#pragma unroll
-    for (int r = 0; r < 2; ++r) {
-        if (rows[r] >= t) continue;
-#pragma unroll
-        for (int n = 0; n < D / 8; ++n)
-            *reinterpret_cast<__nv_bfloat162*>(dqh + (i64)rows[r] * D + n * 8 + 2 * tq) = __floats2bfloat162_rn(acc[n][2 * r], acc[n][2 * r + 1]);
-    }
+    const float one[2] = {1.0f, 1.0f};
+    store_rows<D>(head_rows<D>(dq, b, hq, h, t), acc, rows, one, t, tq);
 }
 extern "C" __global__ void __launch_bounds__(FLASH_THREADS) flash_bwd_dq_bf16_d64(const bf16* q, const bf16* k, const bf16* v, const bf16* dout, const float* lse,
                                                                      const float* dvec, bf16* dq, int hq, int hkv, int t, float scale) {
-    flash_bwd_dq_impl<64>(q, k, v, dout, lse, dvec, dq, hq, hkv, t, scale);
+    flash_bwd_dq_impl<64, FLASH_BWD_TILE_D64>(q, k, v, dout, lse, dvec, dq, hq, hkv, t, scale);
 }
 extern "C" __global__ void __launch_bounds__(FLASH_THREADS) flash_bwd_dq_bf16_d128(const bf16* q, const bf16* k, const bf16* v, const bf16* dout, const float* lse,
                                                                       const float* dvec, bf16* dq, int hq, int hkv, int t, float scale) {
-    flash_bwd_dq_impl<128>(q, k, v, dout, lse, dvec, dq, hq, hkv, t, scale);
+    flash_bwd_dq_impl<128, FLASH_BWD_TILE_D128>(q, k, v, dout, lse, dvec, dq, hq, hkv, t, scale);
 }
 
 // ---- SIMT kernels: f32 (and bf16 with head dims other than 64/128), d <= 256 ------------------

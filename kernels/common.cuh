@@ -158,6 +158,69 @@ template <> struct Vec<bf16> {
 #define DYNAMIC_SMEM(name) extern __shared__ __align__(16) unsigned char name[]
 #endif
 
+// ---- feeding the tensor cores (sm_80+): ldmatrix and cp.async -----------------------------------
+// ldsm<N, TRANS>(r, row): ldmatrix.sync.aligned.m8n8.xN{.trans}.shared.b16. A warp collective: each
+// lane passes the shared-memory address of one 16-byte row (lanes 8i..8i+7: the rows of matrix i)
+// and gets, in r[i], its two bf16 of matrix i in the mma fragment layout.
+template <int N, bool TRANS>
+static __device__ __forceinline__ void ldsm(unsigned* r, const void* row) {
+#ifdef FERRO_EMU
+    ferro_emu::ldmatrix(r, N, TRANS, row);
+#else
+    unsigned a = (unsigned)__cvta_generic_to_shared(row);
+    if constexpr (N == 4 && !TRANS)
+        asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n" : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(a));
+    else if constexpr (N == 4 && TRANS)
+        asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];\n" : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(a));
+    else if constexpr (N == 2 && !TRANS)
+        asm volatile("ldmatrix.sync.aligned.m8n8.x2.shared.b16 {%0,%1}, [%2];\n" : "=r"(r[0]), "=r"(r[1]) : "r"(a));
+    else if constexpr (N == 2 && TRANS)
+        asm volatile("ldmatrix.sync.aligned.m8n8.x2.trans.shared.b16 {%0,%1}, [%2];\n" : "=r"(r[0]), "=r"(r[1]) : "r"(a));
+    else if constexpr (N == 1 && !TRANS)
+        asm volatile("ldmatrix.sync.aligned.m8n8.x1.shared.b16 {%0}, [%1];\n" : "=r"(r[0]) : "r"(a));
+    else
+        asm volatile("ldmatrix.sync.aligned.m8n8.x1.trans.shared.b16 {%0}, [%1];\n" : "=r"(r[0]) : "r"(a));
+#endif
+}
+// cp_async16(dst, src, valid): 16 bytes global -> shared without a register round trip
+// (cp.async.cg, L2 only), or 16 zero bytes when !valid (src is then not read but must be a
+// mapped address). cp_async4 is the 4-byte form (cp.async.ca). Copies become visible to the
+// issuing thread after a cp_async_wait that covers their group, and to other threads after a
+// __syncthreads that follows it.
+static __device__ __forceinline__ void cp_async16(void* dst, const void* src, bool valid) {
+#ifdef FERRO_EMU
+    ferro_emu::cp_async(dst, src, 16, valid ? 16 : 0);
+#else
+    unsigned a = (unsigned)__cvta_generic_to_shared(dst);
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(a), "l"(src), "r"(valid ? 16 : 0));
+#endif
+}
+static __device__ __forceinline__ void cp_async4(void* dst, const void* src, bool valid) {
+#ifdef FERRO_EMU
+    ferro_emu::cp_async(dst, src, 4, valid ? 4 : 0);
+#else
+    unsigned a = (unsigned)__cvta_generic_to_shared(dst);
+    asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;\n" ::"r"(a), "l"(src), "r"(valid ? 4 : 0));
+#endif
+}
+// Closes the group of this thread's cp.async issued since the last commit.
+static __device__ __forceinline__ void cp_async_commit() {
+#ifdef FERRO_EMU
+    ferro_emu::cp_async_commit();
+#else
+    asm volatile("cp.async.commit_group;\n" ::);
+#endif
+}
+// Waits until at most N of this thread's committed groups are still in flight.
+template <int N>
+static __device__ __forceinline__ void cp_async_wait() {
+#ifdef FERRO_EMU
+    ferro_emu::cp_async_wait(N);
+#else
+    asm volatile("cp.async.wait_group %0;\n" ::"n"(N) : "memory");
+#endif
+}
+
 // Grid-stride loop over n elements.
 #define FOR_EACH(i, n) for (i64 i = (i64)blockIdx.x * blockDim.x + threadIdx.x; i < (n); i += (i64)gridDim.x * blockDim.x)
 

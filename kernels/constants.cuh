@@ -18,15 +18,19 @@ enum { B_ADD, B_SUB, B_MUL, B_DIV, B_EQ };
 #define EMB_COLS 128
 #define EMB_CHUNK 1024
 
-// Flash attention (attention.cu, bf16 tensor cores): a block of FLASH_THREADS threads (4 warps x
-// 16 rows) owns FLASH_ROWS rows: query rows in the forward and dQ, kv rows in dK/dV. It stages
-// FLASH_FWD_TILE kv rows per step in the forward and FLASH_BWD_TILE rows per step in the
-// backward (query rows for dK/dV, kv rows for dQ). Shared-memory rows are padded by FLASH_PAD
-// bf16 elements against bank conflicts.
-#define FLASH_THREADS 128
-#define FLASH_ROWS 64
-#define FLASH_FWD_TILE 64
-#define FLASH_BWD_TILE 32
+// Flash attention (attention.cu, bf16 tensor cores): a block of FLASH_THREADS threads (8 warps x
+// 16 rows) owns FLASH_ROWS rows: query rows in the forward and dQ, kv rows in dK/dV. Per step it
+// stages (cp.async, double-buffered) a tile of kv rows in the forward (FLASH_FWD_TILE_D64 /
+// _D128 by head dim) and of FLASH_BWD_TILE_D64 / _D128 rows in the backward (query rows for dK/dV,
+// kv rows for dQ). Shared-memory rows are padded by FLASH_PAD bf16 elements (16 bytes), so the 8
+// rows of an ldmatrix fall in distinct banks.
+#define FLASH_WARPS 8
+#define FLASH_THREADS 256
+#define FLASH_ROWS 128
+#define FLASH_FWD_TILE_D64 128
+#define FLASH_FWD_TILE_D128 64
+#define FLASH_BWD_TILE_D64 64
+#define FLASH_BWD_TILE_D128 32
 #define FLASH_PAD 8
 // SIMT attention (one warp per row): each lane holds ATTN_SIMT_PER_LANE elements of a row, so
 // the head dim is at most 32 * ATTN_SIMT_PER_LANE.

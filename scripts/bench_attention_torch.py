@@ -7,8 +7,10 @@ median of repeated steps, random inputs (never zeros). Row keys match the Rust b
 
     python3 scripts/bench_attention_torch.py [--reps 20] [--ours $OUT/bench_cuda.json|bench_cuda.md]
 
-With --ours, adds ours_ms and the ratio torch_ms / ours_ms (target >= 0.8). Writes
-$OUT/bench_attention_torch.md and .json when OUT is set.
+With --ours, adds our forward and forward+backward times, our TFLOP/s, and the ratios
+torch_ms / ours_ms beside them (targets: fwd+bwd >= 0.9 at every shape, >= 1.0 at d 128 with
+t >= 2048; forward alone >= 1.0). Writes $OUT/bench_attention_torch.md and .json when OUT is set.
+FLOPs: causal forward 2 B Hq T^2 D (half of the full 4 B Hq T^2 D), backward 2.5x that.
 """
 import argparse
 import json
@@ -18,25 +20,27 @@ import statistics
 import sys
 
 SHAPES = [(4, 16, 16, 1024, 128), (4, 16, 16, 2048, 128), (4, 16, 16, 4096, 128),
-          (8, 32, 32, 2048, 64), (4, 32, 8, 2048, 128), (8, 32, 8, 2048, 64)]
+          (8, 32, 32, 2048, 64), (4, 32, 8, 2048, 128), (8, 32, 8, 2048, 64),
+          (4, 16, 16, 8192, 128), (8, 32, 8, 1024, 64)]  # the last: the 1B model's attention
 
 
 def key(b, hq, hkv, t, d):
     return f"b{b}_hq{hq}_hkv{hkv}_t{t}_d{d}"
 
 
-def load_ours(path):
-    """{key: fwd+bwd ms} from bench_cuda.json (attention_fwd_bwd_ms) or bench_cuda.md."""
+def load_ours(path, which="attention_fwd_bwd_ms"):
+    """{key: ms} from bench_cuda.json (`which`: attention_fwd_bwd_ms or attention_fwd_ms) or
+    bench_cuda.md (its attention table: | key | fwd ms | bwd ms | fwd+bwd ms | ...)."""
     text = open(path).read()
     if path.endswith(".json"):
         j = json.loads(text)
-        return {k: float(v) for k, v in j.get("attention_fwd_bwd_ms", j).items() if isinstance(v, (int, float))}
+        return {k: float(v) for k, v in j.get(which, j).items() if isinstance(v, (int, float))}
     out = {}
-    # attention table rows: | key | fwd ms | bwd ms | fwd+bwd ms | ...
+    col = 1 if which == "attention_fwd_ms" else 3
     for line in text.splitlines():
         cells = [c.strip() for c in line.strip().strip("|").split("|")]
         if len(cells) >= 4 and re.fullmatch(r"b\d+_hq\d+_hkv\d+_t\d+_d\d+", cells[0]):
-            out[cells[0]] = float(cells[3])
+            out[cells[0]] = float(cells[col])
     return out
 
 
@@ -54,6 +58,7 @@ def main():
         print("skipped: no CUDA device")
         sys.exit(1 if os.environ.get("FERROLM_REQUIRE_GPU") == "1" else 0)
     ours = load_ours(a.ours) if a.ours else {}
+    ours_fwd = load_ours(a.ours, "attention_fwd_ms") if a.ours else {}
     dev = torch.device("cuda")
     name = torch.cuda.get_device_name(0)
     torch.manual_seed(0)
@@ -109,29 +114,42 @@ def main():
 
             f_ms = time(fwd)
             fb_ms = time(fwd_bwd)
-        flops = 3.5 * 2.0 * b * hq * t * t * d  # causal fwd 2BHT^2D, bwd 2.5x
-        rows.append(dict(key=k_, fwd_ms=f_ms, fwd_bwd_ms=fb_ms, tflops=flops / (fb_ms * 1e-3) / 1e12, note=note,
-                         ours_ms=ours.get(k_)))
+        f_fwd = 2.0 * b * hq * t * t * d  # causal fwd 2BHT^2D, bwd 2.5x
+        row = dict(key=k_, d=d, t=t, fwd_ms=f_ms, fwd_bwd_ms=fb_ms, fwd_tflops=f_fwd / (f_ms * 1e-3) / 1e12,
+                   tflops=3.5 * f_fwd / (fb_ms * 1e-3) / 1e12, note=note, ours_ms=ours.get(k_), ours_fwd_ms=ours_fwd.get(k_))
+        if row["ours_ms"]:
+            row["ours_tflops"] = 3.5 * f_fwd / (row["ours_ms"] * 1e-3) / 1e12
+            row["ratio"] = fb_ms / row["ours_ms"]
+        if row["ours_fwd_ms"]:
+            row["ours_fwd_tflops"] = f_fwd / (row["ours_fwd_ms"] * 1e-3) / 1e12
+            row["fwd_ratio"] = f_ms / row["ours_fwd_ms"]
+        rows.append(row)
         del q, k, v, do
         torch.cuda.empty_cache()
 
     lines = [f"# PyTorch {torch.__version__} SDPA flash, bf16 causal, fwd+bwd\n", f"device: {name}  ", f"reps: {a.reps} (median)\n"]
-    hdr = "| key | torch fwd ms | torch fwd+bwd ms | torch TFLOP/s | backend |"
-    sep = "|---|---:|---:|---:|---|"
+    hdr = "| key | torch fwd ms | TFLOP/s | torch fwd+bwd ms | TFLOP/s | backend |"
+    sep = "|---|---:|---:|---:|---:|---|"
     if ours:
-        hdr += " ours fwd+bwd ms | torch/ours |"
-        sep += "---:|---:|"
+        hdr += " ours fwd ms | TFLOP/s | fwd torch/ours | ours fwd+bwd ms | TFLOP/s | fwd+bwd torch/ours |"
+        sep += "---:|---:|---:|---:|---:|---:|"
     lines += [hdr, sep]
     for r in rows:
-        s = f"| {r['key']} | {r['fwd_ms']:.3f} | {r['fwd_bwd_ms']:.3f} | {r['tflops']:.1f} | {r['note']} |"
+        s = f"| {r['key']} | {r['fwd_ms']:.3f} | {r['fwd_tflops']:.1f} | {r['fwd_bwd_ms']:.3f} | {r['tflops']:.1f} | {r['note']} |"
         if ours:
+            f = r["ours_fwd_ms"]
+            s += f" {f:.3f} | {r['ours_fwd_tflops']:.1f} | {r['fwd_ratio']:.2f} |" if f else " - | - | - |"
             o = r["ours_ms"]
-            s += f" {o:.3f} | {r['fwd_bwd_ms'] / o:.2f} |" if o else " - | - |"
+            s += f" {o:.3f} | {r['ours_tflops']:.1f} | {r['ratio']:.2f} |" if o else " - | - | - |"
         lines.append(s)
     if ours:
-        ratios = [r["fwd_bwd_ms"] / r["ours_ms"] for r in rows if r["ours_ms"]]
+        ratios = [r["ratio"] for r in rows if r.get("ratio")]
         if ratios:
-            lines.append(f"\nratio torch/ours: min {min(ratios):.2f}, median {statistics.median(ratios):.2f} (target >= 0.8)")
+            lines.append(f"\nfwd+bwd torch/ours: min {min(ratios):.2f}, median {statistics.median(ratios):.2f} "
+                         "(target >= 0.9 everywhere, >= 1.0 at d 128, t >= 2048)")
+        fr = [r["fwd_ratio"] for r in rows if r.get("fwd_ratio")]
+        if fr:
+            lines.append(f"fwd torch/ours: min {min(fr):.2f}, median {statistics.median(fr):.2f} (target >= 1.0)")
     md = "\n".join(lines) + "\n"
     print(md)
     out = os.environ.get("OUT")

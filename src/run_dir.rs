@@ -1,123 +1,20 @@
-//! A run directory on disk: `checkpoints/step-NNNNNN/`, `checkpoints/latest`, `metrics.jsonl`,
-//! `loss.png`. What is in it, which checkpoint to resume, what may be written over, and how old
-//! checkpoints are pruned. Nothing here deletes a file without saying so in the log.
+//! A run directory on disk: `metrics.jsonl`, `loss.png`, `checkpoints/`: what may be written over
+//! when a run starts or resumes, and the metrics history a resumed run continues. Where
+//! checkpoints go, which one `latest` names and resumes, and pruning are `crate::checkpoint`
+//! (re-exported here under their old paths). Nothing here deletes a file without saying so in
+//! the log.
 use anyhow::{bail, Context, Result};
-use std::path::{Path, PathBuf};
+use std::path::Path;
 
 pub const METRICS: &str = "metrics.jsonl";
 pub const LOSS_PNG: &str = "loss.png";
-pub const CHECKPOINTS: &str = "checkpoints";
-pub const LATEST: &str = "latest";
-/// Written last into a checkpoint: a directory holding it (and the files before it) is complete.
-pub const TRAINER_STATE: &str = "trainer_state.json";
-
-/// `step-NNNNNN` for `step`.
-pub fn checkpoint_name(step: usize) -> String {
-    format!("step-{step:06}")
-}
-
-/// The step of a `step-NNNNNN` directory name.
-pub fn parse_checkpoint_name(name: &str) -> Option<usize> {
-    name.strip_prefix("step-").filter(|d| !d.is_empty() && d.bytes().all(|b| b.is_ascii_digit())).and_then(|d| d.parse().ok())
-}
-
-/// The files a checkpoint directory lacks (empty: complete). `trainer_state.json` is written
-/// last and the directory is renamed into place whole, so this only fails on directories that
-/// were damaged or copied partially by hand.
-pub fn missing_files(dir: &Path) -> Vec<&'static str> {
-    let mut missing = Vec::new();
-    if !dir.join("config.json").is_file() {
-        missing.push("config.json");
-    }
-    if !dir.join("model.safetensors").is_file() && !dir.join("model.safetensors.index.json").is_file() {
-        missing.push("model.safetensors");
-    }
-    // The optimizer state: one device's file, or the shards of a parallel run.
-    if !dir.join("optimizer.safetensors").is_file() && !ferrolm_dist::ckpt::is_sharded(dir) {
-        missing.push("optimizer.safetensors");
-    }
-    if !dir.join(TRAINER_STATE).is_file() {
-        missing.push(TRAINER_STATE);
-    }
-    missing
-}
-
-pub fn is_complete(dir: &Path) -> bool {
-    dir.is_dir() && missing_files(dir).is_empty()
-}
-
-/// Every `step-NNNNNN` directory under `root` (complete or not), sorted by step.
-pub fn list_checkpoints(root: &Path) -> Result<Vec<(usize, PathBuf)>> {
-    let mut out = Vec::new();
-    let entries = match std::fs::read_dir(root) {
-        Ok(e) => e,
-        Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(out),
-        Err(e) => return Err(e).with_context(|| format!("cannot list checkpoints in {}", root.display())),
-    };
-    for entry in entries {
-        let entry = entry.with_context(|| format!("cannot list checkpoints in {}", root.display()))?;
-        if let Some(step) = entry.file_name().to_str().and_then(parse_checkpoint_name) {
-            if entry.path().is_dir() {
-                out.push((step, entry.path()));
-            }
-        }
-    }
-    out.sort();
-    Ok(out)
-}
-
+pub use crate::checkpoint::{
+    checkpoint_name, is_complete, list_checkpoints, missing_files, parse_checkpoint_name, prune, resolve_checkpoint, run_dir_of,
+    CHECKPOINTS, LATEST, TRAINER_STATE,
+};
 /// fsyncs a directory, so the renames and removals inside it survive a power cut.
 pub fn sync_dir(dir: &Path) -> Result<()> {
     std::fs::File::open(dir).and_then(|f| f.sync_all()).with_context(|| format!("cannot fsync directory {}", dir.display()))
-}
-
-/// The checkpoint to resume from `path`: a checkpoint directory, or a run directory (or its
-/// `checkpoints/`) whose `latest` is followed. When `latest` names a missing or incomplete
-/// checkpoint, the newest complete one is used instead, with a warning.
-pub fn resolve_checkpoint(path: &Path) -> Result<PathBuf> {
-    if path.join(TRAINER_STATE).is_file() {
-        let missing = missing_files(path);
-        if !missing.is_empty() {
-            bail!("{}: incomplete checkpoint (missing {})", path.display(), missing.join(", "));
-        }
-        return Ok(path.to_path_buf());
-    }
-    for root in [path.join(CHECKPOINTS), path.to_path_buf()] {
-        let latest = root.join(LATEST);
-        let named = std::fs::read_to_string(&latest).ok().map(|s| s.trim().to_string());
-        if let Some(name) = &named {
-            let d = root.join(name);
-            if is_complete(&d) {
-                return Ok(d);
-            }
-        }
-        let newest = list_checkpoints(&root)?.into_iter().rev().find(|(_, d)| is_complete(d));
-        match (named, newest) {
-            (Some(name), Some((_, d))) => {
-                tracing::warn!(
-                    "{} names {name}, which is missing or incomplete; using the newest complete checkpoint {}",
-                    latest.display(),
-                    d.display()
-                );
-                return Ok(d);
-            }
-            (None, Some((_, d))) => {
-                tracing::warn!("{} has no `latest` file; using the newest complete checkpoint {}", root.display(), d.display());
-                return Ok(d);
-            }
-            (Some(name), None) => {
-                bail!("{}: `latest` names {name}, which is missing or incomplete, and no complete checkpoint is left", root.display())
-            }
-            (None, None) => {}
-        }
-    }
-    bail!("{}: no checkpoint found (expected trainer_state.json, or checkpoints/latest in a run directory)", path.display())
-}
-
-/// The run directory a checkpoint lives in (`RUN/checkpoints/step-N` -> `RUN`), if it has that layout.
-pub fn run_dir_of(checkpoint: &Path) -> Option<PathBuf> {
-    let parent = checkpoint.parent()?;
-    (parent.file_name()? == CHECKPOINTS).then(|| parent.parent().map(Path::to_path_buf)).flatten()
 }
 
 /// What a new or resumed run would write over in `out`, as sentences; empty when nothing.
@@ -197,29 +94,6 @@ pub fn clear_for_new_run(out: &Path, resumed_step: Option<usize>) -> Result<()> 
         tracing::warn!("--overwrite: removed {} from {}", what.join(", "), out.display());
     }
     Ok(())
-}
-
-/// Deletes the oldest complete checkpoints so that `keep` remain, never the one `latest` names
-/// (the newest complete one). Returns the removed directories.
-pub fn prune(root: &Path, keep: usize) -> Result<Vec<PathBuf>> {
-    if keep == 0 {
-        return Ok(Vec::new());
-    }
-    let latest = std::fs::read_to_string(root.join(LATEST)).ok().map(|s| s.trim().to_string());
-    let complete: Vec<(usize, PathBuf)> = list_checkpoints(root)?.into_iter().filter(|(_, d)| is_complete(d)).collect();
-    let mut removed = Vec::new();
-    let excess = complete.len().saturating_sub(keep);
-    for (step, dir) in complete.into_iter().take(excess) {
-        if latest.as_deref() == Some(checkpoint_name(step).as_str()) {
-            continue;
-        }
-        std::fs::remove_dir_all(&dir).with_context(|| format!("cannot remove old checkpoint {}", dir.display()))?;
-        removed.push(dir);
-    }
-    if !removed.is_empty() {
-        sync_dir(root)?;
-    }
-    Ok(removed)
 }
 
 /// One line of `metrics.jsonl` that belongs to the history of a run.

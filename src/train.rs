@@ -1,6 +1,7 @@
 //! The training loop shared by the training tools: gradient accumulation, AdamW with
-//! warmup+cosine, global-norm clipping, periodic validation, JSONL metrics, progress, and atomic
-//! checkpoints (Hugging Face layout + training state) that resume bit-exactly.
+//! warmup+cosine, global-norm clipping, periodic validation, JSONL metrics, progress, and when to
+//! save checkpoints (every `--save-every` steps and at the end). Saving, `latest`, pruning and
+//! resuming (bit-exactly) are `crate::checkpoint`.
 //!
 //! It never loses work: a directory holding a run is not written over without `overwrite`; a
 //! step whose loss or gradient norm is not finite is skipped before the update (and the run
@@ -9,20 +10,18 @@
 //! as `latest` and removes its own partial files.
 use crate::logging::is_rank_zero;
 use crate::progress::{report, Progress};
-use crate::run_dir::{self, checkpoint_name, sync_dir, CHECKPOINTS, LATEST, METRICS, TRAINER_STATE};
+use crate::run_dir::{self, METRICS};
 use crate::{AnyResult, Llama};
 use anyhow::{bail, Context};
-use ferrolm_data::{eval_batches, Batch, DataLoader, LoaderState};
+use ferrolm_data::{eval_batches, Batch, DataLoader};
 use ferrolm_dist::zero::{Placement, Zero};
 use ferrolm_dist::TrainEngine;
 use ferrolm_nn::optim::AdamWConfig;
-use ferrolm_nn::safetensors_io::{load_safetensors, save_safetensors, write_atomic};
+use ferrolm_nn::safetensors_io::write_atomic;
 use ferrolm_nn::schedule::CosineSchedule;
-use ferrolm_nn::LlamaConfig;
 use ferrolm_ops::Tokens;
-use ferrolm_tensor::{no_grad, DType, Device, Rng, Tensor};
+use ferrolm_tensor::{no_grad, Device, Rng, Tensor};
 use serde::{Deserialize, Serialize};
-use std::collections::HashMap;
 use std::io::Write;
 use std::path::{Path, PathBuf};
 use std::time::Instant;
@@ -130,25 +129,13 @@ impl Default for RunSafety {
     }
 }
 
-#[derive(Serialize, Deserialize)]
-struct TrainerState {
-    step: usize,
-    loader: LoaderState,
-    rng: u64,
-    options: TrainOptions,
-    tokens_seen: u64,
-    /// Steps whose update was skipped: AdamW's own step count is `step - skipped_steps`.
-    #[serde(default)]
-    skipped_steps: u64,
-}
-
 /// Where the current run continues from (set by [`Trainer::resume`]).
 #[derive(Clone, Debug)]
-struct Resumed {
-    run_dir: Option<PathBuf>,
-    step: usize,
+pub(crate) struct Resumed {
+    pub(crate) run_dir: Option<PathBuf>,
+    pub(crate) step: usize,
     /// `metrics.jsonl` lines of the resumed run up to its step: the start of this run's file.
-    metrics: Vec<String>,
+    pub(crate) metrics: Vec<String>,
 }
 
 pub struct Trainer {
@@ -159,17 +146,17 @@ pub struct Trainer {
     pub step: usize,
     pub rng: Rng,
     /// Owns where the parameters and optimizer state live; a world of one on one device.
-    engine: Box<dyn TrainEngine>,
-    sched: CosineSchedule,
-    loader: DataLoader,
-    val_shards: Vec<PathBuf>,
-    tokenizer_file: Option<PathBuf>,
-    tokens_seen: u64,
-    skipped_total: u64,
-    skipped_in_a_row: usize,
-    resumed: Option<Resumed>,
+    pub(crate) engine: Box<dyn TrainEngine>,
+    pub(crate) sched: CosineSchedule,
+    pub(crate) loader: DataLoader,
+    pub(crate) val_shards: Vec<PathBuf>,
+    pub(crate) tokenizer_file: Option<PathBuf>,
+    pub(crate) tokens_seen: u64,
+    pub(crate) skipped_total: u64,
+    pub(crate) skipped_in_a_row: usize,
+    pub(crate) resumed: Option<Resumed>,
     /// The step this trainer last saved a checkpoint of.
-    last_saved: std::cell::Cell<Option<usize>>,
+    pub(crate) last_saved: std::cell::Cell<Option<usize>>,
     /// (step, training loss) of every step, restored from `metrics.jsonl` on resume.
     pub history: Vec<(f64, f64)>,
     /// (step, validation loss), restored the same way.
@@ -360,8 +347,20 @@ impl Trainer {
         Ok((loss, norm, lr))
     }
 
-    fn barrier(&self) -> AnyResult<()> {
+    pub(crate) fn barrier(&self) -> AnyResult<()> {
         Ok(self.engine.mesh().world().barrier()?)
+    }
+
+    /// On several ranks: whether every rank succeeded at `what` (an error on the ranks that
+    /// did not fail themselves when another did).
+    pub(crate) fn agree(&self, ok: bool, what: &str) -> AnyResult<()> {
+        let w = self.engine.mesh().world();
+        // On the model's device: NCCL refuses a host tensor.
+        let failed = ferrolm_dist::comm::all_reduce_scalar(w.as_ref(), if ok { 0.0 } else { 1.0 }, self.model.device())?;
+        if failed > 0.0 && ok {
+            bail!("another rank could not {what}");
+        }
+        Ok(())
     }
 
     /// Before the first write: refuses (or with `overwrite` clears) what this run would write
@@ -568,264 +567,9 @@ impl Trainer {
             tracing::warn!("cannot write {}: {e}", path.display());
         }
     }
-
-    /// The first tensor holding a NaN or an infinity, if any. x * 0 is 0 for finite x and NaN
-    /// otherwise, so one device-side sum over all tensors (one host sync) answers the common
-    /// case; only when it is not finite are the tensors checked one by one to name the culprit.
-    /// The first of this rank's checkpoint tensors that holds a NaN or an infinity, named by the
-    /// parameter the bad element belongs to. One host read when every tensor is finite.
-    fn non_finite_state(&self, tensors: &[(String, Tensor)]) -> AnyResult<Option<String>> {
-        let _g = no_grad();
-        let probe = |t: &Tensor| -> AnyResult<Tensor> { Ok(t.to_dtype(DType::F32)?.mul_scalar(0.0)?.sum_all()?) };
-        let mut acc: Option<Tensor> = None;
-        for (_, t) in tensors {
-            let s = probe(t)?;
-            acc = Some(match acc {
-                // Offloaded optimizer state is on the host, the weights on the device.
-                Some(a) if a.device() != s.device() => a.add(&s.to_device(a.device())?)?,
-                Some(a) => a.add(&s)?,
-                None => s,
-            });
-        }
-        match acc {
-            Some(a) if !a.item()?.is_finite() => {}
-            _ => return Ok(None),
-        }
-        for (name, t) in tensors {
-            if let Some(i) = t.to_vec_f64()?.iter().position(|v| !v.is_finite()) {
-                return Ok(Some(self.engine.owner_of(name, i).unwrap_or_else(|| name.clone())));
-            }
-        }
-        Ok(Some("(a sum of finite tensors)".into()))
-    }
-
-    /// Writes `checkpoints/step-NNNNNN/` through a temporary directory, fsyncs it, renames it
-    /// into place, fsyncs `checkpoints/`, then points `checkpoints/latest` at it and prunes to
-    /// `keep_last`. Refuses weights that are not finite and a step directory that exists. A
-    /// failure midway removes the partial directory and leaves `latest` on the previous one.
-    ///
-    /// On several ranks every rank calls it: each writes its own shards (`shards/`), then rank 0
-    /// joins them into the Hugging Face `model.safetensors` and finishes the directory.
-    pub fn save_checkpoint(&self) -> AnyResult<PathBuf> {
-        let name = checkpoint_name(self.step);
-        // Every tensor the checkpoint stores, as this rank holds it.
-        let state = self.engine.state()?;
-        let bad = self.non_finite_state(&state)?;
-        self.agree(bad.is_none(), &format!("save checkpoint {name}: it holds NaN or infinite values (the previous checkpoint is kept)"))?;
-        if let Some(bad) = bad {
-            bail!("refusing to save checkpoint {name}: `{bad}` holds NaN or infinite values (the previous checkpoint is kept)");
-        }
-        let root = self.out_dir.join(CHECKPOINTS);
-        let dst = root.join(&name);
-        let tmp = root.join(format!(".{name}.tmp"));
-        // Only this trainer's own checkpoint of this very step may be rewritten (saving again
-        // after `run()` saved its last step); anything else under that name is not ours.
-        let rewrite = dst.exists();
-        if rewrite && self.last_saved.get() != Some(self.step) {
-            bail!("{} already exists: refusing to overwrite a saved checkpoint", dst.display());
-        }
-        let prepared = if is_rank_zero() {
-            (|| -> AnyResult<()> {
-                std::fs::create_dir_all(&root).with_context(|| format!("cannot create {}", root.display()))?;
-                if tmp.exists() {
-                    // Only a save of this same step that was interrupted leaves this name behind.
-                    std::fs::remove_dir_all(&tmp)
-                        .with_context(|| format!("cannot remove the stale partial checkpoint {}", tmp.display()))?;
-                }
-                std::fs::create_dir_all(&tmp).with_context(|| format!("cannot create {}", tmp.display()))
-            })()
-        } else {
-            Ok(())
-        };
-        self.agree(prepared.is_ok(), "prepare the checkpoint directory")?;
-        prepared?;
-        let previous = std::fs::read_to_string(root.join(LATEST)).ok().map(|s| s.trim().to_string());
-        let shards = self.engine.save_shards(&tmp).map_err(anyhow::Error::from);
-        let old = root.join(format!(".{name}.old"));
-        let finished = shards.and_then(|()| {
-            if !is_rank_zero() {
-                return Ok(());
-            }
-            self.write_checkpoint_files(&tmp).and_then(|()| {
-                if rewrite {
-                    std::fs::rename(&dst, &old).with_context(|| format!("cannot move {} aside", dst.display()))?;
-                }
-                std::fs::rename(&tmp, &dst).with_context(|| format!("cannot rename {} to {}", tmp.display(), dst.display()))?;
-                if rewrite {
-                    std::fs::remove_dir_all(&old).with_context(|| format!("cannot remove {}", old.display()))?;
-                }
-                sync_dir(&root)
-            })
-        });
-        let agreed = self.agree(finished.is_ok(), "write the checkpoint");
-        if let Err(e) = finished.and(agreed) {
-            if is_rank_zero() {
-                let _ = std::fs::remove_dir_all(&tmp);
-            }
-            let kept = match previous {
-                Some(p) => format!("latest still names {p}, which is intact"),
-                None => "no earlier checkpoint exists".to_string(),
-            };
-            return Err(e.context(format!("saving checkpoint {name} failed; its partial files were removed and {kept}")));
-        }
-        self.last_saved.set(Some(self.step));
-        if is_rank_zero() {
-            write_atomic(&root.join(LATEST), name.as_bytes())?;
-            sync_dir(&root)?;
-            for old in run_dir::prune(&root, self.safety.keep_last)? {
-                tracing::info!("removed old checkpoint {} (--keep-last {})", old.display(), self.safety.keep_last);
-            }
-        }
-        self.barrier()?;
-        Ok(dst)
-    }
-
-    /// On several ranks: whether every rank succeeded at `what` (an error on the ranks that
-    /// did not fail themselves when another did).
-    fn agree(&self, ok: bool, what: &str) -> AnyResult<()> {
-        let w = self.engine.mesh().world();
-        // On the model's device: NCCL refuses a host tensor.
-        let failed = ferrolm_dist::comm::all_reduce_scalar(w.as_ref(), if ok { 0.0 } else { 1.0 }, self.model.device())?;
-        if failed > 0.0 && ok {
-            bail!("another rank could not {what}");
-        }
-        Ok(())
-    }
-
-    /// Rank 0, after every rank wrote its shards into `tmp`: the Hugging Face model joined from
-    /// them, the tokenizer and, last, the trainer state that marks the checkpoint complete.
-    fn write_checkpoint_files(&self, tmp: &Path) -> AnyResult<()> {
-        let (params, _) = ferrolm_dist::ckpt::load_full(tmp)?;
-        let named: Vec<(String, Tensor)> = params.into_iter().collect();
-        let path = ferrolm_nn::safetensors_io::prepare_dir(tmp, "model.safetensors")?;
-        save_safetensors(&path, &named, Some(DType::F32))?;
-        write_atomic(&tmp.join("config.json"), self.model.config().to_json_string_dtype("float32").as_bytes())?;
-        if let Some(t) = &self.tokenizer_file {
-            let dst = tmp.join("tokenizer.json");
-            std::fs::copy(t, &dst).with_context(|| format!("cannot copy {} into the checkpoint", t.display()))?;
-            std::fs::File::open(&dst).and_then(|f| f.sync_all()).with_context(|| format!("cannot fsync {}", dst.display()))?;
-        }
-        let st = TrainerState {
-            step: self.step,
-            loader: self.loader.state(),
-            rng: self.rng.state,
-            options: self.opts.clone(),
-            tokens_seen: self.tokens_seen,
-            skipped_steps: self.skipped_total,
-        };
-        // Last: its presence marks the checkpoint complete.
-        write_atomic(&tmp.join(TRAINER_STATE), serde_json::to_string_pretty(&st)?.as_bytes())?;
-        sync_dir(tmp)
-    }
-
-    /// Restores model, optimizer, data position, RNG, step and the loss history from a
-    /// checkpoint directory (or a run directory, whose `checkpoints/latest` is followed).
-    ///
-    /// The checkpoint's `config.json` must describe the model being trained (else an error
-    /// naming the fields that differ); weights are matched by name. Changed training options
-    /// are warned about with their old and new values.
-    pub fn resume(&mut self, path: &Path) -> AnyResult<()> {
-        let dir = run_dir::resolve_checkpoint(path)?;
-        let state_file = dir.join(TRAINER_STATE);
-        let text = std::fs::read_to_string(&state_file).with_context(|| format!("cannot read {}", state_file.display()))?;
-        let st: TrainerState = serde_json::from_str(&text).with_context(|| format!("{} is not a trainer state", state_file.display()))?;
-
-        let cfg_file = dir.join("config.json");
-        let saved_cfg = LlamaConfig::from_file(&cfg_file)?;
-        let diffs = config_diff(&saved_cfg, self.model.config());
-        if !diffs.is_empty() {
-            bail!("cannot resume from {}: it holds a different model ({})", dir.display(), diffs.join("; "));
-        }
-        // Full weights by name (the Hugging Face files, whatever layout wrote them) and the full
-        // optimizer state (one device's file, or joined from the shards of a parallel run).
-        let sharded = ferrolm_dist::ckpt::is_sharded(&dir);
-        let (weights, state): (HashMap<String, Tensor>, HashMap<String, Tensor>) = if sharded {
-            let (p, s) = ferrolm_dist::ckpt::load_full(&dir)?;
-            (p.into_iter().collect(), s.into_iter().collect())
-        } else {
-            let loaded = Llama::from_pretrained(&dir, DType::F32, Device::Cpu)?;
-            let opt_file = dir.join("optimizer.safetensors");
-            let s = load_safetensors(&opt_file, DType::F32, Device::Cpu)?;
-            (loaded.parameters().into_iter().collect(), s.into_iter().collect())
-        };
-        let expected: Vec<String> = self.model.parameters().into_iter().map(|(n, _)| n).collect();
-        if let Some(extra) = weights.keys().find(|k| !expected.contains(k)) {
-            bail!("{}: weight `{extra}` is not a parameter of this model", dir.display());
-        }
-        if let Some(missing) = expected.iter().find(|k| !weights.contains_key(*k)) {
-            bail!("{}: missing weight `{missing}`", dir.display());
-        }
-        for w in option_changes(&st.options, &self.opts) {
-            tracing::warn!("resuming with a changed option: {w}");
-        }
-        let opt_step = st.step as u64 - st.skipped_steps.min(st.step as u64);
-        let w: ferrolm_nn::safetensors_io::TensorMap = weights.into_iter().collect();
-        let s: ferrolm_nn::safetensors_io::TensorMap = state.into_iter().collect();
-        self.engine.load(&w, &s, opt_step).with_context(|| format!("cannot load {} into this rank's shards", dir.display()))?;
-        if st.options.seq_len == self.opts.seq_len {
-            self.loader.restore(&st.loader).with_context(|| format!("{}: cannot restore the data position", state_file.display()))?;
-        } else {
-            tracing::warn!("the data position cannot carry over to a new --seq-len: the data order restarts from the beginning");
-        }
-        self.rng = Rng { state: st.rng };
-        self.step = st.step;
-        self.tokens_seen = st.tokens_seen;
-        self.skipped_total = st.skipped_steps;
-        self.skipped_in_a_row = 0;
-
-        let run_dir = run_dir::run_dir_of(&dir);
-        let (lines, _) = match &run_dir {
-            Some(r) => run_dir::read_metrics(r, st.step)?,
-            None => (Vec::new(), 0),
-        };
-        self.history = lines.iter().filter_map(|l| Some((l.step as f64, l.loss?))).collect();
-        self.val_history = lines.iter().filter_map(|l| Some((l.step as f64, l.val_loss?))).collect();
-        self.resumed = Some(Resumed { run_dir, step: st.step, metrics: lines.into_iter().map(|l| l.raw).collect() });
-        Ok(())
-    }
 }
 
-/// `field: checkpoint A, this run B` for every model field that differs (the stored dtype is
-/// not part of the model).
-pub fn config_diff(saved: &LlamaConfig, current: &LlamaConfig) -> Vec<String> {
-    let (a, b) = (saved.to_json_value("float32"), current.to_json_value("float32"));
-    let (Some(a), Some(b)) = (a.as_object(), b.as_object()) else { return vec!["config.json is not an object".into()] };
-    let mut out = Vec::new();
-    for (k, va) in a {
-        let vb = b.get(k).cloned().unwrap_or_default();
-        if *va != vb && k != "initializer_range" {
-            out.push(format!("{k}: checkpoint {va}, this run {vb}"));
-        }
-    }
-    out
-}
-
-/// Sentences for each training option that differs between a checkpoint and this run.
-pub fn option_changes(old: &TrainOptions, new: &TrainOptions) -> Vec<String> {
-    let mut out = Vec::new();
-    let mut cmp = |name: &str, a: String, b: String, note: &str| {
-        if a != b {
-            out.push(format!("{name} {a} -> {b}{note}"));
-        }
-    };
-    cmp("--steps", old.steps.to_string(), new.steps.to_string(), " (the learning-rate schedule is reshaped to the new length)");
-    cmp("--batch-size", old.batch_size.to_string(), new.batch_size.to_string(), "");
-    cmp("--seq-len", old.seq_len.to_string(), new.seq_len.to_string(), "");
-    cmp("--grad-accum", old.grad_accum.to_string(), new.grad_accum.to_string(), "");
-    cmp("--lr", old.lr.to_string(), new.lr.to_string(), "");
-    cmp("min_lr", old.min_lr.to_string(), new.min_lr.to_string(), "");
-    cmp("warmup_steps", old.warmup_steps.to_string(), new.warmup_steps.to_string(), "");
-    cmp("weight_decay", old.weight_decay.to_string(), new.weight_decay.to_string(), "");
-    cmp("grad_clip", old.grad_clip.to_string(), new.grad_clip.to_string(), "");
-    cmp("--seed", old.seed.to_string(), new.seed.to_string(), " (the data order of the checkpoint is kept)");
-    out
-}
-
-/// A checkpoint directory, or a run directory whose `checkpoints/latest` names one (falling
-/// back to the newest complete checkpoint when `latest` is missing or names a broken one).
-pub fn resolve_checkpoint(path: &Path) -> AnyResult<PathBuf> {
-    run_dir::resolve_checkpoint(path)
-}
+pub use crate::checkpoint::{config_diff, option_changes, resolve_checkpoint};
 
 fn fmt_secs(s: f64) -> String {
     if !s.is_finite() {

@@ -137,7 +137,7 @@ fn train_as(
         // run() saved its last step.
         let ck = dir.join(out).join(format!("checkpoints/step-{:06}", o.steps));
         let mut state: Vec<(String, Vec<f64>)> = Vec::new();
-        for (n, x) in ferrolm_dist::ckpt::load_full(&ck)?.1 {
+        for (n, x) in ferrolm_dist::zero::ckpt::load_full(&ck)?.1 {
             state.push((n, x.to_vec_f64()?));
         }
         for (n, x) in t.model.parameters() {

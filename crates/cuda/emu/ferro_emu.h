@@ -36,11 +36,21 @@ void sync_block();
 // Full-warp exchange of 32-bit words: lane L deposits `n` words and gets back the table of every
 // lane's deposit (row = lane, `kStride` words a row; rows of exited lanes read as all-ones bits).
 constexpr int kStride = 10;
-enum Kind { K_SHFL = 1, K_MMA = 2 };
+enum Kind { K_SHFL = 1, K_MMA = 2, K_LDSM = 3 };
 const unsigned* warp_exchange(const unsigned* mine, int n, Kind kind, unsigned mask);
 unsigned lane_id();
 unsigned char* dynamic_smem();
 void mma_m16n8k16_bf16(float* c, const unsigned* a, const unsigned* b);
+// ldmatrix.sync.aligned.m8n8.x{n}{.trans}.shared.b16: a warp collective; `row` is this lane's
+// row address (lanes 8i..8i+7 give the rows of matrix i; only the first 8n lanes' are read).
+void ldmatrix(unsigned* r, int n, bool trans, const void* row);
+// cp.async.{ca,cg}.shared.global with zero fill past src_bytes, and its commit / wait groups.
+// The copy is deferred: its destination reads as NaN bits from the issue until a wait_group
+// that covers it, so a kernel that reads a tile before waiting (or without the barrier that
+// makes other threads' copies visible) computes garbage here, as it would race on a GPU.
+void cp_async(void* dst, const void* src, int bytes, int src_bytes);
+void cp_async_commit();
+void cp_async_wait(int pending);
 }  // namespace ferro_emu
 
 #define threadIdx (*ferro_emu::t_thread_idx)

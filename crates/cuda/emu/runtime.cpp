@@ -2,9 +2,10 @@
 // thread, blocks run one at a time on the calling OS thread, a round-robin scheduler that
 // switches only at __syncthreads and warp collectives, and the semantics of those collectives.
 // mma.sync.m16n8k16.row.col.f32.bf16.bf16.f32 is computed from the fragment layout written in the
-// PTX ISA ("Matrix Fragments for mma.m16n8k16 with floating point type"), independently of the
-// helpers in kernels/attention.cu that pack the fragments, so a packing mistake there shows up as
-// a wrong result here.
+// PTX ISA ("Matrix Fragments for mma.m16n8k16 with floating point type"), and ldmatrix from
+// "Warp-level matrix load instruction: ldmatrix", independently of the helpers in kernels/ that
+// address and pack the fragments, so a layout mistake there shows up as a wrong result here.
+// cp.async copies are queued per thread and done at the cp.async.wait_group that covers them.
 //
 // Everything is per OS thread (thread_local), so launches from different test threads do not
 // interact. No C++ runtime library is used (no exceptions, no new/delete, no std containers).
@@ -37,6 +38,15 @@ constexpr unsigned kMaxSmem = 227 * 1024;  // sm_90 opt-in maximum of dynamic sh
 
 enum State { RUNNABLE, WAIT_BLOCK, WAIT_WARP, DONE, FAILED };
 
+// One cp.async in flight: `group` is the index its commit group has (or will have) in the
+// thread's sequence of cp.async.commit_group.
+struct CpOp {
+    unsigned char* dst;
+    const unsigned char* src;
+    unsigned bytes, src_bytes, group;
+};
+constexpr int kMaxCpAsync = 128;  // in flight per thread
+
 struct Fiber {
 #if defined(__x86_64__)
     void* sp;
@@ -47,6 +57,8 @@ struct Fiber {
     unsigned lane, warp;
     State state;
     unsigned wait_gen;
+    unsigned cp_n, cp_committed;  // copies in flight; groups committed so far
+    CpOp cp[kMaxCpAsync];
 };
 
 struct Warp {
@@ -148,6 +160,8 @@ void fail(const char* fmt, ...) {
     abort();
 }
 
+const char* kind_name(Kind k) { return k == K_MMA ? "mma.sync" : k == K_LDSM ? "ldmatrix" : "shfl.sync"; }
+
 void complete_warp(Warp& w) {
     unsigned* buf = w.words[w.gen & 1];
     for (int l = 0; l < 32; ++l)
@@ -165,11 +179,11 @@ void exit_fiber() {
     w.alive--;
     w.exited[f->lane] = true;
     if (w.arrived > 0 && w.arrived == w.alive) {
-        if (w.kind == K_MMA) {
-            // The lanes still waiting are in an mma.sync that can never have all 32 lanes.
+        if (w.kind != K_SHFL) {
+            // The lanes still waiting are in an mma.sync / ldmatrix that can never have all 32 lanes.
             b->failed = true;
-            snprintf(b->error, sizeof b->error, "block (%u,%u,%u) warp %u: mma.sync with exited lanes", t_block_idx.x,
-                     t_block_idx.y, t_block_idx.z, f->warp);
+            snprintf(b->error, sizeof b->error, "block (%u,%u,%u) warp %u: %s with exited lanes", t_block_idx.x,
+                     t_block_idx.y, t_block_idx.z, f->warp, kind_name(w.kind));
         }
         complete_warp(w);
     }
@@ -258,6 +272,8 @@ bool run_block(Block* b, int nthreads, char* err, size_t errlen) {
         f->lane = i & 31;
         f->warp = i >> 5;
         f->state = RUNNABLE;
+        f->cp_n = 0;
+        f->cp_committed = 0;
         if (!init_fiber(f, i, err, errlen)) return false;
     }
     if (t_smem_bytes) memset(t_smem, 0xff, t_smem_bytes);  // shared memory starts as NaN bits
@@ -321,15 +337,14 @@ const unsigned* warp_exchange(const unsigned* mine, int n, Kind kind, unsigned m
         w.kind = kind;
     } else if (w.kind != kind) {
         fail("block (%u,%u,%u) warp %u: lanes reached different warp collectives (%s and %s)", t_block_idx.x,
-             t_block_idx.y, t_block_idx.z, f->warp, w.kind == K_MMA ? "mma.sync" : "shfl.sync",
-             kind == K_MMA ? "mma.sync" : "shfl.sync");
+             t_block_idx.y, t_block_idx.z, f->warp, kind_name(w.kind), kind_name(kind));
     }
     unsigned* buf = w.words[g & 1];
     memcpy(buf + f->lane * kStride, mine, (size_t)n * 4);
     if (++w.arrived == w.alive) {
-        if (kind == K_MMA && w.alive < 32)
-            fail("block (%u,%u,%u) warp %u: mma.sync with only %d live lanes", t_block_idx.x, t_block_idx.y,
-                 t_block_idx.z, f->warp, w.alive);
+        if (kind != K_SHFL && w.alive < 32)
+            fail("block (%u,%u,%u) warp %u: %s with only %d live lanes", t_block_idx.x, t_block_idx.y, t_block_idx.z,
+                 f->warp, kind_name(kind), w.alive);
         complete_warp(w);
     } else {
         f->state = WAIT_WARP;
@@ -371,6 +386,82 @@ void mma_m16n8k16_bf16(float* c, const unsigned* a, const unsigned* b) {
         }
         c[e] += acc;
     }
+}
+
+// Fails unless [p, p + bytes) lies in the block's dynamic shared memory and p is `align`-aligned.
+static void check_smem(const char* what, const void* p, unsigned bytes, unsigned align) {
+    const unsigned char* c = (const unsigned char*)p;
+    if (c < t_smem || c + bytes > t_smem + t_smem_bytes)
+        fail("block (%u,%u,%u) thread %u: %s address %p is outside the block's %u bytes of dynamic shared memory",
+             t_block_idx.x, t_block_idx.y, t_block_idx.z, t_cur->tid.x, what, p, t_smem_bytes);
+    if ((uintptr_t)p % align)
+        fail("block (%u,%u,%u) thread %u: %s address %p is not %u-byte aligned", t_block_idx.x, t_block_idx.y,
+             t_block_idx.z, t_cur->tid.x, what, p, align);
+}
+
+// ldmatrix .m8n8 .b16: matrix i's row r is the 16 bytes at the address lane 8i + r gave. Without
+// .trans, lane L gets row L/4, columns 2(L%4) and 2(L%4)+1 of each matrix (the lower column in the
+// low half); with .trans, rows 2(L%4) and 2(L%4)+1 of column L/4 (the lower row in the low half).
+void ldmatrix(unsigned* r, int n, bool trans, const void* row) {
+    Fiber* f = t_cur;
+    if (n != 1 && n != 2 && n != 4) fail("ldmatrix: .x%d (only .x1, .x2, .x4 exist)", n);
+    if ((int)f->lane < 8 * n) check_smem("ldmatrix row", row, 16, 16);
+    unsigned mine[3];
+    uintptr_t p = (uintptr_t)row;
+    mine[0] = (unsigned)p;
+    mine[1] = (unsigned)((uint64_t)p >> 32);
+    mine[2] = (unsigned)n | (trans ? 16u : 0u);
+    const unsigned* all = warp_exchange(mine, 3, K_LDSM, 0xffffffffu);
+    for (int l = 0; l < 32; ++l)
+        if (all[l * kStride + 2] != mine[2]) fail("warp %u: lanes ran different ldmatrix shapes (.x / .trans)", f->warp);
+    unsigned lane = f->lane;
+    auto elem = [&](int m, unsigned rr, unsigned cc) -> unsigned {  // matrix m, row rr, column cc
+        const unsigned* w = all + (8 * m + rr) * kStride;
+        const unsigned char* base = (const unsigned char*)(uintptr_t)((uint64_t)w[0] | ((uint64_t)w[1] << 32));
+        unsigned short h;
+        memcpy(&h, base + 2 * cc, 2);
+        return h;
+    };
+    for (int m = 0; m < n; ++m) {
+        unsigned lo, hi;
+        if (!trans) {
+            lo = elem(m, lane / 4, 2 * (lane % 4));
+            hi = elem(m, lane / 4, 2 * (lane % 4) + 1);
+        } else {
+            lo = elem(m, 2 * (lane % 4), lane / 4);
+            hi = elem(m, 2 * (lane % 4) + 1, lane / 4);
+        }
+        r[m] = lo | (hi << 16);
+    }
+}
+
+void cp_async(void* dst, const void* src, int bytes, int src_bytes) {
+    Fiber* f = t_cur;
+    if (bytes != 4 && bytes != 8 && bytes != 16) fail("cp.async of %d bytes (4, 8 or 16)", bytes);
+    if (src_bytes < 0 || src_bytes > bytes) fail("cp.async src-size %d outside 0..=%d", src_bytes, bytes);
+    check_smem("cp.async destination", dst, (unsigned)bytes, (unsigned)bytes);
+    if ((uintptr_t)src % (unsigned)bytes) fail("cp.async source %p is not %d-byte aligned", src, bytes);
+    if (f->cp_n == (unsigned)kMaxCpAsync) fail("thread %u: more than %d cp.async in flight", f->tid.x, kMaxCpAsync);
+    f->cp[f->cp_n++] = CpOp{(unsigned char*)dst, (const unsigned char*)src, (unsigned)bytes, (unsigned)src_bytes, f->cp_committed};
+    memset(dst, 0xff, (size_t)bytes);  // undefined until waited for
+}
+
+void cp_async_commit() { t_cur->cp_committed++; }
+
+// Completes every copy of the committed groups but the newest `pending`, in issue order.
+void cp_async_wait(int pending) {
+    Fiber* f = t_cur;
+    unsigned keep = 0;
+    for (unsigned i = 0; i < f->cp_n; ++i) {
+        CpOp& op = f->cp[i];
+        if (op.group + (unsigned)pending < f->cp_committed) {
+            memcpy(op.dst, op.src, op.src_bytes);
+            memset(op.dst + op.src_bytes, 0, op.bytes - op.src_bytes);
+        } else {
+            f->cp[keep++] = op;
+        }
+    }
+    f->cp_n = keep;
 }
 
 }  // namespace ferro_emu

@@ -1,13 +1,14 @@
 //! `Backend` for CUDA: memory, casts and the primitive ops (element-wise, reductions, GEMM
 //! through cuBLASLt, concatenation, strided copies) enqueued on the compute stream, each
 //! returning fresh contiguous pooled storage; only `to_cpu` synchronises. Plus the hooks of the
-//! fused optimizer kernels (launch.rs). The fused ops (RMSNorm, attention, ...) are not here:
+//! fused optimizer kernels (optim.rs). The fused ops (RMSNorm, attention, ...) are not here:
 //! each lives in its own module of crates/ops with its CPU reference.
 use crate::consts;
 use crate::device::CudaBackend;
 use crate::gemm::Operand;
 use crate::kernels::{self, Strided};
-use crate::launch::{aligned, AdamPart, AdamWParams, DevPtr, NormPart};
+use crate::launch::{aligned, DevPtr};
+use crate::optim::{AdamPart, AdamWParams, NormPart};
 use crate::storage::{cuda, CudaStorage};
 use ferrolm_tensor::backend::{AdamWHyper, AdamWSlot, Backend, BinaryOp, ReduceOp, UnaryOp, View};
 use ferrolm_tensor::{bail, bf16, CpuStorage, DType, Device, Layout, Result, Shape, Storage};

@@ -13,14 +13,15 @@
 //! NCCL is not loaded here: the distributed crate opens `libnccl.so.2` itself
 //! (`crates/dist/src/nccl_lib.rs`: `FERROLM_NCCL_LIB`, the loader's path, `NCCL_HOME`, the CUDA
 //! toolkit, pip's `nvidia-nccl` wheels), so no `libnccl.so` symlink is needed.
+mod alloc;
 mod backend;
-mod comm;
 mod device;
 mod emu;
 mod emu_stream;
 mod gemm;
 pub mod kernels;
 mod launch;
+mod optim;
 mod pinned;
 mod pool;
 pub mod profile;
@@ -28,7 +29,8 @@ mod storage;
 
 pub use device::{compile_sources, nvrtc_translation_unit, CudaBackend, CudaEvent, CudaStream};
 pub use emu_stream::{format_report, host_waits, reset_host_waits, track_host_wait_sites, HostWaits, StepScope};
-pub use launch::{check_kernel_dtype, unsupported, AdamWParams, AdamWTensor, DevPtr, Launch, NormPart, ReducePlan};
+pub use launch::{check_kernel_dtype, unsupported, DevPtr, Launch, ReducePlan};
+pub use optim::{AdamWParams, AdamWTensor, NormPart};
 pub use pinned::PinnedBuffer;
 pub use storage::CudaStorage;
 

@@ -20,6 +20,12 @@ fn kernel_sources_compile_with_nvrtc() {
             assert!(text.contains(&format!(".entry {k}(")), "{arch}: kernel {k} missing from the PTX");
         }
         assert!(text.contains("mma.sync.aligned.m16n8k16"), "{arch}: no tensor-core mma in the PTX");
+        for feed in
+            ["ldmatrix.sync.aligned.m8n8.x4.shared.b16", "ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16", "cp.async.cg.shared.global"]
+        {
+            assert!(text.contains(feed), "{arch}: no {feed} in the PTX");
+        }
+        assert!(text.contains("cp.async.wait_group"), "{arch}: no cp.async.wait_group in the PTX");
     }
 }
 

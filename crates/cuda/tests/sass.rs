@@ -119,3 +119,91 @@ fn vector_loads_and_no_local_memory() {
     }
     println!("{checked} kernels checked in {}", fb.display());
 }
+
+/// The flash-attention kernels' tensor-core feed, in their sm_90 code: HMMA (mma.sync), LDSM
+/// (ldmatrix) inside a loop (between a backward branch and its target), LDGSTS (cp.async), no
+/// local memory (LDL/STL); and from `cuobjdump --dump-resource-usage`, no stack and no local
+/// memory (no register spills) for every architecture in the fatbin. A kernel that falls back to
+/// scalar shared-memory loads or spills fails here.
+#[test]
+fn flash_attention_feeds_the_tensor_cores() {
+    let Some(fb) = fatbin().filter(|p| p.is_file()) else {
+        return skip("no built fatbin (FERROLM_KERNELS_FATBIN, or build/ferrolm-*/out/ferrolm_kernels.fatbin: needs nvcc)");
+    };
+    let Some(tool) = cuobjdump() else {
+        return skip("no cuobjdump (.cuda/ from scripts/install-cuda-toolchain.sh, or PATH)");
+    };
+    let funcs = match sass(&tool, &fb) {
+        Ok(f) => f,
+        Err(e) => return skip(&e),
+    };
+    let usage = match resource_usage(&tool, &fb) {
+        Ok(u) => u,
+        Err(e) => return skip(&e),
+    };
+    for pass in ["fwd", "bwd_dkdv", "bwd_dq"] {
+        for d in [64, 128] {
+            let k = format!("flash_{pass}_bf16_d{d}");
+            let body = funcs.iter().find(|(n, _)| *n == k).map(|(_, b)| b.as_str());
+            let body = body.unwrap_or_else(|| panic!("{k} is not in {} (a stale fatbin?)", fb.display()));
+            let count = |op: &str| body.lines().filter(|l| has_op(l, op)).count();
+            let (hmma, ldsm, ldgsts) = (count("HMMA"), count("LDSM"), count("LDGSTS"));
+            assert!(hmma >= 32, "{k}: {hmma} HMMA instructions: the products are not on the tensor cores");
+            assert!(ldsm >= 16, "{k}: {ldsm} LDSM (ldmatrix) instructions");
+            assert!(ldgsts >= 4, "{k}: {ldgsts} LDGSTS (cp.async) instructions");
+            assert!(in_loop(body, "LDSM"), "{k}: no LDSM inside a loop of its sm_90 code");
+            assert!(!has_op(body, "LDL") && !has_op(body, "STL"), "{k}: local memory (LDL/STL) in its sm_90 code");
+            let rows: Vec<&String> = usage.iter().filter(|(n, _)| *n == k).map(|(_, u)| u).collect();
+            assert!(!rows.is_empty(), "{k}: not in the resource usage of {}", fb.display());
+            for u in rows {
+                assert!(u.contains("STACK:0 ") && u.contains("LOCAL:0 "), "{k}: stack or local memory (spills): {u}");
+            }
+            println!("{k}: HMMA {hmma}, LDSM {ldsm}, LDGSTS {ldgsts}");
+        }
+    }
+}
+
+/// (kernel name, its `REG:.. STACK:.. SHARED:.. LOCAL:..` line) for every function of every
+/// architecture in `fatbin`.
+fn resource_usage(tool: &Path, fatbin: &Path) -> Result<Vec<(String, String)>, String> {
+    let out =
+        Command::new(tool).arg("--dump-resource-usage").arg(fatbin).output().map_err(|e| format!("cannot run {}: {e}", tool.display()))?;
+    if !out.status.success() {
+        return Err(format!("{} --dump-resource-usage failed: {}", tool.display(), String::from_utf8_lossy(&out.stderr).trim()));
+    }
+    let text = String::from_utf8_lossy(&out.stdout);
+    let mut rows = Vec::new();
+    let mut name: Option<String> = None;
+    for line in text.lines() {
+        let l = line.trim();
+        if let Some(n) = l.strip_prefix("Function ") {
+            name = Some(n.trim_end_matches(':').trim().to_string());
+        } else if l.starts_with("REG:") {
+            if let Some(n) = name.take() {
+                rows.push((n, format!("{l} ")));
+            }
+        }
+    }
+    Ok(rows)
+}
+
+/// Whether an instruction `op` lies inside a loop: between the target of a backward branch
+/// (`BRA 0x..` to a lower address) and the branch.
+fn in_loop(body: &str, op: &str) -> bool {
+    let addr = |l: &str| l.trim().strip_prefix("/*").and_then(|r| r.split("*/").next()).and_then(|h| u64::from_str_radix(h, 16).ok());
+    let mut ops = Vec::new();
+    let mut back = Vec::new();
+    for l in body.lines() {
+        let Some(a) = addr(l) else { continue };
+        if has_op(l, op) {
+            ops.push(a);
+        }
+        if has_op(l, "BRA") {
+            let target = l.split("0x").nth(1).and_then(|r| u64::from_str_radix(r.split(|c: char| !c.is_ascii_hexdigit()).next()?, 16).ok());
+            if let Some(t) = target.filter(|&t| t < a) {
+                back.push((t, a));
+            }
+        }
+    }
+    ops.iter().any(|&o| back.iter().any(|&(t, b)| t <= o && o <= b))
+}

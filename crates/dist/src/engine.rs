@@ -37,6 +37,9 @@ pub trait TrainEngine {
     fn owner_of(&self, name: &str, index: usize) -> Option<String>;
     /// Writes this rank's shards (and, on rank 0, their index) into `dir`; collective.
     fn save_shards(&self, dir: &Path) -> Result<()>;
+    /// The full parameters by name, f32 on the CPU, joined from what the ranks hold (no shard
+    /// file is read): Some on world rank 0, None on the others. Collective.
+    fn full_params(&self) -> Result<Option<TensorMap>>;
     /// Loads full parameters and optimizer state by name (`exp_avg.<name>`, `exp_avg_sq.<name>`,
     /// `master.<name>`), as a checkpoint of any layout holds them, and the step count.
     fn load(&mut self, params: &TensorMap, state: &TensorMap, step: u64) -> Result<()>;

@@ -32,12 +32,11 @@
 //! - [`engine`]: [`TrainEngine`], what a training loop drives (micro-batches, the step, skips,
 //!   checkpoint state), and [`zero`], the engine: flexible ZeRO sharding over the flat parameter
 //!   store, on one device as on many; [`offload`] keeps its optimizer state in host memory, and
-//!   [`ckpt`] writes and reads its sharded checkpoints.
+//!   [`zero::ckpt`] writes and reads its sharded checkpoints and joins its full parameters.
 //! - [`tp`]: Megatron-style tensor parallelism attached to a model from outside
 //!   (`parallelize`): column/row/vocabulary-parallel ops, replicated KV heads for GQA.
 //! - [`comm_ops`]: collectives as autograd ops (Megatron's f, g, sequence-parallel gather /
 //!   reduce-scatter, scatter), pending in forward and in backward.
-pub mod ckpt;
 pub mod comm;
 pub mod comm_ops;
 pub mod cost;

@@ -224,7 +224,7 @@ fn run_span(
     resume: Option<&std::path::Path>,
     save: Option<&std::path::Path>,
 ) -> ferrolm_tensor::Result<Vec<f64>> {
-    use ferrolm_dist::ckpt;
+    use ferrolm_dist::zero::ckpt;
     let mesh = DeviceMesh::new(comm, tp, dp, dp * tp)?;
     let dp_rank = mesh.dp_rank();
     let mut m = Llama::new(config(true), DType::F32, Device::Cpu, &mut Rng::new(if resume.is_some() { 99 } else { 1 }))?;
@@ -300,4 +300,62 @@ fn caller_resolution_waits_for_no_input_of_the_engine() {
         }
     }
     // That the count sees a wait where there is one: tests/caller_env.rs.
+}
+
+/// `full_params` joins the parameters from what the ranks hold (parameter all-gathers, then the
+/// tensor-parallel pieces): on world rank 0 it equals, bit for bit, what the saved shards give
+/// back (`load_full`), for ZeRO-3 alone, with tensor parallelism, and under AMSP's split layout;
+/// the other ranks get None.
+#[test]
+fn full_params_join_what_the_ranks_hold() {
+    use ferrolm_dist::zero::ckpt;
+    let base = std::env::temp_dir().join(format!("ferrolm-zero-full-{}", std::process::id()));
+    for (dp, tp, spec) in [
+        (4, 1, ShardSpec::zero(3, 4).unwrap()),
+        (2, 2, ShardSpec::zero(3, 2).unwrap()),
+        (4, 1, ShardSpec { params: 2, grads: 2, optim: 4 }),
+    ] {
+        let dir = base.join(format!("dp{dp}-tp{tp}-{}{}{}", spec.params, spec.grads, spec.optim));
+        let _ = std::fs::remove_dir_all(&dir);
+        let dir2 = dir.clone();
+        let got = ThreadComm::run(dp * tp, CommOptions::default(), move |c| {
+            let mesh = DeviceMesh::new(c, tp, dp, dp * tp)?;
+            let (dp_rank, world_rank) = (mesh.dp_rank(), mesh.world().rank());
+            let mut m = Llama::new(config(true), DType::F32, Device::Cpu, &mut Rng::new(1))?;
+            let layout = if tp > 1 { Some(parallelize(&mut m, mesh.tp_group())?) } else { None };
+            let mut z = Zero::new(&mut m, mesh, spec, layout, opt_cfg(), Placement::Device)?;
+            for s in 0..2 {
+                let mut sum = 0.0;
+                for k in 0..ACCUM {
+                    sum += rank_micro_batch(&mut z, &m, s * ACCUM + k, dp_rank, ROWS / dp)?;
+                }
+                z.step(LR, CLIP, sum / ACCUM as f64)?;
+            }
+            ckpt::save_shards(&dir2, &z)?;
+            Ok((world_rank, z.full_params()?))
+        })
+        .unwrap();
+        let (want, _) = ckpt::load_full(&dir).unwrap();
+        let names: Vec<String> =
+            Llama::new(config(true), DType::F32, Device::Cpu, &mut Rng::new(1)).unwrap().parameters().into_iter().map(|(n, _)| n).collect();
+        for (rank, full) in got {
+            let what = format!("dp {dp} x tp {tp} {spec}, rank {rank}");
+            let Some(full) = full else {
+                assert_ne!(rank, 0, "{what}: world rank 0 got no parameters");
+                continue;
+            };
+            assert_eq!(rank, 0, "{what}: only world rank 0 gets the parameters");
+            let mut keys: Vec<&String> = full.keys().collect();
+            keys.sort();
+            let mut expected: Vec<&String> = names.iter().collect();
+            expected.sort();
+            assert_eq!(keys, expected, "{what}: not the model's parameters");
+            for (name, t) in &full {
+                assert_eq!(t.dims(), want[name].dims(), "{what}: {name} shape");
+                assert_eq!(t.to_vec_f64().unwrap(), want[name].to_vec_f64().unwrap(), "{what}: {name} differs from the shards");
+            }
+        }
+        let _ = std::fs::remove_dir_all(&dir);
+    }
+    let _ = std::fs::remove_dir_all(&base);
 }

@@ -305,7 +305,10 @@ mod cuda {
     //! Launchers of kernels/attention.cu: the tensor-core (flash) kernels for bf16 with head dim
     //! 64 or 128, the SIMT kernels (one warp per row) otherwise.
     use super::*;
-    use ferrolm_cuda::consts::{ATTN_SIMT_PER_LANE, FLASH_BWD_TILE, FLASH_FWD_TILE, FLASH_PAD, FLASH_ROWS, FLASH_THREADS};
+    use ferrolm_cuda::consts::{
+        ATTN_SIMT_PER_LANE, FLASH_BWD_TILE_D128, FLASH_BWD_TILE_D64, FLASH_FWD_TILE_D128, FLASH_FWD_TILE_D64, FLASH_PAD, FLASH_ROWS,
+        FLASH_THREADS,
+    };
     use ferrolm_cuda::{kernels, CudaBackend, CudaStorage, DevPtr, Launch};
     use ferrolm_tensor::{DType, DeviceStorage};
 
@@ -328,9 +331,43 @@ mod cuda {
         Ok(())
     }
 
-    /// The tensor-core kernels take bf16 with head dim 64 or 128.
-    fn flash(dt: DType, a: AttnDims) -> bool {
-        dt == DType::BF16 && (a.d == 64 || a.d == 128)
+    /// The tensor-core kernels take bf16 with head dim 64 or 128 and a positive scale (their
+    /// softmax takes the row maximum of the unscaled scores).
+    fn flash(dt: DType, a: AttnDims, scale: f64) -> bool {
+        dt == DType::BF16 && (a.d == 64 || a.d == 128) && scale > 0.0
+    }
+
+    /// Dynamic shared memory of the flash kernels, bytes: bf16 rows of d + FLASH_PAD elements
+    /// (kernels/attention.cu states each layout). The forward holds the Q tile and two stages of
+    /// (K, V) tiles; dK/dV its K and V rows and two stages of (Q, dO) tiles with their (lse, D)
+    /// in f32; dQ its Q and dO rows and two stages of (K, V) tiles.
+    pub(crate) struct FlashSmem {
+        pub fwd: usize,
+        pub dkdv: usize,
+        pub dq: usize,
+    }
+    pub(crate) fn flash_smem(d: usize) -> FlashSmem {
+        let row = (d + FLASH_PAD) * BF16_BYTES;
+        let (fwd_tile, bwd_tile) =
+            if d == 64 { (FLASH_FWD_TILE_D64, FLASH_BWD_TILE_D64) } else { (FLASH_FWD_TILE_D128, FLASH_BWD_TILE_D128) };
+        FlashSmem {
+            fwd: (FLASH_ROWS + 4 * fwd_tile) * row,
+            dkdv: (2 * FLASH_ROWS + 4 * bwd_tile) * row + 4 * bwd_tile * 4,
+            dq: (2 * FLASH_ROWS + 4 * bwd_tile) * row,
+        }
+    }
+
+    /// The flash kernels copy 16-byte chunks (cp.async): an input whose address is not 16-byte
+    /// aligned (a view at an odd offset) is copied to a fresh buffer first; `keep` holds it.
+    fn aligned_ptr(be: &CudaBackend, op: &str, x: View, keep: &mut Vec<CudaStorage>) -> Result<DevPtr> {
+        let p = dev_ptr(op, x)?;
+        if p.addr().is_multiple_of(16) {
+            return Ok(p);
+        }
+        let c = be.contiguous(op, x)?;
+        let p = c.ptr();
+        keep.push(c);
+        Ok(p)
     }
 
     /// One block of FLASH_THREADS per FLASH_ROWS rows of each of `heads` heads of each batch.
@@ -348,10 +385,12 @@ mod cuda {
         let (hq, hkv, t, sc) = (a.hq as i32, a.hkv as i32, a.t as i32, scale as f32);
         // SAFETY (both branches): q is (b, hq, t, d), k and v (b, hkv, t, d), contiguous, of one
         // dtype; o holds b * hq * t * d elements of it and lse b * hq * t f32. The flash kernels
-        // get the shared memory their tiles need (two (FWD_TILE, d + PAD) bf16 tiles).
-        if flash(s.dtype(), a) {
+        // get 16-byte aligned inputs and the shared memory their tiles need (flash_smem).
+        if flash(s.dtype(), a, scale) {
+            let mut keep = Vec::new();
+            let (pq, pk, pv) = (aligned_ptr(be, op, q, &mut keep)?, aligned_ptr(be, op, k, &mut keep)?, aligned_ptr(be, op, v, &mut keep)?);
             let launch = if a.d == 64 { kernels::flash_fwd_bf16_d64 } else { kernels::flash_fwd_bf16_d128 };
-            let cfg = flash_grid(a, a.hq, 2 * FLASH_FWD_TILE * (a.d + FLASH_PAD) * BF16_BYTES);
+            let cfg = flash_grid(a, a.hq, flash_smem(a.d).fwd);
             unsafe { launch(be, cfg, pq, pk, pv, o.ptr(), lse.ptr(), hq, hkv, t, sc)? };
         } else {
             let cfg = Launch::cover(a.b * a.hq * a.t * 32, SIMT_BLOCK);
@@ -370,7 +409,10 @@ mod cuda {
         let (lse, _keep) = f32_ptr(be, op, lse)?;
         let rows = a.b * a.hq * a.t;
         let dvec = be.alloc_storage(rows, DType::F32)?;
-        let ins = Inputs { q: s.at(q.1.offset), k: dev_ptr(op, k)?, v: dev_ptr(op, v)?, dout: dev_ptr(op, dout)?, lse, dvec: dvec.ptr() };
+        let fl = flash(dt, a, scale);
+        let mut keep = Vec::new();
+        let mut ptr = |x: View| if fl { aligned_ptr(be, op, x, &mut keep) } else { dev_ptr(op, x) };
+        let ins = Inputs { q: ptr(q)?, k: ptr(k)?, v: ptr(v)?, dout: ptr(dout)?, lse, dvec: dvec.ptr() };
         let dq = be.alloc_storage(rows * a.d, dt)?;
         let (dk, dv) = (be.alloc_storage(a.b * a.hkv * a.t * a.d, dt)?, be.alloc_storage(a.b * a.hkv * a.t * a.d, dt)?);
         let grads = [dq.ptr(), dk.ptr(), dv.ptr()];
@@ -388,7 +430,7 @@ mod cuda {
                 rows as i64,
                 a.d as i32,
             )?;
-            if flash(dt, a) {
+            if fl {
                 flash_backward(be, a, &ins, grads, scale as f32)?;
             } else {
                 simt_backward(be, dt, a, &ins, grads, scale as f32)?;
@@ -408,22 +450,20 @@ mod cuda {
     }
 
     /// The tensor-core backward: dK/dV per kv head (a block owns FLASH_ROWS kv rows and stages
-    /// FLASH_BWD_TILE query rows of q, dO, lse and D at a time), then dQ per query head.
+    /// FLASH_BWD_TILE_D* query rows of q, dO, lse and D at a time), then dQ per query head.
     ///
     /// # Safety
     /// As in `backward`: every pointer addresses the tensor it names, with the sizes of `a`.
     unsafe fn flash_backward(be: &CudaBackend, a: AttnDims, x: &Inputs, [dq, dk, dv]: [DevPtr; 3], sc: f32) -> Result<()> {
         let (hq, hkv, t) = (a.hq as i32, a.hkv as i32, a.t as i32);
-        let row_bytes = (a.d + FLASH_PAD) * BF16_BYTES;
-        let smem_kv = (2 * FLASH_ROWS + 2 * FLASH_BWD_TILE) * row_bytes + 2 * FLASH_BWD_TILE * 4;
-        let smem_q = 2 * FLASH_BWD_TILE * row_bytes;
+        let smem = flash_smem(a.d);
         let d128 = a.d == 128;
         let dkdv = if d128 { kernels::flash_bwd_dkdv_bf16_d128 } else { kernels::flash_bwd_dkdv_bf16_d64 };
         let dq_pass = if d128 { kernels::flash_bwd_dq_bf16_d128 } else { kernels::flash_bwd_dq_bf16_d64 };
         // SAFETY: the caller's contract; each kernel gets the shared memory its tiles take.
         unsafe {
-            dkdv(be, flash_grid(a, a.hkv, smem_kv), x.q, x.k, x.v, x.dout, x.lse, x.dvec, dk, dv, hq, hkv, t, sc)?;
-            dq_pass(be, flash_grid(a, a.hq, smem_q), x.q, x.k, x.v, x.dout, x.lse, x.dvec, dq, hq, hkv, t, sc)
+            dkdv(be, flash_grid(a, a.hkv, smem.dkdv), x.q, x.k, x.v, x.dout, x.lse, x.dvec, dk, dv, hq, hkv, t, sc)?;
+            dq_pass(be, flash_grid(a, a.hq, smem.dq), x.q, x.k, x.v, x.dout, x.lse, x.dvec, dq, hq, hkv, t, sc)
         }
     }
 

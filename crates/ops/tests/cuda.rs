@@ -98,11 +98,16 @@ fn cross_entropy_with_ignore() {
 fn flash_attention_fwd_bwd_gqa() {
     let Some(_) = gpu() else { return };
     let mut r = rng(6);
-    // (dtype, b, hq, hkv, t, d): bf16 d64/d128 take the tensor-core path, the rest SIMT.
+    // (dtype, b, hq, hkv, t, d): bf16 d64/d128 take the tensor-core path, the rest SIMT. The
+    // flash shapes cover one row, t below / across / past the 128-row blocks and their kv tiles
+    // (128 and 64 rows at d 64 / 128 forward, 64 and 32 backward), never a multiple of them,
+    // GQA groups of 2 and 4, and batch > 1.
     let cases = [
         (DType::BF16, 1, 2, 2, 1, 64),
         (DType::BF16, 2, 4, 2, 77, 64),
         (DType::BF16, 1, 8, 2, 130, 128),
+        (DType::BF16, 2, 4, 1, 300, 64),
+        (DType::BF16, 2, 2, 2, 203, 128),
         (DType::BF16, 1, 2, 1, 19, 32),
         (DType::F32, 2, 4, 1, 45, 64),
         (DType::F32, 1, 2, 2, 17, 40),
@@ -171,6 +176,35 @@ fn fused_cross_entropy_matches_cpu_backend() {
 }
 
 // ---- determinism -------------------------------------------------------------------------------
+
+/// The flash kernels copy 16-byte chunks: views whose data starts off a 16-byte boundary (here
+/// an offset of 3 elements) give the same bits as the aligned tensors.
+#[test]
+fn flash_attention_misaligned_views() {
+    let Some(be) = gpu() else { return };
+    let mut r = Rng::new(16);
+    let (b, hq, hkv, t, d) = (1, 4, 2, 70, 64);
+    let dims = AttnDims { b, hq, hkv, t, d };
+    let (nq, nk) = (b * hq * t * d, b * hkv * t * d);
+    let (lq, lkv) = (Layout::contiguous(Shape(vec![b, hq, t, d])), Layout::contiguous(Shape(vec![b, hkv, t, d])));
+    let shifted = |l: &Layout| Layout { offset: 3, ..l.clone() };
+    let vals: Vec<Vec<f64>> = [nq, nk, nk, nq].iter().map(|&n| normals(n + 3, 1.0, &mut r)).collect();
+    let big: Vec<Storage> = vals.iter().map(|v| up_bf16(&be, v)).collect();
+    let small: Vec<Storage> = vals.iter().map(|v| up_bf16(&be, &v[3..])).collect();
+    let scale = 0.125;
+    let run = |x: &[Storage], lq: &Layout, lkv: &Layout| {
+        let (o, lse) = attention::forward((&x[0], lq), (&x[1], lkv), (&x[2], lkv), dims, scale).unwrap();
+        let (lo, llse) = (Layout::contiguous(Shape(vec![b, hq, t, d])), Layout::contiguous(Shape(vec![b, hq, t])));
+        let (dq, dk, dv) =
+            attention::backward((&x[3], lq), (&x[0], lq), (&x[1], lkv), (&x[2], lkv), (&o, &lo), (&lse, &llse), dims, scale).unwrap();
+        [o, lse, dq, dk, dv].iter().map(|s| bits(&be, s)).collect::<Vec<_>>()
+    };
+    let want = run(&small, &lq, &lkv);
+    let got = run(&big, &shifted(&lq), &shifted(&lkv));
+    for (i, what) in ["out", "lse", "dq", "dk", "dv"].iter().enumerate() {
+        assert_eq!(got[i], want[i], "attention on views at offset 3: {what} differs from the aligned run");
+    }
+}
 
 #[test]
 fn attention_backward_is_bitwise_deterministic() {

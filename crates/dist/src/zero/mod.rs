@@ -1,6 +1,7 @@
 //! The training engine: flexible ZeRO sharding (AMSP, arXiv 2311.00257) over the flat parameter
-//! store (`ferrolm_nn::store`). Parameters, gradients and optimizer states are each sharded over
-//! their own group of data-parallel ranks, `ShardSpec { params: s_p, grads: s_g, optim: s_os }`.
+//! buckets (`ferrolm_nn::buckets::ParamBuckets`). Parameters, gradients and optimizer states
+//! are each sharded over their own group of data-parallel ranks,
+//! `ShardSpec { params: s_p, grads: s_g, optim: s_os }`.
 //! Training on one device is this engine on a world of one, spec (1, 1, 1): the same code path,
 //! with every collective of size one skipped.
 //!
@@ -17,6 +18,7 @@
 //! ZeRO-1 is (1, 1, dp), ZeRO-2 (1, dp, dp), ZeRO-3 (dp, dp, dp), MiCS (s, s, s), plain data
 //! parallelism (1, 1, 1). The step's traffic per rank is `traffic_bytes` (tests hold the
 //! implementation to it).
+pub mod ckpt;
 mod gather;
 mod grads;
 pub mod groups;
@@ -46,7 +48,7 @@ use std::sync::{Arc, Mutex, MutexGuard};
 /// One layer bucket's shards on this rank.
 struct Bucket {
     numel: usize,
-    /// (numel) the store's buffer, which the model's parameters view; released between uses
+    /// (numel) the bucket's flat buffer, which the model's parameters view; released between uses
     /// when s_p > 1.
     flat: Tensor,
     /// (numel / s_p) this rank's parameter range (the flat buffer itself when s_p = 1).
@@ -88,7 +90,7 @@ pub enum Placement<'a> {
 }
 
 impl Zero {
-    /// Moves `model`'s parameters into the flat store and shards them over `mesh`'s data-parallel
+    /// Moves `model`'s parameters into flat buckets and shards them over `mesh`'s data-parallel
     /// group by `spec`. With tensor parallelism, `tp` is the layout `parallelize` returned (the
     /// store then holds this rank's tensor-parallel shards). Collective over the mesh.
     pub fn new(
@@ -223,15 +225,6 @@ impl Zero {
     pub fn mesh(&self) -> &DeviceMesh {
         &self.mesh
     }
-    pub fn tp_layout(&self) -> Option<&TpLayout> {
-        self.tp.as_ref()
-    }
-    pub fn store(&self) -> &ParamBuckets {
-        &self.store
-    }
-    pub fn cfg(&self) -> &AdamWConfig {
-        &self.cfg
-    }
     /// The device of the model's parameters (where this engine's collectives run).
     pub fn device(&self) -> Device {
         self.buckets.first().map_or(Device::Cpu, |b| b.param_range.device())
@@ -240,46 +233,9 @@ impl Zero {
     pub fn dtype(&self) -> DType {
         self.dtype
     }
-    pub fn set_step(&mut self, step: u64) {
-        self.step = step;
-    }
-
-    /// Whether this rank writes its parameter range in a sharded checkpoint (the first block's
-    /// ranks with b = 0 hold each range once) and its optimizer range (the first block).
-    pub fn writes(&self) -> (bool, bool) {
-        let first_block = self.groups.pos.block == 0;
-        (first_block && self.groups.pos.sub_index == 0, first_block)
-    }
-    /// Bucket `i`'s parameter range on this rank.
-    pub fn param_range(&self, i: usize) -> &Tensor {
-        &self.buckets[i].param_range
-    }
     /// Bucket `i`'s optimizer state: (fp32 master for low-precision parameters, m, v).
     pub fn optim_state(&self, i: usize) -> Result<(Option<Tensor>, Tensor, Tensor)> {
         self.state().tensors(i)
-    }
-    /// This rank's position in the spec's layout.
-    pub fn position(&self) -> ShardPosition {
-        self.groups.pos
-    }
-
-    /// Sets bucket `i`'s parameter range (from the full bucket) and optimizer state (fp32 tensors
-    /// of the full bucket: master, m, v), for a resume.
-    pub(crate) fn load_bucket(&mut self, i: usize, params: &Tensor, master: &Tensor, m: &Tensor, v: &Tensor) -> Result<()> {
-        let _g = no_grad();
-        let (sp, so, n) = (self.spec.params, self.spec.optim, self.buckets[i].numel);
-        let pos = self.groups.pos;
-        self.buckets[i].param_range.assign(&params.narrow(0, pos.param_range * n / sp, n / sp)?)?;
-        let r = |t: &Tensor| t.narrow(0, pos.optim_range * n / so, n / so)?.contiguous();
-        self.state().load(i, &r(master)?, &r(m)?, &r(v)?)
-    }
-    /// After `load_bucket` of every bucket: drops stale gathered buckets, sets the step count.
-    pub(crate) fn loaded(&mut self, step: u64) -> Result<()> {
-        if let Some(g) = &self.gather {
-            g.release_all(false)?;
-        }
-        self.step = step;
-        Ok(())
     }
 
     /// Whether the optimizer state is offloaded.
@@ -459,19 +415,23 @@ impl TrainEngine for Zero {
     }
 
     fn state(&self) -> Result<Vec<(String, Tensor)>> {
-        crate::ckpt::shard_tensors(self)
+        ckpt::shard_tensors(self)
     }
 
     fn owner_of(&self, name: &str, index: usize) -> Option<String> {
-        crate::ckpt::shard_element_owner(self, name, index)
+        ckpt::shard_element_owner(self, name, index)
     }
 
     fn save_shards(&self, dir: &std::path::Path) -> Result<()> {
-        crate::ckpt::save_shards(dir, self)
+        ckpt::save_shards(dir, self)
+    }
+
+    fn full_params(&self) -> Result<Option<TensorMap>> {
+        ckpt::full_params(self)
     }
 
     fn load(&mut self, params: &TensorMap, state: &TensorMap, step: u64) -> Result<()> {
-        crate::ckpt::load_into(self, params, state, step)
+        ckpt::load_into(self, params, state, step)
     }
 
     fn mesh(&self) -> &DeviceMesh {

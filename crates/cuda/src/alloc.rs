@@ -1,5 +1,5 @@
-//! What a communication layer needs from the backend (crates/dist's NCCL communicator): result
-//! buffers from the pool and the CUDA buffer behind a tensor's storage. Collectives run on their
+//! Buffers for the crates above this one (crates/ops' launchers, crates/dist's NCCL
+//! communicator): pooled result buffers, and the CUDA buffer behind a tensor's storage. Collectives run on their
 //! own stream (`new_stream`); the caller orders that stream with the compute stream by events
 //! (`record_event`, `CudaStream::wait`) both before the collective reads a buffer and before a
 //! buffer it wrote is read or dropped, since the pool recycles blocks in compute-stream order.

@@ -1,14 +1,17 @@
-//! Sharded checkpoints of a tensor- and data-parallel run: each rank writes its own shards
-//! (no gather through rank 0), an index says how they fit together, and the full model and
-//! optimizer state are rebuilt from them for a Hugging Face checkpoint or a resume under any
-//! other layout (another `--tp`, `--dp` or `ShardSpec`).
+//! The engine's state I/O: sharded checkpoints of a tensor- and data-parallel run. Each rank
+//! writes its own shards (no gather through rank 0), an index says how they fit together, and
+//! the full model and optimizer state are rebuilt from them for a resume under any other layout
+//! (another `--tp`, `--dp` or `ShardSpec`). The full parameters of a save's Hugging Face file
+//! come from what the ranks hold ([`full_params`]), not from the shards read back. A child of
+//! `zero`, it reads the engine's fields directly; the run's checkpoint policy (when, where,
+//! `latest`, pruning, resume) is the facade's.
 //!
 //! Layout of `DIR/shards/`: `index.json` ([`ShardIndex`]) and `tp{t}-dp{d}.safetensors`, the
 //! shards [`shard_tensors`] gives on tensor-parallel rank t, data-parallel rank d: each
 //! parameter range once (`param.{bucket}`, ranks d < s_p) and each optimizer range once
 //! (`exp_avg.{bucket}`, `exp_avg_sq.{bucket}`, `master.{bucket}`, ranks d < s_os).
+use super::{ShardSpec, Zero};
 use crate::tp::{Sharding, TpLayout};
-use crate::zero::{ShardSpec, Zero};
 use ferrolm_nn::safetensors_io::{load_float_safetensors, save_safetensors, TensorMap};
 use ferrolm_tensor::{no_grad, DType, Device, Error, Result, Tensor};
 use serde::{Deserialize, Serialize};
@@ -68,11 +71,11 @@ fn err(dir: &Path, m: impl std::fmt::Display) -> Error {
 /// parameters, and `exp_avg.{i}`, `exp_avg_sq.{i}` (`master.{i}`) (optimizer range j of s_os)
 /// when it writes optimizer state. Where the state lived (device or offloaded) does not show.
 pub fn shard_tensors(zero: &Zero) -> Result<Vec<(String, Tensor)>> {
-    let (wp, wo) = zero.writes();
+    let (wp, wo) = writes(zero);
     let mut out = Vec::new();
-    for i in 0..zero.bucket_numel().len() {
+    for (i, b) in zero.buckets.iter().enumerate() {
         if wp {
-            out.push((format!("param.{i}"), zero.param_range(i).clone()));
+            out.push((format!("param.{i}"), b.param_range.clone()));
         }
         if wo {
             let (master, m, v) = zero.optim_state(i)?;
@@ -86,13 +89,54 @@ pub fn shard_tensors(zero: &Zero) -> Result<Vec<(String, Tensor)>> {
     Ok(out)
 }
 
+/// Whether this rank writes its parameter range in a sharded checkpoint (the first block's ranks
+/// with b = 0 hold each range once) and its optimizer range (the first block).
+fn writes(zero: &Zero) -> (bool, bool) {
+    let first_block = zero.groups.pos.block == 0;
+    (first_block && zero.groups.pos.sub_index == 0, first_block)
+}
+
+/// The full parameters, joined from what the ranks hold, as f32 tensors on the CPU of world rank
+/// 0 (None on the other ranks): each bucket's parameter range all-gathered over its parameter
+/// group (the bucket itself when s_p = 1), then each tensor-parallel split parameter's pieces
+/// all-gathered over the tensor-parallel group and joined along its split dimension. Collective
+/// over the world, in the same order on every rank (buckets, then slots); at most one bucket is
+/// gathered at a time.
+pub fn full_params(zero: &Zero) -> Result<Option<TensorMap>> {
+    let _g = no_grad();
+    let root = zero.mesh.world().rank() == 0;
+    let mut out = TensorMap::new();
+    for (i, b) in zero.buckets.iter().enumerate() {
+        let flat = if zero.spec.params == 1 { b.param_range.clone() } else { zero.groups.params.all_gather(&b.param_range)? };
+        for s in &zero.store.buckets[i].slots {
+            let n = s.numel();
+            let local = flat.narrow(0, s.offset, n)?;
+            let split = zero.tp.as_ref().and_then(|l| l.params.get(&s.name)).filter(|_| zero.mesh.tp() > 1);
+            let full = match split.and_then(|sh| sh.dim.map(|d| (d, sh))) {
+                Some((dim, sh)) => {
+                    // tp ranks' pieces in rank order; part p is on rank p * replicas
+                    let all = zero.mesh.tp_group().all_gather(&local.contiguous()?)?;
+                    let pieces: Vec<Tensor> =
+                        (0..sh.parts).map(|p| all.narrow(0, p * sh.replicas * n, n)?.reshape(s.shape.clone())).collect::<Result<_>>()?;
+                    Tensor::cat(&pieces, dim)?
+                }
+                None => local.reshape(s.shape.clone())?,
+            };
+            if root {
+                out.insert(s.name.clone(), full.to_dtype(DType::F32)?.to_device(Device::Cpu)?);
+            }
+        }
+    }
+    Ok(root.then_some(out))
+}
+
 /// The parameter an element of one of this rank's shard tensors (`param.{i}`, `exp_avg.{i}`,
 /// `exp_avg_sq.{i}`, `master.{i}` at `index`) belongs to, e.g. `exp_avg of
 /// model.layers.0.mlp.up_proj.weight`; None for padding or an unknown name.
 pub fn shard_element_owner(zero: &Zero, key: &str, index: usize) -> Option<String> {
     let (what, bucket) = key.rsplit_once('.')?;
-    let b = zero.store().buckets.get(bucket.parse::<usize>().ok()?)?;
-    let (n, pos, spec) = (b.padded, zero.position(), zero.spec);
+    let b = zero.store.buckets.get(bucket.parse::<usize>().ok()?)?;
+    let (n, pos, spec) = (b.padded, zero.groups.pos, zero.spec);
     let at = match what {
         "param" => pos.param_range * n / spec.params + index,
         _ => pos.optim_range * n / spec.optim + index,
@@ -104,7 +148,7 @@ pub fn shard_element_owner(zero: &Zero, key: &str, index: usize) -> Option<Strin
 /// Writes this rank's shards of `zero` into `dir/shards/` (every rank calls it; world rank 0
 /// also writes the index) and waits until every rank has written.
 pub fn save_shards(dir: &Path, zero: &Zero) -> Result<()> {
-    let (mesh, tp) = (zero.mesh(), zero.tp_layout());
+    let (mesh, tp) = (&zero.mesh, zero.tp.as_ref());
     let sdir = dir.join(SHARDS_DIR);
     if mesh.world().rank() == 0 {
         std::fs::create_dir_all(&sdir).map_err(|e| err(&sdir, format!("cannot create: {e}")))?;
@@ -121,7 +165,7 @@ pub fn save_shards(dir: &Path, zero: &Zero) -> Result<()> {
     }
     if mesh.world().rank() == 0 {
         let buckets = zero
-            .store()
+            .store
             .buckets
             .iter()
             .map(|b| BucketIndex {
@@ -134,7 +178,7 @@ pub fn save_shards(dir: &Path, zero: &Zero) -> Result<()> {
             Some(l) => l.params.iter().map(|(n, s)| (n.clone(), SplitIndex { dim: s.dim, parts: s.parts, replicas: s.replicas })).collect(),
             None => BTreeMap::new(),
         };
-        let dtype = zero.dtype();
+        let dtype = zero.dtype;
         let index = ShardIndex {
             format: FORMAT.into(),
             tp: mesh.tp(),
@@ -269,14 +313,14 @@ pub fn local_piece(full: &Tensor, name: &str, tp: Option<&TpLayout>) -> Result<T
 /// `master.<name>` is taken from the parameter.
 pub fn load_into(zero: &mut Zero, params: &TensorMap, state: &TensorMap, step: u64) -> Result<()> {
     let _g = no_grad();
-    let (device, dtype) = (zero.device(), zero.dtype());
-    let tp = zero.tp_layout().cloned();
+    let (device, dtype) = (zero.device(), zero.dtype);
+    let tp = zero.tp.clone();
     let piece = |map: &TensorMap, key: &str, base: &str, dtype: DType| -> Result<Tensor> {
         let t = map.get(key).ok_or_else(|| Error::new("resume", format!("missing tensor {key}")))?;
         local_piece(t, base, tp.as_ref())?.to_dtype(dtype)?.to_device(device)
     };
-    // (padded length, slots) of each bucket: the store is borrowed from the engine being loaded.
-    let buckets: Vec<(usize, Vec<ferrolm_nn::buckets::Slot>)> = zero.store().buckets.iter().map(|b| (b.padded, b.slots.clone())).collect();
+    // (padded length, slots) of each bucket, copied: the buckets are the engine's being loaded.
+    let buckets: Vec<(usize, Vec<ferrolm_nn::buckets::Slot>)> = zero.store.buckets.iter().map(|b| (b.padded, b.slots.clone())).collect();
     for (i, (n, slots)) in buckets.iter().enumerate() {
         let build = |dtype: DType, get: &dyn Fn(&str) -> Result<Tensor>| -> Result<Tensor> {
             let flat = Tensor::zeros([*n], dtype, device)?;
@@ -291,9 +335,24 @@ pub fn load_into(zero: &mut Zero, params: &TensorMap, state: &TensorMap, step: u
         let w = build(DType::F32, &|name| {
             piece(state, &format!("master.{name}"), name, DType::F32).or_else(|_| piece(params, name, name, DType::F32))
         })?;
-        zero.load_bucket(i, &p, &w, &m, &v)?;
+        load_bucket(zero, i, &p, &w, &m, &v)?;
     }
-    zero.loaded(step)
+    // Stale gathered buckets go; the step count is the checkpoint's.
+    if let Some(g) = &zero.gather {
+        g.release_all(false)?;
+    }
+    zero.step = step;
+    Ok(())
+}
+
+/// Sets bucket `i`'s parameter range (from the full bucket) and optimizer state (f32 tensors of
+/// the full bucket: master, m, v).
+fn load_bucket(zero: &mut Zero, i: usize, params: &Tensor, master: &Tensor, m: &Tensor, v: &Tensor) -> Result<()> {
+    let (sp, so, n) = (zero.spec.params, zero.spec.optim, zero.buckets[i].numel);
+    let pos = zero.groups.pos;
+    zero.buckets[i].param_range.assign(&params.narrow(0, pos.param_range * n / sp, n / sp)?)?;
+    let r = |t: &Tensor| t.narrow(0, pos.optim_range * n / so, n / so)?.contiguous();
+    zero.state().load(i, &r(master)?, &r(m)?, &r(v)?)
 }
 
 /// Splits a parameter of the given full shape the way `sharding` does (for tests and tools).

@@ -1,0 +1,409 @@
+//! The run's checkpoint policy, in one place: where a checkpoint goes
+//! (`checkpoints/step-NNNNNN/`, through a temporary directory renamed into place), which one
+//! `checkpoints/latest` names, pruning to `--keep-last`, what makes one complete, and resuming
+//! from one (`Trainer::save_checkpoint`, `Trainer::resume`). When to save is the training loop's
+//! (`Trainer::run`: every `--save-every` steps and at the end). The engine's own state I/O (each
+//! rank's shards, the parameters joined from the ranks) is `ferrolm_dist::zero::ckpt`; this module
+//! decides around it and writes the Hugging Face files, the tokenizer and `trainer_state.json`.
+//!
+//! It never loses work: weights that are not finite are never saved; a failed save leaves the
+//! previous checkpoint as `latest` and removes its own partial files.
+use crate::run_dir::sync_dir;
+use crate::train::{Resumed, TrainOptions, Trainer};
+use crate::{AnyResult, Llama};
+use anyhow::{bail, Context, Result};
+use ferrolm_data::LoaderState;
+use ferrolm_nn::safetensors_io::{load_safetensors, save_safetensors, write_atomic, TensorMap};
+use ferrolm_nn::LlamaConfig;
+use ferrolm_tensor::{no_grad, DType, Device, Rng, Tensor};
+use serde::{Deserialize, Serialize};
+use std::collections::HashMap;
+use std::path::{Path, PathBuf};
+
+pub const CHECKPOINTS: &str = "checkpoints";
+pub const LATEST: &str = "latest";
+/// Written last into a checkpoint: a directory holding it (and the files before it) is complete.
+pub const TRAINER_STATE: &str = "trainer_state.json";
+
+/// `step-NNNNNN` for `step`.
+pub fn checkpoint_name(step: usize) -> String {
+    format!("step-{step:06}")
+}
+
+/// The step of a `step-NNNNNN` directory name.
+pub fn parse_checkpoint_name(name: &str) -> Option<usize> {
+    name.strip_prefix("step-").filter(|d| !d.is_empty() && d.bytes().all(|b| b.is_ascii_digit())).and_then(|d| d.parse().ok())
+}
+
+/// The files a checkpoint directory lacks (empty: complete). `trainer_state.json` is written
+/// last and the directory is renamed into place whole, so this only fails on directories that
+/// were damaged or copied partially by hand.
+pub fn missing_files(dir: &Path) -> Vec<&'static str> {
+    let mut missing = Vec::new();
+    if !dir.join("config.json").is_file() {
+        missing.push("config.json");
+    }
+    if !dir.join("model.safetensors").is_file() && !dir.join("model.safetensors.index.json").is_file() {
+        missing.push("model.safetensors");
+    }
+    // The optimizer state: one device's file, or the shards of a parallel run.
+    if !dir.join("optimizer.safetensors").is_file() && !ferrolm_dist::zero::ckpt::is_sharded(dir) {
+        missing.push("optimizer.safetensors");
+    }
+    if !dir.join(TRAINER_STATE).is_file() {
+        missing.push(TRAINER_STATE);
+    }
+    missing
+}
+
+pub fn is_complete(dir: &Path) -> bool {
+    dir.is_dir() && missing_files(dir).is_empty()
+}
+
+/// Every `step-NNNNNN` directory under `root` (complete or not), sorted by step.
+pub fn list_checkpoints(root: &Path) -> Result<Vec<(usize, PathBuf)>> {
+    let mut out = Vec::new();
+    let entries = match std::fs::read_dir(root) {
+        Ok(e) => e,
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(out),
+        Err(e) => return Err(e).with_context(|| format!("cannot list checkpoints in {}", root.display())),
+    };
+    for entry in entries {
+        let entry = entry.with_context(|| format!("cannot list checkpoints in {}", root.display()))?;
+        if let Some(step) = entry.file_name().to_str().and_then(parse_checkpoint_name) {
+            if entry.path().is_dir() {
+                out.push((step, entry.path()));
+            }
+        }
+    }
+    out.sort();
+    Ok(out)
+}
+
+/// The checkpoint to resume from `path`: a checkpoint directory, or a run directory (or its
+/// `checkpoints/`) whose `latest` is followed. When `latest` names a missing or incomplete
+/// checkpoint, the newest complete one is used instead, with a warning.
+pub fn resolve_checkpoint(path: &Path) -> Result<PathBuf> {
+    if path.join(TRAINER_STATE).is_file() {
+        let missing = missing_files(path);
+        if !missing.is_empty() {
+            bail!("{}: incomplete checkpoint (missing {})", path.display(), missing.join(", "));
+        }
+        return Ok(path.to_path_buf());
+    }
+    for root in [path.join(CHECKPOINTS), path.to_path_buf()] {
+        let latest = root.join(LATEST);
+        let named = std::fs::read_to_string(&latest).ok().map(|s| s.trim().to_string());
+        if let Some(name) = &named {
+            let d = root.join(name);
+            if is_complete(&d) {
+                return Ok(d);
+            }
+        }
+        let newest = list_checkpoints(&root)?.into_iter().rev().find(|(_, d)| is_complete(d));
+        match (named, newest) {
+            (Some(name), Some((_, d))) => {
+                tracing::warn!(
+                    "{} names {name}, which is missing or incomplete; using the newest complete checkpoint {}",
+                    latest.display(),
+                    d.display()
+                );
+                return Ok(d);
+            }
+            (None, Some((_, d))) => {
+                tracing::warn!("{} has no `latest` file; using the newest complete checkpoint {}", root.display(), d.display());
+                return Ok(d);
+            }
+            (Some(name), None) => {
+                bail!("{}: `latest` names {name}, which is missing or incomplete, and no complete checkpoint is left", root.display())
+            }
+            (None, None) => {}
+        }
+    }
+    bail!("{}: no checkpoint found (expected trainer_state.json, or checkpoints/latest in a run directory)", path.display())
+}
+
+/// The run directory a checkpoint lives in (`RUN/checkpoints/step-N` -> `RUN`), if it has that layout.
+pub fn run_dir_of(checkpoint: &Path) -> Option<PathBuf> {
+    let parent = checkpoint.parent()?;
+    (parent.file_name()? == CHECKPOINTS).then(|| parent.parent().map(Path::to_path_buf)).flatten()
+}
+
+/// Deletes the oldest complete checkpoints so that `keep` remain, never the one `latest` names
+/// (the newest complete one). Returns the removed directories.
+pub fn prune(root: &Path, keep: usize) -> Result<Vec<PathBuf>> {
+    if keep == 0 {
+        return Ok(Vec::new());
+    }
+    let latest = std::fs::read_to_string(root.join(LATEST)).ok().map(|s| s.trim().to_string());
+    let complete: Vec<(usize, PathBuf)> = list_checkpoints(root)?.into_iter().filter(|(_, d)| is_complete(d)).collect();
+    let mut removed = Vec::new();
+    let excess = complete.len().saturating_sub(keep);
+    for (step, dir) in complete.into_iter().take(excess) {
+        if latest.as_deref() == Some(checkpoint_name(step).as_str()) {
+            continue;
+        }
+        std::fs::remove_dir_all(&dir).with_context(|| format!("cannot remove old checkpoint {}", dir.display()))?;
+        removed.push(dir);
+    }
+    if !removed.is_empty() {
+        sync_dir(root)?;
+    }
+    Ok(removed)
+}
+
+#[derive(Serialize, Deserialize)]
+pub(crate) struct TrainerState {
+    step: usize,
+    loader: LoaderState,
+    rng: u64,
+    options: TrainOptions,
+    tokens_seen: u64,
+    /// Steps whose update was skipped: AdamW's own step count is `step - skipped_steps`.
+    #[serde(default)]
+    skipped_steps: u64,
+}
+
+impl Trainer {
+    /// The first tensor holding a NaN or an infinity, if any. x * 0 is 0 for finite x and NaN
+    /// otherwise, so one device-side sum over all tensors (one host sync) answers the common
+    /// case; only when it is not finite are the tensors checked one by one to name the culprit.
+    /// The first of this rank's checkpoint tensors that holds a NaN or an infinity, named by the
+    /// parameter the bad element belongs to. One host read when every tensor is finite.
+    fn non_finite_state(&self, tensors: &[(String, Tensor)]) -> AnyResult<Option<String>> {
+        let _g = no_grad();
+        let probe = |t: &Tensor| -> AnyResult<Tensor> { Ok(t.to_dtype(DType::F32)?.mul_scalar(0.0)?.sum_all()?) };
+        let mut acc: Option<Tensor> = None;
+        for (_, t) in tensors {
+            let s = probe(t)?;
+            acc = Some(match acc {
+                // Offloaded optimizer state is on the host, the weights on the device.
+                Some(a) if a.device() != s.device() => a.add(&s.to_device(a.device())?)?,
+                Some(a) => a.add(&s)?,
+                None => s,
+            });
+        }
+        match acc {
+            Some(a) if !a.item()?.is_finite() => {}
+            _ => return Ok(None),
+        }
+        for (name, t) in tensors {
+            if let Some(i) = t.to_vec_f64()?.iter().position(|v| !v.is_finite()) {
+                return Ok(Some(self.engine.owner_of(name, i).unwrap_or_else(|| name.clone())));
+            }
+        }
+        Ok(Some("(a sum of finite tensors)".into()))
+    }
+
+    /// Writes `checkpoints/step-NNNNNN/` through a temporary directory, fsyncs it, renames it
+    /// into place, fsyncs `checkpoints/`, then points `checkpoints/latest` at it and prunes to
+    /// `keep_last`. Refuses weights that are not finite and a step directory that exists. A
+    /// failure midway removes the partial directory and leaves `latest` on the previous one.
+    ///
+    /// On several ranks every rank calls it: each writes its own shards (`shards/`), the ranks
+    /// join their parameters (`TrainEngine::full_params`: collectives, no shard is read back), and
+    /// world rank 0 of the engine's mesh writes the Hugging Face `model.safetensors` and
+    /// finishes the directory.
+    pub fn save_checkpoint(&self) -> AnyResult<PathBuf> {
+        let name = checkpoint_name(self.step);
+        // Every tensor the checkpoint stores, as this rank holds it.
+        let state = self.engine.state()?;
+        let bad = self.non_finite_state(&state)?;
+        self.agree(bad.is_none(), &format!("save checkpoint {name}: it holds NaN or infinite values (the previous checkpoint is kept)"))?;
+        if let Some(bad) = bad {
+            bail!("refusing to save checkpoint {name}: `{bad}` holds NaN or infinite values (the previous checkpoint is kept)");
+        }
+        let root = self.out_dir.join(CHECKPOINTS);
+        let dst = root.join(&name);
+        let tmp = root.join(format!(".{name}.tmp"));
+        // Only this trainer's own checkpoint of this very step may be rewritten (saving again
+        // after `run()` saved its last step); anything else under that name is not ours.
+        let rewrite = dst.exists();
+        if rewrite && self.last_saved.get() != Some(self.step) {
+            bail!("{} already exists: refusing to overwrite a saved checkpoint", dst.display());
+        }
+        let rank0 = self.engine.mesh().world().rank() == 0;
+        let prepared = if rank0 {
+            (|| -> AnyResult<()> {
+                std::fs::create_dir_all(&root).with_context(|| format!("cannot create {}", root.display()))?;
+                if tmp.exists() {
+                    // Only a save of this same step that was interrupted leaves this name behind.
+                    std::fs::remove_dir_all(&tmp)
+                        .with_context(|| format!("cannot remove the stale partial checkpoint {}", tmp.display()))?;
+                }
+                std::fs::create_dir_all(&tmp).with_context(|| format!("cannot create {}", tmp.display()))
+            })()
+        } else {
+            Ok(())
+        };
+        self.agree(prepared.is_ok(), "prepare the checkpoint directory")?;
+        prepared?;
+        let previous = std::fs::read_to_string(root.join(LATEST)).ok().map(|s| s.trim().to_string());
+        let shards = self.engine.save_shards(&tmp).map_err(anyhow::Error::from);
+        // Every rank takes part in joining the parameters once every rank's shards are written.
+        let params = shards.and_then(|()| self.engine.full_params().map_err(anyhow::Error::from));
+        let old = root.join(format!(".{name}.old"));
+        let finished = params.and_then(|params| {
+            let Some(params) = params else { return Ok(()) };
+            self.write_checkpoint_files(&tmp, params).and_then(|()| {
+                if rewrite {
+                    std::fs::rename(&dst, &old).with_context(|| format!("cannot move {} aside", dst.display()))?;
+                }
+                std::fs::rename(&tmp, &dst).with_context(|| format!("cannot rename {} to {}", tmp.display(), dst.display()))?;
+                if rewrite {
+                    std::fs::remove_dir_all(&old).with_context(|| format!("cannot remove {}", old.display()))?;
+                }
+                sync_dir(&root)
+            })
+        });
+        let agreed = self.agree(finished.is_ok(), "write the checkpoint");
+        if let Err(e) = finished.and(agreed) {
+            if rank0 {
+                let _ = std::fs::remove_dir_all(&tmp);
+            }
+            let kept = match previous {
+                Some(p) => format!("latest still names {p}, which is intact"),
+                None => "no earlier checkpoint exists".to_string(),
+            };
+            return Err(e.context(format!("saving checkpoint {name} failed; its partial files were removed and {kept}")));
+        }
+        self.last_saved.set(Some(self.step));
+        if rank0 {
+            write_atomic(&root.join(LATEST), name.as_bytes())?;
+            sync_dir(&root)?;
+            for old in prune(&root, self.safety.keep_last)? {
+                tracing::info!("removed old checkpoint {} (--keep-last {})", old.display(), self.safety.keep_last);
+            }
+        }
+        self.barrier()?;
+        Ok(dst)
+    }
+
+    /// Rank 0, after every rank wrote its shards into `tmp`: the Hugging Face model from the full
+    /// parameters the ranks joined, the tokenizer and, last, the trainer state that marks the
+    /// checkpoint complete.
+    fn write_checkpoint_files(&self, tmp: &Path, params: TensorMap) -> AnyResult<()> {
+        let named: Vec<(String, Tensor)> = params.into_iter().collect();
+        let path = ferrolm_nn::safetensors_io::prepare_dir(tmp, "model.safetensors")?;
+        save_safetensors(&path, &named, Some(DType::F32))?;
+        write_atomic(&tmp.join("config.json"), self.model.config().to_json_string_dtype("float32").as_bytes())?;
+        if let Some(t) = &self.tokenizer_file {
+            let dst = tmp.join("tokenizer.json");
+            std::fs::copy(t, &dst).with_context(|| format!("cannot copy {} into the checkpoint", t.display()))?;
+            std::fs::File::open(&dst).and_then(|f| f.sync_all()).with_context(|| format!("cannot fsync {}", dst.display()))?;
+        }
+        let st = TrainerState {
+            step: self.step,
+            loader: self.loader.state(),
+            rng: self.rng.state,
+            options: self.opts.clone(),
+            tokens_seen: self.tokens_seen,
+            skipped_steps: self.skipped_total,
+        };
+        // Last: its presence marks the checkpoint complete.
+        write_atomic(&tmp.join(TRAINER_STATE), serde_json::to_string_pretty(&st)?.as_bytes())?;
+        sync_dir(tmp)
+    }
+
+    /// Restores model, optimizer, data position, RNG, step and the loss history from a
+    /// checkpoint directory (or a run directory, whose `checkpoints/latest` is followed).
+    ///
+    /// The checkpoint's `config.json` must describe the model being trained (else an error
+    /// naming the fields that differ); weights are matched by name. Changed training options
+    /// are warned about with their old and new values.
+    pub fn resume(&mut self, path: &Path) -> AnyResult<()> {
+        let dir = resolve_checkpoint(path)?;
+        let state_file = dir.join(TRAINER_STATE);
+        let text = std::fs::read_to_string(&state_file).with_context(|| format!("cannot read {}", state_file.display()))?;
+        let st: TrainerState = serde_json::from_str(&text).with_context(|| format!("{} is not a trainer state", state_file.display()))?;
+
+        let cfg_file = dir.join("config.json");
+        let saved_cfg = LlamaConfig::from_file(&cfg_file)?;
+        let diffs = config_diff(&saved_cfg, self.model.config());
+        if !diffs.is_empty() {
+            bail!("cannot resume from {}: it holds a different model ({})", dir.display(), diffs.join("; "));
+        }
+        // Full weights by name (the Hugging Face files, whatever layout wrote them) and the full
+        // optimizer state (one device's file, or joined from the shards of a parallel run).
+        let sharded = ferrolm_dist::zero::ckpt::is_sharded(&dir);
+        let (weights, state): (HashMap<String, Tensor>, HashMap<String, Tensor>) = if sharded {
+            let (p, s) = ferrolm_dist::zero::ckpt::load_full(&dir)?;
+            (p.into_iter().collect(), s.into_iter().collect())
+        } else {
+            let loaded = Llama::from_pretrained(&dir, DType::F32, Device::Cpu)?;
+            let opt_file = dir.join("optimizer.safetensors");
+            let s = load_safetensors(&opt_file, DType::F32, Device::Cpu)?;
+            (loaded.parameters().into_iter().collect(), s.into_iter().collect())
+        };
+        let expected: Vec<String> = self.model.parameters().into_iter().map(|(n, _)| n).collect();
+        if let Some(extra) = weights.keys().find(|k| !expected.contains(k)) {
+            bail!("{}: weight `{extra}` is not a parameter of this model", dir.display());
+        }
+        if let Some(missing) = expected.iter().find(|k| !weights.contains_key(*k)) {
+            bail!("{}: missing weight `{missing}`", dir.display());
+        }
+        for w in option_changes(&st.options, &self.opts) {
+            tracing::warn!("resuming with a changed option: {w}");
+        }
+        let opt_step = st.step as u64 - st.skipped_steps.min(st.step as u64);
+        let w: TensorMap = weights.into_iter().collect();
+        let s: TensorMap = state.into_iter().collect();
+        self.engine.load(&w, &s, opt_step).with_context(|| format!("cannot load {} into this rank's shards", dir.display()))?;
+        if st.options.seq_len == self.opts.seq_len {
+            self.loader.restore(&st.loader).with_context(|| format!("{}: cannot restore the data position", state_file.display()))?;
+        } else {
+            tracing::warn!("the data position cannot carry over to a new --seq-len: the data order restarts from the beginning");
+        }
+        self.rng = Rng { state: st.rng };
+        self.step = st.step;
+        self.tokens_seen = st.tokens_seen;
+        self.skipped_total = st.skipped_steps;
+        self.skipped_in_a_row = 0;
+
+        let run_dir = run_dir_of(&dir);
+        let (lines, _) = match &run_dir {
+            Some(r) => crate::run_dir::read_metrics(r, st.step)?,
+            None => (Vec::new(), 0),
+        };
+        self.history = lines.iter().filter_map(|l| Some((l.step as f64, l.loss?))).collect();
+        self.val_history = lines.iter().filter_map(|l| Some((l.step as f64, l.val_loss?))).collect();
+        self.resumed = Some(Resumed { run_dir, step: st.step, metrics: lines.into_iter().map(|l| l.raw).collect() });
+        Ok(())
+    }
+}
+
+/// `field: checkpoint A, this run B` for every model field that differs (the stored dtype is
+/// not part of the model).
+pub fn config_diff(saved: &LlamaConfig, current: &LlamaConfig) -> Vec<String> {
+    let (a, b) = (saved.to_json_value("float32"), current.to_json_value("float32"));
+    let (Some(a), Some(b)) = (a.as_object(), b.as_object()) else { return vec!["config.json is not an object".into()] };
+    let mut out = Vec::new();
+    for (k, va) in a {
+        let vb = b.get(k).cloned().unwrap_or_default();
+        if *va != vb && k != "initializer_range" {
+            out.push(format!("{k}: checkpoint {va}, this run {vb}"));
+        }
+    }
+    out
+}
+
+/// Sentences for each training option that differs between a checkpoint and this run.
+pub fn option_changes(old: &TrainOptions, new: &TrainOptions) -> Vec<String> {
+    let mut out = Vec::new();
+    let mut cmp = |name: &str, a: String, b: String, note: &str| {
+        if a != b {
+            out.push(format!("{name} {a} -> {b}{note}"));
+        }
+    };
+    cmp("--steps", old.steps.to_string(), new.steps.to_string(), " (the learning-rate schedule is reshaped to the new length)");
+    cmp("--batch-size", old.batch_size.to_string(), new.batch_size.to_string(), "");
+    cmp("--seq-len", old.seq_len.to_string(), new.seq_len.to_string(), "");
+    cmp("--grad-accum", old.grad_accum.to_string(), new.grad_accum.to_string(), "");
+    cmp("--lr", old.lr.to_string(), new.lr.to_string(), "");
+    cmp("min_lr", old.min_lr.to_string(), new.min_lr.to_string(), "");
+    cmp("warmup_steps", old.warmup_steps.to_string(), new.warmup_steps.to_string(), "");
+    cmp("weight_decay", old.weight_decay.to_string(), new.weight_decay.to_string(), "");
+    cmp("grad_clip", old.grad_clip.to_string(), new.grad_clip.to_string(), "");
+    cmp("--seed", old.seed.to_string(), new.seed.to_string(), " (the data order of the checkpoint is kept)");
+    out
+}
