@@ -12,9 +12,10 @@ use clap::Parser;
 use ferrolm::cli::{env_help, positive, LogArgs, Tool, ENV_CALLER_RESOLVE_HELP, ENV_COMMON};
 use ferrolm::nn::optim::AdamWConfig;
 use ferrolm::nn::{Llama, LlamaConfig};
+use ferrolm::planner::cost::{Link, LinkModel};
+use ferrolm::planner::step::{evaluate, search};
+use ferrolm::planner::{Cluster, ModelShape, Workload};
 use ferrolm::{AnyResult, DType, Device, Tensor};
-use ferrolm_dist::cost::{Link, LinkModel};
-use ferrolm_dist::plan::{evaluate, search, Cluster, ModelShape, Workload};
 use ferrolm_dist::zero::{Placement, ShardSpec, Zero};
 use ferrolm_dist::{CommOptions, Communicator, DeviceMesh, SimLink, ThreadComm};
 use ferrolm_tensor::Rng;
@@ -111,7 +112,7 @@ fn measure(a: &Args, cfg: &LlamaConfig, spec: ShardSpec, link: Option<LinkModel>
         let x = Tensor::from_vec(ids[d * rows..(d + 1) * rows].to_vec(), [a.batch_size, a.seq_len], Device::Cpu)?;
         let mut m = Llama::new(cfg.clone(), DType::F32, Device::Cpu, &mut Rng::new(1))?;
         let mut z = Zero::new(&mut m, mesh, spec, None, AdamWConfig::default(), Placement::Device)?;
-        ferrolm::autoconfig::trial::time_zero_steps(&m, &mut z, comm.as_ref(), &x, a.grad_accum, a.steps)
+        ferrolm::planner::calibrate::time_zero_steps(&m, &mut z, comm.as_ref(), &x, a.grad_accum, a.steps)
     })?;
     Ok(out.into_iter().fold((0.0, 0.0), |m, r| (m.0.max(r.0), m.1.max(r.1))))
 }
@@ -161,19 +162,9 @@ fn run(a: Args) -> AnyResult<()> {
     let tokens_per_rank = (a.batch_size * a.seq_len * a.grad_accum) as f64;
     let flops = shape.flops_per_token(a.seq_len) * tokens_per_rank / (t_plain - t_update - plain_sent * comm_cpu_s_per_byte).max(1e-3);
     let update_s_per_elem = t_update / shape.params() as f64;
-    let cluster = Cluster {
-        gpus: world,
-        gpus_per_node: a.ranks_per_node,
-        mem_bytes: a.mem_cap_mib * (1u64 << 20) as f64,
-        link,
-        flops,
-        peak_flops: flops,
-        margin: 0.0,
-        interference: 0.0, // the simulated link sleeps: it takes nothing from compute
-        update_s_per_elem,
-        comm_cpu_s_per_byte,
-        comm_buffer_bytes: 0.0,
-    };
+    // The simulated link sleeps: it takes nothing from compute (thread ranks: no interference).
+    let measured = ferrolm::planner::calibrate::Calibration { flops, update_s_per_elem, comm_cpu_s_per_byte };
+    let cluster = Cluster::thread_ranks(world, a.ranks_per_node, a.mem_cap_mib * (1u64 << 20) as f64, link, &measured, 0.0);
     let caller = ferrolm_dist::thread::caller_resolve_from_env()?;
     eprintln!(
         "bench_zero: pending collective inputs are waited for on the {} ({}={})",

@@ -2,19 +2,22 @@
 //!
 //! This facade re-exports the workspace crates and holds what needs all of them: the
 //! training loop (`train`), its run directories (`run_dir`), the command-line tools (`cli`) and
-//! what they share: logs (`logging`), progress bars (`progress`), the loss curve (`plot`) and a
-//! memory estimate (`memory`).
+//! what they share: logs (`logging`), progress bars (`progress`), the loss curve (`plot`); and
+//! the performance model (`planner`: cluster, memory estimator, step time, search, calibration)
+//! that `plan`, `autoconfig` and the training tools' memory check share.
 pub mod alloc;
 pub mod autoconfig;
 pub mod checkpoint;
 pub mod cli;
+pub mod eval;
 pub mod logging;
-pub mod memory;
 pub mod parallel;
+pub mod planner;
 pub mod plot;
 pub mod profile;
 pub mod progress;
 pub mod run_dir;
+pub mod shards;
 pub mod train;
 
 pub use ferrolm_data as data;

@@ -1,6 +1,6 @@
 //! Running a tool on several ranks: [`launch`] starts them, [`attach`] wires tensor parallelism
 //! and the training engine onto a model from outside. The layout comes from the parallel flags
-//! (`cli::ParallelArgs::layout`) as a plain [`Layout`].
+//! (`cli::ParallelArgs::layout`) as a plain [`Parallelism`].
 //!
 //! Where the ranks come from:
 //! - a torchrun / srun / mpirun environment (`WORLD_SIZE` > 1): one process per GPU, NCCL. The
@@ -16,14 +16,13 @@ use anyhow::{bail, Context};
 use ferrolm_dist::offload::OffloadConfig;
 use ferrolm_dist::tp::{parallelize, TpLayout};
 use ferrolm_dist::zero::{GradReduceDtype, Placement, ShardSpec, Zero};
-use ferrolm_dist::{CommOptions, Communicator, DeviceMesh, DistEnv, ThreadComm};
+use ferrolm_dist::{CommOptions, DeviceMesh, DistEnv, ThreadComm};
 use ferrolm_nn::optim::AdamWConfig;
 use ferrolm_nn::Llama;
 use ferrolm_tensor::Device;
-use std::sync::Arc;
 use std::time::Duration;
 
-pub type Comm = Arc<dyn Communicator>;
+pub use ferrolm_dist::comm::Comm;
 
 /// Environment variable: `1` takes the multi-process path (`NcclComm`) also at a world size of
 /// one under a launcher, so a single GPU exercises NCCL end to end.
@@ -34,7 +33,7 @@ pub const ENV_PREPARE_TIMEOUT: &str = "FERROLM_PREPARE_TIMEOUT";
 
 /// How a run is laid out over ranks.
 #[derive(Clone, Debug, PartialEq)]
-pub struct Layout {
+pub struct Parallelism {
     pub tp: usize,
     pub dp: usize,
     pub spec: ShardSpec,
@@ -46,10 +45,10 @@ pub struct Layout {
     pub grad_reduce: GradReduceDtype,
 }
 
-impl Layout {
+impl Parallelism {
     /// One device.
-    pub fn single() -> Layout {
-        Layout {
+    pub fn single() -> Parallelism {
+        Parallelism {
             tp: 1,
             dp: 1,
             spec: ShardSpec { params: 1, grads: 1, optim: 1 },
@@ -65,8 +64,8 @@ impl Layout {
 
     /// The layout as the memory estimator reads it (thread ranks unless a launcher started
     /// processes).
-    pub fn mem_layout(&self, checkpointing: bool) -> AnyResult<crate::memory::MemLayout> {
-        Ok(crate::memory::MemLayout {
+    pub fn mem_layout(&self, checkpointing: bool) -> AnyResult<crate::planner::memory::MemParallelism> {
+        Ok(crate::planner::memory::MemParallelism {
             tp: self.tp,
             dp: self.dp,
             spec: self.spec,
@@ -102,7 +101,7 @@ pub fn load_for_inference(
     dtype: ferrolm_tensor::DType,
     device: Device,
     comm: Option<Comm>,
-    layout: &Layout,
+    layout: &Parallelism,
 ) -> AnyResult<Llama> {
     let mut model = Llama::from_pretrained(dir, dtype, device).with_context(|| format!("cannot load the model in {}", dir.display()))?;
     if let Some(c) = comm {
@@ -115,7 +114,7 @@ pub fn load_for_inference(
 /// once before (on rank 0 first, then on the other processes of a multi-process run, so shared
 /// caches are built once); its result is shared by the thread ranks.
 pub fn launch<P, T>(
-    layout: &Layout,
+    layout: &Parallelism,
     device: Device,
     prepare: impl Fn() -> AnyResult<P>,
     per_rank: impl Fn(&P, Option<Comm>) -> AnyResult<T> + Sync,
@@ -200,7 +199,7 @@ fn drill_delay() -> AnyResult<()> {
 /// This rank's training engine for `model` (built whole, the same on every rank): tensor
 /// parallelism first, then its parameters move into the engine's store, sharded as the flags
 /// say. Without a communicator (one device) the engine spans a world of one.
-pub fn attach(model: &mut Llama, comm: Option<Comm>, layout: &Layout, cfg: AdamWConfig) -> AnyResult<Zero> {
+pub fn attach(model: &mut Llama, comm: Option<Comm>, layout: &Parallelism, cfg: AdamWConfig) -> AnyResult<Zero> {
     let placement = match &layout.offload {
         Some(o) => Placement::Offload(o),
         None => Placement::Device,
@@ -221,7 +220,7 @@ pub fn attach(model: &mut Llama, comm: Option<Comm>, layout: &Layout, cfg: AdamW
 }
 
 /// Tensor parallelism only (inference: eval, generate).
-pub fn tensor_parallel(model: &mut Llama, comm: Comm, layout: &Layout) -> AnyResult<(DeviceMesh, Option<TpLayout>)> {
+pub fn tensor_parallel(model: &mut Llama, comm: Comm, layout: &Parallelism) -> AnyResult<(DeviceMesh, Option<TpLayout>)> {
     if layout.dp != 1 || layout.spec != ShardSpec::zero(0, 1)? {
         bail!("this tool runs tensor parallelism only: drop --dp and the sharding flags");
     }

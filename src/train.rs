@@ -79,8 +79,8 @@ impl TrainOptions {
         }
     }
     /// The batch shape, as the memory estimator reads it.
-    pub fn shape(&self) -> crate::memory::RunShape {
-        crate::memory::RunShape { batch_size: self.batch_size, seq_len: self.seq_len, grad_accum: self.grad_accum }
+    pub fn shape(&self) -> crate::planner::memory::RunShape {
+        crate::planner::memory::RunShape { batch_size: self.batch_size, seq_len: self.seq_len, grad_accum: self.grad_accum }
     }
 
     /// Sizes positive, rates finite and not negative; the error names the flag.
@@ -197,8 +197,8 @@ impl Trainer {
         out_dir: &Path,
     ) -> AnyResult<Trainer> {
         opts.validate()?; // the memory check needs valid options; `with_engine` checks the rest
-        let layout = crate::memory::MemLayout::single(model.activation_checkpointing());
-        crate::memory::check_layout(model.config(), model.dtype(), model.device(), &opts.shape(), &layout)?;
+        let layout = crate::planner::memory::MemParallelism::single(model.activation_checkpointing());
+        crate::planner::memory::check_layout(model.config(), model.dtype(), model.device(), &opts.shape(), &layout)?;
         let engine = Zero::single(&mut model, Self::adamw_config(&opts), Placement::Device)?;
         Self::with_engine(model, Box::new(engine), train_shards, val_shards, opts, out_dir)
     }

@@ -5,14 +5,15 @@
 mod common;
 use common::*;
 use ferrolm::autoconfig::trial::TrainConfig;
-use ferrolm::autoconfig::{days_for, hyper_params, params_from_budget, search, shape_for_params, Budget, SearchSpace};
+use ferrolm::autoconfig::{days_for, hyper_params, params_from_budget, shape_for_params, Budget};
 use ferrolm::cli::autoconfig::{autoconfig, AutoconfigArgs};
 use ferrolm::cli::parse_from;
 use ferrolm::cli::pretrain::{apply_config_from, PretrainArgs};
 use ferrolm::cli::ComputeDtype;
-use ferrolm_dist::cost::{Link, LinkModel};
+use ferrolm::planner::cost::{Link, LinkModel};
+use ferrolm::planner::layouts::{search, Candidate, OffloadRates, SearchSpace};
+use ferrolm::planner::{Cluster, ModelShape};
 use ferrolm_dist::offload::GpuEvery;
-use ferrolm_dist::plan::{Cluster, ModelShape};
 
 #[test]
 fn size_from_budget_matches_hand_computed_cases() {
@@ -66,7 +67,7 @@ fn gpu_cluster(gpus: usize, mem_gib: f64) -> Cluster {
         interference: 0.2,
         update_s_per_elem: 28.0 / 2e12,
         comm_cpu_s_per_byte: 0.0,
-        comm_buffer_bytes: ferrolm_dist::plan::NCCL_BYTES_PER_COMMUNICATOR,
+        comm_buffer_bytes: ferrolm::planner::NCCL_BYTES_PER_COMMUNICATOR,
     }
 }
 
@@ -80,6 +81,7 @@ fn space(seq: usize, global: usize) -> SearchSpace {
         offload: None,
         ladder_layers: None,
         elem_bytes: 2,
+        grad_reduce: Default::default(),
         workspace_bytes: 1e9,
         flops_by_micro_batch: Vec::new(),
     }
@@ -127,11 +129,11 @@ fn ladder_hides_tensor_parallel_all_reduces_and_offload_frees_device_memory() {
     let (plain, _) = search(&m, &c, &s);
     s.ladder_layers = Some(m.layers);
     let (ladder, _) = search(&m, &c, &s);
-    let tp4 = |v: &[ferrolm::autoconfig::Candidate]| v.iter().find(|k| k.tp == 4).cloned().unwrap();
+    let tp4 = |v: &[Candidate]| v.iter().find(|k| k.tp == 4).cloned().unwrap();
     let (p, l) = (tp4(&plain), tp4(&ladder));
     assert!(p.tp_comm_s > 0.0 && l.tp_comm_s < p.tp_comm_s, "{} vs {}", l.tp_comm_s, p.tp_comm_s);
     s.ladder_layers = None;
-    s.offload = Some(ferrolm::autoconfig::OffloadRates {
+    s.offload = Some(OffloadRates {
         cpu_adam_elems_per_s: 1e9,
         gpu_adam_elems_per_s: 7e10,
         h2d_bytes_per_s: 25e9,
@@ -197,6 +199,8 @@ fn end_to_end_trials_pick_the_fastest_measured_and_round_trip_into_pretrain() {
     assert_eq!((a.train.batch_size, a.train.grad_accum, a.train.seq_len, a.train.lr), (file.batch_size, file.grad_accum, 32, file.lr));
     assert_eq!(Some(a.config.clone()), file.config);
     assert_eq!(file.dtype.as_deref(), Some("f32"), "a CPU target sizes and runs in f32");
+    assert_eq!(file.grad_reduce_dtype.as_deref(), Some("f32"), "the layouts were priced with f32 gradients");
+    assert_eq!(a.train.parallel.grad_reduce_dtype.to_string(), "f32");
     assert_eq!(a.train.device.dtype, Some(ComputeDtype::F32));
     assert_eq!(p(&["--batch-size=3"]).train.batch_size, 3);
 
@@ -254,6 +258,13 @@ fn config_from_rejects_bad_files_naming_them() {
         assert!(a.train.parallel.offload_optimizer);
         assert_eq!(a.train.parallel.offload_gpu_every, want, "{every}");
     }
+    // The gradient dtype the layout was priced in fills --grad-reduce-dtype; a bad one is named.
+    std::fs::write(&f, format!("{{{good},\"grad_reduce_dtype\":\"bf16\"}}")).unwrap();
+    let a = apply_config_from(parse_from(["pretrain_llama", "--config-from", f.to_str().unwrap()]).unwrap()).unwrap();
+    assert_eq!(a.train.parallel.grad_reduce_dtype.to_string(), "bf16");
+    let given = ["pretrain_llama", "--config-from", f.to_str().unwrap(), "--grad-reduce-dtype=f32"];
+    assert_eq!(apply_config_from(parse_from(given).unwrap()).unwrap().train.parallel.grad_reduce_dtype.to_string(), "f32");
+    assert!(run(&format!("{{{good},\"grad_reduce_dtype\":\"f16\"}}")).contains("grad_reduce_dtype"));
     // The dtype the layout was sized for fills --dtype, unless --dtype is given; a bad one is named.
     std::fs::write(&f, format!("{{{good},\"dtype\":\"bf16\"}}")).unwrap();
     let a = apply_config_from(parse_from(["pretrain_llama", "--config-from", f.to_str().unwrap()]).unwrap()).unwrap();
@@ -290,7 +301,9 @@ fn help_lists_every_flag_with_its_default() {
 
 #[test]
 fn planner_counts_nccl_buffers_per_communicator() {
-    use ferrolm_dist::plan::{communicators, evaluate, Workload, NCCL_BYTES_PER_COMMUNICATOR};
+    use ferrolm::planner::step::evaluate;
+    use ferrolm::planner::{Workload, NCCL_BYTES_PER_COMMUNICATOR};
+    use ferrolm_dist::zero::groups::communicators;
     use ferrolm_dist::zero::ShardSpec;
     let m = ModelShape::preset("7b").unwrap();
     let w =

@@ -6,9 +6,11 @@
 mod common;
 use clap::error::ErrorKind;
 use common::*;
+use ferrolm::cli::autoconfig::AutoconfigArgs;
 use ferrolm::cli::eval::EvalArgs;
 use ferrolm::cli::finetune::FinetuneArgs;
 use ferrolm::cli::generate::GenerateArgs;
+use ferrolm::cli::plan::PlanArgs;
 use ferrolm::cli::prepare::{PrepareDataArgs, TrainTokenizerArgs};
 use ferrolm::cli::pretrain::PretrainArgs;
 use ferrolm::cli::{error_report, parse_from, run_tool, BenchCudaArgs, Tool};
@@ -43,6 +45,13 @@ fn tools() -> Vec<(&'static str, clap::Command, Vec<&'static str>)> {
         ("prepare_data", PrepareDataArgs::cli(), vec!["Tokenize text", "RUST_LOG"]),
         ("train_tokenizer", TrainTokenizerArgs::cli(), vec!["byte-level BPE", "RUST_LOG"]),
         ("bench_cuda", BenchCudaArgs::cli(), vec!["Benchmark every CUDA kernel", "FERROLM_REQUIRE_GPU", "OUT"]),
+        // The two tools that model a cluster take the same cluster flags and --grad-reduce-dtype.
+        ("plan", PlanArgs::cli(), vec!["Rank every valid", "--inter-gb-s", "--interference", "--grad-reduce-dtype", "RUST_LOG"]),
+        (
+            "autoconfig",
+            AutoconfigArgs::cli(),
+            vec!["Pick a model size", "--inter-gb-s", "--interference", "--grad-reduce-dtype", "RUST_LOG"],
+        ),
     ]
 }
 

@@ -1,4 +1,4 @@
-//! The memory estimator (`ferrolm::memory::estimate`) against the measured tensor-bytes peak
+//! The memory estimator (`ferrolm::planner::memory::estimate`) against the measured tensor-bytes peak
 //! (`ferrolm_tensor::peak_bytes`) of real CPU training steps: one device with and without
 //! activation checkpointing, and four thread ranks under several ShardSpecs (ZeRO-0/1/2/3,
 //! MiCS) with checkpointing on and off and with gradient accumulation. Within 10% each. One
@@ -8,9 +8,9 @@
 //! The peak counter is process-wide, so everything runs in this one test (its own binary); four
 //! thread ranks run in lockstep (every micro-batch ends in collectives), so their common peak
 //! is four times one rank's.
-use ferrolm::memory::{estimate, MemLayout};
 use ferrolm::nn::optim::AdamWConfig;
 use ferrolm::nn::{Llama, LlamaConfig};
+use ferrolm::planner::memory::{estimate, MemParallelism};
 use ferrolm::{DType, Device, Tensor};
 use ferrolm_dist::zero::{Placement, ShardSpec, Zero};
 use ferrolm_dist::{CommOptions, DeviceMesh, ThreadComm, TrainEngine};
@@ -92,15 +92,15 @@ fn estimate_is_within_ten_percent_of_the_measured_peak() {
     let deep = case(128, 320, 3, 4, 64);
     let wide = case(256, 640, 2, 2, 128);
     let mut rows = Vec::new();
-    let predict_as = |c: &Case, dtype: DType, accum: usize, l: &MemLayout| {
+    let predict_as = |c: &Case, dtype: DType, accum: usize, l: &MemParallelism| {
         estimate(&c.cfg, dtype, Device::Cpu, c.batch, c.seq, accum, l).unwrap().total()
     };
-    let predict = |c: &Case, accum: usize, l: &MemLayout| predict_as(c, DType::F32, accum, l);
+    let predict = |c: &Case, accum: usize, l: &MemParallelism| predict_as(c, DType::F32, accum, l);
     for (name, c) in [("deep", &deep), ("wide", &wide)] {
         for ck in [false, true] {
             rows.push((
                 format!("{name} single device, checkpointing {ck}"),
-                predict(c, 1, &MemLayout::single(ck)),
+                predict(c, 1, &MemParallelism::single(ck)),
                 single(c, DType::F32, ck),
             ));
         }
@@ -113,7 +113,7 @@ fn estimate_is_within_ten_percent_of_the_measured_peak() {
     let mut bf16_rows = Vec::new();
     for (name, c) in [("deep", &deep), ("wide", &wide), ("tiny", &tiny)] {
         for ck in [false, true] {
-            let (p, m) = (predict_as(c, DType::BF16, 1, &MemLayout::single(ck)), single(c, DType::BF16, ck));
+            let (p, m) = (predict_as(c, DType::BF16, 1, &MemParallelism::single(ck)), single(c, DType::BF16, ck));
             bf16_rows.push((format!("{name} single device bf16, checkpointing {ck}"), p, m));
         }
     }
@@ -140,7 +140,7 @@ fn estimate_is_within_ten_percent_of_the_measured_peak() {
     runs.push(("wide ZeRO-3", &wide, ShardSpec::zero(3, 4).unwrap(), true, 1));
     for (name, c, spec, ck, accum) in runs {
         let measured = dist(c, spec, ck, accum);
-        let layout = MemLayout {
+        let layout = MemParallelism {
             tp: 1,
             dp: 4,
             spec,
@@ -172,16 +172,18 @@ fn estimate_is_within_ten_percent_of_the_measured_peak() {
 #[test]
 fn a_run_that_cannot_fit_is_refused_with_the_numbers() {
     let c = case(128, 320, 3, 4, 64);
-    let avail = ferrolm::memory::available_host_bytes().expect("/proc/meminfo") as f64;
+    let avail = ferrolm::planner::memory::available_host_bytes().expect("/proc/meminfo") as f64;
     // Enough sequences of 256 tokens that the activations alone exceed what the host has.
-    let per_token = estimate(&c.cfg, DType::F32, Device::Cpu, 1, 256, 1, &MemLayout::single(false)).unwrap().activations / 256.0;
+    let per_token = estimate(&c.cfg, DType::F32, Device::Cpu, 1, 256, 1, &MemParallelism::single(false)).unwrap().activations / 256.0;
     let batch = (2.0 * avail / per_token / 256.0).ceil() as usize;
-    let opts = ferrolm::memory::RunShape { batch_size: batch, seq_len: 256, grad_accum: 1 };
-    let err = ferrolm::memory::check_layout(&c.cfg, DType::F32, Device::Cpu, &opts, &MemLayout::single(false)).unwrap_err().to_string();
+    let opts = ferrolm::planner::memory::RunShape { batch_size: batch, seq_len: 256, grad_accum: 1 };
+    let err = ferrolm::planner::memory::check_layout(&c.cfg, DType::F32, Device::Cpu, &opts, &MemParallelism::single(false))
+        .unwrap_err()
+        .to_string();
     assert!(err.contains(&format!("--batch-size {batch}")) && err.contains("needs about") && err.contains("activations"), "{err}");
     // Small enough: accepted, and the prediction comes back.
-    let ok = ferrolm::memory::RunShape { batch_size: 4, ..opts };
-    let m = ferrolm::memory::check_layout(&c.cfg, DType::F32, Device::Cpu, &ok, &MemLayout::single(true)).unwrap();
+    let ok = ferrolm::planner::memory::RunShape { batch_size: 4, ..opts };
+    let m = ferrolm::planner::memory::check_layout(&c.cfg, DType::F32, Device::Cpu, &ok, &MemParallelism::single(true)).unwrap();
     assert!(m.total() > m.states());
 }
 
@@ -190,14 +192,14 @@ fn a_run_that_cannot_fit_is_refused_with_the_numbers() {
 /// optimizer states stay. Pure arithmetic: no tensors, so it does not disturb the peak above.
 #[test]
 fn f32_main_gradients_cost_two_more_bytes_per_gradient_element() {
-    use ferrolm_dist::plan::ModelShape;
+    use ferrolm::planner::ModelShape;
     use ferrolm_dist::zero::GradReduceDtype;
     let c = case(64, 128, 2, 2, 32);
     let buckets = ModelShape::from_config(&c.cfg, "run").bucket_params(1);
     let n: f64 = buckets.iter().sum::<u64>() as f64;
     let biggest = *buckets.iter().max().unwrap() as f64;
     for (dp, spec, accum) in [(1, ShardSpec::zero(0, 1).unwrap(), 1), (4, ShardSpec::zero(2, 4).unwrap(), 2)] {
-        let l = |g| MemLayout { dp, spec, grad_reduce: g, ..MemLayout::single(false) };
+        let l = |g| MemParallelism { dp, spec, grad_reduce: g, ..MemParallelism::single(false) };
         let a = estimate(&c.cfg, DType::BF16, Device::Cpu, c.batch, c.seq, accum, &l(GradReduceDtype::F32)).unwrap();
         let b = estimate(&c.cfg, DType::BF16, Device::Cpu, c.batch, c.seq, accum, &l(GradReduceDtype::Bf16)).unwrap();
         let (sg, so) = (spec.grads as f64, spec.optim as f64);
@@ -224,8 +226,8 @@ fn f32_main_gradients_cost_two_more_bytes_per_gradient_element() {
 /// no NCCL) count none. Pure arithmetic, like the test above.
 #[test]
 fn nccl_buffers_are_counted_per_communicator_on_multi_rank_gpu_runs() {
-    use ferrolm::memory::CUDA_WORKSPACE_BYTES;
-    use ferrolm_dist::plan::NCCL_BYTES_PER_COMMUNICATOR;
+    use ferrolm::planner::memory::CUDA_WORKSPACE_BYTES;
+    use ferrolm::planner::NCCL_BYTES_PER_COMMUNICATOR;
     assert_eq!(NCCL_BYTES_PER_COMMUNICATOR, 128.0 * 1024.0 * 1024.0);
     let c = case(64, 128, 2, 2, 32); // 4 heads, 2 key/value heads
     let spec = |p, g, o| ShardSpec { params: p, grads: g, optim: o };
@@ -241,11 +243,11 @@ fn nccl_buffers_are_counted_per_communicator_on_multi_rank_gpu_runs() {
         (4, 1, spec(1, 1, 1), 2), // world (= tp), the two ranks sharing a key/value head
     ];
     for (tp, dp, s, n) in cases {
-        let l = MemLayout { tp, dp, spec: s, ..MemLayout::single(false) };
-        let at = |device, l: &MemLayout| estimate(&c.cfg, DType::F32, device, c.batch, c.seq, 1, l).unwrap().workspace;
+        let l = MemParallelism { tp, dp, spec: s, ..MemParallelism::single(false) };
+        let at = |device, l: &MemParallelism| estimate(&c.cfg, DType::F32, device, c.batch, c.seq, 1, l).unwrap().workspace;
         let want = CUDA_WORKSPACE_BYTES + n as f64 * NCCL_BYTES_PER_COMMUNICATOR;
         assert_eq!(at(gpu, &l), want, "tp {tp} dp {dp} {s}: {n} communicators");
-        assert_eq!(at(gpu, &MemLayout { thread_ranks: true, ..l }), CUDA_WORKSPACE_BYTES, "tp {tp} dp {dp} {s}: thread ranks");
+        assert_eq!(at(gpu, &MemParallelism { thread_ranks: true, ..l }), CUDA_WORKSPACE_BYTES, "tp {tp} dp {dp} {s}: thread ranks");
         assert_eq!(at(Device::Cpu, &l), 0.0, "tp {tp} dp {dp} {s}: CPU");
     }
 }

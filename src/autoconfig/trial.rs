@@ -1,127 +1,48 @@
-//! Measured trials on CPU thread ranks behind a simulated two-level link: the calibration the
-//! analytic model needs (compute throughput, the optimizer's rate, the thread communicator's
-//! CPU cost per byte, as `examples/bench_zero.rs` calibrates them), a few steps of a candidate
-//! with the real trainer, and the `train_config.json` that `pretrain_llama --config-from` reads.
-use super::Candidate;
-use crate::nn::optim::AdamWConfig;
+//! Measured trials on CPU thread ranks behind a simulated two-level link: a few steps of a
+//! candidate with the real trainer (the calibration the analytic model needs is
+//! `planner::calibrate`), and the `train_config.json` that `pretrain_llama --config-from` reads.
 use crate::nn::remat::apply_activation_checkpointing;
 use crate::nn::{Llama, LlamaConfig};
-use crate::parallel::Layout;
+use crate::parallel::Parallelism;
+use crate::planner::cost::LinkModel;
+use crate::planner::layouts::Candidate;
 use crate::train::{TrainOptions, Trainer};
-use crate::{AnyResult, DType, Device, Tensor};
+use crate::{AnyResult, DType, Device};
 use anyhow::Context;
-use ferrolm_dist::cost::LinkModel;
-use ferrolm_dist::plan::ModelShape;
-use ferrolm_dist::zero::{Placement, ShardSpec, Zero};
-use ferrolm_dist::{CommOptions, Communicator, DeviceMesh, ReduceOp, SimLink, ThreadComm, TrainEngine};
+use ferrolm_dist::zero::GradReduceDtype;
+use ferrolm_dist::{CommOptions, Communicator, SimLink, ThreadComm};
 use ferrolm_tensor::Rng;
 use serde::{Deserialize, Serialize};
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::time::Instant;
 
-/// What the analytic model needs from this machine.
-#[derive(Clone, Debug, Serialize)]
-pub struct Calibration {
-    /// FLOP/s one rank sustains on the model while every rank computes.
-    pub flops: f64,
-    pub update_s_per_elem: f64,
-    pub comm_cpu_s_per_byte: f64,
-}
-
 fn rank_err(e: anyhow::Error) -> ferrolm_tensor::Error {
     ferrolm_tensor::Error::new("trial", format!("{e:#}"))
-}
-
-/// Seconds of compute the thread communicator takes per byte a rank sends (all-reduces of 4
-/// MiB over every rank, no link).
-fn comm_cpu_cost(world: usize) -> AnyResult<f64> {
-    let per = ThreadComm::run(world, CommOptions::default(), |c| {
-        let x = Tensor::ones([1usize << 20], DType::F32, Device::Cpu)?;
-        c.all_reduce(&x, ReduceOp::Sum)?;
-        c.barrier()?;
-        let t0 = Instant::now();
-        for _ in 0..4 {
-            c.all_reduce(&x, ReduceOp::Sum)?;
-        }
-        let sent = 4.0 * 2.0 * (world as f64 - 1.0) / world as f64 * (4usize << 20) as f64;
-        Ok(t0.elapsed().as_secs_f64() / sent)
-    })?;
-    Ok(per.into_iter().fold(0.0, f64::max))
-}
-
-/// Times `steps` ZeRO steps of `grad_accum` micro-batches of `x` (inputs as targets) after one
-/// warm-up step; the medians of the step time and of its optimizer update, on this rank. Shared
-/// by the calibration here and `examples/bench_zero.rs`.
-pub fn time_zero_steps(
-    m: &Llama,
-    z: &mut Zero,
-    comm: &dyn Communicator,
-    x: &Tensor,
-    grad_accum: usize,
-    steps: usize,
-) -> ferrolm_tensor::Result<(f64, f64)> {
-    let (mut times, mut updates) = (Vec::new(), Vec::new());
-    for step in 0..=steps {
-        comm.barrier()?;
-        let t0 = Instant::now();
-        for k in 0..grad_accum {
-            z.micro_batch(k + 1 == grad_accum, &mut || m.loss(x, x)?.mul_scalar(1.0 / grad_accum as f64))?;
-        }
-        z.step(1e-4, 1.0, 0.0)?;
-        if step > 0 {
-            times.push(t0.elapsed().as_secs_f64());
-            updates.push(z.last_update_s);
-        }
-    }
-    times.sort_by(f64::total_cmp);
-    updates.sort_by(f64::total_cmp);
-    Ok((times[times.len() / 2], updates[updates.len() / 2]))
-}
-
-/// Calibrates on `world` thread ranks: plain data parallelism (every rank a whole model), no
-/// link, `micro_batch` sequences of `seq`, 3 timed steps after one warm-up (medians).
-pub fn calibrate(cfg: &LlamaConfig, world: usize, micro_batch: usize, seq: usize) -> AnyResult<Calibration> {
-    let comm_cpu_s_per_byte = comm_cpu_cost(world)?;
-    let spec = ShardSpec::zero(0, world)?;
-    let mut r = Rng::new(3);
-    let rows = micro_batch * seq;
-    let ids: Vec<i32> = (0..world * rows).map(|_| r.below(cfg.vocab_size as u64) as i32).collect();
-    let out = ThreadComm::run(world, CommOptions::default(), |comm| {
-        let mesh = DeviceMesh::new(comm.clone(), 1, world, world)?;
-        let dp_rank = mesh.dp_rank();
-        let mut m = Llama::new(cfg.clone(), DType::F32, Device::Cpu, &mut Rng::new(1))?;
-        let mut z = Zero::new(&mut m, mesh, spec, None, AdamWConfig::default(), Placement::Device)?;
-        let x = Tensor::from_vec(ids[dp_rank * rows..(dp_rank + 1) * rows].to_vec(), [micro_batch, seq], Device::Cpu)?;
-        let (t, upd) = time_zero_steps(&m, &mut z, comm.as_ref(), &x, 1, 3)?;
-        Ok((t, upd, z.bucket_numel()))
-    })?;
-    let (t, upd) = out.iter().fold((0.0f64, 0.0f64), |m, r| (m.0.max(r.0), m.1.max(r.1)));
-    let shape = ModelShape::from_config(cfg, "trial");
-    let buckets = &out[0].2;
-    let sent = ferrolm_dist::zero::traffic_bytes(spec, world, buckets, &vec![0; buckets.len()], 4, 1);
-    let compute = (t - upd - sent * comm_cpu_s_per_byte).max(1e-4);
-    Ok(Calibration {
-        flops: shape.flops_per_token(seq) * rows as f64 / compute,
-        update_s_per_elem: upd / shape.params() as f64,
-        comm_cpu_s_per_byte,
-    })
 }
 
 /// Where trials train.
 #[derive(Clone, Debug)]
 pub struct TrialSetup {
+    /// The model the trials build.
     pub cfg: LlamaConfig,
+    /// Token shards.
     pub train: Vec<PathBuf>,
     pub val: Vec<PathBuf>,
+    /// The simulated link the thread ranks talk over, `ranks_per_node` to a node.
     pub link: LinkModel,
     pub ranks_per_node: usize,
+    /// Tokens per sequence.
     pub seq: usize,
+    /// The recipe's peak learning rate.
     pub lr: f64,
     /// Timed steps (after one warm-up step).
     pub steps: usize,
     /// The trials' compute dtype (`--dtype`).
     pub dtype: DType,
+    /// The dtype gradients are reduced in (`--grad-reduce-dtype`), as the layouts were priced.
+    pub grad_reduce: GradReduceDtype,
+    /// Where each trial's run directory goes.
     pub out_dir: PathBuf,
 }
 
@@ -155,7 +76,7 @@ pub fn train_options(c: &Candidate, seq: usize, lr: f64, steps: usize) -> TrainO
 }
 
 /// The layout of a candidate.
-pub fn layout(c: &Candidate, ranks_per_node: usize) -> Layout {
+pub fn layout(c: &Candidate, ranks_per_node: usize, grad_reduce: GradReduceDtype) -> Parallelism {
     use ferrolm_dist::offload::{GpuEvery, OffloadConfig};
     let gpu_every = match c.offload_k {
         Some(0) => GpuEvery::Never,
@@ -163,7 +84,7 @@ pub fn layout(c: &Candidate, ranks_per_node: usize) -> Layout {
         None => GpuEvery::Auto,
     };
     let offload = c.offload_k.map(|_| OffloadConfig { subgroup: 10_000_000, gpu_every });
-    Layout { tp: c.tp, dp: c.dp, spec: c.spec, ranks_per_node, offload, grad_reduce: Default::default() }
+    Parallelism { tp: c.tp, dp: c.dp, spec: c.spec, ranks_per_node, offload, grad_reduce }
 }
 
 /// Runs `c` for one warm-up and `s.steps` timed steps with the real trainer on thread ranks
@@ -172,7 +93,7 @@ pub fn run_trial(s: &TrialSetup, c: &Candidate) -> AnyResult<Measured> {
     if c.offload_k.is_some() {
         anyhow::bail!("{}: optimizer offload is modelled only, not run on thread ranks", c.name());
     }
-    let par = layout(c, s.ranks_per_node);
+    let par = layout(c, s.ranks_per_node, s.grad_reduce);
     let world = par.world();
     let opts = train_options(c, s.seq, s.lr, s.steps + 1);
     let out = s.out_dir.join(c.name().replace([' ', '(', ')', ','], "_"));
@@ -239,6 +160,9 @@ pub struct TrainConfig {
     /// The compute dtype the layout was sized for (`--dtype`): "f32" or "bf16".
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub dtype: Option<String>,
+    /// The dtype the layout's gradients were priced in (`--grad-reduce-dtype`): "f32" or "bf16".
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub grad_reduce_dtype: Option<String>,
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub hyper_parameters: Option<serde_json::Value>,
     #[serde(default, skip_serializing_if = "Option::is_none")]
@@ -269,6 +193,7 @@ impl TrainConfig {
             offload_optimizer: c.offload_k.is_some(),
             offload_gpu_every: c.offload_k.map(|k| if k == 0 { serde_json::json!("inf") } else { serde_json::json!(k) }),
             dtype: None,
+            grad_reduce_dtype: None,
             hyper_parameters: None,
             predicted: Some(serde_json::json!({
                 "step_s": c.step_s, "tokens_per_s": c.tokens_per_s, "mfu": c.mfu, "mem_bytes_per_rank": c.mem.total(),

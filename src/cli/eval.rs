@@ -1,8 +1,7 @@
 //! `eval`: mean next-token cross-entropy of a checkpoint on a text file.
 use super::{env_help, positive, LogArgs, ModelRunArgs, Tool, ENV_COMMON, ENV_DEVICE, ENV_LAUNCH};
 use crate::data::Tokenizer;
-use crate::ops::Tokens;
-use crate::progress::{report, Progress};
+use crate::progress::report;
 use crate::{AnyResult, Device, Llama};
 use anyhow::{bail, Context};
 use clap::Parser;
@@ -48,7 +47,8 @@ pub fn run(a: EvalArgs) -> AnyResult<()> {
     })
 }
 
-/// Mean loss of `model` over every full window of `ids`; prints the result line.
+/// Checks the flags against the model and the text, scores it (`crate::eval::mean_loss`), and
+/// prints the result line.
 fn score(a: &EvalArgs, model: &Llama, tokenizer: &Tokenizer, ids: &[u32], device: Device) -> AnyResult<()> {
     let (dir, t, bs) = (&a.model, a.seq_len, a.batch_size);
     let tok_path = dir.join("tokenizer.json");
@@ -63,37 +63,19 @@ fn score(a: &EvalArgs, model: &Llama, tokenizer: &Tokenizer, ids: &[u32], device
     if t > model.config().max_position_embeddings {
         bail!("--seq-len {t} exceeds the model's max_position_embeddings {}", model.config().max_position_embeddings);
     }
-    let windows = if ids.len() > t { (ids.len() - 1) / t } else { 0 };
+    let windows = crate::eval::windows(ids.len(), t);
     if windows == 0 {
         bail!("{}: {} tokens do not fill one window of {} tokens (--seq-len {t} + 1)", a.text.display(), ids.len(), t + 1);
     }
     let Some(need) = bs.min(windows).checked_mul(t).and_then(|n| n.checked_mul(8)) else {
         bail!("--batch-size {bs} × --seq-len {t} overflows");
     };
-    if let Some(avail) = crate::memory::available_host_bytes() {
+    if let Some(avail) = crate::planner::memory::available_host_bytes() {
         if need as u64 > avail {
             bail!("--batch-size {bs} × --seq-len {t} needs {need} bytes for one batch, {avail} are available: lower --batch-size");
         }
     }
-    let _g = crate::tensor::no_grad();
-    let (mut sum, mut n) = (0.0f64, 0usize);
-    let bar = Progress::items((windows * t) as u64, "eval");
-    for start in (0..windows).step_by(bs) {
-        let b = bs.min(windows - start);
-        let (mut x, mut y) = (Vec::with_capacity(b * t), Vec::with_capacity(b * t));
-        for w in start..start + b {
-            let win = &ids[w * t..w * t + t + 1];
-            x.extend(win[..t].iter().map(|&v| v as i32));
-            y.extend(win[1..].iter().map(|&v| v as i32));
-        }
-        let xt = Tokens::upload(x, [b, t], device)?;
-        let yt = Tokens::upload(y, [b, t], device)?;
-        sum += model.loss(&xt, &yt)?.item()? * (b * t) as f64;
-        n += b * t;
-        bar.inc((b * t) as u64);
-    }
-    drop(bar);
-    let loss = sum / n as f64;
-    report(&format!("loss {loss:.6} ppl {:.4} tokens {n}", loss.exp()));
+    let s = crate::eval::mean_loss(model, ids, t, bs, device)?;
+    report(&format!("loss {:.6} ppl {:.4} tokens {}", s.loss, s.perplexity(), s.tokens));
     Ok(())
 }

@@ -3,7 +3,7 @@
 //! blocks read the residual stream one branch late. The validation loss is reported for the
 //! plain model, for the converted one before training and after it; checkpoints are written in
 //! the paper's released format (`model_type: "llamaLadder"`, `ladder_layers`).
-use super::pretrain::{preflight, token_data_with};
+use super::pretrain::preflight;
 use super::{env_help, LogArgs, Tool, TrainArgs, TrainData, ENV_COMMON, ENV_DEVICE, ENV_LAUNCH, ENV_TRAIN};
 use crate::data::Tokenizer;
 use crate::nn::LadderLayers;
@@ -69,12 +69,12 @@ fn prepare(args: &FinetuneArgs) -> AnyResult<Prepared> {
     let tokenizer = Tokenizer::from_file(&tok_path).with_context(|| format!("cannot load the tokenizer {}", tok_path.display()))?;
     super::pretrain::check_vocab(&tokenizer, &tok_path, cfg.vocab_size, &dir.join("config.json").display().to_string())?;
     let data = a.data.clone().unwrap_or_else(|| super::bundled("data/corpus"));
-    let (shards, train, val) = token_data_with(&data, &tokenizer, &tok_path, &a.records)?;
+    let (shards, train, val) = crate::shards::token_data_with(&data, &tokenizer, &tok_path, &a.records.options())?;
     let opts = checked.options();
     check_validation_data(&val, opts.batch_size, opts.seq_len).with_context(|| format!("{}", shards.display()))?;
     let layout = a.parallel.layout()?.mem_layout(a.activation_checkpointing)?;
-    let mem = crate::memory::check_layout(&cfg, dtype, device, &opts.shape(), &layout)?;
-    report(&format!("memory: predicted peak {}", crate::memory::describe(&mem)));
+    let mem = crate::planner::memory::check_layout(&cfg, dtype, device, &opts.shape(), &layout)?;
+    report(&format!("memory: predicted peak {}", crate::planner::memory::describe(&mem)));
     Ok(Prepared { data: TrainData { device, dtype, tok_path, train, val }, ladder })
 }
 

@@ -8,10 +8,12 @@
 //! print their whole chain of causes (`error: cannot open data directory foo: No such file or
 //! directory (os error 2)`) and exit with 1.
 pub mod autoconfig;
+pub mod cluster;
 pub mod eval;
 pub mod finetune;
 pub mod generate;
 pub mod parallel;
+pub mod plan;
 pub mod prepare;
 pub mod pretrain;
 
@@ -79,8 +81,6 @@ pub fn main_with<A: Tool>(run: impl FnOnce(A) -> AnyResult<()>) -> ! {
     std::process::exit(run_tool(std::env::args_os(), run))
 }
 
-/// `error: what failed: why: root cause` on one line, as a user sees it.
-/// The tokenizer of a model directory (eval, generate), with errors naming the directory or file.
 /// What every rank of a training tool shares after preparation: the device and dtype, the
 /// tokenizer file and the token shards.
 pub(crate) struct TrainData {
@@ -145,6 +145,7 @@ impl ModelRunArgs {
     }
 }
 
+/// The tokenizer of a model directory (eval, generate), with errors naming the directory or file.
 pub fn model_dir_tokenizer(dir: &std::path::Path) -> AnyResult<crate::data::Tokenizer> {
     use anyhow::Context;
     std::fs::metadata(dir).with_context(|| format!("cannot open the model directory {}", dir.display()))?;
@@ -152,6 +153,7 @@ pub fn model_dir_tokenizer(dir: &std::path::Path) -> AnyResult<crate::data::Toke
     crate::data::Tokenizer::from_file(&tok_path).with_context(|| format!("cannot load the tokenizer {}", tok_path.display()))
 }
 
+/// `error: what failed: why: root cause` on one line, as a user sees it.
 pub fn error_report(e: &anyhow::Error) -> String {
     format!("error: {e:#}")
 }
@@ -311,14 +313,14 @@ impl ComputeDtype {
 }
 
 impl DeviceArgs {
-    /// The device, its backend started. In a multi-process run (torchrun's `WORLD_SIZE` > 1)
-    /// `cuda` (or no flag) means this process's GPU: `cuda:$LOCAL_RANK`, or `cuda:0` when
-    /// `CUDA_VISIBLE_DEVICES` shows the process one GPU.
     /// The compute dtype on `device` (see `--dtype`).
     pub fn dtype(&self, device: ferrolm_tensor::Device) -> ferrolm_tensor::DType {
         ComputeDtype::resolve(self.dtype, device)
     }
 
+    /// The device, its backend started. In a multi-process run (torchrun's `WORLD_SIZE` > 1)
+    /// `cuda` (or no flag) means this process's GPU: `cuda:$LOCAL_RANK`, or `cuda:0` when
+    /// `CUDA_VISIBLE_DEVICES` shows the process one GPU.
     pub fn pick(&self) -> AnyResult<ferrolm_tensor::Device> {
         let local = ferrolm_dist::DistEnv::from_env()?.filter(|e| e.world_size > 1).map(|e| e.cuda_device());
         let flag = match (self.device.as_deref(), &local) {

@@ -1,7 +1,7 @@
 //! The parallel layout flags (`--tp`, `--dp`, `--zero`, `--shard-*`, `--ranks-per-node`, the
-//! offload flags), shared by every tool that takes them, and the plain [`Layout`] they describe.
+//! offload flags), shared by every tool that takes them, and the plain [`Parallelism`] they describe.
 use super::positive;
-use crate::parallel::Layout;
+use crate::parallel::Parallelism;
 use crate::AnyResult;
 use anyhow::bail;
 use clap::Args;
@@ -20,7 +20,7 @@ pub struct TpArgs {
 }
 
 impl TpArgs {
-    pub fn layout(&self) -> AnyResult<Layout> {
+    pub fn layout(&self) -> AnyResult<Parallelism> {
         ParallelArgs { tp: self.tp, dp: 1, ..Default::default() }.layout()
     }
 }
@@ -80,7 +80,7 @@ impl ParallelArgs {
     /// The layout these flags describe, checked: a valid ShardSpec for --dp and the ranks per
     /// node, which default to the launcher's processes per node (`LOCAL_WORLD_SIZE`, SLURM's tasks
     /// per node) in a multi-process run and to every rank otherwise.
-    pub fn layout(&self) -> AnyResult<Layout> {
+    pub fn layout(&self) -> AnyResult<Parallelism> {
         let env = DistEnv::from_env()?.filter(|e| e.world_size > 1);
         let rpn = match (self.ranks_per_node, &env) {
             (Some(r), Some(e)) if r != e.local_world_size => bail!(
@@ -109,6 +109,6 @@ impl ParallelArgs {
         if let Some(o) = &offload {
             o.validate()?;
         }
-        Ok(Layout { tp: self.tp, dp: self.dp, spec, ranks_per_node: rpn, offload, grad_reduce: self.grad_reduce_dtype })
+        Ok(Parallelism { tp: self.tp, dp: self.dp, spec, ranks_per_node: rpn, offload, grad_reduce: self.grad_reduce_dtype })
     }
 }

@@ -1,13 +1,12 @@
 //! `prepare_data` (text and datasets -> token shards) and `train_tokenizer` (a byte-level BPE
 //! tokenizer.json).
 use super::{env_help, fraction, positive, LogArgs, Tool, ENV_COMMON};
-use crate::data::{prepare, text_files, train_byte_level_bpe, PrepareOptions, PrepareSummary, Tokenizer};
+use crate::data::{text_files, train_byte_level_bpe, PrepareOptions, Tokenizer};
 use crate::progress::{report, Progress};
 use crate::AnyResult;
 use anyhow::Context;
 use clap::Parser;
-use std::ops::ControlFlow;
-use std::path::{Path, PathBuf};
+use std::path::PathBuf;
 
 #[derive(Parser, Debug, Clone, PartialEq)]
 #[command(
@@ -58,77 +57,16 @@ pub struct RecordArgs {
     pub skip_bad_records: bool,
 }
 
+impl RecordArgs {
+    /// The flags as the library takes them.
+    pub fn options(&self) -> crate::shards::RecordOptions {
+        crate::shards::RecordOptions { text_field: self.text_field.clone(), skip_bad_records: self.skip_bad_records }
+    }
+}
+
 impl Tool for PrepareDataArgs {
     fn log_args(&self) -> &LogArgs {
         &self.log
-    }
-}
-
-/// Tokenizes `input` into shards in `out` with a progress bar (bytes, documents, tokens/s, ETA),
-/// shared by prepare_data and the first-use tokenizing of the training tools. A run interrupted
-/// before resumes from its finished parts.
-pub fn tokenize_data(input: &Path, tokenizer: &Tokenizer, out: &Path, opts: &PrepareOptions) -> AnyResult<PrepareSummary> {
-    let bar = Progress::bytes(0, "tokenize");
-    let start = std::time::Instant::now();
-    let mut first = true;
-    let s = prepare(input, tokenizer, out, opts, &mut |p| {
-        if first {
-            first = false;
-            bar.bar().set_length(p.total_bytes);
-            bar.start_at(p.resumed_bytes);
-            if p.resumed_documents > 0 {
-                report(&format!(
-                    "resuming {}: {} documents ({} tokens) already tokenized",
-                    out.display(),
-                    p.resumed_documents,
-                    p.resumed_tokens
-                ));
-            }
-        }
-        bar.set_position(p.bytes);
-        let rate = (p.tokens - p.resumed_tokens) as f64 / start.elapsed().as_secs_f64().max(1e-3);
-        let skipped = if p.skipped_records > 0 { format!(", {} skipped", p.skipped_records) } else { String::new() };
-        bar.set_message(format!("{} docs, {} tok/s{skipped}", p.documents, human(rate)));
-        ControlFlow::Continue(())
-    })
-    .with_context(|| format!("cannot prepare {} into {}", input.display(), out.display()))?;
-    Ok(s)
-}
-
-/// `1.23M`-style counts for the progress line.
-fn human(x: f64) -> String {
-    match x {
-        x if x >= 1e9 => format!("{:.2}G", x / 1e9),
-        x if x >= 1e6 => format!("{:.2}M", x / 1e6),
-        x if x >= 1e3 => format!("{:.1}k", x / 1e3),
-        x => format!("{x:.0}"),
-    }
-}
-
-/// The report lines after preparing: sizes, how documents were framed and split, and skips.
-pub fn report_prepared(s: &PrepareSummary, out: &Path) {
-    report(&format!(
-        "{} document{} -> {} train tokens in {} shard(s), {} val tokens in {} shard(s) ({:?}) under {}",
-        s.documents,
-        if s.documents == 1 { "" } else { "s" },
-        s.train_tokens,
-        s.train_shards.len(),
-        s.val_tokens,
-        s.val_shards.len(),
-        s.dtype,
-        out.display()
-    ));
-    let split = match (s.split.as_deref(), s.val_documents) {
-        (Some("documents"), Some(n)) => format!("validation: {n} whole documents"),
-        _ => "validation: the end of the token stream".to_string(),
-    };
-    let shuffled = s.shuffle_docs.map(|seed| format!(", documents shuffled (seed {seed})")).unwrap_or_default();
-    report(&format!("{}; {split}{shuffled}", s.framing.as_deref().unwrap_or("documents delimited")));
-    if s.skipped_records > 0 {
-        report(&format!("skipped {} bad record(s) (--skip-bad-records); the first:", s.skipped_records));
-        for e in &s.skipped_examples {
-            report(&format!("  {e}"));
-        }
     }
 }
 
@@ -142,8 +80,8 @@ pub fn prepare_data(a: PrepareDataArgs) -> AnyResult<()> {
         shuffle_docs: a.shuffle_docs,
         ..PrepareOptions::default()
     };
-    let s = tokenize_data(&a.input, &tok, &a.out, &opts)?;
-    report_prepared(&s, &a.out);
+    let s = crate::shards::tokenize_data(&a.input, &tok, &a.out, &opts)?;
+    crate::shards::report_prepared(&s, &a.out);
     Ok(())
 }
 

@@ -1,7 +1,6 @@
 //! `pretrain_llama`: pretrain a LLaMA model from scratch (or continue a run).
-use super::prepare::{self, RecordArgs};
 use super::{env_help, LogArgs, Tool, TrainArgs, TrainData, ENV_COMMON, ENV_DEVICE, ENV_LAUNCH, ENV_TRAIN};
-use crate::data::{PrepareOptions, PrepareSummary, Shard, Tokenizer};
+use crate::data::{Shard, Tokenizer};
 use crate::nn::generate::generate_within;
 use crate::nn::LlamaConfig;
 use crate::progress::report;
@@ -60,83 +59,6 @@ impl Tool for PretrainArgs {
     }
 }
 
-/// Cache folder for tokenized data: named after the data and keyed by the input files' names,
-/// sizes and modification times, the tokenizer, and the record flags when they are not the
-/// defaults, so edited data, another tokenizer or another text field tokenizes again.
-fn cache_name(data: &Path, tokenizer: &Path, records: &RecordArgs) -> AnyResult<String> {
-    use std::hash::{Hash, Hasher};
-    let mut h = std::collections::hash_map::DefaultHasher::new();
-    let inputs = crate::data::resolve_inputs(data)?;
-    for f in inputs.iter().map(|f| &f.path).chain([&tokenizer.to_path_buf()]) {
-        let m = std::fs::metadata(f).with_context(|| format!("cannot read {}", f.display()))?;
-        (f.file_name(), m.len(), m.modified().ok()).hash(&mut h);
-    }
-    if records.text_field != "text" || records.skip_bad_records {
-        (&records.text_field, records.skip_bad_records).hash(&mut h);
-    }
-    let stem = data.file_stem().map(|s| s.to_string_lossy().into_owned()).unwrap_or_else(|| "data".into());
-    // A glob's stem (`*`) and other odd characters do not belong in a directory name.
-    let stem: String = stem.chars().map(|c| if c.is_alphanumeric() || "._-".contains(c) { c } else { '_' }).collect();
-    Ok(format!("{stem}-{:016x}", h.finish()))
-}
-
-/// Whether `--data` is written as a glob (and is not a path that exists).
-fn is_glob(data: &Path) -> bool {
-    !data.exists() && data.to_str().is_some_and(|s| s.contains(['*', '?', '[']))
-}
-
-/// The shard directory for `data`: a prepared directory as is; text and datasets (a file, a
-/// directory of them, a glob) tokenized once into runs/cache, resuming an interrupted tokenizing.
-pub(crate) fn shard_dir(data: &Path, tokenizer: &Tokenizer, tok_path: &Path, records: &RecordArgs) -> AnyResult<PathBuf> {
-    if !is_glob(data) {
-        let what = if data.is_file() || data.extension().is_some() { "data file" } else { "data directory" };
-        std::fs::metadata(data).with_context(|| format!("cannot open {what} {}", data.display()))?;
-    }
-    if PrepareSummary::load(data)?.is_some() {
-        return Ok(data.to_path_buf());
-    }
-    let name = cache_name(data, tok_path, records).with_context(|| format!("cannot read the data {}", data.display()))?;
-    let dir = PathBuf::from("runs/cache").join(name);
-    if PrepareSummary::load(&dir)?.is_none() {
-        tracing::info!("tokenizing {} with {} into {}", data.display(), tok_path.display(), dir.display());
-        let opts = PrepareOptions {
-            val_fraction: 0.05,
-            shard_tokens: 1 << 24,
-            text_field: records.text_field.clone(),
-            skip_bad_records: records.skip_bad_records,
-            ..PrepareOptions::default()
-        };
-        let s = prepare::tokenize_data(data, tokenizer, &dir, &opts)?;
-        prepare::report_prepared(&s, &dir);
-    }
-    Ok(dir)
-}
-
-/// The train and validation shards for `--data`, checked at open against the tokenizer (manifest
-/// vocabulary and fingerprint, every shard's dtype, length and ids): a bad id is found here, not
-/// at the step that first draws it. Datasets are read with the default record flags
-/// (`--text-field text`); [`token_data_with`] takes them.
-pub(crate) fn token_data(data: &Path, tokenizer: &Tokenizer, tok_path: &Path) -> AnyResult<(PathBuf, Vec<PathBuf>, Vec<PathBuf>)> {
-    let records = RecordArgs { text_field: "text".into(), skip_bad_records: false };
-    token_data_with(data, tokenizer, tok_path, &records)
-}
-
-/// [`token_data`] with the record flags (`--text-field`, `--skip-bad-records`).
-pub(crate) fn token_data_with(
-    data: &Path,
-    tokenizer: &Tokenizer,
-    tok_path: &Path,
-    records: &RecordArgs,
-) -> AnyResult<(PathBuf, Vec<PathBuf>, Vec<PathBuf>)> {
-    let shards = shard_dir(data, tokenizer, tok_path, records)?;
-    let td = crate::data::check_token_data(&shards, tokenizer)
-        .with_context(|| format!("the prepared data in {} does not fit the tokenizer {}", shards.display(), tok_path.display()))?;
-    for w in &td.warnings {
-        tracing::warn!("{w}");
-    }
-    Ok((shards, td.train_shards, td.val_shards))
-}
-
 /// Checks the flags and the output directory before anything slow or large happens.
 pub(crate) fn preflight(a: &TrainArgs) -> AnyResult<()> {
     a.options().validate()?;
@@ -172,7 +94,7 @@ fn prepare(args: &PretrainArgs) -> AnyResult<Prepared> {
     let tok_path = a.tokenizer.clone().unwrap_or_else(|| super::bundled("data/tokenizer.json"));
     let tokenizer = Tokenizer::from_file(&tok_path).with_context(|| format!("cannot load the tokenizer {}", tok_path.display()))?;
     let data = a.data.clone().unwrap_or_else(|| super::bundled("data/corpus"));
-    let (shards, train, val) = token_data_with(&data, &tokenizer, &tok_path, &a.records)?;
+    let (shards, train, val) = crate::shards::token_data_with(&data, &tokenizer, &tok_path, &a.records.options())?;
     // The final validation always runs, so the split must serve one window whatever --eval-every.
     check_validation_data(&val, opts.batch_size, opts.seq_len).with_context(|| format!("{}", shards.display()))?;
 
@@ -191,8 +113,8 @@ fn prepare(args: &PretrainArgs) -> AnyResult<Prepared> {
     cfg.bos_token_id = tokenizer.bos_id();
     cfg.eos_token_id = tokenizer.eos_id().map(|e| vec![e]).unwrap_or_default();
     let layout = a.parallel.layout()?.mem_layout(a.activation_checkpointing)?;
-    let mem = crate::memory::check_layout(&cfg, dtype, device, &opts.shape(), &layout)?;
-    report(&format!("memory: predicted peak {}", crate::memory::describe(&mem)));
+    let mem = crate::planner::memory::check_layout(&cfg, dtype, device, &opts.shape(), &layout)?;
+    report(&format!("memory: predicted peak {}", crate::planner::memory::describe(&mem)));
     Ok(Prepared { data: TrainData { device, dtype, tok_path, train, val }, tokenizer, cfg })
 }
 
@@ -265,6 +187,11 @@ pub fn apply_config_from(mut args: PretrainArgs) -> AnyResult<PretrainArgs> {
         let d = super::ComputeDtype::parse(d)
             .ok_or_else(|| anyhow::anyhow!("{}: dtype must be \"f32\" or \"bf16\", got {d:?}", path.display()))?;
         fill!(t.device.dtype, Some(d), "dtype");
+    }
+    if let Some(g) = &f.grad_reduce_dtype {
+        let g: ferrolm_dist::zero::GradReduceDtype =
+            g.parse().map_err(|e: String| anyhow::anyhow!("{}: grad_reduce_dtype: {e}", path.display()))?;
+        fill!(t.parallel.grad_reduce_dtype, g, "grad_reduce_dtype");
     }
     if f.checkpointed_layers > 0 && !f.activation_checkpointing {
         tracing::warn!(

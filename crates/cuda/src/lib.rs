@@ -10,9 +10,9 @@
 //! Everything is loaded dynamically (cudarc `dynamic-loading`): this crate builds, and its tests
 //! pass, on a machine with no CUDA at all; nothing is dlopened until a backend is created.
 //!
-//! NCCL ships as `libnccl.so.2`, a name cudarc does not try (it looks for `libnccl.so`). Until
-//! the distributed layer gets its own loader, a user must provide `libnccl.so` on
-//! `LD_LIBRARY_PATH` (a symlink to `libnccl.so.2` is enough); `.gpu/run` does exactly that.
+//! NCCL is not loaded here: the distributed crate opens `libnccl.so.2` itself
+//! (`crates/dist/src/nccl_lib.rs`: `FERROLM_NCCL_LIB`, the loader's path, `NCCL_HOME`, the CUDA
+//! toolkit, pip's `nvidia-nccl` wheels), so no `libnccl.so` symlink is needed.
 mod alloc;
 mod backend;
 mod device;

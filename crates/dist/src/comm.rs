@@ -13,6 +13,9 @@ use std::fmt;
 use std::sync::Arc;
 use std::time::Duration;
 
+/// A shared communicator: how every group, engine and layer holds one.
+pub type Comm = Arc<dyn Communicator>;
+
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub enum ReduceOp {
     Sum,

@@ -1,5 +1,7 @@
-//! ferrolm-dist: the communication layer of ferrolm's distributed runtime. Tensor parallelism,
-//! ZeRO sharding and the planner are built on it; the model never sees it.
+//! ferrolm-dist: ferrolm's distributed runtime: communication, tensor parallelism, ZeRO
+//! sharding and optimizer offload; the model never sees it. The performance model that ranks
+//! layouts (the planner) is `ferrolm::planner` in the facade; of it only the pure functions the
+//! runtime itself uses live here ([`cost`], [`dos`]).
 //!
 //! - [`comm`]: the [`Communicator`] trait (all_reduce, all_gather, reduce_scatter, broadcast,
 //!   barrier, split; `*_async` variants return a [`Work`] whose result is a pending tensor,
@@ -21,7 +23,7 @@
 //!   for a multi-process GPU run and a world of one otherwise; [`slurm`] expands SLURM's host
 //!   and tasks-per-node lists; [`launcher`] starts one node's processes (the `launch` example).
 //! - [`cost`]: the ring / hierarchical cost model as pure functions (bytes per rank, seconds per
-//!   collective), shared by [`SimLink`], `CommStats` and the planner.
+//!   collective), shared by [`SimLink`], `CommStats` and the planner (`ferrolm::planner`).
 //! - [`simlink`]: [`SimLink`], a wrapper that completes each collective only after the model's
 //!   time on a FIFO link, so a CPU run measures exposed communication.
 //! - [`dos`]: Deep Optimizer States' performance model (update phase of an offloaded step for
@@ -33,9 +35,10 @@
 //!   [`zero::ckpt`] writes and reads its sharded checkpoints and joins its full parameters.
 //! - [`tp`]: Megatron-style tensor parallelism attached to a model from outside
 //!   (`parallelize`): column/row/vocabulary-parallel ops, replicated KV heads for GQA.
-//! - [`ops`]: collectives as autograd ops (Megatron's f, g, sequence-parallel gather /
+//! - [`comm_ops`]: collectives as autograd ops (Megatron's f, g, sequence-parallel gather /
 //!   reduce-scatter, scatter), pending in forward and in backward.
 pub mod comm;
+pub mod comm_ops;
 pub mod cost;
 pub mod dos;
 pub mod engine;
@@ -45,8 +48,6 @@ pub mod mesh;
 pub mod nccl;
 pub mod nccl_lib;
 pub mod offload;
-pub mod ops;
-pub mod plan;
 mod reduce;
 pub mod simlink;
 pub mod slurm;

@@ -181,20 +181,20 @@ fn cuda_storage(s: &Storage) -> Result<&CudaStorage> {
 /// (on a real GPU one side stream per direction, so that a GPU subgroup's state going back and
 /// the next one's coming in use both directions of the link at once), tensor reads and writes on
 /// the CPU device.
-struct Link {
+struct HostCopies {
     be: Option<Arc<CudaBackend>>,
     h2d_stream: Option<Arc<CudaStream>>,
     d2h_stream: Option<Arc<CudaStream>>,
 }
 
-impl Link {
-    fn new(device: Device) -> Result<Link> {
+impl HostCopies {
+    fn new(device: Device) -> Result<HostCopies> {
         match device {
-            Device::Cpu => Ok(Link { be: None, h2d_stream: None, d2h_stream: None }),
+            Device::Cpu => Ok(HostCopies { be: None, h2d_stream: None, d2h_stream: None }),
             Device::Cuda(o) => {
                 let be = CudaBackend::latest(o).ok_or_else(|| Error::new("offload", format!("no CUDA backend for {device}")))?;
                 let (h2d_stream, d2h_stream) = (Some(be.new_stream()?), Some(be.new_stream()?));
-                Ok(Link { be: Some(be), h2d_stream, d2h_stream })
+                Ok(HostCopies { be: Some(be), h2d_stream, d2h_stream })
             }
         }
     }
@@ -300,7 +300,7 @@ struct Subgroup {
 }
 
 /// A GPU subgroup's state on the device while it is updated.
-struct OnDevice {
+struct DeviceSubgroup {
     master: Tensor,
     m: Tensor,
     v: Tensor,
@@ -308,7 +308,7 @@ struct OnDevice {
 
 /// The offloaded optimizer state of one rank's shard and its update schedule.
 pub struct Offload {
-    link: Link,
+    copies: HostCopies,
     subgroups: Vec<Subgroup>,
     /// Elements of each bucket's optimizer range.
     bucket_len: Vec<usize>,
@@ -341,7 +341,7 @@ impl Offload {
         cfg.validate()?;
         let _g = no_grad();
         let device = params.first().map_or(Device::Cpu, |p| p.device());
-        let link = Link::new(device)?;
+        let copies = HostCopies::new(device)?;
         let elems: usize = params.iter().map(|p| p.numel()).sum();
         let bucket_len: Vec<usize> = params.iter().map(|p| p.numel()).collect();
         let mut spans = Vec::new();
@@ -361,7 +361,7 @@ impl Offload {
             GpuEvery::Auto => None, // resolved below, after the buffers exist
         };
         let mut off = Offload {
-            link,
+            copies,
             subgroups: Vec::with_capacity(spans.len()),
             bucket_len,
             device,
@@ -378,7 +378,7 @@ impl Offload {
             off.plan.estimate = Some(best);
         }
         let k = off.plan.k;
-        let be = off.link.be.clone();
+        let be = off.copies.be.clone();
         for (i, &(b, lo, len, decay)) in spans.iter().enumerate() {
             let gpu = dos::on_gpu(i as u64, k);
             let mut sg = Subgroup {
@@ -412,9 +412,9 @@ impl Offload {
         let n = PROBE.min(elems.max(1) as usize).max(1 << 16);
         let cpu = cpu_adam_rate(n, 3)?;
         let dev = Tensor::zeros([n], DType::F32, self.device)?;
-        let mut host = HostMem::new(self.link.be.as_deref(), n * 4)?;
+        let mut host = HostMem::new(self.copies.be.as_deref(), n * 4)?;
         let sync = |h: &mut HostMem| -> Result<()> {
-            if let Some(be) = &self.link.be {
+            if let Some(be) = &self.copies.be {
                 be.synchronize()?;
             }
             h.bytes().map(|_| ())
@@ -429,12 +429,12 @@ impl Offload {
         };
         let d2h = (n * 4) as f64
             / time(&mut || {
-                self.link.d2h(&dev, 0, &mut host)?;
+                self.copies.d2h(&dev, 0, &mut host)?;
                 sync(&mut host)
             })?;
         let h2d = (n * 4) as f64
             / time(&mut || {
-                self.link.h2d(&mut host, &dev, 0)?;
+                self.copies.h2d(&mut host, &dev, 0)?;
                 sync(&mut host)
             })?;
         let (p, g, m, v) = (
@@ -447,7 +447,7 @@ impl Offload {
         let gpu = n as f64
             / time(&mut || {
                 adamw_update(&[AdamWRange { param: &p, grad: &g, master: None, m: &m, v: &v, segments: &[(0, n, 0.0)] }], h)?;
-                if let Some(be) = &self.link.be {
+                if let Some(be) = &self.copies.be {
                     be.synchronize()?;
                 }
                 Ok(())
@@ -482,7 +482,7 @@ impl Offload {
         if let Some((b, older)) = self.deferred.take() {
             self.send_grad(b, &older)?;
         }
-        if self.link.starts_at_once(g) {
+        if self.copies.starts_at_once(g) {
             self.send_grad(bucket, g)
         } else {
             self.deferred = Some((bucket, g.clone()));
@@ -508,7 +508,7 @@ impl Offload {
         let _g = no_grad();
         let g32 = if g.dtype() == DType::F32 { g.clone() } else { g.to_dtype(DType::F32)? };
         for sg in self.subgroups.iter_mut().filter(|s| s.bucket == bucket && !s.gpu) {
-            self.link.d2h(&g32, sg.lo, sg.grad.as_mut().expect("CPU subgroups hold a gradient buffer"))?;
+            self.copies.d2h(&g32, sg.lo, sg.grad.as_mut().expect("CPU subgroups hold a gradient buffer"))?;
             sg.streamed = true;
         }
         Ok(())
@@ -568,17 +568,17 @@ impl Offload {
         Ok(())
     }
 
-    fn prefetch(&mut self, i: usize) -> Result<OnDevice> {
+    fn prefetch(&mut self, i: usize) -> Result<DeviceSubgroup> {
         let len = self.subgroups[i].len;
-        let st = OnDevice {
+        let st = DeviceSubgroup {
             master: Tensor::zeros([len], DType::F32, self.device)?,
             m: Tensor::zeros([len], DType::F32, self.device)?,
             v: Tensor::zeros([len], DType::F32, self.device)?,
         };
         let sg = &mut self.subgroups[i];
-        self.link.h2d(&mut sg.master, &st.master, 0)?;
-        self.link.h2d(&mut sg.m, &st.m, 0)?;
-        self.link.h2d(&mut sg.v, &st.v, 0)?;
+        self.copies.h2d(&mut sg.master, &st.master, 0)?;
+        self.copies.h2d(&mut sg.m, &st.m, 0)?;
+        self.copies.h2d(&mut sg.v, &st.v, 0)?;
         Ok(st)
     }
 
@@ -586,7 +586,7 @@ impl Offload {
     fn gpu_update(
         &mut self,
         i: usize,
-        st: OnDevice,
+        st: DeviceSubgroup,
         params: &[Tensor],
         grads: &[Tensor],
         scale: f64,
@@ -607,9 +607,9 @@ impl Offload {
         };
         adamw_update(&[range], h)?;
         pview.assign(bf16_param.as_ref().unwrap_or(&st.master))?;
-        self.link.d2h(&st.master, 0, &mut sg.master)?;
-        self.link.d2h(&st.m, 0, &mut sg.m)?;
-        self.link.d2h(&st.v, 0, &mut sg.v)?;
+        self.copies.d2h(&st.master, 0, &mut sg.master)?;
+        self.copies.d2h(&st.m, 0, &mut sg.m)?;
+        self.copies.d2h(&st.v, 0, &mut sg.v)?;
         Ok(())
     }
 
@@ -625,7 +625,7 @@ impl Offload {
         }
         if !sg.streamed {
             let part = grads[sg.bucket].narrow(0, sg.lo, sg.len)?.to_dtype(DType::F32)?.contiguous()?;
-            self.link.d2h(&part, 0, grad)?;
+            self.copies.d2h(&part, 0, grad)?;
         }
         sg.streamed = false;
         if clip != 1.0 {
@@ -641,11 +641,11 @@ impl Offload {
         match sg.param.as_mut() {
             Some(p) => {
                 ferrolm_tensor::cpu_adam::adamw_step(w, m, v, g, Some(cast_mut::<bf16>(p.bytes_mut()?)?), &h, weight_decay)?;
-                self.link.h2d(p, pview, sg.lo)
+                self.copies.h2d(p, pview, sg.lo)
             }
             None => {
                 ferrolm_tensor::cpu_adam::adamw_step(w, m, v, g, None, &h, weight_decay)?;
-                self.link.h2d(&mut sg.master, pview, sg.lo)
+                self.copies.h2d(&mut sg.master, pview, sg.lo)
             }
         }
     }

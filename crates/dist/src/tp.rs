@@ -16,16 +16,14 @@
 //! - GQA with fewer key/value heads than ranks: each rank keeps the key/value head its query
 //!   heads use (replicated, as Megatron does); its weight gradient is summed over the ranks
 //!   that share it.
-use crate::comm::{Communicator, ReduceOp};
-use crate::ops::{copy_to_group, gather_from_group, reduce_from_group};
+use crate::comm::{Comm, ReduceOp};
+use crate::comm_ops::{copy_to_group, gather_from_group, reduce_from_group};
 use ferrolm_nn::module::{linear, EmbeddingOp, HeadOp, LinearOp};
 use ferrolm_nn::Llama;
 use ferrolm_ops::Tokens;
 use ferrolm_tensor::{bail, no_grad, DType, Error, Result, Tensor};
 use std::collections::BTreeMap;
 use std::sync::{Arc, Mutex};
-
-pub type Comm = Arc<dyn Communicator>;
 
 /// How one parameter is laid out over the tensor-parallel group.
 #[derive(Clone, Debug, PartialEq)]
@@ -317,7 +315,7 @@ impl TpLayout {
         let s = self.params.get(name).ok_or_else(|| Error::new("TpLayout::gather", format!("unknown parameter {name}")))?;
         let Some(dim) = s.dim else { return Ok(local.clone()) };
         let _g = no_grad();
-        let all = crate::ops::all_gather_along(comm.as_ref(), &local.contiguous()?, dim)?; // tp pieces along dim
+        let all = crate::comm_ops::all_gather_along(comm.as_ref(), &local.contiguous()?, dim)?; // tp pieces along dim
         if s.replicas == 1 {
             return Ok(all);
         }

@@ -88,6 +88,6 @@ fn one_communicator_per_distinct_group_for_each_layout() {
         }
         assert_eq!(got, want, "tp {tp} dp {dp} {s}: communicators split on rank 0");
         // The memory estimator's count (NCCL buffers per communicator): these and the world.
-        assert_eq!(ferrolm_dist::plan::communicators(tp, dp, s, 1), 1 + got.len(), "tp {tp} dp {dp} {s}");
+        assert_eq!(ferrolm_dist::zero::groups::communicators(tp, dp, s, 1), 1 + got.len(), "tp {tp} dp {dp} {s}");
     }
 }

@@ -25,7 +25,7 @@ impl Slot {
 }
 
 /// The parameters of one layer (or the embedding, or the head) in one flat buffer.
-pub struct Bucket {
+pub struct ParamBucket {
     /// "embed", "layers.N" or "head".
     pub name: String,
     pub dtype: DType,
@@ -37,7 +37,7 @@ pub struct Bucket {
     pub slots: Vec<Slot>,
 }
 
-impl Bucket {
+impl ParamBucket {
     /// The view of slot `i` (shares the flat buffer's storage).
     pub fn view(&self, i: usize) -> Result<Tensor> {
         let s = &self.slots[i];
@@ -47,7 +47,7 @@ impl Bucket {
 }
 
 pub struct ParamBuckets {
-    pub buckets: Vec<Bucket>,
+    pub buckets: Vec<ParamBucket>,
     pub device: Device,
 }
 
@@ -99,7 +99,7 @@ impl ParamBuckets {
             for s in &slots {
                 flat.narrow(0, s.offset, s.numel())?.reshape(s.shape.clone())?.assign(&params[&s.name])?;
             }
-            out.push(Bucket { name, dtype, flat, numel, padded, slots });
+            out.push(ParamBucket { name, dtype, flat, numel, padded, slots });
         }
         let store = ParamBuckets { buckets: out, device };
         // Pass 3: the model's parameters become leaf views of the flat buffers.

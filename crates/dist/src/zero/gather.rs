@@ -1,7 +1,7 @@
 //! The ZeRO-3 parameter gatherer (s_p > 1): a released parameter bucket is all-gathered over P
 //! when it is first read, and the next bucket in the direction of the pass is prefetched
 //! (DeepSpeed's and AMSP's prefetch), with at most `MAX_LIVE` buckets materialised at a time.
-use super::groups::Comm;
+use crate::comm::Comm;
 use ferrolm_tensor::{Error, Refill, Result, Storage, Tensor};
 use std::collections::VecDeque;
 use std::sync::{Arc, Mutex, Weak};

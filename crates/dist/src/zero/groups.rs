@@ -1,12 +1,13 @@
 //! Which data-parallel ranks share each of the engine's groups, derived once: the engine splits
-//! its communicators along it, the planner prices rank 0's groups with it, and tests check it.
+//! its communicators along it, the planner (`ferrolm::planner`) prices rank 0's groups with it, and tests check it.
 //!
 //! Within a block of s_os consecutive data-parallel ranks, rank `r` (its index in the block)
 //! holds parameter range `a = r mod s_p` and sub-index `b = r div s_p`; its optimizer range
 //! `j = a · (s_os/s_p) + b` lies inside parameter range `a`. Each group is ordered so that its
 //! k-th rank holds range k of what the group shards.
 use super::ShardSpec;
-use crate::comm::Communicator;
+// Re-exported: the engine names it through this module (`super::groups::Comm`).
+pub use crate::comm::Comm;
 use ferrolm_tensor::Result;
 use std::sync::Arc;
 
@@ -72,8 +73,6 @@ pub fn members(group: ZeroGroup, spec: ShardSpec, dp: usize, dp_rank: usize) -> 
     m.into_iter().map(|(_, r)| r).collect()
 }
 
-pub type Comm = Arc<dyn Communicator>;
-
 /// One rank's communicators for its groups: one communicator per distinct group. A group of one
 /// rank gets no communicator of the backend (a solo thread communicator: every collective a
 /// copy), a group that is the whole dp group in its order is the dp communicator itself, and
@@ -130,6 +129,27 @@ impl ShardGroups {
         }
         out
     }
+}
+
+/// The communicators of more than one rank that world rank 0 of a `tp` × `dp` run holds, one
+/// per distinct group as the mesh, tensor parallelism and the engine create them: the world,
+/// the tp and dp groups when they are neither one rank nor the world, the group of ranks that
+/// share a replicated key/value head (1 < `kv_heads` < tp), and the engine's groups under `spec`
+/// that are neither one rank nor an earlier group. The planner's memory estimate counts NCCL's
+/// buffers per communicator with it (crates/dist/tests/communicators.rs holds it to the splits).
+pub fn communicators(tp: usize, dp: usize, spec: ShardSpec, kv_heads: usize) -> usize {
+    let (tp, dp) = (tp.max(1), dp.max(1));
+    let mut groups: Vec<Vec<usize>> = vec![(0..tp * dp).collect(), (0..tp).collect(), (0..dp).map(|d| d * tp).collect()];
+    if kv_heads > 1 && kv_heads < tp {
+        groups.push((0..tp / kv_heads).collect());
+    }
+    for g in [ZeroGroup::Params, ZeroGroup::OptimSub, ZeroGroup::Block, ZeroGroup::OptimReplicas] {
+        groups.push(members(g, spec, dp, 0).into_iter().map(|d| d * tp).collect());
+    }
+    let mut distinct: Vec<Vec<usize>> = groups.into_iter().filter(|g| g.len() > 1).collect();
+    distinct.sort();
+    distinct.dedup();
+    distinct.len()
 }
 
 #[cfg(test)]

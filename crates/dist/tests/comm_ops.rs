@@ -3,7 +3,7 @@
 //! reduce-scatter pair along dim 0 and dim 1, and scatter. Forward values and every gradient
 //! (each rank's shard compared with the matching block of the full gradient) agree to 1e-12;
 //! results and gradients come back pending.
-use ferrolm_dist::ops::{copy_to_group, gather_from_group, reduce_from_group, reduce_scatter, scatter_to_group};
+use ferrolm_dist::comm_ops::{copy_to_group, gather_from_group, reduce_from_group, reduce_scatter, scatter_to_group};
 use ferrolm_dist::{CommOptions, ThreadComm};
 use ferrolm_tensor::{DType, Device, Rng, Tensor};
 use std::time::Duration;

@@ -1,18 +1,109 @@
-//! Will this run fit? Peak memory per rank of a training configuration, predicted before
-//! anything is allocated: parameters, gradients and optimizer states under the layout's
-//! `ShardSpec` and tensor parallelism, activations with or without checkpointing, the engines'
-//! transient buffers and a device workspace (with NCCL's buffers per communicator on a
-//! multi-process GPU run). The model is `ferrolm_dist::plan::memory` (the
-//! planner and the auto-configurator rank layouts with the same numbers); this module maps a
-//! run's flags onto it and refuses, with the numbers, a run that cannot fit.
+//! The memory estimator. Will this run fit? Peak memory per rank of a training configuration,
+//! predicted before anything is allocated: parameters, gradients and optimizer states under the
+//! layout's `ShardSpec` and tensor parallelism, activations with or without checkpointing, the
+//! engines' transient buffers and a device workspace (with NCCL's buffers per communicator on a
+//! multi-process GPU run). [`memory`] is the model (the step-time model, `plan` and
+//! `autoconfig` rank layouts with it); [`estimate`] and [`check_layout`] map a run's flags onto
+//! it and refuse, with the numbers, a run that cannot fit (`pretrain_llama`'s memory check).
 //!
 //! Measured against `ferrolm_tensor::peak_bytes` on the CPU engine (tests/memory_estimator.rs
 //! holds it within 10% for several shard specs, with and without checkpointing).
+use super::cluster::NCCL_BYTES_PER_COMMUNICATOR;
+use super::shape::ModelShape;
+use super::step::Workload;
 use crate::nn::LlamaConfig;
 use anyhow::{bail, Result};
-use ferrolm_dist::plan::{self, Memory, ModelShape, Workload};
 use ferrolm_dist::zero::{GradReduceDtype, ShardSpec};
 use ferrolm_tensor::{DType, Device};
+
+#[derive(Clone, Debug)]
+pub struct Memory {
+    pub params: f64,
+    pub grads: f64,
+    pub optim: f64,
+    pub activations: f64,
+    /// Transients: gathered parameter buckets, gradient buckets in flight, the single engine's
+    /// gradient temporary (or the largest gradient widened to the main-gradient dtype).
+    pub buffers: f64,
+    /// A fixed reserve (CUDA context, cuBLAS workspace), plus NCCL's buffers on a multi-rank GPU
+    /// run (`communicators` × `Cluster::comm_buffer_bytes`).
+    pub workspace: f64,
+}
+
+impl Memory {
+    pub fn total(&self) -> f64 {
+        self.params + self.grads + self.optim + self.activations + self.buffers + self.workspace
+    }
+
+    /// Model states alone (parameters, gradients, optimizer).
+    pub fn states(&self) -> f64 {
+        self.params + self.grads + self.optim
+    }
+}
+
+/// Activation bytes one rank keeps for backward per micro-batch of `b` sequences of `seq`
+/// tokens, as ferrolm's ops save them (measured with `ferrolm_tensor::peak_bytes` on the CPU
+/// engine, see docs/AUTOCONFIG.md): per token and layer about 10 hidden-sized tensors (norm
+/// inputs, residuals, q/k/v, the attention output; the attention part split over `tp`) and 4
+/// MLP-sized ones (gate, up, their SwiGLU and its input to down_proj); a checkpointed layer keeps
+/// the inputs and outputs of its two residual branches (4 hidden-sized tensors), and the
+/// branch being recomputed in backward holds its activations again. Plus the f32
+/// logits (vocabulary split over `tp`) and the embedding output and final norm (2 hidden-sized).
+pub fn activation_bytes(m: &ModelShape, w: &Workload) -> f64 {
+    let (tokens, h, e) = ((w.micro_batch * w.seq) as f64, m.hidden as f64, w.elem_bytes as f64);
+    let tp = w.tp.max(1) as f64;
+    let i = m.intermediate as f64 / tp;
+    let full = 4.0 * h + 6.0 * h / tp + 4.0 * i;
+    let ck = w.checkpointed_layers.min(m.layers) as f64;
+    // During backward one checkpointed branch at a time is recomputed: about half a layer.
+    let recompute = if ck > 0.0 { 0.5 * full } else { 0.0 };
+    let layers = (m.layers as f64 - ck) * full + ck * 4.0 * h + recompute;
+    tokens * (e * (layers + 2.0 * h) + 4.0 * m.vocab as f64 / tp)
+}
+
+/// Device bytes one rank needs at its peak for `spec` with `micro_batches` micro-batches per
+/// step, broken down. `workspace` is a fixed reserve (the CUDA context and cuBLAS workspace on a
+/// GPU, 0 on the CPU, plus NCCL's buffers on a multi-rank GPU run:
+/// `communicators` × `NCCL_BYTES_PER_COMMUNICATOR`) the caller passes.
+///
+/// Model states follow the engine's layout (one device is the spec (1, 1, 1)): each bucket's
+/// parameter shard (`n / s_p`, plus up to `MAX_LIVE` = 3 gathered buckets when `s_p > 1`), the
+/// gradients of its optimizer range at the step (`n / s_os`) with one whole bucket buffer in
+/// flight towards it when `s_os > 1` (and the step's squared gradient of one bucket), with
+/// several micro-batches an accumulator of `n / s_g` (about three quarters of it live at the
+/// peak), gradients counted at `grad_bytes` per element (with gradients wider than the
+/// parameters, the largest parameter's gradient in both dtypes during backward, in place of the
+/// step's squared gradient when larger), and per optimizer element m and v (and a norm-weight mask under tensor parallelism)
+/// plus the master below f32. The fractions are fitted to measured peaks (docs/AUTOCONFIG.md,
+/// "Memory estimator"); the rest is counted.
+pub fn memory(m: &ModelShape, w: &Workload, spec: ShardSpec, micro_batches: usize, workspace: f64) -> Memory {
+    let (e, ge) = (w.elem_bytes as f64, w.grad_bytes as f64);
+    let buckets: Vec<f64> = m.bucket_params(w.tp).iter().map(|&n| n as f64).collect();
+    let local: f64 = buckets.iter().sum();
+    let biggest = buckets.iter().copied().fold(0.0, f64::max);
+    let master = if w.elem_bytes == 4 { 0.0 } else { 4.0 };
+    let activations = activation_bytes(m, w);
+    let (sp, sg, so) = (spec.params as f64, spec.grads as f64, spec.optim as f64);
+    let gathered = if spec.params > 1 { 3.0 * biggest * e } else { 0.0 };
+    let accumulator = if micro_batches > 1 { 0.75 * local * ge / sg } else { 0.0 };
+    let in_flight = if spec.optim > 1 { biggest * ge } else { 0.0 };
+    // Gradients accumulated wider than the parameters (f32 main gradients of bf16 ones): each
+    // parameter's gradient arrives from autograd in the parameter dtype and is widened to a
+    // copy of its own before it lands in its bucket, so the largest one is held twice, `e` and
+    // `ge` bytes per element, late in the backward pass beside the activations. It never meets
+    // the step's squared gradient, so the larger of the two counts.
+    let step_sq = 4.0 * biggest / so;
+    let widened = if ge > e { (e + ge) * m.largest_param(w.tp) as f64 } else { 0.0 };
+    Memory {
+        params: local * e / sp,
+        grads: local * ge / so + accumulator,
+        // m, v; the norm-weight mask only under tensor parallelism.
+        optim: local * (8.0 + if w.tp > 1 { 4.0 } else { 0.0 } + master) / so,
+        activations,
+        buffers: gathered + in_flight + step_sq.max(widened),
+        workspace,
+    }
+}
 
 /// Environment variable: `1` skips the refusal (the prediction is still printed).
 pub const ENV_SKIP_CHECK: &str = "FERROLM_SKIP_MEMORY_CHECK";
@@ -46,7 +137,7 @@ pub struct RunShape {
 
 /// How a run is laid out over ranks, as far as memory is concerned.
 #[derive(Clone, Copy, Debug, PartialEq)]
-pub struct MemLayout {
+pub struct MemParallelism {
     pub tp: usize,
     pub dp: usize,
     pub spec: ShardSpec,
@@ -62,10 +153,10 @@ pub struct MemLayout {
     pub grad_reduce: GradReduceDtype,
 }
 
-impl MemLayout {
+impl MemParallelism {
     /// One device, no sharding.
-    pub fn single(checkpointing: bool) -> MemLayout {
-        MemLayout {
+    pub fn single(checkpointing: bool) -> MemParallelism {
+        MemParallelism {
             tp: 1,
             dp: 1,
             spec: ShardSpec { params: 1, grads: 1, optim: 1 },
@@ -89,7 +180,7 @@ pub fn estimate(
     batch: usize,
     seq: usize,
     grad_accum: usize,
-    l: &MemLayout,
+    l: &MemParallelism,
 ) -> Option<Memory> {
     batch.checked_mul(seq)?.checked_mul(grad_accum)?;
     param_count(cfg)?;
@@ -104,7 +195,7 @@ pub fn estimate(
         checkpointed_layers: l.checkpointed_layers.min(cfg.num_hidden_layers),
     };
     let workspace = if device == Device::Cpu { 0.0 } else { CUDA_WORKSPACE_BYTES + nccl_buffer_bytes(cfg, l) };
-    let mut m = plan::memory(&shape, &w, l.spec, grad_accum, workspace);
+    let mut m = memory(&shape, &w, l.spec, grad_accum, workspace);
     // Offloaded optimizer state leaves a device, not the host: on the CPU it stays counted.
     if let (Some(sub), false) = (l.offload_subgroup, device == Device::Cpu) {
         m.optim = m.optim.min(24.0 * sub as f64);
@@ -113,17 +204,17 @@ pub fn estimate(
 }
 
 /// NCCL's buffers on each rank of a multi-process GPU run: one `NCCL_BYTES_PER_COMMUNICATOR`
-/// per communicator (see `ferrolm_dist::plan`); none for one rank or thread ranks (ThreadComm).
-pub fn nccl_buffer_bytes(cfg: &LlamaConfig, l: &MemLayout) -> f64 {
+/// per communicator (see `cluster::NCCL_BYTES_PER_COMMUNICATOR`); none for one rank or thread ranks (ThreadComm).
+pub fn nccl_buffer_bytes(cfg: &LlamaConfig, l: &MemParallelism) -> f64 {
     if l.world() <= 1 || l.thread_ranks {
         return 0.0;
     }
-    plan::communicators(l.tp, l.dp, l.spec, cfg.num_key_value_heads) as f64 * plan::NCCL_BYTES_PER_COMMUNICATOR
+    ferrolm_dist::zero::groups::communicators(l.tp, l.dp, l.spec, cfg.num_key_value_heads) as f64 * NCCL_BYTES_PER_COMMUNICATOR
 }
 
 /// Bytes a single-device training step needs at its peak. None on overflow.
 pub fn estimate_training_bytes(cfg: &LlamaConfig, dtype: DType, batch: usize, seq: usize, checkpointing: bool) -> Option<u64> {
-    estimate(cfg, dtype, Device::Cpu, batch, seq, 1, &MemLayout::single(checkpointing)).map(|m| m.total() as u64)
+    estimate(cfg, dtype, Device::Cpu, batch, seq, 1, &MemParallelism::single(checkpointing)).map(|m| m.total() as u64)
 }
 
 /// Memory the system can still give this process (`MemAvailable`), None where unknown.
@@ -166,7 +257,7 @@ pub fn describe(m: &Memory) -> String {
 /// host's available memory (thread ranks add up), on a GPU `FERROLM_DEVICE_MEMORY_GIB` when set.
 /// `FERROLM_SKIP_MEMORY_CHECK=1` turns the refusal of the prediction into a warning. Returns
 /// the prediction per rank.
-pub fn check_layout(cfg: &LlamaConfig, dtype: DType, device: Device, o: &RunShape, l: &MemLayout) -> Result<Memory> {
+pub fn check_layout(cfg: &LlamaConfig, dtype: DType, device: Device, o: &RunShape, l: &MemParallelism) -> Result<Memory> {
     let Some(tokens) = o.batch_size.checked_mul(o.seq_len) else {
         bail!("--batch-size {} × --seq-len {} overflows: lower --batch-size", o.batch_size, o.seq_len);
     };

@@ -1,0 +1,85 @@
+//! Scoring a model on a token stream: the mean next-token cross-entropy over every full window
+//! `ids[i*T .. i*T+T+1]`, a batch of windows per forward pass (the `eval` tool's work).
+use crate::ops::Tokens;
+use crate::progress::Progress;
+use crate::{AnyResult, Device, Llama};
+use anyhow::bail;
+
+/// A model's score on a token stream.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct Score {
+    /// Mean next-token cross-entropy, nats.
+    pub loss: f64,
+    /// Tokens scored.
+    pub tokens: usize,
+}
+
+impl Score {
+    pub fn perplexity(&self) -> f64 {
+        self.loss.exp()
+    }
+}
+
+/// Full windows of `seq_len` + 1 tokens in `n` ids.
+pub fn windows(n: usize, seq_len: usize) -> usize {
+    if n > seq_len {
+        (n - 1) / seq_len
+    } else {
+        0
+    }
+}
+
+/// The mean loss of `model` on `device` over every full window of `ids`, `batch_size` windows
+/// per forward pass, with a progress bar. Refuses ids that fill no window.
+pub fn mean_loss(model: &Llama, ids: &[u32], seq_len: usize, batch_size: usize, device: Device) -> AnyResult<Score> {
+    let (t, bs) = (seq_len, batch_size.max(1));
+    let windows = windows(ids.len(), t);
+    if windows == 0 {
+        bail!("{} tokens do not fill one window of {} tokens", ids.len(), t + 1);
+    }
+    let _g = crate::tensor::no_grad();
+    let (mut sum, mut n) = (0.0f64, 0usize);
+    let bar = Progress::items((windows * t) as u64, "eval");
+    for start in (0..windows).step_by(bs) {
+        let b = bs.min(windows - start);
+        let (mut x, mut y) = (Vec::with_capacity(b * t), Vec::with_capacity(b * t));
+        for w in start..start + b {
+            let win = &ids[w * t..w * t + t + 1];
+            x.extend(win[..t].iter().map(|&v| v as i32));
+            y.extend(win[1..].iter().map(|&v| v as i32));
+        }
+        let xt = Tokens::upload(x, [b, t], device)?;
+        let yt = Tokens::upload(y, [b, t], device)?;
+        sum += model.loss(&xt, &yt)?.item()? * (b * t) as f64;
+        n += b * t;
+        bar.inc((b * t) as u64);
+    }
+    drop(bar);
+    Ok(Score { loss: sum / n as f64, tokens: n })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::nn::LlamaConfig;
+    use crate::tensor::Rng;
+    use crate::DType;
+
+    #[test]
+    fn the_score_covers_every_full_window_whatever_the_batch() {
+        let cfg = LlamaConfig::preset("tiny").unwrap();
+        let model = Llama::new(cfg.clone(), DType::F32, Device::Cpu, &mut Rng::new(1)).unwrap();
+        let t = 8;
+        // 5 full windows of 9 tokens (consecutive windows share their edge token) and 3 left over.
+        let ids: Vec<u32> = (0..5 * t + 3).map(|i| (i * 7 % cfg.vocab_size) as u32).collect();
+        assert_eq!(windows(ids.len(), t), 5);
+        let one = mean_loss(&model, &ids, t, 1, Device::Cpu).unwrap();
+        let three = mean_loss(&model, &ids, t, 3, Device::Cpu).unwrap();
+        assert_eq!((one.tokens, three.tokens), (5 * t, 5 * t));
+        assert!((one.loss - three.loss).abs() < 1e-5 * one.loss, "{one:?} vs {three:?}");
+        // A random model scores about ln(vocab).
+        assert!((one.loss - (cfg.vocab_size as f64).ln()).abs() < 1.0, "{one:?}");
+        assert!((one.perplexity() - one.loss.exp()).abs() < 1e-12);
+        assert!(mean_loss(&model, &ids[..t], t, 1, Device::Cpu).is_err());
+    }
+}

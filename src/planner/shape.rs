@@ -1,0 +1,103 @@
+//! The model as the planner sees it: the shapes that set parameter count, memory and FLOPs, the
+//! presets of the planning tools, and the per-bucket parameter counts the engine shards.
+use ferrolm_tensor::{Error, Result};
+
+/// The shapes that set parameter count, memory and FLOPs.
+#[derive(Clone, Debug, PartialEq)]
+pub struct ModelShape {
+    pub name: String,
+    pub layers: usize,
+    pub hidden: usize,
+    pub intermediate: usize,
+    pub heads: usize,
+    pub kv_heads: usize,
+    pub head_dim: usize,
+    pub vocab: usize,
+    pub tied: bool,
+}
+
+impl ModelShape {
+    /// LLaMA shapes: `7b`, `13b`, `30b` (LLaMA-1's 32.5B) and `70b` (Llama 2, GQA); and the
+    /// GPT-3 shapes NeMo's launcher trains, `gpt3-5b` (24 x 4096, 32 heads) and `gpt3-175b`
+    /// (96 x 12288, 96 heads), vocabulary 51200, tied embeddings, their 4h GeLU MLP (8h² weights)
+    /// written as the SwiGLU width with the same weights (3·h·i = 8h², i = 8h/3).
+    pub fn preset(name: &str) -> Result<ModelShape> {
+        let (layers, hidden, inter, heads, kv, vocab) = match name {
+            "7b" => (32, 4096, 11008, 32, 32, 32000),
+            "13b" => (40, 5120, 13824, 40, 40, 32000),
+            "30b" => (60, 6656, 17920, 52, 52, 32000),
+            "70b" => (80, 8192, 28672, 64, 8, 32000),
+            "gpt3-5b" => (24, 4096, 10944, 32, 32, 51200),
+            "gpt3-175b" => (96, 12288, 32768, 96, 96, 51200),
+            other => {
+                return Err(Error::new(
+                    "--model",
+                    format!("unknown preset {other:?} (known: 7b, 13b, 30b, 70b, gpt3-5b, gpt3-175b, or a config.json)"),
+                ))
+            }
+        };
+        Ok(ModelShape {
+            name: name.into(),
+            layers,
+            hidden,
+            intermediate: inter,
+            heads,
+            kv_heads: kv,
+            head_dim: hidden / heads,
+            vocab,
+            tied: name.starts_with("gpt3"),
+        })
+    }
+
+    pub fn from_config(c: &ferrolm_nn::LlamaConfig, name: &str) -> ModelShape {
+        ModelShape {
+            name: name.into(),
+            layers: c.num_hidden_layers,
+            hidden: c.hidden_size,
+            intermediate: c.intermediate_size,
+            heads: c.num_attention_heads,
+            kv_heads: c.num_key_value_heads,
+            head_dim: c.head_dim,
+            vocab: c.vocab_size,
+            tied: c.tie_word_embeddings,
+        }
+    }
+
+    /// Parameters of one transformer layer held by one of `tp` tensor-parallel ranks (a key/
+    /// value head shared by several ranks is held by each).
+    pub fn layer_params(&self, tp: usize) -> u64 {
+        let (h, i, d) = (self.hidden as u64, self.intermediate as u64, self.head_dim as u64);
+        let tp = tp as u64;
+        let q = self.heads as u64 * d * h / tp; // q_proj, and o_proj alike
+        let kv = if self.kv_heads as u64 >= tp { self.kv_heads as u64 * d * h / tp } else { d * h }; // k_proj, v_proj each
+        2 * q + 2 * kv + 3 * h * i / tp + 2 * h
+    }
+
+    /// Parameters held by one of `tp` ranks, per bucket (embedding, each layer, head).
+    pub fn bucket_params(&self, tp: usize) -> Vec<u64> {
+        let (h, v) = (self.hidden as u64, self.vocab as u64);
+        let mut out = vec![v * h / tp as u64];
+        out.extend(std::iter::repeat_n(self.layer_params(tp), self.layers));
+        out.push(h + if self.tied { 0 } else { v * h / tp as u64 });
+        out
+    }
+
+    /// Elements of the largest single parameter one of `tp` ranks holds (the embedding or the
+    /// head in most shapes, an MLP projection where the intermediate size beats the vocabulary).
+    pub fn largest_param(&self, tp: usize) -> u64 {
+        let (h, tp) = (self.hidden as u64, tp.max(1) as u64);
+        let q = self.heads as u64 * self.head_dim as u64 * h;
+        [self.vocab as u64 * h, self.intermediate as u64 * h, q].into_iter().max().unwrap_or(0) / tp
+    }
+
+    /// Parameters of the whole model.
+    pub fn params(&self) -> u64 {
+        self.bucket_params(1).iter().sum()
+    }
+
+    /// Training FLOPs per token: 6 per parameter (forward and backward) plus attention
+    /// (PaLM's 12 L T d count) for sequences of `seq`.
+    pub fn flops_per_token(&self, seq: usize) -> f64 {
+        6.0 * self.params() as f64 + 12.0 * (self.layers * seq * self.heads * self.head_dim) as f64
+    }
+}
