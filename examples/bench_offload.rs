@@ -1,6 +1,6 @@
 //! Optimizer-offload benchmark (docs/OFFLOAD.md): the CPU AdamW that offload runs
 //! (`ferrolm_tensor::cpu_adam`) measured against this machine's memory bandwidth, and the Deep
-//! Optimizer States model (`ferrolm_dist::dos`) fed with that measured CPU throughput for a 7B
+//! Optimizer States model (`ferrolm_parallel::dos`) fed with that measured CPU throughput for a 7B
 //! Llama on one H100.
 //!
 //!   cargo run --release --example bench_offload -- [--elems 33554432] [--reps 5]
@@ -14,8 +14,8 @@
 //! datasheet bandwidth).
 use clap::Parser;
 use ferrolm::AnyResult;
-use ferrolm_dist::dos::{choose_k, estimate, DosInputs};
-use ferrolm_dist::zero::ShardSpec;
+use ferrolm_parallel::dos::{choose_k, estimate, DosInputs};
+use ferrolm_parallel::zero::ShardSpec;
 use ferrolm_tensor::backend::AdamWHyper;
 use ferrolm_tensor::{bf16, cpu_adam};
 use std::time::Instant;
@@ -214,7 +214,7 @@ fn main() -> AnyResult<()> {
         if fits { format!("{no_offload:.3}") } else { format!("({no_offload:.3} if it fit)") },
         if fits { format!("{no_offload:.3}") } else { "does not fit".into() }
     );
-    let row = |name: &str, e: &ferrolm_dist::dos::DosEstimate| {
+    let row = |name: &str, e: &ferrolm_parallel::dos::DosEstimate| {
         let mem = on_gpu_offloaded + if e.gpu_subgroups > 0 { in_flight } else { 0.0 };
         let fits = if mem <= a.gpu_gb { "yes" } else { "no" };
         println!("| {name} | {mem:.1} | {fits} | {:.3} | {:.3} | {:.3} |", e.update_s, e.grad_exposed_s, e.total_s);

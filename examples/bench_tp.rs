@@ -15,9 +15,9 @@ use ferrolm::cli::{env_help, fraction, positive, LogArgs, Tool, ENV_COMMON};
 use ferrolm::nn::optim::{AdamW, AdamWConfig};
 use ferrolm::nn::{LadderLayers, Llama, LlamaConfig};
 use ferrolm::{AnyResult, DType, Device, Tensor};
-use ferrolm_dist::cost::{Link, LinkModel};
-use ferrolm_dist::tp::parallelize;
-use ferrolm_dist::{CommOptions, CommStats, Communicator, SimLink, ThreadComm};
+use ferrolm_parallel::cost::{Link, LinkModel};
+use ferrolm_parallel::tp::parallelize;
+use ferrolm_parallel::{CommOptions, CommStats, Communicator, SimLink, ThreadComm};
 use ferrolm_tensor::{no_grad, Rng};
 use std::sync::Arc;
 use std::time::Instant;
@@ -149,7 +149,7 @@ fn main() {
 /// all-reduce and, in backward, what the deferred weight-gradient GEMM does not cover; the
 /// Ladder model exposes only what the next branch's compute does not cover.
 fn modelled_8gpu(o: &Opts) {
-    use ferrolm_dist::cost::{seconds, GroupSpan, Kind};
+    use ferrolm_parallel::cost::{seconds, GroupSpan, Kind};
     let (h, inter, heads, kv, d, layers, vocab) = (4096.0, 14336.0, 32.0, 8.0, 128.0, 32usize, 128256.0);
     let tp = 8.0;
     let link = LinkModel::flat(Link::new(2e-6, 360e9));

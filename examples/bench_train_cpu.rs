@@ -13,8 +13,8 @@ use ferrolm::nn::optim::AdamWConfig;
 use ferrolm::nn::LlamaConfig;
 use ferrolm::tensor::{no_grad, Rng};
 use ferrolm::{DType, Device, Llama, Tensor};
-use ferrolm_dist::zero::{Placement, Zero};
-use ferrolm_dist::TrainEngine;
+use ferrolm_parallel::zero::{Placement, Zero};
+use ferrolm_parallel::TrainEngine;
 use std::time::Instant;
 
 #[derive(Parser)]

@@ -16,8 +16,8 @@ use ferrolm::planner::cost::{Link, LinkModel};
 use ferrolm::planner::step::{evaluate, search};
 use ferrolm::planner::{Cluster, ModelShape, Workload};
 use ferrolm::{AnyResult, DType, Device, Tensor};
-use ferrolm_dist::zero::{Placement, ShardSpec, Zero};
-use ferrolm_dist::{CommOptions, Communicator, DeviceMesh, SimLink, ThreadComm};
+use ferrolm_parallel::zero::{Placement, ShardSpec, Zero};
+use ferrolm_parallel::{CommOptions, Communicator, DeviceMesh, SimLink, ThreadComm};
 use ferrolm_tensor::Rng;
 use std::sync::Arc;
 use std::time::Instant;
@@ -122,11 +122,11 @@ fn measure(a: &Args, cfg: &LlamaConfig, spec: ShardSpec, link: Option<LinkModel>
 fn comm_cpu_cost(world: usize) -> AnyResult<f64> {
     let per = ThreadComm::run(world, CommOptions::default(), |c| {
         let x = Tensor::ones([1usize << 22], DType::F32, Device::Cpu)?;
-        c.all_reduce(&x, ferrolm_dist::ReduceOp::Sum)?;
+        c.all_reduce(&x, ferrolm_parallel::ReduceOp::Sum)?;
         c.barrier()?;
         let t0 = Instant::now();
         for _ in 0..4 {
-            c.all_reduce(&x, ferrolm_dist::ReduceOp::Sum)?;
+            c.all_reduce(&x, ferrolm_parallel::ReduceOp::Sum)?;
         }
         let sent = 4.0 * 2.0 * (world as f64 - 1.0) / world as f64 * (4usize << 22) as f64;
         Ok(t0.elapsed().as_secs_f64() / sent)
@@ -158,18 +158,18 @@ fn run(a: Args) -> AnyResult<()> {
     let plain = ShardSpec::zero(0, world)?;
     let (t_plain, t_update) = measure(&a, &cfg, plain, None)?;
     let padded: Vec<usize> = shape.bucket_params(1).iter().map(|&n| (n as usize).div_ceil(world * 8) * world * 8).collect();
-    let plain_sent = ferrolm_dist::zero::traffic_bytes(plain, world, &padded, &vec![0; padded.len()], 4, a.grad_accum);
+    let plain_sent = ferrolm_parallel::zero::traffic_bytes(plain, world, &padded, &vec![0; padded.len()], 4, a.grad_accum);
     let tokens_per_rank = (a.batch_size * a.seq_len * a.grad_accum) as f64;
     let flops = shape.flops_per_token(a.seq_len) * tokens_per_rank / (t_plain - t_update - plain_sent * comm_cpu_s_per_byte).max(1e-3);
     let update_s_per_elem = t_update / shape.params() as f64;
     // The simulated link sleeps: it takes nothing from compute (thread ranks: no interference).
     let measured = ferrolm::planner::calibrate::Calibration { flops, update_s_per_elem, comm_cpu_s_per_byte };
     let cluster = Cluster::thread_ranks(world, a.ranks_per_node, a.mem_cap_mib * (1u64 << 20) as f64, link, &measured, 0.0);
-    let caller = ferrolm_dist::thread::caller_resolve_from_env()?;
+    let caller = ferrolm_parallel::thread::caller_resolve_from_env()?;
     eprintln!(
         "bench_zero: pending collective inputs are waited for on the {} ({}={})",
         if caller { "launching thread, as NCCL does" } else { "communication thread" },
-        ferrolm_dist::thread::ENV_CALLER_RESOLVE,
+        ferrolm_parallel::thread::ENV_CALLER_RESOLVE,
         u8::from(caller)
     );
     eprintln!(

@@ -17,8 +17,8 @@
 use clap::Parser;
 use ferrolm::cli::{env_help, positive, LogArgs, Tool, ENV_COMMON};
 use ferrolm::AnyResult;
-use ferrolm_dist::launcher::LocalLaunch;
-use ferrolm_dist::DEFAULT_MASTER_PORT;
+use ferrolm_parallel::launcher::LocalLaunch;
+use ferrolm_parallel::DEFAULT_MASTER_PORT;
 use std::path::PathBuf;
 
 #[derive(Parser, Debug, Clone)]

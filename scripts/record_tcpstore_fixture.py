@@ -1,9 +1,9 @@
 #!/usr/bin/env python3
 """Record a real PyTorch TCPStore client/server exchange for ferrolm's store tests.
 
-ferrolm's rendezvous store (crates/dist/src/tcpstore.rs) speaks PyTorch's TCPStore wire protocol,
+ferrolm's rendezvous store (crates/parallel/src/tcpstore.rs) speaks PyTorch's TCPStore wire protocol,
 so that under torchrun every rank joins the agent's store as a client. CI has no Python, so this
-script records what torch itself puts on the wire, and `crates/dist/tests/tcpstore_fixture.rs`
+script records what torch itself puts on the wire, and `crates/parallel/tests/tcpstore_fixture.rs`
 replays it in both directions:
 
   - our client must send, for each operation, the bytes the torch client sent, and must parse the

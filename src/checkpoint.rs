@@ -3,7 +3,7 @@
 //! `checkpoints/latest` names, pruning to `--keep-last`, what makes one complete, and resuming
 //! from one (`Trainer::save_checkpoint`, `Trainer::resume`). When to save is the training loop's
 //! (`Trainer::run`: every `--save-every` steps and at the end). The engine's own state I/O (each
-//! rank's shards, the parameters joined from the ranks) is `ferrolm_dist::zero::ckpt`; this module
+//! rank's shards, the parameters joined from the ranks) is `ferrolm_parallel::zero::ckpt`; this module
 //! decides around it and writes the Hugging Face files, the tokenizer and `trainer_state.json`.
 //!
 //! It never loses work: weights that are not finite are never saved; a failed save leaves the
@@ -47,7 +47,7 @@ pub fn missing_files(dir: &Path) -> Vec<&'static str> {
         missing.push("model.safetensors");
     }
     // The optimizer state: one device's file, or the shards of a parallel run.
-    if !dir.join("optimizer.safetensors").is_file() && !ferrolm_dist::zero::ckpt::is_sharded(dir) {
+    if !dir.join("optimizer.safetensors").is_file() && !ferrolm_parallel::zero::ckpt::is_sharded(dir) {
         missing.push("optimizer.safetensors");
     }
     if !dir.join(TRAINER_STATE).is_file() {
@@ -325,9 +325,9 @@ impl Trainer {
         }
         // Full weights by name (the Hugging Face files, whatever layout wrote them) and the full
         // optimizer state (one device's file, or joined from the shards of a parallel run).
-        let sharded = ferrolm_dist::zero::ckpt::is_sharded(&dir);
+        let sharded = ferrolm_parallel::zero::ckpt::is_sharded(&dir);
         let (weights, state): (HashMap<String, Tensor>, HashMap<String, Tensor>) = if sharded {
-            let (p, s) = ferrolm_dist::zero::ckpt::load_full(&dir)?;
+            let (p, s) = ferrolm_parallel::zero::ckpt::load_full(&dir)?;
             (p.into_iter().collect(), s.into_iter().collect())
         } else {
             let loaded = Llama::from_pretrained(&dir, DType::F32, Device::Cpu)?;

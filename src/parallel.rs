@@ -13,16 +13,16 @@
 //! - several ranks on GPUs without such an environment is an error that says how to launch.
 use crate::AnyResult;
 use anyhow::{bail, Context};
-use ferrolm_dist::offload::OffloadConfig;
-use ferrolm_dist::tp::{parallelize, TpLayout};
-use ferrolm_dist::zero::{GradReduceDtype, Placement, ShardSpec, Zero};
-use ferrolm_dist::{CommOptions, DeviceMesh, DistEnv, ThreadComm};
 use ferrolm_nn::optim::AdamWConfig;
 use ferrolm_nn::Llama;
+use ferrolm_parallel::offload::OffloadConfig;
+use ferrolm_parallel::tp::{parallelize, TpLayout};
+use ferrolm_parallel::zero::{GradReduceDtype, Placement, ShardSpec, Zero};
+use ferrolm_parallel::{CommOptions, DeviceMesh, DistEnv, ThreadComm};
 use ferrolm_tensor::Device;
 use std::time::Duration;
 
-pub use ferrolm_dist::comm::Comm;
+pub use ferrolm_parallel::comm::Comm;
 
 /// Environment variable: `1` takes the multi-process path (`NcclComm`) also at a world size of
 /// one under a launcher, so a single GPU exercises NCCL end to end.
@@ -149,8 +149,8 @@ fn launch_processes<P, T>(
     per_rank: impl Fn(&P, Option<Comm>) -> AnyResult<T>,
 ) -> AnyResult<T> {
     let options = CommOptions::from_env()?;
-    let backend = ferrolm_dist::env::gpu_backend(env)?;
-    let store = ferrolm_dist::env::rendezvous(env, &options).context("cannot join the launcher's world")?;
+    let backend = ferrolm_parallel::env::gpu_backend(env)?;
+    let store = ferrolm_parallel::env::rendezvous(env, &options).context("cannot join the launcher's world")?;
     crate::logging::set_rank(env.rank, env.world_size);
     let timeout = match std::env::var(ENV_PREPARE_TIMEOUT) {
         Ok(v) => Duration::from_secs_f64(
@@ -177,7 +177,7 @@ fn launch_processes<P, T>(
         barrier("waiting for rank 0 to prepare the run")?;
         prepare().map_err(|e| notify(e, "preparing the run"))?
     };
-    let comm = ferrolm_dist::env::init_with_store(env, store.clone(), backend, options)
+    let comm = ferrolm_parallel::env::init_with_store(env, store.clone(), backend, options)
         .map_err(|e| notify(e.into(), "joining the NCCL communicator"))?;
     per_rank(&p, Some(comm)).map_err(|e| notify(e, "training"))
 }
@@ -230,7 +230,7 @@ pub fn tensor_parallel(model: &mut Llama, comm: Comm, layout: &Parallelism) -> A
 }
 
 /// Prints where the optimizer state went and, for `auto`, the measured inputs and the chosen k.
-fn report_offload(plan: &ferrolm_dist::offload::OffloadPlan, device: Device) {
+fn report_offload(plan: &ferrolm_parallel::offload::OffloadPlan, device: Device) {
     use crate::progress::report;
     let k = plan.k.map_or("inf (every subgroup on the CPU)".to_string(), |k| k.to_string());
     if device == Device::Cpu {

@@ -14,12 +14,12 @@ use crate::run_dir::{self, METRICS};
 use crate::{AnyResult, Llama};
 use anyhow::{bail, Context};
 use ferrolm_data::{eval_batches, Batch, DataLoader};
-use ferrolm_dist::zero::{Placement, Zero};
-use ferrolm_dist::TrainEngine;
 use ferrolm_nn::optim::AdamWConfig;
 use ferrolm_nn::safetensors_io::write_atomic;
 use ferrolm_nn::schedule::CosineSchedule;
 use ferrolm_ops::Tokens;
+use ferrolm_parallel::zero::{Placement, Zero};
+use ferrolm_parallel::TrainEngine;
 use ferrolm_tensor::{no_grad, Device, Rng, Tensor};
 use serde::{Deserialize, Serialize};
 use std::io::Write;
@@ -356,7 +356,7 @@ impl Trainer {
     pub(crate) fn agree(&self, ok: bool, what: &str) -> AnyResult<()> {
         let w = self.engine.mesh().world();
         // On the model's device: NCCL refuses a host tensor.
-        let failed = ferrolm_dist::comm::all_reduce_scalar(w.as_ref(), if ok { 0.0 } else { 1.0 }, self.model.device())?;
+        let failed = ferrolm_parallel::comm::all_reduce_scalar(w.as_ref(), if ok { 0.0 } else { 1.0 }, self.model.device())?;
         if failed > 0.0 && ok {
             bail!("another rank could not {what}");
         }
@@ -399,7 +399,7 @@ impl Trainer {
     /// and the run stops at start-up, with that reason, when one cannot (instead of failing at
     /// the first save). Thread ranks share the process's filesystem: nothing to check.
     fn check_shared_out_dir(&self) -> AnyResult<()> {
-        let Some(store) = ferrolm_dist::env::world_store() else { return Ok(()) };
+        let Some(store) = ferrolm_parallel::env::world_store() else { return Ok(()) };
         let marker = self.out_dir.join(SHARED_MARKER);
         let rank = store.rank();
         let seen = if rank == 0 {

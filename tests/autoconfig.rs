@@ -13,7 +13,7 @@ use ferrolm::cli::ComputeDtype;
 use ferrolm::planner::cost::{Link, LinkModel};
 use ferrolm::planner::layouts::{search, Candidate, OffloadRates, SearchSpace};
 use ferrolm::planner::{Cluster, ModelShape};
-use ferrolm_dist::offload::GpuEvery;
+use ferrolm_parallel::offload::GpuEvery;
 
 #[test]
 fn size_from_budget_matches_hand_computed_cases() {
@@ -303,8 +303,8 @@ fn help_lists_every_flag_with_its_default() {
 fn planner_counts_nccl_buffers_per_communicator() {
     use ferrolm::planner::step::evaluate;
     use ferrolm::planner::{Workload, NCCL_BYTES_PER_COMMUNICATOR};
-    use ferrolm_dist::zero::groups::communicators;
-    use ferrolm_dist::zero::ShardSpec;
+    use ferrolm_parallel::zero::groups::communicators;
+    use ferrolm_parallel::zero::ShardSpec;
     let m = ModelShape::preset("7b").unwrap();
     let w =
         Workload { seq: 2048, micro_batch: 1, global_batch_tokens: 64 * 2048, tp: 2, elem_bytes: 2, grad_bytes: 4, checkpointed_layers: 0 };

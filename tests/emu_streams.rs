@@ -10,9 +10,9 @@ use ferrolm::cli::parallel::ParallelArgs;
 use ferrolm::train::{TrainOptions, Trainer};
 use ferrolm::{DType, Device, Llama};
 use ferrolm_cuda::CudaBackend;
-use ferrolm_dist::offload::{grad_copies_behind_events, GpuEvery, Offload, OffloadConfig};
-use ferrolm_dist::store::{Store, StoreServer};
-use ferrolm_dist::{CommOptions, Communicator, NcclComm, ReduceOp, ThreadComm};
+use ferrolm_parallel::offload::{grad_copies_behind_events, GpuEvery, Offload, OffloadConfig};
+use ferrolm_parallel::store::{Store, StoreServer};
+use ferrolm_parallel::{CommOptions, Communicator, NcclComm, ReduceOp, ThreadComm};
 use ferrolm_tensor::backend::AdamWHyper;
 use ferrolm_tensor::{Rng, Tensor};
 use std::path::PathBuf;
@@ -248,19 +248,19 @@ fn host_waits_per_step_stay_at_their_bounds() {
 
 // The bounds, per step and rank (2 micro-batches a step), as measured on 2026-11-23:
 // - single device, 2: the loss read and the grad-norm scalar, once per step (src/train.rs,
-//   crates/dist/src/zero/mod.rs); none inside a micro-batch: ids and targets are uploaded with
+//   crates/parallel/src/zero/mod.rs); none inside a micro-batch: ids and targets are uploaded with
 //   their host copy (`ferrolm_ops::Tokens`) and checked and counted there;
 // - TP 2, 30: those, plus ThreadComm's staging of every collective's input through the host
-//   (crates/dist/src/thread.rs, counted for the step that submitted it) and the scalar
+//   (crates/parallel/src/thread.rs, counted for the step that submitted it) and the scalar
 //   all-reduces of the loss and the norm; the vocabulary-parallel embedding and loss read
-//   nothing back (crates/dist/src/tp.rs splits ids and targets on their host copy);
+//   nothing back (crates/parallel/src/tp.rs splits ids and targets on their host copy);
 // - ZeRO (2,2,4), 36, ZeRO-3, 32: the single device's, ThreadComm's staging and the
 //   scalar all-reduces. In (2,2,4) the last micro-batch's optimizer-range reduce-scatter reads
 //   the gradient reduce-scatter's result in flight: its host copy comes straight from the
 //   producer, with no device round trip and no host wait; ZeRO-3 (s_os = s_g) has no chained
 //   collective;
 // - offload k = 2, 657.5: per subgroup (219 of them) the pinned buffers' waits before each
-//   copy and host access of the update (crates/dist/src/offload.rs), about three a subgroup.
+//   copy and host access of the update (crates/parallel/src/offload.rs), about three a subgroup.
 //   Measured again after the gradient flush stopped holding gradients back: unchanged, since
 //   at dp = 1 the gradient handed over is ready and its copy never waited on the host (the
 //   copy stream waits for the compute stream); the one host wait per streamed gradient is the

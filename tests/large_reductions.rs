@@ -7,9 +7,9 @@
 mod common;
 
 use ferrolm::nn::LlamaConfig;
-use ferrolm_dist::tp::parallelize;
-use ferrolm_dist::zero::{Placement, ShardSpec, Zero};
-use ferrolm_dist::{CommOptions, Communicator, DeviceMesh, ThreadComm, TrainEngine};
+use ferrolm_parallel::tp::parallelize;
+use ferrolm_parallel::zero::{Placement, ShardSpec, Zero};
+use ferrolm_parallel::{CommOptions, Communicator, DeviceMesh, ThreadComm, TrainEngine};
 use std::sync::Arc;
 
 use ferrolm::nn::optim::clip_grad_norm;

@@ -12,8 +12,8 @@ use ferrolm::nn::optim::AdamWConfig;
 use ferrolm::nn::{Llama, LlamaConfig};
 use ferrolm::planner::memory::{estimate, MemParallelism};
 use ferrolm::{DType, Device, Tensor};
-use ferrolm_dist::zero::{Placement, ShardSpec, Zero};
-use ferrolm_dist::{CommOptions, DeviceMesh, ThreadComm, TrainEngine};
+use ferrolm_parallel::zero::{Placement, ShardSpec, Zero};
+use ferrolm_parallel::{CommOptions, DeviceMesh, ThreadComm, TrainEngine};
 use ferrolm_tensor::{live_bytes, peak_bytes, reset_peak_bytes, Rng};
 
 /// A model and the batch it trains on.
@@ -193,7 +193,7 @@ fn a_run_that_cannot_fit_is_refused_with_the_numbers() {
 #[test]
 fn f32_main_gradients_cost_two_more_bytes_per_gradient_element() {
     use ferrolm::planner::ModelShape;
-    use ferrolm_dist::zero::GradReduceDtype;
+    use ferrolm_parallel::zero::GradReduceDtype;
     let c = case(64, 128, 2, 2, 32);
     let buckets = ModelShape::from_config(&c.cfg, "run").bucket_params(1);
     let n: f64 = buckets.iter().sum::<u64>() as f64;

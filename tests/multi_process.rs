@@ -17,7 +17,7 @@
 //! so the tests need no separately built example.
 mod common;
 use common::*;
-use ferrolm_dist::launcher::LocalLaunch;
+use ferrolm_parallel::launcher::LocalLaunch;
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
@@ -34,7 +34,7 @@ fn rank_process() {
     let Ok(a) = std::env::var(ARGS_VAR) else { return };
     let args: Vec<String> = serde_json::from_str(&a).expect("FERROLM_MP_ARGS is a JSON list of strings");
     let code = ferrolm::cli::run_tool(args, ferrolm::cli::pretrain::run);
-    println!("{CHAINED}{}", ferrolm_dist::offload::grad_copies_behind_events());
+    println!("{CHAINED}{}", ferrolm_parallel::offload::grad_copies_behind_events());
     std::process::exit(code);
 }
 
@@ -183,7 +183,7 @@ fn rank_env(args: &[String]) -> Vec<(String, String)> {
 }
 
 fn emulated() -> bool {
-    if ferrolm_cuda::CudaBackend::emulated(0).is_ok() && ferrolm_dist::nccl_lib::EMULATED_AVAILABLE {
+    if ferrolm_cuda::CudaBackend::emulated(0).is_ok() && ferrolm_parallel::nccl_lib::EMULATED_AVAILABLE {
         return true;
     }
     assert!(
@@ -399,7 +399,7 @@ fn kill_drill(victim: usize) {
     eprintln!("all ranks ended {:.1} s after the SIGKILL of rank {victim}", (end - fault).as_secs_f64());
     let survivor = 1 - victim;
     let err = ranks.log(survivor);
-    let first = err.lines().find(|l| l.contains("error") || l.contains("ferrolm-dist:")).unwrap_or_default().to_string();
+    let first = err.lines().find(|l| l.contains("error") || l.contains("ferrolm-parallel:")).unwrap_or_default().to_string();
     eprintln!("rank {survivor}: {first}");
     assert!(first.contains(&format!("rank {survivor}")), "rank {survivor}'s first error does not name it: {first}\n{logs}");
     assert!(
@@ -453,7 +453,7 @@ fn drill_a_rank_returning_an_error_stops_every_process() {
     eprintln!("all ranks ended {:.1} s after the start", (end - fault).as_secs_f64());
     let first = ranks.log(1).lines().find(|l| l.starts_with("error:")).unwrap_or_default().to_string();
     eprintln!("rank 1: {first}");
-    eprintln!("rank 0: {}", ranks.log(0).lines().find(|l| l.starts_with("error:") || l.contains("ferrolm-dist:")).unwrap_or_default());
+    eprintln!("rank 0: {}", ranks.log(0).lines().find(|l| l.starts_with("error:") || l.contains("ferrolm-parallel:")).unwrap_or_default());
     assert!(first.contains("rank 1 of 2 failed while"), "rank 1's error does not name it and what it did: {first}\n{logs}");
     assert!(ranks.log(0).contains("rank 1 failed while"), "rank 0 does not say that rank 1 failed\n{logs}");
 }
@@ -660,7 +660,7 @@ fn drill_a_rank_whose_collectives_disagree_stops_every_process() {
         // The main thread's error, or a watchdog's that saw a failure notice first (this rank's or
         // the other's, whichever was posted first) and ended the process.
         let first =
-            ranks.log(r).lines().find(|l| l.starts_with("error:") || l.starts_with("ferrolm-dist:")).unwrap_or_default().to_string();
+            ranks.log(r).lines().find(|l| l.starts_with("error:") || l.starts_with("ferrolm-parallel:")).unwrap_or_default().to_string();
         eprintln!("rank {r}: {first}");
         assert!(
             // The collective it names is the one NCCL's asynchronous error interrupted: the

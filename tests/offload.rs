@@ -1,4 +1,4 @@
-//! Optimizer-state offload (`--offload-optimizer`, crates/dist/src/offload.rs): training with the
+//! Optimizer-state offload (`--offload-optimizer`, crates/parallel/src/offload.rs): training with the
 //! state in host memory, updated one subgroup in k on the device, follows training without it;
 //! composed with ZeRO over thread ranks, and across a resume, it is exact.
 //!
@@ -17,8 +17,8 @@ use ferrolm::data::{list_shards, prepare_text_dir, Tokenizer};
 use ferrolm::nn::LlamaConfig;
 use ferrolm::train::{TrainOptions, Trainer};
 use ferrolm::{DType, Device, Llama, Tensor};
-use ferrolm_dist::offload::GpuEvery;
-use ferrolm_dist::{CommOptions, ThreadComm};
+use ferrolm_parallel::offload::GpuEvery;
+use ferrolm_parallel::{CommOptions, ThreadComm};
 use ferrolm_tensor::backend::AdamWHyper;
 use ferrolm_tensor::{AdamWRange, Rng};
 use std::path::{Path, PathBuf};
@@ -117,7 +117,7 @@ fn train_as(
                     let inputs = plan.inputs.as_ref().expect("auto measures the model's inputs");
                     assert!(inputs.cpu_adam_elems_per_s > 0.0 && inputs.h2d_bytes_per_s > 0.0 && inputs.gpu_adam_elems_per_s > 0.0);
                     assert_eq!(inputs.elems, plan.elems);
-                    ferrolm_dist::dos::choose_k(inputs).k
+                    ferrolm_parallel::dos::choose_k(inputs).k
                 }
             };
             assert_eq!(plan.k, want);
@@ -137,7 +137,7 @@ fn train_as(
         // run() saved its last step.
         let ck = dir.join(out).join(format!("checkpoints/step-{:06}", o.steps));
         let mut state: Vec<(String, Vec<f64>)> = Vec::new();
-        for (n, x) in ferrolm_dist::zero::ckpt::load_full(&ck)?.1 {
+        for (n, x) in ferrolm_parallel::zero::ckpt::load_full(&ck)?.1 {
             state.push((n, x.to_vec_f64()?));
         }
         for (n, x) in t.model.parameters() {
@@ -320,7 +320,7 @@ fn offload_flags_are_validated() {
     let ok = Cli::try_parse_from(["t", "--offload-optimizer", "--offload-subgroup-size", "1000", "--offload-gpu-every", "4"]).unwrap();
     assert_eq!(
         ok.p.layout().unwrap().offload.unwrap(),
-        ferrolm_dist::offload::OffloadConfig { subgroup: 1000, gpu_every: GpuEvery::Every(4) }
+        ferrolm_parallel::offload::OffloadConfig { subgroup: 1000, gpu_every: GpuEvery::Every(4) }
     );
     let auto = Cli::try_parse_from(["t", "--offload-optimizer"]).unwrap();
     assert_eq!(auto.p.layout().unwrap().offload.unwrap().gpu_every, GpuEvery::Auto);
@@ -390,9 +390,9 @@ fn the_pretrain_tool_with_offload_follows_the_plain_run() {
 #[test]
 fn gradients_stream_to_the_host_from_the_sinks_during_backward() {
     use ferrolm::nn::optim::AdamWConfig;
-    use ferrolm_dist::offload::OffloadConfig;
-    use ferrolm_dist::zero::{Placement, ShardSpec, Zero};
-    use ferrolm_dist::{DeviceMesh, TrainEngine};
+    use ferrolm_parallel::offload::OffloadConfig;
+    use ferrolm_parallel::zero::{Placement, ShardSpec, Zero};
+    use ferrolm_parallel::{DeviceMesh, TrainEngine};
     let cfg = LlamaConfig::from_json_str(
         r#"{"model_type":"llama","vocab_size":64,"hidden_size":32,"intermediate_size":64,"num_hidden_layers":2,
             "num_attention_heads":4,"num_key_value_heads":2,"max_position_embeddings":64,"tie_word_embeddings":true}"#,
@@ -428,7 +428,7 @@ fn gradients_stream_to_the_host_from_the_sinks_during_backward() {
 /// collective's event: tests/emu_streams.rs.)
 #[test]
 fn a_gradient_in_flight_is_read_only_after_the_next_bucket_is_handed_over() {
-    use ferrolm_dist::offload::{Offload, OffloadConfig};
+    use ferrolm_parallel::offload::{Offload, OffloadConfig};
     use ferrolm_tensor::{CpuStorage, Storage};
     use std::sync::atomic::{AtomicBool, Ordering};
     use std::sync::Arc;

@@ -11,7 +11,7 @@ use ferrolm::cli::plan::PlanArgs;
 use ferrolm::cli::{error_report, parse_from};
 use ferrolm::planner::layouts::Candidate;
 use ferrolm::planner::{step, Cluster, GpuClusterSpec, GpuDefaults, ADAMW_BYTES_PER_ELEM, NCCL_BYTES_PER_COMMUNICATOR};
-use ferrolm_dist::zero::{GradReduceDtype, ShardSpec};
+use ferrolm_parallel::zero::{GradReduceDtype, ShardSpec};
 
 fn plan(flags: &[&str]) -> PlanArgs {
     parse_from(["plan"].iter().chain(flags)).unwrap()

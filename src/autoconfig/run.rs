@@ -13,7 +13,7 @@ use crate::planner::layouts::{search, Candidate, OffloadRates, Rejected, SearchS
 use crate::planner::{memory, Cluster, GpuClusterSpec, ModelShape, GIB};
 use crate::{AnyResult, DType};
 use anyhow::{bail, Context};
-use ferrolm_dist::zero::GradReduceDtype;
+use ferrolm_parallel::zero::GradReduceDtype;
 use std::path::{Path, PathBuf};
 
 /// Where the layouts run.

@@ -9,8 +9,8 @@ use crate::planner::layouts::Candidate;
 use crate::train::{TrainOptions, Trainer};
 use crate::{AnyResult, DType, Device};
 use anyhow::Context;
-use ferrolm_dist::zero::GradReduceDtype;
-use ferrolm_dist::{CommOptions, Communicator, SimLink, ThreadComm};
+use ferrolm_parallel::zero::GradReduceDtype;
+use ferrolm_parallel::{CommOptions, Communicator, SimLink, ThreadComm};
 use ferrolm_tensor::Rng;
 use serde::{Deserialize, Serialize};
 use std::path::{Path, PathBuf};
@@ -77,7 +77,7 @@ pub fn train_options(c: &Candidate, seq: usize, lr: f64, steps: usize) -> TrainO
 
 /// The layout of a candidate.
 pub fn layout(c: &Candidate, ranks_per_node: usize, grad_reduce: GradReduceDtype) -> Parallelism {
-    use ferrolm_dist::offload::{GpuEvery, OffloadConfig};
+    use ferrolm_parallel::offload::{GpuEvery, OffloadConfig};
     let gpu_every = match c.offload_k {
         Some(0) => GpuEvery::Never,
         Some(k) => GpuEvery::Every(k),

@@ -5,7 +5,7 @@
 use crate::planner::{Cluster, GpuClusterSpec};
 use crate::AnyResult;
 use clap::Args;
-use ferrolm_dist::zero::GradReduceDtype;
+use ferrolm_parallel::zero::GradReduceDtype;
 
 #[derive(Args, Debug, Clone, Default, PartialEq)]
 pub struct GpuClusterArgs {

@@ -101,7 +101,7 @@ impl TrainData {
         a: &TrainArgs,
         opts: crate::train::TrainOptions,
         comm: Option<crate::parallel::Comm>,
-    ) -> AnyResult<(crate::train::Trainer, ferrolm_dist::zero::ShardSpec)> {
+    ) -> AnyResult<(crate::train::Trainer, ferrolm_parallel::zero::ShardSpec)> {
         let engine = crate::parallel::attach(&mut model, comm, &a.parallel.layout()?, crate::train::Trainer::adamw_config(&opts))?;
         let spec = engine.spec;
         let t = crate::train::Trainer::with_engine(model, Box::new(engine), &self.train, &self.val, opts, &a.out)?;
@@ -228,7 +228,7 @@ pub const ENV_DEVICE: &str = concat!(
 );
 
 /// Environment variables of the tools that run as one process per GPU (torchrun, srun, launch).
-pub const ENV_LAUNCH: &str = ferrolm_dist::env::ENV_HELP;
+pub const ENV_LAUNCH: &str = ferrolm_parallel::env::ENV_HELP;
 
 macro_rules! caller_resolve_help {
     () => {
@@ -322,7 +322,7 @@ impl DeviceArgs {
     /// `cuda` (or no flag) means this process's GPU: `cuda:$LOCAL_RANK`, or `cuda:0` when
     /// `CUDA_VISIBLE_DEVICES` shows the process one GPU.
     pub fn pick(&self) -> AnyResult<ferrolm_tensor::Device> {
-        let local = ferrolm_dist::DistEnv::from_env()?.filter(|e| e.world_size > 1).map(|e| e.cuda_device());
+        let local = ferrolm_parallel::DistEnv::from_env()?.filter(|e| e.world_size > 1).map(|e| e.cuda_device());
         let flag = match (self.device.as_deref(), &local) {
             (None | Some("cuda"), Some(l)) => Some(l.as_str()),
             (f, _) => f,

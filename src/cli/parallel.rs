@@ -5,9 +5,9 @@ use crate::parallel::Parallelism;
 use crate::AnyResult;
 use anyhow::bail;
 use clap::Args;
-use ferrolm_dist::offload::{GpuEvery, OffloadConfig};
-use ferrolm_dist::zero::{GradReduceDtype, ShardSpec};
-use ferrolm_dist::DistEnv;
+use ferrolm_parallel::offload::{GpuEvery, OffloadConfig};
+use ferrolm_parallel::zero::{GradReduceDtype, ShardSpec};
+use ferrolm_parallel::DistEnv;
 
 /// Tensor parallelism for the inference tools (eval, generate).
 #[derive(Args, Debug, Clone, PartialEq, Default)]

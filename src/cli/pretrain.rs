@@ -189,7 +189,7 @@ pub fn apply_config_from(mut args: PretrainArgs) -> AnyResult<PretrainArgs> {
         fill!(t.device.dtype, Some(d), "dtype");
     }
     if let Some(g) = &f.grad_reduce_dtype {
-        let g: ferrolm_dist::zero::GradReduceDtype =
+        let g: ferrolm_parallel::zero::GradReduceDtype =
             g.parse().map_err(|e: String| anyhow::anyhow!("{}: grad_reduce_dtype: {e}", path.display()))?;
         fill!(t.parallel.grad_reduce_dtype, g, "grad_reduce_dtype");
     }
@@ -204,7 +204,7 @@ pub fn apply_config_from(mut args: PretrainArgs) -> AnyResult<PretrainArgs> {
         fill!(t.parallel.offload_optimizer, true, "offload_optimizer");
         if let Some(v) = &f.offload_gpu_every {
             let text = v.as_str().map(String::from).unwrap_or_else(|| v.to_string());
-            let k: ferrolm_dist::offload::GpuEvery =
+            let k: ferrolm_parallel::offload::GpuEvery =
                 text.parse().map_err(|e: String| anyhow::anyhow!("{}: offload_gpu_every: {e}", path.display()))?;
             fill!(t.parallel.offload_gpu_every, k, "offload_gpu_every");
         }

@@ -8,8 +8,8 @@ use super::shape::ModelShape;
 use crate::nn::optim::AdamWConfig;
 use crate::nn::{Llama, LlamaConfig};
 use crate::{AnyResult, DType, Device, Tensor};
-use ferrolm_dist::zero::{Placement, ShardSpec, Zero};
-use ferrolm_dist::{CommOptions, Communicator, DeviceMesh, ReduceOp, ThreadComm, TrainEngine};
+use ferrolm_parallel::zero::{Placement, ShardSpec, Zero};
+use ferrolm_parallel::{CommOptions, Communicator, DeviceMesh, ReduceOp, ThreadComm, TrainEngine};
 use ferrolm_tensor::Rng;
 use serde::Serialize;
 use std::time::Instant;
@@ -89,7 +89,7 @@ pub fn calibrate(cfg: &LlamaConfig, world: usize, micro_batch: usize, seq: usize
     let (t, upd) = out.iter().fold((0.0f64, 0.0f64), |m, r| (m.0.max(r.0), m.1.max(r.1)));
     let shape = ModelShape::from_config(cfg, "trial");
     let buckets = &out[0].2;
-    let sent = ferrolm_dist::zero::traffic_bytes(spec, world, buckets, &vec![0; buckets.len()], 4, 1);
+    let sent = ferrolm_parallel::zero::traffic_bytes(spec, world, buckets, &vec![0; buckets.len()], 4, 1);
     let compute = (t - upd - sent * comm_cpu_s_per_byte).max(1e-4);
     Ok(Calibration {
         flops: shape.flops_per_token(seq) * rows as f64 / compute,

@@ -16,7 +16,7 @@ use super::dos::{self, DosInputs};
 use super::memory::{self, Memory};
 use super::shape::ModelShape;
 use super::step::{self, Estimate, Workload};
-use ferrolm_dist::zero::{GradReduceDtype, ShardSpec};
+use ferrolm_parallel::zero::{GradReduceDtype, ShardSpec};
 
 /// What a GPU gives optimizer offload (all measured or published; see docs/AUTOCONFIG.md).
 #[derive(Clone, Debug)]

@@ -13,7 +13,7 @@ use super::shape::ModelShape;
 use super::step::Workload;
 use crate::nn::LlamaConfig;
 use anyhow::{bail, Result};
-use ferrolm_dist::zero::{GradReduceDtype, ShardSpec};
+use ferrolm_parallel::zero::{GradReduceDtype, ShardSpec};
 use ferrolm_tensor::{DType, Device};
 
 #[derive(Clone, Debug)]
@@ -209,7 +209,7 @@ pub fn nccl_buffer_bytes(cfg: &LlamaConfig, l: &MemParallelism) -> f64 {
     if l.world() <= 1 || l.thread_ranks {
         return 0.0;
     }
-    ferrolm_dist::zero::groups::communicators(l.tp, l.dp, l.spec, cfg.num_key_value_heads) as f64 * NCCL_BYTES_PER_COMMUNICATOR
+    ferrolm_parallel::zero::groups::communicators(l.tp, l.dp, l.spec, cfg.num_key_value_heads) as f64 * NCCL_BYTES_PER_COMMUNICATOR
 }
 
 /// Bytes a single-device training step needs at its peak. None on overflow.

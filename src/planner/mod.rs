@@ -15,7 +15,7 @@
 //! - [`calibrate`]: what the models need measured here (thread ranks' compute, optimizer and
 //!   communicator rates; a link's latency and bandwidth).
 //! - [`cost`] and [`dos`]: the collective cost model (bytes and seconds per collective) and Deep
-//!   Optimizer States' offload model. They live in `ferrolm_dist`, beside the runtime that also
+//!   Optimizer States' offload model. They live in `ferrolm_parallel`, beside the runtime that also
 //!   uses them (`SimLink` delays collectives by `cost`, `CommStats` counts bytes with it, the
 //!   offload engine picks its k with `dos`), and are re-exported here so the model has one home.
 pub mod calibrate;
@@ -26,7 +26,7 @@ pub mod shape;
 pub mod step;
 
 pub use cluster::{Cluster, GpuClusterSpec, GpuDefaults, ADAMW_BYTES_PER_ELEM, GIB, NCCL_BYTES_PER_COMMUNICATOR};
-pub use ferrolm_dist::{cost, dos};
+pub use ferrolm_parallel::{cost, dos};
 pub use memory::Memory;
 pub use shape::ModelShape;
 pub use step::{Estimate, Workload};

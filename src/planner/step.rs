@@ -23,7 +23,7 @@ use super::cluster::Cluster;
 use super::cost::{self, GroupSpan, Kind};
 use super::memory::{memory, Memory};
 use super::shape::ModelShape;
-use ferrolm_dist::zero::{self, ShardSpec};
+use ferrolm_parallel::zero::{self, ShardSpec};
 
 /// What one step trains.
 #[derive(Clone, Debug)]

@@ -1,5 +1,5 @@
 /* The stream ABI of the CUDA emulator: how a library that is not part of the emulator (the
- * emulated NCCL, crates/dist/emu) puts work on an emulated CUDA stream, so that its work runs in
+ * emulated NCCL, crates/parallel/emu) puts work on an emulated CUDA stream, so that its work runs in
  * that stream's order, as a real library's kernels do on a GPU.
  *
  * A cudaStream_t of the emulated device points at a struct whose first member is

@@ -1,4 +1,4 @@
-//! Buffers for the crates above this one (crates/ops' launchers, crates/dist's NCCL
+//! Buffers for the crates above this one (crates/ops' launchers, crates/parallel's NCCL
 //! communicator): pooled result buffers, and the CUDA buffer behind a tensor's storage. Collectives run on their
 //! own stream (`new_stream`); the caller orders that stream with the compute stream by events
 //! (`record_event`, `CudaStream::wait`) both before the collective reads a buffer and before a

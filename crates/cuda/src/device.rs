@@ -14,7 +14,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, OnceLock};
 
 /// A CUDA stream: a driver stream on a GPU, or an emulated one (`emu_stream`), whose address is
-/// the `cudaStream_t` that the emulated libraries (crates/dist/emu) enqueue on.
+/// the `cudaStream_t` that the emulated libraries (crates/parallel/emu) enqueue on.
 #[derive(Debug)]
 pub enum CudaStream {
     Gpu(Arc<cudarc::driver::CudaStream>),

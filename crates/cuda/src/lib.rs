@@ -11,7 +11,7 @@
 //! pass, on a machine with no CUDA at all; nothing is dlopened until a backend is created.
 //!
 //! NCCL is not loaded here: the distributed crate opens `libnccl.so.2` itself
-//! (`crates/dist/src/nccl_lib.rs`: `FERROLM_NCCL_LIB`, the loader's path, `NCCL_HOME`, the CUDA
+//! (`crates/parallel/src/nccl_lib.rs`: `FERROLM_NCCL_LIB`, the loader's path, `NCCL_HOME`, the CUDA
 //! toolkit, pip's `nvidia-nccl` wheels), so no `libnccl.so` symlink is needed.
 mod alloc;
 mod backend;

@@ -5,7 +5,7 @@
 //! runs of equal weight decay. It runs the fused kernel of the range's device (the CPU's
 //! `cpu_adam`, CUDA's multi-tensor kernel) when every capability is there, checked before any
 //! state is touched, and else the op-based reference below, which any backend runs. The training
-//! engine (`ferrolm_dist::zero`) updates its shard's buckets through it; [`AdamW`] holds
+//! engine (`ferrolm_parallel::zero`) updates its shard's buckets through it; [`AdamW`] holds
 //! per-parameter state for code that trains loose tensors (tests, benchmarks).
 //!
 //! Update (the kernels' arithmetic, term for term): m = b1 m + (1-b1) g; v = b2 v + (1-b2) g^2;

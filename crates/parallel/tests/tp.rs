@@ -1,0 +1,209 @@
+//! Tensor parallelism equals the single-device run, on thread ranks: forward logits, loss and
+//! every gradient (gathered), 20 AdamW steps, and greedy generation, for Llama and Ladder
+//! (all layers and mixed), GQA with fewer key/value heads than ranks, tied embeddings.
+use ferrolm_nn::optim::{AdamW, AdamWConfig};
+use ferrolm_nn::{generate, shift_labels, Llama, LlamaConfig};
+use ferrolm_parallel::tp::{parallelize, TpLayout};
+use ferrolm_parallel::{CommOptions, Communicator, ThreadComm};
+use ferrolm_tensor::{no_grad, DType, Device, Rng, Tensor};
+use std::sync::Arc;
+
+/// Loss and parameter updates within 1e-4 relative; logits and gradients within this of
+/// their scale (f32 sums in another order).
+const TOL: f64 = 2e-5;
+
+fn config(extra: &str) -> LlamaConfig {
+    LlamaConfig::from_json_str(&format!(
+        r#"{{"vocab_size":64,"hidden_size":32,"intermediate_size":48,"num_hidden_layers":3,"num_attention_heads":4,
+            "max_position_embeddings":64,"rms_norm_eps":1e-5,"initializer_range":0.1{extra}}}"#
+    ))
+    .unwrap()
+}
+
+/// The configurations covered: plain GQA (2 kv heads: fewer than 4 ranks), Ladder on every
+/// layer with tied embeddings, mixed Ladder with a single kv head.
+fn cases() -> Vec<(&'static str, LlamaConfig)> {
+    vec![
+        ("llama-gqa", config(r#","num_key_value_heads":2"#)),
+        ("ladder-all-tied", config(r#","num_key_value_heads":4,"tie_word_embeddings":true,"model_type":"llamaLadder","ladder_layers":3"#)),
+        ("ladder-mixed-mqa", config(r#","num_key_value_heads":1,"model_type":"llamaLadder","ladder_layers":[0,2]"#)),
+    ]
+}
+
+fn batch(c: &LlamaConfig, seed: u64) -> (Tensor, Tensor) {
+    let (b, t) = (2, 9);
+    let mut r = Rng::new(seed);
+    let ids: Vec<i32> = (0..b * t).map(|_| r.below(c.vocab_size as u64) as i32).collect();
+    let tg = shift_labels(&ids, t);
+    (Tensor::from_vec(ids, vec![b, t], Device::Cpu).unwrap(), Tensor::from_vec(tg, vec![b, t], Device::Cpu).unwrap())
+}
+
+fn max_rel(a: &[f32], b: &[f32]) -> f64 {
+    assert_eq!(a.len(), b.len());
+    let d = a.iter().zip(b).map(|(x, y)| (x - y).abs() as f64).fold(0.0, f64::max);
+    d / b.iter().map(|y| y.abs() as f64).fold(1e-30, f64::max)
+}
+
+struct Outcome {
+    logits: Vec<f32>,
+    loss: f64,
+    grads: Vec<(String, Vec<f32>)>,
+}
+
+fn single(c: &LlamaConfig, x: &Tensor, y: &Tensor) -> Outcome {
+    let m = Llama::new(c.clone(), DType::F32, Device::Cpu, &mut Rng::new(1)).unwrap();
+    let logits = m.forward(x).unwrap().to_vec::<f32>().unwrap();
+    let loss = m.loss(x, y).unwrap();
+    loss.backward().unwrap();
+    let grads = m.parameters().into_iter().map(|(n, p)| (n, p.grad().unwrap().to_vec::<f32>().unwrap())).collect();
+    Outcome { logits, loss: loss.item().unwrap(), grads }
+}
+
+fn sharded(c: &LlamaConfig, x: &Tensor, y: &Tensor, comm: Arc<dyn Communicator>) -> ferrolm_tensor::Result<Outcome> {
+    let mut m = Llama::new(c.clone(), DType::F32, Device::Cpu, &mut Rng::new(1))?;
+    let layout = parallelize(&mut m, &comm)?;
+    let logits = m.forward(x)?.to_vec::<f32>()?;
+    let loss = m.loss(x, y)?;
+    loss.backward()?;
+    let mut grads = Vec::new();
+    for (n, p) in m.parameters() {
+        let g = p.grad().ok_or_else(|| ferrolm_tensor::Error::new("test", format!("no gradient for {n}")))?;
+        grads.push((n.clone(), layout.gather(&n, &g, &comm)?.to_vec::<f32>()?));
+    }
+    Ok(Outcome { logits, loss: loss.item()?, grads })
+}
+
+#[test]
+fn tp_forward_and_gradients_equal_single_device() {
+    for (name, c) in cases() {
+        let (x, y) = batch(&c, 3);
+        let want = single(&c, &x, &y);
+        for tp in [2, 4] {
+            let outs = ThreadComm::run(tp, CommOptions::default(), |comm| sharded(&c, &x, &y, comm)).unwrap();
+            for (rank, got) in outs.iter().enumerate() {
+                let el = max_rel(&got.logits, &want.logits);
+                assert!(el < TOL, "{name} tp {tp} rank {rank}: logits rel err {el}");
+                assert!((got.loss - want.loss).abs() < TOL * want.loss, "{name} tp {tp}: loss {} vs {}", got.loss, want.loss);
+                for ((n, g), (_, w)) in got.grads.iter().zip(&want.grads) {
+                    let e = max_rel(g, w);
+                    assert!(e < TOL, "{name} tp {tp} rank {rank}: gradient of {n} rel err {e}");
+                }
+            }
+        }
+    }
+}
+
+/// 20 AdamW steps with global-norm clipping: the TP run's losses follow the single-device run's.
+#[test]
+fn tp_training_follows_single_device() {
+    let steps = 20;
+    let opt_cfg = AdamWConfig { weight_decay: 0.1, ..AdamWConfig::default() };
+    let clip = 0.5; // low enough to be active
+    for (name, c) in cases().into_iter().skip(1) {
+        // Two batches in turn: random tokens, so a falling loss means the model memorises them.
+        let batches: Vec<(Tensor, Tensor)> = (0..steps).map(|s| batch(&c, 100 + s as u64 % 2)).collect();
+        let want: Vec<f64> = {
+            let m = Llama::new(c.clone(), DType::F32, Device::Cpu, &mut Rng::new(1)).unwrap();
+            let params = m.parameters();
+            let mut opt = AdamW::new(&m.named_parameters(), opt_cfg.clone()).unwrap();
+            batches
+                .iter()
+                .map(|(x, y)| {
+                    let loss = m.loss(x, y).unwrap();
+                    loss.backward().unwrap();
+                    ferrolm_nn::optim::clip_grad_norm(&params, clip).unwrap();
+                    opt.step(3e-3).unwrap();
+                    opt.zero_grad();
+                    loss.item().unwrap()
+                })
+                .collect()
+        };
+        for tp in [2, 4] {
+            let got = ThreadComm::run(tp, CommOptions::default(), |comm| {
+                let mut m = Llama::new(c.clone(), DType::F32, Device::Cpu, &mut Rng::new(1))?;
+                let layout: TpLayout = parallelize(&mut m, &comm)?;
+                let params = m.parameters();
+                let mut opt = AdamW::new(&m.named_parameters(), opt_cfg.clone())?;
+                let mut losses = Vec::new();
+                for (x, y) in &batches {
+                    let loss = m.loss(x, y)?;
+                    loss.backward()?;
+                    let norm = layout.grad_sq_norm(&params, &comm)?.sqrt();
+                    if norm > clip {
+                        let s = clip / (norm + 1e-6);
+                        let _g = no_grad();
+                        for (_, p) in &params {
+                            if let Some(g) = p.grad() {
+                                p.set_grad(Some(g.mul_scalar(s)?));
+                            }
+                        }
+                    }
+                    opt.step(3e-3)?;
+                    opt.zero_grad();
+                    losses.push(loss.item()?);
+                }
+                Ok(losses)
+            })
+            .unwrap();
+            for (rank, l) in got.iter().enumerate() {
+                for (s, (a, b)) in l.iter().zip(&want).enumerate() {
+                    assert!((a - b).abs() <= 1e-4 * b.abs(), "{name} tp {tp} rank {rank} step {s}: loss {a} vs {b}\n{l:?}\n{want:?}");
+                }
+            }
+            assert!(want[steps - 1] < want[0] - 0.1, "{name}: training did not reduce the loss: {want:?}");
+        }
+    }
+}
+
+#[test]
+fn tp_generation_gives_the_same_tokens() {
+    for (name, c) in cases() {
+        let prompt = [3u32, 9, 27, 5];
+        let want = {
+            let m = Llama::new(c.clone(), DType::F32, Device::Cpu, &mut Rng::new(1)).unwrap();
+            generate(&m, &prompt, 12, 0.0, 1.0, &mut Rng::new(0)).unwrap()
+        };
+        let got = ThreadComm::run(2, CommOptions::default(), |comm| {
+            let mut m = Llama::new(c.clone(), DType::F32, Device::Cpu, &mut Rng::new(1))?;
+            parallelize(&mut m, &comm)?;
+            generate(&m, &prompt, 12, 0.0, 1.0, &mut Rng::new(0))
+        })
+        .unwrap();
+        for g in got {
+            assert_eq!(g, want, "{name}: tokens differ");
+        }
+    }
+}
+
+/// Each rank holds only its shards: the bytes of the parameters on a rank are the model's
+/// over tp (plus what is replicated), not the whole model.
+#[test]
+fn tp_ranks_hold_only_their_shards() {
+    let c = config(r#","num_key_value_heads":4"#);
+    let whole: usize =
+        Llama::new(c.clone(), DType::F32, Device::Cpu, &mut Rng::new(1)).unwrap().parameters().iter().map(|(_, p)| p.storage_bytes()).sum();
+    let held = ThreadComm::run(2, CommOptions::default(), |comm| {
+        let mut m = Llama::new(c.clone(), DType::F32, Device::Cpu, &mut Rng::new(1))?;
+        parallelize(&mut m, &comm)?;
+        Ok(m.parameters().iter().map(|(_, p)| p.storage_bytes()).sum::<usize>())
+    })
+    .unwrap();
+    let norms = 4 * (2 * c.num_hidden_layers + 1) * c.hidden_size; // replicated on both ranks
+    for h in held {
+        assert_eq!(h, (whole - norms) / 2 + norms, "a rank holds {h} bytes of parameters, the model {whole}");
+    }
+}
+
+#[test]
+fn tp_refuses_indivisible_shapes() {
+    let c = config(r#","num_key_value_heads":2,"intermediate_size":50"#);
+    let errs = ThreadComm::run(4, CommOptions::default(), |comm| {
+        let mut m = Llama::new(c.clone(), DType::F32, Device::Cpu, &mut Rng::new(1))?;
+        Ok(parallelize(&mut m, &comm).err().map(|e| e.to_string()))
+    })
+    .unwrap();
+    for e in errs {
+        let e = e.expect("an indivisible intermediate_size was accepted");
+        assert!(e.contains("intermediate_size") && e.contains("--tp 4"), "{e}");
+    }
+}
