@@ -208,7 +208,9 @@ static __device__ void flash_fwd_impl(const bf16* q, const bf16* k, const bf16* 
     DYNAMIC_SMEM(smem);
     bf16* sQ = reinterpret_cast<bf16*>(smem);
     bf16* sKV = sQ + BR * ST;
-    auto [warp, lane, g, tq] = flash_lane();
+    // Plain ints, not a structured binding: the closures below capture `lane` (C++17, NVRTC).
+    const FlashLane fl = flash_lane();
+    const int warp = fl.warp, lane = fl.lane, g = fl.g, tq = fl.tq;
     auto [b, h, hk, q0, qh, kh, vh] = query_block<D>(q, k, v, hq, hkv, t);
     int kv_end = min(t, q0 + BR), n_tiles = (kv_end + BC - 1) / BC;
     load_rows_async<D, BR>(sQ, qh, q0, t);
