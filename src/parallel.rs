@@ -16,7 +16,7 @@ use anyhow::{bail, Context};
 use ferrolm_nn::optim::AdamWConfig;
 use ferrolm_nn::Llama;
 use ferrolm_parallel::offload::OffloadConfig;
-use ferrolm_parallel::tp::{parallelize, TpLayout};
+use ferrolm_parallel::tp::{parallelize, TpShardings};
 use ferrolm_parallel::zero::{GradReduceDtype, Placement, ShardSpec, Zero};
 use ferrolm_parallel::{CommOptions, DeviceMesh, DistEnv, ThreadComm};
 use ferrolm_tensor::Device;
@@ -220,7 +220,7 @@ pub fn attach(model: &mut Llama, comm: Option<Comm>, layout: &Parallelism, cfg: 
 }
 
 /// Tensor parallelism only (inference: eval, generate).
-pub fn tensor_parallel(model: &mut Llama, comm: Comm, layout: &Parallelism) -> AnyResult<(DeviceMesh, Option<TpLayout>)> {
+pub fn tensor_parallel(model: &mut Llama, comm: Comm, layout: &Parallelism) -> AnyResult<(DeviceMesh, Option<TpShardings>)> {
     if layout.dp != 1 || layout.spec != ShardSpec::zero(0, 1)? {
         bail!("this tool runs tensor parallelism only: drop --dp and the sharding flags");
     }

@@ -57,7 +57,7 @@ impl Sharding {
 
 /// The result of `parallelize`: every parameter's layout, by transformers name.
 #[derive(Clone, Debug)]
-pub struct TpLayout {
+pub struct TpShardings {
     pub tp: usize,
     pub rank: usize,
     pub params: BTreeMap<String, Sharding>,
@@ -247,7 +247,7 @@ impl HeadOp for VocabParallel {
 /// Shards `model` over the tensor-parallel group `tp` (Megatron's layout, see the module
 /// comment) and returns every parameter's layout. The model must hold full (unsharded)
 /// weights, identical on every rank.
-pub fn parallelize(model: &mut Llama, comm: &Comm) -> Result<TpLayout> {
+pub fn parallelize(model: &mut Llama, comm: &Comm) -> Result<TpShardings> {
     let (tp, rank) = (comm.size(), comm.rank());
     let c = model.config().clone();
     let err = |m: String| Error::new("parallelize", m);
@@ -304,15 +304,15 @@ pub fn parallelize(model: &mut Llama, comm: &Comm) -> Result<TpLayout> {
     let vp = Arc::new(VocabParallel { comm: comm.clone(), start: rank * rows, rows });
     model.embed_tokens.op = vp.clone();
     model.head_op = vp;
-    Ok(TpLayout { tp, rank, params: layout })
+    Ok(TpShardings { tp, rank, params: layout })
 }
 
-impl TpLayout {
+impl TpShardings {
     /// The full tensor from this rank's piece `local` of parameter `name` (every rank of the
     /// group must call it, in the same order): all-gathers the pieces along the split dim and
     /// keeps one copy of each replicated piece.
     pub fn gather(&self, name: &str, local: &Tensor, comm: &Comm) -> Result<Tensor> {
-        let s = self.params.get(name).ok_or_else(|| Error::new("TpLayout::gather", format!("unknown parameter {name}")))?;
+        let s = self.params.get(name).ok_or_else(|| Error::new("TpShardings::gather", format!("unknown parameter {name}")))?;
         let Some(dim) = s.dim else { return Ok(local.clone()) };
         let _g = no_grad();
         let all = crate::comm_ops::all_gather_along(comm.as_ref(), &local.contiguous()?, dim)?; // tp pieces along dim

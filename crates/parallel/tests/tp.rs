@@ -3,7 +3,7 @@
 //! (all layers and mixed), GQA with fewer key/value heads than ranks, tied embeddings.
 use ferrolm_nn::optim::{AdamW, AdamWConfig};
 use ferrolm_nn::{generate, shift_labels, Llama, LlamaConfig};
-use ferrolm_parallel::tp::{parallelize, TpLayout};
+use ferrolm_parallel::tp::{parallelize, TpShardings};
 use ferrolm_parallel::{CommOptions, Communicator, ThreadComm};
 use ferrolm_tensor::{no_grad, DType, Device, Rng, Tensor};
 use std::sync::Arc;
@@ -121,7 +121,7 @@ fn tp_training_follows_single_device() {
         for tp in [2, 4] {
             let got = ThreadComm::run(tp, CommOptions::default(), |comm| {
                 let mut m = Llama::new(c.clone(), DType::F32, Device::Cpu, &mut Rng::new(1))?;
-                let layout: TpLayout = parallelize(&mut m, &comm)?;
+                let layout: TpShardings = parallelize(&mut m, &comm)?;
                 let params = m.parameters();
                 let mut opt = AdamW::new(&m.named_parameters(), opt_cfg.clone())?;
                 let mut losses = Vec::new();

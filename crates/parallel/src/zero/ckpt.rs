@@ -11,7 +11,7 @@
 //! parameter range once (`param.{bucket}`, ranks d < s_p) and each optimizer range once
 //! (`exp_avg.{bucket}`, `exp_avg_sq.{bucket}`, `master.{bucket}`, ranks d < s_os).
 use super::{ShardSpec, Zero};
-use crate::tp::{Sharding, TpLayout};
+use crate::tp::{Sharding, TpShardings};
 use ferrolm_nn::safetensors_io::{load_float_safetensors, save_safetensors, TensorMap};
 use ferrolm_tensor::{no_grad, DType, Device, Error, Result, Tensor};
 use serde::{Deserialize, Serialize};
@@ -299,7 +299,7 @@ pub fn load_full(dir: &Path) -> Result<(TensorMap, TensorMap)> {
 }
 
 /// This rank's tensor-parallel piece of a full tensor.
-pub fn local_piece(full: &Tensor, name: &str, tp: Option<&TpLayout>) -> Result<Tensor> {
+pub fn local_piece(full: &Tensor, name: &str, tp: Option<&TpShardings>) -> Result<Tensor> {
     match tp.and_then(|l| l.params.get(name)) {
         Some(s) => s.shard(full),
         None => Ok(full.clone()),

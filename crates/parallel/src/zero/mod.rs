@@ -32,7 +32,7 @@ pub use spec::{traffic_bytes, GradReduceDtype, ShardSpec};
 use crate::comm::ReduceOp;
 use crate::engine::{StepReport, TrainEngine};
 use crate::offload::{OffloadConfig, OffloadPlan};
-use crate::tp::TpLayout;
+use crate::tp::TpShardings;
 use crate::{DeviceMesh, ThreadComm};
 use ferrolm_nn::buckets::ParamBuckets;
 use ferrolm_nn::optim::AdamWConfig;
@@ -64,7 +64,7 @@ struct Bucket {
 pub struct Zero {
     pub spec: ShardSpec,
     mesh: DeviceMesh,
-    tp: Option<TpLayout>,
+    tp: Option<TpShardings>,
     groups: Arc<ShardGroups>,
     buckets: Vec<Bucket>,
     store: ParamBuckets,
@@ -97,7 +97,7 @@ impl Zero {
         model: &mut Llama,
         mesh: DeviceMesh,
         spec: ShardSpec,
-        tp: Option<TpLayout>,
+        tp: Option<TpShardings>,
         cfg: AdamWConfig,
         placement: Placement,
     ) -> Result<Zero> {
