@@ -4,14 +4,16 @@
 // (b, hq, t) in f32. Nothing of size t x t is ever materialised.
 //
 // bf16, head dim 64 / 128: tensor cores via mma.sync.m16n8k16 (bf16 in, fp32 accumulate) for
-// every matrix product, FlashAttention-2 structure:
-//   forward   block = 64 query rows (4 warps x 16), K/V tiles of 64 rows staged in shared
-//             memory, online softmax in registers, P reused from the S accumulators as the A
-//             operand of P·V; saves lse.
-//   dK/dV     block = 64 kv rows of one kv head (4 warps x 16), loops over the group's query
-//             heads and query tiles (32 rows) in a fixed order, accumulating dK, dV in
-//             registers: deterministic, no atomics.
-//   dQ        a separate pass: block = 64 query rows, loops over kv tiles (32 rows).
+// every matrix product, FlashAttention-2 structure, every block 8 warps x 16 rows = 128 rows, its
+// tiles double-buffered with cp.async and its mma operands loaded with ldmatrix:
+//   forward   block = 128 query rows, Q in registers, K/V tiles of 128 (d64) / 64 (d128) rows,
+//             online softmax in registers (exp2, log2(e) folded into the scale), P reused from
+//             the S accumulators as the A operand of P·V; tiles above a warp's diagonal are
+//             skipped; saves lse.
+//   dK/dV     block = 128 kv rows of one kv head, loops over the group's query heads and query
+//             tiles (64 / 32 rows) in a fixed order, accumulating dK, dV in registers:
+//             deterministic, no atomics.
+//   dQ        a separate pass: block = 128 query rows, loops over kv tiles (64 / 32 rows).
 // f32 (any head dim <= 256) and bf16 with other head dims use the SIMT kernels at the end
 // (one warp per row, same math, same determinism, slower).
 #include "common.cuh"

@@ -29,20 +29,15 @@ static PROFILE: Mutex<()> = Mutex::new(());
 
 fn opts(steps: usize) -> TrainOptions {
     TrainOptions {
-        steps,
         batch_size: 1,
         seq_len: 16,
-        grad_accum: 1,
-        lr: 1e-3,
-        min_lr: 1e-4,
         warmup_steps: 1,
-        weight_decay: 0.1,
-        grad_clip: 1.0,
         eval_every: 0,
         eval_batches: 1,
         save_every: 0,
         log_every: 100,
         seed: 3,
+        ..TrainOptions::for_run(steps, 1e-3)
     }
 }
 

@@ -57,21 +57,17 @@ pub struct Measured {
 
 /// The trainer options of a candidate.
 pub fn train_options(c: &Candidate, seq: usize, lr: f64, steps: usize) -> TrainOptions {
+    // for_run's rate schedule, weight decay, clipping and seed; no evaluation, no checkpoints
     TrainOptions {
-        steps,
         batch_size: c.micro_batch,
         seq_len: seq,
         grad_accum: c.grad_accum,
-        lr,
-        min_lr: lr / 10.0,
         warmup_steps: 1,
-        weight_decay: 0.1,
-        grad_clip: 1.0,
         eval_every: 0,
         eval_batches: 1,
         save_every: 0,
         log_every: 1,
-        seed: 1337,
+        ..TrainOptions::for_run(steps, lr)
     }
 }
 
