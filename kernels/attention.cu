@@ -117,7 +117,7 @@ static __device__ __forceinline__ void load_rows_async(bf16* s, const bf16* src,
     for (int it = 0; it < ROWS * CH / FLASH_THREADS; ++it) {
         int idx = it * FLASH_THREADS + (int)threadIdx.x, r = idx / CH, c = (idx % CH) * 8;
         bool ok = r0 + r < t;
-        cp_async16(s + r * ST + c, src + (ok ? (i64)(r0 + r) * D + c : 0), ok);
+        cp_async<16>(s + r * ST + c, src + (ok ? (i64)(r0 + r) * D + c : 0), ok);
     }
 }
 // Issues cp.async for n f32 values [r0, r0 + n) of a length-t vector (threads [base, base + n)),
@@ -126,7 +126,7 @@ static __device__ __forceinline__ void load_vec_async(float* s, const float* src
     int i = (int)threadIdx.x - base;
     if (i >= 0 && i < n) {
         bool ok = r0 + i < t;
-        cp_async4(s + i, src + (ok ? r0 + i : 0), ok);
+        cp_async<4>(s + i, src + (ok ? r0 + i : 0), ok);
     }
 }
 

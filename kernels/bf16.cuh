@@ -14,14 +14,7 @@ struct __align__(4) __nv_bfloat162 {
 };
 
 static __device__ __forceinline__ float __bfloat162float(__nv_bfloat16 h) {
-    unsigned u = (unsigned)h.__x << 16;
-#ifdef FERRO_EMU
-    float f;
-    memcpy(&f, &u, 4);
-    return f;
-#else
-    return __uint_as_float(u);
-#endif
+    return __uint_as_float((unsigned)h.__x << 16);
 }
 static __device__ __forceinline__ unsigned short ferro_f2bf_bits(float f) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
@@ -29,12 +22,7 @@ static __device__ __forceinline__ unsigned short ferro_f2bf_bits(float f) {
     asm("cvt.rn.bf16.f32 %0, %1;" : "=h"(r) : "f"(f));
     return r;
 #else
-#ifdef FERRO_EMU
-    unsigned u;
-    memcpy(&u, &f, 4);
-#else
     unsigned u = __float_as_uint(f);
-#endif
     if ((u & 0x7fffffffu) > 0x7f800000u) return 0x7fff;  // NaN stays NaN
     u += 0x7fffu + ((u >> 16) & 1u);
     return (unsigned short)(u >> 16);

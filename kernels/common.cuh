@@ -100,24 +100,6 @@ static __device__ __forceinline__ vec16 ld16(const vec16* p) {
     return v;
 #endif
 }
-static __device__ __forceinline__ float bits_f(unsigned u) {
-#ifdef FERRO_EMU
-    float f;
-    memcpy(&f, &u, 4);
-    return f;
-#else
-    return __uint_as_float(u);
-#endif
-}
-static __device__ __forceinline__ unsigned f_bits(float f) {
-#ifdef FERRO_EMU
-    unsigned u;
-    memcpy(&u, &f, 4);
-    return u;
-#else
-    return __float_as_uint(f);
-#endif
-}
 static __device__ __forceinline__ unsigned bf_bits(float f) { return (unsigned)__bfloat16_as_ushort(__float2bfloat16_rn(f)); }
 // A vector of T as N floats and back (bf16: element 2k is the low half of word k).
 template <typename T> struct Vec;
@@ -125,12 +107,12 @@ template <> struct Vec<float> {
     enum { N = 4 };
     static __device__ __forceinline__ void load(const vec16& v, float* f) {
 #pragma unroll
-        for (int k = 0; k < 4; ++k) f[k] = bits_f(v.w[k]);
+        for (int k = 0; k < 4; ++k) f[k] = __uint_as_float(v.w[k]);
     }
     static __device__ __forceinline__ vec16 store(const float* f) {
         vec16 v;
 #pragma unroll
-        for (int k = 0; k < 4; ++k) v.w[k] = f_bits(f[k]);
+        for (int k = 0; k < 4; ++k) v.w[k] = __float_as_uint(f[k]);
         return v;
     }
 };
@@ -139,8 +121,8 @@ template <> struct Vec<bf16> {
     static __device__ __forceinline__ void load(const vec16& v, float* f) {
 #pragma unroll
         for (int k = 0; k < 4; ++k) {
-            f[2 * k] = bits_f(v.w[k] << 16);
-            f[2 * k + 1] = bits_f(v.w[k] & 0xffff0000u);
+            f[2 * k] = __uint_as_float(v.w[k] << 16);
+            f[2 * k + 1] = __uint_as_float(v.w[k] & 0xffff0000u);
         }
     }
     static __device__ __forceinline__ vec16 store(const float* f) {
@@ -182,25 +164,23 @@ static __device__ __forceinline__ void ldsm(unsigned* r, const void* row) {
         asm volatile("ldmatrix.sync.aligned.m8n8.x1.trans.shared.b16 {%0}, [%1];\n" : "=r"(r[0]) : "r"(a));
 #endif
 }
-// cp_async16(dst, src, valid): 16 bytes global -> shared without a register round trip
+// cp_async<16>(dst, src, valid): 16 bytes global -> shared without a register round trip
 // (cp.async.cg, L2 only), or 16 zero bytes when !valid (src is then not read but must be a
-// mapped address). cp_async4 is the 4-byte form (cp.async.ca). Copies become visible to the
-// issuing thread after a cp_async_wait that covers their group, and to other threads after a
-// __syncthreads that follows it.
-static __device__ __forceinline__ void cp_async16(void* dst, const void* src, bool valid) {
+// mapped address). cp_async<4> is the 4-byte form (cp.async.ca: .cg takes only 16). Copies
+// become visible to the issuing thread after a cp_async_wait that covers their group, and to
+// other threads after a __syncthreads that follows it.
+template <int BYTES>
+static __device__ __forceinline__ void cp_async(void* dst, const void* src, bool valid) {
+    static_assert(BYTES == 16 || BYTES == 4, "cp.async copies 4 or 16 bytes here");
+    int n = valid ? BYTES : 0;
 #ifdef FERRO_EMU
-    ferro_emu::cp_async(dst, src, 16, valid ? 16 : 0);
+    ferro_emu::cp_async(dst, src, BYTES, n);
 #else
     unsigned a = (unsigned)__cvta_generic_to_shared(dst);
-    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(a), "l"(src), "r"(valid ? 16 : 0));
-#endif
-}
-static __device__ __forceinline__ void cp_async4(void* dst, const void* src, bool valid) {
-#ifdef FERRO_EMU
-    ferro_emu::cp_async(dst, src, 4, valid ? 4 : 0);
-#else
-    unsigned a = (unsigned)__cvta_generic_to_shared(dst);
-    asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;\n" ::"r"(a), "l"(src), "r"(valid ? 4 : 0));
+    if constexpr (BYTES == 16)
+        asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(a), "l"(src), "r"(n));
+    else
+        asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;\n" ::"r"(a), "l"(src), "r"(n));
 #endif
 }
 // Closes the group of this thread's cp.async issued since the last commit.

@@ -296,27 +296,20 @@ extern "C" __global__ void cast_i32_f32(const int* x, Strided lx, float* y, i64 
 
 // Dense f32 <-> bf16 casts, 8 elements per step (two 16-byte f32 vectors, one bf16 vector);
 // x and y 16-byte aligned. Floor: 6n bytes.
-extern "C" __global__ void cast_contig_f32_bf16(const float* x, bf16* y, i64 n) {
+template <typename X, typename Y>
+static __device__ __forceinline__ void cast_contig_impl(const X* x, Y* y, i64 n) {
+    constexpr int LX = 8 / Vec<X>::N, LY = 8 / Vec<Y>::N;  // vectors read and written per step
     i64 nv = n / 8;
     const vec16* xv = reinterpret_cast<const vec16*>(x);
     vec16* yv = reinterpret_cast<vec16*>(y);
     FOR_EACH(i, nv) {
         float f[8];
-        Vec<float>::load(ld16(xv + (2 * i)), f);
-        Vec<float>::load(ld16(xv + (2 * i + 1)), f + 4);
-        yv[i] = Vec<bf16>::store(f);
+#pragma unroll
+        for (int k = 0; k < LX; ++k) Vec<X>::load(ld16(xv + (LX * i + k)), f + k * Vec<X>::N);
+#pragma unroll
+        for (int k = 0; k < LY; ++k) yv[LY * i + k] = Vec<Y>::store(f + k * Vec<Y>::N);
     }
-    FOR_TAIL(i, nv, 8, n) y[i] = from_f<bf16>(x[i]);
+    FOR_TAIL(i, nv, 8, n) y[i] = from_f<Y>(to_f(x[i]));
 }
-extern "C" __global__ void cast_contig_bf16_f32(const bf16* x, float* y, i64 n) {
-    i64 nv = n / 8;
-    const vec16* xv = reinterpret_cast<const vec16*>(x);
-    vec16* yv = reinterpret_cast<vec16*>(y);
-    FOR_EACH(i, nv) {
-        float f[8];
-        Vec<bf16>::load(ld16(xv + (i)), f);
-        yv[2 * i] = Vec<float>::store(f);
-        yv[2 * i + 1] = Vec<float>::store(f + 4);
-    }
-    FOR_TAIL(i, nv, 8, n) y[i] = to_f(x[i]);
-}
+extern "C" __global__ void cast_contig_f32_bf16(const float* x, bf16* y, i64 n) { cast_contig_impl(x, y, n); }
+extern "C" __global__ void cast_contig_bf16_f32(const bf16* x, float* y, i64 n) { cast_contig_impl(x, y, n); }

@@ -38,11 +38,11 @@ extern "C" __global__ void probe_cp_async(const unsigned* a, const unsigned* b, 
     DYNAMIC_SMEM(smem);
     unsigned* s = reinterpret_cast<unsigned*>(smem);
     int x = threadIdx.x;
-    cp_async16(s + 4 * x, a + 4 * x, true);
+    cp_async<16>(s + 4 * x, a + 4 * x, true);
     cp_async_commit();
-    cp_async16(s + 128 + 4 * x, b + 4 * x, x % 3 != 0);
+    cp_async<16>(s + 128 + 4 * x, b + 4 * x, x % 3 != 0);
     cp_async_commit();
-    cp_async4(s + 256 + x, c + x, true);
+    cp_async<4>(s + 256 + x, c + x, true);
     cp_async_commit();
     if (early) {
         for (int k = 0; k < 4; ++k) out[4 * x + k] = s[4 * x + k];

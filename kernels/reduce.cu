@@ -17,6 +17,48 @@ static __device__ __forceinline__ float red_load(const T* x, i64 base, const Str
     return to_f(x[base + strided_index(red, r)]);
 }
 
+// The two reductions as accumulators: the max in f32 (exact), the sum in f64.
+struct MaxAcc {
+    float v = -INFINITY;
+    __device__ __forceinline__ void add(float x) { v = fmaxf(v, x); }
+};
+struct SumAcc {
+    double v = 0.0;
+    __device__ __forceinline__ void add(float x) { v += (double)x; }
+};
+
+// A thread's share of a row's range [lo, hi), its elements blockDim.x apart: from [vlo, vhi) in
+// 16-byte vectors (dense and aligned; empty otherwise), then the head and the tail one each.
+template <typename Acc, typename T>
+static __device__ __forceinline__ Acc row_share(const T* x, i64 base, const Strided& red, i64 lo, i64 hi, i64 vlo, i64 vhi) {
+    Acc acc;
+    constexpr int N = Vec<T>::N;
+    if (vlo < vhi) {
+        const vec16* v = reinterpret_cast<const vec16*>(x + base + vlo);
+        for (i64 j = threadIdx.x; j < (vhi - vlo) / N; j += blockDim.x) {
+            float f[N];
+            Vec<T>::load(ld16(v + j), f);
+#pragma unroll
+            for (int k = 0; k < N; ++k) acc.add(f[k]);
+        }
+        for (i64 i = lo + threadIdx.x; i < vlo; i += blockDim.x) acc.add(to_f(x[base + i]));
+        for (i64 i = vhi + threadIdx.x; i < hi; i += blockDim.x) acc.add(to_f(x[base + i]));
+    } else {
+#pragma unroll 4
+        for (i64 i = lo + threadIdx.x; i < hi; i += blockDim.x) acc.add(red_load(x, base, red, i));
+    }
+    return acc;
+}
+
+// A thread's whole range [lo, hi) of one output, in order (the cols layout).
+template <typename Acc, typename T>
+static __device__ __forceinline__ Acc col_share(const T* x, i64 base, const Strided& red, i64 lo, i64 hi) {
+    Acc acc;
+#pragma unroll 4
+    for (i64 i = lo; i < hi; ++i) acc.add(red_load(x, base, red, i));
+    return acc;
+}
+
 template <typename T>
 static __device__ void reduce_rows_impl(const T* x, Strided kept, Strided red, double* part, T* y, i64 nout, i64 nred, i64 chunk,
                                         int splits, int is_max) {
@@ -32,7 +74,7 @@ static __device__ void reduce_rows_impl(const T* x, Strided kept, Strided red, d
         // vectors from the first aligned element: thread k takes vectors k, k + blockDim, ...
         // then the unaligned head and the tail one element each. A fixed order either way.
         const bool dense = red.rank == 1 && red.stride[0] == 1;
-        const int N = Vec<T>::N;
+        constexpr int N = Vec<T>::N;
         i64 vlo = hi, vhi = hi;
         if (dense) {
             const T* p = x + base;
@@ -42,41 +84,8 @@ static __device__ void reduce_rows_impl(const T* x, Strided kept, Strided red, d
                 vhi = vlo + (hi - vlo) / N * N;
             }
         }
-        if (is_max) {
-            float acc = -INFINITY;
-            if (vlo < vhi) {
-                const vec16* v = reinterpret_cast<const vec16*>(x + base + vlo);
-                for (i64 j = threadIdx.x; j < (vhi - vlo) / N; j += blockDim.x) {
-                    float f[N];
-                    Vec<T>::load(ld16(v + j), f);
-#pragma unroll
-                    for (int k = 0; k < N; ++k) acc = fmaxf(acc, f[k]);
-                }
-                for (i64 i = lo + threadIdx.x; i < vlo; i += blockDim.x) acc = fmaxf(acc, to_f(x[base + i]));
-                for (i64 i = vhi + threadIdx.x; i < hi; i += blockDim.x) acc = fmaxf(acc, to_f(x[base + i]));
-            } else {
-#pragma unroll 4
-                for (i64 i = lo + threadIdx.x; i < hi; i += blockDim.x) acc = fmaxf(acc, red_load(x, base, red, i));
-            }
-            r = (double)block_max(acc, scratch);
-        } else {
-            double acc = 0.0;
-            if (vlo < vhi) {
-                const vec16* v = reinterpret_cast<const vec16*>(x + base + vlo);
-                for (i64 j = threadIdx.x; j < (vhi - vlo) / N; j += blockDim.x) {
-                    float f[N];
-                    Vec<T>::load(ld16(v + j), f);
-#pragma unroll
-                    for (int k = 0; k < N; ++k) acc += (double)f[k];
-                }
-                for (i64 i = lo + threadIdx.x; i < vlo; i += blockDim.x) acc += (double)to_f(x[base + i]);
-                for (i64 i = vhi + threadIdx.x; i < hi; i += blockDim.x) acc += (double)to_f(x[base + i]);
-            } else {
-#pragma unroll 4
-                for (i64 i = lo + threadIdx.x; i < hi; i += blockDim.x) acc += (double)red_load(x, base, red, i);
-            }
-            r = block_sum_f64(acc, scratch64);
-        }
+        if (is_max) r = (double)block_max(row_share<MaxAcc>(x, base, red, lo, hi, vlo, vhi).v, scratch);
+        else r = block_sum_f64(row_share<SumAcc>(x, base, red, lo, hi, vlo, vhi).v, scratch64);
         if (threadIdx.x == 0) {
             if (splits == 1) y[o] = from_f<T>((float)r);
             else part[o * splits + s] = r;
@@ -94,18 +103,7 @@ static __device__ void reduce_cols_impl(const T* x, Strided kept, Strided red, d
         if (o >= nout) continue;
         i64 base = strided_index(kept, o);
         i64 lo = c * chunk, hi = min(nred, lo + chunk);
-        double r;
-        if (is_max) {
-            float acc = -INFINITY;
-#pragma unroll 4
-            for (i64 i = lo; i < hi; ++i) acc = fmaxf(acc, red_load(x, base, red, i));
-            r = (double)acc;
-        } else {
-            double acc = 0.0;
-#pragma unroll 4
-            for (i64 i = lo; i < hi; ++i) acc += (double)red_load(x, base, red, i);
-            r = acc;
-        }
+        double r = is_max ? (double)col_share<MaxAcc>(x, base, red, lo, hi).v : col_share<SumAcc>(x, base, red, lo, hi).v;
         if (chunks == 1) y[o] = from_f<T>((float)r);
         else part[c * nout + o] = r;
     }
@@ -146,24 +144,18 @@ static __device__ void reduce_finish_impl(const double* part, T* y, i64 nout, in
     }
 }
 
-// `red.offset` must be 0 (the view offset lives in `kept`). `part` holds nout * splits doubles
-// (unused, may be null, when splits == 1).
-extern "C" __global__ void reduce_rows_f32(const float* x, Strided kept, Strided red, double* part, float* y, i64 nout, i64 nred, i64 chunk,
-                                           int splits, int is_max) {
-    reduce_rows_impl(x, kept, red, part, y, nout, nred, chunk, splits, is_max);
-}
-extern "C" __global__ void reduce_rows_bf16(const bf16* x, Strided kept, Strided red, double* part, bf16* y, i64 nout, i64 nred, i64 chunk,
-                                            int splits, int is_max) {
-    reduce_rows_impl(x, kept, red, part, y, nout, nred, chunk, splits, is_max);
-}
-extern "C" __global__ void reduce_cols_f32(const float* x, Strided kept, Strided red, double* part, float* y, i64 nout, i64 nred, i64 chunk,
-                                           int chunks, int is_max) {
-    reduce_cols_impl(x, kept, red, part, y, nout, nred, chunk, chunks, is_max);
-}
-extern "C" __global__ void reduce_cols_bf16(const bf16* x, Strided kept, Strided red, double* part, bf16* y, i64 nout, i64 nred, i64 chunk,
-                                            int chunks, int is_max) {
-    reduce_cols_impl(x, kept, red, part, y, nout, nred, chunk, chunks, is_max);
-}
+// `red.offset` must be 0 (the view offset lives in `kept`). `parts`: the splits (rows) or chunks
+// (cols) each output is cut into; `part` holds nout * parts doubles (unused, may be null, when
+// parts == 1).
+#define REDUCE_KERNEL(name, impl, T)                                                                                              \
+    extern "C" __global__ void name(const T* x, Strided kept, Strided red, double* part, T* y, i64 nout, i64 nred, i64 chunk, \
+                                    int parts, int is_max) {                                                                  \
+        impl(x, kept, red, part, y, nout, nred, chunk, parts, is_max);                                                        \
+    }
+REDUCE_KERNEL(reduce_rows_f32, reduce_rows_impl, float)
+REDUCE_KERNEL(reduce_rows_bf16, reduce_rows_impl, bf16)
+REDUCE_KERNEL(reduce_cols_f32, reduce_cols_impl, float)
+REDUCE_KERNEL(reduce_cols_bf16, reduce_cols_impl, bf16)
 extern "C" __global__ void reduce_finish_f32(const double* part, float* y, i64 nout, int splits, int cols, int is_max) {
     reduce_finish_impl(part, y, nout, splits, cols, is_max);
 }

@@ -72,6 +72,18 @@ static inline T ferro_shfl_xor(unsigned mask, T v, int lanemask) {
 }
 #define __shfl_xor_sync(mask, v, lanemask) ferro_shfl_xor((mask), (v), (lanemask))
 
+// The CUDA bit casts between a float and its 32 bits.
+static inline float __uint_as_float(unsigned u) {
+    float f;
+    memcpy(&f, &u, 4);
+    return f;
+}
+static inline unsigned __float_as_uint(float f) {
+    unsigned u;
+    memcpy(&u, &f, 4);
+    return u;
+}
+
 template <typename T>
 static inline T min(T a, T b) { return b < a ? b : a; }
 template <typename T>
