@@ -125,17 +125,6 @@ impl CudaBackend {
     /// `adamw_multi` with the gradient scale read from element `i` of an f32 device storage,
     /// e.g. `Some((&grad_norm_out, 1))` applies the clip factor without a host round trip.
     pub fn adamw_multi_scaled(&self, tensors: &[AdamWTensor], p: AdamWParams, grad_scale: Option<(&CudaStorage, usize)>) -> Result<()> {
-        self.adamw_multi_with(tensors, p, grad_scale, 1.0)
-    }
-
-    /// `adamw_multi_scaled` with every gradient also multiplied by `host_scale`.
-    pub fn adamw_multi_with(
-        &self,
-        tensors: &[AdamWTensor],
-        p: AdamWParams,
-        grad_scale: Option<(&CudaStorage, usize)>,
-        host_scale: f32,
-    ) -> Result<()> {
         let op = "adamw";
         let mut parts = Vec::with_capacity(tensors.len());
         for t in tensors {
@@ -154,7 +143,7 @@ impl CudaBackend {
                 weight_decay: t.weight_decay,
             });
         }
-        self.adamw_parts(&parts, p, grad_scale, host_scale)
+        self.adamw_parts(&parts, p, grad_scale, 1.0)
     }
 
     /// The launch behind every AdamW entry point: `parts` are (address, dtype) of ranges of `n`
