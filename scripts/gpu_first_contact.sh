@@ -46,24 +46,10 @@ EOF
 }
 
 ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
-OUT=${OUT:-/tmp/out}
-PY=${FERROLM_PYTHON:-python3}
-REHEARSE=0
-STEPS="1,2,3,4,5,6,7,8,9"
-INTERNAL=""
-while [ $# -gt 0 ]; do
-    case "$1" in
-        --rehearse) REHEARSE=1 ;;
-        --steps)
-            [ $# -ge 2 ] || { echo "error: --steps needs a list, e.g. --steps 1,3" >&2; exit 2; }
-            STEPS=$2; shift ;;
-        --steps=*) STEPS=${1#--steps=} ;;
-        --internal-step) INTERNAL=$2; shift ;;
-        -h|--help) usage; exit 0 ;;
-        *) echo "error: unknown argument '$1' (see --help)" >&2; exit 2 ;;
-    esac
-    shift
-done
+LOG_TAG=first-contact
+# shellcheck source=gpu_lib.sh
+source "$ROOT/scripts/gpu_lib.sh"  # also OUT and PY, with their defaults
+parse_args STEPS 1,2,3,4,5,6,7,8,9 steps 1,3 "$@"
 if ! [[ "$STEPS" =~ ^[1-9](,[1-9])*$ ]]; then
     echo "error: --steps '$STEPS': a comma-separated list of step numbers 1..9, e.g. 1,3" >&2
     exit 2
@@ -81,11 +67,9 @@ MD="$OUT/gpu_first_contact.md"
 RUNS="$OUT/fc_runs"
 
 # ---------------------------------------------------------------- helpers
-# jstr, jnum, fig, find_bin, need_bin, write_config, train_data, tokenizer, pretrain, metric,
-# median_after, predicted_mib, rehearsal_env, cargo_test_bins, test_counts: scripts/gpu_lib.sh.
-LOG_TAG=first-contact
-# shellcheck source=gpu_lib.sh
-source "$ROOT/scripts/gpu_lib.sh"
+# parse_args, jstr, jnum, fig, find_bin, need_bin, write_config, train_data, tokenizer, pretrain,
+# metric, median_after, predicted_mib, rehearsal_env, cargo_test_bins, test_counts:
+# scripts/gpu_lib.sh.
 
 # The JSON line of one step: record STEP NAME OK SECONDS FIGFILE REHEARSAL
 record() {

@@ -1,10 +1,39 @@
 # Shell helpers shared by the GPU scripts (gpu_first_contact.sh, gpu_perf.sh): sourced, never run.
 #
-# The sourcing script sets ROOT (the repository root, or a staged .gpu/), OUT, REHEARSE (0 or 1),
-# RUNS (the folder of training runs) and, while a step runs, FIGS (its figure file); LOG_TAG names
-# the script in log lines.
+# The sourcing script sets ROOT (the repository root, or a staged .gpu/) and LOG_TAG (the script's
+# name in log lines) before sourcing, then calls parse_args (REHEARSE), and sets RUNS (the folder
+# of training runs) and, while a step runs, FIGS (its figure file).
+
+# Where the reports go, and the Python with torch and transformers.
+OUT=${OUT:-/tmp/out}
+PY=${FERROLM_PYTHON:-python3}
 
 log() { echo "[${LOG_TAG:-gpu}] $*" >&2; }
+
+# The scripts' command line: `parse_args VAR DEFAULT LIST EXAMPLE "$@"` reads --rehearse, --LIST X
+# (or --LIST=X), --internal-ITEM X (ITEM: LIST less its plural s) and --help (the script's
+# `usage`). It sets VAR (X, else DEFAULT), REHEARSE (0 or 1) and INTERNAL. Anything else, or
+# --LIST without its value, exits 2 with an error that names it.
+parse_args() {
+    local var=$1 value=$2 list=$3 example=$4
+    shift 4
+    REHEARSE=0
+    INTERNAL=""
+    while [ $# -gt 0 ]; do
+        case "$1" in
+            --rehearse) REHEARSE=1 ;;
+            "--$list")
+                [ $# -ge 2 ] || { echo "error: --$list needs a list, e.g. --$list $example" >&2; exit 2; }
+                value=$2; shift ;;
+            "--$list="*) value=${1#"--$list="} ;;
+            "--internal-${list%s}") INTERNAL=${2:-}; shift ;;
+            -h|--help) usage; exit 0 ;;
+            *) echo "error: unknown argument '$1' (see --help)" >&2; exit 2 ;;
+        esac
+        shift
+    done
+    printf -v "$var" '%s' "$value"
+}
 
 # JSON string of $1.
 jstr() {

@@ -60,24 +60,10 @@ EOF
 }
 
 ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
-OUT=${OUT:-/tmp/out}
-PY=${FERROLM_PYTHON:-python3}
-REHEARSE=0
-PARTS="1,2,3,4"
-INTERNAL=""
-while [ $# -gt 0 ]; do
-    case "$1" in
-        --rehearse) REHEARSE=1 ;;
-        --parts)
-            [ $# -ge 2 ] || { echo "error: --parts needs a list, e.g. --parts 2,4" >&2; exit 2; }
-            PARTS=$2; shift ;;
-        --parts=*) PARTS=${1#--parts=} ;;
-        --internal-part) INTERNAL=$2; shift ;;
-        -h|--help) usage; exit 0 ;;
-        *) echo "error: unknown argument '$1' (see --help)" >&2; exit 2 ;;
-    esac
-    shift
-done
+LOG_TAG=gpu-perf
+# shellcheck source=gpu_lib.sh
+source "$ROOT/scripts/gpu_lib.sh"  # also OUT and PY, with their defaults
+parse_args PARTS 1,2,3,4 parts 2,4 "$@"
 
 NAMES=(_ tests train bench_cuda profile)
 # Seconds per part on a GPU host (caps: their sum, 475, is over the budget, which cuts the last
@@ -104,11 +90,9 @@ PART_LIST=""
 for i in 1 2 3 4; do [[ " $want " == *" $i "* ]] && PART_LIST+=" $i"; done
 
 # ---------------------------------------------------------------- helpers
-# jstr, jnum, fig, figs_json, ratio, find_bin, need_bin, write_config, train_data, tokenizer,
-# pretrain, metric, median_after, rehearsal_env, cargo_test_bins, test_counts: scripts/gpu_lib.sh.
-LOG_TAG=gpu-perf
-# shellcheck source=gpu_lib.sh
-source "$ROOT/scripts/gpu_lib.sh"
+# parse_args, jstr, jnum, fig, figs_json, ratio, find_bin, need_bin, write_config, train_data,
+# tokenizer, pretrain, metric, median_after, rehearsal_env, cargo_test_bins, test_counts:
+# scripts/gpu_lib.sh.
 
 # Seconds left before this part's deadline (GP_DEADLINE, epoch seconds), less $1 of margin.
 left() { echo $(( ${GP_DEADLINE:-$(( $(date +%s) + 3600 ))} - $(date +%s) - ${1:-0} )); }

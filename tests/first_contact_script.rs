@@ -5,6 +5,9 @@
 use std::path::{Path, PathBuf};
 use std::process::{Command, Output};
 
+#[path = "common/scripts.rs"]
+mod scripts;
+
 fn script() -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR")).join("scripts/gpu_first_contact.sh")
 }
@@ -14,46 +17,21 @@ fn run(args: &[&str], out: &Path) -> Output {
 }
 
 fn scratch(name: &str) -> PathBuf {
-    let d = std::env::temp_dir().join(format!("ferrolm-first-contact-{name}-{}", std::process::id()));
-    let _ = std::fs::remove_dir_all(&d);
-    d
+    scripts::scratch("first-contact", name)
 }
 
 #[test]
 fn help_lists_every_step_in_order() {
     let out = scratch("help");
-    let o = run(&["--help"], &out);
-    assert!(o.status.success(), "--help failed: {}", String::from_utf8_lossy(&o.stderr));
-    let text = String::from_utf8_lossy(&o.stdout);
-    let names =
+    let steps =
         ["environment", "cuda_tests", "train_vs_cpu", "nccl_one_proc", "kernel_floors", "attention", "train_speed", "offload", "memory"];
-    let mut at = 0;
-    for (i, n) in names.iter().enumerate() {
-        let needle = format!("{} {n}", i + 1);
-        let pos = text[at..].find(&needle).unwrap_or_else(|| panic!("--help lacks step `{needle}` after the previous one:\n{text}"));
-        at += pos + needle.len();
-    }
-    for flag in ["--rehearse", "--steps", "OUT", "FERROLM_FORCE_NCCL"] {
-        assert!(text.contains(flag), "--help does not mention {flag}");
-    }
-    assert!(!out.exists(), "--help must not write anything");
+    scripts::assert_help(&run(&["--help"], &out), &out, "step", &steps, &["--rehearse", "--steps", "OUT", "FERROLM_FORCE_NCCL"]);
 }
 
 #[test]
 fn bad_arguments_are_refused_by_name() {
     let out = scratch("bad");
-    for (args, needle) in [
-        (&["--steps", "0"][..], "--steps"),
-        (&["--steps", "1,x"][..], "--steps"),
-        (&["--bogus"][..], "--bogus"),
-        (&["--steps"][..], "--steps"),
-    ] {
-        let o = run(args, &out);
-        assert_eq!(o.status.code(), Some(2), "{args:?} should exit 2");
-        let err = String::from_utf8_lossy(&o.stderr);
-        assert!(err.contains(needle), "{args:?}: the error does not name {needle}: {err}");
-    }
-    assert!(!out.join("gpu_first_contact.jsonl").exists());
+    scripts::assert_refused("gpu_first_contact.sh", |a| run(a, &out), &out.join("gpu_first_contact.jsonl"));
 }
 
 #[test]

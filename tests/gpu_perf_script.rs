@@ -5,6 +5,9 @@
 use std::path::{Path, PathBuf};
 use std::process::{Command, Output};
 
+#[path = "common/scripts.rs"]
+mod scripts;
+
 fn script() -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR")).join("scripts/gpu_perf.sh")
 }
@@ -22,45 +25,21 @@ fn run(args: &[&str], out: &Path, work: &Path) -> Output {
 }
 
 fn scratch(name: &str) -> PathBuf {
-    let d = std::env::temp_dir().join(format!("ferrolm-gpu-perf-{name}-{}", std::process::id()));
-    let _ = std::fs::remove_dir_all(&d);
-    d
+    scripts::scratch("gpu-perf", name)
 }
 
 #[test]
 fn help_names_every_part_and_output() {
     let out = scratch("help");
+    let mentions = ["--rehearse", "--parts", "OUT", "gpu_perf.md", "gpu_perf.json", "gpu_perf_logs.tar.gz", "profile.json", "GP_BUDGET_S"];
     let o = run(&["--help"], &out, &out.join("work"));
-    assert!(o.status.success(), "--help failed: {}", String::from_utf8_lossy(&o.stderr));
-    let text = String::from_utf8_lossy(&o.stdout);
-    let mut at = 0;
-    for (i, n) in ["tests", "train", "bench_cuda", "profile"].iter().enumerate() {
-        let needle = format!("{} {n}", i + 1);
-        let pos = text[at..].find(&needle).unwrap_or_else(|| panic!("--help lacks part `{needle}` after the previous one:\n{text}"));
-        at += pos + needle.len();
-    }
-    for s in ["--rehearse", "--parts", "OUT", "gpu_perf.md", "gpu_perf.json", "gpu_perf_logs.tar.gz", "profile.json", "GP_BUDGET_S"] {
-        assert!(text.contains(s), "--help does not mention {s}");
-    }
-    assert!(!out.exists(), "--help must not write anything");
+    scripts::assert_help(&o, &out, "part", &["tests", "train", "bench_cuda", "profile"], &mentions);
 }
 
 #[test]
 fn bad_arguments_are_refused_by_name() {
     let out = scratch("bad");
-    for (args, needle) in [
-        (&["--parts", "5"][..], "--parts"),
-        (&["--parts", "1,x"][..], "--parts"),
-        (&["--parts", ""][..], "--parts"),
-        (&["--parts"][..], "--parts"),
-        (&["--bogus"][..], "--bogus"),
-    ] {
-        let o = run(args, &out, &out.join("work"));
-        assert_eq!(o.status.code(), Some(2), "{args:?} should exit 2");
-        let err = String::from_utf8_lossy(&o.stderr);
-        assert!(err.contains(needle), "{args:?}: the error does not name {needle}: {err}");
-    }
-    assert!(!out.join("gpu_perf.json").exists());
+    scripts::assert_refused("gpu_perf.sh", |a| run(a, &out, &out.join("work")), &out.join("gpu_perf.json"));
 }
 
 fn positive(v: &serde_json::Value) -> bool {

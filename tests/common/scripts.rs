@@ -1,0 +1,57 @@
+//! Shared by the GPU scripts' tests (`first_contact_script.rs`, `gpu_perf_script.rs`): the checks
+//! of a script's command line that both scripts answer the same way.
+use std::path::Path;
+use std::process::Output;
+
+/// A scratch folder for `script`'s test `name`, removed if a previous run left it.
+pub fn scratch(script: &str, name: &str) -> std::path::PathBuf {
+    let d = std::env::temp_dir().join(format!("ferrolm-{script}-{name}-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&d);
+    d
+}
+
+/// `--help` succeeded, lists `items` (the script's parts or steps) as `1 first`, `2 second`, ...
+/// in that order, names each of `mentions`, and wrote nothing to `out`.
+pub fn assert_help(o: &Output, out: &Path, what: &str, items: &[&str], mentions: &[&str]) {
+    assert!(o.status.success(), "--help failed: {}", String::from_utf8_lossy(&o.stderr));
+    let text = String::from_utf8_lossy(&o.stdout);
+    let mut at = 0;
+    for (i, n) in items.iter().enumerate() {
+        let needle = format!("{} {n}", i + 1);
+        let pos = text[at..].find(&needle).unwrap_or_else(|| panic!("--help lacks {what} `{needle}` after the previous one:\n{text}"));
+        at += pos + needle.len();
+    }
+    for m in mentions {
+        assert!(text.contains(m), "--help does not mention {m}");
+    }
+    assert!(!out.exists(), "--help must not write anything");
+}
+
+/// The command lines each script refuses with exit 2, and the word its error must name.
+const REFUSED: [(&str, &[&str], &str); 11] = [
+    ("gpu_first_contact.sh", &["--steps", "0"], "--steps"),
+    ("gpu_first_contact.sh", &["--steps", "1,x"], "--steps"),
+    ("gpu_first_contact.sh", &["--steps=10"], "--steps"),
+    ("gpu_first_contact.sh", &["--steps"], "--steps"),
+    ("gpu_first_contact.sh", &["--bogus"], "--bogus"),
+    ("gpu_perf.sh", &["--parts", "5"], "--parts"),
+    ("gpu_perf.sh", &["--parts", "1,x"], "--parts"),
+    ("gpu_perf.sh", &["--parts", ""], "--parts"),
+    ("gpu_perf.sh", &["--parts=train,9"], "--parts"),
+    ("gpu_perf.sh", &["--parts"], "--parts"),
+    ("gpu_perf.sh", &["--bogus"], "--bogus"),
+];
+
+/// Each command line `script` must refuse (`REFUSED`) exits 2 with the word on stderr that
+/// names what is wrong, and `report` (the script's main output) is never written.
+pub fn assert_refused(script: &str, run: impl Fn(&[&str]) -> Output, report: &Path) {
+    let cases: Vec<_> = REFUSED.iter().filter(|c| c.0 == script).collect();
+    assert!(cases.len() >= 4, "no refusals listed for {script}");
+    for (_, args, needle) in cases {
+        let o = run(args);
+        assert_eq!(o.status.code(), Some(2), "{script} {args:?} should exit 2");
+        let err = String::from_utf8_lossy(&o.stderr);
+        assert!(err.contains(needle), "{script} {args:?}: the error does not name {needle}: {err}");
+    }
+    assert!(!report.exists(), "a refused command line wrote {}", report.display());
+}
