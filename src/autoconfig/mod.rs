@@ -5,7 +5,10 @@
 pub mod run;
 pub mod trial;
 
-pub use run::{run, OffloadRequest, Report, Request, Target, ThreadCluster, TrialData, CPU_PRESETS, GPU_PRESETS};
+pub use run::{
+    run, Machines, ModelRequest, OffloadRequest, Report, Request, SearchRequest, Target, ThreadCluster, TrialData, Trials, CPU_PRESETS,
+    DEFAULT_SEQ_LEN, GPU_PRESETS,
+};
 
 use crate::planner::ModelShape;
 use anyhow::{bail, Result};

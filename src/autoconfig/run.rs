@@ -69,48 +69,79 @@ pub struct TrialData {
     pub val: Vec<PathBuf>,
 }
 
-/// What to configure.
+/// The top layouts run with the real trainer on the thread ranks.
+#[derive(Clone, Debug, PartialEq)]
+pub struct Trials {
+    /// How many of the top layouts run.
+    pub count: usize,
+    /// Timed steps of each (after one warm-up step).
+    pub steps: usize,
+    pub data: TrialData,
+}
+
+/// Where the layouts run, with what each kind of machine takes.
 #[derive(Clone, Debug)]
-pub struct Request {
+pub enum Machines {
+    /// Thread ranks of this machine behind a simulated two-level link: calibrated here, and the
+    /// top layouts run with the real trainer when `trials` is given.
+    Threads { cluster: ThreadCluster, trials: Option<Trials> },
+    /// A modelled GPU cluster (its `gpus` 0 when not given); optimizer offload is a candidate
+    /// when `offload` is given.
+    Gpus { spec: GpuClusterSpec, offload: Option<OffloadRequest> },
+}
+
+impl Machines {
+    pub fn target(&self) -> Target {
+        match self {
+            Machines::Threads { .. } => Target::Cpu,
+            Machines::Gpus { .. } => Target::Gpu,
+        }
+    }
+}
+
+/// The model asked for.
+#[derive(Clone, Debug)]
+pub struct ModelRequest {
     /// A preset (`CPU_PRESETS`, `GPU_PRESETS`) or a config.json; `None`: from `budget`.
-    pub model: Option<String>,
+    pub name_or_path: Option<String>,
+    /// The tokenizer a CPU preset is sized to and trials train with.
+    pub tokenizer: PathBuf,
+    /// `all`, the last N layers, or i,j,k.
+    pub ladder_layers: Option<String>,
     /// Days, achieved TFLOP/s per GPU and tokens (its `gpus`: the GPUs in all).
     pub budget: Option<Budget>,
     /// Vocabulary of a shape picked from the budget.
     pub vocab: usize,
-    /// `all`, the last N layers, or i,j,k.
-    pub ladder_layers: Option<String>,
-    /// Thread ranks here, or a modelled GPU cluster.
-    pub target: Target,
-    /// `Target::Gpu`: the cluster (its `gpus` 0 when not given).
-    pub gpu: GpuClusterSpec,
-    /// `Target::Gpu`: optimizer offload as a candidate.
-    pub offload: Option<OffloadRequest>,
-    /// `Target::Cpu`: the simulated cluster.
-    pub threads: ThreadCluster,
-    /// Weights and activations.
-    pub dtype: DType,
-    /// The dtype gradients are accumulated and reduced in.
-    pub grad_reduce: GradReduceDtype,
-    /// Memory kept free, a fraction of each rank's.
-    pub margin: f64,
-    /// Tokens per sequence.
-    pub seq_len: usize,
-    /// Whether `seq_len` was asked for (else it shrinks to the model's positions).
-    pub seq_len_given: bool,
+}
+
+/// `SearchRequest::seq_len`'s default.
+pub const DEFAULT_SEQ_LEN: usize = 2048;
+
+/// What the search tries.
+#[derive(Clone, Debug)]
+pub struct SearchRequest {
+    /// Tokens per sequence; `None`: [`DEFAULT_SEQ_LEN`], or the model's positions when fewer.
+    pub seq_len: Option<usize>,
     /// `None`: the recipe's global batch.
     pub global_batch_tokens: Option<usize>,
     /// Micro-batch sizes tried.
     pub micro_batches: Vec<usize>,
     /// Largest tensor-parallel degree tried.
     pub max_tp: usize,
-    /// Layouts run with the real trainer (`Target::Cpu`), and their timed steps.
-    pub trials: usize,
-    pub trial_steps: usize,
-    /// The tokenizer a CPU preset is sized to and trials train with.
-    pub tokenizer: PathBuf,
-    /// Required when `trials > 0`.
-    pub trial_data: Option<TrialData>,
+}
+
+/// What to configure.
+#[derive(Clone, Debug)]
+pub struct Request {
+    pub model: ModelRequest,
+    pub machines: Machines,
+    /// Weights and activations.
+    pub dtype: DType,
+    /// The dtype gradients are accumulated and reduced in.
+    pub grad_reduce: GradReduceDtype,
+    /// Memory kept free, a fraction of each rank's.
+    pub margin: f64,
+    pub search: SearchRequest,
     /// Where `train_config.json` (and the model's config.json on the CPU) go.
     pub out: PathBuf,
 }
@@ -170,14 +201,17 @@ fn config_for_shape(s: &ModelShape, seq: usize) -> LlamaConfig {
 }
 
 fn tokenizer(r: &Request) -> AnyResult<crate::data::Tokenizer> {
-    crate::data::Tokenizer::from_file(&r.tokenizer).with_context(|| format!("cannot load the tokenizer {}", r.tokenizer.display()))
+    let p = &r.model.tokenizer;
+    crate::data::Tokenizer::from_file(p).with_context(|| format!("cannot load the tokenizer {}", p.display()))
 }
 
 /// The model: its shape, a config the trials can build (not for a GPU preset), the parameters
 /// a budget trains, and the sequence length in effect.
 fn model(r: &Request) -> AnyResult<(ModelShape, Option<LlamaConfig>, Option<f64>, usize)> {
-    let budget = r.budget.as_ref().map(params_from_budget).transpose()?;
-    let (shape, mut cfg) = match (&r.model, budget) {
+    let m = &r.model;
+    let budget = m.budget.as_ref().map(params_from_budget).transpose()?;
+    let mut seq = r.search.seq_len.unwrap_or(DEFAULT_SEQ_LEN);
+    let (shape, mut cfg) = match (&m.name_or_path, budget) {
         (Some(m), _) if Path::new(m).is_file() => {
             let c = LlamaConfig::from_file(m).with_context(|| format!("--model {m}"))?;
             (ModelShape::from_config(&c, m), Some(c))
@@ -185,7 +219,7 @@ fn model(r: &Request) -> AnyResult<(ModelShape, Option<LlamaConfig>, Option<f64>
         (Some(m), _) if CPU_PRESETS.contains(&m.as_str()) => {
             let c = LlamaConfig::preset(m).context("--model")?;
             // On the CPU the trials train it with the tokenizer; a modelled GPU keeps its vocabulary.
-            let c = if r.target == Target::Cpu { c.with_vocab_size(tokenizer(r)?.vocab_size()) } else { c };
+            let c = if r.machines.target() == Target::Cpu { c.with_vocab_size(tokenizer(r)?.vocab_size()) } else { c };
             (ModelShape::from_config(&c, m), Some(c))
         }
         (Some(m), _) if GPU_PRESETS.contains(&m.as_str()) => (ModelShape::preset(m)?, None),
@@ -193,19 +227,18 @@ fn model(r: &Request) -> AnyResult<(ModelShape, Option<LlamaConfig>, Option<f64>
             bail!("--model {m}: not a preset (cpu: {}; gpu: {}) nor a config.json file", CPU_PRESETS.join(", "), GPU_PRESETS.join(", "))
         }
         (None, Some(p)) => {
-            let s = shape_for_params(p, r.vocab);
-            let c = config_for_shape(&s, r.seq_len);
+            let s = shape_for_params(p, m.vocab);
+            let c = config_for_shape(&s, seq);
             (s, Some(c))
         }
         (None, None) => bail!("give --model, or a budget: --days, --tflops-per-gpu and --tokens (with --gpus)"),
     };
-    if let (Some(c), Some(l)) = (cfg.as_mut(), &r.ladder_layers) {
+    if let (Some(c), Some(l)) = (cfg.as_mut(), &m.ladder_layers) {
         c.ladder_layers = Some(LadderLayers::parse_flag(l, c.num_hidden_layers).context("--ladder-layers")?);
         c.validate().context("--ladder-layers")?;
     }
-    let mut seq = r.seq_len;
     if let Some(c) = &cfg {
-        if !r.seq_len_given {
+        if r.search.seq_len.is_none() {
             seq = seq.min(c.max_position_embeddings);
         }
         if seq > c.max_position_embeddings {
@@ -220,18 +253,22 @@ fn ladder_count(r: &Request, shape: &ModelShape, cfg: Option<&LlamaConfig>) -> A
     if let Some(l) = cfg.and_then(|c| c.ladder_layers.as_ref()) {
         return Ok(Some(count(l)));
     }
-    r.ladder_layers.as_ref().map(|l| Ok(count(&LadderLayers::parse_flag(l, shape.layers)?))).transpose()
+    r.model.ladder_layers.as_ref().map(|l| Ok(count(&LadderLayers::parse_flag(l, shape.layers)?))).transpose()
 }
 
 /// FLOP/s per rank by micro-batch size.
 type FlopsByMicroBatch = Vec<(usize, f64)>;
 
 /// The thread ranks of `Target::Cpu`, calibrated at every micro-batch size tried.
-fn thread_cluster(r: &Request, cfg: Option<&LlamaConfig>, seq: usize) -> AnyResult<(Cluster, Calibration, FlopsByMicroBatch)> {
+fn thread_cluster(
+    r: &Request,
+    t: &ThreadCluster,
+    cfg: Option<&LlamaConfig>,
+    seq: usize,
+) -> AnyResult<(Cluster, Calibration, FlopsByMicroBatch)> {
     let cfg = cfg.context("--target cpu needs a model it can build (a preset or config.json)")?;
-    let t = &r.threads;
     let world = t.nodes * t.ranks_per_node;
-    let mut sizes = r.micro_batches.clone();
+    let mut sizes = r.search.micro_batches.clone();
     sizes.sort_unstable();
     sizes.dedup();
     let (mut by_mbs, mut cal) = (Vec::new(), None);
@@ -251,8 +288,8 @@ fn thread_cluster(r: &Request, cfg: Option<&LlamaConfig>, seq: usize) -> AnyResu
 
 /// The search space the request and the cluster give.
 fn space(r: &Request, cluster: &Cluster, seq: usize, global: usize, ladder: Option<usize>, by_mbs: Vec<(usize, f64)>) -> SearchSpace {
-    let offload = match (r.target, &r.offload) {
-        (Target::Gpu, Some(o)) => Some(OffloadRates {
+    let offload = match &r.machines {
+        Machines::Gpus { offload: Some(o), .. } => Some(OffloadRates {
             cpu_adam_elems_per_s: o.cpu_adam.unwrap_or(1e9),
             gpu_adam_elems_per_s: cluster.gpu_adam_elems_per_s(),
             h2d_bytes_per_s: o.pcie_gb_s * 1e9,
@@ -264,14 +301,14 @@ fn space(r: &Request, cluster: &Cluster, seq: usize, global: usize, ladder: Opti
     SearchSpace {
         seq,
         global_batch_tokens: global,
-        micro_batches: r.micro_batches.clone(),
-        partial_checkpointing: r.target == Target::Gpu,
-        max_tp: r.max_tp,
+        micro_batches: r.search.micro_batches.clone(),
+        partial_checkpointing: r.machines.target() == Target::Gpu,
+        max_tp: r.search.max_tp,
         offload,
         ladder_layers: ladder,
         elem_bytes: r.dtype.size_in_bytes(),
         grad_reduce: r.grad_reduce,
-        workspace_bytes: if r.target == Target::Cpu { 0.0 } else { memory::CUDA_WORKSPACE_BYTES },
+        workspace_bytes: if r.machines.target() == Target::Cpu { 0.0 } else { memory::CUDA_WORKSPACE_BYTES },
         flops_by_micro_batch: by_mbs,
     }
 }
@@ -286,24 +323,22 @@ fn trials(
     ranked: &[Candidate],
 ) -> AnyResult<Vec<(Candidate, Measured)>> {
     let mut measured: Vec<(Candidate, Measured)> = Vec::new();
-    if r.trials == 0 {
+    let Machines::Threads { cluster: threads, trials: Some(tr) } = &r.machines else {
         return Ok(measured);
-    }
-    let data = r.trial_data.clone().context("trials need token data")?;
+    };
     let setup = TrialSetup {
         cfg: cfg.cloned().context("trials need a model config")?,
-        train: data.train,
-        val: data.val,
+        data: tr.data.clone(),
         link: cluster.link,
-        ranks_per_node: r.threads.ranks_per_node,
+        ranks_per_node: threads.ranks_per_node,
         seq,
         lr,
-        steps: r.trial_steps,
+        steps: tr.steps,
         dtype: r.dtype,
         grad_reduce: r.grad_reduce,
         out_dir: r.out.join("trials"),
     };
-    for c in ranked.iter().filter(|c| c.offload_k.is_none()).take(r.trials) {
+    for c in ranked.iter().filter(|c| c.offload_k.is_none()).take(tr.count) {
         let m = run_trial(&setup, c)?;
         tracing::info!("trial {}: {:.3} s per step (modelled {:.3} s)", c.name(), m.step_s, c.step_s);
         measured.push((c.clone(), m));
@@ -319,8 +354,8 @@ fn write_train_config(r: &Request, rep: &Report, cfg: Option<&LlamaConfig>) -> A
     let mut tc = TrainConfig::of(&rep.chosen, rep.shape.layers, rep.cluster.gpus_per_node, rep.seq_len, rep.hyper.lr);
     tc.dtype = Some(if r.dtype == DType::F32 { "f32" } else { "bf16" }.into());
     tc.grad_reduce_dtype = Some(r.grad_reduce.to_string());
-    tc.config = match (&r.model, cfg) {
-        (Some(m), _) if !Path::new(m).is_file() && r.target == Target::Gpu => Some(m.clone()),
+    tc.config = match (&r.model.name_or_path, cfg) {
+        (Some(m), _) if !Path::new(m).is_file() && r.machines.target() == Target::Gpu => Some(m.clone()),
         (_, Some(c)) => {
             let p = out.join("config.json");
             std::fs::write(&p, c.to_json_string()).with_context(|| format!("cannot write {}", p.display()))?;
@@ -328,9 +363,9 @@ fn write_train_config(r: &Request, rep: &Report, cfg: Option<&LlamaConfig>) -> A
         }
         _ => None,
     };
-    tc.ladder_layers = r.ladder_layers.clone();
+    tc.ladder_layers = r.model.ladder_layers.clone();
     tc.hyper_parameters = Some(serde_json::to_value(&rep.hyper)?);
-    if let Some(b) = &r.budget {
+    if let Some(b) = &r.model.budget {
         tc.steps = Some((b.tokens / rep.global_batch_tokens as f64).ceil() as usize);
     }
     if let Some(m) = rep.measured_of(&rep.chosen) {
@@ -364,23 +399,20 @@ fn chosen_json(rep: &Report) -> AnyResult<serde_json::Value> {
 
 /// The whole auto-configuration: model, recipe, cluster, search, trials, `train_config.json`.
 pub fn run(r: &Request) -> AnyResult<Report> {
-    if r.micro_batches.contains(&0) {
+    if r.search.micro_batches.contains(&0) {
         bail!("--micro-batches: sizes must be at least 1");
-    }
-    if r.trials > 0 && r.target == Target::Gpu {
-        bail!("--trials runs on CPU thread ranks (--target cpu); a GPU cluster is modelled only");
     }
     let (shape, cfg, budget_params, seq) = model(r)?;
     let hyper = hyper_params(shape.params() as f64, seq);
-    let global = r.global_batch_tokens.unwrap_or(hyper.global_batch_tokens);
+    let global = r.search.global_batch_tokens.unwrap_or(hyper.global_batch_tokens);
     let ladder = ladder_count(r, &shape, cfg.as_ref())?;
-    let (cluster, calibration, by_mbs) = match r.target {
-        Target::Gpu => {
-            let gpus = if r.gpu.gpus > 0 { r.gpu.gpus } else { bail!("--target gpu needs --gpus N (the GPUs in all)") };
-            (Cluster::gpu(&GpuClusterSpec { gpus, margin: Some(r.margin), ..r.gpu.clone() })?, None, Vec::new())
+    let (cluster, calibration, by_mbs) = match &r.machines {
+        Machines::Gpus { spec, .. } => {
+            let gpus = if spec.gpus > 0 { spec.gpus } else { bail!("--target gpu needs --gpus N (the GPUs in all)") };
+            (Cluster::gpu(&GpuClusterSpec { gpus, margin: Some(r.margin), ..spec.clone() })?, None, Vec::new())
         }
-        Target::Cpu => {
-            let (c, cal, by) = thread_cluster(r, cfg.as_ref(), seq)?;
+        Machines::Threads { cluster: t, .. } => {
+            let (c, cal, by) = thread_cluster(r, t, cfg.as_ref(), seq)?;
             (c, Some(cal), by)
         }
     };

@@ -27,8 +27,7 @@ pub struct TrialSetup {
     /// The model the trials build.
     pub cfg: LlamaConfig,
     /// Token shards.
-    pub train: Vec<PathBuf>,
-    pub val: Vec<PathBuf>,
+    pub data: super::TrialData,
     /// The simulated link the thread ranks talk over, `ranks_per_node` to a node.
     pub link: LinkModel,
     pub ranks_per_node: usize,
@@ -99,7 +98,7 @@ pub fn run_trial(s: &TrialSetup, c: &Candidate) -> AnyResult<Measured> {
             let mut model = Llama::new(s.cfg.clone(), s.dtype, Device::Cpu, &mut Rng::new(opts.seed))?;
             apply_activation_checkpointing(&mut model, c.checkpointed_layers);
             let engine = crate::parallel::attach(&mut model, Some(comm), &par, Trainer::adamw_config(&opts))?;
-            let mut t = Trainer::with_engine(model, Box::new(engine), &s.train, &s.val, opts.clone(), &out)?;
+            let mut t = Trainer::with_engine(model, Box::new(engine), &s.data.train, &s.data.val, opts.clone(), &out)?;
             let mut times = Vec::new();
             let mut loss = f64::NAN;
             for step in 0..=s.steps {

@@ -9,7 +9,7 @@
 //! turns the flags into the request and prints the report.
 use super::cluster::{GpuClusterArgs, GradReduceArg};
 use super::{env_help, fraction, positive, LogArgs, Tool, ENV_COMMON};
-use crate::autoconfig::{Budget, OffloadRequest, Request, ThreadCluster, TrialData};
+use crate::autoconfig::{Budget, Machines, ModelRequest, OffloadRequest, Request, SearchRequest, ThreadCluster, TrialData, Trials};
 pub use crate::autoconfig::{Report, Target, CPU_PRESETS, GPU_PRESETS};
 use crate::planner::layouts::Candidate;
 use crate::planner::GIB;
@@ -132,9 +132,6 @@ pub struct AutoconfigArgs {
     pub log: LogArgs,
 }
 
-/// `--seq-len`'s default.
-const DEFAULT_SEQ_LEN: usize = 2048;
-
 impl AutoconfigArgs {
     /// `--dtype`, else the target's: f32 on the CPU, bf16 on GPUs.
     pub fn compute_dtype(&self, target: Target) -> super::ComputeDtype {
@@ -199,42 +196,57 @@ impl AutoconfigArgs {
             (Some(days), Some(tflops_per_gpu), Some(tokens)) => Some(Budget { days, gpus: gpus_in_budget, tflops_per_gpu, tokens }),
             _ => None,
         };
-        let offload = self.offload_pcie_gb_s.map(|bw| OffloadRequest {
-            pcie_gb_s: bw,
-            cpu_adam: self.offload_cpu_adam,
-            subgroup: self.offload_subgroup_size,
-        });
-        let threads = ThreadCluster {
+        let model = ModelRequest {
+            name_or_path: self.model.clone(),
+            tokenizer: self.tokenizer_path(),
+            ladder_layers: self.ladder_layers.clone(),
+            budget,
+            vocab: self.vocab,
+        };
+        let search = SearchRequest {
+            seq_len: self.seq_len_flag,
+            global_batch_tokens: self.global_batch_tokens,
+            micro_batches: self.micro_batches.clone(),
+            max_tp: self.max_tp,
+        };
+        Ok(Request {
+            model,
+            machines: self.machines(target)?,
+            dtype: self.compute_dtype(target).dtype(),
+            grad_reduce: self.grad_reduce.grad_reduce_dtype,
+            margin: self.margin,
+            search,
+            out: self.out.clone(),
+        })
+    }
+
+    /// The thread ranks with their trials, or the modelled GPUs with their offload.
+    fn machines(&self, target: Target) -> AnyResult<Machines> {
+        if target == Target::Gpu {
+            if self.trials > 0 {
+                bail!("--trials runs on CPU thread ranks (--target cpu); a GPU cluster is modelled only");
+            }
+            let offload = self.offload_pcie_gb_s.map(|bw| OffloadRequest {
+                pcie_gb_s: bw,
+                cpu_adam: self.offload_cpu_adam,
+                subgroup: self.offload_subgroup_size,
+            });
+            return Ok(Machines::Gpus { spec: self.cluster.spec(self.gpus.unwrap_or(0), self.tflops_per_gpu, self.margin), offload });
+        }
+        let cluster = ThreadCluster {
             nodes: self.nodes,
             ranks_per_node: self.ranks_per_node,
             intra_mb_s: self.intra_mb_s,
             inter_mb_s: self.inter_mb_s,
             mem_cap_mib: self.mem_cap_mib,
         };
-        let trials_here = self.trials > 0 && target == Target::Cpu && !self.micro_batches.contains(&0);
-        Ok(Request {
-            model: self.model.clone(),
-            budget,
-            vocab: self.vocab,
-            ladder_layers: self.ladder_layers.clone(),
-            target,
-            gpu: self.cluster.spec(self.gpus.unwrap_or(0), self.tflops_per_gpu, self.margin),
-            offload,
-            threads,
-            dtype: self.compute_dtype(target).dtype(),
-            grad_reduce: self.grad_reduce.grad_reduce_dtype,
-            margin: self.margin,
-            seq_len: self.seq_len_flag.unwrap_or(DEFAULT_SEQ_LEN),
-            seq_len_given: self.seq_len_flag.is_some(),
-            global_batch_tokens: self.global_batch_tokens,
-            micro_batches: self.micro_batches.clone(),
-            max_tp: self.max_tp,
-            trials: self.trials,
-            trial_steps: self.trial_steps,
-            tokenizer: self.tokenizer_path(),
-            trial_data: if trials_here { Some(self.trial_data()?) } else { None },
-            out: self.out.clone(),
-        })
+        // Data is prepared only for a request that can run (the library refuses a 0 micro-batch).
+        let trials = if self.trials > 0 && !self.micro_batches.contains(&0) {
+            Some(Trials { count: self.trials, steps: self.trial_steps, data: self.trial_data()? })
+        } else {
+            None
+        };
+        Ok(Machines::Threads { cluster, trials })
     }
 }
 
@@ -268,7 +280,7 @@ pub fn autoconfig(a: &AutoconfigArgs) -> AnyResult<Report> {
 /// The budget, the model and its recipe.
 fn print_model(a: &AutoconfigArgs, req: &Request, r: &Report) {
     let s = &r.shape;
-    if let (Some(p), Some(b)) = (r.budget_params, &req.budget) {
+    if let (Some(p), Some(b)) = (r.budget_params, &req.model.budget) {
         println!(
             "budget: {} days x {} GPUs x {} TFLOP/s on {:.3e} tokens trains P = days*86400*gpus*F/(8*T) = {:.3}B parameters; nearest shape {}",
             b.days,
@@ -298,8 +310,7 @@ fn print_model(a: &AutoconfigArgs, req: &Request, r: &Report) {
 
 /// The calibration (cpu) and the search's counts.
 fn print_cluster(req: &Request, r: &Report) {
-    if let Some(cal) = &r.calibration {
-        let t = &req.threads;
+    if let (Some(cal), Machines::Threads { cluster: t, .. }) = (&r.calibration, &req.machines) {
         println!(
             "calibrated on {} thread ranks: {} GFLOP/s per rank by micro-batch size, optimizer {:.1} ns/element, communicator {:.2} ns/byte; \
              simulated link intra {} MB/s, inter {} MB/s ({} nodes x {}); memory cap {:.1} MiB per rank",
@@ -341,8 +352,11 @@ fn print_table(req: &Request, r: &Report, top: usize) {
             None => ("-".into(), "-".into(), c.tokens_per_s),
         };
         let mfu = flops_token * tps / (r.cluster.gpus as f64 * r.cluster.peak_flops);
-        let mem =
-            if req.target == Target::Cpu { format!("{:.1} MiB", mib(c.mem.total())) } else { format!("{:.1} GiB", c.mem.total() / GIB) };
+        let mem = if req.machines.target() == Target::Cpu {
+            format!("{:.1} MiB", mib(c.mem.total()))
+        } else {
+            format!("{:.1} GiB", c.mem.total() / GIB)
+        };
         let mark = if c.name() == r.chosen.name() { "*" } else { "" };
         println!(
             "{:<4} {:<30} {:>10} {:>9.3} {:>9} {:>8} {:>12.0} {:>6.1}%",
