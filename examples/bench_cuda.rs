@@ -12,6 +12,7 @@
 //! `scripts/bench_attention_torch.py --ours $OUT/bench_cuda.json`).
 //!
 //!   cargo run --release --example bench_cuda [-- --reps 20 --quick]   (`--help` lists the flags)
+//!   ... -- --attention 4,16,16,2048,128   (attention only, at that shape: for Nsight Compute)
 //!   on a GPU host: .gpu/run bin/bench_cuda
 //!
 //! With no CUDA device it prints "skipped: no CUDA device" and exits 0 (1 with
@@ -216,182 +217,185 @@ fn run(args: BenchCudaArgs) -> AnyResult<()> {
     };
 
     // ---- memory-bound kernels -------------------------------------------------------------
-    let (r, c) = pick(tiny, quick, (4096, 4096), (8192, 8192), (64, 64));
-    let n = r * c;
-    {
-        let (a, b) = (bn.randn(&[r, c], bf, 1.0)?, bn.randn(&[r, c], bf, 1.0)?);
-        let ms = bn.time(|| {
-            be.binary(BinaryOp::Add, a.sl(), b.sl())?;
-            Ok(())
-        })?;
-        push(&mut rows, "add (bf16)", format!("({r}, {c})"), ms, 3.0 * n as f64 * 2.0, 0.0);
-        let ms = bn.time(|| {
-            be.unary(UnaryOp::Silu, a.sl())?;
-            Ok(())
-        })?;
-        push(&mut rows, "silu (bf16)", format!("({r}, {c})"), ms, 2.0 * n as f64 * 2.0, 0.0);
-        let ms = bn.time(|| {
-            be.reduce(ReduceOp::Sum, a.sl(), &[1])?;
-            Ok(())
-        })?;
-        push(&mut rows, "sum over last dim (bf16)", format!("({r}, {c})"), ms, (n + r) as f64 * 2.0, 0.0);
-        let ms = bn.time(|| {
-            be.reduce(ReduceOp::Sum, a.sl(), &[0])?;
-            Ok(())
-        })?;
-        push(&mut rows, "sum over first dim (bf16)", format!("({r}, {c})"), ms, (n + c) as f64 * 2.0, 0.0);
+    // (skipped with --attention)
+    if args.attention.is_empty() {
+        let (r, c) = pick(tiny, quick, (4096, 4096), (8192, 8192), (64, 64));
+        let n = r * c;
         {
-            // A gradient bucket's full sum, and a column sum, in f32.
-            let nb: usize = pick(tiny, quick, 24_600_000, 24_600_000, 1 << 16);
-            let v = bn.randn(&[nb], DType::F32, 1.0)?;
+            let (a, b) = (bn.randn(&[r, c], bf, 1.0)?, bn.randn(&[r, c], bf, 1.0)?);
             let ms = bn.time(|| {
-                be.reduce(ReduceOp::Sum, v.sl(), &[0])?;
+                be.binary(BinaryOp::Add, a.sl(), b.sl())?;
                 Ok(())
             })?;
-            push(&mut rows, "full sum (f32)", format!("({nb})"), ms, nb as f64 * 4.0, 0.0);
-            let (cr, cc) = pick(tiny, quick, (6000, 4096), (6000, 4096), (64, 96));
-            let m = bn.randn(&[cr, cc], DType::F32, 1.0)?;
+            push(&mut rows, "add (bf16)", format!("({r}, {c})"), ms, 3.0 * n as f64 * 2.0, 0.0);
             let ms = bn.time(|| {
-                be.reduce(ReduceOp::Sum, m.sl(), &[0])?;
+                be.unary(UnaryOp::Silu, a.sl())?;
                 Ok(())
             })?;
-            push(&mut rows, "column sum (f32)", format!("({cr}, {cc})"), ms, (cr * cc + cc) as f64 * 4.0, 0.0);
+            push(&mut rows, "silu (bf16)", format!("({r}, {c})"), ms, 2.0 * n as f64 * 2.0, 0.0);
+            let ms = bn.time(|| {
+                be.reduce(ReduceOp::Sum, a.sl(), &[1])?;
+                Ok(())
+            })?;
+            push(&mut rows, "sum over last dim (bf16)", format!("({r}, {c})"), ms, (n + r) as f64 * 2.0, 0.0);
+            let ms = bn.time(|| {
+                be.reduce(ReduceOp::Sum, a.sl(), &[0])?;
+                Ok(())
+            })?;
+            push(&mut rows, "sum over first dim (bf16)", format!("({r}, {c})"), ms, (n + c) as f64 * 2.0, 0.0);
+            {
+                // A gradient bucket's full sum, and a column sum, in f32.
+                let nb: usize = pick(tiny, quick, 24_600_000, 24_600_000, 1 << 16);
+                let v = bn.randn(&[nb], DType::F32, 1.0)?;
+                let ms = bn.time(|| {
+                    be.reduce(ReduceOp::Sum, v.sl(), &[0])?;
+                    Ok(())
+                })?;
+                push(&mut rows, "full sum (f32)", format!("({nb})"), ms, nb as f64 * 4.0, 0.0);
+                let (cr, cc) = pick(tiny, quick, (6000, 4096), (6000, 4096), (64, 96));
+                let m = bn.randn(&[cr, cc], DType::F32, 1.0)?;
+                let ms = bn.time(|| {
+                    be.reduce(ReduceOp::Sum, m.sl(), &[0])?;
+                    Ok(())
+                })?;
+                push(&mut rows, "column sum (f32)", format!("({cr}, {cc})"), ms, (cr * cc + cc) as f64 * 4.0, 0.0);
+            }
+            let tl = transpose_layout(&a.l);
+            let ms = bn.time(|| {
+                be.copy_strided((&a.s, &tl))?;
+                Ok(())
+            })?;
+            push(&mut rows, "transpose copy (bf16)", format!("({c}, {r})^T"), ms, 2.0 * n as f64 * 2.0, 0.0);
+            let ms = bn.time(|| {
+                softmax::forward(a.sl())?;
+                Ok(())
+            })?;
+            push(&mut rows, "softmax fwd (bf16)", format!("({r}, {c})"), ms, 2.0 * n as f64 * 2.0, 0.0);
+            let y = Buf { s: softmax::forward(a.sl())?, l: a.l.clone() };
+            let ms = bn.time(|| {
+                softmax::backward(y.sl(), b.sl())?;
+                Ok(())
+            })?;
+            push(&mut rows, "softmax bwd (bf16)", format!("({r}, {c})"), ms, 3.0 * n as f64 * 2.0, 0.0);
         }
-        let tl = transpose_layout(&a.l);
-        let ms = bn.time(|| {
-            be.copy_strided((&a.s, &tl))?;
-            Ok(())
-        })?;
-        push(&mut rows, "transpose copy (bf16)", format!("({c}, {r})^T"), ms, 2.0 * n as f64 * 2.0, 0.0);
-        let ms = bn.time(|| {
-            softmax::forward(a.sl())?;
-            Ok(())
-        })?;
-        push(&mut rows, "softmax fwd (bf16)", format!("({r}, {c})"), ms, 2.0 * n as f64 * 2.0, 0.0);
-        let y = Buf { s: softmax::forward(a.sl())?, l: a.l.clone() };
-        let ms = bn.time(|| {
-            softmax::backward(y.sl(), b.sl())?;
-            Ok(())
-        })?;
-        push(&mut rows, "softmax bwd (bf16)", format!("({r}, {c})"), ms, 3.0 * n as f64 * 2.0, 0.0);
+        be.empty_cache()?;
+        {
+            let (rn, d) = pick(tiny, quick, (4096, 4096), (16384, 4096), (64, 64));
+            let x = bn.randn(&[rn, d], bf, 1.0)?;
+            let w = bn.randn(&[d], bf, 1.0)?;
+            let dy = bn.randn(&[rn, d], bf, 1.0)?;
+            let ms = bn.time(|| {
+                rmsnorm::forward(x.sl(), w.sl(), 1e-5)?;
+                Ok(())
+            })?;
+            let nn = (rn * d) as f64;
+            push(&mut rows, "rmsnorm fwd (bf16)", format!("({rn}, {d})"), ms, 2.0 * nn * 2.0 + rn as f64 * 4.0, 0.0);
+            let (_y, inv) = rmsnorm::forward(x.sl(), w.sl(), 1e-5)?;
+            let inv = Buf { s: inv, l: layout(&[rn]) };
+            let ms = bn.time(|| {
+                rmsnorm::backward(dy.sl(), x.sl(), w.sl(), inv.sl())?;
+                Ok(())
+            })?;
+            push(&mut rows, "rmsnorm bwd (bf16)", format!("({rn}, {d})"), ms, 3.0 * nn * 2.0 + rn as f64 * 4.0, 0.0);
+        }
+        be.empty_cache()?;
+        {
+            let (b, h, t, d) = pick(tiny, quick, (2, 16, 2048, 128), (4, 32, 4096, 128), (1, 2, 64, 64));
+            let x = bn.randn(&[b, h, t, d], bf, 1.0)?;
+            let cos = bn.randn(&[t, d], bf, 0.7)?;
+            let sin = bn.randn(&[t, d], bf, 0.7)?;
+            let nn = (b * h * t * d) as f64;
+            let ms = bn.time(|| {
+                rope::apply(x.sl(), cos.sl(), sin.sl(), false)?;
+                Ok(())
+            })?;
+            push(&mut rows, "rope fwd (bf16)", format!("({b}, {h}, {t}, {d})"), ms, 2.0 * nn * 2.0 + 2.0 * (t * d) as f64 * 2.0, 0.0);
+            let ms = bn.time(|| {
+                rope::apply(x.sl(), cos.sl(), sin.sl(), true)?;
+                Ok(())
+            })?;
+            push(&mut rows, "rope bwd (bf16)", format!("({b}, {h}, {t}, {d})"), ms, 2.0 * nn * 2.0 + 2.0 * (t * d) as f64 * 2.0, 0.0);
+        }
+        be.empty_cache()?;
+        {
+            let (rn, f) = pick(tiny, quick, (2048, 11008), (8192, 11008), (64, 128));
+            let gt = bn.randn(&[rn, f], bf, 1.0)?;
+            let up = bn.randn(&[rn, f], bf, 1.0)?;
+            let dy = bn.randn(&[rn, f], bf, 1.0)?;
+            let nn = (rn * f) as f64;
+            let ms = bn.time(|| {
+                swiglu::forward(gt.sl(), up.sl())?;
+                Ok(())
+            })?;
+            push(&mut rows, "swiglu fwd (bf16)", format!("({rn}, {f})"), ms, 3.0 * nn * 2.0, 0.0);
+            let ms = bn.time(|| {
+                swiglu::backward(dy.sl(), gt.sl(), up.sl())?;
+                Ok(())
+            })?;
+            push(&mut rows, "swiglu bwd (bf16)", format!("({rn}, {f})"), ms, 5.0 * nn * 2.0, 0.0);
+        }
+        be.empty_cache()?;
+        {
+            let (rn, v) = pick(tiny, quick, (2048, 32000), (8192, 32000), (64, 512));
+            let x = bn.randn(&[rn, v], bf, 2.0)?;
+            let t = bn.ids(rn, v)?;
+            let scale = bn.scalar_f32(1.0 / rn as f32)?;
+            let nn = (rn * v) as f64;
+            let ms = bn.time(|| {
+                cross_entropy::forward(x.sl(), t.sl(), -100)?;
+                Ok(())
+            })?;
+            push(&mut rows, "cross-entropy fwd (bf16)", format!("({rn}, {v})"), ms, nn * 2.0, 0.0);
+            let (_, lse, _) = cross_entropy::forward(x.sl(), t.sl(), -100)?;
+            let lse = Buf { s: lse, l: layout(&[rn]) };
+            let ms_b = bn.time(|| {
+                cross_entropy::backward(x.sl(), t.sl(), lse.sl(), -100, scale.sl())?;
+                Ok(())
+            })?;
+            push(&mut rows, "cross-entropy bwd (bf16)", format!("({rn}, {v})"), ms_b, 2.0 * nn * 2.0, 0.0);
+            let ms = bn.time(|| {
+                cross_entropy::forward(x.sl(), t.sl(), -100)?;
+                cross_entropy::backward(x.sl(), t.sl(), lse.sl(), -100, scale.sl())?;
+                Ok(())
+            })?;
+            push(&mut rows, "cross-entropy fwd+bwd (bf16)", format!("({rn}, {v})"), ms, 2.0 * nn * 2.0, 0.0);
+            let ms = bn.time(|| {
+                cross_entropy::forward_backward_cuda(&be, x.sl(), &t.s, -100, 1.0)?;
+                Ok(())
+            })?;
+            push(&mut rows, "cross-entropy fused fwd+bwd (bf16)", format!("({rn}, {v})"), ms, 2.0 * nn * 2.0, 0.0);
+        }
+        be.empty_cache()?;
+        {
+            let (vocab, d, nt) = pick(tiny, quick, (32000, 2048, 4096), (32000, 4096, 16384), (512, 64, 128));
+            let w = bn.randn(&[vocab, d], bf, 1.0)?;
+            let ids = bn.ids(nt, vocab)?;
+            let dy = bn.randn(&[nt, d], bf, 1.0)?;
+            let ms = bn.time(|| {
+                embedding::forward(w.sl(), ids.sl())?;
+                Ok(())
+            })?;
+            push(&mut rows, "embedding fwd (bf16)", format!("V{vocab} d{d} n{nt}"), ms, 2.0 * (nt * d) as f64 * 2.0 + nt as f64 * 4.0, 0.0);
+            let host_ids: Vec<i32> = match bn.be.to_cpu(ids.sl())? {
+                CpuStorage::I32(v) => v,
+                _ => anyhow::bail!("ids are not i32"),
+            };
+            // The training path: ids sorted once on the host, segment sums on the device.
+            let ms = bn.time(|| {
+                embedding::backward_sorted(dy.sl(), &host_ids, vocab)?;
+                Ok(())
+            })?;
+            push(
+                &mut rows,
+                "embedding bwd (bf16)",
+                format!("V{vocab} d{d} n{nt}"),
+                ms,
+                (nt * d) as f64 * 2.0 + (vocab * d) as f64 * 2.0 + nt as f64 * 4.0,
+                0.0,
+            );
+        }
+        be.empty_cache()?;
     }
-    be.empty_cache()?;
-    {
-        let (rn, d) = pick(tiny, quick, (4096, 4096), (16384, 4096), (64, 64));
-        let x = bn.randn(&[rn, d], bf, 1.0)?;
-        let w = bn.randn(&[d], bf, 1.0)?;
-        let dy = bn.randn(&[rn, d], bf, 1.0)?;
-        let ms = bn.time(|| {
-            rmsnorm::forward(x.sl(), w.sl(), 1e-5)?;
-            Ok(())
-        })?;
-        let nn = (rn * d) as f64;
-        push(&mut rows, "rmsnorm fwd (bf16)", format!("({rn}, {d})"), ms, 2.0 * nn * 2.0 + rn as f64 * 4.0, 0.0);
-        let (_y, inv) = rmsnorm::forward(x.sl(), w.sl(), 1e-5)?;
-        let inv = Buf { s: inv, l: layout(&[rn]) };
-        let ms = bn.time(|| {
-            rmsnorm::backward(dy.sl(), x.sl(), w.sl(), inv.sl())?;
-            Ok(())
-        })?;
-        push(&mut rows, "rmsnorm bwd (bf16)", format!("({rn}, {d})"), ms, 3.0 * nn * 2.0 + rn as f64 * 4.0, 0.0);
-    }
-    be.empty_cache()?;
-    {
-        let (b, h, t, d) = pick(tiny, quick, (2, 16, 2048, 128), (4, 32, 4096, 128), (1, 2, 64, 64));
-        let x = bn.randn(&[b, h, t, d], bf, 1.0)?;
-        let cos = bn.randn(&[t, d], bf, 0.7)?;
-        let sin = bn.randn(&[t, d], bf, 0.7)?;
-        let nn = (b * h * t * d) as f64;
-        let ms = bn.time(|| {
-            rope::apply(x.sl(), cos.sl(), sin.sl(), false)?;
-            Ok(())
-        })?;
-        push(&mut rows, "rope fwd (bf16)", format!("({b}, {h}, {t}, {d})"), ms, 2.0 * nn * 2.0 + 2.0 * (t * d) as f64 * 2.0, 0.0);
-        let ms = bn.time(|| {
-            rope::apply(x.sl(), cos.sl(), sin.sl(), true)?;
-            Ok(())
-        })?;
-        push(&mut rows, "rope bwd (bf16)", format!("({b}, {h}, {t}, {d})"), ms, 2.0 * nn * 2.0 + 2.0 * (t * d) as f64 * 2.0, 0.0);
-    }
-    be.empty_cache()?;
-    {
-        let (rn, f) = pick(tiny, quick, (2048, 11008), (8192, 11008), (64, 128));
-        let gt = bn.randn(&[rn, f], bf, 1.0)?;
-        let up = bn.randn(&[rn, f], bf, 1.0)?;
-        let dy = bn.randn(&[rn, f], bf, 1.0)?;
-        let nn = (rn * f) as f64;
-        let ms = bn.time(|| {
-            swiglu::forward(gt.sl(), up.sl())?;
-            Ok(())
-        })?;
-        push(&mut rows, "swiglu fwd (bf16)", format!("({rn}, {f})"), ms, 3.0 * nn * 2.0, 0.0);
-        let ms = bn.time(|| {
-            swiglu::backward(dy.sl(), gt.sl(), up.sl())?;
-            Ok(())
-        })?;
-        push(&mut rows, "swiglu bwd (bf16)", format!("({rn}, {f})"), ms, 5.0 * nn * 2.0, 0.0);
-    }
-    be.empty_cache()?;
-    {
-        let (rn, v) = pick(tiny, quick, (2048, 32000), (8192, 32000), (64, 512));
-        let x = bn.randn(&[rn, v], bf, 2.0)?;
-        let t = bn.ids(rn, v)?;
-        let scale = bn.scalar_f32(1.0 / rn as f32)?;
-        let nn = (rn * v) as f64;
-        let ms = bn.time(|| {
-            cross_entropy::forward(x.sl(), t.sl(), -100)?;
-            Ok(())
-        })?;
-        push(&mut rows, "cross-entropy fwd (bf16)", format!("({rn}, {v})"), ms, nn * 2.0, 0.0);
-        let (_, lse, _) = cross_entropy::forward(x.sl(), t.sl(), -100)?;
-        let lse = Buf { s: lse, l: layout(&[rn]) };
-        let ms_b = bn.time(|| {
-            cross_entropy::backward(x.sl(), t.sl(), lse.sl(), -100, scale.sl())?;
-            Ok(())
-        })?;
-        push(&mut rows, "cross-entropy bwd (bf16)", format!("({rn}, {v})"), ms_b, 2.0 * nn * 2.0, 0.0);
-        let ms = bn.time(|| {
-            cross_entropy::forward(x.sl(), t.sl(), -100)?;
-            cross_entropy::backward(x.sl(), t.sl(), lse.sl(), -100, scale.sl())?;
-            Ok(())
-        })?;
-        push(&mut rows, "cross-entropy fwd+bwd (bf16)", format!("({rn}, {v})"), ms, 2.0 * nn * 2.0, 0.0);
-        let ms = bn.time(|| {
-            cross_entropy::forward_backward_cuda(&be, x.sl(), &t.s, -100, 1.0)?;
-            Ok(())
-        })?;
-        push(&mut rows, "cross-entropy fused fwd+bwd (bf16)", format!("({rn}, {v})"), ms, 2.0 * nn * 2.0, 0.0);
-    }
-    be.empty_cache()?;
-    {
-        let (vocab, d, nt) = pick(tiny, quick, (32000, 2048, 4096), (32000, 4096, 16384), (512, 64, 128));
-        let w = bn.randn(&[vocab, d], bf, 1.0)?;
-        let ids = bn.ids(nt, vocab)?;
-        let dy = bn.randn(&[nt, d], bf, 1.0)?;
-        let ms = bn.time(|| {
-            embedding::forward(w.sl(), ids.sl())?;
-            Ok(())
-        })?;
-        push(&mut rows, "embedding fwd (bf16)", format!("V{vocab} d{d} n{nt}"), ms, 2.0 * (nt * d) as f64 * 2.0 + nt as f64 * 4.0, 0.0);
-        let host_ids: Vec<i32> = match bn.be.to_cpu(ids.sl())? {
-            CpuStorage::I32(v) => v,
-            _ => anyhow::bail!("ids are not i32"),
-        };
-        // The training path: ids sorted once on the host, segment sums on the device.
-        let ms = bn.time(|| {
-            embedding::backward_sorted(dy.sl(), &host_ids, vocab)?;
-            Ok(())
-        })?;
-        push(
-            &mut rows,
-            "embedding bwd (bf16)",
-            format!("V{vocab} d{d} n{nt}"),
-            ms,
-            (nt * d) as f64 * 2.0 + (vocab * d) as f64 * 2.0 + nt as f64 * 4.0,
-            0.0,
-        );
-    }
-    be.empty_cache()?;
 
     // ---- attention ------------------------------------------------------------------------
     let mut shapes = vec![
@@ -409,6 +413,9 @@ fn run(args: BenchCudaArgs) -> AnyResult<()> {
     }
     if tiny {
         shapes = vec![(1, 2, 2, 64, 64), (1, 4, 2, 64, 64)];
+    }
+    if !args.attention.is_empty() {
+        shapes = args.attention.clone();
     }
     let mut attn_json: Vec<AttnTimes> = Vec::new();
     let mut attn_md = String::from(

@@ -119,7 +119,21 @@ fn existing_flags_keep_their_names_and_defaults() {
     let k: TrainTokenizerArgs = parse_from(["train_tokenizer", "--corpus", "c", "--out", "o"]).unwrap();
     assert_eq!(k.vocab_size, 4096);
     let b: BenchCudaArgs = parse_from(["bench_cuda"]).unwrap();
-    assert_eq!((b.reps, b.quick), (20, false));
+    assert_eq!((b.reps, b.quick, b.attention.len()), (20, false, 0));
+}
+
+/// `bench_cuda --attention B,HQ,HKV,T,D`, in both forms and repeated; a wrong shape is refused
+/// by the flag's name, with what is wrong.
+#[test]
+fn bench_cuda_attention_shapes() {
+    let b: BenchCudaArgs = parse_from(["bench_cuda", "--attention", "4,16,16,2048,128", "--attention=8,32,8,1024,64"]).unwrap();
+    assert_eq!(b.attention, vec![(4, 16, 16, 2048, 128), (8, 32, 8, 1024, 64)]);
+    for (bad, why) in
+        [("4,16,16,2048", "five numbers"), ("4,16,0,2048,128", "at least 1"), ("1,3,2,64,64", "not a multiple"), ("a,b", "not a positive")]
+    {
+        let e = parse_from::<BenchCudaArgs, _, _>(["bench_cuda", "--attention", bad]).unwrap_err().to_string();
+        assert!(e.contains("--attention") && e.contains(why), "{bad}: {e}");
+    }
 }
 
 #[test]

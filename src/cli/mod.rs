@@ -455,8 +455,28 @@ pub struct BenchCudaArgs {
     /// Fewer and smaller shapes (a quick check, not a benchmark)
     #[arg(long)]
     pub quick: bool,
+    /// Only attention (bf16, causal), at this shape: batch, query heads, kv heads, sequence, head
+    /// dim, e.g. 4,16,16,2048,128; repeat for more shapes. The floors are still measured first
+    /// [default: every kernel, and attention at its eight shapes]
+    #[arg(long, value_name = "B,HQ,HKV,T,D", value_parser = attention_shape)]
+    pub attention: Vec<AttentionShape>,
     #[command(flatten)]
     pub log: LogArgs,
+}
+
+/// An attention shape of `bench_cuda --attention`: (batch, query heads, kv heads, sequence, head dim).
+pub type AttentionShape = (usize, usize, usize, usize, usize);
+
+/// `B,HQ,HKV,T,D`: five positive integers, the query heads a multiple of the kv heads.
+pub fn attention_shape(s: &str) -> Result<AttentionShape, String> {
+    let v = s.split(',').map(positive).collect::<Result<Vec<_>, _>>().map_err(|e| format!("`{s}`: {e} (want B,HQ,HKV,T,D)"))?;
+    let [b, hq, hkv, t, d] = v[..] else {
+        return Err(format!("`{s}`: want five numbers B,HQ,HKV,T,D (batch, query heads, kv heads, sequence, head dim)"));
+    };
+    if hq % hkv != 0 {
+        return Err(format!("`{s}`: {hq} query heads are not a multiple of {hkv} kv heads"));
+    }
+    Ok((b, hq, hkv, t, d))
 }
 
 impl Tool for BenchCudaArgs {
