@@ -27,31 +27,26 @@ pub fn assert_help(o: &Output, out: &Path, what: &str, items: &[&str], mentions:
     assert!(!out.exists(), "--help must not write anything");
 }
 
-/// The command lines each script refuses with exit 2, and the word its error must name.
-const REFUSED: [(&str, &[&str], &str); 11] = [
-    ("gpu_first_contact.sh", &["--steps", "0"], "--steps"),
-    ("gpu_first_contact.sh", &["--steps", "1,x"], "--steps"),
-    ("gpu_first_contact.sh", &["--steps=10"], "--steps"),
-    ("gpu_first_contact.sh", &["--steps"], "--steps"),
-    ("gpu_first_contact.sh", &["--bogus"], "--bogus"),
-    ("gpu_perf.sh", &["--parts", "5"], "--parts"),
-    ("gpu_perf.sh", &["--parts", "1,x"], "--parts"),
-    ("gpu_perf.sh", &["--parts", ""], "--parts"),
-    ("gpu_perf.sh", &["--parts=train,9"], "--parts"),
-    ("gpu_perf.sh", &["--parts"], "--parts"),
-    ("gpu_perf.sh", &["--bogus"], "--bogus"),
+/// The command lines each script refuses with exit 2: one string each, its arguments split at
+/// single spaces (so `"--parts "` is --parts with an empty value). The error must name the flag
+/// of the first argument (what precedes its `=`).
+const REFUSED: [(&str, &[&str]); 3] = [
+    ("gpu_first_contact.sh", &["--steps 0", "--steps 1,x", "--steps=10", "--steps", "--bogus"]),
+    ("gpu_perf.sh", &["--parts 5", "--parts 1,x", "--parts ", "--parts=train,9", "--parts", "--bogus"]),
+    ("gpu_attention_counters.sh", &["--shape 4,16,16", "--shape=4,3,2,2048", "--shape 4,16,0,2048", "--shape", "--bogus"]),
 ];
 
-/// Each command line `script` must refuse (`REFUSED`) exits 2 with the word on stderr that
-/// names what is wrong, and `report` (the script's main output) is never written.
+/// Each command line `script` must refuse (`REFUSED`) exits 2 with the flag it gets wrong named
+/// on stderr, and `report` (the script's main output) is never written.
 pub fn assert_refused(script: &str, run: impl Fn(&[&str]) -> Output, report: &Path) {
-    let cases: Vec<_> = REFUSED.iter().filter(|c| c.0 == script).collect();
-    assert!(cases.len() >= 4, "no refusals listed for {script}");
-    for (_, args, needle) in cases {
-        let o = run(args);
+    let cases = REFUSED.iter().find(|c| c.0 == script).unwrap_or_else(|| panic!("no refusals listed for {script}")).1;
+    for line in cases {
+        let args: Vec<&str> = line.split(' ').collect();
+        let flag = args[0].split('=').next().unwrap();
+        let o = run(&args);
         assert_eq!(o.status.code(), Some(2), "{script} {args:?} should exit 2");
         let err = String::from_utf8_lossy(&o.stderr);
-        assert!(err.contains(needle), "{script} {args:?}: the error does not name {needle}: {err}");
+        assert!(err.contains(flag), "{script} {args:?}: the error does not name {flag}: {err}");
     }
     assert!(!report.exists(), "a refused command line wrote {}", report.display());
 }
