@@ -88,6 +88,11 @@ for d in 128 64; do
             # shellcheck disable=SC2086 # $metrics is two words or none
             timeout --kill-after=5 "$limit" "$NCU" --set full $metrics --launch-count 1 -k "regex:^$kernel\$" --page raw --csv \
                 --log-file "$WORK/$kernel.csv" "$bin" --quick --reps 10 --attention "$SHAPE,$d" >"$WORK/$kernel.log" 2>&1
+            # The report goes to --log-file; should this ncu print it among the program's output
+            # instead, take the CSV lines from there.
+            if ! grep -q "$kernel" "$WORK/$kernel.csv" 2>/dev/null && grep -q '^"ID"' "$WORK/$kernel.log"; then
+                sed -n '/^"ID"/,$p' "$WORK/$kernel.log" | grep '^"' >"$WORK/$kernel.csv"
+            fi
             grep -q "$kernel" "$WORK/$kernel.csv" 2>/dev/null && break
             log "$kernel: no counters${metrics:+ with the named metrics, again without them}"
         done

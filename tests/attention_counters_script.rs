@@ -37,7 +37,8 @@ fn scratch(name: &str) -> PathBuf {
 
 /// A stand-in `ncu`: logs its arguments, and writes a raw page (header, units, one launch) for
 /// the kernel its `-k regex:^NAME$` names to its `--log-file`. `mode`: `ok`; `no-metrics`
-/// (fails whenever --metrics is given); `no-dq64` (writes nothing for flash_bwd_dq_bf16_d64).
+/// (fails whenever --metrics is given); `no-dq64` (writes nothing for flash_bwd_dq_bf16_d64);
+/// `stdout` (prints the page among the program's output instead of to the log file).
 fn fake_ncu(dir: &Path, mode: &str) -> PathBuf {
     std::fs::create_dir_all(dir).unwrap();
     let bin = dir.join("bench_cuda");
@@ -62,7 +63,8 @@ done
     echo '"ID","Kernel Name","gpu__time_duration.sum","launch__registers_per_thread","sm__warps_active.avg.pct_of_peak_sustained_active","sm__pipe_tensor_op_hmma_cycles_active.avg.pct_of_peak_sustained_active","l1tex__data_bank_conflicts_pipe_lsu_mem_shared_op_ld.sum","l1tex__data_bank_conflicts_pipe_lsu_mem_shared_op_st.sum","smsp__inst_executed_op_ldsm.sum","smsp__average_warps_issue_stalled_barrier_per_issue_active.ratio","smsp__average_warps_issue_stalled_long_scoreboard_per_issue_active.ratio","smsp__average_warps_issue_stalled_mio_throttle_per_issue_active.ratio","smsp__average_warps_issue_stalled_short_scoreboard_per_issue_active.ratio","smsp__average_warps_issue_stalled_not_selected_per_issue_active.ratio"'
     echo '"","","nsecond","register/thread","%","%","","","inst","ratio","ratio","ratio","ratio","ratio"'
     echo "\"0\",\"$k(...)\",\"1,234,500\",\"199\",\"12.34\",\"45.6\",\"1,024\",\"0\",\"36,864\",\"0.50\",\"2.25\",\"1.75\",\"0.25\",\"9.0\""
-}} >"$log"
+}} >"$log.page"
+if [ "{mode}" = stdout ]; then echo "bench table"; cat "$log.page"; rm -f "$log.page"; else mv "$log.page" "$log"; fi
 "#,
         log = dir.join("calls.log").display()
     );
@@ -143,6 +145,21 @@ fn six_launches_are_profiled_and_summarised() {
     let mut files: Vec<_> = std::fs::read_dir(&out).unwrap().map(|e| e.unwrap().file_name().into_string().unwrap()).collect();
     files.sort();
     assert_eq!(files, ["attention_ncu.csv", "attention_ncu.md"], "two files: the device tool brings back 8 in all");
+    for d in [out, tools] {
+        std::fs::remove_dir_all(d).unwrap();
+    }
+}
+
+#[test]
+fn a_page_printed_among_the_programs_output_is_read_from_there() {
+    let out = scratch("stdout");
+    let tools = scratch("stdout-tools");
+    let ncu = fake_ncu(&tools, "stdout");
+    let o = run(&[], &out, &[("NCU", &ncu), ("FERROLM_BIN_DIR", &tools)]);
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    let md = std::fs::read_to_string(out.join("attention_ncu.md")).unwrap();
+    assert!(summary_rows(&md).iter().all(|r| r[3] == "199"), "{md}");
+    assert!(!std::fs::read_to_string(out.join("attention_ncu.csv")).unwrap().contains("bench table"));
     for d in [out, tools] {
         std::fs::remove_dir_all(d).unwrap();
     }
