@@ -1,5 +1,7 @@
-//! Shared by the GPU scripts' tests (`first_contact_script.rs`, `gpu_perf_script.rs`): the checks
-//! of a script's command line that both scripts answer the same way.
+//! Shared by the GPU scripts' tests (`first_contact_script.rs`, `gpu_perf_script.rs`,
+//! `attention_counters_script.rs`): the checks of a command line that the scripts answer the
+//! same way. (Each test binary uses what it needs of them.)
+#![allow(dead_code)]
 use std::path::Path;
 use std::process::Output;
 
