@@ -4,16 +4,17 @@
 // (b, hq, t) in f32. Nothing of size t x t is ever materialised.
 //
 // bf16, head dim 64 / 128: tensor cores via mma.sync.m16n8k16 (bf16 in, fp32 accumulate) for
-// every matrix product, FlashAttention-2 structure, every block 8 warps x 16 rows = 128 rows, its
-// tiles double-buffered with cp.async and its mma operands loaded with ldmatrix:
-//   forward   block = 128 query rows, Q in registers, K/V tiles of 128 (d64) / 64 (d128) rows,
+// every matrix product, FlashAttention-2 structure, every block W warps x 16 rows (W = 8: 128 rows;
+// the `_w4` kernels, W = 4: 64 rows), its tiles double-buffered with cp.async and its mma operands
+// loaded with ldmatrix:
+//   forward   block = 16 W query rows, Q in registers, K/V tiles of 128 (d64) / 64 (d128) rows,
 //             online softmax in registers (exp2, log2(e) folded into the scale), P reused from
 //             the S accumulators as the A operand of P·V; tiles above a warp's diagonal are
 //             skipped; saves lse.
-//   dK/dV     block = 128 kv rows of one kv head, loops over the group's query heads and query
+//   dK/dV     block = 16 W kv rows of one kv head, loops over the group's query heads and query
 //             tiles (64 / 32 rows) in a fixed order, accumulating dK, dV in registers:
 //             deterministic, no atomics.
-//   dQ        a separate pass: block = 128 query rows, loops over kv tiles (64 / 32 rows).
+//   dQ        a separate pass: block = 16 W query rows, loops over kv tiles (64 / 32 rows).
 // f32 (any head dim <= 256) and bf16 with other head dims use the SIMT kernels at the end
 // (one warp per row, same math, same determinism, slower).
 #include "common.cuh"
@@ -107,15 +108,15 @@ static __device__ __forceinline__ void zero_acc(float (*acc)[4]) {
     for (int n = 0; n < N; ++n) acc[n][0] = acc[n][1] = acc[n][2] = acc[n][3] = 0.0f;
 }
 // Issues cp.async for rows [r0, r0 + ROWS) of a (t, D) matrix into shared rows of stride D + PAD,
-// 16 bytes per copy, the block's threads striding over the chunks; rows past t are zero-filled
+// 16 bytes per copy, the block's NT threads striding over the chunks; rows past t are zero-filled
 // (their source address is row 0's, which is not read). The caller commits the group.
-template <int D, int ROWS>
+template <int D, int ROWS, int NT>
 static __device__ __forceinline__ void load_rows_async(bf16* s, const bf16* src, int r0, int t) {
     constexpr int CH = D / 8, ST = D + FLASH_PAD;
-    static_assert((ROWS * CH) % FLASH_THREADS == 0, "whole chunks per thread");
+    static_assert((ROWS * CH) % NT == 0, "whole chunks per thread");
 #pragma unroll
-    for (int it = 0; it < ROWS * CH / FLASH_THREADS; ++it) {
-        int idx = it * FLASH_THREADS + (int)threadIdx.x, r = idx / CH, c = (idx % CH) * 8;
+    for (int it = 0; it < ROWS * CH / NT; ++it) {
+        int idx = it * NT + (int)threadIdx.x, r = idx / CH, c = (idx % CH) * 8;
         bool ok = r0 + r < t;
         cp_async<16>(s + r * ST + c, src + (ok ? (i64)(r0 + r) * D + c : 0), ok);
     }
@@ -131,7 +132,7 @@ static __device__ __forceinline__ void load_vec_async(float* s, const float* src
 }
 
 // ---- the prologue the tensor-core kernels share -----------------------------------------------
-// A thread's place in a block of FLASH_THREADS: its warp (16 rows of the block each), its lane, and
+// A thread's place in a block: its warp (16 rows of the block each), its lane, and
 // its fragment coordinates, group g = lane / 4 and thread-in-quad tq = lane % 4.
 struct FlashLane {
     int warp, lane, g, tq;
@@ -145,7 +146,7 @@ template <int D, typename T>
 static __device__ __forceinline__ T* head_rows(T* x, int b, int heads, int head, int t) {
     return x + (i64)(b * heads + head) * t * D;
 }
-// A block of FLASH_ROWS query rows of one query head (grid (ceil(t/128), hq, b)), as the forward
+// A block of BR query rows of one query head (grid (ceil(t / BR), hq, b)), as the forward
 // and dQ see it: batch b, query head h, the kv head hk it reads, its first row q0, and the rows of
 // its Q, K and V heads. Blocks run the longest causal rows first (blockIdx.x 0 is the last rows),
 // so the short ones fill the tail of the wave.
@@ -154,10 +155,10 @@ struct QueryBlock {
     int b, h, hk, q0;
     const bf16 *qh, *kh, *vh;
 };
-template <int D>
+template <int D, int BR>
 static __device__ __forceinline__ QueryBlock<D> query_block(const bf16* q, const bf16* k, const bf16* v, int hq, int hkv, int t) {
     int b = blockIdx.z, h = blockIdx.y, hk = h / (hq / hkv);
-    int q0 = (int)(gridDim.x - 1 - blockIdx.x) * FLASH_ROWS;
+    int q0 = (int)(gridDim.x - 1 - blockIdx.x) * BR;
     return QueryBlock<D>{b, h, hk, q0, head_rows<D>(q, b, hq, h, t), head_rows<D>(k, b, hkv, hk, t), head_rows<D>(v, b, hkv, hk, t)};
 }
 // K/V tiles of BC rows, double-buffered: stage i's K at base + 2 i BC ST, its V BC ST further.
@@ -165,11 +166,11 @@ template <int D, int BC>
 static __device__ __forceinline__ const bf16* kv_stage(const bf16* base, int i) {
     return base + (i & 1) * 2 * BC * (D + FLASH_PAD);
 }
-template <int D, int BC>
+template <int D, int BC, int NT>
 static __device__ __forceinline__ void load_kv_async(bf16* base, int i, const bf16* kh, const bf16* vh, int k0, int t) {
     bf16* sK = base + (i & 1) * 2 * BC * (D + FLASH_PAD);
-    load_rows_async<D, BC>(sK, kh, k0, t);
-    load_rows_async<D, BC>(sK + BC * (D + FLASH_PAD), vh, k0, t);
+    load_rows_async<D, BC, NT>(sK, kh, k0, t);
+    load_rows_async<D, BC, NT>(sK + BC * (D + FLASH_PAD), vh, k0, t);
 }
 // Writes this warp's two C rows (`rows`, skipped past t) of a (16, D) accumulator, times mul[r],
 // into the (t, D) rows x as bf16.
@@ -198,26 +199,26 @@ static __device__ __forceinline__ float exp2_fast(float x) {
 }
 
 // ---- forward (bf16, tensor cores) -------------------------------------------------------------
-// grid (ceil(t/128), hq, b), block 256 (8 warps x 16 query rows), dynamic smem
-// (128 + 4 BC) (D + 8) * 2 bytes: the Q tile, then two stages of K and V tiles of BC rows.
+// grid (ceil(t / 16W), hq, b), block 32 W (W warps x 16 query rows), dynamic smem
+// (16 W + 4 BC) (D + 8) * 2 bytes: the Q tile, then two stages of K and V tiles of BC rows.
 // Q is loaded once (cp.async, then ldmatrix into registers, where it stays); the K/V tile of step
 // j + 1 is in flight (cp.async) while step j computes S = Q K^T, the online softmax (exp2 with
 // log2(e) folded into the scale) and O += P V, P taken from the S accumulators. A warp skips the
 // tiles wholly above its rows' diagonal, and masks only the tiles that cross it (or the end).
-template <int D, int BC>
+template <int D, int BC, int W>
 static __device__ void flash_fwd_impl(const bf16* q, const bf16* k, const bf16* v, bf16* o, float* lse, int hq, int hkv, int t, float scale) {
-    constexpr int BR = FLASH_ROWS, ST = D + FLASH_PAD;
+    constexpr int BR = FLASH_WARP_ROWS * W, NT = 32 * W, ST = D + FLASH_PAD;
     DYNAMIC_SMEM(smem);
     bf16* sQ = reinterpret_cast<bf16*>(smem);
     bf16* sKV = sQ + BR * ST;
     // Plain ints, not a structured binding: the closures below capture `lane` (C++17, NVRTC).
     const FlashLane fl = flash_lane();
     const int warp = fl.warp, lane = fl.lane, g = fl.g, tq = fl.tq;
-    auto [b, h, hk, q0, qh, kh, vh] = query_block<D>(q, k, v, hq, hkv, t);
+    auto [b, h, hk, q0, qh, kh, vh] = query_block<D, BR>(q, k, v, hq, hkv, t);
     int kv_end = min(t, q0 + BR), n_tiles = (kv_end + BC - 1) / BC;
-    load_rows_async<D, BR>(sQ, qh, q0, t);
+    load_rows_async<D, BR, NT>(sQ, qh, q0, t);
     cp_async_commit();
-    load_kv_async<D, BC>(sKV, 0, kh, vh, 0, t);
+    load_kv_async<D, BC, NT>(sKV, 0, kh, vh, 0, t);
     cp_async_commit();
     cp_async_wait<1>();  // Q
     __syncthreads();
@@ -232,7 +233,7 @@ static __device__ void flash_fwd_impl(const bf16* q, const bf16* k, const bf16* 
     const float sl2 = scale * FLASH_LOG2E;
     for (int j = 0; j < n_tiles; ++j) {
         int k0 = j * BC;
-        if (j + 1 < n_tiles) load_kv_async<D, BC>(sKV, j + 1, kh, vh, k0 + BC, t);
+        if (j + 1 < n_tiles) load_kv_async<D, BC, NT>(sKV, j + 1, kh, vh, k0 + BC, t);
         cp_async_commit();
         cp_async_wait<1>();  // tile j
         __syncthreads();
@@ -282,13 +283,6 @@ static __device__ void flash_fwd_impl(const bf16* q, const bf16* k, const bf16* 
     }
     store_rows<D>(head_rows<D>(o, b, hq, h, t), acc, rows, inv, t, tq);
 }
-extern "C" __global__ void __launch_bounds__(FLASH_THREADS) flash_fwd_bf16_d64(const bf16* q, const bf16* k, const bf16* v, bf16* o, float* lse, int hq, int hkv, int t, float scale) {
-    flash_fwd_impl<64, FLASH_FWD_TILE_D64>(q, k, v, o, lse, hq, hkv, t, scale);
-}
-extern "C" __global__ void __launch_bounds__(FLASH_THREADS) flash_fwd_bf16_d128(const bf16* q, const bf16* k, const bf16* v, bf16* o, float* lse, int hq, int hkv, int t, float scale) {
-    flash_fwd_impl<128, FLASH_FWD_TILE_D128>(q, k, v, o, lse, hq, hkv, t, scale);
-}
-
 // ---- backward preprocessing: D = rowsum(dO * O), one warp per row ------------------------------
 template <typename T>
 static __device__ void attn_bwd_dot_impl(const T* dout, const T* out, float* dvec, i64 rows, int d) {
@@ -304,18 +298,19 @@ extern "C" __global__ void attn_bwd_dot_f32(const float* dout, const float* out,
 extern "C" __global__ void attn_bwd_dot_bf16(const bf16* dout, const bf16* out, float* dvec, i64 rows, int d) { attn_bwd_dot_impl(dout, out, dvec, rows, d); }
 
 // ---- backward dK, dV (bf16, tensor cores) -----------------------------------------------------
-// grid (ceil(t/128), hkv, b), block 256 (8 warps x 16 kv rows), dynamic smem
-// (2 * 128 + 4 BQ) (D + 8) * 2 + 4 BQ * 4 bytes: the block's K and V rows, then two stages of
+// grid (ceil(t / 16W), hkv, b), block 32 W (W warps x 16 kv rows), dynamic smem
+// (2 * 16 W + 4 BQ) (D + 8) * 2 + 4 BQ * 4 bytes: the block's K and V rows, then two stages of
 // (Q, dO) tiles of BQ query rows and their (lse, D). The block walks the group's query heads in
 // order and, in each, the query tiles from its diagonal on: one sequence of steps, the next
 // step's tiles in flight (cp.async) while this one computes, per warp, S^T = K Q^T and
 // dP^T = V dO^T (K, V rows as the A operand), P^T = exp2(S^T scale log2(e) - lse log2(e)),
 // dS^T = P^T (dP^T - D) scale, then dV += P^T dO and dK += dS^T Q with P^T, dS^T taken from
 // the accumulators. dK, dV stay in registers: deterministic, no atomics.
-template <int D, int BQ>
+template <int D, int BQ, int W>
 static __device__ void flash_bwd_dkdv_impl(const bf16* q, const bf16* k, const bf16* v, const bf16* dout, const float* lse,
                                            const float* dvec, bf16* dk, bf16* dv, int hq, int hkv, int t, float scale) {
-    constexpr int BKV = FLASH_ROWS, ST = D + FLASH_PAD;
+    constexpr int BKV = FLASH_WARP_ROWS * W, NT = 32 * W, ST = D + FLASH_PAD;
+    static_assert(2 * BQ <= NT, "a thread for each lse and D value of a query tile");
     DYNAMIC_SMEM(smem);
     bf16* sK = reinterpret_cast<bf16*>(smem);
     bf16* sV = sK + BKV * ST;
@@ -326,8 +321,8 @@ static __device__ void flash_bwd_dkdv_impl(const bf16* q, const bf16* k, const b
     int k0 = blockIdx.x * BKV;  // the first blocks have the most query tiles: they start first
     const bf16* kh = head_rows<D>(k, b, hkv, hk, t);
     const bf16* vh = head_rows<D>(v, b, hkv, hk, t);
-    load_rows_async<D, BKV>(sK, kh, k0, t);
-    load_rows_async<D, BKV>(sV, vh, k0, t);
+    load_rows_async<D, BKV, NT>(sK, kh, k0, t);
+    load_rows_async<D, BKV, NT>(sV, vh, k0, t);
     cp_async_commit();
     int i_first = (k0 / BQ) * BQ, per_head = (t - i_first + BQ - 1) / BQ, steps = group * per_head;
     // Step j: query head hk * group + j / per_head, query rows from i_first + (j % per_head) BQ.
@@ -335,8 +330,8 @@ static __device__ void flash_bwd_dkdv_impl(const bf16* q, const bf16* k, const b
         int h = hk * group + j / per_head, i0 = i_first + (j % per_head) * BQ;
         bf16* sQ = sQO + (j & 1) * 2 * BQ * ST;
         float* sL = sLD + (j & 1) * 2 * BQ;
-        load_rows_async<D, BQ>(sQ, head_rows<D>(q, b, hq, h, t), i0, t);
-        load_rows_async<D, BQ>(sQ + BQ * ST, head_rows<D>(dout, b, hq, h, t), i0, t);
+        load_rows_async<D, BQ, NT>(sQ, head_rows<D>(q, b, hq, h, t), i0, t);
+        load_rows_async<D, BQ, NT>(sQ + BQ * ST, head_rows<D>(dout, b, hq, h, t), i0, t);
         load_vec_async(sL, lse + (i64)(b * hq + h) * t, i0, BQ, t, 0);
         load_vec_async(sL + BQ, dvec + (i64)(b * hq + h) * t, i0, BQ, t, BQ);
     };
@@ -386,36 +381,27 @@ static __device__ void flash_bwd_dkdv_impl(const bf16* q, const bf16* k, const b
     store_rows<D>(head_rows<D>(dk, b, hkv, hk, t), dka, kvrow, one, t, tq);
     store_rows<D>(head_rows<D>(dv, b, hkv, hk, t), dva, kvrow, one, t, tq);
 }
-extern "C" __global__ void __launch_bounds__(FLASH_THREADS) flash_bwd_dkdv_bf16_d64(const bf16* q, const bf16* k, const bf16* v, const bf16* dout, const float* lse,
-                                                                       const float* dvec, bf16* dk, bf16* dv, int hq, int hkv, int t, float scale) {
-    flash_bwd_dkdv_impl<64, FLASH_BWD_TILE_D64>(q, k, v, dout, lse, dvec, dk, dv, hq, hkv, t, scale);
-}
-extern "C" __global__ void __launch_bounds__(FLASH_THREADS) flash_bwd_dkdv_bf16_d128(const bf16* q, const bf16* k, const bf16* v, const bf16* dout, const float* lse,
-                                                                        const float* dvec, bf16* dk, bf16* dv, int hq, int hkv, int t, float scale) {
-    flash_bwd_dkdv_impl<128, FLASH_BWD_TILE_D128>(q, k, v, dout, lse, dvec, dk, dv, hq, hkv, t, scale);
-}
-
 // ---- backward dQ (bf16, tensor cores) ---------------------------------------------------------
-// grid (ceil(t/128), hq, b), block 256 (8 warps x 16 query rows), dynamic smem
-// (2 * 128 + 4 BC) (D + 8) * 2 bytes: the block's Q and dO rows, then two stages of K and V tiles
+// grid (ceil(t / 16W), hq, b), block 32 W (W warps x 16 query rows), dynamic smem
+// (2 * 16 W + 4 BC) (D + 8) * 2 bytes: the block's Q and dO rows, then two stages of K and V tiles
 // of BC rows. Per kv tile (the next in flight): S = Q K^T, dP = dO V^T, dS = P (dP - D) scale
 // with P = exp2(S scale log2(e) - lse log2(e)), dQ += dS K (K through ldmatrix.trans); the
 // causal skipping and masking of the forward.
-template <int D, int BC>
+template <int D, int BC, int W>
 static __device__ void flash_bwd_dq_impl(const bf16* q, const bf16* k, const bf16* v, const bf16* dout, const float* lse,
                                          const float* dvec, bf16* dq, int hq, int hkv, int t, float scale) {
-    constexpr int BR = FLASH_ROWS, ST = D + FLASH_PAD;
+    constexpr int BR = FLASH_WARP_ROWS * W, NT = 32 * W, ST = D + FLASH_PAD;
     DYNAMIC_SMEM(smem);
     bf16* sQ = reinterpret_cast<bf16*>(smem);
     bf16* sO = sQ + BR * ST;
     bf16* sKV = sO + BR * ST;
     auto [warp, lane, g, tq] = flash_lane();
-    auto [b, h, hk, q0, qh, kh, vh] = query_block<D>(q, k, v, hq, hkv, t);
+    auto [b, h, hk, q0, qh, kh, vh] = query_block<D, BR>(q, k, v, hq, hkv, t);
     int kv_end = min(t, q0 + BR), n_tiles = (kv_end + BC - 1) / BC;
-    load_rows_async<D, BR>(sQ, qh, q0, t);
-    load_rows_async<D, BR>(sO, head_rows<D>(dout, b, hq, h, t), q0, t);
+    load_rows_async<D, BR, NT>(sQ, qh, q0, t);
+    load_rows_async<D, BR, NT>(sO, head_rows<D>(dout, b, hq, h, t), q0, t);
     cp_async_commit();
-    load_kv_async<D, BC>(sKV, 0, kh, vh, 0, t);
+    load_kv_async<D, BC, NT>(sKV, 0, kh, vh, 0, t);
     cp_async_commit();
     int r0 = warp * 16, wr0 = q0 + r0;
     int rows[2] = {wr0 + g, wr0 + g + 8};
@@ -430,7 +416,7 @@ static __device__ void flash_bwd_dq_impl(const bf16* q, const bf16* k, const bf1
     const float sl2 = scale * FLASH_LOG2E;
     for (int j = 0; j < n_tiles; ++j) {
         int k0 = j * BC;
-        if (j + 1 < n_tiles) load_kv_async<D, BC>(sKV, j + 1, kh, vh, k0 + BC, t);
+        if (j + 1 < n_tiles) load_kv_async<D, BC, NT>(sKV, j + 1, kh, vh, k0 + BC, t);
         cp_async_commit();
         cp_async_wait<1>();  // Q, dO and tile j
         __syncthreads();
@@ -459,14 +445,26 @@ static __device__ void flash_bwd_dq_impl(const bf16* q, const bf16* k, const bf1
     const float one[2] = {1.0f, 1.0f};
     store_rows<D>(head_rows<D>(dq, b, hq, h, t), acc, rows, one, t, tq);
 }
-extern "C" __global__ void __launch_bounds__(FLASH_THREADS) flash_bwd_dq_bf16_d64(const bf16* q, const bf16* k, const bf16* v, const bf16* dout, const float* lse,
-                                                                     const float* dvec, bf16* dq, int hq, int hkv, int t, float scale) {
-    flash_bwd_dq_impl<64, FLASH_BWD_TILE_D64>(q, k, v, dout, lse, dvec, dq, hq, hkv, t, scale);
-}
-extern "C" __global__ void __launch_bounds__(FLASH_THREADS) flash_bwd_dq_bf16_d128(const bf16* q, const bf16* k, const bf16* v, const bf16* dout, const float* lse,
-                                                                      const float* dvec, bf16* dq, int hq, int hkv, int t, float scale) {
-    flash_bwd_dq_impl<128, FLASH_BWD_TILE_D128>(q, k, v, dout, lse, dvec, dq, hq, hkv, t, scale);
-}
+// The entry points: forward, dK/dV and dQ at head dim D with W warps, named by SUFFIX.
+#define FLASH_KERNELS(D, W, SUFFIX)                                                                                                    \
+    extern "C" __global__ void __launch_bounds__(32 * W)                                                                             \
+        flash_fwd_bf16_##SUFFIX(const bf16* q, const bf16* k, const bf16* v, bf16* o, float* lse, int hq, int hkv, int t, float scale) { \
+        flash_fwd_impl<D, FLASH_FWD_TILE_D##D, W>(q, k, v, o, lse, hq, hkv, t, scale);                                              \
+    }                                                                                                                                  \
+    extern "C" __global__ void __launch_bounds__(32 * W)                                                                             \
+        flash_bwd_dkdv_bf16_##SUFFIX(const bf16* q, const bf16* k, const bf16* v, const bf16* dout, const float* lse,                 \
+                                     const float* dvec, bf16* dk, bf16* dv, int hq, int hkv, int t, float scale) {                      \
+        flash_bwd_dkdv_impl<D, FLASH_BWD_TILE_D##D, W>(q, k, v, dout, lse, dvec, dk, dv, hq, hkv, t, scale);                        \
+    }                                                                                                                                  \
+    extern "C" __global__ void __launch_bounds__(32 * W)                                                                             \
+        flash_bwd_dq_bf16_##SUFFIX(const bf16* q, const bf16* k, const bf16* v, const bf16* dout, const float* lse, const float* dvec, \
+                                   bf16* dq, int hq, int hkv, int t, float scale) {                                                     \
+        flash_bwd_dq_impl<D, FLASH_BWD_TILE_D##D, W>(q, k, v, dout, lse, dvec, dq, hq, hkv, t, scale);                              \
+    }
+FLASH_KERNELS(64, FLASH_WARPS, d64)
+FLASH_KERNELS(128, FLASH_WARPS, d128)
+FLASH_KERNELS(64, FLASH_WARPS_SMALL, d64_w4)
+FLASH_KERNELS(128, FLASH_WARPS_SMALL, d128_w4)
 
 // ---- SIMT kernels: f32 (and bf16 with head dims other than 64/128), d <= 256 ------------------
 // One warp per row; lane x holds elements x, x+32, ... of the row. Same math, fixed order.

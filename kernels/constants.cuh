@@ -18,15 +18,16 @@ enum { B_ADD, B_SUB, B_MUL, B_DIV, B_EQ };
 #define EMB_COLS 128
 #define EMB_CHUNK 1024
 
-// Flash attention (attention.cu, bf16 tensor cores): a block of FLASH_THREADS threads (8 warps x
-// 16 rows) owns FLASH_ROWS rows: query rows in the forward and dQ, kv rows in dK/dV. Per step it
-// stages (cp.async, double-buffered) a tile of kv rows in the forward (FLASH_FWD_TILE_D64 /
-// _D128 by head dim) and of FLASH_BWD_TILE_D64 / _D128 rows in the backward (query rows for dK/dV,
-// kv rows for dQ). Shared-memory rows are padded by FLASH_PAD bf16 elements (16 bytes), so the 8
-// rows of an ldmatrix fall in distinct banks.
+// Flash attention (attention.cu, bf16 tensor cores): a block of W warps (32 W threads, 16 rows a
+// warp) owns 16 W rows: query rows in the forward and dQ, kv rows in dK/dV. W is FLASH_WARPS; the
+// `_w4` kernels are the same code with FLASH_WARPS_SMALL, so one GPU run can time both (the
+// launcher takes FERROLM_FLASH_WARPS). Per step a block stages (cp.async, double-buffered) a tile
+// of kv rows in the forward (FLASH_FWD_TILE_D64 / _D128 by head dim) and of FLASH_BWD_TILE_D64 /
+// _D128 rows in the backward (query rows for dK/dV, kv rows for dQ). Shared-memory rows are padded
+// by FLASH_PAD bf16 elements (16 bytes), so the 8 rows of an ldmatrix fall in distinct banks.
 #define FLASH_WARPS 8
-#define FLASH_THREADS 256
-#define FLASH_ROWS 128
+#define FLASH_WARPS_SMALL 4
+#define FLASH_WARP_ROWS 16
 #define FLASH_FWD_TILE_D64 128
 #define FLASH_FWD_TILE_D128 64
 #define FLASH_BWD_TILE_D64 64

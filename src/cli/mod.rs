@@ -224,6 +224,7 @@ pub const ENV_DEVICE: &str = concat!(
     "  FERROLM_CUDA_POISON    `1`: fill new CUDA allocations with NaN (finds unset reads)\n",
     "  FERROLM_EMU_RACE       SEED: the emulator delays every queued item at random (shows missing waits)\n",
     "  FERROLM_EMU_REPORT     `1`: the emulator prints its host waits per call site at exit\n",
+    "  FERROLM_FLASH_WARPS    `4`: flash attention in 64-row blocks of 4 warps [default: 8, 128 rows]\n",
     "  LD_LIBRARY_PATH        where the NVIDIA driver, cuBLAS(Lt), NVRTC and NCCL are found",
 );
 

@@ -137,8 +137,9 @@ fn vector_loads_and_no_local_memory() {
 /// The flash-attention kernels' tensor-core feed, in their sm_90 code: HMMA (mma.sync), LDSM
 /// (ldmatrix) inside a loop (between a backward branch and its target), LDGSTS (cp.async), no
 /// local memory (LDL/STL); and from `cuobjdump --dump-resource-usage`, no stack and no local
-/// memory (no register spills) for every architecture in the fatbin. A kernel that falls back to
-/// scalar shared-memory loads or spills fails here.
+/// memory (no register spills) for every architecture in the fatbin; for the 8-warp kernels and
+/// their 4-warp (`_w4`) twins. A kernel that falls back to scalar shared-memory loads or spills
+/// fails here.
 #[test]
 fn flash_attention_feeds_the_tensor_cores() {
     let Some((fb, tool, funcs)) = sass_of_fatbin() else { return };
@@ -147,8 +148,8 @@ fn flash_attention_feeds_the_tensor_cores() {
         Err(e) => return skip(&e),
     };
     for pass in ["fwd", "bwd_dkdv", "bwd_dq"] {
-        for d in [64, 128] {
-            let k = format!("flash_{pass}_bf16_d{d}");
+        for (d, warps) in [(64, ""), (128, ""), (64, "_w4"), (128, "_w4")] {
+            let k = format!("flash_{pass}_bf16_d{d}{warps}");
             let body = funcs.iter().find(|(n, _)| *n == k).map(|(_, b)| b.as_str());
             let body = body.unwrap_or_else(|| panic!("{k} is not in {} (a stale fatbin?)", fb.display()));
             let count = |op: &str| body.lines().filter(|l| has_op(l, op)).count();

@@ -10,6 +10,40 @@ use crate::dispatch::{dev_ptr, f32_ptr, num, on, On};
 use ferrolm_tensor::backend::View;
 use ferrolm_tensor::{bail, same_float, Result, Storage, Tensor};
 
+/// Warps per block of the CUDA flash kernels on this thread: 8 (`FLASH_WARPS`), or 4
+/// (`FLASH_WARPS_SMALL`, the `_w4` kernels: 64-row blocks, two to an SM) where `FERROLM_FLASH_WARPS=4`
+/// is set or inside [`with_flash_warps`]. The choice between them is a GPU measurement
+/// (`bench_cuda` times both); the results are the same to the bit, only the block size differs.
+pub fn flash_warps() -> Result<usize> {
+    if let Some(w) = FLASH_WARPS_HERE.get() {
+        return Ok(w);
+    }
+    match std::env::var("FERROLM_FLASH_WARPS") {
+        Err(_) => Ok(8),
+        Ok(v) => match v.trim() {
+            "8" | "" => Ok(8),
+            "4" => Ok(4),
+            other => bail!("attention", "FERROLM_FLASH_WARPS={other}: the flash kernels come with 4 or 8 warps per block"),
+        },
+    }
+}
+
+thread_local! {
+    static FLASH_WARPS_HERE: std::cell::Cell<Option<usize>> = const { std::cell::Cell::new(None) };
+}
+
+/// Runs `f` with the flash kernels at `warps` (4 or 8) per block on this thread, whatever
+/// `FERROLM_FLASH_WARPS` says; `bench_cuda` and the tests time and check both this way.
+pub fn with_flash_warps<R>(warps: usize, f: impl FnOnce() -> R) -> Result<R> {
+    if warps != 4 && warps != 8 {
+        bail!("attention", "{warps} warps per block: the flash kernels come with 4 or 8");
+    }
+    let before = FLASH_WARPS_HERE.replace(Some(warps));
+    let r = f();
+    FLASH_WARPS_HERE.set(before);
+    Ok(r)
+}
+
 /// Sizes of a causal attention call: q is (b, hq, t, d), k and v are (b, hkv, t, d).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct AttnDims {
@@ -306,8 +340,7 @@ mod cuda {
     //! 64 or 128, the SIMT kernels (one warp per row) otherwise.
     use super::*;
     use ferrolm_cuda::consts::{
-        ATTN_SIMT_PER_LANE, FLASH_BWD_TILE_D128, FLASH_BWD_TILE_D64, FLASH_FWD_TILE_D128, FLASH_FWD_TILE_D64, FLASH_PAD, FLASH_ROWS,
-        FLASH_THREADS,
+        ATTN_SIMT_PER_LANE, FLASH_BWD_TILE_D128, FLASH_BWD_TILE_D64, FLASH_FWD_TILE_D128, FLASH_FWD_TILE_D64, FLASH_PAD, FLASH_WARP_ROWS,
     };
     use ferrolm_cuda::{kernels, CudaBackend, CudaStorage, DevPtr, Launch};
     use ferrolm_tensor::{DType, DeviceStorage};
@@ -337,8 +370,9 @@ mod cuda {
         dt == DType::BF16 && (a.d == 64 || a.d == 128) && scale > 0.0
     }
 
-    /// Dynamic shared memory of the flash kernels, bytes: bf16 rows of d + FLASH_PAD elements
-    /// (kernels/attention.cu states each layout). The forward holds the Q tile and two stages of
+    /// Dynamic shared memory of the flash kernels with `warps` per block (16 rows each), bytes:
+    /// bf16 rows of d + FLASH_PAD elements (kernels/attention.cu states each layout). The forward
+    /// holds the Q tile and two stages of
     /// (K, V) tiles; dK/dV its K and V rows and two stages of (Q, dO) tiles with their (lse, D)
     /// in f32; dQ its Q and dO rows and two stages of (K, V) tiles.
     pub(crate) struct FlashSmem {
@@ -346,14 +380,14 @@ mod cuda {
         pub dkdv: usize,
         pub dq: usize,
     }
-    pub(crate) fn flash_smem(d: usize) -> FlashSmem {
-        let row = (d + FLASH_PAD) * BF16_BYTES;
+    pub(crate) fn flash_smem(d: usize, warps: usize) -> FlashSmem {
+        let (row, rows) = ((d + FLASH_PAD) * BF16_BYTES, FLASH_WARP_ROWS * warps);
         let (fwd_tile, bwd_tile) =
             if d == 64 { (FLASH_FWD_TILE_D64, FLASH_BWD_TILE_D64) } else { (FLASH_FWD_TILE_D128, FLASH_BWD_TILE_D128) };
         FlashSmem {
-            fwd: (FLASH_ROWS + 4 * fwd_tile) * row,
-            dkdv: (2 * FLASH_ROWS + 4 * bwd_tile) * row + 4 * bwd_tile * 4,
-            dq: (2 * FLASH_ROWS + 4 * bwd_tile) * row,
+            fwd: (rows + 4 * fwd_tile) * row,
+            dkdv: (2 * rows + 4 * bwd_tile) * row + 4 * bwd_tile * 4,
+            dq: (2 * rows + 4 * bwd_tile) * row,
         }
     }
 
@@ -370,9 +404,9 @@ mod cuda {
         Ok(p)
     }
 
-    /// One block of FLASH_THREADS per FLASH_ROWS rows of each of `heads` heads of each batch.
-    fn flash_grid(a: AttnDims, heads: usize, smem: usize) -> Launch {
-        Launch::new((a.t.div_ceil(FLASH_ROWS) as u32, heads as u32, a.b as u32), FLASH_THREADS as u32).smem(smem)
+    /// One block of `warps` warps per 16 `warps` rows of each of `heads` heads of each batch.
+    fn flash_grid(a: AttnDims, heads: usize, warps: usize, smem: usize) -> Launch {
+        Launch::new((a.t.div_ceil(FLASH_WARP_ROWS * warps) as u32, heads as u32, a.b as u32), 32 * warps as u32).smem(smem)
     }
 
     pub(super) fn forward(be: &CudaBackend, q: View, k: View, v: View, a: AttnDims, scale: f64) -> Result<(Storage, Storage)> {
@@ -389,8 +423,14 @@ mod cuda {
         if flash(s.dtype(), a, scale) {
             let mut keep = Vec::new();
             let (pq, pk, pv) = (aligned_ptr(be, op, q, &mut keep)?, aligned_ptr(be, op, k, &mut keep)?, aligned_ptr(be, op, v, &mut keep)?);
-            let launch = if a.d == 64 { kernels::flash_fwd_bf16_d64 } else { kernels::flash_fwd_bf16_d128 };
-            let cfg = flash_grid(a, a.hq, flash_smem(a.d).fwd);
+            let w = flash_warps()?;
+            let launch = match (a.d, w) {
+                (64, 4) => kernels::flash_fwd_bf16_d64_w4,
+                (64, _) => kernels::flash_fwd_bf16_d64,
+                (_, 4) => kernels::flash_fwd_bf16_d128_w4,
+                _ => kernels::flash_fwd_bf16_d128,
+            };
+            let cfg = flash_grid(a, a.hq, w, flash_smem(a.d, w).fwd);
             unsafe { launch(be, cfg, pq, pk, pv, o.ptr(), lse.ptr(), hq, hkv, t, sc)? };
         } else {
             let cfg = Launch::cover(a.b * a.hq * a.t * 32, SIMT_BLOCK);
@@ -439,6 +479,12 @@ mod cuda {
         Ok((dq.into(), dk.into(), dv.into()))
     }
 
+    /// The flash dK/dV and dQ launchers (one type for both block sizes).
+    type BwdKernel =
+        unsafe fn(&CudaBackend, Launch, DevPtr, DevPtr, DevPtr, DevPtr, DevPtr, DevPtr, DevPtr, DevPtr, i32, i32, i32, f32) -> Result<()>;
+    type DqKernel =
+        unsafe fn(&CudaBackend, Launch, DevPtr, DevPtr, DevPtr, DevPtr, DevPtr, DevPtr, DevPtr, i32, i32, i32, f32) -> Result<()>;
+
     /// What every backward kernel reads: the inputs, the forward's lse and D = rowsum(dO * O).
     struct Inputs {
         q: DevPtr,
@@ -449,21 +495,25 @@ mod cuda {
         dvec: DevPtr,
     }
 
-    /// The tensor-core backward: dK/dV per kv head (a block owns FLASH_ROWS kv rows and stages
+    /// The tensor-core backward: dK/dV per kv head (a block owns 16 `flash_warps()` kv rows and stages
     /// FLASH_BWD_TILE_D* query rows of q, dO, lse and D at a time), then dQ per query head.
     ///
     /// # Safety
     /// As in `backward`: every pointer addresses the tensor it names, with the sizes of `a`.
     unsafe fn flash_backward(be: &CudaBackend, a: AttnDims, x: &Inputs, [dq, dk, dv]: [DevPtr; 3], sc: f32) -> Result<()> {
         let (hq, hkv, t) = (a.hq as i32, a.hkv as i32, a.t as i32);
-        let smem = flash_smem(a.d);
-        let d128 = a.d == 128;
-        let dkdv = if d128 { kernels::flash_bwd_dkdv_bf16_d128 } else { kernels::flash_bwd_dkdv_bf16_d64 };
-        let dq_pass = if d128 { kernels::flash_bwd_dq_bf16_d128 } else { kernels::flash_bwd_dq_bf16_d64 };
+        let w = flash_warps()?;
+        let smem = flash_smem(a.d, w);
+        let (dkdv, dq_pass) = match (a.d, w) {
+            (64, 4) => (kernels::flash_bwd_dkdv_bf16_d64_w4 as BwdKernel, kernels::flash_bwd_dq_bf16_d64_w4 as DqKernel),
+            (64, _) => (kernels::flash_bwd_dkdv_bf16_d64 as BwdKernel, kernels::flash_bwd_dq_bf16_d64 as DqKernel),
+            (_, 4) => (kernels::flash_bwd_dkdv_bf16_d128_w4 as BwdKernel, kernels::flash_bwd_dq_bf16_d128_w4 as DqKernel),
+            _ => (kernels::flash_bwd_dkdv_bf16_d128 as BwdKernel, kernels::flash_bwd_dq_bf16_d128 as DqKernel),
+        };
         // SAFETY: the caller's contract; each kernel gets the shared memory its tiles take.
         unsafe {
-            dkdv(be, flash_grid(a, a.hkv, smem.dkdv), x.q, x.k, x.v, x.dout, x.lse, x.dvec, dk, dv, hq, hkv, t, sc)?;
-            dq_pass(be, flash_grid(a, a.hq, smem.dq), x.q, x.k, x.v, x.dout, x.lse, x.dvec, dq, hq, hkv, t, sc)
+            dkdv(be, flash_grid(a, a.hkv, w, smem.dkdv), x.q, x.k, x.v, x.dout, x.lse, x.dvec, dk, dv, hq, hkv, t, sc)?;
+            dq_pass(be, flash_grid(a, a.hq, w, smem.dq), x.q, x.k, x.v, x.dout, x.lse, x.dvec, dq, hq, hkv, t, sc)
         }
     }
 

@@ -246,6 +246,55 @@ fn attention_backward_is_bitwise_deterministic() {
     }
 }
 
+/// The `_w4` flash kernels (4 warps, 64-row blocks) give the 8-warp kernels' results to the bit:
+/// a warp's rows see the same tiles in the same order whatever the block size. The second run
+/// uses the emulator's reversed thread schedule, so it also looks for races in the smaller blocks.
+#[test]
+fn flash_attention_four_warp_blocks_match_eight() {
+    let Some(be) = gpu() else { return };
+    let mut r = Rng::new(17);
+    for (b, hq, hkv, t, d) in [(1, 2, 2, 1, 64), (2, 4, 2, 203, 64), (1, 2, 2, 77, 128), (1, 4, 1, 300, 128)] {
+        let dims = AttnDims { b, hq, hkv, t, d };
+        let (lq, lkv) = (Layout::contiguous(Shape(vec![b, hq, t, d])), Layout::contiguous(Shape(vec![b, hkv, t, d])));
+        let [q, k, v, dout] = [hq, hkv, hkv, hq].map(|h| dev_rand(&be, b * h * t * d, DType::BF16, &mut r));
+        let scale = 1.0 / (d as f64).sqrt();
+        let run = || {
+            let (o, lse) = attention::forward((&q, &lq), (&k, &lkv), (&v, &lkv), dims, scale).unwrap();
+            let llse = Layout::contiguous(Shape(vec![b, hq, t]));
+            let (dq, dk, dv) =
+                attention::backward((&dout, &lq), (&q, &lq), (&k, &lkv), (&v, &lkv), (&o, &lq), (&lse, &llse), dims, scale).unwrap();
+            [o, lse, dq, dk, dv].iter().map(|s| bits(&be, s)).collect::<Vec<_>>()
+        };
+        // The launches themselves (the built-in profile counts them): each block size ran its own
+        // kernels, on blocks of 32 threads a warp and one block per 16 rows a warp.
+        ferrolm_cuda::profile::enable(true);
+        ferrolm_cuda::profile::reset();
+        let eight = attention::with_flash_warps(8, run).unwrap();
+        be.emulator_reverse_schedule(true);
+        let four = attention::with_flash_warps(4, run).unwrap();
+        be.emulator_reverse_schedule(false);
+        let rep = ferrolm_cuda::profile::report();
+        ferrolm_cuda::profile::enable(false);
+        for (suffix, warps) in [("", 8u32), ("_w4", 4)] {
+            for pass in ["fwd", "bwd_dkdv", "bwd_dq"] {
+                let name = format!("flash_{pass}_bf16_d{d}{suffix}");
+                let k = rep.kernels.iter().find(|k| k.name == name).unwrap_or_else(|| panic!("{name} was not launched: {:?}", rep.kernels));
+                let heads = if pass == "bwd_dkdv" { hkv } else { hq };
+                assert_eq!(k.max_block, 32 * warps, "{name}: threads per block");
+                // (Other tests may launch the 8-warp kernels meanwhile, at larger shapes; only
+                // this test launches the 4-warp ones.)
+                if warps == 4 {
+                    assert_eq!(k.max_grid, (t.div_ceil(64) as u32, heads as u32, b as u32), "{name}: grid");
+                }
+            }
+        }
+        for (i, what) in ["out", "lse", "dq", "dk", "dv"].iter().enumerate() {
+            let bad = eight[i].iter().zip(&four[i]).filter(|(x, y)| x != y).count();
+            assert_eq!(bad, 0, "b{b} hq{hq} hkv{hkv} t{t} d{d}: {what} of the 4-warp kernels differs in {bad} elements");
+        }
+    }
+}
+
 #[test]
 fn embedding_backward_is_bitwise_deterministic() {
     let Some(be) = gpu() else { return };
