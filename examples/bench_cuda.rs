@@ -9,7 +9,8 @@
 //!
 //! Output: a markdown table on stdout; with `$OUT` set also `$OUT/bench_cuda.md` and
 //! `$OUT/bench_cuda.json` (`attention_fwd_bwd_ms: {key: ms}`, joined by
-//! `scripts/bench_attention_torch.py --ours $OUT/bench_cuda.json`).
+//! `scripts/bench_attention_torch.py --ours $OUT/bench_cuda.json`; `attention_w4_*` the same
+//! for the 4-warp flash kernels, timed beside the default 8-warp ones).
 //!
 //!   cargo run --release --example bench_cuda [-- --reps 20 --quick]   (`--help` lists the flags)
 //!   ... -- --attention 4,16,16,2048,128   (attention only, at that shape: for Nsight Compute)
@@ -105,8 +106,10 @@ impl Bench {
     }
 }
 
-/// (shape key, forward ms, backward ms, forward+backward ms) of one attention shape.
-type AttnTimes = (String, f64, f64, f64);
+/// Forward, backward and forward+backward ms of one attention shape.
+type FwdBwd = (f64, f64, f64);
+/// (shape key, the default 8-warp flash kernels' times, the 4-warp kernels' times).
+type AttnTimes = (String, FwdBwd, FwdBwd);
 
 /// One table row: floor from bytes (over the copy bandwidth) or FLOPs (over the GEMM peak).
 struct Row {
@@ -419,7 +422,7 @@ fn run(args: BenchCudaArgs) -> AnyResult<()> {
     }
     let mut attn_json: Vec<AttnTimes> = Vec::new();
     let mut attn_md = String::from(
-        "| key | fwd ms | bwd ms | fwd+bwd ms | fwd TFLOP/s | fwd+bwd TFLOP/s | floor ms | floor/time |\n|---|---:|---:|---:|---:|---:|---:|---:|\n",
+        "| key | fwd ms | bwd ms | fwd+bwd ms | fwd TFLOP/s | fwd+bwd TFLOP/s | floor ms | floor/time | 4 warps: fwd ms | bwd ms | fwd+bwd ms | fwd+bwd 8w/4w |\n|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|\n",
     );
     for (b, hq, hkv, t, d) in shapes {
         let dims = AttnDims { b, hq, hkv, t, d };
@@ -430,19 +433,28 @@ fn run(args: BenchCudaArgs) -> AnyResult<()> {
         let scale = 1.0 / (d as f64).sqrt();
         let (o, lse) = attention::forward(q.sl(), k.sl(), v.sl(), dims, scale)?;
         let (o, lse) = (Buf { s: o, l: layout(&[b, hq, t, d]) }, Buf { s: lse, l: layout(&[b, hq, t]) });
-        let fwd = bn.time(|| {
-            attention::forward(q.sl(), k.sl(), v.sl(), dims, scale)?;
-            Ok(())
-        })?;
-        let bwd = bn.time(|| {
-            attention::backward(dout.sl(), q.sl(), k.sl(), v.sl(), o.sl(), lse.sl(), dims, scale)?;
-            Ok(())
-        })?;
-        let both = bn.time(|| {
-            let (o2, l2) = attention::forward(q.sl(), k.sl(), v.sl(), dims, scale)?;
-            attention::backward(dout.sl(), q.sl(), k.sl(), v.sl(), (&o2, &o.l), (&l2, &lse.l), dims, scale)?;
-            Ok(())
-        })?;
+        // The flash kernels with 8 warps per block (the default), then with 4 (the `_w4` kernels):
+        // which is faster per head dim is this table's question on a GPU.
+        let time_all = |warps: usize| -> AnyResult<FwdBwd> {
+            attention::with_flash_warps(warps, || {
+                let fwd = bn.time(|| {
+                    attention::forward(q.sl(), k.sl(), v.sl(), dims, scale)?;
+                    Ok(())
+                })?;
+                let bwd = bn.time(|| {
+                    attention::backward(dout.sl(), q.sl(), k.sl(), v.sl(), o.sl(), lse.sl(), dims, scale)?;
+                    Ok(())
+                })?;
+                let both = bn.time(|| {
+                    let (o2, l2) = attention::forward(q.sl(), k.sl(), v.sl(), dims, scale)?;
+                    attention::backward(dout.sl(), q.sl(), k.sl(), v.sl(), (&o2, &o.l), (&l2, &lse.l), dims, scale)?;
+                    Ok(())
+                })?;
+                Ok((fwd, bwd, both))
+            })?
+        };
+        let (fwd, bwd, both) = time_all(8)?;
+        let w4 = time_all(4)?;
         // Causal: fwd 2·B·H·T²·D (half of 4·B·H·T²·D), bwd 2.5x the forward.
         let f_fwd = 2.0 * (b * hq) as f64 * (t as f64).powi(2) * d as f64;
         let f_all = 3.5 * f_fwd;
@@ -450,15 +462,21 @@ fn run(args: BenchCudaArgs) -> AnyResult<()> {
         push(&mut rows, "attention fwd (bf16, causal)", key.clone(), fwd, 0.0, f_fwd);
         push(&mut rows, "attention bwd (bf16, causal)", key.clone(), bwd, 0.0, 2.5 * f_fwd);
         push(&mut rows, "attention fwd+bwd (bf16, causal)", key.clone(), both, 0.0, f_all);
+        push(&mut rows, "attention fwd (bf16, causal, 4 warps)", key.clone(), w4.0, 0.0, f_fwd);
+        push(&mut rows, "attention fwd+bwd (bf16, causal, 4 warps)", key.clone(), w4.2, 0.0, f_all);
         let floor = f_all / peak * 1e3;
         writeln!(
             attn_md,
-            "| {key} | {fwd:.3} | {bwd:.3} | {both:.3} | {:.1} | {:.1} | {floor:.3} | {:.2} |",
+            "| {key} | {fwd:.3} | {bwd:.3} | {both:.3} | {:.1} | {:.1} | {floor:.3} | {:.2} | {:.3} | {:.3} | {:.3} | {:.2} |",
             f_fwd / (fwd * 1e-3) / 1e12,
             f_all / (both * 1e-3) / 1e12,
-            floor / both
+            floor / both,
+            w4.0,
+            w4.1,
+            w4.2,
+            both / w4.2
         )?;
-        attn_json.push((key, fwd, bwd, both));
+        attn_json.push((key, (fwd, bwd, both), w4));
         drop((q, k, v, dout, o, lse));
         be.empty_cache()?;
     }
@@ -480,9 +498,12 @@ fn run(args: BenchCudaArgs) -> AnyResult<()> {
     writeln!(js, "  \"copy_gbps\": {:.3},\n  \"gemm_bf16_tflops\": {:.3},", bw / 1e9, peak / 1e12)?;
     let obj =
         |f: &dyn Fn(&AttnTimes) -> f64| attn_json.iter().map(|x| format!("    {}: {:.6}", q(&x.0), f(x))).collect::<Vec<_>>().join(",\n");
-    writeln!(js, "  \"attention_fwd_ms\": {{\n{}\n  }},", obj(&|x| x.1))?;
-    writeln!(js, "  \"attention_bwd_ms\": {{\n{}\n  }},", obj(&|x| x.2))?;
-    writeln!(js, "  \"attention_fwd_bwd_ms\": {{\n{}\n  }},", obj(&|x| x.3))?;
+    writeln!(js, "  \"attention_fwd_ms\": {{\n{}\n  }},", obj(&|x| x.1 .0))?;
+    writeln!(js, "  \"attention_bwd_ms\": {{\n{}\n  }},", obj(&|x| x.1 .1))?;
+    writeln!(js, "  \"attention_fwd_bwd_ms\": {{\n{}\n  }},", obj(&|x| x.1 .2))?;
+    writeln!(js, "  \"attention_w4_fwd_ms\": {{\n{}\n  }},", obj(&|x| x.2 .0))?;
+    writeln!(js, "  \"attention_w4_bwd_ms\": {{\n{}\n  }},", obj(&|x| x.2 .1))?;
+    writeln!(js, "  \"attention_w4_fwd_bwd_ms\": {{\n{}\n  }},", obj(&|x| x.2 .2))?;
     let kr: Vec<String> = rows
         .iter()
         .map(|r| {

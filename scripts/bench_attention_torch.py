@@ -9,7 +9,8 @@ median of repeated steps, random inputs (never zeros). Row keys match the Rust b
 
 With --ours, adds our forward and forward+backward times, our TFLOP/s, and the ratios
 torch_ms / ours_ms beside them (targets: fwd+bwd >= 0.9 at every shape, >= 1.0 at d 128 with
-t >= 2048; forward alone >= 1.0). Writes $OUT/bench_attention_torch.md and .json when OUT is set.
+t >= 2048; forward alone >= 1.0); where bench_cuda.json also timed the 4-warp flash kernels
+(attention_w4_*), their ratios too. Writes $OUT/bench_attention_torch.md and .json when OUT is set.
 FLOPs: causal forward 2 B Hq T^2 D (half of the full 4 B Hq T^2 D), backward 2.5x that.
 """
 import argparse
@@ -59,6 +60,10 @@ def main():
         sys.exit(1 if os.environ.get("FERROLM_REQUIRE_GPU") == "1" else 0)
     ours = load_ours(a.ours) if a.ours else {}
     ours_fwd = load_ours(a.ours, "attention_fwd_ms") if a.ours else {}
+    # The 4-warp kernels' times (bench_cuda.json only; an older file has none: no columns then).
+    shape_keys = lambda d: {k: v for k, v in d.items() if re.fullmatch(r"b\d+_hq\d+_hkv\d+_t\d+_d\d+", k)}
+    w4 = shape_keys(load_ours(a.ours, "attention_w4_fwd_bwd_ms")) if a.ours and a.ours.endswith(".json") else {}
+    w4_fwd = shape_keys(load_ours(a.ours, "attention_w4_fwd_ms")) if w4 else {}
     dev = torch.device("cuda")
     name = torch.cuda.get_device_name(0)
     torch.manual_seed(0)
@@ -123,6 +128,9 @@ def main():
         if row["ours_fwd_ms"]:
             row["ours_fwd_tflops"] = f_fwd / (row["ours_fwd_ms"] * 1e-3) / 1e12
             row["fwd_ratio"] = f_ms / row["ours_fwd_ms"]
+        if w4.get(k_) and w4_fwd.get(k_):  # the 4-warp flash kernels (a tuning comparison)
+            row["w4_fwd_bwd_ms"], row["w4_fwd_ms"] = w4[k_], w4_fwd[k_]
+            row["w4_ratio"], row["w4_fwd_ratio"] = fb_ms / w4[k_], f_ms / w4_fwd[k_]
         rows.append(row)
         del q, k, v, do
         torch.cuda.empty_cache()
@@ -133,6 +141,9 @@ def main():
     if ours:
         hdr += " ours fwd ms | TFLOP/s | fwd torch/ours | ours fwd+bwd ms | TFLOP/s | fwd+bwd torch/ours |"
         sep += "---:|---:|---:|---:|---:|---:|"
+    if w4:
+        hdr += " 4 warps: fwd torch/ours | fwd+bwd torch/ours |"
+        sep += "---:|---:|"
     lines += [hdr, sep]
     for r in rows:
         s = f"| {r['key']} | {r['fwd_ms']:.3f} | {r['fwd_tflops']:.1f} | {r['fwd_bwd_ms']:.3f} | {r['tflops']:.1f} | {r['note']} |"
@@ -141,6 +152,8 @@ def main():
             s += f" {f:.3f} | {r['ours_fwd_tflops']:.1f} | {r['fwd_ratio']:.2f} |" if f else " - | - | - |"
             o = r["ours_ms"]
             s += f" {o:.3f} | {r['ours_tflops']:.1f} | {r['ratio']:.2f} |" if o else " - | - | - |"
+        if w4:
+            s += f" {r['w4_fwd_ratio']:.2f} | {r['w4_ratio']:.2f} |" if r.get("w4_ratio") else " - | - |"
         lines.append(s)
     if ours:
         ratios = [r["ratio"] for r in rows if r.get("ratio")]
@@ -150,6 +163,10 @@ def main():
         fr = [r["fwd_ratio"] for r in rows if r.get("fwd_ratio")]
         if fr:
             lines.append(f"fwd torch/ours: min {min(fr):.2f}, median {statistics.median(fr):.2f} (target >= 1.0)")
+        r4 = [(r["w4_ratio"], r["w4_fwd_ratio"]) for r in rows if r.get("w4_ratio")]
+        if r4:
+            lines.append(f"4-warp blocks: fwd+bwd torch/ours min {min(x[0] for x in r4):.2f}, fwd min {min(x[1] for x in r4):.2f} "
+                         "(the default is 8 warps; FERROLM_FLASH_WARPS=4 selects these)")
     md = "\n".join(lines) + "\n"
     print(md)
     out = os.environ.get("OUT")
