@@ -117,94 +117,95 @@ fn summary_rows(md: &str) -> Vec<Vec<String>> {
     md.lines().filter(|l| l.starts_with("| flash_")).map(|l| l.split('|').map(|c| c.trim().to_string()).collect()).collect()
 }
 
+/// One run of the script against the stand-in `ncu` in `mode`: its output, its report, and the
+/// folders, removed when it is dropped.
+struct FakeRun {
+    o: Output,
+    md: String,
+    out: PathBuf,
+    tools: PathBuf,
+}
+
+impl FakeRun {
+    fn new(name: &str, mode: &str, args: &[&str], budget: Option<&str>) -> FakeRun {
+        let (out, tools) = (scratch(name), scratch(&format!("{name}-tools")));
+        let ncu = fake_ncu(&tools, mode);
+        let budget = budget.map(PathBuf::from);
+        let mut env = vec![("NCU", ncu.as_path()), ("FERROLM_BIN_DIR", tools.as_path())];
+        env.extend(budget.as_deref().map(|b| ("AC_BUDGET_S", b)));
+        let o = run(args, &out, &env);
+        let md = std::fs::read_to_string(out.join("attention_ncu.md")).unwrap_or_default();
+        FakeRun { o, md, out, tools }
+    }
+    fn calls(&self) -> String {
+        std::fs::read_to_string(self.tools.join("calls.log")).unwrap_or_default()
+    }
+    fn ok(&self) -> &Self {
+        assert!(self.o.status.success(), "{}", String::from_utf8_lossy(&self.o.stderr));
+        self
+    }
+}
+
+impl Drop for FakeRun {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_dir_all(&self.out);
+        let _ = std::fs::remove_dir_all(&self.tools);
+    }
+}
+
 #[test]
 fn six_launches_are_profiled_and_summarised() {
-    let out = scratch("run");
-    let tools = scratch("run-tools");
-    let ncu = fake_ncu(&tools, "ok");
-    let o = run(&["--shape", "2,8,4,512"], &out, &[("NCU", &ncu), ("FERROLM_BIN_DIR", &tools)]);
-    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
-    let calls = std::fs::read_to_string(tools.join("calls.log")).unwrap();
+    let r = FakeRun::new("run", "ok", &["--shape", "2,8,4,512"], None);
+    let calls = r.ok().calls();
     for k in KERNELS {
         let d = &k[k.len() - 3..].trim_start_matches('d');
         let call = calls.lines().find(|l| l.contains(&format!("regex:^{k}$"))).unwrap_or_else(|| panic!("{k} not profiled:\n{calls}"));
         assert!(call.contains("--launch-count 1") && call.contains("--set full"), "{call}");
         assert!(call.contains(&format!("--attention 2,8,4,512,{d}")), "{k}: {call}");
     }
-    let csv = std::fs::read_to_string(out.join("attention_ncu.csv")).unwrap();
+    let csv = std::fs::read_to_string(r.out.join("attention_ncu.csv")).unwrap();
     assert_eq!(csv.matches("\"Kernel Name\"").count(), 6, "{csv}");
     assert!(!csv.contains("==PROF=="), "ncu's own lines are not counters");
-    let md = std::fs::read_to_string(out.join("attention_ncu.md")).unwrap();
-    let rows = summary_rows(&md);
+    let md = &r.md;
+    let rows = summary_rows(md);
     assert_eq!(rows.iter().map(|r| r[1].as_str()).collect::<Vec<_>>(), KERNELS, "{md}");
     for r in &rows {
         // 1,234,500 ns; 199 registers; 12.34 % occupancy; 45.6 % HMMA; conflicts 1,024 / 0; LDSM.
         assert_eq!(&r[2..8], ["1,234.5", "199", "12.3", "45.6", "1,024 / 0", "36,864"], "{md}");
         assert_eq!(r[8], "long_scoreboard 2.25, mio_throttle 1.75, barrier 0.50", "stalls largest first, not_selected left out: {md}");
     }
-    let mut files: Vec<_> = std::fs::read_dir(&out).unwrap().map(|e| e.unwrap().file_name().into_string().unwrap()).collect();
+    let mut files: Vec<_> = std::fs::read_dir(&r.out).unwrap().map(|e| e.unwrap().file_name().into_string().unwrap()).collect();
     files.sort();
     assert_eq!(files, ["attention_ncu.csv", "attention_ncu.md"], "two files: the device tool brings back 8 in all");
-    for d in [out, tools] {
-        std::fs::remove_dir_all(d).unwrap();
-    }
 }
 
 #[test]
 fn a_page_printed_among_the_programs_output_is_read_from_there() {
-    let out = scratch("stdout");
-    let tools = scratch("stdout-tools");
-    let ncu = fake_ncu(&tools, "stdout");
-    let o = run(&[], &out, &[("NCU", &ncu), ("FERROLM_BIN_DIR", &tools)]);
-    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
-    let md = std::fs::read_to_string(out.join("attention_ncu.md")).unwrap();
-    assert!(summary_rows(&md).iter().all(|r| r[3] == "199"), "{md}");
-    assert!(!std::fs::read_to_string(out.join("attention_ncu.csv")).unwrap().contains("bench table"));
-    for d in [out, tools] {
-        std::fs::remove_dir_all(d).unwrap();
-    }
+    let r = FakeRun::new("stdout", "stdout", &[], None);
+    r.ok();
+    assert!(summary_rows(&r.md).iter().all(|row| row[3] == "199"), "{}", r.md);
+    assert!(!std::fs::read_to_string(r.out.join("attention_ncu.csv")).unwrap().contains("bench table"));
 }
 
 #[test]
 fn a_launch_without_counters_fails_its_row_and_named_metrics_are_optional() {
-    let out = scratch("partial");
-    let tools = scratch("partial-tools");
-    let ncu = fake_ncu(&tools, "no-dq64");
-    let o = run(&[], &out, &[("NCU", &ncu), ("FERROLM_BIN_DIR", &tools)]);
-    assert_eq!(o.status.code(), Some(1), "a kernel without counters fails the run");
-    let md = std::fs::read_to_string(out.join("attention_ncu.md")).unwrap();
-    let rows = summary_rows(&md);
-    assert_eq!(rows.len(), 6, "{md}");
-    assert_eq!(rows[5][2], "**no counters**", "{md}");
-    assert_eq!(rows[0][3], "199", "{md}");
-    assert!(md.contains("## flash_bwd_dq_bf16_d64: no counters"), "the failed launch's log follows the table:\n{md}");
+    let r = FakeRun::new("partial", "no-dq64", &[], None);
+    assert_eq!(r.o.status.code(), Some(1), "a kernel without counters fails the run");
+    let rows = summary_rows(&r.md);
+    assert_eq!(rows.len(), 6, "{}", r.md);
+    assert_eq!(rows[5][2], "**no counters**", "{}", r.md);
+    assert_eq!(rows[0][3], "199", "{}", r.md);
+    assert!(r.md.contains("## flash_bwd_dq_bf16_d64: no counters"), "the failed launch's log follows the table:\n{}", r.md);
 
     // A spent budget: no launch runs, every row fails, and the reason is in the report.
-    let out = scratch("budget");
-    let o = Command::new("bash")
-        .arg(script())
-        .env("OUT", &out)
-        .env("NCU", &ncu)
-        .env("FERROLM_BIN_DIR", &tools)
-        .env("AC_BUDGET_S", "0")
-        .output()
-        .unwrap();
-    assert_eq!(o.status.code(), Some(1));
-    let md = std::fs::read_to_string(out.join("attention_ncu.md")).unwrap();
-    assert_eq!(summary_rows(&md).iter().filter(|r| r[2] == "**no counters**").count(), 6, "{md}");
-    assert!(md.contains("budget of 0s spent"), "{md}");
-    let _ = std::fs::remove_dir_all(&out);
+    let r = FakeRun::new("budget", "ok", &[], Some("0"));
+    assert_eq!(r.o.status.code(), Some(1));
+    assert_eq!(summary_rows(&r.md).iter().filter(|row| row[2] == "**no counters**").count(), 6, "{}", r.md);
+    assert!(r.md.contains("budget of 0s spent") && r.calls().is_empty(), "{}", r.md);
 
-    let out = scratch("nometrics");
-    let tools = scratch("nometrics-tools");
-    let ncu = fake_ncu(&tools, "no-metrics");
-    let o = run(&[], &out, &[("NCU", &ncu), ("FERROLM_BIN_DIR", &tools)]);
-    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
-    let calls = std::fs::read_to_string(tools.join("calls.log")).unwrap();
+    let r = FakeRun::new("nometrics", "no-metrics", &[], None);
+    let calls = r.ok().calls();
     assert_eq!(calls.lines().filter(|l| l.contains("--metrics")).count(), 6, "{calls}");
     assert_eq!(calls.lines().filter(|l| !l.contains("--metrics")).count(), 6, "each launch again without --metrics:\n{calls}");
-    assert_eq!(summary_rows(&std::fs::read_to_string(out.join("attention_ncu.md")).unwrap()).len(), 6);
-    for d in [scratch("partial"), scratch("partial-tools"), out, tools] {
-        let _ = std::fs::remove_dir_all(d);
-    }
+    assert_eq!(summary_rows(&r.md).len(), 6);
 }

@@ -221,33 +221,20 @@ fn head_permutes_copy_in_vectors_and_elements() {
         for (b, t, h, d) in [(2, 5, 3, 8), (1, 7, 4, 16), (2, 3, 2, 64), (2, 5, 3, 6), (1, 9, 2, 12)] {
             let x = randn(&[b, t, h, d], dt, r);
             let g = to_gpu(&x);
-            let want = x.permute(&[0, 2, 1, 3]).unwrap().contiguous().unwrap();
-            let got = g.permute(&[0, 2, 1, 3]).unwrap().contiguous().unwrap();
-            assert_eq!(
-                got.to_device(Device::Cpu).unwrap().to_vec_f64().unwrap(),
-                want.to_vec_f64().unwrap(),
-                "split {:?} {dt}",
-                (b, t, h, d)
-            );
-            let back = got.permute(&[0, 2, 1, 3]).unwrap().contiguous().unwrap();
-            assert_eq!(
-                back.to_device(Device::Cpu).unwrap().to_vec_f64().unwrap(),
-                x.to_vec_f64().unwrap(),
-                "merge {:?} {dt}",
-                (b, t, h, d)
-            );
+            // The device result `got` holds the CPU's `want` element for element.
+            let same = |got: &Tensor, want: &Tensor, what: &str| {
+                let got = got.to_device(Device::Cpu).unwrap().to_vec_f64().unwrap();
+                assert_eq!(got, want.to_vec_f64().unwrap(), "{what} {:?} {dt}", (b, t, h, d));
+            };
+            let heads_first = |x: &Tensor| x.permute(&[0, 2, 1, 3]).unwrap().contiguous().unwrap();
+            let got = heads_first(&g);
+            same(&got, &heads_first(&x), "split");
+            same(&heads_first(&got), &x, "merge");
             // a view one element in: no longer whole vectors
             let flat = randn(&[b * t * h * d + 1], dt, r);
             let gflat = to_gpu(&flat);
-            let v = |f: &Tensor| {
-                f.narrow(0, 1, b * t * h * d).unwrap().reshape([b, t, h, d]).unwrap().permute(&[0, 2, 1, 3]).unwrap().contiguous().unwrap()
-            };
-            assert_eq!(
-                v(&gflat).to_device(Device::Cpu).unwrap().to_vec_f64().unwrap(),
-                v(&flat).to_vec_f64().unwrap(),
-                "offset {:?} {dt}",
-                (b, t, h, d)
-            );
+            let v = |f: &Tensor| heads_first(&f.narrow(0, 1, b * t * h * d).unwrap().reshape([b, t, h, d]).unwrap());
+            same(&v(&gflat), &v(&flat), "offset");
         }
     });
 }

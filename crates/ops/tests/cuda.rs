@@ -206,6 +206,26 @@ fn flash_attention_misaligned_views() {
     }
 }
 
+/// `first()`, then `second()` under the emulator's reversed thread schedule, where a data race
+/// shows as a difference between the two (on a GPU the schedule is the hardware's).
+fn second_reversed<T>(be: &ferrolm_cuda::CudaBackend, first: impl FnOnce() -> T, second: impl FnOnce() -> T) -> (T, T) {
+    let a = first();
+    be.emulator_reverse_schedule(true);
+    let b = second();
+    be.emulator_reverse_schedule(false);
+    (a, b)
+}
+
+/// The bits of o, lse, dq, dk and dv of one forward and backward on contiguous device inputs.
+fn attention_bits(be: &ferrolm_cuda::CudaBackend, [q, k, v, dout]: [&Storage; 4], dims: AttnDims, scale: f64) -> Vec<Vec<u32>> {
+    let AttnDims { b, hq, hkv, t, d } = dims;
+    let (lq, lkv) = (Layout::contiguous(Shape(vec![b, hq, t, d])), Layout::contiguous(Shape(vec![b, hkv, t, d])));
+    let (o, lse) = attention::forward((q, &lq), (k, &lkv), (v, &lkv), dims, scale).unwrap();
+    let llse = Layout::contiguous(Shape(vec![b, hq, t]));
+    let (dq, dk, dv) = attention::backward((dout, &lq), (q, &lq), (k, &lkv), (v, &lkv), (&o, &lq), (&lse, &llse), dims, scale).unwrap();
+    [o, lse, dq, dk, dv].iter().map(|s| bits(be, s)).collect()
+}
+
 #[test]
 fn attention_backward_is_bitwise_deterministic() {
     let Some(be) = gpu() else { return };
@@ -218,23 +238,13 @@ fn attention_backward_is_bitwise_deterministic() {
         (DType::F32, 1, 4, 2, 129, 64),
     ] {
         let dims = AttnDims { b, hq, hkv, t, d };
-        let (lq, lkv) = (Layout::contiguous(Shape(vec![b, hq, t, d])), Layout::contiguous(Shape(vec![b, hkv, t, d])));
         let q = dev_rand(&be, b * hq * t * d, dt, &mut r);
         let k = dev_rand(&be, b * hkv * t * d, dt, &mut r);
         let v = dev_rand(&be, b * hkv * t * d, dt, &mut r);
         let dout = dev_rand(&be, b * hq * t * d, dt, &mut r);
         let scale = 1.0 / (d as f64).sqrt();
-        let run = || {
-            let (o, lse) = attention::forward((&q, &lq), (&k, &lkv), (&v, &lkv), dims, scale).unwrap();
-            let llse = Layout::contiguous(Shape(vec![b, hq, t]));
-            let (dq, dk, dv) =
-                attention::backward((&dout, &lq), (&q, &lq), (&k, &lkv), (&v, &lkv), (&o, &lq), (&lse, &llse), dims, scale).unwrap();
-            [o, lse, dq, dk, dv].iter().map(|s| bits(&be, s)).collect::<Vec<_>>()
-        };
-        let a = run();
-        be.emulator_reverse_schedule(true); // on the emulator the second run also checks for races
-        let c = run();
-        be.emulator_reverse_schedule(false);
+        let run = || attention_bits(&be, [&q, &k, &v, &dout], dims, scale);
+        let (a, c) = second_reversed(&be, run, run);
         for (i, what) in ["out", "lse", "dq", "dk", "dv"].iter().enumerate() {
             let bad = a[i].iter().zip(&c[i]).filter(|(x, y)| x != y).count();
             assert_eq!(bad, 0, "attention {dt} b{b} hq{hq} hkv{hkv} t{t} d{d}: {what} differs between runs in {bad} elements");
@@ -255,24 +265,15 @@ fn flash_attention_four_warp_blocks_match_eight() {
     let mut r = Rng::new(17);
     for (b, hq, hkv, t, d) in [(1, 2, 2, 1, 64), (2, 4, 2, 203, 64), (1, 2, 2, 77, 128), (1, 4, 1, 300, 128)] {
         let dims = AttnDims { b, hq, hkv, t, d };
-        let (lq, lkv) = (Layout::contiguous(Shape(vec![b, hq, t, d])), Layout::contiguous(Shape(vec![b, hkv, t, d])));
         let [q, k, v, dout] = [hq, hkv, hkv, hq].map(|h| dev_rand(&be, b * h * t * d, DType::BF16, &mut r));
         let scale = 1.0 / (d as f64).sqrt();
-        let run = || {
-            let (o, lse) = attention::forward((&q, &lq), (&k, &lkv), (&v, &lkv), dims, scale).unwrap();
-            let llse = Layout::contiguous(Shape(vec![b, hq, t]));
-            let (dq, dk, dv) =
-                attention::backward((&dout, &lq), (&q, &lq), (&k, &lkv), (&v, &lkv), (&o, &lq), (&lse, &llse), dims, scale).unwrap();
-            [o, lse, dq, dk, dv].iter().map(|s| bits(&be, s)).collect::<Vec<_>>()
-        };
+        let run = || attention_bits(&be, [&q, &k, &v, &dout], dims, scale);
         // The launches themselves (the built-in profile counts them): each block size ran its own
         // kernels, on blocks of 32 threads a warp and one block per 16 rows a warp.
         ferrolm_cuda::profile::enable(true);
         ferrolm_cuda::profile::reset();
-        let eight = attention::with_flash_warps(8, run).unwrap();
-        be.emulator_reverse_schedule(true);
-        let four = attention::with_flash_warps(4, run).unwrap();
-        be.emulator_reverse_schedule(false);
+        let (eight, four) =
+            second_reversed(&be, || attention::with_flash_warps(8, run).unwrap(), || attention::with_flash_warps(4, run).unwrap());
         let rep = ferrolm_cuda::profile::report();
         ferrolm_cuda::profile::enable(false);
         for (suffix, warps) in [("", 8u32), ("_w4", 4)] {
@@ -306,10 +307,8 @@ fn embedding_backward_is_bitwise_deterministic() {
             let ids = be.from_cpu(&CpuStorage::I32(ids)).unwrap();
             let dy = dev_rand(&be, n * d, dt, &mut r);
             let (ly, li) = (Layout::contiguous(Shape(vec![n, d])), flat(n));
-            let a = bits(&be, &embedding::backward((&dy, &ly), (&ids, &li), vocab).unwrap());
-            be.emulator_reverse_schedule(true); // on the emulator the second run also checks for races
-            let b = bits(&be, &embedding::backward((&dy, &ly), (&ids, &li), vocab).unwrap());
-            be.emulator_reverse_schedule(false);
+            let run = || bits(&be, &embedding::backward((&dy, &ly), (&ids, &li), vocab).unwrap());
+            let (a, b) = second_reversed(&be, run, run);
             let bad = a.iter().zip(&b).filter(|(x, y)| x != y).count();
             assert_eq!(bad, 0, "embedding backward {dt} V{vocab} d{d} n{n}: {bad} elements differ between runs");
         }
@@ -362,10 +361,8 @@ fn embedding_sorted_backward_matches_the_cpu_bitwise() {
                 Storage::Cpu(CpuStorage::BF16(v)) => v.into_iter().map(|x| x.to_bits() as u32).collect(),
                 _ => unreachable!(),
             };
-            let a = bits(&be, &embedding::backward_sorted((&dy, &ly), &ids, vocab).unwrap());
-            be.emulator_reverse_schedule(true);
-            let b = bits(&be, &embedding::backward_sorted((&dy, &ly), &ids, vocab).unwrap());
-            be.emulator_reverse_schedule(false);
+            let run = || bits(&be, &embedding::backward_sorted((&dy, &ly), &ids, vocab).unwrap());
+            let (a, b) = second_reversed(&be, run, run);
             let case = format!("embedding sorted backward {dt} V{vocab} d{d} n{n} {how} offset {off}");
             assert_eq!(a.len(), vocab * d, "{case}: size");
             let bad = a.iter().zip(&want).filter(|(x, y)| x != y).count();
