@@ -18,13 +18,20 @@ pub fn flash_warps() -> Result<usize> {
     if let Some(w) = FLASH_WARPS_HERE.get() {
         return Ok(w);
     }
-    match std::env::var("FERROLM_FLASH_WARPS") {
-        Err(_) => Ok(8),
-        Ok(v) => match v.trim() {
-            "8" | "" => Ok(8),
-            "4" => Ok(4),
-            other => bail!("attention", "FERROLM_FLASH_WARPS={other}: the flash kernels come with 4 or 8 warps per block"),
-        },
+    // Read once: this is asked on every attention call.
+    static FROM_ENV: std::sync::OnceLock<std::result::Result<usize, String>> = std::sync::OnceLock::new();
+    match FROM_ENV.get_or_init(|| parse_flash_warps(std::env::var("FERROLM_FLASH_WARPS").ok().as_deref())) {
+        Ok(w) => Ok(*w),
+        Err(e) => bail!("attention", "{e}"),
+    }
+}
+
+/// `FERROLM_FLASH_WARPS`'s value (`None`: unset) as warps per block.
+pub fn parse_flash_warps(v: Option<&str>) -> std::result::Result<usize, String> {
+    match v.map(str::trim) {
+        None | Some("") | Some("8") => Ok(8),
+        Some("4") => Ok(4),
+        Some(other) => Err(format!("FERROLM_FLASH_WARPS={other}: the flash kernels come with 4 or 8 warps per block")),
     }
 }
 
@@ -38,10 +45,15 @@ pub fn with_flash_warps<R>(warps: usize, f: impl FnOnce() -> R) -> Result<R> {
     if warps != 4 && warps != 8 {
         bail!("attention", "{warps} warps per block: the flash kernels come with 4 or 8");
     }
-    let before = FLASH_WARPS_HERE.replace(Some(warps));
-    let r = f();
-    FLASH_WARPS_HERE.set(before);
-    Ok(r)
+    // Restored when the closure returns or unwinds.
+    struct Restore(Option<usize>);
+    impl Drop for Restore {
+        fn drop(&mut self) {
+            FLASH_WARPS_HERE.set(self.0);
+        }
+    }
+    let _restore = Restore(FLASH_WARPS_HERE.replace(Some(warps)));
+    Ok(f())
 }
 
 /// Sizes of a causal attention call: q is (b, hq, t, d), k and v are (b, hkv, t, d).
