@@ -44,7 +44,7 @@ ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 LOG_TAG=attention-counters
 # shellcheck source=gpu_lib.sh
 source "$ROOT/scripts/gpu_lib.sh"  # also OUT and PY, with their defaults
-parse_args SHAPE 4,16,16,2048 shape 8,32,8,1024 "$@"
+parse_args SHAPE 4,16,16,2048 shape 8,32,8,1024 - "$@"
 if ! [[ "$SHAPE" =~ ^[1-9][0-9]*(,[1-9][0-9]*){3}$ ]]; then
     echo "error: --shape '$SHAPE': four positive numbers B,HQ,HKV,T, e.g. 4,16,16,2048" >&2
     exit 2

@@ -49,7 +49,7 @@ ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 LOG_TAG=first-contact
 # shellcheck source=gpu_lib.sh
 source "$ROOT/scripts/gpu_lib.sh"  # also OUT and PY, with their defaults
-parse_args STEPS 1,2,3,4,5,6,7,8,9 steps 1,3 "$@"
+parse_args STEPS 1,2,3,4,5,6,7,8,9 steps 1,3 step "$@"
 if ! [[ "$STEPS" =~ ^[1-9](,[1-9])*$ ]]; then
     echo "error: --steps '$STEPS': a comma-separated list of step numbers 1..9, e.g. 1,3" >&2
     exit 2

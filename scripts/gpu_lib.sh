@@ -10,25 +10,31 @@ PY=${FERROLM_PYTHON:-python3}
 
 log() { echo "[${LOG_TAG:-gpu}] $*" >&2; }
 
-# The scripts' command line: `parse_args VAR DEFAULT LIST EXAMPLE "$@"` reads --rehearse, --LIST X
-# (or --LIST=X), --internal-ITEM X (ITEM: LIST less its plural s) and --help (the script's
-# `usage`). It sets VAR (X, else DEFAULT), REHEARSE (0 or 1) and INTERNAL. Anything else, or
-# --LIST without its value, exits 2 with an error that names it.
+# The scripts' command line: `parse_args VAR DEFAULT LIST EXAMPLE ITEM "$@"` reads --LIST X (or
+# --LIST=X) and --help (the script's `usage`), and, for a script that runs its steps as timed
+# sub-runs of itself (ITEM: what one is called, `part` or `step`), --rehearse and
+# --internal-ITEM N; ITEM `-` is a script with neither. It sets VAR (X, else DEFAULT), REHEARSE
+# (0 or 1) and INTERNAL. Anything else, or --LIST without its value, exits 2 naming it.
 parse_args() {
-    local var=$1 value=$2 list=$3 example=$4
-    shift 4
+    local var=$1 value=$2 list=$3 example=$4 item=$5
+    shift 5
     REHEARSE=0
     INTERNAL=""
     while [ $# -gt 0 ]; do
         case "$1" in
-            --rehearse) REHEARSE=1 ;;
             "--$list")
                 [ $# -ge 2 ] || { echo "error: --$list needs a list, e.g. --$list $example" >&2; exit 2; }
                 value=$2; shift ;;
             "--$list="*) value=${1#"--$list="} ;;
-            "--internal-${list%s}") INTERNAL=${2:-}; shift ;;
             -h|--help) usage; exit 0 ;;
-            *) echo "error: unknown argument '$1' (see --help)" >&2; exit 2 ;;
+            *)
+                if [ "$item" != - ] && [ "$1" = --rehearse ]; then
+                    REHEARSE=1
+                elif [ "$item" != - ] && [ "$1" = "--internal-$item" ]; then
+                    INTERNAL=${2:-}; shift
+                else
+                    echo "error: unknown argument '$1' (see --help)" >&2; exit 2
+                fi ;;
         esac
         shift
     done

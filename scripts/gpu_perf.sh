@@ -63,7 +63,7 @@ ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 LOG_TAG=gpu-perf
 # shellcheck source=gpu_lib.sh
 source "$ROOT/scripts/gpu_lib.sh"  # also OUT and PY, with their defaults
-parse_args PARTS 1,2,3,4 parts 2,4 "$@"
+parse_args PARTS 1,2,3,4 parts 2,4 part "$@"
 
 NAMES=(_ tests train bench_cuda profile)
 # Seconds per part on a GPU host (caps: their sum, 475, is over the budget, which cuts the last
