@@ -299,6 +299,30 @@ fn help_lists_every_flag_with_its_default() {
     assert!(e.contains("tpu"), "{e}");
 }
 
+/// Trials run on CPU thread ranks only: asked for on a modelled GPU cluster, they are refused
+/// by name before anything is prepared or written; on thread ranks the request carries them
+/// with their data.
+#[test]
+fn trials_belong_to_thread_ranks() {
+    use ferrolm::autoconfig::Machines;
+    let out = common::tmp("autoconfig-trials-gpu").join("out");
+    let o = out.to_str().unwrap();
+    let a: AutoconfigArgs = parse_from(["autoconfig", "--model", "7b", "--gpus", "16", "--trials", "2", "--out", o]).unwrap();
+    let e = format!("{:#}", a.request().unwrap_err());
+    assert!(e.contains("--trials") && e.contains("--target cpu"), "{e}");
+    assert!(!out.exists(), "a refused request wrote {}", out.display());
+    let a: AutoconfigArgs = parse_from(["autoconfig", "--model", "7b", "--gpus", "16", "--out", o]).unwrap();
+    assert!(matches!(a.request().unwrap().machines, Machines::Gpus { offload: None, .. }));
+    let (train, _, _) = shards(&common::tmp("autoconfig-trials-cpu"));
+    let data = train[0].parent().unwrap().to_str().unwrap().to_string();
+    let a: AutoconfigArgs =
+        parse_from(["autoconfig", "--model", "tiny", "--trials", "2", "--trial-steps", "4", "--data", &data, "--out", o]).unwrap();
+    match a.request().unwrap().machines {
+        Machines::Threads { trials: Some(t), .. } => assert!(t.count == 2 && t.steps == 4 && !t.data.train.is_empty(), "{t:?}"),
+        m => panic!("trials on thread ranks were dropped: {m:?}"),
+    }
+}
+
 #[test]
 fn planner_counts_nccl_buffers_per_communicator() {
     use ferrolm::planner::step::evaluate;
