@@ -1,7 +1,9 @@
 // attention.cu — causal flash attention, forward and backward, with native GQA: query head h
 // reads kv head h / (hq / hkv) in place, K/V are never copied per query head. Layouts:
 // q, o, dq (b, hq, t, d); k, v, dk, dv (b, hkv, t, d); lse and the backward's D = rowsum(dO*O)
-// (b, hq, t) in f32. Nothing of size t x t is ever materialised.
+// (b, hq, t) in f32. Nothing of size t x t is ever materialised. The tensor-core kernels (and D's)
+// take every (b, heads, t, d) tensor in either head layout (`layout`, constants.cuh): HEAD_MAJOR,
+// or TIME_MAJOR, the projections' (b, t, heads, d), where a head's rows are heads * d apart.
 //
 // bf16, head dim 64 / 128: tensor cores via mma.sync.m16n8k16 (bf16 in, fp32 accumulate) for
 // every matrix product, FlashAttention-2 structure, every block W warps x 16 rows (W = 8: 128 rows;
@@ -107,18 +109,19 @@ static __device__ __forceinline__ void zero_acc(float (*acc)[4]) {
 #pragma unroll
     for (int n = 0; n < N; ++n) acc[n][0] = acc[n][1] = acc[n][2] = acc[n][3] = 0.0f;
 }
-// Issues cp.async for rows [r0, r0 + ROWS) of a (t, D) matrix into shared rows of stride D + PAD,
-// 16 bytes per copy, the block's NT threads striding over the chunks; rows past t are zero-filled
-// (their source address is row 0's, which is not read). The caller commits the group.
+// Issues cp.async for rows [r0, r0 + ROWS) of a (t, D) matrix whose rows are `rs` elements apart
+// into shared rows of stride D + PAD, 16 bytes per copy, the block's NT threads striding over the
+// chunks; rows past t are zero-filled (their source address is row 0's, which is not read). The
+// caller commits the group.
 template <int D, int ROWS, int NT>
-static __device__ __forceinline__ void load_rows_async(bf16* s, const bf16* src, int r0, int t) {
+static __device__ __forceinline__ void load_rows_async(bf16* s, const bf16* src, int r0, int t, int rs) {
     constexpr int CH = D / 8, ST = D + FLASH_PAD;
     static_assert((ROWS * CH) % NT == 0, "whole chunks per thread");
 #pragma unroll
     for (int it = 0; it < ROWS * CH / NT; ++it) {
         int idx = it * NT + (int)threadIdx.x, r = idx / CH, c = (idx % CH) * 8;
         bool ok = r0 + r < t;
-        cp_async<16>(s + r * ST + c, src + (ok ? (i64)(r0 + r) * D + c : 0), ok);
+        cp_async<16>(s + r * ST + c, src + (ok ? (i64)(r0 + r) * rs + c : 0), ok);
     }
 }
 // Issues cp.async for n f32 values [r0, r0 + n) of a length-t vector (threads [base, base + n)),
@@ -141,25 +144,29 @@ static __device__ __forceinline__ FlashLane flash_lane() {
     int lane = threadIdx.x & 31;
     return FlashLane{(int)(threadIdx.x >> 5), lane, lane >> 2, lane & 3};
 }
-// The (t, D) rows of head `head` of batch `b` in a (b, heads, t, D) tensor.
+// The first of the t rows of head `head` of batch `b` in a (b, heads, t, D) tensor laid out as
+// `layout`, and the distance between its rows.
 template <int D, typename T>
-static __device__ __forceinline__ T* head_rows(T* x, int b, int heads, int head, int t) {
-    return x + (i64)(b * heads + head) * t * D;
+static __device__ __forceinline__ T* head_rows(T* x, int b, int heads, int head, int t, int layout) {
+    return layout == TIME_MAJOR ? x + ((i64)b * t * heads + head) * D : x + (i64)(b * heads + head) * t * D;
 }
+static __device__ __forceinline__ int row_stride(int heads, int d, int layout) { return layout == TIME_MAJOR ? heads * d : d; }
 // A block of BR query rows of one query head (grid (ceil(t / BR), hq, b)), as the forward
-// and dQ see it: batch b, query head h, the kv head hk it reads, its first row q0, and the rows of
-// its Q, K and V heads. Blocks run the longest causal rows first (blockIdx.x 0 is the last rows),
-// so the short ones fill the tail of the wave.
+// and dQ see it: batch b, query head h, the kv head hk it reads, its first row q0, the rows of
+// its Q, K and V heads and their strides (rsq for Q, O, dO, dQ; rskv for K, V). Blocks run the
+// longest causal rows first (blockIdx.x 0 is the last rows), so the short ones fill the tail of the
+// wave.
 template <int D>
 struct QueryBlock {
-    int b, h, hk, q0;
+    int b, h, hk, q0, rsq, rskv;
     const bf16 *qh, *kh, *vh;
 };
 template <int D, int BR>
-static __device__ __forceinline__ QueryBlock<D> query_block(const bf16* q, const bf16* k, const bf16* v, int hq, int hkv, int t) {
+static __device__ __forceinline__ QueryBlock<D> query_block(const bf16* q, const bf16* k, const bf16* v, int hq, int hkv, int t, int layout) {
     int b = blockIdx.z, h = blockIdx.y, hk = h / (hq / hkv);
     int q0 = (int)(gridDim.x - 1 - blockIdx.x) * BR;
-    return QueryBlock<D>{b, h, hk, q0, head_rows<D>(q, b, hq, h, t), head_rows<D>(k, b, hkv, hk, t), head_rows<D>(v, b, hkv, hk, t)};
+    return QueryBlock<D>{b, h, hk, q0, row_stride(hq, D, layout), row_stride(hkv, D, layout),
+                         head_rows<D>(q, b, hq, h, t, layout), head_rows<D>(k, b, hkv, hk, t, layout), head_rows<D>(v, b, hkv, hk, t, layout)};
 }
 // K/V tiles of BC rows, double-buffered: stage i's K at base + 2 i BC ST, its V BC ST further.
 template <int D, int BC>
@@ -167,21 +174,21 @@ static __device__ __forceinline__ const bf16* kv_stage(const bf16* base, int i) 
     return base + (i & 1) * 2 * BC * (D + FLASH_PAD);
 }
 template <int D, int BC, int NT>
-static __device__ __forceinline__ void load_kv_async(bf16* base, int i, const bf16* kh, const bf16* vh, int k0, int t) {
+static __device__ __forceinline__ void load_kv_async(bf16* base, int i, const bf16* kh, const bf16* vh, int k0, int t, int rs) {
     bf16* sK = base + (i & 1) * 2 * BC * (D + FLASH_PAD);
-    load_rows_async<D, BC, NT>(sK, kh, k0, t);
-    load_rows_async<D, BC, NT>(sK + BC * (D + FLASH_PAD), vh, k0, t);
+    load_rows_async<D, BC, NT>(sK, kh, k0, t, rs);
+    load_rows_async<D, BC, NT>(sK + BC * (D + FLASH_PAD), vh, k0, t, rs);
 }
 // Writes this warp's two C rows (`rows`, skipped past t) of a (16, D) accumulator, times mul[r],
-// into the (t, D) rows x as bf16.
+// into the (t, D) rows x (`rs` elements apart) as bf16.
 template <int D>
-static __device__ __forceinline__ void store_rows(bf16* x, float (*acc)[4], const int* rows, const float* mul, int t, int tq) {
+static __device__ __forceinline__ void store_rows(bf16* x, float (*acc)[4], const int* rows, const float* mul, int t, int tq, int rs) {
 #pragma unroll
     for (int r = 0; r < 2; ++r) {
         if (rows[r] >= t) continue;
 #pragma unroll
         for (int n = 0; n < D / 8; ++n)
-            *reinterpret_cast<unsigned*>(x + (i64)rows[r] * D + n * 8 + 2 * tq) = pack_bf16(acc[n][2 * r] * mul[r], acc[n][2 * r + 1] * mul[r]);
+            *reinterpret_cast<unsigned*>(x + (i64)rows[r] * rs + n * 8 + 2 * tq) = pack_bf16(acc[n][2 * r] * mul[r], acc[n][2 * r + 1] * mul[r]);
     }
 }
 #define FLASH_LOG2E 1.4426950408889634f
@@ -206,7 +213,8 @@ static __device__ __forceinline__ float exp2_fast(float x) {
 // log2(e) folded into the scale) and O += P V, P taken from the S accumulators. A warp skips the
 // tiles wholly above its rows' diagonal, and masks only the tiles that cross it (or the end).
 template <int D, int BC, int W>
-static __device__ void flash_fwd_impl(const bf16* q, const bf16* k, const bf16* v, bf16* o, float* lse, int hq, int hkv, int t, float scale) {
+static __device__ void flash_fwd_impl(const bf16* q, const bf16* k, const bf16* v, bf16* o, float* lse, int hq, int hkv, int t, float scale,
+                                      int layout) {
     constexpr int BR = FLASH_WARP_ROWS * W, NT = 32 * W, ST = D + FLASH_PAD;
     DYNAMIC_SMEM(smem);
     bf16* sQ = reinterpret_cast<bf16*>(smem);
@@ -214,11 +222,11 @@ static __device__ void flash_fwd_impl(const bf16* q, const bf16* k, const bf16* 
     // Plain ints, not a structured binding: the closures below capture `lane` (C++17, NVRTC).
     const FlashLane fl = flash_lane();
     const int warp = fl.warp, lane = fl.lane, g = fl.g, tq = fl.tq;
-    auto [b, h, hk, q0, qh, kh, vh] = query_block<D, BR>(q, k, v, hq, hkv, t);
+    auto [b, h, hk, q0, rsq, rskv, qh, kh, vh] = query_block<D, BR>(q, k, v, hq, hkv, t, layout);
     int kv_end = min(t, q0 + BR), n_tiles = (kv_end + BC - 1) / BC;
-    load_rows_async<D, BR, NT>(sQ, qh, q0, t);
+    load_rows_async<D, BR, NT>(sQ, qh, q0, t, rsq);
     cp_async_commit();
-    load_kv_async<D, BC, NT>(sKV, 0, kh, vh, 0, t);
+    load_kv_async<D, BC, NT>(sKV, 0, kh, vh, 0, t, rskv);
     cp_async_commit();
     cp_async_wait<1>();  // Q
     __syncthreads();
@@ -233,7 +241,7 @@ static __device__ void flash_fwd_impl(const bf16* q, const bf16* k, const bf16* 
     const float sl2 = scale * FLASH_LOG2E;
     for (int j = 0; j < n_tiles; ++j) {
         int k0 = j * BC;
-        if (j + 1 < n_tiles) load_kv_async<D, BC, NT>(sKV, j + 1, kh, vh, k0 + BC, t);
+        if (j + 1 < n_tiles) load_kv_async<D, BC, NT>(sKV, j + 1, kh, vh, k0 + BC, t, rskv);
         cp_async_commit();
         cp_async_wait<1>();  // tile j
         __syncthreads();
@@ -281,21 +289,27 @@ static __device__ void flash_fwd_impl(const bf16* q, const bf16* k, const bf16* 
         inv[r] = 1.0f / l_r[r];
         if (rows[r] < t && tq == 0) lse[(i64)(b * hq + h) * t + rows[r]] = m_r[r] * scale + logf(l_r[r]);
     }
-    store_rows<D>(head_rows<D>(o, b, hq, h, t), acc, rows, inv, t, tq);
+    store_rows<D>(head_rows<D>(o, b, hq, h, t, layout), acc, rows, inv, t, tq, rsq);
 }
 // ---- backward preprocessing: D = rowsum(dO * O), one warp per row ------------------------------
+// Row r = (b, h, i) of D (b, heads, t); dO and O are (b, heads, t, d) in `layout`.
 template <typename T>
-static __device__ void attn_bwd_dot_impl(const T* dout, const T* out, float* dvec, i64 rows, int d) {
+static __device__ void attn_bwd_dot_impl(const T* dout, const T* out, float* dvec, i64 rows, int d, int t, int heads, int layout) {
     i64 row = ((i64)blockIdx.x * blockDim.x + threadIdx.x) >> 5;
     int lane = threadIdx.x & 31;
     if (row >= rows) return;
+    i64 bh = row / t, src = layout == TIME_MAJOR ? ((bh / heads) * t + row % t) * heads + bh % heads : row;
     float acc = 0.0f;
-    for (int x = lane; x < d; x += 32) acc += to_f(dout[row * d + x]) * to_f(out[row * d + x]);
+    for (int x = lane; x < d; x += 32) acc += to_f(dout[src * d + x]) * to_f(out[src * d + x]);
     acc = warp_sum(acc);
     if (lane == 0) dvec[row] = acc;
 }
-extern "C" __global__ void attn_bwd_dot_f32(const float* dout, const float* out, float* dvec, i64 rows, int d) { attn_bwd_dot_impl(dout, out, dvec, rows, d); }
-extern "C" __global__ void attn_bwd_dot_bf16(const bf16* dout, const bf16* out, float* dvec, i64 rows, int d) { attn_bwd_dot_impl(dout, out, dvec, rows, d); }
+extern "C" __global__ void attn_bwd_dot_f32(const float* dout, const float* out, float* dvec, i64 rows, int d, int t, int heads, int layout) {
+    attn_bwd_dot_impl(dout, out, dvec, rows, d, t, heads, layout);
+}
+extern "C" __global__ void attn_bwd_dot_bf16(const bf16* dout, const bf16* out, float* dvec, i64 rows, int d, int t, int heads, int layout) {
+    attn_bwd_dot_impl(dout, out, dvec, rows, d, t, heads, layout);
+}
 
 // ---- backward dK, dV (bf16, tensor cores) -----------------------------------------------------
 // grid (ceil(t / 16W), hkv, b), block 32 W (W warps x 16 kv rows), dynamic smem
@@ -308,7 +322,7 @@ extern "C" __global__ void attn_bwd_dot_bf16(const bf16* dout, const bf16* out, 
 // the accumulators. dK, dV stay in registers: deterministic, no atomics.
 template <int D, int BQ, int W>
 static __device__ void flash_bwd_dkdv_impl(const bf16* q, const bf16* k, const bf16* v, const bf16* dout, const float* lse,
-                                           const float* dvec, bf16* dk, bf16* dv, int hq, int hkv, int t, float scale) {
+                                           const float* dvec, bf16* dk, bf16* dv, int hq, int hkv, int t, float scale, int layout) {
     constexpr int BKV = FLASH_WARP_ROWS * W, NT = 32 * W, ST = D + FLASH_PAD;
     static_assert(2 * BQ <= NT, "a thread for each lse and D value of a query tile");
     DYNAMIC_SMEM(smem);
@@ -319,10 +333,11 @@ static __device__ void flash_bwd_dkdv_impl(const bf16* q, const bf16* k, const b
     int b = blockIdx.z, hk = blockIdx.y, group = hq / hkv;
     auto [warp, lane, g, tq] = flash_lane();
     int k0 = blockIdx.x * BKV;  // the first blocks have the most query tiles: they start first
-    const bf16* kh = head_rows<D>(k, b, hkv, hk, t);
-    const bf16* vh = head_rows<D>(v, b, hkv, hk, t);
-    load_rows_async<D, BKV, NT>(sK, kh, k0, t);
-    load_rows_async<D, BKV, NT>(sV, vh, k0, t);
+    const int rsq = row_stride(hq, D, layout), rskv = row_stride(hkv, D, layout);
+    const bf16* kh = head_rows<D>(k, b, hkv, hk, t, layout);
+    const bf16* vh = head_rows<D>(v, b, hkv, hk, t, layout);
+    load_rows_async<D, BKV, NT>(sK, kh, k0, t, rskv);
+    load_rows_async<D, BKV, NT>(sV, vh, k0, t, rskv);
     cp_async_commit();
     int i_first = (k0 / BQ) * BQ, per_head = (t - i_first + BQ - 1) / BQ, steps = group * per_head;
     // Step j: query head hk * group + j / per_head, query rows from i_first + (j % per_head) BQ.
@@ -330,8 +345,8 @@ static __device__ void flash_bwd_dkdv_impl(const bf16* q, const bf16* k, const b
         int h = hk * group + j / per_head, i0 = i_first + (j % per_head) * BQ;
         bf16* sQ = sQO + (j & 1) * 2 * BQ * ST;
         float* sL = sLD + (j & 1) * 2 * BQ;
-        load_rows_async<D, BQ, NT>(sQ, head_rows<D>(q, b, hq, h, t), i0, t);
-        load_rows_async<D, BQ, NT>(sQ + BQ * ST, head_rows<D>(dout, b, hq, h, t), i0, t);
+        load_rows_async<D, BQ, NT>(sQ, head_rows<D>(q, b, hq, h, t, layout), i0, t, rsq);
+        load_rows_async<D, BQ, NT>(sQ + BQ * ST, head_rows<D>(dout, b, hq, h, t, layout), i0, t, rsq);
         load_vec_async(sL, lse + (i64)(b * hq + h) * t, i0, BQ, t, 0);
         load_vec_async(sL + BQ, dvec + (i64)(b * hq + h) * t, i0, BQ, t, BQ);
     };
@@ -378,8 +393,8 @@ static __device__ void flash_bwd_dkdv_impl(const bf16* q, const bf16* k, const b
         __syncthreads();  // every warp is done with stage j before step j + 1 refills it
     }
     const float one[2] = {1.0f, 1.0f};
-    store_rows<D>(head_rows<D>(dk, b, hkv, hk, t), dka, kvrow, one, t, tq);
-    store_rows<D>(head_rows<D>(dv, b, hkv, hk, t), dva, kvrow, one, t, tq);
+    store_rows<D>(head_rows<D>(dk, b, hkv, hk, t, layout), dka, kvrow, one, t, tq, rskv);
+    store_rows<D>(head_rows<D>(dv, b, hkv, hk, t, layout), dva, kvrow, one, t, tq, rskv);
 }
 // ---- backward dQ (bf16, tensor cores) ---------------------------------------------------------
 // grid (ceil(t / 16W), hq, b), block 32 W (W warps x 16 query rows), dynamic smem
@@ -389,19 +404,19 @@ static __device__ void flash_bwd_dkdv_impl(const bf16* q, const bf16* k, const b
 // causal skipping and masking of the forward.
 template <int D, int BC, int W>
 static __device__ void flash_bwd_dq_impl(const bf16* q, const bf16* k, const bf16* v, const bf16* dout, const float* lse,
-                                         const float* dvec, bf16* dq, int hq, int hkv, int t, float scale) {
+                                         const float* dvec, bf16* dq, int hq, int hkv, int t, float scale, int layout) {
     constexpr int BR = FLASH_WARP_ROWS * W, NT = 32 * W, ST = D + FLASH_PAD;
     DYNAMIC_SMEM(smem);
     bf16* sQ = reinterpret_cast<bf16*>(smem);
     bf16* sO = sQ + BR * ST;
     bf16* sKV = sO + BR * ST;
     auto [warp, lane, g, tq] = flash_lane();
-    auto [b, h, hk, q0, qh, kh, vh] = query_block<D, BR>(q, k, v, hq, hkv, t);
+    auto [b, h, hk, q0, rsq, rskv, qh, kh, vh] = query_block<D, BR>(q, k, v, hq, hkv, t, layout);
     int kv_end = min(t, q0 + BR), n_tiles = (kv_end + BC - 1) / BC;
-    load_rows_async<D, BR, NT>(sQ, qh, q0, t);
-    load_rows_async<D, BR, NT>(sO, head_rows<D>(dout, b, hq, h, t), q0, t);
+    load_rows_async<D, BR, NT>(sQ, qh, q0, t, rsq);
+    load_rows_async<D, BR, NT>(sO, head_rows<D>(dout, b, hq, h, t, layout), q0, t, rsq);
     cp_async_commit();
-    load_kv_async<D, BC, NT>(sKV, 0, kh, vh, 0, t);
+    load_kv_async<D, BC, NT>(sKV, 0, kh, vh, 0, t, rskv);
     cp_async_commit();
     int r0 = warp * 16, wr0 = q0 + r0;
     int rows[2] = {wr0 + g, wr0 + g + 8};
@@ -416,7 +431,7 @@ static __device__ void flash_bwd_dq_impl(const bf16* q, const bf16* k, const bf1
     const float sl2 = scale * FLASH_LOG2E;
     for (int j = 0; j < n_tiles; ++j) {
         int k0 = j * BC;
-        if (j + 1 < n_tiles) load_kv_async<D, BC, NT>(sKV, j + 1, kh, vh, k0 + BC, t);
+        if (j + 1 < n_tiles) load_kv_async<D, BC, NT>(sKV, j + 1, kh, vh, k0 + BC, t, rskv);
         cp_async_commit();
         cp_async_wait<1>();  // Q, dO and tile j
         __syncthreads();
@@ -443,23 +458,24 @@ static __device__ void flash_bwd_dq_impl(const bf16* q, const bf16* k, const bf1
         __syncthreads();
     }
     const float one[2] = {1.0f, 1.0f};
-    store_rows<D>(head_rows<D>(dq, b, hq, h, t), acc, rows, one, t, tq);
+    store_rows<D>(head_rows<D>(dq, b, hq, h, t, layout), acc, rows, one, t, tq, rsq);
 }
 // The entry points: forward, dK/dV and dQ at head dim D with W warps, named by SUFFIX.
 #define FLASH_KERNELS(D, W, SUFFIX)                                                                                                    \
     extern "C" __global__ void __launch_bounds__(32 * W)                                                                             \
-        flash_fwd_bf16_##SUFFIX(const bf16* q, const bf16* k, const bf16* v, bf16* o, float* lse, int hq, int hkv, int t, float scale) { \
-        flash_fwd_impl<D, FLASH_FWD_TILE_D##D, W>(q, k, v, o, lse, hq, hkv, t, scale);                                              \
+        flash_fwd_bf16_##SUFFIX(const bf16* q, const bf16* k, const bf16* v, bf16* o, float* lse, int hq, int hkv, int t, float scale, \
+                                int layout) {                                                                                           \
+        flash_fwd_impl<D, FLASH_FWD_TILE_D##D, W>(q, k, v, o, lse, hq, hkv, t, scale, layout);                                      \
     }                                                                                                                                  \
     extern "C" __global__ void __launch_bounds__(32 * W)                                                                             \
         flash_bwd_dkdv_bf16_##SUFFIX(const bf16* q, const bf16* k, const bf16* v, const bf16* dout, const float* lse,                 \
-                                     const float* dvec, bf16* dk, bf16* dv, int hq, int hkv, int t, float scale) {                      \
-        flash_bwd_dkdv_impl<D, FLASH_BWD_TILE_D##D, W>(q, k, v, dout, lse, dvec, dk, dv, hq, hkv, t, scale);                        \
+                                     const float* dvec, bf16* dk, bf16* dv, int hq, int hkv, int t, float scale, int layout) {          \
+        flash_bwd_dkdv_impl<D, FLASH_BWD_TILE_D##D, W>(q, k, v, dout, lse, dvec, dk, dv, hq, hkv, t, scale, layout);                \
     }                                                                                                                                  \
     extern "C" __global__ void __launch_bounds__(32 * W)                                                                             \
         flash_bwd_dq_bf16_##SUFFIX(const bf16* q, const bf16* k, const bf16* v, const bf16* dout, const float* lse, const float* dvec, \
-                                   bf16* dq, int hq, int hkv, int t, float scale) {                                                     \
-        flash_bwd_dq_impl<D, FLASH_BWD_TILE_D##D, W>(q, k, v, dout, lse, dvec, dq, hq, hkv, t, scale);                              \
+                                   bf16* dq, int hq, int hkv, int t, float scale, int layout) {                                         \
+        flash_bwd_dq_impl<D, FLASH_BWD_TILE_D##D, W>(q, k, v, dout, lse, dvec, dq, hq, hkv, t, scale, layout);                      \
     }
 FLASH_KERNELS(64, FLASH_WARPS, d64)
 FLASH_KERNELS(128, FLASH_WARPS, d128)

@@ -33,6 +33,11 @@ enum { B_ADD, B_SUB, B_MUL, B_DIV, B_EQ };
 #define FLASH_BWD_TILE_D64 64
 #define FLASH_BWD_TILE_D128 32
 #define FLASH_PAD 8
+// Head layouts of a (b, heads, t, d) tensor (attention.cu, rope.cu). HEAD_MAJOR: (b, heads, t, d)
+// contiguous, a head's rows adjacent. TIME_MAJOR: (b, t, heads, d) contiguous, the layout the q, k
+// and v projections write (a head's rows heads * d elements apart), seen through
+// permute(0, 2, 1, 3): attention and RoPE read and write it in place, so no head permute is copied.
+enum { HEAD_MAJOR, TIME_MAJOR };
 // SIMT attention (one warp per row): each lane holds ATTN_SIMT_PER_LANE elements of a row, so
 // the head dim is at most 32 * ATTN_SIMT_PER_LANE.
 #define ATTN_SIMT_PER_LANE 8

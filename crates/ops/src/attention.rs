@@ -6,9 +6,13 @@
 //! on every device (deterministic).
 //! CUDA: kernels/attention.cu, FlashAttention-2 on tensor cores for bf16 with head dim 64/128
 //! (forward; backward as dK/dV and dQ passes), one warp per row (SIMT) for everything else.
+//! The tensor-core kernels read q, k, v (and write o, dq, dk, dv) in the time-major layout the
+//! projections write (`HeadLayout`), so a model's heads are split and merged without copies;
+//! the CPU reference and the SIMT kernels take head-major tensors.
 use crate::dispatch::{dev_ptr, f32_ptr, num, on, On};
+use crate::heads::HeadLayout;
 use ferrolm_tensor::backend::View;
-use ferrolm_tensor::{bail, same_float, Result, Storage, Tensor};
+use ferrolm_tensor::{bail, same_float, Device, Error, Layout, Result, Storage, Tensor};
 
 /// Warps per block of the CUDA flash kernels on this thread: 8 (`FLASH_WARPS`), or 4
 /// (`FLASH_WARPS_SMALL`, the `_w4` kernels: 64-row blocks, two to an SM) where `FERROLM_FLASH_WARPS=4`
@@ -83,34 +87,55 @@ pub fn causal_attention(q: &Tensor, k: &Tensor, v: &Tensor, scale: f64) -> Resul
         );
     }
     let dims = AttnDims { b: qd[0], hq: qd[1], hkv: kd[1], t: qd[2], d: qd[3] };
-    let (qc, kc, vc) = (q.contiguous()?, k.contiguous()?, v.contiguous()?);
+    // Time-major where the tensor-core kernels run and q, k, v all are (the projections' heads):
+    // no copies in or out. Anything else is made head-major.
+    let layout = match HeadLayout::common(&[q.layout(), k.layout(), v.layout()]) {
+        Some(HeadLayout::TimeMajor) if !matches!(q.device(), Device::Cpu) && cuda::flash(q.dtype(), dims, scale) => HeadLayout::TimeMajor,
+        _ => HeadLayout::HeadMajor,
+    };
+    let (qc, kc, vc) = (layout.arrange(q)?, layout.arrange(k)?, layout.arrange(v)?);
     let (o, lse) = Tensor::with_storages(&[&qc, &kc, &vc], |s| forward(s[0], s[1], s[2], dims, scale))?;
-    let out = Tensor::new(o, q.shape().clone())?;
+    let (qs, kvs) = ([dims.b, dims.hq, dims.t, dims.d], [dims.b, dims.hkv, dims.t, dims.d]);
+    let out = layout.tensor(o, qs)?;
     let lse = Tensor::new(lse, [dims.b, dims.hq, dims.t])?;
     let o = out.clone();
     let backward_fn = move |g: &Tensor| {
-        let g = g.contiguous()?;
+        let g = layout.arrange(g)?;
         let (dq, dk, dv) =
             Tensor::with_storages(&[&g, &qc, &kc, &vc, &o, &lse], |s| backward(s[0], s[1], s[2], s[3], s[4], s[5], dims, scale))?;
-        let shapes = [qc.shape(), kc.shape(), vc.shape()];
-        Ok(vec![
-            Some(Tensor::new(dq, shapes[0].clone())?),
-            Some(Tensor::new(dk, shapes[1].clone())?),
-            Some(Tensor::new(dv, shapes[2].clone())?),
-        ])
+        Ok(vec![Some(layout.tensor(dq, qs)?), Some(layout.tensor(dk, kvs)?), Some(layout.tensor(dv, kvs)?)])
     };
     Ok(Tensor::from_op(out, "attention", &[q, k, v], Box::new(backward_fn)))
 }
 
-/// q, k, v contiguous -> (o (b, hq, t, d), lse (b, hq, t) in f32, f64 for f64).
+/// The head layout that every view of `ls` is dense in, or an error naming the tensors.
+fn layout_of(op: &str, names: &str, ls: &[&Layout]) -> Result<HeadLayout> {
+    HeadLayout::common(ls).ok_or_else(|| {
+        let strides: Vec<_> = ls.iter().map(|l| &l.strides).collect();
+        Error::new(op, format!("{names} must be dense in one head layout, (b, heads, t, d) or (b, t, heads, d); strides {strides:?}"))
+    })
+}
+
+/// The CPU reference and the SIMT kernels take head-major tensors only.
+fn head_major(op: &str, layout: HeadLayout) -> Result<()> {
+    if layout != HeadLayout::HeadMajor {
+        bail!(op, "time-major (b, t, heads, d) inputs need the CUDA tensor-core kernels (bf16, head dim 64 or 128); copy them to (b, heads, t, d)");
+    }
+    Ok(())
+}
+
+/// q, k, v dense in one head layout (`HeadLayout`; head-major on the CPU and for the SIMT
+/// kernels) -> (o (b, hq, t, d) in that layout, lse (b, hq, t) in f32, f64 for f64).
 pub fn forward(q: View, k: View, v: View, dims: AttnDims, scale: f64) -> Result<(Storage, Storage)> {
+    let layout = layout_of("attention", "q, k, v", &[q.1, k.1, v.1])?;
     match on("attention", q.0)? {
-        On::Cpu => cpu::forward(q, k, v, dims, scale),
-        On::Cuda(be) => cuda::forward(&be, q, k, v, dims, scale),
+        On::Cpu => head_major("attention", layout).and_then(|_| cpu::forward(q, k, v, dims, scale)),
+        On::Cuda(be) => cuda::forward(&be, q, k, v, dims, layout, scale),
     }
 }
 
-/// The output gradient, the inputs and the forward's o and lse, contiguous -> (dq, dk, dv).
+/// The output gradient, the inputs and the forward's o, dense in one head layout as in
+/// `forward`, and lse, contiguous -> (dq, dk, dv) in that layout.
 #[allow(clippy::too_many_arguments)]
 pub fn backward(
     dout: View,
@@ -122,9 +147,10 @@ pub fn backward(
     dims: AttnDims,
     scale: f64,
 ) -> Result<(Storage, Storage, Storage)> {
+    let layout = layout_of("attention_backward", "dO, q, k, v, o", &[dout.1, q.1, k.1, v.1, out.1])?;
     match on("attention", q.0)? {
-        On::Cpu => cpu::backward([dout, q, k, v, out, lse], dims, scale),
-        On::Cuda(be) => cuda::backward(&be, [dout, q, k, v, out, lse], dims, scale),
+        On::Cpu => head_major("attention_backward", layout).and_then(|_| cpu::backward([dout, q, k, v, out, lse], dims, scale)),
+        On::Cuda(be) => cuda::backward(&be, [dout, q, k, v, out, lse], dims, layout, scale),
     }
 }
 
@@ -378,7 +404,7 @@ mod cuda {
 
     /// The tensor-core kernels take bf16 with head dim 64 or 128 and a positive scale (their
     /// softmax takes the row maximum of the unscaled scores).
-    fn flash(dt: DType, a: AttnDims, scale: f64) -> bool {
+    pub(super) fn flash(dt: DType, a: AttnDims, scale: f64) -> bool {
         dt == DType::BF16 && (a.d == 64 || a.d == 128) && scale > 0.0
     }
 
@@ -404,13 +430,14 @@ mod cuda {
     }
 
     /// The flash kernels copy 16-byte chunks (cp.async): an input whose address is not 16-byte
-    /// aligned (a view at an odd offset) is copied to a fresh buffer first; `keep` holds it.
-    fn aligned_ptr(be: &CudaBackend, op: &str, x: View, keep: &mut Vec<CudaStorage>) -> Result<DevPtr> {
+    /// aligned (a view at an odd offset) is copied to a fresh buffer of its layout first; `keep`
+    /// holds it.
+    fn aligned_ptr(be: &CudaBackend, op: &str, x: View, layout: HeadLayout, keep: &mut Vec<CudaStorage>) -> Result<DevPtr> {
         let p = dev_ptr(op, x)?;
         if p.addr().is_multiple_of(16) {
             return Ok(p);
         }
-        let c = be.contiguous(op, x)?;
+        let c = be.contiguous(op, (x.0, &layout.memory_order(x.1)))?;
         let p = c.ptr();
         keep.push(c);
         Ok(p)
@@ -421,7 +448,15 @@ mod cuda {
         Launch::new((a.t.div_ceil(FLASH_WARP_ROWS * warps) as u32, heads as u32, a.b as u32), 32 * warps as u32).smem(smem)
     }
 
-    pub(super) fn forward(be: &CudaBackend, q: View, k: View, v: View, a: AttnDims, scale: f64) -> Result<(Storage, Storage)> {
+    pub(super) fn forward(
+        be: &CudaBackend,
+        q: View,
+        k: View,
+        v: View,
+        a: AttnDims,
+        layout: HeadLayout,
+        scale: f64,
+    ) -> Result<(Storage, Storage)> {
         let op = "attention";
         let s = CudaStorage::of(op, q.0)?;
         check(op, a)?;
@@ -429,12 +464,14 @@ mod cuda {
         let lse = be.alloc_storage(a.b * a.hq * a.t, DType::F32)?;
         let (pq, pk, pv) = (s.at(q.1.offset), dev_ptr(op, k)?, dev_ptr(op, v)?);
         let (hq, hkv, t, sc) = (a.hq as i32, a.hkv as i32, a.t as i32, scale as f32);
-        // SAFETY (both branches): q is (b, hq, t, d), k and v (b, hkv, t, d), contiguous, of one
-        // dtype; o holds b * hq * t * d elements of it and lse b * hq * t f32. The flash kernels
-        // get 16-byte aligned inputs and the shared memory their tiles need (flash_smem).
+        // SAFETY (both branches): q is (b, hq, t, d), k and v (b, hkv, t, d), dense in `layout`
+        // (head-major for SIMT), of one dtype; o holds b * hq * t * d elements of it and lse
+        // b * hq * t f32. The flash kernels get 16-byte aligned inputs and the shared memory their
+        // tiles need (flash_smem).
         if flash(s.dtype(), a, scale) {
             let mut keep = Vec::new();
-            let (pq, pk, pv) = (aligned_ptr(be, op, q, &mut keep)?, aligned_ptr(be, op, k, &mut keep)?, aligned_ptr(be, op, v, &mut keep)?);
+            let mut ptr = |x: View| aligned_ptr(be, op, x, layout, &mut keep);
+            let (pq, pk, pv) = (ptr(q)?, ptr(k)?, ptr(v)?);
             let w = flash_warps()?;
             let launch = match (a.d, w) {
                 (64, 4) => kernels::flash_fwd_bf16_d64_w4,
@@ -443,8 +480,9 @@ mod cuda {
                 _ => kernels::flash_fwd_bf16_d128,
             };
             let cfg = flash_grid(a, a.hq, w, flash_smem(a.d, w).fwd);
-            unsafe { launch(be, cfg, pq, pk, pv, o.ptr(), lse.ptr(), hq, hkv, t, sc)? };
+            unsafe { launch(be, cfg, pq, pk, pv, o.ptr(), lse.ptr(), hq, hkv, t, sc, layout.code())? };
         } else {
+            head_major(op, layout)?;
             let cfg = Launch::cover(a.b * a.hq * a.t * 32, SIMT_BLOCK);
             unsafe { kernels::attn_fwd_simt(be, s.dtype(), cfg, pq, pk, pv, o.ptr(), lse.ptr(), a.b as i32, hq, hkv, t, a.d as i32, sc)? };
         }
@@ -452,7 +490,13 @@ mod cuda {
     }
 
     /// `views` are dout, q, k, v, out, lse.
-    pub(super) fn backward(be: &CudaBackend, views: [View; 6], a: AttnDims, scale: f64) -> Result<(Storage, Storage, Storage)> {
+    pub(super) fn backward(
+        be: &CudaBackend,
+        views: [View; 6],
+        a: AttnDims,
+        layout: HeadLayout,
+        scale: f64,
+    ) -> Result<(Storage, Storage, Storage)> {
         let op = "attention_backward";
         let [dout, q, k, v, out, lse] = views;
         let s = CudaStorage::of(op, q.0)?;
@@ -462,14 +506,17 @@ mod cuda {
         let rows = a.b * a.hq * a.t;
         let dvec = be.alloc_storage(rows, DType::F32)?;
         let fl = flash(dt, a, scale);
+        if !fl {
+            head_major(op, layout)?;
+        }
         let mut keep = Vec::new();
-        let mut ptr = |x: View| if fl { aligned_ptr(be, op, x, &mut keep) } else { dev_ptr(op, x) };
+        let mut ptr = |x: View| if fl { aligned_ptr(be, op, x, layout, &mut keep) } else { dev_ptr(op, x) };
         let ins = Inputs { q: ptr(q)?, k: ptr(k)?, v: ptr(v)?, dout: ptr(dout)?, lse, dvec: dvec.ptr() };
         let dq = be.alloc_storage(rows * a.d, dt)?;
         let (dk, dv) = (be.alloc_storage(a.b * a.hkv * a.t * a.d, dt)?, be.alloc_storage(a.b * a.hkv * a.t * a.d, dt)?);
         let grads = [dq.ptr(), dk.ptr(), dv.ptr()];
-        // SAFETY: dout, q and out are (b, hq, t, d), k and v (b, hkv, t, d), contiguous, of dtype
-        // dt; lse b * hq * t f32. dvec holds `rows` f32 (D = rowsum(dO * O)), dq rows * d
+        // SAFETY: dout, q and out are (b, hq, t, d), k and v (b, hkv, t, d), dense in `layout`
+        // (head-major for SIMT), of dtype dt; lse b * hq * t f32. dvec holds `rows` f32 (D = rowsum(dO * O)), dq rows * d
         // elements of dt, dk and dv b * hkv * t * d.
         unsafe {
             kernels::attn_bwd_dot(
@@ -481,9 +528,12 @@ mod cuda {
                 ins.dvec,
                 rows as i64,
                 a.d as i32,
+                a.t as i32,
+                a.hq as i32,
+                layout.code(),
             )?;
             if fl {
-                flash_backward(be, a, &ins, grads, scale as f32)?;
+                flash_backward(be, a, &ins, grads, layout, scale as f32)?;
             } else {
                 simt_backward(be, dt, a, &ins, grads, scale as f32)?;
             }
@@ -492,10 +542,25 @@ mod cuda {
     }
 
     /// The flash dK/dV and dQ launchers (one type for both block sizes).
-    type BwdKernel =
-        unsafe fn(&CudaBackend, Launch, DevPtr, DevPtr, DevPtr, DevPtr, DevPtr, DevPtr, DevPtr, DevPtr, i32, i32, i32, f32) -> Result<()>;
+    type BwdKernel = unsafe fn(
+        &CudaBackend,
+        Launch,
+        DevPtr,
+        DevPtr,
+        DevPtr,
+        DevPtr,
+        DevPtr,
+        DevPtr,
+        DevPtr,
+        DevPtr,
+        i32,
+        i32,
+        i32,
+        f32,
+        i32,
+    ) -> Result<()>;
     type DqKernel =
-        unsafe fn(&CudaBackend, Launch, DevPtr, DevPtr, DevPtr, DevPtr, DevPtr, DevPtr, DevPtr, i32, i32, i32, f32) -> Result<()>;
+        unsafe fn(&CudaBackend, Launch, DevPtr, DevPtr, DevPtr, DevPtr, DevPtr, DevPtr, DevPtr, i32, i32, i32, f32, i32) -> Result<()>;
 
     /// What every backward kernel reads: the inputs, the forward's lse and D = rowsum(dO * O).
     struct Inputs {
@@ -512,8 +577,15 @@ mod cuda {
     ///
     /// # Safety
     /// As in `backward`: every pointer addresses the tensor it names, with the sizes of `a`.
-    unsafe fn flash_backward(be: &CudaBackend, a: AttnDims, x: &Inputs, [dq, dk, dv]: [DevPtr; 3], sc: f32) -> Result<()> {
-        let (hq, hkv, t) = (a.hq as i32, a.hkv as i32, a.t as i32);
+    unsafe fn flash_backward(
+        be: &CudaBackend,
+        a: AttnDims,
+        x: &Inputs,
+        [dq, dk, dv]: [DevPtr; 3],
+        layout: HeadLayout,
+        sc: f32,
+    ) -> Result<()> {
+        let (hq, hkv, t, lc) = (a.hq as i32, a.hkv as i32, a.t as i32, layout.code());
         let w = flash_warps()?;
         let smem = flash_smem(a.d, w);
         let (dkdv, dq_pass) = match (a.d, w) {
@@ -524,8 +596,8 @@ mod cuda {
         };
         // SAFETY: the caller's contract; each kernel gets the shared memory its tiles take.
         unsafe {
-            dkdv(be, flash_grid(a, a.hkv, w, smem.dkdv), x.q, x.k, x.v, x.dout, x.lse, x.dvec, dk, dv, hq, hkv, t, sc)?;
-            dq_pass(be, flash_grid(a, a.hq, w, smem.dq), x.q, x.k, x.v, x.dout, x.lse, x.dvec, dq, hq, hkv, t, sc)
+            dkdv(be, flash_grid(a, a.hkv, w, smem.dkdv), x.q, x.k, x.v, x.dout, x.lse, x.dvec, dk, dv, hq, hkv, t, sc, lc)?;
+            dq_pass(be, flash_grid(a, a.hq, w, smem.dq), x.q, x.k, x.v, x.dout, x.lse, x.dvec, dq, hq, hkv, t, sc, lc)
         }
     }
 

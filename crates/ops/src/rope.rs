@@ -1,11 +1,14 @@
 //! Rotary position embedding in Hugging Face's `rotate_half` convention, on x (b, h, t, d) with
 //! precomputed cos/sin tables (t, d): y = x · cos + rotate_half(x) · sin, rotate_half(x) =
 //! cat(−x2, x1). The rotation is orthogonal, so the backward is the transposed rotation of the
-//! gradient (`inverse`); the tables are constants and get no gradient.
+//! gradient (`inverse`); the tables are constants and get no gradient. x is taken in place in
+//! either head layout (`HeadLayout`: head-major, or time-major as split from a projection) and
+//! y, like the gradient, comes out in x's; any other view is copied to head-major first.
 //! CUDA: kernels/rope.cu (one thread per (row, pair)).
 use crate::dispatch::{dev_ptr, on, On};
+use crate::heads::HeadLayout;
 use ferrolm_tensor::backend::View;
-use ferrolm_tensor::{bail, same_float, Result, Storage, Tensor};
+use ferrolm_tensor::{bail, same_float, Error, Result, Storage, Tensor};
 
 /// RoPE on x (b, h, t, d) with an even head dim, from cos/sin tables of shape (t, d).
 pub fn rope(x: &Tensor, cos: &Tensor, sin: &Tensor) -> Result<Tensor> {
@@ -18,32 +21,41 @@ pub fn rope(x: &Tensor, cos: &Tensor, sin: &Tensor) -> Result<Tensor> {
         bail!("rope", "cos/sin must be ({t}, {d}) for x {:?}, got {:?} and {:?}", x.shape(), cos.shape(), sin.shape());
     }
     let (cos, sin) = (cos.contiguous()?, sin.contiguous()?);
-    let out = rotate(&x.contiguous()?, &cos, &sin, false)?;
-    Ok(Tensor::from_op(out, "rope", &[x], Box::new(move |g| Ok(vec![Some(rotate(&g.contiguous()?, &cos, &sin, true)?)]))))
+    let out = rotate(x, &cos, &sin, false)?;
+    Ok(Tensor::from_op(out, "rope", &[x], Box::new(move |g| Ok(vec![Some(rotate(g, &cos, &sin, true)?)]))))
 }
 
+/// x rotated, in x's head layout (a copy to head-major first where x has neither).
 fn rotate(x: &Tensor, cos: &Tensor, sin: &Tensor, inverse: bool) -> Result<Tensor> {
-    let st = Tensor::with_storages(&[x, cos, sin], |s| apply(s[0], s[1], s[2], inverse))?;
-    Tensor::new(st, x.shape().clone())
+    let layout = HeadLayout::common(&[x.layout()]).unwrap_or(HeadLayout::HeadMajor);
+    let x = layout.arrange(x)?;
+    let st = Tensor::with_storages(&[&x, cos, sin], |s| apply(s[0], s[1], s[2], inverse))?;
+    let d = x.dims();
+    layout.tensor(st, [d[0], d[1], d[2], d[3]])
 }
 
-/// x (b, h, t, d) and cos/sin (t, d), contiguous -> the rotated x; `inverse` applies the
-/// transposed rotation (the backward).
+/// x (b, h, t, d), dense in either head layout, and cos/sin (t, d), contiguous -> the rotated
+/// x, written in x's layout; `inverse` applies the transposed rotation (the backward).
 pub fn apply(x: View, cos: View, sin: View, inverse: bool) -> Result<Storage> {
+    let Some(layout) = HeadLayout::common(&[x.1]) else {
+        return Err(Error::new("rope", format!("x must be dense (b, h, t, d) or (b, t, h, d), got strides {:?}", x.1.strides)));
+    };
+    let inner = layout.inner(x.1.dims()[1]);
     match on("rope", x.0)? {
-        On::Cpu => cpu::apply(x, cos, sin, inverse),
-        On::Cuda(be) => cuda::apply(&be, x, cos, sin, inverse),
+        On::Cpu => cpu::apply(x, cos, sin, inner, inverse),
+        On::Cuda(be) => cuda::apply(&be, x, cos, sin, inner, inverse),
     }
 }
 
 mod cpu {
-    //! The reference: one (batch, head) plane per task.
+    //! The reference: one (batch, head) plane per task (head-major), or one position of every
+    //! head (time-major).
     use super::*;
     use ferrolm_tensor::float_dispatch;
     use num_traits::Float;
     use rayon::prelude::*;
 
-    pub(super) fn apply(x: View, cos: View, sin: View, inverse: bool) -> Result<Storage> {
+    pub(super) fn apply(x: View, cos: View, sin: View, inner: usize, inverse: bool) -> Result<Storage> {
         let dims = x.1.dims();
         let (t, d) = (dims[2], dims[3]);
         let (ox, oc, os) = (x.1.offset, cos.1.offset, sin.1.offset);
@@ -52,17 +64,25 @@ mod cpu {
             "rope",
             x.0.dtype(),
             [x, cos, sin],
-            rope(&x[ox..ox + n], &cos[oc..oc + t * d], &sin[os..os + t * d], t, d, inverse)
+            rope(&x[ox..ox + n], &cos[oc..oc + t * d], &sin[os..os + t * d], t, d, inner, inverse)
         ))
     }
 
-    /// x: (b, h, t, d); cos, sin: (t, d).
-    fn rope<T: Float + Send + Sync>(x: &[T], cos: &[T], sin: &[T], t: usize, d: usize, inverse: bool) -> Vec<T> {
+    /// x: rows of d, `inner` rows (heads) per position: (b, h, t, d) with inner 1, (b, t, h, d)
+    /// with inner h; cos, sin: (t, d).
+    #[allow(clippy::too_many_arguments)]
+    fn rope<T: Float + Send + Sync>(x: &[T], cos: &[T], sin: &[T], t: usize, d: usize, inner: usize, inverse: bool) -> Vec<T> {
         let h = d / 2;
         let mut y = vec![T::zero(); x.len()];
-        y.par_chunks_mut(t * d).zip(x.par_chunks(t * d)).for_each(|(y, x)| {
-            for p in 0..t {
-                let (xr, yr) = (&x[p * d..(p + 1) * d], &mut y[p * d..(p + 1) * d]);
+        if y.is_empty() {
+            return y;
+        }
+        // A task: a (t, d) plane (head-major), or the `inner` rows of one position (time-major).
+        let chunk = if inner == 1 { t * d } else { inner * d };
+        y.par_chunks_mut(chunk).zip(x.par_chunks(chunk)).enumerate().for_each(|(c, (y, x))| {
+            for r in 0..chunk / d {
+                let p = if inner == 1 { r } else { c % t };
+                let (xr, yr) = (&x[r * d..(r + 1) * d], &mut y[r * d..(r + 1) * d]);
                 let (cr, sr) = (&cos[p * d..(p + 1) * d], &sin[p * d..(p + 1) * d]);
                 for j in 0..h {
                     if inverse {
@@ -85,7 +105,7 @@ mod cuda {
     use ferrolm_cuda::{kernels, CudaBackend, CudaStorage, Launch};
     use ferrolm_tensor::DeviceStorage;
 
-    pub(super) fn apply(be: &CudaBackend, x: View, cos: View, sin: View, inverse: bool) -> Result<Storage> {
+    pub(super) fn apply(be: &CudaBackend, x: View, cos: View, sin: View, inner: usize, inverse: bool) -> Result<Storage> {
         let s = CudaStorage::of("rope", x.0)?;
         let (t, d) = (x.1.dims()[2], x.1.dims()[3]);
         let n = x.1.numel();
@@ -93,10 +113,11 @@ mod cuda {
         let out = be.alloc_storage(n, s.dtype())?;
         let (pc, ps) = (dev_ptr("rope", cos)?, dev_ptr("rope", sin)?);
         let cfg = Launch::cover(nrows * d / 2, Launch::BLOCK);
-        // SAFETY: x holds nrows rows of d elements and cos/sin (t, d), of one dtype, contiguous;
-        // `out` holds n elements of it.
+        // SAFETY: x holds nrows dense rows of d elements, `inner` per position, and cos/sin (t, d),
+        // of one dtype, contiguous; `out` holds n elements of it.
         unsafe {
-            kernels::rope(be, s.dtype(), cfg, s.at(x.1.offset), pc, ps, out.ptr(), nrows as i64, t as i64, d as i64, inverse as i32)?
+            let (rows, t, d, inner) = (nrows as i64, t as i64, d as i64, inner as i64);
+            kernels::rope(be, s.dtype(), cfg, s.at(x.1.offset), pc, ps, out.ptr(), rows, t, d, inner, inverse as i32)?
         };
         Ok(out.into())
     }

@@ -1,0 +1,197 @@
+//! Attention and RoPE on heads split from a projection without a copy: a (b, t, heads, d) tensor
+//! seen as (b, heads, t, d) through permute(0, 2, 1, 3) (`HeadLayout::TimeMajor`).
+//!
+//! - On the CUDA device (the GPU, else the CPU emulator) the tensor-core attention reads q, k, v
+//!   and dO in that layout and writes o, dq, dk, dv in it: the same bits as the head-major run of
+//!   the same values, within tolerance of the CPU reference (which copies to head-major), on
+//!   poisoned outputs, and with no copy kernel launched in the forward or the backward (the
+//!   built-in profile counts them; a mixed-layout control shows the count sees copies).
+//! - RoPE keeps either layout, on both backends, bit for bit against the head-major result.
+//! - The storage-level API refuses what it cannot take, naming it.
+#[path = "../../cuda/tests/common/mod.rs"]
+mod common;
+use common::*;
+use ferrolm_cuda::profile;
+use ferrolm_ops::{attention, causal_attention, rope, AttnDims, HeadLayout};
+use ferrolm_tensor::autograd::backward_with;
+use ferrolm_tensor::{DType, Device, Layout, Rng, Shape, Tensor};
+use std::sync::Mutex;
+
+/// The profile is one per process.
+static PROFILE: Mutex<()> = Mutex::new(());
+
+const TM: [usize; 4] = [0, 2, 1, 3];
+
+/// Leaves (b, t, heads, d) on `dev` needing gradients, and their (b, heads, t, d) views.
+fn split(xs: &[Tensor], dev: Device) -> (Vec<Tensor>, Vec<Tensor>) {
+    let leaves: Vec<Tensor> = xs
+        .iter()
+        .map(|x| {
+            let t = x.to_device(dev).unwrap().detach();
+            t.set_requires_grad(true).unwrap();
+            t
+        })
+        .collect();
+    let views = leaves.iter().map(|l| l.permute(&TM).unwrap()).collect();
+    (leaves, views)
+}
+
+/// Attention over time-major views of `xs` (q, k, v as (b, t, heads, d)) on `dev`, back from
+/// `cot` (b, t, hq, d) as a time-major view, as a model's output projection hands it back:
+/// (o as (b, t, hq, d), dq, dk, dv as (b, t, heads, d)), and the layout o came in.
+fn time_major_run(xs: &[Tensor], cot: &Tensor, dev: Device, scale: f64) -> (Vec<Tensor>, Option<HeadLayout>) {
+    let (leaves, views) = split(xs, dev);
+    let y = causal_attention(&views[0], &views[1], &views[2], scale).unwrap();
+    let layout = HeadLayout::common(&[y.layout()]);
+    backward_with(&y, cot.to_device(dev).unwrap().permute(&TM).unwrap()).unwrap();
+    let mut out = vec![y.permute(&TM).unwrap().contiguous().unwrap()];
+    out.extend(leaves.iter().map(|l| l.grad().expect("a gradient")));
+    (out, layout)
+}
+
+fn bits(t: &Tensor) -> Vec<u64> {
+    t.contiguous().unwrap().to_vec_f64().unwrap().iter().map(|x| x.to_bits()).collect()
+}
+
+/// Launches of copy kernels (strided copies, transposes) in the profile.
+fn copies(rep: &profile::ProfileReport) -> u64 {
+    rep.kernels.iter().filter(|k| k.name.contains("copy") || k.name.contains("transpose")).map(|k| k.launches).sum()
+}
+
+#[test]
+fn flash_attention_reads_and_writes_time_major_heads() {
+    let Some(_) = gpu() else { return };
+    let _g = PROFILE.lock().unwrap_or_else(|e| e.into_inner());
+    let mut r = rng(31);
+    // d 64 / 128, GQA groups of 1, 2 and 4, t off every tile size, batch > 1.
+    for (b, hq, hkv, t, d) in [(2, 4, 2, 77, 64), (1, 8, 2, 130, 128), (2, 2, 2, 203, 128), (1, 4, 1, 300, 64)] {
+        let name = format!("time-major attention b{b} hq{hq} hkv{hkv} t{t} d{d}");
+        let xs = [hq, hkv, hkv].map(|h| randn(&[b, t, h, d], DType::BF16, &mut r));
+        let cot = randn(&[b, t, hq, d], DType::BF16, &mut r);
+        let scale = 1.0 / (d as f64).sqrt();
+        let (cpu, cpu_layout) = time_major_run(&xs, &cot, Device::Cpu, scale);
+        assert_eq!(cpu_layout, Some(HeadLayout::HeadMajor), "{name}: the CPU reference works head-major");
+        profile::enable(true);
+        profile::reset();
+        let (dev, dev_layout) = time_major_run(&xs, &cot, GPU, scale);
+        let rep = profile::report();
+        profile::enable(false);
+        assert_eq!(dev_layout, Some(HeadLayout::TimeMajor), "{name}: o should come out time-major on the device");
+        assert_eq!(copies(&rep), 0, "{name}: copy kernels in the forward and backward: {:?}", rep.kernels);
+        assert!(rep.kernels.iter().any(|k| k.name.starts_with("flash_bwd_dq")), "{name}: the tensor-core kernels did not run");
+        for (i, what) in ["o", "dq", "dk", "dv"].iter().enumerate() {
+            check(&format!("{name} {what}"), &cpu[i], &dev[i], DType::BF16, true);
+        }
+        // The head-major run of the same values on the device: the same bits.
+        let hm: Vec<Tensor> = xs.iter().map(|x| x.permute(&TM).unwrap().contiguous().unwrap().to_device(GPU).unwrap()).collect();
+        let leaves: Vec<Tensor> = hm.iter().map(|x| x.detach().set_requires_grad(true).cloned().unwrap()).collect();
+        let y = causal_attention(&leaves[0], &leaves[1], &leaves[2], scale).unwrap();
+        assert_eq!(HeadLayout::common(&[y.layout()]), Some(HeadLayout::HeadMajor), "{name}: head-major in, head-major out");
+        backward_with(&y, cot.permute(&TM).unwrap().contiguous().unwrap().to_device(GPU).unwrap()).unwrap();
+        let mut want = vec![y.permute(&TM).unwrap()];
+        want.extend(leaves.iter().map(|l| l.grad().unwrap().permute(&TM).unwrap()));
+        for (i, what) in ["o", "dq", "dk", "dv"].iter().enumerate() {
+            assert_eq!(bits(&dev[i]), bits(&want[i]), "{name}: {what} differs from the head-major run");
+        }
+    }
+}
+
+/// The control for the count above: q head-major beside time-major k and v is one layout for
+/// none of them, so the op copies (the count sees copies when there are some).
+#[test]
+fn mixed_head_layouts_are_copied_to_head_major() {
+    let Some(_) = gpu() else { return };
+    let _g = PROFILE.lock().unwrap_or_else(|e| e.into_inner());
+    let mut r = rng(32);
+    let (b, hq, hkv, t, d) = (1, 4, 2, 40, 64);
+    let q = randn(&[b, hq, t, d], DType::BF16, &mut r);
+    let kv = [hkv, hkv].map(|h| randn(&[b, t, h, d], DType::BF16, &mut r));
+    let cpu = causal_attention(&q, &kv[0].permute(&TM).unwrap(), &kv[1].permute(&TM).unwrap(), 0.125).unwrap();
+    profile::enable(true);
+    profile::reset();
+    let (qg, kg, vg) = (to_gpu(&q), to_gpu(&kv[0]).permute(&TM).unwrap(), to_gpu(&kv[1]).permute(&TM).unwrap());
+    let y = causal_attention(&qg, &kg, &vg, 0.125).unwrap();
+    let rep = profile::report();
+    profile::enable(false);
+    assert_eq!(HeadLayout::common(&[y.layout()]), Some(HeadLayout::HeadMajor));
+    assert!(copies(&rep) >= 2, "k and v should have been copied to head-major: {:?}", rep.kernels);
+    check("mixed-layout attention", &cpu, &y, DType::BF16, true);
+}
+
+#[test]
+fn rope_keeps_the_time_major_layout() {
+    let devices: Vec<Device> = std::iter::once(Device::Cpu).chain(gpu().map(|_| GPU)).collect();
+    let mut r = Rng::new(33);
+    for dt in [DType::F32, DType::BF16] {
+        for (b, h, t, d) in [(1, 3, 5, 8), (2, 4, 17, 64)] {
+            let x = randn(&[b, t, h, d], dt, &mut r);
+            let (cos, sin) = (randn(&[t, d], dt, &mut r), randn(&[t, d], dt, &mut r));
+            let cot = randn(&[b, t, h, d], dt, &mut r);
+            for &dev in &devices {
+                let name = format!("rope {dt} b{b} h{h} t{t} d{d} on {dev}");
+                let (c, s) = (cos.to_device(dev).unwrap(), sin.to_device(dev).unwrap());
+                let (leaves, views) = split(std::slice::from_ref(&x), dev);
+                let y = rope(&views[0], &c, &s).unwrap();
+                assert_eq!(HeadLayout::common(&[y.layout()]), Some(HeadLayout::TimeMajor), "{name}: y's layout");
+                backward_with(&y, cot.to_device(dev).unwrap().permute(&TM).unwrap()).unwrap();
+                // The same rotation of the head-major copy, and its backward.
+                let hm = x.permute(&TM).unwrap().contiguous().unwrap().to_device(dev).unwrap().detach();
+                hm.set_requires_grad(true).unwrap();
+                let want = rope(&hm, &c, &s).unwrap();
+                assert!(want.is_contiguous(), "{name}: head-major in, head-major out");
+                backward_with(&want, cot.permute(&TM).unwrap().contiguous().unwrap().to_device(dev).unwrap()).unwrap();
+                assert_eq!(bits(&y), bits(&want), "{name}: y differs from the head-major rotation");
+                let (g, gw) = (leaves[0].grad().unwrap(), hm.grad().unwrap().permute(&TM).unwrap());
+                assert_eq!(bits(&g), bits(&gw), "{name}: the gradient differs from the head-major one");
+            }
+        }
+    }
+}
+
+#[test]
+fn storage_level_attention_names_the_layouts_it_refuses() {
+    let (b, hq, hkv, t, d) = (1, 2, 2, 5, 64);
+    let dims = AttnDims { b, hq, hkv, t, d };
+    let mut r = Rng::new(34);
+    let x = randn(&[b, t, hq, d], DType::F32, &mut r);
+    let tm = Layout { shape: Shape(vec![b, hq, t, d]), strides: vec![t * hq * d, d, hq * d, 1], offset: 0 };
+    let hm = Layout::contiguous(Shape(vec![b, hq, t, d]));
+    // Time-major views on the CPU: the reference takes head-major only.
+    let err = x.with_storage(|(s, _)| attention::forward((s, &tm), (s, &tm), (s, &tm), dims, 0.1)).unwrap_err().to_string();
+    assert!(err.contains("attention") && err.contains("time-major"), "{err}");
+    // One head-major, two time-major: no one layout.
+    let err = x.with_storage(|(s, _)| attention::forward((s, &hm), (s, &tm), (s, &tm), dims, 0.1)).unwrap_err().to_string();
+    assert!(err.contains("q, k, v must be dense in one head layout"), "{err}");
+    // A view dense in neither (every other row).
+    let gaps = Layout { shape: Shape(vec![1, 1, 2, 4]), strides: vec![16, 16, 8, 1], offset: 0 };
+    let one = Layout::contiguous(Shape(vec![2, 4]));
+    let err = x.with_storage(|(s, _)| rope::apply((s, &gaps), (s, &one), (s, &one), false)).unwrap_err().to_string();
+    assert!(err.contains("rope") && err.contains("dense"), "{err}");
+}
+
+/// The flash kernels copy 16-byte chunks: time-major views whose data starts off a 16-byte
+/// boundary (an offset of 3 elements) are copied in their own layout first, and give the bits of
+/// the aligned views.
+#[test]
+fn misaligned_time_major_views_keep_their_layout() {
+    let Some(be) = gpu() else { return };
+    let mut r = Rng::new(35);
+    let (b, hq, hkv, t, d) = (2, 4, 2, 70, 64);
+    let dims = AttnDims { b, hq, hkv, t, d };
+    let tm = |h: usize, offset: usize| Layout { shape: Shape(vec![b, h, t, d]), strides: vec![t * h * d, d, h * d, 1], offset };
+    let vals: Vec<Vec<f64>> = [hq, hkv, hkv, hq].iter().map(|&h| normals(b * h * t * d + 3, 1.0, &mut r)).collect();
+    let big: Vec<_> = vals.iter().map(|v| up_bf16(&be, v)).collect();
+    let small: Vec<_> = vals.iter().map(|v| up_bf16(&be, &v[3..])).collect();
+    let run = |x: &[ferrolm_tensor::Storage], off: usize| {
+        let (lq, lkv) = (tm(hq, off), tm(hkv, off));
+        let (o, lse) = attention::forward((&x[0], &lq), (&x[1], &lkv), (&x[2], &lkv), dims, 0.125).unwrap();
+        let (lo, llse) = (tm(hq, 0), Layout::contiguous(Shape(vec![b, hq, t])));
+        let (dq, dk, dv) =
+            attention::backward((&x[3], &lq), (&x[0], &lq), (&x[1], &lkv), (&x[2], &lkv), (&o, &lo), (&lse, &llse), dims, 0.125).unwrap();
+        [o, lse, dq, dk, dv].iter().map(|s| down(&be, s).iter().map(|x| x.to_bits()).collect::<Vec<_>>()).collect::<Vec<_>>()
+    };
+    let (want, got) = (run(&small, 0), run(&big, 3));
+    for (i, what) in ["o", "lse", "dq", "dk", "dv"].iter().enumerate() {
+        assert_eq!(got[i], want[i], "time-major attention on views at offset 3: {what} differs from the aligned run");
+    }
+}
