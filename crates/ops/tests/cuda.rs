@@ -178,31 +178,37 @@ fn fused_cross_entropy_matches_cpu_backend() {
 // ---- determinism -------------------------------------------------------------------------------
 
 /// The flash kernels copy 16-byte chunks: views whose data starts off a 16-byte boundary (here
-/// an offset of 3 elements) give the same bits as the aligned tensors.
+/// an offset of 3 elements) give the same bits as the aligned tensors, in either head layout (a
+/// time-major view is copied in its own layout).
 #[test]
 fn flash_attention_misaligned_views() {
     let Some(be) = gpu() else { return };
     let mut r = Rng::new(16);
-    let (b, hq, hkv, t, d) = (1, 4, 2, 70, 64);
+    let (b, hq, hkv, t, d) = (2, 4, 2, 70, 64);
     let dims = AttnDims { b, hq, hkv, t, d };
-    let (nq, nk) = (b * hq * t * d, b * hkv * t * d);
-    let (lq, lkv) = (Layout::contiguous(Shape(vec![b, hq, t, d])), Layout::contiguous(Shape(vec![b, hkv, t, d])));
-    let shifted = |l: &Layout| Layout { offset: 3, ..l.clone() };
-    let vals: Vec<Vec<f64>> = [nq, nk, nk, nq].iter().map(|&n| normals(n + 3, 1.0, &mut r)).collect();
+    let vals: Vec<Vec<f64>> = [hq, hkv, hkv, hq].iter().map(|&h| normals(b * h * t * d + 3, 1.0, &mut r)).collect();
     let big: Vec<Storage> = vals.iter().map(|v| up_bf16(&be, v)).collect();
     let small: Vec<Storage> = vals.iter().map(|v| up_bf16(&be, &v[3..])).collect();
     let scale = 0.125;
-    let run = |x: &[Storage], lq: &Layout, lkv: &Layout| {
-        let (o, lse) = attention::forward((&x[0], lq), (&x[1], lkv), (&x[2], lkv), dims, scale).unwrap();
-        let (lo, llse) = (Layout::contiguous(Shape(vec![b, hq, t, d])), Layout::contiguous(Shape(vec![b, hq, t])));
-        let (dq, dk, dv) =
-            attention::backward((&x[3], lq), (&x[0], lq), (&x[1], lkv), (&x[2], lkv), (&o, &lo), (&lse, &llse), dims, scale).unwrap();
-        [o, lse, dq, dk, dv].iter().map(|s| bits(&be, s)).collect::<Vec<_>>()
-    };
-    let want = run(&small, &lq, &lkv);
-    let got = run(&big, &shifted(&lq), &shifted(&lkv));
-    for (i, what) in ["out", "lse", "dq", "dk", "dv"].iter().enumerate() {
-        assert_eq!(got[i], want[i], "attention on views at offset 3: {what} differs from the aligned run");
+    for time_major in [false, true] {
+        // (b, h, t, d) views: head-major, or over (b, t, h, d) memory.
+        let view = |h: usize, offset: usize| {
+            let strides = if time_major { vec![t * h * d, d, h * d, 1] } else { vec![h * t * d, t * d, d, 1] };
+            Layout { shape: Shape(vec![b, h, t, d]), strides, offset }
+        };
+        let run = |x: &[Storage], off: usize| {
+            let (lq, lkv) = (view(hq, off), view(hkv, off));
+            let (o, lse) = attention::forward((&x[0], &lq), (&x[1], &lkv), (&x[2], &lkv), dims, scale).unwrap();
+            let (lo, llse) = (view(hq, 0), Layout::contiguous(Shape(vec![b, hq, t])));
+            let (dq, dk, dv) =
+                attention::backward((&x[3], &lq), (&x[0], &lq), (&x[1], &lkv), (&x[2], &lkv), (&o, &lo), (&lse, &llse), dims, scale)
+                    .unwrap();
+            [o, lse, dq, dk, dv].iter().map(|s| bits(&be, s)).collect::<Vec<_>>()
+        };
+        let (want, got) = (run(&small, 0), run(&big, 3));
+        for (i, what) in ["out", "lse", "dq", "dk", "dv"].iter().enumerate() {
+            assert_eq!(got[i], want[i], "attention on views at offset 3 (time-major {time_major}): {what} differs from the aligned run");
+        }
     }
 }
 
