@@ -254,8 +254,20 @@ impl Tensor {
             "matmul",
             &[self, rhs],
             Box::new(move |g| {
-                let ga = if a.requires_grad() { Some(g.matmul(&bt.t()?)?.sum_to(a.shape())?) } else { None };
-                let gb = if bt.requires_grad() { Some(a.t()?.matmul(g)?.sum_to(bt.shape())?) } else { None };
+                // An operand that is a transposed view of a dense matrix (a linear layer's `w.t()`)
+                // gets its gradient computed the other way round, (B G^T)^T for A and (G^T A)^T
+                // for B: the same sums, but its transpose back to the operand's own order is
+                // dense, so no transposed copy of every weight gradient is made.
+                let ga = match a.requires_grad() {
+                    false => None,
+                    true if transposed_unbroadcast(&a, g) => Some(bt.matmul(&g.t()?)?.t()?),
+                    true => Some(g.matmul(&bt.t()?)?.sum_to(a.shape())?),
+                };
+                let gb = match bt.requires_grad() {
+                    false => None,
+                    true if transposed_unbroadcast(&bt, g) => Some(g.t()?.matmul(&a)?.t()?),
+                    true => Some(a.t()?.matmul(g)?.sum_to(bt.shape())?),
+                };
                 Ok(vec![ga, gb])
             }),
         ))
@@ -288,4 +300,17 @@ impl Tensor {
         let from = self.device();
         Ok(Tensor::record(out, "to_device", &[self], Box::new(move |g| Ok(vec![Some(g.to_device(from)?)]))))
     }
+}
+
+/// True when `x`, a matmul operand, is a transposed view of a dense matrix (its last two dims
+/// swapped back are contiguous) with the batch dims of the product `g` (no broadcast to sum).
+fn transposed_unbroadcast(x: &Tensor, g: &Tensor) -> bool {
+    let (r, l) = (x.rank(), x.layout());
+    let (mut shape, mut strides) = (l.shape.0.clone(), l.strides.clone());
+    shape.swap(r - 2, r - 1);
+    strides.swap(r - 2, r - 1);
+    !x.is_contiguous()
+        && r == g.rank()
+        && x.dims()[..r - 2] == g.dims()[..r - 2]
+        && Layout { shape: Shape(shape), strides, offset: l.offset }.is_contiguous()
 }

@@ -164,3 +164,26 @@ fn backward_from_a_leaf_and_through_unused_branches() {
     assert_eq!(q.grad().unwrap().to_vec_f64().unwrap(), vec![0.0, 1.0, 1.0, 1.0]);
     assert!(r.grad().is_none());
 }
+
+/// A weight used through `w.t()` (a linear layer) gets its gradient in its own memory order:
+/// dense, with no transposed copy to make, and equal to X^T G read back transposed. So does an
+/// input used through `x.t()`; a broadcast operand keeps the summed gradient.
+#[test]
+fn transposed_operands_get_dense_gradients() {
+    let g = &mut Rng::new(11);
+    let (x, w) = (param(&randn(&[6, 4], g)), param(&randn(&[3, 4], g)));
+    let cot = randn(&[6, 3], g);
+    x.matmul(&w.t().unwrap()).unwrap().mul(&cot).unwrap().sum_all().unwrap().backward().unwrap();
+    let gw = w.grad().unwrap();
+    assert!(gw.is_contiguous(), "the weight's gradient is a strided view: {:?}", gw.layout());
+    let want = cot.t().unwrap().matmul(&x.detach()).unwrap(); // (3, 4) = G^T X
+    assert_eq!(gw.to_vec_f64().unwrap(), want.to_vec_f64().unwrap());
+    // Through x.t() on the left: (x^T) (6, 4)^T = (4, 6) times (6, 3).
+    let (a, b) = (param(&randn(&[6, 4], g)), param(&randn(&[6, 3], g)));
+    let cot = randn(&[4, 3], g);
+    a.t().unwrap().matmul(&b).unwrap().mul(&cot).unwrap().sum_all().unwrap().backward().unwrap();
+    let ga = a.grad().unwrap();
+    assert!(ga.is_contiguous(), "the left operand's gradient is a strided view: {:?}", ga.layout());
+    let want = b.detach().matmul(&cot.t().unwrap()).unwrap(); // (6, 4) = B G^T
+    assert_eq!(ga.to_vec_f64().unwrap(), want.to_vec_f64().unwrap());
+}
