@@ -92,6 +92,7 @@ struct __align__(16) vec16 {
 // One 16-byte load (nvcc splits a struct copy into four 4-byte loads; uint4 is one LDG.E.128).
 static __device__ __forceinline__ vec16 ld16(const vec16* p) {
 #ifdef FERRO_EMU
+    ferro_emu::check_aligned(p, 16, "16-byte load");
     return *p;
 #else
     uint4 u = *reinterpret_cast<const uint4*>(p);
@@ -203,6 +204,9 @@ static __device__ __forceinline__ void cp_async_wait() {
 
 // Grid-stride loop over n elements.
 #define FOR_EACH(i, n) for (i64 i = (i64)blockIdx.x * blockDim.x + threadIdx.x; i < (n); i += (i64)gridDim.x * blockDim.x)
+// After a vector loop over nv vectors of N elements: the tail (elements nv N .. n) is done by the
+// first threads of the grid, one element each.
+#define FOR_TAIL(i, nv, N, n) for (i64 i = (nv) * (N) + (i64)blockIdx.x * blockDim.x + threadIdx.x; i < (n); i += (i64)gridDim.x * blockDim.x)
 
 // ---- reductions (deterministic: fixed trees) --------------------------------------------------
 static __device__ __forceinline__ float warp_sum(float v) {

@@ -57,8 +57,6 @@ static __device__ void binary_impl(const T* a, Strided la, const T* b, Strided l
 }
 
 // ---- dense fast paths: x, y (and a, b) 16-byte aligned, n elements each --------------------------
-// The tail (n % N elements) is done by the first threads of the grid, one element each.
-#define FOR_TAIL(i, nv, N, n) for (i64 i = (nv) * (N) + (i64)blockIdx.x * blockDim.x + threadIdx.x; i < (n); i += (i64)gridDim.x * blockDim.x)
 
 // Floor: 2n * sizeof(T) bytes (read x, write y). The op is a template parameter, so the loop
 // holds no switch (`unary_contig_impl` dispatches once per launch).

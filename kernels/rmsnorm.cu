@@ -1,35 +1,78 @@
-// rmsnorm.cu — RMSNorm forward and backward. Forward (one block per row): inv_rms = 1 /
-// sqrt(mean(x^2) + eps) saved in f32, y = x * inv_rms * w. Backward: dx per row (one block per
+// rmsnorm.cu — RMSNorm forward and backward. Forward (one warp per row): inv_rms = 1 /
+// sqrt(mean(x^2) + eps) saved in f32, y = x * inv_rms * w. Backward: dx per row (one warp per
 // row) = r * (dy*w - x * r^2 * mean(dy*w*x)); dw = sum over rows of dy * x * r, reduced
 // deterministically in two passes: each block of the first pass owns a contiguous range of
 // rows and writes a partial (nchunks, d) in row order, the second pass sums the partials in
 // chunk order. No atomics anywhere.
 #include "common.cuh"
 
-template <typename T>
+// V elements of a row from p (V = 1, or a 16-byte vector of Vec<T>::N: LDG.E.128), and back.
+template <typename T, int V>
+static __device__ __forceinline__ void row_load(const T* p, float* f) {
+    if constexpr (V == 1) f[0] = to_f(*p);
+    else Vec<T>::load(ld16(reinterpret_cast<const vec16*>(p)), f);
+}
+template <typename T, int V>
+static __device__ __forceinline__ void row_store(T* p, const float* f) {
+    if constexpr (V == 1) *p = from_f<T>(f[0]);
+    else *reinterpret_cast<vec16*>(p) = Vec<T>::store(f);
+}
+// A warp per row (blockDim.x / 32 rows a block, grid-stride), lane l taking elements
+// [V l, V l + V) of every 32 V: rows of 768 to 8192 keep every lane busy, and the row's sums
+// are warp reductions (no barrier). V = Vec<T>::N when d is whole vectors and every pointer is
+// 16-byte aligned (the launcher's `vec`), else 1.
+#define RMS_ROWS(r)                                                                                  \
+    for (i64 r = (i64)blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5); r < rows; r += (i64)gridDim.x * (blockDim.x >> 5))
+#define RMS_COLS(j) for (i64 j = (i64)(threadIdx.x & 31) * V; j < d; j += 32 * V)
+
+// Floor: 2 rows * d elements of T (read x, write y; w stays in cache).
+template <typename T, int V>
 static __device__ void rmsnorm_fwd_impl(const T* x, const T* w, T* y, float* inv_rms, i64 rows, i64 d, float eps) {
-    __shared__ float scratch[32];
-    for (i64 r = blockIdx.x; r < rows; r += gridDim.x) {
+    RMS_ROWS(r) {
         const T* xr = x + r * d;
         float ss = 0.0f;
-        for (i64 j = threadIdx.x; j < d; j += blockDim.x) { float v = to_f(xr[j]); ss += v * v; }
-        ss = block_sum(ss, scratch);
+        RMS_COLS(j) {
+            float f[V];
+            row_load<T, V>(xr + j, f);
+#pragma unroll
+            for (int k = 0; k < V; ++k) ss += f[k] * f[k];
+        }
+        ss = warp_sum(ss);
         float rr = 1.0f / sqrtf(ss / (float)d + eps);
-        if (threadIdx.x == 0) inv_rms[r] = rr;
-        for (i64 j = threadIdx.x; j < d; j += blockDim.x) y[r * d + j] = from_f<T>(to_f(xr[j]) * rr * to_f(w[j]));
+        if ((threadIdx.x & 31) == 0) inv_rms[r] = rr;
+        RMS_COLS(j) {
+            float f[V], fw[V];
+            row_load<T, V>(xr + j, f);
+            row_load<T, V>(w + j, fw);
+#pragma unroll
+            for (int k = 0; k < V; ++k) f[k] = f[k] * rr * fw[k];
+            row_store<T, V>(y + r * d + j, f);
+        }
     }
 }
-template <typename T>
+// Floor: 3 rows * d elements of T (read dy, x; write dx).
+template <typename T, int V>
 static __device__ void rmsnorm_bwd_dx_impl(const T* dy, const T* x, const T* w, const float* inv_rms, T* dx, i64 rows, i64 d) {
-    __shared__ float scratch[32];
-    for (i64 r = blockIdx.x; r < rows; r += gridDim.x) {
+    RMS_ROWS(r) {
         float rr = inv_rms[r];
         float gx = 0.0f;
-        for (i64 j = threadIdx.x; j < d; j += blockDim.x) gx += to_f(dy[r * d + j]) * to_f(w[j]) * to_f(x[r * d + j]);
-        gx = block_sum(gx, scratch) / (float)d;
-        for (i64 j = threadIdx.x; j < d; j += blockDim.x) {
-            float xv = to_f(x[r * d + j]);
-            dx[r * d + j] = from_f<T>(rr * (to_f(dy[r * d + j]) * to_f(w[j]) - xv * rr * rr * gx));
+        RMS_COLS(j) {
+            float fd[V], fw[V], fx[V];
+            row_load<T, V>(dy + r * d + j, fd);
+            row_load<T, V>(w + j, fw);
+            row_load<T, V>(x + r * d + j, fx);
+#pragma unroll
+            for (int k = 0; k < V; ++k) gx += fd[k] * fw[k] * fx[k];
+        }
+        gx = warp_sum(gx) / (float)d;
+        RMS_COLS(j) {
+            float fd[V], fw[V], fx[V];
+            row_load<T, V>(dy + r * d + j, fd);
+            row_load<T, V>(w + j, fw);
+            row_load<T, V>(x + r * d + j, fx);
+#pragma unroll
+            for (int k = 0; k < V; ++k) fd[k] = rr * (fd[k] * fw[k] - fx[k] * rr * rr * gx);
+            row_store<T, V>(dx + r * d + j, fd);
         }
     }
 }
@@ -51,10 +94,18 @@ static __device__ void rmsnorm_bwd_dw_finish_impl(const float* partial, T* dw, i
         dw[j] = from_f<T>(acc);
     }
 }
-extern "C" __global__ void rmsnorm_fwd_f32(const float* x, const float* w, float* y, float* r, i64 rows, i64 d, float eps) { rmsnorm_fwd_impl(x, w, y, r, rows, d, eps); }
-extern "C" __global__ void rmsnorm_fwd_bf16(const bf16* x, const bf16* w, bf16* y, float* r, i64 rows, i64 d, float eps) { rmsnorm_fwd_impl(x, w, y, r, rows, d, eps); }
-extern "C" __global__ void rmsnorm_bwd_dx_f32(const float* dy, const float* x, const float* w, const float* r, float* dx, i64 rows, i64 d) { rmsnorm_bwd_dx_impl(dy, x, w, r, dx, rows, d); }
-extern "C" __global__ void rmsnorm_bwd_dx_bf16(const bf16* dy, const bf16* x, const bf16* w, const float* r, bf16* dx, i64 rows, i64 d) { rmsnorm_bwd_dx_impl(dy, x, w, r, dx, rows, d); }
+#define RMSNORM_ROW_KERNELS(suffix, T)                                                                                                \
+    extern "C" __global__ void rmsnorm_fwd_##suffix(const T* x, const T* w, T* y, float* r, i64 rows, i64 d, float eps, int vec) {      \
+        if (vec) rmsnorm_fwd_impl<T, Vec<T>::N>(x, w, y, r, rows, d, eps);                                                            \
+        else rmsnorm_fwd_impl<T, 1>(x, w, y, r, rows, d, eps);                                                                        \
+    }                                                                                                                                 \
+    extern "C" __global__ void rmsnorm_bwd_dx_##suffix(const T* dy, const T* x, const T* w, const float* r, T* dx, i64 rows, i64 d,     \
+                                                       int vec) {                                                                     \
+        if (vec) rmsnorm_bwd_dx_impl<T, Vec<T>::N>(dy, x, w, r, dx, rows, d);                                                         \
+        else rmsnorm_bwd_dx_impl<T, 1>(dy, x, w, r, dx, rows, d);                                                                     \
+    }
+RMSNORM_ROW_KERNELS(f32, float)
+RMSNORM_ROW_KERNELS(bf16, bf16)
 extern "C" __global__ void rmsnorm_bwd_dw_partial_f32(const float* dy, const float* x, const float* r, float* p, i64 rows, i64 d, i64 rpc) { rmsnorm_bwd_dw_partial_impl(dy, x, r, p, rows, d, rpc); }
 extern "C" __global__ void rmsnorm_bwd_dw_partial_bf16(const bf16* dy, const bf16* x, const float* r, float* p, i64 rows, i64 d, i64 rpc) { rmsnorm_bwd_dw_partial_impl(dy, x, r, p, rows, d, rpc); }
 extern "C" __global__ void rmsnorm_bwd_dw_finish_f32(const float* p, float* dw, i64 nchunks, i64 d) { rmsnorm_bwd_dw_finish_impl(p, dw, nchunks, d); }

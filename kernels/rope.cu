@@ -3,29 +3,63 @@
 // number of rows between a head's consecutive positions, 1 (HEAD_MAJOR) or h (TIME_MAJOR), and y
 // is written in x's layout. Forward: y = x*cos + rotate_half(x)*sin, rotate_half(x) =
 // cat(-x2, x1). `inverse` applies the transposed rotation, which is the backward. One thread
-// per (row, pair j < d/2): it reads x[j], x[j + d/2] and writes both outputs.
+// per (row, pair j < d/2), or per N pairs in 16-byte vectors: it reads x[j], x[j + d/2] and
+// writes both outputs.
 #include "common.cuh"
 
+// (y1, y2) from (x1, x2) = (x[j], x[j + d/2]) with c1, c2 = cos[j], cos[j + d/2], s1, s2 likewise.
+static __device__ __forceinline__ void rope_pair(float x1, float x2, float c1, float c2, float s1, float s2, int inverse, float& y1, float& y2) {
+    if (inverse) {
+        y1 = x1 * c1 + x2 * s2;
+        y2 = x2 * c2 - x1 * s1;
+    } else {
+        y1 = x1 * c1 - x2 * s1;
+        y2 = x2 * c2 + x1 * s2;
+    }
+}
+// Floor: 2n elements of T (read x, write y; the (t, d) tables stay in cache). With `vec` (d/2 a
+// multiple of the vector's N elements and every pointer 16-byte aligned: the launcher checks) a
+// thread takes N pairs, 16-byte vectors of x, cos and sin at j and j + d/2 (LDG.E.128).
 template <typename T>
-static __device__ void rope_impl(const T* x, const T* cos_, const T* sin_, T* y, i64 rows, i64 t, i64 d, i64 inner, int inverse) {
+static __device__ void rope_impl(const T* x, const T* cos_, const T* sin_, T* y, i64 rows, i64 t, i64 d, i64 inner, int inverse, int vec) {
     i64 h = d / 2;
+    if (vec) {
+        const int N = Vec<T>::N;
+        i64 hv = h / N;
+        FOR_EACH(i, rows * hv) {
+            i64 row = i / hv, jv = i % hv, p = (row / inner) % t;
+            const vec16* xr = reinterpret_cast<const vec16*>(x + row * d) + jv;
+            const vec16* c = reinterpret_cast<const vec16*>(cos_ + p * d) + jv;
+            const vec16* s = reinterpret_cast<const vec16*>(sin_ + p * d) + jv;
+            float x1[N], x2[N], c1[N], c2[N], s1[N], s2[N];
+            Vec<T>::load(ld16(xr), x1);
+            Vec<T>::load(ld16(xr + hv), x2);
+            Vec<T>::load(ld16(c), c1);
+            Vec<T>::load(ld16(c + hv), c2);
+            Vec<T>::load(ld16(s), s1);
+            Vec<T>::load(ld16(s + hv), s2);
+#pragma unroll
+            for (int k = 0; k < N; ++k) rope_pair(x1[k], x2[k], c1[k], c2[k], s1[k], s2[k], inverse, x1[k], x2[k]);
+            vec16* yr = reinterpret_cast<vec16*>(y + row * d) + jv;
+            yr[0] = Vec<T>::store(x1);
+            yr[hv] = Vec<T>::store(x2);
+        }
+        return;
+    }
     FOR_EACH(i, rows * h) {
         i64 row = i / h, j = i % h, p = (row / inner) % t;
         const T* xr = x + row * d;
         const T* c = cos_ + p * d;
         const T* s = sin_ + p * d;
-        float x1 = to_f(xr[j]), x2 = to_f(xr[j + h]);
         float y1, y2;
-        if (inverse) {
-            y1 = x1 * to_f(c[j]) + x2 * to_f(s[j + h]);
-            y2 = x2 * to_f(c[j + h]) - x1 * to_f(s[j]);
-        } else {
-            y1 = x1 * to_f(c[j]) - x2 * to_f(s[j]);
-            y2 = x2 * to_f(c[j + h]) + x1 * to_f(s[j + h]);
-        }
+        rope_pair(to_f(xr[j]), to_f(xr[j + h]), to_f(c[j]), to_f(c[j + h]), to_f(s[j]), to_f(s[j + h]), inverse, y1, y2);
         y[row * d + j] = from_f<T>(y1);
         y[row * d + j + h] = from_f<T>(y2);
     }
 }
-extern "C" __global__ void rope_f32(const float* x, const float* c, const float* s, float* y, i64 rows, i64 t, i64 d, i64 inner, int inverse) { rope_impl(x, c, s, y, rows, t, d, inner, inverse); }
-extern "C" __global__ void rope_bf16(const bf16* x, const bf16* c, const bf16* s, bf16* y, i64 rows, i64 t, i64 d, i64 inner, int inverse) { rope_impl(x, c, s, y, rows, t, d, inner, inverse); }
+extern "C" __global__ void rope_f32(const float* x, const float* c, const float* s, float* y, i64 rows, i64 t, i64 d, i64 inner, int inverse, int vec) {
+    rope_impl(x, c, s, y, rows, t, d, inner, inverse, vec);
+}
+extern "C" __global__ void rope_bf16(const bf16* x, const bf16* c, const bf16* s, bf16* y, i64 rows, i64 t, i64 d, i64 inner, int inverse, int vec) {
+    rope_impl(x, c, s, y, rows, t, d, inner, inverse, vec);
+}

@@ -51,6 +51,9 @@ void ldmatrix(unsigned* r, int n, bool trans, const void* row);
 void cp_async(void* dst, const void* src, int bytes, int src_bytes);
 void cp_async_commit();
 void cp_async_wait(int pending);
+// A vector access of `bytes` at p: fails the launch when p is not `bytes`-aligned, as the GPU
+// would fault (x86 would not notice).
+void check_aligned(const void* p, unsigned bytes, const char* what);
 }  // namespace ferro_emu
 
 #define threadIdx (*ferro_emu::t_thread_idx)

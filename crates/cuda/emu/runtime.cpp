@@ -448,6 +448,10 @@ void cp_async(void* dst, const void* src, int bytes, int src_bytes) {
 
 void cp_async_commit() { t_cur->cp_committed++; }
 
+void check_aligned(const void* p, unsigned bytes, const char* what) {
+    if ((uintptr_t)p % bytes) fail("%s at %p is not %u-byte aligned", what, p, bytes);
+}
+
 // Completes every copy of the committed groups but the newest `pending`, in issue order.
 void cp_async_wait(int pending) {
     Fiber* f = t_cur;

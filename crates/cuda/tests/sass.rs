@@ -1,8 +1,9 @@
 //! Machine code checks on the built fatbin, without a GPU: `cuobjdump -sass` of the sm_90 code
 //! must show 16-byte global loads (LDG.E.128) in the dense element-wise, cast and broadcast
-//! kernels, and no local-memory traffic (LDL / STL: a spilled or stack-copied value, e.g. a
-//! `Strided` parameter indexed at run time) in the element-wise, cast, copy, fill, transpose and
-//! reduce kernels.
+//! kernels and in the fused ops' element-wise and row kernels (SwiGLU, RoPE, RMSNorm), and no
+//! local-memory traffic (LDL / STL: a spilled or stack-copied value, e.g. a `Strided` parameter
+//! indexed at run time) in the element-wise, cast, copy, fill, transpose, reduce and fused-op
+//! kernels.
 //!
 //! The fatbin is FERROLM_KERNELS_FATBIN, else the newest `ferrolm_kernels.fatbin` that the root
 //! build script wrote under this test's target dir (`build/ferrolm-*/out/`). cuobjdump (and the
@@ -106,7 +107,9 @@ fn sass_of_fatbin() -> Option<(PathBuf, PathBuf, Funcs)> {
 fn vector_loads_and_no_local_memory() {
     let Some((fb, _, funcs)) = sass_of_fatbin() else { return };
     let find = |name: &str| funcs.iter().find(|(n, _)| n == name).map(|(_, b)| b.as_str());
-    let vector = ["unary_contig", "binary_contig", "binary_row"].iter().flat_map(|k| [format!("{k}_f32"), format!("{k}_bf16")]);
+    // The dense element-wise kernels, and the fused ops' element-wise and row kernels.
+    let dense = ["unary_contig", "binary_contig", "binary_row", "swiglu_fwd", "swiglu_bwd", "rope", "rmsnorm_fwd", "rmsnorm_bwd_dx"];
+    let vector = dense.iter().flat_map(|k| [format!("{k}_f32"), format!("{k}_bf16")]);
     let vector: Vec<String> = vector
         .chain(["cast_contig_f32_bf16".into(), "cast_contig_bf16_f32".into(), "strided_copy_b128".into(), "grad_norm_partial".into()])
         .collect();
@@ -120,7 +123,21 @@ fn vector_loads_and_no_local_memory() {
     for k in ["fill_b32", "fill_b16"] {
         assert!(find(k).is_some_and(|b| b.contains("STG.E.128")), "{k}: no 16-byte stores");
     }
-    let prefixes = ["unary_", "binary_", "cast_", "fill_", "strided_copy_", "transpose_", "reduce_", "grad_norm_", "adamw_", "embedding_"];
+    let prefixes = [
+        "unary_",
+        "binary_",
+        "cast_",
+        "fill_",
+        "strided_copy_",
+        "transpose_",
+        "reduce_",
+        "grad_norm_",
+        "adamw_",
+        "embedding_",
+        "swiglu_",
+        "rope_",
+        "rmsnorm_",
+    ];
     let mut checked = 0;
     for (name, body) in &funcs {
         if prefixes.iter().any(|p| name.starts_with(p)) {

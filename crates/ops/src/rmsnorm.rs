@@ -132,33 +132,30 @@ mod cpu {
 mod cuda {
     //! Launchers of kernels/rmsnorm.cu.
     use super::*;
-    use ferrolm_cuda::{kernels, CudaBackend, CudaStorage, Launch};
+    use ferrolm_cuda::{kernels, CudaBackend, CudaStorage, DevPtr, Launch};
     use ferrolm_tensor::{DType, DeviceStorage};
 
     /// Rows each block of the first dw pass sums (a partial per chunk of rows).
     const ROWS_PER_CHUNK: usize = 64;
+    /// Rows of a block of the row kernels (a warp each).
+    const WARP_ROWS: usize = 8;
+
+    /// The row kernels' launch over n rows of d, and their `vec`: 16-byte vectors where a row is
+    /// whole vectors and every pointer is aligned.
+    fn row_plan(n: usize, d: usize, dt: DType, ptrs: &[DevPtr]) -> (Launch, i32) {
+        let vec = d.is_multiple_of(16 / dt.size_in_bytes()) && ptrs.iter().all(|p| p.addr().is_multiple_of(16));
+        (Launch::new((n.div_ceil(WARP_ROWS).clamp(1, 1 << 20) as u32, 1, 1), 32 * WARP_ROWS as u32), vec as i32)
+    }
 
     pub(super) fn forward(be: &CudaBackend, x: View, w: View, eps: f64) -> Result<(Storage, Storage)> {
         let s = CudaStorage::of("rmsnorm", x.0)?;
         let (_, n, d) = rows(x.1);
         let (y, r) = (be.alloc_storage(n * d, s.dtype())?, be.alloc_storage(n, DType::F32)?);
-        let cfg = Launch::per_row(n, Launch::BLOCK);
+        let (px, pw) = (s.at(x.1.offset), dev_ptr("rmsnorm", w)?);
+        let (cfg, vec) = row_plan(n, d, s.dtype(), &[px, pw, y.ptr()]);
         // SAFETY: x is (n, d) and w (d), both of x's dtype and contiguous from their offsets;
-        // y holds n * d elements of that dtype, r n f32.
-        unsafe {
-            kernels::rmsnorm_fwd(
-                be,
-                s.dtype(),
-                cfg,
-                s.at(x.1.offset),
-                dev_ptr("rmsnorm", w)?,
-                y.ptr(),
-                r.ptr(),
-                n as i64,
-                d as i64,
-                eps as f32,
-            )?
-        };
+        // y holds n * d elements of that dtype, r n f32; `vec` as the kernel needs it.
+        unsafe { kernels::rmsnorm_fwd(be, s.dtype(), cfg, px, pw, y.ptr(), r.ptr(), n as i64, d as i64, eps as f32, vec)? };
         Ok((y.into(), r.into()))
     }
 
@@ -176,9 +173,11 @@ mod cuda {
         let dw = be.alloc_storage(d, dt)?;
         let cols = Launch::new((nchunks as u32, d.div_ceil(Launch::BLOCK as usize).max(1) as u32, 1), Launch::BLOCK);
         // SAFETY: dy and x are (n, d) and w (d) of dtype dt, r n f32, all contiguous; dx holds
-        // n * d elements, partial nchunks * d f32 (chunk c covers rows [c * chunk, ..)), dw d.
+        // n * d elements, partial nchunks * d f32 (chunk c covers rows [c * chunk, ..)), dw d;
+        // `vec` as the row kernel needs it.
+        let (rows_cfg, vec) = row_plan(n, d, dt, &[pdy, px, pw, dx.ptr()]);
         unsafe {
-            kernels::rmsnorm_bwd_dx(be, dt, Launch::per_row(n, Launch::BLOCK), pdy, px, pw, r, dx.ptr(), ni, di)?;
+            kernels::rmsnorm_bwd_dx(be, dt, rows_cfg, pdy, px, pw, r, dx.ptr(), ni, di, vec)?;
             kernels::rmsnorm_bwd_dw_partial(be, dt, cols, pdy, px, r, partial.ptr(), ni, di, chunk)?;
             kernels::rmsnorm_bwd_dw_finish(be, dt, Launch::cover(d, Launch::BLOCK), partial.ptr(), dw.ptr(), nchunks as i64, di)?;
         }

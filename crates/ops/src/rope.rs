@@ -102,7 +102,7 @@ mod cpu {
 mod cuda {
     //! Launcher of kernels/rope.cu.
     use super::*;
-    use ferrolm_cuda::{kernels, CudaBackend, CudaStorage, Launch};
+    use ferrolm_cuda::{kernels, CudaBackend, CudaStorage};
     use ferrolm_tensor::DeviceStorage;
 
     pub(super) fn apply(be: &CudaBackend, x: View, cos: View, sin: View, inner: usize, inverse: bool) -> Result<Storage> {
@@ -112,12 +112,16 @@ mod cuda {
         let nrows = n.checked_div(d).unwrap_or(0);
         let out = be.alloc_storage(n, s.dtype())?;
         let (pc, ps) = (dev_ptr("rope", cos)?, dev_ptr("rope", sin)?);
-        let cfg = Launch::cover(nrows * d / 2, Launch::BLOCK);
+        let px = s.at(x.1.offset);
+        // 16-byte vectors of pairs where a half row is whole vectors and every pointer aligned.
+        let per_vec = 16 / s.dtype().size_in_bytes();
+        let vec = (d / 2).is_multiple_of(per_vec) && [px, pc, ps, out.ptr()].iter().all(|p| p.addr().is_multiple_of(16));
+        let cfg = be.plan_elementwise(n / 2, s.dtype().size_in_bytes(), vec);
         // SAFETY: x holds nrows dense rows of d elements, `inner` per position, and cos/sin (t, d),
-        // of one dtype, contiguous; `out` holds n elements of it.
+        // of one dtype, contiguous; `out` holds n elements of it; `vec` as the kernel needs it.
         unsafe {
-            let (rows, t, d, inner) = (nrows as i64, t as i64, d as i64, inner as i64);
-            kernels::rope(be, s.dtype(), cfg, s.at(x.1.offset), pc, ps, out.ptr(), rows, t, d, inner, inverse as i32)?
+            let (rows, t, d, inner, vec) = (nrows as i64, t as i64, d as i64, inner as i64, vec as i32);
+            kernels::rope(be, s.dtype(), cfg, px, pc, ps, out.ptr(), rows, t, d, inner, inverse as i32, vec)?
         };
         Ok(out.into())
     }

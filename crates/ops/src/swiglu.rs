@@ -101,25 +101,25 @@ mod cpu {
 mod cuda {
     //! Launchers of kernels/swiglu.cu.
     use super::*;
-    use ferrolm_cuda::{kernels, CudaBackend, CudaStorage, Launch};
-    use ferrolm_tensor::DeviceStorage;
+    use ferrolm_cuda::{kernels, CudaBackend, CudaStorage, DevPtr, Launch};
+    use ferrolm_tensor::{DType, DeviceStorage};
+
+    /// The launch over n elements of `dt`, in 16-byte vectors when every pointer allows it
+    /// (the `vec` argument the kernels take).
+    fn plan(be: &CudaBackend, n: usize, dt: DType, ptrs: &[DevPtr]) -> (Launch, i32) {
+        let vec = ptrs.iter().all(|p| p.addr().is_multiple_of(16));
+        (be.plan_elementwise(n, dt.size_in_bytes(), vec), vec as i32)
+    }
 
     pub(super) fn forward(be: &CudaBackend, gate: View, up: View) -> Result<Storage> {
         let s = CudaStorage::of("swiglu", gate.0)?;
         let n = gate.1.numel();
         let out = be.alloc_storage(n, s.dtype())?;
-        // SAFETY: gate and up hold n contiguous elements of one dtype; `out` holds n of it.
-        unsafe {
-            kernels::swiglu_fwd(
-                be,
-                s.dtype(),
-                Launch::cover(n, Launch::BLOCK),
-                s.at(gate.1.offset),
-                dev_ptr("swiglu", up)?,
-                out.ptr(),
-                n as i64,
-            )?
-        };
+        let (pg, pu) = (s.at(gate.1.offset), dev_ptr("swiglu", up)?);
+        let (cfg, vec) = plan(be, n, s.dtype(), &[pg, pu, out.ptr()]);
+        // SAFETY: gate and up hold n contiguous elements of one dtype; `out` holds n of it; `vec`
+        // only where every pointer is 16-byte aligned.
+        unsafe { kernels::swiglu_fwd(be, s.dtype(), cfg, pg, pu, out.ptr(), n as i64, vec)? };
         Ok(out.into())
     }
 
@@ -128,10 +128,11 @@ mod cuda {
         let s = CudaStorage::of(op, gate.0)?;
         let n = gate.1.numel();
         let (dg, du) = (be.alloc_storage(n, s.dtype())?, be.alloc_storage(n, s.dtype())?);
-        let (pdy, pu) = (dev_ptr(op, dy)?, dev_ptr(op, up)?);
-        let cfg = Launch::cover(n, Launch::BLOCK);
-        // SAFETY: dy, gate and up hold n contiguous elements of one dtype; dg and du n of it.
-        unsafe { kernels::swiglu_bwd(be, s.dtype(), cfg, pdy, s.at(gate.1.offset), pu, dg.ptr(), du.ptr(), n as i64)? };
+        let (pdy, pg, pu) = (dev_ptr(op, dy)?, s.at(gate.1.offset), dev_ptr(op, up)?);
+        let (cfg, vec) = plan(be, n, s.dtype(), &[pdy, pg, pu, dg.ptr(), du.ptr()]);
+        // SAFETY: dy, gate and up hold n contiguous elements of one dtype; dg and du n of it;
+        // `vec` only where every pointer is 16-byte aligned.
+        unsafe { kernels::swiglu_bwd(be, s.dtype(), cfg, pdy, pg, pu, dg.ptr(), du.ptr(), n as i64, vec)? };
         Ok((dg.into(), du.into()))
     }
 }

@@ -70,6 +70,41 @@ fn fused_norm_rope_swiglu_softmax() {
     });
 }
 
+/// The fused ops' kernels move 16-byte vectors where the sizes and addresses allow, else one
+/// element at a time: each path against the CPU. Rows of whole vectors with a tail past the last
+/// vector, odd widths (the scalar row and pair kernels), and inputs at an offset of one element
+/// (dense but not 16-byte aligned).
+#[test]
+fn fused_ops_on_vector_scalar_and_misaligned_paths() {
+    // A dense view of x at an offset of one element (cat in front, then narrow).
+    fn shifted(x: &Tensor) -> Tensor {
+        let flat = x.reshape(vec![x.numel()]).unwrap();
+        let pad = Tensor::zeros([1], x.dtype(), x.device()).unwrap();
+        Tensor::cat(&[pad, flat], 0).unwrap().narrow(0, 1, x.numel()).unwrap().reshape(x.shape().clone()).unwrap()
+    }
+    each_float_dtype(7, |dt, r| {
+        for (n, d) in [(5, 13), (9, 40), (3, 200)] {
+            let (x, u, w) = (randn(&[n, d], dt, r), randn(&[n, d], dt, r), randn(&[d], dt, r));
+            for shift in [false, true] {
+                let s = |t: &Tensor| if shift { shifted(t) } else { t.clone() };
+                let name = |op: &str| format!("{op} {dt} ({n}, {d}) shifted {shift}");
+                fwd_bwd(&name("swiglu"), dt, &[x.clone(), u.clone()], true, |t| swiglu(&s(&t[0]), &s(&t[1])).unwrap());
+                fwd_bwd(&name("rmsnorm"), dt, &[x.clone(), w.clone()], true, |t| rms_norm(&s(&t[0]), &t[1], 1e-5).unwrap());
+            }
+        }
+        for (b, h, t, d) in [(1, 2, 5, 12), (2, 2, 3, 48)] {
+            let x = randn(&[b, h, t, d], dt, r);
+            let (cos, sin) = (randn(&[t, d], dt, r), randn(&[t, d], dt, r));
+            for shift in [false, true] {
+                fwd_bwd(&format!("rope {dt} ({b}, {h}, {t}, {d}) shifted {shift}"), dt, std::slice::from_ref(&x), true, |v| {
+                    let x = if shift { shifted(&v[0]) } else { v[0].clone() };
+                    rope(&x, &cos.to_device(v[0].device()).unwrap(), &sin.to_device(v[0].device()).unwrap()).unwrap()
+                });
+            }
+        }
+    });
+}
+
 #[test]
 fn embedding_fwd_bwd_deterministic() {
     each_float_dtype(4, |dt, r| {
