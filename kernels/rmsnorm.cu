@@ -50,6 +50,13 @@ static __device__ void rmsnorm_fwd_impl(const T* x, const T* w, T* y, float* inv
         }
     }
 }
+// dy, w and x at columns [j, j + V) of row r.
+template <typename T, int V>
+static __device__ __forceinline__ void bwd_load(const T* dy, const T* w, const T* x, i64 r, i64 d, i64 j, float* fd, float* fw, float* fx) {
+    row_load<T, V>(dy + r * d + j, fd);
+    row_load<T, V>(w + j, fw);
+    row_load<T, V>(x + r * d + j, fx);
+}
 // Floor: 3 rows * d elements of T (read dy, x; write dx).
 template <typename T, int V>
 static __device__ void rmsnorm_bwd_dx_impl(const T* dy, const T* x, const T* w, const float* inv_rms, T* dx, i64 rows, i64 d) {
@@ -58,18 +65,14 @@ static __device__ void rmsnorm_bwd_dx_impl(const T* dy, const T* x, const T* w, 
         float gx = 0.0f;
         RMS_COLS(j) {
             float fd[V], fw[V], fx[V];
-            row_load<T, V>(dy + r * d + j, fd);
-            row_load<T, V>(w + j, fw);
-            row_load<T, V>(x + r * d + j, fx);
+            bwd_load<T, V>(dy, w, x, r, d, j, fd, fw, fx);
 #pragma unroll
             for (int k = 0; k < V; ++k) gx += fd[k] * fw[k] * fx[k];
         }
         gx = warp_sum(gx) / (float)d;
         RMS_COLS(j) {
             float fd[V], fw[V], fx[V];
-            row_load<T, V>(dy + r * d + j, fd);
-            row_load<T, V>(w + j, fw);
-            row_load<T, V>(x + r * d + j, fx);
+            bwd_load<T, V>(dy, w, x, r, d, j, fd, fw, fx);
 #pragma unroll
             for (int k = 0; k < V; ++k) fd[k] = rr * (fd[k] * fw[k] - fx[k] * rr * rr * gx);
             row_store<T, V>(dx + r * d + j, fd);
