@@ -145,7 +145,7 @@ static __device__ __forceinline__ FlashLane flash_lane() {
     return FlashLane{(int)(threadIdx.x >> 5), lane, lane >> 2, lane & 3};
 }
 // The first of the t rows of head `head` of batch `b` in a (b, heads, t, D) tensor laid out as
-// `layout`, and the distance between its rows.
+// `layout`; `row_stride` is the distance between its rows (elements).
 template <int D, typename T>
 static __device__ __forceinline__ T* head_rows(T* x, int b, int heads, int head, int t, int layout) {
     return layout == TIME_MAJOR ? x + ((i64)b * t * heads + head) * D : x + (i64)(b * heads + head) * t * D;
