@@ -9,8 +9,9 @@
 //!   depend on them), so the emulator runs it in seconds. The per-layer count is the difference
 //!   between 13 and 12 layers; both are printed for docs/BENCHMARKS.md.
 //! - No launch that touches more than 2^20 elements runs on fewer blocks than the device has
-//!   SMs: the primitive ops, the casts and copies, the reductions and the step's norm, each at
-//!   2^21 elements.
+//!   SMs: the primitive ops, the casts and copies, the reductions, the step's norm and the fused
+//!   ops' element-wise and row kernels (SwiGLU, RMSNorm on short and on long rows, RoPE), each
+//!   at 2^21 elements.
 //!
 //! The profile is one per process: the tests of this file take a lock and reset it.
 mod common;
@@ -105,6 +106,8 @@ fn launches_over_a_million_elements_fill_the_device() {
         let a = Tensor::randn([n / 1024, 1024], 1.0, dt, Device::Cpu, &mut r).unwrap().to_device(device).unwrap();
         let b = Tensor::randn([n / 1024, 1024], 1.0, dt, Device::Cpu, &mut r).unwrap().to_device(device).unwrap();
         let row = Tensor::randn([1, 1024], 1.0, dt, Device::Cpu, &mut r).unwrap().to_device(device).unwrap();
+        let wide = Tensor::randn([8192], 1.0, dt, Device::Cpu, &mut r).unwrap().to_device(device).unwrap();
+        let cs = Tensor::randn([n / 16384, 1024], 1.0, dt, Device::Cpu, &mut r).unwrap().to_device(device).unwrap();
         let outs = vec![
             a.add(&b).unwrap(),
             a.mul(&row).unwrap(),
@@ -117,6 +120,11 @@ fn launches_over_a_million_elements_fill_the_device() {
             a.sum(&[1], true).unwrap(),
             a.max(&[1], true).unwrap(),
             Tensor::zeros([n], dt, device).unwrap(),
+            // The fused ops' element-wise and row kernels: many short rows, and few long ones.
+            ferrolm::ops::swiglu(&a, &b).unwrap(),
+            ferrolm::ops::rms_norm(&a, &row.reshape([1024]).unwrap(), 1e-5).unwrap(),
+            ferrolm::ops::rms_norm(&a.reshape([n / 8192, 8192]).unwrap(), &wide, 1e-5).unwrap(),
+            ferrolm::ops::rope(&a.reshape([1, 16, n / 16384, 1024]).unwrap(), &cs, &cs).unwrap(),
         ];
         let norm = ferrolm::tensor::fused_sum_squares(&[&a, &b], &[None, None], 1.0).unwrap();
         assert!(norm.is_some_and(|v| v.is_finite() && v > 0.0));

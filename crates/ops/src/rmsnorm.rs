@@ -137,14 +137,17 @@ mod cuda {
 
     /// Rows each block of the first dw pass sums (a partial per chunk of rows).
     const ROWS_PER_CHUNK: usize = 64;
-    /// Rows of a block of the row kernels (a warp each).
+    /// Rows of a block of the row kernels (a warp each), at most.
     const WARP_ROWS: usize = 8;
 
     /// The row kernels' launch over n rows of d, and their `vec`: 16-byte vectors where a row is
-    /// whole vectors and every pointer is aligned.
-    fn row_plan(n: usize, d: usize, dt: DType, ptrs: &[DevPtr]) -> (Launch, i32) {
+    /// whole vectors and every pointer is aligned. Up to WARP_ROWS rows a block, fewer where that
+    /// would leave fewer than two blocks an SM (few long rows).
+    fn row_plan(be: &CudaBackend, n: usize, d: usize, dt: DType, ptrs: &[DevPtr]) -> (Launch, i32) {
         let vec = d.is_multiple_of(16 / dt.size_in_bytes()) && ptrs.iter().all(|p| p.addr().is_multiple_of(16));
-        (Launch::new((n.div_ceil(WARP_ROWS).clamp(1, 1 << 20) as u32, 1, 1), 32 * WARP_ROWS as u32), vec as i32)
+        let per_block = (n / (2 * be.sm_count() as usize)).clamp(1, WARP_ROWS);
+        let grid = n.div_ceil(per_block).clamp(1, 1 << 20) as u32;
+        (Launch::new((grid, 1, 1), 32 * per_block as u32).elems(n * d), vec as i32)
     }
 
     pub(super) fn forward(be: &CudaBackend, x: View, w: View, eps: f64) -> Result<(Storage, Storage)> {
@@ -152,7 +155,7 @@ mod cuda {
         let (_, n, d) = rows(x.1);
         let (y, r) = (be.alloc_storage(n * d, s.dtype())?, be.alloc_storage(n, DType::F32)?);
         let (px, pw) = (s.at(x.1.offset), dev_ptr("rmsnorm", w)?);
-        let (cfg, vec) = row_plan(n, d, s.dtype(), &[px, pw, y.ptr()]);
+        let (cfg, vec) = row_plan(be, n, d, s.dtype(), &[px, pw, y.ptr()]);
         // SAFETY: x is (n, d) and w (d), both of x's dtype and contiguous from their offsets;
         // y holds n * d elements of that dtype, r n f32; `vec` as the kernel needs it.
         unsafe { kernels::rmsnorm_fwd(be, s.dtype(), cfg, px, pw, y.ptr(), r.ptr(), n as i64, d as i64, eps as f32, vec)? };
@@ -175,7 +178,7 @@ mod cuda {
         // SAFETY: dy and x are (n, d) and w (d) of dtype dt, r n f32, all contiguous; dx holds
         // n * d elements, partial nchunks * d f32 (chunk c covers rows [c * chunk, ..)), dw d;
         // `vec` as the row kernel needs it.
-        let (rows_cfg, vec) = row_plan(n, d, dt, &[pdy, px, pw, dx.ptr()]);
+        let (rows_cfg, vec) = row_plan(be, n, d, dt, &[pdy, px, pw, dx.ptr()]);
         unsafe {
             kernels::rmsnorm_bwd_dx(be, dt, rows_cfg, pdy, px, pw, r, dx.ptr(), ni, di, vec)?;
             kernels::rmsnorm_bwd_dw_partial(be, dt, cols, pdy, px, r, partial.ptr(), ni, di, chunk)?;
