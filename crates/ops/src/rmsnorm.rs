@@ -175,10 +175,10 @@ mod cuda {
         let partial = if n == 0 { be.alloc_zeroed(nchunks * d, DType::F32)? } else { be.alloc_storage(nchunks * d, DType::F32)? };
         let dw = be.alloc_storage(d, dt)?;
         let cols = Launch::new((nchunks as u32, d.div_ceil(Launch::BLOCK as usize).max(1) as u32, 1), Launch::BLOCK);
+        let (rows_cfg, vec) = row_plan(be, n, d, dt, &[pdy, px, pw, dx.ptr()]);
         // SAFETY: dy and x are (n, d) and w (d) of dtype dt, r n f32, all contiguous; dx holds
         // n * d elements, partial nchunks * d f32 (chunk c covers rows [c * chunk, ..)), dw d;
         // `vec` as the row kernel needs it.
-        let (rows_cfg, vec) = row_plan(be, n, d, dt, &[pdy, px, pw, dx.ptr()]);
         unsafe {
             kernels::rmsnorm_bwd_dx(be, dt, rows_cfg, pdy, px, pw, r, dx.ptr(), ni, di, vec)?;
             kernels::rmsnorm_bwd_dw_partial(be, dt, cols, pdy, px, r, partial.ptr(), ni, di, chunk)?;
