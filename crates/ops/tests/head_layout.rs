@@ -7,6 +7,8 @@
 //!   poisoned outputs, and with no copy kernel launched in the forward or the backward (the
 //!   built-in profile counts them; a mixed-layout control shows the count sees copies).
 //! - RoPE keeps either layout, on both backends, bit for bit against the head-major result.
+//! - An attention block built as `nn::llama` builds it launches no copy kernel, and under
+//!   activation checkpointing gives the plain run's gradients to the bit.
 //! - The storage-level API refuses what it cannot take, naming it. (Misaligned time-major views:
 //!   `cuda.rs`, `flash_attention_misaligned_views`.)
 #[path = "../../cuda/tests/common/mod.rs"]
@@ -168,4 +170,58 @@ fn storage_level_attention_names_the_layouts_it_refuses() {
     let one = Layout::contiguous(Shape(vec![2, 4]));
     let err = x.with_storage(|(s, _)| rope::apply((s, &gaps), (s, &one), (s, &one), false)).unwrap_err().to_string();
     assert!(err.contains("rope") && err.contains("dense"), "{err}");
+}
+
+/// An attention block as `nn::llama` builds it (projections split into heads by reshape and
+/// permute, RoPE, attention, heads merged back), on the device in bf16 with head dim 64: under
+/// activation checkpointing the gradients are bitwise those of the plain run (the recomputed
+/// forward takes the same time-major path), and neither run launches a copy kernel.
+#[test]
+fn checkpointed_time_major_block_matches_the_plain_run() {
+    let Some(_) = gpu() else { return };
+    let _g = PROFILE.lock().unwrap_or_else(|e| e.into_inner());
+    let (b, t, hq, hkv, hd) = (2, 70, 2, 1, 64);
+    let c = hq * hd;
+    let mut r = rng(36);
+    let x0 = randn(&[b, t, c], DType::BF16, &mut r).to_device(GPU).unwrap();
+    let ws: Vec<Tensor> = [(hq * hd, c), (hkv * hd, c), (hkv * hd, c), (c, hq * hd)]
+        .iter()
+        .map(|&(o, i)| randn(&[o, i], DType::BF16, &mut r).mul_scalar(0.1).unwrap().to_device(GPU).unwrap())
+        .collect();
+    let [cos, sin] = [[t, hd], [t, hd]].map(|s| randn(&s, DType::BF16, &mut r).to_device(GPU).unwrap());
+    let cot = randn(&[b, t, c], DType::BF16, &mut r).to_device(GPU).unwrap();
+    let block = move |x: &Tensor, w: &[Tensor], cos: &Tensor, sin: &Tensor| -> ferrolm_tensor::Result<Tensor> {
+        // (b, t, in) -> (b t, in) (w (out, in))^T, as nn's `linear`.
+        let linear = |x: &Tensor, w: &Tensor| x.reshape([b * t, w.dim(1)])?.matmul(&w.t()?);
+        let heads = |w: &Tensor, n: usize| linear(x, w)?.reshape([b, t, n, hd])?.permute(&TM);
+        let q = rope(&heads(&w[0], hq)?, cos, sin)?;
+        let k = rope(&heads(&w[1], hkv)?, cos, sin)?;
+        let y = causal_attention(&q, &k, &heads(&w[2], hkv)?, 0.125)?;
+        x.add(&linear(&y.permute(&TM)?.reshape([b, t, c])?, &w[3])?.reshape([b, t, c])?)
+    };
+    let run = |ckpt: bool| {
+        let x = x0.detach();
+        x.set_requires_grad(true).unwrap();
+        let w: Vec<Tensor> = ws.iter().map(|w| w.detach().set_requires_grad(true).cloned().unwrap()).collect();
+        let h = if ckpt {
+            let (w, cos, sin) = (w.clone(), cos.clone(), sin.clone());
+            ferrolm_tensor::recompute(std::slice::from_ref(&x), move |xs| block(&xs[0], &w, &cos, &sin)).unwrap()
+        } else {
+            block(&x, &w, &cos, &sin).unwrap()
+        };
+        backward_with(&h, cot.clone()).unwrap();
+        std::iter::once(&x).chain(&w).map(|p| bits(&p.grad().expect("a gradient"))).collect::<Vec<_>>()
+    };
+    profile::enable(true);
+    profile::reset();
+    let plain = run(false);
+    let ckpt = run(true);
+    let rep = profile::report();
+    profile::enable(false);
+    assert_eq!(copies(&rep), 0, "copy kernels in the block's forward, recompute or backward: {:?}", rep.kernels);
+    assert!(rep.kernels.iter().any(|k| k.name.starts_with("flash_fwd") && k.launches >= 3), "the forward ran, and again under recompute");
+    for (i, (a, c)) in plain.iter().zip(&ckpt).enumerate() {
+        assert!(a.iter().any(|&v| v != 0), "gradient {i} is all zero");
+        assert_eq!(a, c, "gradient {i} differs between the plain and the checkpointed run");
+    }
 }
