@@ -7,7 +7,8 @@
 //!   device, the trainer's engine) makes at most `STEP_LAUNCH_BUDGET` launches: 60% of the 1,567
 //!   the first hardware profile counted (2026-11-26). The widths are small (the count does not
 //!   depend on them), so the emulator runs it in seconds. The per-layer count is the difference
-//!   between 13 and 12 layers; both are printed for docs/BENCHMARKS.md.
+//!   between 13 and 12 layers; both are printed for docs/BENCHMARKS.md. The step launches no
+//!   strided copy and no transpose (the heads and the weight gradients stay in place).
 //! - No launch that touches more than 2^20 elements runs on fewer blocks than the device has
 //!   SMs: the primitive ops, the casts and copies, the reductions, the step's norm and the fused
 //!   ops' element-wise and row kernels (SwiGLU, RMSNorm on short and on long rows, RoPE), each

@@ -8,6 +8,9 @@
 use ferrolm_cuda::consts::{HEAD_MAJOR, TIME_MAJOR};
 use ferrolm_tensor::{Layout, Result, Storage, Tensor};
 
+/// (b, heads, t, d) <-> (b, t, heads, d); its own inverse.
+const SWAP_HEADS_TIME: [usize; 4] = [0, 2, 1, 3];
+
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum HeadLayout {
     /// (b, heads, t, d) contiguous: a head's rows are adjacent.
@@ -23,10 +26,7 @@ impl HeadLayout {
     pub fn memory_order(self, l: &Layout) -> Layout {
         match self {
             HeadLayout::HeadMajor => l.clone(),
-            HeadLayout::TimeMajor => {
-                let (d, s) = (l.dims(), &l.strides);
-                Layout { shape: vec![d[0], d[2], d[1], d[3]].into(), strides: vec![s[0], s[2], s[1], s[3]], offset: l.offset }
-            }
+            HeadLayout::TimeMajor => l.permuted(&SWAP_HEADS_TIME),
         }
     }
 
@@ -64,7 +64,7 @@ impl HeadLayout {
         }
         match self {
             HeadLayout::HeadMajor => x.contiguous(),
-            HeadLayout::TimeMajor => x.permute(&[0, 2, 1, 3])?.contiguous()?.permute(&[0, 2, 1, 3]),
+            HeadLayout::TimeMajor => x.permute(&SWAP_HEADS_TIME)?.contiguous()?.permute(&SWAP_HEADS_TIME),
         }
     }
 
@@ -72,7 +72,7 @@ impl HeadLayout {
     pub fn tensor(self, s: Storage, [b, heads, t, d]: [usize; 4]) -> Result<Tensor> {
         match self {
             HeadLayout::HeadMajor => Tensor::new(s, [b, heads, t, d]),
-            HeadLayout::TimeMajor => Tensor::new(s, [b, t, heads, d])?.permute(&[0, 2, 1, 3]),
+            HeadLayout::TimeMajor => Tensor::new(s, [b, t, heads, d])?.permute(&SWAP_HEADS_TIME),
         }
     }
 }

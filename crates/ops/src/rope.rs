@@ -70,7 +70,6 @@ mod cpu {
 
     /// x: rows of d, `inner` rows (heads) per position: (b, h, t, d) with inner 1, (b, t, h, d)
     /// with inner h; cos, sin: (t, d).
-    #[allow(clippy::too_many_arguments)]
     fn rope<T: Float + Send + Sync>(x: &[T], cos: &[T], sin: &[T], t: usize, d: usize, inner: usize, inverse: bool) -> Vec<T> {
         let h = d / 2;
         let mut y = vec![T::zero(); x.len()];

@@ -305,12 +305,8 @@ impl Tensor {
 /// True when `x`, a matmul operand, is a transposed view of a dense matrix (its last two dims
 /// swapped back are contiguous) with the batch dims of the product `g` (no broadcast to sum).
 fn transposed_unbroadcast(x: &Tensor, g: &Tensor) -> bool {
-    let (r, l) = (x.rank(), x.layout());
-    let (mut shape, mut strides) = (l.shape.0.clone(), l.strides.clone());
-    shape.swap(r - 2, r - 1);
-    strides.swap(r - 2, r - 1);
-    !x.is_contiguous()
-        && r == g.rank()
-        && x.dims()[..r - 2] == g.dims()[..r - 2]
-        && Layout { shape: Shape(shape), strides, offset: l.offset }.is_contiguous()
+    let r = x.rank();
+    let mut swap: Vec<usize> = (0..r).collect();
+    swap.swap(r - 2, r - 1);
+    !x.is_contiguous() && r == g.rank() && x.dims()[..r - 2] == g.dims()[..r - 2] && x.layout().permuted(&swap).is_contiguous()
 }

@@ -88,6 +88,15 @@ impl Layout {
     pub fn numel(&self) -> usize {
         self.shape.numel()
     }
+    /// The same elements with dims reordered: dim i of the result is dim `perm[i]` of this
+    /// view (`perm` a permutation of the dims, which the caller checked).
+    pub fn permuted(&self, perm: &[usize]) -> Layout {
+        Layout {
+            shape: perm.iter().map(|&p| self.shape.0[p]).collect::<Vec<_>>().into(),
+            strides: perm.iter().map(|&p| self.strides[p]).collect(),
+            offset: self.offset,
+        }
+    }
     /// True when the elements are exactly `offset .. offset + numel` in row-major order.
     pub fn is_contiguous(&self) -> bool {
         let mut expect = 1;

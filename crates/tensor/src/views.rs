@@ -33,12 +33,7 @@ impl Tensor {
         if perm.len() != r || perm.iter().any(|&p| p >= r || std::mem::replace(&mut seen[p], true)) {
             bail!("permute", "{perm:?} is not a permutation of the {r} dims of {:?}", self.shape());
         }
-        let l = self.layout();
-        let layout = Layout {
-            shape: perm.iter().map(|&p| l.shape.0[p]).collect::<Vec<_>>().into(),
-            strides: perm.iter().map(|&p| l.strides[p]).collect(),
-            offset: l.offset,
-        };
+        let layout = self.layout().permuted(perm);
         let mut inv = vec![0; r];
         for (i, &p) in perm.iter().enumerate() {
             inv[p] = i;
