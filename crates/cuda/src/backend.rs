@@ -5,7 +5,7 @@
 //! each lives in its own module of crates/ops with its CPU reference.
 use crate::consts;
 use crate::device::CudaBackend;
-use crate::gemm::Operand;
+use crate::gemm::{GemmOut, Operand};
 use crate::kernels::{self, Strided};
 use crate::launch::{aligned, DevPtr};
 use crate::optim::{AdamPart, AdamWParams, NormPart};
@@ -265,8 +265,51 @@ impl Backend for CudaBackend {
                 Operand { ptr: tb.buf.ptr, avail: tb.len, trans: false, ld: n as i64, batch_stride: (k * n) as i64 }
             }
         };
-        self.gemm(sa.dtype, oa, ob, m, n, k, batch, (out.buf.ptr, out.len))?;
+        self.gemm(sa.dtype, oa, ob, m, n, k, batch, GemmOut::plain(sa.dtype, (out.buf.ptr, out.len)))?;
         Ok(out.into())
+    }
+    fn matmul_into(&self, a: View, b: View, acc: Option<View>, out: &mut Storage, ol: &Layout) -> Result<bool> {
+        let (sa, sb, so) = (cuda("matmul", a.0)?, cuda("matmul", b.0)?, cuda("matmul", out)?);
+        let dense = |l: &Layout, m: usize, n: usize| l.dims() == [m, n] && l.is_contiguous();
+        if a.1.dims().len() != 2 || b.1.dims().len() != 2 || sa.dtype != sb.dtype {
+            return Ok(false);
+        }
+        let (m, k, n) = (a.1.dims()[0], a.1.dims()[1], b.1.dims()[1]);
+        let out_ok = so.dtype == sa.dtype || (so.dtype == DType::F32 && sa.dtype == DType::BF16);
+        if b.1.dims()[0] != k || !dense(ol, m, n) || !out_ok || m * n == 0 || k == 0 {
+            return Ok(false);
+        }
+        let acc = match acc {
+            Some((st, l)) => {
+                let c = cuda("matmul", st)?;
+                if c.dtype != so.dtype || !dense(l, m, n) || c.buf.ptr == so.buf.ptr {
+                    return Ok(false);
+                }
+                Some((c.ptr_at(l.offset), c.len.saturating_sub(l.offset)))
+            }
+            None => None,
+        };
+        let (ta, tb);
+        let oa = match Self::operand(a, sa, &[]) {
+            Some(o) => o,
+            None => {
+                ta = self.contiguous("matmul", a)?;
+                Operand { ptr: ta.buf.ptr, avail: ta.len, trans: false, ld: k as i64, batch_stride: 0 }
+            }
+        };
+        let ob = match Self::operand(b, sb, &[]) {
+            Some(o) => o,
+            None => {
+                tb = self.contiguous("matmul", b)?;
+                Operand { ptr: tb.buf.ptr, avail: tb.len, trans: false, ld: n as i64, batch_stride: 0 }
+            }
+        };
+        let d = (so.ptr_at(ol.offset), so.len.saturating_sub(ol.offset));
+        self.gemm(sa.dtype, oa, ob, m, n, k, 1, GemmOut { d, dtype: so.dtype, acc })?;
+        Ok(true)
+    }
+    fn empty(&self, n: usize, dtype: DType) -> Result<Storage> {
+        Ok(self.alloc(n, dtype)?.into())
     }
     fn cat(&self, parts: &[View], dim: usize) -> Result<Storage> {
         let first = parts.first().ok_or_else(|| ferrolm_tensor::Error::new("cat", "nothing to concatenate"))?;

@@ -1,6 +1,6 @@
 //! The per-device state: context, streams, events, pool, kernel module and cuBLASLt handle.
 use crate::emu_stream::{EmuEvent, EmuStream, Job};
-use crate::gemm::{Gemm, LtCall, Operand};
+use crate::gemm::{Gemm, GemmOut, LtCall, Operand};
 use crate::kernels::Kernel;
 use crate::launch::Launch;
 use crate::pool::{DevBuf, Mem, Pool};
@@ -444,7 +444,7 @@ impl CudaBackend {
         n: usize,
         k: usize,
         batch: usize,
-        out: (u64, usize),
+        out: GemmOut,
     ) -> Result<()> {
         let call = LtCall::plan(dtype, a, b, m, n, k, batch, out)?;
         let name = if dtype == DType::BF16 { "gemm_bf16 (cuBLASLt)" } else { "gemm_f32 (cuBLASLt)" };

@@ -149,6 +149,15 @@ pub(crate) fn lt_check(c: &LtCall) -> Result<()> {
     check("A", &c.a, c.batch)?;
     check("B", &c.b, c.batch)?;
     check("D", &c.d, c.batch)?;
+    if let Some(x) = &c.c {
+        check("C", x, c.batch)?;
+        if (x.rows, x.cols, x.ld, x.stride) != (c.d.rows, c.d.cols, c.d.ld, c.d.stride) {
+            bail!("matmul", "cuBLASLt would read C in D's layout, but C is {x:?} and D {:?}", c.d);
+        }
+    }
+    if c.out_bf16 && !c.bf16 {
+        bail!("matmul", "cuBLASLt has no f32 x f32 -> bf16 GEMM here");
+    }
     let (m, n, k) = (c.d.rows, c.d.cols, c.k);
     let (a_m, a_k) = if c.ta { (c.a.cols, c.a.rows) } else { (c.a.rows, c.a.cols) };
     let (b_k, b_n) = if c.tb { (c.b.cols, c.b.rows) } else { (c.b.rows, c.b.cols) };
@@ -158,8 +167,9 @@ pub(crate) fn lt_check(c: &LtCall) -> Result<()> {
     Ok(())
 }
 
-/// D = op(A) · op(B) with cuBLASLt's semantics: column-major operands, op = transpose when the
-/// flag is set, fp32 accumulation, result rounded once to the output type.
+/// D = op(A) · op(B) (+ C) with cuBLASLt's semantics: column-major operands, op = transpose when
+/// the flag is set, fp32 accumulation, C (D's type) added in fp32, the result rounded once to
+/// the output type.
 pub(crate) fn lt_matmul(c: &LtCall) -> Result<()> {
     lt_check(c)?;
     let (m, n, k) = (c.d.rows, c.d.cols, c.k);
@@ -175,8 +185,9 @@ pub(crate) fn lt_matmul(c: &LtCall) -> Result<()> {
         // SAFETY: emulated device pointers are host addresses of live pool blocks, aligned for
         // f32/bf16; `check` above refused negative lds and strides, and LtCall::plan checked
         // that the last element each matrix touches, (batch-1)*stride + (cols-1)*ld + rows-1,
-        // lies inside its buffer, so every offset computed below is in bounds. D does not
-        // alias A or B (it is a fresh allocation).
+        // lies inside its buffer (C's too, in D's layout), so every offset computed below is in
+        // bounds. D does not alias A, B or C (plan refuses C = D; the output is a fresh
+        // allocation or a gradient buffer no operand reads).
         unsafe {
             let load = |x: &LtMatrix, off: i64| -> f32 {
                 if c.bf16 {
@@ -196,10 +207,16 @@ pub(crate) fn lt_matmul(c: &LtCall) -> Result<()> {
             for j in 0..n {
                 for i in 0..m {
                     let off = (bd + i as i64 + j as i64 * c.d.ld) as isize;
-                    if c.bf16 {
-                        *(c.d.ptr as *mut bf16).offset(off) = bf16::from_f32(acc[i + j * m]);
+                    let add = match &c.c {
+                        Some(x) if c.out_bf16 => f32::from(*(x.ptr as *const bf16).offset(off)),
+                        Some(x) => *(x.ptr as *const f32).offset(off),
+                        None => 0.0,
+                    };
+                    let v = acc[i + j * m] + add;
+                    if c.out_bf16 {
+                        *(c.d.ptr as *mut bf16).offset(off) = bf16::from_f32(v);
                     } else {
-                        *(c.d.ptr as *mut f32).offset(off) = acc[i + j * m];
+                        *(c.d.ptr as *mut f32).offset(off) = v;
                     }
                 }
             }

@@ -1,6 +1,9 @@
-//! cuBLASLt GEMM: bf16 or f32 in and out, fp32 accumulation (CUBLAS_COMPUTE_32F, no TF32, so f32
-//! results match the CPU reference to ~1e-5), strided batches, either operand transposed, a
-//! 32 MiB workspace, and the heuristic's algorithm cached per problem shape.
+//! cuBLASLt GEMM: bf16 or f32 in; out in the input's dtype or, from bf16, in f32; fp32
+//! accumulation (CUBLAS_COMPUTE_32F, no TF32, so f32 results match the CPU reference to ~1e-5);
+//! optionally D = A·B + C (beta 1, C an other buffer of D's type and shape), so a gradient sum
+//! or a cast into an f32 gradient buffer rides on the GEMM instead of a kernel of its own;
+//! strided batches, either operand transposed, a 32 MiB workspace, and the heuristic's
+//! algorithm cached per problem shape and pointer alignment.
 //!
 //! Row-major C (m, n) = A (m, k) · B (k, n) is computed as the column-major C^T = B^T · A^T,
 //! so cuBLASLt's "A" is our B and its "B" is our A.
@@ -29,6 +32,10 @@ pub struct Operand {
 #[derive(Clone, Copy, PartialEq, Eq, Hash)]
 struct Key {
     bf16: bool,
+    out_bf16: bool,
+    beta: bool,
+    /// The alignment in bytes (a power of two, at most 256) of A, B, C and D's pointers.
+    align: [u32; 4],
     ta: bool,
     tb: bool,
     m: usize,
@@ -54,47 +61,83 @@ pub struct LtMatrix {
     pub stride: i64,
 }
 
-/// A cuBLASLt call D = op(A) · op(B) (alpha 1, beta 0), everything column-major; built by `plan`
-/// and executed by `Gemm::run` on a GPU or by `emu::lt_matmul` on the emulator.
+/// A cuBLASLt call D = op(A) · op(B) (+ C when `c` is given: alpha 1, beta 1 or 0), everything
+/// column-major; built by `plan` and executed by `Gemm::run` on a GPU or by `emu::lt_matmul` on
+/// the emulator.
 #[derive(Clone, Copy, Debug)]
 pub struct LtCall {
+    /// A and B are bf16 (else f32).
     pub bf16: bool,
+    /// C and D are bf16 (else f32; bf16 out needs bf16 in).
+    pub out_bf16: bool,
     pub ta: bool,
     pub tb: bool,
     pub k: usize,
     pub batch: usize,
     pub a: LtMatrix,
     pub b: LtMatrix,
+    /// The addend: D's shape, type, ld and batch stride, in a buffer of its own.
+    pub c: Option<LtMatrix>,
     pub d: LtMatrix,
 }
 
+/// The output of a planned GEMM: where D goes, its dtype, and an optional addend C of the same
+/// shape, dtype and (dense, row-major) layout.
+#[derive(Clone, Copy, Debug)]
+pub struct GemmOut {
+    /// D's (address, elements from it on).
+    pub d: (u64, usize),
+    pub dtype: DType,
+    /// C's (address, elements from it on).
+    pub acc: Option<(u64, usize)>,
+}
+
+impl GemmOut {
+    /// A fresh output of the inputs' dtype, nothing added.
+    pub fn plain(dtype: DType, d: (u64, usize)) -> GemmOut {
+        GemmOut { d, dtype, acc: None }
+    }
+}
+
 impl LtCall {
-    /// Row-major out (batch, m, n) contiguous = a (batch, m, k) · b (batch, k, n); `out` is the
-    /// output's (address, elements). Every operand's extent is checked against its buffer, so
-    /// neither cuBLASLt nor the emulator's reference can touch memory outside it.
+    /// Row-major out (batch, m, n) contiguous = a (batch, m, k) · b (batch, k, n) (+ the addend
+    /// of `out`, laid out like the output). Every operand's extent is checked against its
+    /// buffer, so neither cuBLASLt nor the emulator's reference can touch memory outside it.
     #[allow(clippy::too_many_arguments)]
-    pub fn plan(dtype: DType, a: Operand, b: Operand, m: usize, n: usize, k: usize, batch: usize, out: (u64, usize)) -> Result<LtCall> {
+    pub fn plan(dtype: DType, a: Operand, b: Operand, m: usize, n: usize, k: usize, batch: usize, out: GemmOut) -> Result<LtCall> {
         let bf16 = match dtype {
             DType::BF16 => true,
             DType::F32 => false,
             d => return Err(Error::new("matmul", format!("{d} GEMM is not supported on CUDA"))),
+        };
+        let out_bf16 = match (dtype, out.dtype) {
+            (DType::BF16, DType::BF16) => true,
+            (_, DType::F32) => false,
+            (i, o) => return Err(Error::new("matmul", format!("a GEMM of {i} operands cannot write {o}"))),
         };
         let (ta, tb) = (b.trans, a.trans); // cuBLASLt's A is our b, its B is our a
                                            // Lt A = B^T (n, k); Lt B = A^T (k, m); D = C^T (n, m).
         let (ar, ac) = if ta { (k, n) } else { (n, k) };
         let (br, bc) = if tb { (m, k) } else { (k, m) };
         let call = LtCall {
-            bf16,
             ta,
             tb,
             k,
             batch,
             a: LtMatrix { ptr: b.ptr, avail: b.avail, rows: ar, cols: ac, ld: b.ld, stride: b.batch_stride },
             b: LtMatrix { ptr: a.ptr, avail: a.avail, rows: br, cols: bc, ld: a.ld, stride: a.batch_stride },
-            d: LtMatrix { ptr: out.0, avail: out.1, rows: n, cols: m, ld: n as i64, stride: (m * n) as i64 },
+            c: out.acc.map(|(ptr, avail)| LtMatrix { ptr, avail, rows: n, cols: m, ld: n as i64, stride: (m * n) as i64 }),
+            d: LtMatrix { ptr: out.d.0, avail: out.d.1, rows: n, cols: m, ld: n as i64, stride: (m * n) as i64 },
+            bf16,
+            out_bf16,
         };
-        for (name, x) in [("b", &call.a), ("a", &call.b), ("out", &call.d)] {
-            x.check_bounds(name, batch)?;
+        for (name, x) in [("b", Some(&call.a)), ("a", Some(&call.b)), ("acc", call.c.as_ref()), ("out", Some(&call.d))] {
+            if let Some(x) = x {
+                x.check_bounds(name, batch)?;
+            }
+        }
+        if call.c.is_some_and(|c| c.ptr == call.d.ptr) {
+            return Err(Error::new("matmul", "the addend and the output of a GEMM must be different buffers"));
         }
         Ok(call)
     }
@@ -194,9 +237,10 @@ fn layout(dt: sys::cudaDataType, rows: usize, cols: usize, ld: i64, batch: usize
 }
 
 impl Gemm {
-    /// The descriptors of a call's shape and cuBLASLt's first heuristic algorithm for them.
-    fn plan(&self, c: &LtCall) -> Result<(Descs, sys::cublasLtMatmulAlgo_t)> {
-        let dt = if c.bf16 { sys::cudaDataType::CUDA_R_16BF } else { sys::cudaDataType::CUDA_R_32F };
+    /// The descriptors of a call's shape and cuBLASLt's first heuristic algorithm for them,
+    /// among those that accept the pointers' alignment.
+    fn plan(&self, c: &LtCall, align: [u32; 4]) -> Result<(Descs, sys::cublasLtMatmulAlgo_t)> {
+        let ty = |bf16: bool| if bf16 { sys::cudaDataType::CUDA_R_16BF } else { sys::cudaDataType::CUDA_R_32F };
         let op =
             lt::create_matmul_desc(sys::cublasComputeType_t::CUBLAS_COMPUTE_32F, sys::cudaDataType::CUDA_R_32F).map_err(err("matmul"))?;
         let mut d = Descs { op, layouts: [std::ptr::null_mut(); 3] };
@@ -217,20 +261,30 @@ impl Gemm {
                     .map_err(err("matmul"))?;
             }
         }
-        for (i, x) in [&c.a, &c.b, &c.d].into_iter().enumerate() {
-            d.layouts[i] = layout(dt, x.rows, x.cols, x.ld, c.batch, x.stride)?;
+        // C and D share one layout: same shape, type, ld and batch stride.
+        for (i, (x, bf16)) in [(&c.a, c.bf16), (&c.b, c.bf16), (&c.d, c.out_bf16)].into_iter().enumerate() {
+            d.layouts[i] = layout(ty(bf16), x.rows, x.cols, x.ld, c.batch, x.stride)?;
         }
         let pref = lt::create_matmul_pref().map_err(err("matmul"))?;
         let ws = WORKSPACE as u64;
-        // SAFETY: `pref` is live until destroyed below, the workspace size points at a local u64
-        // passed with size 8, and the handle, descriptor and layouts are live.
+        use sys::cublasLtMatmulPreferenceAttributes_t as P;
+        // SAFETY: `pref` is live until destroyed below; each value points at a local of exactly
+        // the size passed (u64: 8 bytes, u32: 4), which cuBLASLt copies; the handle, descriptor
+        // and layouts are live.
         let h = unsafe {
-            let r = lt::set_matmul_pref_attribute(
-                pref,
-                sys::cublasLtMatmulPreferenceAttributes_t::CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES,
-                &ws as *const u64 as *const c_void,
-                8,
-            );
+            let mut r =
+                lt::set_matmul_pref_attribute(pref, P::CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES, &ws as *const u64 as *const c_void, 8);
+            // cuBLASLt assumes 256-byte aligned pointers unless told otherwise; a view at an
+            // offset (a parameter's slice of its gradient bucket) may be less aligned.
+            let attrs = [
+                P::CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_A_BYTES,
+                P::CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_B_BYTES,
+                P::CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_C_BYTES,
+                P::CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_D_BYTES,
+            ];
+            for (attr, a) in attrs.into_iter().zip(align.iter()) {
+                r = r.and_then(|_| lt::set_matmul_pref_attribute(pref, attr, a as *const u32 as *const c_void, 4));
+            }
             let h = r
                 .and_then(|_| lt::get_matmul_algo_heuristic(self.handle, op, d.layouts[0], d.layouts[1], d.layouts[2], d.layouts[2], pref));
             let _ = lt::destroy_matmul_pref(pref);
@@ -250,8 +304,18 @@ impl Gemm {
     /// Runs a planned call on `stream`. The descriptors and the algorithm of a shape are made
     /// once and kept (a training step repeats a few dozen shapes hundreds of times).
     pub fn run(&mut self, stream: &CudaStream, c: &LtCall) -> Result<()> {
+        let elem = |bf16: bool| if bf16 { 2u64 } else { 4 };
+        // The largest power of two (at most 256) that divides the address: what an algorithm
+        // may assume of it.
+        let align = |ptr: u64| (1u64 << ptr.trailing_zeros().min(8)) as u32;
+        let cptr = c.c.map_or(c.d.ptr, |x| x.ptr);
+        let align = [align(c.a.ptr), align(c.b.ptr), align(cptr), align(c.d.ptr)];
+        debug_assert!(align[3] as u64 >= elem(c.out_bf16));
         let key = Key {
             bf16: c.bf16,
+            out_bf16: c.out_bf16,
+            beta: c.c.is_some(),
+            align,
             ta: c.ta,
             tb: c.tb,
             m: c.d.rows,
@@ -264,17 +328,18 @@ impl Gemm {
             sb: c.b.stride,
         };
         if !self.algos.contains_key(&key) {
-            let planned = self.plan(c)?;
+            let planned = self.plan(c, align)?;
             self.algos.insert(key, planned);
         }
         let (d, algo) = self.algos.get(&key).expect("inserted above");
         let (op, algo) = (d.op, *algo);
-        let (alpha, beta) = (1.0f32, 0.0f32);
+        let (alpha, beta) = (1.0f32, if c.c.is_some() { 1.0f32 } else { 0.0 });
         // SAFETY: the handle, descriptor and layouts are live; alpha/beta are f32 as the f32
         // compute type requires; every operand's extent (rows, cols, ld, batch stride) was checked
-        // against its buffer in LtCall::plan, and the buffers are pool blocks that stay allocated
-        // until the stream has run this call (blocks are reused only in stream order); the
-        // workspace is a WORKSPACE-byte pool block owned by self.
+        // against its buffer in LtCall::plan (C in D's layout), and the buffers are pool blocks
+        // that stay allocated until the stream has run this call (blocks are reused only in
+        // stream order); C and D are different buffers (plan refuses otherwise); with beta 0, C
+        // is D and is not read; the workspace is a WORKSPACE-byte pool block owned by self.
         unsafe {
             lt::matmul(
                 self.handle,
@@ -285,7 +350,7 @@ impl Gemm {
                 d.layouts[0],
                 c.b.ptr as *const c_void,
                 d.layouts[1],
-                c.d.ptr as *const c_void,
+                cptr as *const c_void,
                 d.layouts[2],
                 c.d.ptr as *mut c_void,
                 d.layouts[2],
@@ -312,13 +377,25 @@ mod tests {
     #[test]
     fn plan_checks_every_operand_against_its_buffer() {
         // (2, 3) x (3, 4) -> (2, 4), two batches.
-        let ok = LtCall::plan(DType::F32, op(12, 3, 6), op(24, 4, 12), 2, 4, 3, 2, (0x2000, 16));
+        let out = |n: usize| GemmOut::plain(DType::F32, (0x2000, n));
+        let ok = LtCall::plan(DType::F32, op(12, 3, 6), op(24, 4, 12), 2, 4, 3, 2, out(16));
         assert!(ok.is_ok(), "{ok:?}");
-        for (a, b, out) in [(op(11, 3, 6), op(24, 4, 12), 16), (op(12, 3, 6), op(23, 4, 12), 16), (op(12, 3, 6), op(24, 4, 12), 15)] {
-            let e = LtCall::plan(DType::F32, a, b, 2, 4, 3, 2, (0x2000, out)).unwrap_err().to_string();
+        for (a, b, o) in [(op(11, 3, 6), op(24, 4, 12), 16), (op(12, 3, 6), op(23, 4, 12), 16), (op(12, 3, 6), op(24, 4, 12), 15)] {
+            let e = LtCall::plan(DType::F32, a, b, 2, 4, 3, 2, out(o)).unwrap_err().to_string();
             assert!(e.contains("reaches past its buffer"), "{e}");
         }
-        assert!(LtCall::plan(DType::F32, op(12, -3, 6), op(24, 4, 12), 2, 4, 3, 2, (0x2000, 16)).is_err());
-        assert!(LtCall::plan(DType::F32, op(12, 3, i64::MAX), op(24, 4, 12), 2, 4, 3, 2, (0x2000, 16)).is_err());
+        assert!(LtCall::plan(DType::F32, op(12, -3, 6), op(24, 4, 12), 2, 4, 3, 2, out(16)).is_err());
+        assert!(LtCall::plan(DType::F32, op(12, 3, i64::MAX), op(24, 4, 12), 2, 4, 3, 2, out(16)).is_err());
+        // The addend is checked like D, must not be D, and bf16 out needs bf16 in.
+        let acc = |c: (u64, usize)| GemmOut { acc: Some(c), ..out(16) };
+        assert!(LtCall::plan(DType::F32, op(12, 3, 6), op(24, 4, 12), 2, 4, 3, 2, acc((0x3000, 16))).is_ok());
+        let e = LtCall::plan(DType::F32, op(12, 3, 6), op(24, 4, 12), 2, 4, 3, 2, acc((0x3000, 15))).unwrap_err().to_string();
+        assert!(e.contains("operand acc") && e.contains("reaches past its buffer"), "{e}");
+        let e = LtCall::plan(DType::F32, op(12, 3, 6), op(24, 4, 12), 2, 4, 3, 2, acc((0x2000, 16))).unwrap_err().to_string();
+        assert!(e.contains("different buffers"), "{e}");
+        let e = LtCall::plan(DType::F32, op(12, 3, 6), op(24, 4, 12), 2, 4, 3, 2, GemmOut::plain(DType::BF16, (0x2000, 16))).unwrap_err();
+        assert!(e.to_string().contains("cannot write bf16"), "{e}");
+        let bf = LtCall::plan(DType::BF16, op(12, 3, 6), op(24, 4, 12), 2, 4, 3, 2, out(16)).unwrap();
+        assert!(bf.bf16 && !bf.out_bf16);
     }
 }
