@@ -7,7 +7,7 @@
 //! With no CUDA device the tests print "skipped: no CUDA device" and pass, unless
 //! FERROLM_REQUIRE_GPU=1, where they fail.
 use ferrolm_cuda::{CudaBackend, KernelImage};
-use ferrolm_tensor::{DType, Tensor};
+use ferrolm_tensor::{DType, Device, Tensor};
 
 mod common;
 use common::*;
@@ -73,4 +73,85 @@ fn no_gpu_is_reported_without_panicking() {
         assert!(!ferrolm_cuda::is_available());
         assert!(CudaBackend::new(0, KernelImage::Sources(SOURCES)).is_err());
     }
+}
+
+/// `matmul_into` (the gradient GEMMs of `Tensor::linear`) on the device against the CPU's
+/// composition (matmul, then add, then assign): f32 written from bf16 or f32 operands into a
+/// slice of a larger poisoned buffer (a parameter's range of an f32 gradient bucket), an addend
+/// of the output's dtype, and transposed operands. The slice must be written whole and nothing
+/// around it.
+#[test]
+fn matmul_into_writes_slices_and_adds_in_one_pass() {
+    each_float_dtype(12, |dt, r| {
+        for (m, k, n, off) in [(17, 33, 9, 3), (64, 128, 96, 64), (1, 5, 1, 1)] {
+            let (a, b, at) = (randn(&[m, k], dt, r), randn(&[k, n], dt, r), randn(&[k, m], dt, r));
+            let (ga, gb, gat) = (to_gpu(&a), to_gpu(&b), to_gpu(&at));
+            let buf = Tensor::full([off + m * n + 5], f64::NAN, DType::F32, GPU).unwrap();
+            let dest = buf.narrow(0, off, m * n).unwrap().reshape([m, n]).unwrap();
+            let outside = |what: &str| {
+                let v = buf.to_vec_f64().unwrap();
+                assert!(v[..off].iter().chain(&v[off + m * n..]).all(|x| x.is_nan()), "{what}: written outside its slice");
+            };
+            // Into an f32 slice.
+            let got = ga.matmul_into(&gb, None, Some(&dest)).unwrap();
+            assert!(got.same_view(&dest), "the result is not the destination");
+            check("matmul_into f32 slice", &a.matmul(&b).unwrap().to_dtype(DType::F32).unwrap(), &got, dt, true);
+            outside("matmul_into f32 slice");
+            // Plus an addend, into a new tensor of the operands' dtype.
+            let acc = randn(&[m, n], dt, r);
+            let got = ga.matmul_into(&gb, Some(&to_gpu(&acc)), None).unwrap();
+            assert_eq!(got.dtype(), dt);
+            check("matmul_into + acc", &acc.add(&a.matmul(&b).unwrap()).unwrap(), &got, dt, true);
+            // A transposed left operand, an f32 addend, into the f32 slice.
+            let acc32 = randn(&[m, n], DType::F32, r);
+            let want = acc32.add(&at.t().unwrap().matmul(&b).unwrap().to_dtype(DType::F32).unwrap()).unwrap();
+            let got = gat.t().unwrap().matmul_into(&gb, Some(&to_gpu(&acc32)), Some(&dest)).unwrap();
+            check("matmul_into lhs^T + acc f32", &want, &got, dt, true);
+            outside("matmul_into lhs^T + acc f32");
+            // A transposed right operand (G^T X's shape: x (k, n) read as its transpose).
+            let bt = randn(&[n, k], dt, r);
+            let got = ga.matmul_into(&to_gpu(&bt).t().unwrap(), None, Some(&dest)).unwrap();
+            check("matmul_into rhs^T", &a.matmul(&bt.t().unwrap()).unwrap().to_dtype(DType::F32).unwrap(), &got, dt, true);
+        }
+        // Wrong shapes and dtypes are named, not computed.
+        let (a, b) = (to_gpu(&randn(&[3, 4], dt, r)), to_gpu(&randn(&[4, 2], dt, r)));
+        let e = a.matmul_into(&b, Some(&to_gpu(&randn(&[2, 3], dt, r))), None).unwrap_err().to_string();
+        assert!(e.contains("matmul_into") && e.contains("addend"), "{e}");
+        let e = a.matmul_into(&b, None, Some(&Tensor::zeros([3, 3], DType::F32, GPU).unwrap())).unwrap_err().to_string();
+        assert!(e.contains("destination"), "{e}");
+    });
+}
+
+/// The linear op forward and backward on the device against the CPU, with x read by two layers
+/// (so the second layer's dX GEMM adds onto the first's) and a weight whose gradient goes to an
+/// f32 destination.
+#[test]
+fn linear_forward_and_backward() {
+    each_float_dtype(13, |dt, r| {
+        let (x, w1, w2) = (randn(&[2, 7, 24], dt, r), randn(&[40, 24], dt, r), randn(&[16, 24], dt, r));
+        let cot = (randn(&[2, 7, 40], dt, r), randn(&[2, 7, 16], dt, r));
+        let run = |dev: Device| {
+            let p = |t: &Tensor| {
+                let t = t.detach().to_device(dev).unwrap();
+                t.set_requires_grad(true).unwrap();
+                t
+            };
+            let (x, w1, w2) = (p(&x), p(&w1), p(&w2));
+            let dest = Tensor::full([40, 24], f64::NAN, DType::F32, dev).unwrap();
+            let d = dest.clone();
+            w1.set_grad_dest(Some(std::sync::Arc::new(move || Ok(Some(d.clone())))));
+            let (y1, y2) = (x.linear(&w1).unwrap(), x.linear(&w2).unwrap());
+            let l = y1.mul(&cot.0.to_device(dev).unwrap()).unwrap().sum_all().unwrap();
+            let l = l.add(&y2.mul(&cot.1.to_device(dev).unwrap()).unwrap().sum_all().unwrap()).unwrap();
+            l.backward().unwrap();
+            (y1, x.grad().unwrap(), w1.grad().unwrap(), w2.grad().unwrap(), dest)
+        };
+        let (c, g) = (run(Device::Cpu), run(GPU));
+        check("linear fwd", &c.0, &g.0, dt, true);
+        check("linear dx (two layers)", &c.1, &g.1, dt, true);
+        check("linear dw (into f32)", &c.2, &g.2, dt, true);
+        assert_eq!(g.2.dtype(), DType::F32);
+        check("linear dw destination", &c.4, &g.4, dt, true);
+        check("linear dw (value)", &c.3, &g.3, dt, true);
+    });
 }

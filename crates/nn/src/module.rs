@@ -38,15 +38,10 @@ pub struct ParamInfo<'a> {
 /// shard, a view into a flat store).
 pub type ParamVisitor<'a> = dyn FnMut(&ParamInfo, &mut Tensor) -> Result<()> + 'a;
 
-/// y = x W^T over the last dim of x: (..., in) -> (..., out), W (out, in).
+/// y = x W^T over the last dim of x: (..., in) -> (..., out), W (out, in) (`Tensor::linear`:
+/// one GEMM forward; backward sums dX into x's gradient and writes dW where W's gradient goes).
 pub fn linear(x: &Tensor, w: &Tensor) -> Result<Tensor> {
-    let d = x.dims();
-    let (lead, cin) = (&d[..d.len() - 1], d[d.len() - 1]);
-    let n: usize = lead.iter().product();
-    let y = x.reshape([n, cin].to_vec())?.matmul(&w.t()?)?; // (N, out)
-    let mut out = lead.to_vec();
-    out.push(w.dim(0));
-    y.reshape(out)
+    x.linear(w)
 }
 
 /// How a linear layer applies its weight. `Dense` is the single-device op; tensor parallelism

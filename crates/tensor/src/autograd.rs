@@ -8,12 +8,59 @@ use std::collections::{BTreeSet, HashMap};
 use std::sync::Arc;
 
 pub type BackwardFn = Box<dyn Fn(&Tensor) -> Result<Vec<Option<Tensor>>> + Send + Sync>;
+/// A backward that also takes what the engine offers besides the output gradient (`GradCtx`).
+pub type CtxBackwardFn = Box<dyn Fn(&Tensor, &mut GradCtx) -> Result<Vec<Option<Tensor>>> + Send + Sync>;
 pub type Hook = Arc<dyn Fn(&Tensor) + Send + Sync>;
+/// Where a leaf's gradient may be written in place (see `Tensor::set_grad_dest`): a dense view
+/// of the leaf's shape, in any float dtype, or `None` (the gradient comes as a value).
+pub type GradDest = Arc<dyn Fn() -> Result<Option<Tensor>> + Send + Sync>;
+
+pub enum Backward {
+    Plain(BackwardFn),
+    Ctx(CtxBackwardFn),
+}
 
 pub struct Node {
     pub name: &'static str,
     pub inputs: Vec<Tensor>,
-    pub backward: BackwardFn,
+    pub backward: Backward,
+}
+
+/// What the engine offers a `CtxBackwardFn` for input `i`, so its gradient needs no kernel of its
+/// own to be summed or stored:
+/// - `take_partial(i)`: the contributions already arrived for the input, summed in arrival
+///   order. An op that adds them into its result (a GEMM's addend) returns the total for that
+///   input, which replaces them: the engine's add is saved and the order of the sum is kept.
+/// - `dest(i)`: for a leaf that this op is the only consumer of, the view its gradient lands in
+///   (a slice of an f32 gradient bucket). An op that writes its result there (a GEMM's output)
+///   returns that view, and the leaf's sink sees it arrive in place: no cast, no copy.
+///
+/// Both are optional to use: an op that ignores them gets the engine's plain behaviour.
+pub struct GradCtx {
+    partial: Vec<Option<Vec<Tensor>>>,
+    taken: Vec<bool>,
+    dest: Vec<Option<GradDest>>,
+}
+
+impl GradCtx {
+    /// The sum of the gradient contributions input `i` has received so far, if any; taking it
+    /// makes this op's gradient for `i` the total.
+    pub fn take_partial(&mut self, i: usize) -> Result<Option<Tensor>> {
+        match self.partial.get_mut(i).and_then(Option::take) {
+            Some(parts) => {
+                self.taken[i] = true;
+                sum_grads(parts)
+            }
+            None => Ok(None),
+        }
+    }
+    /// Where input `i`'s gradient may be written in place, if it has such a destination.
+    pub fn dest(&mut self, i: usize) -> Result<Option<Tensor>> {
+        match self.dest.get_mut(i).and_then(Option::take) {
+            Some(f) => f(),
+            None => Ok(None),
+        }
+    }
 }
 
 thread_local! {
@@ -41,6 +88,10 @@ pub fn set_grad_enabled(on: bool) -> GradGuard {
 impl Tensor {
     /// Wraps an op result: records `backward` when grads are on and an input needs them.
     pub(crate) fn record(out: Tensor, name: &'static str, inputs: &[&Tensor], backward: BackwardFn) -> Tensor {
+        Tensor::record_node(out, name, inputs, Backward::Plain(backward))
+    }
+
+    pub(crate) fn record_node(out: Tensor, name: &'static str, inputs: &[&Tensor], backward: Backward) -> Tensor {
         if !is_grad_enabled() || !inputs.iter().any(|t| t.requires_grad()) {
             return out;
         }
@@ -85,6 +136,8 @@ pub(crate) fn traverse(root: &Tensor, seed: Tensor, on_leaf: &mut dyn FnMut(&Ten
             }
         }
     }
+    // A leaf read by exactly one op may have its gradient written in place by that op.
+    let single: std::collections::HashSet<usize> = deps.iter().filter(|&(_, &n)| n == 1).map(|(&id, _)| id).collect();
     let mut grads: HashMap<usize, Vec<Tensor>> = HashMap::from([(root.id(), vec![seed])]);
     let mut ready: BTreeSet<usize> = BTreeSet::from([root.id()]);
     // What a ready tensor's gradient still waits for: communication in flight, or only local
@@ -122,9 +175,28 @@ pub(crate) fn traverse(root: &Tensor, seed: Tensor, on_leaf: &mut dyn FnMut(&Ten
         };
         // A node that received no gradient still releases its inputs (their other consumers
         // may have sent them one); it just contributes nothing.
-        let gins = match g {
-            Some(g) => (node.backward)(&g).map_err(|e| crate::Error::new(format!("{} backward", node.name), e.to_string()))?,
-            None => Vec::new(),
+        let name = node.name;
+        let wrap = |e: crate::Error| crate::Error::new(format!("{name} backward"), e.to_string());
+        let gins = match (g, &node.backward) {
+            (None, _) => Vec::new(),
+            (Some(g), Backward::Plain(f)) => f(&g).map_err(wrap)?,
+            (Some(g), Backward::Ctx(f)) => {
+                let mut ctx = offer(&node.inputs, &mut grads, &single);
+                let r = f(&g, &mut ctx);
+                // Contributions the op did not take go back, ahead of its own (arrival order).
+                for (inp, parts) in node.inputs.iter().zip(ctx.partial) {
+                    if let Some(parts) = parts {
+                        let e = grads.entry(inp.id()).or_default();
+                        let later = std::mem::replace(e, parts);
+                        e.extend(later);
+                    }
+                }
+                let r = r.map_err(wrap)?;
+                if let Some(i) = (0..ctx.taken.len()).find(|&i| ctx.taken[i] && r.get(i).is_none_or(Option::is_none)) {
+                    crate::bail!(format!("{name} backward"), "took input {i}'s gradient so far but returned no gradient for it");
+                }
+                r
+            }
         };
         let mut gins = gins.into_iter();
         for inp in node.inputs.iter() {
@@ -157,6 +229,27 @@ pub(crate) fn traverse(root: &Tensor, seed: Tensor, on_leaf: &mut dyn FnMut(&Ten
         }
     }
     Ok(())
+}
+
+/// What a `CtxBackwardFn` is offered (see `GradCtx`): per input that requires grad (its first
+/// occurrence), the contributions it has so far when none is pending (they are moved out of
+/// `grads`; the caller puts back what is not taken), and the destination of a leaf with one
+/// consumer and nothing arrived yet.
+fn offer(inputs: &[Tensor], grads: &mut HashMap<usize, Vec<Tensor>>, single: &std::collections::HashSet<usize>) -> GradCtx {
+    let n = inputs.len();
+    let mut ctx = GradCtx { partial: vec![None; n], taken: vec![false; n], dest: vec![None; n] };
+    for (i, inp) in inputs.iter().enumerate() {
+        if !inp.requires_grad() || inputs[..i].iter().any(|o| o.id() == inp.id()) {
+            continue;
+        }
+        if inp.is_leaf() && single.contains(&inp.id()) && !grads.contains_key(&inp.id()) {
+            ctx.dest[i] = inp.0.dest.lock().unwrap_or_else(|e| e.into_inner()).clone();
+        }
+        if grads.get(&inp.id()).is_some_and(|v| !v.is_empty() && !v.iter().any(Tensor::is_pending)) {
+            ctx.partial[i] = grads.remove(&inp.id());
+        }
+    }
+    ctx
 }
 
 /// Backpropagates from a one-element `root` (seed 1), accumulating into leaf `.grad()`s.

@@ -273,6 +273,119 @@ impl Tensor {
         ))
     }
 
+    /// `self · rhs (+ acc)` for 2-D operands (m, k) · (k, n), written into `dest` when given (a
+    /// dense (m, n) tensor of self's dtype or f32, such as a parameter's slice of an f32
+    /// gradient bucket) and returned; else into a new tensor of self's dtype. `acc` is (m, n) of
+    /// the output's dtype. A device backend does it in one GEMM (the product accumulated in f32,
+    /// the addend added and the result rounded once); elsewhere it is composed from `matmul`,
+    /// `add` (in the order acc + product) and `assign`. Not recorded for autograd: backward
+    /// rules use it (`linear`).
+    pub fn matmul_into(&self, rhs: &Tensor, acc: Option<&Tensor>, dest: Option<&Tensor>) -> Result<Tensor> {
+        same_float("matmul_into", &[self, rhs])?;
+        if self.rank() != 2 || rhs.rank() != 2 || self.dim(1) != rhs.dim(0) {
+            bail!("matmul_into", "expects (m, k) and (k, n), got {:?} and {:?}", self.shape(), rhs.shape());
+        }
+        let (m, n) = (self.dim(0), rhs.dim(1));
+        let out_dtype = dest.map_or(self.dtype(), Tensor::dtype);
+        if let Some(d) = dest {
+            same_device("matmul_into", &[self, d])?;
+            if d.dims() != [m, n] || !d.is_contiguous() || !(d.dtype() == self.dtype() || d.dtype() == DType::F32) {
+                bail!(
+                    "matmul_into",
+                    "the destination must be a dense ({m}, {n}) tensor of {} or f32, got {:?} {}",
+                    self.dtype(),
+                    d.shape(),
+                    d.dtype()
+                );
+            }
+        }
+        if let Some(a) = acc {
+            same_device("matmul_into", &[self, a])?;
+            if a.dims() != [m, n] || a.dtype() != out_dtype {
+                bail!("matmul_into", "the addend must be ({m}, {n}) of {out_dtype}, got {:?} {}", a.shape(), a.dtype());
+            }
+        }
+        let _g = crate::autograd::no_grad();
+        let aliased = |t: &Tensor| [Some(self), Some(rhs), acc].into_iter().flatten().any(|x| x.shares_storage(t));
+        if self.device() != Device::Cpu && acc.is_none_or(Tensor::is_contiguous) {
+            let b = self.backend("matmul_into")?;
+            let out = match dest {
+                Some(d) if !aliased(d) => Some(d.clone()),
+                Some(_) => None,
+                None => Some(new(b.empty(m * n, out_dtype)?, Shape(vec![m, n]))),
+            };
+            if let Some(out) = out {
+                let done = {
+                    let (ga, gb) = (self.0.storage.read()?, rhs.0.storage.read()?);
+                    let gc = acc.map(|a| a.0.storage.read()).transpose()?;
+                    let c = gc.as_ref().zip(acc).map(|(g, a)| (&**g, a.layout()));
+                    b.matmul_into((&ga, self.layout()), (&gb, rhs.layout()), c, &mut *out.0.storage.write()?, out.layout())?
+                };
+                if done {
+                    return Ok(out);
+                }
+            }
+        }
+        let p = self.matmul(rhs)?.to_dtype(out_dtype)?;
+        let p = match acc {
+            Some(a) => a.add(&p)?,
+            None => p,
+        };
+        match dest {
+            Some(d) => {
+                d.assign(&p)?;
+                Ok(d.clone())
+            }
+            None => Ok(p),
+        }
+    }
+
+    /// y = x W^T over the last dim: x (..., in), w (out, in) -> (..., out), one GEMM over the
+    /// (N, in) rows. Its backward asks the engine (`GradCtx`) for what lets it skip kernels:
+    /// dX = G W is accumulated onto the gradient x has received so far (the GEMM's addend:
+    /// the q, k and v projections read one x, so do gate and up), and dW = G^T X is written
+    /// straight into w's gradient destination when it has one (its slice of an f32 bucket: no
+    /// bf16 copy and no cast).
+    pub fn linear(&self, w: &Tensor) -> Result<Tensor> {
+        same_float("linear", &[self, w])?;
+        let r = self.rank();
+        if w.rank() != 2 || r == 0 || self.dim(r - 1) != w.dim(1) {
+            bail!("linear", "expects x (..., in) and w (out, in), got {:?} and {:?}", self.shape(), w.shape());
+        }
+        let (cin, cout) = (w.dim(1), w.dim(0));
+        let n: usize = self.dims()[..r - 1].iter().product();
+        let mut out = self.dims()[..r - 1].to_vec();
+        out.push(cout);
+        let (x2, y) = {
+            let _g = crate::autograd::no_grad();
+            let x2 = self.reshape([n, cin])?;
+            let y = x2.matmul(&w.t()?)?.reshape(out)?;
+            (x2, y)
+        };
+        let (wt, xshape) = (w.clone(), self.shape().clone());
+        let (need_x, need_w) = (self.requires_grad(), w.requires_grad());
+        Ok(Tensor::record_node(
+            y,
+            "linear",
+            &[self, w],
+            crate::autograd::Backward::Ctx(Box::new(move |g, ctx| {
+                let g2 = g.reshape([n, cout])?;
+                let gx = match need_x {
+                    true => {
+                        let acc = ctx.take_partial(0)?.map(|a| a.reshape([n, cin])).transpose()?;
+                        Some(g2.matmul_into(&wt, acc.as_ref(), None)?.reshape(xshape.clone())?)
+                    }
+                    false => None,
+                };
+                let gw = match need_w {
+                    true => Some(g2.t()?.matmul_into(&x2, None, ctx.dest(1)?.as_ref())?),
+                    false => None,
+                };
+                Ok(vec![gx, gw])
+            })),
+        ))
+    }
+
     // ---- casts, devices -----------------------------------------------------------------------
 
     /// Converts the elements; the gradient is cast back to the input's dtype.

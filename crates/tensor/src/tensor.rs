@@ -23,6 +23,8 @@ pub struct TensorInner {
     pub(crate) hooks: Mutex<Vec<Hook>>,
     /// Takes the leaf's final gradient instead of `.grad()` (see `set_grad_sink`).
     pub(crate) sink: Mutex<Option<Hook>>,
+    /// Where an op may write the leaf's gradient in place (see `set_grad_dest`).
+    pub(crate) dest: Mutex<Option<autograd::GradDest>>,
 }
 
 /// A cheap handle (an `Arc`): clones share storage, layout and gradient.
@@ -78,6 +80,7 @@ impl Tensor {
             grad: Mutex::new(None),
             hooks: Mutex::new(Vec::new()),
             sink: Mutex::new(None),
+            dest: Mutex::new(None),
         }))
     }
 
@@ -217,6 +220,11 @@ impl Tensor {
     pub fn from_op(out: Tensor, name: &'static str, inputs: &[&Tensor], backward: crate::autograd::BackwardFn) -> Tensor {
         Tensor::record(out, name, inputs, backward)
     }
+    /// As `from_op`, with a backward that also takes what the engine offers (`GradCtx`): the
+    /// gradient an input has so far, to add into its own result, and a leaf's destination.
+    pub fn from_op_ctx(out: Tensor, name: &'static str, inputs: &[&Tensor], backward: crate::autograd::CtxBackwardFn) -> Tensor {
+        Tensor::record_node(out, name, inputs, crate::autograd::Backward::Ctx(backward))
+    }
 
     pub fn from_vec<T: Element>(data: Vec<T>, shape: impl Into<Shape>, device: Device) -> Result<Tensor> {
         let shape = shape.into();
@@ -237,6 +245,13 @@ impl Tensor {
     pub fn full(shape: impl Into<Shape>, v: f64, dtype: DType, device: Device) -> Result<Tensor> {
         let shape = shape.into();
         let st = backend::get("full", device)?.full(shape.numel(), dtype, v)?;
+        Ok(Tensor::from_storage(st, Layout::contiguous(shape), None))
+    }
+    /// A tensor whose values are unspecified (a device's fresh memory; zeros on the CPU): for
+    /// a buffer every element of which is written before any is read.
+    pub fn empty(shape: impl Into<Shape>, dtype: DType, device: Device) -> Result<Tensor> {
+        let shape = shape.into();
+        let st = backend::get("empty", device)?.empty(shape.numel(), dtype)?;
         Ok(Tensor::from_storage(st, Layout::contiguous(shape), None))
     }
     pub fn zeros(shape: impl Into<Shape>, dtype: DType, device: Device) -> Result<Tensor> {
@@ -361,6 +376,21 @@ impl Tensor {
     /// keeps only its shard, so no full gradient outlives its bucket. `None` restores `.grad()`.
     pub fn set_grad_sink(&self, f: Option<Hook>) {
         *self.0.sink.lock().unwrap_or_else(|e| e.into_inner()) = f;
+    }
+
+    /// Offers ops a place to write this leaf's gradient in place: when an op that can (a
+    /// linear layer's weight-gradient GEMM) is this leaf's only consumer in a backward pass, it
+    /// asks `f` for a dense view of the leaf's shape (any float dtype, typically the leaf's
+    /// slice of an f32 gradient bucket), writes the gradient there and hands that view to the
+    /// sink, which can tell it arrived in place (`same_view`). `f` may answer `None`. `None`
+    /// here withdraws the offer.
+    pub fn set_grad_dest(&self, f: Option<autograd::GradDest>) {
+        *self.0.dest.lock().unwrap_or_else(|e| e.into_inner()) = f;
+    }
+    /// True when both tensors are the same elements of the same storage (same offset, shape
+    /// and strides).
+    pub fn same_view(&self, other: &Tensor) -> bool {
+        self.shares_storage(other) && self.0.layout == other.0.layout
     }
 
     pub fn backward(&self) -> Result<()> {

@@ -187,3 +187,143 @@ fn transposed_operands_get_dense_gradients() {
     let want = b.detach().matmul(&cot.t().unwrap()).unwrap(); // (6, 4) = B G^T
     assert_eq!(ga.to_vec_f64().unwrap(), want.to_vec_f64().unwrap());
 }
+
+/// The linear op (`Tensor::linear`) against the same math in plain ops: an x read by three
+/// linear layers gets the sum of their gradients (each layer's backward adds its dX onto the sum
+/// so far, `GradCtx::take_partial`, in the engine's order, so on the CPU the result is bitwise
+/// the composed one), and each weight gets G^T X.
+#[test]
+fn linear_backward_sums_into_its_input_in_the_engines_order() {
+    let g = &mut Rng::new(12);
+    let x = param(&randn(&[2, 3, 4], g));
+    let ws: Vec<Tensor> = (0..3).map(|_| param(&randn(&[5, 4], g))).collect();
+    let cots: Vec<Tensor> = (0..3).map(|_| randn(&[2, 3, 5], g)).collect();
+    let run = |fused: bool| -> (Vec<f64>, Vec<Vec<f64>>) {
+        x.zero_grad();
+        ws.iter().for_each(Tensor::zero_grad);
+        let mut loss: Option<Tensor> = None;
+        for (w, c) in ws.iter().zip(&cots) {
+            let y = match fused {
+                true => x.linear(w).unwrap(),
+                false => x.reshape([6, 4]).unwrap().matmul(&w.t().unwrap()).unwrap().reshape([2, 3, 5]).unwrap(),
+            };
+            let l = y.mul(c).unwrap().sum_all().unwrap();
+            loss = Some(match loss {
+                Some(a) => a.add(&l).unwrap(),
+                None => l,
+            });
+        }
+        // x also reaches the loss directly: a contribution that is not a linear layer's.
+        loss.unwrap().add(&x.sqr().unwrap().sum_all().unwrap()).unwrap().backward().unwrap();
+        (x.grad().unwrap().to_vec_f64().unwrap(), ws.iter().map(|w| w.grad().unwrap().to_vec_f64().unwrap()).collect())
+    };
+    let (gx, gw) = run(true);
+    let (rx, rw) = run(false);
+    assert_eq!(gx, rx, "x's gradient differs from the composed ops'");
+    assert_eq!(gw, rw, "the weights' gradients differ from the composed ops'");
+    assert_eq!(
+        gw[0],
+        cots[0].reshape([6, 5]).unwrap().t().unwrap().matmul(&x.detach().reshape([6, 4]).unwrap()).unwrap().to_vec_f64().unwrap()
+    );
+}
+
+/// A leaf's gradient destination (`set_grad_dest`): a weight read by one linear layer gets its
+/// gradient written into the view it offers (here f32, a slice of a larger buffer, as in a
+/// gradient bucket) and its sink receives that very view; a weight read by two layers, and a
+/// weight whose offer answers `None`, get theirs as values. The values are G^T X either way,
+/// and nothing outside the slice is written.
+#[test]
+fn a_weight_gradient_lands_in_its_destination() {
+    let g = &mut Rng::new(13);
+    let x = param(&randn(&[3, 4], g));
+    let (w1, w2, w3) = (param(&randn(&[5, 4], g)), param(&randn(&[5, 4], g)), param(&randn(&[5, 4], g)));
+    let bucket = Tensor::full([2 + 20 + 3], 7.0, DType::F32, CPU).unwrap();
+    let asked = Arc::new(Mutex::new(Vec::<&'static str>::new()));
+    let offer = |name: &'static str, w: &Tensor, view: Option<Tensor>| {
+        let asked = asked.clone();
+        w.set_grad_dest(Some(Arc::new(move || {
+            asked.lock().unwrap().push(name);
+            Ok(view.clone())
+        })));
+    };
+    let slice = bucket.narrow(0, 2, 20).unwrap().reshape([5, 4]).unwrap();
+    offer("w1", &w1, Some(slice.clone()));
+    offer("w2", &w2, Some(Tensor::zeros([5, 4], DType::F32, CPU).unwrap()));
+    offer("w3", &w3, None);
+    // (weight, arrived in its destination, values) per sink call.
+    type Arrivals = Arc<Mutex<Vec<(&'static str, bool, Vec<f64>)>>>;
+    let got: Arrivals = Arc::default();
+    for (name, w) in [("w1", &w1), ("w2", &w2), ("w3", &w3)] {
+        let (got, slice) = (got.clone(), slice.clone());
+        w.set_grad_sink(Some(Arc::new(move |gr: &Tensor| {
+            got.lock().unwrap().push((name, gr.same_view(&slice), gr.to_dtype(DType::F64).unwrap().to_vec_f64().unwrap()))
+        })));
+    }
+    let (c1, c2, c3, c4) = (randn(&[3, 5], g), randn(&[3, 5], g), randn(&[3, 5], g), randn(&[3, 5], g));
+    let loss = [(&w1, &c1), (&w2, &c2), (&w2, &c3), (&w3, &c4)]
+        .iter()
+        .map(|(w, c)| x.linear(w).unwrap().mul(c).unwrap().sum_all().unwrap())
+        .reduce(|a, b| a.add(&b).unwrap())
+        .unwrap();
+    loss.backward().unwrap();
+    let xd = x.detach();
+    let gtx = |c: &Tensor| c.t().unwrap().matmul(&xd).unwrap();
+    let want = [("w1", gtx(&c1)), ("w2", gtx(&c2).add(&gtx(&c3)).unwrap()), ("w3", gtx(&c4))];
+    let got = got.lock().unwrap();
+    assert_eq!(got.len(), 3, "one gradient per weight: {:?}", got.iter().map(|g| g.0).collect::<Vec<_>>());
+    for (name, w) in want {
+        let (_, in_place, v) = got.iter().find(|g| g.0 == name).unwrap();
+        assert_eq!(*in_place, name == "w1", "{name}: arrived in place: {in_place}");
+        let w = w.to_vec_f64().unwrap();
+        assert!(v.iter().zip(&w).all(|(a, b)| (a - b).abs() <= 1e-5 * (1.0 + b.abs())), "{name}: {v:?} vs {w:?}");
+    }
+    // w2 has two consumers: its offer is never asked for.
+    assert_eq!(*asked.lock().unwrap(), ["w3", "w1"], "which offers were asked (in backward order)");
+    let b = bucket.to_vec_f64().unwrap();
+    assert!(b[..2].iter().chain(&b[22..]).all(|&v| v == 7.0), "written outside the slice: {b:?}");
+}
+
+/// The same inside an activation-checkpointed segment (`recompute`): the recomputed linear
+/// layer writes the weight's gradient into its destination, and the sink outside sees it.
+#[test]
+fn a_recomputed_linear_layer_writes_its_weight_gradient_in_place() {
+    let g = &mut Rng::new(14);
+    let x = param(&randn(&[3, 4], g));
+    let w = param(&randn(&[5, 4], g));
+    let dest = Tensor::zeros([5, 4], DType::F64, CPU).unwrap();
+    let d = dest.clone();
+    w.set_grad_dest(Some(Arc::new(move || Ok(Some(d.clone())))));
+    let seen: Arc<Mutex<Option<bool>>> = Arc::default();
+    let (s, d) = (seen.clone(), dest.clone());
+    w.set_grad_sink(Some(Arc::new(move |gr: &Tensor| *s.lock().unwrap() = Some(gr.same_view(&d)))));
+    let c = randn(&[3, 5], g);
+    let wc = w.clone();
+    let y = ferrolm_tensor::recompute(std::slice::from_ref(&x), move |xs| xs[0].linear(&wc)?.silu()).unwrap();
+    y.mul(&c).unwrap().sum_all().unwrap().backward().unwrap();
+    assert_eq!(*seen.lock().unwrap(), Some(true), "the gradient did not arrive in its destination");
+    // Against plain ops.
+    let (x2, w2) = (param(&x.detach().contiguous().unwrap()), param(&w.detach().contiguous().unwrap()));
+    x2.matmul(&w2.t().unwrap()).unwrap().silu().unwrap().mul(&c).unwrap().sum_all().unwrap().backward().unwrap();
+    assert_eq!(dest.to_vec_f64().unwrap(), w2.grad().unwrap().to_vec_f64().unwrap());
+    assert_eq!(x.grad().unwrap().to_vec_f64().unwrap(), x2.grad().unwrap().to_vec_f64().unwrap());
+}
+
+/// An op that takes the gradient its input has so far (`GradCtx::take_partial`) must return
+/// that input's total: one that returns none fails the backward pass, naming the op.
+#[test]
+fn a_backward_that_takes_a_partial_sum_must_return_it() {
+    let g = &mut Rng::new(15);
+    let x = param(&randn(&[4], g));
+    let y = x.mul_scalar(2.0).unwrap();
+    let out = Tensor::from_op_ctx(
+        y.detach(),
+        "greedy",
+        &[&y],
+        Box::new(|_g, ctx| {
+            let _ = ctx.take_partial(0)?;
+            Ok(vec![None])
+        }),
+    );
+    let e = out.sum_all().unwrap().add(&y.sum_all().unwrap()).unwrap().backward().unwrap_err().to_string();
+    assert!(e.contains("greedy backward") && e.contains("returned no gradient"), "{e}");
+}
