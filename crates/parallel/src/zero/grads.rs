@@ -1,5 +1,10 @@
 //! The gradient pipeline. A gradient sink copies each parameter's gradient into its bucket's
-//! buffer the moment autograd has finished it; a complete bucket is reduce-scattered over G
+//! buffer the moment autograd has finished it, unless the op that computed it wrote it there in
+//! place (each parameter offers its slice as its gradient destination, `Tensor::set_grad_dest`:
+//! a linear layer's weight-gradient GEMM writes f32 straight into it, so neither a bf16 copy nor
+//! a cast is made). The buffer is not zeroed first: every parameter's slice is written, and
+//! what is not (the padding, a parameter that got no gradient) is zeroed on its own. A complete
+//! bucket is reduce-scattered over G
 //! (s_g ranks) at once, behind the rest of the backward pass, and its range accumulated over
 //! the step's micro-batches, so a rank never holds more than 1/s_g of the gradients.
 //!
@@ -31,6 +36,15 @@ struct BucketGrads {
     full: Option<Tensor>,
     arrived: usize,
     expected: usize,
+    /// Each parameter's (offset, shape) in the bucket.
+    slots: Vec<(usize, Vec<usize>)>,
+    /// Per parameter: its gradient arrived in this micro-batch.
+    got: Vec<bool>,
+    /// Per parameter: its slice was handed out as a gradient destination in this micro-batch
+    /// (at most once: a second consumer of the parameter gets its gradient as a value).
+    lent: Vec<bool>,
+    /// Elements the parameters use; the rest of `numel` is padding, zero.
+    used: usize,
     /// Reduced (possibly pending) ranges of this step's earlier micro-batches.
     reduced: Vec<Tensor>,
     /// (numel / s_g) the sum of the earlier micro-batches' ranges.
@@ -69,6 +83,10 @@ impl GradPipeline {
                 full: None,
                 arrived: 0,
                 expected: b.slots.len(),
+                slots: b.slots.iter().map(|s| (s.offset, s.shape.clone())).collect(),
+                got: vec![false; b.slots.len()],
+                lent: vec![false; b.slots.len()],
+                used: b.numel,
                 reduced: Vec::new(),
                 acc: None,
                 optim_grad: None,
@@ -92,23 +110,26 @@ impl GradPipeline {
         self.lock().grad_ready = hook;
     }
 
-    /// Each of `model`'s parameters hands its gradient to its bucket's buffer; the bucket is
-    /// flushed when its last parameter's gradient arrives.
+    /// Each of `model`'s parameters hands its gradient to its bucket's buffer (and offers its
+    /// slice of it as the gradient's destination); the bucket is flushed when its last
+    /// parameter's gradient arrives.
     pub fn install_sinks(&self, store: &ParamBuckets, model: &Llama) -> Result<()> {
         let params: std::collections::HashMap<String, Tensor> = model.parameters().into_iter().collect();
         for (bi, bk) in store.buckets.iter().enumerate() {
-            for s in &bk.slots {
+            for (si, s) in bk.slots.iter().enumerate() {
                 let p = params.get(&s.name).ok_or_else(|| Error::new("zero", format!("parameter {} is not in the model", s.name)))?;
-                let (asm, off, numel) = (self.0.clone(), s.offset, s.numel());
+                let asm = self.0.clone();
                 p.set_grad_sink(Some(Arc::new(move |grad: &Tensor| {
                     let mut a = asm.lock().unwrap_or_else(|e| e.into_inner());
                     if a.error.is_some() {
                         return;
                     }
-                    if let Err(e) = a.arrive(bi, off, numel, grad) {
+                    if let Err(e) = a.arrive(bi, si, grad) {
                         a.error = Some(e);
                     }
                 })));
+                let asm = self.0.clone();
+                p.set_grad_dest(Some(Arc::new(move || asm.lock().unwrap_or_else(|e| e.into_inner()).lend(bi, si))));
             }
         }
         Ok(())
@@ -156,6 +177,7 @@ impl GradPipeline {
             if a.buckets[i].optim_grad.is_none() {
                 let b = &mut a.buckets[i];
                 b.full = Some(Tensor::zeros([b.numel], b.dtype, b.device)?);
+                b.got.iter_mut().for_each(|g| *g = true); // zeros already
                 a.last = true;
                 a.flush(i)?;
             }
@@ -173,6 +195,7 @@ impl GradPipeline {
         for b in a.buckets.iter_mut() {
             b.full = None;
             b.arrived = 0;
+            b.got.iter_mut().chain(b.lent.iter_mut()).for_each(|f| *f = false);
             out.append(&mut b.reduced);
             out.extend(b.acc.take());
             out.extend(b.optim_grad.take());
@@ -192,19 +215,56 @@ impl GradPipeline {
     }
 }
 
+impl BucketGrads {
+    /// This micro-batch's buffer, made on first use. Its values are unspecified but for the
+    /// padding, zeroed here: every parameter's slice is written before the bucket is flushed.
+    fn full(&mut self) -> Result<Tensor> {
+        if let Some(f) = &self.full {
+            return Ok(f.clone());
+        }
+        let _g = no_grad();
+        let f = Tensor::empty([self.numel], self.dtype, self.device)?;
+        if self.used < self.numel {
+            let pad = self.numel - self.used;
+            f.narrow(0, self.used, pad)?.assign(&Tensor::zeros([pad], self.dtype, self.device)?)?;
+        }
+        self.full = Some(f.clone());
+        Ok(f)
+    }
+
+    /// Parameter `slot`'s range of the buffer, in its shape.
+    fn slice(&mut self, slot: usize) -> Result<Tensor> {
+        let (off, shape) = self.slots[slot].clone();
+        let numel = shape.iter().product();
+        self.full()?.narrow(0, off, numel)?.reshape(shape)
+    }
+}
+
 impl Assembly {
-    /// A parameter's gradient: into its bucket's buffer; the bucket flushes when complete.
-    fn arrive(&mut self, bucket: usize, offset: usize, numel: usize, grad: &Tensor) -> Result<()> {
+    /// A parameter's gradient destination: its slice of the bucket's buffer, lent once per
+    /// micro-batch, before its gradient arrived (`None` after, or after a failure).
+    fn lend(&mut self, bucket: usize, slot: usize) -> Result<Option<Tensor>> {
         let b = &mut self.buckets[bucket];
-        let full = match &b.full {
-            Some(f) => f.clone(),
-            None => {
-                let f = Tensor::zeros([b.numel], b.dtype, b.device)?;
-                b.full = Some(f.clone());
-                f
-            }
-        };
-        full.narrow(0, offset, numel)?.assign(&grad.reshape([numel])?)?;
+        if self.error.is_some() || b.got[slot] || b.lent[slot] {
+            return Ok(None);
+        }
+        b.lent[slot] = true;
+        let _g = no_grad();
+        b.slice(slot).map(Some)
+    }
+
+    /// A parameter's gradient: into its bucket's buffer (unless it was written there in
+    /// place); the bucket flushes when complete.
+    fn arrive(&mut self, bucket: usize, slot: usize, grad: &Tensor) -> Result<()> {
+        let b = &mut self.buckets[bucket];
+        if b.got[slot] {
+            return Err(Error::new("zero", format!("bucket {bucket}: parameter {slot}'s gradient arrived twice in one backward pass")));
+        }
+        let dst = b.slice(slot)?;
+        if !grad.same_view(&dst) {
+            dst.assign(grad)?;
+        }
+        b.got[slot] = true;
         b.arrived += 1;
         if b.arrived == b.expected {
             self.flush(bucket)?;
@@ -217,8 +277,20 @@ impl Assembly {
     fn flush(&mut self, i: usize) -> Result<()> {
         let (g_comm, spec, last) = (&self.groups.grads, self.spec, self.last);
         let b = &mut self.buckets[i];
-        let mut full = b.full.take().ok_or_else(|| Error::new("zero", "no gradient to flush"))?;
+        if b.full.is_none() {
+            return Err(Error::new("zero", "no gradient to flush"));
+        }
+        // Parameters that got no gradient in this micro-batch contribute zeros.
+        for s in 0..b.slots.len() {
+            if !b.got[s] {
+                let _g = no_grad();
+                let dst = b.slice(s)?;
+                dst.assign(&Tensor::zeros(dst.shape().clone(), b.dtype, b.device)?)?;
+            }
+        }
+        let mut full = b.full.take().expect("checked above");
         b.arrived = 0;
+        b.got.iter_mut().chain(b.lent.iter_mut()).for_each(|f| *f = false);
         if last {
             if let Some(acc) = b.acc.take() {
                 // The earlier micro-batches' sum of this rank's range joins the reduction: added
