@@ -1,6 +1,8 @@
 // rmsnorm.cu — RMSNorm forward and backward. Forward (one warp per row): inv_rms = 1 /
 // sqrt(mean(x^2) + eps) saved in f32, y = x * inv_rms * w. Backward: dx per row (one warp per
-// row) = r * (dy*w - x * r^2 * mean(dy*w*x)); dw = sum over rows of dy * x * r, reduced
+// row) = acc + r * (dy*w - x * r^2 * mean(dy*w*x)), where acc (optional) is the gradient x has
+// from elsewhere (the residual stream's), added before the one rounding so the sum needs no
+// kernel of its own; dw = sum over rows of dy * x * r, reduced
 // deterministically in two passes: each block of the first pass owns a contiguous range of
 // rows and writes a partial (nchunks, d) in row order, the second pass sums the partials in
 // chunk order. No atomics anywhere.
@@ -57,9 +59,10 @@ static __device__ __forceinline__ void bwd_load(const T* dy, const T* w, const T
     row_load<T, V>(w + j, fw);
     row_load<T, V>(x + r * d + j, fx);
 }
-// Floor: 3 rows * d elements of T (read dy, x; write dx).
+// Floor: 3 rows * d elements of T (read dy, x; write dx), 4 with acc.
 template <typename T, int V>
-static __device__ void rmsnorm_bwd_dx_impl(const T* dy, const T* x, const T* w, const float* inv_rms, T* dx, i64 rows, i64 d) {
+static __device__ void rmsnorm_bwd_dx_impl(const T* dy, const T* x, const T* w, const float* inv_rms, const T* acc, T* dx, i64 rows,
+                                           i64 d) {
     RMS_ROWS(r) {
         float rr = inv_rms[r];
         float gx = 0.0f;
@@ -75,6 +78,12 @@ static __device__ void rmsnorm_bwd_dx_impl(const T* dy, const T* x, const T* w, 
             bwd_load<T, V>(dy, w, x, r, d, j, fd, fw, fx);
 #pragma unroll
             for (int k = 0; k < V; ++k) fd[k] = rr * (fd[k] * fw[k] - fx[k] * rr * rr * gx);
+            if (acc) {
+                float fa[V];
+                row_load<T, V>(acc + r * d + j, fa);
+#pragma unroll
+                for (int k = 0; k < V; ++k) fd[k] = fa[k] + fd[k];
+            }
             row_store<T, V>(dx + r * d + j, fd);
         }
     }
@@ -102,10 +111,10 @@ static __device__ void rmsnorm_bwd_dw_finish_impl(const float* partial, T* dw, i
         if (vec) rmsnorm_fwd_impl<T, Vec<T>::N>(x, w, y, r, rows, d, eps);                                                            \
         else rmsnorm_fwd_impl<T, 1>(x, w, y, r, rows, d, eps);                                                                        \
     }                                                                                                                                 \
-    extern "C" __global__ void rmsnorm_bwd_dx_##suffix(const T* dy, const T* x, const T* w, const float* r, T* dx, i64 rows, i64 d,     \
-                                                       int vec) {                                                                     \
-        if (vec) rmsnorm_bwd_dx_impl<T, Vec<T>::N>(dy, x, w, r, dx, rows, d);                                                         \
-        else rmsnorm_bwd_dx_impl<T, 1>(dy, x, w, r, dx, rows, d);                                                                     \
+    extern "C" __global__ void rmsnorm_bwd_dx_##suffix(const T* dy, const T* x, const T* w, const float* r, const T* acc, T* dx,       \
+                                                       i64 rows, i64 d, int vec) {                                                    \
+        if (vec) rmsnorm_bwd_dx_impl<T, Vec<T>::N>(dy, x, w, r, acc, dx, rows, d);                                                    \
+        else rmsnorm_bwd_dx_impl<T, 1>(dy, x, w, r, acc, dx, rows, d);                                                                \
     }
 RMSNORM_ROW_KERNELS(f32, float)
 RMSNORM_ROW_KERNELS(bf16, bf16)

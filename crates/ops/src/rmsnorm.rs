@@ -2,10 +2,14 @@
 //! per row. The forward saves r (f32 even for bf16 activations) for the backward: with
 //! g = dy · w, dx = r · (g − x · r² · mean(g · x)) and dw = Σ_rows dy · x · r, a sum over rows
 //! taken in a fixed order on every device, so results are deterministic.
-//! CUDA: kernels/rmsnorm.cu (one block per row; dw in two passes through per-chunk partials).
+//! CUDA: kernels/rmsnorm.cu (a warp per row; dw in two passes through per-chunk partials). There
+//! the backward takes what autograd offers (`GradCtx`): the gradient x has so far (the residual
+//! stream's) is added into dx by the dx kernel, and dw is written by the last pass straight into
+//! w's gradient destination (its slice of an f32 bucket): no add and no cast of their own.
 use crate::dispatch::{dev_ptr, f32_ptr, num, on, rows, On};
+use ferrolm_tensor::autograd::GradCtx;
 use ferrolm_tensor::backend::View;
-use ferrolm_tensor::{bail, same_float, Result, Storage, Tensor};
+use ferrolm_tensor::{bail, same_float, DType, Result, Storage, Tensor};
 
 /// RMSNorm of `x` over its last dim with weight `w` (d). Saves the inverse RMS per row.
 pub fn rms_norm(x: &Tensor, w: &Tensor, eps: f64) -> Result<Tensor> {
@@ -18,12 +22,44 @@ pub fn rms_norm(x: &Tensor, w: &Tensor, eps: f64) -> Result<Tensor> {
     let (y, r) = Tensor::with_storages(&[&xc, &wc], |s| forward(s[0], s[1], eps))?;
     let out = Tensor::new(y, x.shape().clone())?;
     let r = Tensor::new(r, [xc.numel() / d.max(1)])?;
-    let backward_fn = move |g: &Tensor| {
+    let xshape = x.shape().clone();
+    let backward_fn = move |g: &Tensor, ctx: &mut GradCtx| {
         let g = g.contiguous()?;
-        let (dx, dw) = Tensor::with_storages(&[&g, &xc, &wc, &r], |s| backward(s[0], s[1], s[2], s[3]))?;
-        Ok(vec![Some(Tensor::new(dx, xc.shape().clone())?), Some(Tensor::new(dw, [d])?)])
+        let acc = ctx.take_partial(0)?;
+        let dest = ctx.dest(1)?;
+        // The device fuses what it can take as it is; anything else is composed below.
+        let fuse_acc = acc.as_ref().filter(|a| a.is_contiguous() && a.dtype() == xc.dtype() && a.shape() == &xshape && !a.is_pending());
+        let fuse_dw =
+            dest.as_ref().filter(|t| t.is_contiguous() && t.dims() == [d] && (t.dtype() == wc.dtype() || t.dtype() == DType::F32));
+        let mut ins = vec![&g, &xc, &wc, &r];
+        ins.extend(fuse_acc.iter().copied().chain(fuse_dw.iter().copied()));
+        let fused = Tensor::with_storages(&ins, |s| {
+            let (a, w) = (fuse_acc.map(|_| s[4]), fuse_dw.map(|_| s[4 + fuse_acc.is_some() as usize]));
+            backward_into(s[0], s[1], s[2], s[3], a, w)
+        })?;
+        let (dx, dw, added, written) = match fused {
+            Some((dx, dw)) => (dx, dw, fuse_acc.is_some(), fuse_dw.is_some()),
+            None => {
+                let (dx, dw) = Tensor::with_storages(&[&g, &xc, &wc, &r], |s| backward(s[0], s[1], s[2], s[3]))?;
+                (dx, Some(dw), false, false)
+            }
+        };
+        let mut dx = Tensor::new(dx, xshape.clone())?;
+        if let (Some(a), false) = (&acc, added) {
+            dx = a.add(&dx)?; // the engine's order: what arrived first, then this
+        }
+        let dw = match (dw, &dest, written) {
+            (_, Some(t), true) => t.clone(),
+            (Some(dw), Some(t), false) => {
+                t.assign(&Tensor::new(dw, [d])?.reshape(t.shape().clone())?)?;
+                t.clone()
+            }
+            (Some(dw), None, _) => Tensor::new(dw, [d])?,
+            (None, _, _) => bail!("rms_norm", "the weight's gradient was neither written nor returned"),
+        };
+        Ok(vec![Some(dx), Some(dw)])
     };
-    Ok(Tensor::from_op(out, "rms_norm", &[x, w], Box::new(backward_fn)))
+    Ok(Tensor::from_op_ctx(out, "rms_norm", &[x, w], Box::new(backward_fn)))
 }
 
 /// x (rows, d) and w (d), contiguous -> (y (rows, d), inverse RMS (rows) in f32, f64 for f64).
@@ -38,7 +74,25 @@ pub fn forward(x: View, w: View, eps: f64) -> Result<(Storage, Storage)> {
 pub fn backward(dy: View, x: View, w: View, inv_rms: View) -> Result<(Storage, Storage)> {
     match on("rms_norm", x.0)? {
         On::Cpu => cpu::backward(dy, x, w, inv_rms),
-        On::Cuda(be) => cuda::backward(&be, dy, x, w, inv_rms),
+        On::Cuda(be) => cuda::backward(&be, dy, x, w, inv_rms, None, None).map(|(dx, dw)| (dx, dw.expect("no destination given"))),
+    }
+}
+
+/// As `backward`, plus `acc` (rows, d) of x's dtype, contiguous, added into dx, and `dw_into`, a
+/// contiguous (d) view of w's dtype or f32 that receives dw (the returned dw is then `None`).
+/// `Ok(None)`: the backend does not fuse these (the CPU: the caller composes `backward`, an
+/// add and an assign).
+pub fn backward_into(
+    dy: View,
+    x: View,
+    w: View,
+    inv_rms: View,
+    acc: Option<View>,
+    dw_into: Option<View>,
+) -> Result<Option<(Storage, Option<Storage>)>> {
+    match on("rms_norm", x.0)? {
+        On::Cpu => Ok(None),
+        On::Cuda(be) => cuda::backward(&be, dy, x, w, inv_rms, acc, dw_into).map(Some),
     }
 }
 
@@ -162,28 +216,63 @@ mod cuda {
         Ok((y.into(), r.into()))
     }
 
-    pub(super) fn backward(be: &CudaBackend, dy: View, x: View, w: View, inv_rms: View) -> Result<(Storage, Storage)> {
+    /// dx (plus `acc`), and dw into `dw_into` when given (its dtype: w's or f32), else into a
+    /// new storage that is returned.
+    pub(super) fn backward(
+        be: &CudaBackend,
+        dy: View,
+        x: View,
+        w: View,
+        inv_rms: View,
+        acc: Option<View>,
+        dw_into: Option<View>,
+    ) -> Result<(Storage, Option<Storage>)> {
         let op = "rmsnorm_backward";
         let s = CudaStorage::of(op, x.0)?;
         let (dt, (_, n, d)) = (s.dtype(), rows(x.1));
         let (r, _keep) = f32_ptr(be, op, inv_rms)?;
         let (pdy, px, pw) = (dev_ptr(op, dy)?, s.at(x.1.offset), dev_ptr(op, w)?);
+        let pacc = match acc {
+            Some(a) if CudaStorage::of(op, a.0)?.dtype() == dt && a.1.is_contiguous() && a.1.numel() == n * d => dev_ptr(op, a)?,
+            Some(a) => bail!(op, "the addend must be contiguous ({n}, {d}) {dt}, got {:?} {}", a.1.dims(), a.0.dtype()),
+            None => DevPtr::NULL,
+        };
         let (ni, di, chunk) = (n as i64, d as i64, ROWS_PER_CHUNK as i64);
         let dx = be.alloc_storage(n * d, dt)?;
         let nchunks = n.div_ceil(ROWS_PER_CHUNK).max(1);
         // With no rows the partials must still sum to zero.
         let partial = if n == 0 { be.alloc_zeroed(nchunks * d, DType::F32)? } else { be.alloc_storage(nchunks * d, DType::F32)? };
-        let dw = be.alloc_storage(d, dt)?;
+        let (dw, pdw, dwt) = match dw_into {
+            Some(o) => {
+                let ot = CudaStorage::of(op, o.0)?.dtype();
+                if !(ot == dt || ot == DType::F32) || !o.1.is_contiguous() || o.1.numel() != d {
+                    bail!(op, "the weight gradient's destination must be contiguous ({d}) of {dt} or f32, got {:?} {ot}", o.1.dims());
+                }
+                (None, dev_ptr(op, o)?, ot)
+            }
+            None => {
+                let dw = be.alloc_storage(d, dt)?;
+                let p = dw.ptr();
+                (Some(dw), p, dt)
+            }
+        };
         let cols = Launch::new((nchunks as u32, d.div_ceil(Launch::BLOCK as usize).max(1) as u32, 1), Launch::BLOCK);
-        let (rows_cfg, vec) = row_plan(be, n, d, dt, &[pdy, px, pw, dx.ptr()]);
-        // SAFETY: dy and x are (n, d) and w (d) of dtype dt, r n f32, all contiguous; dx holds
-        // n * d elements, partial nchunks * d f32 (chunk c covers rows [c * chunk, ..)), dw d;
-        // `vec` as the row kernel needs it.
-        unsafe {
-            kernels::rmsnorm_bwd_dx(be, dt, rows_cfg, pdy, px, pw, r, dx.ptr(), ni, di, vec)?;
-            kernels::rmsnorm_bwd_dw_partial(be, dt, cols, pdy, px, r, partial.ptr(), ni, di, chunk)?;
-            kernels::rmsnorm_bwd_dw_finish(be, dt, Launch::cover(d, Launch::BLOCK), partial.ptr(), dw.ptr(), nchunks as i64, di)?;
+        let mut ptrs = vec![pdy, px, pw, dx.ptr()];
+        if pacc != DevPtr::NULL {
+            ptrs.push(pacc);
         }
-        Ok((dx.into(), dw.into()))
+        let (rows_cfg, vec) = row_plan(be, n, d, dt, &ptrs);
+        // SAFETY: dy and x are (n, d) and w (d) of dtype dt, r n f32, all contiguous; acc, when
+        // not null, n * d contiguous elements of dt (checked above); dx holds n * d elements,
+        // partial nchunks * d f32 (chunk c covers rows [c * chunk, ..)); the dw pointer addresses
+        // d contiguous elements of dwt (checked above, or allocated here), which is the finish
+        // kernel's output type (its f32 instance writes f32 whatever dt is); `vec` as the row
+        // kernel needs it (every pointer it reads through counted).
+        unsafe {
+            kernels::rmsnorm_bwd_dx(be, dt, rows_cfg, pdy, px, pw, r, pacc, dx.ptr(), ni, di, vec)?;
+            kernels::rmsnorm_bwd_dw_partial(be, dt, cols, pdy, px, r, partial.ptr(), ni, di, chunk)?;
+            kernels::rmsnorm_bwd_dw_finish(be, dwt, Launch::cover(d, Launch::BLOCK), partial.ptr(), pdw, nchunks as i64, di)?;
+        }
+        Ok((dx.into(), dw.map(Into::into)))
     }
 }

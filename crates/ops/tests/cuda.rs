@@ -70,6 +70,24 @@ fn fused_norm_rope_swiglu_softmax() {
     });
 }
 
+/// RMSNorm's backward on what autograd offers: in a residual block x + rms_norm(x, w), the
+/// residual's gradient reaches x first and the dx kernel adds it (no add kernel); w's gradient
+/// goes to an f32 destination written by the last dw pass (no cast). Against the CPU, which
+/// composes the same sums, for vector and scalar rows.
+#[test]
+fn rmsnorm_backward_adds_the_residual_and_writes_dw_in_place() {
+    each_float_dtype(8, |dt, r| {
+        for (n, d) in [(5, 13), (37, 96), (3, 200)] {
+            let (x, w) = (randn(&[n, d], dt, r), randn(&[d], dt, r));
+            fwd_bwd(&format!("residual rmsnorm {dt} ({n}, {d})"), dt, &[x, w], true, |t| {
+                let dest = Tensor::full([d], f64::NAN, DType::F32, t[1].device()).unwrap();
+                t[1].set_grad_dest(Some(std::sync::Arc::new(move || Ok(Some(dest.clone())))));
+                t[0].add(&rms_norm(&t[0], &t[1], 1e-5).unwrap()).unwrap()
+            });
+        }
+    });
+}
+
 /// The fused ops' kernels move 16-byte vectors where the sizes and addresses allow, else one
 /// element at a time: each path against the CPU. Rows of whole vectors with a tail past the last
 /// vector, odd widths (the scalar row and pair kernels), and inputs at an offset of one element
