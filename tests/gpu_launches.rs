@@ -7,8 +7,12 @@
 //!   device, the trainer's engine) makes at most `STEP_LAUNCH_BUDGET` launches: 60% of the 1,567
 //!   the first hardware profile counted (2026-11-26). The widths are small (the count does not
 //!   depend on them), so the emulator runs it in seconds. The per-layer count is the difference
-//!   between 13 and 12 layers; both are printed for docs/BENCHMARKS.md. The step launches no
-//!   strided copy and no transpose (the heads and the weight gradients stay in place).
+//!   between 13 and 12 layers; both are printed for docs/BENCHMARKS.md, and a layer makes at most
+//!   `LAYER_LAUNCH_BUDGET`. The step launches no strided copy and no transpose (the heads and
+//!   the weight gradients stay in place).
+//! - The gradient GEMMs of linear layers add dX onto the gradient so far and write dW into an
+//!   f32 destination themselves: two layers reading one x backpropagate in four GEMMs and
+//!   nothing else.
 //! - No launch that touches more than 2^20 elements runs on fewer blocks than the device has
 //!   SMs: the primitive ops, the casts and copies, the reductions, the step's norm and the fused
 //!   ops' element-wise and row kernels (SwiGLU, RMSNorm on short and on long rows, RoPE), each
@@ -26,6 +30,11 @@ use std::sync::Mutex;
 
 /// At most 60% of the 1,567 launches per step of the first hardware profile (issue 31).
 const STEP_LAUNCH_BUDGET: f64 = 940.0;
+/// Launches per layer and step: 21 GEMMs, RoPE 4, RMSNorm 2 x (forward, dx, two dw passes),
+/// attention 4 (forward, the dot, dK/dV, dQ), SwiGLU 2, the two residual adds of the forward,
+/// the bucket's AdamW: 42 (57 before the gradient GEMMs summed dX and wrote dW in f32, and the
+/// norm's backward added the residual's gradient and wrote dw in place).
+const LAYER_LAUNCH_BUDGET: f64 = 42.0;
 
 static PROFILE: Mutex<()> = Mutex::new(());
 
@@ -85,6 +94,7 @@ fn a_training_step_of_a_12_layer_model_stays_within_the_launch_budget() {
     println!("launches per step: 12 layers {l12}, 13 layers {l13}, per layer {}", l13 - l12);
     assert!(l12 <= STEP_LAUNCH_BUDGET, "a 12-layer training step made {l12} launches, over the budget of {STEP_LAUNCH_BUDGET}");
     assert!(l13 > l12, "a 13th layer added no launch: the count is not a training step's");
+    assert!(l13 - l12 <= LAYER_LAUNCH_BUDGET, "a layer makes {} launches a step, over {LAYER_LAUNCH_BUDGET}", l13 - l12);
     // Attention and RoPE take the heads in the projections' (b, t, heads, d) layout: no head
     // permute is copied, forward or backward (there were 8 a layer). A weight's gradient is
     // computed in the weight's own order: no transposed copy of it (there were 7 a layer).
@@ -165,4 +175,42 @@ fn a_cpu_run_writes_a_profile_with_no_kernels() {
     assert_eq!(v["steps"].as_u64(), Some(2), "{text}");
     assert_eq!(v["timed"].as_bool(), Some(false), "{text}");
     let _ = std::fs::remove_dir_all(&dir);
+}
+
+/// A gradient GEMM does its own bookkeeping: `matmul_into` with an addend and an f32
+/// destination is one cuBLASLt launch (no add, no cast, no copy), and the backward of two linear
+/// layers that read one x, one weight with an f32 destination, is four GEMMs and nothing else.
+#[test]
+fn gradient_gemms_add_and_cast_in_their_own_launch() {
+    let Some(device) = common::cuda0_device() else { return };
+    let _g = PROFILE.lock().unwrap_or_else(|e| e.into_inner());
+    let mut r = Rng::new(6);
+    let dt = DType::BF16;
+    let up = |s: &[usize], r: &mut Rng| Tensor::randn(s.to_vec(), 1.0, dt, Device::Cpu, r).unwrap().to_device(device).unwrap();
+    let (a, b, acc) = (up(&[64, 32], &mut r), up(&[32, 48], &mut r), Tensor::zeros([64, 48], DType::F32, device).unwrap());
+    let dest = Tensor::zeros([2, 64 * 48], DType::F32, device).unwrap().narrow(0, 1, 1).unwrap().reshape([64, 48]).unwrap();
+    profile::enable(true);
+    profile::reset();
+    a.matmul_into(&b, Some(&acc), Some(&dest)).unwrap();
+    let one = profile::report();
+    let (x, w1, w2) = (up(&[4, 8, 32], &mut r), up(&[48, 32], &mut r), up(&[48, 32], &mut r));
+    for t in [&x, &w1, &w2] {
+        t.set_requires_grad(true).unwrap();
+    }
+    let d = Tensor::zeros([48, 32], DType::F32, device).unwrap();
+    let dd = d.clone();
+    w1.set_grad_dest(Some(std::sync::Arc::new(move || Ok(Some(dd.clone())))));
+    // The sum's backward hands the seed to both layers as it is: no kernel of its own.
+    let y = x.linear(&w1).unwrap().add(&x.linear(&w2).unwrap()).unwrap();
+    let seed = up(&[4, 8, 48], &mut r);
+    profile::reset();
+    ferrolm_tensor::autograd::backward_with(&y, seed).unwrap();
+    let bwd = profile::report();
+    profile::enable(false);
+    let names = |r: &profile::ProfileReport| r.kernels.iter().map(|k| (k.name.clone(), k.launches)).collect::<Vec<_>>();
+    assert_eq!(names(&one), [("gemm_bf16 (cuBLASLt)".to_string(), 1)], "matmul_into with an addend into f32");
+    // dX and dW of two layers, x's two gradients summed by the second dX GEMM, w1's written in
+    // f32 by its own: no add, cast or copy.
+    assert_eq!(names(&bwd), [("gemm_bf16 (cuBLASLt)".to_string(), 4)], "the backward of two linear layers reading one x");
+    assert!(w1.grad().is_some_and(|g| g.same_view(&d)), "w1's gradient is not its destination");
 }
