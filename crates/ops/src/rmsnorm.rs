@@ -35,7 +35,7 @@ pub fn rms_norm(x: &Tensor, w: &Tensor, eps: f64) -> Result<Tensor> {
         ins.extend(fuse_acc.iter().copied().chain(fuse_dw.iter().copied()));
         let fused = Tensor::with_storages(&ins, |s| {
             let (a, w) = (fuse_acc.map(|_| s[4]), fuse_dw.map(|_| s[4 + fuse_acc.is_some() as usize]));
-            backward_into(s[0], s[1], s[2], s[3], a, w)
+            backward_into(s[0], s[1], s[2], s[3], Fused { acc: a, dw_into: w })
         })?;
         let (dx, dw, added, written) = match fused {
             Some((dx, dw)) => (dx, dw, fuse_acc.is_some(), fuse_dw.is_some()),
@@ -74,25 +74,25 @@ pub fn forward(x: View, w: View, eps: f64) -> Result<(Storage, Storage)> {
 pub fn backward(dy: View, x: View, w: View, inv_rms: View) -> Result<(Storage, Storage)> {
     match on("rms_norm", x.0)? {
         On::Cpu => cpu::backward(dy, x, w, inv_rms),
-        On::Cuda(be) => cuda::backward(&be, dy, x, w, inv_rms, None, None).map(|(dx, dw)| (dx, dw.expect("no destination given"))),
+        On::Cuda(be) => cuda::backward(&be, dy, x, w, inv_rms, Fused::default()).map(|(dx, dw)| (dx, dw.expect("no destination given"))),
     }
 }
 
-/// As `backward`, plus `acc` (rows, d) of x's dtype, contiguous, added into dx, and `dw_into`, a
-/// contiguous (d) view of w's dtype or f32 that receives dw (the returned dw is then `None`).
-/// `Ok(None)`: the backend does not fuse these (the CPU: the caller composes `backward`, an
-/// add and an assign).
-pub fn backward_into(
-    dy: View,
-    x: View,
-    w: View,
-    inv_rms: View,
-    acc: Option<View>,
-    dw_into: Option<View>,
-) -> Result<Option<(Storage, Option<Storage>)>> {
+/// What the backward adds into dx and where it writes dw (`backward_into`).
+#[derive(Clone, Copy, Default)]
+pub struct Fused<'a> {
+    /// (rows, d) of x's dtype, contiguous: added into dx.
+    pub acc: Option<View<'a>>,
+    /// A contiguous (d) view of w's dtype or f32 that receives dw (the returned dw is then `None`).
+    pub dw_into: Option<View<'a>>,
+}
+
+/// As `backward`, with what `fused` asks. `Ok(None)`: the backend does not fuse these (the
+/// CPU: the caller composes `backward`, an add and an assign).
+pub fn backward_into(dy: View, x: View, w: View, inv_rms: View, fused: Fused) -> Result<Option<(Storage, Option<Storage>)>> {
     match on("rms_norm", x.0)? {
         On::Cpu => Ok(None),
-        On::Cuda(be) => cuda::backward(&be, dy, x, w, inv_rms, acc, dw_into).map(Some),
+        On::Cuda(be) => cuda::backward(&be, dy, x, w, inv_rms, fused).map(Some),
     }
 }
 
@@ -216,17 +216,17 @@ mod cuda {
         Ok((y.into(), r.into()))
     }
 
-    /// dx (plus `acc`), and dw into `dw_into` when given (its dtype: w's or f32), else into a
-    /// new storage that is returned.
+    /// dx (plus `fused.acc`), and dw into `fused.dw_into` when given (its dtype: w's or f32),
+    /// else into a new storage that is returned.
     pub(super) fn backward(
         be: &CudaBackend,
         dy: View,
         x: View,
         w: View,
         inv_rms: View,
-        acc: Option<View>,
-        dw_into: Option<View>,
+        fused: Fused,
     ) -> Result<(Storage, Option<Storage>)> {
+        let (acc, dw_into) = (fused.acc, fused.dw_into);
         let op = "rmsnorm_backward";
         let s = CudaStorage::of(op, x.0)?;
         let (dt, (_, n, d)) = (s.dtype(), rows(x.1));
