@@ -4,6 +4,8 @@
 //! relative (summation orders differ), bf16 to 3e-2 (the GPU rounds intermediates to bf16, e.g.
 //! P in flash attention). The bf16 model has head dim 64, so the tensor-core attention kernels
 //! run inside real training. Checkpoints written from the device must load back on the CPU.
+//! New device memory is poisoned with NaN (FERROLM_CUDA_POISON=1, set before the device starts):
+//! the engine's gradient buckets are not zeroed before use, so an element nothing wrote fails.
 mod common;
 use ferrolm::data::{list_shards, prepare_text_dir, Tokenizer};
 use ferrolm::nn::LlamaConfig;
@@ -51,6 +53,12 @@ fn run(tmp: &Path, name: &str, m: Llama, steps: usize) -> (Vec<f64>, Vec<f64>, T
     (losses, val, t)
 }
 
+/// `cuda:0` with new memory poisoned (every test of this file starts the device through here).
+fn poisoned_device() -> Option<Device> {
+    std::env::set_var("FERROLM_CUDA_POISON", "1");
+    common::cuda0_device()
+}
+
 fn close(what: &str, cpu: &[f64], gpu: &[f64], rtol: f64) {
     assert_eq!(cpu.len(), gpu.len(), "{what}: lengths");
     for (a, b) in cpu.iter().zip(gpu) {
@@ -60,7 +68,7 @@ fn close(what: &str, cpu: &[f64], gpu: &[f64], rtol: f64) {
 
 #[test]
 fn training_on_the_emulated_cuda_backend_matches_the_cpu() {
-    let Some(gpu) = common::cuda0_device() else { return };
+    let Some(gpu) = poisoned_device() else { return };
     let tmp = std::env::temp_dir().join(format!("ferrolm-emu-train-{}", std::process::id()));
     let _ = std::fs::remove_dir_all(&tmp);
     let tok = Tokenizer::from_file(common::tokenizer_path()).unwrap();
@@ -96,7 +104,7 @@ fn fused_adamw_and_grad_norm_match_the_op_based_cpu_update() {
     use ferrolm::nn::module::ParamKind;
     use ferrolm::nn::optim::{clip_grad_norm, AdamW, AdamWConfig, UpdatePath};
     use ferrolm::Tensor;
-    let Some(gpu) = common::cuda0_device() else { return };
+    let Some(gpu) = poisoned_device() else { return };
     for dt in [DType::F32, DType::BF16] {
         let mut r = Rng::new(3);
         let shapes: [(&str, Vec<usize>); 3] =
@@ -146,4 +154,71 @@ fn fused_adamw_and_grad_norm_match_the_op_based_cpu_update() {
             }
         }
     }
+}
+
+/// The engine's gradient buckets on the device are allocated unzeroed: every parameter's slice
+/// is written by its gradient (a linear layer's weight by its dW GEMM, in place, in f32; the rest
+/// by the sink), and a parameter that gets no gradient is zeroed at the flush. With poisoned
+/// memory, one step's gradient norm must be exactly the norm of the gradients that exist, and
+/// the parameter without one must not move.
+#[test]
+fn device_gradient_buckets_are_written_whole() {
+    use ferrolm::nn::optim::AdamWConfig;
+    use ferrolm::Tensor;
+    use ferrolm_parallel::zero::{Placement, ShardSpec, Zero};
+    use ferrolm_parallel::{CommOptions, DeviceMesh, ThreadComm, TrainEngine};
+    let Some(gpu) = poisoned_device() else { return };
+    let outs = ThreadComm::run(1, CommOptions::default(), |comm| -> ferrolm::Result<(f64, f64, bool)> {
+        let mut m = model(96, 30, 3, 1, DType::BF16, gpu); // width 30: buckets with padding // width 30: buckets with padding
+        let mesh = DeviceMesh::new(comm, 1, 1, 1)?;
+        let cfg = AdamWConfig { weight_decay: 0.0, ..AdamWConfig::default() };
+        let mut z = Zero::new(&mut m, mesh, ShardSpec::zero(0, 1)?, None, cfg, Placement::Device)?;
+        let params = m.parameters();
+        let (skip, lin) = ("model.layers.1.post_attention_layernorm.weight", "model.layers.0.self_attn.q_proj.weight");
+        assert!(
+            params.iter().any(|(n, _)| n == skip) && params.iter().any(|(n, _)| n == lin),
+            "{:?}",
+            params.iter().map(|p| &p.0).collect::<Vec<_>>()
+        );
+        let mut r = Rng::new(5);
+        let cs: Vec<Tensor> = params
+            .iter()
+            .map(|(_, p)| Tensor::randn(p.dims().to_vec(), 1.0, DType::BF16, Device::Cpu, &mut r))
+            .collect::<ferrolm::Result<_>>()?;
+        let x = Tensor::randn([6, 30], 1.0, DType::BF16, Device::Cpu, &mut r)?;
+        let cot = Tensor::randn([6, 30], 1.0, DType::BF16, Device::Cpu, &mut r)?;
+        // The reference: c_p for every parameter summed as sum(p * c_p), cot^T x for the one
+        // read through a linear layer, nothing for the skipped one; in f64 from the same values.
+        let mut want = 0.0f64;
+        for ((n, _), c) in params.iter().zip(&cs) {
+            if n != skip && n != lin {
+                want += c.to_vec_f64()?.iter().map(|v| v * v).sum::<f64>();
+            }
+        }
+        let gl = cot.to_dtype(DType::F64)?.t()?.matmul(&x.to_dtype(DType::F64)?)?;
+        want += gl.to_vec_f64()?.iter().map(|v| v * v).sum::<f64>();
+        let skipped = params.iter().find(|(n, _)| n == skip).map(|(_, p)| p.clone()).expect("found above");
+        let before = skipped.to_vec_f64()?;
+        let (xd, cd) = (x.to_device(gpu)?, cot.to_device(gpu)?);
+        let csd: Vec<Tensor> = cs.iter().map(|c| c.to_device(gpu)).collect::<ferrolm::Result<_>>()?;
+        z.micro_batch(true, &mut || {
+            let mut loss = Tensor::zeros([], DType::F32, gpu)?;
+            for ((n, p), c) in params.iter().zip(&csd) {
+                let part = match n.as_str() {
+                    n if n == skip => continue,
+                    n if n == lin => xd.linear(p)?.mul(&cd)?,
+                    _ => p.mul(c)?,
+                };
+                loss = loss.add(&part.to_dtype(DType::F32)?.sum_all()?)?;
+            }
+            Ok(loss)
+        })?;
+        let report = z.step(1e-3, 0.0, 0.0)?;
+        let after = skipped.to_vec_f64()?;
+        Ok((report.grad_norm, want.sqrt(), before == after && after.iter().all(|v| v.is_finite())))
+    })
+    .unwrap();
+    let (got, want, still) = outs[0];
+    assert!((got - want).abs() <= 1e-4 * want, "grad norm {got} vs {want}: an unwritten bucket element was read");
+    assert!(still, "the parameter without a gradient moved (or became NaN)");
 }
