@@ -169,7 +169,7 @@ fn device_gradient_buckets_are_written_whole() {
     use ferrolm_parallel::{CommOptions, DeviceMesh, ThreadComm, TrainEngine};
     let Some(gpu) = poisoned_device() else { return };
     let outs = ThreadComm::run(1, CommOptions::default(), |comm| -> ferrolm::Result<(f64, f64, bool)> {
-        let mut m = model(96, 30, 3, 1, DType::BF16, gpu); // width 30: buckets with padding // width 30: buckets with padding
+        let mut m = model(96, 30, 3, 1, DType::BF16, gpu); // width 30: buckets with padding
         let mesh = DeviceMesh::new(comm, 1, 1, 1)?;
         let cfg = AdamWConfig { weight_decay: 0.0, ..AdamWConfig::default() };
         let mut z = Zero::new(&mut m, mesh, ShardSpec::zero(0, 1)?, None, cfg, Placement::Device)?;
