@@ -88,15 +88,34 @@ static __device__ void rmsnorm_bwd_dx_impl(const T* dy, const T* x, const T* w, 
         }
     }
 }
-// grid: (nchunks, ceil(d / blockDim.x)); chunk c owns rows [c*rows_per_chunk, ...).
-template <typename T>
+// Floor: 2 rows * d elements of T (read dy, x), plus the partials (nchunks * d f32).
+// grid: (nchunks, ceil(d / (V blockDim.x))); chunk c owns rows [c*rows_per_chunk, ...), a thread
+// columns [V t, V t + V): 16-byte loads of dy and x where the launcher's `vec` allows (d whole
+// vectors, pointers aligned), V f32 partials stored together; four rows' loads in flight. Each
+// column sums its chunk's rows in row order.
+template <typename T, int V>
 static __device__ void rmsnorm_bwd_dw_partial_impl(const T* dy, const T* x, const float* inv_rms, float* partial, i64 rows, i64 d, i64 rows_per_chunk) {
-    i64 j = (i64)blockIdx.y * blockDim.x + threadIdx.x;
+    i64 j = ((i64)blockIdx.y * blockDim.x + threadIdx.x) * V;
     if (j >= d) return;
     i64 r0 = (i64)blockIdx.x * rows_per_chunk, r1 = min(r0 + rows_per_chunk, rows);
-    float acc = 0.0f;
-    for (i64 r = r0; r < r1; ++r) acc += to_f(dy[r * d + j]) * to_f(x[r * d + j]) * inv_rms[r];
-    partial[(i64)blockIdx.x * d + j] = acc;
+    float acc[V];
+#pragma unroll
+    for (int k = 0; k < V; ++k) acc[k] = 0.0f;
+#pragma unroll 4
+    for (i64 r = r0; r < r1; ++r) {
+        float fd[V], fx[V];
+        row_load<T, V>(dy + r * d + j, fd);
+        row_load<T, V>(x + r * d + j, fx);
+        float rr = inv_rms[r];
+#pragma unroll
+        for (int k = 0; k < V; ++k) acc[k] += fd[k] * fx[k] * rr;
+    }
+    float* out = partial + (i64)blockIdx.x * d + j;
+    if constexpr (V == 1) out[0] = acc[0];
+    else {
+#pragma unroll
+        for (int k = 0; k < V; k += 4) *reinterpret_cast<vec16*>(out + k) = Vec<float>::store(acc + k);
+    }
 }
 template <typename T>
 static __device__ void rmsnorm_bwd_dw_finish_impl(const float* partial, T* dw, i64 nchunks, i64 d) {
@@ -118,7 +137,13 @@ static __device__ void rmsnorm_bwd_dw_finish_impl(const float* partial, T* dw, i
     }
 RMSNORM_ROW_KERNELS(f32, float)
 RMSNORM_ROW_KERNELS(bf16, bf16)
-extern "C" __global__ void rmsnorm_bwd_dw_partial_f32(const float* dy, const float* x, const float* r, float* p, i64 rows, i64 d, i64 rpc) { rmsnorm_bwd_dw_partial_impl(dy, x, r, p, rows, d, rpc); }
-extern "C" __global__ void rmsnorm_bwd_dw_partial_bf16(const bf16* dy, const bf16* x, const float* r, float* p, i64 rows, i64 d, i64 rpc) { rmsnorm_bwd_dw_partial_impl(dy, x, r, p, rows, d, rpc); }
+#define RMSNORM_DW_PARTIAL(suffix, T)                                                                                                 \
+    extern "C" __global__ void rmsnorm_bwd_dw_partial_##suffix(const T* dy, const T* x, const float* r, float* p, i64 rows, i64 d, i64 rpc, \
+                                                               int vec) {                                                             \
+        if (vec) rmsnorm_bwd_dw_partial_impl<T, Vec<T>::N>(dy, x, r, p, rows, d, rpc);                                                \
+        else rmsnorm_bwd_dw_partial_impl<T, 1>(dy, x, r, p, rows, d, rpc);                                                            \
+    }
+RMSNORM_DW_PARTIAL(f32, float)
+RMSNORM_DW_PARTIAL(bf16, bf16)
 extern "C" __global__ void rmsnorm_bwd_dw_finish_f32(const float* p, float* dw, i64 nchunks, i64 d) { rmsnorm_bwd_dw_finish_impl(p, dw, nchunks, d); }
 extern "C" __global__ void rmsnorm_bwd_dw_finish_bf16(const float* p, bf16* dw, i64 nchunks, i64 d) { rmsnorm_bwd_dw_finish_impl(p, dw, nchunks, d); }

@@ -15,8 +15,8 @@
 //!   nothing else.
 //! - No launch that touches more than 2^20 elements runs on fewer blocks than the device has
 //!   SMs: the primitive ops, the casts and copies, the reductions, the step's norm and the fused
-//!   ops' element-wise and row kernels (SwiGLU, RMSNorm on short and on long rows, RoPE), each
-//!   at 2^21 elements.
+//!   ops' element-wise and row kernels (SwiGLU, RMSNorm forward and backward on short and on
+//!   long rows, RoPE), each at 2^21 elements.
 //!
 //! The profile is one per process: the tests of this file take a lock and reset it.
 mod common;
@@ -137,6 +137,14 @@ fn launches_over_a_million_elements_fill_the_device() {
             ferrolm::ops::rms_norm(&a.reshape([n / 8192, 8192]).unwrap(), &wide, 1e-5).unwrap(),
             ferrolm::ops::rope(&a.reshape([1, 16, n / 16384, 1024]).unwrap(), &cs, &cs).unwrap(),
         ];
+        // RMSNorm's backward (dx rows, the first dw pass's chunks of rows), short rows and long.
+        for (x, w) in [(a.clone(), row.reshape([1024]).unwrap()), (a.reshape([n / 8192, 8192]).unwrap(), wide.clone())] {
+            let (x, w) = (x.detach(), w.detach());
+            x.set_requires_grad(true).unwrap();
+            w.set_requires_grad(true).unwrap();
+            ferrolm::ops::rms_norm(&x, &w, 1e-5).unwrap().mul(&x.detach()).unwrap().sum_all().unwrap().backward().unwrap();
+            assert!(x.grad().is_some() && w.grad().is_some());
+        }
         let norm = ferrolm::tensor::fused_sum_squares(&[&a, &b], &[None, None], 1.0).unwrap();
         assert!(norm.is_some_and(|v| v.is_finite() && v > 0.0));
         for o in outs {

@@ -108,7 +108,17 @@ fn vector_loads_and_no_local_memory() {
     let Some((fb, _, funcs)) = sass_of_fatbin() else { return };
     let find = |name: &str| funcs.iter().find(|(n, _)| n == name).map(|(_, b)| b.as_str());
     // The dense element-wise kernels, and the fused ops' element-wise and row kernels.
-    let dense = ["unary_contig", "binary_contig", "binary_row", "swiglu_fwd", "swiglu_bwd", "rope", "rmsnorm_fwd", "rmsnorm_bwd_dx"];
+    let dense = [
+        "unary_contig",
+        "binary_contig",
+        "binary_row",
+        "swiglu_fwd",
+        "swiglu_bwd",
+        "rope",
+        "rmsnorm_fwd",
+        "rmsnorm_bwd_dx",
+        "rmsnorm_bwd_dw_partial",
+    ];
     let vector = dense.iter().flat_map(|k| [format!("{k}_f32"), format!("{k}_bf16")]);
     let vector: Vec<String> = vector
         .chain(["cast_contig_f32_bf16".into(), "cast_contig_bf16_f32".into(), "strided_copy_b128".into(), "grad_norm_partial".into()])

@@ -189,16 +189,25 @@ mod cuda {
     use ferrolm_cuda::{kernels, CudaBackend, CudaStorage, DevPtr, Launch};
     use ferrolm_tensor::{DType, DeviceStorage};
 
-    /// Rows each block of the first dw pass sums (a partial per chunk of rows).
+    /// Rows each block of the first dw pass sums (a partial per chunk of rows) with a column a
+    /// thread. With a 16-byte vector of columns a thread (8x fewer threads a row) chunks are
+    /// shorter: at most 16 rows, fewer where the grid would give an SM under two blocks (few
+    /// rows), at least 4 (the f32 partials then stay under a quarter of the bytes read).
     const ROWS_PER_CHUNK: usize = 64;
+    const ROWS_PER_CHUNK_VEC: (usize, usize) = (4, 16);
     /// Rows of a block of the row kernels (a warp each), at most.
     const WARP_ROWS: usize = 8;
+
+    /// Whether rows of d elements of dt at these addresses are whole 16-byte vectors.
+    fn vectors(d: usize, dt: DType, ptrs: &[DevPtr]) -> bool {
+        d.is_multiple_of(16 / dt.size_in_bytes()) && ptrs.iter().all(|p| p.addr().is_multiple_of(16))
+    }
 
     /// The row kernels' launch over n rows of d, and their `vec`: 16-byte vectors where a row is
     /// whole vectors and every pointer is aligned. Up to WARP_ROWS rows a block, fewer where that
     /// would leave fewer than two blocks an SM (few long rows).
     fn row_plan(be: &CudaBackend, n: usize, d: usize, dt: DType, ptrs: &[DevPtr]) -> (Launch, i32) {
-        let vec = d.is_multiple_of(16 / dt.size_in_bytes()) && ptrs.iter().all(|p| p.addr().is_multiple_of(16));
+        let vec = vectors(d, dt, ptrs);
         let per_block = (n / (2 * be.sm_count() as usize)).clamp(1, WARP_ROWS);
         let grid = n.div_ceil(per_block).clamp(1, 1 << 20) as u32;
         (Launch::new((grid, 1, 1), 32 * per_block as u32).elems(n * d), vec as i32)
@@ -237,9 +246,20 @@ mod cuda {
             Some(a) => bail!(op, "the addend must be contiguous ({n}, {d}) {dt}, got {:?} {}", a.1.dims(), a.0.dtype()),
             None => DevPtr::NULL,
         };
-        let (ni, di, chunk) = (n as i64, d as i64, ROWS_PER_CHUNK as i64);
+        // The first dw pass: v columns a thread (a 16-byte vector where dy and x allow).
+        let dw_vec = vectors(d, dt, &[pdy, px]);
+        let v = if dw_vec { 16 / dt.size_in_bytes() } else { 1 };
+        // A block per (chunk of rows, up to BLOCK threads of v columns), no wider than the row.
+        let threads = d.div_ceil(v).max(1);
+        let bx = threads.next_multiple_of(32).min(Launch::BLOCK as usize);
+        let gy = threads.div_ceil(bx);
+        let rpc = match dw_vec {
+            true => (n * gy / (2 * be.sm_count() as usize)).clamp(ROWS_PER_CHUNK_VEC.0, ROWS_PER_CHUNK_VEC.1),
+            false => ROWS_PER_CHUNK,
+        };
+        let (ni, di, chunk) = (n as i64, d as i64, rpc as i64);
         let dx = be.alloc_storage(n * d, dt)?;
-        let nchunks = n.div_ceil(ROWS_PER_CHUNK).max(1);
+        let nchunks = n.div_ceil(rpc).max(1);
         // With no rows the partials must still sum to zero.
         let partial = if n == 0 { be.alloc_zeroed(nchunks * d, DType::F32)? } else { be.alloc_storage(nchunks * d, DType::F32)? };
         let (dw, pdw, dwt) = match dw_into {
@@ -256,13 +276,14 @@ mod cuda {
                 (Some(dw), p, dt)
             }
         };
-        let cols = Launch::new((nchunks as u32, d.div_ceil(Launch::BLOCK as usize).max(1) as u32, 1), Launch::BLOCK);
+        let cols = Launch::new((nchunks as u32, gy as u32, 1), bx as u32).elems(n * d);
         let mut ptrs = vec![pdy, px, pw, dx.ptr()];
         if pacc != DevPtr::NULL {
             ptrs.push(pacc);
         }
         let (rows_cfg, vec) = row_plan(be, n, d, dt, &ptrs);
-        // SAFETY: dy and x are (n, d) and w (d) of dtype dt, r n f32, all contiguous; acc, when
+        // SAFETY: dy and x are (n, d) and w (d) of dtype dt, r n f32, all contiguous (dy and x
+        // 16-byte aligned with d whole vectors where `dw_vec`, as the first dw pass needs); acc, when
         // not null, n * d contiguous elements of dt (checked above); dx holds n * d elements,
         // partial nchunks * d f32 (chunk c covers rows [c * chunk, ..)); the dw pointer addresses
         // d contiguous elements of dwt (checked above, or allocated here), which is the finish
@@ -270,7 +291,7 @@ mod cuda {
         // kernel needs it (every pointer it reads through counted).
         unsafe {
             kernels::rmsnorm_bwd_dx(be, dt, rows_cfg, pdy, px, pw, r, pacc, dx.ptr(), ni, di, vec)?;
-            kernels::rmsnorm_bwd_dw_partial(be, dt, cols, pdy, px, r, partial.ptr(), ni, di, chunk)?;
+            kernels::rmsnorm_bwd_dw_partial(be, dt, cols, pdy, px, r, partial.ptr(), ni, di, chunk, dw_vec as i32)?;
             kernels::rmsnorm_bwd_dw_finish(be, dwt, Launch::cover(d, Launch::BLOCK), partial.ptr(), pdw, nchunks as i64, di)?;
         }
         Ok((dx.into(), dw.map(Into::into)))
