@@ -38,6 +38,15 @@ fn shape_errors() {
     expect_err(Tensor::from_vec(vec![1.0f32; 5], [2, 3], CPU), "from_vec", "do not fill");
     expect_err(f32s(&[2, 3]).item(), "item", "not 1");
     expect_err(f32s(&[2, 3]).assign(&f32s(&[3, 2])), "assign", "shape mismatch");
+    expect_err(f32s(&[2, 3]).linear(&f32s(&[4, 2])), "linear", "(out, in)");
+    expect_err(f32s(&[2, 3]).linear(&f32s(&[3])), "linear", "(out, in)");
+    expect_err(f32s(&[]).linear(&f32s(&[2, 1])), "linear", "(out, in)");
+    expect_err(f32s(&[2, 3]).matmul_into(&f32s(&[4, 2]), None, None), "matmul_into", "(k, n)");
+    expect_err(f32s(&[2, 2, 3]).matmul_into(&f32s(&[3, 2]), None, None), "matmul_into", "(k, n)");
+    expect_err(f32s(&[2, 3]).matmul_into(&f32s(&[3, 4]), Some(&f32s(&[4, 2])), None), "matmul_into", "addend");
+    expect_err(f32s(&[2, 3]).matmul_into(&f32s(&[3, 4]), None, Some(&f32s(&[2, 3]))), "matmul_into", "destination");
+    let dest_t = f32s(&[4, 2]);
+    expect_err(f32s(&[2, 3]).matmul_into(&f32s(&[3, 4]), None, Some(&dest_t.t().unwrap())), "matmul_into", "dense");
 }
 
 #[test]

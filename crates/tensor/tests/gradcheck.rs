@@ -21,6 +21,20 @@ fn grad_matmul() {
 }
 
 #[test]
+fn grad_linear() {
+    let g = &mut Rng::new(21);
+    gradcheck("linear 2d", &[randn(&[3, 5], g), randn(&[4, 5], g)], |x| x[0].linear(&x[1]));
+    gradcheck("linear 3d", &[randn(&[2, 3, 5], g), randn(&[4, 5], g)], |x| x[0].linear(&x[1]));
+    gradcheck("linear of a transposed x", &[randn(&[5, 3], g), randn(&[4, 5], g)], |x| x[0].t()?.linear(&x[1]));
+    // x read by two layers and an add: the second layer's dX is summed onto the first's.
+    gradcheck("linear x twice", &[randn(&[3, 5], g), randn(&[4, 5], g), randn(&[4, 5], g)], |x| {
+        x[0].linear(&x[1])?.add(&x[0].linear(&x[2])?)?.add(&x[0].sum(&[1], true)?)
+    });
+    // One weight read by two layers (no gradient destination then).
+    gradcheck("linear w twice", &[randn(&[3, 5], g), randn(&[4, 5], g)], |x| x[0].linear(&x[1])?.mul(&x[0].sqr()?.linear(&x[1])?));
+}
+
+#[test]
 fn grad_binary_broadcast() {
     let g = &mut Rng::new(2);
     let shapes: [(&[usize], &[usize]); 6] =
