@@ -305,8 +305,17 @@ impl Backend for CudaBackend {
             }
         };
         let d = (so.ptr_at(ol.offset), so.len.saturating_sub(ol.offset));
-        self.gemm(sa.dtype, oa, ob, m, n, k, 1, GemmOut { d, dtype: so.dtype, acc })?;
-        Ok(true)
+        match self.gemm(sa.dtype, oa, ob, m, n, k, 1, GemmOut { d, dtype: so.dtype, acc }) {
+            Ok(()) => Ok(true),
+            // cuBLASLt has no algorithm for this combination here (refused before anything was
+            // enqueued): the caller composes it from a plain GEMM, an add and a cast instead.
+            Err(e) if e.to_string().contains("cuBLASLt") => {
+                static SAID: std::sync::Once = std::sync::Once::new();
+                SAID.call_once(|| eprintln!("warning: {e}; composing such GEMMs from a plain one, an add and a cast instead"));
+                Ok(false)
+            }
+            Err(e) => Err(e),
+        }
     }
     fn empty(&self, n: usize, dtype: DType) -> Result<Storage> {
         Ok(self.alloc(n, dtype)?.into())

@@ -242,7 +242,9 @@ fn offer(inputs: &[Tensor], grads: &mut HashMap<usize, Vec<Tensor>>, single: &st
         if !inp.requires_grad() || inputs[..i].iter().any(|o| o.id() == inp.id()) {
             continue;
         }
-        if inp.is_leaf() && single.contains(&inp.id()) && !grads.contains_key(&inp.id()) {
+        // Not over a `.grad()` it would be added to (no sink: accumulation across passes).
+        let fresh = inp.0.sink.lock().unwrap_or_else(|e| e.into_inner()).is_some() || inp.grad().is_none();
+        if inp.is_leaf() && single.contains(&inp.id()) && !grads.contains_key(&inp.id()) && fresh {
             ctx.dest[i] = inp.0.dest.lock().unwrap_or_else(|e| e.into_inner()).clone();
         }
         if grads.get(&inp.id()).is_some_and(|v| !v.is_empty() && !v.iter().any(Tensor::is_pending)) {

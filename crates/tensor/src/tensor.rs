@@ -383,7 +383,8 @@ impl Tensor {
     /// asks `f` for a dense view of the leaf's shape (any float dtype, typically the leaf's
     /// slice of an f32 gradient bucket), writes the gradient there and hands that view to the
     /// sink, which can tell it arrived in place (`same_view`). `f` may answer `None`. `None`
-    /// here withdraws the offer.
+    /// here withdraws the offer. Without a sink the offer is taken only while `.grad()` is
+    /// empty (a gradient accumulated over passes is never overwritten).
     pub fn set_grad_dest(&self, f: Option<autograd::GradDest>) {
         *self.0.dest.lock().unwrap_or_else(|e| e.into_inner()) = f;
     }

@@ -327,3 +327,22 @@ fn a_backward_that_takes_a_partial_sum_must_return_it() {
     let e = out.sum_all().unwrap().add(&y.sum_all().unwrap()).unwrap().backward().unwrap_err().to_string();
     assert!(e.contains("greedy backward") && e.contains("returned no gradient"), "{e}");
 }
+
+/// Without a sink a leaf's gradient accumulates in `.grad()` over backward passes: its
+/// destination is used only while `.grad()` is empty, so the second pass adds to the first
+/// instead of overwriting it.
+#[test]
+fn a_destination_never_overwrites_an_accumulated_gradient() {
+    let g = &mut Rng::new(16);
+    let (x, w) = (randn(&[3, 4], g), param(&randn(&[5, 4], g)));
+    let dest = Tensor::zeros([5, 4], DType::F64, CPU).unwrap();
+    let d = dest.clone();
+    w.set_grad_dest(Some(Arc::new(move || Ok(Some(d.clone())))));
+    for _ in 0..2 {
+        x.linear(&w).unwrap().sum_all().unwrap().backward().unwrap();
+    }
+    let once = Tensor::ones([3, 5], DType::F64, CPU).unwrap().t().unwrap().matmul(&x).unwrap().to_vec_f64().unwrap();
+    let twice: Vec<f64> = once.iter().map(|v| 2.0 * v).collect();
+    assert_eq!(w.grad().unwrap().to_vec_f64().unwrap(), twice);
+    assert_eq!(dest.to_vec_f64().unwrap(), once, "the first pass wrote its destination, the second did not");
+}
