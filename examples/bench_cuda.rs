@@ -283,6 +283,53 @@ fn run(args: BenchCudaArgs) -> AnyResult<()> {
         }
         be.empty_cache()?;
         {
+            // The gradient GEMMs of a linear layer (the 124M model's gate/up projection: N
+            // tokens, in 768, out 2048), before and after they summed and cast their results:
+            // dW = G^T X written as bf16 then cast into f32, against written as f32 in one GEMM;
+            // dX = G W written then added to x's gradient so far, against added in the GEMM.
+            let (nt, cin, cout) = pick(tiny, quick, (4096, 768, 2048), (8192, 768, 2048), (64, 32, 48));
+            let (gr, x, w, acc) = (
+                bn.randn(&[nt, cout], bf, 1.0)?,
+                bn.randn(&[nt, cin], bf, 1.0)?,
+                bn.randn(&[cout, cin], bf, 1.0)?,
+                bn.randn(&[nt, cin], bf, 1.0)?,
+            );
+            let gt = Layout { shape: Shape(vec![cout, nt]), strides: vec![1, cout], offset: 0 }; // G^T, a view
+            let flops = 2.0 * (nt * cin * cout) as f64;
+            let (nw, nx) = ((cout * cin) as f64, (nt * cin) as f64);
+            let ab = 2.0 * ((nt * cout) + (nt * cin)) as f64; // G and X read, bf16
+            let ms = bn.time(|| {
+                let dw = be.matmul((&gr.s, &gt), x.sl())?;
+                be.cast((&dw, &layout(&[cout, cin])), DType::F32)?;
+                Ok(())
+            })?;
+            let shape = format!("({nt}, {cout})^T ({nt}, {cin})");
+            push(&mut rows, "dW gemm, then cast to f32 (before)", shape.clone(), ms, ab + nw * (2.0 + 2.0 + 4.0), flops);
+            let mut dest = be.empty(cout * cin, DType::F32)?;
+            let dl = layout(&[cout, cin]);
+            let ms = bn.time(|| {
+                be.matmul_into((&gr.s, &gt), x.sl(), None, &mut dest, &dl)?;
+                Ok(())
+            })?;
+            push(&mut rows, "dW gemm into f32 (now)", shape, ms, ab + nw * 4.0, flops);
+            let ms = bn.time(|| {
+                let dx = be.matmul(gr.sl(), w.sl())?;
+                be.binary(BinaryOp::Add, acc.sl(), (&dx, &layout(&[nt, cin])))?;
+                Ok(())
+            })?;
+            let shape = format!("({nt}, {cout}) ({cout}, {cin}) + acc");
+            let gw = 2.0 * ((nt * cout) + (cout * cin)) as f64; // G and W read, bf16
+            push(&mut rows, "dX gemm, then add (before)", shape.clone(), ms, gw + nx * (2.0 + 2.0 + 2.0 + 2.0), flops);
+            let mut out = be.empty(nt * cin, bf)?;
+            let ol = layout(&[nt, cin]);
+            let ms = bn.time(|| {
+                be.matmul_into(gr.sl(), w.sl(), Some(acc.sl()), &mut out, &ol)?;
+                Ok(())
+            })?;
+            push(&mut rows, "dX gemm with the addend (now)", shape, ms, gw + nx * (2.0 + 2.0), flops);
+        }
+        be.empty_cache()?;
+        {
             let (rn, d) = pick(tiny, quick, (4096, 4096), (16384, 4096), (64, 64));
             let x = bn.randn(&[rn, d], bf, 1.0)?;
             let w = bn.randn(&[d], bf, 1.0)?;
