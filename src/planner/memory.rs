@@ -46,8 +46,10 @@ impl Memory {
 /// engine, see docs/AUTOCONFIG.md): per token and layer about 10 hidden-sized tensors (norm
 /// inputs, residuals, q/k/v, the attention output; the attention part split over `tp`) and 4
 /// MLP-sized ones (gate, up, their SwiGLU and its input to down_proj); a checkpointed layer keeps
-/// the inputs and outputs of its two residual branches (4 hidden-sized tensors), and the
-/// branch being recomputed in backward holds its activations again. Plus the f32
+/// what its two residual branches return (2 hidden-sized tensors: a standard block's branches
+/// return the stream with their output added, in their last GEMM; a Ladder block's, which add
+/// late, keep 2 more, which the margin of the estimate covers), and the branch being recomputed
+/// in backward holds its activations again. Plus the f32
 /// logits (vocabulary split over `tp`) and the embedding output and final norm (2 hidden-sized).
 pub fn activation_bytes(m: &ModelShape, w: &Workload) -> f64 {
     let (tokens, h, e) = ((w.micro_batch * w.seq) as f64, m.hidden as f64, w.elem_bytes as f64);
@@ -57,7 +59,7 @@ pub fn activation_bytes(m: &ModelShape, w: &Workload) -> f64 {
     let ck = w.checkpointed_layers.min(m.layers) as f64;
     // During backward one checkpointed branch at a time is recomputed: about half a layer.
     let recompute = if ck > 0.0 { 0.5 * full } else { 0.0 };
-    let layers = (m.layers as f64 - ck) * full + ck * 4.0 * h + recompute;
+    let layers = (m.layers as f64 - ck) * full + ck * 2.0 * h + recompute;
     tokens * (e * (layers + 2.0 * h) + 4.0 * m.vocab as f64 / tp)
 }
 

@@ -70,9 +70,10 @@ fn merge_heads(x: &Tensor) -> Result<Tensor> {
 }
 
 impl Attention {
-    /// Branch output (B, T, C) for the stream x (B, T, C). With a cache, attends over the
-    /// cached keys/values too and appends this call's.
-    fn forward(&self, x: &Tensor, pos: &Positions, cache: Option<&mut Option<(Tensor, Tensor)>>) -> Result<Tensor> {
+    /// Branch output (B, T, C) for the stream x (B, T, C), or with `residual` x plus it (added
+    /// in the output projection's GEMM). With a cache, attends over the cached keys/values too
+    /// and appends this call's.
+    fn forward(&self, x: &Tensor, pos: &Positions, cache: Option<&mut Option<(Tensor, Tensor)>>, residual: bool) -> Result<Tensor> {
         let h = rms_norm(x, &self.input_layernorm, self.eps)?;
         let d = self.head_dim;
         let q = rope(&split_heads(&self.q_proj.forward(&h)?, d)?, &pos.cos, &pos.sin)?; // (B, H, T, D)
@@ -90,15 +91,22 @@ impl Attention {
                 cached_attention(&q, &k, &v, pos.past, scale)?
             }
         };
-        self.o_proj.forward(&merge_heads(&y)?) // (B, T, C)
+        match residual {
+            true => self.o_proj.forward_plus(&merge_heads(&y)?, x), // (B, T, C)
+            false => self.o_proj.forward(&merge_heads(&y)?),
+        }
     }
 }
 
 impl Mlp {
-    fn forward(&self, x: &Tensor) -> Result<Tensor> {
+    /// Branch output (B, T, C), or with `residual` x plus it (added in down_proj's GEMM).
+    fn forward(&self, x: &Tensor, residual: bool) -> Result<Tensor> {
         let h = rms_norm(x, &self.post_attention_layernorm, self.eps)?;
         let a = swiglu(&self.gate_proj.forward(&h)?, &self.up_proj.forward(&h)?)?; // (B, T, I)
-        self.down_proj.forward(&a) // (B, T, C)
+        match residual {
+            true => self.down_proj.forward_plus(&a, x), // (B, T, C)
+            false => self.down_proj.forward(&a),
+        }
     }
 }
 
@@ -146,8 +154,10 @@ impl Llama {
     /// The final hidden states (B, T, C), before the final norm.
     ///
     /// Every branch output is added to the residual stream exactly once; `pending` holds one
-    /// that is added late. A standard block adds the previous MLP output before it reads the
-    /// stream. A Ladder block does not: its attention reads the stream without the previous
+    /// that is added late. A standard block adds each branch's output as it is made, in the
+    /// branch's last GEMM (the stream is its addend: no add kernel), after adding any output
+    /// left pending; it holds its MLP output back only when a Ladder block follows, whose
+    /// attention reads the stream without it. A Ladder block does not: its attention reads the stream without the previous
     /// MLP's output, which is added only after the attention has been launched, and its MLP
     /// reads the stream without this block's attention output, which is added after the MLP
     /// has been launched. A branch output may be a value still in flight (a tensor-parallel
@@ -160,37 +170,51 @@ impl Llama {
         for (i, blk) in self.layers.iter().enumerate() {
             let kv = cache.as_deref_mut().map(|c| c.layer(i));
             if blk.ladder {
-                let a = self.attention(i, blk, &x, pos, kv)?; // reads x without the last MLP output
+                let a = self.attention(i, blk, &x, pos, kv, false)?; // reads x without the last MLP output
                 x = add_late(x, pending.take())?;
-                let m = self.mlp(i, blk, &x)?; // reads x without this attention output
+                let m = self.mlp(i, blk, &x, false)?; // reads x without this attention output
                 x = x.add(&a)?;
                 pending = Some(m);
             } else {
                 x = add_late(x, pending.take())?;
-                x = x.add(&self.attention(i, blk, &x, pos, kv)?)?;
-                pending = Some(self.mlp(i, blk, &x)?);
+                x = self.attention(i, blk, &x, pos, kv, true)?; // x + attention(x)
+                                                                // A Ladder block next reads the stream without this MLP's output: held back then.
+                match self.layers.get(i + 1).is_some_and(|b| b.ladder) {
+                    true => pending = Some(self.mlp(i, blk, &x, false)?),
+                    false => x = self.mlp(i, blk, &x, true)?, // x + mlp(x)
+                }
             }
         }
         add_late(x, pending)
     }
 
-    fn attention(&self, i: usize, blk: &Block, x: &Tensor, pos: &Positions, kv: Option<&mut Option<(Tensor, Tensor)>>) -> Result<Tensor> {
+    /// Block `i`'s attention branch on x, or with `residual` x plus it.
+    fn attention(
+        &self,
+        i: usize,
+        blk: &Block,
+        x: &Tensor,
+        pos: &Positions,
+        kv: Option<&mut Option<(Tensor, Tensor)>>,
+        residual: bool,
+    ) -> Result<Tensor> {
         match (&self.branch_hook, kv) {
             (Some(h), None) => {
                 let (a, pos) = (blk.self_attn.clone(), pos.clone());
-                h.call(i, Arc::new(move |x: &Tensor| a.forward(x, &pos, None)) as BranchFn, x)
+                h.call(i, Arc::new(move |x: &Tensor| a.forward(x, &pos, None, residual)) as BranchFn, x)
             }
-            (_, kv) => blk.self_attn.forward(x, pos, kv),
+            (_, kv) => blk.self_attn.forward(x, pos, kv, residual),
         }
     }
 
-    fn mlp(&self, i: usize, blk: &Block, x: &Tensor) -> Result<Tensor> {
+    /// Block `i`'s MLP branch on x, or with `residual` x plus it.
+    fn mlp(&self, i: usize, blk: &Block, x: &Tensor, residual: bool) -> Result<Tensor> {
         match &self.branch_hook {
             Some(h) => {
                 let m = blk.mlp.clone();
-                h.call(i, Arc::new(move |x: &Tensor| m.forward(x)) as BranchFn, x)
+                h.call(i, Arc::new(move |x: &Tensor| m.forward(x, residual)) as BranchFn, x)
             }
-            None => blk.mlp.forward(x),
+            None => blk.mlp.forward(x, residual),
         }
     }
 

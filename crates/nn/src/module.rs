@@ -48,6 +48,11 @@ pub fn linear(x: &Tensor, w: &Tensor) -> Result<Tensor> {
 /// supplies column- and row-parallel ones.
 pub trait LinearOp: Send + Sync {
     fn forward(&self, x: &Tensor, weight: &Tensor) -> Result<Tensor>;
+    /// res + forward(x, weight): a residual connection. The default adds after the op (a
+    /// tensor-parallel output is summed over the ranks first); `Dense` adds in the GEMM.
+    fn forward_plus(&self, x: &Tensor, weight: &Tensor, res: &Tensor) -> Result<Tensor> {
+        res.add(&self.forward(x, weight)?)
+    }
 }
 
 /// How an embedding looks its rows up (dense, or vocabulary-parallel). Ids that carry their
@@ -72,6 +77,9 @@ pub struct Dense;
 impl LinearOp for Dense {
     fn forward(&self, x: &Tensor, w: &Tensor) -> Result<Tensor> {
         linear(x, w)
+    }
+    fn forward_plus(&self, x: &Tensor, w: &Tensor, res: &Tensor) -> Result<Tensor> {
+        x.linear_plus(w, res)
     }
 }
 
@@ -106,6 +114,10 @@ impl Linear {
     pub fn forward(&self, x: &Tensor) -> Result<Tensor> {
         self.op.forward(x, &self.weight)
     }
+    /// res + forward(x) (see `LinearOp::forward_plus`).
+    pub fn forward_plus(&self, x: &Tensor, res: &Tensor) -> Result<Tensor> {
+        self.op.forward_plus(x, &self.weight, res)
+    }
 }
 
 #[derive(Clone)]
@@ -124,7 +136,8 @@ impl Embedding {
     }
 }
 
-/// A residual branch as a value: hidden states in, the branch output out.
+/// A residual branch as a value: hidden states in, the branch output out (for a standard
+/// block, the hidden states plus it: the sum is made in the branch's last GEMM).
 pub type BranchFn = Arc<dyn Fn(&Tensor) -> Result<Tensor> + Send + Sync>;
 
 /// Runs a residual branch of block `layer`. The default calls it; activation checkpointing

@@ -347,27 +347,49 @@ impl Tensor {
     /// straight into w's gradient destination when it has one (its slice of an f32 bucket: no
     /// bf16 copy and no cast).
     pub fn linear(&self, w: &Tensor) -> Result<Tensor> {
-        same_float("linear", &[self, w])?;
+        self.linear_impl(w, None)
+    }
+
+    /// res + x W^T (`linear` with the sum in its GEMM: res, of the output's shape and dtype, is
+    /// the GEMM's addend, so a residual connection costs no kernel of its own). res gets the
+    /// output's gradient as it is. Elsewhere than on a device it is composed as res + (x W^T),
+    /// the order of `res.add(&x.linear(w))`.
+    pub fn linear_plus(&self, w: &Tensor, res: &Tensor) -> Result<Tensor> {
+        self.linear_impl(w, Some(res))
+    }
+
+    fn linear_impl(&self, w: &Tensor, res: Option<&Tensor>) -> Result<Tensor> {
+        let name = if res.is_some() { "linear_plus" } else { "linear" };
+        same_float(name, &[self, w])?;
         let r = self.rank();
         if w.rank() != 2 || r == 0 || self.dim(r - 1) != w.dim(1) {
-            bail!("linear", "expects x (..., in) and w (out, in), got {:?} and {:?}", self.shape(), w.shape());
+            bail!(name, "expects x (..., in) and w (out, in), got {:?} and {:?}", self.shape(), w.shape());
         }
         let (cin, cout) = (w.dim(1), w.dim(0));
         let n: usize = self.dims()[..r - 1].iter().product();
         let mut out = self.dims()[..r - 1].to_vec();
         out.push(cout);
+        if let Some(res) = res {
+            same_float(name, &[self, res])?;
+            if res.dims() != out.as_slice() {
+                bail!(name, "the residual must have the output's shape {out:?}, got {:?}", res.shape());
+            }
+        }
         let (x2, y) = {
             let _g = crate::autograd::no_grad();
             let x2 = self.reshape([n, cin])?;
-            let y = x2.matmul(&w.t()?)?.reshape(out)?;
+            let acc = res.map(|t| t.reshape([n, cout])).transpose()?;
+            let y = x2.matmul_into(&w.t()?, acc.as_ref(), None)?.reshape(out)?;
             (x2, y)
         };
         let (wt, xshape) = (w.clone(), self.shape().clone());
-        let (need_x, need_w) = (self.requires_grad(), w.requires_grad());
+        let (need_x, need_w, need_res) = (self.requires_grad(), w.requires_grad(), res.is_some_and(Tensor::requires_grad));
+        let mut inputs = vec![self, w];
+        inputs.extend(res);
         Ok(Tensor::record_node(
             y,
-            "linear",
-            &[self, w],
+            name,
+            &inputs,
             crate::autograd::Backward::Ctx(Box::new(move |g, ctx| {
                 let g2 = g.reshape([n, cout])?;
                 let gx = match need_x {
@@ -381,7 +403,11 @@ impl Tensor {
                     true => Some(g2.t()?.matmul_into(&x2, None, ctx.dest(1)?.as_ref())?),
                     false => None,
                 };
-                Ok(vec![gx, gw])
+                let mut grads = vec![gx, gw];
+                if need_res {
+                    grads.push(Some(g.clone()));
+                }
+                Ok(grads)
             })),
         ))
     }

@@ -346,3 +346,23 @@ fn a_destination_never_overwrites_an_accumulated_gradient() {
     assert_eq!(w.grad().unwrap().to_vec_f64().unwrap(), twice);
     assert_eq!(dest.to_vec_f64().unwrap(), once, "the first pass wrote its destination, the second did not");
 }
+
+/// `linear_plus` is `res + x.linear(w)`: on the CPU bitwise (the same sum in the same order),
+/// forward and backward, with res also read by another op.
+#[test]
+fn linear_plus_is_the_sum_it_replaces() {
+    let g = &mut Rng::new(17);
+    let (x, w, r) = (param(&randn(&[2, 3, 4], g)), param(&randn(&[5, 4], g)), param(&randn(&[2, 3, 5], g)));
+    let run = |fused: bool| {
+        for t in [&x, &w, &r] {
+            t.zero_grad();
+        }
+        let y = match fused {
+            true => x.linear_plus(&w, &r).unwrap(),
+            false => r.add(&x.linear(&w).unwrap()).unwrap(),
+        };
+        y.mul(&r).unwrap().sum_all().unwrap().backward().unwrap();
+        [y.detach(), x.grad().unwrap(), w.grad().unwrap(), r.grad().unwrap()].map(|t| t.to_vec_f64().unwrap())
+    };
+    assert_eq!(run(true), run(false));
+}

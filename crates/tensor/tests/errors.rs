@@ -40,6 +40,8 @@ fn shape_errors() {
     expect_err(f32s(&[2, 3]).assign(&f32s(&[3, 2])), "assign", "shape mismatch");
     expect_err(f32s(&[2, 3]).linear(&f32s(&[4, 2])), "linear", "(out, in)");
     expect_err(f32s(&[2, 3]).linear(&f32s(&[3])), "linear", "(out, in)");
+    expect_err(f32s(&[2, 3]).linear_plus(&f32s(&[4, 3]), &f32s(&[2, 3])), "linear_plus", "residual");
+    expect_err(f32s(&[2, 3]).linear_plus(&f32s(&[4, 2]), &f32s(&[2, 4])), "linear_plus", "(out, in)");
     expect_err(f32s(&[]).linear(&f32s(&[2, 1])), "linear", "(out, in)");
     expect_err(f32s(&[2, 3]).matmul_into(&f32s(&[4, 2]), None, None), "matmul_into", "(k, n)");
     expect_err(f32s(&[2, 2, 3]).matmul_into(&f32s(&[3, 2]), None, None), "matmul_into", "(k, n)");

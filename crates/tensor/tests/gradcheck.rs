@@ -30,6 +30,10 @@ fn grad_linear() {
     gradcheck("linear x twice", &[randn(&[3, 5], g), randn(&[4, 5], g), randn(&[4, 5], g)], |x| {
         x[0].linear(&x[1])?.add(&x[0].linear(&x[2])?)?.add(&x[0].sum(&[1], true)?)
     });
+    // res + x W^T, the residual connection in the GEMM; res also read elsewhere.
+    gradcheck("linear_plus", &[randn(&[2, 3, 5], g), randn(&[4, 5], g), randn(&[2, 3, 4], g)], |x| {
+        x[0].linear_plus(&x[1], &x[2])?.mul(&x[2])
+    });
     // One weight read by two layers (no gradient destination then).
     gradcheck("linear w twice", &[randn(&[3, 5], g), randn(&[4, 5], g)], |x| x[0].linear(&x[1])?.mul(&x[0].sqr()?.linear(&x[1])?));
 }
