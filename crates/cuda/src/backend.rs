@@ -62,6 +62,23 @@ impl CudaBackend {
             batch_stride: bstride.unwrap_or(0) as i64,
         })
     }
+
+    /// `x`, (batch..., rows, cols), as a GEMM operand: read in place where its strides allow
+    /// (`operand`), else from a dense copy that `keep` holds until the GEMM is enqueued.
+    fn operand_or_copy(
+        &self,
+        x: View,
+        s: &CudaStorage,
+        batch_dims: &[usize],
+        (rows, cols): (usize, usize),
+        keep: &mut Option<CudaStorage>,
+    ) -> Result<Operand> {
+        if let Some(o) = Self::operand(x, s, batch_dims) {
+            return Ok(o);
+        }
+        let c = keep.insert(self.contiguous("matmul", x)?);
+        Ok(Operand { ptr: c.buf.ptr, avail: c.len, trans: false, ld: cols as i64, batch_stride: (rows * cols) as i64 })
+    }
 }
 
 impl Backend for CudaBackend {
@@ -250,21 +267,9 @@ impl Backend for CudaBackend {
         if k == 0 {
             return self.full(batch * m * n, sa.dtype, 0.0);
         }
-        let (ta, tb);
-        let oa = match Self::operand(a, sa, bdims) {
-            Some(o) => o,
-            None => {
-                ta = self.contiguous("matmul", a)?;
-                Operand { ptr: ta.buf.ptr, avail: ta.len, trans: false, ld: k as i64, batch_stride: (m * k) as i64 }
-            }
-        };
-        let ob = match Self::operand(b, sb, bdims) {
-            Some(o) => o,
-            None => {
-                tb = self.contiguous("matmul", b)?;
-                Operand { ptr: tb.buf.ptr, avail: tb.len, trans: false, ld: n as i64, batch_stride: (k * n) as i64 }
-            }
-        };
+        let mut keep = (None, None);
+        let oa = self.operand_or_copy(a, sa, bdims, (m, k), &mut keep.0)?;
+        let ob = self.operand_or_copy(b, sb, bdims, (k, n), &mut keep.1)?;
         self.gemm(sa.dtype, oa, ob, m, n, k, batch, GemmOut::plain(sa.dtype, (out.buf.ptr, out.len)))?;
         Ok(out.into())
     }
@@ -289,27 +294,15 @@ impl Backend for CudaBackend {
             }
             None => None,
         };
-        let (ta, tb);
-        let oa = match Self::operand(a, sa, &[]) {
-            Some(o) => o,
-            None => {
-                ta = self.contiguous("matmul", a)?;
-                Operand { ptr: ta.buf.ptr, avail: ta.len, trans: false, ld: k as i64, batch_stride: 0 }
-            }
-        };
-        let ob = match Self::operand(b, sb, &[]) {
-            Some(o) => o,
-            None => {
-                tb = self.contiguous("matmul", b)?;
-                Operand { ptr: tb.buf.ptr, avail: tb.len, trans: false, ld: n as i64, batch_stride: 0 }
-            }
-        };
+        let mut keep = (None, None);
+        let oa = self.operand_or_copy(a, sa, &[], (m, k), &mut keep.0)?;
+        let ob = self.operand_or_copy(b, sb, &[], (k, n), &mut keep.1)?;
         let d = (so.ptr_at(ol.offset), so.len.saturating_sub(ol.offset));
         match self.gemm(sa.dtype, oa, ob, m, n, k, 1, GemmOut { d, dtype: so.dtype, acc }) {
             Ok(()) => Ok(true),
-            // cuBLASLt has no algorithm for this combination here (refused before anything was
-            // enqueued): the caller composes it from a plain GEMM, an add and a cast instead.
-            Err(e) if e.to_string().contains("cuBLASLt") => {
+            // cuBLASLt has no algorithm for this combination here, or refused the call (before
+            // anything was enqueued): the caller composes it from a plain GEMM, an add and a cast.
+            Err(e) if crate::gemm::refused_by_cublaslt(&e) => {
                 static SAID: std::sync::Once = std::sync::Once::new();
                 SAID.call_once(|| eprintln!("warning: {e}; composing such GEMMs from a plain one, an add and a cast instead"));
                 Ok(false)

@@ -17,6 +17,15 @@ use std::ffi::c_void;
 use std::sync::Arc;
 
 const WORKSPACE: usize = 32 << 20;
+const NO_ALGORITHM: &str = "no cuBLASLt algorithm";
+const MATMUL_FAILED: &str = "cuBLASLt matmul failed";
+
+/// True for an error cuBLASLt itself returned (no algorithm for the call, or the call refused),
+/// as opposed to a call this crate planned wrongly: nothing was enqueued.
+pub(crate) fn refused_by_cublaslt(e: &Error) -> bool {
+    let m = e.to_string();
+    m.contains(NO_ALGORITHM) || m.contains(MATMUL_FAILED)
+}
 
 /// One operand of a row-major GEMM: `trans` means its storage is column-major (unit row stride).
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
@@ -288,7 +297,7 @@ impl Gemm {
             let h = r
                 .and_then(|_| lt::get_matmul_algo_heuristic(self.handle, op, d.layouts[0], d.layouts[1], d.layouts[2], d.layouts[2], pref));
             let _ = lt::destroy_matmul_pref(pref);
-            h.map_err(|e| Error::new("matmul", format!("no cuBLASLt algorithm for {c:?}: {e:?}")))?
+            h.map_err(|e| Error::new("matmul", format!("{NO_ALGORITHM} for {c:?}: {e:?}")))?
         };
         Ok((d, h.algo))
     }
@@ -360,7 +369,7 @@ impl Gemm {
                 stream.cu_stream() as sys::cudaStream_t,
             )
         }
-        .map_err(|e| Error::new("matmul", format!("cuBLASLt matmul failed: {e:?}")))
+        .map_err(|e| Error::new("matmul", format!("{MATMUL_FAILED}: {e:?}")))
     }
 }
 

@@ -37,25 +37,25 @@ pub fn rms_norm(x: &Tensor, w: &Tensor, eps: f64) -> Result<Tensor> {
             let (a, w) = (fuse_acc.map(|_| s[4]), fuse_dw.map(|_| s[4 + fuse_acc.is_some() as usize]));
             backward_into(s[0], s[1], s[2], s[3], Fused { acc: a, dw_into: w })
         })?;
-        let (dx, dw, added, written) = match fused {
-            Some((dx, dw)) => (dx, dw, fuse_acc.is_some(), fuse_dw.is_some()),
+        // dw comes back only where it was not written into the destination.
+        let (dx, dw, added) = match fused {
+            Some((dx, dw)) => (dx, dw, fuse_acc.is_some()),
             None => {
                 let (dx, dw) = Tensor::with_storages(&[&g, &xc, &wc, &r], |s| backward(s[0], s[1], s[2], s[3]))?;
-                (dx, Some(dw), false, false)
+                (dx, Some(dw), false)
             }
         };
         let mut dx = Tensor::new(dx, xshape.clone())?;
         if let (Some(a), false) = (&acc, added) {
             dx = a.add(&dx)?; // the engine's order: what arrived first, then this
         }
-        let dw = match (dw, &dest, written) {
-            (_, Some(t), true) => t.clone(),
-            (Some(dw), Some(t), false) => {
+        let dw = match (dw, dest) {
+            (None, dest) => dest.expect("dw is written only into a destination"),
+            (Some(dw), Some(t)) => {
                 t.assign(&Tensor::new(dw, [d])?.reshape(t.shape().clone())?)?;
-                t.clone()
+                t
             }
-            (Some(dw), None, _) => Tensor::new(dw, [d])?,
-            (None, _, _) => bail!("rms_norm", "the weight's gradient was neither written nor returned"),
+            (Some(dw), None) => Tensor::new(dw, [d])?,
         };
         Ok(vec![Some(dx), Some(dw)])
     };

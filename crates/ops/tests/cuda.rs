@@ -84,6 +84,17 @@ fn rmsnorm_backward_adds_the_residual_and_writes_dw_in_place() {
                 t[1].set_grad_dest(Some(std::sync::Arc::new(move || Ok(Some(dest.clone())))));
                 t[0].add(&rms_norm(&t[0], &t[1], 1e-5).unwrap()).unwrap()
             });
+            // On the device the weight's gradient is the destination itself, in f32.
+            let (x, w) = (to_gpu(&randn(&[n, d], dt, r)), to_gpu(&randn(&[d], dt, r)));
+            for t in [&x, &w] {
+                t.set_requires_grad(true).unwrap();
+            }
+            let dest = Tensor::full([d], f64::NAN, DType::F32, GPU).unwrap();
+            let dd = dest.clone();
+            w.set_grad_dest(Some(std::sync::Arc::new(move || Ok(Some(dd.clone())))));
+            x.add(&rms_norm(&x, &w, 1e-5).unwrap()).unwrap().sum_all().unwrap().backward().unwrap();
+            assert!(w.grad().is_some_and(|g| g.same_view(&dest)), "{dt} ({n}, {d}): dw was not written into its destination");
+            assert!(dest.to_vec_f64().unwrap().iter().all(|v| v.is_finite()), "{dt} ({n}, {d}): dw left unwritten");
         }
     });
 }
