@@ -8,7 +8,7 @@ use clap::error::ErrorKind;
 use common::*;
 use ferrolm::cli::autoconfig::AutoconfigArgs;
 use ferrolm::cli::eval::EvalArgs;
-use ferrolm::cli::finetune::FinetuneArgs;
+use ferrolm::cli::finetune_ladder::FinetuneLadderArgs;
 use ferrolm::cli::generate::GenerateArgs;
 use ferrolm::cli::plan::PlanArgs;
 use ferrolm::cli::prepare::{PrepareDataArgs, TrainTokenizerArgs};
@@ -39,7 +39,7 @@ fn tools() -> Vec<(&'static str, clap::Command, Vec<&'static str>)> {
             ]
             .concat(),
         ),
-        ("finetune_ladder", FinetuneArgs::cli(), [dev.clone(), vec!["Ladder Transformer", "--ladder-layers", "--tp"]].concat()),
+        ("finetune_ladder", FinetuneLadderArgs::cli(), [dev.clone(), vec!["Ladder Transformer", "--ladder-layers", "--tp"]].concat()),
         ("eval", EvalArgs::cli(), [dev.clone(), vec!["perplexity"]].concat()),
         ("generate", GenerateArgs::cli(), [dev, vec!["Sample"]].concat()),
         ("prepare_data", PrepareDataArgs::cli(), vec!["Tokenize text", "RUST_LOG"]),
@@ -88,7 +88,7 @@ fn help_exits_zero() {
         let e = match name {
             "pretrain_llama" => parse_from::<PretrainArgs, _, _>([name, "--help"]).unwrap_err(),
             "eval" => parse_from::<EvalArgs, _, _>([name, "--help"]).unwrap_err(),
-            "finetune_ladder" => parse_from::<FinetuneArgs, _, _>([name, "--help"]).unwrap_err(),
+            "finetune_ladder" => parse_from::<FinetuneLadderArgs, _, _>([name, "--help"]).unwrap_err(),
             _ => continue,
         };
         assert_eq!(e.kind(), ErrorKind::DisplayHelp);
@@ -161,7 +161,7 @@ fn dtype_takes_both_forms_defaults_by_device_and_refuses_others() {
     assert_eq!(e.run.device.dtype, Some(ComputeDtype::F32));
     let g: GenerateArgs = parse_from(["generate", "--model", "m", "--prompt", "Hi", "--dtype", "bf16"]).unwrap();
     assert_eq!(g.run.device.dtype, Some(ComputeDtype::Bf16));
-    let f: FinetuneArgs = parse_from(["finetune_ladder", "--model", "m", "--ladder-layers", "2", "--dtype", "f32"]).unwrap();
+    let f: FinetuneLadderArgs = parse_from(["finetune_ladder", "--model", "m", "--ladder-layers", "2", "--dtype", "f32"]).unwrap();
     assert_eq!(f.train.device.dtype, Some(ComputeDtype::F32));
     for bad in ["f64", "fp16", ""] {
         let e = parse_from::<PretrainArgs, _, _>(["pretrain_llama", "--dtype", bad]).unwrap_err();
@@ -182,7 +182,8 @@ fn grad_reduce_dtype_takes_both_forms_defaults_to_f32_and_refuses_others() {
         assert_eq!(a.train.parallel.grad_reduce_dtype.to_string(), want, "{flag:?}");
         assert_eq!(a.train.parallel.layout().unwrap().grad_reduce.to_string(), want, "{flag:?} reaches the layout");
     }
-    let f: FinetuneArgs = parse_from(["finetune_ladder", "--model", "m", "--ladder-layers", "2", "--grad-reduce-dtype=bf16"]).unwrap();
+    let f: FinetuneLadderArgs =
+        parse_from(["finetune_ladder", "--model", "m", "--ladder-layers", "2", "--grad-reduce-dtype=bf16"]).unwrap();
     assert_eq!(f.train.parallel.grad_reduce_dtype.to_string(), "bf16");
     for bad in ["f16", "fp32", ""] {
         let e = parse_from::<PretrainArgs, _, _>(["pretrain_llama", "--grad-reduce-dtype", bad]).unwrap_err();
@@ -423,7 +424,7 @@ fn profile_flag_on_the_training_tools() {
     assert!(!a.train.profile);
     let a: PretrainArgs = parse_from(["pretrain_llama", "--profile"]).unwrap();
     assert!(a.train.profile);
-    let f: FinetuneArgs = parse_from(["finetune_ladder", "--model", "m", "--ladder-layers", "2", "--profile"]).unwrap();
+    let f: FinetuneLadderArgs = parse_from(["finetune_ladder", "--model", "m", "--ladder-layers", "2", "--profile"]).unwrap();
     assert!(f.train.profile);
     assert!(parse_from::<PretrainArgs, _, _>(["pretrain_llama", "--profile", "--profile"]).is_err());
     assert!(parse_from::<PretrainArgs, _, _>(["pretrain_llama", "--profile=1"]).is_err());

@@ -4,7 +4,7 @@
 //! samples only the tokenizer's ids.
 mod common;
 use common::*;
-use ferrolm::cli::finetune::FinetuneArgs;
+use ferrolm::cli::finetune_ladder::FinetuneLadderArgs;
 use ferrolm::cli::prepare::PrepareDataArgs;
 use ferrolm::cli::pretrain::PretrainArgs;
 use ferrolm::cli::{error_report, parse_from};
@@ -79,7 +79,7 @@ fn finetune_takes_a_text_file_or_json_lines_as_data() {
     model(4096).save_pretrained(&ck).unwrap();
     std::fs::copy(tokenizer_path(), ck.join("tokenizer.json")).unwrap();
     for (data, out) in [(&txt, "ft-txt"), (&jsonl, "ft-jsonl")] {
-        let a: FinetuneArgs = parse_from([
+        let a: FinetuneLadderArgs = parse_from([
             "finetune_ladder",
             "--device=cpu",
             "--model",
@@ -97,7 +97,7 @@ fn finetune_takes_a_text_file_or_json_lines_as_data() {
         ])
         .unwrap();
         assert!(a.train.records.skip_bad_records);
-        ferrolm::cli::finetune::run(a).unwrap();
+        ferrolm::cli::finetune_ladder::run(a).unwrap();
         assert!(dir.join(out).join("checkpoints/latest").is_file(), "{out}");
     }
     remove_cache("finetune");

@@ -4,7 +4,7 @@
 mod common;
 use common::*;
 use ferrolm::cli::eval::EvalArgs;
-use ferrolm::cli::finetune::FinetuneArgs;
+use ferrolm::cli::finetune_ladder::FinetuneLadderArgs;
 use ferrolm::cli::generate::GenerateArgs;
 use ferrolm::cli::pretrain::PretrainArgs;
 use ferrolm::cli::{error_report, parse_from};
@@ -23,8 +23,8 @@ fn setup(dir: &Path) -> (PathBuf, PathBuf) {
 
 fn finetune(ck: &Path, data: &Path, out: &Path, extra: &[&str]) -> anyhow::Result<()> {
     let head = ["finetune_ladder", "--device=cpu", "--seq-len=16", "--batch-size=2", "--eval-every=0"];
-    let a: FinetuneArgs = parse_from(args(&head, &[flag("model", ck), flag("data", data), flag("out", out)], extra)).unwrap();
-    ferrolm::cli::finetune::run(a)
+    let a: FinetuneLadderArgs = parse_from(args(&head, &[flag("model", ck), flag("data", data), flag("out", out)], extra)).unwrap();
+    ferrolm::cli::finetune_ladder::run(a)
 }
 
 fn losses(run: &Path) -> Vec<u64> {

@@ -10,7 +10,7 @@
 pub mod autoconfig;
 pub mod cluster;
 pub mod eval;
-pub mod finetune;
+pub mod finetune_ladder;
 pub mod generate;
 pub mod parallel;
 pub mod plan;

@@ -24,7 +24,7 @@ use std::path::PathBuf;
              paper's llamaLadder format under OUT/checkpoints/. With --steps 0 it only converts.",
     after_help = env_help(&[ENV_COMMON, ENV_DEVICE, ENV_TRAIN, ENV_LAUNCH])
 )]
-pub struct FinetuneArgs {
+pub struct FinetuneLadderArgs {
     /// The Llama checkpoint to convert (config.json, model.safetensors, tokenizer.json)
     #[arg(long, value_name = "DIR", help_heading = "Model")]
     pub model: PathBuf,
@@ -36,7 +36,7 @@ pub struct FinetuneArgs {
     pub train: TrainArgs,
 }
 
-impl Tool for FinetuneArgs {
+impl Tool for FinetuneLadderArgs {
     fn cli() -> Command {
         <Self as clap::CommandFactory>::command()
             .mut_arg("out", |a| a.default_value("runs/finetune_ladder"))
@@ -53,7 +53,7 @@ struct Prepared {
     ladder: LadderLayers,
 }
 
-fn prepare(args: &FinetuneArgs) -> AnyResult<Prepared> {
+fn prepare(args: &FinetuneLadderArgs) -> AnyResult<Prepared> {
     let a = &args.train;
     // --steps 0 converts only; the checks below are those of a run of at least one step.
     let mut checked = a.clone();
@@ -78,7 +78,7 @@ fn prepare(args: &FinetuneArgs) -> AnyResult<Prepared> {
     Ok(Prepared { data: TrainData { device, dtype, tok_path, train, val }, ladder })
 }
 
-pub fn run(args: FinetuneArgs) -> AnyResult<()> {
+pub fn run(args: FinetuneLadderArgs) -> AnyResult<()> {
     if args.train.profile {
         crate::profile::enable();
     }
@@ -86,7 +86,7 @@ pub fn run(args: FinetuneArgs) -> AnyResult<()> {
     crate::parallel::launch(&args.train.parallel.layout()?, device, || prepare(&args), |p, comm| finetune_rank(&args, p, comm))
 }
 
-fn finetune_rank(args: &FinetuneArgs, p: &Prepared, comm: Option<Comm>) -> AnyResult<()> {
+fn finetune_rank(args: &FinetuneLadderArgs, p: &Prepared, comm: Option<Comm>) -> AnyResult<()> {
     let a = &args.train;
     let mut opts = a.options();
     opts.steps = opts.steps.max(1); // the trainer's schedule needs a length; --steps 0 never steps
