@@ -356,12 +356,12 @@ fn run(args: BenchCudaArgs) -> AnyResult<()> {
             let sin = bn.randn(&[t, d], bf, 0.7)?;
             let nn = (b * h * t * d) as f64;
             let ms = bn.time(|| {
-                rope::apply(x.sl(), cos.sl(), sin.sl(), false)?;
+                rope::apply(x.sl(), cos.sl(), sin.sl(), None, false)?;
                 Ok(())
             })?;
             push(&mut rows, "rope fwd (bf16)", format!("({b}, {h}, {t}, {d})"), ms, 2.0 * nn * 2.0 + 2.0 * (t * d) as f64 * 2.0, 0.0);
             let ms = bn.time(|| {
-                rope::apply(x.sl(), cos.sl(), sin.sl(), true)?;
+                rope::apply(x.sl(), cos.sl(), sin.sl(), None, true)?;
                 Ok(())
             })?;
             push(&mut rows, "rope bwd (bf16)", format!("({b}, {h}, {t}, {d})"), ms, 2.0 * nn * 2.0 + 2.0 * (t * d) as f64 * 2.0, 0.0);
@@ -478,23 +478,23 @@ fn run(args: BenchCudaArgs) -> AnyResult<()> {
         let v = bn.randn(&[b, hkv, t, d], bf, 1.0)?;
         let dout = bn.randn(&[b, hq, t, d], bf, 1.0)?;
         let scale = 1.0 / (d as f64).sqrt();
-        let (o, lse) = attention::forward(q.sl(), k.sl(), v.sl(), dims, scale)?;
+        let (o, lse) = attention::forward(q.sl(), k.sl(), v.sl(), dims, scale, None)?;
         let (o, lse) = (Buf { s: o, l: layout(&[b, hq, t, d]) }, Buf { s: lse, l: layout(&[b, hq, t]) });
         // The flash kernels with 8 warps per block (the default), then with 4 (the `_w4` kernels):
         // which is faster per head dim is this table's question on a GPU.
         let time_all = |warps: usize| -> AnyResult<FwdBwd> {
             attention::with_flash_warps(warps, || {
                 let fwd = bn.time(|| {
-                    attention::forward(q.sl(), k.sl(), v.sl(), dims, scale)?;
+                    attention::forward(q.sl(), k.sl(), v.sl(), dims, scale, None)?;
                     Ok(())
                 })?;
                 let bwd = bn.time(|| {
-                    attention::backward(dout.sl(), q.sl(), k.sl(), v.sl(), o.sl(), lse.sl(), dims, scale)?;
+                    attention::backward([dout.sl(), q.sl(), k.sl(), v.sl(), o.sl(), lse.sl()], dims, scale, None)?;
                     Ok(())
                 })?;
                 let both = bn.time(|| {
-                    let (o2, l2) = attention::forward(q.sl(), k.sl(), v.sl(), dims, scale)?;
-                    attention::backward(dout.sl(), q.sl(), k.sl(), v.sl(), (&o2, &o.l), (&l2, &lse.l), dims, scale)?;
+                    let (o2, l2) = attention::forward(q.sl(), k.sl(), v.sl(), dims, scale, None)?;
+                    attention::backward([dout.sl(), q.sl(), k.sl(), v.sl(), (&o2, &o.l), (&l2, &lse.l)], dims, scale, None)?;
                     Ok(())
                 })?;
                 Ok((fwd, bwd, both))

@@ -115,6 +115,7 @@ fn vector_loads_and_no_local_memory() {
         "swiglu_fwd",
         "swiglu_bwd",
         "rope",
+        "rope_pos",
         "rmsnorm_fwd",
         "rmsnorm_bwd_dx",
         "rmsnorm_bwd_dw_partial",

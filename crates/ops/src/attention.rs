@@ -9,8 +9,17 @@
 //! The tensor-core kernels read q, k, v (and write o, dq, dk, dv) in the time-major layout the
 //! projections write (`HeadLayout`), so a model's heads are split and merged without copies;
 //! the CPU reference and the SIMT kernels take head-major tensors.
+//!
+//! Packed rows (`segment_attention`): each batch row holds several sequences one after the other
+//! (`Segments`, FlashAttention varlen's cu_seqlens per row), and a query sees only the keys of
+//! its own segment, causally. No mask is built: the CPU runs each segment as its own sequence;
+//! the CUDA kernels read each token's segment bounds, start their tile loops at the first tile
+//! of the segment, skip the tiles a warp's rows cannot see, and mask only those partly covered
+//! (`count_skipped_tiles` counts what they skipped). Rows that are one segment each take the
+//! plain causal kernels, unchanged.
 use crate::dispatch::{dev_ptr, f32_ptr, num, on, On};
 use crate::heads::HeadLayout;
+use crate::segments::Segments;
 use ferrolm_tensor::backend::View;
 use ferrolm_tensor::{bail, same_float, Device, Error, Layout, Result, Storage, Tensor};
 
@@ -72,6 +81,17 @@ pub struct AttnDims {
 
 /// Causal attention of q (b, hq, t, d) over k, v (b, hkv, t, d), hq a multiple of hkv.
 pub fn causal_attention(q: &Tensor, k: &Tensor, v: &Tensor, scale: f64) -> Result<Tensor> {
+    attention_op(q, k, v, scale, None)
+}
+
+/// Causal attention inside segments: batch row r of q, k, v holds the sequences that `segs`
+/// gives for row r, and query i of a segment [s, e) attends to keys s..=i only. Its output
+/// for a segment equals `causal_attention` of that segment alone.
+pub fn segment_attention(q: &Tensor, k: &Tensor, v: &Tensor, scale: f64, segs: &Segments) -> Result<Tensor> {
+    attention_op(q, k, v, scale, Some(segs))
+}
+
+fn attention_op(q: &Tensor, k: &Tensor, v: &Tensor, scale: f64, segs: Option<&Segments>) -> Result<Tensor> {
     same_float("attention", &[q, k, v])?;
     if q.rank() != 4 || k.rank() != 4 || v.rank() != 4 {
         bail!("attention", "q, k, v must be (batch, heads, seq, head_dim), got {:?} {:?} {:?}", q.shape(), k.shape(), v.shape());
@@ -87,6 +107,11 @@ pub fn causal_attention(q: &Tensor, k: &Tensor, v: &Tensor, scale: f64) -> Resul
         );
     }
     let dims = AttnDims { b: qd[0], hq: qd[1], hkv: kd[1], t: qd[2], d: qd[3] };
+    if let Some(s) = segs {
+        check_segments("attention", s, dims)?;
+    }
+    // Rows that are one segment each are plain causal attention: the unsegmented kernels.
+    let segs = segs.filter(|s| !s.is_whole()).cloned();
     // Time-major where the tensor-core kernels run and q, k, v all are (the projections' heads):
     // no copies in or out. Anything else is made head-major.
     let layout = match HeadLayout::common(&[q.layout(), k.layout(), v.layout()]) {
@@ -94,18 +119,27 @@ pub fn causal_attention(q: &Tensor, k: &Tensor, v: &Tensor, scale: f64) -> Resul
         _ => HeadLayout::HeadMajor,
     };
     let (qc, kc, vc) = (layout.arrange(q)?, layout.arrange(k)?, layout.arrange(v)?);
-    let (o, lse) = Tensor::with_storages(&[&qc, &kc, &vc], |s| forward(s[0], s[1], s[2], dims, scale))?;
+    let (o, lse) = Tensor::with_storages(&[&qc, &kc, &vc], |s| forward(s[0], s[1], s[2], dims, scale, segs.as_ref()))?;
     let (qs, kvs) = ([dims.b, dims.hq, dims.t, dims.d], [dims.b, dims.hkv, dims.t, dims.d]);
     let out = layout.tensor(o, qs)?;
     let lse = Tensor::new(lse, [dims.b, dims.hq, dims.t])?;
     let o = out.clone();
     let backward_fn = move |g: &Tensor| {
         let g = layout.arrange(g)?;
-        let (dq, dk, dv) =
-            Tensor::with_storages(&[&g, &qc, &kc, &vc, &o, &lse], |s| backward(s[0], s[1], s[2], s[3], s[4], s[5], dims, scale))?;
+        let (dq, dk, dv) = Tensor::with_storages(&[&g, &qc, &kc, &vc, &o, &lse], |s| {
+            backward([s[0], s[1], s[2], s[3], s[4], s[5]], dims, scale, segs.as_ref())
+        })?;
         Ok(vec![Some(layout.tensor(dq, qs)?), Some(layout.tensor(dk, kvs)?), Some(layout.tensor(dv, kvs)?)])
     };
     Ok(Tensor::from_op(out, "attention", &[q, k, v], Box::new(backward_fn)))
+}
+
+/// `segs` describes b rows of t tokens.
+fn check_segments(op: &str, segs: &Segments, a: AttnDims) -> Result<()> {
+    if segs.rows() != a.b || segs.seq_len() != a.t {
+        bail!(op, "segments of {} rows of {} tokens for q of {} rows of {}", segs.rows(), segs.seq_len(), a.b, a.t);
+    }
+    Ok(())
 }
 
 /// The head layout that every view of `ls` is dense in, or an error naming the tensors.
@@ -125,32 +159,30 @@ fn head_major(op: &str, layout: HeadLayout) -> Result<()> {
 }
 
 /// q, k, v dense in one head layout (`HeadLayout`; head-major on the CPU and for the SIMT
-/// kernels) -> (o (b, hq, t, d) in that layout, lse (b, hq, t) in f32, f64 for f64).
-pub fn forward(q: View, k: View, v: View, dims: AttnDims, scale: f64) -> Result<(Storage, Storage)> {
+/// kernels) -> (o (b, hq, t, d) in that layout, lse (b, hq, t) in f32, f64 for f64). With
+/// `segs`, attention stays inside each row's segments (`segment_attention`).
+pub fn forward(q: View, k: View, v: View, dims: AttnDims, scale: f64, segs: Option<&Segments>) -> Result<(Storage, Storage)> {
     let layout = layout_of("attention", "q, k, v", &[q.1, k.1, v.1])?;
+    if let Some(s) = segs {
+        check_segments("attention", s, dims)?;
+    }
     match on("attention", q.0)? {
-        On::Cpu => head_major("attention", layout).and_then(|_| cpu::forward(q, k, v, dims, scale)),
-        On::Cuda(be) => cuda::forward(&be, q, k, v, dims, layout, scale),
+        On::Cpu => head_major("attention", layout).and_then(|_| cpu::forward(q, k, v, dims, scale, segs)),
+        On::Cuda(be) => cuda::forward(&be, q, k, v, dims, layout, scale, segs),
     }
 }
 
-/// The output gradient, the inputs and the forward's o, dense in one head layout as in
-/// `forward`, and lse, contiguous -> (dq, dk, dv) in that layout.
-#[allow(clippy::too_many_arguments)]
-pub fn backward(
-    dout: View,
-    q: View,
-    k: View,
-    v: View,
-    out: View,
-    lse: View,
-    dims: AttnDims,
-    scale: f64,
-) -> Result<(Storage, Storage, Storage)> {
+/// `views`: the output gradient, q, k, v and the forward's o, dense in one head layout as in
+/// `forward`, and lse, contiguous -> (dq, dk, dv) in that layout; `segs` as in the forward.
+pub fn backward(views: [View; 6], dims: AttnDims, scale: f64, segs: Option<&Segments>) -> Result<(Storage, Storage, Storage)> {
+    let [dout, q, k, v, out, _] = views;
     let layout = layout_of("attention_backward", "dO, q, k, v, o", &[dout.1, q.1, k.1, v.1, out.1])?;
+    if let Some(s) = segs {
+        check_segments("attention_backward", s, dims)?;
+    }
     match on("attention", q.0)? {
-        On::Cpu => head_major("attention_backward", layout).and_then(|_| cpu::backward([dout, q, k, v, out, lse], dims, scale)),
-        On::Cuda(be) => cuda::backward(&be, [dout, q, k, v, out, lse], dims, layout, scale),
+        On::Cpu => head_major("attention_backward", layout).and_then(|_| cpu::backward(views, dims, scale, segs)),
+        On::Cuda(be) => cuda::backward(&be, views, dims, layout, scale, segs),
     }
 }
 
@@ -168,32 +200,42 @@ mod cpu {
     use num_traits::Float;
     use rayon::prelude::*;
 
-    pub(super) fn forward(q: View, k: View, v: View, dims: AttnDims, scale: f64) -> Result<(Storage, Storage)> {
+    /// Each row's segments as (start, end) ranges: the whole row without `segs`.
+    fn row_segments(segs: Option<&Segments>, a: AttnDims) -> Vec<Vec<(usize, usize)>> {
+        (0..a.b).map(|r| segs.map_or_else(|| vec![(0, a.t)], |s| s.ranges(r).collect())).collect()
+    }
+
+    pub(super) fn forward(q: View, k: View, v: View, dims: AttnDims, scale: f64, segs: Option<&Segments>) -> Result<(Storage, Storage)> {
         let (oq, ok, ov) = (q.1.offset, k.1.offset, v.1.offset);
         let (nq, nk) = (q.1.numel(), k.1.numel());
         let dt = q.0.dtype();
-        Ok(float_dispatch!("attention", dt, [q, k, v], attention(&q[oq..oq + nq], &k[ok..ok + nk], &v[ov..ov + nk], dims, scale)))
+        let rs = row_segments(segs, dims);
+        Ok(float_dispatch!("attention", dt, [q, k, v], attention(&q[oq..oq + nq], &k[ok..ok + nk], &v[ov..ov + nk], dims, scale, &rs)))
     }
 
     /// `views`: the output gradient, q, k, v, and the forward's o and lse.
-    pub(super) fn backward(views: [View; 6], dims: AttnDims, scale: f64) -> Result<(Storage, Storage, Storage)> {
+    pub(super) fn backward(views: [View; 6], dims: AttnDims, scale: f64, segs: Option<&Segments>) -> Result<(Storage, Storage, Storage)> {
         let [dout, q, k, v, out, lse] = views;
         let (nq, nk) = (q.1.numel(), k.1.numel());
         let offs = [dout.1.offset, q.1.offset, k.1.offset, v.1.offset, out.1.offset, lse.1.offset];
         let nl = lse.1.numel();
+        let rs = row_segments(segs, dims);
         Ok(float_dispatch!(
             "attention_backward",
             q.0.dtype(),
             [dout, q, k, v, out, lse],
             attention_backward(
-                &dout[offs[0]..offs[0] + nq],
-                &q[offs[1]..offs[1] + nq],
-                &k[offs[2]..offs[2] + nk],
-                &v[offs[3]..offs[3] + nk],
-                &out[offs[4]..offs[4] + nq],
-                &lse[offs[5]..offs[5] + nl],
+                [
+                    &dout[offs[0]..offs[0] + nq],
+                    &q[offs[1]..offs[1] + nq],
+                    &k[offs[2]..offs[2] + nk],
+                    &v[offs[3]..offs[3] + nk],
+                    &out[offs[4]..offs[4] + nq],
+                    &lse[offs[5]..offs[5] + nl],
+                ],
                 dims,
-                scale
+                scale,
+                &rs
             )
         ))
     }
@@ -276,8 +318,16 @@ mod cpu {
     }
     }
 
-    /// -> (o (b, hq, t, d), lse (b, hq, t))
-    fn attention<T: FastExp + GemmScalar + Send + Sync>(q: &[T], k: &[T], v: &[T], a: AttnDims, scale: f64) -> (Vec<T>, Stat<Vec<T>>) {
+    /// -> (o (b, hq, t, d), lse (b, hq, t)). Each segment of a row (`segs[b]`) is attended as a
+    /// sequence of its own: the same blocks and sums as if it were alone.
+    fn attention<T: FastExp + GemmScalar + Send + Sync>(
+        q: &[T],
+        k: &[T],
+        v: &[T],
+        a: AttnDims,
+        scale: f64,
+        segs: &[Vec<(usize, usize)>],
+    ) -> (Vec<T>, Stat<Vec<T>>) {
         let (t, d, group) = (a.t, a.d, a.hq / a.hkv);
         let sc: T = num(scale);
         let mut o = vec![T::zero(); q.len()];
@@ -286,7 +336,10 @@ mod cpu {
             let (b, h) = (bh / a.hq, bh % a.hq);
             let kv = (b * a.hkv + h / group) * t * d;
             let (qh, kh, vh) = (&q[bh * t * d..(bh + 1) * t * d], &k[kv..kv + t * d], &v[kv..kv + t * d]);
-            attention_head(qh, kh, vh, t, d, sc, o, lse);
+            for &(s, e) in &segs[b] {
+                let rows = s * d..e * d;
+                attention_head(&qh[rows.clone()], &kh[rows.clone()], &vh[rows.clone()], e - s, d, sc, &mut o[rows], &mut lse[s..e]);
+            }
         });
         (o, Stat(lse))
     }
@@ -303,26 +356,32 @@ mod cpu {
     }
 
     multiversion! {
-    /// One kv head: dq of its query heads, its dk and dv (accumulated over the query heads in
+    /// One kv head over the positions `seg` = [s, e) of its rows of `row_len` (a segment, or the
+    /// whole row): dq of its query heads, its dk and dv (accumulated over the query heads in
     /// order, then blocks in order). Per block of query rows: P from the forward's lse and dP =
     /// dO V^T (GEMMs), dS = P (dP - rowsum(dO O)) scale in place, then dQ = dS K, dK += dS^T Q
     /// and dV += P^T dO (GEMMs).
-    fn attention_head_backward[T: FastExp + GemmScalar](x: KvGroup<T>, group: usize, t: usize, d: usize, sc: T, dqg: &mut [T], dk: &mut [T], dv: &mut [T]) {
+    fn attention_head_backward[T: FastExp + GemmScalar](x: &KvGroup<T>, group: usize, row_len: usize, seg: (usize, usize), d: usize, sc: T, dqg: &mut [T], dk: &mut [T], dv: &mut [T]) {
+        let (s, e) = seg;
+        let t = e - s;
         let (mut p, mut ds) = (vec![T::zero(); BLOCK_Q.min(t) * t], vec![T::zero(); BLOCK_Q.min(t) * t]);
         let (zero, one) = (T::zero(), T::one());
+        let (k, v) = (&x.k[s * d..e * d], &x.v[s * d..e * d]);
+        let (dk, dv) = (&mut dk[s * d..e * d], &mut dv[s * d..e * d]);
         for g in 0..group {
-            let head = g * t * d..(g + 1) * t * d;
+            let head = (g * row_len + s) * d..(g * row_len + e) * d;
             let (q, dout, o) = (&x.q[head.clone()], &x.dout[head.clone()], &x.o[head.clone()]);
+            let lse = &x.lse[g * row_len + s..g * row_len + e];
             let dqh = &mut dqg[head];
             for i0 in (0..t).step_by(BLOCK_Q) {
                 let (rows, keys) = (BLOCK_Q.min(t - i0), (i0 + BLOCK_Q).min(t));
                 let (p, ds) = (&mut p[..rows * keys], &mut ds[..rows * keys]);
-                mm(rows, d, keys, sc, (&q[i0 * d..], d, 1), (x.k, 1, d), zero, p, keys);
-                mm(rows, d, keys, one, (&dout[i0 * d..], d, 1), (x.v, 1, d), zero, ds, keys);
+                mm(rows, d, keys, sc, (&q[i0 * d..], d, 1), (k, 1, d), zero, p, keys);
+                mm(rows, d, keys, one, (&dout[i0 * d..], d, 1), (v, 1, d), zero, ds, keys);
                 for (r, (pr, dr)) in p.chunks_exact_mut(keys).zip(ds.chunks_exact_mut(keys)).enumerate() {
                     let i = i0 + r;
                     let di = dot(&dout[i * d..(i + 1) * d], &o[i * d..(i + 1) * d]);
-                    let l = x.lse[g * t + i];
+                    let l = lse[i];
                     let (live, future) = pr.split_at_mut(i + 1);
                     for (pj, sj) in live.iter_mut().zip(dr.iter_mut()) {
                         *pj = (*pj - l).fast_exp();
@@ -331,7 +390,7 @@ mod cpu {
                     future.fill(zero);
                     dr[i + 1..].fill(zero);
                 }
-                mm(rows, keys, d, one, (ds, keys, 1), (x.k, d, 1), zero, &mut dqh[i0 * d..], d);
+                mm(rows, keys, d, one, (ds, keys, 1), (k, d, 1), zero, &mut dqh[i0 * d..], d);
                 mm(keys, rows, d, one, (ds, 1, keys), (&q[i0 * d..], d, 1), one, dk, d);
                 mm(keys, rows, d, one, (p, 1, keys), (&dout[i0 * d..], d, 1), one, dv, d);
             }
@@ -339,18 +398,14 @@ mod cpu {
     }
     }
 
-    /// -> (dq, dk, dv). The query heads of one kv head are contiguous, so a task owns the dq
-    /// rows of its group and the dk/dv rows of its kv head.
-    #[allow(clippy::too_many_arguments)]
+    /// [dO, q, k, v, o, lse] -> (dq, dk, dv). The query heads of one kv head are contiguous, so
+    /// a task owns the dq rows of its group and the dk/dv rows of its kv head; it walks the
+    /// row's segments in order.
     fn attention_backward<T: FastExp + GemmScalar + Send + Sync>(
-        dout: &[T],
-        q: &[T],
-        k: &[T],
-        v: &[T],
-        o: &[T],
-        lse: &[T],
+        [dout, q, k, v, o, lse]: [&[T]; 6],
         a: AttnDims,
         scale: f64,
+        segs: &[Vec<(usize, usize)>],
     ) -> (Vec<T>, Vec<T>, Vec<T>) {
         let (t, d, group) = (a.t, a.d, a.hq / a.hkv);
         let sc: T = num(scale);
@@ -367,7 +422,9 @@ mod cpu {
                 o: &o[bkv * gd..(bkv + 1) * gd],
                 lse: &lse[bkv * group * t..(bkv + 1) * group * t],
             };
-            attention_head_backward(x, group, t, d, sc, dqg, dk, dv);
+            for &seg in &segs[bkv / a.hkv] {
+                attention_head_backward(&x, group, t, seg, d, sc, dqg, dk, dv);
+            }
         });
         (dq, dk, dv)
     }
@@ -448,6 +505,7 @@ mod cuda {
         Launch::new((a.t.div_ceil(FLASH_WARP_ROWS * warps) as u32, heads as u32, a.b as u32), 32 * warps as u32).smem(smem)
     }
 
+    #[allow(clippy::too_many_arguments)]
     pub(super) fn forward(
         be: &CudaBackend,
         q: View,
@@ -456,10 +514,14 @@ mod cuda {
         a: AttnDims,
         layout: HeadLayout,
         scale: f64,
+        segs: Option<&Segments>,
     ) -> Result<(Storage, Storage)> {
         let op = "attention";
         let s = CudaStorage::of(op, q.0)?;
         check(op, a)?;
+        if segs.is_some() {
+            bail!(op, "attention inside segments runs on the CPU only for now");
+        }
         let o = be.alloc_storage(a.b * a.hq * a.t * a.d, s.dtype())?;
         let lse = be.alloc_storage(a.b * a.hq * a.t, DType::F32)?;
         let (pq, pk, pv) = (s.at(q.1.offset), dev_ptr(op, k)?, dev_ptr(op, v)?);
@@ -496,12 +558,16 @@ mod cuda {
         a: AttnDims,
         layout: HeadLayout,
         scale: f64,
+        segs: Option<&Segments>,
     ) -> Result<(Storage, Storage, Storage)> {
         let op = "attention_backward";
         let [dout, q, k, v, out, lse] = views;
         let s = CudaStorage::of(op, q.0)?;
         let dt = s.dtype();
         check(op, a)?;
+        if segs.is_some() {
+            bail!(op, "attention inside segments runs on the CPU only for now");
+        }
         let (lse, _keep) = f32_ptr(be, op, lse)?;
         let rows = a.b * a.hq * a.t;
         let dvec = be.alloc_storage(rows, DType::F32)?;

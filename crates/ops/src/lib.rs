@@ -9,9 +9,9 @@
 //! | op | module | CUDA kernels |
 //! |---|---|---|
 //! | `rms_norm` | `rmsnorm` | kernels/rmsnorm.cu |
-//! | `rope` | `rope` | kernels/rope.cu |
+//! | `rope`, `rope_at` | `rope` | kernels/rope.cu |
 //! | `swiglu` | `swiglu` | kernels/swiglu.cu |
-//! | `causal_attention` | `attention` | kernels/attention.cu |
+//! | `causal_attention`, `segment_attention` | `attention` | kernels/attention.cu |
 //! | `cross_entropy` | `cross_entropy` | kernels/cross_entropy.cu |
 //! | `embedding` | `embedding` | kernels/embedding.cu |
 //! | `softmax_last` | `softmax` | kernels/softmax.cu |
@@ -28,16 +28,18 @@ pub mod embedding;
 pub mod heads;
 pub mod rmsnorm;
 pub mod rope;
+pub mod segments;
 pub mod softmax;
 pub mod swiglu;
 pub mod tokens;
 
-pub use attention::{causal_attention, AttnDims};
+pub use attention::{causal_attention, segment_attention, AttnDims};
 pub use cross_entropy::{cross_entropy, cross_entropy_tokens};
 pub use embedding::{embedding, embedding_tokens};
 pub use heads::HeadLayout;
 pub use rmsnorm::rms_norm;
-pub use rope::rope;
+pub use rope::{rope, rope_at};
+pub use segments::Segments;
 pub use softmax::softmax_last;
 pub use swiglu::swiglu;
 pub use tokens::Tokens;

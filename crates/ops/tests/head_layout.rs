@@ -160,15 +160,15 @@ fn storage_level_attention_names_the_layouts_it_refuses() {
     let tm = Layout { shape: Shape(vec![b, hq, t, d]), strides: vec![t * hq * d, d, hq * d, 1], offset: 0 };
     let hm = Layout::contiguous(Shape(vec![b, hq, t, d]));
     // Time-major views on the CPU: the reference takes head-major only.
-    let err = x.with_storage(|(s, _)| attention::forward((s, &tm), (s, &tm), (s, &tm), dims, 0.1)).unwrap_err().to_string();
+    let err = x.with_storage(|(s, _)| attention::forward((s, &tm), (s, &tm), (s, &tm), dims, 0.1, None)).unwrap_err().to_string();
     assert!(err.contains("attention") && err.contains("time-major"), "{err}");
     // One head-major, two time-major: no one layout.
-    let err = x.with_storage(|(s, _)| attention::forward((s, &hm), (s, &tm), (s, &tm), dims, 0.1)).unwrap_err().to_string();
+    let err = x.with_storage(|(s, _)| attention::forward((s, &hm), (s, &tm), (s, &tm), dims, 0.1, None)).unwrap_err().to_string();
     assert!(err.contains("q, k, v must be dense in one head layout"), "{err}");
     // A view dense in neither (every other row).
     let gaps = Layout { shape: Shape(vec![1, 1, 2, 4]), strides: vec![16, 16, 8, 1], offset: 0 };
     let one = Layout::contiguous(Shape(vec![2, 4]));
-    let err = x.with_storage(|(s, _)| rope::apply((s, &gaps), (s, &one), (s, &one), false)).unwrap_err().to_string();
+    let err = x.with_storage(|(s, _)| rope::apply((s, &gaps), (s, &one), (s, &one), None, false)).unwrap_err().to_string();
     assert!(err.contains("rope") && err.contains("dense"), "{err}");
 }
 

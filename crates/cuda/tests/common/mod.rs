@@ -113,6 +113,36 @@ pub fn check(name: &str, cpu: &Tensor, gpu: &Tensor, dt: DType, loose: bool) {
         assert!((x - y).abs() <= at + rt * x.abs(), "{name}: element {i}: gpu {y} vs cpu {x}");
     }
 }
+/// Runs `f` on CPU and GPU copies of `inputs`, back-propagates a random cotangent and compares
+/// the output and every input gradient.
+pub fn fwd_bwd(name: &str, dt: DType, inputs: &[Tensor], loose: bool, f: impl Fn(&[Tensor]) -> Tensor) {
+    let mut r = rng(99);
+    let run = |dev: Device, cot: Option<&Tensor>| {
+        let xs: Vec<Tensor> = inputs
+            .iter()
+            .map(|x| {
+                let t = x.to_device(dev).unwrap().detach();
+                if t.dtype() != DType::I32 {
+                    t.set_requires_grad(true).unwrap();
+                }
+                t
+            })
+            .collect();
+        let y = f(&xs);
+        (xs, y, cot.map(|c| c.to_device(dev).unwrap()))
+    };
+    let (cx, cy, _) = run(Device::Cpu, None);
+    let cot = randn(cy.dims(), cy.dtype(), &mut r);
+    let (gx, gy, gcot) = run(GPU, Some(&cot));
+    check(name, &cy, &gy, dt, loose);
+    cy.mul(&cot).unwrap().sum_all().unwrap().backward().unwrap();
+    gy.mul(gcot.as_ref().unwrap()).unwrap().sum_all().unwrap().backward().unwrap();
+    for (i, (c, g)) in cx.iter().zip(&gx).enumerate() {
+        if let (Some(a), Some(b)) = (c.grad(), g.grad()) {
+            check(&format!("{name}.grad[{i}]"), &a, &b, dt, true);
+        }
+    }
+}
 pub fn to_gpu(t: &Tensor) -> Tensor {
     t.to_device(GPU).unwrap()
 }
