@@ -14,4 +14,4 @@ pub mod schedule;
 
 pub use config::{LadderLayers, LlamaConfig, RopeScaling};
 pub use generate::{generate, generate_within, KvCache};
-pub use llama::{shift_labels, Llama};
+pub use llama::{shift_labels, Llama, Packing};

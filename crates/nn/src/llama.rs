@@ -14,7 +14,7 @@ use crate::generate::KvCache;
 use crate::module::{BranchFn, BranchHook, Embedding, HeadOp, Linear, ParamInfo, ParamKind, ParamVisitor};
 use crate::rope::Rope;
 use crate::safetensors_io::{self, TensorMap};
-use ferrolm_ops::{causal_attention, rms_norm, rope, softmax_last, swiglu, Tokens};
+use ferrolm_ops::{causal_attention, rms_norm, rope, rope_at, segment_attention, softmax_last, swiglu, Segments, Tokens};
 use ferrolm_tensor::{no_grad, DType, Device, Error, Result, Rng, Tensor};
 use std::path::Path;
 use std::sync::Arc;
@@ -52,9 +52,48 @@ pub struct Block {
 /// Rotary tables for the positions of one call.
 #[derive(Clone)]
 struct Positions {
-    cos: Tensor, // (T, D)
-    sin: Tensor, // (T, D)
+    cos: Tensor, // (T, D); packed: (P, D), indexed by the packing's positions
+    sin: Tensor, // likewise
     past: usize,
+    packed: Option<Packing>,
+}
+
+/// Rows packed with several sequences (conversations, documents) one after another: each
+/// token's RoPE position, restarting at 0 in each sequence, and each row's segment boundaries
+/// (cumulative lengths, FlashAttention varlen's cu_seqlens per row). Attention never crosses
+/// a boundary, so each sequence is computed as if it were alone in its row.
+#[derive(Clone, Debug)]
+pub struct Packing {
+    positions: Tokens, // (B, T) i32
+    segments: Segments,
+    max_position: usize,
+}
+
+impl Packing {
+    /// Rows of `t` tokens: `positions` (b * t, row-major) and one `cu_seqlens` per row, `[0, l1,
+    /// l1 + l2, ..., t]`; the positions are uploaded to `device` once.
+    pub fn new(t: usize, positions: &[u32], cu_seqlens: Vec<Vec<u32>>, device: Device) -> Result<Packing> {
+        let segments = Segments::new(t, cu_seqlens)?;
+        let b = segments.rows();
+        if positions.len() != b * t {
+            return Err(Error::new("Packing", format!("{} positions for {b} rows of {t} tokens", positions.len())));
+        }
+        let max_position = positions.iter().copied().max().unwrap_or(0) as usize;
+        if max_position > i32::MAX as usize {
+            return Err(Error::new("Packing", format!("position {max_position} is out of range")));
+        }
+        let positions = Tokens::upload(positions.iter().map(|&p| p as i32).collect(), vec![b, t], device)?;
+        Ok(Packing { positions, segments, max_position })
+    }
+
+    /// Each token's position (B, T).
+    pub fn positions(&self) -> &Tokens {
+        &self.positions
+    }
+
+    pub fn segments(&self) -> &Segments {
+        &self.segments
+    }
 }
 
 /// (B, T, heads*D) -> (B, heads, T, D)
@@ -76,13 +115,18 @@ impl Attention {
     fn forward(&self, x: &Tensor, pos: &Positions, cache: Option<&mut Option<(Tensor, Tensor)>>, residual: bool) -> Result<Tensor> {
         let h = rms_norm(x, &self.input_layernorm, self.eps)?;
         let d = self.head_dim;
-        let q = rope(&split_heads(&self.q_proj.forward(&h)?, d)?, &pos.cos, &pos.sin)?; // (B, H, T, D)
-        let k = rope(&split_heads(&self.k_proj.forward(&h)?, d)?, &pos.cos, &pos.sin)?; // (B, KV, T, D)
+        let rotate = |x: &Tensor| match &pos.packed {
+            None => rope(x, &pos.cos, &pos.sin),
+            Some(p) => rope_at(x, &pos.cos, &pos.sin, &p.positions),
+        };
+        let q = rotate(&split_heads(&self.q_proj.forward(&h)?, d)?)?; // (B, H, T, D)
+        let k = rotate(&split_heads(&self.k_proj.forward(&h)?, d)?)?; // (B, KV, T, D)
         let v = split_heads(&self.v_proj.forward(&h)?, d)?; // (B, KV, T, D)
         let scale = 1.0 / (d as f64).sqrt();
-        let y = match cache {
-            None => causal_attention(&q, &k, &v, scale)?, // (B, H, T, D), GQA native
-            Some(kv) => {
+        let y = match (cache, &pos.packed) {
+            (None, None) => causal_attention(&q, &k, &v, scale)?, // (B, H, T, D), GQA native
+            (None, Some(p)) => segment_attention(&q, &k, &v, scale, &p.segments)?, // inside each sequence
+            (Some(kv), _) => {
                 let (k, v) = match kv.take() {
                     Some((pk, pv)) => (Tensor::cat(&[pk, k], 2)?, Tensor::cat(&[pv, v], 2)?), // (B, KV, past+T, D)
                     None => (k, v),
@@ -235,14 +279,43 @@ impl Llama {
             ));
         }
         let (cos, sin) = self.rope.tables(past, t)?;
-        Ok(Positions { cos, sin, past })
+        Ok(Positions { cos, sin, past, packed: None })
+    }
+
+    /// The rotary tables and packing of a call on ids (B, T): packed rows take each token's
+    /// position from `packing`, else positions are 0..T.
+    fn positions(&self, ids: &Tensor, packing: Option<&Packing>) -> Result<Positions> {
+        let Some(p) = packing else { return self.check_ids(ids, 0) };
+        let (rows, t) = (p.segments.rows(), p.segments.seq_len());
+        if ids.dtype() != DType::I32 || ids.dims() != [rows, t] {
+            return Err(Error::new(
+                "Llama::forward",
+                format!("ids must be i32 ({rows}, {t}) for a packing of {rows} rows of {t} tokens, got {:?} {}", ids.shape(), ids.dtype()),
+            ));
+        }
+        let max = self.cfg.max_position_embeddings;
+        if p.max_position >= max {
+            return Err(Error::new("Llama::forward", format!("packed position {} exceeds max_position_embeddings {max}", p.max_position)));
+        }
+        let (cos, sin) = self.rope.tables(0, p.max_position + 1)?;
+        Ok(Positions { cos, sin, past: 0, packed: Some(p.clone()) })
     }
 
     /// Logits (B, T, V) for i32 token ids (B, T): a `&Tensor` (its range checked on the device)
     /// or `&Tokens` (checked on their host copy).
     pub fn forward(&self, ids: impl Into<Tokens>) -> Result<Tensor> {
-        let ids = ids.into();
-        let pos = self.check_ids(ids.tensor(), 0)?;
+        self.logits_of(ids.into(), None)
+    }
+
+    /// Logits (B, T, V) of packed rows: as `forward`, with each token at its packed position and
+    /// attention kept inside each row's segments, so a sequence's logits do not depend on what
+    /// else its row holds.
+    pub fn forward_packed(&self, ids: impl Into<Tokens>, packing: &Packing) -> Result<Tensor> {
+        self.logits_of(ids.into(), Some(packing))
+    }
+
+    fn logits_of(&self, ids: Tokens, packing: Option<&Packing>) -> Result<Tensor> {
+        let pos = self.positions(ids.tensor(), packing)?;
         let x = rms_norm(&self.hidden(&ids, &pos, None)?, &self.norm, self.cfg.rms_norm_eps)?;
         self.head_op.logits(&x, self.head_weight())
     }
@@ -252,7 +325,16 @@ impl Llama {
     /// (checked and counted on the device: host waits on a GPU) or `&Tokens` uploaded with their
     /// host copy (checked and counted there: the loss is computed without a host wait).
     pub fn loss(&self, inputs: impl Into<Tokens>, targets: impl Into<Tokens>) -> Result<Tensor> {
-        let (ids, tg) = (inputs.into(), targets.into());
+        self.loss_of(inputs.into(), targets.into(), None)
+    }
+
+    /// `loss` of packed rows (`forward_packed`): the mean over the targets that are not -100,
+    /// whichever sequence of whichever row they belong to.
+    pub fn loss_packed(&self, inputs: impl Into<Tokens>, targets: impl Into<Tokens>, packing: &Packing) -> Result<Tensor> {
+        self.loss_of(inputs.into(), targets.into(), Some(packing))
+    }
+
+    fn loss_of(&self, ids: Tokens, tg: Tokens, packing: Option<&Packing>) -> Result<Tensor> {
         let (inputs, targets) = (ids.tensor(), tg.tensor());
         if targets.dims() != inputs.dims() || targets.dtype() != DType::I32 {
             return Err(Error::new(
@@ -260,7 +342,7 @@ impl Llama {
                 format!("targets must be i32 of the inputs' shape {:?}, got {:?} {}", inputs.shape(), targets.shape(), targets.dtype()),
             ));
         }
-        let pos = self.check_ids(inputs, 0)?;
+        let pos = self.positions(inputs, packing)?;
         let x = rms_norm(&self.hidden(&ids, &pos, None)?, &self.norm, self.cfg.rms_norm_eps)?;
         self.head_op.loss(&x, self.head_weight(), &tg, -100)
     }

@@ -1,8 +1,9 @@
 //! Tensor parallelism equals the single-device run, on thread ranks: forward logits, loss and
 //! every gradient (gathered), 20 AdamW steps, and greedy generation, for Llama and Ladder
-//! (all layers and mixed), GQA with fewer key/value heads than ranks, tied embeddings.
+//! (all layers and mixed), GQA with fewer key/value heads than ranks, tied embeddings; packed
+//! rows (each rank attends inside the same segments with its heads).
 use ferrolm_nn::optim::{AdamW, AdamWConfig};
-use ferrolm_nn::{generate, shift_labels, Llama, LlamaConfig};
+use ferrolm_nn::{generate, shift_labels, Llama, LlamaConfig, Packing};
 use ferrolm_parallel::tp::{parallelize, TpShardings};
 use ferrolm_parallel::{CommOptions, Communicator, ThreadComm};
 use ferrolm_tensor::{no_grad, DType, Device, Rng, Tensor};
@@ -50,20 +51,28 @@ struct Outcome {
     grads: Vec<(String, Vec<f32>)>,
 }
 
-fn single(c: &LlamaConfig, x: &Tensor, y: &Tensor) -> Outcome {
+/// Logits and loss, of packed rows where a packing is given.
+fn logits_loss(m: &Llama, x: &Tensor, y: &Tensor, p: Option<&Packing>) -> ferrolm_tensor::Result<(Tensor, Tensor)> {
+    match p {
+        None => Ok((m.forward(x)?, m.loss(x, y)?)),
+        Some(p) => Ok((m.forward_packed(x, p)?, m.loss_packed(x, y, p)?)),
+    }
+}
+
+fn single(c: &LlamaConfig, x: &Tensor, y: &Tensor, p: Option<&Packing>) -> Outcome {
     let m = Llama::new(c.clone(), DType::F32, Device::Cpu, &mut Rng::new(1)).unwrap();
-    let logits = m.forward(x).unwrap().to_vec::<f32>().unwrap();
-    let loss = m.loss(x, y).unwrap();
+    let (logits, loss) = logits_loss(&m, x, y, p).unwrap();
+    let logits = logits.to_vec::<f32>().unwrap();
     loss.backward().unwrap();
     let grads = m.parameters().into_iter().map(|(n, p)| (n, p.grad().unwrap().to_vec::<f32>().unwrap())).collect();
     Outcome { logits, loss: loss.item().unwrap(), grads }
 }
 
-fn sharded(c: &LlamaConfig, x: &Tensor, y: &Tensor, comm: Arc<dyn Communicator>) -> ferrolm_tensor::Result<Outcome> {
+fn sharded(c: &LlamaConfig, x: &Tensor, y: &Tensor, p: Option<&Packing>, comm: Arc<dyn Communicator>) -> ferrolm_tensor::Result<Outcome> {
     let mut m = Llama::new(c.clone(), DType::F32, Device::Cpu, &mut Rng::new(1))?;
     let layout = parallelize(&mut m, &comm)?;
-    let logits = m.forward(x)?.to_vec::<f32>()?;
-    let loss = m.loss(x, y)?;
+    let (logits, loss) = logits_loss(&m, x, y, p)?;
+    let logits = logits.to_vec::<f32>()?;
     loss.backward()?;
     let mut grads = Vec::new();
     for (n, p) in m.parameters() {
@@ -75,11 +84,16 @@ fn sharded(c: &LlamaConfig, x: &Tensor, y: &Tensor, comm: Arc<dyn Communicator>)
 
 #[test]
 fn tp_forward_and_gradients_equal_single_device() {
-    for (name, c) in cases() {
+    // Packed rows of the batch's shape (2, 9): segments of 4 + 5 and 1 + 6 + 2 tokens.
+    let packing =
+        Packing::new(9, &[0, 1, 2, 3, 0, 1, 2, 3, 4, 0, 0, 1, 2, 3, 4, 5, 0, 1], vec![vec![0, 4, 9], vec![0, 1, 7, 9]], Device::Cpu)
+            .unwrap();
+    for ((name, c), p) in cases().into_iter().flat_map(|c| [(c.clone(), None), (c, Some(&packing))]) {
+        let name = if p.is_some() { format!("{name} packed") } else { name.to_string() };
         let (x, y) = batch(&c, 3);
-        let want = single(&c, &x, &y);
+        let want = single(&c, &x, &y, p);
         for tp in [2, 4] {
-            let outs = ThreadComm::run(tp, CommOptions::default(), |comm| sharded(&c, &x, &y, comm)).unwrap();
+            let outs = ThreadComm::run(tp, CommOptions::default(), |comm| sharded(&c, &x, &y, p, comm)).unwrap();
             for (rank, got) in outs.iter().enumerate() {
                 let el = max_rel(&got.logits, &want.logits);
                 assert!(el < TOL, "{name} tp {tp} rank {rank}: logits rel err {el}");

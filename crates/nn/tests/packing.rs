@@ -1,0 +1,188 @@
+//! Packed rows ("Packing is exact", issue 42): several conversations laid one after another in
+//! each row, positions restarting at 0 in each, attention kept inside each. On the CPU in f32 a
+//! packed batch's loss and gradients equal the sum of its conversations run one by one (rel
+//! 1e-6), for Llama, Ladder and with activation checkpointing; a conversation's logits do not
+//! change with what sits next to it in its row (to the bit), nor from its logits run alone.
+use ferrolm_nn::{Llama, LlamaConfig, Packing};
+use ferrolm_ops::Tokens;
+use ferrolm_tensor::{DType, Device, Rng, Tensor};
+
+const CPU: Device = Device::Cpu;
+const IGNORE: i32 = -100;
+
+fn config(extra: &str) -> LlamaConfig {
+    LlamaConfig::from_json_str(&format!(
+        r#"{{"vocab_size":64,"hidden_size":32,"intermediate_size":48,"num_hidden_layers":2,"num_attention_heads":4,
+            "num_key_value_heads":2,"max_position_embeddings":32,"rms_norm_eps":1e-5,"initializer_range":0.1{extra}}}"#
+    ))
+    .unwrap()
+}
+
+/// A conversation: its ids and aligned targets (some ignored, as outside assistant turns).
+#[derive(Clone)]
+struct Conv {
+    ids: Vec<i32>,
+    targets: Vec<i32>,
+}
+
+fn conv(len: usize, r: &mut Rng) -> Conv {
+    let ids: Vec<i32> = (0..len).map(|_| r.below(64) as i32).collect();
+    let targets = (0..len).map(|i| if i + 1 == len || r.below(3) == 0 { IGNORE } else { r.below(64) as i32 }).collect();
+    Conv { ids, targets }
+}
+
+/// Rows of `t` tokens holding the given conversations in order, each row padded at its end
+/// (padding is its own segment, never trained).
+struct Packed {
+    ids: Tokens,
+    targets: Tokens,
+    packing: Packing,
+    /// (row, start) of each conversation.
+    at: Vec<(usize, usize)>,
+}
+
+fn pack(rows: &[Vec<&Conv>], t: usize) -> Packed {
+    let (mut ids, mut targets, mut positions, mut cu, mut at) = (vec![], vec![], vec![], vec![], vec![]);
+    for (r, convs) in rows.iter().enumerate() {
+        let mut row_cu = vec![0u32];
+        for c in convs {
+            at.push((r, row_cu.last().copied().unwrap() as usize));
+            ids.extend(&c.ids);
+            targets.extend(&c.targets);
+            positions.extend(0..c.ids.len() as u32);
+            row_cu.push(row_cu.last().unwrap() + c.ids.len() as u32);
+        }
+        let pad = t - *row_cu.last().unwrap() as usize;
+        if pad > 0 {
+            ids.extend(std::iter::repeat_n(0, pad));
+            targets.extend(std::iter::repeat_n(IGNORE, pad));
+            positions.extend(0..pad as u32);
+            row_cu.push(t as u32);
+        }
+        cu.push(row_cu);
+    }
+    let b = rows.len();
+    Packed {
+        ids: Tokens::upload(ids, vec![b, t], CPU).unwrap(),
+        targets: Tokens::upload(targets, vec![b, t], CPU).unwrap(),
+        packing: Packing::new(t, &positions, cu, CPU).unwrap(),
+        at,
+    }
+}
+
+fn trained(targets: &[i32]) -> f64 {
+    targets.iter().filter(|&&x| x != IGNORE).count() as f64
+}
+
+fn grads(m: &Llama) -> Vec<(String, Vec<f32>)> {
+    m.parameters().into_iter().map(|(n, p)| (n, p.grad().unwrap().to_vec::<f32>().unwrap())).collect()
+}
+
+fn zero_grads(m: &Llama) {
+    for (_, p) in m.parameters() {
+        p.zero_grad();
+    }
+}
+
+/// max |a - b| / max |b|: an f32 sum taken in another order.
+fn max_rel(a: &[f32], b: &[f32]) -> f64 {
+    assert_eq!(a.len(), b.len());
+    let d = a.iter().zip(b).map(|(x, y)| (x - y).abs() as f64).fold(0.0, f64::max);
+    d / b.iter().map(|y| y.abs() as f64).fold(1e-30, f64::max)
+}
+
+/// Lengths that cross each other's ends, one of length 1, rows of 3 and 2 conversations with
+/// padding, and a row filled exactly.
+fn conversations(r: &mut Rng) -> (Vec<Conv>, Vec<Vec<usize>>, usize) {
+    let convs: Vec<Conv> = [7, 1, 9, 12, 5, 4, 16].iter().map(|&l| conv(l, r)).collect();
+    (convs, vec![vec![0, 1, 2], vec![3, 4], vec![5, 6]], 20)
+}
+
+#[test]
+fn a_packed_batch_equals_its_conversations_one_by_one() {
+    for (name, extra, ckpt) in [
+        ("llama", "", false),
+        ("llama checkpointed", "", true),
+        ("ladder", r#","model_type":"llamaLadder","ladder_layers":2"#, false),
+        ("mixed ladder checkpointed", r#","model_type":"llamaLadder","ladder_layers":[1]"#, true),
+    ] {
+        let mut m = Llama::new(config(extra), DType::F32, CPU, &mut Rng::new(5)).unwrap();
+        m.set_activation_checkpointing(ckpt);
+        let (convs, rows, t) = conversations(&mut Rng::new(6));
+        let p = pack(&rows.iter().map(|r| r.iter().map(|&i| &convs[i]).collect()).collect::<Vec<_>>(), t);
+        // The packed loss is a mean over the batch's trained tokens: times their count, a sum.
+        let n = trained(p.targets.host().unwrap());
+        let loss = m.loss_packed(&p.ids, &p.targets, &p.packing).unwrap();
+        let sum = loss.item().unwrap() * n;
+        loss.mul_scalar(n).unwrap().backward().unwrap();
+        let packed = grads(&m);
+        zero_grads(&m);
+        let mut want = 0.0;
+        for c in &convs {
+            let len = c.ids.len();
+            let ids = Tensor::from_vec(c.ids.clone(), vec![1, len], CPU).unwrap();
+            let tg = Tensor::from_vec(c.targets.clone(), vec![1, len], CPU).unwrap();
+            let l = m.loss(&ids, &tg).unwrap().mul_scalar(trained(&c.targets)).unwrap();
+            want += l.item().unwrap();
+            l.backward().unwrap(); // accumulates over the conversations
+        }
+        let e = (sum - want).abs() / want.abs();
+        assert!(e < 1e-6, "{name}: packed loss sum {sum} vs {want} one by one: rel {e:e}");
+        for ((n, g), (_, w)) in packed.iter().zip(grads(&m)) {
+            let e = max_rel(g, &w);
+            assert!(e < 1e-6, "{name}: gradient of {n}: rel {e:e}");
+        }
+    }
+}
+
+/// A conversation's logits in a packed row are its logits alone (`forward` of it by itself), to
+/// the bit, whatever its neighbours and wherever it sits in the row.
+#[test]
+fn neighbours_do_not_change_a_conversations_logits() {
+    let m = Llama::new(config(r#","model_type":"llamaLadder","ladder_layers":[0]"#), DType::F32, CPU, &mut Rng::new(7)).unwrap();
+    let r = &mut Rng::new(8);
+    let a = conv(6, r);
+    let alone = m.forward(&Tensor::from_vec(a.ids.clone(), vec![1, 6], CPU).unwrap()).unwrap().to_vec::<f32>().unwrap();
+    let others: Vec<Conv> = [3, 10, 1, 8].iter().map(|&l| conv(l, r)).collect();
+    let layouts: Vec<Vec<Vec<&Conv>>> = vec![
+        vec![vec![&a, &others[0]], vec![&others[1]]],
+        vec![vec![&others[1], &a], vec![&others[0]]],
+        vec![vec![&others[2]], vec![&others[0], &a, &others[2]]],
+        vec![vec![&others[3], &others[2], &a]],
+    ];
+    for (i, rows) in layouts.iter().enumerate() {
+        let p = pack(rows, 16);
+        let logits = m.forward_packed(&p.ids, &p.packing).unwrap();
+        let v = logits.dim(2);
+        let which = rows.iter().flatten().position(|c| std::ptr::eq(*c, &a)).unwrap();
+        let (row, start) = p.at[which];
+        let got = logits.narrow(0, row, 1).unwrap().narrow(1, start, 6).unwrap().contiguous().unwrap().to_vec::<f32>().unwrap();
+        assert_eq!(got.len(), 6 * v);
+        let same = got.iter().zip(&alone).all(|(x, y)| x.to_bits() == y.to_bits());
+        assert!(same, "layout {i}: the conversation's logits differ from its logits alone (max |d| {})", max_diff(&got, &alone));
+    }
+}
+
+fn max_diff(a: &[f32], b: &[f32]) -> f32 {
+    a.iter().zip(b).map(|(x, y)| (x - y).abs()).fold(0.0, f32::max)
+}
+
+#[test]
+fn bad_packings_are_refused() {
+    let m = Llama::new(config(""), DType::F32, CPU, &mut Rng::new(9)).unwrap();
+    let ids = Tokens::upload(vec![1; 8], vec![2, 4], CPU).unwrap();
+    let err = |p: ferrolm_tensor::Result<Packing>| p.unwrap_err().to_string();
+    assert!(err(Packing::new(4, &[0, 1, 2], vec![vec![0, 4]], CPU)).contains("3 positions for 1 rows of 4 tokens"));
+    assert!(err(Packing::new(4, &[0; 4], vec![vec![0, 3]], CPU)).contains("cu_seqlens must run from 0 to the row length 4"));
+    let one_row = Packing::new(4, &[0, 1, 0, 1], vec![vec![0, 2, 4]], CPU).unwrap();
+    let e = m.forward_packed(&ids, &one_row).unwrap_err().to_string();
+    assert!(e.contains("ids must be i32 (1, 4) for a packing of 1 rows of 4 tokens"), "{e}");
+    let far = Packing::new(4, &[0, 1, 2, 40, 0, 1, 2, 3], vec![vec![0, 4], vec![0, 4]], CPU).unwrap();
+    let e = m.forward_packed(&ids, &far).unwrap_err().to_string();
+    assert!(e.contains("packed position 40 exceeds max_position_embeddings 32"), "{e}");
+    // Rows longer than the model's positions are fine while each sequence fits.
+    let long: Vec<u32> = (0..40).map(|i| i % 20).collect();
+    let p = Packing::new(40, &long, vec![vec![0, 20, 40]], CPU).unwrap();
+    let ids = Tokens::upload(vec![3; 40], vec![1, 40], CPU).unwrap();
+    assert_eq!(m.forward_packed(&ids, &p).unwrap().dims(), [1, 40, 64]);
+}
