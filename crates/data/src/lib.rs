@@ -6,11 +6,13 @@
 //!   inputs, read one document at a time;
 //! - [`prepare`]: documents -> train/val shards and a manifest, on every core, resumable;
 //! - [`check_token_data`]: a prepared directory checked against the tokenizer at open;
-//! - [`DataLoader`]: seeded, resumable shuffled batches, and [`eval_batches`].
+//! - [`DataLoader`]: seeded, resumable shuffled batches, and [`eval_batches`];
+//! - [`chat`]: chat records, Hugging Face chat templates, assistant masks and packing (SFT).
 //!
 //! The crate deals in plain `Vec<u32>` / `Vec<i32>` and does not depend on the
 //! tensor crate, so it builds and tests on its own.
 
+pub mod chat;
 pub mod check;
 pub mod error;
 pub mod finalize;

@@ -19,9 +19,9 @@ const BATCH_ROWS: usize = 1024;
 
 /// A file whose reads are checked against its length before anything is allocated: the parquet
 /// crate sizes a buffer from the footer's byte ranges, which a corrupt footer can make huge.
-struct BoundedFile {
-    file: File,
-    len: u64,
+pub(crate) struct BoundedFile {
+    pub(crate) file: File,
+    pub(crate) len: u64,
 }
 
 impl Length for BoundedFile {

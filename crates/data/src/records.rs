@@ -246,7 +246,7 @@ impl<R: Read> Read for CountingReader<R> {
 
 /// JSON Lines, plain or compressed: one object per line, the text in `field`. Blank lines are
 /// not records.
-struct JsonlReader {
+pub(crate) struct JsonlReader {
     path: PathBuf,
     what: &'static str,
     lines: BufReader<Box<dyn Read + Send>>,
@@ -259,7 +259,7 @@ struct JsonlReader {
 }
 
 impl JsonlReader {
-    fn open(path: &Path, compression: Compression, field: &str) -> crate::Result<Self> {
+    pub(crate) fn open(path: &Path, compression: Compression, field: &str) -> crate::Result<Self> {
         let file = std::fs::File::open(path).map_err(|e| Error::io(path, e))?;
         let compressed = Arc::new(AtomicU64::new(0));
         let counted = CountingReader { inner: file, count: compressed.clone() };
@@ -296,6 +296,26 @@ impl JsonlReader {
     }
 
     fn next(&mut self) -> Result<Option<Piece>, ReadError> {
+        let (path, field) = (self.path.clone(), self.field.clone());
+        let Some((at, line)) = self.next_line()? else { return Ok(None) };
+        match text_field(line, &field) {
+            Ok(text) => Ok(Some(Piece { text, doc_end: true })),
+            Err(msg) => Err(ReadError::Record(Error::record(&path, at, msg))),
+        }
+    }
+
+    pub(crate) fn path(&self) -> &Path {
+        &self.path
+    }
+
+    /// Bytes of the file consumed so far (compressed bytes for compressed files).
+    pub(crate) fn bytes_read(&self) -> u64 {
+        self.compressed.load(Ordering::Relaxed)
+    }
+
+    /// The next line that is not blank, and where it is (`line N (byte offset M)`); a line over
+    /// [`MAX_RECORD_BYTES`] or not UTF-8 is a bad record.
+    pub(crate) fn next_line(&mut self) -> Result<Option<(String, &str)>, ReadError> {
         loop {
             self.buf.clear();
             let limit = MAX_RECORD_BYTES as u64 + 1;
@@ -309,12 +329,11 @@ impl JsonlReader {
             self.line += 1;
             let start = self.decoded;
             self.decoded += n as u64;
-            let line_no = self.line;
-            let at = || format!("line {line_no} (byte offset {start})");
+            let at = format!("line {} (byte offset {start})", self.line);
             if self.buf.len() > MAX_RECORD_BYTES && self.buf.last() != Some(&b'\n') {
                 self.discard_rest_of_line()?;
                 let msg = format!("longer than {} MiB: not a JSON Lines record (a corrupt stream?)", MAX_RECORD_BYTES >> 20);
-                return Err(ReadError::Record(Error::record(&self.path, at(), msg)));
+                return Err(ReadError::Record(Error::record(&self.path, at, msg)));
             }
             while self.buf.last().is_some_and(|&b| b == b'\n' || b == b'\r') {
                 self.buf.pop();
@@ -322,17 +341,13 @@ impl JsonlReader {
             if self.buf.iter().all(u8::is_ascii_whitespace) {
                 continue;
             }
-            let line = match std::str::from_utf8(&self.buf) {
-                Ok(s) => s,
+            return match std::str::from_utf8(&self.buf) {
+                Ok(line) => Ok(Some((at, line))),
                 Err(e) => {
                     let k = e.valid_up_to();
                     let msg = format!("invalid UTF-8 at byte {k} of the line (byte offset {})", start + k as u64);
-                    return Err(ReadError::Record(Error::record(&self.path, format!("line {}", self.line), msg)));
+                    Err(ReadError::Record(Error::record(&self.path, format!("line {}", self.line), msg)))
                 }
-            };
-            return match text_field(line, &self.field) {
-                Ok(text) => Ok(Some(Piece { text, doc_end: true })),
-                Err(msg) => Err(ReadError::Record(Error::record(&self.path, at(), msg))),
             };
         }
     }

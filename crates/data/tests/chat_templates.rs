@@ -1,0 +1,85 @@
+//! Chat-template fidelity against transformers (fixtures: `scripts/chat_template_fixtures.py`):
+//! the real templates of Llama 3.1 Instruct, Qwen2.5 Instruct (ChatML), Mistral Instruct v0.3
+//! and TRL's Qwen2.5 training template with `{% generation %}` blocks, over single-turn,
+//! multi-turn and system-prompt conversations, with `add_generation_prompt` off and on. ferrolm
+//! must render byte-identical text, the same token ids, and the same assistant masks
+//! (transformers' `return_assistant_tokens_mask` where the template has generation blocks).
+
+use std::path::{Path, PathBuf};
+
+use ferrolm_data::chat::{encode_sample, ChatTemplate, Conversation, Sample, TrainOn};
+use ferrolm_data::{DocFraming, Tokenizer};
+use serde_json::Value;
+
+/// The repository's root, from the crate's directory (where cargo runs tests) or the root.
+fn root() -> PathBuf {
+    for dir in ["../..", "."] {
+        if Path::new(dir).join("crates/data/tests/fixtures/chat/cases.json").is_file() {
+            return PathBuf::from(dir);
+        }
+    }
+    panic!("run from the repository root or crates/data: crates/data/tests/fixtures/chat/cases.json not found");
+}
+
+/// data/tokenizer.json with `added` appended as special added tokens, as the script builds it.
+fn tokenizer(root: &Path, added: &[Value]) -> Tokenizer {
+    let mut tj: Value = serde_json::from_str(&std::fs::read_to_string(root.join("data/tokenizer.json")).unwrap()).unwrap();
+    let vocab_max = tj["model"]["vocab"].as_object().unwrap().values().map(|v| v.as_u64().unwrap()).max().unwrap();
+    let added_max = tj["added_tokens"].as_array().unwrap().iter().map(|t| t["id"].as_u64().unwrap()).max().unwrap_or(0);
+    for (id, tok) in (vocab_max.max(added_max) + 1..).zip(added) {
+        tj["added_tokens"].as_array_mut().unwrap().push(serde_json::json!({
+            "id": id, "content": tok, "single_word": false, "lstrip": false, "rstrip": false, "normalized": false, "special": true
+        }));
+    }
+    Tokenizer::from_bytes(tj.to_string().as_bytes()).unwrap()
+}
+
+#[test]
+fn real_templates_render_tokenize_and_mask_as_transformers() {
+    let root = root();
+    let dir = root.join("crates/data/tests/fixtures/chat");
+    let doc: Value = serde_json::from_str(&std::fs::read_to_string(dir.join("cases.json")).unwrap()).unwrap();
+    let tok = tokenizer(&root, doc["added_tokens"].as_array().unwrap());
+    let framing = DocFraming::of(&tok).unwrap();
+    let cases = doc["cases"].as_array().unwrap();
+    assert_eq!(cases.len(), 4 * 3 * 2);
+    let mut masks = 0;
+    for case in cases {
+        let name = case["template"].as_str().unwrap();
+        let spec = &doc["templates"][name];
+        let file = dir.join("templates").join(spec["file"].as_str().unwrap());
+        let specials: Vec<(String, String)> =
+            spec["special_tokens"].as_object().unwrap().iter().map(|(k, v)| (k.clone(), v.as_str().unwrap().to_string())).collect();
+        let template = ChatTemplate::new(&std::fs::read_to_string(&file).unwrap(), &file.display().to_string(), specials).unwrap();
+        assert_eq!(template.has_generation(), name.contains("training"), "{name}");
+        let conv_name = case["conversation"].as_str().unwrap();
+        let messages = doc["conversations"][conv_name].to_string();
+        let conv = Conversation::from_json(&messages).unwrap();
+        let gen = case["add_generation_prompt"].as_bool().unwrap();
+        let what = format!("{name} / {conv_name} / add_generation_prompt={gen}");
+
+        let rendered = template.render(&conv.messages, gen).unwrap();
+        assert_eq!(rendered.text, case["text"].as_str().unwrap(), "{what}: text");
+        let want_ids: Vec<u32> = case["ids"].as_array().unwrap().iter().map(|v| v.as_u64().unwrap() as u32).collect();
+        assert_eq!(tok.encode(&rendered.text, false).unwrap(), want_ids, "{what}: ids");
+
+        if let Some(mask) = case.get("assistant_mask") {
+            let want: Vec<bool> = mask.as_array().unwrap().iter().map(|v| v.as_u64() == Some(1)).collect();
+            let ex = encode_sample(&Sample::Chat(conv.clone()), Some(&template), &tok, &framing, TrainOn::Assistant).unwrap();
+            assert_eq!(ex.ids, want_ids, "{what}: example ids");
+            assert_eq!(ex.trained, want, "{what}: assistant mask");
+            // `last` keeps the last assistant span of `assistant`; `all` trains everything.
+            let last = encode_sample(&Sample::Chat(conv.clone()), Some(&template), &tok, &framing, TrainOn::Last).unwrap();
+            let trained_last: Vec<usize> = (0..want.len()).filter(|&i| last.trained[i]).collect();
+            assert!(!trained_last.is_empty() && trained_last.iter().all(|&i| want[i]), "{what}: last");
+            assert_eq!(trained_last.last(), want.iter().rposition(|&m| m).as_ref(), "{what}: last ends with the last span");
+            if conv.messages.iter().filter(|m| m.role() == ferrolm_data::chat::Role::Assistant).count() > 1 {
+                assert!(trained_last.len() < want.iter().filter(|&&m| m).count(), "{what}: last trains fewer tokens");
+            }
+            let all = encode_sample(&Sample::Chat(conv), Some(&template), &tok, &framing, TrainOn::All).unwrap();
+            assert!(all.trained.iter().all(|&t| t), "{what}: all");
+            masks += 1;
+        }
+    }
+    assert_eq!(masks, 12);
+}
