@@ -66,9 +66,10 @@ pub fn bucket_of(name: &str) -> String {
 }
 
 impl ParamBuckets {
-    /// Moves every parameter of `model` into flat buffers (bucket sizes padded to a multiple
-    /// of `align` elements) and replaces it by a view: values, names, shapes and
-    /// `requires_grad` are unchanged, gradients still arrive per parameter.
+    /// Moves every trainable parameter of `model` (`Llama::visit_trainable_mut`: the LoRA
+    /// adapters when it has them) into flat buffers (bucket sizes padded to a multiple of `align`
+    /// elements) and replaces it by a view: values, names, shapes and `requires_grad` are
+    /// unchanged, gradients still arrive per parameter.
     pub fn from_model(model: &mut Llama, align: usize) -> Result<ParamBuckets> {
         if align == 0 {
             return Err(Error::new("ParamBuckets", "alignment must be positive"));
@@ -76,7 +77,7 @@ impl ParamBuckets {
         let device = model.device();
         // Pass 1: layout, in the visitor's (forward) order.
         let mut buckets: Vec<(String, DType, Vec<Slot>, usize)> = Vec::new();
-        for (name, t, kind) in model.named_parameters() {
+        for (name, t, kind) in model.trainable_parameters() {
             let key = bucket_of(&name);
             let dtype = t.dtype();
             let b = match buckets.iter_mut().position(|b| b.0 == key && b.1 == dtype) {
@@ -91,7 +92,7 @@ impl ParamBuckets {
         }
         // Pass 2: copy the values into flat buffers.
         let _g = no_grad();
-        let params: std::collections::HashMap<String, Tensor> = model.parameters().into_iter().collect();
+        let params: std::collections::HashMap<String, Tensor> = model.trainable_parameters().into_iter().map(|(n, t, _)| (n, t)).collect();
         let mut out = Vec::with_capacity(buckets.len());
         for (name, dtype, slots, numel) in buckets {
             let padded = numel.div_ceil(align).max(1) * align;
@@ -107,7 +108,8 @@ impl ParamBuckets {
         Ok(store)
     }
 
-    /// Points `model`'s parameters at the store's views (fresh leaves that require grad).
+    /// Points `model`'s trainable parameters at the store's views (fresh leaves that require
+    /// grad).
     pub fn attach(&self, model: &mut Llama) -> Result<()> {
         let mut views = std::collections::HashMap::new();
         for b in &self.buckets {
@@ -115,7 +117,7 @@ impl ParamBuckets {
                 views.insert(s.name.clone(), b.view(i)?.detach());
             }
         }
-        model.visit_params_mut(&mut |p, t| {
+        model.visit_trainable_mut(&mut |p, t| {
             let v = views.remove(p.name).ok_or_else(|| Error::new("ParamBuckets", format!("no slot for parameter {}", p.name)))?;
             v.set_requires_grad(true)?;
             *t = v;

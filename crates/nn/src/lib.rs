@@ -1,10 +1,12 @@
 //! ferrolm-nn: LLaMA on the ferrolm engine, Hugging Face compatible configs and safetensors
 //! checkpoints, KV-cache generation, AdamW and learning-rate schedules. The same model file
-//! runs the Ladder Transformer (Ladder Residual) as a residual schedule over the Llama blocks.
+//! runs the Ladder Transformer (Ladder Residual) as a residual schedule over the Llama blocks;
+//! LoRA adapters on its linear layers, in PEFT's format.
 pub mod buckets;
 pub mod config;
 pub mod generate;
 pub mod llama;
+pub mod lora;
 pub mod module;
 pub mod optim;
 pub mod remat;
@@ -15,3 +17,4 @@ pub mod schedule;
 pub use config::{LadderLayers, LlamaConfig, RopeScaling};
 pub use generate::{generate, generate_within, KvCache};
 pub use llama::{shift_labels, Llama, Packing};
+pub use lora::{LoraConfig, Proj};

@@ -11,7 +11,8 @@
 //! attach from outside (`module.rs`); this file never sees them.
 use crate::config::{LadderLayers, LlamaConfig};
 use crate::generate::KvCache;
-use crate::module::{BranchFn, BranchHook, Embedding, HeadOp, Linear, ParamInfo, ParamKind, ParamVisitor};
+use crate::lora::LoraState;
+use crate::module::{project, BranchFn, BranchHook, Embedding, HeadOp, Linear, ParamInfo, ParamKind, ParamVisitor};
 use crate::rope::Rope;
 use crate::safetensors_io::{self, TensorMap};
 use ferrolm_ops::{causal_attention, rms_norm, rope, rope_at, segment_attention, softmax_last, swiglu, Segments, Tokens};
@@ -119,9 +120,10 @@ impl Attention {
             None => rope(x, &pos.cos, &pos.sin),
             Some(p) => rope_at(x, &pos.cos, &pos.sin, &p.positions),
         };
-        let q = rotate(&split_heads(&self.q_proj.forward(&h)?, d)?)?; // (B, H, T, D)
-        let k = rotate(&split_heads(&self.k_proj.forward(&h)?, d)?)?; // (B, KV, T, D)
-        let v = split_heads(&self.v_proj.forward(&h)?, d)?; // (B, KV, T, D)
+        let [q, k, v] = project(&h, [&self.q_proj, &self.k_proj, &self.v_proj])?;
+        let q = rotate(&split_heads(&q, d)?)?; // (B, H, T, D)
+        let k = rotate(&split_heads(&k, d)?)?; // (B, KV, T, D)
+        let v = split_heads(&v, d)?; // (B, KV, T, D)
         let scale = 1.0 / (d as f64).sqrt();
         let y = match (cache, &pos.packed) {
             (None, None) => causal_attention(&q, &k, &v, scale)?, // (B, H, T, D), GQA native
@@ -146,7 +148,8 @@ impl Mlp {
     /// Branch output (B, T, C), or with `residual` x plus it (added in down_proj's GEMM).
     fn forward(&self, x: &Tensor, residual: bool) -> Result<Tensor> {
         let h = rms_norm(x, &self.post_attention_layernorm, self.eps)?;
-        let a = swiglu(&self.gate_proj.forward(&h)?, &self.up_proj.forward(&h)?)?; // (B, T, I)
+        let [gate, up] = project(&h, [&self.gate_proj, &self.up_proj])?;
+        let a = swiglu(&gate, &up)?; // (B, T, I)
         match residual {
             true => self.down_proj.forward_plus(&a, x), // (B, T, C)
             false => self.down_proj.forward(&a),
@@ -190,6 +193,8 @@ pub struct Llama {
     rope: Arc<Rope>,
     dtype: DType,
     device: Device,
+    /// LoRA (`crate::lora`): the adapters' settings; the base weights are then frozen.
+    pub(crate) lora: Option<LoraState>,
 }
 
 impl Llama {
@@ -209,6 +214,9 @@ impl Llama {
     /// This is exactly the recurrence of the paper's released `LlamaLadderModel`, including
     /// mixed layers and a Ladder layer at position 0.
     fn hidden(&self, ids: &Tokens, pos: &Positions, mut cache: Option<&mut KvCache>) -> Result<Tensor> {
+        if let Some(l) = &self.lora {
+            l.tick(); // a new forward: fresh adapter dropout masks
+        }
         let mut x = self.embed_tokens.forward(ids)?; // (B, T, C)
         let mut pending: Option<Tensor> = None; // a branch output not yet added to x
         for (i, blk) in self.layers.iter().enumerate() {
@@ -386,6 +394,28 @@ impl Llama {
         Ok(())
     }
 
+    /// The parameters training updates, as `visit_params_mut` gives them: the LoRA adapters
+    /// when the model has them (`crate::lora`; the base weights are then frozen), else every
+    /// parameter. The engine, its buckets and checkpoints see only these.
+    pub fn visit_trainable_mut(&mut self, f: &mut ParamVisitor) -> Result<()> {
+        match self.lora.is_some() {
+            true => self.visit_adapters_mut(f),
+            false => self.visit_params_mut(f),
+        }
+    }
+
+    /// The trainable parameters (`visit_trainable_mut`) with their names and kinds.
+    pub fn trainable_parameters(&self) -> Vec<(String, Tensor, ParamKind)> {
+        let mut out = Vec::new();
+        let mut m = self.shallow_clone();
+        m.visit_trainable_mut(&mut |p, t| {
+            out.push((p.name.to_string(), t.clone(), p.kind));
+            Ok(())
+        })
+        .expect("collecting never fails");
+        out
+    }
+
     /// Every parameter with transformers' name (tied models have no `lm_head.weight`).
     pub fn parameters(&self) -> Vec<(String, Tensor)> {
         self.named_parameters().into_iter().map(|(n, t, _)| (n, t)).collect()
@@ -416,6 +446,7 @@ impl Llama {
             rope: self.rope.clone(),
             dtype: self.dtype,
             device: self.device,
+            lora: self.lora.clone(),
         }
     }
 
@@ -462,6 +493,7 @@ impl Llama {
             cfg,
             dtype,
             device,
+            lora: None,
         };
         m.visit_params_mut(&mut |p, t| {
             *t = make(p)?;

@@ -3,6 +3,7 @@
 //! A parallel plan swaps the op (and the tensor for its local shard) from outside; the model
 //! file never learns how it is parallelised. Activation checkpointing attaches the same way,
 //! through a [`BranchHook`].
+use crate::lora::Adapter;
 use ferrolm_ops::Tokens;
 use ferrolm_tensor::{Result, Tensor};
 use std::sync::Arc;
@@ -44,14 +45,48 @@ pub fn linear(x: &Tensor, w: &Tensor) -> Result<Tensor> {
     x.linear(w)
 }
 
+/// Which factor of a LoRA adapter (`crate::lora`): A (R, in), the down-projection, or B
+/// (out, R), the up-projection.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Factor {
+    A,
+    B,
+}
+
 /// How a linear layer applies its weight. `Dense` is the single-device op; tensor parallelism
 /// supplies column- and row-parallel ones.
+///
+/// A layer with a LoRA adapter (`crate::lora`; its weight frozen) computes
+/// `x W^T + u B^T` with `u = dropout(x') (s A)^T`; the three `adapter_*` hooks say where a
+/// parallel op puts the adapter's pieces. Their defaults are the single-device ones.
 pub trait LinearOp: Send + Sync {
     fn forward(&self, x: &Tensor, weight: &Tensor) -> Result<Tensor>;
     /// res + forward(x, weight): a residual connection. The default adds after the op (a
     /// tensor-parallel output is summed over the ranks first); `Dense` adds in the GEMM.
     fn forward_plus(&self, x: &Tensor, weight: &Tensor, res: &Tensor) -> Result<Tensor> {
         res.add(&self.forward(x, weight)?)
+    }
+    /// x', the tensor the adapter's A reads in place of x (column-parallel: Megatron's `f` of x,
+    /// the one the base GEMM reads, so both input gradients are all-reduced together). Layers
+    /// that read one x (q, k and v; gate and up) must answer the same tensor for it.
+    fn adapter_input(&self, x: &Tensor) -> Result<Tensor> {
+        Ok(x.clone())
+    }
+    /// A factor as this rank applies it: one that every rank of a group holds whole
+    /// (column-parallel: A; row-parallel: B) gets its gradient summed over that group, as
+    /// Megatron sums a replicated weight's.
+    fn adapter_factor(&self, f: &Tensor, _which: Factor) -> Result<Tensor> {
+        Ok(f.clone())
+    }
+    /// (res +) x W^T + u B^T for the frozen W, u (..., R) the adapter's down-projection and b
+    /// its up-projection as `adapter_factor` gave it. The default sums in the GEMMs' addends
+    /// (no add kernel); a row-parallel op adds u B^T to its partial sum before the all-reduce.
+    fn forward_adapted(&self, x: &Tensor, weight: &Tensor, u: &Tensor, b: &Tensor, res: Option<&Tensor>) -> Result<Tensor> {
+        let base = match res {
+            Some(r) => x.linear_plus(weight, r)?,
+            None => x.linear(weight)?,
+        };
+        u.linear_plus(b, &base)
     }
 }
 
@@ -100,24 +135,43 @@ impl HeadOp for Dense {
     }
 }
 
-/// A weight and the op that applies it (cheap to clone: both are shared handles).
+/// A weight, the op that applies it and, under LoRA, its adapter (cheap to clone: all are
+/// shared handles).
 #[derive(Clone)]
 pub struct Linear {
     pub weight: Tensor,
     pub op: Arc<dyn LinearOp>,
+    /// A LoRA adapter (`crate::lora`): the weight is then frozen.
+    pub adapter: Option<Adapter>,
 }
 
 impl Linear {
     pub fn new(weight: Tensor) -> Self {
-        Linear { weight, op: Arc::new(Dense) }
+        Linear { weight, op: Arc::new(Dense), adapter: None }
     }
     pub fn forward(&self, x: &Tensor) -> Result<Tensor> {
-        self.op.forward(x, &self.weight)
+        match &self.adapter {
+            None => self.op.forward(x, &self.weight),
+            Some(_) => Ok(crate::lora::project(x, &[self], None)?.remove(0)),
+        }
     }
     /// res + forward(x) (see `LinearOp::forward_plus`).
     pub fn forward_plus(&self, x: &Tensor, res: &Tensor) -> Result<Tensor> {
-        self.op.forward_plus(x, &self.weight, res)
+        match &self.adapter {
+            None => self.op.forward_plus(x, &self.weight, res),
+            Some(_) => Ok(crate::lora::project(x, &[self], Some(res))?.remove(0)),
+        }
     }
+}
+
+/// x through several linear layers that all read it (q, k and v; gate and up), in order. With
+/// LoRA adapters, their down-projections share one GEMM (`crate::lora::project`).
+pub fn project<const N: usize>(x: &Tensor, layers: [&Linear; N]) -> Result<[Tensor; N]> {
+    let out = match layers.iter().any(|l| l.adapter.is_some()) {
+        false => layers.iter().map(|l| l.forward(x)).collect::<Result<Vec<_>>>()?,
+        true => crate::lora::project(x, &layers, None)?,
+    };
+    out.try_into().map_err(|_| ferrolm_tensor::Error::new("project", "one output per layer"))
 }
 
 #[derive(Clone)]

@@ -16,9 +16,13 @@
 //! - GQA with fewer key/value heads than ranks: each rank keeps the key/value head its query
 //!   heads use (replicated, as Megatron does); its weight gradient is summed over the ranks
 //!   that share it.
+//! - LoRA adapters (`ferrolm_nn::lora`) split as their layer's weight does: a column-parallel
+//!   layer's B by output rows (A whole on every rank), a row-parallel layer's A by input columns
+//!   (B whole); the whole factor's gradient is summed over the ranks (over the ranks sharing a
+//!   replicated key/value head, for its B). The frozen base weights get no gradient.
 use crate::comm::{Comm, ReduceOp};
 use crate::comm_ops::{copy_to_group, gather_from_group, reduce_from_group};
-use ferrolm_nn::module::{linear, EmbeddingOp, HeadOp, LinearOp};
+use ferrolm_nn::module::{linear, EmbeddingOp, Factor, HeadOp, LinearOp};
 use ferrolm_nn::Llama;
 use ferrolm_ops::Tokens;
 use ferrolm_tensor::{bail, no_grad, DType, Error, Result, Tensor};
@@ -111,8 +115,12 @@ impl LinearOp for ColumnParallel {
             Box::new(move |g| {
                 // dX = dY W now: it completes the input gradient, whose all-reduce (the shared
                 // f's backward) can then start. dW = dY^T X is deferred local work that the
-                // engine runs while that all-reduce is in flight (Megatron's async TP).
+                // engine runs while that all-reduce is in flight (Megatron's async TP); a frozen
+                // weight (LoRA's base) has none.
                 let dx = linear(g, &ws.t()?)?;
+                if !ws.requires_grad() {
+                    return Ok(vec![Some(dx), None]);
+                }
                 let (g, xs) = (g.clone(), xs.clone());
                 let d = xs.dims().to_vec();
                 let (shape, dtype, dev) = (ws.shape().clone(), ws.dtype(), ws.device());
@@ -129,6 +137,28 @@ impl LinearOp for ColumnParallel {
             }),
         ))
     }
+
+    fn adapter_input(&self, x: &Tensor) -> Result<Tensor> {
+        self.input.f(x, &self.comm)
+    }
+
+    /// A is whole on every rank: its gradient is summed over the group. B is split as the
+    /// weight is: summed over the ranks that share a replicated key/value head.
+    fn adapter_factor(&self, f: &Tensor, which: Factor) -> Result<Tensor> {
+        match (which, &self.replicas) {
+            (Factor::A, _) => copy_to_group(f, &self.comm),
+            (Factor::B, Some(r)) => copy_to_group(f, r),
+            (Factor::B, None) => Ok(f.clone()),
+        }
+    }
+
+    fn forward_adapted(&self, x: &Tensor, w: &Tensor, u: &Tensor, b: &Tensor, res: Option<&Tensor>) -> Result<Tensor> {
+        let y = u.linear_plus(b, &linear(&self.input.f(x, &self.comm)?, w)?)?; // (.., out_local)
+        match res {
+            Some(r) => r.add(&y),
+            None => Ok(y),
+        }
+    }
 }
 
 // ---- row-parallel: y = all_reduce(x_local W_local^T), returned pending ------------------------
@@ -140,6 +170,25 @@ pub struct RowParallel {
 impl LinearOp for RowParallel {
     fn forward(&self, x: &Tensor, w: &Tensor) -> Result<Tensor> {
         reduce_from_group(&linear(x, w)?, &self.comm)
+    }
+
+    /// A is split by input columns as the weight is; B is whole on every rank: its gradient is
+    /// summed over the group.
+    fn adapter_factor(&self, f: &Tensor, which: Factor) -> Result<Tensor> {
+        match which {
+            Factor::A => Ok(f.clone()),
+            Factor::B => copy_to_group(f, &self.comm),
+        }
+    }
+
+    /// The adapter's term joins the partial sum before its one all-reduce: sum_r u_r B^T is
+    /// (sum_r u_r) B^T, u_r this rank's columns' share of x A^T.
+    fn forward_adapted(&self, x: &Tensor, w: &Tensor, u: &Tensor, b: &Tensor, res: Option<&Tensor>) -> Result<Tensor> {
+        let y = reduce_from_group(&u.linear_plus(b, &linear(x, w)?)?, &self.comm)?;
+        match res {
+            Some(r) => r.add(&y),
+            None => Ok(y),
+        }
     }
 }
 
@@ -280,6 +329,23 @@ pub fn parallelize(model: &mut Llama, comm: &Comm) -> Result<TpShardings> {
             Sharding::replicated(tp)
         };
         let shard = s.shard(t)?;
+        shard.set_requires_grad(t.requires_grad())?; // LoRA's base stays frozen
+        *t = shard;
+        layout.insert(n.to_string(), s);
+        Ok(())
+    })?;
+    // LoRA factors: a column-parallel layer's B splits as its weight (A whole), a row-parallel
+    // layer's A splits as its weight (B whole).
+    model.visit_adapters_mut(&mut |p, t| {
+        let n = p.name;
+        let row = n.contains(".o_proj.") || n.contains(".down_proj.");
+        let s = match (row, n.ends_with(".lora_A.weight")) {
+            (true, true) => Sharding::split(1, tp, rank, tp),
+            (false, false) if n.contains(".k_proj.") || n.contains(".v_proj.") => Sharding::split(0, kv_parts, rank, tp),
+            (false, false) => Sharding::split(0, tp, rank, tp),
+            _ => Sharding::replicated(tp),
+        };
+        let shard = s.shard(t)?;
         shard.set_requires_grad(true)?;
         *t = shard;
         layout.insert(n.to_string(), s);
@@ -292,6 +358,13 @@ pub fn parallelize(model: &mut Llama, comm: &Comm) -> Result<TpShardings> {
     let row = Arc::new(RowParallel { comm: comm.clone() });
     for b in &mut model.layers {
         let (a, m) = (&mut b.self_attn, &mut b.mlp);
+        // A split input's dropout masks: this rank's columns of the whole input's mask.
+        for l in [&mut a.o_proj, &mut m.down_proj] {
+            if let Some(d) = l.adapter.as_mut().and_then(|ad| ad.dropout.as_mut()) {
+                let n = l.weight.dim(1); // this rank's input columns
+                d.columns = Some((n * tp, rank * n));
+            }
+        }
         a.q_proj.op = col.clone();
         a.k_proj.op = kv_col.clone();
         a.v_proj.op = kv_col.clone();

@@ -110,11 +110,11 @@ impl GradPipeline {
         self.lock().grad_ready = hook;
     }
 
-    /// Each of `model`'s parameters hands its gradient to its bucket's buffer (and offers its
+    /// Each of `model`'s trainable parameters hands its gradient to its bucket's buffer (and offers its
     /// slice of it as the gradient's destination); the bucket is flushed when its last
     /// parameter's gradient arrives.
     pub fn install_sinks(&self, store: &ParamBuckets, model: &Llama) -> Result<()> {
-        let params: std::collections::HashMap<String, Tensor> = model.parameters().into_iter().collect();
+        let params: std::collections::HashMap<String, Tensor> = model.trainable_parameters().into_iter().map(|(n, t, _)| (n, t)).collect();
         for (bi, bk) in store.buckets.iter().enumerate() {
             for (si, s) in bk.slots.iter().enumerate() {
                 let p = params.get(&s.name).ok_or_else(|| Error::new("zero", format!("parameter {} is not in the model", s.name)))?;
