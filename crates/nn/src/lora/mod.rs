@@ -33,7 +33,7 @@
 //! Dropout masks are a function of (seed, forward, adapter, element), drawn on the host: the
 //! same on every tensor-parallel rank for a replicated input, each rank's columns of one mask
 //! for a split one, and the same again when activation checkpointing recomputes a branch.
-//PEFTMOD
+pub mod peft;
 
 use crate::llama::{Block, Llama};
 use crate::module::{Factor, Linear, ParamInfo, ParamKind, ParamVisitor};
