@@ -16,8 +16,12 @@ Masks are recorded for add_generation_prompt=False (what training renders).
 The tokenizer is data/tokenizer.json with the templates' special tokens added as added tokens
 (`added_tokens` below, ids after the vocabulary); the Rust test builds the same one.
 
+It also writes records.parquet: chat records as Hugging Face datasets store them (a nested
+`messages` column, list<struct<role, content>>, beside `prompt`/`completion` columns, null where a
+row has another form), for the Parquet path of the chat reader.
+
 Run from the repository root:  /work/pyvenv/bin/python scripts/chat_template_fixtures.py
-Writes crates/data/tests/fixtures/chat/cases.json.
+Writes crates/data/tests/fixtures/chat/cases.json and records.parquet.
 """
 
 import json
@@ -113,7 +117,25 @@ def prefix_rule_mask(tok, msgs, full, offsets):
     return [int(any(s <= start < e for s, e in spans)) for start, _ in offsets]
 
 
+def write_parquet():
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    msg = pa.struct([("role", pa.string()), ("content", pa.string())])
+    rows = [
+        {"id": 0, "messages": CONVERSATIONS["single"], "prompt": None, "completion": None},
+        {"id": 1, "messages": CONVERSATIONS["multi"], "prompt": None, "completion": None},
+        {"id": 2, "messages": None, "prompt": "Say hi.", "completion": "Hi!"},
+        {"id": 3, "messages": [{"role": "tool", "content": "42"}], "prompt": None, "completion": None},
+        {"id": 4, "messages": CONVERSATIONS["system"], "prompt": None, "completion": None},
+    ]
+    schema = pa.schema([("id", pa.int64()), ("messages", pa.list_(msg)), ("prompt", pa.string()), ("completion", pa.string())])
+    table = pa.Table.from_pylist(rows, schema=schema)
+    pq.write_table(table, os.path.join(FIX, "records.parquet"), row_group_size=2, compression="zstd")
+
+
 def main():
+    write_parquet()
     tokenizer_json = build_tokenizer_json()
     cases = []
     for name, (file, specials) in TEMPLATES.items():

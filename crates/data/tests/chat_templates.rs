@@ -5,41 +5,18 @@
 //! must render byte-identical text, the same token ids, and the same assistant masks
 //! (transformers' `return_assistant_tokens_mask` where the template has generation blocks).
 
-use std::path::{Path, PathBuf};
+#[allow(dead_code)]
+mod common;
 
 use ferrolm_data::chat::{encode_sample, ChatTemplate, Conversation, Sample, TrainOn};
-use ferrolm_data::{DocFraming, Tokenizer};
+use ferrolm_data::DocFraming;
 use serde_json::Value;
-
-/// The repository's root, from the crate's directory (where cargo runs tests) or the root.
-fn root() -> PathBuf {
-    for dir in ["../..", "."] {
-        if Path::new(dir).join("crates/data/tests/fixtures/chat/cases.json").is_file() {
-            return PathBuf::from(dir);
-        }
-    }
-    panic!("run from the repository root or crates/data: crates/data/tests/fixtures/chat/cases.json not found");
-}
-
-/// data/tokenizer.json with `added` appended as special added tokens, as the script builds it.
-fn tokenizer(root: &Path, added: &[Value]) -> Tokenizer {
-    let mut tj: Value = serde_json::from_str(&std::fs::read_to_string(root.join("data/tokenizer.json")).unwrap()).unwrap();
-    let vocab_max = tj["model"]["vocab"].as_object().unwrap().values().map(|v| v.as_u64().unwrap()).max().unwrap();
-    let added_max = tj["added_tokens"].as_array().unwrap().iter().map(|t| t["id"].as_u64().unwrap()).max().unwrap_or(0);
-    for (id, tok) in (vocab_max.max(added_max) + 1..).zip(added) {
-        tj["added_tokens"].as_array_mut().unwrap().push(serde_json::json!({
-            "id": id, "content": tok, "single_word": false, "lstrip": false, "rstrip": false, "normalized": false, "special": true
-        }));
-    }
-    Tokenizer::from_bytes(tj.to_string().as_bytes()).unwrap()
-}
 
 #[test]
 fn real_templates_render_tokenize_and_mask_as_transformers() {
-    let root = root();
-    let dir = root.join("crates/data/tests/fixtures/chat");
+    let dir = common::chat_fixtures();
     let doc: Value = serde_json::from_str(&std::fs::read_to_string(dir.join("cases.json")).unwrap()).unwrap();
-    let tok = tokenizer(&root, doc["added_tokens"].as_array().unwrap());
+    let tok = common::chat_tokenizer();
     let framing = DocFraming::of(&tok).unwrap();
     let cases = doc["cases"].as_array().unwrap();
     assert_eq!(cases.len(), 4 * 3 * 2);

@@ -1,6 +1,9 @@
 //! Chat records out of input files, one at a time: each JSON Lines line, or each Parquet row
 //! read as a JSON object, with where it is (`line 12 (byte offset 4096)`, `row 7`).
 //!
+//! A Parquet row's null columns are left out of its record (a dataset mixing forms has a column
+//! for each, null where a row has another form).
+//!
 //! JSON Lines go through the pretraining reader's line reader (gzip, zstd, the size limit,
 //! UTF-8 checks). Parquet rows are assembled by the parquet crate's record API, projected onto
 //! the columns a record form can use, one row group at a time. That API panics on some
@@ -59,13 +62,14 @@ impl RecordReader {
     pub fn next_record(&mut self) -> Result<Option<(String, Json)>, ReadError> {
         let r = match &mut self.inner {
             Inner::Jsonl(j) => {
-                let path = j_path(j);
-                match j.next_line()? {
-                    None => Ok(None),
-                    Some((at, line)) => match Json::parse(line) {
+                let path = j.path().to_path_buf();
+                match j.next_line() {
+                    Ok(None) => Ok(None),
+                    Ok(Some((at, line))) => match Json::parse(line) {
                         Ok(v) => Ok(Some((at, v))),
                         Err(e) => Err(ReadError::Record(Error::record(&path, at, format!("not a JSON object: {e}")))),
                     },
+                    Err(e) => Err(e),
                 }
             }
             Inner::Parquet(p) => p.next(),
@@ -88,10 +92,6 @@ impl RecordReader {
             Inner::Parquet(p) => p.bytes_read(),
         }
     }
-}
-
-fn j_path(j: &JsonlReader) -> PathBuf {
-    j.path().to_path_buf()
 }
 
 /// Parquet rows as JSON objects.
@@ -198,8 +198,13 @@ impl RowReader {
     }
 }
 
+/// A row as a JSON object; a null column is left out (the row has another form).
 fn row_json(row: &Row) -> Result<Json, String> {
-    row.get_column_iter().map(|(k, v)| Ok((k.clone(), field_json(v, k, 0)?))).collect::<Result<Vec<_>, String>>().map(Json::Object)
+    row.get_column_iter()
+        .filter(|(_, v)| !matches!(v, Field::Null))
+        .map(|(k, v)| Ok((k.clone(), field_json(v, k, 0)?)))
+        .collect::<Result<Vec<_>, String>>()
+        .map(Json::Object)
 }
 
 /// A Parquet value as JSON; `column` names it in errors.

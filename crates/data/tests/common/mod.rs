@@ -35,3 +35,51 @@ pub fn write_shard(dir: &Path, name: &str, tokens: &[u32]) -> PathBuf {
     w.finish().unwrap();
     path
 }
+
+/// The repository's root, from the crate's directory (where cargo runs tests) or the root.
+#[allow(dead_code)]
+pub fn repo_root() -> PathBuf {
+    for dir in ["../..", "."] {
+        if Path::new(dir).join("crates/data/tests/fixtures/chat/cases.json").is_file() {
+            return PathBuf::from(dir);
+        }
+    }
+    panic!("run from the repository root or crates/data: crates/data/tests/fixtures/chat/cases.json not found");
+}
+
+/// The chat fixtures' directory.
+#[allow(dead_code)]
+pub fn chat_fixtures() -> PathBuf {
+    repo_root().join("crates/data/tests/fixtures/chat")
+}
+
+/// The tokenizer of the chat fixtures: data/tokenizer.json with the templates' special tokens
+/// (`added_tokens` of cases.json) appended as added tokens, as scripts/chat_template_fixtures.py
+/// builds it.
+#[allow(dead_code)]
+pub fn chat_tokenizer() -> ferrolm_data::Tokenizer {
+    use serde_json::Value;
+    let root = repo_root();
+    let cases: Value = serde_json::from_str(&std::fs::read_to_string(chat_fixtures().join("cases.json")).unwrap()).unwrap();
+    let mut tj: Value = serde_json::from_str(&std::fs::read_to_string(root.join("data/tokenizer.json")).unwrap()).unwrap();
+    let vocab_max = tj["model"]["vocab"].as_object().unwrap().values().map(|v| v.as_u64().unwrap()).max().unwrap();
+    let added_max = tj["added_tokens"].as_array().unwrap().iter().map(|t| t["id"].as_u64().unwrap()).max().unwrap_or(0);
+    for (id, tok) in (vocab_max.max(added_max) + 1..).zip(cases["added_tokens"].as_array().unwrap()) {
+        tj["added_tokens"].as_array_mut().unwrap().push(serde_json::json!({
+            "id": id, "content": tok, "single_word": false, "lstrip": false, "rstrip": false, "normalized": false, "special": true
+        }));
+    }
+    ferrolm_data::Tokenizer::from_bytes(tj.to_string().as_bytes()).unwrap()
+}
+
+/// A committed chat fixture template with its special tokens (from cases.json).
+#[allow(dead_code)]
+pub fn chat_template(name: &str) -> ferrolm_data::chat::ChatTemplate {
+    use serde_json::Value;
+    let dir = chat_fixtures();
+    let cases: Value = serde_json::from_str(&std::fs::read_to_string(dir.join("cases.json")).unwrap()).unwrap();
+    let spec = &cases["templates"][name];
+    let file = dir.join("templates").join(spec["file"].as_str().unwrap());
+    let specials = spec["special_tokens"].as_object().unwrap().iter().map(|(k, v)| (k.clone(), v.as_str().unwrap().to_string())).collect();
+    ferrolm_data::chat::ChatTemplate::new(&std::fs::read_to_string(&file).unwrap(), &file.display().to_string(), specials).unwrap()
+}
