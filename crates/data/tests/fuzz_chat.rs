@@ -11,7 +11,7 @@ use std::sync::OnceLock;
 use common::{chat_fixtures, chat_template, chat_tokenizer, Scratch};
 use ferrolm_data::chat::{encode_sample, parse_record, ChatTemplate, Conversation, DataFormat, Json, RecordReader, TrainOn};
 use ferrolm_data::{DocFraming, InputFile, InputFormat, ReadError, Tokenizer};
-use fuzzing::{apply_bytes, byte_edit, config, json_mutations, mutate_json, ByteEdit};
+use fuzzing::{apply_bytes, byte_edit, config, json_mutations, mutate_json, parquet_edits};
 use proptest::prelude::*;
 use serde_json::{json, Value};
 
@@ -82,14 +82,6 @@ proptest! {
     }
 }
 
-/// Byte edits aimed at the Parquet footer as often as at the pages.
-fn parquet_edits(len: usize) -> impl Strategy<Value = Vec<ByteEdit>> {
-    let tail = (0usize..400, 1u8..).prop_map(move |(back, xor)| ByteEdit::Flip { at: len.saturating_sub(1 + back), xor });
-    let length = prop_oneof![Just(u64::MAX), Just(1u64 << 31), Just(len as u64), Just(0u64), any::<u64>()]
-        .prop_map(move |value| ByteEdit::PutU64 { at: len - 12, value });
-    proptest::collection::vec(prop_oneof![3 => tail, 1 => length, 3 => byte_edit()], 1..4)
-}
-
 fn base_parquet() -> &'static [u8] {
     static B: OnceLock<Vec<u8>> = OnceLock::new();
     B.get_or_init(|| std::fs::read(chat_fixtures().join("records.parquet")).unwrap())
@@ -103,12 +95,10 @@ proptest! {
     fn fuzz_chat_parquet(edits in parquet_edits(base_parquet().len())) {
         thread_local!(static DIR: Scratch = Scratch::new("fuzz-chat-parquet"));
         DIR.with(|dir| -> Result<(), TestCaseError> {
-            let mut data = base_parquet().to_vec();
-            edits.iter().for_each(|e| apply_bytes(&mut data, e));
-            let path = dir.path().join("f.parquet");
-            fuzzing::rewrite(&path, &data);
+            let path = fuzzing::damaged_copy(dir.path(), "f.parquet", base_parquet(), &edits);
             let name = path.display().to_string();
-            let file = InputFile { path: path.clone(), format: InputFormat::Parquet, bytes: data.len() as u64, modified: None };
+            let bytes = std::fs::metadata(&path).unwrap().len();
+            let file = InputFile { path: path.clone(), format: InputFormat::Parquet, bytes, modified: None };
             let mut r = match RecordReader::open(&file) {
                 Ok(r) => r,
                 Err(e) => {

@@ -10,7 +10,7 @@ use std::path::Path;
 
 use common::Scratch;
 use ferrolm_data::{Compression, DocReader, InputFile, InputFormat, ReadError};
-use fuzzing::{apply_bytes, byte_edit, config, json_mutations, mutate_json, ByteEdit};
+use fuzzing::{apply_bytes, byte_edit, config, json_mutations, mutate_json, parquet_edits, ByteEdit};
 use proptest::prelude::*;
 use serde_json::json;
 
@@ -92,15 +92,6 @@ proptest! {
     }
 }
 
-/// Byte edits aimed at the Parquet footer (the Thrift metadata and its length) as often as at
-/// the pages.
-fn parquet_edits(len: usize) -> impl Strategy<Value = Vec<ByteEdit>> {
-    let tail = (0usize..400, 1u8..).prop_map(move |(back, xor)| ByteEdit::Flip { at: len.saturating_sub(1 + back), xor });
-    let length = prop_oneof![Just(u64::MAX), Just(1u64 << 31), Just(len as u64), Just(0u64), any::<u64>()]
-        .prop_map(move |value| ByteEdit::PutU64 { at: len - 12, value });
-    proptest::collection::vec(prop_oneof![3 => tail, 1 => length, 3 => byte_edit()], 1..4)
-}
-
 proptest! {
     #![proptest_config(config(1500))]
 
@@ -109,10 +100,7 @@ proptest! {
     fn fuzz_parquet(edits in parquet_edits(base_parquet().len())) {
         thread_local!(static DIR: Scratch = Scratch::new("fuzz-parquet"));
         DIR.with(|dir| -> Result<(), TestCaseError> {
-            let mut data = base_parquet().to_vec();
-            edits.iter().for_each(|e| apply_bytes(&mut data, e));
-            let path = dir.path().join("f.parquet");
-            fuzzing::rewrite(&path, &data);
+            let path = fuzzing::damaged_copy(dir.path(), "f.parquet", base_parquet(), &edits);
             read_all(&path, InputFormat::Parquet)?;
             Ok(())
         })?;

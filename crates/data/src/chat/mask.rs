@@ -19,9 +19,7 @@
 //! `assistant` trains every assistant message (after a prompt/completion record's prompt),
 //! `last` only the last one, `all` every token. Text samples train every token.
 
-use std::fmt;
 use std::ops::Range;
-use std::str::FromStr;
 
 use super::records::{Conversation, Sample};
 use super::template::ChatTemplate;
@@ -41,33 +39,7 @@ pub enum TrainOn {
     All,
 }
 
-impl TrainOn {
-    pub const NAMES: [&'static str; 3] = ["assistant", "last", "all"];
-
-    pub fn name(self) -> &'static str {
-        match self {
-            TrainOn::Assistant => "assistant",
-            TrainOn::Last => "last",
-            TrainOn::All => "all",
-        }
-    }
-}
-
-impl fmt::Display for TrainOn {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.write_str(self.name())
-    }
-}
-
-impl FromStr for TrainOn {
-    type Err = String;
-    fn from_str(s: &str) -> Result<Self, String> {
-        [TrainOn::Assistant, TrainOn::Last, TrainOn::All]
-            .into_iter()
-            .find(|t| t.name() == s)
-            .ok_or_else(|| format!("unknown --train-on value `{s}` (expected one of {})", Self::NAMES.join(", ")))
-    }
-}
+named_values!(TrainOn, "--train-on", [Assistant => "assistant", Last => "last", All => "all"]);
 
 /// One tokenized sample: `ids`, and `trained[i]` whether token `i` is a label (the target of
 /// position `i - 1`; `trained[0]` has no position predicting it).

@@ -16,6 +16,39 @@
 //! Packing turns that into `targets` already shifted for next-token prediction, with
 //! [`IGNORE_INDEX`] where nothing is trained.
 
+/// A value type for the command line: each variant's name (`NAMES`, `name()`), `Display`, and
+/// `FromStr` whose error names the flag and lists the values.
+macro_rules! named_values {
+    ($ty:ident, $flag:literal, [$($var:ident => $name:literal),+ $(,)?]) => {
+        impl $ty {
+            /// Every value, as written on the command line.
+            pub const NAMES: &'static [&'static str] = &[$($name),+];
+
+            pub fn name(self) -> &'static str {
+                match self {
+                    $($ty::$var => $name),+
+                }
+            }
+        }
+
+        impl std::fmt::Display for $ty {
+            fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+                f.write_str(self.name())
+            }
+        }
+
+        impl std::str::FromStr for $ty {
+            type Err = String;
+            fn from_str(s: &str) -> Result<Self, String> {
+                match s {
+                    $($name => Ok($ty::$var),)+
+                    _ => Err(format!("unknown {} value `{s}` (expected one of {})", $flag, Self::NAMES.join(", "))),
+                }
+            }
+        }
+    };
+}
+
 pub mod dataset;
 pub mod json;
 pub mod mask;
@@ -24,9 +57,6 @@ mod python;
 pub mod reader;
 pub mod records;
 pub mod template;
-
-use std::fmt;
-use std::str::FromStr;
 
 use minijinja::Value;
 
@@ -60,44 +90,14 @@ pub enum DataFormat {
     Text,
 }
 
-impl DataFormat {
-    /// Every value, as written on the command line.
-    pub const NAMES: [&'static str; 6] = ["auto", "messages", "sharegpt", "alpaca", "prompt-completion", "text"];
-
-    pub fn name(self) -> &'static str {
-        match self {
-            DataFormat::Auto => "auto",
-            DataFormat::Messages => "messages",
-            DataFormat::ShareGpt => "sharegpt",
-            DataFormat::Alpaca => "alpaca",
-            DataFormat::PromptCompletion => "prompt-completion",
-            DataFormat::Text => "text",
-        }
-    }
-}
-
-impl fmt::Display for DataFormat {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.write_str(self.name())
-    }
-}
-
-impl FromStr for DataFormat {
-    type Err = String;
-    fn from_str(s: &str) -> Result<Self, String> {
-        let all = [
-            DataFormat::Auto,
-            DataFormat::Messages,
-            DataFormat::ShareGpt,
-            DataFormat::Alpaca,
-            DataFormat::PromptCompletion,
-            DataFormat::Text,
-        ];
-        all.into_iter()
-            .find(|f| f.name() == s)
-            .ok_or_else(|| format!("unknown data format `{s}` (expected one of {})", Self::NAMES.join(", ")))
-    }
-}
+named_values!(DataFormat, "--data-format", [
+    Auto => "auto",
+    Messages => "messages",
+    ShareGpt => "sharegpt",
+    Alpaca => "alpaca",
+    PromptCompletion => "prompt-completion",
+    Text => "text",
+]);
 
 /// The role of a message.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
@@ -107,23 +107,12 @@ pub enum Role {
     Assistant,
 }
 
-impl Role {
-    pub fn name(self) -> &'static str {
-        match self {
-            Role::System => "system",
-            Role::User => "user",
-            Role::Assistant => "assistant",
-        }
-    }
+named_values!(Role, "role", [System => "system", User => "user", Assistant => "assistant"]);
 
+impl Role {
     /// `system`, `user` or `assistant`.
     pub fn parse(s: &str) -> Option<Role> {
-        match s {
-            "system" => Some(Role::System),
-            "user" => Some(Role::User),
-            "assistant" => Some(Role::Assistant),
-            _ => None,
-        }
+        s.parse().ok()
     }
 }
 

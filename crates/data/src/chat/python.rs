@@ -45,27 +45,20 @@ fn write_repr(out: &mut String, v: &Value, depth: usize) -> Result<(), Error> {
             out.push('b');
             repr_str(out, &String::from_utf8_lossy(v.as_bytes().unwrap_or_default()));
         }
-        ValueKind::Seq | ValueKind::Iterable => {
-            out.push('[');
+        ValueKind::Seq | ValueKind::Iterable | ValueKind::Map => {
+            let map = v.kind() == ValueKind::Map;
+            out.push(if map { '{' } else { '[' });
             for (i, item) in v.try_iter()?.enumerate() {
                 if i > 0 {
                     out.push_str(", ");
                 }
                 write_repr(out, &item, depth + 1)?;
-            }
-            out.push(']');
-        }
-        ValueKind::Map => {
-            out.push('{');
-            for (i, key) in v.try_iter()?.enumerate() {
-                if i > 0 {
-                    out.push_str(", ");
+                if map {
+                    out.push_str(": ");
+                    write_repr(out, &v.get_item(&item)?, depth + 1)?;
                 }
-                write_repr(out, &key, depth + 1)?;
-                out.push_str(": ");
-                write_repr(out, &v.get_item(&key)?, depth + 1)?;
             }
-            out.push('}');
+            out.push(if map { '}' } else { ']' });
         }
         _ => out.push_str(&v.to_string()),
     }

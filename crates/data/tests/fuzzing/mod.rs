@@ -230,3 +230,21 @@ pub fn mutate_json(base: &Value, edits: &[JsonEdit], bytes: &[ByteEdit]) -> Vec<
 pub fn json_mutations() -> impl Strategy<Value = (Vec<JsonEdit>, Vec<ByteEdit>)> {
     (proptest::collection::vec(json_edit(), 0..4), prop_oneof![Just(Vec::new()), proptest::collection::vec(byte_edit(), 1..3)])
 }
+
+/// Byte edits of a Parquet file of `len` bytes, aimed at the footer (the Thrift metadata and its
+/// length) as often as at the pages.
+pub fn parquet_edits(len: usize) -> impl Strategy<Value = Vec<ByteEdit>> {
+    let tail = (0usize..400, 1u8..).prop_map(move |(back, xor)| ByteEdit::Flip { at: len.saturating_sub(1 + back), xor });
+    let length = prop_oneof![Just(u64::MAX), Just(1u64 << 31), Just(len as u64), Just(0u64), any::<u64>()]
+        .prop_map(move |value| ByteEdit::PutU64 { at: len - 12, value });
+    proptest::collection::vec(prop_oneof![3 => tail, 1 => length, 3 => byte_edit()], 1..4)
+}
+
+/// Writes `base` with `edits` applied as `dir/name`; returns the path.
+pub fn damaged_copy(dir: &std::path::Path, name: &str, base: &[u8], edits: &[ByteEdit]) -> std::path::PathBuf {
+    let mut data = base.to_vec();
+    edits.iter().for_each(|e| apply_bytes(&mut data, e));
+    let path = dir.join(name);
+    rewrite(&path, &data);
+    path
+}
