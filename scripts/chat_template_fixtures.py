@@ -65,6 +65,12 @@ CONVERSATIONS = {
         {"role": "user", "content": "And 3 + 3?"},
         {"role": "assistant", "content": "6"},
     ],
+    # Content as a list of text parts: templates that print it print Python's repr of the list;
+    # those that add it to a string fail (the case records the failure, and ferrolm must fail too).
+    "parts": [
+        {"role": "user", "content": [{"type": "text", "text": "Hi, it's me."}, {"type": "text", "text": " Again"}]},
+        {"role": "assistant", "content": "Hello  "},
+    ],
 }
 
 
@@ -134,6 +140,31 @@ def write_parquet():
     pq.write_table(table, os.path.join(FIX, "records.parquet"), row_group_size=2, compression="zstd")
 
 
+# strftime_now under a fixed clock (transformers reads `datetime.now()` of its module).
+CLOCK = (2024, 7, 26, 9, 5, 3)
+CLOCK_TEMPLATE = "{{ strftime_now('%d %b %Y|%B %-d, %A %H:%M:%S|%y-%m-%dT%I%p %j') }}"
+
+
+def clock_case():
+    import datetime as real
+    import transformers.utils.chat_template_utils as ctu
+
+    class Fixed(real.datetime):
+        @classmethod
+        def now(cls, tz=None):
+            return cls(*CLOCK)
+
+    saved = ctu.datetime
+    ctu.datetime = Fixed
+    try:
+        tok = PreTrainedTokenizerFast(tokenizer_object=Tokenizer.from_str(build_tokenizer_json()))
+        tok.chat_template = CLOCK_TEMPLATE
+        text = tok.apply_chat_template([{"role": "user", "content": "x"}], tokenize=False)
+    finally:
+        ctu.datetime = saved
+    return {"clock": list(CLOCK), "template": CLOCK_TEMPLATE, "text": text}
+
+
 def main():
     write_parquet()
     tokenizer_json = build_tokenizer_json()
@@ -146,7 +177,11 @@ def main():
         has_generation = re.search(r"\{\%-?\s*generation\s*-?\%\}", template) is not None
         for conv_name, msgs in CONVERSATIONS.items():
             for gen in (False, True):
-                text = tok.apply_chat_template(msgs, tokenize=False, add_generation_prompt=gen)
+                try:
+                    text = tok.apply_chat_template(msgs, tokenize=False, add_generation_prompt=gen)
+                except Exception as e:  # jinja2's TypeError or TemplateError
+                    cases.append({"template": name, "conversation": conv_name, "add_generation_prompt": gen, "error": str(e)})
+                    continue
                 out = tok.apply_chat_template(msgs, tokenize=True, add_generation_prompt=gen, return_dict=True,
                                               return_assistant_tokens_mask=has_generation)
                 ids = list(out["input_ids"])
@@ -166,6 +201,7 @@ def main():
         "templates": {n: {"file": f, "special_tokens": s} for n, (f, s) in TEMPLATES.items()},
         "conversations": CONVERSATIONS,
         "cases": cases,
+        "strftime_now": clock_case(),
     }
     with open(os.path.join(FIX, "cases.json"), "w") as f:
         json.dump(doc, f, ensure_ascii=False, indent=1)

@@ -33,10 +33,14 @@ impl Conversation {
     /// A `messages` list given as JSON text (`generate --messages FILE.json`): the list itself,
     /// or an object with a `messages` field.
     pub fn from_json(text: &str) -> Result<Self, String> {
-        let v = Json::parse(text).map_err(|e| format!("not valid JSON: {e}"))?;
-        let list = match &v {
-            Json::Array(_) => &v,
-            Json::Object(_) => v.get("messages").ok_or_else(|| format!("no `messages` field (keys: {})", keys_of(&v)))?,
+        Self::from_value(&Json::parse(text).map_err(|e| format!("not valid JSON: {e}"))?)
+    }
+
+    /// The same from parsed JSON.
+    pub fn from_value(v: &Json) -> Result<Self, String> {
+        let list = match v {
+            Json::Array(_) => v,
+            Json::Object(_) => v.get("messages").ok_or_else(|| format!("no `messages` field (keys: {})", keys_of(v)))?,
             other => return Err(format!("expected a list of messages, found {}", other.kind())),
         };
         Ok(Conversation { messages: messages(list, "messages")?, prompt_len: 0 })
