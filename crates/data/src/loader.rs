@@ -59,18 +59,6 @@ impl SplitMix64 {
     }
 }
 
-/// The permutation of `0..n` for `epoch`: Fisher-Yates driven by `(seed, epoch)` alone.
-pub(crate) fn epoch_order(seed: u64, epoch: u64, n: u64) -> Vec<u64> {
-    let mut rng = SplitMix64(seed ^ epoch.wrapping_mul(0xD1B5_4A32_D192_ED03));
-    rng.next_u64(); // decorrelate nearby seeds before the first draw
-    let mut order: Vec<u64> = (0..n).collect();
-    for i in (1..n).rev() {
-        let j = rng.below(i + 1);
-        order.swap(i as usize, j as usize);
-    }
-    order
-}
-
 /// The windows of a list of shards, addressed by one global index.
 struct Windows {
     shards: Vec<Shard>,
@@ -132,7 +120,7 @@ impl Windows {
 pub const MAX_BATCH_TOKENS: u64 = 1 << 31;
 
 /// `batch` and `seq` positive, and `world_size * batch * seq` within [`MAX_BATCH_TOKENS`].
-pub(crate) fn check_batch(batch: usize, seq: usize, world_size: usize) -> Result<()> {
+fn check_batch(batch: usize, seq: usize, world_size: usize) -> Result<()> {
     if batch == 0 {
         return Err(Error::invalid("batch size must be positive"));
     }
@@ -149,7 +137,7 @@ pub(crate) fn check_batch(batch: usize, seq: usize, world_size: usize) -> Result
 }
 
 /// Epoch counts a restored state may carry: far beyond any run, and the counter cannot overflow.
-pub(crate) const MAX_EPOCH: u64 = 1 << 62;
+const MAX_EPOCH: u64 = 1 << 62;
 
 /// Shuffled training batches; see the module docs.
 pub struct DataLoader {
@@ -184,8 +172,16 @@ impl DataLoader {
         Ok(self)
     }
 
+    /// This epoch's permutation: Fisher-Yates driven by `(seed, epoch)`.
     fn shuffle(&mut self) {
-        self.order = epoch_order(self.seed, self.epoch, self.windows.len());
+        let mut rng = SplitMix64(self.seed ^ self.epoch.wrapping_mul(0xD1B5_4A32_D192_ED03));
+        rng.next_u64(); // decorrelate nearby seeds before the first draw
+        let n = self.windows.len();
+        self.order = (0..n).collect();
+        for i in (1..n).rev() {
+            let j = rng.below(i + 1);
+            self.order.swap(i as usize, j as usize);
+        }
     }
 
     fn next_window(&mut self) -> u64 {

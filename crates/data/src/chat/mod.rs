@@ -9,7 +9,7 @@
 //! - [`mask`]: which tokens are trained ([`TrainOn`]), giving an [`Example`];
 //! - [`dataset`]: all of it over a list of input files, with `--skip-bad-records` and counts;
 //! - [`pack`]: examples into `seq_len` rows ([`PackedRow`]), best-fit decreasing or one per
-//!   row, and a seeded, resumable order of rows ([`PackedLoader`]).
+//!   row; the trainer draws rows in its seeded, resumable order.
 //!
 //! The example format: `Example::ids` are the token ids of one conversation and
 //! `Example::trained[i]` says whether token `i` is a label (predicted from position `i - 1`).
@@ -63,7 +63,7 @@ use minijinja::Value;
 pub use dataset::{load_examples, ChatDataOptions, LoadStats, SkipReason};
 pub use json::Json;
 pub use mask::{encode_sample, Example, TrainOn};
-pub use pack::{pack, PackOptions, PackState, PackStats, PackedData, PackedLoader, PackedRow};
+pub use pack::{pack, PackOptions, PackStats, PackedData, PackedRow};
 pub use reader::RecordReader;
 pub use records::{parse_record, Conversation, Sample};
 pub use template::{find_template_source, ChatTemplate, Rendered, TemplateSource};

@@ -16,18 +16,15 @@
 //! Trailing padding is its own last segment: never trained, positions from 0 again, so the
 //! segments always cover the row.
 //!
-//! [`PackedLoader`] serves rows in a permutation drawn from `(seed, epoch)`, as the pretraining
-//! `DataLoader` serves windows; its [`PackState`] is saved with checkpoints so a resumed run
-//! sees the same rows in the same order.
+//! The rows depend on the examples alone, not on a seed: the trainer draws them in its seeded,
+//! resumable order of items (one permutation per epoch, as the pretraining `DataLoader` draws
+//! windows), so the order of packed rows is part of its resume state.
 
 use std::collections::BTreeSet;
-
-use serde::{Deserialize, Serialize};
 
 use super::mask::Example;
 use super::IGNORE_INDEX;
 use crate::error::{Error, Result};
-use crate::loader::{check_batch, epoch_order, MAX_EPOCH};
 
 /// One training row; see the module docs.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -232,114 +229,6 @@ impl PackedData {
     }
 }
 
-/// Where a [`PackedLoader`] stands; saved with checkpoints for exact resume. `seq_len` and
-/// `num_rows` are there to refuse a state from other data.
-#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
-pub struct PackState {
-    pub seed: u64,
-    pub epoch: u64,
-    /// Rows of this epoch's permutation already consumed (by all ranks).
-    pub cursor: u64,
-    pub seq_len: usize,
-    pub num_rows: u64,
-}
-
-/// Shuffled batches of rows; with [`PackedLoader::for_rank`], every step consumes
-/// `world_size * batch` rows and rank `r` takes the `r`-th block of `batch`.
-pub struct PackedLoader {
-    data: PackedData,
-    batch: usize,
-    seed: u64,
-    epoch: u64,
-    cursor: u64,
-    order: Vec<u64>,
-    rank: usize,
-    world_size: usize,
-}
-
-impl PackedLoader {
-    /// Batches of `batch` rows of `data`, in an order drawn from `seed`.
-    pub fn new(data: PackedData, batch: usize, seed: u64) -> Result<Self> {
-        check_batch(batch, data.seq_len, 1)?;
-        if data.num_rows() == 0 {
-            return Err(Error::invalid("no rows to train on: every conversation was dropped"));
-        }
-        let order = epoch_order(seed, 0, data.num_rows() as u64);
-        Ok(PackedLoader { data, batch, seed, epoch: 0, cursor: 0, order, rank: 0, world_size: 1 })
-    }
-
-    /// Makes this loader serve rank `rank` of `world_size` data-parallel ranks.
-    pub fn for_rank(mut self, rank: usize, world_size: usize) -> Result<Self> {
-        if world_size == 0 || rank >= world_size {
-            return Err(Error::invalid(format!("rank {rank} is not in a world of size {world_size}")));
-        }
-        check_batch(self.batch, self.data.seq_len, world_size)?;
-        self.rank = rank;
-        self.world_size = world_size;
-        Ok(self)
-    }
-
-    fn next_row(&mut self) -> usize {
-        if self.cursor as usize == self.order.len() {
-            self.epoch += 1;
-            self.cursor = 0;
-            self.order = epoch_order(self.seed, self.epoch, self.order.len() as u64);
-        }
-        self.cursor += 1;
-        self.order[self.cursor as usize - 1] as usize
-    }
-
-    /// This rank's next `batch` rows; epochs roll over (and reshuffle) transparently.
-    pub fn next_batch(&mut self) -> Vec<PackedRow> {
-        let mut rows = Vec::with_capacity(self.batch);
-        for slot in 0..self.world_size * self.batch {
-            let r = self.next_row();
-            if slot / self.batch == self.rank {
-                rows.push(self.data.row(r));
-            }
-        }
-        rows
-    }
-
-    /// Position to save with a checkpoint.
-    pub fn state(&self) -> PackState {
-        PackState { seed: self.seed, epoch: self.epoch, cursor: self.cursor, seq_len: self.data.seq_len, num_rows: self.order.len() as u64 }
-    }
-
-    /// Continues from `state`: the following batches equal those the saving loader would have
-    /// produced. Refuses a state of other data (another row count or `seq_len`).
-    pub fn restore(&mut self, state: &PackState) -> Result<()> {
-        let n = self.order.len() as u64;
-        if state.seq_len != self.data.seq_len || state.num_rows != n {
-            return Err(Error::invalid(format!(
-                "packed-data state (fields `num_rows`, `seq_len`) is for {} rows of {} tokens, these data give {n} rows of {}",
-                state.num_rows, state.seq_len, self.data.seq_len
-            )));
-        }
-        if state.cursor > n {
-            return Err(Error::invalid(format!(
-                "packed-data state field `cursor`: {} is past the end of an epoch of {n} rows",
-                state.cursor
-            )));
-        }
-        if state.epoch >= MAX_EPOCH {
-            return Err(Error::invalid(format!("packed-data state field `epoch`: {} is out of range (at most {MAX_EPOCH})", state.epoch)));
-        }
-        (self.seed, self.epoch, self.cursor) = (state.seed, state.epoch, state.cursor);
-        self.order = epoch_order(self.seed, self.epoch, n);
-        Ok(())
-    }
-
-    pub fn data(&self) -> &PackedData {
-        &self.data
-    }
-
-    /// Epochs completed so far.
-    pub fn epoch(&self) -> u64 {
-        self.epoch
-    }
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -390,31 +279,5 @@ mod tests {
         let p = pack(vec![untrained_head], &opts(3, true, true)).unwrap();
         assert_eq!((p.num_rows(), p.stats().dropped_too_long), (0, 1));
         assert!(pack(vec![], &opts(0, true, false)).is_err());
-    }
-
-    #[test]
-    fn loader_order_is_seeded_and_resumable() {
-        let examples: Vec<Example> = (0..10).map(|i| ex(4, 10 * i)).collect();
-        let data = pack(examples, &opts(4, true, false)).unwrap();
-        let mut a = PackedLoader::new(data.clone(), 3, 7).unwrap();
-        let first: Vec<Vec<PackedRow>> = (0..3).map(|_| a.next_batch()).collect();
-        let state = a.state();
-        let next: Vec<Vec<PackedRow>> = (0..5).map(|_| a.next_batch()).collect();
-        assert_eq!(a.epoch(), 2, "10 rows, 24 drawn: the third epoch");
-        let mut b = PackedLoader::new(data.clone(), 3, 99).unwrap();
-        b.restore(&state).unwrap();
-        assert_eq!((0..5).map(|_| b.next_batch()).collect::<Vec<_>>(), next);
-        let mut c = PackedLoader::new(data.clone(), 3, 7).unwrap();
-        assert_eq!((0..3).map(|_| c.next_batch()).collect::<Vec<_>>(), first);
-        let mut d = PackedLoader::new(data.clone(), 3, 8).unwrap();
-        assert_ne!((0..3).map(|_| d.next_batch()).collect::<Vec<_>>(), first, "another seed, another order");
-        // Two ranks split what one rank of twice the batch would see.
-        let mut whole = PackedLoader::new(data.clone(), 4, 5).unwrap();
-        let mut r0 = PackedLoader::new(data.clone(), 2, 5).unwrap().for_rank(0, 2).unwrap();
-        let mut r1 = PackedLoader::new(data.clone(), 2, 5).unwrap().for_rank(1, 2).unwrap();
-        let w = whole.next_batch();
-        assert_eq!([r0.next_batch(), r1.next_batch()].concat(), w);
-        let bad = PackState { num_rows: 3, ..state };
-        assert!(b.restore(&bad).unwrap_err().to_string().contains("num_rows"));
     }
 }
