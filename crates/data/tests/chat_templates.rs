@@ -9,7 +9,7 @@
 #[allow(dead_code)]
 mod common;
 
-use ferrolm_data::chat::{encode_sample, ChatTemplate, Conversation, Json, Sample, TrainOn};
+use ferrolm_data::chat::{encode_prompt, encode_sample, ChatTemplate, Conversation, Json, Sample, TrainOn};
 use ferrolm_data::DocFraming;
 use serde_json::Value;
 
@@ -48,6 +48,9 @@ fn real_templates_render_tokenize_and_mask_as_transformers() {
         assert_eq!(rendered.text, case["text"].as_str().unwrap(), "{what}: text");
         let want_ids: Vec<u32> = case["ids"].as_array().unwrap().iter().map(|v| v.as_u64().unwrap() as u32).collect();
         assert_eq!(tok.encode(&rendered.text, false).unwrap(), want_ids, "{what}: ids");
+        if gen {
+            assert_eq!(encode_prompt(&conv, &template, &tok).unwrap(), want_ids, "{what}: prompt ids");
+        }
 
         if let Some(mask) = case.get("assistant_mask") {
             let want: Vec<bool> = mask.as_array().unwrap().iter().map(|v| v.as_u64() == Some(1)).collect();

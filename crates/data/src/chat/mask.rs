@@ -90,6 +90,14 @@ pub fn encode_sample(
 /// Each token's byte range in the text, as the tokenizer reports it.
 type Offsets = Vec<(usize, usize)>;
 
+/// The ids a model continues from to answer `conv` (`generate --chat`): the conversation
+/// rendered with `add_generation_prompt=true` and tokenized without special tokens, as
+/// `apply_chat_template(..., add_generation_prompt=True)` gives them.
+pub fn encode_prompt(conv: &Conversation, template: &ChatTemplate, tokenizer: &Tokenizer) -> Result<Vec<u32>, String> {
+    let text = template.render(&conv.messages, true)?.text;
+    tokenizer.encode(&text, false).map_err(|e| e.to_string())
+}
+
 /// The token ids of `text` and their offsets.
 fn tokenize(tokenizer: &Tokenizer, text: &str) -> Result<(Vec<u32>, Offsets), String> {
     let enc = tokenizer.inner().encode(text, false).map_err(|e| format!("tokenizer: encode failed: {e}"))?;

@@ -62,7 +62,7 @@ use minijinja::Value;
 
 pub use dataset::{load_examples, ChatDataOptions, LoadStats, SkipReason};
 pub use json::Json;
-pub use mask::{encode_sample, Example, TrainOn};
+pub use mask::{encode_prompt, encode_sample, Example, TrainOn};
 pub use pack::{pack, PackOptions, PackStats, PackedData, PackedRow};
 pub use reader::RecordReader;
 pub use records::{parse_record, Conversation, Sample};
