@@ -81,6 +81,55 @@ impl CudaBackend {
     }
 }
 
+impl CudaBackend {
+    /// `out = a · b`, or with `accumulate` `out += a · b` (cuBLASLt's beta 1 with C = D, in
+    /// place), for a (m, k) and b (k, n) of one dtype (f32 or bf16) in any layout a GEMM operand
+    /// takes (a transposed view costs nothing), accumulated in f32 and rounded once into `out`,
+    /// a dense (m, n) view of their dtype or f32 at any offset. `out` is written through its
+    /// device pointer, so the caller needs only hold its storage (a read guard, as for every
+    /// kernel output written by pointer). The fused ops use it for GEMMs into buffers they own:
+    /// a chunk's rows of a larger output, an f32 gradient accumulated over chunks.
+    pub fn gemm_into(&self, a: View, b: View, out: View, accumulate: bool) -> Result<()> {
+        let op = "gemm_into";
+        let (sa, sb, so) = (cuda(op, a.0)?, cuda(op, b.0)?, cuda(op, out.0)?);
+        let (da, db) = (a.1.dims(), b.1.dims());
+        if da.len() != 2 || db.len() != 2 || da[1] != db[0] || sa.dtype != sb.dtype {
+            bail!(op, "expects (m, k) and (k, n) of one dtype, got {da:?} {} and {db:?} {}", sa.dtype, sb.dtype);
+        }
+        let (m, k, n) = (da[0], da[1], db[1]);
+        if out.1.dims() != [m, n] || !out.1.is_contiguous() || !(so.dtype == sa.dtype || so.dtype == DType::F32) {
+            bail!(op, "the output must be a dense ({m}, {n}) view of {} or f32, got {:?} {}", sa.dtype, out.1.dims(), so.dtype);
+        }
+        if k == 0 {
+            bail!(op, "a product over an empty inner dimension ({m}, 0) x (0, {n})");
+        }
+        if m * n == 0 {
+            return Ok(());
+        }
+        let mut keep = (None, None);
+        let oa = self.operand_or_copy(a, sa, &[], (m, k), &mut keep.0)?;
+        let ob = self.operand_or_copy(b, sb, &[], (k, n), &mut keep.1)?;
+        let d = (so.ptr_at(out.1.offset), so.len.saturating_sub(out.1.offset));
+        match self.gemm(sa.dtype, oa, ob, m, n, k, 1, GemmOut { d, dtype: so.dtype, acc: accumulate.then_some(d) }) {
+            Ok(()) => Ok(()),
+            // cuBLASLt has no algorithm for this form here (nothing was enqueued): the product
+            // into a buffer of its own, then added (or copied) into `out`.
+            Err(e) if crate::gemm::refused_by_cublaslt(&e) => {
+                static SAID: std::sync::Once = std::sync::Once::new();
+                SAID.call_once(|| eprintln!("warning: {e}; composing such GEMMs from a plain one and an add instead"));
+                let p = self.alloc(m * n, so.dtype)?;
+                self.gemm(sa.dtype, oa, ob, m, n, k, 1, GemmOut { d: (p.buf.ptr, p.len), dtype: so.dtype, acc: None })?;
+                let dense = Layout::contiguous(Shape(vec![m, n]));
+                let p: Storage = p.into();
+                let sum = if accumulate { Some(self.binary(BinaryOp::Add, out, (&p, &dense))?) } else { None };
+                let src = cuda(op, sum.as_ref().unwrap_or(&p))?;
+                self.copy_elements(src, 0, so, out.1.offset, m * n)
+            }
+            Err(e) => Err(e),
+        }
+    }
+}
+
 impl Backend for CudaBackend {
     fn device(&self) -> Device {
         Device::Cuda(self.ordinal)

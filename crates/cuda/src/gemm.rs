@@ -1,7 +1,8 @@
 //! cuBLASLt GEMM: bf16 or f32 in; out in the input's dtype or, from bf16, in f32; fp32
 //! accumulation (CUBLAS_COMPUTE_32F, no TF32, so f32 results match the CPU reference to ~1e-5);
-//! optionally D = A·B + C (beta 1, C an other buffer of D's type and shape), so a gradient sum
-//! or a cast into an f32 gradient buffer rides on the GEMM instead of a kernel of its own;
+//! optionally D = A·B + C (beta 1, C of D's type and layout: another buffer, or D itself, which
+//! cuBLASLt takes in place), so a gradient sum, an accumulation across chunks or a cast into an
+//! f32 gradient buffer rides on the GEMM instead of a kernel of its own;
 //! strided batches, either operand transposed, a 32 MiB workspace, and the heuristic's
 //! algorithm cached per problem shape and pointer alignment.
 //!
@@ -85,7 +86,8 @@ pub struct LtCall {
     pub batch: usize,
     pub a: LtMatrix,
     pub b: LtMatrix,
-    /// The addend: D's shape, type, ld and batch stride, in a buffer of its own.
+    /// The addend: D's shape, type, ld and batch stride, in a buffer of its own or D itself
+    /// (in place: cuBLASLt requires C = D to share D's layout, which it does by construction).
     pub c: Option<LtMatrix>,
     pub d: LtMatrix,
 }
@@ -145,8 +147,15 @@ impl LtCall {
                 x.check_bounds(name, batch)?;
             }
         }
-        if call.c.is_some_and(|c| c.ptr == call.d.ptr) {
-            return Err(Error::new("matmul", "the addend and the output of a GEMM must be different buffers"));
+        // An addend overlapping D but not at D's address would be read after D's writes.
+        if let Some(c) = call.c.filter(|c| c.ptr != call.d.ptr) {
+            let elem = if out_bf16 { 2 } else { 4 };
+            // Bytes from the first element to past the last (extents were checked above).
+            let span = |x: &LtMatrix| (x.ptr, x.ptr + ((batch.max(1) - 1) as u64 * x.stride as u64 + x.cols as u64 * x.ld as u64) * elem);
+            let ((c0, c1), (d0, d1)) = (span(&c), span(&call.d));
+            if c0 < d1 && d0 < c1 {
+                return Err(Error::new("matmul", "the addend of a GEMM must be its output itself or lie apart from it"));
+            }
         }
         Ok(call)
     }
@@ -347,8 +356,8 @@ impl Gemm {
         // compute type requires; every operand's extent (rows, cols, ld, batch stride) was checked
         // against its buffer in LtCall::plan (C in D's layout), and the buffers are pool blocks
         // that stay allocated until the stream has run this call (blocks are reused only in
-        // stream order); C and D are different buffers (plan refuses otherwise); with beta 0, C
-        // is D and is not read; the workspace is a WORKSPACE-byte pool block owned by self.
+        // stream order); C is D itself (cuBLASLt's in-place form: one layout) or a buffer apart
+        // from it (plan refuses an overlap); with beta 0, C is D and is not read; the workspace is a WORKSPACE-byte pool block owned by self.
         unsafe {
             lt::matmul(
                 self.handle,
@@ -395,13 +404,14 @@ mod tests {
         }
         assert!(LtCall::plan(DType::F32, op(12, -3, 6), op(24, 4, 12), 2, 4, 3, 2, out(16)).is_err());
         assert!(LtCall::plan(DType::F32, op(12, 3, i64::MAX), op(24, 4, 12), 2, 4, 3, 2, out(16)).is_err());
-        // The addend is checked like D, must not be D, and bf16 out needs bf16 in.
+        // The addend is checked like D, is D itself or apart from it, and bf16 out needs bf16 in.
         let acc = |c: (u64, usize)| GemmOut { acc: Some(c), ..out(16) };
         assert!(LtCall::plan(DType::F32, op(12, 3, 6), op(24, 4, 12), 2, 4, 3, 2, acc((0x3000, 16))).is_ok());
         let e = LtCall::plan(DType::F32, op(12, 3, 6), op(24, 4, 12), 2, 4, 3, 2, acc((0x3000, 15))).unwrap_err().to_string();
         assert!(e.contains("operand acc") && e.contains("reaches past its buffer"), "{e}");
-        let e = LtCall::plan(DType::F32, op(12, 3, 6), op(24, 4, 12), 2, 4, 3, 2, acc((0x2000, 16))).unwrap_err().to_string();
-        assert!(e.contains("different buffers"), "{e}");
+        assert!(LtCall::plan(DType::F32, op(12, 3, 6), op(24, 4, 12), 2, 4, 3, 2, acc((0x2000, 16))).is_ok(), "in place");
+        let e = LtCall::plan(DType::F32, op(12, 3, 6), op(24, 4, 12), 2, 4, 3, 2, acc((0x2004, 16))).unwrap_err().to_string();
+        assert!(e.contains("apart from it"), "{e}");
         let e = LtCall::plan(DType::F32, op(12, 3, 6), op(24, 4, 12), 2, 4, 3, 2, GemmOut::plain(DType::BF16, (0x2000, 16))).unwrap_err();
         assert!(e.to_string().contains("cannot write bf16"), "{e}");
         let bf = LtCall::plan(DType::BF16, op(12, 3, 6), op(24, 4, 12), 2, 4, 3, 2, out(16)).unwrap();
