@@ -178,7 +178,7 @@ pub(crate) fn lt_matmul(c: &LtCall) -> Result<()> {
         let (r, col) = if t { (j, i) } else { (i, j) };
         base + r as i64 + col as i64 * x.ld
     };
-    let mut acc = vec![0f32; m * n];
+    let (mut acc, mut a, mut b) = (vec![0f32; m * n], vec![0f32; m * k], vec![0f32; k * n]);
     for bi in 0..c.batch {
         let (ba, bb, bd) = (bi as i64 * c.a.stride, bi as i64 * c.b.stride, bi as i64 * c.d.stride);
         acc.iter_mut().for_each(|x| *x = 0.0);
@@ -186,8 +186,9 @@ pub(crate) fn lt_matmul(c: &LtCall) -> Result<()> {
         // f32/bf16; `check` above refused negative lds and strides, and LtCall::plan checked
         // that the last element each matrix touches, (batch-1)*stride + (cols-1)*ld + rows-1,
         // lies inside its buffer (C's too, in D's layout), so every offset computed below is in
-        // bounds. D does not alias A, B or C (plan refuses C = D; the output is a fresh
-        // allocation or a gradient buffer no operand reads).
+        // bounds. D does not alias A or B (the output is a fresh allocation or a gradient
+        // buffer no operand reads); C is D itself (each element is read just before it is
+        // written, below) or apart from it (plan refuses an overlap).
         unsafe {
             let load = |x: &LtMatrix, off: i64| -> f32 {
                 if c.bf16 {
@@ -196,11 +197,25 @@ pub(crate) fn lt_matmul(c: &LtCall) -> Result<()> {
                     *(x.ptr as *const f32).offset(off as isize)
                 }
             };
+            // op(A) (m, k) and op(B) (k, n) widened into dense column-major copies, so the
+            // product's inner loop runs down contiguous columns (and vectorises): the same
+            // products added in the same order (p ascending) for every element.
+            for p in 0..k {
+                for i in 0..m {
+                    a[i + p * m] = load(&c.a, at(&c.a, c.ta, i, p, ba));
+                }
+            }
             for j in 0..n {
                 for p in 0..k {
-                    let bv = load(&c.b, at(&c.b, c.tb, p, j, bb));
-                    for i in 0..m {
-                        acc[i + j * m] += load(&c.a, at(&c.a, c.ta, i, p, ba)) * bv;
+                    b[p + j * k] = load(&c.b, at(&c.b, c.tb, p, j, bb));
+                }
+            }
+            for j in 0..n {
+                let out = &mut acc[j * m..(j + 1) * m];
+                for p in 0..k {
+                    let bv = b[p + j * k];
+                    for (o, &av) in out.iter_mut().zip(&a[p * m..(p + 1) * m]) {
+                        *o += av * bv;
                     }
                 }
             }
