@@ -327,6 +327,11 @@ impl CudaBackend {
     pub fn device_allocations(&self) -> usize {
         self.pool.mallocs()
     }
+    /// Bytes of the largest buffer (its pool size class) allocated since `reset_peak_memory`.
+    pub fn largest_allocation(&self) -> usize {
+        self.pool.largest()
+    }
+    /// Starts a new peak (and largest allocation) from what is live now.
     pub fn reset_peak_memory(&self) {
         self.pool.reset_peak()
     }

@@ -25,6 +25,8 @@ struct Lists {
     free: HashMap<usize, Vec<sys::CUdeviceptr>>,
     current: usize,
     peak: usize,
+    /// The largest block handed out since the peak was last reset.
+    largest: usize,
     cached: usize,
     /// cuMemAlloc calls so far (successful ones).
     mallocs: usize,
@@ -115,6 +117,7 @@ impl Pool {
                 l.cached -= class;
                 l.current += class;
                 l.peak = l.peak.max(l.current);
+                l.largest = l.largest.max(class);
                 return Ok(DevBuf { ptr, class, pool: self.clone() });
             }
         }
@@ -132,6 +135,7 @@ impl Pool {
         let mut l = self.lists.lock().unwrap_or_else(|e| e.into_inner());
         l.current += class;
         l.peak = l.peak.max(l.current);
+        l.largest = l.largest.max(class);
         l.mallocs += 1;
         Ok(DevBuf { ptr, class, pool: self.clone() })
     }
@@ -163,9 +167,14 @@ impl Pool {
     pub fn mallocs(&self) -> usize {
         self.lists.lock().unwrap_or_else(|e| e.into_inner()).mallocs
     }
+    /// The largest block (its size class, bytes) handed out since `reset_peak`.
+    pub fn largest(&self) -> usize {
+        self.lists.lock().unwrap_or_else(|e| e.into_inner()).largest
+    }
     pub fn reset_peak(&self) {
         let mut l = self.lists.lock().unwrap_or_else(|e| e.into_inner());
         l.peak = l.current;
+        l.largest = 0;
     }
 }
 
