@@ -35,11 +35,16 @@ pub struct Node {
 ///   (a slice of an f32 gradient bucket). An op that writes its result there (a GEMM's output)
 ///   returns that view, and the leaf's sink sees it arrive in place: no cast, no copy.
 ///
-/// Both are optional to use: an op that ignores them gets the engine's plain behaviour.
+/// - `grad_is_one()`: the output gradient is exactly 1 (the op's output is the root of
+///   `backward()`), so an op that made its input gradients in its forward for a root gradient
+///   of 1 (the fused head + loss) hands them over without reading or scaling by it.
+///
+/// All are optional to use: an op that ignores them gets the engine's plain behaviour.
 pub struct GradCtx {
     partial: Vec<Option<Vec<Tensor>>>,
     taken: Vec<bool>,
     dest: Vec<Option<GradDest>>,
+    unit: bool,
 }
 
 impl GradCtx {
@@ -60,6 +65,10 @@ impl GradCtx {
             Some(f) => f(),
             None => Ok(None),
         }
+    }
+    /// True when the output gradient is the seed 1 of `backward()` (this op made the root).
+    pub fn grad_is_one(&self) -> bool {
+        self.unit
     }
 }
 
@@ -101,11 +110,19 @@ impl Tensor {
 }
 
 /// Sums gradient contributions in arrival order (a left fold, as eager accumulation would).
+/// Contributions of different float dtypes (an op's f32 gradient destination and a bf16
+/// gradient of a tied weight's other consumer) are summed in the wider one.
 fn sum_grads(parts: Vec<Tensor>) -> Result<Option<Tensor>> {
     let mut it = parts.into_iter();
     let Some(mut acc) = it.next() else { return Ok(None) };
     for g in it {
-        acc = acc.add(&g)?;
+        acc = match acc.dtype() == g.dtype() {
+            true => acc.add(&g)?,
+            false => {
+                let wide = if acc.dtype().size_in_bytes() >= g.dtype().size_in_bytes() { acc.dtype() } else { g.dtype() };
+                acc.to_dtype(wide)?.add(&g.to_dtype(wide)?)?
+            }
+        };
     }
     Ok(Some(acc))
 }
@@ -119,7 +136,8 @@ fn sum_grads(parts: Vec<Tensor>) -> Result<Option<Tensor>> {
 /// contribution goes first; only when every ready tensor waits on communication is the newest
 /// of them taken (and waited on). The choice depends on which values are pending, never on
 /// timing, so a run is deterministic; with nothing pending it is plain newest-first order.
-pub(crate) fn traverse(root: &Tensor, seed: Tensor, on_leaf: &mut dyn FnMut(&Tensor, Tensor) -> Result<()>) -> Result<()> {
+/// `unit_seed`: `seed` is exactly 1 (`backward()`), which the root's op is told (`GradCtx::grad_is_one`).
+pub(crate) fn traverse(root: &Tensor, seed: Tensor, unit_seed: bool, on_leaf: &mut dyn FnMut(&Tensor, Tensor) -> Result<()>) -> Result<()> {
     let _g = no_grad();
     // Consumer counts of every tensor reachable from root that requires grad.
     let mut deps: HashMap<usize, usize> = HashMap::new();
@@ -182,6 +200,7 @@ pub(crate) fn traverse(root: &Tensor, seed: Tensor, on_leaf: &mut dyn FnMut(&Ten
             (Some(g), Backward::Plain(f)) => f(&g).map_err(wrap)?,
             (Some(g), Backward::Ctx(f)) => {
                 let mut ctx = offer(&node.inputs, &mut grads, &single);
+                ctx.unit = unit_seed && id == root.id();
                 let r = f(&g, &mut ctx);
                 // Contributions the op did not take go back, ahead of its own (arrival order).
                 for (inp, parts) in node.inputs.iter().zip(ctx.partial) {
@@ -237,7 +256,7 @@ pub(crate) fn traverse(root: &Tensor, seed: Tensor, on_leaf: &mut dyn FnMut(&Ten
 /// consumer and nothing arrived yet.
 fn offer(inputs: &[Tensor], grads: &mut HashMap<usize, Vec<Tensor>>, single: &std::collections::HashSet<usize>) -> GradCtx {
     let n = inputs.len();
-    let mut ctx = GradCtx { partial: vec![None; n], taken: vec![false; n], dest: vec![None; n] };
+    let mut ctx = GradCtx { partial: vec![None; n], taken: vec![false; n], dest: vec![None; n], unit: false };
     for (i, inp) in inputs.iter().enumerate() {
         if !inp.requires_grad() || inputs[..i].iter().any(|o| o.id() == inp.id()) {
             continue;
@@ -260,14 +279,19 @@ pub fn backward(root: &Tensor) -> Result<()> {
         crate::bail!("backward", "root must have one element, it has shape {:?}; use backward_with", root.shape());
     }
     let seed = Tensor::ones(root.shape().clone(), root.dtype(), root.device())?;
-    backward_with(root, seed)
+    accumulate(root, seed, true)
 }
 
+/// Backpropagates `seed` (of the root's shape) from `root`, accumulating into leaf `.grad()`s.
 pub fn backward_with(root: &Tensor, seed: Tensor) -> Result<()> {
+    accumulate(root, seed, false)
+}
+
+fn accumulate(root: &Tensor, seed: Tensor, unit_seed: bool) -> Result<()> {
     if !root.requires_grad() {
         crate::bail!("backward", "tensor does not require grad (no parameter reaches it, or it was made under no_grad)");
     }
-    traverse(root, seed, &mut |leaf, g| {
+    traverse(root, seed, unit_seed, &mut |leaf, g| {
         let sink = leaf.0.sink.lock().unwrap_or_else(|e| e.into_inner()).clone();
         if let Some(sink) = sink {
             sink(&g);
@@ -343,7 +367,7 @@ where
         let xs = fresh(&saved_inputs)?;
         let y = f(&xs)?;
         let mut got: HashMap<usize, Tensor> = HashMap::new();
-        traverse(&y, g.clone(), &mut |leaf, gl| {
+        traverse(&y, g.clone(), false, &mut |leaf, gl| {
             got.insert(leaf.id(), gl);
             Ok(())
         })?;

@@ -388,6 +388,32 @@ impl Tensor {
     pub fn set_grad_dest(&self, f: Option<autograd::GradDest>) {
         *self.0.dest.lock().unwrap_or_else(|e| e.into_inner()) = f;
     }
+    /// The destination `set_grad_dest` offers, asked for by an op that computes this leaf's
+    /// gradient in its forward (the fused LM head + loss: its chunks' weight-gradient GEMMs
+    /// accumulate into it). The op must return that view as the leaf's gradient from its backward
+    /// in the same pass: the sink then sees it arrive in place, and any other consumer's
+    /// contribution is added to it by the engine before the sink copies the sum. `None`: not a
+    /// leaf that requires grad, no offer, or (without a sink) a `.grad()` already holding a
+    /// gradient that must not be overwritten.
+    pub fn grad_dest(&self) -> Result<Option<Tensor>> {
+        if !self.is_leaf() || !self.requires_grad() {
+            return Ok(None);
+        }
+        let fresh = self.0.sink.lock().unwrap_or_else(|e| e.into_inner()).is_some() || self.grad().is_none();
+        let offer = self.0.dest.lock().unwrap_or_else(|e| e.into_inner()).clone();
+        let Some(d) = offer.filter(|_| fresh).map(|f| f()).transpose()?.flatten() else { return Ok(None) };
+        if d.shape() != self.shape() || !d.is_contiguous() || !d.dtype().is_float() || d.device() != self.device() {
+            bail!(
+                "grad_dest",
+                "the destination offered is {:?} {} on {}, not a dense float view of {:?}",
+                d.shape(),
+                d.dtype(),
+                d.device(),
+                self.shape()
+            );
+        }
+        Ok(Some(d))
+    }
     /// True when both tensors are the same elements of the same storage (same offset, shape
     /// and strides).
     pub fn same_view(&self, other: &Tensor) -> bool {

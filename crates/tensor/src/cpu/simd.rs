@@ -190,6 +190,24 @@ pub fn map_into_sum<T: Float>(d: &mut [T], x: &[T], f: impl Fn(T) -> T) -> T {
     acc.iter().fold(T::zero(), |s, &a| s + a)
 }
 
+/// `x[j] = f(x[j])` in place, returning the sum of the new values in the lanes and order of
+/// `sum_map`, so the sum is bit for bit `map_into_sum` into another buffer.
+#[inline(always)]
+pub fn map_in_place_sum<T: Float>(x: &mut [T], f: impl Fn(T) -> T) -> T {
+    let mut acc = [T::zero(); LANES];
+    let mut xc = x.chunks_exact_mut(LANES);
+    for c in &mut xc {
+        for (a, o) in acc.iter_mut().zip(c.iter_mut()) {
+            *o = f(*o);
+            *a = *a + *o;
+        }
+    }
+    for (a, o) in acc.iter_mut().zip(xc.into_remainder()) {
+        *o = f(*o);
+        *a = *a + *o;
+    }
+    acc.iter().fold(T::zero(), |s, &a| s + a)
+}
 /// The largest element (-inf for none; NaN elements are skipped, as `Float::max` does).
 #[inline(always)]
 pub fn max<T: Float>(x: &[T]) -> T {
