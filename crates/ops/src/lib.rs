@@ -14,6 +14,7 @@
 //! | `causal_attention`, `segment_attention` | `attention` | kernels/attention.cu |
 //! | `cross_entropy` | `cross_entropy` | kernels/cross_entropy.cu |
 //! | `embedding` | `embedding` | kernels/embedding.cu |
+//! | `head_loss` (LM head + cross-entropy, chunked) | `head_loss` | kernels/head_loss.cu, kernels/cross_entropy.cu |
 //! | `softmax_last` | `softmax` | kernels/softmax.cu |
 //!
 //! `Tokens` carries a batch's ids with their host copy, so the embedding and the cross-entropy
@@ -25,6 +26,7 @@ pub mod attention;
 pub mod cross_entropy;
 mod dispatch;
 pub mod embedding;
+pub mod head_loss;
 pub mod heads;
 pub mod rmsnorm;
 pub mod rope;
@@ -36,6 +38,7 @@ pub mod tokens;
 pub use attention::{causal_attention, segment_attention, AttnDims};
 pub use cross_entropy::{cross_entropy, cross_entropy_tokens};
 pub use embedding::{embedding, embedding_tokens};
+pub use head_loss::{head_loss, head_loss_sharded, HeadLossOptions, LossChunks, LossScale, VocabShards};
 pub use heads::HeadLayout;
 pub use rmsnorm::rms_norm;
 pub use rope::{rope, rope_at};

@@ -1,0 +1,177 @@
+//! The fused, chunked LM head + cross-entropy on the CUDA device (the GPU, else the CPU
+//! emulator) against the CPU's on fresh random inputs, device buffers poisoned with NaN
+//! (FERROLM_CUDA_POISON=1) so an unwritten element fails: f32 and bf16, a head read once or also
+//! by an embedding (tied), masks that ignore most rows and a chunk that ignores all of its rows,
+//! chunk sizes that do not divide the rows, the step's scale and a root gradient other than 1,
+//! dW accumulated in place into an f32 gradient destination over the chunks (cuBLASLt's beta 1
+//! with C = D), and the vocabulary split over two thread "ranks" on the device against one.
+//! Tolerances as in cuda.rs. With no CUDA device the tests print "skipped: no CUDA device" and
+//! pass, unless FERROLM_REQUIRE_GPU=1 (or FERROLM_REQUIRE_EMU=1 without the emulator).
+#[path = "../../cuda/tests/common/mod.rs"]
+mod common;
+use common::*;
+use ferrolm_ops::{embedding_tokens, head_loss, head_loss_sharded, HeadLossOptions, LossScale, Tokens, VocabShards};
+use ferrolm_tensor::{DType, Device, Result, Rng, Tensor};
+use std::sync::{Arc, Barrier, Mutex};
+
+const IGNORE: i32 = -100;
+
+fn opts(chunk: usize) -> HeadLossOptions {
+    HeadLossOptions { ignore_index: IGNORE, scale: LossScale::Mean, chunk_tokens: chunk }
+}
+
+/// (loss, dX, dW) of `f` on `dev` from the CPU values x and w; W's gradient goes into an f32
+/// destination poisoned with NaN when `dest`.
+fn run(dev: Device, x: &Tensor, w: &Tensor, dest: bool, f: &dyn Fn(&Tensor, &Tensor) -> Result<Tensor>) -> [Tensor; 3] {
+    let (x, w) = (x.to_device(dev).unwrap().detach(), w.to_device(dev).unwrap().detach());
+    x.set_requires_grad(true).unwrap();
+    w.set_requires_grad(true).unwrap();
+    let d = Tensor::full(w.dims().to_vec(), f64::NAN, DType::F32, dev).unwrap();
+    if dest {
+        let d = d.clone();
+        w.set_grad_dest(Some(Arc::new(move || Ok(Some(d.clone())))));
+    }
+    let loss = f(&x, &w).unwrap();
+    loss.backward().unwrap();
+    let gw = w.grad().unwrap();
+    if dest {
+        assert!(gw.same_view(&d) || gw.dtype() == DType::F32, "W's gradient arrives in (or for) the f32 destination");
+    }
+    [loss.to_device(Device::Cpu).unwrap(), x.grad().unwrap().to_device(Device::Cpu).unwrap(), gw.to_device(Device::Cpu).unwrap()]
+}
+
+fn compare(name: &str, cpu: &[Tensor; 3], gpu: &[Tensor; 3], dt: DType) {
+    for (i, what) in ["loss", "dX", "dW"].into_iter().enumerate() {
+        check(&format!("{name}: {what}"), &cpu[i].to_dtype(DType::F32).unwrap(), &gpu[i].to_dtype(DType::F32).unwrap(), dt, true);
+    }
+}
+
+#[test]
+fn head_loss_on_the_device_matches_the_cpu() {
+    each_float_dtype(21, |dt, r| {
+        let (n, v, c) = (48, 600, 64);
+        let x = Tensor::randn([n, c], 1.0, dt, Device::Cpu, r).unwrap();
+        let w = Tensor::randn([v, c], 0.3, dt, Device::Cpu, r).unwrap();
+        let masks: [(&str, Vec<i32>); 3] = [
+            ("none ignored", (0..n).map(|_| r.below(v as u64) as i32).collect()),
+            ("most ignored", (0..n).map(|i| if i % 9 == 4 { r.below(v as u64) as i32 } else { IGNORE }).collect()),
+            ("rows 13..26 ignored", (0..n).map(|i| if (13..26).contains(&i) { IGNORE } else { r.below(v as u64) as i32 }).collect()),
+        ];
+        let ids = Tokens::upload((0..n as i32).map(|i| (i * 37) % v as i32).collect(), [n], Device::Cpu).unwrap();
+        for (what, t) in &masks {
+            // (chunk, tied, scale, dW into an f32 destination)
+            for (chunk, tied, scale, dest) in
+                [(16, false, LossScale::Mean, false), (13, true, LossScale::Mean, true), (48, false, LossScale::Sum(0.01), true)]
+            {
+                let o = HeadLossOptions { scale, ..opts(chunk) };
+                let f = |x: &Tensor, w: &Tensor| -> Result<Tensor> {
+                    let dev = x.device();
+                    let tg = Tokens::upload(t.clone(), [n], dev)?;
+                    let x = match tied {
+                        true => x.add(&embedding_tokens(&Tokens::upload(ids.host().unwrap().to_vec(), [n], dev)?, w)?)?,
+                        false => x.clone(),
+                    };
+                    // A root gradient of 3 for the tied case: the op scales what it saved.
+                    let l = head_loss(&x, w, &tg, &o)?;
+                    if tied {
+                        l.mul_scalar(3.0)
+                    } else {
+                        Ok(l)
+                    }
+                };
+                let name = format!("{dt} {what}, chunks of {chunk}, tied {tied}, {scale:?}, destination {dest}");
+                compare(&name, &run(Device::Cpu, &x, &w, false, &f), &run(GPU, &x, &w, dest, &f), dt);
+            }
+        }
+    });
+}
+
+/// A test's vocabulary-parallel group on one device: ranks are threads that meet at a barrier
+/// and reduce on the host in rank order.
+struct Threads {
+    rank: usize,
+    start: usize,
+    vocab: usize,
+    barrier: Arc<Barrier>,
+    slots: Arc<Mutex<Vec<Option<Vec<f64>>>>>,
+}
+
+impl Threads {
+    fn reduce(&self, x: &Tensor, f: fn(f64, f64) -> f64) -> Result<Tensor> {
+        self.slots.lock().unwrap()[self.rank] = Some(x.to_vec_f64()?);
+        self.barrier.wait();
+        let all: Vec<Vec<f64>> = self.slots.lock().unwrap().iter().map(|s| s.clone().unwrap()).collect();
+        self.barrier.wait();
+        let out: Vec<f32> = (0..all[0].len()).map(|i| all.iter().skip(1).fold(all[0][i], |a, r| f(a, r[i])) as f32).collect();
+        Tensor::from_vec(out, x.dims().to_vec(), x.device())
+    }
+}
+
+impl VocabShards for Threads {
+    fn start(&self) -> usize {
+        self.start
+    }
+    fn vocab(&self) -> usize {
+        self.vocab
+    }
+    fn all_reduce_max(&self, x: &Tensor) -> Result<Tensor> {
+        self.reduce(x, f64::max)
+    }
+    fn all_reduce_sum(&self, x: &Tensor) -> Result<Tensor> {
+        self.reduce(x, |a, b| a + b)
+    }
+}
+
+/// Two ranks holding half the vocabulary each, on the device, against the whole head on the
+/// CPU: the loss, dX summed over the ranks and each rank's rows of dW (kernels/head_loss.cu).
+#[test]
+fn vocabulary_shards_on_the_device_match_the_whole_head() {
+    each_float_dtype(22, |dt, r| {
+        let (n, v, c) = (45, 600, 32);
+        let x = Tensor::randn([n, c], 1.0, dt, Device::Cpu, r).unwrap();
+        let w = Tensor::randn([v, c], 0.3, dt, Device::Cpu, r).unwrap();
+        let t: Vec<i32> = (0..n).map(|i| if i % 5 == 0 || (10..20).contains(&i) { IGNORE } else { r.below(v as u64) as i32 }).collect();
+        let whole = run(Device::Cpu, &x, &w, false, &|x, w| head_loss(x, w, &Tokens::upload(t.clone(), [n], Device::Cpu)?, &opts(10)));
+        let (barrier, slots) = (Arc::new(Barrier::new(2)), Arc::new(Mutex::new(vec![None, None])));
+        let got: Vec<[Tensor; 3]> = std::thread::scope(|s| {
+            let hs: Vec<_> = (0..2)
+                .map(|rank| {
+                    let (x, w, t) = (&x, &w, &t);
+                    let sh = Threads { rank, start: rank * v / 2, vocab: v, barrier: barrier.clone(), slots: slots.clone() };
+                    s.spawn(move || {
+                        let wr = w.narrow(0, sh.start, v / 2).unwrap().contiguous().unwrap();
+                        run(GPU, x, &wr, rank == 1, &|x, w| head_loss_sharded(x, w, &Tokens::upload(t.clone(), [n], GPU)?, &opts(10), &sh))
+                    })
+                })
+                .collect();
+            hs.into_iter().map(|h| h.join().unwrap()).collect()
+        });
+        for (rank, g) in got.iter().enumerate() {
+            let rows = whole[2].narrow(0, rank * v / 2, v / 2).unwrap();
+            check(&format!("{dt} rank {rank} loss"), &whole[0], &g[0], dt, true);
+            check(&format!("{dt} rank {rank} dW"), &rows.to_dtype(DType::F32).unwrap(), &g[2].to_dtype(DType::F32).unwrap(), dt, true);
+        }
+        let dx = got[0][1].to_dtype(DType::F32).unwrap().add(&got[1][1].to_dtype(DType::F32).unwrap()).unwrap();
+        check(&format!("{dt} dX summed over the ranks"), &whole[1].to_dtype(DType::F32).unwrap(), &dx, dt, true);
+    });
+}
+
+/// Without grad (eval) a chunk is its logits GEMM and its loss: the same loss.
+#[test]
+fn the_loss_without_grad_is_the_same() {
+    let Some(_g) = gpu() else { return };
+    let mut r = Rng::new(23);
+    let (n, v, c) = (33, 257, 16);
+    let x = Tensor::randn([n, c], 1.0, DType::F32, Device::Cpu, &mut r).unwrap();
+    let w = Tensor::randn([v, c], 0.3, DType::F32, Device::Cpu, &mut r).unwrap();
+    let t: Vec<i32> = (0..n).map(|i| if i % 3 == 0 { IGNORE } else { r.below(v as u64) as i32 }).collect();
+    let loss = |grad: bool| {
+        let _g = ferrolm_tensor::set_grad_enabled(grad);
+        let (x, w) = (to_gpu(&x), to_gpu(&w));
+        x.set_requires_grad(true).unwrap();
+        head_loss(&x, &w, &Tokens::upload(t.clone(), [n], GPU).unwrap(), &opts(8)).unwrap()
+    };
+    let (a, b) = (loss(true), loss(false));
+    assert!(a.requires_grad() && !b.requires_grad());
+    assert_eq!(a.item().unwrap(), b.item().unwrap());
+}
