@@ -12,10 +12,12 @@
 use crate::config::{LadderLayers, LlamaConfig};
 use crate::generate::KvCache;
 use crate::lora::LoraState;
-use crate::module::{project, BranchFn, BranchHook, Embedding, HeadOp, Linear, ParamInfo, ParamKind, ParamVisitor};
+use crate::module::{project, BranchFn, BranchHook, Embedding, HeadLoss, HeadOp, Linear, ParamInfo, ParamKind, ParamVisitor};
 use crate::rope::Rope;
 use crate::safetensors_io::{self, TensorMap};
-use ferrolm_ops::{causal_attention, rms_norm, rope, rope_at, segment_attention, softmax_last, swiglu, Segments, Tokens};
+use ferrolm_ops::{
+    causal_attention, rms_norm, rope, rope_at, segment_attention, softmax_last, swiglu, LossChunks, LossScale, Segments, Tokens,
+};
 use ferrolm_tensor::{no_grad, DType, Device, Error, Result, Rng, Tensor};
 use std::path::Path;
 use std::sync::Arc;
@@ -188,6 +190,10 @@ pub struct Llama {
     pub lm_head: Option<Tensor>,
     /// How the head computes logits and the loss (dense, or vocabulary-parallel).
     pub head_op: Arc<dyn HeadOp>,
+    /// How the head's loss walks the tokens: fused in chunks (of the largest size whose logits
+    /// fit 256 MiB, or a given one) or unfused, the default until the memory estimator charges
+    /// the chunk.
+    pub loss_chunks: LossChunks,
     /// Runs each residual branch (activation checkpointing replaces it).
     pub branch_hook: Option<Arc<dyn BranchHook>>,
     rope: Arc<Rope>,
@@ -333,16 +339,28 @@ impl Llama {
     /// (checked and counted on the device: host waits on a GPU) or `&Tokens` uploaded with their
     /// host copy (checked and counted there: the loss is computed without a host wait).
     pub fn loss(&self, inputs: impl Into<Tokens>, targets: impl Into<Tokens>) -> Result<Tensor> {
-        self.loss_of(inputs.into(), targets.into(), None)
+        self.loss_with(inputs, targets, None, LossScale::Mean)
     }
 
     /// `loss` of packed rows (`forward_packed`): the mean over the targets that are not -100,
     /// whichever sequence of whichever row they belong to.
     pub fn loss_packed(&self, inputs: impl Into<Tokens>, targets: impl Into<Tokens>, packing: &Packing) -> Result<Tensor> {
-        self.loss_of(inputs.into(), targets.into(), Some(packing))
+        self.loss_with(inputs, targets, Some(packing), LossScale::Mean)
     }
 
-    fn loss_of(&self, ids: Tokens, tg: Tokens, packing: Option<&Packing>) -> Result<Tensor> {
+    /// `loss` (or `loss_packed`, with a packing) scaled as `scale` says: the mean over the
+    /// trained targets, or their sum times a factor (the optimizer step's 1 / trained tokens, so
+    /// that micro-batches and data-parallel ranks of unequal trained counts weigh each token
+    /// alike). The head fuses the logits and the cross-entropy chunk by chunk as `loss_chunks`
+    /// says.
+    pub fn loss_with(
+        &self,
+        inputs: impl Into<Tokens>,
+        targets: impl Into<Tokens>,
+        packing: Option<&Packing>,
+        scale: LossScale,
+    ) -> Result<Tensor> {
+        let (ids, tg) = (inputs.into(), targets.into());
         let (inputs, targets) = (ids.tensor(), tg.tensor());
         if targets.dims() != inputs.dims() || targets.dtype() != DType::I32 {
             return Err(Error::new(
@@ -352,7 +370,13 @@ impl Llama {
         }
         let pos = self.positions(inputs, packing)?;
         let x = rms_norm(&self.hidden(&ids, &pos, None)?, &self.norm, self.cfg.rms_norm_eps)?;
-        self.head_op.loss(&x, self.head_weight(), &tg, -100)
+        self.head_loss(&x, &tg, scale)
+    }
+
+    /// The head's loss of the final normed hidden states x (B, T, C) against targets (B, T).
+    fn head_loss(&self, x: &Tensor, targets: &Tokens, scale: LossScale) -> Result<Tensor> {
+        let o = HeadLoss { ignore_index: -100, scale, chunks: self.loss_chunks };
+        self.head_op.loss(x, self.head_weight(), targets, &o)
     }
 
     /// Logits (B, T, V) for ids that continue the sequences held in `cache` (generation).
@@ -442,6 +466,7 @@ impl Llama {
             norm: self.norm.clone(),
             lm_head: self.lm_head.clone(),
             head_op: self.head_op.clone(),
+            loss_chunks: self.loss_chunks,
             branch_hook: self.branch_hook.clone(),
             rope: self.rope.clone(),
             dtype: self.dtype,
@@ -488,6 +513,7 @@ impl Llama {
             norm: none()?,
             lm_head: if cfg.tie_word_embeddings { None } else { Some(none()?) },
             head_op: Arc::new(crate::module::Dense),
+            loss_chunks: LossChunks::Unfused,
             branch_hook: None,
             rope: Arc::new(Rope::new(&cfg, dtype, device)),
             cfg,

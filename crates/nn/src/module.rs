@@ -4,7 +4,7 @@
 //! file never learns how it is parallelised. Activation checkpointing attaches the same way,
 //! through a [`BranchHook`].
 use crate::lora::Adapter;
-use ferrolm_ops::Tokens;
+use ferrolm_ops::{HeadLossOptions, LossChunks, LossScale, Tokens};
 use ferrolm_tensor::{Result, Tensor};
 use std::sync::Arc;
 
@@ -97,13 +97,44 @@ pub trait EmbeddingOp: Send + Sync {
     fn forward(&self, ids: &Tokens, weight: &Tensor) -> Result<Tensor>;
 }
 
+/// What a model asks its head's loss for.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct HeadLoss {
+    /// The target of tokens that are not trained (transformers' -100).
+    pub ignore_index: i32,
+    /// The mean over the batch's trained tokens, or their sum times the step's factor.
+    pub scale: LossScale,
+    /// Fused and chunked (the default, or a chunk size), or unfused (`--loss-chunk-tokens 0`).
+    pub chunks: LossChunks,
+}
+
+impl HeadLoss {
+    /// The options of the fused op for a batch of `tokens` against `vocab` logits a token
+    /// (this rank's) of `elem_bytes` each; `None` when unfused.
+    pub fn fused(&self, tokens: usize, vocab: usize, elem_bytes: usize) -> Option<HeadLossOptions> {
+        let chunk_tokens = self.chunks.chunk_tokens(tokens, vocab, elem_bytes)?;
+        Some(HeadLossOptions { ignore_index: self.ignore_index, scale: self.scale, chunk_tokens })
+    }
+
+    /// The factor that turns the unfused path's mean over `counted` trained tokens into the
+    /// loss asked for.
+    pub fn factor_of_mean(&self, counted: usize) -> f64 {
+        match self.scale {
+            LossScale::Mean => 1.0,
+            LossScale::Sum(s) => s * counted as f64,
+        }
+    }
+}
+
 /// How the output head turns the final hidden states into logits and the loss.
 pub trait HeadOp: Send + Sync {
     /// Full logits (B, T, V) from hidden states (B, T, C).
     fn logits(&self, x: &Tensor, weight: &Tensor) -> Result<Tensor>;
-    /// Mean cross-entropy of the logits against aligned i32 targets (B, T); `ignore` is skipped.
-    /// The loss stays on the device; targets with their host copy are checked and counted there.
-    fn loss(&self, x: &Tensor, weight: &Tensor, targets: &Tokens, ignore: i32) -> Result<Tensor>;
+    /// Cross-entropy of the logits of x against aligned i32 targets (B, T), `o.ignore_index`
+    /// skipped, scaled as `o.scale` says; the logits never whole unless `o.chunks` is unfused
+    /// (`ferrolm_ops::head_loss`). The loss stays on the device; targets with their host copy
+    /// are checked and counted there.
+    fn loss(&self, x: &Tensor, weight: &Tensor, targets: &Tokens, o: &HeadLoss) -> Result<Tensor>;
 }
 
 /// The single-device ops.
@@ -128,10 +159,21 @@ impl HeadOp for Dense {
     fn logits(&self, x: &Tensor, w: &Tensor) -> Result<Tensor> {
         linear(x, w)
     }
-    fn loss(&self, x: &Tensor, w: &Tensor, targets: &Tokens, ignore: i32) -> Result<Tensor> {
+    fn loss(&self, x: &Tensor, w: &Tensor, targets: &Tokens, o: &HeadLoss) -> Result<Tensor> {
+        let n = targets.tensor().numel();
+        if let Some(f) = o.fused(n, w.dim(0), w.dtype().size_in_bytes()) {
+            return ferrolm_ops::head_loss(x, w, targets, &f);
+        }
         let logits = linear(x, w)?; // (B, T, V)
-        let (n, v) = (targets.tensor().numel(), logits.dim(logits.rank() - 1));
-        ferrolm_ops::cross_entropy_tokens(&logits.reshape(vec![n, v])?, &targets.reshape(vec![n])?, ignore)
+        let v = logits.dim(logits.rank() - 1);
+        let mean = ferrolm_ops::cross_entropy_tokens(&logits.reshape(vec![n, v])?, &targets.reshape(vec![n])?, o.ignore_index)?;
+        match o.scale {
+            LossScale::Mean => Ok(mean),
+            LossScale::Sum(_) => {
+                let counted = ferrolm_ops::tokens::count_targets(&targets.host_ids()?, v, o.ignore_index)?;
+                mean.mul_scalar(o.factor_of_mean(counted))
+            }
+        }
     }
 }
 

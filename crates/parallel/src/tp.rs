@@ -11,8 +11,11 @@
 //!   all-reduce is launched and returned pending, to be waited on where the residual schedule
 //!   adds it (at once for a standard block, one branch later for a Ladder block).
 //! - embedding and LM head: vocabulary-parallel (rows split); the cross-entropy works on the
-//!   vocabulary shards and never gathers the logits. Ids and targets are split, checked and
-//!   counted on their host copy (`Tokens`), so neither reads the device back.
+//!   vocabulary shards and never gathers the logits: fused with the head and chunked
+//!   (`ferrolm_ops::head_loss_sharded`: each chunk's row max, then its sums of exponentials and
+//!   target logits, all-reduced, the max's in flight during the next chunk's GEMM), or unfused
+//!   (`--loss-chunk-tokens 0`). Ids and targets are split, checked and counted on their host copy
+//!   (`Tokens`), so neither reads the device back.
 //! - GQA with fewer key/value heads than ranks: each rank keeps the key/value head its query
 //!   heads use (replicated, as Megatron does); its weight gradient is summed over the ranks
 //!   that share it.
@@ -22,9 +25,9 @@
 //!   replicated key/value head, for its B). The frozen base weights get no gradient.
 use crate::comm::{Comm, ReduceOp};
 use crate::comm_ops::{copy_to_group, gather_from_group, reduce_from_group};
-use ferrolm_nn::module::{linear, EmbeddingOp, Factor, HeadOp, LinearOp};
+use ferrolm_nn::module::{linear, EmbeddingOp, Factor, HeadLoss, HeadOp, LinearOp};
 use ferrolm_nn::Llama;
-use ferrolm_ops::Tokens;
+use ferrolm_ops::{LossScale, Tokens, VocabShards};
 use ferrolm_tensor::{bail, no_grad, DType, Error, Result, Tensor};
 use std::collections::BTreeMap;
 use std::sync::{Arc, Mutex};
@@ -241,15 +244,22 @@ impl HeadOp for VocabParallel {
         gather_from_group(&local, &self.comm, local.rank() - 1)
     }
 
-    /// Cross-entropy over vocabulary shards: the row max, the sum of exponentials and the
-    /// target logit are each reduced over the group; the (N, V) logits never are.
-    fn loss(&self, x: &Tensor, w: &Tensor, targets: &Tokens, ignore: i32) -> Result<Tensor> {
-        let logits = self.head().forward(x, w)?; // (B, T, V/tp)
+    /// Cross-entropy over vocabulary shards, fused with the head chunk by chunk
+    /// (`head_loss_sharded`), or unfused: the row max, the sum of exponentials and the target
+    /// logit are each reduced over the group; the (N, V) logits never are.
+    fn loss(&self, x: &Tensor, w: &Tensor, targets: &Tokens, o: &HeadLoss) -> Result<Tensor> {
         let n = targets.tensor().numel();
+        if let Some(f) = o.fused(n, self.rows, w.dtype().size_in_bytes()) {
+            // Megatron's f: the input's gradient (this rank's part) is all-reduced in backward.
+            let xf = copy_to_group(x, &self.comm)?;
+            return ferrolm_ops::head_loss_sharded(&xf, w, targets, &f, self);
+        }
+        let logits = self.head().forward(x, w)?; // (B, T, V/tp)
         let l = logits.reshape(vec![n, self.rows])?.to_dtype(DType::F32)?; // (N, V/tp)
+        let ignore = o.ignore_index;
         let t = targets.host_ids()?;
         let counted = ferrolm_ops::tokens::count_targets(&t, self.rows * self.comm.size(), ignore)?;
-        if counted == 0 {
+        if counted == 0 && o.scale == LossScale::Mean {
             bail!("vocab_parallel_cross_entropy", "every target is ignored");
         }
         // Row max over the whole vocabulary: a constant shift (no gradient flows through it).
@@ -287,7 +297,28 @@ impl HeadOp for VocabParallel {
         let inside = Tensor::from_vec(inside, vec![n, 1], dev)?;
         let tgt = reduce_from_group(&picked.mul(&inside)?, &self.comm)?; // (N, 1)
         let keep = Tensor::from_vec(keep, vec![n, 1], dev)?;
-        lse.sub(&tgt)?.mul(&keep)?.sum_all()?.mul_scalar(1.0 / counted as f64)
+        let per_token = match o.scale {
+            LossScale::Mean => 1.0 / counted as f64,
+            LossScale::Sum(s) => s,
+        };
+        lse.sub(&tgt)?.mul(&keep)?.sum_all()?.mul_scalar(per_token)
+    }
+}
+
+/// The vocabulary shards of the fused head's per-chunk statistics: all-reduces over the group,
+/// returned in flight.
+impl VocabShards for VocabParallel {
+    fn start(&self) -> usize {
+        self.start
+    }
+    fn vocab(&self) -> usize {
+        self.rows * self.comm.size()
+    }
+    fn all_reduce_max(&self, x: &Tensor) -> Result<Tensor> {
+        Ok(self.comm.all_reduce_async(x, ReduceOp::Max)?.tensor())
+    }
+    fn all_reduce_sum(&self, x: &Tensor) -> Result<Tensor> {
+        Ok(self.comm.all_reduce_async(x, ReduceOp::Sum)?.tensor())
     }
 }
 

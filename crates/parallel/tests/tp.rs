@@ -1,9 +1,11 @@
 //! Tensor parallelism equals the single-device run, on thread ranks: forward logits, loss and
 //! every gradient (gathered), 20 AdamW steps, and greedy generation, for Llama and Ladder
 //! (all layers and mixed), GQA with fewer key/value heads than ranks, tied embeddings; packed
-//! rows (each rank attends inside the same segments with its heads).
+//! rows (each rank attends inside the same segments with its heads); the fused, chunked head +
+//! loss over vocabulary shards against one device's, and the unfused one.
 use ferrolm_nn::optim::{AdamW, AdamWConfig};
 use ferrolm_nn::{generate, shift_labels, Llama, LlamaConfig, Packing};
+use ferrolm_ops::{LossChunks, LossScale, Tokens};
 use ferrolm_parallel::tp::{parallelize, TpShardings};
 use ferrolm_parallel::{CommOptions, Communicator, ThreadComm};
 use ferrolm_tensor::{no_grad, DType, Device, Rng, Tensor};
@@ -101,6 +103,64 @@ fn tp_forward_and_gradients_equal_single_device() {
                 for ((n, g), (_, w)) in got.grads.iter().zip(&want.grads) {
                     let e = max_rel(g, w);
                     assert!(e < TOL, "{name} tp {tp} rank {rank}: gradient of {n} rel err {e}");
+                }
+            }
+        }
+    }
+}
+
+/// The fused head + loss under `--tp 2` against one device: chunks of 4 tokens (not dividing
+/// the 18), most targets ignored and one chunk with every target ignored, the step's scale
+/// (`LossScale::Sum`), a tied and an untied head; each against one device with the same chunks
+/// and with the unfused head (`--loss-chunk-tokens 0`), under tp 2 as well.
+#[test]
+fn the_chunked_head_over_vocabulary_shards_equals_single_device() {
+    for (name, c) in cases().into_iter().take(2) {
+        let (x, y) = batch(&c, 5);
+        // Rows 4..8 ignored (the second chunk of 4 entirely), and every third row.
+        let t: Vec<i32> =
+            y.to_vec::<i32>().unwrap().iter().enumerate().map(|(i, &v)| if (4..8).contains(&i) || i % 3 == 0 { -100 } else { v }).collect();
+        let trained = t.iter().filter(|&&v| v != -100).count() as f64;
+        let tg = Tokens::upload(t, vec![2, 9], Device::Cpu).unwrap();
+        let run = |m: &mut Llama, chunks: LossChunks| -> ferrolm_tensor::Result<(f64, Vec<(String, Tensor)>)> {
+            m.loss_chunks = chunks;
+            let loss = m.loss_with(&x, &tg, None, LossScale::Sum(0.5 / trained))?;
+            loss.backward()?;
+            let grads = m
+                .parameters()
+                .into_iter()
+                .map(|(n, p)| Ok((n.clone(), p.grad().ok_or_else(|| ferrolm_tensor::Error::new("test", n))?)))
+                .collect::<ferrolm_tensor::Result<_>>()?;
+            Ok((loss.item()?, grads))
+        };
+        let one = |chunks| {
+            let mut m = Llama::new(c.clone(), DType::F32, Device::Cpu, &mut Rng::new(1)).unwrap();
+            let (l, g) = run(&mut m, chunks).unwrap();
+            (l, g.into_iter().map(|(n, g)| (n, g.to_vec::<f32>().unwrap())).collect::<Vec<_>>())
+        };
+        let want = one(LossChunks::Tokens(4));
+        let unfused = one(LossChunks::Unfused);
+        assert!((unfused.0 - want.0).abs() < TOL * want.0, "{name}: one device, unfused loss {} vs chunked {}", unfused.0, want.0);
+        for chunks in [LossChunks::Tokens(4), LossChunks::Unfused] {
+            let outs = ThreadComm::run(2, CommOptions::default(), |comm| {
+                let mut m = Llama::new(c.clone(), DType::F32, Device::Cpu, &mut Rng::new(1))?;
+                let layout = parallelize(&mut m, &comm)?;
+                let (l, g) = run(&mut m, chunks)?;
+                let g = g
+                    .into_iter()
+                    .map(|(n, g)| Ok((n.clone(), layout.gather(&n, &g, &comm)?.to_vec::<f32>()?)))
+                    .collect::<ferrolm_tensor::Result<Vec<_>>>()?;
+                Ok((l, g))
+            })
+            .unwrap();
+            for (rank, got) in outs.iter().enumerate() {
+                assert!((got.0 - want.0).abs() < TOL * want.0, "{name} {chunks:?} rank {rank}: loss {} vs {}", got.0, want.0);
+                for (((n, g), (_, w)), (_, u)) in got.1.iter().zip(&want.1).zip(&unfused.1) {
+                    let (e, eu) = (max_rel(g, w), max_rel(u, w));
+                    assert!(
+                        e < TOL && eu < TOL,
+                        "{name} {chunks:?} rank {rank}: gradient of {n} rel err {e} (unfused on one device: {eu})"
+                    );
                 }
             }
         }
