@@ -5,7 +5,8 @@
 //! (FERROLM_CUDA_POISON=1), so an unwritten output element fails; every element is compared.
 //! Tolerances: f32 |d| <= 1e-4 + 1e-4 |ref| (1e-3 for attention sums and gradients), bf16
 //! |d| <= 2e-2 + 2e-2 |ref| (the CPU widens bf16 to f32 and rounds once; the GPU rounds
-//! intermediates such as P in attention to bf16). On the emulator the second run of each
+//! intermediates such as P in attention to bf16). Every float input must get a gradient on both
+//! sides: a missing one fails. On the emulator the second run of each
 //! determinism check schedules every block's threads in reverse order, so a data race fails it.
 //! With no CUDA device the tests print "skipped: no CUDA device" and pass, unless
 //! FERROLM_REQUIRE_GPU=1 (or FERROLM_REQUIRE_EMU=1 without the emulator), where they fail.

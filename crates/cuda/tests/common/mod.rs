@@ -114,7 +114,8 @@ pub fn check(name: &str, cpu: &Tensor, gpu: &Tensor, dt: DType, loose: bool) {
     }
 }
 /// Runs `f` on CPU and GPU copies of `inputs`, back-propagates a random cotangent and compares
-/// the output and every input gradient.
+/// the output and every input gradient. Every float input must get a gradient on both sides (ids
+/// and targets on neither): a missing one fails.
 pub fn fwd_bwd(name: &str, dt: DType, inputs: &[Tensor], loose: bool, f: impl Fn(&[Tensor]) -> Tensor) {
     let mut r = rng(99);
     let run = |dev: Device, cot: Option<&Tensor>| {
@@ -137,9 +138,19 @@ pub fn fwd_bwd(name: &str, dt: DType, inputs: &[Tensor], loose: bool, f: impl Fn
     check(name, &cy, &gy, dt, loose);
     cy.mul(&cot).unwrap().sum_all().unwrap().backward().unwrap();
     gy.mul(gcot.as_ref().unwrap()).unwrap().sum_all().unwrap().backward().unwrap();
+    // A device op that returns no gradient, or one the CPU does not, fails here instead of
+    // passing unchecked.
     for (i, (c, g)) in cx.iter().zip(&gx).enumerate() {
-        if let (Some(a), Some(b)) = (c.grad(), g.grad()) {
-            check(&format!("{name}.grad[{i}]"), &a, &b, dt, true);
+        let float = c.dtype() != DType::I32;
+        match (c.grad(), g.grad()) {
+            (Some(a), Some(b)) if float => check(&format!("{name}.grad[{i}]"), &a, &b, dt, true),
+            (None, None) if !float => {}
+            (a, b) => panic!(
+                "{name}.grad[{i}] ({}): the CPU {} a gradient and the device {}",
+                c.dtype(),
+                if a.is_some() { "gave" } else { "gave no" },
+                if b.is_some() { "gave one" } else { "gave none" }
+            ),
         }
     }
 }
