@@ -9,10 +9,15 @@
 //! build script wrote under this test's target dir (`build/ferrolm-*/out/`). cuobjdump (and the
 //! nvdisasm it runs) come from the project's `.cuda/` toolchain (scripts/install-cuda-toolchain.sh)
 //! or PATH. When either is missing the test says why and passes, except under
-//! FERROLM_REQUIRE_SASS=1, where it fails. A fatbin that lacks a kernel this crate launches is
-//! stale (built from other sources) and fails.
+//! FERROLM_REQUIRE_SASS=1, where it fails. A stale fatbin fails, whatever the environment: one
+//! older than a file of `kernels/` (rebuild it: `cargo build -p ferrolm`), or one that lacks a
+//! kernel this crate launches (`Kernel::NAMES`), since its SASS is not the code under test.
 use std::path::{Path, PathBuf};
 use std::process::Command;
+
+/// Kernels of the element-wise, cast, copy, fill, transpose, reduction, gradient-norm, AdamW,
+/// embedding and fused-op families (`vector_loads_and_no_local_memory`'s prefixes) in the fatbin.
+const LOCAL_MEMORY_CHECKED: usize = 55;
 
 fn skip(why: &str) {
     if std::env::var("FERROLM_REQUIRE_SASS").is_ok_and(|v| v == "1") {
@@ -83,19 +88,44 @@ fn has_op(body: &str, op: &str) -> bool {
 /// (kernel name, its SASS text) of every function.
 type Funcs = Vec<(String, String)>;
 
+/// The newest file of the kernel sources (`kernels/` at the repository root) and its time; None
+/// where the sources are not here (a test binary run on another machine).
+fn newest_source() -> Option<(PathBuf, std::time::SystemTime)> {
+    let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../kernels");
+    let files = std::fs::read_dir(dir).ok()?.filter_map(|e| e.ok().map(|e| e.path()));
+    files.filter_map(|p| Some((p.metadata().ok()?.modified().ok()?, p))).max().map(|(t, p)| (p, t))
+}
+
+/// Panics when `fb` is older than a kernel source: its SASS would be another code's.
+fn assert_fresh(fb: &Path) {
+    let (Some((src, newest)), Ok(built)) = (newest_source(), fb.metadata().and_then(|m| m.modified())) else { return };
+    assert!(
+        built >= newest,
+        "{} is older than {}: a stale fatbin (rebuild it with `cargo build -p ferrolm`, or point FERROLM_KERNELS_FATBIN at a fresh one)",
+        fb.display(),
+        src.display()
+    );
+}
+
 /// The fatbin, the cuobjdump that reads it and its sm_90 SASS per kernel; None (after `skip`
-/// says why) when one of them is missing.
+/// says why) when one of them is missing. A stale fatbin fails.
 fn sass_of_fatbin() -> Option<(PathBuf, PathBuf, Funcs)> {
     let Some(fb) = fatbin().filter(|p| p.is_file()) else {
         skip("no built fatbin (FERROLM_KERNELS_FATBIN, or build/ferrolm-*/out/ferrolm_kernels.fatbin: needs nvcc)");
         return None;
     };
+    assert_fresh(&fb);
     let Some(tool) = cuobjdump() else {
         skip("no cuobjdump (.cuda/ from scripts/install-cuda-toolchain.sh, or PATH)");
         return None;
     };
     match sass(&tool, &fb) {
-        Ok(f) => Some((fb, tool, f)),
+        Ok(f) => {
+            let missing: Vec<&str> =
+                ferrolm_cuda::kernels::Kernel::NAMES.iter().copied().filter(|k| !f.iter().any(|(n, _)| n == k)).collect();
+            assert!(missing.is_empty(), "{} lacks kernels this crate launches (a stale fatbin?): {missing:?}", fb.display());
+            Some((fb, tool, f))
+        }
         Err(e) => {
             skip(&e);
             None
@@ -149,22 +179,30 @@ fn vector_loads_and_no_local_memory() {
         "rope_",
         "rmsnorm_",
     ];
-    let mut checked = 0;
+    let mut checked = Vec::new();
     for (name, body) in &funcs {
         if prefixes.iter().any(|p| name.starts_with(p)) {
             assert!(!has_op(body, "LDL") && !has_op(body, "STL"), "{name}: local memory (LDL/STL) in its sm_90 code");
-            checked += 1;
+            checked.push(name.as_str());
         }
     }
+    // A kernel renamed out of the prefixes would drop out of the check silently: the count is
+    // held, so such a change (or a new kernel under a prefix) shows here and is looked at.
+    assert_eq!(
+        checked.len(),
+        LOCAL_MEMORY_CHECKED,
+        "kernels checked for local memory: {checked:?}; if a kernel was added, renamed or removed on purpose, update \
+         LOCAL_MEMORY_CHECKED (and the prefixes, so that every element-wise, copy, reduction and fused-op kernel is in)"
+    );
     for k in ["transpose_b32", "reduce_rows_f32", "reduce_cols_bf16", "reduce_finish_f32", "strided_copy_b16"] {
-        assert!(find(k).is_some(), "{k} is not in {} (a stale fatbin?)", fb.display());
+        assert!(checked.contains(&k), "{k} was not checked for local memory in {}", fb.display());
     }
-    println!("{checked} kernels checked in {}", fb.display());
+    println!("{} kernels checked for local memory in {}", checked.len(), fb.display());
 }
 
 /// The flash-attention kernels' tensor-core feed, in their sm_90 code: HMMA (mma.sync), LDSM
-/// (ldmatrix) inside a loop (between a backward branch and its target), LDGSTS (cp.async), no
-/// local memory (LDL/STL); and from `cuobjdump --dump-resource-usage`, no stack and no local
+/// (ldmatrix) and LDGSTS (cp.async), each inside the main loop (the loop, between a backward
+/// branch and its target, that holds the most HMMA), no local memory (LDL/STL); and from `cuobjdump --dump-resource-usage`, no stack and no local
 /// memory (no register spills) for every architecture in the fatbin; for the 8-warp kernels and
 /// their 4-warp (`_w4`) twins. A kernel that falls back to scalar shared-memory loads or spills
 /// fails here.
@@ -185,11 +223,17 @@ fn flash_attention_feeds_the_tensor_cores() {
             assert!(hmma >= 32, "{k}: {hmma} HMMA instructions: the products are not on the tensor cores");
             assert!(ldsm >= 16, "{k}: {ldsm} LDSM (ldmatrix) instructions");
             assert!(ldgsts >= 4, "{k}: {ldgsts} LDGSTS (cp.async) instructions");
-            assert!(in_loop(body, "LDSM"), "{k}: no LDSM inside a loop of its sm_90 code");
+            // The main loop (the loop holding the most HMMA) itself feeds the tensor cores: its
+            // products, their ldmatrix loads and the next tile's cp.async all sit inside it, not
+            // in a prologue or an epilogue that runs once.
+            let main = main_loop(body);
+            assert!(main.hmma >= 32, "{k}: {} HMMA in its main loop: the products are not in the loop", main.hmma);
+            assert!(main.ldsm >= 8, "{k}: {} LDSM (ldmatrix) in its main loop", main.ldsm);
+            assert!(main.ldgsts >= 1, "{k}: no LDGSTS (cp.async) in its main loop: the next tile is not loaded behind the products");
             // What else the main loop issues per HMMA: softmax, masks, addresses, barriers. The
             // bounds sit just above the counts of 2026-11-26 (docs/BENCHMARKS.md); at d 64 the
             // softmax is twice the share of the tensor work it is at d 128.
-            let (n, in_loop_hmma) = main_loop(body);
+            let (n, in_loop_hmma) = (main.instructions, main.hmma);
             let per = n as f64 / in_loop_hmma.max(1) as f64;
             let bound = if d == 128 { 6.5 } else { 9.0 };
             assert!(per <= bound, "{k}: {per:.2} instructions per HMMA in its main loop ({n} for {in_loop_hmma}), over {bound}");
@@ -199,7 +243,10 @@ fn flash_attention_feeds_the_tensor_cores() {
             for u in rows {
                 assert!(u.contains("STACK:0 ") && u.contains("LOCAL:0 "), "{k}: stack or local memory (spills): {u}");
             }
-            println!("{k}: HMMA {hmma}, LDSM {ldsm}, LDGSTS {ldgsts}; main loop {n} instructions, {in_loop_hmma} HMMA ({per:.2} each)");
+            println!(
+                "{k}: HMMA {hmma}, LDSM {ldsm}, LDGSTS {ldgsts}; main loop {n} instructions, {in_loop_hmma} HMMA ({per:.2} each), {} LDSM, {} LDGSTS",
+                main.ldsm, main.ldgsts
+            );
         }
     }
 }
@@ -228,14 +275,6 @@ fn resource_usage(tool: &Path, fatbin: &Path) -> Result<Vec<(String, String)>, S
     Ok(rows)
 }
 
-/// Whether an instruction `op` lies inside a loop: between the target of a backward branch
-/// (`BRA 0x..` to a lower address) and the branch.
-fn in_loop(body: &str, op: &str) -> bool {
-    let ops: Vec<u64> = instructions(body).filter(|(_, l)| has_op(l, op)).map(|(a, _)| a).collect();
-    let back = back_edges(body);
-    ops.iter().any(|&o| back.iter().any(|&(t, b)| t <= o && o <= b))
-}
-
 /// (address, line) of every instruction of a function's SASS.
 fn instructions(body: &str) -> impl Iterator<Item = (u64, &str)> {
     body.lines().filter_map(|l| {
@@ -255,14 +294,25 @@ fn back_edges(body: &str) -> Vec<(u64, u64)> {
         .collect()
 }
 
-/// The loop holding the most HMMA: (its instructions, its HMMA).
-fn main_loop(body: &str) -> (usize, usize) {
+/// What a loop (between the target of a backward branch and the branch) issues.
+#[derive(Default)]
+struct LoopMix {
+    instructions: usize,
+    hmma: usize,
+    ldsm: usize,
+    ldgsts: usize,
+}
+
+/// The loop holding the most HMMA (the main loop), between the target of a backward branch
+/// (`BRA 0x..` to a lower address) and the branch; an empty mix when there is no loop.
+fn main_loop(body: &str) -> LoopMix {
     back_edges(body)
         .into_iter()
         .map(|(t, b)| {
             let inside: Vec<&str> = instructions(body).filter(|&(a, _)| t <= a && a <= b).map(|(_, l)| l).collect();
-            (inside.len(), inside.iter().filter(|l| has_op(l, "HMMA")).count())
+            let count = |op: &str| inside.iter().filter(|l| has_op(l, op)).count();
+            LoopMix { instructions: inside.len(), hmma: count("HMMA"), ldsm: count("LDSM"), ldgsts: count("LDGSTS") }
         })
-        .max_by_key(|&(_, hmma)| hmma)
-        .unwrap_or((0, 0))
+        .max_by_key(|m| m.hmma)
+        .unwrap_or_default()
 }
