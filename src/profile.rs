@@ -10,7 +10,8 @@
 //! (their median; null when not timed), "total_ms", "kernels": [{"name", "launches", "total_ms",
 //! "share" (0..1), "mean_us", "max_grid" [x, y, z], "max_block"}] (slowest first),
 //! "small_grids": [{"name", "elems", "grid", "block"}] (launches over 2^20 elements on fewer
-//! blocks than the device has SMs)}`.
+//! blocks than the device has SMs), "gemm_fallbacks" (fused GEMMs cuBLASLt refused, composed
+//! from separate kernels instead; target 0)}`.
 use anyhow::{Context, Result};
 use ferrolm_cuda::profile::{self, ProfileReport};
 use std::path::{Path, PathBuf};
@@ -45,6 +46,7 @@ pub fn to_json(r: &ProfileReport) -> serde_json::Value {
         "steps": r.step_launches.len(), "launches": r.launches(), "launches_per_step": r.launches_per_step(),
         "step_ms": r.step_ms, "ms_per_step": r.ms_per_step(),
         "step_launches": r.step_launches, "total_ms": r.total_ms(), "kernels": kernels, "small_grids": small,
+        "gemm_fallbacks": r.gemm_fallbacks,
     })
 }
 

@@ -222,3 +222,51 @@ fn gradient_gemms_add_and_cast_in_their_own_launch() {
     assert_eq!(names(&bwd), [("gemm_bf16 (cuBLASLt)".to_string(), 4)], "the backward of two linear layers reading one x");
     assert!(w1.grad().is_some_and(|g| g.same_view(&d)), "w1's gradient is not its destination");
 }
+
+/// A fused GEMM (an addend, an f32 destination from bf16) that cuBLASLt refuses is composed from
+/// a plain GEMM, a cast and an add, and counted: `gemm_fallbacks` in the report and in
+/// `profile.json`, the figure `scripts/gpu_perf.sh` reports (target 0). On the emulator the
+/// refusal is its test hook, which refuses such GEMMs the way a cuBLASLt without an algorithm
+/// for them would; on a GPU this test only checks that the fused GEMM was not refused.
+#[test]
+fn a_refused_fused_gemm_is_composed_and_counted() {
+    let Some(device) = common::cuda0_device() else { return };
+    let _g = PROFILE.lock().unwrap_or_else(|e| e.into_inner());
+    let be = ferrolm_cuda::CudaBackend::latest(0).expect("cuda:0 registered");
+    let mut r = Rng::new(8);
+    let host = |s: &[usize], dt: DType, r: &mut Rng| Tensor::randn(s.to_vec(), 1.0, dt, Device::Cpu, r).unwrap();
+    let (a, b, acc) = (host(&[64, 32], DType::BF16, &mut r), host(&[32, 48], DType::BF16, &mut r), host(&[64, 48], DType::F32, &mut r));
+    // acc + a b in f64 from the bf16 inputs: both paths round the product at most to bf16.
+    let (av, bv, cv) = (a.to_vec_f64().unwrap(), b.to_vec_f64().unwrap(), acc.to_vec_f64().unwrap());
+    let want: Vec<f64> = (0..64 * 48).map(|i| cv[i] + (0..32).map(|k| av[i / 48 * 32 + k] * bv[k * 48 + i % 48]).sum::<f64>()).collect();
+    let (a, b, acc) = (a.to_device(device).unwrap(), b.to_device(device).unwrap(), acc.to_device(device).unwrap());
+    let run = |refuse: bool| {
+        be.emulator_refuse_fused_gemm(refuse);
+        profile::enable(true);
+        profile::reset();
+        let dest = Tensor::full([64, 48], f64::NAN, DType::F32, device).unwrap();
+        let out = a.matmul_into(&b, Some(&acc), Some(&dest));
+        let rep = profile::report();
+        profile::enable(false);
+        be.emulator_refuse_fused_gemm(false);
+        (out.unwrap().to_vec_f64().unwrap(), rep)
+    };
+    let (fused, rep) = run(false);
+    assert_eq!(rep.gemm_fallbacks, 0, "a GEMM cuBLASLt ran was counted as a fallback");
+    assert_eq!(ferrolm::profile::to_json(&rep)["gemm_fallbacks"].as_u64(), Some(0));
+    let close = |got: &[f64], what: &str| {
+        for (i, (g, w)) in got.iter().zip(&want).enumerate() {
+            assert!((g - w).abs() <= 2e-2 * (1.0 + w.abs()), "{what}[{i}]: {g} against {w}");
+        }
+    };
+    close(&fused, "fused");
+    if !be.is_emulated() {
+        return;
+    }
+    let (composed, rep) = run(true);
+    assert_eq!(rep.gemm_fallbacks, 1, "the refused GEMM was not counted: {:?}", rep.kernels);
+    assert_eq!(ferrolm::profile::to_json(&rep)["gemm_fallbacks"].as_u64(), Some(1));
+    assert!(rep.table().contains("warning: 1 fused GEMMs refused by cuBLASLt"), "{}", rep.table());
+    assert!(rep.kernels.len() > 1, "a composed GEMM launches more than the GEMM: {:?}", rep.kernels);
+    close(&composed, "composed");
+}

@@ -122,6 +122,9 @@ pub(crate) struct Emu {
     /// Test hook (`emulator_skip_copy_wait`): copies on a side stream skip their wait for the
     /// compute stream (or for the producer's event), the mutation that race mode must catch.
     pub(crate) skip_copy_wait: std::sync::atomic::AtomicBool,
+    /// Test hook (`emulator_refuse_fused_gemm`): GEMMs with an addend or an f32 output from bf16
+    /// are refused as a cuBLASLt without an algorithm for them would refuse them.
+    refuse_fused_gemm: std::sync::atomic::AtomicBool,
 }
 
 pub(crate) struct Gpu {
@@ -188,7 +191,11 @@ impl CudaBackend {
         crate::emu_stream::install_report();
         let race = Arc::new(AtomicU64::new(crate::emu_stream::race_from_env()));
         let stream = Arc::new(CudaStream::Emu(EmuStream::new(race.clone())?));
-        Ok(Self::finish(ordinal, Exec::Emu(Emu { stream, race, skip_copy_wait: false.into() }), Pool::new(Mem::Host)))
+        Ok(Self::finish(
+            ordinal,
+            Exec::Emu(Emu { stream, race, skip_copy_wait: false.into(), refuse_fused_gemm: false.into() }),
+            Pool::new(Mem::Host),
+        ))
     }
 
     /// Emulated device: race mode with `seed` (a pseudo-random delay before every queued item
@@ -234,6 +241,16 @@ impl CudaBackend {
     pub fn emulator_reverse_schedule(&self, on: bool) {
         if self.is_emulated() {
             crate::emu::set_reverse_schedule(on);
+        }
+    }
+
+    /// Test hook, emulated device only: while on, a GEMM with an addend or an f32 output from
+    /// bf16 inputs is refused the way cuBLASLt refuses a combination it has no algorithm for
+    /// (before anything is enqueued), so the composed fallback and its count
+    /// (`profile::gemm_fallbacks`) can be checked without a GPU. No effect on a GPU.
+    pub fn emulator_refuse_fused_gemm(&self, on: bool) {
+        if let Exec::Emu(e) = &self.exec {
+            e.refuse_fused_gemm.store(on, Ordering::Relaxed);
         }
     }
 
@@ -461,7 +478,10 @@ impl CudaBackend {
                 g.gemm.lock().unwrap_or_else(|e| e.into_inner()).run(&g.raw_stream, &call)?;
                 self.profile_end(timer, name, shape)
             }
-            Exec::Emu(_) => {
+            Exec::Emu(e) => {
+                if e.refuse_fused_gemm.load(Ordering::Relaxed) && (call.c.is_some() || call.out_bf16 != call.bf16) {
+                    bail!("matmul", "{} for {call:?} (emulator_refuse_fused_gemm)", crate::gemm::NO_ALGORITHM);
+                }
                 crate::emu::lt_check(&call)?;
                 self.profile_end(None, name, shape)?;
                 self.emu_enqueue("matmul", Box::new(move || crate::emu::lt_matmul(&call).map_err(|e| e.to_string())))

@@ -18,7 +18,7 @@ use std::ffi::c_void;
 use std::sync::Arc;
 
 const WORKSPACE: usize = 32 << 20;
-const NO_ALGORITHM: &str = "no cuBLASLt algorithm";
+pub(crate) const NO_ALGORITHM: &str = "no cuBLASLt algorithm";
 const MATMUL_FAILED: &str = "cuBLASLt matmul failed";
 
 /// True for an error cuBLASLt itself returned (no algorithm for the call, or the call refused),

@@ -11,9 +11,13 @@
 //! Steps come from `StepScope` (the trainer marks each optimizer step), so the report can say
 //! how many launches one training step makes. `report()` groups the records by kernel name.
 //! The off path costs one relaxed atomic load per launch.
+//!
+//! Whether on or off, it counts the fused GEMMs (an addend, or f32 out of bf16) that cuBLASLt
+//! refused and that were composed from separate kernels instead (`gemm_fallbacks`): on a GPU
+//! that is a silent slowdown, which the report and `profile.json` make visible (target 0).
 use crate::device::CudaEvent;
 use std::collections::BTreeMap;
-use std::sync::atomic::{AtomicBool, AtomicU8, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicU8, Ordering};
 use std::sync::Mutex;
 
 /// 0: not yet read from the environment, 1: off, 2: on.
@@ -21,6 +25,8 @@ static STATE: AtomicU8 = AtomicU8::new(0);
 static INNER: Mutex<Inner> = Mutex::new(Inner::new());
 /// Whether any record was timed with events (a GPU backend recorded one).
 static TIMED: AtomicBool = AtomicBool::new(false);
+/// Fused GEMMs refused by cuBLASLt and composed instead, since the start or the last `reset`.
+static GEMM_FALLBACKS: AtomicU64 = AtomicU64::new(0);
 
 /// Elements above which a launch must use at least one block per SM (`ProfileReport::small_grids`).
 pub const BIG_LAUNCH_ELEMS: u64 = 1 << 20;
@@ -59,6 +65,18 @@ pub fn reset() {
     *g = Inner::new();
     g.in_step = keep_step;
     TIMED.store(false, Ordering::Relaxed);
+    GEMM_FALLBACKS.store(0, Ordering::Relaxed);
+}
+
+/// Counts one fused GEMM that cuBLASLt refused and the caller composes from separate kernels.
+pub(crate) fn note_gemm_fallback() {
+    GEMM_FALLBACKS.fetch_add(1, Ordering::Relaxed);
+}
+
+/// Fused GEMMs refused by cuBLASLt and composed from separate kernels instead, since the start
+/// of the process or the last `reset` (counted with the profile off too).
+pub fn gemm_fallbacks() -> u64 {
+    GEMM_FALLBACKS.load(Ordering::Relaxed)
 }
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -244,6 +262,9 @@ pub struct ProfileReport {
     /// the step's wall time, the difference is time the device waited for the host.
     pub step_ms: Vec<f64>,
     pub small_grids: Vec<SmallGrid>,
+    /// Fused GEMMs cuBLASLt refused, composed from a plain GEMM, an add and a cast instead
+    /// (`gemm_fallbacks`; target 0).
+    pub gemm_fallbacks: u64,
 }
 
 impl ProfileReport {
@@ -304,6 +325,13 @@ impl ProfileReport {
                 g.name, g.elems, g.grid.0, g.grid.1, g.grid.2, self.sm_count
             );
         }
+        if self.gemm_fallbacks > 0 {
+            let _ = writeln!(
+                s,
+                "warning: {} fused GEMMs refused by cuBLASLt were composed from separate kernels (gemm_fallbacks)",
+                self.gemm_fallbacks
+            );
+        }
         s
     }
 }
@@ -345,6 +373,7 @@ pub fn report() -> ProfileReport {
         step_launches: g.steps.clone(),
         step_ms: g.steps_ms.iter().take(g.steps.len()).copied().collect(),
         small_grids: g.small.clone(),
+        gemm_fallbacks: gemm_fallbacks(),
     }
 }
 
@@ -381,6 +410,7 @@ mod tests {
             step_launches: vec![],
             step_ms: vec![],
             small_grids: vec![],
+            gemm_fallbacks: 0,
         };
         assert_eq!(r.launches_per_step(), None);
         r.step_launches = vec![9, 5, 7];
@@ -392,5 +422,8 @@ mod tests {
         let t = r.table();
         assert!(t.contains("14 launches over 3 steps (7 launches per step)"), "{t}");
         assert!(t.lines().nth(2).is_some_and(|l| l.ends_with(" a") && l.contains("(132, 1, 1)x256")), "{t}");
+        assert!(!t.contains("gemm_fallbacks"), "{t}");
+        r.gemm_fallbacks = 3;
+        assert!(r.table().contains("warning: 3 fused GEMMs refused by cuBLASLt were composed"), "{}", r.table());
     }
 }
