@@ -4,19 +4,25 @@
 //! a GPU would get.
 //!
 //! - A training step of a 124M-class model's layout (12 layers, bf16, untied embeddings, one
-//!   device, the trainer's engine) makes at most `STEP_LAUNCH_BUDGET` launches: 60% of the 1,567
-//!   the first hardware profile counted (2026-11-26). The widths are small (the count does not
-//!   depend on them), so the emulator runs it in seconds. The per-layer count is the difference
-//!   between 13 and 12 layers; both are printed for docs/BENCHMARKS.md, and a layer makes at most
+//!   device, the trainer's engine) makes at most `STEP_LAUNCH_BUDGET` launches: the count
+//!   measured (`STEP_LAUNCHES_MEASURED`) plus 8. The widths are small, since the count does not
+//!   depend on them: every reduction of a step launches its partial pass and its finishing pass
+//!   whatever the size (on the emulator the count was the same at 1,040 tokens, a vocabulary of
+//!   32,000 and hidden 768, 2026-11-27), and the test checks that the partial passes run on
+//!   several blocks, as at real sizes. The per-layer count is the difference between 13 and 12
+//!   layers; both are printed for docs/BENCHMARKS.md, and a layer makes at most
 //!   `LAYER_LAUNCH_BUDGET`. The step launches no strided copy and no transpose (the heads and
 //!   the weight gradients stay in place).
 //! - The gradient GEMMs of linear layers add dX onto the gradient so far and write dW into an
 //!   f32 destination themselves: two layers reading one x backpropagate in four GEMMs and
-//!   nothing else.
+//!   nothing else. A fused GEMM that cuBLASLt refuses is composed from separate kernels and
+//!   counted (`gemm_fallbacks`, which `scripts/gpu_perf.sh` reports).
 //! - No launch that touches more than 2^20 elements runs on fewer blocks than the device has
-//!   SMs: the primitive ops, the casts and copies, the reductions, the step's norm and the fused
-//!   ops' element-wise and row kernels (SwiGLU, RMSNorm forward and backward on short and on
-//!   long rows, RoPE), each at 2^21 elements.
+//!   SMs, by what launchers declare and by the grids themselves: the primitive ops, the casts
+//!   and copies, the reductions, the step's norm, the fused ops' element-wise and row kernels
+//!   (SwiGLU, RMSNorm forward and backward on short and on long rows, RoPE), AdamW, the
+//!   embedding (forward, and both backward paths) and the cross-entropy (many short rows, and
+//!   64 rows of 32,768), each at 2^21 elements.
 //!
 //! The profile is one per process: the tests of this file take a lock and reset it.
 mod common;
@@ -28,8 +34,10 @@ use ferrolm_cuda::profile;
 use ferrolm_tensor::Rng;
 use std::sync::Mutex;
 
-/// At most 60% of the 1,567 launches per step of the first hardware profile (issue 31).
-const STEP_LAUNCH_BUDGET: f64 = 940.0;
+/// Launches of a 12-layer step as counted (2026-11-27: 24 + 12 x 40), and the budget: that count
+/// plus 8 (1.6%), so a change that adds launches to a step shows here.
+const STEP_LAUNCHES_MEASURED: f64 = 504.0;
+const STEP_LAUNCH_BUDGET: f64 = STEP_LAUNCHES_MEASURED + 8.0;
 /// Launches per layer and step: 21 GEMMs, RoPE 4, RMSNorm 2 x (forward, dx, two dw passes),
 /// attention 4 (forward, the dot, dK/dV, dQ), SwiGLU 2, the bucket's AdamW: 40 (57 before the
 /// gradient GEMMs summed dX and wrote dW in f32, the norm's backward added the residual's
@@ -38,10 +46,27 @@ const LAYER_LAUNCH_BUDGET: f64 = 40.0;
 
 static PROFILE: Mutex<()> = Mutex::new(());
 
-fn opts(steps: usize) -> TrainOptions {
+/// The counted shape: head dim 64 (the flash kernels run as on a GPU), one sequence of 16 tokens,
+/// where every reduction of the step already splits over blocks and launches its finishing pass,
+/// as at real sizes (the test checks the grids).
+const STEP: StepShape = StepShape { hidden: 128, ffn: 256, heads: 2, vocab: None, batch: 1, seq: 16 };
+
+/// The model and batch of a counted step: widths, query heads (head dim hidden / heads), the
+/// vocabulary (None: the tokenizer's), and the batch.
+#[derive(Clone, Copy, Debug)]
+struct StepShape {
+    hidden: usize,
+    ffn: usize,
+    heads: usize,
+    vocab: Option<usize>,
+    batch: usize,
+    seq: usize,
+}
+
+fn opts(steps: usize, s: StepShape) -> TrainOptions {
     TrainOptions {
-        batch_size: 1,
-        seq_len: 16,
+        batch_size: s.batch,
+        seq_len: s.seq,
         warmup_steps: 1,
         eval_every: 0,
         eval_batches: 1,
@@ -52,23 +77,28 @@ fn opts(steps: usize) -> TrainOptions {
     }
 }
 
-/// Launches per training step of a `layers`-layer bf16 Llama (head dim 64, so the flash kernels
-/// run as on a GPU), and the profile of those steps.
-fn step_launches(layers: usize) -> (f64, profile::ProfileReport) {
+/// Launches per training step of a `layers`-layer bf16 Llama of shape `s`, and the profile of
+/// those steps.
+fn step_launches(layers: usize, s: StepShape) -> (f64, profile::ProfileReport) {
     let device = common::cuda0_device().expect("cuda:0");
-    let tmp = common::tmp(&format!("launches-{layers}"));
+    let tmp = common::tmp(&format!("launches-{layers}-{}x{}", s.batch, s.hidden));
     let tok = Tokenizer::from_file(common::tokenizer_path()).unwrap();
     prepare_text_dir(common::root().join("data/corpus/sonnets.txt"), &tok, tmp.join("shards"), 0.1, 1 << 20).unwrap();
     let cfg = LlamaConfig::from_json_str(&format!(
-        r#"{{"model_type":"llama","vocab_size":{},"hidden_size":128,"intermediate_size":256,"num_hidden_layers":{layers},
-            "num_attention_heads":2,"num_key_value_heads":2,"max_position_embeddings":64,"tie_word_embeddings":false}}"#,
-        tok.vocab_size()
+        r#"{{"model_type":"llama","vocab_size":{},"hidden_size":{},"intermediate_size":{},"num_hidden_layers":{layers},
+            "num_attention_heads":{},"num_key_value_heads":{},"max_position_embeddings":{},"tie_word_embeddings":false}}"#,
+        s.vocab.unwrap_or(tok.vocab_size()),
+        s.hidden,
+        s.ffn,
+        s.heads,
+        s.heads,
+        s.seq.max(64)
     ))
     .unwrap();
     let model = Llama::new(cfg, DType::BF16, device, &mut Rng::new(1)).unwrap();
     let train = list_shards(tmp.join("shards"), "train").unwrap();
     let val = list_shards(tmp.join("shards"), "val").unwrap();
-    let mut t = Trainer::new(model, &train, &val, opts(3), &tmp.join("run")).unwrap();
+    let mut t = Trainer::new(model, &train, &val, opts(3, s), &tmp.join("run")).unwrap();
     profile::enable(true);
     profile::reset();
     t.run().unwrap();
@@ -88,11 +118,24 @@ fn a_training_step_of_a_12_layer_model_stays_within_the_launch_budget() {
         return;
     }
     let _g = PROFILE.lock().unwrap_or_else(|e| e.into_inner());
-    let (l12, r) = step_launches(12);
-    let (l13, _) = step_launches(13);
+    let (l12, r) = step_launches(12, STEP);
+    let (l13, _) = step_launches(13, STEP);
     println!("{}", r.table());
     println!("launches per step: 12 layers {l12}, 13 layers {l13}, per layer {}", l13 - l12);
-    assert!(l12 <= STEP_LAUNCH_BUDGET, "a 12-layer training step made {l12} launches, over the budget of {STEP_LAUNCH_BUDGET}");
+    assert!(
+        l12 <= STEP_LAUNCH_BUDGET,
+        "a 12-layer training step made {l12} launches, over the budget of {STEP_LAUNCH_BUDGET} ({STEP_LAUNCHES_MEASURED} measured)"
+    );
+    // The step's reductions run a partial pass over several blocks, then a finishing pass: at
+    // this shape as at real ones, so the count holds every finishing pass a real step launches.
+    let blocks = |g: (u32, u32, u32)| g.0 as u64 * g.1 as u64 * g.2 as u64;
+    for partial in ["grad_norm_partial", "rmsnorm_bwd_dw_partial_bf16", "ce_fwd_bf16"] {
+        let k = r.kernels.iter().find(|k| k.name == partial).unwrap_or_else(|| panic!("{partial} did not run: {:?}", r.kernels));
+        assert!(blocks(k.max_grid) > 1, "{partial} ran on one block: the step's reductions do not split at this shape");
+    }
+    for finish in ["grad_norm_finish", "rmsnorm_bwd_dw_finish_f32", "ce_finish"] {
+        assert!(r.kernels.iter().any(|k| k.name == finish), "{finish} did not run: {:?}", r.kernels);
+    }
     assert!(l13 > l12, "a 13th layer added no launch: the count is not a training step's");
     assert!(l13 - l12 <= LAYER_LAUNCH_BUDGET, "a layer makes {} launches a step, over {LAYER_LAUNCH_BUDGET}", l13 - l12);
     // Attention and RoPE take the heads in the projections' (b, t, heads, d) layout: no head
@@ -163,6 +206,99 @@ fn launches_over_a_million_elements_fill_the_device() {
         assert!(blocks(k.max_grid) >= rep.sm_count as u64, "{} ran on at most {:?} blocks over 2^21 elements", k.name, k.max_grid);
     }
     assert!(rep.kernels.iter().any(|k| k.name.starts_with("reduce_")), "no reduction kernel ran");
+}
+
+/// The step's other launches over 2^21 elements, each case profiled alone and its own kernels
+/// checked by their grids (not by what the launchers declare): AdamW on one flat range (bf16
+/// parameters with f32 master weights and bf16 gradients, as the trainer's, and f32 throughout),
+/// the embedding (forward; the backward from device ids and from ids with a host copy, the
+/// trainer's), and the cross-entropy forward and backward over 512 rows of 4,096. The
+/// cross-entropy runs a block per row, so 64 rows of 32,768 run on 64 blocks: that case is
+/// checked to say so (docs/ARCHITECTURE.md narrows the claim to rows >= SMs).
+#[test]
+fn adamw_embedding_and_cross_entropy_launches_fill_the_device() {
+    let Some(device) = common::cuda0_device() else { return };
+    let _g = PROFILE.lock().unwrap_or_else(|e| e.into_inner());
+    let n = 1usize << 21;
+    let mut r = Rng::new(9);
+    let sms = ferrolm_cuda::CudaBackend::latest(0).expect("cuda:0").sm_count() as u64;
+    let blocks = |g: (u32, u32, u32)| g.0 as u64 * g.1 as u64 * g.2 as u64;
+    // Runs `f` alone under the profile: the grids of the kernels whose names start with `family`
+    // (the finishing passes aside), at least one of them.
+    let grids = |what: &str, family: &str, f: &mut dyn FnMut()| -> Vec<(String, u64)> {
+        profile::enable(true);
+        profile::reset();
+        f();
+        let rep = profile::report();
+        profile::enable(false);
+        let own: Vec<(String, u64)> = rep
+            .kernels
+            .iter()
+            .filter(|k| k.name.starts_with(family) && !k.name.contains("finish"))
+            .map(|k| (k.name.clone(), blocks(k.max_grid)))
+            .collect();
+        assert!(!own.is_empty(), "{what}: no {family} kernel ran: {:?}", rep.kernels);
+        own
+    };
+    let full = |what: &str, g: Vec<(String, u64)>| {
+        for (name, b) in g {
+            assert!(b >= sms, "{what}: {name} ran on {b} blocks over 2^21 elements, fewer than the {sms} SMs");
+        }
+    };
+    let up = |shape: &[usize], dt: DType, r: &mut Rng| {
+        Tensor::randn(shape.to_vec(), 1.0, dt, Device::Cpu, r).unwrap().to_device(device).unwrap()
+    };
+    for dt in [DType::F32, DType::BF16] {
+        let (param, grad) = (up(&[n], dt, &mut r), up(&[n], dt, &mut r).mul_scalar(1e-3).unwrap());
+        let master = param.to_dtype(DType::F32).unwrap().contiguous().unwrap().detach();
+        let master = if dt == DType::BF16 { Some(master) } else { None };
+        let (m, v) = (Tensor::zeros([n], DType::F32, device).unwrap(), Tensor::zeros([n], DType::F32, device).unwrap());
+        let h = ferrolm::tensor::backend::AdamWHyper { lr: 1e-3, beta1: 0.9, beta2: 0.95, eps: 1e-8, step: 1 };
+        let g = grids(&format!("AdamW {dt}"), "adamw", &mut || {
+            let range =
+                ferrolm::tensor::AdamWRange { param: &param, master: master.as_ref(), grad: &grad, m: &m, v: &v, segments: &[(0, n, 0.1)] };
+            assert!(ferrolm::tensor::fused_adamw(&[range], h).unwrap(), "{dt}: AdamW was not fused on the device");
+        });
+        full(&format!("AdamW {dt}"), g);
+        assert!(param.to_vec_f64().unwrap().iter().all(|x| x.is_finite()), "{dt}: AdamW left non-finite parameters");
+
+        let (vocab, d) = (4096, 1024);
+        let ids: Vec<i32> = (0..n / d).map(|_| r.below(vocab as u64) as i32).collect();
+        let table = up(&[vocab, d], dt, &mut r);
+        table.set_requires_grad(true).unwrap();
+        let dev_ids = Tensor::from_vec(ids.clone(), [n / d], Device::Cpu).unwrap().to_device(device).unwrap();
+        let g = grids(&format!("embedding {dt}"), "embedding_", &mut || {
+            let y = ferrolm::ops::embedding(&dev_ids, &table).unwrap();
+            y.mul(&y.detach()).unwrap().sum_all().unwrap().backward().unwrap();
+        });
+        full(&format!("embedding, device ids, {dt}"), g);
+        table.zero_grad();
+        let tokens = ferrolm::ops::Tokens::upload(ids, [n / d], device).unwrap();
+        let g = grids(&format!("embedding {dt}"), "embedding_", &mut || {
+            let y = ferrolm::ops::embedding_tokens(&tokens, &table).unwrap();
+            y.mul(&y.detach()).unwrap().sum_all().unwrap().backward().unwrap();
+        });
+        assert!(g.iter().any(|(k, _)| k.starts_with("embedding_bwd_sorted")), "{dt}: the sorted backward did not run: {g:?}");
+        full(&format!("embedding, ids with a host copy, {dt}"), g);
+        assert!(table.grad().unwrap().to_vec_f64().unwrap().iter().all(|x| x.is_finite()));
+
+        for (rows, v) in [(n / 4096, 4096), (64, n / 64)] {
+            let logits = up(&[rows, v], dt, &mut r);
+            logits.set_requires_grad(true).unwrap();
+            let t: Vec<i32> = (0..rows).map(|_| r.below(v as u64) as i32).collect();
+            let t = Tensor::from_vec(t, [rows], Device::Cpu).unwrap().to_device(device).unwrap();
+            let what = format!("cross-entropy {dt}, {rows} rows of {v}");
+            let g = grids(&what, "ce_", &mut || ferrolm::ops::cross_entropy(&logits, &t, -100).unwrap().backward().unwrap());
+            assert!(g.len() >= 2, "{what}: forward and backward kernels expected: {g:?}");
+            if rows as u64 >= sms {
+                full(&what, g);
+            } else {
+                // A block per row: the claim holds for rows >= SMs only, and this says so.
+                assert!(g.iter().all(|(_, b)| *b == rows as u64), "{what}: a block per row expected: {g:?}");
+            }
+            assert!(logits.grad().is_some_and(|x| x.to_vec_f64().unwrap().iter().all(|x| x.is_finite())));
+        }
+    }
 }
 
 /// With the profile on, a CPU run still writes `profile.json`: no kernels, its steps counted.
