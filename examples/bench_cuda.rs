@@ -14,6 +14,7 @@
 //!
 //!   cargo run --release --example bench_cuda [-- --reps 20 --quick]   (`--help` lists the flags)
 //!   ... -- --attention 4,16,16,2048,128   (attention only, at that shape: for Nsight Compute)
+//!   ... -- --attention-only               (attention only, at its eight shapes)
 //!   on a GPU host: .gpu/run bin/bench_cuda
 //!
 //! With no CUDA device it prints "skipped: no CUDA device" and exits 0 (1 with
@@ -220,8 +221,8 @@ fn run(args: BenchCudaArgs) -> AnyResult<()> {
     };
 
     // ---- memory-bound kernels -------------------------------------------------------------
-    // (skipped with --attention)
-    if args.attention.is_empty() {
+    // (skipped with --attention and --attention-only)
+    if args.attention.is_empty() && !args.attention_only {
         let (r, c) = pick(tiny, quick, (4096, 4096), (8192, 8192), (64, 64));
         let n = r * c;
         {

@@ -119,7 +119,7 @@ fn existing_flags_keep_their_names_and_defaults() {
     let k: TrainTokenizerArgs = parse_from(["train_tokenizer", "--corpus", "c", "--out", "o"]).unwrap();
     assert_eq!(k.vocab_size, 4096);
     let b: BenchCudaArgs = parse_from(["bench_cuda"]).unwrap();
-    assert_eq!((b.reps, b.quick, b.attention.len()), (20, false, 0));
+    assert_eq!((b.reps, b.quick, b.attention.len(), b.attention_only), (20, false, 0, false));
 }
 
 /// `bench_cuda --attention B,HQ,HKV,T,D`, in both forms and repeated; a wrong shape is refused
@@ -134,6 +134,10 @@ fn bench_cuda_attention_shapes() {
         let e = parse_from::<BenchCudaArgs, _, _>(["bench_cuda", "--attention", bad]).unwrap_err().to_string();
         assert!(e.contains("--attention") && e.contains(why), "{bad}: {e}");
     }
+    // --attention-only: the eight default shapes, and no other kernels; not with --attention.
+    assert!(parse_from::<BenchCudaArgs, _, _>(["bench_cuda", "--attention-only"]).unwrap().attention_only);
+    let e = parse_from::<BenchCudaArgs, _, _>(["bench_cuda", "--attention-only", "--attention=4,16,16,2048,128"]).unwrap_err().to_string();
+    assert!(e.contains("--attention-only") && e.contains("--attention"), "{e}");
 }
 
 #[test]

@@ -461,6 +461,9 @@ pub struct BenchCudaArgs {
     /// [default: every kernel, and attention at its eight shapes]
     #[arg(long, value_name = "B,HQ,HKV,T,D", value_parser = attention_shape)]
     pub attention: Vec<AttentionShape>,
+    /// Only attention, at its eight shapes (the floors are still measured first)
+    #[arg(long, conflicts_with = "attention")]
+    pub attention_only: bool,
     #[command(flatten)]
     pub log: LogArgs,
 }
