@@ -3,7 +3,7 @@
 //! Optimizer States model (`ferrolm_parallel::dos`) fed with that measured CPU throughput for a 7B
 //! Llama on one H100.
 //!
-//!   cargo run --release --example bench_offload -- [--elems 33554432] [--reps 5]
+//!   cargo run --release --example bench_offload -- [--elems 33554432] [--reps 5] [--k 13,7]
 //!
 //! Measured here: memory bandwidth (a copy and a STREAM-style triad over arrays far larger than
 //! the caches, on every core) and CPU AdamW throughput. AdamW moves a known number of bytes per
@@ -52,6 +52,10 @@ struct Args {
     /// a real H100 host's
     #[arg(long)]
     cpu_adam_elems_per_s: Option<f64>,
+    /// More k to model beside the sweep's (1-6, 8, 10, 12, 16, 24, 32), e.g. the k a run chose:
+    /// --k 13,7
+    #[arg(long, value_delimiter = ',', value_parser = clap::value_parser!(u64).range(1..))]
+    k: Vec<u64>,
 }
 
 fn threads() -> usize {
@@ -229,8 +233,11 @@ fn main() -> AnyResult<()> {
     println!("| k | GPU subgroups | CPU (s) | H2D (s) | D2H (s) | GPU (s) | ends (s) | update (s) | total (s) |");
     println!("|---|---|---|---|---|---|---|---|---|");
     let subgroups = a.params.div_ceil(a.subgroup);
-    let mut ks: Vec<Option<u64>> =
-        [1u64, 2, 3, 4, 5, 6, 8, 10, 12, 16, 24, 32].iter().filter(|&&k| k <= subgroups).map(|&k| Some(k)).collect();
+    let mut ks: Vec<u64> = [1u64, 2, 3, 4, 5, 6, 8, 10, 12, 16, 24, 32].iter().copied().filter(|&k| k <= subgroups).collect();
+    ks.extend(&a.k);
+    ks.sort_unstable();
+    ks.dedup();
+    let mut ks: Vec<Option<u64>> = ks.into_iter().map(Some).collect();
     ks.push(None);
     for k in ks {
         let e = estimate(&inp, k);

@@ -133,11 +133,12 @@ tokenizer() {
 }
 
 # pretrain RUN ARGS...: pretrain_llama into $RUNS/RUN (log RUN.log); the exit status is its own.
+# No evaluation; a checkpoint every SAVE_EVERY steps (default 0: only the closing one).
 pretrain() {
     local run=$1; shift
     local bin; bin=$(need_bin pretrain_llama) || return 1
     rm -rf "${RUNS:?}/$run"
-    (cd "$RUNS" && "$bin" --out "$RUNS/$run" --tokenizer "$(tokenizer)" --eval-every 0 --save-every 0 \
+    (cd "$RUNS" && "$bin" --out "$RUNS/$run" --tokenizer "$(tokenizer)" --eval-every 0 --save-every "${SAVE_EVERY:-0}" \
         --log-level warn "$@") >"$RUNS/$run.log" 2>&1
     local s=$?
     echo "$run" >>"$RUNS/runs.txt"

@@ -2,6 +2,9 @@
 //! CUDA emulator, tiny shapes, dev-profile binaries, PyTorch skipped when it does not import),
 //! which must write `$OUT/gpu_perf.json` with every part, each marked rehearsal, the Markdown
 //! report, the log archive, part 3's bench_cuda tables and part 4's profile, and nothing else.
+//! The rehearsal runs every part: the determinism part's reruns and resume must give the same
+//! bits on the emulator, and the offload part must measure all-CPU offload and DOS with
+//! bench_offload's prediction beside each.
 use std::path::{Path, PathBuf};
 use std::process::{Command, Output};
 
@@ -31,9 +34,25 @@ fn scratch(name: &str) -> PathBuf {
 #[test]
 fn help_names_every_part_and_output() {
     let out = scratch("help");
-    let mentions = ["--rehearse", "--parts", "OUT", "gpu_perf.md", "gpu_perf.json", "gpu_perf_logs.tar.gz", "profile.json", "GP_BUDGET_S"];
+    let mentions = [
+        "--rehearse",
+        "--parts",
+        "OUT",
+        "gpu_perf.md",
+        "gpu_perf.json",
+        "gpu_perf_logs.tar.gz",
+        "profile.json",
+        "GP_BUDGET_S",
+        "torch.compile",
+        "ours/compile",
+        "same_bits_rerun",
+        "same_bits_resume",
+        "--offload-gpu-every inf",
+        "gemm_fallbacks",
+        "GP_COMMIT",
+    ];
     let o = run(&["--help"], &out, &out.join("work"));
-    scripts::assert_help(&o, &out, "part", &["tests", "train", "bench_cuda", "profile"], &mentions);
+    scripts::assert_help(&o, &out, "part", &PARTS, &mentions);
 }
 
 #[test]
@@ -41,6 +60,8 @@ fn bad_arguments_are_refused_by_name() {
     let out = scratch("bad");
     scripts::assert_refused("gpu_perf.sh", |a| run(a, &out, &out.join("work")), &out.join("gpu_perf.json"));
 }
+
+const PARTS: [&str; 6] = ["tests", "train", "bench_cuda", "profile", "determinism", "offload"];
 
 fn positive(v: &serde_json::Value) -> bool {
     v.as_f64().is_some_and(|x| x > 0.0)
@@ -58,7 +79,11 @@ fn rehearsal_writes_every_part_marked_rehearsal() {
     let text = std::fs::read_to_string(out.join("gpu_perf.json")).unwrap_or_else(|e| panic!("no gpu_perf.json ({e}):\n{log}"));
     let v: serde_json::Value = serde_json::from_str(&text).unwrap_or_else(|e| panic!("gpu_perf.json is not JSON ({e}):\n{text}"));
     assert_eq!(v["mode"], "rehearsal", "{text}");
-    for part in ["tests", "train", "bench_cuda", "profile"] {
+    assert!(v["commit"].as_str().is_some_and(|c| !c.is_empty()), "no commit: {text}");
+    // The emulator's GEMMs are never refused: the profile counts none, and no run warns.
+    assert_eq!(v["gemm_fallbacks"]["profile_count"], 0, "{text}");
+    assert_eq!(v["gemm_fallbacks"]["runs"], serde_json::json!([]), "{text}");
+    for part in PARTS {
         let p = &v[part];
         assert!(p["ok"].is_boolean(), "part {part} lacks ok: {text}");
         assert!(p["seconds"].as_f64().is_some_and(|s| s >= 0.0), "part {part} lacks seconds: {text}");
@@ -78,15 +103,28 @@ fn rehearsal_writes_every_part_marked_rehearsal() {
         // PyTorch either ran (on the CPU) or is marked skipped.
         let eager = &f[format!("{shape}_eager_tokens_per_s")];
         assert!(positive(eager) || f[format!("{shape}_eager_skipped")].is_string(), "{shape}: PyTorch neither ran nor skipped: {text}");
+        assert!(f["ours/eager"].get(shape).is_some(), "{shape}: no ours/eager: {text}");
     }
+    // torch.compile at 124m only, with its compile time apart.
+    let f = &v["train"]["figures"];
+    assert!(
+        positive(&f["124m_compile_tokens_per_s"]) && f["124m_compile_s"].is_number() && positive(&f["ours/compile"]["124m"])
+            || f["124m_compile_skipped"].is_string(),
+        "torch.compile neither ran nor skipped: {text}"
+    );
+    assert!(f["ours/compile"].get("1b").is_none(), "{text}");
     assert_eq!(v["bench_cuda"]["ok"], true, "{text}\n{log}");
     assert!(positive(&v["bench_cuda"]["figures"]["kernel_rows"]), "{text}");
     for f in ["bench_cuda.md", "bench_cuda.json", "gpu_perf.md", "gpu_perf_logs.tar.gz"] {
         assert!(out.join(f).metadata().is_ok_and(|m| m.len() > 0), "{f} missing or empty in OUT");
     }
     let md = std::fs::read_to_string(out.join("gpu_perf.md")).unwrap();
-    for row in ["| 1 | tests |", "| 2 | train |", "| 3 | bench_cuda |", "| 4 | profile |"] {
-        assert_eq!(md.matches(row).count(), 1, "gpu_perf.md lacks the row `{row}`:\n{md}");
+    for (i, part) in PARTS.iter().enumerate() {
+        let row = format!("| {} | {part} |", i + 1);
+        assert_eq!(md.matches(&row).count(), 1, "gpu_perf.md lacks the row `{row}`:\n{md}");
+    }
+    for table in ["ours/compile", "### determinism", "### offload"] {
+        assert!(md.contains(table), "gpu_perf.md lacks `{table}`:\n{md}");
     }
     // The device tool brings back 8 files: the script writes at most 6.
     let files = std::fs::read_dir(&out).unwrap().count();
@@ -103,6 +141,24 @@ fn rehearsal_writes_every_part_marked_rehearsal() {
     assert!(prof["figures"]["top_kernels"].as_array().is_some_and(|k| !k.is_empty()), "{text}");
     assert!(out.join("profile.json").exists(), "profile.json not copied to OUT");
     assert_eq!(prof["ok"], true, "{text}");
+    assert_eq!(prof["figures"]["gemm_fallbacks"], 0, "{text}");
+
+    // Determinism: the emulator is deterministic, so both figures must be true, over every step.
+    let d = &v["determinism"];
+    assert_eq!(d["ok"], true, "{text}\n{log}");
+    assert_eq!(d["figures"]["same_bits_rerun"], true, "{text}");
+    assert_eq!(d["figures"]["same_bits_resume"], true, "{text}");
+    assert!(positive(&d["figures"]["losses_compared"]) && positive(&d["figures"]["resume_losses_compared"]), "{text}");
+
+    // Offload: all-CPU and DOS measured, with bench_offload's prediction beside each.
+    let o = &v["offload"]["figures"];
+    assert_eq!(v["offload"]["ok"], true, "{text}\n{log}");
+    for run in ["inf", "auto"] {
+        assert!(positive(&o[format!("{run}_step_s")]), "offload {run}: no step time: {text}");
+        assert!(positive(&o[format!("{run}_predicted_s")]), "offload {run}: no bench_offload prediction: {text}");
+    }
+    assert!(positive(&o["dos_over_all_cpu"]), "{text}");
+    assert!(o["model_k"].is_string() && o["none_fits"].is_boolean(), "{text}");
     std::fs::remove_dir_all(&out).unwrap();
     std::fs::remove_dir_all(&work).unwrap();
 }
