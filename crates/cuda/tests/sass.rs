@@ -17,7 +17,7 @@ use std::process::Command;
 
 /// Kernels of the element-wise, cast, copy, fill, transpose, reduction, gradient-norm, AdamW,
 /// embedding and fused-op families (`vector_loads_and_no_local_memory`'s prefixes) in the fatbin.
-const LOCAL_MEMORY_CHECKED: usize = 55;
+const LOCAL_MEMORY_CHECKED: usize = 57;
 
 fn skip(why: &str) {
     if std::env::var("FERROLM_REQUIRE_SASS").is_ok_and(|v| v == "1") {
