@@ -1,189 +1,252 @@
-//! The memory estimator (`ferrolm::planner::memory::estimate`) against the measured tensor-bytes peak
-//! (`ferrolm_tensor::peak_bytes`) of real CPU training steps: one device with and without
-//! activation checkpointing, and four thread ranks under several ShardSpecs (ZeRO-0/1/2/3,
-//! MiCS) with checkpointing on and off and with gradient accumulation. Within 10% each. One
-//! device also trains in bf16 (f32 main gradients): there the prediction must also not fall
-//! below the measured peak (the widened copy of the largest gradient is what it used to miss).
+//! The memory estimator (`ferrolm::planner::memory::estimate`: the "memory: predicted peak" line
+//! of the training tools, and what `plan` and `autoconfig` size layouts with) against the
+//! measured peak of real training runs. The estimate must never be under the measured peak and at
+//! most 1.25 times it, for the presets tiny and small, on one device and on thread ranks under
+//! tensor parallelism and data parallelism with ZeRO 1, 2 and 3 (and gradient accumulation), with
+//! and without activation checkpointing, in f32 and bf16, on the CPU and on the CUDA emulator.
 //!
-//! The peak counter is process-wide, so everything runs in this one test (its own binary); four
-//! thread ranks run in lockstep (every micro-batch ends in collectives), so their common peak
-//! is four times one rank's.
-use ferrolm::nn::optim::AdamWConfig;
+//! Each run is the tools' trainer (`Trainer::run` on the engine `parallel::attach` builds: steps,
+//! a validation, a checkpoint), and the measured peak is what its `metrics.jsonl` logs as
+//! `peak_tensor_mib`, less what was live before the run. That counter is the process's tensor
+//! bytes, so the runs of this file take turns (`SERIAL`) and thread ranks are compared with the
+//! estimate for all of them (per rank × ranks, as the tools' host-memory check counts them). On
+//! the emulator the estimate's workspace reserve (CUDA context, cuBLAS, NCCL's buffers) holds no
+//! tensor and is left out of the comparison.
+//!
+//! A feature that changes what training holds (a fused loss head, frozen weights) adds rows to
+//! the tables of `cpu_cases` / `emulator_cases`, with a field in `Case` if the run needs one.
+mod common;
+use ferrolm::cli::parallel::ParallelArgs;
 use ferrolm::nn::{Llama, LlamaConfig};
-use ferrolm::planner::memory::{estimate, MemParallelism};
-use ferrolm::{DType, Device, Tensor};
-use ferrolm_parallel::zero::{Placement, ShardSpec, Zero};
-use ferrolm_parallel::{CommOptions, DeviceMesh, ThreadComm, TrainEngine};
-use ferrolm_tensor::{live_bytes, peak_bytes, reset_peak_bytes, Rng};
+use ferrolm::planner::memory::{estimate, MemParallelism, Memory};
+use ferrolm::train::{TrainOptions, Trainer};
+use ferrolm::{DType, Device};
+use ferrolm_parallel::zero::ShardSpec;
+use ferrolm_parallel::{CommOptions, ThreadComm};
+use ferrolm_tensor::{live_bytes, reset_peak_bytes, Rng};
+use std::path::PathBuf;
+use std::sync::Mutex;
 
-/// A model and the batch it trains on.
+/// The peak counter is process-wide: one measured run at a time.
+static SERIAL: Mutex<()> = Mutex::new(());
+
+const MIB: f64 = 1048576.0;
+
+/// One training run to measure.
 #[derive(Clone)]
 struct Case {
-    cfg: LlamaConfig,
+    preset: &'static str,
+    dtype: DType,
+    tp: usize,
+    dp: usize,
+    /// `--zero` over the data-parallel ranks.
+    zero: u8,
+    checkpointing: bool,
     batch: usize,
     seq: usize,
+    grad_accum: usize,
+    steps: usize,
 }
 
-fn case(hidden: usize, inter: usize, layers: usize, batch: usize, seq: usize) -> Case {
-    let cfg = LlamaConfig::from_json_str(&format!(
-        r#"{{"model_type":"llama","vocab_size":2048,"hidden_size":{hidden},"intermediate_size":{inter},"num_hidden_layers":{layers},
-            "num_attention_heads":4,"num_key_value_heads":2,"max_position_embeddings":256,"tie_word_embeddings":false}}"#
-    ))
-    .unwrap();
-    Case { cfg, batch, seq }
-}
-
-fn ids(c: &Case, rank: usize) -> Tensor {
-    let v: Vec<i32> = (0..c.batch * c.seq).map(|i| ((i * 7 + rank * 13) % c.cfg.vocab_size) as i32).collect();
-    Tensor::from_vec(v, [c.batch, c.seq], Device::Cpu).unwrap()
-}
-
-/// Peak bytes of the second and third steps of one device (the first step allocates lazily):
-/// the engine on a world of one, parameters in `dtype`.
-fn single(c: &Case, dtype: DType, ck: bool) -> f64 {
-    let cfg = &c.cfg;
-    let before = live_bytes();
-    let mut m = Llama::new(cfg.clone(), dtype, Device::Cpu, &mut Rng::new(1)).unwrap();
-    m.set_activation_checkpointing(ck);
-    let mut z = Zero::single(&mut m, AdamWConfig::default(), Placement::Device).unwrap();
-    let x = ids(c, 0);
-    for step in 0..3 {
-        if step == 1 {
-            reset_peak_bytes();
-        }
-        z.micro_batch(true, &mut || m.loss(&x, &x)).unwrap();
-        z.step(1e-3, 1.0, 0.0).unwrap();
+impl Case {
+    /// The tiny preset on one device, in f32: 2 steps of 4 x 64 tokens.
+    fn tiny() -> Case {
+        Case { preset: "tiny", dtype: DType::F32, tp: 1, dp: 1, zero: 0, checkpointing: false, batch: 4, seq: 64, grad_accum: 1, steps: 2 }
     }
-    // What was live before the model existed (other allocations of this process) is not ours.
-    (peak_bytes() - before) as f64
+
+    fn name(&self) -> String {
+        let layout = match (self.tp, self.dp) {
+            (1, 1) => "one device".to_string(),
+            (tp, 1) => format!("tp {tp}"),
+            (tp, dp) => format!("tp {tp} x dp {dp} ZeRO-{}", self.zero),
+        };
+        format!(
+            "{} {:?} {layout}, {} x {} tokens x {} micro-batches{}",
+            self.preset,
+            self.dtype,
+            self.batch,
+            self.seq,
+            self.grad_accum,
+            if self.checkpointing { ", checkpointing" } else { "" }
+        )
+    }
+
+    fn parallel(&self) -> ParallelArgs {
+        ParallelArgs { tp: self.tp, dp: self.dp, zero: Some(self.zero), ..Default::default() }
+    }
 }
 
-/// Peak bytes per rank of four thread ranks (2 nodes x 2) training with `spec`.
-fn dist(c: &Case, spec: ShardSpec, ck: bool, accum: usize) -> f64 {
-    let cfg = &c.cfg;
+/// Token shards of the sonnets, shared by the runs.
+struct Data {
+    dir: PathBuf,
+    train: Vec<PathBuf>,
+    val: Vec<PathBuf>,
+    vocab: usize,
+}
+
+fn data(name: &str) -> Data {
+    let dir = common::tmp(name);
+    let (train, val, vocab) = common::shards(&dir);
+    Data { dir, train, val, vocab }
+}
+
+/// (the estimate for every rank of the run, the measured peak of the process), in bytes.
+fn measure(d: &Data, c: &Case, device: Device) -> (f64, f64, Memory) {
+    let cfg = LlamaConfig::preset(c.preset).unwrap().with_vocab_size(d.vocab);
+    let layout = c.parallel().layout().unwrap();
+    let mem_layout: MemParallelism = layout.mem_layout(c.checkpointing).unwrap();
+    let world = layout.world();
+    let m = estimate(&cfg, c.dtype, device, c.batch, c.seq, c.grad_accum, &mem_layout).unwrap();
+    let predicted = (m.total() - m.workspace) * world as f64;
+    // Validate and save at step 1, so that the next step's line holds their peaks too. (On the
+    // emulator a checkpoint's full parameters are host tensors, which the device does not hold:
+    // the last save comes after the last line.)
+    let save_every = if device == Device::Cpu { 1 } else { 0 };
+    let o = TrainOptions {
+        steps: c.steps,
+        batch_size: c.batch,
+        seq_len: c.seq,
+        grad_accum: c.grad_accum,
+        eval_every: 1,
+        eval_batches: 2,
+        save_every,
+        ..common::opts(c.steps)
+    };
+    let out = d.dir.join(c.name().replace([' ', ',', '(', ')'], "_"));
     let before = live_bytes();
-    ThreadComm::run(4, CommOptions::default(), |comm| {
-        let mesh = DeviceMesh::new(comm.clone(), 1, 4, 2)?;
-        let x = ids(c, mesh.dp_rank());
-        let mut m = Llama::new(cfg.clone(), DType::F32, Device::Cpu, &mut Rng::new(1))?;
-        m.set_activation_checkpointing(ck);
-        let mut z = Zero::new(&mut m, mesh, spec, None, AdamWConfig::default(), Placement::Device)?;
-        for step in 0..3 {
-            comm.barrier()?;
-            if step == 1 && comm.rank() == 0 {
-                reset_peak_bytes();
-            }
-            comm.barrier()?;
-            for k in 0..accum {
-                z.micro_batch(k + 1 == accum, &mut || m.loss(&x, &x)?.mul_scalar(1.0 / accum as f64))?;
-            }
-            z.step(1e-4, 1.0, 0.0)?;
+    reset_peak_bytes();
+    let rank = |comm: Option<ferrolm::parallel::Comm>| -> ferrolm::Result<()> {
+        let e = |e: anyhow::Error| ferrolm::Error::new("test", format!("{e:#}"));
+        if let Some(c) = &comm {
+            ferrolm::logging::set_thread_rank(Some((c.rank(), c.size())));
         }
-        comm.barrier()?;
+        let mut model = Llama::new(cfg.clone(), c.dtype, device, &mut Rng::new(1))?;
+        model.set_activation_checkpointing(c.checkpointing);
+        let engine = ferrolm::parallel::attach(&mut model, comm, &layout, Trainer::adamw_config(&o)).map_err(e)?;
+        let mut t = Trainer::with_engine(model, Box::new(engine), &d.train, &d.val, o.clone(), &out).map_err(e)?;
+        t.run().map_err(e)?;
+        ferrolm::logging::set_thread_rank(None);
         Ok(())
-    })
-    .unwrap();
-    (peak_bytes() - before) as f64 / 4.0
+    };
+    if world == 1 {
+        rank(None).unwrap();
+    } else {
+        ThreadComm::run(world, CommOptions::default(), |comm| rank(Some(comm))).unwrap();
+    }
+    let logged = std::fs::read_to_string(out.join("metrics.jsonl")).unwrap();
+    let peak = logged
+        .lines()
+        .filter_map(|l| serde_json::from_str::<serde_json::Value>(l).ok()?.get("peak_tensor_mib")?.as_f64())
+        .fold(0.0, f64::max);
+    assert!(peak > 0.0, "{}: no peak_tensor_mib in metrics.jsonl:\n{logged}", c.name());
+    (predicted, peak * MIB - before as f64, m)
+}
+
+/// Runs every case and checks the band; one line each (predicted, measured, ratio, the parts).
+fn check(d: &Data, cases: &[Case], device: Device) {
+    let mut bad = Vec::new();
+    for c in cases {
+        let t0 = std::time::Instant::now();
+        let (p, m, parts) = measure(d, c, device);
+        let ratio = p / m;
+        println!(
+            "{device} {}: predicted {:.2} MiB, measured {:.2} MiB, ratio {ratio:.3} [{:.1} s]; per rank {}",
+            c.name(),
+            p / MIB,
+            m / MIB,
+            t0.elapsed().as_secs_f64(),
+            ferrolm::planner::memory::describe(&parts)
+        );
+        if !(1.0..=1.25).contains(&ratio) {
+            bad.push(format!("{}: predicted {:.2} MiB, measured {:.2} MiB ({ratio:.3})", c.name(), p / MIB, m / MIB));
+        }
+    }
+    assert!(bad.is_empty(), "{device}: estimate outside [1, 1.25] x the measured peak:\n{}", bad.join("\n"));
+}
+
+fn cpu_cases() -> Vec<Case> {
+    let t = Case::tiny();
+    let ck = Case { checkpointing: true, ..t.clone() };
+    let small = Case { preset: "small", batch: 1, seq: 64, steps: 1, ..t.clone() };
+    vec![
+        t.clone(),
+        Case { dtype: DType::BF16, ..ck.clone() },
+        Case { tp: 2, ..t.clone() },
+        Case { tp: 2, ..ck.clone() },
+        Case { dp: 2, zero: 1, grad_accum: 2, ..ck.clone() },
+        Case { dp: 2, zero: 3, ..t.clone() },
+        Case { tp: 2, dp: 2, zero: 2, ..ck },
+        // pretrain_llama's default batch (16 x 128), where the issue saw the estimate under the peak.
+        Case { batch: 16, seq: 128, ..t },
+        // small: the model states dominate.
+        small.clone(),
+        Case { dp: 2, zero: 3, checkpointing: true, ..small },
+    ]
 }
 
 #[test]
-fn estimate_is_within_ten_percent_of_the_measured_peak() {
-    // A deeper narrow model and a shallow wide one on a longer sequence.
-    let deep = case(128, 320, 3, 4, 64);
-    let wide = case(256, 640, 2, 2, 128);
-    let mut rows = Vec::new();
-    let predict_as = |c: &Case, dtype: DType, accum: usize, l: &MemParallelism| {
-        estimate(&c.cfg, dtype, Device::Cpu, c.batch, c.seq, accum, l).unwrap().total()
-    };
-    let predict = |c: &Case, accum: usize, l: &MemParallelism| predict_as(c, DType::F32, accum, l);
-    for (name, c) in [("deep", &deep), ("wide", &wide)] {
-        for ck in [false, true] {
-            rows.push((
-                format!("{name} single device, checkpointing {ck}"),
-                predict(c, 1, &MemParallelism::single(ck)),
-                single(c, DType::F32, ck),
-            ));
-        }
-    }
-    // bf16 parameters with f32 main gradients on the CPU, and the first-contact script's tiny
-    // rehearsal model (vocabulary-heavy: its largest gradient sets the peak).
-    let tiny_cfg = r#"{"model_type":"llama","vocab_size":4096,"hidden_size":32,"intermediate_size":64,"num_hidden_layers":2,
-        "num_attention_heads":2,"num_key_value_heads":2,"max_position_embeddings":256,"tie_word_embeddings":false}"#;
-    let tiny = Case { cfg: LlamaConfig::from_json_str(tiny_cfg).unwrap(), batch: 2, seq: 16 };
-    let mut bf16_rows = Vec::new();
-    for (name, c) in [("deep", &deep), ("wide", &wide), ("tiny", &tiny)] {
-        for ck in [false, true] {
-            let (p, m) = (predict_as(c, DType::BF16, 1, &MemParallelism::single(ck)), single(c, DType::BF16, ck));
-            bf16_rows.push((format!("{name} single device bf16, checkpointing {ck}"), p, m));
-        }
-    }
-    let under: Vec<String> = bf16_rows
-        .iter()
-        .filter(|(_, p, m)| p < m)
-        .map(|(w, p, m)| format!("{w}: {:.3} < {:.3} MiB", p / 1048576.0, m / 1048576.0))
-        .collect();
-    rows.extend(bf16_rows);
-    let specs = [
-        ("ZeRO-0", ShardSpec::zero(0, 4).unwrap()),
-        ("ZeRO-1", ShardSpec::zero(1, 4).unwrap()),
-        ("ZeRO-2", ShardSpec::zero(2, 4).unwrap()),
-        ("ZeRO-3", ShardSpec::zero(3, 4).unwrap()),
-        ("MiCS-2", ShardSpec::mics(2)),
-    ];
-    let mut runs: Vec<(&str, &Case, ShardSpec, bool, usize)> = Vec::new();
-    for (name, spec) in specs {
-        for (ck, accum) in [(false, 1), (true, 1), (false, 2)] {
-            runs.push((name, &deep, spec, ck, accum));
-        }
-    }
-    runs.push(("wide ZeRO-1", &wide, ShardSpec::zero(1, 4).unwrap(), false, 1));
-    runs.push(("wide ZeRO-3", &wide, ShardSpec::zero(3, 4).unwrap(), true, 1));
-    for (name, c, spec, ck, accum) in runs {
-        let measured = dist(c, spec, ck, accum);
-        let layout = MemParallelism {
-            tp: 1,
-            dp: 4,
-            spec,
-            checkpointed_layers: if ck { usize::MAX } else { 0 },
-            thread_ranks: true,
-            offload_subgroup: None,
-            grad_reduce: Default::default(),
-        };
-        rows.push((format!("{name} {spec}, checkpointing {ck}, {accum} micro-batches"), predict(c, accum, &layout), measured));
-    }
-    let mut bad = Vec::new();
-    for (what, p, m) in &rows {
-        let err = (p - m) / m;
-        println!("{what}: predicted {:.2} MiB, measured {:.2} MiB, error {:+.1}%", p / 1048576.0, m / 1048576.0, err * 100.0);
-        if err.abs() > 0.10 {
-            bad.push(format!("{what}: {err:+.3}"));
-        }
-    }
-    assert!(bad.is_empty(), "off by more than 10%: {bad:?}");
-    assert!(under.is_empty(), "bf16 predictions below the measured peak: {under:?}");
-    // Sharding and checkpointing must move the prediction the way they move the measurement.
-    let zero0 = rows.iter().find(|r| r.0.starts_with("ZeRO-0") && r.0.contains("false, 1")).unwrap();
-    let zero3 = rows.iter().find(|r| r.0.starts_with("ZeRO-3") && r.0.contains("false, 1")).unwrap();
-    assert!(zero3.1 < zero0.1 && zero3.2 < zero0.2);
+fn estimate_bounds_the_measured_peak_on_the_cpu() {
+    let _g = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
+    let d = data("mem-cpu");
+    check(&d, &cpu_cases(), Device::Cpu);
+    let _ = std::fs::remove_dir_all(&d.dir);
+}
+
+fn emulator_cases() -> Vec<Case> {
+    // The emulator runs kernels on the CPU: a few short runs (1 x 32 tokens, one step).
+    let t = Case { batch: 1, seq: 32, steps: 1, ..Case::tiny() };
+    let bf16 = Case { dtype: DType::BF16, ..t.clone() };
+    vec![Case { checkpointing: true, ..t }, Case { tp: 2, ..bf16.clone() }, Case { dp: 2, zero: 3, checkpointing: true, ..bf16 }]
+}
+
+#[test]
+fn estimate_bounds_the_measured_peak_on_the_emulator() {
+    let _g = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
+    let Some(gpu) = common::cuda0_device() else { return };
+    let d = data("mem-emu");
+    check(&d, &emulator_cases(), gpu);
+    let _ = std::fs::remove_dir_all(&d.dir);
+}
+
+/// The small preset on the emulator: one step of 32 tokens takes about 2.5 minutes there (its 25
+/// M parameters' optimizer step and checkpoint through emulated kernels), too long for every CI
+/// run: `cargo test --test memory_estimator -- --ignored`. On 2026-11-28 (this 2-core CPU, bf16):
+/// predicted 460.12 MiB, measured 449.68 MiB, ratio 1.023.
+#[test]
+#[ignore]
+fn estimate_bounds_the_measured_peak_of_small_on_the_emulator() {
+    let _g = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
+    let Some(gpu) = common::cuda0_device() else { return };
+    let d = data("mem-emu-small");
+    check(&d, &[Case { preset: "small", dtype: DType::BF16, batch: 1, seq: 32, steps: 1, ..Case::tiny() }], gpu);
+    let _ = std::fs::remove_dir_all(&d.dir);
+}
+
+/// A Llama of this width and depth (4 heads, 2 key/value heads, untied, vocabulary 2048).
+fn config(hidden: usize, inter: usize, layers: usize) -> LlamaConfig {
+    LlamaConfig::from_json_str(&format!(
+        r#"{{"model_type":"llama","vocab_size":2048,"hidden_size":{hidden},"intermediate_size":{inter},"num_hidden_layers":{layers},
+            "num_attention_heads":4,"num_key_value_heads":2,"max_position_embeddings":256,"tie_word_embeddings":false}}"#
+    ))
+    .unwrap()
 }
 
 /// A run that cannot fit is refused before anything is allocated, with the numbers; the
 /// override lets it through.
 #[test]
 fn a_run_that_cannot_fit_is_refused_with_the_numbers() {
-    let c = case(128, 320, 3, 4, 64);
+    let c = config(128, 320, 3);
     let avail = ferrolm::planner::memory::available_host_bytes().expect("/proc/meminfo") as f64;
     // Enough sequences of 256 tokens that the activations alone exceed what the host has.
-    let per_token = estimate(&c.cfg, DType::F32, Device::Cpu, 1, 256, 1, &MemParallelism::single(false)).unwrap().activations / 256.0;
+    let per_token = estimate(&c, DType::F32, Device::Cpu, 1, 256, 1, &MemParallelism::single(false)).unwrap().activations / 256.0;
     let batch = (2.0 * avail / per_token / 256.0).ceil() as usize;
     let opts = ferrolm::planner::memory::RunShape { batch_size: batch, seq_len: 256, grad_accum: 1 };
-    let err = ferrolm::planner::memory::check_layout(&c.cfg, DType::F32, Device::Cpu, &opts, &MemParallelism::single(false))
-        .unwrap_err()
-        .to_string();
+    let err =
+        ferrolm::planner::memory::check_layout(&c, DType::F32, Device::Cpu, &opts, &MemParallelism::single(false)).unwrap_err().to_string();
     assert!(err.contains(&format!("--batch-size {batch}")) && err.contains("needs about") && err.contains("activations"), "{err}");
     // Small enough: accepted, and the prediction comes back.
     let ok = ferrolm::planner::memory::RunShape { batch_size: 4, ..opts };
-    let m = ferrolm::planner::memory::check_layout(&c.cfg, DType::F32, Device::Cpu, &ok, &MemParallelism::single(true)).unwrap();
+    let m = ferrolm::planner::memory::check_layout(&c, DType::F32, Device::Cpu, &ok, &MemParallelism::single(true)).unwrap();
     assert!(m.total() > m.states());
 }
 
@@ -194,29 +257,41 @@ fn a_run_that_cannot_fit_is_refused_with_the_numbers() {
 fn f32_main_gradients_cost_two_more_bytes_per_gradient_element() {
     use ferrolm::planner::ModelShape;
     use ferrolm_parallel::zero::GradReduceDtype;
-    let c = case(64, 128, 2, 2, 32);
-    let buckets = ModelShape::from_config(&c.cfg, "run").bucket_params(1);
+    let c = config(64, 128, 2);
+    let (batch, seq) = (2, 32);
+    let buckets = ModelShape::from_config(&c, "run").bucket_params(1);
     let n: f64 = buckets.iter().sum::<u64>() as f64;
     let biggest = *buckets.iter().max().unwrap() as f64;
     for (dp, spec, accum) in [(1, ShardSpec::zero(0, 1).unwrap(), 1), (4, ShardSpec::zero(2, 4).unwrap(), 2)] {
         let l = |g| MemParallelism { dp, spec, grad_reduce: g, ..MemParallelism::single(false) };
-        let a = estimate(&c.cfg, DType::BF16, Device::Cpu, c.batch, c.seq, accum, &l(GradReduceDtype::F32)).unwrap();
-        let b = estimate(&c.cfg, DType::BF16, Device::Cpu, c.batch, c.seq, accum, &l(GradReduceDtype::Bf16)).unwrap();
+        let a = estimate(&c, DType::BF16, Device::Cpu, batch, seq, accum, &l(GradReduceDtype::F32)).unwrap();
+        let b = estimate(&c, DType::BF16, Device::Cpu, batch, seq, accum, &l(GradReduceDtype::Bf16)).unwrap();
         let (sg, so) = (spec.grads as f64, spec.optim as f64);
         // The optimizer range's gradient, the accumulator (3/4 live) with several micro-batches,
         // and one whole bucket in flight when the optimizer state is sharded.
         let grads = 2.0 * n / so + if accum > 1 { 0.75 * 2.0 * n / sg } else { 0.0 };
-        // ... and, in place of the step's squared gradient when larger, the largest gradient in
-        // bf16 and widened to f32 (6 bytes per element) during backward.
-        let largest = ModelShape::from_config(&c.cfg, "run").largest_param(1) as f64;
-        let sq = 4.0 * biggest / so;
-        let buffers = if spec.optim > 1 { 2.0 * biggest } else { 0.0 } + (6.0 * largest).max(sq) - sq;
+        // ... and, beside the complete gradients, the largest gradient formed in bf16 and widened
+        // to f32 (6 bytes per element, 2 without the widening), unless the step's squared gradient
+        // or a layer's backward holds more.
+        let shape = ModelShape::from_config(&c, "run");
+        let largest = shape.largest_param(1) as f64;
+        let w = ferrolm::planner::Workload {
+            seq,
+            micro_batch: batch,
+            global_batch_tokens: batch * seq * accum * dp,
+            tp: 1,
+            elem_bytes: 2,
+            grad_bytes: 2,
+            checkpointed_layers: 0,
+        };
+        let other = (4.0 * biggest / so).max(ferrolm::planner::memory::layer_transient_bytes(&shape, &w));
+        let buffers = if spec.optim > 1 { 2.0 * biggest } else { 0.0 } + (6.0 * largest).max(other) - (2.0 * largest).max(other);
         let close = |x: f64, y: f64| (x - y).abs() <= 1e-9 * y.max(1.0);
         assert!(close(a.grads - b.grads, grads), "{spec}: {} - {} vs {grads}", a.grads, b.grads);
         assert!(close(a.buffers - b.buffers, buffers), "{spec}: {} - {} vs {buffers}", a.buffers, b.buffers);
         assert_eq!((a.params, a.optim, a.activations), (b.params, b.optim, b.activations), "{spec}");
         // With f32 parameters the setting changes nothing.
-        let f = |g| estimate(&c.cfg, DType::F32, Device::Cpu, c.batch, c.seq, accum, &l(g)).unwrap().total();
+        let f = |g| estimate(&c, DType::F32, Device::Cpu, batch, seq, accum, &l(g)).unwrap().total();
         assert_eq!(f(GradReduceDtype::F32), f(GradReduceDtype::Bf16));
     }
 }
@@ -229,7 +304,8 @@ fn nccl_buffers_are_counted_per_communicator_on_multi_rank_gpu_runs() {
     use ferrolm::planner::memory::CUDA_WORKSPACE_BYTES;
     use ferrolm::planner::NCCL_BYTES_PER_COMMUNICATOR;
     assert_eq!(NCCL_BYTES_PER_COMMUNICATOR, 128.0 * 1024.0 * 1024.0);
-    let c = case(64, 128, 2, 2, 32); // 4 heads, 2 key/value heads
+    let c = config(64, 128, 2); // 4 heads, 2 key/value heads
+    let (batch, seq) = (2, 32);
     let spec = |p, g, o| ShardSpec { params: p, grads: g, optim: o };
     let gpu = Device::Cuda(0);
     // (tp, dp, spec, the communicators of rank 0)
@@ -244,7 +320,7 @@ fn nccl_buffers_are_counted_per_communicator_on_multi_rank_gpu_runs() {
     ];
     for (tp, dp, s, n) in cases {
         let l = MemParallelism { tp, dp, spec: s, ..MemParallelism::single(false) };
-        let at = |device, l: &MemParallelism| estimate(&c.cfg, DType::F32, device, c.batch, c.seq, 1, l).unwrap().workspace;
+        let at = |device, l: &MemParallelism| estimate(&c, DType::F32, device, batch, seq, 1, l).unwrap().workspace;
         let want = CUDA_WORKSPACE_BYTES + n as f64 * NCCL_BYTES_PER_COMMUNICATOR;
         assert_eq!(at(gpu, &l), want, "tp {tp} dp {dp} {s}: {n} communicators");
         assert_eq!(at(gpu, &MemParallelism { thread_ranks: true, ..l }), CUDA_WORKSPACE_BYTES, "tp {tp} dp {dp} {s}: thread ranks");

@@ -74,7 +74,7 @@ fn prepare(args: &FinetuneLadderArgs) -> AnyResult<Prepared> {
     check_validation_data(&val, opts.batch_size, opts.seq_len).with_context(|| format!("{}", shards.display()))?;
     let layout = a.parallel.layout()?.mem_layout(a.activation_checkpointing)?;
     let mem = crate::planner::memory::check_layout(&cfg, dtype, device, &opts.shape(), &layout)?;
-    report(&format!("memory: predicted peak {}", crate::planner::memory::describe(&mem)));
+    report(&format!("memory: predicted peak {}", crate::planner::memory::describe_layout(&mem, &layout)));
     Ok(Prepared { data: TrainData { device, dtype, tok_path, train, val }, ladder })
 }
 

@@ -129,7 +129,7 @@ fn row(e: &Estimate) -> String {
         e.spec.to_string(),
         if e.fits { "yes" } else { "no" },
         e.mem.states() / GIB,
-        (e.mem.activations + e.mem.buffers) / GIB,
+        (e.mem.total() - e.mem.states()) / GIB,
         e.mem.total() / GIB,
         e.comm_total(),
         e.exposed,

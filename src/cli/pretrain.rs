@@ -114,7 +114,7 @@ fn prepare(args: &PretrainArgs) -> AnyResult<Prepared> {
     cfg.eos_token_id = tokenizer.eos_id().map(|e| vec![e]).unwrap_or_default();
     let layout = a.parallel.layout()?.mem_layout(a.activation_checkpointing)?;
     let mem = crate::planner::memory::check_layout(&cfg, dtype, device, &opts.shape(), &layout)?;
-    report(&format!("memory: predicted peak {}", crate::planner::memory::describe(&mem)));
+    report(&format!("memory: predicted peak {}", crate::planner::memory::describe_layout(&mem, &layout)));
     Ok(Prepared { data: TrainData { device, dtype, tok_path, train, val }, tokenizer, cfg })
 }
 

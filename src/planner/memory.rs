@@ -6,8 +6,9 @@
 //! `autoconfig` rank layouts with it); [`estimate`] and [`check_layout`] map a run's flags onto
 //! it and refuse, with the numbers, a run that cannot fit (`pretrain_llama`'s memory check).
 //!
-//! Measured against `ferrolm_tensor::peak_bytes` on the CPU engine (tests/memory_estimator.rs
-//! holds it within 10% for several shard specs, with and without checkpointing).
+//! Measured against the tensor peak of real training runs (tests/memory_estimator.rs holds it
+//! between 1 and 1.25 times the measured peak across presets, layouts and checkpointing, on the
+//! CPU and the CUDA emulator; docs/AUTOCONFIG.md has the table).
 use super::cluster::NCCL_BYTES_PER_COMMUNICATOR;
 use super::shape::ModelShape;
 use super::step::Workload;
@@ -16,93 +17,163 @@ use anyhow::{bail, Result};
 use ferrolm_parallel::zero::{GradReduceDtype, ShardSpec};
 use ferrolm_tensor::{DType, Device};
 
+/// One rank's memory by part. Parameters, optimizer state and the workspace are held all the
+/// time, and so are the activations the forward saved, until the loss is dropped after backward
+/// (the autograd graph hangs from the loss). On top of them the peak comes at one of two moments
+/// of a step, and [`Memory::total`] takes the larger:
+/// - when backward starts: the head's loss transients and the gradients held already
+///   (`backward_start`);
+/// - when the gradients are complete, at the end of backward: every gradient (`grads`) and the
+///   transients beside them (`buffers`: a layer's backward or recomputation, the largest
+///   gradient formed whole, a bucket in flight, the step's squared gradient).
 #[derive(Clone, Debug)]
 pub struct Memory {
+    /// This rank's parameter shard, plus the gathered buckets of ZeRO-3 (s_p > 1).
     pub params: f64,
+    /// Gradients when they are complete: the optimizer range's and the accumulator.
     pub grads: f64,
     pub optim: f64,
+    /// What the forward saved for backward.
     pub activations: f64,
-    /// Transients: gathered parameter buckets, gradient buckets in flight, the single engine's
-    /// gradient temporary (or the largest gradient widened to the main-gradient dtype).
+    /// When backward starts: the head's loss transients and the gradients held already (earlier
+    /// micro-batches' accumulator, the head's gradient, a bucket in flight).
+    pub backward_start: f64,
+    /// Beside the complete gradients: the other transients of the end of backward and the step.
     pub buffers: f64,
+    /// [`MARGIN`] of what is modelled rather than counted: the activations and the larger moment's
+    /// transients (the many small tensors beside them: norms' statistics, attention's log-sum-exp,
+    /// targets, a communicator's staging).
+    pub margin: f64,
     /// A fixed reserve (CUDA context, cuBLAS workspace), plus NCCL's buffers on a multi-rank GPU
     /// run (`communicators` × `Cluster::comm_buffer_bytes`).
     pub workspace: f64,
 }
 
 impl Memory {
+    /// The peak: what is always held plus the larger of the two moments.
     pub fn total(&self) -> f64 {
-        self.params + self.grads + self.optim + self.activations + self.buffers + self.workspace
+        self.params + self.optim + self.workspace + self.activations + self.backward_start.max(self.gradients_complete()) + self.margin
+    }
+
+    /// What the end of backward adds to what is always held.
+    pub fn gradients_complete(&self) -> f64 {
+        self.grads + self.buffers
     }
 
     /// Model states alone (parameters, gradients, optimizer).
     pub fn states(&self) -> f64 {
         self.params + self.grads + self.optim
     }
+
+    /// Whether the peak comes when backward starts (else when the gradients are complete).
+    pub fn peaks_at_backward_start(&self) -> bool {
+        self.backward_start > self.gradients_complete()
+    }
 }
 
-/// Activation bytes one rank keeps for backward per micro-batch of `b` sequences of `seq`
-/// tokens, as ferrolm's ops save them (measured with `ferrolm_tensor::peak_bytes` on the CPU
-/// engine, see docs/AUTOCONFIG.md): per token and layer about 10 hidden-sized tensors (norm
-/// inputs, residuals, q/k/v, the attention output; the attention part split over `tp`) and 4
-/// MLP-sized ones (gate, up, their SwiGLU and its input to down_proj); a checkpointed layer keeps
-/// what its two residual branches return (2 hidden-sized tensors: a standard block's branches
-/// return the stream with their output added, in their last GEMM; a Ladder block's, which add
-/// late, keep 2 more, which the margin of the estimate covers), and the branch being recomputed
-/// in backward holds its activations again. Plus the f32
-/// logits (vocabulary split over `tp`) and the embedding output and final norm (2 hidden-sized).
+/// The share of the modelled parts (activations and transients) the estimate adds as [`Memory::margin`]:
+/// without it, the closest measured peaks (tests/memory_estimator.rs) came within 3.5% of it.
+pub const MARGIN: f64 = 0.08;
+
+/// Activation bytes one rank's forward saves for backward for a micro-batch of `b` sequences of
+/// `seq` tokens, as ferrolm's ops save them (measured with `ferrolm_tensor::peak_bytes` on the
+/// CPU engine and the emulator, docs/AUTOCONFIG.md "Memory estimator"), per token: a layer keeps
+/// about 10 hidden-sized tensors (norm inputs, residuals, q/k/v, the attention output; the
+/// attention part split over `tp`) and 4 MLP-sized ones (gate, up, their SwiGLU and its input to
+/// down_proj); a checkpointed layer keeps 2 hidden-sized (what its residual branches return);
+/// the embedding output and final norm 2 more; and the loss's inputs: the logits (in f32 too
+/// and their exponentials under `--tp`, see [`head_bytes_per_token`]).
 pub fn activation_bytes(m: &ModelShape, w: &Workload) -> f64 {
     let (tokens, h, e) = ((w.micro_batch * w.seq) as f64, m.hidden as f64, w.elem_bytes as f64);
-    let tp = w.tp.max(1) as f64;
-    let i = m.intermediate as f64 / tp;
-    let full = 4.0 * h + 6.0 * h / tp + 4.0 * i;
     let ck = w.checkpointed_layers.min(m.layers) as f64;
-    // During backward one checkpointed branch at a time is recomputed: about half a layer.
-    let recompute = if ck > 0.0 { 0.5 * full } else { 0.0 };
-    let layers = (m.layers as f64 - ck) * full + ck * 2.0 * h + recompute;
-    tokens * (e * (layers + 2.0 * h) + 4.0 * m.vocab as f64 / tp)
+    let layers = (m.layers as f64 - ck) * layer_elems(m, w) + ck * 2.0 * h;
+    tokens * (e * (layers + 2.0 * h) + head_bytes_per_token(m, w).0)
+}
+
+/// Elements per token a layer saves (see [`activation_bytes`]).
+fn layer_elems(m: &ModelShape, w: &Workload) -> f64 {
+    let (h, tp) = (m.hidden as f64, w.tp.max(1) as f64);
+    4.0 * h + 6.0 * h / tp + 4.0 * m.intermediate as f64 / tp
+}
+
+/// The largest transient of a layer's backward, beside the gradients formed so far: its own
+/// gradients of activations (half a layer), or with checkpointing the layer recomputed with them
+/// (1.1 layers).
+pub fn layer_transient_bytes(m: &ModelShape, w: &Workload) -> f64 {
+    let share = if w.checkpointed_layers.min(m.layers) > 0 { 1.1 } else { 0.5 };
+    (w.micro_batch * w.seq) as f64 * w.elem_bytes as f64 * share * layer_elems(m, w)
+}
+
+/// Bytes per token of the output head and its loss: (what the graph holds until the loss is
+/// dropped, the transient of the start of backward). One device holds the logits in the compute
+/// dtype, and backward starts with one more logits-sized buffer: their gradient (the CPU's fused
+/// loss forms it in the forward; CUDA's loss in backward), or in its place the transposed copy
+/// the CPU's head GEMM backward reads. The vocabulary-parallel loss of `--tp` is composed from
+/// ops in f32 over the rank's V/tp columns: the graph holds the logits, their f32 copy (bf16)
+/// and their exponentials; backward adds the gradients of the exponentials, of the row sum and
+/// of the picked target logits, and their sum (measured in all: 24 bytes per local logit on the
+/// CPU in f32, 26 in bf16; 20 and 21 on the emulator).
+pub fn head_bytes_per_token(m: &ModelShape, w: &Workload) -> (f64, f64) {
+    let (v, e) = (m.vocab as f64, w.elem_bytes as f64);
+    if w.tp > 1 {
+        let local = v / w.tp as f64;
+        let widened = if e < 4.0 { 4.0 } else { 0.0 };
+        ((e + widened + 4.0) * local, 16.0 * local)
+    } else {
+        (e * v, e * v)
+    }
 }
 
 /// Device bytes one rank needs at its peak for `spec` with `micro_batches` micro-batches per
-/// step, broken down. `workspace` is a fixed reserve (the CUDA context and cuBLAS workspace on a
-/// GPU, 0 on the CPU, plus NCCL's buffers on a multi-rank GPU run:
-/// `communicators` × `NCCL_BYTES_PER_COMMUNICATOR`) the caller passes.
+/// step, broken down (see [`Memory`] for what is held when). `workspace` is a fixed reserve (the
+/// CUDA context and cuBLAS workspace on a GPU, 0 on the CPU, plus NCCL's buffers on a multi-rank
+/// GPU run: `communicators` × `NCCL_BYTES_PER_COMMUNICATOR`) the caller passes.
 ///
 /// Model states follow the engine's layout (one device is the spec (1, 1, 1)): each bucket's
-/// parameter shard (`n / s_p`, plus up to `MAX_LIVE` = 3 gathered buckets when `s_p > 1`), the
-/// gradients of its optimizer range at the step (`n / s_os`) with one whole bucket buffer in
-/// flight towards it when `s_os > 1` (and the step's squared gradient of one bucket), with
-/// several micro-batches an accumulator of `n / s_g` (about three quarters of it live at the
-/// peak), gradients counted at `grad_bytes` per element (with gradients wider than the
-/// parameters, the largest parameter's gradient in both dtypes during backward, in place of the
-/// step's squared gradient when larger), and per optimizer element m and v (and a norm-weight mask under tensor parallelism)
-/// plus the master below f32. The fractions are fitted to measured peaks (docs/AUTOCONFIG.md,
-/// "Memory estimator"); the rest is counted.
+/// parameter shard (`n / s_p`, plus up to `MAX_LIVE` = 3 gathered buckets when `s_p > 1`); per
+/// optimizer element m and v (and a norm-weight mask under tensor parallelism) plus the master
+/// below f32; gradients at `grad_bytes` per element: the optimizer range's (`n / s_os`) and, with
+/// several micro-batches, the accumulator (`n / s_g`), allocated as backward reaches each bucket
+/// and freed by the step. Transients: the head's loss ([`head_bytes_per_token`]) when backward
+/// starts; later a layer's backward ([`layer_transient_bytes`]), one whole bucket in flight
+/// towards the optimizer range when `s_os > 1`, the largest parameter's gradient formed whole
+/// before it lands (see below), the step's squared gradient of one bucket. Where each peaks was
+/// found with `ferrolm_tensor::peak_bytes` (docs/AUTOCONFIG.md, "Memory estimator").
 pub fn memory(m: &ModelShape, w: &Workload, spec: ShardSpec, micro_batches: usize, workspace: f64) -> Memory {
     let (e, ge) = (w.elem_bytes as f64, w.grad_bytes as f64);
     let buckets: Vec<f64> = m.bucket_params(w.tp).iter().map(|&n| n as f64).collect();
     let local: f64 = buckets.iter().sum();
     let biggest = buckets.iter().copied().fold(0.0, f64::max);
+    let largest = m.largest_param(w.tp) as f64;
     let master = if w.elem_bytes == 4 { 0.0 } else { 4.0 };
-    let activations = activation_bytes(m, w);
     let (sp, sg, so) = (spec.params as f64, spec.grads as f64, spec.optim as f64);
     let gathered = if spec.params > 1 { 3.0 * biggest * e } else { 0.0 };
+    // The last micro-batch hands each accumulated bucket over as backward reaches it: about three
+    // quarters of the accumulator are live at the peak (a fit to the measured peaks).
     let accumulator = if micro_batches > 1 { 0.75 * local * ge / sg } else { 0.0 };
     let in_flight = if spec.optim > 1 { biggest * ge } else { 0.0 };
-    // Gradients accumulated wider than the parameters (f32 main gradients of bf16 ones): each
-    // parameter's gradient arrives from autograd in the parameter dtype and is widened to a
-    // copy of its own before it lands in its bucket, so the largest one is held twice, `e` and
-    // `ge` bytes per element, late in the backward pass beside the activations. It never meets
-    // the step's squared gradient, so the larger of the two counts.
+    // The largest parameter's gradient (the embedding or the head in most shapes) is formed whole
+    // in the parameter dtype before it lands in its bucket, and gradients accumulated wider than
+    // the parameters (f32 main gradients of bf16 ones) widen it to a copy of its own first. A
+    // tied embedding's gradient has two parts: the head's, formed when backward starts and held
+    // to its end, and the lookup's, beside it until they are summed.
+    let widened = if ge > e { ge } else { 0.0 };
+    let formed = largest * if m.tied { (2.0 * e).max(e + widened) } else { e + widened };
+    let head_grad = largest * if m.tied { e } else { ge };
+    let head = (w.micro_batch * w.seq) as f64 * head_bytes_per_token(m, w).1;
     let step_sq = 4.0 * biggest / so;
-    let widened = if ge > e { (e + ge) * m.largest_param(w.tp) as f64 } else { 0.0 };
+    let activations = activation_bytes(m, w);
+    let backward_start = head + accumulator + in_flight + head_grad;
+    let buffers = in_flight + layer_transient_bytes(m, w).max(formed).max(step_sq);
     Memory {
-        params: local * e / sp,
+        params: local * e / sp + gathered,
         grads: local * ge / so + accumulator,
         // m, v; the norm-weight mask only under tensor parallelism.
         optim: local * (8.0 + if w.tp > 1 { 4.0 } else { 0.0 } + master) / so,
         activations,
-        buffers: gathered + in_flight + step_sq.max(widened),
+        backward_start,
+        buffers,
+        margin: MARGIN * (activations + backward_start.max(buffers)),
         workspace,
     }
 }
@@ -240,18 +311,32 @@ fn gib(b: f64) -> String {
     human(b)
 }
 
-/// One line: the prediction per rank and its parts.
+/// One line: the prediction per rank, its moment and the parts held then (they add up to it).
 pub fn describe(m: &Memory) -> String {
+    let (moment, moving) = if m.peaks_at_backward_start() {
+        ("when backward starts", format!("head and gradients held {}", gib(m.backward_start)))
+    } else {
+        ("when the gradients are complete", format!("gradients {}, buffers {}", gib(m.grads), gib(m.buffers)))
+    };
     format!(
-        "{} per rank (parameters {}, gradients {}, optimizer {}, activations {}, buffers {}, workspace {})",
+        "{} per rank {moment} (parameters {}, optimizer {}, activations {}, {moving}, margin {}, workspace {})",
         gib(m.total()),
         gib(m.params),
-        gib(m.grads),
         gib(m.optim),
         gib(m.activations),
-        gib(m.buffers),
+        gib(m.margin),
         gib(m.workspace)
     )
+}
+
+/// [`describe`], and for thread ranks (one process) what they need together: the number the
+/// process's tensor peak (`peak_tensor_mib` in metrics.jsonl) is compared with.
+pub fn describe_layout(m: &Memory, l: &MemParallelism) -> String {
+    if l.thread_ranks && l.world() > 1 {
+        format!("{}; {} for the {} thread ranks of this process", describe(m), gib(m.total() * l.world() as f64), l.world())
+    } else {
+        describe(m)
+    }
 }
 
 /// Checks a run laid out by `l`: the batch sizes, the host batch buffers against the host's
