@@ -155,6 +155,7 @@ pub fn prune(root: &Path, keep: usize) -> Result<Vec<PathBuf>> {
 #[derive(Serialize, Deserialize)]
 pub(crate) struct TrainerState {
     step: usize,
+    /// Where the order of windows or of packed rows stands.
     loader: LoaderState,
     rng: u64,
     options: TrainOptions,
@@ -294,7 +295,7 @@ impl Trainer {
         }
         let st = TrainerState {
             step: self.step,
-            loader: self.loader.state(),
+            loader: self.batches.state(),
             rng: self.rng.state,
             options: self.opts.clone(),
             tokens_seen: self.tokens_seen,
@@ -350,7 +351,7 @@ impl Trainer {
         let s: TensorMap = state.into_iter().collect();
         self.engine.load(&w, &s, opt_step).with_context(|| format!("cannot load {} into this rank's shards", dir.display()))?;
         if st.options.seq_len == self.opts.seq_len {
-            self.loader.restore(&st.loader).with_context(|| format!("{}: cannot restore the data position", state_file.display()))?;
+            self.batches.restore(&st.loader).with_context(|| format!("{}: cannot restore the data position", state_file.display()))?;
         } else {
             tracing::warn!("the data position cannot carry over to a new --seq-len: the data order restarts from the beginning");
         }

@@ -1,5 +1,8 @@
-//! Scoring a model on a token stream: the mean next-token cross-entropy over every full window
-//! `ids[i*T .. i*T+T+1]`, a batch of windows per forward pass (the `eval` tool's work).
+//! Scoring a model (the `eval` tool's work, and the trainer's validation): on a token stream, the
+//! mean next-token cross-entropy over every full window `ids[i*T .. i*T+T+1]`, a batch of
+//! windows per forward pass; on conversations, the mean over their trained tokens, each
+//! conversation scored alone.
+use crate::data::chat::{PackedData, IGNORE_INDEX};
 use crate::ops::Tokens;
 use crate::progress::Progress;
 use crate::{AnyResult, Device, Llama};
@@ -55,6 +58,47 @@ pub fn mean_loss(model: &Llama, ids: &[u32], seq_len: usize, batch_size: usize, 
         bar.inc((b * t) as u64);
     }
     drop(bar);
+    Ok(Score { loss: sum / n as f64, tokens: n })
+}
+
+/// The mean loss over the trained targets of `data`'s conversations, each scored alone: `data`
+/// holds one conversation a row (packed with `--no-pack`, so one has the same masking and
+/// length limits as training); its first `max_batches x batch_size` rows (all if `max_batches`
+/// is 0) are sorted by length and run `batch_size` a forward pass, cut to the longest
+/// conversation of the batch. Padding follows a conversation, so causal attention never lets
+/// the conversation read it, and its targets are ignored. The sum over tokens is in f64.
+pub fn conversations_loss(model: &Llama, data: &PackedData, batch_size: usize, max_batches: usize, device: Device) -> AnyResult<Score> {
+    let bs = batch_size.max(1);
+    let rows = data.num_rows();
+    let take = if max_batches > 0 { rows.min(max_batches.saturating_mul(bs)) } else { rows };
+    // (conversation length, row): one conversation a row, at its start.
+    let mut order: Vec<(usize, usize)> = (0..take).map(|i| (data.row(i).cu_seqlens[1] as usize, i)).collect();
+    order.sort();
+    let _g = crate::tensor::no_grad();
+    let (mut sum, mut n) = (0.0f64, 0usize);
+    let bar = Progress::items(take as u64, "eval");
+    for batch in order.chunks(bs) {
+        let t = batch.iter().map(|&(len, _)| len).max().unwrap_or(0);
+        let (mut x, mut y) = (Vec::with_capacity(batch.len() * t), Vec::with_capacity(batch.len() * t));
+        for &(_, i) in batch {
+            let r = data.row(i);
+            x.extend(r.ids[..t].iter().map(|&v| v as i32));
+            y.extend_from_slice(&r.targets[..t]);
+        }
+        let count = y.iter().filter(|&&v| v != IGNORE_INDEX).count();
+        bar.inc(batch.len() as u64);
+        if count == 0 {
+            continue;
+        }
+        let xt = Tokens::upload(x, [batch.len(), t], device)?;
+        let yt = Tokens::upload(y, [batch.len(), t], device)?;
+        sum += model.loss(&xt, &yt)?.item()? * count as f64;
+        n += count;
+    }
+    drop(bar);
+    if n == 0 {
+        bail!("no trained token to score in {} conversation(s)", take);
+    }
     Ok(Score { loss: sum / n as f64, tokens: n })
 }
 

@@ -7,6 +7,7 @@
 //! that `plan`, `autoconfig` and the training tools' memory check share.
 pub mod alloc;
 pub mod autoconfig;
+pub mod batches;
 pub mod checkpoint;
 pub mod cli;
 pub mod eval;

@@ -8,11 +8,13 @@
 //! stops after `max_skipped_steps` in a row); weights that are not finite are never saved; a
 //! failed validation still saves its checkpoint; a failed save leaves the previous checkpoint
 //! as `latest` and removes its own partial files.
+use crate::batches::Batches;
 use crate::logging::is_rank_zero;
 use crate::progress::{report, Progress};
 use crate::run_dir::{self, METRICS};
 use crate::{AnyResult, Llama};
 use anyhow::{bail, Context};
+use ferrolm_data::chat::PackedData;
 use ferrolm_data::{eval_batches, Batch, DataLoader};
 use ferrolm_nn::optim::AdamWConfig;
 use ferrolm_nn::safetensors_io::write_atomic;
@@ -24,6 +26,7 @@ use ferrolm_tensor::{no_grad, Device, Rng, Tensor};
 use serde::{Deserialize, Serialize};
 use std::io::Write;
 use std::path::{Path, PathBuf};
+use std::sync::Arc;
 use std::time::Instant;
 
 /// The marker rank 0 of a multi-process run writes into the output directory at start-up, and
@@ -138,6 +141,26 @@ pub(crate) struct Resumed {
     pub(crate) metrics: Vec<String>,
 }
 
+/// What a trainer trains and validates on.
+#[derive(Clone, Debug)]
+pub enum TrainSet {
+    /// Token shards: shuffled windows of `seq_len + 1` tokens, every token trained; validation
+    /// over the windows of the `val` shards.
+    Shards { train: Vec<PathBuf>, val: Vec<PathBuf> },
+    /// Packed rows of tokenized conversations (`crate::batches`); validation over `val`'s
+    /// conversations (one a row), each scored alone (none: no validation).
+    Rows { train: Arc<PackedData>, val: Option<Arc<PackedData>> },
+}
+
+/// What validation scores.
+#[derive(Clone, Debug)]
+pub(crate) enum Validation {
+    Shards(Vec<PathBuf>),
+    /// One conversation a row.
+    Conversations(Arc<PackedData>),
+    None,
+}
+
 pub struct Trainer {
     pub model: Llama,
     pub opts: TrainOptions,
@@ -148,10 +171,13 @@ pub struct Trainer {
     /// Owns where the parameters and optimizer state live; a world of one on one device.
     pub(crate) engine: Box<dyn TrainEngine>,
     pub(crate) sched: CosineSchedule,
-    pub(crate) loader: DataLoader,
-    pub(crate) val_shards: Vec<PathBuf>,
+    pub(crate) batches: Batches,
+    pub(crate) val: Validation,
     pub(crate) tokenizer_file: Option<PathBuf>,
+    /// Real tokens trained on so far, every rank (padding not counted).
     pub(crate) tokens_seen: u64,
+    /// Real tokens of the last step, every rank.
+    pub(crate) last_step_tokens: u64,
     pub(crate) skipped_total: u64,
     pub(crate) skipped_in_a_row: usize,
     pub(crate) resumed: Option<Resumed>,
@@ -215,13 +241,42 @@ impl Trainer {
         opts: TrainOptions,
         out_dir: &Path,
     ) -> AnyResult<Trainer> {
-        Self::check(&model, val_shards, &opts)?;
+        let data = TrainSet::Shards { train: train_shards.to_vec(), val: val_shards.to_vec() };
+        Self::with_engine_on(model, engine, &data, opts, out_dir)
+    }
+
+    /// [`Trainer::with_engine`] on any [`TrainSet`] (packed conversations, or shards).
+    pub fn with_engine_on(
+        model: Llama,
+        engine: Box<dyn TrainEngine>,
+        data: &TrainSet,
+        opts: TrainOptions,
+        out_dir: &Path,
+    ) -> AnyResult<Trainer> {
+        let val = match data {
+            TrainSet::Shards { val, .. } => Validation::Shards(val.clone()),
+            TrainSet::Rows { val: Some(v), .. } if v.num_rows() > 0 => Validation::Conversations(v.clone()),
+            TrainSet::Rows { .. } => Validation::None,
+        };
+        Self::check(&model, &val, &opts)?;
         let sched = CosineSchedule { max_lr: opts.lr, min_lr: opts.min_lr, warmup_steps: opts.warmup_steps, total_steps: opts.steps };
         let mesh = engine.mesh();
-        let loader = DataLoader::open(train_shards, opts.batch_size, opts.seq_len, opts.seed)
-            .context("cannot open the training split")?
-            .for_rank(mesh.dp_rank(), mesh.dp())
-            .context("cannot split the training data over the data-parallel ranks")?;
+        let batches = match data {
+            TrainSet::Shards { train, .. } => Batches::windows(
+                DataLoader::open(train, opts.batch_size, opts.seq_len, opts.seed)
+                    .context("cannot open the training split")?
+                    .for_rank(mesh.dp_rank(), mesh.dp())
+                    .context("cannot split the training data over the data-parallel ranks")?,
+                mesh.dp(),
+            ),
+            TrainSet::Rows { train, .. } => {
+                if train.seq_len() != opts.seq_len {
+                    bail!("the rows are packed to {} tokens, but --seq-len is {}", train.seq_len(), opts.seq_len);
+                }
+                Batches::rows(PackedData::clone(train), opts.batch_size, opts.seed, mesh.dp_rank(), mesh.dp())
+                    .context("cannot order the training rows")?
+            }
+        };
         Ok(Trainer {
             model,
             rng: Rng::new(opts.seed),
@@ -231,10 +286,11 @@ impl Trainer {
             step: 0,
             engine,
             sched,
-            loader,
-            val_shards: val_shards.to_vec(),
+            batches,
+            val,
             tokenizer_file: None,
             tokens_seen: 0,
+            last_step_tokens: 0,
             skipped_total: 0,
             skipped_in_a_row: 0,
             resumed: None,
@@ -249,15 +305,15 @@ impl Trainer {
         AdamWConfig { weight_decay: opts.weight_decay, ..AdamWConfig::default() }
     }
 
-    fn check(model: &Llama, val_shards: &[PathBuf], opts: &TrainOptions) -> AnyResult<()> {
+    fn check(model: &Llama, val: &Validation, opts: &TrainOptions) -> AnyResult<()> {
         opts.validate()?;
         let maxpos = model.config().max_position_embeddings;
         if opts.seq_len > maxpos {
             bail!("--seq-len {} is longer than the model's max_position_embeddings ({maxpos})", opts.seq_len);
         }
-        // Every run validates at its last step (`eval_every` 0 means only then).
-        if opts.steps > 0 {
-            check_validation_data(val_shards, opts.batch_size, opts.seq_len)?;
+        // Every run with validation data validates at its last step (`eval_every` 0: only then).
+        if let (Validation::Shards(val), true) = (val, opts.steps > 0) {
+            check_validation_data(val, opts.batch_size, opts.seq_len)?;
         }
         Ok(())
     }
@@ -273,10 +329,26 @@ impl Trainer {
         self
     }
 
-    /// Mean validation loss over at most `max_batches` batches (all if 0).
+    /// Whether this run has validation data (conversations with `--val-fraction 0` and no
+    /// `--val-data` have none).
+    pub fn has_validation(&self) -> bool {
+        !matches!(self.val, Validation::None)
+    }
+
+    /// Mean validation loss over at most `max_batches` batches (all if 0): over every token of
+    /// the validation windows, or over the trained tokens of the validation conversations, each
+    /// scored alone.
     pub fn evaluate(&self, max_batches: usize) -> AnyResult<f64> {
         let _g = no_grad();
-        let it = eval_batches(&self.val_shards, self.opts.batch_size, self.opts.seq_len).context("cannot open the validation split")?;
+        let shards = match &self.val {
+            Validation::Shards(s) => s,
+            Validation::Conversations(rows) => {
+                let s = crate::eval::conversations_loss(&self.model, rows, self.opts.batch_size, max_batches, self.model.device())?;
+                return Ok(s.loss);
+            }
+            Validation::None => bail!("this run has no validation data"),
+        };
+        let it = eval_batches(shards, self.opts.batch_size, self.opts.seq_len).context("cannot open the validation split")?;
         let total = if max_batches > 0 { it.num_batches().min(max_batches) } else { it.num_batches() };
         let bar = Progress::steps(total as u64, "eval ");
         let (mut sum, mut n) = (0.0, 0usize);
@@ -304,21 +376,22 @@ impl Trainer {
         let _step = ferrolm_cuda::StepScope::begin();
         let accum = self.opts.grad_accum;
         let dp = self.engine.mesh().dp();
-        let device = self.model.device();
-        // Each micro-batch's loss stays on the device; the step reads them once.
+        let step = self.batches.next_step(accum, self.model.device())?;
+        // Each micro-batch's weighted loss stays on the device; the step reads them once.
         let mut losses = Vec::with_capacity(accum);
-        for k in 0..accum {
-            let b = self.loader.next_batch();
-            let (x, y) = batch_tensors(&b, device)?;
+        for (k, mb) in step.micro.iter().enumerate() {
             let model = &self.model;
+            let weight = step.loss_weight(k, dp);
             self.engine.micro_batch(k + 1 == accum, &mut || {
-                let loss = model.loss(&x, &y)?;
+                let loss = mb.loss(model)?.mul_scalar(weight)?;
                 losses.push(loss.detach().reshape([1])?);
-                loss.mul_scalar(1.0 / accum as f64)
+                Ok(loss)
             })?;
-            self.tokens_seen += (b.batch * b.seq * dp) as u64;
         }
-        let local_loss = Tensor::cat(&losses, 0)?.to_vec_f64()?.iter().sum::<f64>() / accum as f64;
+        self.tokens_seen += step.tokens;
+        self.last_step_tokens = step.tokens;
+        // This rank's share of the step's loss, `dp` times over: the engine averages the ranks.
+        let local_loss = Tensor::cat(&losses, 0)?.to_vec_f64()?.iter().sum::<f64>();
         let lr = self.sched.lr(self.step);
         self.step += 1;
         let r = self.engine.step(lr, self.opts.grad_clip, local_loss)?;
@@ -465,9 +538,7 @@ impl Trainer {
         };
         let start = Instant::now();
         let (start_step, tokens0) = (self.step, self.tokens_seen);
-        // Tokens per step over every data-parallel rank, like `tokens_seen`.
         let dp = self.engine.mesh().dp();
-        let step_tokens = (self.opts.batch_size * self.opts.seq_len * self.opts.grad_accum * dp) as f64;
         let bar = Progress::steps(self.opts.steps as u64, "train");
         bar.start_at(self.step as u64);
         while self.step < self.opts.steps {
@@ -488,7 +559,7 @@ impl Trainer {
             } else {
                 self.history.push((self.step as f64, loss));
                 write_line(serde_json::json!({"step": self.step, "loss": loss, "lr": lr, "grad_norm": norm,
-                "tokens_per_s": step_tokens / dt.max(1e-9), "elapsed_s": elapsed, "peak_tensor_mib": peak_mib, "mfu": mfu}))?;
+                "tokens_per_s": self.last_step_tokens as f64 / dt.max(1e-9), "elapsed_s": elapsed, "peak_tensor_mib": peak_mib, "mfu": mfu}))?;
             }
             bar.set_position(self.step as u64);
             bar.set_message(format!("loss {loss:.4}"));
@@ -507,7 +578,8 @@ impl Trainer {
             let last = self.step == self.opts.steps;
             let mut eval_error = None;
             // `--eval-every 0` means only at the end, as its help says.
-            if last || (self.opts.eval_every > 0 && self.step.is_multiple_of(self.opts.eval_every)) {
+            let due = last || (self.opts.eval_every > 0 && self.step.is_multiple_of(self.opts.eval_every));
+            if due && self.has_validation() {
                 match self.evaluate(self.opts.eval_batches) {
                     Ok(v) => {
                         self.val_history.push((self.step as f64, v));

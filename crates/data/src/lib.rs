@@ -6,7 +6,8 @@
 //!   inputs, read one document at a time;
 //! - [`prepare`]: documents -> train/val shards and a manifest, on every core, resumable;
 //! - [`check_token_data`]: a prepared directory checked against the tokenizer at open;
-//! - [`DataLoader`]: seeded, resumable shuffled batches, and [`eval_batches`];
+//! - [`DataLoader`]: seeded, resumable shuffled batches (their order an [`EpochOrder`], which
+//!   the trainer also walks packed chat rows in), and [`eval_batches`];
 //! - [`chat`]: chat records, Hugging Face chat templates, assistant masks and packing (SFT).
 //!
 //! The crate deals in plain `Vec<u32>` / `Vec<i32>` and does not depend on the
@@ -31,7 +32,7 @@ pub use error::{Error, Result};
 pub use finalize::SplitKind;
 pub use framing::DocFraming;
 pub use input::{resolve_inputs, text_files, Compression, InputFile, InputFormat};
-pub use loader::{eval_batches, Batch, DataLoader, EvalBatches, LoaderState, MAX_BATCH_TOKENS};
+pub use loader::{eval_batches, Batch, DataLoader, EpochOrder, EvalBatches, LoaderState, MAX_BATCH_TOKENS};
 pub use pipeline::PrepareProgress;
 pub use prepare::{list_shards, prepare, prepare_text_dir, prepare_text_dir_with_progress, PrepareOptions, PrepareSummary, ShardInfo};
 pub use records::{DocReader, Piece, ReadError};

@@ -139,14 +139,110 @@ fn check_batch(batch: usize, seq: usize, world_size: usize) -> Result<()> {
 /// Epoch counts a restored state may carry: far beyond any run, and the counter cannot overflow.
 const MAX_EPOCH: u64 = 1 << 62;
 
+/// A seeded order over `n` items (windows, packed rows), one permutation per epoch drawn from
+/// `(seed, epoch)` alone: where it stands is three integers, and restoring them replays the
+/// same items. [`DataLoader`] walks its windows in one; the trainer its packed rows.
+#[derive(Clone, Debug)]
+pub struct EpochOrder {
+    seed: u64,
+    epoch: u64,
+    /// Items of this epoch's permutation already taken.
+    cursor: u64,
+    order: Vec<u64>,
+}
+
+impl EpochOrder {
+    /// The order of `n` items for `seed`, at the start of epoch 0; `what` names the items in
+    /// the error when there are none.
+    pub fn new(n: u64, seed: u64, what: &str) -> Result<Self> {
+        if n == 0 {
+            return Err(Error::invalid(format!("no {what} to train on")));
+        }
+        let mut o = EpochOrder { seed, epoch: 0, cursor: 0, order: Vec::new() };
+        o.shuffle(n);
+        Ok(o)
+    }
+
+    /// This epoch's permutation: Fisher-Yates driven by `(seed, epoch)`.
+    fn shuffle(&mut self, n: u64) {
+        let mut rng = SplitMix64(self.seed ^ self.epoch.wrapping_mul(0xD1B5_4A32_D192_ED03));
+        rng.next_u64(); // decorrelate nearby seeds before the first draw
+        self.order = (0..n).collect();
+        for i in (1..n).rev() {
+            let j = rng.below(i + 1);
+            self.order.swap(i as usize, j as usize);
+        }
+    }
+
+    /// The next item; epochs roll over (and reshuffle) transparently.
+    pub fn next_item(&mut self) -> u64 {
+        let n = self.len();
+        if self.cursor == n {
+            self.epoch += 1;
+            self.cursor = 0;
+            self.shuffle(n);
+        }
+        self.cursor += 1;
+        self.order[self.cursor as usize - 1]
+    }
+
+    /// Items per epoch.
+    pub fn len(&self) -> u64 {
+        self.order.len() as u64
+    }
+
+    /// Never true: an order holds at least one item.
+    pub fn is_empty(&self) -> bool {
+        self.order.is_empty()
+    }
+
+    /// Epochs completed so far.
+    pub fn epoch(&self) -> u64 {
+        self.epoch
+    }
+
+    /// Where it stands, for items of `seq_len` tokens (saved with checkpoints).
+    pub fn state(&self, seq_len: usize) -> LoaderState {
+        LoaderState { seed: self.seed, epoch: self.epoch, cursor: self.cursor, seq_len, num_windows: self.len() }
+    }
+
+    /// Continues from `state`: the following items equal those the saving order would have
+    /// given. Fails, naming the fields, if the state belongs to other data (another count of
+    /// items, or of another `seq_len`); `what` names the items in that message.
+    pub fn restore(&mut self, state: &LoaderState, seq_len: usize, what: &str) -> Result<()> {
+        if state.seq_len != seq_len || state.num_windows != self.len() {
+            return Err(Error::invalid(format!(
+                "loader state (fields `num_windows`, `seq_len`) is for {} {what} of {} tokens, this data gives {} {what} of {seq_len}",
+                state.num_windows,
+                state.seq_len,
+                self.len(),
+            )));
+        }
+        if state.cursor > state.num_windows {
+            return Err(Error::invalid(format!(
+                "loader state field `cursor`: {} is past the end of an epoch of {} {what}",
+                state.cursor, state.num_windows
+            )));
+        }
+        if state.epoch >= MAX_EPOCH {
+            return Err(Error::invalid(format!("loader state field `epoch`: {} is out of range (at most {MAX_EPOCH})", state.epoch)));
+        }
+        let reshuffle = state.seed != self.seed || state.epoch != self.epoch;
+        self.seed = state.seed;
+        self.epoch = state.epoch;
+        self.cursor = state.cursor;
+        if reshuffle {
+            self.shuffle(self.len());
+        }
+        Ok(())
+    }
+}
+
 /// Shuffled training batches; see the module docs.
 pub struct DataLoader {
     windows: Windows,
     batch: usize,
-    seed: u64,
-    epoch: u64,
-    cursor: u64,
-    order: Vec<u64>,
+    order: EpochOrder,
     rank: usize,
     world_size: usize,
 }
@@ -156,9 +252,8 @@ impl DataLoader {
     pub fn open<P: AsRef<Path>>(paths: &[P], batch: usize, seq: usize, seed: u64) -> Result<Self> {
         check_batch(batch, seq, 1)?;
         let windows = Windows::open(paths, seq)?;
-        let mut loader = DataLoader { windows, batch, seed, epoch: 0, cursor: 0, order: Vec::new(), rank: 0, world_size: 1 };
-        loader.shuffle();
-        Ok(loader)
+        let order = EpochOrder::new(windows.len(), seed, "windows")?;
+        Ok(DataLoader { windows, batch, order, rank: 0, world_size: 1 })
     }
 
     /// Makes this loader serve rank `rank` of `world_size` data-parallel ranks.
@@ -172,35 +267,13 @@ impl DataLoader {
         Ok(self)
     }
 
-    /// This epoch's permutation: Fisher-Yates driven by `(seed, epoch)`.
-    fn shuffle(&mut self) {
-        let mut rng = SplitMix64(self.seed ^ self.epoch.wrapping_mul(0xD1B5_4A32_D192_ED03));
-        rng.next_u64(); // decorrelate nearby seeds before the first draw
-        let n = self.windows.len();
-        self.order = (0..n).collect();
-        for i in (1..n).rev() {
-            let j = rng.below(i + 1);
-            self.order.swap(i as usize, j as usize);
-        }
-    }
-
-    fn next_window(&mut self) -> u64 {
-        if self.cursor == self.windows.len() {
-            self.epoch += 1;
-            self.cursor = 0;
-            self.shuffle();
-        }
-        self.cursor += 1;
-        self.order[self.cursor as usize - 1]
-    }
-
     /// The next `(B, T)` batch; epochs roll over (and reshuffle) transparently.
     pub fn next_batch(&mut self) -> Batch {
         let (b, t) = (self.batch, self.windows.seq);
         let mut inputs = Vec::with_capacity(b * t);
         let mut targets = Vec::with_capacity(b * t);
         for slot in 0..self.world_size * b {
-            let w = self.next_window();
+            let w = self.order.next_item();
             if slot / b == self.rank {
                 self.windows.push(w, &mut inputs, &mut targets);
             }
@@ -210,38 +283,13 @@ impl DataLoader {
 
     /// Position to save with a checkpoint.
     pub fn state(&self) -> LoaderState {
-        LoaderState { seed: self.seed, epoch: self.epoch, cursor: self.cursor, seq_len: self.windows.seq, num_windows: self.windows.len() }
+        self.order.state(self.windows.seq)
     }
 
     /// Continues from `state`: the following batches equal those the saving loader
     /// would have produced. Fails if the state belongs to other data or `seq_len`.
     pub fn restore(&mut self, state: &LoaderState) -> Result<()> {
-        if state.seq_len != self.windows.seq || state.num_windows != self.windows.len() {
-            return Err(Error::invalid(format!(
-                "loader state (fields `num_windows`, `seq_len`) is for {} windows of {} tokens, these shards give {} windows of {}",
-                state.num_windows,
-                state.seq_len,
-                self.windows.len(),
-                self.windows.seq
-            )));
-        }
-        if state.cursor > state.num_windows {
-            return Err(Error::invalid(format!(
-                "loader state field `cursor`: {} is past the end of an epoch of {} windows",
-                state.cursor, state.num_windows
-            )));
-        }
-        if state.epoch >= MAX_EPOCH {
-            return Err(Error::invalid(format!("loader state field `epoch`: {} is out of range (at most {MAX_EPOCH})", state.epoch)));
-        }
-        let reshuffle = state.seed != self.seed || state.epoch != self.epoch;
-        self.seed = state.seed;
-        self.epoch = state.epoch;
-        self.cursor = state.cursor;
-        if reshuffle {
-            self.shuffle();
-        }
-        Ok(())
+        self.order.restore(state, self.windows.seq, "windows")
     }
 
     /// Windows (sequences) per epoch, across all ranks.
@@ -251,7 +299,7 @@ impl DataLoader {
 
     /// Epochs completed so far.
     pub fn epoch(&self) -> u64 {
-        self.epoch
+        self.order.epoch()
     }
 }
 
