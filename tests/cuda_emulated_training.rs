@@ -6,9 +6,12 @@
 //! run inside real training. Checkpoints written from the device must load back on the CPU.
 //! New device memory is poisoned with NaN (FERROLM_CUDA_POISON=1, set before the device starts):
 //! the engine's gradient buckets are not zeroed before use, so an element nothing wrote fails.
+//! Packed rows on the device (flash `_seg` kernels, `rope_pos`) give the loss and gradients of
+//! their conversations run one by one there, as closely as the bf16 kernels follow the CPU.
 mod common;
 use ferrolm::data::{list_shards, prepare_text_dir, Tokenizer};
-use ferrolm::nn::LlamaConfig;
+use ferrolm::nn::{LlamaConfig, Packing};
+use ferrolm::ops::Tokens;
 use ferrolm::train::{TrainOptions, Trainer};
 use ferrolm::{DType, Device, Llama};
 use ferrolm_tensor::Rng;
@@ -221,4 +224,70 @@ fn device_gradient_buckets_are_written_whole() {
     let (got, want, still) = outs[0];
     assert!((got - want).abs() <= 1e-4 * want, "grad norm {got} vs {want}: an unwritten bucket element was read");
     assert!(still, "the parameter without a gradient moved (or became NaN)");
+}
+
+/// A packed batch on the device: rows of 20 tokens holding conversations of 7, 1 and 9 tokens,
+/// 12 and 5, 4 and 16 (padding at the ends of rows, never trained), through a bf16 model of head
+/// dim 64 (the flash kernels' `_seg` twins, RoPE at per-token positions). Its loss, times its
+/// trained tokens, and its gradients equal those of the conversations run one by one on the
+/// device, within the bf16 tolerance of the kernels against the CPU (f32 sums of bf16
+/// gradients taken in another order).
+#[test]
+fn packed_rows_on_the_device_equal_their_conversations_one_by_one() {
+    let Some(gpu) = poisoned_device() else { return };
+    let m = model(64, 128, 2, 1, DType::BF16, gpu);
+    let mut r = Rng::new(21);
+    let convs: Vec<(Vec<i32>, Vec<i32>)> = [7, 1, 9, 12, 5, 4, 16]
+        .iter()
+        .map(|&len| {
+            let ids = (0..len).map(|_| r.below(64) as i32).collect();
+            (ids, (0..len).map(|i| if i + 1 == len || r.below(3) == 0 { -100 } else { r.below(64) as i32 }).collect())
+        })
+        .collect();
+    let (t, rows) = (20usize, [vec![0, 1, 2], vec![3, 4], vec![5, 6]]);
+    let (mut ids, mut tg, mut pos, mut cu) = (vec![], vec![], vec![], vec![]);
+    for row in &rows {
+        let mut c = vec![0u32];
+        for &i in row {
+            ids.extend(&convs[i].0);
+            tg.extend(&convs[i].1);
+            pos.extend(0..convs[i].0.len() as u32);
+            c.push(c.last().unwrap() + convs[i].0.len() as u32);
+        }
+        let pad = t - *c.last().unwrap() as usize;
+        ids.extend(std::iter::repeat_n(0, pad));
+        tg.extend(std::iter::repeat_n(-100, pad));
+        pos.extend(0..pad as u32);
+        if pad > 0 {
+            c.push(t as u32);
+        }
+        cu.push(c);
+    }
+    let trained = |t: &[i32]| t.iter().filter(|&&x| x != -100).count() as f64;
+    let grads = |m: &Llama| -> Vec<(String, Vec<f64>)> {
+        m.parameters().into_iter().map(|(n, p)| (n, p.grad().unwrap().to_vec_f64().unwrap())).collect()
+    };
+    let packing = Packing::new(t, &pos, cu, gpu).unwrap();
+    let (up_ids, up_tg) = (Tokens::upload(ids, vec![3, t], gpu).unwrap(), Tokens::upload(tg.clone(), vec![3, t], gpu).unwrap());
+    let loss = m.loss_packed(&up_ids, &up_tg, &packing).unwrap().mul_scalar(trained(&tg)).unwrap();
+    let sum = loss.item().unwrap();
+    loss.backward().unwrap();
+    let packed = grads(&m);
+    for (_, p) in m.parameters() {
+        p.zero_grad();
+    }
+    let mut want = 0.0;
+    for (ids, tg) in &convs {
+        let n = ids.len();
+        let l = m.loss(Tokens::upload(ids.clone(), vec![1, n], gpu).unwrap(), Tokens::upload(tg.clone(), vec![1, n], gpu).unwrap());
+        let l = l.unwrap().mul_scalar(trained(tg)).unwrap();
+        want += l.item().unwrap();
+        l.backward().unwrap();
+    }
+    assert!((sum - want).abs() <= 2e-2 * want.abs(), "packed loss sum {sum} vs {want} one by one");
+    for ((n, g), (_, w)) in packed.iter().zip(grads(&m)) {
+        let scale = w.iter().fold(0f64, |a, x| a.max(x.abs()));
+        let d = g.iter().zip(&w).fold(0f64, |a, (x, y)| a.max((x - y).abs()));
+        assert!(g.iter().all(|x| x.is_finite()) && d <= 2e-2 * scale, "gradient of {n}: max |d| {d} over a scale of {scale}");
+    }
 }

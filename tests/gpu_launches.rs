@@ -23,6 +23,9 @@
 //!   (SwiGLU, RMSNorm forward and backward on short and on long rows, RoPE), AdamW, the
 //!   embedding (forward, and both backward paths) and the cross-entropy (many short rows, and
 //!   64 rows of 32,768), each at 2^21 elements.
+//! - A packed micro-batch (several conversations a row: positions and segment boundaries)
+//!   launches exactly the kernels of an unpacked one, attention and RoPE taking their packed
+//!   twins, and makes no host wait.
 //!
 //! The profile is one per process: the tests of this file take a lock and reset it.
 mod common;
@@ -405,4 +408,61 @@ fn a_refused_fused_gemm_is_composed_and_counted() {
     assert!(rep.table().contains("warning: 1 fused GEMMs refused by cuBLASLt"), "{}", rep.table());
     assert!(rep.kernels.len() > 1, "a composed GEMM launches more than the GEMM: {:?}", rep.kernels);
     close(&composed, "composed");
+}
+
+/// A packed micro-batch's forward and backward against an unpacked one of the same shape: the
+/// same launches kernel for kernel, where the packed run's attention is the flash `_seg` kernels
+/// and its RoPE `rope_pos` (the positions and the segment bounds are host uploads, no kernel),
+/// and neither makes a host wait.
+#[test]
+fn a_packed_micro_batch_adds_no_launch() {
+    use ferrolm::nn::Packing;
+    use ferrolm::ops::Tokens;
+    use ferrolm_cuda::{host_waits, StepScope};
+    let Some(device) = common::cuda0_device() else { return };
+    let _g = PROFILE.lock().unwrap_or_else(|e| e.into_inner());
+    let cfg = LlamaConfig::from_json_str(
+        r#"{"model_type":"llama","vocab_size":64,"hidden_size":128,"intermediate_size":256,"num_hidden_layers":2,
+            "num_attention_heads":2,"num_key_value_heads":2,"max_position_embeddings":64}"#,
+    )
+    .unwrap();
+    let model = Llama::new(cfg, DType::BF16, device, &mut Rng::new(2)).unwrap();
+    let (b, t) = (2, 32);
+    let ids: Vec<i32> = (0..b * t).map(|i| (i * 7 % 64) as i32).collect();
+    let tg: Vec<i32> = (0..b * t).map(|i| if i % 3 == 0 { -100 } else { (i * 5 % 64) as i32 }).collect();
+    let (cu, pos) = (vec![vec![0, 10, 11, 32], vec![0, 5, 32]], [(0..10).chain(0..1).chain(0..21), (0..5).chain(0..27).chain(0..0)]);
+    let pos: Vec<u32> = pos.into_iter().flatten().collect();
+    // (launches by kernel, host waits) of one forward and backward.
+    let run = |packed: bool| {
+        profile::enable(true);
+        profile::reset();
+        let before = host_waits().in_steps;
+        {
+            let _step = StepScope::begin();
+            let (x, y) = (Tokens::upload(ids.clone(), [b, t], device).unwrap(), Tokens::upload(tg.clone(), [b, t], device).unwrap());
+            let loss = match packed {
+                true => model.loss_packed(&x, &y, &Packing::new(t, &pos, cu.clone(), device).unwrap()),
+                false => model.loss(&x, &y),
+            };
+            loss.unwrap().backward().unwrap();
+        }
+        let waits = host_waits().in_steps - before;
+        let r = profile::report();
+        profile::enable(false);
+        for (_, p) in model.parameters() {
+            p.zero_grad(); // the next run's gradients are not added to these
+        }
+        let mut k: Vec<(String, u64)> = r.kernels.iter().map(|k| (k.name.clone(), k.launches)).collect();
+        k.sort();
+        (k, waits)
+    };
+    let (plain, plain_waits) = run(false);
+    let (packed, packed_waits) = run(true);
+    assert_eq!((plain_waits, packed_waits), (0, 0), "host waits of a micro-batch: unpacked, packed");
+    assert!(packed.iter().any(|(n, _)| n.starts_with("flash_fwd_seg")) && packed.iter().any(|(n, _)| n.starts_with("rope_pos")));
+    let mut twins: Vec<(String, u64)> = packed.iter().map(|(n, c)| (n.replace("_seg", "").replace("rope_pos", "rope"), *c)).collect();
+    twins.sort();
+    assert_eq!(twins, plain, "a packed micro-batch's launches, its attention and RoPE named as the unpacked ones'");
+    let total = |k: &[(String, u64)]| k.iter().map(|x| x.1).sum::<u64>();
+    println!("a micro-batch of 2 layers: {} launches unpacked, {} packed", total(&plain), total(&packed));
 }

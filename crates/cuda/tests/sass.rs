@@ -204,8 +204,8 @@ fn vector_loads_and_no_local_memory() {
 /// (ldmatrix) and LDGSTS (cp.async), each inside the main loop (the loop, between a backward
 /// branch and its target, that holds the most HMMA), no local memory (LDL/STL); and from `cuobjdump --dump-resource-usage`, no stack and no local
 /// memory (no register spills) for every architecture in the fatbin; for the 8-warp kernels and
-/// their 4-warp (`_w4`) twins. A kernel that falls back to scalar shared-memory loads or spills
-/// fails here.
+/// their 4-warp (`_w4`) twins, and the `_seg` kernels of packed rows. A kernel that falls back to
+/// scalar shared-memory loads or spills fails here.
 #[test]
 fn flash_attention_feeds_the_tensor_cores() {
     let Some((fb, tool, funcs)) = sass_of_fatbin() else { return };
@@ -213,7 +213,7 @@ fn flash_attention_feeds_the_tensor_cores() {
         Ok(u) => u,
         Err(e) => return skip(&e),
     };
-    for pass in ["fwd", "bwd_dkdv", "bwd_dq"] {
+    for pass in ["fwd", "bwd_dkdv", "bwd_dq", "fwd_seg", "bwd_dkdv_seg", "bwd_dq_seg"] {
         for (d, warps) in [(64, ""), (128, ""), (64, "_w4"), (128, "_w4")] {
             let k = format!("flash_{pass}_bf16_d{d}{warps}");
             let body = funcs.iter().find(|(n, _)| *n == k).map(|(_, b)| b.as_str());
