@@ -16,7 +16,7 @@ use anyhow::bail;
 use ferrolm_data::chat::{PackedData, PackedRow, IGNORE_INDEX};
 use ferrolm_data::{DataLoader, EpochOrder, LoaderState};
 use ferrolm_nn::Packing;
-use ferrolm_ops::Tokens;
+use ferrolm_ops::{LossScale, Tokens};
 use ferrolm_tensor::{Device, Result, Tensor};
 
 /// The segments of `row` that hold a trained target: conversations (one without a trained
@@ -54,12 +54,11 @@ pub struct MicroBatch {
 }
 
 impl MicroBatch {
-    /// The mean loss (f32 scalar) over the micro-batch's trained targets.
-    pub fn loss(&self, model: &crate::Llama) -> Result<Tensor> {
-        match &self.packing {
-            None => model.loss(&self.inputs, &self.targets),
-            Some(p) => model.loss_packed(&self.inputs, &self.targets, p),
-        }
+    /// The loss (f32 scalar) to backpropagate: the sum of the per-token cross-entropy over the
+    /// micro-batch's trained targets times `scale` ([`StepBatches::loss_scale`]), the head's
+    /// fused loss taking the factor.
+    pub fn loss(&self, model: &crate::Llama, scale: f64) -> Result<Tensor> {
+        model.loss_with(&self.inputs, &self.targets, self.packing.as_ref(), LossScale::Sum(scale))
     }
 }
 
@@ -73,14 +72,14 @@ pub struct StepBatches {
 }
 
 impl StepBatches {
-    /// The factor micro-batch `k`'s mean loss is multiplied by before its backward pass, so
-    /// that the engine's mean over the data-parallel ranks of the summed micro-batches is the
-    /// step's sum of per-token losses over its trained tokens: `trained_k x dp / trained_step`
-    /// (0 for a step without a trained token). For windows this is exactly `1 / grad_accum`.
-    pub fn loss_weight(&self, k: usize, dp: usize) -> f64 {
+    /// The factor every micro-batch's summed loss is multiplied by: `dp / trained_step` (0 for a
+    /// step without a trained token). The engine averages the data-parallel ranks' gradients,
+    /// so the step's gradient is that of the sum over its trained tokens divided by their
+    /// count, each token weighing the same whichever micro-batch or rank holds it.
+    pub fn loss_scale(&self, dp: usize) -> f64 {
         match self.trained {
             0 => 0.0,
-            n => (self.micro[k].trained * dp as u64) as f64 / n as f64,
+            n => dp as f64 / n as f64,
         }
     }
 }
@@ -201,8 +200,8 @@ mod tests {
     }
 
     /// Every rank sees the step's counts; rank r's micro-batch k is the block the one-rank
-    /// loader of the same global batch gives; the weights of a step, summed over the ranks, are
-    /// dp (the engine divides by dp).
+    /// loader of the same global batch gives; the trained tokens of every micro-batch on every
+    /// rank, times the scale, are dp (the engine divides by dp).
     #[test]
     fn ranks_split_each_micro_batch_and_share_the_step_counts() {
         let examples: Vec<Example> = (1..=8).map(|l| ex(l, l - 1, 100 * l as u32)).collect();
@@ -215,7 +214,7 @@ mod tests {
             let mut b = Batches::rows(data.clone(), 1, 5, rank, 2).unwrap();
             let s = b.next_step(2, Device::Cpu).unwrap();
             assert_eq!((s.trained, s.tokens), (whole.trained, whole.tokens));
-            total += (0..2).map(|k| s.loss_weight(k, 2)).sum::<f64>();
+            total += s.micro.iter().map(|m| m.trained as f64 * s.loss_scale(2)).sum::<f64>();
             for k in 0..2 {
                 let i = 2 * k + rank;
                 assert_eq!(s.micro[k].inputs.host().unwrap(), &ids[i * 8..i * 8 + 8], "rank {rank} micro {k}");

@@ -381,9 +381,9 @@ impl Trainer {
         let mut losses = Vec::with_capacity(accum);
         for (k, mb) in step.micro.iter().enumerate() {
             let model = &self.model;
-            let weight = step.loss_weight(k, dp);
+            let scale = step.loss_scale(dp);
             self.engine.micro_batch(k + 1 == accum, &mut || {
-                let loss = mb.loss(model)?.mul_scalar(weight)?;
+                let loss = mb.loss(model, scale)?;
                 losses.push(loss.detach().reshape([1])?);
                 Ok(loss)
             })?;
