@@ -21,8 +21,10 @@ Usage (environment: scripts/requirements-fixtures.txt):
 
     .venv/bin/python scripts/make_lora_fixtures.py            # regenerate all, then verify
     .venv/bin/python scripts/make_lora_fixtures.py --check    # only verify committed fixtures
-    .venv/bin/python scripts/make_lora_fixtures.py --eval-adapter DIR --base DIR --data FILE
-        # an adapter ferrolm trained: its mean next-token loss in PEFT on a text file
+    cargo run -p ferrolm-nn --example train_lora -- tests/fixtures/lora_trained
+    .venv/bin/python scripts/make_lora_fixtures.py --trained
+        # an adapter ferrolm trained (train_lora.rs): PEFT loads it, and its loss in PEFT on fresh
+        # tokens goes to tests/fixtures/lora_trained/peft_eval.safetensors
 
 Verification reloads each adapter with PeftModel.from_pretrained, recomputes everything (max
 relative difference 1e-6), and checks that the adapter moves the logits by far more than that
@@ -39,7 +41,6 @@ import tempfile
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
 from peft import LoraConfig, PeftModel, get_peft_model
 from safetensors.torch import load_file, save_file
 
@@ -180,24 +181,38 @@ def check(name: str, spec: dict, root: Path) -> None:
     print(f"ok {name}: max rel diff {worst:.2e}; the adapter moves the logits by {effect:.2e}")
 
 
-def eval_adapter(adapter: Path, base: Path, data: Path, seq_len: int, tokenizer: Path | None) -> None:
-    """Mean next-token loss of base + adapter over the non-overlapping seq_len + 1 windows of a
-    text file, as ferrolm's `eval` computes it; prints `loss <float> tokens <int>`."""
-    from tokenizers import Tokenizer
+TRAINED = "lora_trained"  # written by ferrolm: crates/nn/examples/train_lora.rs
+TRAINED_BASE = "llama_gqa_untied"
 
-    tok = Tokenizer.from_file(str(tokenizer or base / "tokenizer.json"))
-    ids = tok.encode(data.read_text(), add_special_tokens=False).ids
-    model = PeftModel.from_pretrained(load_base(base), adapter)
+
+def trained(root: Path, check: bool) -> None:
+    """PEFT loads the adapter ferrolm trained, every factor as the file holds it, and scores fresh
+    tokens with it: input_ids, loss (the adapted model's), base_loss (without the adapter)."""
+    d, base_dir = root / TRAINED, root / TRAINED_BASE
+    conf = json.loads((d / "adapter_config.json").read_text())
+    assert conf["base_model_name_or_path"] == f"{FIXTURES_DIR}/{TRAINED_BASE}", conf["base_model_name_or_path"]
+    model = load_base(base_dir)
     model.eval()
-    forward = base_forward(base)
-    total, count = 0.0, 0
+    gen = torch.Generator().manual_seed(21)
+    ids = torch.randint(0, model.config.vocab_size, (2, 16), generator=gen)
     with torch.no_grad():
-        for start in range(0, len(ids) - seq_len, seq_len + 1):
-            w = torch.tensor([ids[start:start + seq_len + 1]])
-            logits, _ = logits_loss(model.base_model.model, forward, w[:, :-1], w[:, :-1])
-            total += F.cross_entropy(logits[0].double(), w[0, 1:], reduction="sum").item()
-            count += seq_len
-    print(f"loss {total / count:.8f} tokens {count}")
+        base_loss = model(input_ids=ids, labels=ids).loss
+    pm = PeftModel.from_pretrained(model, d)
+    weights = load_file(str(d / "adapter_model.safetensors"))
+    loaded = {n.replace(".default", ""): p for n, p in pm.named_parameters() if "lora_" in n}
+    assert sorted(loaded) == sorted(weights), f"PEFT's factors {sorted(loaded)} vs the file's {sorted(weights)}"
+    for k, v in weights.items():
+        assert torch.equal(loaded[k].detach(), v), f"{k} is not what the file holds"
+    with torch.no_grad():
+        loss = pm(input_ids=ids, labels=ids).loss
+    path = d / "peft_eval.safetensors"
+    if check:
+        ref = load_file(str(path))
+        assert torch.equal(ref["input_ids"], ids) and ld.rel_err(loss, ref["loss"]) <= 1e-6, f"{TRAINED}: PEFT's loss moved"
+    else:
+        out = {"input_ids": ids, "loss": loss.float().reshape(()), "base_loss": base_loss.float().reshape(())}
+        save_file(out, str(path), metadata={"generator": f"{GENERATOR} --trained (see tests/fixtures/README.md)"})
+    print(f"ok {TRAINED}: PEFT loads all {len(weights)} factors; loss {loss.item():.6f} (base {base_loss.item():.6f})")
 
 
 def main() -> int:
@@ -205,21 +220,18 @@ def main() -> int:
     ap.add_argument("--check", action="store_true", help="only verify the committed fixtures")
     ap.add_argument("--only", help="one fixture")
     ap.add_argument("--out", type=Path, default=hf.DEFAULT_OUT)
-    ap.add_argument("--eval-adapter", type=Path, help="an adapter directory to score in PEFT")
-    ap.add_argument("--base", type=Path, help="its base model directory (with --eval-adapter)")
-    ap.add_argument("--data", type=Path, help="a text file to score (with --eval-adapter)")
-    ap.add_argument("--seq-len", type=int, default=32)
-    ap.add_argument("--tokenizer", type=Path)
+    ap.add_argument("--trained", action="store_true",
+                    help=f"only {TRAINED} (ferrolm's adapter): check that PEFT loads it and record its loss")
     a = ap.parse_args()
     torch.use_deterministic_algorithms(True)
-    if a.eval_adapter:
-        eval_adapter(a.eval_adapter, a.base, a.data, a.seq_len, a.tokenizer)
-        return 0
-    names = [a.only] if a.only else list(FIXTURES)
-    for n in names:
-        if not a.check:
-            generate(n, FIXTURES[n], a.out)
-        check(n, FIXTURES[n], a.out)
+    if not a.trained:
+        names = [a.only] if a.only else list(FIXTURES)
+        for n in names:
+            if not a.check:
+                generate(n, FIXTURES[n], a.out)
+            check(n, FIXTURES[n], a.out)
+    if a.trained or (a.check and not a.only):
+        trained(a.out, a.check)
     return 0
 
 

@@ -87,9 +87,30 @@ fn every_adapter_fixture_is_covered() {
         .map(|e| e.file_name().to_string_lossy().into_owned())
         .collect();
     names.sort();
-    let mut covered: Vec<&str> = FIXTURES.iter().map(|f| f.1).collect();
+    let mut covered: Vec<&str> = FIXTURES.iter().map(|f| f.1).chain(["lora_trained"]).collect();
     covered.sort();
     assert_eq!(names, covered);
+}
+
+/// tests/fixtures/lora_trained: an adapter ferrolm trained and wrote (crates/nn/examples/
+/// train_lora.rs), which PEFT loads (scripts/make_lora_fixtures.py --trained checks every factor)
+/// and scores on fresh tokens: ferrolm's loss with it is PEFT's.
+#[test]
+fn an_adapter_ferrolm_trained_gives_peft_s_loss() {
+    let (base, dir) = (fixtures().join("llama_gqa_untied"), fixtures().join("lora_trained"));
+    let mut m = Llama::from_pretrained(&base, DType::F32, Device::Cpu).unwrap();
+    let r = load_safetensors(&dir.join("peft_eval.safetensors"), DType::F32, Device::Cpu).unwrap();
+    let ids = &r["input_ids"];
+    let (b, t) = (ids.dim(0), ids.dim(1));
+    let targets = Tensor::from_vec(shift_labels(&ids.to_vec::<i32>().unwrap(), t), vec![b, t], Device::Cpu).unwrap();
+    let e_base = rel_err(&m.loss(ids, &targets).unwrap(), &r["base_loss"]);
+    let cfg = m.load_adapter(&dir).unwrap();
+    let written = std::fs::read_to_string(dir.join(ADAPTER_CONFIG)).unwrap();
+    assert_eq!(written, config_json(&cfg, "tests/fixtures/llama_gqa_untied"), "ferrolm's writer made adapter_config.json");
+    let e = rel_err(&m.loss(ids, &targets).unwrap(), &r["loss"]);
+    let moved = rel_err(&r["base_loss"], &r["loss"]);
+    eprintln!("lora_trained: rel err loss {e:.2e} (base {e_base:.2e}); the adapter moves the loss by {moved:.2e}");
+    assert!(e < TOL && e_base < TOL && moved > 100.0 * TOL, "loss {e}, base {e_base}, adapter effect {moved}");
 }
 
 #[test]
