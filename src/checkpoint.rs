@@ -13,6 +13,7 @@ use crate::train::{Resumed, TrainOptions, Trainer};
 use crate::{AnyResult, Llama};
 use anyhow::{bail, Context, Result};
 use ferrolm_data::LoaderState;
+use ferrolm_nn::lora::peft::{is_adapter_dir, read_adapter, save_adapter, ADAPTER_CONFIG, ADAPTER_WEIGHTS};
 use ferrolm_nn::safetensors_io::{load_safetensors, save_safetensors, write_atomic, TensorMap};
 use ferrolm_nn::LlamaConfig;
 use ferrolm_tensor::{no_grad, DType, Device, Rng, Tensor};
@@ -40,11 +41,18 @@ pub fn parse_checkpoint_name(name: &str) -> Option<usize> {
 /// were damaged or copied partially by hand.
 pub fn missing_files(dir: &Path) -> Vec<&'static str> {
     let mut missing = Vec::new();
-    if !dir.join("config.json").is_file() {
-        missing.push("config.json");
-    }
-    if !dir.join("model.safetensors").is_file() && !dir.join("model.safetensors.index.json").is_file() {
-        missing.push("model.safetensors");
+    if is_adapter_dir(dir) {
+        // A LoRA run's checkpoint: the adapter in PEFT's format instead of the model.
+        if !dir.join(ADAPTER_WEIGHTS).is_file() {
+            missing.push(ADAPTER_WEIGHTS);
+        }
+    } else {
+        if !dir.join("config.json").is_file() {
+            missing.push("config.json");
+        }
+        if !dir.join("model.safetensors").is_file() && !dir.join("model.safetensors.index.json").is_file() {
+            missing.push("model.safetensors");
+        }
     }
     // The optimizer state: one device's file, or the shards of a parallel run.
     if !dir.join("optimizer.safetensors").is_file() && !ferrolm_parallel::zero::ckpt::is_sharded(dir) {
@@ -285,9 +293,15 @@ impl Trainer {
     /// checkpoint complete.
     fn write_checkpoint_files(&self, tmp: &Path, params: TensorMap) -> AnyResult<()> {
         let named: Vec<(String, Tensor)> = params.into_iter().collect();
-        let path = ferrolm_nn::safetensors_io::prepare_dir(tmp, "model.safetensors")?;
-        save_safetensors(&path, &named, Some(DType::F32))?;
-        write_atomic(&tmp.join("config.json"), self.model.config().to_json_string_dtype("float32").as_bytes())?;
+        match self.model.lora_config() {
+            // A LoRA run's parameters are its adapters: PEFT's files, for the frozen base.
+            Some(cfg) => save_adapter(tmp, cfg, self.adapter_base.as_deref().unwrap_or_default(), &named)?,
+            None => {
+                let path = ferrolm_nn::safetensors_io::prepare_dir(tmp, "model.safetensors")?;
+                save_safetensors(&path, &named, Some(DType::F32))?;
+                write_atomic(&tmp.join("config.json"), self.model.config().to_json_string_dtype("float32").as_bytes())?;
+            }
+        }
         if let Some(t) = &self.tokenizer_file {
             let dst = tmp.join("tokenizer.json");
             std::fs::copy(t, &dst).with_context(|| format!("cannot copy {} into the checkpoint", t.display()))?;
@@ -318,11 +332,33 @@ impl Trainer {
         let text = std::fs::read_to_string(&state_file).with_context(|| format!("cannot read {}", state_file.display()))?;
         let st: TrainerState = serde_json::from_str(&text).with_context(|| format!("{} is not a trainer state", state_file.display()))?;
 
-        let cfg_file = dir.join("config.json");
-        let saved_cfg = LlamaConfig::from_file(&cfg_file)?;
-        let diffs = config_diff(&saved_cfg, self.model.config());
-        if !diffs.is_empty() {
-            bail!("cannot resume from {}: it holds a different model ({})", dir.display(), diffs.join("; "));
+        match (is_adapter_dir(&dir), self.model.lora_config()) {
+            (false, None) => {
+                let cfg_file = dir.join("config.json");
+                let saved_cfg = LlamaConfig::from_file(&cfg_file)?;
+                let diffs = config_diff(&saved_cfg, self.model.config());
+                if !diffs.is_empty() {
+                    bail!("cannot resume from {}: it holds a different model ({})", dir.display(), diffs.join("; "));
+                }
+            }
+            (true, Some(ours)) => {
+                // The adapter must fit this base (read_adapter checks every shape) and be the run's.
+                let (theirs, _) = read_adapter(&dir, self.model.config(), Device::Cpu)?;
+                let diffs = lora_diff(&theirs, ours);
+                if !diffs.is_empty() {
+                    bail!("cannot resume from {}: its adapter differs from this run's ({})", dir.display(), diffs.join("; "));
+                }
+            }
+            (true, None) => bail!(
+                "cannot resume from {}: it holds a LoRA adapter ({ADAPTER_CONFIG}); resume it with the run's --lora-* flags",
+                dir.display()
+            ),
+            (false, Some(_)) => {
+                bail!(
+                    "cannot resume from {}: it holds a fully fine-tuned model, not a LoRA adapter; drop the --lora-* flags",
+                    dir.display()
+                )
+            }
         }
         // Full weights by name (the Hugging Face files, whatever layout wrote them) and the full
         // optimizer state (one device's file, or joined from the shards of a parallel run).
@@ -336,7 +372,7 @@ impl Trainer {
             let s = load_safetensors(&opt_file, DType::F32, Device::Cpu)?;
             (loaded.parameters().into_iter().collect(), s.into_iter().collect())
         };
-        let expected: Vec<String> = self.model.parameters().into_iter().map(|(n, _)| n).collect();
+        let expected: Vec<String> = self.model.trainable_parameters().into_iter().map(|(n, ..)| n).collect();
         if let Some(extra) = weights.keys().find(|k| !expected.contains(k)) {
             bail!("{}: weight `{extra}` is not a parameter of this model", dir.display());
         }
@@ -356,6 +392,8 @@ impl Trainer {
             tracing::warn!("the data position cannot carry over to a new --seq-len: the data order restarts from the beginning");
         }
         self.rng = Rng { state: st.rng };
+        // LoRA dropout continues with the masks of the run it resumes: one forward a micro-batch.
+        self.model.set_lora_forwards((st.step * st.options.grad_accum) as u64);
         self.step = st.step;
         self.tokens_seen = st.tokens_seen;
         self.skipped_total = st.skipped_steps;
@@ -386,6 +424,19 @@ pub fn config_diff(saved: &LlamaConfig, current: &LlamaConfig) -> Vec<String> {
         }
     }
     out
+}
+
+/// `field: checkpoint A, this run B` for every adapter setting that differs (dropout may).
+pub fn lora_diff(saved: &ferrolm_nn::LoraConfig, current: &ferrolm_nn::LoraConfig) -> Vec<String> {
+    let names = |t: &[ferrolm_nn::Proj]| t.iter().map(|p| p.module()).collect::<Vec<_>>().join(",");
+    let fields = [
+        ("r", saved.rank.to_string(), current.rank.to_string()),
+        ("lora_alpha", saved.alpha.to_string(), current.alpha.to_string()),
+        ("use_rslora", saved.rslora.to_string(), current.rslora.to_string()),
+        ("target_modules", names(&saved.targets), names(&current.targets)),
+        ("layers_to_transform", format!("{:?}", saved.layers), format!("{:?}", current.layers)),
+    ];
+    fields.into_iter().filter(|(_, a, b)| a != b).map(|(k, a, b)| format!("{k}: checkpoint {a}, this run {b}")).collect()
 }
 
 /// Sentences for each training option that differs between a checkpoint and this run.

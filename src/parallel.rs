@@ -95,15 +95,20 @@ impl Parallelism {
     }
 }
 
-/// Loads a checkpoint on every rank and shards it for tensor parallelism (inference tools).
+/// Loads a checkpoint (and a PEFT adapter for it) on every rank and shards it for tensor
+/// parallelism (inference tools).
 pub fn load_for_inference(
     dir: &std::path::Path,
+    adapter: Option<&std::path::Path>,
     dtype: ferrolm_tensor::DType,
     device: Device,
     comm: Option<Comm>,
     layout: &Parallelism,
 ) -> AnyResult<Llama> {
     let mut model = Llama::from_pretrained(dir, dtype, device).with_context(|| format!("cannot load the model in {}", dir.display()))?;
+    if let Some(a) = adapter {
+        model.load_adapter(a).with_context(|| format!("cannot apply the adapter in {} to {}", a.display(), dir.display()))?;
+    }
     if let Some(c) = comm {
         tensor_parallel(&mut model, c, layout)?;
     }

@@ -174,6 +174,8 @@ pub struct Trainer {
     pub(crate) batches: Batches,
     pub(crate) val: Validation,
     pub(crate) tokenizer_file: Option<PathBuf>,
+    /// With LoRA: the base model's path that checkpoints' `adapter_config.json` names.
+    pub(crate) adapter_base: Option<String>,
     /// Real tokens trained on so far, every rank (padding not counted).
     pub(crate) tokens_seen: u64,
     /// Real tokens of the last step, every rank.
@@ -289,6 +291,7 @@ impl Trainer {
             batches,
             val,
             tokenizer_file: None,
+            adapter_base: None,
             tokens_seen: 0,
             last_step_tokens: 0,
             skipped_total: 0,
@@ -321,6 +324,13 @@ impl Trainer {
     /// Copies this tokenizer.json into every checkpoint so a checkpoint is self-contained.
     pub fn with_tokenizer(mut self, path: &Path) -> Self {
         self.tokenizer_file = Some(path.to_path_buf());
+        self
+    }
+
+    /// With LoRA adapters: checkpoints hold the adapter in PEFT's format (not the model), for the
+    /// base model at `base` (`adapter_config.json`'s `base_model_name_or_path`).
+    pub fn with_adapter_base(mut self, base: &str) -> Self {
+        self.adapter_base = Some(base.to_string());
         self
     }
 
@@ -605,8 +615,9 @@ impl Trainer {
     }
 
     /// Model FLOPs utilisation on CUDA: (6 N + 12 L T d_attn) FLOPs per token (PaLM's count)
-    /// over the bf16 dense peak, `FERROLM_PEAK_TFLOPS` or 989 (H100/H200 SXM). None on CPU and
-    /// on the emulated CUDA device.
+    /// over the bf16 dense peak, `FERROLM_PEAK_TFLOPS` or 989 (H100/H200 SXM); with LoRA the
+    /// frozen weights count 4 FLOPs each (forward, input gradient) and the adapters 6. None on
+    /// CPU and on the emulated CUDA device.
     fn mfu(&self, tokens_per_s: f64) -> Option<f64> {
         let Device::Cuda(i) = self.model.device() else { return None };
         if ferrolm_cuda::CudaBackend::latest(i).is_none_or(|b| b.is_emulated()) {
@@ -614,7 +625,9 @@ impl Trainer {
         }
         let c = self.model.config();
         let attn = 12.0 * (c.num_hidden_layers * self.opts.seq_len * c.num_attention_heads * c.head_dim) as f64;
-        let per_token = 6.0 * self.model.num_params() as f64 + attn;
+        let adapters: usize = self.model.adapters().iter().map(|(_, t)| t.numel()).sum();
+        let frozen = if adapters > 0 { 4.0 } else { 6.0 };
+        let per_token = frozen * self.model.num_params() as f64 + 6.0 * adapters as f64 + attn;
         let peak = std::env::var("FERROLM_PEAK_TFLOPS").ok().and_then(|v| v.parse::<f64>().ok()).unwrap_or(989.0) * 1e12;
         Some(per_token * tokens_per_s / peak)
     }

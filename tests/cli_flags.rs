@@ -435,3 +435,31 @@ fn profile_flag_on_the_training_tools() {
     let help = parse_from::<PretrainArgs, _, _>(["pretrain_llama", "--help"]).unwrap_err().to_string();
     assert!(help.contains("--profile") && help.contains("FERROLM_PROFILE"), "{help}");
 }
+
+#[test]
+fn lora_flags_take_both_forms() {
+    use ferrolm::cli::lora::{LoraArgs, Targets};
+    use ferrolm::nn::Proj;
+    let head = ["finetune_ladder", "--model", "m", "--ladder-layers", "2"];
+    let parse = |extra: &[&str]| -> LoraArgs { parse_from::<FinetuneLadderArgs, _, _>(head.iter().chain(extra)).unwrap().lora };
+    let want = [
+        ("--lora-rank", "8", LoraArgs { lora_rank: Some(8), ..LoraArgs::default() }),
+        ("--lora-alpha", "16", LoraArgs { lora_alpha: Some(16.0), ..LoraArgs::default() }),
+        ("--lora-dropout", "0.05", LoraArgs { lora_dropout: Some(0.05), ..LoraArgs::default() }),
+        ("--lora-targets", "q,v", LoraArgs { lora_targets: Some(Targets(vec![Proj::Q, Proj::V])), ..LoraArgs::default() }),
+        ("--lora-targets", "all-linear", LoraArgs { lora_targets: Some(Targets(Proj::ALL.to_vec())), ..LoraArgs::default() }),
+        ("--lora-init", "adapter", LoraArgs { lora_init: Some("adapter".into()), ..LoraArgs::default() }),
+    ];
+    for (flag, value, want) in want {
+        assert_eq!(parse(&[flag, value]), want, "{flag} {value}");
+        assert_eq!(parse(&[&format!("{flag}={value}")]), want, "{flag}={value}");
+    }
+    assert!(parse(&["--rslora"]).rslora && parse(&["--merge-lora"]).merge_lora);
+    assert_eq!(parse(&[]), LoraArgs::default(), "LoRA is off by default");
+    for lora in [vec!["--lora", "a"], vec!["--lora=a"]] {
+        let e: EvalArgs =
+            parse_from(["eval", "--model", "m", "--text", "t", "--seq-len=4"].into_iter().chain(lora.iter().copied())).unwrap();
+        let g: GenerateArgs = parse_from(["generate", "--model", "m", "--prompt", "Hi"].into_iter().chain(lora.iter().copied())).unwrap();
+        assert_eq!((e.run.lora.as_deref(), g.run.lora.as_deref()), (Some("a".as_ref()), Some("a".as_ref())));
+    }
+}

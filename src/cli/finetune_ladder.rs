@@ -3,6 +3,7 @@
 //! blocks read the residual stream one branch late. The validation loss is reported for the
 //! plain model, for the converted one before training and after it; checkpoints are written in
 //! the paper's released format (`model_type: "llamaLadder"`, `ladder_layers`).
+use super::lora::LoraArgs;
 use super::pretrain::preflight;
 use super::{env_help, LogArgs, Tool, TrainArgs, TrainData, ENV_COMMON, ENV_DEVICE, ENV_LAUNCH, ENV_TRAIN};
 use crate::data::Tokenizer;
@@ -34,6 +35,8 @@ pub struct FinetuneLadderArgs {
     pub ladder_layers: String,
     #[command(flatten)]
     pub train: TrainArgs,
+    #[command(flatten)]
+    pub lora: LoraArgs,
 }
 
 impl Tool for FinetuneLadderArgs {
@@ -59,6 +62,7 @@ fn prepare(args: &FinetuneLadderArgs) -> AnyResult<Prepared> {
     let mut checked = a.clone();
     checked.steps = checked.steps.max(1);
     preflight(&checked)?;
+    args.lora.config()?; // its flags are checked before any work
     let device = a.device.pick()?;
     let dtype = a.device.dtype(device);
     let dir = &args.model;
@@ -99,12 +103,28 @@ fn finetune_rank(args: &FinetuneLadderArgs, p: &Prepared, comm: Option<Comm>) ->
     if let Some(l) = before_kind {
         report(&format!("note: {} is already a Ladder model ({l} layers); it is converted again from its weights", args.model.display()));
     }
+    let lora = args.lora.apply(&mut model, a.seed)?.is_some();
+    if lora {
+        report(&super::lora::describe(&model));
+    }
     let (mut trainer, _) = p.data.trainer(model, a, opts.clone(), comm)?;
+    let base = a.out.join("base");
+    if lora {
+        // The adapters' base is the converted model: its config, the same weight files.
+        let mut converted = trainer.model.config().clone();
+        converted.ladder_layers = Some(p.ladder.clone());
+        if crate::logging::is_rank_zero() {
+            super::lora::write_linked_base(&args.model, &base, &converted)?;
+        }
+        let abs = std::path::absolute(&base).unwrap_or_else(|_| base.clone());
+        trainer = trainer.with_adapter_base(&abs.display().to_string());
+    }
     let resuming = a.resume.is_some();
     let plain = if resuming { None } else { Some(trainer.evaluate(0)?) };
     trainer.model.set_ladder_layers(Some(p.ladder.clone()))?;
     if let Some(plain) = plain {
-        report(&format!("plain Llama validation loss {plain:.4}"));
+        let with = if args.lora.lora_init.is_some() { " (with the --lora-init adapter)" } else { "" };
+        report(&format!("plain Llama{with} validation loss {plain:.4}"));
         let converted = trainer.evaluate(0)?;
         report(&format!("converted ({} layers Ladder) validation loss before fine-tuning {converted:.4}", p.ladder));
     }
@@ -115,7 +135,7 @@ fn finetune_rank(args: &FinetuneLadderArgs, p: &Prepared, comm: Option<Comm>) ->
     if a.steps == 0 {
         let dir = trainer.save_checkpoint()?;
         report(&format!("converted checkpoint {}", dir.display()));
-        return Ok(());
+        return merge(args, &dir, &base);
     }
     trainer.run()?;
     let after = trainer.evaluate(0)?;
@@ -124,5 +144,17 @@ fn finetune_rank(args: &FinetuneLadderArgs, p: &Prepared, comm: Option<Comm>) ->
         None => report(&format!("validation loss after fine-tuning {after:.4}")),
     };
     report(&format!("checkpoint: {}", a.out.join("checkpoints").display()));
+    let last = crate::checkpoint::resolve_checkpoint(&a.out)?;
+    merge(args, &last, &base)
+}
+
+/// `--merge-lora`: rank 0 folds the checkpoint's adapter into its base, written to OUT/merged.
+fn merge(args: &FinetuneLadderArgs, ckpt: &std::path::Path, base: &std::path::Path) -> AnyResult<()> {
+    if !args.lora.merge_lora || !crate::logging::is_rank_zero() {
+        return Ok(());
+    }
+    let out = args.train.out.join("merged");
+    super::lora::write_merged(base, ckpt, &out)?;
+    report(&format!("merged model (the adapter folded in): {}", out.display()));
     Ok(())
 }

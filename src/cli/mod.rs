@@ -12,6 +12,7 @@ pub mod cluster;
 pub mod eval;
 pub mod finetune_ladder;
 pub mod generate;
+pub mod lora;
 pub mod parallel;
 pub mod plan;
 pub mod prepare;
@@ -109,10 +110,14 @@ impl TrainData {
     }
 }
 
-/// The flags of the tools that run a trained model (eval, generate): tensor parallelism, the
-/// device and dtype, logging.
+/// The flags of the tools that run a trained model (eval, generate): a LoRA adapter, tensor
+/// parallelism, the device and dtype, logging.
 #[derive(clap::Args, Debug, Clone, PartialEq)]
 pub struct ModelRunArgs {
+    /// A PEFT LoRA adapter to apply to --model: a directory with adapter_config.json and
+    /// adapter_model.safetensors, or a LoRA run whose latest checkpoint holds one [default: none]
+    #[arg(long, value_name = "DIR", help_heading = "Model")]
+    pub lora: Option<PathBuf>,
     #[command(flatten)]
     pub parallel: parallel::TpArgs,
     #[command(flatten)]
@@ -122,14 +127,15 @@ pub struct ModelRunArgs {
 }
 
 impl ModelRunArgs {
-    /// Loads `dir`'s tokenizer, then on every rank of `--tp` the model's weights (this rank's
-    /// shards), and runs `f` there.
+    /// Loads `dir`'s tokenizer, then on every rank of `--tp` the model's weights with `--lora`'s
+    /// adapter (this rank's shards), and runs `f` there.
     pub fn with_model(
         &self,
         dir: &std::path::Path,
         f: impl Fn(&crate::Llama, &crate::data::Tokenizer, crate::Device) -> AnyResult<()> + Sync,
     ) -> AnyResult<()> {
         let tokenizer = model_dir_tokenizer(dir)?;
+        let adapter = self.lora.as_deref().map(lora::resolve_adapter).transpose().map_err(|e| e.context("--lora"))?;
         let device = self.device.pick()?;
         let dtype = self.device.dtype(device);
         let layout = self.parallel.layout()?;
@@ -138,7 +144,7 @@ impl ModelRunArgs {
             device,
             || Ok(()),
             |_, comm| {
-                let model = crate::parallel::load_for_inference(dir, dtype, device, comm, &layout)?;
+                let model = crate::parallel::load_for_inference(dir, adapter.as_deref(), dtype, device, comm, &layout)?;
                 f(&model, &tokenizer, device)
             },
         )

@@ -391,9 +391,9 @@ pub fn parallelize(model: &mut Llama, comm: &Comm) -> Result<TpShardings> {
         let (a, m) = (&mut b.self_attn, &mut b.mlp);
         // A split input's dropout masks: this rank's columns of the whole input's mask.
         for l in [&mut a.o_proj, &mut m.down_proj] {
-            if let Some(d) = l.adapter.as_mut().and_then(|ad| ad.dropout.as_mut()) {
-                let n = l.weight.dim(1); // this rank's input columns
-                d.columns = Some((n * tp, rank * n));
+            let n = l.weight.dim(1); // this rank's input columns
+            if let Some(ad) = l.adapter.as_mut() {
+                ad.columns = Some((n * tp, rank * n));
             }
         }
         a.q_proj.op = col.clone();

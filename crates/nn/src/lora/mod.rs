@@ -201,9 +201,6 @@ pub struct Dropout {
     clock: Arc<Clock>,
     /// The adapter's index in the model: its masks differ from every other adapter's.
     index: u64,
-    /// (columns of the whole input, this rank's first column) when the input is split over
-    /// tensor-parallel ranks: each rank masks its columns of the one whole mask.
-    pub columns: Option<(usize, usize)>,
 }
 
 /// SplitMix64's finaliser: a counter-based generator (any element's draw without the others).
@@ -219,14 +216,15 @@ impl Dropout {
         self.p > 0.0 && is_grad_enabled()
     }
 
-    /// x (..., d) with elements zeroed with probability p and the rest scaled by 1 / (1 - p).
-    fn apply(&self, x: &Tensor) -> Result<Tensor> {
+    /// x (..., d) with elements zeroed with probability p and the rest scaled by 1 / (1 - p);
+    /// `columns` as `Adapter::columns`.
+    fn apply(&self, x: &Tensor, columns: Option<(usize, usize)>) -> Result<Tensor> {
         if !self.active() {
             return Ok(x.clone());
         }
         let d = x.dim(x.rank() - 1);
         let rows = x.numel() / d.max(1);
-        let (full, first) = self.columns.unwrap_or((d, 0));
+        let (full, first) = columns.unwrap_or((d, 0));
         let key = mix(self.clock.seed ^ mix(self.clock.forwards.load(Ordering::Relaxed) ^ mix(self.index)));
         let keep = (1.0 / (1.0 - self.p)) as f32;
         let threshold = (self.p * (1u64 << 53) as f64) as u64;
@@ -252,6 +250,10 @@ pub struct Adapter {
     /// s = alpha / R (or alpha / sqrt(R)).
     pub scale: f64,
     pub dropout: Option<Dropout>,
+    /// (columns of the whole input, this rank's first column) when the input is split over
+    /// tensor-parallel ranks (a row-parallel layer): each rank's dropout masks its columns of
+    /// the one whole mask.
+    pub columns: Option<(usize, usize)>,
 }
 
 impl Adapter {
@@ -318,7 +320,7 @@ pub(crate) fn project(x: &Tensor, layers: &[&Linear], res: Option<&Tensor>) -> R
                 None => {
                     let xs = l.op.adapter_input(x)?;
                     let xs = match &ad.dropout {
-                        Some(d) => d.apply(&xs)?,
+                        Some(d) => d.apply(&xs, ad.columns)?,
                         None => xs,
                     };
                     let a = l.op.adapter_factor(&ad.a, Factor::A)?.mul_scalar(ad.scale)?;
@@ -362,22 +364,36 @@ impl Llama {
                 for t in [&a, &b] {
                     t.set_requires_grad(true)?;
                 }
-                let dropout = (cfg.dropout > 0.0).then(|| Dropout {
-                    p: cfg.dropout,
-                    clock: clock.clone(),
-                    index: (l * Proj::ALL.len() + p as usize) as u64,
-                    columns: None,
-                });
-                lin.adapter = Some(Adapter { a, b, scale: cfg.scale(), dropout });
+                lin.adapter = Some(Adapter { a, b, scale: cfg.scale(), dropout: None, columns: None });
             }
         }
         self.lora = Some(LoraState { cfg: cfg.clone(), clock });
-        Ok(())
+        self.set_lora_dropout(cfg.dropout)
     }
 
     /// The LoRA settings, when the model has adapters.
     pub fn lora_config(&self) -> Option<&LoraConfig> {
         self.lora.as_ref().map(|l| &l.cfg)
+    }
+
+    /// Changes the adapters' dropout probability (it changes no weight: a continued adapter may
+    /// train with another one).
+    pub fn set_lora_dropout(&mut self, p: f64) -> Result<()> {
+        let Some(state) = self.lora.as_mut() else { bail!("set_lora_dropout", "the model has no LoRA adapters") };
+        let mut cfg = state.cfg.clone();
+        cfg.dropout = p;
+        cfg.check()?;
+        let clock = state.clock.clone();
+        state.cfg = cfg;
+        for (l, blk) in self.layers.iter_mut().enumerate() {
+            for proj in Proj::ALL {
+                if let Some(ad) = proj.linear_mut(blk).adapter.as_mut() {
+                    let index = (l * Proj::ALL.len() + proj as usize) as u64;
+                    ad.dropout = (p > 0.0).then(|| Dropout { p, clock: clock.clone(), index });
+                }
+            }
+        }
+        Ok(())
     }
 
     /// Sets how many training forwards the dropout clock has counted (a resumed run continues

@@ -1,0 +1,203 @@
+//! The LoRA flags of the fine-tuning tools (`finetune`, `finetune_ladder`): train low-rank
+//! adapters on the frozen model instead of every weight (`ferrolm_nn::lora`), continue a PEFT
+//! adapter, and fold the trained adapter into a plain checkpoint. Checkpoints then hold the
+//! adapter in PEFT's format (`adapter_config.json`, `adapter_model.safetensors`).
+use super::{fraction, non_negative, positive};
+use crate::nn::lora::{LoraConfig, Proj};
+use crate::{AnyResult, Llama};
+use anyhow::{bail, Context};
+use clap::Args;
+use ferrolm_tensor::Rng;
+use std::path::{Path, PathBuf};
+
+#[derive(Args, Debug, Clone, PartialEq, Default)]
+#[command(next_help_heading = "LoRA")]
+pub struct LoraArgs {
+    /// Train LoRA adapters of rank R on the frozen model instead of every weight: the base stays
+    /// in --dtype with no gradient or optimizer state [default: off, full fine-tuning]
+    #[arg(long, value_name = "R", value_parser = positive)]
+    pub lora_rank: Option<usize>,
+    /// The adapters' alpha: their output is scaled by alpha / R [default: 2R]
+    #[arg(long, value_name = "A", value_parser = non_negative, allow_hyphen_values = true)]
+    pub lora_alpha: Option<f64>,
+    /// Probability of zeroing an element of an adapter's input in training [default: 0]
+    #[arg(long, value_name = "P", value_parser = fraction)]
+    pub lora_dropout: Option<f64>,
+    /// The linear layers that get adapters: a comma-separated list of q, k, v, o, gate, up, down,
+    /// or all-linear (the seven) [default: q,k,v,o,gate,up,down]
+    #[arg(long, value_name = "LIST", value_parser = targets)]
+    pub lora_targets: Option<Targets>,
+    /// Rank-stabilised LoRA: scale by alpha / sqrt(R) instead of alpha / R
+    #[arg(long)]
+    pub rslora: bool,
+    /// Continue training the PEFT adapter in DIR (adapter_config.json, adapter_model.safetensors);
+    /// its settings are the run's (a --lora-* flag given too must agree; --lora-dropout may
+    /// differ) [default: new adapters]
+    #[arg(long, value_name = "DIR")]
+    pub lora_init: Option<PathBuf>,
+    /// After training, also write the model with the adapters folded in (W + scale B A), a plain
+    /// Hugging Face checkpoint, to OUT/merged (with --steps 0: merge --lora-init's adapter)
+    #[arg(long)]
+    pub merge_lora: bool,
+}
+
+/// `--lora-targets`' projections.
+#[derive(Clone, Debug, PartialEq)]
+pub struct Targets(pub Vec<Proj>);
+
+fn targets(s: &str) -> Result<Targets, String> {
+    Proj::parse_list(s).map(Targets).map_err(|e| e.msg)
+}
+
+impl LoraArgs {
+    /// Whether the run trains adapters.
+    pub fn enabled(&self) -> bool {
+        self.lora_rank.is_some() || self.lora_init.is_some()
+    }
+
+    /// The new adapters' settings (None with --lora-init, which reads them from the adapter, or
+    /// without LoRA). A LoRA flag without --lora-rank or --lora-init is refused.
+    pub fn config(&self) -> AnyResult<Option<LoraConfig>> {
+        if !self.enabled() {
+            let given = [
+                ("--lora-alpha", self.lora_alpha.is_some()),
+                ("--lora-dropout", self.lora_dropout.is_some()),
+                ("--lora-targets", self.lora_targets.is_some()),
+                ("--rslora", self.rslora),
+                ("--merge-lora", self.merge_lora),
+            ];
+            if let Some((flag, _)) = given.iter().find(|g| g.1) {
+                bail!("{flag} applies to LoRA fine-tuning: add --lora-rank R (or --lora-init DIR)");
+            }
+            return Ok(None);
+        }
+        let Some(rank) = self.lora_rank.filter(|_| self.lora_init.is_none()) else { return Ok(None) };
+        let targets = self.lora_targets.clone().map_or_else(|| Proj::ALL.to_vec(), |t| t.0);
+        Ok(Some(LoraConfig::new(rank, self.lora_alpha, self.lora_dropout.unwrap_or(0.0), targets, self.rslora)?))
+    }
+
+    /// Adds the run's adapters to `model` (before tensor parallelism and the engine attach; the
+    /// same on every rank): new ones initialised from `seed`, or --lora-init's. Returns their
+    /// settings, or None without LoRA.
+    pub fn apply(&self, model: &mut Llama, seed: u64) -> AnyResult<Option<LoraConfig>> {
+        if let Some(cfg) = self.config()? {
+            model.add_lora(&cfg, &mut Rng::new(seed ^ 0x4C6F_5241))?; // "LoRA"
+            return Ok(Some(cfg));
+        }
+        let Some(dir) = &self.lora_init else { return Ok(None) };
+        let cfg = model.load_adapter(dir).with_context(|| format!("--lora-init {}", dir.display()))?;
+        let file = dir.join(crate::nn::lora::peft::ADAPTER_CONFIG);
+        let differs = |flag: &str, given: String, field: &str, theirs: String| -> AnyResult<()> {
+            if given != theirs {
+                bail!("{flag} {given}, but {} has {field} {theirs}: drop the flag to continue the adapter as it is", file.display());
+            }
+            Ok(())
+        };
+        if let Some(r) = self.lora_rank {
+            differs("--lora-rank", r.to_string(), "r", cfg.rank.to_string())?;
+        }
+        if let Some(a) = self.lora_alpha {
+            differs("--lora-alpha", a.to_string(), "lora_alpha", cfg.alpha.to_string())?;
+        }
+        if let Some(t) = &self.lora_targets {
+            let names = |v: &[Proj]| v.iter().map(|p| p.module()).collect::<Vec<_>>().join(",");
+            differs("--lora-targets", names(&t.0), "target_modules", names(&cfg.targets))?;
+        }
+        if self.rslora && !cfg.rslora {
+            bail!("--rslora, but {} has use_rslora false: drop the flag to continue the adapter as it is", file.display());
+        }
+        if let Some(p) = self.lora_dropout {
+            model.set_lora_dropout(p)?;
+        }
+        Ok(model.lora_config().cloned())
+    }
+}
+
+/// What a LoRA run reports: the trainable share.
+pub fn describe(model: &Llama) -> String {
+    let adapters: usize = model.adapters().iter().map(|(_, t)| t.numel()).sum();
+    let all = model.num_params();
+    let cfg = model.lora_config().map_or(String::new(), |c| {
+        let t: Vec<&str> = c.targets.iter().map(|p| p.flag()).collect();
+        format!(" (rank {}, alpha {}, scale {:.4}, dropout {}, targets {})", c.rank, c.alpha, c.scale(), c.dropout, t.join(","))
+    });
+    format!(
+        "LoRA: {adapters} trainable adapter parameters, {:.3}% of the {all} frozen ones{cfg}",
+        100.0 * adapters as f64 / all.max(1) as f64
+    )
+}
+
+/// Where an adapter lives: `dir` itself when it holds `adapter_config.json`, else the latest
+/// checkpoint of the run (or checkpoints directory) `dir` when that holds one. The error names
+/// what is missing.
+pub fn resolve_adapter(dir: &Path) -> AnyResult<PathBuf> {
+    if crate::nn::lora::peft::is_adapter_dir(dir) {
+        return Ok(dir.to_path_buf());
+    }
+    std::fs::metadata(dir).with_context(|| format!("cannot open the adapter directory {}", dir.display()))?;
+    if let Ok(ckpt) = crate::checkpoint::resolve_checkpoint(dir) {
+        if crate::nn::lora::peft::is_adapter_dir(&ckpt) {
+            return Ok(ckpt);
+        }
+    }
+    bail!(
+        "{} has no {}: not a PEFT adapter directory, nor a run whose latest checkpoint holds an adapter",
+        dir.display(),
+        crate::nn::lora::peft::ADAPTER_CONFIG
+    )
+}
+
+/// Writes `dst` as a model directory for the converted model `cfg` whose weights are those of
+/// the checkpoint `src` (a Ladder conversion changes no weight): `config.json` for `cfg`, the
+/// weight files linked to `src`'s (not copied), and `src`'s tokenizer files copied. A LoRA run of
+/// `finetune_ladder` names it as its adapters' base, so PEFT and `--lora` find the Ladder model.
+pub fn write_linked_base(src: &Path, dst: &Path, cfg: &crate::nn::LlamaConfig) -> AnyResult<()> {
+    let src = src.canonicalize().with_context(|| format!("cannot resolve {}", src.display()))?;
+    std::fs::create_dir_all(dst).with_context(|| format!("cannot create {}", dst.display()))?;
+    let index = src.join("model.safetensors.index.json");
+    let mut weights = vec!["model.safetensors".to_string(), "model.safetensors.index.json".to_string()];
+    if index.is_file() {
+        weights.extend(crate::nn::safetensors_io::read_index(&index)?.into_values());
+    }
+    weights.sort();
+    weights.dedup();
+    for name in weights.iter().filter(|n| src.join(n).is_file()) {
+        let link = dst.join(name);
+        if std::fs::symlink_metadata(&link).is_ok() {
+            std::fs::remove_file(&link).with_context(|| format!("cannot replace {}", link.display()))?;
+        }
+        link_file(&src.join(name), &link)?;
+    }
+    for name in ["tokenizer.json", "tokenizer_config.json", "generation_config.json", "chat_template.jinja"] {
+        if src.join(name).is_file() {
+            std::fs::copy(src.join(name), dst.join(name)).with_context(|| format!("cannot copy {} into {}", name, dst.display()))?;
+        }
+    }
+    crate::nn::safetensors_io::write_atomic(&dst.join("config.json"), cfg.to_json_string_dtype("float32").as_bytes())?;
+    Ok(())
+}
+
+#[cfg(unix)]
+fn link_file(target: &Path, link: &Path) -> AnyResult<()> {
+    std::os::unix::fs::symlink(target, link).with_context(|| format!("cannot link {} to {}", link.display(), target.display()))
+}
+
+#[cfg(not(unix))]
+fn link_file(target: &Path, link: &Path) -> AnyResult<()> {
+    std::fs::copy(target, link).map(|_| ()).with_context(|| format!("cannot copy {} to {}", target.display(), link.display()))
+}
+
+/// `--merge-lora`: the base at `base` with the adapter in `adapter` folded in, written as a plain
+/// Hugging Face checkpoint (f32 weights, config, tokenizer) to `out`.
+pub fn write_merged(base: &Path, adapter: &Path, out: &Path) -> AnyResult<()> {
+    let mut m =
+        Llama::from_pretrained(base, crate::DType::F32, crate::Device::Cpu).with_context(|| format!("cannot load {}", base.display()))?;
+    m.load_adapter(adapter).with_context(|| format!("cannot load the adapter {}", adapter.display()))?;
+    m.merge_lora()?;
+    m.save_pretrained(out).with_context(|| format!("cannot write the merged model to {}", out.display()))?;
+    if base.join("tokenizer.json").is_file() {
+        std::fs::copy(base.join("tokenizer.json"), out.join("tokenizer.json"))
+            .with_context(|| format!("cannot copy the tokenizer into {}", out.display()))?;
+    }
+    Ok(())
+}

@@ -1,0 +1,161 @@
+//! LoRA through the fine-tuning tools (`finetune_ladder --lora-*`): checkpoints hold the adapter
+//! in PEFT's format for a linked converted base, resume is exact, `eval`/`generate --lora` and
+//! `--merge-lora` agree with the adapted model, `--tp 2`, `--dp 2 --zero 3` and
+//! `--offload-optimizer` follow one device, and bad input is refused naming the file and field.
+mod common;
+use common::*;
+use ferrolm::cli::eval::EvalArgs;
+use ferrolm::cli::finetune_ladder::FinetuneLadderArgs;
+use ferrolm::cli::generate::GenerateArgs;
+use ferrolm::cli::{error_report, parse_from};
+use ferrolm::{DType, Device, Llama};
+use std::path::{Path, PathBuf};
+
+/// A plain Llama checkpoint (untied, 2 kv heads: split at --tp 2) with tokenizer.json, and data.
+fn setup(dir: &Path) -> (PathBuf, PathBuf) {
+    let (train, _, vocab) = shards_with(dir, 0.01); // a small validation split: each run scores it three times
+    let data = train[0].parent().unwrap().to_path_buf();
+    let ck = dir.join("llama");
+    let mut c = config(vocab, 2);
+    c.tie_word_embeddings = false;
+    Llama::new(c, DType::F32, Device::Cpu, &mut ferrolm::tensor::Rng::new(1)).unwrap().save_pretrained(&ck).unwrap();
+    std::fs::copy(tokenizer_path(), ck.join("tokenizer.json")).unwrap();
+    (ck, data)
+}
+
+fn finetune(ck: &Path, data: &Path, out: &Path, extra: &[&str]) -> anyhow::Result<()> {
+    let mut head = vec!["finetune_ladder", "--device=cpu", "--seq-len=16", "--eval-every=0", "--ladder-layers=1", "--lr=1e-2"];
+    if !extra.iter().any(|e| e.starts_with("--batch-size")) {
+        head.push("--batch-size=2");
+    }
+    let a: FinetuneLadderArgs = parse_from(args(&head, &[flag("model", ck), flag("data", data), flag("out", out)], extra)).unwrap();
+    ferrolm::cli::finetune_ladder::run(a)
+}
+
+/// Mean loss of `model` on the first windows of the sonnets.
+fn sonnet_loss(model: &Llama) -> f64 {
+    let tok = ferrolm::data::Tokenizer::from_file(tokenizer_path()).unwrap();
+    let text = std::fs::read_to_string(data_path("corpus/sonnets.txt")).unwrap();
+    let ids = tok.encode(&text[..4000], false).unwrap();
+    ferrolm::eval::mean_loss(model, &ids, 16, 4, Device::Cpu).unwrap().loss
+}
+
+#[test]
+fn lora_checkpoints_are_peft_adapters_that_resume_evaluate_and_merge() {
+    let dir = tmp("lora-ft");
+    let (ck, data) = setup(&dir);
+    let (whole, resumed) = (dir.join("whole"), dir.join("resumed"));
+    let lora = ["--lora-rank=4", "--lora-targets", "q,v,o,down", "--lora-dropout=0.1", "--steps=6", "--save-every=3"];
+    finetune(&ck, &data, &whole, &[&lora[..], &["--merge-lora"]].concat()).unwrap();
+    let l = losses(&whole);
+    assert_eq!(l.len(), 6);
+
+    // The checkpoint is a PEFT adapter (and the run's shards and state), not a model.
+    let step6 = whole.join("checkpoints/step-000006");
+    for f in ["adapter_config.json", "adapter_model.safetensors", "trainer_state.json", "tokenizer.json"] {
+        assert!(step6.join(f).is_file(), "{f} missing");
+    }
+    assert!(!step6.join("model.safetensors").exists() && !step6.join("config.json").exists());
+    let cfg: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(step6.join("adapter_config.json")).unwrap()).unwrap();
+    assert_eq!(cfg["r"], 4);
+    assert_eq!(cfg["lora_alpha"], 8);
+    assert_eq!(cfg["lora_dropout"], 0.1);
+    assert_eq!(cfg["target_modules"], serde_json::json!(["q_proj", "v_proj", "o_proj", "down_proj"]));
+    // Its base is the converted Ladder model: a llamaLadder config over the Llama's weight files.
+    let base = PathBuf::from(cfg["base_model_name_or_path"].as_str().unwrap());
+    assert_eq!(base, std::path::absolute(whole.join("base")).unwrap());
+    let base_cfg: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(base.join("config.json")).unwrap()).unwrap();
+    assert_eq!((base_cfg["model_type"].as_str(), base_cfg["ladder_layers"].as_u64()), (Some("llamaLadder"), Some(1)));
+    assert!(std::fs::symlink_metadata(base.join("model.safetensors")).unwrap().file_type().is_symlink());
+
+    // Resuming at step 3 repeats the uninterrupted losses bit for bit (dropout masks included).
+    let step3 = whole.join("checkpoints/step-000003");
+    finetune(&ck, &data, &resumed, &[&lora[..], &["--resume", step3.to_str().unwrap()]].concat()).unwrap();
+    assert_eq!(losses(&resumed).iter().map(|x| x.to_bits()).collect::<Vec<_>>(), l.iter().map(|x| x.to_bits()).collect::<Vec<_>>());
+
+    // The adapted model, the merged checkpoint, and the tools with --lora agree.
+    let mut adapted = Llama::from_pretrained(&base, DType::F32, Device::Cpu).unwrap();
+    let plain = sonnet_loss(&adapted);
+    adapted.load_adapter(&step6).unwrap();
+    let with_adapter = sonnet_loss(&adapted);
+    let merged = sonnet_loss(&Llama::from_pretrained(&whole.join("merged"), DType::F32, Device::Cpu).unwrap());
+    assert!((merged - with_adapter).abs() < 1e-5 * with_adapter, "merged {merged} vs adapted {with_adapter}");
+    assert!(with_adapter < plain - 1e-3, "the adapter learnt the sonnets: {with_adapter} vs the base's {plain}");
+    let text = dir.join("few_sonnets.txt");
+    std::fs::write(&text, &std::fs::read_to_string(data_path("corpus/sonnets.txt")).unwrap()[..4000]).unwrap();
+    for lora_flag in [format!("--lora={}", whole.display()), format!("--lora={}", step6.display())] {
+        let e: EvalArgs =
+            parse_from(["eval", "--device=cpu", &flag("model", &base), &flag("text", &text), "--seq-len=16", &lora_flag]).unwrap();
+        ferrolm::cli::eval::run(e).unwrap();
+    }
+    let g: GenerateArgs = parse_from([
+        "generate",
+        "--device=cpu",
+        &flag("model", &base),
+        "--lora",
+        step6.to_str().unwrap(),
+        "--prompt=Shall I",
+        "--max-new-tokens=4",
+        "--tp=2",
+    ])
+    .unwrap();
+    ferrolm::cli::generate::run(g).unwrap();
+
+    // --lora-init continues the adapter (same flags agree; a different rank is refused).
+    finetune(&ck, &data, &dir.join("cont"), &["--lora-init", step6.to_str().unwrap(), "--lora-rank=4", "--steps=1"]).unwrap();
+    let e = error_report(
+        &finetune(&ck, &data, &dir.join("c2"), &["--lora-init", step6.to_str().unwrap(), "--lora-rank=8", "--steps=1"]).unwrap_err(),
+    );
+    assert!(e.contains("--lora-rank 8") && e.contains("adapter_config.json") && e.contains("r 4"), "{e}");
+    // A LoRA checkpoint resumed without LoRA, and the other way round.
+    let e = error_report(&finetune(&ck, &data, &dir.join("r2"), &["--steps=6", "--resume", step3.to_str().unwrap()]).unwrap_err());
+    assert!(e.contains("LoRA adapter") && e.contains("--lora"), "{e}");
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+#[test]
+fn lora_under_tp_zero3_and_offload_follows_one_device() {
+    let dir = tmp("lora-par");
+    let (ck, data) = setup(&dir);
+    let run = |out: &str, extra: &[&str]| {
+        let e: Vec<&str> = ["--lora-rank=4", "--steps=8", "--save-every=0"].iter().copied().chain(extra.iter().copied()).collect();
+        finetune(&ck, &data, &dir.join(out), &e).unwrap();
+        losses(&dir.join(out))
+    };
+    let one = run("one", &["--batch-size=4"]);
+    for (out, flags) in [
+        ("tp2", vec!["--batch-size=4", "--tp=2"]),
+        ("dp2-zero3", vec!["--batch-size=2", "--dp=2", "--zero=3"]),
+        ("offload", vec!["--batch-size=4", "--offload-optimizer"]),
+    ] {
+        close(&run(out, &flags), &one, 1e-5, out);
+    }
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+#[test]
+fn bad_lora_input_is_refused_naming_the_flag_file_or_field() {
+    let dir = tmp("lora-bad");
+    let (ck, data) = setup(&dir);
+    let out = dir.join("out");
+    // Flag errors: clap's, exit code 2, naming the flag.
+    for bad in [["--lora-rank", "0"], ["--lora-targets", "q,qkv"], ["--lora-dropout", "1"]] {
+        let head = ["finetune_ladder", "--model=m", "--ladder-layers=1"];
+        let e = parse_from::<FinetuneLadderArgs, _, _>(head.iter().chain(bad.iter())).unwrap_err();
+        assert_eq!(e.exit_code(), 2);
+        assert!(e.to_string().contains(bad[0]), "{e}");
+    }
+    let e = error_report(&finetune(&ck, &data, &out, &["--lora-alpha=16"]).unwrap_err());
+    assert!(e.contains("--lora-alpha") && e.contains("--lora-rank"), "{e}");
+    // A PEFT directory for another base: the fixture adapter of a 64-wide model.
+    let other = root().join("tests/fixtures/lora_llama");
+    let e = error_report(&finetune(&ck, &data, &out, &["--lora-init", other.to_str().unwrap()]).unwrap_err());
+    assert!(e.contains("adapter_model.safetensors") && e.contains("another base") && e.contains("lora_A.weight"), "{e}");
+    // --lora on a directory with no adapter.
+    let text = data_path("corpus/README.md");
+    let ev: EvalArgs =
+        parse_from(["eval", "--device=cpu", &flag("model", &ck), &flag("text", &text), "--seq-len=16", &flag("lora", &ck)]).unwrap();
+    let e = error_report(&ferrolm::cli::eval::run(ev).unwrap_err());
+    assert!(e.contains("--lora") && e.contains("adapter_config.json") && e.contains(ck.to_str().unwrap()), "{e}");
+    let _ = std::fs::remove_dir_all(&dir);
+}
