@@ -344,6 +344,54 @@ fn pretrain_in_bf16_on_the_cpu_follows_f32() {
     let _ = std::fs::remove_dir_all(&dir);
 }
 
+/// `--loss-chunk-tokens` on every training tool, in both forms: absent is the fused head at its
+/// automatic size, 0 the unfused head, N chunks of N tokens; a value that is not a count is
+/// refused naming the flag. A run in chunks of 7 tokens (not dividing the 2 x 16) follows the
+/// unfused run: the same first loss to the bit (f32 on the CPU), the next within rounding.
+#[test]
+fn loss_chunk_tokens_takes_both_forms_and_follows_the_unfused_head() {
+    use ferrolm::ops::LossChunks;
+    for (flag, want) in [
+        (vec!["--loss-chunk-tokens", "64"], LossChunks::Tokens(64)),
+        (vec!["--loss-chunk-tokens=0"], LossChunks::Unfused),
+        (vec![], LossChunks::Auto),
+    ] {
+        let a: PretrainArgs = parse_from(["pretrain_llama"].into_iter().chain(flag.iter().copied())).unwrap();
+        assert_eq!(a.train.loss_chunks(), want, "{flag:?}");
+    }
+    let f: FinetuneLadderArgs = parse_from(["finetune_ladder", "--model", "m", "--ladder-layers", "2", "--loss-chunk-tokens=128"]).unwrap();
+    assert_eq!(f.train.loss_chunks(), LossChunks::Tokens(128));
+    for bad in ["-1", "many", "1.5"] {
+        let e = parse_from::<PretrainArgs, _, _>(["pretrain_llama", "--loss-chunk-tokens", bad]).unwrap_err();
+        assert_eq!(e.exit_code(), 2, "--loss-chunk-tokens {bad}");
+        assert!(e.to_string().contains("--loss-chunk-tokens"), "{e}");
+    }
+    let dir = tmp("cli-loss-chunks");
+    let (data, cfg) = small_setup(&dir);
+    let losses = |chunk: &str| -> Vec<f64> {
+        let out = dir.join(chunk);
+        let a = pretrain_args(
+            &data,
+            &cfg,
+            &out,
+            &["--steps=3", "--batch-size=2", "--eval-every=0", "--save-every=0", "--loss-chunk-tokens", chunk],
+        );
+        ferrolm::cli::pretrain::run(a).unwrap();
+        let m = std::fs::read_to_string(out.join("metrics.jsonl")).unwrap();
+        m.lines()
+            .filter_map(|l| serde_json::from_str::<serde_json::Value>(l).ok())
+            .filter_map(|v| v.get("loss").and_then(|x| x.as_f64()))
+            .collect()
+    };
+    let (chunked, unfused) = (losses("7"), losses("0"));
+    assert_eq!((chunked.len(), unfused.len()), (3, 3), "{chunked:?} {unfused:?}");
+    assert_eq!(chunked[0], unfused[0], "the first step's loss");
+    for (a, b) in chunked.iter().zip(&unfused) {
+        assert!((a - b).abs() <= 1e-5 * b, "chunks of 7 {chunked:?} vs unfused {unfused:?}");
+    }
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
 #[test]
 fn pretrain_end_to_end_then_eval_of_its_checkpoint() {
     let dir = tmp("cli-e2e");

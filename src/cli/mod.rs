@@ -103,6 +103,7 @@ impl TrainData {
         opts: crate::train::TrainOptions,
         comm: Option<crate::parallel::Comm>,
     ) -> AnyResult<(crate::train::Trainer, ferrolm_parallel::zero::ShardSpec)> {
+        model.loss_chunks = a.loss_chunks();
         let engine = crate::parallel::attach(&mut model, comm, &a.parallel.layout()?, crate::train::Trainer::adamw_config(&opts))?;
         let spec = engine.spec;
         let t = crate::train::Trainer::with_engine(model, Box::new(engine), &self.train, &self.val, opts, &a.out)?;
@@ -376,6 +377,11 @@ pub struct TrainArgs {
     /// Recompute each layer's activations in backward (less memory, ~1/3 more compute)
     #[arg(long, help_heading = "Optimization")]
     pub activation_checkpointing: bool,
+    /// Tokens per chunk of the fused LM head + cross-entropy, which never holds the whole
+    /// logits (0: the unfused head, which holds the whole logits and their gradient) [default:
+    /// the most tokens whose logits fit 256 MiB]
+    #[arg(long, value_name = "N", help_heading = "Optimization")]
+    pub loss_chunk_tokens: Option<usize>,
     /// Stop after this many steps in a row whose loss or gradient norm is not finite (each is
     /// skipped without an update)
     #[arg(long, value_name = "N", default_value = "5", value_parser = positive, help_heading = "Optimization")]
@@ -434,6 +440,11 @@ impl TrainArgs {
             log_every: 25,
             seed: self.seed,
         }
+    }
+
+    /// How the head's loss walks the tokens (`--loss-chunk-tokens`).
+    pub fn loss_chunks(&self) -> ferrolm_ops::LossChunks {
+        ferrolm_ops::LossChunks::from_flag(self.loss_chunk_tokens)
     }
 
     pub fn safety(&self) -> RunSafety {
