@@ -213,6 +213,7 @@ fn run(args: BenchCudaArgs) -> AnyResult<()> {
     std::io::stdout().flush().ok();
 
     let mut rows: Vec<Row> = Vec::new();
+    let mut head_md = String::new();
     let push = |rows: &mut Vec<Row>, name: &str, shape: String, ms: f64, bytes: f64, flops: f64| {
         let floor_ms = if flops > 0.0 { flops / peak * 1e3 } else { bytes / bw * 1e3 };
         let gbps = bytes / (ms * 1e-3) / 1e9;
@@ -448,6 +449,77 @@ fn run(args: BenchCudaArgs) -> AnyResult<()> {
         be.empty_cache()?;
     }
 
+    // ---- the LM head and its loss (issue 43) ------------------------------------------------
+    // At the 124M shape (V 32000, hidden 768, 8 x 1024 tokens, untied) and Llama-3.2-1B's (V
+    // 128256, hidden 2048, tied, 8 x 2048 tokens): unfused (the whole logits: the logits GEMM,
+    // the fused cross-entropy writing dlogits, dX and dW GEMMs, dW in f32), fused in chunks of
+    // the automatic size (`ops::head_loss`, forward and backward work in one call, dW into an
+    // f32 destination), and the three GEMMs alone at the whole size (the floor the fused head is
+    // held to: within 1.15x). FLOPs 6 N V C for each.
+    if args.attention.is_empty() {
+        use ferrolm::ops::{head_loss, head_loss::auto_chunk_tokens, HeadLossOptions, LossScale, Tokens};
+        use ferrolm::Tensor;
+        let shapes: Vec<(&str, usize, usize, usize)> = match (tiny, quick) {
+            (true, _) => vec![("tiny", 256, 32, 1000)],
+            (false, true) => vec![("124M", 4096, 768, 32000), ("1B", 4096, 2048, 128256)],
+            (false, false) => vec![("124M", 8192, 768, 32000), ("1B", 16384, 2048, 128256)],
+        };
+        for (name, nt, c, v) in shapes {
+            let flops = 6.0 * (nt * c) as f64 * v as f64;
+            let shape = format!("{name}: N{nt} C{c} V{v}");
+            let x = bn.randn(&[nt, c], bf, 1.0)?;
+            let w = bn.randn(&[v, c], bf, 0.02)?;
+            let host: Vec<i32> = (0..nt).map(|_| bn.rng.below(v as u64) as i32).collect();
+            let t = Buf { s: be.from_cpu(&CpuStorage::I32(host.clone()))?, l: layout(&[nt]) };
+            let wt = Layout { shape: Shape(vec![c, v]), strides: vec![1, c], offset: 0 }; // W^T, a view
+            let (ll, lt) = (layout(&[nt, v]), Layout { shape: Shape(vec![v, nt]), strides: vec![1, v], offset: 0 });
+            let (mut dw, dwl) = (be.empty(v * c, DType::F32)?, layout(&[v, c]));
+            let unfused = bn.time(|| {
+                let logits = be.matmul(x.sl(), (&w.s, &wt))?;
+                let (_, _, dl) = cross_entropy::forward_backward_cuda(&be, (&logits, &ll), &t.s, -100, 1.0)?;
+                drop(logits);
+                let dl: Storage = dl.into();
+                be.matmul((&dl, &ll), w.sl())?;
+                be.matmul_into((&dl, &lt), x.sl(), None, &mut dw, &dwl)?;
+                Ok(())
+            })?;
+            let g = bn.randn(&[nt, v], bf, 1.0)?; // stands in for dlogits
+            let gemms = bn.time(|| {
+                be.matmul(x.sl(), (&w.s, &wt))?;
+                be.matmul(g.sl(), w.sl())?;
+                be.matmul_into((&g.s, &lt), x.sl(), None, &mut dw, &dwl)?;
+                Ok(())
+            })?;
+            drop((g, dw));
+            be.empty_cache()?;
+            let (xt, wt) = (Tensor::new(x.s, [nt, c])?, Tensor::new(w.s, [v, c])?);
+            xt.set_requires_grad(true)?;
+            wt.set_requires_grad(true)?;
+            let dest = Tensor::empty([v, c], DType::F32, xt.device())?;
+            wt.set_grad_dest(Some(Arc::new(move || Ok(Some(dest.clone())))));
+            let tg = Tokens::upload(host, [nt], xt.device())?;
+            let chunk = auto_chunk_tokens(v, 2).min(nt);
+            let o = HeadLossOptions { ignore_index: -100, scale: LossScale::Mean, chunk_tokens: chunk };
+            let fused = bn.time(|| {
+                head_loss(&xt, &wt, &tg, &o)?;
+                Ok(())
+            })?;
+            push(&mut rows, "head + loss unfused fwd+bwd (bf16)", shape.clone(), unfused, 0.0, flops);
+            push(&mut rows, &format!("head + loss fused, chunks of {chunk} (bf16)"), shape.clone(), fused, 0.0, flops);
+            push(&mut rows, "head + loss: its three GEMMs alone (bf16)", shape.clone(), gemms, 0.0, flops);
+            let line = format!(
+                "head + loss {shape}: fused {fused:.3} ms, unfused {unfused:.3} ms, three GEMMs {gemms:.3} ms: fused / unfused {:.2} \
+                 (target <= 1), fused / GEMMs {:.2} (target <= 1.15)",
+                fused / unfused,
+                fused / gemms
+            );
+            println!("{line}");
+            head_md.push_str(&format!("- {line}\n"));
+            drop((xt, wt, tg));
+            be.empty_cache()?;
+        }
+    }
+
     // ---- attention ------------------------------------------------------------------------
     let mut shapes = vec![
         (4, 16, 16, 1024, 128),
@@ -536,6 +608,9 @@ fn run(args: BenchCudaArgs) -> AnyResult<()> {
         let amount = if r.flops > 0.0 { format!("{:.1} GFLOP", r.flops / 1e9) } else { format!("{:.3} GB", r.bytes / 1e9) };
         let gbps = r.bytes / (r.ms * 1e-3) / 1e9;
         writeln!(md, "| {} | {} | {:.4} | {} | {gbps:.0} | {:.4} | {:.2} |", r.name, r.shape, r.ms, amount, r.floor_ms, r.floor_ms / r.ms)?;
+    }
+    if !head_md.is_empty() {
+        writeln!(md, "\n## LM head + loss, fused in chunks against unfused and its GEMMs\n\n{head_md}")?;
     }
     writeln!(md, "\n## Attention fwd+bwd (join with scripts/bench_attention_torch.py)\n\n{attn_md}")?;
     println!("\n{md}");
