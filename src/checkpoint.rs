@@ -289,8 +289,8 @@ impl Trainer {
     }
 
     /// Rank 0, after every rank wrote its shards into `tmp`: the Hugging Face model from the full
-    /// parameters the ranks joined, the tokenizer and, last, the trainer state that marks the
-    /// checkpoint complete.
+    /// parameters the ranks joined, the tokenizer's files and, last, the trainer state that marks
+    /// the checkpoint complete.
     fn write_checkpoint_files(&self, tmp: &Path, params: TensorMap) -> AnyResult<()> {
         let named: Vec<(String, Tensor)> = params.into_iter().collect();
         match self.model.lora_config() {
@@ -303,9 +303,8 @@ impl Trainer {
             }
         }
         if let Some(t) = &self.tokenizer_file {
-            let dst = tmp.join("tokenizer.json");
-            std::fs::copy(t, &dst).with_context(|| format!("cannot copy {} into the checkpoint", t.display()))?;
-            std::fs::File::open(&dst).and_then(|f| f.sync_all()).with_context(|| format!("cannot fsync {}", dst.display()))?;
+            let tokenizer = ferrolm_data::Tokenizer::from_file(t).with_context(|| format!("cannot load the tokenizer {}", t.display()))?;
+            crate::tokenizer_files::write_tokenizer_files(tmp, &tokenizer, self.chat_template.as_deref())?;
         }
         let st = TrainerState {
             step: self.step,
@@ -411,15 +410,15 @@ impl Trainer {
     }
 }
 
-/// `field: checkpoint A, this run B` for every model field that differs (the stored dtype is
-/// not part of the model).
+/// `field: checkpoint A, this run B` for every model field that differs (the stored dtype, the
+/// init and the tokenizer's special ids are not part of the model).
 pub fn config_diff(saved: &LlamaConfig, current: &LlamaConfig) -> Vec<String> {
     let (a, b) = (saved.to_json_value("float32"), current.to_json_value("float32"));
     let (Some(a), Some(b)) = (a.as_object(), b.as_object()) else { return vec!["config.json is not an object".into()] };
     let mut out = Vec::new();
     for (k, va) in a {
         let vb = b.get(k).cloned().unwrap_or_default();
-        if *va != vb && k != "initializer_range" {
+        if *va != vb && !["initializer_range", "bos_token_id", "eos_token_id"].contains(&k.as_str()) {
             out.push(format!("{k}: checkpoint {va}, this run {vb}"));
         }
     }

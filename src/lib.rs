@@ -19,6 +19,7 @@ pub mod profile;
 pub mod progress;
 pub mod run_dir;
 pub mod shards;
+pub mod tokenizer_files;
 pub mod train;
 
 pub use ferrolm_data as data;

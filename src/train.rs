@@ -176,6 +176,8 @@ pub struct Trainer {
     pub(crate) tokenizer_file: Option<PathBuf>,
     /// With LoRA: the base model's path that checkpoints' `adapter_config.json` names.
     pub(crate) adapter_base: Option<String>,
+    /// Written into every checkpoint with the tokenizer (`tokenizer_files`).
+    pub(crate) chat_template: Option<String>,
     /// Real tokens trained on so far, every rank (padding not counted).
     pub(crate) tokens_seen: u64,
     /// Real tokens of the last step, every rank.
@@ -292,6 +294,7 @@ impl Trainer {
             val,
             tokenizer_file: None,
             adapter_base: None,
+            chat_template: None,
             tokens_seen: 0,
             last_step_tokens: 0,
             skipped_total: 0,
@@ -321,7 +324,8 @@ impl Trainer {
         Ok(())
     }
 
-    /// Copies this tokenizer.json into every checkpoint so a checkpoint is self-contained.
+    /// The tokenizer the data was prepared with: every checkpoint carries its Hugging Face files
+    /// (`tokenizer_files::write_tokenizer_files`), so a checkpoint is self-contained.
     pub fn with_tokenizer(mut self, path: &Path) -> Self {
         self.tokenizer_file = Some(path.to_path_buf());
         self
@@ -331,6 +335,13 @@ impl Trainer {
     /// base model at `base` (`adapter_config.json`'s `base_model_name_or_path`).
     pub fn with_adapter_base(mut self, base: &str) -> Self {
         self.adapter_base = Some(base.to_string());
+        self
+    }
+
+    /// The chat template every checkpoint carries with the tokenizer (`tokenizer_config.json`'s
+    /// `chat_template` and `chat_template.jinja`).
+    pub fn with_chat_template(mut self, template: String) -> Self {
+        self.chat_template = Some(template);
         self
     }
 

@@ -47,7 +47,8 @@ impl Tool for GenerateArgs {
 pub fn run(a: GenerateArgs) -> AnyResult<()> {
     let dir = &a.model;
     a.run.with_model(dir, |model, tokenizer, _| {
-        let ids = tokenizer.encode(&a.prompt, false)?;
+        // The prompt as a document's start, as transformers encodes it with the checkpoint's files.
+        let ids = tokenizer.encode_as_document(&a.prompt)?;
         if ids.is_empty() {
             bail!("--prompt encodes to no tokens");
         }

@@ -110,8 +110,11 @@ fn prepare(args: &PretrainArgs) -> AnyResult<Prepared> {
         cfg.ladder_layers = Some(crate::nn::LadderLayers::parse_flag(l, cfg.num_hidden_layers)?);
         cfg.validate()?;
     }
-    cfg.bos_token_id = tokenizer.bos_id();
-    cfg.eos_token_id = tokenizer.eos_id().map(|e| vec![e]).unwrap_or_default();
+    // As the checkpoint's generation_config.json says them: the token documents start after, and
+    // the one that ends them (crate::tokenizer_files).
+    let special = crate::tokenizer_files::SpecialIds::of(&tokenizer)?;
+    cfg.bos_token_id = special.bos;
+    cfg.eos_token_id = special.eos.map(|e| vec![e]).unwrap_or_default();
     let layout = a.parallel.layout()?.mem_layout(a.activation_checkpointing)?;
     let mem = crate::planner::memory::check_layout(&cfg, dtype, device, &opts.shape(), &layout)?;
     report(&format!("memory: predicted peak {}", crate::planner::memory::describe_layout(&mem, &layout)));
@@ -273,7 +276,7 @@ fn train_rank(args: &PretrainArgs, p: &Prepared, comm: Option<crate::parallel::C
 
     // The sample is a look at the model, not part of the run: a failure is a warning.
     let prompt = args.sample_prompt.as_deref().unwrap_or("\n");
-    let sample = p.tokenizer.encode(prompt, false).map_err(anyhow::Error::from).and_then(|ids| {
+    let sample = p.tokenizer.encode_as_document(prompt).map_err(anyhow::Error::from).and_then(|ids| {
         let out = generate_within(&trainer.model, &ids, 80, 0.8, 0.95, p.tokenizer.vocab_size(), &mut trainer.rng)?;
         Ok(p.tokenizer.decode(&out)?)
     });

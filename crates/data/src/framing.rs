@@ -39,6 +39,21 @@ impl DocFraming {
         Ok(DocFraming { prefix, suffix: Vec::new() })
     }
 
+    /// The token a document starts after in data framed this way: the last of the tokens put
+    /// before it, else the last of those that ended the previous document (the separator an
+    /// EOS-framed stream holds before every document but the first, as GPT-2's `<|endoftext|>`).
+    /// A model trained on such data has seen this token, and only this one, before a text's start:
+    /// it is the `bos_token` of the checkpoint's Hugging Face files.
+    pub fn bos(&self) -> Option<u32> {
+        self.prefix.last().or(self.suffix.last()).copied()
+    }
+
+    /// The token that ends a document (generation stops at it): the last of those put after it,
+    /// else the tokenizer's end-of-sequence token.
+    pub fn eos(&self, tokenizer: &Tokenizer) -> Option<u32> {
+        self.suffix.last().copied().or_else(|| tokenizer.eos_id())
+    }
+
     /// For the manifest and the report: `"<|eos|> after each document"`.
     pub fn describe(&self, tokenizer: &Tokenizer) -> String {
         let names =

@@ -16,6 +16,7 @@ use tokenizers::processors::PostProcessorWrapper;
 use tokenizers::AddedToken;
 
 use crate::error::{Error, Result};
+use crate::framing::DocFraming;
 
 /// Beginning-of-sequence token of the tokenizers this crate trains.
 pub const BOS_TOKEN: &str = "<|bos|>";
@@ -108,10 +109,76 @@ impl Tokenizer {
     }
 
     /// Token ids of `text`. With `add_special_tokens` the tokenizer's post-processor
-    /// runs (for ours: prepends `<|bos|>`); without it the ids are the plain text.
+    /// runs (for ours: prepends `<|bos|>`); without it the ids are the plain text. A prompt to
+    /// continue is [`Tokenizer::encode_as_document`].
     pub fn encode(&self, text: &str, add_special_tokens: bool) -> Result<Vec<u32>> {
         let enc = self.inner.encode(text, add_special_tokens).map_err(|e| Error::Tokenizer(format!("encode failed: {e}")))?;
         Ok(enc.get_ids().to_vec())
+    }
+
+    /// Ids of `text` as the start of a document, as the model saw documents start in training
+    /// data framed by this tokenizer ([`DocFraming`]): the tokens put before each document, then
+    /// the text's own. For an EOS-framed tokenizer (ours) that is the plain text. A checkpoint's
+    /// `tokenizer.json` ([`Tokenizer::for_checkpoint`]) gives the same ids with its
+    /// post-processor, so `encode(text, true)` there, and transformers' default, agree with it.
+    pub fn encode_as_document(&self, text: &str) -> Result<Vec<u32>> {
+        let mut ids = DocFraming::of(self)?.prefix;
+        ids.extend(self.encode(text, false)?);
+        Ok(ids)
+    }
+
+    /// This tokenizer for a checkpoint: its post-processor replaced by one that adds what the
+    /// framing of its training data puts before a document, and nothing after (a prompt is a
+    /// document's start): `encode(text, true)` is then [`Tokenizer::encode_as_document`], and so
+    /// is transformers' default (`add_special_tokens=True`). A pair is two documents as the data
+    /// holds them: `prefix A suffix prefix B`. ByteLevel post-processing (offsets) is kept. The
+    /// framing, and so the ids prepared data holds, is unchanged ([`Tokenizer::fingerprint`]).
+    pub fn for_checkpoint(&self) -> Result<Tokenizer> {
+        let framing = DocFraming::of(self)?;
+        let mut v: serde_json::Value =
+            serde_json::from_str(&self.canonical_json()?).map_err(|e| Error::Tokenizer(format!("cannot serialise: {e}")))?;
+        let mut processors: Vec<serde_json::Value> = Vec::new();
+        let pp = v.get("post_processor").cloned().unwrap_or_default();
+        let members = match pp.get("type").and_then(|t| t.as_str()) {
+            Some("Sequence") => pp.get("processors").and_then(|p| p.as_array()).cloned().unwrap_or_default(),
+            _ => vec![pp],
+        };
+        processors.extend(members.into_iter().filter(|p| p.get("type").and_then(|t| t.as_str()) == Some("ByteLevel")));
+        if !framing.prefix.is_empty() {
+            processors.push(self.template(&framing)?);
+        }
+        v["post_processor"] = match processors.len() {
+            0 => serde_json::Value::Null,
+            1 => processors.remove(0),
+            _ => serde_json::json!({"type": "Sequence", "processors": processors}),
+        };
+        Tokenizer::from_bytes(v.to_string().as_bytes())
+    }
+
+    /// A `TemplateProcessing` post-processor (JSON) for `framing`: single `prefix $A`, pair
+    /// `prefix $A suffix prefix $B`.
+    fn template(&self, framing: &DocFraming) -> Result<serde_json::Value> {
+        let name = |id: u32| self.inner.id_to_token(id).ok_or_else(|| Error::Tokenizer(format!("framing token {id} has no name")));
+        let special = |id: u32, type_id: u32| -> Result<serde_json::Value> {
+            Ok(serde_json::json!({"SpecialToken": {"id": name(id)?, "type_id": type_id}}))
+        };
+        let seq = |id: &str, type_id: u32| serde_json::json!({"Sequence": {"id": id, "type_id": type_id}});
+        let mut single = framing.prefix.iter().map(|&i| special(i, 0)).collect::<Result<Vec<_>>>()?;
+        single.push(seq("A", 0));
+        let mut pair = single.clone();
+        for &i in &framing.suffix {
+            pair.push(special(i, 0)?);
+        }
+        for &i in &framing.prefix {
+            pair.push(special(i, 1)?);
+        }
+        pair.push(seq("B", 1));
+        let mut specials = serde_json::Map::new();
+        for &i in framing.prefix.iter().chain(&framing.suffix) {
+            let n = name(i)?;
+            specials.insert(n.clone(), serde_json::json!({"id": n, "ids": [i], "tokens": [n]}));
+        }
+        Ok(serde_json::json!({"type": "TemplateProcessing", "single": single, "pair": pair, "special_tokens": specials}))
     }
 
     /// Text of `ids`; special tokens are kept so that decode is faithful.
@@ -129,15 +196,28 @@ impl Tokenizer {
         self.vocab_size
     }
 
-    /// A stable 64-bit FNV-1a hash (16 hex digits) of the tokenizer's canonical JSON: equal for
-    /// the same vocabulary, merges, normaliser, pre-tokenizer and post-processor, whatever the
-    /// whitespace or key order of the file. Prepared data records it (see `check_token_data`).
+    /// A stable 64-bit FNV-1a hash (16 hex digits) of what decides the ids of prepared data:
+    /// the tokenizer's canonical JSON without its post-processor (documents are encoded without
+    /// special tokens), and the framing the post-processor defines ([`DocFraming`]). Equal for
+    /// the same vocabulary, merges, normaliser, pre-tokenizer and framing, whatever the
+    /// whitespace or key order of the file, so a checkpoint's tokenizer
+    /// ([`Tokenizer::for_checkpoint`]) matches data prepared with its source. Prepared data
+    /// records it (see `check_token_data`).
     pub fn fingerprint(&self) -> Result<String> {
-        use std::hash::Hasher;
-        let json = self.inner.to_string(false).map_err(|e| Error::Tokenizer(format!("cannot serialise: {e}")))?;
-        let mut h = fnv::FnvHasher::default();
-        h.write(json.as_bytes());
-        Ok(format!("{:016x}", h.finish()))
+        let mut v: serde_json::Value =
+            serde_json::from_str(&self.canonical_json()?).map_err(|e| Error::Tokenizer(format!("cannot serialise: {e}")))?;
+        v["post_processor"] = serde_json::Value::Null;
+        let f = DocFraming::of(self)?;
+        Ok(fnv_hex(&[v.to_string().as_bytes(), format!("{:?} {:?}", f.prefix, f.suffix).as_bytes()]))
+    }
+
+    /// The fingerprint data prepared before 2026-11-28 recorded: the canonical JSON whole.
+    pub(crate) fn legacy_fingerprint(&self) -> Result<String> {
+        Ok(fnv_hex(&[self.canonical_json()?.as_bytes()]))
+    }
+
+    fn canonical_json(&self) -> Result<String> {
+        self.inner.to_string(false).map_err(|e| Error::Tokenizer(format!("cannot serialise: {e}")))
     }
 
     /// Id of `token`, if it is in the vocabulary.
@@ -159,6 +239,16 @@ impl Tokenizer {
     pub fn inner(&self) -> &tokenizers::Tokenizer {
         &self.inner
     }
+}
+
+/// FNV-1a over `parts` in order, as 16 hex digits.
+fn fnv_hex(parts: &[&[u8]]) -> String {
+    use std::hash::Hasher;
+    let mut h = fnv::FnvHasher::default();
+    for p in parts {
+        h.write(p);
+    }
+    format!("{:016x}", h.finish())
 }
 
 /// Largest token id accepted: ids become i32 in batches, and `vocab_size = max id + 1` must

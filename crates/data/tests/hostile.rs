@@ -158,6 +158,27 @@ fn prepared_data_passes_its_own_check_and_records_the_tokenizer() {
     assert_eq!(reread.fingerprint().unwrap(), tok.fingerprint().unwrap());
 }
 
+/// What decides the ids is the tokenizer without its post-processor, and the framing: a
+/// checkpoint's copy of the tokenizer (its post-processor rewritten to the framing's prefix)
+/// checks against data prepared with the original, and so does a manifest written before the
+/// fingerprint left the post-processor out (the whole canonical JSON hashed).
+#[test]
+fn a_checkpoints_tokenizer_and_an_old_fingerprint_match_the_data() {
+    use std::hash::Hasher;
+    let (_in, out) = prepared("chk-ckpt");
+    let tok = bundled();
+    let saved = tok.for_checkpoint().unwrap();
+    assert_ne!(saved.encode("a", true).unwrap(), tok.encode("a", true).unwrap(), "the rewritten post-processor adds no <|bos|>");
+    assert!(check_token_data(out.path(), &saved).unwrap().warnings.is_empty());
+    let manifest = out.path().join("manifest.json");
+    let mut v: Value = serde_json::from_str(&std::fs::read_to_string(&manifest).unwrap()).unwrap();
+    let mut h = fnv::FnvHasher::default();
+    h.write(tok.inner().to_string(false).unwrap().as_bytes());
+    v["tokenizer_fingerprint"] = json!(format!("{:016x}", h.finish()));
+    write_json(out.path(), "manifest.json", &v);
+    assert!(check_token_data(out.path(), &tok).unwrap().warnings.is_empty());
+}
+
 #[test]
 fn data_from_another_tokenizer_is_found_at_open() {
     let (_in, out) = prepared("chk-tok");
