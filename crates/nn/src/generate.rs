@@ -101,8 +101,31 @@ pub fn generate_within(
     vocab_limit: usize,
     rng: &mut Rng,
 ) -> Result<Vec<u32>> {
+    let s = Sampling { temperature, top_p, vocab_limit };
+    generate_until(model, prompt_ids, max_new_tokens, &s, &model.config().eos_token_id, rng)
+}
+
+/// How each token is drawn: temperature (0: greedy), nucleus `top_p`, and only ids below
+/// `vocab_limit`.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct Sampling {
+    pub temperature: f64,
+    pub top_p: f64,
+    pub vocab_limit: usize,
+}
+
+/// Generates up to `max_new_tokens` tokens after `prompt_ids` and returns them (without the
+/// prompt); stops after a token of `stop` (which is returned), or at max_position_embeddings.
+pub fn generate_until(
+    model: &Llama,
+    prompt_ids: &[u32],
+    max_new_tokens: usize,
+    s: &Sampling,
+    stop: &[u32],
+    rng: &mut Rng,
+) -> Result<Vec<u32>> {
     let _g = no_grad();
-    if vocab_limit == 0 {
+    if s.vocab_limit == 0 {
         return Err(Error::new("generate", "the vocabulary limit is 0: no token can be sampled"));
     }
     if prompt_ids.is_empty() {
@@ -124,9 +147,9 @@ pub fn generate_within(
         let logits = model.forward_with_cache(&ids_tensor(&next_input)?, &mut cache)?; // (1, t, V)
         let t = logits.dim(1);
         let last = logits.narrow(1, t - 1, 1)?.to_vec_f32()?; // (V)
-        let tok = sample(&last[..vocab_limit.min(last.len())], temperature, top_p, rng);
+        let tok = sample(&last[..s.vocab_limit.min(last.len())], s.temperature, s.top_p, rng);
         out.push(tok);
-        if cfg.eos_token_id.contains(&tok) || cache.len() >= cfg.max_position_embeddings {
+        if stop.contains(&tok) || cache.len() >= cfg.max_position_embeddings {
             break;
         }
         next_input = vec![tok];

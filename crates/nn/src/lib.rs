@@ -15,6 +15,6 @@ pub mod safetensors_io;
 pub mod schedule;
 
 pub use config::{LadderLayers, LlamaConfig, RopeScaling};
-pub use generate::{generate, generate_within, KvCache};
+pub use generate::{generate, generate_until, generate_within, KvCache, Sampling};
 pub use llama::{shift_labels, Llama, Packing};
 pub use lora::{LoraConfig, Proj};
