@@ -8,6 +8,7 @@
 pub mod alloc;
 pub mod autoconfig;
 pub mod batches;
+pub mod chat;
 pub mod checkpoint;
 pub mod cli;
 pub mod eval;

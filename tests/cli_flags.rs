@@ -8,6 +8,7 @@ use clap::error::ErrorKind;
 use common::*;
 use ferrolm::cli::autoconfig::AutoconfigArgs;
 use ferrolm::cli::eval::EvalArgs;
+use ferrolm::cli::finetune::FinetuneArgs;
 use ferrolm::cli::finetune_ladder::FinetuneLadderArgs;
 use ferrolm::cli::generate::GenerateArgs;
 use ferrolm::cli::plan::PlanArgs;
@@ -39,7 +40,16 @@ fn tools() -> Vec<(&'static str, clap::Command, Vec<&'static str>)> {
             ]
             .concat(),
         ),
-        ("finetune_ladder", FinetuneLadderArgs::cli(), [dev.clone(), vec!["Ladder Transformer", "--ladder-layers", "--tp"]].concat()),
+        (
+            "finetune_ladder",
+            FinetuneLadderArgs::cli(),
+            [dev.clone(), vec!["Ladder Transformer", "--ladder-layers", "--tp", "--train-on"]].concat(),
+        ),
+        (
+            "finetune",
+            FinetuneArgs::cli(),
+            [dev.clone(), vec!["conversations", "--chat-template", "--no-pack", "--val-fraction", "--tp", "--offload-optimizer"]].concat(),
+        ),
         ("eval", EvalArgs::cli(), [dev.clone(), vec!["perplexity"]].concat()),
         ("generate", GenerateArgs::cli(), [dev, vec!["Sample"]].concat()),
         ("prepare_data", PrepareDataArgs::cli(), vec!["Tokenize text", "RUST_LOG"]),
@@ -89,6 +99,7 @@ fn help_exits_zero() {
             "pretrain_llama" => parse_from::<PretrainArgs, _, _>([name, "--help"]).unwrap_err(),
             "eval" => parse_from::<EvalArgs, _, _>([name, "--help"]).unwrap_err(),
             "finetune_ladder" => parse_from::<FinetuneLadderArgs, _, _>([name, "--help"]).unwrap_err(),
+            "finetune" => parse_from::<FinetuneArgs, _, _>([name, "--help"]).unwrap_err(),
             _ => continue,
         };
         assert_eq!(e.kind(), ErrorKind::DisplayHelp);

@@ -3,6 +3,7 @@
 //! blocks read the residual stream one branch late. The validation loss is reported for the
 //! plain model, for the converted one before training and after it; checkpoints are written in
 //! the paper's released format (`model_type: "llamaLadder"`, `ladder_layers`).
+use super::finetune::{data_help, prepare_data, ChatArgs};
 use super::lora::LoraArgs;
 use super::pretrain::preflight;
 use super::{env_help, LogArgs, Tool, TrainArgs, TrainData, ENV_COMMON, ENV_DEVICE, ENV_LAUNCH, ENV_TRAIN};
@@ -10,7 +11,6 @@ use crate::data::Tokenizer;
 use crate::nn::LadderLayers;
 use crate::parallel::Comm;
 use crate::progress::report;
-use crate::train::check_validation_data;
 use crate::{AnyResult, Llama};
 use anyhow::Context;
 use clap::{Command, Parser};
@@ -34,6 +34,8 @@ pub struct FinetuneLadderArgs {
     #[arg(long, value_name = "N|i,j,k", help_heading = "Model")]
     pub ladder_layers: String,
     #[command(flatten)]
+    pub chat: ChatArgs,
+    #[command(flatten)]
     pub train: TrainArgs,
     #[command(flatten)]
     pub lora: LoraArgs,
@@ -45,6 +47,7 @@ impl Tool for FinetuneLadderArgs {
             .mut_arg("out", |a| a.default_value("runs/finetune_ladder"))
             .mut_arg("steps", |a| a.default_value("200").value_parser(clap::value_parser!(usize)).help("Optimizer steps (0: only convert)"))
             .mut_arg("lr", |a| a.default_value("3e-4"))
+            .mut_arg("data", |a| a.help(data_help("data/corpus, the bundled corpus")))
     }
     fn log_args(&self) -> &LogArgs {
         &self.train.log
@@ -72,14 +75,12 @@ fn prepare(args: &FinetuneLadderArgs) -> AnyResult<Prepared> {
     let tok_path = a.tokenizer.clone().unwrap_or_else(|| dir.join("tokenizer.json"));
     let tokenizer = Tokenizer::from_file(&tok_path).with_context(|| format!("cannot load the tokenizer {}", tok_path.display()))?;
     super::pretrain::check_vocab(&tokenizer, &tok_path, cfg.vocab_size, &dir.join("config.json").display().to_string())?;
-    let data = a.data.clone().unwrap_or_else(|| super::bundled("data/corpus"));
-    let (shards, train, val) = crate::shards::token_data_with(&data, &tokenizer, &tok_path, &a.records.options())?;
+    let ft = prepare_data(&checked, &args.chat, "data/corpus", dir, &tokenizer, &tok_path)?;
     let opts = checked.options();
-    check_validation_data(&val, opts.batch_size, opts.seq_len).with_context(|| format!("{}", shards.display()))?;
     let layout = a.parallel.layout()?.mem_layout(a.activation_checkpointing)?;
     let mem = crate::planner::memory::check_layout(&cfg, dtype, device, &opts.shape(), &layout)?;
     report(&format!("memory: predicted peak {}", crate::planner::memory::describe_layout(&mem, &layout)));
-    Ok(Prepared { data: TrainData { device, dtype, tok_path, train, val }, ladder })
+    Ok(Prepared { data: TrainData { device, dtype, tok_path, set: ft.set }, ladder })
 }
 
 pub fn run(args: FinetuneLadderArgs) -> AnyResult<()> {

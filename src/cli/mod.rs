@@ -10,6 +10,7 @@
 pub mod autoconfig;
 pub mod cluster;
 pub mod eval;
+pub mod finetune;
 pub mod finetune_ladder;
 pub mod generate;
 pub mod lora;
@@ -83,13 +84,12 @@ pub fn main_with<A: Tool>(run: impl FnOnce(A) -> AnyResult<()>) -> ! {
 }
 
 /// What every rank of a training tool shares after preparation: the device and dtype, the
-/// tokenizer file and the token shards.
+/// tokenizer file and the data (token shards, or packed conversations).
 pub(crate) struct TrainData {
     pub device: crate::Device,
     pub dtype: crate::DType,
     pub tok_path: std::path::PathBuf,
-    pub train: Vec<std::path::PathBuf>,
-    pub val: Vec<std::path::PathBuf>,
+    pub set: crate::train::TrainSet,
 }
 
 impl TrainData {
@@ -106,7 +106,7 @@ impl TrainData {
         model.loss_chunks = a.loss_chunks();
         let engine = crate::parallel::attach(&mut model, comm, &a.parallel.layout()?, crate::train::Trainer::adamw_config(&opts))?;
         let spec = engine.spec;
-        let t = crate::train::Trainer::with_engine(model, Box::new(engine), &self.train, &self.val, opts, &a.out)?;
+        let t = crate::train::Trainer::with_engine_on(model, Box::new(engine), &self.set, opts, &a.out)?;
         Ok((t.with_tokenizer(&self.tok_path).with_safety(a.safety()), spec))
     }
 }

@@ -118,7 +118,8 @@ fn prepare(args: &PretrainArgs) -> AnyResult<Prepared> {
     let layout = a.parallel.layout()?.mem_layout(a.activation_checkpointing)?;
     let mem = crate::planner::memory::check_layout(&cfg, dtype, device, &opts.shape(), &layout)?;
     report(&format!("memory: predicted peak {}", crate::planner::memory::describe_layout(&mem, &layout)));
-    Ok(Prepared { data: TrainData { device, dtype, tok_path, train, val }, tokenizer, cfg })
+    let set = crate::train::TrainSet::Shards { train, val };
+    Ok(Prepared { data: TrainData { device, dtype, tok_path, set }, tokenizer, cfg })
 }
 
 /// The model's `vocab_size` against the tokenizer's ids: smaller is refused (the ids would index
@@ -259,7 +260,11 @@ fn train_rank(args: &PretrainArgs, p: &Prepared, comm: Option<crate::parallel::C
 
     let val_loss = trainer.evaluate(0)?;
     let mut tokens = Vec::new();
-    for s in &p.data.val {
+    let val = match &p.data.set {
+        crate::train::TrainSet::Shards { val, .. } => val.as_slice(),
+        crate::train::TrainSet::Rows { .. } => &[],
+    };
+    for s in val {
         let s = Shard::open(s)?;
         tokens.extend(s.slice(0, s.len()));
     }

@@ -1,0 +1,219 @@
+//! Chat data for the fine-tuning tools (`finetune`, `finetune_ladder`, `eval --chat`, `generate
+//! --chat`): the template found by transformers' search order, the conversations of `--data`
+//! read, rendered, masked (`ferrolm_data::chat`), split into training and held-out validation
+//! conversations, and packed into rows; and replies generated with the template.
+//!
+//! Token data (a prepared shard directory, `.txt` files, or `--data-format text`) is not chat
+//! data: it trains in windows, every token, as pretraining does (`is_token_data`).
+use crate::data::chat::{
+    self, find_template_source, load_examples, pack, ChatDataOptions, ChatTemplate, DataFormat, Example, PackOptions, PackedData,
+    TemplateSource, TrainOn,
+};
+use crate::data::{resolve_inputs, EpochOrder, PrepareSummary, Tokenizer};
+use crate::nn::Sampling;
+use crate::progress::{report, Progress};
+use crate::AnyResult;
+use anyhow::{bail, Context};
+use std::path::Path;
+
+/// How `--data` becomes training and validation rows (the flags, as plain values).
+#[derive(Clone, Debug, PartialEq)]
+pub struct ChatOptions {
+    pub format: DataFormat,
+    /// `--chat-template FILE` (else the model directory's template).
+    pub chat_template: Option<std::path::PathBuf>,
+    pub train_on: TrainOn,
+    /// Best-fit decreasing packing (`--pack`), or one conversation a row (`--no-pack`).
+    pub pack: bool,
+    pub truncate: bool,
+    /// `--val-data FILE`: validation conversations of their own.
+    pub val_data: Option<std::path::PathBuf>,
+    /// Else this fraction of `--data`'s conversations is held out (0: no validation).
+    pub val_fraction: f64,
+    pub skip_bad_records: bool,
+}
+
+/// Conversations ready to train on.
+pub struct ChatData {
+    pub train: PackedData,
+    /// One held-out conversation a row; None with `--val-fraction 0` and no `--val-data`.
+    pub val: Option<PackedData>,
+    /// The template (a checkpoint carries it on).
+    pub template: TemplateSource,
+    /// The first validation conversation up to its first trained token: the prompt whose reply
+    /// the tools show before and after training.
+    pub sample_prompt: Option<Vec<u32>>,
+}
+
+/// Whether `--data` is token data, trained in windows as pretraining trains: a directory
+/// prepared by prepare_data, text files (`.txt`), or any records with `--data-format text`.
+pub fn is_token_data(data: &Path, format: DataFormat) -> AnyResult<bool> {
+    if format == DataFormat::Text || PrepareSummary::load(data)?.is_some() {
+        return Ok(true);
+    }
+    let inputs = resolve_inputs(data).with_context(|| format!("cannot read the data {}", data.display()))?;
+    Ok(inputs.iter().all(|f| f.format.is_text()))
+}
+
+/// The special tokens a template sees: those `model_dir/tokenizer_config.json` names, else the
+/// tokenizer's own BOS and EOS (a checkpoint that predates tokenizer_config.json).
+fn special_tokens(model_dir: Option<&Path>, tokenizer: &Tokenizer) -> AnyResult<Vec<(String, String)>> {
+    if let Some(config) = model_dir.map(|d| d.join("tokenizer_config.json")) {
+        if let Some(c) = chat::template::read_tokenizer_config(&config)? {
+            let named = chat::template::special_tokens_of_config(&c);
+            if !named.is_empty() {
+                return Ok(named);
+            }
+        }
+    }
+    let name = |id: Option<u32>| id.and_then(|i| tokenizer.inner().id_to_token(i));
+    Ok([("bos_token", name(tokenizer.bos_id())), ("eos_token", name(tokenizer.eos_id()))]
+        .into_iter()
+        .filter_map(|(k, v)| Some((k.to_string(), v?)))
+        .collect())
+}
+
+/// The chat template by transformers' search order (`--chat-template`, `chat_template.jinja` in
+/// the model directory, `chat_template` in its `tokenizer_config.json`), compiled with the
+/// special tokens it may name; the error of a failed search names the three places.
+pub fn template(model_dir: Option<&Path>, explicit: Option<&Path>, tokenizer: &Tokenizer) -> AnyResult<(ChatTemplate, TemplateSource)> {
+    let source = find_template_source(model_dir, explicit)?;
+    let t = ChatTemplate::new(&source.text, &source.origin, special_tokens(model_dir, tokenizer)?)?;
+    Ok((t, source))
+}
+
+/// Examples of `data` with a progress bar; the log line says what was read and skipped.
+fn examples(data: &Path, template: &ChatTemplate, tokenizer: &Tokenizer, opts: &ChatOptions, what: &str) -> AnyResult<Vec<Example>> {
+    let inputs = resolve_inputs(data).with_context(|| format!("cannot read the {what} {}", data.display()))?;
+    let bar = Progress::bytes(inputs.iter().map(|f| f.bytes).sum(), what);
+    let o = ChatDataOptions { format: opts.format, train_on: opts.train_on, skip_bad_records: opts.skip_bad_records };
+    let (ex, stats) = load_examples(&inputs, Some(template), tokenizer, &o, &mut |done, _, n| {
+        bar.set_position(done);
+        bar.set_message(format!("{n} conversations"));
+    })
+    .with_context(|| format!("cannot read the {what} {}", data.display()))?;
+    drop(bar);
+    report(&format!("{what} {}: {}", data.display(), stats.summary()));
+    for m in &stats.skip_messages {
+        report(&format!("  skipped: {m}"));
+    }
+    Ok(ex)
+}
+
+/// Reads, renders and masks `data` (and `opts.val_data`), holds out the validation
+/// conversations, and packs both for rows of `seq_len` tokens. `--val-fraction` holds out
+/// max(1, round(f n)) of the n conversations (leaving at least one to train), drawn with
+/// `seed`; validation conversations are never packed, and follow the same masking, length and
+/// `--truncate` rules as training.
+pub fn load(
+    data: &Path,
+    model_dir: Option<&Path>,
+    tokenizer: &Tokenizer,
+    opts: &ChatOptions,
+    seq_len: usize,
+    seed: u64,
+) -> AnyResult<ChatData> {
+    let (tpl, source) = template(model_dir, opts.chat_template.as_deref(), tokenizer)?;
+    report(&format!("chat template: {}{}", source.origin, if tpl.has_generation() { " (with {% generation %} blocks)" } else { "" }));
+    let mut train = examples(data, &tpl, tokenizer, opts, "data")?;
+    let val = match &opts.val_data {
+        Some(v) => Some(examples(v, &tpl, tokenizer, opts, "validation data")?),
+        None if opts.val_fraction > 0.0 && train.len() > 1 => {
+            let n = train.len();
+            let k = ((opts.val_fraction * n as f64).round() as usize).clamp(1, n - 1);
+            // The first k of a seeded permutation, kept in data order.
+            let mut order = EpochOrder::new(n as u64, seed ^ 0x7661_6c5f_7370_6c74, "conversations")?;
+            let mut held = vec![false; n];
+            for _ in 0..k {
+                held[order.next_item() as usize] = true;
+            }
+            let mut val = Vec::with_capacity(k);
+            let mut kept = Vec::with_capacity(n - k);
+            for (ex, h) in train.into_iter().zip(held) {
+                if h {
+                    val.push(ex)
+                } else {
+                    kept.push(ex)
+                }
+            }
+            train = kept;
+            report(&format!("validation: {k} of {n} conversations held out (--val-fraction {})", opts.val_fraction));
+            Some(val)
+        }
+        None => {
+            report("validation: none (--val-fraction 0 and no --val-data)");
+            None
+        }
+    };
+    let pad_id = tokenizer.eos_id().unwrap_or(0);
+    let packed = pack(train, &PackOptions { seq_len, pack: opts.pack, truncate: opts.truncate, pad_id })?;
+    report(&format!("{}: {}", if opts.pack { "packed" } else { "unpacked (--no-pack)" }, packed.stats().summary()));
+    if packed.num_rows() == 0 {
+        bail!(
+            "no conversation fits --seq-len {seq_len}: {} dropped as longer (raise --seq-len, or pass --truncate)",
+            packed.stats().dropped_too_long
+        );
+    }
+    let val = match val {
+        Some(v) => {
+            let v = pack(v, &PackOptions { seq_len, pack: false, truncate: opts.truncate, pad_id })?;
+            let s = v.stats();
+            if s.dropped_too_long > 0 {
+                report(&format!("validation: {} conversation(s) longer than --seq-len {seq_len} dropped", s.dropped_too_long));
+            }
+            (v.num_rows() > 0).then_some(v)
+        }
+        None => None,
+    };
+    let sample_prompt = val.as_ref().and_then(|v| v.examples().first()).and_then(prompt_of);
+    Ok(ChatData { train: packed, val, template: source, sample_prompt })
+}
+
+/// The tokens of `ex` before its first trained token (the conversation so far and the
+/// assistant's header), if it has one after at least one token.
+fn prompt_of(ex: &Example) -> Option<Vec<u32>> {
+    let first = ex.trained.iter().skip(1).position(|&t| t)? + 1;
+    Some(ex.ids[..first].to_vec())
+}
+
+/// The ids generation stops at: `eos_token_id` of `generation_config.json` in `model_dir` (one id
+/// or a list), else the model config's, else the tokenizer's EOS.
+pub fn stop_ids(model_dir: &Path, cfg: &crate::nn::LlamaConfig, tokenizer: &Tokenizer) -> AnyResult<Vec<u32>> {
+    let path = model_dir.join("generation_config.json");
+    if path.is_file() {
+        let text = std::fs::read_to_string(&path).with_context(|| format!("cannot read {}", path.display()))?;
+        let v: serde_json::Value = serde_json::from_str(&text).with_context(|| format!("{} is not JSON", path.display()))?;
+        let ids = match v.get("eos_token_id") {
+            Some(serde_json::Value::Number(n)) => n.as_u64().into_iter().collect(),
+            Some(serde_json::Value::Array(a)) => a.iter().map(|x| x.as_u64()).collect::<Option<Vec<u64>>>().unwrap_or_default(),
+            _ => Vec::new(),
+        };
+        if !ids.is_empty() {
+            return ids.into_iter().map(|i| u32::try_from(i).with_context(|| format!("{}: eos_token_id {i}", path.display()))).collect();
+        }
+    }
+    if !cfg.eos_token_id.is_empty() {
+        return Ok(cfg.eos_token_id.clone());
+    }
+    Ok(tokenizer.eos_id().into_iter().collect())
+}
+
+/// The reply to `prompt` (a rendered conversation ending in the assistant's header): up to
+/// `max_new` tokens, stopping at (and without) a `stop` id, each drawn as `sampling` says (the
+/// tokenizer's ids only). The same on every tensor-parallel rank (the same seed).
+pub fn reply(
+    model: &crate::Llama,
+    tokenizer: &Tokenizer,
+    prompt: &[u32],
+    max_new: usize,
+    sampling: &Sampling,
+    stop: &[u32],
+    rng: &mut crate::tensor::Rng,
+) -> AnyResult<String> {
+    let s = Sampling { vocab_limit: sampling.vocab_limit.min(tokenizer.vocab_size()), ..*sampling };
+    let mut out = crate::nn::generate_until(model, prompt, max_new, &s, stop, rng)?;
+    if out.last().is_some_and(|t| stop.contains(t)) {
+        out.pop();
+    }
+    Ok(tokenizer.decode(&out)?)
+}

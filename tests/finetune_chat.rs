@@ -1,0 +1,193 @@
+//! The `finetune` tool end to end on chat data (issue 42): a tiny checkpoint fine-tuned on the
+//! bundled chat file lowers its validation loss over assistant tokens and shows a reply before
+//! and after; `--resume` continues the packed rows' order exactly; `finetune_ladder` takes the
+//! same chat data; plain token data still trains; the chat flags take both forms.
+mod common;
+use common::*;
+use ferrolm::cli::finetune::{FinetuneArgs, Outcome};
+use ferrolm::cli::finetune_ladder::FinetuneLadderArgs;
+use ferrolm::cli::parse_from;
+use ferrolm::nn::LlamaConfig;
+use ferrolm::{DType, Device, Llama};
+use ferrolm_tensor::Rng;
+use std::path::{Path, PathBuf};
+
+/// A tiny Llama checkpoint (hidden 32, 2 layers, positions for 128-token rows) with the bundled
+/// tokenizer, and the bundled chat file cut to its first `n` conversations.
+fn setup(dir: &Path, n: usize) -> (PathBuf, PathBuf) {
+    let tok = ferrolm::data::Tokenizer::from_file(tokenizer_path()).unwrap();
+    let cfg = LlamaConfig::from_json_str(&format!(
+        r#"{{"model_type":"llama","vocab_size":{},"hidden_size":32,"intermediate_size":64,"num_hidden_layers":2,
+            "num_attention_heads":4,"num_key_value_heads":2,"max_position_embeddings":128,"tie_word_embeddings":true}}"#,
+        tok.vocab_size()
+    ))
+    .unwrap();
+    let ck = dir.join("model");
+    Llama::new(cfg, DType::F32, Device::Cpu, &mut Rng::new(1)).unwrap().save_pretrained(&ck).unwrap();
+    std::fs::copy(tokenizer_path(), ck.join("tokenizer.json")).unwrap();
+    std::fs::copy(data_path("chat_template.jinja"), ck.join("chat_template.jinja")).unwrap();
+    let text = std::fs::read_to_string(data_path("chat.jsonl")).unwrap();
+    let data = dir.join("chat.jsonl");
+    std::fs::write(&data, text.lines().take(n).map(|l| format!("{l}\n")).collect::<String>()).unwrap();
+    (ck, data)
+}
+
+const HEAD: [&str; 5] = ["finetune", "--device=cpu", "--batch-size=2", "--eval-every=0", "--lr=3e-3"];
+
+fn finetune(ck: &Path, data: &Path, out: &Path, extra: &[&str]) -> anyhow::Result<Outcome> {
+    let a: FinetuneArgs = parse_from(args(&HEAD, &[flag("model", ck), flag("data", data), flag("out", out)], extra)).unwrap();
+    ferrolm::cli::finetune::finetune(a)
+}
+
+/// The validation losses of `metrics.jsonl`.
+fn val_losses(run: &Path) -> Vec<f64> {
+    std::fs::read_to_string(run.join("metrics.jsonl"))
+        .unwrap()
+        .lines()
+        .filter_map(|l| serde_json::from_str::<serde_json::Value>(l).ok()?.get("val_loss")?.as_f64())
+        .collect()
+}
+
+#[test]
+fn finetune_on_the_chat_file_lowers_the_validation_loss_and_shows_replies() {
+    let dir = tmp("finetune-chat-e2e");
+    let (ck, data) = setup(&dir, 120);
+    let out = dir.join("run");
+    let o = finetune(&ck, &data, &out, &["--steps=12", "--val-fraction=0.05", "--seq-len=128"]).unwrap();
+    let (before, after) = (o.val_before.unwrap(), o.val_after.unwrap());
+    assert!(after < before - 0.5, "validation loss {before} -> {after}");
+    // The held-out prompt is a rendered conversation ending in the assistant's header.
+    let prompt = o.prompt.unwrap();
+    assert!(prompt.starts_with("<|bos|>") && prompt.ends_with("<|bos|>assistant\n"), "{prompt:?}");
+    assert!(o.reply_before.is_some() && o.reply_after.is_some());
+    // Every step is in the metrics, and the last validation loss is the one reported.
+    assert_eq!(losses(&out).len(), 12);
+    assert_eq!(val_losses(&out).last().copied(), Some(after));
+    let step = out.join("checkpoints/step-000012");
+    assert!(step.join("model.safetensors").is_file() && step.join("tokenizer.json").is_file());
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+#[test]
+fn finetune_resume_continues_the_packed_rows_exactly() {
+    let dir = tmp("finetune-chat-resume");
+    let (ck, data) = setup(&dir, 60);
+    let (whole, resumed) = (dir.join("whole"), dir.join("resumed"));
+    let extra = ["--steps=6", "--save-every=3", "--val-fraction=0", "--seq-len=128"];
+    finetune(&ck, &data, &whole, &extra).unwrap();
+    let step3 = whole.join("checkpoints/step-000003");
+    let mut more = extra.to_vec();
+    more.extend(["--resume", step3.to_str().unwrap()]);
+    let o = finetune(&ck, &data, &resumed, &more).unwrap();
+    assert_eq!(o, Outcome::default(), "no validation: nothing to report");
+    let bits = |run: &Path| losses(run).into_iter().map(f64::to_bits).collect::<Vec<_>>();
+    assert_eq!(bits(&whole).len(), 6);
+    assert_eq!(bits(&whole), bits(&resumed), "the resumed run's losses differ from the whole run's");
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+#[test]
+fn no_pack_truncate_train_on_last_and_val_data_run() {
+    let dir = tmp("finetune-chat-flags");
+    let (ck, data) = setup(&dir, 40);
+    let val = dir.join("val.jsonl");
+    let text = std::fs::read_to_string(data_path("chat.jsonl")).unwrap();
+    std::fs::write(&val, text.lines().skip(500).take(5).map(|l| format!("{l}\n")).collect::<String>()).unwrap();
+    let out = dir.join("run");
+    // A template that writes the roles in capitals: the held-out prompt shows it is the one used.
+    let template = dir.join("other.jinja");
+    let t = std::fs::read_to_string(data_path("chat_template.jinja")).unwrap().replace("message['role']", "message['role'] | upper");
+    std::fs::write(&template, t).unwrap();
+    let extra = [
+        "--steps=2",
+        "--no-pack",
+        "--truncate",
+        "--seq-len=48",
+        "--train-on",
+        "last",
+        "--data-format=messages",
+        "--val-data",
+        val.to_str().unwrap(),
+        "--chat-template",
+        template.to_str().unwrap(),
+    ];
+    let o = finetune(&ck, &data, &out, &extra).unwrap();
+    assert!(o.val_before.is_some() && o.val_after.is_some());
+    assert!(o.prompt.as_deref().unwrap().contains("<|bos|>USER\n"), "{:?}", o.prompt);
+    assert_eq!(losses(&out).len(), 2);
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+#[test]
+fn finetune_ladder_takes_the_same_chat_data() {
+    let dir = tmp("finetune-chat-ladder");
+    let (ck, data) = setup(&dir, 40);
+    let out = dir.join("run");
+    let head = ["finetune_ladder", "--device=cpu", "--seq-len=128", "--batch-size=2", "--eval-every=0"];
+    let extra = ["--ladder-layers=1", "--steps=2", "--val-fraction=0.1", "--train-on=all", "--pack"];
+    let a: FinetuneLadderArgs = parse_from(args(&head, &[flag("model", &ck), flag("data", &data), flag("out", &out)], &extra)).unwrap();
+    ferrolm::cli::finetune_ladder::run(a).unwrap();
+    assert_eq!(losses(&out).len(), 2);
+    assert_eq!(val_losses(&out).len(), 1, "validation over the held-out conversations at the last step");
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+#[test]
+fn plain_token_data_still_trains_in_windows() {
+    let dir = tmp("finetune-chat-text");
+    let (ck, _) = setup(&dir, 1);
+    std::fs::remove_file(ck.join("chat_template.jinja")).unwrap(); // token data needs none
+    let out = dir.join("run");
+    let text = data_path("corpus/sonnets.txt");
+    let o = finetune(&ck, &text, &out, &["--steps=2", "--seq-len=32"]).unwrap();
+    assert!(o.val_after.is_some() && o.prompt.is_none());
+    assert_eq!(losses(&out).len(), 2);
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+#[test]
+fn chat_flags_take_both_forms_and_bad_values_are_refused_naming_the_flag() {
+    let p = |extra: &[&str]| parse_from::<FinetuneArgs, _, _>([&["finetune", "--model", "m"], extra].concat());
+    let spaced = p(&[
+        "--data-format",
+        "sharegpt",
+        "--chat-template",
+        "t.jinja",
+        "--train-on",
+        "last",
+        "--val-data",
+        "v.jsonl",
+        "--val-fraction",
+        "0.1",
+        "--no-pack",
+        "--truncate",
+    ])
+    .unwrap();
+    let joined = p(&[
+        "--data-format=sharegpt",
+        "--chat-template=t.jinja",
+        "--train-on=last",
+        "--val-data=v.jsonl",
+        "--val-fraction=0.1",
+        "--no-pack",
+        "--truncate",
+    ])
+    .unwrap();
+    assert_eq!(spaced, joined);
+    let o = spaced.chat.options(false);
+    assert!(!o.pack && o.truncate && o.val_fraction == 0.1 && o.chat_template == Some(PathBuf::from("t.jinja")));
+    let d = p(&[]).unwrap().chat.options(false);
+    assert!(d.pack && !d.truncate && d.val_fraction == 0.02 && d.val_data.is_none(), "defaults: {d:?}");
+    assert!(p(&["--pack"]).unwrap().chat.options(false).pack);
+    for (bad, flag) in
+        [(["--data-format", "csv"], "--data-format"), (["--train-on", "user"], "--train-on"), (["--val-fraction", "1.5"], "--val-fraction")]
+    {
+        let e = p(&bad).unwrap_err().to_string();
+        assert!(e.contains(flag), "{bad:?}: {e}");
+    }
+    assert!(p(&["--pack", "--no-pack"]).is_err(), "--pack and --no-pack conflict");
+    // The same flags in finetune_ladder.
+    let l: FinetuneLadderArgs =
+        parse_from(["finetune_ladder", "--model", "m", "--ladder-layers", "2", "--train-on", "all", "--no-pack"]).unwrap();
+    assert!(!l.chat.options(false).pack);
+}
