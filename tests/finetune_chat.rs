@@ -63,8 +63,17 @@ fn finetune_on_the_chat_file_lowers_the_validation_loss_and_shows_replies() {
     // Every step is in the metrics, and the last validation loss is the one reported.
     assert_eq!(losses(&out).len(), 12);
     assert_eq!(val_losses(&out).last().copied(), Some(after));
+    // The checkpoint carries the template (item 9) with the tokenizer's files...
     let step = out.join("checkpoints/step-000012");
-    assert!(step.join("model.safetensors").is_file() && step.join("tokenizer.json").is_file());
+    let template = std::fs::read_to_string(data_path("chat_template.jinja")).unwrap();
+    assert_eq!(std::fs::read_to_string(step.join("chat_template.jinja")).unwrap(), template);
+    let config: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(step.join("tokenizer_config.json")).unwrap()).unwrap();
+    assert_eq!(config["chat_template"].as_str(), Some(template.as_str()));
+    assert!(step.join("generation_config.json").is_file() && step.join("tokenizer.json").is_file());
+    // ...so fine-tuning it again (its run directory as --model) renders the same prompt.
+    let again = finetune(&out, &data, &dir.join("again"), &["--steps=1", "--val-fraction=0.05", "--seq-len=128"]).unwrap();
+    assert_eq!(again.prompt.as_deref(), Some(prompt.as_str()));
+    assert_eq!(again.val_before, Some(after), "the checkpoint's validation loss is the run's last");
     let _ = std::fs::remove_dir_all(&dir);
 }
 
@@ -96,7 +105,10 @@ fn no_pack_truncate_train_on_last_and_val_data_run() {
     let out = dir.join("run");
     // A template that writes the roles in capitals: the held-out prompt shows it is the one used.
     let template = dir.join("other.jinja");
-    let t = std::fs::read_to_string(data_path("chat_template.jinja")).unwrap().replace("message['role']", "message['role'] | upper");
+    let t = std::fs::read_to_string(data_path("chat_template.jinja"))
+        .unwrap()
+        .replace("message['role']", "message['role'] | upper")
+        .replace("<|bos|>assistant", "<|bos|>ASSISTANT");
     std::fs::write(&template, t).unwrap();
     let extra = [
         "--steps=2",
@@ -113,7 +125,8 @@ fn no_pack_truncate_train_on_last_and_val_data_run() {
     ];
     let o = finetune(&ck, &data, &out, &extra).unwrap();
     assert!(o.val_before.is_some() && o.val_after.is_some());
-    assert!(o.prompt.as_deref().unwrap().contains("<|bos|>USER\n"), "{:?}", o.prompt);
+    let prompt = o.prompt.unwrap();
+    assert!(prompt.starts_with("<|bos|>USER\n") && prompt.ends_with("<|bos|>ASSISTANT\n"), "{prompt:?}");
     assert_eq!(losses(&out).len(), 2);
     let _ = std::fs::remove_dir_all(&dir);
 }
@@ -142,6 +155,9 @@ fn plain_token_data_still_trains_in_windows() {
     let o = finetune(&ck, &text, &out, &["--steps=2", "--seq-len=32"]).unwrap();
     assert!(o.val_after.is_some() && o.prompt.is_none());
     assert_eq!(losses(&out).len(), 2);
+    // A model without a template gives checkpoints without one.
+    let step = out.join("checkpoints/step-000002");
+    assert!(step.join("tokenizer_config.json").is_file() && !step.join("chat_template.jinja").exists());
     let _ = std::fs::remove_dir_all(&dir);
 }
 

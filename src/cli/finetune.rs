@@ -126,6 +126,19 @@ pub(crate) struct FinetuneData {
     pub set: TrainSet,
     /// The held-out prompt whose reply is shown before and after training (chat data).
     pub sample_prompt: Option<Vec<u32>>,
+    /// The chat template the run found, which its checkpoints carry (`tokenizer_config.json`'s
+    /// `chat_template` and `chat_template.jinja`); with token data, the model's own if it has one.
+    pub template: Option<String>,
+}
+
+impl FinetuneData {
+    /// `trainer` writing this run's chat template into its checkpoints.
+    pub fn carry_template(&self, trainer: Trainer) -> Trainer {
+        match &self.template {
+            Some(t) => trainer.with_chat_template(t.clone()),
+            None => trainer,
+        }
+    }
 }
 
 /// `--data` as the fine-tuning tools take it: conversations packed into rows (with held-out
@@ -143,12 +156,18 @@ pub(crate) fn prepare_data(
     if crate::chat::is_token_data(&data, chat.data_format)? {
         let (shards, train, val) = crate::shards::token_data_with(&data, tokenizer, tok_path, &a.records.options())?;
         check_validation_data(&val, a.batch_size, a.seq_len).with_context(|| format!("{}", shards.display()))?;
-        return Ok(FinetuneData { set: TrainSet::Shards { train, val }, sample_prompt: None });
+        // Token data trains no template, but the checkpoint keeps the one the model came with.
+        let template = match crate::data::chat::find_template_source(Some(model), chat.chat_template.as_deref()) {
+            Ok(t) => Some(t.text),
+            Err(_) if chat.chat_template.is_none() => None,
+            Err(e) => return Err(e.into()),
+        };
+        return Ok(FinetuneData { set: TrainSet::Shards { train, val }, sample_prompt: None, template });
     }
     let opts = chat.options(a.records.skip_bad_records);
-    let ChatData { train, val, sample_prompt, .. } = crate::chat::load(&data, Some(model), tokenizer, &opts, a.seq_len, a.seed)?;
+    let ChatData { train, val, sample_prompt, template } = crate::chat::load(&data, Some(model), tokenizer, &opts, a.seq_len, a.seed)?;
     let set = TrainSet::Rows { train: std::sync::Arc::new(train), val: val.map(std::sync::Arc::new) };
-    Ok(FinetuneData { set, sample_prompt })
+    Ok(FinetuneData { set, sample_prompt, template: Some(template.text) })
 }
 
 /// What every rank shares.
@@ -240,7 +259,8 @@ fn finetune_rank(args: &FinetuneArgs, p: &Prepared, comm: Option<Comm>) -> AnyRe
         p.data.device,
         p.data.dtype
     ));
-    let (mut trainer, spec) = p.data.trainer(model, a, a.options(), comm.clone())?;
+    let (trainer, spec) = p.data.trainer(model, a, a.options(), comm.clone())?;
+    let mut trainer = p.ft.carry_template(trainer);
     if comm.is_some() {
         report(&format!("parallel: tp {} x dp {} ranks, sharding {spec}", a.parallel.tp, a.parallel.dp));
     }

@@ -3,7 +3,7 @@
 //! blocks read the residual stream one branch late. The validation loss is reported for the
 //! plain model, for the converted one before training and after it; checkpoints are written in
 //! the paper's released format (`model_type: "llamaLadder"`, `ladder_layers`).
-use super::finetune::{data_help, prepare_data, ChatArgs};
+use super::finetune::{data_help, prepare_data, ChatArgs, FinetuneData};
 use super::lora::LoraArgs;
 use super::pretrain::preflight;
 use super::{env_help, LogArgs, Tool, TrainArgs, TrainData, ENV_COMMON, ENV_DEVICE, ENV_LAUNCH, ENV_TRAIN};
@@ -56,6 +56,7 @@ impl Tool for FinetuneLadderArgs {
 
 struct Prepared {
     data: TrainData,
+    ft: FinetuneData,
     ladder: LadderLayers,
 }
 
@@ -80,7 +81,7 @@ fn prepare(args: &FinetuneLadderArgs) -> AnyResult<Prepared> {
     let layout = a.parallel.layout()?.mem_layout(a.activation_checkpointing)?;
     let mem = crate::planner::memory::check_layout(&cfg, dtype, device, &opts.shape(), &layout)?;
     report(&format!("memory: predicted peak {}", crate::planner::memory::describe_layout(&mem, &layout)));
-    Ok(Prepared { data: TrainData { device, dtype, tok_path, set: ft.set }, ladder })
+    Ok(Prepared { data: TrainData { device, dtype, tok_path, set: ft.set.clone() }, ft, ladder })
 }
 
 pub fn run(args: FinetuneLadderArgs) -> AnyResult<()> {
@@ -108,7 +109,8 @@ fn finetune_rank(args: &FinetuneLadderArgs, p: &Prepared, comm: Option<Comm>) ->
     if lora {
         report(&super::lora::describe(&model));
     }
-    let (mut trainer, _) = p.data.trainer(model, a, opts.clone(), comm)?;
+    let (trainer, _) = p.data.trainer(model, a, opts.clone(), comm)?;
+    let mut trainer = p.ft.carry_template(trainer);
     let base = a.out.join("base");
     if lora {
         // The adapters' base is the converted model: its config, the same weight files.
