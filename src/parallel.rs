@@ -73,6 +73,7 @@ impl Parallelism {
             thread_ranks: self.world() > 1 && DistEnv::from_env()?.is_none_or(|e| e.world_size <= 1),
             offload_subgroup: self.offload.as_ref().map(|o| o.subgroup),
             grad_reduce: self.grad_reduce,
+            lora: None,
         })
     }
 

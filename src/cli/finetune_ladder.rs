@@ -66,19 +66,20 @@ fn prepare(args: &FinetuneLadderArgs) -> AnyResult<Prepared> {
     let mut checked = a.clone();
     checked.steps = checked.steps.max(1);
     preflight(&checked)?;
-    args.lora.config()?; // its flags are checked before any work
     let device = a.device.pick()?;
     let dtype = a.device.dtype(device);
     let dir = &args.model;
     std::fs::metadata(dir).with_context(|| format!("cannot open the model directory {}", dir.display()))?;
     let cfg = crate::nn::LlamaConfig::from_file(dir.join("config.json"))?;
     let ladder = LadderLayers::parse_flag(&args.ladder_layers, cfg.num_hidden_layers)?;
+    let lora = args.lora.memory(&cfg)?; // the LoRA flags (and --lora-init's adapter) before any work
     let tok_path = a.tokenizer.clone().unwrap_or_else(|| dir.join("tokenizer.json"));
     let tokenizer = Tokenizer::from_file(&tok_path).with_context(|| format!("cannot load the tokenizer {}", tok_path.display()))?;
     super::pretrain::check_vocab(&tokenizer, &tok_path, cfg.vocab_size, &dir.join("config.json").display().to_string())?;
     let ft = prepare_data(&checked, &args.chat, "data/corpus", dir, &tokenizer, &tok_path)?;
     let opts = checked.options();
-    let layout = a.parallel.layout()?.mem_layout(a.activation_checkpointing)?;
+    let mut layout = a.parallel.layout()?.mem_layout(a.activation_checkpointing)?;
+    layout.lora = lora;
     let mem = crate::planner::memory::check_layout(&cfg, dtype, device, &opts.shape(), &layout)?;
     report(&format!("memory: predicted peak {}", crate::planner::memory::describe_layout(&mem, &layout)));
     Ok(Prepared { data: TrainData { device, dtype, tok_path, set: ft.set.clone() }, ft, ladder })

@@ -76,6 +76,22 @@ impl LoraArgs {
         Ok(Some(LoraConfig::new(rank, self.lora_alpha, self.lora_dropout.unwrap_or(0.0), targets, self.rslora)?))
     }
 
+    /// The adapters as the memory estimator counts them (None without LoRA); reads --lora-init's
+    /// adapter against the base `cfg`, so a flag or an adapter that does not fit is refused
+    /// before any work.
+    pub fn memory(&self, cfg: &crate::nn::LlamaConfig) -> AnyResult<Option<crate::planner::memory::LoraMem>> {
+        let lora = match (self.config()?, &self.lora_init) {
+            (Some(c), _) => c,
+            (None, Some(dir)) => {
+                crate::nn::lora::peft::read_adapter(dir, cfg, crate::Device::Cpu)
+                    .with_context(|| format!("--lora-init {}", dir.display()))?
+                    .0
+            }
+            (None, None) => return Ok(None),
+        };
+        Ok(Some(crate::planner::memory::LoraMem::new(&lora, cfg.num_hidden_layers)))
+    }
+
     /// Adds the run's adapters to `model` (before tensor parallelism and the engine attach; the
     /// same on every rank): new ones initialised from `seed`, or --lora-init's. Returns their
     /// settings, or None without LoRA.

@@ -225,7 +225,7 @@ fn candidate(
     let flops_token = m.flops_per_token(w.seq);
     let fwd_s = flops_token * (w.micro_batch * w.seq) as f64 / w.tp as f64 / 3.0 / c.flops;
     let tp_comm_s = tp_comm(m, c, w, micro, fwd_s, space.ladder_layers);
-    let mut mem = memory::memory(m, w, spec, micro, space.workspace_bytes);
+    let mut mem = memory::memory(m, w, spec, micro, space.workspace_bytes, None);
     let (mut offload_s, mut offload_k) = (0.0, None);
     if let (Some(_), Some(r)) = (offload, &space.offload) {
         let local: f64 = m.bucket_params(w.tp).iter().sum::<u64>() as f64;

@@ -139,15 +139,28 @@ pub fn head_bytes_per_token(m: &ModelShape, w: &Workload) -> (f64, f64) {
 /// towards the optimizer range when `s_os > 1`, the largest parameter's gradient formed whole
 /// before it lands (see below), the step's squared gradient of one bucket. Where each peaks was
 /// found with `ferrolm_tensor::peak_bytes` (docs/AUTOCONFIG.md, "Memory estimator").
-pub fn memory(m: &ModelShape, w: &Workload, spec: ShardSpec, micro_batches: usize, workspace: f64) -> Memory {
-    let (e, ge) = (w.elem_bytes as f64, w.grad_bytes as f64);
-    let buckets: Vec<f64> = m.bucket_params(w.tp).iter().map(|&n| n as f64).collect();
+///
+/// With LoRA (`lora`) the engine holds only the adapters: f32 factors in one bucket per adapted
+/// layer, sharded as above, with f32 gradients and m and v (no master); the base is frozen in the
+/// compute dtype on every data-parallel rank (its tensor-parallel share only), with no gradient
+/// and no optimizer state, and the head's and the embedding's weight gradients are never formed.
+/// The forward saves more for backward: [`lora_activation_bytes`].
+pub fn memory(m: &ModelShape, w: &Workload, spec: ShardSpec, micro_batches: usize, workspace: f64, lora: Option<&LoraMem>) -> Memory {
+    let e = w.elem_bytes as f64;
+    let base: f64 = m.bucket_params(w.tp).iter().sum::<u64>() as f64;
+    // What the engine trains: its buckets, their element and gradient bytes, the frozen bytes.
+    let (buckets, pe, ge, frozen, largest): (Vec<f64>, f64, f64, f64, f64) = match lora {
+        None => (m.bucket_params(w.tp).iter().map(|&n| n as f64).collect(), e, w.grad_bytes as f64, 0.0, m.largest_param(w.tp) as f64),
+        Some(l) => {
+            let layer = lora_layer_params(m, w.tp, l);
+            (vec![layer; l.layers.min(m.layers)], 4.0, 4.0, base * e, lora_largest_factor(m, w.tp, l))
+        }
+    };
     let local: f64 = buckets.iter().sum();
     let biggest = buckets.iter().copied().fold(0.0, f64::max);
-    let largest = m.largest_param(w.tp) as f64;
-    let master = if w.elem_bytes == 4 { 0.0 } else { 4.0 };
+    let master = if pe == 4.0 { 0.0 } else { 4.0 };
     let (sp, sg, so) = (spec.params as f64, spec.grads as f64, spec.optim as f64);
-    let gathered = if spec.params > 1 { 3.0 * biggest * e } else { 0.0 };
+    let gathered = if spec.params > 1 { 3.0 * biggest * pe } else { 0.0 };
     // The last micro-batch hands each accumulated bucket over as backward reaches it: about three
     // quarters of the accumulator are live at the peak (a fit to the measured peaks).
     let accumulator = if micro_batches > 1 { 0.75 * local * ge / sg } else { 0.0 };
@@ -157,16 +170,18 @@ pub fn memory(m: &ModelShape, w: &Workload, spec: ShardSpec, micro_batches: usiz
     // the parameters (f32 main gradients of bf16 ones) widen it to a copy of its own first. A
     // tied embedding's gradient has two parts: the head's, formed when backward starts and held
     // to its end, and the lookup's, beside it until they are summed.
-    let widened = if ge > e { ge } else { 0.0 };
-    let formed = largest * if m.tied { (2.0 * e).max(e + widened) } else { e + widened };
-    let head_grad = largest * if m.tied { e } else { ge };
+    let widened = if ge > pe { ge } else { 0.0 };
+    let (formed, head_grad) = match lora {
+        None => (largest * if m.tied { (2.0 * e).max(e + widened) } else { e + widened }, largest * if m.tied { e } else { ge }),
+        Some(_) => (largest * (pe + widened), 0.0),
+    };
     let head = (w.micro_batch * w.seq) as f64 * head_bytes_per_token(m, w).1;
     let step_sq = 4.0 * biggest / so;
-    let activations = activation_bytes(m, w);
+    let activations = activation_bytes(m, w) + lora.map_or(0.0, |l| lora_activation_bytes(m, w, l));
     let backward_start = head + accumulator + in_flight + head_grad;
     let buffers = in_flight + layer_transient_bytes(m, w).max(formed).max(step_sq);
     Memory {
-        params: local * e / sp + gathered,
+        params: local * pe / sp + gathered + frozen,
         grads: local * ge / so + accumulator,
         // m, v; the norm-weight mask only under tensor parallelism.
         optim: local * (8.0 + if w.tp > 1 { 4.0 } else { 0.0 } + master) / so,
@@ -208,6 +223,67 @@ pub struct RunShape {
     pub grad_accum: usize,
 }
 
+/// LoRA (`--lora-rank`), as far as memory is concerned: the base is frozen and only these
+/// adapters are trained.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct LoraMem {
+    pub rank: usize,
+    /// The adapted projections, in `nn::lora::Proj` order (q, k, v, o, gate, up, down).
+    pub targets: [bool; 7],
+    /// Blocks that carry adapters.
+    pub layers: usize,
+    /// `--lora-dropout` above 0: each adapter's input is masked in a copy of its own.
+    pub dropout: bool,
+}
+
+impl LoraMem {
+    /// The adapters `cfg` adds to a model of `layers` blocks.
+    pub fn new(cfg: &crate::nn::LoraConfig, layers: usize) -> LoraMem {
+        let mut targets = [false; 7];
+        for p in &cfg.targets {
+            targets[*p as usize] = true;
+        }
+        LoraMem { rank: cfg.rank, targets, layers: cfg.layers.as_ref().map_or(layers, Vec::len), dropout: cfg.dropout > 0.0 }
+    }
+}
+
+/// (in, out) of each projection on one of `tp` ranks, `Proj` order: a column-parallel layer's
+/// output and a row-parallel layer's input split (a key/value head shared by ranks held whole).
+fn local_projections(m: &ModelShape, tp: usize) -> [(f64, f64); 7] {
+    let (h, i, tp) = (m.hidden as f64, m.intermediate as f64, tp.max(1) as f64);
+    let q = (m.heads * m.head_dim) as f64;
+    let kv = if m.kv_heads as f64 >= tp { (m.kv_heads * m.head_dim) as f64 / tp } else { m.head_dim as f64 };
+    [(h, q / tp), (h, kv), (h, kv), (q / tp, h), (h, i / tp), (h, i / tp), (i / tp, h)]
+}
+
+/// Adapter elements of one adapted block on one of `tp` ranks: A (R, in) and B (out, R) of each
+/// target, split as their layer's weight (`ferrolm_parallel::tp`).
+pub fn lora_layer_params(m: &ModelShape, tp: usize, l: &LoraMem) -> f64 {
+    let r = l.rank as f64;
+    local_projections(m, tp).iter().zip(l.targets).filter(|(_, on)| *on).map(|((i, o), _)| r * (i + o)).sum()
+}
+
+/// What LoRA's forward saves for backward beside the base's activations (`nn::lora::project`,
+/// measured with `ferrolm_tensor::peak_bytes`), per adapted block: each adapter's
+/// down-projection u (N, R) in the compute dtype; the factors as the GEMMs read them (the A's
+/// of layers that share their input stacked in f32, and every factor's copy in a compute dtype
+/// below f32), at most 4 + 2 bytes per adapter element; with dropout, each adapter's masked
+/// input (N, in) and its mask.
+pub fn lora_activation_bytes(m: &ModelShape, w: &Workload, l: &LoraMem) -> f64 {
+    let (tokens, e, r) = ((w.micro_batch * w.seq) as f64, w.elem_bytes as f64, l.rank as f64);
+    let on = || local_projections(m, w.tp).into_iter().zip(l.targets).filter(|(_, on)| *on).map(|(p, _)| p);
+    let u = tokens * e * r * on().count() as f64;
+    let factors = lora_layer_params(m, w.tp, l) * if e < 4.0 { 6.0 } else { 4.0 };
+    let dropped = if l.dropout { 2.0 * tokens * e * on().map(|(i, _)| i).sum::<f64>() } else { 0.0 };
+    (u + factors + dropped) * l.layers.min(m.layers) as f64
+}
+
+/// The largest adapter factor on one of `tp` ranks.
+fn lora_largest_factor(m: &ModelShape, tp: usize, l: &LoraMem) -> f64 {
+    let r = l.rank as f64;
+    local_projections(m, tp).iter().zip(l.targets).filter(|(_, on)| *on).map(|((i, o), _)| r * i.max(*o)).fold(0.0, f64::max)
+}
+
 /// How a run is laid out over ranks, as far as memory is concerned.
 #[derive(Clone, Copy, Debug, PartialEq)]
 pub struct MemParallelism {
@@ -224,6 +300,8 @@ pub struct MemParallelism {
     pub offload_subgroup: Option<usize>,
     /// `--grad-reduce-dtype`: the dtype gradients are accumulated and reduced in.
     pub grad_reduce: GradReduceDtype,
+    /// LoRA: the base frozen, these adapters trained (None: every weight trained).
+    pub lora: Option<LoraMem>,
 }
 
 impl MemParallelism {
@@ -237,6 +315,7 @@ impl MemParallelism {
             thread_ranks: false,
             offload_subgroup: None,
             grad_reduce: GradReduceDtype::default(),
+            lora: None,
         }
     }
 
@@ -268,7 +347,7 @@ pub fn estimate(
         checkpointed_layers: l.checkpointed_layers.min(cfg.num_hidden_layers),
     };
     let workspace = if device == Device::Cpu { 0.0 } else { CUDA_WORKSPACE_BYTES + nccl_buffer_bytes(cfg, l) };
-    let mut m = memory(&shape, &w, l.spec, grad_accum, workspace);
+    let mut m = memory(&shape, &w, l.spec, grad_accum, workspace, l.lora.as_ref());
     // Offloaded optimizer state leaves a device, not the host: on the CPU it stays counted.
     if let (Some(sub), false) = (l.offload_subgroup, device == Device::Cpu) {
         m.optim = m.optim.min(24.0 * sub as f64);

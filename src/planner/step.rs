@@ -90,7 +90,7 @@ pub fn evaluate(m: &ModelShape, c: &Cluster, w: &Workload, spec: ShardSpec) -> O
     let local: f64 = buckets.iter().sum();
     // NCCL's buffers, one set per distinct group of more than one rank that rank 0 joins.
     let buffers = if c.gpus > 1 { zero::groups::communicators(w.tp, dp, spec, m.kv_heads) as f64 * c.comm_buffer_bytes } else { 0.0 };
-    let mem = memory(m, w, spec, micro, buffers);
+    let mem = memory(m, w, spec, micro, buffers, None);
     let fits = mem.total() <= c.mem_bytes * (1.0 - c.margin);
 
     // Communication, priced over each group's real placement.

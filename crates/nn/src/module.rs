@@ -45,6 +45,77 @@ pub fn linear(x: &Tensor, w: &Tensor) -> Result<Tensor> {
     x.linear(w)
 }
 
+/// (res +) x W^T + s · u B^T, LoRA's adapted linear layer (`crate::lora`), as one recorded op:
+/// x (..., in), W (out, in), u (..., R) the adapter's down-projection, B (out, R), s its scale.
+/// The two GEMMs sum through their addends (no add kernel), and the graph holds only what
+/// backward reads (x, W, u, B; res for its gradient): not the base's (..., out) product that
+/// `u.linear_plus(b, &x.linear(w))` would keep as an input, nor a scaled copy of a factor (s B,
+/// (N, out) or (out, R), is formed where it is used and dropped). So an adapted layer saves for
+/// backward what a plain one does, plus u. Backward: dX = G W (summed into x's gradient so far),
+/// dU = G (s B) (likewise), dB = G^T (s u) and dW = G^T x (where their gradients go), dres = G.
+pub fn linear_adapted(x: &Tensor, w: &Tensor, u: &Tensor, b: &Tensor, scale: f64, res: Option<&Tensor>) -> Result<Tensor> {
+    let r = x.rank();
+    if w.rank() != 2 || b.rank() != 2 || r == 0 || u.rank() != r || x.dim(r - 1) != w.dim(1) || b.dim(0) != w.dim(0) {
+        ferrolm_tensor::bail!(
+            "linear_adapted",
+            "expects x (..., in), w (out, in), u (..., R), b (out, R), got {:?}, {:?}, {:?}, {:?}",
+            x.shape(),
+            w.shape(),
+            u.shape(),
+            b.shape()
+        );
+    }
+    let (cin, cout, rank) = (w.dim(1), w.dim(0), b.dim(1));
+    if u.dims()[..r - 1] != x.dims()[..r - 1] || u.dim(r - 1) != rank {
+        ferrolm_tensor::bail!("linear_adapted", "u {:?} does not match x {:?} and b {:?}", u.shape(), x.shape(), b.shape());
+    }
+    let n: usize = x.dims()[..r - 1].iter().product();
+    let mut out = x.dims()[..r - 1].to_vec();
+    out.push(cout);
+    let y = {
+        let _g = ferrolm_tensor::no_grad();
+        let acc = res.map(|t| t.reshape([n, cout])).transpose()?;
+        let base = x.reshape([n, cin])?.matmul_into(&w.t()?, acc.as_ref(), None)?;
+        u.reshape([n, rank])?.matmul_into(&b.mul_scalar(scale)?.t()?, Some(&base), None)?.reshape(out)?
+    };
+    let need = [x.requires_grad(), w.requires_grad(), u.requires_grad(), b.requires_grad(), res.is_some_and(Tensor::requires_grad)];
+    let (xc, wc, uc, bc) = (x.clone(), w.clone(), u.clone(), b.clone());
+    let mut inputs = vec![x, w, u, b];
+    inputs.extend(res);
+    Ok(Tensor::from_op_ctx(
+        y,
+        "linear_adapted",
+        &inputs,
+        Box::new(move |g, ctx| {
+            let g2 = g.reshape([n, cout])?;
+            // d(input) = G F (+ what it has so far), for input `i` whose factor is F.
+            let mut dinput = |i: usize, t: &Tensor, f: &dyn Fn() -> Result<Tensor>| -> Result<Option<Tensor>> {
+                if !need[i] {
+                    return Ok(None);
+                }
+                let acc = ctx.take_partial(i)?.map(|a| a.reshape([n, t.dim(t.rank() - 1)])).transpose()?;
+                Ok(Some(g2.matmul_into(&f()?, acc.as_ref(), None)?.reshape(t.shape().clone())?))
+            };
+            let gx = dinput(0, &xc, &|| Ok(wc.clone()))?;
+            let gu = dinput(2, &uc, &|| bc.mul_scalar(scale))?;
+            // d(factor) = G^T t, written where the factor's gradient goes.
+            let mut dfactor = |i: usize, t: &dyn Fn() -> Result<Tensor>| -> Result<Option<Tensor>> {
+                if !need[i] {
+                    return Ok(None);
+                }
+                Ok(Some(g2.t()?.matmul_into(&t()?, None, ctx.dest(i)?.as_ref())?))
+            };
+            let gw = dfactor(1, &|| xc.reshape([n, cin]))?;
+            let gb = dfactor(3, &|| uc.reshape([n, rank])?.mul_scalar(scale))?;
+            let mut grads = vec![gx, gw, gu, gb];
+            if need[4] {
+                grads.push(Some(g.clone()));
+            }
+            Ok(grads)
+        }),
+    ))
+}
+
 /// Which factor of a LoRA adapter (`crate::lora`): A (R, in), the down-projection, or B
 /// (out, R), the up-projection.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -78,15 +149,11 @@ pub trait LinearOp: Send + Sync {
     fn adapter_factor(&self, f: &Tensor, _which: Factor) -> Result<Tensor> {
         Ok(f.clone())
     }
-    /// (res +) x W^T + u B^T for the frozen W, u (..., R) the adapter's down-projection and b
-    /// its up-projection as `adapter_factor` gave it. The default sums in the GEMMs' addends
-    /// (no add kernel); a row-parallel op adds u B^T to its partial sum before the all-reduce.
-    fn forward_adapted(&self, x: &Tensor, weight: &Tensor, u: &Tensor, b: &Tensor, res: Option<&Tensor>) -> Result<Tensor> {
-        let base = match res {
-            Some(r) => x.linear_plus(weight, r)?,
-            None => x.linear(weight)?,
-        };
-        u.linear_plus(b, &base)
+    /// (res +) x W^T + s · u B^T for the frozen W, u (..., R) the adapter's down-projection, b
+    /// its up-projection as `adapter_factor` gave it and s its scale. The default is [`linear_adapted`]; a
+    /// row-parallel op adds u B^T to its partial sum before the all-reduce.
+    fn forward_adapted(&self, x: &Tensor, weight: &Tensor, u: &Tensor, b: &Tensor, scale: f64, res: Option<&Tensor>) -> Result<Tensor> {
+        linear_adapted(x, weight, u, b, scale, res)
     }
 }
 

@@ -25,7 +25,7 @@
 //!   replicated key/value head, for its B). The frozen base weights get no gradient.
 use crate::comm::{Comm, ReduceOp};
 use crate::comm_ops::{copy_to_group, gather_from_group, reduce_from_group};
-use ferrolm_nn::module::{linear, EmbeddingOp, Factor, HeadLoss, HeadOp, LinearOp};
+use ferrolm_nn::module::{linear, linear_adapted, EmbeddingOp, Factor, HeadLoss, HeadOp, LinearOp};
 use ferrolm_nn::Llama;
 use ferrolm_ops::{LossScale, Tokens, VocabShards};
 use ferrolm_tensor::{bail, no_grad, DType, Error, Result, Tensor};
@@ -155,8 +155,8 @@ impl LinearOp for ColumnParallel {
         }
     }
 
-    fn forward_adapted(&self, x: &Tensor, w: &Tensor, u: &Tensor, b: &Tensor, res: Option<&Tensor>) -> Result<Tensor> {
-        let y = u.linear_plus(b, &linear(&self.input.f(x, &self.comm)?, w)?)?; // (.., out_local)
+    fn forward_adapted(&self, x: &Tensor, w: &Tensor, u: &Tensor, b: &Tensor, scale: f64, res: Option<&Tensor>) -> Result<Tensor> {
+        let y = linear_adapted(&self.input.f(x, &self.comm)?, w, u, b, scale, None)?; // (.., out_local)
         match res {
             Some(r) => r.add(&y),
             None => Ok(y),
@@ -186,8 +186,8 @@ impl LinearOp for RowParallel {
 
     /// The adapter's term joins the partial sum before its one all-reduce: sum_r u_r B^T is
     /// (sum_r u_r) B^T, u_r this rank's columns' share of x A^T.
-    fn forward_adapted(&self, x: &Tensor, w: &Tensor, u: &Tensor, b: &Tensor, res: Option<&Tensor>) -> Result<Tensor> {
-        let y = reduce_from_group(&u.linear_plus(b, &linear(x, w)?)?, &self.comm)?;
+    fn forward_adapted(&self, x: &Tensor, w: &Tensor, u: &Tensor, b: &Tensor, scale: f64, res: Option<&Tensor>) -> Result<Tensor> {
+        let y = reduce_from_group(&linear_adapted(x, w, u, b, scale, None)?, &self.comm)?;
         match res {
             Some(r) => r.add(&y),
             None => Ok(y),

@@ -15,9 +15,11 @@
 //! used (bf16 on a GPU, as torch's autocast does), and their gradients come back in f32.
 //!
 //! What it costs, per adapted layer of N tokens (`project`): the base GEMM as before, minus its
-//! weight gradient (the frozen W needs only dX = G W); u = x (sA)^T, (N, R); y = base + u B^T in
+//! weight gradient (the frozen W needs only dX = G W); u = x A^T, (N, R); y = base + u (sB)^T in
 //! the up-projection GEMM, whose addend is the base output (no add kernel; PEFT adds in a kernel
-//! of its own). Backward: dU = G B, dB = G^T u, dA = dU^T x, dX += dU A (the GEMM's addend).
+//! of its own), as one recorded op (`module::linear_adapted`) that saves for backward only u
+//! beside what the base GEMM saves. Backward: dU = G (sB), dB = G^T (s u), dA = dU^T x, dX +=
+//! dU A (the GEMM's addend).
 //! Layers that read one input (q, k and v; gate and up) share their down-projection: one GEMM
 //! against their A's stacked (R_q + R_k + R_v, in) reads x once instead of three times, and in
 //! backward dA and dX's adapter term are one GEMM each over that x too. At R << in every adapter
@@ -288,13 +290,8 @@ pub(crate) fn project(x: &Tensor, layers: &[&Linear], res: Option<&Tensor>) -> R
         }
         if same {
             let ads: Vec<&Adapter> = shared.iter().filter_map(|&i| layers[i].adapter.as_ref()).collect();
-            let one_scale = ads.iter().all(|a| a.scale == ads[0].scale);
-            let parts: Vec<Tensor> =
-                ads.iter().map(|a| if one_scale { Ok(a.a.clone()) } else { a.a.mul_scalar(a.scale) }).collect::<Result<_>>()?;
-            let mut a = op.adapter_factor(&Tensor::cat(&parts, 0)?, Factor::A)?; // (sum R, in)
-            if one_scale {
-                a = a.mul_scalar(ads[0].scale)?;
-            }
+            let parts: Vec<Tensor> = ads.iter().map(|a| a.a.clone()).collect();
+            let a = op.adapter_factor(&Tensor::cat(&parts, 0)?, Factor::A)?; // (sum R, in)
             let u = xs.linear(&a.to_dtype(dt)?)?; // (..., sum R)
             let last = u.rank() - 1;
             let mut at = 0;
@@ -323,12 +320,12 @@ pub(crate) fn project(x: &Tensor, layers: &[&Linear], res: Option<&Tensor>) -> R
                         Some(d) => d.apply(&xs, ad.columns)?,
                         None => xs,
                     };
-                    let a = l.op.adapter_factor(&ad.a, Factor::A)?.mul_scalar(ad.scale)?;
-                    xs.linear(&a.to_dtype(dt)?)? // (..., R)
+                    xs.linear(&l.op.adapter_factor(&ad.a, Factor::A)?.to_dtype(dt)?)?
+                    // (..., R)
                 }
             };
             let b = l.op.adapter_factor(&ad.b, Factor::B)?.to_dtype(dt)?;
-            l.op.forward_adapted(x, &l.weight, &u, &b, res)
+            l.op.forward_adapted(x, &l.weight, &u, &b, ad.scale, res)
         })
         .collect()
 }
