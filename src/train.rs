@@ -191,6 +191,34 @@ pub struct Trainer {
     pub history: Vec<(f64, f64)>,
     /// (step, validation loss), restored the same way.
     pub val_history: Vec<(f64, f64)>,
+    /// Whether the last step of `run` validates on the whole split ([`Trainer::with_final_validation`]).
+    pub(crate) whole_final_val: bool,
+    /// The validation at the last step of `run` (`final_validation`).
+    pub(crate) final_val: Option<(usize, ValScore)>,
+}
+
+/// One validation: the mean loss over the tokens of the first `rows` of the split's `of` rows
+/// (windows or conversations).
+#[derive(Clone, Debug, PartialEq)]
+pub struct ValScore {
+    pub loss: f64,
+    /// Tokens scored.
+    pub tokens: usize,
+    pub rows: usize,
+    pub of: usize,
+    /// What a row is: `"windows"` or `"conversations"`.
+    pub unit: &'static str,
+}
+
+impl ValScore {
+    /// For the log line: `all 1502 windows`, or `first 320 of 1502 windows` for a subset.
+    pub fn describe(&self) -> String {
+        if self.rows >= self.of {
+            format!("all {} {}", self.of, self.unit)
+        } else {
+            format!("first {} of {} {}", self.rows, self.of, self.unit)
+        }
+    }
 }
 
 /// (B, T) i32 inputs and targets of one batch on `device`, with their host copies: the model
@@ -304,6 +332,8 @@ impl Trainer {
             last_saved: std::cell::Cell::new(None),
             history: Vec::new(),
             val_history: Vec::new(),
+            whole_final_val: false,
+            final_val: None,
         })
     }
 
@@ -346,6 +376,15 @@ impl Trainer {
         self
     }
 
+    /// The last step of [`Trainer::run`] validates on the whole split, not the in-loop subset:
+    /// that line (printed, and in `metrics.jsonl`) is then the run's final validation
+    /// ([`Trainer::final_validation`]) and the same weights get one number. The tools' trainers
+    /// do; a bare trainer (tests) keeps every validation to the subset.
+    pub fn with_final_validation(mut self) -> Self {
+        self.whole_final_val = true;
+        self
+    }
+
     pub fn with_safety(mut self, safety: RunSafety) -> Self {
         self.safety = safety;
         self
@@ -357,34 +396,70 @@ impl Trainer {
         !matches!(self.val, Validation::None)
     }
 
-    /// Mean validation loss over at most `max_batches` batches (all if 0): over every token of
-    /// the validation windows, or over the trained tokens of the validation conversations, each
-    /// scored alone.
-    pub fn evaluate(&self, max_batches: usize) -> AnyResult<f64> {
+    /// Validation over the first `max_rows` rows of the split (all if 0): every token of its
+    /// windows of `seq_len + 1` tokens, or the trained tokens of its conversations, each scored
+    /// alone. The rows, and so the loss, do not depend on the layout: every rank scores the same
+    /// rows with the whole model (its TP shard of it), `batch_size` a forward pass; only the
+    /// rounding of the sum over batches differs (it is in f64).
+    pub fn validation(&self, max_rows: usize) -> AnyResult<ValScore> {
         let _g = no_grad();
+        let bs = self.opts.batch_size.max(1);
         let shards = match &self.val {
             Validation::Shards(s) => s,
             Validation::Conversations(rows) => {
-                let s = crate::eval::conversations_loss(&self.model, rows, self.opts.batch_size, max_batches, self.model.device())?;
-                return Ok(s.loss);
+                let of = rows.num_rows();
+                let take = if max_rows > 0 { of.min(max_rows) } else { of };
+                // conversations_loss scores its first `batches x bs` rows: `take` is a multiple
+                // of bs unless it is the whole split.
+                let s = crate::eval::conversations_loss(&self.model, rows, bs, take.div_ceil(bs), self.model.device())?;
+                return Ok(ValScore { loss: s.loss, tokens: s.tokens, rows: take, of, unit: "conversations" });
             }
             Validation::None => bail!("this run has no validation data"),
         };
-        let it = eval_batches(shards, self.opts.batch_size, self.opts.seq_len).context("cannot open the validation split")?;
-        let total = if max_batches > 0 { it.num_batches().min(max_batches) } else { it.num_batches() };
-        let bar = Progress::steps(total as u64, "eval ");
-        let (mut sum, mut n) = (0.0, 0usize);
-        for b in it.take(total) {
+        let it = eval_batches(shards, bs, self.opts.seq_len).context("cannot open the validation split")?;
+        let of = it.num_windows() as usize;
+        let take = if max_rows > 0 { of.min(max_rows) } else { of };
+        let bar = Progress::steps(take.div_ceil(bs) as u64, "eval ");
+        let (mut sum, mut n, mut rows) = (0.0, 0usize, 0usize);
+        for b in it.take(take.div_ceil(bs)) {
             let (x, y) = batch_tensors(&b, self.model.device())?;
-            let rows = b.batch * b.seq;
-            sum += self.model.loss(&x, &y)?.item()? * rows as f64;
-            n += rows;
+            let tokens = b.batch * b.seq;
+            sum += self.model.loss(&x, &y)?.item()? * tokens as f64;
+            n += tokens;
+            rows += b.batch;
             bar.inc(1);
         }
         if n == 0 {
             bail!("validation split holds no full window: lower --seq-len or add data");
         }
-        Ok(sum / n as f64)
+        Ok(ValScore { loss: sum / n as f64, tokens: n, rows, of, unit: "windows" })
+    }
+
+    /// Mean validation loss over the first `max_rows` rows of the split (all if 0), as
+    /// [`Trainer::validation`].
+    pub fn evaluate(&self, max_rows: usize) -> AnyResult<f64> {
+        Ok(self.validation(max_rows)?.loss)
+    }
+
+    /// The rows the in-loop validation scores (0: all): the first `eval_batches` global batches
+    /// of the split (`eval_batches x batch_size x dp` rows: the same rows on every layout of the
+    /// same global batch, whatever its TP, DP or ZeRO), and at the last step, with
+    /// [`Trainer::with_final_validation`], all of them.
+    pub fn in_loop_rows(&self, step: usize) -> usize {
+        if (step >= self.opts.steps && self.whole_final_val) || self.opts.eval_batches == 0 {
+            return 0;
+        }
+        self.opts.eval_batches.saturating_mul(self.opts.batch_size).saturating_mul(self.engine.mesh().dp())
+    }
+
+    /// The validation of the trained weights over the whole split: the one the last step of
+    /// [`Trainer::run`] logged (printed, and written to `metrics.jsonl`), or, when that step
+    /// did not run here, scored now.
+    pub fn final_validation(&self) -> AnyResult<ValScore> {
+        match &self.final_val {
+            Some((step, v)) if *step == self.step && v.rows >= v.of => Ok(v.clone()),
+            _ => self.validation(0),
+        }
     }
 
     /// One optimizer step over `grad_accum` micro-batches: returns (loss, grad norm, lr).
@@ -602,11 +677,14 @@ impl Trainer {
             // `--eval-every 0` means only at the end, as its help says.
             let due = last || (self.opts.eval_every > 0 && self.step.is_multiple_of(self.opts.eval_every));
             if due && self.has_validation() {
-                match self.evaluate(self.opts.eval_batches) {
+                match self.validation(self.in_loop_rows(self.step)) {
                     Ok(v) => {
-                        self.val_history.push((self.step as f64, v));
-                        write_line(serde_json::json!({"step": self.step, "val_loss": v}))?;
-                        report(&format!("step {:>5}/{} | val loss {v:.4}", self.step, self.opts.steps));
+                        self.val_history.push((self.step as f64, v.loss));
+                        write_line(serde_json::json!({"step": self.step, "val_loss": v.loss, "val_tokens": v.tokens}))?;
+                        report(&format!("step {:>5}/{} | val loss {:.4} ({})", self.step, self.opts.steps, v.loss, v.describe()));
+                        if last {
+                            self.final_val = Some((self.step, v));
+                        }
                     }
                     Err(e) => eval_error = Some(e),
                 }

@@ -282,7 +282,8 @@ fn finetune_rank(args: &FinetuneArgs, p: &Prepared, comm: Option<Comm>) -> AnyRe
     }
     trainer.run()?;
     if trainer.has_validation() {
-        let after = trainer.evaluate(0)?;
+        // The last step's validation, over every held-out conversation (its metrics.jsonl line).
+        let after = trainer.final_validation()?.loss;
         match out.val_before {
             Some(b) => report(&format!("validation loss after fine-tuning {after:.4} (before {b:.4})")),
             None => report(&format!("validation loss after fine-tuning {after:.4}")),

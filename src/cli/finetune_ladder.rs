@@ -142,7 +142,8 @@ fn finetune_rank(args: &FinetuneLadderArgs, p: &Prepared, comm: Option<Comm>) ->
         return merge(args, &dir, &base);
     }
     trainer.run()?;
-    let after = trainer.evaluate(0)?;
+    // The last step's validation, over the whole split (the line in metrics.jsonl).
+    let after = trainer.final_validation()?.loss;
     match plain {
         Some(plain) => report(&format!("validation loss after fine-tuning {after:.4} (plain Llama {plain:.4})")),
         None => report(&format!("validation loss after fine-tuning {after:.4}")),

@@ -107,7 +107,7 @@ impl TrainData {
         let engine = crate::parallel::attach(&mut model, comm, &a.parallel.layout()?, crate::train::Trainer::adamw_config(&opts))?;
         let spec = engine.spec;
         let t = crate::train::Trainer::with_engine_on(model, Box::new(engine), &self.set, opts, &a.out)?;
-        Ok((t.with_tokenizer(&self.tok_path).with_safety(a.safety()), spec))
+        Ok((t.with_tokenizer(&self.tok_path).with_safety(a.safety()).with_final_validation(), spec))
     }
 }
 
@@ -398,7 +398,8 @@ pub struct TrainArgs {
     /// first); without it such a directory is refused
     #[arg(long, help_heading = "Run")]
     pub overwrite: bool,
-    /// Validate every N steps and at the end (0: only at the end of the run)
+    /// Validate every N steps on the first 20 global batches of the validation split, and at the
+    /// end on all of it (0: only at the end of the run)
     #[arg(long, value_name = "N", default_value = "100", help_heading = "Run")]
     pub eval_every: usize,
     /// Save a checkpoint every N steps and at the end (0: only at the end)

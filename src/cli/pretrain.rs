@@ -258,7 +258,9 @@ fn train_rank(args: &PretrainArgs, p: &Prepared, comm: Option<crate::parallel::C
     }
     trainer.run()?;
 
-    let val_loss = trainer.evaluate(0)?;
+    // The last step's validation, over the whole split: the line in metrics.jsonl.
+    let final_val = trainer.final_validation()?;
+    let val_loss = final_val.loss;
     let mut tokens = Vec::new();
     let val = match &p.data.set {
         crate::train::TrainSet::Shards { val, .. } => val.as_slice(),
@@ -270,7 +272,8 @@ fn train_rank(args: &PretrainArgs, p: &Prepared, comm: Option<crate::parallel::C
     }
     let baseline = unigram_entropy(tokens.into_iter());
     report(&format!(
-        "final validation loss {val_loss:.4} (unigram-entropy baseline {baseline:.4}, ppl {:.1} vs {:.1})",
+        "final validation loss {val_loss:.4} ({}; unigram-entropy baseline {baseline:.4}, ppl {:.1} vs {:.1})",
+        final_val.describe(),
         val_loss.exp(),
         baseline.exp()
     ));

@@ -318,6 +318,11 @@ pub fn eval_batches<P: AsRef<Path>>(paths: &[P], batch: usize, seq: usize) -> Re
 }
 
 impl EvalBatches {
+    /// Number of windows the iterator yields in total.
+    pub fn num_windows(&self) -> u64 {
+        self.windows.len()
+    }
+
     /// Number of batches the iterator yields in total.
     pub fn num_batches(&self) -> usize {
         self.windows.len().div_ceil(self.batch as u64) as usize
