@@ -499,8 +499,15 @@ fn profile_flag_on_the_training_tools() {
 fn lora_flags_take_both_forms() {
     use ferrolm::cli::lora::{LoraArgs, Targets};
     use ferrolm::nn::Proj;
-    let head = ["finetune_ladder", "--model", "m", "--ladder-layers", "2"];
-    let parse = |extra: &[&str]| -> LoraArgs { parse_from::<FinetuneLadderArgs, _, _>(head.iter().chain(extra)).unwrap().lora };
+    // The same flags on both fine-tuning tools.
+    let parse = |extra: &[&str]| -> LoraArgs {
+        let ladder =
+            parse_from::<FinetuneLadderArgs, _, _>(["finetune_ladder", "--model", "m", "--ladder-layers", "2"].iter().chain(extra));
+        let plain = parse_from::<FinetuneArgs, _, _>(["finetune", "--model", "m"].iter().chain(extra));
+        let (ladder, plain) = (ladder.unwrap().lora, plain.unwrap().lora);
+        assert_eq!(ladder, plain, "{extra:?}");
+        plain
+    };
     let want = [
         ("--lora-rank", "8", LoraArgs { lora_rank: Some(8), ..LoraArgs::default() }),
         ("--lora-alpha", "16", LoraArgs { lora_alpha: Some(16.0), ..LoraArgs::default() }),

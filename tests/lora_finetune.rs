@@ -1,10 +1,12 @@
-//! LoRA through the fine-tuning tools (`finetune_ladder --lora-*`): checkpoints hold the adapter
-//! in PEFT's format for a linked converted base, resume is exact, `eval`/`generate --lora` and
-//! `--merge-lora` agree with the adapted model, `--tp 2`, `--dp 2 --zero 3` and
-//! `--offload-optimizer` follow one device, and bad input is refused naming the file and field.
+//! LoRA through the fine-tuning tools (`finetune_ladder --lora-*`, `finetune --lora-*`):
+//! checkpoints hold the adapter in PEFT's format for a linked converted base (for `finetune`, the
+//! --model directory), resume is exact, `eval`/`generate --lora` and `--merge-lora` agree with
+//! the adapted model, `--tp 2`, `--dp 2 --zero 3` and `--offload-optimizer` follow one device,
+//! and bad input is refused naming the file and field.
 mod common;
 use common::*;
 use ferrolm::cli::eval::EvalArgs;
+use ferrolm::cli::finetune::FinetuneArgs;
 use ferrolm::cli::finetune_ladder::FinetuneLadderArgs;
 use ferrolm::cli::generate::GenerateArgs;
 use ferrolm::cli::{error_report, parse_from};
@@ -157,5 +159,56 @@ fn bad_lora_input_is_refused_naming_the_flag_file_or_field() {
         parse_from(["eval", "--device=cpu", &flag("model", &ck), &flag("text", &text), "--seq-len=16", &flag("lora", &ck)]).unwrap();
     let e = error_report(&ferrolm::cli::eval::run(ev).unwrap_err());
     assert!(e.contains("--lora") && e.contains("adapter_config.json") && e.contains(ck.to_str().unwrap()), "{e}");
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+/// `finetune --lora-*` on conversations: the adapter trains (the validation loss over assistant
+/// tokens drops), checkpoints are PEFT adapters for the --model directory itself and carry the
+/// chat template, and --merge-lora's model is the adapted one.
+#[test]
+fn finetune_trains_a_peft_adapter_on_conversations_and_merges_it() {
+    let dir = tmp("lora-chat");
+    let tok = ferrolm::data::Tokenizer::from_file(tokenizer_path()).unwrap();
+    let ck = dir.join("model");
+    let cfg = ferrolm::nn::LlamaConfig::from_json_str(&format!(
+        r#"{{"model_type":"llama","vocab_size":{},"hidden_size":32,"intermediate_size":64,"num_hidden_layers":2,
+            "num_attention_heads":4,"num_key_value_heads":2,"max_position_embeddings":128,"tie_word_embeddings":true}}"#,
+        tok.vocab_size()
+    ))
+    .unwrap();
+    Llama::new(cfg, DType::F32, Device::Cpu, &mut ferrolm::tensor::Rng::new(1)).unwrap().save_pretrained(&ck).unwrap();
+    std::fs::copy(tokenizer_path(), ck.join("tokenizer.json")).unwrap();
+    std::fs::copy(data_path("chat_template.jinja"), ck.join("chat_template.jinja")).unwrap();
+    let data = dir.join("chat.jsonl");
+    let text = std::fs::read_to_string(data_path("chat.jsonl")).unwrap();
+    std::fs::write(&data, text.lines().take(60).map(|l| format!("{l}\n")).collect::<String>()).unwrap();
+    let out = dir.join("run");
+    let head =
+        ["finetune", "--device=cpu", "--batch-size=2", "--eval-every=0", "--lr=2e-2", "--seq-len=128", "--steps=6", "--val-fraction=0.1"];
+    let lora = ["--lora-rank", "4", "--lora-targets=q,k,v,o,down", "--merge-lora"];
+    let a: FinetuneArgs = parse_from(args(&head, &[flag("model", &ck), flag("data", &data), flag("out", &out)], &lora)).unwrap();
+    let o = ferrolm::cli::finetune::finetune(a).unwrap();
+    let (before, after) = (o.val_before.unwrap(), o.val_after.unwrap());
+    assert!(after < before - 1e-3, "validation loss {before} -> {after}");
+
+    let step = out.join("checkpoints/step-000006");
+    assert!(step.join("adapter_model.safetensors").is_file() && step.join("chat_template.jinja").is_file());
+    assert!(!step.join("model.safetensors").exists());
+    let c: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(step.join("adapter_config.json")).unwrap()).unwrap();
+    assert_eq!((c["r"].as_u64(), c["lora_alpha"].as_f64()), (Some(4), Some(8.0)));
+    assert_eq!(c["target_modules"], serde_json::json!(["q_proj", "k_proj", "v_proj", "o_proj", "down_proj"]));
+    assert_eq!(PathBuf::from(c["base_model_name_or_path"].as_str().unwrap()), std::path::absolute(&ck).unwrap());
+
+    // The base's weights are as they were; the merged checkpoint is the adapted model.
+    let mut adapted = Llama::from_pretrained(&ck, DType::F32, Device::Cpu).unwrap();
+    let plain = sonnet_loss(&adapted);
+    adapted.load_adapter(&step).unwrap();
+    let with_adapter = sonnet_loss(&adapted);
+    let merged = sonnet_loss(&Llama::from_pretrained(&out.join("merged"), DType::F32, Device::Cpu).unwrap());
+    assert!((merged - with_adapter).abs() < 1e-5 * with_adapter, "merged {merged} vs adapted {with_adapter}");
+    assert!((with_adapter - plain).abs() > 1e-6, "the adapter changed nothing: {with_adapter} vs {plain}");
+    for f in ["tokenizer.json", "tokenizer_config.json", "chat_template.jinja"] {
+        assert_eq!(std::fs::read(out.join("merged").join(f)).unwrap(), std::fs::read(step.join(f)).unwrap(), "{f}");
+    }
     let _ = std::fs::remove_dir_all(&dir);
 }

@@ -1,7 +1,8 @@
 //! `finetune`: supervised fine-tuning of a Llama (or Ladder) checkpoint on conversations, with
 //! every training, parallel and offload flag of `pretrain_llama`. The chat-data flags
 //! ([`ChatArgs`]) and the data preparation ([`prepare_data`]) are shared with
-//! `finetune_ladder`; flags of one tool only go in its own struct (`lora` adds its own there).
+//! `finetune_ladder`; flags of one tool only go in its own struct. Both take the LoRA flags
+//! ([`super::lora::LoraArgs`]).
 use super::pretrain::{check_vocab, preflight};
 use super::{env_help, fraction, LogArgs, Tool, TrainArgs, TrainData, ENV_COMMON, ENV_DEVICE, ENV_LAUNCH, ENV_TRAIN};
 use crate::chat::{ChatData, ChatOptions};
@@ -86,6 +87,8 @@ pub struct FinetuneArgs {
     pub chat: ChatArgs,
     #[command(flatten)]
     pub train: TrainArgs,
+    #[command(flatten)]
+    pub lora: super::lora::LoraArgs,
 }
 
 /// `--data`'s help in the fine-tuning tools, whose bundled data is `default`.
@@ -187,11 +190,13 @@ fn prepare(args: &FinetuneArgs) -> AnyResult<Prepared> {
     let model = model_dir(&args.model)?;
     let cfg_path = model.join("config.json");
     let cfg = LlamaConfig::from_file(&cfg_path)?;
+    let lora = args.lora.memory(&cfg)?; // the LoRA flags (and --lora-init's adapter) before any work
     let tok_path = a.tokenizer.clone().unwrap_or_else(|| model.join("tokenizer.json"));
     let tokenizer = Tokenizer::from_file(&tok_path).with_context(|| format!("cannot load the tokenizer {}", tok_path.display()))?;
     check_vocab(&tokenizer, &tok_path, cfg.vocab_size, &cfg_path.display().to_string())?;
     let ft = prepare_data(a, &args.chat, "data/chat.jsonl", &model, &tokenizer, &tok_path)?;
-    let layout = a.parallel.layout()?.mem_layout(a.activation_checkpointing)?;
+    let mut layout = a.parallel.layout()?.mem_layout(a.activation_checkpointing)?;
+    layout.lora = lora;
     let mem = crate::planner::memory::check_layout(&cfg, dtype, device, &a.options().shape(), &layout)?;
     report(&format!("memory: predicted peak {}", crate::planner::memory::describe(&mem)));
     let stop = crate::chat::stop_ids(&model, &cfg, &tokenizer)?;
@@ -259,8 +264,12 @@ fn finetune_rank(args: &FinetuneArgs, p: &Prepared, comm: Option<Comm>) -> AnyRe
         p.data.device,
         p.data.dtype
     ));
+    let lora = super::lora::attach(&args.lora, &mut model, a.seed)?;
     let (trainer, spec) = p.data.trainer(model, a, a.options(), comm.clone())?;
     let mut trainer = p.ft.carry_template(trainer);
+    if lora {
+        trainer = super::lora::with_base(trainer, &p.model); // checkpoints: the adapter for this model
+    }
     if comm.is_some() {
         report(&format!("parallel: tp {} x dp {} ranks, sharding {spec}", a.parallel.tp, a.parallel.dp));
     }
@@ -292,5 +301,6 @@ fn finetune_rank(args: &FinetuneArgs, p: &Prepared, comm: Option<Comm>) -> AnyRe
         out.val_after = Some(after);
     }
     report(&format!("checkpoint: {}  (loss curve: {})", a.out.join("checkpoints").display(), a.out.join("loss.png").display()));
+    super::lora::merge(&args.lora, &p.model, None, &a.out)?;
     Ok(out)
 }

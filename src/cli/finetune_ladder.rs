@@ -106,10 +106,7 @@ fn finetune_rank(args: &FinetuneLadderArgs, p: &Prepared, comm: Option<Comm>) ->
     if let Some(l) = before_kind {
         report(&format!("note: {} is already a Ladder model ({l} layers); it is converted again from its weights", args.model.display()));
     }
-    let lora = args.lora.apply(&mut model, a.seed)?.is_some();
-    if lora {
-        report(&super::lora::describe(&model));
-    }
+    let lora = super::lora::attach(&args.lora, &mut model, a.seed)?;
     let (trainer, _) = p.data.trainer(model, a, opts.clone(), comm)?;
     let mut trainer = p.ft.carry_template(trainer);
     let base = a.out.join("base");
@@ -120,8 +117,7 @@ fn finetune_rank(args: &FinetuneLadderArgs, p: &Prepared, comm: Option<Comm>) ->
         if crate::logging::is_rank_zero() {
             super::lora::write_linked_base(&args.model, &base, &converted)?;
         }
-        let abs = std::path::absolute(&base).unwrap_or_else(|_| base.clone());
-        trainer = trainer.with_adapter_base(&abs.display().to_string());
+        trainer = super::lora::with_base(trainer, &base);
     }
     let resuming = a.resume.is_some();
     let plain = if resuming { None } else { Some(trainer.evaluate(0)?) };
@@ -139,7 +135,7 @@ fn finetune_rank(args: &FinetuneLadderArgs, p: &Prepared, comm: Option<Comm>) ->
     if a.steps == 0 {
         let dir = trainer.save_checkpoint()?;
         report(&format!("converted checkpoint {}", dir.display()));
-        return merge(args, &dir, &base);
+        return super::lora::merge(&args.lora, &base, Some(&dir), &a.out);
     }
     trainer.run()?;
     // The last step's validation, over the whole split (the line in metrics.jsonl).
@@ -149,17 +145,5 @@ fn finetune_rank(args: &FinetuneLadderArgs, p: &Prepared, comm: Option<Comm>) ->
         None => report(&format!("validation loss after fine-tuning {after:.4}")),
     };
     report(&format!("checkpoint: {}", a.out.join("checkpoints").display()));
-    let last = crate::checkpoint::resolve_checkpoint(&a.out)?;
-    merge(args, &last, &base)
-}
-
-/// `--merge-lora`: rank 0 folds the checkpoint's adapter into its base, written to OUT/merged.
-fn merge(args: &FinetuneLadderArgs, ckpt: &std::path::Path, base: &std::path::Path) -> AnyResult<()> {
-    if !args.lora.merge_lora || !crate::logging::is_rank_zero() {
-        return Ok(());
-    }
-    let out = args.train.out.join("merged");
-    super::lora::write_merged(base, ckpt, &out)?;
-    report(&format!("merged model (the adapter folded in): {}", out.display()));
-    Ok(())
+    super::lora::merge(&args.lora, &base, None, &a.out)
 }

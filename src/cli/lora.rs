@@ -1,7 +1,10 @@
 //! The LoRA flags of the fine-tuning tools (`finetune`, `finetune_ladder`): train low-rank
 //! adapters on the frozen model instead of every weight (`ferrolm_nn::lora`), continue a PEFT
 //! adapter, and fold the trained adapter into a plain checkpoint. Checkpoints then hold the
-//! adapter in PEFT's format (`adapter_config.json`, `adapter_model.safetensors`).
+//! adapter in PEFT's format (`adapter_config.json`, `adapter_model.safetensors`). A tool
+//! flattens [`LoraArgs`] into its flags and calls, in order: [`LoraArgs::memory`] in its
+//! prepare (the estimate, and the flags checked before any work), [`attach`] on the loaded
+//! model, [`with_base`] on its trainer, [`merge`] after training.
 use super::{fraction, non_negative, positive};
 use crate::nn::lora::{LoraConfig, Proj};
 use crate::{AnyResult, Llama};
@@ -36,7 +39,8 @@ pub struct LoraArgs {
     #[arg(long, value_name = "DIR")]
     pub lora_init: Option<PathBuf>,
     /// After training, also write the model with the adapters folded in (W + scale B A), a plain
-    /// Hugging Face checkpoint, to OUT/merged (with --steps 0: merge --lora-init's adapter)
+    /// Hugging Face checkpoint, to OUT/merged (finetune_ladder --steps 0: merge --lora-init's
+    /// adapter)
     #[arg(long)]
     pub merge_lora: bool,
 }
@@ -129,6 +133,40 @@ impl LoraArgs {
     }
 }
 
+/// The LoRA part of a fine-tuning tool's rank: adds the run's adapters to `model` (see
+/// [`LoraArgs::apply`]) and reports their share. True when the run trains adapters.
+pub fn attach(args: &LoraArgs, model: &mut Llama, seed: u64) -> AnyResult<bool> {
+    let on = args.apply(model, seed)?.is_some();
+    if on {
+        crate::progress::report(&describe(model));
+    }
+    Ok(on)
+}
+
+/// `trainer` whose checkpoints hold its adapters in PEFT's format for the base model at `base`
+/// (written absolute into `adapter_config.json`'s `base_model_name_or_path`, so PEFT, `eval
+/// --lora` and `--merge-lora` find it from anywhere).
+pub fn with_base(trainer: crate::train::Trainer, base: &Path) -> crate::train::Trainer {
+    let abs = std::path::absolute(base).unwrap_or_else(|_| base.to_path_buf());
+    trainer.with_adapter_base(&abs.display().to_string())
+}
+
+/// `--merge-lora`: rank 0 folds the adapter of the checkpoint `ckpt` (None: the run `out`'s
+/// latest) into the model at `base`, written to OUT/merged (nothing without the flag).
+pub fn merge(args: &LoraArgs, base: &Path, ckpt: Option<&Path>, out: &Path) -> AnyResult<()> {
+    if !args.merge_lora || !crate::logging::is_rank_zero() {
+        return Ok(());
+    }
+    let ckpt = match ckpt {
+        Some(c) => c.to_path_buf(),
+        None => crate::checkpoint::resolve_checkpoint(out)?,
+    };
+    let merged = out.join("merged");
+    write_merged(base, &ckpt, &merged)?;
+    crate::progress::report(&format!("merged model (the adapter folded in): {}", merged.display()));
+    Ok(())
+}
+
 /// What a LoRA run reports: the trainable share.
 pub fn describe(model: &Llama) -> String {
     let adapters: usize = model.adapters().iter().map(|(_, t)| t.numel()).sum();
@@ -184,12 +222,20 @@ pub fn write_linked_base(src: &Path, dst: &Path, cfg: &crate::nn::LlamaConfig) -
         }
         link_file(&src.join(name), &link)?;
     }
+    copy_tokenizer_files(&[&src], dst)?;
+    crate::nn::safetensors_io::write_atomic(&dst.join("config.json"), cfg.to_json_string_dtype("float32").as_bytes())?;
+    Ok(())
+}
+
+/// Copies the tokenizer's files (tokenizer.json, tokenizer_config.json with its chat template,
+/// generation_config.json, chat_template.jinja) into `dst`, each from the first of `from` that
+/// has it.
+fn copy_tokenizer_files(from: &[&Path], dst: &Path) -> AnyResult<()> {
     for name in ["tokenizer.json", "tokenizer_config.json", "generation_config.json", "chat_template.jinja"] {
-        if src.join(name).is_file() {
-            std::fs::copy(src.join(name), dst.join(name)).with_context(|| format!("cannot copy {} into {}", name, dst.display()))?;
+        if let Some(src) = from.iter().map(|d| d.join(name)).find(|f| f.is_file()) {
+            std::fs::copy(&src, dst.join(name)).with_context(|| format!("cannot copy {} into {}", src.display(), dst.display()))?;
         }
     }
-    crate::nn::safetensors_io::write_atomic(&dst.join("config.json"), cfg.to_json_string_dtype("float32").as_bytes())?;
     Ok(())
 }
 
@@ -204,16 +250,13 @@ fn link_file(target: &Path, link: &Path) -> AnyResult<()> {
 }
 
 /// `--merge-lora`: the base at `base` with the adapter in `adapter` folded in, written as a plain
-/// Hugging Face checkpoint (f32 weights, config, tokenizer) to `out`.
+/// Hugging Face checkpoint (f32 weights, config, the tokenizer's files: the adapter checkpoint's,
+/// which carry the run's chat template, else the base's) to `out`.
 pub fn write_merged(base: &Path, adapter: &Path, out: &Path) -> AnyResult<()> {
     let mut m =
         Llama::from_pretrained(base, crate::DType::F32, crate::Device::Cpu).with_context(|| format!("cannot load {}", base.display()))?;
     m.load_adapter(adapter).with_context(|| format!("cannot load the adapter {}", adapter.display()))?;
     m.merge_lora()?;
     m.save_pretrained(out).with_context(|| format!("cannot write the merged model to {}", out.display()))?;
-    if base.join("tokenizer.json").is_file() {
-        std::fs::copy(base.join("tokenizer.json"), out.join("tokenizer.json"))
-            .with_context(|| format!("cannot copy the tokenizer into {}", out.display()))?;
-    }
-    Ok(())
+    copy_tokenizer_files(&[adapter, base], out)
 }
