@@ -155,18 +155,40 @@ pub fn load(
         );
     }
     let val = match val {
-        Some(v) => {
-            let v = pack(v, &PackOptions { seq_len, pack: false, truncate: opts.truncate, pad_id })?;
-            let s = v.stats();
-            if s.dropped_too_long > 0 {
-                report(&format!("validation: {} conversation(s) longer than --seq-len {seq_len} dropped", s.dropped_too_long));
-            }
-            (v.num_rows() > 0).then_some(v)
-        }
+        Some(v) => Some(one_a_row(v, seq_len, opts.truncate, pad_id, "validation")?).filter(|v| v.num_rows() > 0),
         None => None,
     };
     let sample_prompt = val.as_ref().and_then(|v| v.examples().first()).and_then(prompt_of);
     Ok(ChatData { train: packed, val, template: source, sample_prompt })
+}
+
+/// `examples` one a row (never packed), as validation and `eval --chat` score them; the
+/// conversations dropped as longer than `seq_len` are counted in the log.
+fn one_a_row(examples: Vec<Example>, seq_len: usize, truncate: bool, pad_id: u32, what: &str) -> AnyResult<PackedData> {
+    let v = pack(examples, &PackOptions { seq_len, pack: false, truncate, pad_id })?;
+    let s = v.stats();
+    if s.dropped_too_long > 0 {
+        report(&format!("{what}: {} conversation(s) longer than {seq_len} tokens dropped", s.dropped_too_long));
+    }
+    if s.truncated > 0 {
+        report(&format!("{what}: {} conversation(s) truncated to {seq_len} tokens", s.truncated));
+    }
+    Ok(v)
+}
+
+/// The conversations of `data` one a row, each to be scored alone (`eval --chat`): rendered with
+/// the template of `model_dir` (or `opts.chat_template`) and masked as fine-tuning masks them;
+/// packing and the validation options of `opts` do not apply. Conversations longer than
+/// `seq_len` are dropped (or truncated with `opts.truncate`) and counted.
+pub fn load_unpacked(data: &Path, model_dir: &Path, tokenizer: &Tokenizer, opts: &ChatOptions, seq_len: usize) -> AnyResult<PackedData> {
+    let (tpl, source) = template(Some(model_dir), opts.chat_template.as_deref(), tokenizer)?;
+    report(&format!("chat template: {}", source.origin));
+    let ex = examples(data, &tpl, tokenizer, opts, "data")?;
+    let rows = one_a_row(ex, seq_len, opts.truncate, tokenizer.eos_id().unwrap_or(0), "data")?;
+    if rows.num_rows() == 0 {
+        bail!("{}: no conversation fits {seq_len} tokens", data.display());
+    }
+    Ok(rows)
 }
 
 /// The tokens of `ex` before its first trained token (the conversation so far and the

@@ -122,7 +122,7 @@ fn existing_flags_keep_their_names_and_defaults() {
     assert_eq!((o.min_lr, o.warmup_steps, o.weight_decay, o.grad_clip, o.log_every), (2e-4, 25, 0.1, 1.0, 25));
 
     let e: EvalArgs = parse_from(["eval", "--model", "m", "--text", "t", "--seq-len", "64"]).unwrap();
-    assert_eq!((e.seq_len, e.batch_size), (64, 8));
+    assert_eq!((e.seq_len, e.batch_size), (Some(64), 8));
     let g: GenerateArgs = parse_from(["generate", "--model", "m", "--prompt", "Hi"]).unwrap();
     assert_eq!((g.max_new_tokens, g.temperature, g.top_p, g.seed), (100, 0.8, 0.95, 0));
     let p: PrepareDataArgs = parse_from(["prepare_data", "--input", "i", "--tokenizer", "t", "--out", "o"]).unwrap();

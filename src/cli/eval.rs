@@ -1,34 +1,57 @@
-//! `eval`: mean next-token cross-entropy of a checkpoint on a text file.
+//! `eval`: mean next-token cross-entropy of a checkpoint on a text file, or over the trained
+//! tokens of a chat file's conversations (`--chat`), each scored alone as fine-tuning validates.
 use super::{env_help, positive, LogArgs, ModelRunArgs, Tool, ENV_COMMON, ENV_DEVICE, ENV_LAUNCH};
+use crate::data::chat::{DataFormat, TrainOn};
 use crate::data::Tokenizer;
+use crate::eval::Score;
 use crate::progress::report;
 use crate::{AnyResult, Device, Llama};
 use anyhow::{bail, Context};
 use clap::Parser;
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 
 #[derive(Parser, Debug, Clone, PartialEq)]
 #[command(
     allow_negative_numbers = true,
     name = "eval",
-    about = "Mean next-token loss and perplexity of a checkpoint on a text file. The text is tokenized with the \
-             checkpoint's tokenizer.json (no special tokens) and scored on every full window tokens[i*T .. i*T+T+1]; \
-             the last line printed is `loss <float> ppl <float> tokens <int>`.",
+    about = "Mean next-token loss and perplexity of a checkpoint on a text file, or on a chat file. The text is \
+             tokenized with the checkpoint's tokenizer.json (no special tokens) and scored on every full window \
+             tokens[i*T .. i*T+T+1]. A chat file's conversations are rendered with the checkpoint's chat template and \
+             each scored alone over the tokens fine-tuning trains (the assistant's, by default). The last line printed \
+             is `loss <float> ppl <float> tokens <int>` (tokens: the tokens scored).",
     after_help = env_help(&[ENV_COMMON, ENV_DEVICE, ENV_LAUNCH])
 )]
 pub struct EvalArgs {
     /// Checkpoint directory (config.json, model.safetensors, tokenizer.json)
     #[arg(long, value_name = "DIR")]
     pub model: PathBuf,
-    /// Text file to score
-    #[arg(long, value_name = "FILE")]
-    pub text: PathBuf,
-    /// Tokens per window (T)
-    #[arg(long, value_name = "T", value_parser = positive)]
-    pub seq_len: usize,
-    /// Windows per forward pass
+    /// Text file to score [default: none; --text or --chat is required]
+    #[arg(long, value_name = "FILE", required_unless_present = "chat", conflicts_with = "chat")]
+    pub text: Option<PathBuf>,
+    /// Chat records to score (.jsonl, .jsonl.gz, .jsonl.zst or .parquet: a file, a directory of
+    /// them, or a quoted glob), each conversation alone over its trained tokens [default: none]
+    #[arg(long, value_name = "FILE|DIR|GLOB", help_heading = "Chat")]
+    pub chat: Option<PathBuf>,
+    /// Tokens per window (T); with --chat, the longest conversation scored (longer ones are
+    /// dropped and counted) [default: required with --text; with --chat the model's
+    /// max_position_embeddings]
+    #[arg(long, value_name = "T", value_parser = positive, required_unless_present = "chat")]
+    pub seq_len: Option<usize>,
+    /// Windows (with --chat: conversations) per forward pass
     #[arg(long, default_value = "8", value_parser = positive)]
     pub batch_size: usize,
+    /// With --chat: the chat template, a Jinja file [default: chat_template.jinja in --model,
+    /// else the chat_template of its tokenizer_config.json]
+    #[arg(long, value_name = "FILE", help_heading = "Chat")]
+    pub chat_template: Option<PathBuf>,
+    /// With --chat: the tokens scored, as fine-tuning's --train-on: assistant, last or all
+    #[arg(long, value_name = "assistant|last|all", default_value = "assistant", help_heading = "Chat",
+          value_parser = |s: &str| s.parse::<TrainOn>())]
+    pub train_on: TrainOn,
+    /// With --chat: the record form (auto, messages, sharegpt, alpaca, prompt-completion, text)
+    #[arg(long, value_name = "FORMAT", default_value = "auto", help_heading = "Chat",
+          value_parser = |s: &str| s.parse::<DataFormat>())]
+    pub data_format: DataFormat,
     #[command(flatten)]
     pub run: ModelRunArgs,
 }
@@ -40,32 +63,78 @@ impl Tool for EvalArgs {
 }
 
 pub fn run(a: EvalArgs) -> AnyResult<()> {
-    a.run.with_model(&a.model, |model, tokenizer, device| {
-        let text = std::fs::read_to_string(&a.text).with_context(|| format!("cannot read the text file {}", a.text.display()))?;
-        let ids = tokenizer.encode(&text, false)?;
-        score(&a, model, tokenizer, &ids, device)
-    })
+    evaluate(a).map(drop)
 }
 
-/// Checks the flags against the model and the text, scores it (`crate::eval::mean_loss`), and
-/// prints the result line.
-fn score(a: &EvalArgs, model: &Llama, tokenizer: &Tokenizer, ids: &[u32], device: Device) -> AnyResult<()> {
-    let (dir, t, bs) = (&a.model, a.seq_len, a.batch_size);
-    let tok_path = dir.join("tokenizer.json");
+/// [`run`], returning the score it printed.
+pub fn evaluate(a: EvalArgs) -> AnyResult<Score> {
+    if a.chat.is_none() && a.chat_template.is_some() {
+        bail!("--chat-template applies to --chat FILE");
+    }
+    let out = std::sync::Mutex::new(None);
+    a.run.with_model(&a.model, |model, tokenizer, device| {
+        let s = match (&a.chat, &a.text) {
+            (Some(chat), _) => score_chat(&a, chat, model, tokenizer, device)?,
+            (None, Some(text)) => {
+                let t = std::fs::read_to_string(text).with_context(|| format!("cannot read the text file {}", text.display()))?;
+                let ids = tokenizer.encode(&t, false)?;
+                score(&a, text, model, tokenizer, &ids, device)?
+            }
+            (None, None) => bail!("give --text FILE or --chat FILE"),
+        };
+        report(&format!("loss {:.6} ppl {:.4} tokens {}", s.loss, s.perplexity(), s.tokens));
+        *out.lock().unwrap_or_else(|e| e.into_inner()) = Some(s);
+        Ok(())
+    })?;
+    out.into_inner().unwrap_or_else(|e| e.into_inner()).context("no rank scored")
+}
+
+/// `--chat`: the conversations one a row, each scored alone over its trained tokens
+/// (`crate::eval::conversations_loss`, as fine-tuning's validation).
+fn score_chat(a: &EvalArgs, chat: &Path, model: &Llama, tokenizer: &Tokenizer, device: Device) -> AnyResult<Score> {
+    check_vocab(a, model, tokenizer)?;
+    let max = model.config().max_position_embeddings;
+    let t = a.seq_len.unwrap_or(max);
+    if t > max {
+        bail!("--seq-len {t} exceeds the model's max_position_embeddings {max}");
+    }
+    let opts = crate::chat::ChatOptions {
+        format: a.data_format,
+        chat_template: a.chat_template.clone(),
+        train_on: a.train_on,
+        pack: false,
+        truncate: false,
+        val_data: None,
+        val_fraction: 0.0,
+        skip_bad_records: false,
+    };
+    let rows = crate::chat::load_unpacked(chat, &a.model, tokenizer, &opts, t)?;
+    crate::eval::conversations_loss(model, &rows, a.batch_size, 0, device)
+}
+
+fn check_vocab(a: &EvalArgs, model: &Llama, tokenizer: &Tokenizer) -> AnyResult<()> {
     if tokenizer.vocab_size() > model.config().vocab_size {
         bail!(
             "{}: the tokenizer has {} tokens but the model's vocab_size is {}",
-            tok_path.display(),
+            a.model.join("tokenizer.json").display(),
             tokenizer.vocab_size(),
             model.config().vocab_size
         );
     }
+    Ok(())
+}
+
+/// Checks the flags against the model and the text, and scores it (`crate::eval::mean_loss`).
+fn score(a: &EvalArgs, text: &Path, model: &Llama, tokenizer: &Tokenizer, ids: &[u32], device: Device) -> AnyResult<Score> {
+    let bs = a.batch_size;
+    let t = a.seq_len.context("--seq-len is required with --text")?;
+    check_vocab(a, model, tokenizer)?;
     if t > model.config().max_position_embeddings {
         bail!("--seq-len {t} exceeds the model's max_position_embeddings {}", model.config().max_position_embeddings);
     }
     let windows = crate::eval::windows(ids.len(), t);
     if windows == 0 {
-        bail!("{}: {} tokens do not fill one window of {} tokens (--seq-len {t} + 1)", a.text.display(), ids.len(), t + 1);
+        bail!("{}: {} tokens do not fill one window of {} tokens (--seq-len {t} + 1)", text.display(), ids.len(), t + 1);
     }
     let Some(need) = bs.min(windows).checked_mul(t).and_then(|n| n.checked_mul(8)) else {
         bail!("--batch-size {bs} × --seq-len {t} overflows");
@@ -75,7 +144,5 @@ fn score(a: &EvalArgs, model: &Llama, tokenizer: &Tokenizer, ids: &[u32], device
             bail!("--batch-size {bs} × --seq-len {t} needs {need} bytes for one batch, {avail} are available: lower --batch-size");
         }
     }
-    let s = crate::eval::mean_loss(model, ids, t, bs, device)?;
-    report(&format!("loss {:.6} ppl {:.4} tokens {}", s.loss, s.perplexity(), s.tokens));
-    Ok(())
+    crate::eval::mean_loss(model, ids, t, bs, device)
 }
