@@ -1,9 +1,12 @@
-//! `generate`: sample text from a checkpoint with a KV cache.
+//! `generate`: sample text from a checkpoint with a KV cache: a continuation of `--prompt`, or
+//! the assistant's reply to `--chat TEXT` / `--messages FILE.json` rendered with the chat
+//! template (stopping at generation_config.json's `eos_token_id`).
 use super::{env_help, non_negative, probability, LogArgs, ModelRunArgs, Tool, ENV_COMMON, ENV_DEVICE, ENV_LAUNCH};
-use crate::nn::generate::generate_within;
+use crate::data::chat::{encode_prompt, Conversation};
+use crate::nn::{generate_until, Sampling};
 use crate::progress::report;
 use crate::AnyResult;
-use anyhow::bail;
+use anyhow::{bail, Context};
 use clap::Parser;
 use ferrolm_tensor::Rng;
 use std::path::PathBuf;
@@ -12,16 +15,30 @@ use std::path::PathBuf;
 #[command(
     allow_negative_numbers = true,
     name = "generate",
-    about = "Sample a continuation of a prompt from a checkpoint (temperature and nucleus sampling, with a KV cache)",
+    about = "Sample a continuation of a prompt from a checkpoint (temperature and nucleus sampling, with a KV cache), \
+             or the assistant's reply to a conversation (--chat, --messages) rendered with the checkpoint's chat \
+             template, stopping at its eos_token_id; prints the reply only",
     after_help = env_help(&[ENV_COMMON, ENV_DEVICE, ENV_LAUNCH])
 )]
 pub struct GenerateArgs {
     /// Checkpoint directory (config.json, model.safetensors, tokenizer.json)
     #[arg(long, value_name = "DIR")]
     pub model: PathBuf,
-    /// Text to continue
-    #[arg(long)]
-    pub prompt: String,
+    /// Text to continue [default: none; --prompt, --chat or --messages is required]
+    #[arg(long, required_unless_present_any = ["chat", "messages"], conflicts_with_all = ["chat", "messages"])]
+    pub prompt: Option<String>,
+    /// One user message: the reply to it is generated with the chat template
+    /// (add_generation_prompt) [default: none]
+    #[arg(long, value_name = "TEXT", conflicts_with = "messages", help_heading = "Chat")]
+    pub chat: Option<String>,
+    /// A conversation to reply to: a JSON list of {"role", "content"} messages, or an object
+    /// with a `messages` list [default: none]
+    #[arg(long, value_name = "FILE.json", help_heading = "Chat")]
+    pub messages: Option<PathBuf>,
+    /// With --chat or --messages: the chat template, a Jinja file [default: chat_template.jinja
+    /// in --model, else the chat_template of its tokenizer_config.json]
+    #[arg(long, value_name = "FILE", help_heading = "Chat")]
+    pub chat_template: Option<PathBuf>,
     /// Tokens to sample
     #[arg(long, value_name = "N", default_value = "100")]
     pub max_new_tokens: usize,
@@ -45,20 +62,53 @@ impl Tool for GenerateArgs {
 }
 
 pub fn run(a: GenerateArgs) -> AnyResult<()> {
-    let dir = &a.model;
-    a.run.with_model(dir, |model, tokenizer, _| {
-        // The prompt as a document's start, as transformers encodes it with the checkpoint's files.
-        let ids = tokenizer.encode_as_document(&a.prompt)?;
-        if ids.is_empty() {
-            bail!("--prompt encodes to no tokens");
+    generate(a).map(drop)
+}
+
+/// [`run`], returning what it printed: the prompt and its continuation, or the reply alone.
+pub fn generate(a: GenerateArgs) -> AnyResult<String> {
+    if a.chat_template.is_some() && a.chat.is_none() && a.messages.is_none() {
+        bail!("--chat-template applies to --chat TEXT or --messages FILE.json");
+    }
+    let conversation = match (&a.chat, &a.messages) {
+        (Some(text), _) => Some(Conversation::user(text)),
+        (None, Some(path)) => {
+            let text = std::fs::read_to_string(path).with_context(|| format!("cannot read --messages {}", path.display()))?;
+            Some(Conversation::from_json(&text).map_err(|e| anyhow::anyhow!("--messages {}: {e}", path.display()))?)
         }
+        (None, None) => None,
+    };
+    let dir = &a.model;
+    let out = std::sync::Mutex::new(String::new());
+    a.run.with_model(dir, |model, tokenizer, _| {
         let cfg_path = dir.join("config.json").display().to_string();
         super::pretrain::check_vocab(tokenizer, &dir.join("tokenizer.json"), model.config().vocab_size, &cfg_path)?;
         // Every rank samples the same tokens: the logits are gathered, the seed is shared.
         // Only the tokenizer's ids are drawn (a padded vocabulary has rows beyond them).
         let mut rng = Rng::new(a.seed);
-        let out = generate_within(model, &ids, a.max_new_tokens, a.temperature, a.top_p, tokenizer.vocab_size(), &mut rng)?;
-        report(&format!("{}{}", a.prompt, tokenizer.decode(&out)?));
+        let sampling = Sampling { temperature: a.temperature, top_p: a.top_p, vocab_limit: tokenizer.vocab_size() };
+        let text = match &conversation {
+            Some(conv) => {
+                let (template, _) = crate::chat::template(Some(dir), a.chat_template.as_deref(), tokenizer)?;
+                let ids = encode_prompt(conv, &template, tokenizer).map_err(|e| anyhow::anyhow!("{e}"))?;
+                let stop = crate::chat::stop_ids(dir, model.config(), tokenizer)?;
+                crate::chat::reply(model, tokenizer, &ids, a.max_new_tokens, &sampling, &stop, &mut rng)?
+            }
+            None => {
+                let prompt = a.prompt.as_deref().unwrap_or_default();
+                // The prompt as a document's start, as transformers encodes it with the checkpoint's files.
+                let ids = tokenizer.encode_as_document(prompt)?;
+                if ids.is_empty() {
+                    bail!("--prompt encodes to no tokens");
+                }
+                let stop = &model.config().eos_token_id;
+                let gen = generate_until(model, &ids, a.max_new_tokens, &sampling, stop, &mut rng)?;
+                format!("{prompt}{}", tokenizer.decode(&gen)?)
+            }
+        };
+        report(&text);
+        *out.lock().unwrap_or_else(|e| e.into_inner()) = text;
         Ok(())
-    })
+    })?;
+    Ok(out.into_inner().unwrap_or_else(|e| e.into_inner()))
 }
