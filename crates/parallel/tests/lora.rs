@@ -2,7 +2,8 @@
 //! ranks: the adapted forward, the loss and every adapter factor's gradient (gathered; with and
 //! without dropout), the frozen base weights without gradients, and training through the engine
 //! (plain, `--tp 2`, `--dp 2 --zero 3` with `--tp 2`, offloaded optimizer state) with losses equal
-//! to one device's and model states that are the adapters' alone.
+//! to one device's and model states that are the adapters' alone, on the CPU and on the CUDA
+//! backend's emulator.
 use ferrolm_nn::lora::{LoraConfig, Proj};
 use ferrolm_nn::optim::AdamWConfig;
 use ferrolm_nn::{shift_labels, Llama, LlamaConfig};
@@ -36,27 +37,31 @@ fn cases() -> Vec<(&'static str, LlamaConfig)> {
 /// The model with adapters on every projection, B set non-zero (as after some training) so
 /// that every factor has a gradient; the same on every rank.
 fn adapted(c: &LlamaConfig, dropout: f64) -> ferrolm_tensor::Result<Llama> {
-    adapted_in(c, dropout, DType::F32)
+    adapted_in(c, dropout, DType::F32, Device::Cpu)
 }
 
-fn adapted_in(c: &LlamaConfig, dropout: f64, dtype: DType) -> ferrolm_tensor::Result<Llama> {
-    let mut m = Llama::new(c.clone(), dtype, Device::Cpu, &mut Rng::new(1))?;
+fn adapted_in(c: &LlamaConfig, dropout: f64, dtype: DType, device: Device) -> ferrolm_tensor::Result<Llama> {
+    let mut m = Llama::new(c.clone(), dtype, device, &mut Rng::new(1))?;
     m.add_lora(&LoraConfig::new(RANK, None, dropout, Proj::ALL.to_vec(), false)?, &mut Rng::new(2))?;
     let mut r = Rng::new(3);
     let _g = no_grad();
     m.visit_adapters_mut(&mut |p, t| match p.name.contains("lora_B") {
-        true => t.assign(&Tensor::randn(t.dims().to_vec(), 0.2, DType::F32, Device::Cpu, &mut r)?),
+        true => t.assign(&Tensor::randn(t.dims().to_vec(), 0.2, DType::F32, device, &mut r)?),
         false => Ok(()),
     })?;
     Ok(m)
 }
 
 fn batch(c: &LlamaConfig, seed: u64, rows: usize) -> (Tensor, Tensor) {
+    batch_on(c, seed, rows, Device::Cpu)
+}
+
+fn batch_on(c: &LlamaConfig, seed: u64, rows: usize, device: Device) -> (Tensor, Tensor) {
     let t = 8;
     let mut r = Rng::new(seed);
     let ids: Vec<i32> = (0..rows * t).map(|_| r.below(c.vocab_size as u64) as i32).collect();
     let tg = shift_labels(&ids, t);
-    (Tensor::from_vec(ids, vec![rows, t], Device::Cpu).unwrap(), Tensor::from_vec(tg, vec![rows, t], Device::Cpu).unwrap())
+    (Tensor::from_vec(ids, vec![rows, t], device).unwrap(), Tensor::from_vec(tg, vec![rows, t], device).unwrap())
 }
 
 fn max_rel(a: &[f32], b: &[f32]) -> f64 {
@@ -143,7 +148,7 @@ struct Trained {
 
 /// STEPS engine steps of ACCUM micro-batches on a tp x dp layout; returns rank-0-like results.
 fn train(comm: Option<Arc<dyn Communicator>>, tp: usize, dp: usize, spec: ShardSpec, offload: bool) -> ferrolm_tensor::Result<Trained> {
-    train_in(comm, tp, dp, spec, offload, DType::F32)
+    train_in(comm, tp, dp, spec, offload, DType::F32, Device::Cpu)
 }
 
 fn train_in(
@@ -153,9 +158,10 @@ fn train_in(
     spec: ShardSpec,
     offload: bool,
     dtype: DType,
+    device: Device,
 ) -> ferrolm_tensor::Result<Trained> {
     let c = &cases()[1].1;
-    let mut m = adapted_in(c, 0.0, dtype)?;
+    let mut m = adapted_in(c, 0.0, dtype, device)?;
     let opt = AdamWConfig { weight_decay: 0.1, ..AdamWConfig::default() };
     let off = OffloadConfig { subgroup: 200, gpu_every: GpuEvery::Every(2) };
     let placement = if offload { Placement::Offload(&off) } else { Placement::Device };
@@ -173,7 +179,7 @@ fn train_in(
     for s in 0..STEPS {
         let mut sum = 0.0;
         for k in 0..ACCUM {
-            let (x, y) = batch(c, 50 + ((s * ACCUM + k) % 3) as u64, ROWS);
+            let (x, y) = batch_on(c, 50 + ((s * ACCUM + k) % 3) as u64, ROWS, device);
             let (x, y) = (x.narrow(0, dp_rank * per, per)?, y.narrow(0, dp_rank * per, per)?);
             let mut l = 0.0;
             z.micro_batch(k + 1 == ACCUM, &mut || {
@@ -191,6 +197,16 @@ fn train_in(
     Ok(Trained { losses, bytes, saved })
 }
 
+/// (name, tp, dp, spec, offload) of the layouts held to one device.
+fn layouts() -> [(&'static str, usize, usize, ShardSpec, bool); 4] {
+    [
+        ("--tp 2", 2, 1, ShardSpec::zero(0, 1).unwrap(), false),
+        ("--dp 2 --zero 3", 1, 2, ShardSpec::zero(3, 2).unwrap(), false),
+        ("--tp 2 --dp 2 --zero 3", 2, 2, ShardSpec::zero(3, 2).unwrap(), false),
+        ("--offload-optimizer", 1, 1, ShardSpec::zero(0, 1).unwrap(), true),
+    ]
+}
+
 #[test]
 fn engine_trains_only_the_adapters_and_every_layout_follows_one_device() {
     let want = train(None, 1, 1, ShardSpec::zero(0, 1).unwrap(), false).unwrap();
@@ -204,13 +220,7 @@ fn engine_trains_only_the_adapters_and_every_layout_follows_one_device() {
     let names = want.saved.unwrap();
     assert!(!names.is_empty() && names.iter().all(|n| n.contains(".lora_")), "a checkpoint holds the adapters: {names:?}");
 
-    let layouts: [(&str, usize, usize, ShardSpec, bool); 4] = [
-        ("--tp 2", 2, 1, ShardSpec::zero(0, 1).unwrap(), false),
-        ("--dp 2 --zero 3", 1, 2, ShardSpec::zero(3, 2).unwrap(), false),
-        ("--tp 2 --dp 2 --zero 3", 2, 2, ShardSpec::zero(3, 2).unwrap(), false),
-        ("--offload-optimizer", 1, 1, ShardSpec::zero(0, 1).unwrap(), true),
-    ];
-    for (name, tp, dp, spec, offload) in layouts {
+    for (name, tp, dp, spec, offload) in layouts() {
         let got = match tp * dp {
             1 => vec![train(None, 1, 1, spec, offload).unwrap()],
             w => ThreadComm::run(w, CommOptions::default(), |comm| train(Some(comm), tp, dp, spec, offload)).unwrap(),
@@ -233,13 +243,48 @@ fn engine_trains_only_the_adapters_and_every_layout_follows_one_device() {
 #[test]
 fn a_bf16_base_trains_f32_adapters() {
     let single = ShardSpec::zero(0, 1).unwrap();
-    let f32_run = train_in(None, 1, 1, single, false, DType::F32).unwrap();
-    let bf16_run = train_in(None, 1, 1, single, false, DType::BF16).unwrap();
+    let f32_run = train_in(None, 1, 1, single, false, DType::F32, Device::Cpu).unwrap();
+    let bf16_run = train_in(None, 1, 1, single, false, DType::BF16, Device::Cpu).unwrap();
     for (s, (a, b)) in bf16_run.losses.iter().zip(&f32_run.losses).enumerate() {
         assert!((a - b).abs() <= 2e-2 * b.abs(), "step {s}: bf16 loss {a} vs f32 {b}");
     }
     assert_eq!(bf16_run.bytes, f32_run.bytes, "f32 adapter states whatever the base's dtype");
-    let m = adapted_in(&cases()[1].1, 0.0, DType::BF16).unwrap();
+    let m = adapted_in(&cases()[1].1, 0.0, DType::BF16, Device::Cpu).unwrap();
     assert!(m.adapters().iter().all(|(_, t)| t.dtype() == DType::F32));
     assert!(m.parameters().iter().all(|(_, t)| t.dtype() == DType::BF16 && !t.requires_grad()));
+}
+
+/// On the CUDA backend (its CPU emulator without a GPU; thread ranks stage collectives through
+/// the host): one device's LoRA training follows the CPU's, and every layout follows one device.
+#[test]
+fn on_the_emulator_every_layout_follows_one_device() {
+    let be = match ferrolm_cuda::CudaBackend::emulated(0) {
+        Ok(be) => be,
+        Err(e) => {
+            assert!(std::env::var("FERROLM_REQUIRE_EMU").map_or(true, |v| v != "1"), "FERROLM_REQUIRE_EMU=1: {e}");
+            eprintln!("skipped: {e}");
+            return;
+        }
+    };
+    ferrolm_tensor::backend::register(be);
+    let gpu = Device::Cuda(0);
+    let single = ShardSpec::zero(0, 1).unwrap();
+    let cpu = train(None, 1, 1, single, false).unwrap();
+    let want = train_in(None, 1, 1, single, false, DType::F32, gpu).unwrap();
+    // The device's kernels sum in another order than the CPU's: f32 to 1e-4 relative.
+    for (s, (a, b)) in want.losses.iter().zip(&cpu.losses).enumerate() {
+        assert!((a - b).abs() <= 1e-4 * b.abs(), "step {s}: device loss {a} vs the CPU's {b}");
+    }
+    assert_eq!(want.bytes, cpu.bytes, "the device holds the adapters' states alone, as the CPU does");
+    for (name, tp, dp, spec, offload) in layouts() {
+        let got = match tp * dp {
+            1 => vec![train_in(None, 1, 1, spec, offload, DType::F32, gpu).unwrap()],
+            w => ThreadComm::run(w, CommOptions::default(), |comm| train_in(Some(comm), tp, dp, spec, offload, DType::F32, gpu)).unwrap(),
+        };
+        for (rank, r) in got.iter().enumerate() {
+            for (s, (a, b)) in r.losses.iter().zip(&want.losses).enumerate() {
+                assert!((a - b).abs() <= 1e-5 * b.abs(), "emulator {name} rank {rank} step {s}: loss {a} vs one device's {b}");
+            }
+        }
+    }
 }
