@@ -299,7 +299,13 @@ pub fn prepare(
 
     let parts = Parts::open(&work, &journal.parts)?;
     if parts.tokens() == 0 {
-        return Err(Error::format(input, "input holds no text (0 tokens)"));
+        // With --skip-bad-records, "no text" is usually every record skipped: say so, and why.
+        let why = match (journal.skipped_records, journal.skipped_examples.first()) {
+            (0, _) => String::new(),
+            (n, Some(first)) => format!(": {n} record(s) were skipped as bad (--skip-bad-records); the first: {first}"),
+            (n, None) => format!(": {n} record(s) were skipped as bad (--skip-bad-records)"),
+        };
+        return Err(Error::format(input, format!("input holds no text (0 tokens){why}")));
     }
     let by_documents = !inputs.iter().all(|f| f.format.is_text());
     let w = write_splits(&parts, out_dir, dtype, opts.shard_tokens, opts.val_fraction, by_documents, opts.shuffle_docs)?;

@@ -108,3 +108,16 @@ fn an_overlong_json_line_is_a_bad_record_read_in_bounded_memory() {
     let s = prep(&f, &dir.path().join("o"), true).unwrap();
     assert_eq!((s.documents, s.skipped_records), (2, 1));
 }
+
+/// With --skip-bad-records, an input whose every record is bad (a Parquet text column of
+/// INT64) is still an error, and it says how many records were skipped and the first reason,
+/// not only that there is no text.
+#[test]
+fn an_input_whose_every_record_was_skipped_says_why_it_holds_no_text() {
+    let out = Scratch::new("all-skipped");
+    let e = prep(&damaged("wrong_type.parquet"), out.path(), true).unwrap_err().to_string();
+    for w in ["holds no text", "1 record(s) were skipped", "--skip-bad-records", "field `text`", "INT64"] {
+        assert!(e.contains(w), "{e:?} lacks {w:?}");
+    }
+    assert_nothing_complete(out.path());
+}
