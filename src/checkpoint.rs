@@ -88,10 +88,16 @@ pub fn list_checkpoints(root: &Path) -> Result<Vec<(usize, PathBuf)>> {
     Ok(out)
 }
 
-/// The checkpoint to resume from `path`: a checkpoint directory, or a run directory (or its
-/// `checkpoints/`) whose `latest` is followed. When `latest` names a missing or incomplete
-/// checkpoint, the newest complete one is used instead, with a warning.
+/// The checkpoint to resume from `path`: a checkpoint directory, a run directory (or its
+/// `checkpoints/`) whose `latest` is followed, or the `checkpoints/latest` file itself. When
+/// `latest` names a missing or incomplete checkpoint, the newest complete one is used instead,
+/// with a warning.
 pub fn resolve_checkpoint(path: &Path) -> Result<PathBuf> {
+    // `checkpoints/latest` is a file naming the newest checkpoint: read as its folder is.
+    if path.is_file() && path.file_name().is_some_and(|n| n == LATEST) {
+        let root = path.parent().filter(|p| !p.as_os_str().is_empty()).unwrap_or(Path::new("."));
+        return resolve_checkpoint(root);
+    }
     if path.join(TRAINER_STATE).is_file() {
         let missing = missing_files(path);
         if !missing.is_empty() {
@@ -129,6 +135,91 @@ pub fn resolve_checkpoint(path: &Path) -> Result<PathBuf> {
         }
     }
     bail!("{}: no checkpoint found (expected trainer_state.json, or checkpoints/latest in a run directory)", path.display())
+}
+
+/// The model directory a `--model` flag names: a Hugging Face model directory (`config.json`
+/// beside its weights: a checkpoint, or a model from elsewhere) as it is, else what
+/// [`resolve_checkpoint`] finds (a run directory's newest complete checkpoint, or the one
+/// `checkpoints/latest` names). Every tool that loads a model takes its path through this (the
+/// CLI's `cli::model_dir` also says which checkpoint it chose).
+pub fn resolve_model_dir(path: &Path) -> Result<PathBuf> {
+    if path.is_dir() && path.join("config.json").is_file() {
+        return Ok(path.to_path_buf());
+    }
+    std::fs::metadata(path).with_context(|| format!("cannot open the model directory {}", path.display()))?;
+    let dir = resolve_checkpoint(path).with_context(|| {
+        format!("{}: not a model directory (config.json), a run directory (checkpoints/) or checkpoints/latest", path.display())
+    })?;
+    if is_adapter_dir(&dir) {
+        bail!(
+            "{} is a LoRA run's adapter ({ADAPTER_CONFIG}), not a model: give it as --lora, with its base model as --model",
+            dir.display()
+        );
+    }
+    Ok(dir)
+}
+
+/// The parts of a checkpoint that are training state, for resuming, not the model: what
+/// [`export_model`] leaves out.
+pub const TRAINING_STATE: [&str; 3] = ["shards", "optimizer.safetensors", TRAINER_STATE];
+
+/// Copies the Hugging Face model of checkpoint `src` (every file but [`TRAINING_STATE`]:
+/// `config.json`, the weights, the tokenizer files) into the new directory `dst`, through a
+/// temporary directory renamed into place, and returns the names copied. Refuses a `dst` that
+/// exists and is not empty.
+pub fn export_model(src: &Path, dst: &Path) -> Result<Vec<String>> {
+    // The model's files (or a LoRA run's adapter), whatever the training state.
+    let missing: Vec<&str> =
+        missing_files(src).into_iter().filter(|f| ["config.json", "model.safetensors", ADAPTER_WEIGHTS].contains(f)).collect();
+    if !missing.is_empty() {
+        bail!("{}: not a complete model (missing {})", src.display(), missing.join(", "));
+    }
+    if dst.exists() && std::fs::read_dir(dst).map(|mut d| d.next().is_some()).unwrap_or(true) {
+        bail!("{} already exists and is not empty: choose another directory", dst.display());
+    }
+    let name = dst.file_name().with_context(|| format!("{}: not a directory name", dst.display()))?.to_string_lossy().into_owned();
+    let parent = dst.parent().filter(|p| !p.as_os_str().is_empty()).unwrap_or(Path::new("."));
+    std::fs::create_dir_all(parent).with_context(|| format!("cannot create {}", parent.display()))?;
+    let tmp = parent.join(format!(".{name}.tmp"));
+    let copied = (|| -> Result<Vec<String>> {
+        if tmp.exists() {
+            std::fs::remove_dir_all(&tmp).with_context(|| format!("cannot remove {}", tmp.display()))?;
+        }
+        std::fs::create_dir(&tmp).with_context(|| format!("cannot create {}", tmp.display()))?;
+        let mut copied = Vec::new();
+        let mut entries: Vec<_> =
+            std::fs::read_dir(src).with_context(|| format!("cannot list {}", src.display()))?.collect::<std::io::Result<_>>()?;
+        entries.sort_by_key(|e| e.file_name());
+        for e in entries {
+            let file = e.file_name().to_string_lossy().into_owned();
+            if TRAINING_STATE.contains(&file.as_str()) || !e.path().is_file() {
+                continue;
+            }
+            let to = tmp.join(&file);
+            std::fs::copy(e.path(), &to).with_context(|| format!("cannot copy {} to {}", e.path().display(), to.display()))?;
+            std::fs::File::open(&to).and_then(|f| f.sync_all()).with_context(|| format!("cannot fsync {}", to.display()))?;
+            copied.push(file);
+        }
+        sync_dir(&tmp)?;
+        if dst.exists() {
+            std::fs::remove_dir(dst).with_context(|| format!("cannot replace the empty directory {}", dst.display()))?;
+        }
+        std::fs::rename(&tmp, dst).with_context(|| format!("cannot rename {} to {}", tmp.display(), dst.display()))?;
+        sync_dir(parent)?;
+        Ok(copied)
+    })();
+    if copied.is_err() {
+        let _ = std::fs::remove_dir_all(&tmp);
+    }
+    copied
+}
+
+/// The step a checkpoint directory was saved at (its `trainer_state.json`).
+pub fn checkpoint_step(dir: &Path) -> Result<usize> {
+    let file = dir.join(TRAINER_STATE);
+    let text = std::fs::read_to_string(&file).with_context(|| format!("cannot read {}", file.display()))?;
+    let v: serde_json::Value = serde_json::from_str(&text).with_context(|| format!("{} is not JSON", file.display()))?;
+    v.get("step").and_then(|s| s.as_u64()).map(|s| s as usize).with_context(|| format!("{}: no step", file.display()))
 }
 
 /// The run directory a checkpoint lives in (`RUN/checkpoints/step-N` -> `RUN`), if it has that layout.

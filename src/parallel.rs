@@ -11,6 +11,7 @@
 //!   `FERROLM_FORCE_NCCL=1` takes this path at `WORLD_SIZE=1` too (one GPU through NCCL);
 //! - otherwise, on the CPU: `tp x dp` ranks as threads of this process (`ThreadComm`);
 //! - several ranks on GPUs without such an environment is an error that says how to launch.
+use crate::cli::flag_error;
 use crate::AnyResult;
 use anyhow::{bail, Context};
 use ferrolm_nn::optim::AdamWConfig;
@@ -77,20 +78,35 @@ impl Parallelism {
         })
     }
 
-    /// Checks the layout against the launcher (before anything is built).
+    /// Checks the layout against the launcher (before anything is built): a flag error (exit
+    /// code 2) naming `--tp` and `--dp`.
     pub fn validate(&self, device: Device) -> AnyResult<()> {
         let env = DistEnv::from_env()?;
         let procs = env.as_ref().map_or(1, |e| e.world_size);
         if procs > 1 && procs != self.world() {
-            bail!("the launcher started {procs} processes but --tp {} x --dp {} is {} ranks", self.tp, self.dp, self.world());
+            return Err(flag_error(format!(
+                "the launcher started {procs} processes but --tp {} x --dp {} is {} ranks",
+                self.tp,
+                self.dp,
+                self.world()
+            )));
         }
         if procs == 1 && self.world() > 1 && device != Device::Cpu {
-            bail!(
+            return Err(flag_error(format!(
                 "--tp {} x --dp {} on {device} needs one process per GPU: run under torchrun, or `cargo run --release --example launch -- --nproc-per-node {} <tool> <flags>`",
                 self.tp,
                 self.dp,
                 self.world()
-            );
+            )));
+        }
+        Ok(())
+    }
+
+    /// Checks that `--tp` can split the model `cfg` (`tp::check_split`), before any rank starts:
+    /// a flag error (exit code 2) naming the config field and `--tp`.
+    pub fn check_model(&self, cfg: &ferrolm_nn::LlamaConfig) -> AnyResult<()> {
+        if self.tp > 1 {
+            ferrolm_parallel::tp::check_split(cfg, self.tp).map_err(|e| flag_error(e.to_string()))?;
         }
         Ok(())
     }

@@ -135,7 +135,8 @@ pub fn read_metrics(run: &Path, step: usize) -> Result<(Vec<MetricsLine>, usize)
     Ok((kept, later))
 }
 
-fn same_dir(a: &Path, b: &Path) -> bool {
+/// Whether two paths name one directory (compared canonically when both exist).
+pub fn same_dir(a: &Path, b: &Path) -> bool {
     match (a.canonicalize(), b.canonicalize()) {
         (Ok(x), Ok(y)) => x == y,
         _ => a == b,

@@ -1,5 +1,6 @@
 //! The token shards a run trains on: `--data` resolved into shards (a prepared directory as is;
-//! text and datasets tokenized once into `runs/cache`, resuming an interrupted tokenizing) and
+//! text and datasets tokenized once into `--cache-dir`, by default `runs/cache` under the working
+//! directory, resuming an interrupted tokenizing) and
 //! checked against the tokenizer, and the tokenizing itself with its progress bar and report
 //! (prepare_data, the training tools' first-use `--data`, autoconfig's trials).
 use crate::data::{prepare, PrepareOptions, PrepareSummary, Tokenizer};
@@ -9,18 +10,24 @@ use anyhow::Context;
 use std::ops::ControlFlow;
 use std::path::{Path, PathBuf};
 
-/// How records of a dataset are read (`--text-field`, `--skip-bad-records`).
+/// How records of a dataset are read (`--text-field`, `--skip-bad-records`), and where text and
+/// datasets are tokenized to (`--cache-dir`).
 #[derive(Clone, Debug, PartialEq)]
 pub struct RecordOptions {
     /// The JSON field or Parquet column that holds the text.
     pub text_field: String,
     /// Count and report bad records instead of stopping at the first.
     pub skip_bad_records: bool,
+    /// The cache of tokenized data: one folder per data, tokenizer and record flags.
+    pub cache_dir: PathBuf,
 }
+
+/// `--cache-dir`'s default, relative to the working directory.
+pub const DEFAULT_CACHE_DIR: &str = "runs/cache";
 
 impl Default for RecordOptions {
     fn default() -> Self {
-        RecordOptions { text_field: "text".into(), skip_bad_records: false }
+        RecordOptions { text_field: "text".into(), skip_bad_records: false, cache_dir: PathBuf::from(DEFAULT_CACHE_DIR) }
     }
 }
 
@@ -118,7 +125,8 @@ fn is_glob(data: &Path) -> bool {
 }
 
 /// The shard directory for `data`: a prepared directory as is; text and datasets (a file, a
-/// directory of them, a glob) tokenized once into runs/cache, resuming an interrupted tokenizing.
+/// directory of them, a glob) tokenized once into the cache (`records.cache_dir`), resuming an
+/// interrupted tokenizing.
 pub fn shard_dir(data: &Path, tokenizer: &Tokenizer, tok_path: &Path, records: &RecordOptions) -> AnyResult<PathBuf> {
     if !is_glob(data) {
         let what = if data.is_file() || data.extension().is_some() { "data file" } else { "data directory" };
@@ -128,7 +136,7 @@ pub fn shard_dir(data: &Path, tokenizer: &Tokenizer, tok_path: &Path, records: &
         return Ok(data.to_path_buf());
     }
     let name = cache_name(data, tok_path, records).with_context(|| format!("cannot read the data {}", data.display()))?;
-    let dir = PathBuf::from("runs/cache").join(name);
+    let dir = records.cache_dir.join(name);
     if PrepareSummary::load(&dir)?.is_none() {
         tracing::info!("tokenizing {} with {} into {}", data.display(), tok_path.display(), dir.display());
         let opts = PrepareOptions {

@@ -8,6 +8,7 @@ use clap::error::ErrorKind;
 use common::*;
 use ferrolm::cli::autoconfig::AutoconfigArgs;
 use ferrolm::cli::eval::EvalArgs;
+use ferrolm::cli::export::ExportArgs;
 use ferrolm::cli::finetune::FinetuneArgs;
 use ferrolm::cli::finetune_ladder::FinetuneLadderArgs;
 use ferrolm::cli::generate::GenerateArgs;
@@ -62,6 +63,7 @@ fn tools() -> Vec<(&'static str, clap::Command, Vec<&'static str>)> {
             AutoconfigArgs::cli(),
             vec!["Pick a model size", "--inter-gb-s", "--interference", "--grad-reduce-dtype", "RUST_LOG"],
         ),
+        ("export", ExportArgs::cli(), vec!["Hugging Face model", "training state", "RUST_LOG"]),
     ]
 }
 
@@ -76,7 +78,10 @@ fn help_says_what_each_tool_does_and_lists_every_flag_with_its_default_and_the_e
         for arg in cmd.get_arguments().filter(|a| a.get_id() != "help" && a.get_id() != "version") {
             let flag = match arg.get_long() {
                 Some(l) => format!("--{l}"),
-                None => format!("<{}>", arg.get_id().as_str().to_uppercase()),
+                None => format!(
+                    "<{}>",
+                    arg.get_value_names().and_then(|v| v.first()).map_or(arg.get_id().as_str().to_uppercase(), |v| v.to_string())
+                ),
             };
             assert!(help.contains(&flag), "{name} --help does not list {flag}");
             let defaults: Vec<String> = arg.get_default_values().iter().map(|v| v.to_string_lossy().into_owned()).collect();

@@ -22,7 +22,8 @@ use std::path::{Path, PathBuf};
     after_help = env_help(&[ENV_COMMON, ENV_DEVICE, ENV_LAUNCH])
 )]
 pub struct EvalArgs {
-    /// Checkpoint directory (config.json, model.safetensors, tokenizer.json)
+    /// The model: a checkpoint directory (config.json, model.safetensors, tokenizer.json), a run
+    /// directory (its newest complete checkpoint) or RUN/checkpoints/latest
     #[arg(long, value_name = "DIR")]
     pub model: PathBuf,
     /// Text file to score [default: none; --text or --chat is required]
@@ -57,6 +58,9 @@ pub struct EvalArgs {
 }
 
 impl Tool for EvalArgs {
+    fn cli() -> clap::Command {
+        super::inference_dtype_help(<Self as clap::CommandFactory>::command())
+    }
     fn log_args(&self) -> &LogArgs {
         &self.run.log
     }
@@ -67,7 +71,8 @@ pub fn run(a: EvalArgs) -> AnyResult<()> {
 }
 
 /// [`run`], returning the score it printed.
-pub fn evaluate(a: EvalArgs) -> AnyResult<Score> {
+pub fn evaluate(mut a: EvalArgs) -> AnyResult<Score> {
+    a.model = super::model_dir("--model", &a.model)?;
     if a.chat.is_none() && a.chat_template.is_some() {
         bail!("--chat-template applies to --chat FILE");
     }

@@ -80,7 +80,7 @@ impl ChatArgs {
 )]
 pub struct FinetuneArgs {
     /// The checkpoint to fine-tune: a model directory (config.json, model.safetensors,
-    /// tokenizer.json), or a run directory whose latest checkpoint is used
+    /// tokenizer.json), a run directory (its newest complete checkpoint) or RUN/checkpoints/latest
     #[arg(long, value_name = "DIR", help_heading = "Model")]
     pub model: PathBuf,
     #[command(flatten)]
@@ -111,17 +111,9 @@ impl Tool for FinetuneArgs {
     fn log_args(&self) -> &LogArgs {
         &self.train.log
     }
-}
-
-/// The model directory `--model` names: itself when it holds config.json, else the latest
-/// complete checkpoint of a run directory (or of its checkpoints/).
-pub fn model_dir(path: &Path) -> AnyResult<PathBuf> {
-    if path.join("config.json").is_file() {
-        return Ok(path.to_path_buf());
+    fn train_args_mut(&mut self) -> Option<&mut TrainArgs> {
+        Some(&mut self.train)
     }
-    std::fs::metadata(path).with_context(|| format!("cannot open the model directory {}", path.display()))?;
-    crate::checkpoint::resolve_checkpoint(path)
-        .with_context(|| format!("--model {}: no config.json there, and no checkpoint of a run", path.display()))
 }
 
 /// What a fine-tuning run trains on, and what it shows of it.
@@ -157,7 +149,7 @@ pub(crate) fn prepare_data(
 ) -> AnyResult<FinetuneData> {
     let data = a.data.clone().unwrap_or_else(|| super::bundled(default));
     if crate::chat::is_token_data(&data, chat.data_format)? {
-        let (shards, train, val) = crate::shards::token_data_with(&data, tokenizer, tok_path, &a.records.options())?;
+        let (shards, train, val) = crate::shards::token_data_with(&data, tokenizer, tok_path, &a.data_options())?;
         check_validation_data(&val, a.batch_size, a.seq_len).with_context(|| format!("{}", shards.display()))?;
         // Token data trains no template, but the checkpoint keeps the one the model came with.
         let template = match crate::data::chat::find_template_source(Some(model), chat.chat_template.as_deref()) {
@@ -187,15 +179,17 @@ fn prepare(args: &FinetuneArgs) -> AnyResult<Prepared> {
     preflight(a)?;
     let device = a.device.pick()?;
     let dtype = a.device.dtype(device);
-    let model = model_dir(&args.model)?;
+    let model = args.model.clone();
     let cfg_path = model.join("config.json");
     let cfg = LlamaConfig::from_file(&cfg_path)?;
     let lora = args.lora.memory(&cfg)?; // the LoRA flags (and --lora-init's adapter) before any work
+    let parallelism = a.parallel.layout()?;
+    parallelism.check_model(&cfg)?;
     let tok_path = a.tokenizer.clone().unwrap_or_else(|| model.join("tokenizer.json"));
     let tokenizer = Tokenizer::from_file(&tok_path).with_context(|| format!("cannot load the tokenizer {}", tok_path.display()))?;
     check_vocab(&tokenizer, &tok_path, cfg.vocab_size, &cfg_path.display().to_string())?;
     let ft = prepare_data(a, &args.chat, "data/chat.jsonl", &model, &tokenizer, &tok_path)?;
-    let mut layout = a.parallel.layout()?.mem_layout(a.activation_checkpointing)?;
+    let mut layout = parallelism.mem_layout(a.activation_checkpointing)?;
     layout.lora = lora;
     let mem = crate::planner::memory::check_layout(&cfg, dtype, device, &a.options().shape(), &layout)?;
     report(&format!("memory: predicted peak {}", crate::planner::memory::describe(&mem)));
@@ -220,8 +214,12 @@ pub struct Outcome {
     pub reply_after: Option<String>,
 }
 
-/// [`run`], returning what it reported.
-pub fn finetune(args: FinetuneArgs) -> AnyResult<Outcome> {
+/// [`run`], returning what it reported (nothing when `--resume` names a finished run).
+pub fn finetune(mut args: FinetuneArgs) -> AnyResult<Outcome> {
+    args.model = super::model_dir("--model", &args.model)?;
+    if !args.train.settle_resume()? {
+        return Ok(Outcome::default());
+    }
     if args.train.profile {
         crate::profile::enable();
     }
@@ -265,13 +263,10 @@ fn finetune_rank(args: &FinetuneArgs, p: &Prepared, comm: Option<Comm>) -> AnyRe
         p.data.dtype
     ));
     let lora = super::lora::attach(&args.lora, &mut model, a.seed)?;
-    let (trainer, spec) = p.data.trainer(model, a, a.options(), comm.clone())?;
+    let (trainer, _) = p.data.trainer(model, a, a.options(), comm)?;
     let mut trainer = p.ft.carry_template(trainer);
     if lora {
         trainer = super::lora::with_base(trainer, &p.model); // checkpoints: the adapter for this model
-    }
-    if comm.is_some() {
-        report(&format!("parallel: tp {} x dp {} ranks, sharding {spec}", a.parallel.tp, a.parallel.dp));
     }
     let mut out = Outcome::default();
     if a.resume.is_none() && trainer.has_validation() {

@@ -26,7 +26,8 @@ use std::path::PathBuf;
     after_help = env_help(&[ENV_COMMON, ENV_DEVICE, ENV_TRAIN, ENV_LAUNCH])
 )]
 pub struct FinetuneLadderArgs {
-    /// The Llama checkpoint to convert (config.json, model.safetensors, tokenizer.json)
+    /// The Llama checkpoint to convert (config.json, model.safetensors, tokenizer.json): a
+    /// checkpoint directory, a run directory (its newest complete checkpoint) or RUN/checkpoints/latest
     #[arg(long, value_name = "DIR", help_heading = "Model")]
     pub model: PathBuf,
     /// The blocks to make Ladder blocks: `all`, the last N layers, or indices i,j,k (a single
@@ -48,9 +49,13 @@ impl Tool for FinetuneLadderArgs {
             .mut_arg("steps", |a| a.default_value("200").value_parser(clap::value_parser!(usize)).help("Optimizer steps (0: only convert)"))
             .mut_arg("lr", |a| a.default_value("3e-4"))
             .mut_arg("data", |a| a.help(data_help("data/corpus, the bundled corpus")))
+            .mut_arg("tokenizer", |a| a.help("Tokenizer (Hugging Face tokenizer.json) [default: the model's tokenizer.json]"))
     }
     fn log_args(&self) -> &LogArgs {
         &self.train.log
+    }
+    fn train_args_mut(&mut self) -> Option<&mut TrainArgs> {
+        Some(&mut self.train)
     }
 }
 
@@ -73,19 +78,25 @@ fn prepare(args: &FinetuneLadderArgs) -> AnyResult<Prepared> {
     let cfg = crate::nn::LlamaConfig::from_file(dir.join("config.json"))?;
     let ladder = LadderLayers::parse_flag(&args.ladder_layers, cfg.num_hidden_layers)?;
     let lora = args.lora.memory(&cfg)?; // the LoRA flags (and --lora-init's adapter) before any work
+    let parallelism = a.parallel.layout()?;
+    parallelism.check_model(&cfg)?;
     let tok_path = a.tokenizer.clone().unwrap_or_else(|| dir.join("tokenizer.json"));
     let tokenizer = Tokenizer::from_file(&tok_path).with_context(|| format!("cannot load the tokenizer {}", tok_path.display()))?;
     super::pretrain::check_vocab(&tokenizer, &tok_path, cfg.vocab_size, &dir.join("config.json").display().to_string())?;
     let ft = prepare_data(&checked, &args.chat, "data/corpus", dir, &tokenizer, &tok_path)?;
     let opts = checked.options();
-    let mut layout = a.parallel.layout()?.mem_layout(a.activation_checkpointing)?;
+    let mut layout = parallelism.mem_layout(a.activation_checkpointing)?;
     layout.lora = lora;
     let mem = crate::planner::memory::check_layout(&cfg, dtype, device, &opts.shape(), &layout)?;
     report(&format!("memory: predicted peak {}", crate::planner::memory::describe_layout(&mem, &layout)));
     Ok(Prepared { data: TrainData { device, dtype, tok_path, set: ft.set.clone() }, ft, ladder })
 }
 
-pub fn run(args: FinetuneLadderArgs) -> AnyResult<()> {
+pub fn run(mut args: FinetuneLadderArgs) -> AnyResult<()> {
+    args.model = super::model_dir("--model", &args.model)?;
+    if !args.train.settle_resume()? {
+        return Ok(());
+    }
     if args.train.profile {
         crate::profile::enable();
     }

@@ -21,7 +21,8 @@ use std::path::PathBuf;
     after_help = env_help(&[ENV_COMMON, ENV_DEVICE, ENV_LAUNCH])
 )]
 pub struct GenerateArgs {
-    /// Checkpoint directory (config.json, model.safetensors, tokenizer.json)
+    /// The model: a checkpoint directory (config.json, model.safetensors, tokenizer.json), a run
+    /// directory (its newest complete checkpoint) or RUN/checkpoints/latest
     #[arg(long, value_name = "DIR")]
     pub model: PathBuf,
     /// Text to continue [default: none; --prompt, --chat or --messages is required]
@@ -39,7 +40,8 @@ pub struct GenerateArgs {
     /// in --model, else the chat_template of its tokenizer_config.json]
     #[arg(long, value_name = "FILE", help_heading = "Chat")]
     pub chat_template: Option<PathBuf>,
-    /// Tokens to sample
+    /// Tokens to sample (stops early at the end-of-sequence token); the prompt and the new
+    /// tokens must fit the model's max_position_embeddings, else the run is refused
     #[arg(long, value_name = "N", default_value = "100")]
     pub max_new_tokens: usize,
     /// Sampling temperature (0: greedy)
@@ -56,6 +58,9 @@ pub struct GenerateArgs {
 }
 
 impl Tool for GenerateArgs {
+    fn cli() -> clap::Command {
+        super::inference_dtype_help(<Self as clap::CommandFactory>::command())
+    }
     fn log_args(&self) -> &LogArgs {
         &self.run.log
     }
@@ -78,7 +83,7 @@ pub fn generate(a: GenerateArgs) -> AnyResult<String> {
         }
         (None, None) => None,
     };
-    let dir = &a.model;
+    let dir = &super::model_dir("--model", &a.model)?;
     let out = std::sync::Mutex::new(String::new());
     a.run.with_model(dir, |model, tokenizer, _| {
         let cfg_path = dir.join("config.json").display().to_string();
@@ -91,6 +96,7 @@ pub fn generate(a: GenerateArgs) -> AnyResult<String> {
             Some(conv) => {
                 let (template, _) = crate::chat::template(Some(dir), a.chat_template.as_deref(), tokenizer)?;
                 let ids = encode_prompt(conv, &template, tokenizer).map_err(|e| anyhow::anyhow!("{e}"))?;
+                check_context(ids.len(), a.max_new_tokens, model.config().max_position_embeddings)?;
                 let stop = crate::chat::stop_ids(dir, model.config(), tokenizer)?;
                 crate::chat::reply(model, tokenizer, &ids, a.max_new_tokens, &sampling, &stop, &mut rng)?
             }
@@ -101,6 +107,7 @@ pub fn generate(a: GenerateArgs) -> AnyResult<String> {
                 if ids.is_empty() {
                     bail!("--prompt encodes to no tokens");
                 }
+                check_context(ids.len(), a.max_new_tokens, model.config().max_position_embeddings)?;
                 let stop = &model.config().eos_token_id;
                 let gen = generate_until(model, &ids, a.max_new_tokens, &sampling, stop, &mut rng)?;
                 format!("{prompt}{}", tokenizer.decode(&gen)?)
@@ -111,4 +118,26 @@ pub fn generate(a: GenerateArgs) -> AnyResult<String> {
         Ok(())
     })?;
     Ok(out.into_inner().unwrap_or_else(|e| e.into_inner()))
+}
+
+/// Refuses, before sampling, a prompt of `prompt` tokens and `new` new tokens that do not fit
+/// the model's `max_position_embeddings` (the last new token is sampled, never fed back, so it
+/// needs no position): a flag error naming both flags and the model's limit (the prompt is
+/// `--prompt`'s, or the conversation of `--chat` / `--messages` as the template renders it). Sampling past the
+/// context would need a sliding window, which the model was never trained on.
+pub fn check_context(prompt: usize, new: usize, max_positions: usize) -> AnyResult<()> {
+    if prompt > max_positions {
+        return Err(super::flag_error(format!(
+            "the prompt is {prompt} tokens, more than the model's max_position_embeddings ({max_positions})"
+        )));
+    }
+    let room = max_positions - prompt + 1;
+    if new > room {
+        return Err(super::flag_error(format!(
+            "--max-new-tokens {new} with a prompt of {prompt} tokens needs {} positions, more than the model's \
+             max_position_embeddings ({max_positions}): at most {room} new tokens fit after this prompt",
+            prompt + new - 1
+        )));
+    }
+    Ok(())
 }

@@ -10,6 +10,7 @@
 pub mod autoconfig;
 pub mod cluster;
 pub mod eval;
+pub mod export;
 pub mod finetune;
 pub mod finetune_ladder;
 pub mod generate;
@@ -35,6 +36,11 @@ pub trait Tool: Parser {
     fn log_args(&self) -> &LogArgs;
     /// Sees the parsed matches (e.g. which flags were given on the command line).
     fn record_matches(&mut self, _m: &ArgMatches) {}
+    /// A training tool's shared flags, so parsing can record which of them were given (a
+    /// resumed run continues in its own directory unless `--out` is given).
+    fn train_args_mut(&mut self) -> Option<&mut TrainArgs> {
+        None
+    }
 }
 
 /// Parses `args` (program name first) as tool `A`.
@@ -47,7 +53,40 @@ where
     let m: ArgMatches = cmd.try_get_matches_from_mut(args)?;
     let mut a = A::from_arg_matches(&m).map_err(|e| e.format(&mut cmd))?;
     a.record_matches(&m);
+    if let Some(t) = a.train_args_mut() {
+        t.out_given = m.value_source("out") == Some(clap::parser::ValueSource::CommandLine);
+    }
     Ok(a)
+}
+
+/// A flag error found after parsing, against a model or the machine (a layout `--tp` cannot
+/// split, more new tokens than the model has positions): printed as `error: …` and exit code 2,
+/// as clap's own flag errors are. Build one with [`flag_error`]; it keeps its code through any
+/// context added above it.
+#[derive(Debug)]
+pub struct FlagError(pub String);
+
+impl std::fmt::Display for FlagError {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(&self.0)
+    }
+}
+
+impl std::error::Error for FlagError {}
+
+/// An error in the flags (exit code 2): see [`FlagError`].
+pub fn flag_error(msg: impl Into<String>) -> anyhow::Error {
+    FlagError(msg.into()).into()
+}
+
+/// The exit code of a failed run: 2 when a flag was wrong ([`FlagError`] anywhere in the chain),
+/// else 1.
+pub fn exit_code(e: &anyhow::Error) -> i32 {
+    if e.chain().any(|c| c.is::<FlagError>()) {
+        2
+    } else {
+        1
+    }
 }
 
 /// Parses `args`, sets up logging, runs `run`, and returns the process exit code: 0, 1 for a
@@ -73,7 +112,7 @@ where
         Ok(()) => 0,
         Err(e) => {
             crate::progress::suspend(|| eprintln!("{}", error_report(&e)));
-            1
+            exit_code(&e)
         }
     }
 }
@@ -106,6 +145,7 @@ impl TrainData {
         model.loss_chunks = a.loss_chunks();
         let engine = crate::parallel::attach(&mut model, comm, &a.parallel.layout()?, crate::train::Trainer::adamw_config(&opts))?;
         let spec = engine.spec;
+        a.parallel.report(&spec);
         let t = crate::train::Trainer::with_engine_on(model, Box::new(engine), &self.set, opts, &a.out)?;
         Ok((t.with_tokenizer(&self.tok_path).with_safety(a.safety()).with_final_validation(), spec))
     }
@@ -128,18 +168,22 @@ pub struct ModelRunArgs {
 }
 
 impl ModelRunArgs {
-    /// Loads `dir`'s tokenizer, then on every rank of `--tp` the model's weights with `--lora`'s
-    /// adapter (this rank's shards), and runs `f` there.
+    /// Loads the tokenizer of the model `dir` names (see [`model_dir`]: a model directory, a run
+    /// directory or `checkpoints/latest`), then on every rank of `--tp` the model's weights with
+    /// `--lora`'s adapter (this rank's shards), checked against `--tp` before any rank starts,
+    /// and runs `f` there.
     pub fn with_model(
         &self,
         dir: &std::path::Path,
         f: impl Fn(&crate::Llama, &crate::data::Tokenizer, crate::Device) -> AnyResult<()> + Sync,
     ) -> AnyResult<()> {
+        let dir = &model_dir("--model", dir)?;
         let tokenizer = model_dir_tokenizer(dir)?;
         let adapter = self.lora.as_deref().map(lora::resolve_adapter).transpose().map_err(|e| e.context("--lora"))?;
         let device = self.device.pick()?;
         let dtype = self.device.dtype(device);
         let layout = self.parallel.layout()?;
+        layout.check_model(&crate::nn::LlamaConfig::from_file(dir.join("config.json"))?)?;
         crate::parallel::launch(
             &layout,
             device,
@@ -150,6 +194,34 @@ impl ModelRunArgs {
             },
         )
     }
+}
+
+/// The model directory `path` names, for a flag such as `--model`: a model directory as it is,
+/// a run directory's newest complete checkpoint, or the one `checkpoints/latest` names
+/// (`checkpoint::resolve_model_dir`). Says in the log which checkpoint it chose when that is not
+/// `path` itself; errors name the flag. Every tool that loads a model resolves its path here.
+pub fn model_dir(flag: &str, path: &std::path::Path) -> AnyResult<PathBuf> {
+    use anyhow::Context;
+    let dir = crate::checkpoint::resolve_model_dir(path).with_context(|| format!("{flag} {}", path.display()))?;
+    if dir != path {
+        tracing::info!("{flag} {}: using the checkpoint {}", path.display(), dir.display());
+    }
+    Ok(dir)
+}
+
+/// What a flag that takes a preset name or a file (`--config`, `plan --model`) names: `Some(path)`
+/// for a file, `None` for a preset name, which the caller looks up. A value that looks like a path
+/// (it ends in `.json` or holds a `/`) but is not a file is "no such file", not an unknown preset.
+pub fn preset_or_file<'a>(flag: &str, value: &'a str) -> AnyResult<Option<&'a std::path::Path>> {
+    let path = std::path::Path::new(value);
+    if path.is_file() {
+        return Ok(Some(path));
+    }
+    if value.ends_with(".json") || value.contains('/') || value.contains(std::path::MAIN_SEPARATOR) {
+        let what = if path.is_dir() { "a directory, not a config.json file" } else { "no such file" };
+        anyhow::bail!("{flag} {value}: {what}");
+    }
+    Ok(None)
 }
 
 /// The tokenizer of a model directory (eval, generate), with errors naming the directory or file.
@@ -320,6 +392,13 @@ impl ComputeDtype {
     }
 }
 
+/// `--dtype`'s help for the tools that only run a model (eval, generate): they hold no optimizer.
+pub fn inference_dtype_help(cmd: Command) -> Command {
+    cmd.mut_arg("dtype", |a| {
+        a.help("Compute dtype of the weights and activations: f32, or bf16 [default: bf16 on CUDA, f32 on the CPU]").long_help(None::<&str>)
+    })
+}
+
 impl DeviceArgs {
     /// The compute dtype on `device` (see `--dtype`).
     pub fn dtype(&self, device: ferrolm_tensor::Device) -> ferrolm_tensor::DType {
@@ -330,12 +409,22 @@ impl DeviceArgs {
     /// `cuda` (or no flag) means this process's GPU: `cuda:$LOCAL_RANK`, or `cuda:0` when
     /// `CUDA_VISIBLE_DEVICES` shows the process one GPU.
     pub fn pick(&self) -> AnyResult<ferrolm_tensor::Device> {
-        let local = ferrolm_parallel::DistEnv::from_env()?.filter(|e| e.world_size > 1).map(|e| e.cuda_device());
+        let env = ferrolm_parallel::DistEnv::from_env()?.filter(|e| e.world_size > 1);
+        let local = env.as_ref().map(|e| e.cuda_device());
         let flag = match (self.device.as_deref(), &local) {
             (None | Some("cuda"), Some(l)) => Some(l.as_str()),
             (f, _) => f,
         };
-        Ok(crate::pick_device(flag)?)
+        crate::pick_device(flag).map_err(|e| match &env {
+            // A launcher's processes need a GPU each: say what a CPU run looks like instead.
+            Some(env) if flag.is_some_and(|f| f.starts_with("cuda")) => anyhow::anyhow!(
+                "{e}; WORLD_SIZE={} is a launcher's (torchrun, srun, launch) multi-process run, one process per GPU \
+                 (FERROLM_CUDA_EMULATOR=1 emulates them on the CPU). On a CPU, ranks are threads of one process: run the \
+                 tool directly, without a launcher, with --device cpu and --tp/--dp",
+                env.world_size
+            ),
+            _ => e.into(),
+        })
     }
 }
 
@@ -346,10 +435,14 @@ impl DeviceArgs {
 #[derive(Args, Debug, Clone, PartialEq)]
 pub struct TrainArgs {
     /// Training data: a directory prepared by prepare_data, or text and datasets tokenized once
-    /// into runs/cache: a .txt file, a .jsonl / .jsonl.gz / .jsonl.zst / .parquet file, a
+    /// into --cache-dir: a .txt file, a .jsonl / .jsonl.gz / .jsonl.zst / .parquet file, a
     /// directory of these, or a quoted glob [default: data/corpus, the bundled corpus]
     #[arg(long, value_name = "DIR|FILE|GLOB", help_heading = "Data")]
     pub data: Option<PathBuf>,
+    /// Where --data given as text or datasets is tokenized, once for each data, tokenizer and
+    /// record flags (a relative path is under the working directory, not --out)
+    #[arg(long, value_name = "DIR", default_value = crate::shards::DEFAULT_CACHE_DIR, help_heading = "Data")]
+    pub cache_dir: PathBuf,
     /// Tokenizer (Hugging Face tokenizer.json) [default: data/tokenizer.json]
     #[arg(long, value_name = "FILE", help_heading = "Data")]
     pub tokenizer: Option<PathBuf>,
@@ -387,10 +480,16 @@ pub struct TrainArgs {
     #[arg(long, value_name = "N", default_value = "5", value_parser = positive, help_heading = "Optimization")]
     pub max_skipped_steps: usize,
 
-    /// Output directory: checkpoints/, metrics.jsonl, loss.png
+    /// Output directory: checkpoints/, metrics.jsonl, loss.png (with --resume: the resumed run's
+    /// directory unless given)
     #[arg(long, value_name = "DIR", default_value = "runs/train", help_heading = "Run")]
     pub out: PathBuf,
-    /// Continue from a checkpoint, or a run directory whose latest checkpoint is used
+    /// Whether --out was given on the command line (else a resumed run continues in its own
+    /// directory); set by `parse_from`.
+    #[arg(skip)]
+    pub out_given: bool,
+    /// Continue from a checkpoint, a run directory (its newest complete checkpoint) or
+    /// RUN/checkpoints/latest; the run continues in that run's directory unless --out is given
     /// [default: start a new run]
     #[arg(long, value_name = "DIR", help_heading = "Run")]
     pub resume: Option<PathBuf>,
@@ -448,8 +547,56 @@ impl TrainArgs {
         ferrolm_ops::LossChunks::from_flag(self.loss_chunk_tokens)
     }
 
+    /// How --data is read and where it is tokenized to (`--text-field`, `--skip-bad-records`,
+    /// `--cache-dir`).
+    pub fn data_options(&self) -> crate::shards::RecordOptions {
+        crate::shards::RecordOptions { cache_dir: self.cache_dir.clone(), ..self.records.options() }
+    }
+
     pub fn safety(&self) -> RunSafety {
         RunSafety { max_skipped_steps: self.max_skipped_steps, keep_last: self.keep_last, overwrite: self.overwrite }
+    }
+
+    /// Settles `--resume` before a run starts: the checkpoint it names is resolved once (a run
+    /// directory's newest complete checkpoint, or the one `checkpoints/latest` names), and the
+    /// run continues in that run's directory unless `--out` was given (a log line says where, and
+    /// says so when `--out` names another directory). Returns false, having said so on stdout,
+    /// when the checkpoint is already at `--steps`: nothing is left to train.
+    pub fn settle_resume(&mut self) -> AnyResult<bool> {
+        use anyhow::Context;
+        let Some(given) = self.resume.clone() else { return Ok(true) };
+        let dir = crate::run_dir::resolve_checkpoint(&given).with_context(|| format!("--resume {}", given.display()))?;
+        let step = crate::checkpoint::checkpoint_step(&dir).with_context(|| format!("--resume {}", given.display()))?;
+        if dir != given {
+            tracing::info!("--resume {}: using the checkpoint {}", given.display(), dir.display());
+        }
+        match crate::run_dir::run_dir_of(&dir) {
+            Some(run) if !self.out_given => {
+                tracing::info!("continuing the run in {} (--out picks another directory)", run.display());
+                self.out = run;
+            }
+            Some(run) if !crate::run_dir::same_dir(&run, &self.out) => tracing::info!(
+                "the resumed checkpoint belongs to the run in {}; this run writes to --out {} instead",
+                run.display(),
+                self.out.display()
+            ),
+            Some(_) => {}
+            None => tracing::info!(
+                "{} is not inside a run directory (RUN/checkpoints/step-N): this run writes to --out {}",
+                dir.display(),
+                self.out.display()
+            ),
+        }
+        self.resume = Some(dir.clone());
+        if step >= self.steps {
+            crate::progress::report(&format!(
+                "nothing left to train: {} is at step {step} and --steps is {}; give a larger --steps to train further",
+                dir.display(),
+                self.steps
+            ));
+            return Ok(false);
+        }
+        Ok(true)
     }
 }
 

@@ -1,6 +1,6 @@
 //! The parallel layout flags (`--tp`, `--dp`, `--zero`, `--shard-*`, `--ranks-per-node`, the
 //! offload flags), shared by every tool that takes them, and the plain [`Parallelism`] they describe.
-use super::positive;
+use super::{flag_error, positive};
 use crate::parallel::Parallelism;
 use crate::AnyResult;
 use anyhow::bail;
@@ -79,10 +79,16 @@ impl ParallelArgs {
 
     /// The layout these flags describe, checked: a valid ShardSpec for --dp and the ranks per
     /// node, which default to the launcher's processes per node (`LOCAL_WORLD_SIZE`, SLURM's tasks
-    /// per node) in a multi-process run and to every rank otherwise.
+    /// per node) in a multi-process run and to every rank otherwise. A layout the flags cannot
+    /// have is a flag error (exit code 2), naming the flag; the model's own constraints are
+    /// `Parallelism::check_model`'s.
     pub fn layout(&self) -> AnyResult<Parallelism> {
         let env = DistEnv::from_env()?.filter(|e| e.world_size > 1);
-        let rpn = match (self.ranks_per_node, &env) {
+        self.layout_in(env.as_ref()).map_err(|e| flag_error(format!("{e:#}")))
+    }
+
+    fn layout_in(&self, env: Option<&DistEnv>) -> AnyResult<Parallelism> {
+        let rpn = match (self.ranks_per_node, env) {
             (Some(r), Some(e)) if r != e.local_world_size => bail!(
                 "--ranks-per-node {r} but the launcher started {} processes on this node (LOCAL_WORLD_SIZE): drop the flag",
                 e.local_world_size
@@ -110,5 +116,25 @@ impl ParallelArgs {
             o.validate()?;
         }
         Ok(Parallelism { tp: self.tp, dp: self.dp, spec, ranks_per_node: rpn, offload, grad_reduce: self.grad_reduce_dtype })
+    }
+
+    /// The `parallel:` line every training run prints (rank 0), and a warning when sharding was
+    /// asked for over a single data-parallel rank, where it shards nothing.
+    pub fn report(&self, spec: &ShardSpec) {
+        if !crate::logging::is_rank_zero() {
+            return;
+        }
+        crate::progress::report(&format!("parallel: tp {} x dp {} ranks, sharding {spec}", self.tp, self.dp));
+        let mut asked: Vec<String> = self.zero.filter(|&z| z > 0).map(|z| format!("--zero {z}")).into_iter().collect();
+        for (flag, v) in [("--shard-params", self.shard_params), ("--shard-grads", self.shard_grads), ("--shard-optim", self.shard_optim)] {
+            asked.extend(v.map(|v| format!("{flag} {v}")));
+        }
+        if self.dp == 1 && !asked.is_empty() {
+            tracing::warn!(
+                "{} shards over the data-parallel ranks, and --dp is 1: sharding over a world of one shards nothing \
+                 (this rank holds every parameter, gradient and optimizer state); add --dp N to shard",
+                asked.join(" ")
+            );
+        }
     }
 }

@@ -12,7 +12,6 @@ use crate::planner::calibrate::calibrate_link;
 use crate::planner::{step, Cluster, Estimate, ModelShape, Workload, GIB};
 use crate::AnyResult;
 use clap::Parser;
-use std::path::Path;
 
 #[derive(Parser, Debug, Clone)]
 #[command(
@@ -22,7 +21,8 @@ use std::path::Path;
     after_help = env_help(&[ENV_COMMON])
 )]
 pub struct PlanArgs {
-    /// Model: a LLaMA preset (7b, 13b, 30b, 70b, gpt3-5b, gpt3-175b) or a config.json
+    /// Model: a preset (tiny, small, 7b, 13b, 30b, 70b, gpt3-5b, gpt3-175b: autoconfig's) or a
+    /// config.json
     #[arg(long, value_name = "PRESET|FILE")]
     pub model: String,
     /// GPUs (ranks) in all
@@ -100,11 +100,23 @@ impl PlanArgs {
         }
     }
 
+    /// The model `--model` names: a config.json, one of the presets built here (`tiny`, `small`,
+    /// with their vocabulary of 4096 and 32000), or a modelled GPU preset: the presets autoconfig
+    /// takes.
     pub fn model_shape(&self) -> AnyResult<ModelShape> {
-        Ok(if Path::new(&self.model).is_file() {
-            ModelShape::from_config(&crate::nn::LlamaConfig::from_file(&self.model)?, &self.model)
-        } else {
-            ModelShape::preset(&self.model)?
+        use crate::autoconfig::run::{CPU_PRESETS, GPU_PRESETS};
+        let m = self.model.as_str();
+        Ok(match super::preset_or_file("--model", m)? {
+            Some(file) => ModelShape::from_config(&crate::nn::LlamaConfig::from_file(file)?, m),
+            None if CPU_PRESETS.contains(&m) => ModelShape::from_config(&crate::nn::LlamaConfig::preset(m)?, m),
+            None if GPU_PRESETS.contains(&m) => ModelShape::preset(m)?,
+            None => {
+                return Err(super::flag_error(format!(
+                    "--model {m}: not a preset ({}, {}) nor a config.json file",
+                    CPU_PRESETS.join(", "),
+                    GPU_PRESETS.join(", ")
+                )))
+            }
         })
     }
 
@@ -123,9 +135,10 @@ impl PlanArgs {
     }
 }
 
-fn row(e: &Estimate) -> String {
+/// One row of the table; `spec_width` is the widest spec shown, so 3-digit layouts line up.
+fn row(e: &Estimate, spec_width: usize) -> String {
     format!(
-        "{:<32} {:>5} {:>9.1} {:>9.1} {:>9.1} {:>9.3} {:>9.3} {:>9.3} {:>6.1}%",
+        "{:<spec_width$} {:>5} {:>9.1} {:>9.1} {:>9.1} {:>9.3} {:>9.3} {:>9.3} {:>6.1}%",
         e.spec.to_string(),
         if e.fits { "yes" } else { "no" },
         e.mem.states() / GIB,
@@ -136,6 +149,16 @@ fn row(e: &Estimate) -> String {
         e.step,
         e.mfu * 100.0
     )
+}
+
+/// The table's header and one row per estimate, each column as wide as its widest cell.
+pub fn table(rows: &[Estimate]) -> Vec<String> {
+    let w = rows.iter().map(|e| e.spec.to_string().len()).max().unwrap_or(0).max(32);
+    let header = format!(
+        "{:<w$} {:>5} {:>9} {:>9} {:>9} {:>9} {:>9} {:>9} {:>7}",
+        "spec", "fits", "states", "act+buf", "mem GiB", "comm s", "exposed", "step s", "MFU"
+    );
+    std::iter::once(header).chain(rows.iter().map(|e| row(e, w))).collect()
 }
 
 /// The chosen layout as the last line's JSON.
@@ -172,12 +195,8 @@ pub fn run(a: PlanArgs) -> AnyResult<()> {
         a.seq_len,
         a.grad_reduce.grad_reduce_dtype
     );
-    println!(
-        "{:<32} {:>5} {:>9} {:>9} {:>9} {:>9} {:>9} {:>9} {:>7}",
-        "spec", "fits", "states", "act+buf", "mem GiB", "comm s", "exposed", "step s", "MFU"
-    );
-    for e in ranked.iter().take(a.top) {
-        println!("{}", row(e));
+    for line in table(&ranked[..a.top.min(ranked.len())]) {
+        println!("{line}");
     }
     println!("{}", chosen_json(&a, best));
     Ok(())

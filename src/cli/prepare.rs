@@ -60,7 +60,7 @@ pub struct RecordArgs {
 impl RecordArgs {
     /// The flags as the library takes them.
     pub fn options(&self) -> crate::shards::RecordOptions {
-        crate::shards::RecordOptions { text_field: self.text_field.clone(), skip_bad_records: self.skip_bad_records }
+        crate::shards::RecordOptions { text_field: self.text_field.clone(), skip_bad_records: self.skip_bad_records, ..Default::default() }
     }
 }
 

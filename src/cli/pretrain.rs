@@ -44,6 +44,9 @@ pub struct PretrainArgs {
 }
 
 impl Tool for PretrainArgs {
+    fn train_args_mut(&mut self) -> Option<&mut TrainArgs> {
+        Some(&mut self.train)
+    }
     fn cli() -> Command {
         <Self as clap::CommandFactory>::command().mut_arg("out", |a| a.default_value("runs/pretrain_llama"))
     }
@@ -65,12 +68,8 @@ pub(crate) fn preflight(a: &TrainArgs) -> AnyResult<()> {
     let resumed = match &a.resume {
         Some(r) => {
             let dir = run_dir::resolve_checkpoint(r).with_context(|| format!("--resume {}", r.display()))?;
-            let state = std::fs::read_to_string(dir.join(run_dir::TRAINER_STATE))?;
-            let step = serde_json::from_str::<serde_json::Value>(&state)?
-                .get("step")
-                .and_then(|s| s.as_u64())
-                .with_context(|| format!("{}: no step", dir.join(run_dir::TRAINER_STATE).display()))?;
-            Some((run_dir::run_dir_of(&dir), step as usize))
+            let step = crate::checkpoint::checkpoint_step(&dir).with_context(|| format!("--resume {}", r.display()))?;
+            Some((run_dir::run_dir_of(&dir), step))
         }
         None => None,
     };
@@ -94,16 +93,17 @@ fn prepare(args: &PretrainArgs) -> AnyResult<Prepared> {
     let tok_path = a.tokenizer.clone().unwrap_or_else(|| super::bundled("data/tokenizer.json"));
     let tokenizer = Tokenizer::from_file(&tok_path).with_context(|| format!("cannot load the tokenizer {}", tok_path.display()))?;
     let data = a.data.clone().unwrap_or_else(|| super::bundled("data/corpus"));
-    let (shards, train, val) = crate::shards::token_data_with(&data, &tokenizer, &tok_path, &a.records.options())?;
+    let (shards, train, val) = crate::shards::token_data_with(&data, &tokenizer, &tok_path, &a.data_options())?;
     // The final validation always runs, so the split must serve one window whatever --eval-every.
     check_validation_data(&val, opts.batch_size, opts.seq_len).with_context(|| format!("{}", shards.display()))?;
 
-    let mut cfg = if Path::new(&args.config).is_file() {
-        LlamaConfig::from_file(Path::new(&args.config))?
-    } else {
-        let mut c = LlamaConfig::preset(&args.config).context("--config")?;
-        c.vocab_size = tokenizer.vocab_size();
-        c
+    let mut cfg = match super::preset_or_file("--config", &args.config)? {
+        Some(file) => LlamaConfig::from_file(file)?,
+        None => {
+            let mut c = LlamaConfig::preset(&args.config).map_err(|e| super::flag_error(format!("--config: {e}")))?;
+            c.vocab_size = tokenizer.vocab_size();
+            c
+        }
     };
     check_vocab(&tokenizer, &tok_path, cfg.vocab_size, &args.config)?;
     if let Some(l) = &args.ladder_layers {
@@ -115,7 +115,9 @@ fn prepare(args: &PretrainArgs) -> AnyResult<Prepared> {
     let special = crate::tokenizer_files::SpecialIds::of(&tokenizer)?;
     cfg.bos_token_id = special.bos;
     cfg.eos_token_id = special.eos.map(|e| vec![e]).unwrap_or_default();
-    let layout = a.parallel.layout()?.mem_layout(a.activation_checkpointing)?;
+    let parallelism = a.parallel.layout()?;
+    parallelism.check_model(&cfg)?;
+    let layout = parallelism.mem_layout(a.activation_checkpointing)?;
     let mem = crate::planner::memory::check_layout(&cfg, dtype, device, &opts.shape(), &layout)?;
     report(&format!("memory: predicted peak {}", crate::planner::memory::describe_layout(&mem, &layout)));
     let set = crate::train::TrainSet::Shards { train, val };
@@ -218,7 +220,10 @@ pub fn apply_config_from(mut args: PretrainArgs) -> AnyResult<PretrainArgs> {
 }
 
 pub fn run(args: PretrainArgs) -> AnyResult<()> {
-    let args = apply_config_from(args)?;
+    let mut args = apply_config_from(args)?;
+    if !args.train.settle_resume()? {
+        return Ok(());
+    }
     let a = &args.train;
     if a.profile {
         crate::profile::enable();
@@ -247,11 +252,7 @@ fn train_rank(args: &PretrainArgs, p: &Prepared, comm: Option<crate::parallel::C
         p.data.device,
         p.data.dtype
     ));
-    let parallel = comm.is_some();
-    let (mut trainer, spec) = p.data.trainer(model, a, opts.clone(), comm)?;
-    if parallel {
-        report(&format!("parallel: tp {} x dp {} ranks, sharding {spec}", a.parallel.tp, a.parallel.dp));
-    }
+    let (mut trainer, _) = p.data.trainer(model, a, opts.clone(), comm)?;
     if let Some(r) = &a.resume {
         trainer.resume(r).with_context(|| format!("--resume {}", r.display()))?;
         report(&format!("resumed from {} at step {}", r.display(), trainer.step));

@@ -324,12 +324,11 @@ impl VocabShards for VocabParallel {
 
 // ---- the plan -----------------------------------------------------------------------------------
 
-/// Shards `model` over the tensor-parallel group `tp` (Megatron's layout, see the module
-/// comment) and returns every parameter's layout. The model must hold full (unsharded)
-/// weights, identical on every rank.
-pub fn parallelize(model: &mut Llama, comm: &Comm) -> Result<TpShardings> {
-    let (tp, rank) = (comm.size(), comm.rank());
-    let c = model.config().clone();
+/// Whether `tp` ranks can split a model of config `c` (what [`parallelize`] needs): query heads,
+/// the MLP width and the vocabulary divisible by `tp`, and the key/value heads split over the
+/// ranks or replicated (one of kv heads and `tp` divides the other). Tools check this before
+/// any rank starts; the error names the config field and `--tp`.
+pub fn check_split(c: &ferrolm_nn::LlamaConfig, tp: usize) -> Result<()> {
     let err = |m: String| Error::new("parallelize", m);
     let need =
         |what: &str, n: usize| if n.is_multiple_of(tp) { Ok(()) } else { Err(err(format!("{what} ({n}) is not divisible by --tp {tp}"))) };
@@ -337,9 +336,20 @@ pub fn parallelize(model: &mut Llama, comm: &Comm) -> Result<TpShardings> {
     need("intermediate_size", c.intermediate_size)?;
     need("vocab_size", c.vocab_size)?;
     let kv = c.num_key_value_heads;
-    if !kv.is_multiple_of(tp) && tp % kv != 0 {
+    if !kv.is_multiple_of(tp) && !tp.is_multiple_of(kv) {
         return Err(err(format!("num_key_value_heads ({kv}) and --tp {tp}: one must divide the other")));
     }
+    Ok(())
+}
+
+/// Shards `model` over the tensor-parallel group `tp` (Megatron's layout, see the module
+/// comment) and returns every parameter's layout. The model must hold full (unsharded)
+/// weights, identical on every rank.
+pub fn parallelize(model: &mut Llama, comm: &Comm) -> Result<TpShardings> {
+    let (tp, rank) = (comm.size(), comm.rank());
+    let c = model.config().clone();
+    check_split(&c, tp)?;
+    let kv = c.num_key_value_heads;
     // Ranks that share a replicated key/value head sum its weight gradient: the whole group
     // when there is one key/value head (its own communicator, not a duplicate).
     let kv_parts = kv.min(tp);
