@@ -12,6 +12,7 @@ use ferrolm::cli::export::ExportArgs;
 use ferrolm::cli::finetune::FinetuneArgs;
 use ferrolm::cli::finetune_ladder::FinetuneLadderArgs;
 use ferrolm::cli::generate::GenerateArgs;
+use ferrolm::cli::launch::LaunchArgs;
 use ferrolm::cli::plan::PlanArgs;
 use ferrolm::cli::prepare::{PrepareDataArgs, TrainTokenizerArgs};
 use ferrolm::cli::pretrain::PretrainArgs;
@@ -64,6 +65,7 @@ fn tools() -> Vec<(&'static str, clap::Command, Vec<&'static str>)> {
             vec!["Pick a model size", "--inter-gb-s", "--interference", "--grad-reduce-dtype", "RUST_LOG"],
         ),
         ("export", ExportArgs::cli(), vec!["Hugging Face model", "training state", "RUST_LOG"]),
+        ("launch", LaunchArgs::cli(), vec!["one process per GPU", "torchrun", "MASTER_PORT", "RUST_LOG"]),
     ]
 }
 

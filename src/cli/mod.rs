@@ -14,6 +14,7 @@ pub mod export;
 pub mod finetune;
 pub mod finetune_ladder;
 pub mod generate;
+pub mod launch;
 pub mod lora;
 pub mod parallel;
 pub mod plan;

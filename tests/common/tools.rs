@@ -27,7 +27,7 @@ pub fn child_entry() {
 
 /// The tools [`run`] and [`parse`] know (each `examples/NAME.rs` wraps its `ferrolm::cli` module).
 pub const TOOLS: &[&str] =
-    &["pretrain_llama", "finetune_ladder", "eval", "generate", "export", "plan", "autoconfig", "prepare_data", "train_tokenizer"];
+    &["pretrain_llama", "finetune_ladder", "eval", "generate", "export", "plan", "autoconfig", "prepare_data", "train_tokenizer", "launch"];
 
 /// The tool `argv[0]`'s own parser on `argv`: the flag error as clap prints it.
 pub fn parse(argv: &[String]) -> Result<(), String> {
@@ -42,13 +42,15 @@ pub fn parse(argv: &[String]) -> Result<(), String> {
         "autoconfig" => parse_from::<autoconfig::AutoconfigArgs, _, _>(argv).err(),
         "prepare_data" => parse_from::<prepare::PrepareDataArgs, _, _>(argv).err(),
         "train_tokenizer" => parse_from::<prepare::TrainTokenizerArgs, _, _>(argv).err(),
+        "launch" => parse_from::<launch::LaunchArgs, _, _>(argv).err(),
         other => return Err(format!("no tool named {other:?}")),
     };
     e.map_or(Ok(()), |e| Err(e.to_string()))
 }
 
 /// Runs the tool `argv[0]` (a ferrolm example's name) in this process with `argv` and returns its
-/// exit code (`cli::run_tool`: 0, 1 for a runtime error, 2 for a flag error).
+/// exit code (`cli::run_tool`: 0, 1 for a runtime error, 2 for a flag error). `launch` starts its
+/// processes as this test binary's `tool_process`, each running the tool it was given.
 pub fn run(argv: Vec<String>) -> i32 {
     use ferrolm::cli::{self, run_tool};
     match argv.first().map(String::as_str).unwrap_or("") {
@@ -61,6 +63,13 @@ pub fn run(argv: Vec<String>) -> i32 {
         "plan" => run_tool(argv, cli::plan::run),
         "autoconfig" => run_tool(argv, cli::autoconfig::run),
         "export" => run_tool(argv, cli::export::run),
+        "launch" => run_tool(argv, |a: cli::launch::LaunchArgs| {
+            let mut l = a.local_launch()?;
+            l.program = std::env::current_exe()?;
+            l.args = child_args();
+            l.env.push((ARGS_VAR.into(), serde_json::to_string(&a.command)?));
+            cli::launch::start(l)
+        }),
         other => panic!("no tool named {other:?}"),
     }
 }
