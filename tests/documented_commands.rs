@@ -1,6 +1,6 @@
 //! Every command in the user documentation runs as written, so none can go stale without this
-//! test failing. The commands are read from the documents themselves ([`DOCS`]; a new document
-//! is one line there):
+//! test failing. The commands are read from the documents themselves ([`docs`]: README.md, then
+//! every page of docs/ but those of [`NOT_RUN`], so a new page is run without a word here):
 //!
 //! - every line of a fenced code block (a `\` at the end continues it; `#` starts a comment) that
 //!   is not marked ```text or ```json;
@@ -9,12 +9,13 @@
 //!   `torchrun …` and the like are fragments that name a flag; the fences hold their commands).
 //!
 //! They run in order, one document after another, in one scratch folder that stands for the
-//! repository root (its `data/` holds the bundled tokenizer and a shortened corpus; `scripts/`
+//! repository root (its `data/` holds the bundled tokenizer, chat data and template, and a
+//! shortened corpus; `scripts/`
 //! is the repository's), so a command may use what an earlier one wrote, as a reader following
 //! the documents would. Each tool runs as a child process of this test binary (its `tool_process`
 //! test, `common/tools.rs`), not as a built example. How a command is taken:
 //!
-//! - `cargo run … --example TOOL -- FLAGS` of a tool (`pretrain_llama`, `finetune_ladder`, `eval`,
+//! - `cargo run … --example TOOL -- FLAGS` of a tool (`pretrain_llama`, `finetune`, `finetune_ladder`, `eval`,
 //!   `generate`, `export`, `plan`, `autoconfig`, `prepare_data`, `train_tokenizer`): run, with
 //!   only the steps (`--steps`, autoconfig's `--trials` and `--trial-steps`) and the sizes
 //!   (`--batch-size`, `--seq-len`, `--max-new-tokens`, autoconfig's batch and micro-batches)
@@ -42,8 +43,27 @@ use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 use std::time::Instant;
 
-/// The documents whose commands are run, in the order a reader meets them.
-const DOCS: &[&str] = &["README.md", "docs/PARALLEL.md", "docs/LADDER.md", "docs/EVALUATION.md", "docs/AUTOCONFIG.md"];
+/// The documents whose commands are run, in the order a reader meets them; docs/'s other pages
+/// follow in name order.
+const FIRST: &[&str] = &["README.md", "docs/PARALLEL.md", "docs/LADDER.md", "docs/EVALUATION.md", "docs/AUTOCONFIG.md"];
+
+/// The pages of docs/ whose commands are not for a user to follow, and why.
+const NOT_RUN: &[(&str, &str)] = &[
+    ("docs/ARCHITECTURE.md", "the code's map: names scripts and tests, shows no user command"),
+    ("docs/BENCHMARKS.md", "measurements: benchmarks and GPU scripts that run for minutes to hours"),
+    ("docs/OFFLOAD.md", "the offload engine's design and its benchmark"),
+];
+
+/// [`FIRST`], then every other page of docs/ that [`NOT_RUN`] does not name.
+fn docs() -> Vec<String> {
+    let mut rest: Vec<String> = std::fs::read_dir(common::root().join("docs"))
+        .unwrap()
+        .map(|e| format!("docs/{}", e.unwrap().file_name().to_string_lossy()))
+        .filter(|d| d.ends_with(".md") && !FIRST.contains(&d.as_str()) && !NOT_RUN.iter().any(|(n, _)| n == d))
+        .collect();
+    rest.sort();
+    FIRST.iter().map(|d| d.to_string()).chain(rest).collect()
+}
 
 /// Bytes of the bundled sonnets the scratch corpus keeps (about 9,000 tokens).
 const CORPUS_BYTES: usize = 30_000;
@@ -56,7 +76,7 @@ fn tool_process() {
 /// One command as the document writes it.
 #[derive(Clone, Debug)]
 struct DocCommand {
-    doc: &'static str,
+    doc: String,
     line: usize,
     text: String,
 }
@@ -68,7 +88,7 @@ impl DocCommand {
 }
 
 /// The commands of `text` (see the module comment), in order.
-fn extract(doc: &'static str, text: &str) -> Vec<DocCommand> {
+fn extract(doc: &str, text: &str) -> Vec<DocCommand> {
     let lines: Vec<&str> = text.lines().collect();
     let mut out = Vec::new();
     let mut prose = String::new(); // text outside fences, for inline spans; with its line numbers
@@ -106,7 +126,7 @@ fn extract(doc: &'static str, text: &str) -> Vec<DocCommand> {
                 }
                 let start = i + 1;
                 let (cmd, next) = joined(i, &|s: &str| s.trim().to_string());
-                out.push(DocCommand { doc, line: start, text: cmd });
+                out.push(DocCommand { doc: doc.to_string(), line: start, text: cmd });
                 i = next;
             }
             i += 1;
@@ -115,7 +135,7 @@ fn extract(doc: &'static str, text: &str) -> Vec<DocCommand> {
         if l.starts_with("    ") && l.trim_start().starts_with("$ ") {
             let start = i + 1;
             let (cmd, next) = joined(i, &|s: &str| s.trim().trim_start_matches("$ ").to_string());
-            out.push(DocCommand { doc, line: start, text: cmd });
+            out.push(DocCommand { doc: doc.to_string(), line: start, text: cmd });
             i = next;
             continue;
         }
@@ -140,7 +160,7 @@ fn extract(doc: &'static str, text: &str) -> Vec<DocCommand> {
         let span = after[..b].split_whitespace().collect::<Vec<_>>().join(" ");
         let line = prose_lines.iter().find(|(end, _)| *end > offset + a).map_or(0, |(_, l)| *l);
         if ["cargo ", "lm_eval ", "scripts/"].iter().any(|p| span.starts_with(p)) {
-            out.push(DocCommand { doc, line, text: span });
+            out.push(DocCommand { doc: doc.to_string(), line, text: span });
         }
         offset += a + 1 + b + 1;
         rest = &after[b + 1..];
@@ -215,6 +235,9 @@ impl Sandbox {
         let sonnets = std::fs::read(common::data_path("corpus/sonnets.txt")).unwrap();
         let cut = sonnets[..CORPUS_BYTES].iter().rposition(|&b| b == b'\n').unwrap() + 1;
         std::fs::write(data.join("corpus/sonnets.txt"), &sonnets[..cut]).unwrap();
+        for f in ["chat.jsonl", "chat_template.jinja"] {
+            std::os::unix::fs::symlink(std::fs::canonicalize(common::data_path(f)).unwrap(), data.join(f)).unwrap();
+        }
         std::os::unix::fs::symlink(common::root().join("scripts"), root.join("scripts")).unwrap();
         Sandbox { root, renames: Vec::new() }
     }
@@ -265,10 +288,13 @@ fn at_most(n: usize) -> impl Fn(&str) -> String {
 /// Only the steps and the sizes of a tool's run, made small enough for the dev profile on 2 cores.
 fn shrink(tool: &str, argv: &mut Vec<String>) {
     match tool {
-        "pretrain_llama" | "finetune_ladder" => {
+        "pretrain_llama" | "finetune_ladder" | "finetune" => {
             set(argv, "--steps", Some("2"), at_most(2));
             set(argv, "--batch-size", Some("2"), at_most(2));
-            set(argv, "--seq-len", Some("16"), at_most(16));
+            // Token windows shrink to 16; a conversation needs a row that holds it whole.
+            let records = |d: &str| [".jsonl", ".jsonl.gz", ".jsonl.zst", ".parquet"].iter().any(|e| d.ends_with(e));
+            let chat = tool == "finetune" && value(argv, "--data-format") != Some("text") && value(argv, "--data").is_none_or(records);
+            set(argv, "--seq-len", Some(if chat { "128" } else { "16" }), at_most(if chat { 128 } else { 16 }));
         }
         "eval" => {
             set(argv, "--seq-len", None, at_most(16));
@@ -448,7 +474,7 @@ impl Sandbox {
         let tool = argv[0].clone();
         let documented = match tool.as_str() {
             "pretrain_llama" => Some(value(argv, "--steps").map_or(500, |s| s.parse().unwrap_or(0))),
-            "finetune_ladder" => Some(value(argv, "--steps").map_or(200, |s| s.parse().unwrap_or(0))),
+            "finetune_ladder" | "finetune" => Some(value(argv, "--steps").map_or(200, |s| s.parse().unwrap_or(0))),
             _ => None,
         };
         shrink(&tool, argv);
@@ -566,10 +592,13 @@ fn every_documented_command_runs_as_written() {
     let mut sb = Sandbox::new();
     let (mut failures, mut report) = (Vec::new(), BTreeMap::new());
     let start = Instant::now();
-    for doc in DOCS {
-        let text = std::fs::read_to_string(common::root().join(doc)).unwrap_or_else(|e| panic!("{doc}: {e}"));
-        let cmds = extract(doc, &text);
-        assert!(!cmds.is_empty(), "{doc}: no commands found: is the extraction broken?");
+    for (doc, _) in NOT_RUN {
+        assert!(common::root().join(doc).is_file(), "{doc} is in NOT_RUN but does not exist");
+    }
+    for doc in docs() {
+        let text = std::fs::read_to_string(common::root().join(&doc)).unwrap_or_else(|e| panic!("{doc}: {e}"));
+        let cmds = extract(&doc, &text);
+        assert!(!cmds.is_empty(), "{doc}: no commands found: name it in NOT_RUN if it shows none, else the extraction is broken");
         for c in cmds {
             let line = match sb.take(&c) {
                 Ok(Outcome::Ran(s)) => format!("ran in {s:.1} s"),
@@ -610,4 +639,15 @@ fn commands_are_found_in_fences_prompts_and_inline_spans() {
     let mut a: Vec<String> = ["pretrain_llama", "--steps=150", "--seq-len", "128"].map(String::from).to_vec();
     shrink("pretrain_llama", &mut a);
     assert_eq!(a, ["pretrain_llama", "--steps=2", "--seq-len", "16", "--batch-size", "2"]);
+    // Conversations keep rows that hold them; token data shrinks as pretraining does.
+    let mut a: Vec<String> = ["finetune", "--model", "m", "--seq-len=1024"].map(String::from).to_vec();
+    shrink("finetune", &mut a);
+    assert_eq!(a, ["finetune", "--model", "m", "--seq-len=128", "--steps", "2", "--batch-size", "2"]);
+    let mut a: Vec<String> = ["finetune", "--data", "data/corpus"].map(String::from).to_vec();
+    shrink("finetune", &mut a);
+    assert_eq!(a, ["finetune", "--data", "data/corpus", "--steps", "2", "--batch-size", "2", "--seq-len", "16"]);
+    // Every page of docs/ is run or named in NOT_RUN with its reason.
+    let pages = docs();
+    assert_eq!(pages[..FIRST.len()], FIRST.iter().map(|d| d.to_string()).collect::<Vec<_>>()[..]);
+    assert!(pages.iter().all(|p| !NOT_RUN.iter().any(|(n, _)| n == p)));
 }

@@ -26,14 +26,26 @@ pub fn child_entry() {
 }
 
 /// The tools [`run`] and [`parse`] know (each `examples/NAME.rs` wraps its `ferrolm::cli` module).
-pub const TOOLS: &[&str] =
-    &["pretrain_llama", "finetune_ladder", "eval", "generate", "export", "plan", "autoconfig", "prepare_data", "train_tokenizer", "launch"];
+pub const TOOLS: &[&str] = &[
+    "pretrain_llama",
+    "finetune",
+    "finetune_ladder",
+    "eval",
+    "generate",
+    "export",
+    "plan",
+    "autoconfig",
+    "prepare_data",
+    "train_tokenizer",
+    "launch",
+];
 
 /// The tool `argv[0]`'s own parser on `argv`: the flag error as clap prints it.
 pub fn parse(argv: &[String]) -> Result<(), String> {
     use ferrolm::cli::*;
     let e = match argv[0].as_str() {
         "pretrain_llama" => parse_from::<pretrain::PretrainArgs, _, _>(argv).err(),
+        "finetune" => parse_from::<finetune::FinetuneArgs, _, _>(argv).err(),
         "finetune_ladder" => parse_from::<finetune_ladder::FinetuneLadderArgs, _, _>(argv).err(),
         "eval" => parse_from::<eval::EvalArgs, _, _>(argv).err(),
         "generate" => parse_from::<generate::GenerateArgs, _, _>(argv).err(),
@@ -55,6 +67,7 @@ pub fn run(argv: Vec<String>) -> i32 {
     use ferrolm::cli::{self, run_tool};
     match argv.first().map(String::as_str).unwrap_or("") {
         "pretrain_llama" => run_tool(argv, cli::pretrain::run),
+        "finetune" => run_tool(argv, cli::finetune::run),
         "finetune_ladder" => run_tool(argv, cli::finetune_ladder::run),
         "eval" => run_tool(argv, cli::eval::run),
         "generate" => run_tool(argv, cli::generate::run),
