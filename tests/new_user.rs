@@ -62,6 +62,20 @@ fn model_takes_a_checkpoint_a_run_directory_or_checkpoints_latest() {
     ferrolm::cli::finetune_ladder::run(f)
         .unwrap_or_else(|e| panic!("finetune_ladder --model RUN/checkpoints/latest: {}", error_report(&e)));
     assert!(out.join("checkpoints/step-000000/config.json").is_file());
+    // finetune takes the same paths, and its resumed run continues in its own directory.
+    let out = p.dir.join("sft");
+    let head = ["finetune", "--device=cpu", "--seq-len=16", "--batch-size=2", "--eval-every=0"];
+    let f: ferrolm::cli::finetune::FinetuneArgs = parse_from(args(
+        &head,
+        &[flag("model", &run.join("checkpoints/latest")), flag("data", &p.data), flag("out", &out)],
+        &["--steps=1"],
+    ))
+    .unwrap();
+    ferrolm::cli::finetune::run(f).unwrap_or_else(|e| panic!("finetune --model RUN/checkpoints/latest: {}", error_report(&e)));
+    let f: ferrolm::cli::finetune::FinetuneArgs =
+        parse_from(args(&head, &[flag("model", &run), flag("data", &p.data), flag("resume", &out)], &["--steps=2"])).unwrap();
+    ferrolm::cli::finetune::run(f).unwrap_or_else(|e| panic!("finetune --resume RUN: {}", error_report(&e)));
+    assert!(out.join("checkpoints/step-000002/config.json").is_file(), "finetune --resume did not continue in {}", out.display());
     // A path that is none of these says so.
     let e: ferrolm::cli::eval::EvalArgs =
         parse_from(["eval", "--device=cpu", "--model", s(&p.dir.join("nothing")), "--text", s(&text), "--seq-len=16"]).unwrap();
