@@ -50,6 +50,15 @@ fn recipe_follows_its_sources() {
     assert!((seven.min_lr - 3e-5).abs() < 1e-15);
     assert_eq!(seven.global_batch_tokens, 2048 * 2048);
     assert_eq!((seven.beta1, seven.beta2, seven.eps, seven.weight_decay, seven.init_std), (0.9, 0.95, 1e-5, 0.1, 0.02));
+    // A run of it: the budget's tokens in steps of the global batch, LLaMA's 2000-step warmup
+    // (at most a tenth of a short run), ferrolm's AdamW eps, the dtype.
+    let run = hyper_params(6.7e9, 2048).for_run(2048, 2048 * 2048, Some(1e12), ferrolm::DType::BF16);
+    assert_eq!((run.steps, run.warmup_steps, run.eps), (238419, 2000, 1e-8));
+    assert!(run.precision.starts_with("bf16"));
+    let short = hyper_params(1e6, 32).for_run(32, 512, None, ferrolm::DType::F32);
+    assert_eq!((short.steps, short.warmup_steps, short.precision.as_str()), (39063, 2000, "f32"));
+    let shorter = hyper_params(1e6, 32).for_run(32, 512, Some(1e6), ferrolm::DType::F32);
+    assert_eq!((shorter.steps, shorter.warmup_steps), (1954, 195));
     assert_eq!(hyper_params(65e9, 2048).lr, 1.5e-4);
     assert!((seven.chinchilla_tokens - 134e9).abs() < 1e6);
     assert!(seven.rows.iter().all(|r| !r.source.is_empty()));
@@ -203,6 +212,13 @@ fn end_to_end_trials_pick_the_fastest_measured_and_round_trip_into_pretrain() {
     assert_eq!(a.train.parallel.grad_reduce_dtype.to_string(), "f32");
     assert_eq!(a.train.device.dtype, Some(ComputeDtype::F32));
     assert_eq!(p(&["--batch-size=3"]).train.batch_size, 3);
+    recipe_is_what_trains(&r, &a, &file);
+    assert_eq!(p(&["--warmup-steps", "7"]).train.options().warmup_steps, 7, "a flag given wins over the file");
+    assert_eq!(p(&["--warmup-steps=9"]).train.options().warmup_steps, 9);
+    // No MFU on thread ranks: they have no peak.
+    let table = ferrolm::cli::autoconfig::layout_table(&args.request().unwrap(), &r, 3);
+    assert!(table.lines().count() > 1 && table.lines().skip(1).all(|l| l.trim_end().ends_with(" -")), "an MFU on the CPU:\n{table}");
+    assert!(file.predicted.as_ref().is_some_and(|p| p["mfu"].is_null()), "{:?}", file.predicted);
 
     // And it trains with that layout.
     let run = dir.join("run");
@@ -346,4 +362,50 @@ fn planner_counts_nccl_buffers_per_communicator() {
     let one = Cluster { gpus: 1, ..with.clone() };
     let w1 = Workload { tp: 1, global_batch_tokens: 2048, ..w.clone() };
     assert_eq!(evaluate(&m, &one, &w1, ShardSpec::zero(0, 1).unwrap()).unwrap().mem.workspace, 0.0);
+}
+
+/// Every row of the recipe autoconfig prints is what `pretrain_llama --config-from` trains (the
+/// options `a` the file gave, ferrolm's AdamW, the model config the file names).
+fn recipe_is_what_trains(r: &ferrolm::cli::autoconfig::Report, a: &PretrainArgs, file: &TrainConfig) {
+    use ferrolm::nn::optim::AdamWConfig;
+    let (h, o) = (&r.hyper, a.train.options());
+    let adamw = ferrolm::train::Trainer::adamw_config(&o);
+    let row = |name: &str| h.rows.iter().find(|x| x.name == name).unwrap_or_else(|| panic!("no row {name}")).value.clone();
+    let names: Vec<&str> = h.rows.iter().map(|x| x.name).collect();
+    let checked = [
+        "peak lr",
+        "schedule",
+        "warmup",
+        "global batch",
+        "weight decay",
+        "AdamW betas",
+        "AdamW eps",
+        "init std",
+        "gradient clipping",
+        "precision",
+        "tokens",
+    ];
+    assert_eq!(names, checked, "a row this test does not hold to what trains");
+    assert_eq!((o.lr, o.min_lr), (h.lr, h.min_lr), "peak lr and the cosine's floor");
+    assert_eq!(row("peak lr"), format!("{:.1e}", o.lr));
+    assert_eq!(o.warmup_steps, h.warmup_steps, "warmup");
+    assert_eq!(row("warmup"), format!("{} steps", o.warmup_steps));
+    assert!(o.warmup_steps < o.steps, "the warmup fits the recipe's run");
+    assert_eq!(Some(o.steps), file.steps);
+    assert_eq!(row("tokens"), format!("{:.3e}: {} steps", h.chinchilla_tokens, o.steps), "no budget: Chinchilla's tokens");
+    let global = o.batch_size * o.grad_accum * a.train.parallel.dp * o.seq_len;
+    assert_eq!(global, h.global_batch_tokens, "global batch");
+    assert_eq!(row("global batch"), format!("{} x {} = {global} tokens", global / o.seq_len, o.seq_len));
+    assert_eq!((adamw.weight_decay, o.weight_decay), (h.weight_decay, h.weight_decay), "weight decay");
+    assert_eq!(row("weight decay"), format!("{}", o.weight_decay));
+    assert_eq!((adamw.beta1, adamw.beta2, adamw.eps), (h.beta1, h.beta2, h.eps), "AdamW");
+    assert_eq!(row("AdamW betas"), format!("({}, {})", adamw.beta1, adamw.beta2));
+    assert_eq!(row("AdamW eps").parse::<f64>().unwrap(), AdamWConfig::default().eps);
+    assert_eq!(o.grad_clip, h.grad_clip);
+    assert_eq!(row("gradient clipping").parse::<f64>().unwrap(), o.grad_clip);
+    let cfg = ferrolm::nn::LlamaConfig::from_file(file.config.as_ref().expect("the CPU target writes config.json")).unwrap();
+    assert_eq!(cfg.initializer_range, h.init_std, "init std");
+    assert_eq!(row("init std").parse::<f64>().unwrap(), cfg.initializer_range);
+    assert_eq!(a.train.device.dtype, Some(ComputeDtype::F32));
+    assert_eq!(row("precision"), "f32", "the precision row is the dtype that trains");
 }

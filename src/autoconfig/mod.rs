@@ -95,7 +95,8 @@ pub struct Row {
     pub source: &'static str,
 }
 
-/// The base training recipe for a model of `params` parameters on sequences of `seq` tokens.
+/// The base training recipe for a model of `params` parameters on sequences of `seq` tokens:
+/// the published values ([`hyper_params`]), then what a run of it trains ([`HyperParams::for_run`]).
 #[derive(Clone, Debug, Serialize)]
 pub struct HyperParams {
     pub lr: f64,
@@ -110,15 +111,26 @@ pub struct HyperParams {
     pub eps: f64,
     pub init_std: f64,
     pub grad_clip: f64,
-    pub precision: &'static str,
+    pub precision: String,
     /// Chinchilla's compute-optimal tokens (~20 per parameter), when no budget gave them.
     pub chinchilla_tokens: f64,
+    /// Optimizer steps of the run ([`HyperParams::for_run`]; 0 before).
+    pub steps: usize,
     pub rows: Vec<Row>,
+    #[serde(skip)]
+    lr_source: &'static str,
+    #[serde(skip)]
+    batch_source: &'static str,
+    #[serde(skip)]
+    tokens_source: &'static str,
 }
 
-/// The recipe (docs/AUTOCONFIG.md has the table with the sources).
+/// Warmup of the recipe: LLaMA's 2000 steps, at most a tenth of a shorter run.
+pub const WARMUP_STEPS: usize = 2000;
+
+/// The published recipe (docs/AUTOCONFIG.md has the table with the sources).
 pub fn hyper_params(params: f64, seq: usize) -> HyperParams {
-    let (lr, lr_src) = if params < 0.25e9 {
+    let (lr, lr_source) = if params < 0.25e9 {
         (6e-4, "GPT-3 Table 2.1 (Small, 125M)")
     } else if params < 0.55e9 {
         (3e-4, "GPT-3 Table 2.1 (Medium, 350M)")
@@ -131,18 +143,18 @@ pub fn hyper_params(params: f64, seq: usize) -> HyperParams {
     };
     // Global batch: GPT-3's 0.5M tokens below 1B; ~4M tokens (LLaMA; Ladder's 2048 sequences of
     // 2048) from 1B. In whole sequences, a power of two.
-    let (target, batch_src) = if params < 1.0e9 {
+    let (target, batch_source) = if params < 1.0e9 {
         (0.5e6, "GPT-3 Table 2.1 (0.5M tokens below 1B)")
     } else {
         (4.0e6, "LLaMA-1/2 (4M tokens); Ladder (2048 x 2048)")
     };
     let seqs = ((target / seq as f64).log2().round().max(0.0) as u32).min(30);
     let global_batch_sequences = 1usize << seqs;
-    let h = HyperParams {
+    let mut h = HyperParams {
         lr,
         min_lr: lr / 10.0,
         schedule: "cosine",
-        warmup_steps: 2000,
+        warmup_steps: WARMUP_STEPS,
         global_batch_tokens: global_batch_sequences * seq,
         global_batch_sequences,
         weight_decay: 0.1,
@@ -151,34 +163,84 @@ pub fn hyper_params(params: f64, seq: usize) -> HyperParams {
         eps: 1e-5,
         init_std: 0.02,
         grad_clip: 1.0,
-        precision: "bf16 (f32 on the CPU)",
+        precision: "bf16".into(),
         chinchilla_tokens: 20.0 * params,
+        steps: 0,
         rows: Vec::new(),
+        lr_source,
+        batch_source,
+        tokens_source: "Chinchilla Table 3 (Approach 1 projections: 20.2-22 tokens per parameter)",
     };
-    let rows = vec![
-        Row { name: "peak lr", value: format!("{:.1e}", h.lr), source: lr_src },
-        Row {
-            name: "schedule",
-            value: "warmup, then cosine to 10% of peak".into(),
-            source: "LLaMA-1 §2.3; Llama 2 §2.2; Ladder (lr_decay_factor 0.1)",
-        },
-        Row { name: "warmup", value: "2000 steps".into(), source: "LLaMA-1 §2.3; Llama 2 §2.2; Ladder configs" },
-        Row {
-            name: "global batch",
-            value: format!("{} x {} = {} tokens", h.global_batch_sequences, seq, h.global_batch_tokens),
-            source: batch_src,
-        },
-        Row { name: "weight decay", value: "0.1".into(), source: "LLaMA-1/2; GPT-3; Ladder" },
-        Row { name: "AdamW betas", value: "(0.9, 0.95)".into(), source: "LLaMA-1/2; GPT-3; Ladder" },
-        Row { name: "AdamW eps", value: "1e-5".into(), source: "Llama 2 §2.2 (GPT-3: 1e-8; Ladder: 1e-10)" },
-        Row { name: "init std", value: "0.02".into(), source: "Ladder configs (initializer_range); LLaMA does not state it" },
-        Row { name: "gradient clipping", value: "1.0".into(), source: "LLaMA-1/2; GPT-3; Ladder" },
-        Row { name: "precision", value: "bf16".into(), source: "Ladder configs; NeMo 175B config" },
-        Row {
-            name: "tokens",
-            value: format!("{:.3e} (~20 per parameter)", h.chinchilla_tokens),
-            source: "Chinchilla Table 3 (Approach 1 projections: 20.2-22 tokens per parameter)",
-        },
-    ];
-    HyperParams { rows, ..h }
+    h.rows = h.make_rows(seq, None);
+    h
+}
+
+impl HyperParams {
+    /// The recipe as `pretrain_llama --config-from` trains it, and so as the tool prints it:
+    /// the searched global batch of `global_batch_tokens` (`--global-batch-tokens` overrides the
+    /// recipe's), `tokens` (a budget's, else Chinchilla's) in whole steps of it, LLaMA's warmup
+    /// capped at a tenth of those steps, ferrolm's AdamW eps (GPT-3's 1e-8, not Llama 2's 1e-5)
+    /// and `dtype`. Peak lr, the cosine to 10%, weight decay, betas, clipping and init std are
+    /// pretrain_llama's own already (tests/autoconfig.rs holds each row to what trains).
+    pub fn for_run(mut self, seq: usize, global_batch_tokens: usize, tokens: Option<f64>, dtype: crate::DType) -> HyperParams {
+        if global_batch_tokens != self.global_batch_tokens {
+            self.batch_source = "--global-batch-tokens";
+        }
+        self.global_batch_tokens = global_batch_tokens;
+        self.global_batch_sequences = global_batch_tokens / seq.max(1);
+        if tokens.is_some() {
+            self.tokens_source = "the budget";
+        }
+        let tokens = tokens.unwrap_or(self.chinchilla_tokens);
+        self.steps = ((tokens / global_batch_tokens.max(1) as f64).ceil() as usize).max(1);
+        self.warmup_steps = WARMUP_STEPS.min(self.steps / 10).max(1);
+        self.eps = ferrolm_nn::optim::AdamWConfig::default().eps;
+        self.precision = if dtype == crate::DType::F32 { "f32".into() } else { "bf16 (fp32 master weights and optimizer state)".into() };
+        self.rows = self.make_rows(seq, Some(tokens));
+        self
+    }
+
+    fn make_rows(&self, seq: usize, tokens: Option<f64>) -> Vec<Row> {
+        let warmup_source = if self.warmup_steps < WARMUP_STEPS {
+            "LLaMA-1 §2.3; Llama 2 §2.2 (2000), at most a tenth of the run's steps"
+        } else {
+            "LLaMA-1 §2.3; Llama 2 §2.2; Ladder configs"
+        };
+        let (eps, eps_source) = if self.eps == 1e-5 {
+            ("1e-5", "Llama 2 §2.2 (GPT-3: 1e-8; Ladder: 1e-10)")
+        } else {
+            ("1e-8", "GPT-3 (ferrolm's AdamW; Llama 2: 1e-5; Ladder: 1e-10)")
+        };
+        let mut rows = vec![
+            Row { name: "peak lr", value: format!("{:.1e}", self.lr), source: self.lr_source },
+            Row {
+                name: "schedule",
+                value: "warmup, then cosine to 10% of peak".into(),
+                source: "LLaMA-1 §2.3; Llama 2 §2.2; Ladder (lr_decay_factor 0.1)",
+            },
+            Row { name: "warmup", value: format!("{} steps", self.warmup_steps), source: warmup_source },
+            Row {
+                name: "global batch",
+                value: format!("{} x {} = {} tokens", self.global_batch_sequences, seq, self.global_batch_tokens),
+                source: self.batch_source,
+            },
+            Row { name: "weight decay", value: format!("{}", self.weight_decay), source: "LLaMA-1/2; GPT-3; Ladder" },
+            Row { name: "AdamW betas", value: format!("({}, {})", self.beta1, self.beta2), source: "LLaMA-1/2; GPT-3; Ladder" },
+            Row { name: "AdamW eps", value: eps.into(), source: eps_source },
+            Row {
+                name: "init std",
+                value: format!("{}", self.init_std),
+                source: "Ladder configs (initializer_range); LLaMA does not state it",
+            },
+            Row { name: "gradient clipping", value: format!("{:.1}", self.grad_clip), source: "LLaMA-1/2; GPT-3; Ladder" },
+            Row { name: "precision", value: self.precision.clone(), source: "Ladder configs; NeMo 175B config (f32 on the CPU)" },
+        ];
+        rows.push(match tokens {
+            None => {
+                Row { name: "tokens", value: format!("{:.3e} (~20 per parameter)", self.chinchilla_tokens), source: self.tokens_source }
+            }
+            Some(t) => Row { name: "tokens", value: format!("{t:.3e}: {} steps", self.steps), source: self.tokens_source },
+        });
+        rows
+    }
 }

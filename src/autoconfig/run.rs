@@ -365,8 +365,14 @@ fn write_train_config(r: &Request, rep: &Report, cfg: Option<&LlamaConfig>) -> A
     };
     tc.ladder_layers = r.model.ladder_layers.clone();
     tc.hyper_parameters = Some(serde_json::to_value(&rep.hyper)?);
-    if let Some(b) = &r.model.budget {
-        tc.steps = Some((b.tokens / rep.global_batch_tokens as f64).ceil() as usize);
+    // The recipe's steps and warmup (its printed rows are what --config-from trains).
+    tc.steps = Some(rep.hyper.steps);
+    tc.warmup_steps = Some(rep.hyper.warmup_steps);
+    if r.machines.target() == Target::Cpu {
+        // Thread ranks have no peak: a utilisation of the calibrated rate is no MFU.
+        if let Some(p) = tc.predicted.as_mut() {
+            p["mfu"] = serde_json::Value::Null;
+        }
     }
     if let Some(m) = rep.measured_of(&rep.chosen) {
         tc.measured = Some(serde_json::to_value(m)?);
@@ -403,8 +409,9 @@ pub fn run(r: &Request) -> AnyResult<Report> {
         bail!("--micro-batches: sizes must be at least 1");
     }
     let (shape, cfg, budget_params, seq) = model(r)?;
-    let hyper = hyper_params(shape.params() as f64, seq);
-    let global = r.search.global_batch_tokens.unwrap_or(hyper.global_batch_tokens);
+    let recipe = hyper_params(shape.params() as f64, seq);
+    let global = r.search.global_batch_tokens.unwrap_or(recipe.global_batch_tokens);
+    let hyper = recipe.for_run(seq, global, r.model.budget.as_ref().map(|b| b.tokens), r.dtype);
     let ladder = ladder_count(r, &shape, cfg.as_ref())?;
     let (cluster, calibration, by_mbs) = match &r.machines {
         Machines::Gpus { spec, .. } => {

@@ -146,6 +146,9 @@ pub struct TrainConfig {
     pub checkpointed_layers: usize,
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub steps: Option<usize>,
+    /// `--warmup-steps`: the recipe's warmup.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub warmup_steps: Option<usize>,
     /// Optimizer offload (`--offload-optimizer`).
     #[serde(default)]
     pub offload_optimizer: bool,
@@ -185,6 +188,7 @@ impl TrainConfig {
             activation_checkpointing: c.checkpointed_layers >= layers,
             checkpointed_layers: c.checkpointed_layers,
             steps: None,
+            warmup_steps: None,
             offload_optimizer: c.offload_k.is_some(),
             offload_gpu_every: c.offload_k.map(|k| if k == 0 { serde_json::json!("inf") } else { serde_json::json!(k) }),
             dtype: None,

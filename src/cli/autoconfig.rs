@@ -339,11 +339,18 @@ fn print_cluster(req: &Request, r: &Report) {
 
 /// The ranked (or trialled) layouts, the chosen one marked.
 fn print_table(req: &Request, r: &Report, top: usize) {
-    println!(
-        "{:<4} {:<30} {:>10} {:>9} {:>9} {:>8} {:>12} {:>7}",
+    print!("{}", layout_table(req, r, top));
+}
+
+/// The table of [`print_table`]. MFU is against the GPUs' peak; thread ranks have none (their
+/// calibrated rate is no peak), so on the CPU target the column holds `-`.
+pub fn layout_table(req: &Request, r: &Report, top: usize) -> String {
+    let mut out = format!(
+        "{:<4} {:<30} {:>10} {:>9} {:>9} {:>8} {:>12} {:>7}\n",
         "rank", "candidate", "mem/rank", "model s", "meas. s", "error", "tokens/s", "MFU"
     );
     let flops_token = r.shape.flops_per_token(r.seq_len);
+    let cpu = req.machines.target() == Target::Cpu;
     let rows: Vec<&Candidate> =
         if r.measured.is_empty() { r.ranked.iter().take(top).collect() } else { r.measured.iter().map(|m| &m.0).collect() };
     for (i, c) in rows.iter().enumerate() {
@@ -351,15 +358,15 @@ fn print_table(req: &Request, r: &Report, top: usize) {
             Some(m) => (format!("{:.3}", m.step_s), format!("{:+.1}%", (c.step_s - m.step_s) / m.step_s * 100.0), m.tokens_per_s),
             None => ("-".into(), "-".into(), c.tokens_per_s),
         };
-        let mfu = flops_token * tps / (r.cluster.gpus as f64 * r.cluster.peak_flops);
-        let mem = if req.machines.target() == Target::Cpu {
-            format!("{:.1} MiB", mib(c.mem.total()))
+        let mfu = if cpu {
+            "-".to_string()
         } else {
-            format!("{:.1} GiB", c.mem.total() / GIB)
+            format!("{:.1}%", flops_token * tps / (r.cluster.gpus as f64 * r.cluster.peak_flops) * 100.0)
         };
+        let mem = if cpu { format!("{:.1} MiB", mib(c.mem.total())) } else { format!("{:.1} GiB", c.mem.total() / GIB) };
         let mark = if c.name() == r.chosen.name() { "*" } else { "" };
-        println!(
-            "{:<4} {:<30} {:>10} {:>9.3} {:>9} {:>8} {:>12.0} {:>6.1}%",
+        out += &format!(
+            "{:<4} {:<30} {:>10} {:>9.3} {:>9} {:>8} {:>12.0} {:>7}\n",
             format!("{}{mark}", i + 1),
             c.name(),
             mem,
@@ -367,7 +374,8 @@ fn print_table(req: &Request, r: &Report, top: usize) {
             meas,
             err,
             tps,
-            mfu * 100.0
+            mfu
         );
     }
+    out
 }

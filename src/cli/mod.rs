@@ -465,6 +465,9 @@ pub struct TrainArgs {
     /// Peak learning rate (warmup, then cosine decay to a tenth of it)
     #[arg(long, value_name = "LR", default_value = "2e-3", value_parser = non_negative, allow_hyphen_values = true, help_heading = "Optimization")]
     pub lr: f64,
+    /// Steps of linear learning-rate warmup before the cosine decay [default: min(steps / 10 + 1, 25)]
+    #[arg(long, value_name = "N", help_heading = "Optimization")]
+    pub warmup_steps: Option<usize>,
     /// Seed of the model init and the data order
     #[arg(long, value_name = "S", default_value = "1337", help_heading = "Optimization")]
     pub seed: u64,
@@ -532,7 +535,7 @@ impl TrainArgs {
             grad_accum: self.grad_accum,
             lr: self.lr,
             min_lr: self.lr / 10.0,
-            warmup_steps: (self.steps / 10 + 1).min(25),
+            warmup_steps: self.warmup_steps.unwrap_or((self.steps / 10 + 1).min(25)),
             weight_decay: 0.1,
             grad_clip: 1.0,
             eval_every: self.eval_every,

@@ -189,6 +189,16 @@ pub fn apply_config_from(mut args: PretrainArgs) -> AnyResult<PretrainArgs> {
     if let Some(steps) = f.steps {
         fill!(t.steps, steps, "steps");
     }
+    if let Some(w) = f.warmup_steps {
+        fill!(t.warmup_steps, Some(w), "warmup_steps");
+        if w >= t.steps {
+            tracing::warn!(
+                "{}: a warmup of {w} steps is not shorter than the run's {}: the rate never reaches its peak",
+                path.display(),
+                t.steps
+            );
+        }
+    }
     if let Some(d) = &f.dtype {
         let d = super::ComputeDtype::parse(d)
             .ok_or_else(|| anyhow::anyhow!("{}: dtype must be \"f32\" or \"bf16\", got {d:?}", path.display()))?;
