@@ -340,9 +340,14 @@ mod cpu {
     use ferrolm_tensor::backend::Backend;
     use ferrolm_tensor::cpu::simd::{self, FastExp};
     use ferrolm_tensor::cpu::Finish;
-    use ferrolm_tensor::{multiversion, CpuStorage};
+    use ferrolm_tensor::{multiversion, CountedBytes, CpuStorage};
     use rayon::prelude::*;
     use std::sync::Arc;
+
+    /// The loop's vectors live outside tensor storage: counted, so measured peaks see them.
+    fn counted<T>(v: &[T]) -> CountedBytes {
+        CountedBytes::new(std::mem::size_of_val(v))
+    }
 
     /// The working precision of a dtype: f32 for f32 and bf16 (widened), f64 for f64.
     pub(super) trait Work: FastExp + Send + Sync + 'static {
@@ -432,14 +437,14 @@ mod cpu {
         dt: DType,
         /// The row losses' sum, in row order.
         sum: f64,
-        dx: Option<Vec<T>>,
-        dw: Option<Vec<T>>,
+        dx: Option<(Vec<T>, CountedBytes)>,
+        dw: Option<(Vec<T>, CountedBytes)>,
     }
 
     /// A chunk of logits whose max is being all-reduced (tensor parallelism).
     struct Pending<T> {
         chunk: Chunk,
-        l: Vec<T>,
+        l: (Vec<T>, CountedBytes),
         max: Tensor,
         tgt: Vec<T>,
     }
@@ -455,7 +460,11 @@ mod cpu {
                 sc: num_traits::cast(p.scale).unwrap_or_else(T::nan),
                 dt: x.0.dtype(),
                 sum: 0.0,
-                dx: p.dx.then(|| vec![T::zero(); p.n * p.c]),
+                dx: p.dx.then(|| {
+                    let v = vec![T::zero(); p.n * p.c];
+                    let c = counted(&v);
+                    (v, c)
+                }),
                 dw: None,
             }
         }
@@ -485,19 +494,25 @@ mod cpu {
             let one = |v: f64| if self.dt == DType::F64 { CpuStorage::F64(vec![v]) } else { CpuStorage::F32(vec![v as f32]) };
             let dt = self.dt;
             let dw_dt = if dt == DType::F64 { DType::F64 } else { DType::F32 };
-            Ok(Made { loss: Storage::Cpu(one(loss)), dx: self.dx.map(|v| T::store(v, dt)), dw: self.dw.map(|v| T::store(v, dw_dt)) })
+            Ok(Made {
+                loss: Storage::Cpu(one(loss)),
+                dx: self.dx.map(|(v, _)| T::store(v, dt)),
+                dw: self.dw.map(|(v, _)| T::store(v, dw_dt)),
+            })
         }
 
         /// The chunk's logits (rows, v) in working precision.
-        fn logits(&self, ch: Chunk) -> Result<Vec<T>> {
+        fn logits(&self, ch: Chunk) -> Result<(Vec<T>, CountedBytes)> {
             let (p, xo, wo) = (self.p, self.x.1.offset, self.w.1.offset);
             let xl = view(ch.rows, p.c, p.c, xo + ch.first * p.c, false);
             let wt = view(p.v, p.c, p.c, wo, true);
-            T::take(self.be.matmul((self.x.0, &xl), (self.w.0, &wt))?)
+            let l = T::take(self.be.matmul((self.x.0, &xl), (self.w.0, &wt))?)?;
+            let c = counted(&l);
+            Ok((l, c))
         }
 
         /// One device: the rows' losses and, in place, their gradients; then the gradient GEMMs.
-        fn single(&mut self, ch: Chunk, mut l: Vec<T>) -> Result<()> {
+        fn single(&mut self, ch: Chunk, (mut l, lc): (Vec<T>, CountedBytes)) -> Result<()> {
             let (v, ignore, sc) = (self.p.v, self.p.ignore, self.sc);
             let t = &self.t[ch.first..ch.first + ch.rows];
             let grad = self.p.dx || self.p.dw;
@@ -519,7 +534,7 @@ mod cpu {
                 .collect();
             self.add_losses(t, &rows);
             if grad {
-                self.gradients(ch, l)?;
+                self.gradients(ch, (l, lc))?;
             }
             Ok(())
         }
@@ -535,18 +550,18 @@ mod cpu {
 
         /// Each row's local max and target logit (0 where another rank holds it); the max's
         /// all-reduce launched.
-        fn launch_max(&self, ch: Chunk, l: Vec<T>, s: &dyn VocabShards) -> Result<Pending<T>> {
+        fn launch_max(&self, ch: Chunk, l: (Vec<T>, CountedBytes), s: &dyn VocabShards) -> Result<Pending<T>> {
             let (v, start) = (self.p.v, self.p.start as i64);
             let t = &self.t[ch.first..ch.first + ch.rows];
-            let (mx, tgt): (Vec<T>, Vec<T>) = l
-                .par_chunks(v)
-                .zip(t.par_iter())
-                .map(|(x, &tg)| {
-                    let j = tg as i64 - start;
-                    let local = tg != self.p.ignore && (0..v as i64).contains(&j);
-                    (simd::max(x), if local { x[j as usize] } else { T::zero() })
-                })
-                .unzip();
+            let (mx, tgt): (Vec<T>, Vec<T>) =
+                l.0.par_chunks(v)
+                    .zip(t.par_iter())
+                    .map(|(x, &tg)| {
+                        let j = tg as i64 - start;
+                        let local = tg != self.p.ignore && (0..v as i64).contains(&j);
+                        (simd::max(x), if local { x[j as usize] } else { T::zero() })
+                    })
+                    .unzip();
             let max = s.all_reduce_max(&Tensor::new(T::store(mx, self.stat_dt()), [ch.rows])?)?;
             Ok(Pending { chunk: ch, l, max, tgt })
         }
@@ -561,7 +576,7 @@ mod cpu {
 
         /// Under tensor parallelism: the statistics completed over the ranks, then as `single`.
         fn sharded(&mut self, pc: Pending<T>, s: &dyn VocabShards) -> Result<()> {
-            let Pending { chunk: ch, mut l, max, tgt } = pc;
+            let Pending { chunk: ch, l: (mut l, lc), max, tgt } = pc;
             let (v, start, ignore, sc, n) = (self.p.v, self.p.start as i64, self.p.ignore, self.sc, ch.rows);
             let cast = |x: f64| num_traits::cast::<f64, T>(x).unwrap_or_else(T::nan);
             let m: Vec<T> = max.to_vec_f64()?.into_iter().map(cast).collect();
@@ -593,26 +608,33 @@ mod cpu {
                 .collect();
             self.add_losses(t, &rows);
             if grad {
-                self.gradients(ch, l)?;
+                self.gradients(ch, (l, lc))?;
             }
             Ok(())
         }
 
         /// dX_c = dlogits W into the chunk's rows; dW += dlogits^T x_c.
-        fn gradients(&mut self, ch: Chunk, dl: Vec<T>) -> Result<()> {
+        fn gradients(&mut self, ch: Chunk, (dl, dlc): (Vec<T>, CountedBytes)) -> Result<()> {
             let (p, xo, wo) = (self.p, self.x.1.offset, self.w.1.offset);
             let g = T::store(dl, self.dt);
-            if let Some(dx) = &mut self.dx {
+            // The same bytes when the working precision is the dtype (moved, not copied).
+            let _g = match g.dtype().size_in_bytes() == std::mem::size_of::<T>() {
+                true => dlc,
+                false => CountedBytes::elems(g.len(), g.dtype()),
+            };
+            if let Some((dx, _)) = &mut self.dx {
                 let d = T::take(self.be.matmul((&g, &view(ch.rows, p.v, p.v, 0, false)), (self.w.0, &view(p.v, p.c, p.c, wo, false)))?)?;
+                let _d = counted(&d);
                 dx[ch.first * p.c..(ch.first + ch.rows) * p.c].copy_from_slice(&d);
             }
             if p.dw {
                 let xl = view(ch.rows, p.c, p.c, xo + ch.first * p.c, false);
                 let d = T::take(self.be.matmul((&g, &view(ch.rows, p.v, p.v, 0, true)), (self.x.0, &xl))?)?;
+                let dc = counted(&d);
                 match &mut self.dw {
                     // acc + this chunk's product: the order a GEMM adds its later depth slices.
-                    Some(acc) => acc.par_iter_mut().zip(d.par_iter()).for_each(|(a, &b)| *a = *a + b),
-                    None => self.dw = Some(d),
+                    Some((acc, _)) => acc.par_iter_mut().zip(d.par_iter()).for_each(|(a, &b)| *a = *a + b),
+                    None => self.dw = Some((d, dc)),
                 }
             }
             Ok(())

@@ -25,5 +25,5 @@ pub use optim_ops::{fused_adamw, fused_adamw_scaled, fused_global_norm, fused_su
 pub use primitives::{same_device, same_float};
 pub use rng::Rng;
 pub use shape::{Layout, Shape};
-pub use storage::{live_bytes, peak_bytes, reset_peak_bytes, CpuStorage, DeviceStorage, Fill, Refill, Storage};
+pub use storage::{live_bytes, peak_bytes, reset_peak_bytes, CountedBytes, CpuStorage, DeviceStorage, Fill, Refill, Storage};
 pub use tensor::{Element, Tensor};

@@ -110,6 +110,28 @@ pub fn reset_peak_bytes() {
     PEAK_BYTES.store(live_bytes(), Ordering::Relaxed);
 }
 
+/// Host working memory an op holds outside any tensor storage (a CPU kernel's scratch vectors),
+/// counted in `live_bytes` and `peak_bytes` while this lives, so that measured peaks see it.
+#[derive(Debug)]
+pub struct CountedBytes(usize);
+
+impl CountedBytes {
+    pub fn new(bytes: usize) -> Self {
+        account_add(bytes);
+        CountedBytes(bytes)
+    }
+    /// The bytes of `n` elements of `dtype`.
+    pub fn elems(n: usize, dtype: crate::DType) -> Self {
+        Self::new(n * dtype.size_in_bytes())
+    }
+}
+
+impl Drop for CountedBytes {
+    fn drop(&mut self) {
+        LIVE_BYTES.fetch_sub(self.0, Ordering::Relaxed);
+    }
+}
+
 /// Fills a pending storage in place once the work that produces it (a collective in flight)
 /// completes. It runs at most once, on the first read of the storage.
 pub type Fill = Box<dyn FnOnce(&mut Storage) -> crate::Result<()> + Send>;
