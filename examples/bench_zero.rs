@@ -151,6 +151,7 @@ fn run(a: Args) -> AnyResult<()> {
         elem_bytes: 4,
         grad_bytes: 4,
         checkpointed_layers: 0,
+        loss_chunks: Default::default(),
     };
     // Calibrate compute and the optimizer's rate: plain data parallelism, no link.
     // The communicator's own CPU cost first: the plain step spends some of its time in it.

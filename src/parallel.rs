@@ -75,6 +75,7 @@ impl Parallelism {
             offload_subgroup: self.offload.as_ref().map(|o| o.subgroup),
             grad_reduce: self.grad_reduce,
             lora: None,
+            loss_chunks: ferrolm_ops::LossChunks::Auto,
         })
     }
 

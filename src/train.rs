@@ -257,6 +257,7 @@ impl Trainer {
         opts.validate()?; // the memory check needs valid options; `with_engine` checks the rest
         let mut layout = crate::planner::memory::MemParallelism::single(model.activation_checkpointing());
         layout.lora = model.lora_config().map(|c| crate::planner::memory::LoraMem::new(c, model.config().num_hidden_layers));
+        layout.loss_chunks = model.loss_chunks;
         crate::planner::memory::check_layout(model.config(), model.dtype(), model.device(), &opts.shape(), &layout)?;
         let engine = Zero::single(&mut model, Self::adamw_config(&opts), Placement::Device)?;
         Self::with_engine(model, Box::new(engine), train_shards, val_shards, opts, out_dir)

@@ -346,8 +346,16 @@ fn planner_counts_nccl_buffers_per_communicator() {
     use ferrolm_parallel::zero::groups::communicators;
     use ferrolm_parallel::zero::ShardSpec;
     let m = ModelShape::preset("7b").unwrap();
-    let w =
-        Workload { seq: 2048, micro_batch: 1, global_batch_tokens: 64 * 2048, tp: 2, elem_bytes: 2, grad_bytes: 4, checkpointed_layers: 0 };
+    let w = Workload {
+        seq: 2048,
+        micro_batch: 1,
+        global_batch_tokens: 64 * 2048,
+        tp: 2,
+        elem_bytes: 2,
+        grad_bytes: 4,
+        checkpointed_layers: 0,
+        loss_chunks: Default::default(),
+    };
     let with = gpu_cluster(16, 80.0);
     let without = Cluster { comm_buffer_bytes: 0.0, ..with.clone() };
     for spec in [ShardSpec::zero(3, 8).unwrap(), ShardSpec::mics(2), ShardSpec { params: 2, grads: 2, optim: 4 }] {

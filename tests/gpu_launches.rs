@@ -31,15 +31,17 @@
 mod common;
 use ferrolm::data::{list_shards, prepare_text_dir, Tokenizer};
 use ferrolm::nn::LlamaConfig;
+use ferrolm::ops::LossChunks;
 use ferrolm::train::{TrainOptions, Trainer};
 use ferrolm::{DType, Device, Llama, Tensor};
 use ferrolm_cuda::profile;
 use ferrolm_tensor::Rng;
 use std::sync::Mutex;
 
-/// Launches of a 12-layer step as counted (2026-11-27: 24 + 12 x 40), and the budget: that count
-/// plus 8 (1.6%), so a change that adds launches to a step shows here.
-const STEP_LAUNCHES_MEASURED: f64 = 504.0;
+/// Launches of a 12-layer step as counted (2026-11-28, the head and loss fused in one chunk:
+/// 18 + 12 x 40; 24 + 12 x 40 unfused), and the budget: that count plus 8 (1.6%), so a change
+/// that adds launches to a step shows here.
+const STEP_LAUNCHES_MEASURED: f64 = 498.0;
 const STEP_LAUNCH_BUDGET: f64 = STEP_LAUNCHES_MEASURED + 8.0;
 /// Launches per layer and step: 21 GEMMs, RoPE 4, RMSNorm 2 x (forward, dx, two dw passes),
 /// attention 4 (forward, the dot, dK/dV, dQ), SwiGLU 2, the bucket's AdamW: 40 (57 before the
@@ -47,12 +49,16 @@ const STEP_LAUNCH_BUDGET: f64 = STEP_LAUNCHES_MEASURED + 8.0;
 /// gradient and wrote dw in place, and o_proj and down_proj added the residual stream).
 const LAYER_LAUNCH_BUDGET: f64 = 40.0;
 
+/// The fused head + loss's launches per chunk of tokens: the logits GEMM, `ce_fused` (the loss
+/// and dlogits in place), the dX and dW GEMMs.
+const HEAD_LAUNCHES_PER_CHUNK: f64 = 4.0;
+
 static PROFILE: Mutex<()> = Mutex::new(());
 
 /// The counted shape: head dim 64 (the flash kernels run as on a GPU), one sequence of 16 tokens,
 /// where every reduction of the step already splits over blocks and launches its finishing pass,
 /// as at real sizes (the test checks the grids).
-const STEP: StepShape = StepShape { hidden: 128, ffn: 256, heads: 2, vocab: None, batch: 1, seq: 16 };
+const STEP: StepShape = StepShape { hidden: 128, ffn: 256, heads: 2, vocab: None, batch: 1, seq: 16, chunks: LossChunks::Auto };
 
 /// The model and batch of a counted step: widths, query heads (head dim hidden / heads), the
 /// vocabulary (None: the tokenizer's), and the batch.
@@ -64,6 +70,8 @@ struct StepShape {
     vocab: Option<usize>,
     batch: usize,
     seq: usize,
+    /// How the head's loss walks the tokens (`--loss-chunk-tokens`).
+    chunks: LossChunks,
 }
 
 fn opts(steps: usize, s: StepShape) -> TrainOptions {
@@ -98,7 +106,8 @@ fn step_launches(layers: usize, s: StepShape) -> (f64, profile::ProfileReport) {
         s.seq.max(64)
     ))
     .unwrap();
-    let model = Llama::new(cfg, DType::BF16, device, &mut Rng::new(1)).unwrap();
+    let mut model = Llama::new(cfg, DType::BF16, device, &mut Rng::new(1)).unwrap();
+    model.loss_chunks = s.chunks;
     let train = list_shards(tmp.join("shards"), "train").unwrap();
     let val = list_shards(tmp.join("shards"), "val").unwrap();
     let mut t = Trainer::new(model, &train, &val, opts(3, s), &tmp.join("run")).unwrap();
@@ -132,11 +141,11 @@ fn a_training_step_of_a_12_layer_model_stays_within_the_launch_budget() {
     // The step's reductions run a partial pass over several blocks, then a finishing pass: at
     // this shape as at real ones, so the count holds every finishing pass a real step launches.
     let blocks = |g: (u32, u32, u32)| g.0 as u64 * g.1 as u64 * g.2 as u64;
-    for partial in ["grad_norm_partial", "rmsnorm_bwd_dw_partial_bf16", "ce_fwd_bf16"] {
+    for partial in ["grad_norm_partial", "rmsnorm_bwd_dw_partial_bf16", "ce_fused_bf16"] {
         let k = r.kernels.iter().find(|k| k.name == partial).unwrap_or_else(|| panic!("{partial} did not run: {:?}", r.kernels));
         assert!(blocks(k.max_grid) > 1, "{partial} ran on one block: the step's reductions do not split at this shape");
     }
-    for finish in ["grad_norm_finish", "rmsnorm_bwd_dw_finish_f32", "ce_finish"] {
+    for finish in ["grad_norm_finish", "rmsnorm_bwd_dw_finish_f32", "hl_finish"] {
         assert!(r.kernels.iter().any(|k| k.name == finish), "{finish} did not run: {:?}", r.kernels);
     }
     assert!(l13 > l12, "a 13th layer added no launch: the count is not a training step's");
@@ -149,6 +158,25 @@ fn a_training_step_of_a_12_layer_model_stays_within_the_launch_budget() {
     let json = ferrolm::profile::to_json(&r);
     assert_eq!(json["launches_per_step"].as_f64(), r.launches_per_step());
     assert!(json["kernels"].as_array().is_some_and(|k| !k.is_empty() && k[0]["name"].is_string()));
+}
+
+/// The fused head + loss launches `HEAD_LAUNCHES_PER_CHUNK` kernels a chunk (the logits GEMM,
+/// the cross-entropy writing dlogits in place, the dX and dW GEMMs) and, in one chunk, no more
+/// than the unfused head over the whole logits: a one-layer step of 16 tokens in chunks of 16,
+/// of 4, and unfused.
+#[test]
+fn the_fused_head_launches_four_kernels_a_chunk() {
+    if common::cuda0_device().is_none() {
+        return;
+    }
+    let _g = PROFILE.lock().unwrap_or_else(|e| e.into_inner());
+    let (one, _) = step_launches(1, StepShape { chunks: LossChunks::Tokens(16), ..STEP });
+    let (four, r) = step_launches(1, StepShape { chunks: LossChunks::Tokens(4), ..STEP });
+    let (unfused, _) = step_launches(1, StepShape { chunks: LossChunks::Unfused, ..STEP });
+    println!("launches per step of one layer: head in 1 chunk {one}, in 4 chunks {four}, unfused {unfused}");
+    assert_eq!(four - one, 3.0 * HEAD_LAUNCHES_PER_CHUNK, "three more chunks make {} launches", four - one);
+    assert!(one <= unfused, "the fused head in one chunk makes {one} launches a step, the unfused head {unfused}");
+    assert!(r.kernels.iter().any(|k| k.name.starts_with("ce_fused")), "no fused cross-entropy ran: {:?}", r.kernels);
 }
 
 #[test]

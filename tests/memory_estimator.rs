@@ -18,6 +18,7 @@
 mod common;
 use ferrolm::cli::parallel::ParallelArgs;
 use ferrolm::nn::{Llama, LlamaConfig, LoraConfig, Proj};
+use ferrolm::ops::LossChunks;
 use ferrolm::planner::memory::{estimate, LoraMem, MemParallelism, Memory};
 use ferrolm::train::{TrainOptions, Trainer};
 use ferrolm::{DType, Device};
@@ -49,6 +50,8 @@ struct Case {
     /// `--lora-rank` and `--lora-dropout` on every projection: the base frozen, only adapters
     /// trained.
     lora: Option<(usize, f64)>,
+    /// The head's loss: fused in chunks (the default) or unfused.
+    loss_chunks: LossChunks,
 }
 
 impl Case {
@@ -66,6 +69,7 @@ impl Case {
             grad_accum: 1,
             steps: 2,
             lora: None,
+            loss_chunks: LossChunks::Auto,
         }
     }
 
@@ -76,14 +80,19 @@ impl Case {
             (tp, dp) => format!("tp {tp} x dp {dp} ZeRO-{}", self.zero),
         };
         format!(
-            "{} {:?} {layout}, {} x {} tokens x {} micro-batches{}{}",
+            "{} {:?} {layout}, {} x {} tokens x {} micro-batches{}{}{}",
             self.preset,
             self.dtype,
             self.batch,
             self.seq,
             self.grad_accum,
             if self.checkpointing { ", checkpointing" } else { "" },
-            self.lora.map_or(String::new(), |(r, p)| format!(", LoRA rank {r} dropout {p}"))
+            self.lora.map_or(String::new(), |(r, p)| format!(", LoRA rank {r} dropout {p}")),
+            match self.loss_chunks {
+                LossChunks::Auto => String::new(),
+                LossChunks::Unfused => ", unfused head".into(),
+                LossChunks::Tokens(n) => format!(", head in chunks of {n}"),
+            }
         )
     }
 
@@ -116,6 +125,7 @@ fn measure(d: &Data, c: &Case, device: Device) -> (f64, f64, Memory) {
     let layout = c.parallel().layout().unwrap();
     let mut mem_layout: MemParallelism = layout.mem_layout(c.checkpointing).unwrap();
     mem_layout.lora = c.lora().map(|l| LoraMem::new(&l, cfg.num_hidden_layers));
+    mem_layout.loss_chunks = c.loss_chunks;
     let world = layout.world();
     let m = estimate(&cfg, c.dtype, device, c.batch, c.seq, c.grad_accum, &mem_layout).unwrap();
     let predicted = (m.total() - m.workspace) * world as f64;
@@ -146,6 +156,7 @@ fn measure(d: &Data, c: &Case, device: Device) -> (f64, f64, Memory) {
         if let Some(l) = c.lora() {
             model.add_lora(&l, &mut Rng::new(2))?;
         }
+        model.loss_chunks = c.loss_chunks;
         let engine = ferrolm::parallel::attach(&mut model, comm, &layout, Trainer::adamw_config(&o)).map_err(e)?;
         let mut t = Trainer::with_engine(model, Box::new(engine), &d.train, &d.val, o.clone(), &out).map_err(e)?;
         if world == 1 {
@@ -207,6 +218,11 @@ fn cpu_cases() -> Vec<Case> {
         Case { tp: 2, dp: 2, zero: 2, ..ck.clone() },
         // pretrain_llama's default batch (16 x 128), where the issue saw the estimate under the peak.
         Case { batch: 16, seq: 128, ..t.clone() },
+        // The head fused in chunks smaller than the batch, and unfused (--loss-chunk-tokens 0).
+        Case { loss_chunks: LossChunks::Tokens(64), ..t.clone() },
+        Case { loss_chunks: LossChunks::Unfused, ..t.clone() },
+        Case { tp: 2, loss_chunks: LossChunks::Tokens(64), ..t.clone() },
+        Case { tp: 2, loss_chunks: LossChunks::Unfused, ..t.clone() },
         // small: the model states dominate.
         small.clone(),
         Case { dp: 2, zero: 3, checkpointing: true, ..small.clone() },
@@ -233,6 +249,8 @@ fn emulator_cases() -> Vec<Case> {
     vec![
         Case { checkpointing: true, ..t },
         Case { tp: 2, ..bf16.clone() },
+        Case { loss_chunks: LossChunks::Tokens(8), ..bf16.clone() },
+        Case { loss_chunks: LossChunks::Unfused, ..bf16.clone() },
         Case { dp: 2, zero: 3, checkpointing: true, ..bf16.clone() },
         Case { lora: Some((8, 0.0)), ..bf16 },
     ]
@@ -359,6 +377,7 @@ fn f32_main_gradients_cost_two_more_bytes_per_gradient_element() {
             elem_bytes: 2,
             grad_bytes: 2,
             checkpointed_layers: 0,
+            loss_chunks: Default::default(),
         };
         let other = (4.0 * biggest / so).max(ferrolm::planner::memory::layer_transient_bytes(&shape, &w));
         let buffers = if spec.optim > 1 { 2.0 * biggest } else { 0.0 } + (6.0 * largest).max(other) - (2.0 * largest).max(other);

@@ -191,6 +191,7 @@ fn prepare(args: &FinetuneArgs) -> AnyResult<Prepared> {
     let ft = prepare_data(a, &args.chat, "data/chat.jsonl", &model, &tokenizer, &tok_path)?;
     let mut layout = parallelism.mem_layout(a.activation_checkpointing)?;
     layout.lora = lora;
+    layout.loss_chunks = a.loss_chunks();
     let mem = crate::planner::memory::check_layout(&cfg, dtype, device, &a.options().shape(), &layout)?;
     report(&format!("memory: predicted peak {}", crate::planner::memory::describe(&mem)));
     let stop = crate::chat::stop_ids(&model, &cfg, &tokenizer)?;

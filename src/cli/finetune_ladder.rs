@@ -87,6 +87,7 @@ fn prepare(args: &FinetuneLadderArgs) -> AnyResult<Prepared> {
     let opts = checked.options();
     let mut layout = parallelism.mem_layout(a.activation_checkpointing)?;
     layout.lora = lora;
+    layout.loss_chunks = a.loss_chunks();
     let mem = crate::planner::memory::check_layout(&cfg, dtype, device, &opts.shape(), &layout)?;
     report(&format!("memory: predicted peak {}", crate::planner::memory::describe_layout(&mem, &layout)));
     Ok(Prepared { data: TrainData { device, dtype, tok_path, set: ft.set.clone() }, ft, ladder })

@@ -97,6 +97,7 @@ impl PlanArgs {
             elem_bytes: 2,
             grad_bytes: self.grad_reduce.grad_reduce_dtype.bytes(2),
             checkpointed_layers: self.checkpointed_layers,
+            loss_chunks: Default::default(),
         }
     }
 

@@ -117,7 +117,8 @@ fn prepare(args: &PretrainArgs) -> AnyResult<Prepared> {
     cfg.eos_token_id = special.eos.map(|e| vec![e]).unwrap_or_default();
     let parallelism = a.parallel.layout()?;
     parallelism.check_model(&cfg)?;
-    let layout = parallelism.mem_layout(a.activation_checkpointing)?;
+    let mut layout = parallelism.mem_layout(a.activation_checkpointing)?;
+    layout.loss_chunks = a.loss_chunks();
     let mem = crate::planner::memory::check_layout(&cfg, dtype, device, &opts.shape(), &layout)?;
     report(&format!("memory: predicted peak {}", crate::planner::memory::describe_layout(&mem, &layout)));
     let set = crate::train::TrainSet::Shards { train, val };

@@ -184,6 +184,7 @@ pub fn search(shape: &ModelShape, cluster: &Cluster, space: &SearchSpace) -> (Ve
                         elem_bytes,
                         grad_bytes: space.grad_reduce.bytes(elem_bytes),
                         checkpointed_layers: ck,
+                        loss_chunks: Default::default(),
                     };
                     let Some(base) = step::evaluate(shape, cluster, &w, spec) else { continue };
                     let offloads: Vec<Option<u64>> = match &space.offload {

@@ -14,6 +14,7 @@ use super::shape::ModelShape;
 use super::step::Workload;
 use crate::nn::LlamaConfig;
 use anyhow::{bail, Result};
+use ferrolm_ops::LossChunks;
 use ferrolm_parallel::zero::{GradReduceDtype, ShardSpec};
 use ferrolm_tensor::{DType, Device};
 
@@ -82,12 +83,12 @@ pub const MARGIN: f64 = 0.08;
 /// attention part split over `tp`) and 4 MLP-sized ones (gate, up, their SwiGLU and its input to
 /// down_proj); a checkpointed layer keeps 2 hidden-sized (what its residual branches return);
 /// the embedding output and final norm 2 more; and the loss's inputs: the logits (in f32 too
-/// and their exponentials under `--tp`, see [`head_bytes_per_token`]).
+/// and their exponentials under `--tp`, or the fused head's dX, see [`head_bytes`]).
 pub fn activation_bytes(m: &ModelShape, w: &Workload) -> f64 {
     let (tokens, h, e) = ((w.micro_batch * w.seq) as f64, m.hidden as f64, w.elem_bytes as f64);
     let ck = w.checkpointed_layers.min(m.layers) as f64;
     let layers = (m.layers as f64 - ck) * layer_elems(m, w) + ck * 2.0 * h;
-    tokens * (e * (layers + 2.0 * h) + head_bytes_per_token(m, w).0)
+    tokens * e * (layers + 2.0 * h) + head_bytes(m, w, false, true).0
 }
 
 /// Elements per token a layer saves (see [`activation_bytes`]).
@@ -104,23 +105,48 @@ pub fn layer_transient_bytes(m: &ModelShape, w: &Workload) -> f64 {
     (w.micro_batch * w.seq) as f64 * w.elem_bytes as f64 * share * layer_elems(m, w)
 }
 
-/// Bytes per token of the output head and its loss: (what the graph holds until the loss is
-/// dropped, the transient of the start of backward). One device holds the logits in the compute
-/// dtype, and backward starts with one more logits-sized buffer: their gradient (the CPU's fused
-/// loss forms it in the forward; CUDA's loss in backward), or in its place the transposed copy
-/// the CPU's head GEMM backward reads. The vocabulary-parallel loss of `--tp` is composed from
-/// ops in f32 over the rank's V/tp columns: the graph holds the logits, their f32 copy (bf16)
-/// and their exponentials; backward adds the gradients of the exponentials, of the row sum and
-/// of the picked target logits, and their sum (measured in all: 24 bytes per local logit on the
-/// CPU in f32, 26 in bf16; 20 and 21 on the emulator).
-pub fn head_bytes_per_token(m: &ModelShape, w: &Workload) -> (f64, f64) {
-    let (v, e) = (m.vocab as f64, w.elem_bytes as f64);
-    if w.tp > 1 {
-        let local = v / w.tp as f64;
-        let widened = if e < 4.0 { 4.0 } else { 0.0 };
-        ((e + widened + 4.0) * local, 16.0 * local)
-    } else {
-        (e * v, e * v)
+/// Bytes of the output head and its loss for a micro-batch: (what the graph holds until the
+/// loss is dropped, the transient beside it: of the head's forward when fused, of the start of
+/// backward when not). `host`: the CPU backend (its fused loop works in vectors of its own);
+/// `dw`: the head's weight is trained (not under LoRA: then no dW is made).
+///
+/// Fused in chunks (`ferrolm_ops::head_loss`, the default): the graph holds dX (a hidden-sized
+/// row a token, made in the forward). The forward holds one chunk of logits (two under `--tp`
+/// with several chunks: the next chunk's GEMM runs while this one's max is all-reduced) and where dW accumulates in
+/// f32: in place in the head's f32 gradient bucket on a GPU (an f32 buffer of its own where the
+/// bucket is not f32). The CPU's loop works in f32 vectors: the chunk's logits (and their bf16
+/// copy for the GEMMs), dX's rows and dW, beside each chunk's dW product from the second chunk
+/// on. The head's gradient bucket itself is lent in the forward (see [`memory`]).
+///
+/// Unfused (`--loss-chunk-tokens 0`): one device holds the logits in the compute dtype, and
+/// backward starts with one more logits-sized buffer: their gradient (the CPU's fused loss forms
+/// it in the forward; CUDA's loss in backward), or in its place the transposed copy the CPU's
+/// head GEMM backward reads. The vocabulary-parallel loss of `--tp` is composed from ops in f32
+/// over the rank's V/tp columns: the graph holds the logits, their f32 copy (bf16) and their
+/// exponentials; backward adds the gradients of the exponentials, of the row sum and of the
+/// picked target logits, and their sum (measured in all: 24 bytes per local logit on the CPU in
+/// f32, 26 in bf16; 20 and 21 on the emulator).
+pub fn head_bytes(m: &ModelShape, w: &Workload, host: bool, dw: bool) -> (f64, f64) {
+    let tokens = w.micro_batch * w.seq;
+    let (t, e, ge, tp) = (tokens as f64, w.elem_bytes as f64, w.grad_bytes as f64, w.tp.max(1));
+    let (local, h) = (m.vocab / tp, m.hidden as f64);
+    let widened = if e < 4.0 { 4.0 } else { 0.0 };
+    let weight = if dw { (local as f64) * h } else { 0.0 };
+    match w.loss_chunks.chunk_tokens(tokens, local, w.elem_bytes) {
+        Some(chunk) => {
+            let in_flight = if tp > 1 && chunk < tokens { 2.0 } else { 1.0 };
+            let logits = in_flight * (chunk * local) as f64;
+            let transient = if host {
+                let work = e.max(4.0);
+                let products = if chunk < tokens { 2.0 } else { 1.0 };
+                logits * (work + if e < 4.0 { e } else { 0.0 }) + t * h * work + products * work * weight
+            } else {
+                logits * e + if ge < 4.0 { 4.0 * weight } else { 0.0 }
+            };
+            (t * h * e, transient)
+        }
+        None if tp > 1 => (t * (e + widened + 4.0) * local as f64, t * 16.0 * local as f64),
+        None => (t * e * local as f64, t * e * local as f64),
     }
 }
 
@@ -134,7 +160,7 @@ pub fn head_bytes_per_token(m: &ModelShape, w: &Workload) -> (f64, f64) {
 /// optimizer element m and v (and a norm-weight mask under tensor parallelism) plus the master
 /// below f32; gradients at `grad_bytes` per element: the optimizer range's (`n / s_os`) and, with
 /// several micro-batches, the accumulator (`n / s_g`), allocated as backward reaches each bucket
-/// and freed by the step. Transients: the head's loss ([`head_bytes_per_token`]) when backward
+/// and freed by the step. Transients: the head's loss ([`head_bytes`]) when backward
 /// starts; later a layer's backward ([`layer_transient_bytes`]), one whole bucket in flight
 /// towards the optimizer range when `s_os > 1`, the largest parameter's gradient formed whole
 /// before it lands (see below), the step's squared gradient of one bucket. Where each peaks was
@@ -146,6 +172,19 @@ pub fn head_bytes_per_token(m: &ModelShape, w: &Workload) -> (f64, f64) {
 /// and no optimizer state, and the head's and the embedding's weight gradients are never formed.
 /// The forward saves more for backward: [`lora_activation_bytes`].
 pub fn memory(m: &ModelShape, w: &Workload, spec: ShardSpec, micro_batches: usize, workspace: f64, lora: Option<&LoraMem>) -> Memory {
+    memory_on(m, w, spec, micro_batches, workspace, lora, false)
+}
+
+/// [`memory`] on a GPU (`host` false) or on the CPU backend (see [`head_bytes`]).
+fn memory_on(
+    m: &ModelShape,
+    w: &Workload,
+    spec: ShardSpec,
+    micro_batches: usize,
+    workspace: f64,
+    lora: Option<&LoraMem>,
+    host: bool,
+) -> Memory {
     let e = w.elem_bytes as f64;
     let base: f64 = m.bucket_params(w.tp).iter().sum::<u64>() as f64;
     // What the engine trains: its buckets, their element and gradient bytes, the frozen bytes.
@@ -169,16 +208,27 @@ pub fn memory(m: &ModelShape, w: &Workload, spec: ShardSpec, micro_batches: usiz
     // in the parameter dtype before it lands in its bucket, and gradients accumulated wider than
     // the parameters (f32 main gradients of bf16 ones) widen it to a copy of its own first. A
     // tied embedding's gradient has two parts: the head's, formed when backward starts and held
-    // to its end, and the lookup's, beside it until they are summed.
+    // to its end, and the lookup's, beside it until they are summed. The fused head lends its
+    // gradient bucket in the forward and writes the head's part there: a tied embedding's
+    // lookup part (in the parameter dtype) is then widened to the bucket's and summed into a new
+    // tensor before the sink copies it back; under `--tp` the vocabulary-parallel lookup's
+    // backward holds up to one more of its size beside them (a fit to the measured peaks). The
+    // head's transients come at the end of the forward, beside its bucket but before any bucket
+    // is in flight.
     let widened = if ge > pe { ge } else { 0.0 };
+    let fused = !matches!(w.loss_chunks, LossChunks::Unfused);
     let (formed, head_grad) = match lora {
+        None if fused => {
+            let tied = if w.tp > 1 { 2.0 * e } else { e } + widened + ge;
+            (largest * if m.tied { tied } else { e + widened }, largest * ge)
+        }
         None => (largest * if m.tied { (2.0 * e).max(e + widened) } else { e + widened }, largest * if m.tied { e } else { ge }),
         Some(_) => (largest * (pe + widened), 0.0),
     };
-    let head = (w.micro_batch * w.seq) as f64 * head_bytes_per_token(m, w).1;
+    let head = head_bytes(m, w, host, lora.is_none()).1;
     let step_sq = 4.0 * biggest / so;
     let activations = activation_bytes(m, w) + lora.map_or(0.0, |l| lora_activation_bytes(m, w, l));
-    let backward_start = head + accumulator + in_flight + head_grad;
+    let backward_start = accumulator + head_grad + if fused { head.max(in_flight) } else { head + in_flight };
     let buffers = in_flight + layer_transient_bytes(m, w).max(formed).max(step_sq);
     Memory {
         params: local * pe / sp + gathered + frozen,
@@ -302,6 +352,8 @@ pub struct MemParallelism {
     pub grad_reduce: GradReduceDtype,
     /// LoRA: the base frozen, these adapters trained (None: every weight trained).
     pub lora: Option<LoraMem>,
+    /// `--loss-chunk-tokens`: the fused head's chunk of logits, or the whole logits unfused.
+    pub loss_chunks: LossChunks,
 }
 
 impl MemParallelism {
@@ -316,6 +368,7 @@ impl MemParallelism {
             offload_subgroup: None,
             grad_reduce: GradReduceDtype::default(),
             lora: None,
+            loss_chunks: LossChunks::Auto,
         }
     }
 
@@ -345,9 +398,10 @@ pub fn estimate(
         elem_bytes: dtype.size_in_bytes(),
         grad_bytes: l.grad_reduce.bytes(dtype.size_in_bytes()),
         checkpointed_layers: l.checkpointed_layers.min(cfg.num_hidden_layers),
+        loss_chunks: l.loss_chunks,
     };
     let workspace = if device == Device::Cpu { 0.0 } else { CUDA_WORKSPACE_BYTES + nccl_buffer_bytes(cfg, l) };
-    let mut m = memory(&shape, &w, l.spec, grad_accum, workspace, l.lora.as_ref());
+    let mut m = memory_on(&shape, &w, l.spec, grad_accum, workspace, l.lora.as_ref(), device == Device::Cpu);
     // Offloaded optimizer state leaves a device, not the host: on the CPU it stays counted.
     if let (Some(sub), false) = (l.offload_subgroup, device == Device::Cpu) {
         m.optim = m.optim.min(24.0 * sub as f64);

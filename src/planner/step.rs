@@ -39,6 +39,8 @@ pub struct Workload {
     pub grad_bytes: usize,
     /// Transformer layers whose activations are recomputed in backward.
     pub checkpointed_layers: usize,
+    /// How the LM head's loss walks the tokens (`--loss-chunk-tokens`): what it holds.
+    pub loss_chunks: ferrolm_ops::LossChunks,
 }
 
 /// The model's verdict on one layout.
@@ -106,7 +108,7 @@ pub fn evaluate(m: &ModelShape, c: &Cluster, w: &Workload, spec: ShardSpec) -> O
         let one = t(Kind::AllGather, sp_, b);
         tp_ += ag as f64 * one;
         // In the forward pass: once per bucket, and the tied embedding again for the head.
-        tp_fwd += ag.min(if i == 0 && ag == 4 { 2 } else { 1 }) as f64 * one;
+        tp_fwd += ag.min(if i == 0 && ag == 3 { 2 } else { 1 }) as f64 * one;
         tg += t(Kind::ReduceScatter, sg_, gb);
         if spec.optim > spec.grads {
             t0 += t(Kind::ReduceScatter, so_, gb / spec.grads as f64);

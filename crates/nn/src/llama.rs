@@ -190,9 +190,8 @@ pub struct Llama {
     pub lm_head: Option<Tensor>,
     /// How the head computes logits and the loss (dense, or vocabulary-parallel).
     pub head_op: Arc<dyn HeadOp>,
-    /// How the head's loss walks the tokens: fused in chunks (of the largest size whose logits
-    /// fit 256 MiB, or a given one) or unfused, the default until the memory estimator charges
-    /// the chunk.
+    /// How the head's loss walks the tokens: fused in chunks (the default: the largest chunk
+    /// whose logits fit 256 MiB; or a given size), or unfused (`--loss-chunk-tokens`).
     pub loss_chunks: LossChunks,
     /// Runs each residual branch (activation checkpointing replaces it).
     pub branch_hook: Option<Arc<dyn BranchHook>>,
@@ -513,7 +512,7 @@ impl Llama {
             norm: none()?,
             lm_head: if cfg.tie_word_embeddings { None } else { Some(none()?) },
             head_op: Arc::new(crate::module::Dense),
-            loss_chunks: LossChunks::Unfused,
+            loss_chunks: LossChunks::Auto,
             branch_hook: None,
             rope: Arc::new(Rope::new(&cfg, dtype, device)),
             cfg,
