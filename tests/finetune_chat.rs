@@ -207,3 +207,29 @@ fn chat_flags_take_both_forms_and_bad_values_are_refused_naming_the_flag() {
         parse_from(["finetune_ladder", "--model", "m", "--ladder-layers", "2", "--train-on", "all", "--no-pack"]).unwrap();
     assert!(!l.chat.options(false).pack);
 }
+
+#[test]
+fn finetuning_under_tp_dp_zero3_and_offload_follows_one_device() {
+    let dir = tmp("finetune-chat-parallel");
+    let (ck, data) = setup(&dir, 60);
+    let common = ["--steps=6", "--val-fraction=0.1", "--seq-len=128"];
+    let run = |out: &str, extra: &[&str]| {
+        let flags: Vec<&str> = common.iter().chain(extra).copied().collect();
+        let o = finetune(&ck, &data, &dir.join(out), &flags).unwrap();
+        (losses(&dir.join(out)), o.val_after.unwrap())
+    };
+    // HEAD's --batch-size=2 per rank: one device takes the global batch of 4 through
+    // --grad-accum 2 (the step-wide loss scale makes that the same step as 4 rows at once).
+    let (one, val) = run("one", &["--grad-accum=2"]);
+    assert_eq!(one.len(), 6);
+    for (out, flags) in [
+        ("tp2", vec!["--tp=2", "--grad-accum=2"]),
+        ("dp2-zero3", vec!["--dp=2", "--zero=3"]),
+        ("offload", vec!["--offload-optimizer", "--grad-accum=2"]),
+    ] {
+        let (l, v) = run(out, &flags);
+        close(&l, &one, 1e-4, out);
+        assert!((v - val).abs() <= 1e-4 * val, "{out}: validation {v} vs {val}");
+    }
+    let _ = std::fs::remove_dir_all(&dir);
+}
