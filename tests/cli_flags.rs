@@ -346,11 +346,7 @@ fn pretrain_in_bf16_on_the_cpu_follows_f32() {
         let out = dir.join(dtype);
         let a = pretrain_args(&data, &cfg, &out, &["--steps=4", "--batch-size=2", "--eval-every=0", "--save-every=0", "--dtype", dtype]);
         ferrolm::cli::pretrain::run(a).unwrap();
-        let m = std::fs::read_to_string(out.join("metrics.jsonl")).unwrap();
-        m.lines()
-            .filter_map(|l| serde_json::from_str::<serde_json::Value>(l).ok())
-            .filter_map(|v| v.get("loss").and_then(|x| x.as_f64()))
-            .collect()
+        common::losses(&out)
     };
     let (f32, bf16) = (losses("f32"), losses("bf16"));
     assert_eq!((f32.len(), bf16.len()), (4, 4), "{f32:?} {bf16:?}");
@@ -395,11 +391,7 @@ fn loss_chunk_tokens_takes_both_forms_and_follows_the_unfused_head() {
             &["--steps=3", "--batch-size=2", "--eval-every=0", "--save-every=0", "--loss-chunk-tokens", chunk],
         );
         ferrolm::cli::pretrain::run(a).unwrap();
-        let m = std::fs::read_to_string(out.join("metrics.jsonl")).unwrap();
-        m.lines()
-            .filter_map(|l| serde_json::from_str::<serde_json::Value>(l).ok())
-            .filter_map(|v| v.get("loss").and_then(|x| x.as_f64()))
-            .collect()
+        common::losses(&out)
     };
     let (chunked, unfused) = (losses("7"), losses("0"));
     assert_eq!((chunked.len(), unfused.len()), (3, 3), "{chunked:?} {unfused:?}");

@@ -6,10 +6,12 @@
 //! 1; dW written into a gradient destination; finite differences in f64 for x and W; the
 //! vocabulary split over two thread "ranks" against one; errors.
 mod common;
+mod threads;
 use common::*;
-use ferrolm_ops::{cross_entropy_tokens, head_loss, head_loss_sharded, HeadLossOptions, LossScale, Tokens, VocabShards};
+use ferrolm_ops::{cross_entropy_tokens, head_loss, head_loss_sharded, HeadLossOptions, LossScale, Tokens};
 use ferrolm_tensor::{no_grad, DType, Result, Rng, Tensor};
-use std::sync::{Arc, Barrier, Mutex};
+use std::sync::Arc;
+use threads::Threads;
 
 const IGNORE: i32 = -100;
 
@@ -209,42 +211,6 @@ fn grad_head_loss_against_finite_differences() {
     gradcheck("head_loss (b, t, c)", &[randn(&[1, n, c], g), randn(&[v, c], g)], |a| fused(&a[0], &a[1], &t, opts(2)));
 }
 
-/// A test's vocabulary-parallel group: ranks are threads that meet at a barrier and reduce in
-/// rank order.
-struct Threads {
-    rank: usize,
-    start: usize,
-    vocab: usize,
-    barrier: Arc<Barrier>,
-    slots: Arc<Mutex<Vec<Option<Vec<f64>>>>>,
-}
-
-impl Threads {
-    fn reduce(&self, x: &Tensor, f: fn(f64, f64) -> f64) -> Result<Tensor> {
-        self.slots.lock().unwrap()[self.rank] = Some(x.to_vec_f64()?);
-        self.barrier.wait();
-        let all: Vec<Vec<f64>> = self.slots.lock().unwrap().iter().map(|s| s.clone().unwrap()).collect();
-        self.barrier.wait();
-        let out: Vec<f64> = (0..all[0].len()).map(|i| all.iter().skip(1).fold(all[0][i], |a, r| f(a, r[i]))).collect();
-        Tensor::from_vec(out, x.dims().to_vec(), CPU)?.to_dtype(x.dtype())
-    }
-}
-
-impl VocabShards for Threads {
-    fn start(&self) -> usize {
-        self.start
-    }
-    fn vocab(&self) -> usize {
-        self.vocab
-    }
-    fn all_reduce_max(&self, x: &Tensor) -> Result<Tensor> {
-        self.reduce(x, f64::max)
-    }
-    fn all_reduce_sum(&self, x: &Tensor) -> Result<Tensor> {
-        self.reduce(x, |a, b| a + b)
-    }
-}
-
 /// Two ranks, each with half the vocabulary rows, against one: the same loss, dX summed over the
 /// ranks, each rank's dW the rows it holds. Several chunks (the max of one is reduced while the
 /// next one's GEMM runs), one of them all ignored.
@@ -256,12 +222,11 @@ fn two_vocabulary_shards_match_one() {
     let w = Tensor::randn([v, c], 0.5, DType::F32, CPU, g).unwrap();
     let t = targets(n, v, g, |i| (8..12).contains(&i) || i % 7 == 0);
     let want = run(&x, &w, |x, w| fused(x, w, &t, opts(4)));
-    let (barrier, slots) = (Arc::new(Barrier::new(2)), Arc::new(Mutex::new(vec![None, None])));
     let got: Vec<_> = std::thread::scope(|s| {
-        let hs: Vec<_> = (0..2)
-            .map(|rank| {
+        let hs: Vec<_> = Threads::group(2, v)
+            .into_iter()
+            .map(|sh| {
                 let (x, w, t) = (&x, &w, &t);
-                let sh = Threads { rank, start: rank * v / 2, vocab: v, barrier: barrier.clone(), slots: slots.clone() };
                 s.spawn(move || {
                     let wr = w.narrow(0, sh.start, v / 2).unwrap();
                     run(x, &wr, |x, w| head_loss_sharded(x, w, &Tokens::upload(t.clone(), [n], CPU)?, &opts(4), &sh))

@@ -9,10 +9,12 @@
 //! pass, unless FERROLM_REQUIRE_GPU=1 (or FERROLM_REQUIRE_EMU=1 without the emulator).
 #[path = "../../cuda/tests/common/mod.rs"]
 mod common;
+mod threads;
 use common::*;
-use ferrolm_ops::{embedding_tokens, head_loss, head_loss_sharded, HeadLossOptions, LossScale, Tokens, VocabShards};
+use ferrolm_ops::{embedding_tokens, head_loss, head_loss_sharded, HeadLossOptions, LossScale, Tokens};
 use ferrolm_tensor::{DType, Device, Result, Rng, Tensor};
-use std::sync::{Arc, Barrier, Mutex};
+use std::sync::Arc;
+use threads::Threads;
 
 const IGNORE: i32 = -100;
 
@@ -86,42 +88,6 @@ fn head_loss_on_the_device_matches_the_cpu() {
     });
 }
 
-/// A test's vocabulary-parallel group on one device: ranks are threads that meet at a barrier
-/// and reduce on the host in rank order.
-struct Threads {
-    rank: usize,
-    start: usize,
-    vocab: usize,
-    barrier: Arc<Barrier>,
-    slots: Arc<Mutex<Vec<Option<Vec<f64>>>>>,
-}
-
-impl Threads {
-    fn reduce(&self, x: &Tensor, f: fn(f64, f64) -> f64) -> Result<Tensor> {
-        self.slots.lock().unwrap()[self.rank] = Some(x.to_vec_f64()?);
-        self.barrier.wait();
-        let all: Vec<Vec<f64>> = self.slots.lock().unwrap().iter().map(|s| s.clone().unwrap()).collect();
-        self.barrier.wait();
-        let out: Vec<f32> = (0..all[0].len()).map(|i| all.iter().skip(1).fold(all[0][i], |a, r| f(a, r[i])) as f32).collect();
-        Tensor::from_vec(out, x.dims().to_vec(), x.device())
-    }
-}
-
-impl VocabShards for Threads {
-    fn start(&self) -> usize {
-        self.start
-    }
-    fn vocab(&self) -> usize {
-        self.vocab
-    }
-    fn all_reduce_max(&self, x: &Tensor) -> Result<Tensor> {
-        self.reduce(x, f64::max)
-    }
-    fn all_reduce_sum(&self, x: &Tensor) -> Result<Tensor> {
-        self.reduce(x, |a, b| a + b)
-    }
-}
-
 /// Two ranks holding half the vocabulary each, on the device, against the whole head on the
 /// CPU: the loss, dX summed over the ranks and each rank's rows of dW (kernels/head_loss.cu).
 #[test]
@@ -132,15 +98,16 @@ fn vocabulary_shards_on_the_device_match_the_whole_head() {
         let w = Tensor::randn([v, c], 0.3, dt, Device::Cpu, r).unwrap();
         let t: Vec<i32> = (0..n).map(|i| if i % 5 == 0 || (10..20).contains(&i) { IGNORE } else { r.below(v as u64) as i32 }).collect();
         let whole = run(Device::Cpu, &x, &w, false, &|x, w| head_loss(x, w, &Tokens::upload(t.clone(), [n], Device::Cpu)?, &opts(10)));
-        let (barrier, slots) = (Arc::new(Barrier::new(2)), Arc::new(Mutex::new(vec![None, None])));
         let got: Vec<[Tensor; 3]> = std::thread::scope(|s| {
-            let hs: Vec<_> = (0..2)
-                .map(|rank| {
+            let hs: Vec<_> = Threads::group(2, v)
+                .into_iter()
+                .map(|sh| {
                     let (x, w, t) = (&x, &w, &t);
-                    let sh = Threads { rank, start: rank * v / 2, vocab: v, barrier: barrier.clone(), slots: slots.clone() };
                     s.spawn(move || {
                         let wr = w.narrow(0, sh.start, v / 2).unwrap().contiguous().unwrap();
-                        run(GPU, x, &wr, rank == 1, &|x, w| head_loss_sharded(x, w, &Tokens::upload(t.clone(), [n], GPU)?, &opts(10), &sh))
+                        run(GPU, x, &wr, sh.rank == 1, &|x, w| {
+                            head_loss_sharded(x, w, &Tokens::upload(t.clone(), [n], GPU)?, &opts(10), &sh)
+                        })
                     })
                 })
                 .collect();
