@@ -5,9 +5,9 @@
 //! fused step allocates is as large as the whole logits (the unfused one's are).
 //!
 //! The shape is Llama-3.2-1B's head scaled down to what the emulator runs in seconds on two
-//! cores: V = 128256 kept, tied; 256 tokens a micro-batch (2 x 128) instead of 8 x 2048, and
-//! hidden 32 instead of 2048, so tokens / hidden stays 8 (the whole logits then outweigh the f32
-//! weight gradient four to one, as at the full shape); 16 chunks a micro-batch (of 16 tokens) as
+//! cores: V = 128256 kept, tied; 128 tokens a micro-batch (2 x 64) instead of 8 x 2048, and
+//! hidden 16 instead of 2048, so tokens / hidden stays 8 (the whole logits then outweigh the f32
+//! weight gradient four to one, as at the full shape); 16 chunks a micro-batch (of 8 tokens) as
 //! at the full shape's automatic 1024; one layer. The full shape's counts are in
 //! docs/BENCHMARKS.md.
 mod common;
@@ -21,10 +21,10 @@ use ferrolm_parallel::TrainEngine;
 use ferrolm_tensor::Rng;
 
 const VOCAB: usize = 128_256;
-const HIDDEN: usize = 32;
+const HIDDEN: usize = 16;
 const BATCH: usize = 2;
-const SEQ: usize = 128;
-const CHUNK: usize = 16;
+const SEQ: usize = 64;
+const CHUNK: usize = 8;
 
 /// (peak bytes, largest allocation) of one training step (micro-batch and update) on a fresh
 /// model and engine, counted from the step's start.
