@@ -4,7 +4,7 @@
 //! 1e-6), for Llama, Ladder and with activation checkpointing; a conversation's logits do not
 //! change with what sits next to it in its row (to the bit), nor from its logits run alone.
 use ferrolm_nn::{Llama, LlamaConfig, Packing};
-use ferrolm_ops::Tokens;
+use ferrolm_ops::{LossScale, Tokens};
 use ferrolm_tensor::{DType, Device, Rng, Tensor};
 
 const CPU: Device = Device::Cpu;
@@ -70,10 +70,6 @@ fn pack(rows: &[Vec<&Conv>], t: usize) -> Packed {
     }
 }
 
-fn trained(targets: &[i32]) -> f64 {
-    targets.iter().filter(|&&x| x != IGNORE).count() as f64
-}
-
 fn grads(m: &Llama) -> Vec<(String, Vec<f32>)> {
     m.parameters().into_iter().map(|(n, p)| (n, p.grad().unwrap().to_vec::<f32>().unwrap())).collect()
 }
@@ -110,11 +106,11 @@ fn a_packed_batch_equals_its_conversations_one_by_one() {
         m.set_activation_checkpointing(ckpt);
         let (convs, rows, t) = conversations(&mut Rng::new(6));
         let p = pack(&rows.iter().map(|r| r.iter().map(|&i| &convs[i]).collect()).collect::<Vec<_>>(), t);
-        // The packed loss is a mean over the batch's trained tokens: times their count, a sum.
-        let n = trained(p.targets.host().unwrap());
-        let loss = m.loss_packed(&p.ids, &p.targets, &p.packing).unwrap();
-        let sum = loss.item().unwrap() * n;
-        loss.mul_scalar(n).unwrap().backward().unwrap();
+        // Sums over the trained tokens (the trainer's scale, `LossScale::Sum`), packed and one by
+        // one: the head makes their gradients with no factor applied after it.
+        let loss = m.loss_with(&p.ids, &p.targets, Some(&p.packing), LossScale::Sum(1.0)).unwrap();
+        let sum = loss.item().unwrap();
+        loss.backward().unwrap();
         let packed = grads(&m);
         zero_grads(&m);
         let mut want = 0.0;
@@ -122,7 +118,7 @@ fn a_packed_batch_equals_its_conversations_one_by_one() {
             let len = c.ids.len();
             let ids = Tensor::from_vec(c.ids.clone(), vec![1, len], CPU).unwrap();
             let tg = Tensor::from_vec(c.targets.clone(), vec![1, len], CPU).unwrap();
-            let l = m.loss(&ids, &tg).unwrap().mul_scalar(trained(&c.targets)).unwrap();
+            let l = m.loss_with(&ids, &tg, None, LossScale::Sum(1.0)).unwrap();
             want += l.item().unwrap();
             l.backward().unwrap(); // accumulates over the conversations
         }
