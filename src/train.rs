@@ -391,6 +391,11 @@ impl Trainer {
         self
     }
 
+    /// Real (not padding) tokens trained on so far, every rank: what `tok/s` counts.
+    pub fn tokens_seen(&self) -> u64 {
+        self.tokens_seen
+    }
+
     /// Whether this run has validation data (conversations with `--val-fraction 0` and no
     /// `--val-data` have none).
     pub fn has_validation(&self) -> bool {
