@@ -3,7 +3,8 @@
 //! every page of docs/ but those of [`NOT_RUN`], so a new page is run without a word here):
 //!
 //! - every line of a fenced code block (a `\` at the end continues it; `#` starts a comment) that
-//!   is not marked ```text or ```json;
+//!   is not marked ```text, ```json, ```console, ```toml or ```python (a Python snippet: its
+//!   check is a fixture test, e.g. tests/fixtures/lora_trained);
 //! - every `$ ` line of an indented block (the lines after it are the output it shows);
 //! - every inline code span that starts with `cargo `, `lm_eval ` or `scripts/` (inline
 //!   `torchrun …` and the like are fragments that name a flag; the fences hold their commands).
@@ -53,6 +54,10 @@ const NOT_RUN: &[(&str, &str)] = &[
     ("docs/BENCHMARKS.md", "measurements: benchmarks and GPU scripts that run for minutes to hours"),
     ("docs/OFFLOAD.md", "the offload engine's design and its benchmark"),
 ];
+
+/// Examples that print a table of figures they compute (not a tool a user runs on data): checked
+/// to exist, as benchmarks are.
+const TABLES: &[&str] = &["lora_memory"];
 
 /// [`FIRST`], then every other page of docs/ that [`NOT_RUN`] does not name.
 fn docs() -> Vec<String> {
@@ -116,7 +121,7 @@ fn extract(doc: &str, text: &str) -> Vec<DocCommand> {
     while i < lines.len() {
         let l = lines[i];
         if let Some(info) = l.trim_start().strip_prefix("```") {
-            let skip = ["text", "json", "console", "toml"].contains(&info.trim());
+            let skip = ["text", "json", "console", "toml", "python"].contains(&info.trim());
             i += 1;
             while i < lines.len() && !lines[i].trim_start().starts_with("```") {
                 let t = lines[i].trim();
@@ -434,7 +439,8 @@ impl Sandbox {
         let name = example.ok_or("cargo run without --example")?;
         example_exists(pkg.as_deref(), &name)?;
         let flags = args.get(i + 1..).unwrap_or(&[]).to_vec();
-        if name.starts_with("bench_") {
+        // A benchmark, or an example that only prints a table of what it computes.
+        if name.starts_with("bench_") || TABLES.contains(&name.as_str()) {
             if name == "bench_cuda" {
                 parse(&fill_placeholders(&[vec![name.clone()], flags].concat()))?;
             }
@@ -492,7 +498,8 @@ impl Sandbox {
             let out = self.out_dir(&tool, argv, &stderr);
             let ckpt = |s: usize| format!("{out}/checkpoints/step-{s:06}");
             let written = self.root.join(ckpt(steps));
-            if !written.join("config.json").is_file() {
+            // A model checkpoint, or a LoRA run's PEFT adapter.
+            if !["config.json", "adapter_config.json"].iter().any(|f| written.join(f).is_file()) {
                 return Err(format!("{full:?} wrote no checkpoint {}:\n{stdout}\n{stderr}", written.display()));
             }
             self.renames.push((ckpt(doc_steps), ckpt(steps)));
