@@ -46,13 +46,38 @@ pub struct ChatData {
 }
 
 /// Whether `--data` is token data, trained in windows as pretraining trains: a directory
-/// prepared by prepare_data, text files (`.txt`), or any records with `--data-format text`.
+/// prepared by prepare_data, text files (`.txt`), any records with `--data-format text`, or,
+/// under `--data-format auto`, records whose first readable one is of the `text` form (a
+/// pretraining corpus in JSON Lines needs no chat template).
 pub fn is_token_data(data: &Path, format: DataFormat) -> AnyResult<bool> {
     if format == DataFormat::Text || PrepareSummary::load(data)?.is_some() {
         return Ok(true);
     }
     let inputs = resolve_inputs(data).with_context(|| format!("cannot read the data {}", data.display()))?;
-    Ok(inputs.iter().all(|f| f.format.is_text()))
+    if inputs.iter().all(|f| f.format.is_text()) {
+        return Ok(true);
+    }
+    Ok(format == DataFormat::Auto && first_record_is_text(&inputs))
+}
+
+/// Whether the first record of the first record file that parses is plain text (`{"text": …}`).
+/// Bad records at its head (at most 64) are passed over; errors are left to the reader proper,
+/// which names the file and line.
+fn first_record_is_text(inputs: &[crate::data::InputFile]) -> bool {
+    let Some(file) = inputs.iter().find(|f| !f.format.is_text()) else { return false };
+    let Ok(mut reader) = chat::RecordReader::open(file) else { return false };
+    for _ in 0..64 {
+        match reader.next_record() {
+            Ok(Some((_, record))) => {
+                if let Ok(sample) = chat::parse_record(&record, DataFormat::Auto) {
+                    return matches!(sample, chat::Sample::Text(_));
+                }
+            }
+            Ok(None) => return false,
+            Err(_) => {}
+        }
+    }
+    false
 }
 
 /// The special tokens a template sees: those `model_dir/tokenizer_config.json` names, else the

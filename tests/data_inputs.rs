@@ -94,8 +94,6 @@ fn finetune_takes_a_text_file_or_json_lines_as_data() {
             "--steps=1",
             "--eval-every=0",
             "--skip-bad-records",
-            // JSON Lines records are conversations unless they are declared plain text.
-            "--data-format=text",
         ])
         .unwrap();
         assert!(a.train.records.skip_bad_records);
