@@ -6,6 +6,7 @@
 //! These check the emulator: on a GPU, or without the emulator, they skip and say so. The
 //! host-wait counts are process-wide, so the tests of this file take one lock.
 mod common;
+use common::{data, Data};
 use ferrolm::cli::parallel::ParallelArgs;
 use ferrolm::train::{TrainOptions, Trainer};
 use ferrolm::{DType, Device, Llama};
@@ -15,7 +16,6 @@ use ferrolm_parallel::store::{Store, StoreServer};
 use ferrolm_parallel::{CommOptions, Communicator, NcclComm, ReduceOp, ThreadComm};
 use ferrolm_tensor::backend::AdamWHyper;
 use ferrolm_tensor::{Rng, Tensor};
-use std::path::PathBuf;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
@@ -31,19 +31,6 @@ fn emulated() -> Option<Arc<CudaBackend>> {
         return None;
     }
     Some(be)
-}
-
-struct Data {
-    dir: PathBuf,
-    train: Vec<PathBuf>,
-    val: Vec<PathBuf>,
-    vocab: usize,
-}
-
-fn data(name: &str) -> Data {
-    let dir = common::tmp(name);
-    let (train, val, vocab) = common::shards(&dir);
-    Data { dir, train, val, vocab }
 }
 
 fn opts(steps: usize) -> TrainOptions {

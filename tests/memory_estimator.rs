@@ -16,6 +16,7 @@
 //! A feature that changes what training holds (a fused loss head, frozen weights) adds rows to
 //! the tables of `cpu_cases` / `emulator_cases`, with a field in `Case` if the run needs one.
 mod common;
+use common::{data, Data};
 use ferrolm::cli::parallel::ParallelArgs;
 use ferrolm::nn::{Llama, LlamaConfig, LoraConfig, Proj};
 use ferrolm::ops::LossChunks;
@@ -25,7 +26,6 @@ use ferrolm::{DType, Device};
 use ferrolm_parallel::zero::ShardSpec;
 use ferrolm_parallel::{CommOptions, ThreadComm};
 use ferrolm_tensor::{live_bytes, reset_peak_bytes, Rng};
-use std::path::PathBuf;
 use std::sync::Mutex;
 
 /// The peak counter is process-wide: one measured run at a time.
@@ -103,20 +103,6 @@ impl Case {
     fn lora(&self) -> Option<LoraConfig> {
         self.lora.map(|(r, p)| LoraConfig::new(r, None, p, Proj::ALL.to_vec(), false).unwrap())
     }
-}
-
-/// Token shards of the sonnets, shared by the runs.
-struct Data {
-    dir: PathBuf,
-    train: Vec<PathBuf>,
-    val: Vec<PathBuf>,
-    vocab: usize,
-}
-
-fn data(name: &str) -> Data {
-    let dir = common::tmp(name);
-    let (train, val, vocab) = common::shards(&dir);
-    Data { dir, train, val, vocab }
 }
 
 /// (the estimate for every rank of the run, the measured peak of the process), in bytes.

@@ -256,3 +256,18 @@ pub fn cuda0() -> bool {
         }
     }
 }
+
+/// Token shards of the sonnets in a scratch folder, shared by a test binary's runs.
+pub struct Data {
+    pub dir: PathBuf,
+    pub train: Vec<PathBuf>,
+    pub val: Vec<PathBuf>,
+    pub vocab: usize,
+}
+
+/// [`shards`] of the sonnets in `tmp(name)`.
+pub fn data(name: &str) -> Data {
+    let dir = tmp(name);
+    let (train, val, vocab) = shards(&dir);
+    Data { dir, train, val, vocab }
+}

@@ -9,25 +9,12 @@ use ferrolm_nn::module::Factor;
 use ferrolm_nn::safetensors_io::load_safetensors;
 use ferrolm_nn::{shift_labels, Llama};
 use ferrolm_tensor::{DType, Device, Rng, Tensor};
-use std::path::{Path, PathBuf};
+use std::path::Path;
 
 mod common;
-use common::TempDir;
+use common::{fixtures, rel_err, TempDir};
 
 const TOL: f64 = 1e-5;
-
-fn fixtures() -> PathBuf {
-    Path::new(env!("CARGO_MANIFEST_DIR")).join("../../tests/fixtures")
-}
-
-/// max |a - b| / max |b|
-fn rel_err(a: &Tensor, b: &Tensor) -> f64 {
-    assert_eq!(a.dims(), b.dims(), "shapes differ");
-    let (a, b) = (a.to_vec_f64().unwrap(), b.to_vec_f64().unwrap());
-    let diff = a.iter().zip(&b).map(|(x, y)| (x - y).abs()).fold(0.0, f64::max);
-    let scale = b.iter().map(|y| y.abs()).fold(0.0, f64::max);
-    diff / scale.max(1e-30)
-}
 
 /// (base fixture, adapter fixture)
 const FIXTURES: [(&str, &str); 3] =
