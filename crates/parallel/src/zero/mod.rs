@@ -118,10 +118,14 @@ impl Zero {
             let param_range =
                 if sp == 1 { bk.flat.clone() } else { bk.flat.narrow(0, groups.pos.param_range * n / sp, n / sp)?.deep_copy()? };
             let (lo, len) = (groups.pos.optim_range * n / so, n / so);
-            // Per-element decay and norm weight over the optimizer range, from the slots it overlaps.
-            let (mut decay, mut weight) = (vec![false; len], vec![0f32; len]);
+            // Per-element decay and (under TP only) norm weight over the optimizer range, from
+            // the slots it overlaps.
+            let (mut decay, mut weight) = (vec![false; len], tp.as_ref().map(|_| vec![0f32; len]));
             for s in &bk.slots {
                 let (s0, s1) = (s.offset.max(lo), (s.offset + s.numel()).min(lo + len));
+                if s1 <= s0 {
+                    continue; // outside this rank's range
+                }
                 let w = match &tp {
                     None => 1.0,
                     Some(l) => match l.params.get(&s.name) {
@@ -129,9 +133,9 @@ impl Zero {
                         _ => 1.0 / l.tp as f32,
                     },
                 };
-                for e in s0..s1.max(s0) {
-                    decay[e - lo] = s.kind.weight_decay();
-                    weight[e - lo] = w;
+                decay[s0 - lo..s1 - lo].fill(s.kind.weight_decay());
+                if let Some(weight) = weight.as_mut() {
+                    weight[s0 - lo..s1 - lo].fill(w);
                 }
             }
             let mut r: Runs = Vec::new();
@@ -143,7 +147,7 @@ impl Zero {
             }
             runs.push(r);
             optim_params.push(bk.flat.narrow(0, lo, len)?);
-            let norm_weight = if tp.is_some() { Some(Tensor::from_vec(weight, [len], bk.flat.device())?) } else { None };
+            let norm_weight = weight.map(|w| Tensor::from_vec(w, [len], bk.flat.device())).transpose()?;
             buckets.push(Bucket { numel: n, flat: bk.flat.clone(), param_range, norm_weight });
         }
         let state: Box<dyn OptimState> = match placement {
