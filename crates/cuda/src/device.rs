@@ -125,6 +125,9 @@ pub(crate) struct Emu {
     /// Test hook (`emulator_refuse_fused_gemm`): GEMMs with an addend or an f32 output from bf16
     /// are refused as a cuBLASLt without an algorithm for them would refuse them.
     refuse_fused_gemm: std::sync::atomic::AtomicBool,
+    /// Test hook (`emulator_books_only`): the compute stream's work is checked, counted and
+    /// allocated for, but not run.
+    books_only: std::sync::atomic::AtomicBool,
 }
 
 pub(crate) struct Gpu {
@@ -193,7 +196,7 @@ impl CudaBackend {
         let stream = Arc::new(CudaStream::Emu(EmuStream::new(race.clone())?));
         Ok(Self::finish(
             ordinal,
-            Exec::Emu(Emu { stream, race, skip_copy_wait: false.into(), refuse_fused_gemm: false.into() }),
+            Exec::Emu(Emu { stream, race, skip_copy_wait: false.into(), refuse_fused_gemm: false.into(), books_only: false.into() }),
             Pool::new(Mem::Host),
         ))
     }
@@ -218,10 +221,29 @@ impl CudaBackend {
         }
     }
 
+    /// Test hook, emulated device only: while on, the compute stream's kernels, GEMMs, uploads,
+    /// memsets and device copies are checked (arguments, shapes, bounds), counted by the profile
+    /// and allocated for exactly as always, but not run, and a download reads zeros. The pool's
+    /// books (`memory_stats`, `largest_allocation`) are then those of the real work, at shapes
+    /// whose arithmetic the emulator could not do in a test's time, and the memory it hands out
+    /// is never touched (a step's gigabytes stay virtual). Only for code whose allocations do
+    /// not depend on the values it computes (a test proves that at a small shape: the books
+    /// with and without the hook agree). Side streams (pinned copies, the emulated NCCL) still
+    /// run. No effect on a GPU.
+    pub fn emulator_books_only(&self, on: bool) {
+        if let Exec::Emu(e) = &self.exec {
+            e.books_only.store(on, Ordering::Relaxed);
+        }
+    }
+    fn books_only(&self) -> bool {
+        matches!(&self.exec, Exec::Emu(e) if e.books_only.load(Ordering::Relaxed))
+    }
+
     /// Emulated device: queues `job` on the compute stream (its error, if any, is the stream's
-    /// sticky error, reported by the next wait).
+    /// sticky error, reported by the next wait); drops it under `emulator_books_only`.
     pub(crate) fn emu_enqueue(&self, op: &'static str, job: Job) -> Result<()> {
         match &self.exec {
+            Exec::Emu(e) if e.books_only.load(Ordering::Relaxed) => e.stream.emu(op).map(drop),
             Exec::Emu(e) => e.stream.emu(op)?.enqueue(job),
             Exec::Gpu(_) => bail!(op, "not an emulated device"),
         }
@@ -552,6 +574,9 @@ impl CudaBackend {
             Exec::Emu(e) => {
                 // A blocking copy: the host waits for the stream, then reads.
                 e.stream.synchronize()?;
+                if self.books_only() {
+                    return Ok(v);
+                }
                 // SAFETY: emulated device pointers are host addresses of live pool blocks (256-byte
                 // aligned, and `offset` is a multiple of T's size at every call site); the range
                 // lies inside `buf` (checked above); v is a fresh Vec of n elements, so no overlap;

@@ -537,6 +537,16 @@ impl Llama {
         })
     }
 
+    /// A model of zeros (norms 1) filled on its device, with no work on the host: for measuring
+    /// what a shape costs (its memory, its launches), where `new`'s draws on the host would take
+    /// longer than the measurement.
+    pub fn zeros(cfg: LlamaConfig, dtype: DType, device: Device) -> Result<Self> {
+        Self::build(cfg, dtype, device, &mut |p| match p.kind {
+            ParamKind::Norm => Tensor::ones(p.shape.to_vec(), dtype, device),
+            _ => Tensor::zeros(p.shape.to_vec(), dtype, device),
+        })
+    }
+
     /// Builds the model from a name -> tensor map that must hold exactly its parameters with
     /// the config's shapes (`file` names the source in errors).
     pub fn from_tensors(cfg: LlamaConfig, mut tensors: TensorMap, dtype: DType, device: Device, file: &Path) -> Result<Self> {
