@@ -101,6 +101,13 @@ static __device__ __forceinline__ vec16 ld16(const vec16* p) {
     return v;
 #endif
 }
+// One 16-byte store (STG.E.128); the emulator checks the alignment as for loads.
+static __device__ __forceinline__ void st16(vec16* p, const vec16& v) {
+#ifdef FERRO_EMU
+    ferro_emu::check_aligned(p, 16, "16-byte store");
+#endif
+    *p = v;
+}
 static __device__ __forceinline__ unsigned bf_bits(float f) { return (unsigned)__bfloat16_as_ushort(__float2bfloat16_rn(f)); }
 // A vector of T as N floats and back (bf16: element 2k is the low half of word k).
 template <typename T> struct Vec;

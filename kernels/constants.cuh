@@ -66,3 +66,9 @@ enum { HEAD_MAJOR, TIME_MAJOR };
 // Sorted embedding backward (embedding.cu, `embedding_bwd_sorted_*`): at most EMB_SORT_THREADS
 // threads per block, each moving 16 bytes of a dy row at a time.
 #define EMB_SORT_THREADS 128
+
+// The fused head's loss (head_loss.cu): hl_loss_partial sums HL_LOSS_ROWS row losses a block
+// (a fixed partition, whatever the device), hl_finish the partials in one block; both blocks of
+// HL_LOSS_BLOCK threads.
+#define HL_LOSS_ROWS 4096
+#define HL_LOSS_BLOCK 256

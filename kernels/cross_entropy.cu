@@ -1,27 +1,14 @@
 // cross_entropy.cu — softmax cross-entropy over a large vocabulary, never materialising fp32
-// probabilities for the whole (n, vocab) matrix. One block per row streams the row once with
-// an online (max, sum-of-exp) per thread, merged through block trees -> lse (n) in f32 and a
+// probabilities for the whole (n, vocab) matrix. One block per row streams the row once, in
+// 16-byte vectors (ce_row.cuh), with an online (max, sum-of-exp) per thread, merged through
+// block trees -> lse (n) in f32 and a
 // per-row loss (0 for ignored targets). A single-block finish kernel sums the row losses in a
 // fixed order (deterministic mean). The backward recomputes softmax from the saved lse:
 // dlogits = (exp(x - lse) - onehot) * scale for counted rows, 0 for ignored ones. The fused
 // variant produces lse, row loss and dlogits in one launch (one read pass for the statistics,
 // one read+write pass for the gradient), with the gradient scale read from device memory so
 // the mean's 1/count never needs a host round trip.
-#include "common.cuh"
-
-// Row statistics: returns lse of row xr (length v) to every thread of the block.
-template <typename T>
-static __device__ float row_lse(const T* xr, i64 v, float* scratch) {
-    float m = -INFINITY, s = 0.0f;
-    for (i64 j = threadIdx.x; j < v; j += blockDim.x) {
-        float x = to_f(xr[j]);
-        if (x > m) { s = s * expf(m - x) + 1.0f; m = x; } else { s += expf(x - m); }
-    }
-    float bm = block_max(m, scratch);
-    float part = (m == -INFINITY) ? 0.0f : s * expf(m - bm);
-    float bs = block_sum(part, scratch);
-    return bm + logf(bs);
-}
+#include "ce_row.cuh"  // row_lse, row_map: a row in 16-byte vectors
 
 template <typename T>
 static __device__ void ce_fwd_impl(const T* logits, const int* targets, float* lse, float* row_loss, i64 n, i64 v, int ignore) {
@@ -66,11 +53,7 @@ static __device__ void ce_bwd_impl(const T* logits, const int* targets, const fl
     for (i64 r = blockIdx.x; r < n; r += gridDim.x) {
         int t = targets[r];
         float l = lse[r];
-        for (i64 j = threadIdx.x; j < v; j += blockDim.x) {
-            float g = 0.0f;
-            if (t != ignore) g = (expf(to_f(logits[r * v + j]) - l) - (j == t ? 1.0f : 0.0f)) * sc;
-            dlogits[r * v + j] = from_f<T>(g);
-        }
+        row_map(logits + r * v, dlogits + r * v, v, [&](i64 j, float x) { return t == ignore ? 0.0f : (expf(x - l) - (j == t ? 1.0f : 0.0f)) * sc; });
     }
 }
 extern "C" __global__ void ce_bwd_f32(const float* x, const int* t, const float* lse, const float* sc, float* dx, i64 n, i64 v, int ignore) { ce_bwd_impl(x, t, lse, sc, dx, n, v, ignore); }
@@ -89,11 +72,7 @@ static __device__ void ce_fused_impl(const T* logits, const int* targets, const 
         float xt = (t == ignore) ? 0.0f : to_f(xr[t]);
         __syncthreads();  // everyone has read xr[t] before it may be overwritten in place
         if (threadIdx.x == 0) { lse[r] = l; row_loss[r] = (t == ignore) ? 0.0f : l - xt; }
-        for (i64 j = threadIdx.x; j < v; j += blockDim.x) {
-            float g = 0.0f;
-            if (t != ignore) g = (expf(to_f(xr[j]) - l) - (j == t ? 1.0f : 0.0f)) * sc;
-            dlogits[r * v + j] = from_f<T>(g);
-        }
+        row_map(xr, dlogits + r * v, v, [&](i64 j, float x) { return t == ignore ? 0.0f : (expf(x - l) - (j == t ? 1.0f : 0.0f)) * sc; });
     }
 }
 extern "C" __global__ void ce_fused_f32(const float* x, const int* t, const float* sc, float* lse, float* rl, float* dx, i64 n, i64 v, int ignore) { ce_fused_impl(x, t, sc, lse, rl, dx, n, v, ignore); }

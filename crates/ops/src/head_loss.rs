@@ -32,13 +32,18 @@
 //! unfused GEMM then sums the same slices in the same order), else equal to rounding. bf16
 //! rounds where the unfused path does not (the gradient of the chunk, each chunk's dW): to
 //! rounding. On CUDA the GEMMs are cuBLASLt's (`CudaBackend::gemm_into`) and the rows
-//! kernels/cross_entropy.cu's `ce_fused` (the gradient in place) or `ce_fwd`: to rounding.
+//! kernels/cross_entropy.cu's `ce_fused` (the gradient in place) or `ce_fwd`: to rounding. The
+//! row losses are summed in f64 per fixed block of rows, then the blocks' sums in order
+//! (`hl_loss_partial`, `hl_finish`): the same bits run to run.
 //!
 //! Tensor parallelism (`head_loss_sharded`, `VocabShards`): each rank holds W's rows of its
 //! part of the vocabulary and computes its chunk's logits over them; the row max, then the sum of
-//! exponentials with the target logit, are all-reduced per chunk (kernels/head_loss.cu's row
-//! kernels on CUDA), and the logits are never gathered. The max's all-reduce is launched before
-//! the next chunk's GEMM and read after it, so it overlaps that GEMM (two chunks are held then).
+//! exponentials with the target logit, are all-reduced per chunk, and the logits are never
+//! gathered. On CUDA (kernels/head_loss.cu) a rank reads its chunk once for each row's local max
+//! and sum of exponentials (online) and target logit, all-reduces the max, rescales its sums to
+//! the global max, all-reduces them, then reads and writes the chunk once more for the gradient:
+//! the chunk is read twice, as on one device. The max's all-reduce is launched before the next
+//! chunk's GEMM and read after it, so it overlaps that GEMM (two chunks are held then).
 //! dX is this rank's part, which the caller's Megatron `f` all-reduces in backward.
 use crate::dispatch::{on, On};
 use crate::tokens::Tokens;
@@ -645,21 +650,21 @@ mod cpu {
 mod cuda {
     //! The launcher: cuBLASLt GEMMs into one chunk buffer and the callers' gradient buffers,
     //! the row kernels of kernels/cross_entropy.cu (one device) or kernels/head_loss.cu
-    //! (vocabulary-parallel), one fixed-order sum of the row losses. No host wait.
+    //! (vocabulary-parallel), a two-level fixed-order sum of the row losses. No host wait.
     use super::*;
-    use ferrolm_cuda::{kernels, CudaBackend, CudaStorage, Launch};
+    use ferrolm_cuda::{consts, kernels, CudaBackend, CudaStorage, Launch};
     use ferrolm_tensor::backend::Backend;
     use ferrolm_tensor::{CpuStorage, DeviceStorage};
 
-    /// Threads of the one-block sum of the row losses.
-    const FINISH_BLOCK: u32 = 1024;
-
-    /// A chunk of logits whose max is being all-reduced (tensor parallelism).
+    /// A chunk of logits whose max is being all-reduced (tensor parallelism), with this rank's
+    /// statistics: each row's local max `ml`, and `st` = [the sum of exp(x − ml) over the local
+    /// columns (rows); the target logit, 0 where another rank holds it (rows)].
     struct Pending {
         chunk: Chunk,
         buf: Storage,
         max: Tensor,
-        tgt: Storage,
+        ml: CudaStorage,
+        st: CudaStorage,
     }
 
     /// The loss (1, f32); writes dX's rows into `dx` (n, c; x's dtype) and accumulates dW into
@@ -700,7 +705,7 @@ mod cuda {
                     }
                 }
                 Some(s) => {
-                    let next = ctx.launch_max(ch, buf, s)?;
+                    let next = ctx.launch_stats(ch, buf, s)?;
                     if let Some(prev) = pending.replace(next) {
                         ctx.sharded(prev, s)?;
                     }
@@ -710,9 +715,16 @@ mod cuda {
         if let (Some(prev), Some(s)) = (pending, p.shards) {
             ctx.sharded(prev, s)?;
         }
-        let loss = be.alloc_storage(1, DType::F32)?;
-        // SAFETY: rl holds n f32 row losses; loss one f32.
-        unsafe { kernels::hl_finish(be, Launch::single(FINISH_BLOCK), rl.ptr(), p.n as i64, p.scale as f32, loss.ptr())? };
+        // The row losses summed in two levels: per HL_LOSS_ROWS rows in f64, then the partials.
+        let (loss, nb) = (be.alloc_storage(1, DType::F32)?, p.n.div_ceil(consts::HL_LOSS_ROWS).max(1));
+        let part = be.alloc_storage(2 * nb, DType::F32)?; // one f64 per block
+        let block = consts::HL_LOSS_BLOCK as u32;
+        let cfg = Launch::new((nb.min(1 << 20) as u32, 1, 1), block).elems(p.n);
+        // SAFETY: rl holds n f32 row losses, `part` nb f64 (8 bytes each), loss one f32.
+        unsafe {
+            kernels::hl_loss_partial(be, cfg, rl.ptr(), p.n as i64, part.ptr())?;
+            kernels::hl_finish(be, Launch::single(block), part.ptr(), nb as i64, p.scale as f32, loss.ptr())?;
+        }
         Ok(Made { loss: loss.into(), dx: None, dw: None })
     }
 
@@ -759,40 +771,41 @@ mod cuda {
             Ok(())
         }
 
-        /// Each row's local max and target logit; the max's all-reduce launched.
-        fn launch_max(&self, ch: Chunk, buf: Storage, s: &dyn VocabShards) -> Result<Pending> {
+        /// The chunk read once for each row's local max, sum of exponentials and target logit
+        /// (kernels/head_loss.cu's `hl_row_stats`); the max's all-reduce launched.
+        fn launch_stats(&self, ch: Chunk, buf: Storage, s: &dyn VocabShards) -> Result<Pending> {
             let op = "head_loss";
-            let (mx, tgt) = (self.be.alloc_storage(ch.rows, DType::F32)?, self.be.alloc_storage(ch.rows, DType::F32)?);
+            let (mx, ml) = (self.be.alloc_storage(ch.rows, DType::F32)?, self.be.alloc_storage(ch.rows, DType::F32)?);
+            let st = self.be.alloc_storage(2 * ch.rows, DType::F32)?;
             let (b, tt) = (CudaStorage::of(op, &buf)?, CudaStorage::of(op, self.t.0)?);
             let tp = tt.at(self.t.1.offset + ch.first);
             let cfg = Launch::per_row(ch.rows, Launch::BLOCK);
             let (n, v, start) = (ch.rows as i64, self.p.v as i64, self.p.start as i64);
-            // SAFETY: `b` holds rows x v logits, `tp` the chunk's rows targets, mx and tgt rows f32.
-            unsafe { kernels::hl_row_max(self.be, self.dt, cfg, b.ptr(), tp, mx.ptr(), tgt.ptr(), n, v, start, self.p.ignore)? };
+            // SAFETY: `b` holds rows x v logits, `tp` the chunk's rows targets, mx and ml rows f32,
+            // st 2 rows f32.
+            unsafe { kernels::hl_row_stats(self.be, self.dt, cfg, b.ptr(), tp, mx.ptr(), ml.ptr(), st.ptr(), n, v, start, self.p.ignore)? };
             let max = s.all_reduce_max(&Tensor::new(mx.into(), [ch.rows])?)?;
-            Ok(Pending { chunk: ch, buf, max, tgt: tgt.into() })
+            Ok(Pending { chunk: ch, buf, max, ml, st })
         }
 
-        /// The sum of exponentials and the target logit all-reduced, then the row losses and
-        /// the gradient in place (kernels/head_loss.cu), then the gradient GEMMs.
+        /// The local sums brought to the global max (`hl_rescale`) and all-reduced with the
+        /// target logits, then the row losses and the gradient in place (`hl_grad`), then the
+        /// gradient GEMMs.
         fn sharded(&self, pc: Pending, s: &dyn VocabShards) -> Result<()> {
             let op = "head_loss";
-            let Pending { chunk: ch, buf, max, tgt } = pc;
+            let Pending { chunk: ch, buf, max, ml, st } = pc;
             let (n, v, start) = (ch.rows as i64, self.p.v as i64, self.p.start as i64);
-            let cfg = Launch::per_row(ch.rows, Launch::BLOCK);
-            // [sum of exponentials (n); target logit (n)], summed over the ranks.
-            let st = self.be.alloc_storage(2 * ch.rows, DType::F32)?;
             let b = CudaStorage::of(op, &buf)?;
             Tensor::with_storages(&[&max], |m| {
                 let mp = CudaStorage::of(op, m[0].0)?.at(m[0].1.offset);
-                // SAFETY: `b` holds rows x v logits, mp rows f32, st 2 rows f32.
-                unsafe { kernels::hl_row_sumexp(self.be, self.dt, cfg, b.ptr(), mp, st.ptr(), n, v) }
+                // SAFETY: ml and mp rows f32, st at least rows f32 (its sums, rescaled in place).
+                unsafe { kernels::hl_rescale(self.be, Launch::cover(ch.rows, Launch::BLOCK), ml.ptr(), mp, st.ptr(), n) }
             })?;
-            self.be.copy_elements(CudaStorage::of(op, &tgt)?, 0, &st, ch.rows, ch.rows)?;
             let st = s.all_reduce_sum(&Tensor::new(st.into(), [2 * ch.rows])?)?;
             let grad = self.p.dx || self.p.dw;
             let tt = CudaStorage::of(op, self.t.0)?;
             let tp = tt.at(self.t.1.offset + ch.first);
+            let cfg = Launch::per_row(ch.rows, Launch::BLOCK);
             Tensor::with_storages(&[&max, &st], |m| {
                 let mp = CudaStorage::of(op, m[0].0)?.at(m[0].1.offset);
                 let sp = CudaStorage::of(op, m[1].0)?.at(m[1].1.offset);

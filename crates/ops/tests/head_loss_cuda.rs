@@ -88,39 +88,62 @@ fn head_loss_on_the_device_matches_the_cpu() {
     });
 }
 
+/// Rows of any length and start: 1001 logits (rows of bf16 and of f32 start at every 16-byte
+/// misalignment, a scalar head and tail around the vectors of kernels/ce_row.cuh) and 5 (shorter
+/// than a vector), in chunks that do not divide the rows; and 4,133 rows of 5, so the row losses
+/// are summed over two of `hl_loss_partial`'s blocks of 4,096.
+#[test]
+fn rows_of_any_length_and_alignment_match_the_cpu() {
+    each_float_dtype(24, |dt, r| {
+        for (n, v, c, chunk) in [(37, 1001, 16, 10), (19, 5, 8, 7), (4133, 5, 8, 4133)] {
+            let x = Tensor::randn([n, c], 1.0, dt, Device::Cpu, r).unwrap();
+            let w = Tensor::randn([v, c], 0.3, dt, Device::Cpu, r).unwrap();
+            let t: Vec<i32> = (0..n).map(|i| if i % 4 == 1 { IGNORE } else { r.below(v as u64) as i32 }).collect();
+            let f = |x: &Tensor, w: &Tensor| head_loss(x, w, &Tokens::upload(t.clone(), [n], x.device())?, &opts(chunk));
+            let name = format!("{dt} {n} rows of {v}, chunks of {chunk}");
+            compare(&name, &run(Device::Cpu, &x, &w, false, &f), &run(GPU, &x, &w, true, &f), dt);
+        }
+    });
+}
+
 /// Two ranks holding half the vocabulary each, on the device, against the whole head on the
 /// CPU: the loss, dX summed over the ranks and each rank's rows of dW (kernels/head_loss.cu).
+/// Halves of 600 (bf16 rows of 300 start misaligned every other row) and of 1002 (501: f32
+/// rows too).
 #[test]
 fn vocabulary_shards_on_the_device_match_the_whole_head() {
     each_float_dtype(22, |dt, r| {
-        let (n, v, c) = (45, 600, 32);
-        let x = Tensor::randn([n, c], 1.0, dt, Device::Cpu, r).unwrap();
-        let w = Tensor::randn([v, c], 0.3, dt, Device::Cpu, r).unwrap();
-        let t: Vec<i32> = (0..n).map(|i| if i % 5 == 0 || (10..20).contains(&i) { IGNORE } else { r.below(v as u64) as i32 }).collect();
-        let whole = run(Device::Cpu, &x, &w, false, &|x, w| head_loss(x, w, &Tokens::upload(t.clone(), [n], Device::Cpu)?, &opts(10)));
-        let got: Vec<[Tensor; 3]> = std::thread::scope(|s| {
-            let hs: Vec<_> = Threads::group(2, v)
-                .into_iter()
-                .map(|sh| {
-                    let (x, w, t) = (&x, &w, &t);
-                    s.spawn(move || {
-                        let wr = w.narrow(0, sh.start, v / 2).unwrap().contiguous().unwrap();
-                        run(GPU, x, &wr, sh.rank == 1, &|x, w| {
-                            head_loss_sharded(x, w, &Tokens::upload(t.clone(), [n], GPU)?, &opts(10), &sh)
-                        })
-                    })
-                })
-                .collect();
-            hs.into_iter().map(|h| h.join().unwrap()).collect()
-        });
-        for (rank, g) in got.iter().enumerate() {
-            let rows = whole[2].narrow(0, rank * v / 2, v / 2).unwrap();
-            check(&format!("{dt} rank {rank} loss"), &whole[0], &g[0], dt, true);
-            check(&format!("{dt} rank {rank} dW"), &rows.to_dtype(DType::F32).unwrap(), &g[2].to_dtype(DType::F32).unwrap(), dt, true);
+        for (n, v, c) in [(45, 600, 32), (21, 1002, 16)] {
+            shards_case(dt, r, n, v, c);
         }
-        let dx = got[0][1].to_dtype(DType::F32).unwrap().add(&got[1][1].to_dtype(DType::F32).unwrap()).unwrap();
-        check(&format!("{dt} dX summed over the ranks"), &whole[1].to_dtype(DType::F32).unwrap(), &dx, dt, true);
     });
+}
+
+fn shards_case(dt: DType, r: &mut Rng, n: usize, v: usize, c: usize) {
+    let x = Tensor::randn([n, c], 1.0, dt, Device::Cpu, r).unwrap();
+    let w = Tensor::randn([v, c], 0.3, dt, Device::Cpu, r).unwrap();
+    let t: Vec<i32> = (0..n).map(|i| if i % 5 == 0 || (10..20).contains(&i) { IGNORE } else { r.below(v as u64) as i32 }).collect();
+    let whole = run(Device::Cpu, &x, &w, false, &|x, w| head_loss(x, w, &Tokens::upload(t.clone(), [n], Device::Cpu)?, &opts(10)));
+    let got: Vec<[Tensor; 3]> = std::thread::scope(|s| {
+        let hs: Vec<_> = Threads::group(2, v)
+            .into_iter()
+            .map(|sh| {
+                let (x, w, t) = (&x, &w, &t);
+                s.spawn(move || {
+                    let wr = w.narrow(0, sh.start, v / 2).unwrap().contiguous().unwrap();
+                    run(GPU, x, &wr, sh.rank == 1, &|x, w| head_loss_sharded(x, w, &Tokens::upload(t.clone(), [n], GPU)?, &opts(10), &sh))
+                })
+            })
+            .collect();
+        hs.into_iter().map(|h| h.join().unwrap()).collect()
+    });
+    for (rank, g) in got.iter().enumerate() {
+        let rows = whole[2].narrow(0, rank * v / 2, v / 2).unwrap();
+        check(&format!("{dt} V {v} rank {rank} loss"), &whole[0], &g[0], dt, true);
+        check(&format!("{dt} V {v} rank {rank} dW"), &rows.to_dtype(DType::F32).unwrap(), &g[2].to_dtype(DType::F32).unwrap(), dt, true);
+    }
+    let dx = got[0][1].to_dtype(DType::F32).unwrap().add(&got[1][1].to_dtype(DType::F32).unwrap()).unwrap();
+    check(&format!("{dt} V {v} dX summed over the ranks"), &whole[1].to_dtype(DType::F32).unwrap(), &dx, dt, true);
 }
 
 /// Without grad (eval) a chunk is its logits GEMM and its loss: the same loss.
