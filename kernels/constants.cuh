@@ -70,5 +70,5 @@ enum { HEAD_MAJOR, TIME_MAJOR };
 // The fused head's loss (head_loss.cu): hl_loss_partial sums HL_LOSS_ROWS row losses a block
 // (a fixed partition, whatever the device), hl_finish the partials in one block; both blocks of
 // HL_LOSS_BLOCK threads.
-#define HL_LOSS_ROWS 4096
+#define HL_LOSS_ROWS 1024
 #define HL_LOSS_BLOCK 256
