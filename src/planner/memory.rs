@@ -19,14 +19,18 @@ use ferrolm_parallel::zero::{GradReduceDtype, ShardSpec};
 use ferrolm_tensor::{DType, Device};
 
 /// One rank's memory by part. Parameters, optimizer state and the workspace are held all the
-/// time, and so are the activations the forward saved, until the loss is dropped after backward
-/// (the autograd graph hangs from the loss). On top of them the peak comes at one of two moments
-/// of a step, and [`Memory::total`] takes the larger:
-/// - when backward starts: the head's loss transients and the gradients held already
-///   (`backward_start`);
+/// time. On top of them the peak comes at one of two moments of a step, and [`Memory::total`]
+/// takes the larger:
+/// - when backward starts: the activations the forward saved, the head's loss transients and
+///   the gradients held already (`backward_start`);
 /// - when the gradients are complete, at the end of backward: every gradient (`grads`) and the
 ///   transients beside them (`buffers`: a layer's backward or recomputation, the largest
-///   gradient formed whole, a bucket in flight, the step's squared gradient).
+///   gradient formed whole, a bucket in flight, the step's squared gradient). Backward frees
+///   each op's saved activations once it has run through the op (the autograd takes them out of
+///   the graph), so on one device they are gone by then (`held_to_end` 0); in between, what the
+///   activations release pays for the gradients formed, and neither moment is exceeded. Under
+///   tensor parallelism the measured peaks (tests/memory_estimator.rs) still come with the
+///   activations held at the end of backward, so there `held_to_end` counts them.
 #[derive(Clone, Debug)]
 pub struct Memory {
     /// This rank's parameter shard, plus the gathered buckets of ZeRO-3 (s_p > 1).
@@ -41,6 +45,8 @@ pub struct Memory {
     pub backward_start: f64,
     /// Beside the complete gradients: the other transients of the end of backward and the step.
     pub buffers: f64,
+    /// Activations still held when the gradients are complete (see the type's comment).
+    pub held_to_end: f64,
     /// [`MARGIN`] of what is modelled rather than counted: the activations and the larger moment's
     /// transients (the many small tensors beside them: norms' statistics, attention's log-sum-exp,
     /// targets, a communicator's staging).
@@ -53,12 +59,12 @@ pub struct Memory {
 impl Memory {
     /// The peak: what is always held plus the larger of the two moments.
     pub fn total(&self) -> f64 {
-        self.params + self.optim + self.workspace + self.activations + self.backward_start.max(self.gradients_complete()) + self.margin
+        self.params + self.optim + self.workspace + (self.activations + self.backward_start).max(self.gradients_complete()) + self.margin
     }
 
     /// What the end of backward adds to what is always held.
     pub fn gradients_complete(&self) -> f64 {
-        self.grads + self.buffers
+        self.grads + self.buffers + self.held_to_end
     }
 
     /// Model states alone (parameters, gradients, optimizer).
@@ -68,7 +74,7 @@ impl Memory {
 
     /// Whether the peak comes when backward starts (else when the gradients are complete).
     pub fn peaks_at_backward_start(&self) -> bool {
-        self.backward_start > self.gradients_complete()
+        self.activations + self.backward_start > self.gradients_complete()
     }
 }
 
@@ -238,6 +244,7 @@ fn memory_on(
         activations,
         backward_start,
         buffers,
+        held_to_end: if w.tp > 1 { activations } else { 0.0 },
         margin: MARGIN * (activations + backward_start.max(buffers)),
         workspace,
     }
@@ -447,16 +454,21 @@ fn gib(b: f64) -> String {
 /// One line: the prediction per rank, its moment and the parts held then (they add up to it).
 pub fn describe(m: &Memory) -> String {
     let (moment, moving) = if m.peaks_at_backward_start() {
-        ("when backward starts", format!("head and gradients held {}", gib(m.backward_start)))
+        ("when backward starts", format!("activations {}, head and gradients held {}", gib(m.activations), gib(m.backward_start)))
     } else {
-        ("when the gradients are complete", format!("gradients {}, buffers {}", gib(m.grads), gib(m.buffers)))
+        (
+            "when the gradients are complete",
+            match m.held_to_end {
+                0.0 => format!("gradients {}, buffers {}", gib(m.grads), gib(m.buffers)),
+                a => format!("activations {}, gradients {}, buffers {}", gib(a), gib(m.grads), gib(m.buffers)),
+            },
+        )
     };
     format!(
-        "{} per rank {moment} (parameters {}, optimizer {}, activations {}, {moving}, margin {}, workspace {})",
+        "{} per rank {moment} (parameters {}, optimizer {}, {moving}, margin {}, workspace {})",
         gib(m.total()),
         gib(m.params),
         gib(m.optim),
-        gib(m.activations),
         gib(m.margin),
         gib(m.workspace)
     )

@@ -5,7 +5,7 @@
 use crate::{Result, Tensor};
 use std::cell::Cell;
 use std::collections::{BTreeSet, HashMap};
-use std::sync::Arc;
+use std::sync::{Arc, Mutex};
 
 pub type BackwardFn = Box<dyn Fn(&Tensor) -> Result<Vec<Option<Tensor>>> + Send + Sync>;
 /// A backward that also takes what the engine offers besides the output gradient (`GradCtx`).
@@ -22,8 +22,29 @@ pub enum Backward {
 
 pub struct Node {
     pub name: &'static str,
-    pub inputs: Vec<Tensor>,
-    pub backward: Backward,
+    /// The op's inputs and its backward with what it saved, taken when backward runs through the
+    /// node: what only the graph held (the activations) is freed as backward goes, not when the
+    /// loss is dropped (PyTorch's `retain_graph=False`). `None` once taken: a second backward
+    /// through the node is refused.
+    work: Mutex<Option<Work>>,
+}
+
+struct Work {
+    inputs: Vec<Tensor>,
+    backward: Backward,
+}
+
+impl Node {
+    /// The inputs, while backward has not run through the node.
+    fn inputs(&self) -> Option<Vec<Tensor>> {
+        self.work.lock().unwrap_or_else(|e| e.into_inner()).as_ref().map(|w| w.inputs.clone())
+    }
+    fn ran_already(&self) -> crate::Error {
+        crate::Error::new(
+            format!("{} backward", self.name),
+            "backward already ran through this graph, and freed what it saved: compute the loss again",
+        )
+    }
 }
 
 /// What the engine offers a `CtxBackwardFn` for input `i`, so its gradient needs no kernel of its
@@ -104,7 +125,8 @@ impl Tensor {
         if !is_grad_enabled() || !inputs.iter().any(|t| t.requires_grad()) {
             return out;
         }
-        let node = Arc::new(Node { name, inputs: inputs.iter().map(|t| (*t).clone()).collect(), backward });
+        let work = Work { inputs: inputs.iter().map(|t| (*t).clone()).collect(), backward };
+        let node = Arc::new(Node { name, work: Mutex::new(Some(work)) });
         out.view(out.0.layout.clone(), Some(node))
     }
 }
@@ -146,7 +168,7 @@ pub(crate) fn traverse(root: &Tensor, seed: Tensor, unit_seed: bool, on_leaf: &m
     by_id.insert(root.id(), root.clone());
     while let Some(t) = stack.pop() {
         if let Some(node) = &t.0.grad_fn {
-            for i in node.inputs.iter().filter(|i| i.requires_grad()) {
+            for i in node.inputs().ok_or_else(|| node.ran_already())?.iter().filter(|i| i.requires_grad()) {
                 *deps.entry(i.id()).or_insert(0) += 1;
                 if by_id.insert(i.id(), i.clone()).is_none() {
                     stack.push(i.clone());
@@ -194,16 +216,19 @@ pub(crate) fn traverse(root: &Tensor, seed: Tensor, unit_seed: bool, on_leaf: &m
         // A node that received no gradient still releases its inputs (their other consumers
         // may have sent them one); it just contributes nothing.
         let name = node.name;
+        let Some(Work { inputs, backward }) = node.work.lock().unwrap_or_else(|e| e.into_inner()).take() else {
+            return Err(node.ran_already());
+        };
         let wrap = |e: crate::Error| crate::Error::new(format!("{name} backward"), e.to_string());
-        let gins = match (g, &node.backward) {
+        let gins = match (g, &backward) {
             (None, _) => Vec::new(),
             (Some(g), Backward::Plain(f)) => f(&g).map_err(wrap)?,
             (Some(g), Backward::Ctx(f)) => {
-                let mut ctx = offer(&node.inputs, &mut grads, &single);
+                let mut ctx = offer(&inputs, &mut grads, &single);
                 ctx.unit = unit_seed && id == root.id();
                 let r = f(&g, &mut ctx);
                 // Contributions the op did not take go back, ahead of its own (arrival order).
-                for (inp, parts) in node.inputs.iter().zip(ctx.partial) {
+                for (inp, parts) in inputs.iter().zip(ctx.partial) {
                     if let Some(parts) = parts {
                         let e = grads.entry(inp.id()).or_default();
                         let later = std::mem::replace(e, parts);
@@ -217,15 +242,16 @@ pub(crate) fn traverse(root: &Tensor, seed: Tensor, unit_seed: bool, on_leaf: &m
                 r
             }
         };
+        drop(backward); // what the op saved
         let mut gins = gins.into_iter();
-        for inp in node.inputs.iter() {
+        for inp in inputs.iter() {
             let gi = gins.next().flatten();
             if !inp.requires_grad() {
                 continue;
             }
             if let Some(gi) = gi {
                 if gi.shape() != inp.shape() {
-                    crate::bail!(format!("{} backward", node.name), "gradient shape {:?} for input {:?}", gi.shape(), inp.shape());
+                    crate::bail!(format!("{name} backward"), "gradient shape {:?} for input {:?}", gi.shape(), inp.shape());
                 }
                 grads.entry(inp.id()).or_default().push(gi);
             }
@@ -349,7 +375,7 @@ where
                 continue;
             }
             match &t.0.grad_fn {
-                Some(n) => stack.extend(n.inputs.iter().filter(|i| i.requires_grad()).cloned()),
+                Some(n) => stack.extend(n.inputs().unwrap_or_default().into_iter().filter(|i| i.requires_grad())),
                 None if !local.contains(&t.id()) => params.push(t.clone()),
                 None => {}
             }
