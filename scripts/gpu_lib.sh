@@ -95,14 +95,15 @@ need_bin() {
     echo "$b"
 }
 
-# A Llama config.json: write_config NAME HIDDEN INTER LAYERS HEADS [KV_HEADS] [VOCAB] -> its path.
+# A Llama config.json: write_config NAME HIDDEN INTER LAYERS HEADS [KV_HEADS] [VOCAB] [TIED: true|false]
+# -> its path.
 write_config() {
     local f="$RUNS/config_$1.json"
     mkdir -p "$RUNS"
     cat >"$f" <<EOF
 {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": ${7:-4096}, "hidden_size": $2,
  "intermediate_size": $3, "num_hidden_layers": $4, "num_attention_heads": $5, "num_key_value_heads": ${6:-$5},
- "max_position_embeddings": 4096, "rms_norm_eps": 1e-5, "rope_theta": 10000.0, "tie_word_embeddings": false}
+ "max_position_embeddings": 4096, "rms_norm_eps": 1e-5, "rope_theta": 10000.0, "tie_word_embeddings": ${8:-false}}
 EOF
     echo "$f"
 }

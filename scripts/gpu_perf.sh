@@ -49,6 +49,13 @@ Parts (in this order; each has its own time limit, and the whole run keeps to GP
                 (GP_OFFLOAD_KS) while time is left, each beside bench_offload's prediction
                 (fed the rates the auto run measured); the figure is dos_over_all_cpu. A 7B
                 run costs minutes of start-up (initialisation, pinning): a call of its own  [540 s]
+  7 head_memory the fused LM head's memory at Llama-3.2-1B's shape (issue 43): V 128256, tied,
+                hidden 2048, 16 layers, 32 query / 8 kv heads, ffn 8192, bf16, batch 8 x 2048;
+                three steps each of ours with the head fused in chunks (the default chunk), ours
+                unfused (--loss-chunk-tokens 0) and PyTorch eager (1 warm-up, 2 timed steps):
+                the peak of each (ours: the largest peak_tensor_mib of metrics.jsonl; PyTorch:
+                torch.cuda.max_memory_allocated) and fused_over_eager_peak (target <= 0.6)
+                [90 s + 90 s + 60 s]
 
 Every part that trains also reports gemm_fallback_runs: its runs whose log says cuBLASLt refused
 a fused GEMM ("composing such GEMMs"); gpu_perf.json's top-level gemm_fallbacks holds the
@@ -93,14 +100,14 @@ ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 LOG_TAG=gpu-perf
 # shellcheck source=gpu_lib.sh
 source "$ROOT/scripts/gpu_lib.sh"  # also OUT and PY, with their defaults
-parse_args PARTS 1,2,3,4,5,6 parts 2,4 part "$@"
+parse_args PARTS 1,2,3,4,5,6,7 parts 2,4 part "$@"
 
-NAMES=(_ tests train bench_cuda profile determinism offload)
-NPARTS=6
+NAMES=(_ tests train bench_cuda profile determinism offload head_memory)
+NPARTS=7
 # Seconds per part on a GPU host (caps, not expected times: the budget cuts a part that would
 # run past it), then in the rehearsal (2 shared cores, the emulator, a dev build).
-LIMITS=(_ 120 345 130 50 150 540)
-RLIMITS=(_ 240 420 120 120 180 240)
+LIMITS=(_ 120 345 130 50 150 540 245)
+RLIMITS=(_ 240 420 120 120 180 240 150)
 # Train runs: ours, then PyTorch eager's, then torch.compile's (124m only), per shape (GPU; the
 # rehearsal's are in RTRAIN_LIMIT).
 TRAIN_LIMIT_124M=(45 40 120)
@@ -115,7 +122,7 @@ for p in "${asked[@]}"; do
     n=""
     for i in $(seq 1 $NPARTS); do [ "$p" = "$i" ] || [ "$p" = "${NAMES[$i]}" ] && n=$i; done
     [ -n "$n" ] || {
-        echo "error: --parts '$PARTS': '$p' is not a part (1 tests, 2 train, 3 bench_cuda, 4 profile, 5 determinism, 6 offload)" >&2
+        echo "error: --parts '$PARTS': '$p' is not a part (1 tests, 2 train, 3 bench_cuda, 4 profile, 5 determinism, 6 offload, 7 head_memory)" >&2
         exit 2
     }
     want+=" $n"
@@ -745,6 +752,56 @@ part6() {
     [ "$ok" = 0 ] && [ -n "$dos" ]
 }
 
+# The fused head's memory at Llama-3.2-1B's shape: ours fused, ours unfused, PyTorch eager.
+part7() {
+    local ok=0 steps=3 cfg run peak fused="" unfused="" eager="" lim=90 e=(- - - -)
+    BS=8; SEQ=2048; TSTEPS=2; TWARM=1
+    if [ "$REHEARSE" = 1 ]; then
+        BS=2; SEQ=16; steps=2; TSTEPS=1; lim=60
+        cfg=$(write_config head_v128k 64 128 2 4 2 128256 true)
+    else
+        cfg=$(write_config head_v128k 2048 8192 16 32 8 128256 true)
+    fi
+    for run in fused unfused; do
+        local extra=()
+        [ "$run" = unfused ] && extra=(--loss-chunk-tokens 0)
+        pretrain_until "head_$run" "$steps" "$(within "$lim")" --device cuda:0 --dtype bf16 --config "$cfg" \
+            --data "$(train_data)" --steps "$steps" --batch-size "$BS" --seq-len "$SEQ" "${extra[@]}" ||
+            { ok=1; log "head_memory: pretrain_llama ($run) failed or ran out of time"; }
+        peak=$(metric "$RUNS/head_$run/metrics.jsonl" peak_tensor_mib | sort -g | tail -n 1)
+        fig "${run}_peak_mib" "$(jnum "$peak")"
+        [ -n "$peak" ] || ok=1
+        [ "$run" = fused ] && fused=$peak || unfused=$peak
+    done
+    if "$PY" -c 'import torch, transformers' >/dev/null 2>&1; then
+        torch_run head_v128k eager "$cfg" "$(within 60)" >"$RUNS/torch_row.txt" || ok=1
+        read -ra e <"$RUNS/torch_row.txt"
+        eager=${e[2]#-}
+    else
+        fig eager_skipped "$(jstr "torch or transformers does not import in $PY")"
+        [ "$REHEARSE" = 1 ] || ok=1
+    fi
+    local fe fu
+    fe=$(ratio "$fused" "$eager"); fu=$(ratio "$fused" "$unfused")
+    fig eager_peak_mib "$(jnum "$eager")"
+    fig fused_over_eager_peak "$(jnum "$fe")"
+    fig fused_over_unfused_peak "$(jnum "$fu")"
+    {
+        echo "### head_memory: the LM head and its loss fused, at Llama-3.2-1B's shape (V 128256, tied, bf16, batch $BS x $SEQ)"
+        echo
+        echo "| run | peak MiB | over PyTorch eager |"
+        echo "|---|---:|---:|"
+        echo "| ours, fused in chunks (default) | ${fused:--} | ${fe:--} |"
+        echo "| ours, unfused (--loss-chunk-tokens 0) | ${unfused:--} | $(ratio "$unfused" "$eager") |"
+        echo "| PyTorch eager | ${eager:--} | 1 |"
+        echo
+        echo "Target: fused <= 0.6 x eager. Ours is the tensor peak (peak_tensor_mib), PyTorch's max_memory_allocated."
+    } >"$WORK/md_head_memory.md"
+    echo "head_memory: fused ${fused:-?} MiB, unfused ${unfused:-?} MiB, eager ${eager:-?} MiB; fused/eager ${fe:-?}"
+    fallback_figure head_fused head_unfused
+    return $ok
+}
+
 # ---------------------------------------------------------------- one part (a child under timeout)
 if [ -n "$INTERNAL" ]; then
     FIGS="$WORK/figs_${NAMES[$INTERNAL]}.tsv"
@@ -792,7 +849,8 @@ write_md() {
             f="$WORK/row_${NAMES[$i]}.md"
             [ -s "$f" ] && cat "$f"
         done
-        for f in "$WORK/md_train.md" "$WORK/md_profile.md" "$WORK/md_determinism.md" "$WORK/md_offload.md"; do
+        for f in "$WORK/md_train.md" "$WORK/md_profile.md" "$WORK/md_determinism.md" "$WORK/md_offload.md" \
+            "$WORK/md_head_memory.md"; do
             [ -s "$f" ] && { echo; cat "$f"; }
         done
         echo

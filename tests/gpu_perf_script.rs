@@ -50,6 +50,8 @@ fn help_names_every_part_and_output() {
         "--offload-gpu-every inf",
         "gemm_fallbacks",
         "GP_COMMIT",
+        "--loss-chunk-tokens 0",
+        "fused_over_eager_peak",
     ];
     let o = run(&["--help"], &out, &out.join("work"));
     scripts::assert_help(&o, &out, "part", &PARTS, &mentions);
@@ -61,7 +63,7 @@ fn bad_arguments_are_refused_by_name() {
     scripts::assert_refused("gpu_perf.sh", |a| run(a, &out, &out.join("work")), &out.join("gpu_perf.json"));
 }
 
-const PARTS: [&str; 6] = ["tests", "train", "bench_cuda", "profile", "determinism", "offload"];
+const PARTS: [&str; 7] = ["tests", "train", "bench_cuda", "profile", "determinism", "offload", "head_memory"];
 
 fn positive(v: &serde_json::Value) -> bool {
     v.as_f64().is_some_and(|x| x > 0.0)
@@ -123,7 +125,13 @@ fn rehearsal_writes_every_part_marked_rehearsal() {
         let row = format!("| {} | {part} |", i + 1);
         assert_eq!(md.matches(&row).count(), 1, "gpu_perf.md lacks the row `{row}`:\n{md}");
     }
-    for table in ["ours/compile", "### determinism", "### offload"] {
+    // The fused head's memory: both of our runs measured, PyTorch's peak or its skip said (on the
+    // CPU it has no device peak), and the ratio's key present.
+    let h = &v["head_memory"]["figures"];
+    assert_eq!(v["head_memory"]["ok"], true, "{text}\n{log}");
+    assert!(positive(&h["fused_peak_mib"]) && positive(&h["unfused_peak_mib"]), "head_memory: no peaks of ours: {text}");
+    assert!(h.get("fused_over_eager_peak").is_some() && h.get("eager_peak_mib").is_some(), "head_memory: {text}");
+    for table in ["ours/compile", "### determinism", "### offload", "### head_memory"] {
         assert!(md.contains(table), "gpu_perf.md lacks `{table}`:\n{md}");
     }
     // The device tool brings back 8 files: the script writes at most 6.
