@@ -42,7 +42,7 @@ impl Node {
     fn ran_already(&self) -> crate::Error {
         crate::Error::new(
             format!("{} backward", self.name),
-            "backward already ran through this graph, and freed what it saved: compute the loss again",
+            "backward ran twice through this graph, and the first freed what it saved: compute the loss again",
         )
     }
 }
