@@ -12,7 +12,8 @@ usage:
 
 DIR holds config.json and model.safetensors (or model.safetensors.index.json + shards), and is
 loaded with LlamaForCausalLM.from_pretrained(DIR, dtype=float32) (torch_dtype= on old
-transformers). Missing or unexpected tensor names are an error (HF would otherwise silently
+transformers); a Ladder checkpoint (model_type llamaLadder) with AutoModelForCausalLM and
+trust_remote_code=True, through the modelling files ferrolm writes beside it. Missing or unexpected tensor names are an error (HF would otherwise silently
 initialise them randomly).
 
 DIR/roundtrip_ids.json (written by ferrolm):
@@ -124,14 +125,20 @@ def main() -> int:
 
     import torch
     import torch.nn.functional as F
-    from transformers import LlamaForCausalLM
+    from transformers import AutoModelForCausalLM, LlamaForCausalLM
 
     kw = dict(output_loading_info=True, attn_implementation="eager")
+    # A Ladder checkpoint (model_type llamaLadder) carries its modelling code beside the weights
+    # (configuration_llama_ladder.py, modeling_llama_ladder.py), which auto_map names.
+    ladder = json.loads((d / "config.json").read_text()).get("model_type") == "llamaLadder"
+    cls = AutoModelForCausalLM if ladder else LlamaForCausalLM
+    if ladder:
+        kw["trust_remote_code"] = True
     try:
         try:
-            model, info = LlamaForCausalLM.from_pretrained(d, dtype=torch.float32, **kw)
+            model, info = cls.from_pretrained(d, dtype=torch.float32, **kw)
         except TypeError:  # transformers < 4.56
-            model, info = LlamaForCausalLM.from_pretrained(d, torch_dtype=torch.float32, **kw)
+            model, info = cls.from_pretrained(d, torch_dtype=torch.float32, **kw)
     except Exception as e:  # noqa: BLE001
         fail(f"transformers could not load {d}: {type(e).__name__}: {e}")
     bad = {k: v for k, v in info.items() if v}

@@ -39,18 +39,23 @@ what save_pretrained writes for the spec, checks that the Ladder forward with no
 transformers' LlamaForCausalLM exactly (logits, loss, gradients), and checks that every layer's
 kind matters in every fixture (switching any one layer between standard and Ladder moves the
 logits by far more than the parity tolerance), so a wrong layer kind cannot pass against them.
+It also loads each fixture through `AutoModelForCausalLM.from_pretrained(trust_remote_code=True)`
+with the modelling files ferrolm writes beside every Ladder checkpoint
+(crates/nn/src/ladder_hf/*.py) and requires the same logits and loss, and a KV-cached greedy
+generation equal to the uncached one.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import shutil
 import sys
 import tempfile
 from pathlib import Path
 
 import torch
-from transformers import LlamaForCausalLM
+from transformers import AutoModelForCausalLM, LlamaForCausalLM
 from transformers.masking_utils import create_causal_mask
 
 import make_hf_fixtures as hf
@@ -219,6 +224,33 @@ def check_kind_effects(name: str, model: LlamaForCausalLM, ref: dict, ladder: fr
     return weakest
 
 
+# The modelling code ferrolm writes beside every Ladder checkpoint (crates/nn/src/ladder_hf.rs
+# embeds these files), checked here against the same references.
+REMOTE_CODE = hf.REPO / "crates" / "nn" / "src" / "ladder_hf"
+
+
+def check_remote_code(name: str, d: Path, ref: dict) -> float:
+    """The fixture with ferrolm's modelling files beside it loads through auto_map
+    (trust_remote_code) and gives the reference logits and loss; its KV-cached greedy generation
+    equals the uncached one. Returns the logits' relative error."""
+    with tempfile.TemporaryDirectory() as tmp:
+        t = Path(tmp) / name
+        shutil.copytree(d, t)
+        for f in sorted(REMOTE_CODE.glob("*.py")):
+            shutil.copy(f, t / f.name)
+        model = AutoModelForCausalLM.from_pretrained(t, trust_remote_code=True, dtype=torch.float32)
+        assert type(model).__name__ == "LlamaLadderForCausalLM", f"{name}: auto_map loaded {type(model).__name__}"
+        with torch.no_grad():
+            out = model(input_ids=ref["input_ids"], labels=ref["labels"], use_cache=False)
+            err = max(rel_err(out.logits, ref["logits"]), rel_err(out.loss, ref["loss"]))
+            assert err <= RTOL, f"{name}: the remote modelling code's logits/loss differ by {err:.1e}"
+            prompt = ref["input_ids"][:1, :4]
+            cached = model.generate(prompt, max_new_tokens=8, do_sample=False, use_cache=True)
+            plain = model.generate(prompt, max_new_tokens=8, do_sample=False, use_cache=False)
+            assert torch.equal(cached, plain), f"{name}: cached generation {cached} != uncached {plain}"
+    return err
+
+
 def check(name: str, spec: dict, out_root: Path) -> None:
     d = out_root / name
     ladder = check_config(name, spec, d)
@@ -233,8 +265,9 @@ def check(name: str, spec: dict, out_root: Path) -> None:
     assert errs[worst] <= RTOL, f"{name} {worst}: relative error {errs[worst]:.1e} > {RTOL}"
     plain = check_plain_llama(name, model, ref)
     weakest = check_kind_effects(name, model, ref, ladder)
+    remote = check_remote_code(name, d, ref)
     print(f"ok {name}: ladder layers {sorted(ladder)} of {model.config.num_hidden_layers}, "
-          f"max rel err {errs[worst]:.1e} ({worst}); empty ladder == LlamaForCausalLM "
+          f"max rel err {errs[worst]:.1e} ({worst}); remote code {remote:.1e}; empty ladder == LlamaForCausalLM "
           f"(max|d logits| {plain:.1e}); weakest single-layer kind switch moves logits {weakest:.2f} (rel)")
 
 

@@ -391,6 +391,7 @@ impl Trainer {
                 let path = ferrolm_nn::safetensors_io::prepare_dir(tmp, "model.safetensors")?;
                 save_safetensors(&path, &named, Some(DType::F32))?;
                 write_atomic(&tmp.join("config.json"), self.model.config().to_json_string_dtype("float32").as_bytes())?;
+                ferrolm_nn::ladder_hf::write_remote_code(tmp, self.model.config())?;
             }
         }
         if let Some(t) = &self.tokenizer_file {

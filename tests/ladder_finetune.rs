@@ -41,11 +41,31 @@ fn conversion_only_writes_the_papers_format_and_loads_in_eval_and_generate() {
     let dir = tmp("ladder-convert");
     let (ck, data) = setup(&dir);
     let out = dir.join("converted");
-    finetune(&ck, &data, &out, &["--ladder-layers", "0,", "--steps=0"]).unwrap();
+    let (res, logs) = capture_logs(|| finetune(&ck, &data, &out, &["--ladder-layers", "0,", "--steps=0"]));
+    res.unwrap();
     let step0 = out.join("checkpoints/step-000000");
     let cfg: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(step0.join("config.json")).unwrap()).unwrap();
     assert_eq!(cfg["model_type"], "llamaLadder");
     assert_eq!(cfg["ladder_layers"], serde_json::json!([0]));
+    // transformers loads it through auto_map: the modelling files it names are beside it (their
+    // parity is checked by scripts/make_ladder_fixtures.py), and the log says how.
+    for (module, class) in [
+        ("AutoConfig", "configuration_llama_ladder.LlamaLadderConfig"),
+        ("AutoModelForCausalLM", "modeling_llama_ladder.LlamaLadderForCausalLM"),
+    ] {
+        assert_eq!(cfg["auto_map"][module], class);
+    }
+    for (name, text) in ferrolm_nn::ladder_hf::FILES {
+        assert_eq!(std::fs::read_to_string(step0.join(name)).unwrap_or_default(), text, "{name} beside the checkpoint");
+    }
+    assert!(logs.contains("trust_remote_code=True"), "the log says how to load it in transformers: {logs}");
+    // export keeps them; a plain Llama checkpoint has none.
+    let exported = dir.join("exported");
+    ferrolm::checkpoint::export_model(&step0, &exported).unwrap();
+    for (name, _) in ferrolm_nn::ladder_hf::FILES {
+        assert!(exported.join(name).is_file(), "export keeps {name}");
+        assert!(!ck.join(name).exists(), "a plain Llama has no {name}");
+    }
     // The weights are the plain model's, under transformers' names.
     let a = ferrolm_nn::safetensors_io::load_safetensors(&ck.join("model.safetensors"), ferrolm::DType::F32, ferrolm::Device::Cpu).unwrap();
     let b =

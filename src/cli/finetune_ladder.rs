@@ -147,6 +147,7 @@ fn finetune_rank(args: &FinetuneLadderArgs, p: &Prepared, comm: Option<Comm>) ->
     if a.steps == 0 {
         let dir = trainer.save_checkpoint()?;
         report(&format!("converted checkpoint {}", dir.display()));
+        report_remote_code();
         return super::lora::merge(&args.lora, &base, Some(&dir), &a.out);
     }
     trainer.run()?;
@@ -157,5 +158,15 @@ fn finetune_rank(args: &FinetuneLadderArgs, p: &Prepared, comm: Option<Comm>) ->
         None => report(&format!("validation loss after fine-tuning {after:.4}")),
     };
     report(&format!("checkpoint: {}", a.out.join("checkpoints").display()));
+    report_remote_code();
     super::lora::merge(&args.lora, &base, None, &a.out)
+}
+
+/// How to load what this tool wrote in transformers: a Ladder checkpoint carries its modelling
+/// code (`ferrolm_nn::ladder_hf`), which transformers runs only when asked to.
+fn report_remote_code() {
+    tracing::info!(
+        "transformers loads the Ladder checkpoint with {} (configuration_llama_ladder.py and modeling_llama_ladder.py are written beside it)",
+        crate::nn::ladder_hf::HOW_TO_LOAD
+    );
 }

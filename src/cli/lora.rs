@@ -224,6 +224,7 @@ pub fn write_linked_base(src: &Path, dst: &Path, cfg: &crate::nn::LlamaConfig) -
     }
     copy_tokenizer_files(&[&src], dst)?;
     crate::nn::safetensors_io::write_atomic(&dst.join("config.json"), cfg.to_json_string_dtype("float32").as_bytes())?;
+    crate::nn::ladder_hf::write_remote_code(dst, cfg)?;
     Ok(())
 }
 

@@ -1,13 +1,15 @@
 //! Writes a random LLaMA checkpoint plus `roundtrip_ids.json` (ids, labels, and the loss
 //! ferrolm computes from the checkpoint on disk) for `scripts/check_hf_roundtrip.py`:
 //!
-//!   cargo run -p ferrolm-nn --example write_roundtrip -- DIR [--tied] [--bf16]
+//!   cargo run -p ferrolm-nn --example write_roundtrip -- DIR [--tied] [--bf16] [--ladder-layers L]
 //!   .venv/bin/python scripts/check_hf_roundtrip.py DIR
 //!
 //! Default: GQA (4 / 2 heads), untied head, llama3 rope. `--tied`: the "tiny" preset
 //! shape with tied embeddings and plain rope. `--bf16`: weights stored as bf16.
+//! `--ladder-layers`: a Ladder model (as `finetune_ladder`'s flag: N, i,j,k or all), which
+//! transformers loads through the modelling code written beside it.
 use clap::Parser;
-use ferrolm_nn::{shift_labels, Llama, LlamaConfig, RopeScaling};
+use ferrolm_nn::{shift_labels, LadderLayers, Llama, LlamaConfig, RopeScaling};
 use ferrolm_tensor::{DType, Device, Rng, Tensor};
 use std::path::PathBuf;
 
@@ -25,12 +27,15 @@ struct Args {
     /// Store the weights as bf16 [default: f32]
     #[arg(long)]
     bf16: bool,
+    /// Make it a Ladder model: the last N layers, a list i,j,k, or all [default: a plain Llama]
+    #[arg(long, value_name = "L")]
+    ladder_layers: Option<String>,
 }
 
 fn main() -> Result<(), Box<dyn std::error::Error>> {
-    let Args { dir, tied, bf16 } = Args::parse();
+    let Args { dir, tied, bf16, ladder_layers } = Args::parse();
 
-    let cfg = if tied {
+    let mut cfg = if tied {
         LlamaConfig { vocab_size: 320, initializer_range: 0.08, ..LlamaConfig::preset("tiny")? }
     } else {
         LlamaConfig {
@@ -57,6 +62,9 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
             ladder_layers: None,
         }
     };
+    if let Some(l) = ladder_layers {
+        cfg.ladder_layers = Some(LadderLayers::parse_flag(&l, cfg.num_hidden_layers)?);
+    }
     let mut rng = Rng::new(1234);
     let model = Llama::new(cfg.clone(), DType::F32, Device::Cpu, &mut rng)?;
     // Norm weights away from 1 so a swapped or dropped norm would show in the loss.

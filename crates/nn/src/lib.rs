@@ -5,6 +5,7 @@
 pub mod buckets;
 pub mod config;
 pub mod generate;
+pub mod ladder_hf;
 pub mod llama;
 pub mod lora;
 pub mod module;

@@ -598,7 +598,8 @@ impl Llama {
         };
         let path = safetensors_io::prepare_dir(dir, "model.safetensors")?;
         safetensors_io::save_safetensors(&path, &self.parameters(), Some(dtype))?;
-        safetensors_io::write_atomic(&dir.join("config.json"), self.cfg.to_json_string_dtype(hf).as_bytes())
+        safetensors_io::write_atomic(&dir.join("config.json"), self.cfg.to_json_string_dtype(hf).as_bytes())?;
+        crate::ladder_hf::write_remote_code(dir, &self.cfg)
     }
 
     // ---- Ladder conversion -----------------------------------------------------------------
