@@ -94,10 +94,12 @@ fn prepare(args: &FinetuneLadderArgs) -> AnyResult<Prepared> {
 }
 
 pub fn run(mut args: FinetuneLadderArgs) -> AnyResult<()> {
+    let given = args.model.clone();
     args.model = super::model_dir("--model", &args.model)?;
     if !args.train.settle_resume()? {
         return Ok(());
     }
+    super::finetune::check_inputs(&args.train, &args.chat, &args.lora, "data/corpus", &[&given, &args.model])?;
     if args.train.profile {
         crate::profile::enable();
     }

@@ -561,6 +561,31 @@ impl TrainArgs {
         RunSafety { max_skipped_steps: self.max_skipped_steps, keep_last: self.keep_last, overwrite: self.overwrite }
     }
 
+    /// Refuses an `--out` that is or holds one of the run's inputs, before anything is written or
+    /// deleted (`run_dir::check_inputs_outside`, a flag error naming both paths): the tool's own
+    /// (`extra`: `--model`, `--lora-init`, `--chat-template`, `--val-data`, …), `--data` (the
+    /// bundled `default_data` when not given), `--tokenizer`, `--cache-dir` when `token_data` says
+    /// the run reads text or datasets tokenized there (not a prepared directory), and `--resume`
+    /// unless it is a checkpoint of the run in `--out` itself, which a resumed run continues.
+    /// Call after [`TrainArgs::settle_resume`], which settles `--out`.
+    pub fn check_inputs_outside_out(&self, default_data: &str, token_data: bool, extra: &[(&str, &std::path::Path)]) -> AnyResult<()> {
+        let data = self.data.clone().unwrap_or_else(|| bundled(default_data));
+        let mut inputs: Vec<(&str, &std::path::Path)> = extra.to_vec();
+        inputs.push(("--data", &data));
+        if let Some(t) = &self.tokenizer {
+            inputs.push(("--tokenizer", t));
+        }
+        let prepared = data.join(crate::data::prepare::MANIFEST).is_file();
+        if token_data && !prepared {
+            inputs.push(("--cache-dir", &self.cache_dir));
+        }
+        let same_run = |r: &std::path::Path| crate::run_dir::run_dir_of(r).is_some_and(|d| crate::run_dir::same_dir(&d, &self.out));
+        if let Some(r) = self.resume.as_deref().filter(|r| !same_run(r)) {
+            inputs.push(("--resume", r));
+        }
+        crate::run_dir::check_inputs_outside(&self.out, &inputs)
+    }
+
     /// Settles `--resume` before a run starts: the checkpoint it names is resolved once (a run
     /// directory's newest complete checkpoint, or the one `checkpoints/latest` names), and the
     /// run continues in that run's directory unless `--out` was given (a log line says where, and

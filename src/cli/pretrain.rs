@@ -236,6 +236,13 @@ pub fn run(args: PretrainArgs) -> AnyResult<()> {
         return Ok(());
     }
     let a = &args.train;
+    let config = Path::new(&args.config);
+    let mut inputs = vec![("--config", config)];
+    inputs.retain(|(_, p)| p.is_file()); // a preset name is no path
+    if let Some(f) = &args.config_from {
+        inputs.push(("--config-from", f));
+    }
+    a.check_inputs_outside_out("data/corpus", true, &inputs)?;
     if a.profile {
         crate::profile::enable();
     }
