@@ -220,3 +220,37 @@ fn overwrite_with_resume_from_another_run_replaces_the_whole_run() {
     assert_eq!(checkpoint_names(&run), ["step-000001", "step-000002"], "the resumed run is untouched");
     let _ = std::fs::remove_dir_all(&dir);
 }
+
+/// `--seq-len` longer than the model's positions is a flag error before any data is read: the
+/// text given as --data is never tokenized into --cache-dir.
+#[test]
+fn seq_len_over_the_model_positions_is_refused_before_the_data() {
+    let dir = tmp("seq-len-first");
+    let (run, _) = finished_run(&dir);
+    let text = data_path("corpus/sonnets.txt");
+    let cache = dir.join("cache");
+    let common = [flag("data", &text), flag("cache-dir", &cache)];
+    let cases = [
+        args(
+            &["pretrain_llama", "--device=cpu", "--seq-len=4096", "--batch-size=1"],
+            &[&common[..], &[flag("out", &dir.join("a"))]].concat(),
+            &[],
+        ),
+        args(
+            &["finetune", "--device=cpu", "--seq-len=65", "--batch-size=1"],
+            &[&common[..], &[flag("model", &run), flag("out", &dir.join("b"))]].concat(),
+            &[],
+        ),
+        args(
+            &["finetune_ladder", "--device=cpu", "--seq-len=65", "--batch-size=1", "--ladder-layers=1"],
+            &[&common[..], &[flag("model", &run), flag("out", &dir.join("c"))]].concat(),
+            &[],
+        ),
+    ];
+    for argv in cases {
+        let err = refused(&argv);
+        assert!(err.contains("--seq-len") && err.contains("max_position_embeddings"), "{err}");
+        assert!(!cache.exists(), "{}: the data was tokenized before the refusal", argv[0]);
+    }
+    let _ = std::fs::remove_dir_all(&dir);
+}

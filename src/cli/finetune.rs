@@ -196,6 +196,7 @@ fn prepare(args: &FinetuneArgs) -> AnyResult<Prepared> {
     let model = args.model.clone();
     let cfg_path = model.join("config.json");
     let cfg = LlamaConfig::from_file(&cfg_path)?;
+    super::pretrain::check_seq_len(a.seq_len, &cfg, &cfg_path.display().to_string())?; // before the data
     let lora = args.lora.memory(&cfg)?; // the LoRA flags (and --lora-init's adapter) before any work
     let parallelism = a.parallel.layout()?;
     parallelism.check_model(&cfg)?;
