@@ -180,7 +180,7 @@ impl ModelRunArgs {
     ) -> AnyResult<()> {
         let dir = &model_dir("--model", dir)?;
         let tokenizer = model_dir_tokenizer(dir)?;
-        let adapter = self.lora.as_deref().map(lora::resolve_adapter).transpose().map_err(|e| e.context("--lora"))?;
+        let adapter = self.lora.as_deref().map(|p| adapter_dir("--lora", p)).transpose()?;
         let device = self.device.pick()?;
         let dtype = self.device.dtype(device);
         let layout = self.parallel.layout()?;
@@ -204,6 +204,18 @@ impl ModelRunArgs {
 pub fn model_dir(flag: &str, path: &std::path::Path) -> AnyResult<PathBuf> {
     use anyhow::Context;
     let dir = crate::checkpoint::resolve_model_dir(path).with_context(|| format!("{flag} {}", path.display()))?;
+    if dir != path {
+        tracing::info!("{flag} {}: using the checkpoint {}", path.display(), dir.display());
+    }
+    Ok(dir)
+}
+
+/// The adapter directory `path` names, for a flag such as `--lora`: a PEFT adapter directory as it
+/// is, or a LoRA run's newest complete checkpoint (`lora::resolve_adapter`, as [`model_dir`]
+/// resolves a run). Says in the log which checkpoint it chose when that is not `path` itself;
+/// errors name the flag.
+pub fn adapter_dir(flag: &str, path: &std::path::Path) -> AnyResult<PathBuf> {
+    let dir = lora::resolve_adapter(path).map_err(|e| e.context(flag.to_string()))?;
     if dir != path {
         tracing::info!("{flag} {}: using the checkpoint {}", path.display(), dir.display());
     }
