@@ -497,7 +497,7 @@ pub struct TrainArgs {
     pub max_skipped_steps: usize,
 
     /// Output directory: checkpoints/, metrics.jsonl, loss.png (with --resume: the resumed run's
-    /// directory unless given)
+    /// directory unless given); never one that is or holds an input of the run
     #[arg(long, value_name = "DIR", default_value = "runs/train", help_heading = "Run")]
     pub out: PathBuf,
     /// Whether --out was given on the command line (else a resumed run continues in its own
@@ -510,7 +510,9 @@ pub struct TrainArgs {
     #[arg(long, value_name = "DIR", help_heading = "Run")]
     pub resume: Option<PathBuf>,
     /// Replace the run already in --out (its checkpoints, metrics.jsonl and loss.png are deleted
-    /// first); without it such a directory is refused
+    /// once every input is loaded; resumed in place, only checkpoints newer than the resumed one);
+    /// without it such a directory is refused. An --out that is or holds an input (--model,
+    /// --data, …) is refused either way
     #[arg(long, help_heading = "Run")]
     pub overwrite: bool,
     /// Validate every N steps on the first 20 global batches of the validation split, and at the
