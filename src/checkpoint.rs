@@ -394,8 +394,15 @@ impl Trainer {
                 ferrolm_nn::ladder_hf::write_remote_code(tmp, self.model.config())?;
             }
         }
-        if let Some(t) = &self.tokenizer_file {
-            let tokenizer = ferrolm_data::Tokenizer::from_file(t).with_context(|| format!("cannot load the tokenizer {}", t.display()))?;
+        // The tokenizer read when the run started (`Trainer::run`), else (a save outside `run`) now.
+        let loaded = match (&self.tokenizer, &self.tokenizer_file) {
+            (Some(t), _) => Some(t.clone()),
+            (None, Some(t)) => Some(std::sync::Arc::new(
+                ferrolm_data::Tokenizer::from_file(t).with_context(|| format!("cannot load the tokenizer {}", t.display()))?,
+            )),
+            (None, None) => None,
+        };
+        if let Some(tokenizer) = loaded {
             crate::tokenizer_files::write_tokenizer_files(tmp, &tokenizer, self.chat_template.as_deref())?;
         }
         let st = TrainerState {

@@ -96,6 +96,81 @@ pub fn clear_for_new_run(out: &Path, resumed_step: Option<usize>) -> Result<()> 
     Ok(())
 }
 
+/// `path` as the filesystem sees it, whether it exists or not: absolute, every symlink of the
+/// part that exists resolved, `.` and `..` taken out. Two paths name the same place when their
+/// canonical forms are equal, and one lies inside another when its form starts with the other's.
+pub fn canonical(path: &Path) -> std::path::PathBuf {
+    use std::path::Component;
+    let abs = std::path::absolute(path).unwrap_or_else(|_| path.to_path_buf());
+    let mut cur = std::path::PathBuf::new();
+    for c in abs.components() {
+        match c {
+            Component::Prefix(_) | Component::RootDir => cur.push(c.as_os_str()),
+            Component::CurDir => {}
+            // `cur` is a resolved path (or lies below the part that exists): its parent is `..`.
+            Component::ParentDir => {
+                cur.pop();
+            }
+            Component::Normal(n) => {
+                cur.push(n);
+                if std::fs::symlink_metadata(&cur).is_ok() {
+                    if let Ok(real) = cur.canonicalize() {
+                        cur = real;
+                    }
+                }
+            }
+        }
+    }
+    cur
+}
+
+/// The part of `path` before its first component that holds a glob character (`--data
+/// "dir/*.jsonl"`: `dir`), when `path` itself does not exist; else `path`.
+fn before_glob(path: &Path) -> std::path::PathBuf {
+    if path.exists() {
+        return path.to_path_buf();
+    }
+    let mut out = std::path::PathBuf::new();
+    for c in path.components() {
+        if c.as_os_str().to_str().is_some_and(|s| s.contains(['*', '?', '['])) {
+            break;
+        }
+        out.push(c.as_os_str());
+    }
+    if out.as_os_str().is_empty() {
+        out.push(".");
+    }
+    out
+}
+
+/// Refuses an output directory `out` that is, or holds, one of a tool's inputs: `inputs` lists
+/// each as (the flag it came from, its path), e.g. `[("--model", model), ("--data", data)]`. A
+/// run writes its checkpoints into `out` and `--overwrite` deletes the old ones there, so an
+/// input inside it would be lost (the model being fine-tuned, the adapter being continued, the
+/// checkpoint being resumed from another run, the data). Paths are compared canonically
+/// ([`canonical`]: relative paths, symlinks, an `out` that does not exist yet). A flag error
+/// (exit code 2) naming both paths; every tool calls this before it writes or deletes anything.
+pub fn check_inputs_outside(out: &Path, inputs: &[(&str, &Path)]) -> Result<()> {
+    let out_c = canonical(out);
+    for (flag, input) in inputs {
+        let input_c = canonical(&before_glob(input));
+        if !input_c.starts_with(&out_c) {
+            continue;
+        }
+        let how = if input_c == out_c { "is" } else { "holds" };
+        let resolved = if input_c.as_path() == *input { String::new() } else { format!(" ({})", input_c.display()) };
+        return Err(crate::cli::flag_error(format!(
+            "--out {} {how} {flag} {}{resolved}: an output directory may not be or hold what the tool reads (a run writes \
+             its checkpoints there and --overwrite deletes the old ones); choose an --out outside {} (nothing was written \
+             or deleted)",
+            out.display(),
+            input.display(),
+            input.display()
+        )));
+    }
+    Ok(())
+}
+
 /// One line of `metrics.jsonl` that belongs to the history of a run.
 #[derive(Clone, Debug)]
 pub struct MetricsLine {

@@ -174,6 +174,9 @@ pub struct Trainer {
     pub(crate) batches: Batches,
     pub(crate) val: Validation,
     pub(crate) tokenizer_file: Option<PathBuf>,
+    /// The tokenizer of `tokenizer_file`, read before the output directory is prepared (an
+    /// `--overwrite` clearing may remove the file: it is never read again after that).
+    pub(crate) tokenizer: Option<Arc<ferrolm_data::Tokenizer>>,
     /// With LoRA: the base model's path that checkpoints' `adapter_config.json` names.
     pub(crate) adapter_base: Option<String>,
     /// Written into every checkpoint with the tokenizer (`tokenizer_files`).
@@ -323,6 +326,7 @@ impl Trainer {
             batches,
             val,
             tokenizer_file: None,
+            tokenizer: None,
             adapter_base: None,
             chat_template: None,
             tokens_seen: 0,
@@ -541,13 +545,19 @@ impl Trainer {
 
     /// Before the first write: refuses (or with `overwrite` clears) what this run would write
     /// over, and starts `metrics.jsonl` (on resume: with the resumed run's lines up to its step).
-    fn prepare_out_dir(&self) -> AnyResult<std::fs::File> {
+    /// Every input is read before this: the tokenizer the checkpoints carry is loaded here, first,
+    /// so that clearing never removes a file a later save needs.
+    fn prepare_out_dir(&mut self) -> AnyResult<std::fs::File> {
+        self.load_tokenizer()?;
         let out = &self.out_dir;
         let resumed = self.resumed.as_ref().map(|r| (r.run_dir.as_deref(), r.step));
         run_dir::check_out_dir(out, resumed, self.safety.overwrite)?;
         std::fs::create_dir_all(out).with_context(|| format!("cannot create the output directory {}", out.display()))?;
         if self.safety.overwrite {
-            run_dir::clear_for_new_run(out, self.resumed.as_ref().map(|r| r.step))?;
+            // Resumed in place: the resumed checkpoint and those before it stay (only newer ones
+            // go). Resumed from another run: everything of the run in `out` goes, as for a new one.
+            let in_place = self.resumed.as_ref().filter(|r| r.run_dir.as_deref().is_some_and(|d| run_dir::same_dir(d, out)));
+            run_dir::clear_for_new_run(out, in_place.map(|r| r.step))?;
         }
         let metrics = out.join(METRICS);
         if let Some(r) = &self.resumed {
@@ -566,6 +576,15 @@ impl Trainer {
             .append(true)
             .open(&metrics)
             .with_context(|| format!("cannot open {} for writing", metrics.display()))
+    }
+
+    /// The tokenizer the checkpoints carry (`with_tokenizer`), read once.
+    pub(crate) fn load_tokenizer(&mut self) -> AnyResult<Option<Arc<ferrolm_data::Tokenizer>>> {
+        if let (None, Some(t)) = (&self.tokenizer, &self.tokenizer_file) {
+            let tok = ferrolm_data::Tokenizer::from_file(t).with_context(|| format!("cannot load the tokenizer {}", t.display()))?;
+            self.tokenizer = Some(Arc::new(tok));
+        }
+        Ok(self.tokenizer.clone())
     }
 
     /// A multi-process run (ranks meeting at a store, possibly on several nodes): every rank

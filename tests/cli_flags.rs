@@ -528,3 +528,47 @@ fn lora_flags_take_both_forms() {
         assert_eq!((e.run.lora.as_deref(), g.run.lora.as_deref()), (Some("a".as_ref()), Some("a".as_ref())));
     }
 }
+
+/// Every LoRA flag error is a flag error, exit code 2, through the tools' process entry: a LoRA
+/// flag without --lora-rank (it used to exit 1), and a --lora-* flag that disagrees with
+/// --lora-init's adapter (found before the model and data are loaded, not after).
+#[test]
+fn lora_flag_errors_exit_2() {
+    let dir = tmp("cli-lora-flags");
+    let model = root().join("tests/fixtures/llama_gqa_untied"); // config.json, no tokenizer: refused before it
+    let adapter = root().join("tests/fixtures/lora_llama"); // r 4, alpha 8, for that model
+    let cases: [(&[&str], &str); 9] = [
+        (&["--lora-alpha", "16"], "--lora-alpha"),
+        (&["--lora-dropout", "0.1"], "--lora-dropout"),
+        (&["--lora-targets", "q"], "--lora-targets"),
+        (&["--rslora"], "--rslora"),
+        (&["--merge-lora"], "--merge-lora"),
+        (&["--lora-init", adapter.to_str().unwrap(), "--lora-rank", "8"], "--lora-rank 8"),
+        (&["--lora-init", adapter.to_str().unwrap(), "--lora-alpha", "3"], "--lora-alpha 3"),
+        (&["--lora-init", adapter.to_str().unwrap(), "--lora-targets", "gate"], "--lora-targets"),
+        (&["--lora-init", adapter.to_str().unwrap(), "--rslora"], "--rslora"),
+    ];
+    for (extra, want) in cases {
+        for tool in ["finetune", "finetune_ladder"] {
+            let mut argv =
+                vec![tool.to_string(), "--device=cpu".into(), "--seq-len=16".into(), flag("model", &model), flag("out", &dir.join("out"))];
+            if tool == "finetune_ladder" {
+                argv.push("--ladder-layers=1".into());
+            }
+            argv.extend(extra.iter().map(|s| s.to_string()));
+            let (code, logs) = capture_logs(|| match tool {
+                "finetune" => run_tool::<FinetuneArgs, _, _>(argv.clone(), ferrolm::cli::finetune::run),
+                _ => run_tool::<FinetuneLadderArgs, _, _>(argv.clone(), ferrolm::cli::finetune_ladder::run),
+            });
+            assert_eq!(code, 2, "{tool} {extra:?}: {logs}");
+            // The message itself (stderr) is checked through the library: it names the flag.
+            let e = match tool {
+                "finetune" => ferrolm::cli::finetune::run(parse_from(argv.clone()).unwrap()).unwrap_err(),
+                _ => ferrolm::cli::finetune_ladder::run(parse_from(argv.clone()).unwrap()).unwrap_err(),
+            };
+            assert!(error_report(&e).contains(want), "{tool} {extra:?}: {}", error_report(&e));
+        }
+    }
+    assert!(!dir.join("out").exists(), "a refused run wrote its output directory");
+    let _ = std::fs::remove_dir_all(&dir);
+}

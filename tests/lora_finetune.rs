@@ -85,10 +85,14 @@ fn lora_checkpoints_are_peft_adapters_that_resume_evaluate_and_merge() {
     assert!(with_adapter < plain - 1e-3, "the adapter learnt the sonnets: {with_adapter} vs the base's {plain}");
     let text = dir.join("few_sonnets.txt");
     std::fs::write(&text, &std::fs::read_to_string(data_path("corpus/sonnets.txt")).unwrap()[..4000]).unwrap();
-    for lora_flag in [format!("--lora={}", whole.display()), format!("--lora={}", step6.display())] {
+    for (lora, resolved) in [(&whole, true), (&step6, false)] {
         let e: EvalArgs =
-            parse_from(["eval", "--device=cpu", &flag("model", &base), &flag("text", &text), "--seq-len=16", &lora_flag]).unwrap();
-        ferrolm::cli::eval::run(e).unwrap();
+            parse_from(["eval", "--device=cpu", &flag("model", &base), &flag("text", &text), "--seq-len=16", &flag("lora", lora)]).unwrap();
+        let (res, logs) = capture_logs(|| ferrolm::cli::eval::run(e));
+        res.unwrap();
+        // A run directory: the log says which checkpoint's adapter, as --model does.
+        let said = format!("--lora {}: using the checkpoint {}", whole.display(), step6.display());
+        assert_eq!(logs.contains(&said), resolved, "{logs}");
     }
     let g: GenerateArgs = parse_from([
         "generate",

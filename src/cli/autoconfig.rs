@@ -268,6 +268,11 @@ pub fn run(a: AutoconfigArgs) -> AnyResult<()> {
 
 /// Runs the auto-configurator for the flags and prints everything but the final JSON line.
 pub fn autoconfig(a: &AutoconfigArgs) -> AnyResult<Report> {
+    let mut inputs: Vec<(&str, &Path)> =
+        a.model.as_deref().map(Path::new).filter(|m| m.is_file()).map(|m| ("--model", m)).into_iter().collect();
+    inputs.extend(a.data.as_deref().map(|d| ("--data", d)));
+    inputs.extend(a.tokenizer.as_deref().map(|t| ("--tokenizer", t)));
+    crate::run_dir::check_inputs_outside(&a.out, &inputs)?;
     let req = a.request()?;
     let r = crate::autoconfig::run(&req)?;
     print_model(a, &req, &r);

@@ -21,7 +21,7 @@ pub struct ExportArgs {
     /// or RUN/checkpoints/latest
     #[arg(long, value_name = "DIR")]
     pub model: PathBuf,
-    /// The new model directory (absent or empty)
+    /// The new model directory (absent or empty; never --model nor a directory that holds it)
     #[arg(long, value_name = "DIR")]
     pub out: PathBuf,
     #[command(flatten)]
@@ -36,6 +36,7 @@ impl Tool for ExportArgs {
 
 pub fn run(a: ExportArgs) -> AnyResult<()> {
     let src = model_dir("--model", &a.model)?;
+    crate::run_dir::check_inputs_outside(&a.out, &[("--model", &a.model), ("--model", &src)])?;
     let files = crate::checkpoint::export_model(&src, &a.out)?;
     report(&format!("exported {} to {}: {}", src.display(), a.out.display(), files.join(", ")));
     Ok(())

@@ -165,6 +165,20 @@ pub(crate) fn prepare_data(
     Ok(FinetuneData { set, sample_prompt, template: Some(template.text) })
 }
 
+/// The fine-tuning tools' [`TrainArgs::check_inputs_outside_out`]: `--out` may not be or hold
+/// `--model` (each of `models`: as given, and the checkpoint it resolved to), `--lora-init`,
+/// `--chat-template`, `--val-data`, nor the data and the run's other inputs.
+pub(crate) fn check_inputs(a: &TrainArgs, chat: &ChatArgs, lora: &super::lora::LoraArgs, default: &str, models: &[&Path]) -> AnyResult<()> {
+    let mut inputs: Vec<(&str, &Path)> = models.iter().map(|m| ("--model", *m)).collect();
+    let optional = [("--lora-init", &lora.lora_init), ("--chat-template", &chat.chat_template), ("--val-data", &chat.val_data)];
+    inputs.extend(optional.iter().filter_map(|(f, p)| p.as_deref().map(|p| (*f, p))));
+    // Conversations are read where they are; text and datasets go through --cache-dir. An error
+    // here is the data's, reported by its reader later: count the cache as read.
+    let data = a.data.clone().unwrap_or_else(|| super::bundled(default));
+    let token_data = crate::chat::is_token_data(&data, chat.data_format).unwrap_or(true);
+    a.check_inputs_outside_out(default, token_data, &inputs)
+}
+
 /// What every rank shares.
 struct Prepared {
     data: TrainData,
@@ -182,6 +196,7 @@ fn prepare(args: &FinetuneArgs) -> AnyResult<Prepared> {
     let model = args.model.clone();
     let cfg_path = model.join("config.json");
     let cfg = LlamaConfig::from_file(&cfg_path)?;
+    super::pretrain::check_seq_len(a.seq_len, &cfg, &cfg_path.display().to_string())?; // before the data
     let lora = args.lora.memory(&cfg)?; // the LoRA flags (and --lora-init's adapter) before any work
     let parallelism = a.parallel.layout()?;
     parallelism.check_model(&cfg)?;
@@ -217,10 +232,12 @@ pub struct Outcome {
 
 /// [`run`], returning what it reported (nothing when `--resume` names a finished run).
 pub fn finetune(mut args: FinetuneArgs) -> AnyResult<Outcome> {
+    let given = args.model.clone();
     args.model = super::model_dir("--model", &args.model)?;
     if !args.train.settle_resume()? {
         return Ok(Outcome::default());
     }
+    check_inputs(&args.train, &args.chat, &args.lora, "data/chat.jsonl", &[&given, &args.model])?;
     if args.train.profile {
         crate::profile::enable();
     }

@@ -76,6 +76,7 @@ fn prepare(args: &FinetuneLadderArgs) -> AnyResult<Prepared> {
     let dir = &args.model;
     std::fs::metadata(dir).with_context(|| format!("cannot open the model directory {}", dir.display()))?;
     let cfg = crate::nn::LlamaConfig::from_file(dir.join("config.json"))?;
+    super::pretrain::check_seq_len(a.seq_len, &cfg, &dir.join("config.json").display().to_string())?; // before the data
     let ladder = LadderLayers::parse_flag(&args.ladder_layers, cfg.num_hidden_layers)?;
     let lora = args.lora.memory(&cfg)?; // the LoRA flags (and --lora-init's adapter) before any work
     let parallelism = a.parallel.layout()?;
@@ -94,10 +95,12 @@ fn prepare(args: &FinetuneLadderArgs) -> AnyResult<Prepared> {
 }
 
 pub fn run(mut args: FinetuneLadderArgs) -> AnyResult<()> {
+    let given = args.model.clone();
     args.model = super::model_dir("--model", &args.model)?;
     if !args.train.settle_resume()? {
         return Ok(());
     }
+    super::finetune::check_inputs(&args.train, &args.chat, &args.lora, "data/corpus", &[&given, &args.model])?;
     if args.train.profile {
         crate::profile::enable();
     }

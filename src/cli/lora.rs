@@ -5,7 +5,7 @@
 //! flattens [`LoraArgs`] into its flags and calls, in order: [`LoraArgs::memory`] in its
 //! prepare (the estimate, and the flags checked before any work), [`attach`] on the loaded
 //! model, [`with_base`] on its trainer, [`merge`] after training.
-use super::{fraction, non_negative, positive};
+use super::{flag_error, fraction, non_negative, positive};
 use crate::nn::lora::{LoraConfig, Proj};
 use crate::{AnyResult, Llama};
 use anyhow::{bail, Context};
@@ -71,13 +71,44 @@ impl LoraArgs {
                 ("--merge-lora", self.merge_lora),
             ];
             if let Some((flag, _)) = given.iter().find(|g| g.1) {
-                bail!("{flag} applies to LoRA fine-tuning: add --lora-rank R (or --lora-init DIR)");
+                return Err(flag_error(format!("{flag} applies to LoRA fine-tuning: add --lora-rank R (or --lora-init DIR)")));
             }
             return Ok(None);
         }
         let Some(rank) = self.lora_rank.filter(|_| self.lora_init.is_none()) else { return Ok(None) };
         let targets = self.lora_targets.clone().map_or_else(|| Proj::ALL.to_vec(), |t| t.0);
-        Ok(Some(LoraConfig::new(rank, self.lora_alpha, self.lora_dropout.unwrap_or(0.0), targets, self.rslora)?))
+        LoraConfig::new(rank, self.lora_alpha, self.lora_dropout.unwrap_or(0.0), targets, self.rslora)
+            .map(Some)
+            .map_err(|e| flag_error(e.to_string()))
+    }
+
+    /// Refuses a --lora-* flag that disagrees with --lora-init's adapter `cfg` (read from `dir`),
+    /// a flag error (exit code 2); --lora-dropout may differ.
+    fn check_init(&self, cfg: &LoraConfig, dir: &Path) -> AnyResult<()> {
+        let file = dir.join(crate::nn::lora::peft::ADAPTER_CONFIG);
+        let differs = |flag: &str, given: String, field: &str, theirs: String| -> AnyResult<()> {
+            if given != theirs {
+                let msg =
+                    format!("{flag} {given}, but {} has {field} {theirs}: drop the flag to continue the adapter as it is", file.display());
+                return Err(flag_error(msg));
+            }
+            Ok(())
+        };
+        if let Some(r) = self.lora_rank {
+            differs("--lora-rank", r.to_string(), "r", cfg.rank.to_string())?;
+        }
+        if let Some(a) = self.lora_alpha {
+            differs("--lora-alpha", a.to_string(), "lora_alpha", cfg.alpha.to_string())?;
+        }
+        if let Some(t) = &self.lora_targets {
+            let names = |v: &[Proj]| v.iter().map(|p| p.module()).collect::<Vec<_>>().join(",");
+            differs("--lora-targets", names(&t.0), "target_modules", names(&cfg.targets))?;
+        }
+        if self.rslora && !cfg.rslora {
+            let msg = format!("--rslora, but {} has use_rslora false: drop the flag to continue the adapter as it is", file.display());
+            return Err(flag_error(msg));
+        }
+        Ok(())
     }
 
     /// The adapters as the memory estimator counts them (None without LoRA); reads --lora-init's
@@ -87,9 +118,11 @@ impl LoraArgs {
         let lora = match (self.config()?, &self.lora_init) {
             (Some(c), _) => c,
             (None, Some(dir)) => {
-                crate::nn::lora::peft::read_adapter(dir, cfg, crate::Device::Cpu)
+                let lora = crate::nn::lora::peft::read_adapter(dir, cfg, crate::Device::Cpu)
                     .with_context(|| format!("--lora-init {}", dir.display()))?
-                    .0
+                    .0;
+                self.check_init(&lora, dir)?;
+                lora
             }
             (None, None) => return Ok(None),
         };
@@ -106,26 +139,7 @@ impl LoraArgs {
         }
         let Some(dir) = &self.lora_init else { return Ok(None) };
         let cfg = model.load_adapter(dir).with_context(|| format!("--lora-init {}", dir.display()))?;
-        let file = dir.join(crate::nn::lora::peft::ADAPTER_CONFIG);
-        let differs = |flag: &str, given: String, field: &str, theirs: String| -> AnyResult<()> {
-            if given != theirs {
-                bail!("{flag} {given}, but {} has {field} {theirs}: drop the flag to continue the adapter as it is", file.display());
-            }
-            Ok(())
-        };
-        if let Some(r) = self.lora_rank {
-            differs("--lora-rank", r.to_string(), "r", cfg.rank.to_string())?;
-        }
-        if let Some(a) = self.lora_alpha {
-            differs("--lora-alpha", a.to_string(), "lora_alpha", cfg.alpha.to_string())?;
-        }
-        if let Some(t) = &self.lora_targets {
-            let names = |v: &[Proj]| v.iter().map(|p| p.module()).collect::<Vec<_>>().join(",");
-            differs("--lora-targets", names(&t.0), "target_modules", names(&cfg.targets))?;
-        }
-        if self.rslora && !cfg.rslora {
-            bail!("--rslora, but {} has use_rslora false: drop the flag to continue the adapter as it is", file.display());
-        }
+        self.check_init(&cfg, dir)?;
         if let Some(p) = self.lora_dropout {
             model.set_lora_dropout(p)?;
         }

@@ -180,7 +180,7 @@ impl ModelRunArgs {
     ) -> AnyResult<()> {
         let dir = &model_dir("--model", dir)?;
         let tokenizer = model_dir_tokenizer(dir)?;
-        let adapter = self.lora.as_deref().map(lora::resolve_adapter).transpose().map_err(|e| e.context("--lora"))?;
+        let adapter = self.lora.as_deref().map(|p| adapter_dir("--lora", p)).transpose()?;
         let device = self.device.pick()?;
         let dtype = self.device.dtype(device);
         let layout = self.parallel.layout()?;
@@ -204,6 +204,18 @@ impl ModelRunArgs {
 pub fn model_dir(flag: &str, path: &std::path::Path) -> AnyResult<PathBuf> {
     use anyhow::Context;
     let dir = crate::checkpoint::resolve_model_dir(path).with_context(|| format!("{flag} {}", path.display()))?;
+    if dir != path {
+        tracing::info!("{flag} {}: using the checkpoint {}", path.display(), dir.display());
+    }
+    Ok(dir)
+}
+
+/// The adapter directory `path` names, for a flag such as `--lora`: a PEFT adapter directory as it
+/// is, or a LoRA run's newest complete checkpoint (`lora::resolve_adapter`, as [`model_dir`]
+/// resolves a run). Says in the log which checkpoint it chose when that is not `path` itself;
+/// errors name the flag.
+pub fn adapter_dir(flag: &str, path: &std::path::Path) -> AnyResult<PathBuf> {
+    let dir = lora::resolve_adapter(path).map_err(|e| e.context(flag.to_string()))?;
     if dir != path {
         tracing::info!("{flag} {}: using the checkpoint {}", path.display(), dir.display());
     }
@@ -485,7 +497,7 @@ pub struct TrainArgs {
     pub max_skipped_steps: usize,
 
     /// Output directory: checkpoints/, metrics.jsonl, loss.png (with --resume: the resumed run's
-    /// directory unless given)
+    /// directory unless given); never one that is or holds an input of the run
     #[arg(long, value_name = "DIR", default_value = "runs/train", help_heading = "Run")]
     pub out: PathBuf,
     /// Whether --out was given on the command line (else a resumed run continues in its own
@@ -498,7 +510,9 @@ pub struct TrainArgs {
     #[arg(long, value_name = "DIR", help_heading = "Run")]
     pub resume: Option<PathBuf>,
     /// Replace the run already in --out (its checkpoints, metrics.jsonl and loss.png are deleted
-    /// first); without it such a directory is refused
+    /// once every input is loaded; resumed in place, only checkpoints newer than the resumed one);
+    /// without it such a directory is refused. An --out that is or holds an input (--model,
+    /// --data, …) is refused either way
     #[arg(long, help_heading = "Run")]
     pub overwrite: bool,
     /// Validate every N steps on the first 20 global batches of the validation split, and at the
@@ -559,6 +573,31 @@ impl TrainArgs {
 
     pub fn safety(&self) -> RunSafety {
         RunSafety { max_skipped_steps: self.max_skipped_steps, keep_last: self.keep_last, overwrite: self.overwrite }
+    }
+
+    /// Refuses an `--out` that is or holds one of the run's inputs, before anything is written or
+    /// deleted (`run_dir::check_inputs_outside`, a flag error naming both paths): the tool's own
+    /// (`extra`: `--model`, `--lora-init`, `--chat-template`, `--val-data`, …), `--data` (the
+    /// bundled `default_data` when not given), `--tokenizer`, `--cache-dir` when `token_data` says
+    /// the run reads text or datasets tokenized there (not a prepared directory), and `--resume`
+    /// unless it is a checkpoint of the run in `--out` itself, which a resumed run continues.
+    /// Call after [`TrainArgs::settle_resume`], which settles `--out`.
+    pub fn check_inputs_outside_out(&self, default_data: &str, token_data: bool, extra: &[(&str, &std::path::Path)]) -> AnyResult<()> {
+        let data = self.data.clone().unwrap_or_else(|| bundled(default_data));
+        let mut inputs: Vec<(&str, &std::path::Path)> = extra.to_vec();
+        inputs.push(("--data", &data));
+        if let Some(t) = &self.tokenizer {
+            inputs.push(("--tokenizer", t));
+        }
+        let prepared = data.join(crate::data::prepare::MANIFEST).is_file();
+        if token_data && !prepared {
+            inputs.push(("--cache-dir", &self.cache_dir));
+        }
+        let same_run = |r: &std::path::Path| crate::run_dir::run_dir_of(r).is_some_and(|d| crate::run_dir::same_dir(&d, &self.out));
+        if let Some(r) = self.resume.as_deref().filter(|r| !same_run(r)) {
+            inputs.push(("--resume", r));
+        }
+        crate::run_dir::check_inputs_outside(&self.out, &inputs)
     }
 
     /// Settles `--resume` before a run starts: the checkpoint it names is resolved once (a run

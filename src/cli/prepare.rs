@@ -71,6 +71,7 @@ impl Tool for PrepareDataArgs {
 }
 
 pub fn prepare_data(a: PrepareDataArgs) -> AnyResult<()> {
+    crate::run_dir::check_inputs_outside(&a.out, &[("--input", &a.input), ("--tokenizer", &a.tokenizer)])?;
     let tok = Tokenizer::from_file(&a.tokenizer).with_context(|| format!("cannot load the tokenizer {}", a.tokenizer.display()))?;
     let opts = PrepareOptions {
         val_fraction: a.val_fraction,
@@ -113,6 +114,7 @@ impl Tool for TrainTokenizerArgs {
 }
 
 pub fn train_tokenizer(a: TrainTokenizerArgs) -> AnyResult<()> {
+    crate::run_dir::check_inputs_outside(&a.out, &[("--corpus", &a.corpus)])?;
     let files = text_files(&a.corpus).with_context(|| format!("cannot read the corpus {}", a.corpus.display()))?;
     let bytes: u64 = files.iter().filter_map(|f| std::fs::metadata(f).ok()).map(|m| m.len()).sum();
     tracing::info!("training byte-level BPE (vocab {}) on {} files, {bytes} bytes", a.vocab_size, files.len());

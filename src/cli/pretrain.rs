@@ -76,6 +76,18 @@ pub(crate) fn preflight(a: &TrainArgs) -> AnyResult<()> {
     run_dir::check_out_dir(&a.out, resumed.as_ref().map(|(d, s)| (d.as_deref(), *s)), a.overwrite)
 }
 
+/// `--seq-len` against the positions of the model `cfg` (read from `model`), a flag error: checked
+/// before any data is read or tokenized.
+pub(crate) fn check_seq_len(seq_len: usize, cfg: &LlamaConfig, model: &str) -> AnyResult<()> {
+    let max = cfg.max_position_embeddings;
+    if seq_len > max {
+        return Err(super::flag_error(format!(
+            "--seq-len {seq_len} is longer than the model's max_position_embeddings ({max}, {model}): give --seq-len {max} or less"
+        )));
+    }
+    Ok(())
+}
+
 /// What every rank shares: the checked flags, the tokenizer and the prepared data.
 struct Prepared {
     data: TrainData,
@@ -90,21 +102,23 @@ fn prepare(args: &PretrainArgs) -> AnyResult<Prepared> {
     let device = a.device.pick()?;
     let dtype = a.device.dtype(device);
 
+    // The model first: --seq-len is checked against it before any data is read.
+    let (mut cfg, preset) = match super::preset_or_file("--config", &args.config)? {
+        Some(file) => (LlamaConfig::from_file(file)?, false),
+        None => (LlamaConfig::preset(&args.config).map_err(|e| super::flag_error(format!("--config: {e}")))?, true),
+    };
+    check_seq_len(opts.seq_len, &cfg, &args.config)?;
+
     let tok_path = a.tokenizer.clone().unwrap_or_else(|| super::bundled("data/tokenizer.json"));
     let tokenizer = Tokenizer::from_file(&tok_path).with_context(|| format!("cannot load the tokenizer {}", tok_path.display()))?;
+    if preset {
+        cfg.vocab_size = tokenizer.vocab_size();
+    }
     let data = a.data.clone().unwrap_or_else(|| super::bundled("data/corpus"));
     let (shards, train, val) = crate::shards::token_data_with(&data, &tokenizer, &tok_path, &a.data_options())?;
     // The final validation always runs, so the split must serve one window whatever --eval-every.
     check_validation_data(&val, opts.batch_size, opts.seq_len).with_context(|| format!("{}", shards.display()))?;
 
-    let mut cfg = match super::preset_or_file("--config", &args.config)? {
-        Some(file) => LlamaConfig::from_file(file)?,
-        None => {
-            let mut c = LlamaConfig::preset(&args.config).map_err(|e| super::flag_error(format!("--config: {e}")))?;
-            c.vocab_size = tokenizer.vocab_size();
-            c
-        }
-    };
     check_vocab(&tokenizer, &tok_path, cfg.vocab_size, &args.config)?;
     if let Some(l) = &args.ladder_layers {
         cfg.ladder_layers = Some(crate::nn::LadderLayers::parse_flag(l, cfg.num_hidden_layers)?);
@@ -236,6 +250,13 @@ pub fn run(args: PretrainArgs) -> AnyResult<()> {
         return Ok(());
     }
     let a = &args.train;
+    let config = Path::new(&args.config);
+    let mut inputs = vec![("--config", config)];
+    inputs.retain(|(_, p)| p.is_file()); // a preset name is no path
+    if let Some(f) = &args.config_from {
+        inputs.push(("--config-from", f));
+    }
+    a.check_inputs_outside_out("data/corpus", true, &inputs)?;
     if a.profile {
         crate::profile::enable();
     }
