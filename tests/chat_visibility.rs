@@ -1,8 +1,9 @@
-//! What a user sees of the conversations a run trains or scores (issue 50, items 3 and 6):
+//! What a user sees of the conversations a run trains or scores (issue 50, items 3, 6 and 10):
 //! the counts of conversations read, trained or scored, dropped as longer than `--seq-len`, cut
 //! by `--truncate` and skipped, at info level in `finetune` and in `eval --chat`'s last line;
 //! `--show-example N`, which prints the first N conversations with exactly the tokens the loss
-//! trains marked and exits before the weights or `--out`.
+//! trains marked and exits before the weights or `--out`; and the epoch count of a run whose
+//! steps draw more rows than the data packs into.
 mod common;
 #[path = "common/tools.rs"]
 mod tools;
@@ -127,7 +128,8 @@ fn finetune_logs_what_became_of_every_conversation_with_and_without_truncate() {
         let loaded = ferrolm::chat::load(&data, Some(&ck), &tok, &options(truncate), SEQ, 7).unwrap();
         let want = ChatCounts { read: 12, kept, dropped, cut, bad: 1, untrained: 1, held_out: 0, seq_len: SEQ };
         assert_eq!(loaded.counts, want, "--truncate {truncate}");
-        // The tool logs the same at info level.
+        let rows = loaded.train.num_rows();
+        // The tool logs the same at info level, and the epoch count of its steps.
         let out = dir.join(format!("run-{truncate}"));
         let mut argv = vec![
             "finetune".to_string(),
@@ -154,6 +156,10 @@ fn finetune_logs_what_became_of_every_conversation_with_and_without_truncate() {
             data.display()
         );
         assert!(logs.contains(&line), "--truncate {truncate}: no line\n{line}in the log:\n{logs}");
+        assert!(rows < 8, "{rows} rows: the warning needs fewer rows than a step");
+        let epochs = format!("2 steps x 8 rows = 16 rows = {:.1} epochs of {rows} packed rows", 16.0 / rows as f64);
+        assert!(logs.contains(&epochs), "no line {epochs:?} in\n{logs}");
+        assert!(logs.contains("warning: one step draws 8 rows") && logs.contains(&format!("the data packs into {rows} rows")), "{logs}");
     }
     // A held-out share is counted too, and its conversations have their own line.
     let mut o = options(false);
