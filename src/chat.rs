@@ -6,8 +6,8 @@
 //! Token data (a prepared shard directory, `.txt` files, or `--data-format text`) is not chat
 //! data: it trains in windows, every token, as pretraining does (`is_token_data`).
 use crate::data::chat::{
-    self, find_template_source, load_examples, pack, ChatDataOptions, ChatTemplate, DataFormat, Example, PackOptions, PackedData,
-    TemplateSource, TrainOn,
+    self, find_template_source, load_examples, pack, ChatDataOptions, ChatTemplate, DataFormat, Example, LoadStats, PackOptions, PackStats,
+    PackedData, TemplateSource, TrainOn,
 };
 use crate::data::{resolve_inputs, EpochOrder, PrepareSummary, Tokenizer};
 use crate::nn::Sampling;
@@ -33,11 +33,68 @@ pub struct ChatOptions {
     pub skip_bad_records: bool,
 }
 
+/// What became of the conversations of one data set, as the tools report it (at info level,
+/// and in `eval --chat`'s last line). Every record read is counted once:
+/// `read = kept + dropped + held_out + bad + untrained`; `cut` counts the kept ones that
+/// `--truncate` cut to `--seq-len`.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct ChatCounts {
+    /// Records read, good and bad.
+    pub read: u64,
+    /// Trained (fine-tuning) or scored (`eval --chat`), the cut ones included.
+    pub kept: u64,
+    /// Longer than `--seq-len` and dropped (without `--truncate`, or left with no trained token
+    /// by the cut).
+    pub dropped: u64,
+    /// Kept, cut to their first `--seq-len` tokens (`--truncate`).
+    pub cut: u64,
+    /// Bad records skipped (`--skip-bad-records`).
+    pub bad: u64,
+    /// Conversations in which `--train-on` trains no token, skipped.
+    pub untrained: u64,
+    /// Held out as validation conversations (`--val-fraction`).
+    pub held_out: u64,
+    /// The `--seq-len` the lengths were held to.
+    pub seq_len: usize,
+}
+
+impl ChatCounts {
+    /// The counts of `stats` (what loading read) and `packed` (what fit), `held_out` of them
+    /// set aside before packing.
+    pub fn of(stats: &LoadStats, packed: &PackStats, held_out: u64) -> ChatCounts {
+        ChatCounts {
+            read: stats.records,
+            kept: packed.packed,
+            dropped: packed.dropped_too_long,
+            cut: packed.truncated,
+            bad: stats.bad_records,
+            untrained: stats.no_trained_token,
+            held_out,
+            seq_len: packed.seq_len,
+        }
+    }
+
+    /// One line for the log, `verb` saying what the kept ones are (`trained`, `scored`):
+    /// `40 conversations read: 31 trained, 7 dropped (longer than --seq-len 64), 2 cut (--truncate), ...`.
+    pub fn summary(&self, verb: &str) -> String {
+        let held = if self.held_out > 0 { format!(", {} held out for validation", self.held_out) } else { String::new() };
+        format!(
+            "{} conversations read: {} {verb}, {} dropped (longer than --seq-len {}), {} cut (--truncate: their first {} tokens kept), \
+             {} bad records skipped, {} with no trained token skipped{held}",
+            self.read, self.kept, self.dropped, self.seq_len, self.cut, self.seq_len, self.bad, self.untrained
+        )
+    }
+}
+
 /// Conversations ready to train on.
 pub struct ChatData {
     pub train: PackedData,
     /// One held-out conversation a row; None with `--val-fraction 0` and no `--val-data`.
     pub val: Option<PackedData>,
+    /// What became of `--data`'s conversations (`held_out` of them validate).
+    pub counts: ChatCounts,
+    /// What became of the validation conversations (held out of `--data`, or `--val-data`'s).
+    pub val_counts: Option<ChatCounts>,
     /// The template (a checkpoint carries it on).
     pub template: TemplateSource,
     /// The first validation conversation up to its first trained token: the prompt whose reply
@@ -107,8 +164,15 @@ pub fn template(model_dir: Option<&Path>, explicit: Option<&Path>, tokenizer: &T
     Ok((t, source))
 }
 
-/// Examples of `data` with a progress bar; the log line says what was read and skipped.
-fn examples(data: &Path, template: &ChatTemplate, tokenizer: &Tokenizer, opts: &ChatOptions, what: &str) -> AnyResult<Vec<Example>> {
+/// Examples of `data` with a progress bar, and what loading found; the report line says what
+/// was read and skipped.
+fn examples(
+    data: &Path,
+    template: &ChatTemplate,
+    tokenizer: &Tokenizer,
+    opts: &ChatOptions,
+    what: &str,
+) -> AnyResult<(Vec<Example>, LoadStats)> {
     let inputs = resolve_inputs(data).with_context(|| format!("cannot read the {what} {}", data.display()))?;
     let bar = Progress::bytes(inputs.iter().map(|f| f.bytes).sum(), what);
     let o = ChatDataOptions { format: opts.format, train_on: opts.train_on, skip_bad_records: opts.skip_bad_records };
@@ -122,7 +186,7 @@ fn examples(data: &Path, template: &ChatTemplate, tokenizer: &Tokenizer, opts: &
     for m in &stats.skip_messages {
         report(&format!("  skipped: {m}"));
     }
-    Ok(ex)
+    Ok((ex, stats))
 }
 
 /// Reads, renders and masks `data` (and `opts.val_data`), holds out the validation
@@ -140,7 +204,8 @@ pub fn load(
 ) -> AnyResult<ChatData> {
     let (tpl, source) = template(model_dir, opts.chat_template.as_deref(), tokenizer)?;
     report(&format!("chat template: {}{}", source.origin, if tpl.has_generation() { " (with {% generation %} blocks)" } else { "" }));
-    let mut train = examples(data, &tpl, tokenizer, opts, "data")?;
+    let (mut train, stats) = examples(data, &tpl, tokenizer, opts, "data")?;
+    let mut held_out = 0u64;
     let val = match &opts.val_data {
         Some(v) => Some(examples(v, &tpl, tokenizer, opts, "validation data")?),
         None if opts.val_fraction > 0.0 && train.len() > 1 => {
@@ -162,8 +227,12 @@ pub fn load(
                 }
             }
             train = kept;
+            held_out = k as u64;
             report(&format!("validation: {k} of {n} conversations held out (--val-fraction {})", opts.val_fraction));
-            Some(val)
+            // The held-out conversations' own counts (none of them bad or untrained: those were
+            // skipped before the split).
+            let own = LoadStats { records: k as u64, examples: k as u64, ..LoadStats::default() };
+            Some((val, own))
         }
         None => {
             report("validation: none (--val-fraction 0 and no --val-data)");
@@ -173,47 +242,234 @@ pub fn load(
     let pad_id = tokenizer.eos_id().unwrap_or(0);
     let packed = pack(train, &PackOptions { seq_len, pack: opts.pack, truncate: opts.truncate, pad_id })?;
     report(&format!("{}: {}", if opts.pack { "packed" } else { "unpacked (--no-pack)" }, packed.stats().summary()));
+    let counts = ChatCounts::of(&stats, packed.stats(), held_out);
+    tracing::info!("data {}: {}", data.display(), counts.summary("trained"));
     if packed.num_rows() == 0 {
         bail!(
             "no conversation fits --seq-len {seq_len}: {} dropped as longer (raise --seq-len, or pass --truncate)",
             packed.stats().dropped_too_long
         );
     }
-    let val = match val {
-        Some(v) => Some(one_a_row(v, seq_len, opts.truncate, pad_id, "validation")?).filter(|v| v.num_rows() > 0),
-        None => None,
+    let (val, val_counts) = match val {
+        Some((v, vstats)) => {
+            let rows = one_a_row(v, seq_len, opts.truncate, pad_id)?;
+            let c = ChatCounts::of(&vstats, rows.stats(), 0);
+            let name = match &opts.val_data {
+                Some(p) => format!("validation data {}", p.display()),
+                None => format!("validation (held out of {})", data.display()),
+            };
+            tracing::info!("{name}: {}", c.summary("scored"));
+            if rows.num_rows() == 0 {
+                tracing::warn!(
+                    "{name}: no conversation fits --seq-len {seq_len}: the run has no validation (raise --seq-len, or pass --truncate)"
+                );
+            }
+            (Some(rows).filter(|v| v.num_rows() > 0), Some(c))
+        }
+        None => (None, None),
     };
     let sample_prompt = val.as_ref().and_then(|v| v.examples().first()).and_then(prompt_of);
-    Ok(ChatData { train: packed, val, template: source, sample_prompt })
+    Ok(ChatData { train: packed, val, counts, val_counts, template: source, sample_prompt })
 }
 
 /// `examples` one a row (never packed), as validation and `eval --chat` score them; the
-/// conversations dropped as longer than `seq_len` are counted in the log.
-fn one_a_row(examples: Vec<Example>, seq_len: usize, truncate: bool, pad_id: u32, what: &str) -> AnyResult<PackedData> {
-    let v = pack(examples, &PackOptions { seq_len, pack: false, truncate, pad_id })?;
-    let s = v.stats();
-    if s.dropped_too_long > 0 {
-        report(&format!("{what}: {} conversation(s) longer than {seq_len} tokens dropped", s.dropped_too_long));
-    }
-    if s.truncated > 0 {
-        report(&format!("{what}: {} conversation(s) truncated to {seq_len} tokens", s.truncated));
-    }
-    Ok(v)
+/// conversations dropped as longer than `seq_len`, and those cut, are in its stats.
+fn one_a_row(examples: Vec<Example>, seq_len: usize, truncate: bool, pad_id: u32) -> AnyResult<PackedData> {
+    Ok(pack(examples, &PackOptions { seq_len, pack: false, truncate, pad_id })?)
 }
 
 /// The conversations of `data` one a row, each to be scored alone (`eval --chat`): rendered with
 /// the template of `model_dir` (or `opts.chat_template`) and masked as fine-tuning masks them;
 /// packing and the validation options of `opts` do not apply. Conversations longer than
-/// `seq_len` are dropped (or truncated with `opts.truncate`) and counted.
-pub fn load_unpacked(data: &Path, model_dir: &Path, tokenizer: &Tokenizer, opts: &ChatOptions, seq_len: usize) -> AnyResult<PackedData> {
+/// `seq_len` are dropped (or truncated with `opts.truncate`); the counts, logged at info level,
+/// say what became of every record.
+pub fn load_unpacked(
+    data: &Path,
+    model_dir: &Path,
+    tokenizer: &Tokenizer,
+    opts: &ChatOptions,
+    seq_len: usize,
+) -> AnyResult<(PackedData, ChatCounts)> {
     let (tpl, source) = template(Some(model_dir), opts.chat_template.as_deref(), tokenizer)?;
     report(&format!("chat template: {}", source.origin));
-    let ex = examples(data, &tpl, tokenizer, opts, "data")?;
-    let rows = one_a_row(ex, seq_len, opts.truncate, tokenizer.eos_id().unwrap_or(0), "data")?;
+    let (ex, stats) = examples(data, &tpl, tokenizer, opts, "data")?;
+    let rows = one_a_row(ex, seq_len, opts.truncate, tokenizer.eos_id().unwrap_or(0))?;
+    let counts = ChatCounts::of(&stats, rows.stats(), 0);
+    tracing::info!("data {}: {}", data.display(), counts.summary("scored"));
     if rows.num_rows() == 0 {
-        bail!("{}: no conversation fits {seq_len} tokens", data.display());
+        bail!(
+            "{}: no conversation fits {seq_len} tokens: {} dropped as longer (raise --seq-len, or pass --truncate)",
+            data.display(),
+            counts.dropped
+        );
     }
-    Ok(rows)
+    Ok((rows, counts))
+}
+
+/// How [`show_examples`] marks the tokens the loss trains.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Marks {
+    /// `[[` before and `]]` after each maximal run of trained tokens. A literal `[`, `]` or `\`
+    /// of the text is written `\[`, `\]` and `\\`, so an unescaped `[[` or `]]` is always a marker.
+    Brackets,
+    /// Each run of trained tokens in bold green (ANSI escapes), the text as it is.
+    Colour,
+}
+
+impl Marks {
+    /// Colour when stdout is a terminal and `NO_COLOR` is unset or empty (no-color.org), else
+    /// brackets.
+    pub fn for_stdout() -> Marks {
+        use std::io::IsTerminal;
+        let no_color = std::env::var_os("NO_COLOR").is_some_and(|v| !v.is_empty());
+        if std::io::stdout().is_terminal() && !no_color {
+            Marks::Colour
+        } else {
+            Marks::Brackets
+        }
+    }
+}
+
+const GREEN: &str = "\x1b[1;32m";
+const RESET: &str = "\x1b[0m";
+
+/// Whether the loss trains token `i` of `ex`: `trained[i]`, save the first token, which no
+/// position predicts (`Example::trained_targets` counts the same tokens).
+fn is_trained(ex: &Example, i: usize) -> bool {
+    i > 0 && ex.trained[i]
+}
+
+/// The text of `ex` with the tokens the loss trains marked as `marks` says, each maximal run of
+/// trained (or untrained) tokens decoded at once (special tokens kept).
+pub fn mark_trained(ex: &Example, tokenizer: &Tokenizer, marks: Marks) -> AnyResult<String> {
+    let mut out = String::new();
+    let mut i = 0;
+    while i < ex.len() {
+        let trained = is_trained(ex, i);
+        let j = (i..ex.len()).find(|&j| is_trained(ex, j) != trained).unwrap_or(ex.len());
+        let text = tokenizer.decode(&ex.ids[i..j])?;
+        match marks {
+            Marks::Colour if trained => out.push_str(&format!("{GREEN}{text}{RESET}")),
+            Marks::Colour => out.push_str(&text),
+            Marks::Brackets => {
+                let escaped = text.replace('\\', "\\\\").replace('[', "\\[").replace(']', "\\]");
+                if trained {
+                    out.push_str(&format!("[[{escaped}]]"));
+                } else {
+                    out.push_str(&escaped);
+                }
+            }
+        }
+        i = j;
+    }
+    Ok(out)
+}
+
+/// `path:N` for a record at `line N …`, else `path at` (a Parquet row).
+fn record_place(path: &Path, at: &str) -> String {
+    match at.strip_prefix("line ").and_then(|r| r.split_whitespace().next()) {
+        Some(n) => format!("{}:{n}", path.display()),
+        None => format!("{} {at}", path.display()),
+    }
+}
+
+/// What `--seq-len` (and `--truncate`) do to `ex`, as [`pack`] does it.
+fn fate(ex: &Example, seq_len: usize, truncate: bool) -> String {
+    if ex.len() <= seq_len {
+        return format!("kept (fits --seq-len {seq_len})");
+    }
+    if !truncate {
+        return format!("dropped: longer than --seq-len {seq_len} (--truncate would keep its first {seq_len} tokens)");
+    }
+    let kept = (1..seq_len).filter(|&i| is_trained(ex, i)).count();
+    if kept == 0 {
+        format!("dropped: its first {seq_len} tokens, all that --truncate keeps, hold no trained token")
+    } else {
+        format!("cut: --truncate keeps its first {seq_len} tokens (--seq-len), {kept} of them trained; the rest is not trained")
+    }
+}
+
+/// `--show-example N`: the first `count` records of `data`, in file order, rendered with the
+/// template of `model_dir` (or `opts.chat_template`) and masked as fine-tuning masks them, each
+/// with its place (file:line, or Parquet row), its tokens, its trained tokens (marked in the
+/// text as `marks` says) and what `seq_len` and `opts.truncate` do to it: kept, cut or dropped.
+/// A conversation that trains no token, and a bad record, are shown as such. Only the tokenizer,
+/// the template and the data are read.
+pub fn show_examples(
+    data: &Path,
+    model_dir: &Path,
+    tokenizer: &Tokenizer,
+    opts: &ChatOptions,
+    seq_len: usize,
+    count: usize,
+    marks: Marks,
+) -> AnyResult<String> {
+    use std::fmt::Write;
+    let (tpl, source) = template(Some(model_dir), opts.chat_template.as_deref(), tokenizer)?;
+    let framing = crate::data::DocFraming::of(tokenizer)?;
+    let inputs = resolve_inputs(data).with_context(|| format!("cannot read the data {}", data.display()))?;
+    let mut out = format!("chat template: {}\n", source.origin);
+    let mut shown = 0;
+    'files: for file in &inputs {
+        let mut reader = match chat::RecordReader::open(file) {
+            Ok(r) => r,
+            Err(e) if opts.skip_bad_records => {
+                writeln!(out, "{}: skipped whole (--skip-bad-records)\n", e.into_error())?;
+                continue;
+            }
+            Err(e) => return Err(e.into_error()).with_context(|| format!("cannot read the data {}", data.display())),
+        };
+        while shown < count {
+            let (place, encoded) = match reader.next_record() {
+                Ok(None) => continue 'files,
+                Ok(Some((at, rec))) => {
+                    let ex = chat::parse_record(&rec, opts.format)
+                        .and_then(|s| chat::encode_sample(&s, Some(&tpl), tokenizer, &framing, opts.train_on));
+                    (record_place(&file.path, &at), ex)
+                }
+                Err(crate::data::ReadError::Record(e)) => (file.path.display().to_string(), Err(e.to_string())),
+                Err(crate::data::ReadError::Stream(e)) if opts.skip_bad_records => {
+                    writeln!(out, "{e}: the rest of the file is skipped (--skip-bad-records)\n")?;
+                    continue 'files;
+                }
+                Err(crate::data::ReadError::Stream(e)) => {
+                    return Err(e).with_context(|| format!("cannot read the data {}", data.display()));
+                }
+            };
+            shown += 1;
+            match encoded {
+                Err(msg) => {
+                    let then = if opts.skip_bad_records {
+                        "skipped (--skip-bad-records)"
+                    } else {
+                        "training stops here (or pass --skip-bad-records)"
+                    };
+                    writeln!(out, "example {shown} of {count}: {place}: bad record: {msg}: {then}\n")?;
+                }
+                Ok(ex) => {
+                    let trained = ex.trained_targets();
+                    let what = if trained == 0 {
+                        format!("skipped: --train-on {} trains no token of it", opts.train_on)
+                    } else {
+                        fate(&ex, seq_len, opts.truncate)
+                    };
+                    writeln!(out, "example {shown} of {count}: {place}: {} tokens, {trained} trained: {what}", ex.len())?;
+                    writeln!(out, "{}\n", mark_trained(&ex, tokenizer, marks)?)?;
+                }
+            }
+        }
+        break;
+    }
+    let marked = match marks {
+        Marks::Brackets => "trained tokens between [[ and ]]; a literal [, ] or \\ of the text is written \\[, \\] or \\\\",
+        Marks::Colour => "trained tokens in green",
+    };
+    if shown < count {
+        writeln!(out, "{}: {shown} records, all shown ({marked}); nothing trained (--show-example)", data.display())?;
+    } else {
+        writeln!(out, "the first {shown} records of {} shown ({marked}); nothing trained (--show-example)", data.display())?;
+    }
+    Ok(out)
 }
 
 /// The tokens of `ex` before its first trained token (the conversation so far and the

@@ -15,11 +15,26 @@ pub struct Score {
     pub loss: f64,
     /// Tokens scored.
     pub tokens: usize,
+    /// On conversations (`eval --chat`): what became of each one read (scored, dropped, cut,
+    /// skipped).
+    pub chat: Option<crate::chat::ChatCounts>,
 }
 
 impl Score {
     pub fn perplexity(&self) -> f64 {
         self.loss.exp()
+    }
+
+    /// `eval`'s last line: `loss <float> ppl <float> tokens <int>`, and on conversations
+    /// ` conversations <scored> dropped <int> cut <int> skipped <int>` after it (dropped: longer
+    /// than --seq-len; cut: scored over their first --seq-len tokens, `--truncate`; skipped:
+    /// bad records and conversations with no trained token).
+    pub fn line(&self) -> String {
+        let mut l = format!("loss {:.6} ppl {:.4} tokens {}", self.loss, self.perplexity(), self.tokens);
+        if let Some(c) = &self.chat {
+            l += &format!(" conversations {} dropped {} cut {} skipped {}", c.kept, c.dropped, c.cut, c.bad + c.untrained);
+        }
+        l
     }
 }
 
@@ -58,7 +73,7 @@ pub fn mean_loss(model: &Llama, ids: &[u32], seq_len: usize, batch_size: usize, 
         bar.inc((b * t) as u64);
     }
     drop(bar);
-    Ok(Score { loss: sum / n as f64, tokens: n })
+    Ok(Score { loss: sum / n as f64, tokens: n, chat: None })
 }
 
 /// The mean loss over the trained targets of `data`'s conversations, each scored alone: `data`
@@ -99,7 +114,7 @@ pub fn conversations_loss(model: &Llama, data: &PackedData, batch_size: usize, m
     if n == 0 {
         bail!("no trained token to score in {} conversation(s)", take);
     }
-    Ok(Score { loss: sum / n as f64, tokens: n })
+    Ok(Score { loss: sum / n as f64, tokens: n, chat: None })
 }
 
 #[cfg(test)]

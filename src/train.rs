@@ -161,6 +161,25 @@ pub(crate) enum Validation {
     None,
 }
 
+/// Logs how many passes over the `rows` packed rows the run's steps make (`200 steps x 8 rows
+/// = 1600 rows = 32.0 epochs of 50 packed rows`), and warns when one step draws more rows than
+/// there are: the same rows then come back within every step.
+fn log_epochs(rows: usize, opts: &TrainOptions, dp: usize) {
+    let per_step = opts.batch_size.saturating_mul(opts.grad_accum).saturating_mul(dp);
+    let total = opts.steps.saturating_mul(per_step);
+    let epochs = if rows == 0 { 0.0 } else { total as f64 / rows as f64 };
+    tracing::info!("{} steps x {per_step} rows = {total} rows = {epochs:.1} epochs of {rows} packed rows", opts.steps);
+    if per_step > rows {
+        tracing::warn!(
+            "one step draws {per_step} rows (--batch-size {} x --grad-accum {} x {dp} data-parallel) but the data packs into \
+             {rows} rows: every step holds the whole data {:.1} times over; lower --batch-size or --grad-accum, or give more data",
+            opts.batch_size,
+            opts.grad_accum,
+            per_step as f64 / rows.max(1) as f64
+        );
+    }
+}
+
 pub struct Trainer {
     pub model: Llama,
     pub opts: TrainOptions,
@@ -309,6 +328,9 @@ impl Trainer {
             TrainSet::Rows { train, .. } => {
                 if train.seq_len() != opts.seq_len {
                     bail!("the rows are packed to {} tokens, but --seq-len is {}", train.seq_len(), opts.seq_len);
+                }
+                if crate::logging::is_rank_zero() {
+                    log_epochs(train.num_rows(), &opts, mesh.dp());
                 }
                 Batches::rows(PackedData::clone(train), opts.batch_size, opts.seed, mesh.dp_rank(), mesh.dp())
                     .context("cannot order the training rows")?

@@ -480,7 +480,10 @@ impl Sandbox {
         let tool = argv[0].clone();
         let documented = match tool.as_str() {
             "pretrain_llama" => Some(value(argv, "--steps").map_or(500, |s| s.parse().unwrap_or(0))),
-            "finetune_ladder" | "finetune" => Some(value(argv, "--steps").map_or(200, |s| s.parse().unwrap_or(0))),
+            // --show-example prints examples and trains nothing.
+            "finetune_ladder" | "finetune" if value(argv, "--show-example").is_none() => {
+                Some(value(argv, "--steps").map_or(200, |s| s.parse().unwrap_or(0)))
+            }
             _ => None,
         };
         shrink(&tool, argv);

@@ -18,7 +18,9 @@ use std::path::{Path, PathBuf};
              tokenized with the checkpoint's tokenizer.json (no special tokens) and scored on every full window \
              tokens[i*T .. i*T+T+1]. A chat file's conversations are rendered with the checkpoint's chat template and \
              each scored alone over the tokens fine-tuning trains (the assistant's, by default). The last line printed \
-             is `loss <float> ppl <float> tokens <int>` (tokens: the tokens scored).",
+             is `loss <float> ppl <float> tokens <int>` (tokens: the tokens scored); with --chat it goes on \
+             `conversations <int> dropped <int> cut <int> skipped <int>` (scored; longer than --seq-len; scored over \
+             their first --seq-len tokens with --truncate; bad or with no trained token).",
     after_help = env_help(&[ENV_COMMON, ENV_DEVICE, ENV_LAUNCH])
 )]
 pub struct EvalArgs {
@@ -53,6 +55,15 @@ pub struct EvalArgs {
     #[arg(long, value_name = "FORMAT", default_value = "auto", help_heading = "Chat",
           value_parser = |s: &str| s.parse::<DataFormat>())]
     pub data_format: DataFormat,
+    /// With --chat: score a conversation longer than --seq-len over its first --seq-len tokens
+    /// instead of dropping it [default: dropped, and counted]
+    #[arg(long, help_heading = "Chat", requires = "chat", conflicts_with = "text")]
+    pub truncate: bool,
+    /// With --chat: print the first N conversations of the file as scored (rendered, the scored
+    /// tokens marked, their counts, whether --seq-len drops or cuts them) and exit without
+    /// loading the model's weights [default: none]
+    #[arg(long, value_name = "N", value_parser = positive, help_heading = "Chat", requires = "chat", conflicts_with = "text")]
+    pub show_example: Option<usize>,
     #[command(flatten)]
     pub run: ModelRunArgs,
 }
@@ -70,11 +81,16 @@ pub fn run(a: EvalArgs) -> AnyResult<()> {
     evaluate(a).map(drop)
 }
 
-/// [`run`], returning the score it printed.
+/// [`run`], returning the score it printed. With `--show-example` it prints the examples and
+/// scores nothing (`tokens` 0, `loss` NaN).
 pub fn evaluate(mut a: EvalArgs) -> AnyResult<Score> {
     a.model = super::model_dir("--model", &a.model)?;
     if a.chat.is_none() && a.chat_template.is_some() {
         bail!("--chat-template applies to --chat FILE");
+    }
+    if a.show_example.is_some() {
+        report(show_examples(&a)?.trim_end());
+        return Ok(Score { loss: f64::NAN, tokens: 0, chat: None });
     }
     let out = std::sync::Mutex::new(None);
     a.run.with_model(&a.model, |model, tokenizer, device| {
@@ -87,34 +103,57 @@ pub fn evaluate(mut a: EvalArgs) -> AnyResult<Score> {
             }
             (None, None) => bail!("give --text FILE or --chat FILE"),
         };
-        report(&format!("loss {:.6} ppl {:.4} tokens {}", s.loss, s.perplexity(), s.tokens));
+        report(&s.line());
         *out.lock().unwrap_or_else(|e| e.into_inner()) = Some(s);
         Ok(())
     })?;
     out.into_inner().unwrap_or_else(|e| e.into_inner()).context("no rank scored")
 }
 
-/// `--chat`: the conversations one a row, each scored alone over its trained tokens
-/// (`crate::eval::conversations_loss`, as fine-tuning's validation).
-fn score_chat(a: &EvalArgs, chat: &Path, model: &Llama, tokenizer: &Tokenizer, device: Device) -> AnyResult<Score> {
-    check_vocab(a, model, tokenizer)?;
-    let max = model.config().max_position_embeddings;
-    let t = a.seq_len.unwrap_or(max);
-    if t > max {
-        bail!("--seq-len {t} exceeds the model's max_position_embeddings {max}");
-    }
-    let opts = crate::chat::ChatOptions {
+/// The chat options of `a` (`--chat`).
+fn chat_options(a: &EvalArgs) -> crate::chat::ChatOptions {
+    crate::chat::ChatOptions {
         format: a.data_format,
         chat_template: a.chat_template.clone(),
         train_on: a.train_on,
         pack: false,
-        truncate: false,
+        truncate: a.truncate,
         val_data: None,
         val_fraction: 0.0,
         skip_bad_records: false,
-    };
-    let rows = crate::chat::load_unpacked(chat, &a.model, tokenizer, &opts, t)?;
-    crate::eval::conversations_loss(model, &rows, a.batch_size, 0, device)
+    }
+}
+
+/// The longest conversation `--chat` scores: --seq-len, at most (and by default) the model's
+/// max_position_embeddings `max`.
+fn chat_seq_len(a: &EvalArgs, max: usize) -> AnyResult<usize> {
+    let t = a.seq_len.unwrap_or(max);
+    if t > max {
+        bail!("--seq-len {t} exceeds the model's max_position_embeddings {max}");
+    }
+    Ok(t)
+}
+
+/// `--show-example N`: the first N conversations of `--chat` as they would be scored
+/// (`crate::chat::show_examples`), marked for stdout; reads the tokenizer, the template and
+/// config.json, never the weights.
+pub fn show_examples(a: &EvalArgs) -> AnyResult<String> {
+    let (Some(chat), Some(n)) = (&a.chat, a.show_example) else { bail!("--show-example applies to --chat FILE") };
+    let cfg = crate::nn::LlamaConfig::from_file(a.model.join("config.json"))?;
+    let t = chat_seq_len(a, cfg.max_position_embeddings)?;
+    let tokenizer = super::model_dir_tokenizer(&a.model)?;
+    crate::chat::show_examples(chat, &a.model, &tokenizer, &chat_options(a), t, n, crate::chat::Marks::for_stdout())
+}
+
+/// `--chat`: the conversations one a row, each scored alone over its trained tokens
+/// (`crate::eval::conversations_loss`, as fine-tuning's validation), with what became of each
+/// conversation read.
+fn score_chat(a: &EvalArgs, chat: &Path, model: &Llama, tokenizer: &Tokenizer, device: Device) -> AnyResult<Score> {
+    check_vocab(a, model, tokenizer)?;
+    let t = chat_seq_len(a, model.config().max_position_embeddings)?;
+    let (rows, counts) = crate::chat::load_unpacked(chat, &a.model, tokenizer, &chat_options(a), t)?;
+    let s = crate::eval::conversations_loss(model, &rows, a.batch_size, 0, device)?;
+    Ok(Score { chat: Some(counts), ..s })
 }
 
 fn check_vocab(a: &EvalArgs, model: &Llama, tokenizer: &Tokenizer) -> AnyResult<()> {

@@ -50,6 +50,11 @@ pub struct ChatArgs {
     /// The fraction of --data's conversations held out for validation (0: none)
     #[arg(long, value_name = "F", default_value = "0.02", value_parser = fraction)]
     pub val_fraction: f64,
+    /// Print the first N conversations of --data as trained (rendered, the trained tokens
+    /// marked, their counts, whether --seq-len drops or cuts them) and exit, before loading the
+    /// model's weights or touching --out [default: none]
+    #[arg(long, value_name = "N", value_parser = super::positive)]
+    pub show_example: Option<usize>,
 }
 
 impl ChatArgs {
@@ -116,6 +121,25 @@ impl Tool for FinetuneArgs {
     }
 }
 
+/// `--show-example N`: the first N conversations of `--data` (the tool's bundled `default`
+/// without it) as the run would train them (`crate::chat::show_examples`), marked for stdout.
+/// Reads the tokenizer, the template and the data, never the weights or `--out`; token data has
+/// no conversations to show and is refused.
+pub(crate) fn show_examples(a: &TrainArgs, chat: &ChatArgs, default: &str, model: &Path) -> AnyResult<String> {
+    let n = chat.show_example.context("--show-example N was not given")?;
+    let data = a.data.clone().unwrap_or_else(|| super::bundled(default));
+    if crate::chat::is_token_data(&data, chat.data_format)? {
+        anyhow::bail!(
+            "--show-example shows conversations, but --data {} is token data (trained in windows, every token): give chat records",
+            data.display()
+        );
+    }
+    let tok_path = a.tokenizer.clone().unwrap_or_else(|| model.join("tokenizer.json"));
+    let tokenizer = Tokenizer::from_file(&tok_path).with_context(|| format!("cannot load the tokenizer {}", tok_path.display()))?;
+    let opts = chat.options(a.records.skip_bad_records);
+    crate::chat::show_examples(&data, model, &tokenizer, &opts, a.seq_len, n, crate::chat::Marks::for_stdout())
+}
+
 /// What a fine-tuning run trains on, and what it shows of it.
 pub(crate) struct FinetuneData {
     pub set: TrainSet,
@@ -160,7 +184,7 @@ pub(crate) fn prepare_data(
         return Ok(FinetuneData { set: TrainSet::Shards { train, val }, sample_prompt: None, template });
     }
     let opts = chat.options(a.records.skip_bad_records);
-    let ChatData { train, val, sample_prompt, template } = crate::chat::load(&data, Some(model), tokenizer, &opts, a.seq_len, a.seed)?;
+    let ChatData { train, val, sample_prompt, template, .. } = crate::chat::load(&data, Some(model), tokenizer, &opts, a.seq_len, a.seed)?;
     let set = TrainSet::Rows { train: std::sync::Arc::new(train), val: val.map(std::sync::Arc::new) };
     Ok(FinetuneData { set, sample_prompt, template: Some(template.text) })
 }
@@ -228,12 +252,19 @@ pub struct Outcome {
     pub prompt: Option<String>,
     pub reply_before: Option<String>,
     pub reply_after: Option<String>,
+    /// What `--show-example` printed (the run then trains nothing).
+    pub examples: Option<String>,
 }
 
 /// [`run`], returning what it reported (nothing when `--resume` names a finished run).
 pub fn finetune(mut args: FinetuneArgs) -> AnyResult<Outcome> {
     let given = args.model.clone();
     args.model = super::model_dir("--model", &args.model)?;
+    if args.chat.show_example.is_some() {
+        let text = show_examples(&args.train, &args.chat, "data/chat.jsonl", &args.model)?;
+        report(text.trim_end());
+        return Ok(Outcome { examples: Some(text), ..Outcome::default() });
+    }
     if !args.train.settle_resume()? {
         return Ok(Outcome::default());
     }

@@ -97,6 +97,11 @@ fn prepare(args: &FinetuneLadderArgs) -> AnyResult<Prepared> {
 pub fn run(mut args: FinetuneLadderArgs) -> AnyResult<()> {
     let given = args.model.clone();
     args.model = super::model_dir("--model", &args.model)?;
+    if args.chat.show_example.is_some() {
+        let text = super::finetune::show_examples(&args.train, &args.chat, "data/corpus", &args.model)?;
+        report(text.trim_end());
+        return Ok(());
+    }
     if !args.train.settle_resume()? {
         return Ok(());
     }
