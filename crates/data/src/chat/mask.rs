@@ -301,7 +301,8 @@ mod tests {
         assert_eq!(opening_added(&chatml, &u), Ok("Hi.</>"));
         // A template that reads messages[0] (fails, or renders no prefix, on zero messages): the
         // common prefix with the probes' renderings.
-        let indexing = t("{{ bos_token }}{% if messages[0]['role'] == 'system' %}{{ messages[0].content }}{% else %}[sys:default]{% endif %}\
+        let indexing =
+            t("{{ bos_token }}{% if messages[0]['role'] == 'system' %}{{ messages[0].content }}{% else %}[sys:default]{% endif %}\
              {% for m in messages %}<{{ m.role }}>{{ m.content }}</>{% endfor %}{% if add_generation_prompt %}<assistant>{% endif %}");
         let u = upto(&indexing);
         assert_eq!(opening_added(&indexing, &u), Ok("Hi.</>"));
