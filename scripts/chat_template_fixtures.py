@@ -2,9 +2,9 @@
 """Renders the chat-template fidelity fixtures with transformers (the reference ferrolm matches).
 
 For each committed real chat template (crates/data/tests/fixtures/chat/templates/, see SOURCES.md
-there) and each conversation below, with add_generation_prompt off and on, it records what
-`apply_chat_template` gives: the rendered text, the token ids (rendered text tokenized without
-special tokens), and the assistant mask:
+there), ferrolm's bundled data/chat_template.jinja, and each conversation below, with
+add_generation_prompt off and on, it records what `apply_chat_template` gives: the rendered text,
+the token ids (rendered text tokenized without special tokens), and the assistant mask:
 - templates with {% generation %} blocks: transformers' `return_assistant_tokens_mask`;
 - the others: the rule of issue 42 written out here independently of the Rust code: the
   characters that rendering up to and including an assistant message adds beyond rendering up to

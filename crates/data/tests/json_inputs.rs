@@ -161,3 +161,23 @@ fn prepare_reads_json_arrays_and_skips_byte_order_marks() {
     std::fs::write(&marked_txt, format!("{BOM}{text}")).unwrap();
     assert_eq!(prepared(&marked_txt), prepared(&fixtures.join("one_doc/doc.txt")), "text with a byte order mark");
 }
+
+#[test]
+fn an_array_element_over_the_size_limit_is_refused_and_skippable() {
+    use std::io::Write;
+    let (tok, template) = (chat_tokenizer(), chat_template("qwen2.5_instruct"));
+    let dir = Scratch::new("json-big");
+    let path = dir.path().join("big.json");
+    let mut f = std::io::BufWriter::new(std::fs::File::create(&path).unwrap());
+    write!(f, "[{},\n{{\"text\": \"", RECORDS[0]).unwrap();
+    let chunk = vec![b'a'; 1 << 20];
+    for _ in 0..=ferrolm_data::records::MAX_RECORD_BYTES >> 20 {
+        f.write_all(&chunk).unwrap();
+    }
+    write!(f, "\"}},\n{}]", RECORDS[1]).unwrap();
+    drop(f);
+    let e = load(&path, &template, &tok, false).unwrap_err().to_string();
+    assert!(e.contains("big.json: record 1 (byte offset") && e.contains("longer than 64 MiB"), "{e}");
+    let (ex, stats) = load(&path, &template, &tok, true).unwrap();
+    assert_eq!((ex.len(), stats.bad_records, stats.records), (2, 1, 3), "{stats:?}");
+}
