@@ -2,15 +2,20 @@
 """Renders the chat-template fidelity fixtures with transformers (the reference ferrolm matches).
 
 For each committed real chat template (crates/data/tests/fixtures/chat/templates/, see SOURCES.md
-there) and each conversation below, with add_generation_prompt off and on, it records what
-`apply_chat_template` gives: the rendered text, the token ids (rendered text tokenized without
-special tokens), and the assistant mask:
+there), ferrolm's bundled data/chat_template.jinja, and each conversation below, with
+add_generation_prompt off and on, it records what `apply_chat_template` gives: the rendered text,
+the token ids (rendered text tokenized without special tokens), and the assistant mask:
 - templates with {% generation %} blocks: transformers' `return_assistant_tokens_mask`;
 - the others: the rule of issue 42 written out here independently of the Rust code: the
   characters that rendering up to and including an assistant message adds beyond rendering up to
   the message before with add_generation_prompt=True (found in the whole rendering after the
   previous assistant message's when the shorter rendering is not a prefix of the whole); a token
-  is an assistant token when its first character (its offset's start) is one of them.
+  is an assistant token when its first character (its offset's start) is one of them. For an
+  assistant message that opens the conversation, "up to the message before" is zero messages,
+  rendered by the template itself (`opening_added`): BOS, a default system prompt and the role
+  header are not trained. Where the template cannot render zero messages (most real ones read
+  messages[0]), the message's characters are those after the longest common prefix of its
+  rendering and the renderings of two lone probe assistant messages.
 Masks are recorded for add_generation_prompt=False (what training renders).
 
 The tokenizer is data/tokenizer.json with the templates' special tokens added as added tokens
@@ -30,6 +35,7 @@ import re
 
 from tokenizers import Tokenizer
 from transformers import PreTrainedTokenizerFast
+from transformers.utils.chat_template_utils import render_jinja_template
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 FIX = os.path.join(ROOT, "crates/data/tests/fixtures/chat")
@@ -45,6 +51,8 @@ TEMPLATES = {
     "qwen2.5_instruct": ("qwen2.5_instruct.jinja", {"eos_token": "<|im_end|>", "pad_token": "<|endoftext|>"}),
     "mistral_v0.3_instruct": ("mistral_v0.3_instruct.jinja", {"bos_token": "<s>", "eos_token": "</s>", "unk_token": "<unk>"}),
     "qwen2.5_training_trl": ("qwen2.5_training_trl.jinja", {"eos_token": "<|im_end|>", "pad_token": "<|endoftext|>"}),
+    # ferrolm's bundled template (data/chat_template.jinja; the path is relative to templates/).
+    "ferrolm_bundled": ("../../../../../../data/chat_template.jinja", {}),
 }
 
 CONVERSATIONS = {
@@ -70,6 +78,19 @@ CONVERSATIONS = {
     "parts": [
         {"role": "user", "content": [{"type": "text", "text": "Hi, it's me."}, {"type": "text", "text": " Again"}]},
         {"role": "assistant", "content": "Hello  "},
+    ],
+    # An assistant message first (ShareGPT data opening with a `gpt` turn): what comes before it
+    # (BOS, a default system prompt, the role header) is not trained.
+    "assistant_first": [
+        {"role": "assistant", "content": "Hi! Ask me anything."},
+        {"role": "user", "content": "2 + 2?"},
+        {"role": "assistant", "content": "4"},
+    ],
+    "system_assistant_first": [
+        {"role": "system", "content": "You are terse."},
+        {"role": "assistant", "content": "Hi."},
+        {"role": "user", "content": "3 + 3?"},
+        {"role": "assistant", "content": "6"},
     ],
 }
 
@@ -102,7 +123,38 @@ def added_chars(before, upto):
     return upto[upto.index(tail) + len(tail):]
 
 
-def prefix_rule_mask(tok, msgs, full, offsets):
+def common_prefix_len(*texts):
+    n = 0
+    for chars in zip(*texts):
+        if any(c != chars[0] for c in chars):
+            break
+        n += 1
+    return n
+
+
+# Two lone assistant messages that differ in their first character: where their renderings part
+# is where an opening assistant message's own text starts.
+PROBES = ("A", "B")
+
+
+def opening_added(tok, template, specials, upto):
+    """What an assistant message that opens the conversation adds: `upto` (its rendering) after
+    the rendering of zero messages with add_generation_prompt=True, when the template renders
+    that (transformers' apply_chat_template refuses an empty conversation; the template itself is
+    asked) and it is a prefix of `upto`; otherwise after the longest common prefix of `upto` and
+    the renderings of the lone probe messages."""
+    try:
+        rendered, _ = render_jinja_template([[]], chat_template=template, add_generation_prompt=True, **specials)
+        before = rendered[0]
+    except Exception:  # most real templates read messages[0]: Jinja2's UndefinedError
+        before = None
+    if before is not None and upto.startswith(before):
+        return upto[len(before):]
+    probes = [tok.apply_chat_template([{"role": "assistant", "content": p}], tokenize=False) for p in PROBES]
+    return upto[common_prefix_len(upto, *probes):]
+
+
+def prefix_rule_mask(tok, template, specials, msgs, full, offsets):
     def render(m, gen):
         return tok.apply_chat_template(m, tokenize=False, add_generation_prompt=gen)
 
@@ -110,9 +162,11 @@ def prefix_rule_mask(tok, msgs, full, offsets):
     for i, m in enumerate(msgs):
         if m["role"] != "assistant":
             continue
-        before = "" if i == 0 else render(msgs[:i], True)
         upto = render(msgs[: i + 1], False)
-        added = added_chars(before, upto)
+        if i == 0:
+            added = opening_added(tok, template, specials, upto)
+        else:
+            added = added_chars(render(msgs[:i], True), upto)
         if full.startswith(upto):
             span = (len(upto) - len(added), len(upto))
         else:
@@ -166,7 +220,10 @@ def clock_case():
 
 
 def main():
-    write_parquet()
+    try:
+        write_parquet()
+    except ImportError:
+        print("pyarrow is not installed: records.parquet is left as it is")
     tokenizer_json = build_tokenizer_json()
     cases = []
     for name, (file, specials) in TEMPLATES.items():
@@ -192,7 +249,7 @@ def main():
                     if has_generation:
                         case["assistant_mask"] = list(out["assistant_masks"])
                     else:
-                        case["assistant_mask"] = prefix_rule_mask(tok, msgs, text, enc["offset_mapping"])
+                        case["assistant_mask"] = prefix_rule_mask(tok, template, specials, msgs, text, enc["offset_mapping"])
                     assert any(case["assistant_mask"]), (name, conv_name)
                 cases.append(case)
     doc = {

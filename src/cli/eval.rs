@@ -31,8 +31,9 @@ pub struct EvalArgs {
     /// Text file to score [default: none; --text or --chat is required]
     #[arg(long, value_name = "FILE", required_unless_present = "chat", conflicts_with = "chat")]
     pub text: Option<PathBuf>,
-    /// Chat records to score (.jsonl, .jsonl.gz, .jsonl.zst or .parquet: a file, a directory of
-    /// them, or a quoted glob), each conversation alone over its trained tokens [default: none]
+    /// Chat records to score (.jsonl, .jsonl.gz, .jsonl.zst or .parquet, or a .json array of
+    /// them: a file, a directory of them (its .json files left out), or a quoted glob), each
+    /// conversation alone over its trained tokens [default: none]
     #[arg(long, value_name = "FILE|DIR|GLOB", help_heading = "Chat")]
     pub chat: Option<PathBuf>,
     /// Tokens per window (T); with --chat, the longest conversation scored (longer ones are

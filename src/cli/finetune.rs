@@ -99,8 +99,8 @@ pub struct FinetuneArgs {
 /// `--data`'s help in the fine-tuning tools, whose bundled data is `default`.
 pub(crate) fn data_help(default: &str) -> String {
     format!(
-        "Training data: conversations (.jsonl, .jsonl.gz, .jsonl.zst or .parquet records: a file, a directory of them, \
-         or a quoted glob), or token data (a directory prepared by prepare_data, .txt files) trained in windows as \
+        "Training data: conversations (.jsonl, .jsonl.gz, .jsonl.zst or .parquet records, or a .json array of them: a \
+         file, a directory of them (its .json files left out), or a quoted glob), or token data (a directory prepared by prepare_data, .txt files) trained in windows as \
          pretraining [default: {default}]"
     )
 }

@@ -448,8 +448,9 @@ impl DeviceArgs {
 #[derive(Args, Debug, Clone, PartialEq)]
 pub struct TrainArgs {
     /// Training data: a directory prepared by prepare_data, or text and datasets tokenized once
-    /// into --cache-dir: a .txt file, a .jsonl / .jsonl.gz / .jsonl.zst / .parquet file, a
-    /// directory of these, or a quoted glob [default: data/corpus, the bundled corpus]
+    /// into --cache-dir: a .txt file, a .json (array of records) / .jsonl / .jsonl.gz /
+    /// .jsonl.zst / .parquet file, a directory of these (.json files left out), or a quoted glob
+    /// [default: data/corpus, the bundled corpus]
     #[arg(long, value_name = "DIR|FILE|GLOB", help_heading = "Data")]
     pub data: Option<PathBuf>,
     /// Where --data given as text or datasets is tokenized, once for each data, tokenizer and

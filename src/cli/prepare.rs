@@ -12,15 +12,15 @@ use std::path::PathBuf;
 #[command(
     allow_negative_numbers = true,
     name = "prepare_data",
-    about = "Tokenize text or a dataset (.txt, .jsonl, .jsonl.gz, .jsonl.zst, .parquet: a file, a directory or a glob) into \
+    about = "Tokenize text or a dataset (.txt, .json, .jsonl, .jsonl.gz, .jsonl.zst, .parquet: a file, a directory or a glob) into \
              train/validation token shards and a manifest.json, the prepared-data directory that pretrain_llama --data \
              reads. Runs on every core; an interrupted run resumes where it stopped.",
     after_help = env_help(&[ENV_COMMON])
 )]
 pub struct PrepareDataArgs {
     /// Input: a .txt file (one document), a .jsonl / .jsonl.gz / .jsonl.zst file (one document
-    /// per line) or a .parquet file (one per row), a directory of these, or a quoted glob
-    /// ("data/*.parquet")
+    /// per line), a .json file (a JSON array, one document per element) or a .parquet file (one
+    /// per row), a directory of these (.json files left out), or a quoted glob ("data/*.parquet")
     #[arg(long, value_name = "FILE|DIR|GLOB")]
     pub input: PathBuf,
     /// Tokenizer (Hugging Face tokenizer.json)

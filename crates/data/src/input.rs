@@ -1,9 +1,12 @@
 //! What `--data` and `prepare_data --input` may name, resolved to a sorted list of input files.
 //!
-//! - a file: `.txt` (or any other name: read as text, as before), `.jsonl`, `.jsonl.gz`,
-//!   `.jsonl.zst`, `.parquet`;
-//! - a directory: its files in those formats, by name (not recursive; hidden files skipped);
-//! - a glob (`data/*.parquet`, `shards/**/*.jsonl.zst`): its matches in those formats.
+//! - a file: `.txt` (or any other name: read as text, as before), `.json` (a JSON array of
+//!   records, or JSON Lines misnamed), `.jsonl`, `.jsonl.gz`, `.jsonl.zst`, `.parquet`;
+//! - a directory: its files in those formats, by name (not recursive; hidden files skipped),
+//!   except `.json` files, which in a dataset's directory are often metadata
+//!   (`dataset_info.json`): name them, or match them with a glob;
+//! - a glob (`data/*.parquet`, `shards/**/*.jsonl.zst`, `alpaca/*.json`): its matches in those
+//!   formats.
 //!
 //! The order is by path, so a prepared directory is a pure function of the inputs.
 
@@ -13,7 +16,11 @@ use std::time::SystemTime;
 use crate::error::{Error, Result};
 
 /// The formats, for messages.
-pub const SUPPORTED: &str = ".txt, .jsonl, .jsonl.gz, .jsonl.zst or .parquet";
+pub const SUPPORTED: &str = ".txt, .json, .jsonl, .jsonl.gz, .jsonl.zst or .parquet";
+/// The formats that hold records (everything but text), for messages.
+pub const RECORD_FORMATS: &str = ".json, .jsonl, .jsonl.gz, .jsonl.zst or .parquet";
+/// The formats a directory listing takes (all but `.json`), for messages.
+const LISTED: &str = ".txt, .jsonl, .jsonl.gz, .jsonl.zst or .parquet";
 
 /// How a JSON Lines file is compressed.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -30,6 +37,9 @@ pub enum InputFormat {
     Text,
     /// One JSON object per line; the text field of each is one document.
     Jsonl(Compression),
+    /// `.json`: a JSON array whose elements are the records (read one element at a time), or,
+    /// when the file starts with `{`, JSON Lines under a `.json` name.
+    Json,
     /// One document per row: the text column, read one row group (and page) at a time.
     Parquet,
 }
@@ -44,6 +54,8 @@ impl InputFormat {
             InputFormat::Jsonl(Compression::Zstd)
         } else if n.ends_with(".jsonl") {
             InputFormat::Jsonl(Compression::None)
+        } else if n.ends_with(".json") {
+            InputFormat::Json
         } else if n.ends_with(".parquet") {
             InputFormat::Parquet
         } else if n.ends_with(".txt") {
@@ -112,20 +124,31 @@ pub fn resolve_inputs(spec: &Path) -> Result<Vec<InputFile>> {
         let format = spec.file_name().and_then(|n| n.to_str()).and_then(InputFormat::of_name).unwrap_or(InputFormat::Text);
         return Ok(vec![InputFile::new(spec.to_path_buf(), format)?]);
     }
-    let mut files = Vec::new();
+    let (mut files, mut json_files) = (Vec::new(), 0usize);
     for entry in std::fs::read_dir(spec).map_err(|e| Error::io(spec, e))? {
         let path = entry.map_err(|e| Error::io(spec, e))?.path();
         let Some(name) = path.file_name().and_then(|n| n.to_str()) else { continue };
         if name.starts_with('.') || !path.is_file() {
             continue;
         }
-        if let Some(format) = InputFormat::of_name(name) {
-            files.push(InputFile::new(path, format)?);
+        match InputFormat::of_name(name) {
+            Some(InputFormat::Json) => json_files += 1,
+            Some(format) => files.push(InputFile::new(path, format)?),
+            None => {}
         }
     }
     files.sort_by(|a, b| a.path.cmp(&b.path));
     if files.is_empty() {
-        return Err(Error::format(spec, format!("no {SUPPORTED} files in this directory")));
+        let json = if json_files > 0 {
+            format!(
+                " ({json_files} .json file(s) left out: a directory's .json files are often metadata; \
+                 name a .json file of records itself, or match them with a quoted glob such as '{}/*.json')",
+                spec.display()
+            )
+        } else {
+            String::new()
+        };
+        return Err(Error::format(spec, format!("no {LISTED} files in this directory{json}")));
     }
     Ok(files)
 }

@@ -1,5 +1,10 @@
 //! Documents out of input files, one at a time and in bounded memory.
 //!
+//! A UTF-8 byte order mark at the start of a text, JSON Lines or `.json` file is skipped (its
+//! bytes still count in byte offsets). A `.json` file is a JSON array of records, read one
+//! element at a time (`record N`, counted from 0 as the array's index), or, when it starts with
+//! `{`, JSON Lines under a `.json` name.
+//!
 //! A [`DocReader`] yields [`Piece`]s: a whole document, except for long text files, which come
 //! in pieces of about [`PIECE_BYTES`] cut where the tokenizer's pre-tokenizer would cut anyway
 //! (see [`safe_cut`]). Errors say where: the file, then `line N` (JSON Lines, 1-based), `row N`
@@ -68,6 +73,7 @@ impl DocReader {
         let inner = match file.format {
             InputFormat::Text => Inner::Text(TextReader::open(&file.path).map_err(ReadError::Stream)?),
             InputFormat::Jsonl(c) => Inner::Jsonl(JsonlReader::open(&file.path, c, text_field).map_err(ReadError::Stream)?),
+            InputFormat::Json => Inner::Jsonl(JsonlReader::open_json(&file.path, text_field).map_err(ReadError::Stream)?),
             InputFormat::Parquet => Inner::Parquet(Box::new(ParquetReader::open(&file.path, file.bytes, text_field)?)),
         };
         Ok(DocReader { inner, records: 0 })
@@ -191,7 +197,13 @@ impl TextReader {
                 )));
             }
             use std::io::Seek;
+            // A byte order mark is not text: skip it (offsets still count its bytes).
+            let mut head = [0u8; 3];
             self.file.seek(std::io::SeekFrom::Start(0)).map_err(|e| stream(Error::io(&self.path, e)))?;
+            let n = (&self.file).take(3).read(&mut head).map_err(|e| stream(Error::io(&self.path, e)))?;
+            let skip = if n == 3 && head == BOM { 3 } else { 0 };
+            self.file.seek(std::io::SeekFrom::Start(skip)).map_err(|e| stream(Error::io(&self.path, e)))?;
+            self.offset = skip;
             self.state = TextState::Reading { eof: false };
         }
         let TextState::Reading { mut eof } = self.state else { return Ok(None) };
@@ -230,6 +242,9 @@ impl TextReader {
     }
 }
 
+/// The UTF-8 byte order mark.
+const BOM: [u8; 3] = [0xEF, 0xBB, 0xBF];
+
 /// Counts the bytes read through it (the compressed position, for progress).
 struct CountingReader<R> {
     inner: R,
@@ -245,7 +260,7 @@ impl<R: Read> Read for CountingReader<R> {
 }
 
 /// JSON Lines, plain or compressed: one object per line, the text in `field`. Blank lines are
-/// not records.
+/// not records. Also a `.json` file: a JSON array of records (see [`JsonlReader::open_json`]).
 pub(crate) struct JsonlReader {
     path: PathBuf,
     what: &'static str,
@@ -256,6 +271,73 @@ pub(crate) struct JsonlReader {
     /// Bytes of the (decompressed) stream before the current line.
     decoded: u64,
     field: String,
+    layout: Layout,
+}
+
+/// How the records lie in the stream.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Layout {
+    /// One per line.
+    Lines,
+    /// A `.json` file starting with `{`: JSON Lines under another name.
+    JsonLines,
+    /// A `.json` file holding an array, at this point of it.
+    Array(ArrayAt),
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum ArrayAt {
+    /// Before the `[`.
+    Start,
+    /// After the `[` or a `,`: a record is next (or, after the `[`, the `]`).
+    First,
+    /// After a record: a `,` or the `]` is next.
+    AfterRecord,
+    /// After the `]`: only white space may follow.
+    Closed,
+    Done,
+}
+
+/// What to do with one byte of an array's record (see [`JsonlReader::scan_record`]).
+#[derive(Default)]
+struct Scan {
+    depth: u32,
+    in_string: bool,
+    escaped: bool,
+}
+
+impl Scan {
+    /// Whether the record ends before `b` (`Some(false)`), with it (`Some(true)`), or goes on.
+    fn step(&mut self, b: u8, empty: bool) -> Option<bool> {
+        if self.in_string {
+            if self.escaped {
+                self.escaped = false;
+            } else if b == b'\\' {
+                self.escaped = true;
+            } else if b == b'"' {
+                self.in_string = false;
+                if self.depth == 0 {
+                    return Some(true);
+                }
+            }
+            return None;
+        }
+        match b {
+            b'"' => self.in_string = true,
+            b'{' | b'[' => self.depth += 1,
+            b'}' | b']' if self.depth == 0 => return Some(false),
+            b'}' | b']' => {
+                self.depth -= 1;
+                if self.depth == 0 {
+                    return Some(true);
+                }
+            }
+            b',' if self.depth == 0 => return Some(false),
+            b' ' | b'\t' | b'\n' | b'\r' if self.depth == 0 && !empty => return Some(false),
+            _ => {}
+        }
+        None
+    }
 }
 
 impl JsonlReader {
@@ -281,7 +363,208 @@ impl JsonlReader {
             line: 0,
             decoded: 0,
             field: field.to_string(),
+            layout: Layout::Lines,
         })
+    }
+
+    /// A `.json` file: a JSON array of records, read one element at a time in bounded memory,
+    /// or, when its first character (after a byte order mark and white space) is `{`, JSON Lines.
+    pub(crate) fn open_json(path: &Path, field: &str) -> crate::Result<Self> {
+        let mut r = Self::open(path, Compression::None, field)?;
+        r.layout = r.sniff_json().map_err(ReadError::into_error)?;
+        Ok(r)
+    }
+
+    /// The next record's JSON text and where it is: a line (`line N (byte offset M)`), or an
+    /// element of a `.json` file's array (`record N (byte offset M)`).
+    pub(crate) fn next_json(&mut self) -> Result<Option<(String, &str)>, ReadError> {
+        match self.layout {
+            Layout::Array(_) => self.next_element(),
+            _ => self.next_line(),
+        }
+    }
+
+    /// Added to a line's parse error in a `.json` file read as JSON Lines: what such a file may be.
+    pub(crate) fn hint(&self) -> &'static str {
+        if self.layout == Layout::JsonLines {
+            " (a .json file holds a JSON array of records, or, when it starts with `{`, one JSON object per line)"
+        } else {
+            ""
+        }
+    }
+
+    /// Looks at the first character of a `.json` file (without consuming anything): the
+    /// first buffer's worth decides (a file of only white space there is read as an array).
+    fn sniff_json(&mut self) -> Result<Layout, ReadError> {
+        let buf = match self.lines.fill_buf() {
+            Ok(b) => b,
+            Err(e) => return Err(self.stream_error(e)),
+        };
+        let body = buf.strip_prefix(&BOM[..]).unwrap_or(buf);
+        Ok(match body.iter().find(|b| !b.is_ascii_whitespace()) {
+            Some(b'{') => Layout::JsonLines,
+            _ => Layout::Array(ArrayAt::Start),
+        })
+    }
+
+    /// Skips white space (and, at the start, a byte order mark); the next byte, not consumed,
+    /// `None` at the end.
+    fn peek_past_space(&mut self) -> Result<Option<u8>, ReadError> {
+        loop {
+            let at_start = self.decoded == 0;
+            let buf = match self.lines.fill_buf() {
+                Ok(b) => b,
+                Err(e) => return Err(self.stream_error(e)),
+            };
+            if buf.is_empty() {
+                return Ok(None);
+            }
+            let bom = if at_start && buf.starts_with(&BOM) { BOM.len() } else { 0 };
+            let space = buf[bom..].iter().take_while(|b| b.is_ascii_whitespace()).count();
+            let next = buf.get(bom + space).copied();
+            let used = bom + space;
+            self.lines.consume(used);
+            self.decoded += used as u64;
+            if next.is_some() {
+                return Ok(next);
+            }
+        }
+    }
+
+    fn consume_byte(&mut self) {
+        self.lines.consume(1);
+        self.decoded += 1;
+    }
+
+    fn array_error(&self, msg: String) -> ReadError {
+        ReadError::Stream(Error::record(&self.path, format!("byte offset {}", self.decoded), msg))
+    }
+
+    /// The next element of the array: its text and `record N (byte offset M)`. A record over
+    /// [`MAX_RECORD_BYTES`] or not UTF-8 is a bad record; a file that is no array, or ends
+    /// inside one, is a stream error.
+    fn next_element(&mut self) -> Result<Option<(String, &str)>, ReadError> {
+        let Layout::Array(mut at) = self.layout else { return Ok(None) };
+        loop {
+            let next = self.peek_past_space()?;
+            match (at, next) {
+                (ArrayAt::Done, _) | (ArrayAt::Closed, None) => {
+                    self.layout = Layout::Array(ArrayAt::Done);
+                    return Ok(None);
+                }
+                (ArrayAt::Start, None) => {
+                    self.layout = Layout::Array(ArrayAt::Done);
+                    return Ok(None);
+                }
+                (ArrayAt::Start, Some(b'[')) => {
+                    self.consume_byte();
+                    at = ArrayAt::First;
+                }
+                (ArrayAt::Start, Some(b)) => {
+                    self.layout = Layout::Array(ArrayAt::Done);
+                    return Err(self.array_error(format!(
+                        "a .json file of records must hold a JSON array of them (`[{{...}}, {{...}}]`), \
+                         or one JSON object per line; this one starts with {}",
+                        shown_byte(b)
+                    )));
+                }
+                (ArrayAt::First, Some(b']')) | (ArrayAt::AfterRecord, Some(b']')) => {
+                    self.consume_byte();
+                    at = ArrayAt::Closed;
+                }
+                (ArrayAt::AfterRecord, Some(b',')) => {
+                    self.consume_byte();
+                    at = ArrayAt::First;
+                    // `[1,]`: a trailing comma is not JSON.
+                    if self.peek_past_space()? == Some(b']') {
+                        self.layout = Layout::Array(ArrayAt::Done);
+                        return Err(self.array_error(format!(
+                            "a `,` after record {} and then the `]` (a trailing comma is not JSON)",
+                            self.line.saturating_sub(1)
+                        )));
+                    }
+                }
+                (ArrayAt::First, Some(_)) => {
+                    self.layout = Layout::Array(ArrayAt::AfterRecord);
+                    return self.scan_record();
+                }
+                (ArrayAt::First, None) | (ArrayAt::AfterRecord, None) => {
+                    self.layout = Layout::Array(ArrayAt::Done);
+                    return Err(self.array_error(format!(
+                        "the file ends inside the JSON array, after {} record(s), before its `]` (truncated?)",
+                        self.line
+                    )));
+                }
+                (ArrayAt::AfterRecord, Some(b)) => {
+                    self.layout = Layout::Array(ArrayAt::Done);
+                    return Err(self.array_error(format!(
+                        "expected `,` or `]` after record {}, found {}",
+                        self.line.saturating_sub(1),
+                        shown_byte(b)
+                    )));
+                }
+                (ArrayAt::Closed, Some(b)) => {
+                    self.layout = Layout::Array(ArrayAt::Done);
+                    return Err(self.array_error(format!("text after the JSON array's closing `]`: {}", shown_byte(b))));
+                }
+            }
+            self.layout = Layout::Array(at);
+        }
+    }
+
+    /// Reads one element of the array (its first byte is next), in bounded memory.
+    fn scan_record(&mut self) -> Result<Option<(String, &str)>, ReadError> {
+        let index = self.line;
+        self.line += 1;
+        let start = self.decoded;
+        let at = format!("record {index} (byte offset {start})");
+        self.buf.clear();
+        let (mut scan, mut kept, mut total) = (Scan::default(), true, 0usize);
+        loop {
+            let chunk = match self.lines.fill_buf() {
+                Ok(b) => b,
+                Err(e) => return Err(self.stream_error(e)),
+            };
+            if chunk.is_empty() {
+                self.layout = Layout::Array(ArrayAt::Done);
+                return Err(self.array_error(format!("the file ends inside record {index} (truncated?)")));
+            }
+            let mut end = None;
+            for (i, &b) in chunk.iter().enumerate() {
+                if let Some(with) = scan.step(b, total + i == 0) {
+                    end = Some(i + usize::from(with));
+                    break;
+                }
+            }
+            let used = end.unwrap_or(chunk.len());
+            if kept && self.buf.len() + used <= MAX_RECORD_BYTES {
+                self.buf.extend_from_slice(&chunk[..used]);
+            } else {
+                kept = false;
+                self.buf.clear();
+            }
+            total += used;
+            self.lines.consume(used);
+            self.decoded += used as u64;
+            if end.is_some() {
+                break;
+            }
+        }
+        if !kept {
+            let msg = format!("record {index} is longer than {} MiB", MAX_RECORD_BYTES >> 20);
+            return Err(ReadError::Record(Error::record(&self.path, at, msg)));
+        }
+        if self.buf.is_empty() {
+            return Err(ReadError::Record(Error::record(&self.path, at, "an empty record (two `,` in a row, or `[,`?)")));
+        }
+        match std::str::from_utf8(&self.buf) {
+            Ok(text) => Ok(Some((at, text))),
+            Err(e) => {
+                let k = e.valid_up_to();
+                let msg = format!("invalid UTF-8 at byte {k} of the record (byte offset {})", start + k as u64);
+                Err(ReadError::Record(Error::record(&self.path, at, msg)))
+            }
+        }
     }
 
     fn stream_error(&self, e: std::io::Error) -> ReadError {
@@ -296,11 +579,11 @@ impl JsonlReader {
     }
 
     fn next(&mut self) -> Result<Option<Piece>, ReadError> {
-        let (path, field) = (self.path.clone(), self.field.clone());
-        let Some((at, line)) = self.next_line()? else { return Ok(None) };
+        let (path, field, hint) = (self.path.clone(), self.field.clone(), self.hint());
+        let Some((at, line)) = self.next_json()? else { return Ok(None) };
         match text_field(line, &field) {
             Ok(text) => Ok(Some(Piece { text, doc_end: true })),
-            Err(msg) => Err(ReadError::Record(Error::record(&path, at, msg))),
+            Err(msg) => Err(ReadError::Record(Error::record(&path, at, format!("{msg}{hint}")))),
         }
     }
 
@@ -338,6 +621,9 @@ impl JsonlReader {
             while self.buf.last().is_some_and(|&b| b == b'\n' || b == b'\r') {
                 self.buf.pop();
             }
+            if start == 0 && self.buf.starts_with(&BOM) {
+                self.buf.drain(..BOM.len());
+            }
             if self.buf.iter().all(u8::is_ascii_whitespace) {
                 continue;
             }
@@ -369,6 +655,15 @@ impl JsonlReader {
                 return Ok(());
             }
         }
+    }
+}
+
+/// A byte for a message: the character, or its value.
+fn shown_byte(b: u8) -> String {
+    if b.is_ascii_graphic() {
+        format!("`{}`", b as char)
+    } else {
+        format!("byte 0x{b:02x}")
     }
 }
 

@@ -1,5 +1,5 @@
-//! Structured fuzzing of the dataset readers: JSON Lines records mutated as JSON trees and as
-//! bytes, gzip and zstd streams with bytes flipped, spliced or cut, Parquet files damaged in
+//! Structured fuzzing of the dataset readers: JSON Lines records and `.json` arrays mutated as
+//! JSON trees and as bytes, gzip and zstd streams with bytes flipped, spliced or cut, Parquet files damaged in
 //! their pages and footer. Every case must read to the end or stop with an error naming the
 //! file, never panic, and never make an allocation above the cap (see `fuzzing/`).
 mod common;
@@ -87,6 +87,38 @@ proptest! {
             fuzzing::rewrite(&path, &data);
             let pieces = read_all(&path, InputFormat::Jsonl(c))?;
             prop_assert!(pieces <= records.len() + 2 * stream_edits.len() + 1);
+            Ok(())
+        })?;
+    }
+}
+
+proptest! {
+    #![proptest_config(config(1500))]
+
+    /// `.json` arrays: records edited as JSON, joined into an array (after a byte order mark or
+    /// not), the file edited as bytes; the array is walked one element at a time.
+    #[test]
+    fn fuzz_json_array(
+        records in proptest::collection::vec(json_mutations(), 0..4),
+        bom in any::<bool>(),
+        edits in prop_oneof![2 => Just(Vec::new()), 1 => proptest::collection::vec(byte_edit(), 1..3)],
+    ) {
+        thread_local!(static DIR: Scratch = Scratch::new("fuzz-json"));
+        DIR.with(|dir| -> Result<(), TestCaseError> {
+            let base = json!({"id": 3, "text": "Café [東京] {🎭} \"quoted\", \\ line\u{2028}end", "meta": {"n": [1, 2], "ok": null}});
+            let mut data = if bom { "\u{FEFF}[".as_bytes().to_vec() } else { b"[".to_vec() };
+            for (i, (e, bytes)) in records.iter().enumerate() {
+                if i > 0 {
+                    data.extend_from_slice(b",\n ");
+                }
+                data.extend(mutate_json(&base, e, bytes));
+            }
+            data.push(b']');
+            edits.iter().for_each(|e: &ByteEdit| apply_bytes(&mut data, e));
+            let path = dir.path().join("f.json");
+            fuzzing::rewrite(&path, &data);
+            let pieces = read_all(&path, InputFormat::Json)?;
+            prop_assert!(pieces <= records.len() + 2 * edits.len() + 1);
             Ok(())
         })?;
     }

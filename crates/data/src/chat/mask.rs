@@ -9,6 +9,13 @@
 //! - Otherwise, an assistant message's characters are those that rendering the conversation up
 //!   to and including it adds beyond rendering it up to the message before with
 //!   `add_generation_prompt=true`; a token is trained when its first character is one of them.
+//!   For an assistant message that opens the conversation (ShareGPT data opening with a `gpt`
+//!   turn), "up to the message before" is zero messages rendered with
+//!   `add_generation_prompt=true`, so BOS, a default system prompt and the assistant's header
+//!   are not trained. Most real templates cannot render zero messages (they read
+//!   `messages[0]`); where that fails or is not a prefix, the message's characters are those
+//!   after the longest common prefix of its rendering and the renderings of two lone assistant
+//!   messages whose contents differ in their first character (`A`, `B`).
 //!   Where the shorter rendering is not a prefix of the longer (Mistral v0.3 writes the system
 //!   prompt into the last user turn, so only when a user message is last), the added
 //!   characters are those after the longest tail of the shorter rendering found in the longer;
@@ -23,7 +30,7 @@ use std::ops::Range;
 
 use super::records::{Conversation, Sample};
 use super::template::ChatTemplate;
-use super::Role;
+use super::{Message, Role};
 use crate::framing::DocFraming;
 use crate::tokenizer::Tokenizer;
 
@@ -185,6 +192,40 @@ fn added_chars<'a>(before: &str, upto: &'a str) -> Option<&'a str> {
     upto.find(tail).map(|at| &upto[at + tail.len()..])
 }
 
+/// Two lone assistant messages that differ in their first character: where their renderings
+/// part is where an opening assistant message's own text starts.
+const PROBES: [&str; 2] = ["A", "B"];
+
+/// What an assistant message that opens the conversation adds to `upto` (its rendering): the
+/// rest after the template's rendering of zero messages with `add_generation_prompt=true` (BOS,
+/// a default system prompt, the assistant's header) when that renders and is a prefix of `upto`;
+/// otherwise (most real templates read `messages[0]`, and Jinja2 fails there) the rest after the
+/// longest common prefix of `upto` and the renderings of the lone [`PROBES`].
+fn opening_added<'a>(template: &ChatTemplate, upto: &'a str) -> Result<&'a str, String> {
+    if let Ok(before) = template.render(&[], true) {
+        if let Some(rest) = upto.strip_prefix(before.text.as_str()) {
+            return Ok(rest);
+        }
+    }
+    let mut common = upto.len();
+    for probe in PROBES {
+        let text = template.render(&[Message::new(Role::Assistant, probe)], false).map_err(|e| {
+            format!(
+                "the conversation opens with an assistant message, and the chat template renders neither zero messages \
+                 nor a lone assistant message ({e}), so what precedes the message cannot be told apart from it: \
+                 add {{% generation %}} blocks to the template, or use --train-on all"
+            )
+        })?;
+        common = common_prefix_len(&upto[..common], &text.text);
+    }
+    Ok(&upto[common..])
+}
+
+/// Bytes of the longest common prefix of `a` and `b` that ends on a character boundary.
+fn common_prefix_len(a: &str, b: &str) -> usize {
+    a.char_indices().zip(b.chars()).find(|&((_, x), y)| x != y).map_or_else(|| a.len().min(b.len()), |((i, _), _)| i)
+}
+
 /// transformers' `return_assistant_tokens_mask` over `blocks` (see the module docs). Empty
 /// blocks mark nothing.
 fn mark_generation_blocks(offsets: &[(usize, usize)], blocks: &[Range<usize>], trained: &mut [bool]) {
@@ -203,9 +244,13 @@ fn message_spans(conv: &Conversation, template: &ChatTemplate, full: &str, wante
     let mut spans = Vec::with_capacity(wanted.len());
     let mut search_from = 0;
     for &i in wanted {
-        let before = if i == 0 { String::new() } else { template.render(&conv.messages[..i], true)?.text };
         let upto = template.render(&conv.messages[..=i], false)?.text;
-        let Some(added) = added_chars(&before, &upto) else {
+        let added = if i == 0 {
+            Some(opening_added(template, &upto)?)
+        } else {
+            added_chars(&template.render(&conv.messages[..i], true)?.text, &upto)
+        };
+        let Some(added) = added else {
             return Err(format!(
                 "the chat template renders messages[..={i}] with nothing of its rendering of messages[..{i}] in it, \
                  so the assistant's tokens cannot be told apart: add {{% generation %}} blocks to the template, or use --train-on all"
@@ -242,6 +287,34 @@ mod tests {
         let mut m = vec![false; 5];
         mark_generation_blocks(&offsets, &[9..10, 0..2], &mut m); // unmapped start stops the walk
         assert_eq!(m, [false; 5]);
+    }
+
+    #[test]
+    fn an_opening_assistant_message_trains_none_of_what_precedes_it() {
+        let t = |src: &str| ChatTemplate::new(src, "t", vec![("bos_token".into(), "<s>".into())]).unwrap();
+        let upto = |t: &ChatTemplate| t.render(&[Message::new(Role::Assistant, "Hi.")], false).unwrap().text;
+        // Zero messages render: BOS, the default system prompt and the header are the prefix.
+        let chatml = t("{{ bos_token }}{% if not messages or messages[0].role != 'system' %}[sys:default]{% endif %}\
+             {% for m in messages %}<{{ m.role }}>{{ m.content }}</>{% endfor %}{% if add_generation_prompt %}<assistant>{% endif %}");
+        let u = upto(&chatml);
+        assert_eq!(u, "<s>[sys:default]<assistant>Hi.</>");
+        assert_eq!(opening_added(&chatml, &u), Ok("Hi.</>"));
+        // A template that reads messages[0] (fails, or renders no prefix, on zero messages): the
+        // common prefix with the probes' renderings.
+        let indexing =
+            t("{{ bos_token }}{% if messages[0]['role'] == 'system' %}{{ messages[0].content }}{% else %}[sys:default]{% endif %}\
+             {% for m in messages %}<{{ m.role }}>{{ m.content }}</>{% endfor %}{% if add_generation_prompt %}<assistant>{% endif %}");
+        let u = upto(&indexing);
+        assert_eq!(opening_added(&indexing, &u), Ok("Hi.</>"));
+        let not_prefix = t("{% if not messages %}[empty]{% endif %}{% for m in messages %}<{{ m.role }}>{{ m.content }}</>{% endfor %}\
+             {% if add_generation_prompt %}<assistant>{% endif %}");
+        assert_eq!(opening_added(&not_prefix, &upto(&not_prefix)), Ok("Hi.</>"));
+        // Content starting like a probe does not move the start into it.
+        assert_eq!(opening_added(&not_prefix, "<assistant>AB</>"), Ok("AB</>"));
+        // Neither renders: an error that says what to do, not a panic.
+        let refusing = t("{% if messages|length < 2 %}{{ raise_exception('too short') }}{% endif %}{{ messages[0].content }}");
+        let e = opening_added(&refusing, "x").unwrap_err();
+        assert!(e.contains("too short") && e.contains("--train-on all"), "{e}");
     }
 
     #[test]

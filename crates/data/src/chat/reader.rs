@@ -1,11 +1,12 @@
-//! Chat records out of input files, one at a time: each JSON Lines line, or each Parquet row
-//! read as a JSON object, with where it is (`line 12 (byte offset 4096)`, `row 7`).
+//! Chat records out of input files, one at a time: each JSON Lines line, each element of a
+//! `.json` file's array, or each Parquet row read as a JSON object, with where it is
+//! (`line 12 (byte offset 4096)`, `record 3 (byte offset 812)`, `row 7`).
 //!
 //! A Parquet row's null columns are left out of its record (a dataset mixing forms has a column
 //! for each, null where a row has another form).
 //!
-//! JSON Lines go through the pretraining reader's line reader (gzip, zstd, the size limit,
-//! UTF-8 checks). Parquet rows are assembled by the parquet crate's record API, projected onto
+//! JSON Lines and `.json` arrays go through the pretraining reader's record reader (gzip, zstd,
+//! the size limit, UTF-8 checks, a byte order mark skipped; an array read one element at a time). Parquet rows are assembled by the parquet crate's record API, projected onto
 //! the columns a record form can use, one row group at a time. That API panics on some
 //! internally inconsistent files instead of returning an error; its calls are made under
 //! `catch_unwind`, so such a file ends with an error naming it like any other damaged file.
@@ -23,7 +24,7 @@ use parquet::schema::types::{SchemaDescriptor, Type};
 
 use super::json::Json;
 use crate::error::Error;
-use crate::input::{InputFile, InputFormat, SUPPORTED};
+use crate::input::{InputFile, InputFormat, RECORD_FORMATS};
 use crate::parquet_reader::BoundedFile;
 use crate::records::{JsonlReader, ReadError, MAX_RECORD_BYTES};
 
@@ -42,16 +43,24 @@ enum Inner {
 }
 
 impl RecordReader {
-    /// Opens `file` (`.jsonl`, `.jsonl.gz`, `.jsonl.zst` or `.parquet`; a text file is refused).
+    /// Opens `file` (`.json`, `.jsonl`, `.jsonl.gz`, `.jsonl.zst` or `.parquet`; a text file is
+    /// refused).
     pub fn open(file: &InputFile) -> Result<Self, ReadError> {
         let inner = match file.format {
             InputFormat::Jsonl(c) => Inner::Jsonl(Box::new(JsonlReader::open(&file.path, c, "").map_err(ReadError::Stream)?)),
+            InputFormat::Json => Inner::Jsonl(Box::new(JsonlReader::open_json(&file.path, "").map_err(ReadError::Stream)?)),
             InputFormat::Parquet => Inner::Parquet(Box::new(RowReader::open(&file.path, file.bytes)?)),
             InputFormat::Text => {
+                let name = file.path.file_name().map_or_else(String::new, |n| n.to_string_lossy().into_owned());
+                let why = if name.to_ascii_lowercase().ends_with(".txt") {
+                    "a .txt file is plain text".to_string()
+                } else {
+                    format!("`{name}` is read as plain text (its name ends in none of {RECORD_FORMATS})")
+                };
                 return Err(ReadError::Stream(Error::format(
                     &file.path,
-                    format!("chat data are records: a {SUPPORTED} file other than .txt"),
-                )))
+                    format!("chat data are records, and {why}: give a {RECORD_FORMATS} file of records"),
+                )));
             }
         };
         Ok(RecordReader { inner, records: 0 })
@@ -62,12 +71,12 @@ impl RecordReader {
     pub fn next_record(&mut self) -> Result<Option<(String, Json)>, ReadError> {
         let r = match &mut self.inner {
             Inner::Jsonl(j) => {
-                let path = j.path().to_path_buf();
-                match j.next_line() {
+                let (path, hint) = (j.path().to_path_buf(), j.hint());
+                match j.next_json() {
                     Ok(None) => Ok(None),
                     Ok(Some((at, line))) => match Json::parse(line) {
                         Ok(v) => Ok(Some((at, v))),
-                        Err(e) => Err(ReadError::Record(Error::record(&path, at, format!("not a JSON object: {e}")))),
+                        Err(e) => Err(ReadError::Record(Error::record(&path, at, format!("not a JSON object: {e}{hint}")))),
                     },
                     Err(e) => Err(e),
                 }
