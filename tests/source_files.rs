@@ -47,8 +47,16 @@ fn tokenizer_files(variant: &str) -> Vec<String> {
     names
 }
 
-const HEAD: [&str; 8] =
-    ["--device=cpu", "--batch-size=1", "--eval-every=0", "--lr=3e-3", "--seq-len=128", "--val-fraction=0", "--truncate", "--data-format=messages"];
+const HEAD: [&str; 8] = [
+    "--device=cpu",
+    "--batch-size=1",
+    "--eval-every=0",
+    "--lr=3e-3",
+    "--seq-len=128",
+    "--val-fraction=0",
+    "--truncate",
+    "--data-format=messages",
+];
 
 /// `tool` (finetune or finetune_ladder) on the fixture's conversations.
 fn run(tool: &str, model: &Path, out: &Path, extra: &[&str]) {

@@ -207,12 +207,7 @@ pub fn resolve_adapter(dir: &Path) -> AnyResult<PathBuf> {
 /// weight files linked to `src`'s (not copied), and `src`'s tokenizer files copied. A LoRA run of
 /// `finetune_ladder` names it as its adapters' base, so PEFT and `--lora` find the Ladder model.
 /// `config.json` keeps the keys of `source` (`src`'s, read at start) and its stored dtype.
-pub fn write_linked_base(
-    src: &Path,
-    dst: &Path,
-    cfg: &crate::nn::LlamaConfig,
-    source: &crate::checkpoint::SourceModel,
-) -> AnyResult<()> {
+pub fn write_linked_base(src: &Path, dst: &Path, cfg: &crate::nn::LlamaConfig, source: &crate::checkpoint::SourceModel) -> AnyResult<()> {
     let src = src.canonicalize().with_context(|| format!("cannot resolve {}", src.display()))?;
     std::fs::create_dir_all(dst).with_context(|| format!("cannot create {}", dst.display()))?;
     let index = src.join("model.safetensors.index.json");
@@ -272,8 +267,6 @@ pub fn write_merged_with(base: &Path, adapter: &Path, out: &Path, source: &crate
         Llama::from_pretrained(base, crate::DType::F32, crate::Device::Cpu).with_context(|| format!("cannot load {}", base.display()))?;
     m.load_adapter(adapter).with_context(|| format!("cannot load the adapter {}", adapter.display()))?;
     m.merge_lora()?;
-    source
-        .write_model(out, m.config(), &m.parameters())
-        .with_context(|| format!("cannot write the merged model to {}", out.display()))?;
+    source.write_model(out, m.config(), &m.parameters()).with_context(|| format!("cannot write the merged model to {}", out.display()))?;
     copy_tokenizer_files(&[adapter, base], out)
 }
