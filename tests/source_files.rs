@@ -123,6 +123,18 @@ fn a_fine_tune_keeps_the_source_tokenizer_files_and_its_rendering() {
         assert_eq!((tc["bos_token"].as_str(), tc["eos_token"].as_str()), (Some("<s>"), Some("</s>")));
         assert_eq!(json(&ckpt.join("generation_config.json"))["bos_token_id"], 0);
     }
+    // A LoRA run: its adapter checkpoints and OUT/merged keep them too, and the merged model the
+    // source's config keys and bf16 weights.
+    let src = dir.join("in_jinja");
+    let out = dir.join("lora");
+    run("finetune", &src, &out, &["--steps=1", "--lora-rank=2", "--merge-lora"]);
+    for ckpt in [out.join("checkpoints/step-000001"), out.join("merged")] {
+        for name in tokenizer_files("in_jinja") {
+            assert!(read(&ckpt.join(&name)) == read(&src.join(&name)), "{}: {name} differs from the source's", ckpt.display());
+        }
+    }
+    assert_eq!(json(&out.join("merged/config.json")), json(&src.join("config.json")));
+    assert_eq!(ferrolm::nn::safetensors_io::stored_float_dtype(&out.join("merged")).unwrap(), Some("bfloat16"));
     // finetune_ladder (here only converting) keeps them too, and the config keys it does not change.
     let src = dir.join("in_config");
     let out = dir.join("ladder");
