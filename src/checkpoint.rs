@@ -214,6 +214,124 @@ pub fn export_model(src: &Path, dst: &Path) -> Result<Vec<String>> {
     copied
 }
 
+/// `--save-dtype`: how a fine-tune stores the weights of its checkpoints' `model.safetensors`
+/// (and of `OUT/merged`). The training state `--resume` reads (`shards/`: master weights,
+/// optimizer moments) is always kept in the run's own precision, so a resume is exact.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, clap::ValueEnum)]
+pub enum SaveDtype {
+    /// f32: the weights as trained on the CPU, exactly.
+    F32,
+    /// bf16, each weight rounded once to nearest even.
+    Bf16,
+    /// As the source model's weights are stored (bf16 or f32; f32 for another dtype).
+    #[default]
+    Source,
+}
+
+/// What a fine-tune keeps of the model it starts from (issue 50, items 9 and 10), read once at
+/// start: its `config.json` object, whose keys every checkpoint keeps (only the keys the run
+/// changes are rewritten: [`LlamaConfig::to_json_over`]); the dtype its weights are stored in,
+/// which checkpoints store theirs in (`--save-dtype source`); and its tokenizer files
+/// ([`crate::tokenizer_files::SourceTokenizer`]). Pretraining has none: its checkpoints are f32,
+/// with ferrolm's config and tokenizer files.
+#[derive(Clone, Debug)]
+pub struct SourceModel {
+    config_file: PathBuf,
+    config: serde_json::Map<String, serde_json::Value>,
+    /// The source's stored dtype as `config.json` spells it (its `dtype`, else `torch_dtype`,
+    /// else the safetensors dtype of its weights).
+    dtype_name: String,
+    /// What checkpoints store their weights as.
+    save: DType,
+    tokenizer: Option<crate::tokenizer_files::SourceTokenizer>,
+}
+
+impl SourceModel {
+    /// Reads the model directory `dir`'s `config.json` and the dtype of its weights, and picks
+    /// the dtype checkpoints store weights in for `save`.
+    pub fn read(dir: &Path, save: SaveDtype) -> Result<SourceModel> {
+        let config_file = dir.join("config.json");
+        let text = std::fs::read_to_string(&config_file).with_context(|| format!("cannot read {}", config_file.display()))?;
+        let serde_json::Value::Object(config) =
+            serde_json::from_str(&text).with_context(|| format!("{} is not valid JSON", config_file.display()))?
+        else {
+            bail!("{} is not a JSON object", config_file.display());
+        };
+        LlamaConfig::from_file(&config_file)?;
+        let stored = ferrolm_nn::safetensors_io::stored_float_dtype(dir)?;
+        let said = ["dtype", "torch_dtype"].iter().find_map(|k| config.get(*k).and_then(|v| v.as_str()).map(str::to_string));
+        let dtype_name = said.clone().or(stored.map(str::to_string)).unwrap_or_else(|| "float32".into());
+        let save = match save {
+            SaveDtype::F32 => DType::F32,
+            SaveDtype::Bf16 => DType::BF16,
+            SaveDtype::Source => match stored.or(said.as_deref()) {
+                Some("bfloat16") => DType::BF16,
+                Some("float32") | None => DType::F32,
+                Some(other) => {
+                    tracing::warn!(
+                        "{}: its weights are {other}, which ferrolm does not store; checkpoints hold f32 weights (--save-dtype bf16 for half the size)",
+                        dir.display()
+                    );
+                    DType::F32
+                }
+            },
+        };
+        Ok(SourceModel { config_file, config, dtype_name, save, tokenizer: None })
+    }
+
+    /// With the source's tokenizer files, which every checkpoint then holds as they are.
+    pub fn with_tokenizer(mut self, tokenizer: Option<crate::tokenizer_files::SourceTokenizer>) -> Self {
+        self.tokenizer = tokenizer;
+        self
+    }
+
+    /// The dtype checkpoints store their weights in.
+    pub fn save_dtype(&self) -> DType {
+        self.save
+    }
+
+    /// The source's tokenizer files, when checkpoints carry them instead of ferrolm's.
+    pub fn tokenizer(&self) -> Option<&crate::tokenizer_files::SourceTokenizer> {
+        self.tokenizer.as_ref()
+    }
+
+    /// The `config.json` text of the model `cfg` whose weights are stored as `dtype`, over the
+    /// source's (see [`LlamaConfig::to_json_over`]).
+    pub fn config_json(&self, cfg: &LlamaConfig, dtype: DType) -> Result<String> {
+        self.config_text(cfg, dtype_name(dtype)?)
+    }
+
+    /// The `config.json` text of the model `cfg` whose weights are the source's own files (a
+    /// Ladder conversion's base, its weights linked): the source's stored dtype.
+    pub fn linked_config_json(&self, cfg: &LlamaConfig) -> Result<String> {
+        self.config_text(cfg, &self.dtype_name)
+    }
+
+    fn config_text(&self, cfg: &LlamaConfig, dtype: &str) -> Result<String> {
+        let v = cfg.to_json_over(dtype, &self.config, &self.dtype_name, &self.config_file.display().to_string())?;
+        Ok(serde_json::to_string_pretty(&v)? + "\n")
+    }
+
+    /// Writes the model `cfg` with weights `params` into `dir`: `model.safetensors` in
+    /// [`SourceModel::save_dtype`] and `config.json` over the source's.
+    pub fn write_model(&self, dir: &Path, cfg: &LlamaConfig, params: &[(String, Tensor)]) -> Result<()> {
+        let path = ferrolm_nn::safetensors_io::prepare_dir(dir, "model.safetensors")?;
+        save_safetensors(&path, params, Some(self.save))?;
+        write_atomic(&dir.join("config.json"), self.config_json(cfg, self.save)?.as_bytes())?;
+        ferrolm_nn::ladder_hf::write_remote_code(dir, cfg)?; // a Ladder model's modelling code, which auto_map names
+        Ok(())
+    }
+}
+
+/// `config.json`'s name of a stored dtype.
+fn dtype_name(d: DType) -> Result<&'static str> {
+    Ok(match d {
+        DType::F32 => "float32",
+        DType::BF16 => "bfloat16",
+        other => bail!("cannot store weights as {other}: use f32 or bf16"),
+    })
+}
+
 /// The step a checkpoint directory was saved at (its `trainer_state.json`).
 pub fn checkpoint_step(dir: &Path) -> Result<usize> {
     let file = dir.join(TRAINER_STATE);
@@ -387,12 +505,16 @@ impl Trainer {
         match self.model.lora_config() {
             // A LoRA run's parameters are its adapters: PEFT's files, for the frozen base.
             Some(cfg) => save_adapter(tmp, cfg, self.adapter_base.as_deref().unwrap_or_default(), &named)?,
-            None => {
-                let path = ferrolm_nn::safetensors_io::prepare_dir(tmp, "model.safetensors")?;
-                save_safetensors(&path, &named, Some(DType::F32))?;
-                write_atomic(&tmp.join("config.json"), self.model.config().to_json_string_dtype("float32").as_bytes())?;
-                ferrolm_nn::ladder_hf::write_remote_code(tmp, self.model.config())?;
-            }
+            // A fine-tune: the source's dtype and config keys (`SourceModel`).
+            None => match &self.source {
+                Some(source) => source.write_model(tmp, self.model.config(), &named)?,
+                None => {
+                    let path = ferrolm_nn::safetensors_io::prepare_dir(tmp, "model.safetensors")?;
+                    save_safetensors(&path, &named, Some(DType::F32))?;
+                    write_atomic(&tmp.join("config.json"), self.model.config().to_json_string_dtype("float32").as_bytes())?;
+                    ferrolm_nn::ladder_hf::write_remote_code(tmp, self.model.config())?;
+                }
+            },
         }
         // The tokenizer read when the run started (`Trainer::run`), else (a save outside `run`) now.
         let loaded = match (&self.tokenizer, &self.tokenizer_file) {
@@ -402,7 +524,10 @@ impl Trainer {
             )),
             (None, None) => None,
         };
-        if let Some(tokenizer) = loaded {
+        if let Some(files) = self.source.as_ref().and_then(|s| s.tokenizer()) {
+            // A fine-tune of a Hugging Face model: its tokenizer files as they were.
+            files.write(tmp)?;
+        } else if let Some(tokenizer) = loaded {
             crate::tokenizer_files::write_tokenizer_files(tmp, &tokenizer, self.chat_template.as_deref())?;
         }
         let st = TrainerState {

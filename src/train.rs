@@ -200,6 +200,8 @@ pub struct Trainer {
     pub(crate) adapter_base: Option<String>,
     /// Written into every checkpoint with the tokenizer (`tokenizer_files`).
     pub(crate) chat_template: Option<String>,
+    /// A fine-tune's source model: what its checkpoints keep of it (`checkpoint::SourceModel`).
+    pub(crate) source: Option<Arc<crate::checkpoint::SourceModel>>,
     /// Real tokens trained on so far, every rank (padding not counted).
     pub(crate) tokens_seen: u64,
     /// Real tokens of the last step, every rank.
@@ -351,6 +353,7 @@ impl Trainer {
             tokenizer: None,
             adapter_base: None,
             chat_template: None,
+            source: None,
             tokens_seen: 0,
             last_step_tokens: 0,
             skipped_total: 0,
@@ -400,6 +403,13 @@ impl Trainer {
     /// `chat_template` and `chat_template.jinja`).
     pub fn with_chat_template(mut self, template: String) -> Self {
         self.chat_template = Some(template);
+        self
+    }
+
+    /// A fine-tune: checkpoints keep `source`'s config keys, store weights in its save dtype, and
+    /// carry its tokenizer files when it has them (`checkpoint::SourceModel`).
+    pub fn with_source(mut self, source: Arc<crate::checkpoint::SourceModel>) -> Self {
+        self.source = Some(source);
         self
     }
 

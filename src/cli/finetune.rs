@@ -73,6 +73,38 @@ impl ChatArgs {
     }
 }
 
+/// What the fine-tuning tools' checkpoints keep of the source model (`checkpoint::SourceModel`).
+#[derive(Args, Debug, Clone, PartialEq)]
+#[command(next_help_heading = "Run")]
+pub struct SaveArgs {
+    /// The dtype of the weights in checkpoints' model.safetensors and OUT/merged: f32, bf16
+    /// (each weight rounded once, to nearest even), or source (as --model's weights are
+    /// stored). The state --resume reads stays f32, so a resume is exact
+    #[arg(long, value_name = "f32|bf16|source", default_value = "source", value_enum)]
+    pub save_dtype: crate::checkpoint::SaveDtype,
+}
+
+impl SaveArgs {
+    /// What checkpoints keep of the model directory `model`: its config keys and dtype, and its
+    /// tokenizer files unless `--tokenizer` names another tokenizer than its own (then ferrolm's
+    /// are written). `template` is the chat template the run trains with, written where the
+    /// source keeps its own when it differs from it.
+    pub(crate) fn source(
+        &self,
+        model: &Path,
+        tokenizer: Option<&Path>,
+        template: Option<&str>,
+    ) -> AnyResult<std::sync::Arc<crate::checkpoint::SourceModel>> {
+        let own = model.join("tokenizer.json");
+        let same = |t: &Path| t == own || t.canonicalize().ok().zip(own.canonicalize().ok()).is_some_and(|(a, b)| a == b);
+        let files = match tokenizer {
+            Some(t) if !same(t) => None,
+            _ => crate::tokenizer_files::SourceTokenizer::read(model, template)?,
+        };
+        Ok(std::sync::Arc::new(crate::checkpoint::SourceModel::read(model, self.save_dtype)?.with_tokenizer(files)))
+    }
+}
+
 #[derive(Parser, Debug, Clone, PartialEq)]
 #[command(
     allow_negative_numbers = true,
@@ -92,6 +124,8 @@ pub struct FinetuneArgs {
     pub chat: ChatArgs,
     #[command(flatten)]
     pub train: TrainArgs,
+    #[command(flatten)]
+    pub save: SaveArgs,
     #[command(flatten)]
     pub lora: super::lora::LoraArgs,
 }
@@ -210,6 +244,8 @@ struct Prepared {
     model: PathBuf,
     tokenizer: Tokenizer,
     stop: Vec<u32>,
+    /// What checkpoints keep of --model, read before any work.
+    source: std::sync::Arc<crate::checkpoint::SourceModel>,
 }
 
 fn prepare(args: &FinetuneArgs) -> AnyResult<Prepared> {
@@ -228,13 +264,14 @@ fn prepare(args: &FinetuneArgs) -> AnyResult<Prepared> {
     let tokenizer = Tokenizer::from_file(&tok_path).with_context(|| format!("cannot load the tokenizer {}", tok_path.display()))?;
     check_vocab(&tokenizer, &tok_path, cfg.vocab_size, &cfg_path.display().to_string())?;
     let ft = prepare_data(a, &args.chat, "data/chat.jsonl", &model, &tokenizer, &tok_path)?;
+    let source = args.save.source(&model, a.tokenizer.as_deref(), ft.template.as_deref())?;
     let mut layout = parallelism.mem_layout(a.activation_checkpointing)?;
     layout.lora = lora;
     layout.loss_chunks = a.loss_chunks();
     let mem = crate::planner::memory::check_layout(&cfg, dtype, device, &a.options().shape(), &layout)?;
     report(&format!("memory: predicted peak {}", crate::planner::memory::describe(&mem)));
     let stop = crate::chat::stop_ids(&model, &cfg, &tokenizer)?;
-    Ok(Prepared { data: TrainData { device, dtype, tok_path, set: ft.set.clone() }, ft, model, tokenizer, stop })
+    Ok(Prepared { data: TrainData { device, dtype, tok_path, set: ft.set.clone() }, ft, model, tokenizer, stop, source })
 }
 
 pub fn run(args: FinetuneArgs) -> AnyResult<()> {
@@ -313,7 +350,7 @@ fn finetune_rank(args: &FinetuneArgs, p: &Prepared, comm: Option<Comm>) -> AnyRe
     ));
     let lora = super::lora::attach(&args.lora, &mut model, a.seed)?;
     let (trainer, _) = p.data.trainer(model, a, a.options(), comm)?;
-    let mut trainer = p.ft.carry_template(trainer);
+    let mut trainer = p.ft.carry_template(trainer).with_source(p.source.clone());
     if lora {
         trainer = super::lora::with_base(trainer, &p.model); // checkpoints: the adapter for this model
     }
@@ -345,6 +382,6 @@ fn finetune_rank(args: &FinetuneArgs, p: &Prepared, comm: Option<Comm>) -> AnyRe
         out.val_after = Some(after);
     }
     report(&format!("checkpoint: {}  (loss curve: {})", a.out.join("checkpoints").display(), a.out.join("loss.png").display()));
-    super::lora::merge(&args.lora, &p.model, None, &a.out)?;
+    super::lora::merge(&args.lora, &p.model, None, &a.out, &p.source)?;
     Ok(out)
 }

@@ -3,7 +3,7 @@
 //! blocks read the residual stream one branch late. The validation loss is reported for the
 //! plain model, for the converted one before training and after it; checkpoints are written in
 //! the paper's released format (`model_type: "llamaLadder"`, `ladder_layers`).
-use super::finetune::{data_help, prepare_data, ChatArgs, FinetuneData};
+use super::finetune::{data_help, prepare_data, ChatArgs, FinetuneData, SaveArgs};
 use super::lora::LoraArgs;
 use super::pretrain::preflight;
 use super::{env_help, LogArgs, Tool, TrainArgs, TrainData, ENV_COMMON, ENV_DEVICE, ENV_LAUNCH, ENV_TRAIN};
@@ -39,6 +39,8 @@ pub struct FinetuneLadderArgs {
     #[command(flatten)]
     pub train: TrainArgs,
     #[command(flatten)]
+    pub save: SaveArgs,
+    #[command(flatten)]
     pub lora: LoraArgs,
 }
 
@@ -63,6 +65,8 @@ struct Prepared {
     data: TrainData,
     ft: FinetuneData,
     ladder: LadderLayers,
+    /// What checkpoints keep of --model, read before any work.
+    source: std::sync::Arc<crate::checkpoint::SourceModel>,
 }
 
 fn prepare(args: &FinetuneLadderArgs) -> AnyResult<Prepared> {
@@ -85,13 +89,14 @@ fn prepare(args: &FinetuneLadderArgs) -> AnyResult<Prepared> {
     let tokenizer = Tokenizer::from_file(&tok_path).with_context(|| format!("cannot load the tokenizer {}", tok_path.display()))?;
     super::pretrain::check_vocab(&tokenizer, &tok_path, cfg.vocab_size, &dir.join("config.json").display().to_string())?;
     let ft = prepare_data(&checked, &args.chat, "data/corpus", dir, &tokenizer, &tok_path)?;
+    let source = args.save.source(dir, a.tokenizer.as_deref(), ft.template.as_deref())?;
     let opts = checked.options();
     let mut layout = parallelism.mem_layout(a.activation_checkpointing)?;
     layout.lora = lora;
     layout.loss_chunks = a.loss_chunks();
     let mem = crate::planner::memory::check_layout(&cfg, dtype, device, &opts.shape(), &layout)?;
     report(&format!("memory: predicted peak {}", crate::planner::memory::describe_layout(&mem, &layout)));
-    Ok(Prepared { data: TrainData { device, dtype, tok_path, set: ft.set.clone() }, ft, ladder })
+    Ok(Prepared { data: TrainData { device, dtype, tok_path, set: ft.set.clone() }, ft, ladder, source })
 }
 
 pub fn run(mut args: FinetuneLadderArgs) -> AnyResult<()> {
@@ -128,14 +133,14 @@ fn finetune_rank(args: &FinetuneLadderArgs, p: &Prepared, comm: Option<Comm>) ->
     }
     let lora = super::lora::attach(&args.lora, &mut model, a.seed)?;
     let (trainer, _) = p.data.trainer(model, a, opts.clone(), comm)?;
-    let mut trainer = p.ft.carry_template(trainer);
+    let mut trainer = p.ft.carry_template(trainer).with_source(p.source.clone());
     let base = a.out.join("base");
     if lora {
         // The adapters' base is the converted model: its config, the same weight files.
         let mut converted = trainer.model.config().clone();
         converted.ladder_layers = Some(p.ladder.clone());
         if crate::logging::is_rank_zero() {
-            super::lora::write_linked_base(&args.model, &base, &converted)?;
+            super::lora::write_linked_base(&args.model, &base, &converted, &p.source)?;
         }
         trainer = super::lora::with_base(trainer, &base);
     }
@@ -156,7 +161,7 @@ fn finetune_rank(args: &FinetuneLadderArgs, p: &Prepared, comm: Option<Comm>) ->
         let dir = trainer.save_checkpoint()?;
         report(&format!("converted checkpoint {}", dir.display()));
         report_remote_code();
-        return super::lora::merge(&args.lora, &base, Some(&dir), &a.out);
+        return super::lora::merge(&args.lora, &base, Some(&dir), &a.out, &p.source);
     }
     trainer.run()?;
     // The last step's validation, over the whole split (the line in metrics.jsonl).
@@ -167,7 +172,7 @@ fn finetune_rank(args: &FinetuneLadderArgs, p: &Prepared, comm: Option<Comm>) ->
     };
     report(&format!("checkpoint: {}", a.out.join("checkpoints").display()));
     report_remote_code();
-    super::lora::merge(&args.lora, &base, None, &a.out)
+    super::lora::merge(&args.lora, &base, None, &a.out, &p.source)
 }
 
 /// How to load what this tool wrote in transformers: a Ladder checkpoint carries its modelling

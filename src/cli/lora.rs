@@ -166,8 +166,9 @@ pub fn with_base(trainer: crate::train::Trainer, base: &Path) -> crate::train::T
 }
 
 /// `--merge-lora`: rank 0 folds the adapter of the checkpoint `ckpt` (None: the run `out`'s
-/// latest) into the model at `base`, written to OUT/merged (nothing without the flag).
-pub fn merge(args: &LoraArgs, base: &Path, ckpt: Option<&Path>, out: &Path) -> AnyResult<()> {
+/// latest) into the model at `base`, written to OUT/merged (nothing without the flag) with
+/// `source`'s config keys and save dtype, as the run's checkpoints.
+pub fn merge(args: &LoraArgs, base: &Path, ckpt: Option<&Path>, out: &Path, source: &crate::checkpoint::SourceModel) -> AnyResult<()> {
     if !args.merge_lora || !crate::logging::is_rank_zero() {
         return Ok(());
     }
@@ -176,7 +177,7 @@ pub fn merge(args: &LoraArgs, base: &Path, ckpt: Option<&Path>, out: &Path) -> A
         None => crate::checkpoint::resolve_checkpoint(out)?,
     };
     let merged = out.join("merged");
-    write_merged(base, &ckpt, &merged)?;
+    write_merged_with(base, &ckpt, &merged, source)?;
     crate::progress::report(&format!("merged model (the adapter folded in): {}", merged.display()));
     Ok(())
 }
@@ -219,7 +220,8 @@ pub fn resolve_adapter(dir: &Path) -> AnyResult<PathBuf> {
 /// the checkpoint `src` (a Ladder conversion changes no weight): `config.json` for `cfg`, the
 /// weight files linked to `src`'s (not copied), and `src`'s tokenizer files copied. A LoRA run of
 /// `finetune_ladder` names it as its adapters' base, so PEFT and `--lora` find the Ladder model.
-pub fn write_linked_base(src: &Path, dst: &Path, cfg: &crate::nn::LlamaConfig) -> AnyResult<()> {
+/// `config.json` keeps the keys of `source` (`src`'s, read at start) and its stored dtype.
+pub fn write_linked_base(src: &Path, dst: &Path, cfg: &crate::nn::LlamaConfig, source: &crate::checkpoint::SourceModel) -> AnyResult<()> {
     let src = src.canonicalize().with_context(|| format!("cannot resolve {}", src.display()))?;
     std::fs::create_dir_all(dst).with_context(|| format!("cannot create {}", dst.display()))?;
     let index = src.join("model.safetensors.index.json");
@@ -237,16 +239,16 @@ pub fn write_linked_base(src: &Path, dst: &Path, cfg: &crate::nn::LlamaConfig) -
         link_file(&src.join(name), &link)?;
     }
     copy_tokenizer_files(&[&src], dst)?;
-    crate::nn::safetensors_io::write_atomic(&dst.join("config.json"), cfg.to_json_string_dtype("float32").as_bytes())?;
+    crate::nn::safetensors_io::write_atomic(&dst.join("config.json"), source.linked_config_json(cfg)?.as_bytes())?;
     crate::nn::ladder_hf::write_remote_code(dst, cfg)?;
     Ok(())
 }
 
-/// Copies the tokenizer's files (tokenizer.json, tokenizer_config.json with its chat template,
-/// generation_config.json, chat_template.jinja) into `dst`, each from the first of `from` that
-/// has it.
+/// Copies the tokenizer's files (`tokenizer_files::TOKENIZER_FILES`: tokenizer.json,
+/// tokenizer_config.json with its chat template, generation_config.json, chat_template.jinja,
+/// ...) into `dst`, each from the first of `from` that has it.
 fn copy_tokenizer_files(from: &[&Path], dst: &Path) -> AnyResult<()> {
-    for name in ["tokenizer.json", "tokenizer_config.json", "generation_config.json", "chat_template.jinja"] {
+    for name in crate::tokenizer_files::TOKENIZER_FILES {
         if let Some(src) = from.iter().map(|d| d.join(name)).find(|f| f.is_file()) {
             std::fs::copy(&src, dst.join(name)).with_context(|| format!("cannot copy {} into {}", src.display(), dst.display()))?;
         }
@@ -265,13 +267,21 @@ fn link_file(target: &Path, link: &Path) -> AnyResult<()> {
 }
 
 /// `--merge-lora`: the base at `base` with the adapter in `adapter` folded in, written as a plain
-/// Hugging Face checkpoint (f32 weights, config, the tokenizer's files: the adapter checkpoint's,
-/// which carry the run's chat template, else the base's) to `out`.
+/// Hugging Face checkpoint (the weights in the base's stored dtype, its config keys, the
+/// tokenizer's files: the adapter checkpoint's, which carry the run's chat template, else the
+/// base's) to `out`.
 pub fn write_merged(base: &Path, adapter: &Path, out: &Path) -> AnyResult<()> {
+    let source = crate::checkpoint::SourceModel::read(base, crate::checkpoint::SaveDtype::Source)?;
+    write_merged_with(base, adapter, out, &source)
+}
+
+/// [`write_merged`] keeping `source`'s config keys and storing the weights in its save dtype
+/// (`source` is the fine-tune's model, read at start).
+pub fn write_merged_with(base: &Path, adapter: &Path, out: &Path, source: &crate::checkpoint::SourceModel) -> AnyResult<()> {
     let mut m =
         Llama::from_pretrained(base, crate::DType::F32, crate::Device::Cpu).with_context(|| format!("cannot load {}", base.display()))?;
     m.load_adapter(adapter).with_context(|| format!("cannot load the adapter {}", adapter.display()))?;
     m.merge_lora()?;
-    m.save_pretrained(out).with_context(|| format!("cannot write the merged model to {}", out.display()))?;
+    source.write_model(out, m.config(), &m.parameters()).with_context(|| format!("cannot write the merged model to {}", out.display()))?;
     copy_tokenizer_files(&[adapter, base], out)
 }

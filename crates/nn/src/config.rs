@@ -505,6 +505,36 @@ impl LlamaConfig {
         v
     }
 
+    /// The `config.json` of this model (weights stored as `dtype`) written over `source`, the
+    /// `config.json` object of the model it was trained from, whose weights are stored as
+    /// `source_dtype`: every key of `source` is kept as it was (`pad_token_id`,
+    /// `transformers_version`, keys ferrolm does not model, its spelling of what ferrolm does),
+    /// and only the keys this model changes are written: those whose value here differs from
+    /// what ferrolm writes for `source` itself (a Ladder conversion's `model_type`,
+    /// `architectures`, `auto_map`, `ladder_layers`; `dtype` and `torch_dtype` when the stored
+    /// dtype changes), and those ferrolm would no longer write are removed. A `source` that
+    /// does not parse as a config is an error naming `origin`.
+    pub fn to_json_over(&self, dtype: &str, source: &Map<String, Value>, source_dtype: &str, origin: &str) -> Result<Value> {
+        let theirs = Self::parse(&Value::Object(source.clone()).to_string(), origin)?.to_json_value(source_dtype);
+        let ours = self.to_json_value(dtype);
+        let (Value::Object(theirs), Value::Object(ours)) = (theirs, ours) else {
+            return Err(Error::new("LlamaConfig", format!("{origin}: expected a JSON object")));
+        };
+        let mut out = source.clone();
+        for key in theirs.keys().chain(ours.keys()) {
+            match (theirs.get(key), ours.get(key)) {
+                (a, Some(b)) if a != Some(b) => {
+                    out.insert(key.clone(), b.clone());
+                }
+                (Some(_), None) => {
+                    out.remove(key);
+                }
+                _ => {}
+            }
+        }
+        Ok(Value::Object(out))
+    }
+
     /// Pretty JSON for `config.json` with f32 weights.
     pub fn to_json_string(&self) -> String {
         self.to_json_string_dtype("float32")
@@ -666,5 +696,39 @@ mod tests {
         assert_eq!(c.eos_token_id, vec![7]);
         let e = LlamaConfig::from_json_str(&format!("{base},\"eos_token_id\":\"x\"}}")).unwrap_err();
         assert!(e.to_string().contains("eos_token_id"), "{e}");
+    }
+
+    #[test]
+    fn written_over_a_source_keeps_its_keys_and_changes_only_ours() {
+        // A 4.x-style source: torch_dtype only, rope_theta at the top, keys ferrolm does not model.
+        let text = r#"{"model_type":"llama","vocab_size":8,"hidden_size":8,"intermediate_size":8,"num_hidden_layers":2,
+            "num_attention_heads":2,"bos_token_id":0,"eos_token_id":1,"pad_token_id":1,"rope_theta":500000.0,
+            "torch_dtype":"bfloat16","transformers_version":"4.44.0","use_cache":false}"#;
+        let Value::Object(source) = serde_json::from_str::<Value>(text).unwrap() else { panic!() };
+        let cfg = LlamaConfig::from_json_str(text).unwrap();
+        // The same model in the same dtype: the source, key for key.
+        assert_eq!(cfg.to_json_over("bfloat16", &source, "bfloat16", "src").unwrap(), Value::Object(source.clone()));
+        // Another stored dtype: both spellings say it, nothing else changes.
+        let f32 = cfg.to_json_over("float32", &source, "bfloat16", "src").unwrap();
+        let mut want = source.clone();
+        want.insert("torch_dtype".into(), json!("float32"));
+        want.insert("dtype".into(), json!("float32"));
+        assert_eq!(f32, Value::Object(want));
+        // A Ladder conversion adds its keys and rewrites the model type; pad_token_id stays.
+        let mut ladder = cfg.clone();
+        ladder.ladder_layers = Some(LadderLayers::Last(1));
+        let v = ladder.to_json_over("bfloat16", &source, "bfloat16", "src").unwrap();
+        assert_eq!(v["model_type"], json!("llamaLadder"));
+        assert_eq!(v["ladder_layers"], json!(1));
+        assert_eq!(v["architectures"], json!(["LlamaLadderForCausalLM"]));
+        assert_eq!((&v["pad_token_id"], &v["use_cache"], &v["transformers_version"]), (&json!(1), &json!(false), &json!("4.44.0")));
+        assert_eq!(LlamaConfig::from_json_str(&v.to_string()).unwrap(), ladder);
+        // ...and converting back to a plain Llama removes them again.
+        let Value::Object(lsrc) = v else { panic!() };
+        let back = cfg.to_json_over("bfloat16", &lsrc, "bfloat16", "src").unwrap();
+        assert!(back.get("ladder_layers").is_none() && back.get("auto_map").is_none(), "{back}");
+        assert_eq!(back["model_type"], json!("llama"));
+        let e = cfg.to_json_over("float32", &Map::new(), "float32", "src/config.json").unwrap_err();
+        assert!(e.to_string().contains("src/config.json"), "{e}");
     }
 }

@@ -161,6 +161,42 @@ pub fn read_index(path: &Path) -> Result<BTreeMap<String, String>> {
         .collect()
 }
 
+/// The dtype the weights of a Hugging Face model directory are stored in, as `config.json` spells
+/// it (`"float32"`, `"bfloat16"`, `"float16"`, `"float64"`): read from the safetensors headers of
+/// `model.safetensors`, or of the shards `model.safetensors.index.json` names. `None` when the
+/// float tensors do not share one dtype or there are none.
+pub fn stored_float_dtype(dir: &Path) -> Result<Option<&'static str>> {
+    let single = dir.join("model.safetensors");
+    let files: Vec<PathBuf> = if single.is_file() {
+        vec![single]
+    } else {
+        let index = dir.join("model.safetensors.index.json");
+        let mut shards: Vec<String> = read_index(&index)?.into_values().collect();
+        shards.sort();
+        shards.dedup();
+        shards.into_iter().map(|s| dir.join(s)).collect()
+    };
+    let mut found: Option<StDtype> = None;
+    for path in files {
+        let file = std::fs::File::open(&path).map_err(|e| io_err(&path, "cannot open", e))?;
+        // SAFETY: as in `load_filtered`: only the header is read, through bounds-checked slices.
+        let mmap = unsafe { memmap2::Mmap::map(&file) }.map_err(|e| io_err(&path, "cannot memory-map", e))?;
+        let (_, meta) = SafeTensors::read_metadata(&mmap).map_err(|e| io_err(&path, "not a valid safetensors file", format!("{e:?}")))?;
+        for info in meta.tensors().values().filter(|i| is_float(i.dtype)) {
+            match found {
+                Some(d) if d != info.dtype => return Ok(None),
+                _ => found = Some(info.dtype),
+            }
+        }
+    }
+    Ok(found.map(|d| match d {
+        StDtype::BF16 => "bfloat16",
+        StDtype::F16 => "float16",
+        StDtype::F64 => "float64",
+        _ => "float32",
+    }))
+}
+
 /// The weights of a Hugging Face model directory: `model.safetensors`, or the shards named by
 /// `model.safetensors.index.json` (every tensor must be in the shard the index names). Weights
 /// must be stored as floats; `dtype` must be a float type.
