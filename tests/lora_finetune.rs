@@ -88,7 +88,10 @@ fn lora_checkpoints_are_peft_adapters_that_resume_evaluate_and_merge() {
     for lora_flag in [format!("--lora={}", whole.display()), format!("--lora={}", step6.display())] {
         let e: EvalArgs =
             parse_from(["eval", "--device=cpu", &flag("model", &base), &flag("text", &text), "--seq-len=16", &lora_flag]).unwrap();
-        ferrolm::cli::eval::run(e).unwrap();
+        // The converted base the run recorded (its config, the Llama's weight files) is this one.
+        let (r, log) = capture_logs(|| ferrolm::cli::eval::run(e));
+        r.unwrap();
+        assert!(log.contains("was trained on this base") && !log.contains("warning:"), "{log}");
     }
     let g: GenerateArgs = parse_from([
         "generate",

@@ -41,8 +41,9 @@ pub struct EvalArgs {
     /// Windows (with --chat: conversations) per forward pass
     #[arg(long, default_value = "8", value_parser = positive)]
     pub batch_size: usize,
-    /// With --chat: the chat template, a Jinja file [default: chat_template.jinja in --model,
-    /// else the chat_template of its tokenizer_config.json]
+    /// With --chat: the chat template, a Jinja file [default: --lora's adapter's template
+    /// (chat_template.jinja, else the chat_template of its tokenizer_config.json), else
+    /// --model's, found the same way]
     #[arg(long, value_name = "FILE", help_heading = "Chat")]
     pub chat_template: Option<PathBuf>,
     /// With --chat: the tokens scored, as fine-tuning's --train-on: assistant, last or all
@@ -113,7 +114,9 @@ fn score_chat(a: &EvalArgs, chat: &Path, model: &Llama, tokenizer: &Tokenizer, d
         val_fraction: 0.0,
         skip_bad_records: false,
     };
-    let rows = crate::chat::load_unpacked(chat, &a.model, tokenizer, &opts, t)?;
+    let dirs = a.run.template_dirs(&a.model)?;
+    let dirs: Vec<&Path> = dirs.iter().map(PathBuf::as_path).collect();
+    let rows = crate::chat::load_unpacked(chat, &dirs, tokenizer, &opts, t)?;
     crate::eval::conversations_loss(model, &rows, a.batch_size, 0, device)
 }
 

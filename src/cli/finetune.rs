@@ -172,6 +172,8 @@ struct Prepared {
     model: PathBuf,
     tokenizer: Tokenizer,
     stop: Vec<u32>,
+    /// With LoRA: the base's identity, recorded with the adapter.
+    base_id: Option<crate::lora_base::BaseIdentity>,
 }
 
 fn prepare(args: &FinetuneArgs) -> AnyResult<Prepared> {
@@ -183,6 +185,8 @@ fn prepare(args: &FinetuneArgs) -> AnyResult<Prepared> {
     let cfg_path = model.join("config.json");
     let cfg = LlamaConfig::from_file(&cfg_path)?;
     let lora = args.lora.memory(&cfg)?; // the LoRA flags (and --lora-init's adapter) before any work
+    let base_id = super::lora::base_identity(&args.lora, &model, &cfg, &model)?;
+    super::lora::check_run_base(&args.lora, a.resume.as_deref(), base_id.as_ref(), &model)?;
     let parallelism = a.parallel.layout()?;
     parallelism.check_model(&cfg)?;
     let tok_path = a.tokenizer.clone().unwrap_or_else(|| model.join("tokenizer.json"));
@@ -195,7 +199,7 @@ fn prepare(args: &FinetuneArgs) -> AnyResult<Prepared> {
     let mem = crate::planner::memory::check_layout(&cfg, dtype, device, &a.options().shape(), &layout)?;
     report(&format!("memory: predicted peak {}", crate::planner::memory::describe(&mem)));
     let stop = crate::chat::stop_ids(&model, &cfg, &tokenizer)?;
-    Ok(Prepared { data: TrainData { device, dtype, tok_path, set: ft.set.clone() }, ft, model, tokenizer, stop })
+    Ok(Prepared { data: TrainData { device, dtype, tok_path, set: ft.set.clone() }, ft, model, tokenizer, stop, base_id })
 }
 
 pub fn run(args: FinetuneArgs) -> AnyResult<()> {
@@ -267,7 +271,8 @@ fn finetune_rank(args: &FinetuneArgs, p: &Prepared, comm: Option<Comm>) -> AnyRe
     let (trainer, _) = p.data.trainer(model, a, a.options(), comm)?;
     let mut trainer = p.ft.carry_template(trainer);
     if lora {
-        trainer = super::lora::with_base(trainer, &p.model); // checkpoints: the adapter for this model
+        trainer = super::lora::with_base(trainer, &p.model, p.base_id.as_ref());
+        // checkpoints: the adapter for this model
     }
     let mut out = Outcome::default();
     if a.resume.is_none() && trainer.has_validation() {

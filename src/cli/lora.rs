@@ -6,6 +6,7 @@
 //! prepare (the estimate, and the flags checked before any work), [`attach`] on the loaded
 //! model, [`with_base`] on its trainer, [`merge`] after training.
 use super::{fraction, non_negative, positive};
+use crate::lora_base::BaseIdentity;
 use crate::nn::lora::{LoraConfig, Proj};
 use crate::{AnyResult, Llama};
 use anyhow::{bail, Context};
@@ -145,10 +146,67 @@ pub fn attach(args: &LoraArgs, model: &mut Llama, seed: u64) -> AnyResult<bool> 
 
 /// `trainer` whose checkpoints hold its adapters in PEFT's format for the base model at `base`
 /// (written absolute into `adapter_config.json`'s `base_model_name_or_path`, so PEFT, `eval
-/// --lora` and `--merge-lora` find it from anywhere).
-pub fn with_base(trainer: crate::train::Trainer, base: &Path) -> crate::train::Trainer {
+/// --lora` and `--merge-lora` find it from anywhere), with the base's identity `id` (see
+/// [`base_identity`]) recorded beside it in `ferrolm_base.json`.
+pub fn with_base(trainer: crate::train::Trainer, base: &Path, id: Option<&BaseIdentity>) -> crate::train::Trainer {
     let abs = std::path::absolute(base).unwrap_or_else(|_| base.to_path_buf());
-    trainer.with_adapter_base(&abs.display().to_string())
+    let trainer = trainer.with_adapter_base(&abs.display().to_string());
+    match id {
+        Some(id) => trainer.with_adapter_base_record(id.clone()),
+        None => trainer,
+    }
+}
+
+/// The identity of a LoRA run's base (None without LoRA): the model at `path` whose config is
+/// `cfg` and whose weights are the files of the model directory `weights` (`finetune_ladder`'s
+/// base is the converted config over the Llama's files). Hashes every weight once (the log says
+/// how long it took).
+pub fn base_identity(args: &LoraArgs, path: &Path, cfg: &crate::nn::LlamaConfig, weights: &Path) -> AnyResult<Option<BaseIdentity>> {
+    if !args.enabled() {
+        return Ok(None);
+    }
+    BaseIdentity::compute(path, cfg, weights).map(Some)
+}
+
+/// Checks a LoRA run's base `id` (of `--model` `model`) against the base recorded with the
+/// adapter it continues, before any work. `--resume` onto another base is refused (a flag error
+/// naming the recorded base and `--model`): its adapter was trained on the other one, and its
+/// checkpoints would name this one. `--lora-init` from an adapter recorded on another base
+/// warns: the new run starts from that adapter on this base, and its checkpoints record this
+/// base. An adapter with no record (PEFT's, an older ferrolm's) is accepted with an info line.
+pub fn check_run_base(args: &LoraArgs, resume: Option<&Path>, id: Option<&BaseIdentity>, model: &Path) -> AnyResult<()> {
+    let Some(id) = id else { return Ok(()) };
+    let given = format!("--model {}", model.display());
+    if let Some(ckpt) = resume.filter(|r| crate::nn::lora::peft::is_adapter_dir(r)) {
+        if let Some(m) = crate::lora_base::mismatch(ckpt, &given, || Ok(id.clone()))? {
+            return Err(super::flag_error(format!(
+                "--resume {}: {m}. Resume with that base as --model, or start a new run from this adapter on {given} with \
+                 --lora-init {}",
+                ckpt.display(),
+                ckpt.display()
+            )));
+        }
+    }
+    if let Some(init) = &args.lora_init {
+        if let Some(m) = crate::lora_base::mismatch(init, &given, || Ok(id.clone()))? {
+            tracing::warn!(
+                "--lora-init {}: {m}; this run continues the adapter on {given}, and its checkpoints record that base",
+                init.display()
+            );
+        }
+    }
+    Ok(())
+}
+
+/// `eval --lora`, `generate --lora`: a warning when the adapter in `adapter`
+/// was recorded on another base than the model directory `model` (`--model`); the adapter is
+/// applied all the same. The model's weights are hashed only when the adapter has a record.
+pub fn warn_other_base(adapter: &Path, model: &Path) -> AnyResult<()> {
+    let given = format!("--model {}", model.display());
+    if let Some(m) = crate::lora_base::mismatch(adapter, &given, || BaseIdentity::of_dir(model))? {
+        tracing::warn!("--lora: {m}; applying it anyway, but the adapted model is not the one trained");
+    }
+    Ok(())
 }
 
 /// `--merge-lora`: rank 0 folds the adapter of the checkpoint `ckpt` (None: the run `out`'s
