@@ -198,7 +198,7 @@ pub fn check_run_base(args: &LoraArgs, resume: Option<&Path>, id: Option<&BaseId
     Ok(())
 }
 
-/// `eval --lora`, `generate --lora`: a warning when the adapter in `adapter`
+/// `eval --lora`, `generate --lora`, `export --lora`: a warning when the adapter in `adapter`
 /// was recorded on another base than the model directory `model` (`--model`); the adapter is
 /// applied all the same. The model's weights are hashed only when the adapter has a record.
 pub fn warn_other_base(adapter: &Path, model: &Path) -> AnyResult<()> {
@@ -317,4 +317,77 @@ pub fn write_merged(base: &Path, adapter: &Path, out: &Path) -> AnyResult<()> {
     m.merge_lora()?;
     m.save_pretrained(out).with_context(|| format!("cannot write the merged model to {}", out.display()))?;
     copy_tokenizer_files(&[adapter, base], out)
+}
+
+/// The tokenizer's files `export --lora` copies from the base model.
+const BASE_TOKENIZER_FILES: [&str; 9] = [
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "tokenizer.model",
+    "added_tokens.json",
+    "vocab.json",
+    "merges.txt",
+    "generation_config.json",
+    "chat_template.jinja",
+];
+
+/// `export --model BASE --lora ADAPTER --out DIR`: the base model directory `base` with the PEFT
+/// adapter in `adapter` folded in, written to the new directory `out` (absent or empty) in the
+/// base's format and dtype: its `config.json` as it is (every key kept), its weight files with
+/// the same names, tensors, dtypes and shards, each adapted weight W + s B A summed in f32 and
+/// rounded once to W's stored dtype (`ferrolm_nn::lora::peft::merge_adapter_files`), its
+/// tokenizer's files, and the adapter's chat template when it carries one (as
+/// `chat_template.jinja`, which transformers prefers). No training state. Written into a
+/// temporary directory renamed into place; returns the names written.
+pub fn export_merged(base: &Path, adapter: &Path, out: &Path) -> AnyResult<Vec<String>> {
+    if out.exists() && std::fs::read_dir(out).map(|mut d| d.next().is_some()).unwrap_or(true) {
+        bail!("--out {} already exists and is not empty: choose another directory", out.display());
+    }
+    let cfg_path = base.join("config.json");
+    let cfg = crate::nn::LlamaConfig::from_file(&cfg_path)?;
+    let name = out.file_name().with_context(|| format!("--out {}: not a directory name", out.display()))?.to_string_lossy().into_owned();
+    let parent = out.parent().filter(|p| !p.as_os_str().is_empty()).unwrap_or(Path::new("."));
+    std::fs::create_dir_all(parent).with_context(|| format!("cannot create {}", parent.display()))?;
+    let tmp = parent.join(format!(".{name}.tmp"));
+    let written = (|| -> AnyResult<Vec<String>> {
+        if tmp.exists() {
+            std::fs::remove_dir_all(&tmp).with_context(|| format!("cannot remove {}", tmp.display()))?;
+        }
+        std::fs::create_dir(&tmp).with_context(|| format!("cannot create {}", tmp.display()))?;
+        let (lora, mut written) = crate::nn::lora::peft::merge_adapter_files(base, &cfg, adapter, &tmp)
+            .with_context(|| format!("cannot fold the adapter {} into {}", adapter.display(), base.display()))?;
+        tracing::info!("folded the adapter (rank {}, scale {:.4}) into {}", lora.rank, lora.scale(), base.display());
+        for file in std::iter::once("config.json").chain(BASE_TOKENIZER_FILES) {
+            let src = base.join(file);
+            if src.is_file() {
+                std::fs::copy(&src, tmp.join(file)).with_context(|| format!("cannot copy {} into {}", src.display(), tmp.display()))?;
+                written.push(file.to_string());
+            }
+        }
+        // The adapter's template (a LoRA run's checkpoint carries the run's) over the base's.
+        if let Ok(t) = crate::data::chat::find_template_source_in(&[adapter], None) {
+            let to = tmp.join("chat_template.jinja");
+            std::fs::write(&to, t.text.as_bytes()).with_context(|| format!("cannot write {}", to.display()))?;
+            tracing::info!("chat template: {} (the adapter's)", t.origin);
+            if !written.iter().any(|w| w == "chat_template.jinja") {
+                written.push("chat_template.jinja".to_string());
+            }
+        }
+        for f in &written {
+            let p = tmp.join(f);
+            std::fs::File::open(&p).and_then(|f| f.sync_all()).with_context(|| format!("cannot fsync {}", p.display()))?;
+        }
+        crate::run_dir::sync_dir(&tmp)?;
+        if out.exists() {
+            std::fs::remove_dir(out).with_context(|| format!("cannot replace the empty directory {}", out.display()))?;
+        }
+        std::fs::rename(&tmp, out).with_context(|| format!("cannot rename {} to {}", tmp.display(), out.display()))?;
+        crate::run_dir::sync_dir(parent)?;
+        Ok(written)
+    })();
+    if written.is_err() {
+        let _ = std::fs::remove_dir_all(&tmp);
+    }
+    written
 }
