@@ -6,8 +6,8 @@
 //! Token data (a prepared shard directory, `.txt` files, or `--data-format text`) is not chat
 //! data: it trains in windows, every token, as pretraining does (`is_token_data`).
 use crate::data::chat::{
-    self, find_template_source, load_examples, pack, ChatDataOptions, ChatTemplate, DataFormat, Example, LoadStats, PackOptions, PackStats,
-    PackedData, TemplateSource, TrainOn,
+    self, find_template_source_in, load_examples, pack, ChatDataOptions, ChatTemplate, DataFormat, Example, LoadStats, PackOptions,
+    PackStats, PackedData, TemplateSource, TrainOn,
 };
 use crate::data::{resolve_inputs, EpochOrder, PrepareSummary, Tokenizer};
 use crate::nn::Sampling;
@@ -137,10 +137,11 @@ fn first_record_is_text(inputs: &[crate::data::InputFile]) -> bool {
     false
 }
 
-/// The special tokens a template sees: those `model_dir/tokenizer_config.json` names, else the
-/// tokenizer's own BOS and EOS (a checkpoint that predates tokenizer_config.json).
-fn special_tokens(model_dir: Option<&Path>, tokenizer: &Tokenizer) -> AnyResult<Vec<(String, String)>> {
-    if let Some(config) = model_dir.map(|d| d.join("tokenizer_config.json")) {
+/// The special tokens a template sees: those the first `tokenizer_config.json` of `model_dirs`
+/// that names any names, else the tokenizer's own BOS and EOS (a checkpoint that predates
+/// tokenizer_config.json).
+fn special_tokens(model_dirs: &[&Path], tokenizer: &Tokenizer) -> AnyResult<Vec<(String, String)>> {
+    for config in model_dirs.iter().map(|d| d.join("tokenizer_config.json")) {
         if let Some(c) = chat::template::read_tokenizer_config(&config)? {
             let named = chat::template::special_tokens_of_config(&c);
             if !named.is_empty() {
@@ -159,8 +160,15 @@ fn special_tokens(model_dir: Option<&Path>, tokenizer: &Tokenizer) -> AnyResult<
 /// the model directory, `chat_template` in its `tokenizer_config.json`), compiled with the
 /// special tokens it may name; the error of a failed search names the three places.
 pub fn template(model_dir: Option<&Path>, explicit: Option<&Path>, tokenizer: &Tokenizer) -> AnyResult<(ChatTemplate, TemplateSource)> {
-    let source = find_template_source(model_dir, explicit)?;
-    let t = ChatTemplate::new(&source.text, &source.origin, special_tokens(model_dir, tokenizer)?)?;
+    template_in(model_dir.as_slice(), explicit, tokenizer)
+}
+
+/// As [`template`], searching each of `model_dirs` in turn: with `--lora`, the adapter's
+/// directory (a LoRA run's checkpoint carries the run's template) before the base model's
+/// (`chat::find_template_source_in`); the error names every place searched.
+pub fn template_in(model_dirs: &[&Path], explicit: Option<&Path>, tokenizer: &Tokenizer) -> AnyResult<(ChatTemplate, TemplateSource)> {
+    let source = find_template_source_in(model_dirs, explicit)?;
+    let t = ChatTemplate::new(&source.text, &source.origin, special_tokens(model_dirs, tokenizer)?)?;
     Ok((t, source))
 }
 
@@ -279,18 +287,19 @@ fn one_a_row(examples: Vec<Example>, seq_len: usize, truncate: bool, pad_id: u32
 }
 
 /// The conversations of `data` one a row, each to be scored alone (`eval --chat`): rendered with
-/// the template of `model_dir` (or `opts.chat_template`) and masked as fine-tuning masks them;
+/// the template of the first of `model_dirs` that has one (or `opts.chat_template`) and masked as fine-tuning masks them;
 /// packing and the validation options of `opts` do not apply. Conversations longer than
 /// `seq_len` are dropped (or truncated with `opts.truncate`); the counts, logged at info level,
-/// say what became of every record.
+/// say what became of every record. The template is searched in `model_dirs` in turn
+/// ([`template_in`]: with `--lora`, the adapter's directory before the base's).
 pub fn load_unpacked(
     data: &Path,
-    model_dir: &Path,
+    model_dirs: &[&Path],
     tokenizer: &Tokenizer,
     opts: &ChatOptions,
     seq_len: usize,
 ) -> AnyResult<(PackedData, ChatCounts)> {
-    let (tpl, source) = template(Some(model_dir), opts.chat_template.as_deref(), tokenizer)?;
+    let (tpl, source) = template_in(model_dirs, opts.chat_template.as_deref(), tokenizer)?;
     report(&format!("chat template: {}", source.origin));
     let (ex, stats) = examples(data, &tpl, tokenizer, opts, "data")?;
     let rows = one_a_row(ex, seq_len, opts.truncate, tokenizer.eos_id().unwrap_or(0))?;
@@ -390,14 +399,14 @@ fn fate(ex: &Example, seq_len: usize, truncate: bool) -> String {
 }
 
 /// `--show-example N`: the first `count` records of `data`, in file order, rendered with the
-/// template of `model_dir` (or `opts.chat_template`) and masked as fine-tuning masks them, each
+/// template found in `model_dirs` (or `opts.chat_template`; [`template_in`]) and masked as fine-tuning masks them, each
 /// with its place (file:line, or Parquet row), its tokens, its trained tokens (marked in the
 /// text as `marks` says) and what `seq_len` and `opts.truncate` do to it: kept, cut or dropped.
 /// A conversation that trains no token, and a bad record, are shown as such. Only the tokenizer,
 /// the template and the data are read.
 pub fn show_examples(
     data: &Path,
-    model_dir: &Path,
+    model_dirs: &[&Path],
     tokenizer: &Tokenizer,
     opts: &ChatOptions,
     seq_len: usize,
@@ -405,7 +414,7 @@ pub fn show_examples(
     marks: Marks,
 ) -> AnyResult<String> {
     use std::fmt::Write;
-    let (tpl, source) = template(Some(model_dir), opts.chat_template.as_deref(), tokenizer)?;
+    let (tpl, source) = template_in(model_dirs, opts.chat_template.as_deref(), tokenizer)?;
     let framing = crate::data::DocFraming::of(tokenizer)?;
     let inputs = resolve_inputs(data).with_context(|| format!("cannot read the data {}", data.display()))?;
     let mut out = format!("chat template: {}\n", source.origin);

@@ -504,7 +504,12 @@ impl Trainer {
         let named: Vec<(String, Tensor)> = params.into_iter().collect();
         match self.model.lora_config() {
             // A LoRA run's parameters are its adapters: PEFT's files, for the frozen base.
-            Some(cfg) => save_adapter(tmp, cfg, self.adapter_base.as_deref().unwrap_or_default(), &named)?,
+            Some(cfg) => {
+                save_adapter(tmp, cfg, self.adapter_base.as_deref().unwrap_or_default(), &named)?;
+                if let Some(id) = &self.adapter_base_record {
+                    id.write(tmp)?;
+                }
+            }
             // A fine-tune: the source's dtype and config keys (`SourceModel`).
             None => match &self.source {
                 Some(source) => source.write_model(tmp, self.model.config(), &named)?,

@@ -13,6 +13,7 @@ pub mod checkpoint;
 pub mod cli;
 pub mod eval;
 pub mod logging;
+pub mod lora_base;
 pub mod parallel;
 pub mod planner;
 pub mod plot;

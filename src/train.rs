@@ -198,6 +198,8 @@ pub struct Trainer {
     pub(crate) tokenizer: Option<Arc<ferrolm_data::Tokenizer>>,
     /// With LoRA: the base model's path that checkpoints' `adapter_config.json` names.
     pub(crate) adapter_base: Option<String>,
+    /// With LoRA: the base's identity, written beside the adapter (`lora_base::BASE_RECORD`).
+    pub(crate) adapter_base_record: Option<crate::lora_base::BaseIdentity>,
     /// Written into every checkpoint with the tokenizer (`tokenizer_files`).
     pub(crate) chat_template: Option<String>,
     /// A fine-tune's source model: what its checkpoints keep of it (`checkpoint::SourceModel`).
@@ -352,6 +354,7 @@ impl Trainer {
             tokenizer_file: None,
             tokenizer: None,
             adapter_base: None,
+            adapter_base_record: None,
             chat_template: None,
             source: None,
             tokens_seen: 0,
@@ -396,6 +399,14 @@ impl Trainer {
     /// base model at `base` (`adapter_config.json`'s `base_model_name_or_path`).
     pub fn with_adapter_base(mut self, base: &str) -> Self {
         self.adapter_base = Some(base.to_string());
+        self
+    }
+
+    /// With LoRA adapters: every checkpoint also records the base's identity `id` beside the
+    /// adapter (`ferrolm_base.json`), which `--resume`, `--lora-init`, `eval --lora`, `generate
+    /// --lora` and `export --lora` check against the base they are given.
+    pub fn with_adapter_base_record(mut self, id: crate::lora_base::BaseIdentity) -> Self {
+        self.adapter_base_record = Some(id);
         self
     }
 

@@ -93,6 +93,8 @@ fn lora_checkpoints_are_peft_adapters_that_resume_evaluate_and_merge() {
         // A run directory: the log says which checkpoint's adapter, as --model does.
         let said = format!("--lora {}: using the checkpoint {}", whole.display(), step6.display());
         assert_eq!(logs.contains(&said), resolved, "{logs}");
+        // The converted base the run recorded (its config, the Llama's weight files) is this one.
+        assert!(logs.contains("was trained on this base") && !logs.contains("warning:"), "{logs}");
     }
     let g: GenerateArgs = parse_from([
         "generate",

@@ -44,8 +44,9 @@ pub struct EvalArgs {
     /// Windows (with --chat: conversations) per forward pass
     #[arg(long, default_value = "8", value_parser = positive)]
     pub batch_size: usize,
-    /// With --chat: the chat template, a Jinja file [default: chat_template.jinja in --model,
-    /// else the chat_template of its tokenizer_config.json]
+    /// With --chat: the chat template, a Jinja file [default: --lora's adapter's template
+    /// (chat_template.jinja, else the chat_template of its tokenizer_config.json), else
+    /// --model's, found the same way]
     #[arg(long, value_name = "FILE", help_heading = "Chat")]
     pub chat_template: Option<PathBuf>,
     /// With --chat: the tokens scored, as fine-tuning's --train-on: assistant, last or all
@@ -143,7 +144,9 @@ pub fn show_examples(a: &EvalArgs) -> AnyResult<String> {
     let cfg = crate::nn::LlamaConfig::from_file(a.model.join("config.json"))?;
     let t = chat_seq_len(a, cfg.max_position_embeddings)?;
     let tokenizer = super::model_dir_tokenizer(&a.model)?;
-    crate::chat::show_examples(chat, &a.model, &tokenizer, &chat_options(a), t, n, crate::chat::Marks::for_stdout())
+    let dirs = a.run.template_dirs(&a.model)?;
+    let dirs: Vec<&Path> = dirs.iter().map(PathBuf::as_path).collect();
+    crate::chat::show_examples(chat, &dirs, &tokenizer, &chat_options(a), t, n, crate::chat::Marks::for_stdout())
 }
 
 /// `--chat`: the conversations one a row, each scored alone over its trained tokens
@@ -152,7 +155,9 @@ pub fn show_examples(a: &EvalArgs) -> AnyResult<String> {
 fn score_chat(a: &EvalArgs, chat: &Path, model: &Llama, tokenizer: &Tokenizer, device: Device) -> AnyResult<Score> {
     check_vocab(a, model, tokenizer)?;
     let t = chat_seq_len(a, model.config().max_position_embeddings)?;
-    let (rows, counts) = crate::chat::load_unpacked(chat, &a.model, tokenizer, &chat_options(a), t)?;
+    let dirs = a.run.template_dirs(&a.model)?;
+    let dirs: Vec<&Path> = dirs.iter().map(PathBuf::as_path).collect();
+    let (rows, counts) = crate::chat::load_unpacked(chat, &dirs, tokenizer, &chat_options(a), t)?;
     let s = crate::eval::conversations_loss(model, &rows, a.batch_size, 0, device)?;
     Ok(Score { chat: Some(counts), ..s })
 }

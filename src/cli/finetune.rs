@@ -171,7 +171,7 @@ pub(crate) fn show_examples(a: &TrainArgs, chat: &ChatArgs, default: &str, model
     let tok_path = a.tokenizer.clone().unwrap_or_else(|| model.join("tokenizer.json"));
     let tokenizer = Tokenizer::from_file(&tok_path).with_context(|| format!("cannot load the tokenizer {}", tok_path.display()))?;
     let opts = chat.options(a.records.skip_bad_records);
-    crate::chat::show_examples(&data, model, &tokenizer, &opts, a.seq_len, n, crate::chat::Marks::for_stdout())
+    crate::chat::show_examples(&data, &[model], &tokenizer, &opts, a.seq_len, n, crate::chat::Marks::for_stdout())
 }
 
 /// What a fine-tuning run trains on, and what it shows of it.
@@ -246,6 +246,8 @@ struct Prepared {
     stop: Vec<u32>,
     /// What checkpoints keep of --model, read before any work.
     source: std::sync::Arc<crate::checkpoint::SourceModel>,
+    /// With LoRA: the base's identity, recorded with the adapter.
+    base_id: Option<crate::lora_base::BaseIdentity>,
 }
 
 fn prepare(args: &FinetuneArgs) -> AnyResult<Prepared> {
@@ -258,6 +260,8 @@ fn prepare(args: &FinetuneArgs) -> AnyResult<Prepared> {
     let cfg = LlamaConfig::from_file(&cfg_path)?;
     super::pretrain::check_seq_len(a.seq_len, &cfg, &cfg_path.display().to_string())?; // before the data
     let lora = args.lora.memory(&cfg)?; // the LoRA flags (and --lora-init's adapter) before any work
+    let base_id = super::lora::base_identity(&args.lora, &model, &cfg, &model)?;
+    super::lora::check_run_base(&args.lora, a.resume.as_deref(), base_id.as_ref(), &model)?;
     let parallelism = a.parallel.layout()?;
     parallelism.check_model(&cfg)?;
     let tok_path = a.tokenizer.clone().unwrap_or_else(|| model.join("tokenizer.json"));
@@ -271,7 +275,7 @@ fn prepare(args: &FinetuneArgs) -> AnyResult<Prepared> {
     let mem = crate::planner::memory::check_layout(&cfg, dtype, device, &a.options().shape(), &layout)?;
     report(&format!("memory: predicted peak {}", crate::planner::memory::describe(&mem)));
     let stop = crate::chat::stop_ids(&model, &cfg, &tokenizer)?;
-    Ok(Prepared { data: TrainData { device, dtype, tok_path, set: ft.set.clone() }, ft, model, tokenizer, stop, source })
+    Ok(Prepared { data: TrainData { device, dtype, tok_path, set: ft.set.clone() }, ft, model, tokenizer, stop, source, base_id })
 }
 
 pub fn run(args: FinetuneArgs) -> AnyResult<()> {
@@ -352,7 +356,8 @@ fn finetune_rank(args: &FinetuneArgs, p: &Prepared, comm: Option<Comm>) -> AnyRe
     let (trainer, _) = p.data.trainer(model, a, a.options(), comm)?;
     let mut trainer = p.ft.carry_template(trainer).with_source(p.source.clone());
     if lora {
-        trainer = super::lora::with_base(trainer, &p.model); // checkpoints: the adapter for this model
+        trainer = super::lora::with_base(trainer, &p.model, p.base_id.as_ref());
+        // checkpoints: the adapter for this model
     }
     let mut out = Outcome::default();
     if a.resume.is_none() && trainer.has_validation() {

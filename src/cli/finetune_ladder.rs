@@ -67,6 +67,8 @@ struct Prepared {
     ladder: LadderLayers,
     /// What checkpoints keep of --model, read before any work.
     source: std::sync::Arc<crate::checkpoint::SourceModel>,
+    /// With LoRA: the converted base's identity, recorded with the adapter.
+    base_id: Option<crate::lora_base::BaseIdentity>,
 }
 
 fn prepare(args: &FinetuneLadderArgs) -> AnyResult<Prepared> {
@@ -83,6 +85,11 @@ fn prepare(args: &FinetuneLadderArgs) -> AnyResult<Prepared> {
     super::pretrain::check_seq_len(a.seq_len, &cfg, &dir.join("config.json").display().to_string())?; // before the data
     let ladder = LadderLayers::parse_flag(&args.ladder_layers, cfg.num_hidden_layers)?;
     let lora = args.lora.memory(&cfg)?; // the LoRA flags (and --lora-init's adapter) before any work
+                                        // The adapters' base is the converted model (OUT/base): its config over --model's weight files.
+    let mut converted = cfg.clone();
+    converted.ladder_layers = Some(ladder.clone());
+    let base_id = super::lora::base_identity(&args.lora, &a.out.join("base"), &converted, dir)?;
+    super::lora::check_run_base(&args.lora, a.resume.as_deref(), base_id.as_ref(), dir)?;
     let parallelism = a.parallel.layout()?;
     parallelism.check_model(&cfg)?;
     let tok_path = a.tokenizer.clone().unwrap_or_else(|| dir.join("tokenizer.json"));
@@ -96,7 +103,7 @@ fn prepare(args: &FinetuneLadderArgs) -> AnyResult<Prepared> {
     layout.loss_chunks = a.loss_chunks();
     let mem = crate::planner::memory::check_layout(&cfg, dtype, device, &opts.shape(), &layout)?;
     report(&format!("memory: predicted peak {}", crate::planner::memory::describe_layout(&mem, &layout)));
-    Ok(Prepared { data: TrainData { device, dtype, tok_path, set: ft.set.clone() }, ft, ladder, source })
+    Ok(Prepared { data: TrainData { device, dtype, tok_path, set: ft.set.clone() }, ft, ladder, source, base_id })
 }
 
 pub fn run(mut args: FinetuneLadderArgs) -> AnyResult<()> {
@@ -142,7 +149,7 @@ fn finetune_rank(args: &FinetuneLadderArgs, p: &Prepared, comm: Option<Comm>) ->
         if crate::logging::is_rank_zero() {
             super::lora::write_linked_base(&args.model, &base, &converted, &p.source)?;
         }
-        trainer = super::lora::with_base(trainer, &base);
+        trainer = super::lora::with_base(trainer, &base, p.base_id.as_ref());
     }
     let resuming = a.resume.is_some();
     let plain = if resuming { None } else { Some(trainer.evaluate(0)?) };

@@ -36,8 +36,9 @@ pub struct GenerateArgs {
     /// with a `messages` list [default: none]
     #[arg(long, value_name = "FILE.json", help_heading = "Chat")]
     pub messages: Option<PathBuf>,
-    /// With --chat or --messages: the chat template, a Jinja file [default: chat_template.jinja
-    /// in --model, else the chat_template of its tokenizer_config.json]
+    /// With --chat or --messages: the chat template, a Jinja file [default: --lora's adapter's
+    /// template (chat_template.jinja, else the chat_template of its tokenizer_config.json), else
+    /// --model's, found the same way]
     #[arg(long, value_name = "FILE", help_heading = "Chat")]
     pub chat_template: Option<PathBuf>,
     /// Tokens to sample (stops early at the end-of-sequence token); the prompt and the new
@@ -94,7 +95,9 @@ pub fn generate(a: GenerateArgs) -> AnyResult<String> {
         let sampling = Sampling { temperature: a.temperature, top_p: a.top_p, vocab_limit: tokenizer.vocab_size() };
         let text = match &conversation {
             Some(conv) => {
-                let (template, _) = crate::chat::template(Some(dir), a.chat_template.as_deref(), tokenizer)?;
+                let dirs = a.run.template_dirs(dir)?;
+                let dirs: Vec<&std::path::Path> = dirs.iter().map(PathBuf::as_path).collect();
+                let (template, _) = crate::chat::template_in(&dirs, a.chat_template.as_deref(), tokenizer)?;
                 let ids = encode_prompt(conv, &template, tokenizer).map_err(|e| anyhow::anyhow!("{e}"))?;
                 check_context(ids.len(), a.max_new_tokens, model.config().max_position_embeddings)?;
                 let stop = crate::chat::stop_ids(dir, model.config(), tokenizer)?;

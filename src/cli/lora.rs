@@ -6,6 +6,7 @@
 //! prepare (the estimate, and the flags checked before any work), [`attach`] on the loaded
 //! model, [`with_base`] on its trainer, [`merge`] after training.
 use super::{flag_error, fraction, non_negative, positive};
+use crate::lora_base::BaseIdentity;
 use crate::nn::lora::{LoraConfig, Proj};
 use crate::{AnyResult, Llama};
 use anyhow::{bail, Context};
@@ -159,10 +160,67 @@ pub fn attach(args: &LoraArgs, model: &mut Llama, seed: u64) -> AnyResult<bool> 
 
 /// `trainer` whose checkpoints hold its adapters in PEFT's format for the base model at `base`
 /// (written absolute into `adapter_config.json`'s `base_model_name_or_path`, so PEFT, `eval
-/// --lora` and `--merge-lora` find it from anywhere).
-pub fn with_base(trainer: crate::train::Trainer, base: &Path) -> crate::train::Trainer {
+/// --lora` and `--merge-lora` find it from anywhere), with the base's identity `id` (see
+/// [`base_identity`]) recorded beside it in `ferrolm_base.json`.
+pub fn with_base(trainer: crate::train::Trainer, base: &Path, id: Option<&BaseIdentity>) -> crate::train::Trainer {
     let abs = std::path::absolute(base).unwrap_or_else(|_| base.to_path_buf());
-    trainer.with_adapter_base(&abs.display().to_string())
+    let trainer = trainer.with_adapter_base(&abs.display().to_string());
+    match id {
+        Some(id) => trainer.with_adapter_base_record(id.clone()),
+        None => trainer,
+    }
+}
+
+/// The identity of a LoRA run's base (None without LoRA): the model at `path` whose config is
+/// `cfg` and whose weights are the files of the model directory `weights` (`finetune_ladder`'s
+/// base is the converted config over the Llama's files). Hashes every weight once (the log says
+/// how long it took).
+pub fn base_identity(args: &LoraArgs, path: &Path, cfg: &crate::nn::LlamaConfig, weights: &Path) -> AnyResult<Option<BaseIdentity>> {
+    if !args.enabled() {
+        return Ok(None);
+    }
+    BaseIdentity::compute(path, cfg, weights).map(Some)
+}
+
+/// Checks a LoRA run's base `id` (of `--model` `model`) against the base recorded with the
+/// adapter it continues, before any work. `--resume` onto another base is refused (a flag error
+/// naming the recorded base and `--model`): its adapter was trained on the other one, and its
+/// checkpoints would name this one. `--lora-init` from an adapter recorded on another base
+/// warns: the new run starts from that adapter on this base, and its checkpoints record this
+/// base. An adapter with no record (PEFT's, an older ferrolm's) is accepted with an info line.
+pub fn check_run_base(args: &LoraArgs, resume: Option<&Path>, id: Option<&BaseIdentity>, model: &Path) -> AnyResult<()> {
+    let Some(id) = id else { return Ok(()) };
+    let given = format!("--model {}", model.display());
+    if let Some(ckpt) = resume.filter(|r| crate::nn::lora::peft::is_adapter_dir(r)) {
+        if let Some(m) = crate::lora_base::mismatch(ckpt, &given, || Ok(id.clone()))? {
+            return Err(super::flag_error(format!(
+                "--resume {}: {m}. Resume with that base as --model, or start a new run from this adapter on {given} with \
+                 --lora-init {}",
+                ckpt.display(),
+                ckpt.display()
+            )));
+        }
+    }
+    if let Some(init) = &args.lora_init {
+        if let Some(m) = crate::lora_base::mismatch(init, &given, || Ok(id.clone()))? {
+            tracing::warn!(
+                "--lora-init {}: {m}; this run continues the adapter on {given}, and its checkpoints record that base",
+                init.display()
+            );
+        }
+    }
+    Ok(())
+}
+
+/// `eval --lora`, `generate --lora`, `export --lora`: a warning when the adapter in `adapter`
+/// was recorded on another base than the model directory `model` (`--model`); the adapter is
+/// applied all the same. The model's weights are hashed only when the adapter has a record.
+pub fn warn_other_base(adapter: &Path, model: &Path) -> AnyResult<()> {
+    let given = format!("--model {}", model.display());
+    if let Some(m) = crate::lora_base::mismatch(adapter, &given, || BaseIdentity::of_dir(model))? {
+        tracing::warn!("--lora: {m}; applying it anyway, but the adapted model is not the one trained");
+    }
+    Ok(())
 }
 
 /// `--merge-lora`: rank 0 folds the adapter of the checkpoint `ckpt` (None: the run `out`'s
@@ -284,4 +342,77 @@ pub fn write_merged_with(base: &Path, adapter: &Path, out: &Path, source: &crate
     m.merge_lora()?;
     source.write_model(out, m.config(), &m.parameters()).with_context(|| format!("cannot write the merged model to {}", out.display()))?;
     copy_tokenizer_files(&[adapter, base], out)
+}
+
+/// The tokenizer's files `export --lora` copies from the base model.
+const BASE_TOKENIZER_FILES: [&str; 9] = [
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "tokenizer.model",
+    "added_tokens.json",
+    "vocab.json",
+    "merges.txt",
+    "generation_config.json",
+    "chat_template.jinja",
+];
+
+/// `export --model BASE --lora ADAPTER --out DIR`: the base model directory `base` with the PEFT
+/// adapter in `adapter` folded in, written to the new directory `out` (absent or empty) in the
+/// base's format and dtype: its `config.json` as it is (every key kept), its weight files with
+/// the same names, tensors, dtypes and shards, each adapted weight W + s B A summed in f32 and
+/// rounded once to W's stored dtype (`ferrolm_nn::lora::peft::merge_adapter_files`), its
+/// tokenizer's files, and the adapter's chat template when it carries one (as
+/// `chat_template.jinja`, which transformers prefers). No training state. Written into a
+/// temporary directory renamed into place; returns the names written.
+pub fn export_merged(base: &Path, adapter: &Path, out: &Path) -> AnyResult<Vec<String>> {
+    if out.exists() && std::fs::read_dir(out).map(|mut d| d.next().is_some()).unwrap_or(true) {
+        bail!("--out {} already exists and is not empty: choose another directory", out.display());
+    }
+    let cfg_path = base.join("config.json");
+    let cfg = crate::nn::LlamaConfig::from_file(&cfg_path)?;
+    let name = out.file_name().with_context(|| format!("--out {}: not a directory name", out.display()))?.to_string_lossy().into_owned();
+    let parent = out.parent().filter(|p| !p.as_os_str().is_empty()).unwrap_or(Path::new("."));
+    std::fs::create_dir_all(parent).with_context(|| format!("cannot create {}", parent.display()))?;
+    let tmp = parent.join(format!(".{name}.tmp"));
+    let written = (|| -> AnyResult<Vec<String>> {
+        if tmp.exists() {
+            std::fs::remove_dir_all(&tmp).with_context(|| format!("cannot remove {}", tmp.display()))?;
+        }
+        std::fs::create_dir(&tmp).with_context(|| format!("cannot create {}", tmp.display()))?;
+        let (lora, mut written) = crate::nn::lora::peft::merge_adapter_files(base, &cfg, adapter, &tmp)
+            .with_context(|| format!("cannot fold the adapter {} into {}", adapter.display(), base.display()))?;
+        tracing::info!("folded the adapter (rank {}, scale {:.4}) into {}", lora.rank, lora.scale(), base.display());
+        for file in std::iter::once("config.json").chain(BASE_TOKENIZER_FILES) {
+            let src = base.join(file);
+            if src.is_file() {
+                std::fs::copy(&src, tmp.join(file)).with_context(|| format!("cannot copy {} into {}", src.display(), tmp.display()))?;
+                written.push(file.to_string());
+            }
+        }
+        // The adapter's template (a LoRA run's checkpoint carries the run's) over the base's.
+        if let Ok(t) = crate::data::chat::find_template_source_in(&[adapter], None) {
+            let to = tmp.join("chat_template.jinja");
+            std::fs::write(&to, t.text.as_bytes()).with_context(|| format!("cannot write {}", to.display()))?;
+            tracing::info!("chat template: {} (the adapter's)", t.origin);
+            if !written.iter().any(|w| w == "chat_template.jinja") {
+                written.push("chat_template.jinja".to_string());
+            }
+        }
+        for f in &written {
+            let p = tmp.join(f);
+            std::fs::File::open(&p).and_then(|f| f.sync_all()).with_context(|| format!("cannot fsync {}", p.display()))?;
+        }
+        crate::run_dir::sync_dir(&tmp)?;
+        if out.exists() {
+            std::fs::remove_dir(out).with_context(|| format!("cannot replace the empty directory {}", out.display()))?;
+        }
+        std::fs::rename(&tmp, out).with_context(|| format!("cannot rename {} to {}", tmp.display(), out.display()))?;
+        crate::run_dir::sync_dir(parent)?;
+        Ok(written)
+    })();
+    if written.is_err() {
+        let _ = std::fs::remove_dir_all(&tmp);
+    }
+    written
 }

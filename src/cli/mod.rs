@@ -169,6 +169,17 @@ pub struct ModelRunArgs {
 }
 
 impl ModelRunArgs {
+    /// `--lora`'s adapter directory (see [`lora::resolve_adapter`]), None without the flag.
+    pub fn adapter(&self) -> AnyResult<Option<PathBuf>> {
+        self.lora.as_deref().map(lora::resolve_adapter).transpose().map_err(|e| e.context("--lora"))
+    }
+
+    /// Where the chat template is looked for, in order: `--lora`'s adapter (a LoRA run's
+    /// checkpoint carries the run's template), then the model directory `dir`.
+    pub fn template_dirs(&self, dir: &std::path::Path) -> AnyResult<Vec<PathBuf>> {
+        Ok(self.adapter()?.into_iter().chain([dir.to_path_buf()]).collect())
+    }
+
     /// Loads the tokenizer of the model `dir` names (see [`model_dir`]: a model directory, a run
     /// directory or `checkpoints/latest`), then on every rank of `--tp` the model's weights with
     /// `--lora`'s adapter (this rank's shards), checked against `--tp` before any rank starts,
@@ -181,6 +192,9 @@ impl ModelRunArgs {
         let dir = &model_dir("--model", dir)?;
         let tokenizer = model_dir_tokenizer(dir)?;
         let adapter = self.lora.as_deref().map(|p| adapter_dir("--lora", p)).transpose()?;
+        if let Some(a) = &adapter {
+            lora::warn_other_base(a, dir)?;
+        }
         let device = self.device.pick()?;
         let dtype = self.device.dtype(device);
         let layout = self.parallel.layout()?;

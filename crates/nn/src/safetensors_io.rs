@@ -279,3 +279,114 @@ pub fn prepare_dir(dir: &Path, name: &str) -> Result<PathBuf> {
     std::fs::create_dir_all(dir).map_err(|e| io_err(dir, "cannot create directory", e))?;
     Ok(dir.join(name))
 }
+
+/// The weight files of a Hugging Face model directory: `model.safetensors`, or the distinct
+/// shards `model.safetensors.index.json` names (sorted). The error names the directory.
+pub fn model_weight_files(dir: &Path) -> Result<Vec<PathBuf>> {
+    let single = dir.join("model.safetensors");
+    if single.is_file() {
+        return Ok(vec![single]);
+    }
+    let index = dir.join("model.safetensors.index.json");
+    if !index.is_file() {
+        return Err(Error::new(
+            "checkpoint",
+            format!("{}: neither model.safetensors nor model.safetensors.index.json found", dir.display()),
+        ));
+    }
+    let mut shards: Vec<String> = read_index(&index)?.into_values().collect();
+    shards.sort();
+    shards.dedup();
+    Ok(shards.into_iter().map(|s| dir.join(s)).collect())
+}
+
+/// A tensor as a safetensors file stores it: its dtype (safetensors' name: `F32`, `BF16`, ...),
+/// shape and little-endian bytes.
+pub struct Stored<'a> {
+    pub name: &'a str,
+    pub dtype: &'a str,
+    pub shape: &'a [usize],
+    pub data: &'a [u8],
+}
+
+fn map_file(path: &Path) -> Result<memmap2::Mmap> {
+    let file = std::fs::File::open(path).map_err(|e| io_err(path, "cannot open", e))?;
+    // SAFETY: as in `load_filtered`: ferrolm never writes a file it maps in place, and every
+    // read is a slice the safetensors crate checked against the mapping's length.
+    unsafe { memmap2::Mmap::map(&file) }.map_err(|e| io_err(path, "cannot memory-map", e))
+}
+
+/// Calls `f` on every tensor of the safetensors file `path` as stored (no conversion), in the
+/// order of their names.
+pub fn visit_stored(path: &Path, f: &mut dyn FnMut(&Stored) -> Result<()>) -> Result<()> {
+    let mmap = map_file(path)?;
+    let st = SafeTensors::deserialize(&mmap).map_err(|e| io_err(path, "not a valid safetensors file", format!("{e:?}")))?;
+    let mut tensors = st.tensors();
+    tensors.sort_by(|a, b| a.0.cmp(&b.0));
+    for (name, view) in &tensors {
+        let dtype = format!("{:?}", view.dtype());
+        f(&Stored { name, dtype: &dtype, shape: view.shape(), data: view.data() })?;
+    }
+    Ok(())
+}
+
+/// Writes `dst` (atomically) as a copy of the safetensors file `src` (the same tensors, names,
+/// dtypes, shapes and `__metadata__`) whose tensor bytes are what `replace` returns for them
+/// (None: as stored). A replacement must hold the stored dtype and shape.
+pub fn rewrite_stored(src: &Path, dst: &Path, replace: &mut dyn FnMut(&Stored) -> Result<Option<Vec<u8>>>) -> Result<()> {
+    let mmap = map_file(src)?;
+    let (_, meta) = SafeTensors::read_metadata(&mmap).map_err(|e| io_err(src, "not a valid safetensors file", format!("{e:?}")))?;
+    let st = SafeTensors::deserialize(&mmap).map_err(|e| io_err(src, "not a valid safetensors file", format!("{e:?}")))?;
+    let mut tensors = st.tensors();
+    tensors.sort_by(|a, b| a.0.cmp(&b.0));
+    let mut new: Vec<Option<Vec<u8>>> = Vec::with_capacity(tensors.len());
+    for (name, view) in &tensors {
+        let dtype = format!("{:?}", view.dtype());
+        let r = replace(&Stored { name, dtype: &dtype, shape: view.shape(), data: view.data() })?;
+        if let Some(bytes) = &r {
+            if bytes.len() != view.data().len() {
+                return Err(io_err(dst, &format!("tensor `{name}`"), format!("{} bytes replace {}", bytes.len(), view.data().len())));
+            }
+        }
+        new.push(r);
+    }
+    let views = tensors
+        .iter()
+        .zip(&new)
+        .map(|((name, view), r)| {
+            let data = r.as_deref().unwrap_or(view.data());
+            let v = TensorView::new(view.dtype(), view.shape().to_vec(), data)
+                .map_err(|e| io_err(dst, &format!("tensor `{name}`"), format!("{e:?}")))?;
+            Ok((name.as_str(), v))
+        })
+        .collect::<Result<Vec<_>>>()?;
+    let meta = meta.metadata().clone();
+    write_atomic_with(dst, |tmp| {
+        safetensors::serialize_to_file(views, &meta, tmp).map_err(|e| io_err(tmp, "write safetensors", format!("{e:?}")))
+    })
+}
+
+/// Stored float bytes of dtype `dtype` (`F32`, `BF16`, `F16`) as f32 values (exact).
+pub fn stored_to_f32(dtype: &str, data: &[u8]) -> std::result::Result<Vec<f32>, String> {
+    let src = match dtype {
+        "F32" => StDtype::F32,
+        "BF16" => StDtype::BF16,
+        "F16" => StDtype::F16,
+        other => return Err(format!("stored as {other}; only F32, BF16 and F16 weights are read here")),
+    };
+    match decode(data, src, DType::F32)? {
+        CpuStorage::F32(v) => Ok(v),
+        _ => Err("not decoded as f32".into()),
+    }
+}
+
+/// f32 values as stored bytes of dtype `dtype` (`F32`, `BF16`, `F16`), each rounded once to
+/// the nearest value of that dtype.
+pub fn f32_to_stored(dtype: &str, v: &[f32]) -> std::result::Result<Vec<u8>, String> {
+    Ok(match dtype {
+        "F32" => v.iter().flat_map(|x| x.to_le_bytes()).collect(),
+        "BF16" => v.iter().flat_map(|x| bf16::from_f32(*x).to_le_bytes()).collect(),
+        "F16" => v.iter().flat_map(|x| half::f16::from_f32(*x).to_le_bytes()).collect(),
+        other => return Err(format!("cannot store as {other}; only F32, BF16 and F16 weights are written here")),
+    })
+}

@@ -66,7 +66,7 @@ pub use mask::{encode_prompt, encode_sample, Example, TrainOn};
 pub use pack::{pack, PackOptions, PackStats, PackedData, PackedRow};
 pub use reader::RecordReader;
 pub use records::{parse_record, Conversation, Sample};
-pub use template::{find_template_source, ChatTemplate, Rendered, TemplateSource};
+pub use template::{find_template_source, find_template_source_in, ChatTemplate, Rendered, TemplateSource};
 
 /// The label value of a position that is not trained (transformers' and PyTorch's
 /// `ignore_index`): the model's cross-entropy skips it.

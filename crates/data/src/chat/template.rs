@@ -81,11 +81,19 @@ pub struct TemplateSource {
 ///
 /// With none of them the error names the three places.
 pub fn find_template_source(model_dir: Option<&Path>, explicit: Option<&Path>) -> Result<TemplateSource> {
+    find_template_source_in(model_dir.as_slice(), explicit)
+}
+
+/// As [`find_template_source`], searching each of `model_dirs` in turn (2. and 3. in the first,
+/// then in the next: a LoRA adapter's directory before its base model's, as transformers'
+/// `AutoTokenizer.from_pretrained(adapter)` finds the adapter's template). With none, the error
+/// names every place searched.
+pub fn find_template_source_in(model_dirs: &[&Path], explicit: Option<&Path>) -> Result<TemplateSource> {
     if let Some(path) = explicit {
         let text = std::fs::read_to_string(path).map_err(|e| Error::io(path, e))?;
         return Ok(TemplateSource { text, origin: path.display().to_string(), jinja_file: Some(path.to_path_buf()) });
     }
-    if let Some(dir) = model_dir {
+    for dir in model_dirs {
         let jinja = dir.join("chat_template.jinja");
         if jinja.is_file() {
             let text = std::fs::read_to_string(&jinja).map_err(|e| Error::io(&jinja, e))?;
@@ -99,10 +107,13 @@ pub fn find_template_source(model_dir: Option<&Path>, explicit: Option<&Path>) -
             }
         }
     }
-    let dir = model_dir.map_or_else(|| "the model directory".to_string(), |d| d.display().to_string());
+    let dirs: Vec<String> = model_dirs.iter().map(|d| d.display().to_string()).collect();
+    let (jinja, config) = match dirs.is_empty() {
+        true => ("the model directory".to_string(), "the model directory/tokenizer_config.json".to_string()),
+        false => (dirs.join(" or "), dirs.iter().map(|d| format!("{d}/tokenizer_config.json")).collect::<Vec<_>>().join(" or ")),
+    };
     Err(Error::invalid(format!(
-        "no chat template: pass --chat-template FILE, or put chat_template.jinja in {dir}, \
-         or a `chat_template` in {dir}/tokenizer_config.json"
+        "no chat template: pass --chat-template FILE, or put chat_template.jinja in {jinja}, or a `chat_template` in {config}"
     )))
 }
 

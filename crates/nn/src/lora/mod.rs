@@ -274,6 +274,14 @@ pub fn factor_name(layer: usize, p: Proj, f: Factor) -> String {
     format!("model.layers.{layer}.{}.lora_{f}.weight", p.path())
 }
 
+/// W + s B A for the weight `w` (out, in) of any float dtype and its adapter's factors A (R, in)
+/// and B (out, R): summed in f32 and returned in f32, for the caller to round once to W's dtype
+/// (`Llama::merge_lora`, and `peft::merge_adapter_files` on the stored weights).
+pub fn merged_weight(w: &Tensor, a: &Tensor, b: &Tensor, scale: f64) -> Result<Tensor> {
+    let delta = b.matmul(a)?.mul_scalar(scale)?; // (out, in) f32
+    w.to_dtype(DType::F32)?.add(&delta)
+}
+
 /// The outputs of `layers`, which all read x (and with `res`, res plus each). The adapted ones
 /// without an active dropout share one down-projection GEMM when their ops agree on its input
 /// (see the module comment); the rest are computed one by one.
@@ -451,8 +459,7 @@ impl Llama {
                 for p in Proj::ALL {
                     let lin = p.linear_mut(blk);
                     let Some(ad) = lin.adapter.take() else { continue };
-                    let delta = ad.b.matmul(&ad.a)?.mul_scalar(ad.scale)?; // (out, in) f32
-                    let merged = lin.weight.to_dtype(DType::F32)?.add(&delta)?;
+                    let merged = merged_weight(&lin.weight, &ad.a, &ad.b, ad.scale)?;
                     lin.weight.assign(&merged.to_dtype(lin.weight.dtype())?)?;
                 }
             }

@@ -10,14 +10,17 @@
 //! refused, naming the field: DoRA, `bias` other than `none`, `modules_to_save`, per-module
 //! ranks or alphas, adapters on the embedding or the head, and any tensor or shape that does not
 //! fit the base model.
-use super::{factor_name, LoraConfig, Proj};
+use super::{factor_name, merged_weight, LoraConfig, Proj};
 use crate::config::LlamaConfig;
 use crate::module::Factor;
-use crate::safetensors_io::{load_float_safetensors, prepare_dir, save_safetensors, write_atomic, TensorMap};
+use crate::safetensors_io::{
+    f32_to_stored, load_float_safetensors, model_weight_files, prepare_dir, rewrite_stored, save_safetensors, stored_to_f32, write_atomic,
+    TensorMap,
+};
 use crate::Llama;
 use ferrolm_tensor::{DType, Device, Error, Result, Rng, Tensor};
 use serde_json::{json, Map, Value};
-use std::collections::BTreeSet;
+use std::collections::{BTreeMap, BTreeSet};
 use std::path::Path;
 
 pub const ADAPTER_CONFIG: &str = "adapter_config.json";
@@ -394,4 +397,54 @@ impl Llama {
         let cfg = self.lora_config().ok_or_else(|| Error::new("save_adapter", "the model has no LoRA adapters"))?;
         save_adapter(dir, cfg, base, &self.adapters())
     }
+}
+
+/// Folds the PEFT adapter in `adapter` into the stored weights of the Hugging Face model
+/// directory `base` (config `cfg`) and writes the weight files into the directory `out`: each
+/// file as the base stores it (its name, tensors, dtypes, shapes and metadata; the shards and
+/// their index), each adapted weight W replaced by W + s B A, computed in f32 from W's stored
+/// value (`merged_weight`, as `Llama::merge_lora`) and rounded once to W's stored dtype. One
+/// weight at a time: memory holds a file's adapted weights, not the model. Returns the adapter's
+/// settings and the file names written.
+pub fn merge_adapter_files(base: &Path, cfg: &LlamaConfig, adapter: &Path, out: &Path) -> Result<(LoraConfig, Vec<String>)> {
+    let (lora, mut factors) = read_adapter(adapter, cfg, Device::Cpu)?;
+    let scale = lora.scale();
+    let mut sites: BTreeMap<String, (Tensor, Tensor)> = BTreeMap::new();
+    for l in 0..cfg.num_hidden_layers {
+        for p in Proj::ALL {
+            if let (Some(a), Some(b)) = (factors.remove(&factor_name(l, p, Factor::A)), factors.remove(&factor_name(l, p, Factor::B))) {
+                sites.insert(format!("model.layers.{l}.{}.weight", p.path()), (a, b));
+            }
+        }
+    }
+    let mut written = Vec::new();
+    let _g = ferrolm_tensor::no_grad();
+    for file in model_weight_files(base)? {
+        let name = file.file_name().map(|n| n.to_string_lossy().into_owned()).unwrap_or_default();
+        let ferr = |m: String| Error::new("merge", format!("{}: {m}", file.display()));
+        rewrite_stored(&file, &out.join(&name), &mut |t| {
+            let Some((a, b)) = sites.remove(t.name) else { return Ok(None) };
+            let want = [b.dim(0), a.dim(1)];
+            if t.shape != want {
+                return Err(ferr(format!("weight `{}` has shape {:?}, but the adapter's factors need {want:?}", t.name, t.shape)));
+            }
+            let w = stored_to_f32(t.dtype, t.data).map_err(|e| ferr(format!("weight `{}`: {e}", t.name)))?;
+            let m = merged_weight(&Tensor::from_vec(w, t.shape.to_vec(), Device::Cpu)?, &a, &b, scale)?;
+            f32_to_stored(t.dtype, &m.to_vec_f32()?).map(Some).map_err(|e| ferr(format!("weight `{}`: {e}", t.name)))
+        })?;
+        written.push(name);
+    }
+    let index = base.join("model.safetensors.index.json");
+    if !base.join("model.safetensors").is_file() && index.is_file() {
+        let to = out.join("model.safetensors.index.json");
+        std::fs::copy(&index, &to).map_err(|e| Error::new("merge", format!("cannot copy {} to {}: {e}", index.display(), to.display())))?;
+        written.push("model.safetensors.index.json".to_string());
+    }
+    if let Some(missing) = sites.keys().next() {
+        return Err(Error::new(
+            "merge",
+            format!("{}: no stored weight `{missing}`, which the adapter {} adapts", base.display(), adapter.display()),
+        ));
+    }
+    Ok((lora, written))
 }
