@@ -21,7 +21,7 @@
 //! FERROLM_REQUIRE_GPU=1).
 use anyhow::anyhow;
 use ferrolm::cli::BenchCudaArgs;
-use ferrolm::ops::{attention, cross_entropy, embedding, rmsnorm, rope, softmax, swiglu, AttnDims};
+use ferrolm::ops::{attention, bias, cross_entropy, embedding, rmsnorm, rope, softcap, softmax, swiglu, AttnDims, Glu};
 use ferrolm::tensor::backend::{Backend, BinaryOp, ReduceOp, UnaryOp, View};
 use ferrolm::tensor::{bf16, CpuStorage, DType, Layout, Rng, Shape, Storage};
 use ferrolm::AnyResult;
@@ -337,18 +337,39 @@ fn run(args: BenchCudaArgs) -> AnyResult<()> {
             let w = bn.randn(&[d], bf, 1.0)?;
             let dy = bn.randn(&[rn, d], bf, 1.0)?;
             let ms = bn.time(|| {
-                rmsnorm::forward(x.sl(), w.sl(), 1e-5)?;
+                rmsnorm::forward(x.sl(), w.sl(), 1e-5, 0.0)?;
                 Ok(())
             })?;
             let nn = (rn * d) as f64;
             push(&mut rows, "rmsnorm fwd (bf16)", format!("({rn}, {d})"), ms, 2.0 * nn * 2.0 + rn as f64 * 4.0, 0.0);
-            let (_y, inv) = rmsnorm::forward(x.sl(), w.sl(), 1e-5)?;
+            let (_y, inv) = rmsnorm::forward(x.sl(), w.sl(), 1e-5, 0.0)?;
             let inv = Buf { s: inv, l: layout(&[rn]) };
             let ms = bn.time(|| {
-                rmsnorm::backward(dy.sl(), x.sl(), w.sl(), inv.sl())?;
+                rmsnorm::backward(dy.sl(), x.sl(), w.sl(), inv.sl(), 0.0)?;
                 Ok(())
             })?;
             push(&mut rows, "rmsnorm bwd (bf16)", format!("({rn}, {d})"), ms, 3.0 * nn * 2.0 + rn as f64 * 4.0, 0.0);
+        }
+        be.empty_cache()?;
+        {
+            // QK-norm (Qwen3, Gemma 3: Gemma's (1 + w)): B·T·H rows of the head dim.
+            let (rn, d) = pick(tiny, quick, (2 * 2048 * 16, 128), (4 * 4096 * 32, 128), (256, 64));
+            let x = bn.randn(&[rn, d], bf, 1.0)?;
+            let w = bn.randn(&[d], bf, 0.1)?;
+            let dy = bn.randn(&[rn, d], bf, 1.0)?;
+            let nn = (rn * d) as f64;
+            let ms = bn.time(|| {
+                rmsnorm::forward(x.sl(), w.sl(), 1e-6, 1.0)?;
+                Ok(())
+            })?;
+            push(&mut rows, "qk-norm (1 + w) fwd (bf16)", format!("({rn}, {d})"), ms, 2.0 * nn * 2.0 + rn as f64 * 4.0, 0.0);
+            let (_y, inv) = rmsnorm::forward(x.sl(), w.sl(), 1e-6, 1.0)?;
+            let inv = Buf { s: inv, l: layout(&[rn]) };
+            let ms = bn.time(|| {
+                rmsnorm::backward(dy.sl(), x.sl(), w.sl(), inv.sl(), 1.0)?;
+                Ok(())
+            })?;
+            push(&mut rows, "qk-norm (1 + w) bwd (bf16)", format!("({rn}, {d})"), ms, 3.0 * nn * 2.0 + rn as f64 * 4.0, 0.0);
         }
         be.empty_cache()?;
         {
@@ -376,15 +397,47 @@ fn run(args: BenchCudaArgs) -> AnyResult<()> {
             let dy = bn.randn(&[rn, f], bf, 1.0)?;
             let nn = (rn * f) as f64;
             let ms = bn.time(|| {
-                swiglu::forward(gt.sl(), up.sl())?;
+                swiglu::forward(gt.sl(), up.sl(), Glu::Silu)?;
                 Ok(())
             })?;
             push(&mut rows, "swiglu fwd (bf16)", format!("({rn}, {f})"), ms, 3.0 * nn * 2.0, 0.0);
             let ms = bn.time(|| {
-                swiglu::backward(dy.sl(), gt.sl(), up.sl())?;
+                swiglu::backward(dy.sl(), gt.sl(), up.sl(), Glu::Silu)?;
                 Ok(())
             })?;
             push(&mut rows, "swiglu bwd (bf16)", format!("({rn}, {f})"), ms, 5.0 * nn * 2.0, 0.0);
+            let ms = bn.time(|| {
+                swiglu::forward(gt.sl(), up.sl(), Glu::GeluTanh)?;
+                Ok(())
+            })?;
+            push(&mut rows, "geglu (gelu_tanh) fwd (bf16)", format!("({rn}, {f})"), ms, 3.0 * nn * 2.0, 0.0);
+            let ms = bn.time(|| {
+                swiglu::backward(dy.sl(), gt.sl(), up.sl(), Glu::GeluTanh)?;
+                Ok(())
+            })?;
+            push(&mut rows, "geglu (gelu_tanh) bwd (bf16)", format!("({rn}, {f})"), ms, 5.0 * nn * 2.0, 0.0);
+            // Logit softcapping over the same elements, and the bias of a projection of f outputs.
+            let ms = bn.time(|| {
+                softcap::forward(gt.sl(), 30.0)?;
+                Ok(())
+            })?;
+            push(&mut rows, "softcap fwd (bf16)", format!("({rn}, {f})"), ms, 2.0 * nn * 2.0, 0.0);
+            let ms = bn.time(|| {
+                softcap::backward(dy.sl(), gt.sl(), 30.0)?;
+                Ok(())
+            })?;
+            push(&mut rows, "softcap bwd (bf16)", format!("({rn}, {f})"), ms, 3.0 * nn * 2.0, 0.0);
+            let b = bn.randn(&[f], bf, 1.0)?;
+            let ms = bn.time(|| {
+                bias::forward(gt.sl(), b.sl())?;
+                Ok(())
+            })?;
+            push(&mut rows, "bias add fwd (bf16)", format!("({rn}, {f})"), ms, 2.0 * nn * 2.0, 0.0);
+            let ms = bn.time(|| {
+                bias::backward(dy.sl(), f)?;
+                Ok(())
+            })?;
+            push(&mut rows, "bias grad db (bf16)", format!("({rn}, {f})"), ms, nn * 2.0, 0.0);
         }
         be.empty_cache()?;
         {

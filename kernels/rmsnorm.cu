@@ -1,11 +1,14 @@
 // rmsnorm.cu — RMSNorm forward and backward. Forward (one warp per row): inv_rms = 1 /
-// sqrt(mean(x^2) + eps) saved in f32, y = x * inv_rms * w. Backward: dx per row (one warp per
-// row) = acc + r * (dy*w - x * r^2 * mean(dy*w*x)), where acc (optional) is the gradient x has
+// sqrt(mean(x^2) + eps) saved in f32, y = x * inv_rms * (off + w), where `off` is 0 (LLaMA) or
+// 1 (Gemma's (1 + w), all in f32 and rounded once). With w' = off + w, backward: dx per row (one
+// warp per row) = acc + r * (dy*w' - x * r^2 * mean(dy*w'*x)), where acc (optional) is the gradient x has
 // from elsewhere (the residual stream's), added before the one rounding so the sum needs no
 // kernel of its own; dw = sum over rows of dy * x * r, reduced
 // deterministically in two passes: each block of the first pass owns a contiguous range of
 // rows and writes a partial (nchunks, d) in row order, the second pass sums the partials in
-// chunk order. No atomics anywhere.
+// chunk order. No atomics anywhere. Many narrow rows (QK-norm: B*T*H rows of the head dim) give
+// many chunks: the second pass then folds them in levels, `group` chunks a block row, so no
+// thread sums more than a few dozen partials and no level leaves the work to one block.
 #include "common.cuh"
 
 // V elements of a row from p (V = 1, or a 16-byte vector of Vec<T>::N: LDG.E.128), and back.
@@ -29,7 +32,7 @@ static __device__ __forceinline__ void row_store(T* p, const float* f) {
 
 // Floor: 2 rows * d elements of T (read x, write y; w stays in cache).
 template <typename T, int V>
-static __device__ void rmsnorm_fwd_impl(const T* x, const T* w, T* y, float* inv_rms, i64 rows, i64 d, float eps) {
+static __device__ void rmsnorm_fwd_impl(const T* x, const T* w, T* y, float* inv_rms, i64 rows, i64 d, float eps, float off) {
     RMS_ROWS(r) {
         const T* xr = x + r * d;
         float ss = 0.0f;
@@ -47,35 +50,38 @@ static __device__ void rmsnorm_fwd_impl(const T* x, const T* w, T* y, float* inv
             row_load<T, V>(xr + j, f);
             row_load<T, V>(w + j, fw);
 #pragma unroll
-            for (int k = 0; k < V; ++k) f[k] = f[k] * rr * fw[k];
+            for (int k = 0; k < V; ++k) f[k] = f[k] * rr * (off + fw[k]);
             row_store<T, V>(y + r * d + j, f);
         }
     }
 }
 // dy, w and x at columns [j, j + V) of row r.
 template <typename T, int V>
-static __device__ __forceinline__ void bwd_load(const T* dy, const T* w, const T* x, i64 r, i64 d, i64 j, float* fd, float* fw, float* fx) {
+static __device__ __forceinline__ void bwd_load(const T* dy, const T* w, const T* x, i64 r, i64 d, i64 j, float* fd, float* fw, float* fx,
+                                                float off) {
     row_load<T, V>(dy + r * d + j, fd);
     row_load<T, V>(w + j, fw);
+#pragma unroll
+    for (int k = 0; k < V; ++k) fw[k] += off;
     row_load<T, V>(x + r * d + j, fx);
 }
 // Floor: 3 rows * d elements of T (read dy, x; write dx), 4 with acc.
 template <typename T, int V>
 static __device__ void rmsnorm_bwd_dx_impl(const T* dy, const T* x, const T* w, const float* inv_rms, const T* acc, T* dx, i64 rows,
-                                           i64 d) {
+                                           i64 d, float off) {
     RMS_ROWS(r) {
         float rr = inv_rms[r];
         float gx = 0.0f;
         RMS_COLS(j) {
             float fd[V], fw[V], fx[V];
-            bwd_load<T, V>(dy, w, x, r, d, j, fd, fw, fx);
+            bwd_load<T, V>(dy, w, x, r, d, j, fd, fw, fx, off);
 #pragma unroll
             for (int k = 0; k < V; ++k) gx += fd[k] * fw[k] * fx[k];
         }
         gx = warp_sum(gx) / (float)d;
         RMS_COLS(j) {
             float fd[V], fw[V], fx[V];
-            bwd_load<T, V>(dy, w, x, r, d, j, fd, fw, fx);
+            bwd_load<T, V>(dy, w, x, r, d, j, fd, fw, fx, off);
 #pragma unroll
             for (int k = 0; k < V; ++k) fd[k] = rr * (fd[k] * fw[k] - fx[k] * rr * rr * gx);
             if (acc) {
@@ -117,23 +123,29 @@ static __device__ void rmsnorm_bwd_dw_partial_impl(const T* dy, const T* x, cons
         for (int k = 0; k < V; k += 4) *reinterpret_cast<vec16*>(out + k) = Vec<float>::store(acc + k);
     }
 }
+// grid: (ceil(nchunks / group), ceil(d / blockDim.x)); block row g sums chunks
+// [g * group, (g + 1) * group) of each column in chunk order into row g of `out`: the last level
+// (group >= nchunks, one block row) writes dw itself, an earlier one f32 partials of the next.
 template <typename T>
-static __device__ void rmsnorm_bwd_dw_finish_impl(const float* partial, T* dw, i64 nchunks, i64 d) {
-    FOR_EACH(j, d) {
-        float acc = 0.0f;
-        for (i64 c = 0; c < nchunks; ++c) acc += partial[c * d + j];
-        dw[j] = from_f<T>(acc);
-    }
+static __device__ void rmsnorm_bwd_dw_finish_impl(const float* partial, T* out, i64 nchunks, i64 d, i64 group) {
+    i64 j = (i64)blockIdx.y * blockDim.x + threadIdx.x;
+    if (j >= d) return;
+    i64 c0 = (i64)blockIdx.x * group, c1 = min(c0 + group, nchunks);
+    float acc = 0.0f;
+#pragma unroll 4
+    for (i64 c = c0; c < c1; ++c) acc += partial[c * d + j];
+    out[(i64)blockIdx.x * d + j] = from_f<T>(acc);
 }
 #define RMSNORM_ROW_KERNELS(suffix, T)                                                                                                \
-    extern "C" __global__ void rmsnorm_fwd_##suffix(const T* x, const T* w, T* y, float* r, i64 rows, i64 d, float eps, int vec) {      \
-        if (vec) rmsnorm_fwd_impl<T, Vec<T>::N>(x, w, y, r, rows, d, eps);                                                            \
-        else rmsnorm_fwd_impl<T, 1>(x, w, y, r, rows, d, eps);                                                                        \
+    extern "C" __global__ void rmsnorm_fwd_##suffix(const T* x, const T* w, T* y, float* r, i64 rows, i64 d, float eps, float off,      \
+                                                    int vec) {                                                                        \
+        if (vec) rmsnorm_fwd_impl<T, Vec<T>::N>(x, w, y, r, rows, d, eps, off);                                                       \
+        else rmsnorm_fwd_impl<T, 1>(x, w, y, r, rows, d, eps, off);                                                                   \
     }                                                                                                                                 \
     extern "C" __global__ void rmsnorm_bwd_dx_##suffix(const T* dy, const T* x, const T* w, const float* r, const T* acc, T* dx,       \
-                                                       i64 rows, i64 d, int vec) {                                                    \
-        if (vec) rmsnorm_bwd_dx_impl<T, Vec<T>::N>(dy, x, w, r, acc, dx, rows, d);                                                    \
-        else rmsnorm_bwd_dx_impl<T, 1>(dy, x, w, r, acc, dx, rows, d);                                                                \
+                                                       i64 rows, i64 d, float off, int vec) {                                         \
+        if (vec) rmsnorm_bwd_dx_impl<T, Vec<T>::N>(dy, x, w, r, acc, dx, rows, d, off);                                               \
+        else rmsnorm_bwd_dx_impl<T, 1>(dy, x, w, r, acc, dx, rows, d, off);                                                           \
     }
 RMSNORM_ROW_KERNELS(f32, float)
 RMSNORM_ROW_KERNELS(bf16, bf16)
@@ -145,5 +157,9 @@ RMSNORM_ROW_KERNELS(bf16, bf16)
     }
 RMSNORM_DW_PARTIAL(f32, float)
 RMSNORM_DW_PARTIAL(bf16, bf16)
-extern "C" __global__ void rmsnorm_bwd_dw_finish_f32(const float* p, float* dw, i64 nchunks, i64 d) { rmsnorm_bwd_dw_finish_impl(p, dw, nchunks, d); }
-extern "C" __global__ void rmsnorm_bwd_dw_finish_bf16(const float* p, bf16* dw, i64 nchunks, i64 d) { rmsnorm_bwd_dw_finish_impl(p, dw, nchunks, d); }
+extern "C" __global__ void rmsnorm_bwd_dw_finish_f32(const float* p, float* dw, i64 nchunks, i64 d, i64 group) {
+    rmsnorm_bwd_dw_finish_impl(p, dw, nchunks, d, group);
+}
+extern "C" __global__ void rmsnorm_bwd_dw_finish_bf16(const float* p, bf16* dw, i64 nchunks, i64 d, i64 group) {
+    rmsnorm_bwd_dw_finish_impl(p, dw, nchunks, d, group);
+}

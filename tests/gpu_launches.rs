@@ -194,6 +194,7 @@ fn launches_over_a_million_elements_fill_the_device() {
         let row = Tensor::randn([1, 1024], 1.0, dt, Device::Cpu, &mut r).unwrap().to_device(device).unwrap();
         let wide = Tensor::randn([8192], 1.0, dt, Device::Cpu, &mut r).unwrap().to_device(device).unwrap();
         let cs = Tensor::randn([n / 16384, 1024], 1.0, dt, Device::Cpu, &mut r).unwrap().to_device(device).unwrap();
+        let head = Tensor::randn([128], 1.0, dt, Device::Cpu, &mut r).unwrap().to_device(device).unwrap();
         let outs = vec![
             a.add(&b).unwrap(),
             a.mul(&row).unwrap(),
@@ -211,14 +212,35 @@ fn launches_over_a_million_elements_fill_the_device() {
             ferrolm::ops::rms_norm(&a, &row.reshape([1024]).unwrap(), 1e-5).unwrap(),
             ferrolm::ops::rms_norm(&a.reshape([n / 8192, 8192]).unwrap(), &wide, 1e-5).unwrap(),
             ferrolm::ops::rope(&a.reshape([1, 16, n / 16384, 1024]).unwrap(), &cs, &cs).unwrap(),
+            // The model families' ops (issue 51): GeGLU, Gemma's (1 + w) norm, QK-norm over
+            // heads of 128, softcapping and a bias.
+            ferrolm::ops::geglu(&a, &b).unwrap(),
+            ferrolm::ops::rms_norm_offset(&a, &row.reshape([1024]).unwrap(), 1e-6, 1.0).unwrap(),
+            ferrolm::ops::rms_norm(&a.reshape([4, n / 4096, 8, 128]).unwrap(), &head, 1e-6).unwrap(),
+            ferrolm::ops::softcap(&a, 30.0).unwrap(),
+            ferrolm::ops::bias_add(&a, &row.reshape([1024]).unwrap()).unwrap(),
         ];
-        // RMSNorm's backward (dx rows, the first dw pass's chunks of rows), short rows and long.
-        for (x, w) in [(a.clone(), row.reshape([1024]).unwrap()), (a.reshape([n / 8192, 8192]).unwrap(), wide.clone())] {
+        // RMSNorm's backward (dx rows, the first dw pass's chunks of rows), short rows and long,
+        // and the head dim's rows of QK-norm (its dw partials folded).
+        for (x, w) in [
+            (a.clone(), row.reshape([1024]).unwrap()),
+            (a.reshape([n / 8192, 8192]).unwrap(), wide.clone()),
+            (a.reshape([n / 128, 128]).unwrap(), head.clone()),
+        ] {
             let (x, w) = (x.detach(), w.detach());
             x.set_requires_grad(true).unwrap();
             w.set_requires_grad(true).unwrap();
             ferrolm::ops::rms_norm(&x, &w, 1e-5).unwrap().mul(&x.detach()).unwrap().sum_all().unwrap().backward().unwrap();
             assert!(x.grad().is_some() && w.grad().is_some());
+        }
+        // The bias's gradient (db's first pass over chunks of rows), GeGLU's and softcapping's.
+        {
+            let (x, bias) = (a.detach(), row.reshape([1024]).unwrap().detach());
+            x.set_requires_grad(true).unwrap();
+            bias.set_requires_grad(true).unwrap();
+            let y = ferrolm::ops::softcap(&ferrolm::ops::geglu(&ferrolm::ops::bias_add(&x, &bias).unwrap(), &b).unwrap(), 30.0).unwrap();
+            y.mul(&a).unwrap().sum_all().unwrap().backward().unwrap();
+            assert!(x.grad().is_some() && bias.grad().is_some());
         }
         let norm = ferrolm::tensor::fused_sum_squares(&[&a, &b], &[None, None], 1.0).unwrap();
         assert!(norm.is_some_and(|v| v.is_finite() && v > 0.0));

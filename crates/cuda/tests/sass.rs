@@ -1,6 +1,7 @@
 //! Machine code checks on the built fatbin, without a GPU: `cuobjdump -sass` of the sm_90 code
 //! must show 16-byte global loads (LDG.E.128) in the dense element-wise, cast and broadcast
-//! kernels and in the fused ops' element-wise and row kernels (SwiGLU, RoPE, RMSNorm, the
+//! kernels and in the fused ops' element-wise and row kernels (SwiGLU, GeGLU, softcapping, the
+//! bias and its gradient's first pass, RoPE, RMSNorm, the
 //! cross-entropy's and the fused head's rows), and no local-memory traffic (LDL / STL: a spilled
 //! or stack-copied value, e.g. a `Strided` parameter indexed at run time) in the element-wise,
 //! cast, copy, fill, transpose, reduce and fused-op kernels.
@@ -17,7 +18,7 @@ use std::process::Command;
 
 /// Kernels of the element-wise, cast, copy, fill, transpose, reduction, gradient-norm, AdamW,
 /// embedding and fused-op families (`vector_loads_and_no_local_memory`'s prefixes) in the fatbin.
-const LOCAL_MEMORY_CHECKED: usize = 72;
+const LOCAL_MEMORY_CHECKED: usize = 86;
 
 fn skip(why: &str) {
     if std::env::var("FERROLM_REQUIRE_SASS").is_ok_and(|v| v == "1") {
@@ -144,6 +145,12 @@ fn vector_loads_and_no_local_memory() {
         "binary_row",
         "swiglu_fwd",
         "swiglu_bwd",
+        "geglu_fwd",
+        "geglu_bwd",
+        "softcap_fwd",
+        "softcap_bwd",
+        "bias_fwd",
+        "bias_bwd_partial",
         "rope",
         "rope_pos",
         "rmsnorm_fwd",
@@ -184,6 +191,9 @@ fn vector_loads_and_no_local_memory() {
         "adamw_",
         "embedding_",
         "swiglu_",
+        "geglu_",
+        "softcap_",
+        "bias_",
         "rope_",
         "rmsnorm_",
         "ce_",

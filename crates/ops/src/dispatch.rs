@@ -1,6 +1,6 @@
 //! What the op modules share: the device an op runs on (`On`), the shapes and pointers their
 //! launchers read off storage views, and f64 constants for the generic CPU kernels.
-use ferrolm_cuda::{CudaBackend, CudaStorage, DevPtr};
+use ferrolm_cuda::{CudaBackend, CudaStorage, DevPtr, Launch};
 use ferrolm_tensor::backend::{self, View};
 use ferrolm_tensor::{DType, Device, DeviceStorage, Error, Layout, Result, Storage};
 use num_traits::Float;
@@ -50,4 +50,19 @@ pub(crate) fn f32_ptr(be: &CudaBackend, op: &str, x: View) -> Result<(DevPtr, Op
 /// `v` in the CPU kernels' working precision.
 pub(crate) fn num<T: Float>(v: f64) -> T {
     T::from(v).unwrap()
+}
+
+/// Partials (one row of d f32 per chunk of rows) that the last pass of a column reduction
+/// (RMSNorm's dw, the bias gradient) sums per column at most; over that (many short rows:
+/// QK-norm's B·T·H rows of the head dim, a k/v bias over every token) a folding pass first sums
+/// FOLD_GROUP chunks a block row, in chunk order, so no thread walks thousands of partials and
+/// no level leaves the whole reduction to one block.
+pub(crate) const FOLD_MAX: usize = 64;
+pub(crate) const FOLD_GROUP: usize = 32;
+
+/// The launch of a finishing (or folding) pass that writes `out_rows` rows of d columns from
+/// `nchunks` partial rows: a block row per output row, up to BLOCK columns a block.
+pub(crate) fn fold_launch(out_rows: usize, d: usize, nchunks: usize) -> Launch {
+    let bx = d.next_multiple_of(32).clamp(32, Launch::BLOCK as usize);
+    Launch::new((out_rows.max(1) as u32, d.div_ceil(bx).max(1) as u32, 1), bx as u32).elems(nchunks * d)
 }

@@ -10,7 +10,10 @@
 //! |---|---|---|
 //! | `rms_norm` | `rmsnorm` | kernels/rmsnorm.cu |
 //! | `rope`, `rope_at` | `rope` | kernels/rope.cu |
-//! | `swiglu` | `swiglu` | kernels/swiglu.cu |
+//! | `swiglu`, `geglu`, `glu` | `swiglu` | kernels/swiglu.cu |
+//! | `rms_norm_offset` (Gemma's (1 + w)) | `rmsnorm` | kernels/rmsnorm.cu |
+//! | `softcap` | `softcap` | kernels/softcap.cu |
+//! | `bias_add`, `linear_bias` | `bias` | kernels/bias.cu |
 //! | `causal_attention`, `segment_attention` | `attention` | kernels/attention.cu |
 //! | `cross_entropy` | `cross_entropy` | kernels/cross_entropy.cu |
 //! | `embedding` | `embedding` | kernels/embedding.cu |
@@ -23,6 +26,7 @@
 //! Adding a fused op takes a module here and its `.cu` file: build.rs finds the new kernels and
 //! generates their typed launchers; the tensor crate and the CUDA backend do not change.
 pub mod attention;
+pub mod bias;
 pub mod cross_entropy;
 mod dispatch;
 pub mod embedding;
@@ -31,18 +35,21 @@ pub mod heads;
 pub mod rmsnorm;
 pub mod rope;
 pub mod segments;
+pub mod softcap;
 pub mod softmax;
 pub mod swiglu;
 pub mod tokens;
 
 pub use attention::{causal_attention, segment_attention, AttnDims};
+pub use bias::{bias_add, linear_bias};
 pub use cross_entropy::{cross_entropy, cross_entropy_tokens};
 pub use embedding::{embedding, embedding_tokens};
 pub use head_loss::{head_loss, head_loss_sharded, HeadLossOptions, LossChunks, LossScale, VocabShards};
 pub use heads::HeadLayout;
-pub use rmsnorm::rms_norm;
+pub use rmsnorm::{rms_norm, rms_norm_offset};
 pub use rope::{rope, rope_at};
 pub use segments::Segments;
+pub use softcap::softcap;
 pub use softmax::softmax_last;
-pub use swiglu::swiglu;
+pub use swiglu::{geglu, glu, swiglu, Glu};
 pub use tokens::Tokens;

@@ -1,8 +1,13 @@
 //! RMSNorm over the last dimension (LLaMA's norm): y = x · r · w with r = 1 / sqrt(mean(x²) + eps)
-//! per row. The forward saves r (f32 even for bf16 activations) for the backward: with
-//! g = dy · w, dx = r · (g − x · r² · mean(g · x)) and dw = Σ_rows dy · x · r, a sum over rows
-//! taken in a fixed order on every device, so results are deterministic.
-//! CUDA: kernels/rmsnorm.cu (a warp per row; dw in two passes through per-chunk partials). There
+//! per row; `rms_norm_offset` scales by (offset + w) instead (Gemma's `Gemma3RMSNorm`: offset 1,
+//! x · r · (1 + w) in f32 and one rounding at the end, as transformers computes it). The forward
+//! saves r (f32 even for bf16 activations) for the backward: with g = dy · (offset + w),
+//! dx = r · (g − x · r² · mean(g · x)) and dw = Σ_rows dy · x · r (the same for any offset), a
+//! sum over rows taken in a fixed order on every device, so results are deterministic.
+//! Rows are the last dim whatever the leading dims: QK-norm (Qwen3, Gemma 3) is this op on
+//! (B, T, H, D) with a weight of D, its dw a sum over B·T·H rows.
+//! CUDA: kernels/rmsnorm.cu (a warp per row; dw in two passes through per-chunk partials, the
+//! second folding them in levels where rows are many and narrow). There
 //! the backward takes what autograd offers (`GradCtx`): the gradient x has so far (the residual
 //! stream's) is added into dx by the dx kernel, and dw is written by the last pass straight into
 //! w's gradient destination (its slice of an f32 bucket): no add and no cast of their own.
@@ -13,13 +18,22 @@ use ferrolm_tensor::{bail, same_float, DType, Result, Storage, Tensor};
 
 /// RMSNorm of `x` over its last dim with weight `w` (d). Saves the inverse RMS per row.
 pub fn rms_norm(x: &Tensor, w: &Tensor, eps: f64) -> Result<Tensor> {
+    rms_norm_offset(x, w, eps, 0.0)
+}
+
+/// RMSNorm scaled by (offset + w): x · r · (offset + w), computed in f32 (f64 for f64) and
+/// rounded once. Offset 1 is Gemma's norm (weights stored as w, used as 1 + w); 0 is `rms_norm`.
+pub fn rms_norm_offset(x: &Tensor, w: &Tensor, eps: f64, offset: f64) -> Result<Tensor> {
     same_float("rms_norm", &[x, w])?;
+    if !offset.is_finite() {
+        bail!("rms_norm", "the weight offset must be finite, got {offset}");
+    }
     let d = *x.dims().last().unwrap_or(&0);
     if w.dims() != [d] {
         bail!("rms_norm", "weight shape {:?} does not match the last dim of {:?}", w.shape(), x.shape());
     }
     let (xc, wc) = (x.contiguous()?, w.contiguous()?);
-    let (y, r) = Tensor::with_storages(&[&xc, &wc], |s| forward(s[0], s[1], eps))?;
+    let (y, r) = Tensor::with_storages(&[&xc, &wc], |s| forward(s[0], s[1], eps, offset))?;
     let out = Tensor::new(y, x.shape().clone())?;
     let r = Tensor::new(r, [xc.numel() / d.max(1)])?;
     let xshape = x.shape().clone();
@@ -35,13 +49,13 @@ pub fn rms_norm(x: &Tensor, w: &Tensor, eps: f64) -> Result<Tensor> {
         ins.extend(fuse_acc.iter().copied().chain(fuse_dw.iter().copied()));
         let fused = Tensor::with_storages(&ins, |s| {
             let (a, w) = (fuse_acc.map(|_| s[4]), fuse_dw.map(|_| s[4 + fuse_acc.is_some() as usize]));
-            backward_into(s[0], s[1], s[2], s[3], Fused { acc: a, dw_into: w })
+            backward_into(s[0], s[1], s[2], s[3], offset, Fused { acc: a, dw_into: w })
         })?;
         // dw comes back only where it was not written into the destination.
         let (dx, dw, added) = match fused {
             Some((dx, dw)) => (dx, dw, fuse_acc.is_some()),
             None => {
-                let (dx, dw) = Tensor::with_storages(&[&g, &xc, &wc, &r], |s| backward(s[0], s[1], s[2], s[3]))?;
+                let (dx, dw) = Tensor::with_storages(&[&g, &xc, &wc, &r], |s| backward(s[0], s[1], s[2], s[3], offset))?;
                 (dx, Some(dw), false)
             }
         };
@@ -62,19 +76,22 @@ pub fn rms_norm(x: &Tensor, w: &Tensor, eps: f64) -> Result<Tensor> {
     Ok(Tensor::from_op_ctx(out, "rms_norm", &[x, w], Box::new(backward_fn)))
 }
 
-/// x (rows, d) and w (d), contiguous -> (y (rows, d), inverse RMS (rows) in f32, f64 for f64).
-pub fn forward(x: View, w: View, eps: f64) -> Result<(Storage, Storage)> {
+/// x (rows, d) and w (d), contiguous -> (y (rows, d), inverse RMS (rows) in f32, f64 for f64);
+/// y scaled by (offset + w).
+pub fn forward(x: View, w: View, eps: f64, offset: f64) -> Result<(Storage, Storage)> {
     match on("rms_norm", x.0)? {
-        On::Cpu => cpu::forward(x, w, eps),
-        On::Cuda(be) => cuda::forward(&be, x, w, eps),
+        On::Cpu => cpu::forward(x, w, eps, offset),
+        On::Cuda(be) => cuda::forward(&be, x, w, eps, offset),
     }
 }
 
-/// -> (dx (rows, d), dw (d)), from the inverse RMS the forward saved.
-pub fn backward(dy: View, x: View, w: View, inv_rms: View) -> Result<(Storage, Storage)> {
+/// -> (dx (rows, d), dw (d)), from the inverse RMS the forward saved (the forward's offset).
+pub fn backward(dy: View, x: View, w: View, inv_rms: View, offset: f64) -> Result<(Storage, Storage)> {
     match on("rms_norm", x.0)? {
-        On::Cpu => cpu::backward(dy, x, w, inv_rms),
-        On::Cuda(be) => cuda::backward(&be, dy, x, w, inv_rms, Fused::default()).map(|(dx, dw)| (dx, dw.expect("no destination given"))),
+        On::Cpu => cpu::backward(dy, x, w, inv_rms, offset),
+        On::Cuda(be) => {
+            cuda::backward(&be, dy, x, w, inv_rms, offset, Fused::default()).map(|(dx, dw)| (dx, dw.expect("no destination given")))
+        }
     }
 }
 
@@ -89,10 +106,10 @@ pub struct Fused<'a> {
 
 /// As `backward`, with what `fused` asks. `Ok(None)`: the backend does not fuse these (the
 /// CPU: the caller composes `backward`, an add and an assign).
-pub fn backward_into(dy: View, x: View, w: View, inv_rms: View, fused: Fused) -> Result<Option<(Storage, Option<Storage>)>> {
+pub fn backward_into(dy: View, x: View, w: View, inv_rms: View, offset: f64, fused: Fused) -> Result<Option<(Storage, Option<Storage>)>> {
     match on("rms_norm", x.0)? {
         On::Cpu => Ok(None),
-        On::Cuda(be) => cuda::backward(&be, dy, x, w, inv_rms, fused).map(Some),
+        On::Cuda(be) => cuda::backward(&be, dy, x, w, inv_rms, offset, fused).map(Some),
     }
 }
 
@@ -106,21 +123,26 @@ mod cpu {
     use num_traits::Float;
     use rayon::prelude::*;
 
-    pub(super) fn forward(x: View, w: View, eps: f64) -> Result<(Storage, Storage)> {
+    pub(super) fn forward(x: View, w: View, eps: f64, offset: f64) -> Result<(Storage, Storage)> {
         let (ox, n, d) = rows(x.1);
         let ow = w.1.offset;
         let dt = x.0.dtype();
-        Ok(float_dispatch!("rmsnorm", dt, [x, w], rmsnorm(&x[ox..ox + n * d], &w[ow..ow + d], eps)))
+        Ok(float_dispatch!("rmsnorm", dt, [x, w], rmsnorm(&x[ox..ox + n * d], &offset_weight(&w[ow..ow + d], offset), eps)))
     }
 
-    pub(super) fn backward(dy: View, x: View, w: View, r: View) -> Result<(Storage, Storage)> {
+    /// offset + w in the working precision (w itself for offset 0): the factor y and dx use.
+    fn offset_weight<T: Float>(w: &[T], offset: f64) -> Vec<T> {
+        w.iter().map(|&v| if offset == 0.0 { v } else { num::<T>(offset) + v }).collect()
+    }
+
+    pub(super) fn backward(dy: View, x: View, w: View, r: View, offset: f64) -> Result<(Storage, Storage)> {
         let (ox, n, d) = rows(x.1);
         let (od, ow, or) = (dy.1.offset, w.1.offset, r.1.offset);
         Ok(float_dispatch!(
             "rmsnorm_backward",
             x.0.dtype(),
             [dy, x, w, r],
-            rmsnorm_backward(&dy[od..od + n * d], &x[ox..ox + n * d], &w[ow..ow + d], &r[or..or + n])
+            rmsnorm_backward(&dy[od..od + n * d], &x[ox..ox + n * d], &offset_weight(&w[ow..ow + d], offset), &r[or..or + n])
         ))
     }
 
@@ -161,7 +183,7 @@ mod cpu {
         }
     }
 
-    /// x: (n, d), w: (d) -> (y (n, d), inv_rms (n))
+    /// x: (n, d), w: (d) (the offset already added) -> (y (n, d), inv_rms (n))
     fn rmsnorm<T: Float + Send + Sync>(x: &[T], w: &[T], eps: f64) -> (Vec<T>, Stat<Vec<T>>) {
         let d = w.len().max(1);
         let mut y = vec![T::zero(); x.len()];
@@ -170,7 +192,7 @@ mod cpu {
         (y, Stat(r))
     }
 
-    /// -> (dx (n, d), dw (d))
+    /// -> (dx (n, d), dw (d)); w with the offset already added (dw does not use it).
     fn rmsnorm_backward<T: Float + Send + Sync>(dy: &[T], x: &[T], w: &[T], r: &[T]) -> (Vec<T>, Vec<T>) {
         let d = w.len().max(1);
         let mut dx = vec![T::zero(); x.len()];
@@ -186,6 +208,7 @@ mod cpu {
 mod cuda {
     //! Launchers of kernels/rmsnorm.cu.
     use super::*;
+    use crate::dispatch::{fold_launch, FOLD_GROUP, FOLD_MAX};
     use ferrolm_cuda::{kernels, CudaBackend, CudaStorage, DevPtr, Launch};
     use ferrolm_tensor::{DType, DeviceStorage};
 
@@ -213,7 +236,7 @@ mod cuda {
         (Launch::new((grid, 1, 1), 32 * per_block as u32).elems(n * d), vec as i32)
     }
 
-    pub(super) fn forward(be: &CudaBackend, x: View, w: View, eps: f64) -> Result<(Storage, Storage)> {
+    pub(super) fn forward(be: &CudaBackend, x: View, w: View, eps: f64, offset: f64) -> Result<(Storage, Storage)> {
         let s = CudaStorage::of("rmsnorm", x.0)?;
         let (_, n, d) = rows(x.1);
         let (y, r) = (be.alloc_storage(n * d, s.dtype())?, be.alloc_storage(n, DType::F32)?);
@@ -221,7 +244,7 @@ mod cuda {
         let (cfg, vec) = row_plan(be, n, d, s.dtype(), &[px, pw, y.ptr()]);
         // SAFETY: x is (n, d) and w (d), both of x's dtype and contiguous from their offsets;
         // y holds n * d elements of that dtype, r n f32; `vec` as the kernel needs it.
-        unsafe { kernels::rmsnorm_fwd(be, s.dtype(), cfg, px, pw, y.ptr(), r.ptr(), n as i64, d as i64, eps as f32, vec)? };
+        unsafe { kernels::rmsnorm_fwd(be, s.dtype(), cfg, px, pw, y.ptr(), r.ptr(), n as i64, d as i64, eps as f32, offset as f32, vec)? };
         Ok((y.into(), r.into()))
     }
 
@@ -233,6 +256,7 @@ mod cuda {
         x: View,
         w: View,
         inv_rms: View,
+        offset: f64,
         fused: Fused,
     ) -> Result<(Storage, Option<Storage>)> {
         let (acc, dw_into) = (fused.acc, fused.dw_into);
@@ -290,10 +314,23 @@ mod cuda {
         // kernel's output type (its f32 instance writes f32 whatever dt is); `vec` as the row
         // kernel needs it (every pointer it reads through counted).
         unsafe {
-            kernels::rmsnorm_bwd_dx(be, dt, rows_cfg, pdy, px, pw, r, pacc, dx.ptr(), ni, di, vec)?;
+            kernels::rmsnorm_bwd_dx(be, dt, rows_cfg, pdy, px, pw, r, pacc, dx.ptr(), ni, di, offset as f32, vec)?;
             kernels::rmsnorm_bwd_dw_partial(be, dt, cols, pdy, px, r, partial.ptr(), ni, di, chunk, dw_vec as i32)?;
-            kernels::rmsnorm_bwd_dw_finish(be, dwt, Launch::cover(d, Launch::BLOCK), partial.ptr(), pdw, nchunks as i64, di)?;
         }
+        // The partials folded `FOLD_GROUP` chunks a block while there are over `FOLD_MAX`, then
+        // summed into dw: every level in chunk order, so the bits do not depend on the launch.
+        let (mut p, mut nc) = (partial, nchunks);
+        while nc > FOLD_MAX {
+            let next = nc.div_ceil(FOLD_GROUP);
+            let out = be.alloc_storage(next * d, DType::F32)?;
+            let cfg = fold_launch(next, d, nc);
+            // SAFETY: p holds nc * d f32 (chunk-major), out next * d f32: block row g writes row
+            // g from chunks [g * FOLD_GROUP, ..) of p, within nc.
+            unsafe { kernels::rmsnorm_bwd_dw_finish(be, DType::F32, cfg, p.ptr(), out.ptr(), nc as i64, di, FOLD_GROUP as i64)? };
+            (p, nc) = (out, next);
+        }
+        // SAFETY: p holds nc * d f32; one block row (group nc) writes d elements of dwt at pdw.
+        unsafe { kernels::rmsnorm_bwd_dw_finish(be, dwt, fold_launch(1, d, nc), p.ptr(), pdw, nc as i64, di, nc.max(1) as i64)? };
         Ok((dx.into(), dw.map(Into::into)))
     }
 }

@@ -14,7 +14,10 @@
 mod common;
 use common::*;
 use ferrolm_cuda::{AdamWParams, AdamWTensor};
-use ferrolm_ops::{attention, causal_attention, cross_entropy, embedding, rms_norm, rope, softmax_last, swiglu, AttnDims};
+use ferrolm_ops::{
+    attention, bias, bias_add, causal_attention, cross_entropy, embedding, geglu, linear_bias, rms_norm, rms_norm_offset, rmsnorm, rope,
+    softcap, softmax_last, swiglu, AttnDims,
+};
 use ferrolm_tensor::backend::Backend;
 use ferrolm_tensor::{CpuStorage, DType, Device, Layout, Rng, Shape, Storage, Tensor};
 
@@ -102,6 +105,123 @@ fn fused_ops_on_vector_scalar_and_misaligned_paths() {
             }
         }
     });
+}
+
+/// The model families' ops (issue 51) against the CPU with poisoned outputs, f32 and bf16: GeGLU
+/// (gelu_tanh), RMSNorm with (1 + w), logit softcapping and the linear bias, on rows of whole
+/// 16-byte vectors with a tail, odd widths (the scalar paths) and inputs at an offset of one
+/// element (dense but not 16-byte aligned).
+#[test]
+fn model_family_ops_on_vector_scalar_and_misaligned_paths() {
+    fn shifted(x: &Tensor) -> Tensor {
+        let flat = x.reshape(vec![x.numel()]).unwrap();
+        let pad = Tensor::zeros([1], x.dtype(), x.device()).unwrap();
+        Tensor::cat(&[pad, flat], 0).unwrap().narrow(0, 1, x.numel()).unwrap().reshape(x.shape().clone()).unwrap()
+    }
+    each_float_dtype(21, |dt, r| {
+        for (n, d) in [(1, 8), (5, 13), (9, 40), (37, 96), (3, 200), (130, 1000)] {
+            let (x, u, w) = (randn(&[n, d], dt, r), randn(&[n, d], dt, r), randn(&[d], dt, r));
+            let big = x.mul_scalar(40.0).unwrap(); // past the cap, and the tanh's saturation
+            for shift in [false, true] {
+                let s = |t: &Tensor| if shift { shifted(t) } else { t.clone() };
+                let name = |op: &str| format!("{op} {dt} ({n}, {d}) shifted {shift}");
+                fwd_bwd(&name("geglu"), dt, &[big.mul_scalar(0.1).unwrap(), u.clone()], true, |t| geglu(&s(&t[0]), &s(&t[1])).unwrap());
+                fwd_bwd(&name("rmsnorm (1 + w)"), dt, &[x.clone(), w.clone()], true, |t| {
+                    rms_norm_offset(&s(&t[0]), &t[1], 1e-6, 1.0).unwrap()
+                });
+                fwd_bwd(&name("softcap"), dt, std::slice::from_ref(&big), true, |t| softcap(&s(&t[0]), 30.0).unwrap());
+                fwd_bwd(&name("bias_add"), dt, &[x.clone(), w.clone()], true, |t| bias_add(&s(&t[0]), &t[1]).unwrap());
+            }
+            let wl = randn(&[7, d], dt, r);
+            let b = randn(&[7], dt, r);
+            fwd_bwd(&format!("linear_bias {dt} ({n}, {d})"), dt, &[x, wl, b], true, |t| linear_bias(&t[0], &t[1], &t[2]).unwrap());
+        }
+    });
+}
+
+/// QK-norm (Qwen3, Gemma 3): RMSNorm over the head dim of (B, T, H, D) projections and of their
+/// (B, H, T, D) view, weight [D], plain and with (1 + w); D = 64, 128, 256 and odd sizes.
+#[test]
+fn qk_norm_over_heads() {
+    each_float_dtype(22, |dt, r| {
+        for (b, t, h, d) in [(2, 5, 3, 64), (1, 7, 2, 128), (1, 3, 2, 256), (2, 3, 2, 40), (1, 3, 3, 33), (1, 2, 5, 7)] {
+            let (x, w) = (randn(&[b, t, h, d], dt, r), randn(&[d], dt, r));
+            for offset in [0.0, 1.0] {
+                let name = format!("qk-norm {dt} ({b}, {t}, {h}, {d}) offset {offset}");
+                fwd_bwd(&name, dt, &[x.clone(), w.clone()], true, |v| rms_norm_offset(&v[0], &v[1], 1e-6, offset).unwrap());
+                fwd_bwd(&format!("{name} (b, h, t, d) view"), dt, &[x.clone(), w.clone()], true, |v| {
+                    rms_norm_offset(&v[0].permute(&[0, 2, 1, 3]).unwrap(), &v[1], 1e-6, offset).unwrap()
+                });
+            }
+        }
+    });
+}
+
+/// The column reductions over many short rows (QK-norm's dw over B·T·H rows of the head dim, a
+/// narrow k/v bias's db over every token): every launch but the last summing pass covers the
+/// SMs, the partials are folded in levels (a folding pass of several blocks before the last), so
+/// no reduction leaves the whole tensor to one block; the results equal the CPU's and repeat
+/// bit for bit under the emulator's reversed thread schedule. Every kernel of the new ops over
+/// 2^19 elements runs on at least as many blocks as the device has SMs.
+#[test]
+fn column_reductions_fold_over_many_rows() {
+    let Some(be) = gpu_exclusive() else { return };
+    let mut r = rng(23);
+    let (rows, d) = (8192, 64);
+    for dt in [DType::F32, DType::BF16] {
+        let x = dev_rand(&be, rows * d, dt, &mut r);
+        let dy = dev_rand(&be, rows * d, dt, &mut r);
+        let w = dev_rand(&be, d, dt, &mut r);
+        let u = dev_rand(&be, rows * d, dt, &mut r);
+        let (lx, lw) = (Layout::contiguous(Shape(vec![rows, d])), flat(d));
+        ferrolm_cuda::profile::enable(true);
+        ferrolm_cuda::profile::reset();
+        let run = || {
+            let (y, inv) = rmsnorm::forward((&x, &lx), (&w, &lw), 1e-6, 1.0).unwrap();
+            let (dx, dw) = rmsnorm::backward((&dy, &lx), (&x, &lx), (&w, &lw), (&inv, &flat(rows)), 1.0).unwrap();
+            let db = bias::backward((&dy, &lx), d).unwrap();
+            let yb = bias::forward((&x, &lx), (&w, &lw)).unwrap();
+            let g = ferrolm_ops::swiglu::forward((&x, &lx), (&u, &lx), ferrolm_ops::Glu::GeluTanh).unwrap();
+            let gb = ferrolm_ops::swiglu::backward((&dy, &lx), (&x, &lx), (&u, &lx), ferrolm_ops::Glu::GeluTanh).unwrap();
+            let sc = softcap::forward((&x, &lx), 3.0).unwrap();
+            let scb = softcap::backward((&dy, &lx), (&sc, &lx), 3.0).unwrap();
+            [y, dx, dw, db, yb, g, gb.0, gb.1, sc, scb].iter().map(|s| bits(&be, s)).collect::<Vec<_>>()
+        };
+        let (a, c) = second_reversed(&be, run, run);
+        let rep = ferrolm_cuda::profile::report();
+        ferrolm_cuda::profile::enable(false);
+        for (i, what) in ["y", "dx", "dw", "db"].iter().enumerate() {
+            assert_eq!(a[i], c[i], "{dt} ({rows}, {d}): {what} differs between runs");
+        }
+        let blocks = |g: (u32, u32, u32)| g.0 as u64 * g.1 as u64 * g.2 as u64;
+        for prefix in ["rmsnorm_", "bias_", "geglu_", "softcap_"] {
+            let ks: Vec<_> = rep.kernels.iter().filter(|k| k.name.starts_with(prefix)).collect();
+            assert!(!ks.is_empty(), "{dt}: no {prefix} kernel ran: {:?}", rep.kernels);
+            for k in ks.iter().filter(|k| !k.name.contains("finish")) {
+                assert!(blocks(k.max_grid) >= rep.sm_count as u64, "{dt}: {} ran on at most {:?} blocks", k.name, k.max_grid);
+            }
+        }
+        for fin in ["rmsnorm_bwd_dw_finish", "bias_bwd_finish"] {
+            let ks: Vec<_> = rep.kernels.iter().filter(|k| k.name.starts_with(fin)).collect();
+            let launches: u64 = ks.iter().map(|k| k.launches).sum();
+            // Two runs, each a folding pass (f32) and the last pass.
+            assert!(launches >= 4, "{dt}: {fin} launched {launches} times over {rows} rows: the partials were not folded");
+            let widest = ks.iter().map(|k| blocks(k.max_grid)).max().unwrap_or(0);
+            assert!(widest >= 8, "{dt}: {fin}'s widest launch had {widest} blocks: one block summed the partials");
+        }
+        // Against the CPU reference on the same values.
+        let host = |s: &Storage, dims: &[usize]| Tensor::from_vec(down(&be, s), dims.to_vec(), Device::Cpu).unwrap().to_dtype(dt).unwrap();
+        let (xc, wc, dyc) = (host(&x, &[rows, d]), host(&w, &[d]), host(&dy, &[rows, d]));
+        let (xc, wc) = (xc.detach().set_requires_grad(true).cloned().unwrap(), wc.detach().set_requires_grad(true).cloned().unwrap());
+        let y = rms_norm_offset(&xc, &wc, 1e-6, 1.0).unwrap();
+        y.mul(&dyc).unwrap().sum_all().unwrap().backward().unwrap();
+        let val = |v: &[u32]| -> Vec<f64> {
+            v.iter().map(|&b| if dt == DType::BF16 { f32::from_bits(b << 16) as f64 } else { f32::from_bits(b) as f64 }).collect()
+        };
+        let dev = |v: &[u32], dims: &[usize]| Tensor::from_vec(val(v), dims.to_vec(), Device::Cpu).unwrap();
+        check(&format!("{dt} folded dw"), &wc.grad().unwrap(), &dev(&a[2], &[d]), dt, true);
+        check(&format!("{dt} folded db"), &dyc.sum(&[0], false).unwrap(), &dev(&a[3], &[d]), dt, true);
+    }
 }
 
 #[test]

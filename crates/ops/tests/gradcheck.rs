@@ -3,7 +3,10 @@
 //! Tolerance unless a test says otherwise: max |analytic - numeric| / max(1, |numeric|) < 1e-6.
 mod common;
 use common::*;
-use ferrolm_ops::{causal_attention, cross_entropy, embedding, rms_norm, rope, softmax_last, swiglu};
+use ferrolm_ops::{
+    bias_add, causal_attention, cross_entropy, embedding, geglu, linear_bias, rms_norm, rms_norm_offset, rope, softcap, softmax_last,
+    swiglu,
+};
 use ferrolm_tensor::{no_grad, DType, Rng, Tensor};
 
 #[test]
@@ -61,6 +64,95 @@ fn grad_swiglu() {
     gradcheck("swiglu", &[randn(&[3, 7], g), randn(&[3, 7], g)], |x| swiglu(&x[0], &x[1]));
     gradcheck("swiglu transposed", &[randn(&[7, 3], g), randn(&[3, 7], g)], |x| swiglu(&x[0].t()?, &x[1]));
     gradcheck("swiglu same input", &[randn(&[2, 5], g)], |x| swiglu(&x[0], &x[0]));
+}
+
+/// GeGLU with the tanh GELU (Gemma 3's MLP), gate values spread over the tanh's range (±4).
+#[test]
+fn grad_geglu() {
+    let g = &mut Rng::new(31);
+    let wide = |sh: &[usize], g: &mut Rng| randn(sh, g).mul_scalar(2.0).unwrap();
+    gradcheck("geglu", &[wide(&[3, 7], g), randn(&[3, 7], g)], |x| geglu(&x[0], &x[1]));
+    gradcheck("geglu transposed", &[wide(&[7, 3], g), randn(&[3, 7], g)], |x| geglu(&x[0].t()?, &x[1]));
+    gradcheck("geglu same input", &[wide(&[2, 5], g)], |x| geglu(&x[0], &x[0]));
+}
+
+/// The forward of gelu_tanh against its formula in f64, for large |g| too (tanh saturates: no
+/// NaN from exp overflowing), and GeGLU differs from SwiGLU (the activation is honoured).
+#[test]
+fn geglu_is_the_tanh_gelu() {
+    let gv: [f64; 10] = [-30.0, -5.0, -1.5, -0.3, 0.0, 1e-4, 0.7, 2.0, 6.0, 40.0];
+    let gate = Tensor::from_vec(gv.to_vec(), [gv.len()], CPU).unwrap();
+    let up = Tensor::from_vec(vec![1.5; gv.len()], [gv.len()], CPU).unwrap();
+    let y = geglu(&gate, &up).unwrap().to_vec::<f64>().unwrap();
+    let k = (2.0 / std::f64::consts::PI).sqrt();
+    let want: Vec<f64> = gv.iter().map(|&g| 0.5 * g * (1.0 + (k * (g + 0.044715 * g * g * g)).tanh()) * 1.5).collect();
+    close("gelu_tanh formula", &y, &want);
+    let s = swiglu(&gate, &up).unwrap().to_vec::<f64>().unwrap();
+    assert!(s.iter().zip(&y).any(|(a, b)| (a - b).abs() > 1e-3), "geglu computed silu");
+}
+
+/// Gemma's RMSNorm, x · r · (1 + w): against finite differences and a composition of primitives;
+/// offset 0 is `rms_norm` bit for bit.
+#[test]
+fn grad_rms_norm_offset() {
+    let g = &mut Rng::new(32);
+    let w = randn(&[6], g).mul_scalar(0.3).unwrap();
+    gradcheck("rms_norm (1 + w)", &[randn(&[2, 3, 6], g), w.clone()], |x| rms_norm_offset(&x[0], &x[1], 1e-6, 1.0));
+    gradcheck("rms_norm (1 + w) transposed x", &[randn(&[6, 3], g), w.clone()], |x| rms_norm_offset(&x[0].t()?, &x[1], 1e-6, 1.0));
+    let x = randn(&[4, 6], g);
+    let y = rms_norm_offset(&x, &w, 1e-6, 1.0).unwrap().to_vec::<f64>().unwrap();
+    let want = naive_rms_norm(&x, &w.add_scalar(1.0).unwrap(), 1e-6).unwrap().to_vec::<f64>().unwrap();
+    close("rms_norm (1 + w) vs x * rsqrt(mean(x^2) + eps) * (1 + w)", &y, &want);
+    let (a, b) = (rms_norm_offset(&x, &w, 1e-6, 0.0).unwrap(), rms_norm(&x, &w, 1e-6).unwrap());
+    assert_eq!(a.to_vec::<f64>().unwrap(), b.to_vec::<f64>().unwrap(), "offset 0 differs from rms_norm");
+    expect_err(rms_norm_offset(&x, &w, 1e-6, f64::NAN), "rms_norm", "offset must be finite");
+}
+
+/// QK-norm (Qwen3, Gemma 3): RMSNorm over the head dim of q or k, (B, T, H, D) as projected, or
+/// the (B, H, T, D) view of that memory, weight [D]; dw sums over every B·T·H row.
+#[test]
+fn grad_qk_norm() {
+    let g = &mut Rng::new(33);
+    let w = uniform(&[4], 0.5, 1.5, g);
+    gradcheck("qk-norm (b, t, h, d)", &[randn(&[2, 3, 2, 4], g), w.clone()], |x| rms_norm(&x[0], &x[1], 1e-6));
+    gradcheck("qk-norm (b, h, t, d) view", &[randn(&[2, 3, 2, 4], g), w.clone()], |x| rms_norm(&x[0].permute(&[0, 2, 1, 3])?, &x[1], 1e-6));
+    gradcheck("qk-norm (1 + w) odd d", &[randn(&[1, 3, 2, 5], g), randn(&[5], g)], |x| rms_norm_offset(&x[0], &x[1], 1e-6, 1.0));
+    // The same rows in either layout: the same values, moved.
+    let x = randn(&[2, 5, 3, 8], g);
+    let w = randn(&[8], g);
+    let a = rms_norm(&x, &w, 1e-6).unwrap().permute(&[0, 2, 1, 3]).unwrap().contiguous().unwrap();
+    let b = rms_norm(&x.permute(&[0, 2, 1, 3]).unwrap(), &w, 1e-6).unwrap();
+    assert_eq!(a.to_vec::<f64>().unwrap(), b.contiguous().unwrap().to_vec::<f64>().unwrap(), "qk-norm depends on the head layout");
+}
+
+/// Logit softcapping, cap · tanh(x / cap), from inside the cap to well past it.
+#[test]
+fn grad_softcap() {
+    let g = &mut Rng::new(34);
+    let x = randn(&[4, 9], g).mul_scalar(20.0).unwrap();
+    gradcheck("softcap 30", std::slice::from_ref(&x), |x| softcap(&x[0], 30.0));
+    gradcheck("softcap 5 transposed", std::slice::from_ref(&x), |x| softcap(&x[0].t()?, 5.0));
+    let xs: [f64; 7] = [-1e4, -50.0, -3.0, 0.0, 2.5, 49.0, 1e4];
+    let t = Tensor::from_vec(xs.to_vec(), [xs.len()], CPU).unwrap();
+    let y = softcap(&t, 50.0).unwrap().to_vec::<f64>().unwrap();
+    let want: Vec<f64> = xs.iter().map(|&v| 50.0 * (v / 50.0).tanh()).collect();
+    close("softcap formula", &y, &want);
+    expect_err(softcap(&t, 0.0), "softcap", "positive finite");
+    expect_err(softcap(&t, f64::INFINITY), "softcap", "positive finite");
+}
+
+/// The bias of a projection: y = x Wᵀ + b, db = Σ_rows dy, over 3-d activations.
+#[test]
+fn grad_bias() {
+    let g = &mut Rng::new(35);
+    gradcheck("bias_add", &[randn(&[2, 3, 5], g), randn(&[5], g)], |x| bias_add(&x[0], &x[1]));
+    gradcheck("bias_add transposed x", &[randn(&[5, 3], g), randn(&[5], g)], |x| bias_add(&x[0].t()?, &x[1]));
+    gradcheck("linear_bias", &[randn(&[2, 3, 4], g), randn(&[6, 4], g), randn(&[6], g)], |x| linear_bias(&x[0], &x[1], &x[2]));
+    let (x, w, b) = (randn(&[3, 4], g), randn(&[5, 4], g), randn(&[5], g));
+    let y = linear_bias(&x, &w, &b).unwrap().to_vec::<f64>().unwrap();
+    let want = x.matmul(&w.t().unwrap()).unwrap().add(&b.unsqueeze(0).unwrap()).unwrap().to_vec::<f64>().unwrap();
+    close("linear_bias vs x W^T + b", &y, &want);
+    expect_err(bias_add(&x, &randn(&[3], g)), "bias_add", "does not match");
 }
 
 #[test]
