@@ -11,7 +11,7 @@
 //! | `rms_norm` | `rmsnorm` | kernels/rmsnorm.cu |
 //! | `rope`, `rope_at` | `rope` | kernels/rope.cu |
 //! | `swiglu` | `swiglu` | kernels/swiglu.cu |
-//! | `causal_attention`, `segment_attention` | `attention` | kernels/attention.cu |
+//! | `causal_attention`, `segment_attention` (`_window`: sliding window) | `attention` | kernels/attention.cu |
 //! | `cross_entropy` | `cross_entropy` | kernels/cross_entropy.cu |
 //! | `embedding` | `embedding` | kernels/embedding.cu |
 //! | `head_loss` (LM head + cross-entropy, chunked) | `head_loss` | kernels/head_loss.cu, kernels/cross_entropy.cu |
@@ -35,7 +35,7 @@ pub mod softmax;
 pub mod swiglu;
 pub mod tokens;
 
-pub use attention::{causal_attention, segment_attention, AttnDims};
+pub use attention::{causal_attention, causal_attention_window, segment_attention, segment_attention_window, AttnDims};
 pub use cross_entropy::{cross_entropy, cross_entropy_tokens};
 pub use embedding::{embedding, embedding_tokens};
 pub use head_loss::{head_loss, head_loss_sharded, HeadLossOptions, LossChunks, LossScale, VocabShards};
