@@ -26,15 +26,17 @@
 // last. The flash kernels take it in their `_seg` twins, the same templates with SEG = true
 // (with SEG = false the segment bounds are compile-time constants, nothing is read).
 //
-// Sliding window (Mistral, Qwen2, Gemma 3): every kernel takes `window` w, 1..t, and query i sees
-// key j when i - w < j <= i (t: plain causal), inside its segment with SEG (positions count from
-// the segment start, which is the same thing). A window is a segment start that moves with the
-// row, so both go through one bound (SegBounds): a block starts its tile loop at the first tile
-// its rows reach (segment start, i - w + 1), dK/dV stops at the last query that sees its rows
-// (segment end, j + w - 1), a warp skips every tile wholly outside its rows' bounds and masks
-// only the tiles a bound crosses; the tiles visited grow with w, not t. Each warp writes the
-// number of causal tiles it skipped to `skipped` (when not null: a test's count). The SIMT
-// kernels take a nullable `seg` and the window and bound their loops by them.
+// Sliding window (Mistral, Qwen2, Gemma 3): query i sees key j when i - w < j <= i, inside its
+// segment (positions count from the segment start, which selects the same keys). A window is a
+// segment start that moves with the row, so the `_seg` kernels take it as an argument, `window`
+// (1..t; t: none), beside `seg`, which may be null (no segments: a window alone), and both go
+// through one bound (SegBounds): a block starts its tile loop at the first tile its rows reach
+// (segment start, i - w + 1), dK/dV stops at the last query that sees its rows (segment end,
+// j + w - 1), a warp skips every tile wholly outside its rows' bounds and masks only the tiles a
+// bound crosses: the tiles visited grow with w, not t. The plain kernels stay plain causal (their
+// main loops compile as before); each warp of a `_seg` kernel writes the number of causal tiles it
+// skipped to `skipped` (when not null: a test's count). The SIMT kernels take a nullable `seg`
+// and the window and bound their loops by them.
 #include "common.cuh"
 
 // ---- mma.sync m16n8k16 (row.col, bf16 in, f32 accumulate) and its fragments --------------------
@@ -160,22 +162,22 @@ static __device__ __forceinline__ FlashLane flash_lane() {
     int lane = threadIdx.x & 31;
     return FlashLane{(int)(threadIdx.x >> 5), lane, lane >> 2, lane & 3};
 }
-// What a query sees in a batch row: its segment (SEG; without SEG the row is one segment, nothing
-// read) and the sliding window `win` (1 <= win <= t; t is plain causal): query i sees key j when
-// first(i) <= j <= i, and end(j) is one past the last query that sees key j. Both are
-// non-decreasing in their argument, so a range's first row has its smallest first() and its last
-// row its largest end().
+// What a query of a batch row may see. SEG: its segment (`seg`, or the whole row where `seg` is
+// null) and the sliding window `win` (1 <= win <= t; t: none), query i seeing key j when
+// first(i) <= j <= i, end(j) one past the last query that sees key j; both are non-decreasing, so
+// a range's first row has its smallest first() and its last row its largest end(). !SEG: plain
+// causal, constants, nothing read.
 template <bool SEG>
 struct SegBounds {
     const int *lo, *hi;
     int t, win;
-    __device__ __forceinline__ int first(int i) const { return max(SEG ? lo[i] : 0, i - win + 1); }
-    __device__ __forceinline__ int end(int i) const { return min(SEG ? hi[i] : t, win >= t - i ? t : i + win); }
+    __device__ __forceinline__ int first(int i) const { return SEG ? max(lo ? lo[i] : 0, i - win + 1) : 0; }
+    __device__ __forceinline__ int end(int i) const { return SEG ? min(hi ? hi[i] : t, win >= t - i ? t : i + win) : t; }
 };
-// Batch b's bounds in `seg` (2, batches, t), with the window `win`.
+// Batch b's bounds in `seg` (2, batches, t; or null), with the window `win`.
 template <bool SEG>
 static __device__ __forceinline__ SegBounds<SEG> seg_bounds(const int* seg, int b, int batches, int t, int win) {
-    if (!SEG) return SegBounds<SEG>{nullptr, nullptr, t, win};
+    if (!SEG || !seg) return SegBounds<SEG>{nullptr, nullptr, t, win};
     return SegBounds<SEG>{seg + (i64)b * t, seg + ((i64)batches + b) * t, t, win};
 }
 // Where warp `warp` of this block writes its count of skipped tiles.
@@ -250,9 +252,9 @@ static __device__ __forceinline__ float exp2_fast(float x) {
 // j + 1 is in flight (cp.async) while step j computes S = Q K^T, the online softmax (exp2 with
 // log2(e) folded into the scale) and O += P V, P taken from the S accumulators. A warp skips the
 // tiles wholly above its rows' diagonal, and masks only the tiles that cross it (or the end).
-// The block starts at the tile of its first row's first key (its segment start with SEG, its
-// window's start i - win + 1), and a warp also skips the tiles wholly before its first row's
-// first key and masks those before its last row's: the tiles visited grow with the window, not t.
+// With SEG the block starts at the tile of its first row's first key (segment start, window start
+// i - win + 1), and a warp also skips the tiles wholly before its first row's first key and masks
+// those before its last row's: with a window the tiles visited grow with win, not t.
 template <int D, int BC, int W, bool SEG>
 static __device__ void flash_fwd_impl(const bf16* q, const bf16* k, const bf16* v, bf16* o, float* lse, const int* seg, int* skipped, int hq,
                                       int hkv, int t, float scale, int layout, int win) {
@@ -266,7 +268,7 @@ static __device__ void flash_fwd_impl(const bf16* q, const bf16* k, const bf16* 
     auto [b, h, hk, q0, rsq, rskv, qh, kh, vh] = query_block<D, BR>(q, k, v, hq, hkv, t, layout);
     const SegBounds<SEG> sb = seg_bounds<SEG>(seg, b, gridDim.z, t, win);
     int kv_end = min(t, q0 + BR), n_tiles = (kv_end + BC - 1) / BC;
-    const int j0 = sb.first(q0) / BC;  // the first tile a row of the block sees (0 without SEG or window)
+    const int j0 = sb.first(q0) / BC;  // the first tile a row of the block sees (0 without SEG)
     load_rows_async<D, BR, NT>(sQ, qh, q0, t, rsq);
     cp_async_commit();
     load_kv_async<D, BC, NT>(sKV, j0, kh, vh, j0 * BC, t, rskv);
@@ -275,10 +277,9 @@ static __device__ void flash_fwd_impl(const bf16* q, const bf16* k, const bf16* 
     __syncthreads();
     int r0 = warp * 16, wr0 = q0 + r0;  // this warp's rows: wr0 .. wr0 + 15
     int rows[2] = {wr0 + g, wr0 + g + 8};
-    // The first keys (segment start, window start) of the warp's first and last rows and of this
-    // thread's two rows: 0 without SEG or window.
+    // SEG: the segment starts of the warp's first and last rows and of this thread's two rows.
     int lo_w = 0, lo_wl = 0, lo[2] = {0, 0}, n_skip = 0;
-    if (wr0 < t) {
+    if (SEG && wr0 < t) {
         lo_w = sb.first(wr0), lo_wl = sb.first(min(wr0 + 15, t - 1));
         lo[0] = sb.first(min(rows[0], t - 1)), lo[1] = sb.first(min(rows[1], t - 1));
     }
@@ -298,23 +299,25 @@ static __device__ void flash_fwd_impl(const bf16* q, const bf16* k, const bf16* 
         const bf16* sK = kv_stage<D, BC>(sKV, j);
         const bf16* sV = sK + BC * ST;
         bool live = k0 <= wr0 + 15 && wr0 < t;  // warp-uniform: the tile has a column some row may see
-        bool before = k0 + BC <= lo_w;          // ... but wholly before every row's first key
-        n_skip += live && before;
-        live = live && !before;
+        if (SEG) {                              // ... inside the rows' segments
+            bool before = k0 + BC <= lo_w;
+            n_skip += live && before;
+            live = live && !before;
+        }
         if (live) {
             float s[BC / 8][4];
             zero_acc<BC / 8>(s);
             mma_tiles<D / 16, BC / 16>(  // S = Q K^T, Q from registers
                 s, [&](unsigned* a, int kk) { a[0] = qf[kk][0], a[1] = qf[kk][1], a[2] = qf[kk][2], a[3] = qf[kk][3]; },
                 [&](unsigned* b, int kk, int np) { ldsm_b_nk(b, sK, ST, np * 16, kk * 16, lane); });
-            // crosses the diagonal or the end (or a segment or window start)
-            if (k0 + BC - 1 > wr0 || k0 + BC > t || k0 < lo_wl) {
+            // crosses the diagonal or the end (or with SEG, a segment start)
+            if (k0 + BC - 1 > wr0 || k0 + BC > t || (SEG && k0 < lo_wl)) {
 #pragma unroll
                 for (int n = 0; n < BC / 8; ++n)
 #pragma unroll
                     for (int e = 0; e < 4; ++e) {
                         int col = k0 + n * 8 + 2 * tq + (e & 1);
-                        if (col > rows[e >> 1] || col >= t || col < lo[e >> 1]) s[n][e] = -INFINITY;
+                        if (col > rows[e >> 1] || col >= t || (SEG && col < lo[e >> 1])) s[n][e] = -INFINITY;
                     }
             }
 #pragma unroll
@@ -322,11 +325,11 @@ static __device__ void flash_fwd_impl(const bf16* q, const bf16* k, const bf16* 
                 float mx = m_r[r];
 #pragma unroll
                 for (int n = 0; n < BC / 8; ++n) mx = fmaxf(mx, fmaxf(s[n][2 * r], s[n][2 * r + 1]));
-                // Plain causal, mx is finite: column 0 (tile 0, never skipped) is seen by every row.
-                // A row whose segment or window starts past this tile has seen nothing yet (mx
+                // Without SEG mx is finite: column 0 (tile 0, never skipped) is seen by every row.
+                // With SEG a row whose segment or window starts past this tile has seen nothing yet (mx
                 // -inf): 0 in its place makes every p and alpha 0 instead of NaN.
                 mx = quad_max(mx);
-                float mb = mx == -INFINITY ? 0.0f : mx;
+                float mb = SEG && mx == -INFINITY ? 0.0f : mx;
                 float alpha = exp2_fast((m_r[r] - mb) * sl2), ms = mb * sl2, rs = 0.0f;
                 m_r[r] = mx;
 #pragma unroll
@@ -349,7 +352,7 @@ static __device__ void flash_fwd_impl(const bf16* q, const bf16* k, const bf16* 
         if (rows[r] < t && tq == 0) lse[(i64)(b * hq + h) * t + rows[r]] = m_r[r] * scale + logf(l_r[r]);
     }
     store_rows<D>(head_rows<D>(o, b, hq, h, t, layout), acc, rows, inv, t, tq, rsq);
-    if (skipped && lane == 0) skipped[warp_slot(warp, W)] = wr0 < t ? j0 + n_skip : 0;  // + the tiles before j0
+    if (SEG && skipped && lane == 0) skipped[warp_slot(warp, W)] = wr0 < t ? j0 + n_skip : 0;  // + the tiles before j0
 }
 // ---- backward preprocessing: D = rowsum(dO * O), one warp per row ------------------------------
 // Row r = (b, h, i) of D (b, heads, t); dO and O are (b, heads, t, d) in `layout`.
@@ -379,10 +382,9 @@ extern "C" __global__ void attn_bwd_dot_bf16(const bf16* dout, const bf16* out, 
 // step's tiles in flight (cp.async) while this one computes, per warp, S^T = K Q^T and
 // dP^T = V dO^T (K, V rows as the A operand), P^T = exp2(S^T scale log2(e) - lse log2(e)),
 // dS^T = P^T (dP^T - D) scale, then dV += P^T dO and dK += dS^T Q with P^T, dS^T taken from
-// the accumulators. dK, dV stay in registers: deterministic, no atomics. The block stops at the
-// last query that sees its last row (its segment's end with SEG, j + win - 1 with a window), and
-// a warp skips the query tiles wholly past its last row's last query and masks those past its
-// first row's.
+// the accumulators. dK, dV stay in registers: deterministic, no atomics. With SEG the block stops
+// at the last query that sees its last row (segment end, j + win - 1), and a warp skips the query
+// tiles wholly past its last row's last query and masks those past its first row's.
 template <int D, int BQ, int W, bool SEG>
 static __device__ void flash_bwd_dkdv_impl(const bf16* q, const bf16* k, const bf16* v, const bf16* dout, const float* lse,
                                            const float* dvec, bf16* dk, bf16* dv, const int* seg, int* skipped, int hq, int hkv, int t,
@@ -404,7 +406,7 @@ static __device__ void flash_bwd_dkdv_impl(const bf16* q, const bf16* k, const b
     load_rows_async<D, BKV, NT>(sV, vh, k0, t, rskv);
     cp_async_commit();
     const SegBounds<SEG> sb = seg_bounds<SEG>(seg, b, gridDim.z, t, win);
-    // The query rows the block's kv rows are seen by end at its last row's end (t without SEG or window).
+    // The query rows the block's kv rows are seen by end at its last row's segment end (t without SEG).
     int i_first = (k0 / BQ) * BQ, per_head = (sb.end(min(k0 + BKV, t) - 1) - i_first + BQ - 1) / BQ, steps = group * per_head;
     // Step j: query head hk * group + j / per_head, query rows from i_first + (j % per_head) BQ.
     auto load_step = [&](int j) {
@@ -423,10 +425,9 @@ static __device__ void flash_bwd_dkdv_impl(const bf16* q, const bf16* k, const b
     zero_acc<D / 8>(dva);
     int r0 = warp * 16, kr0 = k0 + r0;  // this warp's kv rows: kr0 .. kr0 + 15
     int kvrow[2] = {kr0 + g, kr0 + g + 8};
-    // One past the last query (segment end, window end) of the warp's first and last kv rows and
-    // of this thread's two rows: t without SEG or window.
+    // SEG: the segment ends of the warp's first and last kv rows and of this thread's two rows.
     int hi_w = t, hi_wl = t, hi[2] = {t, t}, n_skip = 0;
-    if (kr0 < t) {
+    if (SEG && kr0 < t) {
         hi_w = sb.end(kr0), hi_wl = sb.end(min(kr0 + 15, t - 1));
         hi[0] = sb.end(min(kvrow[0], t - 1)), hi[1] = sb.end(min(kvrow[1], t - 1));
     }
@@ -444,22 +445,24 @@ static __device__ void flash_bwd_dkdv_impl(const bf16* q, const bf16* k, const b
         const bf16* sO = sQ + BQ * ST;
         const float* sD = sL + BQ;
         bool live = i0 + BQ - 1 >= kr0 && kr0 < t;  // warp-uniform: some query row of the tile sees a kv row
-        bool past = i0 >= hi_wl;                    // ... but wholly past every row's last query
-        n_skip += live && past;
-        live = live && !past;
+        if (SEG) {                                  // ... inside the rows' segments
+            bool past = i0 >= hi_wl;
+            n_skip += live && past;
+            live = live && !past;
+        }
         if (live) {
             float p[BQ / 8][4], ds[BQ / 8][4];
             zero_acc<BQ / 8>(p);
             zero_acc<BQ / 8>(ds);
             mma_rows_by_nk<D, BQ>(p, sK, r0, sQ, lane);   // S^T = K Q^T
             mma_rows_by_nk<D, BQ>(ds, sV, r0, sO, lane);  // dP^T = V dO^T
-            bool mask = i0 < kr0 + 15 || i0 + BQ > t || kr0 + 15 >= t || i0 + BQ > hi_w;
+            bool mask = i0 < kr0 + 15 || i0 + BQ > t || kr0 + 15 >= t || (SEG && i0 + BQ > hi_w);
 #pragma unroll
             for (int n = 0; n < BQ / 8; ++n)
 #pragma unroll
                 for (int e = 0; e < 4; ++e) {
                     int qc = n * 8 + 2 * tq + (e & 1), qrow = i0 + qc, kr = kvrow[e >> 1];
-                    bool ok = !mask || (qrow >= kr && qrow < t && kr < t && qrow < hi[e >> 1]);
+                    bool ok = !mask || (qrow >= kr && qrow < t && kr < t && (!SEG || qrow < hi[e >> 1]));
                     float pv = ok ? exp2_fast(fmaf(p[n][e], sl2, -sL[qc])) : 0.0f;
                     p[n][e] = pv;
                     ds[n][e] = pv * (ds[n][e] - sD[qc]) * scale;
@@ -473,14 +476,14 @@ static __device__ void flash_bwd_dkdv_impl(const bf16* q, const bf16* k, const b
     store_rows<D>(head_rows<D>(dk, b, hkv, hk, t, layout), dka, kvrow, one, t, tq, rskv);
     store_rows<D>(head_rows<D>(dv, b, hkv, hk, t, layout), dva, kvrow, one, t, tq, rskv);
     // + the tiles of each query head past the block's last step
-    if (skipped && lane == 0) skipped[warp_slot(warp, W)] = kr0 < t ? n_skip + group * ((t + BQ - 1) / BQ - i_first / BQ - per_head) : 0;
+    if (SEG && skipped && lane == 0) skipped[warp_slot(warp, W)] = kr0 < t ? n_skip + group * ((t + BQ - 1) / BQ - i_first / BQ - per_head) : 0;
 }
 // ---- backward dQ (bf16, tensor cores) ---------------------------------------------------------
 // grid (ceil(t / 16W), hq, b), block 32 W (W warps x 16 query rows), dynamic smem
 // (2 * 16 W + 4 BC) (D + 8) * 2 bytes: the block's Q and dO rows, then two stages of K and V tiles
 // of BC rows. Per kv tile (the next in flight): S = Q K^T, dP = dO V^T, dS = P (dP - D) scale
 // with P = exp2(S scale log2(e) - lse log2(e)), dQ += dS K (K through ldmatrix.trans); the
-// causal, segment and window skipping and masking of the forward.
+// causal skipping and masking of the forward, with SEG its segment skipping and masking.
 template <int D, int BC, int W, bool SEG>
 static __device__ void flash_bwd_dq_impl(const bf16* q, const bf16* k, const bf16* v, const bf16* dout, const float* lse,
                                          const float* dvec, bf16* dq, const int* seg, int* skipped, int hq, int hkv, int t, float scale,
@@ -503,7 +506,7 @@ static __device__ void flash_bwd_dq_impl(const bf16* q, const bf16* k, const bf1
     int r0 = warp * 16, wr0 = q0 + r0;
     int rows[2] = {wr0 + g, wr0 + g + 8};
     int lo_w = 0, lo_wl = 0, lo[2] = {0, 0}, n_skip = 0;  // as in the forward
-    if (wr0 < t) {
+    if (SEG && wr0 < t) {
         lo_w = sb.first(wr0), lo_wl = sb.first(min(wr0 + 15, t - 1));
         lo[0] = sb.first(min(rows[0], t - 1)), lo[1] = sb.first(min(rows[1], t - 1));
     }
@@ -525,22 +528,24 @@ static __device__ void flash_bwd_dq_impl(const bf16* q, const bf16* k, const bf1
         const bf16* sK = kv_stage<D, BC>(sKV, j);
         const bf16* sV = sK + BC * ST;
         bool live = k0 <= wr0 + 15 && wr0 < t;
-        bool before = k0 + BC <= lo_w;
-        n_skip += live && before;
-        live = live && !before;
+        if (SEG) {
+            bool before = k0 + BC <= lo_w;
+            n_skip += live && before;
+            live = live && !before;
+        }
         if (live) {
             float s[BC / 8][4], dp[BC / 8][4];
             zero_acc<BC / 8>(s);
             zero_acc<BC / 8>(dp);
             mma_rows_by_nk<D, BC>(s, sQ, r0, sK, lane);   // S = Q K^T
             mma_rows_by_nk<D, BC>(dp, sO, r0, sV, lane);  // dP = dO V^T
-            bool mask = k0 + BC - 1 > wr0 || k0 + BC > t || k0 < lo_wl;
+            bool mask = k0 + BC - 1 > wr0 || k0 + BC > t || (SEG && k0 < lo_wl);
 #pragma unroll
             for (int n = 0; n < BC / 8; ++n)
 #pragma unroll
                 for (int e = 0; e < 4; ++e) {
                     int col = k0 + n * 8 + 2 * tq + (e & 1), row = rows[e >> 1];
-                    bool ok = !mask || (col <= row && col < t && col >= lo[e >> 1]);
+                    bool ok = !mask || (col <= row && col < t && (!SEG || col >= lo[e >> 1]));
                     float pv = ok ? exp2_fast(fmaf(s[n][e], sl2, -l2[e >> 1])) : 0.0f;
                     s[n][e] = pv * (dp[n][e] - dr[e >> 1]) * scale;  // dS
                 }
@@ -550,30 +555,28 @@ static __device__ void flash_bwd_dq_impl(const bf16* q, const bf16* k, const bf1
     }
     const float one[2] = {1.0f, 1.0f};
     store_rows<D>(head_rows<D>(dq, b, hq, h, t, layout), acc, rows, one, t, tq, rsq);
-    if (skipped && lane == 0) skipped[warp_slot(warp, W)] = wr0 < t ? j0 + n_skip : 0;
+    if (SEG && skipped && lane == 0) skipped[warp_slot(warp, W)] = wr0 < t ? j0 + n_skip : 0;
 }
 // The entry points: forward, dK/dV and dQ at head dim D with W warps, named by SUFFIX, and their
-// `_seg` twins for packed rows (the same code with SEG). `window` is the sliding window, 1..t
-// (t: plain causal; the launchers clamp to t); each warp writes the tiles it skipped to `skipped`
-// when it is not null.
+// `_seg` twins for packed rows and sliding windows (the same code with SEG; `seg` null: no
+// segments; `window` 1..t, t: none). The plain kernels are plain causal attention.
 #define FLASH_KERNELS(D, W, SUFFIX)                                                                                                    \
     extern "C" __global__ void __launch_bounds__(32 * W)                                                                               \
-        flash_fwd_bf16_##SUFFIX(const bf16* q, const bf16* k, const bf16* v, bf16* o, float* lse, int* skipped, int hq, int hkv,       \
-                                int t, float scale, int layout, int window) {                                                          \
-        flash_fwd_impl<D, FLASH_FWD_TILE_D##D, W, false>(q, k, v, o, lse, nullptr, skipped, hq, hkv, t, scale, layout, window);        \
+        flash_fwd_bf16_##SUFFIX(const bf16* q, const bf16* k, const bf16* v, bf16* o, float* lse, int hq, int hkv, int t, float scale, \
+                                int layout) {                                                                                          \
+        flash_fwd_impl<D, FLASH_FWD_TILE_D##D, W, false>(q, k, v, o, lse, nullptr, nullptr, hq, hkv, t, scale, layout, t);                \
     }                                                                                                                                  \
     extern "C" __global__ void __launch_bounds__(32 * W)                                                                               \
         flash_bwd_dkdv_bf16_##SUFFIX(const bf16* q, const bf16* k, const bf16* v, const bf16* dout, const float* lse,                  \
-                                     const float* dvec, bf16* dk, bf16* dv, int* skipped, int hq, int hkv, int t, float scale,         \
-                                     int layout, int window) {                                                                         \
-        flash_bwd_dkdv_impl<D, FLASH_BWD_TILE_D##D, W, false>(q, k, v, dout, lse, dvec, dk, dv, nullptr, skipped, hq, hkv, t, scale,   \
-                                                              layout, window);                                                 \
+                                     const float* dvec, bf16* dk, bf16* dv, int hq, int hkv, int t, float scale, int layout) {         \
+        flash_bwd_dkdv_impl<D, FLASH_BWD_TILE_D##D, W, false>(q, k, v, dout, lse, dvec, dk, dv, nullptr, nullptr, hq, hkv, t, scale,   \
+                                                              layout, t);                                                         \
     }                                                                                                                                  \
     extern "C" __global__ void __launch_bounds__(32 * W)                                                                               \
         flash_bwd_dq_bf16_##SUFFIX(const bf16* q, const bf16* k, const bf16* v, const bf16* dout, const float* lse, const float* dvec, \
-                                   bf16* dq, int* skipped, int hq, int hkv, int t, float scale, int layout, int window) {              \
-        flash_bwd_dq_impl<D, FLASH_BWD_TILE_D##D, W, false>(q, k, v, dout, lse, dvec, dq, nullptr, skipped, hq, hkv, t, scale, layout, \
-                                                            window);                                                           \
+                                   bf16* dq, int hq, int hkv, int t, float scale, int layout) {                                        \
+        flash_bwd_dq_impl<D, FLASH_BWD_TILE_D##D, W, false>(q, k, v, dout, lse, dvec, dq, nullptr, nullptr, hq, hkv, t, scale,         \
+                                                            layout, t);                                                           \
     }                                                                                                                                  \
     extern "C" __global__ void __launch_bounds__(32 * W)                                                                               \
         flash_fwd_seg_bf16_##SUFFIX(const bf16* q, const bf16* k, const bf16* v, bf16* o, float* lse, const int* seg, int* skipped,    \
@@ -585,7 +588,7 @@ static __device__ void flash_bwd_dq_impl(const bf16* q, const bf16* k, const bf1
                                          const float* dvec, bf16* dk, bf16* dv, const int* seg, int* skipped, int hq, int hkv, int t,  \
                                          float scale, int layout, int window) {                                                        \
         flash_bwd_dkdv_impl<D, FLASH_BWD_TILE_D##D, W, true>(q, k, v, dout, lse, dvec, dk, dv, seg, skipped, hq, hkv, t, scale,        \
-                                                             layout, window);                                                  \
+                                                             layout, window);                                                          \
     }                                                                                                                                  \
     extern "C" __global__ void __launch_bounds__(32 * W)                                                                               \
         flash_bwd_dq_seg_bf16_##SUFFIX(const bf16* q, const bf16* k, const bf16* v, const bf16* dout, const float* lse,                \

@@ -22,8 +22,9 @@
 //! Gemma 3): with window w, query i sees key j when i - w < j <= i, as transformers'
 //! `sliding_window_causal_mask_function` has it; inside segments the positions count from each
 //! segment's start, which gives the same keys. The CPU reference computes only the keys of each
-//! block's windows; the CUDA kernels take w as an argument, start their tile loops at the first
-//! tile a block's windows reach and stop at the diagonal (dK/dV: at the last query that sees its
+//! block's windows; on CUDA w is an argument of the SIMT kernels and of the flash `_seg` twins
+//! (with no segments, a null `seg`), which start their tile loops at the first tile a block's
+//! windows reach and stop at the diagonal (dK/dV: at the last query that sees its
 //! keys, j + w - 1), so the tiles visited grow with w, not t (`count_skipped_tiles` counts the
 //! skipped ones). A window of t or more is plain causal attention, bit for bit; 0 is an error.
 use crate::dispatch::{dev_ptr, f32_ptr, num, on, On};
@@ -110,14 +111,7 @@ pub fn segment_attention(q: &Tensor, k: &Tensor, v: &Tensor, scale: f64, segs: &
 /// `segment_attention` with a sliding window inside each segment: query i of a segment [s, e)
 /// attends to keys j with max(s, i - window + 1) <= j <= i, the same as
 /// `causal_attention_window` of that segment alone.
-pub fn segment_attention_window(
-    q: &Tensor,
-    k: &Tensor,
-    v: &Tensor,
-    scale: f64,
-    segs: &Segments,
-    window: Option<usize>,
-) -> Result<Tensor> {
+pub fn segment_attention_window(q: &Tensor, k: &Tensor, v: &Tensor, scale: f64, segs: &Segments, window: Option<usize>) -> Result<Tensor> {
     attention_op(q, k, v, scale, Some(segs), window)
 }
 
@@ -273,7 +267,15 @@ mod cpu {
     }
 
     /// `w`: the window, 1..=t (t: full causal).
-    pub(super) fn forward(q: View, k: View, v: View, dims: AttnDims, scale: f64, segs: Option<&Segments>, w: usize) -> Result<(Storage, Storage)> {
+    pub(super) fn forward(
+        q: View,
+        k: View,
+        v: View,
+        dims: AttnDims,
+        scale: f64,
+        segs: Option<&Segments>,
+        w: usize,
+    ) -> Result<(Storage, Storage)> {
         let (oq, ok, ov) = (q.1.offset, k.1.offset, v.1.offset);
         let (nq, nk) = (q.1.numel(), k.1.numel());
         let dt = q.0.dtype();

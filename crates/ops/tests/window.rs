@@ -61,8 +61,9 @@ fn dense(
             let qi = |i: usize, x: usize| ((r * hq + h) * t + i) * d + x;
             let kj = |j: usize, x: usize| ((r * hkv + kh) * t + j) * d + x;
             for i in 0..t {
-                let s: Vec<f64> =
-                    (0..t).map(|j| if sees(r, i, j) { (0..d).map(|x| q[qi(i, x)] * k[kj(j, x)]).sum::<f64>() * scale } else { f64::NEG_INFINITY }).collect();
+                let s: Vec<f64> = (0..t)
+                    .map(|j| if sees(r, i, j) { (0..d).map(|x| q[qi(i, x)] * k[kj(j, x)]).sum::<f64>() * scale } else { f64::NEG_INFINITY })
+                    .collect();
                 let m = s.iter().cloned().fold(f64::NEG_INFINITY, f64::max);
                 let e: Vec<f64> = s.iter().map(|x| (x - m).exp()).collect();
                 let l: f64 = e.iter().sum();
@@ -92,7 +93,12 @@ fn op_fwd_bwd(ins: &[Tensor; 4], f: impl Fn(&Tensor, &Tensor, &Tensor) -> Tensor
     let [q, k, v] = [&ins[0], &ins[1], &ins[2]].map(|x| param(&x.detach()));
     let o = f(&q, &k, &v);
     o.mul(&ins[3]).unwrap().sum_all().unwrap().backward().unwrap();
-    [o.to_vec_f64().unwrap(), q.grad().unwrap().to_vec_f64().unwrap(), k.grad().unwrap().to_vec_f64().unwrap(), v.grad().unwrap().to_vec_f64().unwrap()]
+    [
+        o.to_vec_f64().unwrap(),
+        q.grad().unwrap().to_vec_f64().unwrap(),
+        k.grad().unwrap().to_vec_f64().unwrap(),
+        v.grad().unwrap().to_vec_f64().unwrap(),
+    ]
 }
 
 #[track_caller]
@@ -107,6 +113,7 @@ fn close_to(name: &str, got: &[f64], want: &[f64], tol: f64) {
 #[test]
 fn window_attention_matches_a_dense_masked_softmax() {
     let mut r = Rng::new(51);
+    #[allow(clippy::type_complexity)]
     let cases: Vec<(usize, usize, usize, usize, usize, Option<Vec<Vec<usize>>>)> = vec![
         (2, 4, 2, 9, 4, None),
         (1, 2, 2, 17, 8, None),
@@ -118,7 +125,12 @@ fn window_attention_matches_a_dense_masked_softmax() {
         let st = starts(t, rows.as_deref(), b);
         let segs = rows.as_ref().map(|rows| segments(t, rows));
         for w in [1, 2, 7, t - 1, t, t + 3] {
-            let ins = [randn(&[b, hq, t, d], &mut r), randn(&[b, hkv, t, d], &mut r), randn(&[b, hkv, t, d], &mut r), randn(&[b, hq, t, d], &mut r)];
+            let ins = [
+                randn(&[b, hq, t, d], &mut r),
+                randn(&[b, hkv, t, d], &mut r),
+                randn(&[b, hkv, t, d], &mut r),
+                randn(&[b, hq, t, d], &mut r),
+            ];
             let vals: Vec<Vec<f64>> = ins.iter().map(|x| x.to_vec_f64().unwrap()).collect();
             let scale = 1.0 / (d as f64).sqrt();
             let (o, dq, dk, dv) = dense([&vals[0], &vals[1], &vals[2], &vals[3]], [b, hq, hkv, t, d], scale, Some(w), &st);
@@ -142,7 +154,8 @@ fn window_attention_matches_a_dense_masked_softmax() {
 fn the_dense_reference_honours_the_window() {
     let mut r = Rng::new(7);
     let (b, hq, hkv, t, d) = (1, 2, 1, 6, 3);
-    let ins = [randn(&[b, hq, t, d], &mut r), randn(&[b, hkv, t, d], &mut r), randn(&[b, hkv, t, d], &mut r), randn(&[b, hq, t, d], &mut r)];
+    let ins =
+        [randn(&[b, hq, t, d], &mut r), randn(&[b, hkv, t, d], &mut r), randn(&[b, hkv, t, d], &mut r), randn(&[b, hq, t, d], &mut r)];
     let vals: Vec<Vec<f64>> = ins.iter().map(|x| x.to_vec_f64().unwrap()).collect();
     let (o, ..) = dense([&vals[0], &vals[1], &vals[2], &vals[3]], [b, hq, hkv, t, d], 0.5, Some(1), &starts(t, None, b));
     close("window 1 is v", &o[..t * d], &vals[2]);
@@ -157,7 +170,9 @@ fn grad_window_attention() {
     let g = &mut Rng::new(52);
     for (b, hq, hkv, t, d, w) in [(1, 2, 1, 7, 3, 1), (2, 2, 2, 6, 4, 2), (1, 4, 2, 9, 3, 4)] {
         let ins = [randn(&[b, hq, t, d], g), randn(&[b, hkv, t, d], g), randn(&[b, hkv, t, d], g)];
-        gradcheck(&format!("window attention b{b} hq{hq} hkv{hkv} t{t} d{d} w{w}"), &ins, |x| causal_attention_window(&x[0], &x[1], &x[2], 0.4, Some(w)));
+        gradcheck(&format!("window attention b{b} hq{hq} hkv{hkv} t{t} d{d} w{w}"), &ins, |x| {
+            causal_attention_window(&x[0], &x[1], &x[2], 0.4, Some(w))
+        });
     }
     let segs = segments(10, &[vec![4, 1, 5], vec![10]]);
     let ins = [randn(&[2, 4, 10, 3], g), randn(&[2, 2, 10, 3], g), randn(&[2, 2, 10, 3], g)];
@@ -176,7 +191,12 @@ fn window_of_t_or_more_is_causal_and_zero_is_refused() {
     let t = 70;
     let segs = segments(t, &[vec![30, 40]]);
     for dt in [DType::F32, DType::F64] {
-        let ins = [randn_dt(&[1, 4, t, 4], dt, &mut r), randn_dt(&[1, 2, t, 4], dt, &mut r), randn_dt(&[1, 2, t, 4], dt, &mut r), randn_dt(&[1, 4, t, 4], dt, &mut r)];
+        let ins = [
+            randn_dt(&[1, 4, t, 4], dt, &mut r),
+            randn_dt(&[1, 2, t, 4], dt, &mut r),
+            randn_dt(&[1, 2, t, 4], dt, &mut r),
+            randn_dt(&[1, 4, t, 4], dt, &mut r),
+        ];
         let want = op_fwd_bwd(&ins, |q, k, v| causal_attention(q, k, v, 0.3).unwrap());
         let want_seg = op_fwd_bwd(&ins, |q, k, v| segment_attention(q, k, v, 0.3, &segs).unwrap());
         for w in [None, Some(t), Some(t + 1), Some(usize::MAX)] {
@@ -225,10 +245,8 @@ fn window_matches_transformers() {
     let (t, d) = (q.dim(2), q.dim(3));
     let pos: Vec<f32> = fx["positions"].to_vec().unwrap();
     // Segments: a new one wherever the position restarts at 0.
-    let rows: Vec<Vec<u32>> = pos
-        .chunks(t)
-        .map(|p| (0..t).filter(|&i| p[i] == 0.0).map(|i| i as u32).chain(std::iter::once(t as u32)).collect())
-        .collect();
+    let rows: Vec<Vec<u32>> =
+        pos.chunks(t).map(|p| (0..t).filter(|&i| p[i] == 0.0).map(|i| i as u32).chain(std::iter::once(t as u32)).collect()).collect();
     assert_eq!(rows[1], vec![0, 5, 6, 12], "the fixture's packed row");
     let segs = Segments::new(t, rows).unwrap();
     let scale = 1.0 / (d as f64).sqrt();
@@ -246,7 +264,9 @@ fn window_matches_transformers() {
         let o = segment_attention_window(q, k, v, scale, &segs, Some(w)).unwrap();
         assert!(rel_err(&o.to_vec_f64().unwrap(), &fx["o_w5"].to_vec_f64().unwrap()) > 1e-2, "window {w} looks like transformers' 5");
     }
-    let got = op_fwd_bwd(&[q.clone(), k.clone(), v.clone(), g.clone()], |q, k, v| segment_attention_window(q, k, v, scale, &segs, Some(5)).unwrap());
+    let got = op_fwd_bwd(&[q.clone(), k.clone(), v.clone(), g.clone()], |q, k, v| {
+        segment_attention_window(q, k, v, scale, &segs, Some(5)).unwrap()
+    });
     for (i, what) in ["dq_w5", "dk_w5", "dv_w5"].iter().enumerate() {
         close_to(what, &got[i + 1], &fx[*what].to_vec_f64().unwrap(), 1e-5);
     }

@@ -1,7 +1,8 @@
 //! Launchers of kernels/attention.cu: the tensor-core (flash) kernels for bf16 with head dim
 //! 64 or 128, the SIMT kernels (one warp per row) otherwise. Packed rows take the flash kernels'
-//! `_seg` twins, or the SIMT kernels with their segment bounds. Every kernel takes the sliding
-//! window as an int, 1..=t (t: full causal).
+//! `_seg` twins, or the SIMT kernels with their segment bounds. A sliding window is an int
+//! argument, 1..=t (t: none), of the SIMT kernels and the `_seg` twins, which then run with or
+//! without segments (a null `seg`); the plain flash kernels are plain causal attention.
 use super::*;
 use ferrolm_cuda::consts::{
     ATTN_SIMT_PER_LANE, FLASH_BWD_TILE_D128, FLASH_BWD_TILE_D64, FLASH_FWD_TILE_D128, FLASH_FWD_TILE_D64, FLASH_PAD, FLASH_WARP_ROWS,
@@ -72,10 +73,9 @@ thread_local! {
     static SKIPPED: Cell<Option<SkippedTiles>> = const { Cell::new(None) };
 }
 
-/// Runs `f` counting, per pass, the tiles the flash kernels launched on this thread skip for
-/// segments and sliding windows (`SkippedTiles`; plain causal attention skips none). Each such
-/// launch then reads its warps' counts back (a host wait): for tests and measurements, not
-/// training.
+/// Runs `f` counting, per pass, the tiles the flash `_seg` kernels launched on this thread skip
+/// for segments and sliding windows (`SkippedTiles`). Each such launch then reads its warps'
+/// counts back (a host wait): for tests and measurements, not training.
 pub fn count_skipped_tiles<R>(f: impl FnOnce() -> R) -> (R, SkippedTiles) {
     // Restored when `f` returns or unwinds, so counting nests.
     struct Restore(Option<SkippedTiles>);
@@ -124,22 +124,18 @@ fn seg_ptr(be: &CudaBackend, op: &str, segs: &Segments) -> Result<(DevPtr, Tenso
 
 // ---- the flash kernels of one (head dim, warps) ---------------------------------------------
 
-// Pointers, then hq, hkv, t, scale, layout, window.
-type FwdKernel = unsafe fn(&CudaBackend, Launch, DevPtr, DevPtr, DevPtr, DevPtr, DevPtr, DevPtr, i32, i32, i32, f32, i32, i32) -> Result<()>;
+// Pointers, then hq, hkv, t, scale, layout (and for `_seg`, the window).
+type FwdKernel = unsafe fn(&CudaBackend, Launch, DevPtr, DevPtr, DevPtr, DevPtr, DevPtr, i32, i32, i32, f32, i32) -> Result<()>;
 type FwdSegKernel =
     unsafe fn(&CudaBackend, Launch, DevPtr, DevPtr, DevPtr, DevPtr, DevPtr, DevPtr, DevPtr, i32, i32, i32, f32, i32, i32) -> Result<()>;
-#[rustfmt::skip]
-type DkdvKernel = unsafe fn(
-    &CudaBackend, Launch, DevPtr, DevPtr, DevPtr, DevPtr, DevPtr, DevPtr, DevPtr, DevPtr, DevPtr, i32, i32, i32, f32, i32, i32,
-) -> Result<()>;
+type DkdvKernel =
+    unsafe fn(&CudaBackend, Launch, DevPtr, DevPtr, DevPtr, DevPtr, DevPtr, DevPtr, DevPtr, DevPtr, i32, i32, i32, f32, i32) -> Result<()>;
 #[rustfmt::skip]
 type DkdvSegKernel = unsafe fn(
     &CudaBackend, Launch, DevPtr, DevPtr, DevPtr, DevPtr, DevPtr, DevPtr, DevPtr, DevPtr, DevPtr, DevPtr, i32, i32, i32, f32, i32, i32,
 ) -> Result<()>;
-#[rustfmt::skip]
-type DqKernel = unsafe fn(
-    &CudaBackend, Launch, DevPtr, DevPtr, DevPtr, DevPtr, DevPtr, DevPtr, DevPtr, DevPtr, i32, i32, i32, f32, i32, i32,
-) -> Result<()>;
+type DqKernel =
+    unsafe fn(&CudaBackend, Launch, DevPtr, DevPtr, DevPtr, DevPtr, DevPtr, DevPtr, DevPtr, i32, i32, i32, f32, i32) -> Result<()>;
 #[rustfmt::skip]
 type DqSegKernel = unsafe fn(
     &CudaBackend, Launch, DevPtr, DevPtr, DevPtr, DevPtr, DevPtr, DevPtr, DevPtr, DevPtr, DevPtr, i32, i32, i32, f32, i32, i32,
@@ -207,6 +203,17 @@ fn aligned_ptr(be: &CudaBackend, op: &str, x: View, layout: HeadLayout, keep: &m
     Ok(p)
 }
 
+/// The `seg` pointer the `_seg` flash kernels take where a call has segments or a window (`win`
+/// below t): the segment bounds, or null for a window alone; None for plain causal attention,
+/// which takes the plain kernels.
+fn bounded(seg: Option<DevPtr>, win: i32, a: AttnDims) -> Option<DevPtr> {
+    match seg {
+        Some(p) => Some(p),
+        None if (win as usize) < a.t => Some(DevPtr::NULL),
+        None => None,
+    }
+}
+
 /// One block of `warps` warps per 16 `warps` rows of each of `heads` heads of each batch.
 fn flash_grid(a: AttnDims, heads: usize, warps: usize, smem: usize) -> Launch {
     Launch::new((a.t.div_ceil(FLASH_WARP_ROWS * warps) as u32, heads as u32, a.b as u32), 32 * warps as u32).smem(smem)
@@ -249,15 +256,23 @@ pub(super) fn forward(
         let (pq, pk, pv) = (ptr(q)?, ptr(k)?, ptr(v)?);
         let nw = flash_warps()?;
         let (ks, cfg, lc) = (flash_kernels(a.d, nw), flash_grid(a, a.hq, nw, flash_smem(a.d, nw).fwd), layout.code());
-        counted(be, flash_warps_of(a, a.hq, nw), |c| &mut c.fwd, |n| match &seg {
-            None => unsafe { (ks.fwd)(be, cfg, pq, pk, pv, o.ptr(), lse.ptr(), n, hq, hkv, t, sc, lc, win) },
-            Some((ps, _)) => unsafe { (ks.fwd_seg)(be, cfg, pq, pk, pv, o.ptr(), lse.ptr(), *ps, n, hq, hkv, t, sc, lc, win) },
-        })?;
+        // Segments or a window: the `_seg` twin (a null `seg` without segments).
+        match bounded(seg.as_ref().map(|s| s.0), win, a) {
+            None => unsafe { (ks.fwd)(be, cfg, pq, pk, pv, o.ptr(), lse.ptr(), hq, hkv, t, sc, lc)? },
+            Some(ps) => counted(
+                be,
+                flash_warps_of(a, a.hq, nw),
+                |c| &mut c.fwd,
+                |n| unsafe { (ks.fwd_seg)(be, cfg, pq, pk, pv, o.ptr(), lse.ptr(), ps, n, hq, hkv, t, sc, lc, win) },
+            )?,
+        }
     } else {
         head_major(op, layout)?;
         let cfg = Launch::cover(a.b * a.hq * a.t * 32, SIMT_BLOCK);
         let ps = seg.as_ref().map_or(DevPtr::NULL, |s| s.0);
-        unsafe { kernels::attn_fwd_simt(be, s.dtype(), cfg, pq, pk, pv, o.ptr(), lse.ptr(), ps, a.b as i32, hq, hkv, t, a.d as i32, sc, win)? };
+        unsafe {
+            kernels::attn_fwd_simt(be, s.dtype(), cfg, pq, pk, pv, o.ptr(), lse.ptr(), ps, a.b as i32, hq, hkv, t, a.d as i32, sc, win)?
+        };
     }
     Ok((o.into(), lse.into()))
 }
@@ -353,14 +368,22 @@ unsafe fn flash_backward(
     // SAFETY: the caller's contract; each kernel gets the shared memory its tiles take and a
     // count buffer of one i32 per warp of its grid, or null.
     unsafe {
-        counted(be, flash_warps_of(a, a.hkv, w), |c| &mut c.dkdv, |n| match seg {
-            None => (ks.dkdv)(be, kv_grid, x.q, x.k, x.v, x.dout, x.lse, x.dvec, dk, dv, n, hq, hkv, t, sc, lc, win),
-            Some(ps) => (ks.dkdv_seg)(be, kv_grid, x.q, x.k, x.v, x.dout, x.lse, x.dvec, dk, dv, ps, n, hq, hkv, t, sc, lc, win),
-        })?;
-        counted(be, flash_warps_of(a, a.hq, w), |c| &mut c.dq, |n| match seg {
-            None => (ks.dq)(be, q_grid, x.q, x.k, x.v, x.dout, x.lse, x.dvec, dq, n, hq, hkv, t, sc, lc, win),
-            Some(ps) => (ks.dq_seg)(be, q_grid, x.q, x.k, x.v, x.dout, x.lse, x.dvec, dq, ps, n, hq, hkv, t, sc, lc, win),
-        })
+        let Some(ps) = bounded(seg, win, a) else {
+            (ks.dkdv)(be, kv_grid, x.q, x.k, x.v, x.dout, x.lse, x.dvec, dk, dv, hq, hkv, t, sc, lc)?;
+            return (ks.dq)(be, q_grid, x.q, x.k, x.v, x.dout, x.lse, x.dvec, dq, hq, hkv, t, sc, lc);
+        };
+        counted(
+            be,
+            flash_warps_of(a, a.hkv, w),
+            |c| &mut c.dkdv,
+            |n| (ks.dkdv_seg)(be, kv_grid, x.q, x.k, x.v, x.dout, x.lse, x.dvec, dk, dv, ps, n, hq, hkv, t, sc, lc, win),
+        )?;
+        counted(
+            be,
+            flash_warps_of(a, a.hq, w),
+            |c| &mut c.dq,
+            |n| (ks.dq_seg)(be, q_grid, x.q, x.k, x.v, x.dout, x.lse, x.dvec, dq, ps, n, hq, hkv, t, sc, lc, win),
+        )
     }
 }
 
