@@ -24,11 +24,19 @@
 // a query sees only the keys of its own segment. `seg` is then the per-token (2, b, t) i32 of
 // crates/ops/src/segments.rs: the first position of each token's segment, then one past its
 // last. The flash kernels take it in their `_seg` twins, the same templates with SEG = true
-// (with SEG = false the segment code is compiled out: the main loops are what they were). A
-// block starts its tile loop at the first tile its rows' segments reach, a warp skips every tile
-// wholly outside its rows' segments and masks only the tiles a segment boundary crosses, and
-// each warp writes the number of tiles it skipped for segments to `skipped` (when not null: a
-// test's count). The SIMT kernels take a nullable `seg` and bound their loops by it.
+// (with SEG = false the segment bounds are compile-time constants, nothing is read).
+//
+// Sliding window (Mistral, Qwen2, Gemma 3): query i sees key j when i - w < j <= i, inside its
+// segment (positions count from the segment start, which selects the same keys). A window is a
+// segment start that moves with the row, so the `_seg` kernels take it as an argument, `window`
+// (1..t; t: none), beside `seg`, which may be null (no segments: a window alone), and both go
+// through one bound (SegBounds): a block starts its tile loop at the first tile its rows reach
+// (segment start, i - w + 1), dK/dV stops at the last query that sees its rows (segment end,
+// j + w - 1), a warp skips every tile wholly outside its rows' bounds and masks only the tiles a
+// bound crosses: the tiles visited grow with w, not t. The plain kernels stay plain causal (their
+// main loops compile as before); each warp of a `_seg` kernel writes the number of causal tiles it
+// skipped to `skipped` (when not null: a test's count). The SIMT kernels take a nullable `seg`
+// and the window and bound their loops by them.
 #include "common.cuh"
 
 // ---- mma.sync m16n8k16 (row.col, bf16 in, f32 accumulate) and its fragments --------------------
@@ -154,21 +162,23 @@ static __device__ __forceinline__ FlashLane flash_lane() {
     int lane = threadIdx.x & 31;
     return FlashLane{(int)(threadIdx.x >> 5), lane, lane >> 2, lane & 3};
 }
-// A batch row's segment bounds (SEG), or the bounds of a row that is one segment (!SEG: constants,
-// nothing read): first(i) is the first key query i may see, end(i) one past the last query that
-// sees key i.
+// What a query of a batch row may see. SEG: its segment (`seg`, or the whole row where `seg` is
+// null) and the sliding window `win` (1 <= win <= t; t: none), query i seeing key j when
+// first(i) <= j <= i, end(j) one past the last query that sees key j; both are non-decreasing, so
+// a range's first row has its smallest first() and its last row its largest end(). !SEG: plain
+// causal, constants, nothing read.
 template <bool SEG>
 struct SegBounds {
     const int *lo, *hi;
-    int t;
-    __device__ __forceinline__ int first(int i) const { return SEG ? lo[i] : 0; }
-    __device__ __forceinline__ int end(int i) const { return SEG ? hi[i] : t; }
+    int t, win;
+    __device__ __forceinline__ int first(int i) const { return SEG ? max(lo ? lo[i] : 0, i - win + 1) : 0; }
+    __device__ __forceinline__ int end(int i) const { return SEG ? min(hi ? hi[i] : t, win >= t - i ? t : i + win) : t; }
 };
-// Batch b's bounds in `seg` (2, batches, t).
+// Batch b's bounds in `seg` (2, batches, t; or null), with the window `win`.
 template <bool SEG>
-static __device__ __forceinline__ SegBounds<SEG> seg_bounds(const int* seg, int b, int batches, int t) {
-    if (!SEG) return SegBounds<SEG>{nullptr, nullptr, t};
-    return SegBounds<SEG>{seg + (i64)b * t, seg + ((i64)batches + b) * t, t};
+static __device__ __forceinline__ SegBounds<SEG> seg_bounds(const int* seg, int b, int batches, int t, int win) {
+    if (!SEG || !seg) return SegBounds<SEG>{nullptr, nullptr, t, win};
+    return SegBounds<SEG>{seg + (i64)b * t, seg + ((i64)batches + b) * t, t, win};
 }
 // Where warp `warp` of this block writes its count of skipped tiles.
 static __device__ __forceinline__ i64 warp_slot(int warp, int warps) {
@@ -242,11 +252,12 @@ static __device__ __forceinline__ float exp2_fast(float x) {
 // j + 1 is in flight (cp.async) while step j computes S = Q K^T, the online softmax (exp2 with
 // log2(e) folded into the scale) and O += P V, P taken from the S accumulators. A warp skips the
 // tiles wholly above its rows' diagonal, and masks only the tiles that cross it (or the end).
-// With SEG the block starts at the tile of its first row's segment start, and a warp also skips
-// the tiles wholly before its first row's segment and masks those before its last row's.
+// With SEG the block starts at the tile of its first row's first key (segment start, window start
+// i - win + 1), and a warp also skips the tiles wholly before its first row's first key and masks
+// those before its last row's: with a window the tiles visited grow with win, not t.
 template <int D, int BC, int W, bool SEG>
 static __device__ void flash_fwd_impl(const bf16* q, const bf16* k, const bf16* v, bf16* o, float* lse, const int* seg, int* skipped, int hq,
-                                      int hkv, int t, float scale, int layout) {
+                                      int hkv, int t, float scale, int layout, int win) {
     constexpr int BR = FLASH_WARP_ROWS * W, NT = 32 * W, ST = D + FLASH_PAD;
     DYNAMIC_SMEM(smem);
     bf16* sQ = reinterpret_cast<bf16*>(smem);
@@ -255,7 +266,7 @@ static __device__ void flash_fwd_impl(const bf16* q, const bf16* k, const bf16* 
     const FlashLane fl = flash_lane();
     const int warp = fl.warp, lane = fl.lane, g = fl.g, tq = fl.tq;
     auto [b, h, hk, q0, rsq, rskv, qh, kh, vh] = query_block<D, BR>(q, k, v, hq, hkv, t, layout);
-    const SegBounds<SEG> sb = seg_bounds<SEG>(seg, b, gridDim.z, t);
+    const SegBounds<SEG> sb = seg_bounds<SEG>(seg, b, gridDim.z, t, win);
     int kv_end = min(t, q0 + BR), n_tiles = (kv_end + BC - 1) / BC;
     const int j0 = sb.first(q0) / BC;  // the first tile a row of the block sees (0 without SEG)
     load_rows_async<D, BR, NT>(sQ, qh, q0, t, rsq);
@@ -315,7 +326,7 @@ static __device__ void flash_fwd_impl(const bf16* q, const bf16* k, const bf16* 
 #pragma unroll
                 for (int n = 0; n < BC / 8; ++n) mx = fmaxf(mx, fmaxf(s[n][2 * r], s[n][2 * r + 1]));
                 // Without SEG mx is finite: column 0 (tile 0, never skipped) is seen by every row.
-                // With SEG a row whose segment starts past this tile has seen nothing yet (mx
+                // With SEG a row whose segment or window starts past this tile has seen nothing yet (mx
                 // -inf): 0 in its place makes every p and alpha 0 instead of NaN.
                 mx = quad_max(mx);
                 float mb = SEG && mx == -INFINITY ? 0.0f : mx;
@@ -372,12 +383,12 @@ extern "C" __global__ void attn_bwd_dot_bf16(const bf16* dout, const bf16* out, 
 // dP^T = V dO^T (K, V rows as the A operand), P^T = exp2(S^T scale log2(e) - lse log2(e)),
 // dS^T = P^T (dP^T - D) scale, then dV += P^T dO and dK += dS^T Q with P^T, dS^T taken from
 // the accumulators. dK, dV stay in registers: deterministic, no atomics. With SEG the block stops
-// at the end of its last row's segment, and a warp skips the query tiles wholly past its last
-// row's segment and masks those past its first row's.
+// at the last query that sees its last row (segment end, j + win - 1), and a warp skips the query
+// tiles wholly past its last row's last query and masks those past its first row's.
 template <int D, int BQ, int W, bool SEG>
 static __device__ void flash_bwd_dkdv_impl(const bf16* q, const bf16* k, const bf16* v, const bf16* dout, const float* lse,
                                            const float* dvec, bf16* dk, bf16* dv, const int* seg, int* skipped, int hq, int hkv, int t,
-                                           float scale, int layout) {
+                                           float scale, int layout, int win) {
     constexpr int BKV = FLASH_WARP_ROWS * W, NT = 32 * W, ST = D + FLASH_PAD;
     static_assert(2 * BQ <= NT, "a thread for each lse and D value of a query tile");
     DYNAMIC_SMEM(smem);
@@ -394,7 +405,7 @@ static __device__ void flash_bwd_dkdv_impl(const bf16* q, const bf16* k, const b
     load_rows_async<D, BKV, NT>(sK, kh, k0, t, rskv);
     load_rows_async<D, BKV, NT>(sV, vh, k0, t, rskv);
     cp_async_commit();
-    const SegBounds<SEG> sb = seg_bounds<SEG>(seg, b, gridDim.z, t);
+    const SegBounds<SEG> sb = seg_bounds<SEG>(seg, b, gridDim.z, t, win);
     // The query rows the block's kv rows are seen by end at its last row's segment end (t without SEG).
     int i_first = (k0 / BQ) * BQ, per_head = (sb.end(min(k0 + BKV, t) - 1) - i_first + BQ - 1) / BQ, steps = group * per_head;
     // Step j: query head hk * group + j / per_head, query rows from i_first + (j % per_head) BQ.
@@ -476,7 +487,7 @@ static __device__ void flash_bwd_dkdv_impl(const bf16* q, const bf16* k, const b
 template <int D, int BC, int W, bool SEG>
 static __device__ void flash_bwd_dq_impl(const bf16* q, const bf16* k, const bf16* v, const bf16* dout, const float* lse,
                                          const float* dvec, bf16* dq, const int* seg, int* skipped, int hq, int hkv, int t, float scale,
-                                         int layout) {
+                                         int layout, int win) {
     constexpr int BR = FLASH_WARP_ROWS * W, NT = 32 * W, ST = D + FLASH_PAD;
     DYNAMIC_SMEM(smem);
     bf16* sQ = reinterpret_cast<bf16*>(smem);
@@ -484,7 +495,7 @@ static __device__ void flash_bwd_dq_impl(const bf16* q, const bf16* k, const bf1
     bf16* sKV = sO + BR * ST;
     auto [warp, lane, g, tq] = flash_lane();
     auto [b, h, hk, q0, rsq, rskv, qh, kh, vh] = query_block<D, BR>(q, k, v, hq, hkv, t, layout);
-    const SegBounds<SEG> sb = seg_bounds<SEG>(seg, b, gridDim.z, t);
+    const SegBounds<SEG> sb = seg_bounds<SEG>(seg, b, gridDim.z, t, win);
     int kv_end = min(t, q0 + BR), n_tiles = (kv_end + BC - 1) / BC;
     const int j0 = sb.first(q0) / BC;
     load_rows_async<D, BR, NT>(sQ, qh, q0, t, rsq);
@@ -547,42 +558,44 @@ static __device__ void flash_bwd_dq_impl(const bf16* q, const bf16* k, const bf1
     if (SEG && skipped && lane == 0) skipped[warp_slot(warp, W)] = wr0 < t ? j0 + n_skip : 0;
 }
 // The entry points: forward, dK/dV and dQ at head dim D with W warps, named by SUFFIX, and their
-// `_seg` twins for packed rows (the same code with SEG).
+// `_seg` twins for packed rows and sliding windows (the same code with SEG; `seg` null: no
+// segments; `window` 1..t, t: none). The plain kernels are plain causal attention.
 #define FLASH_KERNELS(D, W, SUFFIX)                                                                                                    \
     extern "C" __global__ void __launch_bounds__(32 * W)                                                                               \
         flash_fwd_bf16_##SUFFIX(const bf16* q, const bf16* k, const bf16* v, bf16* o, float* lse, int hq, int hkv, int t, float scale, \
                                 int layout) {                                                                                          \
-        flash_fwd_impl<D, FLASH_FWD_TILE_D##D, W, false>(q, k, v, o, lse, nullptr, nullptr, hq, hkv, t, scale, layout);                \
+        flash_fwd_impl<D, FLASH_FWD_TILE_D##D, W, false>(q, k, v, o, lse, nullptr, nullptr, hq, hkv, t, scale, layout, t);                \
     }                                                                                                                                  \
     extern "C" __global__ void __launch_bounds__(32 * W)                                                                               \
         flash_bwd_dkdv_bf16_##SUFFIX(const bf16* q, const bf16* k, const bf16* v, const bf16* dout, const float* lse,                  \
                                      const float* dvec, bf16* dk, bf16* dv, int hq, int hkv, int t, float scale, int layout) {         \
         flash_bwd_dkdv_impl<D, FLASH_BWD_TILE_D##D, W, false>(q, k, v, dout, lse, dvec, dk, dv, nullptr, nullptr, hq, hkv, t, scale,   \
-                                                              layout);                                                         \
+                                                              layout, t);                                                         \
     }                                                                                                                                  \
     extern "C" __global__ void __launch_bounds__(32 * W)                                                                               \
         flash_bwd_dq_bf16_##SUFFIX(const bf16* q, const bf16* k, const bf16* v, const bf16* dout, const float* lse, const float* dvec, \
                                    bf16* dq, int hq, int hkv, int t, float scale, int layout) {                                        \
         flash_bwd_dq_impl<D, FLASH_BWD_TILE_D##D, W, false>(q, k, v, dout, lse, dvec, dq, nullptr, nullptr, hq, hkv, t, scale,         \
-                                                            layout);                                                           \
+                                                            layout, t);                                                           \
     }                                                                                                                                  \
     extern "C" __global__ void __launch_bounds__(32 * W)                                                                               \
         flash_fwd_seg_bf16_##SUFFIX(const bf16* q, const bf16* k, const bf16* v, bf16* o, float* lse, const int* seg, int* skipped,    \
-                                    int hq, int hkv, int t, float scale, int layout) {                                                 \
-        flash_fwd_impl<D, FLASH_FWD_TILE_D##D, W, true>(q, k, v, o, lse, seg, skipped, hq, hkv, t, scale, layout);                     \
+                                    int hq, int hkv, int t, float scale, int layout, int window) {                                     \
+        flash_fwd_impl<D, FLASH_FWD_TILE_D##D, W, true>(q, k, v, o, lse, seg, skipped, hq, hkv, t, scale, layout, window);             \
     }                                                                                                                                  \
     extern "C" __global__ void __launch_bounds__(32 * W)                                                                               \
         flash_bwd_dkdv_seg_bf16_##SUFFIX(const bf16* q, const bf16* k, const bf16* v, const bf16* dout, const float* lse,              \
                                          const float* dvec, bf16* dk, bf16* dv, const int* seg, int* skipped, int hq, int hkv, int t,  \
-                                         float scale, int layout) {                                                                    \
+                                         float scale, int layout, int window) {                                                        \
         flash_bwd_dkdv_impl<D, FLASH_BWD_TILE_D##D, W, true>(q, k, v, dout, lse, dvec, dk, dv, seg, skipped, hq, hkv, t, scale,        \
-                                                             layout);                                                          \
+                                                             layout, window);                                                          \
     }                                                                                                                                  \
     extern "C" __global__ void __launch_bounds__(32 * W)                                                                               \
         flash_bwd_dq_seg_bf16_##SUFFIX(const bf16* q, const bf16* k, const bf16* v, const bf16* dout, const float* lse,                \
                                        const float* dvec, bf16* dq, const int* seg, int* skipped, int hq, int hkv, int t, float scale, \
-                                       int layout) {                                                                                   \
-        flash_bwd_dq_impl<D, FLASH_BWD_TILE_D##D, W, true>(q, k, v, dout, lse, dvec, dq, seg, skipped, hq, hkv, t, scale, layout);     \
+                                       int layout, int window) {                                                                       \
+        flash_bwd_dq_impl<D, FLASH_BWD_TILE_D##D, W, true>(q, k, v, dout, lse, dvec, dq, seg, skipped, hq, hkv, t, scale, layout,      \
+                                                           window);                                                            \
     }
 FLASH_KERNELS(64, FLASH_WARPS, d64)
 FLASH_KERNELS(128, FLASH_WARPS, d128)
@@ -619,14 +632,14 @@ static __device__ __forceinline__ SimtQueryRow<T> simt_query_row(i64 row, const 
     return SimtQueryRow<T>{i, k + (i64)(b * hkv + hk) * t * d, v + (i64)(b * hkv + hk) * t * d};
 }
 // Query row `row` (b, h, i) of a (b, hq, t, d) tensor: the first key it sees, 0 or with `seg` (null,
-// or (2, b, t) as above) its segment's start.
-static __device__ __forceinline__ int simt_first_key(const int* seg, i64 row, int hq, int t) {
-    return seg ? seg[(row / t / hq) * t + row % t] : 0;
+// or (2, b, t) as above) its segment's start, and no earlier than i - win + 1 (the window, 1..t).
+static __device__ __forceinline__ int simt_first_key(const int* seg, i64 row, int hq, int t, int win) {
+    return max(seg ? seg[(row / t / hq) * t + row % t] : 0, (int)(row % t) - win + 1);
 }
 // warp per (b, h, i): rows = b*hq*t
 template <typename T>
 static __device__ void attn_fwd_simt_impl(const T* q, const T* k, const T* v, T* o, float* lse, const int* seg, int b_, int hq, int hkv, int t,
-                                          int d, float scale) {
+                                          int d, float scale, int win) {
     i64 row = simt_warp_row();
     int lane = threadIdx.x & 31;
     if (row >= (i64)b_ * hq * t) return;
@@ -635,7 +648,7 @@ static __device__ void attn_fwd_simt_impl(const T* q, const T* k, const T* v, T*
     simt_load(qi, q + row * d, d, lane);
     for (int e = 0; e < ATTN_SIMT_PER_LANE; ++e) acc[e] = 0.0f;
     float m = -INFINITY, l = 0.0f;
-    for (int j = simt_first_key(seg, row, hq, t); j <= i; ++j) {
+    for (int j = simt_first_key(seg, row, hq, t, win); j <= i; ++j) {
         float s = simt_dot(qi, kh + (i64)j * d, d, lane) * scale;
         float mn = fmaxf(m, s), alpha = expf(m - mn), p = expf(s - mn);
         l = l * alpha + p;
@@ -647,16 +660,18 @@ static __device__ void attn_fwd_simt_impl(const T* q, const T* k, const T* v, T*
     for (int e = 0; e < ATTN_SIMT_PER_LANE; ++e) { int x = lane + 32 * e; if (x < d) o[row * d + x] = from_f<T>(acc[e] / l); }
     if (lane == 0) lse[row] = m + logf(l);
 }
-// warp per (b, hkv, j): loops the group's query heads, then i >= j (up to j's segment end), in order.
+// warp per (b, hkv, j): loops the group's query heads, then i >= j (up to j's segment end and
+// window end j + win - 1), in order.
 template <typename T>
 static __device__ void attn_bwd_dkdv_simt_impl(const T* q, const T* k, const T* v, const T* dout, const float* lse, const float* dvec,
-                                               T* dk, T* dv, const int* seg, int b_, int hq, int hkv, int t, int d, float scale) {
+                                               T* dk, T* dv, const int* seg, int b_, int hq, int hkv, int t, int d, float scale, int win) {
     i64 row = simt_warp_row();
     int lane = threadIdx.x & 31;
     if (row >= (i64)b_ * hkv * t) return;
     i64 bk = row / t;
     int j = (int)(row % t), group = hq / hkv;
     int i_end = seg ? seg[((i64)b_ + bk / hkv) * t + j] : t;  // one past the last query that sees key j
+    if (win < t - j) i_end = min(i_end, j + win);
     float kj[ATTN_SIMT_PER_LANE], vj[ATTN_SIMT_PER_LANE], dka[ATTN_SIMT_PER_LANE], dva[ATTN_SIMT_PER_LANE];
     simt_load(kj, k + row * d, d, lane);
     simt_load(vj, v + row * d, d, lane);
@@ -681,7 +696,7 @@ static __device__ void attn_bwd_dkdv_simt_impl(const T* q, const T* k, const T* 
 // warp per (b, h, i)
 template <typename T>
 static __device__ void attn_bwd_dq_simt_impl(const T* q, const T* k, const T* v, const T* dout, const float* lse, const float* dvec,
-                                             T* dq, const int* seg, int b_, int hq, int hkv, int t, int d, float scale) {
+                                             T* dq, const int* seg, int b_, int hq, int hkv, int t, int d, float scale, int win) {
     i64 row = simt_warp_row();
     int lane = threadIdx.x & 31;
     if (row >= (i64)b_ * hq * t) return;
@@ -691,7 +706,7 @@ static __device__ void attn_bwd_dq_simt_impl(const T* q, const T* k, const T* v,
     simt_load(doi, dout + row * d, d, lane);
     for (int e = 0; e < ATTN_SIMT_PER_LANE; ++e) acc[e] = 0.0f;
     float l = lse[row], dd = dvec[row];
-    for (int j = simt_first_key(seg, row, hq, t); j <= i; ++j) {
+    for (int j = simt_first_key(seg, row, hq, t, win); j <= i; ++j) {
         float p = expf(simt_dot(qi, kh + (i64)j * d, d, lane) * scale - l);
         float ds = p * (simt_dot(doi, vh + (i64)j * d, d, lane) - dd) * scale;
 #pragma unroll
@@ -702,18 +717,18 @@ static __device__ void attn_bwd_dq_simt_impl(const T* q, const T* k, const T* v,
 }
 #define ATTN_SIMT(suffix, T)                                                                                                         \
     extern "C" __global__ void attn_fwd_simt_##suffix(const T* q, const T* k, const T* v, T* o, float* lse, const int* seg, int b,    \
-                                                      int hq, int hkv, int t, int d, float scale) {                                 \
-        attn_fwd_simt_impl(q, k, v, o, lse, seg, b, hq, hkv, t, d, scale);                                                           \
+                                                      int hq, int hkv, int t, int d, float scale, int window) {                     \
+        attn_fwd_simt_impl(q, k, v, o, lse, seg, b, hq, hkv, t, d, scale, window);                                                   \
     }                                                                                                                                \
     extern "C" __global__ void attn_bwd_dkdv_simt_##suffix(const T* q, const T* k, const T* v, const T* dout, const float* lse,     \
                                                            const float* dvec, T* dk, T* dv, const int* seg, int b, int hq, int hkv, \
-                                                           int t, int d, float scale) {                                             \
-        attn_bwd_dkdv_simt_impl(q, k, v, dout, lse, dvec, dk, dv, seg, b, hq, hkv, t, d, scale);                                     \
+                                                           int t, int d, float scale, int window) {                                 \
+        attn_bwd_dkdv_simt_impl(q, k, v, dout, lse, dvec, dk, dv, seg, b, hq, hkv, t, d, scale, window);                             \
     }                                                                                                                                \
     extern "C" __global__ void attn_bwd_dq_simt_##suffix(const T* q, const T* k, const T* v, const T* dout, const float* lse,       \
                                                          const float* dvec, T* dq, const int* seg, int b, int hq, int hkv, int t,   \
-                                                         int d, float scale) {                                                      \
-        attn_bwd_dq_simt_impl(q, k, v, dout, lse, dvec, dq, seg, b, hq, hkv, t, d, scale);                                           \
+                                                         int d, float scale, int window) {                                          \
+        attn_bwd_dq_simt_impl(q, k, v, dout, lse, dvec, dq, seg, b, hq, hkv, t, d, scale, window);                                   \
     }
 ATTN_SIMT(f32, float)
 ATTN_SIMT(bf16, bf16)

@@ -136,7 +136,7 @@ impl Attention {
                     None => (k, v),
                 };
                 *kv = Some((k.clone(), v.clone()));
-                cached_attention(&q, &k, &v, pos.past, scale)?
+                cached_attention(&q, &k, &v, pos.past, scale, None)?
             }
         };
         match residual {
@@ -160,14 +160,17 @@ impl Mlp {
 }
 
 /// Attention of T new queries at positions past..past+T over S = past+T keys, with GQA done by
-/// grouping query heads per key/value head (never copying K/V).
-fn cached_attention(q: &Tensor, k: &Tensor, v: &Tensor, past: usize, scale: f64) -> Result<Tensor> {
+/// grouping query heads per key/value head (never copying K/V). With a sliding `window` (as
+/// `causal_attention_window`), the query at position p sees key j when p - window < j <= p.
+fn cached_attention(q: &Tensor, k: &Tensor, v: &Tensor, past: usize, scale: f64, window: Option<usize>) -> Result<Tensor> {
     let (b, h, t, d) = (q.dim(0), q.dim(1), q.dim(2), q.dim(3));
     let (kvh, s) = (k.dim(1), k.dim(2));
+    let window = ferrolm_ops::attention::effective_window("attention", window, s)?;
     let g = h / kvh;
     let q = q.contiguous()?.reshape(vec![b, kvh, g * t, d])?; // (B, KV, G*T, D)
     let scores = q.matmul(&k.t()?)?.mul_scalar(scale)?; // (B, KV, G*T, S)
-    let mask: Vec<f32> = (0..g * t).flat_map(|r| (0..s).map(move |j| if j <= past + r % t { 0.0 } else { -1e30 })).collect();
+    let sees = move |p: usize, j: usize| j <= p && window.is_none_or(|w| j + w > p);
+    let mask: Vec<f32> = (0..g * t).flat_map(|r| (0..s).map(move |j| if sees(past + r % t, j) { 0.0 } else { -1e30 })).collect();
     let mask = Tensor::from_vec(mask, vec![g * t, s], Device::Cpu)?.to_dtype(q.dtype())?.to_device(q.device())?;
     let p = softmax_last(&scores.add(&mask)?)?;
     p.matmul(v)?.reshape(vec![b, h, t, d]) // (B, H, T, D)
@@ -644,4 +647,48 @@ impl Llama {
 /// that `Llama::loss(ids, shift_labels(labels))` equals transformers' loss for `labels`.
 pub fn shift_labels(labels: &[i32], seq_len: usize) -> Vec<i32> {
     labels.chunks(seq_len.max(1)).flat_map(|row| row[1..].iter().copied().chain([-100])).collect()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::cached_attention;
+    use ferrolm_ops::{causal_attention_window, segment_attention_window, Segments};
+    use ferrolm_tensor::{DType, Device, Rng, Tensor};
+
+    /// Generation with a KV cache under a sliding window: a prefill and then one token at a time,
+    /// past the window, gives the rows of `causal_attention_window` over the whole sequence (the
+    /// op checked against transformers); without a window, plain causal; window 0 is refused.
+    #[test]
+    fn cached_attention_with_a_window_matches_the_op() {
+        let mut r = Rng::new(51);
+        let (t, d, prefill) = (11, 4, 4);
+        let x = |h: usize, r: &mut Rng| Tensor::randn(vec![2, h, t, d], 1.0, DType::F64, Device::Cpu, r).unwrap();
+        let (q, k, v) = (x(4, &mut r), x(2, &mut r), x(2, &mut r));
+        let upto = |x: &Tensor, a: usize, e: usize| x.narrow(2, a, e - a).unwrap();
+        for window in [Some(1), Some(3), Some(prefill + 2), None] {
+            let full = causal_attention_window(&q, &k, &v, 0.5, window).unwrap();
+            let mut steps = vec![(0, prefill)];
+            steps.extend((prefill..t).map(|p| (p, p + 1)));
+            for (past, end) in steps {
+                let y = cached_attention(&upto(&q, past, end), &upto(&k, 0, end), &upto(&v, 0, end), past, 0.5, window).unwrap();
+                let want = upto(&full, past, end).contiguous().unwrap().to_vec_f64().unwrap();
+                let err = y.to_vec_f64().unwrap().iter().zip(&want).map(|(a, b)| (a - b).abs()).fold(0.0, f64::max);
+                assert!(err < 1e-12, "window {window:?}, positions {past}..{end}: off by {err:e}");
+            }
+        }
+        // The same window inside a packed row's second sequence: its positions count from its start.
+        let segs = Segments::new(t, vec![vec![0, 5, t as u32]; 2]).unwrap();
+        let packed = segment_attention_window(&q, &k, &v, 0.5, &segs, Some(3)).unwrap();
+        let alone = cached_attention(&upto(&q, 5, t), &upto(&k, 5, t), &upto(&v, 5, t), 0, 0.5, Some(3)).unwrap();
+        let err = alone
+            .to_vec_f64()
+            .unwrap()
+            .iter()
+            .zip(&upto(&packed, 5, t).contiguous().unwrap().to_vec_f64().unwrap())
+            .map(|(a, b)| (a - b).abs())
+            .fold(0.0, f64::max);
+        assert!(err < 1e-12, "a packed sequence alone: off by {err:e}");
+        let e = cached_attention(&q, &k, &v, 0, 0.5, Some(0)).unwrap_err().to_string();
+        assert!(e.contains("sliding window 0"), "{e}");
+    }
 }

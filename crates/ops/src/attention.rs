@@ -17,6 +17,16 @@
 //! of the segment, skip the tiles a warp's rows cannot see, and mask only those partly covered
 //! (`count_skipped_tiles` counts what they skipped). Rows that are one segment each take the
 //! plain causal kernels, unchanged.
+//!
+//! Sliding window (`causal_attention_window`, `segment_attention_window`; Mistral, Qwen2,
+//! Gemma 3): with window w, query i sees key j when i - w < j <= i, as transformers'
+//! `sliding_window_causal_mask_function` has it; inside segments the positions count from each
+//! segment's start, which gives the same keys. The CPU reference computes only the keys of each
+//! block's windows; on CUDA w is an argument of the SIMT kernels and of the flash `_seg` twins
+//! (with no segments, a null `seg`), which start their tile loops at the first tile a block's
+//! windows reach and stop at the diagonal (dK/dV: at the last query that sees its
+//! keys, j + w - 1), so the tiles visited grow with w, not t (`count_skipped_tiles` counts the
+//! skipped ones). A window of t or more is plain causal attention, bit for bit; 0 is an error.
 use crate::dispatch::{dev_ptr, f32_ptr, num, on, On};
 use crate::heads::HeadLayout;
 use crate::segments::Segments;
@@ -81,17 +91,41 @@ pub struct AttnDims {
 
 /// Causal attention of q (b, hq, t, d) over k, v (b, hkv, t, d), hq a multiple of hkv.
 pub fn causal_attention(q: &Tensor, k: &Tensor, v: &Tensor, scale: f64) -> Result<Tensor> {
-    attention_op(q, k, v, scale, None)
+    attention_op(q, k, v, scale, None, None)
+}
+
+/// Causal attention with a sliding window: query i attends to keys j with i - window < j <= i
+/// (transformers' sliding window); `None` is full causal attention, and so is a window of t or
+/// more (bit for bit). A window of 0 is an error.
+pub fn causal_attention_window(q: &Tensor, k: &Tensor, v: &Tensor, scale: f64, window: Option<usize>) -> Result<Tensor> {
+    attention_op(q, k, v, scale, None, window)
 }
 
 /// Causal attention inside segments: batch row r of q, k, v holds the sequences that `segs`
 /// gives for row r, and query i of a segment [s, e) attends to keys s..=i only. Its output
 /// for a segment equals `causal_attention` of that segment alone.
 pub fn segment_attention(q: &Tensor, k: &Tensor, v: &Tensor, scale: f64, segs: &Segments) -> Result<Tensor> {
-    attention_op(q, k, v, scale, Some(segs))
+    attention_op(q, k, v, scale, Some(segs), None)
 }
 
-fn attention_op(q: &Tensor, k: &Tensor, v: &Tensor, scale: f64, segs: Option<&Segments>) -> Result<Tensor> {
+/// `segment_attention` with a sliding window inside each segment: query i of a segment [s, e)
+/// attends to keys j with max(s, i - window + 1) <= j <= i, the same as
+/// `causal_attention_window` of that segment alone.
+pub fn segment_attention_window(q: &Tensor, k: &Tensor, v: &Tensor, scale: f64, segs: &Segments, window: Option<usize>) -> Result<Tensor> {
+    attention_op(q, k, v, scale, Some(segs), window)
+}
+
+/// The window an attention call over t positions runs with: `None` for full causal attention
+/// (no window, or one of t or more, which sees every earlier key); an error for 0.
+pub fn effective_window(op: &str, window: Option<usize>, t: usize) -> Result<Option<usize>> {
+    match window {
+        Some(0) => bail!(op, "sliding window 0: a window must hold at least 1 position (the query's own)"),
+        Some(w) if w < t => Ok(Some(w)),
+        _ => Ok(None),
+    }
+}
+
+fn attention_op(q: &Tensor, k: &Tensor, v: &Tensor, scale: f64, segs: Option<&Segments>, window: Option<usize>) -> Result<Tensor> {
     same_float("attention", &[q, k, v])?;
     if q.rank() != 4 || k.rank() != 4 || v.rank() != 4 {
         bail!("attention", "q, k, v must be (batch, heads, seq, head_dim), got {:?} {:?} {:?}", q.shape(), k.shape(), v.shape());
@@ -110,6 +144,7 @@ fn attention_op(q: &Tensor, k: &Tensor, v: &Tensor, scale: f64, segs: Option<&Se
     if let Some(s) = segs {
         check_segments("attention", s, dims)?;
     }
+    let window = effective_window("attention", window, dims.t)?;
     // Rows that are one segment each are plain causal attention: the unsegmented kernels.
     let segs = segs.filter(|s| !s.is_whole()).cloned();
     // Time-major where the tensor-core kernels run and q, k, v all are (the projections' heads):
@@ -119,7 +154,7 @@ fn attention_op(q: &Tensor, k: &Tensor, v: &Tensor, scale: f64, segs: Option<&Se
         _ => HeadLayout::HeadMajor,
     };
     let (qc, kc, vc) = (layout.arrange(q)?, layout.arrange(k)?, layout.arrange(v)?);
-    let (o, lse) = Tensor::with_storages(&[&qc, &kc, &vc], |s| forward(s[0], s[1], s[2], dims, scale, segs.as_ref()))?;
+    let (o, lse) = Tensor::with_storages(&[&qc, &kc, &vc], |s| forward_window(s[0], s[1], s[2], dims, scale, segs.as_ref(), window))?;
     let (qs, kvs) = ([dims.b, dims.hq, dims.t, dims.d], [dims.b, dims.hkv, dims.t, dims.d]);
     let out = layout.tensor(o, qs)?;
     let lse = Tensor::new(lse, [dims.b, dims.hq, dims.t])?;
@@ -127,7 +162,7 @@ fn attention_op(q: &Tensor, k: &Tensor, v: &Tensor, scale: f64, segs: Option<&Se
     let backward_fn = move |g: &Tensor| {
         let g = layout.arrange(g)?;
         let (dq, dk, dv) = Tensor::with_storages(&[&g, &qc, &kc, &vc, &o, &lse], |s| {
-            backward([s[0], s[1], s[2], s[3], s[4], s[5]], dims, scale, segs.as_ref())
+            backward_window([s[0], s[1], s[2], s[3], s[4], s[5]], dims, scale, segs.as_ref(), window)
         })?;
         Ok(vec![Some(layout.tensor(dq, qs)?), Some(layout.tensor(dk, kvs)?), Some(layout.tensor(dv, kvs)?)])
     };
@@ -162,27 +197,53 @@ fn head_major(op: &str, layout: HeadLayout) -> Result<()> {
 /// kernels) -> (o (b, hq, t, d) in that layout, lse (b, hq, t) in f32, f64 for f64). With
 /// `segs`, attention stays inside each row's segments (`segment_attention`).
 pub fn forward(q: View, k: View, v: View, dims: AttnDims, scale: f64, segs: Option<&Segments>) -> Result<(Storage, Storage)> {
+    forward_window(q, k, v, dims, scale, segs, None)
+}
+
+/// `forward` with a sliding window (`causal_attention_window`; `None`: full causal).
+pub fn forward_window(
+    q: View,
+    k: View,
+    v: View,
+    dims: AttnDims,
+    scale: f64,
+    segs: Option<&Segments>,
+    window: Option<usize>,
+) -> Result<(Storage, Storage)> {
     let layout = layout_of("attention", "q, k, v", &[q.1, k.1, v.1])?;
     if let Some(s) = segs {
         check_segments("attention", s, dims)?;
     }
+    let w = effective_window("attention", window, dims.t)?.unwrap_or(dims.t);
     match on("attention", q.0)? {
-        On::Cpu => head_major("attention", layout).and_then(|_| cpu::forward(q, k, v, dims, scale, segs)),
-        On::Cuda(be) => cuda::forward(&be, q, k, v, dims, layout, scale, segs),
+        On::Cpu => head_major("attention", layout).and_then(|_| cpu::forward(q, k, v, dims, scale, segs, w)),
+        On::Cuda(be) => cuda::forward(&be, q, k, v, dims, layout, scale, segs, w),
     }
 }
 
 /// `views`: the output gradient, q, k, v and the forward's o, dense in one head layout as in
 /// `forward`, and lse, contiguous -> (dq, dk, dv) in that layout; `segs` as in the forward.
 pub fn backward(views: [View; 6], dims: AttnDims, scale: f64, segs: Option<&Segments>) -> Result<(Storage, Storage, Storage)> {
+    backward_window(views, dims, scale, segs, None)
+}
+
+/// `backward` with a sliding window, the forward's.
+pub fn backward_window(
+    views: [View; 6],
+    dims: AttnDims,
+    scale: f64,
+    segs: Option<&Segments>,
+    window: Option<usize>,
+) -> Result<(Storage, Storage, Storage)> {
     let [dout, q, k, v, out, _] = views;
     let layout = layout_of("attention_backward", "dO, q, k, v, o", &[dout.1, q.1, k.1, v.1, out.1])?;
     if let Some(s) = segs {
         check_segments("attention_backward", s, dims)?;
     }
+    let w = effective_window("attention_backward", window, dims.t)?.unwrap_or(dims.t);
     match on("attention", q.0)? {
-        On::Cpu => head_major("attention_backward", layout).and_then(|_| cpu::backward(views, dims, scale, segs)),
-        On::Cuda(be) => cuda::backward(&be, views, dims, layout, scale, segs),
+        On::Cpu => head_major("attention_backward", layout).and_then(|_| cpu::backward(views, dims, scale, segs, w)),
+        On::Cuda(be) => cuda::backward(&be, views, dims, layout, scale, segs, w),
     }
 }
 
@@ -205,16 +266,31 @@ mod cpu {
         (0..a.b).map(|r| segs.map_or_else(|| vec![(0, a.t)], |s| s.ranges(r).collect())).collect()
     }
 
-    pub(super) fn forward(q: View, k: View, v: View, dims: AttnDims, scale: f64, segs: Option<&Segments>) -> Result<(Storage, Storage)> {
+    /// `w`: the window, 1..=t (t: full causal).
+    pub(super) fn forward(
+        q: View,
+        k: View,
+        v: View,
+        dims: AttnDims,
+        scale: f64,
+        segs: Option<&Segments>,
+        w: usize,
+    ) -> Result<(Storage, Storage)> {
         let (oq, ok, ov) = (q.1.offset, k.1.offset, v.1.offset);
         let (nq, nk) = (q.1.numel(), k.1.numel());
         let dt = q.0.dtype();
         let rs = row_segments(segs, dims);
-        Ok(float_dispatch!("attention", dt, [q, k, v], attention(&q[oq..oq + nq], &k[ok..ok + nk], &v[ov..ov + nk], dims, scale, &rs)))
+        Ok(float_dispatch!("attention", dt, [q, k, v], attention(&q[oq..oq + nq], &k[ok..ok + nk], &v[ov..ov + nk], dims, scale, &rs, w)))
     }
 
     /// `views`: the output gradient, q, k, v, and the forward's o and lse.
-    pub(super) fn backward(views: [View; 6], dims: AttnDims, scale: f64, segs: Option<&Segments>) -> Result<(Storage, Storage, Storage)> {
+    pub(super) fn backward(
+        views: [View; 6],
+        dims: AttnDims,
+        scale: f64,
+        segs: Option<&Segments>,
+        w: usize,
+    ) -> Result<(Storage, Storage, Storage)> {
         let [dout, q, k, v, out, lse] = views;
         let (nq, nk) = (q.1.numel(), k.1.numel());
         let offs = [dout.1.offset, q.1.offset, k.1.offset, v.1.offset, out.1.offset, lse.1.offset];
@@ -235,7 +311,8 @@ mod cpu {
                 ],
                 dims,
                 scale,
-                &rs
+                &rs,
+                w
             )
         ))
     }
@@ -291,18 +368,34 @@ mod cpu {
         }
     }
 
+    /// The keys a block of query rows [i0, i0 + rows) sees with window w: [first key of row i0,
+    /// last row + 1).
+    fn block_keys(i0: usize, rows: usize, w: usize) -> (usize, usize) {
+        ((i0 + 1).saturating_sub(w), i0 + rows)
+    }
+
+    /// Row i's visible keys as a range of its block's key columns from `k0`: [i - w + 1, i] ∩ [0, t).
+    fn live_cols(i: usize, w: usize, k0: usize) -> (usize, usize) {
+        ((i + 1).saturating_sub(w) - k0, i + 1 - k0)
+    }
+
     multiversion! {
     /// One (batch, query head): o and lse of its t rows, a block of BLOCK_Q query rows at a time:
-    /// S = scale Q K^T against the keys up to the block's last row (GEMM), the causal softmax of
-    /// each row in place, then O = P V (GEMM).
-    fn attention_head[T: FastExp + GemmScalar](qh: &[T], kh: &[T], vh: &[T], t: usize, d: usize, sc: T, o: &mut [T], lse: &mut [T]) {
-        let mut s = vec![T::zero(); BLOCK_Q.min(t) * t];
+    /// S = scale Q K^T against the keys the block's rows see (window w: from the first row's
+    /// window start to the last row; GEMM), the causal windowed softmax of each row in place, then
+    /// O = P V (GEMM).
+    fn attention_head[T: FastExp + GemmScalar](qh: &[T], kh: &[T], vh: &[T], t: usize, d: usize, sc: T, w: usize, o: &mut [T], lse: &mut [T]) {
+        let mut s = vec![T::zero(); BLOCK_Q.min(t) * BLOCK_Q.min(t).saturating_add(w).min(t)];
         for i0 in (0..t).step_by(BLOCK_Q) {
-            let (rows, keys) = (BLOCK_Q.min(t - i0), (i0 + BLOCK_Q).min(t));
+            let rows = BLOCK_Q.min(t - i0);
+            let (k0, k1) = block_keys(i0, rows, w);
+            let keys = k1 - k0;
             let s = &mut s[..rows * keys];
-            mm(rows, d, keys, sc, (&qh[i0 * d..], d, 1), (kh, 1, d), T::zero(), s, keys);
+            mm(rows, d, keys, sc, (&qh[i0 * d..], d, 1), (&kh[k0 * d..], 1, d), T::zero(), s, keys);
             for (r, row) in s.chunks_exact_mut(keys).enumerate() {
-                let (live, future) = row.split_at_mut(i0 + r + 1);
+                let (a, e) = live_cols(i0 + r, w, k0);
+                let (before, rest) = row.split_at_mut(a);
+                let (live, future) = rest.split_at_mut(e - a);
                 let m = max(live);
                 for v in live.iter_mut() {
                     *v = (*v - m).fast_exp();
@@ -310,10 +403,11 @@ mod cpu {
                 let l = sum_map(live, |p| p);
                 let inv = T::one() / l;
                 live.iter_mut().for_each(|p| *p = *p * inv);
+                before.fill(T::zero());
                 future.fill(T::zero());
                 lse[i0 + r] = m + l.ln();
             }
-            mm(rows, keys, d, T::one(), (s, keys, 1), (vh, d, 1), T::zero(), &mut o[i0 * d..], d);
+            mm(rows, keys, d, T::one(), (s, keys, 1), (&vh[k0 * d..], d, 1), T::zero(), &mut o[i0 * d..], d);
         }
     }
     }
@@ -327,6 +421,7 @@ mod cpu {
         a: AttnDims,
         scale: f64,
         segs: &[Vec<(usize, usize)>],
+        w: usize,
     ) -> (Vec<T>, Stat<Vec<T>>) {
         let (t, d, group) = (a.t, a.d, a.hq / a.hkv);
         let sc: T = num(scale);
@@ -338,7 +433,7 @@ mod cpu {
             let (qh, kh, vh) = (&q[bh * t * d..(bh + 1) * t * d], &k[kv..kv + t * d], &v[kv..kv + t * d]);
             for &(s, e) in &segs[b] {
                 let rows = s * d..e * d;
-                attention_head(&qh[rows.clone()], &kh[rows.clone()], &vh[rows.clone()], e - s, d, sc, &mut o[rows], &mut lse[s..e]);
+                attention_head(&qh[rows.clone()], &kh[rows.clone()], &vh[rows.clone()], e - s, d, sc, w, &mut o[rows], &mut lse[s..e]);
             }
         });
         (o, Stat(lse))
@@ -358,13 +453,14 @@ mod cpu {
     multiversion! {
     /// One kv head over the positions `seg` = [s, e) of its rows of `row_len` (a segment, or the
     /// whole row): dq of its query heads, its dk and dv (accumulated over the query heads in
-    /// order, then blocks in order). Per block of query rows: P from the forward's lse and dP =
-    /// dO V^T (GEMMs), dS = P (dP - rowsum(dO O)) scale in place, then dQ = dS K, dK += dS^T Q
-    /// and dV += P^T dO (GEMMs).
-    fn attention_head_backward[T: FastExp + GemmScalar](x: &KvGroup<T>, group: usize, row_len: usize, seg: (usize, usize), d: usize, sc: T, dqg: &mut [T], dk: &mut [T], dv: &mut [T]) {
+    /// order, then blocks in order). Per block of query rows, over the keys its rows see (window
+    /// w): P from the forward's lse and dP = dO V^T (GEMMs), dS = P (dP - rowsum(dO O)) scale in
+    /// place, then dQ = dS K, dK += dS^T Q and dV += P^T dO (GEMMs).
+    fn attention_head_backward[T: FastExp + GemmScalar](x: &KvGroup<T>, group: usize, row_len: usize, seg: (usize, usize), d: usize, sc: T, w: usize, dqg: &mut [T], dk: &mut [T], dv: &mut [T]) {
         let (s, e) = seg;
         let t = e - s;
-        let (mut p, mut ds) = (vec![T::zero(); BLOCK_Q.min(t) * t], vec![T::zero(); BLOCK_Q.min(t) * t]);
+        let n = BLOCK_Q.min(t) * BLOCK_Q.min(t).saturating_add(w).min(t);
+        let (mut p, mut ds) = (vec![T::zero(); n], vec![T::zero(); n]);
         let (zero, one) = (T::zero(), T::one());
         let (k, v) = (&x.k[s * d..e * d], &x.v[s * d..e * d]);
         let (dk, dv) = (&mut dk[s * d..e * d], &mut dv[s * d..e * d]);
@@ -374,25 +470,30 @@ mod cpu {
             let lse = &x.lse[g * row_len + s..g * row_len + e];
             let dqh = &mut dqg[head];
             for i0 in (0..t).step_by(BLOCK_Q) {
-                let (rows, keys) = (BLOCK_Q.min(t - i0), (i0 + BLOCK_Q).min(t));
+                let rows = BLOCK_Q.min(t - i0);
+                let (k0, k1) = block_keys(i0, rows, w);
+                let keys = k1 - k0;
+                let (kb, vb) = (&k[k0 * d..], &v[k0 * d..]);
                 let (p, ds) = (&mut p[..rows * keys], &mut ds[..rows * keys]);
-                mm(rows, d, keys, sc, (&q[i0 * d..], d, 1), (k, 1, d), zero, p, keys);
-                mm(rows, d, keys, one, (&dout[i0 * d..], d, 1), (v, 1, d), zero, ds, keys);
+                mm(rows, d, keys, sc, (&q[i0 * d..], d, 1), (kb, 1, d), zero, p, keys);
+                mm(rows, d, keys, one, (&dout[i0 * d..], d, 1), (vb, 1, d), zero, ds, keys);
                 for (r, (pr, dr)) in p.chunks_exact_mut(keys).zip(ds.chunks_exact_mut(keys)).enumerate() {
                     let i = i0 + r;
                     let di = dot(&dout[i * d..(i + 1) * d], &o[i * d..(i + 1) * d]);
                     let l = lse[i];
-                    let (live, future) = pr.split_at_mut(i + 1);
-                    for (pj, sj) in live.iter_mut().zip(dr.iter_mut()) {
+                    let (a, e) = live_cols(i, w, k0);
+                    for (pj, sj) in pr[a..e].iter_mut().zip(dr[a..e].iter_mut()) {
                         *pj = (*pj - l).fast_exp();
                         *sj = *pj * (*sj - di) * sc;
                     }
-                    future.fill(zero);
-                    dr[i + 1..].fill(zero);
+                    for x in [&mut *pr, &mut *dr] {
+                        x[..a].fill(zero);
+                        x[e..].fill(zero);
+                    }
                 }
-                mm(rows, keys, d, one, (ds, keys, 1), (k, d, 1), zero, &mut dqh[i0 * d..], d);
-                mm(keys, rows, d, one, (ds, 1, keys), (&q[i0 * d..], d, 1), one, dk, d);
-                mm(keys, rows, d, one, (p, 1, keys), (&dout[i0 * d..], d, 1), one, dv, d);
+                mm(rows, keys, d, one, (ds, keys, 1), (kb, d, 1), zero, &mut dqh[i0 * d..], d);
+                mm(keys, rows, d, one, (ds, 1, keys), (&q[i0 * d..], d, 1), one, &mut dk[k0 * d..], d);
+                mm(keys, rows, d, one, (p, 1, keys), (&dout[i0 * d..], d, 1), one, &mut dv[k0 * d..], d);
             }
         }
     }
@@ -406,6 +507,7 @@ mod cpu {
         a: AttnDims,
         scale: f64,
         segs: &[Vec<(usize, usize)>],
+        w: usize,
     ) -> (Vec<T>, Vec<T>, Vec<T>) {
         let (t, d, group) = (a.t, a.d, a.hq / a.hkv);
         let sc: T = num(scale);
@@ -423,7 +525,7 @@ mod cpu {
                 lse: &lse[bkv * group * t..(bkv + 1) * group * t],
             };
             for &seg in &segs[bkv / a.hkv] {
-                attention_head_backward(&x, group, t, seg, d, sc, dqg, dk, dv);
+                attention_head_backward(&x, group, t, seg, d, sc, w, dqg, dk, dv);
             }
         });
         (dq, dk, dv)
@@ -433,9 +535,10 @@ mod cpu {
 mod cuda;
 pub use cuda::count_skipped_tiles;
 
-/// Tiles the CUDA flash kernels skipped because they lay wholly outside the segments of a warp's
-/// rows (`count_skipped_tiles`): per pass, the (warp, tile) pairs of the causal range a warp did
-/// not compute. The forward's and dQ's tiles are kv tiles, dK/dV's query tiles of each query head.
+/// Tiles the CUDA flash kernels skipped because they lay wholly outside the segments or the
+/// sliding windows of a warp's rows (`count_skipped_tiles`): per pass, the (warp, tile) pairs of
+/// the causal range a warp did not compute. The forward's and dQ's tiles are kv tiles, dK/dV's
+/// query tiles of each query head.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub struct SkippedTiles {
     pub fwd: u64,

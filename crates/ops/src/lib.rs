@@ -14,7 +14,7 @@
 //! | `rms_norm_offset` (Gemma's (1 + w)) | `rmsnorm` | kernels/rmsnorm.cu |
 //! | `softcap` | `softcap` | kernels/softcap.cu |
 //! | `bias_add`, `linear_bias` | `bias` | kernels/bias.cu |
-//! | `causal_attention`, `segment_attention` | `attention` | kernels/attention.cu |
+//! | `causal_attention`, `segment_attention` (`_window`: sliding window) | `attention` | kernels/attention.cu |
 //! | `cross_entropy` | `cross_entropy` | kernels/cross_entropy.cu |
 //! | `embedding` | `embedding` | kernels/embedding.cu |
 //! | `head_loss` (LM head + cross-entropy, chunked) | `head_loss` | kernels/head_loss.cu, kernels/cross_entropy.cu |
@@ -40,7 +40,7 @@ pub mod softmax;
 pub mod swiglu;
 pub mod tokens;
 
-pub use attention::{causal_attention, segment_attention, AttnDims};
+pub use attention::{causal_attention, causal_attention_window, segment_attention, segment_attention_window, AttnDims};
 pub use bias::{bias_add, linear_bias};
 pub use cross_entropy::{cross_entropy, cross_entropy_tokens};
 pub use embedding::{embedding, embedding_tokens};

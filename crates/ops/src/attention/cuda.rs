@@ -1,6 +1,8 @@
 //! Launchers of kernels/attention.cu: the tensor-core (flash) kernels for bf16 with head dim
 //! 64 or 128, the SIMT kernels (one warp per row) otherwise. Packed rows take the flash kernels'
-//! `_seg` twins, or the SIMT kernels with their segment bounds.
+//! `_seg` twins, or the SIMT kernels with their segment bounds. A sliding window is an int
+//! argument, 1..=t (t: none), of the SIMT kernels and the `_seg` twins, which then run with or
+//! without segments (a null `seg`); the plain flash kernels are plain causal attention.
 use super::*;
 use ferrolm_cuda::consts::{
     ATTN_SIMT_PER_LANE, FLASH_BWD_TILE_D128, FLASH_BWD_TILE_D64, FLASH_FWD_TILE_D128, FLASH_FWD_TILE_D64, FLASH_PAD, FLASH_WARP_ROWS,
@@ -72,8 +74,8 @@ thread_local! {
 }
 
 /// Runs `f` counting, per pass, the tiles the flash `_seg` kernels launched on this thread skip
-/// (`SkippedTiles`). Each such launch then reads its warps' counts back (a host wait): for
-/// tests and measurements, not training.
+/// for segments and sliding windows (`SkippedTiles`). Each such launch then reads its warps'
+/// counts back (a host wait): for tests and measurements, not training.
 pub fn count_skipped_tiles<R>(f: impl FnOnce() -> R) -> (R, SkippedTiles) {
     // Restored when `f` returns or unwinds, so counting nests.
     struct Restore(Option<SkippedTiles>);
@@ -122,20 +124,21 @@ fn seg_ptr(be: &CudaBackend, op: &str, segs: &Segments) -> Result<(DevPtr, Tenso
 
 // ---- the flash kernels of one (head dim, warps) ---------------------------------------------
 
+// Pointers, then hq, hkv, t, scale, layout (and for `_seg`, the window).
 type FwdKernel = unsafe fn(&CudaBackend, Launch, DevPtr, DevPtr, DevPtr, DevPtr, DevPtr, i32, i32, i32, f32, i32) -> Result<()>;
 type FwdSegKernel =
-    unsafe fn(&CudaBackend, Launch, DevPtr, DevPtr, DevPtr, DevPtr, DevPtr, DevPtr, DevPtr, i32, i32, i32, f32, i32) -> Result<()>;
+    unsafe fn(&CudaBackend, Launch, DevPtr, DevPtr, DevPtr, DevPtr, DevPtr, DevPtr, DevPtr, i32, i32, i32, f32, i32, i32) -> Result<()>;
 type DkdvKernel =
     unsafe fn(&CudaBackend, Launch, DevPtr, DevPtr, DevPtr, DevPtr, DevPtr, DevPtr, DevPtr, DevPtr, i32, i32, i32, f32, i32) -> Result<()>;
 #[rustfmt::skip]
 type DkdvSegKernel = unsafe fn(
-    &CudaBackend, Launch, DevPtr, DevPtr, DevPtr, DevPtr, DevPtr, DevPtr, DevPtr, DevPtr, DevPtr, DevPtr, i32, i32, i32, f32, i32,
+    &CudaBackend, Launch, DevPtr, DevPtr, DevPtr, DevPtr, DevPtr, DevPtr, DevPtr, DevPtr, DevPtr, DevPtr, i32, i32, i32, f32, i32, i32,
 ) -> Result<()>;
 type DqKernel =
     unsafe fn(&CudaBackend, Launch, DevPtr, DevPtr, DevPtr, DevPtr, DevPtr, DevPtr, DevPtr, i32, i32, i32, f32, i32) -> Result<()>;
 #[rustfmt::skip]
 type DqSegKernel = unsafe fn(
-    &CudaBackend, Launch, DevPtr, DevPtr, DevPtr, DevPtr, DevPtr, DevPtr, DevPtr, DevPtr, DevPtr, i32, i32, i32, f32, i32,
+    &CudaBackend, Launch, DevPtr, DevPtr, DevPtr, DevPtr, DevPtr, DevPtr, DevPtr, DevPtr, DevPtr, i32, i32, i32, f32, i32, i32,
 ) -> Result<()>;
 
 /// The flash kernels at head dim `d` (64 or 128) with `w` warps per block (4 or 8).
@@ -200,6 +203,17 @@ fn aligned_ptr(be: &CudaBackend, op: &str, x: View, layout: HeadLayout, keep: &m
     Ok(p)
 }
 
+/// The `seg` pointer the `_seg` flash kernels take where a call has segments or a window (`win`
+/// below t): the segment bounds, or null for a window alone; None for plain causal attention,
+/// which takes the plain kernels.
+fn bounded(seg: Option<DevPtr>, win: i32, a: AttnDims) -> Option<DevPtr> {
+    match seg {
+        Some(p) => Some(p),
+        None if (win as usize) < a.t => Some(DevPtr::NULL),
+        None => None,
+    }
+}
+
 /// One block of `warps` warps per 16 `warps` rows of each of `heads` heads of each batch.
 fn flash_grid(a: AttnDims, heads: usize, warps: usize, smem: usize) -> Launch {
     Launch::new((a.t.div_ceil(FLASH_WARP_ROWS * warps) as u32, heads as u32, a.b as u32), 32 * warps as u32).smem(smem)
@@ -210,6 +224,7 @@ fn flash_warps_of(a: AttnDims, heads: usize, warps: usize) -> usize {
     a.t.div_ceil(FLASH_WARP_ROWS * warps) * heads * a.b * warps
 }
 
+/// `w`: the window, 1..=t (t: full causal).
 #[allow(clippy::too_many_arguments)]
 pub(super) fn forward(
     be: &CudaBackend,
@@ -220,6 +235,7 @@ pub(super) fn forward(
     layout: HeadLayout,
     scale: f64,
     segs: Option<&Segments>,
+    w: usize,
 ) -> Result<(Storage, Storage)> {
     let op = "attention";
     let s = CudaStorage::of(op, q.0)?;
@@ -227,7 +243,7 @@ pub(super) fn forward(
     let o = be.alloc_storage(a.b * a.hq * a.t * a.d, s.dtype())?;
     let lse = be.alloc_storage(a.b * a.hq * a.t, DType::F32)?;
     let (pq, pk, pv) = (s.at(q.1.offset), dev_ptr(op, k)?, dev_ptr(op, v)?);
-    let (hq, hkv, t, sc) = (a.hq as i32, a.hkv as i32, a.t as i32, scale as f32);
+    let (hq, hkv, t, sc, win) = (a.hq as i32, a.hkv as i32, a.t as i32, scale as f32, w.min(a.t) as i32);
     let seg = segs.map(|sg| seg_ptr(be, op, sg)).transpose()?;
     // SAFETY (every branch): q is (b, hq, t, d), k and v (b, hkv, t, d), dense in `layout`
     // (head-major for SIMT), of one dtype; o holds b * hq * t * d elements of it and lse
@@ -238,27 +254,30 @@ pub(super) fn forward(
         let mut keep = Vec::new();
         let mut ptr = |x: View| aligned_ptr(be, op, x, layout, &mut keep);
         let (pq, pk, pv) = (ptr(q)?, ptr(k)?, ptr(v)?);
-        let w = flash_warps()?;
-        let (ks, cfg, lc) = (flash_kernels(a.d, w), flash_grid(a, a.hq, w, flash_smem(a.d, w).fwd), layout.code());
-        match &seg {
+        let nw = flash_warps()?;
+        let (ks, cfg, lc) = (flash_kernels(a.d, nw), flash_grid(a, a.hq, nw, flash_smem(a.d, nw).fwd), layout.code());
+        // Segments or a window: the `_seg` twin (a null `seg` without segments).
+        match bounded(seg.as_ref().map(|s| s.0), win, a) {
             None => unsafe { (ks.fwd)(be, cfg, pq, pk, pv, o.ptr(), lse.ptr(), hq, hkv, t, sc, lc)? },
-            Some((ps, _)) => counted(
+            Some(ps) => counted(
                 be,
-                flash_warps_of(a, a.hq, w),
+                flash_warps_of(a, a.hq, nw),
                 |c| &mut c.fwd,
-                |n| unsafe { (ks.fwd_seg)(be, cfg, pq, pk, pv, o.ptr(), lse.ptr(), *ps, n, hq, hkv, t, sc, lc) },
+                |n| unsafe { (ks.fwd_seg)(be, cfg, pq, pk, pv, o.ptr(), lse.ptr(), ps, n, hq, hkv, t, sc, lc, win) },
             )?,
         }
     } else {
         head_major(op, layout)?;
         let cfg = Launch::cover(a.b * a.hq * a.t * 32, SIMT_BLOCK);
         let ps = seg.as_ref().map_or(DevPtr::NULL, |s| s.0);
-        unsafe { kernels::attn_fwd_simt(be, s.dtype(), cfg, pq, pk, pv, o.ptr(), lse.ptr(), ps, a.b as i32, hq, hkv, t, a.d as i32, sc)? };
+        unsafe {
+            kernels::attn_fwd_simt(be, s.dtype(), cfg, pq, pk, pv, o.ptr(), lse.ptr(), ps, a.b as i32, hq, hkv, t, a.d as i32, sc, win)?
+        };
     }
     Ok((o.into(), lse.into()))
 }
 
-/// `views` are dout, q, k, v, out, lse.
+/// `views` are dout, q, k, v, out, lse; `w` the window as in `forward`.
 pub(super) fn backward(
     be: &CudaBackend,
     views: [View; 6],
@@ -266,6 +285,7 @@ pub(super) fn backward(
     layout: HeadLayout,
     scale: f64,
     segs: Option<&Segments>,
+    w: usize,
 ) -> Result<(Storage, Storage, Storage)> {
     let op = "attention_backward";
     let [dout, q, k, v, out, lse] = views;
@@ -304,10 +324,11 @@ pub(super) fn backward(
             a.hq as i32,
             layout.code(),
         )?;
+        let win = w.min(a.t) as i32;
         if fl {
-            flash_backward(be, a, &ins, grads, layout, scale as f32, ps)?;
+            flash_backward(be, a, &ins, grads, layout, scale as f32, ps, win)?;
         } else {
-            simt_backward(be, dt, a, &ins, grads, scale as f32, ps.unwrap_or(DevPtr::NULL))?;
+            simt_backward(be, dt, a, &ins, grads, scale as f32, ps.unwrap_or(DevPtr::NULL), win)?;
         }
     }
     Ok((dq.into(), dk.into(), dv.into()))
@@ -325,10 +346,11 @@ struct Inputs {
 
 /// The tensor-core backward: dK/dV per kv head (a block owns 16 `flash_warps()` kv rows and stages
 /// FLASH_BWD_TILE_D* query rows of q, dO, lse and D at a time), then dQ per query head; with
-/// `seg`, their `_seg` twins.
+/// `seg`, their `_seg` twins; `win` the window, 1..=t.
 ///
 /// # Safety
 /// As in `backward`: every pointer addresses the tensor it names, with the sizes of `a`.
+#[allow(clippy::too_many_arguments)]
 unsafe fn flash_backward(
     be: &CudaBackend,
     a: AttnDims,
@@ -337,6 +359,7 @@ unsafe fn flash_backward(
     layout: HeadLayout,
     sc: f32,
     seg: Option<DevPtr>,
+    win: i32,
 ) -> Result<()> {
     let (hq, hkv, t, lc) = (a.hq as i32, a.hkv as i32, a.t as i32, layout.code());
     let w = flash_warps()?;
@@ -345,7 +368,7 @@ unsafe fn flash_backward(
     // SAFETY: the caller's contract; each kernel gets the shared memory its tiles take and a
     // count buffer of one i32 per warp of its grid, or null.
     unsafe {
-        let Some(ps) = seg else {
+        let Some(ps) = bounded(seg, win, a) else {
             (ks.dkdv)(be, kv_grid, x.q, x.k, x.v, x.dout, x.lse, x.dvec, dk, dv, hq, hkv, t, sc, lc)?;
             return (ks.dq)(be, q_grid, x.q, x.k, x.v, x.dout, x.lse, x.dvec, dq, hq, hkv, t, sc, lc);
         };
@@ -353,19 +376,19 @@ unsafe fn flash_backward(
             be,
             flash_warps_of(a, a.hkv, w),
             |c| &mut c.dkdv,
-            |n| (ks.dkdv_seg)(be, kv_grid, x.q, x.k, x.v, x.dout, x.lse, x.dvec, dk, dv, ps, n, hq, hkv, t, sc, lc),
+            |n| (ks.dkdv_seg)(be, kv_grid, x.q, x.k, x.v, x.dout, x.lse, x.dvec, dk, dv, ps, n, hq, hkv, t, sc, lc, win),
         )?;
         counted(
             be,
             flash_warps_of(a, a.hq, w),
             |c| &mut c.dq,
-            |n| (ks.dq_seg)(be, q_grid, x.q, x.k, x.v, x.dout, x.lse, x.dvec, dq, ps, n, hq, hkv, t, sc, lc),
+            |n| (ks.dq_seg)(be, q_grid, x.q, x.k, x.v, x.dout, x.lse, x.dvec, dq, ps, n, hq, hkv, t, sc, lc, win),
         )
     }
 }
 
 /// The SIMT backward: a warp per kv row (dK, dV), then a warp per query row (dQ); `seg` the
-/// segment bounds or null.
+/// segment bounds or null, `win` the window, 1..=t.
 ///
 /// # Safety
 /// As in `backward`: every pointer addresses the tensor it names, with the sizes of `a`.
@@ -378,13 +401,14 @@ unsafe fn simt_backward(
     [dq, dk, dv]: [DevPtr; 3],
     sc: f32,
     seg: DevPtr,
+    win: i32,
 ) -> Result<()> {
     let (b, hq, hkv, t, d) = (a.b as i32, a.hq as i32, a.hkv as i32, a.t as i32, a.d as i32);
     let kv_rows = Launch::cover(a.b * a.hkv * a.t * 32, SIMT_BLOCK);
     let q_rows = Launch::cover(a.b * a.hq * a.t * 32, SIMT_BLOCK);
     // SAFETY: the caller's contract.
     unsafe {
-        kernels::attn_bwd_dkdv_simt(be, dt, kv_rows, x.q, x.k, x.v, x.dout, x.lse, x.dvec, dk, dv, seg, b, hq, hkv, t, d, sc)?;
-        kernels::attn_bwd_dq_simt(be, dt, q_rows, x.q, x.k, x.v, x.dout, x.lse, x.dvec, dq, seg, b, hq, hkv, t, d, sc)
+        kernels::attn_bwd_dkdv_simt(be, dt, kv_rows, x.q, x.k, x.v, x.dout, x.lse, x.dvec, dk, dv, seg, b, hq, hkv, t, d, sc, win)?;
+        kernels::attn_bwd_dq_simt(be, dt, q_rows, x.q, x.k, x.v, x.dout, x.lse, x.dvec, dq, seg, b, hq, hkv, t, d, sc, win)
     }
 }
