@@ -139,8 +139,10 @@ impl Attention {
             Some(p) => rope_at(x, &pos.cos, &pos.sin, &p.positions),
         };
         let [q, k, v] = project(&h, [&self.q_proj, &self.k_proj, &self.v_proj])?;
-        let q = rotate(&split_heads_normed(&q, d, self.q_norm.as_ref(), self.eps)?)?; // (B, H, T, D)
-        let k = rotate(&split_heads_normed(&k, d, self.k_norm.as_ref(), self.eps)?)?; // (B, KV, T, D)
+        let qn = self.q_norm.as_ref().map(|w| self.q_proj.op.per_head(w)).transpose()?;
+        let kn = self.k_norm.as_ref().map(|w| self.k_proj.op.per_head(w)).transpose()?;
+        let q = rotate(&split_heads_normed(&q, d, qn.as_ref(), self.eps)?)?; // (B, H, T, D)
+        let k = rotate(&split_heads_normed(&k, d, kn.as_ref(), self.eps)?)?; // (B, KV, T, D)
         let v = split_heads(&v, d)?; // (B, KV, T, D)
         let scale = 1.0 / (d as f64).sqrt();
         let y = match (cache, &pos.packed) {

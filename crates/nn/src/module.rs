@@ -163,6 +163,12 @@ pub trait LinearOp: Send + Sync {
     fn bias(&self, b: &Tensor) -> Result<Tensor> {
         Ok(b.clone())
     }
+    /// A parameter every rank holds whole that acts on this layer's output heads (Qwen3's
+    /// q/k norm over head_dim), as this rank applies it: where the heads are split over ranks
+    /// (column-parallel), each rank's gradient covers its heads only and is summed over them.
+    fn per_head(&self, w: &Tensor) -> Result<Tensor> {
+        Ok(w.clone())
+    }
 }
 
 /// How an embedding looks its rows up (dense, or vocabulary-parallel). Ids that carry their
