@@ -85,7 +85,7 @@ fn logits_loss(m: &Llama, x: &Tensor, y: &Tensor, p: Option<&Packing>) -> ferrol
 }
 
 fn single(c: &LlamaConfig, x: &Tensor, y: &Tensor, p: Option<&Packing>) -> Outcome {
-    let m = model(&c).unwrap();
+    let m = model(c).unwrap();
     let (logits, loss) = logits_loss(&m, x, y, p).unwrap();
     let logits = logits.to_vec::<f32>().unwrap();
     loss.backward().unwrap();
@@ -94,7 +94,7 @@ fn single(c: &LlamaConfig, x: &Tensor, y: &Tensor, p: Option<&Packing>) -> Outco
 }
 
 fn sharded(c: &LlamaConfig, x: &Tensor, y: &Tensor, p: Option<&Packing>, comm: Arc<dyn Communicator>) -> ferrolm_tensor::Result<Outcome> {
-    let mut m = model(&c)?;
+    let mut m = model(c)?;
     let layout = parallelize(&mut m, &comm)?;
     let (logits, loss) = logits_loss(&m, x, y, p)?;
     let logits = logits.to_vec::<f32>()?;
