@@ -398,7 +398,14 @@ impl LlamaConfig {
             }
         };
 
-        let bos = f.token_ids("bos_token_id")?;
+        // MistralConfig's defaults (bos 1, eos 2) when the keys are absent (an explicit null is none).
+        let mistral_default = |k: &str, id: u32| -> Result<Vec<u32>> {
+            match family == Family::Mistral && !obj.contains_key(k) {
+                true => Ok(vec![id]),
+                false => f.token_ids(k),
+            }
+        };
+        let bos = mistral_default("bos_token_id", 1)?;
         if bos.len() > 1 {
             return Err(err(src, "bos_token_id", "expected a single id"));
         }
@@ -419,7 +426,7 @@ impl LlamaConfig {
             max_position_embeddings,
             tie_word_embeddings: f.bool_opt("tie_word_embeddings")?.unwrap_or(false),
             bos_token_id: bos.first().copied(),
-            eos_token_id: f.token_ids("eos_token_id")?,
+            eos_token_id: mistral_default("eos_token_id", 2)?,
             initializer_range: f.f64_opt("initializer_range")?.unwrap_or(0.02),
             ladder_layers: parse_ladder_layers(&f, ladder_type)?,
             family,

@@ -270,6 +270,45 @@ fn family_config_errors_and_accepted_keys() {
     assert_eq!((&v["attention_bias"], &v["mlp_bias"]), (&serde_json::json!(true), &serde_json::json!(true)));
 }
 
+/// Released checkpoints' configs in transformers 4.x spelling (`rope_theta` at the top,
+/// `torch_dtype`): Qwen2.5-0.5B-Instruct, Qwen3-0.6B and Mistral-7B-v0.3 load as their family, and
+/// a save over them writes them back key for key; Mistral-7B-v0.1's window of 4096 is refused.
+#[test]
+fn released_family_configs_load_in_4x_spelling() {
+    let qwen25 = r#"{"architectures":["Qwen2ForCausalLM"],"attention_dropout":0.0,"bos_token_id":151643,"eos_token_id":151645,
+        "hidden_act":"silu","hidden_size":896,"initializer_range":0.02,"intermediate_size":4864,"max_position_embeddings":32768,
+        "max_window_layers":21,"model_type":"qwen2","num_attention_heads":14,"num_hidden_layers":24,"num_key_value_heads":2,
+        "rms_norm_eps":1e-06,"rope_theta":1000000.0,"sliding_window":32768,"tie_word_embeddings":true,"torch_dtype":"bfloat16",
+        "transformers_version":"4.43.1","use_cache":true,"use_sliding_window":false,"vocab_size":151936}"#;
+    let qwen3 = r#"{"architectures":["Qwen3ForCausalLM"],"attention_bias":false,"attention_dropout":0.0,"bos_token_id":151643,
+        "eos_token_id":151645,"head_dim":128,"hidden_act":"silu","hidden_size":1024,"initializer_range":0.02,"intermediate_size":3072,
+        "max_position_embeddings":40960,"max_window_layers":28,"model_type":"qwen3","num_attention_heads":16,"num_hidden_layers":28,
+        "num_key_value_heads":8,"rms_norm_eps":1e-06,"rope_scaling":null,"rope_theta":1000000,"sliding_window":null,
+        "tie_word_embeddings":true,"torch_dtype":"bfloat16","transformers_version":"4.51.0","use_cache":true,
+        "use_sliding_window":false,"vocab_size":151936}"#;
+    let mistral = r#"{"architectures":["MistralForCausalLM"],"attention_dropout":0.0,"bos_token_id":1,"eos_token_id":2,
+        "hidden_act":"silu","hidden_size":4096,"initializer_range":0.02,"intermediate_size":14336,"max_position_embeddings":32768,
+        "model_type":"mistral","num_attention_heads":32,"num_hidden_layers":32,"num_key_value_heads":8,"rms_norm_eps":1e-05,
+        "rope_theta":1000000.0,"sliding_window":null,"tie_word_embeddings":false,"torch_dtype":"bfloat16",
+        "transformers_version":"4.42.0.dev0","use_cache":true,"vocab_size":32768}"#;
+    for (text, family, head_dim, qkv_bias, qk_norm) in
+        [(qwen25, Family::Qwen2, 64, true, false), (qwen3, Family::Qwen3, 128, false, true), (mistral, Family::Mistral, 128, false, false)]
+    {
+        let c = LlamaConfig::from_json_str(text).unwrap();
+        assert_eq!((c.family, c.head_dim, c.qkv_bias(), c.qk_norm(), c.rope_theta), (family, head_dim, qkv_bias, qk_norm, 1e6));
+        let serde_json::Value::Object(source) = serde_json::from_str(text).unwrap() else { panic!() };
+        let back = c.to_json_over("bfloat16", &source, "bfloat16", "src").unwrap();
+        assert_eq!(back, serde_json::Value::Object(source), "{family}: a save over the source changes it");
+    }
+    let v01 = mistral.replace(r#""sliding_window":null"#, r#""sliding_window":4096"#);
+    let e = LlamaConfig::from_json_str(&v01).unwrap_err().to_string();
+    assert!(e.contains("sliding_window") && e.contains("4096"), "{e}");
+    // MistralConfig's bos 1 / eos 2 when the keys are absent.
+    let bare = mistral.replace(r#""bos_token_id":1,"eos_token_id":2,"#, "");
+    let c = LlamaConfig::from_json_str(&bare).unwrap();
+    assert_eq!((c.bos_token_id, c.eos_token_id.clone()), (Some(1), vec![2]));
+}
+
 #[test]
 fn every_fixture_is_covered() {
     let mut names: Vec<String> = std::fs::read_dir(fixtures())
