@@ -77,6 +77,7 @@ pub fn size_table(vocab: usize) -> Vec<ModelShape> {
             head_dim: hidden / heads,
             vocab,
             tied: false,
+            extras: Default::default(),
         })
         .collect()
 }

@@ -345,8 +345,10 @@ fn finetune_rank(args: &FinetuneArgs, p: &Prepared, comm: Option<Comm>) -> AnyRe
         None => String::new(),
     };
     report(&format!(
-        "loaded {}: {} parameters, {} layers, on {} in {}{kind}",
+        "loaded {}: a {} model ({}), {} parameters, {} layers, on {} in {}{kind}",
         p.model.display(),
+        model.config().family,
+        model.config().family.model_type(),
         model.num_params(),
         model.config().num_hidden_layers,
         p.data.device,

@@ -259,17 +259,10 @@ pub const ENV_DEVICE_GIB: &str = "FERROLM_DEVICE_MEMORY_GIB";
 /// Bytes kept on a GPU for the CUDA context, cuBLAS(Lt) workspace and allocator slack.
 pub const CUDA_WORKSPACE_BYTES: f64 = 1024.0 * 1024.0 * 1024.0;
 
-/// Parameters of a LLaMA with this config, or None when the count overflows.
+/// Parameters of a model with this config (its family's biases and norms included), or None
+/// when the count overflows: the config's own formula, which equals the model's tensors.
 pub fn param_count(c: &LlamaConfig) -> Option<u64> {
-    let u = |v: usize| v as u64;
-    let (h, hd) = (u(c.hidden_size), u(c.head_dim));
-    let q_o = h.checked_mul(u(c.num_attention_heads))?.checked_mul(hd)?.checked_mul(2)?;
-    let k_v = h.checked_mul(u(c.num_key_value_heads))?.checked_mul(hd)?.checked_mul(2)?;
-    let mlp = h.checked_mul(u(c.intermediate_size))?.checked_mul(3)?;
-    let layer = q_o.checked_add(k_v)?.checked_add(mlp)?.checked_add(h.checked_mul(2)?)?;
-    let embed = u(c.vocab_size).checked_mul(h)?;
-    let head = if c.tie_word_embeddings { 0 } else { embed };
-    layer.checked_mul(u(c.num_hidden_layers))?.checked_add(embed)?.checked_add(head)?.checked_add(h)
+    c.num_parameters()
 }
 
 /// The batch of a run, as far as memory is concerned.

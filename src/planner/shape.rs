@@ -14,6 +14,28 @@ pub struct ModelShape {
     pub head_dim: usize,
     pub vocab: usize,
     pub tied: bool,
+    /// The block's optional parameters (biases, per-head norms), as the config's features say.
+    pub extras: BlockExtras,
+}
+
+/// A block's parameters beyond Llama's, from the config's features (not its family): each
+/// counted where tensor parallelism puts it.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct BlockExtras {
+    /// A bias on q, k and v (split with their rows).
+    pub qkv_bias: bool,
+    /// A bias on o (replicated: added after the reduction).
+    pub o_bias: bool,
+    /// A bias on gate and up (split) and down (replicated).
+    pub mlp_bias: bool,
+    /// RMSNorm weights [head_dim] on q and k (replicated).
+    pub qk_norm: bool,
+}
+
+impl BlockExtras {
+    pub fn of(c: &ferrolm_nn::LlamaConfig) -> BlockExtras {
+        BlockExtras { qkv_bias: c.qkv_bias(), o_bias: c.o_bias(), mlp_bias: c.mlp_bias, qk_norm: c.qk_norm() }
+    }
 }
 
 impl ModelShape {
@@ -46,6 +68,7 @@ impl ModelShape {
             head_dim: hidden / heads,
             vocab,
             tied: name.starts_with("gpt3"),
+            extras: BlockExtras::default(),
         })
     }
 
@@ -60,6 +83,7 @@ impl ModelShape {
             head_dim: c.head_dim,
             vocab: c.vocab_size,
             tied: c.tie_word_embeddings,
+            extras: BlockExtras::of(c),
         }
     }
 
@@ -70,7 +94,10 @@ impl ModelShape {
         let tp = tp as u64;
         let q = self.heads as u64 * d * h / tp; // q_proj, and o_proj alike
         let kv = if self.kv_heads as u64 >= tp { self.kv_heads as u64 * d * h / tp } else { d * h }; // k_proj, v_proj each
-        2 * q + 2 * kv + 3 * h * i / tp + 2 * h
+        let x = &self.extras;
+        let flag = |on: bool, n: u64| if on { n } else { 0 };
+        let extras = flag(x.qkv_bias, (q + 2 * kv) / h) + flag(x.o_bias, h) + flag(x.mlp_bias, 2 * i / tp + h) + flag(x.qk_norm, 2 * d);
+        2 * q + 2 * kv + 3 * h * i / tp + 2 * h + extras
     }
 
     /// Parameters held by one of `tp` ranks, per bucket (embedding, each layer, head).
@@ -99,5 +126,38 @@ impl ModelShape {
     /// (PaLM's 12 L T d count) for sequences of `seq`.
     pub fn flops_per_token(&self, seq: usize) -> f64 {
         6.0 * self.params() as f64 + 12.0 * (self.layers * seq * self.heads * self.head_dim) as f64
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use ferrolm_nn::{Llama, LlamaConfig};
+    use ferrolm_tensor::{DType, Device, Rng};
+
+    /// The planner's count equals the model's tensors for every family's features (q/k/v
+    /// bias, o and MLP biases, QK-norm with an explicit head_dim), and the config's formula.
+    #[test]
+    fn parameter_count_equals_the_model_for_each_family() {
+        let base = r#""vocab_size":64,"hidden_size":32,"intermediate_size":48,"num_hidden_layers":2,"num_attention_heads":4,"num_key_value_heads":2"#;
+        for extra in [
+            r#""model_type":"llama""#,
+            r#""model_type":"llama","attention_bias":true,"mlp_bias":true"#,
+            r#""model_type":"qwen2","tie_word_embeddings":true"#,
+            r#""model_type":"qwen3","head_dim":16,"attention_bias":true"#,
+            r#""model_type":"mistral","head_dim":16"#,
+        ] {
+            let c = LlamaConfig::from_json_str(&format!("{{{base},{extra}}}")).unwrap();
+            let n = Llama::new(c.clone(), DType::F32, Device::Cpu, &mut Rng::new(1)).unwrap().num_params() as u64;
+            assert_eq!(ModelShape::from_config(&c, "t").params(), n, "{extra}");
+            assert_eq!(crate::planner::memory::param_count(&c), Some(n), "{extra}");
+            // What one of two tensor-parallel ranks holds: the split half, the replicated whole.
+            let shape = ModelShape::from_config(&c, "t");
+            let (h, d, i) = (32u64, c.head_dim as u64, 48u64);
+            let replicated = 2 * h + if c.o_bias() { h } else { 0 } + if c.mlp_bias { h } else { 0 } + if c.qk_norm() { 2 * d } else { 0 };
+            let split = (shape.layer_params(1) - replicated) / 2;
+            assert_eq!(shape.layer_params(2), split + replicated, "{extra}");
+            assert!(!c.mlp_bias || shape.layer_params(1) > 3 * h * i, "{extra}");
+        }
     }
 }

@@ -60,6 +60,9 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
             eos_token_id: vec![2, 3],
             initializer_range: 0.1,
             ladder_layers: None,
+            family: ferrolm_nn::Family::Llama,
+            attention_bias: false,
+            mlp_bias: false,
         }
     };
     if let Some(l) = ladder_layers {

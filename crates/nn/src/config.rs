@@ -1,4 +1,5 @@
-//! `LlamaConfig`: the Hugging Face `config.json` of a Llama model, read strictly. Every field
+//! `LlamaConfig`: the Hugging Face `config.json` of a Llama-family decoder (`llama`,
+//! `llamaLadder`, `qwen2`, `qwen3`, `mistral`: see [`Family`]), read strictly. Every field
 //! that changes the maths is either understood or rejected (a checkpoint must never load into
 //! a model that silently computes something else); keys that do not (dtype, use_cache,
 //! transformers_version, ...) are ignored. Both rope spellings are accepted: the
@@ -92,6 +93,71 @@ impl std::fmt::Display for LadderLayers {
     }
 }
 
+/// Which transformers model a config describes (its `model_type`). The family decides the block's
+/// features ([`LlamaConfig::qkv_bias`], [`LlamaConfig::qk_norm`], ...) and what a save writes;
+/// the decoder is one (`crate::llama`), not one per family.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Family {
+    /// `llama` (and `llamaLadder`): optional biases (`attention_bias`, `mlp_bias`).
+    Llama,
+    /// `qwen2` (Qwen2, Qwen2.5): bias on q, k and v (not o), always.
+    Qwen2,
+    /// `qwen3` (dense): RMSNorm of each head's q and k before RoPE; `attention_bias`.
+    Qwen3,
+    /// `mistral`: Llama's block (no bias); its `sliding_window` must not bite.
+    Mistral,
+}
+
+/// The `model_type`s a config may have.
+pub const SUPPORTED_MODEL_TYPES: &[&str] = &["llama", "llamaLadder", "qwen2", "qwen3", "mistral"];
+
+impl Family {
+    /// The `model_type` transformers knows the family by.
+    pub fn model_type(self) -> &'static str {
+        match self {
+            Family::Llama => "llama",
+            Family::Qwen2 => "qwen2",
+            Family::Qwen3 => "qwen3",
+            Family::Mistral => "mistral",
+        }
+    }
+
+    /// The class transformers loads a checkpoint of the family into.
+    pub fn architecture(self) -> &'static str {
+        match self {
+            Family::Llama => "LlamaForCausalLM",
+            Family::Qwen2 => "Qwen2ForCausalLM",
+            Family::Qwen3 => "Qwen3ForCausalLM",
+            Family::Mistral => "MistralForCausalLM",
+        }
+    }
+
+    /// The family's name in messages ("loaded a Qwen2 model ...").
+    pub fn name(self) -> &'static str {
+        match self {
+            Family::Llama => "Llama",
+            Family::Qwen2 => "Qwen2",
+            Family::Qwen3 => "Qwen3",
+            Family::Mistral => "Mistral",
+        }
+    }
+
+    /// `max_position_embeddings` when a config leaves it out (transformers' class default).
+    fn default_max_positions(self) -> usize {
+        match self {
+            Family::Llama => 2048,
+            Family::Qwen2 | Family::Qwen3 => 32768,
+            Family::Mistral => 131072,
+        }
+    }
+}
+
+impl std::fmt::Display for Family {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(self.name())
+    }
+}
+
 #[derive(Clone, Debug, PartialEq)]
 pub struct LlamaConfig {
     pub vocab_size: usize,
@@ -114,6 +180,13 @@ pub struct LlamaConfig {
     /// `None`: a plain Llama (`model_type: "llama"`). `Some`: a `llamaLadder` checkpoint, even
     /// with no Ladder layer (`ladder_layers: 0` computes exactly the plain model).
     pub ladder_layers: Option<LadderLayers>,
+    /// The model family (`model_type`); Llama unless the config says otherwise.
+    pub family: Family,
+    /// `attention_bias` (Llama, Qwen3): a bias on q, k, v and o. Qwen2's q/k/v bias is not this
+    /// key: it is always there (see [`LlamaConfig::qkv_bias`]).
+    pub attention_bias: bool,
+    /// `mlp_bias` (Llama): a bias on gate, up and down.
+    pub mlp_bias: bool,
 }
 
 fn err(source: &str, field: &str, msg: impl std::fmt::Display) -> Error {
@@ -152,6 +225,18 @@ impl Fields<'_> {
         match self.get(k) {
             None => Ok(None),
             Some(v) => v.as_bool().map(Some).ok_or_else(|| err(self.src, k, format!("expected true/false, got {v}"))),
+        }
+    }
+    fn str_list_opt(&self, k: &str) -> Result<Option<Vec<&str>>> {
+        match self.get(k) {
+            None => Ok(None),
+            Some(Value::Array(a)) => {
+                a.iter()
+                    .map(|v| v.as_str().ok_or_else(|| err(self.src, k, format!("expected a list of strings, got {v} in it"))))
+                    .collect::<Result<Vec<_>>>()
+            }
+            .map(Some),
+            Some(v) => Err(err(self.src, k, format!("expected a list of strings, got {v}"))),
         }
     }
     fn str_opt(&self, k: &str) -> Result<Option<&str>> {
@@ -239,10 +324,22 @@ impl LlamaConfig {
         let f = Fields { obj, src };
 
         // Fields that would change the maths: accept only what this implementation computes.
-        let ladder_type = match f.str_opt("model_type")? {
-            None | Some("llama") => false,
-            Some("llamaLadder") => true,
-            Some(mt) => return Err(err(src, "model_type", format!("{mt:?} is not supported (only \"llama\" and \"llamaLadder\")"))),
+        let (family, ladder_type) = match f.str_opt("model_type")? {
+            None | Some("llama") => (Family::Llama, false),
+            Some("llamaLadder") => (Family::Llama, true),
+            Some("qwen2") => (Family::Qwen2, false),
+            Some("qwen3") => (Family::Qwen3, false),
+            Some("mistral") => (Family::Mistral, false),
+            Some(mt @ ("gemma3_text" | "gemma3" | "gemma2" | "gemma")) => {
+                return Err(err(
+                    src,
+                    "model_type",
+                    format!("{mt:?} (Gemma) is not supported yet (supported: {})", SUPPORTED_MODEL_TYPES.join(", ")),
+                ))
+            }
+            Some(mt) => {
+                return Err(err(src, "model_type", format!("{mt:?} is not supported (supported: {})", SUPPORTED_MODEL_TYPES.join(", "))))
+            }
         };
         for k in ["hidden_act", "hidden_activation"] {
             if let Some(act) = f.str_opt(k)? {
@@ -251,11 +348,16 @@ impl LlamaConfig {
                 }
             }
         }
-        for k in ["attention_bias", "mlp_bias"] {
-            if f.bool_opt(k)? == Some(true) {
-                return Err(err(src, k, "biases are not supported (must be false)"));
-            }
-        }
+        // Only the families whose transformers class reads a bias key get one from it (Qwen2's
+        // q/k/v bias is unconditional; Mistral has none).
+        let attention_bias = match family {
+            Family::Llama | Family::Qwen3 => f.bool_opt("attention_bias")?.unwrap_or(false),
+            Family::Qwen2 | Family::Mistral => false,
+        };
+        let mlp_bias = match family {
+            Family::Llama => f.bool_opt("mlp_bias")?.unwrap_or(false),
+            _ => false,
+        };
         if let Some(tp) = f.usize_opt("pretraining_tp")? {
             if tp > 1 {
                 return Err(err(src, "pretraining_tp", format!("{tp} is not supported (only 1)")));
@@ -296,27 +398,40 @@ impl LlamaConfig {
             }
         };
 
-        let bos = f.token_ids("bos_token_id")?;
+        // MistralConfig's defaults (bos 1, eos 2) when the keys are absent (an explicit null is none).
+        let mistral_default = |k: &str, id: u32| -> Result<Vec<u32>> {
+            match family == Family::Mistral && !obj.contains_key(k) {
+                true => Ok(vec![id]),
+                false => f.token_ids(k),
+            }
+        };
+        let bos = mistral_default("bos_token_id", 1)?;
         if bos.len() > 1 {
             return Err(err(src, "bos_token_id", "expected a single id"));
         }
+        let num_hidden_layers = f.usize_req("num_hidden_layers")?;
+        let max_position_embeddings = f.usize_opt("max_position_embeddings")?.unwrap_or(family.default_max_positions());
+        check_window(&f, family, num_hidden_layers, max_position_embeddings)?;
         let cfg = LlamaConfig {
             vocab_size: f.usize_req("vocab_size")?,
             hidden_size,
             intermediate_size: f.usize_req("intermediate_size")?,
-            num_hidden_layers: f.usize_req("num_hidden_layers")?,
+            num_hidden_layers,
             num_attention_heads,
             num_key_value_heads: f.usize_opt("num_key_value_heads")?.unwrap_or(num_attention_heads),
             head_dim,
             rms_norm_eps: f.f64_opt("rms_norm_eps")?.unwrap_or(1e-6),
             rope_theta,
             rope_scaling,
-            max_position_embeddings: f.usize_opt("max_position_embeddings")?.unwrap_or(2048),
+            max_position_embeddings,
             tie_word_embeddings: f.bool_opt("tie_word_embeddings")?.unwrap_or(false),
             bos_token_id: bos.first().copied(),
-            eos_token_id: f.token_ids("eos_token_id")?,
+            eos_token_id: mistral_default("eos_token_id", 2)?,
             initializer_range: f.f64_opt("initializer_range")?.unwrap_or(0.02),
             ladder_layers: parse_ladder_layers(&f, ladder_type)?,
+            family,
+            attention_bias,
+            mlp_bias,
         };
         cfg.validate_in(src)?;
         Ok(cfg)
@@ -371,6 +486,13 @@ impl LlamaConfig {
             return Err(err(src, "initializer_range", format!("must be >= 0, got {}", self.initializer_range)));
         }
         if let Some(l) = &self.ladder_layers {
+            if self.family != Family::Llama {
+                return Err(err(
+                    src,
+                    "ladder_layers",
+                    format!("a Ladder model of a {} checkpoint is not supported yet (only of a Llama)", self.family),
+                ));
+            }
             l.check(self.num_hidden_layers).map_err(|m| err(src, "ladder_layers", m))?;
         }
         if vocab_exceeds_ids(self.vocab_size) {
@@ -400,7 +522,20 @@ impl LlamaConfig {
         // q, k, v and o projections; gate, up and down; two norms.
         let attn = h.checked_mul(q.checked_add(kv.checked_mul(2)?)?.checked_add(q)?)?;
         let mlp = h.checked_mul(i)?.checked_mul(3)?;
-        let layer = attn.checked_add(mlp)?.checked_add(h.checked_mul(2)?)?;
+        let mut layer = attn.checked_add(mlp)?.checked_add(h.checked_mul(2)?)?;
+        // Biases and the per-head q/k norms, when the family has them.
+        if self.qkv_bias() {
+            layer = layer.checked_add(q.checked_add(kv.checked_mul(2)?)?)?;
+        }
+        if self.o_bias() {
+            layer = layer.checked_add(h)?;
+        }
+        if self.mlp_bias {
+            layer = layer.checked_add(i.checked_mul(2)?.checked_add(h)?)?;
+        }
+        if self.qk_norm() {
+            layer = layer.checked_add(d.checked_mul(2)?)?;
+        }
         let embed = v.checked_mul(h)?.checked_mul(if self.tie_word_embeddings { 1 } else { 2 })?;
         embed.checked_add(layer.checked_mul(l)?)?.checked_add(h)
     }
@@ -462,7 +597,7 @@ impl LlamaConfig {
         };
         let mut v = json!({
             "architectures": ["LlamaForCausalLM"],
-            "attention_bias": false,
+            "attention_bias": self.attention_bias,
             "attention_dropout": 0.0,
             "bos_token_id": self.bos_token_id,
             "dtype": dtype,
@@ -473,7 +608,7 @@ impl LlamaConfig {
             "initializer_range": self.initializer_range,
             "intermediate_size": self.intermediate_size,
             "max_position_embeddings": self.max_position_embeddings,
-            "mlp_bias": false,
+            "mlp_bias": self.mlp_bias,
             "model_type": "llama",
             "num_attention_heads": self.num_attention_heads,
             "num_hidden_layers": self.num_hidden_layers,
@@ -488,6 +623,24 @@ impl LlamaConfig {
             "use_cache": true,
             "vocab_size": self.vocab_size,
         });
+        if let (Family::Qwen2 | Family::Qwen3 | Family::Mistral, Value::Object(o)) = (self.family, &mut v) {
+            // The keys of the family's transformers config: no Llama-only ones, and full
+            // attention in every layer (the only kind ferrolm computes yet).
+            o.insert("model_type".into(), json!(self.family.model_type()));
+            o.insert("architectures".into(), json!([self.family.architecture()]));
+            for k in ["mlp_bias", "pretraining_tp"] {
+                o.remove(k);
+            }
+            if self.family != Family::Qwen3 {
+                o.remove("attention_bias");
+            }
+            o.insert("sliding_window".into(), Value::Null);
+            if self.family != Family::Mistral {
+                o.insert("use_sliding_window".into(), json!(false));
+                o.insert("max_window_layers".into(), json!(self.num_hidden_layers));
+                o.insert("layer_types".into(), json!(vec!["full_attention"; self.num_hidden_layers]));
+            }
+        }
         if let (Some(l), Value::Object(o)) = (&self.ladder_layers, &mut v) {
             // The paper's released format: a Llama config plus these keys (auto_map points at
             // its HF modeling code, which a user may drop beside the weights).
@@ -563,6 +716,9 @@ impl LlamaConfig {
             eos_token_id: vec![],
             initializer_range: 0.02,
             ladder_layers: None,
+            family: Family::Llama,
+            attention_bias: false,
+            mlp_bias: false,
         };
         let cfg = match name {
             // A few minutes of pretraining on a 2-core CPU (~0.5M non-embedding parameters).
@@ -597,10 +753,84 @@ impl LlamaConfig {
         self
     }
 
+    /// A bias on the q, k and v projections: Qwen2 always, Llama and Qwen3 with `attention_bias`.
+    pub fn qkv_bias(&self) -> bool {
+        self.family == Family::Qwen2 || self.attention_bias
+    }
+
+    /// A bias on the o projection (`attention_bias`; never in Qwen2).
+    pub fn o_bias(&self) -> bool {
+        self.attention_bias
+    }
+
+    /// RMSNorm of each head's q and k over head_dim before RoPE (`q_norm`, `k_norm`: Qwen3).
+    pub fn qk_norm(&self) -> bool {
+        self.family == Family::Qwen3
+    }
+
     /// Number of query heads sharing one key/value head.
     pub fn gqa_group(&self) -> usize {
         self.num_attention_heads / self.num_key_value_heads
     }
+}
+
+/// Sliding-window attention is not computed yet: a config whose window would bite is refused by
+/// the key that asks for it. Qwen2/Qwen3: `use_sliding_window: true`, or a `layer_types` entry
+/// `sliding_attention` (Qwen2.5 and Qwen3 checkpoints have `use_sliding_window: false`: their
+/// `sliding_window` / `max_window_layers` are then unused, as in transformers). Mistral: a
+/// `sliding_window` smaller than `max_position_embeddings` (v0.1's 4096); null (v0.3, Nemo,
+/// Small) or at least every position's distance changes nothing. Hostile values (a negative
+/// window, a `layer_types` list of the wrong length or with an unknown type) are refused by name.
+fn check_window(f: &Fields, family: Family, layers: usize, max_positions: usize) -> Result<()> {
+    if family == Family::Llama {
+        return Ok(()); // not Llama keys: transformers ignores them
+    }
+    let src = f.src;
+    let window = f.usize_opt("sliding_window")?;
+    let wtext = window.map_or("null".to_string(), |w| w.to_string());
+    if family == Family::Mistral {
+        if let Some(w) = window.filter(|&w| w < max_positions) {
+            return Err(err(
+                src,
+                "sliding_window",
+                format!("{w} is smaller than max_position_embeddings {max_positions}: sliding-window attention is not supported yet (a null window, or one of at least max_position_embeddings, loads)"),
+            ));
+        }
+    } else {
+        f.usize_opt("max_window_layers")?;
+        if f.bool_opt("use_sliding_window")? == Some(true) {
+            return Err(err(
+                src,
+                "use_sliding_window",
+                format!("true (sliding_window {wtext}) is not supported yet: sliding-window attention is not implemented (use_sliding_window false loads)"),
+            ));
+        }
+    }
+    if let Some(types) = f.str_list_opt("layer_types")? {
+        if types.len() != layers {
+            return Err(err(src, "layer_types", format!("has {} entries, but num_hidden_layers is {layers}", types.len())));
+        }
+        for (i, t) in types.iter().enumerate() {
+            match *t {
+                "full_attention" => {}
+                "sliding_attention" => {
+                    return Err(err(
+                        src,
+                        "layer_types",
+                        format!("layer {i} is \"sliding_attention\": sliding-window attention is not supported yet"),
+                    ))
+                }
+                other => {
+                    return Err(err(
+                        src,
+                        "layer_types",
+                        format!("layer {i} has unknown type {other:?} (known: full_attention, sliding_attention)"),
+                    ))
+                }
+            }
+        }
+    }
+    Ok(())
 }
 
 /// `ladder_layers`: an int, a list of ints, or null/absent (no Ladder layer). Only a

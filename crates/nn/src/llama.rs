@@ -1,4 +1,6 @@
-//! LLaMA (Touvron et al. 2023) exactly as transformers' `LlamaForCausalLM` computes it, and the
+//! LLaMA (Touvron et al. 2023) exactly as transformers' `LlamaForCausalLM` computes it (and, with
+//! the block features their configs turn on, `Qwen2ForCausalLM`, `Qwen3ForCausalLM` and
+//! `MistralForCausalLM`: q/k/v/o/MLP biases, per-head q/k RMSNorm; see docs/MODELS.md), and the
 //! Ladder Transformer (Ladder Residual, arXiv 2501.06589) as a residual schedule over the same
 //! blocks: token embedding, N pre-norm blocks of an attention branch (RMSNorm -> GQA attention
 //! with RoPE) and an MLP branch (RMSNorm -> SwiGLU), a final RMSNorm and the LM head (tied or
@@ -22,7 +24,9 @@ use ferrolm_tensor::{no_grad, DType, Device, Error, Result, Rng, Tensor};
 use std::path::Path;
 use std::sync::Arc;
 
-/// The attention branch: RMSNorm, then causal GQA attention with RoPE.
+/// The attention branch: RMSNorm, then causal GQA attention with RoPE. The family's features
+/// (`LlamaConfig::qkv_bias`, `o_bias`, `qk_norm`) are the projections' biases and the
+/// per-head q/k norms; a Llama has none of them.
 #[derive(Clone)]
 pub struct Attention {
     pub input_layernorm: Tensor, // (C)
@@ -30,6 +34,10 @@ pub struct Attention {
     pub k_proj: Linear,          // (KV*D, C)
     pub v_proj: Linear,          // (KV*D, C)
     pub o_proj: Linear,          // (C, H*D)
+    /// Qwen3: RMSNorm of each query head over D, before RoPE.
+    pub q_norm: Option<Tensor>, // (D)
+    /// Qwen3: RMSNorm of each key head over D, before RoPE.
+    pub k_norm: Option<Tensor>, // (D)
     head_dim: usize,
     eps: f64,
 }
@@ -105,6 +113,14 @@ fn split_heads(x: &Tensor, d: usize) -> Result<Tensor> {
     x.reshape(vec![b, t, hd / d, d])?.permute(&[0, 2, 1, 3])
 }
 
+/// (B, T, heads*D) -> (B, heads, T, D), each head RMS-normed over D first when `norm` is given
+/// (QK-norm: the norm acts on the (B, T, heads, D) view, as transformers' `q_norm` does).
+fn split_heads_normed(x: &Tensor, d: usize, norm: Option<&Tensor>, eps: f64) -> Result<Tensor> {
+    let Some(w) = norm else { return split_heads(x, d) };
+    let (b, t, hd) = (x.dim(0), x.dim(1), x.dim(2));
+    rms_norm(&x.reshape(vec![b, t, hd / d, d])?, w, eps)?.permute(&[0, 2, 1, 3])
+}
+
 /// (B, heads, T, D) -> (B, T, heads*D)
 fn merge_heads(x: &Tensor) -> Result<Tensor> {
     let (b, h, t, d) = (x.dim(0), x.dim(1), x.dim(2), x.dim(3));
@@ -123,8 +139,10 @@ impl Attention {
             Some(p) => rope_at(x, &pos.cos, &pos.sin, &p.positions),
         };
         let [q, k, v] = project(&h, [&self.q_proj, &self.k_proj, &self.v_proj])?;
-        let q = rotate(&split_heads(&q, d)?)?; // (B, H, T, D)
-        let k = rotate(&split_heads(&k, d)?)?; // (B, KV, T, D)
+        let qn = self.q_norm.as_ref().map(|w| self.q_proj.op.per_head(w)).transpose()?;
+        let kn = self.k_norm.as_ref().map(|w| self.k_proj.op.per_head(w)).transpose()?;
+        let q = rotate(&split_heads_normed(&q, d, qn.as_ref(), self.eps)?)?; // (B, H, T, D)
+        let k = rotate(&split_heads_normed(&k, d, kn.as_ref(), self.eps)?)?; // (B, KV, T, D)
         let v = split_heads(&v, d)?; // (B, KV, T, D)
         let scale = 1.0 / (d as f64).sqrt();
         let y = match (cache, &pos.packed) {
@@ -399,17 +417,41 @@ impl Llama {
         let (h, v, i, d) = (c.hidden_size, c.vocab_size, c.intermediate_size, c.head_dim);
         let (qd, kvd) = (c.num_attention_heads * d, c.num_key_value_heads * d);
         let mut p = |name: &str, shape: &[usize], kind: ParamKind, t: &mut Tensor| f(&ParamInfo { name, shape, kind }, t);
-        use ParamKind::{Embedding as E, Matrix as M, Norm as N};
+        use ParamKind::{Bias as Bi, Embedding as E, Matrix as M, Norm as N};
         p("model.embed_tokens.weight", &[v, h], E, &mut self.embed_tokens.weight)?;
         for (l, b) in self.layers.iter_mut().enumerate() {
             let (a, m) = (&mut b.self_attn, &mut b.mlp);
-            p(&format!("model.layers.{l}.self_attn.q_proj.weight"), &[qd, h], M, &mut a.q_proj.weight)?;
-            p(&format!("model.layers.{l}.self_attn.k_proj.weight"), &[kvd, h], M, &mut a.k_proj.weight)?;
-            p(&format!("model.layers.{l}.self_attn.v_proj.weight"), &[kvd, h], M, &mut a.v_proj.weight)?;
-            p(&format!("model.layers.{l}.self_attn.o_proj.weight"), &[h, qd], M, &mut a.o_proj.weight)?;
-            p(&format!("model.layers.{l}.mlp.gate_proj.weight"), &[i, h], M, &mut m.gate_proj.weight)?;
-            p(&format!("model.layers.{l}.mlp.up_proj.weight"), &[i, h], M, &mut m.up_proj.weight)?;
-            p(&format!("model.layers.{l}.mlp.down_proj.weight"), &[h, i], M, &mut m.down_proj.weight)?;
+            // Each linear layer's weight, then its bias if it has one (nn.Linear's order); the
+            // q/k norms after the projections (Qwen3's attention module order).
+            let linears: [(&str, usize, usize, &mut Linear); 4] = [
+                ("self_attn.q_proj", qd, h, &mut a.q_proj),
+                ("self_attn.k_proj", kvd, h, &mut a.k_proj),
+                ("self_attn.v_proj", kvd, h, &mut a.v_proj),
+                ("self_attn.o_proj", h, qd, &mut a.o_proj),
+            ];
+            for (name, out, inp, lin) in linears {
+                p(&format!("model.layers.{l}.{name}.weight"), &[out, inp], M, &mut lin.weight)?;
+                if let Some(bias) = &mut lin.bias {
+                    p(&format!("model.layers.{l}.{name}.bias"), &[out], Bi, bias)?;
+                }
+            }
+            if let Some(w) = &mut a.q_norm {
+                p(&format!("model.layers.{l}.self_attn.q_norm.weight"), &[d], N, w)?;
+            }
+            if let Some(w) = &mut a.k_norm {
+                p(&format!("model.layers.{l}.self_attn.k_norm.weight"), &[d], N, w)?;
+            }
+            let linears: [(&str, usize, usize, &mut Linear); 3] = [
+                ("mlp.gate_proj", i, h, &mut m.gate_proj),
+                ("mlp.up_proj", i, h, &mut m.up_proj),
+                ("mlp.down_proj", h, i, &mut m.down_proj),
+            ];
+            for (name, out, inp, lin) in linears {
+                p(&format!("model.layers.{l}.{name}.weight"), &[out, inp], M, &mut lin.weight)?;
+                if let Some(bias) = &mut lin.bias {
+                    p(&format!("model.layers.{l}.{name}.bias"), &[out], Bi, bias)?;
+                }
+            }
             p(&format!("model.layers.{l}.input_layernorm.weight"), &[h], N, &mut a.input_layernorm)?;
             p(&format!("model.layers.{l}.post_attention_layernorm.weight"), &[h], N, &mut m.post_attention_layernorm)?;
         }
@@ -487,7 +529,9 @@ impl Llama {
     fn build(cfg: LlamaConfig, dtype: DType, device: Device, make: &mut dyn FnMut(&ParamInfo) -> Result<Tensor>) -> Result<Self> {
         cfg.validate()?;
         let none = || Tensor::zeros([0], dtype, device);
-        let lin = || -> Result<Linear> { Ok(Linear::new(none()?)) };
+        // A linear layer, with a bias when the family's feature asks for one.
+        let lin = |bias: bool| -> Result<Linear> { Ok(Linear { bias: bias.then(none).transpose()?, ..Linear::new(none()?) }) };
+        let (qkv_b, o_b, mlp_b, qk_norm) = (cfg.qkv_bias(), cfg.o_bias(), cfg.mlp_bias, cfg.qk_norm());
         let ladder =
             cfg.ladder_layers.as_ref().map(|l| l.mask(cfg.num_hidden_layers)).unwrap_or_else(|| vec![false; cfg.num_hidden_layers]);
         let (eps, head_dim) = (cfg.rms_norm_eps, cfg.head_dim);
@@ -497,14 +541,22 @@ impl Llama {
                 Ok(Block {
                     self_attn: Attention {
                         input_layernorm: none()?,
-                        q_proj: lin()?,
-                        k_proj: lin()?,
-                        v_proj: lin()?,
-                        o_proj: lin()?,
+                        q_proj: lin(qkv_b)?,
+                        k_proj: lin(qkv_b)?,
+                        v_proj: lin(qkv_b)?,
+                        o_proj: lin(o_b)?,
+                        q_norm: qk_norm.then(none).transpose()?,
+                        k_norm: qk_norm.then(none).transpose()?,
                         head_dim,
                         eps,
                     },
-                    mlp: Mlp { post_attention_layernorm: none()?, gate_proj: lin()?, up_proj: lin()?, down_proj: lin()?, eps },
+                    mlp: Mlp {
+                        post_attention_layernorm: none()?,
+                        gate_proj: lin(mlp_b)?,
+                        up_proj: lin(mlp_b)?,
+                        down_proj: lin(mlp_b)?,
+                        eps,
+                    },
                     ladder,
                 })
             })
@@ -531,11 +583,13 @@ impl Llama {
         Ok(m)
     }
 
-    /// Fresh model with transformers' init: every matrix N(0, initializer_range), norms 1.
+    /// Fresh model with transformers' init: every matrix N(0, initializer_range), norms 1,
+    /// biases 0.
     pub fn new(cfg: LlamaConfig, dtype: DType, device: Device, rng: &mut Rng) -> Result<Self> {
         let std = cfg.initializer_range;
         Self::build(cfg, dtype, device, &mut |p| match p.kind {
             ParamKind::Norm => Tensor::ones(p.shape.to_vec(), dtype, device),
+            ParamKind::Bias => Tensor::zeros(p.shape.to_vec(), dtype, device),
             _ => Tensor::randn(p.shape.to_vec(), std, dtype, device, rng),
         })
     }
@@ -554,6 +608,7 @@ impl Llama {
     /// the config's shapes (`file` names the source in errors).
     pub fn from_tensors(cfg: LlamaConfig, mut tensors: TensorMap, dtype: DType, device: Device, file: &Path) -> Result<Self> {
         let err = |msg: String| Error::new("Llama::from_pretrained", format!("{}: {msg}", file.display()));
+        let cfg_arch = cfg.family.architecture();
         // Buffers some older exports include; they are recomputed, never learned.
         tensors.retain(|n, _| !n.ends_with("rotary_emb.inv_freq"));
         if cfg.tie_word_embeddings {
@@ -567,7 +622,8 @@ impl Llama {
             Ok(t)
         })?;
         if let Some(name) = tensors.keys().next() {
-            return Err(err(format!("unknown tensor `{name}` (not a LlamaForCausalLM parameter for this config)")));
+            let arch = cfg_arch;
+            return Err(err(format!("unknown tensor `{name}` (not a {arch} parameter for this config)")));
         }
         Ok(m)
     }

@@ -18,6 +18,8 @@ pub enum ParamKind {
     Embedding,
     /// An RMSNorm gain: not decayed, initialised to ones.
     Norm,
+    /// A linear layer's bias: not decayed, initialised to zeros.
+    Bias,
 }
 
 impl ParamKind {
@@ -155,6 +157,18 @@ pub trait LinearOp: Send + Sync {
     fn forward_adapted(&self, x: &Tensor, weight: &Tensor, u: &Tensor, b: &Tensor, scale: f64, res: Option<&Tensor>) -> Result<Tensor> {
         linear_adapted(x, weight, u, b, scale, res)
     }
+    /// The layer's bias as this rank adds it to the op's output (after a row-parallel op's
+    /// reduction, so once). A column-parallel op whose weight piece several ranks hold
+    /// (replicated key/value heads) sums the bias's gradient over them, as the weight's.
+    fn bias(&self, b: &Tensor) -> Result<Tensor> {
+        Ok(b.clone())
+    }
+    /// A parameter every rank holds whole that acts on this layer's output heads (Qwen3's
+    /// q/k norm over head_dim), as this rank applies it: where the heads are split over ranks
+    /// (column-parallel), each rank's gradient covers its heads only and is summed over them.
+    fn per_head(&self, w: &Tensor) -> Result<Tensor> {
+        Ok(w.clone())
+    }
 }
 
 /// How an embedding looks its rows up (dense, or vocabulary-parallel). Ids that carry their
@@ -244,11 +258,14 @@ impl HeadOp for Dense {
     }
 }
 
-/// A weight, the op that applies it and, under LoRA, its adapter (cheap to clone: all are
-/// shared handles).
+/// A weight, its bias if it has one, the op that applies them and, under LoRA, its adapter
+/// (cheap to clone: all are shared handles).
 #[derive(Clone)]
 pub struct Linear {
     pub weight: Tensor,
+    /// (out): added to the op's output (Qwen2's q/k/v; `attention_bias`, `mlp_bias`). Under
+    /// LoRA it stays frozen in the base, as PEFT keeps it.
+    pub bias: Option<Tensor>,
     pub op: Arc<dyn LinearOp>,
     /// A LoRA adapter (`crate::lora`): the weight is then frozen.
     pub adapter: Option<Adapter>,
@@ -256,19 +273,29 @@ pub struct Linear {
 
 impl Linear {
     pub fn new(weight: Tensor) -> Self {
-        Linear { weight, op: Arc::new(Dense), adapter: None }
+        Linear { weight, bias: None, op: Arc::new(Dense), adapter: None }
     }
     pub fn forward(&self, x: &Tensor) -> Result<Tensor> {
-        match &self.adapter {
-            None => self.op.forward(x, &self.weight),
-            Some(_) => Ok(crate::lora::project(x, &[self], None)?.remove(0)),
-        }
+        let y = match &self.adapter {
+            None => self.op.forward(x, &self.weight)?,
+            Some(_) => crate::lora::project(x, &[self], None)?.remove(0),
+        };
+        self.plus_bias(y)
     }
     /// res + forward(x) (see `LinearOp::forward_plus`).
     pub fn forward_plus(&self, x: &Tensor, res: &Tensor) -> Result<Tensor> {
-        match &self.adapter {
-            None => self.op.forward_plus(x, &self.weight, res),
-            Some(_) => Ok(crate::lora::project(x, &[self], Some(res))?.remove(0)),
+        let y = match &self.adapter {
+            None => self.op.forward_plus(x, &self.weight, res)?,
+            Some(_) => crate::lora::project(x, &[self], Some(res))?.remove(0),
+        };
+        self.plus_bias(y)
+    }
+    /// y + bias (broadcast over the leading dims), or y itself for a layer without one: no
+    /// launch is added where there is no bias.
+    fn plus_bias(&self, y: Tensor) -> Result<Tensor> {
+        match &self.bias {
+            None => Ok(y),
+            Some(b) => y.add(&self.op.bias(b)?),
         }
     }
 }
@@ -278,7 +305,9 @@ impl Linear {
 pub fn project<const N: usize>(x: &Tensor, layers: [&Linear; N]) -> Result<[Tensor; N]> {
     let out = match layers.iter().any(|l| l.adapter.is_some()) {
         false => layers.iter().map(|l| l.forward(x)).collect::<Result<Vec<_>>>()?,
-        true => crate::lora::project(x, &layers, None)?,
+        true => {
+            crate::lora::project(x, &layers, None)?.into_iter().zip(&layers).map(|(y, l)| l.plus_bias(y)).collect::<Result<Vec<_>>>()?
+        }
     };
     out.try_into().map_err(|_| ferrolm_tensor::Error::new("project", "one output per layer"))
 }

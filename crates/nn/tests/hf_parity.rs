@@ -3,7 +3,7 @@
 //! max|ours - hf| / max|hf| < 1e-4 per tensor. Plus config parsing, checkpoint round trips and
 //! the errors a user sees for broken checkpoints.
 use ferrolm_nn::safetensors_io::{load_safetensors, save_safetensors};
-use ferrolm_nn::{generate, shift_labels, KvCache, Llama, LlamaConfig};
+use ferrolm_nn::{generate, shift_labels, Family, KvCache, Llama, LlamaConfig};
 use ferrolm_tensor::{DType, Device, Rng, Tensor};
 use std::path::Path;
 
@@ -82,6 +82,233 @@ fn parity_ladder_all_mqa() {
     parity("ladder_all_mqa");
 }
 
+// Qwen2, Qwen3 and Mistral (scripts/make_family_fixtures.py): q/k/v bias with tied
+// embeddings; QK-norm with head_dim != hidden/heads, untied; Mistral's explicit head_dim.
+#[test]
+fn parity_qwen2_bias_tied() {
+    parity("qwen2_bias_tied");
+}
+#[test]
+fn parity_qwen3_qknorm_untied() {
+    parity("qwen3_qknorm_untied");
+}
+#[test]
+fn parity_mistral_headdim() {
+    parity("mistral_headdim");
+}
+
+const FAMILY_FIXTURES: [(&str, Family); 3] =
+    [("qwen2_bias_tied", Family::Qwen2), ("qwen3_qknorm_untied", Family::Qwen3), ("mistral_headdim", Family::Mistral)];
+
+/// Each family's parameters: transformers' names in `named_parameters()` order (the fixture's
+/// safetensors keys are sorted, the reference's gradient keys too: compared as sets, and the
+/// order checked against the module layout), counted by the config's formula.
+#[test]
+fn family_parameters_names_and_count() {
+    for (name, family) in FAMILY_FIXTURES {
+        let model = Llama::from_pretrained(&fixtures().join(name), DType::F32, Device::Cpu).unwrap();
+        assert_eq!(model.config().family, family, "{name}");
+        let names: Vec<String> = model.parameters().into_iter().map(|(n, _)| n).collect();
+        assert_eq!(model.config().num_parameters(), Some(model.num_params() as u64), "{name}: formula != tensors");
+        let layer0: Vec<&str> = names.iter().filter_map(|n| n.strip_prefix("model.layers.0.")).collect();
+        let want: &[&str] = match family {
+            Family::Qwen2 => &[
+                "self_attn.q_proj.weight",
+                "self_attn.q_proj.bias",
+                "self_attn.k_proj.weight",
+                "self_attn.k_proj.bias",
+                "self_attn.v_proj.weight",
+                "self_attn.v_proj.bias",
+                "self_attn.o_proj.weight",
+            ],
+            Family::Qwen3 => &[
+                "self_attn.q_proj.weight",
+                "self_attn.k_proj.weight",
+                "self_attn.v_proj.weight",
+                "self_attn.o_proj.weight",
+                "self_attn.q_norm.weight",
+                "self_attn.k_norm.weight",
+            ],
+            _ => &["self_attn.q_proj.weight", "self_attn.k_proj.weight", "self_attn.v_proj.weight", "self_attn.o_proj.weight"],
+        };
+        let mut want = want.to_vec();
+        want.extend([
+            "mlp.gate_proj.weight",
+            "mlp.up_proj.weight",
+            "mlp.down_proj.weight",
+            "input_layernorm.weight",
+            "post_attention_layernorm.weight",
+        ]);
+        assert_eq!(layer0, want, "{name}");
+        // Biases and norms are not weight-decayed.
+        for (n, _, kind) in model.named_parameters() {
+            assert_eq!(kind.weight_decay(), n.ends_with("proj.weight") || n == "lm_head.weight", "{n}");
+        }
+    }
+}
+
+/// Save -> reload keeps the family, its config keys and the logits. With FERROLM_ROUNDTRIP_OUT
+/// set, each checkpoint is also left in that folder for `scripts/make_family_fixtures.py
+/// --roundtrip DIR/NAME --fixture NAME` (transformers loads it as the same family, same loss).
+#[test]
+fn family_save_round_trip() {
+    for (name, family) in FAMILY_FIXTURES {
+        let model = Llama::from_pretrained(&fixtures().join(name), DType::F32, Device::Cpu).unwrap();
+        let tmp = TempDir::new(&format!("save-{name}"));
+        model.save_pretrained(&tmp.0).unwrap();
+        let cfg: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(tmp.0.join("config.json")).unwrap()).unwrap();
+        assert_eq!(cfg["model_type"], family.model_type(), "{name}");
+        assert_eq!(cfg["architectures"][0], family.architecture(), "{name}");
+        let source: serde_json::Value =
+            serde_json::from_str(&std::fs::read_to_string(fixtures().join(name).join("config.json")).unwrap()).unwrap();
+        // The keys transformers reads for the family are written with the source's values.
+        for key in ["head_dim", "tie_word_embeddings", "sliding_window", "use_sliding_window", "attention_bias"] {
+            if let Some(v) = source.get(key) {
+                if key != "head_dim" || family != Family::Qwen2 {
+                    assert_eq!(&cfg[key], v, "{name}: {key}");
+                }
+            }
+        }
+        for key in ["mlp_bias", "pretraining_tp"] {
+            assert!(cfg.get(key).is_none(), "{name}: a Llama-only key {key} was written");
+        }
+        let again = Llama::from_pretrained(&tmp.0, DType::F32, Device::Cpu).unwrap();
+        assert_eq!(again.config(), model.config(), "{name}");
+        let ids = sample_ids(&model, 2, 9, 1);
+        let (a, b) = (model.forward(&ids).unwrap(), again.forward(&ids).unwrap());
+        assert_eq!(a.to_vec::<f32>().unwrap(), b.to_vec::<f32>().unwrap(), "{name}: logits differ after save/load");
+        if let Some(out) = std::env::var_os("FERROLM_ROUNDTRIP_OUT") {
+            model.save_pretrained(&Path::new(&out).join(name)).unwrap();
+        }
+    }
+}
+
+#[test]
+fn family_kv_cache_and_greedy_generation() {
+    for (name, _) in FAMILY_FIXTURES {
+        let model = Llama::from_pretrained(&fixtures().join(name), DType::F32, Device::Cpu).unwrap();
+        let _g = ferrolm_tensor::no_grad();
+        let ids = sample_ids(&model, 2, 12, 5);
+        let full = model.forward(&ids).unwrap();
+        let mut cache = KvCache::new();
+        let mut parts = vec![model.forward_with_cache(&ids.narrow(1, 0, 7).unwrap().contiguous().unwrap(), &mut cache).unwrap()];
+        for t in 7..12 {
+            parts.push(model.forward_with_cache(&ids.narrow(1, t, 1).unwrap().contiguous().unwrap(), &mut cache).unwrap());
+        }
+        let e = rel_err(&Tensor::cat(&parts, 1).unwrap(), &full);
+        assert!(e < 1e-5, "{name}: cached logits rel err {e}");
+        // Greedy decoding with the cache is the argmax of a full forward, token by token.
+        let prompt = [5u32, 17, 3];
+        let a = generate(&model, &prompt, 8, 0.0, 1.0, &mut Rng::new(0)).unwrap();
+        let mut seq = prompt.to_vec();
+        for _ in 0..a.len() {
+            let ids = Tensor::from_vec(seq.iter().map(|&x| x as i32).collect::<Vec<_>>(), vec![1, seq.len()], Device::Cpu).unwrap();
+            let logits = model.forward(&ids).unwrap().narrow(1, seq.len() - 1, 1).unwrap().to_vec::<f32>().unwrap();
+            seq.push(logits.iter().enumerate().fold((0, f32::MIN), |m, (i, &x)| if x > m.1 { (i, x) } else { m }).0 as u32);
+        }
+        assert_eq!(&seq[prompt.len()..], &a[..], "{name}");
+    }
+}
+
+/// What each family refuses, by file, key and value; what it accepts that Llama's reader did not.
+#[test]
+fn family_config_errors_and_accepted_keys() {
+    let read = |n: &str| std::fs::read_to_string(fixtures().join(n).join("config.json")).unwrap();
+    let (qwen2, qwen3, mistral, llama) =
+        (read("qwen2_bias_tied"), read("qwen3_qknorm_untied"), read("mistral_headdim"), read("llama_gqa_untied"));
+    let refused = [
+        (&qwen2, "\"use_sliding_window\": false", "\"use_sliding_window\": true", "use_sliding_window"),
+        (&qwen3, "\"use_sliding_window\": false", "\"use_sliding_window\": true", "use_sliding_window"),
+        (&qwen2, "\"full_attention\"\n  ]", "\"sliding_attention\"\n  ]", "layer_types"),
+        (&qwen3, "\"full_attention\",\n", "", "layer_types"), // one entry for two layers
+        (&qwen3, "\"full_attention\"\n  ]", "\"chunked_attention\"\n  ]", "layer_types"),
+        (&qwen3, "\"head_dim\": 16", "\"head_dim\": 0", "head_dim"),
+        (&mistral, "\"sliding_window\": null", "\"sliding_window\": 16", "sliding_window"),
+        (&mistral, "\"sliding_window\": null", "\"sliding_window\": -1", "sliding_window"),
+        (&qwen2, "\"sliding_window\": null", "\"sliding_window\": -4", "sliding_window"),
+        (&qwen2, "\"model_type\": \"qwen2\"", "\"model_type\": \"gemma3_text\"", "not supported yet"),
+        (&llama, "\"model_type\": \"llama\"", "\"model_type\": \"phi3\"", "qwen2, qwen3, mistral"),
+    ];
+    for (text, from, to, what) in refused {
+        assert!(text.contains(from), "fixture lacks {from}");
+        let tmp = TempDir::new("family-cfg");
+        let path = tmp.0.join("config.json");
+        std::fs::write(&path, text.replacen(from, to, 1)).unwrap();
+        let e = LlamaConfig::from_file(&path).unwrap_err().to_string();
+        assert!(e.contains("config.json") && e.contains(what), "{to}: {e}");
+    }
+    // Mistral v0.1's window of 4096 is refused by name and value; one that cannot bite loads.
+    let e = LlamaConfig::from_json_str(
+        &mistral
+            .replace("\"sliding_window\": null", "\"sliding_window\": 4096")
+            .replace("\"max_position_embeddings\": 64", "\"max_position_embeddings\": 32768"),
+    )
+    .unwrap_err()
+    .to_string();
+    assert!(e.contains("sliding_window") && e.contains("4096") && e.contains("max_position_embeddings"), "{e}");
+    assert!(LlamaConfig::from_json_str(&mistral.replace("\"sliding_window\": null", "\"sliding_window\": 64")).is_ok());
+    // Qwen2.5 checkpoints: use_sliding_window false with a window and max_window_layers set.
+    let q25 = qwen2
+        .replace("\"sliding_window\": null", "\"sliding_window\": 32768")
+        .replace("\"max_window_layers\": 1", "\"max_window_layers\": 21");
+    assert_eq!(LlamaConfig::from_json_str(&q25).unwrap(), LlamaConfig::from_json_str(&qwen2).unwrap());
+    // Qwen3 attention_bias: a bias on q, k, v and o.
+    let c = LlamaConfig::from_json_str(&qwen3.replace("\"attention_bias\": false", "\"attention_bias\": true")).unwrap();
+    assert!(c.qkv_bias() && c.o_bias() && c.qk_norm());
+    // Llama's attention_bias and mlp_bias are supported through the same bias feature.
+    let c = LlamaConfig::from_json_str(
+        &llama.replace("\"attention_bias\": false", "\"attention_bias\": true").replace("\"mlp_bias\": false", "\"mlp_bias\": true"),
+    )
+    .unwrap();
+    let m = Llama::new(c.clone(), DType::F32, Device::Cpu, &mut Rng::new(1)).unwrap();
+    let names: Vec<String> = m.parameters().into_iter().map(|(n, _)| n).collect();
+    for p in ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"] {
+        assert!(names.iter().any(|n| n.ends_with(&format!("{p}.bias"))), "{p}.bias missing");
+    }
+    assert_eq!(c.num_parameters(), Some(m.num_params() as u64));
+    let v = c.to_json_value("float32");
+    assert_eq!((&v["attention_bias"], &v["mlp_bias"]), (&serde_json::json!(true), &serde_json::json!(true)));
+}
+
+/// Released checkpoints' configs in transformers 4.x spelling (`rope_theta` at the top,
+/// `torch_dtype`): Qwen2.5-0.5B-Instruct, Qwen3-0.6B and Mistral-7B-v0.3 load as their family, and
+/// a save over them writes them back key for key; Mistral-7B-v0.1's window of 4096 is refused.
+#[test]
+fn released_family_configs_load_in_4x_spelling() {
+    let qwen25 = r#"{"architectures":["Qwen2ForCausalLM"],"attention_dropout":0.0,"bos_token_id":151643,"eos_token_id":151645,
+        "hidden_act":"silu","hidden_size":896,"initializer_range":0.02,"intermediate_size":4864,"max_position_embeddings":32768,
+        "max_window_layers":21,"model_type":"qwen2","num_attention_heads":14,"num_hidden_layers":24,"num_key_value_heads":2,
+        "rms_norm_eps":1e-06,"rope_theta":1000000.0,"sliding_window":32768,"tie_word_embeddings":true,"torch_dtype":"bfloat16",
+        "transformers_version":"4.43.1","use_cache":true,"use_sliding_window":false,"vocab_size":151936}"#;
+    let qwen3 = r#"{"architectures":["Qwen3ForCausalLM"],"attention_bias":false,"attention_dropout":0.0,"bos_token_id":151643,
+        "eos_token_id":151645,"head_dim":128,"hidden_act":"silu","hidden_size":1024,"initializer_range":0.02,"intermediate_size":3072,
+        "max_position_embeddings":40960,"max_window_layers":28,"model_type":"qwen3","num_attention_heads":16,"num_hidden_layers":28,
+        "num_key_value_heads":8,"rms_norm_eps":1e-06,"rope_scaling":null,"rope_theta":1000000,"sliding_window":null,
+        "tie_word_embeddings":true,"torch_dtype":"bfloat16","transformers_version":"4.51.0","use_cache":true,
+        "use_sliding_window":false,"vocab_size":151936}"#;
+    let mistral = r#"{"architectures":["MistralForCausalLM"],"attention_dropout":0.0,"bos_token_id":1,"eos_token_id":2,
+        "hidden_act":"silu","hidden_size":4096,"initializer_range":0.02,"intermediate_size":14336,"max_position_embeddings":32768,
+        "model_type":"mistral","num_attention_heads":32,"num_hidden_layers":32,"num_key_value_heads":8,"rms_norm_eps":1e-05,
+        "rope_theta":1000000.0,"sliding_window":null,"tie_word_embeddings":false,"torch_dtype":"bfloat16",
+        "transformers_version":"4.42.0.dev0","use_cache":true,"vocab_size":32768}"#;
+    for (text, family, head_dim, qkv_bias, qk_norm) in
+        [(qwen25, Family::Qwen2, 64, true, false), (qwen3, Family::Qwen3, 128, false, true), (mistral, Family::Mistral, 128, false, false)]
+    {
+        let c = LlamaConfig::from_json_str(text).unwrap();
+        assert_eq!((c.family, c.head_dim, c.qkv_bias(), c.qk_norm(), c.rope_theta), (family, head_dim, qkv_bias, qk_norm, 1e6));
+        let serde_json::Value::Object(source) = serde_json::from_str(text).unwrap() else { panic!() };
+        let back = c.to_json_over("bfloat16", &source, "bfloat16", "src").unwrap();
+        assert_eq!(back, serde_json::Value::Object(source), "{family}: a save over the source changes it");
+    }
+    let v01 = mistral.replace(r#""sliding_window":null"#, r#""sliding_window":4096"#);
+    let e = LlamaConfig::from_json_str(&v01).unwrap_err().to_string();
+    assert!(e.contains("sliding_window") && e.contains("4096"), "{e}");
+    // MistralConfig's bos 1 / eos 2 when the keys are absent.
+    let bare = mistral.replace(r#""bos_token_id":1,"eos_token_id":2,"#, "");
+    let c = LlamaConfig::from_json_str(&bare).unwrap();
+    assert_eq!((c.bos_token_id, c.eos_token_id.clone()), (Some(1), vec![2]));
+}
+
 #[test]
 fn every_fixture_is_covered() {
     let mut names: Vec<String> = std::fs::read_dir(fixtures())
@@ -101,7 +328,10 @@ fn every_fixture_is_covered() {
             "llama3_rope",
             "llama_gqa_untied",
             "llama_headdim",
-            "llama_mha_tied"
+            "llama_mha_tied",
+            "mistral_headdim",
+            "qwen2_bias_tied",
+            "qwen3_qknorm_untied"
         ],
         "add a parity_* test for a new fixture"
     );
@@ -266,10 +496,10 @@ fn error_unsupported_config_fields() {
     let text = std::fs::read_to_string(fixtures().join("llama_gqa_untied/config.json")).unwrap();
     let cases = [
         ("\"hidden_act\": \"silu\"", "\"hidden_act\": \"gelu\"", "hidden_act"),
-        ("\"attention_bias\": false", "\"attention_bias\": true", "attention_bias"),
-        ("\"mlp_bias\": false", "\"mlp_bias\": true", "mlp_bias"),
+        ("\"attention_bias\": false", "\"attention_bias\": 1", "attention_bias"),
+        ("\"mlp_bias\": false", "\"mlp_bias\": \"yes\"", "mlp_bias"),
         ("\"pretraining_tp\": 1", "\"pretraining_tp\": 2", "pretraining_tp"),
-        ("\"model_type\": \"llama\"", "\"model_type\": \"mistral\"", "model_type"),
+        ("\"model_type\": \"llama\"", "\"model_type\": \"gemma3_text\"", "model_type"),
         ("\"rope_type\": \"default\"", "\"rope_type\": \"yarn\"", "rope_type"),
         ("\"num_key_value_heads\": 2", "\"num_key_value_heads\": 3", "num_key_value_heads"),
         ("\"hidden_size\": 64", "\"hidden_size\": 0", "hidden_size"),

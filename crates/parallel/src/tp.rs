@@ -23,6 +23,11 @@
 //!   layer's B by output rows (A whole on every rank), a row-parallel layer's A by input columns
 //!   (B whole); the whole factor's gradient is summed over the ranks (over the ranks sharing a
 //!   replicated key/value head, for its B). The frozen base weights get no gradient.
+//! - Biases (`Linear::bias`): a column-parallel layer's is split with its weight's rows (its
+//!   gradient summed over the ranks sharing a replicated key/value head); a row-parallel
+//!   layer's is replicated and added once, after the all-reduce. Norms are replicated; the
+//!   per-head q/k norms too (they act on head_dim, never split), but as each rank normalises
+//!   only its heads, their gradient is summed over the group (`LinearOp::per_head`).
 use crate::comm::{Comm, ReduceOp};
 use crate::comm_ops::{copy_to_group, gather_from_group, reduce_from_group};
 use ferrolm_nn::module::{linear, linear_adapted, EmbeddingOp, Factor, HeadLoss, HeadOp, LinearOp};
@@ -161,6 +166,21 @@ impl LinearOp for ColumnParallel {
             Some(r) => r.add(&y),
             None => Ok(y),
         }
+    }
+
+    /// The bias is split with the weight's rows: this rank's piece, its gradient summed over
+    /// the ranks that share a replicated key/value head (as the weight's).
+    fn bias(&self, b: &Tensor) -> Result<Tensor> {
+        match &self.replicas {
+            Some(r) => copy_to_group(b, r),
+            None => Ok(b.clone()),
+        }
+    }
+
+    /// The heads are split over the whole group (a replicated key/value head's gradient comes
+    /// from the query heads of every rank sharing it): the gradient is summed over the group.
+    fn per_head(&self, w: &Tensor) -> Result<Tensor> {
+        copy_to_group(w, &self.comm)
     }
 }
 
@@ -358,9 +378,13 @@ pub fn parallelize(model: &mut Llama, comm: &Comm) -> Result<TpShardings> {
     let mut layout = BTreeMap::new();
     model.visit_params_mut(&mut |p, t| {
         let n = p.name;
-        let s = if n.ends_with("q_proj.weight") || n.ends_with("gate_proj.weight") || n.ends_with("up_proj.weight") {
+        // A column-parallel layer's bias is split with its weight's rows; a row-parallel
+        // layer's is replicated (added once, after the reduction), as are the norms (QK-norm
+        // acts on head_dim, which is never split).
+        let col = |l: &str| n.ends_with(&format!("{l}.weight")) || n.ends_with(&format!("{l}.bias"));
+        let s = if col("q_proj") || col("gate_proj") || col("up_proj") {
             Sharding::split(0, tp, rank, tp)
-        } else if n.ends_with("k_proj.weight") || n.ends_with("v_proj.weight") {
+        } else if col("k_proj") || col("v_proj") {
             Sharding::split(0, kv_parts, rank, tp)
         } else if n.ends_with("o_proj.weight") || n.ends_with("down_proj.weight") {
             Sharding::split(1, tp, rank, tp)

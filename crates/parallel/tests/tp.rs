@@ -3,6 +3,7 @@
 //! (all layers and mixed), GQA with fewer key/value heads than ranks, tied embeddings; packed
 //! rows (each rank attends inside the same segments with its heads); the fused, chunked head +
 //! loss over vocabulary shards against one device's, and the unfused one.
+use ferrolm_nn::module::ParamKind;
 use ferrolm_nn::optim::{AdamW, AdamWConfig};
 use ferrolm_nn::{generate, shift_labels, Llama, LlamaConfig, Packing};
 use ferrolm_ops::{LossChunks, LossScale, Tokens};
@@ -24,13 +25,35 @@ fn config(extra: &str) -> LlamaConfig {
 }
 
 /// The configurations covered: plain GQA (2 kv heads: fewer than 4 ranks), Ladder on every
-/// layer with tied embeddings, mixed Ladder with a single kv head.
+/// layer with tied embeddings, mixed Ladder with a single kv head; the families' features:
+/// Qwen2's q/k/v bias with one kv head (a column-parallel bias replicated over ranks, its
+/// gradient summed as the weight's), Qwen3's QK-norm (replicated) with head_dim 16 != 32/4 and
+/// every attention bias (o's, row-parallel: added once after the reduction), Llama's
+/// `attention_bias` and `mlp_bias`.
 fn cases() -> Vec<(&'static str, LlamaConfig)> {
     vec![
         ("llama-gqa", config(r#","num_key_value_heads":2"#)),
+        ("qwen2-bias-mqa", config(r#","num_key_value_heads":1,"model_type":"qwen2","tie_word_embeddings":true"#)),
+        ("qwen3-qknorm-bias", config(r#","num_key_value_heads":2,"model_type":"qwen3","head_dim":16,"attention_bias":true"#)),
+        ("llama-biases", config(r#","num_key_value_heads":2,"attention_bias":true,"mlp_bias":true"#)),
         ("ladder-all-tied", config(r#","num_key_value_heads":4,"tie_word_embeddings":true,"model_type":"llamaLadder","ladder_layers":3"#)),
         ("ladder-mixed-mqa", config(r#","num_key_value_heads":1,"model_type":"llamaLadder","ladder_layers":[0,2]"#)),
     ]
+}
+
+/// A fresh model whose biases are not zero (transformers' init), so that they count.
+fn model(c: &LlamaConfig) -> ferrolm_tensor::Result<Llama> {
+    let mut m = Llama::new(c.clone(), DType::F32, Device::Cpu, &mut Rng::new(1))?;
+    let mut rng = Rng::new(2);
+    m.visit_params_mut(&mut |p, t| {
+        if p.kind == ParamKind::Bias {
+            let b = Tensor::randn(p.shape.to_vec(), 0.2, DType::F32, Device::Cpu, &mut rng)?;
+            b.set_requires_grad(true)?;
+            *t = b;
+        }
+        Ok(())
+    })?;
+    Ok(m)
 }
 
 fn batch(c: &LlamaConfig, seed: u64) -> (Tensor, Tensor) {
@@ -62,7 +85,7 @@ fn logits_loss(m: &Llama, x: &Tensor, y: &Tensor, p: Option<&Packing>) -> ferrol
 }
 
 fn single(c: &LlamaConfig, x: &Tensor, y: &Tensor, p: Option<&Packing>) -> Outcome {
-    let m = Llama::new(c.clone(), DType::F32, Device::Cpu, &mut Rng::new(1)).unwrap();
+    let m = model(c).unwrap();
     let (logits, loss) = logits_loss(&m, x, y, p).unwrap();
     let logits = logits.to_vec::<f32>().unwrap();
     loss.backward().unwrap();
@@ -71,7 +94,7 @@ fn single(c: &LlamaConfig, x: &Tensor, y: &Tensor, p: Option<&Packing>) -> Outco
 }
 
 fn sharded(c: &LlamaConfig, x: &Tensor, y: &Tensor, p: Option<&Packing>, comm: Arc<dyn Communicator>) -> ferrolm_tensor::Result<Outcome> {
-    let mut m = Llama::new(c.clone(), DType::F32, Device::Cpu, &mut Rng::new(1))?;
+    let mut m = model(c)?;
     let layout = parallelize(&mut m, &comm)?;
     let (logits, loss) = logits_loss(&m, x, y, p)?;
     let logits = logits.to_vec::<f32>()?;
@@ -134,7 +157,7 @@ fn the_chunked_head_over_vocabulary_shards_equals_single_device() {
             Ok((loss.item()?, grads))
         };
         let one = |chunks| {
-            let mut m = Llama::new(c.clone(), DType::F32, Device::Cpu, &mut Rng::new(1)).unwrap();
+            let mut m = model(&c).unwrap();
             let (l, g) = run(&mut m, chunks).unwrap();
             (l, g.into_iter().map(|(n, g)| (n, g.to_vec::<f32>().unwrap())).collect::<Vec<_>>())
         };
@@ -143,7 +166,7 @@ fn the_chunked_head_over_vocabulary_shards_equals_single_device() {
         assert!((unfused.0 - want.0).abs() < TOL * want.0, "{name}: one device, unfused loss {} vs chunked {}", unfused.0, want.0);
         for chunks in [LossChunks::Tokens(4), LossChunks::Unfused] {
             let outs = ThreadComm::run(2, CommOptions::default(), |comm| {
-                let mut m = Llama::new(c.clone(), DType::F32, Device::Cpu, &mut Rng::new(1))?;
+                let mut m = model(&c)?;
                 let layout = parallelize(&mut m, &comm)?;
                 let (l, g) = run(&mut m, chunks)?;
                 let g = g
@@ -177,7 +200,7 @@ fn tp_training_follows_single_device() {
         // Two batches in turn: random tokens, so a falling loss means the model memorises them.
         let batches: Vec<(Tensor, Tensor)> = (0..steps).map(|s| batch(&c, 100 + s as u64 % 2)).collect();
         let want: Vec<f64> = {
-            let m = Llama::new(c.clone(), DType::F32, Device::Cpu, &mut Rng::new(1)).unwrap();
+            let m = model(&c).unwrap();
             let params = m.parameters();
             let mut opt = AdamW::new(&m.named_parameters(), opt_cfg.clone()).unwrap();
             batches
@@ -194,7 +217,7 @@ fn tp_training_follows_single_device() {
         };
         for tp in [2, 4] {
             let got = ThreadComm::run(tp, CommOptions::default(), |comm| {
-                let mut m = Llama::new(c.clone(), DType::F32, Device::Cpu, &mut Rng::new(1))?;
+                let mut m = model(&c)?;
                 let layout: TpShardings = parallelize(&mut m, &comm)?;
                 let params = m.parameters();
                 let mut opt = AdamW::new(&m.named_parameters(), opt_cfg.clone())?;
@@ -234,11 +257,11 @@ fn tp_generation_gives_the_same_tokens() {
     for (name, c) in cases() {
         let prompt = [3u32, 9, 27, 5];
         let want = {
-            let m = Llama::new(c.clone(), DType::F32, Device::Cpu, &mut Rng::new(1)).unwrap();
+            let m = model(&c).unwrap();
             generate(&m, &prompt, 12, 0.0, 1.0, &mut Rng::new(0)).unwrap()
         };
         let got = ThreadComm::run(2, CommOptions::default(), |comm| {
-            let mut m = Llama::new(c.clone(), DType::F32, Device::Cpu, &mut Rng::new(1))?;
+            let mut m = model(&c)?;
             parallelize(&mut m, &comm)?;
             generate(&m, &prompt, 12, 0.0, 1.0, &mut Rng::new(0))
         })
@@ -254,10 +277,9 @@ fn tp_generation_gives_the_same_tokens() {
 #[test]
 fn tp_ranks_hold_only_their_shards() {
     let c = config(r#","num_key_value_heads":4"#);
-    let whole: usize =
-        Llama::new(c.clone(), DType::F32, Device::Cpu, &mut Rng::new(1)).unwrap().parameters().iter().map(|(_, p)| p.storage_bytes()).sum();
+    let whole: usize = model(&c).unwrap().parameters().iter().map(|(_, p)| p.storage_bytes()).sum();
     let held = ThreadComm::run(2, CommOptions::default(), |comm| {
-        let mut m = Llama::new(c.clone(), DType::F32, Device::Cpu, &mut Rng::new(1))?;
+        let mut m = model(&c)?;
         parallelize(&mut m, &comm)?;
         Ok(m.parameters().iter().map(|(_, p)| p.storage_bytes()).sum::<usize>())
     })
@@ -272,7 +294,7 @@ fn tp_ranks_hold_only_their_shards() {
 fn tp_refuses_indivisible_shapes() {
     let c = config(r#","num_key_value_heads":2,"intermediate_size":50"#);
     let errs = ThreadComm::run(4, CommOptions::default(), |comm| {
-        let mut m = Llama::new(c.clone(), DType::F32, Device::Cpu, &mut Rng::new(1))?;
+        let mut m = model(&c)?;
         Ok(parallelize(&mut m, &comm).err().map(|e| e.to_string()))
     })
     .unwrap();

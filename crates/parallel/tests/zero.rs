@@ -47,7 +47,21 @@ fn rows(v: &[i32], from: usize, n: usize) -> Tensor {
 
 /// The single-device run on the whole batch.
 fn single_device(tied: bool) -> Vec<f64> {
-    let m = Llama::new(config(tied), DType::F32, Device::Cpu, &mut Rng::new(1)).unwrap();
+    single_device_of(config(tied))
+}
+
+/// A Qwen2 model (q/k/v bias, tied embeddings): the family's biases go through the same buckets.
+fn qwen2() -> LlamaConfig {
+    LlamaConfig::from_json_str(
+        r#"{"vocab_size":64,"hidden_size":32,"intermediate_size":48,"num_hidden_layers":2,"num_attention_heads":4,
+            "num_key_value_heads":2,"max_position_embeddings":32,"initializer_range":0.1,"tie_word_embeddings":true,
+            "model_type":"qwen2"}"#,
+    )
+    .unwrap()
+}
+
+fn single_device_of(c: LlamaConfig) -> Vec<f64> {
+    let m = Llama::new(c, DType::F32, Device::Cpu, &mut Rng::new(1)).unwrap();
     let params = m.parameters();
     let mut opt = AdamW::new(&m.named_parameters(), opt_cfg()).unwrap();
     let mut losses = Vec::new();
@@ -92,9 +106,21 @@ fn rank_micro_batch(z: &mut Zero, m: &Llama, i: usize, dp_rank: usize, per: usiz
 
 /// One rank of a dp x tp run with `spec`; returns its mean micro-batch losses per step.
 fn rank(comm: Arc<dyn Communicator>, dp: usize, tp: usize, rpn: usize, spec: ShardSpec, tied: bool) -> ferrolm_tensor::Result<RankOut> {
+    rank_of(config(tied), comm, dp, tp, rpn, spec)
+}
+
+fn rank_of(
+    c: LlamaConfig,
+    comm: Arc<dyn Communicator>,
+    dp: usize,
+    tp: usize,
+    rpn: usize,
+    spec: ShardSpec,
+) -> ferrolm_tensor::Result<RankOut> {
+    let tied = c.tie_word_embeddings;
     let mesh = DeviceMesh::new(comm, tp, dp, rpn)?;
     let dp_rank = mesh.dp_rank();
-    let mut m = Llama::new(config(tied), DType::F32, Device::Cpu, &mut Rng::new(1))?;
+    let mut m = Llama::new(c, DType::F32, Device::Cpu, &mut Rng::new(1))?;
     let layout = if tp > 1 { Some(parallelize(&mut m, mesh.tp_group())?) } else { None };
     let mut z = Zero::new(&mut m, mesh, spec, layout, opt_cfg(), Placement::Device)?;
     let per = ROWS / dp;
@@ -188,6 +214,17 @@ fn zero_composes_with_tensor_parallelism() {
         let outs = ThreadComm::run(4, CommOptions::default(), |c| rank(c, 2, 2, 4, spec, false)).unwrap();
         close(&dp_mean(&outs, 2, 2), &plain, 1e-4, &format!("dp 2 x tp 2, {spec}"));
     }
+}
+
+/// A Qwen2 model under ZeRO-3 (dp 4) and ZeRO-3 with --tp 2 follows the single-device run.
+#[test]
+fn zero_with_a_qwen2_model_equals_single_device() {
+    let want = single_device_of(qwen2());
+    assert!(want[STEPS - 1] < want[0] - 0.2, "the run does not learn: {want:?}");
+    let outs = ThreadComm::run(4, CommOptions::default(), |c| rank_of(qwen2(), c, 4, 1, 4, ShardSpec::zero(3, 4)?)).unwrap();
+    close(&dp_mean(&outs, 4, 1), &want, 1e-5, "qwen2, zero 3 over dp 4");
+    let outs = ThreadComm::run(4, CommOptions::default(), |c| rank_of(qwen2(), c, 2, 2, 4, ShardSpec::zero(3, 2)?)).unwrap();
+    close(&dp_mean(&outs, 2, 2), &want, 1e-4, "qwen2, dp 2 x tp 2, zero 3");
 }
 
 #[test]
