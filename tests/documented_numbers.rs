@@ -1,0 +1,70 @@
+//! The figures the guides quote that do not depend on how long a run trains, recomputed from
+//! the commands the guides show (tests/documented_commands.rs runs those commands shrunk, so it
+//! cannot check what they print): LORA.md's trainable share of its worked example, and
+//! FINETUNING.md's packing of the bundled chat file. Each test first finds the command in the
+//! guide, so a changed command fails here until its figures are regenerated.
+mod common;
+use common::*;
+use ferrolm::cli::finetune::FinetuneArgs;
+use ferrolm::cli::parse_from;
+use ferrolm::data::Tokenizer;
+use ferrolm::nn::{Llama, LlamaConfig, LoraConfig, Proj};
+use ferrolm::{DType, Device};
+use ferrolm_tensor::Rng;
+
+fn guide(name: &str) -> String {
+    let path = root().join(name);
+    std::fs::read_to_string(&path).unwrap_or_else(|e| panic!("{}: {e}", path.display()))
+}
+
+/// The guide's text with each line's leading spaces and a trailing `\` taken out, so a command
+/// wrapped over lines reads as one.
+fn joined(text: &str) -> String {
+    text.lines().map(|l| l.trim().trim_end_matches('\\').trim_end()).collect::<Vec<_>>().join(" ")
+}
+
+/// The tokenizer the README's first run trains with, and its model (the `tiny` preset sized to
+/// that tokenizer, as `pretrain_llama` sizes a preset).
+fn readme_model() -> (Tokenizer, Llama) {
+    let tokenizer = Tokenizer::from_file(tokenizer_path()).unwrap();
+    let cfg = LlamaConfig { vocab_size: tokenizer.vocab_size(), ..LlamaConfig::preset("tiny").unwrap() };
+    let model = Llama::new(cfg, DType::F32, Device::Cpu, &mut Rng::new(1)).unwrap();
+    (tokenizer, model)
+}
+
+#[test]
+fn lora_guides_trainable_share_is_its_commands() {
+    let text = guide("docs/LORA.md");
+    let command = "--model runs/pretrain_llama --chat-template data/chat_template.jinja --lora-rank 8 --steps 60 --merge-lora --out runs/lora";
+    assert!(joined(&text).contains(command), "docs/LORA.md's worked example is no longer `finetune {command}`: update this test");
+    let (_, mut model) = readme_model();
+    model.add_lora(&LoraConfig::new(8, None, 0.0, Proj::ALL.to_vec(), false).unwrap(), &mut Rng::new(2)).unwrap();
+    let said = ferrolm::cli::lora::describe(&model);
+    let figure = said.split(" (rank").next().unwrap();
+    assert!(text.contains(&format!("`{figure}`")), "docs/LORA.md should quote `{figure}` (the run reports {said:?})");
+}
+
+#[test]
+fn finetuning_guides_packing_is_its_commands() {
+    let text = guide("docs/FINETUNING.md");
+    let command = "--model runs/pretrain_llama --chat-template data/chat_template.jinja --data data/chat.jsonl --steps 80 --out runs/chat";
+    assert!(joined(&text).contains(command), "docs/FINETUNING.md's worked example is no longer `finetune {command}`: update this test");
+    let args: FinetuneArgs = parse_from(
+        ["finetune"].into_iter().map(String::from).chain(command.split(' ').map(|w| w.replace("data/", &format!("{}/", data_dir().display())))),
+    )
+    .unwrap();
+    let (tokenizer, _) = readme_model();
+    let opts = args.chat.options(false);
+    let data = args.train.data.clone().unwrap();
+    let loaded = ferrolm::chat::load(&data, None, &tokenizer, &opts, args.train.seq_len, args.train.seed).unwrap();
+    let s = loaded.train.stats();
+    let figure = format!(
+        "packed: {} conversations in {} rows of {} tokens: packing efficiency {:.1}% ...; {} over-long dropped",
+        s.packed,
+        s.rows,
+        s.seq_len,
+        100.0 * s.efficiency(),
+        s.dropped_too_long
+    );
+    assert!(joined(&text).contains(&format!("`{figure}`")), "docs/FINETUNING.md should quote `{figure}` ({})", s.summary());
+}
