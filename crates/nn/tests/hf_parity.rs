@@ -378,6 +378,7 @@ fn every_fixture_is_covered() {
     assert_eq!(
         names,
         [
+            "gemma3_mixed_tied",
             "ladder_all_mqa",
             "ladder_int_gqa_untied",
             "ladder_list_tied",
