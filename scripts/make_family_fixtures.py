@@ -9,6 +9,10 @@ every entry of model.named_parameters()).
   qwen2_bias_tied       Qwen2: bias on q/k/v (not o), tied embeddings, use_sliding_window false
   qwen3_qknorm_untied   Qwen3: q_norm/k_norm, head_dim 16 != hidden/heads 8, untied
   mistral_headdim       Mistral: head_dim 16 != hidden/heads 8, sliding_window null
+  gemma3_mixed_tied     Gemma 3 text: (1 + w) sandwich norms, GeGLU, QK-norm, sqrt(hidden)
+                        embedding scale, query_pre_attn_scalar 12 != head_dim 16 != hidden/heads 8,
+                        layer_types sliding/sliding/full with RoPE thetas 100 and 1e6 (window 64
+                        = max_position_embeddings: never bites), tied, pad_token_id null
 
 Setup as for make_hf_fixtures.py (torch 2.15.0, transformers 5.23.0). Usage:
 
@@ -31,8 +35,9 @@ from pathlib import Path
 
 import torch
 from safetensors.torch import load_file
-from transformers import (AutoConfig, AutoModelForCausalLM, MistralConfig, MistralForCausalLM,
-                          Qwen2Config, Qwen2ForCausalLM, Qwen3Config, Qwen3ForCausalLM)
+from transformers import (AutoConfig, AutoModelForCausalLM, Gemma3ForCausalLM, Gemma3TextConfig,
+                          MistralConfig, MistralForCausalLM, Qwen2Config, Qwen2ForCausalLM, Qwen3Config,
+                          Qwen3ForCausalLM)
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import make_hf_fixtures as hf  # noqa: E402  (shared conventions: inputs, loss, reference file)
@@ -64,6 +69,18 @@ FIXTURES: dict[str, dict] = {
         classes=(MistralConfig, MistralForCausalLM),
         config=base(64, 32, 64, 2, 4, 2, 1e-5, False, head_dim=16, sliding_window=None),
         batch=2, seq=12, seed=23, std=0.05,
+    ),
+    "gemma3_mixed_tied": dict(
+        classes=(Gemma3TextConfig, Gemma3ForCausalLM),
+        config=dict(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=3,
+                    num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=64,
+                    rms_norm_eps=1e-6, tie_word_embeddings=True, query_pre_attn_scalar=12,
+                    hidden_activation="gelu_pytorch_tanh", sliding_window=64,
+                    layer_types=["sliding_attention", "sliding_attention", "full_attention"],
+                    rope_parameters=dict(full_attention=dict(rope_type="default", rope_theta=1e6),
+                                         sliding_attention=dict(rope_type="default", rope_theta=100.0)),
+                    final_logit_softcapping=None, attn_logit_softcapping=None, pad_token_id=None),
+        batch=2, seq=12, seed=24, std=0.05,
     ),
 }
 

@@ -30,11 +30,19 @@ pub struct BlockExtras {
     pub mlp_bias: bool,
     /// RMSNorm weights [head_dim] on q and k (replicated).
     pub qk_norm: bool,
+    /// Two more full-hidden norms a block, the sandwich's post-branch norms (replicated).
+    pub sandwich_norms: bool,
 }
 
 impl BlockExtras {
     pub fn of(c: &ferrolm_nn::LlamaConfig) -> BlockExtras {
-        BlockExtras { qkv_bias: c.qkv_bias(), o_bias: c.o_bias(), mlp_bias: c.mlp_bias, qk_norm: c.qk_norm() }
+        BlockExtras {
+            qkv_bias: c.qkv_bias(),
+            o_bias: c.o_bias(),
+            mlp_bias: c.mlp_bias,
+            qk_norm: c.qk_norm(),
+            sandwich_norms: c.sandwich_norms(),
+        }
     }
 }
 
@@ -96,7 +104,11 @@ impl ModelShape {
         let kv = if self.kv_heads as u64 >= tp { self.kv_heads as u64 * d * h / tp } else { d * h }; // k_proj, v_proj each
         let x = &self.extras;
         let flag = |on: bool, n: u64| if on { n } else { 0 };
-        let extras = flag(x.qkv_bias, (q + 2 * kv) / h) + flag(x.o_bias, h) + flag(x.mlp_bias, 2 * i / tp + h) + flag(x.qk_norm, 2 * d);
+        let extras = flag(x.qkv_bias, (q + 2 * kv) / h)
+            + flag(x.o_bias, h)
+            + flag(x.mlp_bias, 2 * i / tp + h)
+            + flag(x.qk_norm, 2 * d)
+            + flag(x.sandwich_norms, 2 * h);
         2 * q + 2 * kv + 3 * h * i / tp + 2 * h + extras
     }
 
@@ -146,6 +158,7 @@ mod tests {
             r#""model_type":"qwen2","tie_word_embeddings":true"#,
             r#""model_type":"qwen3","head_dim":16,"attention_bias":true"#,
             r#""model_type":"mistral","head_dim":16"#,
+            r#""model_type":"gemma3_text","head_dim":16,"sliding_window":null,"layer_types":["sliding_attention","full_attention"]"#,
         ] {
             let c = LlamaConfig::from_json_str(&format!("{{{base},{extra}}}")).unwrap();
             let n = Llama::new(c.clone(), DType::F32, Device::Cpu, &mut Rng::new(1)).unwrap().num_params() as u64;
@@ -154,7 +167,11 @@ mod tests {
             // What one of two tensor-parallel ranks holds: the split half, the replicated whole.
             let shape = ModelShape::from_config(&c, "t");
             let (h, d, i) = (32u64, c.head_dim as u64, 48u64);
-            let replicated = 2 * h + if c.o_bias() { h } else { 0 } + if c.mlp_bias { h } else { 0 } + if c.qk_norm() { 2 * d } else { 0 };
+            let replicated = 2 * h
+                + if c.o_bias() { h } else { 0 }
+                + if c.mlp_bias { h } else { 0 }
+                + if c.qk_norm() { 2 * d } else { 0 }
+                + if c.sandwich_norms() { 2 * h } else { 0 };
             let split = (shape.layer_params(1) - replicated) / 2;
             assert_eq!(shape.layer_params(2), split + replicated, "{extra}");
             assert!(!c.mlp_bias || shape.layer_params(1) > 3 * h * i, "{extra}");

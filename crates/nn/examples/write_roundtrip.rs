@@ -63,6 +63,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
             family: ferrolm_nn::Family::Llama,
             attention_bias: false,
             mlp_bias: false,
+            gemma: None,
         }
     };
     if let Some(l) = ladder_layers {

@@ -106,10 +106,31 @@ pub enum Family {
     Qwen3,
     /// `mistral`: Llama's block (no bias); its `sliding_window` must not bite.
     Mistral,
+    /// `gemma3_text` (Gemma 3 text models): (1 + w) RMSNorms in a sandwich (four a block),
+    /// GeGLU, QK-norm, embeddings scaled by sqrt(hidden), `query_pre_attn_scalar`, RoPE per
+    /// layer type (see [`Gemma3Keys`]).
+    Gemma3,
+}
+
+/// The keys of a `gemma3_text` config that Llama's lack (the block features they turn on are
+/// [`LlamaConfig::norm_offset`], [`LlamaConfig::sandwich_norms`], [`LlamaConfig::geglu`],
+/// [`LlamaConfig::embed_scale`], [`LlamaConfig::attn_scale`], [`LlamaConfig::layer_rope_theta`]).
+#[derive(Clone, Debug, PartialEq)]
+pub struct Gemma3Keys {
+    /// The softmax scale is `query_pre_attn_scalar^-0.5` (not head_dim's).
+    pub query_pre_attn_scalar: usize,
+    /// RoPE theta of the `sliding_attention` layers (`rope_parameters.sliding_attention`, or
+    /// 4.x's `rope_local_base_freq`); the `full_attention` layers use `rope_theta`.
+    pub rope_local_theta: f64,
+    /// `sliding_window` (null: none). Only a window no shorter than `max_position_embeddings`
+    /// loads (it never bites): windowed attention in Gemma layers is not wired yet.
+    pub sliding_window: Option<usize>,
+    /// Per layer: a `sliding_attention` layer (else `full_attention`).
+    pub sliding_layers: Vec<bool>,
 }
 
 /// The `model_type`s a config may have.
-pub const SUPPORTED_MODEL_TYPES: &[&str] = &["llama", "llamaLadder", "qwen2", "qwen3", "mistral"];
+pub const SUPPORTED_MODEL_TYPES: &[&str] = &["llama", "llamaLadder", "qwen2", "qwen3", "mistral", "gemma3_text"];
 
 impl Family {
     /// The `model_type` transformers knows the family by.
@@ -119,6 +140,7 @@ impl Family {
             Family::Qwen2 => "qwen2",
             Family::Qwen3 => "qwen3",
             Family::Mistral => "mistral",
+            Family::Gemma3 => "gemma3_text",
         }
     }
 
@@ -129,6 +151,7 @@ impl Family {
             Family::Qwen2 => "Qwen2ForCausalLM",
             Family::Qwen3 => "Qwen3ForCausalLM",
             Family::Mistral => "MistralForCausalLM",
+            Family::Gemma3 => "Gemma3ForCausalLM",
         }
     }
 
@@ -139,6 +162,7 @@ impl Family {
             Family::Qwen2 => "Qwen2",
             Family::Qwen3 => "Qwen3",
             Family::Mistral => "Mistral",
+            Family::Gemma3 => "Gemma 3",
         }
     }
 
@@ -147,7 +171,7 @@ impl Family {
         match self {
             Family::Llama => 2048,
             Family::Qwen2 | Family::Qwen3 => 32768,
-            Family::Mistral => 131072,
+            Family::Mistral | Family::Gemma3 => 131072,
         }
     }
 }
@@ -187,6 +211,8 @@ pub struct LlamaConfig {
     pub attention_bias: bool,
     /// `mlp_bias` (Llama): a bias on gate, up and down.
     pub mlp_bias: bool,
+    /// `gemma3_text`'s own keys; `None` for every other family.
+    pub gemma: Option<Gemma3Keys>,
 }
 
 fn err(source: &str, field: &str, msg: impl std::fmt::Display) -> Error {
@@ -330,28 +356,41 @@ impl LlamaConfig {
             Some("qwen2") => (Family::Qwen2, false),
             Some("qwen3") => (Family::Qwen3, false),
             Some("mistral") => (Family::Mistral, false),
-            Some(mt @ ("gemma3_text" | "gemma3" | "gemma2" | "gemma")) => {
+            Some("gemma3_text") => (Family::Gemma3, false),
+            Some(mt @ "gemma3") => {
                 return Err(err(
                     src,
                     "model_type",
-                    format!("{mt:?} (Gemma) is not supported yet (supported: {})", SUPPORTED_MODEL_TYPES.join(", ")),
+                    format!("{mt:?} is Gemma 3's multimodal model: only its text model (\"gemma3_text\", the 270M and 1B checkpoints) is supported (supported: {})", SUPPORTED_MODEL_TYPES.join(", ")),
+                ))
+            }
+            Some(mt @ ("gemma2" | "gemma")) => {
+                return Err(err(
+                    src,
+                    "model_type",
+                    format!("{mt:?} (Gemma 1/2) is not supported yet (supported: {})", SUPPORTED_MODEL_TYPES.join(", ")),
                 ))
             }
             Some(mt) => {
                 return Err(err(src, "model_type", format!("{mt:?} is not supported (supported: {})", SUPPORTED_MODEL_TYPES.join(", "))))
             }
         };
-        for k in ["hidden_act", "hidden_activation"] {
+        // Gemma's MLP reads `hidden_activation` only (its `hidden_act`, if any, is unused).
+        let (acts, want): (&[&str], &str) = match family {
+            Family::Gemma3 => (&["hidden_activation"], "gelu_pytorch_tanh"),
+            _ => (&["hidden_act", "hidden_activation"], "silu"),
+        };
+        for &k in acts {
             if let Some(act) = f.str_opt(k)? {
-                if act != "silu" {
-                    return Err(err(src, k, format!("activation {act:?} is not supported (only \"silu\")")));
+                if act != want {
+                    return Err(err(src, k, format!("activation {act:?} is not supported (only {want:?})")));
                 }
             }
         }
         // Only the families whose transformers class reads a bias key get one from it (Qwen2's
         // q/k/v bias is unconditional; Mistral has none).
         let attention_bias = match family {
-            Family::Llama | Family::Qwen3 => f.bool_opt("attention_bias")?.unwrap_or(false),
+            Family::Llama | Family::Qwen3 | Family::Gemma3 => f.bool_opt("attention_bias")?.unwrap_or(false),
             Family::Qwen2 | Family::Mistral => false,
         };
         let mlp_bias = match family {
@@ -373,6 +412,7 @@ impl LlamaConfig {
         let num_attention_heads = f.usize_req("num_attention_heads")?;
         let head_dim = match f.usize_opt("head_dim")? {
             Some(d) => d,
+            None if family == Family::Gemma3 => 256, // Gemma3TextConfig's default
             None => {
                 if num_attention_heads == 0 || hidden_size % num_attention_heads != 0 {
                     return Err(err(
@@ -386,6 +426,7 @@ impl LlamaConfig {
         };
 
         let (rope_theta, rope_scaling) = match f.get("rope_parameters") {
+            _ if family == Family::Gemma3 => gemma_rope(&f)?.0,
             Some(Value::Object(d)) => parse_rope(d, src, "rope_parameters", f.f64_opt("rope_theta")?)?,
             Some(other) => return Err(err(src, "rope_parameters", format!("expected an object, got {other}"))),
             None => {
@@ -398,11 +439,17 @@ impl LlamaConfig {
             }
         };
 
-        // MistralConfig's defaults (bos 1, eos 2) when the keys are absent (an explicit null is none).
+        // MistralConfig's defaults (bos 1, eos 2), Gemma3TextConfig's (bos 2, eos 1), when the
+        // keys are absent (an explicit null is none).
         let mistral_default = |k: &str, id: u32| -> Result<Vec<u32>> {
-            match family == Family::Mistral && !obj.contains_key(k) {
-                true => Ok(vec![id]),
-                false => f.token_ids(k),
+            let id = match family {
+                Family::Mistral => Some(id),
+                Family::Gemma3 => Some(3 - id),
+                _ => None,
+            };
+            match id {
+                Some(id) if !obj.contains_key(k) => Ok(vec![id]),
+                _ => f.token_ids(k),
             }
         };
         let bos = mistral_default("bos_token_id", 1)?;
@@ -411,7 +458,13 @@ impl LlamaConfig {
         }
         let num_hidden_layers = f.usize_req("num_hidden_layers")?;
         let max_position_embeddings = f.usize_opt("max_position_embeddings")?.unwrap_or(family.default_max_positions());
-        check_window(&f, family, num_hidden_layers, max_position_embeddings)?;
+        let gemma = match family {
+            Family::Gemma3 => Some(gemma_keys(&f, num_hidden_layers, max_position_embeddings)?),
+            _ => {
+                check_window(&f, family, num_hidden_layers, max_position_embeddings)?;
+                None
+            }
+        };
         let cfg = LlamaConfig {
             vocab_size: f.usize_req("vocab_size")?,
             hidden_size,
@@ -424,7 +477,7 @@ impl LlamaConfig {
             rope_theta,
             rope_scaling,
             max_position_embeddings,
-            tie_word_embeddings: f.bool_opt("tie_word_embeddings")?.unwrap_or(false),
+            tie_word_embeddings: f.bool_opt("tie_word_embeddings")?.unwrap_or(family == Family::Gemma3),
             bos_token_id: bos.first().copied(),
             eos_token_id: mistral_default("eos_token_id", 2)?,
             initializer_range: f.f64_opt("initializer_range")?.unwrap_or(0.02),
@@ -432,6 +485,7 @@ impl LlamaConfig {
             family,
             attention_bias,
             mlp_bias,
+            gemma,
         };
         cfg.validate_in(src)?;
         Ok(cfg)
@@ -495,6 +549,16 @@ impl LlamaConfig {
             }
             l.check(self.num_hidden_layers).map_err(|m| err(src, "ladder_layers", m))?;
         }
+        if let Some(g) = &self.gemma {
+            if self.family != Family::Gemma3 || g.sliding_layers.len() != self.num_hidden_layers {
+                return Err(err(src, "layer_types", format!("expected {} entries of a gemma3_text config", self.num_hidden_layers)));
+            }
+            if !positive(g.rope_local_theta) || g.query_pre_attn_scalar == 0 {
+                return Err(err(src, "rope_local_base_freq", "and query_pre_attn_scalar must be positive"));
+            }
+        } else if self.family == Family::Gemma3 {
+            return Err(err(src, "model_type", "a gemma3_text config needs its Gemma keys"));
+        }
         if vocab_exceeds_ids(self.vocab_size) {
             return Err(err(src, "vocab_size", format!("{} does not fit i32 token ids", self.vocab_size)));
         }
@@ -535,6 +599,9 @@ impl LlamaConfig {
         }
         if self.qk_norm() {
             layer = layer.checked_add(d.checked_mul(2)?)?;
+        }
+        if self.sandwich_norms() {
+            layer = layer.checked_add(h.checked_mul(2)?)?;
         }
         let embed = v.checked_mul(h)?.checked_mul(if self.tie_word_embeddings { 1 } else { 2 })?;
         embed.checked_add(layer.checked_mul(l)?)?.checked_add(h)
@@ -641,6 +708,29 @@ impl LlamaConfig {
                 o.insert("layer_types".into(), json!(vec!["full_attention"; self.num_hidden_layers]));
             }
         }
+        if let (Some(g), Value::Object(o)) = (&self.gemma, &mut v) {
+            // Gemma3TextConfig's keys: both rope spellings (5.x per layer type, 4.x theta +
+            // local base), the activation under its Gemma name, soft-capping off.
+            o.insert("model_type".into(), json!(self.family.model_type()));
+            o.insert("architectures".into(), json!([self.family.architecture()]));
+            for k in ["mlp_bias", "pretraining_tp", "hidden_act"] {
+                o.remove(k);
+            }
+            let full = o.get("rope_parameters").cloned().unwrap_or(Value::Null);
+            o.insert(
+                "rope_parameters".into(),
+                json!({"full_attention": full, "sliding_attention": {"rope_theta": g.rope_local_theta, "rope_type": "default"}}),
+            );
+            o.insert("rope_local_base_freq".into(), json!(g.rope_local_theta));
+            o.insert("hidden_activation".into(), json!("gelu_pytorch_tanh"));
+            o.insert("query_pre_attn_scalar".into(), json!(g.query_pre_attn_scalar));
+            o.insert("sliding_window".into(), json!(g.sliding_window));
+            let types: Vec<&str> = g.sliding_layers.iter().map(|&s| if s { "sliding_attention" } else { "full_attention" }).collect();
+            o.insert("layer_types".into(), json!(types));
+            o.insert("final_logit_softcapping".into(), Value::Null);
+            o.insert("attn_logit_softcapping".into(), Value::Null);
+            o.insert("use_bidirectional_attention".into(), json!(false));
+        }
         if let (Some(l), Value::Object(o)) = (&self.ladder_layers, &mut v) {
             // The paper's released format: a Llama config plus these keys (auto_map points at
             // its HF modeling code, which a user may drop beside the weights).
@@ -719,6 +809,7 @@ impl LlamaConfig {
             family: Family::Llama,
             attention_bias: false,
             mlp_bias: false,
+            gemma: None,
         };
         let cfg = match name {
             // A few minutes of pretraining on a 2-core CPU (~0.5M non-embedding parameters).
@@ -763,9 +854,50 @@ impl LlamaConfig {
         self.attention_bias
     }
 
-    /// RMSNorm of each head's q and k over head_dim before RoPE (`q_norm`, `k_norm`: Qwen3).
+    /// RMSNorm of each head's q and k over head_dim before RoPE (`q_norm`, `k_norm`: Qwen3,
+    /// Gemma 3).
     pub fn qk_norm(&self) -> bool {
-        self.family == Family::Qwen3
+        matches!(self.family, Family::Qwen3 | Family::Gemma3)
+    }
+
+    /// What every RMSNorm adds to its weight: 0 (x · w), or 1 for Gemma's x · (1 + w).
+    pub fn norm_offset(&self) -> f64 {
+        if self.gemma.is_some() {
+            1.0
+        } else {
+            0.0
+        }
+    }
+
+    /// The sandwich (Gemma 3): each branch's output is normed before the residual add
+    /// (`post_attention_layernorm`, `post_feedforward_layernorm`); the MLP's input norm is
+    /// then `pre_feedforward_layernorm`. Two more norms a block.
+    pub fn sandwich_norms(&self) -> bool {
+        self.gemma.is_some()
+    }
+
+    /// The MLP's GLU is gelu_tanh(gate) · up (Gemma 3's `gelu_pytorch_tanh`), not SwiGLU.
+    pub fn geglu(&self) -> bool {
+        self.gemma.is_some()
+    }
+
+    /// The factor embeddings are multiplied by (Gemma 3: sqrt(hidden_size)), before rounding
+    /// to the activation dtype; `None` for none.
+    pub fn embed_scale(&self) -> Option<f64> {
+        self.gemma.as_ref().map(|_| (self.hidden_size as f64).sqrt())
+    }
+
+    /// The softmax scale: 1/sqrt(head_dim), or Gemma's `query_pre_attn_scalar^-0.5`.
+    pub fn attn_scale(&self) -> f64 {
+        let d = self.gemma.as_ref().map_or(self.head_dim, |g| g.query_pre_attn_scalar);
+        1.0 / (d as f64).sqrt()
+    }
+
+    /// Layer `i`'s RoPE theta when it differs from `rope_theta` (Gemma's `sliding_attention`
+    /// layers: the local base), else `None`.
+    pub fn layer_rope_theta(&self, i: usize) -> Option<f64> {
+        let g = self.gemma.as_ref()?;
+        g.sliding_layers.get(i).copied().unwrap_or(false).then_some(g.rope_local_theta)
     }
 
     /// Number of query heads sharing one key/value head.
@@ -831,6 +963,121 @@ fn check_window(f: &Fields, family: Family, layers: usize, max_positions: usize)
         }
     }
     Ok(())
+}
+
+/// Gemma 3's RoPE: `(theta, scaling)` of the `full_attention` layers and the theta of the
+/// `sliding_attention` layers. 5.x writes `rope_parameters` as one dict per layer type; 4.x
+/// `rope_theta` (+ `rope_scaling`, which applies to the full layers) and `rope_local_base_freq`.
+/// Defaults are Gemma3TextConfig's (1e6 and 1e4). The local layers' RoPE must be the default.
+fn gemma_rope(f: &Fields) -> Result<((f64, RopeScaling), f64)> {
+    let src = f.src;
+    let theta = Some(f.f64_opt("rope_theta")?.unwrap_or(1_000_000.0));
+    let local = Some(f.f64_opt("rope_local_base_freq")?.unwrap_or(10_000.0));
+    let (full, sliding) = match f.get("rope_parameters") {
+        Some(Value::Object(d)) => {
+            if let Some(k) = d.keys().find(|k| !matches!(k.as_str(), "full_attention" | "sliding_attention")) {
+                return Err(err(
+                    src,
+                    &format!("rope_parameters.{k}"),
+                    "unexpected: a gemma3_text config has one rope dict per layer type (full_attention, sliding_attention)",
+                ));
+            }
+            let dict = |k: &str| -> Result<Map<String, Value>> {
+                match d.get(k) {
+                    None | Some(Value::Null) => Ok(Map::new()),
+                    Some(Value::Object(m)) => Ok(m.clone()),
+                    Some(v) => Err(err(src, &format!("rope_parameters.{k}"), format!("expected an object, got {v}"))),
+                }
+            };
+            (
+                parse_rope(&dict("full_attention")?, src, "rope_parameters.full_attention", theta)?,
+                parse_rope(&dict("sliding_attention")?, src, "rope_parameters.sliding_attention", local)?,
+            )
+        }
+        Some(other) => return Err(err(src, "rope_parameters", format!("expected an object, got {other}"))),
+        None => {
+            let full = match f.get("rope_scaling") {
+                Some(Value::Object(d)) => parse_rope(d, src, "rope_scaling", theta)?,
+                Some(other) => return Err(err(src, "rope_scaling", format!("expected an object or null, got {other}"))),
+                None => parse_rope(&Map::new(), src, "rope_theta", theta)?,
+            };
+            (full, parse_rope(&Map::new(), src, "rope_local_base_freq", local)?)
+        }
+    };
+    if sliding.1 != RopeScaling::Default {
+        return Err(err(
+            src,
+            "rope_parameters.sliding_attention.rope_type",
+            "only the default RoPE is supported for sliding_attention layers",
+        ));
+    }
+    Ok((full, sliding.0))
+}
+
+/// The keys of a `gemma3_text` config beyond Llama's, each checked by name: `layer_types` (or
+/// 4.x's `sliding_window_pattern`, every 6th layer full by default), `sliding_window`,
+/// `query_pre_attn_scalar`, and the features Gemma 3 leaves off, refused when set
+/// (`final_logit_softcapping`, `attn_logit_softcapping`, `use_bidirectional_attention`).
+fn gemma_keys(f: &Fields, layers: usize, max_positions: usize) -> Result<Gemma3Keys> {
+    let src = f.src;
+    for k in ["final_logit_softcapping", "attn_logit_softcapping"] {
+        if let Some(v) = f.get(k) {
+            return Err(err(src, k, format!("{v} is not supported (Gemma 3 has null: logit soft-capping is not computed)")));
+        }
+    }
+    if f.bool_opt("use_bidirectional_attention")? == Some(true) {
+        return Err(err(src, "use_bidirectional_attention", "true is not supported (only causal attention)"));
+    }
+    let query_pre_attn_scalar = f.usize_opt("query_pre_attn_scalar")?.unwrap_or(256);
+    if query_pre_attn_scalar == 0 {
+        return Err(err(src, "query_pre_attn_scalar", "must be positive"));
+    }
+    let sliding_window = match f.obj.get("sliding_window") {
+        None => Some(4096), // Gemma3TextConfig's default
+        Some(Value::Null) => None,
+        Some(_) => f.usize_opt("sliding_window")?,
+    };
+    if sliding_window == Some(0) {
+        return Err(err(src, "sliding_window", "must be positive (or null)"));
+    }
+    let sliding_layers = match f.str_list_opt("layer_types")? {
+        Some(types) => {
+            if types.len() != layers {
+                return Err(err(src, "layer_types", format!("has {} entries, but num_hidden_layers is {layers}", types.len())));
+            }
+            types
+                .iter()
+                .enumerate()
+                .map(|(i, t)| match *t {
+                    "full_attention" => Ok(false),
+                    "sliding_attention" => Ok(true),
+                    other => Err(err(
+                        src,
+                        "layer_types",
+                        format!("layer {i} has unknown type {other:?} (known: full_attention, sliding_attention)"),
+                    )),
+                })
+                .collect::<Result<Vec<_>>>()?
+        }
+        None => {
+            let every = f.usize_opt("sliding_window_pattern")?.unwrap_or(6);
+            if every == 0 {
+                return Err(err(src, "sliding_window_pattern", "must be positive"));
+            }
+            (0..layers).map(|i| (i + 1) % every != 0).collect()
+        }
+    };
+    if let Some(w) = sliding_window.filter(|&w| w < max_positions) {
+        if let Some(i) = sliding_layers.iter().position(|&s| s) {
+            return Err(err(
+                src,
+                "sliding_window",
+                format!("{w} is smaller than max_position_embeddings {max_positions} and layer {i} is \"sliding_attention\": sliding-window attention in Gemma layers is not supported yet (a null window, or one of at least max_position_embeddings, loads)"),
+            ));
+        }
+    }
+    let ((_, _), rope_local_theta) = gemma_rope(f)?;
+    Ok(Gemma3Keys { query_pre_attn_scalar, rope_local_theta, sliding_window, sliding_layers })
 }
 
 /// `ladder_layers`: an int, a list of ints, or null/absent (no Ladder layer). Only a

@@ -18,7 +18,8 @@ use crate::module::{project, BranchFn, BranchHook, Embedding, HeadLoss, HeadOp, 
 use crate::rope::Rope;
 use crate::safetensors_io::{self, TensorMap};
 use ferrolm_ops::{
-    causal_attention, rms_norm, rope, rope_at, segment_attention, softmax_last, swiglu, LossChunks, LossScale, Segments, Tokens,
+    causal_attention, geglu, rms_norm_offset, rope, rope_at, segment_attention, softmax_last, swiglu, LossChunks, LossScale, Segments,
+    Tokens,
 };
 use ferrolm_tensor::{no_grad, DType, Device, Error, Result, Rng, Tensor};
 use std::path::Path;
@@ -38,18 +39,33 @@ pub struct Attention {
     pub q_norm: Option<Tensor>, // (D)
     /// Qwen3: RMSNorm of each key head over D, before RoPE.
     pub k_norm: Option<Tensor>, // (D)
+    /// The sandwich (Gemma 3's `post_attention_layernorm`): the branch output normed before
+    /// the residual add.
+    pub post_norm: Option<Tensor>, // (C)
     head_dim: usize,
     eps: f64,
+    /// Every norm's weight offset (Gemma: 1, x · (1 + w)).
+    norm_offset: f64,
+    /// The softmax scale (1/sqrt(D), or Gemma's query_pre_attn_scalar^-0.5).
+    scale: f64,
+    /// RoPE from the layer's own tables (`Positions::local`: Gemma's sliding layers).
+    local_rope: bool,
 }
 
-/// The MLP branch: RMSNorm, then SwiGLU.
+/// The MLP branch: RMSNorm, then SwiGLU (or Gemma's GeGLU).
 #[derive(Clone)]
 pub struct Mlp {
+    /// The MLP's input norm (named `pre_feedforward_layernorm` in a sandwich block).
     pub post_attention_layernorm: Tensor, // (C)
-    pub gate_proj: Linear,                // (I, C)
-    pub up_proj: Linear,                  // (I, C)
-    pub down_proj: Linear,                // (C, I)
+    pub gate_proj: Linear, // (I, C)
+    pub up_proj: Linear,   // (I, C)
+    pub down_proj: Linear, // (C, I)
+    /// The sandwich (Gemma 3's `post_feedforward_layernorm`): the output normed before the add.
+    pub post_norm: Option<Tensor>, // (C)
     eps: f64,
+    norm_offset: f64,
+    /// gelu_tanh(gate) · up in place of silu(gate) · up.
+    geglu: bool,
 }
 
 #[derive(Clone)]
@@ -65,6 +81,8 @@ pub struct Block {
 struct Positions {
     cos: Tensor, // (T, D); packed: (P, D), indexed by the packing's positions
     sin: Tensor, // likewise
+    /// The (cos, sin) of layers with their own RoPE theta (Gemma's sliding layers), alike.
+    local: Option<(Tensor, Tensor)>,
     past: usize,
     packed: Option<Packing>,
 }
@@ -115,10 +133,22 @@ fn split_heads(x: &Tensor, d: usize) -> Result<Tensor> {
 
 /// (B, T, heads*D) -> (B, heads, T, D), each head RMS-normed over D first when `norm` is given
 /// (QK-norm: the norm acts on the (B, T, heads, D) view, as transformers' `q_norm` does).
-fn split_heads_normed(x: &Tensor, d: usize, norm: Option<&Tensor>, eps: f64) -> Result<Tensor> {
+fn split_heads_normed(x: &Tensor, d: usize, norm: Option<&Tensor>, eps: f64, offset: f64) -> Result<Tensor> {
     let Some(w) = norm else { return split_heads(x, d) };
     let (b, t, hd) = (x.dim(0), x.dim(1), x.dim(2));
-    rms_norm(&x.reshape(vec![b, t, hd / d, d])?, w, eps)?.permute(&[0, 2, 1, 3])
+    rms_norm_offset(&x.reshape(vec![b, t, hd / d, d])?, w, eps, offset)?.permute(&[0, 2, 1, 3])
+}
+
+/// y, normed by the sandwich's post-norm when there is one, plus the stream x with `residual`.
+fn finish_branch(y: Tensor, x: &Tensor, post: Option<&Tensor>, eps: f64, offset: f64, residual: bool) -> Result<Tensor> {
+    let y = match post {
+        Some(w) => rms_norm_offset(&y, w, eps, offset)?,
+        None => y,
+    };
+    match residual {
+        true => x.add(&y),
+        false => Ok(y),
+    }
 }
 
 /// (B, heads, T, D) -> (B, T, heads*D)
@@ -132,19 +162,23 @@ impl Attention {
     /// in the output projection's GEMM). With a cache, attends over the cached keys/values too
     /// and appends this call's.
     fn forward(&self, x: &Tensor, pos: &Positions, cache: Option<&mut Option<(Tensor, Tensor)>>, residual: bool) -> Result<Tensor> {
-        let h = rms_norm(x, &self.input_layernorm, self.eps)?;
+        let h = rms_norm_offset(x, &self.input_layernorm, self.eps, self.norm_offset)?;
         let d = self.head_dim;
+        let (cos, sin) = match (&pos.local, self.local_rope) {
+            (Some((c, s)), true) => (c, s),
+            _ => (&pos.cos, &pos.sin),
+        };
         let rotate = |x: &Tensor| match &pos.packed {
-            None => rope(x, &pos.cos, &pos.sin),
-            Some(p) => rope_at(x, &pos.cos, &pos.sin, &p.positions),
+            None => rope(x, cos, sin),
+            Some(p) => rope_at(x, cos, sin, &p.positions),
         };
         let [q, k, v] = project(&h, [&self.q_proj, &self.k_proj, &self.v_proj])?;
         let qn = self.q_norm.as_ref().map(|w| self.q_proj.op.per_head(w)).transpose()?;
         let kn = self.k_norm.as_ref().map(|w| self.k_proj.op.per_head(w)).transpose()?;
-        let q = rotate(&split_heads_normed(&q, d, qn.as_ref(), self.eps)?)?; // (B, H, T, D)
-        let k = rotate(&split_heads_normed(&k, d, kn.as_ref(), self.eps)?)?; // (B, KV, T, D)
+        let q = rotate(&split_heads_normed(&q, d, qn.as_ref(), self.eps, self.norm_offset)?)?; // (B, H, T, D)
+        let k = rotate(&split_heads_normed(&k, d, kn.as_ref(), self.eps, self.norm_offset)?)?; // (B, KV, T, D)
         let v = split_heads(&v, d)?; // (B, KV, T, D)
-        let scale = 1.0 / (d as f64).sqrt();
+        let scale = self.scale;
         let y = match (cache, &pos.packed) {
             (None, None) => causal_attention(&q, &k, &v, scale)?, // (B, H, T, D), GQA native
             (None, Some(p)) => segment_attention(&q, &k, &v, scale, &p.segments)?, // inside each sequence
@@ -157,9 +191,9 @@ impl Attention {
                 cached_attention(&q, &k, &v, pos.past, scale, None)?
             }
         };
-        match residual {
-            true => self.o_proj.forward_plus(&merge_heads(&y)?, x), // (B, T, C)
-            false => self.o_proj.forward(&merge_heads(&y)?),
+        match (residual, &self.post_norm) {
+            (true, None) => self.o_proj.forward_plus(&merge_heads(&y)?, x), // (B, T, C)
+            (_, post) => finish_branch(self.o_proj.forward(&merge_heads(&y)?)?, x, post.as_ref(), self.eps, self.norm_offset, residual),
         }
     }
 }
@@ -167,12 +201,12 @@ impl Attention {
 impl Mlp {
     /// Branch output (B, T, C), or with `residual` x plus it (added in down_proj's GEMM).
     fn forward(&self, x: &Tensor, residual: bool) -> Result<Tensor> {
-        let h = rms_norm(x, &self.post_attention_layernorm, self.eps)?;
+        let h = rms_norm_offset(x, &self.post_attention_layernorm, self.eps, self.norm_offset)?;
         let [gate, up] = project(&h, [&self.gate_proj, &self.up_proj])?;
-        let a = swiglu(&gate, &up)?; // (B, T, I)
-        match residual {
-            true => self.down_proj.forward_plus(&a, x), // (B, T, C)
-            false => self.down_proj.forward(&a),
+        let a = if self.geglu { geglu(&gate, &up)? } else { swiglu(&gate, &up)? }; // (B, T, I)
+        match (residual, &self.post_norm) {
+            (true, None) => self.down_proj.forward_plus(&a, x), // (B, T, C)
+            (_, post) => finish_branch(self.down_proj.forward(&a)?, x, post.as_ref(), self.eps, self.norm_offset, residual),
         }
     }
 }
@@ -217,6 +251,8 @@ pub struct Llama {
     /// Runs each residual branch (activation checkpointing replaces it).
     pub branch_hook: Option<Arc<dyn BranchHook>>,
     rope: Arc<Rope>,
+    /// The RoPE of layers with their own theta (Gemma's sliding layers), if any.
+    rope_local: Option<Arc<Rope>>,
     dtype: DType,
     device: Device,
     /// LoRA (`crate::lora`): the adapters' settings; the base weights are then frozen.
@@ -244,6 +280,11 @@ impl Llama {
             l.tick(); // a new forward: fresh adapter dropout masks
         }
         let mut x = self.embed_tokens.forward(ids)?; // (B, T, C)
+        if let Some(s) = self.cfg.embed_scale() {
+            // transformers' Gemma3TextScaledWordEmbedding: the scale rounded to the weights' dtype.
+            let s = Tensor::from_vec(vec![s], vec![1], Device::Cpu)?.to_dtype(self.dtype)?.to_vec_f64()?[0];
+            x = x.mul_scalar(s)?;
+        }
         let mut pending: Option<Tensor> = None; // a branch output not yet added to x
         for (i, blk) in self.layers.iter().enumerate() {
             let kv = cache.as_deref_mut().map(|c| c.layer(i));
@@ -296,6 +337,11 @@ impl Llama {
         }
     }
 
+    /// The final norm (`model.norm`) of the hidden states.
+    fn final_norm(&self, x: &Tensor) -> Result<Tensor> {
+        rms_norm_offset(x, &self.norm, self.cfg.rms_norm_eps, self.cfg.norm_offset())
+    }
+
     fn head_weight(&self) -> &Tensor {
         self.lm_head.as_ref().unwrap_or(&self.embed_tokens.weight)
     }
@@ -313,7 +359,8 @@ impl Llama {
             ));
         }
         let (cos, sin) = self.rope.tables(past, t)?;
-        Ok(Positions { cos, sin, past, packed: None })
+        let local = self.rope_local.as_ref().map(|r| r.tables(past, t)).transpose()?;
+        Ok(Positions { cos, sin, local, past, packed: None })
     }
 
     /// The rotary tables and packing of a call on ids (B, T): packed rows take each token's
@@ -332,7 +379,8 @@ impl Llama {
             return Err(Error::new("Llama::forward", format!("packed position {} exceeds max_position_embeddings {max}", p.max_position)));
         }
         let (cos, sin) = self.rope.tables(0, p.max_position + 1)?;
-        Ok(Positions { cos, sin, past: 0, packed: Some(p.clone()) })
+        let local = self.rope_local.as_ref().map(|r| r.tables(0, p.max_position + 1)).transpose()?;
+        Ok(Positions { cos, sin, local, past: 0, packed: Some(p.clone()) })
     }
 
     /// Logits (B, T, V) for i32 token ids (B, T): a `&Tensor` (its range checked on the device)
@@ -350,7 +398,7 @@ impl Llama {
 
     fn logits_of(&self, ids: Tokens, packing: Option<&Packing>) -> Result<Tensor> {
         let pos = self.positions(ids.tensor(), packing)?;
-        let x = rms_norm(&self.hidden(&ids, &pos, None)?, &self.norm, self.cfg.rms_norm_eps)?;
+        let x = self.final_norm(&self.hidden(&ids, &pos, None)?)?;
         self.head_op.logits(&x, self.head_weight())
     }
 
@@ -389,7 +437,7 @@ impl Llama {
             ));
         }
         let pos = self.positions(inputs, packing)?;
-        let x = rms_norm(&self.hidden(&ids, &pos, None)?, &self.norm, self.cfg.rms_norm_eps)?;
+        let x = self.final_norm(&self.hidden(&ids, &pos, None)?)?;
         self.head_loss(&x, &tg, scale)
     }
 
@@ -403,7 +451,7 @@ impl Llama {
     pub fn forward_with_cache(&self, ids: &Tensor, cache: &mut KvCache) -> Result<Tensor> {
         let pos = self.check_ids(ids, cache.len())?;
         cache.prepare(self.layers.len(), ids.dim(0))?;
-        let x = rms_norm(&self.hidden(&Tokens::device(ids), &pos, Some(cache))?, &self.norm, self.cfg.rms_norm_eps)?;
+        let x = self.final_norm(&self.hidden(&Tokens::device(ids), &pos, Some(cache))?)?;
         cache.advance(ids.dim(1));
         self.head_op.logits(&x, self.head_weight())
     }
@@ -453,7 +501,16 @@ impl Llama {
                 }
             }
             p(&format!("model.layers.{l}.input_layernorm.weight"), &[h], N, &mut a.input_layernorm)?;
-            p(&format!("model.layers.{l}.post_attention_layernorm.weight"), &[h], N, &mut m.post_attention_layernorm)?;
+            // The sandwich (Gemma 3): post_attention_layernorm is the attention output's norm,
+            // and the MLP's input norm is pre_feedforward_layernorm (its module order).
+            match (&mut a.post_norm, &mut m.post_norm) {
+                (Some(pa), Some(pf)) => {
+                    p(&format!("model.layers.{l}.post_attention_layernorm.weight"), &[h], N, pa)?;
+                    p(&format!("model.layers.{l}.pre_feedforward_layernorm.weight"), &[h], N, &mut m.post_attention_layernorm)?;
+                    p(&format!("model.layers.{l}.post_feedforward_layernorm.weight"), &[h], N, pf)?;
+                }
+                _ => p(&format!("model.layers.{l}.post_attention_layernorm.weight"), &[h], N, &mut m.post_attention_layernorm)?,
+            }
         }
         p("model.norm.weight", &[h], N, &mut self.norm)?;
         if let Some(w) = &mut self.lm_head {
@@ -513,6 +570,7 @@ impl Llama {
             loss_chunks: self.loss_chunks,
             branch_hook: self.branch_hook.clone(),
             rope: self.rope.clone(),
+            rope_local: self.rope_local.clone(),
             dtype: self.dtype,
             device: self.device,
             lora: self.lora.clone(),
@@ -535,9 +593,11 @@ impl Llama {
         let ladder =
             cfg.ladder_layers.as_ref().map(|l| l.mask(cfg.num_hidden_layers)).unwrap_or_else(|| vec![false; cfg.num_hidden_layers]);
         let (eps, head_dim) = (cfg.rms_norm_eps, cfg.head_dim);
+        let (norm_offset, scale, sandwich, geglu) = (cfg.norm_offset(), cfg.attn_scale(), cfg.sandwich_norms(), cfg.geglu());
         let layers = ladder
             .iter()
-            .map(|&ladder| {
+            .enumerate()
+            .map(|(i, &ladder)| {
                 Ok(Block {
                     self_attn: Attention {
                         input_layernorm: none()?,
@@ -547,15 +607,22 @@ impl Llama {
                         o_proj: lin(o_b)?,
                         q_norm: qk_norm.then(none).transpose()?,
                         k_norm: qk_norm.then(none).transpose()?,
+                        post_norm: sandwich.then(none).transpose()?,
                         head_dim,
                         eps,
+                        norm_offset,
+                        scale,
+                        local_rope: cfg.layer_rope_theta(i).is_some(),
                     },
                     mlp: Mlp {
                         post_attention_layernorm: none()?,
                         gate_proj: lin(mlp_b)?,
                         up_proj: lin(mlp_b)?,
                         down_proj: lin(mlp_b)?,
+                        post_norm: sandwich.then(none).transpose()?,
                         eps,
+                        norm_offset,
+                        geglu,
                     },
                     ladder,
                 })
@@ -570,6 +637,7 @@ impl Llama {
             loss_chunks: LossChunks::Auto,
             branch_hook: None,
             rope: Arc::new(Rope::new(&cfg, dtype, device)),
+            rope_local: cfg.gemma.as_ref().map(|g| Arc::new(Rope::with_theta(&cfg, g.rope_local_theta, dtype, device))),
             cfg,
             dtype,
             device,
@@ -583,11 +651,13 @@ impl Llama {
         Ok(m)
     }
 
-    /// Fresh model with transformers' init: every matrix N(0, initializer_range), norms 1,
-    /// biases 0.
+    /// Fresh model with transformers' init: every matrix N(0, initializer_range), norms 1
+    /// (0 for (1 + w) norms: the same identity), biases 0.
     pub fn new(cfg: LlamaConfig, dtype: DType, device: Device, rng: &mut Rng) -> Result<Self> {
         let std = cfg.initializer_range;
+        let offset = cfg.norm_offset();
         Self::build(cfg, dtype, device, &mut |p| match p.kind {
+            ParamKind::Norm if offset != 0.0 => Tensor::zeros(p.shape.to_vec(), dtype, device),
             ParamKind::Norm => Tensor::ones(p.shape.to_vec(), dtype, device),
             ParamKind::Bias => Tensor::zeros(p.shape.to_vec(), dtype, device),
             _ => Tensor::randn(p.shape.to_vec(), std, dtype, device, rng),
@@ -598,7 +668,9 @@ impl Llama {
     /// what a shape costs (its memory, its launches), where `new`'s draws on the host would take
     /// longer than the measurement.
     pub fn zeros(cfg: LlamaConfig, dtype: DType, device: Device) -> Result<Self> {
+        let offset = cfg.norm_offset();
         Self::build(cfg, dtype, device, &mut |p| match p.kind {
+            ParamKind::Norm if offset != 0.0 => Tensor::zeros(p.shape.to_vec(), dtype, device),
             ParamKind::Norm => Tensor::ones(p.shape.to_vec(), dtype, device),
             _ => Tensor::zeros(p.shape.to_vec(), dtype, device),
         })

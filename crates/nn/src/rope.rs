@@ -5,12 +5,12 @@ use ferrolm_tensor::{DType, Device, Result, Tensor};
 use std::sync::Mutex;
 
 /// HF's inv_freq (rounded to f32 like HF's buffer), with llama3 wavelength smoothing.
-fn inv_freq(cfg: &LlamaConfig) -> Vec<f32> {
+fn inv_freq(cfg: &LlamaConfig, theta: f64, scaling: &RopeScaling) -> Vec<f32> {
     let d = cfg.head_dim;
     (0..d / 2)
         .map(|i| {
-            let f = 1.0 / cfg.rope_theta.powf((2 * i) as f64 / d as f64);
-            let f = match cfg.rope_scaling {
+            let f = 1.0 / theta.powf((2 * i) as f64 / d as f64);
+            let f = match *scaling {
                 RopeScaling::Default => f,
                 RopeScaling::Llama3 { factor, low_freq_factor: lo, high_freq_factor: hi, original_max_position_embeddings: old } => {
                     let old = old as f64;
@@ -43,7 +43,15 @@ pub struct Rope {
 
 impl Rope {
     pub fn new(cfg: &LlamaConfig, dtype: DType, device: Device) -> Self {
-        Rope { inv: inv_freq(cfg), max_positions: cfg.max_position_embeddings, dtype, device, cache: Mutex::new(None) }
+        let inv = inv_freq(cfg, cfg.rope_theta, &cfg.rope_scaling);
+        Rope { inv, max_positions: cfg.max_position_embeddings, dtype, device, cache: Mutex::new(None) }
+    }
+
+    /// The default (unscaled) RoPE of base `theta` for `cfg`'s head_dim: the tables of layers
+    /// with their own theta (Gemma's `sliding_attention` layers).
+    pub fn with_theta(cfg: &LlamaConfig, theta: f64, dtype: DType, device: Device) -> Self {
+        let inv = inv_freq(cfg, theta, &RopeScaling::Default);
+        Rope { inv, max_positions: cfg.max_position_embeddings, dtype, device, cache: Mutex::new(None) }
     }
 
     fn build(&self, n: usize) -> Result<(Tensor, Tensor)> {

@@ -5,6 +5,7 @@
 use ferrolm_nn::safetensors_io::{load_safetensors, save_safetensors};
 use ferrolm_nn::{generate, shift_labels, Family, KvCache, Llama, LlamaConfig};
 use ferrolm_tensor::{DType, Device, Rng, Tensor};
+use serde_json::Value;
 use std::path::Path;
 
 const TOL: f64 = 1e-4;
@@ -96,9 +97,19 @@ fn parity_qwen3_qknorm_untied() {
 fn parity_mistral_headdim() {
     parity("mistral_headdim");
 }
+/// Gemma 3: (1 + w) sandwich norms, GeGLU, QK-norm, the sqrt(hidden) embedding scale,
+/// query_pre_attn_scalar, and sliding/full layers with their own RoPE thetas.
+#[test]
+fn parity_gemma3_mixed_tied() {
+    parity("gemma3_mixed_tied");
+}
 
-const FAMILY_FIXTURES: [(&str, Family); 3] =
-    [("qwen2_bias_tied", Family::Qwen2), ("qwen3_qknorm_untied", Family::Qwen3), ("mistral_headdim", Family::Mistral)];
+const FAMILY_FIXTURES: [(&str, Family); 4] = [
+    ("qwen2_bias_tied", Family::Qwen2),
+    ("qwen3_qknorm_untied", Family::Qwen3),
+    ("mistral_headdim", Family::Mistral),
+    ("gemma3_mixed_tied", Family::Gemma3),
+];
 
 /// Each family's parameters: transformers' names in `named_parameters()` order (the fixture's
 /// safetensors keys are sorted, the reference's gradient keys too: compared as sets, and the
@@ -121,7 +132,7 @@ fn family_parameters_names_and_count() {
                 "self_attn.v_proj.bias",
                 "self_attn.o_proj.weight",
             ],
-            Family::Qwen3 => &[
+            Family::Qwen3 | Family::Gemma3 => &[
                 "self_attn.q_proj.weight",
                 "self_attn.k_proj.weight",
                 "self_attn.v_proj.weight",
@@ -139,6 +150,9 @@ fn family_parameters_names_and_count() {
             "input_layernorm.weight",
             "post_attention_layernorm.weight",
         ]);
+        if family == Family::Gemma3 {
+            want.extend(["pre_feedforward_layernorm.weight", "post_feedforward_layernorm.weight"]);
+        }
         assert_eq!(layer0, want, "{name}");
         // Biases and norms are not weight-decayed.
         for (n, _, kind) in model.named_parameters() {
@@ -162,7 +176,17 @@ fn family_save_round_trip() {
         let source: serde_json::Value =
             serde_json::from_str(&std::fs::read_to_string(fixtures().join(name).join("config.json")).unwrap()).unwrap();
         // The keys transformers reads for the family are written with the source's values.
-        for key in ["head_dim", "tie_word_embeddings", "sliding_window", "use_sliding_window", "attention_bias"] {
+        for key in [
+            "head_dim",
+            "tie_word_embeddings",
+            "sliding_window",
+            "use_sliding_window",
+            "attention_bias",
+            "query_pre_attn_scalar",
+            "layer_types",
+            "rope_parameters",
+            "hidden_activation",
+        ] {
             if let Some(v) = source.get(key) {
                 if key != "head_dim" || family != Family::Qwen2 {
                     assert_eq!(&cfg[key], v, "{name}: {key}");
@@ -216,6 +240,7 @@ fn family_config_errors_and_accepted_keys() {
     let read = |n: &str| std::fs::read_to_string(fixtures().join(n).join("config.json")).unwrap();
     let (qwen2, qwen3, mistral, llama) =
         (read("qwen2_bias_tied"), read("qwen3_qknorm_untied"), read("mistral_headdim"), read("llama_gqa_untied"));
+    let gemma = read("gemma3_mixed_tied");
     let refused = [
         (&qwen2, "\"use_sliding_window\": false", "\"use_sliding_window\": true", "use_sliding_window"),
         (&qwen3, "\"use_sliding_window\": false", "\"use_sliding_window\": true", "use_sliding_window"),
@@ -226,7 +251,19 @@ fn family_config_errors_and_accepted_keys() {
         (&mistral, "\"sliding_window\": null", "\"sliding_window\": 16", "sliding_window"),
         (&mistral, "\"sliding_window\": null", "\"sliding_window\": -1", "sliding_window"),
         (&qwen2, "\"sliding_window\": null", "\"sliding_window\": -4", "sliding_window"),
-        (&qwen2, "\"model_type\": \"qwen2\"", "\"model_type\": \"gemma3_text\"", "not supported yet"),
+        (&qwen2, "\"model_type\": \"qwen2\"", "\"model_type\": \"gemma2\"", "not supported yet"),
+        (&gemma, "\"model_type\": \"gemma3_text\"", "\"model_type\": \"gemma3\"", "gemma3_text"),
+        (&gemma, "\"sliding_window\": 64", "\"sliding_window\": 16", "sliding_window"),
+        (&gemma, "\"sliding_window\": 64", "\"sliding_window\": -1", "sliding_window"),
+        (&gemma, "\"sliding_window\": 64", "\"sliding_window\": 0", "sliding_window"),
+        (&gemma, "\"final_logit_softcapping\": null", "\"final_logit_softcapping\": 30.0", "final_logit_softcapping"),
+        (&gemma, "\"attn_logit_softcapping\": null", "\"attn_logit_softcapping\": 50.0", "attn_logit_softcapping"),
+        (&gemma, "\"use_bidirectional_attention\": false", "\"use_bidirectional_attention\": true", "use_bidirectional_attention"),
+        (&gemma, "\"gelu_pytorch_tanh\"", "\"silu\"", "hidden_activation"),
+        (&gemma, "\"query_pre_attn_scalar\": 12", "\"query_pre_attn_scalar\": 0", "query_pre_attn_scalar"),
+        (&gemma, "\"sliding_attention\",\n    \"sliding_attention\"", "\"sliding_attention\"", "layer_types"),
+        (&gemma, "\"full_attention\"\n  ]", "\"chunked_attention\"\n  ]", "layer_types"),
+        (&gemma, "\"rope_type\": \"default\"\n    }\n  }", "\"rope_type\": \"yarn\"\n    }\n  }", "sliding_attention"),
         (&llama, "\"model_type\": \"llama\"", "\"model_type\": \"phi3\"", "qwen2, qwen3, mistral"),
     ];
     for (text, from, to, what) in refused {
@@ -237,6 +274,25 @@ fn family_config_errors_and_accepted_keys() {
         let e = LlamaConfig::from_file(&path).unwrap_err().to_string();
         assert!(e.contains("config.json") && e.contains(what), "{to}: {e}");
     }
+    // Gemma 3 in transformers 4.x's spelling (rope_theta + rope_local_base_freq, the layer
+    // pattern as sliding_window_pattern) is the same config as 5.x's rope_parameters.
+    let Value::Object(mut g4) = serde_json::from_str::<Value>(&gemma).unwrap() else { panic!() };
+    for k in ["rope_parameters", "layer_types"] {
+        g4.remove(k);
+    }
+    g4.insert("rope_theta".into(), serde_json::json!(1e6));
+    g4.insert("rope_local_base_freq".into(), serde_json::json!(100.0));
+    g4.insert("sliding_window_pattern".into(), serde_json::json!(3));
+    let c4 = LlamaConfig::from_json_str(&Value::Object(g4).to_string()).unwrap();
+    let c5 = LlamaConfig::from_json_str(&gemma).unwrap();
+    assert_eq!(c4, c5);
+    assert_eq!((c5.layer_rope_theta(0), c5.layer_rope_theta(2), c5.rope_theta), (Some(100.0), None, 1e6));
+    assert_eq!(c5.attn_scale(), 1.0 / 12f64.sqrt());
+    // A real Gemma 3 window (512 of 32768 positions) is refused by name until windows are wired.
+    let e = LlamaConfig::from_json_str(&gemma.replace("\"max_position_embeddings\": 64", "\"max_position_embeddings\": 32768"))
+        .unwrap_err()
+        .to_string();
+    assert!(e.contains("sliding_window") && e.contains("64") && e.contains("not supported yet"), "{e}");
     // Mistral v0.1's window of 4096 is refused by name and value; one that cannot bite loads.
     let e = LlamaConfig::from_json_str(
         &mistral
@@ -322,6 +378,7 @@ fn every_fixture_is_covered() {
     assert_eq!(
         names,
         [
+            "gemma3_mixed_tied",
             "ladder_all_mqa",
             "ladder_int_gqa_untied",
             "ladder_list_tied",

@@ -29,24 +29,34 @@ fn config(extra: &str) -> LlamaConfig {
 /// Qwen2's q/k/v bias with one kv head (a column-parallel bias replicated over ranks, its
 /// gradient summed as the weight's), Qwen3's QK-norm (replicated) with head_dim 16 != 32/4 and
 /// every attention bias (o's, row-parallel: added once after the reduction), Llama's
-/// `attention_bias` and `mlp_bias`.
+/// `attention_bias` and `mlp_bias`; Gemma 3's (1 + w) sandwich norms (replicated, full hidden),
+/// GeGLU, QK-norm, embedding scale, query_pre_attn_scalar and a second RoPE theta.
 fn cases() -> Vec<(&'static str, LlamaConfig)> {
     vec![
         ("llama-gqa", config(r#","num_key_value_heads":2"#)),
         ("qwen2-bias-mqa", config(r#","num_key_value_heads":1,"model_type":"qwen2","tie_word_embeddings":true"#)),
         ("qwen3-qknorm-bias", config(r#","num_key_value_heads":2,"model_type":"qwen3","head_dim":16,"attention_bias":true"#)),
         ("llama-biases", config(r#","num_key_value_heads":2,"attention_bias":true,"mlp_bias":true"#)),
+        (
+            "gemma3-sandwich",
+            config(
+                r#","num_key_value_heads":2,"model_type":"gemma3_text","head_dim":16,"query_pre_attn_scalar":12,"sliding_window":null,
+                "layer_types":["sliding_attention","full_attention","sliding_attention"],"rope_theta":1e6,"rope_local_base_freq":100.0"#,
+            ),
+        ),
         ("ladder-all-tied", config(r#","num_key_value_heads":4,"tie_word_embeddings":true,"model_type":"llamaLadder","ladder_layers":3"#)),
         ("ladder-mixed-mqa", config(r#","num_key_value_heads":1,"model_type":"llamaLadder","ladder_layers":[0,2]"#)),
     ]
 }
 
-/// A fresh model whose biases are not zero (transformers' init), so that they count.
+/// A fresh model whose biases (and (1 + w) norms' weights) are not zero (transformers' init),
+/// so that they count.
 fn model(c: &LlamaConfig) -> ferrolm_tensor::Result<Llama> {
     let mut m = Llama::new(c.clone(), DType::F32, Device::Cpu, &mut Rng::new(1))?;
     let mut rng = Rng::new(2);
+    let offset_norms = c.norm_offset() != 0.0;
     m.visit_params_mut(&mut |p, t| {
-        if p.kind == ParamKind::Bias {
+        if p.kind == ParamKind::Bias || (offset_norms && p.kind == ParamKind::Norm) {
             let b = Tensor::randn(p.shape.to_vec(), 0.2, DType::F32, Device::Cpu, &mut rng)?;
             b.set_requires_grad(true)?;
             *t = b;
