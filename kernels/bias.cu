@@ -50,25 +50,7 @@ static __device__ void bias_bwd_partial_impl(const T* dy, float* partial, i64 ro
 #pragma unroll
         for (int k = 0; k < V; ++k) acc[k] += f[k];
     }
-    float* out = partial + (i64)blockIdx.x * d + j;
-    if constexpr (V == 1) out[0] = acc[0];
-    else {
-#pragma unroll
-        for (int k = 0; k < V; k += 4) *reinterpret_cast<vec16*>(out + k) = Vec<float>::store(acc + k);
-    }
-}
-// grid: (ceil(nchunks / group), ceil(d / blockDim.x)); block row g sums chunks
-// [g * group, (g + 1) * group) of each column in chunk order into row g of `out`: the last level
-// (group >= nchunks, one block row) writes db, an earlier one the f32 partials of the next.
-template <typename T>
-static __device__ void bias_bwd_finish_impl(const float* partial, T* out, i64 nchunks, i64 d, i64 group) {
-    i64 j = (i64)blockIdx.y * blockDim.x + threadIdx.x;
-    if (j >= d) return;
-    i64 c0 = (i64)blockIdx.x * group, c1 = min(c0 + group, nchunks);
-    float acc = 0.0f;
-#pragma unroll 4
-    for (i64 c = c0; c < c1; ++c) acc += partial[c * d + j];
-    out[(i64)blockIdx.x * d + j] = from_f<T>(acc);
+    store_column_partials<V>(partial, d, j, acc);
 }
 #define BIAS_KERNELS(suffix, T)                                                                                           \
     extern "C" __global__ void bias_fwd_##suffix(const T* x, const T* b, T* y, i64 rows, i64 d, int vec) {                  \
@@ -79,7 +61,7 @@ static __device__ void bias_bwd_finish_impl(const float* partial, T* out, i64 nc
         else bias_bwd_partial_impl<T, 1>(dy, p, rows, d, rpc);                                                            \
     }                                                                                                                     \
     extern "C" __global__ void bias_bwd_finish_##suffix(const float* p, T* out, i64 nchunks, i64 d, i64 group) {            \
-        bias_bwd_finish_impl(p, out, nchunks, d, group);                                                                  \
+        column_chunks_finish(p, out, nchunks, d, group);                                                                  \
     }
 BIAS_KERNELS(f32, float)
 BIAS_KERNELS(bf16, bf16)

@@ -237,6 +237,33 @@ static __device__ __forceinline__ float block_reduce(float v, float* scratch, fl
     return warp_reduce(v);
 }
 static __device__ __forceinline__ float block_sum(float v, float* scratch) { return block_reduce<warp_sum>(v, scratch, 0.0f); }
+
+// Column sums of a (rows, d) gradient in two fixed-order passes (rmsnorm's dw, the bias's db):
+// a partial pass leaves one f32 row per chunk of rows, then finish passes sum the chunks.
+// A partial pass's thread stores its V column sums of chunk blockIdx.x together.
+template <int V>
+static __device__ __forceinline__ void store_column_partials(float* partial, i64 d, i64 j, const float* acc) {
+    float* out = partial + (i64)blockIdx.x * d + j;
+    if constexpr (V == 1) out[0] = acc[0];
+    else {
+#pragma unroll
+        for (int k = 0; k < V; k += 4) *reinterpret_cast<vec16*>(out + k) = Vec<float>::store(acc + k);
+    }
+}
+// grid: (ceil(nchunks / group), ceil(d / blockDim.x)); block row g sums chunks
+// [g * group, (g + 1) * group) of each column in chunk order into row g of `out`: the last level
+// (group >= nchunks, one block row) writes the gradient itself, an earlier one f32 partials of
+// the next.
+template <typename T>
+static __device__ void column_chunks_finish(const float* partial, T* out, i64 nchunks, i64 d, i64 group) {
+    i64 j = (i64)blockIdx.y * blockDim.x + threadIdx.x;
+    if (j >= d) return;
+    i64 c0 = (i64)blockIdx.x * group, c1 = min(c0 + group, nchunks);
+    float acc = 0.0f;
+#pragma unroll 4
+    for (i64 c = c0; c < c1; ++c) acc += partial[c * d + j];
+    out[(i64)blockIdx.x * d + j] = from_f<T>(acc);
+}
 // Block-wide sum in f64 (every thread gets the result), for sums over many elements whose f32
 // partials would lose digits (the gradient norm, a loss over millions of rows, counts past 2^24).
 // A fixed tree through shared memory: deterministic. `scratch` is blockDim.x doubles of shared

@@ -116,25 +116,7 @@ static __device__ void rmsnorm_bwd_dw_partial_impl(const T* dy, const T* x, cons
 #pragma unroll
         for (int k = 0; k < V; ++k) acc[k] += fd[k] * fx[k] * rr;
     }
-    float* out = partial + (i64)blockIdx.x * d + j;
-    if constexpr (V == 1) out[0] = acc[0];
-    else {
-#pragma unroll
-        for (int k = 0; k < V; k += 4) *reinterpret_cast<vec16*>(out + k) = Vec<float>::store(acc + k);
-    }
-}
-// grid: (ceil(nchunks / group), ceil(d / blockDim.x)); block row g sums chunks
-// [g * group, (g + 1) * group) of each column in chunk order into row g of `out`: the last level
-// (group >= nchunks, one block row) writes dw itself, an earlier one f32 partials of the next.
-template <typename T>
-static __device__ void rmsnorm_bwd_dw_finish_impl(const float* partial, T* out, i64 nchunks, i64 d, i64 group) {
-    i64 j = (i64)blockIdx.y * blockDim.x + threadIdx.x;
-    if (j >= d) return;
-    i64 c0 = (i64)blockIdx.x * group, c1 = min(c0 + group, nchunks);
-    float acc = 0.0f;
-#pragma unroll 4
-    for (i64 c = c0; c < c1; ++c) acc += partial[c * d + j];
-    out[(i64)blockIdx.x * d + j] = from_f<T>(acc);
+    store_column_partials<V>(partial, d, j, acc);
 }
 #define RMSNORM_ROW_KERNELS(suffix, T)                                                                                                \
     extern "C" __global__ void rmsnorm_fwd_##suffix(const T* x, const T* w, T* y, float* r, i64 rows, i64 d, float eps, float off,      \
@@ -158,8 +140,8 @@ RMSNORM_ROW_KERNELS(bf16, bf16)
 RMSNORM_DW_PARTIAL(f32, float)
 RMSNORM_DW_PARTIAL(bf16, bf16)
 extern "C" __global__ void rmsnorm_bwd_dw_finish_f32(const float* p, float* dw, i64 nchunks, i64 d, i64 group) {
-    rmsnorm_bwd_dw_finish_impl(p, dw, nchunks, d, group);
+    column_chunks_finish(p, dw, nchunks, d, group);
 }
 extern "C" __global__ void rmsnorm_bwd_dw_finish_bf16(const float* p, bf16* dw, i64 nchunks, i64 d, i64 group) {
-    rmsnorm_bwd_dw_finish_impl(p, dw, nchunks, d, group);
+    column_chunks_finish(p, dw, nchunks, d, group);
 }

@@ -12,9 +12,6 @@ use ferrolm::chat::{ChatCounts, ChatOptions, Marks};
 use ferrolm::cli::parse_from;
 use ferrolm::data::chat::{encode_sample, parse_record, DataFormat, Example, Json, TrainOn};
 use ferrolm::data::{DocFraming, Tokenizer};
-use ferrolm::nn::LlamaConfig;
-use ferrolm::{DType, Device, Llama};
-use ferrolm_tensor::Rng;
 use std::path::{Path, PathBuf};
 
 #[test]
@@ -57,17 +54,7 @@ fn records() -> Vec<String> {
 /// A tiny Llama checkpoint (positions for 128 tokens) with the bundled tokenizer and template,
 /// and the crafted data: `chat.jsonl` (every record) and `good.jsonl` (without the bad one).
 fn setup(dir: &Path) -> (PathBuf, PathBuf, PathBuf) {
-    let tok = Tokenizer::from_file(tokenizer_path()).unwrap();
-    let cfg = LlamaConfig::from_json_str(&format!(
-        r#"{{"model_type":"llama","vocab_size":{},"hidden_size":32,"intermediate_size":64,"num_hidden_layers":2,
-            "num_attention_heads":4,"num_key_value_heads":2,"max_position_embeddings":128,"tie_word_embeddings":true}}"#,
-        tok.vocab_size()
-    ))
-    .unwrap();
-    let ck = dir.join("model");
-    Llama::new(cfg, DType::F32, Device::Cpu, &mut Rng::new(1)).unwrap().save_pretrained(&ck).unwrap();
-    std::fs::copy(tokenizer_path(), ck.join("tokenizer.json")).unwrap();
-    std::fs::copy(data_path("chat_template.jinja"), ck.join("chat_template.jinja")).unwrap();
+    let ck = chat_model(dir);
     let all = records();
     let data = dir.join("chat.jsonl");
     std::fs::write(&data, all.iter().map(|l| format!("{l}\n")).collect::<String>()).unwrap();

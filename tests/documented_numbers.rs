@@ -35,7 +35,8 @@ fn readme_model() -> (Tokenizer, Llama) {
 #[test]
 fn lora_guides_trainable_share_is_its_commands() {
     let text = guide("docs/LORA.md");
-    let command = "--model runs/pretrain_llama --chat-template data/chat_template.jinja --lora-rank 8 --steps 60 --merge-lora --out runs/lora";
+    let command =
+        "--model runs/pretrain_llama --chat-template data/chat_template.jinja --lora-rank 8 --steps 60 --merge-lora --out runs/lora";
     assert!(joined(&text).contains(command), "docs/LORA.md's worked example is no longer `finetune {command}`: update this test");
     let (_, mut model) = readme_model();
     model.add_lora(&LoraConfig::new(8, None, 0.0, Proj::ALL.to_vec(), false).unwrap(), &mut Rng::new(2)).unwrap();
@@ -50,7 +51,10 @@ fn finetuning_guides_packing_is_its_commands() {
     let command = "--model runs/pretrain_llama --chat-template data/chat_template.jinja --data data/chat.jsonl --steps 80 --out runs/chat";
     assert!(joined(&text).contains(command), "docs/FINETUNING.md's worked example is no longer `finetune {command}`: update this test");
     let args: FinetuneArgs = parse_from(
-        ["finetune"].into_iter().map(String::from).chain(command.split(' ').map(|w| w.replace("data/", &format!("{}/", data_dir().display())))),
+        ["finetune"]
+            .into_iter()
+            .map(String::from)
+            .chain(command.split(' ').map(|w| w.replace("data/", &format!("{}/", data_dir().display())))),
     )
     .unwrap();
     let (tokenizer, _) = readme_model();

@@ -7,25 +7,12 @@ use common::*;
 use ferrolm::cli::finetune::{FinetuneArgs, Outcome};
 use ferrolm::cli::finetune_ladder::FinetuneLadderArgs;
 use ferrolm::cli::parse_from;
-use ferrolm::nn::LlamaConfig;
-use ferrolm::{DType, Device, Llama};
-use ferrolm_tensor::Rng;
 use std::path::{Path, PathBuf};
 
 /// A tiny Llama checkpoint (hidden 32, 2 layers, positions for 128-token rows) with the bundled
 /// tokenizer, and the bundled chat file cut to its first `n` conversations.
 fn setup(dir: &Path, n: usize) -> (PathBuf, PathBuf) {
-    let tok = ferrolm::data::Tokenizer::from_file(tokenizer_path()).unwrap();
-    let cfg = LlamaConfig::from_json_str(&format!(
-        r#"{{"model_type":"llama","vocab_size":{},"hidden_size":32,"intermediate_size":64,"num_hidden_layers":2,
-            "num_attention_heads":4,"num_key_value_heads":2,"max_position_embeddings":128,"tie_word_embeddings":true}}"#,
-        tok.vocab_size()
-    ))
-    .unwrap();
-    let ck = dir.join("model");
-    Llama::new(cfg, DType::F32, Device::Cpu, &mut Rng::new(1)).unwrap().save_pretrained(&ck).unwrap();
-    std::fs::copy(tokenizer_path(), ck.join("tokenizer.json")).unwrap();
-    std::fs::copy(data_path("chat_template.jinja"), ck.join("chat_template.jinja")).unwrap();
+    let ck = chat_model(dir);
     let text = std::fs::read_to_string(data_path("chat.jsonl")).unwrap();
     let data = dir.join("chat.jsonl");
     std::fs::write(&data, text.lines().take(n).map(|l| format!("{l}\n")).collect::<String>()).unwrap();

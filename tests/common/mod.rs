@@ -105,6 +105,18 @@ pub fn config(vocab: usize, layers: usize) -> LlamaConfig {
     .unwrap()
 }
 
+/// A tiny Llama checkpoint in `dir/model` (the [`config`] shape with positions for 128-token
+/// rows) with the bundled tokenizer and chat template: what the chat fine-tuning tests train.
+pub fn chat_model(dir: &Path) -> PathBuf {
+    let tok = Tokenizer::from_file(tokenizer_path()).unwrap();
+    let cfg = LlamaConfig { max_position_embeddings: 128, ..config(tok.vocab_size(), 2) };
+    let ck = dir.join("model");
+    Llama::new(cfg, DType::F32, Device::Cpu, &mut Rng::new(1)).unwrap().save_pretrained(&ck).unwrap();
+    std::fs::copy(tokenizer_path(), ck.join("tokenizer.json")).unwrap();
+    std::fs::copy(data_path("chat_template.jinja"), ck.join("chat_template.jinja")).unwrap();
+    ck
+}
+
 pub fn model(vocab: usize) -> Llama {
     Llama::new(config(vocab, 2), DType::F32, Device::Cpu, &mut Rng::new(1)).unwrap()
 }
