@@ -63,6 +63,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
             family: ferrolm_nn::Family::Llama,
             attention_bias: false,
             mlp_bias: false,
+            window: Default::default(),
         }
     };
     if let Some(l) = ladder_layers {

@@ -18,7 +18,8 @@ use crate::module::{project, BranchFn, BranchHook, Embedding, HeadLoss, HeadOp, 
 use crate::rope::Rope;
 use crate::safetensors_io::{self, TensorMap};
 use ferrolm_ops::{
-    causal_attention, rms_norm, rope, rope_at, segment_attention, softmax_last, swiglu, LossChunks, LossScale, Segments, Tokens,
+    causal_attention, causal_attention_window, rms_norm, rope, rope_at, segment_attention, segment_attention_window, softmax_last, swiglu,
+    LossChunks, LossScale, Segments, Tokens,
 };
 use ferrolm_tensor::{no_grad, DType, Device, Error, Result, Rng, Tensor};
 use std::path::Path;
@@ -38,6 +39,9 @@ pub struct Attention {
     pub q_norm: Option<Tensor>, // (D)
     /// Qwen3: RMSNorm of each key head over D, before RoPE.
     pub k_norm: Option<Tensor>, // (D)
+    /// This layer's sliding window (`LlamaConfig::layer_windows`): position i attends to j
+    /// with i - window < j <= i. `None`: full causal attention (Llama, full layers).
+    window: Option<usize>,
     head_dim: usize,
     eps: f64,
 }
@@ -145,16 +149,20 @@ impl Attention {
         let k = rotate(&split_heads_normed(&k, d, kn.as_ref(), self.eps)?)?; // (B, KV, T, D)
         let v = split_heads(&v, d)?; // (B, KV, T, D)
         let scale = 1.0 / (d as f64).sqrt();
-        let y = match (cache, &pos.packed) {
-            (None, None) => causal_attention(&q, &k, &v, scale)?, // (B, H, T, D), GQA native
-            (None, Some(p)) => segment_attention(&q, &k, &v, scale, &p.segments)?, // inside each sequence
-            (Some(kv), _) => {
+        let y = match (cache, &pos.packed, self.window) {
+            (None, None, None) => causal_attention(&q, &k, &v, scale)?, // (B, H, T, D), GQA native
+            (None, None, w) => causal_attention_window(&q, &k, &v, scale, w)?, // a sliding layer
+            (None, Some(p), None) => segment_attention(&q, &k, &v, scale, &p.segments)?, // inside each sequence
+            (None, Some(p), w) => segment_attention_window(&q, &k, &v, scale, &p.segments, w)?, // window inside each one
+            // Every key stays cached; the window masks (what transformers' sliding cache layer,
+            // which drops keys no query can see any more, computes too).
+            (Some(kv), _, window) => {
                 let (k, v) = match kv.take() {
                     Some((pk, pv)) => (Tensor::cat(&[pk, k], 2)?, Tensor::cat(&[pv, v], 2)?), // (B, KV, past+T, D)
                     None => (k, v),
                 };
                 *kv = Some((k.clone(), v.clone()));
-                cached_attention(&q, &k, &v, pos.past, scale, None)?
+                cached_attention(&q, &k, &v, pos.past, scale, window)?
             }
         };
         match residual {
@@ -535,9 +543,11 @@ impl Llama {
         let ladder =
             cfg.ladder_layers.as_ref().map(|l| l.mask(cfg.num_hidden_layers)).unwrap_or_else(|| vec![false; cfg.num_hidden_layers]);
         let (eps, head_dim) = (cfg.rms_norm_eps, cfg.head_dim);
+        let windows = cfg.layer_windows();
         let layers = ladder
             .iter()
-            .map(|&ladder| {
+            .zip(windows)
+            .map(|(&ladder, window)| {
                 Ok(Block {
                     self_attn: Attention {
                         input_layernorm: none()?,
@@ -547,6 +557,7 @@ impl Llama {
                         o_proj: lin(o_b)?,
                         q_norm: qk_norm.then(none).transpose()?,
                         k_norm: qk_norm.then(none).transpose()?,
+                        window,
                         head_dim,
                         eps,
                     },
