@@ -11,15 +11,15 @@ every entry of model.named_parameters()).
   mistral_headdim       Mistral: head_dim 16 != hidden/heads 8, sliding_window null
   gemma3_mixed_tied     Gemma 3 text: (1 + w) sandwich norms, GeGLU, QK-norm, sqrt(hidden)
                         embedding scale, query_pre_attn_scalar 12 != head_dim 16 != hidden/heads 8,
-                        layer_types sliding/sliding/full with RoPE thetas 100 and 1e6 (window 64
-                        = max_position_embeddings: never bites), tied, pad_token_id null
+                        layer_types sliding/sliding/full with RoPE thetas 100 and 1e6, sliding_window
+                        4 < seq 12 on the two sliding layers, tied, pad_token_id null
   qwen2_window          Qwen2: use_sliding_window true, sliding_window 4 < seq 12, 2 layers with
                         max_window_layers 1 (layer 0 full, layer 1 sliding_attention), tied
   mistral_window        Mistral: sliding_window 5 < seq 12 on every layer
 
-The windowed fixtures also hold generation.json: transformers' greedy `generate` (its own KV
-cache, `DynamicCache`, whose sliding layers keep only the last window - 1 keys) for a prompt,
-with more new tokens than the window, and the smallest top-1 / top-2 logit gap on the way (a
+The windowed fixtures (qwen2_window, mistral_window, gemma3_mixed_tied) also hold
+generation.json: transformers' greedy `generate` (its own KV cache, `DynamicCache`, whose sliding
+layers keep only the last window - 1 keys) for a prompt, with more new tokens than the window, and the smallest top-1 / top-2 logit gap on the way (a
 gap well above f32 noise makes token-for-token equality a fair test).
 
 Setup as for make_hf_fixtures.py (torch 2.15.0, transformers 5.23.0). Usage:
@@ -83,12 +83,12 @@ FIXTURES: dict[str, dict] = {
         config=dict(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=3,
                     num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=64,
                     rms_norm_eps=1e-6, tie_word_embeddings=True, query_pre_attn_scalar=12,
-                    hidden_activation="gelu_pytorch_tanh", sliding_window=64,
+                    hidden_activation="gelu_pytorch_tanh", sliding_window=4,
                     layer_types=["sliding_attention", "sliding_attention", "full_attention"],
                     rope_parameters=dict(full_attention=dict(rope_type="default", rope_theta=1e6),
                                          sliding_attention=dict(rope_type="default", rope_theta=100.0)),
                     final_logit_softcapping=None, attn_logit_softcapping=None, pad_token_id=None),
-        batch=2, seq=12, seed=24, std=0.05,
+        batch=2, seq=12, seed=24, std=0.05, generate=dict(prompt=[25, 10, 28, 18, 40], new=12),
     ),
     "qwen2_window": dict(
         classes=(Qwen2Config, Qwen2ForCausalLM),

@@ -294,13 +294,13 @@ fn packed_rows_on_the_device_equal_their_conversations_one_by_one() {
 
 /// Sliding-window models on the device (flash kernels with a window, packed `_seg` ones): the
 /// windowed fixtures (tests/fixtures/qwen2_window: layer 0 full, layer 1 window 4;
-/// mistral_window: window 5; 12 positions) in f32 give the CPU's loss and every gradient, plain
+/// mistral_window: window 5; gemma3_mixed_tied: window 4 on layers 0 and 1; 12 positions) in f32 give the CPU's loss and every gradient, plain
 /// and with the rows packed into two conversations each, and the cached generation past the
 /// window gives the CPU's tokens.
 #[test]
 fn windowed_models_on_the_device_match_the_cpu() {
     let Some(gpu) = poisoned_device() else { return };
-    for name in ["qwen2_window", "mistral_window"] {
+    for name in ["qwen2_window", "mistral_window", "gemma3_mixed_tied"] {
         let dir = common::root().join("tests/fixtures").join(name);
         let run = |device: Device, packed: bool| -> (f64, Vec<(String, Vec<f64>)>) {
             let m = Llama::from_pretrained(&dir, DType::F32, device).unwrap();

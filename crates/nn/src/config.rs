@@ -104,7 +104,7 @@ pub enum Family {
     Qwen2,
     /// `qwen3` (dense): RMSNorm of each head's q and k before RoPE; `attention_bias`.
     Qwen3,
-    /// `mistral`: Llama's block (no bias); its `sliding_window` must not bite.
+    /// `mistral`: Llama's block (no bias); `sliding_window` on every layer.
     Mistral,
     /// `gemma3_text` (Gemma 3 text models): (1 + w) RMSNorms in a sandwich (four a block),
     /// GeGLU, QK-norm, embeddings scaled by sqrt(hidden), `query_pre_attn_scalar`, RoPE per
@@ -122,8 +122,8 @@ pub struct Gemma3Keys {
     /// RoPE theta of the `sliding_attention` layers (`rope_parameters.sliding_attention`, or
     /// 4.x's `rope_local_base_freq`); the `full_attention` layers use `rope_theta`.
     pub rope_local_theta: f64,
-    /// `sliding_window` (null: none). Only a window no shorter than `max_position_embeddings`
-    /// loads (it never bites): windowed attention in Gemma layers is not wired yet.
+    /// `sliding_window` (null: none), applied to the `sliding_attention` layers as Mistral's
+    /// (see [`LlamaConfig::layer_windows`]).
     pub sliding_window: Option<usize>,
     /// Per layer: a `sliding_attention` layer (else `full_attention`).
     pub sliding_layers: Vec<bool>,
@@ -462,7 +462,7 @@ impl LlamaConfig {
         let num_hidden_layers = f.usize_req("num_hidden_layers")?;
         let max_position_embeddings = f.usize_opt("max_position_embeddings")?.unwrap_or(family.default_max_positions());
         let gemma = match family {
-            Family::Gemma3 => Some(gemma_keys(&f, num_hidden_layers, max_position_embeddings)?),
+            Family::Gemma3 => Some(gemma_keys(&f, num_hidden_layers)?),
             _ => None,
         };
         // Gemma keeps its window among its own keys (see `Gemma3Keys`).
@@ -919,8 +919,10 @@ impl LlamaConfig {
     }
 
     /// Each layer's sliding window (`None`: full causal attention), as transformers applies it:
-    /// Mistral's `sliding_window` on every layer, Qwen2/Qwen3's on their `sliding_attention`
-    /// layers. A window of at least `max_position_embeddings` sees every earlier position of
+    /// Mistral's `sliding_window` on every layer, Qwen2/Qwen3's and Gemma 3's on their
+    /// `sliding_attention` layers (Gemma's mask is Mistral's, `create_sliding_window_causal_mask`:
+    /// no off-by-one between them; its `use_bidirectional_attention`, which would change the
+    /// window, is refused). A window of at least `max_position_embeddings` sees every earlier position of
     /// any sequence the model accepts: it is `None` here, so such a layer runs the full path.
     pub fn layer_windows(&self) -> Vec<Option<usize>> {
         let bites = self.window.sliding_window.filter(|&w| w < self.max_position_embeddings);
@@ -928,8 +930,11 @@ impl LlamaConfig {
             .map(|i| match self.family {
                 Family::Mistral => bites,
                 Family::Qwen2 | Family::Qwen3 => bites.filter(|_| self.window.sliding_layers.get(i) == Some(&true)),
-                // Gemma's windows are refused at parse unless they never bite (see `gemma_keys`).
-                Family::Llama | Family::Gemma3 => None,
+                Family::Gemma3 => {
+                    let g = self.gemma.as_ref();
+                    g.and_then(|g| g.sliding_window.filter(|&w| w < self.max_position_embeddings && g.sliding_layers.get(i) == Some(&true)))
+                }
+                Family::Llama => None,
             })
             .collect()
     }
@@ -1059,7 +1064,7 @@ fn gemma_rope(f: &Fields) -> Result<((f64, RopeScaling), f64)> {
 /// 4.x's `sliding_window_pattern`, every 6th layer full by default), `sliding_window`,
 /// `query_pre_attn_scalar`, and the features Gemma 3 leaves off, refused when set
 /// (`final_logit_softcapping`, `attn_logit_softcapping`, `use_bidirectional_attention`).
-fn gemma_keys(f: &Fields, layers: usize, max_positions: usize) -> Result<Gemma3Keys> {
+fn gemma_keys(f: &Fields, layers: usize) -> Result<Gemma3Keys> {
     let src = f.src;
     for k in ["final_logit_softcapping", "attn_logit_softcapping"] {
         if let Some(v) = f.get(k) {
@@ -1108,15 +1113,6 @@ fn gemma_keys(f: &Fields, layers: usize, max_positions: usize) -> Result<Gemma3K
             (0..layers).map(|i| (i + 1) % every != 0).collect()
         }
     };
-    if let Some(w) = sliding_window.filter(|&w| w < max_positions) {
-        if let Some(i) = sliding_layers.iter().position(|&s| s) {
-            return Err(err(
-                src,
-                "sliding_window",
-                format!("{w} is smaller than max_position_embeddings {max_positions} and layer {i} is \"sliding_attention\": sliding-window attention in Gemma layers is not supported yet (a null window, or one of at least max_position_embeddings, loads)"),
-            ));
-        }
-    }
     let ((_, _), rope_local_theta) = gemma_rope(f)?;
     Ok(Gemma3Keys { query_pre_attn_scalar, rope_local_theta, sliding_window, sliding_layers })
 }

@@ -18,8 +18,8 @@ use crate::module::{project, BranchFn, BranchHook, Embedding, HeadLoss, HeadOp, 
 use crate::rope::Rope;
 use crate::safetensors_io::{self, TensorMap};
 use ferrolm_ops::{
-    causal_attention, causal_attention_window, geglu, rms_norm_offset, rope, rope_at, segment_attention, segment_attention_window, softmax_last,
-    swiglu, LossChunks, LossScale, Segments, Tokens,
+    causal_attention, causal_attention_window, geglu, rms_norm_offset, rope, rope_at, segment_attention, segment_attention_window,
+    softmax_last, swiglu, LossChunks, LossScale, Segments, Tokens,
 };
 use ferrolm_tensor::{no_grad, DType, Device, Error, Result, Rng, Tensor};
 use std::path::Path;

@@ -134,16 +134,24 @@ fn windowed_models_layer_windows_and_greedy_generation_match_transformers() {
     for (name, windows, key) in [
         ("qwen2_window", vec![None, Some(4)], "\"use_sliding_window\": true"),
         ("mistral_window", vec![Some(5), Some(5)], "\"sliding_window\": 5"),
+        // Gemma 3: the window on its two sliding_attention layers, the full layer without.
+        ("gemma3_mixed_tied", vec![Some(4), Some(4), None], "\"sliding_window\": 4"),
     ] {
         let dir = fixtures().join(name);
         let model = Llama::from_pretrained(&dir, DType::F32, Device::Cpu).unwrap();
         assert_eq!(model.config().layer_windows(), windows, "{name}");
         // Without the window (the config's key turned off), the logits are not transformers'.
         let text = std::fs::read_to_string(dir.join("config.json")).unwrap();
-        let off = key.replace("true", "false").replace(": 5", ": null");
+        // (Gemma keeps its layer types, whose RoPE base differs: only the window goes.)
+        let off = key.replace("true", "false").replace(": 5", ": null").replace(": 4", ": null");
         assert!(text.contains(key), "{name}: fixture lacks {key}");
-        let cfg = LlamaConfig::from_json_str(&text.replace(key, &off).replace("\"sliding_attention\"", "\"full_attention\"")).unwrap();
-        assert_eq!(cfg.layer_windows(), vec![None, None], "{name}");
+        let text = text.replace(key, &off);
+        let text = match name.starts_with("gemma") {
+            true => text,
+            false => text.replace("\"sliding_attention\"", "\"full_attention\""),
+        };
+        let cfg = LlamaConfig::from_json_str(&text).unwrap();
+        assert_eq!(cfg.layer_windows(), vec![None; windows.len()], "{name}");
         let tensors = load_safetensors(&dir.join("model.safetensors"), DType::F32, Device::Cpu).unwrap();
         let full = Llama::from_tensors(cfg, tensors, DType::F32, Device::Cpu, &dir).unwrap();
         let r = load_safetensors(&dir.join("reference.safetensors"), DType::F32, Device::Cpu).unwrap();
@@ -303,9 +311,8 @@ fn family_config_errors_and_accepted_keys() {
         (&qwen2, "\"sliding_window\": null", "\"sliding_window\": -4", "sliding_window"),
         (&qwen2, "\"model_type\": \"qwen2\"", "\"model_type\": \"gemma2\"", "not supported yet"),
         (&gemma, "\"model_type\": \"gemma3_text\"", "\"model_type\": \"gemma3\"", "gemma3_text"),
-        (&gemma, "\"sliding_window\": 64", "\"sliding_window\": 16", "sliding_window"),
-        (&gemma, "\"sliding_window\": 64", "\"sliding_window\": -1", "sliding_window"),
-        (&gemma, "\"sliding_window\": 64", "\"sliding_window\": 0", "sliding_window"),
+        (&gemma, "\"sliding_window\": 4", "\"sliding_window\": -1", "sliding_window"),
+        (&gemma, "\"sliding_window\": 4", "\"sliding_window\": 0", "sliding_window"),
         (&gemma, "\"final_logit_softcapping\": null", "\"final_logit_softcapping\": 30.0", "final_logit_softcapping"),
         (&gemma, "\"attn_logit_softcapping\": null", "\"attn_logit_softcapping\": 50.0", "attn_logit_softcapping"),
         (&gemma, "\"use_bidirectional_attention\": false", "\"use_bidirectional_attention\": true", "use_bidirectional_attention"),
@@ -338,11 +345,13 @@ fn family_config_errors_and_accepted_keys() {
     assert_eq!(c4, c5);
     assert_eq!((c5.layer_rope_theta(0), c5.layer_rope_theta(2), c5.rope_theta), (Some(100.0), None, 1e6));
     assert_eq!(c5.attn_scale(), 1.0 / 12f64.sqrt());
-    // A real Gemma 3 window (512 of 32768 positions) is refused by name until windows are wired.
-    let e = LlamaConfig::from_json_str(&gemma.replace("\"max_position_embeddings\": 64", "\"max_position_embeddings\": 32768"))
-        .unwrap_err()
-        .to_string();
-    assert!(e.contains("sliding_window") && e.contains("64") && e.contains("not supported yet"), "{e}");
+    // Gemma's window on its sliding layers only; one that cannot bite (at least
+    // max_position_embeddings) leaves them on the full path (their own RoPE base still), and
+    // both are written back.
+    assert_eq!(c5.layer_windows(), vec![Some(4), Some(4), None]);
+    let c = LlamaConfig::from_json_str(&gemma.replace("\"sliding_window\": 4", "\"sliding_window\": 64")).unwrap();
+    assert_eq!((c.layer_windows(), &c.to_json_value("float32")["sliding_window"]), (vec![None; 3], &serde_json::json!(64)));
+    assert_eq!(LlamaConfig::from_json_str(&c5.to_json_string()).unwrap(), c5);
     // Mistral v0.1's window of 4096 applies to every layer; one that cannot bite (at least
     // max_position_embeddings) leaves every layer on the full path, and is written back.
     let c = LlamaConfig::from_json_str(
@@ -434,6 +443,42 @@ fn released_family_configs_load_in_4x_spelling() {
     let bare = mistral.replace(r#""bos_token_id":1,"eos_token_id":2,"#, "");
     let c = LlamaConfig::from_json_str(&bare).unwrap();
     assert_eq!((c.bos_token_id, c.eos_token_id.clone()), (Some(1), vec![2]));
+}
+
+/// Released Gemma 3 configs (`google/gemma-3-1b-it` in 4.x spelling with
+/// `sliding_window_pattern`, `google/gemma-3-270m` with `layer_types`): window 512 of 32768
+/// positions on every layer but each sixth, which uses the global RoPE base and no window.
+#[test]
+fn released_gemma3_configs_load_with_their_windows() {
+    let gemma_1b = r#"{"architectures":["Gemma3ForCausalLM"],"attention_bias":false,"attention_dropout":0.0,
+        "attn_logit_softcapping":null,"bos_token_id":2,"cache_implementation":"hybrid","eos_token_id":[1,106],
+        "final_logit_softcapping":null,"head_dim":256,"hidden_activation":"gelu_pytorch_tanh","hidden_size":1152,
+        "initializer_range":0.02,"intermediate_size":6912,"max_position_embeddings":32768,"model_type":"gemma3_text",
+        "num_attention_heads":4,"num_hidden_layers":26,"num_key_value_heads":1,"pad_token_id":0,
+        "query_pre_attn_scalar":256,"rms_norm_eps":1e-06,"rope_local_base_freq":10000,"rope_scaling":null,
+        "rope_theta":1000000,"sliding_window":512,"sliding_window_pattern":6,"torch_dtype":"bfloat16",
+        "transformers_version":"4.50.0.dev0","use_cache":true,"vocab_size":262144}"#;
+    let types: Vec<&str> = (0..18).map(|i| if (i + 1) % 6 == 0 { "full_attention" } else { "sliding_attention" }).collect();
+    let gemma_270m = format!(
+        r#"{{"_sliding_window_pattern":6,"architectures":["Gemma3ForCausalLM"],"attention_bias":false,"attention_dropout":0.0,
+        "attn_logit_softcapping":null,"bos_token_id":2,"eos_token_id":1,"final_logit_softcapping":null,"head_dim":256,
+        "hidden_activation":"gelu_pytorch_tanh","hidden_size":640,"initializer_range":0.02,"intermediate_size":2048,
+        "layer_types":{},"max_position_embeddings":32768,"model_type":"gemma3_text","num_attention_heads":4,
+        "num_hidden_layers":18,"num_key_value_heads":1,"pad_token_id":0,"query_pre_attn_scalar":256,"rms_norm_eps":1e-06,
+        "rope_local_base_freq":10000.0,"rope_scaling":null,"rope_theta":1000000.0,"sliding_window":512,
+        "torch_dtype":"bfloat16","transformers_version":"4.55.0.dev0","use_bidirectional_attention":false,
+        "use_cache":true,"vocab_size":262144}}"#,
+        serde_json::json!(types)
+    );
+    for (text, layers, hidden) in [(gemma_1b.to_string(), 26, 1152), (gemma_270m, 18, 640)] {
+        let c = LlamaConfig::from_json_str(&text).unwrap();
+        assert_eq!((c.family, c.num_hidden_layers, c.hidden_size), (Family::Gemma3, layers, hidden));
+        let want: Vec<Option<usize>> = (0..layers).map(|i| ((i + 1) % 6 != 0).then_some(512)).collect();
+        assert_eq!(c.layer_windows(), want, "{layers} layers");
+        assert_eq!((c.layer_rope_theta(0), c.layer_rope_theta(5), c.rope_theta), (Some(10000.0), None, 1e6));
+        // Saved and reloaded: the same windows.
+        assert_eq!(LlamaConfig::from_json_str(&c.to_json_string()).unwrap().layer_windows(), want);
+    }
 }
 
 #[test]

@@ -104,6 +104,7 @@ fn a_packed_batch_equals_its_conversations_one_by_one() {
         // Sliding windows (shorter than most conversations) inside each packed conversation.
         ("mistral window 4", r#","model_type":"mistral","sliding_window":4"#, false),
         ("qwen2 window 3 checkpointed", QWEN2_WINDOW, true),
+        ("gemma3 window 3", GEMMA3_WINDOW, false),
     ] {
         let mut m = Llama::new(config(extra), DType::F32, CPU, &mut Rng::new(5)).unwrap();
         m.set_activation_checkpointing(ckpt);
@@ -137,11 +138,15 @@ fn a_packed_batch_equals_its_conversations_one_by_one() {
 /// A Qwen2 whose layer 1 slides with window 3, layer 0 full (max_window_layers 1).
 const QWEN2_WINDOW: &str = r#","model_type":"qwen2","use_sliding_window":true,"sliding_window":3,"max_window_layers":1"#;
 
+/// A Gemma 3 whose layer 0 slides with window 3 (its local RoPE base), layer 1 full.
+const GEMMA3_WINDOW: &str = r#","model_type":"gemma3_text","head_dim":8,"query_pre_attn_scalar":8,"sliding_window":3,
+    "layer_types":["sliding_attention","full_attention"],"rope_local_base_freq":100.0"#;
+
 /// With sliding windows, a conversation's logits in a packed row are its logits alone: the
 /// window counts from the conversation's own start, never reaching into its neighbour.
 #[test]
 fn a_windowed_conversations_logits_do_not_depend_on_its_neighbours() {
-    for extra in [QWEN2_WINDOW, r#","model_type":"mistral","sliding_window":2"#] {
+    for extra in [QWEN2_WINDOW, r#","model_type":"mistral","sliding_window":2"#, GEMMA3_WINDOW] {
         let m = Llama::new(config(extra), DType::F32, CPU, &mut Rng::new(9)).unwrap();
         assert!(m.config().layer_windows().iter().any(|w| w.is_some()), "{extra}");
         let r = &mut Rng::new(10);
