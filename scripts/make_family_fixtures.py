@@ -11,8 +11,16 @@ every entry of model.named_parameters()).
   mistral_headdim       Mistral: head_dim 16 != hidden/heads 8, sliding_window null
   gemma3_mixed_tied     Gemma 3 text: (1 + w) sandwich norms, GeGLU, QK-norm, sqrt(hidden)
                         embedding scale, query_pre_attn_scalar 12 != head_dim 16 != hidden/heads 8,
-                        layer_types sliding/sliding/full with RoPE thetas 100 and 1e6 (window 64
-                        = max_position_embeddings: never bites), tied, pad_token_id null
+                        layer_types sliding/sliding/full with RoPE thetas 100 and 1e6, sliding_window
+                        4 < seq 12 on the two sliding layers, tied, pad_token_id null
+  qwen2_window          Qwen2: use_sliding_window true, sliding_window 4 < seq 12, 2 layers with
+                        max_window_layers 1 (layer 0 full, layer 1 sliding_attention), tied
+  mistral_window        Mistral: sliding_window 5 < seq 12 on every layer
+
+The windowed fixtures (qwen2_window, mistral_window, gemma3_mixed_tied) also hold
+generation.json: transformers' greedy `generate` (its own KV cache, `DynamicCache`, whose sliding
+layers keep only the last window - 1 keys) for a prompt, with more new tokens than the window, and the smallest top-1 / top-2 logit gap on the way (a
+gap well above f32 noise makes token-for-token equality a fair test).
 
 Setup as for make_hf_fixtures.py (torch 2.15.0, transformers 5.23.0). Usage:
 
@@ -75,14 +83,38 @@ FIXTURES: dict[str, dict] = {
         config=dict(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=3,
                     num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=64,
                     rms_norm_eps=1e-6, tie_word_embeddings=True, query_pre_attn_scalar=12,
-                    hidden_activation="gelu_pytorch_tanh", sliding_window=64,
+                    hidden_activation="gelu_pytorch_tanh", sliding_window=4,
                     layer_types=["sliding_attention", "sliding_attention", "full_attention"],
                     rope_parameters=dict(full_attention=dict(rope_type="default", rope_theta=1e6),
                                          sliding_attention=dict(rope_type="default", rope_theta=100.0)),
                     final_logit_softcapping=None, attn_logit_softcapping=None, pad_token_id=None),
-        batch=2, seq=12, seed=24, std=0.05,
+        batch=2, seq=12, seed=24, std=0.05, generate=dict(prompt=[25, 10, 28, 18, 40], new=12),
+    ),
+    "qwen2_window": dict(
+        classes=(Qwen2Config, Qwen2ForCausalLM),
+        config=base(64, 32, 48, 2, 4, 2, 1e-6, True, use_sliding_window=True, sliding_window=4,
+                    max_window_layers=1),
+        batch=2, seq=12, seed=24, std=0.3, generate=dict(prompt=[25, 10, 28, 18, 40], new=12),
+    ),
+    "mistral_window": dict(
+        classes=(MistralConfig, MistralForCausalLM),
+        config=base(64, 32, 48, 2, 4, 2, 1e-5, False, sliding_window=5),
+        batch=2, seq=12, seed=25, std=0.3, generate=dict(prompt=[25, 10, 28, 18, 40], new=12),
     ),
 }
+
+
+def greedy(model, prompt: list[int], new: int) -> tuple[list[int], float]:
+    """transformers' greedy generation with its KV cache (no early stop at eos), and the
+    smallest top-1 / top-2 logit gap over the generated steps."""
+    model.eval()
+    with torch.no_grad():
+        out = model.generate(torch.tensor([prompt]), max_new_tokens=new, min_new_tokens=new, do_sample=False,
+                             use_cache=True, output_scores=True, return_dict_in_generate=True,
+                             pad_token_id=0)
+    model.train()
+    gap = min((s[0].topk(2).values[0] - s[0].topk(2).values[1]).item() for s in out.scores)
+    return out.sequences[0, len(prompt):].tolist(), gap
 
 
 def build_model(spec: dict):
@@ -115,6 +147,12 @@ def generate(name: str, spec: dict, out_root: Path) -> None:
     model.save_pretrained(d, safe_serialization=True)
     hf.save_reference(d / "reference.safetensors", input_ids, labels, logits, loss, grads,
                       "scripts/make_family_fixtures.py")
+    if "generate" in spec:
+        g = spec["generate"]
+        tokens, gap = greedy(model, g["prompt"], g["new"])
+        (d / "generation.json").write_text(json.dumps(dict(prompt=g["prompt"], tokens=tokens,
+                                                           min_top2_gap=round(gap, 4))) + "\n")
+        print(f"  greedy {g['prompt']} -> {tokens} (min top-2 gap {gap:.4f})")
     print(f"wrote {hf.rel(d)}: loss={loss.item():.6f} params={len(grads)}")
 
 
@@ -140,6 +178,12 @@ def check(name: str, spec: dict, out_root: Path) -> None:
     for k in grads:
         hf.close(grads[k], ref[f"grad.{k}"], f"{name} grad.{k}", rtol=1e-3, atol=1e-7)
         assert ref[f"grad.{k}"].abs().max() > 0, f"{name} grad.{k} is all zero"
+    if "generate" in spec:
+        want = json.loads((d / "generation.json").read_text())
+        tokens, _ = greedy(model, want["prompt"], len(want["tokens"]))
+        assert tokens == want["tokens"], f"{name} greedy tokens {tokens} != {want['tokens']}"
+        # The window bites: the same model without it generates or scores differently.
+        assert len(want["tokens"]) + len(want["prompt"]) > model.config.sliding_window
     print(f"ok {name}: loss={ref['loss'].item():.6f} params={len(grads)} ({type(model).__name__})")
 
 
@@ -182,8 +226,9 @@ def main() -> int:
         check(name, FIXTURES[name], args.out)
     total = sum(f.stat().st_size for n in FIXTURES for f in (args.out / n).rglob("*") if f.is_file())
     print(f"total size of the family fixtures in {args.out}: {total} bytes ({total / 1024:.1f} KiB)")
-    if total >= 1024 * 1024:
-        print("error: family fixtures exceed 1 MB", file=sys.stderr)
+    # Six fixtures of about 160-330 KB: the same 2 MB budget as make_hf_fixtures.py's.
+    if total >= 2 * 1024 * 1024:
+        print("error: family fixtures exceed 2 MB", file=sys.stderr)
         return 1
     return 0
 

@@ -291,3 +291,52 @@ fn packed_rows_on_the_device_equal_their_conversations_one_by_one() {
         assert!(g.iter().all(|x| x.is_finite()) && d <= 2e-2 * scale, "gradient of {n}: max |d| {d} over a scale of {scale}");
     }
 }
+
+/// Sliding-window models on the device (flash kernels with a window, packed `_seg` ones): the
+/// windowed fixtures (tests/fixtures/qwen2_window: layer 0 full, layer 1 window 4;
+/// mistral_window: window 5; gemma3_mixed_tied: window 4 on layers 0 and 1; 12 positions) in f32 give the CPU's loss and every gradient, plain
+/// and with the rows packed into two conversations each, and the cached generation past the
+/// window gives the CPU's tokens.
+#[test]
+fn windowed_models_on_the_device_match_the_cpu() {
+    let Some(gpu) = poisoned_device() else { return };
+    for name in ["qwen2_window", "mistral_window", "gemma3_mixed_tied"] {
+        let dir = common::root().join("tests/fixtures").join(name);
+        let run = |device: Device, packed: bool| -> (f64, Vec<(String, Vec<f64>)>) {
+            let m = Llama::from_pretrained(&dir, DType::F32, device).unwrap();
+            let (b, t) = (2usize, 12usize);
+            let ids: Vec<i32> = (0..b * t).map(|i| (i * 37 % 61) as i32 + 1).collect();
+            let tg: Vec<i32> = (0..b * t).map(|i| if i % 12 == 11 { -100 } else { (i * 53 % 63) as i32 }).collect();
+            let (up_ids, up_tg) = (Tokens::upload(ids, vec![b, t], device).unwrap(), Tokens::upload(tg, vec![b, t], device).unwrap());
+            let loss = match packed {
+                false => m.loss(up_ids, up_tg).unwrap(),
+                true => {
+                    let pos: Vec<u32> = (0..b).flat_map(|_| (0..7u32).chain(0..5)).collect();
+                    let packing = Packing::new(t, &pos, vec![vec![0, 7, 12]; b], device).unwrap();
+                    m.loss_packed(&up_ids, &up_tg, &packing).unwrap()
+                }
+            };
+            let l = loss.item().unwrap();
+            loss.backward().unwrap();
+            (l, m.parameters().into_iter().map(|(n, p)| (n, p.grad().unwrap().to_vec_f64().unwrap())).collect())
+        };
+        for packed in [false, true] {
+            let ((lc, gc), (lg, gg)) = (run(Device::Cpu, packed), run(gpu, packed));
+            assert!((lc - lg).abs() <= 1e-5 * lc.abs(), "{name} packed {packed}: loss cpu {lc} vs cuda:0 {lg}");
+            for ((n, c), (_, g)) in gc.iter().zip(&gg) {
+                let scale = c.iter().fold(0f64, |a, x| a.max(x.abs()));
+                let d = c.iter().zip(g).fold(0f64, |a, (x, y)| a.max((x - y).abs()));
+                assert!(
+                    g.iter().all(|x| x.is_finite()) && d <= 1e-4 * scale,
+                    "{name} packed {packed}: gradient of {n}: max |d| {d} over {scale}"
+                );
+            }
+        }
+        let prompt = [25u32, 10, 28, 18, 40];
+        let gen = |device| {
+            let m = Llama::from_pretrained(&dir, DType::F32, device).unwrap();
+            ferrolm::nn::generate(&m, &prompt, 12, 0.0, 1.0, &mut Rng::new(0)).unwrap()
+        };
+        assert_eq!(gen(gpu), gen(Device::Cpu), "{name}: greedy tokens on cuda:0");
+    }
+}

@@ -64,6 +64,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
             attention_bias: false,
             mlp_bias: false,
             gemma: None,
+            window: Default::default(),
         }
     };
     if let Some(l) = ladder_layers {

@@ -104,7 +104,7 @@ pub enum Family {
     Qwen2,
     /// `qwen3` (dense): RMSNorm of each head's q and k before RoPE; `attention_bias`.
     Qwen3,
-    /// `mistral`: Llama's block (no bias); its `sliding_window` must not bite.
+    /// `mistral`: Llama's block (no bias); `sliding_window` on every layer.
     Mistral,
     /// `gemma3_text` (Gemma 3 text models): (1 + w) RMSNorms in a sandwich (four a block),
     /// GeGLU, QK-norm, embeddings scaled by sqrt(hidden), `query_pre_attn_scalar`, RoPE per
@@ -122,8 +122,8 @@ pub struct Gemma3Keys {
     /// RoPE theta of the `sliding_attention` layers (`rope_parameters.sliding_attention`, or
     /// 4.x's `rope_local_base_freq`); the `full_attention` layers use `rope_theta`.
     pub rope_local_theta: f64,
-    /// `sliding_window` (null: none). Only a window no shorter than `max_position_embeddings`
-    /// loads (it never bites): windowed attention in Gemma layers is not wired yet.
+    /// `sliding_window` (null: none), applied to the `sliding_attention` layers as Mistral's
+    /// (see [`LlamaConfig::layer_windows`]).
     pub sliding_window: Option<usize>,
     /// Per layer: a `sliding_attention` layer (else `full_attention`).
     pub sliding_layers: Vec<bool>,
@@ -213,6 +213,9 @@ pub struct LlamaConfig {
     pub mlp_bias: bool,
     /// `gemma3_text`'s own keys; `None` for every other family.
     pub gemma: Option<Gemma3Keys>,
+    /// Sliding-window attention (Qwen2/Qwen3, Mistral): the config's keys, kept for saving;
+    /// [`LlamaConfig::layer_windows`] gives each layer's window.
+    pub window: SlidingWindow,
 }
 
 fn err(source: &str, field: &str, msg: impl std::fmt::Display) -> Error {
@@ -459,11 +462,13 @@ impl LlamaConfig {
         let num_hidden_layers = f.usize_req("num_hidden_layers")?;
         let max_position_embeddings = f.usize_opt("max_position_embeddings")?.unwrap_or(family.default_max_positions());
         let gemma = match family {
-            Family::Gemma3 => Some(gemma_keys(&f, num_hidden_layers, max_position_embeddings)?),
-            _ => {
-                check_window(&f, family, num_hidden_layers, max_position_embeddings)?;
-                None
-            }
+            Family::Gemma3 => Some(gemma_keys(&f, num_hidden_layers)?),
+            _ => None,
+        };
+        // Gemma keeps its window among its own keys (see `Gemma3Keys`).
+        let window = match family {
+            Family::Gemma3 => SlidingWindow::default(),
+            _ => parse_window(&f, family, num_hidden_layers)?,
         };
         let cfg = LlamaConfig {
             vocab_size: f.usize_req("vocab_size")?,
@@ -486,6 +491,7 @@ impl LlamaConfig {
             attention_bias,
             mlp_bias,
             gemma,
+            window,
         };
         cfg.validate_in(src)?;
         Ok(cfg)
@@ -558,6 +564,13 @@ impl LlamaConfig {
             }
         } else if self.family == Family::Gemma3 {
             return Err(err(src, "model_type", "a gemma3_text config needs its Gemma keys"));
+        }
+        if self.window.sliding_window == Some(0) {
+            return Err(err(src, "sliding_window", "0 is not a window (it must hold at least the query's own position)"));
+        }
+        let n = self.window.sliding_layers.len();
+        if n != 0 && n != self.num_hidden_layers {
+            return Err(err(src, "layer_types", format!("has {n} entries, but num_hidden_layers is {}", self.num_hidden_layers)));
         }
         if vocab_exceeds_ids(self.vocab_size) {
             return Err(err(src, "vocab_size", format!("{} does not fit i32 token ids", self.vocab_size)));
@@ -691,8 +704,8 @@ impl LlamaConfig {
             "vocab_size": self.vocab_size,
         });
         if let (Family::Qwen2 | Family::Qwen3 | Family::Mistral, Value::Object(o)) = (self.family, &mut v) {
-            // The keys of the family's transformers config: no Llama-only ones, and full
-            // attention in every layer (the only kind ferrolm computes yet).
+            // The keys of the family's transformers config: no Llama-only ones, and the
+            // sliding-window keys transformers reloads the same windows from.
             o.insert("model_type".into(), json!(self.family.model_type()));
             o.insert("architectures".into(), json!([self.family.architecture()]));
             for k in ["mlp_bias", "pretraining_tp"] {
@@ -701,11 +714,15 @@ impl LlamaConfig {
             if self.family != Family::Qwen3 {
                 o.remove("attention_bias");
             }
-            o.insert("sliding_window".into(), Value::Null);
+            let w = &self.window;
+            o.insert("sliding_window".into(), json!(w.sliding_window));
             if self.family != Family::Mistral {
-                o.insert("use_sliding_window".into(), json!(false));
-                o.insert("max_window_layers".into(), json!(self.num_hidden_layers));
-                o.insert("layer_types".into(), json!(vec!["full_attention"; self.num_hidden_layers]));
+                let types: Vec<&str> = (0..self.num_hidden_layers)
+                    .map(|i| if w.sliding_layers.get(i) == Some(&true) { "sliding_attention" } else { "full_attention" })
+                    .collect();
+                o.insert("use_sliding_window".into(), json!(w.use_sliding_window));
+                o.insert("max_window_layers".into(), json!(w.max_window_layers.unwrap_or(28)));
+                o.insert("layer_types".into(), json!(types));
             }
         }
         if let (Some(g), Value::Object(o)) = (&self.gemma, &mut v) {
@@ -810,6 +827,7 @@ impl LlamaConfig {
             attention_bias: false,
             mlp_bias: false,
             gemma: None,
+            window: SlidingWindow::default(),
         };
         let cfg = match name {
             // A few minutes of pretraining on a 2-core CPU (~0.5M non-embedding parameters).
@@ -900,69 +918,97 @@ impl LlamaConfig {
         g.sliding_layers.get(i).copied().unwrap_or(false).then_some(g.rope_local_theta)
     }
 
+    /// Each layer's sliding window (`None`: full causal attention), as transformers applies it:
+    /// Mistral's `sliding_window` on every layer, Qwen2/Qwen3's and Gemma 3's on their
+    /// `sliding_attention` layers (Gemma's mask is Mistral's, `create_sliding_window_causal_mask`:
+    /// no off-by-one between them; its `use_bidirectional_attention`, which would change the
+    /// window, is refused). A window of at least `max_position_embeddings` sees every earlier position of
+    /// any sequence the model accepts: it is `None` here, so such a layer runs the full path.
+    pub fn layer_windows(&self) -> Vec<Option<usize>> {
+        let bites = self.window.sliding_window.filter(|&w| w < self.max_position_embeddings);
+        (0..self.num_hidden_layers)
+            .map(|i| match self.family {
+                Family::Mistral => bites,
+                Family::Qwen2 | Family::Qwen3 => bites.filter(|_| self.window.sliding_layers.get(i) == Some(&true)),
+                Family::Gemma3 => {
+                    let g = self.gemma.as_ref();
+                    g.and_then(|g| g.sliding_window.filter(|&w| w < self.max_position_embeddings && g.sliding_layers.get(i) == Some(&true)))
+                }
+                Family::Llama => None,
+            })
+            .collect()
+    }
+
     /// Number of query heads sharing one key/value head.
     pub fn gqa_group(&self) -> usize {
         self.num_attention_heads / self.num_key_value_heads
     }
 }
 
-/// Sliding-window attention is not computed yet: a config whose window would bite is refused by
-/// the key that asks for it. Qwen2/Qwen3: `use_sliding_window: true`, or a `layer_types` entry
-/// `sliding_attention` (Qwen2.5 and Qwen3 checkpoints have `use_sliding_window: false`: their
-/// `sliding_window` / `max_window_layers` are then unused, as in transformers). Mistral: a
-/// `sliding_window` smaller than `max_position_embeddings` (v0.1's 4096); null (v0.3, Nemo,
-/// Small) or at least every position's distance changes nothing. Hostile values (a negative
-/// window, a `layer_types` list of the wrong length or with an unknown type) are refused by name.
-fn check_window(f: &Fields, family: Family, layers: usize, max_positions: usize) -> Result<()> {
+/// The sliding-window keys of a config, as transformers reads them (see
+/// [`LlamaConfig::layer_windows`] for the window each layer gets).
+#[derive(Clone, Debug, Default, PartialEq)]
+pub struct SlidingWindow {
+    /// `sliding_window`: the window (position i attends to j with i - window < j <= i). For
+    /// Qwen2/Qwen3 the window transformers keeps: `None` unless `use_sliding_window` is true.
+    pub sliding_window: Option<usize>,
+    /// `use_sliding_window` (Qwen2/Qwen3).
+    pub use_sliding_window: bool,
+    /// `max_window_layers` (Qwen2/Qwen3), when the config has it: layers from this index on
+    /// are `sliding_attention` when `layer_types` is absent.
+    pub max_window_layers: Option<usize>,
+    /// Qwen2/Qwen3's `layer_types`, resolved: `true` for a `sliding_attention` layer (empty for
+    /// the other families, whose `layer_types`, if any, does not change the maths).
+    pub sliding_layers: Vec<bool>,
+}
+
+/// The sliding-window keys, exactly as transformers 5.23 computes each layer's window.
+/// Qwen2/Qwen3: `sliding_window` counts only with `use_sliding_window: true`; `layer_types`, or
+/// when absent `sliding_attention` for layers `i >= max_window_layers` (28 by default) if there
+/// is a window. Mistral: `sliding_window` (null: none) on every layer; a `layer_types` it may
+/// carry is not read by `MistralForCausalLM`. Hostile values (a negative or zero window, a
+/// `layer_types` list of the wrong length or with an unknown type, a `sliding_attention` layer
+/// with no window, on which transformers fails) are refused by name.
+fn parse_window(f: &Fields, family: Family, layers: usize) -> Result<SlidingWindow> {
     if family == Family::Llama {
-        return Ok(()); // not Llama keys: transformers ignores them
+        return Ok(SlidingWindow::default()); // not Llama keys: transformers ignores them
     }
     let src = f.src;
     let window = f.usize_opt("sliding_window")?;
-    let wtext = window.map_or("null".to_string(), |w| w.to_string());
-    if family == Family::Mistral {
-        if let Some(w) = window.filter(|&w| w < max_positions) {
-            return Err(err(
-                src,
-                "sliding_window",
-                format!("{w} is smaller than max_position_embeddings {max_positions}: sliding-window attention is not supported yet (a null window, or one of at least max_position_embeddings, loads)"),
-            ));
-        }
-    } else {
-        f.usize_opt("max_window_layers")?;
-        if f.bool_opt("use_sliding_window")? == Some(true) {
-            return Err(err(
-                src,
-                "use_sliding_window",
-                format!("true (sliding_window {wtext}) is not supported yet: sliding-window attention is not implemented (use_sliding_window false loads)"),
-            ));
-        }
+    if window == Some(0) {
+        return Err(err(src, "sliding_window", "0 is not a window (it must hold at least the query's own position; null for none)"));
     }
-    if let Some(types) = f.str_list_opt("layer_types")? {
+    let types = f.str_list_opt("layer_types")?;
+    if let Some(types) = &types {
         if types.len() != layers {
             return Err(err(src, "layer_types", format!("has {} entries, but num_hidden_layers is {layers}", types.len())));
         }
-        for (i, t) in types.iter().enumerate() {
-            match *t {
-                "full_attention" => {}
-                "sliding_attention" => {
-                    return Err(err(
-                        src,
-                        "layer_types",
-                        format!("layer {i} is \"sliding_attention\": sliding-window attention is not supported yet"),
-                    ))
-                }
-                other => {
-                    return Err(err(
-                        src,
-                        "layer_types",
-                        format!("layer {i} has unknown type {other:?} (known: full_attention, sliding_attention)"),
-                    ))
-                }
-            }
+        if let Some((i, t)) = types.iter().enumerate().find(|(_, t)| !matches!(**t, "full_attention" | "sliding_attention")) {
+            return Err(err(src, "layer_types", format!("layer {i} has unknown type {t:?} (known: full_attention, sliding_attention)")));
         }
     }
-    Ok(())
+    if family == Family::Mistral {
+        return Ok(SlidingWindow { sliding_window: window, ..SlidingWindow::default() });
+    }
+    let max_window_layers = f.usize_opt("max_window_layers")?;
+    let use_sliding_window = f.bool_opt("use_sliding_window")?.unwrap_or(false);
+    let sliding_window = window.filter(|_| use_sliding_window);
+    let sliding_layers: Vec<bool> = match &types {
+        Some(types) => types.iter().map(|t| *t == "sliding_attention").collect(),
+        None => (0..layers).map(|i| sliding_window.is_some() && i >= max_window_layers.unwrap_or(28)).collect(),
+    };
+    if let (None, Some(i)) = (sliding_window, sliding_layers.iter().position(|&s| s)) {
+        let why = match use_sliding_window {
+            true => "sliding_window is null",
+            false => "use_sliding_window is not true",
+        };
+        return Err(err(
+            src,
+            "layer_types",
+            format!("layer {i} is \"sliding_attention\" but {why}: no window to apply (transformers fails on this config)"),
+        ));
+    }
+    Ok(SlidingWindow { sliding_window, use_sliding_window, max_window_layers, sliding_layers })
 }
 
 /// Gemma 3's RoPE: `(theta, scaling)` of the `full_attention` layers and the theta of the
@@ -1018,7 +1064,7 @@ fn gemma_rope(f: &Fields) -> Result<((f64, RopeScaling), f64)> {
 /// 4.x's `sliding_window_pattern`, every 6th layer full by default), `sliding_window`,
 /// `query_pre_attn_scalar`, and the features Gemma 3 leaves off, refused when set
 /// (`final_logit_softcapping`, `attn_logit_softcapping`, `use_bidirectional_attention`).
-fn gemma_keys(f: &Fields, layers: usize, max_positions: usize) -> Result<Gemma3Keys> {
+fn gemma_keys(f: &Fields, layers: usize) -> Result<Gemma3Keys> {
     let src = f.src;
     for k in ["final_logit_softcapping", "attn_logit_softcapping"] {
         if let Some(v) = f.get(k) {
@@ -1067,15 +1113,6 @@ fn gemma_keys(f: &Fields, layers: usize, max_positions: usize) -> Result<Gemma3K
             (0..layers).map(|i| (i + 1) % every != 0).collect()
         }
     };
-    if let Some(w) = sliding_window.filter(|&w| w < max_positions) {
-        if let Some(i) = sliding_layers.iter().position(|&s| s) {
-            return Err(err(
-                src,
-                "sliding_window",
-                format!("{w} is smaller than max_position_embeddings {max_positions} and layer {i} is \"sliding_attention\": sliding-window attention in Gemma layers is not supported yet (a null window, or one of at least max_position_embeddings, loads)"),
-            ));
-        }
-    }
     let ((_, _), rope_local_theta) = gemma_rope(f)?;
     Ok(Gemma3Keys { query_pre_attn_scalar, rope_local_theta, sliding_window, sliding_layers })
 }

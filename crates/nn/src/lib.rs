@@ -15,7 +15,7 @@ mod rope;
 pub mod safetensors_io;
 pub mod schedule;
 
-pub use config::{Family, LadderLayers, LlamaConfig, RopeScaling, SUPPORTED_MODEL_TYPES};
+pub use config::{Family, LadderLayers, LlamaConfig, RopeScaling, SlidingWindow, SUPPORTED_MODEL_TYPES};
 pub use generate::{generate, generate_until, generate_within, KvCache, Sampling};
 pub use llama::{shift_labels, Llama, Packing};
 pub use lora::{LoraConfig, Proj};

@@ -18,8 +18,8 @@ use crate::module::{project, BranchFn, BranchHook, Embedding, HeadLoss, HeadOp, 
 use crate::rope::Rope;
 use crate::safetensors_io::{self, TensorMap};
 use ferrolm_ops::{
-    causal_attention, geglu, rms_norm_offset, rope, rope_at, segment_attention, softmax_last, swiglu, LossChunks, LossScale, Segments,
-    Tokens,
+    causal_attention, causal_attention_window, geglu, rms_norm_offset, rope, rope_at, segment_attention, segment_attention_window,
+    softmax_last, swiglu, LossChunks, LossScale, Segments, Tokens,
 };
 use ferrolm_tensor::{no_grad, DType, Device, Error, Result, Rng, Tensor};
 use std::path::Path;
@@ -42,6 +42,9 @@ pub struct Attention {
     /// The sandwich (Gemma 3's `post_attention_layernorm`): the branch output normed before
     /// the residual add.
     pub post_norm: Option<Tensor>, // (C)
+    /// This layer's sliding window (`LlamaConfig::layer_windows`): position i attends to j
+    /// with i - window < j <= i. `None`: full causal attention (Llama, full layers).
+    window: Option<usize>,
     head_dim: usize,
     eps: f64,
     /// Every norm's weight offset (Gemma: 1, x · (1 + w)).
@@ -179,16 +182,20 @@ impl Attention {
         let k = rotate(&split_heads_normed(&k, d, kn.as_ref(), self.eps, self.norm_offset)?)?; // (B, KV, T, D)
         let v = split_heads(&v, d)?; // (B, KV, T, D)
         let scale = self.scale;
-        let y = match (cache, &pos.packed) {
-            (None, None) => causal_attention(&q, &k, &v, scale)?, // (B, H, T, D), GQA native
-            (None, Some(p)) => segment_attention(&q, &k, &v, scale, &p.segments)?, // inside each sequence
-            (Some(kv), _) => {
+        let y = match (cache, &pos.packed, self.window) {
+            (None, None, None) => causal_attention(&q, &k, &v, scale)?, // (B, H, T, D), GQA native
+            (None, None, w) => causal_attention_window(&q, &k, &v, scale, w)?, // a sliding layer
+            (None, Some(p), None) => segment_attention(&q, &k, &v, scale, &p.segments)?, // inside each sequence
+            (None, Some(p), w) => segment_attention_window(&q, &k, &v, scale, &p.segments, w)?, // window inside each one
+            // Every key stays cached; the window masks (what transformers' sliding cache layer,
+            // which drops keys no query can see any more, computes too).
+            (Some(kv), _, window) => {
                 let (k, v) = match kv.take() {
                     Some((pk, pv)) => (Tensor::cat(&[pk, k], 2)?, Tensor::cat(&[pv, v], 2)?), // (B, KV, past+T, D)
                     None => (k, v),
                 };
                 *kv = Some((k.clone(), v.clone()));
-                cached_attention(&q, &k, &v, pos.past, scale, None)?
+                cached_attention(&q, &k, &v, pos.past, scale, window)?
             }
         };
         match (residual, &self.post_norm) {
@@ -594,10 +601,12 @@ impl Llama {
             cfg.ladder_layers.as_ref().map(|l| l.mask(cfg.num_hidden_layers)).unwrap_or_else(|| vec![false; cfg.num_hidden_layers]);
         let (eps, head_dim) = (cfg.rms_norm_eps, cfg.head_dim);
         let (norm_offset, scale, sandwich, geglu) = (cfg.norm_offset(), cfg.attn_scale(), cfg.sandwich_norms(), cfg.geglu());
+        let windows = cfg.layer_windows();
         let layers = ladder
             .iter()
+            .zip(windows)
             .enumerate()
-            .map(|(i, &ladder)| {
+            .map(|(i, (&ladder, window))| {
                 Ok(Block {
                     self_attn: Attention {
                         input_layernorm: none()?,
@@ -608,6 +617,7 @@ impl Llama {
                         q_norm: qk_norm.then(none).transpose()?,
                         k_norm: qk_norm.then(none).transpose()?,
                         post_norm: sandwich.then(none).transpose()?,
+                        window,
                         head_dim,
                         eps,
                         norm_offset,

@@ -104,12 +104,70 @@ fn parity_gemma3_mixed_tied() {
     parity("gemma3_mixed_tied");
 }
 
-const FAMILY_FIXTURES: [(&str, Family); 4] = [
+// Sliding-window attention (scripts/make_family_fixtures.py): a Qwen2 whose max_window_layers
+// makes layer 0 full and layer 1 sliding (window 4), a Mistral with window 5 on every layer,
+// both over 12 positions.
+#[test]
+fn parity_qwen2_window() {
+    parity("qwen2_window");
+}
+#[test]
+fn parity_mistral_window() {
+    parity("mistral_window");
+}
+
+const FAMILY_FIXTURES: [(&str, Family); 6] = [
     ("qwen2_bias_tied", Family::Qwen2),
     ("qwen3_qknorm_untied", Family::Qwen3),
     ("mistral_headdim", Family::Mistral),
     ("gemma3_mixed_tied", Family::Gemma3),
+    ("qwen2_window", Family::Qwen2),
+    ("mistral_window", Family::Mistral),
 ];
+
+/// The windowed fixtures: each layer's window as transformers derives it, a window that
+/// bites (the same weights without it give other logits), and greedy decoding with the KV
+/// cache past the window token for token what transformers' `generate` gave
+/// (`generation.json`, recorded with its own cache).
+#[test]
+fn windowed_models_layer_windows_and_greedy_generation_match_transformers() {
+    for (name, windows, key) in [
+        ("qwen2_window", vec![None, Some(4)], "\"use_sliding_window\": true"),
+        ("mistral_window", vec![Some(5), Some(5)], "\"sliding_window\": 5"),
+        // Gemma 3: the window on its two sliding_attention layers, the full layer without.
+        ("gemma3_mixed_tied", vec![Some(4), Some(4), None], "\"sliding_window\": 4"),
+    ] {
+        let dir = fixtures().join(name);
+        let model = Llama::from_pretrained(&dir, DType::F32, Device::Cpu).unwrap();
+        assert_eq!(model.config().layer_windows(), windows, "{name}");
+        // Without the window (the config's key turned off), the logits are not transformers'.
+        let text = std::fs::read_to_string(dir.join("config.json")).unwrap();
+        // (Gemma keeps its layer types, whose RoPE base differs: only the window goes.)
+        let off = key.replace("true", "false").replace(": 5", ": null").replace(": 4", ": null");
+        assert!(text.contains(key), "{name}: fixture lacks {key}");
+        let text = text.replace(key, &off);
+        let text = match name.starts_with("gemma") {
+            true => text,
+            false => text.replace("\"sliding_attention\"", "\"full_attention\""),
+        };
+        let cfg = LlamaConfig::from_json_str(&text).unwrap();
+        assert_eq!(cfg.layer_windows(), vec![None; windows.len()], "{name}");
+        let tensors = load_safetensors(&dir.join("model.safetensors"), DType::F32, Device::Cpu).unwrap();
+        let full = Llama::from_tensors(cfg, tensors, DType::F32, Device::Cpu, &dir).unwrap();
+        let r = load_safetensors(&dir.join("reference.safetensors"), DType::F32, Device::Cpu).unwrap();
+        let e = rel_err(&full.forward(&r["input_ids"]).unwrap(), &r["logits"]);
+        assert!(e > 1e-2, "{name}: the window does not change the logits (rel {e:e}): the fixture tests nothing");
+
+        let g: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(dir.join("generation.json")).unwrap()).unwrap();
+        let ids = |k: &str| g[k].as_array().unwrap().iter().map(|x| x.as_u64().unwrap() as u32).collect::<Vec<_>>();
+        let (prompt, want) = (ids("prompt"), ids("tokens"));
+        let w = windows.iter().flatten().min().copied().unwrap();
+        assert!(prompt.len() + want.len() > 2 * w, "{name}: generation must run well past the window");
+        assert!(want.iter().all(|t| !model.config().eos_token_id.contains(t)), "{name}: eos would stop ours early");
+        let got = generate(&model, &prompt, want.len(), 0.0, 1.0, &mut Rng::new(0)).unwrap();
+        assert_eq!(got, want, "{name}: greedy tokens differ from transformers'");
+    }
+}
 
 /// Each family's parameters: transformers' names in `named_parameters()` order (the fixture's
 /// safetensors keys are sorted, the reference's gradient keys too: compared as sets, and the
@@ -242,20 +300,19 @@ fn family_config_errors_and_accepted_keys() {
         (read("qwen2_bias_tied"), read("qwen3_qknorm_untied"), read("mistral_headdim"), read("llama_gqa_untied"));
     let gemma = read("gemma3_mixed_tied");
     let refused = [
-        (&qwen2, "\"use_sliding_window\": false", "\"use_sliding_window\": true", "use_sliding_window"),
-        (&qwen3, "\"use_sliding_window\": false", "\"use_sliding_window\": true", "use_sliding_window"),
-        (&qwen2, "\"full_attention\"\n  ]", "\"sliding_attention\"\n  ]", "layer_types"),
+        // A sliding layer with no window (use_sliding_window false): transformers fails on it.
+        (&qwen2, "\"full_attention\"\n  ]", "\"sliding_attention\"\n  ]", "no window to apply"),
         (&qwen3, "\"full_attention\",\n", "", "layer_types"), // one entry for two layers
         (&qwen3, "\"full_attention\"\n  ]", "\"chunked_attention\"\n  ]", "layer_types"),
         (&qwen3, "\"head_dim\": 16", "\"head_dim\": 0", "head_dim"),
-        (&mistral, "\"sliding_window\": null", "\"sliding_window\": 16", "sliding_window"),
+        (&mistral, "\"sliding_window\": null", "\"sliding_window\": 0", "sliding_window"),
+        (&qwen2, "\"sliding_window\": null", "\"sliding_window\": 0", "sliding_window"),
         (&mistral, "\"sliding_window\": null", "\"sliding_window\": -1", "sliding_window"),
         (&qwen2, "\"sliding_window\": null", "\"sliding_window\": -4", "sliding_window"),
         (&qwen2, "\"model_type\": \"qwen2\"", "\"model_type\": \"gemma2\"", "not supported yet"),
         (&gemma, "\"model_type\": \"gemma3_text\"", "\"model_type\": \"gemma3\"", "gemma3_text"),
-        (&gemma, "\"sliding_window\": 64", "\"sliding_window\": 16", "sliding_window"),
-        (&gemma, "\"sliding_window\": 64", "\"sliding_window\": -1", "sliding_window"),
-        (&gemma, "\"sliding_window\": 64", "\"sliding_window\": 0", "sliding_window"),
+        (&gemma, "\"sliding_window\": 4", "\"sliding_window\": -1", "sliding_window"),
+        (&gemma, "\"sliding_window\": 4", "\"sliding_window\": 0", "sliding_window"),
         (&gemma, "\"final_logit_softcapping\": null", "\"final_logit_softcapping\": 30.0", "final_logit_softcapping"),
         (&gemma, "\"attn_logit_softcapping\": null", "\"attn_logit_softcapping\": 50.0", "attn_logit_softcapping"),
         (&gemma, "\"use_bidirectional_attention\": false", "\"use_bidirectional_attention\": true", "use_bidirectional_attention"),
@@ -288,26 +345,50 @@ fn family_config_errors_and_accepted_keys() {
     assert_eq!(c4, c5);
     assert_eq!((c5.layer_rope_theta(0), c5.layer_rope_theta(2), c5.rope_theta), (Some(100.0), None, 1e6));
     assert_eq!(c5.attn_scale(), 1.0 / 12f64.sqrt());
-    // A real Gemma 3 window (512 of 32768 positions) is refused by name until windows are wired.
-    let e = LlamaConfig::from_json_str(&gemma.replace("\"max_position_embeddings\": 64", "\"max_position_embeddings\": 32768"))
-        .unwrap_err()
-        .to_string();
-    assert!(e.contains("sliding_window") && e.contains("64") && e.contains("not supported yet"), "{e}");
-    // Mistral v0.1's window of 4096 is refused by name and value; one that cannot bite loads.
-    let e = LlamaConfig::from_json_str(
+    // Gemma's window on its sliding layers only; one that cannot bite (at least
+    // max_position_embeddings) leaves them on the full path (their own RoPE base still), and
+    // both are written back.
+    assert_eq!(c5.layer_windows(), vec![Some(4), Some(4), None]);
+    let c = LlamaConfig::from_json_str(&gemma.replace("\"sliding_window\": 4", "\"sliding_window\": 64")).unwrap();
+    assert_eq!((c.layer_windows(), &c.to_json_value("float32")["sliding_window"]), (vec![None; 3], &serde_json::json!(64)));
+    assert_eq!(LlamaConfig::from_json_str(&c5.to_json_string()).unwrap(), c5);
+    // Mistral v0.1's window of 4096 applies to every layer; one that cannot bite (at least
+    // max_position_embeddings) leaves every layer on the full path, and is written back.
+    let c = LlamaConfig::from_json_str(
         &mistral
             .replace("\"sliding_window\": null", "\"sliding_window\": 4096")
             .replace("\"max_position_embeddings\": 64", "\"max_position_embeddings\": 32768"),
     )
-    .unwrap_err()
-    .to_string();
-    assert!(e.contains("sliding_window") && e.contains("4096") && e.contains("max_position_embeddings"), "{e}");
-    assert!(LlamaConfig::from_json_str(&mistral.replace("\"sliding_window\": null", "\"sliding_window\": 64")).is_ok());
+    .unwrap();
+    assert_eq!(c.layer_windows(), vec![Some(4096); 2]);
+    let c = LlamaConfig::from_json_str(&mistral.replace("\"sliding_window\": null", "\"sliding_window\": 64")).unwrap();
+    assert_eq!((c.layer_windows(), &c.to_json_value("float32")["sliding_window"]), (vec![None; 2], &serde_json::json!(64)));
+    // Qwen2/Qwen3: use_sliding_window true, no layer_types: layers from max_window_layers on
+    // slide (as transformers derives them), and a save writes the layer_types it derived.
+    let no_types = |t: &str| {
+        let (a, b) = (t.find("\"layer_types\"").unwrap(), t.find("\"max_position_embeddings\"").unwrap());
+        format!("{}{}", &t[..a], &t[b..])
+    };
+    for text in [&qwen2, &qwen3] {
+        let on = no_types(text).replace("\"use_sliding_window\": false", "\"use_sliding_window\": true");
+        let c = LlamaConfig::from_json_str(&on.replace("\"sliding_window\": null", "\"sliding_window\": 3")).unwrap();
+        let want = match c.family {
+            Family::Qwen2 => vec![None, Some(3)], // max_window_layers 1
+            _ => vec![None, None],                // max_window_layers 28 >= 2 layers
+        };
+        assert_eq!(c.layer_windows(), want, "{}", c.family);
+        let again = LlamaConfig::from_json_str(&c.to_json_string()).unwrap();
+        assert_eq!((again.layer_windows(), &again), (want, &c));
+        // use_sliding_window true with a null window: full attention everywhere.
+        assert_eq!(LlamaConfig::from_json_str(&on).unwrap().layer_windows(), vec![None, None]);
+    }
     // Qwen2.5 checkpoints: use_sliding_window false with a window and max_window_layers set.
     let q25 = qwen2
         .replace("\"sliding_window\": null", "\"sliding_window\": 32768")
         .replace("\"max_window_layers\": 1", "\"max_window_layers\": 21");
-    assert_eq!(LlamaConfig::from_json_str(&q25).unwrap(), LlamaConfig::from_json_str(&qwen2).unwrap());
+    let (a, b) = (LlamaConfig::from_json_str(&q25).unwrap(), LlamaConfig::from_json_str(&qwen2).unwrap());
+    assert_eq!((a.layer_windows(), a.window.max_window_layers), (vec![None, None], Some(21)));
+    assert_eq!(LlamaConfig { window: b.window.clone(), ..a }, b);
     // Qwen3 attention_bias: a bias on q, k, v and o.
     let c = LlamaConfig::from_json_str(&qwen3.replace("\"attention_bias\": false", "\"attention_bias\": true")).unwrap();
     assert!(c.qkv_bias() && c.o_bias() && c.qk_norm());
@@ -328,7 +409,7 @@ fn family_config_errors_and_accepted_keys() {
 
 /// Released checkpoints' configs in transformers 4.x spelling (`rope_theta` at the top,
 /// `torch_dtype`): Qwen2.5-0.5B-Instruct, Qwen3-0.6B and Mistral-7B-v0.3 load as their family, and
-/// a save over them writes them back key for key; Mistral-7B-v0.1's window of 4096 is refused.
+/// a save over them writes them back key for key; Mistral-7B-v0.1's window of 4096 applies.
 #[test]
 fn released_family_configs_load_in_4x_spelling() {
     let qwen25 = r#"{"architectures":["Qwen2ForCausalLM"],"attention_dropout":0.0,"bos_token_id":151643,"eos_token_id":151645,
@@ -357,12 +438,47 @@ fn released_family_configs_load_in_4x_spelling() {
         assert_eq!(back, serde_json::Value::Object(source), "{family}: a save over the source changes it");
     }
     let v01 = mistral.replace(r#""sliding_window":null"#, r#""sliding_window":4096"#);
-    let e = LlamaConfig::from_json_str(&v01).unwrap_err().to_string();
-    assert!(e.contains("sliding_window") && e.contains("4096"), "{e}");
+    assert_eq!(LlamaConfig::from_json_str(&v01).unwrap().layer_windows(), vec![Some(4096); 32]);
     // MistralConfig's bos 1 / eos 2 when the keys are absent.
     let bare = mistral.replace(r#""bos_token_id":1,"eos_token_id":2,"#, "");
     let c = LlamaConfig::from_json_str(&bare).unwrap();
     assert_eq!((c.bos_token_id, c.eos_token_id.clone()), (Some(1), vec![2]));
+}
+
+/// Released Gemma 3 configs (`google/gemma-3-1b-it` in 4.x spelling with
+/// `sliding_window_pattern`, `google/gemma-3-270m` with `layer_types`): window 512 of 32768
+/// positions on every layer but each sixth, which uses the global RoPE base and no window.
+#[test]
+fn released_gemma3_configs_load_with_their_windows() {
+    let gemma_1b = r#"{"architectures":["Gemma3ForCausalLM"],"attention_bias":false,"attention_dropout":0.0,
+        "attn_logit_softcapping":null,"bos_token_id":2,"cache_implementation":"hybrid","eos_token_id":[1,106],
+        "final_logit_softcapping":null,"head_dim":256,"hidden_activation":"gelu_pytorch_tanh","hidden_size":1152,
+        "initializer_range":0.02,"intermediate_size":6912,"max_position_embeddings":32768,"model_type":"gemma3_text",
+        "num_attention_heads":4,"num_hidden_layers":26,"num_key_value_heads":1,"pad_token_id":0,
+        "query_pre_attn_scalar":256,"rms_norm_eps":1e-06,"rope_local_base_freq":10000,"rope_scaling":null,
+        "rope_theta":1000000,"sliding_window":512,"sliding_window_pattern":6,"torch_dtype":"bfloat16",
+        "transformers_version":"4.50.0.dev0","use_cache":true,"vocab_size":262144}"#;
+    let types: Vec<&str> = (0..18).map(|i| if (i + 1) % 6 == 0 { "full_attention" } else { "sliding_attention" }).collect();
+    let gemma_270m = format!(
+        r#"{{"_sliding_window_pattern":6,"architectures":["Gemma3ForCausalLM"],"attention_bias":false,"attention_dropout":0.0,
+        "attn_logit_softcapping":null,"bos_token_id":2,"eos_token_id":1,"final_logit_softcapping":null,"head_dim":256,
+        "hidden_activation":"gelu_pytorch_tanh","hidden_size":640,"initializer_range":0.02,"intermediate_size":2048,
+        "layer_types":{},"max_position_embeddings":32768,"model_type":"gemma3_text","num_attention_heads":4,
+        "num_hidden_layers":18,"num_key_value_heads":1,"pad_token_id":0,"query_pre_attn_scalar":256,"rms_norm_eps":1e-06,
+        "rope_local_base_freq":10000.0,"rope_scaling":null,"rope_theta":1000000.0,"sliding_window":512,
+        "torch_dtype":"bfloat16","transformers_version":"4.55.0.dev0","use_bidirectional_attention":false,
+        "use_cache":true,"vocab_size":262144}}"#,
+        serde_json::json!(types)
+    );
+    for (text, layers, hidden) in [(gemma_1b.to_string(), 26, 1152), (gemma_270m, 18, 640)] {
+        let c = LlamaConfig::from_json_str(&text).unwrap();
+        assert_eq!((c.family, c.num_hidden_layers, c.hidden_size), (Family::Gemma3, layers, hidden));
+        let want: Vec<Option<usize>> = (0..layers).map(|i| ((i + 1) % 6 != 0).then_some(512)).collect();
+        assert_eq!(c.layer_windows(), want, "{layers} layers");
+        assert_eq!((c.layer_rope_theta(0), c.layer_rope_theta(5), c.rope_theta), (Some(10000.0), None, 1e6));
+        // Saved and reloaded: the same windows.
+        assert_eq!(LlamaConfig::from_json_str(&c.to_json_string()).unwrap().layer_windows(), want);
+    }
 }
 
 #[test]
@@ -387,7 +503,9 @@ fn every_fixture_is_covered() {
             "llama_headdim",
             "llama_mha_tied",
             "mistral_headdim",
+            "mistral_window",
             "qwen2_bias_tied",
+            "qwen2_window",
             "qwen3_qknorm_untied"
         ],
         "add a parity_* test for a new fixture"

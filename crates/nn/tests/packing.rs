@@ -101,6 +101,10 @@ fn a_packed_batch_equals_its_conversations_one_by_one() {
         ("llama checkpointed", "", true),
         ("ladder", r#","model_type":"llamaLadder","ladder_layers":2"#, false),
         ("mixed ladder checkpointed", r#","model_type":"llamaLadder","ladder_layers":[1]"#, true),
+        // Sliding windows (shorter than most conversations) inside each packed conversation.
+        ("mistral window 4", r#","model_type":"mistral","sliding_window":4"#, false),
+        ("qwen2 window 3 checkpointed", QWEN2_WINDOW, true),
+        ("gemma3 window 3", GEMMA3_WINDOW, false),
     ] {
         let mut m = Llama::new(config(extra), DType::F32, CPU, &mut Rng::new(5)).unwrap();
         m.set_activation_checkpointing(ckpt);
@@ -127,6 +131,36 @@ fn a_packed_batch_equals_its_conversations_one_by_one() {
         for ((n, g), (_, w)) in packed.iter().zip(grads(&m)) {
             let e = max_rel(g, &w);
             assert!(e < 1e-6, "{name}: gradient of {n}: rel {e:e}");
+        }
+    }
+}
+
+/// A Qwen2 whose layer 1 slides with window 3, layer 0 full (max_window_layers 1).
+const QWEN2_WINDOW: &str = r#","model_type":"qwen2","use_sliding_window":true,"sliding_window":3,"max_window_layers":1"#;
+
+/// A Gemma 3 whose layer 0 slides with window 3 (its local RoPE base), layer 1 full.
+const GEMMA3_WINDOW: &str = r#","model_type":"gemma3_text","head_dim":8,"query_pre_attn_scalar":8,"sliding_window":3,
+    "layer_types":["sliding_attention","full_attention"],"rope_local_base_freq":100.0"#;
+
+/// With sliding windows, a conversation's logits in a packed row are its logits alone: the
+/// window counts from the conversation's own start, never reaching into its neighbour.
+#[test]
+fn a_windowed_conversations_logits_do_not_depend_on_its_neighbours() {
+    for extra in [QWEN2_WINDOW, r#","model_type":"mistral","sliding_window":2"#, GEMMA3_WINDOW] {
+        let m = Llama::new(config(extra), DType::F32, CPU, &mut Rng::new(9)).unwrap();
+        assert!(m.config().layer_windows().iter().any(|w| w.is_some()), "{extra}");
+        let r = &mut Rng::new(10);
+        let a = conv(9, r);
+        let alone = m.forward(&Tensor::from_vec(a.ids.clone(), vec![1, 9], CPU).unwrap()).unwrap().to_vec::<f32>().unwrap();
+        let others: Vec<Conv> = [5, 2].iter().map(|&l| conv(l, r)).collect();
+        for rows in [vec![vec![&others[0], &a, &others[1]]], vec![vec![&others[1]], vec![&a, &others[0]]]] {
+            let p = pack(&rows, 16);
+            let logits = m.forward_packed(&p.ids, &p.packing).unwrap();
+            let which = rows.iter().flatten().position(|c| std::ptr::eq(*c, &a)).unwrap();
+            let (row, start) = p.at[which];
+            let got = logits.narrow(0, row, 1).unwrap().narrow(1, start, 9).unwrap().contiguous().unwrap().to_vec::<f32>().unwrap();
+            let e = max_rel(&got, &alone);
+            assert!(e < 1e-6, "{extra}: at ({row}, {start}) the conversation's logits differ from alone: rel {e:e}");
         }
     }
 }
