@@ -158,7 +158,7 @@ mod tests {
             r#""model_type":"qwen2","tie_word_embeddings":true"#,
             r#""model_type":"qwen3","head_dim":16,"attention_bias":true"#,
             r#""model_type":"mistral","head_dim":16"#,
-            r#""model_type":"gemma3_text","head_dim":16,"sliding_window":null,"layer_types":["sliding_attention","full_attention"]"#,
+            r#""model_type":"gemma3_text","head_dim":16,"sliding_window":512,"layer_types":["sliding_attention","full_attention"]"#,
         ] {
             let c = LlamaConfig::from_json_str(&format!("{{{base},{extra}}}")).unwrap();
             let n = Llama::new(c.clone(), DType::F32, Device::Cpu, &mut Rng::new(1)).unwrap().num_params() as u64;

@@ -1113,6 +1113,14 @@ fn gemma_keys(f: &Fields, layers: usize) -> Result<Gemma3Keys> {
             (0..layers).map(|i| (i + 1) % every != 0).collect()
         }
     };
+    // transformers fails on a sliding layer without a window, as for Qwen: refused, not guessed.
+    if let (None, Some(i)) = (sliding_window, sliding_layers.iter().position(|&s| s)) {
+        return Err(err(
+            src,
+            "sliding_window",
+            format!("is null, but layer {i} is \"sliding_attention\": no window to apply (transformers fails on this config)"),
+        ));
+    }
     let ((_, _), rope_local_theta) = gemma_rope(f)?;
     Ok(Gemma3Keys { query_pre_attn_scalar, rope_local_theta, sliding_window, sliding_layers })
 }

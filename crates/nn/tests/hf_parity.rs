@@ -313,6 +313,7 @@ fn family_config_errors_and_accepted_keys() {
         (&gemma, "\"model_type\": \"gemma3_text\"", "\"model_type\": \"gemma3\"", "gemma3_text"),
         (&gemma, "\"sliding_window\": 4", "\"sliding_window\": -1", "sliding_window"),
         (&gemma, "\"sliding_window\": 4", "\"sliding_window\": 0", "sliding_window"),
+        (&gemma, "\"sliding_window\": 4", "\"sliding_window\": null", "no window to apply"),
         (&gemma, "\"final_logit_softcapping\": null", "\"final_logit_softcapping\": 30.0", "final_logit_softcapping"),
         (&gemma, "\"attn_logit_softcapping\": null", "\"attn_logit_softcapping\": 50.0", "attn_logit_softcapping"),
         (&gemma, "\"use_bidirectional_attention\": false", "\"use_bidirectional_attention\": true", "use_bidirectional_attention"),

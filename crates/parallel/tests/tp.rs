@@ -40,7 +40,7 @@ fn cases() -> Vec<(&'static str, LlamaConfig)> {
         (
             "gemma3-sandwich",
             config(
-                r#","num_key_value_heads":2,"model_type":"gemma3_text","head_dim":16,"query_pre_attn_scalar":12,"sliding_window":null,
+                r#","num_key_value_heads":2,"model_type":"gemma3_text","head_dim":16,"query_pre_attn_scalar":12,"sliding_window":5,
                 "layer_types":["sliding_attention","full_attention","sliding_attention"],"rope_theta":1e6,"rope_local_base_freq":100.0"#,
             ),
         ),
