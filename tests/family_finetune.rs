@@ -2,9 +2,12 @@
 //! end, and what they save is still a Qwen2 checkpoint. The model is a tiny Qwen2 (bias on q/k/v,
 //! tied embeddings) made here with the vocabulary of the tokenizer of
 //! tests/fixtures/source_files (300 tokens, a chat template), whose conversations it trains on.
+//! `every_command_on_FAMILY` runs each documented tool on a tiny model of each new family: an
+//! exact `--resume`, `eval --text` / `--chat`, `generate --prompt` / `--chat`, `export`, LoRA, and
+//! `--tp 2` and `--dp 2 --zero 3 --offload-optimizer` against one device.
 mod common;
 use common::*;
-use ferrolm::cli::parse_from;
+use ferrolm::cli::{error_report, parse_from};
 use ferrolm::nn::LlamaConfig;
 use ferrolm::{DType, Device, Llama};
 use serde_json::Value;
@@ -42,10 +45,13 @@ fn qwen2_source(dir: &Path) -> PathBuf {
 }
 
 fn run(model: &Path, out: &Path, extra: &[&str]) {
-    let head = [
+    try_run(model, out, extra).unwrap_or_else(|e| panic!("finetune --out {} {extra:?}: {}", out.display(), error_report(&e)));
+}
+
+fn try_run(model: &Path, out: &Path, extra: &[&str]) -> anyhow::Result<()> {
+    let mut head = vec![
         "finetune",
         "--device=cpu",
-        "--batch-size=1",
         "--eval-every=0",
         "--lr=3e-2",
         "--seq-len=128",
@@ -53,8 +59,11 @@ fn run(model: &Path, out: &Path, extra: &[&str]) {
         "--truncate",
         "--data-format=messages",
     ];
+    if !extra.iter().any(|a| a.starts_with("--batch-size")) {
+        head.push("--batch-size=1");
+    }
     let paths = [flag("model", model), flag("data", &fixture("conversations.jsonl")), flag("out", out)];
-    ferrolm::cli::finetune::finetune(parse_from(args(&head, &paths, extra)).unwrap()).unwrap();
+    ferrolm::cli::finetune::finetune(parse_from(args(&head, &paths, extra)).unwrap()).map(drop)
 }
 
 fn json(p: &Path) -> Value {
@@ -92,4 +101,115 @@ fn finetune_a_qwen2_checkpoint_full_and_lora() {
     let adapter = json(&lora.join("checkpoints/step-000002/adapter_config.json"));
     assert_eq!(adapter["r"], 4);
     let _ = std::fs::remove_dir_all(&dir);
+}
+
+/// A source directory of `model_type` `family` (config keys `cfg` over a tiny shared shape, 300
+/// tokens), its weights fresh with non-zero biases and norms, and the fixture's tokenizer files.
+fn family_source(dir: &Path, family: &str, cfg: &str) -> PathBuf {
+    let src = dir.join(family);
+    std::fs::create_dir_all(&src).unwrap();
+    let json = format!(
+        r#"{{"model_type":"{family}","vocab_size":300,"hidden_size":16,"intermediate_size":32,"num_hidden_layers":2,
+            "num_attention_heads":2,"num_key_value_heads":1,"max_position_embeddings":256,"bos_token_id":0,"eos_token_id":1,{cfg}}}"#
+    );
+    let cfg = LlamaConfig::from_json_str(&json).unwrap_or_else(|e| panic!("{family}: {e}"));
+    let mut m = Llama::new(cfg, DType::F32, Device::Cpu, &mut ferrolm::tensor::Rng::new(3)).unwrap();
+    let mut rng = ferrolm::tensor::Rng::new(4);
+    m.visit_params_mut(&mut |p, t| {
+        if p.name.ends_with(".bias") || p.name.ends_with("norm.weight") {
+            *t = ferrolm::Tensor::randn(p.shape.to_vec(), 0.1, DType::F32, Device::Cpu, &mut rng)?;
+        }
+        Ok(())
+    })
+    .unwrap();
+    m.save_pretrained(&src).unwrap();
+    for f in [fixture("model/tokenizer.json"), fixture("in_jinja/chat_template.jinja"), fixture("in_jinja/tokenizer_config.json")] {
+        std::fs::copy(&f, src.join(f.file_name().unwrap())).unwrap();
+    }
+    src
+}
+
+fn every_command(family: &str, cfg: &str) {
+    let dir = tmp(&format!("family-commands-{family}"));
+    let src = family_source(&dir, family, cfg);
+    let steps = ["--steps=4", "--save-every=2"];
+
+    // Exact resume: steps 3 and 4 continued from step 2's checkpoint in another --out.
+    let whole = dir.join("whole");
+    run(&src, &whole, &[&steps[..], &["--batch-size=2"]].concat());
+    let one = losses(&whole);
+    assert_eq!(one.len(), 4, "{family}: {one:?}");
+    let step2 = whole.join("checkpoints/step-000002");
+    let resumed = dir.join("resumed");
+    run(&src, &resumed, &[&steps[..], &["--batch-size=2", &flag("resume", &step2)]].concat());
+    let bits = |v: &[f64]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+    assert_eq!(bits(&losses(&resumed)), bits(&one), "{family}: resumed from step 2");
+
+    // eval and generate read the fine-tuned checkpoint (its tokenizer and chat template).
+    let ckpt = whole.join("checkpoints/step-000004");
+    assert_eq!(json(&ckpt.join("config.json"))["model_type"], family);
+    let text = dir.join("text.txt");
+    std::fs::write(&text, "Who's there? Nay, answer me: stand, and unfold yourself. Long live the king!").unwrap();
+    let eval = |extra: &[String]| {
+        let head = ["eval", "--device=cpu", "--batch-size=2"];
+        let e = parse_from(args(&head, &[flag("model", &ckpt)], &extra.iter().map(String::as_str).collect::<Vec<_>>())).unwrap();
+        ferrolm::cli::eval::evaluate(e).unwrap_or_else(|e| panic!("{family} eval {extra:?}: {}", error_report(&e)))
+    };
+    let s = eval(&[flag("text", &text), "--seq-len=8".into()]);
+    assert!(s.loss.is_finite() && s.tokens > 0, "{family} eval --text: {s:?}");
+    let s = eval(&[flag("chat", &fixture("conversations.jsonl")), "--seq-len=128".into(), "--truncate".into()]);
+    assert!(s.loss.is_finite() && s.tokens > 0, "{family} eval --chat: {s:?}");
+    for g in ["--prompt=Who's there?", "--chat=Who's there?"] {
+        let head = ["generate", "--device=cpu", g, "--max-new-tokens=6", "--temperature=0"];
+        let a = parse_from(args(&head, &[flag("model", &ckpt)], &[])).unwrap();
+        ferrolm::cli::generate::generate(a).unwrap_or_else(|e| panic!("{family} generate {g}: {}", error_report(&e)));
+    }
+
+    // export keeps the family.
+    let exported = dir.join("exported");
+    let e = parse_from(["export".to_string(), flag("model", &ckpt), flag("out", &exported)]).unwrap();
+    ferrolm::cli::export::run(e).unwrap_or_else(|e| panic!("{family} export: {}", error_report(&e)));
+    assert_eq!(json(&exported.join("config.json"))["model_type"], family);
+    Llama::from_pretrained(&exported, DType::F32, Device::Cpu).unwrap();
+
+    // LoRA: the adapter trains, and the merged model is still the family.
+    let lora = dir.join("lora");
+    run(&src, &lora, &["--steps=2", "--lora-rank=4", "--merge-lora"]);
+    assert_eq!(json(&lora.join("merged/config.json"))["model_type"], family);
+    assert_eq!(json(&lora.join("checkpoints/step-000002/adapter_config.json"))["r"], 4);
+
+    // Tensor parallelism, and data parallelism with ZeRO-3 and the optimizer offloaded (the same
+    // global batch: two ranks of one conversation), each equal one device.
+    let tp = dir.join("tp2");
+    run(&src, &tp, &[&steps[..], &["--batch-size=2", "--tp=2"]].concat());
+    close(&losses(&tp), &one, 1e-5, &format!("{family} --tp 2"));
+    let dp = dir.join("dp2");
+    run(&src, &dp, &[&steps[..], &["--batch-size=1", "--dp=2", "--zero=3", "--offload-optimizer"]].concat());
+    close(&losses(&dp), &one, 1e-5, &format!("{family} --dp 2 --zero 3 --offload-optimizer"));
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+#[test]
+fn every_command_on_qwen2() {
+    every_command("qwen2", r#""tie_word_embeddings":true,"use_sliding_window":false,"sliding_window":32768,"max_window_layers":2"#);
+}
+
+#[test]
+fn every_command_on_qwen3() {
+    every_command("qwen3", r#""tie_word_embeddings":false,"head_dim":12,"attention_bias":true"#);
+}
+
+#[test]
+fn every_command_on_mistral() {
+    every_command("mistral", r#""tie_word_embeddings":false,"head_dim":12,"sliding_window":8"#);
+}
+
+#[test]
+fn every_command_on_gemma3_text() {
+    every_command(
+        "gemma3_text",
+        r#""tie_word_embeddings":true,"head_dim":12,"query_pre_attn_scalar":10,"hidden_activation":"gelu_pytorch_tanh",
+           "layer_types":["sliding_attention","full_attention"],"sliding_window":8,
+           "rope_parameters":{"full_attention":{"rope_type":"default","rope_theta":1000000.0},"sliding_attention":{"rope_type":"default","rope_theta":100.0}}"#,
+    );
 }
