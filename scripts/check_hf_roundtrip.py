@@ -11,9 +11,10 @@ usage:
            --require-loss (fail if there is no ferrolm loss to compare with)
 
 DIR holds config.json and model.safetensors (or model.safetensors.index.json + shards), and is
-loaded with LlamaForCausalLM.from_pretrained(DIR, dtype=float32) (torch_dtype= on old
-transformers); a Ladder checkpoint (model_type llamaLadder) with AutoModelForCausalLM and
-trust_remote_code=True, through the modelling files ferrolm writes beside it. Missing or unexpected tensor names are an error (HF would otherwise silently
+loaded with AutoModelForCausalLM.from_pretrained(DIR, dtype=float32) (torch_dtype= on old
+transformers): the class of its model_type (llama, qwen2, qwen3, mistral, gemma3_text); a Ladder
+checkpoint (model_type llamaLadder) with trust_remote_code=True, through the modelling files
+ferrolm writes beside it. Missing or unexpected tensor names are an error (HF would otherwise silently
 initialise them randomly).
 
 DIR/roundtrip_ids.json (written by ferrolm):
@@ -125,15 +126,15 @@ def main() -> int:
 
     import torch
     import torch.nn.functional as F
-    from transformers import AutoModelForCausalLM, LlamaForCausalLM
+    from transformers import AutoModelForCausalLM
 
     kw = dict(output_loading_info=True, attn_implementation="eager")
-    # A Ladder checkpoint (model_type llamaLadder) carries its modelling code beside the weights
+    # The family's class by model_type (llama, qwen2, qwen3, mistral, gemma3_text); a Ladder
+    # checkpoint (llamaLadder) carries its modelling code beside the weights
     # (configuration_llama_ladder.py, modeling_llama_ladder.py), which auto_map names.
-    ladder = json.loads((d / "config.json").read_text()).get("model_type") == "llamaLadder"
-    cls = AutoModelForCausalLM if ladder else LlamaForCausalLM
-    if ladder:
+    if json.loads((d / "config.json").read_text()).get("model_type") == "llamaLadder":
         kw["trust_remote_code"] = True
+    cls = AutoModelForCausalLM
     try:
         try:
             model, info = cls.from_pretrained(d, dtype=torch.float32, **kw)

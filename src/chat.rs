@@ -436,7 +436,8 @@ pub fn show_examples(
                         .and_then(|s| chat::encode_sample(&s, Some(&tpl), tokenizer, &framing, opts.train_on));
                     (record_place(&file.path, &at), ex)
                 }
-                Err(crate::data::ReadError::Record(e)) => (file.path.display().to_string(), Err(e.to_string())),
+                // The error names the file and the record itself.
+                Err(crate::data::ReadError::Record(e)) => (String::new(), Err(e.to_string())),
                 Err(crate::data::ReadError::Stream(e)) if opts.skip_bad_records => {
                     writeln!(out, "{e}: the rest of the file is skipped (--skip-bad-records)\n")?;
                     continue 'files;
@@ -451,9 +452,10 @@ pub fn show_examples(
                     let then = if opts.skip_bad_records {
                         "skipped (--skip-bad-records)"
                     } else {
-                        "training stops here (or pass --skip-bad-records)"
+                        "a run stops at this record (fine-tuning skips it with --skip-bad-records)"
                     };
-                    writeln!(out, "example {shown} of {count}: {place}: bad record: {msg}: {then}\n")?;
+                    let place = if place.is_empty() { String::new() } else { format!("{place}: ") };
+                    writeln!(out, "example {shown} of {count}: {place}bad record: {msg}: {then}\n")?;
                 }
                 Ok(ex) => {
                     let trained = ex.trained_targets();

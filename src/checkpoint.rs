@@ -174,18 +174,7 @@ pub fn export_model(src: &Path, dst: &Path) -> Result<Vec<String>> {
     if !missing.is_empty() {
         bail!("{}: not a complete model (missing {})", src.display(), missing.join(", "));
     }
-    if dst.exists() && std::fs::read_dir(dst).map(|mut d| d.next().is_some()).unwrap_or(true) {
-        bail!("{} already exists and is not empty: choose another directory", dst.display());
-    }
-    let name = dst.file_name().with_context(|| format!("{}: not a directory name", dst.display()))?.to_string_lossy().into_owned();
-    let parent = dst.parent().filter(|p| !p.as_os_str().is_empty()).unwrap_or(Path::new("."));
-    std::fs::create_dir_all(parent).with_context(|| format!("cannot create {}", parent.display()))?;
-    let tmp = parent.join(format!(".{name}.tmp"));
-    let copied = (|| -> Result<Vec<String>> {
-        if tmp.exists() {
-            std::fs::remove_dir_all(&tmp).with_context(|| format!("cannot remove {}", tmp.display()))?;
-        }
-        std::fs::create_dir(&tmp).with_context(|| format!("cannot create {}", tmp.display()))?;
+    write_new_dir(dst, |tmp| {
         let mut copied = Vec::new();
         let mut entries: Vec<_> =
             std::fs::read_dir(src).with_context(|| format!("cannot list {}", src.display()))?.collect::<std::io::Result<_>>()?;
@@ -197,8 +186,32 @@ pub fn export_model(src: &Path, dst: &Path) -> Result<Vec<String>> {
             }
             let to = tmp.join(&file);
             std::fs::copy(e.path(), &to).with_context(|| format!("cannot copy {} to {}", e.path().display(), to.display()))?;
-            std::fs::File::open(&to).and_then(|f| f.sync_all()).with_context(|| format!("cannot fsync {}", to.display()))?;
             copied.push(file);
+        }
+        Ok(copied)
+    })
+}
+
+/// Makes the new directory `dst` (absent or empty, else refused) whole or not at all: `fill`
+/// writes into a temporary directory beside it and returns the names it wrote, which are
+/// fsynced before the directory is renamed into place; on an error the temporary is removed.
+pub fn write_new_dir(dst: &Path, fill: impl FnOnce(&Path) -> Result<Vec<String>>) -> Result<Vec<String>> {
+    if dst.exists() && std::fs::read_dir(dst).map(|mut d| d.next().is_some()).unwrap_or(true) {
+        bail!("{} already exists and is not empty: choose another directory", dst.display());
+    }
+    let name = dst.file_name().with_context(|| format!("{}: not a directory name", dst.display()))?.to_string_lossy().into_owned();
+    let parent = dst.parent().filter(|p| !p.as_os_str().is_empty()).unwrap_or(Path::new("."));
+    std::fs::create_dir_all(parent).with_context(|| format!("cannot create {}", parent.display()))?;
+    let tmp = parent.join(format!(".{name}.tmp"));
+    let written = (|| -> Result<Vec<String>> {
+        if tmp.exists() {
+            std::fs::remove_dir_all(&tmp).with_context(|| format!("cannot remove {}", tmp.display()))?;
+        }
+        std::fs::create_dir(&tmp).with_context(|| format!("cannot create {}", tmp.display()))?;
+        let written = fill(&tmp)?;
+        for f in &written {
+            let p = tmp.join(f);
+            std::fs::File::open(&p).and_then(|f| f.sync_all()).with_context(|| format!("cannot fsync {}", p.display()))?;
         }
         sync_dir(&tmp)?;
         if dst.exists() {
@@ -206,12 +219,12 @@ pub fn export_model(src: &Path, dst: &Path) -> Result<Vec<String>> {
         }
         std::fs::rename(&tmp, dst).with_context(|| format!("cannot rename {} to {}", tmp.display(), dst.display()))?;
         sync_dir(parent)?;
-        Ok(copied)
+        Ok(written)
     })();
-    if copied.is_err() {
+    if written.is_err() {
         let _ = std::fs::remove_dir_all(&tmp);
     }
-    copied
+    written
 }
 
 /// `--save-dtype`: how a fine-tune stores the weights of its checkpoints' `model.safetensors`

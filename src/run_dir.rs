@@ -153,10 +153,13 @@ fn before_glob(path: &Path) -> std::path::PathBuf {
 pub fn check_inputs_outside(out: &Path, inputs: &[(&str, &Path)]) -> Result<()> {
     let out_c = canonical(out);
     for (flag, input) in inputs {
-        let input_c = canonical(&before_glob(input));
-        if !input_c.starts_with(&out_c) {
-            continue;
+        // A glob: its fixed part, and every file it matches now (`runs/*/x.jsonl` may match a
+        // file inside `out` whose fixed part `runs` is not).
+        let mut paths = vec![before_glob(input)];
+        if !input.exists() {
+            paths.extend(input.to_str().and_then(|p| glob::glob(p).ok()).into_iter().flatten().flatten());
         }
+        let Some(input_c) = paths.iter().map(|p| canonical(p)).find(|c| c.starts_with(&out_c)) else { continue };
         let how = if input_c == out_c { "is" } else { "holds" };
         let resolved = if input_c.as_path() == *input { String::new() } else { format!(" ({})", input_c.display()) };
         return Err(crate::cli::flag_error(format!(

@@ -108,6 +108,17 @@ fn lora_checkpoints_are_peft_adapters_that_resume_evaluate_and_merge() {
     ])
     .unwrap();
     ferrolm::cli::generate::run(g).unwrap();
+    // export --lora of the Ladder base: the merged model keeps the modelling code its auto_map
+    // names (transformers loads it with trust_remote_code), and scores as the adapted model.
+    let exported = dir.join("exported");
+    let x: ferrolm::cli::export::ExportArgs =
+        parse_from(["export", &flag("model", &base), &flag("lora", &step6), &flag("out", &exported)]).unwrap();
+    ferrolm::cli::export::run(x).unwrap();
+    for (name, text) in ferrolm_nn::ladder_hf::FILES {
+        assert_eq!(std::fs::read_to_string(exported.join(name)).unwrap_or_default(), text, "{name} beside the export");
+    }
+    let e = sonnet_loss(&Llama::from_pretrained(&exported, DType::F32, Device::Cpu).unwrap());
+    assert!((e - with_adapter).abs() < 1e-5 * with_adapter, "export --lora {e} vs adapted {with_adapter}");
 
     // --lora-init continues the adapter (same flags agree; a different rank is refused).
     finetune(&ck, &data, &dir.join("cont"), &["--lora-init", step6.to_str().unwrap(), "--lora-rank=4", "--steps=1"]).unwrap();

@@ -122,6 +122,10 @@ fn an_out_that_holds_the_lora_init_adapter_or_the_data_is_refused() {
     std::fs::write(adapter.join("adapter_config.json"), "{}").unwrap();
     let chat = out.join("chat.jsonl");
     std::fs::copy(data_path("chat.jsonl"), &chat).unwrap();
+    let template = out.join("template.jinja");
+    std::fs::copy(data_path("chat_template.jinja"), &template).unwrap();
+    let tokenizer = out.join("tokenizer.json");
+    std::fs::copy(tokenizer_path(), &tokenizer).unwrap();
     let text = dir.join("text.txt");
     std::fs::write(&text, "some text to read\n").unwrap();
     let before = snapshot(&dir);
@@ -133,6 +137,15 @@ fn an_out_that_holds_the_lora_init_adapter_or_the_data_is_refused() {
     names_both(&err, &out, "--data", &chat);
     let err = refused(&finetune_argv(&model, &data_path("chat.jsonl"), &out, &[&flag("val-data", &chat)]));
     names_both(&err, &out, "--val-data", &chat);
+    // A glob whose fixed part lies outside --out but which matches a file inside it.
+    let glob_in = dir.join("*").join("chat.jsonl");
+    let err = refused(&finetune_argv(&model, &glob_in, &out, &["--overwrite"]));
+    names_both(&err, &out, "--data", &glob_in);
+    // --chat-template and --tokenizer inside --out.
+    let err = refused(&finetune_argv(&model, &data_path("chat.jsonl"), &out, &[&flag("chat-template", &template)]));
+    names_both(&err, &out, "--chat-template", &template);
+    let err = refused(&finetune_argv(&model, &data_path("chat.jsonl"), &out, &[&flag("tokenizer", &tokenizer)]));
+    names_both(&err, &out, "--tokenizer", &tokenizer);
     // pretrain_llama's --data, given as a prepared directory and as a glob.
     let pre = |data: &Path, out: &Path, extra: &[&str]| {
         args(&["pretrain_llama", "--device=cpu", "--seq-len=16", "--steps=2"], &[flag("data", data), flag("out", out)], extra)

@@ -90,6 +90,11 @@ pub fn evaluate(mut a: EvalArgs) -> AnyResult<Score> {
     if a.chat.is_none() && a.chat_template.is_some() {
         bail!("--chat-template applies to --chat FILE");
     }
+    if let Some(t) = a.seq_len {
+        // Before the weights and the data: a flag error, as the training tools'.
+        let cfg_path = a.model.join("config.json");
+        super::pretrain::check_seq_len(t, &crate::nn::LlamaConfig::from_file(&cfg_path)?, &cfg_path.display().to_string())?;
+    }
     if a.show_example.is_some() {
         report(show_examples(&a)?.trim_end());
         return Ok(Score { loss: f64::NAN, tokens: 0, chat: None });
@@ -100,7 +105,8 @@ pub fn evaluate(mut a: EvalArgs) -> AnyResult<Score> {
             (Some(chat), _) => score_chat(&a, chat, model, tokenizer, device)?,
             (None, Some(text)) => {
                 let t = std::fs::read_to_string(text).with_context(|| format!("cannot read the text file {}", text.display()))?;
-                let ids = tokenizer.encode(&t, false)?;
+                // A UTF-8 byte order mark is not text (prepare_data skips it too).
+                let ids = tokenizer.encode(t.strip_prefix('\u{feff}').unwrap_or(&t), false)?;
                 score(&a, text, model, tokenizer, &ids, device)?
             }
             (None, None) => bail!("give --text FILE or --chat FILE"),

@@ -160,6 +160,8 @@ impl Tool for FinetuneArgs {
 /// Reads the tokenizer, the template and the data, never the weights or `--out`; token data has
 /// no conversations to show and is refused.
 pub(crate) fn show_examples(a: &TrainArgs, chat: &ChatArgs, default: &str, model: &Path) -> AnyResult<String> {
+    let cfg_path = model.join("config.json");
+    super::pretrain::check_seq_len(a.seq_len, &LlamaConfig::from_file(&cfg_path)?, &cfg_path.display().to_string())?;
     let n = chat.show_example.context("--show-example N was not given")?;
     let data = a.data.clone().unwrap_or_else(|| super::bundled(default));
     if crate::chat::is_token_data(&data, chat.data_format)? {

@@ -80,7 +80,8 @@ pub fn generate(a: GenerateArgs) -> AnyResult<String> {
         (Some(text), _) => Some(Conversation::user(text)),
         (None, Some(path)) => {
             let text = std::fs::read_to_string(path).with_context(|| format!("cannot read --messages {}", path.display()))?;
-            Some(Conversation::from_json(&text).map_err(|e| anyhow::anyhow!("--messages {}: {e}", path.display()))?)
+            let text = text.strip_prefix('\u{feff}').unwrap_or(&text); // a UTF-8 byte order mark
+            Some(Conversation::from_json(text).map_err(|e| anyhow::anyhow!("--messages {}: {e}", path.display()))?)
         }
         (None, None) => None,
     };

@@ -139,8 +139,8 @@ impl LoraArgs {
             return Ok(Some(cfg));
         }
         let Some(dir) = &self.lora_init else { return Ok(None) };
-        let cfg = model.load_adapter(dir).with_context(|| format!("--lora-init {}", dir.display()))?;
-        self.check_init(&cfg, dir)?;
+        // The flags were checked against this adapter by `memory`, before any work.
+        model.load_adapter(dir).with_context(|| format!("--lora-init {}", dir.display()))?;
         if let Some(p) = self.lora_dropout {
             model.set_lora_dropout(p)?;
         }
@@ -235,7 +235,7 @@ pub fn merge(args: &LoraArgs, base: &Path, ckpt: Option<&Path>, out: &Path, sour
         None => crate::checkpoint::resolve_checkpoint(out)?,
     };
     let merged = out.join("merged");
-    write_merged_with(base, &ckpt, &merged, source)?;
+    write_merged(base, &ckpt, &merged, source)?;
     crate::progress::report(&format!("merged model (the adapter folded in): {}", merged.display()));
     Ok(())
 }
@@ -325,17 +325,10 @@ fn link_file(target: &Path, link: &Path) -> AnyResult<()> {
 }
 
 /// `--merge-lora`: the base at `base` with the adapter in `adapter` folded in, written as a plain
-/// Hugging Face checkpoint (the weights in the base's stored dtype, its config keys, the
-/// tokenizer's files: the adapter checkpoint's, which carry the run's chat template, else the
-/// base's) to `out`.
-pub fn write_merged(base: &Path, adapter: &Path, out: &Path) -> AnyResult<()> {
-    let source = crate::checkpoint::SourceModel::read(base, crate::checkpoint::SaveDtype::Source)?;
-    write_merged_with(base, adapter, out, &source)
-}
-
-/// [`write_merged`] keeping `source`'s config keys and storing the weights in its save dtype
-/// (`source` is the fine-tune's model, read at start).
-pub fn write_merged_with(base: &Path, adapter: &Path, out: &Path, source: &crate::checkpoint::SourceModel) -> AnyResult<()> {
+/// Hugging Face checkpoint to `out`: `source`'s config keys (the fine-tune's model, read at
+/// start), the weights in its save dtype, the tokenizer's files (the adapter checkpoint's, which
+/// carry the run's chat template, else the base's).
+pub fn write_merged(base: &Path, adapter: &Path, out: &Path, source: &crate::checkpoint::SourceModel) -> AnyResult<()> {
     let mut m =
         Llama::from_pretrained(base, crate::DType::F32, crate::Device::Cpu).with_context(|| format!("cannot load {}", base.display()))?;
     m.load_adapter(adapter).with_context(|| format!("cannot load the adapter {}", adapter.display()))?;
@@ -343,19 +336,6 @@ pub fn write_merged_with(base: &Path, adapter: &Path, out: &Path, source: &crate
     source.write_model(out, m.config(), &m.parameters()).with_context(|| format!("cannot write the merged model to {}", out.display()))?;
     copy_tokenizer_files(&[adapter, base], out)
 }
-
-/// The tokenizer's files `export --lora` copies from the base model.
-const BASE_TOKENIZER_FILES: [&str; 9] = [
-    "tokenizer.json",
-    "tokenizer_config.json",
-    "special_tokens_map.json",
-    "tokenizer.model",
-    "added_tokens.json",
-    "vocab.json",
-    "merges.txt",
-    "generation_config.json",
-    "chat_template.jinja",
-];
 
 /// `export --model BASE --lora ADAPTER --out DIR`: the base model directory `base` with the PEFT
 /// adapter in `adapter` folded in, written to the new directory `out` (absent or empty) in the
@@ -366,29 +346,22 @@ const BASE_TOKENIZER_FILES: [&str; 9] = [
 /// `chat_template.jinja`, which transformers prefers). No training state. Written into a
 /// temporary directory renamed into place; returns the names written.
 pub fn export_merged(base: &Path, adapter: &Path, out: &Path) -> AnyResult<Vec<String>> {
-    if out.exists() && std::fs::read_dir(out).map(|mut d| d.next().is_some()).unwrap_or(true) {
-        bail!("--out {} already exists and is not empty: choose another directory", out.display());
-    }
-    let cfg_path = base.join("config.json");
-    let cfg = crate::nn::LlamaConfig::from_file(&cfg_path)?;
-    let name = out.file_name().with_context(|| format!("--out {}: not a directory name", out.display()))?.to_string_lossy().into_owned();
-    let parent = out.parent().filter(|p| !p.as_os_str().is_empty()).unwrap_or(Path::new("."));
-    std::fs::create_dir_all(parent).with_context(|| format!("cannot create {}", parent.display()))?;
-    let tmp = parent.join(format!(".{name}.tmp"));
-    let written = (|| -> AnyResult<Vec<String>> {
-        if tmp.exists() {
-            std::fs::remove_dir_all(&tmp).with_context(|| format!("cannot remove {}", tmp.display()))?;
-        }
-        std::fs::create_dir(&tmp).with_context(|| format!("cannot create {}", tmp.display()))?;
-        let (lora, mut written) = crate::nn::lora::peft::merge_adapter_files(base, &cfg, adapter, &tmp)
+    let cfg = crate::nn::LlamaConfig::from_file(base.join("config.json"))?;
+    crate::checkpoint::write_new_dir(out, |tmp| {
+        let (lora, mut written) = crate::nn::lora::peft::merge_adapter_files(base, &cfg, adapter, tmp)
             .with_context(|| format!("cannot fold the adapter {} into {}", adapter.display(), base.display()))?;
         tracing::info!("folded the adapter (rank {}, scale {:.4}) into {}", lora.rank, lora.scale(), base.display());
-        for file in std::iter::once("config.json").chain(BASE_TOKENIZER_FILES) {
+        for file in std::iter::once("config.json").chain(crate::tokenizer_files::TOKENIZER_FILES) {
             let src = base.join(file);
             if src.is_file() {
                 std::fs::copy(&src, tmp.join(file)).with_context(|| format!("cannot copy {} into {}", src.display(), tmp.display()))?;
                 written.push(file.to_string());
             }
+        }
+        // A Ladder base's config names its modelling code (auto_map): it goes along.
+        crate::nn::ladder_hf::write_remote_code(tmp, &cfg)?;
+        if cfg.ladder_layers.is_some() {
+            written.extend(crate::nn::ladder_hf::FILES.iter().map(|(n, _)| n.to_string()));
         }
         // The adapter's template (a LoRA run's checkpoint carries the run's) over the base's.
         if let Ok(t) = crate::data::chat::find_template_source_in(&[adapter], None) {
@@ -399,20 +372,8 @@ pub fn export_merged(base: &Path, adapter: &Path, out: &Path) -> AnyResult<Vec<S
                 written.push("chat_template.jinja".to_string());
             }
         }
-        for f in &written {
-            let p = tmp.join(f);
-            std::fs::File::open(&p).and_then(|f| f.sync_all()).with_context(|| format!("cannot fsync {}", p.display()))?;
-        }
-        crate::run_dir::sync_dir(&tmp)?;
-        if out.exists() {
-            std::fs::remove_dir(out).with_context(|| format!("cannot replace the empty directory {}", out.display()))?;
-        }
-        std::fs::rename(&tmp, out).with_context(|| format!("cannot rename {} to {}", tmp.display(), out.display()))?;
-        crate::run_dir::sync_dir(parent)?;
+        written.sort();
+        written.dedup();
         Ok(written)
-    })();
-    if written.is_err() {
-        let _ = std::fs::remove_dir_all(&tmp);
-    }
-    written
+    })
 }

@@ -621,9 +621,9 @@ impl JsonlReader {
             while self.buf.last().is_some_and(|&b| b == b'\n' || b == b'\r') {
                 self.buf.pop();
             }
-            if start == 0 && self.buf.starts_with(&BOM) {
-                self.buf.drain(..BOM.len());
-            }
+            // A byte order mark is dropped, but its bytes still count in byte offsets.
+            let bom = if start == 0 && self.buf.starts_with(&BOM) { BOM.len() } else { 0 };
+            self.buf.drain(..bom);
             if self.buf.iter().all(u8::is_ascii_whitespace) {
                 continue;
             }
@@ -631,7 +631,7 @@ impl JsonlReader {
                 Ok(line) => Ok(Some((at, line))),
                 Err(e) => {
                     let k = e.valid_up_to();
-                    let msg = format!("invalid UTF-8 at byte {k} of the line (byte offset {})", start + k as u64);
+                    let msg = format!("invalid UTF-8 at byte {} of the line (byte offset {})", bom + k, start + (bom + k) as u64);
                     Err(ReadError::Record(Error::record(&self.path, format!("line {}", self.line), msg)))
                 }
             };

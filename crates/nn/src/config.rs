@@ -416,6 +416,7 @@ impl LlamaConfig {
         let head_dim = match f.usize_opt("head_dim")? {
             Some(d) => d,
             None if family == Family::Gemma3 => 256, // Gemma3TextConfig's default
+            None if family == Family::Qwen3 => 128,  // Qwen3Config's default, whatever hidden / heads
             None => {
                 if num_attention_heads == 0 || hidden_size % num_attention_heads != 0 {
                     return Err(err(
@@ -974,7 +975,12 @@ fn parse_window(f: &Fields, family: Family, layers: usize) -> Result<SlidingWind
         return Ok(SlidingWindow::default()); // not Llama keys: transformers ignores them
     }
     let src = f.src;
-    let window = f.usize_opt("sliding_window")?;
+    // Absent: MistralConfig's and Qwen2/Qwen3Config's default, 4096 (Qwen's applies only with
+    // use_sliding_window); an explicit null is no window.
+    let window = match f.obj.get("sliding_window") {
+        None => Some(4096),
+        Some(_) => f.usize_opt("sliding_window")?,
+    };
     if window == Some(0) {
         return Err(err(src, "sliding_window", "0 is not a window (it must hold at least the query's own position; null for none)"));
     }

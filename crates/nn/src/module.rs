@@ -290,12 +290,12 @@ impl Linear {
         };
         self.plus_bias(y)
     }
-    /// y + bias (broadcast over the leading dims), or y itself for a layer without one: no
-    /// launch is added where there is no bias.
+    /// y + bias over the leading dims (`ferrolm_ops::bias_add`: one launch, db a deterministic
+    /// column sum), or y itself for a layer without one: no launch is added where there is no bias.
     fn plus_bias(&self, y: Tensor) -> Result<Tensor> {
         match &self.bias {
             None => Ok(y),
-            Some(b) => y.add(&self.op.bias(b)?),
+            Some(b) => ferrolm_ops::bias_add(&y, &self.op.bias(b)?),
         }
     }
 }

@@ -450,6 +450,24 @@ fn released_family_configs_load_in_4x_spelling() {
     assert_eq!((c.bos_token_id, c.eos_token_id.clone()), (Some(1), vec![2]));
 }
 
+/// Keys a config may leave out take transformers 5.23's defaults of its family, not Llama's:
+/// MistralConfig's and (with use_sliding_window) Qwen2Config's `sliding_window` 4096 (an explicit
+/// null is no window), Qwen3Config's `head_dim` 128 (whatever hidden / heads is).
+#[test]
+fn absent_family_keys_take_the_familys_defaults() {
+    let base = r#""hidden_size":64,"intermediate_size":128,"num_attention_heads":4,"num_key_value_heads":2,"num_hidden_layers":2,
+        "vocab_size":32,"max_position_embeddings":8192"#;
+    let cfg = |extra: &str| LlamaConfig::from_json_str(&format!("{{{base},{extra}}}")).unwrap();
+    assert_eq!(cfg(r#""model_type":"mistral""#).layer_windows(), vec![Some(4096); 2]);
+    assert_eq!(cfg(r#""model_type":"mistral","sliding_window":null"#).layer_windows(), vec![None; 2]);
+    let qwen = r#""model_type":"qwen2","use_sliding_window":true,"max_window_layers":1"#;
+    assert_eq!(cfg(qwen).layer_windows(), vec![None, Some(4096)]);
+    assert_eq!(cfg(r#""model_type":"qwen2""#).layer_windows(), vec![None; 2]);
+    assert_eq!(cfg(r#""model_type":"qwen3""#).head_dim, 128);
+    assert_eq!(cfg(r#""model_type":"qwen2""#).head_dim, 16);
+    assert_eq!(cfg(r#""model_type":"mistral""#).head_dim, 16);
+}
+
 /// Released Gemma 3 configs (`google/gemma-3-1b-it` in 4.x spelling with
 /// `sliding_window_pattern`, `google/gemma-3-270m` with `layer_types`): window 512 of 32768
 /// positions on every layer but each sixth, which uses the global RoPE base and no window.
@@ -679,8 +697,8 @@ fn error_unsupported_config_fields() {
         ("\"attention_bias\": false", "\"attention_bias\": 1", "attention_bias"),
         ("\"mlp_bias\": false", "\"mlp_bias\": \"yes\"", "mlp_bias"),
         ("\"pretraining_tp\": 1", "\"pretraining_tp\": 2", "pretraining_tp"),
-        ("\"model_type\": \"llama\"", "\"model_type\": \"gemma3_text\"", "model_type"),
-        ("\"rope_type\": \"default\"", "\"rope_type\": \"yarn\"", "rope_type"),
+        ("\"model_type\": \"llama\"", "\"model_type\": \"phi3\"", "model_type"),
+        ("\"rope_type\": \"default\"", "\"rope_type\": \"yarn\"", "rope_parameters.rope_type"),
         ("\"num_key_value_heads\": 2", "\"num_key_value_heads\": 3", "num_key_value_heads"),
         ("\"hidden_size\": 64", "\"hidden_size\": 0", "hidden_size"),
         ("\"vocab_size\": 96", "\"vocab_size\": \"96\"", "vocab_size"),
@@ -691,7 +709,8 @@ fn error_unsupported_config_fields() {
         let path = tmp.0.join("config.json");
         std::fs::write(&path, text.replace(from, to)).unwrap();
         let e = LlamaConfig::from_file(&path).unwrap_err().to_string();
-        assert!(e.contains("config.json") && e.contains(field), "{field}: {e}");
+        // The field as the message names it (the folder's name holds the field too).
+        assert!(e.contains("config.json") && e.contains(&format!("field `{field}`")), "{field}: {e}");
     }
     // Removing a required size names it; unknown harmless keys are ignored.
     let e = LlamaConfig::from_json_str(&text.replace("\"intermediate_size\": 96,", "")).unwrap_err().to_string();

@@ -104,19 +104,11 @@ mod cpu {
         T::one() / (T::one() + (-v).fast_exp())
     }
 
-    /// tanh(v) = 1 − 2 / (exp(2v) + 1): through the vectorised exponential, and ±1 (not NaN)
-    /// where exp(2v) overflows or vanishes.
-    #[inline(always)]
-    fn tanh<T: FastExp>(v: T) -> T {
-        let two = T::one() + T::one();
-        T::one() - two / ((two * v).fast_exp() + T::one())
-    }
-
     /// gelu_tanh(g) and its derivative (the tanh approximation of GELU).
     #[inline(always)]
     fn gelu_tanh<T: FastExp>(g: T) -> (T, T) {
         let (k, c, half) = (num::<T>(0.797_884_560_802_865_4), num::<T>(0.044715), num::<T>(0.5));
-        let t = tanh(k * (g + c * g * g * g));
+        let t = (k * (g + c * g * g * g)).tanh(); // the library's tanh, accurate near 0
         let d = half * (T::one() + t) + half * g * (T::one() - t * t) * k * (T::one() + num::<T>(3.0) * c * g * g);
         (half * g * (T::one() + t), d)
     }

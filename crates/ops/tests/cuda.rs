@@ -190,7 +190,9 @@ fn column_reductions_fold_over_many_rows() {
         let (a, c) = second_reversed(&be, run, run);
         let rep = ferrolm_cuda::profile::report();
         ferrolm_cuda::profile::enable(false);
-        for (i, what) in ["y", "dx", "dw", "db"].iter().enumerate() {
+        let names = ["y", "dx", "dw", "db", "bias y", "geglu y", "geglu dgate", "geglu dup", "softcap y", "softcap dx"];
+        assert_eq!(a.len(), names.len());
+        for (i, what) in names.iter().enumerate() {
             assert_eq!(a[i], c[i], "{dt} ({rows}, {d}): {what} differs between runs");
         }
         let blocks = |g: (u32, u32, u32)| g.0 as u64 * g.1 as u64 * g.2 as u64;
