@@ -22,6 +22,7 @@ pub mod input;
 pub mod loader;
 mod parquet_reader;
 pub mod pipeline;
+pub mod preference;
 pub mod prepare;
 pub mod records;
 pub mod shard;
