@@ -148,6 +148,11 @@ impl Message {
         }
     }
 
+    /// The message as a JSON object, its fields in order.
+    pub(crate) fn json(&self) -> Json {
+        Json::Object(self.fields.clone())
+    }
+
     /// The message as a template sees it (a dict in field order).
     pub fn to_value(&self) -> Value {
         Json::Object(self.fields.clone()).to_value()

@@ -31,6 +31,27 @@ use crate::records::{JsonlReader, ReadError, MAX_RECORD_BYTES};
 /// The top-level keys any record form reads: the Parquet columns worth reading.
 pub const RECORD_KEYS: [&str; 8] = ["messages", "conversations", "instruction", "input", "output", "prompt", "completion", "text"];
 
+/// The records a reader is opened for: the Parquet columns worth reading, and the words its
+/// errors use.
+#[derive(Clone, Copy, Debug)]
+pub struct RecordColumns {
+    /// The top-level keys the record forms read.
+    pub keys: &'static [&'static str],
+    /// `chat`, `preference`: what the data are, for messages.
+    pub data: &'static str,
+    /// The forms, for the error of a Parquet file with none of `keys`.
+    pub forms: &'static str,
+}
+
+impl RecordColumns {
+    /// Chat records (SFT).
+    pub const CHAT: RecordColumns = RecordColumns {
+        keys: &RECORD_KEYS,
+        data: "chat",
+        forms: "`messages`, `conversations`, `instruction`/`output`, `prompt`/`completion`, `text`",
+    };
+}
+
 /// Reads the records of one input file.
 pub struct RecordReader {
     inner: Inner,
@@ -46,10 +67,16 @@ impl RecordReader {
     /// Opens `file` (`.json`, `.jsonl`, `.jsonl.gz`, `.jsonl.zst` or `.parquet`; a text file is
     /// refused).
     pub fn open(file: &InputFile) -> Result<Self, ReadError> {
+        Self::open_for(file, &RecordColumns::CHAT)
+    }
+
+    /// Opens `file` for records of another kind: a Parquet file's columns are projected onto
+    /// `columns.keys`, and the errors name `columns.data` and `columns.forms`.
+    pub fn open_for(file: &InputFile, columns: &RecordColumns) -> Result<Self, ReadError> {
         let inner = match file.format {
             InputFormat::Jsonl(c) => Inner::Jsonl(Box::new(JsonlReader::open(&file.path, c, "").map_err(ReadError::Stream)?)),
             InputFormat::Json => Inner::Jsonl(Box::new(JsonlReader::open_json(&file.path, "").map_err(ReadError::Stream)?)),
-            InputFormat::Parquet => Inner::Parquet(Box::new(RowReader::open(&file.path, file.bytes)?)),
+            InputFormat::Parquet => Inner::Parquet(Box::new(RowReader::open(&file.path, file.bytes, columns)?)),
             InputFormat::Text => {
                 let name = file.path.file_name().map_or_else(String::new, |n| n.to_string_lossy().into_owned());
                 let why = if name.to_ascii_lowercase().ends_with(".txt") {
@@ -59,7 +86,7 @@ impl RecordReader {
                 };
                 return Err(ReadError::Stream(Error::format(
                     &file.path,
-                    format!("chat data are records, and {why}: give a {RECORD_FORMATS} file of records"),
+                    format!("{} data are records, and {why}: give a {RECORD_FORMATS} file of records", columns.data),
                 )));
             }
         };
@@ -124,7 +151,7 @@ fn guarded<T>(f: impl FnOnce() -> T) -> Result<T, String> {
 }
 
 impl RowReader {
-    fn open(path: &Path, file_bytes: u64) -> Result<Self, ReadError> {
+    fn open(path: &Path, file_bytes: u64, columns: &RecordColumns) -> Result<Self, ReadError> {
         let stream = |msg: String| ReadError::Stream(Error::format(path, msg));
         let f = File::open(path).map_err(|e| ReadError::Stream(Error::io(path, e)))?;
         let len = f.metadata().map_err(|e| ReadError::Stream(Error::io(path, e)))?.len();
@@ -132,14 +159,10 @@ impl RowReader {
             .map_err(stream)?
             .map_err(|e| stream(format!("not a readable Parquet file (corrupt or truncated footer?): {e}")))?;
         let root = file.metadata().file_metadata().schema_descr().root_schema_ptr();
-        let fields: Vec<Arc<Type>> = root.get_fields().iter().filter(|f| RECORD_KEYS.contains(&f.name())).cloned().collect();
+        let fields: Vec<Arc<Type>> = root.get_fields().iter().filter(|f| columns.keys.contains(&f.name())).cloned().collect();
         if fields.is_empty() {
             let names: Vec<&str> = root.get_fields().iter().take(12).map(|f| f.name()).collect();
-            return Err(stream(format!(
-                "no column of a chat record form (`messages`, `conversations`, `instruction`/`output`, `prompt`/`completion`, `text`); \
-                 columns: {}",
-                names.join(", ")
-            )));
+            return Err(stream(format!("no column of a {} record form ({}); columns: {}", columns.data, columns.forms, names.join(", "))));
         }
         let projected = guarded(|| Type::group_type_builder(root.name()).with_fields(fields).build())
             .map_err(stream)?

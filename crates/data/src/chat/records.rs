@@ -55,7 +55,7 @@ pub enum Sample {
     Text(String),
 }
 
-fn keys_of(record: &Json) -> String {
+pub(crate) fn keys_of(record: &Json) -> String {
     let keys = record.keys();
     if keys.is_empty() {
         return "none".into();
@@ -143,7 +143,7 @@ fn check_content(content: &Json, what: &str) -> Result<(), String> {
 }
 
 /// A `messages` list (`field` names it in errors).
-fn messages(list: &Json, field: &str) -> Result<Vec<Message>, String> {
+pub(crate) fn messages(list: &Json, field: &str) -> Result<Vec<Message>, String> {
     let Json::Array(items) = list else { return Err(format!("field `{field}` is {}, not a list of messages", list.kind())) };
     let mut out = Vec::with_capacity(items.len());
     for (i, m) in items.iter().enumerate() {

@@ -4,6 +4,22 @@
 //! The seam between the data and the objective is [`PreferencePair`]: the prompt's ids and the
 //! two completions' ids, split where TRL splits them. The objective concatenates
 //! `prompt + chosen` and `prompt + rejected` and scores only the completion tokens.
+//!
+//! - [`records`]: TRL's standard, conversational and implicit-prompt records -> [`RawPair`],
+//!   the format detected per record or forced by [`PreferenceFormat`] (`--data-format`);
+//! - [`dataset`]: input files -> [`PreferencePair`]s, split and truncated as TRL does, with
+//!   [`PreferenceStats`] (read, kept, truncated, skipped and why) for the log.
+//!
+//! `docs/PREFERENCE.md` describes the formats, the split rule, truncation, skips and errors.
+
+pub mod dataset;
+pub mod records;
+
+pub use dataset::{
+    common_prefix_length, encode_pair, encode_record, load_preference_pairs, Encoded, PairNotes, PreferenceOptions, PreferenceSkip,
+    PreferenceStats, PREFERENCE_COLUMNS,
+};
+pub use records::{parse_pair, PreferenceFormat, RawPair};
 
 /// One tokenized preference pair.
 #[derive(Clone, Debug, PartialEq, Eq)]
