@@ -7,7 +7,8 @@
 //!   string or text parts);
 //! - **implicit prompt**: `{"chosen": ..., "rejected": ...}` without `prompt`, both whole
 //!   conversations (or both strings); the prompt is what they share at the start, cut where
-//!   TRL's `extract_prompt` cuts it.
+//!   TRL's `extract_prompt` cuts it. A `prompt` string beside two whole conversations, as in
+//!   HuggingFaceH4/ultrafeedback_binarized (where it repeats the first user message), is not read.
 //!
 //! Errors are messages without a location, naming the field: the loader prepends the file and
 //! line (or row).
@@ -142,7 +143,10 @@ fn list_field(record: &Json, key: &str) -> Result<Vec<Message>, String> {
             Ok(ms)
         }
         Side::Missing => Err(missing(record, key)),
-        Side::Text(_) => Err(format!("field `{key}` is a string, but this pair is conversational: give a list of messages")),
+        Side::Text(_) => Err(format!(
+            "field `{key}` is a string, but the conversational format takes lists of messages in `prompt`, `chosen` and \
+             `rejected` (a standard record has strings in all three)"
+        )),
         Side::Other(v) => Err(format!("field `{key}` is {}, not a list of messages", v.kind())),
     }
 }
@@ -175,9 +179,13 @@ fn form_of(record: &Json, format: PreferenceFormat) -> Result<PreferenceFormat, 
             ));
         }
     }
+    let lists = matches!((side(record, "chosen"), side(record, "rejected")), (Side::List(_), Side::List(_)));
     Ok(match side(record, "prompt") {
         Side::Missing => PreferenceFormat::ImplicitPrompt,
         Side::List(_) => PreferenceFormat::Conversational,
+        // HuggingFaceH4/ultrafeedback_binarized: whole conversations beside a `prompt` string
+        // that repeats their first user message.
+        Side::Text(_) if lists => PreferenceFormat::ImplicitPrompt,
         Side::Text(_) => PreferenceFormat::Standard,
         Side::Other(v) => return Err(format!("field `prompt` is {}, not a string or a list of messages", v.kind())),
     })
@@ -203,14 +211,15 @@ pub fn parse_pair(record: &Json, format: PreferenceFormat) -> Result<RawPair, St
             assistant_only(&rejected, "rejected")?;
             Ok(RawPair::Chat { prompt, chosen, rejected })
         }
-        PreferenceFormat::ImplicitPrompt | PreferenceFormat::Auto => {
-            if !matches!(side(record, "prompt"), Side::Missing) {
-                return Err("field `prompt` is present, but --data-format implicit-prompt takes whole conversations in \
-                            `chosen` and `rejected` and finds the prompt itself: use --data-format standard or conversational"
-                    .into());
-            }
-            implicit(record)
-        }
+        PreferenceFormat::ImplicitPrompt | PreferenceFormat::Auto => match side(record, "prompt") {
+            Side::List(_) => Err("field `prompt` is a list of messages, but --data-format implicit-prompt takes whole \
+                                  conversations in `chosen` and `rejected` and finds the prompt itself: use --data-format \
+                                  conversational"
+                .into()),
+            // A `prompt` string beside whole conversations (HuggingFaceH4/ultrafeedback_binarized)
+            // is not read: the prompt is the conversations' common start.
+            _ => implicit(record),
+        },
     }
 }
 
@@ -318,8 +327,16 @@ mod tests {
         assert!(e.contains("field `prompt` is a list of messages"), "{e}");
         let e = parse(r#"{"prompt": "p", "chosen": "a", "rejected": "b"}"#, PreferenceFormat::Conversational).unwrap_err();
         assert!(e.contains("field `prompt` is a string"), "{e}");
-        let e = parse(r#"{"prompt": "p", "chosen": "a", "rejected": "b"}"#, PreferenceFormat::ImplicitPrompt).unwrap_err();
-        assert!(e.contains("field `prompt` is present"), "{e}");
+        let e = parse(conv, PreferenceFormat::ImplicitPrompt).unwrap_err();
+        assert!(e.contains("field `prompt` is a list of messages") && e.contains("conversational"), "{e}");
+        // HuggingFaceH4/ultrafeedback_binarized: a prompt string beside whole conversations.
+        let h4 = r#"{"prompt": "u", "chosen": [{"role": "user", "content": "u"}, {"role": "assistant", "content": "a"}], "rejected": [{"role": "user", "content": "u"}, {"role": "assistant", "content": "b"}]}"#;
+        for f in [PreferenceFormat::Auto, PreferenceFormat::ImplicitPrompt] {
+            let RawPair::Chat { prompt, chosen, .. } = parse(h4, f).unwrap() else { panic!() };
+            assert_eq!((prompt.len(), chosen.len()), (1, 1));
+        }
+        let e = parse(h4, PreferenceFormat::Standard).unwrap_err();
+        assert!(e.contains("field `chosen` is a list of messages"), "{e}");
         let e = parse(r#"{"prompt": "p", "chosen": "a"}"#, PreferenceFormat::Auto).unwrap_err();
         assert!(e.contains("field `rejected` is missing") && e.contains("prompt, chosen"), "{e}");
         let e = parse(r#"{"prompt": "p", "chosen": "a"}"#, PreferenceFormat::Standard).unwrap_err();
