@@ -272,3 +272,23 @@ fn text_pairs_take_the_eos_of_the_config_and_no_template() {
     assert_eq!(pair.rejected.iter().filter(|&&i| i == eos).count(), 1, "no second EOS");
     assert_eq!(pair.prompt[0], tok.token_to_id("<|bos|>").unwrap(), "the tokenizer's BOS, as tokenizer(text) adds it");
 }
+
+#[test]
+fn the_bundled_preference_file_loads_whole() {
+    let root = repo_root();
+    let tok = Tokenizer::from_file(root.join("data/tokenizer.json")).unwrap();
+    let path = root.join("data/chat_template.jinja");
+    let template = ChatTemplate::new(&std::fs::read_to_string(&path).unwrap(), "data/chat_template.jinja", Vec::new()).unwrap();
+    let opts = PreferenceOptions { format: PreferenceFormat::Conversational, ..PreferenceOptions::new(&tok, Some(&template)) };
+    let (pairs, stats) = load(&root.join("data/prefs.jsonl"), &opts).unwrap();
+    assert_eq!((stats.records, stats.pairs, stats.skipped(), stats.prompt_not_prefix), (420, 420, 0, 0), "{}", stats.summary());
+    // The chosen reply is the conversation's own (data/chat.jsonl, same order), the rejected another's.
+    let chat = std::fs::read_to_string(root.join("data/chat.jsonl")).unwrap();
+    for (pair, line) in pairs.iter().zip(chat.lines()).take(50) {
+        let messages: Value = serde_json::from_str(line).unwrap();
+        let own = messages["messages"].as_array().unwrap().last().unwrap()["content"].as_str().unwrap().trim().to_string();
+        let decoded = tok.decode(&pair.chosen).unwrap();
+        assert!(decoded.contains(&own), "{decoded:?} lacks {own:?}");
+        assert_ne!(pair.chosen, pair.rejected);
+    }
+}
