@@ -192,6 +192,13 @@ fn bad_records_fail_naming_file_line_and_field() {
     assert_eq!((pairs.len(), stats.records, stats.bad_records), (1, 9, 8));
     assert!(stats.skip_messages.iter().any(|m| m.contains("line 2") && m.contains("`rejected`")), "{:?}", stats.skip_messages);
     assert!(stats.summary().contains("8 bad records"), "{}", stats.summary());
+    // Parquet rows are named by row; a text file is refused naming what preference data are.
+    let e = load(&common::chat_fixtures().join("records.parquet"), &opts).unwrap_err().to_string();
+    assert!(e.contains("records.parquet: row 0") && e.contains("field `chosen` is missing"), "{e}");
+    let dir = Scratch::new("pref-txt");
+    std::fs::write(dir.path().join("p.txt"), "prompt chosen rejected\n").unwrap();
+    let e = load(&dir.path().join("p.txt"), &opts).unwrap_err().to_string();
+    assert!(e.contains("p.txt") && e.contains("preference data are records"), "{e}");
     // --data-format forces a format.
     let forced = PreferenceOptions { format: PreferenceFormat::Standard, ..opts };
     let e = load_lines(std::slice::from_ref(&good), &forced).unwrap_err();

@@ -216,6 +216,11 @@ pub fn parse_pair(record: &Json, format: PreferenceFormat) -> Result<RawPair, St
                                   conversations in `chosen` and `rejected` and finds the prompt itself: use --data-format \
                                   conversational"
                 .into()),
+            Side::Text(_) if matches!(side(record, "chosen"), Side::Text(_)) => {
+                Err("field `prompt` is a string beside text completions: that is the standard format (--data-format \
+                     standard); an implicit-prompt record holds two whole texts or conversations in `chosen` and `rejected`"
+                    .into())
+            }
             // A `prompt` string beside whole conversations (HuggingFaceH4/ultrafeedback_binarized)
             // is not read: the prompt is the conversations' common start.
             _ => implicit(record),
@@ -335,6 +340,8 @@ mod tests {
             let RawPair::Chat { prompt, chosen, .. } = parse(h4, f).unwrap() else { panic!() };
             assert_eq!((prompt.len(), chosen.len()), (1, 1));
         }
+        let e = parse(r#"{"prompt": "p", "chosen": "a", "rejected": "b"}"#, PreferenceFormat::ImplicitPrompt).unwrap_err();
+        assert!(e.contains("that is the standard format"), "{e}");
         let e = parse(h4, PreferenceFormat::Standard).unwrap_err();
         assert!(e.contains("field `chosen` is a list of messages"), "{e}");
         let e = parse(r#"{"prompt": "p", "chosen": "a"}"#, PreferenceFormat::Auto).unwrap_err();
