@@ -133,6 +133,19 @@ def load_4bit(path: Path):
     return AutoModelForCausalLM.from_pretrained(path, quantization_config=cfg, device_map="cpu", dtype=torch.float32)
 
 
+def dequantize_flat(packed: torch.Tensor, state) -> torch.Tensor:
+    """dequantize_4bit over the flattened weight, reshaped: the blocks bitsandbytes quantized and
+    its CUDA kernel dequantizes. (On an AVX-512 CPU, bitsandbytes 0.50 indexes the absmax per row
+    when a row is a multiple of 16 but not of the block size: down_proj's (64, 96).)"""
+    import copy
+
+    import bitsandbytes.functional as F
+
+    flat = copy.copy(state)
+    flat.shape = torch.Size([state.shape.numel()])
+    return F.dequantize_4bit(packed, flat).reshape(state.shape).contiguous()
+
+
 def reference(model) -> dict[str, torch.Tensor]:
     import bitsandbytes as bnb
     import bitsandbytes.functional as F
@@ -143,8 +156,7 @@ def reference(model) -> dict[str, torch.Tensor]:
     out = {"input_ids": ref["input_ids"], "labels": ref["labels"]}
     for name, mod in model.named_modules():
         if isinstance(mod, bnb.nn.Linear4bit):
-            w = mod.weight
-            out[f"dequant.{name}.weight"] = F.dequantize_4bit(w.data, w.quant_state).contiguous()
+            out[f"dequant.{name}.weight"] = dequantize_flat(mod.weight.data, mod.weight.quant_state)
     # bitsandbytes 0.50's CPU forward of Linear4bit refuses in_features that are not a multiple
     # of the block size (down_proj's 96): the 4-bit model's logits are the f32 base with each
     # linear weight replaced by its dequantization, which is what Linear4bit computes.

@@ -2,6 +2,7 @@
 //! checkpoints, KV-cache generation, AdamW and learning-rate schedules. The same model file
 //! runs the Ladder Transformer (Ladder Residual) as a residual schedule over the Llama blocks;
 //! LoRA adapters on its linear layers, in PEFT's format.
+pub mod bnb4;
 pub mod buckets;
 pub mod config;
 pub mod generate;
