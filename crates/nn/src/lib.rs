@@ -11,6 +11,7 @@ pub mod llama;
 pub mod lora;
 pub mod module;
 pub mod optim;
+pub mod quant_linear;
 pub mod remat;
 mod rope;
 pub mod safetensors_io;
