@@ -222,18 +222,22 @@ fn multi_row_sum<A: Acc>(size: usize, zero: A, load: impl Fn(usize, usize) -> A)
     let power = (ceil_log2 / 4).max(4);
     let (step, mask) = (1usize << power, (1usize << power) - 1);
     let mut acc = [[zero; 4]; 4];
+    let add_row = |row: &mut [A; 4], i: usize| {
+        for (k, a) in row.iter_mut().enumerate() {
+            *a = a.add(load(i, k));
+        }
+    };
     let mut i = 0;
     while i + step <= size {
         for _ in 0..step {
-            for k in 0..4 {
-                acc[0][k] = acc[0][k].add(load(i, k));
-            }
+            add_row(&mut acc[0], i);
             i += 1;
         }
         for j in 1..4 {
-            for k in 0..4 {
-                acc[j][k] = acc[j][k].add(acc[j - 1][k]);
-                acc[j - 1][k] = zero;
+            let (lo, hi) = acc.split_at_mut(j);
+            for (a, b) in hi[0].iter_mut().zip(lo[j - 1].iter_mut()) {
+                *a = a.add(*b);
+                *b = zero;
             }
             if i & (mask << (j * power)) != 0 {
                 break;
@@ -241,14 +245,13 @@ fn multi_row_sum<A: Acc>(size: usize, zero: A, load: impl Fn(usize, usize) -> A)
         }
     }
     while i < size {
-        for k in 0..4 {
-            acc[0][k] = acc[0][k].add(load(i, k));
-        }
+        add_row(&mut acc[0], i);
         i += 1;
     }
     for j in 1..4 {
-        for k in 0..4 {
-            acc[0][k] = acc[0][k].add(acc[j][k]);
+        let (lo, hi) = acc.split_at_mut(j);
+        for (a, b) in lo[0].iter_mut().zip(hi[0].iter()) {
+            *a = a.add(*b);
         }
     }
     acc[0]
