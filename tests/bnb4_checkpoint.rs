@@ -121,3 +121,18 @@ fn quantization_configs_this_reader_does_not_load_are_refused_by_key() {
     assert_eq!(cfg(q).unwrap().unwrap().quant_type, QuantType::Fp4);
     assert!(bnb4_config(&serde_json::json!({}), p).unwrap().is_none());
 }
+
+/// From the f32 base transformers loaded 4-bit, quantizing on load gives exactly the tensors its
+/// saved checkpoint holds: codes, absmax codes, nested scales, offset, code books, shape, dtype.
+#[test]
+fn quantizing_the_base_on_load_gives_the_checkpoint_bitsandbytes_saved() {
+    use ferrolm_nn::bnb4::{is_base_linear, quantize_dir};
+    use ferrolm_ops::nf4::QuantSpec;
+    let ours = quantize_dir(&fixtures().join("llama_gqa_untied"), QuantSpec::QLORA, &is_base_linear).unwrap();
+    let bnb = read_bnb4_dir(&fixtures().join("nf4/tiny_llama_4bit")).unwrap().unwrap();
+    assert_eq!(ours.quantized.keys().collect::<Vec<_>>(), bnb.quantized.keys().collect::<Vec<_>>());
+    for (name, q) in &ours.quantized {
+        assert!(q == &bnb.quantized[name], "{name}: quantized on load differs from bitsandbytes' checkpoint");
+    }
+    assert_eq!(ours.other.keys().collect::<Vec<_>>(), bnb.other.keys().collect::<Vec<_>>());
+}

@@ -14,9 +14,12 @@
 //!
 //! The other tensors (embeddings, norms, the LM head) are stored as floats. `read_bnb4_dir`
 //! parses such a directory into `Quant4` weights (crates/ops/src/nf4) and the rest as stored;
-//! every error names the tensor (and file) that is wrong.
+//! every error names the tensor (and file) that is wrong. `quantize_dir` makes the same from a
+//! bf16 / f32 checkpoint, one tensor at a time (the host never holds the model in 16 bits): from
+//! the base bitsandbytes quantized, the same `Quant4` values its checkpoint stores.
+use crate::safetensors_io::stored_to_f32;
 use crate::safetensors_io::{model_weight_files, visit_stored};
-use ferrolm_ops::nf4::{Absmax, NestedAbsmax, OrigDtype, Quant4, QuantType};
+use ferrolm_ops::nf4::{Absmax, NestedAbsmax, OrigDtype, Quant4, QuantSpec, QuantType};
 use ferrolm_tensor::{Error, Result};
 use std::collections::BTreeMap;
 use std::path::Path;
@@ -188,4 +191,42 @@ pub fn read_bnb4_dir(dir: &Path) -> Result<Option<Bnb4Checkpoint>> {
     let owned = |k: &str| quantized.keys().any(|w: &String| k == w || k.strip_prefix(w.as_str()).is_some_and(|rest| rest.starts_with('.')));
     let other = parts.into_iter().filter(|(k, _)| !owned(k)).collect();
     Ok(Some(Bnb4Checkpoint { config, quantized, other }))
+}
+
+/// The linear weights transformers' bitsandbytes integration quantizes in a Llama-family
+/// checkpoint: every `model.layers.*_proj.weight` (attention and MLP projections). Embeddings,
+/// norms and the LM head stay in their dtype, as bitsandbytes and PEFT leave them by default.
+pub fn is_base_linear(name: &str, shape: &[usize]) -> bool {
+    shape.len() == 2 && name.starts_with("model.layers.") && name.ends_with("_proj.weight")
+}
+
+/// Quantizes the weights of a bf16 / f16 / f32 model directory that `select` picks (by name and
+/// shape; `is_base_linear` for a Llama-family base) as bitsandbytes' `quantize_4bit` would with
+/// `spec`, one tensor at a time from the memory-mapped files; the other tensors are returned as
+/// stored. Errors name the file and tensor.
+pub fn quantize_dir(dir: &Path, spec: QuantSpec, select: &dyn Fn(&str, &[usize]) -> bool) -> Result<Bnb4Checkpoint> {
+    let mut quantized = BTreeMap::new();
+    let mut other = BTreeMap::new();
+    for file in model_weight_files(dir)? {
+        visit_stored(&file, &mut |s| {
+            if !select(s.name, s.shape) {
+                let t = RawTensor { dtype: s.dtype.to_string(), shape: s.shape.to_vec(), data: s.data.to_vec() };
+                other.insert(s.name.to_string(), t);
+                return Ok(());
+            }
+            let at = format!("{}: tensor `{}`", file.display(), s.name);
+            let dtype = match s.dtype {
+                "F32" => OrigDtype::F32,
+                "BF16" => OrigDtype::BF16,
+                "F16" => OrigDtype::F16,
+                d => return Err(err(&at, format!("stored as {d}; only F32, BF16 and F16 weights quantize"))),
+            };
+            let values = stored_to_f32(s.dtype, s.data).map_err(|e| err(&at, e))?;
+            let q = Quant4::quantize(s.name, &values, s.shape, dtype, spec).map_err(|e| err(&at, e.msg))?;
+            quantized.insert(s.name.to_string(), q);
+            Ok(())
+        })?;
+    }
+    let config = Bnb4Config { quant_type: spec.quant_type, double_quant: spec.double_quant, compute_dtype: None };
+    Ok(Bnb4Checkpoint { config, quantized, other })
 }
