@@ -3,7 +3,8 @@
 //! `save_pretrained`; scripts/make_nf4_fixtures.py) read by crates/nn/src/bnb4.rs: every 4-bit
 //! weight dequantizes to exactly what bitsandbytes' `dequantize_4bit` gives, the other tensors
 //! come back as stored, and a corrupt quant_state, an absmax of the wrong length and an unknown
-//! quant type are refused with an error naming the tensor.
+//! quant type are refused with an error naming the tensor; the dequantized checkpoint in a Llama
+//! gives transformers' loss, and quantizing the f32 base on load gives the saved tensors.
 use ferrolm_nn::bnb4::{quant4_from_parts, read_bnb4_dir, RawTensor};
 use ferrolm_nn::safetensors_io::visit_stored;
 use ferrolm_ops::nf4::{Absmax, OrigDtype, QuantType};
@@ -135,4 +136,47 @@ fn quantizing_the_base_on_load_gives_the_checkpoint_bitsandbytes_saved() {
         assert!(q == &bnb.quantized[name], "{name}: quantized on load differs from bitsandbytes' checkpoint");
     }
     assert_eq!(ours.other.keys().collect::<Vec<_>>(), bnb.other.keys().collect::<Vec<_>>());
+}
+
+/// The 4-bit checkpoint as a model: its dequantized weights in a Llama give the logits and the
+/// loss that transformers computes with the same weights (rel 1e-5).
+#[test]
+fn the_4bit_checkpoint_as_a_model_gives_the_reference_loss() {
+    use ferrolm_nn::{shift_labels, Llama, LlamaConfig};
+    use ferrolm_tensor::{DType, Device, Tensor};
+    let dir = fixtures().join("nf4/tiny_llama_4bit");
+    let ck = read_bnb4_dir(&dir).unwrap().unwrap();
+    let cfg = LlamaConfig::from_file(dir.join("config.json")).unwrap();
+    let model = Llama::from_tensors(cfg, ck.dequantized(DType::F32, Device::Cpu).unwrap(), DType::F32, Device::Cpu, &dir).unwrap();
+    let r = ferrolm_nn::safetensors_io::load_safetensors(
+        &fixtures().join("nf4/tiny_llama_4bit_reference.safetensors"),
+        DType::F32,
+        Device::Cpu,
+    )
+    .unwrap();
+    let ids = &r["input_ids"];
+    let (b, t) = (ids.dim(0), ids.dim(1));
+    let rel = |a: &Tensor, e: &Tensor| {
+        let (a, e) = (a.to_vec_f32().unwrap(), e.to_vec_f32().unwrap());
+        let num = a.iter().zip(&e).map(|(x, y)| (x - y).abs()).fold(0.0f32, f32::max);
+        num / e.iter().fold(0.0f32, |m, v| m.max(v.abs()))
+    };
+    let logits = model.forward(ids).unwrap();
+    assert!(rel(&logits, &r["logits"]) < 1e-5, "logits rel err {}", rel(&logits, &r["logits"]));
+    let labels: Vec<i32> = r["labels"].to_vec().unwrap();
+    let targets = Tensor::from_vec(shift_labels(&labels, t), vec![b, t], Device::Cpu).unwrap();
+    let loss = model.loss(ids, &targets).unwrap();
+    assert!(rel(&loss, &r["loss"]) < 1e-5, "loss {:?} against transformers' {:?}", loss.to_vec_f32(), r["loss"].to_vec_f32());
+    // The 4-bit rounding shows: the base's own loss is another number.
+    let base = base_loss();
+    assert!((base - loss.to_vec_f32().unwrap()[0]).abs() > 1e-5, "the quantized model's loss equals the base's");
+}
+
+/// transformers' loss of the f32 base (tests/fixtures/llama_gqa_untied/reference.safetensors).
+fn base_loss() -> f32 {
+    use ferrolm_tensor::{DType, Device};
+    let r =
+        ferrolm_nn::safetensors_io::load_safetensors(&fixtures().join("llama_gqa_untied/reference.safetensors"), DType::F32, Device::Cpu)
+            .unwrap();
+    r["loss"].to_vec_f32().unwrap()[0]
 }

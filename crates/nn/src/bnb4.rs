@@ -18,9 +18,10 @@
 //! bf16 / f32 checkpoint, one tensor at a time (the host never holds the model in 16 bits): from
 //! the base bitsandbytes quantized, the same `Quant4` values its checkpoint stores.
 use crate::safetensors_io::stored_to_f32;
+use crate::safetensors_io::TensorMap;
 use crate::safetensors_io::{model_weight_files, visit_stored};
 use ferrolm_ops::nf4::{Absmax, NestedAbsmax, OrigDtype, Quant4, QuantSpec, QuantType};
-use ferrolm_tensor::{Error, Result};
+use ferrolm_tensor::{DType, Device, Error, Result, Tensor};
 use std::collections::BTreeMap;
 use std::path::Path;
 
@@ -229,4 +230,21 @@ pub fn quantize_dir(dir: &Path, spec: QuantSpec, select: &dyn Fn(&str, &[usize])
     }
     let config = Bnb4Config { quant_type: spec.quant_type, double_quant: spec.double_quant, compute_dtype: None };
     Ok(Bnb4Checkpoint { config, quantized, other })
+}
+
+impl Bnb4Checkpoint {
+    /// Every tensor as a `dtype` tensor on `device`: the 4-bit weights dequantized (their f32
+    /// products, rounded once to `dtype`), the others converted from their stored dtype. What a
+    /// frozen 4-bit base computes with, for a model built by `Llama::from_tensors`.
+    pub fn dequantized(&self, dtype: DType, device: Device) -> Result<TensorMap> {
+        let mut out = TensorMap::new();
+        for (name, q) in &self.quantized {
+            out.insert(name.clone(), Tensor::from_vec(q.dequantize_f32(), q.shape.clone(), device)?.to_dtype(dtype)?);
+        }
+        for (name, t) in &self.other {
+            let v = stored_to_f32(&t.dtype, &t.data).map_err(|e| err(format!("tensor `{name}`"), e))?;
+            out.insert(name.clone(), Tensor::from_vec(v, t.shape.clone(), device)?.to_dtype(dtype)?);
+        }
+        Ok(out)
+    }
 }
