@@ -7,7 +7,9 @@
 //! weight to the next: that block is the scratch). On the CPU the weight dequantizes from the
 //! host copy; on CUDA `nf4_dequant_*` does it in one launch.
 //!
-//! Not wired into the models yet (issue 53): a `Linear` of `module.rs` will hold this as its op.
+//! `QuantOp` is the layer as a `LinearOp` (module.rs), LoRA's adapted forward included, so a
+//! model's `Linear` can take it as its op. Not wired into the models yet (issue 53).
+use crate::module::LinearOp;
 use ferrolm_ops::nf4::{dequantize_cuda, DeviceQuant4, Quant4};
 use ferrolm_tensor::{bail, bf16, no_grad, DType, Device, Result, Tensor};
 use std::sync::Arc;
@@ -82,6 +84,27 @@ impl QuantLinear {
     }
 }
 
+/// A `QuantLinear` as the op of a model's `Linear`: the `weight` argument is not read (the layer
+/// may hold a placeholder), the 4-bit weight is dequantized per pass. Under LoRA the adapted
+/// forward is (res +) x Wᵀ + u (s B)ᵀ, the sums in `linear_adapted`'s order: the base product
+/// through `QuantLinear::forward` (W never saved for the backward), the adapter's through
+/// ordinary GEMMs, so A and B get their gradients as over a dense frozen weight.
+pub struct QuantOp(pub QuantLinear);
+
+impl LinearOp for QuantOp {
+    fn forward(&self, x: &Tensor, _weight: &Tensor) -> Result<Tensor> {
+        self.0.forward(x)
+    }
+    fn forward_adapted(&self, x: &Tensor, _weight: &Tensor, u: &Tensor, b: &Tensor, scale: f64, res: Option<&Tensor>) -> Result<Tensor> {
+        let base = self.0.forward(x)?;
+        let base = match res {
+            Some(r) => r.add(&base)?,
+            None => base,
+        };
+        base.add(&u.linear(&b.mul_scalar(scale)?)?)
+    }
+}
+
 impl Inner {
     fn weight(&self, dtype: DType) -> Result<Tensor> {
         let q = &self.host;
@@ -147,6 +170,47 @@ mod tests {
         assert_eq!(y.dtype(), DType::BF16);
         let w = Tensor::from_vec::<bf16>(ql.quant().dequantize_bf16(), [32, 64], Device::Cpu).unwrap();
         assert_eq!(y.to_vec_f32().unwrap(), x.linear(&w).unwrap().to_vec_f32().unwrap());
+    }
+
+    /// LoRA over the 4-bit base: the loss and the gradients of A, B, x and the residual equal
+    /// `linear_adapted` over the dequantized f32 weight; the placeholder weight is not read.
+    #[test]
+    fn lora_over_the_4bit_op_equals_lora_over_the_dequantized_weight() {
+        use crate::module::linear_adapted;
+        let (out, cin, rank, s) = (48usize, 64usize, 4usize, 0.5f64);
+        let mut r = Rng::new(11);
+        let ql = layer(out, cin, &mut r);
+        let w = ql.weight(DType::F32).unwrap();
+        let leaf = |shape: &[usize], r: &mut Rng| {
+            let t = Tensor::randn(shape.to_vec(), 0.3, DType::F32, Device::Cpu, r).unwrap();
+            t.set_requires_grad(true).unwrap();
+            t
+        };
+        let (x0, a0, b0, res0) =
+            (leaf(&[2, 3, cin], &mut r), leaf(&[rank, cin], &mut r), leaf(&[out, rank], &mut r), leaf(&[2, 3, out], &mut r));
+        let c = Tensor::randn([2, 3, out], 1.0, DType::F32, Device::Cpu, &mut r).unwrap();
+        let run = |quant: bool| {
+            let (x, a, b, res) = (x0.detach(), a0.detach(), b0.detach(), res0.detach());
+            for t in [&x, &a, &b, &res] {
+                t.set_requires_grad(true).unwrap();
+            }
+            let u = x.linear(&a).unwrap();
+            let y = if quant {
+                let placeholder = Tensor::zeros([out, cin], DType::F32, Device::Cpu).unwrap();
+                QuantOp(ql.clone()).forward_adapted(&x, &placeholder, &u, &b, s, Some(&res)).unwrap()
+            } else {
+                linear_adapted(&x, &w, &u, &b, s, Some(&res)).unwrap()
+            };
+            let loss = y.mul(&c).unwrap().sum_all().unwrap();
+            loss.backward().unwrap();
+            let g = |t: &Tensor| t.grad().unwrap().to_vec_f32().unwrap();
+            (loss.to_vec_f32().unwrap(), [g(&x), g(&a), g(&b), g(&res)])
+        };
+        let ((lq, gq), (ld, gd)) = (run(true), run(false));
+        assert!(max_rel(&lq, &ld) < 1e-6, "loss {lq:?} against {ld:?}");
+        for (name, (q, d)) in ["x", "A", "B", "res"].iter().zip(gq.iter().zip(&gd)) {
+            assert!(max_rel(q, d) < 1e-4, "d{name}: rel {}", max_rel(q, d));
+        }
     }
 
     #[test]
