@@ -180,3 +180,21 @@ fn base_loss() -> f32 {
             .unwrap();
     r["loss"].to_vec_f32().unwrap()[0]
 }
+
+/// Sizes from a quant_state that would divide by zero or overflow are errors, not panics.
+#[test]
+fn a_zero_blocksize_or_an_overflowing_shape_is_an_error() {
+    for (from, to, want) in [
+        ("\"blocksize\": 64", "\"blocksize\": 0", "blocksize 0 is not one of"),
+        ("\"nested_blocksize\": 256", "\"nested_blocksize\": 0", "nested_blocksize is 0"),
+        ("\"shape\": [64, 96]", "\"shape\": [4294967296, 4294967296]", "more elements than memory can hold"),
+    ] {
+        let e = read_edited(|p| {
+            let qs = p.get_mut(&format!("{W}.quant_state.bitsandbytes__nf4")).unwrap();
+            let text = String::from_utf8(qs.data.clone()).unwrap();
+            assert!(text.contains(from), "{text}");
+            qs.data = text.replace(from, to).into_bytes();
+        });
+        assert!(e.contains(want) && e.contains(W), "{e}");
+    }
+}

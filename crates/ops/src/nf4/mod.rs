@@ -317,6 +317,9 @@ impl Quant4 {
         if !BLOCKSIZES.contains(&spec.blocksize) {
             bail!("nf4", "{name}: blocksize {} is not one of {BLOCKSIZES:?}", spec.blocksize);
         }
+        if n == 0 {
+            bail!("nf4", "{name}: an empty weight (shape {shape:?}) has no blocks to quantize");
+        }
         if let Some(i) = values.iter().position(|v| !v.is_finite()) {
             bail!("nf4", "{name}: element {i} is {}: only finite weights quantize", values[i]);
         }
@@ -378,10 +381,13 @@ impl Quant4 {
     /// Checks that every part has the length the shape implies; errors name the tensor
     /// (`<name>.absmax`, `<name>.nested_absmax`, ...) as a bitsandbytes checkpoint stores it.
     pub fn check(&self, name: &str) -> Result<()> {
-        let (n, blocks) = (self.numel(), self.blocks());
         if !BLOCKSIZES.contains(&self.blocksize) {
             bail!("nf4", "{name}: blocksize {} is not one of {BLOCKSIZES:?}", self.blocksize);
         }
+        if self.shape.iter().try_fold(1usize, |p, &d| p.checked_mul(d)).is_none() {
+            bail!("nf4", "{name}: shape {:?} has more elements than memory can hold", self.shape);
+        }
+        let (n, blocks) = (self.numel(), self.blocks());
         if self.packed.len() != n.div_ceil(2) {
             bail!("nf4", "{name}: {} packed bytes for shape {:?} ({n} values need {})", self.packed.len(), self.shape, n.div_ceil(2));
         }
