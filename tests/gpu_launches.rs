@@ -262,6 +262,38 @@ fn launches_over_a_million_elements_fill_the_device() {
     assert!(rep.kernels.iter().any(|k| k.name.starts_with("reduce_")), "no reduction kernel ran");
 }
 
+/// The 4-bit dequantization (kernels/nf4.cu, issue 53) of a 2048 x 1024 NF4 weight with double
+/// quantization: one launch a call, to f32 and to bf16, each on at least as many blocks as SMs.
+#[test]
+fn nf4_dequantize_is_one_launch_on_a_full_grid() {
+    use ferrolm::ops::nf4::{dequantize_cuda, DeviceQuant4, OrigDtype, Quant4, QuantSpec};
+    let Some(device) = common::cuda0_device() else { return };
+    let _g = PROFILE.lock().unwrap_or_else(|e| e.into_inner());
+    let (rows, cols) = (2048usize, 1024usize);
+    let mut r = Rng::new(53);
+    let w = Tensor::randn([rows, cols], 0.02, DType::F32, Device::Cpu, &mut r).unwrap().to_vec_f32().unwrap();
+    let q = Quant4::quantize("w", &w, &[rows, cols], OrigDtype::F32, QuantSpec::QLORA).unwrap();
+    let dq = DeviceQuant4::upload(&q, "w", device).unwrap();
+    profile::enable(true);
+    profile::reset();
+    for dt in [DType::F32, DType::BF16] {
+        dequantize_cuda(&dq, dt).unwrap().to_device(Device::Cpu).unwrap();
+    }
+    let rep = profile::report();
+    profile::enable(false);
+    println!("{}", rep.table());
+    let kernels: Vec<_> = rep.kernels.iter().filter(|k| !k.name.starts_with("memcpy")).collect();
+    let mut names: Vec<&str> = kernels.iter().map(|k| k.name.as_str()).collect();
+    names.sort();
+    assert_eq!(names, ["nf4_dequant_bf16", "nf4_dequant_f32"], "a dequantization launches one kernel and nothing else");
+    for k in kernels {
+        assert_eq!(k.launches, 1, "{}", k.name);
+        let blocks = k.max_grid.0 as u64 * k.max_grid.1 as u64 * k.max_grid.2 as u64;
+        assert!(blocks >= rep.sm_count as u64, "{} ran on {:?} blocks for 2^21 elements", k.name, k.max_grid);
+    }
+    assert!(rep.small_grids.is_empty(), "{:?}", rep.small_grids);
+}
+
 /// The step's other launches over 2^21 elements, each case profiled alone and its own kernels
 /// checked by their grids (not by what the launchers declare): AdamW on one flat range (bf16
 /// parameters with f32 master weights and bf16 gradients, as the trainer's, and f32 throughout),

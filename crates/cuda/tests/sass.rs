@@ -2,7 +2,7 @@
 //! must show 16-byte global loads (LDG.E.128) in the dense element-wise, cast and broadcast
 //! kernels and in the fused ops' element-wise and row kernels (SwiGLU, GeGLU, softcapping, the
 //! bias and its gradient's first pass, RoPE, RMSNorm, the
-//! cross-entropy's and the fused head's rows), and no local-memory traffic (LDL / STL: a spilled
+//! cross-entropy's and the fused head's rows, the 4-bit dequantization), and no local-memory traffic (LDL / STL: a spilled
 //! or stack-copied value, e.g. a `Strided` parameter indexed at run time) in the element-wise,
 //! cast, copy, fill, transpose, reduce and fused-op kernels.
 //!
@@ -17,8 +17,8 @@ use std::path::{Path, PathBuf};
 use std::process::Command;
 
 /// Kernels of the element-wise, cast, copy, fill, transpose, reduction, gradient-norm, AdamW,
-/// embedding and fused-op families (`vector_loads_and_no_local_memory`'s prefixes) in the fatbin.
-const LOCAL_MEMORY_CHECKED: usize = 86;
+/// embedding, fused-op and 4-bit dequantize families (`vector_loads_and_no_local_memory`'s prefixes) in the fatbin.
+const LOCAL_MEMORY_CHECKED: usize = 88;
 
 fn skip(why: &str) {
     if std::env::var("FERROLM_REQUIRE_SASS").is_ok_and(|v| v == "1") {
@@ -159,6 +159,7 @@ fn vector_loads_and_no_local_memory() {
         "ce_bwd",
         "ce_fused",
         "hl_grad",
+        "nf4_dequant",
     ];
     // Row kernels that only read their rows (16-byte loads, no vector stores).
     let read_only = ["ce_fwd", "hl_row_stats"];
@@ -198,6 +199,7 @@ fn vector_loads_and_no_local_memory() {
         "rmsnorm_",
         "ce_",
         "hl_",
+        "nf4_",
     ];
     let mut checked = Vec::new();
     for (name, body) in &funcs {

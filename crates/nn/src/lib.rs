@@ -2,6 +2,7 @@
 //! checkpoints, KV-cache generation, AdamW and learning-rate schedules. The same model file
 //! runs the Ladder Transformer (Ladder Residual) as a residual schedule over the Llama blocks;
 //! LoRA adapters on its linear layers, in PEFT's format.
+pub mod bnb4;
 pub mod buckets;
 pub mod config;
 pub mod generate;
@@ -10,6 +11,7 @@ pub mod llama;
 pub mod lora;
 pub mod module;
 pub mod optim;
+pub mod quant_linear;
 pub mod remat;
 mod rope;
 pub mod safetensors_io;

@@ -19,6 +19,7 @@
 //! | `embedding` | `embedding` | kernels/embedding.cu |
 //! | `head_loss` (LM head + cross-entropy, chunked) | `head_loss` | kernels/head_loss.cu, kernels/cross_entropy.cu |
 //! | `softmax_last` | `softmax` | kernels/softmax.cu |
+//! | `Quant4` (NF4/FP4 + double quantization, bitsandbytes' format), `dequantize_cuda` | `nf4` | kernels/nf4.cu |
 //!
 //! `Tokens` carries a batch's ids with their host copy, so the embedding and the cross-entropy
 //! check them on the host instead of reading the device back.
@@ -32,6 +33,7 @@ mod dispatch;
 pub mod embedding;
 pub mod head_loss;
 pub mod heads;
+pub mod nf4;
 pub mod rmsnorm;
 pub mod rope;
 pub mod segments;
