@@ -14,8 +14,10 @@ pub mod remat;
 mod rope;
 pub mod safetensors_io;
 pub mod schedule;
+pub mod spec;
 
 pub use config::{Family, LadderLayers, LlamaConfig, RopeScaling, SlidingWindow, SUPPORTED_MODEL_TYPES};
 pub use generate::{generate, generate_until, generate_within, KvCache, Sampling};
 pub use llama::{shift_labels, Llama, Packing};
 pub use lora::{LoraConfig, Proj};
+pub use spec::{ParamSpec, TpRole};
