@@ -12,12 +12,12 @@
 //! plan that shards them needs no special case here. Parallelism and activation checkpointing
 //! attach from outside (`module.rs`); this file never sees them.
 use crate::config::{LadderLayers, LlamaConfig};
-use crate::generate::KvCache;
+use crate::kv_cache::KvCache;
 use crate::lora::LoraState;
 use crate::module::{project, BranchFn, BranchHook, Embedding, HeadLoss, HeadOp, Linear, ParamInfo, ParamKind, ParamVisitor};
-use crate::spec::ParamSpec;
 use crate::rope::Rope;
 use crate::safetensors_io::{self, TensorMap};
+use crate::spec::ParamSpec;
 use ferrolm_ops::{
     causal_attention, causal_attention_window, geglu, rms_norm_offset, rope, rope_at, segment_attention, segment_attention_window,
     softmax_last, swiglu, LossChunks, LossScale, Segments, Tokens,

@@ -104,6 +104,11 @@ impl ParamSpec {
         self.name.rsplit_once('.').map_or(&self.name, |(m, _)| m)
     }
 
+    /// Elements of the whole tensor (None: past u64).
+    pub fn numel(&self) -> Option<u64> {
+        self.shape.iter().try_fold(1u64, |n, &d| n.checked_mul(d as u64))
+    }
+
     /// Number of distinct pieces `tp` ranks hold (1: replicated).
     pub fn parts(&self, tp: usize) -> usize {
         parts(self.role, self.units, tp)
@@ -162,7 +167,9 @@ pub fn layer_specs(l: usize, d: &Dims, f: &BlockFeatures) -> Vec<ParamSpec> {
     use ParamKind::{Bias, Matrix, Norm};
     use TpRole::{Column, Replicated, Row};
     let (h, i) = (d.hidden, d.intermediate);
-    let (q, kv) = (d.heads * d.head_dim, d.kv_heads * d.head_dim);
+    // Saturating: a hostile config's sizes give a count past any limit (`num_parameters`), not
+    // a wrapped one.
+    let (q, kv) = (d.heads.saturating_mul(d.head_dim), d.kv_heads.saturating_mul(d.head_dim));
     let name = |m: &str, p: &str| format!("model.layers.{l}.{m}.{p}");
     let mut out = Vec::new();
     // (module, PEFT target, out, in, role, units, bias)
@@ -251,6 +258,15 @@ impl LlamaConfig {
             qk_norm: self.qk_norm(),
             sandwich_norms: self.sandwich_norms(),
         }
+    }
+
+    /// Parameters of the model (embedding, every block, final norm and the head unless tied),
+    /// summed over its specs in checked arithmetic: `None` when the count overflows u64.
+    pub fn num_parameters(&self) -> Option<u64> {
+        let (d, f) = (self.dims(), self.block_features());
+        let sum = |specs: &[ParamSpec]| specs.iter().try_fold(0u64, |n, s| n.checked_add(s.numel()?));
+        let layers = sum(&layer_specs(0, &d, &f))?.checked_mul(d.layers as u64)?;
+        sum(&[embedding_spec(&d)])?.checked_add(layers)?.checked_add(sum(&head_specs(&d))?)
     }
 
     /// Every parameter of the model this config describes, in transformers' order.
@@ -351,7 +367,8 @@ mod tests {
 
     #[test]
     fn gemma3_has_four_norms_a_block() {
-        let c = cfg(r#""model_type":"gemma3_text","head_dim":16,"sliding_window":512,"layer_types":["sliding_attention","full_attention"]"#);
+        let c =
+            cfg(r#""model_type":"gemma3_text","head_dim":16,"sliding_window":512,"layer_types":["sliding_attention","full_attention"]"#);
         let s = c.layer_specs(0);
         let norms: Vec<_> = s.iter().filter(|p| p.kind == ParamKind::Norm && p.shape == [32]).map(|p| p.module()).collect();
         assert_eq!(

@@ -1,7 +1,9 @@
 //! Megatron-style tensor parallelism, attached to a model from outside.
 //!
 //! `parallelize(&mut model, &tp_group)` replaces each parameter by this rank's shard and
-//! each op by its parallel form; the model file is untouched:
+//! each op by its parallel form; the model file is untouched. Where each parameter goes is its
+//! spec's role (`ferrolm_nn::spec::TpRole`, with the pieces its split dimension holds), never its
+//! name; for the layers of a Llama block that is:
 //! - q/k/v/gate/up: column-parallel (output features split). The forward is a plain GEMM on
 //!   the replicated input, behind one Megatron `f` per input shared by the projections that
 //!   read it, so q, k and v (and gate and up) sum their input gradients locally and all-reduce

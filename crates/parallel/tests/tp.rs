@@ -25,12 +25,13 @@ fn config(extra: &str) -> LlamaConfig {
 }
 
 /// The configurations covered: plain GQA (2 kv heads: fewer than 4 ranks), Ladder on every
-/// layer with tied embeddings, mixed Ladder with a single kv head; the families' features:
-/// Qwen2's q/k/v bias with one kv head (a column-parallel bias replicated over ranks, its
-/// gradient summed as the weight's), Qwen3's QK-norm (replicated) with head_dim 16 != 32/4 and
-/// every attention bias (o's, row-parallel: added once after the reduction), Llama's
-/// `attention_bias` and `mlp_bias`; Gemma 3's (1 + w) sandwich norms (replicated, full hidden),
-/// GeGLU, QK-norm, embedding scale, query_pre_attn_scalar and a second RoPE theta.
+/// layer with tied embeddings, mixed Ladder with a single kv head; the block features the
+/// families' configs turn on: `qwen2`'s q/k/v bias with one kv head (a column-parallel bias
+/// replicated over ranks, its gradient summed as the weight's), `qwen3`'s QK-norm (replicated)
+/// with head_dim 16 != 32/4 and every attention bias (o's, row-parallel: added once after the
+/// reduction), `llama`'s `attention_bias` and `mlp_bias`; `gemma3_text`'s (1 + w) sandwich
+/// norms (replicated, full hidden), GeGLU, QK-norm, embedding scale, query_pre_attn_scalar and a
+/// second RoPE theta.
 fn cases() -> Vec<(&'static str, LlamaConfig)> {
     vec![
         ("llama-gqa", config(r#","num_key_value_heads":2"#)),
