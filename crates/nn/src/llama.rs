@@ -438,9 +438,16 @@ impl Llama {
     }
 
     fn logits_of(&self, ids: Tokens, packing: Option<&Packing>) -> Result<Tensor> {
-        let pos = self.positions(ids.tensor(), packing)?;
-        let x = self.final_norm(&self.hidden(&ids, &pos, None)?)?;
+        let x = self.hidden_states(ids, packing)?;
         self.head_op.logits(&x, self.head_weight())
+    }
+
+    /// The final normed hidden states (B, T, C) of ids (B, T), packed rows with a packing: what
+    /// the head reads (`CausalLm::hidden_states`).
+    pub fn hidden_states(&self, ids: impl Into<Tokens>, packing: Option<&Packing>) -> Result<Tensor> {
+        let ids = ids.into();
+        let pos = self.positions(ids.tensor(), packing)?;
+        self.final_norm(&self.hidden(&ids, &pos, None)?)
     }
 
     /// Mean cross-entropy (f32 scalar) of `forward(inputs)` against `targets` (B, T) i32, aligned
