@@ -26,6 +26,10 @@ pub trait CausalLm {
     fn hidden_states(&self, ids: Tokens, packing: Option<&Packing>) -> Result<Tensor>;
     /// Logits (B, T, V) of i32 ids (B, T).
     fn logits(&self, ids: Tokens) -> Result<Tensor>;
+    /// The mean loss of `inputs` against aligned `targets` (-100 ignored).
+    fn loss(&self, inputs: Tokens, targets: Tokens) -> Result<Tensor> {
+        self.loss_with(inputs, targets, None, LossScale::Mean)
+    }
     /// The loss of `inputs` against aligned `targets` (-100 ignored), of packed rows with a
     /// packing, scaled as `scale` says.
     fn loss_with(&self, inputs: Tokens, targets: Tokens, packing: Option<&Packing>, scale: LossScale) -> Result<Tensor>;
