@@ -3,9 +3,10 @@
 //! windows per forward pass; on conversations, the mean over their trained tokens, each
 //! conversation scored alone.
 use crate::data::chat::{PackedData, IGNORE_INDEX};
+use crate::nn::CausalLm;
 use crate::ops::Tokens;
 use crate::progress::Progress;
-use crate::{AnyResult, Device, Llama};
+use crate::{AnyResult, Device};
 use anyhow::bail;
 
 /// A model's score on a token stream.
@@ -49,7 +50,7 @@ pub fn windows(n: usize, seq_len: usize) -> usize {
 
 /// The mean loss of `model` on `device` over every full window of `ids`, `batch_size` windows
 /// per forward pass, with a progress bar. Refuses ids that fill no window.
-pub fn mean_loss(model: &Llama, ids: &[u32], seq_len: usize, batch_size: usize, device: Device) -> AnyResult<Score> {
+pub fn mean_loss(model: &dyn CausalLm, ids: &[u32], seq_len: usize, batch_size: usize, device: Device) -> AnyResult<Score> {
     let (t, bs) = (seq_len, batch_size.max(1));
     let windows = windows(ids.len(), t);
     if windows == 0 {
@@ -68,7 +69,7 @@ pub fn mean_loss(model: &Llama, ids: &[u32], seq_len: usize, batch_size: usize, 
         }
         let xt = Tokens::upload(x, [b, t], device)?;
         let yt = Tokens::upload(y, [b, t], device)?;
-        sum += model.loss(&xt, &yt)?.item()? * (b * t) as f64;
+        sum += model.loss(xt, yt)?.item()? * (b * t) as f64;
         n += b * t;
         bar.inc((b * t) as u64);
     }
@@ -82,7 +83,13 @@ pub fn mean_loss(model: &Llama, ids: &[u32], seq_len: usize, batch_size: usize, 
 /// is 0) are sorted by length and run `batch_size` a forward pass, cut to the longest
 /// conversation of the batch. Padding follows a conversation, so causal attention never lets
 /// the conversation read it, and its targets are ignored. The sum over tokens is in f64.
-pub fn conversations_loss(model: &Llama, data: &PackedData, batch_size: usize, max_batches: usize, device: Device) -> AnyResult<Score> {
+pub fn conversations_loss(
+    model: &dyn CausalLm,
+    data: &PackedData,
+    batch_size: usize,
+    max_batches: usize,
+    device: Device,
+) -> AnyResult<Score> {
     let bs = batch_size.max(1);
     let rows = data.num_rows();
     let take = if max_batches > 0 { rows.min(max_batches.saturating_mul(bs)) } else { rows };
@@ -107,7 +114,7 @@ pub fn conversations_loss(model: &Llama, data: &PackedData, batch_size: usize, m
         }
         let xt = Tokens::upload(x, [batch.len(), t], device)?;
         let yt = Tokens::upload(y, [batch.len(), t], device)?;
-        sum += model.loss(&xt, &yt)?.item()? * count as f64;
+        sum += model.loss(xt, yt)?.item()? * count as f64;
         n += count;
     }
     drop(bar);
@@ -123,6 +130,7 @@ mod tests {
     use crate::nn::LlamaConfig;
     use crate::tensor::Rng;
     use crate::DType;
+    use crate::Llama;
 
     #[test]
     fn the_score_covers_every_full_window_whatever_the_batch() {

@@ -375,7 +375,7 @@ impl Trainer {
         AdamWConfig { weight_decay: opts.weight_decay, ..AdamWConfig::default() }
     }
 
-    fn check(model: &Llama, val: &Validation, opts: &TrainOptions) -> AnyResult<()> {
+    fn check(model: &dyn crate::nn::CausalLm, val: &Validation, opts: &TrainOptions) -> AnyResult<()> {
         opts.validate()?;
         let maxpos = model.config().max_position_embeddings;
         if opts.seq_len > maxpos {

@@ -297,13 +297,19 @@ impl LoraMem {
     }
 }
 
-/// (in, out) of each projection on one of `tp` ranks, `Proj` order: a column-parallel layer's
-/// output and a row-parallel layer's input split (a key/value head shared by ranks held whole).
+/// (in, out) of each projection on one of `tp` ranks, `Proj` order: from the spec, a
+/// column-parallel layer's output and a row-parallel layer's input split (a key/value head
+/// shared by ranks held whole).
 fn local_projections(m: &ModelShape, tp: usize) -> [(f64, f64); 7] {
-    let (h, i, tp) = (m.hidden as f64, m.intermediate as f64, tp.max(1) as f64);
-    let q = (m.heads * m.head_dim) as f64;
-    let kv = if m.kv_heads as f64 >= tp { (m.kv_heads * m.head_dim) as f64 / tp } else { m.head_dim as f64 };
-    [(h, q / tp), (h, kv), (h, kv), (q / tp, h), (h, i / tp), (h, i / tp), (i / tp, h)]
+    let specs = crate::nn::spec::layer_specs(0, &m.dims(), &m.extras);
+    crate::nn::Proj::ALL.map(|p| {
+        let Some(s) = specs.iter().find(|s| p.is(s.lora_target)) else { return (0.0, 0.0) };
+        let (out, inp, n) = (s.shape[0] as f64, s.shape[1] as f64, s.parts(tp) as f64);
+        match s.role {
+            crate::nn::TpRole::Row => (inp / n, out),
+            _ => (inp, out / n),
+        }
+    })
 }
 
 /// Adapter elements of one adapted block on one of `tp` ranks: A (R, in) and B (out, R) of each

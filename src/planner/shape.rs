@@ -1,6 +1,12 @@
 //! The model as the planner sees it: the shapes that set parameter count, memory and FLOPs, the
 //! presets of the planning tools, and the per-bucket parameter counts the engine shards.
+use ferrolm_nn::spec::{self, Dims, ParamSpec};
 use ferrolm_tensor::{Error, Result};
+
+/// Elements one of `tp` ranks holds of `specs`.
+fn local(specs: &[ParamSpec], tp: usize) -> u64 {
+    specs.iter().map(|s| s.local_numel(tp)).sum()
+}
 
 /// The shapes that set parameter count, memory and FLOPs.
 #[derive(Clone, Debug, PartialEq)]
@@ -18,33 +24,9 @@ pub struct ModelShape {
     pub extras: BlockExtras,
 }
 
-/// A block's parameters beyond Llama's, from the config's features (not its family): each
-/// counted where tensor parallelism puts it.
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
-pub struct BlockExtras {
-    /// A bias on q, k and v (split with their rows).
-    pub qkv_bias: bool,
-    /// A bias on o (replicated: added after the reduction).
-    pub o_bias: bool,
-    /// A bias on gate and up (split) and down (replicated).
-    pub mlp_bias: bool,
-    /// RMSNorm weights [head_dim] on q and k (replicated).
-    pub qk_norm: bool,
-    /// Two more full-hidden norms a block, the sandwich's post-branch norms (replicated).
-    pub sandwich_norms: bool,
-}
-
-impl BlockExtras {
-    pub fn of(c: &ferrolm_nn::LlamaConfig) -> BlockExtras {
-        BlockExtras {
-            qkv_bias: c.qkv_bias(),
-            o_bias: c.o_bias(),
-            mlp_bias: c.mlp_bias,
-            qk_norm: c.qk_norm(),
-            sandwich_norms: c.sandwich_norms(),
-        }
-    }
-}
+/// A block's parameters beyond Llama's, from the config's features (not its family): the
+/// model's own spec (`ferrolm_nn::spec`) says where tensor parallelism puts each.
+pub type BlockExtras = ferrolm_nn::spec::BlockFeatures;
 
 impl ModelShape {
     /// LLaMA shapes: `7b`, `13b`, `30b` (LLaMA-1's 32.5B) and `70b` (Llama 2, GQA); and the
@@ -91,42 +73,47 @@ impl ModelShape {
             head_dim: c.head_dim,
             vocab: c.vocab_size,
             tied: c.tie_word_embeddings,
-            extras: BlockExtras::of(c),
+            extras: c.block_features(),
+        }
+    }
+
+    /// The sizes the parameter spec reads.
+    pub fn dims(&self) -> Dims {
+        Dims {
+            vocab: self.vocab,
+            hidden: self.hidden,
+            intermediate: self.intermediate,
+            layers: self.layers,
+            heads: self.heads,
+            kv_heads: self.kv_heads,
+            head_dim: self.head_dim,
+            tied: self.tied,
         }
     }
 
     /// Parameters of one transformer layer held by one of `tp` tensor-parallel ranks (a key/
-    /// value head shared by several ranks is held by each).
+    /// value head shared by several ranks is held by each), from the spec's roles.
     pub fn layer_params(&self, tp: usize) -> u64 {
-        let (h, i, d) = (self.hidden as u64, self.intermediate as u64, self.head_dim as u64);
-        let tp = tp as u64;
-        let q = self.heads as u64 * d * h / tp; // q_proj, and o_proj alike
-        let kv = if self.kv_heads as u64 >= tp { self.kv_heads as u64 * d * h / tp } else { d * h }; // k_proj, v_proj each
-        let x = &self.extras;
-        let flag = |on: bool, n: u64| if on { n } else { 0 };
-        let extras = flag(x.qkv_bias, (q + 2 * kv) / h)
-            + flag(x.o_bias, h)
-            + flag(x.mlp_bias, 2 * i / tp + h)
-            + flag(x.qk_norm, 2 * d)
-            + flag(x.sandwich_norms, 2 * h);
-        2 * q + 2 * kv + 3 * h * i / tp + 2 * h + extras
+        local(&spec::layer_specs(0, &self.dims(), &self.extras), tp)
     }
 
     /// Parameters held by one of `tp` ranks, per bucket (embedding, each layer, head).
     pub fn bucket_params(&self, tp: usize) -> Vec<u64> {
-        let (h, v) = (self.hidden as u64, self.vocab as u64);
-        let mut out = vec![v * h / tp as u64];
+        let d = self.dims();
+        let mut out = vec![local(&[spec::embedding_spec(&d)], tp)];
         out.extend(std::iter::repeat_n(self.layer_params(tp), self.layers));
-        out.push(h + if self.tied { 0 } else { v * h / tp as u64 });
+        out.push(local(&spec::head_specs(&d), tp));
         out
     }
 
     /// Elements of the largest single parameter one of `tp` ranks holds (the embedding or the
     /// head in most shapes, an MLP projection where the intermediate size beats the vocabulary).
     pub fn largest_param(&self, tp: usize) -> u64 {
-        let (h, tp) = (self.hidden as u64, tp.max(1) as u64);
-        let q = self.heads as u64 * self.head_dim as u64 * h;
-        [self.vocab as u64 * h, self.intermediate as u64 * h, q].into_iter().max().unwrap_or(0) / tp
+        let d = self.dims();
+        let mut specs = spec::layer_specs(0, &d, &self.extras);
+        specs.push(spec::embedding_spec(&d));
+        specs.extend(spec::head_specs(&d));
+        specs.iter().map(|s| s.local_numel(tp.max(1))).max().unwrap_or(0)
     }
 
     /// Parameters of the whole model.

@@ -2,8 +2,8 @@
 //! layer bucket, and the model holds views into them. ZeRO then becomes "which range of each
 //! buffer does this rank own" and optimizer offload "where do its master weights and moments
 //! live"; neither needs to know the model's structure.
+use crate::causal_lm::CausalLm;
 use crate::module::ParamKind;
-use crate::Llama;
 use ferrolm_tensor::{no_grad, DType, Device, Error, Result, Tensor};
 
 /// One parameter's place in its bucket.
@@ -51,26 +51,16 @@ pub struct ParamBuckets {
     pub device: Device,
 }
 
-/// The bucket a parameter belongs to: its transformer layer, the embedding, or the head.
-pub fn bucket_of(name: &str) -> String {
-    if let Some(rest) = name.strip_prefix("model.layers.") {
-        if let Some(i) = rest.split('.').next() {
-            return format!("layers.{i}");
-        }
-    }
-    if name.starts_with("model.embed_tokens") {
-        "embed".into()
-    } else {
-        "head".into()
-    }
-}
+/// The bucket a parameter belongs to (`crate::spec::bucket_of`): its block, the embedding, or
+/// the head.
+pub use crate::spec::bucket_of;
 
 impl ParamBuckets {
-    /// Moves every trainable parameter of `model` (`Llama::visit_trainable_mut`: the LoRA
+    /// Moves every trainable parameter of `model` (`CausalLm::visit_trainable_mut`: the LoRA
     /// adapters when it has them) into flat buffers (bucket sizes padded to a multiple of `align`
     /// elements) and replaces it by a view: values, names, shapes and `requires_grad` are
     /// unchanged, gradients still arrive per parameter.
-    pub fn from_model(model: &mut Llama, align: usize) -> Result<ParamBuckets> {
+    pub fn from_model(model: &mut dyn CausalLm, align: usize) -> Result<ParamBuckets> {
         if align == 0 {
             return Err(Error::new("ParamBuckets", "alignment must be positive"));
         }
@@ -110,7 +100,7 @@ impl ParamBuckets {
 
     /// Points `model`'s trainable parameters at the store's views (fresh leaves that require
     /// grad).
-    pub fn attach(&self, model: &mut Llama) -> Result<()> {
+    pub fn attach(&self, model: &mut dyn CausalLm) -> Result<()> {
         let mut views = std::collections::HashMap::new();
         for b in &self.buckets {
             for (i, s) in b.slots.iter().enumerate() {

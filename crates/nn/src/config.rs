@@ -582,45 +582,6 @@ impl LlamaConfig {
         self.check_sizes(src)
     }
 
-    /// Parameter count (embeddings, every layer, final norm, and `lm_head` unless tied) in
-    /// checked arithmetic: `None` when it overflows u64. Exactly the elements the model holds.
-    pub fn num_parameters(&self) -> Option<u64> {
-        let [v, h, i, l, nh, nkv, d] = [
-            self.vocab_size,
-            self.hidden_size,
-            self.intermediate_size,
-            self.num_hidden_layers,
-            self.num_attention_heads,
-            self.num_key_value_heads,
-            self.head_dim,
-        ]
-        .map(|x| x as u64);
-        let q = nh.checked_mul(d)?;
-        let kv = nkv.checked_mul(d)?;
-        // q, k, v and o projections; gate, up and down; two norms.
-        let attn = h.checked_mul(q.checked_add(kv.checked_mul(2)?)?.checked_add(q)?)?;
-        let mlp = h.checked_mul(i)?.checked_mul(3)?;
-        let mut layer = attn.checked_add(mlp)?.checked_add(h.checked_mul(2)?)?;
-        // Biases and the per-head q/k norms, when the family has them.
-        if self.qkv_bias() {
-            layer = layer.checked_add(q.checked_add(kv.checked_mul(2)?)?)?;
-        }
-        if self.o_bias() {
-            layer = layer.checked_add(h)?;
-        }
-        if self.mlp_bias {
-            layer = layer.checked_add(i.checked_mul(2)?.checked_add(h)?)?;
-        }
-        if self.qk_norm() {
-            layer = layer.checked_add(d.checked_mul(2)?)?;
-        }
-        if self.sandwich_norms() {
-            layer = layer.checked_add(h.checked_mul(2)?)?;
-        }
-        let embed = v.checked_mul(h)?.checked_mul(if self.tie_word_embeddings { 1 } else { 2 })?;
-        embed.checked_add(layer.checked_mul(l)?)?.checked_add(h)
-    }
-
     /// Sizes whose products overflow or that no machine could hold are refused before anything
     /// is allocated: the parameter count (at most [`MAX_PARAMETERS`]) and the rotary tables
     /// built per position (at most [`MAX_ROPE_TABLE`] entries). The error names the field that

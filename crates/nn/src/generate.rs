@@ -1,53 +1,11 @@
 //! Autoregressive generation: a per-layer key/value cache and temperature + top-p (nucleus)
 //! sampling. Temperature 0 is greedy decoding.
-use crate::llama::Llama;
+//!
+//! The model is reached only through [`CausalLm`] (its config, device and cached forward); the
+//! cache is [`crate::kv_cache::KvCache`], which the model fills.
+use crate::causal_lm::CausalLm;
+pub use crate::kv_cache::KvCache;
 use ferrolm_tensor::{no_grad, Device, Error, Result, Rng, Tensor};
-
-/// Keys and values of the tokens seen so far, per layer: (B, KV, S, D) each.
-#[derive(Default)]
-pub struct KvCache {
-    layers: Vec<Option<(Tensor, Tensor)>>,
-    len: usize,
-    batch: usize,
-}
-
-impl KvCache {
-    pub fn new() -> Self {
-        Self::default()
-    }
-    /// Number of positions already cached.
-    pub fn len(&self) -> usize {
-        self.len
-    }
-    pub fn is_empty(&self) -> bool {
-        self.len == 0
-    }
-    pub fn clear(&mut self) {
-        *self = Self::default();
-    }
-    pub(crate) fn prepare(&mut self, n_layers: usize, batch: usize) -> Result<()> {
-        if self.len == 0 {
-            self.layers = vec![None; n_layers];
-            self.batch = batch;
-        } else if self.layers.len() != n_layers || self.batch != batch {
-            return Err(Error::new(
-                "KvCache",
-                format!(
-                    "cache holds {} layers x batch {}, model call has {n_layers} layers x batch {batch}; clear() it first",
-                    self.layers.len(),
-                    self.batch
-                ),
-            ));
-        }
-        Ok(())
-    }
-    pub(crate) fn layer(&mut self, i: usize) -> &mut Option<(Tensor, Tensor)> {
-        &mut self.layers[i]
-    }
-    pub(crate) fn advance(&mut self, t: usize) {
-        self.len += t;
-    }
-}
 
 /// Picks a token from one row of logits: greedy at temperature 0, else softmax(logits / T)
 /// restricted to the smallest set of tokens whose probability reaches `top_p`.
@@ -85,7 +43,14 @@ pub fn sample(logits: &[f32], temperature: f64, top_p: f64, rng: &mut Rng) -> u3
 
 /// Generates up to `max_new_tokens` tokens after `prompt_ids` and returns them (without the
 /// prompt); stops after an `eos_token_id` of the config, or at max_position_embeddings.
-pub fn generate(model: &Llama, prompt_ids: &[u32], max_new_tokens: usize, temperature: f64, top_p: f64, rng: &mut Rng) -> Result<Vec<u32>> {
+pub fn generate(
+    model: &dyn CausalLm,
+    prompt_ids: &[u32],
+    max_new_tokens: usize,
+    temperature: f64,
+    top_p: f64,
+    rng: &mut Rng,
+) -> Result<Vec<u32>> {
     generate_within(model, prompt_ids, max_new_tokens, temperature, top_p, usize::MAX, rng)
 }
 
@@ -93,7 +58,7 @@ pub fn generate(model: &Llama, prompt_ids: &[u32], max_new_tokens: usize, temper
 /// its tokenizer (`vocab_size` 32000 with a 4096-token tokenizer) has logits for rows no text
 /// ever used, and an id from them could not be decoded.
 pub fn generate_within(
-    model: &Llama,
+    model: &dyn CausalLm,
     prompt_ids: &[u32],
     max_new_tokens: usize,
     temperature: f64,
@@ -117,7 +82,7 @@ pub struct Sampling {
 /// Generates up to `max_new_tokens` tokens after `prompt_ids` and returns them (without the
 /// prompt); stops after a token of `stop` (which is returned), or at max_position_embeddings.
 pub fn generate_until(
-    model: &Llama,
+    model: &dyn CausalLm,
     prompt_ids: &[u32],
     max_new_tokens: usize,
     s: &Sampling,
@@ -160,6 +125,7 @@ pub fn generate_until(
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::Llama;
 
     #[test]
     fn sampling() {

@@ -12,11 +12,12 @@
 //! plan that shards them needs no special case here. Parallelism and activation checkpointing
 //! attach from outside (`module.rs`); this file never sees them.
 use crate::config::{LadderLayers, LlamaConfig};
-use crate::generate::KvCache;
+use crate::kv_cache::KvCache;
 use crate::lora::LoraState;
 use crate::module::{project, BranchFn, BranchHook, Embedding, HeadLoss, HeadOp, Linear, ParamInfo, ParamKind, ParamVisitor};
 use crate::rope::Rope;
 use crate::safetensors_io::{self, TensorMap};
+use crate::spec::ParamSpec;
 use ferrolm_ops::{
     causal_attention, causal_attention_window, geglu, rms_norm_offset, rope, rope_at, segment_attention, segment_attention_window,
     softmax_last, swiglu, LossChunks, LossScale, Segments, Tokens,
@@ -77,6 +78,39 @@ pub struct Block {
     pub mlp: Mlp,
     /// A Ladder block: each branch reads the stream without the previous branch's output.
     pub ladder: bool,
+}
+
+impl Block {
+    /// The block's tensors in the order of its specs (`spec::layer_specs`, which names them).
+    fn params_mut(&mut self) -> Vec<&mut Tensor> {
+        let (a, m) = (&mut self.self_attn, &mut self.mlp);
+        let mut out = Vec::new();
+        for lin in [&mut a.q_proj, &mut a.k_proj, &mut a.v_proj, &mut a.o_proj] {
+            out.push(&mut lin.weight);
+            out.extend(lin.bias.as_mut());
+        }
+        out.extend(a.q_norm.as_mut());
+        out.extend(a.k_norm.as_mut());
+        for lin in [&mut m.gate_proj, &mut m.up_proj, &mut m.down_proj] {
+            out.push(&mut lin.weight);
+            out.extend(lin.bias.as_mut());
+        }
+        out.push(&mut a.input_layernorm);
+        // The sandwich: post_attention_layernorm is the attention output's norm, and the MLP's
+        // input norm is pre_feedforward_layernorm.
+        if let Some(pa) = a.post_norm.as_mut() {
+            out.push(pa);
+        }
+        out.push(&mut m.post_attention_layernorm);
+        out.extend(m.post_norm.as_mut());
+        out
+    }
+
+    /// The linear layers in the order of `LlamaConfig::linear_specs`.
+    pub fn linears_mut(&mut self) -> [&mut Linear; 7] {
+        let (a, m) = (&mut self.self_attn, &mut self.mlp);
+        [&mut a.q_proj, &mut a.k_proj, &mut a.v_proj, &mut a.o_proj, &mut m.gate_proj, &mut m.up_proj, &mut m.down_proj]
+    }
 }
 
 /// Rotary tables for the positions of one call.
@@ -404,9 +438,16 @@ impl Llama {
     }
 
     fn logits_of(&self, ids: Tokens, packing: Option<&Packing>) -> Result<Tensor> {
-        let pos = self.positions(ids.tensor(), packing)?;
-        let x = self.final_norm(&self.hidden(&ids, &pos, None)?)?;
+        let x = self.hidden_states(ids, packing)?;
         self.head_op.logits(&x, self.head_weight())
+    }
+
+    /// The final normed hidden states (B, T, C) of ids (B, T), packed rows with a packing: what
+    /// the head reads (`CausalLm::hidden_states`).
+    pub fn hidden_states(&self, ids: impl Into<Tokens>, packing: Option<&Packing>) -> Result<Tensor> {
+        let ids = ids.into();
+        let pos = self.positions(ids.tensor(), packing)?;
+        self.final_norm(&self.hidden(&ids, &pos, None)?)
     }
 
     /// Mean cross-entropy (f32 scalar) of `forward(inputs)` against `targets` (B, T) i32, aligned
@@ -465,63 +506,33 @@ impl Llama {
 
     // ---- parameters: one visitor, in transformers' named_parameters() order ------------------
 
-    /// Calls `f` on every parameter with its fully qualified transformers name, the full
-    /// shape the config implies and its kind; `f` may replace the tensor.
+    /// Calls `f` on every parameter with its spec (`LlamaConfig::param_specs`: transformers'
+    /// name, the full shape the config implies, its kind and tensor-parallel role), in
+    /// transformers' `named_parameters()` order; `f` may replace the tensor.
     pub fn visit_params_mut(&mut self, f: &mut ParamVisitor) -> Result<()> {
-        let c = &self.cfg;
-        let (h, v, i, d) = (c.hidden_size, c.vocab_size, c.intermediate_size, c.head_dim);
-        let (qd, kvd) = (c.num_attention_heads * d, c.num_key_value_heads * d);
-        let mut p = |name: &str, shape: &[usize], kind: ParamKind, t: &mut Tensor| f(&ParamInfo { name, shape, kind }, t);
-        use ParamKind::{Bias as Bi, Embedding as E, Matrix as M, Norm as N};
-        p("model.embed_tokens.weight", &[v, h], E, &mut self.embed_tokens.weight)?;
-        for (l, b) in self.layers.iter_mut().enumerate() {
-            let (a, m) = (&mut b.self_attn, &mut b.mlp);
-            // Each linear layer's weight, then its bias if it has one (nn.Linear's order); the
-            // q/k norms after the projections (Qwen3's attention module order).
-            let linears: [(&str, usize, usize, &mut Linear); 4] = [
-                ("self_attn.q_proj", qd, h, &mut a.q_proj),
-                ("self_attn.k_proj", kvd, h, &mut a.k_proj),
-                ("self_attn.v_proj", kvd, h, &mut a.v_proj),
-                ("self_attn.o_proj", h, qd, &mut a.o_proj),
-            ];
-            for (name, out, inp, lin) in linears {
-                p(&format!("model.layers.{l}.{name}.weight"), &[out, inp], M, &mut lin.weight)?;
-                if let Some(bias) = &mut lin.bias {
-                    p(&format!("model.layers.{l}.{name}.bias"), &[out], Bi, bias)?;
-                }
-            }
-            if let Some(w) = &mut a.q_norm {
-                p(&format!("model.layers.{l}.self_attn.q_norm.weight"), &[d], N, w)?;
-            }
-            if let Some(w) = &mut a.k_norm {
-                p(&format!("model.layers.{l}.self_attn.k_norm.weight"), &[d], N, w)?;
-            }
-            let linears: [(&str, usize, usize, &mut Linear); 3] = [
-                ("mlp.gate_proj", i, h, &mut m.gate_proj),
-                ("mlp.up_proj", i, h, &mut m.up_proj),
-                ("mlp.down_proj", h, i, &mut m.down_proj),
-            ];
-            for (name, out, inp, lin) in linears {
-                p(&format!("model.layers.{l}.{name}.weight"), &[out, inp], M, &mut lin.weight)?;
-                if let Some(bias) = &mut lin.bias {
-                    p(&format!("model.layers.{l}.{name}.bias"), &[out], Bi, bias)?;
-                }
-            }
-            p(&format!("model.layers.{l}.input_layernorm.weight"), &[h], N, &mut a.input_layernorm)?;
-            // The sandwich (Gemma 3): post_attention_layernorm is the attention output's norm,
-            // and the MLP's input norm is pre_feedforward_layernorm (its module order).
-            match (&mut a.post_norm, &mut m.post_norm) {
-                (Some(pa), Some(pf)) => {
-                    p(&format!("model.layers.{l}.post_attention_layernorm.weight"), &[h], N, pa)?;
-                    p(&format!("model.layers.{l}.pre_feedforward_layernorm.weight"), &[h], N, &mut m.post_attention_layernorm)?;
-                    p(&format!("model.layers.{l}.post_feedforward_layernorm.weight"), &[h], N, pf)?;
-                }
-                _ => p(&format!("model.layers.{l}.post_attention_layernorm.weight"), &[h], N, &mut m.post_attention_layernorm)?,
-            }
+        let specs = self.cfg.param_specs();
+        let mut tensors = vec![&mut self.embed_tokens.weight];
+        for b in &mut self.layers {
+            tensors.extend(b.params_mut());
         }
-        p("model.norm.weight", &[h], N, &mut self.norm)?;
-        if let Some(w) = &mut self.lm_head {
-            p("lm_head.weight", &[v, h], M, w)?; // decayed, as every projection
+        tensors.push(&mut self.norm);
+        tensors.extend(self.lm_head.as_mut());
+        if tensors.len() != specs.len() {
+            return Err(Error::new("Llama", format!("{} tensors for {} parameter specs", tensors.len(), specs.len())));
+        }
+        for (s, t) in specs.iter().zip(tensors) {
+            f(&s.info(), t)?;
+        }
+        Ok(())
+    }
+
+    /// Calls `f` on every linear layer LoRA may adapt (`LlamaConfig::linear_specs`), with its
+    /// weight's spec: its name, shape, role and PEFT target name.
+    pub fn visit_linears_mut(&mut self, f: &mut dyn FnMut(&ParamSpec, &mut Linear) -> Result<()>) -> Result<()> {
+        for (l, b) in self.layers.iter_mut().enumerate() {
+            for (s, lin) in self.cfg.linear_specs(l).iter().zip(b.linears_mut()) {
+                f(s, lin)?;
+            }
         }
         Ok(())
     }

@@ -4,13 +4,14 @@
 //! file never learns how it is parallelised. Activation checkpointing attaches the same way,
 //! through a [`BranchHook`].
 use crate::lora::Adapter;
+use crate::spec::TpRole;
 use ferrolm_ops::{HeadLossOptions, LossChunks, LossScale, Tokens};
 use ferrolm_tensor::{Result, Tensor};
 use std::sync::Arc;
 
 /// What kind of parameter a tensor is: the optimizer takes weight-decay groups from this,
 /// not from name matching.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub enum ParamKind {
     /// A projection matrix: decayed.
     Matrix,
@@ -28,13 +29,17 @@ impl ParamKind {
     }
 }
 
-/// One parameter as the visitor sees it: its fully qualified Hugging Face name, the full
-/// (unsharded) shape the config implies, and its kind.
+/// One parameter as the visitor sees it (`crate::spec::ParamSpec::info`): its fully qualified
+/// Hugging Face name, the full (unsharded) shape the config implies, its kind, and where tensor
+/// parallelism puts it.
 #[derive(Clone, Debug)]
 pub struct ParamInfo<'a> {
     pub name: &'a str,
     pub shape: &'a [usize],
     pub kind: ParamKind,
+    pub role: TpRole,
+    /// The split dimension's indivisible pieces (`ParamSpec::units`).
+    pub units: usize,
 }
 
 /// Visitor over `(ParamInfo, parameter)`. It may replace the tensor (with a loaded one, a

@@ -1,7 +1,9 @@
 //! Megatron-style tensor parallelism, attached to a model from outside.
 //!
 //! `parallelize(&mut model, &tp_group)` replaces each parameter by this rank's shard and
-//! each op by its parallel form; the model file is untouched:
+//! each op by its parallel form; the model file is untouched. Where each parameter goes is its
+//! spec's role (`ferrolm_nn::spec::TpRole`, with the pieces its split dimension holds), never its
+//! name; for the layers of a Llama block that is:
 //! - q/k/v/gate/up: column-parallel (output features split). The forward is a plain GEMM on
 //!   the replicated input, behind one Megatron `f` per input shared by the projections that
 //!   read it, so q, k and v (and gate and up) sum their input gradients locally and all-reduce
@@ -31,6 +33,7 @@
 use crate::comm::{Comm, ReduceOp};
 use crate::comm_ops::{copy_to_group, gather_from_group, reduce_from_group};
 use ferrolm_nn::module::{linear, linear_adapted, EmbeddingOp, Factor, HeadLoss, HeadOp, LinearOp};
+use ferrolm_nn::spec::{parts, TpRole};
 use ferrolm_nn::Llama;
 use ferrolm_ops::{LossScale, Tokens, VocabShards};
 use ferrolm_tensor::{bail, no_grad, DType, Error, Result, Tensor};
@@ -51,6 +54,14 @@ pub struct Sharding {
 }
 
 impl Sharding {
+    /// The layout of a parameter of `role` whose split dimension holds `units` pieces
+    /// (`ferrolm_nn::spec::ParamSpec`), on rank `rank` of `tp`.
+    pub fn of(role: TpRole, units: usize, rank: usize, tp: usize) -> Self {
+        match role.split_dim() {
+            None => Sharding::replicated(tp),
+            Some(dim) => Sharding::split(dim, parts(role, units, tp), rank, tp),
+        }
+    }
     fn replicated(tp: usize) -> Self {
         Sharding { dim: None, parts: 1, index: 0, replicas: tp }
     }
@@ -369,75 +380,64 @@ pub fn parallelize(model: &mut Llama, comm: &Comm) -> Result<TpShardings> {
     let (tp, rank) = (comm.size(), comm.rank());
     let c = model.config().clone();
     check_split(&c, tp)?;
-    let kv = c.num_key_value_heads;
-    // Ranks that share a replicated key/value head sum its weight gradient: the whole group
-    // when there is one key/value head (its own communicator, not a duplicate).
-    let kv_parts = kv.min(tp);
-    let kv_replicas = if kv >= tp { None } else { Some(crate::comm::sub_group(comm, tp / kv_parts, rank * kv_parts / tp, rank, "kv")?) };
-
+    // Every parameter's layout follows its spec's role (`ferrolm_nn::spec`): the split
+    // dimension in as many pieces as it has units, at most one a rank.
     let mut layout = BTreeMap::new();
     model.visit_params_mut(&mut |p, t| {
-        let n = p.name;
-        // A column-parallel layer's bias is split with its weight's rows; a row-parallel
-        // layer's is replicated (added once, after the reduction), as are the norms (QK-norm
-        // acts on head_dim, which is never split).
-        let col = |l: &str| n.ends_with(&format!("{l}.weight")) || n.ends_with(&format!("{l}.bias"));
-        let s = if col("q_proj") || col("gate_proj") || col("up_proj") {
-            Sharding::split(0, tp, rank, tp)
-        } else if col("k_proj") || col("v_proj") {
-            Sharding::split(0, kv_parts, rank, tp)
-        } else if n.ends_with("o_proj.weight") || n.ends_with("down_proj.weight") {
-            Sharding::split(1, tp, rank, tp)
-        } else if n == "model.embed_tokens.weight" || n == "lm_head.weight" {
-            Sharding::split(0, tp, rank, tp)
-        } else {
-            Sharding::replicated(tp)
-        };
+        let s = Sharding::of(p.role, p.units, rank, tp);
         let shard = s.shard(t)?;
         shard.set_requires_grad(t.requires_grad())?; // LoRA's base stays frozen
         *t = shard;
-        layout.insert(n.to_string(), s);
+        layout.insert(p.name.to_string(), s);
         Ok(())
     })?;
-    // LoRA factors: a column-parallel layer's B splits as its weight (A whole), a row-parallel
-    // layer's A splits as its weight (B whole).
+    // LoRA factors: their specs derive the layout from the base weight's role (a column-parallel
+    // layer's B splits as its weight, A whole; a row-parallel layer's A splits, B whole).
     model.visit_adapters_mut(&mut |p, t| {
-        let n = p.name;
-        let row = n.contains(".o_proj.") || n.contains(".down_proj.");
-        let s = match (row, n.ends_with(".lora_A.weight")) {
-            (true, true) => Sharding::split(1, tp, rank, tp),
-            (false, false) if n.contains(".k_proj.") || n.contains(".v_proj.") => Sharding::split(0, kv_parts, rank, tp),
-            (false, false) => Sharding::split(0, tp, rank, tp),
-            _ => Sharding::replicated(tp),
-        };
+        let s = Sharding::of(p.role, p.units, rank, tp);
         let shard = s.shard(t)?;
         shard.set_requires_grad(true)?;
         *t = shard;
-        layout.insert(n.to_string(), s);
+        layout.insert(p.name.to_string(), s);
         Ok(())
     })?;
+    // Ranks that share a replicated piece of a column-parallel weight (GQA's key/value heads
+    // when there are fewer than ranks) sum its gradient: one group per number of pieces, made
+    // in the same order on every rank (its own communicator, not a duplicate of the group's).
+    let mut pieces: Vec<usize> = c.linear_specs(0).iter().filter(|s| s.role == TpRole::Column).map(|s| s.parts(tp)).collect();
+    pieces.sort_unstable();
+    pieces.dedup();
+    let mut replicas = BTreeMap::new();
+    for parts in pieces.into_iter().filter(|&p| p < tp) {
+        replicas.insert(parts, crate::comm::sub_group(comm, tp / parts, rank * parts / tp, rank, "kv")?);
+    }
     // One shared f for all the column-parallel projections: each input is all-reduced once.
     let input = Arc::new(SharedInput::default());
     let col = Arc::new(ColumnParallel { comm: comm.clone(), replicas: None, input: input.clone() });
-    let kv_col = Arc::new(ColumnParallel { comm: comm.clone(), replicas: kv_replicas, input });
-    let row = Arc::new(RowParallel { comm: comm.clone() });
-    for b in &mut model.layers {
-        let (a, m) = (&mut b.self_attn, &mut b.mlp);
-        // A split input's dropout masks: this rank's columns of the whole input's mask.
-        for l in [&mut a.o_proj, &mut m.down_proj] {
-            let n = l.weight.dim(1); // this rank's input columns
-            if let Some(ad) = l.adapter.as_mut() {
-                ad.columns = Some((n * tp, rank * n));
-            }
-        }
-        a.q_proj.op = col.clone();
-        a.k_proj.op = kv_col.clone();
-        a.v_proj.op = kv_col.clone();
-        a.o_proj.op = row.clone();
-        m.gate_proj.op = col.clone();
-        m.up_proj.op = col.clone();
-        m.down_proj.op = row.clone();
+    let mut cols: BTreeMap<usize, Arc<ColumnParallel>> = BTreeMap::new();
+    for (parts, r) in replicas {
+        cols.insert(parts, Arc::new(ColumnParallel { comm: comm.clone(), replicas: Some(r), input: input.clone() }));
     }
+    let row = Arc::new(RowParallel { comm: comm.clone() });
+    model.visit_linears_mut(&mut |s, l| {
+        let op: Arc<dyn LinearOp> = match s.role {
+            TpRole::Column => match cols.get(&s.parts(tp)) {
+                Some(c) => c.clone(),
+                None => col.clone(),
+            },
+            TpRole::Row => {
+                // A split input's dropout masks: this rank's columns of the whole input's mask.
+                let n = l.weight.dim(1); // this rank's input columns
+                if let Some(ad) = l.adapter.as_mut() {
+                    ad.columns = Some((n * tp, rank * n));
+                }
+                row.clone()
+            }
+            other => bail!("parallelize", "{}: a linear layer cannot be {other:?}", s.name),
+        };
+        l.op = op;
+        Ok(())
+    })?;
     let rows = c.vocab_size / tp;
     let vp = Arc::new(VocabParallel { comm: comm.clone(), start: rank * rows, rows });
     model.embed_tokens.op = vp.clone();

@@ -25,12 +25,13 @@ fn config(extra: &str) -> LlamaConfig {
 }
 
 /// The configurations covered: plain GQA (2 kv heads: fewer than 4 ranks), Ladder on every
-/// layer with tied embeddings, mixed Ladder with a single kv head; the families' features:
-/// Qwen2's q/k/v bias with one kv head (a column-parallel bias replicated over ranks, its
-/// gradient summed as the weight's), Qwen3's QK-norm (replicated) with head_dim 16 != 32/4 and
-/// every attention bias (o's, row-parallel: added once after the reduction), Llama's
-/// `attention_bias` and `mlp_bias`; Gemma 3's (1 + w) sandwich norms (replicated, full hidden),
-/// GeGLU, QK-norm, embedding scale, query_pre_attn_scalar and a second RoPE theta.
+/// layer with tied embeddings, mixed Ladder with a single kv head; the block features the
+/// families' configs turn on: `qwen2`'s q/k/v bias with one kv head (a column-parallel bias
+/// replicated over ranks, its gradient summed as the weight's), `qwen3`'s QK-norm (replicated)
+/// with head_dim 16 != 32/4 and every attention bias (o's, row-parallel: added once after the
+/// reduction), `llama`'s `attention_bias` and `mlp_bias`; `gemma3_text`'s (1 + w) sandwich
+/// norms (replicated, full hidden), GeGLU, QK-norm, embedding scale, query_pre_attn_scalar and a
+/// second RoPE theta.
 fn cases() -> Vec<(&'static str, LlamaConfig)> {
     vec![
         ("llama-gqa", config(r#","num_key_value_heads":2"#)),
@@ -312,4 +313,39 @@ fn tp_refuses_indivisible_shapes() {
         let e = e.expect("an indivisible intermediate_size was accepted");
         assert!(e.contains("intermediate_size") && e.contains("--tp 4"), "{e}");
     }
+}
+
+/// Each parameter's layout is its spec's role (`ferrolm_nn::spec`), whatever its name: a
+/// column-parallel bias split with its weight's rows (by key/value head for k and v, each held by
+/// two of four ranks), a row-parallel bias and the q/k norms whole on every rank, the embedding
+/// split by vocabulary rows, o by input columns; a LoRA factor as its base weight's role says.
+#[test]
+fn layouts_follow_the_parameter_spec() {
+    use ferrolm_nn::module::Factor;
+    use ferrolm_parallel::tp::Sharding;
+    let c = config(r#","num_key_value_heads":2,"model_type":"qwen3","head_dim":16,"attention_bias":true"#);
+    let (tp, rank) = (4, 3);
+    let specs = c.param_specs();
+    let of = |name: &str| {
+        let s = specs.iter().find(|s| s.name == name).unwrap_or_else(|| panic!("no {name}"));
+        Sharding::of(s.role, s.units, rank, tp)
+    };
+    let l = "model.layers.1.self_attn";
+    assert_eq!(of(&format!("{l}.q_proj.bias")), Sharding { dim: Some(0), parts: 4, index: 3, replicas: 1 });
+    assert_eq!(of(&format!("{l}.k_proj.bias")), Sharding { dim: Some(0), parts: 2, index: 1, replicas: 2 });
+    assert_eq!(of(&format!("{l}.k_proj.weight")), of(&format!("{l}.v_proj.bias")));
+    assert_eq!(of(&format!("{l}.o_proj.weight")), Sharding { dim: Some(1), parts: 4, index: 3, replicas: 1 });
+    for whole in [format!("{l}.o_proj.bias"), format!("{l}.q_norm.weight"), "model.norm.weight".into()] {
+        assert_eq!(of(&whole).dim, None, "{whole}");
+    }
+    assert_eq!(of("model.embed_tokens.weight"), Sharding { dim: Some(0), parts: 4, index: 3, replicas: 1 });
+    let linears = c.linear_specs(0);
+    let factor = |i: usize, f| {
+        let s = linears[i].adapter(f, 8);
+        Sharding::of(s.role, s.units, rank, tp)
+    };
+    assert_eq!(factor(1, Factor::B), Sharding { dim: Some(0), parts: 2, index: 1, replicas: 2 }, "B of k_proj");
+    assert_eq!(factor(1, Factor::A).dim, None, "A of k_proj");
+    assert_eq!(factor(6, Factor::A), Sharding { dim: Some(1), parts: 4, index: 3, replicas: 1 }, "A of down_proj");
+    assert_eq!(factor(6, Factor::B).dim, None, "B of down_proj");
 }

@@ -50,7 +50,7 @@ fn single_device(tied: bool) -> Vec<f64> {
     single_device_of(config(tied))
 }
 
-/// A Qwen2 model (q/k/v bias, tied embeddings): the family's biases go through the same buckets.
+/// A `qwen2` model (q/k/v bias, tied embeddings): the block's biases go through the same buckets.
 fn qwen2() -> LlamaConfig {
     LlamaConfig::from_json_str(
         r#"{"vocab_size":64,"hidden_size":32,"intermediate_size":48,"num_hidden_layers":2,"num_attention_heads":4,
@@ -216,7 +216,7 @@ fn zero_composes_with_tensor_parallelism() {
     }
 }
 
-/// A Qwen2 model under ZeRO-3 (dp 4) and ZeRO-3 with --tp 2 follows the single-device run.
+/// A `qwen2` model under ZeRO-3 (dp 4) and ZeRO-3 with --tp 2 follows the single-device run.
 #[test]
 fn zero_with_a_qwen2_model_equals_single_device() {
     let want = single_device_of(qwen2());

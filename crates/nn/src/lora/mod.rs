@@ -37,8 +37,8 @@
 //! for a split one, and the same again when activation checkpointing recomputes a branch.
 pub mod peft;
 
-use crate::llama::{Block, Llama};
-use crate::module::{Factor, Linear, ParamInfo, ParamKind, ParamVisitor};
+use crate::llama::Llama;
+use crate::module::{Factor, Linear, ParamVisitor};
 use ferrolm_tensor::{bail, is_grad_enabled, no_grad, DType, Device, Error, Result, Rng, Tensor};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
@@ -72,11 +72,6 @@ impl Proj {
         ["self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj", "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj"]
             [self as usize]
     }
-    /// Input features are split under tensor parallelism (o, down), not output features.
-    pub fn row_parallel(self) -> bool {
-        matches!(self, Proj::O | Proj::Down)
-    }
-
     /// `--lora-targets`: `all-linear`, or a comma-separated list of q, k, v, o, gate, up, down
     /// (transformers' names q_proj, ... are accepted too). Sorted, without repeats.
     pub fn parse_list(s: &str) -> Result<Vec<Proj>> {
@@ -100,21 +95,9 @@ impl Proj {
         Ok(out)
     }
 
-    fn linear(self, b: &Block) -> &Linear {
-        let (a, m) = (&b.self_attn, &b.mlp);
-        [&a.q_proj, &a.k_proj, &a.v_proj, &a.o_proj, &m.gate_proj, &m.up_proj, &m.down_proj][self as usize]
-    }
-    fn linear_mut(self, b: &mut Block) -> &mut Linear {
-        let (a, m) = (&mut b.self_attn, &mut b.mlp);
-        match self {
-            Proj::Q => &mut a.q_proj,
-            Proj::K => &mut a.k_proj,
-            Proj::V => &mut a.v_proj,
-            Proj::O => &mut a.o_proj,
-            Proj::Gate => &mut m.gate_proj,
-            Proj::Up => &mut m.up_proj,
-            Proj::Down => &mut m.down_proj,
-        }
+    /// Whether this projection is the linear layer whose PEFT target name is `target`.
+    pub fn is(self, target: Option<&str>) -> bool {
+        target == Some(self.module())
     }
 }
 
@@ -356,22 +339,21 @@ impl Llama {
         })?;
         let clock = Arc::new(Clock { seed: rng.next_u64(), forwards: AtomicU64::new(0) });
         let device = self.device();
-        for (l, blk) in self.layers.iter_mut().enumerate() {
-            if !cfg.adapts_layer(l) {
-                continue;
+        // Matched by PEFT target name, block by block in the order of the layer's specs.
+        self.visit_linears_mut(&mut |s, lin| {
+            if !s.layer.is_some_and(|l| cfg.adapts_layer(l)) || !cfg.targets.iter().any(|p| p.is(s.lora_target)) {
+                return Ok(());
             }
-            for &p in &cfg.targets {
-                let lin = p.linear_mut(blk);
-                let (out, inp) = (lin.weight.dim(0), lin.weight.dim(1));
-                let bound = 1.0 / (inp as f64).sqrt();
-                let a = Tensor::rand_uniform([cfg.rank, inp], -bound, bound, DType::F32, device, rng)?;
-                let b = Tensor::zeros([out, cfg.rank], DType::F32, device)?;
-                for t in [&a, &b] {
-                    t.set_requires_grad(true)?;
-                }
-                lin.adapter = Some(Adapter { a, b, scale: cfg.scale(), dropout: None, columns: None });
+            let (out, inp) = (lin.weight.dim(0), lin.weight.dim(1));
+            let bound = 1.0 / (inp as f64).sqrt();
+            let a = Tensor::rand_uniform([cfg.rank, inp], -bound, bound, DType::F32, device, rng)?;
+            let b = Tensor::zeros([out, cfg.rank], DType::F32, device)?;
+            for t in [&a, &b] {
+                t.set_requires_grad(true)?;
             }
-        }
+            lin.adapter = Some(Adapter { a, b, scale: cfg.scale(), dropout: None, columns: None });
+            Ok(())
+        })?;
         self.lora = Some(LoraState { cfg: cfg.clone(), clock });
         self.set_lora_dropout(cfg.dropout)
     }
@@ -390,15 +372,16 @@ impl Llama {
         cfg.check()?;
         let clock = state.clock.clone();
         state.cfg = cfg;
-        for (l, blk) in self.layers.iter_mut().enumerate() {
-            for proj in Proj::ALL {
-                if let Some(ad) = proj.linear_mut(blk).adapter.as_mut() {
-                    let index = (l * Proj::ALL.len() + proj as usize) as u64;
-                    ad.dropout = (p > 0.0).then(|| Dropout { p, clock: clock.clone(), index });
-                }
+        // Each adapter's masks are its own: indexed by its layer's place among every block's
+        // linear layers.
+        let mut index = 0u64;
+        self.visit_linears_mut(&mut |_, lin| {
+            if let Some(ad) = lin.adapter.as_mut() {
+                ad.dropout = (p > 0.0).then(|| Dropout { p, clock: clock.clone(), index });
             }
-        }
-        Ok(())
+            index += 1;
+            Ok(())
+        })
     }
 
     /// Sets how many training forwards the dropout clock has counted (a resumed run continues
@@ -412,18 +395,12 @@ impl Llama {
     /// Calls `f` on every adapter factor (A then B, block by block, projections in order) with
     /// its name (`factor_name`) and full shape; `f` may replace the tensor (a shard, a view).
     pub fn visit_adapters_mut(&mut self, f: &mut ParamVisitor) -> Result<()> {
-        let shapes = self.linear_shapes();
-        for (l, blk) in self.layers.iter_mut().enumerate() {
-            for p in Proj::ALL {
-                let Some(ad) = p.linear_mut(blk).adapter.as_mut() else { continue };
-                let (out, inp) = shapes[p as usize];
-                let r = ad.a.dim(0);
-                let (na, nb) = (factor_name(l, p, Factor::A), factor_name(l, p, Factor::B));
-                f(&ParamInfo { name: &na, shape: &[r, inp], kind: ParamKind::Matrix }, &mut ad.a)?;
-                f(&ParamInfo { name: &nb, shape: &[out, r], kind: ParamKind::Matrix }, &mut ad.b)?;
-            }
-        }
-        Ok(())
+        self.visit_linears_mut(&mut |s, lin| {
+            let Some(ad) = lin.adapter.as_mut() else { return Ok(()) };
+            let r = ad.a.dim(0);
+            f(&s.adapter(Factor::A, r).info(), &mut ad.a)?;
+            f(&s.adapter(Factor::B, r).info(), &mut ad.b)
+        })
     }
 
     /// Every adapter factor with its name, as this rank holds it.
@@ -438,13 +415,6 @@ impl Llama {
         out
     }
 
-    /// (out, in) of each projection, in `Proj` order, from the config (unsharded).
-    fn linear_shapes(&self) -> [(usize, usize); 7] {
-        let c = self.config();
-        let (h, i, q, kv) = (c.hidden_size, c.intermediate_size, c.num_attention_heads * c.head_dim, c.num_key_value_heads * c.head_dim);
-        [(q, h), (kv, h), (kv, h), (h, q), (i, h), (i, h), (h, i)]
-    }
-
     /// Folds every adapter into its weight, W + s B A (summed in f32, rounded once to W's
     /// dtype), and drops the adapters: the plain model, trainable again, whose outputs are the
     /// adapted ones. Under tensor parallelism each rank folds its own pieces (B's rows into a
@@ -455,14 +425,11 @@ impl Llama {
         }
         {
             let _g = no_grad();
-            for blk in &mut self.layers {
-                for p in Proj::ALL {
-                    let lin = p.linear_mut(blk);
-                    let Some(ad) = lin.adapter.take() else { continue };
-                    let merged = merged_weight(&lin.weight, &ad.a, &ad.b, ad.scale)?;
-                    lin.weight.assign(&merged.to_dtype(lin.weight.dtype())?)?;
-                }
-            }
+            self.visit_linears_mut(&mut |_, lin| {
+                let Some(ad) = lin.adapter.take() else { return Ok(()) };
+                let merged = merged_weight(&lin.weight, &ad.a, &ad.b, ad.scale)?;
+                lin.weight.assign(&merged.to_dtype(lin.weight.dtype())?)
+            })?;
         }
         self.lora = None;
         self.visit_params_mut(&mut |_, t| {
@@ -473,6 +440,11 @@ impl Llama {
 
     /// Whether projection `p` of block `layer` has an adapter.
     pub fn has_adapter(&self, layer: usize, p: Proj) -> bool {
-        self.layers.get(layer).is_some_and(|b| p.linear(b).adapter.is_some())
+        let mut found = false;
+        let _ = self.shallow_clone().visit_linears_mut(&mut |s, lin| {
+            found |= s.layer == Some(layer) && p.is(s.lora_target) && lin.adapter.is_some();
+            Ok(())
+        });
+        found
     }
 }

@@ -122,20 +122,25 @@ impl Matcher {
     }
 }
 
-/// Every module name of a Llama with `layers` blocks, as transformers' `named_modules` gives
-/// them, and which linear layer each is (None: not one ferrolm adapts).
-fn module_names(layers: usize) -> Vec<(String, Option<(usize, Proj)>)> {
+/// Every module name of a model of config `base`, as transformers' `named_modules` gives them
+/// (the parameters' modules from its spec), and which linear layer each is (None: not one
+/// ferrolm adapts).
+fn module_names(base: &LlamaConfig) -> Vec<(String, Option<(usize, Proj)>)> {
     let mut out: Vec<(String, Option<(usize, Proj)>)> =
         ["", "model", "model.embed_tokens", "model.layers", "model.norm", "model.rotary_emb", "lm_head"]
             .iter()
             .map(|n| (n.to_string(), None))
             .collect();
-    for l in 0..layers {
-        for m in ["", ".self_attn", ".mlp", ".mlp.act_fn", ".input_layernorm", ".post_attention_layernorm"] {
+    for l in 0..base.num_hidden_layers {
+        for m in ["", ".self_attn", ".mlp", ".mlp.act_fn"] {
             out.push((format!("model.layers.{l}{m}"), None));
         }
-        for p in Proj::ALL {
-            out.push((format!("model.layers.{l}.{}", p.path()), Some((l, p))));
+        for s in base.layer_specs(l) {
+            if out.last().is_some_and(|(m, _)| m == s.module()) {
+                continue; // a bias after its weight
+            }
+            let site = Proj::ALL.into_iter().find(|p| p.is(s.lora_target)).map(|p| (l, p));
+            out.push((s.module().to_string(), site));
         }
     }
     out
@@ -172,9 +177,11 @@ pub fn read_adapter(dir: &Path, base: &LlamaConfig, device: Device) -> Result<(L
         .and_then(Value::as_str)
         .map(|b| format!(" (its base_model_name_or_path is {b:?})"))
         .unwrap_or_default();
-    let (shapes, mut out) = (linear_shapes(base), TensorMap::new());
+    let (shapes, mut out) = (base.linear_shapes(), TensorMap::new());
     for &(l, p) in &sites {
-        let (o, i) = shapes[p as usize];
+        let Some(&(_, (o, i))) = shapes.iter().find(|(t, _)| p.is(Some(t))) else {
+            return Err(werr(format!("this base has no {} layer", p.module())));
+        };
         for (f, want) in [(Factor::A, [cfg.rank, i]), (Factor::B, [o, cfg.rank])] {
             let name = factor_name(l, p, f);
             let key = format!("{PREFIX}{name}");
@@ -201,12 +208,6 @@ pub fn read_adapter(dir: &Path, base: &LlamaConfig, device: Device) -> Result<(L
         return Err(werr(format!("unexpected tensor `{extra}`: {why}")));
     }
     Ok((cfg, out))
-}
-
-/// (out, in) of each projection of a Llama with config `c`, in `Proj` order.
-fn linear_shapes(c: &LlamaConfig) -> [(usize, usize); 7] {
-    let (h, i, q, kv) = (c.hidden_size, c.intermediate_size, c.num_attention_heads * c.head_dim, c.num_key_value_heads * c.head_dim);
-    [(q, h), (kv, h), (kv, h), (h, q), (i, h), (i, h), (h, i)]
 }
 
 /// The adapter's settings and the (layer, projection) pairs it adapts on this base.
@@ -286,7 +287,7 @@ fn parse_config(obj: &Map<String, Value>, base: &LlamaConfig, err: &dyn Fn(Strin
     };
     let exclude = Matcher::parse(get("exclude_modules"), "exclude_modules", err)?;
     let layer_filter = layer_filter(get("layers_to_transform"), get("layers_pattern"), err)?;
-    let modules = module_names(n);
+    let modules = module_names(base);
     let names: Vec<String> = modules.iter().map(|(k, _)| k.clone()).collect();
     let mut sites = Vec::new();
     for (key, site) in &modules {

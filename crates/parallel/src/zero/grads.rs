@@ -19,7 +19,7 @@ use super::groups::{Comm, ShardGroups};
 use super::ShardSpec;
 use crate::comm::ReduceOp;
 use ferrolm_nn::buckets::ParamBuckets;
-use ferrolm_nn::Llama;
+use ferrolm_nn::CausalLm;
 use ferrolm_tensor::{no_grad, DType, Device, Error, Result, Tensor};
 use std::sync::{Arc, Mutex, MutexGuard};
 
@@ -113,7 +113,7 @@ impl GradPipeline {
     /// Each of `model`'s trainable parameters hands its gradient to its bucket's buffer (and offers its
     /// slice of it as the gradient's destination); the bucket is flushed when its last
     /// parameter's gradient arrives.
-    pub fn install_sinks(&self, store: &ParamBuckets, model: &Llama) -> Result<()> {
+    pub fn install_sinks(&self, store: &ParamBuckets, model: &dyn CausalLm) -> Result<()> {
         let params: std::collections::HashMap<String, Tensor> = model.trainable_parameters().into_iter().map(|(n, t, _)| (n, t)).collect();
         for (bi, bk) in store.buckets.iter().enumerate() {
             for (si, s) in bk.slots.iter().enumerate() {

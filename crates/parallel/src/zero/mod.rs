@@ -37,7 +37,7 @@ use crate::{DeviceMesh, ThreadComm};
 use ferrolm_nn::buckets::ParamBuckets;
 use ferrolm_nn::optim::AdamWConfig;
 use ferrolm_nn::safetensors_io::TensorMap;
-use ferrolm_nn::Llama;
+use ferrolm_nn::CausalLm;
 use ferrolm_tensor::{fused_sum_squares, no_grad, DType, Device, Error, Result, Tensor};
 use gather::Gatherer;
 use grads::GradPipeline;
@@ -94,7 +94,7 @@ impl Zero {
     /// group by `spec`. With tensor parallelism, `tp` is the layout `parallelize` returned (the
     /// store then holds this rank's tensor-parallel shards). Collective over the mesh.
     pub fn new(
-        model: &mut Llama,
+        model: &mut dyn CausalLm,
         mesh: DeviceMesh,
         spec: ShardSpec,
         tp: Option<TpShardings>,
@@ -217,7 +217,7 @@ impl Zero {
     }
 
     /// The engine of a single device: a world of one rank, nothing sharded.
-    pub fn single(model: &mut Llama, cfg: AdamWConfig, placement: Placement) -> Result<Zero> {
+    pub fn single(model: &mut dyn CausalLm, cfg: AdamWConfig, placement: Placement) -> Result<Zero> {
         let mesh = DeviceMesh::new(ThreadComm::solo(crate::CommOptions::default()), 1, 1, 1)?;
         Zero::new(model, mesh, ShardSpec::zero(0, 1)?, None, cfg, placement)
     }
