@@ -277,7 +277,7 @@ fn ladder(model: &Path, out: &Path, extra: &[&str]) {
 
 /// The loss of `m` on a fixed batch of the fixture tokenizer's ids.
 fn fixed_loss(m: &Llama) -> f32 {
-    let ids: Vec<i32> = (0..2 * 24).map(|i| (i * 37 % 300) as i32).collect();
+    let ids: Vec<i32> = (0..2 * 24).map(|i| i * 37 % 300).collect();
     let tg: Vec<i32> = ids.iter().map(|&i| (i * 7 + 3) % 300).collect();
     let t = |v: Vec<i32>| ferrolm::Tensor::from_vec(v, vec![2, 24], Device::Cpu).unwrap();
     m.loss(&t(ids), &t(tg)).unwrap().to_vec::<f32>().unwrap()[0]
@@ -322,10 +322,20 @@ fn ladder_of(family: &str, cfg: &str) {
     assert_eq!(fixed_loss(&m2).to_bits(), trained.to_bits(), "{family}: reloaded");
     // The Ladder schedule is what computes it: the same weights as standard blocks give other
     // logits.
-    let logits = |m: &Llama| m.forward(&ferrolm::Tensor::from_vec((0..24).collect::<Vec<i32>>(), vec![1, 24], Device::Cpu).unwrap()).unwrap();
-    let ladder = logits(&m).to_vec::<f32>().unwrap();
+    let logits =
+        |m: &Llama| m.forward(&ferrolm::Tensor::from_vec((0..24).collect::<Vec<i32>>(), vec![1, 24], Device::Cpu).unwrap()).unwrap();
+    let scheduled = logits(&m).to_vec::<f32>().unwrap();
     m.set_ladder_layers(None).unwrap();
-    assert_ne!(logits(&m).to_vec::<f32>().unwrap(), ladder, "{family}: the Ladder schedule is off");
+    assert_ne!(logits(&m).to_vec::<f32>().unwrap(), scheduled, "{family}: the Ladder schedule is off");
+
+    // LoRA on the converted model: the merged model is the family's Ladder model.
+    let lora = dir.join("lora");
+    ladder(&src, &lora, &["--ladder-layers=1", "--steps=2", "--lora-rank=4", "--merge-lora"]);
+    let merged = lora.join("merged");
+    let c = json(&merged.join("config.json"));
+    assert_eq!((&c["model_type"], &c["ladder_source_model_type"]), (&"llamaLadder".into(), &family.into()), "{family}: {c}");
+    let m = Llama::from_pretrained(&merged, DType::F32, Device::Cpu).unwrap();
+    assert_eq!(m.config().ladder_layers, Some(ferrolm::nn::LadderLayers::Last(1)));
     let _ = std::fs::remove_dir_all(&dir);
 }
 

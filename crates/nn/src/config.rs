@@ -1265,7 +1265,10 @@ mod tests {
         ladder.ladder_layers = Some(LadderLayers::Last(1));
         ladder.validate().unwrap();
         let v = ladder.to_json_over("float32", &source, "float32", "src").unwrap();
-        assert_eq!((&v["model_type"], &v["ladder_source_model_type"], &v["ladder_layers"]), (&json!("llamaLadder"), &json!("qwen2"), &json!(1)));
+        assert_eq!(
+            (&v["model_type"], &v["ladder_source_model_type"], &v["ladder_layers"]),
+            (&json!("llamaLadder"), &json!("qwen2"), &json!(1))
+        );
         assert!(v.get("auto_map").is_none(), "{v}");
         assert_eq!((&v["sliding_window"], &v["max_window_layers"]), (&json!(3), &json!(1)));
         let again = LlamaConfig::from_json_str(&v.to_string()).unwrap();

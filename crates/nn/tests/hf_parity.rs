@@ -380,8 +380,18 @@ fn family_config_errors_and_accepted_keys() {
         (&qwen2, "\"full_attention\",\n", "", "layer_types"),
         (&qwen2, "\"full_attention\"\n  ]", "\"global\"\n  ]", "layer_types"),
         // A Ladder model names its family only as a llamaLadder, and only a supported one.
-        (&qwen2, "\"model_type\": \"qwen2\"", "\"model_type\": \"qwen2\", \"ladder_source_model_type\": \"qwen2\"", "ladder_source_model_type"),
-        (&llama, "\"model_type\": \"llama\"", "\"model_type\": \"llamaLadder\", \"ladder_source_model_type\": \"gemma2\"", "ladder_source_model_type"),
+        (
+            &qwen2,
+            "\"model_type\": \"qwen2\"",
+            "\"model_type\": \"qwen2\", \"ladder_source_model_type\": \"qwen2\"",
+            "ladder_source_model_type",
+        ),
+        (
+            &llama,
+            "\"model_type\": \"llama\"",
+            "\"model_type\": \"llamaLadder\", \"ladder_source_model_type\": \"gemma2\"",
+            "ladder_source_model_type",
+        ),
     ];
     for (text, from, to, what) in refused {
         assert!(text.contains(from), "fixture lacks {from}");
