@@ -22,8 +22,8 @@ use std::path::PathBuf;
 #[command(
     allow_negative_numbers = true,
     name = "finetune_ladder",
-    about = "Convert a Hugging Face checkpoint (llama, qwen2, qwen3, mistral, gemma3_text) to the Ladder Transformer and \
-             fine-tune it. Reports the validation loss of the plain model, of the converted model before training and \
+    about = "Convert a Hugging Face checkpoint to the Ladder Transformer and fine-tune it (llama, qwen2, qwen3, mistral, \
+             gemma3_text). Reports the validation loss of the plain model, of the converted model before training and \
              after it; writes checkpoints in the paper's llamaLadder format under OUT/checkpoints/ (another family's \
              keeps its config keys and says it in ladder_source_model_type). With --steps 0 it only converts.",
     after_help = env_help(&[ENV_COMMON, ENV_DEVICE, ENV_TRAIN, ENV_LAUNCH])
