@@ -311,6 +311,11 @@ fn ladder_of(family: &str, cfg: &str) {
     ladder(&src, &all, &["--ladder-layers=all", "--steps=3"]);
     let l = losses(&all);
     assert!(l.len() == 3 && l.iter().all(|x| x.is_finite()), "{family}: {l:?}");
+    // Under tensor parallelism (each branch's all-reduce pending across the next branch, the
+    // sandwich's post-norm after it): one device's losses.
+    let tp = dir.join("tp2");
+    ladder(&src, &tp, &["--ladder-layers=all", "--steps=3", "--tp=2"]);
+    close(&losses(&tp), &l, 1e-5, &format!("{family} Ladder --tp 2"));
     let ck = all.join("checkpoints/step-000003");
     let mut m = Llama::from_pretrained(&ck, DType::F32, Device::Cpu).unwrap();
     assert_eq!((m.config().family.model_type(), m.layers.iter().all(|b| b.ladder)), (family, true));
