@@ -214,48 +214,64 @@ fn every_command_on_gemma3_text() {
     );
 }
 
-/// `pretrain_llama --config FILE.json` with the config.json transformers wrote for each family's
-/// fixture (bias, QK-norm, explicit head_dim, Gemma's sandwich norms, sliding windows), its
-/// vocabulary widened to the bundled tokenizer's: it pretrains from scratch, and the checkpoint
-/// reloads as the same family with the same block features and the family's tensor names.
-#[test]
-fn pretrain_from_each_family_config() {
-    let dir = tmp("family-pretrain");
+/// `pretrain_llama --config FILE.json` with the config.json transformers wrote for the family's
+/// fixture `fixture` (bias, QK-norm, explicit head_dim, Gemma's sandwich norms, sliding windows),
+/// its vocabulary widened to the bundled tokenizer's: it pretrains from scratch, and the
+/// checkpoint reloads as the same family with the same config and the parameter `feature`. With
+/// `ladder`, `--ladder-layers all` makes it a Ladder model of the family.
+fn pretrain_from_config(fixture: &str, family: &str, feature: &str, ladder: bool) {
+    let dir = tmp(&format!("family-pretrain-{family}"));
     let (train, _, vocab) = shards(&dir);
     let data = train[0].parent().unwrap().to_path_buf();
-    for (fixture, family, feature) in [
-        ("qwen2_window", "qwen2", "model.layers.0.self_attn.q_proj.bias"),
-        ("qwen3_qknorm_untied", "qwen3", "model.layers.0.self_attn.k_norm.weight"),
-        ("mistral_window", "mistral", "model.layers.1.mlp.down_proj.weight"),
-        ("gemma3_mixed_tied", "gemma3_text", "model.layers.2.post_feedforward_layernorm.weight"),
-    ] {
-        let mut cfg = json(&root().join("tests/fixtures").join(fixture).join("config.json"));
-        cfg["vocab_size"] = vocab.into();
-        let file = dir.join(format!("{fixture}.json"));
-        std::fs::write(&file, cfg.to_string()).unwrap();
-        let want = LlamaConfig::from_file(&file).unwrap();
-        let out = dir.join(fixture);
-        let a = pretrain_args(&data, &file, &out, &["--steps=2", "--batch-size=2", "--eval-every=0", "--save-every=2", "--lr=1e-2"]);
-        ferrolm::cli::pretrain::run(a).unwrap_or_else(|e| panic!("pretrain_llama --config {fixture}: {}", error_report(&e)));
-        let l = losses(&out);
-        assert!(l.len() == 2 && l.iter().all(|x| x.is_finite()), "{family}: {l:?}");
-        let ckpt = out.join("checkpoints/step-000002");
-        assert_eq!(json(&ckpt.join("config.json"))["model_type"], family);
-        let m = Llama::from_pretrained(&ckpt, DType::F32, Device::Cpu).unwrap();
-        let got = m.config();
-        // The same model; only the special ids come from the tokenizer.
-        let same = LlamaConfig { bos_token_id: got.bos_token_id, eos_token_id: got.eos_token_id.clone(), ..want.clone() };
-        assert_eq!(*got, same, "{family}: the checkpoint's config");
-        assert!(m.parameters().iter().any(|(n, _)| n == feature), "{family}: no {feature}");
-        assert!(got.layer_windows().iter().any(Option::is_some) || family == "qwen3", "{family}: {:?}", got.layer_windows());
+    let mut cfg = json(&root().join("tests/fixtures").join(fixture).join("config.json"));
+    cfg["vocab_size"] = vocab.into();
+    let file = dir.join(format!("{fixture}.json"));
+    std::fs::write(&file, cfg.to_string()).unwrap();
+    let mut want = LlamaConfig::from_file(&file).unwrap();
+    let out = dir.join(fixture);
+    let mut flags = vec!["--steps=2", "--batch-size=2", "--eval-every=0", "--save-every=2", "--lr=1e-2"];
+    if ladder {
+        flags.push("--ladder-layers=all");
+        want.ladder_layers = Some(ferrolm::nn::LadderLayers::Last(want.num_hidden_layers));
     }
-    // A Ladder Transformer of a family from scratch: the checkpoint is a Gemma 3 Ladder model.
-    let (file, out) = (dir.join("gemma3_mixed_tied.json"), dir.join("gemma-ladder"));
-    let a = pretrain_args(&data, &file, &out, &["--steps=1", "--batch-size=2", "--eval-every=0", "--save-every=1", "--ladder-layers=all"]);
-    ferrolm::cli::pretrain::run(a).unwrap_or_else(|e| panic!("pretrain_llama --ladder-layers all: {}", error_report(&e)));
-    let m = Llama::from_pretrained(&out.join("checkpoints/step-000001"), DType::F32, Device::Cpu).unwrap();
-    assert_eq!((m.config().family, m.layers.iter().all(|b| b.ladder)), (ferrolm::nn::Family::Gemma3, true));
+    let a = pretrain_args(&data, &file, &out, &flags);
+    ferrolm::cli::pretrain::run(a).unwrap_or_else(|e| panic!("pretrain_llama --config {fixture}: {}", error_report(&e)));
+    let l = losses(&out);
+    assert!(l.len() == 2 && l.iter().all(|x| x.is_finite()), "{family}: {l:?}");
+    let ckpt = out.join("checkpoints/step-000002");
+    let c = json(&ckpt.join("config.json"));
+    let written = if ladder { &c["ladder_source_model_type"] } else { &c["model_type"] };
+    assert_eq!(written, family, "{c}");
+    let m = Llama::from_pretrained(&ckpt, DType::F32, Device::Cpu).unwrap();
+    let got = m.config();
+    // The same model; only the special ids come from the tokenizer.
+    let same = LlamaConfig { bos_token_id: got.bos_token_id, eos_token_id: got.eos_token_id.clone(), ..want };
+    assert_eq!(*got, same, "{family}: the checkpoint's config");
+    assert!(m.parameters().iter().any(|(n, _)| n == feature), "{family}: no {feature}");
+    assert!(m.layers.iter().all(|b| b.ladder == ladder), "{family}: Ladder blocks");
     let _ = std::fs::remove_dir_all(&dir);
+}
+
+#[test]
+fn pretrain_from_a_qwen2_config() {
+    pretrain_from_config("qwen2_window", "qwen2", "model.layers.0.self_attn.q_proj.bias", false);
+}
+
+#[test]
+fn pretrain_from_a_qwen3_config() {
+    pretrain_from_config("qwen3_qknorm_untied", "qwen3", "model.layers.0.self_attn.k_norm.weight", false);
+}
+
+#[test]
+fn pretrain_from_a_mistral_config() {
+    pretrain_from_config("mistral_window", "mistral", "lm_head.weight", false);
+}
+
+#[test]
+fn pretrain_from_a_gemma3_text_config() {
+    pretrain_from_config("gemma3_mixed_tied", "gemma3_text", "model.layers.2.post_feedforward_layernorm.weight", false);
+    // A Ladder Transformer of a family from scratch.
+    pretrain_from_config("gemma3_mixed_tied", "gemma3_text", "model.layers.2.post_feedforward_layernorm.weight", true);
 }
 
 fn ladder(model: &Path, out: &Path, extra: &[&str]) {
