@@ -16,6 +16,12 @@ every entry of model.named_parameters()).
   qwen2_window          Qwen2: use_sliding_window true, sliding_window 4 < seq 12, 2 layers with
                         max_window_layers 1 (layer 0 full, layer 1 sliding_attention), tied
   mistral_window        Mistral: sliding_window 5 < seq 12 on every layer
+  qwen3_bias_bf16       Qwen3: attention_bias true (a bias on q, k, v and o), QK-norm, tied, its
+                        weights stored in bf16 (`dtype: bfloat16`); the reference is transformers'
+                        f32 compute on those weights (AutoModelForCausalLM.from_pretrained(dtype=
+                        torch.float32) upcasts them)
+  llama_bias_untied     Llama: attention_bias and mlp_bias true (biases on o_proj and on gate, up
+                        and down, beside q/k/v), untied
 
 The windowed fixtures (qwen2_window, mistral_window, gemma3_mixed_tied) also hold
 generation.json: transformers' greedy `generate` (its own KV cache, `DynamicCache`, whose sliding
@@ -44,8 +50,8 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file
 from transformers import (AutoConfig, AutoModelForCausalLM, Gemma3ForCausalLM, Gemma3TextConfig,
-                          MistralConfig, MistralForCausalLM, Qwen2Config, Qwen2ForCausalLM, Qwen3Config,
-                          Qwen3ForCausalLM)
+                          LlamaConfig, LlamaForCausalLM, MistralConfig, MistralForCausalLM, Qwen2Config,
+                          Qwen2ForCausalLM, Qwen3Config, Qwen3ForCausalLM)
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import make_hf_fixtures as hf  # noqa: E402  (shared conventions: inputs, loss, reference file)
@@ -101,6 +107,17 @@ FIXTURES: dict[str, dict] = {
         config=base(64, 32, 48, 2, 4, 2, 1e-5, False, sliding_window=5),
         batch=2, seq=12, seed=25, std=0.3, generate=dict(prompt=[25, 10, 28, 18, 40], new=12),
     ),
+    "qwen3_bias_bf16": dict(
+        classes=(Qwen3Config, Qwen3ForCausalLM),
+        config=base(64, 32, 64, 2, 4, 2, 1e-6, True, head_dim=16, attention_bias=True,
+                    use_sliding_window=False),
+        batch=2, seq=12, seed=26, std=0.05, bf16=True,
+    ),
+    "llama_bias_untied": dict(
+        classes=(LlamaConfig, LlamaForCausalLM),
+        config=base(64, 32, 64, 2, 4, 2, 1e-5, False, attention_bias=True, mlp_bias=True),
+        batch=2, seq=12, seed=27, std=0.05,
+    ),
 }
 
 
@@ -132,6 +149,8 @@ def build_model(spec: dict):
                 p.copy_(1.0 + 0.2 * torch.randn(p.shape, generator=g))
             else:
                 p.copy_(spec["std"] * torch.randn(p.shape, generator=g))
+            if spec.get("bf16"):
+                p.copy_(p.to(torch.bfloat16).to(torch.float32))  # the values bf16 stores
     model.train()
     return model
 
@@ -144,7 +163,12 @@ def generate(name: str, spec: dict, out_root: Path) -> None:
     model = build_model(spec)
     input_ids, labels = hf.make_inputs(spec, model.config.vocab_size)
     logits, loss, grads = hf.forward_backward(model, input_ids, labels)
-    model.save_pretrained(d, safe_serialization=True)
+    if spec.get("bf16"):
+        # Stored in bf16 (exactly the f32 values the reference was computed with).
+        model.to(torch.bfloat16).save_pretrained(d, safe_serialization=True)
+        model.to(torch.float32)
+    else:
+        model.save_pretrained(d, safe_serialization=True)
     hf.save_reference(d / "reference.safetensors", input_ids, labels, logits, loss, grads,
                       "scripts/make_family_fixtures.py")
     if "generate" in spec:
@@ -226,7 +250,7 @@ def main() -> int:
         check(name, FIXTURES[name], args.out)
     total = sum(f.stat().st_size for n in FIXTURES for f in (args.out / n).rglob("*") if f.is_file())
     print(f"total size of the family fixtures in {args.out}: {total} bytes ({total / 1024:.1f} KiB)")
-    # Six fixtures of about 160-330 KB: the same 2 MB budget as make_hf_fixtures.py's.
+    # Eight fixtures of about 160-330 KB: the same 2 MB budget as make_hf_fixtures.py's.
     if total >= 2 * 1024 * 1024:
         print("error: family fixtures exceed 2 MB", file=sys.stderr)
         return 1

@@ -772,7 +772,8 @@ impl Trainer {
         Ok(())
     }
 
-    /// Model FLOPs utilisation on CUDA: (6 N + 12 L T d_attn) FLOPs per token (PaLM's count)
+    /// Model FLOPs utilisation on CUDA: (6 N + 12 L T d_attn) FLOPs per token (PaLM's count; a
+    /// layer with a sliding window w < T counts its share of the keys, about 2w / T)
     /// over the bf16 dense peak, `FERROLM_PEAK_TFLOPS` or 989 (H100/H200 SXM); with LoRA the
     /// frozen weights count 4 FLOPs each (forward, input gradient) and the adapters 6. None on
     /// CPU and on the emulated CUDA device.
@@ -782,7 +783,11 @@ impl Trainer {
             return None; // the CPU emulator: a GPU utilisation figure would be meaningless
         }
         let c = self.model.config();
-        let attn = 12.0 * (c.num_hidden_layers * self.opts.seq_len * c.num_attention_heads * c.head_dim) as f64;
+        // A sliding layer scores each query against its window only (`planner::shape::window_share`).
+        let t = self.opts.seq_len;
+        let attn = c.layer_windows().iter().map(|&w| crate::planner::shape::window_share(w, t)).sum::<f64>()
+            * 12.0
+            * (t * c.num_attention_heads * c.head_dim) as f64;
         let adapters: usize = self.model.adapters().iter().map(|(_, t)| t.numel()).sum();
         let frozen = if adapters > 0 { 4.0 } else { 6.0 };
         let per_token = frozen * self.model.num_params() as f64 + 6.0 * adapters as f64 + attn;

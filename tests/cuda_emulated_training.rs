@@ -340,3 +340,52 @@ fn windowed_models_on_the_device_match_the_cpu() {
         assert_eq!(gen(gpu), gen(Device::Cpu), "{name}: greedy tokens on cuda:0");
     }
 }
+
+/// Every family fixture (scripts/make_family_fixtures.py) on `cuda:0` (the emulator with
+/// poisoned memory where there is no GPU) against transformers' references in f32: logits, the
+/// loss and every gradient within rel 1e-5 (max |ours - hf| / max |hf| per tensor), the bound
+/// of the CPU's `hf_parity`. Prints the measured errors.
+#[test]
+fn family_fixtures_on_the_device_match_transformers() {
+    use ferrolm_nn::safetensors_io::load_safetensors;
+    let Some(gpu) = poisoned_device() else { return };
+    let rel = |a: &[f64], b: &[f64]| {
+        let scale = b.iter().fold(0f64, |m, x| m.max(x.abs()));
+        assert!(a.iter().all(|x| x.is_finite()), "a non-finite value (an unwritten element?)");
+        a.iter().zip(b).fold(0f64, |m, (x, y)| m.max((x - y).abs())) / scale
+    };
+    for name in [
+        "qwen2_bias_tied",
+        "qwen3_qknorm_untied",
+        "qwen3_bias_bf16",
+        "mistral_headdim",
+        "gemma3_mixed_tied",
+        "qwen2_window",
+        "mistral_window",
+        "llama_bias_untied",
+    ] {
+        let dir = common::root().join("tests/fixtures").join(name);
+        let r = load_safetensors(&dir.join("reference.safetensors"), DType::F32, Device::Cpu).unwrap();
+        let m = Llama::from_pretrained(&dir, DType::F32, gpu).unwrap();
+        let (b, t) = (r["input_ids"].dim(0), r["input_ids"].dim(1));
+        let ids: Vec<i32> = r["input_ids"].to_vec().unwrap();
+        let labels: Vec<i32> = r["labels"].to_vec().unwrap();
+        let up = |v: Vec<i32>| Tokens::upload(v, vec![b, t], gpu).unwrap();
+        let e_logits = rel(&m.forward(up(ids.clone())).unwrap().to_vec_f64().unwrap(), &r["logits"].to_vec_f64().unwrap());
+        let loss = m.loss(up(ids), up(ferrolm::nn::shift_labels(&labels, t))).unwrap();
+        let e_loss = rel(&loss.to_vec_f64().unwrap(), &r["loss"].to_vec_f64().unwrap());
+        loss.backward().unwrap();
+        let (mut e_grad, mut worst) = (0f64, String::new());
+        for (n, p) in m.parameters() {
+            let e = rel(&p.grad().unwrap().to_vec_f64().unwrap(), &r[&format!("grad.{n}")].to_vec_f64().unwrap());
+            if e > e_grad {
+                (e_grad, worst) = (e, n);
+            }
+        }
+        println!("{name} on {gpu}: rel err logits {e_logits:.2e}, loss {e_loss:.2e}, grads max {e_grad:.2e} ({worst})");
+        assert!(
+            e_logits < 1e-5 && e_loss < 1e-5 && e_grad < 1e-5,
+            "{name}: logits {e_logits:e}, loss {e_loss:e}, grad {e_grad:e} at {worst}"
+        );
+    }
+}

@@ -213,3 +213,174 @@ fn every_command_on_gemma3_text() {
            "rope_parameters":{"full_attention":{"rope_type":"default","rope_theta":1000000.0},"sliding_attention":{"rope_type":"default","rope_theta":100.0}}"#,
     );
 }
+
+/// `pretrain_llama --config FILE.json` with the config.json transformers wrote for the family's
+/// fixture `fixture` (bias, QK-norm, explicit head_dim, Gemma's sandwich norms, sliding windows),
+/// its vocabulary widened to the bundled tokenizer's: it pretrains from scratch, and the
+/// checkpoint reloads as the same family with the same config and the parameter `feature`. With
+/// `ladder`, `--ladder-layers all` makes it a Ladder model of the family.
+fn pretrain_from_config(fixture: &str, family: &str, feature: &str, ladder: bool) {
+    let dir = tmp(&format!("family-pretrain-{family}"));
+    let (train, _, vocab) = shards(&dir);
+    let data = train[0].parent().unwrap().to_path_buf();
+    let mut cfg = json(&root().join("tests/fixtures").join(fixture).join("config.json"));
+    cfg["vocab_size"] = vocab.into();
+    let file = dir.join(format!("{fixture}.json"));
+    std::fs::write(&file, cfg.to_string()).unwrap();
+    let mut want = LlamaConfig::from_file(&file).unwrap();
+    let out = dir.join(fixture);
+    let mut flags = vec!["--steps=2", "--batch-size=2", "--eval-every=0", "--save-every=2", "--lr=1e-2"];
+    if ladder {
+        flags.push("--ladder-layers=all");
+        want.ladder_layers = Some(ferrolm::nn::LadderLayers::Last(want.num_hidden_layers));
+    }
+    let a = pretrain_args(&data, &file, &out, &flags);
+    ferrolm::cli::pretrain::run(a).unwrap_or_else(|e| panic!("pretrain_llama --config {fixture}: {}", error_report(&e)));
+    let l = losses(&out);
+    assert!(l.len() == 2 && l.iter().all(|x| x.is_finite()), "{family}: {l:?}");
+    let ckpt = out.join("checkpoints/step-000002");
+    let c = json(&ckpt.join("config.json"));
+    let written = if ladder { &c["ladder_source_model_type"] } else { &c["model_type"] };
+    assert_eq!(written, family, "{c}");
+    let m = Llama::from_pretrained(&ckpt, DType::F32, Device::Cpu).unwrap();
+    let got = m.config();
+    // The same model; only the special ids come from the tokenizer.
+    let same = LlamaConfig { bos_token_id: got.bos_token_id, eos_token_id: got.eos_token_id.clone(), ..want };
+    assert_eq!(*got, same, "{family}: the checkpoint's config");
+    assert!(m.parameters().iter().any(|(n, _)| n == feature), "{family}: no {feature}");
+    assert!(m.layers.iter().all(|b| b.ladder == ladder), "{family}: Ladder blocks");
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+#[test]
+fn pretrain_from_a_qwen2_config() {
+    pretrain_from_config("qwen2_window", "qwen2", "model.layers.0.self_attn.q_proj.bias", false);
+}
+
+#[test]
+fn pretrain_from_a_qwen3_config() {
+    pretrain_from_config("qwen3_qknorm_untied", "qwen3", "model.layers.0.self_attn.k_norm.weight", false);
+}
+
+#[test]
+fn pretrain_from_a_mistral_config() {
+    pretrain_from_config("mistral_window", "mistral", "lm_head.weight", false);
+}
+
+#[test]
+fn pretrain_from_a_gemma3_text_config() {
+    pretrain_from_config("gemma3_mixed_tied", "gemma3_text", "model.layers.2.post_feedforward_layernorm.weight", false);
+    // A Ladder Transformer of a family from scratch.
+    pretrain_from_config("gemma3_mixed_tied", "gemma3_text", "model.layers.2.post_feedforward_layernorm.weight", true);
+}
+
+fn ladder(model: &Path, out: &Path, extra: &[&str]) {
+    let head = [
+        "finetune_ladder",
+        "--device=cpu",
+        "--eval-every=0",
+        "--lr=3e-2",
+        "--seq-len=128",
+        "--batch-size=2",
+        "--val-fraction=0.5",
+        "--truncate",
+        "--data-format=messages",
+    ];
+    let paths = [flag("model", model), flag("data", &fixture("conversations.jsonl")), flag("out", out)];
+    let a = parse_from(args(&head, &paths, extra)).unwrap();
+    ferrolm::cli::finetune_ladder::run(a).unwrap_or_else(|e| panic!("finetune_ladder {extra:?}: {}", error_report(&e)));
+}
+
+/// The loss of `m` on a fixed batch of the fixture tokenizer's ids.
+fn fixed_loss(m: &Llama) -> f32 {
+    let ids: Vec<i32> = (0..2 * 24).map(|i| i * 37 % 300).collect();
+    let tg: Vec<i32> = ids.iter().map(|&i| (i * 7 + 3) % 300).collect();
+    let t = |v: Vec<i32>| ferrolm::Tensor::from_vec(v, vec![2, 24], Device::Cpu).unwrap();
+    m.loss(&t(ids), &t(tg)).unwrap().to_vec::<f32>().unwrap()[0]
+}
+
+/// `finetune_ladder` on a model of `family`: with 0 Ladder layers the converted checkpoint is
+/// the source model exactly (the same loss, bit for bit); with every layer a Ladder block it
+/// trains, and the checkpoint reloads as a Ladder model of the same family (config key
+/// `ladder_source_model_type`, no Llama remote code) with the same loss after another save.
+fn ladder_of(family: &str, cfg: &str) {
+    let dir = tmp(&format!("family-ladder-{family}"));
+    let src = family_source(&dir, family, cfg);
+    let source = Llama::from_pretrained(&src, DType::F32, Device::Cpu).unwrap();
+    let base = fixed_loss(&source);
+
+    let zero = dir.join("zero");
+    ladder(&src, &zero, &["--ladder-layers=0", "--steps=0"]);
+    let ck = zero.join("checkpoints/step-000000");
+    let c = json(&ck.join("config.json"));
+    assert_eq!((&c["model_type"], &c["ladder_source_model_type"], &c["ladder_layers"]), (&"llamaLadder".into(), &family.into(), &0.into()));
+    assert!(c.get("auto_map").is_none(), "{family}: the Llama remote code does not compute this family: {c}");
+    for (name, _) in ferrolm_nn::ladder_hf::FILES {
+        assert!(!ck.join(name).exists(), "{family}: {name} written");
+    }
+    let m = Llama::from_pretrained(&ck, DType::F32, Device::Cpu).unwrap();
+    assert_eq!(m.config().family.model_type(), family);
+    assert_eq!(m.config().ladder_layers, Some(ferrolm::nn::LadderLayers::Last(0)));
+    assert_eq!(fixed_loss(&m).to_bits(), base.to_bits(), "{family}: 0 Ladder layers is the source model");
+
+    let all = dir.join("all");
+    ladder(&src, &all, &["--ladder-layers=all", "--steps=3"]);
+    let l = losses(&all);
+    assert!(l.len() == 3 && l.iter().all(|x| x.is_finite()), "{family}: {l:?}");
+    // Under tensor parallelism (each branch's all-reduce pending across the next branch, the
+    // sandwich's post-norm after it): one device's losses.
+    let tp = dir.join("tp2");
+    ladder(&src, &tp, &["--ladder-layers=all", "--steps=3", "--tp=2"]);
+    close(&losses(&tp), &l, 1e-5, &format!("{family} Ladder --tp 2"));
+    let ck = all.join("checkpoints/step-000003");
+    let mut m = Llama::from_pretrained(&ck, DType::F32, Device::Cpu).unwrap();
+    assert_eq!((m.config().family.model_type(), m.layers.iter().all(|b| b.ladder)), (family, true));
+    let trained = fixed_loss(&m);
+    assert_ne!(trained.to_bits(), base.to_bits(), "{family}: trained");
+    let again = dir.join("again");
+    m.save_pretrained(&again).unwrap();
+    let m2 = Llama::from_pretrained(&again, DType::F32, Device::Cpu).unwrap();
+    assert_eq!(fixed_loss(&m2).to_bits(), trained.to_bits(), "{family}: reloaded");
+    // The Ladder schedule is what computes it: the same weights as standard blocks give other
+    // logits.
+    let logits =
+        |m: &Llama| m.forward(&ferrolm::Tensor::from_vec((0..24).collect::<Vec<i32>>(), vec![1, 24], Device::Cpu).unwrap()).unwrap();
+    let scheduled = logits(&m).to_vec::<f32>().unwrap();
+    m.set_ladder_layers(None).unwrap();
+    assert_ne!(logits(&m).to_vec::<f32>().unwrap(), scheduled, "{family}: the Ladder schedule is off");
+
+    // LoRA on the converted model: the merged model is the family's Ladder model.
+    let lora = dir.join("lora");
+    ladder(&src, &lora, &["--ladder-layers=1", "--steps=2", "--lora-rank=4", "--merge-lora"]);
+    let merged = lora.join("merged");
+    let c = json(&merged.join("config.json"));
+    assert_eq!((&c["model_type"], &c["ladder_source_model_type"]), (&"llamaLadder".into(), &family.into()), "{family}: {c}");
+    let m = Llama::from_pretrained(&merged, DType::F32, Device::Cpu).unwrap();
+    assert_eq!(m.config().ladder_layers, Some(ferrolm::nn::LadderLayers::Last(1)));
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+#[test]
+fn ladder_of_qwen2() {
+    ladder_of("qwen2", r#""tie_word_embeddings":true,"use_sliding_window":true,"sliding_window":8,"max_window_layers":1"#);
+}
+
+#[test]
+fn ladder_of_qwen3() {
+    ladder_of("qwen3", r#""tie_word_embeddings":false,"head_dim":12,"attention_bias":true"#);
+}
+
+#[test]
+fn ladder_of_mistral() {
+    ladder_of("mistral", r#""tie_word_embeddings":false,"head_dim":12,"sliding_window":8"#);
+}
+
+#[test]
+fn ladder_of_gemma3_text() {
+    ladder_of(
+        "gemma3_text",
+        r#""tie_word_embeddings":true,"head_dim":12,"query_pre_attn_scalar":10,"hidden_activation":"gelu_pytorch_tanh",
+           "layer_types":["sliding_attention","full_attention"],"sliding_window":8,
+           "rope_parameters":{"full_attention":{"rope_type":"default","rope_theta":1000000.0},"sliding_attention":{"rope_type":"default","rope_theta":100.0}}"#,
+    );
+}

@@ -13,6 +13,9 @@
 //! the emulator the estimate's workspace reserve (CUDA context, cuBLAS, NCCL's buffers) holds no
 //! tensor and is left out of the comparison.
 //!
+//! Each family's block features (`estimate_bounds_the_measured_peak_of_each_family_on_the_cpu`)
+//! are held to the same band.
+//!
 //! A feature that changes what training holds (a fused loss head, frozen weights) adds rows to
 //! the tables of `cpu_cases` / `emulator_cases`, with a field in `Case` if the run needs one.
 mod common;
@@ -52,6 +55,9 @@ struct Case {
     lora: Option<(usize, f64)>,
     /// The head's loss: fused in chunks (the default) or unfused.
     loss_chunks: LossChunks,
+    /// In place of the preset: a model of this family at the tiny preset's size (see
+    /// [`family_config`]).
+    family: Option<&'static str>,
 }
 
 impl Case {
@@ -70,6 +76,14 @@ impl Case {
             steps: 2,
             lora: None,
             loss_chunks: LossChunks::Auto,
+            family: None,
+        }
+    }
+
+    fn config(&self, vocab: usize) -> LlamaConfig {
+        match self.family {
+            Some(f) => family_config(f, vocab),
+            None => LlamaConfig::preset(self.preset).unwrap().with_vocab_size(vocab),
         }
     }
 
@@ -81,7 +95,7 @@ impl Case {
         };
         format!(
             "{} {:?} {layout}, {} x {} tokens x {} micro-batches{}{}{}",
-            self.preset,
+            self.family.unwrap_or(self.preset),
             self.dtype,
             self.batch,
             self.seq,
@@ -107,7 +121,7 @@ impl Case {
 
 /// (the estimate for every rank of the run, the measured peak of the process), in bytes.
 fn measure(d: &Data, c: &Case, device: Device) -> (f64, f64, Memory) {
-    let cfg = LlamaConfig::preset(c.preset).unwrap().with_vocab_size(d.vocab);
+    let cfg = c.config(d.vocab);
     let layout = c.parallel().layout().unwrap();
     let mut mem_layout: MemParallelism = layout.mem_layout(c.checkpointing).unwrap();
     mem_layout.lora = c.lora().map(|l| LoraMem::new(&l, cfg.num_hidden_layers));
@@ -218,6 +232,50 @@ fn cpu_cases() -> Vec<Case> {
         Case { lora: Some((4, 0.0)), dp: 2, zero: 3, grad_accum: 2, ..ck },
         Case { lora: Some((16, 0.0)), ..small },
     ]
+}
+
+/// A model of `family` at the tiny preset's size (4 layers of 128, 4 heads, 2 key/value heads)
+/// with every block feature the family has: Qwen2's q/k/v bias and a window on its last two
+/// layers, Qwen3's QK-norm, o bias and head_dim 64 != hidden / heads, Mistral's window on every
+/// layer, Gemma 3's sandwich norms, GeGLU, QK-norm and sliding/full layers.
+fn family_config(family: &str, vocab: usize) -> LlamaConfig {
+    let extra = match family {
+        "qwen2" => r#""use_sliding_window":true,"sliding_window":16,"max_window_layers":2"#,
+        "qwen3" => r#""head_dim":64,"attention_bias":true"#,
+        "mistral" => r#""sliding_window":16"#,
+        "gemma3_text" => {
+            r#""head_dim":32,"query_pre_attn_scalar":32,"sliding_window":16,
+               "layer_types":["sliding_attention","sliding_attention","sliding_attention","full_attention"]"#
+        }
+        other => panic!("no test config for {other}"),
+    };
+    LlamaConfig::from_json_str(&format!(
+        r#"{{"model_type":"{family}","vocab_size":{vocab},"hidden_size":128,"intermediate_size":384,"num_hidden_layers":4,
+            "num_attention_heads":4,"num_key_value_heads":2,"max_position_embeddings":256,"rms_norm_eps":1e-5,
+            "tie_word_embeddings":true,{extra}}}"#
+    ))
+    .unwrap()
+}
+
+/// Each family's block features (biases, QK-norm, the sandwich's extra norms, windows) on one
+/// device, with and without checkpointing, and under tensor parallelism.
+fn family_cases() -> Vec<Case> {
+    let t = Case::tiny();
+    ["qwen2", "qwen3", "mistral", "gemma3_text"]
+        .into_iter()
+        .flat_map(|f| {
+            let c = Case { family: Some(f), ..t.clone() };
+            [c.clone(), Case { checkpointing: true, dtype: DType::BF16, ..c.clone() }, Case { tp: 2, ..c }]
+        })
+        .collect()
+}
+
+#[test]
+fn estimate_bounds_the_measured_peak_of_each_family_on_the_cpu() {
+    let _g = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
+    let d = data("mem-cpu-family");
+    check(&d, &family_cases(), Device::Cpu);
+    let _ = std::fs::remove_dir_all(&d.dir);
 }
 
 #[test]

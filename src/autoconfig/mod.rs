@@ -78,6 +78,7 @@ pub fn size_table(vocab: usize) -> Vec<ModelShape> {
             vocab,
             tied: false,
             extras: Default::default(),
+            windows: vec![],
         })
         .collect()
 }

@@ -1,8 +1,10 @@
-//! `finetune_ladder`: convert a Hugging Face Llama checkpoint to the Ladder Transformer (Ladder
-//! Residual, arXiv 2501.06589) and fine-tune it. The conversion changes no weight: the chosen
-//! blocks read the residual stream one branch late. The validation loss is reported for the
-//! plain model, for the converted one before training and after it; checkpoints are written in
-//! the paper's released format (`model_type: "llamaLadder"`, `ladder_layers`).
+//! `finetune_ladder`: convert a Hugging Face checkpoint of any supported family (Llama, Qwen2,
+//! Qwen3, Mistral, Gemma 3) to the Ladder Transformer (Ladder Residual, arXiv 2501.06589) and
+//! fine-tune it. The conversion changes no weight: the chosen blocks read the residual stream
+//! one branch late. The validation loss is reported for the plain model, for the converted one
+//! before training and after it; checkpoints are written in the paper's released format
+//! (`model_type: "llamaLadder"`, `ladder_layers`), plus `ladder_source_model_type` naming the
+//! family when it is not a Llama (docs/LADDER.md).
 use super::finetune::{data_help, prepare_data, ChatArgs, FinetuneData, SaveArgs};
 use super::lora::LoraArgs;
 use super::pretrain::preflight;
@@ -20,13 +22,14 @@ use std::path::PathBuf;
 #[command(
     allow_negative_numbers = true,
     name = "finetune_ladder",
-    about = "Convert a Hugging Face Llama checkpoint to the Ladder Transformer and fine-tune it. Reports the validation \
-             loss of the plain model, of the converted model before training and after it; writes checkpoints in the \
-             paper's llamaLadder format under OUT/checkpoints/. With --steps 0 it only converts.",
+    about = "Convert a Hugging Face checkpoint to the Ladder Transformer and fine-tune it (llama, qwen2, qwen3, mistral, \
+             gemma3_text). Reports the validation loss of the plain model, of the converted model before training and \
+             after it; writes checkpoints in the paper's llamaLadder format under OUT/checkpoints/ (another family's \
+             keeps its config keys and says it in ladder_source_model_type). With --steps 0 it only converts.",
     after_help = env_help(&[ENV_COMMON, ENV_DEVICE, ENV_TRAIN, ENV_LAUNCH])
 )]
 pub struct FinetuneLadderArgs {
-    /// The Llama checkpoint to convert (config.json, model.safetensors, tokenizer.json): a
+    /// The checkpoint to convert (config.json, model.safetensors, tokenizer.json): a
     /// checkpoint directory, a run directory (its newest complete checkpoint) or RUN/checkpoints/latest
     #[arg(long, value_name = "DIR", help_heading = "Model")]
     pub model: PathBuf,
@@ -152,11 +155,12 @@ fn finetune_rank(args: &FinetuneLadderArgs, p: &Prepared, comm: Option<Comm>) ->
         trainer = super::lora::with_base(trainer, &base, p.base_id.as_ref());
     }
     let resuming = a.resume.is_some();
+    let family = trainer.model.config().family;
     let plain = if resuming { None } else { Some(trainer.evaluate(0)?) };
     trainer.model.set_ladder_layers(Some(p.ladder.clone()))?;
     if let Some(plain) = plain {
         let with = if args.lora.lora_init.is_some() { " (with the --lora-init adapter)" } else { "" };
-        report(&format!("plain Llama{with} validation loss {plain:.4}"));
+        report(&format!("plain {family}{with} validation loss {plain:.4}"));
         let converted = trainer.evaluate(0)?;
         report(&format!("converted ({} layers Ladder) validation loss before fine-tuning {converted:.4}", p.ladder));
     }
@@ -174,7 +178,7 @@ fn finetune_rank(args: &FinetuneLadderArgs, p: &Prepared, comm: Option<Comm>) ->
     // The last step's validation, over the whole split (the line in metrics.jsonl).
     let after = trainer.final_validation()?.loss;
     match plain {
-        Some(plain) => report(&format!("validation loss after fine-tuning {after:.4} (plain Llama {plain:.4})")),
+        Some(plain) => report(&format!("validation loss after fine-tuning {after:.4} (plain {family} {plain:.4})")),
         None => report(&format!("validation loss after fine-tuning {after:.4}")),
     };
     report(&format!("checkpoint: {}", a.out.join("checkpoints").display()));

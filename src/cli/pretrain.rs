@@ -21,7 +21,8 @@ use std::path::{Path, PathBuf};
     after_help = env_help(&[ENV_COMMON, ENV_DEVICE, ENV_TRAIN, ENV_LAUNCH])
 )]
 pub struct PretrainArgs {
-    /// Model: a preset (tiny, small) or a config.json
+    /// Model: a preset (tiny, small) or a Hugging Face config.json of any supported family
+    /// (llama, llamaLadder, qwen2, qwen3, mistral, gemma3_text; checkpoints keep its family)
     #[arg(long, value_name = "tiny|small|FILE", default_value = "tiny", help_heading = "Model")]
     pub config: String,
     /// Pretrain a Ladder Transformer (Ladder Residual): `all`, the last N layers, or layer

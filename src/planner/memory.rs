@@ -97,10 +97,23 @@ pub fn activation_bytes(m: &ModelShape, w: &Workload) -> f64 {
     tokens * e * (layers + 2.0 * h) + head_bytes(m, w, false, true).0
 }
 
-/// Elements per token a layer saves (see [`activation_bytes`]).
+/// Elements per token a layer saves (see [`activation_bytes`]). The attention part scales with
+/// the query width heads · head_dim (hidden for Llama's shapes; Qwen3's and Gemma's explicit
+/// head_dim may make it wider). The family's block features save more (measured on the CPU,
+/// tests/memory_estimator.rs, `each_family`): QK-norm keeps the q and k projections' outputs
+/// (the norm's inputs) beside the normed heads RoPE reads, 2 (q + kv) of this rank's width; the
+/// sandwich's two post-branch norms keep their inputs, 2 hidden (after the reduction: not split).
+/// Biases and windows save nothing more.
 fn layer_elems(m: &ModelShape, w: &Workload) -> f64 {
     let (h, tp) = (m.hidden as f64, w.tp.max(1) as f64);
-    4.0 * h + 6.0 * h / tp + 4.0 * m.intermediate as f64 / tp
+    let d = m.head_dim as f64;
+    let q = m.heads as f64 * d / tp;
+    // A key/value head shared by several ranks is held by each.
+    let kv = if m.kv_heads >= w.tp.max(1) { m.kv_heads as f64 * d / tp } else { d };
+    let x = &m.extras;
+    let qk_norm = if x.qk_norm { 2.0 * (q + kv) } else { 0.0 };
+    let sandwich = if x.sandwich_norms { 2.0 * h } else { 0.0 };
+    4.0 * h + 6.0 * q + 4.0 * m.intermediate as f64 / tp + qk_norm + sandwich
 }
 
 /// The largest transient of a layer's backward, beside the gradients formed so far: its own

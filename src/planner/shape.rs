@@ -22,6 +22,9 @@ pub struct ModelShape {
     pub tied: bool,
     /// The block's optional parameters (biases, per-head norms), as the config's features say.
     pub extras: BlockExtras,
+    /// Each layer's sliding window (`LlamaConfig::layer_windows`; `None`: full causal
+    /// attention). Empty: every layer full. Sets the attention FLOPs only.
+    pub windows: Vec<Option<usize>>,
 }
 
 /// A block's parameters beyond Llama's, from the config's features (not its family): the
@@ -59,6 +62,7 @@ impl ModelShape {
             vocab,
             tied: name.starts_with("gpt3"),
             extras: BlockExtras::default(),
+            windows: vec![],
         })
     }
 
@@ -74,6 +78,7 @@ impl ModelShape {
             vocab: c.vocab_size,
             tied: c.tie_word_embeddings,
             extras: c.block_features(),
+            windows: c.layer_windows(),
         }
     }
 
@@ -122,9 +127,30 @@ impl ModelShape {
     }
 
     /// Training FLOPs per token: 6 per parameter (forward and backward) plus attention
-    /// (PaLM's 12 L T d count) for sequences of `seq`.
+    /// (PaLM's 12 L T d count) for sequences of `seq`. A layer with a sliding window w < seq
+    /// scores each query against at most w keys, not all earlier ones (the kernels skip the
+    /// tiles outside the window): its term is PaLM's scaled by the keys a query sees on
+    /// average, sum_i min(i + 1, w) / seq, over the causal average (seq + 1) / 2, so it
+    /// grows as seq * w rather than seq^2 / 2.
     pub fn flops_per_token(&self, seq: usize) -> f64 {
-        6.0 * self.params() as f64 + 12.0 * (self.layers * seq * self.heads * self.head_dim) as f64
+        let full = 12.0 * (seq * self.heads * self.head_dim) as f64;
+        let attention: f64 = (0..self.layers).map(|l| full * window_share(self.windows.get(l).copied().flatten(), seq)).sum();
+        6.0 * self.params() as f64 + attention
+    }
+}
+
+/// The attention work of a layer with sliding window `window` on sequences of `t` tokens, as a
+/// share of full causal attention's: the keys each query sees, sum_i min(i + 1, w), over
+/// sum_i (i + 1). 1 with no window or a window of at least `t`.
+pub fn window_share(window: Option<usize>, t: usize) -> f64 {
+    match window {
+        Some(w) if w < t && t > 0 => {
+            let (w, t) = (w as f64, t as f64);
+            // Queries 0..w see i + 1 keys, the other t - w see w.
+            let seen = w * (w + 1.0) / 2.0 + (t - w) * w;
+            seen / (t * (t + 1.0) / 2.0)
+        }
+        _ => 1.0,
     }
 }
 
@@ -133,6 +159,36 @@ mod tests {
     use super::*;
     use ferrolm_nn::{Llama, LlamaConfig};
     use ferrolm_tensor::{DType, Device, Rng};
+
+    /// Attention FLOPs follow each layer's window: a Mistral whose window covers the sequence
+    /// costs a Llama's; with window w < t a layer's attention term is sum_i min(i + 1, w) / sum_i
+    /// (i + 1) of the full one (~2w / t for w << t), and the parameter term is unchanged.
+    #[test]
+    fn attention_flops_count_the_window() {
+        let base = r#""vocab_size":64,"hidden_size":32,"intermediate_size":48,"num_hidden_layers":2,"num_attention_heads":4,"#;
+        let shape = |extra: &str| ModelShape::from_config(&LlamaConfig::from_json_str(&format!("{{{base}{extra}}}")).unwrap(), "t");
+        let llama = shape(r#""model_type":"llama""#);
+        let (t, w) = (4096usize, 128usize);
+        let full_term = 12.0 * (t * 32) as f64; // one layer's PaLM term: 12 T heads·head_dim
+        assert_eq!(shape(r#""model_type":"mistral","sliding_window":null"#).flops_per_token(t), llama.flops_per_token(t));
+        let mistral = shape(r#""model_type":"mistral","sliding_window":128"#);
+        let share = (w * (w + 1) / 2 + (t - w) * w) as f64 / (t * (t + 1) / 2) as f64;
+        let want = llama.flops_per_token(t) - 2.0 * full_term * (1.0 - share);
+        assert!((mistral.flops_per_token(t) - want).abs() <= 1e-9 * want, "{} vs {want}", mistral.flops_per_token(t));
+        assert!((share - 2.0 * w as f64 / t as f64).abs() < 0.05 * share, "~ t·w, not t²/2: {share}");
+        // Gemma: only the sliding layer is cheaper; a window at least the sequence is full.
+        let gemma = |window: usize| {
+            shape(&format!(
+                r#""model_type":"gemma3_text","head_dim":8,"max_position_embeddings":8192,"sliding_window":{window},"layer_types":["sliding_attention","full_attention"]"#
+            ))
+        };
+        let g = gemma(w);
+        let params = 6.0 * g.params() as f64;
+        assert!((g.flops_per_token(t) - params - full_term * (1.0 + share)).abs() <= 1e-9 * params);
+        assert_eq!(gemma(t).flops_per_token(t), params + 2.0 * full_term);
+        assert_eq!(window_share(Some(1), 1), 1.0);
+        assert_eq!(window_share(None, 10), 1.0);
+    }
 
     /// The planner's count equals the model's tensors for every family's features (q/k/v
     /// bias, o and MLP biases, QK-norm with an explicit head_dim), and the config's formula.

@@ -133,6 +133,9 @@ pub struct Gemma3Keys {
 pub const SUPPORTED_MODEL_TYPES: &[&str] = &["llama", "llamaLadder", "qwen2", "qwen3", "mistral", "gemma3_text"];
 
 impl Family {
+    /// Every family, in the order of [`SUPPORTED_MODEL_TYPES`].
+    pub const ALL: [Family; 5] = [Family::Llama, Family::Qwen2, Family::Qwen3, Family::Mistral, Family::Gemma3];
+
     /// The `model_type` transformers knows the family by.
     pub fn model_type(self) -> &'static str {
         match self {
@@ -353,9 +356,30 @@ impl LlamaConfig {
         let f = Fields { obj, src };
 
         // Fields that would change the maths: accept only what this implementation computes.
+        // A Ladder model of another family says which in `ladder_source_model_type`.
+        let source_type = match f.str_opt("model_type")? {
+            Some("llamaLadder") => f.str_opt("ladder_source_model_type")?,
+            _ if f.get("ladder_source_model_type").is_some() => {
+                return Err(err(src, "ladder_source_model_type", "is only valid with \"model_type\": \"llamaLadder\""))
+            }
+            _ => None,
+        };
         let (family, ladder_type) = match f.str_opt("model_type")? {
             None | Some("llama") => (Family::Llama, false),
-            Some("llamaLadder") => (Family::Llama, true),
+            Some("llamaLadder") => match source_type {
+                None | Some("llama") => (Family::Llama, true),
+                Some(t) => match Family::ALL.iter().find(|fam| fam.model_type() == t) {
+                    Some(&fam) => (fam, true),
+                    None => {
+                        let known = Family::ALL.map(|f| f.model_type()).join(", ");
+                        return Err(err(
+                            src,
+                            "ladder_source_model_type",
+                            format!("{t:?} is not a family a Ladder model can be made of (supported: {known})"),
+                        ));
+                    }
+                },
+            },
             Some("qwen2") => (Family::Qwen2, false),
             Some("qwen3") => (Family::Qwen3, false),
             Some("mistral") => (Family::Mistral, false),
@@ -547,13 +571,6 @@ impl LlamaConfig {
             return Err(err(src, "initializer_range", format!("must be >= 0, got {}", self.initializer_range)));
         }
         if let Some(l) = &self.ladder_layers {
-            if self.family != Family::Llama {
-                return Err(err(
-                    src,
-                    "ladder_layers",
-                    format!("a Ladder model of a {} checkpoint is not supported yet (only of a Llama)", self.family),
-                ));
-            }
             l.check(self.num_hidden_layers).map_err(|m| err(src, "ladder_layers", m))?;
         }
         if let Some(g) = &self.gemma {
@@ -715,13 +732,21 @@ impl LlamaConfig {
             // its HF modeling code, which a user may drop beside the weights).
             o.insert("model_type".into(), json!("llamaLadder"));
             o.insert("architectures".into(), json!(["LlamaLadderForCausalLM"]));
-            o.insert(
-                "auto_map".into(),
-                json!({
-                    "AutoConfig": "configuration_llama_ladder.LlamaLadderConfig",
-                    "AutoModelForCausalLM": "modeling_llama_ladder.LlamaLadderForCausalLM"
-                }),
-            );
+            if self.family == Family::Llama {
+                o.insert(
+                    "auto_map".into(),
+                    json!({
+                        "AutoConfig": "configuration_llama_ladder.LlamaLadderConfig",
+                        "AutoModelForCausalLM": "modeling_llama_ladder.LlamaLadderForCausalLM"
+                    }),
+                );
+            } else {
+                // Another family's blocks under the Ladder schedule: its config keys stay, and
+                // this key names the family. The paper's modelling code computes Llama blocks
+                // only, so no auto_map points at it (transformers refuses the unknown
+                // model_type rather than load the weights into the wrong blocks).
+                o.insert("ladder_source_model_type".into(), json!(self.family.model_type()));
+            }
             o.insert("ladder_layers".into(), l.to_json());
         }
         v
@@ -1185,6 +1210,46 @@ mod tests {
         assert_eq!(c.eos_token_id, vec![7]);
         let e = LlamaConfig::from_json_str(&format!("{base},\"eos_token_id\":\"x\"}}")).unwrap_err();
         assert!(e.to_string().contains("eos_token_id"), "{e}");
+    }
+
+    /// A Ladder model of another family: `llamaLadder` with the family in
+    /// `ladder_source_model_type` and its own keys; no `auto_map` (the paper's code computes Llama
+    /// blocks); it reparses to the same config, and converting back restores the source's keys.
+    /// The key is refused elsewhere, or naming no family.
+    #[test]
+    fn a_ladder_of_another_family_names_it() {
+        let text = r#"{"model_type":"qwen2","architectures":["Qwen2ForCausalLM"],"vocab_size":8,"hidden_size":8,"intermediate_size":8,"num_hidden_layers":2,
+            "num_attention_heads":2,"use_sliding_window":true,"sliding_window":3,"max_window_layers":1,"torch_dtype":"float32"}"#;
+        let Value::Object(source) = serde_json::from_str::<Value>(text).unwrap() else { panic!() };
+        let cfg = LlamaConfig::from_json_str(text).unwrap();
+        let mut ladder = cfg.clone();
+        ladder.ladder_layers = Some(LadderLayers::Last(1));
+        ladder.validate().unwrap();
+        let v = ladder.to_json_over("float32", &source, "float32", "src").unwrap();
+        assert_eq!(
+            (&v["model_type"], &v["ladder_source_model_type"], &v["ladder_layers"]),
+            (&json!("llamaLadder"), &json!("qwen2"), &json!(1))
+        );
+        assert!(v.get("auto_map").is_none(), "{v}");
+        assert_eq!((&v["sliding_window"], &v["max_window_layers"]), (&json!(3), &json!(1)));
+        let again = LlamaConfig::from_json_str(&v.to_string()).unwrap();
+        assert_eq!((again.family, again.layer_windows()), (Family::Qwen2, vec![None, Some(3)]));
+        assert_eq!(again, ladder);
+        let Value::Object(lsrc) = v else { panic!() };
+        let back = cfg.to_json_over("float32", &lsrc, "float32", "src").unwrap();
+        assert_eq!(back, Value::Object(source));
+        // A Llama's Ladder has no such key.
+        let llama = LlamaConfig { ladder_layers: Some(LadderLayers::Last(1)), ..LlamaConfig::preset("tiny").unwrap() };
+        assert!(llama.to_json_value("float32").get("ladder_source_model_type").is_none());
+        let base = r#""vocab_size":8,"hidden_size":8,"intermediate_size":8,"num_hidden_layers":2,"num_attention_heads":2"#;
+        for (bad, why) in [
+            (r#""model_type":"qwen2","ladder_source_model_type":"qwen2""#, "only valid with"),
+            (r#""model_type":"llamaLadder","ladder_source_model_type":"phi3""#, "\"phi3\" is not a family"),
+            (r#""model_type":"llamaLadder","ladder_source_model_type":"llamaLadder""#, "is not a family"),
+        ] {
+            let e = LlamaConfig::from_json_str(&format!("{{{base},{bad}}}")).unwrap_err().to_string();
+            assert!(e.contains("ladder_source_model_type") && e.contains(why), "{bad}: {e}");
+        }
     }
 
     #[test]

@@ -22,10 +22,12 @@ pub const FILES: [(&str, &str); 2] = [("configuration_llama_ladder.py", CONFIGUR
 /// How a user loads such a checkpoint in transformers, for logs and errors.
 pub const HOW_TO_LOAD: &str = "AutoModelForCausalLM.from_pretrained(DIR, trust_remote_code=True)";
 
-/// Writes the modelling files into `dir` when `cfg` is a Ladder model (its `config.json`'s
-/// `auto_map` names them); nothing for a plain Llama.
+/// Writes the modelling files into `dir` when `cfg` is a Ladder model of a Llama (its
+/// `config.json`'s `auto_map` names them); nothing for a plain model or another family's Ladder.
 pub fn write_remote_code(dir: &Path, cfg: &LlamaConfig) -> Result<()> {
-    if cfg.ladder_layers.is_none() {
+    // The files compute Llama blocks: a Ladder model of another family gets none (and its
+    // config no auto_map).
+    if cfg.ladder_layers.is_none() || cfg.family != crate::config::Family::Llama {
         return Ok(());
     }
     for (name, text) in FILES {

@@ -1,14 +1,19 @@
 //! LLaMA against Hugging Face transformers (tests/fixtures, see its README): logits, loss and
 //! every parameter gradient, all in f32 on the CPU, with relative error
-//! max|ours - hf| / max|hf| < 1e-4 per tensor. Plus config parsing, checkpoint round trips and
-//! the errors a user sees for broken checkpoints.
+//! max|ours - hf| / max|hf| < 1e-5 per tensor (issue 51's bound), for every fixture: Llama,
+//! Ladder and each family. Plus config parsing, checkpoint round trips and the errors a user
+//! sees for broken checkpoints.
 use ferrolm_nn::safetensors_io::{load_safetensors, save_safetensors};
 use ferrolm_nn::{generate, shift_labels, Family, KvCache, Llama, LlamaConfig};
 use ferrolm_tensor::{DType, Device, Rng, Tensor};
 use serde_json::Value;
 use std::path::Path;
 
-const TOL: f64 = 1e-4;
+/// Measured (transformers 5.23, this CPU engine, 2026-12-07): logits at most 1.3e-6 (Gemma 3),
+/// loss 1.9e-7, gradients 8.5e-6 (Gemma 3's `input_layernorm` weight of layer 1, a sum over every
+/// token of products of its sqrt(hidden)-scaled stream, accumulated in another order than
+/// torch's); every other fixture's gradients within 4.1e-6.
+const TOL: f64 = 1e-5;
 
 /// A scratch directory under the system temp dir, removed when dropped.
 mod common;
@@ -114,6 +119,45 @@ fn parity_qwen2_window() {
 #[test]
 fn parity_mistral_window() {
     parity("mistral_window");
+}
+
+// Biases beyond Qwen2's q/k/v (scripts/make_family_fixtures.py): Qwen3's attention_bias (o_proj
+// too) with its weights stored in bf16, and Llama's attention_bias + mlp_bias (o_proj, gate,
+// up, down).
+#[test]
+fn parity_qwen3_bias_bf16() {
+    parity("qwen3_bias_bf16");
+}
+#[test]
+fn parity_llama_bias_untied() {
+    parity("llama_bias_untied");
+}
+
+/// A checkpoint stored in bf16 (`qwen3_bias_bf16`: transformers wrote it, `dtype: bfloat16`)
+/// loads into f32 compute exactly as transformers upcasts it (`parity_qwen3_bias_bf16`), and a
+/// bf16 save gives back its weights bit for bit.
+#[test]
+fn bf16_weights_load_in_f32_and_save_back_unchanged() {
+    let dir = fixtures().join("qwen3_bias_bf16");
+    let cfg: Value = serde_json::from_str(&std::fs::read_to_string(dir.join("config.json")).unwrap()).unwrap();
+    assert_eq!(cfg["dtype"], "bfloat16");
+    let model = Llama::from_pretrained(&dir, DType::F32, Device::Cpu).unwrap();
+    assert_eq!(model.dtype(), DType::F32);
+    let names: Vec<String> = model.parameters().into_iter().map(|(n, _)| n).collect();
+    assert!(names.iter().any(|n| n == "model.layers.0.self_attn.o_proj.bias"), "{names:?}");
+    let tmp = TempDir::new("bf16-save");
+    model.save_pretrained_dtype(&tmp.0, DType::BF16).unwrap();
+    let raw = |p: &Path| {
+        let bytes = std::fs::read(p).unwrap();
+        let st = safetensors::SafeTensors::deserialize(&bytes).unwrap();
+        let mut v: Vec<(String, String, Vec<u8>)> =
+            st.tensors().into_iter().map(|(n, t)| (n, format!("{:?}", t.dtype()), t.data().to_vec())).collect();
+        v.sort();
+        v
+    };
+    let (want, got) = (raw(&dir.join("model.safetensors")), raw(&tmp.0.join("model.safetensors")));
+    assert!(want.iter().all(|(_, d, _)| d == "BF16"), "the fixture is bf16");
+    assert_eq!(got, want, "a bf16 save of a bf16 checkpoint changes no bit");
 }
 
 const FAMILY_FIXTURES: [(&str, Family); 6] = [
@@ -327,6 +371,27 @@ fn family_config_errors_and_accepted_keys() {
         (&gemma, "\"full_attention\"\n  ]", "\"chunked_attention\"\n  ]", "layer_types"),
         (&gemma, "\"rope_type\": \"default\"\n    }\n  }", "\"rope_type\": \"yarn\"\n    }\n  }", "sliding_attention"),
         (&llama, "\"model_type\": \"llama\"", "\"model_type\": \"phi3\"", "qwen2, qwen3, mistral"),
+        // head_dim 0, a layer_types list of the wrong length or with an unknown type, in every
+        // family that reads them (Mistral's layer_types is only checked for shape).
+        (&mistral, "\"head_dim\": 16", "\"head_dim\": 0", "head_dim"),
+        (&gemma, "\"head_dim\": 16", "\"head_dim\": 0", "head_dim"),
+        (&mistral, "\"head_dim\": 16", "\"head_dim\": 16, \"layer_types\": [\"full_attention\"]", "layer_types"),
+        (&mistral, "\"head_dim\": 16", "\"head_dim\": 16, \"layer_types\": [\"full_attention\", \"local\"]", "layer_types"),
+        (&qwen2, "\"full_attention\",\n", "", "layer_types"),
+        (&qwen2, "\"full_attention\"\n  ]", "\"global\"\n  ]", "layer_types"),
+        // A Ladder model names its family only as a llamaLadder, and only a supported one.
+        (
+            &qwen2,
+            "\"model_type\": \"qwen2\"",
+            "\"model_type\": \"qwen2\", \"ladder_source_model_type\": \"qwen2\"",
+            "ladder_source_model_type",
+        ),
+        (
+            &llama,
+            "\"model_type\": \"llama\"",
+            "\"model_type\": \"llamaLadder\", \"ladder_source_model_type\": \"gemma2\"",
+            "ladder_source_model_type",
+        ),
     ];
     for (text, from, to, what) in refused {
         assert!(text.contains(from), "fixture lacks {from}");
@@ -394,6 +459,18 @@ fn family_config_errors_and_accepted_keys() {
     let (a, b) = (LlamaConfig::from_json_str(&q25).unwrap(), LlamaConfig::from_json_str(&qwen2).unwrap());
     assert_eq!((a.layer_windows(), a.window.max_window_layers), (vec![None, None], Some(21)));
     assert_eq!(LlamaConfig { window: b.window.clone(), ..a }, b);
+    // The bias keys a family's transformers class does not read change nothing there, as in
+    // transformers: Qwen2's and Mistral's attention_bias (their biases are fixed by the class),
+    // mlp_bias outside Llama.
+    for (text, from, to) in [
+        (&qwen2, "\"model_type\": \"qwen2\"", "\"model_type\": \"qwen2\", \"attention_bias\": true, \"mlp_bias\": true"),
+        (&mistral, "\"model_type\": \"mistral\"", "\"model_type\": \"mistral\", \"attention_bias\": true, \"mlp_bias\": true"),
+        (&qwen3, "\"attention_bias\": false", "\"attention_bias\": false, \"mlp_bias\": true"),
+    ] {
+        let (a, b) = (LlamaConfig::from_json_str(text).unwrap(), LlamaConfig::from_json_str(&text.replacen(from, to, 1)).unwrap());
+        assert_eq!((b.qkv_bias(), b.o_bias(), b.mlp_bias), (a.qkv_bias(), a.o_bias(), false), "{to}");
+        assert_eq!(b.num_parameters(), a.num_parameters(), "{to}");
+    }
     // Qwen3 attention_bias: a bias on q, k, v and o.
     let c = LlamaConfig::from_json_str(&qwen3.replace("\"attention_bias\": false", "\"attention_bias\": true")).unwrap();
     assert!(c.qkv_bias() && c.o_bias() && c.qk_norm());
@@ -522,6 +599,7 @@ fn every_fixture_is_covered() {
             "ladder_int_gqa_untied",
             "ladder_list_tied",
             "llama3_rope",
+            "llama_bias_untied",
             "llama_gqa_untied",
             "llama_headdim",
             "llama_mha_tied",
@@ -529,6 +607,7 @@ fn every_fixture_is_covered() {
             "mistral_window",
             "qwen2_bias_tied",
             "qwen2_window",
+            "qwen3_bias_bf16",
             "qwen3_qknorm_untied"
         ],
         "add a parity_* test for a new fixture"
