@@ -11,7 +11,7 @@
 //!   `FERROLM_FORCE_NCCL=1` takes this path at `WORLD_SIZE=1` too (one GPU through NCCL);
 //! - otherwise, on the CPU: `tp x dp` ranks as threads of this process (`ThreadComm`);
 //! - several ranks on GPUs without such an environment is an error that says how to launch.
-use crate::cli::flag_error;
+use crate::errors::flag_error;
 use crate::AnyResult;
 use anyhow::{bail, Context};
 use ferrolm_nn::optim::AdamWConfig;

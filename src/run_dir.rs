@@ -162,7 +162,7 @@ pub fn check_inputs_outside(out: &Path, inputs: &[(&str, &Path)]) -> Result<()> 
         let Some(input_c) = paths.iter().map(|p| canonical(p)).find(|c| c.starts_with(&out_c)) else { continue };
         let how = if input_c == out_c { "is" } else { "holds" };
         let resolved = if input_c.as_path() == *input { String::new() } else { format!(" ({})", input_c.display()) };
-        return Err(crate::cli::flag_error(format!(
+        return Err(crate::errors::flag_error(format!(
             "--out {} {how} {flag} {}{resolved}: an output directory may not be or hold what the tool reads (a run writes \
              its checkpoints there and --overwrite deletes the old ones); choose an --out outside {} (nothing was written \
              or deleted)",

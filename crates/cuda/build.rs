@@ -4,7 +4,9 @@
 //   OUT_DIR/consts.rs          kernels/constants.cuh as Rust constants (`ferrolm_cuda::consts`);
 //   OUT_DIR/kernels.rs         the `Kernel` index and one typed launcher per kernel, with its
 //                              argument count and types checked by the Rust compiler
-//                              (`ferrolm_cuda::kernels`, build/generate.rs).
+//                              (`ferrolm_cuda::kernels`, build/generate.rs);
+//   OUT_DIR/kernel_count.rs    how many kernels there are (`KERNEL_COUNT`, below every layer,
+//                              for the GPU's function table).
 // Then builds the CUDA emulator (emu/): the kernels compiled as C++ for the CPU, plus a table of
 // (name, argument-unpacking thunk) in `Kernel` order and the fiber runtime, into a static
 // library, and sets `cfg(ferro_emu)` so `CudaBackend::emulated` exists. The `cc` crate drives
@@ -84,7 +86,7 @@ fn write_sources(kdir: &Path, files: &[(String, String)], out: &Path) {
     fs::write(out.join("kernel_sources.rs"), src).unwrap();
 }
 
-/// Writes consts.rs and kernels.rs; returns the kernels in `Kernel` order (sources in name order,
+/// Writes consts.rs, kernels.rs and kernel_count.rs; returns the kernels in `Kernel` order (sources in name order,
 /// kernels in source order), the order of the emulator's table too.
 fn generate_launchers(files: &[(String, String)], out: &Path) -> Result<Vec<parse::Kernel>, String> {
     let (cname, ctext) = files.iter().find(|(n, _)| n == "constants.cuh").ok_or("kernels/constants.cuh is missing")?;
@@ -97,6 +99,7 @@ fn generate_launchers(files: &[(String, String)], out: &Path) -> Result<Vec<pars
     let structs = generate::struct_names(&kernels).iter().map(|n| parse::find_struct(files, n)).collect::<Result<Vec<_>, _>>()?;
     fs::write(out.join("consts.rs"), generate::consts(&consts)).map_err(|e| e.to_string())?;
     fs::write(out.join("kernels.rs"), generate::kernels(&kernels, &structs, &consts)?).map_err(|e| e.to_string())?;
+    fs::write(out.join("kernel_count.rs"), kernels.len().to_string()).map_err(|e| e.to_string())?;
     Ok(kernels)
 }
 

@@ -21,6 +21,7 @@ pub mod plan;
 pub mod prepare;
 pub mod pretrain;
 
+pub use crate::errors::{exit_code, flag_error, FlagError};
 use crate::train::{RunSafety, TrainOptions};
 use crate::AnyResult;
 use clap::{ArgMatches, Args, Command, CommandFactory, Parser};
@@ -58,36 +59,6 @@ where
         t.out_given = m.value_source("out") == Some(clap::parser::ValueSource::CommandLine);
     }
     Ok(a)
-}
-
-/// A flag error found after parsing, against a model or the machine (a layout `--tp` cannot
-/// split, more new tokens than the model has positions): printed as `error: …` and exit code 2,
-/// as clap's own flag errors are. Build one with [`flag_error`]; it keeps its code through any
-/// context added above it.
-#[derive(Debug)]
-pub struct FlagError(pub String);
-
-impl std::fmt::Display for FlagError {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.write_str(&self.0)
-    }
-}
-
-impl std::error::Error for FlagError {}
-
-/// An error in the flags (exit code 2): see [`FlagError`].
-pub fn flag_error(msg: impl Into<String>) -> anyhow::Error {
-    FlagError(msg.into()).into()
-}
-
-/// The exit code of a failed run: 2 when a flag was wrong ([`FlagError`] anywhere in the chain),
-/// else 1.
-pub fn exit_code(e: &anyhow::Error) -> i32 {
-    if e.chain().any(|c| c.is::<FlagError>()) {
-        2
-    } else {
-        1
-    }
 }
 
 /// Parses `args`, sets up logging, runs `run`, and returns the process exit code: 0, 1 for a

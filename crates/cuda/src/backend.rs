@@ -353,7 +353,7 @@ impl Backend for CudaBackend {
             // anything was enqueued): the caller composes it from a plain GEMM, an add and a cast.
             // Counted (`profile::gemm_fallbacks`, in profile.json): on a GPU it is a slowdown.
             Err(e) if crate::gemm::refused_by_cublaslt(&e) => {
-                crate::profile::note_gemm_fallback();
+                crate::instrument::profile::note_gemm_fallback();
                 static SAID: std::sync::Once = std::sync::Once::new();
                 SAID.call_once(|| eprintln!("warning: {e}; composing such GEMMs from a plain one, an add and a cast instead"));
                 Ok(false)

@@ -1,11 +1,12 @@
 //! The Rust side of the CUDA emulator (the C++ side is crates/cuda/emu): kernel launch through
-//! the table that build.rs generates (indexed by `Kernel`), and a reference implementation of the
-//! cuBLASLt call that `gemm.rs` plans, with cuBLASLt's column-major semantics and its validity
-//! checks, so the layout arithmetic of every GEMM is tested without a GPU. Device pointers on the emulated
-//! device are host addresses (see `pool::Mem::Host`).
-use crate::device::CudaBackend;
+//! the table that build.rs generates (indexed by `Kernel`), as items for an emulated stream, and
+//! a reference implementation of the cuBLASLt call that `gemm.rs` plans, with cuBLASLt's
+//! column-major semantics and its validity checks, so the layout arithmetic of every GEMM is
+//! tested without a GPU. Device pointers on the emulated device are host addresses (see
+//! `pool::Mem::Host`). It knows no backend: the emulator's execution (`exec::emulator`) queues
+//! what it returns.
+use crate::emu_stream::Job;
 use crate::gemm::{LtCall, LtMatrix};
-use crate::kernels::Kernel;
 use crate::launch::{Arg, Launch};
 use ferrolm_tensor::{bail, bf16, Result};
 use std::ffi::c_void;
@@ -39,19 +40,18 @@ mod ffi {
     }
 }
 
-/// Queues `kernel` over the grid on the backend's compute stream: the argument values are
-/// copied now (the launcher's locals are gone when it runs) and the stream's worker runs the
-/// grid to completion. The emulator's table is generated in `Kernel` order (build.rs), so the
-/// kernel's index is its entry. A failure is the stream's sticky error, reported by the next wait
-/// (as a GPU reports a kernel fault).
+/// The item that runs kernel `i` (its `Kernel` index; `name` for messages) over the grid, for
+/// the compute stream to queue: the argument values are copied now (the launcher's locals are
+/// gone when it runs) and the stream's worker runs the grid to completion. The emulator's table
+/// is generated in `Kernel` order (build.rs), so the kernel's index is its entry. A failure is
+/// the stream's sticky error, reported by the next wait (as a GPU reports a kernel fault).
 ///
 /// # Safety
 /// As `CudaBackend::launch`: `args` points at one value per kernel parameter, of the
 /// parameter's type, and device pointers in them are live host allocations of the pool holding
 /// what the kernel accesses, until the stream has run the kernel.
 #[cfg(ferro_emu)]
-pub(crate) unsafe fn launch(be: &CudaBackend, kernel: Kernel, cfg: Launch, args: &mut [Arg]) -> Result<()> {
-    let (name, i) = (kernel.name(), kernel as usize);
+pub(crate) unsafe fn launch(i: usize, name: &'static str, cfg: Launch, args: &[Arg]) -> Result<Job> {
     // SAFETY: reads an immutable int defined by the generated translation unit.
     if i >= unsafe { ffi::ferro_emu_kernel_count } as usize {
         bail!(name, "kernel not in the emulator's table (a stale build?)");
@@ -70,35 +70,32 @@ pub(crate) unsafe fn launch(be: &CudaBackend, kernel: Kernel, cfg: Launch, args:
         })
         .collect();
     let reverse = REVERSE.with(|r| r.get());
-    be.emu_enqueue(
-        name,
-        Box::new(move || {
-            let Launch { grid, block, smem, .. } = cfg;
-            let mut values = values;
-            let mut ptrs: Vec<*mut c_void> = values.iter_mut().map(|w| w.as_mut_ptr() as *mut c_void).collect();
-            let mut err = vec![0u8; 1024];
-            // SAFETY: only stores an int into a thread_local of the runtime (this worker's).
-            unsafe { ffi::ferro_emu_set_reverse(reverse as _) };
-            // SAFETY: the launch's contract covers the values behind `ptrs` (copied above) and
-            // the device memory they address; `err` is a writable buffer of the length passed,
-            // which the runtime NUL-terminates within it.
-            let rc = unsafe {
-                ffi::ferro_emu_run(entry, grid.0, grid.1, grid.2, block, smem, ptrs.as_mut_ptr(), err.as_mut_ptr() as *mut _, err.len())
-            };
-            if rc != 0 {
-                let msg = String::from_utf8_lossy(&err[..err.iter().position(|&c| c == 0).unwrap_or(err.len())]).into_owned();
-                let what = if rc == 2 { "invalid launch configuration" } else { "kernel failed" };
-                return Err(format!("{name}: {what} (emulator, grid {grid:?}, block {block}, {smem} B shared): {msg}"));
-            }
-            Ok(())
-        }),
-    )
+    Ok(Box::new(move || {
+        let Launch { grid, block, smem, .. } = cfg;
+        let mut values = values;
+        let mut ptrs: Vec<*mut c_void> = values.iter_mut().map(|w| w.as_mut_ptr() as *mut c_void).collect();
+        let mut err = vec![0u8; 1024];
+        // SAFETY: only stores an int into a thread_local of the runtime (this worker's).
+        unsafe { ffi::ferro_emu_set_reverse(reverse as _) };
+        // SAFETY: the launch's contract covers the values behind `ptrs` (copied above) and
+        // the device memory they address; `err` is a writable buffer of the length passed,
+        // which the runtime NUL-terminates within it.
+        let rc = unsafe {
+            ffi::ferro_emu_run(entry, grid.0, grid.1, grid.2, block, smem, ptrs.as_mut_ptr(), err.as_mut_ptr() as *mut _, err.len())
+        };
+        if rc != 0 {
+            let msg = String::from_utf8_lossy(&err[..err.iter().position(|&c| c == 0).unwrap_or(err.len())]).into_owned();
+            let what = if rc == 2 { "invalid launch configuration" } else { "kernel failed" };
+            return Err(format!("{name}: {what} (emulator, grid {grid:?}, block {block}, {smem} B shared): {msg}"));
+        }
+        Ok(())
+    }))
 }
 /// # Safety
 /// Nothing runs: the emulator was not built.
 #[cfg(not(ferro_emu))]
-pub(crate) unsafe fn launch(_: &CudaBackend, kernel: Kernel, _: Launch, _: &mut [Arg]) -> Result<()> {
-    bail!(kernel.name(), "the CUDA emulator was not built")
+pub(crate) unsafe fn launch(_: usize, name: &'static str, _: Launch, _: &[Arg]) -> Result<Job> {
+    bail!(name, "the CUDA emulator was not built")
 }
 
 thread_local! {
@@ -106,20 +103,16 @@ thread_local! {
     static REVERSE: std::cell::Cell<bool> = const { std::cell::Cell::new(false) };
 }
 
+/// The kernel names of the emulator's table, in its order (checked against `Kernel` by the
+/// kernels module's test).
 #[cfg(all(test, ferro_emu))]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn the_emulator_table_is_in_kernel_order() {
-        // SAFETY: as in `launch`: the generated table has `ferro_emu_kernel_count` immutable
-        // entries whose names are static NUL-terminated literals.
-        let names: Vec<String> = unsafe {
-            let n = ffi::ferro_emu_kernel_count as usize;
-            let base = ffi::ferro_emu_kernels.as_ptr();
-            (0..n).map(|i| std::ffi::CStr::from_ptr((*base.add(i)).name).to_string_lossy().into_owned()).collect()
-        };
-        assert_eq!(names, Kernel::NAMES, "the emulator's table and `Kernel` disagree");
+pub(crate) fn table_names() -> Vec<String> {
+    // SAFETY: as in `launch`: the generated table has `ferro_emu_kernel_count` immutable
+    // entries whose names are static NUL-terminated literals.
+    unsafe {
+        let n = ffi::ferro_emu_kernel_count as usize;
+        let base = ffi::ferro_emu_kernels.as_ptr();
+        (0..n).map(|i| std::ffi::CStr::from_ptr((*base.add(i)).name).to_string_lossy().into_owned()).collect()
     }
 }
 

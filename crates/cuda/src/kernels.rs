@@ -9,8 +9,125 @@
 //!
 //! They are `unsafe`: a kernel trusts the pointers it is given, and on the emulated device a
 //! device pointer is a host address.
-use crate::launch::{arg, unsupported, DevPtr, Launch};
-use crate::{consts, CudaBackend};
-use ferrolm_tensor::{DType, Result};
+//!
+//! This module sits above the backend (`crate::device`): a launch goes to the backend's
+//! execution (`crate::exec`) as the kernel's index and name, so nothing below needs `Kernel`.
+use crate::consts;
+use crate::device::CudaBackend;
+use crate::launch::{arg, unsupported, Arg, DevPtr, Launch};
+use ferrolm_tensor::{bail, DType, Layout, Result};
 
 include!(concat!(env!("OUT_DIR"), "/kernels.rs"));
+
+// The GPU sizes its function table by the count build.rs hands the lower layers.
+const _: () = assert!(Kernel::COUNT == crate::KERNEL_COUNT);
+
+impl CudaBackend {
+    /// Enqueues `kernel` on the compute stream (the emulator's worker runs it to completion).
+    /// Called by the generated typed launchers above.
+    ///
+    /// # Safety
+    /// `args` holds one pointer per kernel parameter, to a value of that parameter's type, and
+    /// every device pointer among those values addresses live memory of this device holding what
+    /// the kernel accesses for this launch shape; pool blocks stay allocated until the stream has
+    /// run the kernel.
+    pub(crate) unsafe fn launch(&self, kernel: Kernel, cfg: Launch, args: &mut [Arg]) -> Result<()> {
+        let (x, y, z) = cfg.grid;
+        if x == 0 || y == 0 || z == 0 {
+            return Ok(());
+        }
+        // SAFETY: the caller's contract, which is the execution's.
+        unsafe { self.exec.launch(kernel as usize, kernel.name(), cfg, args) }
+    }
+}
+
+impl Strided {
+    /// The descriptor of a view, with size-1 dims dropped and dims that are contiguous with each
+    /// other merged.
+    pub fn from_layout(op: &str, l: &Layout) -> Result<Strided> {
+        Self::from_parts(op, l.dims(), &l.strides, l.offset, l.is_contiguous())
+    }
+    /// A dense run of `n` elements starting at element 0.
+    pub fn dense(n: usize) -> Strided {
+        let mut s = Strided { contiguous: 1, rank: 1, ..Default::default() };
+        s.shape[0] = n as i64;
+        s.stride[0] = 1;
+        s
+    }
+    /// The descriptor of `dims` / `strides` at `offset`; `contiguous` says the view is dense,
+    /// which gives rank 1, stride 1 (the kernels index that without a division).
+    pub fn from_parts(op: &str, dims: &[usize], strides: &[usize], offset: usize, contiguous: bool) -> Result<Strided> {
+        if contiguous {
+            return Ok(Strided { offset: offset as i64, ..Self::dense(dims.iter().product()) });
+        }
+        let mut s = Strided { offset: offset as i64, ..Default::default() };
+        let mut d: Vec<(i64, i64)> = Vec::new();
+        for (&n, &st) in dims.iter().zip(strides) {
+            if n == 1 {
+                continue;
+            }
+            match d.last_mut() {
+                Some(last) if last.1 == st as i64 * n as i64 => {
+                    last.0 *= n as i64;
+                    last.1 = st as i64;
+                }
+                _ => d.push((n as i64, st as i64)),
+            }
+        }
+        if d.len() > consts::FERRO_MAX_RANK {
+            bail!(op, "view of rank {} cannot be collapsed to rank {} for CUDA: make it contiguous first", d.len(), consts::FERRO_MAX_RANK);
+        }
+        s.rank = d.len() as i32;
+        for (i, (n, st)) in d.into_iter().enumerate() {
+            s.shape[i] = n;
+            s.stride[i] = st;
+        }
+        if s.rank == 0 || (s.rank == 1 && s.stride[0] == 1) {
+            s.contiguous = 1;
+        }
+        Ok(s)
+    }
+    /// True when the elements are a dense run from `offset`.
+    pub fn is_dense(&self) -> bool {
+        self.contiguous == 1
+    }
+    /// The same view in units of `k` elements, when its innermost dim is a dense run of a
+    /// multiple of `k` and every other stride and the offset are multiples of `k` (so each unit
+    /// is k adjacent elements, aligned like the base).
+    pub(crate) fn widen(&self, k: i64) -> Option<Strided> {
+        let r = self.rank as usize;
+        if r == 0 || k <= 1 || self.stride[r - 1] != 1 || self.shape[r - 1] % k != 0 || self.offset % k != 0 {
+            return None;
+        }
+        if (0..r - 1).any(|d| self.stride[d] % k != 0) {
+            return None;
+        }
+        let mut v = *self;
+        v.shape[r - 1] /= k;
+        for d in 0..r - 1 {
+            v.stride[d] /= k;
+        }
+        v.offset /= k;
+        Some(v)
+    }
+    /// (batch, rows, cols, batch stride, col stride) when the view, in row-major order, is a
+    /// (batched) transposed matrix: rows at stride 1, cols at a stride > 1 (`transpose_*`).
+    pub(crate) fn transposed(&self) -> Option<(i64, i64, i64, i64, i64)> {
+        let r = self.rank as usize;
+        match r {
+            2 if self.stride[0] == 1 => Some((1, self.shape[0], self.shape[1], 0, self.stride[1])),
+            3 if self.stride[1] == 1 => Some((self.shape[0], self.shape[1], self.shape[2], self.stride[0], self.stride[2])),
+            _ => None,
+        }
+    }
+}
+
+#[cfg(all(test, ferro_emu))]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_emulator_table_is_in_kernel_order() {
+        assert_eq!(crate::emu::table_names(), Kernel::NAMES, "the emulator's table and `Kernel` disagree");
+    }
+}

@@ -13,22 +13,38 @@
 //! NCCL is not loaded here: the distributed crate opens `libnccl.so.2` itself
 //! (`crates/parallel/src/nccl_lib.rs`: `FERROLM_NCCL_LIB`, the loader's path, `NCCL_HOME`, the CUDA
 //! toolkit, pip's `nvidia-nccl` wheels), so no `libnccl.so` symlink is needed.
+//!
+//! The modules are layers, each importing only those below it (a test, `tests/layers.rs`, scans
+//! the sources for a `use` that goes up):
+//!
+//! 1. `instrument`: host-wait counts, `StepScope`, the kernel profile (GPU and emulator alike);
+//! 2. `pool`, `storage`, `gemm`, `launch`, `emu_stream`, `emu`: memory, the cuBLASLt plan, launch
+//!    shapes and arguments (no backend), the emulator's streams and kernel table;
+//! 3. `exec`: the `Exec` trait and its two implementations, `Gpu` and `Emulator`, with the
+//!    stream and event handles;
+//! 4. `device`: `CudaBackend`, an execution and a pool;
+//! 5. `kernels`: the typed launchers;
+//! 6. `copy`, `optim`, `alloc`, `pinned`, `backend`: what is written with the launchers.
 mod alloc;
 mod backend;
+mod copy;
 mod device;
 mod emu;
 mod emu_stream;
+mod exec;
 mod gemm;
+mod instrument;
 pub mod kernels;
 mod launch;
 mod optim;
 mod pinned;
 mod pool;
-pub mod profile;
 mod storage;
 
-pub use device::{compile_sources, nvrtc_translation_unit, CudaBackend, CudaEvent, CudaStream};
-pub use emu_stream::{format_report, host_waits, reset_host_waits, track_host_wait_sites, HostWaits, StepScope};
+pub use device::CudaBackend;
+pub use exec::{compile_sources, nvrtc_translation_unit, CudaEvent, CudaStream};
+pub use instrument::profile;
+pub use instrument::{format_report, host_waits, reset_host_waits, track_host_wait_sites, HostWaits, StepScope};
 pub use launch::{check_kernel_dtype, unsupported, DevPtr, Launch, ReducePlan};
 pub use optim::{AdamWParams, AdamWTensor, NormPart};
 pub use pinned::PinnedBuffer;
@@ -44,6 +60,10 @@ pub mod consts {
 
 /// Every kernels/*.cu and *.cuh as (file name, text): what NVRTC compiles when there is no fatbin.
 pub const KERNEL_SOURCES: &[(&str, &str)] = include!(concat!(env!("OUT_DIR"), "/kernel_sources.rs"));
+
+/// How many kernels kernels/ defines (`kernels::Kernel::COUNT`), from build.rs: the size of a
+/// GPU's function table, known below the typed launchers.
+pub(crate) const KERNEL_COUNT: usize = include!(concat!(env!("OUT_DIR"), "/kernel_count.rs"));
 
 /// The compiled kernels handed over by the facade crate (from `OUT_DIR/kernels_image.rs`).
 #[derive(Clone, Copy, Debug)]

@@ -14,8 +14,9 @@
 //! streams (`emu_stream`), completing when the stream's worker gets to them; race mode
 //! (`CudaBackend::emulator_race`) delays every item, so a read or reuse that does not wait sees
 //! stale bytes.
-use crate::device::{CudaBackend, CudaEvent, CudaStream, Exec};
+use crate::device::CudaBackend;
 use crate::err;
+use crate::exec::{CudaEvent, CudaStream};
 use crate::storage::CudaStorage;
 use cudarc::driver::{result, PinnedHostSlice};
 use ferrolm_tensor::{bail, Result};
@@ -155,24 +156,17 @@ impl Drop for PinnedBuffer {
 impl CudaBackend {
     /// `bytes` of page-locked host memory (zeroed).
     pub fn alloc_pinned(&self, bytes: usize) -> Result<PinnedBuffer> {
-        let mem = match &self.exec {
-            Exec::Gpu(g) => {
-                self.bind()?;
-                // SAFETY: cuMemHostAlloc of bytes.max(1) bytes with flags 0 (plain page-locked,
-                // not write-combined: the host reads it) on the bound context; the memory is
-                // uninitialised, and is zeroed below before anything reads it.
-                let mut p = unsafe { g.ctx.alloc_pinned_with_flags::<u8>(bytes.max(1), 0) }.map_err(err("alloc_pinned"))?;
-                p.as_mut_slice().map_err(err("alloc_pinned"))?.fill(0);
-                Mem::Pinned(p)
-            }
-            Exec::Emu(_) => Mem::Plain(vec![0; bytes.div_ceil(8)]),
+        // Page-locked memory on a GPU; ordinary memory serves the emulator.
+        let mem = match self.exec.pinned_host(bytes)? {
+            Some(p) => Mem::Pinned(p),
+            None => Mem::Plain(vec![0; bytes.div_ceil(8)]),
         };
         Ok(PinnedBuffer { mem, bytes, pending: None, keep: None })
     }
 
     /// The emulator's mutation check: copies skip the wait that orders them after their producer.
     fn skip_copy_wait(&self) -> bool {
-        matches!(&self.exec, Exec::Emu(e) if e.skip_copy_wait.load(std::sync::atomic::Ordering::Relaxed))
+        self.exec.skip_copy_wait()
     }
 
     /// The stream to copy on, made to wait for the compute stream's work so far (which produced

@@ -15,7 +15,6 @@
 //! Whether on or off, it counts the fused GEMMs (an addend, or f32 out of bf16) that cuBLASLt
 //! refused and that were composed from separate kernels instead (`gemm_fallbacks`): on a GPU
 //! that is a silent slowdown, which the report and `profile.json` make visible (target 0).
-use crate::device::CudaEvent;
 use std::collections::BTreeMap;
 use std::sync::atomic::{AtomicBool, AtomicU64, AtomicU8, Ordering};
 use std::sync::Mutex;
@@ -86,12 +85,20 @@ pub(crate) struct LaunchShape {
     pub elems: u64,
 }
 
+/// A launch bracketed on its stream by two timing events, read back later (the execution
+/// layer's events: the profile needs no CUDA type).
+pub(crate) trait TimedSpan: Send {
+    /// The host waits for the closing event (a counted host wait).
+    fn wait_end(&self) -> ferrolm_tensor::Result<()>;
+    /// Device milliseconds between the two events (waits for the closing one).
+    fn elapsed_ms(&self) -> ferrolm_tensor::Result<f32>;
+}
+
 struct Pending {
     name: &'static str,
     /// The step it ran in (index into `steps_ms`), if inside one.
     step: Option<usize>,
-    start: CudaEvent,
-    end: CudaEvent,
+    span: Box<dyn TimedSpan>,
 }
 
 #[derive(Default, Clone, Debug)]
@@ -155,10 +162,10 @@ impl Inner {
     fn resolve(&mut self) {
         let pending = std::mem::take(&mut self.pending);
         if let Some(last) = pending.last() {
-            let _ = last.end.synchronize();
+            let _ = last.span.wait_end();
         }
         for p in pending {
-            let ms = p.start.elapsed_ms(&p.end).map(f64::from).unwrap_or(0.0);
+            let ms = p.span.elapsed_ms().map(f64::from).unwrap_or(0.0);
             if let Some(s) = self.stats.get_mut(p.name) {
                 s.total_ms += ms;
             }
@@ -178,13 +185,13 @@ pub(crate) fn count(name: &'static str, shape: LaunchShape, sm_count: u32, devic
     lock().count(name, shape, 0.0, sm_count, device);
 }
 
-/// Records one timed launch: `start` and `end` bracket it on its stream.
-pub(crate) fn timed(name: &'static str, shape: LaunchShape, start: CudaEvent, end: CudaEvent, sm_count: u32, device: &dyn Fn() -> String) {
+/// Records one timed launch: `span` brackets it on its stream.
+pub(crate) fn timed(name: &'static str, shape: LaunchShape, span: Box<dyn TimedSpan>, sm_count: u32, device: &dyn Fn() -> String) {
     TIMED.store(true, Ordering::Relaxed);
     let mut g = lock();
     g.count(name, shape, 0.0, sm_count, device);
     let step = (g.in_step > 0).then(|| g.steps.len());
-    g.pending.push(Pending { name, step, start, end });
+    g.pending.push(Pending { name, step, span });
     if g.pending.len() >= RESOLVE_EVERY {
         g.resolve();
     }
