@@ -9,6 +9,7 @@ pub mod ladder_hf;
 pub mod llama;
 pub mod lora;
 pub mod module;
+pub mod objective;
 pub mod optim;
 pub mod remat;
 mod rope;
