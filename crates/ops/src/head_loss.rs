@@ -45,6 +45,20 @@
 //! the chunk is read twice, as on one device. The max's all-reduce is launched before the next
 //! chunk's GEMM and read after it, so it overlaps that GEMM (two chunks are held then).
 //! dX is this rank's part, which the caller's Megatron `f` all-reduces in backward.
+//!
+//! Per-row values (`head_logprobs`): the same loop returns each row's log-prob of its target,
+//! l[target] − lse, a tensor [rows], for objectives other than the token mean (per-sequence
+//! log-probs of preference losses, nanochat's `loss_reduction='none'`). Its forward walks the
+//! chunks for the values only (a logits GEMM and the row kernel a chunk); its backward takes the
+//! per-row gradient g and walks them again with row r's dlogits = −g[r] (softmax − onehot), into
+//! dX and dW. A row's factor is read per row by the same row kernels (`ce_fused`, `hl_grad`:
+//! `scale[r * sstride]`, stride 0 for the cross-entropy's one scale). Ignored rows are 0 and get
+//! no gradient.
+//!
+//! The loop is written once (`walk`) over `ChunkSteps`, which the CPU (`cpu::Loop`) and CUDA
+//! (`cuda::Ctx`) implement: logits, rows (one device) or the statistics and their completion
+//! (vocabulary shards), gradients. The CPU row math is `crate::ce_row`, shared with
+//! `cross_entropy`.
 use crate::dispatch::{on_device, On};
 use crate::tokens::Tokens;
 use ferrolm_tensor::autograd::GradCtx;
