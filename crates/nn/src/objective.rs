@@ -159,12 +159,13 @@ pub fn pack_pairs(pairs: &[PreferencePair], row_tokens: usize, pad_id: u32) -> R
             cu.push(vec![0]);
             used = 0;
         }
-        for (j, &t) in prompt.iter().chain(comp).enumerate() {
+        let whole: Vec<u32> = prompt.iter().chain(comp).copied().collect();
+        for (j, &t) in whole.iter().enumerate() {
             ids.push(t);
             positions.push(j as u32);
             of_token.push(Some(s as u32));
             // Position j predicts token j + 1 when that is a completion token.
-            targets.push(match prompt.iter().chain(comp).nth(j + 1) {
+            targets.push(match whole.get(j + 1) {
                 Some(&next) if j + 1 >= prompt.len() => next as i32,
                 _ => IGNORE_INDEX,
             });
