@@ -4,6 +4,7 @@
 //! policy gradient. Ours: the pairs packed into rows with per-sequence attention
 //! (`pack_pairs`), per-sequence log-probs from the chunked per-row head (`pair_logprobs`), the
 //! reference under no_grad, `preference_loss`. Matched to rel 1e-5 in f32.
+#[allow(dead_code)] // the scratch directory helper is for the other tests
 mod common;
 use common::fixtures;
 use ferrolm_data::preference::PreferencePair;

@@ -34,7 +34,7 @@ use crate::comm_ops::{copy_to_group, gather_from_group, reduce_from_group};
 use ferrolm_nn::module::{linear, linear_adapted, EmbeddingOp, Factor, HeadLoss, HeadOp, LinearOp};
 use ferrolm_nn::Llama;
 use ferrolm_ops::{HeadLossOptions, Tokens, VocabShards};
-use ferrolm_tensor::{bail, no_grad, DType, Error, Result, Tensor};
+use ferrolm_tensor::{no_grad, DType, Error, Result, Tensor};
 use std::collections::BTreeMap;
 use std::sync::{Arc, Mutex};
 

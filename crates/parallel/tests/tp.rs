@@ -339,7 +339,8 @@ fn sequence_log_probs_over_vocabulary_shards_equal_single_device() {
             .map(|(i, &v)| if [0, 1, 3, 4, 5, 8, 9, 10, 11, 15, 16, 17].contains(&i) { -100 } else { v })
             .collect();
         let tg = Tokens::upload(t, vec![2, 9], Device::Cpu).unwrap();
-        let run = |m: &mut Llama, chunks: LossChunks| -> ferrolm_tensor::Result<(Vec<f32>, Vec<(String, Tensor)>)> {
+        type Sums = (Vec<f32>, Vec<(String, Tensor)>);
+        let run = |m: &mut Llama, chunks: LossChunks| -> ferrolm_tensor::Result<Sums> {
             let h = m.final_hidden(&x, Some(&packing))?;
             let s = SequenceLogProbs { chunks }.sums(m.head_op.as_ref(), m.head_weight(), &h, &tg, &map)?;
             assert_eq!(s.tokens, vec![1, 2, 0, 3, 0], "completion tokens per sequence");
