@@ -60,12 +60,14 @@ extern "C" __global__ void ce_bwd_f32(const float* x, const int* t, const float*
 extern "C" __global__ void ce_bwd_bf16(const bf16* x, const int* t, const float* lse, const float* sc, bf16* dx, i64 n, i64 v, int ignore) { ce_bwd_impl(x, t, lse, sc, dx, n, v, ignore); }
 
 // Fused forward + backward: lse, row loss and dlogits (may alias logits: each element is read
-// before it is written by the same thread). `scale` is a device scalar (e.g. from ce_count_scale).
+// before it is written by the same thread). Row r's gradient factor is scale[r * sstride]: a
+// device scalar (sstride 0, e.g. from ce_count_scale) or one per row (sstride 1: the fused head's
+// per-row upstream gradient).
 template <typename T>
-static __device__ void ce_fused_impl(const T* logits, const int* targets, const float* scale, float* lse, float* row_loss, T* dlogits, i64 n, i64 v, int ignore) {
+static __device__ void ce_fused_impl(const T* logits, const int* targets, const float* scale, i64 sstride, float* lse, float* row_loss, T* dlogits, i64 n, i64 v, int ignore) {
     __shared__ float scratch[32];
-    float sc = scale[0];
     for (i64 r = blockIdx.x; r < n; r += gridDim.x) {
+        float sc = scale[r * sstride];
         const T* xr = logits + r * v;
         float l = row_lse(xr, v, scratch);
         int t = targets[r];
@@ -75,8 +77,8 @@ static __device__ void ce_fused_impl(const T* logits, const int* targets, const 
         row_map(xr, dlogits + r * v, v, [&](i64 j, float x) { return t == ignore ? 0.0f : (expf(x - l) - (j == t ? 1.0f : 0.0f)) * sc; });
     }
 }
-extern "C" __global__ void ce_fused_f32(const float* x, const int* t, const float* sc, float* lse, float* rl, float* dx, i64 n, i64 v, int ignore) { ce_fused_impl(x, t, sc, lse, rl, dx, n, v, ignore); }
-extern "C" __global__ void ce_fused_bf16(const bf16* x, const int* t, const float* sc, float* lse, float* rl, bf16* dx, i64 n, i64 v, int ignore) { ce_fused_impl(x, t, sc, lse, rl, dx, n, v, ignore); }
+extern "C" __global__ void ce_fused_f32(const float* x, const int* t, const float* sc, i64 ss, float* lse, float* rl, float* dx, i64 n, i64 v, int ignore) { ce_fused_impl(x, t, sc, ss, lse, rl, dx, n, v, ignore); }
+extern "C" __global__ void ce_fused_bf16(const bf16* x, const int* t, const float* sc, i64 ss, float* lse, float* rl, bf16* dx, i64 n, i64 v, int ignore) { ce_fused_impl(x, t, sc, ss, lse, rl, dx, n, v, ignore); }
 
 // One block: scale_out[0] = mult / max(count of non-ignored targets, 1).
 extern "C" __global__ void ce_count_scale(const int* targets, i64 n, int ignore, float mult, float* scale_out) {

@@ -52,22 +52,24 @@ extern "C" __global__ void hl_rescale(const float* ml, const float* mg, float* s
 
 // From the reduced statistics (mx, the sum of exponentials s_tgt[r] and the target logit
 // s_tgt[n + r]): the row loss lse - target (0 for an ignored row) and, in place over x when
-// `grad` is set, dlogits = (exp(x - lse) - onehot) * scale (0 for an ignored row).
+// `grad` is set, dlogits = (exp(x - lse) - onehot) * scale[r * sstride] (0 for an ignored row):
+// one factor for every row (sstride 0) or one per row (sstride 1).
 template <typename T>
 static __device__ void hl_grad_impl(T* x, const int* targets, const float* mx, const float* s_tgt, float* row_loss, i64 n, i64 v,
-                                    i64 start, int ignore, float scale, int grad) {
+                                    i64 start, int ignore, const float* scale, i64 sstride, int grad) {
     for (i64 r = blockIdx.x; r < n; r += gridDim.x) {
         bool counted = targets[r] != ignore;
+        float sc = scale[r * sstride];
         float lse = mx[r] + logf(s_tgt[r]);
         if (threadIdx.x == 0) row_loss[r] = counted ? lse - s_tgt[n + r] : 0.0f;
         if (!grad) continue;
         T* xr = x + r * v;
         i64 t = (i64)targets[r] - start;
-        row_map(xr, xr, v, [&](i64 j, float e) { return counted ? (expf(e - lse) - (j == t ? 1.0f : 0.0f)) * scale : 0.0f; });
+        row_map(xr, xr, v, [&](i64 j, float e) { return counted ? (expf(e - lse) - (j == t ? 1.0f : 0.0f)) * sc : 0.0f; });
     }
 }
-extern "C" __global__ void hl_grad_f32(float* x, const int* t, const float* mx, const float* st, float* rl, i64 n, i64 v, i64 start, int ignore, float scale, int grad) { hl_grad_impl(x, t, mx, st, rl, n, v, start, ignore, scale, grad); }
-extern "C" __global__ void hl_grad_bf16(bf16* x, const int* t, const float* mx, const float* st, float* rl, i64 n, i64 v, i64 start, int ignore, float scale, int grad) { hl_grad_impl(x, t, mx, st, rl, n, v, start, ignore, scale, grad); }
+extern "C" __global__ void hl_grad_f32(float* x, const int* t, const float* mx, const float* st, float* rl, i64 n, i64 v, i64 start, int ignore, const float* sc, i64 ss, int grad) { hl_grad_impl(x, t, mx, st, rl, n, v, start, ignore, sc, ss, grad); }
+extern "C" __global__ void hl_grad_bf16(bf16* x, const int* t, const float* mx, const float* st, float* rl, i64 n, i64 v, i64 start, int ignore, const float* sc, i64 ss, int grad) { hl_grad_impl(x, t, mx, st, rl, n, v, start, ignore, sc, ss, grad); }
 
 // part[b] = the f64 sum of row_loss[b HL_LOSS_ROWS, (b + 1) HL_LOSS_ROWS) (blockDim.x HL_LOSS_BLOCK).
 extern "C" __global__ void hl_loss_partial(const float* row_loss, i64 n, double* part) {

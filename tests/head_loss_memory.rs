@@ -197,3 +197,35 @@ fn the_chunked_head_saves_the_whole_logits_at_llama_3_2_1b() {
     assert_estimate_bounds(s, LossChunks::Auto, fused);
     assert_estimate_bounds(s, LossChunks::Unfused, plain);
 }
+
+/// The per-row head (`head_logprobs`: per-sequence log-probs for the preference losses) keeps
+/// the logits in chunks too, in its forward and in its backward (which walks the chunks again
+/// with the per-row gradient): no buffer it allocates is as large as the whole logits, and its
+/// peak stays under them (bf16, V 128256, 128 tokens in chunks of 8).
+#[test]
+fn the_per_row_head_never_holds_the_whole_logits() {
+    use ferrolm::ops::{head_logprobs, HeadRowsOptions};
+    let Some((_one_at_a_time, be)) = cuda0() else { return };
+    let device = ferrolm::Device::Cuda(0);
+    let (tokens, hidden) = (128, 16);
+    let mut r = ferrolm_tensor::Rng::new(9);
+    let x = ferrolm_tensor::Tensor::randn([tokens, hidden], 1.0, DType::BF16, device, &mut r).unwrap();
+    let w = ferrolm_tensor::Tensor::randn([VOCAB, hidden], 0.3, DType::BF16, device, &mut r).unwrap();
+    x.set_requires_grad(true).unwrap();
+    w.set_requires_grad(true).unwrap();
+    let t: Vec<i32> = (0..tokens).map(|i| if i % 3 == 0 { -100 } else { ((i * 7919) % VOCAB) as i32 }).collect();
+    let tg = Tokens::upload(t, [tokens], device).unwrap();
+    let g = ferrolm_tensor::Tensor::randn([tokens], 1.0, DType::F32, device, &mut r).unwrap();
+    be.synchronize().unwrap();
+    let base = be.memory_stats().0;
+    be.reset_peak_memory();
+    let lp = head_logprobs(&x, &w, &tg, &HeadRowsOptions { ignore_index: -100, chunk_tokens: 8 }).unwrap();
+    lp.mul(&g).unwrap().sum_all().unwrap().backward().unwrap();
+    be.synchronize().unwrap();
+    let (peak, largest) = (be.memory_stats().1 - base, be.largest_allocation());
+    let logits = tokens * VOCAB * 2;
+    println!("per-row head: peak {peak} bytes, largest buffer {largest}, whole logits {logits}");
+    assert!(x.grad().is_some() && w.grad().is_some(), "the backward ran");
+    assert!(largest < logits, "the per-row head allocated {largest} bytes at once, the whole logits are {logits}");
+    assert!(peak < logits, "the per-row head's peak {peak} is not under the whole logits {logits}");
+}

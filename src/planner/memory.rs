@@ -88,8 +88,8 @@ pub const MARGIN: f64 = 0.08;
 /// about 10 hidden-sized tensors (norm inputs, residuals, q/k/v, the attention output; the
 /// attention part split over `tp`) and 4 MLP-sized ones (gate, up, their SwiGLU and its input to
 /// down_proj); a checkpointed layer keeps 2 hidden-sized (what its residual branches return);
-/// the embedding output and final norm 2 more; and the loss's inputs: the logits (in f32 too
-/// and their exponentials under `--tp`, or the fused head's dX, see [`head_bytes`]).
+/// the embedding output and final norm 2 more; and the loss's inputs: the logits (unfused on
+/// one device), or the fused head's dX (see [`head_bytes`]).
 pub fn activation_bytes(m: &ModelShape, w: &Workload) -> f64 {
     let (tokens, h, e) = ((w.micro_batch * w.seq) as f64, m.hidden as f64, w.elem_bytes as f64);
     let ck = w.checkpointed_layers.min(m.layers) as f64;
@@ -140,18 +140,19 @@ pub fn layer_transient_bytes(m: &ModelShape, w: &Workload) -> f64 {
 /// Unfused (`--loss-chunk-tokens 0`): one device holds the logits in the compute dtype, and
 /// backward starts with one more logits-sized buffer: their gradient (the CPU's fused loss forms
 /// it in the forward; CUDA's loss in backward), or in its place the transposed copy the CPU's
-/// head GEMM backward reads. The vocabulary-parallel loss of `--tp` is composed from ops in f32
-/// over the rank's V/tp columns: the graph holds the logits, their f32 copy (bf16) and their
-/// exponentials; backward adds the gradients of the exponentials, of the row sum and of the
-/// picked target logits, and their sum (measured in all: 24 bytes per local logit on the CPU in
-/// f32, 26 in bf16; 20 and 21 on the emulator).
+/// head GEMM backward reads. The vocabulary-parallel loss of `--tp` is the fused op with one
+/// chunk of every token (`head_loss_sharded`): charged as fused, with the rank's whole V/tp
+/// logits as its chunk.
 pub fn head_bytes(m: &ModelShape, w: &Workload, host: bool, dw: bool) -> (f64, f64) {
     let tokens = w.micro_batch * w.seq;
     let (t, e, ge, tp) = (tokens as f64, w.elem_bytes as f64, w.grad_bytes as f64, w.tp.max(1));
     let (local, h) = (m.vocab / tp, m.hidden as f64);
-    let widened = if e < 4.0 { 4.0 } else { 0.0 };
     let weight = if dw { (local as f64) * h } else { 0.0 };
-    match w.loss_chunks.chunk_tokens(tokens, local, w.elem_bytes) {
+    let chunk = match w.loss_chunks.chunk_tokens(tokens, local, w.elem_bytes) {
+        None if tp > 1 => Some(tokens.max(1)),
+        c => c,
+    };
+    match chunk {
         Some(chunk) => {
             let in_flight = if tp > 1 && chunk < tokens { 2.0 } else { 1.0 };
             let logits = in_flight * (chunk * local) as f64;
@@ -164,7 +165,6 @@ pub fn head_bytes(m: &ModelShape, w: &Workload, host: bool, dw: bool) -> (f64, f
             };
             (t * h * e, transient)
         }
-        None if tp > 1 => (t * (e + widened + 4.0) * local as f64, t * 16.0 * local as f64),
         None => (t * e * local as f64, t * e * local as f64),
     }
 }

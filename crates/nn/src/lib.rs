@@ -12,6 +12,7 @@ pub mod ladder_hf;
 pub mod llama;
 pub mod lora;
 pub mod module;
+pub mod objective;
 pub mod optim;
 pub mod quant_linear;
 pub mod remat;

@@ -14,7 +14,7 @@
 use crate::config::{LadderLayers, LlamaConfig};
 use crate::kv_cache::KvCache;
 use crate::lora::LoraState;
-use crate::module::{project, BranchFn, BranchHook, Embedding, HeadLoss, HeadOp, Linear, ParamInfo, ParamKind, ParamVisitor};
+use crate::module::{project, BranchFn, BranchHook, Embedding, HeadOp, Linear, ParamInfo, ParamKind, ParamVisitor};
 use crate::rope::Rope;
 use crate::safetensors_io::{self, TensorMap};
 use crate::spec::ParamSpec;
@@ -383,7 +383,8 @@ impl Llama {
         rms_norm_offset(x, &self.norm, self.cfg.rms_norm_eps, self.cfg.norm_offset())
     }
 
-    fn head_weight(&self) -> &Tensor {
+    /// The head (vocab, hidden): `lm_head`, or the embedding when tied.
+    pub fn head_weight(&self) -> &Tensor {
         self.lm_head.as_ref().unwrap_or(&self.embed_tokens.weight)
     }
 
@@ -489,10 +490,19 @@ impl Llama {
         self.head_loss(&x, &tg, scale)
     }
 
-    /// The head's loss of the final normed hidden states x (B, T, C) against targets (B, T).
+    /// The final normed hidden states (B, T, C) of `inputs` (packed when given a packing): what
+    /// an objective (`crate::objective`) turns into a loss through the head.
+    pub fn final_hidden(&self, inputs: impl Into<Tokens>, packing: Option<&Packing>) -> Result<Tensor> {
+        let ids = inputs.into();
+        let pos = self.positions(ids.tensor(), packing)?;
+        self.final_norm(&self.hidden(&ids, &pos, None)?)
+    }
+
+    /// The head's loss of the final normed hidden states x (B, T, C) against targets (B, T):
+    /// the token cross-entropy objective.
     fn head_loss(&self, x: &Tensor, targets: &Tokens, scale: LossScale) -> Result<Tensor> {
-        let o = HeadLoss { ignore_index: -100, scale, chunks: self.loss_chunks };
-        self.head_op.loss(x, self.head_weight(), targets, &o)
+        let ce = crate::objective::TokenCrossEntropy { ignore_index: -100, scale, chunks: self.loss_chunks };
+        ce.loss(self.head_op.as_ref(), self.head_weight(), x, targets)
     }
 
     /// Logits (B, T, V) for ids that continue the sequences held in `cache` (generation).

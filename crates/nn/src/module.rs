@@ -221,6 +221,23 @@ pub trait HeadOp: Send + Sync {
     /// (`ferrolm_ops::head_loss`). The loss stays on the device; targets with their host copy
     /// are checked and counted there.
     fn loss(&self, x: &Tensor, weight: &Tensor, targets: &Tokens, o: &HeadLoss) -> Result<Tensor>;
+    /// Each token's log-prob of its target (one per element of `targets`, flattened; 0 where
+    /// `o.ignore_index`), differentiable with a per-token upstream gradient
+    /// (`ferrolm_ops::head_logprobs`); chunked as `o.chunks` says (unfused: one chunk of every
+    /// token). `o.scale` is not used. A head that has no per-row form says so.
+    fn logprobs(&self, x: &Tensor, weight: &Tensor, targets: &Tokens, o: &HeadLoss) -> Result<Tensor> {
+        let _ = (x, weight, targets, o);
+        Err(ferrolm_tensor::Error::new("HeadOp::logprobs", "this head has no per-token log-probs"))
+    }
+}
+
+impl HeadLoss {
+    /// The per-row head's options for `tokens` rows against `vocab` logits a token of
+    /// `elem_bytes` each: unfused is one chunk of every token.
+    pub fn rows(&self, tokens: usize, vocab: usize, elem_bytes: usize) -> ferrolm_ops::HeadRowsOptions {
+        let chunk_tokens = self.chunks.chunk_tokens(tokens, vocab, elem_bytes).unwrap_or(tokens).max(1);
+        ferrolm_ops::HeadRowsOptions { ignore_index: self.ignore_index, chunk_tokens }
+    }
 }
 
 /// The single-device ops.
@@ -261,6 +278,10 @@ impl HeadOp for Dense {
             }
         }
     }
+    fn logprobs(&self, x: &Tensor, w: &Tensor, targets: &Tokens, o: &HeadLoss) -> Result<Tensor> {
+        let n = targets.tensor().numel();
+        ferrolm_ops::head_logprobs(x, w, &targets.reshape(vec![n])?, &o.rows(n, w.dim(0), w.dtype().size_in_bytes()))
+    }
 }
 
 /// A weight, its bias if it has one, the op that applies them and, under LoRA, its adapter
@@ -282,16 +303,16 @@ impl Linear {
     }
     pub fn forward(&self, x: &Tensor) -> Result<Tensor> {
         let y = match &self.adapter {
-            None => self.op.forward(x, &self.weight)?,
-            Some(_) => crate::lora::project(x, &[self], None)?.remove(0),
+            Some(_) if crate::lora::adapters_enabled() => crate::lora::project(x, &[self], None)?.remove(0),
+            _ => self.op.forward(x, &self.weight)?,
         };
         self.plus_bias(y)
     }
     /// res + forward(x) (see `LinearOp::forward_plus`).
     pub fn forward_plus(&self, x: &Tensor, res: &Tensor) -> Result<Tensor> {
         let y = match &self.adapter {
-            None => self.op.forward_plus(x, &self.weight, res)?,
-            Some(_) => crate::lora::project(x, &[self], Some(res))?.remove(0),
+            Some(_) if crate::lora::adapters_enabled() => crate::lora::project(x, &[self], Some(res))?.remove(0),
+            _ => self.op.forward_plus(x, &self.weight, res)?,
         };
         self.plus_bias(y)
     }
@@ -308,7 +329,7 @@ impl Linear {
 /// x through several linear layers that all read it (q, k and v; gate and up), in order. With
 /// LoRA adapters, their down-projections share one GEMM (`crate::lora::project`).
 pub fn project<const N: usize>(x: &Tensor, layers: [&Linear; N]) -> Result<[Tensor; N]> {
-    let out = match layers.iter().any(|l| l.adapter.is_some()) {
+    let out = match layers.iter().any(|l| l.adapter.is_some()) && crate::lora::adapters_enabled() {
         false => layers.iter().map(|l| l.forward(x)).collect::<Result<Vec<_>>>()?,
         true => {
             crate::lora::project(x, &layers, None)?.into_iter().zip(&layers).map(|(y, l)| l.plus_bias(y)).collect::<Result<Vec<_>>>()?

@@ -101,12 +101,13 @@ pub fn backward(logits: View, targets: View, lse: View, ignore_index: i32, scale
 }
 
 mod cpu {
-    //! The reference: lse per row in parallel (max and sum of exp in 16 lanes, vectorised), the
-    //! mean summed in row order.
+    //! The reference: lse per row in parallel (the row math of `crate::ce_row`, shared with the
+    //! fused head), the mean summed in row order.
     use super::*;
-    use ferrolm_tensor::cpu::simd::{self, FastExp};
+    use crate::ce_row::{row_lse, row_lse_grad, softmax_row};
+    use ferrolm_tensor::cpu::simd::FastExp;
     use ferrolm_tensor::cpu::{f64s, gather, i32s, Stat};
-    use ferrolm_tensor::{float_dispatch, multiversion, CpuStorage};
+    use ferrolm_tensor::{float_dispatch, CpuStorage};
     use rayon::prelude::*;
 
     /// The logits' element range, the classes, the targets gathered and checked, and the count
@@ -160,19 +161,6 @@ mod cpu {
         Ok(())
     }
 
-    multiversion! {
-        /// One row of the fused form: d = exp(x − max) summed in `row_lse`'s lanes (so the lse
-        /// is bit for bit the forward's), then d = d / sum · sc and d[target] −= sc. -> the lse.
-        fn row_lse_grad[T: FastExp](d: &mut [T], x: &[T], target: usize, sc: T) -> T {
-            let m = simd::max(x);
-            let l = simd::map_into_sum(d, x, |v| (v - m).fast_exp());
-            let f = sc / l;
-            d.iter_mut().for_each(|p| *p = *p * f);
-            d[target] = d[target] - sc;
-            m + l.ln()
-        }
-    }
-
     /// -> (mean loss over counted rows as a statistic, dlogits (n, v)); `count` counted rows.
     /// Ignored rows get a zero gradient.
     fn fused<T: FastExp + Send + Sync>(logits: &[T], v: usize, t: &[i32], ignore: i32, count: usize) -> (Stat<Vec<T>>, Vec<T>) {
@@ -201,23 +189,6 @@ mod cpu {
             T::zero()
         } else {
             num(sum / n as f64)
-        }
-    }
-
-    multiversion! {
-        /// log-sum-exp of a row.
-        fn row_lse[T: FastExp](row: &[T]) -> T {
-            let m = simd::max(row);
-            m + simd::sum_map(row, |x| (x - m).fast_exp()).ln()
-        }
-    }
-
-    multiversion! {
-        /// d = exp(x - lse) * sc.
-        fn softmax_row[T: FastExp](d: &mut [T], x: &[T], lse: T, sc: T) {
-            for (o, &xv) in d.iter_mut().zip(x) {
-                *o = (xv - lse).fast_exp() * sc;
-            }
         }
     }
 
@@ -368,6 +339,7 @@ mod cuda {
                 x.at(logits.1.offset),
                 t.ptr(),
                 scale.ptr(),
+                0,
                 lse.ptr(),
                 rl.ptr(),
                 dx.ptr(),

@@ -15,7 +15,13 @@ pub(crate) enum On {
 
 /// The device of `x` (an op's inputs share one device: the op checked that), with its backend.
 pub(crate) fn on(op: &str, x: &Storage) -> Result<On> {
-    match x.device() {
+    on_device(op, x.device())
+}
+
+/// `on` for a device named before any storage is at hand (an op that allocates its outputs per
+/// backend).
+pub(crate) fn on_device(op: &str, device: Device) -> Result<On> {
+    match device {
         Device::Cpu => Ok(On::Cpu),
         device => backend::get(op, device)?
             .into_any()

@@ -45,11 +45,28 @@
 //! the chunk is read twice, as on one device. The max's all-reduce is launched before the next
 //! chunk's GEMM and read after it, so it overlaps that GEMM (two chunks are held then).
 //! dX is this rank's part, which the caller's Megatron `f` all-reduces in backward.
-use crate::dispatch::{on, On};
+//!
+//! Per-row values (`head_logprobs`): the same loop returns each row's log-prob of its target,
+//! l[target] − lse, a tensor [rows], for objectives other than the token mean (per-sequence
+//! log-probs of preference losses, nanochat's `loss_reduction='none'`). Its forward walks the
+//! chunks for the values only (a logits GEMM and the row kernel a chunk); its backward takes the
+//! per-row gradient g and walks them again with row r's dlogits = −g[r] (softmax − onehot), into
+//! dX and dW. A row's factor is read per row by the same row kernels (`ce_fused`, `hl_grad`:
+//! `scale[r * sstride]`, stride 0 for the cross-entropy's one scale). Ignored rows are 0 and get
+//! no gradient.
+//!
+//! The loop is written once (`walk`) over `ChunkSteps`, which the CPU (`cpu::Loop`) and CUDA
+//! (`cuda::Ctx`) implement: logits, rows (one device) or the statistics and their completion
+//! (vocabulary shards), gradients. The CPU row math is `crate::ce_row`, shared with
+//! `cross_entropy`.
+use crate::dispatch::{on_device, On};
 use crate::tokens::Tokens;
 use ferrolm_tensor::autograd::GradCtx;
 use ferrolm_tensor::backend::View;
-use ferrolm_tensor::{bail, is_grad_enabled, no_grad, same_device, same_float, DType, Device, Layout, Result, Shape, Storage, Tensor};
+use ferrolm_tensor::{
+    bail, is_grad_enabled, no_grad, same_device, same_float, CpuStorage, DType, Device, Layout, Result, Shape, Storage, Tensor,
+};
+use std::sync::Arc;
 use std::sync::Mutex;
 
 /// How a batch's per-token cross-entropies make its loss.
@@ -145,12 +162,55 @@ pub fn head_loss_sharded(x: &Tensor, w: &Tensor, targets: &Tokens, o: &HeadLossO
     fused(x, w, targets, o, Some(shards))
 }
 
+/// What the per-row head needs besides its tensors (`head_logprobs`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct HeadRowsOptions {
+    /// The target value of rows that are not scored (transformers' -100): their log-prob is 0
+    /// and they get no gradient.
+    pub ignore_index: i32,
+    /// Tokens per chunk (at least 1; `LossChunks::chunk_tokens` gives it).
+    pub chunk_tokens: usize,
+}
+
+/// Per row of x, the log-probability of its target under the head W (V, C): l[target] − lse(l)
+/// with l = x W^T, a tensor of shape [rows] (f32, f64 for f64 inputs; x (..., C) is taken as
+/// rows of C), 0 for rows whose target is `ignore_index`. Chunked as `head_loss` (the logits
+/// never whole), and differentiable: its backward takes a per-row gradient g [rows] and walks
+/// the chunks again (the logits GEMM once more), with each row's dlogits = −g[r] (softmax −
+/// onehot), into dX and dW. Token cross-entropy, per-sequence log-probs (segment sums) and the
+/// preference losses over them are objectives over these values (ferrolm_nn::objective).
+pub fn head_logprobs(x: &Tensor, w: &Tensor, targets: &Tokens, o: &HeadRowsOptions) -> Result<Tensor> {
+    rows_op(x, w, targets, o, None)
+}
+
+/// `head_logprobs` with W this rank's rows of a vocabulary split over tensor-parallel ranks;
+/// the values are whole (the statistics are reduced over the ranks), the gradient of x this
+/// rank's part (the caller all-reduces it). The shards are held until the backward has run.
+pub fn head_logprobs_sharded(
+    x: &Tensor,
+    w: &Tensor,
+    targets: &Tokens,
+    o: &HeadRowsOptions,
+    shards: Arc<dyn VocabShards>,
+) -> Result<Tensor> {
+    rows_op(x, w, targets, o, Some(shards))
+}
+
 /// A chunk of rows: the first, how many, and whether any of their targets is trained.
 #[derive(Clone, Copy, Debug)]
 struct Chunk {
     first: usize,
     rows: usize,
     trained: bool,
+}
+
+/// Each row's factor of its dlogits (softmax − onehot): one for every row (the loss scale
+/// times a loss gradient of 1), or one per row (a per-row upstream gradient, negated for
+/// log-probs), f32 (f64 for f64 inputs) on x's device, contiguous.
+#[derive(Clone)]
+enum Factor {
+    Uniform(f64),
+    Rows(Tensor),
 }
 
 /// What a device's loop needs to know of the call.
@@ -162,8 +222,7 @@ struct Plan<'a> {
     start: usize,
     chunks: Vec<Chunk>,
     ignore: i32,
-    /// The gradient's factor: the loss scale for a loss gradient of 1.
-    scale: f64,
+    factor: Factor,
     dx: bool,
     dw: bool,
     shards: Option<&'a dyn VocabShards>,
@@ -176,19 +235,92 @@ impl Plan<'_> {
     fn any_trained(&self) -> bool {
         self.chunks.iter().any(|c| c.trained)
     }
+    fn grad(&self) -> bool {
+        self.dx || self.dw
+    }
 }
 
-/// What a device's loop returns: the sum of the row losses (f64, unscaled) on the CPU or the
-/// scaled loss on a device, and on the CPU the gradients it made (a device writes them into the
+/// What a device's loop returns: the row losses lse − l[target] (n; f32, f64 for f64 inputs; 0
+/// for ignored rows) and on the CPU the gradients it made (a device writes them into the
 /// buffers it was given).
 struct Made {
-    loss: Storage,
+    rows: Storage,
     dx: Option<Storage>,
     dw: Option<Storage>,
 }
 
-fn fused(x: &Tensor, w: &Tensor, targets: &Tokens, o: &HeadLossOptions, shards: Option<&dyn VocabShards>) -> Result<Tensor> {
-    let op = "head_loss";
+/// One backend's steps of the chunk loop (`walk`), over its own chunk buffer `Buf`.
+trait ChunkSteps {
+    type Buf;
+    /// A chunk whose max is being all-reduced (tensor parallelism), with its statistics.
+    type Pending;
+    /// L = x_c W^T, the chunk's logits (rows, v).
+    fn logits(&mut self, ch: Chunk) -> Result<Self::Buf>;
+    /// One device: the rows' losses and, in place when the plan wants gradients, their
+    /// dlogits times each row's factor.
+    fn rows(&mut self, ch: Chunk, buf: &mut Self::Buf) -> Result<()>;
+    /// Under tensor parallelism: this rank's row statistics, the max's all-reduce launched.
+    fn launch_stats(&mut self, ch: Chunk, buf: Self::Buf, s: &dyn VocabShards) -> Result<Self::Pending>;
+    /// The statistics completed over the ranks, then as `rows`. -> the chunk and its buffer.
+    fn finish_stats(&mut self, pc: Self::Pending, s: &dyn VocabShards) -> Result<(Chunk, Self::Buf)>;
+    /// dX_c = dlogits W into the chunk's rows; dW += dlogits^T x_c.
+    fn gradients(&mut self, ch: Chunk, buf: Self::Buf) -> Result<()>;
+}
+
+/// The chunk loop, once for every backend: per chunk with a trained row, its logits, its row
+/// losses and gradient, the gradient GEMMs. Under tensor parallelism a chunk's max is
+/// all-reduced while the next chunk's GEMM runs (two chunks are held then).
+fn walk<S: ChunkSteps>(s: &mut S, p: &Plan) -> Result<()> {
+    let mut pending: Option<S::Pending> = None;
+    for ch in p.chunks.iter().copied().filter(|c| c.trained) {
+        let mut buf = s.logits(ch)?;
+        match p.shards {
+            None => {
+                s.rows(ch, &mut buf)?;
+                if p.grad() {
+                    s.gradients(ch, buf)?;
+                }
+            }
+            Some(sh) => {
+                let next = s.launch_stats(ch, buf, sh)?;
+                if let Some(prev) = pending.replace(next) {
+                    let (ch, buf) = s.finish_stats(prev, sh)?;
+                    if p.grad() {
+                        s.gradients(ch, buf)?;
+                    }
+                }
+            }
+        }
+    }
+    if let (Some(prev), Some(sh)) = (pending, p.shards) {
+        let (ch, buf) = s.finish_stats(prev, sh)?;
+        if p.grad() {
+            s.gradients(ch, buf)?;
+        }
+    }
+    Ok(())
+}
+
+/// The checked shapes of a call and its host targets.
+struct Call {
+    n: usize,
+    c: usize,
+    v: usize,
+    start: usize,
+    host: Vec<i32>,
+    count: usize,
+    chunks: Vec<Chunk>,
+}
+
+fn check(
+    op: &str,
+    x: &Tensor,
+    w: &Tensor,
+    targets: &Tokens,
+    ignore: i32,
+    chunk_tokens: usize,
+    shards: Option<&dyn VocabShards>,
+) -> Result<Call> {
     same_float(op, &[x, w])?;
     same_device(op, &[x, targets.tensor()])?;
     let r = x.rank();
@@ -201,7 +333,7 @@ fn fused(x: &Tensor, w: &Tensor, targets: &Tokens, o: &HeadLossOptions, shards: 
     if tg.dtype() != DType::I32 || tg.numel() != n {
         bail!(op, "targets must be i32 with one per row of x ({n}), got {:?} {}", tg.shape(), tg.dtype());
     }
-    if o.chunk_tokens == 0 {
+    if chunk_tokens == 0 {
         bail!(op, "chunks must hold at least one token (an unfused head is the caller's)");
     }
     let (start, vocab) = shards.map_or((0, v), |s| (s.start(), s.vocab()));
@@ -209,22 +341,101 @@ fn fused(x: &Tensor, w: &Tensor, targets: &Tokens, o: &HeadLossOptions, shards: 
         bail!(op, "this rank's vocabulary rows {start}..{} lie outside the vocabulary of {vocab}", start + v);
     }
     let host = targets.host_ids()?;
-    let count = crate::tokens::count_targets(&host, vocab, o.ignore_index)?;
+    let count = crate::tokens::count_targets(&host, vocab, ignore)?;
+    let chunks = (0..n)
+        .step_by(chunk_tokens)
+        .map(|first| {
+            let rows = chunk_tokens.min(n - first);
+            Chunk { first, rows, trained: host[first..first + rows].iter().any(|&t| t != ignore) }
+        })
+        .collect();
+    Ok(Call { n, c, v, start, host: host.into_owned(), count, chunks })
+}
+
+/// The loop run on x2 (n, c), w2 (v, c) (contiguous) and targets `t` (n, contiguous) on their
+/// device: (row losses (n), dX (n, c) in x's dtype, dW (v, c): in `dest` when given, else f32
+/// on a device, W's working dtype on the CPU), each gradient when the plan asks for it.
+fn execute(
+    x2: &Tensor,
+    w2: &Tensor,
+    t: &Tensor,
+    host: &[i32],
+    p: &Plan,
+    dest: Option<&Tensor>,
+) -> Result<(Tensor, Option<Tensor>, Option<Tensor>)> {
+    let op = "head_loss";
+    let (n, c, v, dev) = (p.n, p.c, p.v, x2.device());
+    let factor = match &p.factor {
+        Factor::Rows(f) => Some(f),
+        Factor::Uniform(_) => None,
+    };
+    let made = match on_device(op, dev)? {
+        On::Cpu => {
+            let fac = factor.map(|f| f.to_vec_f64()).transpose()?;
+            let made = Tensor::with_storages(&[x2, w2], |s| cpu::run(s[0], s[1], fac.as_deref(), host, p))?;
+            let dx = made.dx.map(|s| Tensor::new(s, [n, c])).transpose()?;
+            let dw = made.dw.map(|s| Tensor::new(s, [v, c])).transpose()?;
+            (Tensor::new(made.rows, [n])?, dx, dw)
+        }
+        On::Cuda(be) => {
+            // Rows of skipped chunks are never written: then the buffer starts zeroed.
+            let skipped = p.chunks.iter().any(|c| !c.trained);
+            let dx = match (p.dx, skipped) {
+                (false, _) => None,
+                (true, true) => Some(Tensor::zeros([n, c], x2.dtype(), dev)?),
+                (true, false) => Some(Tensor::empty([n, c], x2.dtype(), dev)?),
+            };
+            let dw = match dest {
+                _ if !(p.dw && p.any_trained()) => None,
+                Some(d) if d.dtype() == DType::F32 => Some(d.clone()),
+                _ => Some(Tensor::empty([v, c], DType::F32, dev)?),
+            };
+            let mut ins = vec![x2, w2, t];
+            ins.extend(factor);
+            let k = ins.len();
+            ins.extend(dx.iter().chain(dw.iter()));
+            let made = Tensor::with_storages(&ins, |s| {
+                let (dxv, dwv) = (dx.as_ref().map(|_| s[k]), dw.as_ref().map(|_| s[k + dx.is_some() as usize]));
+                cuda::run(&be, s[0], s[1], s[2], factor.map(|_| s[3]), dxv, dwv, p)
+            })?;
+            (Tensor::new(made.rows, [n])?, dx, dw)
+        }
+    };
+    Ok(made)
+}
+
+/// The sum of the trained rows' losses times `scale`, as the loss (a scalar: f32, f64 for f64
+/// rows). CPU: in f64 in row order (`cross_entropy`'s mean); a device: in f64 per fixed block
+/// of rows, then the blocks' sums in order (`hl_loss_partial`, `hl_finish`): the same bits run
+/// to run.
+fn sum_rows(rows: &Tensor, host: &[i32], ignore: i32, scale: f64) -> Result<Tensor> {
+    let s = match on_device("head_loss", rows.device())? {
+        On::Cpu => {
+            let r = rows.to_vec_f64()?;
+            let sum = host.iter().zip(&r).filter(|(&t, _)| t != ignore).fold(0f64, |a, (_, &x)| a + x);
+            let v = sum * scale;
+            Storage::Cpu(match rows.dtype() {
+                DType::F64 => CpuStorage::F64(vec![v]),
+                _ => CpuStorage::F32(vec![v as f32]),
+            })
+        }
+        On::Cuda(be) => Tensor::with_storages(&[rows], |s| cuda::sum(&be, s[0], host.len(), scale))?,
+    };
+    Tensor::new(s, ())
+}
+
+fn fused(x: &Tensor, w: &Tensor, targets: &Tokens, o: &HeadLossOptions, shards: Option<&dyn VocabShards>) -> Result<Tensor> {
+    let op = "head_loss";
+    let call = check(op, x, w, targets, o.ignore_index, o.chunk_tokens, shards)?;
     let scale = match o.scale {
-        LossScale::Mean => 1.0 / count.max(1) as f64,
+        LossScale::Mean => 1.0 / call.count.max(1) as f64,
         LossScale::Sum(s) => s,
     };
     if !scale.is_finite() {
         bail!(op, "the loss scale {scale} is not finite");
     }
     let grad = is_grad_enabled();
-    let chunks = (0..n)
-        .step_by(o.chunk_tokens)
-        .map(|first| {
-            let rows = o.chunk_tokens.min(n - first);
-            Chunk { first, rows, trained: host[first..first + rows].iter().any(|&t| t != o.ignore_index) }
-        })
-        .collect();
+    let Call { n, c, v, start, host, chunks, .. } = call;
     let plan = Plan {
         n,
         c,
@@ -232,7 +443,7 @@ fn fused(x: &Tensor, w: &Tensor, targets: &Tokens, o: &HeadLossOptions, shards: 
         start,
         chunks,
         ignore: o.ignore_index,
-        scale,
+        factor: Factor::Uniform(scale),
         dx: grad && x.requires_grad(),
         dw: grad && w.requires_grad(),
         shards,
@@ -240,49 +451,18 @@ fn fused(x: &Tensor, w: &Tensor, targets: &Tokens, o: &HeadLossOptions, shards: 
     let guard = no_grad();
     let x2 = x.contiguous()?.reshape([n, c])?;
     let w2 = w.contiguous()?;
-    let dev = x.device();
+    let t = targets.tensor().contiguous()?.reshape([n])?;
     // Where dW accumulates: W's gradient destination when it is f32, else an f32 buffer of its
     // own (on the CPU the loop keeps its own and copies it over at the end).
     let dest = if plan.dw && plan.any_trained() { w.grad_dest()? } else { None };
-    let (made, dx, dw) = if dev == Device::Cpu {
-        (Tensor::with_storages(&[&x2, &w2], |s| cpu::run(s[0], s[1], &host, &plan))?, None, None)
-    } else {
-        // Rows of skipped chunks are never written: then the buffer starts zeroed.
-        let skipped = plan.chunks.iter().any(|c| !c.trained);
-        let dx = match (plan.dx, skipped) {
-            (false, _) => None,
-            (true, true) => Some(Tensor::zeros([n, c], x.dtype(), dev)?),
-            (true, false) => Some(Tensor::empty([n, c], x.dtype(), dev)?),
-        };
-        let dw = match &dest {
-            _ if !(plan.dw && plan.any_trained()) => None,
-            Some(d) if d.dtype() == DType::F32 => Some(d.clone()),
-            _ => Some(Tensor::empty([v, c], DType::F32, dev)?),
-        };
-        let t = tg.contiguous()?.reshape([n])?;
-        let mut ins = vec![&x2, &w2, &t];
-        ins.extend(dx.iter().chain(dw.iter()));
-        let made = Tensor::with_storages(&ins, |s| {
-            let (dxv, dwv) = (dx.as_ref().map(|_| s[3]), dw.as_ref().map(|_| s[3 + dx.is_some() as usize]));
-            match on(op, s[0].0)? {
-                On::Cuda(be) => cuda::run(&be, s[0], s[1], s[2], dxv, dwv, &plan),
-                On::Cpu => bail!(op, "CPU storage on {dev}"),
-            }
-        })?;
-        (made, dx, dw)
-    };
-    let loss = Tensor::new(made.loss, ())?;
+    let (rows, dx, dw) = execute(&x2, &w2, &t, &host, &plan, dest.as_ref())?;
+    let loss = sum_rows(&rows, &host, plan.ignore, scale)?;
     if !(plan.dx || plan.dw) {
         return Ok(loss);
     }
-    let dx = match (dx, made.dx) {
-        (Some(d), _) => Some(d),
-        (None, Some(s)) => Some(Tensor::new(s, [n, c])?),
-        (None, None) => None,
-    };
     // dW lands in the destination whatever the dtype (its own buffer cast on the way), or is
     // handed over in W's dtype.
-    let dw = match (dw.or(made.dw.map(|s| Tensor::new(s, [v, c])).transpose()?), dest) {
+    let dw = match (dw, dest) {
         (Some(d), Some(t)) if !d.same_view(&t) => {
             t.assign(&d)?;
             Some(t)
@@ -316,6 +496,60 @@ fn fused(x: &Tensor, w: &Tensor, targets: &Tokens, o: &HeadLossOptions, shards: 
     Ok(Tensor::from_op_ctx(loss, op, &[x, w], Box::new(backward)))
 }
 
+/// The per-row op (`head_logprobs`): the forward walks the chunks for the values only; the
+/// backward walks them again with the per-row upstream gradient as each row's factor.
+fn rows_op(x: &Tensor, w: &Tensor, targets: &Tokens, o: &HeadRowsOptions, shards: Option<Arc<dyn VocabShards>>) -> Result<Tensor> {
+    let op = "head_logprobs";
+    let Call { n, c, v, start, host, chunks, .. } = check(op, x, w, targets, o.ignore_index, o.chunk_tokens, shards.as_deref())?;
+    let needs = is_grad_enabled() && (x.requires_grad() || w.requires_grad());
+    let (dxq, dwq) = (x.requires_grad(), w.requires_grad());
+    let plan = Plan {
+        n,
+        c,
+        v,
+        start,
+        chunks,
+        ignore: o.ignore_index,
+        factor: Factor::Uniform(0.0),
+        dx: false,
+        dw: false,
+        shards: shards.as_deref(),
+    };
+    let guard = no_grad();
+    let x2 = x.contiguous()?.reshape([n, c])?;
+    let w2 = w.contiguous()?;
+    let t = targets.tensor().contiguous()?.reshape([n])?;
+    let (rows, _, _) = execute(&x2, &w2, &t, &host, &plan, None)?;
+    let logp = rows.neg()?;
+    if !needs {
+        return Ok(logp);
+    }
+    drop(guard);
+    let Plan { chunks, ignore, .. } = plan;
+    let (wdt, xshape) = (w.dtype(), x.shape().clone());
+    let backward = move |g: &Tensor, ctx: &mut GradCtx| {
+        let _g = no_grad();
+        let stat = if x2.dtype() == DType::F64 { DType::F64 } else { DType::F32 };
+        let f = g.neg()?.to_dtype(stat)?.contiguous()?.reshape([n])?;
+        let plan =
+            Plan { n, c, v, start, chunks: chunks.clone(), ignore, factor: Factor::Rows(f), dx: dxq, dw: dwq, shards: shards.as_deref() };
+        let (_, dx, dw) = execute(&x2, &w2, &t, &host, &plan, None)?;
+        let gx = match dx {
+            Some(d) => {
+                let d = d.reshape(xshape.clone())?;
+                Some(match ctx.take_partial(0)? {
+                    Some(p) => p.add(&d)?,
+                    None => d,
+                })
+            }
+            None => None,
+        };
+        let gw = dw.map(|d| d.to_dtype(wdt)).transpose()?;
+        Ok(vec![gx, gw])
+    };
+    Ok(Tensor::from_op_ctx(logp, op, &[x, w], Box::new(backward)))
+}
+
 /// `t` times the output gradient `g` (a one-element tensor), unless there is none to apply or
 /// it is 1 (read on the host only where that costs no wait: the CPU).
 fn times(t: Tensor, g: Option<&Tensor>) -> Result<Tensor> {
@@ -340,14 +574,14 @@ fn view(rows: usize, cols: usize, ld: usize, offset: usize, t: bool) -> Layout {
 
 mod cpu {
     //! The reference: the chunk's GEMMs through the CPU backend (multi-threaded), its rows in
-    //! parallel with the cross-entropy's row kernels, the loss summed in f64 in row order.
+    //! parallel with the cross-entropy's row kernels (`crate::ce_row`), the row losses kept.
     use super::*;
+    use crate::ce_row::{row_lse, row_lse_grad_in_place, row_sumexp, softmax_row_in_place};
     use ferrolm_tensor::backend::Backend;
     use ferrolm_tensor::cpu::simd::{self, FastExp};
     use ferrolm_tensor::cpu::Finish;
-    use ferrolm_tensor::{multiversion, CountedBytes, CpuStorage};
+    use ferrolm_tensor::CountedBytes;
     use rayon::prelude::*;
-    use std::sync::Arc;
 
     /// The loop's vectors live outside tensor storage: counted, so measured peaks see them.
     fn counted<T>(v: &[T]) -> CountedBytes {
@@ -385,129 +619,94 @@ mod cpu {
         }
     }
 
-    pub(super) fn run(x: View, w: View, t: &[i32], p: &Plan) -> Result<Made> {
+    /// `fac`: each row's factor when the plan's is per row (read on the host by the caller).
+    pub(super) fn run(x: View, w: View, fac: Option<&[f64]>, t: &[i32], p: &Plan) -> Result<Made> {
         let be = ferrolm_tensor::backend::get("head_loss", Device::Cpu)?;
         match x.0.dtype() {
-            DType::F64 => Loop::<f64>::new(be, x, w, t, p).run(),
-            _ => Loop::<f32>::new(be, x, w, t, p).run(),
+            DType::F64 => Loop::<f64>::new(be, x, w, fac, t, p).run(),
+            _ => Loop::<f32>::new(be, x, w, fac, t, p).run(),
         }
     }
 
-    multiversion! {
-        /// One row of the fused form in place: x = exp(x − max), summed in `row_lse`'s lanes (so
-        /// the lse is bit for bit the unfused forward's), then x = x · (sc / sum), x[target] −= sc
-        /// (`cross_entropy`'s `row_lse_grad`). -> the lse.
-        fn row_grad[T: FastExp](x: &mut [T], target: usize, sc: T) -> T {
-            let m = simd::max(x);
-            let l = simd::map_in_place_sum(x, |v| (v - m).fast_exp());
-            let f = sc / l;
-            x.iter_mut().for_each(|p| *p = *p * f);
-            x[target] = x[target] - sc;
-            m + l.ln()
-        }
-    }
-
-    multiversion! {
-        /// log-sum-exp of a row (`cross_entropy`'s `row_lse`).
-        fn row_lse[T: FastExp](row: &[T]) -> T {
-            let m = simd::max(row);
-            m + simd::sum_map(row, |x| (x - m).fast_exp()).ln()
-        }
-    }
-
-    multiversion! {
-        /// Under tensor parallelism: the sum of exp(x − m) over this rank's columns.
-        fn row_sumexp[T: FastExp](row: &[T], m: T) -> T {
-            simd::sum_map(row, |x| (x - m).fast_exp())
-        }
-    }
-
-    multiversion! {
-        /// Under tensor parallelism: x = exp(x − lse) · sc in place.
-        fn row_softmax[T: FastExp](x: &mut [T], lse: T, sc: T) {
-            for p in x.iter_mut() {
-                *p = (*p - lse).fast_exp() * sc;
-            }
-        }
-    }
-
-    /// The loop over the chunks of one call, in working precision `T`.
+    /// The loop's steps over one call, in working precision `T`.
     struct Loop<'a, T: Work> {
         be: Arc<dyn Backend>,
         x: View<'a>,
         w: View<'a>,
         t: &'a [i32],
         p: &'a Plan<'a>,
+        /// The factor of every row, or of each (`Factor`).
         sc: T,
+        fac: Option<Vec<T>>,
         dt: DType,
-        /// The row losses' sum, in row order.
-        sum: f64,
+        /// The row losses (n; 0 where ignored or skipped).
+        rows: (Vec<T>, CountedBytes),
         dx: Option<(Vec<T>, CountedBytes)>,
         dw: Option<(Vec<T>, CountedBytes)>,
     }
 
     /// A chunk of logits whose max is being all-reduced (tensor parallelism).
-    struct Pending<T> {
+    pub(super) struct Pending<T> {
         chunk: Chunk,
         l: (Vec<T>, CountedBytes),
         max: Tensor,
         tgt: Vec<T>,
     }
 
+    fn cast<T: Work>(x: f64) -> T {
+        num_traits::cast::<f64, T>(x).unwrap_or_else(T::nan)
+    }
+
     impl<'a, T: Work> Loop<'a, T> {
-        fn new(be: Arc<dyn Backend>, x: View<'a>, w: View<'a>, t: &'a [i32], p: &'a Plan<'a>) -> Self {
+        fn new(be: Arc<dyn Backend>, x: View<'a>, w: View<'a>, fac: Option<&[f64]>, t: &'a [i32], p: &'a Plan<'a>) -> Self {
+            let with_count = |v: Vec<T>| {
+                let c = counted(&v);
+                (v, c)
+            };
             Loop {
                 be,
                 x,
                 w,
                 t,
                 p,
-                sc: num_traits::cast(p.scale).unwrap_or_else(T::nan),
-                dt: x.0.dtype(),
-                sum: 0.0,
-                dx: p.dx.then(|| {
-                    let v = vec![T::zero(); p.n * p.c];
-                    let c = counted(&v);
-                    (v, c)
+                sc: cast(match p.factor {
+                    Factor::Uniform(s) => s,
+                    Factor::Rows(_) => f64::NAN,
                 }),
+                fac: fac.map(|f| f.iter().map(|&v| cast(v)).collect()),
+                dt: x.0.dtype(),
+                rows: with_count(vec![T::zero(); p.n]),
+                dx: p.dx.then(|| with_count(vec![T::zero(); p.n * p.c])),
                 dw: None,
             }
         }
 
         fn run(mut self) -> Result<Made> {
-            let mut pending: Option<Pending<T>> = None;
-            for ch in self.p.chunks.clone() {
-                if !ch.trained {
-                    continue;
-                }
-                let l = self.logits(ch)?;
-                match self.p.shards {
-                    None => self.single(ch, l)?,
-                    Some(s) => {
-                        // The max is all-reduced while the next chunk's GEMM runs.
-                        let next = self.launch_max(ch, l, s)?;
-                        if let Some(prev) = pending.replace(next) {
-                            self.sharded(prev, s)?;
-                        }
-                    }
-                }
-            }
-            if let (Some(prev), Some(s)) = (pending, self.p.shards) {
-                self.sharded(prev, s)?;
-            }
-            let loss = self.sum * self.p.scale;
-            let one = |v: f64| if self.dt == DType::F64 { CpuStorage::F64(vec![v]) } else { CpuStorage::F32(vec![v as f32]) };
+            let p = self.p;
+            walk(&mut self, p)?;
             let dt = self.dt;
-            let dw_dt = if dt == DType::F64 { DType::F64 } else { DType::F32 };
+            let stat = if dt == DType::F64 { DType::F64 } else { DType::F32 };
             Ok(Made {
-                loss: Storage::Cpu(one(loss)),
+                rows: T::store(self.rows.0, stat),
                 dx: self.dx.map(|(v, _)| T::store(v, dt)),
-                dw: self.dw.map(|(v, _)| T::store(v, dw_dt)),
+                dw: self.dw.map(|(v, _)| T::store(v, stat)),
             })
         }
 
-        /// The chunk's logits (rows, v) in working precision.
-        fn logits(&self, ch: Chunk) -> Result<(Vec<T>, CountedBytes)> {
+        fn stat_dt(&self) -> DType {
+            if self.dt == DType::F64 {
+                DType::F64
+            } else {
+                DType::F32
+            }
+        }
+    }
+
+    impl<T: Work> ChunkSteps for Loop<'_, T> {
+        type Buf = (Vec<T>, CountedBytes);
+        type Pending = Pending<T>;
+
+        fn logits(&mut self, ch: Chunk) -> Result<Self::Buf> {
             let (p, xo, wo) = (self.p, self.x.1.offset, self.w.1.offset);
             let xl = view(ch.rows, p.c, p.c, xo + ch.first * p.c, false);
             let wt = view(p.v, p.c, p.c, wo, true);
@@ -516,46 +715,30 @@ mod cpu {
             Ok((l, c))
         }
 
-        /// One device: the rows' losses and, in place, their gradients; then the gradient GEMMs.
-        fn single(&mut self, ch: Chunk, (mut l, lc): (Vec<T>, CountedBytes)) -> Result<()> {
-            let (v, ignore, sc) = (self.p.v, self.p.ignore, self.sc);
+        fn rows(&mut self, ch: Chunk, buf: &mut Self::Buf) -> Result<()> {
+            let (v, ignore, sc, grad) = (self.p.v, self.p.ignore, self.sc, self.p.grad());
             let t = &self.t[ch.first..ch.first + ch.rows];
-            let grad = self.p.dx || self.p.dw;
+            let fac = self.fac.as_ref().map(|f| &f[ch.first..ch.first + ch.rows]);
+            let out = &mut self.rows.0[ch.first..ch.first + ch.rows];
             // Per row: lse − the target's logit (read before the gradient overwrites it).
-            let rows: Vec<T> = l
-                .par_chunks_mut(v)
-                .zip(t.par_iter())
-                .map(|(x, &tg)| {
-                    if tg == ignore {
-                        if grad {
-                            x.iter_mut().for_each(|e| *e = T::zero());
-                        }
-                        return T::zero();
+            buf.0.par_chunks_mut(v).zip(t.par_iter()).zip(out.par_iter_mut()).enumerate().for_each(|(r, ((x, &tg), o))| {
+                if tg == ignore {
+                    if grad {
+                        x.iter_mut().for_each(|e| *e = T::zero());
                     }
-                    let xt = x[tg as usize];
-                    let lse = if grad { row_grad(x, tg as usize, sc) } else { row_lse(x) };
-                    lse - xt
-                })
-                .collect();
-            self.add_losses(t, &rows);
-            if grad {
-                self.gradients(ch, (l, lc))?;
-            }
-            Ok(())
-        }
-
-        /// The row losses summed in row order, in f64 (`cross_entropy`'s `mean_loss`).
-        fn add_losses(&mut self, t: &[i32], rows: &[T]) {
-            for (&tg, &r) in t.iter().zip(rows) {
-                if tg != self.p.ignore {
-                    self.sum += r.to_f64().unwrap_or(f64::NAN);
+                    return;
                 }
-            }
+                let xt = x[tg as usize];
+                let s = fac.map_or(sc, |f| f[r]);
+                let lse = if grad { row_lse_grad_in_place(x, tg as usize, s) } else { row_lse(x) };
+                *o = lse - xt;
+            });
+            Ok(())
         }
 
         /// Each row's local max and target logit (0 where another rank holds it); the max's
         /// all-reduce launched.
-        fn launch_max(&self, ch: Chunk, l: (Vec<T>, CountedBytes), s: &dyn VocabShards) -> Result<Pending<T>> {
+        fn launch_stats(&mut self, ch: Chunk, l: Self::Buf, s: &dyn VocabShards) -> Result<Pending<T>> {
             let (v, start) = (self.p.v, self.p.start as i64);
             let t = &self.t[ch.first..ch.first + ch.rows];
             let (mx, tgt): (Vec<T>, Vec<T>) =
@@ -571,55 +754,39 @@ mod cpu {
             Ok(Pending { chunk: ch, l, max, tgt })
         }
 
-        fn stat_dt(&self) -> DType {
-            if self.dt == DType::F64 {
-                DType::F64
-            } else {
-                DType::F32
-            }
-        }
-
-        /// Under tensor parallelism: the statistics completed over the ranks, then as `single`.
-        fn sharded(&mut self, pc: Pending<T>, s: &dyn VocabShards) -> Result<()> {
+        fn finish_stats(&mut self, pc: Pending<T>, s: &dyn VocabShards) -> Result<(Chunk, Self::Buf)> {
             let Pending { chunk: ch, l: (mut l, lc), max, tgt } = pc;
             let (v, start, ignore, sc, n) = (self.p.v, self.p.start as i64, self.p.ignore, self.sc, ch.rows);
-            let cast = |x: f64| num_traits::cast::<f64, T>(x).unwrap_or_else(T::nan);
             let m: Vec<T> = max.to_vec_f64()?.into_iter().map(cast).collect();
             let sums: Vec<T> = l.par_chunks(v).zip(m.par_iter()).map(|(x, &m)| row_sumexp(x, m)).collect();
             let st = s.all_reduce_sum(&Tensor::new(T::store([sums, tgt].concat(), self.stat_dt()), [2 * n])?)?;
             let st: Vec<T> = st.to_vec_f64()?.into_iter().map(cast).collect();
             let t = &self.t[ch.first..ch.first + n];
-            let grad = self.p.dx || self.p.dw;
-            let rows: Vec<T> = l
-                .par_chunks_mut(v)
-                .enumerate()
-                .map(|(r, x)| {
-                    if t[r] == ignore {
-                        if grad {
-                            x.iter_mut().for_each(|e| *e = T::zero());
-                        }
-                        return T::zero();
-                    }
-                    let lse = m[r] + st[r].ln();
+            let fac = self.fac.as_ref().map(|f| &f[ch.first..ch.first + n]);
+            let grad = self.p.grad();
+            let out = &mut self.rows.0[ch.first..ch.first + n];
+            l.par_chunks_mut(v).zip(out.par_iter_mut()).enumerate().for_each(|(r, (x, o))| {
+                if t[r] == ignore {
                     if grad {
-                        row_softmax(x, lse, sc);
-                        let j = t[r] as i64 - start;
-                        if (0..v as i64).contains(&j) {
-                            x[j as usize] = x[j as usize] - sc;
-                        }
+                        x.iter_mut().for_each(|e| *e = T::zero());
                     }
-                    lse - st[n + r]
-                })
-                .collect();
-            self.add_losses(t, &rows);
-            if grad {
-                self.gradients(ch, (l, lc))?;
-            }
-            Ok(())
+                    return;
+                }
+                let lse = m[r] + st[r].ln();
+                if grad {
+                    let s = fac.map_or(sc, |f| f[r]);
+                    softmax_row_in_place(x, lse, s);
+                    let j = t[r] as i64 - start;
+                    if (0..v as i64).contains(&j) {
+                        x[j as usize] = x[j as usize] - s;
+                    }
+                }
+                *o = lse - st[n + r];
+            });
+            Ok((ch, (l, lc)))
         }
 
-        /// dX_c = dlogits W into the chunk's rows; dW += dlogits^T x_c.
-        fn gradients(&mut self, ch: Chunk, (dl, dlc): (Vec<T>, CountedBytes)) -> Result<()> {
+        fn gradients(&mut self, ch: Chunk, (dl, dlc): Self::Buf) -> Result<()> {
             let (p, xo, wo) = (self.p, self.x.1.offset, self.w.1.offset);
             let g = T::store(dl, self.dt);
             // The same bytes when the working precision is the dtype (moved, not copied).
@@ -652,14 +819,14 @@ mod cuda {
     //! the row kernels of kernels/cross_entropy.cu (one device) or kernels/head_loss.cu
     //! (vocabulary-parallel), a two-level fixed-order sum of the row losses. No host wait.
     use super::*;
-    use ferrolm_cuda::{consts, kernels, CudaBackend, CudaStorage, Launch};
+    use ferrolm_cuda::{consts, kernels, CudaBackend, CudaStorage, DevPtr, Launch};
     use ferrolm_tensor::backend::Backend;
-    use ferrolm_tensor::{CpuStorage, DeviceStorage};
+    use ferrolm_tensor::DeviceStorage;
 
     /// A chunk of logits whose max is being all-reduced (tensor parallelism), with this rank's
     /// statistics: each row's local max `ml`, and `st` = [the sum of exp(x − ml) over the local
     /// columns (rows); the target logit, 0 where another rank holds it (rows)].
-    struct Pending {
+    pub(super) struct Pending {
         chunk: Chunk,
         buf: Storage,
         max: Tensor,
@@ -667,65 +834,55 @@ mod cuda {
         st: CudaStorage,
     }
 
-    /// The loss (1, f32); writes dX's rows into `dx` (n, c; x's dtype) and accumulates dW into
-    /// `dw` (v, c; f32), each when given. `t`: the n targets, contiguous.
-    pub(super) fn run(be: &CudaBackend, x: View, w: View, t: View, dx: Option<View>, dw: Option<View>, p: &Plan) -> Result<Made> {
+    /// The row losses (n, f32); writes dX's rows into `dx` (n, c; x's dtype) and accumulates dW
+    /// into `dw` (v, c; f32), each when given. `t`: the n targets, contiguous; `f`: the n per-row
+    /// factors (f32) when the plan's factor is per row.
+    #[allow(clippy::too_many_arguments)]
+    pub(super) fn run(
+        be: &CudaBackend,
+        x: View,
+        w: View,
+        t: View,
+        f: Option<View>,
+        dx: Option<View>,
+        dw: Option<View>,
+        p: &Plan,
+    ) -> Result<Made> {
         let op = "head_loss";
         let dt = CudaStorage::of(op, x.0)?.dtype();
         ferrolm_cuda::check_kernel_dtype(op, dt)?;
         let rl = be.alloc_zeroed(p.n, DType::F32)?; // rows of skipped chunks stay 0
-        let grad = p.dx || p.dw;
-        let cm = p.chunk_max().max(1);
-        let lse = be.alloc_storage(cm, DType::F32)?;
-        let sc: Storage = be.from_cpu(&CpuStorage::F32(vec![p.scale as f32]))?;
-        let ctx = Ctx { be, x, w, t, dx, dw, p, dt, rl: &rl, first_dw: std::cell::Cell::new(true) };
-        // One buffer for every chunk (the pool hands the same block back for the next).
-        let mut pending: Option<Pending> = None;
-        for ch in p.chunks.iter().copied().filter(|c| c.trained) {
-            let buf: Storage = be.alloc_storage(ch.rows * p.v, dt)?.into();
-            ctx.logits(ch, &buf)?;
-            match p.shards {
-                None => {
-                    let (b, tt, s) = (CudaStorage::of(op, &buf)?, CudaStorage::of(op, t.0)?, CudaStorage::of(op, &sc)?);
-                    let (n, v, tp) = (ch.rows as i64, p.v as i64, tt.at(t.1.offset + ch.first));
-                    let cfg = Launch::per_row(ch.rows, Launch::BLOCK);
-                    // SAFETY: `b` holds the chunk's rows x v logits (written in place: ce_fused reads
-                    // each element before its thread writes it); `tp` the chunk's targets (checked on
-                    // the host); lse `cm` >= rows f32 and rl n f32 from the chunk's first row; `s` one f32.
-                    unsafe {
-                        match grad {
-                            true => {
-                                kernels::ce_fused(be, dt, cfg, b.ptr(), tp, s.ptr(), lse.ptr(), rl.at(ch.first), b.ptr(), n, v, p.ignore)?
-                            }
-                            false => kernels::ce_fwd(be, dt, cfg, b.ptr(), tp, lse.ptr(), rl.at(ch.first), n, v, p.ignore)?,
-                        }
-                    }
-                    if grad {
-                        ctx.gradients(ch, &buf)?;
-                    }
+        let lse = be.alloc_storage(p.chunk_max().max(1), DType::F32)?;
+        // Each row's factor: one device scalar read by every row (stride 0), or the row's own.
+        let (one, fac) = match (&p.factor, f) {
+            (Factor::Rows(_), Some(f)) => {
+                if CudaStorage::of(op, f.0)?.dtype() != DType::F32 {
+                    bail!(op, "the per-row gradient must be f32 on a device");
                 }
-                Some(s) => {
-                    let next = ctx.launch_stats(ch, buf, s)?;
-                    if let Some(prev) = pending.replace(next) {
-                        ctx.sharded(prev, s)?;
-                    }
-                }
+                (None, Some(f))
             }
-        }
-        if let (Some(prev), Some(s)) = (pending, p.shards) {
-            ctx.sharded(prev, s)?;
-        }
-        // The row losses summed in two levels: per HL_LOSS_ROWS rows in f64, then the partials.
-        let (loss, nb) = (be.alloc_storage(1, DType::F32)?, p.n.div_ceil(consts::HL_LOSS_ROWS).max(1));
+            (Factor::Uniform(s), _) => (Some(be.from_cpu(&ferrolm_tensor::CpuStorage::F32(vec![*s as f32]))?), None),
+            (Factor::Rows(_), None) => bail!(op, "a per-row factor without its tensor"),
+        };
+        let mut ctx = Ctx { be, x, w, t, dx, dw, p, dt, rl: &rl, lse: &lse, one: one.as_ref(), fac, first_dw: true };
+        walk(&mut ctx, p)?;
+        Ok(Made { rows: rl.into(), dx: None, dw: None })
+    }
+
+    /// The loss (one f32): the n row losses `rows` (f32) summed per HL_LOSS_ROWS rows in f64,
+    /// then the partials in order, times `scale`.
+    pub(super) fn sum(be: &CudaBackend, rows: View, n: usize, scale: f64) -> Result<Storage> {
+        let rl = CudaStorage::of("head_loss", rows.0)?;
+        let (loss, nb) = (be.alloc_storage(1, DType::F32)?, n.div_ceil(consts::HL_LOSS_ROWS).max(1));
         let part = be.alloc_storage(2 * nb, DType::F32)?; // one f64 per block
         let block = consts::HL_LOSS_BLOCK as u32;
-        let cfg = Launch::new((nb.min(1 << 20) as u32, 1, 1), block).elems(p.n);
-        // SAFETY: rl holds n f32 row losses, `part` nb f64 (8 bytes each), loss one f32.
+        let cfg = Launch::new((nb.min(1 << 20) as u32, 1, 1), block).elems(n);
+        // SAFETY: rows holds n f32 row losses from its offset, `part` nb f64 (8 bytes each), loss one f32.
         unsafe {
-            kernels::hl_loss_partial(be, cfg, rl.ptr(), p.n as i64, part.ptr())?;
-            kernels::hl_finish(be, Launch::single(block), part.ptr(), nb as i64, p.scale as f32, loss.ptr())?;
+            kernels::hl_loss_partial(be, cfg, rl.at(rows.1.offset), n as i64, part.ptr())?;
+            kernels::hl_finish(be, Launch::single(block), part.ptr(), nb as i64, scale as f32, loss.ptr())?;
         }
-        Ok(Made { loss: loss.into(), dx: None, dw: None })
+        Ok(loss.into())
     }
 
     struct Ctx<'a> {
@@ -738,42 +895,61 @@ mod cuda {
         p: &'a Plan<'a>,
         dt: DType,
         rl: &'a CudaStorage,
+        lse: &'a CudaStorage,
+        one: Option<&'a Storage>,
+        fac: Option<View<'a>>,
         /// The next dW GEMM writes (beta 0) instead of adding: no chunk has added to it yet.
-        first_dw: std::cell::Cell<bool>,
+        first_dw: bool,
     }
 
     impl Ctx<'_> {
-        /// L = x_c W^T into `buf` (rows, v).
-        fn logits(&self, ch: Chunk, buf: &Storage) -> Result<()> {
+        /// The factor of the chunk's first row and the stride between rows' factors.
+        fn factor(&self, ch: Chunk) -> Result<(DevPtr, i64)> {
+            let op = "head_loss";
+            match (self.fac, self.one) {
+                (Some(f), _) => Ok((CudaStorage::of(op, f.0)?.at(f.1.offset + ch.first), 1)),
+                (None, Some(s)) => Ok((CudaStorage::of(op, s)?.ptr(), 0)),
+                (None, None) => bail!(op, "no gradient factor"),
+            }
+        }
+    }
+
+    impl ChunkSteps for Ctx<'_> {
+        type Buf = Storage;
+        type Pending = Pending;
+
+        fn logits(&mut self, ch: Chunk) -> Result<Storage> {
+            // One buffer for every chunk (the pool hands the same block back for the next).
+            let buf: Storage = self.be.alloc_storage(ch.rows * self.p.v, self.dt)?.into();
             let (p, xo, wo) = (self.p, self.x.1.offset, self.w.1.offset);
             let xl = view(ch.rows, p.c, p.c, xo + ch.first * p.c, false);
             let wt = view(p.v, p.c, p.c, wo, true);
-            self.be.gemm_into((self.x.0, &xl), (self.w.0, &wt), (buf, &view(ch.rows, p.v, p.v, 0, false)), false)
+            self.be.gemm_into((self.x.0, &xl), (self.w.0, &wt), (&buf, &view(ch.rows, p.v, p.v, 0, false)), false)?;
+            Ok(buf)
         }
 
-        /// dX_c = dlogits W into the chunk's rows of `dx`; dW (+)= dlogits^T x_c.
-        fn gradients(&self, ch: Chunk, dl: &Storage) -> Result<()> {
-            let (p, xo, wo) = (self.p, self.x.1.offset, self.w.1.offset);
-            if let Some(dx) = self.dx {
-                let rows = view(ch.rows, p.c, p.c, dx.1.offset + ch.first * p.c, false);
-                self.be.gemm_into(
-                    (dl, &view(ch.rows, p.v, p.v, 0, false)),
-                    (self.w.0, &view(p.v, p.c, p.c, wo, false)),
-                    (dx.0, &rows),
-                    false,
-                )?;
+        fn rows(&mut self, ch: Chunk, buf: &mut Storage) -> Result<()> {
+            let op = "head_loss";
+            let (b, tt) = (CudaStorage::of(op, buf)?, CudaStorage::of(op, self.t.0)?);
+            let (n, v, tp) = (ch.rows as i64, self.p.v as i64, tt.at(self.t.1.offset + ch.first));
+            let cfg = Launch::per_row(ch.rows, Launch::BLOCK);
+            let (rl, lse, ig) = (self.rl.at(ch.first), self.lse.ptr(), self.p.ignore);
+            if self.p.grad() {
+                let (sp, ss) = self.factor(ch)?;
+                // SAFETY: `b` holds the chunk's rows x v logits (written in place: ce_fused reads
+                // each element before its thread writes it); `tp` the chunk's targets (checked on
+                // the host); lse >= rows f32 and rl n f32 from the chunk's first row; `sp` one f32
+                // (ss 0) or rows f32 (ss 1).
+                unsafe { kernels::ce_fused(self.be, self.dt, cfg, b.ptr(), tp, sp, ss, lse, rl, b.ptr(), n, v, ig) }
+            } else {
+                // SAFETY: as above, read only.
+                unsafe { kernels::ce_fwd(self.be, self.dt, cfg, b.ptr(), tp, lse, rl, n, v, ig) }
             }
-            if let Some(dw) = self.dw {
-                let xl = view(ch.rows, p.c, p.c, xo + ch.first * p.c, false);
-                let first = self.first_dw.replace(false);
-                self.be.gemm_into((dl, &view(ch.rows, p.v, p.v, 0, true)), (self.x.0, &xl), dw, !first)?;
-            }
-            Ok(())
         }
 
         /// The chunk read once for each row's local max, sum of exponentials and target logit
         /// (kernels/head_loss.cu's `hl_row_stats`); the max's all-reduce launched.
-        fn launch_stats(&self, ch: Chunk, buf: Storage, s: &dyn VocabShards) -> Result<Pending> {
+        fn launch_stats(&mut self, ch: Chunk, buf: Storage, s: &dyn VocabShards) -> Result<Pending> {
             let op = "head_loss";
             let (mx, ml) = (self.be.alloc_storage(ch.rows, DType::F32)?, self.be.alloc_storage(ch.rows, DType::F32)?);
             let st = self.be.alloc_storage(2 * ch.rows, DType::F32)?;
@@ -789,9 +965,8 @@ mod cuda {
         }
 
         /// The local sums brought to the global max (`hl_rescale`) and all-reduced with the
-        /// target logits, then the row losses and the gradient in place (`hl_grad`), then the
-        /// gradient GEMMs.
-        fn sharded(&self, pc: Pending, s: &dyn VocabShards) -> Result<()> {
+        /// target logits, then the row losses and the gradient in place (`hl_grad`).
+        fn finish_stats(&mut self, pc: Pending, s: &dyn VocabShards) -> Result<(Chunk, Storage)> {
             let op = "head_loss";
             let Pending { chunk: ch, buf, max, ml, st } = pc;
             let (n, v, start) = (ch.rows as i64, self.p.v as i64, self.p.start as i64);
@@ -802,22 +977,57 @@ mod cuda {
                 unsafe { kernels::hl_rescale(self.be, Launch::cover(ch.rows, Launch::BLOCK), ml.ptr(), mp, st.ptr(), n) }
             })?;
             let st = s.all_reduce_sum(&Tensor::new(st.into(), [2 * ch.rows])?)?;
-            let grad = self.p.dx || self.p.dw;
+            let grad = self.p.grad();
             let tt = CudaStorage::of(op, self.t.0)?;
             let tp = tt.at(self.t.1.offset + ch.first);
             let cfg = Launch::per_row(ch.rows, Launch::BLOCK);
+            let (sp, ss) = self.factor(ch)?;
             Tensor::with_storages(&[&max, &st], |m| {
                 let mp = CudaStorage::of(op, m[0].0)?.at(m[0].1.offset);
-                let sp = CudaStorage::of(op, m[1].0)?.at(m[1].1.offset);
-                let (sc, ig) = (self.p.scale as f32, self.p.ignore);
+                let stp = CudaStorage::of(op, m[1].0)?.at(m[1].1.offset);
+                let ig = self.p.ignore;
                 // SAFETY: `b` holds rows x v logits (overwritten in place by their gradient), `tp`
-                // rows targets, mp rows f32, sp 2 rows f32, rl n f32 from the chunk's first row.
+                // rows targets, mp rows f32, stp 2 rows f32, rl n f32 from the chunk's first row,
+                // `sp` one f32 (ss 0) or rows f32 (ss 1).
                 unsafe {
-                    kernels::hl_grad(self.be, self.dt, cfg, b.ptr(), tp, mp, sp, self.rl.at(ch.first), n, v, start, ig, sc, grad as i32)
+                    kernels::hl_grad(
+                        self.be,
+                        self.dt,
+                        cfg,
+                        b.ptr(),
+                        tp,
+                        mp,
+                        stp,
+                        self.rl.at(ch.first),
+                        n,
+                        v,
+                        start,
+                        ig,
+                        sp,
+                        ss,
+                        grad as i32,
+                    )
                 }
             })?;
-            if grad {
-                self.gradients(ch, &buf)?;
+            Ok((ch, buf))
+        }
+
+        /// dX_c = dlogits W into the chunk's rows of `dx`; dW (+)= dlogits^T x_c.
+        fn gradients(&mut self, ch: Chunk, dl: Storage) -> Result<()> {
+            let (p, xo, wo) = (self.p, self.x.1.offset, self.w.1.offset);
+            if let Some(dx) = self.dx {
+                let rows = view(ch.rows, p.c, p.c, dx.1.offset + ch.first * p.c, false);
+                self.be.gemm_into(
+                    (&dl, &view(ch.rows, p.v, p.v, 0, false)),
+                    (self.w.0, &view(p.v, p.c, p.c, wo, false)),
+                    (dx.0, &rows),
+                    false,
+                )?;
+            }
+            if let Some(dw) = self.dw {
+                let xl = view(ch.rows, p.c, p.c, xo + ch.first * p.c, false);
+                let first = std::mem::replace(&mut self.first_dw, false);
+                self.be.gemm_into((&dl, &view(ch.rows, p.v, p.v, 0, true)), (self.x.0, &xl), dw, !first)?;
             }
             Ok(())
         }

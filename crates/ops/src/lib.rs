@@ -28,6 +28,7 @@
 //! generates their typed launchers; the tensor crate and the CUDA backend do not change.
 pub mod attention;
 pub mod bias;
+mod ce_row;
 pub mod cross_entropy;
 mod dispatch;
 pub mod embedding;
@@ -46,7 +47,10 @@ pub use attention::{causal_attention, causal_attention_window, segment_attention
 pub use bias::{bias_add, linear_bias};
 pub use cross_entropy::{cross_entropy, cross_entropy_tokens};
 pub use embedding::{embedding, embedding_tokens};
-pub use head_loss::{head_loss, head_loss_sharded, HeadLossOptions, LossChunks, LossScale, VocabShards};
+pub use head_loss::{
+    head_logprobs, head_logprobs_sharded, head_loss, head_loss_sharded, HeadLossOptions, HeadRowsOptions, LossChunks, LossScale,
+    VocabShards,
+};
 pub use heads::HeadLayout;
 pub use rmsnorm::{rms_norm, rms_norm_offset};
 pub use rope::{rope, rope_at};

@@ -5,13 +5,18 @@
 //! chunk sizes that do not divide the rows, the step's scale and a root gradient other than 1,
 //! dW accumulated in place into an f32 gradient destination over the chunks (cuBLASLt's beta 1
 //! with C = D), and the vocabulary split over two thread "ranks" on the device against one.
+//! The per-row head (`head_logprobs`): its values and the gradients of a random per-row upstream
+//! gradient, on one device and over two shards, against the CPU's.
 //! Tolerances as in cuda.rs. With no CUDA device the tests print "skipped: no CUDA device" and
 //! pass, unless FERROLM_REQUIRE_GPU=1 (or FERROLM_REQUIRE_EMU=1 without the emulator).
 #[path = "../../cuda/tests/common/mod.rs"]
 mod common;
 mod threads;
 use common::*;
-use ferrolm_ops::{embedding_tokens, head_loss, head_loss_sharded, HeadLossOptions, LossScale, Tokens};
+use ferrolm_ops::{
+    embedding_tokens, head_logprobs, head_logprobs_sharded, head_loss, head_loss_sharded, HeadLossOptions, HeadRowsOptions, LossScale,
+    Tokens,
+};
 use ferrolm_tensor::{DType, Device, Result, Rng, Tensor};
 use std::sync::Arc;
 use threads::Threads;
@@ -164,4 +169,87 @@ fn the_loss_without_grad_is_the_same() {
     let (a, b) = (loss(true), loss(false));
     assert!(a.requires_grad() && !b.requires_grad());
     assert_eq!(a.item().unwrap(), b.item().unwrap());
+}
+
+fn rows_opts(chunk: usize) -> HeadRowsOptions {
+    HeadRowsOptions { ignore_index: IGNORE, chunk_tokens: chunk }
+}
+
+/// The per-row head on the device against the CPU: each row's log-prob (the row values come back
+/// from a buffer poisoned with NaN, so an unwritten row fails) and dX, dW of Σ g · log-probs for
+/// a random g (the per-row factor of ce_fused read per row); a chunk of ignored rows only, chunks
+/// that do not divide the rows, a root gradient through a weighted sum.
+#[test]
+fn per_row_log_probs_and_gradients_on_the_device_match_the_cpu() {
+    each_float_dtype(25, |dt, r| {
+        let (n, v, c) = (41, 600, 32);
+        let x = Tensor::randn([n, c], 1.0, dt, Device::Cpu, r).unwrap();
+        let w = Tensor::randn([v, c], 0.3, dt, Device::Cpu, r).unwrap();
+        let t: Vec<i32> = (0..n).map(|i| if i % 5 == 2 || (16..24).contains(&i) { IGNORE } else { r.below(v as u64) as i32 }).collect();
+        let g = Tensor::randn([n], 1.0, DType::F32, Device::Cpu, r).unwrap();
+        for chunk in [8, 41] {
+            let values = |dev: Device| -> Tensor {
+                let (x, w) = (x.to_device(dev).unwrap(), w.to_device(dev).unwrap());
+                head_logprobs(&x, &w, &Tokens::upload(t.clone(), [n], dev).unwrap(), &rows_opts(chunk))
+                    .unwrap()
+                    .to_device(Device::Cpu)
+                    .unwrap()
+            };
+            let name = format!("{dt} per-row, chunks of {chunk}");
+            check(&format!("{name}: values"), &values(Device::Cpu), &values(GPU), dt, true);
+            let f = |x: &Tensor, w: &Tensor| -> Result<Tensor> {
+                let lp = head_logprobs(x, w, &Tokens::upload(t.clone(), [n], x.device())?, &rows_opts(chunk))?;
+                lp.mul(&g.to_device(x.device())?)?.sum_all()
+            };
+            compare(&name, &run(Device::Cpu, &x, &w, false, &f), &run(GPU, &x, &w, false, &f), dt);
+        }
+    });
+}
+
+/// The per-row head over two vocabulary shards on the device against the whole head on the CPU
+/// (kernels/head_loss.cu's hl_grad with a per-row factor).
+#[test]
+fn per_row_vocabulary_shards_on_the_device_match_the_whole_head() {
+    each_float_dtype(26, |dt, r| {
+        let (n, v, c) = (27, 600, 16);
+        let x = Tensor::randn([n, c], 1.0, dt, Device::Cpu, r).unwrap();
+        let w = Tensor::randn([v, c], 0.3, dt, Device::Cpu, r).unwrap();
+        let t: Vec<i32> = (0..n).map(|i| if i % 4 == 0 { IGNORE } else { r.below(v as u64) as i32 }).collect();
+        let g = Tensor::randn([n], 1.0, DType::F32, Device::Cpu, r).unwrap();
+        let f = |x: &Tensor, w: &Tensor| -> Result<Tensor> {
+            let lp = head_logprobs(x, w, &Tokens::upload(t.clone(), [n], x.device())?, &rows_opts(10))?;
+            lp.mul(&g.to_device(x.device())?)?.sum_all()
+        };
+        let whole = run(Device::Cpu, &x, &w, false, &f);
+        let got: Vec<[Tensor; 3]> = std::thread::scope(|s| {
+            let hs: Vec<_> = Threads::group(2, v)
+                .into_iter()
+                .map(|sh| {
+                    let (x, w, t, g) = (&x, &w, &t, &g);
+                    s.spawn(move || {
+                        let wr = w.narrow(0, sh.start, v / 2).unwrap().contiguous().unwrap();
+                        let sh: Arc<Threads> = Arc::new(sh);
+                        run(GPU, x, &wr, false, &|x, w| {
+                            let tg = Tokens::upload(t.clone(), [n], GPU)?;
+                            head_logprobs_sharded(x, w, &tg, &rows_opts(10), sh.clone())?.mul(&g.to_device(GPU)?)?.sum_all()
+                        })
+                    })
+                })
+                .collect();
+            hs.into_iter().map(|h| h.join().unwrap()).collect()
+        });
+        for (rank, gr) in got.iter().enumerate() {
+            let rows = whole[2].narrow(0, rank * v / 2, v / 2).unwrap();
+            check(&format!("{dt} per-row rank {rank} value"), &whole[0], &gr[0], dt, true);
+            check(
+                &format!("{dt} per-row rank {rank} dW"),
+                &rows.to_dtype(DType::F32).unwrap(),
+                &gr[2].to_dtype(DType::F32).unwrap(),
+                dt,
+                true,
+            );
+        }
+        let dx = got[0][1].to_dtype(DType::F32).unwrap().add(&got[1][1].to_dtype(DType::F32).unwrap()).unwrap();
+        check(&format!("{dt} per-row dX summed over the ranks"), &whole[1].to_dtype(DType::F32).unwrap(), &dx, dt, true);
+    });
 }

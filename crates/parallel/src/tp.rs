@@ -15,8 +15,9 @@
 //! - embedding and LM head: vocabulary-parallel (rows split); the cross-entropy works on the
 //!   vocabulary shards and never gathers the logits: fused with the head and chunked
 //!   (`ferrolm_ops::head_loss_sharded`: each chunk's row max, then its sums of exponentials and
-//!   target logits, all-reduced, the max's in flight during the next chunk's GEMM), or unfused
-//!   (`--loss-chunk-tokens 0`). Ids and targets are split, checked and counted on their host copy
+//!   target logits, all-reduced, the max's in flight during the next chunk's GEMM); unfused
+//!   (`--loss-chunk-tokens 0`) is one chunk of every token. Per-token log-probs (preference
+//!   losses) use the same op's per-row form (`head_logprobs_sharded`). Ids and targets are split, checked and counted on their host copy
 //!   (`Tokens`), so neither reads the device back.
 //! - GQA with fewer key/value heads than ranks: each rank keeps the key/value head its query
 //!   heads use (replicated, as Megatron does); its weight gradient is summed over the ranks
@@ -35,8 +36,8 @@ use crate::comm_ops::{copy_to_group, gather_from_group, reduce_from_group};
 use ferrolm_nn::module::{linear, linear_adapted, EmbeddingOp, Factor, HeadLoss, HeadOp, LinearOp};
 use ferrolm_nn::spec::{parts, TpRole};
 use ferrolm_nn::Llama;
-use ferrolm_ops::{LossScale, Tokens, VocabShards};
-use ferrolm_tensor::{bail, no_grad, DType, Error, Result, Tensor};
+use ferrolm_ops::{HeadLossOptions, Tokens, VocabShards};
+use ferrolm_tensor::{no_grad, DType, Error, Result, Tensor};
 use std::collections::BTreeMap;
 use std::sync::{Arc, Mutex};
 
@@ -276,63 +277,29 @@ impl HeadOp for VocabParallel {
     }
 
     /// Cross-entropy over vocabulary shards, fused with the head chunk by chunk
-    /// (`head_loss_sharded`), or unfused: the row max, the sum of exponentials and the target
-    /// logit are each reduced over the group; the (N, V) logits never are.
+    /// (`head_loss_sharded`): each chunk's row max, then its sums of exponentials and target
+    /// logits are reduced over the group; the (N, V) logits never are. Unfused
+    /// (`--loss-chunk-tokens 0`) is the same op with one chunk of every token: the rank's whole
+    /// (N, V/tp) logits at once, and one cross-entropy in the code base.
     fn loss(&self, x: &Tensor, w: &Tensor, targets: &Tokens, o: &HeadLoss) -> Result<Tensor> {
         let n = targets.tensor().numel();
-        if let Some(f) = o.fused(n, self.rows, w.dtype().size_in_bytes()) {
-            // Megatron's f: the input's gradient (this rank's part) is all-reduced in backward.
-            let xf = copy_to_group(x, &self.comm)?;
-            return ferrolm_ops::head_loss_sharded(&xf, w, targets, &f, self);
-        }
-        let logits = self.head().forward(x, w)?; // (B, T, V/tp)
-        let l = logits.reshape(vec![n, self.rows])?.to_dtype(DType::F32)?; // (N, V/tp)
-        let ignore = o.ignore_index;
-        let t = targets.host_ids()?;
-        let counted = ferrolm_ops::tokens::count_targets(&t, self.rows * self.comm.size(), ignore)?;
-        if counted == 0 && o.scale == LossScale::Mean {
-            bail!("vocab_parallel_cross_entropy", "every target is ignored");
-        }
-        // Row max over the whole vocabulary: a constant shift (no gradient flows through it).
-        let m = {
-            let _g = no_grad();
-            self.comm.all_reduce(&l.max(&[1], true)?, ReduceOp::Max)? // (N, 1)
-        };
-        let s = reduce_from_group(&l.sub(&m)?.exp()?.sum(&[1], true)?, &self.comm)?; // (N, 1)
-        let lse = s.log()?.add(&m)?;
-        // The target logit of each row, gathered by index from the flattened (N * V/tp) logits:
-        // N indices go to the device, not an (N, V/tp) one-hot. A row whose target is in another
-        // shard, or ignored, reads its element 0 and is masked to zero (`inside`).
-        let (lo, hi) = (self.start as i64, (self.start + self.rows) as i64);
-        if (n * self.rows) as u64 > i32::MAX as u64 {
-            bail!(
-                "vocab_parallel_cross_entropy",
-                "{n} rows x {} vocabulary rows per rank exceed 2^31 logits; use a smaller micro-batch or a larger --tp",
-                self.rows
-            );
-        }
-        let (mut idx, mut inside, mut keep) = (vec![0i32; n], vec![0f32; n], vec![0f32; n]);
-        for (i, &y) in t.iter().enumerate() {
-            idx[i] = (i * self.rows) as i32;
-            if y != ignore {
-                keep[i] = 1.0;
-                if (lo..hi).contains(&(y as i64)) {
-                    idx[i] += (y as i64 - lo) as i32;
-                    inside[i] = 1.0;
-                }
-            }
-        }
-        let dev = l.device();
-        let flat = l.reshape(vec![n * self.rows, 1])?;
-        let picked = ferrolm_ops::embedding_tokens(&Tokens::upload(idx, vec![n], dev)?, &flat)?; // (N, 1)
-        let inside = Tensor::from_vec(inside, vec![n, 1], dev)?;
-        let tgt = reduce_from_group(&picked.mul(&inside)?, &self.comm)?; // (N, 1)
-        let keep = Tensor::from_vec(keep, vec![n, 1], dev)?;
-        let per_token = match o.scale {
-            LossScale::Mean => 1.0 / counted as f64,
-            LossScale::Sum(s) => s,
-        };
-        lse.sub(&tgt)?.mul(&keep)?.sum_all()?.mul_scalar(per_token)
+        let f = o.fused(n, self.rows, w.dtype().size_in_bytes()).unwrap_or(HeadLossOptions {
+            ignore_index: o.ignore_index,
+            scale: o.scale,
+            chunk_tokens: n.max(1),
+        });
+        // Megatron's f: the input's gradient (this rank's part) is all-reduced in backward.
+        let xf = copy_to_group(x, &self.comm)?;
+        ferrolm_ops::head_loss_sharded(&xf, w, targets, &f, self)
+    }
+
+    /// Per-token log-probs over vocabulary shards (`head_logprobs_sharded`), chunked as the
+    /// loss; the input's gradient all-reduced in backward as the loss's.
+    fn logprobs(&self, x: &Tensor, w: &Tensor, targets: &Tokens, o: &HeadLoss) -> Result<Tensor> {
+        let n = targets.tensor().numel();
+        let xf = copy_to_group(x, &self.comm)?;
+        let shards: Arc<dyn VocabShards> = Arc::new(VocabParallel { comm: self.comm.clone(), start: self.start, rows: self.rows });
+        ferrolm_ops::head_logprobs_sharded(&xf, w, &targets.reshape(vec![n])?, &o.rows(n, self.rows, w.dtype().size_in_bytes()), shards)
     }
 }
 

@@ -349,3 +349,69 @@ fn layouts_follow_the_parameter_spec() {
     assert_eq!(factor(6, Factor::A), Sharding { dim: Some(1), parts: 4, index: 3, replicas: 1 }, "A of down_proj");
     assert_eq!(factor(6, Factor::B).dim, None, "B of down_proj");
 }
+
+/// Per-sequence log-probs (what the preference losses read) under `--tp 2` against one device:
+/// the per-row head over vocabulary shards (`head_logprobs_sharded`) on packed rows, in chunks
+/// of 4 and unfused, the sums of five sequences and every gradient of a random weighting of
+/// them (a per-row upstream gradient).
+#[test]
+fn sequence_log_probs_over_vocabulary_shards_equal_single_device() {
+    use ferrolm_nn::objective::{SequenceLogProbs, SequenceMap};
+    let packing =
+        Packing::new(9, &[0, 1, 2, 3, 0, 1, 2, 3, 4, 0, 0, 1, 2, 3, 4, 5, 0, 1], vec![vec![0, 4, 9], vec![0, 1, 7, 9]], Device::Cpu)
+            .unwrap();
+    // Token i's sequence: the segments 0..4, 4..9 | 9..10, 10..16, 16..18 (the last one padding).
+    let of_token: Vec<Option<u32>> = (0..18).map(|i| [0, 0, 0, 0, 1, 1, 1, 1, 1, 2, 3, 3, 3, 3, 3, 3, 4, 4].map(Some)[i]).collect();
+    let map = SequenceMap { of_token, sequences: 5 };
+    let weights = Tensor::from_vec(vec![0.7f32, -1.3, 0.4, 2.0, 0.0], vec![5], Device::Cpu).unwrap();
+    for (name, c) in cases().into_iter().take(2) {
+        let (x, y) = batch(&c, 7);
+        // Prompts ignored: the first two tokens of every segment, and a segment's last position.
+        let t: Vec<i32> = y
+            .to_vec::<i32>()
+            .unwrap()
+            .iter()
+            .enumerate()
+            .map(|(i, &v)| if [0, 1, 3, 4, 5, 8, 9, 10, 11, 15, 16, 17].contains(&i) { -100 } else { v })
+            .collect();
+        let tg = Tokens::upload(t, vec![2, 9], Device::Cpu).unwrap();
+        type Sums = (Vec<f32>, Vec<(String, Tensor)>);
+        let run = |m: &mut Llama, chunks: LossChunks| -> ferrolm_tensor::Result<Sums> {
+            let h = m.final_hidden(&x, Some(&packing))?;
+            let s = SequenceLogProbs { chunks }.sums(m.head_op.as_ref(), m.head_weight(), &h, &tg, &map)?;
+            assert_eq!(s.tokens, vec![1, 2, 0, 3, 0], "completion tokens per sequence");
+            s.sums.mul(&weights)?.sum_all()?.backward()?;
+            let grads = m
+                .parameters()
+                .into_iter()
+                .map(|(n, p)| Ok((n.clone(), p.grad().ok_or_else(|| ferrolm_tensor::Error::new("test", n))?)))
+                .collect::<ferrolm_tensor::Result<_>>()?;
+            Ok((s.sums.to_vec::<f32>()?, grads))
+        };
+        let mut m = model(&c).unwrap();
+        let (want, wg) = run(&mut m, LossChunks::Tokens(4)).unwrap();
+        let wg: Vec<(String, Vec<f32>)> = wg.into_iter().map(|(n, g)| (n, g.to_vec::<f32>().unwrap())).collect();
+        assert!(want[0] < 0.0 && want[2] == 0.0, "{name}: sums {want:?}");
+        for chunks in [LossChunks::Tokens(4), LossChunks::Unfused] {
+            let outs = ThreadComm::run(2, CommOptions::default(), |comm| {
+                let mut m = model(&c)?;
+                let layout = parallelize(&mut m, &comm)?;
+                let (s, g) = run(&mut m, chunks)?;
+                let g = g
+                    .into_iter()
+                    .map(|(n, g)| Ok((n.clone(), layout.gather(&n, &g, &comm)?.to_vec::<f32>()?)))
+                    .collect::<ferrolm_tensor::Result<Vec<_>>>()?;
+                Ok((s, g))
+            })
+            .unwrap();
+            for (rank, (s, g)) in outs.iter().enumerate() {
+                let e = max_rel(s, &want);
+                assert!(e < TOL, "{name} {chunks:?} rank {rank}: sums {s:?} vs {want:?}");
+                for ((n, g), (_, w)) in g.iter().zip(&wg) {
+                    let e = max_rel(g, w);
+                    assert!(e < TOL, "{name} {chunks:?} rank {rank}: gradient of {n} rel err {e}");
+                }
+            }
+        }
+    }
+}

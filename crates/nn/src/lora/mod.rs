@@ -225,6 +225,35 @@ impl Dropout {
     }
 }
 
+thread_local! {
+    static ADAPTERS_OFF: std::cell::Cell<bool> = const { std::cell::Cell::new(false) };
+}
+
+/// While alive, every adapted layer runs as its frozen base alone (W x, no B A x) on this
+/// thread: the reference model of preference tuning with LoRA is the base, computed by the same
+/// weights with no copy (TRL's `disable_adapter()`). Restores the previous state when dropped.
+/// Thread-local like `no_grad`: each tensor-parallel rank's thread takes its own.
+#[must_use = "the adapters are on again when the guard is dropped"]
+pub struct AdaptersOff {
+    prev: bool,
+}
+
+/// Switches the adapters off until the guard is dropped (`AdaptersOff`).
+pub fn adapters_off() -> AdaptersOff {
+    AdaptersOff { prev: ADAPTERS_OFF.with(|c| c.replace(true)) }
+}
+
+impl Drop for AdaptersOff {
+    fn drop(&mut self) {
+        ADAPTERS_OFF.with(|c| c.set(self.prev));
+    }
+}
+
+/// False while an `AdaptersOff` guard is alive on this thread.
+pub fn adapters_enabled() -> bool {
+    !ADAPTERS_OFF.with(|c| c.get())
+}
+
 /// One layer's adapter: the trained factors and how they apply.
 #[derive(Clone)]
 pub struct Adapter {
