@@ -37,7 +37,7 @@ use ferrolm_nn::module::{linear, linear_adapted, EmbeddingOp, Factor, HeadLoss, 
 use ferrolm_nn::spec::{parts, TpRole};
 use ferrolm_nn::Llama;
 use ferrolm_ops::{HeadLossOptions, Tokens, VocabShards};
-use ferrolm_tensor::{no_grad, DType, Error, Result, Tensor};
+use ferrolm_tensor::{bail, no_grad, DType, Error, Result, Tensor};
 use std::collections::BTreeMap;
 use std::sync::{Arc, Mutex};
 
