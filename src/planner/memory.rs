@@ -98,8 +98,8 @@ pub fn activation_bytes(m: &ModelShape, w: &Workload) -> f64 {
 }
 
 /// Elements per token a layer saves (see [`activation_bytes`]). The attention part scales with
-/// the query width heads · head_dim (hidden for Llama's shapes; Qwen3's and Gemma's explicit
-/// head_dim may make it wider). The family's block features save more (measured on the CPU,
+/// the query width heads · head_dim (hidden for Llama's shapes; an explicit config head_dim
+/// may make it wider). The family's block features save more (measured on the CPU,
 /// tests/memory_estimator.rs, `each_family`): QK-norm keeps the q and k projections' outputs
 /// (the norm's inputs) beside the normed heads RoPE reads, 2 (q + kv) of this rank's width; the
 /// sandwich's two post-branch norms keep their inputs, 2 hidden (after the reduction: not split).
