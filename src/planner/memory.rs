@@ -14,6 +14,7 @@ use super::shape::ModelShape;
 use super::step::Workload;
 use crate::nn::LlamaConfig;
 use anyhow::{bail, Result};
+use ferrolm_ops::nf4::{QuantSpec, NESTED_BLOCKSIZE};
 use ferrolm_ops::LossChunks;
 use ferrolm_parallel::zero::{GradReduceDtype, ShardSpec};
 use ferrolm_tensor::{DType, Device};
@@ -189,7 +190,10 @@ pub fn head_bytes(m: &ModelShape, w: &Workload, host: bool, dw: bool) -> (f64, f
 /// layer, sharded as above, with f32 gradients and m and v (no master); the base is frozen in the
 /// compute dtype on every data-parallel rank (its tensor-parallel share only), with no gradient
 /// and no optimizer state, and the head's and the embedding's weight gradients are never formed.
-/// The forward saves more for backward: [`lora_activation_bytes`].
+/// The forward saves more for backward: [`lora_activation_bytes`]. With a 4-bit base (QLoRA,
+/// `LoraMem::quantized_base`) the frozen bytes are [`frozen_base_bytes`]'s: the blocks' linear
+/// weights at [`quant_bits_per_param`] (4.127 bits for NF4 with double quantization) and one
+/// dequantized weight in the compute dtype, the embedding, norms, biases and head in the compute dtype.
 pub fn memory(m: &ModelShape, w: &Workload, spec: ShardSpec, micro_batches: usize, workspace: f64, lora: Option<&LoraMem>) -> Memory {
     memory_on(m, w, spec, micro_batches, workspace, lora, false)
 }
@@ -211,7 +215,7 @@ fn memory_on(
         None => (m.bucket_params(w.tp).iter().map(|&n| n as f64).collect(), e, w.grad_bytes as f64, 0.0, m.largest_param(w.tp) as f64),
         Some(l) => {
             let layer = lora_layer_params(m, w.tp, l);
-            (vec![layer; l.layers.min(m.layers)], 4.0, 4.0, base * e, lora_largest_factor(m, w.tp, l))
+            (vec![layer; l.layers.min(m.layers)], 4.0, 4.0, frozen_base_bytes(m, w, l.quantized_base), lora_largest_factor(m, w.tp, l))
         }
     };
     let local: f64 = buckets.iter().sum();
@@ -297,6 +301,9 @@ pub struct LoraMem {
     pub layers: usize,
     /// `--lora-dropout` above 0: each adapter's input is masked in a copy of its own.
     pub dropout: bool,
+    /// QLoRA (`--quantize-base nf4`: `QuantSpec::QLORA`): the blocks' frozen linear weights held
+    /// 4-bit (see [`frozen_base_bytes`]); None: the whole base in the compute dtype.
+    pub quantized_base: Option<QuantSpec>,
 }
 
 impl LoraMem {
@@ -306,8 +313,85 @@ impl LoraMem {
         for p in &cfg.targets {
             targets[*p as usize] = true;
         }
-        LoraMem { rank: cfg.rank, targets, layers: cfg.layers.as_ref().map_or(layers, Vec::len), dropout: cfg.dropout > 0.0 }
+        LoraMem {
+            rank: cfg.rank,
+            targets,
+            layers: cfg.layers.as_ref().map_or(layers, Vec::len),
+            dropout: cfg.dropout > 0.0,
+            quantized_base: None,
+        }
     }
+}
+
+/// Bits a parameter of a 4-bit weight costs, from the block sizes: the 4-bit code, plus its
+/// block's absmax spread over the block's `blocksize` elements: 32 bits (f32) plain, or with
+/// double quantization an 8-bit code plus the f32 scale of its 256-absmax nested block. For
+/// QLoRA's NF4 (blocks of 64, nested blocks of 256):
+///
+///   4 + 8 / 64 + 32 / (64 · 256) = 4 + 0.125 + 0.001953125 = 4.126953125 ≈ 4.127 bits,
+///
+/// i.e. 0.515869140625 bytes a parameter, 25.8% of bf16's 2 (the nested offset, one f32 a
+/// tensor, and the code books are per tensor: [`quant4_bytes`]).
+pub fn quant_bits_per_param(q: QuantSpec) -> f64 {
+    let bs = q.blocksize as f64;
+    if q.double_quant {
+        4.0 + 8.0 / bs + 32.0 / (bs * NESTED_BLOCKSIZE as f64)
+    } else {
+        4.0 + 32.0 / bs
+    }
+}
+
+/// Device bytes of one 4-bit weight of `n` elements as `ferrolm_ops::nf4::DeviceQuant4` holds it:
+/// the packed codes (ceil(n / 2) bytes) and the absmax codes (one byte a block), each padded to
+/// 16 bytes for the kernel's 16-byte loads, the f32 nested scales (one per 256 blocks; plain: an
+/// f32 absmax a block) and the 272 f32 levels of the two code books. For n a multiple of
+/// 64 · 256 that is n · [`quant_bits_per_param`] / 8 plus the 1088 bytes of code books (the
+/// host's `Quant4` holds the same within a few bytes: its nested map of 256 f32 and the offset).
+pub fn quant4_bytes(n: u64, q: QuantSpec) -> f64 {
+    let pad16 = |b: u64| b.div_ceil(16).max(1) * 16;
+    let blocks = n.div_ceil(q.blocksize as u64);
+    let absmax = if q.double_quant { pad16(blocks) + 4 * blocks.div_ceil(NESTED_BLOCKSIZE as u64).max(1) } else { 16 + 4 * blocks.max(1) };
+    (pad16(n.div_ceil(2)) + absmax + 4 * QUANT4_TABLE_LEVELS) as f64
+}
+
+/// The levels a 4-bit weight's device copy carries: 16 of its codes, 256 of the nested map.
+const QUANT4_TABLE_LEVELS: u64 = 16 + 256;
+
+/// The weights a 4-bit base quantizes, on one of `tp` ranks (each shard quantized on its own):
+/// every block's linear weights (q, k, v, o, gate, up, down), whether or not LoRA adapts them,
+/// as bitsandbytes' `Linear4bit` replaces every `nn.Linear` but the head. Their biases, the
+/// norms, the embedding and the head stay in the compute dtype.
+pub fn quantized_weights(m: &ModelShape, tp: usize) -> Vec<u64> {
+    let specs = crate::nn::spec::layer_specs(0, &m.dims(), &m.extras);
+    specs.iter().filter(|s| s.lora_target.is_some()).map(|s| s.local_numel(tp.max(1))).collect()
+}
+
+/// The frozen base of a LoRA run on one of `w.tp` ranks, in bytes. In the compute dtype
+/// (`quant` None) every parameter at `w.elem_bytes`. 4-bit (QLoRA): each block's linear
+/// weights at [`quant4_bytes`] (4.127 bits a parameter), the rest (embedding, norms, biases,
+/// head) in the compute dtype, plus the dequantize scratch: `nn::QuantLinear` dequantizes a
+/// weight just before its GEMM and drops it right after, in the forward and again in the
+/// backward (for dX = dY W; a checkpointed layer's recomputation the same), so one dequantized
+/// weight is alive at a time, never a forward's and a backward's together: the largest, in the
+/// compute dtype (on CUDA the pool keeps that block for the next layer's: it stays held). A
+/// compute dtype other than f32 and bf16 dequantizes through f32 first (4 bytes more).
+pub fn frozen_base_bytes(m: &ModelShape, w: &Workload, quant: Option<QuantSpec>) -> f64 {
+    let e = w.elem_bytes as f64;
+    let all: u64 = m.bucket_params(w.tp).iter().sum();
+    let Some(q) = quant else { return all as f64 * e };
+    let weights = quantized_weights(m, w.tp);
+    let layers = m.layers as f64;
+    let quantized: u64 = weights.iter().sum::<u64>() * m.layers as u64;
+    let codes: f64 = layers * weights.iter().map(|&n| quant4_bytes(n, q)).sum::<f64>();
+    (all - quantized) as f64 * e + codes + dequant_scratch_bytes(m, w)
+}
+
+/// The dequantize scratch of a 4-bit base (see [`frozen_base_bytes`]): the largest quantized
+/// weight on one of `w.tp` ranks, in the compute dtype.
+pub fn dequant_scratch_bytes(m: &ModelShape, w: &Workload) -> f64 {
+    let largest = quantized_weights(m, w.tp).into_iter().max().unwrap_or(0) as f64;
+    let e = w.elem_bytes as f64;
+    largest * if e == 2.0 || e == 4.0 { e } else { e + 4.0 }
 }
 
 /// (in, out) of each projection on one of `tp` ranks, `Proj` order: from the spec, a
@@ -553,4 +637,133 @@ pub fn check_layout(cfg: &LlamaConfig, dtype: DType, device: Device, o: &RunShap
         }
     }
     Ok(mem)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use ferrolm_ops::nf4::{OrigDtype, Quant4, QuantType};
+
+    const QLORA: QuantSpec = QuantSpec::QLORA;
+
+    /// The 4.127 bits of QLoRA's NF4 from its block sizes: 4-bit codes, an 8-bit absmax code a
+    /// block of 64, an f32 scale a nested block of 256 absmax values.
+    #[test]
+    fn nf4_with_double_quantization_costs_4_127_bits_a_parameter() {
+        assert_eq!((QLORA.blocksize, NESTED_BLOCKSIZE), (64, 256));
+        let bits = quant_bits_per_param(QLORA);
+        assert_eq!(bits, 4.0 + 8.0 / 64.0 + 32.0 / (64.0 * 256.0));
+        assert_eq!(bits, 4.126953125);
+        assert_eq!(format!("{bits:.3}"), "4.127");
+        // Without double quantization an f32 absmax a block: 4.5 bits.
+        assert_eq!(quant_bits_per_param(QuantSpec { double_quant: false, ..QLORA }), 4.5);
+        // FP4 is stored the same way.
+        assert_eq!(quant_bits_per_param(QuantSpec { quant_type: QuantType::Fp4, ..QLORA }), bits);
+        // A weight whose size is a multiple of 64 x 256 costs exactly that, plus the code books.
+        for n in [64 * 256, 3 * 64 * 256, 4096 * 4096] {
+            assert_eq!(quant4_bytes(n, QLORA) - 1088.0, n as f64 * bits / 8.0, "n = {n}");
+        }
+    }
+
+    /// The count against the format itself: what `Quant4` stores (codes, absmax codes, nested
+    /// scales, offset) plus the code books the device copy carries and its 16-byte padding.
+    #[test]
+    fn quant4_bytes_are_what_the_quantizer_stores() {
+        for n in [1usize, 63, 64, 65, 1000, 64 * 256, 64 * 256 + 1, 70_001] {
+            let x: Vec<f32> = (0..n).map(|i| ((i * 37 % 101) as f32 - 50.0) / 50.0).collect();
+            for spec in [QLORA, QuantSpec { double_quant: false, ..QLORA }] {
+                let q = Quant4::quantize("w", &x, &[n], OrigDtype::F32, spec).unwrap();
+                let stored = q.stored_bytes() as f64 - if spec.double_quant { 4.0 } else { 0.0 }; // the offset is an argument
+                let counted = quant4_bytes(n as u64, spec);
+                let extra = counted - stored - 1088.0;
+                assert!((0.0..=32.0).contains(&extra), "n {n} {spec:?}: counted {counted}, stored {stored}");
+            }
+        }
+    }
+
+    fn llama3_8b() -> ModelShape {
+        let c = LlamaConfig::from_json_str(
+            r#"{"model_type":"llama","vocab_size":128256,"hidden_size":4096,"intermediate_size":14336,
+            "num_hidden_layers":32,"num_attention_heads":32,"num_key_value_heads":8,"tie_word_embeddings":false}"#,
+        )
+        .unwrap();
+        ModelShape::from_config(&c, "8b")
+    }
+
+    fn workload(tp: usize, elem_bytes: usize) -> Workload {
+        Workload {
+            seq: 2048,
+            micro_batch: 1,
+            global_batch_tokens: 2048,
+            tp,
+            elem_bytes,
+            grad_bytes: 4,
+            checkpointed_layers: usize::MAX,
+            loss_chunks: LossChunks::Auto,
+        }
+    }
+
+    /// A known shape, counted by hand: Llama 3 8B in bf16. Per block q and o 4096², k and v
+    /// 1024 x 4096, gate, up and down 14336 x 4096 (all multiples of 64 x 256: 4.127 bits each
+    /// plus 1088 bytes of code books); the embedding and the head (128256 x 4096) and the norms
+    /// in bf16; the scratch is one down_proj in bf16.
+    #[test]
+    fn a_4bit_base_is_charged_its_bits_its_scratch_and_the_rest_in_the_compute_dtype() {
+        let m = llama3_8b();
+        let w = workload(1, 2);
+        let linear = [4096 * 4096, 1024 * 4096, 1024 * 4096, 4096 * 4096, 14336 * 4096, 14336 * 4096, 14336 * 4096u64];
+        assert_eq!(quantized_weights(&m, 1), linear);
+        let per_block: u64 = linear.iter().sum();
+        let kept = 2 * 128256 * 4096 + 4096 * (2 * 32 + 1); // embedding, head, norms
+        assert_eq!(m.params(), 32 * per_block + kept);
+        let codes = 32.0 * (per_block as f64 * 4.126953125 / 8.0 + 7.0 * 1088.0);
+        let scratch = 14336.0 * 4096.0 * 2.0;
+        assert_eq!(dequant_scratch_bytes(&m, &w), scratch);
+        let want = kept as f64 * 2.0 + codes + scratch;
+        assert_eq!(frozen_base_bytes(&m, &w, Some(QLORA)), want);
+        assert_eq!(frozen_base_bytes(&m, &w, None), m.params() as f64 * 2.0);
+        // 14.96 GiB of bf16 base becomes 5.42 GiB: 3.35 GiB of codes, 1.96 GiB of embedding
+        // and head, 112 MiB of scratch.
+        let gib = |b: f64| b / (1u64 << 30) as f64;
+        assert!((gib(want) - 5.42).abs() < 0.005, "{}", gib(want));
+        assert!((gib(codes) - 3.35).abs() < 0.005 && (gib(kept as f64 * 2.0) - 1.96).abs() < 0.005);
+        // In f32 the kept parameters and the scratch double, the codes do not.
+        let w32 = workload(1, 4);
+        assert_eq!(frozen_base_bytes(&m, &w32, Some(QLORA)), kept as f64 * 4.0 + codes + 2.0 * scratch);
+    }
+
+    /// Under tensor parallelism each shard is quantized on its own: a rank holds half of the
+    /// split weights' codes (the key/value heads whole where fewer than the ranks).
+    #[test]
+    fn tensor_parallel_ranks_hold_their_shards_codes() {
+        let m = llama3_8b();
+        let halves: Vec<u64> = quantized_weights(&m, 1).iter().map(|n| n / 2).collect();
+        assert_eq!(quantized_weights(&m, 2), halves);
+        let w = workload(2, 2);
+        let local: u64 = m.bucket_params(2).iter().sum();
+        let quantized: u64 = halves.iter().sum::<u64>() * 32;
+        let codes: f64 = 32.0 * halves.iter().map(|&n| quant4_bytes(n, QLORA)).sum::<f64>();
+        assert_eq!(frozen_base_bytes(&m, &w, Some(QLORA)), (local - quantized) as f64 * 2.0 + codes + 14336.0 * 2048.0 * 2.0);
+    }
+
+    /// QLoRA against LoRA through the whole estimate: only the parameters' term changes, by the
+    /// quantized weights' bf16 bytes less their codes and the scratch; gradients, optimizer
+    /// state, activations and the transients are the adapters' and the same.
+    #[test]
+    fn qlora_saves_the_base_and_nothing_else_changes() {
+        let m = llama3_8b();
+        let w = workload(1, 2);
+        let lora = LoraMem { rank: 16, targets: [true; 7], layers: 32, dropout: false, quantized_base: None };
+        let qlora = LoraMem { quantized_base: Some(QLORA), ..lora };
+        let spec = ShardSpec { params: 1, grads: 1, optim: 1 };
+        let (a, b) = (memory(&m, &w, spec, 1, 0.0, Some(&lora)), memory(&m, &w, spec, 1, 0.0, Some(&qlora)));
+        let n: u64 = quantized_weights(&m, 1).iter().sum::<u64>() * 32;
+        let saved = a.params - b.params;
+        let want = n as f64 * 2.0 - 32.0 * quantized_weights(&m, 1).iter().map(|&k| quant4_bytes(k, QLORA)).sum::<f64>()
+            - dequant_scratch_bytes(&m, &w);
+        assert_eq!(saved, want);
+        assert!(saved > 0.73 * n as f64 * 2.0, "NF4 saves about three quarters of the linear weights' bf16: {saved}");
+        assert_eq!((a.grads, a.optim, a.activations, a.buffers, a.backward_start), (b.grads, b.optim, b.activations, b.buffers, b.backward_start));
+        assert_eq!(a.total() - b.total(), saved);
+    }
 }
