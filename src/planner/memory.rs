@@ -209,7 +209,6 @@ fn memory_on(
     host: bool,
 ) -> Memory {
     let e = w.elem_bytes as f64;
-    let base: f64 = m.bucket_params(w.tp).iter().sum::<u64>() as f64;
     // What the engine trains: its buckets, their element and gradient bytes, the frozen bytes.
     let (buckets, pe, ge, frozen, largest): (Vec<f64>, f64, f64, f64, f64) = match lora {
         None => (m.bucket_params(w.tp).iter().map(|&n| n as f64).collect(), e, w.grad_bytes as f64, 0.0, m.largest_param(w.tp) as f64),
@@ -637,6 +636,74 @@ pub fn check_layout(cfg: &LlamaConfig, dtype: DType, device: Device, o: &RunShap
         }
     }
     Ok(mem)
+}
+
+/// A Llama 3 8B (hidden 4096, 32 layers, 8 key/value heads, vocabulary 128256, untied):
+/// `lora_memory`'s model.
+pub const LLAMA3_8B: &str = r#"{"model_type":"llama","vocab_size":128256,"hidden_size":4096,"intermediate_size":14336,
+    "num_hidden_layers":32,"num_attention_heads":32,"num_key_value_heads":8,"max_position_embeddings":8192,
+    "rope_theta":500000.0,"tie_word_embeddings":false}"#;
+
+/// Published QLoRA memory figures, theirs, not this estimator's: (model, LLaMA shape as
+/// (layers, hidden, intermediate, heads, key/value heads), figure, source).
+pub const PUBLISHED_QLORA: [(&str, (usize, usize, usize, usize, usize), &str, &str); 5] = [
+    ("LLaMA 7B", (32, 4096, 11008, 32, 32), "6 GB", "LLaMA-Factory README, Hardware Requirement (their estimate)"),
+    ("LLaMA 13B", (40, 5120, 13824, 40, 40), "12 GB", "LLaMA-Factory README, Hardware Requirement (their estimate)"),
+    ("LLaMA 30B", (60, 6656, 17920, 52, 52), "24 GB", "LLaMA-Factory README, Hardware Requirement (their estimate)"),
+    ("LLaMA 65B", (80, 8192, 22016, 64, 64), "one 48 GB GPU", "QLoRA paper (Dettmers et al. 2023, arXiv:2305.14314)"),
+    ("Llama 2 70B", (80, 8192, 28672, 64, 8), "48 GB", "LLaMA-Factory README, Hardware Requirement (their estimate)"),
+];
+
+/// The lines `examples/lora_memory.rs` prints (docs/LORA.md, "QLoRA"; docs/BENCHMARKS.md, "LoRA
+/// memory"; tests/documented_numbers.rs checks the documents quote them): the estimate, in bf16
+/// on one GPU with one sequence of `seq` tokens a micro-batch and LoRA of `rank` on all seven
+/// projections, of a Llama 3 8B fine-tuned in full, with LoRA and with QLoRA (NF4 base), with
+/// and without activation checkpointing; then QLoRA (checkpointed) at the published figures'
+/// LLaMA shapes beside those figures.
+pub fn lora_memory_tables(rank: usize, seq: usize) -> Result<Vec<String>> {
+    use crate::nn::{LoraConfig, Proj};
+    let lora = LoraConfig::new(rank, None, 0.0, Proj::ALL.to_vec(), false)?;
+    let run = |cfg: &LlamaConfig, quantized: Option<Option<QuantSpec>>, checkpointing: bool| -> Result<Memory> {
+        let lora = quantized.map(|q| LoraMem { quantized_base: q, ..LoraMem::new(&lora, cfg.num_hidden_layers) });
+        let l = MemParallelism { lora, ..MemParallelism::single(checkpointing) };
+        estimate(cfg, DType::BF16, Device::Cuda(0), 1, seq, 1, &l).ok_or_else(|| anyhow::anyhow!("--seq-len {seq}: the estimate overflows"))
+    };
+    let cfg = LlamaConfig::from_json_str(LLAMA3_8B)?;
+    let mut out = vec![
+        format!(
+            "Llama 3 8B, bf16, one GPU, 1 x {seq} tokens; LoRA rank {rank} on q,k,v,o,gate,up,down; QLoRA: the blocks' linear weights in NF4 ({:.3} bits)",
+            quant_bits_per_param(QuantSpec::QLORA)
+        ),
+        format!("| {:<30} | {:>10} | {:>10} | {:>10} | {:>11} | {:>10} |", "run", "parameters", "gradients", "optimizer", "activations", "peak"),
+        format!("|{:-<32}|{:-<12}|{:-<12}|{:-<12}|{:-<13}|{:-<12}|", "", "", "", "", "", ""),
+    ];
+    for checkpointing in [false, true] {
+        for (name, quantized) in [("full fine-tuning", None), ("LoRA", Some(None)), ("QLoRA", Some(Some(QuantSpec::QLORA)))] {
+            let m = run(&cfg, quantized, checkpointing)?;
+            let name = format!("{name}{}", if checkpointing { ", checkpointed" } else { "" });
+            out.push(format!(
+                "| {name:<30} | {:>10} | {:>10} | {:>10} | {:>11} | {:>10} |",
+                human(m.params),
+                human(m.grads),
+                human(m.optim),
+                human(m.activations),
+                human(m.total())
+            ));
+        }
+    }
+    out.push(String::new());
+    out.push(format!("QLoRA rank {rank}, checkpointed, 1 x {seq} tokens, at the published figures' shapes (vocabulary 32000):"));
+    out.push(format!("| {:<11} | {:>13} | {:<60} | {:>20} |", "model", "published", "source (their figure)", "this estimator"));
+    out.push(format!("|{:-<13}|{:-<15}|{:-<62}|{:-<22}|", "", "", "", ""));
+    for (model, (layers, hidden, inter, heads, kv), figure, source) in PUBLISHED_QLORA {
+        let cfg = LlamaConfig::from_json_str(&format!(
+            r#"{{"model_type":"llama","vocab_size":32000,"hidden_size":{hidden},"intermediate_size":{inter},"num_hidden_layers":{layers},"num_attention_heads":{heads},"num_key_value_heads":{kv}}}"#
+        ))?;
+        let peak = run(&cfg, Some(Some(QuantSpec::QLORA)), true)?.total();
+        let ours = format!("{} ({:.1} GB)", human(peak), peak / 1e9);
+        out.push(format!("| {model:<11} | {figure:>13} | {source:<60} | {ours:>20} |"));
+    }
+    Ok(out)
 }
 
 #[cfg(test)]
