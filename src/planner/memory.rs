@@ -249,7 +249,7 @@ fn memory_on(
     };
     let head = head_bytes(m, w, host, lora.is_none()).1;
     let step_sq = 4.0 * biggest / so;
-    let activations = activation_bytes(m, w) + lora.map_or(0.0, |l| lora_activation_bytes(m, w, l));
+    let activations = activation_bytes(m, w) + lora.map_or(0.0, |l| lora_activation_bytes(m, w, l) + qlora_activation_bytes(m, w, l));
     let backward_start = accumulator + head_grad + if fused { head.max(in_flight) } else { head + in_flight };
     let buffers = in_flight + layer_transient_bytes(m, w).max(formed).max(step_sq);
     Memory {
@@ -428,6 +428,30 @@ pub fn lora_activation_bytes(m: &ModelShape, w: &Workload, l: &LoraMem) -> f64 {
     let factors = lora_layer_params(m, w.tp, l) * if e < 4.0 { 6.0 } else { 4.0 };
     let dropped = if l.dropout { 2.0 * tokens * e * on().map(|(i, _)| i).sum::<f64>() } else { 0.0 };
     (u + factors + dropped) * l.layers.min(m.layers) as f64
+}
+
+/// What an adapted projection over a 4-bit base saves beyond LoRA's (QLoRA; 0 without
+/// `quantized_base`): `nn::QuantOp::forward_adapted` computes the base's product, the adapter's
+/// and their sum as separate autograd nodes, so until backward each adapted projection holds its
+/// base output and its adapter output (N · out elements each), and o and down, which take the
+/// residual, their partial sum too (dense LoRA's `linear_adapted` is one node that holds none of
+/// them). Charged for the adapted layers that are not checkpointed (a checkpointed layer's
+/// recomputation holds one layer's, within the margin: measured on the CPU). A fused
+/// `forward_adapted` would make this 0.
+pub fn qlora_activation_bytes(m: &ModelShape, w: &Workload, l: &LoraMem) -> f64 {
+    if l.quantized_base.is_none() {
+        return 0.0;
+    }
+    let (tokens, e) = ((w.micro_batch * w.seq) as f64, w.elem_bytes as f64);
+    let held: f64 = local_projections(m, w.tp)
+        .into_iter()
+        .zip(l.targets)
+        .enumerate()
+        .filter(|(_, (_, on))| *on)
+        .map(|(p, ((_, out), _))| out * if p == 3 || p == 6 { 3.0 } else { 2.0 })
+        .sum();
+    let plain = m.layers.saturating_sub(w.checkpointed_layers.min(m.layers));
+    tokens * e * held * l.layers.min(plain) as f64
 }
 
 /// The largest adapter factor on one of `tp` ranks.
@@ -826,11 +850,35 @@ mod tests {
         let (a, b) = (memory(&m, &w, spec, 1, 0.0, Some(&lora)), memory(&m, &w, spec, 1, 0.0, Some(&qlora)));
         let n: u64 = quantized_weights(&m, 1).iter().sum::<u64>() * 32;
         let saved = a.params - b.params;
-        let want = n as f64 * 2.0 - 32.0 * quantized_weights(&m, 1).iter().map(|&k| quant4_bytes(k, QLORA)).sum::<f64>()
+        let want = n as f64 * 2.0
+            - 32.0 * quantized_weights(&m, 1).iter().map(|&k| quant4_bytes(k, QLORA)).sum::<f64>()
             - dequant_scratch_bytes(&m, &w);
         assert_eq!(saved, want);
         assert!(saved > 0.73 * n as f64 * 2.0, "NF4 saves about three quarters of the linear weights' bf16: {saved}");
-        assert_eq!((a.grads, a.optim, a.activations, a.buffers, a.backward_start), (b.grads, b.optim, b.activations, b.buffers, b.backward_start));
+        assert_eq!(
+            (a.grads, a.optim, a.activations, a.buffers, a.backward_start),
+            (b.grads, b.optim, b.activations, b.buffers, b.backward_start)
+        );
         assert_eq!(a.total() - b.total(), saved);
+    }
+
+    /// Without checkpointing each adapted projection over the 4-bit base holds its base and
+    /// adapter outputs until backward, o and down their partial sum with the residual too: per
+    /// token and layer 2 (4096 + 1024 + 1024 + 14336 + 14336) + 3 (4096 + 4096) = 94208 elements
+    /// at Llama 3 8B; checkpointed layers hold none of it.
+    #[test]
+    fn qlora_without_checkpointing_holds_the_split_adapted_outputs() {
+        let m = llama3_8b();
+        let lora = LoraMem { rank: 16, targets: [true; 7], layers: 32, dropout: false, quantized_base: None };
+        let qlora = LoraMem { quantized_base: Some(QLORA), ..lora };
+        let plain = Workload { checkpointed_layers: 0, ..workload(1, 2) };
+        assert_eq!(qlora_activation_bytes(&m, &plain, &qlora), 2048.0 * 2.0 * 94208.0 * 32.0);
+        assert_eq!(qlora_activation_bytes(&m, &plain, &lora), 0.0);
+        assert_eq!(qlora_activation_bytes(&m, &workload(1, 2), &qlora), 0.0);
+        let half = Workload { checkpointed_layers: 16, ..plain };
+        assert_eq!(qlora_activation_bytes(&m, &half, &qlora), 2048.0 * 2.0 * 94208.0 * 16.0);
+        let spec = ShardSpec { params: 1, grads: 1, optim: 1 };
+        let (a, b) = (memory(&m, &plain, spec, 1, 0.0, Some(&lora)), memory(&m, &plain, spec, 1, 0.0, Some(&qlora)));
+        assert_eq!(b.activations - a.activations, 2048.0 * 2.0 * 94208.0 * 32.0);
     }
 }
