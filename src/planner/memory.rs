@@ -668,9 +668,12 @@ pub const LLAMA3_8B: &str = r#"{"model_type":"llama","vocab_size":128256,"hidden
     "num_hidden_layers":32,"num_attention_heads":32,"num_key_value_heads":8,"max_position_embeddings":8192,
     "rope_theta":500000.0,"tie_word_embeddings":false}"#;
 
+/// A LLaMA shape: (layers, hidden, intermediate, heads, key/value heads).
+pub type LlamaShape = (usize, usize, usize, usize, usize);
+
 /// Published QLoRA memory figures, theirs, not this estimator's: (model, LLaMA shape as
 /// (layers, hidden, intermediate, heads, key/value heads), figure, source).
-pub const PUBLISHED_QLORA: [(&str, (usize, usize, usize, usize, usize), &str, &str); 5] = [
+pub const PUBLISHED_QLORA: [(&str, LlamaShape, &str, &str); 5] = [
     ("LLaMA 7B", (32, 4096, 11008, 32, 32), "6 GB", "LLaMA-Factory README, Hardware Requirement (their estimate)"),
     ("LLaMA 13B", (40, 5120, 13824, 40, 40), "12 GB", "LLaMA-Factory README, Hardware Requirement (their estimate)"),
     ("LLaMA 30B", (60, 6656, 17920, 52, 52), "24 GB", "LLaMA-Factory README, Hardware Requirement (their estimate)"),
