@@ -193,7 +193,8 @@ pub fn head_bytes(m: &ModelShape, w: &Workload, host: bool, dw: bool) -> (f64, f
 /// The forward saves more for backward: [`lora_activation_bytes`]. With a 4-bit base (QLoRA,
 /// `LoraMem::quantized_base`) the frozen bytes are [`frozen_base_bytes`]'s: the blocks' linear
 /// weights at [`quant_bits_per_param`] (4.127 bits for NF4 with double quantization) and one
-/// dequantized weight in the compute dtype, the embedding, norms, biases and head in the compute dtype.
+/// dequantized weight in the compute dtype, the embedding, norms, biases and head in the compute
+/// dtype; its forward saves more again: [`qlora_activation_bytes`].
 pub fn memory(m: &ModelShape, w: &Workload, spec: ShardSpec, micro_batches: usize, workspace: f64, lora: Option<&LoraMem>) -> Memory {
     memory_on(m, w, spec, micro_batches, workspace, lora, false)
 }
@@ -301,7 +302,10 @@ pub struct LoraMem {
     /// `--lora-dropout` above 0: each adapter's input is masked in a copy of its own.
     pub dropout: bool,
     /// QLoRA (`--quantize-base nf4`: `QuantSpec::QLORA`): the blocks' frozen linear weights held
-    /// 4-bit (see [`frozen_base_bytes`]); None: the whole base in the compute dtype.
+    /// 4-bit (see [`frozen_base_bytes`], [`qlora_activation_bytes`]); None (what `LoraMem::new`
+    /// gives): the whole base in the compute dtype. The tools set it where they build the
+    /// `LoraMem` (`cli::lora`'s `memory`, `train`'s single-device check) from the flag or the
+    /// model's 4-bit base.
     pub quantized_base: Option<QuantSpec>,
 }
 
