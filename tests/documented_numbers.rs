@@ -72,3 +72,22 @@ fn finetuning_guides_packing_is_its_commands() {
     );
     assert!(joined(&text).contains(&format!("`{figure}`")), "docs/FINETUNING.md should quote `{figure}` ({})", s.summary());
 }
+
+/// docs/LORA.md's memory tables are `lora_memory`'s at its defaults (rank 16, 2048 tokens: the
+/// command the guide shows has no flags), every row: full fine-tuning, LoRA and QLoRA of Llama 3
+/// 8B, and QLoRA beside the published figures; docs/BENCHMARKS.md, "LoRA memory", quotes the
+/// first table. Regenerate them with `cargo run --release --example lora_memory`.
+#[test]
+fn lora_memory_tables_are_the_tools() {
+    let command = "cargo run --release --example lora_memory`";
+    let lines = ferrolm::planner::memory::lora_memory_tables(16, 2048).unwrap();
+    let rows: Vec<&String> = lines.iter().filter(|l| l.starts_with('|')).collect();
+    let first: Vec<&String> = lines.iter().take_while(|l| !l.is_empty()).filter(|l| l.starts_with('|')).collect();
+    assert!(rows.len() >= 9 + 5 && first.len() == 8, "the tool's tables changed shape: {lines:#?}");
+    for (doc, want) in [("docs/LORA.md", &rows), ("docs/BENCHMARKS.md", &first)] {
+        let text = guide(doc);
+        assert!(text.contains(command), "{doc} no longer shows `{command}: update this test");
+        let missing: Vec<&&String> = want.iter().filter(|l| !text.lines().any(|t| t == l.as_str())).collect();
+        assert!(missing.is_empty(), "{doc} should quote lora_memory's rows (regenerate the table); missing:\n{missing:#?}");
+    }
+}
