@@ -10,6 +10,7 @@ pub mod autoconfig;
 pub mod batches;
 pub mod chat;
 pub mod checkpoint;
+pub mod dpo;
 pub mod cli;
 pub mod errors;
 pub mod eval;
