@@ -33,8 +33,28 @@ pub const REF_LOGPS: &str = "ref_logps.json";
 pub struct RefLogps {
     /// A hash (hex) of every pair's ids and the reference's identity ([`identity`]).
     pub identity: String,
+    #[serde(with = "exact")]
     pub train: Vec<[f64; 2]>,
+    #[serde(with = "exact")]
     pub val: Vec<[f64; 2]>,
+}
+
+/// The log-probs as decimal strings that read back to the same bits (Rust's shortest
+/// round-trip form): serde_json's own float parsing may be off by an ulp, and `--resume` must
+/// see exactly the values the uninterrupted run trained with.
+mod exact {
+    use serde::de::Error;
+    use serde::{Deserialize, Deserializer, Serializer};
+
+    pub fn serialize<S: Serializer>(v: &[[f64; 2]], s: S) -> Result<S::Ok, S::Error> {
+        s.collect_seq(v.iter().map(|[c, r]| [c.to_string(), r.to_string()]))
+    }
+
+    pub fn deserialize<'de, D: Deserializer<'de>>(d: D) -> Result<Vec<[f64; 2]>, D::Error> {
+        let v: Vec<[String; 2]> = Vec::deserialize(d)?;
+        let num = |s: &str| s.parse::<f64>().map_err(|e| D::Error::custom(format!("log-prob {s:?}: {e}")));
+        v.iter().map(|[c, r]| Ok([num(c)?, num(r)?])).collect()
+    }
 }
 
 impl RefLogps {

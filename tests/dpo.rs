@@ -19,7 +19,13 @@ fn setup(dir: &Path, n: usize) -> (PathBuf, PathBuf) {
 }
 
 fn parse(ck: &Path, data: &Path, out: &Path, extra: &[&str]) -> DpoArgs {
-    let head = ["dpo", "--device=cpu", "--seq-len=128", "--eval-every=0", "--batch-size=2", "--lr=5e-3", "--val-fraction=0"];
+    // The defaults below, each unless `extra` gives its flag.
+    let name = |f: &str| f.split('=').next().unwrap().to_string();
+    let given: Vec<String> = extra.iter().map(|f| name(f)).collect();
+    let head: Vec<&str> = ["dpo", "--device=cpu", "--seq-len=128", "--eval-every=0", "--batch-size=2", "--lr=5e-3", "--val-fraction=0"]
+        .into_iter()
+        .filter(|f| !given.contains(&name(f)))
+        .collect();
     parse_from(args(&head, &[flag("model", ck), flag("data", data), flag("out", out)], extra)).unwrap()
 }
 
@@ -85,11 +91,24 @@ fn live_and_precomputed_references_agree_and_resume_is_exact() {
     assert!(pre.join("ref_logps.json").is_file());
     // Resuming at step 2 reuses the saved log-probs and repeats the losses exactly.
     let step2 = pre.join("checkpoints/step-000002");
-    let (r, log) = capture_logs(|| dpo(&ck, &data, &resumed, &["--steps=4", "--precompute-ref", "--resume", step2.to_str().unwrap()]));
-    r.unwrap();
-    assert!(log.contains("precomputed log-probs reused"), "{log}");
+    let resume = |out: &Path| dpo(&ck, &data, out, &["--steps=4", "--precompute-ref", "--resume", step2.to_str().unwrap()]).unwrap();
+    resume(&resumed);
     let bits = |v: Vec<f64>| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
     assert_eq!(bits(losses(&resumed)), bits(losses(&pre)));
+    let saved = std::fs::read(pre.join("ref_logps.json")).unwrap();
+    assert_eq!(std::fs::read(resumed.join("ref_logps.json")).unwrap(), saved, "the resumed run keeps the same log-probs");
+    // The resumed run reads the saved log-probs rather than computing them again: shift every
+    // saved reference log-prob of a chosen answer and the resumed losses move.
+    let mut r: serde_json::Value = serde_json::from_slice(&saved).unwrap();
+    for p in r["train"].as_array_mut().unwrap() {
+        p[0] = serde_json::json!((p[0].as_str().unwrap().parse::<f64>().unwrap() - 5.0).to_string());
+    }
+    std::fs::write(pre.join("ref_logps.json"), r.to_string()).unwrap();
+    let tampered = dir.join("tampered");
+    resume(&tampered);
+    let (t, p) = (losses(&tampered), losses(&pre));
+    assert_eq!(t.len(), 4, "{t:?}"); // steps 1-2 carried from the resumed run's log
+    assert!((t[2] - p[2]).abs() > 1e-3, "the saved log-probs were not reused: {t:?} vs {p:?}");
     let _ = std::fs::remove_dir_all(&dir);
 }
 
