@@ -4,10 +4,17 @@
 //! `--tp 2`, `--dp 2 --zero 3` and `--offload-optimizer` follow one device; `--resume` with
 //! `--precompute-ref` is exact and reuses the saved log-probs; bad flags exit 2 naming the flag.
 mod common;
+#[path = "common/tools.rs"]
+mod tools;
 use common::*;
 use ferrolm::cli::dpo::{DpoArgs, Outcome};
-use ferrolm::cli::{exit_code, parse_from};
+use ferrolm::cli::{exit_code, parse_from, Tool};
 use std::path::{Path, PathBuf};
+
+#[test]
+fn tool_process() {
+    tools::child_entry();
+}
 
 /// The tiny chat model and the first `n` pairs of the bundled file.
 fn setup(dir: &Path, n: usize) -> (PathBuf, PathBuf) {
@@ -133,19 +140,31 @@ fn lora_reference_is_the_base_model() {
 fn dpo_under_tp_dp_zero3_and_offload_follows_one_device() {
     let dir = tmp("dpo-parallel");
     let (ck, data) = setup(&dir, 8);
+    // The loss and TRL's metrics of each step (the metrics summed over every rank's pairs).
     let run = |out: &str, extra: &[&str]| {
         let flags: Vec<&str> = ["--steps=3"].iter().chain(extra).copied().collect();
         dpo(&ck, &data, &dir.join(out), &flags).unwrap();
-        losses(&dir.join(out))
+        let run = dir.join(out);
+        (losses(&run), metric(&run, "logps/chosen"), metric(&run, "logps/rejected"), metric(&run, "rewards/accuracies"))
     };
-    let one = run("one", &["--grad-accum=2"]);
-    assert_eq!(one.len(), 3);
-    for (out, flags) in [
-        ("tp2", vec!["--tp=2", "--grad-accum=2"]),
-        ("dp2-zero3", vec!["--dp=2", "--zero=3"]),
-        ("offload", vec!["--offload-optimizer", "--grad-accum=2"]),
-    ] {
-        close(&run(out, &flags), &one, 1e-5, out);
+    for lora in [&[][..], &["--lora-rank=4", "--lr=2e-2"][..]] {
+        let with = |flags: &[&'static str]| [flags, lora].concat();
+        let tag = if lora.is_empty() { "" } else { "-lora" };
+        let one = run(&format!("one{tag}"), &with(&["--grad-accum=2"]));
+        assert_eq!(one.0.len(), 3);
+        assert!(one.0[2] < one.0[0], "{tag}: {:?}", one.0);
+        for (out, flags) in [
+            ("tp2", with(&["--tp=2", "--grad-accum=2"])),
+            ("dp2-zero3", with(&["--dp=2", "--zero=3"])),
+            ("offload", with(&["--offload-optimizer", "--grad-accum=2"])),
+        ] {
+            let what = format!("{out}{tag}");
+            let got = run(&what, &flags);
+            close(&got.0, &one.0, 1e-5, &what);
+            close(&got.1, &one.1, 1e-5, &format!("{what} logps/chosen"));
+            close(&got.2, &one.2, 1e-5, &format!("{what} logps/rejected"));
+            assert_eq!(got.3, one.3, "{what} rewards/accuracies");
+        }
     }
     let _ = std::fs::remove_dir_all(&dir);
 }
@@ -176,5 +195,63 @@ fn bad_flags_and_an_out_holding_the_reference_exit_2_naming_the_flag() {
     // A value clap rejects names its flag too.
     let e = parse_from::<DpoArgs, _, _>(["dpo", "--model=m", "--max-length=0"]).unwrap_err();
     assert!(e.to_string().contains("--max-length"), "{e}");
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+#[test]
+fn help_lists_every_flag_with_its_default() {
+    let mut cmd = DpoArgs::cli();
+    let help = cmd.render_long_help().to_string();
+    for w in ["--beta", "--loss-type", "--loss-weights", "--ref-model", "--precompute-ref", "--max-length", "--max-prompt-length"] {
+        assert!(help.contains(w), "--help lacks {w}");
+    }
+    // finetune's flags: data, LoRA, parallel layouts, offload, resume, the chunked loss.
+    for w in ["--chat-template", "--data-format", "--val-data", "--val-fraction", "--lora-rank", "--tp", "--dp", "--zero"] {
+        assert!(help.contains(w), "--help lacks {w}");
+    }
+    for w in ["--offload-optimizer", "--resume", "--loss-chunk-tokens", "Environment:", "rewards/accuracies"] {
+        assert!(help.contains(w), "--help lacks {w}");
+    }
+    for arg in cmd.get_arguments().filter(|a| a.get_id() != "help" && a.get_id() != "version") {
+        let Some(long) = arg.get_long() else { continue };
+        let takes_value = arg.get_action().takes_values();
+        match arg.get_default_values().first().filter(|_| takes_value) {
+            Some(d) => assert!(help.contains(&format!("[default: {}]", d.to_string_lossy())), "--{long}'s default is not shown"),
+            None if takes_value && !arg.is_required_set() => {
+                let doc = arg.get_long_help().or(arg.get_help()).map(|s| s.to_string()).unwrap_or_default();
+                assert!(doc.contains("[default:"), "--{long} says nothing of its default: {doc:?}");
+            }
+            None => {}
+        }
+    }
+    let a: DpoArgs = parse_from(["dpo", "--model=m"]).unwrap();
+    assert_eq!((a.pref.beta, a.pref.loss_type.as_str(), a.pref.precompute_ref), (0.1, "sigmoid", false));
+    assert!(a.pref.ref_model.is_none() && a.pref.max_length.is_none() && a.pref.loss_weights.is_none());
+}
+
+#[test]
+fn the_tool_as_a_child_process_exits_2_on_a_bad_flag_and_trains_otherwise() {
+    let dir = tmp("dpo-child");
+    let (ck, data) = setup(&dir, 6);
+    let s = |p: &Path| p.to_str().unwrap().to_string();
+    let (ck, data) = (s(&ck), s(&data));
+    let base = ["dpo", "--device=cpu", "--seq-len=128", "--batch-size=2", "--val-fraction=0", "--model", &ck, "--data", &data];
+    for (bad, name) in [(["--beta", "-1"], "--beta"), (["--loss-type", "kto"], "--loss-type"), (["--max-length", "0"], "--max-length")] {
+        let argv: Vec<&str> = base.iter().chain(&bad).copied().collect();
+        let o = tools::run_in(&dir, &[], &argv);
+        let (out, err) = tools::text(&o);
+        assert_eq!(o.status.code(), Some(2), "{bad:?}:\n{out}\n{err}");
+        assert!(err.contains(name), "{bad:?}: {err}");
+    }
+    let run = dir.join("run");
+    let argv: Vec<&str> = base.iter().copied().chain(["--steps", "2", "--out", run.to_str().unwrap()]).collect();
+    let o = tools::run_in(&dir, &[], &argv);
+    let (out, err) = tools::text(&o);
+    assert!(o.status.success(), "{out}\n{err}");
+    // The data summary, the reference and TRL's metrics on the step line, at the default level.
+    for w in ["training pairs", "skipped:", "reference: live", "rewards/accuracies", "logps/rejected"] {
+        assert!(out.contains(w) || err.contains(w), "the log lacks {w:?}:\n{out}\n{err}");
+    }
+    assert!(run.join("checkpoints/step-000002/config.json").is_file());
     let _ = std::fs::remove_dir_all(&dir);
 }
