@@ -256,7 +256,11 @@ pub fn precompute(model: &Llama, pairs: &[PreferencePair], batch: usize, row_tok
 }
 
 /// Sums `m` over the data-parallel ranks of `group` (each rank scored its own pairs).
-pub fn reduce_metrics(m: &mut PreferenceMetrics, group: &dyn ferrolm_parallel::comm::Communicator, device: ferrolm_tensor::Device) -> Result<()> {
+pub fn reduce_metrics(
+    m: &mut PreferenceMetrics,
+    group: &dyn ferrolm_parallel::comm::Communicator,
+    device: ferrolm_tensor::Device,
+) -> Result<()> {
     if group.size() == 1 {
         return Ok(());
     }

@@ -162,7 +162,11 @@ pub(crate) enum Validation {
     /// One conversation a row.
     Conversations(Arc<PackedData>),
     /// Preference pairs, packed into rows of `row_tokens`.
-    Pairs { pairs: Arc<Vec<ferrolm_data::preference::PreferencePair>>, row_tokens: usize, pad_id: u32 },
+    Pairs {
+        pairs: Arc<Vec<ferrolm_data::preference::PreferencePair>>,
+        row_tokens: usize,
+        pad_id: u32,
+    },
     None,
 }
 
@@ -352,10 +356,8 @@ impl Trainer {
                 Batches::rows(PackedData::clone(train), opts.batch_size, opts.seed, mesh.dp_rank(), mesh.dp())
                     .context("cannot order the training rows")?
             }
-            TrainSet::Pairs { train, .. } => {
-                Batches::pairs(train.clone(), opts.batch_size, opts.seed, mesh.dp_rank(), mesh.dp())
-                    .context("cannot order the training pairs")?
-            }
+            TrainSet::Pairs { train, .. } => Batches::pairs(train.clone(), opts.batch_size, opts.seed, mesh.dp_rank(), mesh.dp())
+                .context("cannot order the training pairs")?,
         };
         Ok(Trainer {
             model,

@@ -81,7 +81,7 @@ fn dpo_lowers_the_loss_and_raises_rewards_accuracies_with_trl_metrics() {
     assert!(after.0.is_finite() && after.1.pairs == 2);
     // The checkpoint is a model with the tokenizer and chat template.
     let ckpt = out.join("checkpoints/step-000016");
-    for f in ["model.safetensors", "config.json", "tokenizer.json", "trainer_state.json"] {
+    for f in ["model.safetensors", "config.json", "tokenizer.json", "chat_template.jinja", "trainer_state.json"] {
         assert!(ckpt.join(f).is_file(), "{f} missing");
     }
     let _ = std::fs::remove_dir_all(&dir);

@@ -308,10 +308,8 @@ fn prepare(args: &DpoArgs) -> AnyResult<Prepared> {
     } else if !(args.lora.enabled() && args.pref.ref_model.is_none()) {
         live_ref = Some(ref_dir);
     }
-    let set = TrainSet::Pairs {
-        train: PairData { pairs: Arc::new(train), row_tokens, pad_id },
-        val: (!val.is_empty()).then(|| Arc::new(val)),
-    };
+    let set =
+        TrainSet::Pairs { train: PairData { pairs: Arc::new(train), row_tokens, pad_id }, val: (!val.is_empty()).then(|| Arc::new(val)) };
     Ok(Prepared {
         data: TrainData { device, dtype, tok_path, set },
         model,
@@ -371,8 +369,8 @@ fn dpo_rank(args: &DpoArgs, p: &Prepared, comm: Option<Comm>) -> AnyResult<Outco
     let reference = match (&p.refs, &p.live_ref) {
         (Some(r), _) => Reference::Precomputed(r.clone()),
         (None, Some(dir)) => {
-            let mut m =
-                Llama::from_pretrained(dir, p.data.dtype, p.data.device).with_context(|| format!("cannot load the reference {}", dir.display()))?;
+            let mut m = Llama::from_pretrained(dir, p.data.dtype, p.data.device)
+                .with_context(|| format!("cannot load the reference {}", dir.display()))?;
             m.loss_chunks = a.loss_chunks();
             let mesh = trainer.engine.mesh();
             if mesh.tp() > 1 {
