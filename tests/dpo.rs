@@ -172,6 +172,12 @@ fn dpo_under_tp_dp_zero3_and_offload_follows_one_device() {
             assert_eq!(got.3, one.3, "{what} rewards/accuracies");
         }
     }
+    // The sft term is a mean over the step's chosen tokens on every rank, not over a rank's.
+    let mix = ["--loss-type=sigmoid,sft", "--loss-weights=1,0.5"];
+    let one = run("mix-one", &[&mix[..], &["--grad-accum=2"]].concat());
+    let dp = run("mix-dp2", &[&mix[..], &["--dp=2"]].concat());
+    assert!(one.0[0] > std::f64::consts::LN_2 + 0.1, "the sft term is in the loss: {:?}", one.0);
+    close(&dp.0, &one.0, 1e-5, "sigmoid,sft under --dp 2");
     let _ = std::fs::remove_dir_all(&dir);
 }
 
