@@ -69,8 +69,8 @@ impl MicroBatch {
     /// The loss (f32 scalar) to backpropagate: the sum of the per-token cross-entropy over the
     /// micro-batch's trained targets times `scale` ([`StepBatches::loss_scale`]), the head's
     /// fused loss taking the factor.
-    pub fn loss(&self, model: &crate::Llama, scale: f64) -> Result<Tensor> {
-        model.loss_with(&self.inputs, &self.targets, self.packing.as_ref(), LossScale::Sum(scale))
+    pub fn loss(&self, model: &dyn crate::nn::CausalLm, scale: f64) -> Result<Tensor> {
+        model.loss_with((&self.inputs).into(), (&self.targets).into(), self.packing.as_ref(), LossScale::Sum(scale))
     }
 }
 

@@ -395,7 +395,7 @@ pub(crate) struct TrainerState {
     skipped_steps: u64,
 }
 
-impl Trainer {
+impl<M: crate::nn::CausalLm> Trainer<M> {
     /// The first tensor holding a NaN or an infinity, if any. x * 0 is 0 for finite x and NaN
     /// otherwise, so one device-side sum over all tensors (one host sync) answers the common
     /// case; only when it is not finite are the tensors checked one by one to name the culprit.

@@ -15,6 +15,7 @@
 //! every data-parallel rank): each micro-batch's loss is divided by the step's pairs per rank
 //! (`StepBatches::pairs / dp`), and the engine averages the ranks' gradients.
 use crate::batches::{PairMicro, StepBatches};
+use crate::nn::CausalLm;
 use crate::{AnyResult, Llama};
 use anyhow::{bail, Context};
 use ferrolm_data::preference::PreferencePair;
@@ -159,7 +160,7 @@ pub struct Preference {
 }
 
 /// `model`'s log-probs of `batch`, without gradients (a reference).
-fn frozen_logprobs(model: &Llama, batch: &PackedPairs, adapters_off: bool) -> Result<ReferenceLogProbs> {
+fn frozen_logprobs(model: &dyn CausalLm, batch: &PackedPairs, adapters_off: bool) -> Result<ReferenceLogProbs> {
     let _g = no_grad();
     let _off = adapters_off.then(ferrolm_nn::lora::adapters_off);
     ReferenceLogProbs::of(&pair_logprobs(model, batch)?)
@@ -178,9 +179,9 @@ impl Preference {
     }
 
     /// The reference log-probs of `batch` (pairs `indices` of `split`).
-    fn reference(&self, policy: &Llama, batch: &PackedPairs, indices: &[usize], split: Split) -> Result<ReferenceLogProbs> {
+    fn reference(&self, policy: &dyn CausalLm, batch: &PackedPairs, indices: &[usize], split: Split) -> Result<ReferenceLogProbs> {
         match &self.reference {
-            Reference::Live(m) => frozen_logprobs(m, batch, false),
+            Reference::Live(m) => frozen_logprobs(m.as_ref(), batch, false),
             Reference::AdaptersOff => frozen_logprobs(policy, batch, true),
             Reference::Precomputed(r) => {
                 let table = if split == Split::Train { &r.train } else { &r.val };
@@ -199,7 +200,7 @@ impl Preference {
 
     /// One micro-batch's loss (to backpropagate) and metric sums: the reference first (no
     /// gradient), then the policy's forward; normalised over the step's pairs per rank.
-    pub fn micro_loss(&self, policy: &Llama, pm: &PairMicro, step: &StepBatches, dp: usize) -> Result<(Tensor, PreferenceMetrics)> {
+    pub fn micro_loss(&self, policy: &dyn CausalLm, pm: &PairMicro, step: &StepBatches, dp: usize) -> Result<(Tensor, PreferenceMetrics)> {
         let reference = self.reference(policy, &pm.packed, &pm.indices, Split::Train)?;
         let lp: PairLogProbs = pair_logprobs(policy, &pm.packed)?;
         let dp = dp.max(1) as f64;
@@ -212,7 +213,7 @@ impl Preference {
     /// chosen tokens) and TRL's metrics.
     pub fn validate(
         &self,
-        policy: &Llama,
+        policy: &dyn CausalLm,
         pairs: &[PreferencePair],
         take: usize,
         batch: usize,
@@ -243,7 +244,13 @@ impl Preference {
 
 /// `model`'s log-probs of every pair of `pairs` (chosen, rejected), `batch` pairs a forward,
 /// without gradients (any LoRA adapters of `model` switched off: the reference is its base).
-pub fn precompute(model: &Llama, pairs: &[PreferencePair], batch: usize, row_tokens: usize, pad_id: u32) -> AnyResult<Vec<[f64; 2]>> {
+pub fn precompute(
+    model: &dyn CausalLm,
+    pairs: &[PreferencePair],
+    batch: usize,
+    row_tokens: usize,
+    pad_id: u32,
+) -> AnyResult<Vec<[f64; 2]>> {
     let mut out = Vec::with_capacity(pairs.len());
     let bar = crate::progress::Progress::steps(pairs.len().div_ceil(batch.max(1)) as u64, "ref  ");
     for chunk in pairs.chunks(batch.max(1)) {

@@ -10,6 +10,7 @@
 //! as `latest` and removes its own partial files.
 use crate::batches::Batches;
 use crate::logging::is_rank_zero;
+use crate::nn::CausalLm;
 use crate::progress::{report, Progress};
 use crate::run_dir::{self, METRICS};
 use crate::{AnyResult, Llama};
@@ -189,8 +190,9 @@ fn log_epochs(rows: usize, opts: &TrainOptions, dp: usize) {
     }
 }
 
-pub struct Trainer {
-    pub model: Llama,
+pub struct Trainer<M: CausalLm = Llama> {
+    /// The model trained: any [`CausalLm`] (the one decoder, `Llama`, for every family).
+    pub model: M,
     pub opts: TrainOptions,
     pub safety: RunSafety,
     pub out_dir: PathBuf,
@@ -283,22 +285,23 @@ pub fn check_validation_data(shards: &[PathBuf], batch_size: usize, seq_len: usi
 }
 
 impl Trainer {
+    /// The optimizer settings every engine uses.
+    pub fn adamw_config(opts: &TrainOptions) -> AdamWConfig {
+        AdamWConfig { weight_decay: opts.weight_decay, ..AdamWConfig::default() }
+    }
+}
+
+impl<M: CausalLm> Trainer<M> {
     /// A trainer on one device: the sharded engine on a world of one. Checks the options (flags),
     /// that the batch fits in memory and, when it will be used, the validation split, before the
     /// loader or anything batch-sized is allocated.
-    pub fn new(
-        mut model: Llama,
-        train_shards: &[PathBuf],
-        val_shards: &[PathBuf],
-        opts: TrainOptions,
-        out_dir: &Path,
-    ) -> AnyResult<Trainer> {
+    pub fn new(mut model: M, train_shards: &[PathBuf], val_shards: &[PathBuf], opts: TrainOptions, out_dir: &Path) -> AnyResult<Self> {
         opts.validate()?; // the memory check needs valid options; `with_engine` checks the rest
         let mut layout = crate::planner::memory::MemParallelism::single(model.activation_checkpointing());
         layout.lora = model.lora_config().map(|c| crate::planner::memory::LoraMem::new(c, model.config().num_hidden_layers));
-        layout.loss_chunks = model.loss_chunks;
+        layout.loss_chunks = model.head().2;
         crate::planner::memory::check_layout(model.config(), model.dtype(), model.device(), &opts.shape(), &layout)?;
-        let engine = Zero::single(&mut model, Self::adamw_config(&opts), Placement::Device)?;
+        let engine = Zero::single(&mut model, Trainer::adamw_config(&opts), Placement::Device)?;
         Self::with_engine(model, Box::new(engine), train_shards, val_shards, opts, out_dir)
     }
 
@@ -307,25 +310,19 @@ impl Trainer {
     /// same methods; each data-parallel rank reads its share of every batch, and rank 0 writes
     /// the files. The tools check the layout's memory before their ranks start.
     pub fn with_engine(
-        model: Llama,
+        model: M,
         engine: Box<dyn TrainEngine>,
         train_shards: &[PathBuf],
         val_shards: &[PathBuf],
         opts: TrainOptions,
         out_dir: &Path,
-    ) -> AnyResult<Trainer> {
+    ) -> AnyResult<Self> {
         let data = TrainSet::Shards { train: train_shards.to_vec(), val: val_shards.to_vec() };
         Self::with_engine_on(model, engine, &data, opts, out_dir)
     }
 
     /// [`Trainer::with_engine`] on any [`TrainSet`] (packed conversations, or shards).
-    pub fn with_engine_on(
-        model: Llama,
-        engine: Box<dyn TrainEngine>,
-        data: &TrainSet,
-        opts: TrainOptions,
-        out_dir: &Path,
-    ) -> AnyResult<Trainer> {
+    pub fn with_engine_on(model: M, engine: Box<dyn TrainEngine>, data: &TrainSet, opts: TrainOptions, out_dir: &Path) -> AnyResult<Self> {
         let val = match data {
             TrainSet::Shards { val, .. } => Validation::Shards(val.clone()),
             TrainSet::Rows { val: Some(v), .. } if v.num_rows() > 0 => Validation::Conversations(v.clone()),
@@ -388,11 +385,6 @@ impl Trainer {
             final_val: None,
             preference: None,
         })
-    }
-
-    /// The optimizer settings every engine uses.
-    pub fn adamw_config(opts: &TrainOptions) -> AdamWConfig {
-        AdamWConfig { weight_decay: opts.weight_decay, ..AdamWConfig::default() }
     }
 
     fn check(model: &dyn crate::nn::CausalLm, val: &Validation, opts: &TrainOptions) -> AnyResult<()> {
@@ -511,7 +503,7 @@ impl Trainer {
         for b in it.take(take.div_ceil(bs)) {
             let (x, y) = batch_tensors(&b, self.model.device())?;
             let tokens = b.batch * b.seq;
-            sum += self.model.loss(&x, &y)?.item()? * tokens as f64;
+            sum += self.model.loss((&x).into(), (&y).into())?.item()? * tokens as f64;
             n += tokens;
             rows += b.batch;
             bar.inc(1);

@@ -5,8 +5,9 @@
 use crate::config::LlamaConfig;
 use crate::kv_cache::KvCache;
 use crate::llama::{Llama, Packing};
-use crate::module::{ParamKind, ParamVisitor};
-use ferrolm_ops::{LossScale, Tokens};
+use crate::lora::LoraConfig;
+use crate::module::{HeadOp, ParamKind, ParamVisitor};
+use ferrolm_ops::{LossChunks, LossScale, Tokens};
 use ferrolm_tensor::{DType, Device, Result, Tensor};
 
 pub trait CausalLm {
@@ -35,6 +36,20 @@ pub trait CausalLm {
     fn loss_with(&self, inputs: Tokens, targets: Tokens, packing: Option<&Packing>, scale: LossScale) -> Result<Tensor>;
     /// Logits (B, T, V) of ids that continue the sequences held in `cache`, which it extends.
     fn forward_with_cache(&self, ids: &Tensor, cache: &mut KvCache) -> Result<Tensor>;
+    /// The head an objective applies to `hidden_states`: how it computes (dense or
+    /// vocabulary-parallel), its weight (V, C), and how its loss walks the tokens.
+    fn head(&self) -> (&dyn HeadOp, &Tensor, LossChunks);
+    /// Every parameter's element count (this rank's shards under TP).
+    fn num_params(&self) -> usize;
+    /// Whether the residual branches are recomputed in the backward (activation checkpointing).
+    fn activation_checkpointing(&self) -> bool;
+    /// LoRA's settings when the model carries adapters.
+    fn lora_config(&self) -> Option<&LoraConfig>;
+    /// LoRA's adapters (name, tensor), empty without LoRA.
+    fn adapters(&self) -> Vec<(String, Tensor)>;
+    /// Sets the count of training forwards LoRA's dropout masks are drawn from (an exact
+    /// `--resume` restores it); nothing without LoRA.
+    fn set_lora_forwards(&self, n: u64);
 }
 
 impl CausalLm for Llama {
@@ -67,6 +82,24 @@ impl CausalLm for Llama {
     }
     fn forward_with_cache(&self, ids: &Tensor, cache: &mut KvCache) -> Result<Tensor> {
         Llama::forward_with_cache(self, ids, cache)
+    }
+    fn head(&self) -> (&dyn HeadOp, &Tensor, LossChunks) {
+        (self.head_op.as_ref(), self.head_weight(), self.loss_chunks)
+    }
+    fn num_params(&self) -> usize {
+        Llama::num_params(self)
+    }
+    fn activation_checkpointing(&self) -> bool {
+        Llama::activation_checkpointing(self)
+    }
+    fn lora_config(&self) -> Option<&LoraConfig> {
+        Llama::lora_config(self)
+    }
+    fn adapters(&self) -> Vec<(String, Tensor)> {
+        Llama::adapters(self)
+    }
+    fn set_lora_forwards(&self, n: u64) {
+        Llama::set_lora_forwards(self, n)
     }
 }
 

@@ -229,12 +229,13 @@ impl PairLogProbs {
 /// sequence with per-sequence attention, the head per row (chunked as the model's
 /// `loss_chunks`). For a reference, call it under `no_grad` (and, for the base of a LoRA
 /// policy, under `crate::lora::adapters_off()`).
-pub fn pair_logprobs(model: &crate::Llama, batch: &PackedPairs) -> Result<PairLogProbs> {
+pub fn pair_logprobs(model: &dyn crate::CausalLm, batch: &PackedPairs) -> Result<PairLogProbs> {
     let dev = model.device();
     let (ids, targets) = batch.tokens(dev)?;
-    let x = model.final_hidden(ids, Some(&batch.packing(dev)?))?;
-    let obj = SequenceLogProbs { chunks: model.loss_chunks };
-    let s = obj.sums(model.head_op.as_ref(), model.head_weight(), &x, &targets, &batch.sequences)?;
+    let x = model.hidden_states(ids, Some(&batch.packing(dev)?))?;
+    let (head_op, head_weight, chunks) = model.head();
+    let obj = SequenceLogProbs { chunks };
+    let s = obj.sums(head_op, head_weight, &x, &targets, &batch.sequences)?;
     PairLogProbs::from_sums(&s, batch.pairs)
 }
 
