@@ -58,7 +58,7 @@ fn run(tmp: &Path, name: &str, m: Llama, steps: usize) -> (Vec<f64>, Vec<f64>, T
 
 /// `cuda:0` with new memory poisoned (every test of this file starts the device through here).
 fn poisoned_device() -> Option<Device> {
-    std::env::set_var("FERROLM_CUDA_POISON", "1");
+    ferrolm_testing::poison::poison_new_device_memory();
     common::cuda0_device()
 }
 

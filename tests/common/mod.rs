@@ -6,6 +6,7 @@ use ferrolm::nn::LlamaConfig;
 use ferrolm::train::{TrainOptions, Trainer};
 use ferrolm::{DType, Device, Llama};
 use ferrolm_tensor::Rng;
+use ferrolm_testing::{gate, Need};
 use std::io::Write;
 use std::path::{Path, PathBuf};
 use std::sync::{Arc, Mutex};
@@ -246,24 +247,21 @@ pub fn cuda0_device() -> Option<Device> {
     cuda0().then_some(Device::Cuda(0))
 }
 
-/// Registers `cuda:0`: the GPU if there is one, else the emulator. False (the test prints that it
-/// skipped) only when neither is available and neither FERROLM_REQUIRE_GPU nor
-/// FERROLM_REQUIRE_EMU is set.
+/// Registers `cuda:0`: the GPU if there is one, else the emulator. False (the test says on
+/// stderr that it skipped) only when neither is available, through `ferrolm_testing::gate`
+/// (`Need::Device`: a failure instead under FERROLM_REQUIRE_EMU=1 or FERROLM_REQUIRE_GPU=1, which
+/// also refuses the emulator in place of a GPU).
 pub fn cuda0() -> bool {
     let gpu = ferrolm_cuda::device_count() > 0;
     if !gpu {
-        assert!(!std::env::var("FERROLM_REQUIRE_GPU").is_ok_and(|v| v == "1"), "FERROLM_REQUIRE_GPU=1 but no CUDA device");
+        gate::no_gpu_visible();
         std::env::set_var("FERROLM_CUDA_EMULATOR", "1");
     }
     match ferrolm::init_cuda(0) {
         Ok(()) => true,
         Err(e) if gpu => panic!("a GPU is visible but the CUDA backend did not start: {e}"),
         Err(e) => {
-            assert!(
-                !std::env::var("FERROLM_REQUIRE_EMU").is_ok_and(|v| v == "1"),
-                "FERROLM_REQUIRE_EMU=1 but the emulator is unavailable: {e}"
-            );
-            println!("skipped: no CUDA device and no emulator ({e})");
+            gate::skip(Need::Device, format!("no CUDA device and no emulator ({e})"));
             false
         }
     }

@@ -17,7 +17,7 @@ fn up_u32(be: &CudaBackend, v: &[u32]) -> Storage {
     be.from_cpu(&CpuStorage::I32(v.iter().map(|&x| x as i32).collect())).unwrap()
 }
 fn poison(be: &CudaBackend, n: usize) -> Storage {
-    up_u32(be, &vec![0xdead_beef; n])
+    up_u32(be, &vec![ferrolm_testing::poison::SENTINEL; n])
 }
 
 /// The 16-bit element (row, col) of the 8x8 matrix `m` that ldmatrix reads when lane 8m + row

@@ -14,20 +14,7 @@ use ferrolm_cuda::consts::{FLASH_BWD_TILE_D128, FLASH_BWD_TILE_D64, FLASH_FWD_TI
 use ferrolm_ops::attention::{self, count_skipped_tiles, with_flash_warps, SkippedTiles};
 use ferrolm_ops::{causal_attention, rope_at, segment_attention, AttnDims, Segments, Tokens};
 use ferrolm_tensor::{DType, Device, Layout, Rng, Shape, Storage, Tensor};
-
-/// Cumulative boundaries of segments of lengths `lens`.
-fn cu(lens: &[usize]) -> Vec<u32> {
-    std::iter::once(0)
-        .chain(lens.iter().scan(0, |s, &l| {
-            *s += l;
-            Some(*s as u32)
-        }))
-        .collect()
-}
-
-fn segments(rows: &[Vec<usize>]) -> Segments {
-    Segments::new(rows[0].iter().sum(), rows.iter().map(|r| cu(r)).collect()).unwrap()
-}
+use ferrolm_testing::segments::full_rows as segments;
 
 /// Rows of t = 300 tokens (several 128- and 64-row blocks, kv tiles of 128, 64 and 32 rows):
 /// one segment beside many; short segments with a length-1 one; boundaries on no tile edge and

@@ -14,19 +14,7 @@ use ferrolm_cuda::consts::{FLASH_BWD_TILE_D128, FLASH_BWD_TILE_D64, FLASH_FWD_TI
 use ferrolm_ops::attention::{self, count_skipped_tiles, with_flash_warps, SkippedTiles};
 use ferrolm_ops::{causal_attention, causal_attention_window, segment_attention_window, AttnDims, Segments};
 use ferrolm_tensor::{DType, Layout, Rng, Shape, Storage, Tensor};
-
-fn cu(lens: &[usize]) -> Vec<u32> {
-    std::iter::once(0)
-        .chain(lens.iter().scan(0, |s, &l| {
-            *s += l;
-            Some(*s as u32)
-        }))
-        .collect()
-}
-
-fn segments(rows: &[Vec<usize>]) -> Segments {
-    Segments::new(rows[0].iter().sum(), rows.iter().map(|r| cu(r)).collect()).unwrap()
-}
+use ferrolm_testing::segments::full_rows as segments;
 
 /// Windowed attention against the CPU, forward and every gradient, with 8- and 4-warp flash
 /// blocks: (dtype, hq, hkv, d, time-major inputs, t or packed rows, windows). bf16 at d 64 / 128

@@ -18,6 +18,7 @@ use ferrolm_ops::{
     Tokens,
 };
 use ferrolm_tensor::{DType, Device, Result, Rng, Tensor};
+use ferrolm_testing::poison;
 use std::sync::Arc;
 use threads::Threads;
 
@@ -33,11 +34,7 @@ fn run(dev: Device, x: &Tensor, w: &Tensor, dest: bool, f: &dyn Fn(&Tensor, &Ten
     let (x, w) = (x.to_device(dev).unwrap().detach(), w.to_device(dev).unwrap().detach());
     x.set_requires_grad(true).unwrap();
     w.set_requires_grad(true).unwrap();
-    let d = Tensor::full(w.dims().to_vec(), f64::NAN, DType::F32, dev).unwrap();
-    if dest {
-        let d = d.clone();
-        w.set_grad_dest(Some(Arc::new(move || Ok(Some(d.clone())))));
-    }
+    let d = if dest { poison::grad_dest(&w) } else { poison::nan_filled(w.dims(), DType::F32, dev) };
     let loss = f(&x, &w).unwrap();
     loss.backward().unwrap();
     let gw = w.grad().unwrap();
