@@ -41,6 +41,25 @@ pub fn rel_err(a: &Tensor, b: &Tensor) -> f64 {
     diff / scale.max(1e-30)
 }
 
+/// Panics, naming `what` and the first element that differs, unless `a` and `b` are the same
+/// bit for bit (as f64 values: -0 equals 0, NaN equals nothing).
+#[track_caller]
+pub fn assert_same(what: &str, a: &[f64], b: &[f64]) {
+    assert_eq!(a.len(), b.len(), "{what}: lengths");
+    if let Some(i) = (0..a.len()).find(|&i| a[i] != b[i]) {
+        panic!("{what}: element {i} differs: {} vs {}", a[i], b[i]);
+    }
+}
+
+/// Panics, naming `what`, unless max |a - b| / max |b| (at least 1e-30) is at most `tol`.
+#[track_caller]
+pub fn assert_near(what: &str, a: &[f64], b: &[f64], tol: f64) {
+    assert_eq!(a.len(), b.len(), "{what}: lengths");
+    let scale = b.iter().fold(0f64, |m, v| m.max(v.abs())).max(1e-30);
+    let worst = a.iter().zip(b).map(|(x, y)| (x - y).abs()).fold(0f64, f64::max) / scale;
+    assert!(worst <= tol, "{what}: max |difference| / max |reference| = {worst:e} > {tol:e}");
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -61,5 +80,15 @@ mod tests {
         assert_eq!(max_rel(&[0.0], &[0.0]), 0.0);
         let t = |v: Vec<f64>| Tensor::from_vec(v, [2], Device::Cpu).unwrap();
         assert_eq!(rel_err(&t(vec![4.0, 1.0]), &t(vec![4.0, -2.0])), 0.75);
+    }
+
+    #[test]
+    fn near_passes_at_the_tolerance_and_same_only_bitwise() {
+        assert_near("at", &[1.0, 2.5], &[1.0, 2.0], 0.25);
+        assert_same("equal", &[1.0, -0.0], &[1.0, 0.0]);
+        let near = std::panic::catch_unwind(|| assert_near("over", &[1.0, 2.5], &[1.0, 2.0], 0.2499));
+        assert!(near.unwrap_err().downcast_ref::<String>().unwrap().contains("over: max |difference| / max |reference| = 2.5e-1"));
+        let same = std::panic::catch_unwind(|| assert_same("apart", &[1.0, 2.0], &[1.0, 2.0 + f64::EPSILON * 2.0]));
+        assert!(same.unwrap_err().downcast_ref::<String>().unwrap().starts_with("apart: element 1 differs"));
     }
 }
