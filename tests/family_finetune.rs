@@ -103,6 +103,14 @@ fn finetune_a_qwen2_checkpoint_full_and_lora() {
     let _ = std::fs::remove_dir_all(&dir);
 }
 
+/// The config keys of the families' tiny source models (over `family_source`'s shared shape)
+/// that `every_command` and `ladder_of` both run; qwen2's differ between the two (sliding window).
+const QWEN3: &str = r#""tie_word_embeddings":false,"head_dim":12,"attention_bias":true"#;
+const MISTRAL: &str = r#""tie_word_embeddings":false,"head_dim":12,"sliding_window":8"#;
+const GEMMA3_TEXT: &str = r#""tie_word_embeddings":true,"head_dim":12,"query_pre_attn_scalar":10,"hidden_activation":"gelu_pytorch_tanh",
+    "layer_types":["sliding_attention","full_attention"],"sliding_window":8,
+    "rope_parameters":{"full_attention":{"rope_type":"default","rope_theta":1000000.0},"sliding_attention":{"rope_type":"default","rope_theta":100.0}}"#;
+
 /// A source directory of `model_type` `family` (config keys `cfg` over a tiny shared shape, 300
 /// tokens), its weights fresh with non-zero biases and norms, and the fixture's tokenizer files.
 fn family_source(dir: &Path, family: &str, cfg: &str) -> PathBuf {
@@ -196,22 +204,17 @@ fn every_command_on_qwen2() {
 
 #[test]
 fn every_command_on_qwen3() {
-    every_command("qwen3", r#""tie_word_embeddings":false,"head_dim":12,"attention_bias":true"#);
+    every_command("qwen3", QWEN3);
 }
 
 #[test]
 fn every_command_on_mistral() {
-    every_command("mistral", r#""tie_word_embeddings":false,"head_dim":12,"sliding_window":8"#);
+    every_command("mistral", MISTRAL);
 }
 
 #[test]
 fn every_command_on_gemma3_text() {
-    every_command(
-        "gemma3_text",
-        r#""tie_word_embeddings":true,"head_dim":12,"query_pre_attn_scalar":10,"hidden_activation":"gelu_pytorch_tanh",
-           "layer_types":["sliding_attention","full_attention"],"sliding_window":8,
-           "rope_parameters":{"full_attention":{"rope_type":"default","rope_theta":1000000.0},"sliding_attention":{"rope_type":"default","rope_theta":100.0}}"#,
-    );
+    every_command("gemma3_text", GEMMA3_TEXT);
 }
 
 /// `pretrain_llama --config FILE.json` with the config.json transformers wrote for the family's
@@ -367,20 +370,15 @@ fn ladder_of_qwen2() {
 
 #[test]
 fn ladder_of_qwen3() {
-    ladder_of("qwen3", r#""tie_word_embeddings":false,"head_dim":12,"attention_bias":true"#);
+    ladder_of("qwen3", QWEN3);
 }
 
 #[test]
 fn ladder_of_mistral() {
-    ladder_of("mistral", r#""tie_word_embeddings":false,"head_dim":12,"sliding_window":8"#);
+    ladder_of("mistral", MISTRAL);
 }
 
 #[test]
 fn ladder_of_gemma3_text() {
-    ladder_of(
-        "gemma3_text",
-        r#""tie_word_embeddings":true,"head_dim":12,"query_pre_attn_scalar":10,"hidden_activation":"gelu_pytorch_tanh",
-           "layer_types":["sliding_attention","full_attention"],"sliding_window":8,
-           "rope_parameters":{"full_attention":{"rope_type":"default","rope_theta":1000000.0},"sliding_attention":{"rope_type":"default","rope_theta":100.0}}"#,
-    );
+    ladder_of("gemma3_text", GEMMA3_TEXT);
 }
