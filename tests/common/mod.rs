@@ -227,11 +227,19 @@ pub fn args(head: &[&str], paths: &[String], extra: &[&str]) -> Vec<String> {
 /// The `loss` of each line of `run`/metrics.jsonl that has one, in order (none when the file
 /// is missing: the caller's comparison then reports the empty curve).
 pub fn losses(run: &Path) -> Vec<f64> {
-    std::fs::read_to_string(run.join("metrics.jsonl"))
-        .unwrap_or_default()
-        .lines()
-        .filter_map(|l| serde_json::from_str::<serde_json::Value>(l).ok()?.get("loss")?.as_f64())
-        .collect()
+    values_of(&std::fs::read_to_string(run.join("metrics.jsonl")).unwrap_or_default(), "loss")
+}
+
+/// The number `key` of each line of `run`/metrics.jsonl that has one, in order; panics, naming
+/// the file, where it cannot be read (a run that wrote no metrics is a failure here).
+pub fn metric(run: &Path, key: &str) -> Vec<f64> {
+    let path = run.join("metrics.jsonl");
+    values_of(&std::fs::read_to_string(&path).unwrap_or_else(|e| panic!("{}: {e}", path.display())), key)
+}
+
+/// The number `key` of each JSON line of `text` that has one.
+fn values_of(text: &str, key: &str) -> Vec<f64> {
+    text.lines().filter_map(|l| serde_json::from_str::<serde_json::Value>(l).ok()?.get(key)?.as_f64()).collect()
 }
 
 /// Two loss curves of the same length that agree step by step within `tol` relative to `b`.
