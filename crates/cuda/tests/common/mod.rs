@@ -256,3 +256,21 @@ impl LenElems for CudaStorage {
         ferrolm_tensor::DeviceStorage::len(self)
     }
 }
+
+/// The flash attention kernels' determinism, on the device `be`: `run(warps)` gives the five
+/// outputs (out, lse, dq, dk, dv) as bits and the tiles it skipped. With 8-warp blocks, again with
+/// the emulator's block schedule reversed, and with 4-warp blocks (still reversed), every output
+/// must be the same bits. Returns the tiles skipped with 8 and with 4 warps.
+pub fn same_bits_in_every_schedule<S>(be: &CudaBackend, name: &str, run: impl Fn(usize) -> (Vec<Vec<u32>>, S)) -> (S, S) {
+    let (eight, n8) = run(8);
+    be.emulator_reverse_schedule(true);
+    let (again, _) = run(8);
+    let (four, n4) = run(4);
+    be.emulator_reverse_schedule(false);
+    for (i, what) in ["out", "lse", "dq", "dk", "dv"].iter().enumerate() {
+        let bad = |o: &[Vec<u32>]| eight[i].iter().zip(&o[i]).filter(|(x, y)| x != y).count();
+        assert_eq!(bad(&again), 0, "{name}: {what} differs between runs");
+        assert_eq!(bad(&four), 0, "{name}: {what} differs between 8- and 4-warp blocks");
+    }
+    (n8, n4)
+}
