@@ -124,7 +124,7 @@ fn source_dir(dir: &Path, family: &str, cfg: &str, drawn: impl Fn(&str) -> bool)
     let mut m = Llama::new(cfg, DType::F32, Device::Cpu, &mut ferrolm::tensor::Rng::new(3)).unwrap();
     let mut rng = ferrolm::tensor::Rng::new(4);
     m.visit_params_mut(&mut |p, t| {
-        if drawn(&p.name) {
+        if drawn(p.name) {
             *t = ferrolm::Tensor::randn(p.shape.to_vec(), 0.1, DType::F32, Device::Cpu, &mut rng)?;
         }
         Ok(())
