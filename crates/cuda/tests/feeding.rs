@@ -80,7 +80,7 @@ fn ldmatrix_matches_the_ptx_fragment_layout() {
                         let want = expected(&src, &rows, m, lane, trans);
                         assert_eq!(g, want, "ldmatrix .x{n} trans={trans}: lane {lane} register {m}: {g:#010x}, PTX layout {want:#010x}");
                     } else {
-                        assert_eq!(g, 0xdead_beef, "ldmatrix .x{n}: lane {lane} wrote register {m}");
+                        assert_eq!(g, ferrolm_testing::poison::SENTINEL, "ldmatrix .x{n}: lane {lane} wrote register {m}");
                     }
                 }
             }
