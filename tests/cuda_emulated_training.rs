@@ -58,7 +58,7 @@ fn run(tmp: &Path, name: &str, m: Llama, steps: usize) -> (Vec<f64>, Vec<f64>, T
 
 /// `cuda:0` with new memory poisoned (every test of this file starts the device through here).
 fn poisoned_device() -> Option<Device> {
-    std::env::set_var("FERROLM_CUDA_POISON", "1");
+    ferrolm_testing::poison::poison_new_device_memory();
     common::cuda0_device()
 }
 
@@ -149,7 +149,7 @@ fn fused_adamw_and_grad_norm_match_the_op_based_cpu_update() {
                 "{dt}: the device step must run the fused kernel, the CPU the ops"
             );
         }
-        let tol = if dt == DType::BF16 { 1e-2 } else { 1e-5 };
+        let tol = ferrolm_testing::tol::rel_tol(dt); // bf16 1e-2, f32 1e-5
         for ((n, a), (_, b)) in oc.state_tensors().iter().zip(og.state_tensors().iter()).chain(pc.iter().zip(pg.iter())) {
             let (x, y) = (a.to_vec_f64().unwrap(), b.to_vec_f64().unwrap());
             for (i, (u, w)) in x.iter().zip(&y).enumerate() {

@@ -27,7 +27,7 @@ fn emulated() -> Option<Arc<CudaBackend>> {
     }
     let be = CudaBackend::latest(0).expect("cuda:0 registered");
     if !be.is_emulated() {
-        println!("skipped: cuda:0 is a GPU; these tests check the emulator's streams");
+        ferrolm_testing::gate::does_not_apply("cuda:0 is a GPU; these tests check the emulator's streams");
         return None;
     }
     Some(be)

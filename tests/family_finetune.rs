@@ -20,28 +20,7 @@ fn fixture(rel: &str) -> PathBuf {
 
 /// A Qwen2 source directory: a fresh model with non-zero biases, the fixture's tokenizer files.
 fn qwen2_source(dir: &Path) -> PathBuf {
-    let src = dir.join("qwen2");
-    std::fs::create_dir_all(&src).unwrap();
-    let cfg = LlamaConfig::from_json_str(
-        r#"{"model_type":"qwen2","vocab_size":300,"hidden_size":16,"intermediate_size":32,"num_hidden_layers":2,
-            "num_attention_heads":2,"num_key_value_heads":1,"max_position_embeddings":256,"tie_word_embeddings":true,
-            "bos_token_id":0,"eos_token_id":1,"use_sliding_window":false,"sliding_window":32768,"max_window_layers":2}"#,
-    )
-    .unwrap();
-    let mut m = Llama::new(cfg, DType::F32, Device::Cpu, &mut ferrolm::tensor::Rng::new(3)).unwrap();
-    let mut rng = ferrolm::tensor::Rng::new(4);
-    m.visit_params_mut(&mut |p, t| {
-        if p.name.ends_with(".bias") {
-            *t = ferrolm::Tensor::randn(p.shape.to_vec(), 0.1, DType::F32, Device::Cpu, &mut rng)?;
-        }
-        Ok(())
-    })
-    .unwrap();
-    m.save_pretrained(&src).unwrap();
-    for f in [fixture("model/tokenizer.json"), fixture("in_jinja/chat_template.jinja"), fixture("in_jinja/tokenizer_config.json")] {
-        std::fs::copy(&f, src.join(f.file_name().unwrap())).unwrap();
-    }
-    src
+    source_dir(dir, "qwen2", QWEN2, |name| name.ends_with(".bias"))
 }
 
 fn run(model: &Path, out: &Path, extra: &[&str]) {
@@ -103,9 +82,38 @@ fn finetune_a_qwen2_checkpoint_full_and_lora() {
     let _ = std::fs::remove_dir_all(&dir);
 }
 
+/// One `#[test]` per family, each running `$run(family, config keys)`.
+macro_rules! per_family {
+    ($run:ident: $($test:ident => $family:literal, $cfg:expr;)*) => {
+        $(
+            #[test]
+            fn $test() {
+                $run($family, $cfg);
+            }
+        )*
+    };
+}
+
+/// The config keys of the families' tiny source models (over `family_source`'s shared shape)
+/// that `every_command` and `ladder_of` both run; qwen2's differ between the two (sliding window):
+/// `QWEN2` is `every_command`'s (and the LoRA test's source).
+const QWEN2: &str = r#""tie_word_embeddings":true,"use_sliding_window":false,"sliding_window":32768,"max_window_layers":2"#;
+const QWEN3: &str = r#""tie_word_embeddings":false,"head_dim":12,"attention_bias":true"#;
+const MISTRAL: &str = r#""tie_word_embeddings":false,"head_dim":12,"sliding_window":8"#;
+const GEMMA3_TEXT: &str = r#""tie_word_embeddings":true,"head_dim":12,"query_pre_attn_scalar":10,"hidden_activation":"gelu_pytorch_tanh",
+    "layer_types":["sliding_attention","full_attention"],"sliding_window":8,
+    "rope_parameters":{"full_attention":{"rope_type":"default","rope_theta":1000000.0},"sliding_attention":{"rope_type":"default","rope_theta":100.0}}"#;
+
 /// A source directory of `model_type` `family` (config keys `cfg` over a tiny shared shape, 300
 /// tokens), its weights fresh with non-zero biases and norms, and the fixture's tokenizer files.
 fn family_source(dir: &Path, family: &str, cfg: &str) -> PathBuf {
+    source_dir(dir, family, cfg, |name| name.ends_with(".bias") || name.ends_with("norm.weight"))
+}
+
+/// A source directory of `model_type` `family` (config keys `cfg` over the tiny shared shape),
+/// its weights fresh, those whose names `drawn` picks drawn again with std 0.1, and the fixture's
+/// tokenizer files.
+fn source_dir(dir: &Path, family: &str, cfg: &str, drawn: impl Fn(&str) -> bool) -> PathBuf {
     let src = dir.join(family);
     std::fs::create_dir_all(&src).unwrap();
     let json = format!(
@@ -116,7 +124,7 @@ fn family_source(dir: &Path, family: &str, cfg: &str) -> PathBuf {
     let mut m = Llama::new(cfg, DType::F32, Device::Cpu, &mut ferrolm::tensor::Rng::new(3)).unwrap();
     let mut rng = ferrolm::tensor::Rng::new(4);
     m.visit_params_mut(&mut |p, t| {
-        if p.name.ends_with(".bias") || p.name.ends_with("norm.weight") {
+        if drawn(p.name) {
             *t = ferrolm::Tensor::randn(p.shape.to_vec(), 0.1, DType::F32, Device::Cpu, &mut rng)?;
         }
         Ok(())
@@ -189,29 +197,11 @@ fn every_command(family: &str, cfg: &str) {
     let _ = std::fs::remove_dir_all(&dir);
 }
 
-#[test]
-fn every_command_on_qwen2() {
-    every_command("qwen2", r#""tie_word_embeddings":true,"use_sliding_window":false,"sliding_window":32768,"max_window_layers":2"#);
-}
-
-#[test]
-fn every_command_on_qwen3() {
-    every_command("qwen3", r#""tie_word_embeddings":false,"head_dim":12,"attention_bias":true"#);
-}
-
-#[test]
-fn every_command_on_mistral() {
-    every_command("mistral", r#""tie_word_embeddings":false,"head_dim":12,"sliding_window":8"#);
-}
-
-#[test]
-fn every_command_on_gemma3_text() {
-    every_command(
-        "gemma3_text",
-        r#""tie_word_embeddings":true,"head_dim":12,"query_pre_attn_scalar":10,"hidden_activation":"gelu_pytorch_tanh",
-           "layer_types":["sliding_attention","full_attention"],"sliding_window":8,
-           "rope_parameters":{"full_attention":{"rope_type":"default","rope_theta":1000000.0},"sliding_attention":{"rope_type":"default","rope_theta":100.0}}"#,
-    );
+per_family! { every_command:
+    every_command_on_qwen2 => "qwen2", QWEN2;
+    every_command_on_qwen3 => "qwen3", QWEN3;
+    every_command_on_mistral => "mistral", MISTRAL;
+    every_command_on_gemma3_text => "gemma3_text", GEMMA3_TEXT;
 }
 
 /// `pretrain_llama --config FILE.json` with the config.json transformers wrote for the family's
@@ -360,27 +350,9 @@ fn ladder_of(family: &str, cfg: &str) {
     let _ = std::fs::remove_dir_all(&dir);
 }
 
-#[test]
-fn ladder_of_qwen2() {
-    ladder_of("qwen2", r#""tie_word_embeddings":true,"use_sliding_window":true,"sliding_window":8,"max_window_layers":1"#);
-}
-
-#[test]
-fn ladder_of_qwen3() {
-    ladder_of("qwen3", r#""tie_word_embeddings":false,"head_dim":12,"attention_bias":true"#);
-}
-
-#[test]
-fn ladder_of_mistral() {
-    ladder_of("mistral", r#""tie_word_embeddings":false,"head_dim":12,"sliding_window":8"#);
-}
-
-#[test]
-fn ladder_of_gemma3_text() {
-    ladder_of(
-        "gemma3_text",
-        r#""tie_word_embeddings":true,"head_dim":12,"query_pre_attn_scalar":10,"hidden_activation":"gelu_pytorch_tanh",
-           "layer_types":["sliding_attention","full_attention"],"sliding_window":8,
-           "rope_parameters":{"full_attention":{"rope_type":"default","rope_theta":1000000.0},"sliding_attention":{"rope_type":"default","rope_theta":100.0}}"#,
-    );
+per_family! { ladder_of:
+    ladder_of_qwen2 => "qwen2", r#""tie_word_embeddings":true,"use_sliding_window":true,"sliding_window":8,"max_window_layers":1"#;
+    ladder_of_qwen3 => "qwen3", QWEN3;
+    ladder_of_mistral => "mistral", MISTRAL;
+    ladder_of_gemma3_text => "gemma3_text", GEMMA3_TEXT;
 }

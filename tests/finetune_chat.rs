@@ -28,11 +28,7 @@ fn finetune(ck: &Path, data: &Path, out: &Path, extra: &[&str]) -> anyhow::Resul
 
 /// The validation losses of `metrics.jsonl`.
 fn val_losses(run: &Path) -> Vec<f64> {
-    std::fs::read_to_string(run.join("metrics.jsonl"))
-        .unwrap()
-        .lines()
-        .filter_map(|l| serde_json::from_str::<serde_json::Value>(l).ok()?.get("val_loss")?.as_f64())
-        .collect()
+    metric(run, "val_loss")
 }
 
 #[test]

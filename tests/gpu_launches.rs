@@ -539,7 +539,7 @@ fn a_refused_fused_gemm_is_composed_and_counted() {
         be.emulator_refuse_fused_gemm(refuse);
         profile::enable(true);
         profile::reset();
-        let dest = Tensor::full([64, 48], f64::NAN, DType::F32, device).unwrap();
+        let dest = ferrolm_testing::poison::nan_filled(&[64, 48], DType::F32, device);
         let out = a.matmul_into(&b, Some(&acc), Some(&dest));
         let rep = profile::report();
         profile::enable(false);

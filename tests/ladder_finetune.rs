@@ -27,13 +27,9 @@ fn finetune(ck: &Path, data: &Path, out: &Path, extra: &[&str]) -> anyhow::Resul
     ferrolm::cli::finetune_ladder::run(a)
 }
 
-fn losses(run: &Path) -> Vec<u64> {
-    std::fs::read_to_string(run.join("metrics.jsonl"))
-        .unwrap()
-        .lines()
-        .filter_map(|l| serde_json::from_str::<serde_json::Value>(l).ok()?.get("loss")?.as_f64())
-        .map(f64::to_bits)
-        .collect()
+/// The bits of each step's loss in `metrics.jsonl` (a missing file fails).
+fn loss_bits(run: &Path) -> Vec<u64> {
+    metric(run, "loss").into_iter().map(f64::to_bits).collect()
 }
 
 #[test]
@@ -95,7 +91,7 @@ fn finetune_resume_is_exact() {
     // A run stopped after step 3 (its checkpoint) and continued elsewhere.
     let step3 = whole.join("checkpoints/step-000003");
     finetune(&ck, &data, &resumed, &["--ladder-layers=1", "--steps=6", "--save-every=3", "--resume", step3.to_str().unwrap()]).unwrap();
-    let (a, b) = (losses(&whole), losses(&resumed));
+    let (a, b) = (loss_bits(&whole), loss_bits(&resumed));
     assert_eq!(a.len(), 6);
     assert_eq!(b.len(), 6, "the resumed run starts from the checkpoint's history");
     assert_eq!(a, b, "resumed fine-tuning differs from the uninterrupted run");

@@ -183,15 +183,9 @@ fn rank_env(args: &[String]) -> Vec<(String, String)> {
 }
 
 fn emulated() -> bool {
-    if ferrolm_cuda::CudaBackend::emulated(0).is_ok() && ferrolm_parallel::nccl_lib::EMULATED_AVAILABLE {
-        return true;
-    }
-    assert!(
-        !std::env::var("FERROLM_REQUIRE_EMU").is_ok_and(|v| v == "1"),
-        "FERROLM_REQUIRE_EMU=1 but the CUDA emulator or the emulated NCCL was not built"
-    );
-    eprintln!("skipped: the CUDA emulator or the emulated NCCL was not built (no C++ compiler)");
-    false
+    let built = ferrolm_cuda::CudaBackend::emulated(0).is_ok() && ferrolm_parallel::nccl_lib::EMULATED_AVAILABLE;
+    let why = "the CUDA emulator or the emulated NCCL was not built (no C++ compiler)";
+    ferrolm_testing::gate::require(ferrolm_testing::Need::Emulator, if built { Ok(()) } else { Err(why) }).is_some()
 }
 
 #[test]
@@ -531,12 +525,7 @@ fn drill_an_output_directory_that_is_not_shared_is_refused_at_start_up() {
 
 /// torchrun: FERROLM_TORCHRUN, the workspace's .venv, or on PATH.
 fn torchrun() -> Option<PathBuf> {
-    let candidates =
-        [std::env::var_os("FERROLM_TORCHRUN").map(PathBuf::from), Some(root().join(".venv/bin/torchrun")), Some("torchrun".into())];
-    candidates
-        .into_iter()
-        .flatten()
-        .find(|p| Command::new(p).arg("--help").stdout(Stdio::null()).stderr(Stdio::null()).status().is_ok_and(|s| s.success()))
+    ferrolm_testing::tools::torchrun(&root())
 }
 
 #[test]

@@ -209,7 +209,7 @@ fn layout_errors_are_flag_errors_found_before_any_rank_starts() {
 #[test]
 fn a_launcher_without_a_gpu_says_how_a_cpu_runs() {
     if ferrolm_cuda::device_count() > 0 {
-        println!("skipped: a GPU is visible, so a launcher's rank finds one");
+        ferrolm_testing::gate::does_not_apply("a GPU is visible, so a launcher's rank finds one");
         return;
     }
     let p = ParallelDir::new("launcher-cpu", 0.1);

@@ -6,6 +6,7 @@ use ferrolm::nn::LlamaConfig;
 use ferrolm::train::{TrainOptions, Trainer};
 use ferrolm::{DType, Device, Llama};
 use ferrolm_tensor::Rng;
+use ferrolm_testing::{gate, Need};
 use std::io::Write;
 use std::path::{Path, PathBuf};
 use std::sync::{Arc, Mutex};
@@ -226,11 +227,19 @@ pub fn args(head: &[&str], paths: &[String], extra: &[&str]) -> Vec<String> {
 /// The `loss` of each line of `run`/metrics.jsonl that has one, in order (none when the file
 /// is missing: the caller's comparison then reports the empty curve).
 pub fn losses(run: &Path) -> Vec<f64> {
-    std::fs::read_to_string(run.join("metrics.jsonl"))
-        .unwrap_or_default()
-        .lines()
-        .filter_map(|l| serde_json::from_str::<serde_json::Value>(l).ok()?.get("loss")?.as_f64())
-        .collect()
+    values_of(&std::fs::read_to_string(run.join("metrics.jsonl")).unwrap_or_default(), "loss")
+}
+
+/// The number `key` of each line of `run`/metrics.jsonl that has one, in order; panics, naming
+/// the file, where it cannot be read (a run that wrote no metrics is a failure here).
+pub fn metric(run: &Path, key: &str) -> Vec<f64> {
+    let path = run.join("metrics.jsonl");
+    values_of(&std::fs::read_to_string(&path).unwrap_or_else(|e| panic!("{}: {e}", path.display())), key)
+}
+
+/// The number `key` of each JSON line of `text` that has one.
+fn values_of(text: &str, key: &str) -> Vec<f64> {
+    text.lines().filter_map(|l| serde_json::from_str::<serde_json::Value>(l).ok()?.get(key)?.as_f64()).collect()
 }
 
 /// Two loss curves of the same length that agree step by step within `tol` relative to `b`.
@@ -246,24 +255,21 @@ pub fn cuda0_device() -> Option<Device> {
     cuda0().then_some(Device::Cuda(0))
 }
 
-/// Registers `cuda:0`: the GPU if there is one, else the emulator. False (the test prints that it
-/// skipped) only when neither is available and neither FERROLM_REQUIRE_GPU nor
-/// FERROLM_REQUIRE_EMU is set.
+/// Registers `cuda:0`: the GPU if there is one, else the emulator. False (the test says on
+/// stderr that it skipped) only when neither is available, through `ferrolm_testing::gate`
+/// (`Need::Device`: a failure instead under FERROLM_REQUIRE_EMU=1 or FERROLM_REQUIRE_GPU=1, which
+/// also refuses the emulator in place of a GPU).
 pub fn cuda0() -> bool {
     let gpu = ferrolm_cuda::device_count() > 0;
     if !gpu {
-        assert!(!std::env::var("FERROLM_REQUIRE_GPU").is_ok_and(|v| v == "1"), "FERROLM_REQUIRE_GPU=1 but no CUDA device");
+        gate::no_gpu_visible();
         std::env::set_var("FERROLM_CUDA_EMULATOR", "1");
     }
     match ferrolm::init_cuda(0) {
         Ok(()) => true,
         Err(e) if gpu => panic!("a GPU is visible but the CUDA backend did not start: {e}"),
         Err(e) => {
-            assert!(
-                !std::env::var("FERROLM_REQUIRE_EMU").is_ok_and(|v| v == "1"),
-                "FERROLM_REQUIRE_EMU=1 but the emulator is unavailable: {e}"
-            );
-            println!("skipped: no CUDA device and no emulator ({e})");
+            gate::skip(Need::Device, format!("no CUDA device and no emulator ({e})"));
             false
         }
     }

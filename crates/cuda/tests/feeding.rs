@@ -17,7 +17,7 @@ fn up_u32(be: &CudaBackend, v: &[u32]) -> Storage {
     be.from_cpu(&CpuStorage::I32(v.iter().map(|&x| x as i32).collect())).unwrap()
 }
 fn poison(be: &CudaBackend, n: usize) -> Storage {
-    up_u32(be, &vec![0xdead_beef; n])
+    up_u32(be, &vec![ferrolm_testing::poison::SENTINEL; n])
 }
 
 /// The 16-bit element (row, col) of the 8x8 matrix `m` that ldmatrix reads when lane 8m + row
@@ -80,7 +80,7 @@ fn ldmatrix_matches_the_ptx_fragment_layout() {
                         let want = expected(&src, &rows, m, lane, trans);
                         assert_eq!(g, want, "ldmatrix .x{n} trans={trans}: lane {lane} register {m}: {g:#010x}, PTX layout {want:#010x}");
                     } else {
-                        assert_eq!(g, 0xdead_beef, "ldmatrix .x{n}: lane {lane} wrote register {m}");
+                        assert_eq!(g, ferrolm_testing::poison::SENTINEL, "ldmatrix .x{n}: lane {lane} wrote register {m}");
                     }
                 }
             }

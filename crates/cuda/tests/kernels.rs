@@ -11,6 +11,7 @@ use ferrolm_tensor::{DType, Device, Tensor};
 
 mod common;
 use common::*;
+use ferrolm_testing::poison;
 
 #[test]
 fn elementwise_and_broadcast() {
@@ -86,7 +87,7 @@ fn matmul_into_writes_slices_and_adds_in_one_pass() {
         for (m, k, n, off) in [(17, 33, 9, 3), (64, 128, 96, 64), (1, 5, 1, 1)] {
             let (a, b, at) = (randn(&[m, k], dt, r), randn(&[k, n], dt, r), randn(&[k, m], dt, r));
             let (ga, gb, gat) = (to_gpu(&a), to_gpu(&b), to_gpu(&at));
-            let buf = Tensor::full([off + m * n + 5], f64::NAN, DType::F32, GPU).unwrap();
+            let buf = poison::nan_filled(&[off + m * n + 5], DType::F32, GPU);
             let dest = buf.narrow(0, off, m * n).unwrap().reshape([m, n]).unwrap();
             let outside = |what: &str| {
                 let v = buf.to_vec_f64().unwrap();
@@ -137,9 +138,7 @@ fn linear_forward_and_backward() {
                 t
             };
             let (x, w1, w2) = (p(&x), p(&w1), p(&w2));
-            let dest = Tensor::full([40, 24], f64::NAN, DType::F32, dev).unwrap();
-            let d = dest.clone();
-            w1.set_grad_dest(Some(std::sync::Arc::new(move || Ok(Some(d.clone())))));
+            let dest = poison::grad_dest(&w1);
             let (y1, y2) = (x.linear(&w1).unwrap(), x.linear(&w2).unwrap());
             let l = y1.mul(&cot.0.to_device(dev).unwrap()).unwrap().sum_all().unwrap();
             let l = l.add(&y2.mul(&cot.1.to_device(dev).unwrap()).unwrap().sum_all().unwrap()).unwrap();

@@ -8,14 +8,7 @@ use std::sync::{Arc, Mutex};
 static SERIAL: Mutex<()> = Mutex::new(());
 
 fn emulated() -> Option<Arc<CudaBackend>> {
-    match CudaBackend::emulated(0) {
-        Ok(b) => Some(b),
-        Err(e) => {
-            assert!(!std::env::var("FERROLM_REQUIRE_EMU").is_ok_and(|v| v == "1"), "FERROLM_REQUIRE_EMU=1 but {e}");
-            println!("skipped: {e}");
-            None
-        }
-    }
+    ferrolm_testing::gate::require(ferrolm_testing::Need::Emulator, CudaBackend::emulated(0))
 }
 
 /// `ferro_emu_stream_ops` of emu/ferro_emu_stream.h.

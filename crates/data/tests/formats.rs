@@ -6,7 +6,7 @@ mod common;
 use std::ops::ControlFlow;
 use std::path::{Path, PathBuf};
 
-use common::Scratch;
+use common::{read_shards, Scratch};
 use ferrolm_data::{prepare, DocFraming, PrepareOptions, PrepareSummary, Shard, Tokenizer};
 
 fn fixtures() -> PathBuf {
@@ -24,16 +24,7 @@ fn opts(val_fraction: f64) -> PrepareOptions {
 fn run(input: &Path, o: &PrepareOptions) -> (PrepareSummary, Vec<u32>, Vec<u32>, Scratch) {
     let out = Scratch::new("fmt-out");
     let s = prepare(input, &bundled(), out.path(), o, &mut |_| ControlFlow::Continue(())).unwrap();
-    let read = |paths: &[PathBuf]| -> Vec<u32> {
-        paths
-            .iter()
-            .flat_map(|p| {
-                let s = Shard::open(p).unwrap();
-                s.slice(0, s.len())
-            })
-            .collect()
-    };
-    let (train, val) = (read(&s.train_shards), read(&s.val_shards));
+    let (train, val) = (read_shards(&s.train_shards), read_shards(&s.val_shards));
     assert!(!out.path().join(".prepare").exists(), "the work directory is removed once the manifest is written");
     (s, train, val, out)
 }

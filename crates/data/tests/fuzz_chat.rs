@@ -10,7 +10,7 @@ use std::sync::OnceLock;
 
 use common::{chat_fixtures, chat_template, chat_tokenizer, Scratch};
 use ferrolm_data::chat::{encode_sample, parse_record, ChatTemplate, Conversation, DataFormat, Json, RecordReader, TrainOn};
-use ferrolm_data::{DocFraming, InputFile, InputFormat, ReadError, Tokenizer};
+use ferrolm_data::{DocFraming, Tokenizer};
 use fuzzing::{apply_bytes, byte_edit, config, json_mutations, mutate_json, parquet_edits};
 use proptest::prelude::*;
 use serde_json::{json, Value};
@@ -96,29 +96,9 @@ proptest! {
         thread_local!(static DIR: Scratch = Scratch::new("fuzz-chat-parquet"));
         DIR.with(|dir| -> Result<(), TestCaseError> {
             let path = fuzzing::damaged_copy(dir.path(), "f.parquet", base_parquet(), &edits);
-            let name = path.display().to_string();
-            let bytes = std::fs::metadata(&path).unwrap().len();
-            let file = InputFile { path: path.clone(), format: InputFormat::Parquet, bytes, modified: None };
-            let mut r = match RecordReader::open(&file) {
-                Ok(r) => r,
-                Err(e) => {
-                    let e = e.into_error().to_string();
-                    prop_assert!(e.contains(&name), "{}", e);
-                    return Ok(());
-                }
-            };
-            for _ in 0..100_000 {
-                match r.next_record() {
-                    Ok(Some((_, rec))) => { let _ = parse_record(&rec, DataFormat::Auto); }
-                    Ok(None) => return Ok(()),
-                    Err(ReadError::Record(e)) => prop_assert!(e.to_string().contains(&name), "{}", e),
-                    Err(ReadError::Stream(e)) => {
-                        prop_assert!(e.to_string().contains(&name), "{}", e);
-                        return Ok(());
-                    }
-                }
-            }
-            Err(TestCaseError::fail("the reader never ended"))
+            fuzzing::read_damaged_records(&path, RecordReader::open, |rec| {
+                let _ = parse_record(rec, DataFormat::Auto);
+            })
         })?;
     }
 }

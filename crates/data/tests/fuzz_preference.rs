@@ -11,7 +11,7 @@ use std::sync::OnceLock;
 use common::{chat_tokenizer, repo_root, Scratch};
 use ferrolm_data::chat::{ChatTemplate, Json};
 use ferrolm_data::preference::{encode_record, Encoded, PreferenceFormat, PreferenceOptions, PREFERENCE_COLUMNS};
-use ferrolm_data::{InputFile, InputFormat, ReadError, Tokenizer};
+use ferrolm_data::Tokenizer;
 use fuzzing::{config, json_mutations, mutate_json, parquet_edits};
 use proptest::prelude::*;
 use serde_json::{json, Value};
@@ -95,30 +95,10 @@ proptest! {
         DIR.with(|dir| -> Result<(), TestCaseError> {
             let s = setup();
             let path = fuzzing::damaged_copy(dir.path(), "f.parquet", base_parquet(), &edits);
-            let name = path.display().to_string();
-            let bytes = std::fs::metadata(&path).unwrap().len();
-            let file = InputFile { path: path.clone(), format: InputFormat::Parquet, bytes, modified: None };
-            let mut r = match ferrolm_data::chat::RecordReader::open_for(&file, &PREFERENCE_COLUMNS) {
-                Ok(r) => r,
-                Err(e) => {
-                    let e = e.into_error().to_string();
-                    prop_assert!(e.contains(&name), "{}", e);
-                    return Ok(());
-                }
-            };
             let opts = PreferenceOptions::new(&s.tok, Some(&s.templates[0]));
-            for _ in 0..100_000 {
-                match r.next_record() {
-                    Ok(Some((_, rec))) => { let _ = encode_record(&rec, &opts); }
-                    Ok(None) => return Ok(()),
-                    Err(ReadError::Record(e)) => prop_assert!(e.to_string().contains(&name), "{}", e),
-                    Err(ReadError::Stream(e)) => {
-                        prop_assert!(e.to_string().contains(&name), "{}", e);
-                        return Ok(());
-                    }
-                }
-            }
-            Err(TestCaseError::fail("the reader never ended"))
+            fuzzing::read_damaged_records(&path, |f| ferrolm_data::chat::RecordReader::open_for(f, &PREFERENCE_COLUMNS), |rec| {
+                let _ = encode_record(rec, &opts);
+            })
         })?;
     }
 }

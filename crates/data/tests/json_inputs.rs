@@ -7,9 +7,9 @@ mod common;
 use std::ops::ControlFlow;
 use std::path::{Path, PathBuf};
 
-use common::{chat_template, chat_tokenizer, Scratch};
+use common::{chat_template, chat_tokenizer, read_shards, Scratch};
 use ferrolm_data::chat::{load_examples, ChatDataOptions, ChatTemplate, DataFormat, Example, LoadStats, TrainOn};
-use ferrolm_data::{prepare, resolve_inputs, PrepareOptions, Shard, Tokenizer};
+use ferrolm_data::{prepare, resolve_inputs, PrepareOptions, Tokenizer};
 
 const BOM: &str = "\u{FEFF}";
 
@@ -128,16 +128,7 @@ fn prepared(input: &Path) -> (Vec<u32>, Vec<u32>, usize) {
     let out = Scratch::new("json-prep");
     let o = PrepareOptions { val_fraction: 0.25, shard_tokens: 300, part_tokens: 500, batch_bytes: 2000, ..PrepareOptions::default() };
     let s = prepare(input, &bundled(), out.path(), &o, &mut |_| ControlFlow::Continue(())).unwrap();
-    let read = |paths: &[PathBuf]| -> Vec<u32> {
-        paths
-            .iter()
-            .flat_map(|p| {
-                let s = Shard::open(p).unwrap();
-                s.slice(0, s.len())
-            })
-            .collect()
-    };
-    (read(&s.train_shards), read(&s.val_shards), s.documents)
+    (read_shards(&s.train_shards), read_shards(&s.val_shards), s.documents)
 }
 
 #[test]

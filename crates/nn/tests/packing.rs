@@ -3,20 +3,13 @@
 //! packed batch's loss and gradients equal the sum of its conversations run one by one (rel
 //! 1e-6), for Llama, Ladder and with activation checkpointing; a conversation's logits do not
 //! change with what sits next to it in its row (to the bit), nor from its logits run alone.
-use ferrolm_nn::{Llama, LlamaConfig, Packing};
+use ferrolm_nn::{Llama, Packing};
 use ferrolm_ops::{LossScale, Tokens};
 use ferrolm_tensor::{DType, Device, Rng, Tensor};
+use ferrolm_testing::{max_rel, tiny_gqa32};
 
 const CPU: Device = Device::Cpu;
 const IGNORE: i32 = -100;
-
-fn config(extra: &str) -> LlamaConfig {
-    LlamaConfig::from_json_str(&format!(
-        r#"{{"vocab_size":64,"hidden_size":32,"intermediate_size":48,"num_hidden_layers":2,"num_attention_heads":4,
-            "num_key_value_heads":2,"max_position_embeddings":32,"rms_norm_eps":1e-5,"initializer_range":0.1{extra}}}"#
-    ))
-    .unwrap()
-}
 
 /// A conversation: its ids and aligned targets (some ignored, as outside assistant turns).
 #[derive(Clone)]
@@ -80,13 +73,6 @@ fn zero_grads(m: &Llama) {
     }
 }
 
-/// max |a - b| / max |b|: an f32 sum taken in another order.
-fn max_rel(a: &[f32], b: &[f32]) -> f64 {
-    assert_eq!(a.len(), b.len());
-    let d = a.iter().zip(b).map(|(x, y)| (x - y).abs() as f64).fold(0.0, f64::max);
-    d / b.iter().map(|y| y.abs() as f64).fold(1e-30, f64::max)
-}
-
 /// Lengths that cross each other's ends, one of length 1, rows of 3 and 2 conversations with
 /// padding, and a row filled exactly.
 fn conversations(r: &mut Rng) -> (Vec<Conv>, Vec<Vec<usize>>, usize) {
@@ -106,7 +92,7 @@ fn a_packed_batch_equals_its_conversations_one_by_one() {
         ("qwen2 window 3 checkpointed", QWEN2_WINDOW, true),
         ("gemma3 window 3", GEMMA3_WINDOW, false),
     ] {
-        let mut m = Llama::new(config(extra), DType::F32, CPU, &mut Rng::new(5)).unwrap();
+        let mut m = Llama::new(tiny_gqa32(extra), DType::F32, CPU, &mut Rng::new(5)).unwrap();
         m.set_activation_checkpointing(ckpt);
         let (convs, rows, t) = conversations(&mut Rng::new(6));
         let p = pack(&rows.iter().map(|r| r.iter().map(|&i| &convs[i]).collect()).collect::<Vec<_>>(), t);
@@ -147,7 +133,7 @@ const GEMMA3_WINDOW: &str = r#","model_type":"gemma3_text","head_dim":8,"query_p
 #[test]
 fn a_windowed_conversations_logits_do_not_depend_on_its_neighbours() {
     for extra in [QWEN2_WINDOW, r#","model_type":"mistral","sliding_window":2"#, GEMMA3_WINDOW] {
-        let m = Llama::new(config(extra), DType::F32, CPU, &mut Rng::new(9)).unwrap();
+        let m = Llama::new(tiny_gqa32(extra), DType::F32, CPU, &mut Rng::new(9)).unwrap();
         assert!(m.config().layer_windows().iter().any(|w| w.is_some()), "{extra}");
         let r = &mut Rng::new(10);
         let a = conv(9, r);
@@ -169,7 +155,7 @@ fn a_windowed_conversations_logits_do_not_depend_on_its_neighbours() {
 /// the bit, whatever its neighbours and wherever it sits in the row.
 #[test]
 fn neighbours_do_not_change_a_conversations_logits() {
-    let m = Llama::new(config(r#","model_type":"llamaLadder","ladder_layers":[0]"#), DType::F32, CPU, &mut Rng::new(7)).unwrap();
+    let m = Llama::new(tiny_gqa32(r#","model_type":"llamaLadder","ladder_layers":[0]"#), DType::F32, CPU, &mut Rng::new(7)).unwrap();
     let r = &mut Rng::new(8);
     let a = conv(6, r);
     let alone = m.forward(&Tensor::from_vec(a.ids.clone(), vec![1, 6], CPU).unwrap()).unwrap().to_vec::<f32>().unwrap();
@@ -199,7 +185,7 @@ fn max_diff(a: &[f32], b: &[f32]) -> f32 {
 
 #[test]
 fn bad_packings_are_refused() {
-    let m = Llama::new(config(""), DType::F32, CPU, &mut Rng::new(9)).unwrap();
+    let m = Llama::new(tiny_gqa32(""), DType::F32, CPU, &mut Rng::new(9)).unwrap();
     let ids = Tokens::upload(vec![1; 8], vec![2, 4], CPU).unwrap();
     let err = |p: ferrolm_tensor::Result<Packing>| p.unwrap_err().to_string();
     assert!(err(Packing::new(4, &[0, 1, 2], vec![vec![0, 4]], CPU)).contains("3 positions for 1 rows of 4 tokens"));

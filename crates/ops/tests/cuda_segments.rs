@@ -14,20 +14,7 @@ use ferrolm_cuda::consts::{FLASH_BWD_TILE_D128, FLASH_BWD_TILE_D64, FLASH_FWD_TI
 use ferrolm_ops::attention::{self, count_skipped_tiles, with_flash_warps, SkippedTiles};
 use ferrolm_ops::{causal_attention, rope_at, segment_attention, AttnDims, Segments, Tokens};
 use ferrolm_tensor::{DType, Device, Layout, Rng, Shape, Storage, Tensor};
-
-/// Cumulative boundaries of segments of lengths `lens`.
-fn cu(lens: &[usize]) -> Vec<u32> {
-    std::iter::once(0)
-        .chain(lens.iter().scan(0, |s, &l| {
-            *s += l;
-            Some(*s as u32)
-        }))
-        .collect()
-}
-
-fn segments(rows: &[Vec<usize>]) -> Segments {
-    Segments::new(rows[0].iter().sum(), rows.iter().map(|r| cu(r)).collect()).unwrap()
-}
+use ferrolm_testing::segments::full_rows as segments;
 
 /// Rows of t = 300 tokens (several 128- and 64-row blocks, kv tiles of 128, 64 and 32 rows):
 /// one segment beside many; short segments with a length-1 one; boundaries on no tile edge and
@@ -126,17 +113,8 @@ fn segment_kernels_are_deterministic_and_skip_what_lies_outside() {
         let segs = segments(&rows);
         let x = [hq, hkv, hkv, hq].map(|h| dev_rand(&be, b * h * t * d, DType::BF16, &mut r));
         let run = |w: usize| with_flash_warps(w, || count_skipped_tiles(|| seg_bits(&be, &x, dims, &segs))).unwrap();
-        let (eight, n8) = run(8);
-        be.emulator_reverse_schedule(true);
-        let (again, _) = run(8);
-        let (four, n4) = run(4);
-        be.emulator_reverse_schedule(false);
         let name = format!("hq{hq} hkv{hkv} d{d} {rows:?}");
-        for (i, what) in ["out", "lse", "dq", "dk", "dv"].iter().enumerate() {
-            let bad = |o: &[Vec<u32>]| eight[i].iter().zip(&o[i]).filter(|(x, y)| x != y).count();
-            assert_eq!(bad(&again), 0, "{name}: {what} differs between runs");
-            assert_eq!(bad(&four), 0, "{name}: {what} differs between 8- and 4-warp blocks");
-        }
+        let (n8, n4) = same_bits_in_every_schedule(&be, &name, run);
         let want = expected_skips(&segs, dims);
         assert!(want.fwd > 0 && want.dkdv > 0 && want.dq > 0, "{name}: a layout that skips nothing tests nothing");
         assert_eq!(n8, want, "{name}: tiles skipped by the 8-warp kernels");

@@ -14,19 +14,7 @@ use ferrolm_cuda::consts::{FLASH_BWD_TILE_D128, FLASH_BWD_TILE_D64, FLASH_FWD_TI
 use ferrolm_ops::attention::{self, count_skipped_tiles, with_flash_warps, SkippedTiles};
 use ferrolm_ops::{causal_attention, causal_attention_window, segment_attention_window, AttnDims, Segments};
 use ferrolm_tensor::{DType, Layout, Rng, Shape, Storage, Tensor};
-
-fn cu(lens: &[usize]) -> Vec<u32> {
-    std::iter::once(0)
-        .chain(lens.iter().scan(0, |s, &l| {
-            *s += l;
-            Some(*s as u32)
-        }))
-        .collect()
-}
-
-fn segments(rows: &[Vec<usize>]) -> Segments {
-    Segments::new(rows[0].iter().sum(), rows.iter().map(|r| cu(r)).collect()).unwrap()
-}
+use ferrolm_testing::segments::full_rows as segments;
 
 /// Windowed attention against the CPU, forward and every gradient, with 8- and 4-warp flash
 /// blocks: (dtype, hq, hkv, d, time-major inputs, t or packed rows, windows). bf16 at d 64 / 128
@@ -179,17 +167,8 @@ fn window_kernels_are_deterministic_and_skip_what_lies_outside() {
         let dims = AttnDims { b, hq, hkv, t, d };
         let x = [hq, hkv, hkv, hq].map(|h| dev_rand(&be, b * h * t * d, DType::BF16, &mut r));
         let run = |warps: usize| with_flash_warps(warps, || count_skipped_tiles(|| window_bits(&be, &x, dims, segs.as_ref(), w))).unwrap();
-        let (eight, n8) = run(8);
-        be.emulator_reverse_schedule(true);
-        let (again, _) = run(8);
-        let (four, n4) = run(4);
-        be.emulator_reverse_schedule(false);
         let name = format!("hq{hq} hkv{hkv} d{d} t{t} window {w} {rows:?}");
-        for (i, what) in ["out", "lse", "dq", "dk", "dv"].iter().enumerate() {
-            let bad = |o: &[Vec<u32>]| eight[i].iter().zip(&o[i]).filter(|(x, y)| x != y).count();
-            assert_eq!(bad(&again), 0, "{name}: {what} differs between runs");
-            assert_eq!(bad(&four), 0, "{name}: {what} differs between 8- and 4-warp blocks");
-        }
+        let (n8, n4) = same_bits_in_every_schedule(&be, &name, run);
         let want = expected_skips(segs.as_ref(), dims, w);
         assert!(want.fwd > 0 && want.dkdv > 0 && want.dq > 0, "{name}: a window that skips nothing tests nothing");
         assert_eq!(n8, want, "{name}: tiles skipped by the 8-warp kernels");

@@ -8,50 +8,16 @@ mod threads;
 use common::*;
 use ferrolm_ops::{head_logprobs, head_logprobs_sharded, head_loss, HeadLossOptions, HeadRowsOptions, LossScale, Tokens};
 use ferrolm_tensor::{DType, Result, Rng, Tensor};
+use ferrolm_testing::tol::{assert_near as near, assert_same as same};
 use std::sync::Arc;
 use threads::Threads;
-
-const IGNORE: i32 = -100;
 
 fn rows_opts(chunk: usize) -> HeadRowsOptions {
     HeadRowsOptions { ignore_index: IGNORE, chunk_tokens: chunk }
 }
 
-fn targets(n: usize, v: usize, g: &mut Rng, ignored: impl Fn(usize) -> bool) -> Vec<i32> {
-    (0..n).map(|i| if ignored(i) { IGNORE } else { g.below(v as u64) as i32 }).collect()
-}
-
-fn leaf(t: &Tensor) -> Tensor {
-    let l = t.detach().deep_copy().unwrap();
-    l.set_requires_grad(true).unwrap();
-    l
-}
-
 fn logprobs(x: &Tensor, w: &Tensor, t: &[i32], chunk: usize) -> Result<Tensor> {
     head_logprobs(x, w, &Tokens::upload(t.to_vec(), [t.len()], x.device())?, &rows_opts(chunk))
-}
-
-/// (the objective's value, dX, dW) of `f` on fresh leaves; no gradient reads as zeros.
-fn run(x: &Tensor, w: &Tensor, f: impl Fn(&Tensor, &Tensor) -> Result<Tensor>) -> (Vec<f64>, Vec<f64>, Vec<f64>) {
-    let (x, w) = (leaf(x), leaf(w));
-    let out = f(&x, &w).unwrap();
-    out.backward().unwrap();
-    let grad = |t: &Tensor| t.grad().map_or_else(|| vec![0.0; t.numel()], |g| g.to_vec_f64().unwrap());
-    (out.to_vec_f64().unwrap(), grad(&x), grad(&w))
-}
-
-fn same(what: &str, a: &[f64], b: &[f64]) {
-    assert_eq!(a.len(), b.len(), "{what}: lengths");
-    if let Some(i) = (0..a.len()).find(|&i| a[i] != b[i]) {
-        panic!("{what}: element {i} differs: {} vs {}", a[i], b[i]);
-    }
-}
-
-fn near(what: &str, a: &[f64], b: &[f64], tol: f64) {
-    assert_eq!(a.len(), b.len(), "{what}: lengths");
-    let scale = b.iter().fold(0f64, |m, v| m.max(v.abs())).max(1e-30);
-    let worst = a.iter().zip(b).map(|(x, y)| (x - y).abs()).fold(0f64, f64::max) / scale;
-    assert!(worst <= tol, "{what}: max |difference| / max |reference| = {worst:e} > {tol:e}");
 }
 
 /// log_softmax(x W^T)[target] per row, in f64 on the host; 0 for ignored rows.
@@ -108,8 +74,8 @@ fn token_cross_entropy_over_the_rows_is_the_fused_loss() {
     let s = 0.37;
     for chunk in [6, 29] {
         let o = HeadLossOptions { ignore_index: IGNORE, scale: LossScale::Sum(s), chunk_tokens: chunk };
-        let want = run(&x, &w, |x, w| head_loss(x, w, &Tokens::upload(t.clone(), [n], x.device())?, &o));
-        let got = run(&x, &w, |x, w| logprobs(x, w, &t, chunk)?.sum_all()?.mul_scalar(-s));
+        let want = on_leaves(&x, &w, |x, w| head_loss(x, w, &Tokens::upload(t.clone(), [n], x.device())?, &o));
+        let got = on_leaves(&x, &w, |x, w| logprobs(x, w, &t, chunk)?.sum_all()?.mul_scalar(-s));
         near(&format!("chunks of {chunk}: loss"), &got.0, &want.0, 1e-6);
         same(&format!("chunks of {chunk}: dX"), &got.1, &want.1);
         same(&format!("chunks of {chunk}: dW"), &got.2, &want.2);
@@ -144,7 +110,7 @@ fn ignored_rows_get_no_gradient() {
     let w = Tensor::randn([v, c], 0.5, DType::F32, CPU, g).unwrap();
     let t = targets(n, v, g, |i| i % 3 == 0);
     let up = Tensor::randn([n], 1.0, DType::F32, CPU, g).unwrap();
-    let (_, dx, dw) = run(&x, &w, |x, w| logprobs(x, w, &t, 5)?.mul(&up)?.sum_all());
+    let (_, dx, dw) = on_leaves(&x, &w, |x, w| logprobs(x, w, &t, 5)?.mul(&up)?.sum_all());
     for (r, &tg) in t.iter().enumerate() {
         let row = &dx[r * c..(r + 1) * c];
         assert_eq!(tg == IGNORE, row.iter().all(|&d| d == 0.0), "row {r} (target {tg}): dX {row:?}");
@@ -152,7 +118,7 @@ fn ignored_rows_get_no_gradient() {
     assert!(dw.iter().any(|&d| d != 0.0));
     // Every row ignored: values 0 and no gradient at all.
     let all = vec![IGNORE; n];
-    let (l, dx, dw) = run(&x, &w, |x, w| logprobs(x, w, &all, 5)?.mul(&up)?.sum_all());
+    let (l, dx, dw) = on_leaves(&x, &w, |x, w| logprobs(x, w, &all, 5)?.mul(&up)?.sum_all());
     assert!(l == [0.0] && dx.iter().all(|&d| d == 0.0) && dw.iter().all(|&d| d == 0.0));
 }
 
@@ -167,23 +133,13 @@ fn two_vocabulary_shards_match_one() {
     let w = Tensor::randn([v, c], 0.5, DType::F32, CPU, g).unwrap();
     let t = targets(n, v, g, |i| (8..12).contains(&i) || i % 7 == 0);
     let up = Tensor::randn([n], 1.0, DType::F32, CPU, g).unwrap();
-    let want = run(&x, &w, |x, w| logprobs(x, w, &t, 4)?.mul(&up)?.sum_all());
-    let got: Vec<_> = std::thread::scope(|s| {
-        let hs: Vec<_> = Threads::group(2, v)
-            .into_iter()
-            .map(|sh| {
-                let (x, w, t, up) = (&x, &w, &t, &up);
-                s.spawn(move || {
-                    let start = sh.start;
-                    let sh = Arc::new(sh);
-                    let wr = w.narrow(0, start, v / 2).unwrap();
-                    run(x, &wr, |x, w| {
-                        head_logprobs_sharded(x, w, &Tokens::upload(t.clone(), [n], CPU)?, &rows_opts(4), sh.clone())?.mul(up)?.sum_all()
-                    })
-                })
-            })
-            .collect();
-        hs.into_iter().map(|h| h.join().unwrap()).collect()
+    let want = on_leaves(&x, &w, |x, w| logprobs(x, w, &t, 4)?.mul(&up)?.sum_all());
+    let got = Threads::each(2, v, |sh| {
+        let wr = w.narrow(0, sh.start, v / 2).unwrap();
+        let sh = Arc::new(sh);
+        on_leaves(&x, &wr, |x, w| {
+            head_logprobs_sharded(x, w, &Tokens::upload(t.clone(), [n], CPU)?, &rows_opts(4), sh.clone())?.mul(&up)?.sum_all()
+        })
     });
     for (rank, (l, _, dw)) in got.iter().enumerate() {
         near(&format!("rank {rank} weighted sum"), l, &want.0, 1e-6);

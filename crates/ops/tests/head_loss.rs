@@ -10,34 +10,12 @@ mod threads;
 use common::*;
 use ferrolm_ops::{cross_entropy_tokens, head_loss, head_loss_sharded, HeadLossOptions, LossScale, Tokens};
 use ferrolm_tensor::{no_grad, DType, Result, Rng, Tensor};
-use std::sync::Arc;
+use ferrolm_testing::poison;
+use ferrolm_testing::tol::{assert_near as near, assert_same as same};
 use threads::Threads;
-
-const IGNORE: i32 = -100;
 
 fn opts(chunk: usize) -> HeadLossOptions {
     HeadLossOptions { ignore_index: IGNORE, scale: LossScale::Mean, chunk_tokens: chunk }
-}
-
-/// Targets for `n` rows over `v` classes; `ignored(i)` marks the ignored rows.
-fn targets(n: usize, v: usize, g: &mut Rng, ignored: impl Fn(usize) -> bool) -> Vec<i32> {
-    (0..n).map(|i| if ignored(i) { IGNORE } else { g.below(v as u64) as i32 }).collect()
-}
-
-fn leaf(t: &Tensor) -> Tensor {
-    let l = t.detach().deep_copy().unwrap();
-    l.set_requires_grad(true).unwrap();
-    l
-}
-
-/// (loss, dX, dW) of `f` on fresh leaves of x and w, backpropagating from the loss. No gradient
-/// (the fused head gives W none when every target is ignored) reads as zeros.
-fn run(x: &Tensor, w: &Tensor, f: impl Fn(&Tensor, &Tensor) -> Result<Tensor>) -> (Vec<f64>, Vec<f64>, Vec<f64>) {
-    let (x, w) = (leaf(x), leaf(w));
-    let loss = f(&x, &w).unwrap();
-    loss.backward().unwrap();
-    let grad = |t: &Tensor| t.grad().map_or_else(|| vec![0.0; t.numel()], |g| g.to_vec_f64().unwrap());
-    (loss.to_vec_f64().unwrap(), grad(&x), grad(&w))
 }
 
 fn unfused(x: &Tensor, w: &Tensor, t: &[i32]) -> Result<Tensor> {
@@ -47,20 +25,6 @@ fn unfused(x: &Tensor, w: &Tensor, t: &[i32]) -> Result<Tensor> {
 
 fn fused(x: &Tensor, w: &Tensor, t: &[i32], o: HeadLossOptions) -> Result<Tensor> {
     head_loss(x, w, &Tokens::upload(t.to_vec(), [t.len()], x.device())?, &o)
-}
-
-fn same(what: &str, a: &[f64], b: &[f64]) {
-    assert_eq!(a.len(), b.len(), "{what}: lengths");
-    if let Some(i) = (0..a.len()).find(|&i| a[i] != b[i]) {
-        panic!("{what}: element {i} differs: {} vs {}", a[i], b[i]);
-    }
-}
-
-fn near(what: &str, a: &[f64], b: &[f64], tol: f64) {
-    assert_eq!(a.len(), b.len(), "{what}: lengths");
-    let scale = b.iter().fold(0f64, |m, v| m.max(v.abs())).max(1e-30);
-    let worst = a.iter().zip(b).map(|(x, y)| (x - y).abs()).fold(0f64, f64::max) / scale;
-    assert!(worst <= tol, "{what}: max |difference| / max |reference| = {worst:e} > {tol:e}");
 }
 
 /// f32: the loss and dX bitwise the unfused head's whatever the chunks; dW to rounding (one
@@ -79,9 +43,9 @@ fn the_loss_and_dx_are_bitwise_the_unfused_heads_on_the_cpu() {
         ("all ignored", targets(n, v, g, |_| true)),
     ];
     for (what, t) in &masks {
-        let want = run(&x, &w, |x, w| unfused(x, w, t));
+        let want = on_leaves(&x, &w, |x, w| unfused(x, w, t));
         for chunk in [1, 5, 37, 64] {
-            let got = run(&x, &w, |x, w| fused(x, w, t, opts(chunk)));
+            let got = on_leaves(&x, &w, |x, w| fused(x, w, t, opts(chunk)));
             let case = format!("{what}, chunks of {chunk}");
             same(&format!("{case}: loss"), &got.0, &want.0);
             same(&format!("{case}: dX"), &got.1, &want.1);
@@ -94,7 +58,7 @@ fn the_loss_and_dx_are_bitwise_the_unfused_heads_on_the_cpu() {
     }
     // Every row ignored: a loss of 0 and zero gradients, as unfused.
     let t = &masks[3].1;
-    let (l, dx, dw) = run(&x, &w, |x, w| fused(x, w, t, opts(5)));
+    let (l, dx, dw) = on_leaves(&x, &w, |x, w| fused(x, w, t, opts(5)));
     assert!(l == [0.0] && dx.iter().all(|&d| d == 0.0) && dw.iter().all(|&d| d == 0.0));
 }
 
@@ -107,8 +71,8 @@ fn dw_is_bitwise_with_whole_gemm_slices() {
     let x = Tensor::randn([n, c], 1.0, DType::F32, CPU, g).unwrap();
     let w = Tensor::randn([v, c], 0.5, DType::F32, CPU, g).unwrap();
     let t = targets(n, v, g, |i| i % 3 == 0);
-    let want = run(&x, &w, |x, w| unfused(x, w, &t));
-    let got = run(&x, &w, |x, w| fused(x, w, &t, opts(256)));
+    let want = on_leaves(&x, &w, |x, w| unfused(x, w, &t));
+    let got = on_leaves(&x, &w, |x, w| fused(x, w, &t, opts(256)));
     same("loss", &got.0, &want.0);
     same("dX", &got.1, &want.1);
     same("dW", &got.2, &want.2);
@@ -125,15 +89,15 @@ fn the_step_scale_and_the_incoming_gradient_scale_the_loss_and_gradients() {
     let w = Tensor::randn([v, c], 0.5, DType::F32, CPU, g).unwrap();
     let t = targets(n, v, g, |i| i % 4 == 1);
     let trained = t.iter().filter(|&&v| v != IGNORE).count() as f64;
-    let mean = run(&x, &w, |x, w| fused(x, w, &t, opts(6)));
+    let mean = on_leaves(&x, &w, |x, w| fused(x, w, &t, opts(6)));
     let s = 0.37 / trained;
-    let sum = run(&x, &w, |x, w| fused(x, w, &t, HeadLossOptions { scale: LossScale::Sum(s), ..opts(6) }));
+    let sum = on_leaves(&x, &w, |x, w| fused(x, w, &t, HeadLossOptions { scale: LossScale::Sum(s), ..opts(6) }));
     let scaled = |v: &[f64]| v.iter().map(|a| a * 0.37).collect::<Vec<_>>();
     near("Sum loss", &sum.0, &scaled(&mean.0), 1e-6);
     near("Sum dX", &sum.1, &scaled(&mean.1), 1e-6);
     near("Sum dW", &sum.2, &scaled(&mean.2), 1e-6);
     // The root is loss * 2.5: the op's backward sees 2.5.
-    let times = run(&x, &w, |x, w| fused(x, w, &t, opts(6))?.mul_scalar(2.5));
+    let times = on_leaves(&x, &w, |x, w| fused(x, w, &t, opts(6))?.mul_scalar(2.5));
     let by = |v: &[f64]| v.iter().map(|a| a * 2.5).collect::<Vec<_>>();
     near("dX times 2.5", &times.1, &by(&mean.1), 1e-6);
     near("dW times 2.5", &times.2, &by(&mean.2), 1e-6);
@@ -152,11 +116,9 @@ fn dw_lands_in_the_gradient_destination() {
     let x = Tensor::randn([n, c], 1.0, DType::F32, CPU, g).unwrap();
     let w = Tensor::randn([v, c], 0.5, DType::F32, CPU, g).unwrap();
     let t = targets(n, v, g, |i| i % 5 == 0);
-    let want = run(&x, &w, |x, w| fused(x, w, &t, opts(4)));
+    let want = on_leaves(&x, &w, |x, w| fused(x, w, &t, opts(4)));
     let (xl, wl) = (leaf(&x), leaf(&w));
-    let dest = Tensor::full([v, c], f64::NAN, DType::F32, CPU).unwrap();
-    let d2 = dest.clone();
-    wl.set_grad_dest(Some(Arc::new(move || Ok(Some(d2.clone())))));
+    let dest = poison::grad_dest(&wl);
     fused(&xl, &wl, &t, opts(4)).unwrap().backward().unwrap();
     assert!(wl.grad().unwrap().same_view(&dest), "W's gradient is the destination itself");
     same("dW in the destination", &dest.to_vec_f64().unwrap(), &want.2);
@@ -166,14 +128,12 @@ fn dw_lands_in_the_gradient_destination() {
         let e = ferrolm_ops::embedding_tokens(&ids, w)?; // (n, c)
         fused(&x.add(&e)?, w, &t, opts(4))
     };
-    let reference = run(&x, &w, |x, w| {
+    let reference = on_leaves(&x, &w, |x, w| {
         let e = ferrolm_ops::embedding_tokens(&ids, w)?;
         unfused(&x.add(&e)?, w, &t)
     });
     let (xl, wl) = (leaf(&x), leaf(&w));
-    let dest = Tensor::full([v, c], f64::NAN, DType::F32, CPU).unwrap();
-    let d2 = dest.clone();
-    wl.set_grad_dest(Some(Arc::new(move || Ok(Some(d2.clone())))));
+    poison::grad_dest(&wl);
     tied(&xl, &wl).unwrap().backward().unwrap();
     near("tied dW", &wl.grad().unwrap().to_vec_f64().unwrap(), &reference.2, 1e-6);
     near("tied dX", &xl.grad().unwrap().to_vec_f64().unwrap(), &reference.1, 1e-6);
@@ -187,9 +147,9 @@ fn bf16_matches_f32_to_rounding() {
     let x = Tensor::randn([n, c], 1.0, DType::BF16, CPU, g).unwrap();
     let w = Tensor::randn([v, c], 0.5, DType::BF16, CPU, g).unwrap();
     let t = targets(n, v, g, |i| i % 3 == 2);
-    let want = run(&x.to_dtype(DType::F32).unwrap(), &w.to_dtype(DType::F32).unwrap(), |x, w| unfused(x, w, &t));
+    let want = on_leaves(&x.to_dtype(DType::F32).unwrap(), &w.to_dtype(DType::F32).unwrap(), |x, w| unfused(x, w, &t));
     for chunk in [7, 40] {
-        let got = run(&x, &w, |x, w| fused(x, w, &t, opts(chunk)));
+        let got = on_leaves(&x, &w, |x, w| fused(x, w, &t, opts(chunk)));
         near(&format!("bf16 loss, chunks of {chunk}"), &got.0, &want.0, 1e-2);
         near(&format!("bf16 dX, chunks of {chunk}"), &got.1, &want.1, 2e-2);
         near(&format!("bf16 dW, chunks of {chunk}"), &got.2, &want.2, 2e-2);
@@ -221,19 +181,10 @@ fn two_vocabulary_shards_match_one() {
     let x = Tensor::randn([n, c], 1.0, DType::F32, CPU, g).unwrap();
     let w = Tensor::randn([v, c], 0.5, DType::F32, CPU, g).unwrap();
     let t = targets(n, v, g, |i| (8..12).contains(&i) || i % 7 == 0);
-    let want = run(&x, &w, |x, w| fused(x, w, &t, opts(4)));
-    let got: Vec<_> = std::thread::scope(|s| {
-        let hs: Vec<_> = Threads::group(2, v)
-            .into_iter()
-            .map(|sh| {
-                let (x, w, t) = (&x, &w, &t);
-                s.spawn(move || {
-                    let wr = w.narrow(0, sh.start, v / 2).unwrap();
-                    run(x, &wr, |x, w| head_loss_sharded(x, w, &Tokens::upload(t.clone(), [n], CPU)?, &opts(4), &sh))
-                })
-            })
-            .collect();
-        hs.into_iter().map(|h| h.join().unwrap()).collect()
+    let want = on_leaves(&x, &w, |x, w| fused(x, w, &t, opts(4)));
+    let got = Threads::each(2, v, |sh| {
+        let wr = w.narrow(0, sh.start, v / 2).unwrap();
+        on_leaves(&x, &wr, |x, w| head_loss_sharded(x, w, &Tokens::upload(t.clone(), [n], CPU)?, &opts(4), &sh))
     });
     for (rank, (l, _, dw)) in got.iter().enumerate() {
         near(&format!("rank {rank} loss"), l, &want.0, 1e-6);

@@ -18,6 +18,7 @@ use ferrolm_ops::{
     Tokens,
 };
 use ferrolm_tensor::{DType, Device, Result, Rng, Tensor};
+use ferrolm_testing::poison;
 use std::sync::Arc;
 use threads::Threads;
 
@@ -33,11 +34,7 @@ fn run(dev: Device, x: &Tensor, w: &Tensor, dest: bool, f: &dyn Fn(&Tensor, &Ten
     let (x, w) = (x.to_device(dev).unwrap().detach(), w.to_device(dev).unwrap().detach());
     x.set_requires_grad(true).unwrap();
     w.set_requires_grad(true).unwrap();
-    let d = Tensor::full(w.dims().to_vec(), f64::NAN, DType::F32, dev).unwrap();
-    if dest {
-        let d = d.clone();
-        w.set_grad_dest(Some(Arc::new(move || Ok(Some(d.clone())))));
-    }
+    let d = if dest { poison::grad_dest(&w) } else { poison::nan_filled(w.dims(), DType::F32, dev) };
     let loss = f(&x, &w).unwrap();
     loss.backward().unwrap();
     let gw = w.grad().unwrap();
@@ -129,18 +126,9 @@ fn shards_case(dt: DType, r: &mut Rng, n: usize, v: usize, c: usize) {
     let w = Tensor::randn([v, c], 0.3, dt, Device::Cpu, r).unwrap();
     let t: Vec<i32> = (0..n).map(|i| if i % 5 == 0 || (10..20).contains(&i) { IGNORE } else { r.below(v as u64) as i32 }).collect();
     let whole = run(Device::Cpu, &x, &w, false, &|x, w| head_loss(x, w, &Tokens::upload(t.clone(), [n], Device::Cpu)?, &opts(10)));
-    let got: Vec<[Tensor; 3]> = std::thread::scope(|s| {
-        let hs: Vec<_> = Threads::group(2, v)
-            .into_iter()
-            .map(|sh| {
-                let (x, w, t) = (&x, &w, &t);
-                s.spawn(move || {
-                    let wr = w.narrow(0, sh.start, v / 2).unwrap().contiguous().unwrap();
-                    run(GPU, x, &wr, sh.rank == 1, &|x, w| head_loss_sharded(x, w, &Tokens::upload(t.clone(), [n], GPU)?, &opts(10), &sh))
-                })
-            })
-            .collect();
-        hs.into_iter().map(|h| h.join().unwrap()).collect()
+    let got = Threads::each(2, v, |sh| {
+        let wr = w.narrow(0, sh.start, v / 2).unwrap().contiguous().unwrap();
+        run(GPU, &x, &wr, sh.rank == 1, &|x, w| head_loss_sharded(x, w, &Tokens::upload(t.clone(), [n], GPU)?, &opts(10), &sh))
     });
     for (rank, g) in got.iter().enumerate() {
         let rows = whole[2].narrow(0, rank * v / 2, v / 2).unwrap();
@@ -221,22 +209,13 @@ fn per_row_vocabulary_shards_on_the_device_match_the_whole_head() {
             lp.mul(&g.to_device(x.device())?)?.sum_all()
         };
         let whole = run(Device::Cpu, &x, &w, false, &f);
-        let got: Vec<[Tensor; 3]> = std::thread::scope(|s| {
-            let hs: Vec<_> = Threads::group(2, v)
-                .into_iter()
-                .map(|sh| {
-                    let (x, w, t, g) = (&x, &w, &t, &g);
-                    s.spawn(move || {
-                        let wr = w.narrow(0, sh.start, v / 2).unwrap().contiguous().unwrap();
-                        let sh: Arc<Threads> = Arc::new(sh);
-                        run(GPU, x, &wr, false, &|x, w| {
-                            let tg = Tokens::upload(t.clone(), [n], GPU)?;
-                            head_logprobs_sharded(x, w, &tg, &rows_opts(10), sh.clone())?.mul(&g.to_device(GPU)?)?.sum_all()
-                        })
-                    })
-                })
-                .collect();
-            hs.into_iter().map(|h| h.join().unwrap()).collect()
+        let got = Threads::each(2, v, |sh| {
+            let wr = w.narrow(0, sh.start, v / 2).unwrap().contiguous().unwrap();
+            let sh: Arc<Threads> = Arc::new(sh);
+            run(GPU, &x, &wr, false, &|x, w| {
+                let tg = Tokens::upload(t.clone(), [n], GPU)?;
+                head_logprobs_sharded(x, w, &tg, &rows_opts(10), sh.clone())?.mul(&g.to_device(GPU)?)?.sum_all()
+            })
         });
         for (rank, gr) in got.iter().enumerate() {
             let rows = whole[2].narrow(0, rank * v / 2, v / 2).unwrap();

@@ -6,24 +6,12 @@ mod common;
 use common::*;
 use ferrolm_ops::{causal_attention, rope, rope_at, segment_attention, Segments, Tokens};
 use ferrolm_tensor::{DType, Rng, Tensor};
+use ferrolm_testing::segments::{cu, segments};
 
 /// Segment layouts of rows of `t` tokens, by lengths: one segment, many short ones (one of
 /// length 1), lengths that cross the CPU's 64-row blocks, and a trailing padding segment.
 fn layouts() -> Vec<(usize, Vec<Vec<usize>>)> {
     vec![(9, vec![vec![9], vec![4, 5]]), (12, vec![vec![1, 3, 1, 7], vec![2, 2, 2, 2, 2, 2]]), (150, vec![vec![70, 1, 79], vec![130, 20]])]
-}
-
-fn cu(lens: &[usize]) -> Vec<u32> {
-    std::iter::once(0)
-        .chain(lens.iter().scan(0, |s, &l| {
-            *s += l;
-            Some(*s as u32)
-        }))
-        .collect()
-}
-
-fn segments(t: usize, rows: &[Vec<usize>]) -> Segments {
-    Segments::new(t, rows.iter().map(|r| cu(r)).collect()).unwrap()
 }
 
 /// The (b, h, t, d) tensor's positions [s, e) of row r, as a (1, h, e - s, d) tensor.

@@ -8,21 +8,9 @@ mod common;
 use common::*;
 use ferrolm_ops::{causal_attention, causal_attention_window, segment_attention, segment_attention_window, Segments};
 use ferrolm_tensor::{DType, Rng, Tensor};
+use ferrolm_testing::segments::segments;
 use std::collections::HashMap;
 use std::path::PathBuf;
-
-fn cu(lens: &[usize]) -> Vec<u32> {
-    std::iter::once(0)
-        .chain(lens.iter().scan(0, |s, &l| {
-            *s += l;
-            Some(*s as u32)
-        }))
-        .collect()
-}
-
-fn segments(t: usize, rows: &[Vec<usize>]) -> Segments {
-    Segments::new(t, rows.iter().map(|r| cu(r)).collect()).unwrap()
-}
 
 /// Each row's segment start for every position (0 everywhere without packing).
 fn starts(t: usize, rows: Option<&[Vec<usize>]>, b: usize) -> Vec<Vec<usize>> {

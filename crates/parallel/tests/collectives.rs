@@ -3,6 +3,7 @@
 //! rank, world sizes 1-4, split sub-groups and the device mesh.
 use ferrolm_parallel::{Collective, CommOptions, Communicator, ReduceOp, ThreadComm};
 use ferrolm_tensor::{bf16, DType, Device, Tensor};
+use ferrolm_testing::Need;
 use std::time::Duration;
 
 fn opts() -> CommOptions {
@@ -327,14 +328,7 @@ fn mesh_rejects_inconsistent_sizes() {
 /// uploaded to the rank's device.
 #[test]
 fn emulated_cuda_tensors_are_staged_through_the_host() {
-    let be = match ferrolm_cuda::CudaBackend::emulated(0) {
-        Ok(be) => be,
-        Err(e) => {
-            assert!(std::env::var("FERROLM_REQUIRE_EMU").map_or(true, |v| v != "1"), "FERROLM_REQUIRE_EMU=1: {e}");
-            eprintln!("skipped: {e}");
-            return;
-        }
-    };
+    let Some(be) = ferrolm_testing::gate::require(Need::Emulator, ferrolm_cuda::CudaBackend::emulated(0)) else { return };
     ferrolm_tensor::backend::register(be.clone());
     ThreadComm::run(3, opts(), |comm| {
         let ops = [

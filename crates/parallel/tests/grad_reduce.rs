@@ -6,6 +6,7 @@ use ferrolm_nn::{shift_labels, Llama, LlamaConfig};
 use ferrolm_parallel::zero::{GradReduceDtype, Placement, ShardSpec, Zero};
 use ferrolm_parallel::{CommOptions, DeviceMesh, ThreadComm, TrainEngine};
 use ferrolm_tensor::{DType, Device, Rng, Tensor};
+use ferrolm_testing::tiny_gqa32;
 
 const STEPS: usize = 2;
 const ACCUM: usize = 16;
@@ -13,11 +14,7 @@ const DP: usize = 2;
 const SEQ: usize = 8;
 
 fn config() -> LlamaConfig {
-    LlamaConfig::from_json_str(
-        r#"{"vocab_size":64,"hidden_size":32,"intermediate_size":48,"num_hidden_layers":2,"num_attention_heads":4,
-            "num_key_value_heads":2,"max_position_embeddings":32,"initializer_range":0.1,"tie_word_embeddings":false}"#,
-    )
-    .unwrap()
+    tiny_gqa32(r#","rms_norm_eps":1e-6,"tie_word_embeddings":false"#)
 }
 
 struct Run {

@@ -12,27 +12,13 @@ use ferrolm_parallel::tp::parallelize;
 use ferrolm_parallel::zero::{Placement, ShardSpec, Zero};
 use ferrolm_parallel::{CommOptions, Communicator, DeviceMesh, ThreadComm, TrainEngine};
 use ferrolm_tensor::{no_grad, DType, Device, Rng, Tensor};
+use ferrolm_testing::tiny::lora_cases as cases;
+use ferrolm_testing::{max_rel, Need};
 use std::sync::Arc;
 
 /// Logits and gradients within this of their scale (f32 sums in another order).
 const TOL: f64 = 2e-5;
 const RANK: usize = 4;
-
-fn config(extra: &str) -> LlamaConfig {
-    LlamaConfig::from_json_str(&format!(
-        r#"{{"vocab_size":64,"hidden_size":32,"intermediate_size":48,"num_hidden_layers":2,"num_attention_heads":4,
-            "max_position_embeddings":64,"rms_norm_eps":1e-5,"initializer_range":0.1{extra}}}"#
-    ))
-    .unwrap()
-}
-
-/// GQA with 2 key/value heads (replicated at --tp 4), and a Ladder model with one.
-fn cases() -> Vec<(&'static str, LlamaConfig)> {
-    vec![
-        ("llama-gqa", config(r#","num_key_value_heads":2"#)),
-        ("ladder-mqa", config(r#","num_key_value_heads":1,"model_type":"llamaLadder","ladder_layers":1"#)),
-    ]
-}
 
 /// The model with adapters on every projection, B set non-zero (as after some training) so
 /// that every factor has a gradient; the same on every rank.
@@ -62,12 +48,6 @@ fn batch_on(c: &LlamaConfig, seed: u64, rows: usize, device: Device) -> (Tensor,
     let ids: Vec<i32> = (0..rows * t).map(|_| r.below(c.vocab_size as u64) as i32).collect();
     let tg = shift_labels(&ids, t);
     (Tensor::from_vec(ids, vec![rows, t], device).unwrap(), Tensor::from_vec(tg, vec![rows, t], device).unwrap())
-}
-
-fn max_rel(a: &[f32], b: &[f32]) -> f64 {
-    assert_eq!(a.len(), b.len());
-    let d = a.iter().zip(b).map(|(x, y)| (x - y).abs() as f64).fold(0.0, f64::max);
-    d / b.iter().map(|y| y.abs() as f64).fold(1e-30, f64::max)
 }
 
 struct Outcome {
@@ -258,14 +238,7 @@ fn a_bf16_base_trains_f32_adapters() {
 /// the host): one device's LoRA training follows the CPU's, and every layout follows one device.
 #[test]
 fn on_the_emulator_every_layout_follows_one_device() {
-    let be = match ferrolm_cuda::CudaBackend::emulated(0) {
-        Ok(be) => be,
-        Err(e) => {
-            assert!(std::env::var("FERROLM_REQUIRE_EMU").map_or(true, |v| v != "1"), "FERROLM_REQUIRE_EMU=1: {e}");
-            eprintln!("skipped: {e}");
-            return;
-        }
-    };
+    let Some(be) = ferrolm_testing::gate::require(Need::Emulator, ferrolm_cuda::CudaBackend::emulated(0)) else { return };
     ferrolm_tensor::backend::register(be);
     let gpu = Device::Cuda(0);
     let single = ShardSpec::zero(0, 1).unwrap();

@@ -314,12 +314,7 @@ fn python_with_torch() -> Option<PathBuf> {
 
 /// torchrun: FERROLM_TORCHRUN, the workspace's .venv, or on PATH.
 fn torchrun() -> Option<PathBuf> {
-    let candidates =
-        [std::env::var_os("FERROLM_TORCHRUN").map(PathBuf::from), Some(workspace().join(".venv/bin/torchrun")), Some("torchrun".into())];
-    candidates
-        .into_iter()
-        .flatten()
-        .find(|p| Command::new(p).arg("--help").stdout(Stdio::null()).stderr(Stdio::null()).status().is_ok_and(|s| s.success()))
+    ferrolm_testing::tools::torchrun(&workspace())
 }
 
 /// Runs torchrun invocations (one per simulated node) of the peer process.

@@ -5,6 +5,7 @@ use ferrolm_cuda::{CudaBackend, KernelImage};
 use ferrolm_parallel::store::{Store, StoreServer};
 use ferrolm_parallel::{library_candidates, nccl_version, CommOptions, Communicator, DistEnv, NcclComm, ReduceOp};
 use ferrolm_tensor::{backend, DType, Device, Tensor};
+use ferrolm_testing::{gate, Need};
 use std::collections::HashMap;
 use std::sync::Arc;
 use std::time::Duration;
@@ -81,24 +82,14 @@ fn without_a_launcher_the_world_is_one_rank() {
     }
 }
 
-fn require_gpu() -> bool {
-    std::env::var("FERROLM_REQUIRE_GPU").is_ok_and(|v| v == "1")
-}
-
 /// The backends of `n` GPUs with NCCL present, or None (skip) with the reason printed.
 fn gpus(n: usize) -> Option<Vec<Arc<CudaBackend>>> {
     let have = ferrolm_cuda::device_count();
     if have < n {
-        let msg = format!("skipped: NcclComm needs {n} CUDA GPU(s), {have} visible; nothing of the NCCL path ran");
-        assert!(!require_gpu() || n > 1, "FERROLM_REQUIRE_GPU=1: {msg}");
-        eprintln!("{msg}");
+        gate::skip(Need::Gpus(n), format!("NcclComm needs {n} CUDA GPU(s), {have} visible; nothing of the NCCL path ran"));
         return None;
     }
-    if let Err(e) = nccl_version() {
-        assert!(!require_gpu(), "FERROLM_REQUIRE_GPU=1 but NCCL cannot be loaded: {e}");
-        eprintln!("skipped: {e}");
-        return None;
-    }
+    gate::require(Need::Gpus(1), nccl_version().map_err(|e| format!("NCCL cannot be loaded: {e}")))?;
     Some(
         (0..n)
             .map(|i| {

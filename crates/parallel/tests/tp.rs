@@ -10,45 +10,13 @@ use ferrolm_ops::{LossChunks, LossScale, Tokens};
 use ferrolm_parallel::tp::{parallelize, TpShardings};
 use ferrolm_parallel::{CommOptions, Communicator, ThreadComm};
 use ferrolm_tensor::{no_grad, DType, Device, Rng, Tensor};
+use ferrolm_testing::max_rel;
+use ferrolm_testing::tiny::{tiny_llama_layers, tp_cases as cases};
 use std::sync::Arc;
 
 /// Loss and parameter updates within 1e-4 relative; logits and gradients within this of
 /// their scale (f32 sums in another order).
 const TOL: f64 = 2e-5;
-
-fn config(extra: &str) -> LlamaConfig {
-    LlamaConfig::from_json_str(&format!(
-        r#"{{"vocab_size":64,"hidden_size":32,"intermediate_size":48,"num_hidden_layers":3,"num_attention_heads":4,
-            "max_position_embeddings":64,"rms_norm_eps":1e-5,"initializer_range":0.1{extra}}}"#
-    ))
-    .unwrap()
-}
-
-/// The configurations covered: plain GQA (2 kv heads: fewer than 4 ranks), Ladder on every
-/// layer with tied embeddings, mixed Ladder with a single kv head; the block features the
-/// families' configs turn on: `qwen2`'s q/k/v bias with one kv head (a column-parallel bias
-/// replicated over ranks, its gradient summed as the weight's), `qwen3`'s QK-norm (replicated)
-/// with head_dim 16 != 32/4 and every attention bias (o's, row-parallel: added once after the
-/// reduction), `llama`'s `attention_bias` and `mlp_bias`; `gemma3_text`'s (1 + w) sandwich
-/// norms (replicated, full hidden), GeGLU, QK-norm, embedding scale, query_pre_attn_scalar and a
-/// second RoPE theta.
-fn cases() -> Vec<(&'static str, LlamaConfig)> {
-    vec![
-        ("llama-gqa", config(r#","num_key_value_heads":2"#)),
-        ("qwen2-bias-mqa", config(r#","num_key_value_heads":1,"model_type":"qwen2","tie_word_embeddings":true"#)),
-        ("qwen3-qknorm-bias", config(r#","num_key_value_heads":2,"model_type":"qwen3","head_dim":16,"attention_bias":true"#)),
-        ("llama-biases", config(r#","num_key_value_heads":2,"attention_bias":true,"mlp_bias":true"#)),
-        (
-            "gemma3-sandwich",
-            config(
-                r#","num_key_value_heads":2,"model_type":"gemma3_text","head_dim":16,"query_pre_attn_scalar":12,"sliding_window":5,
-                "layer_types":["sliding_attention","full_attention","sliding_attention"],"rope_theta":1e6,"rope_local_base_freq":100.0"#,
-            ),
-        ),
-        ("ladder-all-tied", config(r#","num_key_value_heads":4,"tie_word_embeddings":true,"model_type":"llamaLadder","ladder_layers":3"#)),
-        ("ladder-mixed-mqa", config(r#","num_key_value_heads":1,"model_type":"llamaLadder","ladder_layers":[0,2]"#)),
-    ]
-}
 
 /// A fresh model whose biases (and (1 + w) norms' weights) are not zero (transformers' init),
 /// so that they count.
@@ -73,12 +41,6 @@ fn batch(c: &LlamaConfig, seed: u64) -> (Tensor, Tensor) {
     let ids: Vec<i32> = (0..b * t).map(|_| r.below(c.vocab_size as u64) as i32).collect();
     let tg = shift_labels(&ids, t);
     (Tensor::from_vec(ids, vec![b, t], Device::Cpu).unwrap(), Tensor::from_vec(tg, vec![b, t], Device::Cpu).unwrap())
-}
-
-fn max_rel(a: &[f32], b: &[f32]) -> f64 {
-    assert_eq!(a.len(), b.len());
-    let d = a.iter().zip(b).map(|(x, y)| (x - y).abs() as f64).fold(0.0, f64::max);
-    d / b.iter().map(|y| y.abs() as f64).fold(1e-30, f64::max)
 }
 
 struct Outcome {
@@ -287,7 +249,7 @@ fn tp_generation_gives_the_same_tokens() {
 /// over tp (plus what is replicated), not the whole model.
 #[test]
 fn tp_ranks_hold_only_their_shards() {
-    let c = config(r#","num_key_value_heads":4"#);
+    let c = tiny_llama_layers(3, r#","num_key_value_heads":4"#);
     let whole: usize = model(&c).unwrap().parameters().iter().map(|(_, p)| p.storage_bytes()).sum();
     let held = ThreadComm::run(2, CommOptions::default(), |comm| {
         let mut m = model(&c)?;
@@ -303,7 +265,7 @@ fn tp_ranks_hold_only_their_shards() {
 
 #[test]
 fn tp_refuses_indivisible_shapes() {
-    let c = config(r#","num_key_value_heads":2,"intermediate_size":50"#);
+    let c = tiny_llama_layers(3, r#","num_key_value_heads":2,"intermediate_size":50"#);
     let errs = ThreadComm::run(4, CommOptions::default(), |comm| {
         let mut m = model(&c)?;
         Ok(parallelize(&mut m, &comm).err().map(|e| e.to_string()))
@@ -323,7 +285,7 @@ fn tp_refuses_indivisible_shapes() {
 fn layouts_follow_the_parameter_spec() {
     use ferrolm_nn::module::Factor;
     use ferrolm_parallel::tp::Sharding;
-    let c = config(r#","num_key_value_heads":2,"model_type":"qwen3","head_dim":16,"attention_bias":true"#);
+    let c = tiny_llama_layers(3, r#","num_key_value_heads":2,"model_type":"qwen3","head_dim":16,"attention_bias":true"#);
     let (tp, rank) = (4, 3);
     let specs = c.param_specs();
     let of = |name: &str| {

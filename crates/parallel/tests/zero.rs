@@ -9,6 +9,7 @@ use ferrolm_parallel::tp::parallelize;
 use ferrolm_parallel::zero::{expected_gathers, traffic_bytes, Placement, ShardSpec, Zero};
 use ferrolm_parallel::{CommOptions, CommStats, Communicator, DeviceMesh, ThreadComm, TrainEngine};
 use ferrolm_tensor::{DType, Device, Rng, Tensor};
+use ferrolm_testing::tiny_gqa32;
 use std::sync::Arc;
 
 const STEPS: usize = 10;
@@ -20,12 +21,7 @@ const LR: f64 = 3e-3;
 const CLIP: f64 = 0.5;
 
 fn config(tied: bool) -> LlamaConfig {
-    LlamaConfig::from_json_str(&format!(
-        r#"{{"vocab_size":64,"hidden_size":32,"intermediate_size":48,"num_hidden_layers":2,"num_attention_heads":4,
-            "num_key_value_heads":2,"max_position_embeddings":32,"initializer_range":0.1,"tie_word_embeddings":{tied},
-            "model_type":"llamaLadder","ladder_layers":1}}"#
-    ))
-    .unwrap()
+    tiny_gqa32(&format!(r#","rms_norm_eps":1e-6,"tie_word_embeddings":{tied},"model_type":"llamaLadder","ladder_layers":1"#))
 }
 
 fn opt_cfg() -> AdamWConfig {
@@ -52,12 +48,7 @@ fn single_device(tied: bool) -> Vec<f64> {
 
 /// A `qwen2` model (q/k/v bias, tied embeddings): the block's biases go through the same buckets.
 fn qwen2() -> LlamaConfig {
-    LlamaConfig::from_json_str(
-        r#"{"vocab_size":64,"hidden_size":32,"intermediate_size":48,"num_hidden_layers":2,"num_attention_heads":4,
-            "num_key_value_heads":2,"max_position_embeddings":32,"initializer_range":0.1,"tie_word_embeddings":true,
-            "model_type":"qwen2"}"#,
-    )
-    .unwrap()
+    tiny_gqa32(r#","rms_norm_eps":1e-6,"tie_word_embeddings":true,"model_type":"qwen2""#)
 }
 
 fn single_device_of(c: LlamaConfig) -> Vec<f64> {

@@ -4,12 +4,14 @@
 //! the backend once: the real device when
 //! there is one, else the CPU emulator (crates/cuda/emu: the same kernels/*.cu compiled as C++,
 //! with fibers for CUDA threads), announced with "no CUDA device: running on the CUDA emulator".
-//! FERROLM_REQUIRE_GPU=1 demands a real GPU (panics without one); FERROLM_REQUIRE_EMU=1 (CI)
-//! demands a GPU or the emulator; with neither the tests print "skipped: no CUDA device".
+//! Missing both, the tests skip through `ferrolm_testing::gate` (`Need::Device`): they say
+//! "skipped: ..." on stderr, or fail under FERROLM_REQUIRE_EMU=1 (CI) or FERROLM_REQUIRE_GPU=1;
+//! FERROLM_REQUIRE_GPU=1 also refuses the emulator in place of a GPU.
 #![allow(dead_code)]
 use ferrolm_cuda::{CudaBackend, CudaStorage, KernelImage};
 use ferrolm_tensor::backend::{self, Backend};
 use ferrolm_tensor::{CpuStorage, DType, Device, Layout, Rng, Shape, Storage, Tensor};
+use ferrolm_testing::{gate, poison, Need};
 use std::sync::{Arc, OnceLock, RwLock, RwLockReadGuard, RwLockWriteGuard};
 
 /// The kernel sources NVRTC compiles (the crate's own list, generated from kernels/).
@@ -44,16 +46,20 @@ pub fn gpu_exclusive() -> Option<Gpu<RwLockWriteGuard<'static, ()>>> {
 }
 
 fn backend_once() -> Option<Arc<CudaBackend>> {
-    static INIT: OnceLock<Option<Arc<CudaBackend>>> = OnceLock::new();
-    let b = INIT.get_or_init(|| {
-        std::env::set_var("FERROLM_CUDA_POISON", "1");
+    // (whether a GPU is visible, the backend or why there is none)
+    static INIT: OnceLock<(bool, Result<Arc<CudaBackend>, String>)> = OnceLock::new();
+    let (gpu, b) = INIT.get_or_init(|| {
+        poison::poison_new_device_memory();
         if !ferrolm_cuda::is_available() {
-            if std::env::var("FERROLM_REQUIRE_GPU").is_ok_and(|v| v == "1") {
-                return None;
+            if gate::demanded_by(Need::Gpus(1)).is_some() {
+                return (false, Err("no CUDA device".into()));
             }
-            let b = CudaBackend::emulated(0).ok()?;
-            backend::register(b.clone());
-            return Some(b);
+            let b = CudaBackend::emulated(0)
+                .map_err(|e| format!("no CUDA device, and the CUDA emulator is unavailable (no C++ compiler at build time?): {e}"));
+            if let Ok(b) = &b {
+                backend::register(b.clone());
+            }
+            return (false, b);
         }
         // FERROLM_KERNELS_FATBIN=path tests a built fatbin instead of the NVRTC path.
         let image = match std::env::var("FERROLM_KERNELS_FATBIN") {
@@ -62,22 +68,16 @@ fn backend_once() -> Option<Arc<CudaBackend>> {
         };
         let b = CudaBackend::new(0, image).expect("CUDA backend");
         backend::register(b.clone());
-        Some(b)
+        (true, Ok(b))
     });
-    if let Some(b) = b {
-        if b.is_emulated() {
-            println!("no CUDA device: running on the CUDA emulator");
-        }
-        return Some(b.clone());
+    if !gpu {
+        gate::no_gpu_visible();
     }
-    if std::env::var("FERROLM_REQUIRE_GPU").is_ok_and(|v| v == "1") {
-        panic!("FERROLM_REQUIRE_GPU=1 but no CUDA device is available");
+    let b = gate::require(Need::Device, b.clone())?;
+    if b.is_emulated() {
+        println!("no CUDA device: running on the CUDA emulator");
     }
-    if std::env::var("FERROLM_REQUIRE_EMU").is_ok_and(|v| v == "1") {
-        panic!("FERROLM_REQUIRE_EMU=1 but there is neither a CUDA device nor the CUDA emulator (no C++ compiler at build time?)");
-    }
-    println!("skipped: no CUDA device");
-    None
+    Some(b)
 }
 
 // ---- comparing and moving values (shared by the CUDA tests of this crate and of crates/ops) ----
@@ -97,12 +97,9 @@ pub fn rng(seed: u64) -> Rng {
 pub fn randn(shape: &[usize], dt: DType, r: &mut Rng) -> Tensor {
     Tensor::randn(shape.to_vec(), 1.0, dt, Device::Cpu, r).unwrap()
 }
+/// The device-against-CPU tolerance of `dt` (`ferrolm_testing::tol::device_tol`).
 pub fn tol(dt: DType, loose: bool) -> (f64, f64) {
-    match (dt, loose) {
-        (DType::BF16, _) => (2e-2, 2e-2),
-        (_, true) => (1e-3, 1e-3),
-        _ => (1e-4, 1e-4),
-    }
+    ferrolm_testing::tol::device_tol(dt, loose)
 }
 pub fn check(name: &str, cpu: &Tensor, gpu: &Tensor, dt: DType, loose: bool) {
     assert_eq!(cpu.dims(), gpu.dims(), "{name}: shape");
@@ -258,4 +255,22 @@ impl LenElems for CudaStorage {
     fn len_elems(&self) -> usize {
         ferrolm_tensor::DeviceStorage::len(self)
     }
+}
+
+/// The flash attention kernels' determinism, on the device `be`: `run(warps)` gives the five
+/// outputs (out, lse, dq, dk, dv) as bits and the tiles it skipped. With 8-warp blocks, again with
+/// the emulator's block schedule reversed, and with 4-warp blocks (still reversed), every output
+/// must be the same bits. Returns the tiles skipped with 8 and with 4 warps.
+pub fn same_bits_in_every_schedule<S>(be: &CudaBackend, name: &str, run: impl Fn(usize) -> (Vec<Vec<u32>>, S)) -> (S, S) {
+    let (eight, n8) = run(8);
+    be.emulator_reverse_schedule(true);
+    let (again, _) = run(8);
+    let (four, n4) = run(4);
+    be.emulator_reverse_schedule(false);
+    for (i, what) in ["out", "lse", "dq", "dk", "dv"].iter().enumerate() {
+        let bad = |o: &[Vec<u32>]| eight[i].iter().zip(&o[i]).filter(|(x, y)| x != y).count();
+        assert_eq!(bad(&again), 0, "{name}: {what} differs between runs");
+        assert_eq!(bad(&four), 0, "{name}: {what} differs between 8- and 4-warp blocks");
+    }
+    (n8, n4)
 }

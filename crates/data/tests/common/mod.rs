@@ -25,6 +25,18 @@ impl Drop for Scratch {
     }
 }
 
+/// Every token of the shards at `paths`, in order.
+#[allow(dead_code)]
+pub fn read_shards(paths: &[PathBuf]) -> Vec<u32> {
+    paths
+        .iter()
+        .flat_map(|p| {
+            let s = ferrolm_data::Shard::open(p).unwrap();
+            s.slice(0, s.len())
+        })
+        .collect()
+}
+
 /// Writes `tokens` as one shard and returns its path.
 #[allow(dead_code)]
 pub fn write_shard(dir: &Path, name: &str, tokens: &[u32]) -> PathBuf {

@@ -248,3 +248,37 @@ pub fn damaged_copy(dir: &std::path::Path, name: &str, base: &[u8], edits: &[Byt
     rewrite(&path, &data);
     path
 }
+
+/// Opens the damaged Parquet file `path` with `open` and reads every record, passing each to
+/// `each`: a file that does not open, a record or a stream that fails, must say `path` in its
+/// error, and the reader must end (within 100,000 records).
+pub fn read_damaged_records(
+    path: &std::path::Path,
+    open: impl FnOnce(&ferrolm_data::InputFile) -> Result<ferrolm_data::chat::RecordReader, ferrolm_data::ReadError>,
+    mut each: impl FnMut(&ferrolm_data::chat::Json),
+) -> Result<(), TestCaseError> {
+    use ferrolm_data::ReadError;
+    let name = path.display().to_string();
+    let bytes = std::fs::metadata(path).unwrap().len();
+    let file = ferrolm_data::InputFile { path: path.to_path_buf(), format: ferrolm_data::InputFormat::Parquet, bytes, modified: None };
+    let mut r = match open(&file) {
+        Ok(r) => r,
+        Err(e) => {
+            let e = e.into_error().to_string();
+            prop_assert!(e.contains(&name), "{}", e);
+            return Ok(());
+        }
+    };
+    for _ in 0..100_000 {
+        match r.next_record() {
+            Ok(Some((_, rec))) => each(&rec),
+            Ok(None) => return Ok(()),
+            Err(ReadError::Record(e)) => prop_assert!(e.to_string().contains(&name), "{}", e),
+            Err(ReadError::Stream(e)) => {
+                prop_assert!(e.to_string().contains(&name), "{}", e);
+                return Ok(());
+            }
+        }
+    }
+    Err(TestCaseError::fail("the reader never ended"))
+}

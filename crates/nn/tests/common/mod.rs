@@ -1,5 +1,4 @@
 //! Shared by the nn test binaries.
-use ferrolm_tensor::Tensor;
 use std::path::{Path, PathBuf};
 
 /// A scratch directory removed on drop; unique per test binary, process and name.
@@ -26,12 +25,6 @@ pub fn fixtures() -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR")).join("../../tests/fixtures")
 }
 
-/// max |a - b| / max |b|
-#[allow(dead_code)]
-pub fn rel_err(a: &Tensor, b: &Tensor) -> f64 {
-    assert_eq!(a.dims(), b.dims(), "shapes differ");
-    let (a, b) = (a.to_vec_f64().unwrap(), b.to_vec_f64().unwrap());
-    let diff = a.iter().zip(&b).map(|(x, y)| (x - y).abs()).fold(0.0, f64::max);
-    let scale = b.iter().map(|y| y.abs()).fold(0.0, f64::max);
-    diff / scale.max(1e-30)
-}
+/// max |a - b| / max |b| (the shared measure of `ferrolm_testing`).
+#[allow(unused_imports)]
+pub use ferrolm_testing::rel_err;

@@ -6,7 +6,7 @@
 mod engine;
 pub use engine::*;
 use ferrolm_ops::softmax_last;
-use ferrolm_tensor::{DType, Result, Tensor};
+use ferrolm_tensor::{DType, Result, Rng, Tensor};
 
 /// Hugging Face rotate_half tables: inv_freq_i = theta^(-2i/d), angle = pos * inv_freq,
 /// emb = cat(angles, angles); returns (cos, sin), each (t, d) row-major.
@@ -80,4 +80,31 @@ pub fn naive_rope(x: &[f64], dims: [usize; 4], theta: f64) -> Vec<f64> {
         }
     }
     y
+}
+
+// ---- the fused head's tests (head_loss.rs, head_logprobs.rs) ----
+
+/// The target the head tests ignore.
+pub const IGNORE: i32 = -100;
+
+/// Targets for `n` rows over `v` classes; `ignored(i)` marks the ignored rows.
+pub fn targets(n: usize, v: usize, g: &mut Rng, ignored: impl Fn(usize) -> bool) -> Vec<i32> {
+    (0..n).map(|i| if ignored(i) { IGNORE } else { g.below(v as u64) as i32 }).collect()
+}
+
+/// A fresh leaf: a copy of `t`'s values that requires a gradient.
+pub fn leaf(t: &Tensor) -> Tensor {
+    let l = t.detach().deep_copy().unwrap();
+    l.set_requires_grad(true).unwrap();
+    l
+}
+
+/// (the value, dX, dW) of `f` on fresh leaves of x and w, backpropagating from the value. No
+/// gradient (the fused head gives W none when every target is ignored) reads as zeros.
+pub fn on_leaves(x: &Tensor, w: &Tensor, f: impl Fn(&Tensor, &Tensor) -> Result<Tensor>) -> (Vec<f64>, Vec<f64>, Vec<f64>) {
+    let (x, w) = (leaf(x), leaf(w));
+    let out = f(&x, &w).unwrap();
+    out.backward().unwrap();
+    let grad = |t: &Tensor| t.grad().map_or_else(|| vec![0.0; t.numel()], |g| g.to_vec_f64().unwrap());
+    (out.to_vec_f64().unwrap(), grad(&x), grad(&w))
 }

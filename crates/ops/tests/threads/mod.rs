@@ -21,6 +21,16 @@ impl Threads {
             .collect()
     }
 
+    /// `f` of each of the `ranks` groups over `vocab` rows, each on its own thread; the results
+    /// in rank order.
+    pub fn each<R: Send>(ranks: usize, vocab: usize, f: impl Fn(Threads) -> R + Sync) -> Vec<R> {
+        std::thread::scope(|s| {
+            let f = &f;
+            let hs: Vec<_> = Threads::group(ranks, vocab).into_iter().map(|sh| s.spawn(move || f(sh))).collect();
+            hs.into_iter().map(|h| h.join().unwrap()).collect()
+        })
+    }
+
     fn reduce(&self, x: &Tensor, f: fn(f64, f64) -> f64) -> Result<Tensor> {
         self.slots.lock().unwrap()[self.rank] = Some(x.to_vec_f64()?);
         self.barrier.wait();

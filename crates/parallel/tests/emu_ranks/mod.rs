@@ -19,14 +19,7 @@ const ROLE: &str = "FERROLM_NCCL_EMU_TEST_ROLE";
 /// The emulated NCCL, or None (the test passes, saying so) when it was not built and
 /// FERROLM_REQUIRE_EMU is not 1.
 pub fn emu() -> Option<&'static NcclLib> {
-    match nccl_lib::emulated() {
-        Ok(l) => Some(l),
-        Err(e) => {
-            assert!(!std::env::var("FERROLM_REQUIRE_EMU").is_ok_and(|v| v == "1"), "FERROLM_REQUIRE_EMU=1 but {e}");
-            println!("skipped: {e}");
-            None
-        }
-    }
+    ferrolm_testing::gate::require(ferrolm_testing::Need::Emulator, nccl_lib::emulated())
 }
 
 pub struct Rank {
