@@ -49,26 +49,32 @@ pub struct EvalArgs {
     pub preference: Option<PathBuf>,
     /// With --preference: the reference model, a checkpoint or run directory as --model
     /// [default: with --lora, the base with the adapters off; else --model itself, every reward 0]
-    #[arg(long, value_name = "DIR", help_heading = "Preference", requires = "preference")]
+    #[arg(long, value_name = "DIR", help_heading = "Preference", requires = "preference",
+          conflicts_with_all = ["text", "chat"])]
     pub ref_model: Option<PathBuf>,
     /// With --preference: β, the strength of the reference's pull (TRL's beta)
-    #[arg(long, value_name = "BETA", default_value = "0.1", help_heading = "Preference", requires = "preference")]
+    #[arg(long, value_name = "BETA", default_value = "0.1", help_heading = "Preference", requires = "preference",
+          conflicts_with_all = ["text", "chat"])]
     pub beta: f64,
     /// With --preference: the loss, or a comma list of losses (sigmoid, hinge, ipo,
     /// sigmoid_norm, sft), as TRL's loss_type
-    #[arg(long, value_name = "TYPE[,TYPE...]", default_value = "sigmoid", help_heading = "Preference", requires = "preference")]
+    #[arg(long, value_name = "TYPE[,TYPE...]", default_value = "sigmoid", help_heading = "Preference", requires = "preference",
+          conflicts_with_all = ["text", "chat"])]
     pub loss_type: String,
     /// With --preference: one weight per --loss-type, comma-separated, as TRL's loss_weights
     /// [default: 1 each]
-    #[arg(long, value_name = "W[,W...]", help_heading = "Preference", requires = "preference")]
+    #[arg(long, value_name = "W[,W...]", help_heading = "Preference", requires = "preference",
+          conflicts_with_all = ["text", "chat"])]
     pub loss_weights: Option<String>,
     /// With --preference: the most ids of prompt + completion; a longer completion loses its
     /// end, a pair whose prompt fills it is skipped (both counted) [default: the model's
     /// max_position_embeddings]
-    #[arg(long, value_name = "N", value_parser = positive, help_heading = "Preference", requires = "preference")]
+    #[arg(long, value_name = "N", value_parser = positive, help_heading = "Preference", requires = "preference",
+          conflicts_with_all = ["text", "chat"])]
     pub max_length: Option<usize>,
     /// With --preference: the most ids of a prompt, its start cut (counted) [default: none]
-    #[arg(long, value_name = "N", value_parser = positive, help_heading = "Preference", requires = "preference")]
+    #[arg(long, value_name = "N", value_parser = positive, help_heading = "Preference", requires = "preference",
+          conflicts_with_all = ["text", "chat"])]
     pub max_prompt_length: Option<usize>,
     /// Tokens per window (T); with --chat, the longest conversation scored (longer ones are
     /// dropped and counted) [default: required with --text; with --chat the model's
