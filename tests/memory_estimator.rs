@@ -466,3 +466,61 @@ fn nccl_buffers_are_counted_per_communicator_on_multi_rank_gpu_runs() {
         assert_eq!(at(Device::Cpu, &l), 0.0, "tp {tp} dp {dp} {s}: CPU");
     }
 }
+
+/// A preference (DPO) run (issue 52, `MemParallelism::preference`): a live separate reference
+/// moves the estimate by exactly its weights' bytes (every parameter in the compute dtype on one
+/// device; this rank's tensor-parallel share under `--tp 2`; not sharded by ZeRO-3) over the
+/// precomputed reference, which holds no weights, as LoRA's base with the adapters off holds
+/// none; and a micro-batch of B pairs is charged as 2B packed rows (two sequences a pair) plus
+/// the per-sequence sum's (sequences, tokens) matrix. Pure arithmetic, like the tests above.
+#[test]
+fn a_live_reference_costs_exactly_its_weights() {
+    use ferrolm::planner::memory::{sequence_sum_bytes, PreferenceMem, ReferenceMode};
+    use ferrolm::planner::ModelShape;
+    let c = config(64, 128, 2);
+    let (pairs, row) = (3, 32);
+    let all = c.num_parameters().unwrap() as f64;
+    let tp2: f64 = ModelShape::from_config(&c, "run").bucket_params(2).iter().sum::<u64>() as f64;
+    assert!(tp2 < all && tp2 > all / 2.0, "tp 2 holds a share: {tp2} of {all}");
+    let close = |x: f64, y: f64| (x - y).abs() <= 1e-9 * y.abs().max(1.0);
+    let pref = |reference| Some(PreferenceMem { reference });
+    let lora = LoraMem::new(&LoraConfig::new(4, None, 0.0, Proj::ALL.to_vec(), false).unwrap(), c.num_hidden_layers);
+    let layouts = [
+        ("one device", MemParallelism::single(false), 1.0),
+        ("--tp 2", MemParallelism { tp: 2, ..MemParallelism::single(false) }, tp2 / all),
+        ("--dp 2 --zero 3", MemParallelism { dp: 2, spec: ShardSpec::zero(3, 2).unwrap(), ..MemParallelism::single(true) }, 1.0),
+        ("LoRA", MemParallelism { lora: Some(lora), ..MemParallelism::single(false) }, 1.0),
+    ];
+    for (dtype, device) in [(DType::F32, Device::Cpu), (DType::BF16, Device::Cuda(0))] {
+        let e = dtype.size_in_bytes() as f64;
+        for (name, l, share) in &layouts {
+            let at = |preference| estimate(&c, dtype, device, pairs, row, 2, &MemParallelism { preference, ..*l }).unwrap();
+            let (live, pre) = (at(pref(ReferenceMode::Separate)), at(pref(ReferenceMode::None)));
+            let weights = all * share * e;
+            assert!(close(live.reference, weights), "{name} {dtype}: reference {} vs {weights}", live.reference);
+            assert!(close(live.total() - pre.total(), weights), "{name} {dtype}: {} - {} vs {weights}", live.total(), pre.total());
+            assert!(close(live.params - pre.params, weights), "{name} {dtype}");
+            assert_eq!(pre.reference, 0.0, "{name} {dtype}: precomputed (or the LoRA base) holds no reference");
+            assert_eq!((live.activations, live.optim, live.grads), (pre.activations, pre.optim, pre.grads), "{name} {dtype}");
+            assert!(ferrolm::planner::memory::describe(&live).contains("with the reference's"), "{name}");
+            // The pairs: 2B rows of activations and head, and the sum's matrix of 2B sequences.
+            let rows = at(None).activations;
+            let doubled = estimate(&c, dtype, device, 2 * pairs, row, 2, l).unwrap();
+            let w = ferrolm::planner::Workload {
+                seq: row,
+                micro_batch: 2 * pairs,
+                global_batch_tokens: 0,
+                tp: l.tp,
+                elem_bytes: dtype.size_in_bytes(),
+                grad_bytes: 4,
+                checkpointed_layers: 0,
+                loss_chunks: Default::default(),
+            };
+            let sums = sequence_sum_bytes(&w);
+            assert_eq!(sums, (2 * pairs + 1) as f64 * (2 * pairs * row) as f64 * e.max(4.0));
+            assert!(close(pre.activations, doubled.activations + sums), "{name} {dtype}: {} vs {}", pre.activations, doubled.activations);
+            assert!(rows < doubled.activations, "{name}: B pairs are charged as 2B rows");
+            assert_eq!(pre.params, doubled.params, "{name} {dtype}: with no reference the weights are the policy's alone");
+        }
+    }
+}
