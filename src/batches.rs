@@ -14,6 +14,7 @@
 use crate::AnyResult;
 use anyhow::bail;
 use ferrolm_data::chat::{PackedData, PackedRow, IGNORE_INDEX};
+use ferrolm_data::preference::PreferencePair;
 use ferrolm_data::{DataLoader, EpochOrder, LoaderState};
 use ferrolm_nn::Packing;
 use ferrolm_ops::{LossScale, Tokens};
@@ -51,6 +52,17 @@ pub struct MicroBatch {
     pub packing: Option<Packing>,
     /// Trained targets in this micro-batch.
     pub trained: u64,
+    /// Preference pairs (DPO): the packed pairs and their indices in the training set; the
+    /// loss is then the preference objective's (`crate::dpo`), not cross-entropy.
+    pub pairs: Option<PairMicro>,
+}
+
+/// A micro-batch of preference pairs: `packed` (chosen and rejected of each pair in one packed
+/// forward, `ferrolm_nn::objective::pack_pairs`) and each pair's index in the training set
+/// (what precomputed reference log-probs are keyed by).
+pub struct PairMicro {
+    pub packed: ferrolm_nn::objective::PackedPairs,
+    pub indices: Vec<usize>,
 }
 
 impl MicroBatch {
@@ -69,6 +81,10 @@ pub struct StepBatches {
     pub trained: u64,
     /// Real (not padding) tokens of the whole step on every rank: what tokens/s counts.
     pub tokens: u64,
+    /// Preference pairs of the whole step on every rank, and their chosen completion tokens:
+    /// what the preference losses are averaged over (`ferrolm_nn::objective::preference::Normalizer`).
+    pub pairs: u64,
+    pub chosen_tokens: u64,
 }
 
 impl StepBatches {
@@ -90,6 +106,28 @@ pub enum Batches {
     Windows { loader: DataLoader, dp: usize },
     /// Packed rows in a seeded order, `batch` rows a micro-batch on each of `dp` ranks.
     Rows { data: PackedData, order: EpochOrder, batch: usize, rank: usize, dp: usize },
+    /// Preference pairs in a seeded order, `batch` pairs a micro-batch on each of `dp` ranks,
+    /// packed into rows of `row_tokens` tokens.
+    Pairs { data: PairData, order: EpochOrder, batch: usize, rank: usize, dp: usize },
+}
+
+/// Tokenized preference pairs and how a micro-batch packs them.
+#[derive(Clone, Debug)]
+pub struct PairData {
+    pub pairs: std::sync::Arc<Vec<PreferencePair>>,
+    /// The length of a packed row (`--max-length`, else `--seq-len`).
+    pub row_tokens: usize,
+    pub pad_id: u32,
+}
+
+/// The completion tokens a packed sequence scores (the first token of a sequence has no
+/// predecessor: with an empty prompt the completion's first token is not scored).
+pub fn scored_tokens(prompt: &[u32], completion: &[u32]) -> usize {
+    if prompt.is_empty() {
+        completion.len().saturating_sub(1)
+    } else {
+        completion.len()
+    }
 }
 
 impl Batches {
@@ -107,10 +145,21 @@ impl Batches {
         Ok(Batches::Rows { data, order, batch, rank, dp })
     }
 
+    /// `data`'s pairs, `batch` pairs a micro-batch on each of `dp` ranks, in an order drawn
+    /// from `seed` (the same on every rank: each rank takes its block, as rows are split).
+    pub fn pairs(data: PairData, batch: usize, seed: u64, rank: usize, dp: usize) -> AnyResult<Batches> {
+        if batch == 0 || rank >= dp {
+            bail!("rank {rank} of {dp} with {batch} pairs a micro-batch");
+        }
+        let order = EpochOrder::new(data.pairs.len() as u64, seed, "preference pairs (every pair was skipped)")?;
+        Ok(Batches::Pairs { data, order, batch, rank, dp })
+    }
+
     /// The next step: `accum` micro-batches for this rank, and the step's counts on every rank.
     pub fn next_step(&mut self, accum: usize, device: Device) -> AnyResult<StepBatches> {
         let mut micro = Vec::with_capacity(accum);
         let (mut trained_all, mut tokens_all) = (0u64, 0u64);
+        let (mut pairs_all, mut chosen_all) = (0u64, 0u64);
         for _ in 0..accum {
             match self {
                 Batches::Windows { loader, dp } => {
@@ -120,7 +169,7 @@ impl Batches {
                     trained_all += n * *dp as u64;
                     tokens_all += n * *dp as u64;
                     let (inputs, targets) = crate::train::batch_tensors(&b, device)?;
-                    micro.push(MicroBatch { inputs, targets, packing: None, trained: n });
+                    micro.push(MicroBatch { inputs, targets, packing: None, trained: n, pairs: None });
                 }
                 Batches::Rows { data, order, batch, rank, dp } => {
                     let mut mine = Vec::with_capacity(*batch);
@@ -135,9 +184,31 @@ impl Batches {
                     }
                     micro.push(rows_micro_batch(&mine, device)?);
                 }
+                Batches::Pairs { data, order, batch, rank, dp } => {
+                    let (mut mine, mut indices) = (Vec::with_capacity(*batch), Vec::with_capacity(*batch));
+                    for slot in 0..*dp * *batch {
+                        let i = order.next_item() as usize;
+                        let p = &data.pairs[i];
+                        let chosen = scored_tokens(&p.prompt, &p.chosen) as u64;
+                        let rejected = scored_tokens(&p.prompt, &p.rejected) as u64;
+                        pairs_all += 1;
+                        chosen_all += chosen;
+                        trained_all += chosen + rejected;
+                        tokens_all += (p.chosen_len() + p.rejected_len()) as u64;
+                        if slot / *batch == *rank {
+                            mine.push(p.clone());
+                            indices.push(i);
+                        }
+                    }
+                    let packed = ferrolm_nn::objective::pack_pairs(&mine, data.row_tokens, data.pad_id)?;
+                    let (inputs, targets) = packed.tokens(device)?;
+                    let packing = Some(packed.packing(device)?);
+                    let trained = packed.targets.iter().filter(|&&t| t != IGNORE_INDEX).count() as u64;
+                    micro.push(MicroBatch { inputs, targets, packing, trained, pairs: Some(PairMicro { packed, indices }) });
+                }
             }
         }
-        Ok(StepBatches { micro, trained: trained_all, tokens: tokens_all })
+        Ok(StepBatches { micro, trained: trained_all, tokens: tokens_all, pairs: pairs_all, chosen_tokens: chosen_all })
     }
 
     /// Where the order stands (saved with checkpoints; for rows, `num_windows` counts rows).
@@ -145,6 +216,7 @@ impl Batches {
         match self {
             Batches::Windows { loader, .. } => loader.state(),
             Batches::Rows { data, order, .. } => order.state(data.seq_len()),
+            Batches::Pairs { data, order, .. } => order.state(data.row_tokens),
         }
     }
 
@@ -153,6 +225,7 @@ impl Batches {
         match self {
             Batches::Windows { loader, .. } => loader.restore(state)?,
             Batches::Rows { data, order, .. } => order.restore(state, data.seq_len(), "packed rows")?,
+            Batches::Pairs { data, order, .. } => order.restore(state, data.row_tokens, "preference pairs")?,
         }
         Ok(())
     }
@@ -171,7 +244,13 @@ fn rows_micro_batch(rows: &[PackedRow], device: Device) -> AnyResult<MicroBatch>
             Some(Packing::new(t, &positions, rows.iter().map(|r| r.cu_seqlens.clone()).collect(), device)?)
         }
     };
-    Ok(MicroBatch { inputs: Tokens::upload(ids, [b, t], device)?, targets: Tokens::upload(targets, [b, t], device)?, packing, trained })
+    Ok(MicroBatch {
+        inputs: Tokens::upload(ids, [b, t], device)?,
+        targets: Tokens::upload(targets, [b, t], device)?,
+        packing,
+        trained,
+        pairs: None,
+    })
 }
 
 #[cfg(test)]

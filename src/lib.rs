@@ -11,6 +11,7 @@ pub mod batches;
 pub mod chat;
 pub mod checkpoint;
 pub mod cli;
+pub mod dpo;
 pub mod errors;
 pub mod eval;
 pub mod logging;

@@ -150,6 +150,9 @@ pub enum TrainSet {
     /// Packed rows of tokenized conversations (`crate::batches`); validation over `val`'s
     /// conversations (one a row), each scored alone (none: no validation).
     Rows { train: Arc<PackedData>, val: Option<Arc<PackedData>> },
+    /// Preference pairs (DPO, `crate::dpo`): `train` in a seeded order, validated on `val`'s
+    /// pairs (none: no validation). The trainer needs its objective ([`Trainer::with_preference`]).
+    Pairs { train: crate::batches::PairData, val: Option<Arc<Vec<ferrolm_data::preference::PreferencePair>>> },
 }
 
 /// What validation scores.
@@ -158,6 +161,12 @@ pub(crate) enum Validation {
     Shards(Vec<PathBuf>),
     /// One conversation a row.
     Conversations(Arc<PackedData>),
+    /// Preference pairs, packed into rows of `row_tokens`.
+    Pairs {
+        pairs: Arc<Vec<ferrolm_data::preference::PreferencePair>>,
+        row_tokens: usize,
+        pad_id: u32,
+    },
     None,
 }
 
@@ -221,6 +230,8 @@ pub struct Trainer {
     pub(crate) whole_final_val: bool,
     /// The validation at the last step of `run` (`final_validation`).
     pub(crate) final_val: Option<(usize, ValScore)>,
+    /// Preference pairs: the objective and its reference (`crate::dpo`).
+    pub preference: Option<crate::dpo::Preference>,
 }
 
 /// One validation: the mean loss over the tokens of the first `rows` of the split's `of` rows
@@ -232,8 +243,10 @@ pub struct ValScore {
     pub tokens: usize,
     pub rows: usize,
     pub of: usize,
-    /// What a row is: `"windows"` or `"conversations"`.
+    /// What a row is: `"windows"`, `"conversations"` or `"pairs"`.
     pub unit: &'static str,
+    /// Preference pairs: the metric sums under TRL's names.
+    pub metrics: Option<ferrolm_nn::objective::preference::PreferenceMetrics>,
 }
 
 impl ValScore {
@@ -317,6 +330,10 @@ impl Trainer {
             TrainSet::Shards { val, .. } => Validation::Shards(val.clone()),
             TrainSet::Rows { val: Some(v), .. } if v.num_rows() > 0 => Validation::Conversations(v.clone()),
             TrainSet::Rows { .. } => Validation::None,
+            TrainSet::Pairs { train, val: Some(v) } if !v.is_empty() => {
+                Validation::Pairs { pairs: v.clone(), row_tokens: train.row_tokens, pad_id: train.pad_id }
+            }
+            TrainSet::Pairs { .. } => Validation::None,
         };
         Self::check(&model, &val, &opts)?;
         let sched = CosineSchedule { max_lr: opts.lr, min_lr: opts.min_lr, warmup_steps: opts.warmup_steps, total_steps: opts.steps };
@@ -339,6 +356,8 @@ impl Trainer {
                 Batches::rows(PackedData::clone(train), opts.batch_size, opts.seed, mesh.dp_rank(), mesh.dp())
                     .context("cannot order the training rows")?
             }
+            TrainSet::Pairs { train, .. } => Batches::pairs(train.clone(), opts.batch_size, opts.seed, mesh.dp_rank(), mesh.dp())
+                .context("cannot order the training pairs")?,
         };
         Ok(Trainer {
             model,
@@ -367,6 +386,7 @@ impl Trainer {
             val_history: Vec::new(),
             whole_final_val: false,
             final_val: None,
+            preference: None,
         })
     }
 
@@ -433,6 +453,12 @@ impl Trainer {
         self
     }
 
+    /// Trains preference pairs ([`TrainSet::Pairs`]) with `objective` (`crate::dpo`).
+    pub fn with_preference(mut self, objective: crate::dpo::Preference) -> Self {
+        self.preference = Some(objective);
+        self
+    }
+
     pub fn with_safety(mut self, safety: RunSafety) -> Self {
         self.safety = safety;
         self
@@ -465,7 +491,15 @@ impl Trainer {
                 // conversations_loss scores its first `batches x bs` rows: `take` is a multiple
                 // of bs unless it is the whole split.
                 let s = crate::eval::conversations_loss(&self.model, rows, bs, take.div_ceil(bs), self.model.device())?;
-                return Ok(ValScore { loss: s.loss, tokens: s.tokens, rows: take, of, unit: "conversations" });
+                return Ok(ValScore { loss: s.loss, tokens: s.tokens, rows: take, of, unit: "conversations", metrics: None });
+            }
+            Validation::Pairs { pairs, row_tokens, pad_id } => {
+                let of = pairs.len();
+                let take = if max_rows > 0 { of.min(max_rows) } else { of };
+                let obj = self.preference.as_ref().context("preference pairs need the trainer's preference objective")?;
+                let (loss, m) = obj.validate(&self.model, pairs, take, bs, *row_tokens, *pad_id)?;
+                let tokens = pairs[..take].iter().map(|p| p.chosen_len() + p.rejected_len()).sum();
+                return Ok(ValScore { loss, tokens, rows: take, of, unit: "pairs", metrics: Some(m) });
             }
             Validation::None => bail!("this run has no validation data"),
         };
@@ -485,7 +519,7 @@ impl Trainer {
         if n == 0 {
             bail!("validation split holds no full window: lower --seq-len or add data");
         }
-        Ok(ValScore { loss: sum / n as f64, tokens: n, rows, of, unit: "windows" })
+        Ok(ValScore { loss: sum / n as f64, tokens: n, rows, of, unit: "windows", metrics: None })
     }
 
     /// Mean validation loss over the first `max_rows` rows of the split (all if 0), as
@@ -529,14 +563,29 @@ impl Trainer {
         let step = self.batches.next_step(accum, self.model.device())?;
         // Each micro-batch's weighted loss stays on the device; the step reads them once.
         let mut losses = Vec::with_capacity(accum);
+        let mut metrics = ferrolm_nn::objective::preference::PreferenceMetrics::default();
         for (k, mb) in step.micro.iter().enumerate() {
             let model = &self.model;
             let scale = step.loss_scale(dp);
+            let pref = self.preference.as_ref();
+            let step = &step;
             self.engine.micro_batch(k + 1 == accum, &mut || {
-                let loss = mb.loss(model, scale)?;
+                let loss = match (&mb.pairs, pref) {
+                    (Some(pm), Some(obj)) => {
+                        let (loss, m) = obj.micro_loss(model, pm, step, dp)?;
+                        metrics.merge(&m);
+                        loss
+                    }
+                    (Some(_), None) => ferrolm_tensor::bail!("train_step", "preference pairs need the trainer's preference objective"),
+                    _ => mb.loss(model, scale)?,
+                };
                 losses.push(loss.detach().reshape([1])?);
                 Ok(loss)
             })?;
+        }
+        if let Some(p) = self.preference.as_mut() {
+            crate::dpo::reduce_metrics(&mut metrics, self.engine.mesh().dp_group().as_ref(), self.model.device())?;
+            p.last = Some(metrics);
         }
         self.tokens_seen += step.tokens;
         self.last_step_tokens = step.tokens;
@@ -695,6 +744,11 @@ impl Trainer {
         self.agree(ready, &format!("prepare the output directory {}", self.out_dir.display()))?;
         let mut log = log.take().transpose()?;
         self.check_shared_out_dir()?;
+        if let (true, Some(crate::dpo::Preference { reference: crate::dpo::Reference::Precomputed(r), .. })) =
+            (is_rank_zero(), &self.preference)
+        {
+            r.write(&self.out_dir)?; // beside checkpoints/: what --resume reuses
+        }
         let mut write_line = |v: serde_json::Value| -> AnyResult<()> {
             match &mut log {
                 Some(log) => writeln!(log, "{v}").and_then(|()| log.flush()).context("cannot append to metrics.jsonl"),
@@ -723,8 +777,14 @@ impl Trainer {
                 write_line(serde_json::json!({"step": self.step, "skipped": true, "lr": lr}))?;
             } else {
                 self.history.push((self.step as f64, loss));
-                write_line(serde_json::json!({"step": self.step, "loss": loss, "lr": lr, "grad_norm": norm,
-                "tokens_per_s": self.last_step_tokens as f64 / dt.max(1e-9), "elapsed_s": elapsed, "peak_tensor_mib": peak_mib, "mfu": mfu}))?;
+                let mut line = serde_json::json!({"step": self.step, "loss": loss, "lr": lr, "grad_norm": norm,
+                "tokens_per_s": self.last_step_tokens as f64 / dt.max(1e-9), "elapsed_s": elapsed, "peak_tensor_mib": peak_mib, "mfu": mfu});
+                if let Some(m) = self.preference.as_ref().and_then(|p| p.last.as_ref()) {
+                    for (k, v) in m.means() {
+                        line[k] = serde_json::json!(v);
+                    }
+                }
+                write_line(line)?;
             }
             bar.set_position(self.step as u64);
             bar.set_message(format!("loss {loss:.4}"));
@@ -733,8 +793,12 @@ impl Trainer {
                     Some(m) => format!(" | MFU {:.1}% | peak mem {peak_mib:.0} MiB", m * 100.0),
                     None => String::new(),
                 };
+                let pref = match self.preference.as_ref().and_then(|p| p.last.as_ref()) {
+                    Some(m) => format!(" | {}", crate::dpo::describe(m)),
+                    None => String::new(),
+                };
                 report(&format!(
-                    "step {:>5}/{} | loss {loss:.4} | lr {lr:.2e} | grad norm {norm:.3} | {tok_s:.0} tok/s{dev} | ETA {}",
+                    "step {:>5}/{} | loss {loss:.4}{pref} | lr {lr:.2e} | grad norm {norm:.3} | {tok_s:.0} tok/s{dev} | ETA {}",
                     self.step,
                     self.opts.steps,
                     fmt_secs(eta)
@@ -748,8 +812,16 @@ impl Trainer {
                 match self.validation(self.in_loop_rows(self.step)) {
                     Ok(v) => {
                         self.val_history.push((self.step as f64, v.loss));
-                        write_line(serde_json::json!({"step": self.step, "val_loss": v.loss, "val_tokens": v.tokens}))?;
-                        report(&format!("step {:>5}/{} | val loss {:.4} ({})", self.step, self.opts.steps, v.loss, v.describe()));
+                        let mut line = serde_json::json!({"step": self.step, "val_loss": v.loss, "val_tokens": v.tokens});
+                        let mut pref = String::new();
+                        if let Some(m) = &v.metrics {
+                            for (k, x) in m.means() {
+                                line[format!("val_{k}")] = serde_json::json!(x);
+                            }
+                            pref = format!(" | {}", crate::dpo::describe(m));
+                        }
+                        write_line(line)?;
+                        report(&format!("step {:>5}/{} | val loss {:.4}{pref} ({})", self.step, self.opts.steps, v.loss, v.describe()));
                         if last {
                             self.final_val = Some((self.step, v));
                         }

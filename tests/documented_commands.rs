@@ -16,7 +16,7 @@
 //! the documents would. Each tool runs as a child process of this test binary (its `tool_process`
 //! test, `common/tools.rs`), not as a built example. How a command is taken:
 //!
-//! - `cargo run … --example TOOL -- FLAGS` of a tool (`pretrain_llama`, `finetune`, `finetune_ladder`, `eval`,
+//! - `cargo run … --example TOOL -- FLAGS` of a tool (`pretrain_llama`, `finetune`, `finetune_ladder`, `dpo`, `eval`,
 //!   `generate`, `export`, `plan`, `autoconfig`, `prepare_data`, `train_tokenizer`): run, with
 //!   only the steps (`--steps`, autoconfig's `--trials` and `--trial-steps`) and the sizes
 //!   (`--batch-size`, `--seq-len`, `--max-new-tokens`, autoconfig's batch and micro-batches)
@@ -301,6 +301,12 @@ fn shrink(tool: &str, argv: &mut Vec<String>) {
             let chat = tool == "finetune" && value(argv, "--data-format") != Some("text") && value(argv, "--data").is_none_or(records);
             set(argv, "--seq-len", Some(if chat { "128" } else { "16" }), at_most(if chat { 128 } else { 16 }));
         }
+        // Pairs are conversations too: a row holds a pair's two sequences.
+        "dpo" => {
+            set(argv, "--steps", Some("2"), at_most(2));
+            set(argv, "--batch-size", Some("2"), at_most(2));
+            set(argv, "--seq-len", Some("128"), at_most(128));
+        }
         "eval" => {
             set(argv, "--seq-len", None, at_most(16));
             set(argv, "--batch-size", Some("4"), at_most(4));
@@ -484,6 +490,7 @@ impl Sandbox {
             "finetune_ladder" | "finetune" if value(argv, "--show-example").is_none() => {
                 Some(value(argv, "--steps").map_or(200, |s| s.parse().unwrap_or(0)))
             }
+            "dpo" => Some(value(argv, "--steps").map_or(100, |s| s.parse().unwrap_or(0))),
             _ => None,
         };
         shrink(&tool, argv);

@@ -9,6 +9,7 @@
 //! directory (os error 2)`) and exit with 1.
 pub mod autoconfig;
 pub mod cluster;
+pub mod dpo;
 pub mod eval;
 pub mod export;
 pub mod finetune;

@@ -298,7 +298,7 @@ fn train_rank(args: &PretrainArgs, p: &Prepared, comm: Option<crate::parallel::C
     let mut tokens = Vec::new();
     let val = match &p.data.set {
         crate::train::TrainSet::Shards { val, .. } => val.as_slice(),
-        crate::train::TrainSet::Rows { .. } => &[],
+        crate::train::TrainSet::Rows { .. } | crate::train::TrainSet::Pairs { .. } => &[],
     };
     for s in val {
         let s = Shard::open(s)?;
