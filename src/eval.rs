@@ -186,7 +186,7 @@ pub fn preference_score(
     }
     let max = model.config().max_position_embeddings;
     for (i, p) in pairs.iter().enumerate() {
-        let len = p.prompt.len() + p.chosen_len().max(p.rejected_len());
+        let len = p.chosen_len().max(p.rejected_len());
         if len > max {
             bail!("pair {i} is {len} tokens (prompt + completion), more than the model's max_position_embeddings {max}: lower --max-length");
         }
@@ -196,7 +196,7 @@ pub fn preference_score(
     let (mut nc, mut nr) = (vec![], vec![]);
     let bar = Progress::items(pairs.len() as u64, "eval");
     for batch in pairs.chunks(batch_size.max(1)) {
-        let row = batch.iter().map(|p| p.prompt.len() + p.chosen_len().max(p.rejected_len())).max().unwrap_or(1);
+        let row = batch.iter().map(|p| p.chosen_len().max(p.rejected_len())).max().unwrap_or(1);
         let packed = pack_pairs(batch, row, 0)?;
         let policy = pair_logprobs(model, &packed)?;
         let refs = match reference {

@@ -45,7 +45,8 @@ fn tokenizer_json() -> String {
 }
 
 /// The fixture's policy and reference as model directories with the tokenizer, and a
-/// preference file: five standard pairs (one with chosen equal to rejected, skipped and counted).
+/// preference file: six standard pairs (one with chosen equal to rejected, skipped and counted;
+/// one whose prompt is most of the model's 32 positions).
 struct Setup {
     dir: PathBuf,
     policy: PathBuf,
@@ -75,6 +76,9 @@ fn setup(name: &str) -> Setup {
         rec("<s> w12 w13 w14 w15 w16", " w6", " w17 w18 w19"),
         rec("<s> w33", " w34 w35", " w34 w35"),
         rec("<s> w25 w26", " w27", " w28 w29 w31 w32"),
+        // 20 tokens of prompt + completion in a model of 32 positions (the prompt counted twice
+        // would be 36).
+        rec("<s> w3 w4 w5 w6 w7 w8 w9 w10 w11 w12 w13 w14 w15 w16 w17", " w18 w19", " w20 w21 w22 w23"),
     ];
     std::fs::write(&prefs, lines.join("\n") + "\n").unwrap();
     Setup { policy: dirs[0].clone(), reference: dirs[1].clone(), prefs, dir }
@@ -127,7 +131,7 @@ fn the_last_line_is_preference_loss_over_the_file() {
     assert_eq!(code, 0, "{out}\n{err}");
     let (loss, acc, margin, pairs) = last_line(&out);
     let (want, means, n) = direct(&s, &PreferenceConfig::default(), &s.reference);
-    assert_eq!((pairs, n), (4, 4), "the pair with chosen equal to rejected is skipped: {out}");
+    assert_eq!((pairs, n), (5, 5), "the pair with chosen equal to rejected is skipped: {out}");
     let get = |k: &str| means.iter().find(|(n, _)| *n == k).unwrap().1;
     // Printed with 6 decimals.
     assert!(close(loss, want, 2e-6), "dpo_loss {loss} vs {want}");
@@ -140,7 +144,7 @@ fn the_last_line_is_preference_loss_over_the_file() {
         let got: f64 = l.split(' ').nth(1).unwrap().parse().unwrap();
         assert!(close(got, v, 2e-6), "{k} {got} vs {v}");
     }
-    assert!(out.contains("5 records: 4 pairs") && out.contains("1 with chosen equal to rejected"), "{out}");
+    assert!(out.contains("6 records: 5 pairs") && out.contains("1 with chosen equal to rejected"), "{out}");
     assert!(out.contains("reference: --ref-model"), "{out}");
 
     // In the process: every batch size and a weighted mix with `sft` (a token mean over the
@@ -186,7 +190,7 @@ fn lora_scores_against_its_base_and_no_reference_gives_zero_rewards() {
     };
     let off = score(&[flag("lora", &ad)]);
     let base = score(&[flag("lora", &ad), flag("ref-model", &s.policy)]);
-    assert_eq!(off.metrics.pairs, 4);
+    assert_eq!(off.metrics.pairs, 5);
     assert!(close(off.loss, base.loss, 1e-6), "adapters off {} vs the base as --ref-model {}", off.loss, base.loss);
     for ((k, a), (_, b)) in off.metrics.means().iter().zip(base.metrics.means()) {
         assert!(close(*a, b, 1e-6), "{k}: adapters off {a} vs the base {b}");
@@ -198,7 +202,7 @@ fn lora_scores_against_its_base_and_no_reference_gives_zero_rewards() {
     let (code, out, err) = run_eval(&s, &[]);
     assert_eq!(code, 0, "{out}\n{err}");
     let (loss, acc, margin, pairs) = last_line(&out);
-    assert_eq!((acc, margin, pairs), (0.0, 0.0, 4), "{out}");
+    assert_eq!((acc, margin, pairs), (0.0, 0.0, 5), "{out}");
     assert!(close(loss, std::f64::consts::LN_2, 2e-6), "{loss}");
     assert!(err.contains("every reward is 0"), "{err}");
     let _ = std::fs::remove_dir_all(&s.dir);
