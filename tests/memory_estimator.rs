@@ -524,3 +524,93 @@ fn a_live_reference_costs_exactly_its_weights() {
         }
     }
 }
+
+/// A DPO run of the `dpo` tool (in this process, 2 steps on the CPU, the tiny preset in f32)
+/// against the estimate with its preference terms (`MemParallelism::preference`): with a live
+/// reference (the starting model, a second copy of the weights) and with the reference
+/// precomputed (no reference weights while training), each within [1, 1.25] of the measured
+/// peak, and the live run's peak above the precomputed one's. Each pair's prompt + completion
+/// fills more than half a 128-token row, so a micro-batch of B pairs packs into 2B rows, what
+/// the estimate charges.
+#[test]
+fn estimate_bounds_the_measured_peak_of_dpo_on_the_cpu() {
+    use ferrolm::planner::memory::{PreferenceMem, ReferenceMode};
+    let _g = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
+    let dir = common::tmp("memory-dpo");
+    let tok = ferrolm::data::Tokenizer::from_file(common::tokenizer_path()).unwrap();
+    let cfg = LlamaConfig { max_position_embeddings: 128, ..LlamaConfig::preset("tiny").unwrap().with_vocab_size(tok.vocab_size()) };
+    let ck = dir.join("model");
+    Llama::new(cfg.clone(), DType::F32, Device::Cpu, &mut Rng::new(1)).unwrap().save_pretrained(&ck).unwrap();
+    std::fs::copy(common::tokenizer_path(), ck.join("tokenizer.json")).unwrap();
+    // Standard (text) pairs: a prompt of the corpus's words up to 70 tokens, completions of 6 words.
+    let corpus = std::fs::read_to_string(common::data_path("corpus/sonnets.txt")).unwrap();
+    let lines: Vec<String> = corpus.lines().map(str::trim).filter(|l| l.len() > 20).map(|l| l.replace(['"', '\\'], "")).collect();
+    let (batch, row) = (2, 128);
+    let mut recs = vec![];
+    for i in 0..8 {
+        let mut prompt = String::new();
+        for w in lines[i * 20..].iter().flat_map(|l| l.split_whitespace()) {
+            if tok.encode(&prompt, false).unwrap().len() >= 70 {
+                break;
+            }
+            prompt = format!("{prompt} {w}");
+        }
+        let words = |l: &str| l.split_whitespace().take(6).collect::<Vec<_>>().join(" ");
+        let pair = (words(&lines[200 + i]), words(&lines[300 + i]));
+        recs.push(format!(r#"{{"prompt": "{prompt}", "chosen": " {}", "rejected": " {}"}}"#, pair.0, pair.1));
+    }
+    let data = dir.join("prefs.jsonl");
+    std::fs::write(&data, recs.join("\n") + "\n").unwrap();
+    let inputs = ferrolm::data::resolve_inputs(&data).unwrap();
+    let opts = ferrolm::data::preference::PreferenceOptions::new(&tok, None);
+    let (pairs, _) = ferrolm::data::preference::load_preference_pairs(&inputs, &opts, &mut |_, _, _| {}).unwrap();
+    for p in &pairs {
+        let (shortest, longest) = (p.chosen_len().min(p.rejected_len()), p.chosen_len().max(p.rejected_len()));
+        assert!(2 * shortest > row && longest <= row, "prompt + completion: {shortest} to {longest} tokens");
+    }
+    let mut peaks = vec![];
+    for (name, extra, reference) in [("live", None, ReferenceMode::Separate), ("precomputed", Some("--precompute-ref"), ReferenceMode::None)] {
+        let out = dir.join(name);
+        let argv: Vec<String> = [
+            "dpo".to_string(),
+            "--device=cpu".into(),
+            "--dtype=f32".into(),
+            format!("--seq-len={row}"),
+            format!("--batch-size={batch}"),
+            "--steps=2".into(),
+            "--eval-every=0".into(),
+            "--val-fraction=0".into(),
+            "--save-every=0".into(),
+            common::flag("model", &ck),
+            common::flag("data", &data),
+            common::flag("out", &out),
+        ]
+        .into_iter()
+        .chain(extra.map(String::from))
+        .collect();
+        let args: ferrolm::cli::dpo::DpoArgs = ferrolm::cli::parse_from(argv).unwrap();
+        let before = live_bytes();
+        reset_peak_bytes();
+        ferrolm::cli::dpo::dpo(args).unwrap();
+        let logged = std::fs::read_to_string(out.join("metrics.jsonl")).unwrap();
+        let peak = logged
+            .lines()
+            .filter_map(|l| serde_json::from_str::<serde_json::Value>(l).ok()?.get("peak_tensor_mib")?.as_f64())
+            .fold(0.0, f64::max)
+            * MIB
+            - before as f64;
+        let l = MemParallelism { preference: Some(PreferenceMem { reference }), ..MemParallelism::single(false) };
+        let m = estimate(&cfg, DType::F32, Device::Cpu, batch, row, 1, &l).unwrap();
+        let ratio = m.total() / peak;
+        println!(
+            "dpo, {name} reference: predicted {:.2} MiB, measured {:.2} MiB, ratio {ratio:.3}; {}",
+            m.total() / MIB,
+            peak / MIB,
+            ferrolm::planner::memory::describe(&m)
+        );
+        assert!((1.0..=1.25).contains(&ratio), "dpo, {name} reference: predicted {} vs measured {peak} ({ratio:.3})", m.total());
+        peaks.push(peak);
+    }
+    assert!(peaks[0] > peaks[1], "the live reference's weights are held: {peaks:?}");
+    let _ = std::fs::remove_dir_all(&dir);
+}
