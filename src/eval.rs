@@ -188,7 +188,9 @@ pub fn preference_score(
     for (i, p) in pairs.iter().enumerate() {
         let len = p.chosen_len().max(p.rejected_len());
         if len > max {
-            bail!("pair {i} is {len} tokens (prompt + completion), more than the model's max_position_embeddings {max}: lower --max-length");
+            bail!(
+                "pair {i} is {len} tokens (prompt + completion), more than the model's max_position_embeddings {max}: lower --max-length"
+            );
         }
     }
     let _g = crate::tensor::no_grad();

@@ -86,7 +86,10 @@ fn preference_guides_summary_is_its_commands() {
     assert!(joined(&text).contains(command), "docs/PREFERENCE.md no longer runs `eval {command}`: update this test");
     let (tokenizer, model) = readme_model();
     let template = ferrolm::chat::template(None, Some(&data_dir().join("chat_template.jinja")), &tokenizer).unwrap().0;
-    let opts = PreferenceOptions { max_length: Some(model.config().max_position_embeddings), ..PreferenceOptions::new(&tokenizer, Some(&template)) };
+    let opts = PreferenceOptions {
+        max_length: Some(model.config().max_position_embeddings),
+        ..PreferenceOptions::new(&tokenizer, Some(&template))
+    };
     let inputs = ferrolm::data::resolve_inputs(&data_dir().join("prefs.jsonl")).unwrap();
     let (pairs, stats) = load_preference_pairs(&inputs, &opts, &mut |_, _, _| {}).unwrap();
     let summary = stats.summary();

@@ -8,7 +8,6 @@
 mod common;
 #[path = "common/tools.rs"]
 mod tools;
-use tools::{run_in, text};
 use common::*;
 use ferrolm::cli::eval::EvalArgs;
 use ferrolm::cli::parse_from;
@@ -19,6 +18,7 @@ use ferrolm::nn::objective::{pack_pairs, pair_logprobs};
 use ferrolm::nn::{LoraConfig, Proj};
 use ferrolm::{DType, Device, Llama};
 use std::path::{Path, PathBuf};
+use tools::{run_in, text};
 
 #[test]
 fn tool_process() {
@@ -154,7 +154,8 @@ fn the_last_line_is_preference_loss_over_the_file() {
     // With --tp 2 (thread ranks) the vocabulary-parallel head gives the same sums.
     for (bs, tp) in [("1", "1"), ("3", "1"), ("2", "2")] {
         let extra = [flag("ref-model", &s.reference), "--beta=0.5".into(), "--loss-type=sigmoid,sft,ipo".into()];
-        let extra = [&extra[..], &["--loss-weights".into(), "1,0.5,0.25".into(), "--batch-size".into(), bs.into(), format!("--tp={tp}")]].concat();
+        let extra =
+            [&extra[..], &["--loss-weights".into(), "1,0.5,0.25".into(), "--batch-size".into(), bs.into(), format!("--tp={tp}")]].concat();
         let a: EvalArgs = parse_from(eval_args(&s, &extra.iter().map(String::as_str).collect::<Vec<_>>())).unwrap();
         let got = ferrolm::cli::eval::evaluate_preference(a).unwrap();
         assert!(close(got.loss, want, 1e-5), "--batch-size {bs} --tp {tp}: {} vs {want}", got.loss);

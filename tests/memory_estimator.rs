@@ -14,7 +14,8 @@
 //! tensor and is left out of the comparison.
 //!
 //! Each family's block features (`estimate_bounds_the_measured_peak_of_each_family_on_the_cpu`)
-//! are held to the same band.
+//! and a DPO run with a live or a precomputed reference
+//! (`estimate_bounds_the_measured_peak_of_dpo_on_the_cpu`) are held to the same band.
 //!
 //! A feature that changes what training holds (a fused loss head, frozen weights) adds rows to
 //! the tables of `cpu_cases` / `emulator_cases`, with a field in `Case` if the run needs one.
@@ -569,7 +570,9 @@ fn estimate_bounds_the_measured_peak_of_dpo_on_the_cpu() {
         assert!(2 * shortest > row && longest <= row, "prompt + completion: {shortest} to {longest} tokens");
     }
     let mut peaks = vec![];
-    for (name, extra, reference) in [("live", None, ReferenceMode::Separate), ("precomputed", Some("--precompute-ref"), ReferenceMode::None)] {
+    for (name, extra, reference) in
+        [("live", None, ReferenceMode::Separate), ("precomputed", Some("--precompute-ref"), ReferenceMode::None)]
+    {
         let out = dir.join(name);
         let argv: Vec<String> = [
             "dpo".to_string(),

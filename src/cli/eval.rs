@@ -272,7 +272,9 @@ fn score(a: &EvalArgs, text: &Path, model: &Llama, tokenizer: &Tokenizer, ids: &
 pub fn evaluate_preference(mut a: EvalArgs) -> AnyResult<crate::eval::PreferenceScore> {
     use crate::nn::objective::preference::PreferenceConfig;
     let Some(file) = a.preference.clone() else { bail!("give --preference FILE") };
-    for (given, flag) in [(a.truncate, "--truncate"), (a.show_example.is_some(), "--show-example"), (a.train_on != TrainOn::default(), "--train-on")] {
+    for (given, flag) in
+        [(a.truncate, "--truncate"), (a.show_example.is_some(), "--show-example"), (a.train_on != TrainOn::default(), "--train-on")]
+    {
         if given {
             return Err(flag_error(format!("{flag} applies to --chat FILE, not to --preference")));
         }
@@ -341,7 +343,8 @@ pub fn evaluate_preference(mut a: EvalArgs) -> AnyResult<crate::eval::Preference
         || Ok(()),
         |_, comm| {
             let model = crate::parallel::load_for_inference(dir, adapter.as_deref(), dtype, device, comm.clone(), &layout)?;
-            let ref_model = ref_dir.as_deref().map(|r| crate::parallel::load_for_inference(r, None, dtype, device, comm, &layout)).transpose()?;
+            let ref_model =
+                ref_dir.as_deref().map(|r| crate::parallel::load_for_inference(r, None, dtype, device, comm, &layout)).transpose()?;
             let which = match (&ref_model, &adapter) {
                 (Some(m), _) => crate::eval::PreferenceReference::Model(m),
                 (None, Some(_)) => crate::eval::PreferenceReference::AdaptersOff,
