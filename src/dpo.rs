@@ -242,7 +242,7 @@ impl Preference {
 }
 
 /// `model`'s log-probs of every pair of `pairs` (chosen, rejected), `batch` pairs a forward,
-/// without gradients; `adapters_off`: the LoRA base's.
+/// without gradients (any LoRA adapters of `model` switched off: the reference is its base).
 pub fn precompute(model: &Llama, pairs: &[PreferencePair], batch: usize, row_tokens: usize, pad_id: u32) -> AnyResult<Vec<[f64; 2]>> {
     let mut out = Vec::with_capacity(pairs.len());
     let bar = crate::progress::Progress::steps(pairs.len().div_ceil(batch.max(1)) as u64, "ref  ");

@@ -125,7 +125,7 @@ fn lora_reference_is_the_base_model() {
     let (ck, data) = setup(&dir, 8);
     let (off, sep) = (dir.join("off"), dir.join("sep"));
     let lora = ["--steps=3", "--lora-rank=4", "--lr=2e-2"];
-    dpo(&ck, &data, &off, &lora).unwrap();
+    dpo(&ck, &data, &off, &[&lora[..], &["--save-every=2"]].concat()).unwrap();
     let ref_flag = flag("ref-model", &ck);
     dpo(&ck, &data, &sep, &[&lora[..], &[ref_flag.as_str()]].concat()).unwrap();
     let (a, b) = (losses(&off), losses(&sep));
@@ -133,6 +133,12 @@ fn lora_reference_is_the_base_model() {
     close(&a, &b, 1e-6, "adapters off vs the base as --ref-model");
     assert!(a[2] < a[0], "{a:?}");
     assert!(off.join("checkpoints/step-000003/adapter_model.safetensors").is_file());
+    // A LoRA run resumes exactly from its adapter checkpoint, the reference still the base.
+    let resumed = dir.join("resumed");
+    let step2 = off.join("checkpoints/step-000002");
+    dpo(&ck, &data, &resumed, &[&lora[..], &["--resume", step2.to_str().unwrap()]].concat()).unwrap();
+    let bits = |v: Vec<f64>| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+    assert_eq!(bits(losses(&resumed)), bits(a));
     let _ = std::fs::remove_dir_all(&dir);
 }
 
@@ -166,6 +172,12 @@ fn dpo_under_tp_dp_zero3_and_offload_follows_one_device() {
             assert_eq!(got.3, one.3, "{what} rewards/accuracies");
         }
     }
+    // The sft term is a mean over the step's chosen tokens on every rank, not over a rank's.
+    let mix = ["--loss-type=sigmoid,sft", "--loss-weights=1,0.5"];
+    let one = run("mix-one", &[&mix[..], &["--grad-accum=2"]].concat());
+    let dp = run("mix-dp2", &[&mix[..], &["--dp=2"]].concat());
+    assert!(one.0[0] > std::f64::consts::LN_2 + 0.1, "the sft term is in the loss: {:?}", one.0);
+    close(&dp.0, &one.0, 1e-5, "sigmoid,sft under --dp 2");
     let _ = std::fs::remove_dir_all(&dir);
 }
 
@@ -189,9 +201,13 @@ fn bad_flags_and_an_out_holding_the_reference_exit_2_naming_the_flag() {
     for f in ["config.json", "model.safetensors", "tokenizer.json"] {
         std::fs::copy(ck.join(f), inside.join(f)).unwrap();
     }
-    let e = dpo(&ck, &data, &out, &[flag("ref-model", &inside).as_str()]).unwrap_err();
-    assert_eq!(exit_code(&e), 2, "{e:#}");
-    assert!(format!("{e:#}").contains("--ref-model"), "{e:#}");
+    let before = snapshot(&out);
+    for extra in [&[][..], &["--overwrite"][..]] {
+        let e = dpo(&ck, &data, &out, &[extra, &[flag("ref-model", &inside).as_str()]].concat()).unwrap_err();
+        assert_eq!(exit_code(&e), 2, "{e:#}");
+        assert!(format!("{e:#}").contains("--ref-model"), "{e:#}");
+        assert!(snapshot(&out) == before, "{extra:?}: --out changed");
+    }
     // A value clap rejects names its flag too.
     let e = parse_from::<DpoArgs, _, _>(["dpo", "--model=m", "--max-length=0"]).unwrap_err();
     assert!(e.to_string().contains("--max-length"), "{e}");

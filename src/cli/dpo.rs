@@ -175,7 +175,7 @@ fn split_validation(pairs: Vec<PreferencePair>, fraction: f64, seed: u64) -> (Ve
     }
     k = k.min(n.saturating_sub(1));
     let mut idx: Vec<usize> = (0..n).collect();
-    let mut rng = crate::tensor::Rng::new(seed ^ 0x5eed_0f_7a1);
+    let mut rng = crate::tensor::Rng::new(seed ^ 0x0005_eed0_f7a1);
     for i in (1..n).rev() {
         idx.swap(i, (rng.next_u64() % (i as u64 + 1)) as usize);
     }
@@ -232,7 +232,7 @@ fn prepare(args: &DpoArgs) -> AnyResult<Prepared> {
     let ref_dir = match &args.pref.ref_model {
         Some(r) => {
             let d = super::model_dir("--ref-model", r)?;
-            let rc = LlamaConfig::from_file(&d.join("config.json"))?;
+            let rc = LlamaConfig::from_file(d.join("config.json"))?;
             if rc.vocab_size != cfg.vocab_size {
                 return Err(flag_error(format!(
                     "--ref-model {}: its vocabulary has {} tokens, --model's {}: the reference must score the same tokens",
