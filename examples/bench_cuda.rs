@@ -21,9 +21,10 @@
 //! FERROLM_REQUIRE_GPU=1).
 use anyhow::anyhow;
 use ferrolm::cli::BenchCudaArgs;
+use ferrolm::ops::nf4::{dequantize_cuda, DeviceQuant4, OrigDtype, Quant4, QuantSpec};
 use ferrolm::ops::{attention, bias, cross_entropy, embedding, rmsnorm, rope, softcap, softmax, swiglu, AttnDims, Glu};
 use ferrolm::tensor::backend::{Backend, BinaryOp, ReduceOp, UnaryOp, View};
-use ferrolm::tensor::{bf16, CpuStorage, DType, Layout, Rng, Shape, Storage};
+use ferrolm::tensor::{bf16, CpuStorage, DType, Device, Layout, Rng, Shape, Storage};
 use ferrolm::AnyResult;
 use ferrolm_cuda::CudaBackend;
 use std::fmt::Write as _;
@@ -438,6 +439,30 @@ fn run(args: BenchCudaArgs) -> AnyResult<()> {
                 Ok(())
             })?;
             push(&mut rows, "bias grad db (bf16)", format!("({rn}, {f})"), ms, nn * 2.0, 0.0);
+        }
+        be.empty_cache()?;
+        {
+            // QLoRA's dequantize (kernels/nf4.cu, `nf4_dequant_*`): an NF4 weight with double
+            // quantization to bf16 and to f32 in one launch, at an 8B Llama's q_proj (4096 x 4096)
+            // and (not --quick) its gate/up/down (14336 x 4096). Bytes: the packed codes (n / 2),
+            // the absmax codes (n / 64), the nested f32 scales (n / 16384) and the code books
+            // read, as the device copy holds them (16-byte padded); the weight written.
+            let shapes = pick(tiny, quick, vec![(4096, 4096)], vec![(4096, 4096), (14336, 4096)], vec![(64, 512)]);
+            for (o, i) in shapes {
+                let n = o * i;
+                let w: Vec<f32> = (0..n).map(|_| fast_normal(&mut bn.rng, 0.02)).collect();
+                let q = Quant4::quantize("w", &w, &[o, i], OrigDtype::BF16, QuantSpec::QLORA)?;
+                drop(w);
+                let dq = DeviceQuant4::upload(&q, "w", Device::Cuda(0))?;
+                let read = [&dq.packed, &dq.codes, &dq.absmax, &dq.tables].iter().map(|t| t.numel() * 4).sum::<usize>() as f64;
+                for (dt, name, eb) in [(DType::BF16, "nf4_dequant (bf16)", 2.0), (DType::F32, "nf4_dequant (f32)", 4.0)] {
+                    let ms = bn.time(|| {
+                        dequantize_cuda(&dq, dt)?;
+                        Ok(())
+                    })?;
+                    push(&mut rows, name, format!("({o}, {i})"), ms, read + n as f64 * eb, 0.0);
+                }
+            }
         }
         be.empty_cache()?;
         {

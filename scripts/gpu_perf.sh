@@ -27,7 +27,8 @@ Parts (in this order; each has its own time limit, and the whole run keeps to GP
                 tokens/s, ours/eager, ours/compile, MFU of each by the same count,
                 (6 N + 12 L T d) FLOPs per token over FERROLM_PEAK_TFLOPS [989]
                 [124m: 45 s ours + 40 s eager + 120 s compile; 1b: 75 s + 60 s]
-  3 bench_cuda  bench_cuda: every kernel against its floor (GP_ATTENTION_ONLY=1: attention only,
+  3 bench_cuda  bench_cuda: every kernel against its floor, QLoRA's nf4_dequant rows included
+                (figure nf4_dequant_floor_over_time) (GP_ATTENTION_ONLY=1: attention only,
                 bench_cuda --attention-only); its bench_cuda.md and .json kept; then (GPU only)
                 scripts/bench_attention_torch.py --ours on its attention rows: PyTorch SDPA flash
                 forward and forward+backward beside ours, with TFLOP/s and the worst ratios as
@@ -361,13 +362,16 @@ part3() {
     OUT="$WORK/bench" "$bin" "${args[@]}" --log-level warn
     s=$?
     cp -f "$WORK/bench/bench_cuda.md" "$WORK/bench/bench_cuda.json" "$OUT/" 2>/dev/null
-    local md="$WORK/bench/bench_cuda.md" gemm copy rows
+    local md="$WORK/bench/bench_cuda.md" gemm copy rows nf4
     gemm=$(grep 'GEMM' "$md" 2>/dev/null | grep -o '[0-9.]* TFLOP/s' | head -n 1 | awk '{print $1}')
     copy=$(grep 'device copy' "$md" 2>/dev/null | grep -o '[0-9.]* GB/s' | head -n 1 | awk '{print $1}')
     rows=$(awk '/^## Kernels/ {k = 1} /^## / && !/Kernels/ {k = 0} k && /^\| [^-k]/ {n++} END {print n + 0}' "$md" 2>/dev/null)
     fig kernel_rows "$(jnum "${rows:-0}")"
     fig gemm_tflops "$(jnum "$gemm")"
     fig copy_gb_s "$(jnum "$copy")"
+    # QLoRA's dequantize (issue 53): the last bf16 row's floor / time (the largest weight).
+    nf4=$(grep '^| nf4_dequant (bf16) ' "$md" 2>/dev/null | tail -n 1 | awk -F'|' '{gsub(/ /, "", $8); print $8}')
+    fig nf4_dequant_floor_over_time "$(jnum "$nf4")"
     [ -s "$OUT/bench_cuda.json" ] && fig outputs "$(jstr "bench_cuda.md, bench_cuda.json")"
     [ "$REHEARSE" = 1 ] || attention_vs_torch
     [ $s -eq 0 ] && [ -s "$WORK/bench/bench_cuda.json" ]

@@ -1,8 +1,8 @@
 //! The figures the guides quote that do not depend on how long a run trains, recomputed from
 //! the commands the guides show (tests/documented_commands.rs runs those commands shrunk, so it
 //! cannot check what they print): LORA.md's trainable share of its worked example,
-//! FINETUNING.md's packing of the bundled chat file, and PREFERENCE.md's summary of the bundled
-//! preference pairs. Each test first finds the command in the
+//! FINETUNING.md's packing of the bundled chat file, PREFERENCE.md's summary of the bundled
+//! preference pairs, and LORA.md's memory tables. Each test first finds the command in the
 //! guide, so a changed command fails here until its figures are regenerated.
 mod common;
 use common::*;
@@ -75,9 +75,9 @@ fn finetuning_guides_packing_is_its_commands() {
 }
 
 /// PREFERENCE.md's summary line of the bundled pairs (and the README's count of them) is what
-/// PREFERENCE.md's `eval --preference` command prints: data/prefs.jsonl through the fine-tuned checkpoint's template (the bundled one, which
-/// the README's fine-tuning run saves with it) and tokenizer, cut at the model's
-/// max_position_embeddings (eval's default --max-length).
+/// PREFERENCE.md's `eval --preference` command prints: data/prefs.jsonl through the fine-tuned
+/// checkpoint's template (the bundled one, which the README's fine-tuning run saves with it) and
+/// tokenizer, cut at the model's max_position_embeddings (eval's default --max-length).
 #[test]
 fn preference_guides_summary_is_its_commands() {
     use ferrolm::data::preference::{load_preference_pairs, PreferenceOptions};
@@ -98,4 +98,23 @@ fn preference_guides_summary_is_its_commands() {
     // The README's DPO example says how many pairs the file holds.
     let readme = format!("`data/prefs.jsonl` ({} pairs made from", pairs.len());
     assert!(joined(&guide("README.md")).contains(&readme), "README.md should say {readme:?}");
+}
+
+/// docs/LORA.md's memory tables are `lora_memory`'s at its defaults (rank 16, 2048 tokens: the
+/// command the guide shows has no flags), every row: full fine-tuning, LoRA and QLoRA of Llama 3
+/// 8B, and QLoRA beside the published figures; docs/BENCHMARKS.md, "LoRA memory", quotes the
+/// first table. Regenerate them with `cargo run --release --example lora_memory`.
+#[test]
+fn lora_memory_tables_are_the_tools() {
+    let command = "cargo run --release --example lora_memory`";
+    let lines = ferrolm::planner::memory::lora_memory_tables(16, 2048).unwrap();
+    let rows: Vec<&String> = lines.iter().filter(|l| l.starts_with('|')).collect();
+    let first: Vec<&String> = lines.iter().take_while(|l| !l.is_empty()).filter(|l| l.starts_with('|')).collect();
+    assert!(rows.len() >= 9 + 5 && first.len() == 8, "the tool's tables changed shape: {lines:#?}");
+    for (doc, want) in [("docs/LORA.md", &rows), ("docs/BENCHMARKS.md", &first)] {
+        let text = guide(doc);
+        assert!(text.contains(command), "{doc} no longer shows `{command}: update this test");
+        let missing: Vec<&&String> = want.iter().filter(|l| !text.lines().any(|t| t == l.as_str())).collect();
+        assert!(missing.is_empty(), "{doc} should quote lora_memory's rows (regenerate the table); missing:\n{missing:#?}");
+    }
 }

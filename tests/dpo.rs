@@ -98,6 +98,10 @@ fn live_and_precomputed_references_agree_and_resume_is_exact() {
     assert!(pre.join("ref_logps.json").is_file());
     // Resuming at step 2 reuses the saved log-probs and repeats the losses exactly.
     let step2 = pre.join("checkpoints/step-000002");
+    // The data summary and each skip are logged at info level.
+    let (r, log) = capture_logs(|| dpo(&ck, &data, &dir.join("logged"), &["--steps=1"]));
+    r.unwrap();
+    assert!(log.contains("training pairs") && log.contains("records:") && log.contains("(byte offset"), "{log}");
     let resume = |out: &Path| dpo(&ck, &data, out, &["--steps=4", "--precompute-ref", "--resume", step2.to_str().unwrap()]).unwrap();
     resume(&resumed);
     let bits = |v: Vec<f64>| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();

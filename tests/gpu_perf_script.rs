@@ -52,6 +52,7 @@ fn help_names_every_part_and_output() {
         "GP_COMMIT",
         "--loss-chunk-tokens 0",
         "fused_over_eager_peak",
+        "nf4_dequant_floor_over_time",
     ];
     let o = run(&["--help"], &out, &out.join("work"));
     scripts::assert_help(&o, &out, "part", &PARTS, &mentions);
@@ -117,6 +118,8 @@ fn rehearsal_writes_every_part_marked_rehearsal() {
     assert!(f["ours/compile"].get("1b").is_none(), "{text}");
     assert_eq!(v["bench_cuda"]["ok"], true, "{text}\n{log}");
     assert!(positive(&v["bench_cuda"]["figures"]["kernel_rows"]), "{text}");
+    // QLoRA's dequantize row (issue 53): its floor over its time, here the emulator's.
+    assert!(positive(&v["bench_cuda"]["figures"]["nf4_dequant_floor_over_time"]), "{text}");
     for f in ["bench_cuda.md", "bench_cuda.json", "gpu_perf.md", "gpu_perf_logs.tar.gz"] {
         assert!(out.join(f).metadata().is_ok_and(|m| m.len() > 0), "{f} missing or empty in OUT");
     }

@@ -158,9 +158,10 @@ fn load_pairs(data: &Path, opts: &PreferenceOptions, what: &str) -> AnyResult<Ve
     })
     .with_context(|| format!("cannot read the {what} {}", data.display()))?;
     drop(bar);
-    report(&format!("{what} {}: {}", data.display(), stats.summary()));
+    // At info level (the default): what was skipped or cut is never only in debug.
+    tracing::info!("{what} {}: {}", data.display(), stats.summary());
     for m in &stats.skip_messages {
-        report(&format!("  skipped: {m}"));
+        tracing::info!("  skipped: {m}");
     }
     Ok(pairs)
 }

@@ -14,6 +14,7 @@ use super::shape::ModelShape;
 use super::step::Workload;
 use crate::nn::LlamaConfig;
 use anyhow::{bail, Result};
+use ferrolm_ops::nf4::{QuantSpec, NESTED_BLOCKSIZE};
 use ferrolm_ops::LossChunks;
 use ferrolm_parallel::zero::{GradReduceDtype, ShardSpec};
 use ferrolm_tensor::{DType, Device};
@@ -102,8 +103,8 @@ pub fn activation_bytes(m: &ModelShape, w: &Workload) -> f64 {
 }
 
 /// Elements per token a layer saves (see [`activation_bytes`]). The attention part scales with
-/// the query width heads · head_dim (hidden for Llama's shapes; Qwen3's and Gemma's explicit
-/// head_dim may make it wider). The family's block features save more (measured on the CPU,
+/// the query width heads · head_dim (hidden for Llama's shapes; an explicit config head_dim
+/// may make it wider). The family's block features save more (measured on the CPU,
 /// tests/memory_estimator.rs, `each_family`): QK-norm keeps the q and k projections' outputs
 /// (the norm's inputs) beside the normed heads RoPE reads, 2 (q + kv) of this rank's width; the
 /// sandwich's two post-branch norms keep their inputs, 2 hidden (after the reduction: not split).
@@ -193,7 +194,11 @@ pub fn head_bytes(m: &ModelShape, w: &Workload, host: bool, dw: bool) -> (f64, f
 /// layer, sharded as above, with f32 gradients and m and v (no master); the base is frozen in the
 /// compute dtype on every data-parallel rank (its tensor-parallel share only), with no gradient
 /// and no optimizer state, and the head's and the embedding's weight gradients are never formed.
-/// The forward saves more for backward: [`lora_activation_bytes`].
+/// The forward saves more for backward: [`lora_activation_bytes`]. With a 4-bit base (QLoRA,
+/// `LoraMem::quantized_base`) the frozen bytes are [`frozen_base_bytes`]'s: the blocks' linear
+/// weights at [`quant_bits_per_param`] (4.127 bits for NF4 with double quantization) and one
+/// dequantized weight in the compute dtype, the embedding, norms, biases and head in the compute
+/// dtype; its forward saves more again: [`qlora_activation_bytes`].
 pub fn memory(m: &ModelShape, w: &Workload, spec: ShardSpec, micro_batches: usize, workspace: f64, lora: Option<&LoraMem>) -> Memory {
     memory_on(m, w, spec, micro_batches, workspace, lora, None, false)
 }
@@ -213,13 +218,12 @@ fn memory_on(
     host: bool,
 ) -> Memory {
     let e = w.elem_bytes as f64;
-    let base: f64 = m.bucket_params(w.tp).iter().sum::<u64>() as f64;
     // What the engine trains: its buckets, their element and gradient bytes, the frozen bytes.
     let (buckets, pe, ge, frozen, largest): (Vec<f64>, f64, f64, f64, f64) = match lora {
         None => (m.bucket_params(w.tp).iter().map(|&n| n as f64).collect(), e, w.grad_bytes as f64, 0.0, m.largest_param(w.tp) as f64),
         Some(l) => {
             let layer = lora_layer_params(m, w.tp, l);
-            (vec![layer; l.layers.min(m.layers)], 4.0, 4.0, base * e, lora_largest_factor(m, w.tp, l))
+            (vec![layer; l.layers.min(m.layers)], 4.0, 4.0, frozen_base_bytes(m, w, l.quantized_base), lora_largest_factor(m, w.tp, l))
         }
     };
     let local: f64 = buckets.iter().sum();
@@ -255,7 +259,7 @@ fn memory_on(
     let head = head_bytes(m, w, host, lora.is_none()).1;
     let step_sq = 4.0 * biggest / so;
     let activations = activation_bytes(m, w)
-        + lora.map_or(0.0, |l| lora_activation_bytes(m, w, l))
+        + lora.map_or(0.0, |l| lora_activation_bytes(m, w, l) + qlora_activation_bytes(m, w, l))
         + if pref.is_some() { sequence_sum_bytes(w) } else { 0.0 };
     let reference = pref.map_or(0.0, |p| reference_bytes(m, w, p.reference));
     let backward_start = accumulator + head_grad + if fused { head.max(in_flight) } else { head + in_flight };
@@ -311,6 +315,12 @@ pub struct LoraMem {
     pub layers: usize,
     /// `--lora-dropout` above 0: each adapter's input is masked in a copy of its own.
     pub dropout: bool,
+    /// QLoRA (`--quantize-base nf4`: `QuantSpec::QLORA`): the blocks' frozen linear weights held
+    /// 4-bit (see [`frozen_base_bytes`], [`qlora_activation_bytes`]); None (what `LoraMem::new`
+    /// gives): the whole base in the compute dtype. The tools set it where they build the
+    /// `LoraMem` (`cli::lora`'s `memory`, `train`'s single-device check) from the flag or the
+    /// model's 4-bit base.
+    pub quantized_base: Option<QuantSpec>,
 }
 
 impl LoraMem {
@@ -320,8 +330,85 @@ impl LoraMem {
         for p in &cfg.targets {
             targets[*p as usize] = true;
         }
-        LoraMem { rank: cfg.rank, targets, layers: cfg.layers.as_ref().map_or(layers, Vec::len), dropout: cfg.dropout > 0.0 }
+        LoraMem {
+            rank: cfg.rank,
+            targets,
+            layers: cfg.layers.as_ref().map_or(layers, Vec::len),
+            dropout: cfg.dropout > 0.0,
+            quantized_base: None,
+        }
     }
+}
+
+/// Bits a parameter of a 4-bit weight costs, from the block sizes: the 4-bit code, plus its
+/// block's absmax spread over the block's `blocksize` elements: 32 bits (f32) plain, or with
+/// double quantization an 8-bit code plus the f32 scale of its 256-absmax nested block. For
+/// QLoRA's NF4 (blocks of 64, nested blocks of 256):
+///
+///   4 + 8 / 64 + 32 / (64 · 256) = 4 + 0.125 + 0.001953125 = 4.126953125 ≈ 4.127 bits,
+///
+/// i.e. 0.515869140625 bytes a parameter, 25.8% of bf16's 2 (the nested offset, one f32 a
+/// tensor, and the code books are per tensor: [`quant4_bytes`]).
+pub fn quant_bits_per_param(q: QuantSpec) -> f64 {
+    let bs = q.blocksize as f64;
+    if q.double_quant {
+        4.0 + 8.0 / bs + 32.0 / (bs * NESTED_BLOCKSIZE as f64)
+    } else {
+        4.0 + 32.0 / bs
+    }
+}
+
+/// Device bytes of one 4-bit weight of `n` elements as `ferrolm_ops::nf4::DeviceQuant4` holds it:
+/// the packed codes (ceil(n / 2) bytes) and the absmax codes (one byte a block), each padded to
+/// 16 bytes for the kernel's 16-byte loads, the f32 nested scales (one per 256 blocks; plain: an
+/// f32 absmax a block) and the 272 f32 levels of the two code books. For n a multiple of
+/// 64 · 256 that is n · [`quant_bits_per_param`] / 8 plus the 1088 bytes of code books (the
+/// host's `Quant4` holds the same within a few bytes: its nested map of 256 f32 and the offset).
+pub fn quant4_bytes(n: u64, q: QuantSpec) -> f64 {
+    let pad16 = |b: u64| b.div_ceil(16).max(1) * 16;
+    let blocks = n.div_ceil(q.blocksize as u64);
+    let absmax = if q.double_quant { pad16(blocks) + 4 * blocks.div_ceil(NESTED_BLOCKSIZE as u64).max(1) } else { 16 + 4 * blocks.max(1) };
+    (pad16(n.div_ceil(2)) + absmax + 4 * QUANT4_TABLE_LEVELS) as f64
+}
+
+/// The levels a 4-bit weight's device copy carries: 16 of its codes, 256 of the nested map.
+const QUANT4_TABLE_LEVELS: u64 = 16 + 256;
+
+/// The weights a 4-bit base quantizes, on one of `tp` ranks (each shard quantized on its own):
+/// every block's linear weights (q, k, v, o, gate, up, down), whether or not LoRA adapts them,
+/// as bitsandbytes' `Linear4bit` replaces every `nn.Linear` but the head. Their biases, the
+/// norms, the embedding and the head stay in the compute dtype.
+pub fn quantized_weights(m: &ModelShape, tp: usize) -> Vec<u64> {
+    let specs = crate::nn::spec::layer_specs(0, &m.dims(), &m.extras);
+    specs.iter().filter(|s| s.lora_target.is_some()).map(|s| s.local_numel(tp.max(1))).collect()
+}
+
+/// The frozen base of a LoRA run on one of `w.tp` ranks, in bytes. In the compute dtype
+/// (`quant` None) every parameter at `w.elem_bytes`. 4-bit (QLoRA): each block's linear
+/// weights at [`quant4_bytes`] (4.127 bits a parameter), the rest (embedding, norms, biases,
+/// head) in the compute dtype, plus the dequantize scratch: `nn::QuantLinear` dequantizes a
+/// weight just before its GEMM and drops it right after, in the forward and again in the
+/// backward (for dX = dY W; a checkpointed layer's recomputation the same), so one dequantized
+/// weight is alive at a time, never a forward's and a backward's together: the largest, in the
+/// compute dtype (on CUDA the pool keeps that block for the next layer's: it stays held). A
+/// compute dtype other than f32 and bf16 dequantizes through f32 first (4 bytes more).
+pub fn frozen_base_bytes(m: &ModelShape, w: &Workload, quant: Option<QuantSpec>) -> f64 {
+    let e = w.elem_bytes as f64;
+    let all: u64 = m.bucket_params(w.tp).iter().sum();
+    let Some(q) = quant else { return all as f64 * e };
+    let weights = quantized_weights(m, w.tp);
+    let layers = m.layers as f64;
+    let quantized: u64 = weights.iter().sum::<u64>() * m.layers as u64;
+    let codes: f64 = layers * weights.iter().map(|&n| quant4_bytes(n, q)).sum::<f64>();
+    (all - quantized) as f64 * e + codes + dequant_scratch_bytes(m, w)
+}
+
+/// The dequantize scratch of a 4-bit base (see [`frozen_base_bytes`]): the largest quantized
+/// weight on one of `w.tp` ranks, in the compute dtype.
+pub fn dequant_scratch_bytes(m: &ModelShape, w: &Workload) -> f64 {
+    let largest = quantized_weights(m, w.tp).into_iter().max().unwrap_or(0) as f64;
+    let e = w.elem_bytes as f64;
+    largest * if e == 2.0 || e == 4.0 { e } else { e + 4.0 }
 }
 
 /// (in, out) of each projection on one of `tp` ranks, `Proj` order: from the spec, a
@@ -359,6 +446,30 @@ pub fn lora_activation_bytes(m: &ModelShape, w: &Workload, l: &LoraMem) -> f64 {
     let factors = lora_layer_params(m, w.tp, l) * if e < 4.0 { 6.0 } else { 4.0 };
     let dropped = if l.dropout { 2.0 * tokens * e * on().map(|(i, _)| i).sum::<f64>() } else { 0.0 };
     (u + factors + dropped) * l.layers.min(m.layers) as f64
+}
+
+/// What an adapted projection over a 4-bit base saves beyond LoRA's (QLoRA; 0 without
+/// `quantized_base`): `nn::QuantOp::forward_adapted` computes the base's product, the adapter's
+/// and their sum as separate autograd nodes, so until backward each adapted projection holds its
+/// base output and its adapter output (N · out elements each), and o and down, which take the
+/// residual, their partial sum too (dense LoRA's `linear_adapted` is one node that holds none of
+/// them). Charged for the adapted layers that are not checkpointed (a checkpointed layer's
+/// recomputation holds one layer's, within the margin: measured on the CPU). A fused
+/// `forward_adapted` would make this 0.
+pub fn qlora_activation_bytes(m: &ModelShape, w: &Workload, l: &LoraMem) -> f64 {
+    if l.quantized_base.is_none() {
+        return 0.0;
+    }
+    let (tokens, e) = ((w.micro_batch * w.seq) as f64, w.elem_bytes as f64);
+    let held: f64 = local_projections(m, w.tp)
+        .into_iter()
+        .zip(l.targets)
+        .enumerate()
+        .filter(|(_, (_, on))| *on)
+        .map(|(p, ((_, out), _))| out * if p == 3 || p == 6 { 3.0 } else { 2.0 })
+        .sum();
+    let plain = m.layers.saturating_sub(w.checkpointed_layers.min(m.layers));
+    tokens * e * held * l.layers.min(plain) as f64
 }
 
 /// The largest adapter factor on one of `tp` ranks.
@@ -626,4 +737,228 @@ pub fn check_layout(cfg: &LlamaConfig, dtype: DType, device: Device, o: &RunShap
         }
     }
     Ok(mem)
+}
+
+/// A Llama 3 8B (hidden 4096, 32 layers, 8 key/value heads, vocabulary 128256, untied):
+/// `lora_memory`'s model.
+pub const LLAMA3_8B: &str = r#"{"model_type":"llama","vocab_size":128256,"hidden_size":4096,"intermediate_size":14336,
+    "num_hidden_layers":32,"num_attention_heads":32,"num_key_value_heads":8,"max_position_embeddings":8192,
+    "rope_theta":500000.0,"tie_word_embeddings":false}"#;
+
+/// A LLaMA shape: (layers, hidden, intermediate, heads, key/value heads).
+pub type LlamaShape = (usize, usize, usize, usize, usize);
+
+/// Published QLoRA memory figures, theirs, not this estimator's: (model, LLaMA shape as
+/// (layers, hidden, intermediate, heads, key/value heads), figure, source).
+pub const PUBLISHED_QLORA: [(&str, LlamaShape, &str, &str); 5] = [
+    ("LLaMA 7B", (32, 4096, 11008, 32, 32), "6 GB", "LLaMA-Factory README, Hardware Requirement (their estimate)"),
+    ("LLaMA 13B", (40, 5120, 13824, 40, 40), "12 GB", "LLaMA-Factory README, Hardware Requirement (their estimate)"),
+    ("LLaMA 30B", (60, 6656, 17920, 52, 52), "24 GB", "LLaMA-Factory README, Hardware Requirement (their estimate)"),
+    ("LLaMA 65B", (80, 8192, 22016, 64, 64), "one 48 GB GPU", "QLoRA paper (Dettmers et al. 2023, arXiv:2305.14314)"),
+    ("Llama 2 70B", (80, 8192, 28672, 64, 8), "48 GB", "LLaMA-Factory README, Hardware Requirement (their estimate)"),
+];
+
+/// The lines `examples/lora_memory.rs` prints (docs/LORA.md, "QLoRA"; docs/BENCHMARKS.md, "LoRA
+/// memory"; tests/documented_numbers.rs checks the documents quote them): the estimate, in bf16
+/// on one GPU with one sequence of `seq` tokens a micro-batch and LoRA of `rank` on all seven
+/// projections, of a Llama 3 8B fine-tuned in full, with LoRA and with QLoRA (NF4 base), with
+/// and without activation checkpointing; then QLoRA (checkpointed) at the published figures'
+/// LLaMA shapes beside those figures.
+pub fn lora_memory_tables(rank: usize, seq: usize) -> Result<Vec<String>> {
+    use crate::nn::{LoraConfig, Proj};
+    let lora = LoraConfig::new(rank, None, 0.0, Proj::ALL.to_vec(), false)?;
+    let run = |cfg: &LlamaConfig, quantized: Option<Option<QuantSpec>>, checkpointing: bool| -> Result<Memory> {
+        let lora = quantized.map(|q| LoraMem { quantized_base: q, ..LoraMem::new(&lora, cfg.num_hidden_layers) });
+        let l = MemParallelism { lora, ..MemParallelism::single(checkpointing) };
+        estimate(cfg, DType::BF16, Device::Cuda(0), 1, seq, 1, &l).ok_or_else(|| anyhow::anyhow!("--seq-len {seq}: the estimate overflows"))
+    };
+    let cfg = LlamaConfig::from_json_str(LLAMA3_8B)?;
+    let mut out = vec![
+        format!(
+            "Llama 3 8B, bf16, one GPU, 1 x {seq} tokens; LoRA rank {rank} on q,k,v,o,gate,up,down; QLoRA: the blocks' linear weights in NF4 ({:.3} bits)",
+            quant_bits_per_param(QuantSpec::QLORA)
+        ),
+        format!("| {:<30} | {:>10} | {:>10} | {:>10} | {:>11} | {:>10} |", "run", "parameters", "gradients", "optimizer", "activations", "peak"),
+        format!("|{:-<32}|{:-<12}|{:-<12}|{:-<12}|{:-<13}|{:-<12}|", "", "", "", "", "", ""),
+    ];
+    for checkpointing in [false, true] {
+        for (name, quantized) in [("full fine-tuning", None), ("LoRA", Some(None)), ("QLoRA", Some(Some(QuantSpec::QLORA)))] {
+            let m = run(&cfg, quantized, checkpointing)?;
+            let name = format!("{name}{}", if checkpointing { ", checkpointed" } else { "" });
+            out.push(format!(
+                "| {name:<30} | {:>10} | {:>10} | {:>10} | {:>11} | {:>10} |",
+                human(m.params),
+                human(m.grads),
+                human(m.optim),
+                human(m.activations),
+                human(m.total())
+            ));
+        }
+    }
+    out.push(String::new());
+    out.push(format!("QLoRA rank {rank}, checkpointed, 1 x {seq} tokens, at the published figures' shapes (vocabulary 32000):"));
+    out.push(format!("| {:<11} | {:>13} | {:<60} | {:>20} |", "model", "published", "source (their figure)", "this estimator"));
+    out.push(format!("|{:-<13}|{:-<15}|{:-<62}|{:-<22}|", "", "", "", ""));
+    for (model, (layers, hidden, inter, heads, kv), figure, source) in PUBLISHED_QLORA {
+        let cfg = LlamaConfig::from_json_str(&format!(
+            r#"{{"model_type":"llama","vocab_size":32000,"hidden_size":{hidden},"intermediate_size":{inter},"num_hidden_layers":{layers},"num_attention_heads":{heads},"num_key_value_heads":{kv}}}"#
+        ))?;
+        let peak = run(&cfg, Some(Some(QuantSpec::QLORA)), true)?.total();
+        let ours = format!("{} ({:.1} GB)", human(peak), peak / 1e9);
+        out.push(format!("| {model:<11} | {figure:>13} | {source:<60} | {ours:>20} |"));
+    }
+    Ok(out)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use ferrolm_ops::nf4::{OrigDtype, Quant4, QuantType};
+
+    const QLORA: QuantSpec = QuantSpec::QLORA;
+
+    /// The 4.127 bits of QLoRA's NF4 from its block sizes: 4-bit codes, an 8-bit absmax code a
+    /// block of 64, an f32 scale a nested block of 256 absmax values.
+    #[test]
+    fn nf4_with_double_quantization_costs_4_127_bits_a_parameter() {
+        assert_eq!((QLORA.blocksize, NESTED_BLOCKSIZE), (64, 256));
+        let bits = quant_bits_per_param(QLORA);
+        assert_eq!(bits, 4.0 + 8.0 / 64.0 + 32.0 / (64.0 * 256.0));
+        assert_eq!(bits, 4.126953125);
+        assert_eq!(format!("{bits:.3}"), "4.127");
+        // Without double quantization an f32 absmax a block: 4.5 bits.
+        assert_eq!(quant_bits_per_param(QuantSpec { double_quant: false, ..QLORA }), 4.5);
+        // FP4 is stored the same way.
+        assert_eq!(quant_bits_per_param(QuantSpec { quant_type: QuantType::Fp4, ..QLORA }), bits);
+        // A weight whose size is a multiple of 64 x 256 costs exactly that, plus the code books.
+        for n in [64 * 256, 3 * 64 * 256, 4096 * 4096] {
+            assert_eq!(quant4_bytes(n, QLORA) - 1088.0, n as f64 * bits / 8.0, "n = {n}");
+        }
+    }
+
+    /// The count against the format itself: what `Quant4` stores (codes, absmax codes, nested
+    /// scales, offset) plus the code books the device copy carries and its 16-byte padding.
+    #[test]
+    fn quant4_bytes_are_what_the_quantizer_stores() {
+        for n in [1usize, 63, 64, 65, 1000, 64 * 256, 64 * 256 + 1, 70_001] {
+            let x: Vec<f32> = (0..n).map(|i| ((i * 37 % 101) as f32 - 50.0) / 50.0).collect();
+            for spec in [QLORA, QuantSpec { double_quant: false, ..QLORA }] {
+                let q = Quant4::quantize("w", &x, &[n], OrigDtype::F32, spec).unwrap();
+                let stored = q.stored_bytes() as f64 - if spec.double_quant { 4.0 } else { 0.0 }; // the offset is an argument
+                let counted = quant4_bytes(n as u64, spec);
+                let extra = counted - stored - 1088.0;
+                assert!((0.0..=32.0).contains(&extra), "n {n} {spec:?}: counted {counted}, stored {stored}");
+            }
+        }
+    }
+
+    fn llama3_8b() -> ModelShape {
+        let c = LlamaConfig::from_json_str(
+            r#"{"model_type":"llama","vocab_size":128256,"hidden_size":4096,"intermediate_size":14336,
+            "num_hidden_layers":32,"num_attention_heads":32,"num_key_value_heads":8,"tie_word_embeddings":false}"#,
+        )
+        .unwrap();
+        ModelShape::from_config(&c, "8b")
+    }
+
+    fn workload(tp: usize, elem_bytes: usize) -> Workload {
+        Workload {
+            seq: 2048,
+            micro_batch: 1,
+            global_batch_tokens: 2048,
+            tp,
+            elem_bytes,
+            grad_bytes: 4,
+            checkpointed_layers: usize::MAX,
+            loss_chunks: LossChunks::Auto,
+        }
+    }
+
+    /// A known shape, counted by hand: Llama 3 8B in bf16. Per block q and o 4096², k and v
+    /// 1024 x 4096, gate, up and down 14336 x 4096 (all multiples of 64 x 256: 4.127 bits each
+    /// plus 1088 bytes of code books); the embedding and the head (128256 x 4096) and the norms
+    /// in bf16; the scratch is one down_proj in bf16.
+    #[test]
+    fn a_4bit_base_is_charged_its_bits_its_scratch_and_the_rest_in_the_compute_dtype() {
+        let m = llama3_8b();
+        let w = workload(1, 2);
+        let linear = [4096 * 4096, 1024 * 4096, 1024 * 4096, 4096 * 4096, 14336 * 4096, 14336 * 4096, 14336 * 4096u64];
+        assert_eq!(quantized_weights(&m, 1), linear);
+        let per_block: u64 = linear.iter().sum();
+        let kept = 2 * 128256 * 4096 + 4096 * (2 * 32 + 1); // embedding, head, norms
+        assert_eq!(m.params(), 32 * per_block + kept);
+        let codes = 32.0 * (per_block as f64 * 4.126953125 / 8.0 + 7.0 * 1088.0);
+        let scratch = 14336.0 * 4096.0 * 2.0;
+        assert_eq!(dequant_scratch_bytes(&m, &w), scratch);
+        let want = kept as f64 * 2.0 + codes + scratch;
+        assert_eq!(frozen_base_bytes(&m, &w, Some(QLORA)), want);
+        assert_eq!(frozen_base_bytes(&m, &w, None), m.params() as f64 * 2.0);
+        // 14.96 GiB of bf16 base becomes 5.42 GiB: 3.35 GiB of codes, 1.96 GiB of embedding
+        // and head, 112 MiB of scratch.
+        let gib = |b: f64| b / (1u64 << 30) as f64;
+        assert!((gib(want) - 5.42).abs() < 0.005, "{}", gib(want));
+        assert!((gib(codes) - 3.35).abs() < 0.005 && (gib(kept as f64 * 2.0) - 1.96).abs() < 0.005);
+        // In f32 the kept parameters and the scratch double, the codes do not.
+        let w32 = workload(1, 4);
+        assert_eq!(frozen_base_bytes(&m, &w32, Some(QLORA)), kept as f64 * 4.0 + codes + 2.0 * scratch);
+    }
+
+    /// Under tensor parallelism each shard is quantized on its own: a rank holds half of the
+    /// split weights' codes (the key/value heads whole where fewer than the ranks).
+    #[test]
+    fn tensor_parallel_ranks_hold_their_shards_codes() {
+        let m = llama3_8b();
+        let halves: Vec<u64> = quantized_weights(&m, 1).iter().map(|n| n / 2).collect();
+        assert_eq!(quantized_weights(&m, 2), halves);
+        let w = workload(2, 2);
+        let local: u64 = m.bucket_params(2).iter().sum();
+        let quantized: u64 = halves.iter().sum::<u64>() * 32;
+        let codes: f64 = 32.0 * halves.iter().map(|&n| quant4_bytes(n, QLORA)).sum::<f64>();
+        assert_eq!(frozen_base_bytes(&m, &w, Some(QLORA)), (local - quantized) as f64 * 2.0 + codes + 14336.0 * 2048.0 * 2.0);
+    }
+
+    /// QLoRA against LoRA through the whole estimate: only the parameters' term changes, by the
+    /// quantized weights' bf16 bytes less their codes and the scratch; gradients, optimizer
+    /// state, activations and the transients are the adapters' and the same.
+    #[test]
+    fn qlora_saves_the_base_and_nothing_else_changes() {
+        let m = llama3_8b();
+        let w = workload(1, 2);
+        let lora = LoraMem { rank: 16, targets: [true; 7], layers: 32, dropout: false, quantized_base: None };
+        let qlora = LoraMem { quantized_base: Some(QLORA), ..lora };
+        let spec = ShardSpec { params: 1, grads: 1, optim: 1 };
+        let (a, b) = (memory(&m, &w, spec, 1, 0.0, Some(&lora)), memory(&m, &w, spec, 1, 0.0, Some(&qlora)));
+        let n: u64 = quantized_weights(&m, 1).iter().sum::<u64>() * 32;
+        let saved = a.params - b.params;
+        let want = n as f64 * 2.0
+            - 32.0 * quantized_weights(&m, 1).iter().map(|&k| quant4_bytes(k, QLORA)).sum::<f64>()
+            - dequant_scratch_bytes(&m, &w);
+        assert_eq!(saved, want);
+        assert!(saved > 0.73 * n as f64 * 2.0, "NF4 saves about three quarters of the linear weights' bf16: {saved}");
+        assert_eq!(
+            (a.grads, a.optim, a.activations, a.buffers, a.backward_start),
+            (b.grads, b.optim, b.activations, b.buffers, b.backward_start)
+        );
+        assert_eq!(a.total() - b.total(), saved);
+    }
+
+    /// Without checkpointing each adapted projection over the 4-bit base holds its base and
+    /// adapter outputs until backward, o and down their partial sum with the residual too: per
+    /// token and layer 2 (4096 + 1024 + 1024 + 14336 + 14336) + 3 (4096 + 4096) = 94208 elements
+    /// at Llama 3 8B; checkpointed layers hold none of it.
+    #[test]
+    fn qlora_without_checkpointing_holds_the_split_adapted_outputs() {
+        let m = llama3_8b();
+        let lora = LoraMem { rank: 16, targets: [true; 7], layers: 32, dropout: false, quantized_base: None };
+        let qlora = LoraMem { quantized_base: Some(QLORA), ..lora };
+        let plain = Workload { checkpointed_layers: 0, ..workload(1, 2) };
+        assert_eq!(qlora_activation_bytes(&m, &plain, &qlora), 2048.0 * 2.0 * 94208.0 * 32.0);
+        assert_eq!(qlora_activation_bytes(&m, &plain, &lora), 0.0);
+        assert_eq!(qlora_activation_bytes(&m, &workload(1, 2), &qlora), 0.0);
+        let half = Workload { checkpointed_layers: 16, ..plain };
+        assert_eq!(qlora_activation_bytes(&m, &half, &qlora), 2048.0 * 2.0 * 94208.0 * 16.0);
+        let spec = ShardSpec { params: 1, grads: 1, optim: 1 };
+        let (a, b) = (memory(&m, &plain, spec, 1, 0.0, Some(&lora)), memory(&m, &plain, spec, 1, 0.0, Some(&qlora)));
+        assert_eq!(b.activations - a.activations, 2048.0 * 2.0 * 94208.0 * 32.0);
+    }
 }

@@ -160,7 +160,7 @@ mod tests {
     use ferrolm_nn::{Llama, LlamaConfig};
     use ferrolm_tensor::{DType, Device, Rng};
 
-    /// Attention FLOPs follow each layer's window: a Mistral whose window covers the sequence
+    /// Attention FLOPs follow each layer's window: a `sliding_window` that covers the sequence
     /// costs a Llama's; with window w < t a layer's attention term is sum_i min(i + 1, w) / sum_i
     /// (i + 1) of the full one (~2w / t for w << t), and the parameter term is unchanged.
     #[test]
@@ -176,7 +176,7 @@ mod tests {
         let want = llama.flops_per_token(t) - 2.0 * full_term * (1.0 - share);
         assert!((mistral.flops_per_token(t) - want).abs() <= 1e-9 * want, "{} vs {want}", mistral.flops_per_token(t));
         assert!((share - 2.0 * w as f64 / t as f64).abs() < 0.05 * share, "~ t·w, not t²/2: {share}");
-        // Gemma: only the sliding layer is cheaper; a window at least the sequence is full.
+        // Mixed `layer_types`: only the sliding layer is cheaper; a window at least the sequence is full.
         let gemma = |window: usize| {
             shape(&format!(
                 r#""model_type":"gemma3_text","head_dim":8,"max_position_embeddings":8192,"sliding_window":{window},"layer_types":["sliding_attention","full_attention"]"#
