@@ -124,6 +124,107 @@ pub fn conversations_loss(
     Ok(Score { loss: sum / n as f64, tokens: n, chat: None })
 }
 
+/// The reference a preference file is scored against (`eval --preference`).
+#[derive(Clone, Copy)]
+pub enum PreferenceReference<'a> {
+    /// A model of its own (`--ref-model`).
+    Model(&'a crate::Llama),
+    /// The scored model with its LoRA adapters switched off (`--lora` without `--ref-model`):
+    /// the base, with no second copy of the weights.
+    AdaptersOff,
+    /// The scored model itself: every reward is 0.
+    Itself,
+}
+
+/// A model's score on preference pairs (`eval --preference`): the loss of the whole file as
+/// `preference_loss` computes it over all its pairs at once, and the metrics' sums.
+#[derive(Clone, Debug, PartialEq)]
+pub struct PreferenceScore {
+    /// The weighted loss, averaged over the pairs (and `sft` over the chosen tokens).
+    pub loss: f64,
+    pub metrics: crate::nn::objective::preference::PreferenceMetrics,
+}
+
+impl PreferenceScore {
+    /// The metrics' means under TRL's names, one `name value` line each (`rewards/chosen`, ...).
+    pub fn metric_lines(&self) -> Vec<String> {
+        self.metrics.means().iter().map(|(k, v)| format!("{k} {v:.6}")).collect()
+    }
+
+    /// `eval --preference`'s last line: `dpo_loss X accuracy Y margin Z pairs N` (the mean loss,
+    /// TRL's `rewards/accuracies` and `rewards/margins`, the pairs scored).
+    pub fn line(&self) -> String {
+        let m = self.metrics.means();
+        let get = |k: &str| m.iter().find(|(n, _)| *n == k).map_or(f64::NAN, |(_, v)| *v);
+        format!(
+            "dpo_loss {:.6} accuracy {:.6} margin {:.6} pairs {}",
+            self.loss,
+            get("rewards/accuracies"),
+            get("rewards/margins"),
+            self.metrics.pairs
+        )
+    }
+}
+
+/// Scores `pairs` under `model` against `reference`, `batch_size` pairs a forward pass (each
+/// batch's chosen and rejected sequences packed into rows as long as its longest sequence, with
+/// per-sequence attention: `objective::pack_pairs`), without gradients. The per-sequence sums of
+/// every batch are gathered on the host and `preference_loss` runs once over all the pairs, so
+/// the loss is the file's mean, whatever the batch size. A sequence longer than the model's
+/// max_position_embeddings is refused.
+pub fn preference_score(
+    model: &crate::Llama,
+    reference: PreferenceReference,
+    pairs: &[crate::data::preference::PreferencePair],
+    cfg: &crate::nn::objective::preference::PreferenceConfig,
+    batch_size: usize,
+) -> AnyResult<PreferenceScore> {
+    use crate::nn::objective::preference::{preference_loss, Normalizer, ReferenceLogProbs};
+    use crate::nn::objective::{pack_pairs, pair_logprobs, PairLogProbs};
+    if pairs.is_empty() {
+        bail!("no preference pair to score");
+    }
+    let max = model.config().max_position_embeddings;
+    for (i, p) in pairs.iter().enumerate() {
+        let len = p.chosen_len().max(p.rejected_len());
+        if len > max {
+            bail!(
+                "pair {i} is {len} tokens (prompt + completion), more than the model's max_position_embeddings {max}: lower --max-length"
+            );
+        }
+    }
+    let _g = crate::tensor::no_grad();
+    let (mut c, mut r, mut rc, mut rr) = (vec![], vec![], vec![], vec![]);
+    let (mut nc, mut nr) = (vec![], vec![]);
+    let bar = Progress::items(pairs.len() as u64, "eval");
+    for batch in pairs.chunks(batch_size.max(1)) {
+        let row = batch.iter().map(|p| p.chosen_len().max(p.rejected_len())).max().unwrap_or(1);
+        let packed = pack_pairs(batch, row, 0)?;
+        let policy = pair_logprobs(model, &packed)?;
+        let refs = match reference {
+            PreferenceReference::Model(m) => ReferenceLogProbs::of(&pair_logprobs(m, &packed)?)?,
+            PreferenceReference::AdaptersOff => {
+                let _off = crate::nn::lora::adapters_off();
+                ReferenceLogProbs::of(&pair_logprobs(model, &packed)?)?
+            }
+            PreferenceReference::Itself => ReferenceLogProbs::of(&policy)?,
+        };
+        c.extend(policy.chosen.to_vec_f64()?);
+        r.extend(policy.rejected.to_vec_f64()?);
+        nc.extend_from_slice(&policy.chosen_tokens);
+        nr.extend_from_slice(&policy.rejected_tokens);
+        rc.extend(refs.chosen);
+        rr.extend(refs.rejected);
+        bar.inc(batch.len() as u64);
+    }
+    drop(bar);
+    let n = c.len();
+    let host = |v: Vec<f64>| crate::Tensor::from_vec(v, [n], Device::Cpu);
+    let policy = PairLogProbs { chosen: host(c)?, rejected: host(r)?, chosen_tokens: nc, rejected_tokens: nr };
+    let (loss, metrics) = preference_loss(cfg, &policy, &ReferenceLogProbs { chosen: rc, rejected: rr }, Normalizer::default())?;
+    Ok(PreferenceScore { loss: loss.item()?, metrics })
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -76,6 +76,7 @@ impl Parallelism {
             grad_reduce: self.grad_reduce,
             lora: None,
             loss_chunks: ferrolm_ops::LossChunks::Auto,
+            preference: None,
         })
     }
 

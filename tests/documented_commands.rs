@@ -10,8 +10,8 @@
 //!   `torchrun …` and the like are fragments that name a flag; the fences hold their commands).
 //!
 //! They run in order, one document after another, in one scratch folder that stands for the
-//! repository root (its `data/` holds the bundled tokenizer, chat data and template, and a
-//! shortened corpus; `scripts/`
+//! repository root (its `data/` holds the bundled tokenizer, chat data and template, preference
+//! pairs, and a shortened corpus; `scripts/`
 //! is the repository's), so a command may use what an earlier one wrote, as a reader following
 //! the documents would. Each tool runs as a child process of this test binary (its `tool_process`
 //! test, `common/tools.rs`), not as a built example. How a command is taken:
@@ -240,7 +240,7 @@ impl Sandbox {
         let sonnets = std::fs::read(common::data_path("corpus/sonnets.txt")).unwrap();
         let cut = sonnets[..CORPUS_BYTES].iter().rposition(|&b| b == b'\n').unwrap() + 1;
         std::fs::write(data.join("corpus/sonnets.txt"), &sonnets[..cut]).unwrap();
-        for f in ["chat.jsonl", "chat_template.jinja"] {
+        for f in ["chat.jsonl", "chat_template.jinja", "prefs.jsonl"] {
             std::os::unix::fs::symlink(std::fs::canonicalize(common::data_path(f)).unwrap(), data.join(f)).unwrap();
         }
         std::os::unix::fs::symlink(common::root().join("scripts"), root.join("scripts")).unwrap();

@@ -1,7 +1,8 @@
 //! The figures the guides quote that do not depend on how long a run trains, recomputed from
 //! the commands the guides show (tests/documented_commands.rs runs those commands shrunk, so it
-//! cannot check what they print): LORA.md's trainable share of its worked example, and
-//! FINETUNING.md's packing of the bundled chat file. Each test first finds the command in the
+//! cannot check what they print): LORA.md's trainable share of its worked example,
+//! FINETUNING.md's packing of the bundled chat file, PREFERENCE.md's summary of the bundled
+//! preference pairs, and LORA.md's memory tables. Each test first finds the command in the
 //! guide, so a changed command fails here until its figures are regenerated.
 mod common;
 use common::*;
@@ -71,6 +72,32 @@ fn finetuning_guides_packing_is_its_commands() {
         s.dropped_too_long
     );
     assert!(joined(&text).contains(&format!("`{figure}`")), "docs/FINETUNING.md should quote `{figure}` ({})", s.summary());
+}
+
+/// PREFERENCE.md's summary line of the bundled pairs (and the README's count of them) is what
+/// PREFERENCE.md's `eval --preference` command prints: data/prefs.jsonl through the fine-tuned
+/// checkpoint's template (the bundled one, which the README's fine-tuning run saves with it) and
+/// tokenizer, cut at the model's max_position_embeddings (eval's default --max-length).
+#[test]
+fn preference_guides_summary_is_its_commands() {
+    use ferrolm::data::preference::{load_preference_pairs, PreferenceOptions};
+    let text = guide("docs/PREFERENCE.md");
+    let command = "--preference data/prefs.jsonl --model runs/finetune --ref-model runs/pretrain_llama";
+    assert!(joined(&text).contains(command), "docs/PREFERENCE.md no longer runs `eval {command}`: update this test");
+    let (tokenizer, model) = readme_model();
+    let template = ferrolm::chat::template(None, Some(&data_dir().join("chat_template.jinja")), &tokenizer).unwrap().0;
+    let opts = PreferenceOptions {
+        max_length: Some(model.config().max_position_embeddings),
+        ..PreferenceOptions::new(&tokenizer, Some(&template))
+    };
+    let inputs = ferrolm::data::resolve_inputs(&data_dir().join("prefs.jsonl")).unwrap();
+    let (pairs, stats) = load_preference_pairs(&inputs, &opts, &mut |_, _, _| {}).unwrap();
+    let summary = stats.summary();
+    assert!(!pairs.is_empty());
+    assert!(joined(&text).contains(&summary), "docs/PREFERENCE.md should quote `{summary}`");
+    // The README's DPO example says how many pairs the file holds.
+    let readme = format!("`data/prefs.jsonl` ({} pairs made from", pairs.len());
+    assert!(joined(&guide("README.md")).contains(&readme), "README.md should say {readme:?}");
 }
 
 /// docs/LORA.md's memory tables are `lora_memory`'s at its defaults (rank 16, 2048 tokens: the

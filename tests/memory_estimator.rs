@@ -14,7 +14,8 @@
 //! tensor and is left out of the comparison.
 //!
 //! Each family's block features (`estimate_bounds_the_measured_peak_of_each_family_on_the_cpu`)
-//! are held to the same band.
+//! and a DPO run with a live or a precomputed reference
+//! (`estimate_bounds_the_measured_peak_of_dpo_on_the_cpu`) are held to the same band.
 //!
 //! A feature that changes what training holds (a fused loss head, frozen weights) adds rows to
 //! the tables of `cpu_cases` / `emulator_cases`, with a field in `Case` if the run needs one.
@@ -575,4 +576,154 @@ fn nccl_buffers_are_counted_per_communicator_on_multi_rank_gpu_runs() {
         assert_eq!(at(gpu, &MemParallelism { thread_ranks: true, ..l }), CUDA_WORKSPACE_BYTES, "tp {tp} dp {dp} {s}: thread ranks");
         assert_eq!(at(Device::Cpu, &l), 0.0, "tp {tp} dp {dp} {s}: CPU");
     }
+}
+
+/// A preference (DPO) run (issue 52, `MemParallelism::preference`): a live separate reference
+/// moves the estimate by exactly its weights' bytes (every parameter in the compute dtype on one
+/// device; this rank's tensor-parallel share under `--tp 2`; not sharded by ZeRO-3) over the
+/// precomputed reference, which holds no weights, as LoRA's base with the adapters off holds
+/// none; and a micro-batch of B pairs is charged as 2B packed rows (two sequences a pair) plus
+/// the per-sequence sum's (sequences, tokens) matrix. Pure arithmetic, like the tests above.
+#[test]
+fn a_live_reference_costs_exactly_its_weights() {
+    use ferrolm::planner::memory::{sequence_sum_bytes, PreferenceMem, ReferenceMode};
+    use ferrolm::planner::ModelShape;
+    let c = config(64, 128, 2);
+    let (pairs, row) = (3, 32);
+    let all = c.num_parameters().unwrap() as f64;
+    let tp2: f64 = ModelShape::from_config(&c, "run").bucket_params(2).iter().sum::<u64>() as f64;
+    assert!(tp2 < all && tp2 > all / 2.0, "tp 2 holds a share: {tp2} of {all}");
+    let close = |x: f64, y: f64| (x - y).abs() <= 1e-9 * y.abs().max(1.0);
+    let pref = |reference| Some(PreferenceMem { reference });
+    let lora = LoraMem::new(&LoraConfig::new(4, None, 0.0, Proj::ALL.to_vec(), false).unwrap(), c.num_hidden_layers);
+    let layouts = [
+        ("one device", MemParallelism::single(false), 1.0),
+        ("--tp 2", MemParallelism { tp: 2, ..MemParallelism::single(false) }, tp2 / all),
+        ("--dp 2 --zero 3", MemParallelism { dp: 2, spec: ShardSpec::zero(3, 2).unwrap(), ..MemParallelism::single(true) }, 1.0),
+        ("LoRA", MemParallelism { lora: Some(lora), ..MemParallelism::single(false) }, 1.0),
+    ];
+    for (dtype, device) in [(DType::F32, Device::Cpu), (DType::BF16, Device::Cuda(0))] {
+        let e = dtype.size_in_bytes() as f64;
+        for (name, l, share) in &layouts {
+            let at = |preference| estimate(&c, dtype, device, pairs, row, 2, &MemParallelism { preference, ..*l }).unwrap();
+            let (live, pre) = (at(pref(ReferenceMode::Separate)), at(pref(ReferenceMode::None)));
+            let weights = all * share * e;
+            assert!(close(live.reference, weights), "{name} {dtype}: reference {} vs {weights}", live.reference);
+            assert!(close(live.total() - pre.total(), weights), "{name} {dtype}: {} - {} vs {weights}", live.total(), pre.total());
+            assert!(close(live.params - pre.params, weights), "{name} {dtype}");
+            assert_eq!(pre.reference, 0.0, "{name} {dtype}: precomputed (or the LoRA base) holds no reference");
+            assert_eq!((live.activations, live.optim, live.grads), (pre.activations, pre.optim, pre.grads), "{name} {dtype}");
+            assert!(ferrolm::planner::memory::describe(&live).contains("with the reference's"), "{name}");
+            // The pairs: 2B rows of activations and head, and the sum's matrix of 2B sequences.
+            let rows = at(None).activations;
+            let doubled = estimate(&c, dtype, device, 2 * pairs, row, 2, l).unwrap();
+            let w = ferrolm::planner::Workload {
+                seq: row,
+                micro_batch: 2 * pairs,
+                global_batch_tokens: 0,
+                tp: l.tp,
+                elem_bytes: dtype.size_in_bytes(),
+                grad_bytes: 4,
+                checkpointed_layers: 0,
+                loss_chunks: Default::default(),
+            };
+            let sums = sequence_sum_bytes(&w);
+            assert_eq!(sums, (2 * pairs + 1) as f64 * (2 * pairs * row) as f64 * e.max(4.0));
+            assert!(close(pre.activations, doubled.activations + sums), "{name} {dtype}: {} vs {}", pre.activations, doubled.activations);
+            assert!(rows < doubled.activations, "{name}: B pairs are charged as 2B rows");
+            assert_eq!(pre.params, doubled.params, "{name} {dtype}: with no reference the weights are the policy's alone");
+        }
+    }
+}
+
+/// A DPO run of the `dpo` tool (in this process, 2 steps on the CPU, the tiny preset in f32)
+/// against the estimate with its preference terms (`MemParallelism::preference`): with a live
+/// reference (the starting model, a second copy of the weights) and with the reference
+/// precomputed (no reference weights while training), each within [1, 1.25] of the measured
+/// peak, and the live run's peak above the precomputed one's. Each pair's prompt + completion
+/// fills more than half a 128-token row, so a micro-batch of B pairs packs into 2B rows, what
+/// the estimate charges.
+#[test]
+fn estimate_bounds_the_measured_peak_of_dpo_on_the_cpu() {
+    use ferrolm::planner::memory::{PreferenceMem, ReferenceMode};
+    let _g = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
+    let dir = common::tmp("memory-dpo");
+    let tok = ferrolm::data::Tokenizer::from_file(common::tokenizer_path()).unwrap();
+    let cfg = LlamaConfig { max_position_embeddings: 128, ..LlamaConfig::preset("tiny").unwrap().with_vocab_size(tok.vocab_size()) };
+    let ck = dir.join("model");
+    Llama::new(cfg.clone(), DType::F32, Device::Cpu, &mut Rng::new(1)).unwrap().save_pretrained(&ck).unwrap();
+    std::fs::copy(common::tokenizer_path(), ck.join("tokenizer.json")).unwrap();
+    // Standard (text) pairs: a prompt of the corpus's words up to 70 tokens, completions of 6 words.
+    let corpus = std::fs::read_to_string(common::data_path("corpus/sonnets.txt")).unwrap();
+    let lines: Vec<String> = corpus.lines().map(str::trim).filter(|l| l.len() > 20).map(|l| l.replace(['"', '\\'], "")).collect();
+    let (batch, row) = (2, 128);
+    let mut recs = vec![];
+    for i in 0..8 {
+        let mut prompt = String::new();
+        for w in lines[i * 20..].iter().flat_map(|l| l.split_whitespace()) {
+            if tok.encode(&prompt, false).unwrap().len() >= 70 {
+                break;
+            }
+            prompt = format!("{prompt} {w}");
+        }
+        let words = |l: &str| l.split_whitespace().take(6).collect::<Vec<_>>().join(" ");
+        let pair = (words(&lines[200 + i]), words(&lines[300 + i]));
+        recs.push(format!(r#"{{"prompt": "{prompt}", "chosen": " {}", "rejected": " {}"}}"#, pair.0, pair.1));
+    }
+    let data = dir.join("prefs.jsonl");
+    std::fs::write(&data, recs.join("\n") + "\n").unwrap();
+    let inputs = ferrolm::data::resolve_inputs(&data).unwrap();
+    let opts = ferrolm::data::preference::PreferenceOptions::new(&tok, None);
+    let (pairs, _) = ferrolm::data::preference::load_preference_pairs(&inputs, &opts, &mut |_, _, _| {}).unwrap();
+    for p in &pairs {
+        let (shortest, longest) = (p.chosen_len().min(p.rejected_len()), p.chosen_len().max(p.rejected_len()));
+        assert!(2 * shortest > row && longest <= row, "prompt + completion: {shortest} to {longest} tokens");
+    }
+    let mut peaks = vec![];
+    for (name, extra, reference) in
+        [("live", None, ReferenceMode::Separate), ("precomputed", Some("--precompute-ref"), ReferenceMode::None)]
+    {
+        let out = dir.join(name);
+        let argv: Vec<String> = [
+            "dpo".to_string(),
+            "--device=cpu".into(),
+            "--dtype=f32".into(),
+            format!("--seq-len={row}"),
+            format!("--batch-size={batch}"),
+            "--steps=2".into(),
+            "--eval-every=0".into(),
+            "--val-fraction=0".into(),
+            "--save-every=0".into(),
+            common::flag("model", &ck),
+            common::flag("data", &data),
+            common::flag("out", &out),
+        ]
+        .into_iter()
+        .chain(extra.map(String::from))
+        .collect();
+        let args: ferrolm::cli::dpo::DpoArgs = ferrolm::cli::parse_from(argv).unwrap();
+        let before = live_bytes();
+        reset_peak_bytes();
+        ferrolm::cli::dpo::dpo(args).unwrap();
+        let logged = std::fs::read_to_string(out.join("metrics.jsonl")).unwrap();
+        let peak = logged
+            .lines()
+            .filter_map(|l| serde_json::from_str::<serde_json::Value>(l).ok()?.get("peak_tensor_mib")?.as_f64())
+            .fold(0.0, f64::max)
+            * MIB
+            - before as f64;
+        let l = MemParallelism { preference: Some(PreferenceMem { reference }), ..MemParallelism::single(false) };
+        let m = estimate(&cfg, DType::F32, Device::Cpu, batch, row, 1, &l).unwrap();
+        let ratio = m.total() / peak;
+        println!(
+            "dpo, {name} reference: predicted {:.2} MiB, measured {:.2} MiB, ratio {ratio:.3}; {}",
+            m.total() / MIB,
+            peak / MIB,
+            ferrolm::planner::memory::describe(&m)
+        );
+        assert!((1.0..=1.25).contains(&ratio), "dpo, {name} reference: predicted {} vs measured {peak} ({ratio:.3})", m.total());
+        peaks.push(peak);
+    }
+    assert!(peaks[0] > peaks[1], "the live reference's weights are held: {peaks:?}");
+    let _ = std::fs::remove_dir_all(&dir);
 }

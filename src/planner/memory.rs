@@ -34,8 +34,12 @@ use ferrolm_tensor::{DType, Device};
 ///   activations held at the end of backward, so there `held_to_end` counts them.
 #[derive(Clone, Debug)]
 pub struct Memory {
-    /// This rank's parameter shard, plus the gathered buckets of ZeRO-3 (s_p > 1).
+    /// This rank's parameter shard, plus the gathered buckets of ZeRO-3 (s_p > 1), plus a live
+    /// preference reference's weights (`reference`).
     pub params: f64,
+    /// Of `params`: the weights of a preference run's separate live reference model
+    /// ([`ReferenceMode::Separate`]; 0 otherwise).
+    pub reference: f64,
     /// Gradients when they are complete: the optimizer range's and the accumulator.
     pub grads: f64,
     pub optim: f64,
@@ -196,10 +200,13 @@ pub fn head_bytes(m: &ModelShape, w: &Workload, host: bool, dw: bool) -> (f64, f
 /// dequantized weight in the compute dtype, the embedding, norms, biases and head in the compute
 /// dtype; its forward saves more again: [`qlora_activation_bytes`].
 pub fn memory(m: &ModelShape, w: &Workload, spec: ShardSpec, micro_batches: usize, workspace: f64, lora: Option<&LoraMem>) -> Memory {
-    memory_on(m, w, spec, micro_batches, workspace, lora, false)
+    memory_on(m, w, spec, micro_batches, workspace, lora, None, false)
 }
 
-/// [`memory`] on a GPU (`host` false) or on the CPU backend (see [`head_bytes`]).
+/// [`memory`] on a GPU (`host` false) or on the CPU backend (see [`head_bytes`]), for a
+/// preference run when `pref` is given (see [`PreferenceMem`]: `w.micro_batch` then counts the
+/// packed rows, two sequences a pair).
+#[allow(clippy::too_many_arguments)]
 fn memory_on(
     m: &ModelShape,
     w: &Workload,
@@ -207,6 +214,7 @@ fn memory_on(
     micro_batches: usize,
     workspace: f64,
     lora: Option<&LoraMem>,
+    pref: Option<&PreferenceMem>,
     host: bool,
 ) -> Memory {
     let e = w.elem_bytes as f64;
@@ -250,11 +258,15 @@ fn memory_on(
     };
     let head = head_bytes(m, w, host, lora.is_none()).1;
     let step_sq = 4.0 * biggest / so;
-    let activations = activation_bytes(m, w) + lora.map_or(0.0, |l| lora_activation_bytes(m, w, l) + qlora_activation_bytes(m, w, l));
+    let activations = activation_bytes(m, w)
+        + lora.map_or(0.0, |l| lora_activation_bytes(m, w, l) + qlora_activation_bytes(m, w, l))
+        + if pref.is_some() { sequence_sum_bytes(w) } else { 0.0 };
+    let reference = pref.map_or(0.0, |p| reference_bytes(m, w, p.reference));
     let backward_start = accumulator + head_grad + if fused { head.max(in_flight) } else { head + in_flight };
     let buffers = in_flight + layer_transient_bytes(m, w).max(formed).max(step_sq);
     Memory {
-        params: local * pe / sp + gathered + frozen,
+        params: local * pe / sp + gathered + frozen + reference,
+        reference,
         grads: local * ge / so + accumulator,
         // m, v; the norm-weight mask only under tensor parallelism.
         optim: local * (8.0 + if w.tp > 1 { 4.0 } else { 0.0 } + master) / so,
@@ -282,7 +294,9 @@ pub fn param_count(c: &LlamaConfig) -> Option<u64> {
     c.num_parameters()
 }
 
-/// The batch of a run, as far as memory is concerned.
+/// The batch of a run, as far as memory is concerned. For a preference run
+/// ([`MemParallelism::preference`]) `batch_size` counts the pairs of a micro-batch and `seq_len`
+/// is the length of a packed row (`--max-length`, else `--seq-len`).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct RunShape {
     pub batch_size: usize,
@@ -464,6 +478,56 @@ fn lora_largest_factor(m: &ModelShape, tp: usize, l: &LoraMem) -> f64 {
     local_projections(m, tp).iter().zip(l.targets).filter(|(_, on)| *on).map(|((i, o), _)| r * i.max(*o)).fold(0.0, f64::max)
 }
 
+/// Where a preference (DPO) run's reference log-probs come from, as far as memory is concerned.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum ReferenceMode {
+    /// A frozen model of its own, live while training (`--ref-model`, or the starting `--model`
+    /// without LoRA; also `--ref-model` beside LoRA): its weights are held beside the policy's,
+    /// in the compute dtype, this rank's tensor-parallel share on every data-parallel rank (it
+    /// is not sharded by ZeRO). Its forward runs without gradients before the policy's, so only
+    /// its weights outlast it.
+    Separate,
+    /// No reference weights: the log-probs precomputed before training (`--precompute-ref`), or
+    /// LoRA's base run with the adapters off (LoRA without `--ref-model`).
+    None,
+}
+
+/// A preference (DPO) run, as far as memory is concerned: a micro-batch of `batch_size` pairs
+/// is packed (`ferrolm_nn::objective::pack_pairs`) as two sequences a pair (prompt + chosen,
+/// prompt + rejected) into rows of `seq_len` tokens, at most one sequence a row: the estimate
+/// charges `2 × batch_size` rows of activations and head. The head gives per-row log-probs
+/// (`head_logprobs`, chunked as the cross-entropy's), summed per sequence by a (sequences,
+/// tokens) 0/1 matrix ([`sequence_sum_bytes`]); the reference is charged as `reference` says.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct PreferenceMem {
+    pub reference: ReferenceMode,
+}
+
+impl PreferenceMem {
+    /// Packed rows a micro-batch of `pairs` pairs holds at most: two sequences a pair.
+    pub fn rows(pairs: usize) -> usize {
+        pairs.saturating_mul(2)
+    }
+}
+
+/// A live separate reference's weights on one rank: the model's parameters on one of `w.tp`
+/// tensor-parallel ranks, in the compute dtype (nothing for [`ReferenceMode::None`]).
+pub fn reference_bytes(m: &ModelShape, w: &Workload, mode: ReferenceMode) -> f64 {
+    match mode {
+        ReferenceMode::Separate => m.bucket_params(w.tp).iter().sum::<u64>() as f64 * w.elem_bytes as f64,
+        ReferenceMode::None => 0.0,
+    }
+}
+
+/// What the per-sequence sum of a preference micro-batch saves for backward
+/// (`ferrolm_nn::objective::SequenceLogProbs`): the (sequences, tokens) 0/1 matrix that sums the
+/// per-row log-probs, f32 (f64 for f64 models), and the log-probs themselves (tokens), for
+/// `w.micro_batch` rows (= sequences, one a row at most) of `w.seq` tokens.
+pub fn sequence_sum_bytes(w: &Workload) -> f64 {
+    let (tokens, seqs) = ((w.micro_batch * w.seq) as f64, w.micro_batch as f64);
+    (seqs + 1.0) * tokens * (w.elem_bytes as f64).max(4.0)
+}
+
 /// How a run is laid out over ranks, as far as memory is concerned.
 #[derive(Clone, Copy, Debug, PartialEq)]
 pub struct MemParallelism {
@@ -484,6 +548,9 @@ pub struct MemParallelism {
     pub lora: Option<LoraMem>,
     /// `--loss-chunk-tokens`: the fused head's chunk of logits, or the whole logits unfused.
     pub loss_chunks: LossChunks,
+    /// A preference (DPO) run: pairs packed two sequences a pair, and its reference (None: a
+    /// token objective, pretraining or SFT).
+    pub preference: Option<PreferenceMem>,
 }
 
 impl MemParallelism {
@@ -499,6 +566,7 @@ impl MemParallelism {
             grad_reduce: GradReduceDtype::default(),
             lora: None,
             loss_chunks: LossChunks::Auto,
+            preference: None,
         }
     }
 
@@ -517,6 +585,8 @@ pub fn estimate(
     grad_accum: usize,
     l: &MemParallelism,
 ) -> Option<Memory> {
+    // A preference run's micro-batch of `batch` pairs packs into at most twice as many rows.
+    let batch = if l.preference.is_some() { batch.checked_mul(2)? } else { batch };
     batch.checked_mul(seq)?.checked_mul(grad_accum)?;
     param_count(cfg)?;
     let shape = ModelShape::from_config(cfg, "run");
@@ -531,7 +601,7 @@ pub fn estimate(
         loss_chunks: l.loss_chunks,
     };
     let workspace = if device == Device::Cpu { 0.0 } else { CUDA_WORKSPACE_BYTES + nccl_buffer_bytes(cfg, l) };
-    let mut m = memory_on(&shape, &w, l.spec, grad_accum, workspace, l.lora.as_ref(), device == Device::Cpu);
+    let mut m = memory_on(&shape, &w, l.spec, grad_accum, workspace, l.lora.as_ref(), l.preference.as_ref(), device == Device::Cpu);
     // Offloaded optimizer state leaves a device, not the host: on the CPU it stays counted.
     if let (Some(sub), false) = (l.offload_subgroup, device == Device::Cpu) {
         m.optim = m.optim.min(24.0 * sub as f64);
@@ -587,8 +657,9 @@ pub fn describe(m: &Memory) -> String {
             },
         )
     };
+    let reference = if m.reference > 0.0 { format!(" with the reference's {}", gib(m.reference)) } else { String::new() };
     format!(
-        "{} per rank {moment} (parameters {}, optimizer {}, {moving}, margin {}, workspace {})",
+        "{} per rank {moment} (parameters {}{reference}, optimizer {}, {moving}, margin {}, workspace {})",
         gib(m.total()),
         gib(m.params),
         gib(m.optim),
@@ -620,8 +691,10 @@ pub fn check_layout(cfg: &LlamaConfig, dtype: DType, device: Device, o: &RunShap
         bail!("--batch-size {} × --seq-len {} × --grad-accum {} overflows: lower --grad-accum", o.batch_size, o.seq_len, o.grad_accum);
     }
     let avail = available_host_bytes();
-    // Inputs and targets as i32 on the host, one batch at a time.
-    let host = (tokens as u64).checked_mul(8);
+    // Inputs and targets as i32 on the host, one batch at a time (a preference batch's pairs in
+    // twice as many rows).
+    let rows = if l.preference.is_some() { 2 } else { 1 };
+    let host = (tokens as u64).checked_mul(8 * rows);
     if let (Some(avail), Some(need)) = (avail, host) {
         if need > avail {
             bail!(
