@@ -275,7 +275,17 @@ fn prepare(args: &DpoArgs) -> AnyResult<Prepared> {
     let mut layout = parallelism.mem_layout(a.activation_checkpointing)?;
     layout.lora = lora;
     layout.loss_chunks = a.loss_chunks();
-    let mem = crate::planner::memory::check_layout(&cfg, dtype, device, &a.options().shape(), &layout)?;
+    // What the run holds beside the policy: a live reference's weights, or nothing (precomputed
+    // log-probs; LoRA's base with the adapters off); rows of two sequences a pair.
+    use crate::planner::memory::{PreferenceMem, ReferenceMode, RunShape};
+    let reference = if args.pref.precompute_ref || (args.lora.enabled() && args.pref.ref_model.is_none()) {
+        ReferenceMode::None
+    } else {
+        ReferenceMode::Separate
+    };
+    layout.preference = Some(PreferenceMem { reference });
+    let shape = RunShape { seq_len: row_tokens, ..a.options().shape() };
+    let mem = crate::planner::memory::check_layout(&cfg, dtype, device, &shape, &layout)?;
     report(&format!("memory: predicted peak {}", crate::planner::memory::describe(&mem)));
     // The reference.
     let (mut live_ref, mut refs) = (None, None);
