@@ -8,7 +8,7 @@
 //! host copy; on CUDA `nf4_dequant_*` does it in one launch.
 //!
 //! `QuantOp` is the layer as a `LinearOp` (module.rs), LoRA's adapted forward included, so a
-//! model's `Linear` can take it as its op. Not wired into the models yet (issue 53).
+//! model's `Linear` can take it as its op: `crate::qlora` puts it in a model's linear layers.
 use crate::module::LinearOp;
 use ferrolm_ops::nf4::{dequantize_cuda, DeviceQuant4, Quant4};
 use ferrolm_tensor::{bail, bf16, no_grad, DType, Device, Result, Tensor};
@@ -102,6 +102,9 @@ impl LinearOp for QuantOp {
             None => base,
         };
         base.add(&u.linear(&b.mul_scalar(scale)?)?)
+    }
+    fn quantized(&self) -> Option<&QuantLinear> {
+        Some(&self.0)
     }
 }
 
