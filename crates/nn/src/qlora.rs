@@ -21,7 +21,7 @@ use crate::module::Dense;
 use crate::quant_linear::{QuantLinear, QuantOp};
 use crate::safetensors_io::{stored_to_f32, TensorMap};
 use crate::LlamaConfig;
-use ferrolm_ops::nf4::{OrigDtype, QuantSpec, QuantType};
+use ferrolm_ops::nf4::{Absmax, NestedAbsmax, OrigDtype, Quant4, QuantSpec, QuantType};
 use ferrolm_tensor::{no_grad, DType, Device, Error, Result, Tensor};
 use std::collections::BTreeMap;
 use std::path::Path;
@@ -205,5 +205,119 @@ impl Llama {
         }
         self.quant = None;
         Ok(())
+    }
+}
+
+/// Piece `index` of `parts` of the 4-bit (out, in) weight `name` along `dim` (0: output rows,
+/// a column-parallel layer's; 1: input columns, a row-parallel layer's): the same codes and
+/// block scales, so the piece dequantizes to exactly the same values as that piece of the
+/// whole. Quantization blocks never straddle a shard: a shape whose pieces would split a block
+/// is refused, naming the sizes. A row piece keeps the nested (double-quantized) absmax when it
+/// starts and ends on a nested block; otherwise the piece holds its blocks' absmax as the f32
+/// values bitsandbytes dequantizes them to (exact; 4 bytes a block instead of 1).
+pub fn shard_quant(name: &str, q: &Quant4, dim: usize, index: usize, parts: usize) -> Result<Quant4> {
+    let err = |msg: String| Error::new("qlora", format!("{name}: {msg}"));
+    let (out, cin) = match q.shape[..] {
+        [o, i] => (o, i),
+        _ => return Err(err(format!("a linear weight is (out, in), got shape {:?}", q.shape))),
+    };
+    let bs = q.blocksize;
+    let full = if dim == 0 { out } else { cin };
+    if parts == 0 || full % parts != 0 || index >= parts {
+        return Err(err(format!("cannot split {full} {} in {parts} pieces", if dim == 0 { "rows" } else { "columns" })));
+    }
+    let absmax = q.absmax_f32();
+    // Element ranges of the piece, in the flattened (row-major) weight.
+    let ranges: Vec<(usize, usize)> = if dim == 0 {
+        let rows = out / parts;
+        let (start, len) = (index * rows * cin, rows * cin);
+        if start % bs != 0 || len % bs != 0 {
+            return Err(err(format!(
+                "tensor parallelism over {parts} ranks splits its 4-bit blocks: a piece of {rows} rows x {cin} columns is {len} \
+                 elements, not a multiple of the block of {bs} (quantize it for fewer ranks, or use --tp 1)"
+            )));
+        }
+        vec![(start, start + len)]
+    } else {
+        let cols = cin / parts;
+        if cin % bs != 0 || cols % bs != 0 {
+            return Err(err(format!(
+                "tensor parallelism over {parts} ranks splits its 4-bit blocks: its rows of {cin} columns split into pieces of \
+                 {cols}, and both must be multiples of the block of {bs} (use fewer ranks, or --tp 1)"
+            )));
+        }
+        (0..out).map(|r| (r * cin + index * cols, r * cin + (index + 1) * cols)).collect()
+    };
+    let mut packed = Vec::new();
+    let mut plain = Vec::new();
+    for &(s, e) in &ranges {
+        packed.extend_from_slice(&q.packed[s / 2..e / 2]);
+        plain.extend_from_slice(&absmax[s / bs..e / bs]);
+    }
+    let shape = if dim == 0 { vec![out / parts, cin] } else { vec![out, cin / parts] };
+    let absmax = match (&q.absmax, &ranges[..]) {
+        (Absmax::Nested(n), [(s, e)]) if (s / bs) % n.blocksize == 0 && ((e / bs) % n.blocksize == 0 || e / bs == q.blocks()) => {
+            let (b0, b1) = (s / bs, e / bs);
+            Absmax::Nested(NestedAbsmax {
+                codes: n.codes[b0..b1].to_vec(),
+                absmax: n.absmax[b0 / n.blocksize..b1.div_ceil(n.blocksize)].to_vec(),
+                blocksize: n.blocksize,
+                offset: n.offset,
+                map: n.map.clone(),
+            })
+        }
+        _ => Absmax::Plain(plain),
+    };
+    let piece = Quant4 { quant_type: q.quant_type, shape, dtype: q.dtype, blocksize: bs, packed, absmax };
+    piece.check(name)?;
+    Ok(piece)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use ferrolm_tensor::Rng;
+
+    fn weight(out: usize, cin: usize) -> (Vec<f32>, Quant4) {
+        let mut r = Rng::new(5);
+        let w = Tensor::randn([out, cin], 0.05, DType::F32, Device::Cpu, &mut r).unwrap().to_vec_f32().unwrap();
+        let q = Quant4::quantize("w", &w, &[out, cin], OrigDtype::F32, QuantSpec::QLORA).unwrap();
+        (w, q)
+    }
+
+    /// Every piece dequantizes to exactly that piece of the whole weight's dequantization.
+    #[test]
+    fn a_shard_dequantizes_to_the_shard_of_the_dequantized_weight() {
+        for (out, cin, parts) in [(512usize, 128usize, 2usize), (64, 256, 4), (96, 192, 3)] {
+            let (_, q) = weight(out, cin);
+            let whole = q.dequantize_f32();
+            for dim in [0, 1] {
+                for index in 0..parts {
+                    let p = shard_quant("w", &q, dim, index, parts).unwrap();
+                    let want: Vec<f32> = if dim == 0 {
+                        whole[index * out / parts * cin..(index + 1) * out / parts * cin].to_vec()
+                    } else {
+                        (0..out).flat_map(|r| whole[r * cin + index * cin / parts..r * cin + (index + 1) * cin / parts].to_vec()).collect()
+                    };
+                    assert_eq!(p.dequantize_f32(), want, "{out}x{cin} dim {dim} piece {index} of {parts}");
+                }
+            }
+        }
+        // 512 rows x 128 in 2 pieces: 512 blocks each, two whole nested blocks: kept nested.
+        let (_, q) = weight(512, 128);
+        assert!(matches!(shard_quant("w", &q, 0, 1, 2).unwrap().absmax, Absmax::Nested(_)));
+    }
+
+    #[test]
+    fn a_shard_that_splits_a_block_is_refused_naming_the_sizes() {
+        let (_, q) = weight(64, 96);
+        let e = shard_quant("model.layers.0.mlp.down_proj.weight", &q, 1, 0, 2).err().unwrap().to_string();
+        assert!(e.contains("down_proj.weight") && e.contains("rows of 96 columns split into pieces of 48"), "{e}");
+        let (_, q) = weight(6, 64);
+        let e = shard_quant("w", &q, 0, 0, 4).err().unwrap().to_string();
+        assert!(e.contains("cannot split 6 rows in 4 pieces"), "{e}");
+        let (_, q) = weight(2, 32);
+        let e = shard_quant("w", &q, 0, 0, 2).err().unwrap().to_string();
+        assert!(e.contains("1 rows x 32 columns is 32 elements, not a multiple of the block of 64"), "{e}");
     }
 }
