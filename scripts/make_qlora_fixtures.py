@@ -12,6 +12,10 @@ on the CPU by bitsandbytes' own Linear4bit forward and backward. Checks ferrolm'
                            packed weights and their quant states)
   reference.safetensors    input_ids, labels, loss (the 4-bit base with the adapter) and
                            `grad.<adapter tensor name>` for every A and B
+  trained/                 an adapter ferrolm trained over the 4-bit base (written by
+                           crates/nn/tests/qlora.rs with FERROLM_WRITE_FIXTURES=1), and
+                           peft_reference.safetensors: the loss PEFT computes with it over the
+                           4-bit base, on the same batch (written here when trained/ exists)
 
 Shapes: every linear layer's in_features is a multiple of 64. bitsandbytes 0.50's CPU forward of
 Linear4bit (its AVX-512 dequantization) indexes the absmax per row when a row's length is a
@@ -117,6 +121,19 @@ def write() -> None:
     save_file(ref, OUT / "reference.safetensors")
 
 
+def write_trained_reference() -> None:
+    """PEFT's loss with ferrolm's trained adapter (trained/) over the 4-bit base."""
+    from safetensors.torch import save_file
+
+    trained = OUT / "trained"
+    if not (trained / "adapter_config.json").is_file():
+        print(f"no {trained}: run FERROLM_WRITE_FIXTURES=1 cargo test -p ferrolm-nn --test qlora first")
+        return
+    res, _ = run(load_4bit(OUT / "base"), trained)
+    save_file({"loss": res["loss"]}, trained / "peft_reference.safetensors")
+    print(f"PEFT loss with ferrolm's trained adapter: {res['loss'].item():.6f}")
+
+
 def check() -> None:
     """Reload the committed 4-bit base and adapter (as a user would) and recompute."""
     import json
@@ -142,6 +159,7 @@ def main() -> None:
     args = ap.parse_args()
     if not args.check:
         write()
+        write_trained_reference()
     check()
 
 

@@ -167,3 +167,48 @@ fn the_fixture_is_what_bitsandbytes_saved() {
     assert_eq!(ck.quantized.len(), 14);
     assert!(read_bnb4_dir(&qlora("base")).unwrap().is_none());
 }
+
+/// Training over the 4-bit base: 12 AdamW steps of new adapters (rank 4, every projection) on
+/// the fixture's batch lower its loss. The adapter they make is committed as
+/// tests/fixtures/qlora/trained (FERROLM_WRITE_FIXTURES=1 rewrites it; otherwise this run's must
+/// equal it), and PEFT, loading that adapter over the 4-bit base transformers made, computes
+/// the loss ferrolm computes (trained/peft_reference.safetensors, written by
+/// `scripts/make_qlora_fixtures.py`, which runs PEFT on it).
+#[test]
+fn a_qlora_adapter_trains_and_loads_in_peft_over_the_4bit_base_with_our_loss() {
+    use ferrolm_nn::lora::{LoraConfig, Proj};
+    use ferrolm_nn::optim::{AdamW, AdamWConfig};
+    let r = reference();
+    let mut m = Llama::from_pretrained(&qlora("base_4bit"), DType::F32, Device::Cpu).unwrap();
+    m.add_lora(&LoraConfig::new(4, None, 0.0, Proj::ALL.to_vec(), false).unwrap(), &mut ferrolm_tensor::Rng::new(7)).unwrap();
+    let mut opt = AdamW::new(&m.trainable_parameters(), AdamWConfig::default()).unwrap();
+    let mut losses = Vec::new();
+    for _ in 0..12 {
+        opt.zero_grad();
+        let l = loss(&m, &r);
+        l.backward().unwrap();
+        losses.push(l.to_vec_f32().unwrap()[0]);
+        opt.step(1e-2).unwrap();
+    }
+    assert!(losses[11] < losses[0] - 0.05, "the loss did not drop: {losses:?}");
+    let dir = qlora("trained");
+    if std::env::var("FERROLM_WRITE_FIXTURES").is_ok_and(|v| v == "1") {
+        m.save_adapter(&dir, "tests/fixtures/qlora/base_4bit").unwrap();
+    }
+    let committed: BTreeMap<String, Tensor> =
+        load_safetensors(&dir.join("adapter_model.safetensors"), DType::F32, Device::Cpu).unwrap().into_iter().collect();
+    let trained: BTreeMap<String, Tensor> = m.adapters().into_iter().collect();
+    assert_eq!(committed.len(), trained.len());
+    for (n, t) in &trained {
+        let c = committed.get(&format!("base_model.model.{n}")).unwrap_or_else(|| panic!("{n} not in the committed adapter"));
+        assert!(rel_err(t, c) < 1e-4, "{n}: this run's adapter is not the committed one ({})", rel_err(t, c));
+    }
+    // The committed adapter over the 4-bit base: our loss is PEFT's.
+    let peft: BTreeMap<String, Tensor> =
+        load_safetensors(&dir.join("peft_reference.safetensors"), DType::F32, Device::Cpu).unwrap().into_iter().collect();
+    let mut q = Llama::from_pretrained(&qlora("base_4bit"), DType::F32, Device::Cpu).unwrap();
+    q.load_adapter(&dir).unwrap();
+    let ours = loss(&q, &r);
+    assert!(rel_err(&ours, &peft["loss"]) < TOL, "ours {:?}, PEFT's {:?}", ours.to_vec_f32(), peft["loss"].to_vec_f32());
+    assert!((peft["loss"].to_vec_f32().unwrap()[0] - r["loss"].to_vec_f32().unwrap()[0]).abs() > 1e-3, "PEFT scored another adapter");
+}
