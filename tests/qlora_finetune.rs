@@ -131,7 +131,8 @@ fn qlora_under_tp_dp_and_offload_follows_one_device_and_zero3_is_refused() {
     ] {
         close(&run(out, &flags), &one, 1e-5, out);
     }
-    let e = ladder(&ck, &data, &dir.join("z3"), &["--lora-rank=4", "--quantize-base=nf4", "--batch-size=2", "--dp=2", "--zero=3"]).unwrap_err();
+    let e =
+        ladder(&ck, &data, &dir.join("z3"), &["--lora-rank=4", "--quantize-base=nf4", "--batch-size=2", "--dp=2", "--zero=3"]).unwrap_err();
     assert_eq!(exit_code(&e), 2);
     let e = error_report(&e);
     assert!(e.contains("ZeRO-3") && e.contains("4-bit base") && e.contains("--zero 2"), "{e}");
@@ -151,7 +152,9 @@ fn bad_qlora_flags_are_refused_naming_them() {
     for tool in ["finetune", "finetune_ladder", "eval", "generate"] {
         let err = match tool {
             "finetune" => parse_from::<FinetuneArgs, _, _>([tool, "--quantize-base", "int4"]).unwrap_err(),
-            "finetune_ladder" => parse_from::<FinetuneLadderArgs, _, _>([tool, "--ladder-layers=1", "--quantize-base", "int4"]).unwrap_err(),
+            "finetune_ladder" => {
+                parse_from::<FinetuneLadderArgs, _, _>([tool, "--ladder-layers=1", "--quantize-base", "int4"]).unwrap_err()
+            }
             "eval" => parse_from::<EvalArgs, _, _>([tool, "--quantize-base", "int4"]).unwrap_err(),
             _ => parse_from::<GenerateArgs, _, _>([tool, "--quantize-base", "int4"]).unwrap_err(),
         };

@@ -27,8 +27,7 @@ fn step_peak(d: &Data, ck: &Path, quant: bool, device: Device) -> (f64, usize) {
     };
     let q_bytes = model.quant_base().map_or(0, |q| q.bytes);
     model.add_lora(&LoraConfig::new(8, None, 0.0, Proj::ALL.to_vec(), false).unwrap(), &mut Rng::new(2)).unwrap();
-    let engine =
-        ferrolm::parallel::attach(&mut model, None, &ferrolm::parallel::Parallelism::single(), Trainer::adamw_config(&o)).unwrap();
+    let engine = ferrolm::parallel::attach(&mut model, None, &ferrolm::parallel::Parallelism::single(), Trainer::adamw_config(&o)).unwrap();
     let mut t = Trainer::with_engine(model, Box::new(engine), &d.train, &d.val, o, &out).unwrap();
     reset_peak_bytes();
     t.run().unwrap();
@@ -51,8 +50,7 @@ fn a_qlora_step_peaks_below_the_lora_step_by_the_base_weights_saving() {
     Llama::new(cfg.clone(), DType::F32, Device::Cpu, &mut Rng::new(1)).unwrap().save_pretrained(&ck).unwrap();
     let (lora, _) = step_peak(&d, &ck, false, gpu);
     let (qlora, q_bytes) = step_peak(&d, &ck, true, gpu);
-    let linears: Vec<usize> =
-        ferrolm::nn::qlora::linear_weights(&cfg).values().map(|s| s.iter().product::<usize>()).collect::<Vec<_>>();
+    let linears: Vec<usize> = ferrolm::nn::qlora::linear_weights(&cfg).values().map(|s| s.iter().product::<usize>()).collect::<Vec<_>>();
     let params: usize = linears.iter().sum();
     let saving = 2.0 * params as f64 - q_bytes as f64;
     let scratch = 2.0 * *linears.iter().max().unwrap() as f64; // one dequantized bf16 weight
@@ -66,7 +64,9 @@ fn a_qlora_step_peaks_below_the_lora_step_by_the_base_weights_saving() {
         8.0 * q_bytes as f64 / params as f64,
         scratch / MIB
     );
-    assert!(lora - qlora >= saving - scratch, "QLoRA's peak {qlora} is not below LoRA's {lora} by the saving {saving} less the scratch {scratch}");
+    assert!(
+        lora - qlora >= saving - scratch,
+        "QLoRA's peak {qlora} is not below LoRA's {lora} by the saving {saving} less the scratch {scratch}"
+    );
     let _ = std::fs::remove_dir_all(&d.dir);
 }
-

@@ -8,10 +8,10 @@
 use super::{flag_error, fraction, non_negative, positive};
 use crate::lora_base::BaseIdentity;
 use crate::nn::lora::{LoraConfig, Proj};
-use ferrolm_ops::nf4::{QuantSpec, QuantType};
 use crate::{AnyResult, Llama};
 use anyhow::{bail, Context};
 use clap::Args;
+use ferrolm_ops::nf4::{QuantSpec, QuantType};
 use ferrolm_tensor::Rng;
 use std::path::{Path, PathBuf};
 

@@ -769,7 +769,11 @@ impl Llama {
         if let Some(q) = &self.quant {
             return Err(Error::new(
                 "Llama::save_pretrained",
-                format!("the base's {} linear weights are 4-bit ({}): save its adapters, or dequantize the base first", q.weights, q.quant_type.name()),
+                format!(
+                    "the base's {} linear weights are 4-bit ({}): save its adapters, or dequantize the base first",
+                    q.weights,
+                    q.quant_type.name()
+                ),
             ));
         }
         let path = safetensors_io::prepare_dir(dir, "model.safetensors")?;

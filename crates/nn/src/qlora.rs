@@ -223,7 +223,7 @@ pub fn shard_quant(name: &str, q: &Quant4, dim: usize, index: usize, parts: usiz
     };
     let bs = q.blocksize;
     let full = if dim == 0 { out } else { cin };
-    if parts == 0 || full % parts != 0 || index >= parts {
+    if parts == 0 || !full.is_multiple_of(parts) || index >= parts {
         return Err(err(format!("cannot split {full} {} in {parts} pieces", if dim == 0 { "rows" } else { "columns" })));
     }
     let absmax = q.absmax_f32();
@@ -231,7 +231,7 @@ pub fn shard_quant(name: &str, q: &Quant4, dim: usize, index: usize, parts: usiz
     let ranges: Vec<(usize, usize)> = if dim == 0 {
         let rows = out / parts;
         let (start, len) = (index * rows * cin, rows * cin);
-        if start % bs != 0 || len % bs != 0 {
+        if !start.is_multiple_of(bs) || !len.is_multiple_of(bs) {
             return Err(err(format!(
                 "tensor parallelism over {parts} ranks splits its 4-bit blocks: a piece of {rows} rows x {cin} columns is {len} \
                  elements, not a multiple of the block of {bs} (quantize it for fewer ranks, or use --tp 1)"
@@ -240,7 +240,7 @@ pub fn shard_quant(name: &str, q: &Quant4, dim: usize, index: usize, parts: usiz
         vec![(start, start + len)]
     } else {
         let cols = cin / parts;
-        if cin % bs != 0 || cols % bs != 0 {
+        if !cin.is_multiple_of(bs) || !cols.is_multiple_of(bs) {
             return Err(err(format!(
                 "tensor parallelism over {parts} ranks splits its 4-bit blocks: its rows of {cin} columns split into pieces of \
                  {cols}, and both must be multiples of the block of {bs} (use fewer ranks, or --tp 1)"
@@ -256,7 +256,9 @@ pub fn shard_quant(name: &str, q: &Quant4, dim: usize, index: usize, parts: usiz
     }
     let shape = if dim == 0 { vec![out / parts, cin] } else { vec![out, cin / parts] };
     let absmax = match (&q.absmax, &ranges[..]) {
-        (Absmax::Nested(n), [(s, e)]) if (s / bs) % n.blocksize == 0 && ((e / bs) % n.blocksize == 0 || e / bs == q.blocks()) => {
+        (Absmax::Nested(n), [(s, e)])
+            if (s / bs).is_multiple_of(n.blocksize) && ((e / bs).is_multiple_of(n.blocksize) || e / bs == q.blocks()) =>
+        {
             let (b0, b1) = (s / bs, e / bs);
             Absmax::Nested(NestedAbsmax {
                 codes: n.codes[b0..b1].to_vec(),

@@ -111,7 +111,14 @@ impl QuantLinear {
     pub fn forward_adapted(&self, x: &Tensor, u: &Tensor, b: &Tensor, scale: f64, res: Option<&Tensor>) -> Result<Tensor> {
         let (cout, cin) = self.shape();
         let r = x.rank();
-        if r == 0 || x.dim(r - 1) != cin || b.rank() != 2 || b.dim(0) != cout || u.rank() != r || u.dims()[..r - 1] != x.dims()[..r - 1] || u.dim(r - 1) != b.dim(1) {
+        if r == 0
+            || x.dim(r - 1) != cin
+            || b.rank() != 2
+            || b.dim(0) != cout
+            || u.rank() != r
+            || u.dims()[..r - 1] != x.dims()[..r - 1]
+            || u.dim(r - 1) != b.dim(1)
+        {
             bail!(
                 "quant_linear",
                 "{}: expects x (..., {cin}), u (..., R), b ({cout}, R), got {:?}, {:?}, {:?}",

@@ -40,7 +40,8 @@ fn qlora_loss_and_adapter_gradients_equal_bitsandbytes_and_peft() {
     let r = reference();
     let on_load = Llama::from_pretrained_quantized(&qlora("base"), DType::F32, Device::Cpu, QuantSpec::QLORA).unwrap();
     let saved = Llama::from_pretrained(&qlora("base_4bit"), DType::F32, Device::Cpu).unwrap();
-    for (what, mut model, source) in [("quantized on load", on_load, QuantSource::OnLoad), ("saved 4-bit", saved, QuantSource::Checkpoint)] {
+    for (what, mut model, source) in [("quantized on load", on_load, QuantSource::OnLoad), ("saved 4-bit", saved, QuantSource::Checkpoint)]
+    {
         let q = model.quant_base().cloned().unwrap_or_else(|| panic!("{what}: no 4-bit base"));
         assert_eq!((q.weights, q.quant_type, q.source), (14, QuantType::Nf4, source), "{what}");
         // 4 + 8/64 + 32/(64 x 256) = 4.127 on large weights; these 4096-element ones fill only a
@@ -81,7 +82,10 @@ fn the_quantized_layers_hold_no_dense_weight() {
 #[test]
 fn a_4bit_checkpoint_loads_with_no_flag_and_equals_quantizing_on_load() {
     let r: BTreeMap<String, Tensor> =
-        load_safetensors(&fixtures().join("nf4/tiny_llama_4bit_reference.safetensors"), DType::F32, Device::Cpu).unwrap().into_iter().collect();
+        load_safetensors(&fixtures().join("nf4/tiny_llama_4bit_reference.safetensors"), DType::F32, Device::Cpu)
+            .unwrap()
+            .into_iter()
+            .collect();
     let saved = Llama::from_pretrained(&fixtures().join("nf4/tiny_llama_4bit"), DType::F32, Device::Cpu).unwrap();
     assert_eq!(saved.quant_base().map(|q| q.weights), Some(14));
     let l = loss(&saved, &r);
@@ -126,10 +130,8 @@ fn load_edited(tag: &str, edit: impl FnOnce(&mut BTreeMap<String, (safetensors::
     let mut parts: BTreeMap<String, (safetensors::Dtype, Vec<usize>, Vec<u8>)> =
         st.tensors().into_iter().map(|(n, v)| (n, (v.dtype(), v.shape().to_vec(), v.data().to_vec()))).collect();
     edit(&mut parts);
-    let views: Vec<(String, safetensors::tensor::TensorView)> = parts
-        .iter()
-        .map(|(n, (d, s, b))| (n.clone(), safetensors::tensor::TensorView::new(*d, s.clone(), b).unwrap()))
-        .collect();
+    let views: Vec<(String, safetensors::tensor::TensorView)> =
+        parts.iter().map(|(n, (d, s, b))| (n.clone(), safetensors::tensor::TensorView::new(*d, s.clone(), b).unwrap())).collect();
     safetensors::serialize_to_file(views, &None, &tmp.0.join("model.safetensors")).unwrap();
     let e = Llama::from_pretrained(&tmp.0, DType::F32, Device::Cpu).err().expect("the edited checkpoint is refused");
     e.to_string()

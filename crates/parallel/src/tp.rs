@@ -34,8 +34,8 @@
 use crate::comm::{Comm, ReduceOp};
 use crate::comm_ops::{copy_to_group, gather_from_group, reduce_from_group};
 use ferrolm_nn::module::{linear, linear_adapted, EmbeddingOp, Factor, HeadLoss, HeadOp, LinearOp};
-use ferrolm_nn::spec::{parts, TpRole};
 use ferrolm_nn::quant_linear::{QuantLinear, QuantOp};
+use ferrolm_nn::spec::{parts, TpRole};
 use ferrolm_nn::Llama;
 use ferrolm_ops::{HeadLossOptions, Tokens, VocabShards};
 use ferrolm_tensor::{bail, no_grad, DType, Error, Result, Tensor};
