@@ -189,3 +189,36 @@ fn a_corrupt_4bit_checkpoint_through_model_names_the_tensor() {
     assert!(e.contains(name) && e.contains("corrupt quant_state"), "{e}");
     let _ = std::fs::remove_dir_all(&dir);
 }
+
+/// `export --lora` over a checkpoint saved 4-bit (tests/fixtures/qlora/base_4bit, with the PEFT
+/// adapter trained over it): dequantized, merged in f32, saved as the f32 its weights were before
+/// bitsandbytes quantized them, without quantization_config; it scores as the 4-bit model with
+/// its adapter.
+#[test]
+fn export_lora_over_a_4bit_checkpoint_dequantizes_and_merges() {
+    let dir = tmp("qlora-export");
+    let fx = root().join("tests/fixtures/qlora");
+    let out = dir.join("merged");
+    let x: ferrolm::cli::export::ExportArgs =
+        parse_from(["export", &flag("model", &fx.join("base_4bit")), &flag("lora", &fx.join("adapter")), &flag("out", &out)]).unwrap();
+    ferrolm::cli::export::run(x).unwrap();
+    let c: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(out.join("config.json")).unwrap()).unwrap();
+    assert!(c.get("quantization_config").is_none(), "{c}");
+    assert_eq!(ferrolm::nn::safetensors_io::stored_float_dtype(&out).unwrap(), Some("float32"));
+    let r: std::collections::BTreeMap<String, ferrolm::Tensor> =
+        ferrolm::nn::safetensors_io::load_safetensors(&fx.join("reference.safetensors"), DType::F32, Device::Cpu)
+            .unwrap()
+            .into_iter()
+            .collect();
+    let ids = &r["input_ids"];
+    let labels: Vec<i32> = r["labels"].to_vec().unwrap();
+    let t = ids.dim(1);
+    let targets = ferrolm::Tensor::from_vec(ferrolm::nn::shift_labels(&labels, t), vec![ids.dim(0), t], Device::Cpu).unwrap();
+    let merged = Llama::from_pretrained(&out, DType::F32, Device::Cpu).unwrap();
+    assert!(merged.quant_base().is_none());
+    let mut q = Llama::from_pretrained(&fx.join("base_4bit"), DType::F32, Device::Cpu).unwrap();
+    q.load_adapter(&fx.join("adapter")).unwrap();
+    let (lm, lq) = (merged.loss(ids, &targets).unwrap().to_vec_f32().unwrap()[0], q.loss(ids, &targets).unwrap().to_vec_f32().unwrap()[0]);
+    assert!((lm - lq).abs() < 1e-5 * lq.abs(), "merged {lm} vs the 4-bit model with its adapter {lq}");
+    let _ = std::fs::remove_dir_all(&dir);
+}

@@ -438,8 +438,24 @@ pub fn write_merged(
 /// tokenizer's files, and the adapter's chat template when it carries one (as
 /// `chat_template.jinja`, which transformers prefers). No training state. Written into a
 /// temporary directory renamed into place; returns the names written.
+///
+/// A base saved 4-bit (QLoRA's) has no 16-bit weights to fold into: it is merged as `--merge-lora`
+/// merges over a 4-bit base ([`write_merged`]: dequantized, merged in f32, saved in the dtype its
+/// weights had before quantization, without `quantization_config`).
 pub fn export_merged(base: &Path, adapter: &Path, out: &Path) -> AnyResult<Vec<String>> {
     let cfg = crate::nn::LlamaConfig::from_file(base.join("config.json"))?;
+    if is_4bit_checkpoint(base)? {
+        return crate::checkpoint::write_new_dir(out, |tmp| {
+            let source = crate::checkpoint::SourceModel::read(base, crate::checkpoint::SaveDtype::Source)?;
+            write_merged(base, adapter, tmp, &source, None)?;
+            let mut written: Vec<String> = std::fs::read_dir(tmp)
+                .with_context(|| format!("cannot list {}", tmp.display()))?
+                .filter_map(|e| e.ok().map(|e| e.file_name().to_string_lossy().into_owned()))
+                .collect();
+            written.sort();
+            Ok(written)
+        });
+    }
     crate::checkpoint::write_new_dir(out, |tmp| {
         let (lora, mut written) = crate::nn::lora::peft::merge_adapter_files(base, &cfg, adapter, tmp)
             .with_context(|| format!("cannot fold the adapter {} into {}", adapter.display(), base.display()))?;
