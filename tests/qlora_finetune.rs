@@ -148,6 +148,12 @@ fn bad_qlora_flags_are_refused_naming_them() {
     assert_eq!(exit_code(&e), 2);
     let e = error_report(&e);
     assert!(e.contains("--quantize-base") && e.contains("--lora-rank"), "{e}");
+    // A checkpoint saved 4-bit trains through adapters only.
+    let four = root().join("tests/fixtures/qlora/base_4bit");
+    let e = ladder(&four, &dir, &dir.join("o"), &[]).unwrap_err();
+    assert_eq!(exit_code(&e), 2);
+    let e = error_report(&e);
+    assert!(e.contains("saved 4-bit") && e.contains("--lora-rank"), "{e}");
     // An unknown quant type: clap's error, exit code 2, naming the flag and the types.
     for tool in ["finetune", "finetune_ladder", "eval", "generate"] {
         let err = match tool {
