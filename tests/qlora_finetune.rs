@@ -12,6 +12,11 @@ use ferrolm::cli::{error_report, exit_code, parse_from};
 use ferrolm::{DType, Device, Llama};
 use ferrolm_ops::nf4::QuantSpec;
 use std::path::{Path, PathBuf};
+use std::sync::Mutex;
+
+/// One test at a time: a test that captures the log reads tracing's per-callsite interest,
+/// which the others' uncaptured runs of the same callsites can reset meanwhile.
+static SERIAL: Mutex<()> = Mutex::new(());
 
 /// A Llama whose every linear layer splits at --tp 2 into whole blocks of 64 (hidden 128,
 /// intermediate 256: o_proj's and down_proj's rows split into 64 and 128 columns), with the
@@ -40,6 +45,7 @@ fn sonnet_loss(model: &Llama) -> f64 {
 
 #[test]
 fn a_qlora_finetune_trains_a_peft_adapter_over_the_4bit_base_and_merges_it() {
+    let _g = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
     let dir = tmp("qlora-chat");
     let ck = model(&dir);
     let data = dir.join("chat.jsonl");
@@ -113,6 +119,7 @@ fn ladder(ck: &Path, data: &Path, out: &Path, extra: &[&str]) -> anyhow::Result<
 
 #[test]
 fn qlora_under_tp_dp_and_offload_follows_one_device_and_zero3_is_refused() {
+    let _g = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
     let dir = tmp("qlora-par");
     let ck = model(&dir);
     let (train, _, _) = shards_with(&dir, 0.01);
@@ -141,6 +148,7 @@ fn qlora_under_tp_dp_and_offload_follows_one_device_and_zero3_is_refused() {
 
 #[test]
 fn bad_qlora_flags_are_refused_naming_them() {
+    let _g = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
     let dir = tmp("qlora-bad");
     let ck = model(&dir);
     // --quantize-base without LoRA: both flags named, exit code 2.
@@ -154,6 +162,19 @@ fn bad_qlora_flags_are_refused_naming_them() {
     assert_eq!(exit_code(&e), 2);
     let e = error_report(&e);
     assert!(e.contains("saved 4-bit") && e.contains("--lora-rank"), "{e}");
+    // --tp 2 over the fixture's 4-bit base: o_proj's rows of 64 columns split into 32.
+    let with_tok = dir.join("four");
+    std::fs::create_dir_all(&with_tok).unwrap();
+    for f in ["config.json", "model.safetensors"] {
+        std::fs::copy(four.join(f), with_tok.join(f)).unwrap();
+    }
+    std::fs::copy(tokenizer_path(), with_tok.join("tokenizer.json")).unwrap();
+    let text = data_path("corpus/README.md");
+    let e: EvalArgs =
+        parse_from(["eval", "--device=cpu", &flag("model", &with_tok), &flag("text", &text), "--seq-len=16", "--tp=2"]).unwrap();
+    let e = ferrolm::cli::eval::run(e).unwrap_err();
+    let e = error_report(&e);
+    assert!(e.contains("--tp 2 over a 4-bit base") && e.contains("o_proj.weight") && e.contains("pieces of 32"), "{e}");
     // An unknown quant type: clap's error, exit code 2, naming the flag and the types.
     for tool in ["finetune", "finetune_ladder", "eval", "generate"] {
         let err = match tool {
@@ -174,6 +195,7 @@ fn bad_qlora_flags_are_refused_naming_them() {
 /// A corrupt checkpoint saved 4-bit, given as --model: the error names the tensor.
 #[test]
 fn a_corrupt_4bit_checkpoint_through_model_names_the_tensor() {
+    let _g = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
     let dir = tmp("qlora-corrupt");
     let src = root().join("tests/fixtures/qlora/base_4bit");
     let ck = dir.join("model");
@@ -202,6 +224,7 @@ fn a_corrupt_4bit_checkpoint_through_model_names_the_tensor() {
 /// its adapter.
 #[test]
 fn export_lora_over_a_4bit_checkpoint_dequantizes_and_merges() {
+    let _g = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
     let dir = tmp("qlora-export");
     let fx = root().join("tests/fixtures/qlora");
     let out = dir.join("merged");

@@ -266,7 +266,7 @@ fn prepare(args: &FinetuneArgs) -> AnyResult<Prepared> {
     super::lora::check_run_base(&args.lora, a.resume.as_deref(), base_id.as_ref(), &model)?;
     let parallelism = a.parallel.layout()?;
     parallelism.check_model(&cfg)?;
-    super::lora::check_quant_layout(&args.lora, &model, &parallelism)?;
+    super::lora::check_quant_layout(args.lora.quantize_base, &model, &parallelism)?;
     let tok_path = a.tokenizer.clone().unwrap_or_else(|| model.join("tokenizer.json"));
     let tokenizer = Tokenizer::from_file(&tok_path).with_context(|| format!("cannot load the tokenizer {}", tok_path.display()))?;
     check_vocab(&tokenizer, &tok_path, cfg.vocab_size, &cfg_path.display().to_string())?;

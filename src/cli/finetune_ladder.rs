@@ -95,7 +95,7 @@ fn prepare(args: &FinetuneLadderArgs) -> AnyResult<Prepared> {
     super::lora::check_run_base(&args.lora, a.resume.as_deref(), base_id.as_ref(), dir)?;
     let parallelism = a.parallel.layout()?;
     parallelism.check_model(&cfg)?;
-    super::lora::check_quant_layout(&args.lora, dir, &parallelism)?;
+    super::lora::check_quant_layout(args.lora.quantize_base, dir, &parallelism)?;
     let tok_path = a.tokenizer.clone().unwrap_or_else(|| dir.join("tokenizer.json"));
     let tokenizer = Tokenizer::from_file(&tok_path).with_context(|| format!("cannot load the tokenizer {}", tok_path.display()))?;
     super::pretrain::check_vocab(&tokenizer, &tok_path, cfg.vocab_size, &dir.join("config.json").display().to_string())?;

@@ -76,16 +76,28 @@ pub fn load_model(dir: &Path, quantize: Option<QuantType>, dtype: crate::DType, 
 }
 
 /// Refuses, before any work, a layout that a 4-bit base (`--quantize-base`, or `--model` saved
-/// 4-bit) does not run under: ZeRO-3 (the frozen 4-bit weights are held whole on every rank).
-/// A flag error naming the flags.
-pub fn check_quant_layout(args: &LoraArgs, model: &Path, layout: &crate::parallel::Parallelism) -> AnyResult<()> {
-    if layout.spec.params > 1 && (args.quantize_base.is_some() || is_4bit_checkpoint(model)?) {
+/// 4-bit) does not run under: ZeRO-3 (the frozen 4-bit weights are held whole on every rank),
+/// and a `--tp` whose pieces would split a 4-bit block of some weight (naming it and the
+/// sizes). A flag error naming the flags.
+pub fn check_quant_layout(quantize: Option<QuantType>, model: &Path, layout: &crate::parallel::Parallelism) -> AnyResult<()> {
+    if layout.spec.params > 1 && (quantize.is_some() || is_4bit_checkpoint(model)?) {
         return Err(flag_error(format!(
             "ZeRO-3 (--zero 3 or --shard-params {}) over a 4-bit base (--quantize-base, or a --model saved 4-bit) is not \
              supported: the frozen 4-bit weights are held whole on every rank and only the adapters are sharded: use --zero 2 \
              or less",
             layout.spec.params
         )));
+    }
+    if layout.tp > 1 && (quantize.is_some() || is_4bit_checkpoint(model)?) {
+        let cfg = crate::nn::LlamaConfig::from_file(model.join("config.json"))?;
+        let bs = QuantSpec::QLORA.blocksize;
+        for s in (0..cfg.num_hidden_layers).flat_map(|l| cfg.linear_specs(l)) {
+            if let Some(dim) = s.role.split_dim() {
+                let parts = crate::nn::spec::parts(s.role, s.units, layout.tp);
+                crate::nn::qlora::check_shard(&s.name, &s.shape, dim, parts, bs)
+                    .map_err(|e| flag_error(format!("--tp {} over a 4-bit base: {}", layout.tp, e.msg)))?;
+            }
+        }
     }
     Ok(())
 }

@@ -175,6 +175,7 @@ impl ModelRunArgs {
         let dtype = self.device.dtype(device);
         let layout = self.parallel.layout()?;
         layout.check_model(&crate::nn::LlamaConfig::from_file(dir.join("config.json"))?)?;
+        lora::check_quant_layout(self.quantize_base, dir, &layout)?;
         crate::parallel::launch(
             &layout,
             device,

@@ -208,36 +208,28 @@ impl Llama {
     }
 }
 
-/// Piece `index` of `parts` of the 4-bit (out, in) weight `name` along `dim` (0: output rows,
-/// a column-parallel layer's; 1: input columns, a row-parallel layer's): the same codes and
-/// block scales, so the piece dequantizes to exactly the same values as that piece of the
-/// whole. Quantization blocks never straddle a shard: a shape whose pieces would split a block
-/// is refused, naming the sizes. A row piece keeps the nested (double-quantized) absmax when it
-/// starts and ends on a nested block; otherwise the piece holds its blocks' absmax as the f32
-/// values bitsandbytes dequantizes them to (exact; 4 bytes a block instead of 1).
-pub fn shard_quant(name: &str, q: &Quant4, dim: usize, index: usize, parts: usize) -> Result<Quant4> {
+/// Whether the (out, in) weight `name` of `shape` cuts into `parts` pieces along `dim` (0: rows,
+/// 1: columns) made of whole 4-bit blocks of `blocksize`: else an error naming the sizes (what
+/// `--tp` is refused with before a QLoRA run starts, and what [`shard_quant`] checks).
+pub fn check_shard(name: &str, shape: &[usize], dim: usize, parts: usize, bs: usize) -> Result<()> {
     let err = |msg: String| Error::new("qlora", format!("{name}: {msg}"));
-    let (out, cin) = match q.shape[..] {
+    let (out, cin) = match shape[..] {
         [o, i] => (o, i),
-        _ => return Err(err(format!("a linear weight is (out, in), got shape {:?}", q.shape))),
+        _ => return Err(err(format!("a linear weight is (out, in), got shape {shape:?}"))),
     };
-    let bs = q.blocksize;
     let full = if dim == 0 { out } else { cin };
-    if parts == 0 || !full.is_multiple_of(parts) || index >= parts {
+    if parts == 0 || !full.is_multiple_of(parts) {
         return Err(err(format!("cannot split {full} {} in {parts} pieces", if dim == 0 { "rows" } else { "columns" })));
     }
-    let absmax = q.absmax_f32();
-    // Element ranges of the piece, in the flattened (row-major) weight.
-    let ranges: Vec<(usize, usize)> = if dim == 0 {
+    if dim == 0 {
         let rows = out / parts;
-        let (start, len) = (index * rows * cin, rows * cin);
-        if !start.is_multiple_of(bs) || !len.is_multiple_of(bs) {
+        let len = rows * cin;
+        if !len.is_multiple_of(bs) {
             return Err(err(format!(
                 "tensor parallelism over {parts} ranks splits its 4-bit blocks: a piece of {rows} rows x {cin} columns is {len} \
-                 elements, not a multiple of the block of {bs} (quantize it for fewer ranks, or use --tp 1)"
+                 elements, not a multiple of the block of {bs} (use fewer ranks, or --tp 1)"
             )));
         }
-        vec![(start, start + len)]
     } else {
         let cols = cin / parts;
         if !cin.is_multiple_of(bs) || !cols.is_multiple_of(bs) {
@@ -246,6 +238,30 @@ pub fn shard_quant(name: &str, q: &Quant4, dim: usize, index: usize, parts: usiz
                  {cols}, and both must be multiples of the block of {bs} (use fewer ranks, or --tp 1)"
             )));
         }
+    }
+    Ok(())
+}
+
+/// Piece `index` of `parts` of the 4-bit (out, in) weight `name` along `dim` (0: output rows,
+/// a column-parallel layer's; 1: input columns, a row-parallel layer's): the same codes and
+/// block scales, so the piece dequantizes to exactly the same values as that piece of the
+/// whole. Quantization blocks never straddle a shard: a shape whose pieces would split a block
+/// is refused, naming the sizes. A row piece keeps the nested (double-quantized) absmax when it
+/// starts and ends on a nested block; otherwise the piece holds its blocks' absmax as the f32
+/// values bitsandbytes dequantizes them to (exact; 4 bytes a block instead of 1).
+pub fn shard_quant(name: &str, q: &Quant4, dim: usize, index: usize, parts: usize) -> Result<Quant4> {
+    check_shard(name, &q.shape, dim, parts, q.blocksize)?;
+    if index >= parts {
+        return Err(Error::new("qlora", format!("{name}: no piece {index} of {parts}")));
+    }
+    let (out, cin, bs) = (q.shape[0], q.shape[1], q.blocksize);
+    let absmax = q.absmax_f32();
+    // Element ranges of the piece, in the flattened (row-major) weight.
+    let ranges: Vec<(usize, usize)> = if dim == 0 {
+        let len = out / parts * cin;
+        vec![(index * len, (index + 1) * len)]
+    } else {
+        let cols = cin / parts;
         (0..out).map(|r| (r * cin + index * cols, r * cin + (index + 1) * cols)).collect()
     };
     let mut packed = Vec::new();
