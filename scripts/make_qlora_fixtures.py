@@ -118,6 +118,7 @@ def write() -> None:
 
     ref, pm = run(model, None)
     pm.save_pretrained(OUT / "adapter")
+    (OUT / "adapter" / "README.md").unlink(missing_ok=True)  # PEFT's model card template
     save_file(ref, OUT / "reference.safetensors")
 
 
