@@ -298,6 +298,18 @@ impl SourceModel {
         self
     }
 
+    /// The source as a dense model saved as `save` (a merge over a 4-bit base): without its
+    /// `quantization_config`, whose weights the merged model no longer has.
+    pub fn dense(&self, save: DType) -> SourceModel {
+        let mut s = self.clone();
+        s.config.remove("quantization_config");
+        s.save = save;
+        if let Ok(name) = dtype_name(save) {
+            s.dtype_name = name.to_string();
+        }
+        s
+    }
+
     /// The dtype checkpoints store their weights in.
     pub fn save_dtype(&self) -> DType {
         self.save

@@ -114,17 +114,19 @@ impl Parallelism {
     }
 }
 
-/// Loads a checkpoint (and a PEFT adapter for it) on every rank and shards it for tensor
+/// Loads a checkpoint (4-bit with `quantize`, `--quantize-base`, or when saved 4-bit; and a
+/// PEFT adapter for it) on every rank and shards it for tensor
 /// parallelism (inference tools).
 pub fn load_for_inference(
     dir: &std::path::Path,
     adapter: Option<&std::path::Path>,
+    quantize: Option<ferrolm_ops::nf4::QuantType>,
     dtype: ferrolm_tensor::DType,
     device: Device,
     comm: Option<Comm>,
     layout: &Parallelism,
 ) -> AnyResult<Llama> {
-    let mut model = Llama::from_pretrained(dir, dtype, device).with_context(|| format!("cannot load the model in {}", dir.display()))?;
+    let mut model = crate::cli::lora::load_model(dir, quantize, dtype, device)?;
     if let Some(a) = adapter {
         model.load_adapter(a).with_context(|| format!("cannot apply the adapter in {} to {}", a.display(), dir.display()))?;
     }
@@ -224,6 +226,16 @@ fn drill_delay() -> AnyResult<()> {
 /// parallelism first, then its parameters move into the engine's store, sharded as the flags
 /// say. Without a communicator (one device) the engine spans a world of one.
 pub fn attach(model: &mut Llama, comm: Option<Comm>, layout: &Parallelism, cfg: AdamWConfig) -> AnyResult<Zero> {
+    if let Some(q) = model.quant_base() {
+        if layout.spec.params > 1 {
+            return Err(flag_error(format!(
+                "ZeRO-3 (--zero 3 or --shard-params {}) over a 4-bit base is not supported: its {} frozen 4-bit linear weights \
+                 are held whole on every data-parallel rank (a QLoRA run shards only the adapters' gradients and optimizer \
+                 state): use --zero 2 or less",
+                layout.spec.params, q.weights
+            )));
+        }
+    }
     let placement = match &layout.offload {
         Some(o) => Placement::Offload(o),
         None => Placement::Device,

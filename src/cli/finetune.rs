@@ -12,7 +12,7 @@ use crate::nn::{LlamaConfig, Sampling};
 use crate::parallel::Comm;
 use crate::progress::report;
 use crate::train::{check_validation_data, TrainSet, Trainer};
-use crate::{AnyResult, Llama};
+use crate::AnyResult;
 use anyhow::Context;
 use clap::{Args, Command, Parser};
 use std::path::{Path, PathBuf};
@@ -266,6 +266,7 @@ fn prepare(args: &FinetuneArgs) -> AnyResult<Prepared> {
     super::lora::check_run_base(&args.lora, a.resume.as_deref(), base_id.as_ref(), &model)?;
     let parallelism = a.parallel.layout()?;
     parallelism.check_model(&cfg)?;
+    super::lora::check_quant_layout(args.lora.quantize_base, &model, &parallelism)?;
     let tok_path = a.tokenizer.clone().unwrap_or_else(|| model.join("tokenizer.json"));
     let tokenizer = Tokenizer::from_file(&tok_path).with_context(|| format!("cannot load the tokenizer {}", tok_path.display()))?;
     check_vocab(&tokenizer, &tok_path, cfg.vocab_size, &cfg_path.display().to_string())?;
@@ -339,8 +340,7 @@ pub(crate) fn show_reply(trainer: &Trainer, tokenizer: &Tokenizer, prompt: &Opti
 
 fn finetune_rank(args: &FinetuneArgs, p: &Prepared, comm: Option<Comm>) -> AnyResult<Outcome> {
     let a = &args.train;
-    let mut model =
-        Llama::from_pretrained(&p.model, p.data.dtype, p.data.device).with_context(|| format!("cannot load {}", p.model.display()))?;
+    let mut model = super::lora::load_model(&p.model, args.lora.quantize_base, p.data.dtype, p.data.device)?;
     model.set_activation_checkpointing(a.activation_checkpointing);
     let kind = match &model.config().ladder_layers {
         Some(l) => format!(" (Ladder Transformer: {l} layers)"),

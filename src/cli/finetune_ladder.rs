@@ -13,7 +13,7 @@ use crate::data::Tokenizer;
 use crate::nn::LadderLayers;
 use crate::parallel::Comm;
 use crate::progress::report;
-use crate::{AnyResult, Llama};
+use crate::AnyResult;
 use anyhow::Context;
 use clap::{Command, Parser};
 use std::path::PathBuf;
@@ -95,6 +95,7 @@ fn prepare(args: &FinetuneLadderArgs) -> AnyResult<Prepared> {
     super::lora::check_run_base(&args.lora, a.resume.as_deref(), base_id.as_ref(), dir)?;
     let parallelism = a.parallel.layout()?;
     parallelism.check_model(&cfg)?;
+    super::lora::check_quant_layout(args.lora.quantize_base, dir, &parallelism)?;
     let tok_path = a.tokenizer.clone().unwrap_or_else(|| dir.join("tokenizer.json"));
     let tokenizer = Tokenizer::from_file(&tok_path).with_context(|| format!("cannot load the tokenizer {}", tok_path.display()))?;
     super::pretrain::check_vocab(&tokenizer, &tok_path, cfg.vocab_size, &dir.join("config.json").display().to_string())?;
@@ -132,8 +133,7 @@ fn finetune_rank(args: &FinetuneLadderArgs, p: &Prepared, comm: Option<Comm>) ->
     let a = &args.train;
     let mut opts = a.options();
     opts.steps = opts.steps.max(1); // the trainer's schedule needs a length; --steps 0 never steps
-    let mut model = Llama::from_pretrained(&args.model, p.data.dtype, p.data.device)
-        .with_context(|| format!("cannot load {}", args.model.display()))?;
+    let mut model = super::lora::load_model(&args.model, args.lora.quantize_base, p.data.dtype, p.data.device)?;
     let before_kind = model.config().ladder_layers.clone();
     model.set_ladder_layers(None)?; // the plain model first, for its validation loss
     model.set_activation_checkpointing(a.activation_checkpointing);

@@ -11,6 +11,7 @@ use crate::nn::lora::{LoraConfig, Proj};
 use crate::{AnyResult, Llama};
 use anyhow::{bail, Context};
 use clap::Args;
+use ferrolm_ops::nf4::{QuantSpec, QuantType};
 use ferrolm_tensor::Rng;
 use std::path::{Path, PathBuf};
 
@@ -44,6 +45,70 @@ pub struct LoraArgs {
     /// adapter)
     #[arg(long)]
     pub merge_lora: bool,
+    /// QLoRA: hold the base's linear weights (q/k/v/o, gate/up/down) 4-bit, nf4 or fp4 as
+    /// bitsandbytes stores them (blocks of 64, double quantization), quantized on load from a
+    /// bf16/f32 --model; the embeddings, norms and LM head stay in --dtype. Needs --lora-rank (or
+    /// --lora-init). A checkpoint saved 4-bit by transformers loads as 4-bit without it
+    /// [default: off, the base in --dtype]
+    #[arg(long, value_name = "nf4|fp4", value_parser = quant_type)]
+    pub quantize_base: Option<QuantType>,
+}
+
+/// `--quantize-base`'s value: nf4 or fp4 (an unknown type is a flag error naming them).
+pub fn quant_type(s: &str) -> Result<QuantType, String> {
+    QuantType::parse(s).map_err(|_| format!("unknown 4-bit quant type {s:?}: nf4 or fp4"))
+}
+
+/// Loads the model directory `dir` for a run: with `quantize` (`--quantize-base`) its linear
+/// weights quantized 4-bit on load, tensor by tensor (`Llama::from_pretrained_quantized`); a
+/// checkpoint saved 4-bit by transformers loads as 4-bit with or without it. A 4-bit base is
+/// reported (what is quantized, what stays in `dtype`).
+pub fn load_model(dir: &Path, quantize: Option<QuantType>, dtype: crate::DType, device: crate::Device) -> AnyResult<Llama> {
+    let model = match quantize {
+        Some(q) => Llama::from_pretrained_quantized(dir, dtype, device, QuantSpec { quant_type: q, ..QuantSpec::QLORA }),
+        None => Llama::from_pretrained(dir, dtype, device),
+    }
+    .with_context(|| format!("cannot load {}", dir.display()))?;
+    if let Some(q) = model.quant_base() {
+        tracing::info!("{}", q.describe(dtype));
+    }
+    Ok(model)
+}
+
+/// Refuses, before any work, a layout that a 4-bit base (`--quantize-base`, or `--model` saved
+/// 4-bit) does not run under: ZeRO-3 (the frozen 4-bit weights are held whole on every rank),
+/// and a `--tp` whose pieces would split a 4-bit block of some weight (naming it and the
+/// sizes). A flag error naming the flags.
+pub fn check_quant_layout(quantize: Option<QuantType>, model: &Path, layout: &crate::parallel::Parallelism) -> AnyResult<()> {
+    if layout.spec.params > 1 && (quantize.is_some() || is_4bit_checkpoint(model)?) {
+        return Err(flag_error(format!(
+            "ZeRO-3 (--zero 3 or --shard-params {}) over a 4-bit base (--quantize-base, or a --model saved 4-bit) is not \
+             supported: the frozen 4-bit weights are held whole on every rank and only the adapters are sharded: use --zero 2 \
+             or less",
+            layout.spec.params
+        )));
+    }
+    if layout.tp > 1 && (quantize.is_some() || is_4bit_checkpoint(model)?) {
+        let cfg = crate::nn::LlamaConfig::from_file(model.join("config.json"))?;
+        let bs = QuantSpec::QLORA.blocksize;
+        for s in (0..cfg.num_hidden_layers).flat_map(|l| cfg.linear_specs(l)) {
+            if let Some(dim) = s.role.split_dim() {
+                let parts = crate::nn::spec::parts(s.role, s.units, layout.tp);
+                crate::nn::qlora::check_shard(&s.name, &s.shape, dim, parts, bs)
+                    .map_err(|e| flag_error(format!("--tp {} over a 4-bit base: {}", layout.tp, e.msg)))?;
+            }
+        }
+    }
+    Ok(())
+}
+
+/// Whether the model directory `dir` is a checkpoint saved 4-bit (`quantization_config` in its
+/// config.json); errors name the file and key.
+pub fn is_4bit_checkpoint(dir: &Path) -> AnyResult<bool> {
+    let path = dir.join("config.json");
+    let text = std::fs::read_to_string(&path).with_context(|| format!("cannot read {}", path.display()))?;
+    let json: serde_json::Value = serde_json::from_str(&text).with_context(|| format!("{} is not JSON", path.display()))?;
+    Ok(crate::nn::bnb4::bnb4_config(&json, &path)?.is_some())
 }
 
 /// `--lora-targets`' projections.
@@ -70,6 +135,7 @@ impl LoraArgs {
                 ("--lora-targets", self.lora_targets.is_some()),
                 ("--rslora", self.rslora),
                 ("--merge-lora", self.merge_lora),
+                ("--quantize-base", self.quantize_base.is_some()),
             ];
             if let Some((flag, _)) = given.iter().find(|g| g.1) {
                 return Err(flag_error(format!("{flag} applies to LoRA fine-tuning: add --lora-rank R (or --lora-init DIR)")));
@@ -175,8 +241,17 @@ pub fn with_base(trainer: crate::train::Trainer, base: &Path, id: Option<&BaseId
 /// `cfg` and whose weights are the files of the model directory `weights` (`finetune_ladder`'s
 /// base is the converted config over the Llama's files). Hashes every weight once (the log says
 /// how long it took).
+///
+/// A base saved 4-bit trains adapters only: without LoRA it is a flag error naming the flags.
 pub fn base_identity(args: &LoraArgs, path: &Path, cfg: &crate::nn::LlamaConfig, weights: &Path) -> AnyResult<Option<BaseIdentity>> {
     if !args.enabled() {
+        if is_4bit_checkpoint(weights)? {
+            return Err(flag_error(format!(
+                "--model {}: the checkpoint is saved 4-bit (quantization_config): its frozen 4-bit weights train through LoRA \
+                 adapters only (QLoRA): add --lora-rank R (or --lora-init DIR)",
+                weights.display()
+            )));
+        }
         return Ok(None);
     }
     BaseIdentity::compute(path, cfg, weights).map(Some)
@@ -235,7 +310,7 @@ pub fn merge(args: &LoraArgs, base: &Path, ckpt: Option<&Path>, out: &Path, sour
         None => crate::checkpoint::resolve_checkpoint(out)?,
     };
     let merged = out.join("merged");
-    write_merged(base, &ckpt, &merged, source)?;
+    write_merged(base, &ckpt, &merged, source, args.quantize_base)?;
     crate::progress::report(&format!("merged model (the adapter folded in): {}", merged.display()));
     Ok(())
 }
@@ -328,10 +403,40 @@ fn link_file(target: &Path, link: &Path) -> AnyResult<()> {
 /// Hugging Face checkpoint to `out`: `source`'s config keys (the fine-tune's model, read at
 /// start), the weights in its save dtype, the tokenizer's files (the adapter checkpoint's, which
 /// carry the run's chat template, else the base's).
-pub fn write_merged(base: &Path, adapter: &Path, out: &Path, source: &crate::checkpoint::SourceModel) -> AnyResult<()> {
-    let mut m =
-        Llama::from_pretrained(base, crate::DType::F32, crate::Device::Cpu).with_context(|| format!("cannot load {}", base.display()))?;
+///
+/// A 4-bit base (QLoRA: `quantize`, `--quantize-base`, or a checkpoint saved 4-bit) is the base
+/// the adapter was trained against: it is loaded 4-bit as in training, dequantized to f32, the
+/// adapter folded in in f32, and the sum rounded once to the base's original dtype: the source
+/// checkpoint's (f32 or bf16) when it was quantized on load; for a checkpoint saved 4-bit, the
+/// dtype its weights had before bitsandbytes quantized them (their quant_state's `dtype`; f16 is
+/// stored as f32), written without `quantization_config`. The merged weights are the
+/// dequantized ones plus the adapter, not the original 16-bit ones (peft#2321).
+pub fn write_merged(
+    base: &Path,
+    adapter: &Path,
+    out: &Path,
+    source: &crate::checkpoint::SourceModel,
+    quantize: Option<QuantType>,
+) -> AnyResult<()> {
+    let mut m = load_model(base, quantize, crate::DType::F32, crate::Device::Cpu)?;
     m.load_adapter(adapter).with_context(|| format!("cannot load the adapter {}", adapter.display()))?;
+    let source = match m.quant_base().cloned() {
+        None => std::borrow::Cow::Borrowed(source),
+        Some(q) => {
+            m.dequantize_base()?;
+            let save = match (q.source, q.orig_dtype) {
+                (crate::nn::qlora::QuantSource::OnLoad, _) => source.save_dtype(),
+                (_, ferrolm_ops::nf4::OrigDtype::BF16) => crate::DType::BF16,
+                _ => crate::DType::F32,
+            };
+            crate::progress::report(&format!(
+                "merging over the 4-bit base: dequantized, the adapter folded in in f32, saved as {save} (the base's {} weights \
+                 before quantization); the merged weights are the dequantized base plus the adapter (peft#2321)",
+                q.orig_dtype.name()
+            ));
+            std::borrow::Cow::Owned(source.dense(save))
+        }
+    };
     m.merge_lora()?;
     source.write_model(out, m.config(), &m.parameters()).with_context(|| format!("cannot write the merged model to {}", out.display()))?;
     copy_tokenizer_files(&[adapter, base], out)
@@ -345,8 +450,24 @@ pub fn write_merged(base: &Path, adapter: &Path, out: &Path, source: &crate::che
 /// tokenizer's files, and the adapter's chat template when it carries one (as
 /// `chat_template.jinja`, which transformers prefers). No training state. Written into a
 /// temporary directory renamed into place; returns the names written.
+///
+/// A base saved 4-bit (QLoRA's) has no 16-bit weights to fold into: it is merged as `--merge-lora`
+/// merges over a 4-bit base ([`write_merged`]: dequantized, merged in f32, saved in the dtype its
+/// weights had before quantization, without `quantization_config`).
 pub fn export_merged(base: &Path, adapter: &Path, out: &Path) -> AnyResult<Vec<String>> {
     let cfg = crate::nn::LlamaConfig::from_file(base.join("config.json"))?;
+    if is_4bit_checkpoint(base)? {
+        return crate::checkpoint::write_new_dir(out, |tmp| {
+            let source = crate::checkpoint::SourceModel::read(base, crate::checkpoint::SaveDtype::Source)?;
+            write_merged(base, adapter, tmp, &source, None)?;
+            let mut written: Vec<String> = std::fs::read_dir(tmp)
+                .with_context(|| format!("cannot list {}", tmp.display()))?
+                .filter_map(|e| e.ok().map(|e| e.file_name().to_string_lossy().into_owned()))
+                .collect();
+            written.sort();
+            Ok(written)
+        });
+    }
     crate::checkpoint::write_new_dir(out, |tmp| {
         let (lora, mut written) = crate::nn::lora::peft::merge_adapter_files(base, &cfg, adapter, tmp)
             .with_context(|| format!("cannot fold the adapter {} into {}", adapter.display(), base.display()))?;

@@ -132,6 +132,11 @@ pub struct ModelRunArgs {
     /// adapter_model.safetensors, or a LoRA run whose latest checkpoint holds one [default: none]
     #[arg(long, value_name = "DIR", help_heading = "Model")]
     pub lora: Option<PathBuf>,
+    /// Hold --model's linear weights 4-bit (nf4 or fp4, quantized on load as a QLoRA run with
+    /// --quantize-base does), so the model scored or sampled is the one QLoRA trained; a
+    /// checkpoint saved 4-bit loads as 4-bit without it [default: off, --dtype weights]
+    #[arg(long, value_name = "nf4|fp4", value_parser = lora::quant_type, help_heading = "Model")]
+    pub quantize_base: Option<ferrolm_ops::nf4::QuantType>,
     #[command(flatten)]
     pub parallel: parallel::TpArgs,
     #[command(flatten)]
@@ -171,12 +176,13 @@ impl ModelRunArgs {
         let dtype = self.device.dtype(device);
         let layout = self.parallel.layout()?;
         layout.check_model(&crate::nn::LlamaConfig::from_file(dir.join("config.json"))?)?;
+        lora::check_quant_layout(self.quantize_base, dir, &layout)?;
         crate::parallel::launch(
             &layout,
             device,
             || Ok(()),
             |_, comm| {
-                let model = crate::parallel::load_for_inference(dir, adapter.as_deref(), dtype, device, comm, &layout)?;
+                let model = crate::parallel::load_for_inference(dir, adapter.as_deref(), self.quantize_base, dtype, device, comm, &layout)?;
                 f(&model, &tokenizer, device)
             },
         )

@@ -14,6 +14,7 @@ pub mod lora;
 pub mod module;
 pub mod objective;
 pub mod optim;
+pub mod qlora;
 pub mod quant_linear;
 pub mod remat;
 mod rope;

@@ -298,6 +298,8 @@ pub struct Llama {
     device: Device,
     /// LoRA (`crate::lora`): the adapters' settings; the base weights are then frozen.
     pub(crate) lora: Option<LoraState>,
+    /// QLoRA (`crate::qlora`): the linear layers whose weights are 4-bit (`QuantOp`).
+    pub(crate) quant: Option<crate::qlora::QuantBase>,
 }
 
 impl Llama {
@@ -602,6 +604,7 @@ impl Llama {
             dtype: self.dtype,
             device: self.device,
             lora: self.lora.clone(),
+            quant: self.quant.clone(),
         }
     }
 
@@ -673,6 +676,7 @@ impl Llama {
             dtype,
             device,
             lora: None,
+            quant: None,
         };
         m.visit_params_mut(&mut |p, t| {
             *t = make(p)?;
@@ -739,6 +743,10 @@ impl Llama {
             return Err(Error::new("Llama::from_pretrained", format!("{}: model dtype must be a float type, got {dtype}", dir.display())));
         }
         let cfg = LlamaConfig::from_file(dir.join("config.json"))?;
+        // A checkpoint transformers saved 4-bit (`quantization_config`): a 4-bit base, no flag.
+        if let Some(ck) = crate::bnb4::read_bnb4_dir(dir)? {
+            return Self::from_quantized(cfg, ck, dtype, device, dir, crate::qlora::QuantSource::Checkpoint);
+        }
         let single = dir.join("model.safetensors");
         let file = if single.is_file() { single } else { dir.join("model.safetensors.index.json") };
         let tensors = safetensors_io::load_model_dir(dir, dtype, device)?;
@@ -758,6 +766,16 @@ impl Llama {
             DType::BF16 => "bfloat16",
             other => return Err(Error::new("Llama::save_pretrained", format!("cannot save weights as {other}: use f32 or bf16"))),
         };
+        if let Some(q) = &self.quant {
+            return Err(Error::new(
+                "Llama::save_pretrained",
+                format!(
+                    "the base's {} linear weights are 4-bit ({}): save its adapters, or dequantize the base first",
+                    q.weights,
+                    q.quant_type.name()
+                ),
+            ));
+        }
         let path = safetensors_io::prepare_dir(dir, "model.safetensors")?;
         safetensors_io::save_safetensors(&path, &self.parameters(), Some(dtype))?;
         safetensors_io::write_atomic(&dir.join("config.json"), self.cfg.to_json_string_dtype(hf).as_bytes())?;

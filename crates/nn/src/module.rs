@@ -174,6 +174,10 @@ pub trait LinearOp: Send + Sync {
     fn per_head(&self, w: &Tensor) -> Result<Tensor> {
         Ok(w.clone())
     }
+    /// The 4-bit weight this op applies in place of the layer's (QLoRA's `QuantOp`), if any.
+    fn quantized(&self) -> Option<&crate::quant_linear::QuantLinear> {
+        None
+    }
 }
 
 /// How an embedding looks its rows up (dense, or vocabulary-parallel). Ids that carry their

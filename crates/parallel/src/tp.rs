@@ -34,6 +34,7 @@
 use crate::comm::{Comm, ReduceOp};
 use crate::comm_ops::{copy_to_group, gather_from_group, reduce_from_group};
 use ferrolm_nn::module::{linear, linear_adapted, EmbeddingOp, Factor, HeadLoss, HeadOp, LinearOp};
+use ferrolm_nn::quant_linear::{QuantLinear, QuantOp};
 use ferrolm_nn::spec::{parts, TpRole};
 use ferrolm_nn::Llama;
 use ferrolm_ops::{HeadLossOptions, Tokens, VocabShards};
@@ -69,6 +70,21 @@ impl Sharding {
     fn split(dim: usize, parts: usize, rank: usize, tp: usize) -> Self {
         Sharding { dim: Some(dim), parts, index: rank * parts / tp, replicas: tp / parts }
     }
+    /// This rank's piece of `full`, or, for a placeholder (a one-element broadcast: QLoRA's
+    /// 4-bit layers carry one for their shape, `ferrolm_nn::qlora`), a placeholder of the
+    /// piece's shape, never materialised.
+    pub fn shard_or_placeholder(&self, full: &Tensor) -> Result<Tensor> {
+        if full.numel() > 1 && full.layout().strides.iter().all(|&s| s == 0) {
+            let mut dims = full.dims().to_vec();
+            if let Some(d) = self.dim {
+                dims[d] /= self.parts;
+            }
+            let one = Tensor::zeros(vec![1; dims.len()], full.dtype(), full.device())?;
+            return one.broadcast_as(dims);
+        }
+        self.shard(full)
+    }
+
     /// This rank's piece of the full tensor, in storage of its own (a view would keep the
     /// whole tensor alive on every rank).
     pub fn shard(&self, full: &Tensor) -> Result<Tensor> {
@@ -227,6 +243,54 @@ impl LinearOp for RowParallel {
     }
 }
 
+// ---- QLoRA: a column- or row-parallel layer over this rank's piece of a 4-bit weight ----------
+
+/// A parallel layer (`parallel`: `ColumnParallel` or `RowParallel`) whose local GEMM is the
+/// 4-bit `local` piece's (dequantized per pass): column-parallel reads Megatron's `f` of x,
+/// row-parallel all-reduces the partial sum (the adapter's term joined before it). The
+/// adapter's factors, the bias and the per-head norms are placed as `parallel` places them.
+pub struct QuantParallel {
+    pub parallel: Arc<dyn LinearOp>,
+    pub local: QuantOp,
+    pub row: bool,
+    pub comm: Comm,
+}
+
+impl LinearOp for QuantParallel {
+    fn forward(&self, x: &Tensor, w: &Tensor) -> Result<Tensor> {
+        if self.row {
+            return reduce_from_group(&self.local.forward(x, w)?, &self.comm);
+        }
+        self.local.forward(&self.parallel.adapter_input(x)?, w)
+    }
+    fn adapter_input(&self, x: &Tensor) -> Result<Tensor> {
+        self.parallel.adapter_input(x)
+    }
+    fn adapter_factor(&self, f: &Tensor, which: Factor) -> Result<Tensor> {
+        self.parallel.adapter_factor(f, which)
+    }
+    fn forward_adapted(&self, x: &Tensor, w: &Tensor, u: &Tensor, b: &Tensor, scale: f64, res: Option<&Tensor>) -> Result<Tensor> {
+        let y = if self.row {
+            reduce_from_group(&self.local.forward_adapted(x, w, u, b, scale, None)?, &self.comm)?
+        } else {
+            self.local.forward_adapted(&self.parallel.adapter_input(x)?, w, u, b, scale, None)?
+        };
+        match res {
+            Some(r) => r.add(&y),
+            None => Ok(y),
+        }
+    }
+    fn bias(&self, b: &Tensor) -> Result<Tensor> {
+        self.parallel.bias(b)
+    }
+    fn per_head(&self, w: &Tensor) -> Result<Tensor> {
+        self.parallel.per_head(w)
+    }
+    fn quantized(&self) -> Option<&QuantLinear> {
+        self.local.quantized()
+    }
+}
+
 // ---- vocabulary-parallel embedding and head ---------------------------------------------------
 
 /// Rows `start..start + rows` of the (V, C) table live on this rank.
@@ -352,7 +416,7 @@ pub fn parallelize(model: &mut Llama, comm: &Comm) -> Result<TpShardings> {
     let mut layout = BTreeMap::new();
     model.visit_params_mut(&mut |p, t| {
         let s = Sharding::of(p.role, p.units, rank, tp);
-        let shard = s.shard(t)?;
+        let shard = s.shard_or_placeholder(t)?;
         shard.set_requires_grad(t.requires_grad())?; // LoRA's base stays frozen
         *t = shard;
         layout.insert(p.name.to_string(), s);
@@ -387,7 +451,7 @@ pub fn parallelize(model: &mut Llama, comm: &Comm) -> Result<TpShardings> {
     }
     let row = Arc::new(RowParallel { comm: comm.clone() });
     model.visit_linears_mut(&mut |s, l| {
-        let op: Arc<dyn LinearOp> = match s.role {
+        let base: Arc<dyn LinearOp> = match s.role {
             TpRole::Column => match cols.get(&s.parts(tp)) {
                 Some(c) => c.clone(),
                 None => col.clone(),
@@ -401,6 +465,17 @@ pub fn parallelize(model: &mut Llama, comm: &Comm) -> Result<TpShardings> {
                 row.clone()
             }
             other => bail!("parallelize", "{}: a linear layer cannot be {other:?}", s.name),
+        };
+        // QLoRA's 4-bit base: this rank's piece of the codes and scales, quantized blocks
+        // whole on one rank (a shape whose pieces would split a block is refused by name).
+        let op: Arc<dyn LinearOp> = match (l.op.quantized(), &layout[&s.name]) {
+            (Some(q), Sharding { dim: Some(dim), parts, index, .. }) => {
+                let piece = ferrolm_nn::qlora::shard_quant(&s.name, q.quant(), *dim, *index, *parts)?;
+                let local = QuantOp(QuantLinear::new(&s.name, piece, l.weight.device())?);
+                Arc::new(QuantParallel { parallel: base, local, row: s.role == TpRole::Row, comm: comm.clone() })
+            }
+            (Some(_), _) => bail!("parallelize", "{}: a 4-bit weight must be split", s.name),
+            (None, _) => base,
         };
         l.op = op;
         Ok(())
