@@ -13,7 +13,7 @@ use crate::nn::LlamaConfig;
 use crate::parallel::Comm;
 use crate::progress::report;
 use crate::train::TrainSet;
-use crate::{AnyResult, Llama};
+use crate::AnyResult;
 use anyhow::Context;
 use clap::{Args, Command, Parser};
 use ferrolm_data::preference::{load_preference_pairs, PreferenceFormat, PreferenceOptions, PreferencePair};
@@ -230,6 +230,7 @@ fn prepare(args: &DpoArgs) -> AnyResult<Prepared> {
     super::lora::check_run_base(&args.lora, a.resume.as_deref(), base_id.as_ref(), &model)?;
     let parallelism = a.parallel.layout()?;
     parallelism.check_model(&cfg)?;
+    super::lora::check_quant_layout(args.lora.quantize_base, &model, &parallelism)?;
     let ref_dir = match &args.pref.ref_model {
         Some(r) => {
             let d = super::model_dir("--ref-model", r)?;
@@ -243,6 +244,7 @@ fn prepare(args: &DpoArgs) -> AnyResult<Prepared> {
                 )));
             }
             parallelism.check_model(&rc)?;
+            super::lora::check_quant_layout(args.lora.quantize_base, &d, &parallelism)?;
             d
         }
         None => model.clone(),
@@ -303,7 +305,7 @@ fn prepare(args: &DpoArgs) -> AnyResult<Prepared> {
             }
         }
         if refs.is_none() {
-            let mut m = Llama::from_pretrained(&ref_dir, dtype, device).with_context(|| format!("cannot load {}", ref_dir.display()))?;
+            let mut m = super::lora::load_model(&ref_dir, args.lora.quantize_base, dtype, device)?;
             m.loss_chunks = a.loss_chunks();
             let bs = a.batch_size;
             let t = crate::dpo::precompute(&m, &train, bs, row_tokens, pad_id)?;
@@ -363,8 +365,7 @@ pub fn dpo(mut args: DpoArgs) -> AnyResult<Outcome> {
 
 fn dpo_rank(args: &DpoArgs, p: &Prepared, comm: Option<Comm>) -> AnyResult<Outcome> {
     let a = &args.train;
-    let mut model =
-        Llama::from_pretrained(&p.model, p.data.dtype, p.data.device).with_context(|| format!("cannot load {}", p.model.display()))?;
+    let mut model = super::lora::load_model(&p.model, args.lora.quantize_base, p.data.dtype, p.data.device)?;
     model.set_activation_checkpointing(a.activation_checkpointing);
     report(&format!(
         "loaded {}: a {} model, {} parameters, {} layers, on {} in {}",
@@ -380,7 +381,8 @@ fn dpo_rank(args: &DpoArgs, p: &Prepared, comm: Option<Comm>) -> AnyResult<Outco
     let reference = match (&p.refs, &p.live_ref) {
         (Some(r), _) => Reference::Precomputed(r.clone()),
         (None, Some(dir)) => {
-            let mut m = Llama::from_pretrained(dir, p.data.dtype, p.data.device)
+            // A 4-bit policy base (--quantize-base) scores against a reference held as it is.
+            let mut m = super::lora::load_model(dir, args.lora.quantize_base, p.data.dtype, p.data.device)
                 .with_context(|| format!("cannot load the reference {}", dir.display()))?;
             m.loss_chunks = a.loss_chunks();
             let mesh = trainer.engine.mesh();

@@ -336,15 +336,24 @@ pub fn evaluate_preference(mut a: EvalArgs) -> AnyResult<crate::eval::Preference
     let dtype = a.run.device.dtype(device);
     let layout = a.run.parallel.layout()?;
     layout.check_model(&model_cfg)?;
+    // --quantize-base holds the policy's (and a --ref-model's) linear weights 4-bit, as the
+    // QLoRA run that trained the adapter held its base.
+    let quant = a.run.quantize_base;
+    super::lora::check_quant_layout(quant, &a.model, &layout)?;
+    if let Some(r) = &ref_dir {
+        super::lora::check_quant_layout(quant, r, &layout)?;
+    }
     let (dir, bs) = (&a.model, a.batch_size);
     let score = crate::parallel::launch(
         &layout,
         device,
         || Ok(()),
         |_, comm| {
-            let model = crate::parallel::load_for_inference(dir, adapter.as_deref(), dtype, device, comm.clone(), &layout)?;
-            let ref_model =
-                ref_dir.as_deref().map(|r| crate::parallel::load_for_inference(r, None, dtype, device, comm, &layout)).transpose()?;
+            let model = crate::parallel::load_for_inference(dir, adapter.as_deref(), quant, dtype, device, comm.clone(), &layout)?;
+            let ref_model = ref_dir
+                .as_deref()
+                .map(|r| crate::parallel::load_for_inference(r, None, quant, dtype, device, comm, &layout))
+                .transpose()?;
             let which = match (&ref_model, &adapter) {
                 (Some(m), _) => crate::eval::PreferenceReference::Model(m),
                 (None, Some(_)) => crate::eval::PreferenceReference::AdaptersOff,
