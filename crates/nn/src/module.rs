@@ -95,13 +95,16 @@ pub fn linear_adapted(x: &Tensor, w: &Tensor, u: &Tensor, b: &Tensor, scale: f64
         &inputs,
         Box::new(move |g, ctx| {
             let g2 = g.reshape([n, cout])?;
-            // d(input) = G F (+ what it has so far), for input `i` whose factor is F.
+            // d(input) += G F (the GEMM's addend: what it has so far), for input `i` whose factor is F.
             let mut dinput = |i: usize, t: &Tensor, f: &dyn Fn() -> Result<Tensor>| -> Result<Option<Tensor>> {
                 if !need[i] {
                     return Ok(None);
                 }
-                let acc = ctx.take_partial(i)?.map(|a| a.reshape([n, t.dim(t.rank() - 1)])).transpose()?;
-                Ok(Some(g2.matmul_into(&f()?, acc.as_ref(), None)?.reshape(t.shape().clone())?))
+                let gi = ctx.accumulate_into(i, |acc| {
+                    let acc = acc.map(|a| a.reshape([n, t.dim(t.rank() - 1)])).transpose()?;
+                    g2.matmul_into(&f()?, acc.as_ref(), None)?.reshape(t.shape().clone())
+                })?;
+                Ok(Some(gi))
             };
             let gx = dinput(0, &xc, &|| Ok(wc.clone()))?;
             let gu = dinput(2, &uc, &|| bc.mul_scalar(scale))?;
@@ -110,7 +113,7 @@ pub fn linear_adapted(x: &Tensor, w: &Tensor, u: &Tensor, b: &Tensor, scale: f64
                 if !need[i] {
                     return Ok(None);
                 }
-                Ok(Some(g2.t()?.matmul_into(&t()?, None, ctx.dest(i)?.as_ref())?))
+                Ok(Some(ctx.param_into(i, |dest| g2.t()?.matmul_into(&t()?, None, dest))?))
             };
             let gw = dfactor(1, &|| xc.reshape([n, cin]))?;
             let gb = dfactor(3, &|| uc.reshape([n, rank])?.mul_scalar(scale))?;

@@ -2,7 +2,7 @@
 //! launchers read off storage views, and f64 constants for the generic CPU kernels.
 use ferrolm_cuda::{CudaBackend, CudaStorage, DevPtr, Launch};
 use ferrolm_tensor::backend::{self, View};
-use ferrolm_tensor::{DType, Device, DeviceStorage, Error, Layout, Result, Storage};
+use ferrolm_tensor::{DType, Device, DeviceStorage, Error, Layout, Result, Storage, Tensor};
 use num_traits::Float;
 use std::sync::Arc;
 
@@ -29,6 +29,21 @@ pub(crate) fn on_device(op: &str, device: Device) -> Result<On> {
             .map(On::Cuda)
             .map_err(|_| Error::new(op, format!("the backend of {device} has no kernels for {op}"))),
     }
+}
+
+/// `Tensor::with_storages` over `ts` and the optional `extra` (an addend or a destination a
+/// backward's kernel may take, `GradCtx::addend` and `GradCtx::param_dest`): `f` gets the views
+/// of `ts`, then each extra's view where it is given.
+pub(crate) fn with_views<R, const K: usize>(
+    ts: &[&Tensor],
+    extra: [Option<&Tensor>; K],
+    f: impl FnOnce(&[View], [Option<View>; K]) -> Result<R>,
+) -> Result<R> {
+    let all: Vec<&Tensor> = ts.iter().copied().chain(extra.iter().flatten().copied()).collect();
+    Tensor::with_storages(&all, |s| {
+        let mut rest = s[ts.len()..].iter();
+        f(&s[..ts.len()], extra.map(|e| e.and_then(|_| rest.next().copied())))
+    })
 }
 
 /// (offset, rows, last dim) of a contiguous view.

@@ -61,7 +61,7 @@
 //! `cross_entropy`.
 use crate::dispatch::{on_device, On};
 use crate::tokens::Tokens;
-use ferrolm_tensor::autograd::GradCtx;
+use ferrolm_tensor::autograd::{GradCtx, ParamDest};
 use ferrolm_tensor::backend::View;
 use ferrolm_tensor::{
     bail, is_grad_enabled, no_grad, same_device, same_float, CpuStorage, DType, Device, Layout, Result, Shape, Storage, Tensor,
@@ -454,23 +454,15 @@ fn fused(x: &Tensor, w: &Tensor, targets: &Tokens, o: &HeadLossOptions, shards: 
     let t = targets.tensor().contiguous()?.reshape([n])?;
     // Where dW accumulates: W's gradient destination when it is f32, else an f32 buffer of its
     // own (on the CPU the loop keeps its own and copies it over at the end).
-    let dest = if plan.dw && plan.any_trained() { w.grad_dest()? } else { None };
-    let (rows, dx, dw) = execute(&x2, &w2, &t, &host, &plan, dest.as_ref())?;
+    let dest = ParamDest::new(if plan.dw && plan.any_trained() { w.grad_dest()? } else { None });
+    let (rows, dx, dw) = execute(&x2, &w2, &t, &host, &plan, dest.fused())?;
     let loss = sum_rows(&rows, &host, plan.ignore, scale)?;
     if !(plan.dx || plan.dw) {
         return Ok(loss);
     }
     // dW lands in the destination whatever the dtype (its own buffer cast on the way), or is
     // handed over in W's dtype.
-    let dw = match (dw, dest) {
-        (Some(d), Some(t)) if !d.same_view(&t) => {
-            t.assign(&d)?;
-            Some(t)
-        }
-        (Some(d), Some(_)) => Some(d),
-        (Some(d), None) => Some(d.to_dtype(w.dtype())?),
-        (None, _) => None,
-    };
+    let dw = dw.map(|d| dest.land_as(d, Some(w.dtype()))).transpose()?;
     drop(guard); // the op below is recorded
     let saved = Mutex::new(Some((dx, dw)));
     let xshape = x.shape().clone();
@@ -480,13 +472,7 @@ fn fused(x: &Tensor, w: &Tensor, targets: &Tokens, o: &HeadLossOptions, shards: 
         };
         let factor = if ctx.grad_is_one() { None } else { Some(g) };
         let gx = match dx {
-            Some(d) => {
-                let d = times(d.reshape(xshape.clone())?, factor)?;
-                Some(match ctx.take_partial(0)? {
-                    Some(p) => p.add(&d)?, // the engine's order: what arrived first, then this
-                    None => d,
-                })
-            }
+            Some(d) => Some(ctx.accumulate(0, times(d.reshape(xshape.clone())?, factor)?)?),
             None => None,
         };
         // A scaled dW is a new tensor: a sink copies it over the destination's unscaled one.
@@ -535,13 +521,7 @@ fn rows_op(x: &Tensor, w: &Tensor, targets: &Tokens, o: &HeadRowsOptions, shards
             Plan { n, c, v, start, chunks: chunks.clone(), ignore, factor: Factor::Rows(f), dx: dxq, dw: dwq, shards: shards.as_deref() };
         let (_, dx, dw) = execute(&x2, &w2, &t, &host, &plan, None)?;
         let gx = match dx {
-            Some(d) => {
-                let d = d.reshape(xshape.clone())?;
-                Some(match ctx.take_partial(0)? {
-                    Some(p) => p.add(&d)?,
-                    None => d,
-                })
-            }
+            Some(d) => Some(ctx.accumulate(0, d.reshape(xshape.clone())?)?),
             None => None,
         };
         let gw = dw.map(|d| d.to_dtype(wdt)).transpose()?;
@@ -554,7 +534,7 @@ fn rows_op(x: &Tensor, w: &Tensor, targets: &Tokens, o: &HeadRowsOptions, shards
 /// it is 1 (read on the host only where that costs no wait: the CPU).
 fn times(t: Tensor, g: Option<&Tensor>) -> Result<Tensor> {
     let Some(g) = g else { return Ok(t) };
-    if g.device() == Device::Cpu {
+    if let On::Cpu = on_device("head_loss", g.device())? {
         return match g.item()? {
             1.0 => Ok(t),
             f => t.mul_scalar(f),

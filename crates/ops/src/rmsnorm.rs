@@ -8,10 +8,11 @@
 //! (B, T, H, D) with a weight of D, its dw a sum over B·T·H rows.
 //! CUDA: kernels/rmsnorm.cu (a warp per row; dw in two passes through per-chunk partials, the
 //! second folding them in levels where rows are many and narrow). There
-//! the backward takes what autograd offers (`GradCtx`): the gradient x has so far (the residual
-//! stream's) is added into dx by the dx kernel, and dw is written by the last pass straight into
-//! w's gradient destination (its slice of an f32 bucket): no add and no cast of their own.
-use crate::dispatch::{dev_ptr, f32_ptr, num, on, rows, On};
+//! the backward takes what autograd offers (`GradCtx::addend`, `GradCtx::param_dest`): the
+//! gradient x has so far (the residual stream's) is added into dx by the dx kernel, and dw is
+//! written by the last pass straight into w's gradient destination (its slice of an f32 bucket):
+//! no add and no cast of their own. Elsewhere (the CPU) the helpers compose the add and the copy.
+use crate::dispatch::{dev_ptr, f32_ptr, num, on, rows, with_views, On};
 use ferrolm_tensor::autograd::GradCtx;
 use ferrolm_tensor::backend::View;
 use ferrolm_tensor::{bail, same_float, DType, Result, Storage, Tensor};
@@ -39,38 +40,22 @@ pub fn rms_norm_offset(x: &Tensor, w: &Tensor, eps: f64, offset: f64) -> Result<
     let xshape = x.shape().clone();
     let backward_fn = move |g: &Tensor, ctx: &mut GradCtx| {
         let g = g.contiguous()?;
-        let acc = ctx.take_partial(0)?;
-        let dest = ctx.dest(1)?;
-        // The device fuses what it can take as it is; anything else is composed below.
-        let fuse_acc = acc.as_ref().filter(|a| a.is_contiguous() && a.dtype() == xc.dtype() && a.shape() == &xshape && !a.is_pending());
-        let fuse_dw =
-            dest.as_ref().filter(|t| t.is_contiguous() && t.dims() == [d] && (t.dtype() == wc.dtype() || t.dtype() == DType::F32));
-        let mut ins = vec![&g, &xc, &wc, &r];
-        ins.extend(fuse_acc.iter().copied().chain(fuse_dw.iter().copied()));
-        let fused = Tensor::with_storages(&ins, |s| {
-            let (a, w) = (fuse_acc.map(|_| s[4]), fuse_dw.map(|_| s[4 + fuse_acc.is_some() as usize]));
+        // dx += the residual stream's gradient so far (added by the dx kernel where it takes it
+        // as it is); dw = into w's gradient destination (the last dw pass writes it, f32 or w's).
+        let acc = ctx.addend(0, |a| a.is_contiguous() && a.dtype() == xc.dtype() && a.shape() == &xshape)?;
+        let dw_to = ctx.param_dest(1, |t| t.is_contiguous() && t.dims() == [d] && (t.dtype() == wc.dtype() || t.dtype() == DType::F32))?;
+        let fused = with_views(&[&g, &xc, &wc, &r], [acc.fused(), dw_to.fused()], |s, [a, w]| {
             backward_into(s[0], s[1], s[2], s[3], offset, Fused { acc: a, dw_into: w })
         })?;
-        // dw comes back only where it was not written into the destination.
-        let (dx, dw, added) = match fused {
-            Some((dx, dw)) => (dx, dw, fuse_acc.is_some()),
+        let (dx, dw, took) = match fused {
+            Some((dx, dw)) => (dx, dw, true),
             None => {
                 let (dx, dw) = Tensor::with_storages(&[&g, &xc, &wc, &r], |s| backward(s[0], s[1], s[2], s[3], offset))?;
                 (dx, Some(dw), false)
             }
         };
-        let mut dx = Tensor::new(dx, xshape.clone())?;
-        if let (Some(a), false) = (&acc, added) {
-            dx = a.add(&dx)?; // the engine's order: what arrived first, then this
-        }
-        let dw = match (dw, dest) {
-            (None, dest) => dest.expect("dw is written only into a destination"),
-            (Some(dw), Some(t)) => {
-                t.assign(&Tensor::new(dw, [d])?.reshape(t.shape().clone())?)?;
-                t
-            }
-            (Some(dw), None) => Tensor::new(dw, [d])?,
-        };
+        let dx = acc.finish(Tensor::new(dx, xshape.clone())?, took)?;
+        let dw = dw_to.land(dw.map(|s| Tensor::new(s, [d])).transpose()?)?;
         Ok(vec![Some(dx), Some(dw)])
     };
     Ok(Tensor::from_op_ctx(out, "rms_norm", &[x, w], Box::new(backward_fn)))

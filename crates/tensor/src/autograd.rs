@@ -60,7 +60,10 @@ impl Node {
 ///   `backward()`), so an op that made its input gradients in its forward for a root gradient
 ///   of 1 (the fused head + loss) hands them over without reading or scaling by it.
 ///
-/// All are optional to use: an op that ignores them gets the engine's plain behaviour.
+/// All are optional to use: an op that ignores them gets the engine's plain behaviour. Ops use
+/// them through the helpers below, named by the gradient convention of each result (llm.c's:
+/// parameter gradients `+=` into their destination, activations `=`, residual gradients `+=`):
+/// `accumulate`, `accumulate_into`, `addend` (`Addend`), `param_dest` (`ParamDest`), `param_into`.
 pub struct GradCtx {
     partial: Vec<Option<Vec<Tensor>>>,
     taken: Vec<bool>,
@@ -90,6 +93,122 @@ impl GradCtx {
     /// True when the output gradient is the seed 1 of `backward()` (this op made the root).
     pub fn grad_is_one(&self) -> bool {
         self.unit
+    }
+
+    // ---- the gradient conventions (llm.c's): parameter gradients `+=` into their bucket's
+    // slice, activation gradients `=` (a plain return), residual gradients `+=` onto what the
+    // input has so far. An op's backward states its math and calls these; they decide where the
+    // result lands.
+
+    /// Input `i`'s gradient `+=` this op's contribution `d`, composed: what arrived first, then
+    /// `d` (the engine's order), with no kernel when nothing arrived.
+    pub fn accumulate(&mut self, i: usize, d: Tensor) -> Result<Tensor> {
+        self.addend(i, |_| false)?.finish(d, false)
+    }
+
+    /// Input `i`'s gradient `+=` through the op's own kernel: `f` gets what the input has so far,
+    /// whatever its layout and even while it is still being produced, and must add it into what
+    /// it returns (a GEMM's addend: `matmul_into` fuses it or composes the add itself), the total.
+    pub fn accumulate_into(&mut self, i: usize, f: impl FnOnce(Option<&Tensor>) -> Result<Tensor>) -> Result<Tensor> {
+        let sum = self.take_partial(i)?;
+        f(sum.as_ref())
+    }
+
+    /// What input `i` has so far, for a kernel to add into its result where `fits` says the
+    /// kernel takes it as it is (dtype, shape, layout); `Addend::finish` composes the sum
+    /// otherwise. Taking it obliges the op to return a gradient for `i` (`finish` makes it).
+    pub fn addend(&mut self, i: usize, fits: impl Fn(&Tensor) -> bool) -> Result<Addend> {
+        let sum = self.take_partial(i)?;
+        let fits = sum.as_ref().is_some_and(|a| !a.is_pending() && fits(a));
+        Ok(Addend { sum, fits })
+    }
+
+    /// Where parameter `i`'s gradient goes (`ParamDest`): its gradient destination (a slice of
+    /// an f32 bucket) for a kernel to write where `fits` says it can, else a value `land` puts
+    /// there (or returns, where there is no destination).
+    pub fn param_dest(&mut self, i: usize, fits: impl Fn(&Tensor) -> bool) -> Result<ParamDest> {
+        let view = self.dest(i)?;
+        let fits = view.as_ref().is_some_and(fits);
+        Ok(ParamDest { view, fits })
+    }
+
+    /// Parameter `i`'s gradient from `f`, which writes it into the destination it is given (a
+    /// GEMM's output, which writes what it cannot produce in place itself) or returns a value.
+    pub fn param_into(&mut self, i: usize, f: impl FnOnce(Option<&Tensor>) -> Result<Tensor>) -> Result<Tensor> {
+        let d = self.param_dest(i, |_| true)?;
+        let v = f(d.fused())?;
+        d.land(Some(v))
+    }
+}
+
+/// What an input's gradient has so far, offered to the kernel of an op's backward as its addend
+/// (`GradCtx::addend`): residual gradients `+=`.
+pub struct Addend {
+    sum: Option<Tensor>,
+    fits: bool,
+}
+
+impl Addend {
+    /// The sum so far, when the kernel takes it as it is.
+    pub fn fused(&self) -> Option<&Tensor> {
+        self.sum.as_ref().filter(|_| self.fits)
+    }
+    /// The input's gradient from this op's contribution `d`: `d` itself when the kernel added
+    /// the sum (`fused`: the kernel ran with what `fused()` offered), else sum + d, in the
+    /// engine's order.
+    pub fn finish(self, d: Tensor, fused: bool) -> Result<Tensor> {
+        match self.sum {
+            Some(a) if !(fused && self.fits) => a.add(&d),
+            _ => Ok(d),
+        }
+    }
+}
+
+/// Where a parameter's gradient goes (`GradCtx::param_dest`, or `ParamDest::new` in a forward
+/// that forms it): parameter gradients land in their bucket's slice.
+#[derive(Default)]
+pub struct ParamDest {
+    view: Option<Tensor>,
+    fits: bool,
+}
+
+impl ParamDest {
+    /// A destination asked for outside a backward (`Tensor::grad_dest`), taken as it is.
+    pub fn new(view: Option<Tensor>) -> ParamDest {
+        let fits = view.is_some();
+        ParamDest { view, fits }
+    }
+    /// The destination, when the kernel can write it as it is.
+    pub fn fused(&self) -> Option<&Tensor> {
+        self.view.as_ref().filter(|_| self.fits)
+    }
+    /// The gradient, handed over: `None` when the kernel wrote it into `fused()` (that view is
+    /// returned); a value already in the destination (the same view) as it is; else the value
+    /// assigned into the destination (cast to its dtype) or, without one, returned.
+    pub fn land(self, value: Option<Tensor>) -> Result<Tensor> {
+        match value {
+            Some(v) => self.land_as(v, None),
+            None => match self.fused() {
+                Some(_) => Ok(self.view.expect("fused is a view")),
+                None => crate::bail!("gradient destination", "the kernel wrote no gradient and was given no destination"),
+            },
+        }
+    }
+    /// As `land` for a value, which, without a destination, is handed over in `dtype` (the
+    /// parameter's) when given.
+    pub fn land_as(self, v: Tensor, dtype: Option<crate::DType>) -> Result<Tensor> {
+        match self.view {
+            Some(t) if v.same_view(&t) => Ok(v),
+            Some(t) => {
+                let v = if v.shape() == t.shape() { v } else { v.reshape(t.shape().clone())? };
+                t.assign(&v)?;
+                Ok(t)
+            }
+            None => match dtype {
+                Some(dt) => v.to_dtype(dt),
+                None => Ok(v),
+            },
+        }
     }
 }
 
@@ -404,4 +523,96 @@ where
     debug_assert_eq!(all.len(), n_in + params.len());
     let refs: Vec<&Tensor> = all.iter().collect();
     Ok(Tensor::record(out, "recompute", &refs, backward))
+}
+
+#[cfg(test)]
+mod tests {
+    //! The gradient helpers' conventions: `+=` onto what arrived (in its order, fused or
+    //! composed), parameter gradients landing in their destination.
+    use super::*;
+    use crate::{DType, Device};
+
+    fn t(v: &[f32]) -> Tensor {
+        Tensor::from_vec(v.to_vec(), [v.len()], Device::Cpu).unwrap()
+    }
+    fn ctx(partial: Option<Tensor>, dest: Option<Tensor>) -> GradCtx {
+        let dest: Option<GradDest> = dest.map(|d| Arc::new(move || Ok(Some(d.clone()))) as GradDest);
+        GradCtx { partial: vec![partial.map(|p| vec![p])], taken: vec![false], dest: vec![dest], unit: false }
+    }
+
+    #[test]
+    fn accumulate_adds_what_arrived_first() {
+        let mut c = ctx(Some(t(&[1.0, 2.0])), None);
+        assert_eq!(c.accumulate(0, t(&[10.0, 20.0])).unwrap().to_vec_f32().unwrap(), [11.0, 22.0]);
+        assert!(c.taken[0], "taking the sum obliges the op to return the total");
+        let mut none = ctx(None, None);
+        assert_eq!(none.accumulate(0, t(&[3.0])).unwrap().to_vec_f32().unwrap(), [3.0]);
+        assert!(!none.taken[0]);
+    }
+
+    #[test]
+    fn accumulate_into_hands_the_sum_to_the_kernel_and_returns_its_total() {
+        let mut c = ctx(Some(t(&[1.0, 2.0])), None);
+        let got = c
+            .accumulate_into(0, |acc| {
+                let acc = acc.expect("what arrived is offered");
+                acc.add(&t(&[10.0, 20.0]))
+            })
+            .unwrap();
+        // The kernel's result is the total: nothing is added again.
+        assert_eq!(got.to_vec_f32().unwrap(), [11.0, 22.0]);
+        assert!(c.taken[0]);
+        let mut none = ctx(None, None);
+        assert_eq!(none.accumulate_into(0, |acc| Ok(t(&[acc.map_or(3.0, |_| -1.0)]))).unwrap().to_vec_f32().unwrap(), [3.0]);
+    }
+
+    #[test]
+    fn an_addend_the_kernel_took_is_not_added_again() {
+        let mut c = ctx(Some(t(&[1.0])), None);
+        let a = c.addend(0, |_| true).unwrap();
+        assert!(a.fused().is_some());
+        // The kernel added it: its result is the total.
+        assert_eq!(a.finish(t(&[5.0]), true).unwrap().to_vec_f32().unwrap(), [5.0]);
+        // One the kernel cannot take, or a backend that did not fuse: composed.
+        let mut c = ctx(Some(t(&[1.0])), None);
+        let a = c.addend(0, |_| false).unwrap();
+        assert!(a.fused().is_none());
+        assert_eq!(a.finish(t(&[5.0]), true).unwrap().to_vec_f32().unwrap(), [6.0]);
+        let mut c = ctx(Some(t(&[1.0])), None);
+        assert_eq!(c.addend(0, |_| true).unwrap().finish(t(&[5.0]), false).unwrap().to_vec_f32().unwrap(), [6.0]);
+    }
+
+    #[test]
+    fn a_parameter_gradient_lands_in_its_destination() {
+        let slot = Tensor::zeros([2], DType::F32, Device::Cpu).unwrap();
+        // Written in place by the kernel: the view itself is handed over.
+        let mut c = ctx(None, Some(slot.clone()));
+        let d = c.param_dest(0, |_| true).unwrap();
+        assert!(d.fused().is_some_and(|v| v.same_view(&slot)));
+        assert!(d.land(None).unwrap().same_view(&slot));
+        // A value where the kernel could not write: assigned into the destination.
+        let mut c = ctx(None, Some(slot.clone()));
+        let d = c.param_dest(0, |_| false).unwrap();
+        assert!(d.fused().is_none());
+        let got = d.land(Some(t(&[4.0, 5.0]))).unwrap();
+        assert!(got.same_view(&slot));
+        assert_eq!(slot.to_vec_f32().unwrap(), [4.0, 5.0]);
+        // No destination: the value, in the parameter's dtype when asked.
+        let mut c = ctx(None, None);
+        let d = c.param_dest(0, |_| true).unwrap();
+        assert!(d.land(None).is_err(), "nothing written and nowhere to write it");
+        let v = ParamDest::default().land_as(t(&[1.0]), Some(DType::F64)).unwrap();
+        assert_eq!(v.dtype(), DType::F64);
+        // param_into: the GEMM writes the destination it is given.
+        let mut c = ctx(None, Some(slot.clone()));
+        let got = c
+            .param_into(0, |dest| {
+                let dest = dest.expect("offered");
+                dest.assign(&t(&[7.0, 8.0]))?;
+                Ok(dest.clone())
+            })
+            .unwrap();
+        assert!(got.same_view(&slot));
+        assert_eq!(slot.to_vec_f32().unwrap(), [7.0, 8.0]);
+    }
 }

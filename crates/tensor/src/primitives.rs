@@ -392,15 +392,16 @@ impl Tensor {
             &inputs,
             crate::autograd::Backward::Ctx(Box::new(move |g, ctx| {
                 let g2 = g.reshape([n, cout])?;
+                // dX += G W (x's gradient so far is the GEMM's addend); dW = G^T X, in place.
                 let gx = match need_x {
-                    true => {
-                        let acc = ctx.take_partial(0)?.map(|a| a.reshape([n, cin])).transpose()?;
-                        Some(g2.matmul_into(&wt, acc.as_ref(), None)?.reshape(xshape.clone())?)
-                    }
+                    true => Some(ctx.accumulate_into(0, |acc| {
+                        let acc = acc.map(|a| a.reshape([n, cin])).transpose()?;
+                        g2.matmul_into(&wt, acc.as_ref(), None)?.reshape(xshape.clone())
+                    })?),
                     false => None,
                 };
                 let gw = match need_w {
-                    true => Some(g2.t()?.matmul_into(&x2, None, ctx.dest(1)?.as_ref())?),
+                    true => Some(ctx.param_into(1, |dest| g2.t()?.matmul_into(&x2, None, dest))?),
                     false => None,
                 };
                 let mut grads = vec![gx, gw];
