@@ -3,14 +3,11 @@
 //! only reachable through the trait trains, with the decoder's own losses bit for bit, and its
 //! checkpoint is the decoder's.
 mod common;
-use common::root;
-use ferrolm::data::{list_shards, prepare_text_dir, Tokenizer};
 use ferrolm::nn::{CausalLm, KvCache, LlamaConfig, LoraConfig, Packing};
 use ferrolm::ops::{LossChunks, LossScale, Tokens};
 use ferrolm::train::{TrainOptions, Trainer};
 use ferrolm::{DType, Device, Llama, Result, Tensor};
 use ferrolm_nn::module::{HeadOp, ParamKind, ParamVisitor};
-use ferrolm_tensor::Rng;
 use std::cell::Cell;
 
 /// A model the trainer can only use through `CausalLm`: every call is forwarded to a hidden
@@ -72,28 +69,14 @@ impl CausalLm for Opaque {
     }
 }
 
-fn model(vocab: usize) -> Llama {
-    let cfg = LlamaConfig::from_json_str(&format!(
-        r#"{{"model_type":"llama","vocab_size":{vocab},"hidden_size":32,"intermediate_size":64,"num_hidden_layers":2,
-            "num_attention_heads":4,"num_key_value_heads":2,"max_position_embeddings":64,"tie_word_embeddings":true}}"#
-    ))
-    .unwrap();
-    Llama::new(cfg, DType::F32, Device::Cpu, &mut Rng::new(7)).unwrap()
-}
-
 #[test]
 fn a_model_seen_only_through_causal_lm_trains_as_the_decoder() {
-    let tmp = std::env::temp_dir().join(format!("ferrolm-trainer-trait-{}", std::process::id()));
-    let _ = std::fs::remove_dir_all(&tmp);
-    let tok_path = root().join("data/tokenizer.json");
-    let tok = Tokenizer::from_file(&tok_path).unwrap();
-    prepare_text_dir(root().join("data/corpus/sonnets.txt"), &tok, tmp.join("shards"), 0.1, 1 << 20).unwrap();
-    let train = list_shards(tmp.join("shards"), "train").unwrap();
-    let val = list_shards(tmp.join("shards"), "val").unwrap();
+    let tmp = common::tmp("trainer-trait");
+    let (train, val, vocab) = common::shards(&tmp);
     let opts = TrainOptions { steps: 4, grad_accum: 2, warmup_steps: 1, ..common::opts(4) };
 
-    let mut plain = Trainer::new(model(tok.vocab_size()), &train, &val, opts.clone(), &tmp.join("plain")).unwrap();
-    let opaque = Opaque { inner: model(tok.vocab_size()), losses: Cell::new(0) };
+    let mut plain = Trainer::new(common::model(vocab), &train, &val, opts.clone(), &tmp.join("plain")).unwrap();
+    let opaque = Opaque { inner: common::model(vocab), losses: Cell::new(0) };
     let mut through: Trainer<Opaque> = Trainer::new(opaque, &train, &val, opts, &tmp.join("trait")).unwrap();
     let mut losses = Vec::new();
     for step in 0..4 {
