@@ -367,15 +367,7 @@ fn dpo_rank(args: &DpoArgs, p: &Prepared, comm: Option<Comm>) -> AnyResult<Outco
     let a = &args.train;
     let mut model = super::lora::load_model(&p.model, args.lora.quantize_base, p.data.dtype, p.data.device)?;
     model.set_activation_checkpointing(a.activation_checkpointing);
-    report(&format!(
-        "loaded {}: a {} model, {} parameters, {} layers, on {} in {}",
-        p.model.display(),
-        model.config().family,
-        model.num_params(),
-        model.config().num_hidden_layers,
-        p.data.device,
-        p.data.dtype
-    ));
+    super::report_loaded(&p.model, &model, p.data.device, p.data.dtype);
     let lora = super::lora::attach(&args.lora, &mut model, a.seed)?;
     let (trainer, _) = p.data.trainer(model, a, a.options(), comm)?;
     let reference = match (&p.refs, &p.live_ref) {

@@ -342,20 +342,7 @@ fn finetune_rank(args: &FinetuneArgs, p: &Prepared, comm: Option<Comm>) -> AnyRe
     let a = &args.train;
     let mut model = super::lora::load_model(&p.model, args.lora.quantize_base, p.data.dtype, p.data.device)?;
     model.set_activation_checkpointing(a.activation_checkpointing);
-    let kind = match &model.config().ladder_layers {
-        Some(l) => format!(" (Ladder Transformer: {l} layers)"),
-        None => String::new(),
-    };
-    report(&format!(
-        "loaded {}: a {} model ({}), {} parameters, {} layers, on {} in {}{kind}",
-        p.model.display(),
-        model.config().family,
-        model.config().family.model_type(),
-        model.num_params(),
-        model.config().num_hidden_layers,
-        p.data.device,
-        p.data.dtype
-    ));
+    super::report_loaded(&p.model, &model, p.data.device, p.data.dtype);
     let lora = super::lora::attach(&args.lora, &mut model, a.seed)?;
     let (trainer, _) = p.data.trainer(model, a, a.options(), comm)?;
     let mut trainer = p.ft.carry_template(trainer).with_source(p.source.clone());

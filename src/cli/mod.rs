@@ -697,3 +697,21 @@ pub fn bundled(rel: &str) -> PathBuf {
     let cands = [Some(PathBuf::from(rel)), exe_dir.map(|d| d.join(rel)), Some(std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join(rel))];
     cands.iter().flatten().find(|p| p.exists()).cloned().unwrap_or_else(|| PathBuf::from(rel))
 }
+
+/// The line a training tool reports once it has loaded `model` from `path`: its family and
+/// `model_type`, size, layers, device and dtype, and whether it is a Ladder model.
+pub(crate) fn report_loaded(path: &std::path::Path, model: &crate::Llama, device: crate::Device, dtype: crate::DType) {
+    let c = model.config();
+    let kind = match &c.ladder_layers {
+        Some(l) => format!(" (Ladder Transformer: {l} layers)"),
+        None => String::new(),
+    };
+    crate::progress::report(&format!(
+        "loaded {}: a {} model ({}), {} parameters, {} layers, on {device} in {dtype}{kind}",
+        path.display(),
+        c.family,
+        c.family.model_type(),
+        model.num_params(),
+        c.num_hidden_layers,
+    ));
+}
