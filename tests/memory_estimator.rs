@@ -165,7 +165,8 @@ fn measure(d: &Data, c: &Case, device: Device) -> (f64, f64, Memory) {
             // QLoRA's base as the tools build it from `--quantize-base nf4`: the checkpoint's
             // linear weights quantized on load (`Llama::from_pretrained_quantized`, crates/nn's
             // `qlora`), applied through `QuantOp` over one-element placeholders.
-            let ck = d.dir.join(format!("{}-base{}", c.name().replace([' ', ',', '(', ')', '.'], "_"), comm.as_ref().map_or(0, |c| c.rank())));
+            let ck =
+                d.dir.join(format!("{}-base{}", c.name().replace([' ', ',', '(', ')', '.'], "_"), comm.as_ref().map_or(0, |c| c.rank())));
             Llama::new(cfg.clone(), c.dtype, Device::Cpu, &mut Rng::new(1))?.save_pretrained_dtype(&ck, c.dtype)?;
             let model = Llama::from_pretrained_quantized(&ck, c.dtype, device, QuantSpec::QLORA)?;
             let base = model.quant_base().expect("a 4-bit base");
@@ -386,7 +387,9 @@ fn lora_peak_is_under_full_fine_tuning_by_the_base_states_on_the_emulator() {
 /// forward and again in the backward, one at a time), and the estimate's parameters drop by
 /// exactly that while its activations stay LoRA's (`QuantOp`'s adapted forward is one autograd
 /// node, as dense LoRA's `linear_adapted`: it keeps x, u and B, and dequantizes W again in the
-/// backward). Measured 2026-12-07: MEASURED.
+/// backward). Measured 2026-12-07: LoRA 3.85 MiB, QLoRA 2.82 with checkpointing; 4.43 and 3.40
+/// without: 1.03 MiB less both ways, the net saving 0.99 MiB (1.50 MiB of linear weights in bf16,
+/// 0.42 MiB of codes, 0.09 MiB of scratch).
 #[test]
 fn qlora_peak_is_under_lora_by_the_4bit_saving_on_the_emulator() {
     use ferrolm::planner::memory::{dequant_scratch_bytes, quant4_bytes, quantized_weights};

@@ -281,7 +281,16 @@ fn prepare(args: &FinetuneArgs) -> AnyResult<Prepared> {
     report(&format!("memory: predicted peak {}", crate::planner::memory::describe(&mem)));
     let stop = crate::chat::stop_ids(&model, &cfg, &tokenizer)?;
     let predicted_peak = mem.total();
-    Ok(Prepared { data: TrainData { device, dtype, tok_path, set: ft.set.clone() }, ft, model, tokenizer, stop, source, base_id, predicted_peak })
+    Ok(Prepared {
+        data: TrainData { device, dtype, tok_path, set: ft.set.clone() },
+        ft,
+        model,
+        tokenizer,
+        stop,
+        source,
+        base_id,
+        predicted_peak,
+    })
 }
 
 pub fn run(args: FinetuneArgs) -> AnyResult<()> {

@@ -88,7 +88,7 @@ fn prepare(args: &FinetuneLadderArgs) -> AnyResult<Prepared> {
     super::pretrain::check_seq_len(a.seq_len, &cfg, &dir.join("config.json").display().to_string())?; // before the data
     let ladder = LadderLayers::parse_flag(&args.ladder_layers, cfg.num_hidden_layers)?;
     let lora = args.lora.memory(&cfg, dir)?; // the LoRA flags (and --lora-init's adapter) before any work
-                                        // The adapters' base is the converted model (OUT/base): its config over --model's weight files.
+                                             // The adapters' base is the converted model (OUT/base): its config over --model's weight files.
     let mut converted = cfg.clone();
     converted.ladder_layers = Some(ladder.clone());
     let base_id = super::lora::base_identity(&args.lora, &a.out.join("base"), &converted, dir)?;
