@@ -294,3 +294,21 @@ fn a_qlora_finetune_predicts_a_smaller_peak_than_the_same_lora_run() {
     }
     let _ = std::fs::remove_dir_all(&dir);
 }
+
+/// What the tools' memory check charges the base as (`cli::lora::quant_spec`): `--quantize-base`'s
+/// type quantized on load, a `--model` saved 4-bit as its `quantization_config` says (with or
+/// without the flag), and nothing 4-bit otherwise.
+#[test]
+fn the_memory_check_learns_the_4bit_base_from_the_flag_or_the_checkpoint() {
+    use ferrolm::cli::lora::quant_spec;
+    use ferrolm_ops::nf4::QuantType;
+    let dir = tmp("qlora-spec");
+    let dense = model(&dir);
+    let saved = root().join("tests/fixtures/qlora/base_4bit");
+    assert_eq!(quant_spec(None, &dense).unwrap(), None);
+    assert_eq!(quant_spec(Some(QuantType::Nf4), &dense).unwrap(), Some(QuantSpec::QLORA));
+    assert_eq!(quant_spec(Some(QuantType::Fp4), &dense).unwrap(), Some(QuantSpec { quant_type: QuantType::Fp4, ..QuantSpec::QLORA }));
+    assert_eq!(quant_spec(None, &saved).unwrap(), Some(QuantSpec::QLORA));
+    assert_eq!(quant_spec(Some(QuantType::Nf4), &saved).unwrap(), Some(QuantSpec::QLORA));
+    let _ = std::fs::remove_dir_all(&dir);
+}
