@@ -298,7 +298,10 @@ impl<M: CausalLm> Trainer<M> {
     pub fn new(mut model: M, train_shards: &[PathBuf], val_shards: &[PathBuf], opts: TrainOptions, out_dir: &Path) -> AnyResult<Self> {
         opts.validate()?; // the memory check needs valid options; `with_engine` checks the rest
         let mut layout = crate::planner::memory::MemParallelism::single(model.activation_checkpointing());
-        layout.lora = model.lora_config().map(|c| crate::planner::memory::LoraMem::new(c, model.config().num_hidden_layers));
+        layout.lora = model.lora_config().map(|c| crate::planner::memory::LoraMem {
+            quantized_base: model.quant_spec(),
+            ..crate::planner::memory::LoraMem::new(c, model.config().num_hidden_layers)
+        });
         layout.loss_chunks = model.head().2;
         crate::planner::memory::check_layout(model.config(), model.dtype(), model.device(), &opts.shape(), &layout)?;
         let engine = Zero::single(&mut model, Trainer::adamw_config(&opts), Placement::Device)?;

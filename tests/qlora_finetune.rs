@@ -251,3 +251,64 @@ fn export_lora_over_a_4bit_checkpoint_dequantizes_and_merges() {
     assert!((lm - lq).abs() < 1e-5 * lq.abs(), "merged {lm} vs the 4-bit model with its adapter {lq}");
     let _ = std::fs::remove_dir_all(&dir);
 }
+
+/// The memory check of a QLoRA run charges the 4-bit base (`LoraArgs::memory` sets
+/// `LoraMem::quantized_base` from `--quantize-base`): finetune's predicted peak (its "memory:
+/// predicted peak" line) is under the same LoRA run's by most of the linear weights' f32 bytes,
+/// and each prediction bounds what the run measured (`peak_tensor_mib`, with the 4-bit codes the
+/// CPU holds outside tensors) within [1, 1.25].
+#[test]
+fn a_qlora_finetune_predicts_a_smaller_peak_than_the_same_lora_run() {
+    let _g = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
+    let dir = tmp("qlora-predicted");
+    let ck = model(&dir);
+    let data = dir.join("chat.jsonl");
+    let text = std::fs::read_to_string(data_path("chat.jsonl")).unwrap();
+    std::fs::write(&data, text.lines().take(40).map(|l| format!("{l}\n")).collect::<String>()).unwrap();
+    let head = ["finetune", "--device=cpu", "--batch-size=2", "--eval-every=0", "--save-every=0", "--seq-len=128", "--steps=2"];
+    let run = |name: &str, extra: &[&str]| {
+        let out = dir.join(name);
+        let a: FinetuneArgs = parse_from(args(&head, &[flag("model", &ck), flag("data", &data), flag("out", &out)], extra)).unwrap();
+        // The peak counter is the process's: each run's own, less what was live before it.
+        let before = ferrolm_tensor::live_bytes() as f64;
+        ferrolm_tensor::reset_peak_bytes();
+        let predicted = ferrolm::cli::finetune::finetune(a).unwrap().predicted_peak.expect("a predicted peak");
+        let measured = metric(&out, "peak_tensor_mib").into_iter().fold(0.0, f64::max) * 1048576.0 - before;
+        (predicted, measured)
+    };
+    let (lora, lora_measured) = run("lora", &["--lora-rank=4"]);
+    let (qlora, qlora_measured) = run("qlora", &["--lora-rank=4", "--quantize-base=nf4"]);
+    let cfg = ferrolm::nn::LlamaConfig::from_file(ck.join("config.json")).unwrap();
+    let linear: usize = ferrolm::nn::qlora::linear_weights(&cfg).values().map(|s| s.iter().product::<usize>()).sum();
+    let codes =
+        Llama::from_pretrained_quantized(&ck, DType::F32, Device::Cpu, QuantSpec::QLORA).unwrap().quant_base().unwrap().bytes as f64;
+    let qlora_measured = qlora_measured + codes;
+    println!(
+        "predicted peak: LoRA {lora:.0} B (measured {lora_measured:.0}), QLoRA {qlora:.0} B (measured {qlora_measured:.0} with \
+         {codes:.0} B of codes); {linear} linear weights, {} B in f32",
+        linear * 4
+    );
+    assert!(lora - qlora > 0.6 * (linear * 4) as f64, "QLoRA's predicted peak {qlora} is not under LoRA's {lora} by the 4-bit base");
+    for (name, p, m) in [("LoRA", lora, lora_measured), ("QLoRA", qlora, qlora_measured)] {
+        assert!((1.0..=1.25).contains(&(p / m)), "{name}: predicted {p}, measured {m} ({:.3})", p / m);
+    }
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+/// What the tools' memory check charges the base as (`cli::lora::quant_spec`): `--quantize-base`'s
+/// type quantized on load, a `--model` saved 4-bit as its `quantization_config` says (with or
+/// without the flag), and nothing 4-bit otherwise.
+#[test]
+fn the_memory_check_learns_the_4bit_base_from_the_flag_or_the_checkpoint() {
+    use ferrolm::cli::lora::quant_spec;
+    use ferrolm_ops::nf4::QuantType;
+    let dir = tmp("qlora-spec");
+    let dense = model(&dir);
+    let saved = root().join("tests/fixtures/qlora/base_4bit");
+    assert_eq!(quant_spec(None, &dense).unwrap(), None);
+    assert_eq!(quant_spec(Some(QuantType::Nf4), &dense).unwrap(), Some(QuantSpec::QLORA));
+    assert_eq!(quant_spec(Some(QuantType::Fp4), &dense).unwrap(), Some(QuantSpec { quant_type: QuantType::Fp4, ..QuantSpec::QLORA }));
+    assert_eq!(quant_spec(None, &saved).unwrap(), Some(QuantSpec::QLORA));
+    assert_eq!(quant_spec(Some(QuantType::Nf4), &saved).unwrap(), Some(QuantSpec::QLORA));
+    let _ = std::fs::remove_dir_all(&dir);
+}

@@ -225,7 +225,7 @@ fn prepare(args: &DpoArgs) -> AnyResult<Prepared> {
             cfg_path.display()
         )));
     }
-    let lora = args.lora.memory(&cfg)?;
+    let lora = args.lora.memory(&cfg, &model)?;
     let base_id = super::lora::base_identity(&args.lora, &model, &cfg, &model)?;
     super::lora::check_run_base(&args.lora, a.resume.as_deref(), base_id.as_ref(), &model)?;
     let parallelism = a.parallel.layout()?;

@@ -250,6 +250,8 @@ struct Prepared {
     source: std::sync::Arc<crate::checkpoint::SourceModel>,
     /// With LoRA: the base's identity, recorded with the adapter.
     base_id: Option<crate::lora_base::BaseIdentity>,
+    /// The "memory: predicted peak" line's bytes a rank.
+    predicted_peak: f64,
 }
 
 fn prepare(args: &FinetuneArgs) -> AnyResult<Prepared> {
@@ -261,7 +263,7 @@ fn prepare(args: &FinetuneArgs) -> AnyResult<Prepared> {
     let cfg_path = model.join("config.json");
     let cfg = LlamaConfig::from_file(&cfg_path)?;
     super::pretrain::check_seq_len(a.seq_len, &cfg, &cfg_path.display().to_string())?; // before the data
-    let lora = args.lora.memory(&cfg)?; // the LoRA flags (and --lora-init's adapter) before any work
+    let lora = args.lora.memory(&cfg, &model)?; // the LoRA flags (and --lora-init's adapter) before any work
     let base_id = super::lora::base_identity(&args.lora, &model, &cfg, &model)?;
     super::lora::check_run_base(&args.lora, a.resume.as_deref(), base_id.as_ref(), &model)?;
     let parallelism = a.parallel.layout()?;
@@ -278,7 +280,17 @@ fn prepare(args: &FinetuneArgs) -> AnyResult<Prepared> {
     let mem = crate::planner::memory::check_layout(&cfg, dtype, device, &a.options().shape(), &layout)?;
     report(&format!("memory: predicted peak {}", crate::planner::memory::describe(&mem)));
     let stop = crate::chat::stop_ids(&model, &cfg, &tokenizer)?;
-    Ok(Prepared { data: TrainData { device, dtype, tok_path, set: ft.set.clone() }, ft, model, tokenizer, stop, source, base_id })
+    let predicted_peak = mem.total();
+    Ok(Prepared {
+        data: TrainData { device, dtype, tok_path, set: ft.set.clone() },
+        ft,
+        model,
+        tokenizer,
+        stop,
+        source,
+        base_id,
+        predicted_peak,
+    })
 }
 
 pub fn run(args: FinetuneArgs) -> AnyResult<()> {
@@ -298,6 +310,9 @@ pub struct Outcome {
     pub reply_after: Option<String>,
     /// What `--show-example` printed (the run then trains nothing).
     pub examples: Option<String>,
+    /// The peak the memory estimator predicted a rank, in bytes (the "memory: predicted peak"
+    /// line's).
+    pub predicted_peak: Option<f64>,
 }
 
 /// [`run`], returning what it reported (nothing when `--resume` names a finished run).
@@ -350,7 +365,7 @@ fn finetune_rank(args: &FinetuneArgs, p: &Prepared, comm: Option<Comm>) -> AnyRe
         trainer = super::lora::with_base(trainer, &p.model, p.base_id.as_ref());
         // checkpoints: the adapter for this model
     }
-    let mut out = Outcome::default();
+    let mut out = Outcome { predicted_peak: Some(p.predicted_peak), ..Outcome::default() };
     if a.resume.is_none() && trainer.has_validation() {
         let v = trainer.evaluate(0)?;
         report(&format!("validation loss before fine-tuning {v:.4}"));

@@ -87,8 +87,8 @@ fn prepare(args: &FinetuneLadderArgs) -> AnyResult<Prepared> {
     let cfg = crate::nn::LlamaConfig::from_file(dir.join("config.json"))?;
     super::pretrain::check_seq_len(a.seq_len, &cfg, &dir.join("config.json").display().to_string())?; // before the data
     let ladder = LadderLayers::parse_flag(&args.ladder_layers, cfg.num_hidden_layers)?;
-    let lora = args.lora.memory(&cfg)?; // the LoRA flags (and --lora-init's adapter) before any work
-                                        // The adapters' base is the converted model (OUT/base): its config over --model's weight files.
+    let lora = args.lora.memory(&cfg, dir)?; // the LoRA flags (and --lora-init's adapter) before any work
+                                             // The adapters' base is the converted model (OUT/base): its config over --model's weight files.
     let mut converted = cfg.clone();
     converted.ladder_layers = Some(ladder.clone());
     let base_id = super::lora::base_identity(&args.lora, &a.out.join("base"), &converted, dir)?;

@@ -102,6 +102,21 @@ pub fn check_quant_layout(quantize: Option<QuantType>, model: &Path, layout: &cr
     Ok(())
 }
 
+/// How the run holds its base 4-bit (None: in --dtype): `--quantize-base`'s type (blocks of 64,
+/// double quantization, as it quantizes on load), or, for a model directory `dir` saved 4-bit,
+/// its `quantization_config`'s type and double quantization (a checkpoint saved 4-bit loads as
+/// such with or without the flag).
+pub fn quant_spec(quantize: Option<QuantType>, dir: &Path) -> AnyResult<Option<QuantSpec>> {
+    let path = dir.join("config.json");
+    let text = std::fs::read_to_string(&path).with_context(|| format!("cannot read {}", path.display()))?;
+    let json: serde_json::Value = serde_json::from_str(&text).with_context(|| format!("{} is not JSON", path.display()))?;
+    Ok(match (crate::nn::bnb4::bnb4_config(&json, &path)?, quantize) {
+        (Some(c), _) => Some(QuantSpec { quant_type: c.quant_type, double_quant: c.double_quant, ..QuantSpec::QLORA }),
+        (None, Some(q)) => Some(QuantSpec { quant_type: q, ..QuantSpec::QLORA }),
+        (None, None) => None,
+    })
+}
+
 /// Whether the model directory `dir` is a checkpoint saved 4-bit (`quantization_config` in its
 /// config.json); errors name the file and key.
 pub fn is_4bit_checkpoint(dir: &Path) -> AnyResult<bool> {
@@ -180,8 +195,11 @@ impl LoraArgs {
 
     /// The adapters as the memory estimator counts them (None without LoRA); reads --lora-init's
     /// adapter against the base `cfg`, so a flag or an adapter that does not fit is refused
-    /// before any work.
-    pub fn memory(&self, cfg: &crate::nn::LlamaConfig) -> AnyResult<Option<crate::planner::memory::LoraMem>> {
+    /// before any work. A 4-bit base (QLoRA: `--quantize-base`, or the `model` directory saved
+    /// 4-bit, with its own quant type and double quantization) is charged as such
+    /// (`LoraMem::quantized_base`; under `--tp` the estimator charges the pieces as
+    /// `nn::qlora::shard_quant` cuts them).
+    pub fn memory(&self, cfg: &crate::nn::LlamaConfig, model: &Path) -> AnyResult<Option<crate::planner::memory::LoraMem>> {
         let lora = match (self.config()?, &self.lora_init) {
             (Some(c), _) => c,
             (None, Some(dir)) => {
@@ -193,7 +211,8 @@ impl LoraArgs {
             }
             (None, None) => return Ok(None),
         };
-        Ok(Some(crate::planner::memory::LoraMem::new(&lora, cfg.num_hidden_layers)))
+        let quantized_base = quant_spec(self.quantize_base, model)?;
+        Ok(Some(crate::planner::memory::LoraMem { quantized_base, ..crate::planner::memory::LoraMem::new(&lora, cfg.num_hidden_layers) }))
     }
 
     /// Adds the run's adapters to `model` (before tensor parallelism and the engine attach; the

@@ -198,7 +198,8 @@ pub fn head_bytes(m: &ModelShape, w: &Workload, host: bool, dw: bool) -> (f64, f
 /// `LoraMem::quantized_base`) the frozen bytes are [`frozen_base_bytes`]'s: the blocks' linear
 /// weights at [`quant_bits_per_param`] (4.127 bits for NF4 with double quantization) and one
 /// dequantized weight in the compute dtype, the embedding, norms, biases and head in the compute
-/// dtype; its forward saves more again: [`qlora_activation_bytes`].
+/// dtype; its forward saves what LoRA's does (`nn::QuantOp`'s adapted forward is one autograd
+/// node, as `linear_adapted` is: it keeps x, u and B and dequantizes W again in the backward).
 pub fn memory(m: &ModelShape, w: &Workload, spec: ShardSpec, micro_batches: usize, workspace: f64, lora: Option<&LoraMem>) -> Memory {
     memory_on(m, w, spec, micro_batches, workspace, lora, None, false)
 }
@@ -259,7 +260,7 @@ fn memory_on(
     let head = head_bytes(m, w, host, lora.is_none()).1;
     let step_sq = 4.0 * biggest / so;
     let activations = activation_bytes(m, w)
-        + lora.map_or(0.0, |l| lora_activation_bytes(m, w, l) + qlora_activation_bytes(m, w, l))
+        + lora.map_or(0.0, |l| lora_activation_bytes(m, w, l))
         + if pref.is_some() { sequence_sum_bytes(w) } else { 0.0 };
     let reference = pref.map_or(0.0, |p| reference_bytes(m, w, p.reference));
     let backward_start = accumulator + head_grad + if fused { head.max(in_flight) } else { head + in_flight };
@@ -316,7 +317,7 @@ pub struct LoraMem {
     /// `--lora-dropout` above 0: each adapter's input is masked in a copy of its own.
     pub dropout: bool,
     /// QLoRA (`--quantize-base nf4`: `QuantSpec::QLORA`): the blocks' frozen linear weights held
-    /// 4-bit (see [`frozen_base_bytes`], [`qlora_activation_bytes`]); None (what `LoraMem::new`
+    /// 4-bit (see [`frozen_base_bytes`]); None (what `LoraMem::new`
     /// gives): the whole base in the compute dtype. The tools set it where they build the
     /// `LoraMem` (`cli::lora`'s `memory`, `train`'s single-device check) from the flag or the
     /// model's 4-bit base.
@@ -399,8 +400,30 @@ pub fn frozen_base_bytes(m: &ModelShape, w: &Workload, quant: Option<QuantSpec>)
     let weights = quantized_weights(m, w.tp);
     let layers = m.layers as f64;
     let quantized: u64 = weights.iter().sum::<u64>() * m.layers as u64;
-    let codes: f64 = layers * weights.iter().map(|&n| quant4_bytes(n, q)).sum::<f64>();
+    let codes: f64 = layers * shard_quant_specs(m, w.tp, q).iter().zip(&weights).map(|(&s, &n)| quant4_bytes(n, s)).sum::<f64>();
     (all - quantized) as f64 * e + codes + dequant_scratch_bytes(m, w)
+}
+
+/// How each of [`quantized_weights`]' pieces is stored on one of `tp` ranks (same order): as
+/// `q` on one device; under tensor parallelism as `nn::qlora::shard_quant` cuts it. A piece of
+/// output rows (a column-parallel weight's) keeps the nested absmax of double quantization when
+/// every piece starts and ends on a nested block (its blocks a multiple of 256); otherwise, and
+/// always for a piece of input columns (a row-parallel weight's: o, down), the piece holds its
+/// blocks' absmax in f32: 4.5 bits a parameter instead of 4.127 (the worst rank's, which the
+/// estimate is for).
+pub fn shard_quant_specs(m: &ModelShape, tp: usize, q: QuantSpec) -> Vec<QuantSpec> {
+    let specs = crate::nn::spec::layer_specs(0, &m.dims(), &m.extras);
+    let plain = QuantSpec { double_quant: false, ..q };
+    specs
+        .iter()
+        .filter(|s| s.lora_target.is_some())
+        .map(|s| match s.role.split_dim() {
+            _ if tp <= 1 || !q.double_quant => q,
+            None => q,
+            Some(0) if s.parts(tp) == 1 || (s.local_numel(tp) / q.blocksize as u64).is_multiple_of(NESTED_BLOCKSIZE as u64) => q,
+            Some(_) => plain,
+        })
+        .collect()
 }
 
 /// The dequantize scratch of a 4-bit base (see [`frozen_base_bytes`]): the largest quantized
@@ -446,30 +469,6 @@ pub fn lora_activation_bytes(m: &ModelShape, w: &Workload, l: &LoraMem) -> f64 {
     let factors = lora_layer_params(m, w.tp, l) * if e < 4.0 { 6.0 } else { 4.0 };
     let dropped = if l.dropout { 2.0 * tokens * e * on().map(|(i, _)| i).sum::<f64>() } else { 0.0 };
     (u + factors + dropped) * l.layers.min(m.layers) as f64
-}
-
-/// What an adapted projection over a 4-bit base saves beyond LoRA's (QLoRA; 0 without
-/// `quantized_base`): `nn::QuantOp::forward_adapted` computes the base's product, the adapter's
-/// and their sum as separate autograd nodes, so until backward each adapted projection holds its
-/// base output and its adapter output (N · out elements each), and o and down, which take the
-/// residual, their partial sum too (dense LoRA's `linear_adapted` is one node that holds none of
-/// them). Charged for the adapted layers that are not checkpointed (a checkpointed layer's
-/// recomputation holds one layer's, within the margin: measured on the CPU). A fused
-/// `forward_adapted` would make this 0.
-pub fn qlora_activation_bytes(m: &ModelShape, w: &Workload, l: &LoraMem) -> f64 {
-    if l.quantized_base.is_none() {
-        return 0.0;
-    }
-    let (tokens, e) = ((w.micro_batch * w.seq) as f64, w.elem_bytes as f64);
-    let held: f64 = local_projections(m, w.tp)
-        .into_iter()
-        .zip(l.targets)
-        .enumerate()
-        .filter(|(_, (_, on))| *on)
-        .map(|(p, ((_, out), _))| out * if p == 3 || p == 6 { 3.0 } else { 2.0 })
-        .sum();
-    let plain = m.layers.saturating_sub(w.checkpointed_layers.min(m.layers));
-    tokens * e * held * l.layers.min(plain) as f64
 }
 
 /// The largest adapter factor on one of `tp` ranks.
@@ -904,61 +903,56 @@ mod tests {
     }
 
     /// Under tensor parallelism each shard is quantized on its own: a rank holds half of the
-    /// split weights' codes (the key/value heads whole where fewer than the ranks).
+    /// split weights' codes (the key/value heads whole where fewer than the ranks). Pieces of
+    /// output rows (q, k, v, gate, up) keep the nested absmax (their blocks a multiple of 256 at
+    /// this shape); pieces of input columns (o, down) hold an f32 absmax a block, 4.5 bits, as
+    /// `nn::qlora::shard_quant` cuts them.
     #[test]
     fn tensor_parallel_ranks_hold_their_shards_codes() {
         let m = llama3_8b();
         let halves: Vec<u64> = quantized_weights(&m, 1).iter().map(|n| n / 2).collect();
         assert_eq!(quantized_weights(&m, 2), halves);
+        let plain = QuantSpec { double_quant: false, ..QLORA };
+        assert_eq!(shard_quant_specs(&m, 1, QLORA), [QLORA; 7]);
+        assert_eq!(shard_quant_specs(&m, 2, QLORA), [QLORA, QLORA, QLORA, plain, QLORA, QLORA, plain]);
         let w = workload(2, 2);
         let local: u64 = m.bucket_params(2).iter().sum();
         let quantized: u64 = halves.iter().sum::<u64>() * 32;
-        let codes: f64 = 32.0 * halves.iter().map(|&n| quant4_bytes(n, QLORA)).sum::<f64>();
+        let spec = |i: usize| if i == 3 || i == 6 { plain } else { QLORA };
+        let codes: f64 = 32.0 * halves.iter().enumerate().map(|(i, &n)| quant4_bytes(n, spec(i))).sum::<f64>();
         assert_eq!(frozen_base_bytes(&m, &w, Some(QLORA)), (local - quantized) as f64 * 2.0 + codes + 14336.0 * 2048.0 * 2.0);
+        // o's and down's pieces at 4.5 bits (plus their 16 bytes of padding and the code books).
+        let o = quant4_bytes(halves[3], plain) - 1088.0 - 16.0;
+        assert_eq!(o, halves[3] as f64 * 4.5 / 8.0);
     }
 
-    /// QLoRA against LoRA through the whole estimate: only the parameters' term changes, by the
-    /// quantized weights' bf16 bytes less their codes and the scratch; gradients, optimizer
-    /// state, activations and the transients are the adapters' and the same.
+    /// QLoRA against LoRA through the whole estimate, with and without activation checkpointing:
+    /// only the parameters' term changes, by the quantized weights' bf16 bytes less their codes
+    /// and the scratch; gradients, optimizer state, activations (`nn::QuantOp`'s adapted forward
+    /// is one autograd node that saves what dense LoRA's does) and the transients are the
+    /// adapters' and the same.
     #[test]
     fn qlora_saves_the_base_and_nothing_else_changes() {
         let m = llama3_8b();
-        let w = workload(1, 2);
-        let lora = LoraMem { rank: 16, targets: [true; 7], layers: 32, dropout: false, quantized_base: None };
-        let qlora = LoraMem { quantized_base: Some(QLORA), ..lora };
-        let spec = ShardSpec { params: 1, grads: 1, optim: 1 };
-        let (a, b) = (memory(&m, &w, spec, 1, 0.0, Some(&lora)), memory(&m, &w, spec, 1, 0.0, Some(&qlora)));
-        let n: u64 = quantized_weights(&m, 1).iter().sum::<u64>() * 32;
-        let saved = a.params - b.params;
-        let want = n as f64 * 2.0
-            - 32.0 * quantized_weights(&m, 1).iter().map(|&k| quant4_bytes(k, QLORA)).sum::<f64>()
-            - dequant_scratch_bytes(&m, &w);
-        assert_eq!(saved, want);
-        assert!(saved > 0.73 * n as f64 * 2.0, "NF4 saves about three quarters of the linear weights' bf16: {saved}");
-        assert_eq!(
-            (a.grads, a.optim, a.activations, a.buffers, a.backward_start),
-            (b.grads, b.optim, b.activations, b.buffers, b.backward_start)
-        );
-        assert_eq!(a.total() - b.total(), saved);
-    }
-
-    /// Without checkpointing each adapted projection over the 4-bit base holds its base and
-    /// adapter outputs until backward, o and down their partial sum with the residual too: per
-    /// token and layer 2 (4096 + 1024 + 1024 + 14336 + 14336) + 3 (4096 + 4096) = 94208 elements
-    /// at Llama 3 8B; checkpointed layers hold none of it.
-    #[test]
-    fn qlora_without_checkpointing_holds_the_split_adapted_outputs() {
-        let m = llama3_8b();
-        let lora = LoraMem { rank: 16, targets: [true; 7], layers: 32, dropout: false, quantized_base: None };
-        let qlora = LoraMem { quantized_base: Some(QLORA), ..lora };
-        let plain = Workload { checkpointed_layers: 0, ..workload(1, 2) };
-        assert_eq!(qlora_activation_bytes(&m, &plain, &qlora), 2048.0 * 2.0 * 94208.0 * 32.0);
-        assert_eq!(qlora_activation_bytes(&m, &plain, &lora), 0.0);
-        assert_eq!(qlora_activation_bytes(&m, &workload(1, 2), &qlora), 0.0);
-        let half = Workload { checkpointed_layers: 16, ..plain };
-        assert_eq!(qlora_activation_bytes(&m, &half, &qlora), 2048.0 * 2.0 * 94208.0 * 16.0);
-        let spec = ShardSpec { params: 1, grads: 1, optim: 1 };
-        let (a, b) = (memory(&m, &plain, spec, 1, 0.0, Some(&lora)), memory(&m, &plain, spec, 1, 0.0, Some(&qlora)));
-        assert_eq!(b.activations - a.activations, 2048.0 * 2.0 * 94208.0 * 32.0);
+        for checkpointed_layers in [usize::MAX, 16, 0] {
+            let w = Workload { checkpointed_layers, ..workload(1, 2) };
+            let lora = LoraMem { rank: 16, targets: [true; 7], layers: 32, dropout: false, quantized_base: None };
+            let qlora = LoraMem { quantized_base: Some(QLORA), ..lora };
+            let spec = ShardSpec { params: 1, grads: 1, optim: 1 };
+            let (a, b) = (memory(&m, &w, spec, 1, 0.0, Some(&lora)), memory(&m, &w, spec, 1, 0.0, Some(&qlora)));
+            let n: u64 = quantized_weights(&m, 1).iter().sum::<u64>() * 32;
+            let saved = a.params - b.params;
+            let want = n as f64 * 2.0
+                - 32.0 * quantized_weights(&m, 1).iter().map(|&k| quant4_bytes(k, QLORA)).sum::<f64>()
+                - dequant_scratch_bytes(&m, &w);
+            assert_eq!(saved, want);
+            assert!(saved > 0.73 * n as f64 * 2.0, "NF4 saves about three quarters of the linear weights' bf16: {saved}");
+            assert_eq!(
+                (a.grads, a.optim, a.activations, a.buffers, a.backward_start),
+                (b.grads, b.optim, b.activations, b.buffers, b.backward_start),
+                "checkpointed layers {checkpointed_layers}"
+            );
+            assert_eq!(a.total() - b.total(), saved);
+        }
     }
 }

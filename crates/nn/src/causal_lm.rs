@@ -7,6 +7,7 @@ use crate::kv_cache::KvCache;
 use crate::llama::{Llama, Packing};
 use crate::lora::LoraConfig;
 use crate::module::{HeadOp, ParamKind, ParamVisitor};
+use ferrolm_ops::nf4::QuantSpec;
 use ferrolm_ops::{LossChunks, LossScale, Tokens};
 use ferrolm_tensor::{DType, Device, Result, Tensor};
 
@@ -50,6 +51,11 @@ pub trait CausalLm {
     /// Sets the count of training forwards LoRA's dropout masks are drawn from (an exact
     /// `--resume` restores it); nothing without LoRA.
     fn set_lora_forwards(&self, n: u64);
+    /// How the frozen base's linear weights are held 4-bit (QLoRA), when they are: what the
+    /// memory check charges for them.
+    fn quant_spec(&self) -> Option<QuantSpec> {
+        None
+    }
 }
 
 impl CausalLm for Llama {
@@ -100,6 +106,9 @@ impl CausalLm for Llama {
     }
     fn set_lora_forwards(&self, n: u64) {
         Llama::set_lora_forwards(self, n)
+    }
+    fn quant_spec(&self) -> Option<QuantSpec> {
+        self.quant_base().map(|q| QuantSpec { quant_type: q.quant_type, double_quant: q.double_quant, ..QuantSpec::QLORA })
     }
 }
 
