@@ -18,6 +18,8 @@
 # Env (sizes): STEPS=200 BATCH=8 SEQ_LEN=256 (tokens trained = STEPS*BATCH*SEQ_LEN per run)
 #              LR=1e-4 SEED=1337 HELDOUT=hamlet HELDOUT_CHARS=60000 EVAL_SEQ_LEN=512
 #              MAX_NEW_TOKENS=40 UPPER=15 (the layers made Ladder in the "upper" conversion)
+#              REUSE=1: keep a training run that finished with the same flags (after an
+#              interruption, or to redo only the evaluations)
 # Writes OUT/results.md (a markdown table) and prints it; logs are in OUT/*.log.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -79,7 +81,7 @@ zero_shot() { # NAME LADDER_LAYERS
 import json, sys
 c = json.load(open(sys.argv[1]))
 v = sys.argv[3]
-c["ladder_layers"] = v if v == "all" else int(v)
+c["ladder_layers"] = c["num_hidden_layers"] if v == "all" else int(v)
 c["model_type"] = "llamaLadder"
 c["architectures"] = ["LlamaLadderForCausalLM"]
 json.dump(c, open(sys.argv[2], "w"), indent=2)
@@ -91,14 +93,21 @@ zero_shot zero_all all
 declare -A wall tps val_plain val_before val_after
 train_run() { # NAME LADDER_LAYERS
   local name=$1 ll=$2 t0 t1
-  echo "== finetune_ladder --ladder-layers $ll: $STEPS steps of $BATCH x $SEQ_LEN tokens"
-  t0=$(date +%s)
-  "${NICE[@]}" "$bin/finetune_ladder" --model "$MODEL" --ladder-layers "$ll" --data "$train" \
-    --cache-dir "$OUT/cache" --steps "$STEPS" --batch-size "$BATCH" --seq-len "$SEQ_LEN" --lr "$LR" \
-    --seed "$SEED" --eval-every 0 --save-every 0 --out "$OUT/$name" --overwrite > "$OUT/$name.log" 2>&1 \
-    || { echo "error: finetune_ladder failed, see $OUT/$name.log" >&2; tail -5 "$OUT/$name.log" >&2; exit 1; }
-  t1=$(date +%s)
-  wall[$name]=$((t1 - t0))
+  local args=(--model "$MODEL" --ladder-layers "$ll" --data "$train" --cache-dir "$OUT/cache" --steps "$STEPS"
+    --batch-size "$BATCH" --seq-len "$SEQ_LEN" --lr "$LR" --seed "$SEED" --eval-every 0 --save-every 0)
+  if [ "${REUSE:-0}" = 1 ] && [ -f "$OUT/$name.wall" ] && [ "$(cat "$OUT/$name.args")" = "${args[*]}" ]; then
+    echo "== $name: reusing the finished run in $OUT/$name (REUSE=1)"
+  else
+    echo "== finetune_ladder --ladder-layers $ll: $STEPS steps of $BATCH x $SEQ_LEN tokens"
+    rm -f "$OUT/$name.wall"
+    t0=$(date +%s)
+    "${NICE[@]}" "$bin/finetune_ladder" "${args[@]}" --out "$OUT/$name" --overwrite > "$OUT/$name.log" 2>&1 \
+      || { echo "error: finetune_ladder failed, see $OUT/$name.log" >&2; tail -5 "$OUT/$name.log" >&2; exit 1; }
+    t1=$(date +%s)
+    echo "${args[*]}" > "$OUT/$name.args"
+    echo $((t1 - t0)) > "$OUT/$name.wall"
+  fi
+  wall[$name]=$(cat "$OUT/$name.wall")
   # tok/s of the last step line (the trainer's running rate).
   tps[$name]=$(sed -n 's/.* \([0-9.]*\) tok\/s.*/\1/p' "$OUT/$name.log" | tail -1)
   val_plain[$name]=$(sed -n 's/.*plain Llama validation loss \([0-9.]*\).*/\1/p' "$OUT/$name.log" | head -1)
