@@ -15,7 +15,7 @@
 # need); the held-out text is the first HELDOUT_CHARS characters of HELDOUT, which no run trains on.
 #
 # Usage: scripts/ladder_real.sh [OUT_DIR]      (default runs/ladder_real)
-# Env (sizes): STEPS=200 BATCH=8 SEQ_LEN=256 (tokens trained = STEPS*BATCH*SEQ_LEN per run)
+# Env (sizes): STEPS=80 BATCH=4 SEQ_LEN=256 (tokens trained = STEPS*BATCH*SEQ_LEN per run)
 #              LR=1e-4 SEED=1337 HELDOUT=hamlet HELDOUT_CHARS=60000 EVAL_SEQ_LEN=512
 #              MAX_NEW_TOKENS=40 UPPER=15 (the layers made Ladder in the "upper" conversion)
 #              REUSE=1: keep a training run that finished with the same flags (after an
@@ -24,8 +24,8 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 OUT=${1:-runs/ladder_real}
-STEPS=${STEPS:-200}
-BATCH=${BATCH:-8}
+STEPS=${STEPS:-80}
+BATCH=${BATCH:-4}
 SEQ_LEN=${SEQ_LEN:-256}
 LR=${LR:-1e-4}
 SEED=${SEED:-1337}
