@@ -53,20 +53,27 @@ layers=$("$PY" -c "import json,sys; print(json.load(open(sys.argv[1]))['num_hidd
 tokens=$((STEPS * BATCH * SEQ_LEN))
 
 # The texts. About 3.3 characters per token with this tokenizer on Shakespeare; the training
-# text gets 4 per token (one pass, no repetition) plus the 5% validation split it is cut into.
+# text gets 4 per token (one pass, no repetition) plus the 5% validation split it is cut into,
+# and is cut to that length: the trainer validates three times on the whole split, so a longer
+# text would only make those passes longer.
 heldout="$OUT/heldout.txt"
 head -c "$HELDOUT_CHARS" "data/corpus/$HELDOUT.txt" > "$heldout"
 train="$OUT/train/train.txt"
 mkdir -p "$OUT/train"
-: > "$train"
-need=$((tokens * 4 + 200000))
+need=$((tokens * 4 + 40000))
 plays=()
+files=()
+have=0
 for f in data/corpus/*.txt; do
   [ "$(basename "$f" .txt)" = "$HELDOUT" ] && continue
-  [ "$(stat -c %s "$train")" -ge "$need" ] && break
-  cat "$f" >> "$train"
+  [ "$have" -ge "$need" ] && break
   plays+=("$(basename "$f" .txt)")
+  files+=("$f")
+  have=$((have + $(stat -c %s "$f")))
 done
+cat "${files[@]}" > "$train.all"
+head -c "$need" "$train.all" > "$train"
+rm "$train.all"
 echo "training text: ${plays[*]} ($(stat -c %s "$train") bytes); held out: the first $HELDOUT_CHARS characters of $HELDOUT"
 
 # A zero-shot conversion is a config change: the same weights, `model_type: llamaLadder` and
@@ -150,7 +157,7 @@ label() {
 oneline() { tr '\n' ' ' < "$1" | sed 's/|/\\|/g; s/  */ /g; s/ *$//'; }
 {
   echo "$(date -u +%Y-%m-%d) · $(nproc)-core CPU ($(uname -m)) · f32 · training: $STEPS steps of $BATCH × $SEQ_LEN tokens ="
-  echo "$tokens tokens per run, lr $LR, seed $SEED, on ${#plays[@]} plays of data/corpus (${plays[*]});"
+  echo "$tokens tokens per run, lr $LR, seed $SEED, on the first $need characters of data/corpus's ${plays[*]};"
   echo "held out: the first $HELDOUT_CHARS characters of $HELDOUT ($heldout_tokens tokens scored, windows of $EVAL_SEQ_LEN)."
   echo
   echo "| model | held-out loss | Δ vs original | val loss (training text's split) |"
