@@ -11,8 +11,10 @@
 #   - greedy chat answers (`generate --chat --temperature 0`) of all six models;
 #   - tokens, wall time and tokens/s of each training run.
 # Texts (public domain, data/corpus, Project Gutenberg editions of Shakespeare): the training
-# text is whole plays (every play but the held-out one, in a fixed order, as many as the tokens
-# need); the held-out text is the first HELDOUT_CHARS characters of HELDOUT, which no run trains on.
+# text is the plays but the held-out one, in a fixed order, cut to 4 characters per trained token
+# plus 40,000 (one pass, no repetition); the held-out text is the first HELDOUT_CHARS characters
+# of HELDOUT, which no run trains on. Each training run writes a checkpoint of about 2.1 GB
+# (weights and optimizer state): keep 7 GB free under OUT.
 #
 # Usage: scripts/ladder_real.sh [OUT_DIR]      (default runs/ladder_real)
 # Env (sizes): STEPS=80 BATCH=4 SEQ_LEN=256 (tokens trained = STEPS*BATCH*SEQ_LEN per run)
