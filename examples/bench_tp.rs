@@ -11,7 +11,7 @@
 //! model, tp, mode, link, step_s, exposed_comm_s; then the Ladder speedup and the share of the
 //! standard model's exposed communication that Ladder hides (target: at least 70%).
 use clap::Parser;
-use ferrolm::cli::{env_help, fraction, positive, LogArgs, Tool, ENV_COMMON};
+use ferrolm::cli::{env_help, flag_error, fraction, positive, LogArgs, Tool, ENV_COMMON};
 use ferrolm::nn::optim::{AdamW, AdamWConfig};
 use ferrolm::nn::{LadderLayers, Llama, LlamaConfig};
 use ferrolm::{AnyResult, DType, Device, Tensor};
@@ -35,9 +35,16 @@ struct Opts {
     /// Transformer layers
     #[arg(long, default_value = "8", value_parser = positive)]
     layers: usize,
-    /// Hidden size (a multiple of 64 x tp; head_dim is 64)
+    /// Hidden size (a multiple of 64 x tp; head_dim is 64, so hidden / 64 query heads)
     #[arg(long, default_value = "512", value_parser = positive)]
     hidden: usize,
+    /// Key/value heads (GQA), a divisor of the query heads and a multiple of tp [default: the
+    /// query heads, hidden / 64]
+    #[arg(long, value_parser = positive)]
+    kv_heads: Option<usize>,
+    /// MLP width, a multiple of tp [default: hidden x 8/3 rounded down to a multiple of 64]
+    #[arg(long, value_parser = positive)]
+    intermediate: Option<usize>,
     /// Sequences per step
     #[arg(long, default_value = "4", value_parser = positive)]
     batch_size: usize,
@@ -70,12 +77,13 @@ impl Tool for Opts {
 fn config(o: &Opts, ladder: bool) -> AnyResult<LlamaConfig> {
     let heads = o.hidden / 64;
     let mut c = LlamaConfig::preset("tiny")?;
-    c.vocab_size = 4096;
+    // 4096, or the next multiple of tp (the vocabulary is split across the ranks).
+    c.vocab_size = 4096usize.div_ceil(o.tp) * o.tp;
     c.hidden_size = o.hidden;
-    c.intermediate_size = o.hidden * 8 / 3 / 64 * 64;
+    c.intermediate_size = o.intermediate.unwrap_or(o.hidden * 8 / 3 / 64 * 64);
     c.num_hidden_layers = o.layers;
     c.num_attention_heads = heads;
-    c.num_key_value_heads = heads;
+    c.num_key_value_heads = o.kv_heads.unwrap_or(heads);
     c.head_dim = 64;
     c.max_position_embeddings = o.seq_len.max(256);
     c.tie_word_embeddings = false;
@@ -219,12 +227,30 @@ fn run(o: Opts) -> AnyResult<()> {
     if o.tp < 2 || !o.hidden.is_multiple_of(64 * o.tp) {
         anyhow::bail!("--tp must be >= 2 and --hidden a multiple of 64 x tp");
     }
+    if let Some(kv) = o.kv_heads {
+        if !(o.hidden / 64).is_multiple_of(kv) || !kv.is_multiple_of(o.tp) {
+            return Err(flag_error(format!(
+                "--kv-heads {kv} must divide the {} query heads (--hidden / 64) and be a multiple of --tp {}",
+                o.hidden / 64,
+                o.tp
+            )));
+        }
+    }
+    if let Some(i) = o.intermediate {
+        if !i.is_multiple_of(o.tp) {
+            return Err(flag_error(format!("--intermediate {i} must be a multiple of --tp {}", o.tp)));
+        }
+    }
     let (std_cfg, lad_cfg) = (config(&o, false)?, config(&o, true)?);
     eprintln!(
-        "bench_tp: tp {}, {} layers, hidden {}, batch {} x seq {}, {} timed steps per row, {} threads available",
+        "bench_tp: tp {}, {} layers, hidden {}, heads {}/{}, intermediate {}, vocab {}, batch {} x seq {}, {} timed steps per row, {} threads available",
         o.tp,
         o.layers,
         o.hidden,
+        std_cfg.num_attention_heads,
+        std_cfg.num_key_value_heads,
+        std_cfg.intermediate_size,
+        std_cfg.vocab_size,
         o.batch_size,
         o.seq_len,
         o.steps,
