@@ -4,21 +4,16 @@
 //! conversations skipped because they train no token. Records are read on this thread and
 //! rendered and tokenized in batches on every core.
 
-use rayon::prelude::*;
-
 use super::mask::{encode_sample, Example, TrainOn};
-use super::reader::RecordReader;
+use super::reader::{encode_records, RecordColumns, RecordEvent};
 use super::records::parse_record;
 use super::template::ChatTemplate;
 use super::DataFormat;
 use crate::error::{Error, Result};
 use crate::framing::DocFraming;
 use crate::input::InputFile;
-use crate::records::ReadError;
 use crate::tokenizer::Tokenizer;
 
-/// Records rendered and tokenized together.
-const BATCH_RECORDS: usize = 512;
 /// Skip messages kept (all skips are counted).
 const MAX_SKIP_MESSAGES: usize = 20;
 
@@ -86,71 +81,24 @@ pub fn load_examples(
     progress: &mut dyn FnMut(u64, u64, u64),
 ) -> Result<(Vec<Example>, LoadStats)> {
     let framing = DocFraming::of(tokenizer)?;
-    let total_bytes: u64 = inputs.iter().map(|f| f.bytes).sum();
-    let mut done_before = 0u64;
     let mut stats = LoadStats::default();
     let mut examples = Vec::new();
-    for file in inputs {
-        let mut reader = match RecordReader::open(file) {
-            Ok(r) => Some(r),
-            Err(e) if opts.skip_bad_records => {
-                stats.skip(SkipReason::BadRecord, format!("{} (the whole file is skipped)", e.into_error()));
-                None
-            }
-            Err(e) => return Err(e.into_error()),
-        };
-        while let Some(r) = reader.as_mut() {
-            let mut batch: Vec<(String, super::Json)> = Vec::with_capacity(BATCH_RECORDS);
-            let mut ended = false;
-            while batch.len() < BATCH_RECORDS {
-                match r.next_record() {
-                    Ok(Some(rec)) => batch.push(rec),
-                    Ok(None) => {
-                        ended = true;
-                        break;
-                    }
-                    Err(ReadError::Record(e)) if opts.skip_bad_records => stats.skip(SkipReason::BadRecord, e.to_string()),
-                    Err(ReadError::Stream(e)) if opts.skip_bad_records => {
-                        stats.skip(SkipReason::BadRecord, format!("{e} (the rest of the file is skipped)"));
-                        ended = true;
-                        break;
-                    }
-                    Err(e) => return Err(e.into_error()),
-                }
-            }
-            let encoded: Vec<std::result::Result<Example, String>> = batch
-                .par_iter()
-                .map(|(_, rec)| {
-                    let sample = parse_record(rec, opts.format)?;
-                    encode_sample(&sample, template, tokenizer, &framing, opts.train_on)
-                })
-                .collect();
-            for ((at, _), ex) in batch.iter().zip(encoded) {
-                match ex {
-                    Ok(ex) if ex.trained_targets() == 0 => stats.skip(SkipReason::NoTrainedToken, String::new()),
-                    Ok(ex) => {
-                        stats.examples += 1;
-                        stats.tokens += ex.len() as u64;
-                        stats.trained_tokens += ex.trained_targets() as u64;
-                        examples.push(ex);
-                    }
-                    Err(msg) => {
-                        let e = Error::record(&file.path, at.clone(), msg);
-                        if !opts.skip_bad_records {
-                            return Err(e);
-                        }
-                        stats.skip(SkipReason::BadRecord, e.to_string());
-                    }
-                }
-            }
-            progress(done_before + r.bytes_read(), total_bytes, stats.examples);
-            if ended {
-                stats.records += r.records();
-                break;
-            }
+    let encode = |rec: &super::Json| {
+        let sample = parse_record(rec, opts.format)?;
+        encode_sample(&sample, template, tokenizer, &framing, opts.train_on)
+    };
+    encode_records(inputs, &RecordColumns::CHAT, opts.skip_bad_records, &encode, &mut |event| match event {
+        RecordEvent::Encoded(ex, _) if ex.trained_targets() == 0 => stats.skip(SkipReason::NoTrainedToken, String::new()),
+        RecordEvent::Encoded(ex, _) => {
+            stats.examples += 1;
+            stats.tokens += ex.len() as u64;
+            stats.trained_tokens += ex.trained_targets() as u64;
+            examples.push(ex);
         }
-        done_before += file.bytes;
-    }
+        RecordEvent::Bad(msg) => stats.skip(SkipReason::BadRecord, msg),
+        RecordEvent::Progress(done, total) => progress(done, total, stats.examples),
+        RecordEvent::FileDone(records) => stats.records += records,
+    })?;
     if examples.is_empty() {
         let first = inputs.first().map_or_else(|| "no input files".to_string(), |f| f.path.display().to_string());
         let why = stats.skip_messages.first().map_or(String::new(), |m| format!("; the first bad record: {m}"));

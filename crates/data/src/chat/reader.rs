@@ -298,3 +298,86 @@ fn field_kind(f: &Field) -> &'static str {
         _ => "non-text",
     }
 }
+
+/// What [`encode_records`] reports to its loader, in file and record order.
+pub(crate) enum RecordEvent<T> {
+    /// A record encoded, and where it is (`FILE: line 12 (byte offset 4096)`).
+    Encoded(T, String),
+    /// A bad record, file or stream, skipped under `--skip-bad-records`: its message.
+    Bad(String),
+    /// A batch is done: bytes consumed of all the inputs, and their total.
+    Progress(u64, u64),
+    /// A file is read to its end (or to a skipped damage): its records, good and bad.
+    FileDone(u64),
+}
+
+/// Records encoded together, in parallel.
+const BATCH_RECORDS: usize = 512;
+
+/// The loop every record loader runs (chat SFT, preference pairs): reads `inputs`' records (of
+/// the kind `columns` names) on this thread, encodes each batch of them with `encode` on every
+/// core, and reports each result to `on` in file and record order. A record `encode` refuses,
+/// a record that is not one, a damaged stream or a file that cannot be opened fails the load
+/// naming the file and where, unless `skip_bad_records`: then it is reported as
+/// [`RecordEvent::Bad`] (a file skipped whole, a stream from the damage on) and the load goes on.
+pub(crate) fn encode_records<T: Send>(
+    inputs: &[InputFile],
+    columns: &RecordColumns,
+    skip_bad_records: bool,
+    encode: &(dyn Fn(&Json) -> Result<T, String> + Sync),
+    on: &mut dyn FnMut(RecordEvent<T>),
+) -> crate::error::Result<()> {
+    use rayon::prelude::*;
+    let total_bytes: u64 = inputs.iter().map(|f| f.bytes).sum();
+    let mut done_before = 0u64;
+    for file in inputs {
+        let mut reader = match RecordReader::open_for(file, columns) {
+            Ok(r) => Some(r),
+            Err(e) if skip_bad_records => {
+                on(RecordEvent::Bad(format!("{} (the whole file is skipped)", e.into_error())));
+                None
+            }
+            Err(e) => return Err(e.into_error()),
+        };
+        while let Some(r) = reader.as_mut() {
+            let mut batch: Vec<(String, Json)> = Vec::with_capacity(BATCH_RECORDS);
+            let mut ended = false;
+            while batch.len() < BATCH_RECORDS {
+                match r.next_record() {
+                    Ok(Some(rec)) => batch.push(rec),
+                    Ok(None) => {
+                        ended = true;
+                        break;
+                    }
+                    Err(ReadError::Record(e)) if skip_bad_records => on(RecordEvent::Bad(e.to_string())),
+                    Err(ReadError::Stream(e)) if skip_bad_records => {
+                        on(RecordEvent::Bad(format!("{e} (the rest of the file is skipped)")));
+                        ended = true;
+                        break;
+                    }
+                    Err(e) => return Err(e.into_error()),
+                }
+            }
+            let encoded: Vec<Result<T, String>> = batch.par_iter().map(|(_, rec)| encode(rec)).collect();
+            for ((at, _), out) in batch.iter().zip(encoded) {
+                match out {
+                    Ok(t) => on(RecordEvent::Encoded(t, format!("{}: {at}", file.path.display()))),
+                    Err(msg) => {
+                        let e = Error::record(&file.path, at.clone(), msg);
+                        if !skip_bad_records {
+                            return Err(e);
+                        }
+                        on(RecordEvent::Bad(e.to_string()));
+                    }
+                }
+            }
+            on(RecordEvent::Progress(done_before + r.bytes_read(), total_bytes));
+            if ended {
+                on(RecordEvent::FileDone(r.records()));
+                break;
+            }
+        }
+        done_before += file.bytes;
+    }
+    Ok(())
+}

@@ -23,19 +23,14 @@
 //!    `prompt + rejected` each keep their first `max_length` ids (TRL's `keep_start`), which
 //!    cuts the end of a long completion.
 
-use rayon::prelude::*;
-
 use super::records::{parse_pair, PreferenceFormat, RawPair};
 use super::PreferencePair;
-use crate::chat::reader::{RecordColumns, RecordReader};
+use crate::chat::reader::{encode_records, RecordColumns, RecordEvent};
 use crate::chat::{ChatTemplate, Json, Message};
 use crate::error::{Error, Result};
 use crate::input::InputFile;
-use crate::records::ReadError;
 use crate::tokenizer::Tokenizer;
 
-/// Records tokenized together.
-const BATCH_RECORDS: usize = 512;
 /// Skip messages kept (all skips are counted).
 const MAX_SKIP_MESSAGES: usize = 20;
 
@@ -302,65 +297,19 @@ pub fn load_preference_pairs(
     if opts.max_length == Some(0) || opts.max_prompt_length == Some(0) {
         return Err(Error::invalid("--max-length and --max-prompt-length must be at least 1"));
     }
-    let total_bytes: u64 = inputs.iter().map(|f| f.bytes).sum();
-    let mut done_before = 0u64;
     let mut stats = PreferenceStats::default();
     let mut pairs = Vec::new();
-    for file in inputs {
-        let mut reader = match RecordReader::open_for(file, &PREFERENCE_COLUMNS) {
-            Ok(r) => Some(r),
-            Err(e) if opts.skip_bad_records => {
-                stats.skip(PreferenceSkip::BadRecord, format!("{} (the whole file is skipped)", e.into_error()));
-                None
-            }
-            Err(e) => return Err(e.into_error()),
-        };
-        while let Some(r) = reader.as_mut() {
-            let mut batch: Vec<(String, Json)> = Vec::with_capacity(BATCH_RECORDS);
-            let mut ended = false;
-            while batch.len() < BATCH_RECORDS {
-                match r.next_record() {
-                    Ok(Some(rec)) => batch.push(rec),
-                    Ok(None) => {
-                        ended = true;
-                        break;
-                    }
-                    Err(ReadError::Record(e)) if opts.skip_bad_records => stats.skip(PreferenceSkip::BadRecord, e.to_string()),
-                    Err(ReadError::Stream(e)) if opts.skip_bad_records => {
-                        stats.skip(PreferenceSkip::BadRecord, format!("{e} (the rest of the file is skipped)"));
-                        ended = true;
-                        break;
-                    }
-                    Err(e) => return Err(e.into_error()),
-                }
-            }
-            let encoded: Vec<std::result::Result<Encoded, String>> = batch.par_iter().map(|(_, rec)| encode_record(rec, opts)).collect();
-            for ((at, _), out) in batch.iter().zip(encoded) {
-                match out {
-                    Ok(Encoded::Pair(pair, notes)) => {
-                        stats.keep(&pair, notes);
-                        pairs.push(pair);
-                    }
-                    Ok(Encoded::Skip(reason)) => {
-                        stats.skip(reason, format!("{}: {at}: skipped: {}", file.path.display(), reason.why()));
-                    }
-                    Err(msg) => {
-                        let e = Error::record(&file.path, at.clone(), msg);
-                        if !opts.skip_bad_records {
-                            return Err(e);
-                        }
-                        stats.skip(PreferenceSkip::BadRecord, e.to_string());
-                    }
-                }
-            }
-            progress(done_before + r.bytes_read(), total_bytes, stats.pairs);
-            if ended {
-                stats.records += r.records();
-                break;
-            }
+    let encode = |rec: &Json| encode_record(rec, opts);
+    encode_records(inputs, &PREFERENCE_COLUMNS, opts.skip_bad_records, &encode, &mut |event| match event {
+        RecordEvent::Encoded(Encoded::Pair(pair, notes), _) => {
+            stats.keep(&pair, notes);
+            pairs.push(pair);
         }
-        done_before += file.bytes;
-    }
+        RecordEvent::Encoded(Encoded::Skip(reason), at) => stats.skip(reason, format!("{at}: skipped: {}", reason.why())),
+        RecordEvent::Bad(msg) => stats.skip(PreferenceSkip::BadRecord, msg),
+        RecordEvent::Progress(done, total) => progress(done, total, stats.pairs),
+        RecordEvent::FileDone(records) => stats.records += records,
+    })?;
     if pairs.is_empty() {
         let first = inputs.first().map_or_else(|| "no input files".to_string(), |f| f.path.display().to_string());
         let why = stats.skip_messages.first().map_or(String::new(), |m| format!("; the first skip: {m}"));
