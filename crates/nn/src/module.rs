@@ -61,40 +61,87 @@ pub fn linear(x: &Tensor, w: &Tensor) -> Result<Tensor> {
 /// backward what a plain one does, plus u. Backward: dX = G W (summed into x's gradient so far),
 /// dU = G (s B) (likewise), dB = G^T (s u) and dW = G^T x (where their gradients go), dres = G.
 pub fn linear_adapted(x: &Tensor, w: &Tensor, u: &Tensor, b: &Tensor, scale: f64, res: Option<&Tensor>) -> Result<Tensor> {
+    adapted(x, BaseWeight::Input(w), u, b, scale, res)
+}
+
+/// Materialises a frozen base weight (out, in) in the given dtype, for one GEMM.
+pub type WeightFn = Arc<dyn Fn(ferrolm_tensor::DType) -> Result<Tensor> + Send + Sync>;
+
+/// The base weight W of an adapted linear layer ([`adapted`]).
+pub enum BaseWeight<'a> {
+    /// A tensor the op takes as an input (dense LoRA): it gets a gradient if it requires one.
+    Input(&'a Tensor),
+    /// A frozen weight that is no tensor of the graph (QLoRA's 4-bit base): `get` makes it in
+    /// x's dtype for the forward's GEMM and again for the backward's dX, and each copy is
+    /// dropped after its GEMM, so the graph never holds it. `name` is the layer's, for errors.
+    Frozen { name: &'a str, out_features: usize, in_features: usize, get: WeightFn },
+}
+
+/// [`linear_adapted`] over any [`BaseWeight`], recorded as the op `op`: the one adapted forward
+/// and backward that dense LoRA and QLoRA share. The gradients land through `GradCtx`'s helpers
+/// (dX and dU summed into what their inputs have, dW and dB where their gradients go).
+pub fn adapted(x: &Tensor, w: BaseWeight<'_>, u: &Tensor, b: &Tensor, scale: f64, res: Option<&Tensor>) -> Result<Tensor> {
     let r = x.rank();
-    if w.rank() != 2 || b.rank() != 2 || r == 0 || u.rank() != r || x.dim(r - 1) != w.dim(1) || b.dim(0) != w.dim(0) {
+    let (what, cout, cin) = match &w {
+        BaseWeight::Input(t) if t.rank() == 2 => ("linear_adapted", t.dim(0), t.dim(1)),
+        BaseWeight::Input(t) => ferrolm_tensor::bail!("linear_adapted", "expects w (out, in), got {:?}", t.shape()),
+        BaseWeight::Frozen { name, out_features, in_features, .. } => (*name, *out_features, *in_features),
+    };
+    if b.rank() != 2 || r == 0 || u.rank() != r || x.dim(r - 1) != cin || b.dim(0) != cout {
         ferrolm_tensor::bail!(
             "linear_adapted",
-            "expects x (..., in), w (out, in), u (..., R), b (out, R), got {:?}, {:?}, {:?}, {:?}",
+            "{what}: expects x (..., {cin}), w ({cout}, {cin}), u (..., R), b ({cout}, R), got {:?}, {:?}, {:?}",
             x.shape(),
-            w.shape(),
             u.shape(),
             b.shape()
         );
     }
-    let (cin, cout, rank) = (w.dim(1), w.dim(0), b.dim(1));
+    let rank = b.dim(1);
     if u.dims()[..r - 1] != x.dims()[..r - 1] || u.dim(r - 1) != rank {
-        ferrolm_tensor::bail!("linear_adapted", "u {:?} does not match x {:?} and b {:?}", u.shape(), x.shape(), b.shape());
+        ferrolm_tensor::bail!("linear_adapted", "{what}: u {:?} does not match x {:?} and b {:?}", u.shape(), x.shape(), b.shape());
     }
     let n: usize = x.dims()[..r - 1].iter().product();
     let mut out = x.dims()[..r - 1].to_vec();
     out.push(cout);
+    let dtype = x.dtype();
+    // W for a GEMM: the input itself, or a frozen weight made for it and dropped after.
+    let weight: WeightFn = match &w {
+        BaseWeight::Input(t) => {
+            let t = (*t).clone();
+            Arc::new(move |_| Ok(t.clone()))
+        }
+        BaseWeight::Frozen { get, .. } => get.clone(),
+    };
     let y = {
         let _g = ferrolm_tensor::no_grad();
         let acc = res.map(|t| t.reshape([n, cout])).transpose()?;
-        let base = x.reshape([n, cin])?.matmul_into(&w.t()?, acc.as_ref(), None)?;
+        let base = x.reshape([n, cin])?.matmul_into(&weight(dtype)?.t()?, acc.as_ref(), None)?;
         u.reshape([n, rank])?.matmul_into(&b.mul_scalar(scale)?.t()?, Some(&base), None)?.reshape(out)?
     };
-    let need = [x.requires_grad(), w.requires_grad(), u.requires_grad(), b.requires_grad(), res.is_some_and(Tensor::requires_grad)];
-    let (xc, wc, uc, bc) = (x.clone(), w.clone(), u.clone(), b.clone());
-    let mut inputs = vec![x, w, u, b];
-    inputs.extend(res);
+    // The inputs: x, W if it is one, u, B, res if given.
+    let mut inputs = vec![x];
+    let iw = match &w {
+        BaseWeight::Input(t) => {
+            inputs.push(t);
+            Some(1)
+        }
+        BaseWeight::Frozen { .. } => None,
+    };
+    let (iu, ib) = (inputs.len(), inputs.len() + 1);
+    inputs.extend([u, b]);
+    let ires = res.map(|t| {
+        inputs.push(t);
+        inputs.len() - 1
+    });
+    let need: Vec<bool> = inputs.iter().map(|t| t.requires_grad()).collect();
+    let (xc, uc, bc) = (x.clone(), u.clone(), b.clone());
     Ok(Tensor::from_op_ctx(
         y,
-        "linear_adapted",
+        if iw.is_some() { "linear_adapted" } else { "quant_linear_adapted" },
         &inputs,
         Box::new(move |g, ctx| {
             let g2 = g.reshape([n, cout])?;
+            let mut grads: Vec<Option<Tensor>> = vec![None; need.len()];
             // d(input) += G F (the GEMM's addend: what it has so far), for input `i` whose factor is F.
             let mut dinput = |i: usize, t: &Tensor, f: &dyn Fn() -> Result<Tensor>| -> Result<Option<Tensor>> {
                 if !need[i] {
@@ -106,8 +153,8 @@ pub fn linear_adapted(x: &Tensor, w: &Tensor, u: &Tensor, b: &Tensor, scale: f64
                 })?;
                 Ok(Some(gi))
             };
-            let gx = dinput(0, &xc, &|| Ok(wc.clone()))?;
-            let gu = dinput(2, &uc, &|| bc.mul_scalar(scale))?;
+            grads[0] = dinput(0, &xc, &|| weight(dtype))?;
+            grads[iu] = dinput(iu, &uc, &|| bc.mul_scalar(scale))?;
             // d(factor) = G^T t, written where the factor's gradient goes.
             let mut dfactor = |i: usize, t: &dyn Fn() -> Result<Tensor>| -> Result<Option<Tensor>> {
                 if !need[i] {
@@ -115,11 +162,12 @@ pub fn linear_adapted(x: &Tensor, w: &Tensor, u: &Tensor, b: &Tensor, scale: f64
                 }
                 Ok(Some(ctx.param_into(i, |dest| g2.t()?.matmul_into(&t()?, None, dest))?))
             };
-            let gw = dfactor(1, &|| xc.reshape([n, cin]))?;
-            let gb = dfactor(3, &|| uc.reshape([n, rank])?.mul_scalar(scale))?;
-            let mut grads = vec![gx, gw, gu, gb];
-            if need[4] {
-                grads.push(Some(g.clone()));
+            if let Some(iw) = iw {
+                grads[iw] = dfactor(iw, &|| xc.reshape([n, cin]))?;
+            }
+            grads[ib] = dfactor(ib, &|| uc.reshape([n, rank])?.mul_scalar(scale))?;
+            if let Some(i) = ires.filter(|&i| need[i]) {
+                grads[i] = Some(g.clone());
             }
             Ok(grads)
         }),

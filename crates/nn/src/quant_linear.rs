@@ -9,7 +9,7 @@
 //!
 //! `QuantOp` is the layer as a `LinearOp` (module.rs), LoRA's adapted forward included, so a
 //! model's `Linear` can take it as its op: `crate::qlora` puts it in a model's linear layers.
-use crate::module::LinearOp;
+use crate::module::{adapted, BaseWeight, LinearOp, WeightFn};
 use ferrolm_ops::nf4::{dequantize_cuda, DeviceQuant4, Quant4};
 use ferrolm_tensor::{bail, bf16, no_grad, DType, Device, Result, Tensor};
 use std::sync::Arc;
@@ -109,68 +109,11 @@ impl QuantLinear {
     /// dropped. One autograd node keeps x, u and B only (no intermediate sum, no W); its
     /// backward dequantizes W again for dX and gives dU = G s B, dB = s Gᵀ u, dres = G.
     pub fn forward_adapted(&self, x: &Tensor, u: &Tensor, b: &Tensor, scale: f64, res: Option<&Tensor>) -> Result<Tensor> {
-        let (cout, cin) = self.shape();
-        let r = x.rank();
-        if r == 0
-            || x.dim(r - 1) != cin
-            || b.rank() != 2
-            || b.dim(0) != cout
-            || u.rank() != r
-            || u.dims()[..r - 1] != x.dims()[..r - 1]
-            || u.dim(r - 1) != b.dim(1)
-        {
-            bail!(
-                "quant_linear",
-                "{}: expects x (..., {cin}), u (..., R), b ({cout}, R), got {:?}, {:?}, {:?}",
-                self.inner.name,
-                x.shape(),
-                u.shape(),
-                b.shape()
-            );
-        }
-        let rank = b.dim(1);
-        let n: usize = x.dims()[..r - 1].iter().product();
-        let mut out = x.dims()[..r - 1].to_vec();
-        out.push(cout);
-        let dtype = x.dtype();
-        let y = {
-            let _g = no_grad();
-            let w = self.inner.weight(dtype)?; // dropped after the GEMM
-            let acc = res.map(|t| t.reshape([n, cout])).transpose()?;
-            let base = x.reshape([n, cin])?.matmul_into(&w.t()?, acc.as_ref(), None)?;
-            u.reshape([n, rank])?.matmul_into(&b.mul_scalar(scale)?.t()?, Some(&base), None)?.reshape(out)?
-        };
-        let need = [x.requires_grad(), u.requires_grad(), b.requires_grad(), res.is_some_and(Tensor::requires_grad)];
-        let (inner, xc, uc, bc) = (self.inner.clone(), x.clone(), u.clone(), b.clone());
-        let mut inputs = vec![x, u, b];
-        inputs.extend(res);
-        Ok(Tensor::from_op_ctx(
-            y,
-            "quant_linear_adapted",
-            &inputs,
-            Box::new(move |g, ctx| {
-                let g2 = g.reshape([n, cout])?;
-                let mut dinput = |i: usize, t: &Tensor, f: &dyn Fn() -> Result<Tensor>| -> Result<Option<Tensor>> {
-                    if !need[i] {
-                        return Ok(None);
-                    }
-                    let acc = ctx.take_partial(i)?.map(|a| a.reshape([n, t.dim(t.rank() - 1)])).transpose()?;
-                    Ok(Some(g2.matmul_into(&f()?, acc.as_ref(), None)?.reshape(t.shape().clone())?))
-                };
-                let gx = dinput(0, &xc, &|| inner.weight(dtype))?; // W dequantized again, dropped after
-                let gu = dinput(1, &uc, &|| bc.mul_scalar(scale))?;
-                let gb = if need[2] {
-                    Some(g2.t()?.matmul_into(&uc.reshape([n, rank])?.mul_scalar(scale)?, None, ctx.dest(2)?.as_ref())?)
-                } else {
-                    None
-                };
-                let mut grads = vec![gx, gu, gb];
-                if need[3] {
-                    grads.push(Some(g.clone()));
-                }
-                Ok(grads)
-            }),
-        ))
+        let (out_features, in_features) = self.shape();
+        let inner = self.inner.clone();
+        let get: WeightFn = Arc::new(move |dtype| inner.weight(dtype));
+        let w = BaseWeight::Frozen { name: &self.inner.name, out_features, in_features, get };
+        adapted(x, w, u, b, scale, res)
     }
 }
 
