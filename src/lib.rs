@@ -21,6 +21,7 @@ pub mod planner;
 pub mod plot;
 pub mod profile;
 pub mod progress;
+pub mod quant_base;
 pub mod run_dir;
 pub mod shards;
 pub mod tokenizer_files;

@@ -126,7 +126,7 @@ pub fn load_for_inference(
     comm: Option<Comm>,
     layout: &Parallelism,
 ) -> AnyResult<Llama> {
-    let mut model = crate::cli::lora::load_model(dir, quantize, dtype, device)?;
+    let mut model = crate::quant_base::load_model(dir, quantize, dtype, device)?;
     if let Some(a) = adapter {
         model.load_adapter(a).with_context(|| format!("cannot apply the adapter in {} to {}", a.display(), dir.display()))?;
     }
