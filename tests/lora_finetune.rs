@@ -141,14 +141,14 @@ fn lora_under_tp_zero3_and_offload_follows_one_device() {
         finetune(&ck, &data, &dir.join(out), &e).unwrap();
         losses(&dir.join(out))
     };
-    let one = run("one", &["--batch-size=4"]);
-    for (out, flags) in [
-        ("tp2", vec!["--batch-size=4", "--tp=2"]),
-        ("dp2-zero3", vec!["--batch-size=2", "--dp=2", "--zero=3"]),
-        ("offload", vec!["--batch-size=4", "--offload-optimizer"]),
-    ] {
-        close(&run(out, &flags), &one, 1e-5, out);
-    }
+    layouts_follow_one_device(
+        run,
+        &[
+            ("tp2", &["--batch-size=4", "--tp=2"]),
+            ("dp2-zero3", &["--batch-size=2", "--dp=2", "--zero=3"]),
+            ("offload", &["--batch-size=4", "--offload-optimizer"]),
+        ],
+    );
     let _ = std::fs::remove_dir_all(&dir);
 }
 

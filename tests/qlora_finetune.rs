@@ -130,14 +130,14 @@ fn qlora_under_tp_dp_and_offload_follows_one_device_and_zero3_is_refused() {
         ladder(&ck, &data, &dir.join(out), &e).unwrap();
         losses(&dir.join(out))
     };
-    let one = run("one", &["--batch-size=4"]);
-    for (out, flags) in [
-        ("tp2", vec!["--batch-size=4", "--tp=2"]),
-        ("dp2", vec!["--batch-size=2", "--dp=2", "--zero=2"]),
-        ("offload", vec!["--batch-size=4", "--offload-optimizer"]),
-    ] {
-        close(&run(out, &flags), &one, 1e-5, out);
-    }
+    layouts_follow_one_device(
+        run,
+        &[
+            ("tp2", &["--batch-size=4", "--tp=2"]),
+            ("dp2", &["--batch-size=2", "--dp=2", "--zero=2"]),
+            ("offload", &["--batch-size=4", "--offload-optimizer"]),
+        ],
+    );
     let e =
         ladder(&ck, &data, &dir.join("z3"), &["--lora-rank=4", "--quantize-base=nf4", "--batch-size=2", "--dp=2", "--zero=3"]).unwrap_err();
     assert_eq!(exit_code(&e), 2);

@@ -250,6 +250,15 @@ pub fn close(a: &[f64], b: &[f64], tol: f64, what: &str) {
     }
 }
 
+/// Each of `layouts` (a run name and its flags) trains as one device does (`--batch-size=4`):
+/// the step losses within 1e-5. `run(name, flags)` trains a run and returns its losses.
+pub fn layouts_follow_one_device(run: impl Fn(&str, &[&str]) -> Vec<f64>, layouts: &[(&str, &[&str])]) {
+    let one = run("one", &["--batch-size=4"]);
+    for (out, flags) in layouts {
+        close(&run(out, flags), &one, 1e-5, out);
+    }
+}
+
 /// `cuda:0` once [`cuda0`] has registered it; `None` when the test skips.
 pub fn cuda0_device() -> Option<Device> {
     cuda0().then_some(Device::Cuda(0))
