@@ -34,14 +34,6 @@ fn finetune(ck: &Path, data: &Path, out: &Path, extra: &[&str]) -> anyhow::Resul
     ferrolm::cli::finetune_ladder::run(a)
 }
 
-/// Mean loss of `model` on the first windows of the sonnets.
-fn sonnet_loss(model: &Llama) -> f64 {
-    let tok = ferrolm::data::Tokenizer::from_file(tokenizer_path()).unwrap();
-    let text = std::fs::read_to_string(data_path("corpus/sonnets.txt")).unwrap();
-    let ids = tok.encode(&text[..4000], false).unwrap();
-    ferrolm::eval::mean_loss(model, &ids, 16, 4, Device::Cpu).unwrap().loss
-}
-
 #[test]
 fn lora_checkpoints_are_peft_adapters_that_resume_evaluate_and_merge() {
     let dir = tmp("lora-ft");

@@ -36,13 +36,6 @@ fn model(dir: &Path) -> PathBuf {
     ck
 }
 
-fn sonnet_loss(model: &Llama) -> f64 {
-    let tok = ferrolm::data::Tokenizer::from_file(tokenizer_path()).unwrap();
-    let text = std::fs::read_to_string(data_path("corpus/sonnets.txt")).unwrap();
-    let ids = tok.encode(&text[..4000], false).unwrap();
-    ferrolm::eval::mean_loss(model, &ids, 16, 4, Device::Cpu).unwrap().loss
-}
-
 #[test]
 fn a_qlora_finetune_trains_a_peft_adapter_over_the_4bit_base_and_merges_it() {
     let _g = SERIAL.lock().unwrap_or_else(|e| e.into_inner());

@@ -118,6 +118,14 @@ pub fn chat_model(dir: &Path) -> PathBuf {
     ck
 }
 
+/// Mean loss of `model` on the first windows of the sonnets.
+pub fn sonnet_loss(model: &Llama) -> f64 {
+    let tok = Tokenizer::from_file(tokenizer_path()).unwrap();
+    let text = std::fs::read_to_string(data_path("corpus/sonnets.txt")).unwrap();
+    let ids = tok.encode(&text[..4000], false).unwrap();
+    ferrolm::eval::mean_loss(model, &ids, 16, 4, Device::Cpu).unwrap().loss
+}
+
 pub fn model(vocab: usize) -> Llama {
     Llama::new(config(vocab, 2), DType::F32, Device::Cpu, &mut Rng::new(1)).unwrap()
 }
