@@ -71,10 +71,11 @@ Parts (in this order; each has its own time limit, and the whole run keeps to GP
                 fp32 rank-16 adapters on q,k,v,o,gate,up,down; dpo: that policy, the reference
                 with the adapters off under no_grad; qlora: bitsandbytes' nf4 Linear4bit, only
                 where bitsandbytes imports, else qlora_torch_skipped says why), 3 warm-up and 10
-                timed steps, max_memory_allocated. Figures: MODE_tokens_per_s, MODE_torch_tokens_per_s,
-                MODE_over_torch (lora_over_torch, qlora_over_torch, dpo_over_torch,
-                full_over_torch), MODE_peak_tensor_mib, MODE_torch_peak_mib, qlora_over_lora,
-                qlora_over_lora_peak, lora_over_full. A failed run does not stop the others
+                timed steps, max_memory_allocated. Figures: MODE_tokens_per_s,
+                MODE_torch_tokens_per_s, MODE_over_torch (lora_over_torch, qlora_over_torch,
+                dpo_over_torch, full_over_torch), MODE_peak_tensor_mib, MODE_torch_peak_mib,
+                qlora_over_lora, qlora_over_lora_peak, lora_over_full. A failed run does not stop
+                the others
                 [checkpoint 90 s; 60 s each of ours; 60 s each of PyTorch's]
 
 Every part that trains also reports gemm_fallback_runs: its runs whose log says cuBLASLt refused
