@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # GPU perf: the CUDA tests, training speed against PyTorch (eager and torch.compile), bench_cuda,
-# a kernel profile, bitwise determinism and resume, and optimizer offload, each part under its own
+# a kernel profile, bitwise determinism and resume, optimizer offload, the fused head's memory and
+# fine-tuning steps (full, LoRA, QLoRA, DPO) against PyTorch, each part under its own
 # time limit, the whole run within a budget (GP_BUDGET_S) that fits a short GPU lease. A failed
 # part does not stop the run. `--help` says what each part does and what it writes;
 # docs/BENCHMARKS.md ("GPU perf script", and its call plans) says the same.
@@ -57,6 +58,25 @@ Parts (in this order; each has its own time limit, and the whole run keeps to GP
                 the peak of each (ours: the largest peak_tensor_mib of metrics.jsonl; PyTorch:
                 torch.cuda.max_memory_allocated) and fused_over_eager_peak (target <= 0.6)
                 [90 s + 90 s + 60 s]
+  8 finetune    fine-tuning steps at part 2's 1b shape (vocabulary 32000), bf16, from a starting
+                checkpoint of one pretrain_llama step (--save-every 1, stopped once saved): finetune
+                with LoRA (--lora-rank 16), QLoRA (--lora-rank 16 --quantize-base nf4) and dpo
+                (--lora-rank 16, sigmoid loss, the reference the base with the adapters off; 4
+                generated standard pairs a step, each sequence cut to one 1024-token row), then
+                full fine-tuning; finetune on token windows of the bundled corpus, batch 8 x 1024.
+                Ours: 12 steps, the median tokens_per_s after 4 warm-up steps (stopped once the
+                last step is logged), the largest peak_tensor_mib. Beside each, in the same call,
+                scripts/bench_finetune_torch.py on the same config.json: plain torch and
+                transformers (full: fp32 weights under bf16 autocast; LoRA: a bf16 frozen base,
+                fp32 rank-16 adapters on q,k,v,o,gate,up,down; dpo: that policy, the reference
+                with the adapters off under no_grad; qlora: bitsandbytes' nf4 Linear4bit, only
+                where bitsandbytes imports, else qlora_torch_skipped says why), 3 warm-up and 10
+                timed steps, max_memory_allocated. Figures: MODE_tokens_per_s,
+                MODE_torch_tokens_per_s, MODE_over_torch (lora_over_torch, qlora_over_torch,
+                dpo_over_torch, full_over_torch), MODE_peak_tensor_mib, MODE_torch_peak_mib,
+                qlora_over_lora, qlora_over_lora_peak, lora_over_full. A failed run does not stop
+                the others
+                [checkpoint 90 s; 60 s each of ours; 60 s each of PyTorch's]
 
 Every part that trains also reports gemm_fallback_runs: its runs whose log says cuBLASLt refused
 a fused GEMM ("composing such GEMMs"); gpu_perf.json's top-level gemm_fallbacks holds the
@@ -64,7 +84,7 @@ profile's count and those runs (target: 0 and none).
 
 Outputs in $OUT (the device tool brings back 8 files; these are at most 7, rewritten after every part):
   gpu_perf.md           the Markdown report: one row per part, then the train, profile,
-                        determinism and offload tables
+                        determinism, offload, head_memory and finetune tables
   gpu_perf.json         one key per part: ok, seconds, limit_s, figures, and "rehearsal": true
                         where the figures mean nothing (every part of a rehearsal)
   gpu_perf_logs.tar.gz  every log, metrics.jsonl, config and PyTorch result (no checkpoints)
@@ -101,19 +121,22 @@ ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 LOG_TAG=gpu-perf
 # shellcheck source=gpu_lib.sh
 source "$ROOT/scripts/gpu_lib.sh"  # also OUT and PY, with their defaults
-parse_args PARTS 1,2,3,4,5,6,7 parts 2,4 part "$@"
+parse_args PARTS 1,2,3,4,5,6,7,8 parts 2,4 part "$@"
 
-NAMES=(_ tests train bench_cuda profile determinism offload head_memory)
-NPARTS=7
+NAMES=(_ tests train bench_cuda profile determinism offload head_memory finetune)
+NPARTS=8
 # Seconds per part on a GPU host (caps, not expected times: the budget cuts a part that would
 # run past it), then in the rehearsal (2 shared cores, the emulator, a dev build).
-LIMITS=(_ 120 345 130 50 150 540 245)
-RLIMITS=(_ 240 420 120 120 180 240 150)
+LIMITS=(_ 120 345 130 50 150 540 245 360)
+RLIMITS=(_ 240 420 120 120 180 240 150 300)
 # Train runs: ours, then PyTorch eager's, then torch.compile's (124m only), per shape (GPU; the
 # rehearsal's are in RTRAIN_LIMIT).
 TRAIN_LIMIT_124M=(45 40 120)
 TRAIN_LIMIT_1B=(75 60)
 RTRAIN_LIMIT=(120 60 120)
+# Finetune runs (part 8): the starting checkpoint, each of ours, each of PyTorch's (GPU, rehearsal).
+FT_LIMIT=(90 60 60)
+RFT_LIMIT=(120 120 60)
 
 # --parts: numbers or names, in the canonical order, each once.
 want=""
@@ -123,7 +146,7 @@ for p in "${asked[@]}"; do
     n=""
     for i in $(seq 1 $NPARTS); do [ "$p" = "$i" ] || [ "$p" = "${NAMES[$i]}" ] && n=$i; done
     [ -n "$n" ] || {
-        echo "error: --parts '$PARTS': '$p' is not a part (1 tests, 2 train, 3 bench_cuda, 4 profile, 5 determinism, 6 offload, 7 head_memory)" >&2
+        echo "error: --parts '$PARTS': '$p' is not a part (1 tests, 2 train, 3 bench_cuda, 4 profile, 5 determinism, 6 offload, 7 head_memory, 8 finetune)" >&2
         exit 2
     }
     want+=" $n"
@@ -142,14 +165,15 @@ left() { echo $(( ${GP_DEADLINE:-$(( $(date +%s) + 3600 ))} - $(date +%s) - ${1:
 # A sub-step's limit: $1 seconds, or what is left of the part when that is less (at least 1).
 within() { local l; l=$(left 2); [ "$l" -lt "$1" ] && echo $(( l > 1 ? l : 1 )) || echo "$1"; }
 
-# pretrain_until RUN STEPS LIMIT ARGS...: pretrain_llama into $RUNS/RUN, stopped (by its process
+# pretrain_until RUN STEPS LIMIT ARGS...: pretrain_llama (GP_TOOL: another training tool with its
+# flags, finetune or dpo) into $RUNS/RUN, stopped (by its process
 # id) once metrics.jsonl logs step STEPS: the closing validation, checkpoint and sample are not
 # part of a speed figure. Returns 0 when the last step was logged, else the run's exit status.
 # With SAVE_EVERY set, it checkpoints every SAVE_EVERY steps and is stopped only once the
 # checkpoint of step STEPS is saved (the sample after it is skipped), and keeps its checkpoints.
 pretrain_until() {
     local run=$1 steps=$2 limit=$3; shift 3
-    local bin; bin=$(need_bin pretrain_llama) || return 1
+    local bin; bin=$(need_bin "${GP_TOOL:-pretrain_llama}") || return 1
     local m="$RUNS/$run/metrics.jsonl" pid s=0 t0 saved
     saved="saved checkpoint .*$(printf 'step-%06d' "$steps")"
     rm -rf "${RUNS:?}/$run"
@@ -806,6 +830,149 @@ part7() {
     return $ok
 }
 
+# Preference pairs for part 8's dpo runs: N standard (text) records cut from the bundled corpus, a
+# PROMPT-byte prompt and two COMPLETION-byte completions each, long enough that --max-length cuts
+# every sequence to one full row (a pair: two rows of --seq-len tokens, as PyTorch's side).
+make_pref_pairs() {
+    local f=$1 n=$2 pb=$3 cb=$4 src size i off p c r
+    src="$(corpus_dir)/hamlet.txt"
+    size=$(wc -c <"$src")
+    mkdir -p "$(dirname "$f")"
+    : >"$f"
+    for ((i = 0; i < n; i++)); do
+        off=$(( (i * 7919) % (size - pb - 2 * cb) ))
+        p=$(tail -c +"$((off + 1))" "$src" | head -c "$pb")
+        c=$(tail -c +"$((off + pb + 1))" "$src" | head -c "$cb")
+        r=$(tail -c +"$((off + pb + cb + 1))" "$src" | head -c "$cb")
+        printf '{"prompt": %s, "chosen": %s, "rejected": %s}\n' "$(jstr "$p")" "$(jstr "$c")" "$(jstr "$r")" >>"$f"
+    done
+}
+
+# Fine-tuning steps at part 2's 1b shape: finetune full, LoRA, QLoRA and dpo (LoRA), each beside
+# scripts/bench_finetune_torch.py's step on the same config.json. The modes run in this order, so
+# a part cut short keeps the adapters' figures (issue 49's "LoRA step") first.
+FT_MODES=(lora qlora dpo full)
+part8() {
+    local ok=0 steps=12 warm=4 vocab=32000 cfg base=ft_base dev=cuda plen=32 pbytes=160 torch_ok=1 torch_why=""
+    local lim_base lim_ours lim_torch
+    BS=8; SEQ=1024; TSTEPS=10; TWARM=3
+    read -r lim_base lim_ours lim_torch <<<"${FT_LIMIT[*]}"
+    if [ "$REHEARSE" = 1 ]; then
+        BS=2; SEQ=16; steps=3; warm=1; TSTEPS=2; TWARM=1; vocab=4096; dev=cpu; plen=4; pbytes=24
+        read -r lim_base lim_ours lim_torch <<<"${RFT_LIMIT[*]}"
+        # The tiny stand-in of part 2's 1b (grouped-query attention kept; widths of 64, nf4's block).
+        cfg=$(write_config ft_1b 64 128 2 4 2 "$vocab")
+    else
+        cfg=$(write_config ft_1b 2048 8192 16 32 8 "$vocab")
+    fi
+    local pairs=$((BS / 2)) prefs="$RUNS/data/prefs_ft_$SEQ.jsonl"
+    if ! "$PY" -c 'import torch, transformers' >/dev/null 2>&1; then
+        torch_ok=0; torch_why="torch or transformers does not import in $PY"
+        log "$torch_why"
+    fi
+    fig shape "$(jstr "$([ "$REHEARSE" = 1 ] && echo "1b stand-in (h64, 2 layers)" || echo 1b)")"
+    fig batch "$(jstr "$BS x $SEQ (dpo: $pairs pairs, 2 rows each)")"
+    # The starting checkpoint: one pretrain_llama step at this shape, stopped once it is saved.
+    local t0 s base_ok=1
+    t0=$(date +%s)
+    SAVE_EVERY=1 pretrain_until "$base" 1 "$(within "$lim_base")" --device cuda:0 --dtype bf16 --config "$cfg" \
+        --data "$(train_data)" --steps 1 --batch-size 1 --seq-len "$SEQ"
+    s=$?
+    fig base_s "$(( $(date +%s) - t0 ))"
+    if [ $s -ne 0 ] || ! ls -d "$RUNS/$base"/checkpoints/step-* >/dev/null 2>&1; then
+        base_ok=0; ok=1
+        log "finetune: no starting checkpoint (pretrain_llama --steps 1, exit $s): our runs are skipped"
+        fig base_failed "$(jstr "pretrain_llama --steps 1 exit $s: $(tail -n 1 "$RUNS/$base.log" 2>/dev/null)")"
+    fi
+    fig params "$(jnum "$(grep -o 'model: [0-9]* parameters' "$RUNS/$base.log" 2>/dev/null | head -n 1 | awk '{print $2}')")"
+    make_pref_pairs "$prefs" $(( steps * pairs + 2 )) "$pbytes" $(( 5 * SEQ + 256 ))
+    local mode tool args run ours tt peak tpeak pred r over_json="" md="$WORK/md_finetune.md" names=()
+    declare -A TOK=()
+    {
+        echo "### finetune: fine-tuning steps against PyTorch (bf16, $([ "$REHEARSE" = 1 ] && echo "a tiny stand-in of 1b" || echo "1b: hidden 2048, 16 layers, 32 query / 8 kv heads, ffn 8192, vocabulary $vocab"), batch $BS x $SEQ; dpo $pairs pairs a step, 2 rows each)"
+        echo
+        echo "| run | ours tok/s | PyTorch tok/s | ours/PyTorch | ours peak MiB | PyTorch peak MiB | ours predicted MiB |"
+        echo "|---|---:|---:|---:|---:|---:|---:|"
+    } >"$md"
+    for mode in "${FT_MODES[@]}"; do
+        run="ft_$mode"; ours=""; tt=""; peak=""; tpeak=""; pred=""
+        case $mode in
+            full) tool=finetune; args=(--data "$(train_data)" --batch-size "$BS") ;;
+            lora) tool=finetune; args=(--data "$(train_data)" --batch-size "$BS" --lora-rank 16) ;;
+            qlora) tool=finetune; args=(--data "$(train_data)" --batch-size "$BS" --lora-rank 16 --quantize-base nf4) ;;
+            dpo) tool=dpo; args=(--data "$prefs" --data-format standard --batch-size "$pairs" --max-prompt-length "$plen"
+                --val-fraction 0 --lora-rank 16) ;;
+        esac
+        # Ours: the median tokens_per_s after the warm-up steps, stopped once the last is logged.
+        if [ "$base_ok" = 1 ]; then
+            names+=("$run")
+            GP_TOOL=$tool pretrain_until "$run" "$steps" "$(within "$lim_ours")" --model "$RUNS/$base" --device cuda:0 \
+                --dtype bf16 --steps "$steps" --seq-len "$SEQ" --lr 1e-4 "${args[@]}"
+            s=$?
+            [ $s -eq 0 ] || { ok=1; fig "${mode}_exit" "$s"; log "finetune $mode: $tool failed or ran out of time (exit $s)"; }
+            ours=$(metric "$RUNS/$run/metrics.jsonl" tokens_per_s | median_after "$warm")
+            [ "$ours" = null ] && ours=""
+            peak=$(metric "$RUNS/$run/metrics.jsonl" peak_tensor_mib | sort -g | tail -n 1)
+            pred=$(predicted_mib "$RUNS/$run.log" 2>/dev/null)
+            fig "${mode}_steps_logged" "$(metric "$RUNS/$run/metrics.jsonl" tokens_per_s | wc -l)"
+            [ -n "$ours" ] || ok=1
+        else
+            fig "${mode}_skipped" "$(jstr "no starting checkpoint")"
+        fi
+        fig "${mode}_tokens_per_s" "$(jnum "$ours")"
+        fig "${mode}_peak_tensor_mib" "$(jnum "$peak")"
+        fig "${mode}_predicted_mib" "$(jnum "$pred")"
+        TOK[$mode]=$ours
+        # PyTorch, the same config.json, one process a mode.
+        if [ "$torch_ok" = 1 ]; then
+            local tj="$RUNS/torch_ft_$mode.json" tl="$RUNS/torch_ft_$mode.log" b=$BS
+            [ "$mode" = dpo ] && b=$pairs
+            rm -f "$tj"
+            timeout --kill-after=5 "$(within "$lim_torch")" "$PY" "$ROOT/scripts/bench_finetune_torch.py" --device $dev \
+                --config "$cfg" --mode "$mode" --batch-size "$b" --seq-len "$SEQ" --prompt-len "$plen" --lora-rank 16 \
+                --steps "$TSTEPS" --warmup "$TWARM" --json "$tj" >"$tl" 2>&1
+            s=$?
+            if [ $s -eq 3 ] && grep -q '"skipped"' "$tl"; then
+                fig "${mode}_torch_skipped" "$(jstr "$(grep -o '"skipped": "[^"]*' "$tl" | head -n 1 | cut -d'"' -f4)")"
+            else
+                [ $s -eq 0 ] || { ok=1; fig "${mode}_torch_exit" "$s"; log "finetune $mode: PyTorch failed (exit $s)"; tail -n 5 "$tl" >&2; }
+                tt=$(grep -o '"tokens_per_s": [0-9.eE+-]*' "$tl" | head -n 1 | awk '{print $2}')
+                tpeak=$(grep -o '"peak_mib": [0-9.eE+-]*' "$tl" | head -n 1 | awk '{print $2}')
+            fi
+        else
+            fig "${mode}_torch_skipped" "$(jstr "$torch_why")"
+            [ "$REHEARSE" = 1 ] || ok=1
+        fi
+        fig "${mode}_torch_tokens_per_s" "$(jnum "$tt")"
+        fig "${mode}_torch_peak_mib" "$(jnum "$tpeak")"
+        r=$(ratio "$ours" "$tt")
+        fig "${mode}_over_torch" "$(jnum "$r")"
+        over_json+="${over_json:+,}$(jstr "$mode"):$(jnum "$r")"
+        echo "finetune $mode: ours ${ours:-?} tok/s (peak ${peak:-?} MiB), PyTorch ${tt:-?} tok/s, ratio ${r:-?}"
+        awk -v m="$mode" -v a="$ours" -v b="$tt" -v r="$r" -v p="$peak" -v q="$tpeak" -v e="$pred" '
+            function num(x, f) { return (x == "" || x == "null") ? "-" : sprintf(f, x) }
+            BEGIN { printf "| %s | %s | %s | %s | %s | %s | %s |\n", m, num(a, "%.0f"), num(b, "%.0f"), num(r, "%.3g"),
+                    num(p, "%.0f"), num(q, "%.0f"), num(e, "%.0f") }' >>"$md"
+    done
+    fig "ours/torch" "{$over_json}"
+    # QLoRA against LoRA (ours): the 4-bit base's cost in speed and its saving in memory.
+    local qp lp
+    qp=$(awk -F'\t' '$1 == "qlora_peak_tensor_mib" {v = $2} END {print v}' "$FIGS")
+    lp=$(awk -F'\t' '$1 == "lora_peak_tensor_mib" {v = $2} END {print v}' "$FIGS")
+    fig qlora_over_lora "$(jnum "$(ratio "${TOK[qlora]:-}" "${TOK[lora]:-}")")"
+    fig qlora_over_lora_peak "$(jnum "$(ratio "$qp" "$lp")")"
+    fig lora_over_full "$(jnum "$(ratio "${TOK[lora]:-}" "${TOK[full]:-}")")"
+    {
+        echo
+        echo "Ours: finetune (full; --lora-rank 16; --lora-rank 16 --quantize-base nf4) and dpo --lora-rank 16 (sigmoid, the reference the base with the adapters off) from a one-step pretrain_llama checkpoint, token windows of the bundled corpus (dpo: standard pairs cut to one row a sequence), the median tokens_per_s after $warm warm-up steps, peak_tensor_mib. PyTorch: scripts/bench_finetune_torch.py (plain torch: fp32 weights under bf16 autocast for full; a bf16 frozen base with fp32 rank-16 adapters on the seven projections for the others; bitsandbytes' nf4 for qlora), $TWARM warm-up and $TSTEPS timed steps, max_memory_allocated."
+        echo "QLoRA over LoRA (ours): tokens/s $(ratio "${TOK[qlora]:-}" "${TOK[lora]:-}"), peak $(ratio "$qp" "$lp"); LoRA over full: $(ratio "${TOK[lora]:-}" "${TOK[full]:-}")."
+        awk -F'\t' '$1 ~ /_skipped$|^base_failed$/ {gsub(/"/, "", $2); print "- " $1 ": " $2}' "$FIGS"
+    } >>"$md"
+    rm -rf "${RUNS:?}/$base/checkpoints"
+    fallback_figure "$base" "${names[@]}"
+    return $ok
+}
+
 # ---------------------------------------------------------------- one part (a child under timeout)
 if [ -n "$INTERNAL" ]; then
     FIGS="$WORK/figs_${NAMES[$INTERNAL]}.tsv"
@@ -854,7 +1021,7 @@ write_md() {
             [ -s "$f" ] && cat "$f"
         done
         for f in "$WORK/md_train.md" "$WORK/md_profile.md" "$WORK/md_determinism.md" "$WORK/md_offload.md" \
-            "$WORK/md_head_memory.md"; do
+            "$WORK/md_head_memory.md" "$WORK/md_finetune.md"; do
             [ -s "$f" ] && { echo; cat "$f"; }
         done
         echo

@@ -3,8 +3,9 @@
 //! which must write `$OUT/gpu_perf.json` with every part, each marked rehearsal, the Markdown
 //! report, the log archive, part 3's bench_cuda tables and part 4's profile, and nothing else.
 //! The rehearsal runs every part: the determinism part's reruns and resume must give the same
-//! bits on the emulator, and the offload part must measure all-CPU offload and DOS with
-//! bench_offload's prediction beside each.
+//! bits on the emulator, the offload part must measure all-CPU offload and DOS with
+//! bench_offload's prediction beside each, and the finetune part must time a step of each of
+//! full fine-tuning, LoRA, QLoRA and DPO, with PyTorch's beside it or its skip said.
 use std::path::{Path, PathBuf};
 use std::process::{Command, Output};
 
@@ -53,6 +54,12 @@ fn help_names_every_part_and_output() {
         "--loss-chunk-tokens 0",
         "fused_over_eager_peak",
         "nf4_dequant_floor_over_time",
+        "bench_finetune_torch.py",
+        "--quantize-base nf4",
+        "lora_over_torch",
+        "dpo_over_torch",
+        "qlora_over_lora",
+        "qlora_torch_skipped",
     ];
     let o = run(&["--help"], &out, &out.join("work"));
     scripts::assert_help(&o, &out, "part", &PARTS, &mentions);
@@ -64,7 +71,7 @@ fn bad_arguments_are_refused_by_name() {
     scripts::assert_refused("gpu_perf.sh", |a| run(a, &out, &out.join("work")), &out.join("gpu_perf.json"));
 }
 
-const PARTS: [&str; 7] = ["tests", "train", "bench_cuda", "profile", "determinism", "offload", "head_memory"];
+const PARTS: [&str; 8] = ["tests", "train", "bench_cuda", "profile", "determinism", "offload", "head_memory", "finetune"];
 
 fn positive(v: &serde_json::Value) -> bool {
     v.as_f64().is_some_and(|x| x > 0.0)
@@ -134,7 +141,7 @@ fn rehearsal_writes_every_part_marked_rehearsal() {
     assert_eq!(v["head_memory"]["ok"], true, "{text}\n{log}");
     assert!(positive(&h["fused_peak_mib"]) && positive(&h["unfused_peak_mib"]), "head_memory: no peaks of ours: {text}");
     assert!(h.get("fused_over_eager_peak").is_some() && h.get("eager_peak_mib").is_some(), "head_memory: {text}");
-    for table in ["ours/compile", "### determinism", "### offload", "### head_memory"] {
+    for table in ["ours/compile", "### determinism", "### offload", "### head_memory", "### finetune"] {
         assert!(md.contains(table), "gpu_perf.md lacks `{table}`:\n{md}");
     }
     // The device tool brings back 8 files: the script writes at most 6.
@@ -170,6 +177,25 @@ fn rehearsal_writes_every_part_marked_rehearsal() {
     }
     assert!(positive(&o["dos_over_all_cpu"]), "{text}");
     assert!(o["model_k"].is_string() && o["none_fits"].is_boolean(), "{text}");
+
+    // Fine-tuning steps: each of ours timed from the one-step starting checkpoint, with its peak;
+    // PyTorch's beside it (on the CPU) or its skip said; the ratios' keys present.
+    let f = &v["finetune"]["figures"];
+    assert_eq!(v["finetune"]["ok"], true, "{text}\n{log}");
+    assert!(f.get("base_failed").is_none(), "finetune: no starting checkpoint: {text}");
+    for mode in ["lora", "qlora", "dpo", "full"] {
+        assert!(positive(&f[format!("{mode}_tokens_per_s")]), "finetune {mode}: no tokens/s of ours: {text}\n{log}");
+        assert!(positive(&f[format!("{mode}_peak_tensor_mib")]), "finetune {mode}: no peak of ours: {text}");
+        let torch = &f[format!("{mode}_torch_tokens_per_s")];
+        assert!(
+            positive(torch) && positive(&f[format!("{mode}_over_torch")]) || f[format!("{mode}_torch_skipped")].is_string(),
+            "finetune {mode}: PyTorch neither ran nor skipped: {text}"
+        );
+        assert!(f["ours/torch"].get(mode).is_some(), "finetune {mode}: no ours/torch: {text}");
+    }
+    for ratio in ["qlora_over_lora", "qlora_over_lora_peak", "lora_over_full"] {
+        assert!(positive(&f[ratio]), "finetune: {ratio} is not a positive number: {text}");
+    }
     std::fs::remove_dir_all(&out).unwrap();
     std::fs::remove_dir_all(&work).unwrap();
 }

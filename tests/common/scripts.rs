@@ -34,7 +34,7 @@ pub fn assert_help(o: &Output, out: &Path, what: &str, items: &[&str], mentions:
 /// of the first argument (what precedes its `=`).
 const REFUSED: [(&str, &[&str]); 3] = [
     ("gpu_first_contact.sh", &["--steps 0", "--steps 1,x", "--steps=10", "--steps", "--bogus"]),
-    ("gpu_perf.sh", &["--parts 8", "--parts 1,x", "--parts ", "--parts=train,9", "--parts", "--bogus"]),
+    ("gpu_perf.sh", &["--parts 9", "--parts 1,x", "--parts ", "--parts=train,9", "--parts", "--bogus"]),
     (
         "gpu_attention_counters.sh",
         &["--shape 4,16,16", "--shape=4,3,2,2048", "--shape 4,16,0,2048", "--shape", "--bogus", "--rehearse", "--internal-shape 1"],
