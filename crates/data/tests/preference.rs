@@ -298,4 +298,29 @@ fn the_bundled_preference_file_loads_whole() {
         assert!(decoded.contains(&own), "{decoded:?} lacks {own:?}");
         assert_ne!(pair.chosen, pair.rejected);
     }
+    // data/prefs_val.jsonl, the README's held-out pairs: the other conversations (less the two
+    // whose reply the plays repeat in a training conversation), each own reply chosen, and held
+    // out for real: no prompt and no reply (chosen or rejected) of a training pair, so preference
+    // tuning cannot have raised or lowered any of them in any context.
+    let (val, stats) = load(&root.join("data/prefs_val.jsonl"), &opts).unwrap();
+    assert_eq!((stats.records, stats.pairs, stats.skipped()), (178, 178, 0), "{}", stats.summary());
+    let own = |line: &str| {
+        let messages: Value = serde_json::from_str(line).unwrap();
+        messages["messages"].as_array().unwrap().last().unwrap()["content"].as_str().unwrap().trim().to_string()
+    };
+    let trained_replies: std::collections::HashSet<String> = chat.lines().take(420).map(own).collect();
+    let held_out = chat.lines().skip(420).map(own).filter(|r| !trained_replies.contains(r));
+    assert_eq!(held_out.clone().count(), val.len());
+    for (pair, reply) in val.iter().zip(held_out) {
+        assert!(tok.decode(&pair.chosen).unwrap().contains(&reply), "held-out pair lacks its own reply {reply:?}");
+        assert_ne!(pair.chosen, pair.rejected);
+    }
+    let trained: std::collections::HashSet<&[u32]> = pairs.iter().flat_map(|p| [&p.chosen[..], &p.rejected[..]]).collect();
+    let prompts: std::collections::HashSet<&[u32]> = pairs.iter().map(|p| &p.prompt[..]).collect();
+    for (i, pair) in val.iter().enumerate() {
+        assert!(!prompts.contains(&pair.prompt[..]), "held-out pair {i}'s prompt is a training prompt");
+        for side in [&pair.chosen, &pair.rejected] {
+            assert!(!trained.contains(&side[..]), "held-out pair {i} holds a training reply: {:?}", tok.decode(side).unwrap());
+        }
+    }
 }
