@@ -240,7 +240,7 @@ impl Sandbox {
         let sonnets = std::fs::read(common::data_path("corpus/sonnets.txt")).unwrap();
         let cut = sonnets[..CORPUS_BYTES].iter().rposition(|&b| b == b'\n').unwrap() + 1;
         std::fs::write(data.join("corpus/sonnets.txt"), &sonnets[..cut]).unwrap();
-        for f in ["chat.jsonl", "chat_template.jinja", "prefs.jsonl"] {
+        for f in ["chat.jsonl", "chat_template.jinja", "prefs.jsonl", "prefs_val.jsonl"] {
             std::os::unix::fs::symlink(std::fs::canonicalize(common::data_path(f)).unwrap(), data.join(f)).unwrap();
         }
         std::os::unix::fs::symlink(common::root().join("scripts"), root.join("scripts")).unwrap();
