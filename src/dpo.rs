@@ -157,6 +157,10 @@ pub struct Preference {
     pub reference: Reference,
     /// The last training step's metric sums over every rank's pairs.
     pub last: Option<PreferenceMetrics>,
+    /// A live or adapters-off reference's log-probs of the validation pairs, by pair, kept from
+    /// the first validation pass: the reference is frozen, so every later pass would compute the
+    /// same values again (the same pairs packed into the same batches).
+    val_refs: std::sync::Mutex<Vec<Option<[f64; 2]>>>,
 }
 
 /// `model`'s log-probs of `batch`, without gradients (a reference).
@@ -175,14 +179,38 @@ enum Split {
 
 impl Preference {
     pub fn new(cfg: PreferenceConfig, reference: Reference) -> Preference {
-        Preference { cfg, reference, last: None }
+        Preference { cfg, reference, last: None, val_refs: Default::default() }
     }
 
     /// The reference log-probs of `batch` (pairs `indices` of `split`).
     fn reference(&self, policy: &dyn CausalLm, batch: &PackedPairs, indices: &[usize], split: Split) -> Result<ReferenceLogProbs> {
+        let frozen = |split: Split| -> Result<ReferenceLogProbs> {
+            let compute = || match &self.reference {
+                Reference::Live(m) => frozen_logprobs(m.as_ref(), batch, false),
+                _ => frozen_logprobs(policy, batch, true),
+            };
+            if split == Split::Train {
+                return compute();
+            }
+            let mut cache = self.val_refs.lock().unwrap_or_else(|e| e.into_inner());
+            let kept: Option<Vec<[f64; 2]>> = indices.iter().map(|&i| cache.get(i).copied().flatten()).collect();
+            if let Some(kept) = kept {
+                return Ok(ReferenceLogProbs {
+                    chosen: kept.iter().map(|v| v[0]).collect(),
+                    rejected: kept.iter().map(|v| v[1]).collect(),
+                });
+            }
+            let r = compute()?;
+            for (k, &i) in indices.iter().enumerate() {
+                if cache.len() <= i {
+                    cache.resize(i + 1, None);
+                }
+                cache[i] = Some([r.chosen[k], r.rejected[k]]);
+            }
+            Ok(r)
+        };
         match &self.reference {
-            Reference::Live(m) => frozen_logprobs(m.as_ref(), batch, false),
-            Reference::AdaptersOff => frozen_logprobs(policy, batch, true),
+            Reference::Live(_) | Reference::AdaptersOff => frozen(split),
             Reference::Precomputed(r) => {
                 let table = if split == Split::Train { &r.train } else { &r.val };
                 let mut out = ReferenceLogProbs { chosen: Vec::with_capacity(indices.len()), rejected: Vec::with_capacity(indices.len()) };
@@ -285,4 +313,38 @@ pub fn reduce_metrics(
 /// The metrics as `key value` pairs for a log line (`rewards/accuracies 0.7500 ...`).
 pub fn describe(m: &PreferenceMetrics) -> String {
     m.means().iter().map(|(k, v)| format!("{k} {v:.4}")).collect::<Vec<_>>().join(" | ")
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use ferrolm_tensor::{DType, Device, Rng};
+
+    fn pairs(n: usize) -> Vec<PreferencePair> {
+        let mut rng = Rng::new(7);
+        let mut ids = |len: usize| (0..len).map(|_| (rng.next_u64() % 60) as u32 + 2).collect::<Vec<u32>>();
+        (0..n).map(|i| PreferencePair { prompt: ids(3 + i % 4), chosen: ids(2 + i % 3), rejected: ids(4 - i % 3) }).collect()
+    }
+
+    /// A live reference's validation log-probs are computed once: a second pass gives the same
+    /// loss and metrics to the bit, and uses the kept values, not the reference (swapped here for
+    /// another model, which no real run does, so a recomputation would show).
+    #[test]
+    fn a_live_references_validation_log_probs_are_kept_from_the_first_pass() {
+        let cfg = ferrolm_testing::tiny_llama("");
+        let model = |seed| Llama::new(cfg.clone(), DType::F32, Device::Cpu, &mut Rng::new(seed)).unwrap();
+        let (policy, val) = (model(1), pairs(7));
+        let mut pref = Preference::new(PreferenceConfig::default(), Reference::Live(Box::new(model(2))));
+        let first = pref.validate(&policy, &val, 7, 3, 16, 0).unwrap();
+        let again = pref.validate(&policy, &val, 7, 3, 16, 0).unwrap();
+        assert_eq!(first.0.to_bits(), again.0.to_bits());
+        assert_eq!(describe(&first.1), describe(&again.1));
+        assert!(first.1.means().iter().any(|(k, v)| k.starts_with("rewards/") && *v != 0.0), "a reference unlike the policy gives rewards");
+        pref.reference = Reference::Live(Box::new(model(3)));
+        let kept = pref.validate(&policy, &val, 7, 3, 16, 0).unwrap();
+        assert_eq!(kept.0.to_bits(), first.0.to_bits(), "the second reference was run: the first's log-probs were not kept");
+        // A fresh objective with that reference computes its own (different) values.
+        let fresh = Preference::new(PreferenceConfig::default(), Reference::Live(Box::new(model(3))));
+        assert_ne!(fresh.validate(&policy, &val, 7, 3, 16, 0).unwrap().0.to_bits(), first.0.to_bits());
+    }
 }
