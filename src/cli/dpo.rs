@@ -365,11 +365,7 @@ pub fn dpo(mut args: DpoArgs) -> AnyResult<Outcome> {
 
 fn dpo_rank(args: &DpoArgs, p: &Prepared, comm: Option<Comm>) -> AnyResult<Outcome> {
     let a = &args.train;
-    let mut model = super::lora::load_model(&p.model, args.lora.quantize_base, p.data.dtype, p.data.device)?;
-    model.set_activation_checkpointing(a.activation_checkpointing);
-    super::report_loaded(&p.model, &model, p.data.device, p.data.dtype);
-    let lora = super::lora::attach(&args.lora, &mut model, a.seed)?;
-    let (trainer, _) = p.data.trainer(model, a, a.options(), comm)?;
+    let (trainer, lora) = p.data.fine_tune_trainer(&p.model, &args.lora, a, comm)?;
     let reference = match (&p.refs, &p.live_ref) {
         (Some(r), _) => Reference::Precomputed(r.clone()),
         (None, Some(dir)) => {

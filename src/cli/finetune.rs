@@ -355,11 +355,7 @@ pub(crate) fn show_reply(trainer: &Trainer, tokenizer: &Tokenizer, prompt: &Opti
 
 fn finetune_rank(args: &FinetuneArgs, p: &Prepared, comm: Option<Comm>) -> AnyResult<Outcome> {
     let a = &args.train;
-    let mut model = super::lora::load_model(&p.model, args.lora.quantize_base, p.data.dtype, p.data.device)?;
-    model.set_activation_checkpointing(a.activation_checkpointing);
-    super::report_loaded(&p.model, &model, p.data.device, p.data.dtype);
-    let lora = super::lora::attach(&args.lora, &mut model, a.seed)?;
-    let (trainer, _) = p.data.trainer(model, a, a.options(), comm)?;
+    let (trainer, lora) = p.data.fine_tune_trainer(&p.model, &args.lora, a, comm)?;
     let mut trainer = p.ft.carry_template(trainer).with_source(p.source.clone());
     if lora {
         trainer = super::lora::with_base(trainer, &p.model, p.base_id.as_ref());

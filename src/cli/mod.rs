@@ -122,6 +122,24 @@ impl TrainData {
         let t = crate::train::Trainer::with_engine_on(model, Box::new(engine), &self.set, opts, &a.out)?;
         Ok((t.with_tokenizer(&self.tok_path).with_safety(a.safety()).with_final_validation(), spec))
     }
+
+    /// A fine-tuning rank's trainer (finetune, dpo): `model_dir` loaded (held 4-bit with
+    /// `--quantize-base`), activation checkpointing as the flags say, reported, the LoRA adapters
+    /// attached when the flags ask for them (the bool), and [`TrainData::trainer`] on it.
+    pub(crate) fn fine_tune_trainer(
+        &self,
+        model_dir: &std::path::Path,
+        lora_args: &lora::LoraArgs,
+        a: &TrainArgs,
+        comm: Option<crate::parallel::Comm>,
+    ) -> AnyResult<(crate::train::Trainer, bool)> {
+        let mut model = lora::load_model(model_dir, lora_args.quantize_base, self.dtype, self.device)?;
+        model.set_activation_checkpointing(a.activation_checkpointing);
+        report_loaded(model_dir, &model, self.device, self.dtype);
+        let lora = lora::attach(lora_args, &mut model, a.seed)?;
+        let (trainer, _) = self.trainer(model, a, a.options(), comm)?;
+        Ok((trainer, lora))
+    }
 }
 
 /// The flags of the tools that run a trained model (eval, generate): a LoRA adapter, tensor
