@@ -32,9 +32,9 @@ import argparse
 import json
 import math
 import os
-import statistics
 import sys
-import time
+
+from torch_timing import time_steps
 
 TINY = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
             vocab_size=4096, max_position_embeddings=4096, rms_norm_eps=1e-5, rope_theta=10000.0,
@@ -188,22 +188,7 @@ def main():
         opt.zero_grad(set_to_none=True)
         return loss
 
-    def sync():
-        if dev.type == "cuda":
-            torch.cuda.synchronize()
-
-    if dev.type == "cuda":
-        torch.cuda.reset_peak_memory_stats()
-    for _ in range(a.warmup):
-        step()
-    sync()
-    times = []
-    for _ in range(a.steps):
-        t0 = time.perf_counter()
-        loss = step()
-        sync()
-        times.append(time.perf_counter() - t0)
-    dt = statistics.median(times)
+    dt, _, loss = time_steps(step, dev, a.warmup, a.steps)
     tokens = (2 if a.mode == "dpo" else 1) * a.batch_size * a.seq_len
     emit({
         "framework": "pytorch", "mode": a.mode, "params": n_params, "trainable_params": trainable,

@@ -19,9 +19,9 @@ mode goes to stdout (and, with --json, to that file as a list).
 import argparse
 import json
 import os
-import statistics
 import sys
-import time
+
+from torch_timing import time_steps
 
 # Hidden, intermediate, layers, heads: GPT-2-small-, -medium- and 1B-class Llama shapes.
 SHAPES = {
@@ -94,24 +94,7 @@ def main():
             opt.zero_grad(set_to_none=True)
             return loss
 
-        def sync():
-            if dev.type == "cuda":
-                torch.cuda.synchronize()
-
-        if dev.type == "cuda":
-            torch.cuda.reset_peak_memory_stats()
-        t_warm = time.perf_counter()
-        for _ in range(a.warmup):
-            step()
-        sync()
-        warmup_s = time.perf_counter() - t_warm
-        times = []
-        for _ in range(a.steps):
-            t0 = time.perf_counter()
-            loss = step()
-            sync()
-            times.append(time.perf_counter() - t0)
-        dt = statistics.median(times)
+        dt, warmup_s, loss = time_steps(step, dev, a.warmup, a.steps)
         tok_s = a.batch_size * a.seq_len / dt
         per_token = 6.0 * n_params + 12.0 * cfg.num_hidden_layers * a.seq_len * cfg.num_attention_heads * head_dim
         r = {
