@@ -182,48 +182,38 @@ impl Preference {
         Preference { cfg, reference, last: None, val_refs: Default::default() }
     }
 
-    /// The reference log-probs of `batch` (pairs `indices` of `split`).
+    /// The reference log-probs of `batch` (pairs `indices` of `split`): looked up when
+    /// precomputed; else run (the live model, or the policy with its adapters off), the
+    /// validation pairs' only on the first pass and kept in `val_refs` for the later ones.
     fn reference(&self, policy: &dyn CausalLm, batch: &PackedPairs, indices: &[usize], split: Split) -> Result<ReferenceLogProbs> {
-        let frozen = |split: Split| -> Result<ReferenceLogProbs> {
-            let compute = || match &self.reference {
-                Reference::Live(m) => frozen_logprobs(m.as_ref(), batch, false),
-                _ => frozen_logprobs(policy, batch, true),
-            };
-            if split == Split::Train {
-                return compute();
-            }
-            let mut cache = self.val_refs.lock().unwrap_or_else(|e| e.into_inner());
-            let kept: Option<Vec<[f64; 2]>> = indices.iter().map(|&i| cache.get(i).copied().flatten()).collect();
-            if let Some(kept) = kept {
-                return Ok(ReferenceLogProbs {
-                    chosen: kept.iter().map(|v| v[0]).collect(),
-                    rejected: kept.iter().map(|v| v[1]).collect(),
-                });
-            }
-            let r = compute()?;
+        let lookup = |table: &dyn Fn(usize) -> Option<[f64; 2]>| -> Option<ReferenceLogProbs> {
+            let rows: Vec<[f64; 2]> = indices.iter().map(|&i| table(i)).collect::<Option<_>>()?;
+            Some(ReferenceLogProbs { chosen: rows.iter().map(|r| r[0]).collect(), rejected: rows.iter().map(|r| r[1]).collect() })
+        };
+        if let Reference::Precomputed(r) = &self.reference {
+            let table = if split == Split::Train { &r.train } else { &r.val };
+            return lookup(&|i| table.get(i).copied()).ok_or_else(|| {
+                let i = indices.iter().find(|&&i| i >= table.len()).copied().unwrap_or_default();
+                ferrolm_tensor::Error::new("reference log-probs", format!("no precomputed reference log-probs for pair {i}"))
+            });
+        }
+        let mut kept = (split == Split::Val).then(|| self.val_refs.lock().unwrap_or_else(|e| e.into_inner()));
+        if let Some(r) = kept.as_ref().and_then(|cache| lookup(&|i| cache.get(i).copied().flatten())) {
+            return Ok(r);
+        }
+        let r = match &self.reference {
+            Reference::Live(m) => frozen_logprobs(m.as_ref(), batch, false)?,
+            _ => frozen_logprobs(policy, batch, true)?,
+        };
+        if let Some(cache) = kept.as_mut() {
             for (k, &i) in indices.iter().enumerate() {
                 if cache.len() <= i {
                     cache.resize(i + 1, None);
                 }
                 cache[i] = Some([r.chosen[k], r.rejected[k]]);
             }
-            Ok(r)
-        };
-        match &self.reference {
-            Reference::Live(_) | Reference::AdaptersOff => frozen(split),
-            Reference::Precomputed(r) => {
-                let table = if split == Split::Train { &r.train } else { &r.val };
-                let mut out = ReferenceLogProbs { chosen: Vec::with_capacity(indices.len()), rejected: Vec::with_capacity(indices.len()) };
-                for &i in indices {
-                    let Some([c, rj]) = table.get(i) else {
-                        ferrolm_tensor::bail!("reference log-probs", "no precomputed reference log-probs for pair {i}");
-                    };
-                    out.chosen.push(*c);
-                    out.rejected.push(*rj);
-                }
-                Ok(out)
-            }
         }
+        Ok(r)
     }
 
     /// One micro-batch's loss (to backpropagate) and metric sums: the reference first (no
