@@ -29,7 +29,11 @@ pub fn load_model(dir: &Path, quantize: Option<QuantType>, dtype: crate::DType, 
 /// and a `--tp` whose pieces would split a 4-bit block of some weight (naming it and the
 /// sizes). A flag error naming the flags.
 pub fn check_quant_layout(quantize: Option<QuantType>, model: &Path, layout: &crate::parallel::Parallelism) -> AnyResult<()> {
-    if layout.spec.params > 1 && (quantize.is_some() || is_4bit_checkpoint(model)?) {
+    // config.json is read only where the layout could conflict with a 4-bit base, and once.
+    if (layout.spec.params <= 1 && layout.tp <= 1) || !(quantize.is_some() || is_4bit_checkpoint(model)?) {
+        return Ok(());
+    }
+    if layout.spec.params > 1 {
         return Err(flag_error(format!(
             "ZeRO-3 (--zero 3 or --shard-params {}) over a 4-bit base (--quantize-base, or a --model saved 4-bit) is not \
              supported: the frozen 4-bit weights are held whole on every rank and only the adapters are sharded: use --zero 2 \
@@ -37,7 +41,7 @@ pub fn check_quant_layout(quantize: Option<QuantType>, model: &Path, layout: &cr
             layout.spec.params
         )));
     }
-    if layout.tp > 1 && (quantize.is_some() || is_4bit_checkpoint(model)?) {
+    if layout.tp > 1 {
         let cfg = crate::nn::LlamaConfig::from_file(model.join("config.json"))?;
         let bs = QuantSpec::QLORA.blocksize;
         for s in (0..cfg.num_hidden_layers).flat_map(|l| cfg.linear_specs(l)) {
