@@ -41,7 +41,8 @@ for seed in $SEEDS; do
   start=$(date +%s)
   "$bin/dpo" --model "$MODEL" --data data/prefs.jsonl --val-data data/prefs_val.jsonl \
     --steps "$STEPS" --lr "$LR" --beta "$BETA" --seed "$seed" --eval-every "$EVAL_EVERY" \
-    --save-every "$((STEPS + 1))" --out "$run" --overwrite "${EXTRA_ARGS[@]}" >"$OUT/seed-$seed.log" 2>&1
+    --save-every "$((STEPS + 1))" --out "$run" --overwrite "${EXTRA_ARGS[@]}" >"$OUT/seed-$seed.log" 2>&1 ||
+    { echo "error: seed $seed: dpo failed (exit $?): see $OUT/seed-$seed.log" >&2; tail -n 3 "$OUT/seed-$seed.log" >&2; exit 1; }
   wall=$(($(date +%s) - start))
   rows+=("$("$PY" - "$run/metrics.jsonl" "$seed" "$wall" <<'EOF'
 import json, sys

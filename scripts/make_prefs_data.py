@@ -9,21 +9,23 @@ TRL's conversational preference format.
 - `rejected`: the last reply of another conversation, drawn with a fixed seed (never the
   conversation's own, never the same text).
 
-A model fine-tuned on data/chat.jsonl has seen the chosen replies in their context; preference
-tuning teaches it to rank its own context's reply above a reply out of context, which a held-out
-`rewards/accuracies` well above one half shows. The first PAIRS conversations make
-data/prefs.jsonl, so the file stays no larger than data/chat.jsonl.
+Preference tuning on these pairs teaches a model to rank a conversation's own reply above one
+out of context; a held-out `rewards/accuracies` above one half shows what carried to
+conversations it was not tuned on (docs/PREFERENCE.md, "What the bundled pairs teach": at the
+README's size, little). The first PAIRS conversations make data/prefs.jsonl, so the file stays no
+larger than data/chat.jsonl.
 
 data/prefs_val.jsonl is made the same way from the other conversations (PAIRS + 1 to the last,
-less those whose reply is also a training reply), its rejected replies drawn only among them. A split of data/prefs.jsonl itself would not be held
-out: its held-out pairs' rejected replies are training pairs' chosen ones, which preference
-tuning has just raised in their own context, and a held-out accuracy below one half is what such
-a split measured. The same input always gives the same files.
+less those whose reply is also a training reply), its rejected replies drawn only among them. A
+split of data/prefs.jsonl itself would not be held out: its held-out pairs' rejected replies are
+training pairs' chosen ones, which preference tuning has just raised in their own context, and a
+held-out accuracy below one half is what such a split measured. The same input always gives the
+same files.
 
     python3 scripts/make_prefs_data.py            # writes data/prefs.jsonl and data/prefs_val.jsonl
     python3 scripts/make_prefs_data.py --check    # fails if a committed file differs
 
-Standard library only. CI reads the file and never runs this script.
+Standard library only. CI reads the files and never runs this script.
 """
 import json
 import pathlib
