@@ -1,6 +1,6 @@
 //! A linear layer's bias (Qwen2/2.5's q/k/v projections): y = x + b, b (d) broadcast over the
 //! rows of x (..., d), and `linear_bias(x, w, b)` = x Wᵀ + b, the GEMM then this op. Nothing is
-//! saved. Backward: dx = dy as it arrives (no kernel), db = Σ_rows dy, summed in a fixed order
+//! saved. Backward: dx = dy as it arrives (no kernel), db = Σ_rows dy (none for a frozen bias), summed in a fixed order
 //! on every device: on the CPU in row order, on CUDA in two passes (f32 partials per chunk of
 //! rows, then the chunks in order, folded in levels where they are many), so the bits do not
 //! depend on timing.
@@ -18,10 +18,14 @@ pub fn bias_add(x: &Tensor, b: &Tensor) -> Result<Tensor> {
     }
     let (xc, bc) = (x.contiguous()?, b.contiguous()?);
     let y = Tensor::new(Tensor::with_storages(&[&xc, &bc], |s| forward(s[0], s[1]))?, x.shape().clone())?;
+    // A frozen bias (LoRA's base, a reference model) takes no gradient: no pass over dy for it.
+    let need_b = b.requires_grad();
     let backward_fn = move |dy: &Tensor| {
-        let g = dy.contiguous()?;
-        let db = Tensor::with_storages(&[&g], |s| backward(s[0], d))?;
-        Ok(vec![Some(dy.clone()), Some(Tensor::new(db, [d])?)])
+        let db = match need_b {
+            true => Some(Tensor::new(Tensor::with_storages(&[&dy.contiguous()?], |s| backward(s[0], d))?, [d])?),
+            false => None,
+        };
+        Ok(vec![Some(dy.clone()), db])
     };
     Ok(Tensor::from_op(y, "bias_add", &[x, b], Box::new(backward_fn)))
 }

@@ -12,6 +12,9 @@
 //! gradient x has so far (the residual stream's) is added into dx by the dx kernel, and dw is
 //! written by the last pass straight into w's gradient destination (its slice of an f32 bucket):
 //! no add and no cast of their own. Elsewhere (the CPU) the helpers compose the add and the copy.
+//! A weight that takes no gradient (frozen: LoRA's and QLoRA's base, a reference model) gets
+//! none: its backward is the dx kernel alone (`backward_dx`, `Fused::no_dw`), with no pass over
+//! dy and x for dw.
 use crate::dispatch::{dev_ptr, f32_ptr, num, on, rows, with_views, On};
 use ferrolm_tensor::autograd::GradCtx;
 use ferrolm_tensor::backend::View;
@@ -38,25 +41,34 @@ pub fn rms_norm_offset(x: &Tensor, w: &Tensor, eps: f64, offset: f64) -> Result<
     let out = Tensor::new(y, x.shape().clone())?;
     let r = Tensor::new(r, [xc.numel() / d.max(1)])?;
     let xshape = x.shape().clone();
+    // A frozen weight (LoRA's base, a reference model) takes no gradient: its backward skips
+    // dw's passes over dy and x.
+    let need_w = w.requires_grad();
     let backward_fn = move |g: &Tensor, ctx: &mut GradCtx| {
         let g = g.contiguous()?;
         // dx += the residual stream's gradient so far (added by the dx kernel where it takes it
         // as it is); dw = into w's gradient destination (the last dw pass writes it, f32 or w's).
         let acc = ctx.addend(0, |a| a.is_contiguous() && a.dtype() == xc.dtype() && a.shape() == &xshape)?;
-        let dw_to = ctx.param_dest(1, |t| t.is_contiguous() && t.dims() == [d] && (t.dtype() == wc.dtype() || t.dtype() == DType::F32))?;
-        let fused = with_views(&[&g, &xc, &wc, &r], [acc.fused(), dw_to.fused()], |s, [a, w]| {
-            backward_into(s[0], s[1], s[2], s[3], offset, Fused { acc: a, dw_into: w })
+        let dw_fits = |t: &Tensor| t.is_contiguous() && t.dims() == [d] && (t.dtype() == wc.dtype() || t.dtype() == DType::F32);
+        let dw_to = need_w.then(|| ctx.param_dest(1, dw_fits)).transpose()?;
+        let into = dw_to.as_ref().and_then(|t| t.fused());
+        let fused = with_views(&[&g, &xc, &wc, &r], [acc.fused(), into], |s, [a, w]| {
+            backward_into(s[0], s[1], s[2], s[3], offset, Fused { acc: a, dw_into: w, no_dw: !need_w })
         })?;
         let (dx, dw, took) = match fused {
             Some((dx, dw)) => (dx, dw, true),
-            None => {
+            None if need_w => {
                 let (dx, dw) = Tensor::with_storages(&[&g, &xc, &wc, &r], |s| backward(s[0], s[1], s[2], s[3], offset))?;
                 (dx, Some(dw), false)
             }
+            None => (Tensor::with_storages(&[&g, &xc, &wc, &r], |s| backward_dx(s[0], s[1], s[2], s[3], offset))?, None, false),
         };
         let dx = acc.finish(Tensor::new(dx, xshape.clone())?, took)?;
-        let dw = dw_to.land(dw.map(|s| Tensor::new(s, [d])).transpose()?)?;
-        Ok(vec![Some(dx), Some(dw)])
+        let dw = match dw_to {
+            Some(to) => Some(to.land(dw.map(|s| Tensor::new(s, [d])).transpose()?)?),
+            None => None,
+        };
+        Ok(vec![Some(dx), dw])
     };
     Ok(Tensor::from_op_ctx(out, "rms_norm", &[x, w], Box::new(backward_fn)))
 }
@@ -80,6 +92,15 @@ pub fn backward(dy: View, x: View, w: View, inv_rms: View, offset: f64) -> Resul
     }
 }
 
+/// -> dx (rows, d) alone, for a weight that takes no gradient (frozen): no pass over the rows
+/// for dw.
+pub fn backward_dx(dy: View, x: View, w: View, inv_rms: View, offset: f64) -> Result<Storage> {
+    match on("rms_norm", x.0)? {
+        On::Cpu => cpu::backward_dx(dy, x, w, inv_rms, offset),
+        On::Cuda(be) => cuda::backward(&be, dy, x, w, inv_rms, offset, Fused { no_dw: true, ..Fused::default() }).map(|(dx, _)| dx),
+    }
+}
+
 /// What the backward adds into dx and where it writes dw (`backward_into`).
 #[derive(Clone, Copy, Default)]
 pub struct Fused<'a> {
@@ -87,6 +108,8 @@ pub struct Fused<'a> {
     pub acc: Option<View<'a>>,
     /// A contiguous (d) view of w's dtype or f32 that receives dw (the returned dw is then `None`).
     pub dw_into: Option<View<'a>>,
+    /// No dw at all (a frozen weight): only the dx kernel runs, and the returned dw is `None`.
+    pub no_dw: bool,
 }
 
 /// As `backward`, with what `fused` asks. `Ok(None)`: the backend does not fuse these (the
@@ -128,6 +151,17 @@ mod cpu {
             x.0.dtype(),
             [dy, x, w, r],
             rmsnorm_backward(&dy[od..od + n * d], &x[ox..ox + n * d], &offset_weight(&w[ow..ow + d], offset), &r[or..or + n])
+        ))
+    }
+
+    pub(super) fn backward_dx(dy: View, x: View, w: View, r: View, offset: f64) -> Result<Storage> {
+        let (ox, n, d) = rows(x.1);
+        let (od, ow, or) = (dy.1.offset, w.1.offset, r.1.offset);
+        Ok(float_dispatch!(
+            "rmsnorm_backward",
+            x.0.dtype(),
+            [dy, x, w, r],
+            rmsnorm_backward_dx(&dy[od..od + n * d], &x[ox..ox + n * d], &offset_weight(&w[ow..ow + d], offset), &r[or..or + n])
         ))
     }
 
@@ -177,13 +211,20 @@ mod cpu {
         (y, Stat(r))
     }
 
-    /// -> (dx (n, d), dw (d)); w with the offset already added (dw does not use it).
-    fn rmsnorm_backward<T: Float + Send + Sync>(dy: &[T], x: &[T], w: &[T], r: &[T]) -> (Vec<T>, Vec<T>) {
+    /// -> dx (n, d); w with the offset already added.
+    fn rmsnorm_backward_dx<T: Float + Send + Sync>(dy: &[T], x: &[T], w: &[T], r: &[T]) -> Vec<T> {
         let d = w.len().max(1);
         let mut dx = vec![T::zero(); x.len()];
         dx.par_chunks_mut(d).zip(x.par_chunks(d).zip(dy.par_chunks(d))).zip(r.par_iter()).for_each(|((dx, (x, dy)), &r)| {
             backward_row(dx, x, dy, w, r);
         });
+        dx
+    }
+
+    /// -> (dx (n, d), dw (d)); w with the offset already added (dw does not use it).
+    fn rmsnorm_backward<T: Float + Send + Sync>(dy: &[T], x: &[T], w: &[T], r: &[T]) -> (Vec<T>, Vec<T>) {
+        let d = w.len().max(1);
+        let dx = rmsnorm_backward_dx(dy, x, w, r);
         let mut dw = vec![T::zero(); d];
         weight_grad(&mut dw, x, dy, r);
         (dx, dw)
@@ -268,6 +309,18 @@ mod cuda {
         };
         let (ni, di, chunk) = (n as i64, d as i64, rpc as i64);
         let dx = be.alloc_storage(n * d, dt)?;
+        let mut ptrs = vec![pdy, px, pw, dx.ptr()];
+        if pacc != DevPtr::NULL {
+            ptrs.push(pacc);
+        }
+        let (rows_cfg, vec) = row_plan(be, n, d, dt, &ptrs);
+        // SAFETY: dy and x are (n, d) and w (d) of dtype dt, r n f32, all contiguous; acc, when
+        // not null, n * d contiguous elements of dt (checked above); dx holds n * d elements;
+        // `vec` as the row kernel needs it (every pointer it reads through counted).
+        unsafe { kernels::rmsnorm_bwd_dx(be, dt, rows_cfg, pdy, px, pw, r, pacc, dx.ptr(), ni, di, offset as f32, vec)? };
+        if fused.no_dw {
+            return Ok((dx.into(), None));
+        }
         let nchunks = n.div_ceil(rpc).max(1);
         // With no rows the partials must still sum to zero.
         let partial = if n == 0 { be.alloc_zeroed(nchunks * d, DType::F32)? } else { be.alloc_storage(nchunks * d, DType::F32)? };
@@ -286,22 +339,10 @@ mod cuda {
             }
         };
         let cols = Launch::new((nchunks as u32, gy as u32, 1), bx as u32).elems(n * d);
-        let mut ptrs = vec![pdy, px, pw, dx.ptr()];
-        if pacc != DevPtr::NULL {
-            ptrs.push(pacc);
-        }
-        let (rows_cfg, vec) = row_plan(be, n, d, dt, &ptrs);
-        // SAFETY: dy and x are (n, d) and w (d) of dtype dt, r n f32, all contiguous (dy and x
-        // 16-byte aligned with d whole vectors where `dw_vec`, as the first dw pass needs); acc, when
-        // not null, n * d contiguous elements of dt (checked above); dx holds n * d elements,
-        // partial nchunks * d f32 (chunk c covers rows [c * chunk, ..)); the dw pointer addresses
-        // d contiguous elements of dwt (checked above, or allocated here), which is the finish
-        // kernel's output type (its f32 instance writes f32 whatever dt is); `vec` as the row
-        // kernel needs it (every pointer it reads through counted).
-        unsafe {
-            kernels::rmsnorm_bwd_dx(be, dt, rows_cfg, pdy, px, pw, r, pacc, dx.ptr(), ni, di, offset as f32, vec)?;
-            kernels::rmsnorm_bwd_dw_partial(be, dt, cols, pdy, px, r, partial.ptr(), ni, di, chunk, dw_vec as i32)?;
-        }
+        // SAFETY: dy and x are (n, d) of dtype dt, r n f32, contiguous (16-byte aligned with d
+        // whole vectors where `dw_vec`, as the first dw pass needs); partial holds nchunks * d
+        // f32 (chunk c covers rows [c * chunk, ..)).
+        unsafe { kernels::rmsnorm_bwd_dw_partial(be, dt, cols, pdy, px, r, partial.ptr(), ni, di, chunk, dw_vec as i32)? };
         // The partials folded `FOLD_GROUP` chunks a block while there are over `FOLD_MAX`, then
         // summed into dw: every level in chunk order, so the bits do not depend on the launch.
         let (mut p, mut nc) = (partial, nchunks);

@@ -70,6 +70,51 @@ fn rmsnorm_backward_adds_the_residual_and_writes_dw_in_place() {
     });
 }
 
+/// A frozen weight (LoRA's and QLoRA's base norms and biases, a reference model's) takes no
+/// gradient, so its backward makes none: RMSNorm's (plain and (1 + w), the residual's gradient
+/// added into dx as when the weight trains) is the dx kernel alone, the bias's launches nothing;
+/// dx equals the CPU's (poisoned outputs), and neither side gives the weight a gradient.
+#[test]
+fn frozen_norm_and_bias_weights_get_no_gradient_pass() {
+    let Some(_be) = gpu_exclusive() else { return };
+    let mut r = rng(31);
+    for dt in [DType::F32, DType::BF16] {
+        for (n, d) in [(5, 13), (37, 96), (3, 200)] {
+            let (x, w, cot) = (randn(&[n, d], dt, &mut r), randn(&[d], dt, &mut r), randn(&[n, d], dt, &mut r));
+            for (what, op) in [("rmsnorm", 0), ("rmsnorm (1 + w)", 1), ("bias_add", 2)] {
+                let run = |dev: Device| {
+                    let (x, w) = (x.to_device(dev).unwrap().detach(), w.to_device(dev).unwrap().detach());
+                    x.set_requires_grad(true).unwrap();
+                    let y = match op {
+                        2 => bias_add(&x, &w).unwrap(),
+                        _ => x.add(&rms_norm_offset(&x, &w, 1e-5, op as f64).unwrap()).unwrap(),
+                    };
+                    y.mul(&cot.to_device(dev).unwrap()).unwrap().sum_all().unwrap().backward().unwrap();
+                    assert!(w.grad().is_none(), "{what} {dt} ({n}, {d}) on {dev}: the frozen weight got a gradient");
+                    x.grad().expect("x's gradient")
+                };
+                let cpu = run(Device::Cpu);
+                ferrolm_cuda::profile::enable(true);
+                ferrolm_cuda::profile::reset();
+                let dev = run(GPU);
+                let rep = ferrolm_cuda::profile::report();
+                ferrolm_cuda::profile::enable(false);
+                check(&format!("{what} {dt} ({n}, {d}) dx"), &cpu, &dev, dt, true);
+                let launched = |p: &str| rep.kernels.iter().filter(|k| k.name.starts_with(p)).map(|k| k.launches).sum::<u64>();
+                assert_eq!(
+                    launched("rmsnorm_bwd_dw") + launched("bias_bwd"),
+                    0,
+                    "{what} {dt}: a weight-gradient pass ran: {:?}",
+                    rep.kernels
+                );
+                if op < 2 {
+                    assert_eq!(launched("rmsnorm_bwd_dx"), 1, "{what} {dt}: {:?}", rep.kernels);
+                }
+            }
+        }
+    }
+}
+
 /// The fused ops' kernels move 16-byte vectors where the sizes and addresses allow, else one
 /// element at a time: each path against the CPU. Rows of whole vectors with a tail past the last
 /// vector, odd widths (the scalar row and pair kernels), and inputs at an offset of one element
