@@ -73,19 +73,16 @@ impl Tensor {
             "narrow",
             &[self],
             Box::new(move |g| {
-                // Pad the gradient back to the full extent with zeros.
-                let mut parts = Vec::new();
-                let mut zshape = g.dims().to_vec();
-                if start > 0 {
-                    zshape[dim] = start;
-                    parts.push(Tensor::zeros(zshape.clone(), g.dtype(), g.device())?);
+                // The gradient padded back to the full extent with zeros: one zero fill and one
+                // copy into the range (not zero pieces and a concatenation of three).
+                if len == full {
+                    return Ok(vec![Some(g.clone())]);
                 }
-                parts.push(g.clone());
-                if start + len < full {
-                    zshape[dim] = full - start - len;
-                    parts.push(Tensor::zeros(zshape, g.dtype(), g.device())?);
-                }
-                Ok(vec![Some(Tensor::cat(&parts, dim)?)])
+                let mut shape = g.dims().to_vec();
+                shape[dim] = full;
+                let padded = Tensor::zeros(shape, g.dtype(), g.device())?;
+                padded.narrow(dim, start, len)?.assign(g)?;
+                Ok(vec![Some(padded)])
             }),
         ))
     }
