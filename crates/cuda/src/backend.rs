@@ -110,7 +110,7 @@ impl CudaBackend {
         let oa = self.operand_or_copy(a, sa, &[], (m, k), &mut keep.0)?;
         let ob = self.operand_or_copy(b, sb, &[], (k, n), &mut keep.1)?;
         let d = (so.ptr_at(out.1.offset), so.len.saturating_sub(out.1.offset));
-        match self.gemm(sa.dtype, oa, ob, m, n, k, 1, GemmOut { d, dtype: so.dtype, acc: accumulate.then_some(d) }) {
+        match self.gemm(sa.dtype, oa, ob, m, n, k, 1, GemmOut { d, dtype: so.dtype, acc: accumulate.then_some(d), alpha: 1.0 }) {
             Ok(()) => Ok(()),
             // cuBLASLt has no algorithm for this form here (nothing was enqueued): the product
             // into a buffer of its own, then added (or copied) into `out`.
@@ -118,7 +118,7 @@ impl CudaBackend {
                 static SAID: std::sync::Once = std::sync::Once::new();
                 SAID.call_once(|| eprintln!("warning: {e}; composing such GEMMs from a plain one and an add instead"));
                 let p = self.alloc(m * n, so.dtype)?;
-                self.gemm(sa.dtype, oa, ob, m, n, k, 1, GemmOut { d: (p.buf.ptr, p.len), dtype: so.dtype, acc: None })?;
+                self.gemm(sa.dtype, oa, ob, m, n, k, 1, GemmOut { d: (p.buf.ptr, p.len), dtype: so.dtype, acc: None, alpha: 1.0 })?;
                 let dense = Layout::contiguous(Shape(vec![m, n]));
                 let p: Storage = p.into();
                 let sum = if accumulate { Some(self.binary(BinaryOp::Add, out, (&p, &dense))?) } else { None };
@@ -322,7 +322,7 @@ impl Backend for CudaBackend {
         self.gemm(sa.dtype, oa, ob, m, n, k, batch, GemmOut::plain(sa.dtype, (out.buf.ptr, out.len)))?;
         Ok(out.into())
     }
-    fn matmul_into(&self, a: View, b: View, acc: Option<View>, out: &mut Storage, ol: &Layout) -> Result<bool> {
+    fn matmul_into(&self, a: View, b: View, alpha: f64, acc: Option<View>, out: &mut Storage, ol: &Layout) -> Result<bool> {
         let (sa, sb, so) = (cuda("matmul", a.0)?, cuda("matmul", b.0)?, cuda("matmul", out)?);
         let dense = |l: &Layout, m: usize, n: usize| l.dims() == [m, n] && l.is_contiguous();
         if a.1.dims().len() != 2 || b.1.dims().len() != 2 || sa.dtype != sb.dtype {
@@ -347,7 +347,7 @@ impl Backend for CudaBackend {
         let oa = self.operand_or_copy(a, sa, &[], (m, k), &mut keep.0)?;
         let ob = self.operand_or_copy(b, sb, &[], (k, n), &mut keep.1)?;
         let d = (so.ptr_at(ol.offset), so.len.saturating_sub(ol.offset));
-        match self.gemm(sa.dtype, oa, ob, m, n, k, 1, GemmOut { d, dtype: so.dtype, acc }) {
+        match self.gemm(sa.dtype, oa, ob, m, n, k, 1, GemmOut { d, dtype: so.dtype, acc, alpha: alpha as f32 }) {
             Ok(()) => Ok(true),
             // cuBLASLt has no algorithm for this combination here, or refused the call (before
             // anything was enqueued): the caller composes it from a plain GEMM, an add and a cast.

@@ -220,7 +220,7 @@ pub(crate) fn lt_matmul(c: &LtCall) -> Result<()> {
                         Some(x) => *(x.ptr as *const f32).offset(off),
                         None => 0.0,
                     };
-                    let v = acc[i + j * m] + add;
+                    let v = c.alpha * acc[i + j * m] + add;
                     if c.out_bf16 {
                         *(c.d.ptr as *mut bf16).offset(off) = bf16::from_f32(v);
                     } else {

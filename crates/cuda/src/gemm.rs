@@ -71,7 +71,7 @@ pub struct LtMatrix {
     pub stride: i64,
 }
 
-/// A cuBLASLt call D = op(A) · op(B) (+ C when `c` is given: alpha 1, beta 1 or 0), everything
+/// A cuBLASLt call D = alpha · op(A) · op(B) (+ C when `c` is given: beta 1 or 0), everything
 /// column-major; built by `plan` and executed by `Gemm::run` on a GPU or by `emu::lt_matmul` on
 /// the emulator.
 #[derive(Clone, Copy, Debug)]
@@ -90,6 +90,8 @@ pub struct LtCall {
     /// (in place: cuBLASLt requires C = D to share D's layout, which it does by construction).
     pub c: Option<LtMatrix>,
     pub d: LtMatrix,
+    /// The product's scale (cuBLASLt's alpha; 1 for a plain product).
+    pub alpha: f32,
 }
 
 /// The output of a planned GEMM: where D goes, its dtype, and an optional addend C of the same
@@ -101,12 +103,14 @@ pub struct GemmOut {
     pub dtype: DType,
     /// C's (address, elements from it on).
     pub acc: Option<(u64, usize)>,
+    /// The product's scale: D = alpha · A B (+ C).
+    pub alpha: f32,
 }
 
 impl GemmOut {
     /// A fresh output of the inputs' dtype, nothing added.
     pub fn plain(dtype: DType, d: (u64, usize)) -> GemmOut {
-        GemmOut { d, dtype, acc: None }
+        GemmOut { d, dtype, acc: None, alpha: 1.0 }
     }
 }
 
@@ -141,6 +145,7 @@ impl LtCall {
             d: LtMatrix { ptr: out.d.0, avail: out.d.1, rows: n, cols: m, ld: n as i64, stride: (m * n) as i64 },
             bf16,
             out_bf16,
+            alpha: out.alpha,
         };
         for (name, x) in [("b", Some(&call.a)), ("a", Some(&call.b)), ("acc", call.c.as_ref()), ("out", Some(&call.d))] {
             if let Some(x) = x {
@@ -351,7 +356,7 @@ impl Gemm {
         }
         let (d, algo) = self.algos.get(&key).expect("inserted above");
         let (op, algo) = (d.op, *algo);
-        let (alpha, beta) = (1.0f32, if c.c.is_some() { 1.0f32 } else { 0.0 });
+        let (alpha, beta) = (c.alpha, if c.c.is_some() { 1.0f32 } else { 0.0 });
         // SAFETY: the handle, descriptor and layouts are live; alpha/beta are f32 as the f32
         // compute type requires; every operand's extent (rows, cols, ld, batch stride) was checked
         // against its buffer in LtCall::plan (C in D's layout), and the buffers are pool blocks

@@ -77,7 +77,7 @@ fn no_gpu_is_reported_without_panicking() {
 }
 
 /// `matmul_into` (the gradient GEMMs of `Tensor::linear`) on the device against the CPU's
-/// composition (matmul, then add, then assign): f32 written from bf16 or f32 operands into a
+/// composition (matmul, then add, then assign), with and without a scale (alpha): f32 written from bf16 or f32 operands into a
 /// slice of a larger poisoned buffer (a parameter's range of an f32 gradient bucket), an addend
 /// of the output's dtype, and transposed operands. The slice must be written whole and nothing
 /// around it.
@@ -113,6 +113,19 @@ fn matmul_into_writes_slices_and_adds_in_one_pass() {
             let bt = randn(&[n, k], dt, r);
             let got = ga.matmul_into(&to_gpu(&bt).t().unwrap(), None, Some(&dest)).unwrap();
             check("matmul_into rhs^T", &a.matmul(&bt.t().unwrap()).unwrap().to_dtype(DType::F32).unwrap(), &got, dt, true);
+            // Scaled by the GEMM's alpha (LoRA's s): plus an addend, and into the f32 slice, each
+            // against the CPU's composition (the product, scaled, then added).
+            for alpha in [2.0, -0.375] {
+                let want = acc.add(&a.matmul(&b).unwrap().mul_scalar(alpha).unwrap()).unwrap();
+                let cpu = a.matmul_into_scaled(&b, alpha, Some(&acc), None).unwrap();
+                check(&format!("CPU matmul_into_scaled {alpha} + acc"), &want, &cpu, dt, false);
+                let got = ga.matmul_into_scaled(&gb, alpha, Some(&to_gpu(&acc)), None).unwrap();
+                check(&format!("matmul_into_scaled {alpha} + acc"), &want, &got, dt, true);
+                let got = ga.matmul_into_scaled(&to_gpu(&bt).t().unwrap(), alpha, None, Some(&dest)).unwrap();
+                let want = a.matmul(&bt.t().unwrap()).unwrap().to_dtype(DType::F32).unwrap().mul_scalar(alpha).unwrap();
+                check(&format!("matmul_into_scaled {alpha} rhs^T f32 slice"), &want, &got, dt, true);
+                outside("matmul_into_scaled f32 slice");
+            }
         }
         // Wrong shapes and dtypes are named, not computed.
         let (a, b) = (to_gpu(&randn(&[3, 4], dt, r)), to_gpu(&randn(&[4, 2], dt, r)));
@@ -120,6 +133,8 @@ fn matmul_into_writes_slices_and_adds_in_one_pass() {
         assert!(e.contains("matmul_into") && e.contains("addend"), "{e}");
         let e = a.matmul_into(&b, None, Some(&Tensor::zeros([3, 3], DType::F32, GPU).unwrap())).unwrap_err().to_string();
         assert!(e.contains("destination"), "{e}");
+        let e = a.matmul_into_scaled(&b, f64::NAN, None, None).unwrap_err().to_string();
+        assert!(e.contains("matmul_into") && e.contains("scale"), "{e}");
     });
 }
 

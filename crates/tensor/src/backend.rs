@@ -89,12 +89,12 @@ pub trait Backend: Send + Sync + 'static {
     fn reduce(&self, op: ReduceOp, x: View, dims: &[usize]) -> Result<Storage>;
     /// a: (..., m, k), b: (..., k, n) with identical (possibly broadcast) batch dims.
     fn matmul(&self, a: View, b: View) -> Result<Storage>;
-    /// In place: `out[out_layout] = a · b (+ acc)` for a (m, k) and b (k, n), accumulated in f32
-    /// and rounded once to `out`'s dtype. `out_layout` is a dense (m, n) view of `out` (at any
+    /// In place: `out[out_layout] = alpha · a · b (+ acc)` for a (m, k) and b (k, n), accumulated
+    /// in f32 and rounded once to `out`'s dtype. `out_layout` is a dense (m, n) view of `out` (at any
     /// offset) of a's dtype or f32; `acc`, when given, a dense (m, n) view of out's dtype in
     /// another storage. `Ok(false)`: not done here (the caller composes matmul, add and assign;
     /// the CPU backend's answer).
-    fn matmul_into(&self, _a: View, _b: View, _acc: Option<View>, _out: &mut Storage, _out_layout: &Layout) -> Result<bool> {
+    fn matmul_into(&self, _a: View, _b: View, _alpha: f64, _acc: Option<View>, _out: &mut Storage, _out_layout: &Layout) -> Result<bool> {
         Ok(false)
     }
     /// `n` elements whose values are unspecified: the caller writes every one before any is

@@ -281,7 +281,17 @@ impl Tensor {
     /// `add` (in the order acc + product) and `assign`. Not recorded for autograd: backward
     /// rules use it (`linear`).
     pub fn matmul_into(&self, rhs: &Tensor, acc: Option<&Tensor>, dest: Option<&Tensor>) -> Result<Tensor> {
+        self.matmul_into_scaled(rhs, 1.0, acc, dest)
+    }
+
+    /// `alpha · self · rhs (+ acc)`, as `matmul_into`: on a device the scale is the GEMM's own
+    /// (cuBLASLt's alpha: no kernel of its own, and the product is rounded once); elsewhere the
+    /// product is scaled after it is rounded to the output's dtype, then the addend added.
+    pub fn matmul_into_scaled(&self, rhs: &Tensor, alpha: f64, acc: Option<&Tensor>, dest: Option<&Tensor>) -> Result<Tensor> {
         same_float("matmul_into", &[self, rhs])?;
+        if !alpha.is_finite() {
+            bail!("matmul_into", "the product's scale must be finite, got {alpha}");
+        }
         if self.rank() != 2 || rhs.rank() != 2 || self.dim(1) != rhs.dim(0) {
             bail!("matmul_into", "expects (m, k) and (k, n), got {:?} and {:?}", self.shape(), rhs.shape());
         }
@@ -319,7 +329,7 @@ impl Tensor {
                     let (ga, gb) = (self.0.storage.read()?, rhs.0.storage.read()?);
                     let gc = acc.map(|a| a.0.storage.read()).transpose()?;
                     let c = gc.as_ref().zip(acc).map(|(g, a)| (&**g, a.layout()));
-                    b.matmul_into((&ga, self.layout()), (&gb, rhs.layout()), c, &mut *out.0.storage.write()?, out.layout())?
+                    b.matmul_into((&ga, self.layout()), (&gb, rhs.layout()), alpha, c, &mut *out.0.storage.write()?, out.layout())?
                 };
                 if done {
                     return Ok(out);
@@ -327,6 +337,7 @@ impl Tensor {
             }
         }
         let p = self.matmul(rhs)?.to_dtype(out_dtype)?;
+        let p = if alpha == 1.0 { p } else { p.mul_scalar(alpha)? };
         let p = match acc {
             Some(a) => a.add(&p)?,
             None => p,
