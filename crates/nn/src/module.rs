@@ -6,7 +6,7 @@
 use crate::lora::Adapter;
 use crate::spec::TpRole;
 use ferrolm_ops::{HeadLossOptions, LossChunks, LossScale, Tokens};
-use ferrolm_tensor::{Result, Tensor};
+use ferrolm_tensor::{DType, Result, Tensor};
 use std::sync::Arc;
 
 /// What kind of parameter a tensor is: the optimizer takes weight-decay groups from this,
@@ -53,13 +53,16 @@ pub fn linear(x: &Tensor, w: &Tensor) -> Result<Tensor> {
 }
 
 /// (res +) x W^T + s · u B^T, LoRA's adapted linear layer (`crate::lora`), as one recorded op:
-/// x (..., in), W (out, in), u (..., R) the adapter's down-projection, B (out, R), s its scale.
-/// The two GEMMs sum through their addends (no add kernel), and the graph holds only what
-/// backward reads (x, W, u, B; res for its gradient): not the base's (..., out) product that
-/// `u.linear_plus(b, &x.linear(w))` would keep as an input, nor a scaled copy of a factor (s B,
-/// (N, out) or (out, R), is formed where it is used and dropped). So an adapted layer saves for
-/// backward what a plain one does, plus u. Backward: dX = G W (summed into x's gradient so far),
-/// dU = G (s B) (likewise), dB = G^T (s u) and dW = G^T x (where their gradients go), dres = G.
+/// x (..., in), W (out, in), u (..., R) the adapter's down-projection, B (out, R) of any float
+/// dtype (the f32 factor itself: cast once here to x's dtype for the GEMMs), s its scale.
+/// The two GEMMs sum through their addends (no add kernel), s is the up-projection GEMM's own
+/// scale (its alpha: no kernel, no scaled copy of a factor), and the graph holds only what
+/// backward reads (x, W, u, B in x's dtype; res for its gradient): not the base's (..., out)
+/// product that `u.linear_plus(b, &x.linear(w))` would keep as an input. So an adapted layer
+/// saves for backward what a plain one does, plus u and the cast B. Backward: dX = G W (summed
+/// into x's gradient so far), dU = s G B (likewise), dB = s G^T u and dW = G^T x (where their
+/// gradients go: dB written in f32 by its GEMM straight into the factor's gradient
+/// destination), dres = G.
 pub fn linear_adapted(x: &Tensor, w: &Tensor, u: &Tensor, b: &Tensor, scale: f64, res: Option<&Tensor>) -> Result<Tensor> {
     adapted(x, BaseWeight::Input(w), u, b, scale, res)
 }
@@ -112,11 +115,14 @@ pub fn adapted(x: &Tensor, w: BaseWeight<'_>, u: &Tensor, b: &Tensor, scale: f64
         }
         BaseWeight::Frozen { get, .. } => get.clone(),
     };
-    let y = {
+    let (y, bx) = {
         let _g = ferrolm_tensor::no_grad();
+        // B in x's dtype for the GEMMs, forward and backward (one cast of the f32 factor).
+        let bx = b.to_dtype(dtype)?;
         let acc = res.map(|t| t.reshape([n, cout])).transpose()?;
         let base = x.reshape([n, cin])?.matmul_into(&weight(dtype)?.t()?, acc.as_ref(), None)?;
-        u.reshape([n, rank])?.matmul_into(&b.mul_scalar(scale)?.t()?, Some(&base), None)?.reshape(out)?
+        let y = u.reshape([n, rank])?.matmul_into_scaled(&bx.t()?, scale, Some(&base), None)?.reshape(out)?;
+        (y, bx)
     };
     // The inputs: x, W if it is one, u, B, res if given.
     let mut inputs = vec![x];
@@ -134,7 +140,7 @@ pub fn adapted(x: &Tensor, w: BaseWeight<'_>, u: &Tensor, b: &Tensor, scale: f64
         inputs.len() - 1
     });
     let need: Vec<bool> = inputs.iter().map(|t| t.requires_grad()).collect();
-    let (xc, uc, bc) = (x.clone(), u.clone(), b.clone());
+    let (xc, uc, bc, b_dtype) = (x.clone(), u.clone(), bx, b.dtype());
     Ok(Tensor::from_op_ctx(
         y,
         if iw.is_some() { "linear_adapted" } else { "quant_linear_adapted" },
@@ -142,30 +148,34 @@ pub fn adapted(x: &Tensor, w: BaseWeight<'_>, u: &Tensor, b: &Tensor, scale: f64
         Box::new(move |g, ctx| {
             let g2 = g.reshape([n, cout])?;
             let mut grads: Vec<Option<Tensor>> = vec![None; need.len()];
-            // d(input) += G F (the GEMM's addend: what it has so far), for input `i` whose factor is F.
-            let mut dinput = |i: usize, t: &Tensor, f: &dyn Fn() -> Result<Tensor>| -> Result<Option<Tensor>> {
+            // d(input) += alpha G F (the GEMM's addend: what it has so far), for input `i` whose
+            // factor is F.
+            let mut dinput = |i: usize, t: &Tensor, alpha: f64, f: &dyn Fn() -> Result<Tensor>| -> Result<Option<Tensor>> {
                 if !need[i] {
                     return Ok(None);
                 }
                 let gi = ctx.accumulate_into(i, |acc| {
                     let acc = acc.map(|a| a.reshape([n, t.dim(t.rank() - 1)])).transpose()?;
-                    g2.matmul_into(&f()?, acc.as_ref(), None)?.reshape(t.shape().clone())
+                    g2.matmul_into_scaled(&f()?, alpha, acc.as_ref(), None)?.reshape(t.shape().clone())
                 })?;
                 Ok(Some(gi))
             };
-            grads[0] = dinput(0, &xc, &|| weight(dtype))?;
-            grads[iu] = dinput(iu, &uc, &|| bc.mul_scalar(scale))?;
-            // d(factor) = G^T t, written where the factor's gradient goes.
-            let mut dfactor = |i: usize, t: &dyn Fn() -> Result<Tensor>| -> Result<Option<Tensor>> {
+            grads[0] = dinput(0, &xc, 1.0, &|| weight(dtype))?;
+            grads[iu] = dinput(iu, &uc, scale, &|| Ok(bc.clone()))?;
+            // d(factor) = alpha G^T t, written where the factor's gradient goes (else handed
+            // over in `as_dtype`, the factor's own).
+            let mut dfactor = |i: usize, alpha: f64, as_dtype: Option<DType>, t: &dyn Fn() -> Result<Tensor>| -> Result<Option<Tensor>> {
                 if !need[i] {
                     return Ok(None);
                 }
-                Ok(Some(ctx.param_into(i, |dest| g2.t()?.matmul_into(&t()?, None, dest))?))
+                let d = ctx.param_dest(i, |_| true)?;
+                let v = g2.t()?.matmul_into_scaled(&t()?, alpha, None, d.fused())?;
+                Ok(Some(d.land_as(v, as_dtype)?))
             };
             if let Some(iw) = iw {
-                grads[iw] = dfactor(iw, &|| xc.reshape([n, cin]))?;
+                grads[iw] = dfactor(iw, 1.0, None, &|| xc.reshape([n, cin]))?;
             }
-            grads[ib] = dfactor(ib, &|| uc.reshape([n, rank])?.mul_scalar(scale))?;
+            grads[ib] = dfactor(ib, scale, Some(b_dtype), &|| uc.reshape([n, rank]))?;
             if let Some(i) = ires.filter(|&i| need[i]) {
                 grads[i] = Some(g.clone());
             }

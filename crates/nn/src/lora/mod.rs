@@ -15,11 +15,12 @@
 //! used (bf16 on a GPU, as torch's autocast does), and their gradients come back in f32.
 //!
 //! What it costs, per adapted layer of N tokens (`project`): the base GEMM as before, minus its
-//! weight gradient (the frozen W needs only dX = G W); u = x A^T, (N, R); y = base + u (sB)^T in
-//! the up-projection GEMM, whose addend is the base output (no add kernel; PEFT adds in a kernel
-//! of its own), as one recorded op (`module::linear_adapted`) that saves for backward only u
-//! beside what the base GEMM saves. Backward: dU = G (sB), dB = G^T (s u), dA = dU^T x, dX +=
-//! dU A (the GEMM's addend).
+//! weight gradient (the frozen W needs only dX = G W); u = x A^T, (N, R); y = base + s u B^T in
+//! the up-projection GEMM, whose addend is the base output and whose alpha is s (no add or scale
+//! kernel; PEFT adds in a kernel of its own), as one recorded op (`module::linear_adapted`) that
+//! saves for backward only u and B (cast once) beside what the base GEMM saves. Backward:
+//! dU = s G B, dB = s G^T u (in f32, into B's gradient slice), dA = dU^T x, dX += dU A (the
+//! GEMM's addend). The frozen base's norms and biases get no gradient pass either.
 //! Layers that read one input (q, k and v; gate and up) share their down-projection: one GEMM
 //! against their A's stacked (R_q + R_k + R_v, in) reads x once instead of three times, and in
 //! backward dA and dX's adapter term are one GEMM each over that x too. At R << in every adapter
@@ -344,7 +345,7 @@ pub(crate) fn project(x: &Tensor, layers: &[&Linear], res: Option<&Tensor>) -> R
                     // (..., R)
                 }
             };
-            let b = l.op.adapter_factor(&ad.b, Factor::B)?.to_dtype(dt)?;
+            let b = l.op.adapter_factor(&ad.b, Factor::B)?;
             l.op.forward_adapted(x, &l.weight, &u, &b, ad.scale, res)
         })
         .collect()
