@@ -53,7 +53,7 @@ pub fn linear(x: &Tensor, w: &Tensor) -> Result<Tensor> {
 }
 
 /// (res +) x W^T + s · u B^T, LoRA's adapted linear layer (`crate::lora`), as one recorded op:
-/// x (..., in), W (out, in), u (..., R) the adapter's down-projection, B (out, R) of any float
+/// x (..., in), W (out, in), u (..., R) the adapter's down-projection (or its (N, R) rows), B (out, R) of any float
 /// dtype (the f32 factor itself: cast once here to x's dtype for the GEMMs), s its scale.
 /// The two GEMMs sum through their addends (no add kernel), s is the up-projection GEMM's own
 /// scale (its alpha: no kernel, no scaled copy of a factor), and the graph holds only what
@@ -90,20 +90,22 @@ pub fn adapted(x: &Tensor, w: BaseWeight<'_>, u: &Tensor, b: &Tensor, scale: f64
         BaseWeight::Input(t) => ferrolm_tensor::bail!("linear_adapted", "expects w (out, in), got {:?}", t.shape()),
         BaseWeight::Frozen { name, out_features, in_features, .. } => (*name, *out_features, *in_features),
     };
-    if b.rank() != 2 || r == 0 || u.rank() != r || x.dim(r - 1) != cin || b.dim(0) != cout {
+    if b.rank() != 2 || r == 0 || u.rank() == 0 || x.dim(r - 1) != cin || b.dim(0) != cout {
         ferrolm_tensor::bail!(
             "linear_adapted",
-            "{what}: expects x (..., {cin}), w ({cout}, {cin}), u (..., R), b ({cout}, R), got {:?}, {:?}, {:?}",
+            "{what}: expects x (..., {cin}), w ({cout}, {cin}), u (..., R) or (N, R), b ({cout}, R), got {:?}, {:?}, {:?}",
             x.shape(),
             u.shape(),
             b.shape()
         );
     }
-    let rank = b.dim(1);
-    if u.dims()[..r - 1] != x.dims()[..r - 1] || u.dim(r - 1) != rank {
+    let (rank, n) = (b.dim(1), x.dims()[..r - 1].iter().product::<usize>());
+    // u as x's rows (..., R), or as their (N, R) matrix: a shared down-projection's columns, a
+    // view the GEMMs read in place (reshaping it would copy).
+    let rows_match = (u.rank() == r && u.dims()[..r - 1] == x.dims()[..r - 1]) || (u.rank() == 2 && u.dim(0) == n);
+    if !rows_match || u.dim(u.rank() - 1) != rank {
         ferrolm_tensor::bail!("linear_adapted", "{what}: u {:?} does not match x {:?} and b {:?}", u.shape(), x.shape(), b.shape());
     }
-    let n: usize = x.dims()[..r - 1].iter().product();
     let mut out = x.dims()[..r - 1].to_vec();
     out.push(cout);
     let dtype = x.dtype();

@@ -3,10 +3,16 @@
 use crate::{bail, Layout, Result, Shape, Tensor};
 
 impl Tensor {
+    /// The same elements in `shape`: a view of the same storage when `self` is contiguous or
+    /// `shape` is its own (a strided view stays as it is), else a contiguous copy.
     pub fn reshape(&self, shape: impl Into<Shape>) -> Result<Tensor> {
         let shape = shape.into();
         if shape.numel() != self.numel() {
             bail!("reshape", "cannot reshape {:?} ({} elements) to {:?} ({} elements)", self.shape(), self.numel(), shape, shape.numel());
+        }
+        if &shape == self.shape() {
+            // Nothing to do, whatever the layout: a strided view stays one (no copy).
+            return Ok(self.clone());
         }
         let src = if self.is_contiguous() { self.clone() } else { self.contiguous()? };
         let layout = Layout { strides: shape.contiguous_strides(), shape, offset: src.layout().offset };

@@ -314,11 +314,14 @@ pub(crate) fn project(x: &Tensor, layers: &[&Linear], res: Option<&Tensor>) -> R
             let parts: Vec<Tensor> = ads.iter().map(|a| a.a.clone()).collect();
             let a = op.adapter_factor(&Tensor::cat(&parts, 0)?, Factor::A)?; // (sum R, in)
             let u = xs.linear(&a.to_dtype(dt)?)?; // (..., sum R)
-            let last = u.rank() - 1;
+                                                  // Each layer's u is its columns of u's (N, sum R) rows: a view the adapted op's
+                                                  // GEMMs read in place (a (..., R) view would be copied to be reshaped).
+            let total = a.dim(0);
+            let u = u.reshape([u.numel() / total, total])?;
             let mut at = 0;
             for (&i, ad) in shared.iter().zip(&ads) {
                 let r = ad.a.dim(0);
-                down[i] = Some(u.narrow(last, at, r)?);
+                down[i] = Some(u.narrow(1, at, r)?);
                 at += r;
             }
         }
