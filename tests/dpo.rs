@@ -18,11 +18,7 @@ fn tool_process() {
 
 /// The tiny chat model and the first `n` pairs of the bundled file.
 fn setup(dir: &Path, n: usize) -> (PathBuf, PathBuf) {
-    let ck = chat_model(dir);
-    let text = std::fs::read_to_string(data_path("prefs.jsonl")).unwrap();
-    let data = dir.join("prefs.jsonl");
-    std::fs::write(&data, text.lines().take(n).map(|l| format!("{l}\n")).collect::<String>()).unwrap();
-    (ck, data)
+    (chat_model(dir), bundled_lines(dir, "prefs.jsonl", n))
 }
 
 fn parse(ck: &Path, data: &Path, out: &Path, extra: &[&str]) -> DpoArgs {
@@ -33,7 +29,7 @@ fn parse(ck: &Path, data: &Path, out: &Path, extra: &[&str]) -> DpoArgs {
         .into_iter()
         .filter(|f| !given.contains(&name(f)))
         .collect();
-    parse_from(args(&head, &[flag("model", ck), flag("data", data), flag("out", out)], extra)).unwrap()
+    parse_from(run_args(&head, ck, data, out, extra)).unwrap()
 }
 
 fn dpo(ck: &Path, data: &Path, out: &Path, extra: &[&str]) -> anyhow::Result<Outcome> {

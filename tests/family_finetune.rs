@@ -10,7 +10,6 @@ use common::*;
 use ferrolm::cli::{error_report, parse_from};
 use ferrolm::nn::LlamaConfig;
 use ferrolm::{DType, Device, Llama};
-use serde_json::Value;
 use std::collections::HashMap;
 use std::path::{Path, PathBuf};
 
@@ -45,10 +44,6 @@ fn try_run(model: &Path, out: &Path, extra: &[&str]) -> anyhow::Result<()> {
     ferrolm::cli::finetune::finetune(parse_from(args(&head, &paths, extra)).unwrap()).map(drop)
 }
 
-fn json(p: &Path) -> Value {
-    serde_json::from_str(&std::fs::read_to_string(p).unwrap_or_else(|e| panic!("{}: {e}", p.display()))).unwrap()
-}
-
 fn biases(dir: &Path) -> HashMap<String, Vec<f32>> {
     let m = Llama::from_pretrained(dir, DType::F32, Device::Cpu).unwrap();
     assert_eq!(m.config().family, ferrolm::nn::Family::Qwen2, "{}", dir.display());
@@ -66,7 +61,7 @@ fn finetune_a_qwen2_checkpoint_full_and_lora() {
     let full = dir.join("full");
     run(&src, &full, &["--steps=3"]);
     let ckpt = full.join("checkpoints/step-000003");
-    assert_eq!(json(&ckpt.join("config.json")), json(&src.join("config.json")));
+    assert_eq!(read_json(&ckpt.join("config.json")), read_json(&src.join("config.json")));
     let after = biases(&ckpt);
     assert!(before.iter().all(|(n, b)| after[n] != *b), "a bias was not trained");
 
@@ -75,9 +70,9 @@ fn finetune_a_qwen2_checkpoint_full_and_lora() {
     let lora = dir.join("lora");
     run(&src, &lora, &["--steps=2", "--lora-rank=4", "--merge-lora"]);
     let merged = lora.join("merged");
-    assert_eq!(json(&merged.join("config.json"))["model_type"], "qwen2");
+    assert_eq!(read_json(&merged.join("config.json"))["model_type"], "qwen2");
     assert_eq!(biases(&merged), before);
-    let adapter = json(&lora.join("checkpoints/step-000002/adapter_config.json"));
+    let adapter = read_json(&lora.join("checkpoints/step-000002/adapter_config.json"));
     assert_eq!(adapter["r"], 4);
     let _ = std::fs::remove_dir_all(&dir);
 }
@@ -155,7 +150,7 @@ fn every_command(family: &str, cfg: &str) {
 
     // eval and generate read the fine-tuned checkpoint (its tokenizer and chat template).
     let ckpt = whole.join("checkpoints/step-000004");
-    assert_eq!(json(&ckpt.join("config.json"))["model_type"], family);
+    assert_eq!(read_json(&ckpt.join("config.json"))["model_type"], family);
     let text = dir.join("text.txt");
     std::fs::write(&text, "Who's there? Nay, answer me: stand, and unfold yourself. Long live the king!").unwrap();
     let eval = |extra: &[String]| {
@@ -177,14 +172,14 @@ fn every_command(family: &str, cfg: &str) {
     let exported = dir.join("exported");
     let e = parse_from(["export".to_string(), flag("model", &ckpt), flag("out", &exported)]).unwrap();
     ferrolm::cli::export::run(e).unwrap_or_else(|e| panic!("{family} export: {}", error_report(&e)));
-    assert_eq!(json(&exported.join("config.json"))["model_type"], family);
+    assert_eq!(read_json(&exported.join("config.json"))["model_type"], family);
     Llama::from_pretrained(&exported, DType::F32, Device::Cpu).unwrap();
 
     // LoRA: the adapter trains, and the merged model is still the family.
     let lora = dir.join("lora");
     run(&src, &lora, &["--steps=2", "--lora-rank=4", "--merge-lora"]);
-    assert_eq!(json(&lora.join("merged/config.json"))["model_type"], family);
-    assert_eq!(json(&lora.join("checkpoints/step-000002/adapter_config.json"))["r"], 4);
+    assert_eq!(read_json(&lora.join("merged/config.json"))["model_type"], family);
+    assert_eq!(read_json(&lora.join("checkpoints/step-000002/adapter_config.json"))["r"], 4);
 
     // Tensor parallelism, and data parallelism with ZeRO-3 and the optimizer offloaded (the same
     // global batch: two ranks of one conversation), each equal one device.
@@ -211,9 +206,8 @@ per_family! { every_command:
 /// `ladder`, `--ladder-layers all` makes it a Ladder model of the family.
 fn pretrain_from_config(fixture: &str, family: &str, feature: &str, ladder: bool) {
     let dir = tmp(&format!("family-pretrain-{family}"));
-    let (train, _, vocab) = shards(&dir);
-    let data = train[0].parent().unwrap().to_path_buf();
-    let mut cfg = json(&root().join("tests/fixtures").join(fixture).join("config.json"));
+    let (data, vocab) = token_data(&dir, 0.1);
+    let mut cfg = read_json(&root().join("tests/fixtures").join(fixture).join("config.json"));
     cfg["vocab_size"] = vocab.into();
     let file = dir.join(format!("{fixture}.json"));
     std::fs::write(&file, cfg.to_string()).unwrap();
@@ -229,7 +223,7 @@ fn pretrain_from_config(fixture: &str, family: &str, feature: &str, ladder: bool
     let l = losses(&out);
     assert!(l.len() == 2 && l.iter().all(|x| x.is_finite()), "{family}: {l:?}");
     let ckpt = out.join("checkpoints/step-000002");
-    let c = json(&ckpt.join("config.json"));
+    let c = read_json(&ckpt.join("config.json"));
     let written = if ladder { &c["ladder_source_model_type"] } else { &c["model_type"] };
     assert_eq!(written, family, "{c}");
     let m = Llama::from_pretrained(&ckpt, DType::F32, Device::Cpu).unwrap();
@@ -302,7 +296,7 @@ fn ladder_of(family: &str, cfg: &str) {
     let zero = dir.join("zero");
     ladder(&src, &zero, &["--ladder-layers=0", "--steps=0"]);
     let ck = zero.join("checkpoints/step-000000");
-    let c = json(&ck.join("config.json"));
+    let c = read_json(&ck.join("config.json"));
     assert_eq!((&c["model_type"], &c["ladder_source_model_type"], &c["ladder_layers"]), (&"llamaLadder".into(), &family.into(), &0.into()));
     assert!(c.get("auto_map").is_none(), "{family}: the Llama remote code does not compute this family: {c}");
     for (name, _) in ferrolm_nn::ladder_hf::FILES {
@@ -343,7 +337,7 @@ fn ladder_of(family: &str, cfg: &str) {
     let lora = dir.join("lora");
     ladder(&src, &lora, &["--ladder-layers=1", "--steps=2", "--lora-rank=4", "--merge-lora"]);
     let merged = lora.join("merged");
-    let c = json(&merged.join("config.json"));
+    let c = read_json(&merged.join("config.json"));
     assert_eq!((&c["model_type"], &c["ladder_source_model_type"]), (&"llamaLadder".into(), &family.into()), "{family}: {c}");
     let m = Llama::from_pretrained(&merged, DType::F32, Device::Cpu).unwrap();
     assert_eq!(m.config().ladder_layers, Some(ferrolm::nn::LadderLayers::Last(1)));

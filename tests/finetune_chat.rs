@@ -12,17 +12,13 @@ use std::path::{Path, PathBuf};
 /// A tiny Llama checkpoint (hidden 32, 2 layers, positions for 128-token rows) with the bundled
 /// tokenizer, and the bundled chat file cut to its first `n` conversations.
 fn setup(dir: &Path, n: usize) -> (PathBuf, PathBuf) {
-    let ck = chat_model(dir);
-    let text = std::fs::read_to_string(data_path("chat.jsonl")).unwrap();
-    let data = dir.join("chat.jsonl");
-    std::fs::write(&data, text.lines().take(n).map(|l| format!("{l}\n")).collect::<String>()).unwrap();
-    (ck, data)
+    (chat_model(dir), bundled_lines(dir, "chat.jsonl", n))
 }
 
 const HEAD: [&str; 5] = ["finetune", "--device=cpu", "--batch-size=2", "--eval-every=0", "--lr=3e-3"];
 
 fn finetune(ck: &Path, data: &Path, out: &Path, extra: &[&str]) -> anyhow::Result<Outcome> {
-    let a: FinetuneArgs = parse_from(args(&HEAD, &[flag("model", ck), flag("data", data), flag("out", out)], extra)).unwrap();
+    let a: FinetuneArgs = parse_from(run_args(&HEAD, ck, data, out, extra)).unwrap();
     ferrolm::cli::finetune::finetune(a)
 }
 

@@ -12,18 +12,13 @@ use std::path::{Path, PathBuf};
 
 /// A plain Llama checkpoint (with tokenizer.json) and prepared data.
 fn setup(dir: &Path) -> (PathBuf, PathBuf) {
-    let (train, _, vocab) = shards(dir);
-    let data = train[0].parent().unwrap().to_path_buf();
-    let ck = dir.join("llama");
-    let m = model(vocab);
-    m.save_pretrained(&ck).unwrap();
-    std::fs::copy(tokenizer_path(), ck.join("tokenizer.json")).unwrap();
-    (ck, data)
+    let (data, vocab) = token_data(dir, 0.1);
+    (checkpoint(&dir.join("llama"), config(vocab, 2)), data)
 }
 
 fn finetune(ck: &Path, data: &Path, out: &Path, extra: &[&str]) -> anyhow::Result<()> {
     let head = ["finetune_ladder", "--device=cpu", "--seq-len=16", "--batch-size=2", "--eval-every=0"];
-    let a: FinetuneLadderArgs = parse_from(args(&head, &[flag("model", ck), flag("data", data), flag("out", out)], extra)).unwrap();
+    let a: FinetuneLadderArgs = parse_from(run_args(&head, ck, data, out, extra)).unwrap();
     ferrolm::cli::finetune_ladder::run(a)
 }
 

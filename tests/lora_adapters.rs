@@ -24,7 +24,7 @@ fn base(dir: &Path, vocab: usize, seed: u64) -> PathBuf {
 
 fn finetune(model: &Path, data: &Path, out: &Path, extra: &[&str]) -> anyhow::Result<()> {
     let head = ["finetune", "--device=cpu", "--seq-len=16", "--batch-size=2", "--eval-every=0", "--lr=1e-2"];
-    let a: FinetuneArgs = parse_from(args(&head, &[flag("model", model), flag("data", data), flag("out", out)], extra)).unwrap();
+    let a: FinetuneArgs = parse_from(run_args(&head, model, data, out, extra)).unwrap();
     ferrolm::cli::finetune::finetune(a).map(drop)
 }
 
@@ -32,10 +32,6 @@ fn eval(model: &Path, text: &Path, extra: &[&str]) -> anyhow::Result<f64> {
     let e: EvalArgs =
         parse_from(args(&["eval", "--device=cpu", "--seq-len=16"], &[flag("model", model), flag("text", text)], extra)).unwrap();
     ferrolm::cli::eval::evaluate(e).map(|s| s.loss)
-}
-
-fn json(path: &Path) -> serde_json::Value {
-    serde_json::from_str(&std::fs::read_to_string(path).unwrap()).unwrap()
 }
 
 fn copy_dir(from: &Path, to: &Path) {
@@ -51,8 +47,7 @@ fn copy_dir(from: &Path, to: &Path) {
 #[test]
 fn a_lora_run_records_its_base_and_refuses_to_resume_on_another() {
     let dir = tmp("lora-base-id");
-    let (train, _, vocab) = shards_with(&dir, 0.01);
-    let data = train[0].parent().unwrap().to_path_buf();
+    let (data, vocab) = token_data(&dir, 0.01);
     let a = base(&dir.join("a"), vocab, 1);
     let b = base(&dir.join("b"), vocab, 2); // the same config, other weights
     let run = dir.join("run");
@@ -61,12 +56,12 @@ fn a_lora_run_records_its_base_and_refuses_to_resume_on_another() {
 
     // Every checkpoint records the base beside PEFT's files (adapter_config.json is PEFT's own).
     let (step1, step2) = (run.join("checkpoints/step-000001"), run.join("checkpoints/step-000002"));
-    let rec = json(&step1.join("ferrolm_base.json"));
+    let rec = read_json(&step1.join("ferrolm_base.json"));
     assert_eq!(PathBuf::from(rec["base_model_name_or_path"].as_str().unwrap()), std::path::absolute(&a).unwrap());
     assert_eq!(rec["weights_xxh3_128"].as_str().unwrap().len(), 32);
     assert_eq!(rec["config"]["hidden_size"], 32);
     assert!(rec["tensors"].as_u64().unwrap() > 10, "{rec}");
-    assert!(json(&step1.join("adapter_config.json")).get("weights_xxh3_128").is_none());
+    assert!(read_json(&step1.join("adapter_config.json")).get("weights_xxh3_128").is_none());
     let peft_before = std::fs::read(step2.join("adapter_config.json")).unwrap();
 
     // --resume onto base B: refused before any work, naming both bases (a flag error).
@@ -84,8 +79,7 @@ fn a_lora_run_records_its_base_and_refuses_to_resume_on_another() {
     assert!(run.join("checkpoints/step-000003/ferrolm_base.json").is_file());
 
     // eval --lora warns when --model is not the recorded base, and not when it is.
-    let text = dir.join("few_sonnets.txt");
-    std::fs::write(&text, &std::fs::read_to_string(data_path("corpus/sonnets.txt")).unwrap()[..3000]).unwrap();
+    let text = few_sonnets(&dir, 3000);
     let lora_flag = flag("lora", &run);
     let (r, log) = capture_logs(|| eval(&b, &text, &[&lora_flag]));
     r.unwrap();
@@ -114,7 +108,7 @@ fn a_lora_run_records_its_base_and_refuses_to_resume_on_another() {
     let (r, log) = capture_logs(|| finetune(&b, &data, &cont, &["--lora-init", step2.to_str().unwrap(), "--steps=1"]));
     r.unwrap();
     assert!(log.contains("warning:") && log.contains("--lora-init") && log.contains("was trained on the base"), "{log}");
-    let rec = json(&cont.join("checkpoints/step-000001/ferrolm_base.json"));
+    let rec = read_json(&cont.join("checkpoints/step-000001/ferrolm_base.json"));
     assert_eq!(PathBuf::from(rec["base_model_name_or_path"].as_str().unwrap()), std::path::absolute(&b).unwrap());
     let _ = std::fs::remove_dir_all(&dir);
 }
@@ -139,9 +133,7 @@ fn lora_chat_uses_the_adapters_template_before_the_bases() {
     // The adapter's template (as a LoRA run's checkpoint carries it) is found.
     std::fs::copy(data_path("chat_template.jinja"), adapter.join("chat_template.jinja")).unwrap();
     generate(&[]).unwrap();
-    let chat = dir.join("chat.jsonl");
-    let lines = std::fs::read_to_string(data_path("chat.jsonl")).unwrap();
-    std::fs::write(&chat, lines.lines().take(4).map(|l| format!("{l}\n")).collect::<String>()).unwrap();
+    let chat = bundled_lines(&dir, "chat.jsonl", 4);
     let ev = |lora: bool| {
         let mut v = vec!["eval".to_string(), "--device=cpu".into(), flag("model", &a), flag("chat", &chat)];
         if lora {
@@ -187,7 +179,7 @@ fn export_lora_folds_an_adapter_into_the_base_in_its_format_and_dtype() {
         load_safetensors(&fixture.join("model.safetensors"), DType::F32, Device::Cpu).unwrap().into_iter().collect();
     save_safetensors(&bf16.join("model.safetensors"), &w, Some(DType::BF16)).unwrap();
 
-    let cfg = json(&adapter.join("adapter_config.json"));
+    let cfg = read_json(&adapter.join("adapter_config.json"));
     let scale = cfg["lora_alpha"].as_f64().unwrap() / cfg["r"].as_f64().unwrap();
     let factors = {
         let mut out = BTreeMap::new();
@@ -273,8 +265,7 @@ fn export_lora_evaluates_as_the_adapted_model() {
     m.save_adapter(&adapter, a.to_str().unwrap()).unwrap();
     let out = dir.join("merged");
     export(&a, &adapter, &out).unwrap();
-    let text = dir.join("few_sonnets.txt");
-    std::fs::write(&text, &std::fs::read_to_string(data_path("corpus/sonnets.txt")).unwrap()[..3000]).unwrap();
+    let text = few_sonnets(&dir, 3000);
     let plain = eval(&a, &text, &[]).unwrap();
     let adapted = eval(&a, &text, &[&flag("lora", &adapter)]).unwrap();
     let merged = eval(&out, &text, &[]).unwrap();

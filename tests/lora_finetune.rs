@@ -8,20 +8,15 @@ use common::*;
 use ferrolm::cli::eval::EvalArgs;
 use ferrolm::cli::finetune::FinetuneArgs;
 use ferrolm::cli::finetune_ladder::FinetuneLadderArgs;
-use ferrolm::cli::generate::GenerateArgs;
 use ferrolm::cli::{error_report, parse_from};
+use ferrolm::nn::LlamaConfig;
 use ferrolm::{DType, Device, Llama};
 use std::path::{Path, PathBuf};
 
 /// A plain Llama checkpoint (untied, 2 kv heads: split at --tp 2) with tokenizer.json, and data.
 fn setup(dir: &Path) -> (PathBuf, PathBuf) {
-    let (train, _, vocab) = shards_with(dir, 0.01); // a small validation split: each run scores it three times
-    let data = train[0].parent().unwrap().to_path_buf();
-    let ck = dir.join("llama");
-    let mut c = config(vocab, 2);
-    c.tie_word_embeddings = false;
-    Llama::new(c, DType::F32, Device::Cpu, &mut ferrolm::tensor::Rng::new(1)).unwrap().save_pretrained(&ck).unwrap();
-    std::fs::copy(tokenizer_path(), ck.join("tokenizer.json")).unwrap();
+    let (data, vocab) = token_data(dir, 0.01); // a small validation split: each run scores it three times
+    let ck = checkpoint(&dir.join("llama"), LlamaConfig { tie_word_embeddings: false, ..config(vocab, 2) });
     (ck, data)
 }
 
@@ -30,8 +25,20 @@ fn finetune(ck: &Path, data: &Path, out: &Path, extra: &[&str]) -> anyhow::Resul
     if !extra.iter().any(|e| e.starts_with("--batch-size")) {
         head.push("--batch-size=2");
     }
-    let a: FinetuneLadderArgs = parse_from(args(&head, &[flag("model", ck), flag("data", data), flag("out", out)], extra)).unwrap();
+    let a: FinetuneLadderArgs = parse_from(run_args(&head, ck, data, out, extra)).unwrap();
     ferrolm::cli::finetune_ladder::run(a)
+}
+
+/// The sonnet loss of the model in `base` alone and with the adapter `adapter`, which `merged`
+/// (the run's --merge-lora checkpoint) scores within 1e-5 of.
+fn plain_and_adapted_as_merged(base: &Path, adapter: &Path, merged: &Path) -> (f64, f64) {
+    let mut adapted = Llama::from_pretrained(base, DType::F32, Device::Cpu).unwrap();
+    let plain = sonnet_loss(&adapted);
+    adapted.load_adapter(adapter).unwrap();
+    let with_adapter = sonnet_loss(&adapted);
+    let merged = sonnet_loss(&Llama::from_pretrained(merged, DType::F32, Device::Cpu).unwrap());
+    assert!((merged - with_adapter).abs() < 1e-5 * with_adapter, "merged {merged} vs adapted {with_adapter}");
+    (plain, with_adapter)
 }
 
 #[test]
@@ -50,7 +57,7 @@ fn lora_checkpoints_are_peft_adapters_that_resume_evaluate_and_merge() {
         assert!(step6.join(f).is_file(), "{f} missing");
     }
     assert!(!step6.join("model.safetensors").exists() && !step6.join("config.json").exists());
-    let cfg: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(step6.join("adapter_config.json")).unwrap()).unwrap();
+    let cfg = read_json(&step6.join("adapter_config.json"));
     assert_eq!(cfg["r"], 4);
     assert_eq!(cfg["lora_alpha"], 8);
     assert_eq!(cfg["lora_dropout"], 0.1);
@@ -58,7 +65,7 @@ fn lora_checkpoints_are_peft_adapters_that_resume_evaluate_and_merge() {
     // Its base is the converted Ladder model: a llamaLadder config over the Llama's weight files.
     let base = PathBuf::from(cfg["base_model_name_or_path"].as_str().unwrap());
     assert_eq!(base, std::path::absolute(whole.join("base")).unwrap());
-    let base_cfg: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(base.join("config.json")).unwrap()).unwrap();
+    let base_cfg = read_json(&base.join("config.json"));
     assert_eq!((base_cfg["model_type"].as_str(), base_cfg["ladder_layers"].as_u64()), (Some("llamaLadder"), Some(1)));
     assert!(std::fs::symlink_metadata(base.join("model.safetensors")).unwrap().file_type().is_symlink());
 
@@ -68,15 +75,9 @@ fn lora_checkpoints_are_peft_adapters_that_resume_evaluate_and_merge() {
     assert_eq!(losses(&resumed).iter().map(|x| x.to_bits()).collect::<Vec<_>>(), l.iter().map(|x| x.to_bits()).collect::<Vec<_>>());
 
     // The adapted model, the merged checkpoint, and the tools with --lora agree.
-    let mut adapted = Llama::from_pretrained(&base, DType::F32, Device::Cpu).unwrap();
-    let plain = sonnet_loss(&adapted);
-    adapted.load_adapter(&step6).unwrap();
-    let with_adapter = sonnet_loss(&adapted);
-    let merged = sonnet_loss(&Llama::from_pretrained(&whole.join("merged"), DType::F32, Device::Cpu).unwrap());
-    assert!((merged - with_adapter).abs() < 1e-5 * with_adapter, "merged {merged} vs adapted {with_adapter}");
+    let (plain, with_adapter) = plain_and_adapted_as_merged(&base, &step6, &whole.join("merged"));
     assert!(with_adapter < plain - 1e-3, "the adapter learnt the sonnets: {with_adapter} vs the base's {plain}");
-    let text = dir.join("few_sonnets.txt");
-    std::fs::write(&text, &std::fs::read_to_string(data_path("corpus/sonnets.txt")).unwrap()[..4000]).unwrap();
+    let text = few_sonnets(&dir, 4000);
     for (lora, resolved) in [(&whole, true), (&step6, false)] {
         let e: EvalArgs =
             parse_from(["eval", "--device=cpu", &flag("model", &base), &flag("text", &text), "--seq-len=16", &flag("lora", lora)]).unwrap();
@@ -88,18 +89,7 @@ fn lora_checkpoints_are_peft_adapters_that_resume_evaluate_and_merge() {
         // The converted base the run recorded (its config, the Llama's weight files) is this one.
         assert!(logs.contains("was trained on this base") && !logs.contains("warning:"), "{logs}");
     }
-    let g: GenerateArgs = parse_from([
-        "generate",
-        "--device=cpu",
-        &flag("model", &base),
-        "--lora",
-        step6.to_str().unwrap(),
-        "--prompt=Shall I",
-        "--max-new-tokens=4",
-        "--tp=2",
-    ])
-    .unwrap();
-    ferrolm::cli::generate::run(g).unwrap();
+    generate_a_few(&base, &["--lora", step6.to_str().unwrap(), "--tp=2"]).unwrap();
     // export --lora of the Ladder base: the merged model keeps the modelling code its auto_map
     // names (transformers loads it with trust_remote_code), and scores as the adapted model.
     let exported = dir.join("exported");
@@ -128,11 +118,7 @@ fn lora_checkpoints_are_peft_adapters_that_resume_evaluate_and_merge() {
 fn lora_under_tp_zero3_and_offload_follows_one_device() {
     let dir = tmp("lora-par");
     let (ck, data) = setup(&dir);
-    let run = |out: &str, extra: &[&str]| {
-        let e: Vec<&str> = ["--lora-rank=4", "--steps=8", "--save-every=0"].iter().copied().chain(extra.iter().copied()).collect();
-        finetune(&ck, &data, &dir.join(out), &e).unwrap();
-        losses(&dir.join(out))
-    };
+    let run = runs_in(&dir, &["--lora-rank=4", "--steps=8", "--save-every=0"], |out, e| finetune(&ck, &data, out, e));
     layouts_follow_one_device(
         run,
         &[
@@ -177,25 +163,13 @@ fn bad_lora_input_is_refused_naming_the_flag_file_or_field() {
 #[test]
 fn finetune_trains_a_peft_adapter_on_conversations_and_merges_it() {
     let dir = tmp("lora-chat");
-    let tok = ferrolm::data::Tokenizer::from_file(tokenizer_path()).unwrap();
-    let ck = dir.join("model");
-    let cfg = ferrolm::nn::LlamaConfig::from_json_str(&format!(
-        r#"{{"model_type":"llama","vocab_size":{},"hidden_size":32,"intermediate_size":64,"num_hidden_layers":2,
-            "num_attention_heads":4,"num_key_value_heads":2,"max_position_embeddings":128,"tie_word_embeddings":true}}"#,
-        tok.vocab_size()
-    ))
-    .unwrap();
-    Llama::new(cfg, DType::F32, Device::Cpu, &mut ferrolm::tensor::Rng::new(1)).unwrap().save_pretrained(&ck).unwrap();
-    std::fs::copy(tokenizer_path(), ck.join("tokenizer.json")).unwrap();
-    std::fs::copy(data_path("chat_template.jinja"), ck.join("chat_template.jinja")).unwrap();
-    let data = dir.join("chat.jsonl");
-    let text = std::fs::read_to_string(data_path("chat.jsonl")).unwrap();
-    std::fs::write(&data, text.lines().take(60).map(|l| format!("{l}\n")).collect::<String>()).unwrap();
+    let ck = chat_model(&dir); // hidden 32, 2 layers of 4 heads (2 kv), positions for 128-token rows
+    let data = bundled_lines(&dir, "chat.jsonl", 60);
     let out = dir.join("run");
     let head =
         ["finetune", "--device=cpu", "--batch-size=2", "--eval-every=0", "--lr=2e-2", "--seq-len=128", "--steps=6", "--val-fraction=0.1"];
     let lora = ["--lora-rank", "4", "--lora-targets=q,k,v,o,down", "--merge-lora"];
-    let a: FinetuneArgs = parse_from(args(&head, &[flag("model", &ck), flag("data", &data), flag("out", &out)], &lora)).unwrap();
+    let a: FinetuneArgs = parse_from(run_args(&head, &ck, &data, &out, &lora)).unwrap();
     let o = ferrolm::cli::finetune::finetune(a).unwrap();
     let (before, after) = (o.val_before.unwrap(), o.val_after.unwrap());
     assert!(after < before - 1e-3, "validation loss {before} -> {after}");
@@ -203,18 +177,13 @@ fn finetune_trains_a_peft_adapter_on_conversations_and_merges_it() {
     let step = out.join("checkpoints/step-000006");
     assert!(step.join("adapter_model.safetensors").is_file() && step.join("chat_template.jinja").is_file());
     assert!(!step.join("model.safetensors").exists());
-    let c: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(step.join("adapter_config.json")).unwrap()).unwrap();
+    let c = read_json(&step.join("adapter_config.json"));
     assert_eq!((c["r"].as_u64(), c["lora_alpha"].as_f64()), (Some(4), Some(8.0)));
     assert_eq!(c["target_modules"], serde_json::json!(["q_proj", "k_proj", "v_proj", "o_proj", "down_proj"]));
     assert_eq!(PathBuf::from(c["base_model_name_or_path"].as_str().unwrap()), std::path::absolute(&ck).unwrap());
 
     // The base's weights are as they were; the merged checkpoint is the adapted model.
-    let mut adapted = Llama::from_pretrained(&ck, DType::F32, Device::Cpu).unwrap();
-    let plain = sonnet_loss(&adapted);
-    adapted.load_adapter(&step).unwrap();
-    let with_adapter = sonnet_loss(&adapted);
-    let merged = sonnet_loss(&Llama::from_pretrained(&out.join("merged"), DType::F32, Device::Cpu).unwrap());
-    assert!((merged - with_adapter).abs() < 1e-5 * with_adapter, "merged {merged} vs adapted {with_adapter}");
+    let (plain, with_adapter) = plain_and_adapted_as_merged(&ck, &step, &out.join("merged"));
     assert!((with_adapter - plain).abs() > 1e-6, "the adapter changed nothing: {with_adapter} vs {plain}");
     for f in ["tokenizer.json", "tokenizer_config.json", "chat_template.jinja"] {
         assert_eq!(std::fs::read(out.join("merged").join(f)).unwrap(), std::fs::read(step.join(f)).unwrap(), "{f}");

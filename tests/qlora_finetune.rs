@@ -29,11 +29,7 @@ fn model(dir: &Path) -> PathBuf {
         tok.vocab_size()
     ))
     .unwrap();
-    let ck = dir.join("model");
-    Llama::new(cfg, DType::F32, Device::Cpu, &mut ferrolm::tensor::Rng::new(1)).unwrap().save_pretrained(&ck).unwrap();
-    std::fs::copy(tokenizer_path(), ck.join("tokenizer.json")).unwrap();
-    std::fs::copy(data_path("chat_template.jinja"), ck.join("chat_template.jinja")).unwrap();
-    ck
+    chat_model_of(dir, cfg)
 }
 
 #[test]
@@ -41,14 +37,12 @@ fn a_qlora_finetune_trains_a_peft_adapter_over_the_4bit_base_and_merges_it() {
     let _g = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
     let dir = tmp("qlora-chat");
     let ck = model(&dir);
-    let data = dir.join("chat.jsonl");
-    let text = std::fs::read_to_string(data_path("chat.jsonl")).unwrap();
-    std::fs::write(&data, text.lines().take(60).map(|l| format!("{l}\n")).collect::<String>()).unwrap();
+    let data = bundled_lines(&dir, "chat.jsonl", 60);
     let out = dir.join("run");
     let head =
         ["finetune", "--device=cpu", "--batch-size=2", "--eval-every=0", "--lr=2e-2", "--seq-len=128", "--steps=6", "--val-fraction=0.1"];
     let lora = ["--lora-rank", "4", "--quantize-base", "nf4", "--merge-lora"];
-    let a: FinetuneArgs = parse_from(args(&head, &[flag("model", &ck), flag("data", &data), flag("out", &out)], &lora)).unwrap();
+    let a: FinetuneArgs = parse_from(run_args(&head, &ck, &data, &out, &lora)).unwrap();
     let (o, logs) = capture_logs(|| ferrolm::cli::finetune::finetune(a));
     let o = o.unwrap();
     assert!(logs.contains("QLoRA base: 14 linear weights") && logs.contains("4-bit nf4 with double quantization"), "{logs}");
@@ -59,7 +53,7 @@ fn a_qlora_finetune_trains_a_peft_adapter_over_the_4bit_base_and_merges_it() {
     // A plain PEFT adapter for the --model directory (no base weights in the checkpoint).
     let step = out.join("checkpoints/step-000006");
     assert!(step.join("adapter_model.safetensors").is_file() && !step.join("model.safetensors").exists());
-    let c: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(step.join("adapter_config.json")).unwrap()).unwrap();
+    let c = read_json(&step.join("adapter_config.json"));
     assert_eq!(PathBuf::from(c["base_model_name_or_path"].as_str().unwrap()), std::path::absolute(&ck).unwrap());
 
     // The adapter over the 4-bit base (what trained) is not the adapter over the f32 base; the
@@ -74,13 +68,12 @@ fn a_qlora_finetune_trains_a_peft_adapter_over_the_4bit_base_and_merges_it() {
     let merged = Llama::from_pretrained(&merged_dir, DType::F32, Device::Cpu).unwrap();
     assert!(merged.quant_base().is_none());
     assert!((sonnet_loss(&merged) - qlora).abs() < 1e-5 * qlora, "merged {} vs QLoRA {qlora}", sonnet_loss(&merged));
-    let mc: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(merged_dir.join("config.json")).unwrap()).unwrap();
+    let mc = read_json(&merged_dir.join("config.json"));
     assert!(mc.get("quantization_config").is_none());
     assert_eq!(ferrolm::nn::safetensors_io::stored_float_dtype(&merged_dir).unwrap(), Some("float32"));
 
     // eval and generate take --quantize-base, with and without --lora.
-    let text = dir.join("few_sonnets.txt");
-    std::fs::write(&text, &std::fs::read_to_string(data_path("corpus/sonnets.txt")).unwrap()[..4000]).unwrap();
+    let text = few_sonnets(&dir, 4000);
     for extra in [vec!["--quantize-base=nf4", "--lora", step.to_str().unwrap()], vec!["--quantize-base=nf4"]] {
         let head = ["eval", "--device=cpu", "--seq-len=16"];
         let e: EvalArgs = parse_from(args(&head, &[flag("model", &ck), flag("text", &text)], &extra)).unwrap();
@@ -88,25 +81,13 @@ fn a_qlora_finetune_trains_a_peft_adapter_over_the_4bit_base_and_merges_it() {
         r.unwrap();
         assert!(logs.contains("QLoRA base: 14 linear weights"), "{logs}");
     }
-    let g: GenerateArgs = parse_from([
-        "generate",
-        "--device=cpu",
-        &flag("model", &ck),
-        "--quantize-base=nf4",
-        "--lora",
-        step.to_str().unwrap(),
-        "--prompt=Shall I",
-        "--max-new-tokens=4",
-        "--tp=2",
-    ])
-    .unwrap();
-    ferrolm::cli::generate::run(g).unwrap();
+    generate_a_few(&ck, &["--quantize-base=nf4", "--lora", step.to_str().unwrap(), "--tp=2"]).unwrap();
     let _ = std::fs::remove_dir_all(&dir);
 }
 
 fn ladder(ck: &Path, data: &Path, out: &Path, extra: &[&str]) -> anyhow::Result<()> {
     let head = ["finetune_ladder", "--device=cpu", "--seq-len=16", "--eval-every=0", "--ladder-layers=1", "--lr=1e-2"];
-    let a: FinetuneLadderArgs = parse_from(args(&head, &[flag("model", ck), flag("data", data), flag("out", out)], extra)).unwrap();
+    let a: FinetuneLadderArgs = parse_from(run_args(&head, ck, data, out, extra)).unwrap();
     ferrolm::cli::finetune_ladder::run(a)
 }
 
@@ -115,14 +96,9 @@ fn qlora_under_tp_dp_and_offload_follows_one_device_and_zero3_is_refused() {
     let _g = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
     let dir = tmp("qlora-par");
     let ck = model(&dir);
-    let (train, _, _) = shards_with(&dir, 0.01);
-    let data = train[0].parent().unwrap().to_path_buf();
-    let run = |out: &str, extra: &[&str]| {
-        let e: Vec<&str> =
-            ["--lora-rank=4", "--quantize-base=nf4", "--steps=6", "--save-every=0"].iter().copied().chain(extra.iter().copied()).collect();
-        ladder(&ck, &data, &dir.join(out), &e).unwrap();
-        losses(&dir.join(out))
-    };
+    let (data, _) = token_data(&dir, 0.01);
+    let lora = ["--lora-rank=4", "--quantize-base=nf4", "--steps=6", "--save-every=0"];
+    let run = runs_in(&dir, &lora, |out, e| ladder(&ck, &data, out, e));
     layouts_follow_one_device(
         run,
         &[
@@ -255,13 +231,11 @@ fn a_qlora_finetune_predicts_a_smaller_peak_than_the_same_lora_run() {
     let _g = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
     let dir = tmp("qlora-predicted");
     let ck = model(&dir);
-    let data = dir.join("chat.jsonl");
-    let text = std::fs::read_to_string(data_path("chat.jsonl")).unwrap();
-    std::fs::write(&data, text.lines().take(40).map(|l| format!("{l}\n")).collect::<String>()).unwrap();
+    let data = bundled_lines(&dir, "chat.jsonl", 40);
     let head = ["finetune", "--device=cpu", "--batch-size=2", "--eval-every=0", "--save-every=0", "--seq-len=128", "--steps=2"];
     let run = |name: &str, extra: &[&str]| {
         let out = dir.join(name);
-        let a: FinetuneArgs = parse_from(args(&head, &[flag("model", &ck), flag("data", &data), flag("out", &out)], extra)).unwrap();
+        let a: FinetuneArgs = parse_from(run_args(&head, &ck, &data, &out, extra)).unwrap();
         // The peak counter is the process's: each run's own, less what was live before it.
         let before = ferrolm_tensor::live_bytes() as f64;
         ferrolm_tensor::reset_peak_bytes();

@@ -77,10 +77,6 @@ fn read(p: &Path) -> Vec<u8> {
     std::fs::read(p).unwrap_or_else(|e| panic!("{}: {e}", p.display()))
 }
 
-fn json(p: &Path) -> Value {
-    serde_json::from_slice(&read(p)).unwrap()
-}
-
 fn conversations() -> Vec<Vec<Message>> {
     std::fs::read_to_string(fixture("conversations.jsonl"))
         .unwrap()
@@ -95,7 +91,7 @@ fn conversations() -> Vec<Vec<Message>> {
 
 /// ferrolm's rendering of `dir`'s chat template is transformers' rendering of the source.
 fn renders_as_transformers(dir: &Path, variant: &str) {
-    let expected = json(&fixture(variant).join("expected.json"));
+    let expected = read_json(&fixture(variant).join("expected.json"));
     let t = ChatTemplate::find(Some(dir), None).unwrap();
     for (conv, want) in conversations().iter().zip(expected["renders"].as_array().unwrap()) {
         assert_eq!(t.render(conv, false).unwrap().text, want["text"].as_str().unwrap(), "{}", dir.display());
@@ -119,9 +115,9 @@ fn a_fine_tune_keeps_the_source_tokenizer_files_and_its_rendering() {
         // Nothing of ferrolm's beside them: no template file where the source had none.
         assert_eq!(ckpt.join("chat_template.jinja").is_file(), variant == "in_jinja");
         renders_as_transformers(&ckpt, variant);
-        let tc = json(&ckpt.join("tokenizer_config.json"));
+        let tc = read_json(&ckpt.join("tokenizer_config.json"));
         assert_eq!((tc["bos_token"].as_str(), tc["eos_token"].as_str()), (Some("<s>"), Some("</s>")));
-        assert_eq!(json(&ckpt.join("generation_config.json"))["bos_token_id"], 0);
+        assert_eq!(read_json(&ckpt.join("generation_config.json"))["bos_token_id"], 0);
     }
     // A LoRA run: its adapter checkpoints and OUT/merged keep them too, and the merged model the
     // source's config keys and bf16 weights.
@@ -133,7 +129,7 @@ fn a_fine_tune_keeps_the_source_tokenizer_files_and_its_rendering() {
             assert!(read(&ckpt.join(&name)) == read(&src.join(&name)), "{}: {name} differs from the source's", ckpt.display());
         }
     }
-    assert_eq!(json(&out.join("merged/config.json")), json(&src.join("config.json")));
+    assert_eq!(read_json(&out.join("merged/config.json")), read_json(&src.join("config.json")));
     assert_eq!(ferrolm::nn::safetensors_io::stored_float_dtype(&out.join("merged")).unwrap(), Some("bfloat16"));
     // finetune_ladder (here only converting) keeps them too, and the config keys it does not change.
     let src = dir.join("in_config");
@@ -143,7 +139,7 @@ fn a_fine_tune_keeps_the_source_tokenizer_files_and_its_rendering() {
     for name in tokenizer_files("in_config") {
         assert!(read(&ckpt.join(&name)) == read(&src.join(&name)), "finetune_ladder: {name} differs from the source's");
     }
-    let cfg = json(&ckpt.join("config.json"));
+    let cfg = read_json(&ckpt.join("config.json"));
     assert_eq!((&cfg["model_type"], &cfg["ladder_layers"], &cfg["pad_token_id"]), (&"llamaLadder".into(), &1.into(), &1.into()));
     let _ = std::fs::remove_dir_all(&dir);
 }
@@ -159,7 +155,7 @@ fn chat_template_flag_is_written_where_the_source_kept_its_template() {
     let src = source(&dir, "in_config");
     run("finetune", &src, &dir.join("a"), &["--steps=1", &template]);
     let ckpt = dir.join("a/checkpoints/step-000001");
-    let (theirs, ours) = (json(&src.join("tokenizer_config.json")), json(&ckpt.join("tokenizer_config.json")));
+    let (theirs, ours) = (read_json(&src.join("tokenizer_config.json")), read_json(&ckpt.join("tokenizer_config.json")));
     assert_eq!(ours["chat_template"].as_str(), Some(text.as_str()));
     let mut want = theirs.clone();
     want["chat_template"] = text.clone().into();
@@ -181,7 +177,7 @@ fn chat_template_flag_is_written_where_the_source_kept_its_template() {
     let tok = dir.join("tok.json");
     std::fs::copy(src.join("tokenizer.json"), &tok).unwrap();
     run("finetune", &src, &dir.join("c"), &["--steps=1", &format!("--tokenizer={}", tok.display())]);
-    let tc = json(&dir.join("c/checkpoints/step-000001/tokenizer_config.json"));
+    let tc = read_json(&dir.join("c/checkpoints/step-000001/tokenizer_config.json"));
     assert_eq!(tc["tokenizer_class"], "PreTrainedTokenizerFast", "{tc}");
     let _ = std::fs::remove_dir_all(&dir);
 }
@@ -201,7 +197,7 @@ fn a_bf16_source_is_saved_bf16_with_its_config_keys_and_resumes_exactly() {
     let ckpt = whole.join("checkpoints/step-000002");
     // The source's dtype and every config key: pad_token_id, transformers_version, its spelling.
     assert_eq!(stored(&ckpt), Some("bfloat16"));
-    assert_eq!(json(&ckpt.join("config.json")), json(&src.join("config.json")));
+    assert_eq!(read_json(&ckpt.join("config.json")), read_json(&src.join("config.json")));
     // Each weight is the training state's f32 weight rounded once, to nearest even.
     let (params, _) = ferrolm_parallel::zero::ckpt::load_full(&ckpt).unwrap();
     let saved = ferrolm::nn::safetensors_io::load_model_dir(&ckpt, DType::F32, Device::Cpu).unwrap();
@@ -229,9 +225,9 @@ fn a_bf16_source_is_saved_bf16_with_its_config_keys_and_resumes_exactly() {
     run("finetune", &src, &f32, &["--steps=1", "--save-dtype=f32"]);
     let ckpt = f32.join("checkpoints/step-000001");
     assert_eq!(stored(&ckpt), Some("float32"));
-    let mut want = json(&src.join("config.json"));
+    let mut want = read_json(&src.join("config.json"));
     want["dtype"] = "float32".into();
     want["torch_dtype"] = "float32".into();
-    assert_eq!(json(&ckpt.join("config.json")), want);
+    assert_eq!(read_json(&ckpt.join("config.json")), want);
     let _ = std::fs::remove_dir_all(&dir);
 }

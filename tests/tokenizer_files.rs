@@ -24,11 +24,6 @@ fn fixture(variant: &str) -> PathBuf {
     root().join("tests/fixtures/tokenizer_files").join(variant)
 }
 
-fn json(path: &Path) -> Value {
-    let text = std::fs::read_to_string(path).unwrap_or_else(|e| panic!("{}: {e}", path.display()));
-    serde_json::from_str(&text).unwrap_or_else(|e| panic!("{}: {e}", path.display()))
-}
-
 fn ids(v: &Value) -> Vec<u32> {
     v.as_array().unwrap().iter().map(|x| x.as_u64().unwrap() as u32).collect()
 }
@@ -51,12 +46,12 @@ fn transformers_reads_the_ids_ferrolm_feeds() {
                 std::fs::create_dir_all(committed.parent().unwrap()).unwrap();
                 std::fs::copy(&new, &committed).unwrap();
             }
-            assert_eq!(json(&new), json(&committed), "{variant}: ferrolm now writes another {f} than the fixture's");
+            assert_eq!(read_json(&new), read_json(&committed), "{variant}: ferrolm now writes another {f} than the fixture's");
         }
         if bless {
             continue; // expected.json comes from transformers, after this
         }
-        let want = json(&dir.join("expected.json"));
+        let want = read_json(&dir.join("expected.json"));
         let saved = Tokenizer::from_file(written.join("tokenizer.json")).unwrap();
         for (prompt, hf) in want["prompts"].as_array().unwrap().iter().zip(want["input_ids"].as_array().unwrap()) {
             let (prompt, hf) = (prompt.as_str().unwrap(), ids(hf));
@@ -64,7 +59,7 @@ fn transformers_reads_the_ids_ferrolm_feeds() {
             assert_eq!(saved.encode(prompt, true).unwrap(), hf, "{variant}: {prompt:?}: the saved tokenizer with special tokens");
         }
         let s = SpecialIds::of(&source).unwrap();
-        let config = json(&written.join("generation_config.json"));
+        let config = read_json(&written.join("generation_config.json"));
         for (key, mine) in [("bos_token_id", s.bos), ("eos_token_id", s.eos), ("pad_token_id", s.pad)] {
             assert_eq!(id(&want["tokenizer"], key), mine, "{variant}: AutoTokenizer's {key}");
             assert_eq!(id(&want["generation_config"], key), mine, "{variant}: GenerationConfig's {key}");
@@ -95,20 +90,20 @@ fn checkpoints_carry_the_tokenizer_files() {
         }
         let saved = Tokenizer::from_file(dir.join("tokenizer.json")).unwrap();
         assert_eq!(saved.encode("Shall I", true).unwrap(), bundled.encode("Shall I", false).unwrap(), "no <|bos|> before a prompt");
-        let t = json(&dir.join("tokenizer_config.json"));
+        let t = read_json(&dir.join("tokenizer_config.json"));
         assert_eq!(t["tokenizer_class"], "PreTrainedTokenizerFast");
         // The bundled data puts <|eos|> after every document: it is what a document starts after.
         assert_eq!(
             (t["bos_token"].as_str(), t["eos_token"].as_str(), t["pad_token"].as_str()),
             (Some("<|eos|>"), Some("<|eos|>"), Some("<|eos|>"))
         );
-        let g = json(&dir.join("generation_config.json"));
+        let g = read_json(&dir.join("generation_config.json"));
         let eos = bundled.eos_id();
         assert_eq!((id(&g, "bos_token_id"), id(&g, "eos_token_id"), id(&g, "pad_token_id")), (eos, eos, eos));
         g
     };
     let g = check(&ckpt);
-    let config = json(&ckpt.join("config.json"));
+    let config = read_json(&ckpt.join("config.json"));
     assert_eq!((id(&config, "bos_token_id"), id(&config, "eos_token_id")), (id(&g, "bos_token_id"), id(&g, "eos_token_id")));
     let out = at.dir.join("ladder");
     let flags = [flag("model", &ckpt), flag("data", &at.data), flag("out", &out)];

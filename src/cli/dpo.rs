@@ -3,10 +3,10 @@
 //! `finetune` (its flag structs, flattened). The data is `ferrolm_data::preference`, the losses
 //! `ferrolm_nn::objective::preference`, the trainer's objective and reference `crate::dpo`.
 use super::finetune::SaveArgs;
-use super::pretrain::{check_vocab, preflight};
+use super::pretrain::preflight;
+use super::tune::{Defaults, Layout};
 use super::{env_help, flag_error, fraction, LogArgs, Tool, TrainArgs, TrainData, ENV_COMMON, ENV_DEVICE, ENV_LAUNCH, ENV_TRAIN};
 use crate::batches::PairData;
-use crate::data::Tokenizer;
 use crate::dpo::{Preference, RefLogps, Reference};
 use crate::nn::objective::preference::{PreferenceConfig, PreferenceMetrics};
 use crate::nn::LlamaConfig;
@@ -115,16 +115,10 @@ const DEFAULT_DATA: &str = "data/prefs.jsonl";
 
 impl Tool for DpoArgs {
     fn cli() -> Command {
-        <Self as clap::CommandFactory>::command()
-            .mut_arg("out", |a| a.default_value("runs/dpo"))
-            .mut_arg("data", |a| {
-                a.help(
-                    "Training pairs: preference records (.jsonl, .jsonl.gz, .jsonl.zst or .parquet, or a .json array of them: \
-                     a file, a directory of them, or a quoted glob) [default: data/prefs.jsonl, the bundled pairs]",
-                )
-            })
-            .mut_arg("steps", |a| a.default_value("100"))
-            .mut_arg("lr", |a| a.default_value("5e-5"))
+        let data_help = "Training pairs: preference records (.jsonl, .jsonl.gz, .jsonl.zst or .parquet, or a .json array of them: \
+                         a file, a directory of them, or a quoted glob) [default: data/prefs.jsonl, the bundled pairs]"
+            .to_string();
+        super::tune::command(<Self as clap::CommandFactory>::command(), Defaults { out: "runs/dpo", steps: "100", lr: "5e-5", data_help })
             .mut_arg("batch_size", |a| a.default_value("4").help("Pairs a micro-batch (each pair is two sequences, packed into rows)"))
     }
     fn log_args(&self) -> &LogArgs {
@@ -214,23 +208,15 @@ fn prepare(args: &DpoArgs) -> AnyResult<Prepared> {
     let device = a.device.pick()?;
     let dtype = a.device.dtype(device);
     let model = args.model.clone();
-    let cfg_path = model.join("config.json");
-    let cfg = LlamaConfig::from_file(&cfg_path)?;
-    super::pretrain::check_seq_len(a.seq_len, &cfg, &cfg_path.display().to_string())?;
+    let (cfg, cfg_path) = super::tune::model_config(a, &model)?;
     let row_tokens = args.pref.max_length.unwrap_or(a.seq_len);
     if row_tokens > cfg.max_position_embeddings {
         return Err(flag_error(format!(
             "--max-length {row_tokens} is longer than the model's max_position_embeddings ({}) in {}",
-            cfg.max_position_embeddings,
-            cfg_path.display()
+            cfg.max_position_embeddings, cfg_path
         )));
     }
-    let lora = args.lora.memory(&cfg, &model)?;
-    let base_id = super::lora::base_identity(&args.lora, &model, &cfg, &model)?;
-    super::lora::check_run_base(&args.lora, a.resume.as_deref(), base_id.as_ref(), &model)?;
-    let parallelism = a.parallel.layout()?;
-    parallelism.check_model(&cfg)?;
-    super::lora::check_quant_layout(args.lora.quantize_base, &model, &parallelism)?;
+    let Layout { lora, base_id, parallelism } = super::tune::check_layout(a, &args.lora, &cfg, &model, (&model, &cfg))?;
     let ref_dir = match &args.pref.ref_model {
         Some(r) => {
             let d = super::model_dir("--ref-model", r)?;
@@ -249,9 +235,7 @@ fn prepare(args: &DpoArgs) -> AnyResult<Prepared> {
         }
         None => model.clone(),
     };
-    let tok_path = a.tokenizer.clone().unwrap_or_else(|| model.join("tokenizer.json"));
-    let tokenizer = Tokenizer::from_file(&tok_path).with_context(|| format!("cannot load the tokenizer {}", tok_path.display()))?;
-    check_vocab(&tokenizer, &tok_path, cfg.vocab_size, &cfg_path.display().to_string())?;
+    let (tok_path, tokenizer) = super::tune::tokenizer(a, &model, &cfg, &cfg_path)?;
     let template = match crate::chat::template(Some(&model), args.data.chat_template.as_deref(), &tokenizer) {
         Ok((t, s)) => Some((t, s.text)),
         Err(e) if args.data.chat_template.is_some() => return Err(e.context("--chat-template")),
@@ -274,9 +258,7 @@ fn prepare(args: &DpoArgs) -> AnyResult<Prepared> {
     report(&format!("{} training pairs, {} validation pairs, rows of {row_tokens} tokens", train.len(), val.len()));
     let pad_id = tokenizer.eos_id().unwrap_or(0);
     let source = args.save.source(&model, a.tokenizer.as_deref(), template.as_ref().map(|(_, s)| s.as_str()))?;
-    let mut layout = parallelism.mem_layout(a.activation_checkpointing)?;
-    layout.lora = lora;
-    layout.loss_chunks = a.loss_chunks();
+    let mut layout = super::tune::mem_layout(&parallelism, a, lora)?;
     // What the run holds beside the policy: a live reference's weights, or nothing (precomputed
     // log-probs; LoRA's base with the adapters off); rows of two sequences a pair.
     use crate::planner::memory::{PreferenceMem, ReferenceMode, RunShape};
@@ -356,11 +338,7 @@ pub fn dpo(mut args: DpoArgs) -> AnyResult<Outcome> {
         return Ok(Outcome::default());
     }
     check_inputs(&args, &[&given, &args.model])?;
-    if args.train.profile {
-        crate::profile::enable();
-    }
-    let device = args.train.device.pick()?;
-    crate::parallel::launch(&args.train.parallel.layout()?, device, || prepare(&args), |p, comm| dpo_rank(&args, p, comm))
+    super::tune::launch(&args.train, || prepare(&args), |p, comm| dpo_rank(&args, p, comm))
 }
 
 fn dpo_rank(args: &DpoArgs, p: &Prepared, comm: Option<Comm>) -> AnyResult<Outcome> {

@@ -3,12 +3,13 @@
 //! ([`ChatArgs`]) and the data preparation ([`prepare_data`]) are shared with
 //! `finetune_ladder`; flags of one tool only go in its own struct. Both take the LoRA flags
 //! ([`super::lora::LoraArgs`]).
-use super::pretrain::{check_vocab, preflight};
+use super::pretrain::preflight;
+use super::tune::{Defaults, Layout};
 use super::{env_help, fraction, LogArgs, Tool, TrainArgs, TrainData, ENV_COMMON, ENV_DEVICE, ENV_LAUNCH, ENV_TRAIN};
 use crate::chat::{ChatData, ChatOptions};
 use crate::data::chat::{DataFormat, TrainOn};
 use crate::data::Tokenizer;
-use crate::nn::{LlamaConfig, Sampling};
+use crate::nn::Sampling;
 use crate::parallel::Comm;
 use crate::progress::report;
 use crate::train::{check_validation_data, TrainSet, Trainer};
@@ -141,11 +142,11 @@ pub(crate) fn data_help(default: &str) -> String {
 
 impl Tool for FinetuneArgs {
     fn cli() -> Command {
-        <Self as clap::CommandFactory>::command()
-            .mut_arg("out", |a| a.default_value("runs/finetune"))
-            .mut_arg("data", |a| a.help(data_help("data/chat.jsonl, the bundled chat file")))
-            .mut_arg("steps", |a| a.default_value("200"))
-            .mut_arg("lr", |a| a.default_value("1e-3"))
+        let data_help = data_help("data/chat.jsonl, the bundled chat file");
+        super::tune::command(
+            <Self as clap::CommandFactory>::command(),
+            Defaults { out: "runs/finetune", steps: "200", lr: "1e-3", data_help },
+        )
     }
     fn log_args(&self) -> &LogArgs {
         &self.train.log
@@ -160,8 +161,7 @@ impl Tool for FinetuneArgs {
 /// Reads the tokenizer, the template and the data, never the weights or `--out`; token data has
 /// no conversations to show and is refused.
 pub(crate) fn show_examples(a: &TrainArgs, chat: &ChatArgs, default: &str, model: &Path) -> AnyResult<String> {
-    let cfg_path = model.join("config.json");
-    super::pretrain::check_seq_len(a.seq_len, &LlamaConfig::from_file(&cfg_path)?, &cfg_path.display().to_string())?;
+    super::tune::model_config(a, model)?;
     let n = chat.show_example.context("--show-example N was not given")?;
     let data = a.data.clone().unwrap_or_else(|| super::bundled(default));
     if crate::chat::is_token_data(&data, chat.data_format)? {
@@ -260,23 +260,12 @@ fn prepare(args: &FinetuneArgs) -> AnyResult<Prepared> {
     let device = a.device.pick()?;
     let dtype = a.device.dtype(device);
     let model = args.model.clone();
-    let cfg_path = model.join("config.json");
-    let cfg = LlamaConfig::from_file(&cfg_path)?;
-    super::pretrain::check_seq_len(a.seq_len, &cfg, &cfg_path.display().to_string())?; // before the data
-    let lora = args.lora.memory(&cfg, &model)?; // the LoRA flags (and --lora-init's adapter) before any work
-    let base_id = super::lora::base_identity(&args.lora, &model, &cfg, &model)?;
-    super::lora::check_run_base(&args.lora, a.resume.as_deref(), base_id.as_ref(), &model)?;
-    let parallelism = a.parallel.layout()?;
-    parallelism.check_model(&cfg)?;
-    super::lora::check_quant_layout(args.lora.quantize_base, &model, &parallelism)?;
-    let tok_path = a.tokenizer.clone().unwrap_or_else(|| model.join("tokenizer.json"));
-    let tokenizer = Tokenizer::from_file(&tok_path).with_context(|| format!("cannot load the tokenizer {}", tok_path.display()))?;
-    check_vocab(&tokenizer, &tok_path, cfg.vocab_size, &cfg_path.display().to_string())?;
+    let (cfg, cfg_path) = super::tune::model_config(a, &model)?; // before the data
+    let Layout { lora, base_id, parallelism } = super::tune::check_layout(a, &args.lora, &cfg, &model, (&model, &cfg))?;
+    let (tok_path, tokenizer) = super::tune::tokenizer(a, &model, &cfg, &cfg_path)?;
     let ft = prepare_data(a, &args.chat, "data/chat.jsonl", &model, &tokenizer, &tok_path)?;
     let source = args.save.source(&model, a.tokenizer.as_deref(), ft.template.as_deref())?;
-    let mut layout = parallelism.mem_layout(a.activation_checkpointing)?;
-    layout.lora = lora;
-    layout.loss_chunks = a.loss_chunks();
+    let layout = super::tune::mem_layout(&parallelism, a, lora)?;
     let mem = crate::planner::memory::check_layout(&cfg, dtype, device, &a.options().shape(), &layout)?;
     report(&format!("memory: predicted peak {}", crate::planner::memory::describe(&mem)));
     let stop = crate::chat::stop_ids(&model, &cfg, &tokenizer)?;
@@ -328,11 +317,7 @@ pub fn finetune(mut args: FinetuneArgs) -> AnyResult<Outcome> {
         return Ok(Outcome::default());
     }
     check_inputs(&args.train, &args.chat, &args.lora, "data/chat.jsonl", &[&given, &args.model])?;
-    if args.train.profile {
-        crate::profile::enable();
-    }
-    let device = args.train.device.pick()?;
-    crate::parallel::launch(&args.train.parallel.layout()?, device, || prepare(&args), |p, comm| finetune_rank(&args, p, comm))
+    super::tune::launch(&args.train, || prepare(&args), |p, comm| finetune_rank(&args, p, comm))
 }
 
 /// The greedy reply to the held-out prompt, logged (a failure is a warning: the reply is a look

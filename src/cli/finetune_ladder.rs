@@ -8,8 +8,8 @@
 use super::finetune::{data_help, prepare_data, ChatArgs, FinetuneData, SaveArgs};
 use super::lora::LoraArgs;
 use super::pretrain::preflight;
+use super::tune::{Defaults, Layout};
 use super::{env_help, LogArgs, Tool, TrainArgs, TrainData, ENV_COMMON, ENV_DEVICE, ENV_LAUNCH, ENV_TRAIN};
-use crate::data::Tokenizer;
 use crate::nn::LadderLayers;
 use crate::parallel::Comm;
 use crate::progress::report;
@@ -49,12 +49,13 @@ pub struct FinetuneLadderArgs {
 
 impl Tool for FinetuneLadderArgs {
     fn cli() -> Command {
-        <Self as clap::CommandFactory>::command()
-            .mut_arg("out", |a| a.default_value("runs/finetune_ladder"))
-            .mut_arg("steps", |a| a.default_value("200").value_parser(clap::value_parser!(usize)).help("Optimizer steps (0: only convert)"))
-            .mut_arg("lr", |a| a.default_value("3e-4"))
-            .mut_arg("data", |a| a.help(data_help("data/corpus, the bundled corpus")))
-            .mut_arg("tokenizer", |a| a.help("Tokenizer (Hugging Face tokenizer.json) [default: the model's tokenizer.json]"))
+        let data_help = data_help("data/corpus, the bundled corpus");
+        super::tune::command(
+            <Self as clap::CommandFactory>::command(),
+            Defaults { out: "runs/finetune_ladder", steps: "200", lr: "3e-4", data_help },
+        )
+        .mut_arg("steps", |a| a.value_parser(clap::value_parser!(usize)).help("Optimizer steps (0: only convert)"))
+        .mut_arg("tokenizer", |a| a.help("Tokenizer (Hugging Face tokenizer.json) [default: the model's tokenizer.json]"))
     }
     fn log_args(&self) -> &LogArgs {
         &self.train.log
@@ -84,27 +85,17 @@ fn prepare(args: &FinetuneLadderArgs) -> AnyResult<Prepared> {
     let dtype = a.device.dtype(device);
     let dir = &args.model;
     std::fs::metadata(dir).with_context(|| format!("cannot open the model directory {}", dir.display()))?;
-    let cfg = crate::nn::LlamaConfig::from_file(dir.join("config.json"))?;
-    super::pretrain::check_seq_len(a.seq_len, &cfg, &dir.join("config.json").display().to_string())?; // before the data
+    let (cfg, cfg_path) = super::tune::model_config(a, dir)?; // before the data
     let ladder = LadderLayers::parse_flag(&args.ladder_layers, cfg.num_hidden_layers)?;
-    let lora = args.lora.memory(&cfg, dir)?; // the LoRA flags (and --lora-init's adapter) before any work
-                                             // The adapters' base is the converted model (OUT/base): its config over --model's weight files.
+    // The adapters' base is the converted model (OUT/base): its config over --model's weight files.
     let mut converted = cfg.clone();
     converted.ladder_layers = Some(ladder.clone());
-    let base_id = super::lora::base_identity(&args.lora, &a.out.join("base"), &converted, dir)?;
-    super::lora::check_run_base(&args.lora, a.resume.as_deref(), base_id.as_ref(), dir)?;
-    let parallelism = a.parallel.layout()?;
-    parallelism.check_model(&cfg)?;
-    super::lora::check_quant_layout(args.lora.quantize_base, dir, &parallelism)?;
-    let tok_path = a.tokenizer.clone().unwrap_or_else(|| dir.join("tokenizer.json"));
-    let tokenizer = Tokenizer::from_file(&tok_path).with_context(|| format!("cannot load the tokenizer {}", tok_path.display()))?;
-    super::pretrain::check_vocab(&tokenizer, &tok_path, cfg.vocab_size, &dir.join("config.json").display().to_string())?;
+    let Layout { lora, base_id, parallelism } = super::tune::check_layout(a, &args.lora, &cfg, dir, (&a.out.join("base"), &converted))?;
+    let (tok_path, tokenizer) = super::tune::tokenizer(a, dir, &cfg, &cfg_path)?;
     let ft = prepare_data(&checked, &args.chat, "data/corpus", dir, &tokenizer, &tok_path)?;
     let source = args.save.source(dir, a.tokenizer.as_deref(), ft.template.as_deref())?;
     let opts = checked.options();
-    let mut layout = parallelism.mem_layout(a.activation_checkpointing)?;
-    layout.lora = lora;
-    layout.loss_chunks = a.loss_chunks();
+    let layout = super::tune::mem_layout(&parallelism, a, lora)?;
     let mem = crate::planner::memory::check_layout(&cfg, dtype, device, &opts.shape(), &layout)?;
     report(&format!("memory: predicted peak {}", crate::planner::memory::describe_layout(&mem, &layout)));
     Ok(Prepared { data: TrainData { device, dtype, tok_path, set: ft.set.clone() }, ft, ladder, source, base_id })
@@ -122,11 +113,7 @@ pub fn run(mut args: FinetuneLadderArgs) -> AnyResult<()> {
         return Ok(());
     }
     super::finetune::check_inputs(&args.train, &args.chat, &args.lora, "data/corpus", &[&given, &args.model])?;
-    if args.train.profile {
-        crate::profile::enable();
-    }
-    let device = args.train.device.pick()?;
-    crate::parallel::launch(&args.train.parallel.layout()?, device, || prepare(&args), |p, comm| finetune_rank(&args, p, comm))
+    super::tune::launch(&args.train, || prepare(&args), |p, comm| finetune_rank(&args, p, comm))
 }
 
 fn finetune_rank(args: &FinetuneLadderArgs, p: &Prepared, comm: Option<Comm>) -> AnyResult<()> {

@@ -21,6 +21,7 @@ pub mod parallel;
 pub mod plan;
 pub mod prepare;
 pub mod pretrain;
+pub(crate) mod tune;
 
 pub use crate::errors::{exit_code, flag_error, FlagError};
 use crate::train::{RunSafety, TrainOptions};

@@ -110,12 +110,52 @@ pub fn config(vocab: usize, layers: usize) -> LlamaConfig {
 /// rows) with the bundled tokenizer and chat template: what the chat fine-tuning tests train.
 pub fn chat_model(dir: &Path) -> PathBuf {
     let tok = Tokenizer::from_file(tokenizer_path()).unwrap();
-    let cfg = LlamaConfig { max_position_embeddings: 128, ..config(tok.vocab_size(), 2) };
-    let ck = dir.join("model");
-    Llama::new(cfg, DType::F32, Device::Cpu, &mut Rng::new(1)).unwrap().save_pretrained(&ck).unwrap();
-    std::fs::copy(tokenizer_path(), ck.join("tokenizer.json")).unwrap();
+    chat_model_of(dir, LlamaConfig { max_position_embeddings: 128, ..config(tok.vocab_size(), 2) })
+}
+
+/// [`chat_model`] of another shape: a fresh `cfg` Llama (seed 1) in `dir/model`, with the
+/// bundled tokenizer and chat template.
+pub fn chat_model_of(dir: &Path, cfg: LlamaConfig) -> PathBuf {
+    let ck = checkpoint(&dir.join("model"), cfg);
     std::fs::copy(data_path("chat_template.jinja"), ck.join("chat_template.jinja")).unwrap();
     ck
+}
+
+/// A fresh `cfg` Llama (f32, seed 1) saved in `ck` with the bundled tokenizer.json: a
+/// checkpoint the tools take as `--model`.
+pub fn checkpoint(ck: &Path, cfg: LlamaConfig) -> PathBuf {
+    Llama::new(cfg, DType::F32, Device::Cpu, &mut Rng::new(1)).unwrap().save_pretrained(ck).unwrap();
+    std::fs::copy(tokenizer_path(), ck.join("tokenizer.json")).unwrap();
+    ck.to_path_buf()
+}
+
+/// Token data for `--data`: the folder of [`shards_with`] (`val_fraction` held out) in
+/// `dir/shards`, and the vocabulary size.
+pub fn token_data(dir: &Path, val_fraction: f64) -> (PathBuf, usize) {
+    let (train, _, vocab) = shards_with(dir, val_fraction);
+    (train[0].parent().unwrap().to_path_buf(), vocab)
+}
+
+/// The first `n` lines of the bundled JSON-lines file `name` (`data/name`) in `dir/name`.
+pub fn bundled_lines(dir: &Path, name: &str, n: usize) -> PathBuf {
+    let text = std::fs::read_to_string(data_path(name)).unwrap();
+    let path = dir.join(name);
+    std::fs::write(&path, text.lines().take(n).map(|l| format!("{l}\n")).collect::<String>()).unwrap();
+    path
+}
+
+/// The first `bytes` bytes of the sonnets in `dir/few_sonnets.txt`: a text `eval --text` scores
+/// in a few windows.
+pub fn few_sonnets(dir: &Path, bytes: usize) -> PathBuf {
+    let text = dir.join("few_sonnets.txt");
+    std::fs::write(&text, &std::fs::read_to_string(data_path("corpus/sonnets.txt")).unwrap()[..bytes]).unwrap();
+    text
+}
+
+/// The JSON file `path`; panics naming it where it cannot be read or parsed.
+pub fn read_json(path: &Path) -> serde_json::Value {
+    let text = std::fs::read_to_string(path).unwrap_or_else(|e| panic!("{}: {e}", path.display()));
+    serde_json::from_str(&text).unwrap_or_else(|e| panic!("{}: {e}", path.display()))
 }
 
 /// Mean loss of `model` on the first windows of the sonnets.
@@ -232,6 +272,11 @@ pub fn args(head: &[&str], paths: &[String], extra: &[&str]) -> Vec<String> {
     head.iter().map(|s| s.to_string()).chain(paths.iter().cloned()).chain(extra.iter().map(|s| s.to_string())).collect()
 }
 
+/// A training tool's command line: `head`, then `--model=ck --data=data --out=out`, then `extra`.
+pub fn run_args(head: &[&str], ck: &Path, data: &Path, out: &Path, extra: &[&str]) -> Vec<String> {
+    args(head, &[flag("model", ck), flag("data", data), flag("out", out)], extra)
+}
+
 /// The `loss` of each line of `run`/metrics.jsonl that has one, in order (none when the file
 /// is missing: the caller's comparison then reports the empty curve).
 pub fn losses(run: &Path) -> Vec<f64> {
@@ -264,6 +309,29 @@ pub fn layouts_follow_one_device(run: impl Fn(&str, &[&str]) -> Vec<f64>, layout
     let one = run("one", &["--batch-size=4"]);
     for (out, flags) in layouts {
         close(&run(out, flags), &one, 1e-5, out);
+    }
+}
+
+/// `generate` of four tokens after "Shall I" by the checkpoint `ck` on the CPU, with `extra`'s
+/// flags.
+pub fn generate_a_few(ck: &Path, extra: &[&str]) -> anyhow::Result<()> {
+    let head = ["generate", "--device=cpu", "--prompt=Shall I", "--max-new-tokens=4"];
+    let g: ferrolm::cli::generate::GenerateArgs = ferrolm::cli::parse_from(args(&head, &[flag("model", ck)], extra)).unwrap();
+    ferrolm::cli::generate::run(g)
+}
+
+/// The `run(name, flags)` that [`layouts_follow_one_device`] takes: `train(out, flags)` trains
+/// `dir/name` with `common` and then `flags`, and its losses are returned.
+pub fn runs_in<'a>(
+    dir: &'a Path,
+    common: &'a [&'a str],
+    train: impl Fn(&Path, &[&str]) -> anyhow::Result<()> + 'a,
+) -> impl Fn(&str, &[&str]) -> Vec<f64> + 'a {
+    move |name, flags| {
+        let out = dir.join(name);
+        let all: Vec<&str> = common.iter().chain(flags).copied().collect();
+        train(&out, &all).unwrap();
+        losses(&out)
     }
 }
 
