@@ -311,7 +311,7 @@ fn run(args: BenchCudaArgs) -> AnyResult<()> {
             let mut dest = be.empty(cout * cin, DType::F32)?;
             let dl = layout(&[cout, cin]);
             let ms = bn.time(|| {
-                be.matmul_into((&gr.s, &gt), x.sl(), None, &mut dest, &dl)?;
+                be.matmul_into((&gr.s, &gt), x.sl(), 1.0, None, &mut dest, &dl)?;
                 Ok(())
             })?;
             push(&mut rows, "dW gemm into f32 (now)", shape, ms, ab + nw * 4.0, flops);
@@ -326,7 +326,7 @@ fn run(args: BenchCudaArgs) -> AnyResult<()> {
             let mut out = be.empty(nt * cin, bf)?;
             let ol = layout(&[nt, cin]);
             let ms = bn.time(|| {
-                be.matmul_into(gr.sl(), w.sl(), Some(acc.sl()), &mut out, &ol)?;
+                be.matmul_into(gr.sl(), w.sl(), 1.0, Some(acc.sl()), &mut out, &ol)?;
                 Ok(())
             })?;
             push(&mut rows, "dX gemm with the addend (now)", shape, ms, gw + nx * (2.0 + 2.0), flops);
@@ -558,14 +558,14 @@ fn run(args: BenchCudaArgs) -> AnyResult<()> {
                 drop(logits);
                 let dl: Storage = dl.into();
                 be.matmul((&dl, &ll), w.sl())?;
-                be.matmul_into((&dl, &lt), x.sl(), None, &mut dw, &dwl)?;
+                be.matmul_into((&dl, &lt), x.sl(), 1.0, None, &mut dw, &dwl)?;
                 Ok(())
             })?;
             let g = bn.randn(&[nt, v], bf, 1.0)?; // stands in for dlogits
             let gemms = bn.time(|| {
                 be.matmul(x.sl(), (&w.s, &wt))?;
                 be.matmul(g.sl(), w.sl())?;
-                be.matmul_into((&g.s, &lt), x.sl(), None, &mut dw, &dwl)?;
+                be.matmul_into((&g.s, &lt), x.sl(), 1.0, None, &mut dw, &dwl)?;
                 Ok(())
             })?;
             drop((g, dw));
