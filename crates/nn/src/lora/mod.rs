@@ -26,7 +26,10 @@
 //! backward dA and dX's adapter term are one GEMM each over that x too. At R << in every adapter
 //! GEMM is bound by reading x or writing y (N·in and N·out elements), not by its FLOPs, so the
 //! shared read is what pays: an attention block's adapters read its (N, C) input 2 times instead
-//! of 6, an MLP's 2 instead of 4 (docs/ARCHITECTURE.md counts the launches).
+//! of 6, an MLP's 2 instead of 4 (docs/ARCHITECTURE.md counts the launches). The stack is
+//! built by casting each f32 A into its rows (`stack_cast`), and each layer's u is a column view
+//! of the shared product that the up-projection GEMM reads in place; `tests/gpu_launches.rs`
+//! holds a LoRA step's launches to a record (docs/BENCHMARKS.md, "LoRA step launches").
 //!
 //! Tensor parallelism places the factors as Megatron places a weight's pieces (`LinearOp`'s
 //! `adapter_*` hooks, supplied by `ferrolm_parallel::tp`): a column-parallel layer splits B by
@@ -312,10 +315,17 @@ pub(crate) fn project(x: &Tensor, layers: &[&Linear], res: Option<&Tensor>) -> R
         if same {
             let ads: Vec<&Adapter> = shared.iter().filter_map(|&i| layers[i].adapter.as_ref()).collect();
             let parts: Vec<Tensor> = ads.iter().map(|a| a.a.clone()).collect();
-            let a = op.adapter_factor(&Tensor::cat(&parts, 0)?, Factor::A)?; // (sum R, in)
-            let u = xs.linear(&a.to_dtype(dt)?)?; // (..., sum R)
-                                                  // Each layer's u is its columns of u's (N, sum R) rows: a view the adapted op's
-                                                  // GEMMs read in place (a (..., R) view would be copied to be reshaped).
+            // (sum R, in) in x's dtype. Where the op applies A as it is (one device, a
+            // row-parallel rank's columns), each factor is cast straight into its rows; where
+            // every rank holds A whole (column-parallel), the stack is what `adapter_factor`
+            // wraps, so its gradient is summed over the ranks once, in f32.
+            let a = match op.adapter_factor(&parts[0], Factor::A)?.id() == parts[0].id() {
+                true => stack_cast(&parts, dt)?,
+                false => op.adapter_factor(&Tensor::cat(&parts, 0)?, Factor::A)?.to_dtype(dt)?,
+            };
+            let u = xs.linear(&a)?; // (..., sum R)
+                                    // Each layer's u is its columns of u's (N, sum R) rows: a view the adapted op's
+                                    // GEMMs read in place (a (..., R) view would be copied to be reshaped).
             let total = a.dim(0);
             let u = u.reshape([u.numel() / total, total])?;
             let mut at = 0;
@@ -352,6 +362,48 @@ pub(crate) fn project(x: &Tensor, layers: &[&Linear], res: Option<&Tensor>) -> R
             l.op.forward_adapted(x, &l.weight, &u, &b, ad.scale, res)
         })
         .collect()
+}
+
+/// The factors `parts` ((R_i, in) each) stacked along their rows in `dtype`, a launch a part:
+/// its cast is its copy into the stack (`Tensor::cat` then `to_dtype` took a copy a part and a
+/// cast). Backward: each part's rows of the gradient land in the part's gradient destination (its
+/// f32 bucket slice), cast by that one copy, or come back in the part's own dtype.
+fn stack_cast(parts: &[Tensor], dtype: DType) -> Result<Tensor> {
+    if let [one] = parts {
+        return one.to_dtype(dtype);
+    }
+    let Some(first) = parts.first() else { bail!("lora", "no factors to stack") };
+    let rows: Vec<usize> = parts.iter().map(|p| p.dim(0)).collect();
+    let out = {
+        let _g = no_grad();
+        let out = Tensor::empty([rows.iter().sum::<usize>(), first.dim(1)], dtype, first.device())?;
+        let mut at = 0;
+        for (p, &r) in parts.iter().zip(&rows) {
+            out.narrow(0, at, r)?.assign(p)?;
+            at += r;
+        }
+        out
+    };
+    let (dtypes, need): (Vec<DType>, Vec<bool>) = parts.iter().map(|p| (p.dtype(), p.requires_grad())).unzip();
+    let inputs: Vec<&Tensor> = parts.iter().collect();
+    Ok(Tensor::from_op_ctx(
+        out,
+        "lora_stack_cast",
+        &inputs,
+        Box::new(move |g, ctx| {
+            let mut at = 0;
+            let mut grads = Vec::with_capacity(rows.len());
+            for (i, &r) in rows.iter().enumerate() {
+                let gi = g.narrow(0, at, r)?;
+                at += r;
+                grads.push(match need[i] {
+                    true => Some(ctx.param_dest(i, |_| true)?.land_as(gi, Some(dtypes[i]))?),
+                    false => None,
+                });
+            }
+            Ok(grads)
+        }),
+    ))
 }
 
 impl Llama {
@@ -479,5 +531,42 @@ impl Llama {
             Ok(())
         });
         found
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// `stack_cast` is `Tensor::cat` then `to_dtype`, bit for bit, forward and backward: the
+    /// stacked values and each factor's gradient (its rows of the stack's, in the factor's f32),
+    /// with a gradient destination (a bucket slice) for one part and none for the others.
+    #[test]
+    fn stack_cast_is_cat_then_cast_forward_and_backward() {
+        let mut r = Rng::new(5);
+        let parts: Vec<Tensor> =
+            [2, 1, 3].iter().map(|&rows| Tensor::randn([rows, 4], 1.0, DType::F32, Device::Cpu, &mut r).unwrap()).collect();
+        let cot = Tensor::randn([6, 4], 1.0, DType::BF16, Device::Cpu, &mut r).unwrap();
+        let run = |fused: bool| {
+            let ps: Vec<Tensor> = parts.iter().map(|p| p.detach()).collect();
+            for p in &ps {
+                p.set_requires_grad(true).unwrap();
+            }
+            let dest = Tensor::full([1, 4], f64::NAN, DType::F32, Device::Cpu).unwrap();
+            let d = dest.clone();
+            ps[1].set_grad_dest(Some(Arc::new(move || Ok(Some(d.clone())))));
+            let s = match fused {
+                true => stack_cast(&ps, DType::BF16).unwrap(),
+                false => Tensor::cat(&ps, 0).unwrap().to_dtype(DType::BF16).unwrap(),
+            };
+            s.mul(&cot).unwrap().sum_all().unwrap().backward().unwrap();
+            let grads: Vec<Vec<f32>> = ps.iter().map(|p| p.grad().expect("a gradient").to_vec_f32().unwrap()).collect();
+            assert!(ps.iter().all(|p| p.grad().unwrap().dtype() == DType::F32), "the gradients come back in f32");
+            (s.to_vec_f32().unwrap(), grads, dest.to_vec_f32().unwrap())
+        };
+        let (want, got) = (run(false), run(true));
+        assert_eq!(got.0, want.0, "the stack");
+        assert_eq!(got.1, want.1, "the factors' gradients");
+        assert_eq!(got.2, got.1[1], "the middle factor's gradient landed in its destination");
     }
 }
