@@ -144,14 +144,15 @@ mod cpu {
     }
 
     pub(super) fn backward(dy: View, x: View, w: View, r: View, offset: f64) -> Result<(Storage, Storage)> {
+        let dx = backward_dx(dy, x, w, r, offset)?;
         let (ox, n, d) = rows(x.1);
-        let (od, ow, or) = (dy.1.offset, w.1.offset, r.1.offset);
-        Ok(float_dispatch!(
-            "rmsnorm_backward",
-            x.0.dtype(),
-            [dy, x, w, r],
-            rmsnorm_backward(&dy[od..od + n * d], &x[ox..ox + n * d], &offset_weight(&w[ow..ow + d], offset), &r[or..or + n])
-        ))
+        let (od, or) = (dy.1.offset, r.1.offset);
+        let dw = float_dispatch!("rmsnorm_backward", x.0.dtype(), [dy, x, r], {
+            let mut dw = vec![num(0.0); d];
+            weight_grad(&mut dw, &x[ox..ox + n * d], &dy[od..od + n * d], &r[or..or + n]);
+            dw
+        });
+        Ok((dx, dw))
     }
 
     pub(super) fn backward_dx(dy: View, x: View, w: View, r: View, offset: f64) -> Result<Storage> {
@@ -219,15 +220,6 @@ mod cpu {
             backward_row(dx, x, dy, w, r);
         });
         dx
-    }
-
-    /// -> (dx (n, d), dw (d)); w with the offset already added (dw does not use it).
-    fn rmsnorm_backward<T: Float + Send + Sync>(dy: &[T], x: &[T], w: &[T], r: &[T]) -> (Vec<T>, Vec<T>) {
-        let d = w.len().max(1);
-        let dx = rmsnorm_backward_dx(dy, x, w, r);
-        let mut dw = vec![T::zero(); d];
-        weight_grad(&mut dw, x, dy, r);
-        (dx, dw)
     }
 }
 
