@@ -405,6 +405,20 @@ pub(crate) struct TrainerState {
     /// Steps whose update was skipped: AdamW's own step count is `step - skipped_steps`.
     #[serde(default)]
     skipped_steps: u64,
+    /// What the run trains on (`Batches::kind`: `windows`, `rows`, `pairs`); absent in
+    /// checkpoints written before it was recorded, which are not checked.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    trains: Option<String>,
+}
+
+/// What a run of `kind` (`Batches::kind`) trains on, and the tool that trains it, for errors.
+fn trains_what(kind: &str) -> String {
+    match kind {
+        "windows" => "token windows (pretrain_llama, or finetune on token data)".into(),
+        "rows" => "packed conversations (finetune, finetune_ladder)".into(),
+        "pairs" => "preference pairs (dpo)".into(),
+        other => format!("`{other}`"),
+    }
 }
 
 impl<M: crate::nn::CausalLm> Trainer<M> {
@@ -567,6 +581,7 @@ impl<M: crate::nn::CausalLm> Trainer<M> {
             options: self.opts.clone(),
             tokens_seen: self.tokens_seen,
             skipped_steps: self.skipped_total,
+            trains: Some(self.batches.kind().to_string()),
         };
         // Last: its presence marks the checkpoint complete.
         write_atomic(&tmp.join(TRAINER_STATE), serde_json::to_string_pretty(&st)?.as_bytes())?;
@@ -584,6 +599,19 @@ impl<M: crate::nn::CausalLm> Trainer<M> {
         let state_file = dir.join(TRAINER_STATE);
         let text = std::fs::read_to_string(&state_file).with_context(|| format!("cannot read {}", state_file.display()))?;
         let st: TrainerState = serde_json::from_str(&text).with_context(|| format!("{} is not a trainer state", state_file.display()))?;
+        // A run of another kind (a DPO run resumed by `finetune`, a fine-tune by `dpo`) would
+        // continue its optimizer state under another objective and mix both losses in one
+        // metrics.jsonl: its weights start a new run through --model instead.
+        let ours = self.batches.kind();
+        if let Some(theirs) = st.trains.as_deref().filter(|t| *t != ours) {
+            bail!(
+                "cannot resume from {}: it is a checkpoint of a run that trained {} (`trains` in {TRAINER_STATE}), and this run \
+                 trains {}; to start a new run from its weights, pass it as --model instead of --resume",
+                dir.display(),
+                trains_what(theirs),
+                trains_what(ours)
+            );
+        }
 
         match (is_adapter_dir(&dir), self.model.lora_config()) {
             (false, None) => {
