@@ -192,6 +192,8 @@ fn adapters_that_do_not_fit_are_refused_naming_the_field() {
         (Box::new(set("bias", "all".into())), &["adapter_config.json", "`bias`", "\"all\""]),
         (Box::new(set("modules_to_save", serde_json::json!(["lm_head"]))), &["`modules_to_save`"]),
         (Box::new(set("r", 0.into())), &["`r`", "positive"]),
+        // An `r` that disagrees with the factors is the config's fault, not another base's.
+        (Box::new(set("r", 7.into())), &["adapter_model.safetensors", "lora_A.weight", "adapter_config.json has `r` 7", "disagree"]),
         (Box::new(set("peft_type", "LOHA".into())), &["`peft_type`", "LOHA"]),
         (Box::new(set("rank_pattern", serde_json::json!({"q_proj": 8}))), &["`rank_pattern`"]),
         (Box::new(set("target_modules", serde_json::json!(["query", "value"]))), &["`target_modules`", "query, value", "another base"]),
