@@ -35,7 +35,7 @@ pub struct FinetuneLadderArgs {
     pub model: PathBuf,
     /// The blocks to make Ladder blocks: `all`, the last N layers, or indices i,j,k (a single
     /// index is written `3,`)
-    #[arg(long, value_name = "N|i,j,k", help_heading = "Model")]
+    #[arg(long, value_name = "N|i,j,k", help_heading = "Model", value_parser = super::ladder_layers_form)]
     pub ladder_layers: String,
     #[command(flatten)]
     pub chat: ChatArgs,
@@ -86,7 +86,7 @@ fn prepare(args: &FinetuneLadderArgs) -> AnyResult<Prepared> {
     std::fs::metadata(dir).with_context(|| format!("cannot open the model directory {}", dir.display()))?;
     let cfg = crate::nn::LlamaConfig::from_file(dir.join("config.json"))?;
     super::pretrain::check_seq_len(a.seq_len, &cfg, &dir.join("config.json").display().to_string())?; // before the data
-    let ladder = LadderLayers::parse_flag(&args.ladder_layers, cfg.num_hidden_layers)?;
+    let ladder = super::ladder_layers(&args.ladder_layers, cfg.num_hidden_layers)?;
     let lora = args.lora.memory(&cfg, dir)?; // the LoRA flags (and --lora-init's adapter) before any work
                                              // The adapters' base is the converted model (OUT/base): its config over --model's weight files.
     let mut converted = cfg.clone();
