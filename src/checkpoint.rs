@@ -151,12 +151,25 @@ pub fn resolve_model_dir(path: &Path) -> Result<PathBuf> {
         format!("{}: not a model directory (config.json), a run directory (checkpoints/) or checkpoints/latest", path.display())
     })?;
     if is_adapter_dir(&dir) {
+        // Every tool resolves its models here, and they name an adapter differently: `--lora`
+        // (eval, generate, export), `--lora-init` (the training tools); none takes one as
+        // --ref-model, which needs the model folded.
+        let base = adapter_base(&dir).map_or(String::new(), |b| format!(" (its base model is {b})"));
         bail!(
-            "{} is a LoRA run's adapter ({ADAPTER_CONFIG}), not a model: give it as --lora, with its base model as --model",
-            dir.display()
+            "{d} is a LoRA run's adapter ({ADAPTER_CONFIG}), not a model{base}: give its base model as --model and the adapter \
+             as --lora (eval, generate, export) or --lora-init (finetune, finetune_ladder, dpo), or fold it into the base \
+             with `export --model BASE --lora {d} --out DIR` and give that DIR",
+            d = dir.display()
         );
     }
     Ok(dir)
+}
+
+/// `base_model_name_or_path` of the adapter in `dir`, when its config names one.
+fn adapter_base(dir: &Path) -> Option<String> {
+    let text = std::fs::read_to_string(dir.join(ADAPTER_CONFIG)).ok()?;
+    let v: serde_json::Value = serde_json::from_str(&text).ok()?;
+    v.get("base_model_name_or_path")?.as_str().filter(|b| !b.is_empty()).map(str::to_string)
 }
 
 /// The parts of a checkpoint that are training state, for resuming, not the model: what

@@ -116,6 +116,13 @@ fn a_lora_run_records_its_base_and_refuses_to_resume_on_another() {
     assert!(log.contains("warning:") && log.contains("--lora-init") && log.contains("was trained on the base"), "{log}");
     let rec = json(&cont.join("checkpoints/step-000001/ferrolm_base.json"));
     assert_eq!(PathBuf::from(rec["base_model_name_or_path"].as_str().unwrap()), std::path::absolute(&b).unwrap());
+
+    // The run's adapter given as --model: the error names the base and the flag of the tool
+    // that takes an adapter (finetune has --lora-init, no --lora).
+    let e = error_report(&finetune(&run, &data, &dir.join("as-model"), &["--steps=1"]).unwrap_err());
+    let base_a = std::path::absolute(&a).unwrap().display().to_string();
+    assert!(e.contains("not a model") && e.contains("--lora-init") && e.contains(&base_a), "{e}");
+    assert!(!dir.join("as-model").exists());
     let _ = std::fs::remove_dir_all(&dir);
 }
 
