@@ -242,6 +242,16 @@ pub fn load(
             let own = LoadStats { records: k as u64, examples: k as u64, ..LoadStats::default() };
             Some((val, own))
         }
+        None if opts.val_fraction > 0.0 => {
+            // One conversation left: it trains, and none is held out whatever the fraction.
+            tracing::warn!(
+                "--val-fraction {} holds out none of the {} conversation(s) of --data (one must train): no validation; \
+                 give more data or --val-data",
+                opts.val_fraction,
+                train.len()
+            );
+            None
+        }
         None => {
             report("validation: none (--val-fraction 0 and no --val-data)");
             None

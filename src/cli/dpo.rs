@@ -271,6 +271,14 @@ fn prepare(args: &DpoArgs) -> AnyResult<Prepared> {
         Some(v) => (pairs, load_pairs(v, &opts, "validation pairs")?),
         None => split_validation(pairs, args.data.val_fraction, a.seed),
     };
+    if val.is_empty() && args.data.val_fraction > 0.0 && args.data.val_data.is_none() {
+        tracing::warn!(
+            "--val-fraction {} holds out none of the {} pair(s) of --data (one must train): no validation; give more data or \
+             --val-data",
+            args.data.val_fraction,
+            train.len()
+        );
+    }
     report(&format!("{} training pairs, {} validation pairs, rows of {row_tokens} tokens", train.len(), val.len()));
     let pad_id = tokenizer.eos_id().unwrap_or(0);
     let source = args.save.source(&model, a.tokenizer.as_deref(), template.as_ref().map(|(_, s)| s.as_str()))?;
