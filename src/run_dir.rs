@@ -51,6 +51,16 @@ pub fn conflicts(out: &Path, resumed: Option<(Option<&Path>, usize)>) -> Result<
 /// appended to, unless `overwrite`. Called by the tools before any work, and by the trainer
 /// before its first write.
 pub fn check_out_dir(out: &Path, resumed: Option<(Option<&Path>, usize)>, overwrite: bool) -> Result<()> {
+    // A file where the run directory (or a folder above it) would be: say so, not that its
+    // `checkpoints/` cannot be listed.
+    if let Some(file) = out.ancestors().filter(|p| !p.as_os_str().is_empty()).find(|p| p.exists()).filter(|p| !p.is_dir()) {
+        let at = if file == out { String::new() } else { format!(": {} is a file", file.display()) };
+        return Err(crate::errors::flag_error(format!(
+            "--out {} is not a directory{at}; a run writes its checkpoints and {METRICS} in a directory: choose one (nothing \
+             was written or deleted)",
+            out.display()
+        )));
+    }
     let found = conflicts(out, resumed)?;
     if found.is_empty() || overwrite {
         return Ok(());
