@@ -422,6 +422,41 @@ pub(crate) struct TrainerState {
     /// checkpoints written before it was recorded, which are not checked.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     trains: Option<String>,
+    /// A preference run's objective (`--beta`, `--loss-type`, `--loss-weights`), so a resume
+    /// that changes it is warned about as a changed training option is.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    preference: Option<ObjectiveRecord>,
+}
+
+/// The preference objective as `trainer_state.json` records it, in the flags' own words.
+#[derive(Serialize, Deserialize, Clone, Debug, PartialEq)]
+struct ObjectiveRecord {
+    beta: f64,
+    loss_type: String,
+    loss_weights: String,
+}
+
+impl ObjectiveRecord {
+    fn of(cfg: &ferrolm_nn::objective::preference::PreferenceConfig) -> Self {
+        let join = |f: &dyn Fn(&(ferrolm_nn::objective::preference::PreferenceLoss, f64)) -> String| {
+            cfg.losses.iter().map(f).collect::<Vec<_>>().join(",")
+        };
+        ObjectiveRecord { beta: cfg.beta, loss_type: join(&|(l, _)| l.name().to_string()), loss_weights: join(&|(_, w)| w.to_string()) }
+    }
+
+    /// Sentences for each flag that differs between a checkpoint's objective and this run's.
+    fn changes(&self, new: &ObjectiveRecord) -> Vec<String> {
+        let note = " (the preference loss changes from the resumed step on)";
+        [
+            ("--beta", self.beta.to_string(), new.beta.to_string()),
+            ("--loss-type", self.loss_type.clone(), new.loss_type.clone()),
+            ("--loss-weights", self.loss_weights.clone(), new.loss_weights.clone()),
+        ]
+        .into_iter()
+        .filter(|(_, a, b)| a != b)
+        .map(|(flag, a, b)| format!("{flag} {a} -> {b}{note}"))
+        .collect()
+    }
 }
 
 /// What a run of `kind` (`Batches::kind`) trains on, and the tool that trains it, for errors.
@@ -595,6 +630,7 @@ impl<M: crate::nn::CausalLm> Trainer<M> {
             tokens_seen: self.tokens_seen,
             skipped_steps: self.skipped_total,
             trains: Some(self.batches.kind().to_string()),
+            preference: self.preference.as_ref().map(|p| ObjectiveRecord::of(&p.cfg)),
         };
         // Last: its presence marks the checkpoint complete.
         write_atomic(&tmp.join(TRAINER_STATE), serde_json::to_string_pretty(&st)?.as_bytes())?;
@@ -673,7 +709,11 @@ impl<M: crate::nn::CausalLm> Trainer<M> {
         if let Some(missing) = expected.iter().find(|k| !weights.contains_key(*k)) {
             bail!("{}: missing weight `{missing}`", dir.display());
         }
-        for w in option_changes(&st.options, &self.opts) {
+        let objective = match (&st.preference, &self.preference) {
+            (Some(old), Some(new)) => old.changes(&ObjectiveRecord::of(&new.cfg)),
+            _ => Vec::new(),
+        };
+        for w in option_changes(&st.options, &self.opts).into_iter().chain(objective) {
             tracing::warn!("resuming with a changed option: {w}");
         }
         let opt_step = st.step as u64 - st.skipped_steps.min(st.step as u64);

@@ -175,6 +175,26 @@ fn a_val_fraction_that_holds_out_nothing_is_a_warning_naming_it() {
 }
 
 #[test]
+fn resuming_with_another_beta_or_loss_is_warned_about() {
+    let dir = tmp("dpo-resume-beta");
+    let (ck, data) = setup(&dir, 4);
+    let run = dir.join("run");
+    dpo(&ck, &data, &run, &["--steps=1"]).unwrap();
+    let state = std::fs::read_to_string(run.join("checkpoints/step-000001/trainer_state.json")).unwrap();
+    assert!(state.contains(r#""loss_type": "sigmoid""#), "{state}");
+    let step1 = flag("resume", &run.join("checkpoints/step-000001"));
+    let (r, log) = capture_logs(|| dpo(&ck, &data, &dir.join("b"), &["--steps=2", &step1, "--beta=0.5", "--loss-type=sigmoid,sft"]));
+    r.unwrap();
+    for w in ["resuming with a changed option: --beta 0.1 -> 0.5", "--loss-type sigmoid -> sigmoid,sft", "--loss-weights 1 -> 1,1"] {
+        assert!(log.contains(w), "{w} missing: {log}");
+    }
+    let (r, log) = capture_logs(|| dpo(&ck, &data, &dir.join("same"), &["--steps=2", &step1]));
+    r.unwrap();
+    assert!(!log.contains("--beta") && !log.contains("--loss-type"), "{log}");
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+#[test]
 fn lora_reference_is_the_base_model() {
     let dir = tmp("dpo-lora");
     let (ck, data) = setup(&dir, 8);
