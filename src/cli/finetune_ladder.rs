@@ -156,7 +156,13 @@ fn finetune_rank(args: &FinetuneLadderArgs, p: &Prepared, comm: Option<Comm>) ->
     }
     let resuming = a.resume.is_some();
     let family = trainer.model.config().family;
-    let plain = if resuming { None } else { Some(trainer.evaluate(0)?) };
+    // As finetune: without validation data (--val-fraction 0 and no --val-data, or too few
+    // conversations to hold one out) nothing is scored, and the run says so.
+    let validates = trainer.has_validation();
+    if !validates {
+        report("no validation loss is reported: this run has no validation data (--val-fraction 0, or too few conversations, and no --val-data)");
+    }
+    let plain = if resuming || !validates { None } else { Some(trainer.evaluate(0)?) };
     trainer.model.set_ladder_layers(Some(p.ladder.clone()))?;
     if let Some(plain) = plain {
         let with = if args.lora.lora_init.is_some() { " (with the --lora-init adapter)" } else { "" };
@@ -175,12 +181,14 @@ fn finetune_rank(args: &FinetuneLadderArgs, p: &Prepared, comm: Option<Comm>) ->
         return super::lora::merge(&args.lora, &base, Some(&dir), &a.out, &p.source);
     }
     trainer.run()?;
-    // The last step's validation, over the whole split (the line in metrics.jsonl).
-    let after = trainer.final_validation()?.loss;
-    match plain {
-        Some(plain) => report(&format!("validation loss after fine-tuning {after:.4} (plain {family} {plain:.4})")),
-        None => report(&format!("validation loss after fine-tuning {after:.4}")),
-    };
+    if validates {
+        // The last step's validation, over the whole split (the line in metrics.jsonl).
+        let after = trainer.final_validation()?.loss;
+        match plain {
+            Some(plain) => report(&format!("validation loss after fine-tuning {after:.4} (plain {family} {plain:.4})")),
+            None => report(&format!("validation loss after fine-tuning {after:.4}")),
+        };
+    }
     report(&format!("checkpoint: {}", a.out.join("checkpoints").display()));
     report_remote_code();
     super::lora::merge(&args.lora, &base, None, &a.out, &p.source)
