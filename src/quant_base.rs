@@ -61,6 +61,17 @@ pub fn check_quant_layout(quantize: Option<QuantType>, model: &Path, layout: &cr
 /// such with or without the flag).
 pub fn quant_spec(quantize: Option<QuantType>, dir: &Path) -> AnyResult<Option<QuantSpec>> {
     Ok(match (bnb4_config_of(dir)?, quantize) {
+        // Found here, before any work, as the flag error it is (loading would refuse it later).
+        (Some(c), Some(q)) if c.quant_type != q => {
+            return Err(flag_error(format!(
+                "--quantize-base {}: {} is saved 4-bit as {} (quantization_config.bnb_4bit_quant_type): drop --quantize-base \
+                 or give {}",
+                q.name(),
+                dir.join("config.json").display(),
+                c.quant_type.name(),
+                c.quant_type.name()
+            )))
+        }
         (Some(c), _) => Some(QuantSpec { quant_type: c.quant_type, double_quant: c.double_quant, ..QuantSpec::QLORA }),
         (None, Some(q)) => Some(QuantSpec { quant_type: q, ..QuantSpec::QLORA }),
         (None, None) => None,
