@@ -134,7 +134,12 @@ fn finetune(ck: &Path, dir: &Path, n: usize, out: &Path, extra: &[&str]) -> anyh
         .into_iter()
         .filter(|f| !given.contains(&name(f)))
         .collect();
-    let a = parse_from::<ferrolm::cli::finetune::FinetuneArgs, _, _>(args(&head, &[flag("model", ck), flag("data", &data), flag("out", out)], extra)).unwrap();
+    let a = parse_from::<ferrolm::cli::finetune::FinetuneArgs, _, _>(args(
+        &head,
+        &[flag("model", ck), flag("data", &data), flag("out", out)],
+        extra,
+    ))
+    .unwrap();
     ferrolm::cli::finetune::finetune(a)
 }
 
