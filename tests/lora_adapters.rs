@@ -117,6 +117,11 @@ fn a_lora_run_records_its_base_and_refuses_to_resume_on_another() {
     let rec = json(&cont.join("checkpoints/step-000001/ferrolm_base.json"));
     assert_eq!(PathBuf::from(rec["base_model_name_or_path"].as_str().unwrap()), std::path::absolute(&b).unwrap());
 
+    // --lora-init takes a LoRA run as --lora does: its newest complete checkpoint, logged.
+    let (r, log) = capture_logs(|| finetune(&a, &data, &dir.join("cont-run"), &[&flag("lora-init", &run), "--steps=1"]));
+    r.unwrap();
+    assert!(log.contains(&format!("--lora-init {}: using the checkpoint", run.display())) && log.contains("step-000003"), "{log}");
+
     // The run's adapter given as --model: the error names the base and the flag of the tool
     // that takes an adapter (finetune has --lora-init, no --lora).
     let e = error_report(&finetune(&run, &data, &dir.join("as-model"), &["--steps=1"]).unwrap_err());

@@ -359,6 +359,7 @@ pub struct Outcome {
 pub fn dpo(mut args: DpoArgs) -> AnyResult<Outcome> {
     let given = args.model.clone();
     args.model = super::model_dir("--model", &args.model)?;
+    args.lora.settle()?;
     args.pref.config()?; // flag errors before anything else
     if !args.train.settle_resume()? {
         return Ok(Outcome::default());

@@ -113,6 +113,7 @@ fn prepare(args: &FinetuneLadderArgs) -> AnyResult<Prepared> {
 pub fn run(mut args: FinetuneLadderArgs) -> AnyResult<()> {
     let given = args.model.clone();
     args.model = super::model_dir("--model", &args.model)?;
+    args.lora.settle()?;
     if args.chat.show_example.is_some() {
         let text = super::finetune::show_examples(&args.train, &args.chat, "data/corpus", &args.model)?;
         report(text.trim_end());
