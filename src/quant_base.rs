@@ -27,8 +27,12 @@ pub fn load_model(dir: &Path, quantize: Option<QuantType>, dtype: crate::DType, 
 /// Refuses, before any work, a layout that a 4-bit base (`--quantize-base`, or `--model` saved
 /// 4-bit) does not run under: ZeRO-3 (the frozen 4-bit weights are held whole on every rank),
 /// and a `--tp` whose pieces would split a 4-bit block of some weight (naming it and the
-/// sizes). A flag error naming the flags.
+/// sizes); and `--quantize-base` of another type than a `--model` saved 4-bit. A flag error
+/// naming the flags.
 pub fn check_quant_layout(quantize: Option<QuantType>, model: &Path, layout: &crate::parallel::Parallelism) -> AnyResult<()> {
+    if quantize.is_some() {
+        quant_spec(quantize, model)?; // --quantize-base of another type than a 4-bit --model's
+    }
     // config.json is read only where the layout could conflict with a 4-bit base, and once.
     if (layout.spec.params <= 1 && layout.tp <= 1) || !(quantize.is_some() || is_4bit_checkpoint(model)?) {
         return Ok(());
