@@ -224,6 +224,19 @@ pub fn read_metrics(run: &Path, step: usize) -> Result<(Vec<MetricsLine>, usize)
 }
 
 /// Whether two paths name one directory (compared canonically when both exist).
+/// Warns when `--val-data` names the `--data` it validates (as the filesystem sees them): the
+/// validation loss then scores the very examples the run trains on, which no held-out number is.
+pub fn warn_val_is_data(data: &Path, val: &Path, what: &str) {
+    if same_dir(data, val) {
+        tracing::warn!(
+            "--val-data {} is --data {}: the validation loss scores the {what} the run trains on, not held-out ones; give \
+             other {what} as --val-data, or drop it to hold out --val-fraction of --data",
+            val.display(),
+            data.display()
+        );
+    }
+}
+
 pub fn same_dir(a: &Path, b: &Path) -> bool {
     match (a.canonicalize(), b.canonicalize()) {
         (Ok(x), Ok(y)) => x == y,

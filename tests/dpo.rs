@@ -166,7 +166,7 @@ fn a_checkpoint_resumes_only_into_a_run_of_its_kind() {
 }
 
 #[test]
-fn a_val_fraction_that_holds_out_nothing_is_a_warning_naming_it() {
+fn validation_that_holds_out_nothing_is_warned_about() {
     let dir = tmp("dpo-val-none");
     let (ck, data) = setup(&dir, 1);
     let (r, log) = capture_logs(|| dpo(&ck, &data, &dir.join("dpo"), &["--steps=1", "--val-fraction=0.5"]));
@@ -176,6 +176,18 @@ fn a_val_fraction_that_holds_out_nothing_is_a_warning_naming_it() {
     let (r, log) = capture_logs(|| finetune(&ck, &dir, 1, &dir.join("sft"), &["--steps=1", "--val-fraction=0.5"]));
     r.unwrap();
     assert!(log.contains("warning:") && log.contains("--val-fraction 0.5 holds out none of the 1 conversation(s)"), "{log}");
+    // --val-data naming --data itself (here through another spelling of the path) validates on
+    // the training examples: a warning says so.
+    let same = dir.join(".").join("prefs.jsonl");
+    let (r, log) = capture_logs(|| dpo(&ck, &data, &dir.join("dpo-same"), &["--steps=1", &flag("val-data", &same)]));
+    r.unwrap();
+    assert!(log.contains("warning:") && log.contains("the validation loss scores the pairs the run trains on"), "{log}");
+    let chat = dir.join("chat.jsonl");
+    let (r, log) = capture_logs(|| finetune(&ck, &dir, 2, &dir.join("sft-same"), &["--steps=1", &flag("val-data", &chat)]));
+    r.unwrap();
+    assert!(log.contains("the validation loss scores the conversations the run trains on"), "{log}");
+    let (r, log) = capture_logs(|| dpo(&ck, &data, &dir.join("dpo-other"), &["--steps=1", &flag("val-data", &dir.join("chat.jsonl"))]));
+    assert!(r.is_err() && !log.contains("trains on, not held-out"), "{log}");
     let _ = std::fs::remove_dir_all(&dir);
 }
 

@@ -268,7 +268,10 @@ fn prepare(args: &DpoArgs) -> AnyResult<Prepared> {
     let data = a.data.clone().unwrap_or_else(|| super::bundled(DEFAULT_DATA));
     let pairs = load_pairs(&data, &opts, "training pairs")?;
     let (train, val) = match &args.data.val_data {
-        Some(v) => (pairs, load_pairs(v, &opts, "validation pairs")?),
+        Some(v) => {
+            crate::run_dir::warn_val_is_data(&data, v, "pairs");
+            (pairs, load_pairs(v, &opts, "validation pairs")?)
+        }
         None => split_validation(pairs, args.data.val_fraction, a.seed),
     };
     if val.is_empty() && args.data.val_fraction > 0.0 && args.data.val_data.is_none() {
