@@ -108,6 +108,11 @@ fn a_lora_run_records_its_base_and_refuses_to_resume_on_another() {
     let (r, log) = capture_logs(|| eval(&b, &text, &[&flag("lora", &peft)]));
     r.unwrap();
     assert!(log.contains("has no ferrolm_base.json") && !log.contains("warning:"), "{log}");
+    // A damaged record stops the adapter's use, and the error says how to go on.
+    std::fs::write(peft.join("ferrolm_base.json"), "{bad").unwrap();
+    let e = error_report(&eval(&b, &text, &[&flag("lora", &peft)]).unwrap_err());
+    assert!(e.contains("ferrolm_base.json is not a base record") && e.contains("delete it"), "{e}");
+    std::fs::remove_file(peft.join("ferrolm_base.json")).unwrap();
 
     // --lora-init onto another base warns and records the new base.
     let cont = dir.join("cont");
