@@ -276,5 +276,8 @@ fn saving_needs_adapters_and_bad_settings_name_the_flag() {
     let e = Proj::parse_list("q,qkv").unwrap_err().to_string();
     assert!(e.contains("--lora-targets") && e.contains("`qkv`"), "{e}");
     assert_eq!(Proj::parse_list("all-linear").unwrap(), Proj::ALL.to_vec());
+    // `all-linear` in a list: not called an unknown layer beside a list of known ones naming it.
+    let e = Proj::parse_list("all-linear,q").unwrap_err().to_string();
+    assert!(e.contains("--lora-targets") && e.contains("`all-linear` stands alone") && !e.contains("is not a linear layer"), "{e}");
     assert_eq!(Proj::parse_list("v_proj, q ,v").unwrap(), vec![Proj::Q, Proj::V]);
 }
