@@ -211,6 +211,17 @@ impl Batches {
         Ok(StepBatches { micro, trained: trained_all, tokens: tokens_all, pairs: pairs_all, chosen_tokens: chosen_all })
     }
 
+    /// What the run trains on, as `trainer_state.json`'s `trains` records it: `windows` (token
+    /// windows: pretraining, or token data), `rows` (packed conversations: chat fine-tuning) or
+    /// `pairs` (preference pairs: `dpo`). A checkpoint resumes only into a run of the same kind.
+    pub fn kind(&self) -> &'static str {
+        match self {
+            Batches::Windows { .. } => "windows",
+            Batches::Rows { .. } => "rows",
+            Batches::Pairs { .. } => "pairs",
+        }
+    }
+
     /// Where the order stands (saved with checkpoints; for rows, `num_windows` counts rows).
     pub fn state(&self) -> LoaderState {
         match self {

@@ -215,7 +215,10 @@ pub fn load(
     let (mut train, stats) = examples(data, &tpl, tokenizer, opts, "data")?;
     let mut held_out = 0u64;
     let val = match &opts.val_data {
-        Some(v) => Some(examples(v, &tpl, tokenizer, opts, "validation data")?),
+        Some(v) => {
+            crate::run_dir::warn_val_is_data(data, v, "conversations");
+            Some(examples(v, &tpl, tokenizer, opts, "validation data")?)
+        }
         None if opts.val_fraction > 0.0 && train.len() > 1 => {
             let n = train.len();
             let k = ((opts.val_fraction * n as f64).round() as usize).clamp(1, n - 1);
@@ -241,6 +244,16 @@ pub fn load(
             // skipped before the split).
             let own = LoadStats { records: k as u64, examples: k as u64, ..LoadStats::default() };
             Some((val, own))
+        }
+        None if opts.val_fraction > 0.0 => {
+            // One conversation left: it trains, and none is held out whatever the fraction.
+            tracing::warn!(
+                "--val-fraction {} holds out none of the {} conversation(s) of --data (one must train): no validation; \
+                 give more data or --val-data",
+                opts.val_fraction,
+                train.len()
+            );
+            None
         }
         None => {
             report("validation: none (--val-fraction 0 and no --val-data)");

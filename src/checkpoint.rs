@@ -151,12 +151,25 @@ pub fn resolve_model_dir(path: &Path) -> Result<PathBuf> {
         format!("{}: not a model directory (config.json), a run directory (checkpoints/) or checkpoints/latest", path.display())
     })?;
     if is_adapter_dir(&dir) {
+        // Every tool resolves its models here, and they name an adapter differently: `--lora`
+        // (eval, generate, export), `--lora-init` (the training tools); none takes one as
+        // --ref-model, which needs the model folded.
+        let base = adapter_base(&dir).map_or(String::new(), |b| format!(" (its base model is {b})"));
         bail!(
-            "{} is a LoRA run's adapter ({ADAPTER_CONFIG}), not a model: give it as --lora, with its base model as --model",
-            dir.display()
+            "{d} is a LoRA run's adapter ({ADAPTER_CONFIG}), not a model{base}: give its base model as --model and the adapter \
+             as --lora (eval, generate, export) or --lora-init (finetune, finetune_ladder, dpo), or fold it into the base \
+             with `export --model BASE --lora {d} --out DIR` and give that DIR",
+            d = dir.display()
         );
     }
     Ok(dir)
+}
+
+/// `base_model_name_or_path` of the adapter in `dir`, when its config names one.
+fn adapter_base(dir: &Path) -> Option<String> {
+    let text = std::fs::read_to_string(dir.join(ADAPTER_CONFIG)).ok()?;
+    let v: serde_json::Value = serde_json::from_str(&text).ok()?;
+    v.get("base_model_name_or_path")?.as_str().filter(|b| !b.is_empty()).map(str::to_string)
 }
 
 /// The parts of a checkpoint that are training state, for resuming, not the model: what
@@ -405,6 +418,55 @@ pub(crate) struct TrainerState {
     /// Steps whose update was skipped: AdamW's own step count is `step - skipped_steps`.
     #[serde(default)]
     skipped_steps: u64,
+    /// What the run trains on (`Batches::kind`: `windows`, `rows`, `pairs`); absent in
+    /// checkpoints written before it was recorded, which are not checked.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    trains: Option<String>,
+    /// A preference run's objective (`--beta`, `--loss-type`, `--loss-weights`), so a resume
+    /// that changes it is warned about as a changed training option is.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    preference: Option<ObjectiveRecord>,
+}
+
+/// The preference objective as `trainer_state.json` records it, in the flags' own words.
+#[derive(Serialize, Deserialize, Clone, Debug, PartialEq)]
+struct ObjectiveRecord {
+    beta: f64,
+    loss_type: String,
+    loss_weights: String,
+}
+
+impl ObjectiveRecord {
+    fn of(cfg: &ferrolm_nn::objective::preference::PreferenceConfig) -> Self {
+        let join = |f: &dyn Fn(&(ferrolm_nn::objective::preference::PreferenceLoss, f64)) -> String| {
+            cfg.losses.iter().map(f).collect::<Vec<_>>().join(",")
+        };
+        ObjectiveRecord { beta: cfg.beta, loss_type: join(&|(l, _)| l.name().to_string()), loss_weights: join(&|(_, w)| w.to_string()) }
+    }
+
+    /// Sentences for each flag that differs between a checkpoint's objective and this run's.
+    fn changes(&self, new: &ObjectiveRecord) -> Vec<String> {
+        let note = " (the preference loss changes from the resumed step on)";
+        [
+            ("--beta", self.beta.to_string(), new.beta.to_string()),
+            ("--loss-type", self.loss_type.clone(), new.loss_type.clone()),
+            ("--loss-weights", self.loss_weights.clone(), new.loss_weights.clone()),
+        ]
+        .into_iter()
+        .filter(|(_, a, b)| a != b)
+        .map(|(flag, a, b)| format!("{flag} {a} -> {b}{note}"))
+        .collect()
+    }
+}
+
+/// What a run of `kind` (`Batches::kind`) trains on, and the tool that trains it, for errors.
+fn trains_what(kind: &str) -> String {
+    match kind {
+        "windows" => "token windows (pretrain_llama, or finetune on token data)".into(),
+        "rows" => "packed conversations (finetune, finetune_ladder)".into(),
+        "pairs" => "preference pairs (dpo)".into(),
+        other => format!("`{other}`"),
+    }
 }
 
 impl<M: crate::nn::CausalLm> Trainer<M> {
@@ -567,6 +629,8 @@ impl<M: crate::nn::CausalLm> Trainer<M> {
             options: self.opts.clone(),
             tokens_seen: self.tokens_seen,
             skipped_steps: self.skipped_total,
+            trains: Some(self.batches.kind().to_string()),
+            preference: self.preference.as_ref().map(|p| ObjectiveRecord::of(&p.cfg)),
         };
         // Last: its presence marks the checkpoint complete.
         write_atomic(&tmp.join(TRAINER_STATE), serde_json::to_string_pretty(&st)?.as_bytes())?;
@@ -584,6 +648,19 @@ impl<M: crate::nn::CausalLm> Trainer<M> {
         let state_file = dir.join(TRAINER_STATE);
         let text = std::fs::read_to_string(&state_file).with_context(|| format!("cannot read {}", state_file.display()))?;
         let st: TrainerState = serde_json::from_str(&text).with_context(|| format!("{} is not a trainer state", state_file.display()))?;
+        // A run of another kind (a DPO run resumed by `finetune`, a fine-tune by `dpo`) would
+        // continue its optimizer state under another objective and mix both losses in one
+        // metrics.jsonl: its weights start a new run through --model instead.
+        let ours = self.batches.kind();
+        if let Some(theirs) = st.trains.as_deref().filter(|t| *t != ours) {
+            bail!(
+                "cannot resume from {}: it is a checkpoint of a run that trained {} (`trains` in {TRAINER_STATE}), and this run \
+                 trains {}; to start a new run from its weights, pass it as --model instead of --resume",
+                dir.display(),
+                trains_what(theirs),
+                trains_what(ours)
+            );
+        }
 
         match (is_adapter_dir(&dir), self.model.lora_config()) {
             (false, None) => {
@@ -632,7 +709,11 @@ impl<M: crate::nn::CausalLm> Trainer<M> {
         if let Some(missing) = expected.iter().find(|k| !weights.contains_key(*k)) {
             bail!("{}: missing weight `{missing}`", dir.display());
         }
-        for w in option_changes(&st.options, &self.opts) {
+        let objective = match (&st.preference, &self.preference) {
+            (Some(old), Some(new)) => old.changes(&ObjectiveRecord::of(&new.cfg)),
+            _ => Vec::new(),
+        };
+        for w in option_changes(&st.options, &self.opts).into_iter().chain(objective) {
             tracing::warn!("resuming with a changed option: {w}");
         }
         let opt_step = st.step as u64 - st.skipped_steps.min(st.step as u64);

@@ -105,7 +105,13 @@ impl BaseIdentity {
             return Ok(None);
         }
         let text = std::fs::read_to_string(&path).with_context(|| format!("cannot read {}", path.display()))?;
-        let id = serde_json::from_str(&text).with_context(|| format!("{} is not a base record of ferrolm", path.display()))?;
+        let id = serde_json::from_str(&text).with_context(|| {
+            format!(
+                "{} is not a base record of ferrolm (the base the adapter was trained on, checked before it is used): restore \
+                 it, or delete it to use the adapter without that check",
+                path.display()
+            )
+        })?;
         Ok(Some(id))
     }
 

@@ -27,8 +27,12 @@ pub fn load_model(dir: &Path, quantize: Option<QuantType>, dtype: crate::DType, 
 /// Refuses, before any work, a layout that a 4-bit base (`--quantize-base`, or `--model` saved
 /// 4-bit) does not run under: ZeRO-3 (the frozen 4-bit weights are held whole on every rank),
 /// and a `--tp` whose pieces would split a 4-bit block of some weight (naming it and the
-/// sizes). A flag error naming the flags.
+/// sizes); and `--quantize-base` of another type than a `--model` saved 4-bit. A flag error
+/// naming the flags.
 pub fn check_quant_layout(quantize: Option<QuantType>, model: &Path, layout: &crate::parallel::Parallelism) -> AnyResult<()> {
+    if quantize.is_some() {
+        quant_spec(quantize, model)?; // --quantize-base of another type than a 4-bit --model's
+    }
     // config.json is read only where the layout could conflict with a 4-bit base, and once.
     if (layout.spec.params <= 1 && layout.tp <= 1) || !(quantize.is_some() || is_4bit_checkpoint(model)?) {
         return Ok(());
@@ -61,6 +65,17 @@ pub fn check_quant_layout(quantize: Option<QuantType>, model: &Path, layout: &cr
 /// such with or without the flag).
 pub fn quant_spec(quantize: Option<QuantType>, dir: &Path) -> AnyResult<Option<QuantSpec>> {
     Ok(match (bnb4_config_of(dir)?, quantize) {
+        // Found here, before any work, as the flag error it is (loading would refuse it later).
+        (Some(c), Some(q)) if c.quant_type != q => {
+            return Err(flag_error(format!(
+                "--quantize-base {}: {} is saved 4-bit as {} (quantization_config.bnb_4bit_quant_type): drop --quantize-base \
+                 or give {}",
+                q.name(),
+                dir.join("config.json").display(),
+                c.quant_type.name(),
+                c.quant_type.name()
+            )))
+        }
         (Some(c), _) => Some(QuantSpec { quant_type: c.quant_type, double_quant: c.double_quant, ..QuantSpec::QLORA }),
         (None, Some(q)) => Some(QuantSpec { quant_type: q, ..QuantSpec::QLORA }),
         (None, None) => None,

@@ -51,6 +51,16 @@ pub fn conflicts(out: &Path, resumed: Option<(Option<&Path>, usize)>) -> Result<
 /// appended to, unless `overwrite`. Called by the tools before any work, and by the trainer
 /// before its first write.
 pub fn check_out_dir(out: &Path, resumed: Option<(Option<&Path>, usize)>, overwrite: bool) -> Result<()> {
+    // A file where the run directory (or a folder above it) would be: say so, not that its
+    // `checkpoints/` cannot be listed.
+    if let Some(file) = out.ancestors().filter(|p| !p.as_os_str().is_empty()).find(|p| p.exists()).filter(|p| !p.is_dir()) {
+        let at = if file == out { String::new() } else { format!(": {} is a file", file.display()) };
+        return Err(crate::errors::flag_error(format!(
+            "--out {} is not a directory{at}; a run writes its checkpoints and {METRICS} in a directory: choose one (nothing \
+             was written or deleted)",
+            out.display()
+        )));
+    }
     let found = conflicts(out, resumed)?;
     if found.is_empty() || overwrite {
         return Ok(());
@@ -214,6 +224,19 @@ pub fn read_metrics(run: &Path, step: usize) -> Result<(Vec<MetricsLine>, usize)
 }
 
 /// Whether two paths name one directory (compared canonically when both exist).
+/// Warns when `--val-data` names the `--data` it validates (as the filesystem sees them): the
+/// validation loss then scores the very examples the run trains on, which no held-out number is.
+pub fn warn_val_is_data(data: &Path, val: &Path, what: &str) {
+    if same_dir(data, val) {
+        tracing::warn!(
+            "--val-data {} is --data {}: the validation loss scores the {what} the run trains on, not held-out ones; give \
+             other {what} as --val-data, or drop it to hold out --val-fraction of --data",
+            val.display(),
+            data.display()
+        );
+    }
+}
+
 pub fn same_dir(a: &Path, b: &Path) -> bool {
     match (a.canonicalize(), b.canonicalize()) {
         (Ok(x), Ok(y)) => x == y,

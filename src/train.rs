@@ -87,29 +87,39 @@ impl TrainOptions {
         crate::planner::memory::RunShape { batch_size: self.batch_size, seq_len: self.seq_len, grad_accum: self.grad_accum }
     }
 
-    /// Sizes positive, rates finite and not negative; the error names the flag.
+    /// Sizes positive, rates finite and not negative, a micro-batch and a step of sizes that
+    /// fit; a flag error (exit code 2) naming the flag.
     pub fn validate(&self) -> AnyResult<()> {
+        use crate::errors::flag_error;
         for (flag, v) in
             [("--steps", self.steps), ("--batch-size", self.batch_size), ("--seq-len", self.seq_len), ("--grad-accum", self.grad_accum)]
         {
             if v == 0 {
-                bail!("{flag} must be positive, got 0");
+                return Err(flag_error(format!("{flag} must be positive, got 0")));
             }
         }
         let Some(tokens) = self.batch_size.checked_mul(self.seq_len) else {
-            bail!("--batch-size {} x --seq-len {} overflows", self.batch_size, self.seq_len);
+            return Err(flag_error(format!("--batch-size {} x --seq-len {} overflows", self.batch_size, self.seq_len)));
         };
-        if tokens as u64 > ferrolm_data::MAX_BATCH_TOKENS {
-            bail!(
-                "--batch-size {} x --seq-len {} is more than the {} tokens a micro-batch may hold",
-                self.batch_size,
-                self.seq_len,
-                ferrolm_data::MAX_BATCH_TOKENS
-            );
+        let max = ferrolm_data::MAX_BATCH_TOKENS;
+        if tokens as u64 > max {
+            return Err(flag_error(format!(
+                "--batch-size {} x --seq-len {} is more than the {max} tokens a micro-batch may hold",
+                self.batch_size, self.seq_len
+            )));
+        }
+        // A step draws its --grad-accum micro-batches at once (`Batches::next_step`): their
+        // tokens are held together, so a huge --grad-accum would fill the host's memory.
+        if tokens.checked_mul(self.grad_accum).is_none_or(|t| t as u64 > max) {
+            return Err(flag_error(format!(
+                "--grad-accum {} x --batch-size {} x --seq-len {} is more than the {max} tokens a step may hold on a rank (its \
+                 micro-batches are drawn together): lower --grad-accum",
+                self.grad_accum, self.batch_size, self.seq_len
+            )));
         }
         for (flag, v) in [("--lr", self.lr), ("min_lr", self.min_lr), ("weight_decay", self.weight_decay), ("grad_clip", self.grad_clip)] {
             if !v.is_finite() || v < 0.0 {
-                bail!("{flag} must be a finite number >= 0, got {v}");
+                return Err(flag_error(format!("{flag} must be a finite number >= 0, got {v}")));
             }
         }
         Ok(())

@@ -119,6 +119,94 @@ fn live_and_precomputed_references_agree_and_resume_is_exact() {
     let _ = std::fs::remove_dir_all(&dir);
 }
 
+/// `finetune` on the first `n` conversations of the bundled chat file.
+fn finetune(ck: &Path, dir: &Path, n: usize, out: &Path, extra: &[&str]) -> anyhow::Result<ferrolm::cli::finetune::Outcome> {
+    let text = std::fs::read_to_string(data_path("chat.jsonl")).unwrap();
+    let data = dir.join("chat.jsonl");
+    std::fs::write(&data, text.lines().take(n).map(|l| format!("{l}\n")).collect::<String>()).unwrap();
+    let name = |f: &str| f.split('=').next().unwrap().to_string();
+    let given: Vec<String> = extra.iter().map(|f| name(f)).collect();
+    let head: Vec<&str> = ["finetune", "--device=cpu", "--eval-every=0", "--batch-size=2", "--val-fraction=0"]
+        .into_iter()
+        .filter(|f| !given.contains(&name(f)))
+        .collect();
+    let a = parse_from::<ferrolm::cli::finetune::FinetuneArgs, _, _>(args(
+        &head,
+        &[flag("model", ck), flag("data", &data), flag("out", out)],
+        extra,
+    ))
+    .unwrap();
+    ferrolm::cli::finetune::finetune(a)
+}
+
+#[test]
+fn a_checkpoint_resumes_only_into_a_run_of_its_kind() {
+    let dir = tmp("dpo-kind");
+    let (ck, data) = setup(&dir, 4);
+    let (pairs, rows) = (dir.join("pairs"), dir.join("rows"));
+    dpo(&ck, &data, &pairs, &["--steps=1"]).unwrap();
+    finetune(&ck, &dir, 8, &rows, &["--steps=1", "--seq-len=128"]).unwrap();
+    let state = |run: &Path| std::fs::read_to_string(run.join("checkpoints/step-000001/trainer_state.json")).unwrap();
+    assert!(state(&pairs).contains(r#""trains": "pairs""#) && state(&rows).contains(r#""trains": "rows""#));
+    // Another --seq-len leaves the data position behind (a warning), so only the kind stops a
+    // DPO run continuing as a fine-tune (its AdamW state, its metrics.jsonl mixing both losses).
+    let before = snapshot(&pairs);
+    let e = finetune(&ck, &dir, 8, &pairs, &["--steps=2", "--seq-len=64", &flag("resume", &pairs)]).unwrap_err();
+    let msg = format!("{e:#}");
+    assert!(msg.contains("trained preference pairs (dpo)") && msg.contains("`trains`") && msg.contains("--model"), "{msg}");
+    assert!(snapshot(&pairs) == before, "the DPO run changed");
+    let e = dpo(&ck, &data, &dir.join("dpo"), &["--steps=2", "--seq-len=64", &flag("resume", &rows)]).unwrap_err();
+    let msg = format!("{e:#}");
+    assert!(msg.contains("trained packed conversations (finetune, finetune_ladder)") && msg.contains("trains preference pairs"), "{msg}");
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+#[test]
+fn validation_that_holds_out_nothing_is_warned_about() {
+    let dir = tmp("dpo-val-none");
+    let (ck, data) = setup(&dir, 1);
+    let (r, log) = capture_logs(|| dpo(&ck, &data, &dir.join("dpo"), &["--steps=1", "--val-fraction=0.5"]));
+    r.unwrap();
+    assert!(log.contains("warning:") && log.contains("--val-fraction 0.5 holds out none of the 1 pair(s)"), "{log}");
+    // SFT said `validation: none (--val-fraction 0 ...)`, naming a value the user did not give.
+    let (r, log) = capture_logs(|| finetune(&ck, &dir, 1, &dir.join("sft"), &["--steps=1", "--val-fraction=0.5"]));
+    r.unwrap();
+    assert!(log.contains("warning:") && log.contains("--val-fraction 0.5 holds out none of the 1 conversation(s)"), "{log}");
+    // --val-data naming --data itself (here through another spelling of the path) validates on
+    // the training examples: a warning says so.
+    let same = dir.join(".").join("prefs.jsonl");
+    let (r, log) = capture_logs(|| dpo(&ck, &data, &dir.join("dpo-same"), &["--steps=1", &flag("val-data", &same)]));
+    r.unwrap();
+    assert!(log.contains("warning:") && log.contains("the validation loss scores the pairs the run trains on"), "{log}");
+    let chat = dir.join("chat.jsonl");
+    let (r, log) = capture_logs(|| finetune(&ck, &dir, 2, &dir.join("sft-same"), &["--steps=1", &flag("val-data", &chat)]));
+    r.unwrap();
+    assert!(log.contains("the validation loss scores the conversations the run trains on"), "{log}");
+    let (r, log) = capture_logs(|| dpo(&ck, &data, &dir.join("dpo-other"), &["--steps=1", &flag("val-data", &dir.join("chat.jsonl"))]));
+    assert!(r.is_err() && !log.contains("trains on, not held-out"), "{log}");
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+#[test]
+fn resuming_with_another_beta_or_loss_is_warned_about() {
+    let dir = tmp("dpo-resume-beta");
+    let (ck, data) = setup(&dir, 4);
+    let run = dir.join("run");
+    dpo(&ck, &data, &run, &["--steps=1"]).unwrap();
+    let state = std::fs::read_to_string(run.join("checkpoints/step-000001/trainer_state.json")).unwrap();
+    assert!(state.contains(r#""loss_type": "sigmoid""#), "{state}");
+    let step1 = flag("resume", &run.join("checkpoints/step-000001"));
+    let (r, log) = capture_logs(|| dpo(&ck, &data, &dir.join("b"), &["--steps=2", &step1, "--beta=0.5", "--loss-type=sigmoid,sft"]));
+    r.unwrap();
+    for w in ["resuming with a changed option: --beta 0.1 -> 0.5", "--loss-type sigmoid -> sigmoid,sft", "--loss-weights 1 -> 1,1"] {
+        assert!(log.contains(w), "{w} missing: {log}");
+    }
+    let (r, log) = capture_logs(|| dpo(&ck, &data, &dir.join("same"), &["--steps=2", &step1]));
+    r.unwrap();
+    assert!(!log.contains("--beta") && !log.contains("--loss-type"), "{log}");
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
 #[test]
 fn lora_reference_is_the_base_model() {
     let dir = tmp("dpo-lora");

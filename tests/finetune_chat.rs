@@ -123,6 +123,19 @@ fn finetune_ladder_takes_the_same_chat_data() {
     ferrolm::cli::finetune_ladder::run(a).unwrap();
     assert_eq!(losses(&out).len(), 2);
     assert_eq!(val_losses(&out).len(), 1, "validation over the held-out conversations at the last step");
+    // --val-fraction 0 (no validation, as finetune takes it): it trains, and converts only with
+    // --steps 0, where it failed with "this run has no validation data" after loading the
+    // model (and, with LoRA, writing OUT/base).
+    for (name, steps) in [("noval", "--steps=2"), ("noval-convert", "--steps=0")] {
+        let out = dir.join(name);
+        let extra = ["--ladder-layers=1", steps, "--val-fraction=0", "--lora-rank=2"];
+        let a: FinetuneLadderArgs = parse_from(args(&head, &[flag("model", &ck), flag("data", &data), flag("out", &out)], &extra)).unwrap();
+        ferrolm::cli::finetune_ladder::run(a).unwrap();
+        assert!(out.join("checkpoints/latest").is_file(), "{name}");
+        if name == "noval" {
+            assert!(val_losses(&out).is_empty() && losses(&out).len() == 2, "{name}");
+        }
+    }
     let _ = std::fs::remove_dir_all(&dir);
 }
 

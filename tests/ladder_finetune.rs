@@ -7,7 +7,7 @@ use ferrolm::cli::eval::EvalArgs;
 use ferrolm::cli::finetune_ladder::FinetuneLadderArgs;
 use ferrolm::cli::generate::GenerateArgs;
 use ferrolm::cli::pretrain::PretrainArgs;
-use ferrolm::cli::{error_report, parse_from};
+use ferrolm::cli::{error_report, exit_code, parse_from};
 use std::path::{Path, PathBuf};
 
 /// A plain Llama checkpoint (with tokenizer.json) and prepared data.
@@ -97,13 +97,26 @@ fn finetune_resume_is_exact() {
 fn bad_ladder_layers_are_refused_naming_the_flag() {
     let dir = tmp("ladder-bad");
     let (ck, data) = setup(&dir);
-    for bad in ["3", "0,7", "x"] {
-        let e = error_report(&finetune(&ck, &data, &dir.join("out"), &["--ladder-layers", bad]).unwrap_err());
+    // Out of range for the 2-layer model: a flag error (exit code 2) once its config is read.
+    for bad in ["3", "0,7"] {
+        let err = finetune(&ck, &data, &dir.join("out"), &["--ladder-layers", bad]).unwrap_err();
+        let e = error_report(&err);
         assert!(e.contains("--ladder-layers"), "{bad}: {e}");
+        assert_eq!(exit_code(&err), 2, "{bad}: {e}");
+    }
+    // Malformed: refused when the flags are parsed, before any work (an --out holding a run
+    // would otherwise be reported first).
+    for bad in ["x", "-1", "all,1", "1,1"] {
+        let e = parse_from::<FinetuneLadderArgs, _, _>(["finetune_ladder", "--model", "m", "--ladder-layers", bad]).unwrap_err();
+        assert!(e.to_string().contains("--ladder-layers"), "{bad}: {e}");
+        let e = parse_from::<PretrainArgs, _, _>(["pretrain_llama", "--ladder-layers", bad]).unwrap_err();
+        assert!(e.to_string().contains("--ladder-layers"), "{bad}: {e}");
     }
     let p: PretrainArgs =
         parse_from(["pretrain_llama", "--device=cpu", "--ladder-layers=9", "--out", dir.join("p").to_str().unwrap()]).unwrap();
-    let e = error_report(&ferrolm::cli::pretrain::run(p).unwrap_err());
+    let err = ferrolm::cli::pretrain::run(p).unwrap_err();
+    let e = error_report(&err);
     assert!(e.contains("--ladder-layers") && e.contains("9"), "{e}");
+    assert_eq!(exit_code(&err), 2, "{e}");
     let _ = std::fs::remove_dir_all(&dir);
 }

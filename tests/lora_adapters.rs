@@ -102,6 +102,11 @@ fn a_lora_run_records_its_base_and_refuses_to_resume_on_another() {
     let (r, log) = capture_logs(|| eval(&b, &text, &[&flag("lora", &peft)]));
     r.unwrap();
     assert!(log.contains("has no ferrolm_base.json") && !log.contains("warning:"), "{log}");
+    // A damaged record stops the adapter's use, and the error says how to go on.
+    std::fs::write(peft.join("ferrolm_base.json"), "{bad").unwrap();
+    let e = error_report(&eval(&b, &text, &[&flag("lora", &peft)]).unwrap_err());
+    assert!(e.contains("ferrolm_base.json is not a base record") && e.contains("delete it"), "{e}");
+    std::fs::remove_file(peft.join("ferrolm_base.json")).unwrap();
 
     // --lora-init onto another base warns and records the new base.
     let cont = dir.join("cont");
@@ -110,6 +115,18 @@ fn a_lora_run_records_its_base_and_refuses_to_resume_on_another() {
     assert!(log.contains("warning:") && log.contains("--lora-init") && log.contains("was trained on the base"), "{log}");
     let rec = read_json(&cont.join("checkpoints/step-000001/ferrolm_base.json"));
     assert_eq!(PathBuf::from(rec["base_model_name_or_path"].as_str().unwrap()), std::path::absolute(&b).unwrap());
+
+    // --lora-init takes a LoRA run as --lora does: its newest complete checkpoint, logged.
+    let (r, log) = capture_logs(|| finetune(&a, &data, &dir.join("cont-run"), &[&flag("lora-init", &run), "--steps=1"]));
+    r.unwrap();
+    assert!(log.contains(&format!("--lora-init {}: using the checkpoint", run.display())) && log.contains("step-000003"), "{log}");
+
+    // The run's adapter given as --model: the error names the base and the flag of the tool
+    // that takes an adapter (finetune has --lora-init, no --lora).
+    let e = error_report(&finetune(&run, &data, &dir.join("as-model"), &["--steps=1"]).unwrap_err());
+    let base_a = std::path::absolute(&a).unwrap().display().to_string();
+    assert!(e.contains("not a model") && e.contains("--lora-init") && e.contains(&base_a), "{e}");
+    assert!(!dir.join("as-model").exists());
     let _ = std::fs::remove_dir_all(&dir);
 }
 

@@ -162,6 +162,26 @@ fn an_out_that_holds_the_lora_init_adapter_or_the_data_is_refused() {
     let _ = std::fs::remove_dir_all(&dir);
 }
 
+/// `--out` naming a file (or a path under one), such as the data file itself: a flag error
+/// that says so, where it used to be "cannot list checkpoints in FILE/checkpoints".
+#[test]
+fn an_out_that_is_a_file_is_refused_as_not_a_directory() {
+    let dir = tmp("out-is-file");
+    let (run, data) = finished_run(&dir);
+    let model = run.join("checkpoints/step-000002");
+    let file = dir.join("notes.txt");
+    std::fs::write(&file, "keep me").unwrap();
+    for out in [file.clone(), file.join("run")] {
+        for extra in [&[][..], &["--overwrite"][..]] {
+            let e = refused(&finetune_argv(&model, &data, &out, extra));
+            assert!(e.contains(&format!("--out {} is not a directory", out.display())), "{e}");
+            assert!(e.contains("nothing was written or deleted") && !e.contains("cannot list"), "{e}");
+        }
+    }
+    assert_eq!(std::fs::read_to_string(&file).unwrap(), "keep me");
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
 #[test]
 fn resume_from_another_run_inside_out_is_refused_and_in_place_resume_is_not() {
     let dir = tmp("out-holds-resume");

@@ -131,6 +131,11 @@ fn bad_qlora_flags_are_refused_naming_them() {
     assert_eq!(exit_code(&e), 2);
     let e = error_report(&e);
     assert!(e.contains("saved 4-bit") && e.contains("--lora-rank"), "{e}");
+    // --quantize-base naming another type than the checkpoint's: a flag error before any work.
+    let e = ladder(&four, &dir, &dir.join("o"), &["--lora-rank=2", "--quantize-base=fp4"]).unwrap_err();
+    assert_eq!(exit_code(&e), 2, "{}", error_report(&e));
+    let e = error_report(&e);
+    assert!(e.contains("--quantize-base fp4") && e.contains("saved 4-bit as nf4") && e.contains("config.json"), "{e}");
     // --tp 2 over the fixture's 4-bit base: o_proj's rows of 64 columns split into 32.
     let with_tok = dir.join("four");
     std::fs::create_dir_all(&with_tok).unwrap();
@@ -144,6 +149,13 @@ fn bad_qlora_flags_are_refused_naming_them() {
     let e = ferrolm::cli::eval::run(e).unwrap_err();
     let e = error_report(&e);
     assert!(e.contains("--tp 2 over a 4-bit base") && e.contains("o_proj.weight") && e.contains("pieces of 32"), "{e}");
+    // eval's --quantize-base of another type than the checkpoint's: the same flag error.
+    let e: EvalArgs =
+        parse_from(["eval", "--device=cpu", &flag("model", &with_tok), &flag("text", &text), "--seq-len=16", "--quantize-base=fp4"])
+            .unwrap();
+    let e = ferrolm::cli::eval::run(e).unwrap_err();
+    assert_eq!(exit_code(&e), 2, "{}", error_report(&e));
+    assert!(error_report(&e).contains("--quantize-base fp4"), "{}", error_report(&e));
     // An unknown quant type: clap's error, exit code 2, naming the flag and the types.
     for tool in ["finetune", "finetune_ladder", "eval", "generate"] {
         let err = match tool {

@@ -333,9 +333,14 @@ fn a_batch_size_in_the_trillions_is_refused_before_anything_is_allocated() {
         (TrainOptions { batch_size: 1_000_000_000_000, ..opts(2) }, "--batch-size 1000000000000"),
         (TrainOptions { batch_size: usize::MAX / 2, ..opts(2) }, "overflows"),
         (TrainOptions { grad_accum: usize::MAX / 4, ..opts(2) }, "--grad-accum"),
+        // No overflow, but a step of 2e12 tokens: it used to draw micro-batches until the
+        // machine ran out of memory (the process was killed).
+        (TrainOptions { grad_accum: 100_000_000_000, ..opts(2) }, "tokens a step may hold on a rank"),
     ] {
-        let err = format!("{:#}", Trainer::new(model(vocab), &train, &val, o, &dir.join("run")).err().unwrap());
+        let e = Trainer::new(model(vocab), &train, &val, o, &dir.join("run")).err().unwrap();
+        let err = format!("{e:#}");
         assert!(err.contains(want), "{err}");
+        assert_eq!(ferrolm::cli::exit_code(&e), 2, "a flag error: {err}");
     }
     let _ = std::fs::remove_dir_all(&dir);
 }

@@ -252,9 +252,20 @@ fn prepare(args: &DpoArgs) -> AnyResult<Prepared> {
     let data = a.data.clone().unwrap_or_else(|| super::bundled(DEFAULT_DATA));
     let pairs = load_pairs(&data, &opts, "training pairs")?;
     let (train, val) = match &args.data.val_data {
-        Some(v) => (pairs, load_pairs(v, &opts, "validation pairs")?),
+        Some(v) => {
+            crate::run_dir::warn_val_is_data(&data, v, "pairs");
+            (pairs, load_pairs(v, &opts, "validation pairs")?)
+        }
         None => split_validation(pairs, args.data.val_fraction, a.seed),
     };
+    if val.is_empty() && args.data.val_fraction > 0.0 && args.data.val_data.is_none() {
+        tracing::warn!(
+            "--val-fraction {} holds out none of the {} pair(s) of --data (one must train): no validation; give more data or \
+             --val-data",
+            args.data.val_fraction,
+            train.len()
+        );
+    }
     report(&format!("{} training pairs, {} validation pairs, rows of {row_tokens} tokens", train.len(), val.len()));
     let pad_id = tokenizer.eos_id().unwrap_or(0);
     let source = args.save.source(&model, a.tokenizer.as_deref(), template.as_ref().map(|(_, s)| s.as_str()))?;
@@ -333,6 +344,7 @@ pub struct Outcome {
 pub fn dpo(mut args: DpoArgs) -> AnyResult<Outcome> {
     let given = args.model.clone();
     args.model = super::model_dir("--model", &args.model)?;
+    args.lora.settle()?;
     args.pref.config()?; // flag errors before anything else
     if !args.train.settle_resume()? {
         return Ok(Outcome::default());

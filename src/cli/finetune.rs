@@ -308,6 +308,7 @@ pub struct Outcome {
 pub fn finetune(mut args: FinetuneArgs) -> AnyResult<Outcome> {
     let given = args.model.clone();
     args.model = super::model_dir("--model", &args.model)?;
+    args.lora.settle()?;
     if args.chat.show_example.is_some() {
         let text = show_examples(&args.train, &args.chat, "data/chat.jsonl", &args.model)?;
         report(text.trim_end());

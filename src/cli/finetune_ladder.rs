@@ -35,7 +35,7 @@ pub struct FinetuneLadderArgs {
     pub model: PathBuf,
     /// The blocks to make Ladder blocks: `all`, the last N layers, or indices i,j,k (a single
     /// index is written `3,`)
-    #[arg(long, value_name = "N|i,j,k", help_heading = "Model")]
+    #[arg(long, value_name = "N|i,j,k", help_heading = "Model", value_parser = super::ladder_layers_form)]
     pub ladder_layers: String,
     #[command(flatten)]
     pub chat: ChatArgs,
@@ -86,7 +86,7 @@ fn prepare(args: &FinetuneLadderArgs) -> AnyResult<Prepared> {
     let dir = &args.model;
     std::fs::metadata(dir).with_context(|| format!("cannot open the model directory {}", dir.display()))?;
     let (cfg, cfg_path) = super::tune::model_config(a, dir)?; // before the data
-    let ladder = LadderLayers::parse_flag(&args.ladder_layers, cfg.num_hidden_layers)?;
+    let ladder = super::ladder_layers(&args.ladder_layers, cfg.num_hidden_layers)?;
     // The adapters' base is the converted model (OUT/base): its config over --model's weight files.
     let mut converted = cfg.clone();
     converted.ladder_layers = Some(ladder.clone());
@@ -104,6 +104,7 @@ fn prepare(args: &FinetuneLadderArgs) -> AnyResult<Prepared> {
 pub fn run(mut args: FinetuneLadderArgs) -> AnyResult<()> {
     let given = args.model.clone();
     args.model = super::model_dir("--model", &args.model)?;
+    args.lora.settle()?;
     if args.chat.show_example.is_some() {
         let text = super::finetune::show_examples(&args.train, &args.chat, "data/corpus", &args.model)?;
         report(text.trim_end());
@@ -143,7 +144,13 @@ fn finetune_rank(args: &FinetuneLadderArgs, p: &Prepared, comm: Option<Comm>) ->
     }
     let resuming = a.resume.is_some();
     let family = trainer.model.config().family;
-    let plain = if resuming { None } else { Some(trainer.evaluate(0)?) };
+    // As finetune: without validation data (--val-fraction 0 and no --val-data, or too few
+    // conversations to hold one out) nothing is scored, and the run says so.
+    let validates = trainer.has_validation();
+    if !validates {
+        report("no validation loss is reported: this run has no validation data (--val-fraction 0, or too few conversations, and no --val-data)");
+    }
+    let plain = if resuming || !validates { None } else { Some(trainer.evaluate(0)?) };
     trainer.model.set_ladder_layers(Some(p.ladder.clone()))?;
     if let Some(plain) = plain {
         let with = if args.lora.lora_init.is_some() { " (with the --lora-init adapter)" } else { "" };
@@ -162,12 +169,14 @@ fn finetune_rank(args: &FinetuneLadderArgs, p: &Prepared, comm: Option<Comm>) ->
         return super::lora::merge(&args.lora, &base, Some(&dir), &a.out, &p.source);
     }
     trainer.run()?;
-    // The last step's validation, over the whole split (the line in metrics.jsonl).
-    let after = trainer.final_validation()?.loss;
-    match plain {
-        Some(plain) => report(&format!("validation loss after fine-tuning {after:.4} (plain {family} {plain:.4})")),
-        None => report(&format!("validation loss after fine-tuning {after:.4}")),
-    };
+    if validates {
+        // The last step's validation, over the whole split (the line in metrics.jsonl).
+        let after = trainer.final_validation()?.loss;
+        match plain {
+            Some(plain) => report(&format!("validation loss after fine-tuning {after:.4} (plain {family} {plain:.4})")),
+            None => report(&format!("validation loss after fine-tuning {after:.4}")),
+        };
+    }
     report(&format!("checkpoint: {}", a.out.join("checkpoints").display()));
     report_remote_code();
     super::lora::merge(&args.lora, &base, None, &a.out, &p.source)

@@ -35,9 +35,9 @@ pub struct LoraArgs {
     /// Rank-stabilised LoRA: scale by alpha / sqrt(R) instead of alpha / R
     #[arg(long)]
     pub rslora: bool,
-    /// Continue training the PEFT adapter in DIR (adapter_config.json, adapter_model.safetensors);
-    /// its settings are the run's (a --lora-* flag given too must agree; --lora-dropout may
-    /// differ) [default: new adapters]
+    /// Continue training the PEFT adapter in DIR (adapter_config.json, adapter_model.safetensors),
+    /// or a LoRA run's newest one; its settings are the run's (a --lora-* flag given too must
+    /// agree; --lora-dropout may differ) [default: new adapters]
     #[arg(long, value_name = "DIR")]
     pub lora_init: Option<PathBuf>,
     /// After training, also write the model with the adapters folded in (W + scale B A), a plain
@@ -70,6 +70,16 @@ fn targets(s: &str) -> Result<Targets, String> {
 }
 
 impl LoraArgs {
+    /// Resolves `--lora-init` once, as `--lora` is: a PEFT adapter directory as it is, or a LoRA
+    /// run's newest complete checkpoint (the log names it); the error names the flag. Call
+    /// before anything reads the adapter or checks `--out` against it.
+    pub fn settle(&mut self) -> AnyResult<()> {
+        if let Some(init) = &self.lora_init {
+            self.lora_init = Some(super::adapter_dir("--lora-init", init)?);
+        }
+        Ok(())
+    }
+
     /// Whether the run trains adapters.
     pub fn enabled(&self) -> bool {
         self.lora_rank.is_some() || self.lora_init.is_some()

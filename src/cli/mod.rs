@@ -303,6 +303,20 @@ pub fn log_level(s: &str) -> Result<String, String> {
     crate::logging::filter(Some(s)).map(|_| s.to_string())
 }
 
+/// `--ladder-layers`' form (`all`, N, i,j,k; an index listed once), checked when the flags are
+/// parsed, so a malformed value is a flag error before any work; the range is checked against
+/// the model's layers once its config is read ([`ladder_layers`]).
+pub fn ladder_layers_form(s: &str) -> Result<String, String> {
+    let plain = |e: crate::Error| e.to_string().trim_start_matches("--ladder-layers: ").to_string();
+    crate::nn::LadderLayers::parse_flag(s, usize::MAX).map(|_| s.to_string()).map_err(plain)
+}
+
+/// `--ladder-layers` for a model of `layers` layers: a value out of range is a flag error (exit
+/// code 2), naming the flag.
+pub fn ladder_layers(s: &str, layers: usize) -> AnyResult<crate::nn::LadderLayers> {
+    crate::nn::LadderLayers::parse_flag(s, layers).map_err(|e| flag_error(e.to_string()))
+}
+
 /// A positive integer that fits this machine's `usize`.
 pub fn positive(s: &str) -> Result<usize, String> {
     let v: usize = s.trim().parse().map_err(|_| format!("`{s}` is not a positive integer (or is too large)"))?;

@@ -27,7 +27,7 @@ pub struct PretrainArgs {
     pub config: String,
     /// Pretrain a Ladder Transformer (Ladder Residual): `all`, the last N layers, or layer
     /// indices i,j,k [default: the standard Llama; a llamaLadder --config keeps its own]
-    #[arg(long, value_name = "all|N|i,j,k", help_heading = "Model")]
+    #[arg(long, value_name = "all|N|i,j,k", help_heading = "Model", value_parser = super::ladder_layers_form)]
     pub ladder_layers: Option<String>,
     /// Take the model, layout and batch from a train_config.json written by the autoconfig
     /// example; flags given here win, also when given at their default value
@@ -122,7 +122,7 @@ fn prepare(args: &PretrainArgs) -> AnyResult<Prepared> {
 
     check_vocab(&tokenizer, &tok_path, cfg.vocab_size, &args.config)?;
     if let Some(l) = &args.ladder_layers {
-        cfg.ladder_layers = Some(crate::nn::LadderLayers::parse_flag(l, cfg.num_hidden_layers)?);
+        cfg.ladder_layers = Some(super::ladder_layers(l, cfg.num_hidden_layers)?);
         cfg.validate()?;
     }
     // As the checkpoint's generation_config.json says them: the token documents start after, and

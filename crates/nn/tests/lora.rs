@@ -192,6 +192,8 @@ fn adapters_that_do_not_fit_are_refused_naming_the_field() {
         (Box::new(set("bias", "all".into())), &["adapter_config.json", "`bias`", "\"all\""]),
         (Box::new(set("modules_to_save", serde_json::json!(["lm_head"]))), &["`modules_to_save`"]),
         (Box::new(set("r", 0.into())), &["`r`", "positive"]),
+        // An `r` that disagrees with the factors is the config's fault, not another base's.
+        (Box::new(set("r", 7.into())), &["adapter_model.safetensors", "lora_A.weight", "adapter_config.json has `r` 7", "disagree"]),
         (Box::new(set("peft_type", "LOHA".into())), &["`peft_type`", "LOHA"]),
         (Box::new(set("rank_pattern", serde_json::json!({"q_proj": 8}))), &["`rank_pattern`"]),
         (Box::new(set("target_modules", serde_json::json!(["query", "value"]))), &["`target_modules`", "query, value", "another base"]),
@@ -274,5 +276,8 @@ fn saving_needs_adapters_and_bad_settings_name_the_flag() {
     let e = Proj::parse_list("q,qkv").unwrap_err().to_string();
     assert!(e.contains("--lora-targets") && e.contains("`qkv`"), "{e}");
     assert_eq!(Proj::parse_list("all-linear").unwrap(), Proj::ALL.to_vec());
+    // `all-linear` in a list: not called an unknown layer beside a list of known ones naming it.
+    let e = Proj::parse_list("all-linear,q").unwrap_err().to_string();
+    assert!(e.contains("--lora-targets") && e.contains("`all-linear` stands alone") && !e.contains("is not a linear layer"), "{e}");
     assert_eq!(Proj::parse_list("v_proj, q ,v").unwrap(), vec![Proj::Q, Proj::V]);
 }

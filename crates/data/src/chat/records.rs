@@ -97,9 +97,15 @@ fn form_of(record: &Json, format: DataFormat) -> Result<DataFormat, String> {
     } else if has("text") {
         DataFormat::Text
     } else {
+        // TRL's preference records are the likeliest wrong file: say which tool reads them.
+        let hint = if has("chosen") && has("rejected") {
+            ": `chosen` and `rejected` make it a preference record, which the dpo tool trains on (docs/PREFERENCE.md)"
+        } else {
+            ""
+        };
         return Err(format!(
             "a record of no known form (expected `messages`, `conversations`, `instruction`/`output`, \
-             `prompt`/`completion` or `text`); it has keys: {}",
+             `prompt`/`completion` or `text`); it has keys: {}{hint}",
             keys_of(record)
         ));
     };
@@ -280,7 +286,10 @@ mod tests {
     #[test]
     fn errors_say_what_was_found() {
         let e = parse(r#"{"foo": 1, "bar": 2}"#, DataFormat::Auto).unwrap_err();
-        assert!(e.contains("no known form") && e.contains("foo, bar"), "{e}");
+        assert!(e.contains("no known form") && e.contains("foo, bar") && !e.contains("dpo"), "{e}");
+        // A preference record given to the SFT reader names the tool that reads it.
+        let e = parse(r#"{"prompt": "p", "chosen": "a", "rejected": "b"}"#, DataFormat::Auto).unwrap_err();
+        assert!(e.contains("no known form") && e.contains("preference record") && e.contains("dpo tool"), "{e}");
         let e = parse(r#"{"messages": [{"role": "tool", "content": "x"}]}"#, DataFormat::Auto).unwrap_err();
         assert!(e.contains("unknown role `tool`"), "{e}");
         let e = parse(r#"{"messages": [{"role": "user", "content": [{"type": "image", "url": "x"}]}]}"#, DataFormat::Auto).unwrap_err();

@@ -90,7 +90,9 @@ pub fn find_template_source(model_dir: Option<&Path>, explicit: Option<&Path>) -
 /// names every place searched.
 pub fn find_template_source_in(model_dirs: &[&Path], explicit: Option<&Path>) -> Result<TemplateSource> {
     if let Some(path) = explicit {
-        let text = std::fs::read_to_string(path).map_err(|e| Error::io(path, e))?;
+        // Every tool takes this file as --chat-template: the error names the flag.
+        let text = std::fs::read_to_string(path)
+            .map_err(|e| Error::invalid(format!("--chat-template {}: cannot read the template: {e}", path.display())))?;
         return Ok(TemplateSource { text, origin: path.display().to_string(), jinja_file: Some(path.to_path_buf()) });
     }
     for dir in model_dirs {
@@ -475,5 +477,12 @@ mod tests {
         assert_eq!(t.with_fixed_time(day).render(&[], false).unwrap().text, "26 Jul 2024");
         let t = ChatTemplate::new("{{ strftime_now('%Q') }}", "t", vec![]).unwrap();
         assert!(t.render(&[], false).is_err());
+        // An unreadable --chat-template (missing, a directory) names the flag and the path.
+        let dir = std::env::temp_dir();
+        let missing = dir.join(format!("ferrolm-no-such-template-{}.jinja", std::process::id()));
+        for p in [&missing, &dir] {
+            let e = find_template_source_in(&[], Some(p)).unwrap_err().to_string();
+            assert!(e.starts_with(&format!("--chat-template {}: cannot read the template: ", p.display())), "{e}");
+        }
     }
 }

@@ -172,9 +172,12 @@ fn form_of(record: &Json, format: PreferenceFormat) -> Result<PreferenceFormat, 
     }
     for key in ["chosen", "rejected"] {
         if matches!(side(record, key), Side::Missing) {
+            // A fine-tuning (SFT) record is the likeliest wrong file: say which tool reads it.
+            let sft = ["messages", "conversations", "completion", "output", "text"].iter().any(|k| record.get(k).is_some());
+            let hint = if sft { "; its keys are those of a chat (SFT) record, which the finetune tool trains on" } else { "" };
             return Err(format!(
                 "field `{key}` is missing: a preference record has `chosen` and `rejected`, and `prompt` unless they are \
-                 whole conversations (the record has keys: {})",
+                 whole conversations (the record has keys: {}){hint}",
                 keys_of(record)
             ));
         }
@@ -345,7 +348,10 @@ mod tests {
         let e = parse(h4, PreferenceFormat::Standard).unwrap_err();
         assert!(e.contains("field `chosen` is a list of messages"), "{e}");
         let e = parse(r#"{"prompt": "p", "chosen": "a"}"#, PreferenceFormat::Auto).unwrap_err();
-        assert!(e.contains("field `rejected` is missing") && e.contains("prompt, chosen"), "{e}");
+        assert!(e.contains("field `rejected` is missing") && e.contains("prompt, chosen") && !e.contains("finetune"), "{e}");
+        // A chat record given to the preference reader names the tool that reads it.
+        let e = parse(r#"{"messages": [{"role": "user", "content": "u"}]}"#, PreferenceFormat::Auto).unwrap_err();
+        assert!(e.contains("field `chosen` is missing") && e.contains("chat (SFT) record") && e.contains("finetune tool"), "{e}");
         let e = parse(r#"{"prompt": "p", "chosen": "a"}"#, PreferenceFormat::Standard).unwrap_err();
         assert!(e.contains("field `rejected` is missing"), "{e}");
         let e = parse(r#"{"prompt": "p", "chosen": [{"role": "assistant", "content": "a"}], "rejected": "b"}"#, PreferenceFormat::Auto)

@@ -85,6 +85,13 @@ impl Proj {
         }
         let mut out = Vec::new();
         for part in s.split(',').map(str::trim) {
+            if part == "all-linear" {
+                // Not a layer but every layer: it takes no company.
+                return Err(Error::new(
+                    "--lora-targets",
+                    format!("`all-linear` stands alone (it means all seven layers), not in a list: `{s}`"),
+                ));
+            }
             let p = Proj::ALL.into_iter().find(|p| part == p.flag() || part == p.module()).ok_or_else(|| {
                 Error::new(
                     "--lora-targets",

@@ -188,6 +188,21 @@ pub fn read_adapter(dir: &Path, base: &LlamaConfig, device: Device) -> Result<(L
             let t = file
                 .remove(&key)
                 .ok_or_else(|| werr(format!("missing tensor `{key}`: adapter_config.json's target_modules adapt {}", p.module())))?;
+            // The base's side fits but the rank does not: adapter_config.json's `r` disagrees
+            // with the factors beside it (an edited or mismatched config), not another base.
+            let (rank_dim, base_dim) = match f {
+                Factor::A => (0, 1),
+                Factor::B => (1, 0),
+            };
+            if t.dims().len() == 2 && t.dims()[base_dim] == want[base_dim] && t.dims()[rank_dim] != cfg.rank {
+                return Err(werr(format!(
+                    "tensor `{key}` has shape {:?}, rank {}, but {ADAPTER_CONFIG} has `r` {}: the config and the weights \
+                     disagree (set `r` to the rank the adapter was trained with)",
+                    t.dims(),
+                    t.dims()[rank_dim],
+                    cfg.rank
+                )));
+            }
             if t.dims() != want {
                 return Err(werr(format!(
                     "tensor `{key}` has shape {:?}, but r = {} on this base's {} ({o} x {i}) needs {want:?}: an adapter for another base model{based}?",
