@@ -53,16 +53,16 @@ pub fn linear(x: &Tensor, w: &Tensor) -> Result<Tensor> {
 }
 
 /// (res +) x W^T + s · u B^T, LoRA's adapted linear layer (`crate::lora`), as one recorded op:
-/// x (..., in), W (out, in), u (..., R) the adapter's down-projection (or its (N, R) rows), B (out, R) of any float
-/// dtype (the f32 factor itself: cast once here to x's dtype for the GEMMs), s its scale.
-/// The two GEMMs sum through their addends (no add kernel), s is the up-projection GEMM's own
-/// scale (its alpha: no kernel, no scaled copy of a factor), and the graph holds only what
-/// backward reads (x, W, u, B in x's dtype; res for its gradient): not the base's (..., out)
-/// product that `u.linear_plus(b, &x.linear(w))` would keep as an input. So an adapted layer
-/// saves for backward what a plain one does, plus u and the cast B. Backward: dX = G W (summed
-/// into x's gradient so far), dU = s G B (likewise), dB = s G^T u and dW = G^T x (where their
-/// gradients go: dB written in f32 by its GEMM straight into the factor's gradient
-/// destination), dres = G.
+/// x (..., in), W (out, in), u (..., R) the adapter's down-projection (or its (N, R) rows), B
+/// (out, R) of any float dtype (the f32 factor itself: cast once here to x's dtype for the
+/// GEMMs), s its scale. The two GEMMs sum through their addends (no add kernel), s is the
+/// up-projection GEMM's own scale (its alpha: no kernel, no scaled copy of a factor), and the
+/// graph holds only what backward reads (x, W, u, B in x's dtype; res for its gradient): not
+/// the base's (..., out) product that `u.linear_plus(b, &x.linear(w))` would keep as an input.
+/// So an adapted layer saves for backward what a plain one does, plus u and the cast B.
+/// Backward: dX = G W (summed into x's gradient so far), dU = s G B (likewise), dB = s G^T u
+/// and dW = G^T x (where their gradients go: dB written in f32 by its GEMM straight into the
+/// factor's gradient destination), dres = G.
 pub fn linear_adapted(x: &Tensor, w: &Tensor, u: &Tensor, b: &Tensor, scale: f64, res: Option<&Tensor>) -> Result<Tensor> {
     adapted(x, BaseWeight::Input(w), u, b, scale, res)
 }
