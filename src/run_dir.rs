@@ -223,7 +223,6 @@ pub fn read_metrics(run: &Path, step: usize) -> Result<(Vec<MetricsLine>, usize)
     Ok((kept, later))
 }
 
-/// Whether two paths name one directory (compared canonically when both exist).
 /// Warns when `--val-data` names the `--data` it validates (as the filesystem sees them): the
 /// validation loss then scores the very examples the run trains on, which no held-out number is.
 pub fn warn_val_is_data(data: &Path, val: &Path, what: &str) {
@@ -237,6 +236,7 @@ pub fn warn_val_is_data(data: &Path, val: &Path, what: &str) {
     }
 }
 
+/// Whether two paths name one directory or file (compared canonically when both exist).
 pub fn same_dir(a: &Path, b: &Path) -> bool {
     match (a.canonicalize(), b.canonicalize()) {
         (Ok(x), Ok(y)) => x == y,
